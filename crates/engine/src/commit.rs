@@ -1,0 +1,487 @@
+//! Commits and checkpoints: the crash ordering of every write.
+//!
+//! Commit N (under `commit_lock`):
+//!   1. swap the write-back buffer into `committing` (reads still see it);
+//!   2. append journal record N (new contexts; in the packed layout also the
+//!      data) and fsync the journal.            -- ORDER POINT A
+//!   3. write data (split) or records (packed) to their home, and apply range
+//!      operations (hole punches); no fsync here.
+//!   4. publish the new contexts (split: into the overlay) and drop
+//!      `committing`.
+//! A crash before A loses commit N entirely: none of its data reached home,
+//! so every block reads its old contents. A crash after A: recovery knows
+//! every block commit N touched. Split: it reads each back and keeps the
+//! newest context its data matches (old or new; a block matching neither
+//! was torn by the media and is reported as a fault). Packed: it redoes the
+//! record from the journal's copy.
+//!
+//! Flush = commit + fsync of every data object written since the last sync
+//! (ORDER POINT B). The next journal record carries `data_durable_seq`, so
+//! recovery verifies only commits after the last point B.
+//!
+//! Checkpoint (journal nearly full, overlay large, or close):
+//!   1. fsync data (B);  2. split: write overlay and ranges into `contexts`,
+//!   fsync;  3. write the older superblock copy with `checkpoint_seq` =
+//!   last commit, fsync;  4. restart the journal at offset 0.
+//! A crash before 3 completes replays the journal from the previous
+//! checkpoint onto `contexts`: replay writes absolute values, so it is
+//! idempotent. Old records left in the journal carry lower sequence numbers
+//! and end the replay.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use vouch_format::journal::{encode_record, JournalHeader};
+use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
+use vouch_format::superblock::STATE_OPEN;
+use vouch_format::{Context, JournalEntry, LayoutKind, Superblock, CONTEXT_BYTES};
+
+use crate::contexts::{context_in_range, ContextStore, Page, CONTEXTS_PER_PAGE};
+use crate::error::{Error, Result};
+use crate::storage::ObjectId;
+use crate::volume::{write_superblock_copy, CommitState, DirtyBlock, Volume, BLOCK};
+
+/// A trim or write-zeroes over whole blocks `[start, end)`.
+#[derive(Clone, Copy, Debug)]
+pub struct RangeOp {
+    pub start: u64,
+    pub end: u64,
+    /// `Unwritten` (hole) or `Zero` (allocated zeroes); ref tag filled per block.
+    pub template: Context,
+}
+
+/// Largest block count one journal entry may carry.
+const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
+
+impl Volume {
+    pub(crate) fn data_context(&self, lba: u64, guard: u64, seq: u64) -> Context {
+        Context::Data {
+            volume_tag: self.volume_tag,
+            ref_tag: lba,
+            guard,
+            generation: seq as u32,
+        }
+    }
+
+    /// Commit the write-back buffer and `ranges` (see the module comment).
+    pub(crate) fn commit(&self, commit: &mut CommitState, ranges: &[RangeOp]) -> Result<()> {
+        self.check_writable()?;
+        let blocks: Vec<(u64, DirtyBlock)> = {
+            let mut state = self.state.lock();
+            assert!(state.committing.is_empty(), "a commit is already in flight");
+            state.committing = std::mem::take(&mut state.active);
+            state
+                .committing
+                .iter()
+                .map(|(lba, dirty)| (*lba, dirty.clone()))
+                .collect()
+        };
+        if blocks.is_empty() && ranges.is_empty() {
+            return Ok(());
+        }
+        let result = self.commit_blocks(commit, &blocks, ranges);
+        match result {
+            Ok(seq) => {
+                let mut state = self.state.lock();
+                if self.geometry.layout == LayoutKind::Split {
+                    for (lba, dirty) in &blocks {
+                        state
+                            .contexts
+                            .set(*lba, self.data_context(*lba, dirty.guard, seq));
+                    }
+                    for range in ranges {
+                        state
+                            .contexts
+                            .set_range(range.start, range.end, range.template);
+                    }
+                }
+                state.committing.clear();
+                let pending = state.contexts.pending();
+                drop(state);
+                self.stats.commits.fetch_add(1, Ordering::Relaxed);
+                let journal_full = commit.journal_offset * 4 > self.journal_bytes * 3;
+                if journal_full || pending > self.tuning.overlay_limit {
+                    self.checkpoint(commit, STATE_OPEN)?;
+                }
+                Ok(())
+            }
+            // The buffered blocks stay in `committing`, so reads still return
+            // what was acknowledged; writes are refused until reopened.
+            Err(error) => Err(self.fail_stop(error)),
+        }
+    }
+
+    /// Returns the sequence number whose generation the new contexts carry.
+    fn commit_blocks(
+        &self,
+        commit: &mut CommitState,
+        blocks: &[(u64, DirtyBlock)],
+        ranges: &[RangeOp],
+    ) -> Result<u64> {
+        let seq = commit.next_seq;
+        let mut entries = Vec::with_capacity(blocks.len() + ranges.len());
+        for (lba, dirty) in blocks {
+            // Verify right before writing: a buffer corrupted in memory is a bug.
+            assert_eq!(
+                self.guard.compute(&dirty.data[..]),
+                dirty.guard,
+                "buffered block {lba} changed in memory"
+            );
+            entries.push(JournalEntry {
+                lba: *lba,
+                count: 1,
+                context: self.data_context(*lba, dirty.guard, seq),
+            });
+        }
+        for range in ranges {
+            let mut start = range.start;
+            while start < range.end {
+                let count = (range.end - start).min(MAX_RANGE_ENTRY_BLOCKS);
+                entries.push(JournalEntry {
+                    lba: start,
+                    count: count as u32,
+                    context: context_in_range(range.template, start),
+                });
+                start += count;
+            }
+        }
+        let data: Option<Vec<&[u8]>> = (self.geometry.layout == LayoutKind::Packed)
+            .then(|| blocks.iter().map(|(_, dirty)| &dirty.data[..]).collect());
+        self.append_journal(commit, &entries, data.as_deref())?;
+        // ORDER POINT A passed: home writes may now reach the disk in any order.
+        match self.geometry.layout {
+            LayoutKind::Split => self.write_split_home(commit, blocks)?,
+            LayoutKind::Packed => self.write_packed_home(commit, blocks, seq)?,
+        }
+        for range in ranges {
+            self.apply_range_home(commit, range)?;
+        }
+        Ok(seq)
+    }
+
+    /// Write one journal record (splitting oversized commits) and fsync it.
+    fn append_journal(
+        &self,
+        commit: &mut CommitState,
+        entries: &[JournalEntry],
+        data: Option<&[&[u8]]>,
+    ) -> Result<()> {
+        let record_len =
+            JournalHeader::record_bytes(entries.len() as u32, data.map_or(0, |d| d.len() as u32));
+        if record_len > self.journal_bytes / 2 {
+            // Too large for one record: split in halves (rare: only when the
+            // buffer overran its limit while another commit ran).
+            let half = entries.len() / 2;
+            let data_half = data.map(|d| {
+                let count = entries[..half]
+                    .iter()
+                    .filter(|e| matches!(e.context, Context::Data { .. }))
+                    .count();
+                d.split_at(count)
+            });
+            self.append_journal(commit, &entries[..half], data_half.map(|(a, _)| a))?;
+            return self.append_journal(commit, &entries[half..], data_half.map(|(_, b)| b));
+        }
+        if commit.journal_offset + record_len > self.journal_bytes {
+            self.checkpoint(commit, STATE_OPEN)?;
+        }
+        let seq = commit.next_seq;
+        let record = encode_record(seq, self.uuid, commit.data_durable_seq, entries, data);
+        let offset = commit.journal_offset;
+        self.write_object(ObjectId::Journal, offset, &record)?;
+        self.sync_object(ObjectId::Journal)?;
+        commit.journal_offset += record.len() as u64;
+        commit.next_seq += 1;
+        Ok(())
+    }
+
+    fn write_split_home(
+        &self,
+        commit: &mut CommitState,
+        blocks: &[(u64, DirtyBlock)],
+    ) -> Result<()> {
+        // Coalesce runs of consecutive LBAs into one write each.
+        let mut index = 0;
+        let mut run: Vec<u8> = Vec::new();
+        while index < blocks.len() {
+            let mut end = index + 1;
+            while end < blocks.len() && self.geometry.contiguous(blocks[end - 1].0, blocks[end].0) {
+                end += 1;
+            }
+            let location = self.geometry.locate(blocks[index].0);
+            let object = ObjectId::Data(location.segment);
+            if end - index == 1 {
+                self.write_object(object, location.data_offset, &blocks[index].1.data[..])?;
+            } else {
+                run.clear();
+                for (_, dirty) in &blocks[index..end] {
+                    run.extend_from_slice(&dirty.data[..]);
+                }
+                self.write_object(object, location.data_offset, &run)?;
+            }
+            commit.unsynced.insert(object);
+            index = end;
+        }
+        Ok(())
+    }
+
+    fn write_packed_home(
+        &self,
+        commit: &mut CommitState,
+        blocks: &[(u64, DirtyBlock)],
+        seq: u64,
+    ) -> Result<()> {
+        let mut index = 0;
+        let mut run: Vec<u8> = Vec::new();
+        while index < blocks.len() {
+            let mut end = index + 1;
+            while end < blocks.len() && self.geometry.contiguous(blocks[end - 1].0, blocks[end].0) {
+                end += 1;
+            }
+            let first = self.geometry.locate(blocks[index].0);
+            let last = self.geometry.locate(blocks[end - 1].0);
+            run.clear();
+            run.resize(
+                (last.data_offset + PACKED_RECORD_BYTES - first.data_offset) as usize,
+                0,
+            );
+            for (lba, dirty) in &blocks[index..end] {
+                let at = (self.geometry.locate(*lba).data_offset - first.data_offset) as usize;
+                run[at..at + BLOCK as usize].copy_from_slice(&dirty.data[..]);
+                let context = self.data_context(*lba, dirty.guard, seq).encode();
+                run[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize]
+                    .copy_from_slice(&context);
+            }
+            let object = ObjectId::Data(first.segment);
+            self.write_object(object, first.data_offset, &run)?;
+            commit.unsynced.insert(object);
+            index = end;
+        }
+        Ok(())
+    }
+
+    /// Apply a trim / write-zeroes to home storage. Split: punch the data (the
+    /// context change waits for the checkpoint). Packed: punch whole rows and
+    /// rewrite the records at the edges.
+    pub(crate) fn apply_range_home(&self, commit: &mut CommitState, range: &RangeOp) -> Result<()> {
+        let mut lba = range.start;
+        while lba < range.end {
+            let segment_end =
+                ((lba / self.geometry.segment_blocks) + 1) * self.geometry.segment_blocks;
+            let end = range.end.min(segment_end);
+            let location = self.geometry.locate(lba);
+            let object = ObjectId::Data(location.segment);
+            match self.geometry.layout {
+                LayoutKind::Split => {
+                    if matches!(range.template, Context::Unwritten) {
+                        self.punch(object, location.data_offset, (end - lba) * BLOCK)?;
+                    }
+                }
+                LayoutKind::Packed => self.apply_packed_range(object, lba, end, range.template)?,
+            }
+            commit.unsynced.insert(object);
+            lba = end;
+        }
+        Ok(())
+    }
+
+    fn apply_packed_range(
+        &self,
+        object: ObjectId,
+        start: u64,
+        end: u64,
+        template: Context,
+    ) -> Result<()> {
+        let mut lba = start;
+        while lba < end {
+            let slot = lba % PACKED_RECORDS_PER_ROW;
+            let row_start = self.geometry.locate(lba).data_offset - slot * PACKED_RECORD_BYTES;
+            let row_end_lba = (lba - slot + PACKED_RECORDS_PER_ROW).min(end);
+            if slot == 0
+                && row_end_lba - lba == PACKED_RECORDS_PER_ROW
+                && matches!(template, Context::Unwritten)
+            {
+                // Whole rows: punch them in one call.
+                let rows = (end - lba) / PACKED_RECORDS_PER_ROW;
+                self.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
+                lba += rows * PACKED_RECORDS_PER_ROW;
+                continue;
+            }
+            let first = self.geometry.locate(lba).data_offset;
+            let mut run = vec![0u8; ((row_end_lba - lba) * PACKED_RECORD_BYTES) as usize];
+            for (index, block) in (lba..row_end_lba).enumerate() {
+                let at = index * PACKED_RECORD_BYTES as usize + BLOCK as usize;
+                run[at..at + CONTEXT_BYTES]
+                    .copy_from_slice(&context_in_range(template, block).encode());
+            }
+            self.write_object(object, first, &run)?;
+            lba = row_end_lba;
+        }
+        Ok(())
+    }
+
+    /// ORDER POINT B: make all home writes so far durable.
+    pub(crate) fn sync_data(&self, commit: &mut CommitState) -> Result<()> {
+        let objects = std::mem::take(&mut commit.unsynced);
+        for object in &objects {
+            if let Err(error) = self.sync_object(*object) {
+                return Err(self.fail_stop(error));
+            }
+        }
+        commit.data_durable_seq = commit.next_seq - 1;
+        Ok(())
+    }
+
+    /// Move committed contexts home and restart the journal (module comment).
+    pub(crate) fn checkpoint(&self, commit: &mut CommitState, state_flag: u32) -> Result<()> {
+        let result = self.checkpoint_inner(commit, state_flag);
+        result.map_err(|error| self.fail_stop(error))
+    }
+
+    fn checkpoint_inner(&self, commit: &mut CommitState, state_flag: u32) -> Result<()> {
+        self.sync_data(commit)?;
+        let (rewritten, dropped) = if self.geometry.layout == LayoutKind::Split {
+            self.write_contexts_home()?
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let mut superblock = commit.superblock;
+        superblock.generation += 1;
+        superblock.checkpoint_seq = commit.next_seq - 1;
+        superblock.state = state_flag;
+        write_superblock_copy(&*self.storage, &superblock, superblock.generation % 2)?;
+        self.stats.add_written(ObjectId::Superblock, 4096);
+        self.sync_object(ObjectId::Superblock)?;
+        commit.superblock = superblock;
+        commit.journal_offset = 0;
+        self.state
+            .lock()
+            .contexts
+            .clear_pending(rewritten, dropped.into_iter());
+        self.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Write overlay and ranges into the `contexts` file, then fsync it.
+    /// Returns the pages rewritten (to refresh the cache) and pages dropped.
+    fn write_contexts_home(&self) -> Result<(Vec<(u64, Page)>, Vec<u64>)> {
+        let (overlay, ranges) = {
+            let state = self.state.lock();
+            (
+                state.contexts.overlay.clone(),
+                state.contexts.ranges.clone(),
+            )
+        };
+        let mut dropped = Vec::new();
+        let mut pages: BTreeMap<u64, Box<[u8; 4096]>> = BTreeMap::new();
+        for (&start, &(end, template)) in &ranges {
+            dropped.extend(self.write_context_range(start, end, template, &mut pages)?);
+        }
+        for (&lba, context) in &overlay {
+            let page_no = ContextStore::page_of(lba);
+            let page = self.page_for_update(page_no, &mut pages)?;
+            let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+            page[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
+        }
+        let mut rewritten = Vec::with_capacity(pages.len());
+        for (page_no, page) in pages {
+            self.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
+            rewritten.push((page_no, Page::from(page)));
+        }
+        self.sync_object(ObjectId::Contexts)?;
+        Ok((rewritten, dropped))
+    }
+
+    fn page_for_update<'a>(
+        &self,
+        page_no: u64,
+        pages: &'a mut BTreeMap<u64, Box<[u8; 4096]>>,
+    ) -> Result<&'a mut Box<[u8; 4096]>> {
+        if !pages.contains_key(&page_no) {
+            let mut page = Box::new([0u8; 4096]);
+            match self.state.lock().contexts.cached_page(page_no) {
+                Some(cached) => page.copy_from_slice(&cached[..]),
+                None => self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?,
+            }
+            pages.insert(page_no, page);
+        }
+        Ok(pages.get_mut(&page_no).expect("inserted above"))
+    }
+
+    /// A range's contexts: whole pages of holes are punched (their cached
+    /// copies dropped), everything else goes through `pages`.
+    fn write_context_range(
+        &self,
+        start: u64,
+        end: u64,
+        template: Context,
+        pages: &mut BTreeMap<u64, Box<[u8; 4096]>>,
+    ) -> Result<Vec<u64>> {
+        let mut dropped = Vec::new();
+        let mut lba = start;
+        while lba < end {
+            let page_no = ContextStore::page_of(lba);
+            let page_end = ((page_no + 1) * CONTEXTS_PER_PAGE).min(end);
+            if lba % CONTEXTS_PER_PAGE == 0
+                && page_end - lba == CONTEXTS_PER_PAGE
+                && matches!(template, Context::Unwritten)
+            {
+                let whole = (end - lba) / CONTEXTS_PER_PAGE;
+                self.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
+                for page in page_no..page_no + whole {
+                    pages.remove(&page);
+                    dropped.push(page);
+                }
+                lba += whole * CONTEXTS_PER_PAGE;
+                continue;
+            }
+            let page = self.page_for_update(page_no, pages)?;
+            for block in lba..page_end {
+                let at = (block % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+                page[at..at + CONTEXT_BYTES]
+                    .copy_from_slice(&context_in_range(template, block).encode());
+            }
+            lba = page_end;
+        }
+        Ok(dropped)
+    }
+
+    // --- counted I/O helpers -------------------------------------------------
+
+    pub(crate) fn write_object(&self, object: ObjectId, offset: u64, data: &[u8]) -> Result<()> {
+        self.storage
+            .write_at(object, offset, data)
+            .map_err(|error| Error::io("write", object, offset, error))?;
+        self.stats.add_written(object, data.len() as u64);
+        Ok(())
+    }
+
+    pub(crate) fn read_object(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.storage
+            .read_at(object, offset, buf)
+            .map_err(|error| Error::io("read", object, offset, error))?;
+        self.stats.add_read(buf.len() as u64);
+        Ok(())
+    }
+
+    pub(crate) fn punch(&self, object: ObjectId, offset: u64, len: u64) -> Result<()> {
+        self.storage
+            .punch_hole(object, offset, len)
+            .map_err(|error| Error::io("punch", object, offset, error))
+    }
+
+    pub(crate) fn sync_object(&self, object: ObjectId) -> Result<()> {
+        self.storage
+            .sync(object)
+            .map_err(|error| Error::io("sync", object, 0, error))?;
+        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+/// The superblock as last written (for tests and `info`).
+impl Volume {
+    pub fn superblock(&self) -> Superblock {
+        self.commit_lock.lock().superblock
+    }
+}

@@ -1,0 +1,110 @@
+//! Engine errors: a small stable kind plus context (LBA, object, offset).
+
+use std::io;
+
+use crate::storage::ObjectId;
+
+/// What was wrong with a block that failed verification.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FaultKind {
+    /// The data does not match the guard in its context.
+    GuardMismatch,
+    /// The context names another LBA (misdirected write or read).
+    RefTagMismatch,
+    /// The context belongs to another volume.
+    VolumeTagMismatch,
+    /// The context itself fails its checksum or is malformed.
+    ContextCorrupt,
+    /// The backing storage returned an error reading the block.
+    Unreadable,
+}
+
+impl FaultKind {
+    pub const ALL: [FaultKind; 5] = [
+        FaultKind::GuardMismatch,
+        FaultKind::RefTagMismatch,
+        FaultKind::VolumeTagMismatch,
+        FaultKind::ContextCorrupt,
+        FaultKind::Unreadable,
+    ];
+
+    /// Stable snake_case name used in logs, JSON and metrics labels.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::GuardMismatch => "guard_mismatch",
+            FaultKind::RefTagMismatch => "ref_tag_mismatch",
+            FaultKind::VolumeTagMismatch => "volume_tag_mismatch",
+            FaultKind::ContextCorrupt => "context_corrupt",
+            FaultKind::Unreadable => "unreadable",
+        }
+    }
+}
+
+/// A verified-read failure: which block, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Fault {
+    pub lba: u64,
+    pub kind: FaultKind,
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "LBA {} failed verification: {}",
+            self.lba,
+            self.kind.name()
+        )
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("{0}")]
+    Fault(Fault),
+    #[error("range {offset}+{length} is past the end of the volume ({size} bytes)")]
+    OutOfRange { offset: u64, length: u64, size: u64 },
+    #[error("range {offset}+{length} is not aligned to 512 bytes")]
+    Misaligned { offset: u64, length: u64 },
+    #[error("volume is read-only{0}")]
+    ReadOnly(String),
+    #[error("volume stopped accepting writes after an earlier I/O error ({0}); reopen it")]
+    FailStopped(String),
+    #[error("no space left on the backing filesystem ({object:?} at {offset}); nothing acknowledged was lost")]
+    NoSpace { object: ObjectId, offset: u64 },
+    #[error("I/O error {op} {object:?} at {offset}: {source}")]
+    Io {
+        op: &'static str,
+        object: ObjectId,
+        offset: u64,
+        #[source]
+        source: io::Error,
+    },
+    #[error("{0}")]
+    Volume(String),
+}
+
+impl Error {
+    pub fn fault(&self) -> Option<&Fault> {
+        match self {
+            Error::Fault(fault) => Some(fault),
+            _ => None,
+        }
+    }
+
+    /// An I/O error with context; ENOSPC becomes `NoSpace`.
+    pub fn io(op: &'static str, object: ObjectId, offset: u64, source: io::Error) -> Error {
+        if source.raw_os_error() == Some(libc::ENOSPC) {
+            Error::NoSpace { object, offset }
+        } else {
+            Error::Io {
+                op,
+                object,
+                offset,
+                source,
+            }
+        }
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

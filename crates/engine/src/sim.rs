@@ -1,0 +1,411 @@
+//! The simulated storage backend: objects held in memory, with *live* bytes
+//! (what reads see) and *durable* bytes (what survives a crash), a log of the
+//! writes made since each object's last sync, and fault hooks. It serves the
+//! same `Storage` trait as real files, so the engine under test is the
+//! production engine.
+//!
+//! `crash_image` builds the state a power loss could leave: the durable
+//! bytes plus any chosen subset of the unsynced writes, each whole, dropped
+//! or torn at 512-byte sector granularity.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::storage::{ObjectId, Storage};
+
+const PAGE: u64 = 4096;
+pub const SECTOR: u64 = 512;
+
+/// Sparse bytes: absent pages read as zero.
+#[derive(Clone, Default, Debug)]
+pub struct SparseBytes {
+    pages: BTreeMap<u64, Box<[u8; PAGE as usize]>>,
+}
+
+impl SparseBytes {
+    pub fn read(&self, offset: u64, buf: &mut [u8]) {
+        let mut done = 0usize;
+        while done < buf.len() {
+            let at = offset + done as u64;
+            let (page, within) = (at / PAGE, (at % PAGE) as usize);
+            let n = (PAGE as usize - within).min(buf.len() - done);
+            match self.pages.get(&page) {
+                Some(bytes) => buf[done..done + n].copy_from_slice(&bytes[within..within + n]),
+                None => buf[done..done + n].fill(0),
+            }
+            done += n;
+        }
+    }
+
+    pub fn write(&mut self, offset: u64, data: &[u8]) {
+        let mut done = 0usize;
+        while done < data.len() {
+            let at = offset + done as u64;
+            let (page, within) = (at / PAGE, (at % PAGE) as usize);
+            let n = (PAGE as usize - within).min(data.len() - done);
+            let bytes = self
+                .pages
+                .entry(page)
+                .or_insert_with(|| Box::new([0u8; PAGE as usize]));
+            bytes[within..within + n].copy_from_slice(&data[done..done + n]);
+            done += n;
+        }
+    }
+
+    pub fn punch(&mut self, offset: u64, len: u64) {
+        let end = offset + len;
+        let mut at = offset;
+        while at < end {
+            let (page, within) = (at / PAGE, at % PAGE);
+            let n = (PAGE - within).min(end - at);
+            if n == PAGE {
+                self.pages.remove(&page);
+            } else if let Some(bytes) = self.pages.get_mut(&page) {
+                bytes[within as usize..(within + n) as usize].fill(0);
+            }
+            at += n;
+        }
+    }
+
+    pub fn next_data(&self, offset: u64) -> Option<u64> {
+        self.pages
+            .range(offset / PAGE..)
+            .next()
+            .map(|(page, _)| (page * PAGE).max(offset))
+    }
+
+    pub fn allocated(&self) -> u64 {
+        self.pages.len() as u64 * PAGE
+    }
+}
+
+/// A write (or hole punch) made since the object's last sync.
+#[derive(Clone, Debug)]
+pub enum PendingOp {
+    Write { offset: u64, data: Vec<u8> },
+    Punch { offset: u64, len: u64 },
+}
+
+impl PendingOp {
+    fn apply(&self, bytes: &mut SparseBytes) {
+        match self {
+            PendingOp::Write { offset, data } => bytes.write(*offset, data),
+            PendingOp::Punch { offset, len } => bytes.punch(*offset, *len),
+        }
+    }
+    /// Sectors this op covers (a torn write persists a subset of them).
+    pub fn sectors(&self) -> u64 {
+        match self {
+            PendingOp::Write { offset, data } => {
+                let end = offset + data.len() as u64;
+                end.div_ceil(SECTOR) - offset / SECTOR
+            }
+            PendingOp::Punch { .. } => 1,
+        }
+    }
+}
+
+#[derive(Clone, Default, Debug)]
+struct SimObject {
+    live: SparseBytes,
+    durable: SparseBytes,
+    pending: Vec<PendingOp>,
+}
+
+/// Faults the backend injects on the I/O path. All default to off.
+#[derive(Clone, Default, Debug)]
+pub struct FaultPlan {
+    /// Fail the write that brings the count of successful writes to this.
+    pub fail_write_after: Option<u64>,
+    /// Fail every sync from now on.
+    pub fail_sync: bool,
+    /// ENOSPC once this many bytes have been written in total.
+    pub enospc_after_bytes: Option<u64>,
+    /// Reads overlapping this (object, offset, len) fail with EIO.
+    pub read_error: Option<(ObjectId, u64, u64)>,
+    /// Writes to (object, from) land at (object, to) instead: a misdirected write.
+    pub misdirect_write: Option<(ObjectId, u64, u64)>,
+    /// Writes to (object, offset) are acknowledged and dropped: a lost write.
+    pub lose_write: Option<(ObjectId, u64)>,
+    /// Reads of (object, from) return the bytes at (object, to): a misdirected read.
+    pub misdirect_read: Option<(ObjectId, u64, u64)>,
+}
+
+#[derive(Default)]
+struct SimState {
+    objects: BTreeMap<ObjectId, SimObject>,
+    faults: FaultPlan,
+    writes_done: u64,
+    bytes_written: u64,
+    syncs: u64,
+}
+
+/// The in-memory backend. Cloning shares the same state.
+#[derive(Clone, Default)]
+pub struct SimStorage {
+    state: Arc<Mutex<SimState>>,
+}
+
+fn injected(kind: io::ErrorKind, what: &str) -> io::Error {
+    io::Error::new(kind, format!("injected fault: {what}"))
+}
+
+impl SimStorage {
+    pub fn new() -> SimStorage {
+        SimStorage::default()
+    }
+
+    pub fn set_faults(&self, plan: FaultPlan) {
+        self.state.lock().faults = plan;
+    }
+
+    pub fn faults(&self) -> FaultPlan {
+        self.state.lock().faults.clone()
+    }
+
+    /// Writes and syncs performed so far.
+    pub fn counts(&self) -> (u64, u64) {
+        let state = self.state.lock();
+        (state.writes_done, state.syncs)
+    }
+
+    /// Unsynced operations per object, in issue order.
+    pub fn pending(&self) -> Vec<(ObjectId, Vec<PendingOp>)> {
+        let state = self.state.lock();
+        state
+            .objects
+            .iter()
+            .map(|(id, object)| (*id, object.pending.clone()))
+            .collect()
+    }
+
+    /// Number of unsynced operations across all objects.
+    pub fn pending_count(&self) -> usize {
+        self.state
+            .lock()
+            .objects
+            .values()
+            .map(|object| object.pending.len())
+            .sum()
+    }
+
+    /// The state after a power loss. `choose(object, index, op)` returns, for
+    /// each unsynced op, a mask of the sectors that persist (bit i = sector i
+    /// of the op; `u64::MAX` = all, 0 = dropped). Ops are applied in issue
+    /// order over the durable bytes.
+    pub fn crash_image(
+        &self,
+        mut choose: impl FnMut(ObjectId, usize, &PendingOp) -> u64,
+    ) -> SimStorage {
+        let state = self.state.lock();
+        let mut objects = BTreeMap::new();
+        for (id, object) in &state.objects {
+            let mut bytes = object.durable.clone();
+            for (index, op) in object.pending.iter().enumerate() {
+                let mask = choose(*id, index, op);
+                if mask == 0 {
+                    continue;
+                }
+                match op {
+                    PendingOp::Write { offset, data } if mask != u64::MAX => {
+                        apply_torn(&mut bytes, *offset, data, mask);
+                    }
+                    _ => op.apply(&mut bytes),
+                }
+            }
+            objects.insert(
+                *id,
+                SimObject {
+                    live: bytes.clone(),
+                    durable: bytes,
+                    pending: Vec::new(),
+                },
+            );
+        }
+        SimStorage {
+            state: Arc::new(Mutex::new(SimState {
+                objects,
+                ..SimState::default()
+            })),
+        }
+    }
+
+    /// Corrupt stored bytes in place (live and durable): XOR `mask` into the
+    /// byte at `offset`. For injecting bit rot.
+    pub fn corrupt(&self, object: ObjectId, offset: u64, mask: u8) {
+        let mut state = self.state.lock();
+        let entry = state.objects.entry(object).or_default();
+        for bytes in [&mut entry.live, &mut entry.durable] {
+            let mut byte = [0u8];
+            bytes.read(offset, &mut byte);
+            byte[0] ^= mask;
+            bytes.write(offset, &byte);
+        }
+    }
+
+    /// Overwrite stored bytes in place (live and durable).
+    pub fn overwrite(&self, object: ObjectId, offset: u64, data: &[u8]) {
+        let mut state = self.state.lock();
+        let entry = state.objects.entry(object).or_default();
+        entry.live.write(offset, data);
+        entry.durable.write(offset, data);
+    }
+
+    /// Read the live bytes without going through fault hooks.
+    pub fn peek(&self, object: ObjectId, offset: u64, buf: &mut [u8]) {
+        let state = self.state.lock();
+        match state.objects.get(&object) {
+            Some(entry) => entry.live.read(offset, buf),
+            None => buf.fill(0),
+        }
+    }
+}
+
+fn apply_torn(bytes: &mut SparseBytes, offset: u64, data: &[u8], mask: u64) {
+    let first_sector = offset / SECTOR;
+    let end = offset + data.len() as u64;
+    let mut sector = first_sector;
+    while sector * SECTOR < end {
+        let index = sector - first_sector;
+        if index >= 64 || mask & (1 << index) != 0 {
+            let from = (sector * SECTOR).max(offset);
+            let to = ((sector + 1) * SECTOR).min(end);
+            bytes.write(
+                from,
+                &data[(from - offset) as usize..(to - offset) as usize],
+            );
+        }
+        sector += 1;
+    }
+}
+
+fn overlaps(a_offset: u64, a_len: u64, b_offset: u64, b_len: u64) -> bool {
+    a_offset < b_offset + b_len && b_offset < a_offset + a_len
+}
+
+impl Storage for SimStorage {
+    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let state = self.state.lock();
+        if let Some((id, at, len)) = state.faults.read_error {
+            if id == object && overlaps(offset, buf.len() as u64, at, len) {
+                return Err(injected(io::ErrorKind::Other, "read error"));
+            }
+        }
+        let mut source = offset;
+        if let Some((id, from, to)) = state.faults.misdirect_read {
+            if id == object && from == offset {
+                source = to;
+            }
+        }
+        match state.objects.get(&object) {
+            Some(entry) => entry.live.read(source, buf),
+            None => buf.fill(0),
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+        let mut state = self.state.lock();
+        if let Some(limit) = state.faults.fail_write_after {
+            if state.writes_done >= limit {
+                return Err(injected(io::ErrorKind::Other, "write error"));
+            }
+        }
+        if let Some(limit) = state.faults.enospc_after_bytes {
+            if state.bytes_written + data.len() as u64 > limit {
+                return Err(io::Error::from_raw_os_error(libc::ENOSPC));
+            }
+        }
+        state.writes_done += 1;
+        state.bytes_written += data.len() as u64;
+        if state.faults.lose_write == Some((object, offset)) {
+            return Ok(());
+        }
+        let mut target = offset;
+        if let Some((id, from, to)) = state.faults.misdirect_write {
+            if id == object && from == offset {
+                target = to;
+            }
+        }
+        let entry = state.objects.entry(object).or_default();
+        entry.live.write(target, data);
+        entry.pending.push(PendingOp::Write {
+            offset: target,
+            data: data.to_vec(),
+        });
+        Ok(())
+    }
+
+    fn sync(&self, object: ObjectId) -> io::Result<()> {
+        let mut state = self.state.lock();
+        if state.faults.fail_sync {
+            return Err(injected(io::ErrorKind::Other, "sync error"));
+        }
+        state.syncs += 1;
+        let entry = state.objects.entry(object).or_default();
+        let pending = std::mem::take(&mut entry.pending);
+        for op in &pending {
+            op.apply(&mut entry.durable);
+        }
+        Ok(())
+    }
+
+    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
+        let mut state = self.state.lock();
+        let entry = state.objects.entry(object).or_default();
+        entry.live.punch(offset, len);
+        entry.pending.push(PendingOp::Punch { offset, len });
+        Ok(())
+    }
+
+    fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
+        let state = self.state.lock();
+        Ok(state
+            .objects
+            .get(&object)
+            .and_then(|entry| entry.live.next_data(offset)))
+    }
+
+    fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
+        let state = self.state.lock();
+        Ok(state
+            .objects
+            .get(&object)
+            .map_or(0, |entry| entry.live.allocated()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsynced_writes_can_be_dropped_or_torn() {
+        let sim = SimStorage::new();
+        sim.write_at(ObjectId::Journal, 0, &[1u8; 4096]).unwrap();
+        sim.sync(ObjectId::Journal).unwrap();
+        sim.write_at(ObjectId::Journal, 0, &[2u8; 4096]).unwrap();
+        let dropped = sim.crash_image(|_, _, _| 0);
+        let mut buf = [0u8; 4096];
+        dropped.read_at(ObjectId::Journal, 0, &mut buf).unwrap();
+        assert!(buf.iter().all(|b| *b == 1));
+        let torn = sim.crash_image(|_, _, _| 0b1);
+        torn.read_at(ObjectId::Journal, 0, &mut buf).unwrap();
+        assert!(buf[..512].iter().all(|b| *b == 2) && buf[512..].iter().all(|b| *b == 1));
+        let kept = sim.crash_image(|_, _, _| u64::MAX);
+        kept.read_at(ObjectId::Journal, 0, &mut buf).unwrap();
+        assert!(buf.iter().all(|b| *b == 2));
+    }
+
+    #[test]
+    fn sparse_bytes_punch_and_seek() {
+        let mut bytes = SparseBytes::default();
+        bytes.write(10_000, &[7u8; 100]);
+        assert_eq!(bytes.next_data(0), Some(8192));
+        bytes.punch(8192, 4096);
+        assert_eq!(bytes.next_data(0), None);
+    }
+}

@@ -1,0 +1,264 @@
+//! The `Storage` trait under the engine, and the real-file backend.
+//!
+//! A volume is a directory of objects (files): the superblock, the journal,
+//! the context table (split layout) and data segments. The engine only ever
+//! uses positioned reads and writes, syncs, and hole punching, so the same
+//! trait is served by real files and by the simulated backend in `sim.rs`
+//! that the crash and fault tests use.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use vouch_format::Geometry;
+
+/// One object (file) of a volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ObjectId {
+    Superblock,
+    Journal,
+    Contexts,
+    Data(u32),
+}
+
+impl ObjectId {
+    pub fn file_name(self) -> String {
+        match self {
+            ObjectId::Superblock => "superblock".to_string(),
+            ObjectId::Journal => "journal".to_string(),
+            ObjectId::Contexts => "contexts".to_string(),
+            ObjectId::Data(segment) => Geometry::segment_name(segment),
+        }
+    }
+}
+
+/// Positioned I/O over a volume's objects. Implementations are shared by
+/// many threads; every method is safe to call concurrently.
+pub trait Storage: Send + Sync {
+    /// Read exactly `buf.len()` bytes at `offset`. Bytes past the end of the
+    /// object, and holes, read as zero.
+    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Write all of `data` at `offset`.
+    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// Make every completed write to `object` durable.
+    fn sync(&self, object: ObjectId) -> io::Result<()>;
+    /// Deallocate a range; it reads as zero afterwards. Like a write, it is
+    /// durable only after `sync`.
+    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()>;
+    /// The first offset at or after `offset` that may hold data (SEEK_DATA),
+    /// or `None` when only holes follow. Used to skip sparse regions.
+    fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>>;
+    /// Bytes of real storage allocated to `object` (for `info`).
+    fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64>;
+}
+
+/// Objects as files in a directory: the production backend (pread/pwrite,
+/// fdatasync, fallocate(PUNCH_HOLE), lseek(SEEK_DATA)).
+pub struct FileStorage {
+    dir: PathBuf,
+    superblock: File,
+    journal: File,
+    contexts: Option<File>,
+    data: Vec<File>,
+}
+
+/// The objects a volume of this geometry has.
+pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
+    let mut objects = vec![ObjectId::Superblock, ObjectId::Journal];
+    if geometry.layout == vouch_format::LayoutKind::Split {
+        objects.push(ObjectId::Contexts);
+    }
+    objects.extend((0..geometry.segments()).map(ObjectId::Data));
+    objects
+}
+
+impl FileStorage {
+    /// Create the directory and every object, sparse, at its nominal length.
+    /// Fails if `dir` exists and is not an empty directory.
+    pub fn create(dir: &Path, geometry: &Geometry, journal_bytes: u64) -> io::Result<FileStorage> {
+        match std::fs::read_dir(dir) {
+            Ok(mut entries) => {
+                if entries.next().is_some() {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        format!("{} already exists and is not empty", dir.display()),
+                    ));
+                }
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => std::fs::create_dir(dir)?,
+            Err(error) if error.kind() == io::ErrorKind::NotADirectory => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    format!("{} already exists and is not a directory", dir.display()),
+                ))
+            }
+            Err(error) => return Err(error),
+        }
+        for object in objects_of(geometry) {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .open(dir.join(object.file_name()))?;
+            let len = match object {
+                ObjectId::Superblock => 2 * 4096,
+                ObjectId::Journal => journal_bytes,
+                ObjectId::Contexts => geometry.contexts_len(),
+                ObjectId::Data(segment) => geometry.segment_len(segment),
+            };
+            file.set_len(len)?;
+        }
+        File::open(dir)?.sync_all()?;
+        FileStorage::open_objects(dir, geometry, true)
+    }
+
+    /// Open just the superblock file, to learn the geometry.
+    pub fn open_superblock(dir: &Path) -> io::Result<File> {
+        if !dir.is_dir() {
+            let what = if dir.exists() {
+                "is not a vouch volume directory"
+            } else {
+                "does not exist"
+            };
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} {what}", dir.display()),
+            ));
+        }
+        File::open(dir.join("superblock"))
+    }
+
+    /// Open every object of an existing volume.
+    pub fn open_objects(
+        dir: &Path,
+        geometry: &Geometry,
+        writable: bool,
+    ) -> io::Result<FileStorage> {
+        let open = |object: ObjectId| -> io::Result<File> {
+            let path = dir.join(object.file_name());
+            OpenOptions::new()
+                .read(true)
+                .write(writable)
+                .open(&path)
+                .map_err(|error| {
+                    io::Error::new(error.kind(), format!("{}: {error}", path.display()))
+                })
+        };
+        Ok(FileStorage {
+            dir: dir.to_path_buf(),
+            superblock: open(ObjectId::Superblock)?,
+            journal: open(ObjectId::Journal)?,
+            contexts: if geometry.layout == vouch_format::LayoutKind::Split {
+                Some(open(ObjectId::Contexts)?)
+            } else {
+                None
+            },
+            data: (0..geometry.segments())
+                .map(|segment| open(ObjectId::Data(segment)))
+                .collect::<io::Result<_>>()?,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn file(&self, object: ObjectId) -> io::Result<&File> {
+        match object {
+            ObjectId::Superblock => Ok(&self.superblock),
+            ObjectId::Journal => Ok(&self.journal),
+            ObjectId::Contexts => self.contexts.as_ref().ok_or_else(|| no_object(object)),
+            ObjectId::Data(segment) => self
+                .data
+                .get(segment as usize)
+                .ok_or_else(|| no_object(object)),
+        }
+    }
+}
+
+fn no_object(object: ObjectId) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("volume has no object {object:?}"),
+    )
+}
+
+impl Storage for FileStorage {
+    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let file = self.file(object)?;
+        let mut done = 0;
+        while done < buf.len() {
+            match file.read_at(&mut buf[done..], offset + done as u64) {
+                // Past the end of file: the rest reads as zero (sparse tail).
+                Ok(0) => {
+                    buf[done..].fill(0);
+                    return Ok(());
+                }
+                Ok(n) => done += n,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(())
+    }
+
+    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.file(object)?.write_all_at(data, offset)
+    }
+
+    fn sync(&self, object: ObjectId) -> io::Result<()> {
+        self.file(object)?.sync_data()
+    }
+
+    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
+        let file = self.file(object)?;
+        // SAFETY: fallocate on a valid, open file descriptor with plain integers.
+        let rc = unsafe {
+            libc::fallocate(
+                file.as_raw_fd(),
+                libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        if error.raw_os_error() == Some(libc::EOPNOTSUPP) {
+            // No hole punching here: write zeroes instead, same meaning.
+            let zeros = vec![0u8; 1 << 20];
+            let mut at = offset;
+            while at < offset + len {
+                let n = (offset + len - at).min(zeros.len() as u64) as usize;
+                file.write_all_at(&zeros[..n], at)?;
+                at += n as u64;
+            }
+            return Ok(());
+        }
+        Err(error)
+    }
+
+    fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
+        let file = self.file(object)?;
+        // SAFETY: lseek on a valid, open file descriptor.
+        let at = unsafe { libc::lseek(file.as_raw_fd(), offset as libc::off_t, libc::SEEK_DATA) };
+        if at >= 0 {
+            return Ok(Some(at as u64));
+        }
+        let error = io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::ENXIO) => Ok(None),
+            // No SEEK_DATA support: everything may hold data.
+            Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(Some(offset)),
+            _ => Err(error),
+        }
+    }
+
+    fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
+        use std::os::unix::fs::MetadataExt;
+        Ok(self.file(object)?.metadata()?.blocks() * 512)
+    }
+}

@@ -1,0 +1,87 @@
+//! The vouch on-disk format. No I/O happens here: this crate turns bytes into
+//! typed structures and back, and says where things live.
+//!
+//! `docs/FORMAT.md` describes every structure as a byte table; the `FIELDS`
+//! constant of each structure is the same table in code, and a test checks
+//! the two against each other.
+
+pub mod context;
+pub mod guard;
+pub mod journal;
+pub mod layout;
+pub mod superblock;
+
+pub use context::{Context, ContextKind, CONTEXT_BYTES};
+pub use guard::{crc32c, GuardKind};
+pub use journal::{JournalEntry, JournalHeader, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES};
+pub use layout::{Geometry, LayoutKind};
+pub use superblock::{FeatureFlags, Superblock, SUPERBLOCK_BYTES};
+
+/// The only block size this version writes. 512-byte blocks are a possible
+/// later feature (it would be an incompat flag).
+pub const BLOCK_SIZE: u32 = 4096;
+/// Sector granularity for sub-block I/O alignment.
+pub const SECTOR_SIZE: u32 = 512;
+
+/// One named field of an on-disk structure: what `docs/FORMAT.md` tabulates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Field {
+    pub name: &'static str,
+    pub offset: usize,
+    pub size: usize,
+}
+
+/// Errors decoding on-disk bytes. Each says what was wrong, never just "bad".
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+pub enum FormatError {
+    #[error("bad magic (not a vouch structure)")]
+    BadMagic,
+    #[error("checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
+    BadChecksum { stored: u32, computed: u32 },
+    #[error("unsupported format version {0}")]
+    UnsupportedVersion(u32),
+    #[error("unknown guard algorithm {0}")]
+    UnknownGuard(u8),
+    #[error("unknown context layout {0}")]
+    UnknownLayout(u8),
+    #[error("unknown context kind {0}")]
+    UnknownContextKind(u8),
+    #[error("unsupported block size {0}")]
+    UnsupportedBlockSize(u32),
+    #[error("inconsistent geometry: {0}")]
+    Geometry(&'static str),
+    #[error("truncated: need {need} bytes, have {have}")]
+    Truncated { need: usize, have: usize },
+}
+
+/// Little-endian field access over a byte slice, used by every structure.
+pub(crate) mod bytes {
+    pub fn get_u32(buf: &[u8], at: usize) -> u32 {
+        let mut raw = [0u8; 4];
+        raw.copy_from_slice(&buf[at..at + 4]);
+        u32::from_le_bytes(raw)
+    }
+    pub fn get_u64(buf: &[u8], at: usize) -> u64 {
+        let mut raw = [0u8; 8];
+        raw.copy_from_slice(&buf[at..at + 8]);
+        u64::from_le_bytes(raw)
+    }
+    pub fn put_u32(buf: &mut [u8], at: usize, value: u32) {
+        buf[at..at + 4].copy_from_slice(&value.to_le_bytes());
+    }
+    pub fn put_u64(buf: &mut [u8], at: usize, value: u64) {
+        buf[at..at + 8].copy_from_slice(&value.to_le_bytes());
+    }
+}
+
+/// Checks that a `FIELDS` table tiles its structure with no gaps or overlaps.
+pub fn fields_tile(fields: &[Field], total: usize) -> bool {
+    let mut next = 0;
+    for field in fields {
+        if field.offset != next {
+            return false;
+        }
+        next = field.offset + field.size;
+    }
+    next == total
+}
