@@ -78,13 +78,14 @@ fn read_superblock_file(file: &mut std::fs::File, path: &Path) -> Result<vouch_f
             }
         }
     }
-    let decode = |copy: &[u8]| vouch_format::Superblock::decode(copy);
-    vouch_format::Superblock::newest(decode(&both[..4096]), decode(&both[4096..])).map_err(
-        |error| {
-            Error::Volume(format!(
-                "{}: not a usable vouch volume: superblock {error}",
-                path.display()
-            ))
-        },
-    )
+    let first = vouch_format::Superblock::decode(&both[..4096]);
+    let second = vouch_format::Superblock::decode(&both[4096..]);
+    if let (Err(a), Err(b)) = (&first, &second) {
+        return Err(Error::Volume(format!(
+            "{}: not a usable vouch volume: both superblock copies are invalid (copy 0: {a}; copy 1: {b})",
+            path.display()
+        )));
+    }
+    vouch_format::Superblock::newest(first, second)
+        .map_err(|error| Error::Volume(format!("{}: corrupt superblock: {error}", path.display())))
 }

@@ -250,16 +250,12 @@ impl Volume {
                         template: entry.context,
                     };
                     if self.is_read_only() {
-                        let mut state = self.state.lock();
-                        let stale: Vec<u64> = state
-                            .active
-                            .range(range.start..range.end)
-                            .map(|(lba, _)| *lba)
-                            .collect();
-                        for lba in stale {
-                            state.active.remove(&lba);
-                        }
-                        continue;
+                        // A trim that may not have reached home cannot be
+                        // served from memory for an unbounded range.
+                        return Err(crate::error::Error::Volume(
+                            "the journal holds trims not yet applied: open the volume read-write once to recover it"
+                                .into(),
+                        ));
                     }
                     self.apply_range_home(commit, &range)?;
                 }

@@ -109,6 +109,18 @@ impl FileStorage {
                 ObjectId::Data(segment) => geometry.segment_len(segment),
             };
             file.set_len(len)?;
+            if object == ObjectId::Journal {
+                // Reserve the journal's space now, so a full filesystem fails
+                // here, cleanly, and never in the middle of a commit.
+                // SAFETY: fallocate on a valid, open file descriptor.
+                let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
+                if rc != 0 {
+                    let error = io::Error::last_os_error();
+                    if error.raw_os_error() != Some(libc::EOPNOTSUPP) {
+                        return Err(error);
+                    }
+                }
+            }
         }
         File::open(dir)?.sync_all()?;
         FileStorage::open_objects(dir, geometry, true)

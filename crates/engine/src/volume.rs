@@ -381,19 +381,15 @@ impl Volume {
 
     /// Make every write completed before this call durable.
     pub fn flush(&self) -> Result<()> {
-        self.check_writable_or_ro_flush()?;
+        if self.read_only.is_some() {
+            return Ok(()); // nothing can be dirty
+        }
+        self.check_writable()?;
         let mut commit = self.commit_lock.lock();
         self.commit(&mut commit, &[])?;
         self.sync_data(&mut commit)?;
         self.stats.flushes.fetch_add(1, Ordering::Relaxed);
         Ok(())
-    }
-
-    fn check_writable_or_ro_flush(&self) -> Result<()> {
-        if self.read_only.is_some() {
-            return Ok(()); // nothing can be dirty
-        }
-        self.check_writable()
     }
 
     /// Deallocate: the range reads as zeros afterwards. Sub-block edges are

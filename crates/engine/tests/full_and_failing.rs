@@ -1,0 +1,143 @@
+//! A full filesystem and failing I/O: a clear error, fail-stop, and nothing
+//! acknowledged lost.
+
+use std::path::Path;
+use std::process::Command;
+use std::sync::Arc;
+
+use vouch_engine::{create_volume, open_volume, CreateOptions, Error, FaultPlan, OpenOptions, SimStorage, Storage, Volume};
+
+/// A small tmpfs, unmounted on drop. Needs root (CI runs as root).
+struct SmallFs {
+    dir: tempfile::TempDir,
+}
+
+impl SmallFs {
+    fn mount(megabytes: u64) -> SmallFs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let status = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={megabytes}M"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .expect("run mount");
+        assert!(status.success(), "mounting a tmpfs needs root (run the suite as root, as CI does)");
+        SmallFs { dir }
+    }
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len).map(|i| seed ^ (i % 251) as u8 ^ 0x33).collect()
+}
+
+#[test]
+fn full_filesystem_gives_no_space_and_loses_nothing_acknowledged() {
+    let fs = SmallFs::mount(24);
+    let path = fs.path().join("vol");
+    let mut options = CreateOptions::new(1 << 30);
+    options.journal_bytes = Some(1 << 20);
+    let volume = create_volume(&path, &options).expect("create");
+    let flushed = pattern(1, 2 << 20);
+    volume.write(0, &flushed, false).expect("write");
+    volume.flush().expect("flush");
+    // Fill the filesystem.
+    let filler = fs.path().join("filler");
+    let chunk = vec![0xFFu8; 1 << 20];
+    {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&filler).expect("filler");
+        while file.write_all(&chunk).is_ok() {}
+    }
+    let unflushed = pattern(2, 8 << 20);
+    let outcome = volume.write(64 << 20, &unflushed, false).and_then(|()| volume.flush());
+    match outcome {
+        Err(Error::NoSpace { .. }) => {}
+        other => panic!("expected NoSpace, got {other:?}"),
+    }
+    // Fail-stop: writes are refused until reopened, with a clear reason.
+    match volume.write(0, &[7u8; 4096], false) {
+        Err(Error::FailStopped(why)) => assert!(why.contains("no space"), "{why}"),
+        other => panic!("expected FailStopped, got {other:?}"),
+    }
+    // What was acknowledged still reads back.
+    let mut buf = vec![0u8; flushed.len()];
+    volume.read(0, &mut buf).expect("read flushed");
+    assert!(buf == flushed);
+    let mut buf = vec![0u8; unflushed.len()];
+    volume.read(64 << 20, &mut buf).expect("read acknowledged");
+    assert!(buf == unflushed, "acknowledged writes must still read back");
+    drop(volume);
+    std::fs::remove_file(&filler).expect("free space");
+    let volume = open_volume(&path, &OpenOptions::default()).expect("reopen");
+    let mut buf = vec![0u8; flushed.len()];
+    volume.read(0, &mut buf).expect("read after reopen");
+    assert!(buf == flushed, "flushed data must survive");
+    // Unflushed blocks read old (zero) or new contents in full, never garbage.
+    let mut buf = vec![0u8; unflushed.len()];
+    volume.read(64 << 20, &mut buf).expect("unflushed blocks are readable");
+    for (index, block) in buf.chunks(4096).enumerate() {
+        let new = &unflushed[index * 4096..(index + 1) * 4096];
+        assert!(block == new || block.iter().all(|b| *b == 0), "block {index} is neither old nor new");
+    }
+    assert!(volume.check(|_, _| {}).expect("check").faults.is_empty());
+}
+
+#[test]
+fn create_on_a_full_filesystem_fails_and_leaves_nothing() {
+    let fs = SmallFs::mount(4);
+    let path = fs.path().join("vol");
+    let error = match create_volume(&path, &CreateOptions::new(1 << 30)) {
+        Err(error) => error,
+        Ok(_) => panic!("a 32 MiB journal cannot fit in 4 MiB"),
+    };
+    assert!(error.to_string().contains("No space left") || error.to_string().contains("no space"), "{error}");
+    assert!(!path.exists(), "failed create must clean up");
+}
+
+fn sim_volume() -> (SimStorage, Volume) {
+    let storage = SimStorage::new();
+    let mut options = CreateOptions::new(1 << 20);
+    options.journal_bytes = Some(1 << 20);
+    let volume = Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("create");
+    (storage, volume)
+}
+
+#[test]
+fn failed_fsync_fails_stop_and_reopen_recovers() {
+    let (storage, volume) = sim_volume();
+    volume.write(0, &pattern(3, 8192), false).expect("write");
+    volume.flush().expect("flush");
+    storage.set_faults(FaultPlan { fail_sync: true, ..FaultPlan::default() });
+    volume.write(8192, &pattern(4, 4096), false).expect("buffered write");
+    assert!(matches!(volume.flush(), Err(Error::Io { .. })));
+    assert!(matches!(volume.write(0, &[0u8; 4096], false), Err(Error::FailStopped(_))));
+    assert!(matches!(volume.flush(), Err(Error::FailStopped(_))), "a failed fsync is never retried as success");
+    drop(volume);
+    storage.set_faults(FaultPlan::default());
+    let reopened = Volume::open(Arc::new(storage.clone()) as Arc<dyn Storage>, &OpenOptions::default()).expect("reopen");
+    let mut buf = vec![0u8; 8192];
+    reopened.read(0, &mut buf).expect("read");
+    assert!(buf == pattern(3, 8192));
+    reopened.write(0, &[9u8; 4096], true).expect("writable again after reopen");
+}
+
+#[test]
+fn failed_write_fails_stop() {
+    let (storage, volume) = sim_volume();
+    let (writes, _) = storage.counts();
+    storage.set_faults(FaultPlan { fail_write_after: Some(writes), ..FaultPlan::default() });
+    volume.write(0, &pattern(5, 4096), false).expect("buffered");
+    assert!(matches!(volume.flush(), Err(Error::Io { .. })));
+    assert!(matches!(volume.write(4096, &[1u8; 4096], false), Err(Error::FailStopped(_))));
+    let mut buf = vec![0u8; 4096];
+    volume.read(0, &mut buf).expect("acknowledged data still readable");
+    assert!(buf == pattern(5, 4096));
+}

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh machine: installs the Debian packages
+# the tests drive (real NBD clients, fio, nbdfuse), then runs formatting,
+# lints and every test. Used by .ci/run as is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v qemu-img >/dev/null 2>&1 || need+=(qemu-utils)
+command -v nbdinfo >/dev/null 2>&1 || need+=(libnbd-bin)
+command -v nbdcopy >/dev/null 2>&1 || need+=(libnbd-bin)
+command -v nbdfuse >/dev/null 2>&1 || need+=(nbdfuse)
+command -v nbdkit >/dev/null 2>&1 || need+=(nbdkit)
+command -v fio >/dev/null 2>&1 || need+=(fio)
+command -v mkfs.ext4 >/dev/null 2>&1 || need+=(e2fsprogs)
+command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
+/usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "installing: ${need[*]}"
+    if [ "$(id -u)" -eq 0 ]; then sudo=""; else sudo="sudo"; fi
+    $sudo apt-get update -q
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${need[@]}"
+fi
+
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --release -- -D warnings
+cargo test --workspace --release
