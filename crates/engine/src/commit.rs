@@ -89,11 +89,6 @@ impl Volume {
                             .contexts
                             .set(*lba, self.data_context(*lba, dirty.guard, seq));
                     }
-                    for range in ranges {
-                        state
-                            .contexts
-                            .set_range(range.start, range.end, range.template);
-                    }
                 }
                 state.committing.clear();
                 let pending = state.contexts.pending();
@@ -149,6 +144,16 @@ impl Volume {
             .then(|| blocks.iter().map(|(_, dirty)| &dirty.data[..]).collect());
         self.append_journal(commit, &entries, data.as_deref())?;
         // ORDER POINT A passed: home writes may now reach the disk in any order.
+        if self.geometry.layout == LayoutKind::Split && !ranges.is_empty() {
+            // Publish trims before punching their data: a reader must never
+            // see punched data under the block's old context.
+            let mut state = self.state.lock();
+            for range in ranges {
+                state
+                    .contexts
+                    .set_range(range.start, range.end, range.template);
+            }
+        }
         match self.geometry.layout {
             LayoutKind::Split => self.write_split_home(commit, blocks)?,
             LayoutKind::Packed => self.write_packed_home(commit, blocks, seq)?,

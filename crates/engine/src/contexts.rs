@@ -24,6 +24,9 @@ pub struct ContextStore {
     cache: HashMap<u64, Page>,
     fifo: VecDeque<u64>,
     cache_limit_pages: usize,
+    /// Bumped by every checkpoint: a page read from disk before a checkpoint
+    /// may be stale and must not enter the cache after it.
+    epoch: u64,
 }
 
 /// A range's context for one of its blocks: the template with that block's LBA.
@@ -56,6 +59,7 @@ impl ContextStore {
             cache: HashMap::new(),
             fifo: VecDeque::new(),
             cache_limit_pages: cache_limit_pages.max(1),
+            epoch: 0,
         }
     }
 
@@ -82,6 +86,18 @@ impl ContextStore {
     fn range_containing(&self, lba: u64) -> Option<Context> {
         let (_, (end, template)) = self.ranges.range(..=lba).next_back()?;
         (lba < *end).then_some(*template)
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Cache a page read from disk while the cache was at `epoch`, unless a
+    /// checkpoint has rewritten pages since.
+    pub fn insert_page_from(&mut self, page_no: u64, page: Page, epoch: u64) {
+        if epoch == self.epoch {
+            self.insert_page(page_no, page);
+        }
     }
 
     pub fn insert_page(&mut self, page_no: u64, page: Page) {
@@ -161,6 +177,7 @@ impl ContextStore {
     ) {
         self.overlay.clear();
         self.ranges.clear();
+        self.epoch += 1;
         for page_no in dropped_pages {
             self.cache.remove(&page_no);
         }

@@ -211,13 +211,14 @@ impl Volume {
     }
 
     fn load_context_page(&self, page_no: u64) -> Result<Arc<[u8; 4096]>> {
+        let epoch = self.state.lock().contexts.epoch();
         let mut page = Box::new([0u8; 4096]);
         self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?;
         let page: Arc<[u8; 4096]> = Arc::from(page);
         self.state
             .lock()
             .contexts
-            .insert_page(page_no, page.clone());
+            .insert_page_from(page_no, page.clone(), epoch);
         Ok(page)
     }
 

@@ -5,7 +5,10 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
-use vouch_engine::{create_volume, open_volume, CreateOptions, Error, FaultPlan, OpenOptions, SimStorage, Storage, Volume};
+use vouch_engine::{
+    create_volume, open_volume, CreateOptions, Error, FaultPlan, OpenOptions, SimStorage, Storage,
+    Volume,
+};
 
 /// A small tmpfs, unmounted on drop. Needs root (CI runs as root).
 struct SmallFs {
@@ -20,7 +23,10 @@ impl SmallFs {
             .arg(dir.path())
             .status()
             .expect("run mount");
-        assert!(status.success(), "mounting a tmpfs needs root (run the suite as root, as CI does)");
+        assert!(
+            status.success(),
+            "mounting a tmpfs needs root (run the suite as root, as CI does)"
+        );
         SmallFs { dir }
     }
     fn path(&self) -> &Path {
@@ -57,7 +63,9 @@ fn full_filesystem_gives_no_space_and_loses_nothing_acknowledged() {
         while file.write_all(&chunk).is_ok() {}
     }
     let unflushed = pattern(2, 8 << 20);
-    let outcome = volume.write(64 << 20, &unflushed, false).and_then(|()| volume.flush());
+    let outcome = volume
+        .write(64 << 20, &unflushed, false)
+        .and_then(|()| volume.flush());
     match outcome {
         Err(Error::NoSpace { .. }) => {}
         other => panic!("expected NoSpace, got {other:?}"),
@@ -82,10 +90,15 @@ fn full_filesystem_gives_no_space_and_loses_nothing_acknowledged() {
     assert!(buf == flushed, "flushed data must survive");
     // Unflushed blocks read old (zero) or new contents in full, never garbage.
     let mut buf = vec![0u8; unflushed.len()];
-    volume.read(64 << 20, &mut buf).expect("unflushed blocks are readable");
+    volume
+        .read(64 << 20, &mut buf)
+        .expect("unflushed blocks are readable");
     for (index, block) in buf.chunks(4096).enumerate() {
         let new = &unflushed[index * 4096..(index + 1) * 4096];
-        assert!(block == new || block.iter().all(|b| *b == 0), "block {index} is neither old nor new");
+        assert!(
+            block == new || block.iter().all(|b| *b == 0),
+            "block {index} is neither old nor new"
+        );
     }
     assert!(volume.check(|_, _| {}).expect("check").faults.is_empty());
 }
@@ -98,7 +111,10 @@ fn create_on_a_full_filesystem_fails_and_leaves_nothing() {
         Err(error) => error,
         Ok(_) => panic!("a 32 MiB journal cannot fit in 4 MiB"),
     };
-    assert!(error.to_string().contains("No space left") || error.to_string().contains("no space"), "{error}");
+    assert!(
+        error.to_string().contains("No space left") || error.to_string().contains("no space"),
+        "{error}"
+    );
     assert!(!path.exists(), "failed create must clean up");
 }
 
@@ -106,7 +122,8 @@ fn sim_volume() -> (SimStorage, Volume) {
     let storage = SimStorage::new();
     let mut options = CreateOptions::new(1 << 20);
     options.journal_bytes = Some(1 << 20);
-    let volume = Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("create");
+    let volume =
+        Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("create");
     (storage, volume)
 }
 
@@ -115,29 +132,54 @@ fn failed_fsync_fails_stop_and_reopen_recovers() {
     let (storage, volume) = sim_volume();
     volume.write(0, &pattern(3, 8192), false).expect("write");
     volume.flush().expect("flush");
-    storage.set_faults(FaultPlan { fail_sync: true, ..FaultPlan::default() });
-    volume.write(8192, &pattern(4, 4096), false).expect("buffered write");
+    storage.set_faults(FaultPlan {
+        fail_sync: true,
+        ..FaultPlan::default()
+    });
+    volume
+        .write(8192, &pattern(4, 4096), false)
+        .expect("buffered write");
     assert!(matches!(volume.flush(), Err(Error::Io { .. })));
-    assert!(matches!(volume.write(0, &[0u8; 4096], false), Err(Error::FailStopped(_))));
-    assert!(matches!(volume.flush(), Err(Error::FailStopped(_))), "a failed fsync is never retried as success");
+    assert!(matches!(
+        volume.write(0, &[0u8; 4096], false),
+        Err(Error::FailStopped(_))
+    ));
+    assert!(
+        matches!(volume.flush(), Err(Error::FailStopped(_))),
+        "a failed fsync is never retried as success"
+    );
     drop(volume);
     storage.set_faults(FaultPlan::default());
-    let reopened = Volume::open(Arc::new(storage.clone()) as Arc<dyn Storage>, &OpenOptions::default()).expect("reopen");
+    let reopened = Volume::open(
+        Arc::new(storage.clone()) as Arc<dyn Storage>,
+        &OpenOptions::default(),
+    )
+    .expect("reopen");
     let mut buf = vec![0u8; 8192];
     reopened.read(0, &mut buf).expect("read");
     assert!(buf == pattern(3, 8192));
-    reopened.write(0, &[9u8; 4096], true).expect("writable again after reopen");
+    reopened
+        .write(0, &[9u8; 4096], true)
+        .expect("writable again after reopen");
 }
 
 #[test]
 fn failed_write_fails_stop() {
     let (storage, volume) = sim_volume();
     let (writes, _) = storage.counts();
-    storage.set_faults(FaultPlan { fail_write_after: Some(writes), ..FaultPlan::default() });
+    storage.set_faults(FaultPlan {
+        fail_write_after: Some(writes),
+        ..FaultPlan::default()
+    });
     volume.write(0, &pattern(5, 4096), false).expect("buffered");
     assert!(matches!(volume.flush(), Err(Error::Io { .. })));
-    assert!(matches!(volume.write(4096, &[1u8; 4096], false), Err(Error::FailStopped(_))));
+    assert!(matches!(
+        volume.write(4096, &[1u8; 4096], false),
+        Err(Error::FailStopped(_))
+    ));
     let mut buf = vec![0u8; 4096];
-    volume.read(0, &mut buf).expect("acknowledged data still readable");
+    volume
+        .read(0, &mut buf)
+        .expect("acknowledged data still readable");
     assert!(buf == pattern(5, 4096));
 }
