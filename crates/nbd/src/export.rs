@@ -1,0 +1,179 @@
+//! The `Export` trait: what the NBD server serves. The server knows nothing
+//! of the storage engine; it validates every request (range, alignment,
+//! flags, read-only) before calling an export, so an export may assert those
+//! conditions instead of re-checking them as client errors.
+
+use std::ops::Range;
+
+/// Error an export returns; the server maps `errno` onto the wire and sends `message`
+/// in a structured error reply (NBD_REPLY_TYPE_ERROR / ERROR_OFFSET) when structured replies are negotiated.
+#[derive(Debug, Clone)]
+pub struct ExportError {
+    pub errno: Errno,
+    pub message: String,
+    /// Absolute export offset of the failure (reported with ERROR_OFFSET on reads).
+    pub offset: Option<u64>,
+    /// Verification fault class, e.g. "guard_mismatch", "ref_tag_mismatch",
+    /// "context_corrupt", "unreadable"; counted in metrics by kind.
+    pub fault_kind: Option<&'static str>,
+}
+
+impl ExportError {
+    pub fn new(errno: Errno, message: impl Into<String>) -> Self {
+        ExportError {
+            errno,
+            message: message.into(),
+            offset: None,
+            fault_kind: None,
+        }
+    }
+
+    pub fn at_offset(mut self, offset: u64) -> Self {
+        self.offset = Some(offset);
+        self
+    }
+
+    pub fn with_fault_kind(mut self, kind: &'static str) -> Self {
+        self.fault_kind = Some(kind);
+        self
+    }
+}
+
+impl std::fmt::Display for ExportError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.errno, self.message)?;
+        if let Some(offset) = self.offset {
+            write!(f, " (offset {offset})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ExportError {}
+
+/// The NBD error values (the only ones allowed on the wire).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Errno {
+    Perm,
+    Io,
+    NoMem,
+    Inval,
+    NoSpc,
+    Overflow,
+    NotSup,
+    Shutdown,
+}
+
+impl Errno {
+    pub const ALL: [Errno; 8] = [
+        Errno::Perm,
+        Errno::Io,
+        Errno::NoMem,
+        Errno::Inval,
+        Errno::NoSpc,
+        Errno::Overflow,
+        Errno::NotSup,
+        Errno::Shutdown,
+    ];
+
+    /// Wire value (NBD_EPERM 1, NBD_EIO 5, ...).
+    pub fn wire_value(self) -> u32 {
+        match self {
+            Errno::Perm => 1,
+            Errno::Io => 5,
+            Errno::NoMem => 12,
+            Errno::Inval => 22,
+            Errno::NoSpc => 28,
+            Errno::Overflow => 75,
+            Errno::NotSup => 95,
+            Errno::Shutdown => 108,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Errno::Perm => "EPERM",
+            Errno::Io => "EIO",
+            Errno::NoMem => "ENOMEM",
+            Errno::Inval => "EINVAL",
+            Errno::NoSpc => "ENOSPC",
+            Errno::Overflow => "EOVERFLOW",
+            Errno::NotSup => "ENOTSUP",
+            Errno::Shutdown => "ESHUTDOWN",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Size constraints advertised with NBD_INFO_BLOCK_SIZE and enforced by the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSizes {
+    pub minimum: u32,
+    pub preferred: u32,
+    pub maximum: u32,
+}
+
+/// A run of the export for READ holes and BLOCK_STATUS base:allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Extent {
+    pub length: u64,
+    pub hole: bool,
+    pub zero: bool,
+}
+
+/// Something the NBD server can serve.
+///
+/// Methods are synchronous and may block; the server calls them from a pool
+/// of worker threads, concurrently, never from the async reactor.
+///
+/// Multi-conn: the server advertises NBD_FLAG_CAN_MULTI_CONN when
+/// `can_multi_conn()` is true. That is only correct if `flush()` makes every
+/// write completed on *any* connection durable (i.e. it flushes the whole
+/// export, not per-connection state) and all connections see one shared cache.
+pub trait Export: Send + Sync + 'static {
+    fn size(&self) -> u64;
+    fn description(&self) -> Option<String> {
+        None
+    }
+    fn read_only(&self) -> bool;
+    fn block_sizes(&self) -> BlockSizes;
+    fn can_trim(&self) -> bool {
+        true
+    }
+    fn can_write_zeroes(&self) -> bool {
+        true
+    }
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+    fn can_fua(&self) -> bool {
+        true
+    }
+    fn can_multi_conn(&self) -> bool {
+        true
+    }
+    fn can_cache(&self) -> bool {
+        true
+    }
+    /// Fill `buf` with the bytes at `offset`. Returns the sub-ranges (relative to `offset`, sorted, non-overlapping)
+    /// that are known to be zero without data I/O (unwritten/trimmed), so READ can answer them with OFFSET_HOLE chunks.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>, ExportError>;
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
+    fn flush(&self) -> Result<(), ExportError>;
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError>;
+    /// no_hole: must allocate (NBD_CMD_FLAG_NO_HOLE). fast_zero: fail with NotSup rather than be slow.
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        no_hole: bool,
+        fast_zero: bool,
+    ) -> Result<(), ExportError>;
+    fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError>;
+    /// base:allocation extents covering at least [offset, offset+1) and at most `length` bytes.
+    fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError>;
+}

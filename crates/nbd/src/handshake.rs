@@ -1,0 +1,500 @@
+//! Fixed-newstyle handshake and option haggling.
+//!
+//! Reads are unbuffered here on purpose: after STARTTLS the byte stream
+//! changes hands to rustls, and after GO / EXPORT_NAME to the transmission
+//! reader, so no byte read ahead may be stranded in a private buffer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tracing::debug;
+
+use crate::export::{BlockSizes, Export};
+use crate::server::Limits;
+use crate::wire::{self, ClientOption, OptionHeader};
+
+/// Context id we assign to `base:allocation` in SET_META_CONTEXT replies.
+pub const BASE_ALLOCATION_CONTEXT_ID: u32 = 1;
+
+/// Why a handshake ended without entering transmission.
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+    #[error("client aborted")]
+    Aborted,
+    #[error("server shutting down")]
+    Shutdown,
+}
+
+impl From<wire::WireError> for HandshakeError {
+    fn from(error: wire::WireError) -> Self {
+        HandshakeError::Protocol(error.to_string())
+    }
+}
+
+/// What option haggling produced.
+pub(crate) enum Negotiated {
+    /// Enter the transmission phase with this session.
+    Transmission(Session),
+    /// The client sent STARTTLS and we acknowledged: upgrade, then haggle again.
+    StartTls,
+}
+
+/// Everything the transmission phase needs about the negotiated export.
+pub(crate) struct Session {
+    pub export_name: String,
+    pub export: Arc<dyn Export>,
+    pub size: u64,
+    pub transmission_flags: u16,
+    pub structured_replies: bool,
+    /// Context id of `base:allocation` if it was selected for this export.
+    pub base_allocation: Option<u32>,
+    pub block_sizes: BlockSizes,
+}
+
+/// Per-connection state carried across options (and reset by STARTTLS).
+#[derive(Default)]
+pub(crate) struct OptionState {
+    pub tls_active: bool,
+    pub no_zeroes: bool,
+    pub options_seen: u32,
+    structured_replies: bool,
+    /// Export name whose SET_META_CONTEXT selected base:allocation.
+    meta_export: Option<String>,
+}
+
+impl OptionState {
+    fn reset_for_tls(&mut self) {
+        self.tls_active = true;
+        self.structured_replies = false;
+        self.meta_export = None;
+    }
+}
+
+/// Read-only view of server configuration used during haggling.
+pub(crate) struct HandshakeContext<'a> {
+    pub exports: &'a HashMap<String, Arc<dyn Export>>,
+    pub default_export: Option<&'a str>,
+    pub tls_available: bool,
+    pub tls_required: bool,
+    pub limits: &'a Limits,
+    pub shutting_down: &'a (dyn Fn() -> bool + Sync),
+}
+
+impl HandshakeContext<'_> {
+    /// Resolve a client-supplied name to (canonical name, export).
+    fn lookup(&self, name: &str) -> Option<(String, Arc<dyn Export>)> {
+        let canonical = if name.is_empty() {
+            match self.exports.get("") {
+                Some(export) => return Some((String::new(), export.clone())),
+                None => self.default_export?,
+            }
+        } else {
+            name
+        };
+        self.exports
+            .get(canonical)
+            .map(|export| (canonical.to_string(), export.clone()))
+    }
+}
+
+/// Send the greeting and read/validate the client flags.
+pub(crate) async fn greet<S>(stream: &mut S, state: &mut OptionState) -> Result<(), HandshakeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    stream
+        .write_all(&wire::encode_greeting(wire::SERVER_HANDSHAKE_FLAGS))
+        .await?;
+    stream.flush().await?;
+    let mut raw = [0u8; 4];
+    stream.read_exact(&mut raw).await?;
+    let client_flags = u32::from_be_bytes(raw);
+    // The spec requires dropping the connection on flags we do not know.
+    if client_flags & !wire::CLIENT_FLAGS_KNOWN != 0 {
+        return Err(HandshakeError::Protocol(format!(
+            "unknown client flags {client_flags:#x}"
+        )));
+    }
+    if client_flags & wire::CLIENT_FLAG_FIXED_NEWSTYLE == 0 {
+        debug!("client did not set NBD_FLAG_C_FIXED_NEWSTYLE; honouring fixed newstyle anyway");
+    }
+    state.no_zeroes = client_flags & wire::CLIENT_FLAG_NO_ZEROES != 0;
+    Ok(())
+}
+
+/// Transmission flags advertised for `export`, derived from its capability probes.
+pub(crate) fn transmission_flags(export: &dyn Export, structured_replies: bool) -> u16 {
+    let mut flags = wire::TFLAG_HAS_FLAGS | wire::TFLAG_SEND_FLUSH;
+    if export.read_only() {
+        flags |= wire::TFLAG_READ_ONLY;
+    } else {
+        if export.can_trim() {
+            flags |= wire::TFLAG_SEND_TRIM;
+        }
+        if export.can_write_zeroes() {
+            flags |= wire::TFLAG_SEND_WRITE_ZEROES;
+            if export.can_fast_zero() {
+                flags |= wire::TFLAG_SEND_FAST_ZERO;
+            }
+        }
+    }
+    if export.can_fua() {
+        flags |= wire::TFLAG_SEND_FUA;
+    }
+    if export.can_multi_conn() {
+        flags |= wire::TFLAG_CAN_MULTI_CONN;
+    }
+    if export.can_cache() {
+        flags |= wire::TFLAG_SEND_CACHE;
+    }
+    if structured_replies {
+        flags |= wire::TFLAG_SEND_DF;
+    }
+    flags
+}
+
+/// Block sizes we advertise and enforce: the export's, made spec-conformant
+/// and with the maximum payload capped by the server limit.
+pub(crate) fn effective_block_sizes(export: &dyn Export, limits: &Limits) -> BlockSizes {
+    const MINIMUM_LIMIT: u32 = 1 << 16;
+    let requested = export.block_sizes();
+    let minimum = requested.minimum.clamp(1, MINIMUM_LIMIT);
+    let minimum = if minimum.is_power_of_two() {
+        minimum
+    } else {
+        minimum.next_power_of_two()
+    };
+    let preferred_floor = minimum.max(512);
+    let preferred = requested.preferred.max(preferred_floor);
+    let preferred = if preferred.is_power_of_two() {
+        preferred
+    } else {
+        preferred.next_power_of_two()
+    };
+    let maximum = requested
+        .maximum
+        .min(limits.max_payload_bytes)
+        .max(preferred);
+    BlockSizes {
+        minimum,
+        preferred,
+        maximum,
+    }
+}
+
+async fn send_reply<S>(
+    stream: &mut S,
+    option: u32,
+    reply_type: u32,
+    data: &[u8],
+) -> Result<(), HandshakeError>
+where
+    S: AsyncWrite + Unpin,
+{
+    let mut out = Vec::with_capacity(wire::OPTION_REPLY_HEADER_BYTES + data.len());
+    wire::encode_option_reply(&mut out, option, reply_type, data);
+    stream.write_all(&out).await?;
+    stream.flush().await?;
+    Ok(())
+}
+
+async fn send_error<S>(
+    stream: &mut S,
+    option: u32,
+    reply_type: u32,
+    message: &str,
+) -> Result<(), HandshakeError>
+where
+    S: AsyncWrite + Unpin,
+{
+    debug!(
+        option,
+        reply_type = format_args!("{reply_type:#x}"),
+        message,
+        "option refused"
+    );
+    send_reply(stream, option, reply_type, message.as_bytes()).await
+}
+
+/// Haggle options until the client enters transmission, asks for TLS, aborts or misbehaves.
+pub(crate) async fn option_loop<S>(
+    stream: &mut S,
+    context: &HandshakeContext<'_>,
+    state: &mut OptionState,
+) -> Result<Negotiated, HandshakeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    loop {
+        let mut raw_header = [0u8; wire::OPTION_HEADER_BYTES];
+        stream.read_exact(&mut raw_header).await?;
+        let OptionHeader { option, length } = wire::parse_option_header(&raw_header)?;
+        if length > context.limits.max_option_bytes {
+            return Err(HandshakeError::Protocol(format!(
+                "option {option} length {length} over limit"
+            )));
+        }
+        state.options_seen += 1;
+        if state.options_seen > context.limits.max_options {
+            return Err(HandshakeError::Protocol("too many options".into()));
+        }
+        let mut data = vec![0u8; length as usize];
+        stream.read_exact(&mut data).await?;
+
+        if (context.shutting_down)() && option != wire::OPT_ABORT {
+            send_error(
+                stream,
+                option,
+                wire::REP_ERR_SHUTDOWN,
+                "server is shutting down",
+            )
+            .await?;
+            return Err(HandshakeError::Shutdown);
+        }
+        if context.tls_required && !state.tls_active {
+            match option {
+                wire::OPT_STARTTLS | wire::OPT_ABORT => {}
+                wire::OPT_EXPORT_NAME => {
+                    // EXPORT_NAME cannot be refused; the spec says terminate.
+                    return Err(HandshakeError::Protocol(
+                        "EXPORT_NAME before required TLS".into(),
+                    ));
+                }
+                _ => {
+                    send_error(
+                        stream,
+                        option,
+                        wire::REP_ERR_TLS_REQD,
+                        "TLS is required: use STARTTLS",
+                    )
+                    .await?;
+                    continue;
+                }
+            }
+        }
+        let parsed = match wire::parse_option(option, &data) {
+            Ok(parsed) => parsed,
+            Err(error) => {
+                send_error(stream, option, wire::REP_ERR_INVALID, &error.to_string()).await?;
+                continue;
+            }
+        };
+        if let Some(outcome) = handle_option(stream, context, state, option, parsed).await? {
+            return Ok(outcome);
+        }
+    }
+}
+
+async fn handle_option<S>(
+    stream: &mut S,
+    context: &HandshakeContext<'_>,
+    state: &mut OptionState,
+    option: u32,
+    parsed: ClientOption,
+) -> Result<Option<Negotiated>, HandshakeError>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    match parsed {
+        ClientOption::Abort => {
+            // The client may already have closed; a failed ACK is not an error.
+            let _ = send_reply(stream, option, wire::REP_ACK, &[]).await;
+            Err(HandshakeError::Aborted)
+        }
+        ClientOption::ExportName { name } => {
+            let Some((canonical, export)) = context.lookup(&name) else {
+                return Err(HandshakeError::Protocol(format!(
+                    "EXPORT_NAME for unknown export {name:?}"
+                )));
+            };
+            let session = make_session(context, state, &name, canonical, export);
+            let reply =
+                wire::export_name_reply(session.size, session.transmission_flags, state.no_zeroes);
+            stream.write_all(&reply).await?;
+            stream.flush().await?;
+            Ok(Some(Negotiated::Transmission(session)))
+        }
+        ClientOption::List => {
+            let mut names: Vec<&String> = context.exports.keys().collect();
+            names.sort();
+            for name in names {
+                send_reply(stream, option, wire::REP_SERVER, &wire::rep_server(name)).await?;
+            }
+            send_reply(stream, option, wire::REP_ACK, &[]).await?;
+            Ok(None)
+        }
+        ClientOption::StartTls => {
+            if state.tls_active {
+                send_error(stream, option, wire::REP_ERR_INVALID, "TLS already active").await?;
+                Ok(None)
+            } else if !context.tls_available {
+                send_error(stream, option, wire::REP_ERR_UNSUP, "TLS not configured").await?;
+                Ok(None)
+            } else {
+                send_reply(stream, option, wire::REP_ACK, &[]).await?;
+                // The spec forbids keeping negotiation state across STARTTLS.
+                state.reset_for_tls();
+                Ok(Some(Negotiated::StartTls))
+            }
+        }
+        ClientOption::StructuredReply => {
+            state.structured_replies = true;
+            send_reply(stream, option, wire::REP_ACK, &[]).await?;
+            Ok(None)
+        }
+        ClientOption::InfoGo { go, name, requests } => {
+            let Some((canonical, export)) = context.lookup(&name) else {
+                send_error(
+                    stream,
+                    option,
+                    wire::REP_ERR_UNKNOWN,
+                    &format!("unknown export {name:?}"),
+                )
+                .await?;
+                return Ok(None);
+            };
+            let session = make_session(context, state, &name, canonical, export);
+            send_info(stream, option, &session, &requests).await?;
+            send_reply(stream, option, wire::REP_ACK, &[]).await?;
+            Ok(go.then_some(Negotiated::Transmission(session)))
+        }
+        ClientOption::MetaContext { set, name, queries } => {
+            meta_context(stream, context, state, option, set, &name, &queries).await?;
+            Ok(None)
+        }
+        ClientOption::Unknown { option } => {
+            send_error(stream, option, wire::REP_ERR_UNSUP, "unsupported option").await?;
+            Ok(None)
+        }
+    }
+}
+
+fn make_session(
+    context: &HandshakeContext<'_>,
+    state: &OptionState,
+    requested_name: &str,
+    canonical: String,
+    export: Arc<dyn Export>,
+) -> Session {
+    let base_allocation = (state.structured_replies
+        && state.meta_export.as_deref() == Some(requested_name))
+    .then_some(BASE_ALLOCATION_CONTEXT_ID);
+    Session {
+        export_name: canonical,
+        size: export.size(),
+        transmission_flags: transmission_flags(export.as_ref(), state.structured_replies),
+        structured_replies: state.structured_replies,
+        base_allocation,
+        block_sizes: effective_block_sizes(export.as_ref(), context.limits),
+        export,
+    }
+}
+
+async fn send_info<S>(
+    stream: &mut S,
+    option: u32,
+    session: &Session,
+    requests: &[u16],
+) -> Result<(), HandshakeError>
+where
+    S: AsyncWrite + Unpin,
+{
+    send_reply(
+        stream,
+        option,
+        wire::REP_INFO,
+        &wire::info_export(session.size, session.transmission_flags),
+    )
+    .await?;
+    if requests.contains(&wire::INFO_NAME) {
+        send_reply(
+            stream,
+            option,
+            wire::REP_INFO,
+            &wire::info_string(wire::INFO_NAME, &session.export_name),
+        )
+        .await?;
+    }
+    if requests.contains(&wire::INFO_DESCRIPTION) {
+        if let Some(description) = session.export.description() {
+            send_reply(
+                stream,
+                option,
+                wire::REP_INFO,
+                &wire::info_string(wire::INFO_DESCRIPTION, &description),
+            )
+            .await?;
+        }
+    }
+    // Always sent: our minimum block size may be larger than the default of 1,
+    // and the spec lets us volunteer information.
+    let sizes = session.block_sizes;
+    send_reply(
+        stream,
+        option,
+        wire::REP_INFO,
+        &wire::info_block_size(sizes.minimum, sizes.preferred, sizes.maximum),
+    )
+    .await
+}
+
+async fn meta_context<S>(
+    stream: &mut S,
+    context: &HandshakeContext<'_>,
+    state: &mut OptionState,
+    option: u32,
+    set: bool,
+    name: &str,
+    queries: &[String],
+) -> Result<(), HandshakeError>
+where
+    S: AsyncWrite + Unpin,
+{
+    if set {
+        // SET replaces the previous selection even when it fails.
+        state.meta_export = None;
+        if !state.structured_replies {
+            return send_error(
+                stream,
+                option,
+                wire::REP_ERR_INVALID,
+                "negotiate structured replies first",
+            )
+            .await;
+        }
+    }
+    if context.lookup(name).is_none() {
+        return send_error(
+            stream,
+            option,
+            wire::REP_ERR_UNKNOWN,
+            &format!("unknown export {name:?}"),
+        )
+        .await;
+    }
+    let matches = if set {
+        // "base:" selects nothing in SET; unknown namespaces/leaves are ignored.
+        queries
+            .iter()
+            .any(|query| query == wire::META_BASE_ALLOCATION)
+    } else {
+        queries.is_empty()
+            || queries
+                .iter()
+                .any(|query| query == "base:" || query == wire::META_BASE_ALLOCATION)
+    };
+    if matches {
+        let context_id = if set { BASE_ALLOCATION_CONTEXT_ID } else { 0 };
+        let payload = wire::rep_meta_context(context_id, wire::META_BASE_ALLOCATION);
+        send_reply(stream, option, wire::REP_META_CONTEXT, &payload).await?;
+        if set {
+            state.meta_export = Some(name.to_string());
+        }
+    }
+    send_reply(stream, option, wire::REP_ACK, &[]).await
+}

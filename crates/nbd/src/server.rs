@@ -1,0 +1,410 @@
+//! Listeners, connection lifecycle, limits and graceful shutdown.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tracing::{debug, info, warn};
+
+use crate::export::Export;
+use crate::handshake::{self, HandshakeContext, HandshakeError, Negotiated, OptionState};
+use crate::metrics::Metrics;
+use crate::transmission::{self, ServerResources};
+use crate::worker::{Executor, WorkerPool};
+
+/// Largest READ/WRITE payload (the spec's interoperable maximum, 2^25).
+pub const DEFAULT_MAX_PAYLOAD_BYTES: u32 = 32 * 1024 * 1024;
+/// Request payload bytes in flight on one connection before we stop reading it.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES_PER_CONNECTION: u64 = 64 * 1024 * 1024;
+/// Request payload bytes in flight across the server.
+pub const DEFAULT_MAX_IN_FLIGHT_BYTES_PER_SERVER: u64 = 256 * 1024 * 1024;
+/// Concurrent client connections (more are accepted and closed at once).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 128;
+/// Requests in flight on one connection.
+pub const DEFAULT_MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION: usize = 256;
+/// Longest option data accepted during the handshake.
+pub const DEFAULT_MAX_OPTION_BYTES: u32 = 64 * 1024;
+/// Options accepted on one connection before it is dropped.
+pub const DEFAULT_MAX_OPTIONS: u32 = 64;
+/// Time allowed from accept to the transmission phase.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// A connection whose replies make no progress this long is dropped.
+pub const DEFAULT_REPLY_WRITE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Largest invalid WRITE payload read and discarded (bigger ones drop the connection).
+pub const DEFAULT_MAX_DISCARD_BYTES: u64 = 64 * 1024 * 1024;
+
+/// Resource limits; every field defaults to the constant of the same name.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_payload_bytes: u32,
+    pub max_in_flight_bytes_per_connection: u64,
+    pub max_in_flight_bytes_per_server: u64,
+    pub max_connections: usize,
+    pub max_in_flight_requests_per_connection: usize,
+    pub max_option_bytes: u32,
+    pub max_options: u32,
+    pub handshake_timeout: Duration,
+    pub reply_write_timeout: Duration,
+    pub max_discard_bytes: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_payload_bytes: DEFAULT_MAX_PAYLOAD_BYTES,
+            max_in_flight_bytes_per_connection: DEFAULT_MAX_IN_FLIGHT_BYTES_PER_CONNECTION,
+            max_in_flight_bytes_per_server: DEFAULT_MAX_IN_FLIGHT_BYTES_PER_SERVER,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_in_flight_requests_per_connection: DEFAULT_MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION,
+            max_option_bytes: DEFAULT_MAX_OPTION_BYTES,
+            max_options: DEFAULT_MAX_OPTIONS,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            reply_write_timeout: DEFAULT_REPLY_WRITE_TIMEOUT,
+            max_discard_bytes: DEFAULT_MAX_DISCARD_BYTES,
+        }
+    }
+}
+
+/// Where to listen.
+#[derive(Debug, Clone)]
+pub enum Listen {
+    /// `ADDR:PORT`; port 0 picks an ephemeral port (see [`Server::tcp_addrs`]).
+    Tcp(SocketAddr),
+    /// A Unix socket path (an existing socket file is replaced).
+    Unix(PathBuf),
+}
+
+/// Everything needed to build a [`Server`].
+#[derive(Clone, Default)]
+pub struct ServerConfig {
+    /// Exports by name. The key `""` (or `default_export`) serves clients
+    /// that ask for the empty name.
+    pub exports: HashMap<String, Arc<dyn Export>>,
+    /// Name of the export served for the empty name, if not keyed `""`.
+    pub default_export: Option<String>,
+    pub listen: Vec<Listen>,
+    /// TLS material; STARTTLS is offered when set.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// FORCEDTLS mode: every option but STARTTLS/ABORT is refused before TLS.
+    pub tls_required: bool,
+    pub limits: Limits,
+    pub executor: Executor,
+    /// Shared metrics; a fresh set is created when `None`.
+    pub metrics: Option<Arc<Metrics>>,
+}
+
+/// Errors building or running a server.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("configuration: {0}")]
+    Config(String),
+    #[error("listening on {what}: {source}")]
+    Bind {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// Requests a graceful shutdown of the server it came from. Cloneable.
+#[derive(Clone)]
+pub struct ShutdownHandle {
+    signal: Arc<watch::Sender<bool>>,
+}
+
+impl ShutdownHandle {
+    /// Stop accepting, finish and answer in-flight requests, flush every
+    /// export; [`Server::run`] returns when that is done.
+    pub fn shutdown(&self) {
+        self.signal.send_replace(true);
+    }
+}
+
+enum BoundListener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+/// A bound NBD server. Build with [`Server::bind`], drive with [`Server::run`].
+pub struct Server {
+    shared: Arc<Shared>,
+    listeners: Vec<BoundListener>,
+    signal: Arc<watch::Sender<bool>>,
+}
+
+struct Shared {
+    config: ServerConfig,
+    tls_acceptor: Option<tokio_rustls::TlsAcceptor>,
+    resources: ServerResources,
+    connection_slots: Arc<Semaphore>,
+    shutdown: watch::Receiver<bool>,
+}
+
+impl Server {
+    /// Validate the configuration and bind every listener.
+    pub async fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+        if config.exports.is_empty() {
+            return Err(ServerError::Config("no exports".into()));
+        }
+        if let Some(name) = &config.default_export {
+            if !config.exports.contains_key(name) {
+                return Err(ServerError::Config(format!(
+                    "default export {name:?} is not an export"
+                )));
+            }
+        }
+        if config.tls_required && config.tls.is_none() {
+            return Err(ServerError::Config(
+                "tls_required without a TLS configuration".into(),
+            ));
+        }
+        if config.listen.is_empty() {
+            return Err(ServerError::Config("no listeners".into()));
+        }
+        let mut listeners = Vec::new();
+        for listen in &config.listen {
+            let bound = match listen {
+                Listen::Tcp(addr) => {
+                    BoundListener::Tcp(TcpListener::bind(addr).await.map_err(|source| {
+                        ServerError::Bind {
+                            what: addr.to_string(),
+                            source,
+                        }
+                    })?)
+                }
+                Listen::Unix(path) => {
+                    // A stale socket from a previous run would make bind fail.
+                    if std::fs::symlink_metadata(path).is_ok_and(|m| {
+                        use std::os::unix::fs::FileTypeExt;
+                        m.file_type().is_socket()
+                    }) {
+                        let _ = std::fs::remove_file(path);
+                    }
+                    let listener =
+                        UnixListener::bind(path).map_err(|source| ServerError::Bind {
+                            what: path.display().to_string(),
+                            source,
+                        })?;
+                    BoundListener::Unix(listener, path.clone())
+                }
+            };
+            listeners.push(bound);
+        }
+        let (signal, shutdown) = watch::channel(false);
+        let metrics = config.metrics.clone().unwrap_or_default();
+        let resources = ServerResources {
+            metrics,
+            pool: Arc::new(WorkerPool::new(config.executor)?),
+            server_bytes: Arc::new(Semaphore::new(
+                usize::try_from(config.limits.max_in_flight_bytes_per_server)
+                    .unwrap_or(usize::MAX)
+                    .clamp(1, Semaphore::MAX_PERMITS),
+            )),
+            limits: config.limits.clone(),
+        };
+        let shared = Arc::new(Shared {
+            tls_acceptor: config.tls.clone().map(tokio_rustls::TlsAcceptor::from),
+            connection_slots: Arc::new(Semaphore::new(config.limits.max_connections.max(1))),
+            resources,
+            shutdown,
+            config,
+        });
+        Ok(Server {
+            shared,
+            listeners,
+            signal: Arc::new(signal),
+        })
+    }
+
+    /// Local addresses of the TCP listeners (to learn an ephemeral port).
+    pub fn tcp_addrs(&self) -> Vec<SocketAddr> {
+        self.listeners
+            .iter()
+            .filter_map(|listener| match listener {
+                BoundListener::Tcp(tcp) => tcp.local_addr().ok(),
+                BoundListener::Unix(..) => None,
+            })
+            .collect()
+    }
+
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.shared.resources.metrics.clone()
+    }
+
+    pub fn shutdown_handle(&self) -> ShutdownHandle {
+        ShutdownHandle {
+            signal: self.signal.clone(),
+        }
+    }
+
+    /// Serve until [`ShutdownHandle::shutdown`], then drain connections
+    /// (answering in-flight requests) and flush every export.
+    pub async fn run(self) -> Result<(), ServerError> {
+        let Server {
+            shared,
+            listeners,
+            signal,
+        } = self;
+        // Every connection task holds a clone; recv() returns None when all are gone.
+        let (alive, mut all_gone) = mpsc::channel::<()>(1);
+        let mut accept_tasks = Vec::new();
+        for listener in listeners {
+            accept_tasks.push(tokio::spawn(accept_loop(
+                listener,
+                shared.clone(),
+                alive.clone(),
+            )));
+        }
+        drop(alive);
+        let mut shutdown = shared.shutdown.clone();
+        while !*shutdown.borrow_and_update() {
+            if shutdown.changed().await.is_err() {
+                break;
+            }
+        }
+        info!("NBD server shutting down: draining connections");
+        for task in &accept_tasks {
+            task.abort();
+        }
+        for task in accept_tasks {
+            let _ = task.await;
+        }
+        let _ = all_gone.recv().await;
+        for (name, export) in &shared.config.exports {
+            let export = export.clone();
+            match tokio::task::spawn_blocking(move || export.flush()).await {
+                Ok(Ok(())) => debug!(export = %name, "flushed"),
+                Ok(Err(error)) => warn!(export = %name, %error, "flush at shutdown failed"),
+                Err(error) => warn!(export = %name, %error, "flush at shutdown panicked"),
+            }
+        }
+        drop(signal);
+        info!("NBD server stopped");
+        Ok(())
+    }
+}
+
+async fn accept_loop(listener: BoundListener, shared: Arc<Shared>, alive: mpsc::Sender<()>) {
+    loop {
+        let accepted = match &listener {
+            BoundListener::Tcp(tcp) => tcp.accept().await.map(|(stream, peer)| {
+                // Replies are batched by the writer; Nagle would only add latency.
+                let _ = stream.set_nodelay(true);
+                (Accepted::Tcp(stream), peer.to_string())
+            }),
+            BoundListener::Unix(unix, path) => unix
+                .accept()
+                .await
+                .map(|(stream, _)| (Accepted::Unix(stream), path.display().to_string())),
+        };
+        let (stream, peer) = match accepted {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                // EMFILE and friends: back off instead of spinning.
+                warn!(%error, "accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = shared.connection_slots.clone().try_acquire_owned() else {
+            warn!(%peer, "connection limit reached; closing new connection");
+            continue;
+        };
+        let shared = shared.clone();
+        let alive = alive.clone();
+        tokio::spawn(async move {
+            let metrics = shared.resources.metrics.clone();
+            metrics.connection_opened();
+            debug!(%peer, "connection opened");
+            let result = match stream {
+                Accepted::Tcp(stream) => serve_connection(stream, &shared).await,
+                Accepted::Unix(stream) => serve_connection(stream, &shared).await,
+            };
+            match result {
+                Ok(()) => debug!(%peer, "connection closed"),
+                Err(error) => debug!(%peer, %error, "connection ended"),
+            }
+            metrics.connection_closed();
+            drop(slot);
+            drop(alive);
+        });
+    }
+}
+
+enum Accepted {
+    Tcp(tokio::net::TcpStream),
+    Unix(tokio::net::UnixStream),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnectionEnd {
+    #[error(transparent)]
+    Handshake(#[from] HandshakeError),
+    #[error("handshake timed out")]
+    HandshakeTimeout,
+    #[error("TLS handshake: {0}")]
+    Tls(std::io::Error),
+    #[error(transparent)]
+    Transmission(#[from] transmission::ConnectionError),
+}
+
+async fn serve_connection<S>(mut stream: S, shared: &Shared) -> Result<(), ConnectionEnd>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let config = &shared.config;
+    let shutdown = shared.shutdown.clone();
+    let shutting_down = move || *shutdown.borrow();
+    let context = HandshakeContext {
+        exports: &config.exports,
+        default_export: config.default_export.as_deref(),
+        tls_available: shared.tls_acceptor.is_some(),
+        tls_required: config.tls_required,
+        limits: &shared.resources.limits,
+        shutting_down: &shutting_down,
+    };
+    let deadline = tokio::time::Instant::now() + shared.resources.limits.handshake_timeout;
+    let mut state = OptionState::default();
+    let mut shutdown = shared.shutdown.clone();
+    let negotiated = tokio::select! {
+        result = tokio::time::timeout_at(deadline, async {
+            handshake::greet(&mut stream, &mut state).await?;
+            handshake::option_loop(&mut stream, &context, &mut state).await
+        }) => result.map_err(|_| ConnectionEnd::HandshakeTimeout)??,
+        _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+    };
+    match negotiated {
+        Negotiated::Transmission(session) => {
+            transmission::run(stream, session, &shared.resources, shared.shutdown.clone()).await?;
+        }
+        Negotiated::StartTls => {
+            let acceptor = shared
+                .tls_acceptor
+                .as_ref()
+                .expect("STARTTLS acked only with TLS configured");
+            let mut tls = tokio::time::timeout_at(deadline, acceptor.accept(stream))
+                .await
+                .map_err(|_| ConnectionEnd::HandshakeTimeout)?
+                .map_err(ConnectionEnd::Tls)?;
+            let negotiated = tokio::select! {
+                result = tokio::time::timeout_at(deadline, handshake::option_loop(&mut tls, &context, &mut state)) =>
+                    result.map_err(|_| ConnectionEnd::HandshakeTimeout)??,
+                _ = shutdown.wait_for(|stop| *stop) => return Ok(()),
+            };
+            match negotiated {
+                Negotiated::Transmission(session) => {
+                    transmission::run(tls, session, &shared.resources, shared.shutdown.clone())
+                        .await?;
+                }
+                Negotiated::StartTls => unreachable!("STARTTLS is refused once TLS is active"),
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,873 @@
+//! The transmission phase of one connection.
+//!
+//! Pipeline: a reader (this task) parses and validates request headers,
+//! reads WRITE payloads, takes in-flight permits (backpressure: it stops
+//! reading when a limit is reached) and hands each valid request to the
+//! worker pool. Workers call the export and queue an encoded reply on an
+//! unbounded channel — bounded in practice by the permits each reply holds
+//! until it is written. A writer task drains that channel, coalescing small
+//! replies into one buffer and writing large read payloads directly.
+//!
+//! Invalid requests are answered by the reader itself (no thread hop), after
+//! consuming any WRITE payload so the stream never desynchronises.
+
+use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tracing::{debug, warn};
+
+use crate::export::{Errno, Export, ExportError, Extent};
+use crate::handshake::Session;
+use crate::metrics::Metrics;
+use crate::server::Limits;
+use crate::wire::{self, Command, Request};
+use crate::worker::WorkerPool;
+
+/// Bytes the request reader buffers from the socket.
+const READ_BUFFER_BYTES: usize = 256 * 1024;
+/// The writer flushes its coalescing buffer once it holds this much.
+const WRITE_BATCH_BYTES: usize = 256 * 1024;
+/// Read payloads up to this size are copied into the coalescing buffer;
+/// larger ones are written straight from the read buffer.
+const COPY_PAYLOAD_MAX_BYTES: usize = 64 * 1024;
+/// Servers SHOULD NOT send more than 2^20 block status descriptors per chunk.
+const MAX_BLOCK_STATUS_EXTENTS: usize = 1 << 20;
+
+/// Why a connection ended abnormally.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConnectionError {
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("protocol violation: {0}")]
+    Protocol(String),
+}
+
+/// An encoded reply waiting for the writer. Holds the request's in-flight
+/// permits so memory stays bounded until the bytes are on the socket.
+pub(crate) struct Reply {
+    head: Vec<u8>,
+    data: Vec<u8>,
+    layout: Layout,
+    _permits: Option<Permits>,
+}
+
+enum Layout {
+    /// `head` then all of `data`.
+    Single,
+    /// Alternating: `head[previous end..head_end]` then `data[data]`.
+    Pieces(Vec<Piece>),
+}
+
+struct Piece {
+    head_end: usize,
+    data: Range<usize>,
+}
+
+struct Permits {
+    _request: OwnedSemaphorePermit,
+    _connection_bytes: Option<OwnedSemaphorePermit>,
+    _server_bytes: Option<OwnedSemaphorePermit>,
+}
+
+/// Per-connection state shared by the reader and jobs on worker threads.
+struct Connection {
+    session: Session,
+    metrics: Arc<Metrics>,
+    replies: UnboundedSender<Reply>,
+}
+
+/// Shared, server-wide resources a connection uses.
+pub(crate) struct ServerResources {
+    pub metrics: Arc<Metrics>,
+    pub pool: Arc<WorkerPool>,
+    pub server_bytes: Arc<Semaphore>,
+    pub limits: Limits,
+}
+
+/// Run the transmission phase until DISC, EOF, shutdown or a protocol error.
+pub(crate) async fn run<S>(
+    stream: S,
+    session: Session,
+    resources: &ServerResources,
+    mut shutdown: watch::Receiver<bool>,
+) -> Result<(), ConnectionError>
+where
+    S: AsyncRead + AsyncWrite + Send + 'static,
+{
+    let (read_half, write_half) = tokio::io::split(stream);
+    let (replies, reply_queue) = unbounded_channel();
+    let writer = tokio::spawn(write_replies(
+        write_half,
+        reply_queue,
+        resources.limits.reply_write_timeout,
+    ));
+    let connection = Arc::new(Connection {
+        session,
+        metrics: resources.metrics.clone(),
+        replies,
+    });
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
+    let result = read_requests(&mut reader, &connection, resources, &mut shutdown).await;
+    // Dropping our sender lets the writer finish once every in-flight job
+    // (each holding a sender clone) has queued its reply.
+    drop(connection);
+    match result {
+        Err(ConnectionError::Protocol(reason)) => {
+            resources.metrics.protocol_error();
+            writer.abort();
+            Err(ConnectionError::Protocol(reason))
+        }
+        other => {
+            let written = writer.await.unwrap_or(Ok(()));
+            other?;
+            written.map_err(ConnectionError::Io)
+        }
+    }
+}
+
+async fn read_requests<R>(
+    reader: &mut BufReader<R>,
+    connection: &Arc<Connection>,
+    resources: &ServerResources,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Result<(), ConnectionError>
+where
+    R: AsyncRead + Unpin,
+{
+    let limits = &resources.limits;
+    let request_slots = Arc::new(Semaphore::new(
+        limits.max_in_flight_requests_per_connection.max(1),
+    ));
+    let connection_bytes = Arc::new(Semaphore::new(permits_for(
+        limits.max_in_flight_bytes_per_connection,
+    )));
+    let mut header = [0u8; wire::REQUEST_HEADER_BYTES];
+    loop {
+        if *shutdown.borrow() {
+            return Ok(());
+        }
+        tokio::select! {
+            biased;
+            _ = shutdown.changed() => return Ok(()),
+            _ = connection.replies.closed() => return Ok(()),
+            read = reader.read_exact(&mut header) => match read {
+                Ok(_) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(error) => return Err(error.into()),
+            },
+        }
+        let request =
+            wire::parse_request(&header).map_err(|e| ConnectionError::Protocol(e.to_string()))?;
+        let received = Instant::now();
+        let command = match validate(&connection.session, limits, &request) {
+            Ok(command) => command,
+            Err(errno) => {
+                reject(reader, connection, limits, &request, errno).await?;
+                continue;
+            }
+        };
+        if command == Command::Disc {
+            debug!("client sent NBD_CMD_DISC");
+            return Ok(());
+        }
+        let data_bytes = match command {
+            Command::Read | Command::Write => u64::from(request.length),
+            _ => 0,
+        };
+        let permits = acquire_permits(
+            &request_slots,
+            &connection_bytes,
+            &resources.server_bytes,
+            data_bytes,
+            limits,
+        )
+        .await;
+        let payload = if command == Command::Write {
+            let mut payload = vec![0u8; request.length as usize];
+            reader.read_exact(&mut payload).await?;
+            payload
+        } else {
+            Vec::new()
+        };
+        connection.metrics.request_started();
+        let connection = connection.clone();
+        resources.pool.submit(Box::new(move || {
+            execute(&connection, request, command, payload, permits, received);
+        }));
+    }
+}
+
+fn permits_for(bytes: u64) -> usize {
+    // tokio semaphores hold at most usize::MAX >> 3 permits.
+    usize::try_from(bytes)
+        .unwrap_or(usize::MAX)
+        .clamp(1, Semaphore::MAX_PERMITS)
+}
+
+async fn acquire_permits(
+    request_slots: &Arc<Semaphore>,
+    connection_bytes: &Arc<Semaphore>,
+    server_bytes: &Arc<Semaphore>,
+    data_bytes: u64,
+    limits: &Limits,
+) -> Permits {
+    let request = request_slots
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("semaphore never closed");
+    if data_bytes == 0 {
+        return Permits {
+            _request: request,
+            _connection_bytes: None,
+            _server_bytes: None,
+        };
+    }
+    // A single request larger than a limit still runs, alone.
+    let cost = |limit: u64| u32::try_from(data_bytes.min(limit).max(1)).unwrap_or(u32::MAX);
+    // Connection permits first, then server permits: every connection
+    // acquires in this order so no cycle can form.
+    let connection = connection_bytes
+        .clone()
+        .acquire_many_owned(cost(limits.max_in_flight_bytes_per_connection))
+        .await
+        .expect("semaphore never closed");
+    let server = server_bytes
+        .clone()
+        .acquire_many_owned(cost(limits.max_in_flight_bytes_per_server))
+        .await
+        .expect("semaphore never closed");
+    Permits {
+        _request: request,
+        _connection_bytes: Some(connection),
+        _server_bytes: Some(server),
+    }
+}
+
+/// Protocol-layer validation of a request; the export is only called with
+/// requests that pass. Returns the errno to answer otherwise.
+fn validate(session: &Session, limits: &Limits, request: &Request) -> Result<Command, Errno> {
+    let Some(command) = request.known_command() else {
+        return Err(Errno::Inval);
+    };
+    let flags = session.transmission_flags;
+    let mut allowed = if flags & wire::TFLAG_SEND_FUA != 0 {
+        wire::CMD_FLAG_FUA
+    } else {
+        0
+    };
+    match command {
+        Command::Disc => return Ok(command),
+        Command::Read if session.structured_replies => allowed |= wire::CMD_FLAG_DF,
+        Command::WriteZeroes => {
+            allowed |= wire::CMD_FLAG_NO_HOLE;
+            if flags & wire::TFLAG_SEND_FAST_ZERO != 0 {
+                allowed |= wire::CMD_FLAG_FAST_ZERO;
+            }
+        }
+        Command::BlockStatus => allowed |= wire::CMD_FLAG_REQ_ONE,
+        _ => {}
+    }
+    if request.flags & !allowed != 0 {
+        return Err(Errno::Inval);
+    }
+    let writes = matches!(
+        command,
+        Command::Write | Command::Trim | Command::WriteZeroes
+    );
+    if writes && flags & wire::TFLAG_READ_ONLY != 0 {
+        return Err(Errno::Perm);
+    }
+    let advertised = match command {
+        Command::Trim => flags & wire::TFLAG_SEND_TRIM != 0,
+        Command::WriteZeroes => flags & wire::TFLAG_SEND_WRITE_ZEROES != 0,
+        Command::Cache => flags & wire::TFLAG_SEND_CACHE != 0,
+        Command::BlockStatus => session.base_allocation.is_some(),
+        _ => true,
+    };
+    if !advertised {
+        return Err(Errno::Inval);
+    }
+    if command == Command::Flush {
+        // Offset and length are reserved and MUST be zero.
+        return if request.offset == 0 && request.length == 0 {
+            Ok(command)
+        } else {
+            Err(Errno::Inval)
+        };
+    }
+    let max_payload = session.block_sizes.maximum.min(limits.max_payload_bytes);
+    if request.length > max_payload {
+        match command {
+            Command::Write => return Err(Errno::Inval),
+            // A structured read reply is server-controlled: EOVERFLOW tells
+            // the client to retry smaller; a simple read just fails.
+            Command::Read if session.structured_replies => return Err(Errno::Overflow),
+            Command::Read => return Err(Errno::Inval),
+            _ => {}
+        }
+    }
+    let length = u64::from(request.length);
+    let in_bounds = request.offset <= session.size && length <= session.size - request.offset;
+    if !in_bounds {
+        return Err(match command {
+            Command::Write | Command::WriteZeroes => Errno::NoSpc,
+            _ => Errno::Inval,
+        });
+    }
+    let minimum = u64::from(session.block_sizes.minimum);
+    let end = request.offset + length;
+    if !request.offset.is_multiple_of(minimum)
+        || (!end.is_multiple_of(minimum) && end != session.size)
+    {
+        return Err(Errno::Inval);
+    }
+    if command == Command::BlockStatus && request.length == 0 {
+        // A block status reply must describe at least one non-empty extent.
+        return Err(Errno::Inval);
+    }
+    Ok(command)
+}
+
+/// Answer an invalid request from the reader, discarding any WRITE payload.
+async fn reject<R>(
+    reader: &mut BufReader<R>,
+    connection: &Connection,
+    limits: &Limits,
+    request: &Request,
+    errno: Errno,
+) -> Result<(), ConnectionError>
+where
+    R: AsyncRead + Unpin,
+{
+    debug!(%request, errno = errno.name(), "request rejected");
+    if request.known_command() == Some(Command::Write) && request.length > 0 {
+        let length = u64::from(request.length);
+        if length > limits.max_discard_bytes {
+            return Err(ConnectionError::Protocol(format!(
+                "write payload of {length} bytes too large to discard"
+            )));
+        }
+        let copied =
+            tokio::io::copy(&mut (&mut *reader).take(length), &mut tokio::io::sink()).await?;
+        if copied != length {
+            return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+        }
+    }
+    connection.metrics.request_rejected(errno);
+    let error = ExportError::new(
+        errno,
+        format!("{}: {}", errno.name(), rejection_reason(errno)),
+    );
+    let reply = error_reply(&connection.session, request.cookie, &error, None);
+    // The writer may be gone (client vanished); the reader notices on its next read.
+    let _ = connection.replies.send(reply);
+    Ok(())
+}
+
+fn rejection_reason(errno: Errno) -> &'static str {
+    match errno {
+        Errno::Perm => "export is read-only",
+        Errno::NoSpc => "request extends past the end of the export",
+        Errno::Overflow => "request larger than the maximum payload",
+        _ => "invalid request (command, flags, range or alignment)",
+    }
+}
+
+/// Runs on a worker thread: call the export and queue the reply.
+fn execute(
+    connection: &Connection,
+    request: Request,
+    command: Command,
+    payload: Vec<u8>,
+    permits: Permits,
+    received: Instant,
+) {
+    let export = connection.session.export.as_ref();
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        run_command(connection, export, &request, command, &payload)
+    }));
+    let mut reply = match outcome {
+        Ok(Ok(reply)) => reply,
+        Ok(Err(error)) => {
+            if let Some(kind) = error.fault_kind {
+                connection.metrics.fault(kind);
+                warn!(
+                    export = %connection.session.export_name,
+                    command = command.name(),
+                    offset = error.offset.unwrap_or(request.offset),
+                    length = request.length,
+                    kind,
+                    message = %error.message,
+                    "verification fault"
+                );
+            } else {
+                debug!(%request, %error, "export error");
+            }
+            error_reply(&connection.session, request.cookie, &error, Some(&request))
+        }
+        Err(_) => {
+            warn!(%request, "export panicked; answering EIO");
+            let error = ExportError::new(Errno::Io, "internal error");
+            error_reply(&connection.session, request.cookie, &error, None)
+        }
+    };
+    let errno = errno_of(&reply);
+    let bytes = match command {
+        Command::Flush => 0,
+        _ => u64::from(request.length),
+    };
+    connection
+        .metrics
+        .request_finished(command, bytes, received.elapsed(), errno);
+    reply._permits = Some(permits);
+    let _ = connection.replies.send(reply);
+}
+
+/// Recover the errno from an encoded reply for metrics (cheap header peek).
+fn errno_of(reply: &Reply) -> Option<Errno> {
+    let head = &reply.head;
+    let wire_errno = if head.len() >= 8 && head[0..4] == wire::SIMPLE_REPLY_MAGIC.to_be_bytes() {
+        u32::from_be_bytes([head[4], head[5], head[6], head[7]])
+    } else if head.len() >= 24 && u16::from_be_bytes([head[6], head[7]]) & 0x8000 != 0 {
+        u32::from_be_bytes([head[20], head[21], head[22], head[23]])
+    } else {
+        0
+    };
+    Errno::ALL
+        .into_iter()
+        .find(|errno| errno.wire_value() == wire_errno)
+}
+
+fn run_command(
+    connection: &Connection,
+    export: &dyn Export,
+    request: &Request,
+    command: Command,
+    payload: &[u8],
+) -> Result<Reply, ExportError> {
+    let session = &connection.session;
+    let fua = request.flags & wire::CMD_FLAG_FUA != 0;
+    let offset = request.offset;
+    let length = u64::from(request.length);
+    // Zero-length requests are unspecified; succeed without touching the export.
+    let empty = length == 0;
+    match command {
+        Command::Read => read_reply(session, export, request),
+        Command::Write => {
+            if !empty {
+                export.write(offset, payload, fua)?;
+            }
+            Ok(done_reply(session, request.cookie))
+        }
+        Command::Flush => {
+            export.flush()?;
+            Ok(done_reply(session, request.cookie))
+        }
+        Command::Trim => {
+            if !empty {
+                export.trim(offset, length, fua)?;
+            }
+            Ok(done_reply(session, request.cookie))
+        }
+        Command::WriteZeroes => {
+            if !empty {
+                let no_hole = request.flags & wire::CMD_FLAG_NO_HOLE != 0;
+                let fast_zero = request.flags & wire::CMD_FLAG_FAST_ZERO != 0;
+                export.write_zeroes(offset, length, fua, no_hole, fast_zero)?;
+            }
+            Ok(done_reply(session, request.cookie))
+        }
+        Command::Cache => {
+            if !empty {
+                export.cache(offset, length)?;
+            }
+            Ok(done_reply(session, request.cookie))
+        }
+        Command::BlockStatus => block_status_reply(session, export, request),
+        Command::Disc => unreachable!("DISC is handled by the reader"),
+    }
+}
+
+/// Success without payload: a simple reply (allowed for everything but READ
+/// even with structured replies, and cheaper to encode).
+fn done_reply(_session: &Session, cookie: u64) -> Reply {
+    Reply {
+        head: wire::simple_reply(0, cookie).to_vec(),
+        data: Vec::new(),
+        layout: Layout::Single,
+        _permits: None,
+    }
+}
+
+fn error_reply(
+    session: &Session,
+    cookie: u64,
+    error: &ExportError,
+    request: Option<&Request>,
+) -> Reply {
+    let wire_errno = error.errno.wire_value();
+    let head = if session.structured_replies {
+        // ERROR_OFFSET only when the offset lies inside the request, as the spec requires.
+        let offset = match (error.offset, request) {
+            (Some(offset), Some(request))
+                if request.known_command() != Some(Command::Flush)
+                    && offset >= request.offset
+                    && offset < request.offset + u64::from(request.length) =>
+            {
+                Some(offset)
+            }
+            _ => None,
+        };
+        let mut head = Vec::with_capacity(wire::STRUCTURED_HEADER_BYTES + 14 + error.message.len());
+        wire::push_error_chunk(&mut head, cookie, wire_errno, &error.message, offset);
+        head
+    } else {
+        wire::simple_reply(wire_errno, cookie).to_vec()
+    };
+    Reply {
+        head,
+        data: Vec::new(),
+        layout: Layout::Single,
+        _permits: None,
+    }
+}
+
+fn read_reply(
+    session: &Session,
+    export: &dyn Export,
+    request: &Request,
+) -> Result<Reply, ExportError> {
+    let length = request.length as usize;
+    let mut data = vec![0u8; length];
+    let holes = if length > 0 {
+        export.read(request.offset, &mut data)?
+    } else {
+        Vec::new()
+    };
+    let cookie = request.cookie;
+    if !session.structured_replies {
+        return Ok(Reply {
+            head: wire::simple_reply(0, cookie).to_vec(),
+            data,
+            layout: Layout::Single,
+            _permits: None,
+        });
+    }
+    if length == 0 {
+        let head = wire::structured_header(wire::REPLY_FLAG_DONE, wire::REPLY_TYPE_NONE, cookie, 0)
+            .to_vec();
+        return Ok(Reply {
+            head,
+            data,
+            layout: Layout::Single,
+            _permits: None,
+        });
+    }
+    let df = request.flags & wire::CMD_FLAG_DF != 0;
+    let holes = if df {
+        Vec::new()
+    } else {
+        usable_holes(holes, length as u64)
+    };
+    if holes.is_empty() {
+        // The whole buffer is read already, so no error can follow: DONE on the data chunk.
+        let mut head = Vec::with_capacity(wire::STRUCTURED_HEADER_BYTES + 8);
+        wire::push_offset_data_header(
+            &mut head,
+            wire::REPLY_FLAG_DONE,
+            cookie,
+            request.offset,
+            length as u32,
+        );
+        return Ok(Reply {
+            head,
+            data,
+            layout: Layout::Single,
+            _permits: None,
+        });
+    }
+    // Split into alternating data / hole chunks.
+    let mut segments: Vec<(Range<usize>, bool)> = Vec::with_capacity(holes.len() * 2 + 1);
+    let mut cursor = 0usize;
+    for hole in &holes {
+        let (start, end) = (hole.start as usize, hole.end as usize);
+        if start > cursor {
+            segments.push((cursor..start, false));
+        }
+        segments.push((start..end, true));
+        cursor = end;
+    }
+    if cursor < length {
+        segments.push((cursor..length, false));
+    }
+    let mut head = Vec::with_capacity(segments.len() * 32);
+    let mut pieces = Vec::with_capacity(segments.len());
+    let last = segments.len() - 1;
+    for (index, (range, is_hole)) in segments.into_iter().enumerate() {
+        let flags = if index == last {
+            wire::REPLY_FLAG_DONE
+        } else {
+            0
+        };
+        let offset = request.offset + range.start as u64;
+        let chunk_len = (range.end - range.start) as u32;
+        if is_hole {
+            wire::push_offset_hole(&mut head, flags, cookie, offset, chunk_len);
+            pieces.push(Piece {
+                head_end: head.len(),
+                data: 0..0,
+            });
+        } else {
+            wire::push_offset_data_header(&mut head, flags, cookie, offset, chunk_len);
+            pieces.push(Piece {
+                head_end: head.len(),
+                data: range,
+            });
+        }
+    }
+    Ok(Reply {
+        head,
+        data,
+        layout: Layout::Pieces(pieces),
+        _permits: None,
+    })
+}
+
+/// Hole ranges as the export returned them, if they are well-formed (sorted,
+/// non-empty, non-overlapping, inside the read); otherwise none — the data
+/// buffer is complete either way, so ignoring holes is always correct.
+fn usable_holes(holes: Vec<Range<u64>>, length: u64) -> Vec<Range<u64>> {
+    let mut previous_end = 0u64;
+    for hole in &holes {
+        if hole.start >= hole.end || hole.start < previous_end || hole.end > length {
+            debug!(
+                ?holes,
+                length, "export returned malformed hole list; sending data"
+            );
+            return Vec::new();
+        }
+        previous_end = hole.end;
+    }
+    holes
+}
+
+fn block_status_reply(
+    session: &Session,
+    export: &dyn Export,
+    request: &Request,
+) -> Result<Reply, ExportError> {
+    let context_id = session
+        .base_allocation
+        .expect("validated: base:allocation negotiated");
+    let extents = export.block_status(request.offset, u64::from(request.length))?;
+    let req_one = request.flags & wire::CMD_FLAG_REQ_ONE != 0;
+    let descriptors = descriptors(&extents, u64::from(request.length), req_one);
+    if descriptors.is_empty() {
+        return Err(ExportError::new(
+            Errno::Io,
+            "export returned no block status extents",
+        ));
+    }
+    let mut head = Vec::with_capacity(wire::STRUCTURED_HEADER_BYTES + 4 + 8 * descriptors.len());
+    wire::push_block_status(
+        &mut head,
+        wire::REPLY_FLAG_DONE,
+        request.cookie,
+        context_id,
+        &descriptors,
+    );
+    Ok(Reply {
+        head,
+        data: Vec::new(),
+        layout: Layout::Single,
+        _permits: None,
+    })
+}
+
+/// Convert export extents to wire descriptors: clipped to the request (so
+/// every length fits in u32 and REQ_ONE's bound holds), empty extents
+/// dropped, equal neighbours merged, capped at 2^20 descriptors.
+pub(crate) fn descriptors(
+    extents: &[Extent],
+    request_length: u64,
+    req_one: bool,
+) -> Vec<(u32, u32)> {
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    let mut covered = 0u64;
+    for extent in extents {
+        if covered >= request_length {
+            break;
+        }
+        let length = extent.length.min(request_length - covered);
+        if length == 0 {
+            continue;
+        }
+        let status = (if extent.hole { wire::STATE_HOLE } else { 0 })
+            | (if extent.zero { wire::STATE_ZERO } else { 0 });
+        covered += length;
+        let length = length as u32; // <= request_length, itself a u32
+        match out.last_mut() {
+            Some((last_len, last_status)) if *last_status == status => *last_len += length,
+            _ => {
+                if out.len() == MAX_BLOCK_STATUS_EXTENTS {
+                    break;
+                }
+                out.push((length, status));
+            }
+        }
+    }
+    if req_one {
+        out.truncate(1);
+    }
+    out
+}
+
+/// The writer task: drain replies, coalesce, write.
+async fn write_replies<W>(
+    mut writer: tokio::io::WriteHalf<W>,
+    mut queue: UnboundedReceiver<Reply>,
+    stall_timeout: Duration,
+) -> std::io::Result<()>
+where
+    W: AsyncRead + AsyncWrite,
+{
+    let mut out: Vec<u8> = Vec::with_capacity(WRITE_BATCH_BYTES + COPY_PAYLOAD_MAX_BYTES);
+    while let Some(reply) = queue.recv().await {
+        append(&mut writer, &mut out, reply, stall_timeout).await?;
+        while let Ok(reply) = queue.try_recv() {
+            append(&mut writer, &mut out, reply, stall_timeout).await?;
+        }
+        write_timed(&mut writer, &out, stall_timeout).await?;
+        out.clear();
+        writer.flush().await?;
+    }
+    writer.shutdown().await
+}
+
+async fn append<W>(
+    writer: &mut W,
+    out: &mut Vec<u8>,
+    reply: Reply,
+    stall_timeout: Duration,
+) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+{
+    match &reply.layout {
+        Layout::Single => {
+            push_segment(writer, out, &reply.head, &reply.data, stall_timeout).await?
+        }
+        Layout::Pieces(pieces) => {
+            let mut head_start = 0;
+            for piece in pieces {
+                let head = &reply.head[head_start..piece.head_end];
+                push_segment(
+                    writer,
+                    out,
+                    head,
+                    &reply.data[piece.data.clone()],
+                    stall_timeout,
+                )
+                .await?;
+                head_start = piece.head_end;
+            }
+        }
+    }
+    if out.len() >= WRITE_BATCH_BYTES {
+        write_timed(writer, out, stall_timeout).await?;
+        out.clear();
+    }
+    Ok(())
+}
+
+async fn push_segment<W>(
+    writer: &mut W,
+    out: &mut Vec<u8>,
+    head: &[u8],
+    data: &[u8],
+    stall_timeout: Duration,
+) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+{
+    out.extend_from_slice(head);
+    if data.len() <= COPY_PAYLOAD_MAX_BYTES {
+        out.extend_from_slice(data);
+    } else {
+        write_timed(writer, out, stall_timeout).await?;
+        out.clear();
+        write_timed(writer, data, stall_timeout).await?;
+    }
+    Ok(())
+}
+
+/// A client that stops reading must not pin server-wide in-flight memory
+/// forever: give up on it after `stall_timeout` without progress.
+async fn write_timed<W>(
+    writer: &mut W,
+    bytes: &[u8],
+    stall_timeout: Duration,
+) -> std::io::Result<()>
+where
+    W: AsyncWrite + Unpin,
+{
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    match tokio::time::timeout(stall_timeout, writer.write_all(bytes)).await {
+        Ok(result) => result,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "client stopped reading replies",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn extent(length: u64, hole: bool, zero: bool) -> Extent {
+        Extent { length, hole, zero }
+    }
+
+    #[test]
+    fn descriptors_clip_merge_and_req_one() {
+        let extents = [
+            extent(4096, false, false),
+            extent(4096, false, false),
+            extent(1 << 40, true, true),
+        ];
+        assert_eq!(
+            descriptors(&extents, 16384, false),
+            vec![(8192, 0), (8192, 3)]
+        );
+        assert_eq!(descriptors(&extents, 16384, true), vec![(8192, 0)]);
+        assert_eq!(descriptors(&extents, 100, true), vec![(100, 0)]);
+        assert_eq!(descriptors(&[extent(0, false, false)], 100, false), vec![]);
+    }
+
+    #[test]
+    #[allow(clippy::single_range_in_vec_init)] // one-hole lists are the point of the test
+    fn malformed_holes_are_ignored() {
+        assert_eq!(
+            usable_holes(vec![0..10, 5..20], 100),
+            Vec::<Range<u64>>::new()
+        );
+        assert_eq!(
+            usable_holes(vec![0..10, 20..100], 100),
+            vec![0..10, 20..100]
+        );
+        assert_eq!(
+            usable_holes([0..101].to_vec(), 100),
+            Vec::<Range<u64>>::new()
+        );
+        assert_eq!(usable_holes([3..3].to_vec(), 100), Vec::<Range<u64>>::new());
+    }
+}
