@@ -72,13 +72,12 @@ pub enum Error {
     FailStopped(String),
     #[error("no space left on the backing filesystem ({object:?} at {offset}); nothing acknowledged was lost")]
     NoSpace { object: ObjectId, offset: u64 },
-    #[error("I/O error {op} {object:?} at {offset}: {source}")]
+    #[error("I/O error {op} {object:?} at {offset}: {cause}")]
     Io {
         op: &'static str,
         object: ObjectId,
         offset: u64,
-        #[source]
-        source: io::Error,
+        cause: io::Error,
     },
     #[error("{0}")]
     Volume(String),
@@ -101,7 +100,7 @@ impl Error {
                 op,
                 object,
                 offset,
-                source,
+                cause: source,
             }
         }
     }

@@ -103,7 +103,7 @@ pub struct ServerConfig {
 pub enum ServerError {
     #[error("configuration: {0}")]
     Config(String),
-    #[error("listening on {what}: {source}")]
+    #[error("cannot listen on {what}")]
     Bind {
         what: String,
         source: std::io::Error,

@@ -6,11 +6,8 @@ use std::sync::Arc;
 /// Errors loading TLS material.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsError {
-    #[error("reading {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    #[error("reading {path}: {cause}")]
+    Read { path: String, cause: std::io::Error },
     #[error("no certificate found in {0}")]
     NoCertificate(String),
     #[error("no private key found in {0}")]
@@ -26,9 +23,9 @@ pub fn server_config_from_pem_files(
     key_path: &Path,
 ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let read = |path: &Path| {
-        std::fs::read(path).map_err(|source| TlsError::Read {
+        std::fs::read(path).map_err(|cause| TlsError::Read {
             path: path.display().to_string(),
-            source,
+            cause,
         })
     };
     let cert_pem = read(cert_path)?;
@@ -50,17 +47,17 @@ pub fn server_config_from_pem(
 ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
     let certs: Vec<_> = rustls_pemfile::certs(&mut &cert_pem[..])
         .collect::<Result<_, _>>()
-        .map_err(|source| TlsError::Read {
+        .map_err(|cause| TlsError::Read {
             path: cert_name.to_string(),
-            source,
+            cause,
         })?;
     if certs.is_empty() {
         return Err(TlsError::NoCertificate(cert_name.to_string()));
     }
     let key = rustls_pemfile::private_key(&mut &key_pem[..])
-        .map_err(|source| TlsError::Read {
+        .map_err(|cause| TlsError::Read {
             path: key_name.to_string(),
-            source,
+            cause,
         })?
         .ok_or_else(|| TlsError::NoKey(key_name.to_string()))?;
     let config = rustls::ServerConfig::builder_with_provider(Arc::new(
