@@ -51,7 +51,7 @@ impl Volume {
         {
             let state = self.state.lock();
             let pending = state.active.range(lba..).next().map(|(l, _)| *l);
-            let overlay = state.contexts.overlay.range(lba..).next().map(|(l, _)| *l);
+            let overlay = state.contexts.next_overlay(lba);
             if pending == Some(lba) || overlay == Some(lba) {
                 return Ok(lba);
             }
@@ -83,7 +83,7 @@ impl Volume {
         let state = self.state.lock();
         let pending = [
             state.active.range(lba..).next().map(|(l, _)| *l),
-            state.contexts.overlay.range(lba..).next().map(|(l, _)| *l),
+            state.contexts.next_overlay(lba),
             found,
         ];
         let next = pending

@@ -8,6 +8,7 @@
 //!      operations (hole punches); no fsync here.
 //!   4. publish the new contexts (split: into the overlay) and drop
 //!      `committing`.
+//!
 //! A crash before A loses commit N entirely: none of its data reached home,
 //! so every block reads its old contents. A crash after A: recovery knows
 //! every block commit N touched. Split: it reads each back and keeps the
@@ -21,14 +22,16 @@
 //!
 //! Checkpoint (journal nearly full, overlay large, or close):
 //!   1. fsync data (B);  2. split: write overlay and ranges into `contexts`,
-//!   fsync;  3. write the older superblock copy with `checkpoint_seq` =
-//!   last commit, fsync;  4. restart the journal at offset 0.
+//!      fsync;  3. write the older superblock copy with `checkpoint_seq` =
+//!      last commit, fsync;  4. restart the journal at offset 0.
+//!
 //! A crash before 3 completes replays the journal from the previous
 //! checkpoint onto `contexts`: replay writes absolute values, so it is
 //! idempotent. Old records left in the journal carry lower sequence numbers
 //! and end the replay.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 
 use vouch_format::journal::{encode_record, JournalHeader};
@@ -49,6 +52,9 @@ pub struct RangeOp {
     /// `Unwritten` (hole) or `Zero` (allocated zeroes); ref tag filled per block.
     pub template: Context,
 }
+
+/// Context pages a checkpoint wrote, with their new content when cached.
+type WrittenPages = Vec<(u64, Option<Page>)>;
 
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
@@ -165,7 +171,7 @@ impl Volume {
     }
 
     /// Write one journal record (splitting oversized commits) and fsync it.
-    fn append_journal(
+    pub(crate) fn append_journal(
         &self,
         commit: &mut CommitState,
         entries: &[JournalEntry],
@@ -362,85 +368,107 @@ impl Volume {
         self.state
             .lock()
             .contexts
-            .clear_pending(rewritten, dropped.into_iter());
+            .clear_pending(rewritten, &dropped);
         self.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Write overlay and ranges into the `contexts` file, then fsync it.
-    /// Returns the pages rewritten (to refresh the cache) and pages dropped.
-    fn write_contexts_home(&self) -> Result<(Vec<(u64, Page)>, Vec<u64>)> {
-        let (overlay, ranges) = {
+    /// Write ranges, then overlay entries in page order, into the
+    /// `contexts` file, one page at a time (memory stays bounded), then
+    /// fsync it. Returns every page written (with its new content when it
+    /// was cached, to refresh it) and the page ranges punched.
+    fn write_contexts_home(&self) -> Result<(WrittenPages, Vec<Range<u64>>)> {
+        let (mut entries, ranges) = {
             let state = self.state.lock();
-            (
-                state.contexts.overlay.clone(),
-                state.contexts.ranges.clone(),
-            )
+            let entries: Vec<(u64, Context)> = state
+                .contexts
+                .overlay
+                .iter()
+                .map(|(lba, context)| (*lba, *context))
+                .collect();
+            (entries, state.contexts.ranges.clone())
         };
-        let mut dropped = Vec::new();
-        let mut pages: BTreeMap<u64, Box<[u8; 4096]>> = BTreeMap::new();
+        entries.sort_unstable_by_key(|(lba, _)| *lba);
+        let mut punched = Vec::new();
+        let mut edge_pages: BTreeMap<u64, Box<[u8; 4096]>> = BTreeMap::new();
         for (&start, &(end, template)) in &ranges {
-            dropped.extend(self.write_context_range(start, end, template, &mut pages)?);
+            punched.extend(self.write_context_range(start, end, template, &mut edge_pages)?);
         }
-        for (&lba, context) in &overlay {
-            let page_no = ContextStore::page_of(lba);
-            let page = self.page_for_update(page_no, &mut pages)?;
-            let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-            page[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
+        let mut rewritten = Vec::new();
+        let mut index = 0;
+        while index < entries.len() {
+            let page_no = ContextStore::page_of(entries[index].0);
+            let mut page = match edge_pages.remove(&page_no) {
+                Some(page) => page,
+                None => self.page_for_update(page_no)?,
+            };
+            while index < entries.len() && ContextStore::page_of(entries[index].0) == page_no {
+                let (lba, context) = entries[index];
+                let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+                page[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
+                index += 1;
+            }
+            self.write_context_page(page_no, page, &mut rewritten)?;
         }
-        let mut rewritten = Vec::with_capacity(pages.len());
-        for (page_no, page) in pages {
-            self.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
-            rewritten.push((page_no, Page::from(page)));
+        for (page_no, page) in edge_pages {
+            self.write_context_page(page_no, page, &mut rewritten)?;
         }
         self.sync_object(ObjectId::Contexts)?;
-        Ok((rewritten, dropped))
+        Ok((rewritten, punched))
     }
 
-    fn page_for_update<'a>(
+    fn write_context_page(
         &self,
         page_no: u64,
-        pages: &'a mut BTreeMap<u64, Box<[u8; 4096]>>,
-    ) -> Result<&'a mut Box<[u8; 4096]>> {
-        if !pages.contains_key(&page_no) {
-            let mut page = Box::new([0u8; 4096]);
-            match self.state.lock().contexts.cached_page(page_no) {
-                Some(cached) => page.copy_from_slice(&cached[..]),
-                None => self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?,
-            }
-            pages.insert(page_no, page);
-        }
-        Ok(pages.get_mut(&page_no).expect("inserted above"))
+        page: Box<[u8; 4096]>,
+        written: &mut WrittenPages,
+    ) -> Result<()> {
+        self.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
+        let cached = self.state.lock().contexts.is_cached(page_no);
+        written.push((page_no, cached.then(|| Page::from(page))));
+        Ok(())
     }
 
-    /// A range's contexts: whole pages of holes are punched (their cached
-    /// copies dropped), everything else goes through `pages`.
+    /// A context page as it is now (cached copy or disk), to be modified.
+    fn page_for_update(&self, page_no: u64) -> Result<Box<[u8; 4096]>> {
+        let mut page = Box::new([0u8; 4096]);
+        match self.state.lock().contexts.cached_page(page_no) {
+            Some(cached) => page.copy_from_slice(&cached[..]),
+            None => self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?,
+        }
+        Ok(page)
+    }
+
+    /// A range's contexts: whole pages of holes are punched (returned as
+    /// page ranges), edge pages are modified in `pages`.
     fn write_context_range(
         &self,
         start: u64,
         end: u64,
         template: Context,
         pages: &mut BTreeMap<u64, Box<[u8; 4096]>>,
-    ) -> Result<Vec<u64>> {
-        let mut dropped = Vec::new();
+    ) -> Result<Vec<Range<u64>>> {
+        let mut punched = Vec::new();
         let mut lba = start;
         while lba < end {
             let page_no = ContextStore::page_of(lba);
             let page_end = ((page_no + 1) * CONTEXTS_PER_PAGE).min(end);
-            if lba % CONTEXTS_PER_PAGE == 0
+            if lba.is_multiple_of(CONTEXTS_PER_PAGE)
                 && page_end - lba == CONTEXTS_PER_PAGE
                 && matches!(template, Context::Unwritten)
             {
                 let whole = (end - lba) / CONTEXTS_PER_PAGE;
                 self.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
-                for page in page_no..page_no + whole {
-                    pages.remove(&page);
-                    dropped.push(page);
-                }
+                pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
+                punched.push(page_no..page_no + whole);
                 lba += whole * CONTEXTS_PER_PAGE;
                 continue;
             }
-            let page = self.page_for_update(page_no, pages)?;
+            if let std::collections::btree_map::Entry::Vacant(e) = pages.entry(page_no) {
+                let page = self.page_for_update(page_no)?;
+                e.insert(page);
+            }
+            let page = pages.get_mut(&page_no).expect("inserted above");
             for block in lba..page_end {
                 let at = (block % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
                 page[at..at + CONTEXT_BYTES]
@@ -448,7 +476,7 @@ impl Volume {
             }
             lba = page_end;
         }
-        Ok(dropped)
+        Ok(punched)
     }
 
     // --- counted I/O helpers -------------------------------------------------

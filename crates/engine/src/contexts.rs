@@ -10,6 +10,9 @@
 //! removes the overlay entries it supersedes, so the newest wins.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ops::Range;
+
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use vouch_format::{Context, FormatError, CONTEXT_BYTES};
@@ -18,7 +21,7 @@ pub const CONTEXTS_PER_PAGE: u64 = 4096 / CONTEXT_BYTES as u64;
 pub type Page = Arc<[u8; 4096]>;
 
 pub struct ContextStore {
-    pub overlay: BTreeMap<u64, Context>,
+    pub overlay: FxHashMap<u64, Context>,
     /// start -> (end exclusive, template context of kind Unwritten or Zero)
     pub ranges: BTreeMap<u64, (u64, Context)>,
     cache: HashMap<u64, Page>,
@@ -54,7 +57,7 @@ pub enum Lookup {
 impl ContextStore {
     pub fn new(cache_limit_pages: usize) -> ContextStore {
         ContextStore {
-            overlay: BTreeMap::new(),
+            overlay: FxHashMap::default(),
             ranges: BTreeMap::new(),
             cache: HashMap::new(),
             fifo: VecDeque::new(),
@@ -125,14 +128,7 @@ impl ContextStore {
     /// Record that `[start, end)` now has `template`'s kind. Overlay entries
     /// and older ranges inside it are superseded.
     pub fn set_range(&mut self, start: u64, end: u64, template: Context) {
-        let stale: Vec<u64> = self
-            .overlay
-            .range(start..end)
-            .map(|(lba, _)| *lba)
-            .collect();
-        for lba in stale {
-            self.overlay.remove(&lba);
-        }
+        self.overlay.retain(|lba, _| !(start..end).contains(lba));
         // Clip an older range that starts before `start` and reaches into it.
         if let Some((&old_start, &(old_end, old_template))) = self.ranges.range(..start).next_back()
         {
@@ -170,22 +166,45 @@ impl ContextStore {
     }
 
     /// After a checkpoint wrote everything pending to disk.
+    /// The smallest overlay LBA at or after `lba` (a scan: the overlay is
+    /// only non-empty between checkpoints).
+    pub fn next_overlay(&self, lba: u64) -> Option<u64> {
+        self.overlay.keys().copied().filter(|key| *key >= lba).min()
+    }
+
+    /// Is this page cached now?
+    pub fn is_cached(&self, page_no: u64) -> bool {
+        self.cache.contains_key(&page_no)
+    }
+
+    /// After a checkpoint wrote everything pending to disk: every page it
+    /// wrote is refreshed (new content given) or dropped (a reader may have
+    /// cached the old content meanwhile), punched pages are dropped, and the
+    /// epoch moves so loads begun before now are not cached.
     pub fn clear_pending(
         &mut self,
-        rewritten_pages: Vec<(u64, Page)>,
-        dropped_pages: impl Iterator<Item = u64>,
+        written: Vec<(u64, Option<Page>)>,
+        punched_pages: &[Range<u64>],
     ) {
         self.overlay.clear();
         self.ranges.clear();
         self.epoch += 1;
-        for page_no in dropped_pages {
-            self.cache.remove(&page_no);
-        }
-        for (page_no, page) in rewritten_pages {
-            if self.cache.contains_key(&page_no) {
-                self.cache.insert(page_no, page);
+        for (page_no, content) in written {
+            match content {
+                Some(page) if self.cache.contains_key(&page_no) => {
+                    self.cache.insert(page_no, page);
+                }
+                _ => {
+                    self.cache.remove(&page_no);
+                }
             }
         }
+        if !punched_pages.is_empty() {
+            self.cache
+                .retain(|page_no, _| !punched_pages.iter().any(|range| range.contains(page_no)));
+        }
+        let cache = &self.cache;
+        self.fifo.retain(|page_no| cache.contains_key(page_no));
     }
 }
 

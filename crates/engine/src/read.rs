@@ -23,6 +23,8 @@ enum Source {
     /// Home storage; split layouts carry the context looked up, packed
     /// layouts find it in the record.
     Disk(Option<Result<Context, FormatError>>),
+    /// The block's context could not be read.
+    Unreadable,
 }
 
 /// How a read treats faults.
@@ -58,7 +60,7 @@ impl Volume {
         let last = (offset + buf.len() as u64 - 1) / BLOCK;
         let count = last - first + 1;
         let mut holes = Vec::new();
-        if offset % BLOCK == 0 && buf.len() as u64 % BLOCK == 0 {
+        if offset.is_multiple_of(BLOCK) && (buf.len() as u64).is_multiple_of(BLOCK) {
             self.read_blocks(first, count, buf, Some(&mut holes))?;
             return Ok(holes);
         }
@@ -136,6 +138,13 @@ impl Volume {
                     }
                     index += 1;
                 }
+                Source::Unreadable => {
+                    self.note_fault(lba, FaultKind::Unreadable, &mut out[block], faults);
+                    if on_fault == OnFault::Stop {
+                        return Ok(());
+                    }
+                    index += 1;
+                }
                 Source::Disk(_) => {
                     let mut end = index + 1;
                     while end < plan.len()
@@ -194,11 +203,18 @@ impl Volume {
         for (index, page_no) in missing {
             let page = match &loaded {
                 Some((number, page)) if *number == page_no => page.clone(),
-                _ => {
-                    let page = self.load_context_page(page_no)?;
-                    loaded = Some((page_no, page.clone()));
-                    page
-                }
+                _ => match self.load_context_page(page_no) {
+                    Ok(page) => {
+                        loaded = Some((page_no, page.clone()));
+                        page
+                    }
+                    // The block's context cannot be read: a fault of this
+                    // block, reported with its LBA like any other.
+                    Err(_) => {
+                        plan[index] = Source::Unreadable;
+                        continue;
+                    }
+                },
             };
             let lba = first + index as u64;
             let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
@@ -324,6 +340,7 @@ impl Volume {
                 block.fill(0);
                 return Ok(());
             }
+            Source::Unreadable => return Err(FaultKind::Unreadable),
             Source::Disk(Some(found)) => {
                 self.storage
                     .read_at(object, location.data_offset, block)
@@ -428,7 +445,9 @@ impl Volume {
             LayoutKind::Split => {
                 for source in self.plan(first, count)? {
                     kinds.push(match source {
-                        Source::Memory(_) | Source::Disk(_) => Allocation::Data,
+                        Source::Memory(_) | Source::Disk(_) | Source::Unreadable => {
+                            Allocation::Data
+                        }
                         Source::Zero => Allocation::Hole,
                     });
                 }

@@ -54,18 +54,24 @@ impl Volume {
         {
             let mut commit = self.commit_lock.lock();
             report.was_clean = commit.superblock.state == STATE_CLEAN;
-            let records = self.read_journal(commit.superblock.checkpoint_seq)?;
+            let (records, journal_end) = self.read_journal(commit.superblock.checkpoint_seq)?;
             report.records_replayed = records.len() as u64;
             if let Some(last) = records.last() {
                 commit.next_seq = last.header.seq + 1;
                 commit.data_durable_seq = last.header.data_durable_seq;
             }
-            match self.geometry.layout {
+            // New records continue after the replayed ones: no checkpoint at
+            // open, so recovery costs what the journal holds, nothing more.
+            commit.journal_offset = journal_end;
+            let resolutions = match self.geometry.layout {
                 LayoutKind::Split => self.replay_split(&records, &mut report)?,
-                LayoutKind::Packed => self.replay_packed(&records, &mut commit)?,
-            }
+                LayoutKind::Packed => {
+                    self.replay_packed(&records, &mut commit)?;
+                    Vec::new()
+                }
+            };
             if !self.is_read_only() {
-                self.checkpoint(&mut commit, STATE_OPEN)?;
+                self.persist_recovery(&mut commit, resolutions)?;
             }
         }
         report.duration = started.elapsed();
@@ -82,8 +88,43 @@ impl Volume {
         Ok(self)
     }
 
-    /// Valid records with consecutive sequence numbers after `checkpoint_seq`.
-    fn read_journal(&self, checkpoint_seq: u64) -> Result<Vec<Record>> {
+    /// Make what recovery decided durable before anything new is written:
+    /// redone (packed) or verified (split) data is fsynced, and contexts
+    /// reverted to older writes are journaled again, so a later flush that
+    /// advances `data_durable_seq` past the replayed commits cannot make
+    /// their newer contexts authoritative. Marks the superblock open.
+    fn persist_recovery(
+        &self,
+        commit: &mut crate::volume::CommitState,
+        resolutions: Vec<JournalEntry>,
+    ) -> Result<()> {
+        if !resolutions.is_empty() {
+            for segment in 0..self.geometry.segments() {
+                commit.unsynced.insert(ObjectId::Data(segment));
+            }
+        }
+        self.sync_data(commit)?;
+        if !resolutions.is_empty() {
+            self.append_journal(commit, &resolutions, None)?;
+        }
+        if commit.superblock.state == STATE_CLEAN {
+            let mut superblock = commit.superblock;
+            superblock.generation += 1;
+            superblock.state = STATE_OPEN;
+            crate::volume::write_superblock_copy(
+                &*self.storage,
+                &superblock,
+                superblock.generation % 2,
+            )?;
+            self.sync_object(ObjectId::Superblock)?;
+            commit.superblock = superblock;
+        }
+        Ok(())
+    }
+
+    /// Valid records with consecutive sequence numbers after `checkpoint_seq`,
+    /// and the journal offset just past the last one.
+    fn read_journal(&self, checkpoint_seq: u64) -> Result<(Vec<Record>, u64)> {
         let mut records = Vec::new();
         let mut offset = 0u64;
         let mut expected = checkpoint_seq + 1;
@@ -107,6 +148,7 @@ impl Volume {
             let Ok(entries) = decode_entries(&header, &bytes) else {
                 break;
             };
+            self.check_record(&header, &entries)?;
             records.push(Record {
                 header,
                 bytes,
@@ -115,7 +157,41 @@ impl Volume {
             offset += len;
             expected += 1;
         }
-        Ok(records)
+        Ok((records, offset))
+    }
+
+    /// A record that passed its checksums but names blocks past the end of
+    /// the volume, or lacks the data blocks a packed replay needs, was not
+    /// written by vouch: refuse to open rather than panic or guess.
+    fn check_record(&self, header: &JournalHeader, entries: &[JournalEntry]) -> Result<()> {
+        let corrupt = |why: String| {
+            Err(crate::error::Error::Volume(format!(
+                "corrupt journal record {}: {why}; refusing to open",
+                header.seq
+            )))
+        };
+        for entry in entries {
+            let end = entry.lba.checked_add(u64::from(entry.count));
+            if end.is_none_or(|end| end > self.geometry.blocks) {
+                return corrupt(format!(
+                    "entry {}+{} is past the end of the volume ({} blocks)",
+                    entry.lba, entry.count, self.geometry.blocks
+                ));
+            }
+        }
+        if self.geometry.layout == LayoutKind::Packed {
+            let data_entries = entries
+                .iter()
+                .filter(|entry| entry.count == 1 && matches!(entry.context, Context::Data { .. }))
+                .count();
+            if data_entries != header.data_blocks as usize {
+                return corrupt(format!(
+                    "{data_entries} data entries but {} data blocks",
+                    header.data_blocks
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The context a block has now, loading its page if needed.
@@ -135,10 +211,16 @@ impl Volume {
         Ok(found.unwrap_or(Context::Unwritten))
     }
 
-    fn replay_split(&self, records: &[Record], report: &mut RecoveryReport) -> Result<()> {
+    /// Returns the contexts recovery reverted (to be journaled again).
+    fn replay_split(
+        &self,
+        records: &[Record],
+        report: &mut RecoveryReport,
+    ) -> Result<Vec<JournalEntry>> {
         let Some(last) = records.last() else {
-            return Ok(());
+            return Ok(Vec::new());
         };
+        let mut resolutions = Vec::new();
         let verify_after = last.header.data_durable_seq;
         // For each block an unverified commit wrote: [context before, writes...].
         let mut candidates: BTreeMap<u64, Vec<Context>> = BTreeMap::new();
@@ -146,9 +228,11 @@ impl Volume {
             for entry in &record.entries {
                 if entry.count == 1 && matches!(entry.context, Context::Data { .. }) {
                     if record.header.seq > verify_after {
-                        if !candidates.contains_key(&entry.lba) {
+                        if let std::collections::btree_map::Entry::Vacant(e) =
+                            candidates.entry(entry.lba)
+                        {
                             let before = self.context_now(entry.lba)?;
-                            candidates.insert(entry.lba, vec![before]);
+                            e.insert(vec![before]);
                         }
                         candidates
                             .get_mut(&entry.lba)
@@ -194,6 +278,11 @@ impl Volume {
                 Some(context) => {
                     report.blocks_reverted += 1;
                     self.state.lock().contexts.set(lba, *context);
+                    resolutions.push(JournalEntry {
+                        lba,
+                        count: 1,
+                        context: *context,
+                    });
                 }
                 None => {
                     tracing::warn!(
@@ -204,7 +293,7 @@ impl Volume {
                 }
             }
         }
-        Ok(())
+        Ok(resolutions)
     }
 
     fn replay_packed(

@@ -280,7 +280,7 @@ impl Volume {
             });
         }
         let sector = u64::from(SECTOR_SIZE);
-        if offset % sector != 0 || length % sector != 0 {
+        if !offset.is_multiple_of(sector) || !length.is_multiple_of(sector) {
             return Err(Error::Misaligned { offset, length });
         }
         Ok(())
@@ -481,7 +481,7 @@ impl Volume {
 }
 
 fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
-    if options.size_bytes == 0 || options.size_bytes % BLOCK != 0 {
+    if options.size_bytes == 0 || !options.size_bytes.is_multiple_of(BLOCK) {
         return Err(Error::Volume(format!(
             "size {} is not a positive multiple of 4096 bytes",
             options.size_bytes
@@ -494,7 +494,7 @@ fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
         )));
     }
     let journal_bytes = options.journal_bytes();
-    if journal_bytes < 1 << 20 || journal_bytes % BLOCK != 0 {
+    if journal_bytes < 1 << 20 || !journal_bytes.is_multiple_of(BLOCK) {
         return Err(Error::Volume(
             "journal must be at least 1 MiB and a multiple of 4096".into(),
         ));

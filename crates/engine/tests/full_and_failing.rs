@@ -183,3 +183,29 @@ fn failed_write_fails_stop() {
         .expect("acknowledged data still readable");
     assert!(buf == pattern(5, 4096));
 }
+
+#[test]
+fn unreadable_context_page_is_a_fault_naming_the_lba() {
+    let (storage, volume) = sim_volume();
+    volume
+        .write(0, &pattern(6, 3 * 4096), false)
+        .expect("write");
+    volume.close().expect("close: contexts go home");
+    let volume = Volume::open(
+        Arc::new(storage.clone()) as Arc<dyn Storage>,
+        &OpenOptions::default(),
+    )
+    .expect("open");
+    storage.set_faults(FaultPlan {
+        read_error: Some((vouch_engine::ObjectId::Contexts, 0, 4096)),
+        ..FaultPlan::default()
+    });
+    let mut buf = vec![0u8; 4096];
+    match volume.read(4096, &mut buf) {
+        Err(Error::Fault(fault)) => {
+            assert_eq!(fault.lba, 1);
+            assert_eq!(fault.kind, vouch_engine::FaultKind::Unreadable);
+        }
+        other => panic!("expected an unreadable fault naming LBA 1, got {other:?}"),
+    }
+}

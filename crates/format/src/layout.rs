@@ -84,7 +84,7 @@ impl Geometry {
         segment_blocks: u64,
     ) -> Result<Geometry, FormatError> {
         let block = u64::from(BLOCK_SIZE);
-        if size_bytes == 0 || size_bytes % block != 0 {
+        if size_bytes == 0 || !size_bytes.is_multiple_of(block) {
             return Err(FormatError::Geometry(
                 "size must be a non-zero multiple of 4096",
             ));
@@ -92,7 +92,7 @@ impl Geometry {
         if segment_blocks == 0 {
             return Err(FormatError::Geometry("segment_blocks must be non-zero"));
         }
-        if layout == LayoutKind::Packed && segment_blocks % PACKED_RECORDS_PER_ROW != 0 {
+        if layout == LayoutKind::Packed && !segment_blocks.is_multiple_of(PACKED_RECORDS_PER_ROW) {
             return Err(FormatError::Geometry(
                 "packed segment_blocks must be whole rows",
             ));

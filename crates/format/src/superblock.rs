@@ -276,7 +276,7 @@ impl Superblock {
             created_unix_secs: get_u64(raw, 112),
         };
         superblock.geometry()?;
-        if superblock.journal_bytes < 2 * 4096 || superblock.journal_bytes % 4096 != 0 {
+        if superblock.journal_bytes < 2 * 4096 || !superblock.journal_bytes.is_multiple_of(4096) {
             return Err(FormatError::Geometry(
                 "journal_bytes must be a multiple of 4096, at least 8192",
             ));
@@ -389,6 +389,16 @@ mod tests {
         assert_eq!(flags.unknown_incompat(), 1 << 40);
         flags.ro_compat |= 1 << 3;
         assert_eq!(flags.unknown_ro_compat(), 1 << 3);
-        flags.compat |= 1 << 9; // unknown compat bits are fine
+        flags.compat |= 1 << 9;
+        assert_eq!(
+            flags.unknown_incompat(),
+            1 << 40,
+            "unknown compat bits are ignored"
+        );
+        assert_eq!(
+            flags.unknown_ro_compat(),
+            1 << 3,
+            "unknown compat bits are ignored"
+        );
     }
 }

@@ -10,7 +10,9 @@ fn doc() -> String {
 
 /// The (field, offset, size) rows of the first table after `heading`.
 fn table_after(doc: &str, heading: &str) -> Vec<(String, usize, usize)> {
-    let start = doc.find(heading).unwrap_or_else(|| panic!("FORMAT.md has no heading {heading:?}"));
+    let start = doc
+        .find(heading)
+        .unwrap_or_else(|| panic!("FORMAT.md has no heading {heading:?}"));
     let mut rows = Vec::new();
     let mut in_table = false;
     for line in doc[start..].lines().skip(1) {
@@ -35,9 +37,14 @@ fn table_after(doc: &str, heading: &str) -> Vec<(String, usize, usize)> {
 
 fn assert_matches(heading: &str, fields: &[Field]) {
     let rows = table_after(&doc(), heading);
-    let expected: Vec<(String, usize, usize)> =
-        fields.iter().map(|field| (field.name.to_string(), field.offset, field.size)).collect();
-    assert_eq!(rows, expected, "FORMAT.md table {heading:?} disagrees with the code");
+    let expected: Vec<(String, usize, usize)> = fields
+        .iter()
+        .map(|field| (field.name.to_string(), field.offset, field.size))
+        .collect();
+    assert_eq!(
+        rows, expected,
+        "FORMAT.md table {heading:?} disagrees with the code"
+    );
 }
 
 #[test]
@@ -61,7 +68,10 @@ fn journal_tables_match_code() {
 fn the_checker_catches_a_wrong_row() {
     let doc = "### T\n\n| offset | size | field |\n|---|---|---|\n| 0 | 8 | magic |\n| 8 | 4 | version |\n";
     let rows = table_after(doc, "### T");
-    assert_eq!(rows, vec![("magic".to_string(), 0, 8), ("version".to_string(), 8, 4)]);
+    assert_eq!(
+        rows,
+        vec![("magic".to_string(), 0, 8), ("version".to_string(), 8, 4)]
+    );
     assert_ne!(rows[1], ("version".to_string(), 8, 8));
 }
 
@@ -70,7 +80,10 @@ fn feature_flag_table_matches_code() {
     let doc = doc();
     let flags = vouch_format::FeatureFlags::for_layout(vouch_format::LayoutKind::Packed);
     assert!(doc.contains("| incompat | 0 | CONTEXT_JOURNAL |"));
-    assert_eq!(flags.incompat & vouch_format::FeatureFlags::INCOMPAT_CONTEXT_JOURNAL, 1 << 0);
+    assert_eq!(
+        flags.incompat & vouch_format::FeatureFlags::INCOMPAT_CONTEXT_JOURNAL,
+        1 << 0
+    );
     assert!(doc.contains("| incompat | 1 | PACKED_LAYOUT |"));
     assert_eq!(vouch_format::FeatureFlags::INCOMPAT_PACKED_LAYOUT, 1 << 1);
     assert!(doc.contains("| incompat | 2 | ENCRYPTED |"));
