@@ -1,0 +1,633 @@
+//! The crash simulator (`vouch-sim crash`).
+//!
+//! For each seed: a random workload on a small volume with tiny tuning
+//! limits (so commits, checkpoints and cache evictions all happen). The model
+//! keeps, per block, every value written to it and a *floor*: the index of
+//! the value as of the last completed flush (or FUA write of that block).
+//! After a crash a block must read one of `versions[floor..]` in full — the
+//! floor value or any later write (the engine may make writes durable before
+//! the flush, and the split layout may revert a block to any older write
+//! since the floor). An operation in flight has its new values appended
+//! before it starts and its floor raised only after it returns.
+//!
+//! Crash points: right before every write, punch and sync the engine issues
+//! (sampled), and after every operation (every flush / FUA point gets one
+//! image per strategy). Each image is recovered with `Volume::open`, every
+//! block is read, `check()` must list exactly the blocks that read as
+//! faults, and on a sample of images a second crash is taken *during*
+//! recovery (at its I/O) and *after* it (before close).
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use vouch_engine::{
+    CreateOptions, Error, GuardKind, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
+};
+
+use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
+use crate::rng::Rng;
+use crate::{fingerprint, BLOCK};
+
+/// Per block: the fingerprints a post-crash read may return.
+pub type Allowed = Vec<Vec<u64>>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Tearing {
+    /// 4 KiB-atomic media: writes tear only at 4 KiB boundaries.
+    None,
+    /// 512e media: writes tear at 512-byte sectors.
+    Sector,
+}
+
+impl Tearing {
+    pub fn name(self) -> &'static str {
+        match self {
+            Tearing::None => "none",
+            Tearing::Sector => "sector",
+        }
+    }
+    pub fn from_name(name: &str) -> Option<Tearing> {
+        match name {
+            "none" => Some(Tearing::None),
+            "sector" => Some(Tearing::Sector),
+            _ => None,
+        }
+    }
+    fn unit(self) -> u64 {
+        match self {
+            Tearing::None => 4096,
+            Tearing::Sector => 512,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct CrashConfig {
+    pub layout: LayoutKind,
+    pub guard: GuardKind,
+    pub tearing: Tearing,
+    pub seeds: u64,
+    pub seed: u64,
+    pub threads: usize,
+    /// Probability (per mille) of an image at each engine I/O crash point.
+    pub io_permille: u64,
+    /// Probability (per mille) that an image also gets a crash during its recovery.
+    pub nested_permille: u64,
+    /// Probability (per mille) that an image also gets a crash after its recovery.
+    pub after_permille: u64,
+    /// Self-test only: the workload's storage ignores syncs after the
+    /// volume is opened, so flushed data is lost in crash images. Every
+    /// seed must then report a violation.
+    pub sabotage_sync: bool,
+}
+
+impl CrashConfig {
+    pub fn new(layout: LayoutKind, guard: GuardKind, tearing: Tearing) -> CrashConfig {
+        CrashConfig {
+            layout,
+            guard,
+            tearing,
+            seeds: 100,
+            seed: 1,
+            threads: 2,
+            io_permille: 350,
+            nested_permille: 40,
+            after_permille: 40,
+            sabotage_sync: false,
+        }
+    }
+
+    /// The command that replays one seed.
+    pub fn replay_command(&self, seed: u64) -> String {
+        format!(
+            "cargo run --release -p vouch-sim -- crash --layout {} --guard {} --tearing {} --seed {seed} --seeds 1",
+            self.layout.name(),
+            self.guard.name(),
+            self.tearing.name()
+        )
+    }
+}
+
+#[derive(Default, Debug)]
+pub struct Counters {
+    /// Every post-crash image recovered and checked (all kinds below).
+    pub images: AtomicU64,
+    /// Images taken by a second crash during recovery.
+    pub during_recovery: AtomicU64,
+    /// Images taken by a second crash after recovery, before close.
+    pub after_recovery: AtomicU64,
+    /// Blocks that read as a fault because the media tore them (sector tearing only).
+    pub torn_faults: AtomicU64,
+    pub ops: AtomicU64,
+}
+
+#[derive(Debug)]
+pub struct CrashReport {
+    pub images: u64,
+    pub during_recovery: u64,
+    pub after_recovery: u64,
+    pub torn_faults: u64,
+    pub ops: u64,
+    pub seeds: u64,
+    pub violations: Vec<String>,
+    pub seconds: f64,
+}
+
+impl CrashReport {
+    pub fn summary(&self, config: &CrashConfig) -> String {
+        format!(
+            "crash: layout={} guard={} tearing={} seeds={} ops={} images={} (during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            config.layout.name(),
+            config.guard.name(),
+            config.tearing.name(),
+            self.seeds,
+            self.ops,
+            self.images,
+            self.during_recovery,
+            self.after_recovery,
+            self.torn_faults,
+            self.violations.len(),
+            self.seconds
+        )
+    }
+}
+
+/// Run `config.seeds` seeds from `config.seed` on `config.threads` threads.
+pub fn run(config: &CrashConfig) -> CrashReport {
+    let started = Instant::now();
+    let counters = Arc::new(Counters::default());
+    let violations = Mutex::new(Vec::new());
+    let threads = config.threads.max(1) as u64;
+    std::thread::scope(|scope| {
+        for thread in 0..threads {
+            let counters = &counters;
+            let violations = &violations;
+            scope.spawn(move || {
+                let mut index = thread;
+                while index < config.seeds {
+                    let seed = config.seed + index;
+                    if let Err(message) = run_seed(config, seed, counters) {
+                        violations.lock().push(format!(
+                            "VIOLATION seed={seed}: {message}\n  replay: {}",
+                            config.replay_command(seed)
+                        ));
+                    }
+                    index += threads;
+                }
+            });
+        }
+    });
+    let mut violations = violations.into_inner();
+    violations.sort();
+    CrashReport {
+        images: counters.images.load(Ordering::Relaxed),
+        during_recovery: counters.during_recovery.load(Ordering::Relaxed),
+        after_recovery: counters.after_recovery.load(Ordering::Relaxed),
+        torn_faults: counters.torn_faults.load(Ordering::Relaxed),
+        ops: counters.ops.load(Ordering::Relaxed),
+        seeds: config.seeds,
+        violations,
+        seconds: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// What a check needs besides the image.
+#[derive(Clone)]
+struct Checker {
+    blocks: u64,
+    unit: u64,
+    sector_tearing: bool,
+    open: OpenOptions,
+    nested_permille: u64,
+    after_permille: u64,
+}
+
+/// The outcome of reading one block after recovery.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Read {
+    Value(u64),
+    Fault,
+}
+
+impl Checker {
+    /// Recover `image` and check the contract on every block.
+    fn verify(
+        &self,
+        image: SimStorage,
+        allowed: &Arc<Allowed>,
+        rng: &mut Rng,
+        depth: u32,
+        counters: &Arc<Counters>,
+    ) -> Result<(), String> {
+        counters.images.fetch_add(1, Ordering::Relaxed);
+        let recorder = Arc::new(Recorder::new(image));
+        let nested: Arc<Mutex<Vec<String>>> = Arc::default();
+        if depth == 0 && rng.below(1000) < self.nested_permille {
+            // A second power loss at an I/O of the recovery itself.
+            let checker = self.clone();
+            let allowed = allowed.clone();
+            let nested = nested.clone();
+            let mut hook_rng = rng.fork();
+            let mut taken = 0u32;
+            let counters_ptr = counters.clone();
+            recorder.set_hook(Some(Box::new(move |sim, order| {
+                // At most two crashes per recovery, at random I/Os of it.
+                if !nested.lock().is_empty() || taken >= 2 || !hook_rng.chance(1, 6) {
+                    return;
+                }
+                taken += 1;
+                let strategy = STRATEGIES[hook_rng.below(4) as usize];
+                let image = crash_image(sim, order, strategy, checker.unit, &mut hook_rng);
+                counters_ptr.during_recovery.fetch_add(1, Ordering::Relaxed);
+                if let Err(error) = checker.verify(image, &allowed, &mut hook_rng, 1, &counters_ptr)
+                {
+                    nested.lock().push(format!(
+                        "second crash during recovery ({strategy:?}): {error}"
+                    ));
+                }
+            })));
+        }
+        let opened = Volume::open(recorder.clone() as Arc<dyn Storage>, &self.open);
+        recorder.set_hook(None);
+        if let Some(error) = nested.lock().first() {
+            return Err(error.clone());
+        }
+        let volume = opened.map_err(|error| format!("recovery failed: {error}"))?;
+        let reads = self.read_all(&volume, allowed, counters)?;
+        let faulty: BTreeSet<u64> = reads
+            .iter()
+            .enumerate()
+            .filter(|(_, read)| **read == Read::Fault)
+            .map(|(lba, _)| lba as u64)
+            .collect();
+        let report = volume
+            .check(|_, _| {})
+            .map_err(|error| format!("check failed: {error}"))?;
+        let listed: BTreeSet<u64> = report.faults.iter().map(|fault| fault.lba).collect();
+        if listed != faulty {
+            return Err(format!(
+                "check() lists faults at {listed:?} but reads failed at {faulty:?}"
+            ));
+        }
+        if depth == 0 && rng.below(1000) < self.after_permille {
+            // A second power loss after recovery, before the volume is closed:
+            // recovery made its result durable, so every block reads the same.
+            counters.images.fetch_add(1, Ordering::Relaxed);
+            counters.after_recovery.fetch_add(1, Ordering::Relaxed);
+            let strategy = STRATEGIES[rng.below(4) as usize];
+            let again = crash_image(&recorder.sim, &recorder.order(), strategy, self.unit, rng);
+            drop(volume);
+            let volume = Volume::open(Arc::new(again) as Arc<dyn Storage>, &self.open)
+                .map_err(|error| format!("recovery after recovery failed: {error}"))?;
+            let second = self.read_all(&volume, allowed, counters)?;
+            if let Some(lba) = (0..reads.len()).find(|lba| reads[*lba] != second[*lba]) {
+                return Err(format!(
+                    "crash after recovery ({strategy:?}) changed LBA {lba}: {:?} then {:?}",
+                    reads[lba], second[lba]
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn read_all(
+        &self,
+        volume: &Volume,
+        allowed: &Allowed,
+        counters: &Counters,
+    ) -> Result<Vec<Read>, String> {
+        let mut reads = Vec::with_capacity(self.blocks as usize);
+        let mut buf = vec![0u8; BLOCK];
+        for lba in 0..self.blocks {
+            match volume.read(lba * BLOCK as u64, &mut buf) {
+                Ok(_) => {
+                    let value = fingerprint(&buf);
+                    let ok = &allowed[lba as usize];
+                    if !ok.contains(&value) {
+                        return Err(format!(
+                            "LBA {lba} read wrong data {value:016x}; allowed (floor first): {}",
+                            ok.iter()
+                                .map(|v| format!("{v:016x}"))
+                                .collect::<Vec<_>>()
+                                .join(" ")
+                        ));
+                    }
+                    reads.push(Read::Value(value));
+                }
+                Err(Error::Fault(fault)) if self.sector_tearing && fault.lba == lba => {
+                    counters.torn_faults.fetch_add(1, Ordering::Relaxed);
+                    reads.push(Read::Fault);
+                }
+                Err(error) => {
+                    return Err(format!("LBA {lba} unreadable after a crash: {error}"));
+                }
+            }
+        }
+        Ok(reads)
+    }
+}
+
+/// The model of one volume's blocks.
+struct Model {
+    current: Vec<Vec<u8>>,
+    versions: Vec<Vec<u64>>,
+    floor: Vec<usize>,
+}
+
+impl Model {
+    fn new(blocks: u64) -> Model {
+        let zero = fingerprint(&[0u8; BLOCK]);
+        Model {
+            current: vec![vec![0u8; BLOCK]; blocks as usize],
+            versions: vec![vec![zero]; blocks as usize],
+            floor: vec![0; blocks as usize],
+        }
+    }
+
+    /// Apply `data` (or zeros) over the byte range; returns the blocks touched.
+    fn apply(&mut self, offset: u64, len: u64, data: Option<&[u8]>) -> Vec<usize> {
+        let mut touched = Vec::new();
+        let mut at = offset;
+        while at < offset + len {
+            let lba = (at / BLOCK as u64) as usize;
+            let within = (at % BLOCK as u64) as usize;
+            let n = (BLOCK - within).min((offset + len - at) as usize);
+            let block = &mut self.current[lba];
+            match data {
+                Some(data) => {
+                    let from = (at - offset) as usize;
+                    block[within..within + n].copy_from_slice(&data[from..from + n]);
+                }
+                None => block[within..within + n].fill(0),
+            }
+            let value = fingerprint(block);
+            self.versions[lba].push(value);
+            touched.push(lba);
+            at += n as u64;
+        }
+        touched
+    }
+
+    fn make_durable(&mut self, blocks: impl Iterator<Item = usize>) {
+        for lba in blocks {
+            // Values before the newest can never be read again.
+            let last = self.versions[lba].len() - 1;
+            self.versions[lba].drain(..last);
+            self.floor[lba] = 0;
+        }
+    }
+
+    fn allowed(&self) -> Arc<Allowed> {
+        Arc::new(
+            self.versions
+                .iter()
+                .zip(&self.floor)
+                .map(|(versions, floor)| versions[*floor..].to_vec())
+                .collect(),
+        )
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Write {
+        offset: u64,
+        len: u64,
+        fua: bool,
+    },
+    Trim {
+        offset: u64,
+        len: u64,
+        fua: bool,
+    },
+    Zeroes {
+        offset: u64,
+        len: u64,
+        fua: bool,
+        allocate: bool,
+    },
+    Flush,
+}
+
+fn random_range(rng: &mut Rng, size: u64) -> (u64, u64) {
+    let sectors_total = size / 512;
+    let (start, len) = if rng.chance(1, 2) {
+        // 4 KiB aligned, 1..16 blocks.
+        let blocks = size / BLOCK as u64;
+        let len = rng.range(1, 16).min(blocks);
+        let start = rng.below(blocks - len + 1);
+        (start * 8, len * 8)
+    } else {
+        let len = rng.range(1, 128).min(sectors_total);
+        let start = rng.below(sectors_total - len + 1);
+        (start, len)
+    };
+    (start * 512, len * 512)
+}
+
+fn random_op(rng: &mut Rng, size: u64) -> Op {
+    let roll = rng.below(100);
+    if roll < 12 {
+        return Op::Flush;
+    }
+    let (offset, len) = random_range(rng, size);
+    let fua = rng.chance(1, 8);
+    if roll < 78 {
+        Op::Write { offset, len, fua }
+    } else if roll < 88 {
+        Op::Trim { offset, len, fua }
+    } else {
+        Op::Zeroes {
+            offset,
+            len,
+            fua,
+            allocate: rng.chance(1, 2),
+        }
+    }
+}
+
+/// Shared between the driver and the I/O hook.
+struct HookState {
+    rng: Rng,
+    allowed: Arc<Allowed>,
+    violation: Option<String>,
+    doing: String,
+}
+
+/// Run one seed; `Err` carries a description of the first violation.
+pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let blocks = rng.range(64, 192);
+    let size = blocks * BLOCK as u64;
+    let segment_blocks = match config.layout {
+        LayoutKind::Split => [16, 64, 256][rng.below(3) as usize],
+        LayoutKind::Packed => [31, 62, 124][rng.below(3) as usize],
+    };
+    let tuning = Tuning {
+        dirty_limit_blocks: rng.range(2, 16) as usize,
+        context_cache_pages: rng.range(1, 2) as usize,
+        overlay_limit: rng.range(4, 48) as usize,
+    };
+    let open = OpenOptions {
+        read_only: false,
+        tuning,
+    };
+    let sim = SimStorage::new();
+    let mut options = CreateOptions::new(size);
+    options.layout = config.layout;
+    options.guard = config.guard;
+    options.journal_bytes = Some(1 << 20);
+    options.segment_blocks = Some(segment_blocks);
+    Volume::create(Arc::new(sim.clone()), &options)
+        .and_then(Volume::close)
+        .map_err(|error| format!("create failed: {error}"))?;
+    let checker = Checker {
+        blocks,
+        unit: config.tearing.unit(),
+        sector_tearing: config.tearing == Tearing::Sector,
+        open,
+        nested_permille: config.nested_permille,
+        after_permille: config.after_permille,
+    };
+    let recorder = Arc::new(Recorder::new(sim));
+    let mut model = Model::new(blocks);
+    let state = Arc::new(Mutex::new(HookState {
+        rng: rng.fork(),
+        allowed: model.allowed(),
+        violation: None,
+        doing: "open".into(),
+    }));
+    let counters_static = counters.clone();
+    {
+        let state = state.clone();
+        let checker = checker.clone();
+        let io_permille = config.io_permille;
+        recorder.set_hook(Some(Box::new(move |sim, order| {
+            let mut state = state.lock();
+            if state.violation.is_some() || state.rng.below(1000) >= io_permille {
+                return;
+            }
+            let state = &mut *state;
+            let strategy = STRATEGIES[state.rng.below(4) as usize];
+            let image = crash_image(sim, order, strategy, checker.unit, &mut state.rng);
+            if let Err(error) =
+                checker.verify(image, &state.allowed, &mut state.rng, 0, &counters_static)
+            {
+                state.violation = Some(format!(
+                    "crash inside {} (image {strategy:?}, {} pending ops): {error}",
+                    state.doing,
+                    order.len()
+                ));
+            }
+        })));
+    }
+    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &open)
+        .map_err(|error| format!("open failed: {error}"))?;
+    if config.sabotage_sync {
+        recorder.sabotage_sync.store(true, Ordering::Relaxed);
+    }
+    let ops = rng.range(30, 90);
+    for index in 0..ops {
+        let op = random_op(&mut rng, size);
+        counters.ops.fetch_add(1, Ordering::Relaxed);
+        let doing = format!("op {index} {op:?}");
+        let (touched, result, durable_all) = match op {
+            Op::Write { offset, len, .. } => {
+                let data = rng.bytes(len as usize);
+                let touched = model.apply(offset, len, Some(&data));
+                set_allowed(&state, &model, &doing);
+                let fua = matches!(op, Op::Write { fua: true, .. });
+                (touched, volume.write(offset, &data, fua), false)
+            }
+            Op::Trim { offset, len, fua } => {
+                let touched = model.apply(offset, len, None);
+                set_allowed(&state, &model, &doing);
+                (touched, volume.trim(offset, len, fua), false)
+            }
+            Op::Zeroes {
+                offset,
+                len,
+                fua,
+                allocate,
+            } => {
+                let touched = model.apply(offset, len, None);
+                set_allowed(&state, &model, &doing);
+                (
+                    touched,
+                    volume.write_zeroes(offset, len, fua, allocate),
+                    false,
+                )
+            }
+            Op::Flush => {
+                set_allowed(&state, &model, &doing);
+                (Vec::new(), volume.flush(), true)
+            }
+        };
+        if let Some(violation) = state.lock().violation.take() {
+            return Err(violation);
+        }
+        result.map_err(|error| format!("{doing} failed: {error}"))?;
+        let fua = matches!(
+            op,
+            Op::Write { fua: true, .. } | Op::Trim { fua: true, .. } | Op::Zeroes { fua: true, .. }
+        );
+        let point = durable_all || fua;
+        if durable_all {
+            model.make_durable(0..blocks as usize);
+        } else if fua {
+            model.make_durable(touched.into_iter());
+        }
+        set_allowed(&state, &model, &format!("after {doing}"));
+        // Crash points between operations: every strategy at a flush / FUA point.
+        let mut state = state.lock();
+        let state = &mut *state;
+        let strategies: Vec<Strategy> = if point {
+            STRATEGIES.to_vec()
+        } else if state.rng.chance(1, 2) {
+            vec![STRATEGIES[state.rng.below(4) as usize]]
+        } else {
+            Vec::new()
+        };
+        let order = recorder.order();
+        for strategy in strategies {
+            let image = crash_image(
+                &recorder.sim,
+                &order,
+                strategy,
+                checker.unit,
+                &mut state.rng,
+            );
+            checker
+                .verify(image, &state.allowed, &mut state.rng, 0, counters)
+                .map_err(|error| format!("crash after {doing} (image {strategy:?}): {error}"))?;
+        }
+    }
+    recorder.set_hook(None);
+    // A clean close and reopen reads exactly the latest values.
+    volume
+        .close()
+        .map_err(|error| format!("close failed: {error}"))?;
+    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &open)
+        .map_err(|error| format!("reopen failed: {error}"))?;
+    let mut buf = vec![0u8; BLOCK];
+    for lba in 0..blocks {
+        volume
+            .read(lba * BLOCK as u64, &mut buf)
+            .map_err(|error| format!("read after clean reopen failed: {error}"))?;
+        if buf != model.current[lba as usize] {
+            return Err(format!(
+                "LBA {lba} differs from the model after a clean close"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn set_allowed(state: &Mutex<HookState>, model: &Model, doing: &str) {
+    let mut state = state.lock();
+    state.allowed = model.allowed();
+    state.doing = doing.to_string();
+}

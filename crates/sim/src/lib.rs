@@ -1,0 +1,39 @@
+//! vouch-sim: a crash and fault simulator for the vouch engine.
+//!
+//! - [`crash`]: random workloads on the simulated backend; at every I/O the
+//!   engine issues (and after every operation) post-crash images are built
+//!   from `SimStorage::crash_image` — all pending dropped, all persisted,
+//!   random subsets, prefixes in issue order, torn writes — and each one is
+//!   recovered and checked against a per-block model of the contract.
+//! - [`faults`]: a fault injector (bit flips, misdirected / lost writes,
+//!   misdirected reads, zeroed sectors, superblock damage, I/O errors,
+//!   ENOSPC) that classifies each fault as detected, silently wrong or
+//!   harmless and builds the detection matrix.
+//! - [`fuzz`]: the bodies of the cargo-fuzz targets in `fuzz/`, as plain
+//!   functions so stable `cargo test` exercises them too.
+//!
+//! See docs/RELIABILITY.md.
+
+pub mod crash;
+pub mod faults;
+pub mod fuzz;
+pub mod recorder;
+pub mod rng;
+
+pub use vouch_engine::{GuardKind, LayoutKind};
+
+/// One 4 KiB block.
+pub const BLOCK: usize = 4096;
+
+/// A 64-bit fingerprint of a block's contents (the model stores these).
+pub fn fingerprint(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
+}
+
+pub fn parse_layout(name: &str) -> Option<LayoutKind> {
+    LayoutKind::from_name(name)
+}
+
+pub fn parse_guard(name: &str) -> Option<GuardKind> {
+    GuardKind::from_name(name)
+}

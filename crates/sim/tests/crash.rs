@@ -1,0 +1,73 @@
+//! Small crash-simulator runs: every image must satisfy the contract.
+
+use std::sync::Arc;
+
+use vouch_sim::crash::{run, run_seed, Counters, CrashConfig, Tearing};
+use vouch_sim::{GuardKind, LayoutKind};
+
+/// Images per layout: the release binary runs far more (docs/RELIABILITY.md).
+/// Unoptimised builds are ~20x slower: `cargo test --release -p vouch-sim`
+/// runs the full 2,000 images per test.
+const IMAGES: u64 = if cfg!(debug_assertions) { 300 } else { 2_000 };
+
+fn run_until(layout: LayoutKind, guard: GuardKind, tearing: Tearing, seed: u64) {
+    let mut config = CrashConfig::new(layout, guard, tearing);
+    config.seed = seed;
+    config.seeds = 2;
+    let mut images = 0;
+    let mut seeds = 0;
+    while images < IMAGES {
+        let report = run(&config);
+        assert!(
+            report.violations.is_empty(),
+            "{}\n{}",
+            report.violations.join("\n"),
+            report.summary(&config)
+        );
+        images += report.images;
+        seeds += report.seeds;
+        config.seed += config.seeds;
+    }
+    eprintln!(
+        "crash: layout={} guard={} tearing={} seeds={seeds} images={images} violations=0",
+        layout.name(),
+        guard.name(),
+        tearing.name()
+    );
+}
+
+#[test]
+fn split_crash_images_satisfy_the_contract() {
+    run_until(LayoutKind::Split, GuardKind::Crc32c, Tearing::None, 1);
+}
+
+#[test]
+fn packed_crash_images_satisfy_the_contract() {
+    run_until(LayoutKind::Packed, GuardKind::Crc32c, Tearing::None, 1);
+}
+
+#[test]
+fn torn_sectors_read_old_new_or_a_fault() {
+    run_until(LayoutKind::Split, GuardKind::Xxh3, Tearing::Sector, 1000);
+    run_until(
+        LayoutKind::Packed,
+        GuardKind::Crc16T10Dif,
+        Tearing::Sector,
+        1000,
+    );
+}
+
+/// The checker is not vacuous: a store that acknowledges syncs without
+/// making anything durable loses flushed data, and every seed says so.
+#[test]
+fn a_store_that_ignores_flushes_is_caught() {
+    for layout in LayoutKind::ALL {
+        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, Tearing::None);
+        config.sabotage_sync = true;
+        for seed in 1..=3 {
+            let result = run_seed(&config, seed, &Arc::new(Counters::default()));
+            let error = result.expect_err("lost flushed data must be a violation");
+            assert!(error.contains("LBA"), "{error}");
+        }
+    }
+}
