@@ -1,0 +1,285 @@
+//! The offline commands: create, info, check, import, export.
+
+use std::fs::{File, OpenOptions as FsOpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context as _, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use vouch_engine::{
+    create_volume, open_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume,
+    BLOCK,
+};
+
+use crate::CreateArgs;
+
+/// Blocks moved per I/O by import and export (1 MiB).
+const COPY_CHUNK_BLOCKS: u64 = 256;
+
+pub fn create_options(size: u64, args: &CreateArgs) -> Result<CreateOptions> {
+    let mut options = CreateOptions::new(size);
+    options.layout = LayoutKind::from_name(&args.layout).context("unknown layout")?;
+    options.guard = GuardKind::from_name(&args.guard).context("unknown guard")?;
+    options.journal_bytes = args.journal;
+    options.segment_blocks = args.segment_blocks;
+    Ok(options)
+}
+
+pub fn create(path: &Path, size: u64, args: &CreateArgs) -> Result<ExitCode> {
+    let volume = create_volume(path, &create_options(size, args)?)?;
+    let summary = format!(
+        "created {} ({} bytes, layout {}, guard {})",
+        path.display(),
+        volume.size(),
+        volume.layout().name(),
+        volume.guard().name()
+    );
+    volume.close()?;
+    println!("{summary}");
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn open_read_only(path: &Path) -> Result<Volume> {
+    Ok(open_volume(
+        path,
+        &OpenOptions {
+            read_only: true,
+            ..OpenOptions::default()
+        },
+    )?)
+}
+
+pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
+    let volume = open_read_only(path)?;
+    let info = volume.info()?;
+    let recovery = volume.recovery_report();
+    if json_output {
+        let value = json!({
+            "path": path.display().to_string(),
+            "uuid": info.uuid,
+            "size_bytes": info.size_bytes,
+            "blocks": info.blocks,
+            "block_size": info.block_size,
+            "layout": info.layout.name(),
+            "guard": info.guard.name(),
+            "features": {
+                "compat": info.features.compat,
+                "ro_compat": info.features.ro_compat,
+                "incompat": info.features.incompat,
+            },
+            "segments": info.segments,
+            "segment_blocks": info.segment_blocks,
+            "journal_bytes": info.journal_bytes,
+            "checkpoint_seq": info.checkpoint_seq,
+            "clean": info.clean,
+            "journal_records_pending": recovery.records_replayed,
+            "read_only": info.read_only,
+            "allocated_bytes": info.allocated_bytes,
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        println!("path:            {}", path.display());
+        println!("uuid:            {}", info.uuid);
+        println!(
+            "size:            {} bytes ({})",
+            info.size_bytes,
+            bytesize::ByteSize(info.size_bytes)
+        );
+        println!(
+            "blocks:          {} x {} bytes",
+            info.blocks, info.block_size
+        );
+        println!("layout:          {}", info.layout.name());
+        println!("guard:           {}", info.guard.name());
+        println!(
+            "features:        compat {:#x}, ro_compat {:#x}, incompat {:#x}",
+            info.features.compat, info.features.ro_compat, info.features.incompat
+        );
+        println!(
+            "segments:        {} of {} blocks",
+            info.segments, info.segment_blocks
+        );
+        println!(
+            "journal:         {} bytes, checkpoint seq {}",
+            info.journal_bytes, info.checkpoint_seq
+        );
+        println!(
+            "state:           {}",
+            if info.clean {
+                "clean"
+            } else {
+                "not closed cleanly (recovers from its journal when opened)"
+            }
+        );
+        println!(
+            "allocated:       {} bytes ({})",
+            info.allocated_bytes,
+            bytesize::ByteSize(info.allocated_bytes)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn progress_bar(total: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
+    let volume = open_read_only(path)?;
+    let bar = progress_bar(volume.size(), "checking");
+    let report = volume.check(|done, _| bar.set_position(done * BLOCK))?;
+    bar.finish_and_clear();
+    if json_output {
+        let faults: Vec<_> = report
+            .faults
+            .iter()
+            .map(|f| json!({"lba": f.lba, "kind": f.kind.name()}))
+            .collect();
+        let value = json!({
+            "path": path.display().to_string(),
+            "blocks_checked": report.blocks_checked,
+            "faults": faults,
+            "clean": report.faults.is_empty(),
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        for fault in &report.faults {
+            println!("fault: LBA {} {}", fault.lba, fault.kind.name());
+        }
+        println!(
+            "{}: {} blocks checked, {} faults",
+            path.display(),
+            report.blocks_checked,
+            report.faults.len()
+        );
+    }
+    Ok(if report.faults.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+pub fn import(raw: &Path, path: &Path, args: &CreateArgs) -> Result<ExitCode> {
+    let source = File::open(raw).with_context(|| format!("cannot open {}", raw.display()))?;
+    let raw_len = source.metadata()?.len();
+    if raw_len == 0 {
+        bail!("{} is empty: nothing to import", raw.display());
+    }
+    let size = raw_len.div_ceil(BLOCK) * BLOCK;
+    let volume = create_volume(path, &create_options(size, args)?)?;
+    let bar = progress_bar(raw_len, "importing");
+    let mut chunk = vec![0u8; (COPY_CHUNK_BLOCKS * BLOCK) as usize];
+    let mut offset = 0u64;
+    let result: Result<()> = (|| {
+        while offset < raw_len {
+            let n = ((raw_len - offset) as usize).min(chunk.len());
+            let want = (n as u64).div_ceil(BLOCK) * BLOCK;
+            let buf = &mut chunk[..want as usize];
+            buf.fill(0);
+            source
+                .read_exact_at(&mut buf[..n], offset)
+                .with_context(|| format!("reading {}", raw.display()))?;
+            // A fresh volume reads zeros everywhere: skip zero chunks (sparse).
+            if buf.iter().any(|b| *b != 0) {
+                volume.write(offset, buf, false)?;
+            }
+            offset += n as u64;
+            bar.set_position(offset);
+        }
+        volume.flush()?;
+        Ok(())
+    })();
+    bar.finish_and_clear();
+    if let Err(error) = result {
+        drop(volume);
+        let _ = std::fs::remove_dir_all(path);
+        return Err(error.context(format!("import into {} failed; removed it", path.display())));
+    }
+    volume.close()?;
+    println!(
+        "imported {} ({raw_len} bytes) into {}",
+        raw.display(),
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn export(path: &Path, raw: &Path, allow_faults: bool) -> Result<ExitCode> {
+    let volume = open_read_only(path)?;
+    let output = FsOpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(raw)
+        .with_context(|| format!("cannot create {} (it must not exist)", raw.display()))?;
+    let result = export_into(&volume, &output, allow_faults);
+    match result {
+        Ok(faults) => {
+            output.sync_all()?;
+            for fault in &faults {
+                eprintln!("zero-filled: LBA {} {}", fault.lba, fault.kind.name());
+            }
+            println!(
+                "exported {} to {} ({} bytes, {} faulty blocks zero-filled)",
+                path.display(),
+                raw.display(),
+                volume.size(),
+                faults.len()
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(error) => {
+            drop(output);
+            let _ = std::fs::remove_file(raw);
+            Err(error)
+        }
+    }
+}
+
+fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec<Fault>> {
+    let size = volume.size();
+    output.set_len(size)?;
+    let bar = progress_bar(size, "exporting");
+    let blocks = size / BLOCK;
+    let mut chunk = vec![0u8; (COPY_CHUNK_BLOCKS * BLOCK) as usize];
+    let mut faults = Vec::new();
+    let mut lba = 0;
+    while lba < blocks {
+        lba = volume.next_possible_data(lba)?;
+        if lba >= blocks {
+            break;
+        }
+        let count = (blocks - lba).min(COPY_CHUNK_BLOCKS - lba % COPY_CHUNK_BLOCKS);
+        let buf = &mut chunk[..(count * BLOCK) as usize];
+        faults.extend(volume.read_blocks_collecting(lba, count, buf)?);
+        if buf.iter().any(|b| *b != 0) {
+            output.write_all_at(buf, lba * BLOCK)?;
+        }
+        lba += count;
+        bar.set_position(lba * BLOCK);
+    }
+    bar.finish_and_clear();
+    if !faults.is_empty() && !allow_faults {
+        let list: Vec<String> = faults
+            .iter()
+            .map(|f| format!("LBA {} ({})", f.lba, f.kind.name()))
+            .collect();
+        bail!(
+            "{} block(s) failed verification: {}; nothing exported (use --allow-faults to zero-fill them)",
+            faults.len(),
+            list.join(", ")
+        );
+    }
+    Ok(faults)
+}

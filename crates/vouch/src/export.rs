@@ -1,0 +1,135 @@
+//! The bridge between the engine and the NBD server: a `Volume` as an NBD
+//! `Export`. The server validated ranges and flags already; the engine
+//! checks them again (both ends).
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use vouch_engine::{Allocation, Error, Volume, BLOCK};
+use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent};
+
+/// Largest request the server accepts (payload), advertised in BLOCK_SIZE.
+pub const MAX_REQUEST_BYTES: u32 = 32 << 20;
+/// Blocks one BLOCK_STATUS reply describes at most (256 MiB).
+const BLOCK_STATUS_MAX_BLOCKS: u64 = 65536;
+
+pub struct VolumeExport {
+    volume: Arc<Volume>,
+    description: String,
+}
+
+impl VolumeExport {
+    pub fn new(volume: Arc<Volume>, description: String) -> VolumeExport {
+        VolumeExport {
+            volume,
+            description,
+        }
+    }
+}
+
+/// Map an engine error onto an NBD errno and a message naming the fault.
+pub fn to_export_error(error: Error) -> ExportError {
+    match &error {
+        Error::Fault(fault) => ExportError::new(Errno::Io, error.to_string())
+            .at_offset(fault.lba * BLOCK)
+            .with_fault_kind(fault.kind.name()),
+        Error::OutOfRange { .. } | Error::Misaligned { .. } => {
+            ExportError::new(Errno::Inval, error.to_string())
+        }
+        Error::ReadOnly(_) => ExportError::new(Errno::Perm, error.to_string()),
+        Error::NoSpace { .. } => ExportError::new(Errno::NoSpc, error.to_string()),
+        Error::FailStopped(_) | Error::Io { .. } | Error::Volume(_) => {
+            ExportError::new(Errno::Io, error.to_string())
+        }
+    }
+}
+
+impl Export for VolumeExport {
+    fn size(&self) -> u64 {
+        self.volume.size()
+    }
+    fn description(&self) -> Option<String> {
+        Some(self.description.clone())
+    }
+    fn read_only(&self) -> bool {
+        self.volume.is_read_only()
+    }
+    fn block_sizes(&self) -> BlockSizes {
+        BlockSizes {
+            minimum: 512,
+            preferred: BLOCK as u32,
+            maximum: MAX_REQUEST_BYTES,
+        }
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>, ExportError> {
+        self.volume.read(offset, buf).map_err(to_export_error)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+        self.volume
+            .write(offset, data, fua)
+            .map_err(to_export_error)
+    }
+    fn flush(&self) -> Result<(), ExportError> {
+        self.volume.flush().map_err(to_export_error)
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError> {
+        self.volume
+            .trim(offset, length, fua)
+            .map_err(to_export_error)
+    }
+    fn write_zeroes(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        no_hole: bool,
+        _fast_zero: bool,
+    ) -> Result<(), ExportError> {
+        // Zeroing never writes data blocks (only contexts), so it is always fast.
+        self.volume
+            .write_zeroes(offset, length, fua, no_hole)
+            .map_err(to_export_error)
+    }
+    fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError> {
+        // Prefetch = read and verify, discarding the bytes.
+        let mut buf = vec![0u8; length.min(u64::from(MAX_REQUEST_BYTES)) as usize];
+        let mut at = offset;
+        while at < offset + length {
+            let n = (offset + length - at).min(buf.len() as u64) as usize;
+            self.volume
+                .read(at, &mut buf[..n])
+                .map_err(to_export_error)?;
+            at += n as u64;
+        }
+        Ok(())
+    }
+    fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError> {
+        let runs = self
+            .volume
+            .block_status(offset, length, BLOCK_STATUS_MAX_BLOCKS)
+            .map_err(to_export_error)?;
+        let mut extents = Vec::with_capacity(runs.len());
+        // Runs start at the block holding `offset`; trim the first to it.
+        let mut skip = offset % BLOCK;
+        let mut remaining = length;
+        for (blocks, allocation) in runs {
+            if remaining == 0 {
+                break;
+            }
+            let bytes = (blocks * BLOCK - skip).min(remaining);
+            skip = 0;
+            remaining -= bytes;
+            let (hole, zero) = match allocation {
+                Allocation::Hole => (true, true),
+                Allocation::Zero => (false, true),
+                Allocation::Data => (false, false),
+            };
+            extents.push(Extent {
+                length: bytes,
+                hole,
+                zero,
+            });
+        }
+        Ok(extents)
+    }
+}

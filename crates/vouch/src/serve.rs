@@ -1,0 +1,282 @@
+//! `vouch serve`: export volumes over NBD until SIGINT/SIGTERM, then finish
+//! in-flight requests, flush, close every volume cleanly and exit 0.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _, Result};
+use clap::Args;
+use vouch_engine::{open_volume, FaultKind, OpenOptions, Volume};
+use vouch_nbd::{Export, Listen, Server, ServerConfig};
+
+use crate::commands::create_options;
+use crate::export::VolumeExport;
+use crate::CreateArgs;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Volume directories to export. The first is also the default export
+    /// (the empty export name).
+    #[arg(required = true)]
+    paths: Vec<PathBuf>,
+    /// Create the (first) volume with this size if PATH does not exist yet.
+    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size)]
+    create: Option<u64>,
+    #[command(flatten)]
+    create_args: CreateArgs,
+    /// TCP address to listen on. Port 0 picks a free port (printed).
+    #[arg(long, default_value = "127.0.0.1:10809")]
+    listen: SocketAddr,
+    /// Also listen on this Unix socket.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Export names, in the order of PATHs (default: each directory's name).
+    #[arg(long = "name")]
+    names: Vec<String>,
+    /// Refuse writes (NBD_FLAG_READ_ONLY; writes get EPERM).
+    #[arg(long)]
+    read_only: bool,
+    /// Serve Prometheus metrics on http://ADDR/metrics.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<SocketAddr>,
+    /// TLS certificate chain (PEM). With --tls-key, clients must STARTTLS.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// With TLS: also accept plaintext clients (default: TLS is required).
+    #[arg(long, requires = "tls_cert")]
+    tls_optional: bool,
+}
+
+fn export_name(path: &std::path::Path) -> String {
+    path.file_name().map_or_else(
+        || "vouch".to_string(),
+        |name| name.to_string_lossy().into_owned(),
+    )
+}
+
+pub fn run(args: ServeArgs) -> Result<ExitCode> {
+    if let Some(size) = args.create {
+        let path = &args.paths[0];
+        if !path.exists() {
+            let volume =
+                vouch_engine::create_volume(path, &create_options(size, &args.create_args)?)?;
+            volume.close()?;
+            eprintln!("vouch: created {} ({size} bytes)", path.display());
+        }
+    }
+    if !args.names.is_empty() && args.names.len() != args.paths.len() {
+        bail!(
+            "give one --name per volume ({} names for {} volumes)",
+            args.names.len(),
+            args.paths.len()
+        );
+    }
+    let mut volumes = Vec::new();
+    for path in &args.paths {
+        let options = OpenOptions {
+            read_only: args.read_only,
+            ..OpenOptions::default()
+        };
+        let volume = open_volume(path, &options)?;
+        let report = volume.recovery_report();
+        if report.records_replayed > 0 {
+            eprintln!(
+                "vouch: {}: recovered {} journal records in {:?} ({} blocks verified, {} reverted to their old contents, {} torn)",
+                path.display(),
+                report.records_replayed,
+                report.duration,
+                report.blocks_verified,
+                report.blocks_reverted,
+                report.blocks_torn.len()
+            );
+        }
+        volumes.push(Arc::new(volume));
+    }
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let result = runtime.block_on(serve(&args, &volumes));
+    drop(runtime);
+    result?;
+    for (path, volume) in args.paths.iter().zip(volumes) {
+        match Arc::try_unwrap(volume) {
+            Ok(volume) => volume
+                .close()
+                .with_context(|| format!("closing {}", path.display()))?,
+            Err(volume) => volume.flush()?,
+        }
+    }
+    eprintln!("vouch: stopped cleanly");
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
+    let mut config = ServerConfig::default();
+    for (index, (path, volume)) in args.paths.iter().zip(volumes).enumerate() {
+        let name = args
+            .names
+            .get(index)
+            .cloned()
+            .unwrap_or_else(|| export_name(path));
+        let description = format!(
+            "vouch volume {} (layout {}, guard {})",
+            volume.uuid_string(),
+            volume.layout().name(),
+            volume.guard().name()
+        );
+        let export: Arc<dyn Export> = Arc::new(VolumeExport::new(volume.clone(), description));
+        if index == 0 {
+            config.default_export = Some(name.clone());
+        }
+        if config.exports.insert(name.clone(), export).is_some() {
+            bail!("export name {name:?} is used twice; give distinct --name values");
+        }
+    }
+    config.listen.push(Listen::Tcp(args.listen));
+    if let Some(socket) = &args.socket {
+        config.listen.push(Listen::Unix(socket.clone()));
+    }
+    if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
+        config.tls = Some(vouch_nbd::tls::server_config_from_pem_files(cert, key)?);
+        config.tls_required = !args.tls_optional;
+    }
+    let server = Server::bind(config).await?;
+    for addr in server.tcp_addrs() {
+        println!("vouch: serving on nbd://{addr}");
+    }
+    if let Some(socket) = &args.socket {
+        println!("vouch: serving on nbd+unix:///?socket={}", socket.display());
+    }
+    if let Some(addr) = args.metrics {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("metrics on {addr}"))?;
+        println!(
+            "vouch: metrics on http://{}/metrics",
+            listener.local_addr()?
+        );
+        let engine_volumes: Vec<(String, Arc<Volume>)> = args
+            .paths
+            .iter()
+            .zip(volumes)
+            .map(|(path, volume)| (export_name(path), volume.clone()))
+            .collect();
+        tokio::spawn(vouch_nbd::serve_metrics_on(
+            listener,
+            server.metrics(),
+            move || render_engine_metrics(&engine_volumes),
+        ));
+    }
+    std::io::stdout().flush()?;
+    let shutdown = server.shutdown_handle();
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut interrupt), Ok(mut terminate)) = (
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::terminate()),
+        ) else {
+            return;
+        };
+        tokio::select! {
+            _ = interrupt.recv() => {}
+            _ = terminate.recv() => {}
+        }
+        eprintln!("vouch: signal received: finishing in-flight requests, flushing");
+        shutdown.shutdown();
+    });
+    server.run().await?;
+    Ok(())
+}
+
+/// A counter's name, help text and how to read it from a snapshot.
+type Counter = (&'static str, &'static str, fn(&vouch_engine::StatsSnapshot) -> u64);
+
+/// Engine counters in Prometheus text format, one series per volume.
+fn render_engine_metrics(volumes: &[(String, Arc<Volume>)]) -> String {
+    let mut out = String::new();
+    let counters: [Counter; 10] = [
+        (
+            "vouch_engine_client_written_bytes_total",
+            "Bytes written by clients",
+            |s| s.client_bytes_written,
+        ),
+        (
+            "vouch_engine_client_read_bytes_total",
+            "Bytes read by clients",
+            |s| s.client_bytes_read,
+        ),
+        (
+            "vouch_engine_journal_written_bytes_total",
+            "Bytes written to the journal",
+            |s| s.journal_bytes_written,
+        ),
+        (
+            "vouch_engine_data_written_bytes_total",
+            "Bytes written to data segments",
+            |s| s.data_bytes_written,
+        ),
+        (
+            "vouch_engine_context_written_bytes_total",
+            "Bytes written to the context table",
+            |s| s.context_bytes_written,
+        ),
+        ("vouch_engine_syncs_total", "fdatasync calls", |s| s.syncs),
+        ("vouch_engine_commits_total", "Journal commits", |s| {
+            s.commits
+        }),
+        ("vouch_engine_checkpoints_total", "Checkpoints", |s| {
+            s.checkpoints
+        }),
+        ("vouch_engine_flushes_total", "Flushes", |s| s.flushes),
+        (
+            "vouch_engine_rechecks_recovered_total",
+            "Mismatches that passed on the recheck",
+            |s| s.rechecks_recovered,
+        ),
+    ];
+    let snapshots: Vec<(String, vouch_engine::StatsSnapshot)> = volumes
+        .iter()
+        .map(|(name, volume)| (name.clone(), volume.stats().snapshot()))
+        .collect();
+    for (metric, help, get) in counters {
+        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
+        for (name, snapshot) in &snapshots {
+            let _ = writeln!(out, "{metric}{{volume=\"{name}\"}} {}", get(snapshot));
+        }
+    }
+    let metric = "vouch_engine_checksum_failures_total";
+    let _ = writeln!(
+        out,
+        "# HELP {metric} Blocks that failed verification, by kind\n# TYPE {metric} counter"
+    );
+    for (name, snapshot) in &snapshots {
+        for kind in FaultKind::ALL {
+            let _ = writeln!(
+                out,
+                "{metric}{{volume=\"{name}\",kind=\"{}\"}} {}",
+                kind.name(),
+                snapshot.faults_of(kind)
+            );
+        }
+    }
+    let metric = "vouch_engine_resident_bytes";
+    let _ = writeln!(
+        out,
+        "# HELP {metric} Memory held by buffers and caches\n# TYPE {metric} gauge"
+    );
+    for (name, volume) in volumes {
+        let _ = writeln!(
+            out,
+            "{metric}{{volume=\"{name}\"}} {}",
+            volume.resident_bytes()
+        );
+    }
+    out
+}

@@ -1,0 +1,409 @@
+//! The offline commands through the real binary on real files: round trips,
+//! every bad input, and on-disk corruption found by `check` at exactly the
+//! LBAs that were damaged.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
+use vouch_format::Superblock;
+
+fn vouch(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_vouch"))
+        .args(args)
+        .output()
+        .expect("run vouch")
+}
+
+fn text(output: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn ok(args: &[&str]) -> String {
+    let output = vouch(args);
+    assert!(
+        output.status.success(),
+        "vouch {args:?} failed: {}",
+        text(&output)
+    );
+    text(&output)
+}
+
+/// Run and expect failure with `code`; the error must be one clear line.
+fn fails(args: &[&str], code: i32, needle: &str) -> String {
+    let output = vouch(args);
+    let all = text(&output);
+    assert_eq!(output.status.code(), Some(code), "vouch {args:?}: {all}");
+    assert!(
+        all.contains(needle),
+        "vouch {args:?}: expected {needle:?} in: {all}"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let error_lines: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("error"))
+        .collect();
+    assert_eq!(
+        error_lines.len(),
+        1,
+        "one clear error line expected: {stderr}"
+    );
+    all
+}
+
+fn s(path: &Path) -> &str {
+    path.to_str().expect("utf-8 temp path")
+}
+
+/// A raw image with distinct, non-zero content in every block.
+fn raw_image(dir: &Path, blocks: u64) -> PathBuf {
+    let path = dir.join("raw.img");
+    let mut bytes = Vec::with_capacity((blocks * 4096) as usize);
+    for block in 0..blocks {
+        for i in 0..4096u64 {
+            bytes.push((block.wrapping_mul(31) ^ i.wrapping_mul(7) ^ 0x5A) as u8 | 1);
+        }
+    }
+    std::fs::write(&path, bytes).expect("write raw");
+    path
+}
+
+fn xor_byte(path: &Path, offset: u64, mask: u8) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open");
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, offset).expect("read byte");
+    byte[0] ^= mask;
+    file.write_all_at(&byte, offset).expect("write byte");
+}
+
+fn swap(path: &Path, a: u64, b: u64, len: usize) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open");
+    let (mut first, mut second) = (vec![0u8; len], vec![0u8; len]);
+    file.read_exact_at(&mut first, a).expect("read");
+    file.read_exact_at(&mut second, b).expect("read");
+    file.write_all_at(&second, a).expect("write");
+    file.write_all_at(&first, b).expect("write");
+}
+
+fn packed_offset(lba: u64) -> u64 {
+    (lba / PACKED_RECORDS_PER_ROW) * PACKED_ROW_BYTES
+        + (lba % PACKED_RECORDS_PER_ROW) * PACKED_RECORD_BYTES
+}
+
+fn check_faults(volume: &Path) -> (i32, Vec<(u64, String)>) {
+    let output = vouch(&["check", s(volume), "--json"]);
+    let json: serde_json::Value =
+        serde_json::from_slice(&output.stdout).expect("check --json output");
+    let faults = json["faults"]
+        .as_array()
+        .expect("faults array")
+        .iter()
+        .map(|fault| {
+            (
+                fault["lba"].as_u64().expect("lba"),
+                fault["kind"].as_str().expect("kind").to_string(),
+            )
+        })
+        .collect();
+    (output.status.code().expect("exit code"), faults)
+}
+
+#[test]
+fn import_check_export_round_trip_both_layouts() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 300);
+    for layout in ["split", "packed"] {
+        for guard in ["crc32c", "crc64nvme", "crc16t10dif", "xxh3", "none"] {
+            let volume = dir.path().join(format!("{layout}-{guard}"));
+            let out = dir.path().join(format!("{layout}-{guard}.img"));
+            ok(&[
+                "import",
+                s(&raw),
+                s(&volume),
+                "--layout",
+                layout,
+                "--guard",
+                guard,
+            ]);
+            let info = ok(&["info", s(&volume), "--json"]);
+            let info: serde_json::Value = serde_json::from_str(&info).expect("info json");
+            assert_eq!(info["layout"], layout);
+            assert_eq!(info["guard"], guard);
+            assert_eq!(info["size_bytes"], 300 * 4096);
+            assert_eq!(check_faults(&volume), (0, vec![]));
+            ok(&["export", s(&volume), s(&out)]);
+            assert!(
+                std::fs::read(&raw).expect("raw") == std::fs::read(&out).expect("out"),
+                "{layout}/{guard} differs"
+            );
+        }
+    }
+}
+
+#[test]
+fn create_is_sparse_and_instant_at_16_tib() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("big");
+    let started = std::time::Instant::now();
+    ok(&["create", s(&volume), "--size", "16TiB"]);
+    assert!(
+        started.elapsed().as_secs() < 5,
+        "create took {:?}",
+        started.elapsed()
+    );
+    let info: serde_json::Value =
+        serde_json::from_str(&ok(&["info", s(&volume), "--json"])).expect("json");
+    assert_eq!(info["size_bytes"], 16u64 << 40);
+    assert!(info["allocated_bytes"].as_u64().expect("allocated") < 64 << 20);
+    let (code, faults) = check_faults(&volume);
+    assert_eq!((code, faults.len()), (0, 0));
+}
+
+#[test]
+fn bad_inputs_get_one_clear_error_and_change_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let missing = dir.path().join("missing");
+    fails(&["info", s(&missing)], 2, "does not exist");
+    fails(&["check", s(&missing)], 2, "does not exist");
+    fails(
+        &["export", s(&missing), s(&dir.path().join("x.img"))],
+        2,
+        "does not exist",
+    );
+    let volume = dir.path().join("vol");
+    ok(&["create", s(&volume), "--size", "1MiB"]);
+    let before = std::fs::read(volume.join("superblock")).expect("superblock");
+    fails(
+        &["create", s(&volume), "--size", "1MiB"],
+        2,
+        "already exists",
+    );
+    assert_eq!(
+        std::fs::read(volume.join("superblock")).expect("superblock"),
+        before,
+        "create touched an existing volume"
+    );
+    let file = dir.path().join("plain-file");
+    std::fs::write(&file, b"not a volume").expect("write");
+    fails(&["create", s(&file), "--size", "1MiB"], 2, "already exists");
+    assert_eq!(std::fs::read(&file).expect("file"), b"not a volume");
+    fails(&["info", s(&file)], 2, "not a vouch volume");
+    // Sizes that do not fit.
+    fails(
+        &["create", s(&dir.path().join("a")), "--size", "1000"],
+        2,
+        "multiple of 4096",
+    );
+    fails(
+        &["create", s(&dir.path().join("b")), "--size", "2PiB"],
+        2,
+        "largest volume",
+    );
+    let output = vouch(&["create", s(&dir.path().join("c")), "--size", "lots"]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(text(&output).contains("is not a size"));
+    assert!(
+        !dir.path().join("a").exists() && !dir.path().join("b").exists(),
+        "failed create left files"
+    );
+    // Export refuses to overwrite an existing file.
+    fails(&["export", s(&volume), s(&file)], 2, "must not exist");
+    assert_eq!(std::fs::read(&file).expect("file"), b"not a volume");
+}
+
+#[test]
+fn truncated_and_corrupt_superblocks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    ok(&["create", s(&volume), "--size", "1MiB"]);
+    let superblock = volume.join("superblock");
+    let good = std::fs::read(&superblock).expect("read");
+    // One corrupt copy: the other one is used.
+    xor_byte(&superblock, 70, 0xFF);
+    ok(&["info", s(&volume)]);
+    // Both corrupt: refused, clearly.
+    xor_byte(&superblock, 4096 + 70, 0xFF);
+    fails(
+        &["info", s(&volume)],
+        2,
+        "both superblock copies are invalid",
+    );
+    fails(&["check", s(&volume)], 2, "superblock");
+    // Truncated.
+    std::fs::write(&superblock, &good[..100]).expect("truncate");
+    fails(&["info", s(&volume)], 2, "not a usable vouch volume");
+    std::fs::write(&superblock, b"").expect("truncate");
+    fails(&["check", s(&volume)], 2, "not a usable vouch volume");
+}
+
+fn rewrite_superblock(volume: &Path, edit: impl Fn(&mut Superblock)) {
+    let path = volume.join("superblock");
+    let bytes = std::fs::read(&path).expect("read");
+    let mut superblock = Superblock::newest(
+        Superblock::decode(&bytes[..4096]),
+        Superblock::decode(&bytes[4096..]),
+    )
+    .expect("valid superblock");
+    edit(&mut superblock);
+    let mut slot = vec![0u8; 4096];
+    slot[..256].copy_from_slice(&superblock.encode());
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open");
+    file.write_all_at(&slot, 0).expect("copy 0");
+    file.write_all_at(&slot, 4096).expect("copy 1");
+}
+
+#[test]
+fn feature_flags_are_checked_against_the_supported_mask() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    ok(&["create", s(&volume), "--size", "1MiB"]);
+    rewrite_superblock(&volume, |sb| sb.features.compat |= 1 << 40);
+    ok(&["check", s(&volume)]);
+    rewrite_superblock(&volume, |sb| sb.features.ro_compat |= 1 << 7);
+    let info = ok(&["info", s(&volume), "--json"]);
+    assert!(
+        info.contains("\"read_only\": true"),
+        "unknown ro_compat must open read-only: {info}"
+    );
+    let engine = vouch_engine::open_volume(&volume, &vouch_engine::OpenOptions::default())
+        .expect("opens read-only");
+    assert!(engine.is_read_only());
+    let error = engine
+        .write(0, &[1u8; 4096], false)
+        .expect_err("write must be refused");
+    assert!(error.to_string().contains("ro-compat"), "{error}");
+    drop(engine);
+    rewrite_superblock(&volume, |sb| sb.features.incompat |= 1 << 33);
+    fails(&["info", s(&volume)], 2, "refusing to open");
+    rewrite_superblock(&volume, |sb| {
+        sb.features.incompat |= vouch_format::FeatureFlags::INCOMPAT_ENCRYPTED
+    });
+    fails(&["check", s(&volume)], 2, "refusing to open");
+}
+
+#[test]
+fn check_names_exactly_the_corrupted_lbas_split() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 64);
+    let volume = dir.path().join("vol");
+    ok(&["import", s(&raw), s(&volume)]);
+    let data = volume.join("data.00000");
+    let contexts = volume.join("contexts");
+    xor_byte(&data, 5 * 4096 + 100, 0x01); // bit flip in data of LBA 5
+    xor_byte(&contexts, 9 * 32 + 17, 0x10); // bit flip in the context of LBA 9
+    swap(&data, 20 * 4096, 30 * 4096, 4096); // blocks 20 and 30 swapped on disk
+    let (code, faults) = check_faults(&volume);
+    assert_eq!(code, 1);
+    assert_eq!(
+        faults,
+        vec![
+            (5, "guard_mismatch".to_string()),
+            (9, "context_corrupt".to_string()),
+            (20, "guard_mismatch".to_string()),
+            (30, "guard_mismatch".to_string()),
+        ]
+    );
+    let out = dir.path().join("out.img");
+    let error = fails(
+        &["export", s(&volume), s(&out)],
+        2,
+        "LBA 5 (guard_mismatch)",
+    );
+    assert!(error.contains("LBA 30"), "{error}");
+    assert!(
+        !out.exists(),
+        "a failed export must not leave a partial image"
+    );
+    ok(&["export", s(&volume), s(&out), "--allow-faults"]);
+    let exported = std::fs::read(&out).expect("out");
+    let original = std::fs::read(&raw).expect("raw");
+    for lba in 0..64usize {
+        let block = &exported[lba * 4096..(lba + 1) * 4096];
+        if [5, 9, 20, 30].contains(&lba) {
+            assert!(
+                block.iter().all(|b| *b == 0),
+                "faulty LBA {lba} must be zero-filled"
+            );
+        } else {
+            assert_eq!(block, &original[lba * 4096..(lba + 1) * 4096], "LBA {lba}");
+        }
+    }
+}
+
+#[test]
+fn check_names_exactly_the_corrupted_lbas_packed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 100);
+    let volume = dir.path().join("vol");
+    ok(&["import", s(&raw), s(&volume), "--layout", "packed"]);
+    let data = volume.join("data.00000");
+    xor_byte(&data, packed_offset(3) + 7, 0x80); // data bit flip
+    xor_byte(&data, packed_offset(40) + 4096 + 18, 0x04); // context bit flip
+    swap(
+        &data,
+        packed_offset(50),
+        packed_offset(77),
+        PACKED_RECORD_BYTES as usize,
+    ); // records swapped
+    let (code, faults) = check_faults(&volume);
+    assert_eq!(code, 1);
+    assert_eq!(
+        faults,
+        vec![
+            (3, "guard_mismatch".to_string()),
+            (40, "context_corrupt".to_string()),
+            (50, "ref_tag_mismatch".to_string()),
+            (77, "ref_tag_mismatch".to_string()),
+        ]
+    );
+}
+
+#[test]
+fn import_of_an_empty_or_missing_raw_fails_cleanly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let empty = dir.path().join("empty.img");
+    std::fs::write(&empty, b"").expect("write");
+    fails(
+        &["import", s(&empty), s(&dir.path().join("v"))],
+        2,
+        "is empty",
+    );
+    fails(
+        &[
+            "import",
+            s(&dir.path().join("nope.img")),
+            s(&dir.path().join("v")),
+        ],
+        2,
+        "cannot open",
+    );
+    assert!(!dir.path().join("v").exists());
+}
+
+#[test]
+fn help_documents_every_command() {
+    let help = ok(&["--help"]);
+    for command in [
+        "create", "info", "check", "import", "export", "serve", "bench",
+    ] {
+        assert!(help.contains(command), "--help lacks {command}");
+        let sub = ok(&[command, "--help"]);
+        assert!(sub.contains("Usage: vouch"), "{command} --help: {sub}");
+    }
+}
