@@ -196,7 +196,11 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
 }
 
 /// A counter's name, help text and how to read it from a snapshot.
-type Counter = (&'static str, &'static str, fn(&vouch_engine::StatsSnapshot) -> u64);
+type Counter = (
+    &'static str,
+    &'static str,
+    fn(&vouch_engine::StatsSnapshot) -> u64,
+);
 
 /// Engine counters in Prometheus text format, one series per volume.
 fn render_engine_metrics(volumes: &[(String, Arc<Volume>)]) -> String {
