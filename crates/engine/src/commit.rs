@@ -400,6 +400,10 @@ impl Volume {
             let page_no = ContextStore::page_of(entries[index].0);
             let mut page = match edge_pages.remove(&page_no) {
                 Some(page) => page,
+                // Punched just now: its cached copy predates the trim.
+                None if punched.iter().any(|range| range.contains(&page_no)) => {
+                    Box::new([0u8; 4096])
+                }
                 None => self.page_for_update(page_no)?,
             };
             while index < entries.len() && ContextStore::page_of(entries[index].0) == page_no {

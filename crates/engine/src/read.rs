@@ -184,7 +184,15 @@ impl Volume {
                     continue;
                 }
                 if self.geometry.layout == LayoutKind::Packed {
-                    plan.push(Source::Disk(None));
+                    // Packed contexts live in the records; only a read-only
+                    // open of an unrecovered volume holds ranges in memory.
+                    let pending_zero = !state.contexts.ranges.is_empty()
+                        && matches!(state.contexts.lookup(lba), Lookup::Found(Ok(context)) if context.reads_as_zero());
+                    plan.push(if pending_zero {
+                        Source::Zero
+                    } else {
+                        Source::Disk(None)
+                    });
                     continue;
                 }
                 match state.contexts.lookup(lba) {

@@ -339,12 +339,22 @@ impl Volume {
                         template: entry.context,
                     };
                     if self.is_read_only() {
-                        // A trim that may not have reached home cannot be
-                        // served from memory for an unbounded range.
-                        return Err(crate::error::Error::Volume(
-                            "the journal holds trims not yet applied: open the volume read-write once to recover it"
-                                .into(),
-                        ));
+                        // Cannot redo on disk: serve the range from memory
+                        // as a range (its size does not matter), superseding
+                        // journaled data buffered before it.
+                        let mut state = self.state.lock();
+                        let stale: Vec<u64> = state
+                            .active
+                            .range(range.start..range.end)
+                            .map(|(lba, _)| *lba)
+                            .collect();
+                        for lba in stale {
+                            state.active.remove(&lba);
+                        }
+                        state
+                            .contexts
+                            .set_range(range.start, range.end, range.template);
+                        continue;
                     }
                     self.apply_range_home(commit, &range)?;
                 }

@@ -158,9 +158,11 @@ impl FileStorage {
                     io::Error::new(error.kind(), format!("{}: {error}", path.display()))
                 })
         };
+        let superblock = open(ObjectId::Superblock)?;
+        lock_volume(&superblock, dir, writable)?;
         Ok(FileStorage {
             dir: dir.to_path_buf(),
-            superblock: open(ObjectId::Superblock)?,
+            superblock,
             journal: open(ObjectId::Journal)?,
             contexts: if geometry.layout == vouch_format::LayoutKind::Split {
                 Some(open(ObjectId::Contexts)?)
@@ -188,6 +190,36 @@ impl FileStorage {
                 .ok_or_else(|| no_object(object)),
         }
     }
+}
+
+/// One writer or any number of readers per volume, across processes: an
+/// advisory lock on the superblock file, held while the volume is open.
+/// Two writers would each trust their own buffers and journal positions and
+/// destroy each other's acknowledged data.
+fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> {
+    let mode = if writable {
+        libc::LOCK_EX
+    } else {
+        libc::LOCK_SH
+    };
+    // SAFETY: flock on a valid, open file descriptor.
+    let rc = unsafe { libc::flock(superblock.as_raw_fd(), mode | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let error = io::Error::last_os_error();
+    if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        let holder = if writable {
+            "another vouch process has it open"
+        } else {
+            "another vouch process has it open for writing"
+        };
+        return Err(io::Error::new(
+            io::ErrorKind::WouldBlock,
+            format!("{} is in use: {holder}", dir.display()),
+        ));
+    }
+    Err(error)
 }
 
 fn no_object(object: ObjectId) -> io::Error {

@@ -118,13 +118,26 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
 }
 
 async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
+    // Handle signals before announcing the listener: a SIGTERM right after
+    // "serving on" must stop cleanly, not take the default action.
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate =
+        signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let names: Vec<String> = args
+        .paths
+        .iter()
+        .enumerate()
+        .map(|(index, path)| {
+            args.names
+                .get(index)
+                .cloned()
+                .unwrap_or_else(|| export_name(path))
+        })
+        .collect();
     let mut config = ServerConfig::default();
-    for (index, (path, volume)) in args.paths.iter().zip(volumes).enumerate() {
-        let name = args
-            .names
-            .get(index)
-            .cloned()
-            .unwrap_or_else(|| export_name(path));
+    for (index, volume) in volumes.iter().enumerate() {
+        let name = names[index].clone();
         let description = format!(
             "vouch volume {} (layout {}, guard {})",
             volume.uuid_string(),
@@ -162,12 +175,8 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
             "vouch: metrics on http://{}/metrics",
             listener.local_addr()?
         );
-        let engine_volumes: Vec<(String, Arc<Volume>)> = args
-            .paths
-            .iter()
-            .zip(volumes)
-            .map(|(path, volume)| (export_name(path), volume.clone()))
-            .collect();
+        let engine_volumes: Vec<(String, Arc<Volume>)> =
+            names.iter().cloned().zip(volumes.iter().cloned()).collect();
         tokio::spawn(vouch_nbd::serve_metrics_on(
             listener,
             server.metrics(),
@@ -177,13 +186,6 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
     std::io::stdout().flush()?;
     let shutdown = server.shutdown_handle();
     tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut interrupt), Ok(mut terminate)) = (
-            signal(SignalKind::interrupt()),
-            signal(SignalKind::terminate()),
-        ) else {
-            return;
-        };
         tokio::select! {
             _ = interrupt.recv() => {}
             _ = terminate.recv() => {}

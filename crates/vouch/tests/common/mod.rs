@@ -1,0 +1,539 @@
+//! Shared fixtures for the tests that drive `vouch serve` with real NBD
+//! clients from Debian packages (qemu-utils, libnbd-bin, python3-libnbd,
+//! nbdfuse, fio). A missing tool fails the test with its install command.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Default bound on any external command.
+pub const TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `vouch serve` may take to print its listening line.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a SIGTERMed server may take to exit.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// The interpreter that has the `nbd` module (a pyenv python3 may be first on
+/// PATH and lacks it).
+pub const PYTHON: &str = "/usr/bin/python3";
+
+pub const BLOCK: u64 = 4096;
+
+pub fn vouch_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_vouch")
+}
+
+pub fn s(path: &Path) -> &str {
+    path.to_str().expect("utf-8 temp path")
+}
+
+/// Find `name` on PATH (or in the sbin directories); fail with the install
+/// command when it is missing.
+pub fn tool(name: &str, package: &str) -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let mut dirs: Vec<PathBuf> = std::env::split_paths(&path).collect();
+    for extra in ["/usr/local/sbin", "/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
+        dirs.push(PathBuf::from(extra));
+    }
+    for dir in dirs {
+        let candidate = dir.join(name);
+        if candidate.is_file() {
+            return candidate;
+        }
+    }
+    panic!("{name} not found: apt-get install -y {package}");
+}
+
+/// `/usr/bin/python3` with the libnbd bindings importable (checked once).
+pub fn python() -> &'static str {
+    static CHECKED: OnceLock<Result<(), String>> = OnceLock::new();
+    let result = CHECKED.get_or_init(|| {
+        if !Path::new(PYTHON).is_file() {
+            return Err(format!(
+                "{PYTHON} not found: apt-get install -y python3 python3-libnbd"
+            ));
+        }
+        let output = Command::new(PYTHON)
+            .args(["-c", "import nbd"])
+            .output()
+            .map_err(|e| format!("cannot run {PYTHON}: {e}"))?;
+        if output.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{PYTHON} cannot import nbd ({}): apt-get install -y python3-libnbd",
+                String::from_utf8_lossy(&output.stderr).trim()
+            ))
+        }
+    });
+    if let Err(message) = result {
+        panic!("{message}");
+    }
+    PYTHON
+}
+
+pub fn text(output: &Output) -> String {
+    format!(
+        "status {:?}\n--- stdout\n{}--- stderr\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    )
+}
+
+fn spawn_reader<R: Read + Send + 'static>(mut reader: R) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = reader.read_to_end(&mut bytes);
+        bytes
+    })
+}
+
+/// Run a command to completion with a deadline; on timeout it is killed and
+/// the test fails with what it printed so far.
+pub fn run_timeout(command: &mut Command, timeout: Duration) -> Output {
+    let description = format!("{command:?}");
+    let mut child = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {description}: {e}"));
+    let stdout = spawn_reader(child.stdout.take().expect("stdout"));
+    let stderr = spawn_reader(child.stderr.take().expect("stderr"));
+    let status = match wait_timeout(&mut child, timeout) {
+        Some(status) => status,
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let out = stdout.join().unwrap_or_default();
+            let err = stderr.join().unwrap_or_default();
+            panic!(
+                "{description} did not finish within {timeout:?}\n--- stdout\n{}--- stderr\n{}",
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&err)
+            );
+        }
+    };
+    Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    }
+}
+
+pub fn run(command: &mut Command) -> Output {
+    run_timeout(command, TIMEOUT)
+}
+
+/// Run and require exit 0.
+pub fn run_ok(command: &mut Command) -> Output {
+    let description = format!("{command:?}");
+    let output = run(command);
+    assert!(
+        output.status.success(),
+        "{description} failed:\n{}",
+        text(&output)
+    );
+    output
+}
+
+/// Poll a child until it exits or the deadline passes.
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Option<ExitStatus> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => return Some(status),
+            Ok(None) => {}
+            Err(e) => panic!("waiting for child: {e}"),
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Poll `condition` every few milliseconds until it holds; fail after `timeout`.
+pub fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+pub fn vouch(args: &[&str]) -> Output {
+    run(Command::new(vouch_bin()).args(args))
+}
+
+pub fn vouch_ok(args: &[&str]) -> Output {
+    run_ok(Command::new(vouch_bin()).args(args))
+}
+
+/// `vouch info PATH --json`.
+pub fn info_json(volume: &Path) -> serde_json::Value {
+    let output = vouch_ok(&["info", s(volume), "--json"]);
+    serde_json::from_slice(&output.stdout).expect("info --json output")
+}
+
+/// `vouch check PATH --json`: (exit code, [(lba, kind)]).
+pub fn check_faults(volume: &Path) -> (i32, Vec<(u64, String)>) {
+    let output = vouch(&["check", s(volume), "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("check --json output ({e}): {}", text(&output)));
+    let faults = json["faults"]
+        .as_array()
+        .expect("faults array")
+        .iter()
+        .map(|fault| {
+            (
+                fault["lba"].as_u64().expect("lba"),
+                fault["kind"].as_str().expect("kind").to_string(),
+            )
+        })
+        .collect();
+    (output.status.code().expect("exit code"), faults)
+}
+
+/// `vouch check` must find the volume clean.
+pub fn assert_check_clean(volume: &Path) {
+    let output = vouch(&["check", s(volume)]);
+    assert!(
+        output.status.success(),
+        "vouch check {} is not clean:\n{}",
+        volume.display(),
+        text(&output)
+    );
+}
+
+/// Run a Python script (with the libnbd bindings) with arguments.
+pub fn py(script: &str, args: &[&str]) -> Output {
+    py_timeout(script, args, TIMEOUT)
+}
+
+pub fn py_timeout(script: &str, args: &[&str], timeout: Duration) -> Output {
+    let full = format!("{PY_PRELUDE}\n{script}");
+    run_timeout(
+        Command::new(python()).arg("-c").arg(full).args(args),
+        timeout,
+    )
+}
+
+/// Run a Python script that must succeed; returns its stdout parsed as JSON
+/// (the last line that parses).
+pub fn py_json(script: &str, args: &[&str]) -> serde_json::Value {
+    let output = py(script, args);
+    assert!(
+        output.status.success(),
+        "python script failed:\n{}",
+        text(&output)
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout
+        .lines()
+        .rev()
+        .find_map(|line| serde_json::from_str(line).ok())
+        .unwrap_or_else(|| panic!("no JSON line in python output:\n{}", text(&output)))
+}
+
+/// Helpers every Python script gets: `connect`, `block_data`, `err_info`.
+pub const PY_PRELUDE: &str = r#"
+import errno, hashlib, json, os, signal, struct, sys, time
+import nbd
+
+def connect(uri, strict=True, name=None):
+    h = nbd.NBD()
+    if not strict:
+        h.set_strict_mode(0)
+    h.connect_uri(uri)
+    return h
+
+def block_data(lba, tag):
+    """4096 deterministic bytes for (lba, tag); tag is an int."""
+    head = struct.pack("<4sQQ", b"VCH1", lba, tag)
+    return head + hashlib.shake_128(head).digest(4096 - len(head))
+
+def err_info(e):
+    return {"errnum": e.errnum, "errno": e.errno, "message": str(e)}
+"#;
+
+/// A `vouch serve` child process. Drop sends SIGTERM and waits (SIGKILL after
+/// a timeout): no leaked servers even when an assertion fails.
+pub struct Server {
+    child: Option<Child>,
+    pub pid: u32,
+    /// `nbd://127.0.0.1:PORT` (no export name).
+    pub uri: String,
+    pub addr: SocketAddr,
+    pub metrics: Option<SocketAddr>,
+    pub log: PathBuf,
+    args: Vec<String>,
+    dir: PathBuf,
+}
+
+static SERVER_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Server {
+    /// `vouch serve ARGS --listen 127.0.0.1:0`, run with `dir` as its working
+    /// directory (its stderr goes to a log file there). Waits for every
+    /// "serving on"/"metrics on" line it will print.
+    pub fn start(dir: &Path, args: &[&str]) -> Server {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        Server::start_owned(dir, args)
+    }
+
+    fn start_owned(dir: &Path, args: Vec<String>) -> Server {
+        Server::try_start_owned(dir, args).unwrap_or_else(|error| panic!("{error}"))
+    }
+
+    /// Like `start`, but a server that exits before it is ready is an
+    /// `Err` with its exit status and log instead of a failure.
+    pub fn try_start(dir: &Path, args: &[&str]) -> Result<Server, String> {
+        Server::try_start_owned(dir, args.iter().map(|a| a.to_string()).collect())
+    }
+
+    fn try_start_owned(dir: &Path, args: Vec<String>) -> Result<Server, String> {
+        let n = SERVER_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let log = dir.join(format!("serve-{n}.log"));
+        let log_file = std::fs::File::create(&log).expect("create server log");
+        let mut child = Command::new(vouch_bin())
+            .arg("serve")
+            .args(&args)
+            .args(["--listen", "127.0.0.1:0", "--log", "info"])
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file)
+            .spawn()
+            .expect("spawn vouch serve");
+        let pid = child.id();
+        let stdout = child.stdout.take().expect("stdout");
+        let (sender, receiver) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let wants_metrics = args.iter().any(|a| a == "--metrics");
+        let wants_unix = args.iter().any(|a| a == "--socket");
+        let mut server = Server {
+            child: Some(child),
+            pid,
+            uri: String::new(),
+            addr: "0.0.0.0:0".parse().expect("addr"),
+            metrics: None,
+            log,
+            args,
+            dir: dir.to_path_buf(),
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        let mut seen_unix = false;
+        while server.uri.is_empty()
+            || (wants_metrics && server.metrics.is_none())
+            || (wants_unix && !seen_unix)
+        {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match receiver.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.strip_prefix("vouch: serving on nbd://") {
+                        server.addr = rest
+                            .parse()
+                            .unwrap_or_else(|e| panic!("bad listening address in {line:?}: {e}"));
+                        server.uri = format!("nbd://{}", server.addr);
+                    } else if line.starts_with("vouch: serving on nbd+unix://") {
+                        seen_unix = true;
+                    } else if let Some(rest) = line.strip_prefix("vouch: metrics on http://") {
+                        let addr = rest.trim_end_matches("/metrics");
+                        server.metrics =
+                            Some(addr.parse().unwrap_or_else(|e| {
+                                panic!("bad metrics address in {line:?}: {e}")
+                            }));
+                    }
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => {
+                    // Stdout closed: it exited (or is exiting).
+                    let mut child = server.child.take().expect("child");
+                    let status = wait_timeout(&mut child, STOP_TIMEOUT);
+                    if status.is_none() {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                    }
+                    return Err(format!(
+                        "vouch serve {:?} exited before it was ready ({status:?}):\n{}",
+                        server.args,
+                        server.log_text()
+                    ));
+                }
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    panic!(
+                        "vouch serve {:?} not ready within {READY_TIMEOUT:?}:\n{}",
+                        server.args,
+                        server.log_text()
+                    );
+                }
+            }
+        }
+        Ok(server)
+    }
+
+    /// Start again with the same arguments (e.g. after a stop or a kill).
+    pub fn restart(&self) -> Server {
+        assert!(self.child.is_none(), "restart of a running server");
+        Server::start_owned(&self.dir, self.args.clone())
+    }
+
+    /// The URI of a named export.
+    pub fn export_uri(&self, name: &str) -> String {
+        format!("{}/{name}", self.uri)
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, signal: i32) {
+        assert!(self.child.is_some(), "signal to a stopped server");
+        // SAFETY: kill(2) on the pid of our own live (unreaped) child.
+        let rc = unsafe { libc::kill(self.pid as libc::pid_t, signal) };
+        assert_eq!(rc, 0, "kill({}, {signal})", self.pid);
+    }
+
+    /// SIGTERM and wait; the server must exit 0 within STOP_TIMEOUT.
+    pub fn stop(&mut self) -> Duration {
+        let started = Instant::now();
+        let status = self.stop_status(STOP_TIMEOUT);
+        assert!(
+            status.success(),
+            "vouch serve exited with {status:?} after SIGTERM:\n{}",
+            self.log_text()
+        );
+        started.elapsed()
+    }
+
+    /// SIGTERM and wait; returns the exit status (SIGKILL and fail on timeout).
+    pub fn stop_status(&mut self, timeout: Duration) -> ExitStatus {
+        self.signal(libc::SIGTERM);
+        let mut child = self.child.take().expect("running");
+        match wait_timeout(&mut child, timeout) {
+            Some(status) => status,
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "vouch serve did not exit within {timeout:?} of SIGTERM:\n{}",
+                    self.log_text()
+                );
+            }
+        }
+    }
+
+    /// SIGKILL (a crash) and reap.
+    pub fn kill9(&mut self) {
+        let mut child = self.child.take().expect("running");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+
+    /// Reap a server that something else (a client script) killed.
+    pub fn reap(&mut self, timeout: Duration) -> ExitStatus {
+        let mut child = self.child.take().expect("running");
+        match wait_timeout(&mut child, timeout) {
+            Some(status) => status,
+            None => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("vouch serve did not exit within {timeout:?}");
+            }
+        }
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => child.try_wait().ok().flatten().is_none(),
+            None => false,
+        }
+    }
+
+    /// GET /metrics from the metrics endpoint.
+    pub fn metrics_text(&self) -> String {
+        let addr = self.metrics.expect("server started with --metrics");
+        http_get(addr, "/metrics")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            // SAFETY: kill(2) on the pid of our own unreaped child.
+            unsafe { libc::kill(self.pid as libc::pid_t, libc::SIGTERM) };
+            if wait_timeout(&mut child, STOP_TIMEOUT).is_none() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
+/// A minimal HTTP/1.0 GET; returns the body of a 200 response.
+pub fn http_get(addr: SocketAddr, path: &str) -> String {
+    let mut stream =
+        TcpStream::connect_timeout(&addr, Duration::from_secs(5)).expect("connect metrics");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").expect("send request");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read response");
+    let (head, body) = response
+        .split_once("\r\n\r\n")
+        .unwrap_or_else(|| panic!("malformed HTTP response: {response:?}"));
+    assert!(
+        head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"),
+        "GET {path}: {head}"
+    );
+    body.to_string()
+}
+
+/// The value of one Prometheus series (exact name and labels as rendered).
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|line| !line.starts_with('#'))
+        .find_map(|line| {
+            let (name, value) = line.rsplit_once(' ')?;
+            (name == series).then(|| value.parse().ok()).flatten()
+        })
+}
+
+/// Deterministic pseudo-random bytes (xorshift64*), cheaper than pulling in a
+/// seeded RNG for large images.
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed | 1;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        out.extend_from_slice(&state.wrapping_mul(0x2545_F491_4F6C_DD1D).to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+pub fn sha256(path: &Path) -> String {
+    let output = run_ok(Command::new(tool("sha256sum", "coreutils")).arg(path));
+    String::from_utf8_lossy(&output.stdout)
+        .split_whitespace()
+        .next()
+        .expect("sha256sum output")
+        .to_string()
+}
