@@ -211,9 +211,9 @@ impl Volume {
         commit: &mut CommitState,
         blocks: &[(u64, DirtyBlock)],
     ) -> Result<()> {
-        // Coalesce runs of consecutive LBAs into one write each.
+        // Coalesce runs of consecutive LBAs into one pwritev each, straight
+        // from the buffered blocks.
         let mut index = 0;
-        let mut run: Vec<u8> = Vec::new();
         while index < blocks.len() {
             let mut end = index + 1;
             while end < blocks.len() && self.geometry.contiguous(blocks[end - 1].0, blocks[end].0) {
@@ -224,11 +224,11 @@ impl Volume {
             if end - index == 1 {
                 self.write_object(object, location.data_offset, &blocks[index].1.data[..])?;
             } else {
-                run.clear();
-                for (_, dirty) in &blocks[index..end] {
-                    run.extend_from_slice(&dirty.data[..]);
-                }
-                self.write_object(object, location.data_offset, &run)?;
+                let parts: Vec<&[u8]> = blocks[index..end]
+                    .iter()
+                    .map(|(_, dirty)| &dirty.data[..])
+                    .collect();
+                self.write_object_vectored(object, location.data_offset, &parts)?;
             }
             commit.unsynced.insert(object);
             index = end;
@@ -484,6 +484,20 @@ impl Volume {
     }
 
     // --- counted I/O helpers -------------------------------------------------
+
+    pub(crate) fn write_object_vectored(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        parts: &[&[u8]],
+    ) -> Result<()> {
+        self.storage
+            .write_vectored_at(object, offset, parts)
+            .map_err(|error| Error::io("write", object, offset, error))?;
+        self.stats
+            .add_written(object, parts.iter().map(|part| part.len() as u64).sum());
+        Ok(())
+    }
 
     pub(crate) fn write_object(&self, object: ObjectId, offset: u64, data: &[u8]) -> Result<()> {
         self.storage
