@@ -1,0 +1,373 @@
+#!/usr/bin/env bash
+# bench/nbd.sh -- vouch served over NBD vs qemu-nbd and nbdkit, measured with fio --ioengine=nbd
+# in one run on one machine (everything on 127.0.0.1).
+#
+# Servers (all started once, kept running for the whole run, driven one at a time):
+#   vouch_split   vouch serve, split layout, fresh volume of SIZE, prefilled (fio seq 1M write via NBD)
+#   vouch_packed  vouch serve, packed layout, same
+#   qemunbd       qemu-nbd -f raw -t -e 8 --cache=none --aio=io_uring    (O_DIRECT, page cache evicted first)
+#   nbdkit_none   nbdkit file cache=none fadvise=random                  (page cache evicted first)
+#   nbdkit_pc     nbdkit file (default: page cache; file warmed first)   (buffered ceiling, like vouch)
+# The three anchors serve one prefilled raw file of SIZE in DIR (same filesystem as the volumes).
+#
+# Workloads (fio --norandommap --randrepeat=0, numjobs=1, whole export):
+#   4 KiB randread / randwrite at iodepth 1 and 32, 1 MiB seq read / write at iodepth 8 (RUNTIME s each)
+#   randread of N x 4 KiB, N in SWEEP_BLOCKS, iodepth 1 and 8 (SWEEP_RUNTIME s each)
+# Repetitions: for rep in 1..REPS: for server in (rotated order): run the whole matrix.
+# Per run: IOPS, MB/s, fio usr/sys CPU, machine CPU busy % (/proc/stat), server CPU time
+# (utime+stime of the server process, /proc/PID/stat) per I/O.
+#
+# Output: $OUT/samples.tsv (one row per run), $OUT/report.md (medians, ratios, targets),
+#         $OUT/fio/*.json (raw fio output), $OUT/logs/ (server logs).
+#
+# Knobs (environment):
+ENV_KNOBS="SIZE RUNTIME SWEEP_RUNTIME REPS DIR OUT SERVERS SWEEP_BLOCKS PORT_BASE VOUCH BUILD KEEP_RAW"  # (REPORT_ONLY is not a measurement knob)
+GIVEN_ENV=""
+for _v in $ENV_KNOBS; do [ -n "${!_v+x}" ] && GIVEN_ENV+="$_v=${!_v} "; done
+SIZE=${SIZE:-4G}                       # volume / raw image size (IEC: 4G = 4 GiB)
+RUNTIME=${RUNTIME:-10}                 # seconds per main-matrix fio run
+SWEEP_RUNTIME=${SWEEP_RUNTIME:-5}      # seconds per block-size-sweep run
+REPS=${REPS:-3}                        # repetitions (servers interleaved within each)
+DIR=${DIR:-/var/tmp/vouch-nbd-bench}   # volumes, raw image, pid files
+OUT=${OUT:-$DIR/results}               # results (overwritten each run)
+SERVERS=${SERVERS:-"vouch_split vouch_packed qemunbd nbdkit_none nbdkit_pc"}
+SWEEP_BLOCKS=${SWEEP_BLOCKS:-"1 4 16 64 256 1024"}
+PORT_BASE=${PORT_BASE:-10930}          # ports PORT_BASE .. PORT_BASE+4
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VOUCH=${VOUCH:-$REPO/target/release/vouch}
+BUILD=${BUILD:-1}                      # 1: cargo build --release -p vouch first
+KEEP_RAW=${KEEP_RAW:-1}                # 1: keep the filled raw image for the next run (vouch volumes are always removed)
+REPORT_ONLY=${REPORT_ONLY:-0}          # 1: only rebuild $OUT/report.md from $OUT/samples.tsv
+
+set -u
+export LC_ALL=C
+CMDLINE="${GIVEN_ENV}$0${*:+ $*}"
+RAW="$DIR/raw.img"
+RUN="$DIR/run"
+TSV="$OUT/samples.tsv"
+REPORT="$OUT/report.md"
+NCPU=$(nproc)
+HZ=$(getconf CLK_TCK)
+BYTES=$(numfmt --from=iec "$SIZE")
+
+log() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
+die() { log "FATAL: $*"; exit 1; }
+
+declare -A PORT=( [vouch_split]=$PORT_BASE [vouch_packed]=$((PORT_BASE+1)) [qemunbd]=$((PORT_BASE+2))
+                  [nbdkit_none]=$((PORT_BASE+3)) [nbdkit_pc]=$((PORT_BASE+4)) )
+for s in $SERVERS; do [ -n "${PORT[$s]:-}" ] || die "unknown server $s"; done
+
+# ---------------------------------------------------------------- packages
+need_pkgs() {
+    local missing=() p
+    for p in fio nbdkit qemu-utils; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    log "installing missing packages: ${missing[*]}"
+    local sudo=""; [ "$(id -u)" -ne 0 ] && sudo=sudo
+    $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" \
+        || die "apt-get install ${missing[*]} failed"
+}
+
+# ---------------------------------------------------------------- cleanup (idempotent)
+stop_pid() { # PID [grace-seconds]
+    local p=$1 grace=${2:-30}
+    [ -n "$p" ] && kill -0 "$p" 2>/dev/null || return 0
+    kill -TERM "$p" 2>/dev/null
+    for _ in $(seq $((grace*10))); do kill -0 "$p" 2>/dev/null || return 0; sleep 0.1; done
+    log "pid $p did not stop in ${grace}s: SIGKILL"; kill -KILL "$p" 2>/dev/null
+}
+cleanup() {
+    local f
+    for f in "$RUN"/*.pid; do
+        [ -e "$f" ] || continue
+        stop_pid "$(cat "$f" 2>/dev/null)" 60
+        rm -f "$f"
+    done
+    rm -rf "$DIR/vol-split" "$DIR/vol-packed" "$RUN/vouch"
+    [ "$KEEP_RAW" = 1 ] || rm -f "$RAW" "$RAW.filled"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM HUP
+
+# ---------------------------------------------------------------- helpers
+cpu_ticks() { awk '/^cpu /{b=$2+$3+$4+$7+$8+$9; t=b+$5+$6; print b, t}' /proc/stat; }
+proc_ticks() { # PID -> utime+stime (ticks, all threads)
+    local s; s=$(cat "/proc/$1/stat" 2>/dev/null) || { echo 0; return; }
+    s=${s##*) }; set -- $s; echo $(( ${12} + ${13} ))
+}
+server_pid() { cat "$RUN/$1.pid" 2>/dev/null; }
+wait_port() { # PORT
+    for _ in $(seq 100); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && return 0; sleep 0.1
+    done
+    return 1
+}
+evict_raw() {
+    python3 -c "import os,sys; fd=os.open(sys.argv[1],os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED)" "$RAW"
+}
+warm_raw() { dd if="$RAW" of=/dev/null bs=4M status=none; }
+
+make_raw() {
+    if [ -f "$RAW" ] && [ "$(stat -c %s "$RAW")" = "$BYTES" ] && [ -f "$RAW.filled" ]; then
+        log "raw image $RAW already filled ($SIZE)"; return
+    fi
+    rm -f "$RAW" "$RAW.filled"
+    log "creating + filling raw image $RAW ($BYTES bytes: fallocate, then sequential 1M O_DIRECT write)"
+    fallocate -l "$BYTES" "$RAW" || die "fallocate $RAW"
+    fio --name=fill --filename="$RAW" --size="$BYTES" --rw=write --bs=1M --direct=1 --ioengine=io_uring \
+        --iodepth=8 --output="$OUT/logs/raw-fill.txt" >/dev/null 2>&1 || die "raw fill failed"
+    touch "$RAW.filled"; sync
+}
+
+start_server() { # NAME
+    local s=$1 port=${PORT[$1]}
+    case $s in
+    vouch_split|vouch_packed)
+        local layout=${s#vouch_} vol="$DIR/vol-${s#vouch_}"
+        rm -rf "$vol"
+        "$VOUCH" serve "$vol" --create "$BYTES" --layout "$layout" --listen "127.0.0.1:$port" \
+            > "$OUT/logs/$s.log" 2>&1 &
+        echo $! > "$RUN/$s.pid" ;;
+    qemunbd)
+        evict_raw
+        qemu-nbd -f raw -t -e 8 --cache=none --aio=io_uring -b 127.0.0.1 -p "$port" \
+            --pid-file="$RUN/$s.pid" --fork "$RAW" 2> "$OUT/logs/$s.log" || die "qemu-nbd: $(cat "$OUT/logs/$s.log")" ;;
+    nbdkit_none)
+        nbdkit -P "$RUN/$s.pid" -i 127.0.0.1 -p "$port" file file="$RAW" cache=none fadvise=random \
+            2> "$OUT/logs/$s.log" || die "nbdkit: $(cat "$OUT/logs/$s.log")" ;;
+    nbdkit_pc)
+        nbdkit -P "$RUN/$s.pid" -i 127.0.0.1 -p "$port" file file="$RAW" \
+            2> "$OUT/logs/$s.log" || die "nbdkit: $(cat "$OUT/logs/$s.log")" ;;
+    esac
+    for _ in $(seq 50); do [ -s "$RUN/$s.pid" ] && break; sleep 0.1; done
+    wait_port "$port" || die "$s did not listen on $port: $(tail -5 "$OUT/logs/$s.log")"
+    log "$s: pid $(server_pid "$s") on nbd://127.0.0.1:$port"
+}
+
+# fio_parse JSON -> "iops MBps total_ios clat_us p99_us usr sys err" for direction DIR (read|write)
+fio_parse() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+s = open(sys.argv[1]).read()
+j = json.loads(s[s.index('{'):])["jobs"][0]
+d = j[sys.argv[2]]
+p99 = d.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1e3
+print("%.1f %.2f %d %.1f %.1f %.2f %.2f %d" % (d["iops"], d["bw_bytes"] / 1e6, d["total_ios"],
+      d["clat_ns"]["mean"] / 1e3, p99, j["usr_cpu"], j["sys_cpu"], j.get("error", 0)))
+PY
+}
+
+# run_one REP SERVER TEST RW BS QD SECONDS : one fio run, one TSV row
+run_one() {
+    local rep=$1 s=$2 test=$3 rw=$4 bs=$5 qd=$6 secs=$7
+    local port=${PORT[$s]} pid; pid=$(server_pid "$s")
+    local tag="$s-$test-r$rep" json="$OUT/fio/$s-$test-r$rep.json"
+    sync  # start every run with no dirty pages from the previous one
+    local b0 t0 b1 t1 p0 p1 w0 w1 rc
+    read -r b0 t0 < <(cpu_ticks); p0=$(proc_ticks "$pid"); w0=$(date +%s.%N)
+    timeout --kill-after=10 $((secs + 60)) fio --output-format=json --output="$json" --name="$test" \
+        --ioengine=nbd --uri="nbd://127.0.0.1:$port" --rw="$rw" --bs="$bs" --iodepth="$qd" --numjobs=1 \
+        --time_based --runtime="$secs" --norandommap --randrepeat=0 > "$OUT/logs/$tag.stdout" 2>&1
+    rc=$?
+    w1=$(date +%s.%N); p1=$(proc_ticks "$pid"); read -r b1 t1 < <(cpu_ticks)
+    local dir=read; [[ $rw == *write* ]] && dir=write
+    local parsed; parsed=$(fio_parse "$json" "$dir" 2>/dev/null) || parsed="0 0 0 0 0 0 0 1"
+    [ $rc -ne 0 ] && log "fio $tag rc=$rc (see $OUT/logs/$tag.stdout)"
+    set -- $parsed
+    local iops=$1 mbps=$2 ios=$3 clat=$4 p99=$5 usr=$6 sys=$7 err=$8
+    local busy srv_s us_io
+    busy=$(awk -v b=$((b1-b0)) -v t=$((t1-t0)) -v n="$NCPU" 'BEGIN{ if (t>0) printf "%.1f", 100*n*b/t; else print 0 }')
+    srv_s=$(awk -v d=$((p1-p0)) -v hz="$HZ" 'BEGIN{ printf "%.3f", d/hz }')
+    us_io=$(awk -v s="$srv_s" -v n="$ios" 'BEGIN{ if (n>0) printf "%.2f", s*1e6/n; else print "nan" }')
+    printf '%s\n' "$rep	$s	$test	$rw	$bs	$qd	$secs	$iops	$mbps	$ios	$clat	$p99	$usr	$sys	$busy	$srv_s	$us_io	$(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", b-a}')	$rc	$err" >> "$TSV"
+    log "r$rep $s $test: iops=$iops MB/s=$mbps srv_cpu=${srv_s}s (${us_io} us/io) busy=${busy}% rc=$rc"
+}
+
+MATRIX="rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd1:randwrite:4k:1 rw4k_qd32:randwrite:4k:32 sr1m_qd8:read:1M:8 sw1m_qd8:write:1M:8"
+
+server_block() { # REP SERVER : prepare the cache state, then run the full matrix + sweep
+    local rep=$1 s=$2 t name rw bs qd n
+    case $s in
+        qemunbd|nbdkit_none) evict_raw ;;
+        nbdkit_pc) warm_raw ;;
+    esac
+    for t in $MATRIX; do
+        IFS=: read -r name rw bs qd <<< "$t"
+        run_one "$rep" "$s" "$name" "$rw" "$bs" "$qd" "$RUNTIME"
+    done
+    for n in $SWEEP_BLOCKS; do
+        for qd in 1 8; do
+            run_one "$rep" "$s" "sweep_${n}x4k_qd$qd" randread "$((n*4))k" "$qd" "$SWEEP_RUNTIME"
+        done
+    done
+}
+
+machine_facts() {
+    echo "- command: \`$CMDLINE\` (cwd $(pwd))"
+    echo "- date: $(date -Is), host $(hostname)"
+    echo "- nproc: $NCPU; CPU: $(grep -m1 '^model name' /proc/cpuinfo | sed 's/.*: //'); RAM: $(awk '/MemTotal/{printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
+    echo "- kernel: $(uname -r)"
+    echo "- directory: $DIR on $(findmnt -n -o FSTYPE,SOURCE,OPTIONS -T "$DIR" | awk '{print $1" ("$2", "$3")"}')"
+    echo "- fio $(fio --version | sed 's/fio-//'), $(qemu-nbd --version | head -1), $(nbdkit --version), vouch $(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null)$(cd "$REPO" && git diff --quiet HEAD -- crates 2>/dev/null || echo '+dirty')"
+    echo "- settings: SIZE=$SIZE ($BYTES bytes) RUNTIME=$RUNTIME SWEEP_RUNTIME=$SWEEP_RUNTIME REPS=$REPS SERVERS=\"$SERVERS\" SWEEP_BLOCKS=\"$SWEEP_BLOCKS\""
+}
+
+# ---------------------------------------------------------------- report
+make_report() {
+    python3 - "$TSV" "$OUT/facts.md" "$OUT/prefill.txt" "$RUNTIME" "$SWEEP_RUNTIME" "$REPS" > "$REPORT" <<'PY'
+import csv, sys, statistics as st
+from collections import defaultdict
+tsv, facts, prefill, runtime, sweep_rt, reps = sys.argv[1:7]
+rows = list(csv.DictReader(open(tsv), delimiter="\t"))
+S = defaultdict(list)
+order_t, order_s = [], []
+for r in rows:
+    k = (r["server"], r["test"])
+    S[k].append(r)
+    if r["test"] not in order_t: order_t.append(r["test"])
+    if r["server"] not in order_s: order_s.append(r["server"])
+# settings as actually run (so REPORT_ONLY=1 needs no matching environment)
+reps = max((int(r["rep"]) for r in rows), default=0)
+runtime = next((r["runtime_s"] for r in rows if not r["test"].startswith("sweep_")), runtime)
+sweep_rt = next((r["runtime_s"] for r in rows if r["test"].startswith("sweep_")), sweep_rt)
+pref = ["vouch_split", "vouch_packed", "qemunbd", "nbdkit_none", "nbdkit_pc"]
+servers = [s for s in pref if s in order_s] + [s for s in order_s if s not in pref]
+def med(s, t, f):
+    v = [float(r[f]) for r in S.get((s, t), []) if r[f] not in ("nan", "") and r["rc"] == "0"]
+    return st.median(v) if v else float("nan")
+def spread(s, t, f):
+    v = [float(r[f]) for r in S.get((s, t), []) if r["rc"] == "0"]
+    m = st.median(v) if v else 0
+    return 100 * (max(v) - min(v)) / 2 / m if v and m else float("nan")
+def ratio(a, b):
+    return a / b if b and b == b and a == a else float("nan")
+def fmt(x, d=0):
+    return "-" if x != x else f"{x:,.{d}f}"
+main = [t for t in order_t if not t.startswith("sweep_")]
+sweep = [t for t in order_t if t.startswith("sweep_")]
+vouch = [s for s in servers if s.startswith("vouch")]
+anch = [s for s in ("qemunbd", "nbdkit_none", "nbdkit_pc") if s in servers]
+out = []
+P = out.append
+P("# vouch over NBD vs qemu-nbd / nbdkit (bench/nbd.sh)\n")
+P(open(facts).read())
+try: P("- prefill through NBD: " + "; ".join(l.strip() for l in open(prefill)) + "\n")
+except OSError: pass
+P(f"Medians of {reps} repetitions ({runtime} s per main test, {sweep_rt} s per sweep test); "
+  "± = half the min-max range in % of the median. fio --ioengine=nbd, numjobs=1, whole export, "
+  "--norandommap --randrepeat=0.\n")
+P("## Throughput (IOPS; MB/s for 1 MiB tests)\n")
+P("| test | " + " | ".join(servers) + " |")
+P("|---|" + "---:|" * len(servers))
+for t in main:
+    f = "MBps" if "1m" in t else "iops"
+    P(f"| {t} | " + " | ".join(f"{fmt(med(s,t,f))} ±{fmt(spread(s,t,f))}%" for s in servers) + " |")
+P("")
+P("## Ratios (median / median)\n")
+pairs = [(v, a) for v in vouch for a in anch]
+P("| test | " + " | ".join(f"{v.replace('vouch_','')}/{a}" for v, a in pairs) + " |")
+P("|---|" + "---:|" * len(pairs))
+for t in main + sweep:
+    f = "MBps" if "1m" in t else "iops"
+    P(f"| {t} | " + " | ".join(fmt(ratio(med(v,t,f), med(a,t,f)), 2) for v, a in pairs) + " |")
+P("")
+P("## Server CPU per I/O (µs of server utime+stime per request; lower is better)\n")
+P("| test | " + " | ".join(servers) + " |")
+P("|---|" + "---:|" * len(servers))
+for t in main + sweep:
+    P(f"| {t} | " + " | ".join(fmt(med(s,t,"server_cpu_us_per_io"), 1) for s in servers) + " |")
+P("")
+P("## CPU during the run: machine busy / server / fio client / everything else (% of one CPU; the machine has nproc CPUs)\n")
+P("server = server utime+stime over the fio wall time; fio = fio usr+sys; else = busy - server - fio "
+  "(kernel threads, softirq work not charged to either process, and any other process on the machine).\n")
+def srv_pct(s, t):
+    v = [100 * float(r["server_cpu_s"]) / float(r["wall_s"]) for r in S.get((s, t), []) if float(r["wall_s"]) > 0]
+    return st.median(v) if v else float("nan")
+def other_pct(s, t):
+    v = [float(r["machine_busy_pct"]) - 100 * float(r["server_cpu_s"]) / float(r["wall_s"])
+         - float(r["fio_usr_pct"]) - float(r["fio_sys_pct"]) for r in S.get((s, t), []) if float(r["wall_s"]) > 0]
+    return st.median(v) if v else float("nan")
+P("| test | " + " | ".join(f"{s}" for s in servers) + " |")
+P("|---|" + "---:|" * len(servers))
+for t in main + sweep:
+    P(f"| {t} | " + " | ".join(f"{fmt(med(s,t,'machine_busy_pct'))} / {fmt(srv_pct(s,t))} / {fmt(med(s,t,'fio_usr_pct')+med(s,t,'fio_sys_pct'))} / {fmt(other_pct(s,t))}" for s in servers) + " |")
+P("")
+P("## Random-read block-size sweep (Crucible table shape): IOPS and MB/s\n")
+P("| blocks | QD | " + " | ".join(servers) + " |")
+P("|---:|---:|" + "---:|" * len(servers))
+for t in sweep:
+    n, qd = t[len("sweep_"):].split("x4k_qd")
+    P(f"| {n} | {qd} | " + " | ".join(f"{fmt(med(s,t,'iops'))} ({fmt(med(s,t,'MBps'))} MB/s)" for s in servers) + " |")
+P("")
+P("## Targets (vs qemu-nbd, same run)\n")
+P("| target | " + " | ".join(vouch) + " |")
+P("|---|" + "---|" * len(vouch))
+def verdict(x, thr):
+    return "-" if x != x else ("**pass** %.2fx" % x if x >= thr else "**FAIL** %.2fx" % x)
+if "qemunbd" in servers:
+    P("| 4 KiB randread QD32 >= 1.2x | " + " | ".join(verdict(ratio(med(v,"rr4k_qd32","iops"), med("qemunbd","rr4k_qd32","iops")), 1.2) for v in vouch) + " |")
+    P("| 4 KiB randwrite QD32 >= 1.0x | " + " | ".join(verdict(ratio(med(v,"rw4k_qd32","iops"), med("qemunbd","rw4k_qd32","iops")), 1.0) for v in vouch) + " |")
+    cells = []
+    for v in vouch:
+        rs = [(t, ratio(med(v,t,"iops"), med("qemunbd",t,"iops"))) for t in sweep]
+        rs = [x for x in rs if x[1] == x[1]]
+        if not rs: cells.append("-"); continue
+        worst = min(rs, key=lambda x: x[1])
+        fails = [t[len("sweep_"):] for t, x in rs if x < 1.0]
+        cells.append(("**pass**" if not fails else "**FAIL** (%s)" % ", ".join(fails)) + " min %.2fx at %s" % (worst[1], worst[0][len("sweep_"):]))
+    P("| every sweep read size >= 1.0x | " + " | ".join(cells) + " |")
+P("")
+print("\n".join(out))
+PY
+}
+
+# ---------------------------------------------------------------- main
+if [ "$REPORT_ONLY" = 1 ]; then   # rebuild report.md from an existing $OUT (no servers, no fio)
+    trap - EXIT
+    [ -s "$TSV" ] || die "no $TSV"
+    make_report; cat "$REPORT"; exit 0
+fi
+need_pkgs
+mkdir -p "$DIR" "$RUN"
+cleanup                       # leftovers of an interrupted run
+rm -rf "$OUT"; mkdir -p "$OUT/fio" "$OUT/logs"
+if [ "$BUILD" = 1 ]; then
+    log "cargo build --release -p vouch"
+    (cd "$REPO" && cargo build --release -p vouch) > "$OUT/logs/build.log" 2>&1 || die "build failed: see $OUT/logs/build.log"
+fi
+[ -x "$VOUCH" ] || die "no vouch binary at $VOUCH"
+cp "$VOUCH" "$RUN/vouch" && VOUCH="$RUN/vouch"   # snapshot: a rebuild during the run cannot change it
+machine_facts > "$OUT/facts.md"
+cat "$OUT/facts.md" >&2
+printf 'rep\tserver\ttest\trw\tbs\tqd\truntime_s\tiops\tMBps\ttotal_ios\tclat_us\tp99_us\tfio_usr_pct\tfio_sys_pct\tmachine_busy_pct\tserver_cpu_s\tserver_cpu_us_per_io\twall_s\trc\tfio_err\n' > "$TSV"
+T0=$(date +%s)
+
+need_raw=0; for s in $SERVERS; do [[ $s == vouch_* ]] || need_raw=1; done
+[ $need_raw = 1 ] && make_raw
+for s in $SERVERS; do
+    start_server "$s"
+    if [[ $s == vouch_* ]]; then
+        log "$s: prefill (fio seq write 1M QD8 over NBD, $BYTES bytes)"
+        sync; w0=$(date +%s.%N)
+        fio --name=prefill --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[$s]}" --rw=write --bs=1M --iodepth=8 \
+            --size="$BYTES" --output="$OUT/logs/$s-prefill.txt" > /dev/null 2>&1 || die "$s prefill failed"
+        w1=$(date +%s.%N)
+        log "$s: prefilled in $(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.1f s (%.0f MB/s)", b-a, '"$BYTES"'/1e6/(b-a)}')"
+        printf '%s\n' "$s prefill: $(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.1f s (%.0f MB/s)", b-a, '"$BYTES"'/1e6/(b-a)}')" >> "$OUT/prefill.txt"
+    fi
+done
+
+set -- $SERVERS; NS=$#
+SRV=($SERVERS)
+for rep in $(seq "$REPS"); do
+    for i in $(seq 0 $((NS-1))); do
+        s=${SRV[$(( (i + rep - 1) % NS ))]}   # rotate the order each repetition
+        log "=== rep $rep/$REPS: $s"
+        server_block "$rep" "$s"
+    done
+done
+log "measurements done in $(( $(date +%s) - T0 )) s"
+make_report
+
+cat "$REPORT"
+log "report: $REPORT  samples: $TSV  (total $(( $(date +%s) - T0 )) s)"
