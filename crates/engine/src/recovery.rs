@@ -13,7 +13,11 @@
 //! - Packed: the journal is a redo log: every record's blocks are rewritten
 //!   from the journal's copy, so each block reads its newest journaled data.
 //!
-//! A writable open then checkpoints, so the journal starts empty.
+//! A writable open does not checkpoint: it fsyncs what it verified or redid,
+//! journals again the contexts it reverted (so a later flush, which advances
+//! `data_durable_seq`, cannot make the reverted commits' newer contexts
+//! authoritative), marks the superblock open, and appends after the
+//! replayed records.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};

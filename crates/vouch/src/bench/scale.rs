@@ -93,7 +93,7 @@ pub(super) fn print_scale(args: &BenchArgs, results: &[Value]) {
         );
     }
     println!();
-    println!("open = wall time of open_volume (recovery + the checkpoint a writable open makes);");
+    println!("open = wall time of open_volume;");
     println!("recovery = recovery_report().duration. resident = Volume::resident_bytes() (buffers + context cache);");
     println!("RSS = VmRSS of the child process doing that phase alone, peak = VmHWM.");
 }
