@@ -228,8 +228,7 @@ fn encode_plain(
     put_u64(out, 8, ref_tag);
     put_u64(out, 16, guard);
     put_u32(out, 24, generation);
-    let crc = crc32c(&out[..28]);
-    put_u32(out, 28, crc);
+    crate::seal(out, 28);
 }
 
 #[cfg(test)]

@@ -116,26 +116,12 @@ impl JournalHeader {
         put_u32(&mut out, 44, self.data_blocks);
         put_u64(&mut out, 48, self.data_durable_seq);
         put_u32(&mut out, 56, self.payload_crc);
-        let crc = crc32c(&out[..60]);
-        put_u32(&mut out, 60, crc);
+        crate::seal(&mut out, 60);
         out
     }
 
     pub fn decode(raw: &[u8]) -> Result<JournalHeader, FormatError> {
-        if raw.len() < JOURNAL_HEADER_BYTES {
-            return Err(FormatError::Truncated {
-                need: JOURNAL_HEADER_BYTES,
-                have: raw.len(),
-            });
-        }
-        if raw[0..8] != JOURNAL_MAGIC {
-            return Err(FormatError::BadMagic);
-        }
-        let stored = get_u32(raw, 60);
-        let computed = crc32c(&raw[..60]);
-        if stored != computed {
-            return Err(FormatError::BadChecksum { stored, computed });
-        }
+        crate::check_sealed(raw, JOURNAL_HEADER_BYTES, &JOURNAL_MAGIC, 60)?;
         let mut volume_uuid = [0u8; 16];
         volume_uuid.copy_from_slice(&raw[16..32]);
         let header = JournalHeader {

@@ -74,6 +74,38 @@ pub(crate) mod bytes {
     }
 }
 
+/// Write the CRC-32C of `out[..crc_at]` at `crc_at`: the last field of every
+/// checksummed structure.
+pub(crate) fn seal(out: &mut [u8], crc_at: usize) {
+    let crc = crc32c(&out[..crc_at]);
+    bytes::put_u32(out, crc_at, crc);
+}
+
+/// Check a structure of `size` bytes that starts with `magic` and ends with
+/// the CRC-32C of everything before `crc_at`.
+pub(crate) fn check_sealed(
+    raw: &[u8],
+    size: usize,
+    magic: &[u8; 8],
+    crc_at: usize,
+) -> Result<(), FormatError> {
+    if raw.len() < size {
+        return Err(FormatError::Truncated {
+            need: size,
+            have: raw.len(),
+        });
+    }
+    if raw[0..8] != *magic {
+        return Err(FormatError::BadMagic);
+    }
+    let stored = bytes::get_u32(raw, crc_at);
+    let computed = crc32c(&raw[..crc_at]);
+    if stored != computed {
+        return Err(FormatError::BadChecksum { stored, computed });
+    }
+    Ok(())
+}
+
 /// Checks that a `FIELDS` table tiles its structure with no gaps or overlaps.
 pub fn fields_tile(fields: &[Field], total: usize) -> bool {
     let mut next = 0;

@@ -224,28 +224,14 @@ impl Superblock {
         put_u64(&mut out, 96, self.checkpoint_seq);
         put_u32(&mut out, 104, self.state);
         put_u64(&mut out, 112, self.created_unix_secs);
-        let crc = crc32c(&out[..252]);
-        put_u32(&mut out, 252, crc);
+        crate::seal(&mut out, 252);
         out
     }
 
     /// Decode one copy. Feature flags are *not* judged here (the engine
     /// decides between refusing, read-only and read-write).
     pub fn decode(raw: &[u8]) -> Result<Superblock, FormatError> {
-        if raw.len() < SUPERBLOCK_BYTES {
-            return Err(FormatError::Truncated {
-                need: SUPERBLOCK_BYTES,
-                have: raw.len(),
-            });
-        }
-        if raw[0..8] != MAGIC {
-            return Err(FormatError::BadMagic);
-        }
-        let stored = get_u32(raw, 252);
-        let computed = crc32c(&raw[..252]);
-        if stored != computed {
-            return Err(FormatError::BadChecksum { stored, computed });
-        }
+        crate::check_sealed(raw, SUPERBLOCK_BYTES, &MAGIC, 252)?;
         let version = get_u32(raw, 8);
         if version != FORMAT_VERSION {
             return Err(FormatError::UnsupportedVersion(version));
