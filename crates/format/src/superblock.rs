@@ -14,6 +14,9 @@ pub const SUPERBLOCK_SLOT_BYTES: u64 = 4096;
 pub const SUPERBLOCK_COPIES: u64 = 2;
 pub const MAGIC: [u8; 8] = *b"VOUCHVOL";
 pub const FORMAT_VERSION: u32 = 1;
+/// Sequence numbers and generations stay below this (2^62: centuries of
+/// checkpoints at millions per second).
+pub const MAX_SEQUENCE: u64 = 1 << 62;
 
 /// Feature flags in the three ext4-style sets.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -262,6 +265,13 @@ impl Superblock {
             created_unix_secs: get_u64(raw, 112),
         };
         superblock.geometry()?;
+        // Counters only ever grow by one per checkpoint: values near the top
+        // of the range are corruption, and would overflow when incremented.
+        if superblock.checkpoint_seq >= MAX_SEQUENCE || superblock.generation >= MAX_SEQUENCE {
+            return Err(FormatError::Geometry(
+                "checkpoint sequence or generation out of range",
+            ));
+        }
         if superblock.journal_bytes < 2 * 4096 || !superblock.journal_bytes.is_multiple_of(4096) {
             return Err(FormatError::Geometry(
                 "journal_bytes must be a multiple of 4096, at least 8192",
@@ -347,6 +357,22 @@ mod tests {
                 have: 100
             })
         );
+    }
+
+    /// Found by `cargo fuzz run superblock` (artifact kept in
+    /// fuzz/corpus/superblock/): a well-checksummed superblock whose
+    /// checkpoint sequence was u64::MAX overflowed when the volume opened.
+    #[test]
+    fn sequence_numbers_near_the_top_are_corruption() {
+        for (checkpoint_seq, generation) in [(u64::MAX, 1), (1, u64::MAX), (MAX_SEQUENCE, 1)] {
+            let mut sb = sample();
+            sb.checkpoint_seq = checkpoint_seq;
+            sb.generation = generation;
+            assert!(matches!(
+                Superblock::decode(&sb.encode()),
+                Err(FormatError::Geometry(_))
+            ));
+        }
     }
 
     #[test]
