@@ -4,26 +4,15 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 use vouch_format::Superblock;
 
-fn vouch(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_vouch"))
-        .args(args)
-        .output()
-        .expect("run vouch")
-}
+mod common;
 
-fn text(output: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
-    )
-}
+use common::{check_faults, s, text, vouch};
 
+/// Run and expect success; returns stdout.
 fn ok(args: &[&str]) -> String {
     let output = vouch(args);
     assert!(
@@ -31,7 +20,7 @@ fn ok(args: &[&str]) -> String {
         "vouch {args:?} failed: {}",
         text(&output)
     );
-    text(&output)
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// Run and expect failure with `code`; the error must be one clear line.
@@ -54,10 +43,6 @@ fn fails(args: &[&str], code: i32, needle: &str) -> String {
         "one clear error line expected: {stderr}"
     );
     all
-}
-
-fn s(path: &Path) -> &str {
-    path.to_str().expect("utf-8 temp path")
 }
 
 /// A raw image with distinct, non-zero content in every block.
@@ -101,24 +86,6 @@ fn swap(path: &Path, a: u64, b: u64, len: usize) {
 fn packed_offset(lba: u64) -> u64 {
     (lba / PACKED_RECORDS_PER_ROW) * PACKED_ROW_BYTES
         + (lba % PACKED_RECORDS_PER_ROW) * PACKED_RECORD_BYTES
-}
-
-fn check_faults(volume: &Path) -> (i32, Vec<(u64, String)>) {
-    let output = vouch(&["check", s(volume), "--json"]);
-    let json: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("check --json output");
-    let faults = json["faults"]
-        .as_array()
-        .expect("faults array")
-        .iter()
-        .map(|fault| {
-            (
-                fault["lba"].as_u64().expect("lba"),
-                fault["kind"].as_str().expect("kind").to_string(),
-            )
-        })
-        .collect();
-    (output.status.code().expect("exit code"), faults)
 }
 
 #[test]
