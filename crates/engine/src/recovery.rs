@@ -42,6 +42,8 @@ pub struct RecoveryReport {
     pub blocks_reverted: u64,
     /// Blocks torn below 4 KiB (media broke the atomicity assumption).
     pub blocks_torn: Vec<u64>,
+    /// Blocks whose data could not be read back to verify them.
+    pub blocks_unreadable: Vec<u64>,
     pub duration: Duration,
 }
 
@@ -263,18 +265,24 @@ impl Volume {
         let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
         for (lba, options) in candidates {
             let location = self.geometry.locate(lba);
-            let readable = self
-                .read_object(
-                    ObjectId::Data(location.segment),
-                    location.data_offset,
-                    &mut block[..],
-                )
-                .is_ok();
-            let guard = self.guard.compute(&block[..]);
             report.blocks_verified += 1;
+            let read = self.read_object(
+                ObjectId::Data(location.segment),
+                location.data_offset,
+                &mut block[..],
+            );
+            if let Err(error) = read {
+                // Not knowing what landed, keep the newest context: reads of
+                // this block then report the fault with its LBA instead of
+                // recovery silently deciding it was an old hole.
+                tracing::warn!(lba, %error, "block unreadable during recovery: it will read as a fault");
+                report.blocks_unreadable.push(lba);
+                continue;
+            }
+            let guard = self.guard.compute(&block[..]);
             let newest = *options.last().expect("at least one write");
             let chosen = options.iter().rev().find(|context| match context {
-                Context::Data { guard: stored, .. } => readable && *stored == guard,
+                Context::Data { guard: stored, .. } => *stored == guard,
                 other => other.reads_as_zero(),
             });
             match chosen {

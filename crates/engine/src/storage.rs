@@ -10,7 +10,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use vouch_format::Geometry;
 
@@ -65,7 +65,6 @@ pub trait Storage: Send + Sync {
 /// Objects as files in a directory: the production backend (pread/pwrite,
 /// fdatasync, fallocate(PUNCH_HOLE), lseek(SEEK_DATA)).
 pub struct FileStorage {
-    dir: PathBuf,
     superblock: File,
     journal: File,
     contexts: Option<File>,
@@ -169,7 +168,6 @@ impl FileStorage {
         let superblock = open(ObjectId::Superblock)?;
         lock_volume(&superblock, dir, writable)?;
         Ok(FileStorage {
-            dir: dir.to_path_buf(),
             superblock,
             journal: open(ObjectId::Journal)?,
             contexts: if geometry.layout == vouch_format::LayoutKind::Split {
@@ -181,10 +179,6 @@ impl FileStorage {
                 .map(|segment| open(ObjectId::Data(segment)))
                 .collect::<io::Result<_>>()?,
         })
-    }
-
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     fn file(&self, object: ObjectId) -> io::Result<&File> {

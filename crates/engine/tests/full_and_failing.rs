@@ -209,3 +209,46 @@ fn unreadable_context_page_is_a_fault_naming_the_lba() {
         other => panic!("expected an unreadable fault naming LBA 1, got {other:?}"),
     }
 }
+
+#[test]
+fn block_unreadable_during_recovery_is_reported_not_reverted() {
+    let storage = SimStorage::new();
+    let mut options = CreateOptions::new(1 << 20);
+    options.journal_bytes = Some(1 << 20);
+    Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options)
+        .expect("create")
+        .close()
+        .expect("close");
+    let tuning = vouch_engine::Tuning {
+        dirty_limit_blocks: 1,
+        ..vouch_engine::Tuning::default()
+    };
+    let volume = Volume::open(
+        Arc::new(storage.clone()) as Arc<dyn Storage>,
+        &OpenOptions {
+            read_only: false,
+            tuning,
+        },
+    )
+    .expect("open");
+    // Committed (journaled) but never flushed: recovery must verify it.
+    volume
+        .write(3 * 4096, &pattern(7, 4096), false)
+        .expect("write");
+    drop(volume);
+    storage.set_faults(FaultPlan {
+        read_error: Some((vouch_engine::ObjectId::Data(0), 3 * 4096, 4096)),
+        ..FaultPlan::default()
+    });
+    let volume = Volume::open(
+        Arc::new(storage.clone()) as Arc<dyn Storage>,
+        &OpenOptions::default(),
+    )
+    .expect("open");
+    assert_eq!(volume.recovery_report().blocks_unreadable, vec![3]);
+    let mut buf = vec![0u8; 4096];
+    match volume.read(3 * 4096, &mut buf) {
+        Err(Error::Fault(fault)) => assert_eq!(fault.lba, 3),
+        other => panic!("an unreadable block must read as a fault, not as zeros: {other:?}"),
+    }
+}

@@ -88,13 +88,14 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         let report = volume.recovery_report();
         if report.records_replayed > 0 {
             eprintln!(
-                "vouch: {}: recovered {} journal records in {:?} ({} blocks verified, {} reverted to their old contents, {} torn)",
+                "vouch: {}: recovered {} journal records in {:?} ({} blocks verified, {} reverted to their old contents, {} torn, {} unreadable)",
                 path.display(),
                 report.records_replayed,
                 report.duration,
                 report.blocks_verified,
                 report.blocks_reverted,
-                report.blocks_torn.len()
+                report.blocks_torn.len(),
+                report.blocks_unreadable.len()
             );
         }
         volumes.push(Arc::new(volume));
