@@ -49,7 +49,7 @@ impl Volume {
     /// chunks that are holes on disk and have nothing pending are skipped.
     pub fn next_possible_data(&self, lba: u64) -> Result<u64> {
         {
-            let state = self.state.lock();
+            let state = self.state.read();
             let pending = state.active.range(lba..).next().map(|(l, _)| *l);
             let overlay = state.contexts.next_overlay(lba);
             if pending == Some(lba) || overlay == Some(lba) {
@@ -80,7 +80,7 @@ impl Volume {
                 result
             }
         };
-        let state = self.state.lock();
+        let state = self.state.read();
         let pending = [
             state.active.range(lba..).next().map(|(l, _)| *l),
             state.contexts.next_overlay(lba),

@@ -73,7 +73,7 @@ impl Volume {
     pub(crate) fn commit(&self, commit: &mut CommitState, ranges: &[RangeOp]) -> Result<()> {
         self.check_writable()?;
         let blocks: Vec<(u64, DirtyBlock)> = {
-            let mut state = self.state.lock();
+            let mut state = self.state.write();
             assert!(state.committing.is_empty(), "a commit is already in flight");
             state.committing = std::mem::take(&mut state.active);
             state
@@ -88,7 +88,7 @@ impl Volume {
         let result = self.commit_blocks(commit, &blocks, ranges);
         match result {
             Ok(seq) => {
-                let mut state = self.state.lock();
+                let mut state = self.state.write();
                 if self.geometry.layout == LayoutKind::Split {
                     for (lba, dirty) in &blocks {
                         state
@@ -153,7 +153,7 @@ impl Volume {
         if self.geometry.layout == LayoutKind::Split && !ranges.is_empty() {
             // Publish trims before punching their data: a reader must never
             // see punched data under the block's old context.
-            let mut state = self.state.lock();
+            let mut state = self.state.write();
             for range in ranges {
                 state
                     .contexts
@@ -366,7 +366,7 @@ impl Volume {
         commit.superblock = superblock;
         commit.journal_offset = 0;
         self.state
-            .lock()
+            .write()
             .contexts
             .clear_pending(rewritten, &dropped);
         self.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
@@ -379,7 +379,7 @@ impl Volume {
     /// was cached, to refresh it) and the page ranges punched.
     fn write_contexts_home(&self) -> Result<(WrittenPages, Vec<Range<u64>>)> {
         let (mut entries, ranges) = {
-            let state = self.state.lock();
+            let state = self.state.read();
             let entries: Vec<(u64, Context)> = state
                 .contexts
                 .overlay
@@ -428,7 +428,7 @@ impl Volume {
         written: &mut WrittenPages,
     ) -> Result<()> {
         self.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
-        let cached = self.state.lock().contexts.is_cached(page_no);
+        let cached = self.state.read().contexts.is_cached(page_no);
         written.push((page_no, cached.then(|| Page::from(page))));
         Ok(())
     }
@@ -436,7 +436,7 @@ impl Volume {
     /// A context page as it is now (cached copy or disk), to be modified.
     fn page_for_update(&self, page_no: u64) -> Result<Box<[u8; 4096]>> {
         let mut page = Box::new([0u8; 4096]);
-        match self.state.lock().contexts.cached_page(page_no) {
+        match self.state.read().contexts.cached_page(page_no) {
             Some(cached) => page.copy_from_slice(&cached[..]),
             None => self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?,
         }

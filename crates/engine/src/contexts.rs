@@ -9,7 +9,7 @@
 //! Lookup order is overlay, then ranges, then the page: a range insert
 //! removes the overlay entries it supersedes, so the newest wins.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 use rustc_hash::FxHashMap;
@@ -24,7 +24,7 @@ pub struct ContextStore {
     pub overlay: FxHashMap<u64, Context>,
     /// start -> (end exclusive, template context of kind Unwritten or Zero)
     pub ranges: BTreeMap<u64, (u64, Context)>,
-    cache: HashMap<u64, Page>,
+    cache: FxHashMap<u64, Page>,
     fifo: VecDeque<u64>,
     cache_limit_pages: usize,
     /// Bumped by every checkpoint: a page read from disk before a checkpoint
@@ -59,7 +59,7 @@ impl ContextStore {
         ContextStore {
             overlay: FxHashMap::default(),
             ranges: BTreeMap::new(),
-            cache: HashMap::new(),
+            cache: FxHashMap::default(),
             fifo: VecDeque::new(),
             cache_limit_pages: cache_limit_pages.max(1),
             epoch: 0,

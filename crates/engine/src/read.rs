@@ -8,6 +8,8 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use vouch_format::layout::PACKED_RECORD_BYTES;
 use vouch_format::{Context, FormatError, LayoutKind, CONTEXT_BYTES};
 
@@ -26,6 +28,10 @@ enum Source {
     /// The block's context could not be read.
     Unreadable,
 }
+
+/// Each block's source, in LBA order; small reads (the common 4 KiB case)
+/// stay on the stack.
+type Plan = SmallVec<[Source; 4]>;
 
 /// How a read treats faults.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -169,11 +175,11 @@ impl Volume {
 
     /// Decide each block's source under one short lock; load missing context
     /// pages (split) without holding it.
-    fn plan(&self, first: u64, count: u64) -> Result<Vec<Source>> {
-        let mut plan = Vec::with_capacity(count as usize);
+    fn plan(&self, first: u64, count: u64) -> Result<Plan> {
+        let mut plan = Plan::with_capacity(count as usize);
         let mut missing = Vec::new();
         {
-            let state = self.state.lock();
+            let state = self.state.read();
             for lba in first..first + count {
                 if let Some(dirty) = state
                     .active
@@ -235,12 +241,12 @@ impl Volume {
     }
 
     fn load_context_page(&self, page_no: u64) -> Result<Arc<[u8; 4096]>> {
-        let epoch = self.state.lock().contexts.epoch();
+        let epoch = self.state.read().contexts.epoch();
         let mut page = Box::new([0u8; 4096]);
         self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?;
         let page: Arc<[u8; 4096]> = Arc::from(page);
         self.state
-            .lock()
+            .write()
             .contexts
             .insert_page_from(page_no, page.clone(), epoch);
         Ok(page)
@@ -460,7 +466,7 @@ impl Volume {
                     });
                 }
                 // Distinguish written zeroes from holes.
-                let state = self.state.lock();
+                let state = self.state.read();
                 for (index, kind) in kinds.iter_mut().enumerate() {
                     if *kind == Allocation::Hole {
                         if let Lookup::Found(Ok(Context::Zero { .. })) =
@@ -484,7 +490,7 @@ impl Volume {
                     Err(error) => return Err(Error::io("seek", object, start.data_offset, error)),
                 };
                 let dirty: Vec<bool> = {
-                    let state = self.state.lock();
+                    let state = self.state.read();
                     (first..first + count)
                         .map(|lba| {
                             state.active.contains_key(&lba) || state.committing.contains_key(&lba)

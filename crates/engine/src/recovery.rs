@@ -202,7 +202,7 @@ impl Volume {
 
     /// The context a block has now, loading its page if needed.
     fn context_now(&self, lba: u64) -> Result<Context> {
-        if let Lookup::Found(found) = self.state.lock().contexts.lookup(lba) {
+        if let Lookup::Found(found) = self.state.read().contexts.lookup(lba) {
             return Ok(found.unwrap_or(Context::Unwritten));
         }
         let page_no = lba / CONTEXTS_PER_PAGE;
@@ -211,7 +211,7 @@ impl Volume {
         let at = (lba % CONTEXTS_PER_PAGE) as usize * vouch_format::CONTEXT_BYTES;
         let found = Context::decode(&page[at..at + vouch_format::CONTEXT_BYTES]);
         self.state
-            .lock()
+            .write()
             .contexts
             .insert_page(page_no, std::sync::Arc::from(page));
         Ok(found.unwrap_or(Context::Unwritten))
@@ -245,11 +245,11 @@ impl Volume {
                             .expect("inserted")
                             .push(entry.context);
                     }
-                    self.state.lock().contexts.set(entry.lba, entry.context);
+                    self.state.write().contexts.set(entry.lba, entry.context);
                 } else {
                     let end = entry.lba + u64::from(entry.count);
                     self.state
-                        .lock()
+                        .write()
                         .contexts
                         .set_range(entry.lba, end, entry.context);
                     let superseded: Vec<u64> = candidates
@@ -289,7 +289,7 @@ impl Volume {
                 Some(context) if *context == newest => {}
                 Some(context) => {
                     report.blocks_reverted += 1;
-                    self.state.lock().contexts.set(lba, *context);
+                    self.state.write().contexts.set(lba, *context);
                     resolutions.push(JournalEntry {
                         lba,
                         count: 1,
@@ -327,7 +327,7 @@ impl Volume {
                             Context::Data { guard, .. } => guard,
                             _ => unreachable!("matched Data above"),
                         };
-                        self.state.lock().active.insert(
+                        self.state.write().active.insert(
                             entry.lba,
                             DirtyBlock {
                                 data: block.into(),
@@ -354,7 +354,7 @@ impl Volume {
                         // Cannot redo on disk: serve the range from memory
                         // as a range (its size does not matter), superseding
                         // journaled data buffered before it.
-                        let mut state = self.state.lock();
+                        let mut state = self.state.write();
                         let stale: Vec<u64> = state
                             .active
                             .range(range.start..range.end)

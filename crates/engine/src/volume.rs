@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use vouch_format::superblock::{FORMAT_VERSION, STATE_CLEAN, SUPERBLOCK_SLOT_BYTES};
 use vouch_format::{
     FeatureFlags, Geometry, GuardKind, LayoutKind, Superblock, BLOCK_SIZE, SECTOR_SIZE,
@@ -120,7 +120,9 @@ pub struct Volume {
     pub(crate) journal_bytes: u64,
     read_only: Option<String>,
     pub(crate) tuning: Tuning,
-    pub(crate) state: Mutex<State>,
+    /// Readers plan under a shared lock; writers, commits and checkpoints
+    /// take it exclusively.
+    pub(crate) state: RwLock<State>,
     pub(crate) commit_lock: Mutex<CommitState>,
     stripes: Vec<Mutex<()>>,
     pub(crate) failed: Mutex<Option<String>>,
@@ -192,7 +194,7 @@ impl Volume {
             journal_bytes: superblock.journal_bytes,
             read_only,
             tuning: options.tuning,
-            state: Mutex::new(State {
+            state: RwLock::new(State {
                 active: BTreeMap::new(),
                 committing: BTreeMap::new(),
                 contexts: ContextStore::new(options.tuning.context_cache_pages),
@@ -240,7 +242,7 @@ impl Volume {
 
     /// Memory held by caches and buffers now.
     pub fn resident_bytes(&self) -> u64 {
-        let state = self.state.lock();
+        let state = self.state.read();
         (state.active.len() + state.committing.len()) as u64 * (BLOCK + 64)
             + state.contexts.resident_bytes()
     }
@@ -358,7 +360,7 @@ impl Volume {
             })
             .collect();
         let buffered = {
-            let mut state = self.state.lock();
+            let mut state = self.state.write();
             for (lba, dirty) in guarded {
                 state.active.insert(lba, dirty);
             }
@@ -444,7 +446,7 @@ impl Volume {
             let mut commit = self.commit_lock.lock();
             {
                 // Buffered writes inside the range are superseded by it.
-                let mut state = self.state.lock();
+                let mut state = self.state.write();
                 let stale: Vec<u64> = state
                     .active
                     .range(first_full..end_full)
