@@ -7,7 +7,12 @@
 //! threads issuing synchronous operations, each with its own RNG. Every
 //! configuration is created and prefilled (sequential 1 MiB writes + flush)
 //! before its tests, so reads hit real data and random writes overwrite.
-//! Write tests end with a flush inside the timed interval. The whole matrix
+//! Write tests end with a flush inside the timed interval. `randread` reads
+//! hit the page cache (the prefill left the data there): it measures CPU
+//! cost. `randread-cold` evicts the data files (raw file, data segments)
+//! before and every 10 ms during the test, so reads go to the device, as
+//! they do for a working set larger than the host's memory; the engine's
+//! contexts stay in its own cache, as metadata does in dm-integrity's. The whole matrix
 //! runs `--repeat` times, the configuration order rotated each round, and
 //! medians are reported with the ratio to `raw` and write amplification:
 //! - engine: backing bytes / client bytes from the engine's own counters;
@@ -76,17 +81,27 @@ pub struct BenchArgs {
     /// Queue depth for the 1 MiB sequential tests (each thread streams its own region).
     #[arg(long, default_value_t = 1)]
     pub seq_qd: usize,
-    /// Workloads to run: randread, randwrite, seqread, seqwrite.
+    /// Workloads to run: seqread, randread (page-cache hits), coldread
+    /// (4 KiB random reads from the device: the data files are evicted from
+    /// the page cache before and every 10 ms during the test), randwrite,
+    /// seqwrite.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "seqread,randread,randwrite,seqwrite"
+        default_value = "seqread,randread,coldread,randwrite,seqwrite"
     )]
     pub workloads: Vec<String>,
     /// Run every workload for every guard. Default: non-primary guards run
     /// only the 4 KiB random tests at the highest queue depth.
     #[arg(long)]
     pub full: bool,
+    /// Keep every configuration's volume open for the whole run and
+    /// interleave them test by test (round -> workload -> configuration)
+    /// instead of configuration by configuration: samples compared with
+    /// `raw` are seconds apart, which matters on a shared, noisy device
+    /// (the cold-read tests).
+    #[arg(long)]
+    pub interleave: bool,
     /// Write every raw sample and the summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -156,6 +171,10 @@ impl Config {
 enum Kind {
     SeqRead,
     RandRead,
+    /// 4 KiB random reads that miss the page cache: the data files are
+    /// evicted before the test and every few milliseconds during it, so
+    /// reads go to the device. Engine metadata stays in memory.
+    ColdRead,
     RandWrite,
     SeqWrite,
 }
@@ -169,7 +188,7 @@ struct Workload {
 impl Workload {
     fn io_size(self) -> usize {
         match self.kind {
-            Kind::RandRead | Kind::RandWrite => BLOCK,
+            Kind::RandRead | Kind::ColdRead | Kind::RandWrite => BLOCK,
             Kind::SeqRead | Kind::SeqWrite => MIB,
         }
     }
@@ -177,12 +196,13 @@ impl Workload {
         matches!(self.kind, Kind::RandWrite | Kind::SeqWrite)
     }
     fn is_random(self) -> bool {
-        matches!(self.kind, Kind::RandRead | Kind::RandWrite)
+        matches!(self.kind, Kind::RandRead | Kind::ColdRead | Kind::RandWrite)
     }
     fn name(self) -> String {
         let (what, size) = match self.kind {
             Kind::SeqRead => ("seqread", "1m"),
             Kind::RandRead => ("randread", "4k"),
+            Kind::ColdRead => ("randread-cold", "4k"),
             Kind::RandWrite => ("randwrite", "4k"),
             Kind::SeqWrite => ("seqwrite", "1m"),
         };
@@ -196,9 +216,12 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
         kinds.push(match name.as_str() {
             "seqread" => Kind::SeqRead,
             "randread" => Kind::RandRead,
+            "coldread" => Kind::ColdRead,
             "randwrite" => Kind::RandWrite,
             "seqwrite" => Kind::SeqWrite,
-            other => bail!("unknown workload '{other}' (randread, randwrite, seqread, seqwrite)"),
+            other => bail!(
+                "unknown workload '{other}' (randread, coldread, randwrite, seqread, seqwrite)"
+            ),
         });
     }
     if args.qd.is_empty() || args.qd.contains(&0) || args.seq_qd == 0 {
@@ -209,6 +232,7 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
     for kind in [
         Kind::SeqRead,
         Kind::RandRead,
+        Kind::ColdRead,
         Kind::RandWrite,
         Kind::SeqWrite,
     ] {
@@ -216,7 +240,7 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
             continue;
         }
         match kind {
-            Kind::RandRead | Kind::RandWrite => {
+            Kind::RandRead | Kind::ColdRead | Kind::RandWrite => {
                 for &qd in &args.qd {
                     all.push(Workload { kind, qd });
                 }
@@ -250,7 +274,7 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
                     } else {
                         all.iter()
                             .copied()
-                            .filter(|w| w.is_random() && w.qd == max_qd)
+                            .filter(|w| w.is_random() && w.kind != Kind::ColdRead && w.qd == max_qd)
                             .collect()
                     };
                     if !workloads.is_empty() {
@@ -471,6 +495,81 @@ fn prefill(target: &Target, size: u64) -> Result<f64> {
     Ok(start.elapsed().as_secs_f64())
 }
 
+fn remove(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        std::fs::remove_dir_all(path)?;
+    } else {
+        std::fs::remove_file(path)?;
+    }
+    Ok(())
+}
+
+// --- page-cache eviction for the cold-read tests --------------------------------
+
+/// The files holding a target's data: the raw file, or a volume's data
+/// segments (not its superblock, journal or contexts).
+fn data_files(path: &Path) -> Result<Vec<File>> {
+    let mut paths = Vec::new();
+    if path.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            let entry = entry?;
+            if entry.file_name().to_string_lossy().starts_with("data.") {
+                paths.push(entry.path());
+            }
+        }
+    } else {
+        paths.push(path.to_path_buf());
+    }
+    paths
+        .iter()
+        .map(|path| File::open(path).with_context(|| format!("cannot open {}", path.display())))
+        .collect()
+}
+
+/// Drop every clean cached page of `files` (they were synced before).
+fn evict(files: &[File]) -> Result<()> {
+    for file in files {
+        // SAFETY: a valid open descriptor; offset 0, length 0 = whole file.
+        let rc = unsafe {
+            libc::posix_fadvise(
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                0,
+                0,
+                libc::POSIX_FADV_DONTNEED,
+            )
+        };
+        if rc != 0 {
+            bail!(
+                "posix_fadvise(DONTNEED): {}",
+                std::io::Error::from_raw_os_error(rc)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Run `test` with `files` evicted from the page cache before it starts and
+/// again every 10 ms while it runs, so its reads go to the device (a block
+/// read twice within 10 ms may still hit; the same holds for every config).
+fn cold<T>(files: &[File], test: impl FnOnce() -> Result<T>) -> Result<T> {
+    sync_all();
+    evict(files)?;
+    let done = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let evictor = scope.spawn(|| -> Result<()> {
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(10));
+                evict(files)?;
+            }
+            Ok(())
+        });
+        let result = test();
+        done.store(true, std::sync::atomic::Ordering::Relaxed);
+        evictor.join().expect("evictor thread panicked")?;
+        result
+    })
+}
+
 // --- write accounting outside the engine -----------------------------------------
 
 fn sync_all() {
@@ -577,6 +676,15 @@ fn matrix(args: &BenchArgs, dir: &Path, command_line: &str, machine: Value) -> R
         bail!("--size must be a positive multiple of 1 MiB");
     }
     let stat = device_stat_path(dir);
+    let guard_ns = guard_costs(&plan);
+    println!(
+        "Guard cost on this CPU (ns per 4 KiB block, in cache; median of 5): {}\n",
+        guard_ns
+            .iter()
+            .map(|(name, ns)| format!("{name} {ns:.0}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     let tests: usize = plan.iter().map(|(_, w)| w.len()).sum();
     eprintln!(
         "bench: {} configurations, {} tests x {} s x {} repeats (~{:.0} s of I/O plus prefills) in {}",
@@ -590,49 +698,97 @@ fn matrix(args: &BenchArgs, dir: &Path, command_line: &str, machine: Value) -> R
     let started = Instant::now();
     let mut samples: Vec<Sample> = Vec::new();
     let mut prefills: Vec<Value> = Vec::new();
-    for repeat in 0..args.repeat {
-        // Rotate the configuration order every round.
-        let shift = (repeat * plan.len().div_ceil(args.repeat.max(1))) % plan.len();
-        for step in 0..plan.len() {
-            let (config, workloads) = &plan[(step + shift) % plan.len()];
-            let path = dir.join(format!("{}-{repeat}", config.name().replace('/', "-")));
-            let target = Target::create(*config, &path, args.size)?;
-            sync_all();
-            let prefill_secs = prefill(&target, args.size)?;
-            prefills.push(
-                json!({"repeat": repeat, "config": config.name(), "secs": prefill_secs,
-                "mb_per_s": args.size as f64 / prefill_secs / 1e6}),
-            );
-            for (index, workload) in workloads.iter().enumerate() {
-                let sample = measure(
-                    &target,
-                    *config,
-                    *workload,
-                    args,
-                    repeat,
-                    (repeat * 100 + index) as u64,
-                    stat.as_deref(),
-                )?;
-                eprintln!(
-                    "  [{:>4.0}s] round {} {:<18} {:<20} {:>9.0} IOPS {:>8.1} MB/s{}",
-                    started.elapsed().as_secs_f64(),
-                    repeat + 1,
-                    sample.config,
-                    sample.workload,
-                    sample.iops(),
-                    sample.mbps(),
-                    sample
-                        .wa_engine
-                        .map(|wa| format!("  WA {wa:.3}"))
-                        .unwrap_or_default()
-                );
-                samples.push(sample);
+    let open = |config: Config, path: &Path, repeat: usize, prefills: &mut Vec<Value>| {
+        let target = Target::create(config, path, args.size)?;
+        sync_all();
+        let prefill_secs = prefill(&target, args.size)?;
+        prefills.push(
+            json!({"repeat": repeat, "config": config.name(), "secs": prefill_secs,
+            "mb_per_s": args.size as f64 / prefill_secs / 1e6}),
+        );
+        let files = data_files(path)?;
+        anyhow::Ok((target, files))
+    };
+    let run = |target: &Target,
+               files: &[File],
+               config: Config,
+               workload: Workload,
+               repeat: usize,
+               seed: u64| {
+        let sample = measure(
+            target,
+            config,
+            workload,
+            args,
+            repeat,
+            seed,
+            stat.as_deref(),
+            files,
+        )?;
+        eprintln!(
+            "  [{:>4.0}s] round {} {:<18} {:<20} {:>9.0} IOPS {:>8.1} MB/s{}",
+            started.elapsed().as_secs_f64(),
+            repeat + 1,
+            sample.config,
+            sample.workload,
+            sample.iops(),
+            sample.mbps(),
+            sample
+                .wa_engine
+                .map(|wa| format!("  WA {wa:.3}"))
+                .unwrap_or_default()
+        );
+        anyhow::Ok(sample)
+    };
+    // Rotate the configuration order every round.
+    let configs = plan.len();
+    let rotated = |repeat: usize| {
+        let shift = (repeat * configs.div_ceil(args.repeat.max(1))) % configs;
+        (0..configs).map(move |step| (step + shift) % configs)
+    };
+    if args.interleave {
+        let mut open_targets = Vec::new();
+        for (config, _) in &plan {
+            let path = dir.join(config.name().replace('/', "-"));
+            let (target, files) = open(*config, &path, 0, &mut prefills)?;
+            open_targets.push((target, files, path));
+        }
+        let mut workloads: Vec<Workload> = Vec::new();
+        for (_, list) in &plan {
+            for workload in list {
+                if !workloads.contains(workload) {
+                    workloads.push(*workload);
+                }
             }
+        }
+        for repeat in 0..args.repeat {
+            for (index, workload) in workloads.iter().enumerate() {
+                for at in rotated(repeat) {
+                    let (config, list) = &plan[at];
+                    if list.contains(workload) {
+                        let (target, files, _) = &open_targets[at];
+                        let seed = (repeat * 100 + index) as u64;
+                        samples.push(run(target, files, *config, *workload, repeat, seed)?);
+                    }
+                }
+            }
+        }
+        for (target, _, path) in open_targets {
             target.close()?;
-            if path.is_dir() {
-                std::fs::remove_dir_all(&path)?;
-            } else {
-                std::fs::remove_file(&path)?;
+            remove(&path)?;
+        }
+    } else {
+        for repeat in 0..args.repeat {
+            for at in rotated(repeat) {
+                let (config, workloads) = &plan[at];
+                let path = dir.join(format!("{}-{repeat}", config.name().replace('/', "-")));
+                let (target, files) = open(*config, &path, repeat, &mut prefills)?;
+                for (index, workload) in workloads.iter().enumerate() {
+                    let seed = (repeat * 100 + index) as u64;
+                    samples.push(run(&target, &files, *config, *workload, repeat, seed)?);
+                }
+                target.close()?;
+                remove(&path)?;
             }
         }
     }
@@ -646,9 +802,11 @@ fn matrix(args: &BenchArgs, dir: &Path, command_line: &str, machine: Value) -> R
             "settings": {
                 "seconds": args.seconds, "size": args.size, "repeat": args.repeat,
                 "qd": args.qd, "seq_qd": args.seq_qd, "full": args.full,
+                "interleave": args.interleave,
                 "guards": args.guards, "configs": args.configs,
             },
             "elapsed_secs": started.elapsed().as_secs_f64(),
+            "guard_ns_per_4k": guard_ns.iter().cloned().collect::<BTreeMap<_, _>>(),
             "prefills": prefills,
             "samples": samples.iter().map(Sample::to_json).collect::<Vec<_>>(),
             "summary": summary.iter().map(Row::to_json).collect::<Vec<_>>(),
@@ -660,6 +818,42 @@ fn matrix(args: &BenchArgs, dir: &Path, command_line: &str, machine: Value) -> R
     Ok(ExitCode::SUCCESS)
 }
 
+/// What computing each planned guard over one cache-hot 4 KiB block costs:
+/// the floor of a verified read's overhead over a bare read.
+fn guard_costs(plan: &[(Config, Vec<Workload>)]) -> Vec<(String, f64)> {
+    let mut guards: Vec<GuardKind> = Vec::new();
+    for (config, _) in plan {
+        if let Config::Engine(_, guard) = config {
+            if !guards.contains(guard) {
+                guards.push(*guard);
+            }
+        }
+    }
+    let mut block = vec![0u8; BLOCK];
+    Rng::new(7).fill(&mut block);
+    const ROUNDS: u32 = 20_000;
+    guards
+        .into_iter()
+        .map(|guard| {
+            let mut samples: Vec<f64> = (0..5)
+                .map(|_| {
+                    let start = Instant::now();
+                    for round in 0..ROUNDS {
+                        block[0] = round as u8;
+                        std::hint::black_box(guard.compute(std::hint::black_box(&block)));
+                    }
+                    start.elapsed().as_nanos() as f64 / f64::from(ROUNDS)
+                })
+                .collect();
+            (
+                guard.name().to_string(),
+                median(&mut samples).unwrap_or(0.0),
+            )
+        })
+        .collect()
+}
+
+#[allow(clippy::too_many_arguments)]
 fn measure(
     target: &Target,
     config: Config,
@@ -668,6 +862,7 @@ fn measure(
     repeat: usize,
     seed: u64,
     stat: Option<&Path>,
+    data_files: &[File],
 ) -> Result<Sample> {
     // Start every test with nothing dirty, so earlier tests' writeback is
     // neither measured nor competing.
@@ -675,7 +870,13 @@ fn measure(
     let proc_before = proc_write_bytes();
     let device_before = device_write_bytes(stat);
     let stats_before = target.stats();
-    let timed = run_workload(target, workload, args.size, args.seconds, seed)?;
+    let timed = if workload.kind == Kind::ColdRead {
+        cold(data_files, || {
+            run_workload(target, workload, args.size, args.seconds, seed)
+        })?
+    } else {
+        run_workload(target, workload, args.size, args.seconds, seed)?
+    };
     let stats_after = target.stats();
     let bytes = timed.ops * workload.io_size() as u64;
     let (mut wa_engine, mut wa_proc, mut wa_device) = (None, None, None);
@@ -738,6 +939,8 @@ struct Row {
     mbps: f64,
     flush_secs: f64,
     ratio: Option<f64>,
+    /// This configuration's IOPS / raw's IOPS in the same round, sorted.
+    round_ratios: Vec<f64>,
     wa_engine: Option<f64>,
     wa_proc: Option<f64>,
     wa_device: Option<f64>,
@@ -751,8 +954,30 @@ impl Row {
             "median_flush_secs": self.flush_secs, "ratio_to_raw": self.ratio,
             "median_wa_engine": self.wa_engine, "median_wa_proc_self_io": self.wa_proc,
             "median_wa_device": self.wa_device,
+            "round_ratios_to_raw": self.round_ratios,
         })
     }
+}
+
+/// Per-round ratios to raw for one workload and configuration, sorted.
+fn round_ratios(
+    grouped: &BTreeMap<(String, String), Vec<&Sample>>,
+    workload: &str,
+    group: &[&Sample],
+) -> Vec<f64> {
+    let Some(raw) = grouped.get(&(workload.to_string(), "raw".to_string())) else {
+        return Vec::new();
+    };
+    let mut ratios: Vec<f64> = group
+        .iter()
+        .filter_map(|sample| {
+            raw.iter()
+                .find(|r| r.repeat == sample.repeat)
+                .map(|r| sample.iops() / r.iops())
+        })
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    ratios
 }
 
 fn summarize(plan: &[(Config, Vec<Workload>)], samples: &[Sample]) -> Vec<Row> {
@@ -767,6 +992,7 @@ fn summarize(plan: &[(Config, Vec<Workload>)], samples: &[Sample]) -> Vec<Row> {
     let order = |w: &Workload| {
         let kind = [
             Kind::RandRead,
+            Kind::ColdRead,
             Kind::RandWrite,
             Kind::SeqRead,
             Kind::SeqWrite,
@@ -809,6 +1035,7 @@ fn summarize(plan: &[(Config, Vec<Workload>)], samples: &[Sample]) -> Vec<Row> {
                 mbps: pick(&|s| Some(s.mbps())).unwrap_or(0.0),
                 flush_secs: pick(&|s| Some(s.flush_secs)).unwrap_or(0.0),
                 ratio: raw_iops.map(|raw| iops / raw),
+                round_ratios: round_ratios(&grouped, &name, group),
                 wa_engine: pick(&|s| s.wa_engine),
                 wa_proc: pick(&|s| s.wa_proc),
                 wa_device: pick(&|s| s.wa_device),
@@ -830,20 +1057,27 @@ fn print_matrix(args: &BenchArgs, rows: &[Row], have_device: bool) {
     println!(
         "Write tests include the closing flush (engine flush / raw fdatasync) in the timing.\n"
     );
-    println!("| workload | config | IOPS | MB/s | x raw | WA engine | WA /proc/self/io | WA device | flush s |");
-    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| workload | config | IOPS | MB/s | x raw | x raw by round: median (min-max) | WA engine | WA /proc/self/io | WA device | flush s |");
+    println!("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let fmt = |value: Option<f64>, digits: usize| {
         value.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
     };
     for row in rows {
         let is_write = row.wa_engine.is_some();
         println!(
-            "| {} | {} | {:.0} | {:.1} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {:.0} | {:.1} | {} | {} | {} | {} | {} | {} |",
             row.workload,
             row.config,
             row.iops,
             row.mbps,
             fmt(row.ratio, 2),
+            match (row.round_ratios.first(), row.round_ratios.last()) {
+                (Some(low), Some(high)) => format!(
+                    "{:.2} ({low:.2}-{high:.2})",
+                    median(&mut row.round_ratios.clone()).unwrap_or(0.0)
+                ),
+                _ => "-".to_string(),
+            },
             fmt(row.wa_engine, 3),
             fmt(row.wa_proc, 3),
             if have_device {
@@ -859,6 +1093,7 @@ fn print_matrix(args: &BenchArgs, rows: &[Row], have_device: bool) {
         );
     }
     println!();
+    println!("x raw: median IOPS / median raw IOPS. By round: IOPS / raw IOPS of the same round.");
     println!("WA engine: backing bytes / client bytes from the engine's counters (raw: 1 by definition).");
     println!("WA /proc/self/io: pages this process dirtied (write_bytes - cancelled_write_bytes) / client bytes;");
     println!("  a page rewritten before writeback counts once, so random overwrites of a small, hot volume read below 1.");
