@@ -71,15 +71,29 @@ impl GuardKind {
     pub fn compute(self, data: &[u8]) -> u64 {
         match self {
             GuardKind::None => 0,
-            // The `crc32c` crate's three-stream SSE4.2 loop: 255 ns a 4 KiB
-            // block on this project's 2-core EPYC (AVX2, no AVX-512) where
-            // crc-fast's SSE path takes 420-460 ns (docs/BENCHMARKS.md).
-            GuardKind::Crc32c => u64::from(crc32c::crc32c(data)),
+            GuardKind::Crc32c => u64::from(crc32c_block(data)),
             GuardKind::Crc64Nvme => checksum(CrcAlgorithm::Crc64Nvme, data),
             GuardKind::Crc16T10Dif => checksum(CrcAlgorithm::Crc16T10Dif, data),
             GuardKind::Xxh3 => xxhash_rust::xxh3::xxh3_64(data),
         }
     }
+}
+
+/// CRC-32C of a data block by the faster implementation for this CPU.
+/// crc-fast folds with VPCLMULQDQ only when AVX-512 is present (~97 ns a
+/// 4 KiB block, ../shared/design/CRATES.md); without it, it falls back to
+/// an SSE path (420-460 ns here, on an EPYC that exposes AVX2 and
+/// VPCLMULQDQ but not AVX-512), where the `crc32c` crate's three-stream
+/// SSE4.2 loop takes 255 ns (docs/BENCHMARKS.md).
+#[inline]
+fn crc32c_block(data: &[u8]) -> u32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("vpclmulqdq")
+    {
+        return checksum(CrcAlgorithm::Crc32Iscsi, data) as u32;
+    }
+    crc32c::crc32c(data)
 }
 
 /// CRC-32C of metadata structures (superblock, contexts, journal records).
@@ -110,6 +124,7 @@ mod tests {
         /// crc-fast) are one function, CRC-32C, from two implementations.
         #[test]
         fn both_crc32c_implementations_agree(data in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..9000)) {
+            proptest::prop_assert_eq!(u64::from(::crc32c::crc32c(&data)), u64::from(crc32c(&data)));
             proptest::prop_assert_eq!(GuardKind::Crc32c.compute(&data), u64::from(crc32c(&data)));
         }
     }

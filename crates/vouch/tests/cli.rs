@@ -395,7 +395,7 @@ fn bench_once(interleave: bool) {
         "--guards",
         "crc32c",
         "--workloads",
-        "randread,coldread,randwrite",
+        "randread,coldread,randwrite,coldwrite",
         "--qd",
         "1,4",
         "--repeat",
@@ -425,6 +425,8 @@ fn bench_once(interleave: bool) {
             "randread-cold-4k-qd4",
             "randwrite-4k-qd1",
             "randwrite-4k-qd4",
+            "randwrite-cold-4k-qd1",
+            "randwrite-cold-4k-qd4",
         ] {
             let sample = samples
                 .iter()

@@ -81,14 +81,16 @@ pub struct BenchArgs {
     /// Queue depth for the 1 MiB sequential tests (each thread streams its own region).
     #[arg(long, default_value_t = 1)]
     pub seq_qd: usize,
-    /// Workloads to run: seqread, randread (page-cache hits), coldread
-    /// (4 KiB random reads from the device: the data files are evicted from
-    /// the page cache before and every 10 ms during the test), randwrite,
-    /// seqwrite.
+    /// Workloads to run, in this order: seqread, randread (page-cache
+    /// hits), randwrite (overwrites of the cached, sequentially filled
+    /// data), seqwrite, coldread (4 KiB random reads from the device: the
+    /// data files are evicted from the page cache before and every 10 ms
+    /// during the test), coldwrite (4 KiB random writes into data files
+    /// just evicted from the page cache).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "seqread,randread,coldread,randwrite,seqwrite"
+        default_value = "seqread,randread,randwrite,seqwrite,coldread,coldwrite"
     )]
     pub workloads: Vec<String>,
     /// Run every workload for every guard. Default: non-primary guards run
@@ -177,6 +179,10 @@ enum Kind {
     ColdRead,
     RandWrite,
     SeqWrite,
+    /// 4 KiB random writes into data files just evicted from the page
+    /// cache (new 4 KiB folios instead of the large folios a sequential
+    /// fill leaves; partial-page writes must read the page first).
+    ColdWrite,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -188,15 +194,21 @@ struct Workload {
 impl Workload {
     fn io_size(self) -> usize {
         match self.kind {
-            Kind::RandRead | Kind::ColdRead | Kind::RandWrite => BLOCK,
+            Kind::RandRead | Kind::ColdRead | Kind::RandWrite | Kind::ColdWrite => BLOCK,
             Kind::SeqRead | Kind::SeqWrite => MIB,
         }
     }
     fn is_write(self) -> bool {
-        matches!(self.kind, Kind::RandWrite | Kind::SeqWrite)
+        matches!(
+            self.kind,
+            Kind::RandWrite | Kind::SeqWrite | Kind::ColdWrite
+        )
     }
     fn is_random(self) -> bool {
-        matches!(self.kind, Kind::RandRead | Kind::ColdRead | Kind::RandWrite)
+        matches!(
+            self.kind,
+            Kind::RandRead | Kind::ColdRead | Kind::RandWrite | Kind::ColdWrite
+        )
     }
     fn name(self) -> String {
         let (what, size) = match self.kind {
@@ -205,6 +217,7 @@ impl Workload {
             Kind::ColdRead => ("randread-cold", "4k"),
             Kind::RandWrite => ("randwrite", "4k"),
             Kind::SeqWrite => ("seqwrite", "1m"),
+            Kind::ColdWrite => ("randwrite-cold", "4k"),
         };
         format!("{what}-{size}-qd{}", self.qd)
     }
@@ -219,8 +232,9 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
             "coldread" => Kind::ColdRead,
             "randwrite" => Kind::RandWrite,
             "seqwrite" => Kind::SeqWrite,
+            "coldwrite" => Kind::ColdWrite,
             other => bail!(
-                "unknown workload '{other}' (randread, coldread, randwrite, seqread, seqwrite)"
+                "unknown workload '{other}' (seqread, randread, randwrite, seqwrite, coldread, coldwrite)"
             ),
         });
     }
@@ -232,15 +246,16 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
     for kind in [
         Kind::SeqRead,
         Kind::RandRead,
-        Kind::ColdRead,
         Kind::RandWrite,
         Kind::SeqWrite,
+        Kind::ColdRead,
+        Kind::ColdWrite,
     ] {
         if !kinds.contains(&kind) {
             continue;
         }
         match kind {
-            Kind::RandRead | Kind::ColdRead | Kind::RandWrite => {
+            Kind::RandRead | Kind::ColdRead | Kind::RandWrite | Kind::ColdWrite => {
                 for &qd in &args.qd {
                     all.push(Workload { kind, qd });
                 }
@@ -274,7 +289,9 @@ fn plan(args: &BenchArgs) -> Result<Vec<(Config, Vec<Workload>)>> {
                     } else {
                         all.iter()
                             .copied()
-                            .filter(|w| w.is_random() && w.kind != Kind::ColdRead && w.qd == max_qd)
+                            .filter(|w| {
+                                matches!(w.kind, Kind::RandRead | Kind::RandWrite) && w.qd == max_qd
+                            })
                             .collect()
                     };
                     if !workloads.is_empty() {
@@ -548,12 +565,16 @@ fn evict(files: &[File]) -> Result<()> {
     Ok(())
 }
 
-/// Run `test` with `files` evicted from the page cache before it starts and
-/// again every 10 ms while it runs, so its reads go to the device (a block
-/// read twice within 10 ms may still hit; the same holds for every config).
-fn cold<T>(files: &[File], test: impl FnOnce() -> Result<T>) -> Result<T> {
+/// Run `test` with `files` evicted from the page cache before it starts and,
+/// when `keep_evicting`, again every 10 ms while it runs, so its reads go to
+/// the device (a block read twice within 10 ms may still hit; the same holds
+/// for every config).
+fn cold<T>(files: &[File], keep_evicting: bool, test: impl FnOnce() -> Result<T>) -> Result<T> {
     sync_all();
     evict(files)?;
+    if !keep_evicting {
+        return test();
+    }
     let done = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|scope| {
         let evictor = scope.spawn(|| -> Result<()> {
@@ -871,7 +892,11 @@ fn measure(
     let device_before = device_write_bytes(stat);
     let stats_before = target.stats();
     let timed = if workload.kind == Kind::ColdRead {
-        cold(data_files, || {
+        cold(data_files, true, || {
+            run_workload(target, workload, args.size, args.seconds, seed)
+        })?
+    } else if workload.kind == Kind::ColdWrite {
+        cold(data_files, false, || {
             run_workload(target, workload, args.size, args.seconds, seed)
         })?
     } else {
@@ -994,6 +1019,7 @@ fn summarize(plan: &[(Config, Vec<Workload>)], samples: &[Sample]) -> Vec<Row> {
             Kind::RandRead,
             Kind::ColdRead,
             Kind::RandWrite,
+            Kind::ColdWrite,
             Kind::SeqRead,
             Kind::SeqWrite,
         ]
