@@ -12,7 +12,8 @@
 //! cost. `randread-cold` evicts the data files (raw file, data segments)
 //! before and every 10 ms during the test, so reads go to the device, as
 //! they do for a working set larger than the host's memory; the engine's
-//! contexts stay in its own cache, as metadata does in dm-integrity's. The whole matrix
+//! contexts stay in its own cache, as metadata does in dm-integrity's.
+//! `randwrite-cold` evicts them once before writing. The whole matrix
 //! runs `--repeat` times, the configuration order rotated each round, and
 //! medians are reported with the ratio to `raw` and write amplification:
 //! - engine: backing bytes / client bytes from the engine's own counters;
@@ -98,10 +99,11 @@ pub struct BenchArgs {
     #[arg(long)]
     pub full: bool,
     /// Keep every configuration's volume open for the whole run and
-    /// interleave them test by test (round -> workload -> configuration)
+    /// interleave them test by test (workload -> round -> configuration)
     /// instead of configuration by configuration: samples compared with
-    /// `raw` are seconds apart, which matters on a shared, noisy device
-    /// (the cold-read tests).
+    /// `raw` are seconds apart, which matters on a shared, noisy device.
+    /// Every round of a workload runs before the next workload, so the cold
+    /// tests (last) never evict the files under a warm test.
     #[arg(long)]
     pub interleave: bool,
     /// Write every raw sample and the summary as JSON here.
@@ -782,8 +784,8 @@ fn matrix(args: &BenchArgs, dir: &Path, command_line: &str, machine: Value) -> R
                 }
             }
         }
-        for repeat in 0..args.repeat {
-            for (index, workload) in workloads.iter().enumerate() {
+        for (index, workload) in workloads.iter().enumerate() {
+            for repeat in 0..args.repeat {
                 for at in rotated(repeat) {
                     let (config, list) = &plan[at];
                     if list.contains(workload) {
@@ -891,16 +893,11 @@ fn measure(
     let proc_before = proc_write_bytes();
     let device_before = device_write_bytes(stat);
     let stats_before = target.stats();
-    let timed = if workload.kind == Kind::ColdRead {
-        cold(data_files, true, || {
-            run_workload(target, workload, args.size, args.seconds, seed)
-        })?
-    } else if workload.kind == Kind::ColdWrite {
-        cold(data_files, false, || {
-            run_workload(target, workload, args.size, args.seconds, seed)
-        })?
-    } else {
-        run_workload(target, workload, args.size, args.seconds, seed)?
+    let test = || run_workload(target, workload, args.size, args.seconds, seed);
+    let timed = match workload.kind {
+        Kind::ColdRead => cold(data_files, true, test)?,
+        Kind::ColdWrite => cold(data_files, false, test)?,
+        _ => test()?,
     };
     let stats_after = target.stats();
     let bytes = timed.ops * workload.io_size() as u64;
