@@ -7,7 +7,7 @@ use vouch_format::{LayoutKind, CONTEXT_BYTES};
 
 use crate::error::{Error, Fault, Result};
 use crate::storage::ObjectId;
-use crate::volume::{Volume, BLOCK};
+use crate::volume::{Core, BLOCK};
 
 /// Blocks verified per read while checking (1 MiB).
 pub const CHECK_CHUNK_BLOCKS: u64 = 256;
@@ -19,7 +19,7 @@ pub struct CheckReport {
     pub faults: Vec<Fault>,
 }
 
-impl Volume {
+impl Core {
     /// Verify every block that may hold data. `progress(done, total)` is
     /// called after each chunk, in blocks.
     pub fn check(&self, mut progress: impl FnMut(u64, u64)) -> Result<CheckReport> {

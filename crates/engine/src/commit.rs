@@ -41,8 +41,8 @@ use vouch_format::{Context, JournalEntry, LayoutKind, Superblock, CONTEXT_BYTES}
 
 use crate::contexts::{context_in_range, ContextStore, Page, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Result};
-use crate::storage::ObjectId;
-use crate::volume::{write_superblock_copy, CommitState, DirtyBlock, Volume, BLOCK};
+use crate::storage::{ObjectId, Run};
+use crate::volume::{write_superblock_copy, CommitState, Core, DirtyBlock, BLOCK};
 
 /// A trim or write-zeroes over whole blocks `[start, end)`.
 #[derive(Clone, Copy, Debug)]
@@ -59,7 +59,7 @@ type WrittenPages = Vec<(u64, Option<Page>)>;
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
 
-impl Volume {
+impl Core {
     pub(crate) fn data_context(&self, lba: u64, guard: u64, seq: u64) -> Context {
         Context::Data {
             volume_tag: self.volume_tag,
@@ -211,8 +211,9 @@ impl Volume {
         commit: &mut CommitState,
         blocks: &[(u64, DirtyBlock)],
     ) -> Result<()> {
-        // Coalesce runs of consecutive LBAs into one pwritev each, straight
-        // from the buffered blocks.
+        // Runs of consecutive LBAs, each one write straight from the
+        // buffered blocks; all of them submitted as one batch.
+        let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
         let mut index = 0;
         while index < blocks.len() {
             let mut end = index + 1;
@@ -220,20 +221,18 @@ impl Volume {
                 end += 1;
             }
             let location = self.geometry.locate(blocks[index].0);
-            let object = ObjectId::Data(location.segment);
-            if end - index == 1 {
-                self.write_object(object, location.data_offset, &blocks[index].1.data[..])?;
-            } else {
-                let parts: Vec<&[u8]> = blocks[index..end]
-                    .iter()
-                    .map(|(_, dirty)| &dirty.data[..])
-                    .collect();
-                self.write_object_vectored(object, location.data_offset, &parts)?;
-            }
-            commit.unsynced.insert(object);
+            let parts = blocks[index..end]
+                .iter()
+                .map(|(_, dirty)| &dirty.data[..])
+                .collect();
+            runs.push((
+                ObjectId::Data(location.segment),
+                location.data_offset,
+                parts,
+            ));
             index = end;
         }
-        Ok(())
+        self.write_home_runs(commit, &runs)
     }
 
     fn write_packed_home(
@@ -242,8 +241,8 @@ impl Volume {
         blocks: &[(u64, DirtyBlock)],
         seq: u64,
     ) -> Result<()> {
+        let mut owned: Vec<(ObjectId, u64, Vec<u8>)> = Vec::new();
         let mut index = 0;
-        let mut run: Vec<u8> = Vec::new();
         while index < blocks.len() {
             let mut end = index + 1;
             while end < blocks.len() && self.geometry.contiguous(blocks[end - 1].0, blocks[end].0) {
@@ -251,11 +250,8 @@ impl Volume {
             }
             let first = self.geometry.locate(blocks[index].0);
             let last = self.geometry.locate(blocks[end - 1].0);
-            run.clear();
-            run.resize(
-                (last.data_offset + PACKED_RECORD_BYTES - first.data_offset) as usize,
-                0,
-            );
+            let mut run =
+                vec![0u8; (last.data_offset + PACKED_RECORD_BYTES - first.data_offset) as usize];
             for (lba, dirty) in &blocks[index..end] {
                 let at = (self.geometry.locate(*lba).data_offset - first.data_offset) as usize;
                 run[at..at + BLOCK as usize].copy_from_slice(&dirty.data[..]);
@@ -263,10 +259,45 @@ impl Volume {
                 run[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize]
                     .copy_from_slice(&context);
             }
-            let object = ObjectId::Data(first.segment);
-            self.write_object(object, first.data_offset, &run)?;
-            commit.unsynced.insert(object);
+            owned.push((ObjectId::Data(first.segment), first.data_offset, run));
             index = end;
+        }
+        let runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = owned
+            .iter()
+            .map(|(object, offset, run)| (*object, *offset, vec![&run[..]]))
+            .collect();
+        self.write_home_runs(commit, &runs)
+    }
+
+    /// Write runs (sorted by object) one batch per object: their order on
+    /// the media does not matter once ORDER POINT A has passed.
+    fn write_home_runs(
+        &self,
+        commit: &mut CommitState,
+        runs: &[(ObjectId, u64, Vec<&[u8]>)],
+    ) -> Result<()> {
+        let mut start = 0;
+        while start < runs.len() {
+            let object = runs[start].0;
+            let end = start
+                + runs[start..]
+                    .iter()
+                    .take_while(|run| run.0 == object)
+                    .count();
+            let batch: Vec<Run<'_>> = runs[start..end]
+                .iter()
+                .map(|(_, offset, parts)| Run {
+                    offset: *offset,
+                    parts,
+                })
+                .collect();
+            self.storage
+                .write_runs(object, &batch)
+                .map_err(|error| Error::io("write", object, batch[0].offset, error))?;
+            self.stats
+                .add_written(object, batch.iter().map(Run::len).sum());
+            commit.unsynced.insert(object);
+            start = end;
         }
         Ok(())
     }
@@ -485,20 +516,6 @@ impl Volume {
 
     // --- counted I/O helpers -------------------------------------------------
 
-    pub(crate) fn write_object_vectored(
-        &self,
-        object: ObjectId,
-        offset: u64,
-        parts: &[&[u8]],
-    ) -> Result<()> {
-        self.storage
-            .write_vectored_at(object, offset, parts)
-            .map_err(|error| Error::io("write", object, offset, error))?;
-        self.stats
-            .add_written(object, parts.iter().map(|part| part.len() as u64).sum());
-        Ok(())
-    }
-
     pub(crate) fn write_object(&self, object: ObjectId, offset: u64, data: &[u8]) -> Result<()> {
         self.storage
             .write_at(object, offset, data)
@@ -531,7 +548,7 @@ impl Volume {
 }
 
 /// The superblock as last written (for tests and `info`).
-impl Volume {
+impl Core {
     pub fn superblock(&self) -> Superblock {
         self.commit_lock.lock().superblock
     }

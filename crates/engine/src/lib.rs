@@ -4,6 +4,7 @@
 pub mod check;
 mod commit;
 pub mod contexts;
+pub mod direct;
 pub mod error;
 mod read;
 pub mod recovery;
@@ -18,7 +19,7 @@ pub use error::{Error, Fault, FaultKind, Result};
 pub use read::Allocation;
 pub use sim::{FaultPlan, SimStorage};
 pub use stats::{Stats, StatsSnapshot};
-pub use storage::{FileStorage, ObjectId, Storage};
+pub use storage::{FileStorage, ObjectId, Run, Storage};
 pub use volume::{CreateOptions, OpenOptions, Tuning, Volume, VolumeInfo, BLOCK};
 pub use vouch_format::{GuardKind, LayoutKind};
 
@@ -57,7 +58,7 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     let geometry = superblock.geometry().map_err(|error| {
         Error::Volume(format!("{}: corrupt superblock: {error}", path.display()))
     })?;
-    let storage = FileStorage::open_objects(path, &geometry, !options.read_only)
+    let storage = FileStorage::open_objects(path, &geometry, !options.read_only, options.direct)
         .map_err(|error| Error::Volume(format!("cannot open {}: {error}", path.display())))?;
     Volume::open(Arc::new(storage), options)
 }

@@ -16,7 +16,7 @@ use vouch_format::{Context, FormatError, LayoutKind, CONTEXT_BYTES};
 use crate::contexts::{Lookup, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::storage::ObjectId;
-use crate::volume::{Block, Volume, BLOCK};
+use crate::volume::{Block, Core, BLOCK};
 
 /// Where one block's bytes come from.
 enum Source {
@@ -52,7 +52,7 @@ pub enum Allocation {
     Data,
 }
 
-impl Volume {
+impl Core {
     /// Read `buf.len()` bytes at `offset` (512-byte aligned), verifying every
     /// block. Returns the byte ranges of `buf` (relative) known to be zero
     /// without data I/O.
@@ -242,9 +242,9 @@ impl Volume {
 
     fn load_context_page(&self, page_no: u64) -> Result<Arc<[u8; 4096]>> {
         let epoch = self.state.read().contexts.epoch();
-        let mut page = Box::new([0u8; 4096]);
-        self.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?;
-        let page: Arc<[u8; 4096]> = Arc::from(page);
+        let mut bytes = [0u8; 4096];
+        self.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
+        let page = crate::volume::shared_block(&bytes);
         self.state
             .write()
             .contexts

@@ -30,7 +30,7 @@ use crate::commit::RangeOp;
 use crate::contexts::{Lookup, CONTEXTS_PER_PAGE};
 use crate::error::Result;
 use crate::storage::ObjectId;
-use crate::volume::{Block, DirtyBlock, Volume, BLOCK};
+use crate::volume::{Block, Core, DirtyBlock, BLOCK};
 
 #[derive(Clone, Debug, Default)]
 pub struct RecoveryReport {
@@ -53,8 +53,8 @@ struct Record {
     entries: Vec<JournalEntry>,
 }
 
-impl Volume {
-    pub(crate) fn recover(mut self) -> Result<Volume> {
+impl Core {
+    pub(crate) fn recover(mut self) -> Result<Core> {
         let started = Instant::now();
         let mut report = RecoveryReport::default();
         {

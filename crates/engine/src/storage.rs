@@ -9,10 +9,14 @@
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
+use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
+use parking_lot::Mutex;
 use vouch_format::Geometry;
+
+use crate::direct;
 
 /// Most iovecs one pwritev takes (Linux UIO_MAXIOV).
 const IOV_MAX: usize = 1024;
@@ -50,6 +54,15 @@ pub trait Storage: Send + Sync {
     fn write_vectored_at(&self, object: ObjectId, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
         self.write_at(object, offset, &parts.concat())
     }
+    /// Write several non-overlapping runs to one object. They may reach the
+    /// storage in any order and concurrently (callers order dependent writes
+    /// with `sync`). The default writes them one after the other.
+    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> io::Result<()> {
+        for run in runs {
+            self.write_vectored_at(object, run.offset, run.parts)?;
+        }
+        Ok(())
+    }
     /// Make every completed write to `object` durable.
     fn sync(&self, object: ObjectId) -> io::Result<()>;
     /// Deallocate a range; it reads as zero afterwards. Like a write, it is
@@ -62,13 +75,34 @@ pub trait Storage: Send + Sync {
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64>;
 }
 
+/// One run of bytes to write at `offset`: the concatenation of `parts`.
+pub struct Run<'a> {
+    pub offset: u64,
+    pub parts: &'a [&'a [u8]],
+}
+
+impl Run<'_> {
+    pub fn len(&self) -> u64 {
+        self.parts.iter().map(|part| part.len() as u64).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// Objects as files in a directory: the production backend (pread/pwrite,
-/// fdatasync, fallocate(PUNCH_HOLE), lseek(SEEK_DATA)).
+/// fdatasync, fallocate(PUNCH_HOLE), lseek(SEEK_DATA)). With `direct`, the
+/// data segments are opened O_DIRECT and batched writes go through io_uring
+/// (`direct.rs`); the superblock, journal and contexts stay buffered.
 pub struct FileStorage {
     superblock: File,
     journal: File,
     contexts: Option<File>,
     data: Vec<File>,
+    direct: bool,
+    /// The io_uring for batched direct writes: created on first use; `None`
+    /// inside once io_uring proved unavailable.
+    ring: Mutex<Option<Option<io_uring::IoUring>>>,
 }
 
 /// The objects a volume of this geometry has.
@@ -130,7 +164,7 @@ impl FileStorage {
             }
         }
         File::open(dir)?.sync_all()?;
-        FileStorage::open_objects(dir, geometry, true)
+        FileStorage::open_objects(dir, geometry, true, false)
     }
 
     /// Open just the superblock file, to learn the geometry.
@@ -149,20 +183,33 @@ impl FileStorage {
         File::open(dir.join("superblock"))
     }
 
-    /// Open every object of an existing volume.
+    /// Open every object of an existing volume; with `direct`, the data
+    /// segments bypass the page cache (O_DIRECT).
     pub fn open_objects(
         dir: &Path,
         geometry: &Geometry,
         writable: bool,
+        direct: bool,
     ) -> io::Result<FileStorage> {
         let open = |object: ObjectId| -> io::Result<File> {
             let path = dir.join(object.file_name());
+            let flags = if direct && matches!(object, ObjectId::Data(_)) {
+                libc::O_DIRECT
+            } else {
+                0
+            };
             OpenOptions::new()
                 .read(true)
                 .write(writable)
+                .custom_flags(flags)
                 .open(&path)
                 .map_err(|error| {
-                    io::Error::new(error.kind(), format!("{}: {error}", path.display()))
+                    let hint = if flags != 0 && error.raw_os_error() == Some(libc::EINVAL) {
+                        " (this filesystem does not support O_DIRECT: open without --direct)"
+                    } else {
+                        ""
+                    };
+                    io::Error::new(error.kind(), format!("{}: {error}{hint}", path.display()))
                 })
         };
         let superblock = open(ObjectId::Superblock)?;
@@ -178,7 +225,13 @@ impl FileStorage {
             data: (0..geometry.segments())
                 .map(|segment| open(ObjectId::Data(segment)))
                 .collect::<io::Result<_>>()?,
+            direct,
+            ring: Mutex::new(None),
         })
+    }
+
+    fn is_direct(&self, object: ObjectId) -> bool {
+        self.direct && matches!(object, ObjectId::Data(_))
     }
 
     fn file(&self, object: ObjectId) -> io::Result<&File> {
@@ -234,27 +287,38 @@ fn no_object(object: ObjectId) -> io::Error {
 impl Storage for FileStorage {
     fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let file = self.file(object)?;
-        let mut done = 0;
-        while done < buf.len() {
-            match file.read_at(&mut buf[done..], offset + done as u64) {
-                // Past the end of file: the rest reads as zero (sparse tail).
-                Ok(0) => {
-                    buf[done..].fill(0);
-                    return Ok(());
-                }
-                Ok(n) => done += n,
-                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
-                Err(error) => return Err(error),
-            }
+        if self.is_direct(object) {
+            return direct::read_direct(file, offset, buf);
         }
-        Ok(())
+        // Past the end of file the rest reads as zero (sparse tail).
+        direct::read_full(file, offset, buf)
     }
 
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+        if self.is_direct(object) {
+            return self.write_vectored_at(object, offset, &[data]);
+        }
         self.file(object)?.write_all_at(data, offset)
     }
 
+    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> io::Result<()> {
+        if !self.is_direct(object) {
+            for run in runs {
+                self.write_vectored_at(object, run.offset, run.parts)?;
+            }
+            return Ok(());
+        }
+        let file = self.file(object)?;
+        let mut ring = self.ring.lock();
+        let ring = ring.get_or_insert_with(direct::new_ring);
+        direct::write_runs(file, ring.as_mut(), runs)
+    }
+
     fn write_vectored_at(&self, object: ObjectId, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        if self.is_direct(object) {
+            // Synchronous, so no ring: one aligned write (or read-modify-write).
+            return direct::write_runs(self.file(object)?, None, &[Run { offset, parts }]);
+        }
         let fd = self.file(object)?.as_raw_fd();
         let mut iovecs: Vec<libc::iovec> = parts
             .iter()
@@ -336,7 +400,7 @@ impl Storage for FileStorage {
             let mut at = offset;
             while at < offset + len {
                 let n = (offset + len - at).min(zeros.len() as u64) as usize;
-                file.write_all_at(&zeros[..n], at)?;
+                self.write_at(object, at, &zeros[..n])?;
                 at += n as u64;
             }
             return Ok(());

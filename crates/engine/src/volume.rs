@@ -11,10 +11,12 @@
 //! reported as a fault with its LBA.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 use vouch_format::superblock::{FORMAT_VERSION, STATE_CLEAN, SUPERBLOCK_SLOT_BYTES};
 use vouch_format::{
     FeatureFlags, Geometry, GuardKind, LayoutKind, Superblock, BLOCK_SIZE, SECTOR_SIZE,
@@ -27,6 +29,12 @@ use crate::storage::{ObjectId, Storage};
 
 pub type Block = [u8; BLOCK_SIZE as usize];
 pub const BLOCK: u64 = BLOCK_SIZE as u64;
+
+/// A shared copy of one block's bytes: one allocation and one copy
+/// (`Arc::from(Box)` would allocate and copy twice).
+pub(crate) fn shared_block(bytes: &[u8]) -> Arc<Block> {
+    Arc::<Block>::try_from(Arc::<[u8]>::from(bytes)).expect("a slice of exactly one block")
+}
 
 /// Largest nominal volume: 1 PiB.
 pub const MAX_VOLUME_BYTES: u64 = 1 << 50;
@@ -41,6 +49,11 @@ pub struct Tuning {
     pub context_cache_pages: usize,
     /// Committed-but-not-checkpointed contexts before a checkpoint (split).
     pub overlay_limit: usize,
+    /// Commit full write-back buffers on a background thread, so writers
+    /// never wait for the journal or home writes until the buffer reaches
+    /// twice `dirty_limit_blocks`. Off: the writer that fills the buffer
+    /// commits it inline (deterministic: the simulators replay seeds).
+    pub background_commit: bool,
 }
 
 impl Default for Tuning {
@@ -49,6 +62,7 @@ impl Default for Tuning {
             dirty_limit_blocks: 4096,
             context_cache_pages: 16384,
             overlay_limit: 256 * 1024,
+            background_commit: true,
         }
     }
 }
@@ -86,6 +100,9 @@ impl CreateOptions {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct OpenOptions {
     pub read_only: bool,
+    /// Data segments bypass the host page cache (O_DIRECT, like qemu's
+    /// cache=none); used by `open_volume` (file storage only).
+    pub direct: bool,
     pub tuning: Tuning,
 }
 
@@ -111,7 +128,31 @@ pub(crate) struct CommitState {
     pub unsynced: BTreeSet<ObjectId>,
 }
 
+/// A volume handle: the shared engine state (`Core`, which every operation
+/// is a method of) and, unless `Tuning::background_commit` is off or the
+/// volume is read-only, the background committer thread. Dropping the
+/// handle stops the thread; `close` also checkpoints and marks the volume
+/// clean.
 pub struct Volume {
+    core: Arc<Core>,
+    committer: Option<JoinHandle<()>>,
+}
+
+/// Wakes the background committer.
+#[derive(Default)]
+pub(crate) struct CommitSignal {
+    flags: Mutex<SignalFlags>,
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct SignalFlags {
+    wanted: bool,
+    stop: bool,
+}
+
+/// The engine state behind a `Volume` handle (reached through `Deref`).
+pub struct Core {
     pub(crate) storage: Arc<dyn Storage>,
     pub(crate) geometry: Geometry,
     pub(crate) guard: GuardKind,
@@ -129,6 +170,9 @@ pub struct Volume {
     pub(crate) has_failed: AtomicBool,
     pub(crate) stats: Stats,
     pub(crate) recovery: crate::recovery::RecoveryReport,
+    /// Set while a background committer runs; `signal` wakes it.
+    background: AtomicBool,
+    signal: CommitSignal,
 }
 
 /// What `info` shows.
@@ -152,6 +196,13 @@ pub struct VolumeInfo {
 
 const STRIPES: usize = 64;
 
+impl Deref for Volume {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
+
 impl Volume {
     /// Create a new volume on empty storage.
     pub fn create(storage: Arc<dyn Storage>, options: &CreateOptions) -> Result<Volume> {
@@ -166,6 +217,54 @@ impl Volume {
 
     /// Open a volume, recovering from the journal if it was not closed cleanly.
     pub fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Volume> {
+        let core = Arc::new(Core::open(storage, options)?);
+        let committer = if options.tuning.background_commit && !core.is_read_only() {
+            core.background.store(true, Ordering::Release);
+            let shared = Arc::clone(&core);
+            let spawned = std::thread::Builder::new()
+                .name("vouch-commit".into())
+                .spawn(move || shared.run_committer());
+            match spawned {
+                Ok(handle) => Some(handle),
+                Err(error) => {
+                    core.background.store(false, Ordering::Release);
+                    tracing::warn!(%error, "cannot start the background committer; committing inline");
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        Ok(Volume { core, committer })
+    }
+
+    /// Stop the background committer (it finishes the commit it is in).
+    fn stop_committer(&mut self) {
+        if let Some(handle) = self.committer.take() {
+            self.core.background.store(false, Ordering::Release);
+            self.core.signal.flags.lock().stop = true;
+            self.core.signal.wake.notify_all();
+            if handle.join().is_err() {
+                tracing::error!("the background committer panicked");
+            }
+        }
+    }
+
+    /// Flush, checkpoint and mark the volume clean.
+    pub fn close(mut self) -> Result<()> {
+        self.stop_committer();
+        self.core.shutdown()
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        self.stop_committer();
+    }
+}
+
+impl Core {
+    fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Core> {
         let superblock = read_superblock(&*storage)?;
         let unknown = superblock.features.unknown_incompat();
         if unknown != 0 {
@@ -185,7 +284,7 @@ impl Volume {
         let geometry = superblock
             .geometry()
             .map_err(|error| Error::Volume(format!("corrupt superblock: {error}")))?;
-        let volume = Volume {
+        let volume = Core {
             storage,
             geometry,
             guard: superblock.guard,
@@ -211,6 +310,8 @@ impl Volume {
             has_failed: AtomicBool::new(false),
             stats: Stats::default(),
             recovery: Default::default(),
+            background: AtomicBool::new(false),
+            signal: CommitSignal::default(),
         };
         volume.recover()
     }
@@ -328,9 +429,7 @@ impl Volume {
             let within = (byte % BLOCK) as usize;
             let n = (BLOCK as usize - within).min(data.len() - at);
             if n == BLOCK as usize {
-                let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
-                block.copy_from_slice(&data[at..at + n]);
-                blocks.push((lba, Arc::from(block)));
+                blocks.push((lba, shared_block(&data[at..at + n])));
             } else {
                 // Sub-block write: read-modify-write under the block's stripe
                 // lock so two partial writes to one block cannot lose either.
@@ -367,10 +466,14 @@ impl Volume {
             state.active.len()
         };
         if buffered >= self.tuning.dirty_limit_blocks {
-            // Commit inline unless another commit is running; block only when
-            // the buffer has doubled (backpressure).
+            // Hand the buffer to the background committer, or commit inline
+            // unless another commit is running. Writers block (and commit
+            // themselves) only when the buffer has doubled: backpressure.
             let lock = if buffered >= 2 * self.tuning.dirty_limit_blocks {
                 Some(self.commit_lock.lock())
+            } else if self.background.load(Ordering::Acquire) {
+                self.request_commit();
+                None
             } else {
                 self.commit_lock.try_lock()
             };
@@ -379,6 +482,36 @@ impl Volume {
             }
         }
         Ok(())
+    }
+
+    fn request_commit(&self) {
+        let mut flags = self.signal.flags.lock();
+        if !flags.wanted {
+            flags.wanted = true;
+            self.signal.wake.notify_one();
+        }
+    }
+
+    /// The background committer: commit the write-back buffer each time a
+    /// writer fills it. A failed commit has already fail-stopped the
+    /// volume, so writers see the error on their next call.
+    fn run_committer(&self) {
+        loop {
+            {
+                let mut flags = self.signal.flags.lock();
+                while !flags.wanted && !flags.stop {
+                    self.signal.wake.wait(&mut flags);
+                }
+                if flags.stop {
+                    return;
+                }
+                flags.wanted = false;
+            }
+            let mut commit = self.commit_lock.lock();
+            if let Err(error) = self.commit(&mut commit, &[]) {
+                tracing::debug!(%error, "background commit failed");
+            }
+        }
     }
 
     /// Make every write completed before this call durable.
@@ -471,8 +604,8 @@ impl Volume {
         Ok(())
     }
 
-    /// Flush, checkpoint and mark the volume clean.
-    pub fn close(self) -> Result<()> {
+    /// Commit, checkpoint and mark the volume clean (`Volume::close`).
+    fn shutdown(&self) -> Result<()> {
         if self.read_only.is_some() || self.has_failed.load(Ordering::Acquire) {
             return Ok(());
         }

@@ -22,12 +22,14 @@ fn stress(layout: LayoutKind) {
         dirty_limit_blocks: 4,
         context_cache_pages: 1,
         overlay_limit: 8,
+        background_commit: true,
     };
     let volume = Arc::new(
         Volume::open(
             Arc::new(storage.clone()) as Arc<dyn Storage>,
             &OpenOptions {
                 read_only: false,
+                direct: false,
                 tuning,
             },
         )

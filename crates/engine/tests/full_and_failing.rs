@@ -219,14 +219,17 @@ fn block_unreadable_during_recovery_is_reported_not_reverted() {
         .expect("create")
         .close()
         .expect("close");
+    // Inline commits: the write must be journaled before `drop`.
     let tuning = vouch_engine::Tuning {
         dirty_limit_blocks: 1,
+        background_commit: false,
         ..vouch_engine::Tuning::default()
     };
     let volume = Volume::open(
         Arc::new(storage.clone()) as Arc<dyn Storage>,
         &OpenOptions {
             read_only: false,
+            direct: false,
             tuning,
         },
     )

@@ -60,12 +60,14 @@ fn tuning() -> Tuning {
         dirty_limit_blocks: 8,
         context_cache_pages: 1,
         overlay_limit: 16,
+        background_commit: true,
     }
 }
 
 fn open(storage: &SimStorage) -> Volume {
     let options = OpenOptions {
         read_only: false,
+        direct: false,
         tuning: tuning(),
     };
     Volume::open(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("open")

@@ -470,9 +470,11 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         dirty_limit_blocks: rng.range(2, 16) as usize,
         context_cache_pages: rng.range(1, 2) as usize,
         overlay_limit: rng.range(4, 48) as usize,
+        background_commit: false,
     };
     let open = OpenOptions {
         read_only: false,
+        direct: false,
         tuning,
     };
     let sim = SimStorage::new();

@@ -469,10 +469,12 @@ pub fn run_cell(layout: LayoutKind, guard: GuardKind, count: u64, seed: u64) -> 
     options.segment_blocks = Some(segment_blocks(layout));
     let open = OpenOptions {
         read_only: false,
+        direct: false,
         tuning: Tuning {
             dirty_limit_blocks: 64,
             context_cache_pages: 1,
             overlay_limit: 1024,
+            background_commit: false,
         },
     };
     let mut result = CellResult::default();

@@ -19,10 +19,12 @@ const SMALL_BLOCKS: u64 = 32;
 fn small_tuning() -> OpenOptions {
     OpenOptions {
         read_only: false,
+        direct: false,
         tuning: Tuning {
             dirty_limit_blocks: 4,
             context_cache_pages: 1,
             overlay_limit: 8,
+            background_commit: false,
         },
     }
 }

@@ -40,6 +40,13 @@ pub struct ServeArgs {
     /// Refuse writes (NBD_FLAG_READ_ONLY; writes get EPERM).
     #[arg(long)]
     read_only: bool,
+    /// Bypass the host page cache for block data (O_DIRECT on the data
+    /// segments, like qemu-nbd --cache=none): what to use under a VM, whose
+    /// guest caches for itself. Writes still gather in vouch's write-back
+    /// buffer and reach the device as one io_uring batch per commit.
+    /// The journal and contexts stay cached.
+    #[arg(long)]
+    direct: bool,
     /// Serve Prometheus metrics on http://ADDR/metrics.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
@@ -82,6 +89,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     for path in &args.paths {
         let options = OpenOptions {
             read_only: args.read_only,
+            direct: args.direct,
             ..OpenOptions::default()
         };
         let volume = open_volume(path, &options)?;

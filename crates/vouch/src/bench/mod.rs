@@ -34,7 +34,7 @@ mod scale;
 use scale::{scale, scale_child};
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions as FsOpenOptions};
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
 use serde_json::{json, Value};
+use vouch_engine::direct::AlignedBuf;
 use vouch_engine::{
     create_volume, open_volume, CreateOptions, GuardKind, LayoutKind, OpenOptions, StatsSnapshot,
     Volume,
@@ -106,6 +107,13 @@ pub struct BenchArgs {
     /// tests (last) never evict the files under a warm test.
     #[arg(long)]
     pub interleave: bool,
+    /// Bypass the page cache: the raw file is opened O_DIRECT and the
+    /// volumes with direct data segments (`serve --direct`), so both sides
+    /// are measured at the device, as ../shared/bench measures its local
+    /// raw ceiling (fio io_uring direct=1). The cold/warm distinction goes
+    /// away: coldread and coldwrite measure the same as randread and randwrite.
+    #[arg(long)]
+    pub direct: bool,
     /// Write every raw sample and the summary as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -317,13 +325,14 @@ enum Target {
 }
 
 impl Target {
-    fn create(config: Config, path: &Path, size: u64) -> Result<Target> {
+    fn create(config: Config, path: &Path, size: u64, direct: bool) -> Result<Target> {
         Ok(match config {
             Config::Raw => {
                 let file = FsOpenOptions::new()
                     .read(true)
                     .write(true)
                     .create_new(true)
+                    .custom_flags(if direct { libc::O_DIRECT } else { 0 })
                     .open(path)
                     .with_context(|| format!("cannot create {}", path.display()))?;
                 file.set_len(size)?;
@@ -333,7 +342,16 @@ impl Target {
                 let mut options = CreateOptions::new(size);
                 options.layout = layout;
                 options.guard = guard;
-                Target::Engine(Box::new(create_volume(path, &options)?))
+                let volume = create_volume(path, &options)?;
+                if !direct {
+                    return Ok(Target::Engine(Box::new(volume)));
+                }
+                volume.close()?;
+                let open = OpenOptions {
+                    direct: true,
+                    ..OpenOptions::default()
+                };
+                Target::Engine(Box::new(open_volume(path, &open)?))
             }
         })
     }
@@ -470,7 +488,8 @@ fn worker(
 ) -> Result<u64> {
     let io = workload.io_size() as u64;
     let mut rng = Rng::new(seed);
-    let mut buf = vec![0u8; io as usize];
+    // Page-aligned, as O_DIRECT on the raw file needs (--direct).
+    let mut buf = AlignedBuf::zeroed(io as usize);
     rng.fill(&mut buf);
     let units = size / io;
     let per_thread = (units / workload.qd as u64).max(1);
@@ -501,7 +520,7 @@ fn worker(
 fn prefill(target: &Target, size: u64) -> Result<f64> {
     let start = Instant::now();
     let mut rng = Rng::new(size);
-    let mut buf = vec![0u8; MIB];
+    let mut buf = AlignedBuf::zeroed(MIB);
     rng.fill(&mut buf);
     let mut offset = 0u64;
     while offset < size {
@@ -722,7 +741,7 @@ fn matrix(args: &BenchArgs, dir: &Path, command_line: &str, machine: Value) -> R
     let mut samples: Vec<Sample> = Vec::new();
     let mut prefills: Vec<Value> = Vec::new();
     let open = |config: Config, path: &Path, repeat: usize, prefills: &mut Vec<Value>| {
-        let target = Target::create(config, path, args.size)?;
+        let target = Target::create(config, path, args.size, args.direct)?;
         sync_all();
         let prefill_secs = prefill(&target, args.size)?;
         prefills.push(
