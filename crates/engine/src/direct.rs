@@ -32,7 +32,7 @@ use crate::storage::Run;
 pub const DIRECT_ALIGN: u64 = 4096;
 
 /// Most operations in flight on the ring at once.
-const RING_DEPTH: u32 = 64;
+const RING_DEPTH: u32 = 256;
 
 /// A zeroed heap buffer aligned to `DIRECT_ALIGN`, its length a multiple of it.
 pub struct AlignedBuf {
