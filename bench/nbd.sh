@@ -5,6 +5,8 @@
 # Servers (all started once, kept running for the whole run, driven one at a time):
 #   vouch_split   vouch serve, split layout, fresh volume of SIZE, prefilled (fio seq 1M write via NBD)
 #   vouch_packed  vouch serve, packed layout, same
+#   vouch_split_direct, vouch_packed_direct   the same with `serve --direct` (O_DIRECT data
+#                 segments: the like-for-like comparison with qemu-nbd --cache=none; not in the default set)
 #   qemunbd       qemu-nbd -f raw -t -e 8 --cache=none --aio=io_uring    (O_DIRECT, page cache evicted first)
 #   nbdkit_none   nbdkit file cache=none fadvise=random                  (page cache evicted first)
 #   nbdkit_pc     nbdkit file (default: page cache; file warmed first)   (buffered ceiling, like vouch)
@@ -20,7 +22,7 @@
 # Output: $OUT/samples.tsv (one row per run), $OUT/report.md (medians, ratios, targets),
 #         $OUT/fio/*.json (raw fio output), $OUT/logs/ (server logs).
 #
-# Knobs (environment):
+# Knobs (environment; e.g. SERVERS="vouch_split_direct vouch_split qemunbd" for the cache=none comparison):
 ENV_KNOBS="SIZE RUNTIME SWEEP_RUNTIME REPS DIR OUT SERVERS SWEEP_BLOCKS PORT_BASE VOUCH BUILD KEEP_RAW"  # (REPORT_ONLY is not a measurement knob)
 GIVEN_ENV=""
 for _v in $ENV_KNOBS; do [ -n "${!_v+x}" ] && GIVEN_ENV+="$_v=${!_v} "; done
@@ -32,7 +34,7 @@ DIR=${DIR:-/var/tmp/vouch-nbd-bench}   # volumes, raw image, pid files
 OUT=${OUT:-$DIR/results}               # results (overwritten each run)
 SERVERS=${SERVERS:-"vouch_split vouch_packed qemunbd nbdkit_none nbdkit_pc"}
 SWEEP_BLOCKS=${SWEEP_BLOCKS:-"1 4 16 64 256 1024"}
-PORT_BASE=${PORT_BASE:-10930}          # ports PORT_BASE .. PORT_BASE+4
+PORT_BASE=${PORT_BASE:-10930}          # ports PORT_BASE .. PORT_BASE+6
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VOUCH=${VOUCH:-$REPO/target/release/vouch}
 BUILD=${BUILD:-1}                      # 1: cargo build --release -p vouch first
@@ -54,7 +56,8 @@ log() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "FATAL: $*"; exit 1; }
 
 declare -A PORT=( [vouch_split]=$PORT_BASE [vouch_packed]=$((PORT_BASE+1)) [qemunbd]=$((PORT_BASE+2))
-                  [nbdkit_none]=$((PORT_BASE+3)) [nbdkit_pc]=$((PORT_BASE+4)) )
+                  [nbdkit_none]=$((PORT_BASE+3)) [nbdkit_pc]=$((PORT_BASE+4))
+                  [vouch_split_direct]=$((PORT_BASE+5)) [vouch_packed_direct]=$((PORT_BASE+6)) )
 for s in $SERVERS; do [ -n "${PORT[$s]:-}" ] || die "unknown server $s"; done
 
 # ---------------------------------------------------------------- packages
@@ -122,10 +125,13 @@ make_raw() {
 start_server() { # NAME
     local s=$1 port=${PORT[$1]}
     case $s in
-    vouch_split|vouch_packed)
-        local layout=${s#vouch_} vol="$DIR/vol-${s#vouch_}"
+    vouch_split|vouch_packed|vouch_split_direct|vouch_packed_direct)
+        local name=${s#vouch_} layout direct=()
+        layout=${name%_direct}
+        [ "$name" = "$layout" ] || direct=(--direct)
+        local vol="$DIR/vol-$name"
         rm -rf "$vol"
-        "$VOUCH" serve "$vol" --create "$BYTES" --layout "$layout" --listen "127.0.0.1:$port" \
+        "$VOUCH" serve "$vol" --create "$BYTES" --layout "$layout" "${direct[@]}" --listen "127.0.0.1:$port" \
             > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
     qemunbd)
@@ -230,7 +236,7 @@ for r in rows:
 reps = max((int(r["rep"]) for r in rows), default=0)
 runtime = next((r["runtime_s"] for r in rows if not r["test"].startswith("sweep_")), runtime)
 sweep_rt = next((r["runtime_s"] for r in rows if r["test"].startswith("sweep_")), sweep_rt)
-pref = ["vouch_split", "vouch_packed", "qemunbd", "nbdkit_none", "nbdkit_pc"]
+pref = ["vouch_split", "vouch_packed", "vouch_split_direct", "vouch_packed_direct", "qemunbd", "nbdkit_none", "nbdkit_pc"]
 servers = [s for s in pref if s in order_s] + [s for s in order_s if s not in pref]
 def med(s, t, f):
     v = [float(r[f]) for r in S.get((s, t), []) if r[f] not in ("nan", "") and r["rc"] == "0"]

@@ -126,11 +126,35 @@ pub fn read_direct(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<()> {
     }
     let start = round_down(offset);
     let end = round_up(offset + buf.len() as u64);
-    let mut bounce = AlignedBuf::zeroed((end - start) as usize);
-    read_aligned(file, start, &mut bounce)?;
-    let at = (offset - start) as usize;
-    buf.copy_from_slice(&bounce[at..at + buf.len()]);
-    Ok(())
+    with_bounce((end - start) as usize, |bounce| {
+        read_aligned(file, start, bounce)?;
+        let at = (offset - start) as usize;
+        buf.copy_from_slice(&bounce[at..at + buf.len()]);
+        Ok(())
+    })
+}
+
+/// Largest bounce buffer a thread keeps between reads.
+const KEEP_BOUNCE_BYTES: usize = 4 << 20;
+
+thread_local! {
+    /// Each reading thread's bounce buffer, reused: a fresh large
+    /// allocation per read is an mmap, page faults and zeroing every time.
+    static BOUNCE: std::cell::RefCell<Option<AlignedBuf>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Run `f` on an aligned scratch buffer of `len` bytes (a multiple of
+/// `DIRECT_ALIGN`); its contents on entry are unspecified.
+fn with_bounce<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
+    let mut bounce = BOUNCE
+        .with(|cell| cell.borrow_mut().take())
+        .filter(|bounce| bounce.len() >= len)
+        .unwrap_or_else(|| AlignedBuf::zeroed(len.max(256 << 10)));
+    let result = f(&mut bounce[..len]);
+    if bounce.len() <= KEEP_BOUNCE_BYTES {
+        BOUNCE.with(|cell| *cell.borrow_mut() = Some(bounce));
+    }
+    result
 }
 
 /// An aligned O_DIRECT read. A short read means the end of the file (the
@@ -148,25 +172,35 @@ fn read_aligned(file: &File, offset: u64, buf: &mut [u8]) -> io::Result<()> {
     }
 }
 
-/// A run laid into its aligned envelope, ready to write.
+/// A run laid into its aligned envelope `arena[at..at + len]`, to be
+/// written at file offset `start`.
 struct Envelope {
     start: u64,
-    buf: AlignedBuf,
+    at: usize,
+    len: usize,
 }
+
+/// Largest write arena kept between batches (a commit's envelopes).
+const KEEP_ARENA_BYTES: usize = 64 << 20;
 
 /// Write `runs` (non-overlapping) to an O_DIRECT file: each run becomes one
 /// aligned write of its envelope; an unaligned edge is first read back
 /// (read-modify-write: writes to one file are serialized by the caller, and
 /// runs whose envelopes share a page are written one after the other).
-pub fn write_runs(file: &File, ring: Option<&mut IoUring>, runs: &[Run<'_>]) -> io::Result<()> {
+/// The envelopes are laid out in `arena`, grown as needed and kept for the
+/// next batch (up to `KEEP_ARENA_BYTES`): every byte of an envelope is
+/// either read back (edge pages) or overwritten, so it is never cleared.
+pub fn write_runs(
+    file: &File,
+    ring: Option<&mut IoUring>,
+    arena: &mut Option<AlignedBuf>,
+    runs: &[Run<'_>],
+) -> io::Result<()> {
     let mut order: Vec<usize> = (0..runs.len()).filter(|&i| !runs[i].is_empty()).collect();
     order.sort_unstable_by_key(|&i| runs[i].offset);
-    let shares_page = order.windows(2).any(|pair| {
-        let (a, b) = (&runs[pair[0]], &runs[pair[1]]);
-        round_up(a.offset + a.len()) > round_down(b.offset)
-    });
     let mut envelopes = Vec::with_capacity(order.len());
     let mut edges: Vec<(u64, usize)> = Vec::new(); // (file offset, envelope index)
+    let mut total = 0usize;
     for &index in &order {
         let run = &runs[index];
         let start = round_down(run.offset);
@@ -177,39 +211,68 @@ pub fn write_runs(file: &File, ring: Option<&mut IoUring>, runs: &[Run<'_>]) -> 
         if run.offset + run.len() != end && (end - DIRECT_ALIGN != start || run.offset == start) {
             edges.push((end - DIRECT_ALIGN, envelopes.len()));
         }
+        let len = (end - start) as usize;
         envelopes.push(Envelope {
             start,
-            buf: AlignedBuf::zeroed((end - start) as usize),
+            at: total,
+            len,
         });
+        total += len;
     }
+    if total == 0 {
+        return Ok(());
+    }
+    let mut buffer = match arena.take() {
+        Some(buffer) if buffer.len() >= total => buffer,
+        _ => AlignedBuf::zeroed(total),
+    };
+    let result = write_envelopes(file, ring, &mut buffer, runs, &order, &envelopes, &edges);
+    if buffer.len() <= KEEP_ARENA_BYTES {
+        *arena = Some(buffer);
+    }
+    result
+}
+
+fn write_envelopes(
+    file: &File,
+    ring: Option<&mut IoUring>,
+    arena: &mut [u8],
+    runs: &[Run<'_>],
+    order: &[usize],
+    envelopes: &[Envelope],
+    edges: &[(u64, usize)],
+) -> io::Result<()> {
+    let shares_page = order.windows(2).any(|pair| {
+        let (a, b) = (&runs[pair[0]], &runs[pair[1]]);
+        round_up(a.offset + a.len()) > round_down(b.offset)
+    });
     if shares_page {
         // Rare (never for vouch's own commits): keep read-modify-writes of a
         // shared page in order.
-        for (number, (envelope, &index)) in envelopes.iter_mut().zip(&order).enumerate() {
+        for (number, (envelope, &index)) in envelopes.iter().zip(order).enumerate() {
+            let buf = &mut arena[envelope.at..envelope.at + envelope.len];
             for &(at, _) in edges.iter().filter(|(_, owner)| *owner == number) {
                 let within = (at - envelope.start) as usize;
-                read_aligned(
-                    file,
-                    at,
-                    &mut envelope.buf[within..within + DIRECT_ALIGN as usize],
-                )?;
+                read_aligned(file, at, &mut buf[within..within + DIRECT_ALIGN as usize])?;
             }
-            fill(envelope, &runs[index]);
-            write_aligned(file, envelope.start, &envelope.buf)?;
+            fill(buf, envelope.start, &runs[index]);
+            write_aligned(file, envelope.start, buf)?;
         }
         return Ok(());
     }
     let fd = file.as_raw_fd();
+    let base = arena.as_mut_ptr();
     // Phase 1: read the pages under unaligned edges.
     let mut reads: Vec<Op> = edges
         .iter()
         .map(|&(at, index)| {
-            let envelope = &mut envelopes[index];
-            let within = (at - envelope.start) as usize;
+            let envelope = &envelopes[index];
+            let within = envelope.at + (at - envelope.start) as usize;
             Op {
                 write: false,
                 offset: at,
-                ptr: envelope.buf[within..].as_mut_ptr(),
+                // SAFETY: `within` + one page lies inside the arena.
+                ptr: unsafe { base.add(within) },
                 len: DIRECT_ALIGN as usize,
             }
         })
@@ -217,25 +280,29 @@ pub fn write_runs(file: &File, ring: Option<&mut IoUring>, runs: &[Run<'_>]) -> 
     let mut ring = ring;
     submit_all(file, fd, ring.as_deref_mut(), &mut reads)?;
     // Phase 2: lay the new bytes over them, then write every envelope.
-    for (envelope, &index) in envelopes.iter_mut().zip(&order) {
-        fill(envelope, &runs[index]);
+    for (envelope, &index) in envelopes.iter().zip(order) {
+        let buf = &mut arena[envelope.at..envelope.at + envelope.len];
+        fill(buf, envelope.start, &runs[index]);
     }
+    let base = arena.as_mut_ptr();
     let mut writes: Vec<Op> = envelopes
-        .iter_mut()
+        .iter()
         .map(|envelope| Op {
             write: true,
             offset: envelope.start,
-            ptr: envelope.buf.as_mut_ptr(),
-            len: envelope.buf.len(),
+            // SAFETY: the envelope lies inside the arena.
+            ptr: unsafe { base.add(envelope.at) },
+            len: envelope.len,
         })
         .collect();
     submit_all(file, fd, ring, &mut writes)
 }
 
-fn fill(envelope: &mut Envelope, run: &Run<'_>) {
-    let mut at = (run.offset - envelope.start) as usize;
+/// Copy a run's bytes into its envelope `buf`, which starts at file offset `start`.
+fn fill(buf: &mut [u8], start: u64, run: &Run<'_>) {
+    let mut at = (run.offset - start) as usize;
     for part in run.parts {
-        envelope.buf[at..at + part.len()].copy_from_slice(part);
+        buf[at..at + part.len()].copy_from_slice(part);
         at += part.len();
     }
 }
@@ -387,6 +454,9 @@ mod tests {
         })
         .expect("fill");
         let mut expected = background.clone();
+        // One arena across every batch: stale bytes from the last batch must
+        // never reach the file.
+        let mut arena = None;
         // 4128-byte records like the packed layout's, some adjacent, some
         // sharing a page, plus an aligned one and a multi-part run.
         let a = vec![1u8; 4128];
@@ -409,7 +479,7 @@ mod tests {
                 })
                 .collect();
             let mut ring = if with_ring { new_ring() } else { None };
-            write_runs(&file, ring.as_mut(), &runs).expect("write_runs");
+            write_runs(&file, ring.as_mut(), &mut arena, &runs).expect("write_runs");
             for (offset, parts) in &runs_owned {
                 let bytes = parts.concat();
                 expected[*offset as usize..*offset as usize + bytes.len()].copy_from_slice(&bytes);
@@ -436,7 +506,7 @@ mod tests {
                 parts: &shared2,
             },
         ];
-        write_runs(&file, new_ring().as_mut(), &runs).expect("shared page");
+        write_runs(&file, new_ring().as_mut(), &mut arena, &runs).expect("shared page");
         expected[8..18].copy_from_slice(&e);
         expected[30..40].copy_from_slice(&f);
         let mut back = vec![0u8; 4096];

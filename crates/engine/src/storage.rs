@@ -100,9 +100,16 @@ pub struct FileStorage {
     contexts: Option<File>,
     data: Vec<File>,
     direct: bool,
-    /// The io_uring for batched direct writes: created on first use; `None`
-    /// inside once io_uring proved unavailable.
-    ring: Mutex<Option<Option<io_uring::IoUring>>>,
+    /// Direct writes: the ring and the envelope arena (writes to data are
+    /// serialized by the engine's commit lock anyway).
+    writer: Mutex<DirectWriter>,
+}
+
+#[derive(Default)]
+struct DirectWriter {
+    /// Created on first use; `Some(None)` once io_uring proved unavailable.
+    ring: Option<Option<io_uring::IoUring>>,
+    arena: Option<direct::AlignedBuf>,
 }
 
 /// The objects a volume of this geometry has.
@@ -226,7 +233,7 @@ impl FileStorage {
                 .map(|segment| open(ObjectId::Data(segment)))
                 .collect::<io::Result<_>>()?,
             direct,
-            ring: Mutex::new(None),
+            writer: Mutex::new(DirectWriter::default()),
         })
     }
 
@@ -309,15 +316,18 @@ impl Storage for FileStorage {
             return Ok(());
         }
         let file = self.file(object)?;
-        let mut ring = self.ring.lock();
+        let mut writer = self.writer.lock();
+        let DirectWriter { ring, arena } = &mut *writer;
         let ring = ring.get_or_insert_with(direct::new_ring);
-        direct::write_runs(file, ring.as_mut(), runs)
+        direct::write_runs(file, ring.as_mut(), arena, runs)
     }
 
     fn write_vectored_at(&self, object: ObjectId, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
         if self.is_direct(object) {
             // Synchronous, so no ring: one aligned write (or read-modify-write).
-            return direct::write_runs(self.file(object)?, None, &[Run { offset, parts }]);
+            let file = self.file(object)?;
+            let mut writer = self.writer.lock();
+            return direct::write_runs(file, None, &mut writer.arena, &[Run { offset, parts }]);
         }
         let fd = self.file(object)?.as_raw_fd();
         let mut iovecs: Vec<libc::iovec> = parts

@@ -509,18 +509,13 @@ fn fio(dir: &Path, args: &[&str]) -> serde_json::Value {
     json
 }
 
-/// (5) fio's nbd engine: random read/write at queue depth 16 with crc32c
-/// verification, then sequential 1 MiB writes verified by a separate read
-/// job; a changed block makes that read job fail (the verification is real).
-#[test]
-fn fio_randrw_and_sequential_verify() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let volume = dir.path().join("vol");
-    let server = Server::start(dir.path(), &[s(&volume), "--create", "64MiB"]);
-    let uri = format!("--uri={}", server.uri);
-    let started = Instant::now();
+/// fio's nbd engine: 4 KiB random read/write at QD16 over `size`, every
+/// block verified (crc32c) when read back; fails unless both directions did I/O.
+fn fio_verified_randrw(dir: &Path, uri: &str, size: &str) {
+    let uri = format!("--uri={uri}");
+    let size = format!("--size={size}");
     let json = fio(
-        dir.path(),
+        dir,
         &[
             "--name=randrw",
             "--ioengine=nbd",
@@ -528,7 +523,7 @@ fn fio_randrw_and_sequential_verify() {
             "--rw=randrw",
             "--bs=4k",
             "--iodepth=16",
-            "--size=64m",
+            &size,
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
@@ -542,6 +537,19 @@ fn fio_randrw_and_sequential_verify() {
             && job["read"]["io_bytes"].as_u64().unwrap_or(0) > 0,
         "fio did no I/O: {job}"
     );
+}
+
+/// (5) fio's nbd engine: random read/write at queue depth 16 with crc32c
+/// verification, then sequential 1 MiB writes verified by a separate read
+/// job; a changed block makes that read job fail (the verification is real).
+#[test]
+fn fio_randrw_and_sequential_verify() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    let server = Server::start(dir.path(), &[s(&volume), "--create", "64MiB"]);
+    let uri = format!("--uri={}", server.uri);
+    let started = Instant::now();
+    fio_verified_randrw(dir.path(), &server.uri, "64m");
     eprintln!("fio randrw 64m: {:?}", started.elapsed());
 
     fio(
@@ -1485,23 +1493,7 @@ fn direct_data_segments_serve_verified_io_in_both_layouts() {
             journal_flags & o_direct == 0,
             "{layout}: journal should stay cached (flags {journal_flags:o})"
         );
-        let uri = format!("--uri={}", server.uri);
-        fio(
-            dir.path(),
-            &[
-                "--name=randrw",
-                "--ioengine=nbd",
-                &uri,
-                "--rw=randrw",
-                "--bs=4k",
-                "--iodepth=16",
-                "--size=32m",
-                "--verify=crc32c",
-                "--do_verify=1",
-                "--verify_fatal=1",
-                "--randrepeat=1",
-            ],
-        );
+        fio_verified_randrw(dir.path(), &server.uri, "32m");
         // 512-byte-aligned writes (read-modify-write of a block), a discard
         // and a zero, read back before and after a restart.
         qemu_io_ok(
