@@ -47,7 +47,10 @@ pub struct Tuning {
     /// Clean context pages cached (split layout): 16384 pages = 64 MiB,
     /// enough for every context of an 8 GiB volume.
     pub context_cache_pages: usize,
-    /// Committed-but-not-checkpointed contexts before a checkpoint (split).
+    /// Committed-but-not-checkpointed contexts before a checkpoint (split):
+    /// 1 Mi = at most 64 MiB resident. Each checkpoint writes back every
+    /// dirty data page (order point B), so a larger overlay (and journal)
+    /// means fewer of them: measured in docs/BENCHMARKS.md.
     pub overlay_limit: usize,
     /// Commit full write-back buffers on a background thread, so writers
     /// never wait for the journal or home writes until the buffer reaches
@@ -61,7 +64,7 @@ impl Default for Tuning {
         Tuning {
             dirty_limit_blocks: 4096,
             context_cache_pages: 16384,
-            overlay_limit: 256 * 1024,
+            overlay_limit: 1024 * 1024,
             background_commit: true,
         }
     }
@@ -74,7 +77,7 @@ pub struct CreateOptions {
     pub guard: GuardKind,
     /// Blocks per data segment file (default: 1 TiB of data).
     pub segment_blocks: Option<u64>,
-    /// Journal capacity (default: 32 MiB split, 64 MiB packed).
+    /// Journal capacity (default: 128 MiB split, 64 MiB packed).
     pub journal_bytes: Option<u64>,
 }
 
@@ -91,7 +94,7 @@ impl CreateOptions {
 
     pub fn journal_bytes(&self) -> u64 {
         self.journal_bytes.unwrap_or(match self.layout {
-            LayoutKind::Split => 32 << 20,
+            LayoutKind::Split => 128 << 20,
             LayoutKind::Packed => 64 << 20,
         })
     }

@@ -109,7 +109,7 @@ fn create_on_a_full_filesystem_fails_and_leaves_nothing() {
     let path = fs.path().join("vol");
     let error = match create_volume(&path, &CreateOptions::new(1 << 30)) {
         Err(error) => error,
-        Ok(_) => panic!("a 32 MiB journal cannot fit in 4 MiB"),
+        Ok(_) => panic!("a 128 MiB journal cannot fit in 4 MiB"),
     };
     assert!(
         error.to_string().contains("No space left") || error.to_string().contains("no space"),

@@ -40,7 +40,7 @@ pub struct CreateArgs {
     /// such guarantee; `vouch bench` prints each guard's cost.
     #[arg(long, default_value = "crc32c", value_parser = ["crc32c", "crc64nvme", "crc16t10dif", "xxh3", "none"])]
     pub guard: String,
-    /// Journal capacity (default 32MiB split, 64MiB packed).
+    /// Journal capacity (default 128MiB split, 64MiB packed).
     #[arg(long, value_parser = parse_size)]
     pub journal: Option<u64>,
     /// Blocks per data segment file (default: 1 TiB of data per file).
