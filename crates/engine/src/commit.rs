@@ -56,6 +56,10 @@ pub struct RangeOp {
 /// Context pages a checkpoint wrote, with their new content when cached.
 type WrittenPages = Vec<(u64, Option<Page>)>;
 
+/// The unused bytes at the end of a packed row (zero on disk).
+static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
+    as usize] = [0; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES) as usize];
+
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
 
@@ -245,31 +249,38 @@ impl Core {
         blocks: &[(u64, DirtyBlock)],
         seq: u64,
     ) -> Result<()> {
-        let mut owned: Vec<(ObjectId, u64, Vec<u8>)> = Vec::new();
+        // Records straight from the buffered blocks: each block's data, then
+        // its encoded context, and the zero padding at a row's end when a run
+        // crosses into the next row. Nothing is copied here.
+        let contexts: Vec<[u8; CONTEXT_BYTES]> = blocks
+            .iter()
+            .map(|(lba, dirty)| self.data_context(*lba, dirty.guard, seq).encode())
+            .collect();
+        let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
         let mut index = 0;
         while index < blocks.len() {
-            let mut end = index + 1;
-            while end < blocks.len() && self.geometry.contiguous(blocks[end - 1].0, blocks[end].0) {
-                end += 1;
-            }
             let first = self.geometry.locate(blocks[index].0);
-            let last = self.geometry.locate(blocks[end - 1].0);
-            let mut run =
-                vec![0u8; (last.data_offset + PACKED_RECORD_BYTES - first.data_offset) as usize];
-            for (lba, dirty) in &blocks[index..end] {
-                let at = (self.geometry.locate(*lba).data_offset - first.data_offset) as usize;
-                run[at..at + BLOCK as usize].copy_from_slice(&dirty.data[..]);
-                let context = self.data_context(*lba, dirty.guard, seq).encode();
-                run[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize]
-                    .copy_from_slice(&context);
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(2);
+            let mut next_offset = first.data_offset;
+            let mut end = index;
+            loop {
+                let at = self.geometry.locate(blocks[end].0).data_offset;
+                if at > next_offset {
+                    parts.push(&ROW_PADDING[..(at - next_offset) as usize]);
+                }
+                parts.push(&blocks[end].1.data[..]);
+                parts.push(&contexts[end][..]);
+                next_offset = at + PACKED_RECORD_BYTES;
+                end += 1;
+                if end == blocks.len()
+                    || !self.geometry.contiguous(blocks[end - 1].0, blocks[end].0)
+                {
+                    break;
+                }
             }
-            owned.push((ObjectId::Data(first.segment), first.data_offset, run));
+            runs.push((ObjectId::Data(first.segment), first.data_offset, parts));
             index = end;
         }
-        let runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = owned
-            .iter()
-            .map(|(object, offset, run)| (*object, *offset, vec![&run[..]]))
-            .collect();
         self.write_home_runs(commit, &runs)
     }
 

@@ -58,10 +58,7 @@ pub trait Storage: Send + Sync {
     /// storage in any order and concurrently (callers order dependent writes
     /// with `sync`). The default writes them one after the other.
     fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> io::Result<()> {
-        for run in runs {
-            self.write_vectored_at(object, run.offset, run.parts)?;
-        }
-        Ok(())
+        write_runs_in_turn(self, object, runs)
     }
     /// Make every completed write to `object` durable.
     fn sync(&self, object: ObjectId) -> io::Result<()>;
@@ -73,6 +70,18 @@ pub trait Storage: Send + Sync {
     fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>>;
     /// Bytes of real storage allocated to `object` (for `info`).
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64>;
+}
+
+/// `Storage::write_runs` one run after the other.
+fn write_runs_in_turn<S: Storage + ?Sized>(
+    storage: &S,
+    object: ObjectId,
+    runs: &[Run<'_>],
+) -> io::Result<()> {
+    for run in runs {
+        storage.write_vectored_at(object, run.offset, run.parts)?;
+    }
+    Ok(())
 }
 
 /// One run of bytes to write at `offset`: the concatenation of `parts`.
@@ -310,10 +319,7 @@ impl Storage for FileStorage {
 
     fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> io::Result<()> {
         if !self.is_direct(object) {
-            for run in runs {
-                self.write_vectored_at(object, run.offset, run.parts)?;
-            }
-            return Ok(());
+            return write_runs_in_turn(self, object, runs);
         }
         let file = self.file(object)?;
         let mut writer = self.writer.lock();
@@ -328,6 +334,10 @@ impl Storage for FileStorage {
             let file = self.file(object)?;
             let mut writer = self.writer.lock();
             return direct::write_runs(file, None, &mut writer.arena, &[Run { offset, parts }]);
+        }
+        if let [data] = parts {
+            // One block (most random writes): a plain pwrite, no iovec array.
+            return self.file(object)?.write_all_at(data, offset);
         }
         let fd = self.file(object)?.as_raw_fd();
         let mut iovecs: Vec<libc::iovec> = parts
