@@ -308,7 +308,7 @@ impl Core {
                 .collect();
             self.storage
                 .write_runs(object, &batch)
-                .map_err(|error| Error::io("write", object, batch[0].offset, error))?;
+                .map_err(|failed| Error::io("write", object, failed.offset, failed.error))?;
             self.stats
                 .add_written(object, batch.iter().map(Run::len).sum());
             commit.unsynced.insert(object);

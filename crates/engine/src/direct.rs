@@ -26,7 +26,7 @@ use std::ptr::NonNull;
 
 use io_uring::{opcode, types, IoUring};
 
-use crate::storage::Run;
+use crate::storage::{Run, RunError};
 
 /// Alignment of every O_DIRECT transfer: offset, length and memory.
 pub const DIRECT_ALIGN: u64 = 4096;
@@ -195,7 +195,7 @@ pub fn write_runs(
     ring: Option<&mut IoUring>,
     arena: &mut Option<AlignedBuf>,
     runs: &[Run<'_>],
-) -> io::Result<()> {
+) -> Result<(), RunError> {
     let mut order: Vec<usize> = (0..runs.len()).filter(|&i| !runs[i].is_empty()).collect();
     order.sort_unstable_by_key(|&i| runs[i].offset);
     let mut envelopes = Vec::with_capacity(order.len());
@@ -241,7 +241,7 @@ fn write_envelopes(
     order: &[usize],
     envelopes: &[Envelope],
     edges: &[(u64, usize)],
-) -> io::Result<()> {
+) -> Result<(), RunError> {
     let shares_page = order.windows(2).any(|pair| {
         let (a, b) = (&runs[pair[0]], &runs[pair[1]]);
         round_up(a.offset + a.len()) > round_down(b.offset)
@@ -250,13 +250,18 @@ fn write_envelopes(
         // Rare (never for vouch's own commits): keep read-modify-writes of a
         // shared page in order.
         for (number, (envelope, &index)) in envelopes.iter().zip(order).enumerate() {
+            let failed = |error| RunError {
+                offset: runs[index].offset,
+                error,
+            };
             let buf = &mut arena[envelope.at..envelope.at + envelope.len];
             for &(at, _) in edges.iter().filter(|(_, owner)| *owner == number) {
                 let within = (at - envelope.start) as usize;
-                read_aligned(file, at, &mut buf[within..within + DIRECT_ALIGN as usize])?;
+                read_aligned(file, at, &mut buf[within..within + DIRECT_ALIGN as usize])
+                    .map_err(failed)?;
             }
             fill(buf, envelope.start, &runs[index]);
-            write_aligned(file, envelope.start, buf)?;
+            write_aligned(file, envelope.start, buf).map_err(failed)?;
         }
         return Ok(());
     }
@@ -270,6 +275,7 @@ fn write_envelopes(
             let within = envelope.at + (at - envelope.start) as usize;
             Op {
                 write: false,
+                run_offset: runs[order[index]].offset,
                 offset: at,
                 // SAFETY: `within` + one page lies inside the arena.
                 ptr: unsafe { base.add(within) },
@@ -287,8 +293,10 @@ fn write_envelopes(
     let base = arena.as_mut_ptr();
     let mut writes: Vec<Op> = envelopes
         .iter()
-        .map(|envelope| Op {
+        .zip(order)
+        .map(|(envelope, &index)| Op {
             write: true,
+            run_offset: runs[index].offset,
             offset: envelope.start,
             // SAFETY: the envelope lies inside the arena.
             ptr: unsafe { base.add(envelope.at) },
@@ -315,12 +323,21 @@ fn write_aligned(file: &File, offset: u64, data: &[u8]) -> io::Result<()> {
 /// One read or write into memory owned by the caller of `submit_all`.
 struct Op {
     write: bool,
+    /// The run this op serves: what a failure is reported against.
+    run_offset: u64,
     offset: u64,
     ptr: *mut u8,
     len: usize,
 }
 
 impl Op {
+    fn failed(&self, error: io::Error) -> RunError {
+        RunError {
+            offset: self.run_offset,
+            error,
+        }
+    }
+
     /// Finish the op synchronously from `done` bytes on.
     fn finish_sync(&self, file: &File, done: usize) -> io::Result<()> {
         // SAFETY: ptr/len describe a live buffer owned by `write_runs`, not
@@ -337,16 +354,21 @@ impl Op {
 /// Run `ops` through the ring, `RING_DEPTH` at a time, or synchronously
 /// without one. Every submitted op completes before this returns, even on
 /// error: the ring must never outlive the memory it reads or writes.
-fn submit_all(file: &File, fd: i32, ring: Option<&mut IoUring>, ops: &mut [Op]) -> io::Result<()> {
+fn submit_all(
+    file: &File,
+    fd: i32,
+    ring: Option<&mut IoUring>,
+    ops: &mut [Op],
+) -> Result<(), RunError> {
     let Some(ring) = ring else {
         for op in ops.iter() {
-            op.finish_sync(file, 0)?;
+            op.finish_sync(file, 0).map_err(|error| op.failed(error))?;
         }
         return Ok(());
     };
     let mut next = 0usize;
     let mut in_flight = 0u32;
-    let mut first_error: Option<io::Error> = None;
+    let mut first_error: Option<RunError> = None;
     while next < ops.len() || in_flight > 0 {
         while first_error.is_none() && next < ops.len() && in_flight < RING_DEPTH {
             let op = &ops[next];
@@ -380,8 +402,9 @@ fn submit_all(file: &File, fd: i32, ring: Option<&mut IoUring>, ops: &mut [Op]) 
                 ) => {}
             Err(error) => {
                 // The ring itself failed: the kernel may still own buffers,
-                // so wait for them rather than free them under it.
-                first_error.get_or_insert(error);
+                // so wait for them rather than free them under it. No one
+                // run failed; report the batch's first.
+                first_error.get_or_insert(ops[0].failed(error));
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
@@ -402,7 +425,7 @@ fn submit_all(file: &File, fd: i32, ring: Option<&mut IoUring>, ops: &mut [Op]) 
                 Ok(())
             };
             if let Err(error) = outcome {
-                first_error.get_or_insert(error);
+                first_error.get_or_insert(op.failed(error));
             }
         }
     }

@@ -57,7 +57,8 @@ pub trait Storage: Send + Sync {
     /// Write several non-overlapping runs to one object. They may reach the
     /// storage in any order and concurrently (callers order dependent writes
     /// with `sync`). The default writes them one after the other.
-    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> io::Result<()> {
+    /// A failure names the run it hit (`RunError::offset`).
+    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<(), RunError> {
         write_runs_in_turn(self, object, runs)
     }
     /// Make every completed write to `object` durable.
@@ -77,11 +78,24 @@ fn write_runs_in_turn<S: Storage + ?Sized>(
     storage: &S,
     object: ObjectId,
     runs: &[Run<'_>],
-) -> io::Result<()> {
+) -> Result<(), RunError> {
     for run in runs {
-        storage.write_vectored_at(object, run.offset, run.parts)?;
+        storage
+            .write_vectored_at(object, run.offset, run.parts)
+            .map_err(|error| RunError {
+                offset: run.offset,
+                error,
+            })?;
     }
     Ok(())
+}
+
+/// A batch write (`Storage::write_runs`) that failed: the offset of the run
+/// whose write failed (not the batch's first), and the cause.
+#[derive(Debug)]
+pub struct RunError {
+    pub offset: u64,
+    pub error: io::Error,
 }
 
 /// One run of bytes to write at `offset`: the concatenation of `parts`.
@@ -317,11 +331,14 @@ impl Storage for FileStorage {
         self.file(object)?.write_all_at(data, offset)
     }
 
-    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> io::Result<()> {
+    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<(), RunError> {
         if !self.is_direct(object) {
             return write_runs_in_turn(self, object, runs);
         }
-        let file = self.file(object)?;
+        let file = self.file(object).map_err(|error| RunError {
+            offset: runs.first().map_or(0, |run| run.offset),
+            error,
+        })?;
         let mut writer = self.writer.lock();
         let DirectWriter { ring, arena } = &mut *writer;
         let ring = ring.get_or_insert_with(direct::new_ring);
@@ -333,7 +350,8 @@ impl Storage for FileStorage {
             // Synchronous, so no ring: one aligned write (or read-modify-write).
             let file = self.file(object)?;
             let mut writer = self.writer.lock();
-            return direct::write_runs(file, None, &mut writer.arena, &[Run { offset, parts }]);
+            return direct::write_runs(file, None, &mut writer.arena, &[Run { offset, parts }])
+                .map_err(|failed| failed.error);
         }
         if let [data] = parts {
             // One block (most random writes): a plain pwrite, no iovec array.

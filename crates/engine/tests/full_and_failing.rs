@@ -255,3 +255,35 @@ fn block_unreadable_during_recovery_is_reported_not_reverted() {
         other => panic!("an unreadable block must read as a fault, not as zeros: {other:?}"),
     }
 }
+
+#[test]
+fn failed_home_write_names_the_failing_run_not_the_batch() {
+    let (storage, volume) = sim_volume();
+    for lba in [1u64, 5, 9] {
+        volume
+            .write(lba * 4096, &pattern(lba as u8, 4096), false)
+            .expect("buffered");
+    }
+    // One commit: the journal record, then three runs (LBAs 1, 5, 9) in
+    // order. Let the journal and the first run succeed; fail the second.
+    let (writes, _) = storage.counts();
+    storage.set_faults(FaultPlan {
+        fail_write_after: Some(writes + 2),
+        ..FaultPlan::default()
+    });
+    let expected = volume.geometry().locate(5).data_offset;
+    match volume.flush() {
+        Err(Error::Io { op, offset, .. }) => {
+            assert_eq!(op, "write");
+            assert_eq!(offset, expected, "the error names LBA 5's run");
+        }
+        other => panic!("expected a write error, got {other:?}"),
+    }
+    assert!(matches!(
+        volume.write(0, &[1u8; 4096], false),
+        Err(Error::FailStopped(_))
+    ));
+    let mut buf = vec![0u8; 4096];
+    volume.read(5 * 4096, &mut buf).expect("still readable");
+    assert!(buf == pattern(5, 4096), "acknowledged data still served");
+}
