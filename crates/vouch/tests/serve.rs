@@ -1343,14 +1343,14 @@ print(json.dumps(out))
 /// stopped cleanly (SIGTERM: the closing checkpoint). Every trimmed block
 /// must read zeros afterwards, the rewritten one its new data.
 ///
-/// Fails today (found by serve_crash.rs with a 1 MiB journal, where
+/// Regression test (found by serve_crash.rs with a 1 MiB journal, where
 /// checkpoints run mid-workload): engine/src/commit.rs write_contexts_home
-/// punches the whole page for the trim range on disk, then applies the
-/// overlay entry of the rewritten block to `page_for_update(page)`, which
-/// returns the *cached* pre-trim copy of that page; writing it back restores
-/// the old data contexts of every trimmed block of the page, whose data was
-/// punched: they read as EIO (guard_mismatch) for good, since the trim's
-/// journal record is behind the new checkpoint.
+/// used to punch the whole page for the trim range on disk, then apply the
+/// overlay entry of the rewritten block to the *cached* pre-trim copy of
+/// that page; writing it back restored the old data contexts of every
+/// trimmed block of the page, whose data was punched, so they read as EIO
+/// (guard_mismatch) for good, the trim's journal record being behind the
+/// new checkpoint.
 #[test]
 fn trim_of_a_cached_context_page_then_write_survives_checkpoint() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -1519,4 +1519,89 @@ fn direct_data_segments_serve_verified_io_in_both_layouts() {
         drop(server);
         assert_check_clean(&volume);
     }
+}
+
+/// A ramfs mount, unmounted on drop. ramfs has no O_DIRECT: an open with it
+/// fails with EINVAL. Needs root (CI runs as root).
+struct RamFs {
+    dir: tempfile::TempDir,
+}
+
+impl RamFs {
+    fn mount() -> RamFs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let status = std::process::Command::new("mount")
+            .args(["-t", "ramfs", "ramfs"])
+            .arg(dir.path())
+            .status()
+            .expect("run mount");
+        assert!(
+            status.success(),
+            "mounting a ramfs needs root (run the suite as root, as CI does)"
+        );
+        RamFs { dir }
+    }
+}
+
+impl Drop for RamFs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// Every file of a volume directory with its SHA-256, sorted by name.
+fn volume_digest(volume: &Path) -> Vec<(String, String)> {
+    let mut files: Vec<(String, String)> = std::fs::read_dir(volume)
+        .expect("read volume dir")
+        .map(|entry| {
+            let path = entry.expect("dir entry").path();
+            let name = path
+                .file_name()
+                .expect("name")
+                .to_string_lossy()
+                .into_owned();
+            (name, sha256(&path))
+        })
+        .collect();
+    files.sort();
+    files
+}
+
+#[test]
+fn direct_on_a_filesystem_without_o_direct_is_a_clear_error() {
+    let ramfs = RamFs::mount();
+    let logs = tempfile::tempdir().expect("tempdir");
+    let volume = ramfs.dir.path().join("vol");
+    vouch_ok(&["create", s(&volume), "--size", "8MiB"]);
+    let mut server = Server::start(logs.path(), &[s(&volume)]);
+    qemu_io_ok(&server.uri, &["write -P 0x3c 0 65536", "flush"]);
+    server.stop();
+    let before = volume_digest(&volume);
+    let refused = match Server::try_start(logs.path(), &[s(&volume), "--direct"]) {
+        Err(refused) => refused,
+        Ok(server) => {
+            drop(server);
+            panic!("`serve --direct` started on a ramfs, which has no O_DIRECT");
+        }
+    };
+    let line = refused
+        .lines()
+        .find(|line| line.contains("O_DIRECT"))
+        .unwrap_or_else(|| panic!("no line names O_DIRECT:\n{refused}"));
+    assert!(
+        line.contains("data.00000") && line.contains("without --direct"),
+        "the error names the file and the fix: {line}"
+    );
+    assert_eq!(
+        volume_digest(&volume),
+        before,
+        "a refused --direct open modified the volume"
+    );
+    // The same volume still serves, cached, with what was written.
+    let server = Server::start(logs.path(), &[s(&volume)]);
+    qemu_io_ok(&server.uri, &["read -P 0x3c 0 65536"]);
+    drop(server);
+    assert_check_clean(&volume);
 }
