@@ -28,18 +28,13 @@ use std::sync::Arc;
 
 /// Create a volume directory at `path`. On failure nothing is left behind.
 pub fn create_volume(path: &Path, options: &CreateOptions) -> Result<Volume> {
+    volume::check_volume_size(options.size_bytes)
+        .map_err(|error| Error::Volume(format!("cannot create {}: {error}", path.display())))?;
     let segment_blocks = options
         .segment_blocks
         .unwrap_or_else(|| vouch_format::layout::default_segment_blocks(options.layout));
     let geometry = vouch_format::Geometry::new(options.layout, options.size_bytes, segment_blocks)
         .map_err(|error| Error::Volume(format!("cannot create {}: {error}", path.display())))?;
-    if options.size_bytes > volume::MAX_VOLUME_BYTES {
-        return Err(Error::Volume(format!(
-            "size {} is larger than the largest volume vouch supports ({} bytes, 1 PiB)",
-            options.size_bytes,
-            volume::MAX_VOLUME_BYTES
-        )));
-    }
     let existed = path.exists();
     let result = FileStorage::create(path, &geometry, options.journal_bytes())
         .map_err(|error| Error::Volume(format!("cannot create {}: {error}", path.display())))

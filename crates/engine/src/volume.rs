@@ -618,19 +618,25 @@ impl Core {
     }
 }
 
+/// A volume size vouch can create: a positive multiple of 4096 bytes, at
+/// most `MAX_VOLUME_BYTES`. Too large is reported first: a huge size is
+/// rarely a multiple of 4096, and "too large" is the useful answer.
+pub(crate) fn check_volume_size(size_bytes: u64) -> Result<()> {
+    if size_bytes > MAX_VOLUME_BYTES {
+        return Err(Error::Volume(format!(
+            "size {size_bytes} is larger than the largest volume vouch supports ({MAX_VOLUME_BYTES} bytes, 1 PiB)"
+        )));
+    }
+    if size_bytes == 0 || !size_bytes.is_multiple_of(BLOCK) {
+        return Err(Error::Volume(format!(
+            "size {size_bytes} is not a positive multiple of 4096 bytes"
+        )));
+    }
+    Ok(())
+}
+
 fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
-    if options.size_bytes == 0 || !options.size_bytes.is_multiple_of(BLOCK) {
-        return Err(Error::Volume(format!(
-            "size {} is not a positive multiple of 4096 bytes",
-            options.size_bytes
-        )));
-    }
-    if options.size_bytes > MAX_VOLUME_BYTES {
-        return Err(Error::Volume(format!(
-            "size {} is larger than the largest volume vouch supports ({MAX_VOLUME_BYTES} bytes, 1 PiB)",
-            options.size_bytes
-        )));
-    }
+    check_volume_size(options.size_bytes)?;
     let journal_bytes = options.journal_bytes();
     if journal_bytes < 1 << 20 || !journal_bytes.is_multiple_of(BLOCK) {
         return Err(Error::Volume(

@@ -102,10 +102,17 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     if let Ok(bytes) = trimmed.parse::<u64>() {
         return Ok(bytes);
     }
-    trimmed
+    let bytes = trimmed
         .parse::<bytesize::ByteSize>()
         .map(|size| size.as_u64())
-        .map_err(|_| format!("'{text}' is not a size (examples: 10GiB, 512MiB, 1048576)"))
+        .map_err(|_| format!("'{text}' is not a size (examples: 10GiB, 512MiB, 1048576)"))?;
+    // A unit size past 2^64 - 1 bytes saturates instead of failing to parse.
+    if bytes == u64::MAX {
+        return Err(format!(
+            "'{text}' is too large (sizes are at most 16 EiB - 1 byte)"
+        ));
+    }
+    Ok(bytes)
 }
 
 fn main() -> ExitCode {

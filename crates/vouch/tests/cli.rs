@@ -185,11 +185,30 @@ fn bad_inputs_get_one_clear_error_and_change_nothing() {
         2,
         "largest volume",
     );
+    // Huge sizes are "too large", not "not a multiple of 4096": a number
+    // past 1 PiB, and a unit size past 2^64 bytes (which would saturate).
+    fails(
+        &[
+            "create",
+            s(&dir.path().join("d")),
+            "--size",
+            "18446744073709551615",
+        ],
+        2,
+        "largest volume",
+    );
+    fails(
+        &["create", s(&dir.path().join("e")), "--size", "99EiB"],
+        2,
+        "too large",
+    );
     let output = vouch(&["create", s(&dir.path().join("c")), "--size", "lots"]);
     assert_eq!(output.status.code(), Some(2));
     assert!(text(&output).contains("is not a size"));
     assert!(
-        !dir.path().join("a").exists() && !dir.path().join("b").exists(),
+        ["a", "b", "c", "d", "e"]
+            .iter()
+            .all(|name| !dir.path().join(name).exists()),
         "failed create left files"
     );
     // Export refuses to overwrite an existing file.
