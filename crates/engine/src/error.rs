@@ -79,11 +79,40 @@ pub enum Error {
         offset: u64,
         cause: io::Error,
     },
+    /// The volume's on-disk structures are not what vouch writes (both
+    /// superblock copies invalid, an impossible journal record).
     #[error("{0}")]
-    Volume(String),
+    Corrupt(String),
+    /// The volume uses features this build does not implement.
+    #[error("{0}")]
+    Unsupported(String),
+    /// A caller asked for something impossible (a size, a geometry).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A volume directory could not be created or opened.
+    #[error("cannot {action} {}: {cause}", path.display())]
+    Path {
+        action: &'static str,
+        path: std::path::PathBuf,
+        cause: String,
+    },
+    /// An error about the volume at `path`.
+    #[error("{}: {source}", path.display())]
+    InVolume {
+        path: std::path::PathBuf,
+        source: Box<Error>,
+    },
 }
 
 impl Error {
+    /// Name the volume directory an error happened in.
+    pub fn in_volume(self, path: &std::path::Path) -> Error {
+        Error::InVolume {
+            path: path.to_path_buf(),
+            source: Box::new(self),
+        }
+    }
+
     pub fn fault(&self) -> Option<&Fault> {
         match self {
             Error::Fault(fault) => Some(fault),

@@ -1,43 +1,73 @@
 //! The vouch engine: a volume of 4 KiB blocks, each stored with protection
 //! information and verified on every read. See docs/ARCHITECTURE.md.
+//!
+//! Modules, from the bottom up:
+//! - `storage/` — the `Storage` trait and its backends (files, O_DIRECT +
+//!   io_uring, simulated).
+//! - `backing` — storage with counted I/O, errors with context, fail-stop.
+//! - `superblock`, `journal`, `contexts`, `state` — the on-disk and
+//!   in-memory structures.
+//! - `protection` — sealing and opening blocks (guard, tags).
+//! - `layout/` — split and packed, behind one trait, per LBA range.
+//! - `read`, `write`, `commit`, `recovery` — the paths, over `shared`
+//!   parts and the committer (`engine`).
+//! - `device` — the `BlockDevice` trait; `volume` — the public handle.
+//! - `jobs`, `check` — background scans.
 
+mod backing;
 pub mod check;
 mod commit;
 pub mod contexts;
-pub mod direct;
+pub mod device;
+mod engine;
 pub mod error;
+pub mod jobs;
+mod journal;
+mod layout;
+pub mod options;
+pub mod protection;
 mod read;
 pub mod recovery;
-pub mod sim;
+mod shared;
+mod state;
 pub mod stats;
 pub mod storage;
+pub mod superblock;
 pub mod volume;
+mod write;
 
-pub use check::CheckReport;
-pub use commit::RangeOp;
+pub use check::{check, CheckReport};
+pub use device::{BlockDevice, SealedBlock};
 pub use error::{Error, Fault, FaultKind, Result};
-pub use read::Allocation;
-pub use sim::{FaultPlan, SimStorage};
+pub use layout::Allocation;
+pub use options::{CreateOptions, OpenOptions, Tuning};
+pub use state::{RangeOp, BLOCK};
 pub use stats::{Stats, StatsSnapshot};
-pub use storage::{FileStorage, ObjectId, Run, Storage};
-pub use volume::{CreateOptions, OpenOptions, Tuning, Volume, VolumeInfo, BLOCK};
+pub use storage::sim::{FaultPlan, SimStorage};
+pub use storage::{direct, sim};
+pub use storage::{FileOpen, FileStorage, ObjectId, Run, Storage};
+pub use superblock::{read_superblock, MAX_VOLUME_BYTES};
+pub use volume::{Volume, VolumeInfo};
 pub use vouch_format::{GuardKind, LayoutKind};
+pub use write::ZeroFlags;
 
 use std::path::Path;
 use std::sync::Arc;
 
 /// Create a volume directory at `path`. On failure nothing is left behind.
 pub fn create_volume(path: &Path, options: &CreateOptions) -> Result<Volume> {
-    volume::check_volume_size(options.size_bytes)
-        .map_err(|error| Error::Volume(format!("cannot create {}: {error}", path.display())))?;
-    let segment_blocks = options
-        .segment_blocks
-        .unwrap_or_else(|| vouch_format::layout::default_segment_blocks(options.layout));
-    let geometry = vouch_format::Geometry::new(options.layout, options.size_bytes, segment_blocks)
-        .map_err(|error| Error::Volume(format!("cannot create {}: {error}", path.display())))?;
+    let cannot_create = |error: &dyn std::fmt::Display| Error::Path {
+        action: "create",
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    };
+    superblock::check_volume_size(options.size_bytes).map_err(|error| cannot_create(&error))?;
+    let geometry =
+        vouch_format::Geometry::new(options.layout, options.size_bytes, options.segment_blocks())
+            .map_err(|error| cannot_create(&error))?;
     let existed = path.exists();
     let result = FileStorage::create(path, &geometry, options.journal_bytes())
-        .map_err(|error| Error::Volume(format!("cannot create {}: {error}", path.display())))
+        .map_err(|error| cannot_create(&error))
         .and_then(|storage| Volume::create(Arc::new(storage), options));
     if result.is_err() && !existed {
         let _ = std::fs::remove_dir_all(path);
@@ -47,18 +77,29 @@ pub fn create_volume(path: &Path, options: &CreateOptions) -> Result<Volume> {
 
 /// Open the volume directory at `path`.
 pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
-    let mut superblock_file = FileStorage::open_superblock(path)
-        .map_err(|error| Error::Volume(format!("cannot open {}: {error}", path.display())))?;
-    let superblock = read_superblock_file(&mut superblock_file, path)?;
-    let geometry = superblock.geometry().map_err(|error| {
-        Error::Volume(format!("{}: corrupt superblock: {error}", path.display()))
-    })?;
-    let storage = FileStorage::open_objects(path, &geometry, !options.read_only, options.direct)
-        .map_err(|error| Error::Volume(format!("cannot open {}: {error}", path.display())))?;
+    let cannot_open = |error: &dyn std::fmt::Display| Error::Path {
+        action: "open",
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    };
+    let superblock_file =
+        FileStorage::open_superblock(path).map_err(|error| cannot_open(&error))?;
+    let superblock = read_superblock_file(&superblock_file, path)?;
+    let geometry = superblock
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")).in_volume(path))?;
+    let how = FileOpen {
+        writable: !options.read_only,
+        direct: options.direct,
+    };
+    let storage =
+        FileStorage::open_objects(path, &geometry, how).map_err(|error| cannot_open(&error))?;
     Volume::open(Arc::new(storage), options)
 }
 
-fn read_superblock_file(file: &mut std::fs::File, path: &Path) -> Result<vouch_format::Superblock> {
+/// Both superblock slots from the file (short files read as zeros), then
+/// the one selection rule (`superblock::select`).
+fn read_superblock_file(file: &std::fs::File, path: &Path) -> Result<vouch_format::Superblock> {
     use std::os::unix::fs::FileExt;
     let mut both = vec![0u8; 8192];
     let mut done = 0;
@@ -67,21 +108,13 @@ fn read_superblock_file(file: &mut std::fs::File, path: &Path) -> Result<vouch_f
             Ok(0) => break,
             Ok(n) => done += n,
             Err(error) => {
-                return Err(Error::Volume(format!(
-                    "cannot read {}/superblock: {error}",
-                    path.display()
-                )))
+                return Err(Error::Path {
+                    action: "read",
+                    path: path.join("superblock"),
+                    cause: error.to_string(),
+                })
             }
         }
     }
-    let first = vouch_format::Superblock::decode(&both[..4096]);
-    let second = vouch_format::Superblock::decode(&both[4096..]);
-    if let (Err(a), Err(b)) = (&first, &second) {
-        return Err(Error::Volume(format!(
-            "{}: not a usable vouch volume: both superblock copies are invalid (copy 0: {a}; copy 1: {b})",
-            path.display()
-        )));
-    }
-    vouch_format::Superblock::newest(first, second)
-        .map_err(|error| Error::Volume(format!("{}: corrupt superblock: {error}", path.display())))
+    superblock::select(&both[..4096], &both[4096..]).map_err(|error| error.in_volume(path))
 }

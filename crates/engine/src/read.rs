@@ -10,21 +10,22 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use vouch_format::layout::PACKED_RECORD_BYTES;
-use vouch_format::{Context, FormatError, LayoutKind, CONTEXT_BYTES};
+use vouch_format::{Context, CONTEXT_BYTES};
 
-use crate::contexts::{Lookup, CONTEXTS_PER_PAGE};
+use crate::contexts::{Page, CONTEXTS_PER_PAGE};
+use crate::device::SealedBlock;
 use crate::error::{Error, Fault, FaultKind, Result};
-use crate::storage::ObjectId;
-use crate::volume::{Block, Core, BLOCK};
+use crate::jobs::SCAN_CHUNK_BLOCKS;
+use crate::layout::{Allocation, ContextFrom, Planned};
+use crate::shared::Shared;
+use crate::state::{load_context_page, Block, BLOCK};
 
 /// Where one block's bytes come from.
 enum Source {
     Memory(Arc<Block>),
     Zero,
-    /// Home storage; split layouts carry the context looked up, packed
-    /// layouts find it in the record.
-    Disk(Option<Result<Context, FormatError>>),
+    /// Home storage, verified against its context.
+    Home(ContextFrom),
     /// The block's context could not be read.
     Unreadable,
 }
@@ -42,23 +43,13 @@ pub(crate) enum OnFault {
     Collect,
 }
 
-/// What a block status query reports for a run of blocks.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Allocation {
-    /// Never written or trimmed: reads as zeros, holds no data.
-    Hole,
-    /// Written as zeroes: reads as zeros, counts as allocated.
-    Zero,
-    Data,
-}
-
-impl Core {
+impl Shared {
     /// Read `buf.len()` bytes at `offset` (512-byte aligned), verifying every
     /// block. Returns the byte ranges of `buf` (relative) known to be zero
     /// without data I/O.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.check_range(offset, buf.len() as u64)?;
-        self.stats.add_client_read(buf.len() as u64);
+        self.io.stats.add_client_read(buf.len() as u64);
         if buf.is_empty() {
             return Ok(Vec::new());
         }
@@ -151,18 +142,16 @@ impl Core {
                     }
                     index += 1;
                 }
-                Source::Disk(_) => {
+                Source::Home(_) => {
                     let mut end = index + 1;
                     while end < plan.len()
-                        && matches!(plan[end], Source::Disk(_))
-                        && self
-                            .geometry
-                            .contiguous(first + end as u64 - 1, first + end as u64)
+                        && matches!(plan[end], Source::Home(_))
+                        && self.home_contiguous(first + end as u64 - 1, first + end as u64)
                     {
                         end += 1;
                     }
                     let run = &mut out[index * BLOCK as usize..end * BLOCK as usize];
-                    self.read_disk_run(lba, &plan[index..end], run, faults, on_fault)?;
+                    self.read_home_run(lba, &plan[index..end], run, faults, on_fault)?;
                     if on_fault == OnFault::Stop && !faults.is_empty() {
                         return Ok(());
                     }
@@ -173,87 +162,135 @@ impl Core {
         Ok(())
     }
 
+    /// The first LBA at or after `lba` whose data or context may be written:
+    /// chunks that are holes on disk and have nothing pending are skipped.
+    /// Rounded down to a scan chunk boundary so chunks stay aligned.
+    pub fn next_possible_data(&self, lba: u64) -> Result<u64> {
+        let blocks = self.io.geometry.blocks;
+        {
+            let state = self.state.read();
+            let pending = state.active.range(lba..).next().map(|(l, _)| *l);
+            let overlay = state.contexts.next_overlay(lba);
+            if pending == Some(lba) || overlay == Some(lba) {
+                return Ok(lba);
+            }
+        }
+        let mut found = None;
+        let mut from = lba;
+        while from < blocks && found.is_none() {
+            let span_end = self.layouts.span_end(from);
+            found = self
+                .layouts
+                .of(from)
+                .next_data_on_disk(&self.io, from)?
+                .filter(|at| *at < span_end);
+            from = span_end;
+        }
+        let state = self.state.read();
+        let pending = [
+            state.active.range(lba..).next().map(|(l, _)| *l),
+            state.contexts.next_overlay(lba),
+            found,
+        ];
+        let next = pending.into_iter().flatten().min().unwrap_or(blocks);
+        Ok((next - next % SCAN_CHUNK_BLOCKS).max(lba))
+    }
+
+    /// Blocks as stored, each with its context (`BlockDevice::read_sealed`).
+    /// A block still in the write-back buffer is sealed now, with the
+    /// generation its commit will carry; a block that reads as zeros has a
+    /// hole's context.
+    pub fn read_sealed(&self, first: u64, count: u64, generation: u64) -> Result<Vec<SealedBlock>> {
+        self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
+        let plan = self.plan(first, count)?;
+        let mut sealed = Vec::with_capacity(count as usize);
+        for (index, source) in plan.iter().enumerate() {
+            let lba = first + index as u64;
+            let mut data: Box<Block> = Box::new([0u8; BLOCK as usize]);
+            let context = match source {
+                Source::Memory(buffered) => {
+                    data.copy_from_slice(&buffered[..]);
+                    let seal = self.protection.seal(lba, &data[..]);
+                    self.protection.context(lba, seal, generation)
+                }
+                Source::Zero => Context::Unwritten,
+                Source::Unreadable => return Err(unreadable(lba)),
+                Source::Home(from) => {
+                    let stored = self
+                        .layouts
+                        .of(lba)
+                        .read_block(&self.io, lba, &mut data[..])
+                        .map_err(|_| unreadable(lba))?;
+                    let context = match from {
+                        ContextFrom::Known(found) => found.clone(),
+                        ContextFrom::Record => stored.expect("a record carries its context"),
+                    };
+                    context.map_err(|_| {
+                        Error::Fault(Fault {
+                            lba,
+                            kind: FaultKind::ContextCorrupt,
+                        })
+                    })?
+                }
+            };
+            sealed.push(SealedBlock { lba, data, context });
+        }
+        Ok(sealed)
+    }
+
+    /// Can one I/O read blocks `a` and `a + 1` = `b` from home?
+    fn home_contiguous(&self, a: u64, b: u64) -> bool {
+        self.layouts.same_span(a, b) && self.layouts.of(a).geometry().contiguous(a, b)
+    }
+
     /// Decide each block's source under one short lock; load missing context
-    /// pages (split) without holding it.
+    /// pages without holding it.
     fn plan(&self, first: u64, count: u64) -> Result<Plan> {
         let mut plan = Plan::with_capacity(count as usize);
         let mut missing = Vec::new();
         {
             let state = self.state.read();
             for lba in first..first + count {
-                if let Some(dirty) = state
-                    .active
-                    .get(&lba)
-                    .or_else(|| state.committing.get(&lba))
-                {
+                if let Some(dirty) = state.buffered(lba) {
                     plan.push(Source::Memory(dirty.data.clone()));
                     continue;
                 }
-                if self.geometry.layout == LayoutKind::Packed {
-                    // Packed contexts live in the records; only a read-only
-                    // open of an unrecovered volume holds ranges in memory.
-                    let pending_zero = !state.contexts.ranges.is_empty()
-                        && matches!(state.contexts.lookup(lba), Lookup::Found(Ok(context)) if context.reads_as_zero());
-                    plan.push(if pending_zero {
-                        Source::Zero
-                    } else {
-                        Source::Disk(None)
-                    });
-                    continue;
-                }
-                match state.contexts.lookup(lba) {
-                    Lookup::Found(Ok(context)) if context.reads_as_zero() => {
-                        plan.push(Source::Zero)
-                    }
-                    Lookup::Found(found) => plan.push(Source::Disk(Some(found))),
-                    Lookup::NeedPage(page) => {
+                match self.layouts.of(lba).plan(lba, &state.contexts) {
+                    Planned::Zero => plan.push(Source::Zero),
+                    Planned::Home(context) => plan.push(Source::Home(context)),
+                    Planned::NeedPage(page) => {
                         missing.push((plan.len(), page));
-                        plan.push(Source::Disk(None));
+                        plan.push(Source::Unreadable);
                     }
                 }
             }
         }
-        let mut loaded: Option<(u64, Arc<[u8; 4096]>)> = None;
+        let mut loaded: Option<(u64, Page)> = None;
         for (index, page_no) in missing {
             let page = match &loaded {
                 Some((number, page)) if *number == page_no => page.clone(),
-                _ => match self.load_context_page(page_no) {
+                _ => match load_context_page(&self.io, &self.state, page_no) {
                     Ok(page) => {
                         loaded = Some((page_no, page.clone()));
                         page
                     }
                     // The block's context cannot be read: a fault of this
                     // block, reported with its LBA like any other.
-                    Err(_) => {
-                        plan[index] = Source::Unreadable;
-                        continue;
-                    }
+                    Err(_) => continue,
                 },
             };
             let lba = first + index as u64;
             let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
             plan[index] = match Context::decode(&page[at..at + CONTEXT_BYTES]) {
                 Ok(context) if context.reads_as_zero() => Source::Zero,
-                found => Source::Disk(Some(found)),
+                found => Source::Home(ContextFrom::Known(found)),
             };
         }
         Ok(plan)
     }
 
-    fn load_context_page(&self, page_no: u64) -> Result<Arc<[u8; 4096]>> {
-        let epoch = self.state.read().contexts.epoch();
-        let mut bytes = [0u8; 4096];
-        self.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
-        let page = crate::volume::shared_block(&bytes);
-        self.state
-            .write()
-            .contexts
-            .insert_page_from(page_no, page.clone(), epoch);
-        Ok(page)
-    }
-
-    /// Read and verify a run of consecutive on-disk blocks with one I/O.
-    fn read_disk_run(
+    /// Read and verify a run of consecutive blocks from home with one I/O.
+    fn read_home_run(
         &self,
         first: u64,
         plan: &[Source],
@@ -262,35 +299,9 @@ impl Core {
         on_fault: OnFault,
     ) -> Result<()> {
         let count = plan.len() as u64;
-        let location = self.geometry.locate(first);
-        let object = ObjectId::Data(location.segment);
-        let mut packed_contexts = Vec::new();
-        let io = match self.geometry.layout {
-            LayoutKind::Split => self.storage.read_at(object, location.data_offset, out),
-            LayoutKind::Packed => {
-                let span = self.geometry.locate(first + count - 1).data_offset
-                    + PACKED_RECORD_BYTES
-                    - location.data_offset;
-                let mut records = vec![0u8; span as usize];
-                let result = self
-                    .storage
-                    .read_at(object, location.data_offset, &mut records);
-                if result.is_ok() {
-                    for (index, lba) in (first..first + count).enumerate() {
-                        let at =
-                            (self.geometry.locate(lba).data_offset - location.data_offset) as usize;
-                        out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
-                            .copy_from_slice(&records[at..at + BLOCK as usize]);
-                        packed_contexts.push(Context::decode(
-                            &records[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
-                        ));
-                    }
-                }
-                result
-            }
-        };
-        self.stats.add_read(out.len() as u64);
-        if io.is_err() {
+        let io = self.layouts.of(first).read_run(&self.io, first, count, out);
+        self.io.stats.add_read(out.len() as u64);
+        let Ok(record_contexts) = io else {
             // Find which blocks are unreadable, one at a time.
             for (index, lba) in (first..first + count).enumerate() {
                 let block = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
@@ -302,14 +313,14 @@ impl Core {
                 }
             }
             return Ok(());
-        }
+        };
         for (index, lba) in (first..first + count).enumerate() {
             let block = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
             let context = match &plan[index] {
-                Source::Disk(Some(found)) => found.clone(),
-                _ => packed_contexts[index].clone(),
+                Source::Home(ContextFrom::Known(found)) => found.clone(),
+                _ => record_contexts[index].clone(),
             };
-            if self.verify(lba, &context, block).is_ok() {
+            if self.protection.open(lba, &context, block).is_ok() {
                 if context.is_ok_and(|c| c.reads_as_zero()) {
                     block.fill(0);
                 }
@@ -318,7 +329,8 @@ impl Core {
             // Recheck once: a concurrent commit may have moved the block.
             match self.reread_block(lba, block) {
                 Ok(()) => {
-                    self.stats
+                    self.io
+                        .stats
                         .rechecks_recovered
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
@@ -335,7 +347,7 @@ impl Core {
 
     fn note_fault(&self, lba: u64, kind: FaultKind, block: &mut [u8], faults: &mut Vec<Fault>) {
         block.fill(0);
-        self.stats.count_fault(kind);
+        self.io.stats.count_fault(kind);
         tracing::warn!(lba, kind = kind.name(), "block failed verification");
         faults.push(Fault { lba, kind });
     }
@@ -343,9 +355,7 @@ impl Core {
     /// Re-read one block from scratch: fresh source, fresh context.
     fn reread_block(&self, lba: u64, block: &mut [u8]) -> std::result::Result<(), FaultKind> {
         let plan = self.plan(lba, 1).map_err(|_| FaultKind::Unreadable)?;
-        let location = self.geometry.locate(lba);
-        let object = ObjectId::Data(location.segment);
-        let context = match &plan[0] {
+        let known = match &plan[0] {
             Source::Memory(data) => {
                 block.copy_from_slice(&data[..]);
                 return Ok(());
@@ -355,77 +365,25 @@ impl Core {
                 return Ok(());
             }
             Source::Unreadable => return Err(FaultKind::Unreadable),
-            Source::Disk(Some(found)) => {
-                self.storage
-                    .read_at(object, location.data_offset, block)
-                    .map_err(|_| FaultKind::Unreadable)?;
-                found.clone()
-            }
-            Source::Disk(None) => {
-                let mut record = [0u8; PACKED_RECORD_BYTES as usize];
-                self.storage
-                    .read_at(object, location.data_offset, &mut record)
-                    .map_err(|_| FaultKind::Unreadable)?;
-                block.copy_from_slice(&record[..BLOCK as usize]);
-                Context::decode(&record[BLOCK as usize..])
-            }
+            Source::Home(ContextFrom::Known(found)) => Some(found.clone()),
+            Source::Home(ContextFrom::Record) => None,
         };
-        self.verify(lba, &context, block)?;
+        let stored = self
+            .layouts
+            .of(lba)
+            .read_block(&self.io, lba, block)
+            .map_err(|_| FaultKind::Unreadable)?;
+        let context = known
+            .or(stored)
+            .expect("a layout without a context table returns the record's context");
+        self.protection.open(lba, &context, block)?;
         if context.is_ok_and(|c| c.reads_as_zero()) {
             block.fill(0);
         }
         Ok(())
     }
 
-    /// Check one block's data against its context.
-    pub(crate) fn verify(
-        &self,
-        lba: u64,
-        context: &Result<Context, FormatError>,
-        data: &[u8],
-    ) -> std::result::Result<(), FaultKind> {
-        match context {
-            Err(_) => Err(FaultKind::ContextCorrupt),
-            Ok(Context::Unwritten) => Ok(()),
-            Ok(Context::Zero {
-                volume_tag,
-                ref_tag,
-                ..
-            }) => self.check_tags(lba, *volume_tag, *ref_tag),
-            Ok(Context::Data {
-                volume_tag,
-                ref_tag,
-                guard,
-                ..
-            }) => {
-                self.check_tags(lba, *volume_tag, *ref_tag)?;
-                if self.guard.compute(data) != *guard {
-                    return Err(FaultKind::GuardMismatch);
-                }
-                Ok(())
-            }
-            // Encrypted volumes are refused at open (incompat flag); a stray
-            // encrypted context in a plain volume is corruption.
-            Ok(Context::Encrypted { .. }) => Err(FaultKind::ContextCorrupt),
-        }
-    }
-
-    fn check_tags(
-        &self,
-        lba: u64,
-        volume_tag: u32,
-        ref_tag: u64,
-    ) -> std::result::Result<(), FaultKind> {
-        if volume_tag != self.volume_tag {
-            return Err(FaultKind::VolumeTagMismatch);
-        }
-        if ref_tag != lba {
-            return Err(FaultKind::RefTagMismatch);
-        }
-        Ok(())
-    }
-
-    /// Allocation of blocks from `first`, as runs, covering at most `max_blocks`.
+    /// Allocation of blocks from `offset`, as runs, covering at most `max_blocks`.
     pub fn block_status(
         &self,
         offset: u64,
@@ -440,88 +398,24 @@ impl Core {
         let mut runs: Vec<(u64, Allocation)> = Vec::new();
         let mut lba = first;
         while lba < end {
-            let chunk = (end - lba).min(4096);
-            let kinds = self.allocation_of(lba, chunk)?;
-            for kind in kinds {
-                match runs.last_mut() {
-                    Some((blocks, last)) if *last == kind => *blocks += 1,
-                    _ => runs.push((1, kind)),
-                }
-            }
-            lba += chunk;
-        }
-        Ok(runs)
-    }
-
-    fn allocation_of(&self, first: u64, count: u64) -> Result<Vec<Allocation>> {
-        let mut kinds = Vec::with_capacity(count as usize);
-        match self.geometry.layout {
-            LayoutKind::Split => {
-                for source in self.plan(first, count)? {
-                    kinds.push(match source {
-                        Source::Memory(_) | Source::Disk(_) | Source::Unreadable => {
-                            Allocation::Data
-                        }
-                        Source::Zero => Allocation::Hole,
-                    });
-                }
-                // Distinguish written zeroes from holes.
-                let state = self.state.read();
-                for (index, kind) in kinds.iter_mut().enumerate() {
-                    if *kind == Allocation::Hole {
-                        if let Lookup::Found(Ok(Context::Zero { .. })) =
-                            state.contexts.lookup(first + index as u64)
-                        {
-                            *kind = Allocation::Zero;
-                        }
-                    }
-                }
-            }
-            LayoutKind::Packed => {
-                // Sparse fast path: no data anywhere in these records.
-                let start = self.geometry.locate(first);
-                let last = self.geometry.locate(first + count - 1);
-                let object = ObjectId::Data(start.segment);
-                let any_data = match self.storage.next_data(object, start.data_offset) {
-                    Ok(Some(at)) => {
-                        at < last.data_offset + PACKED_RECORD_BYTES || last.segment != start.segment
-                    }
-                    Ok(None) => last.segment != start.segment,
-                    Err(error) => return Err(Error::io("seek", object, start.data_offset, error)),
-                };
-                let dirty: Vec<bool> = {
+            let chunk_end = (end - lba).min(4096) + lba;
+            for (start, piece_end, layout) in self.layouts.pieces(lba, chunk_end) {
+                let buffered: Vec<bool> = {
                     let state = self.state.read();
-                    (first..first + count)
-                        .map(|lba| {
-                            state.active.contains_key(&lba) || state.committing.contains_key(&lba)
-                        })
+                    (start..piece_end)
+                        .map(|lba| state.buffered(lba).is_some())
                         .collect()
                 };
-                for (index, lba) in (first..first + count).enumerate() {
-                    if dirty[index] {
-                        kinds.push(Allocation::Data);
-                        continue;
+                for kind in layout.allocation(&self.io, &self.state, start, &buffered)? {
+                    match runs.last_mut() {
+                        Some((blocks, last)) if *last == kind => *blocks += 1,
+                        _ => runs.push((1, kind)),
                     }
-                    if !any_data {
-                        kinds.push(Allocation::Hole);
-                        continue;
-                    }
-                    let location = self.geometry.locate(lba);
-                    let mut raw = [0u8; CONTEXT_BYTES];
-                    self.read_object(
-                        ObjectId::Data(location.segment),
-                        location.data_offset + BLOCK,
-                        &mut raw,
-                    )?;
-                    kinds.push(match Context::decode(&raw) {
-                        Ok(Context::Unwritten) => Allocation::Hole,
-                        Ok(Context::Zero { .. }) => Allocation::Zero,
-                        _ => Allocation::Data,
-                    });
                 }
             }
+            lba = chunk_end;
         }
-        Ok(kinds)
+        Ok(runs)
     }
 }
 
@@ -530,4 +424,11 @@ fn push_hole(holes: &mut Vec<Range<u64>>, range: Range<u64>) {
         Some(last) if last.end == range.start => last.end = range.end,
         _ => holes.push(range),
     }
+}
+
+fn unreadable(lba: u64) -> Error {
+    Error::Fault(Fault {
+        lba,
+        kind: FaultKind::Unreadable,
+    })
 }

@@ -4,6 +4,8 @@
 //! for both layouts. Tiny limits make commits and checkpoints constant.
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use vouch_engine::BlockDevice;
+use vouch_engine::ZeroFlags;
 use vouch_engine::{create_volume, open_volume, CreateOptions, LayoutKind, OpenOptions, Tuning};
 
 const SIZE: u64 = 4 << 20;
@@ -55,7 +57,14 @@ fn run(layout: LayoutKind, seed: u64) {
             }
             63..=68 => {
                 volume
-                    .write_zeroes(offset, len as u64, false, rng.gen_bool(0.5))
+                    .write_zeroes(
+                        offset,
+                        len as u64,
+                        ZeroFlags {
+                            fua: false,
+                            allocate: rng.gen_bool(0.5),
+                        },
+                    )
                     .expect("zeroes");
                 model[offset as usize..offset as usize + len].fill(0);
             }

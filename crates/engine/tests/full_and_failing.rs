@@ -5,6 +5,7 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 
+use vouch_engine::BlockDevice;
 use vouch_engine::{
     create_volume, open_volume, CreateOptions, Error, FaultPlan, OpenOptions, SimStorage, Storage,
     Volume,

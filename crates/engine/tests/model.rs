@@ -4,6 +4,8 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
+use vouch_engine::BlockDevice;
+use vouch_engine::ZeroFlags;
 use vouch_engine::{
     CreateOptions, GuardKind, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
 };
@@ -127,7 +129,14 @@ fn run(layout: LayoutKind, guard: GuardKind, ops: &[Op]) {
                 allocate,
             } => {
                 volume
-                    .write_zeroes(sector * 512, sectors * 512, false, allocate)
+                    .write_zeroes(
+                        sector * 512,
+                        sectors * 512,
+                        ZeroFlags {
+                            fua: false,
+                            allocate,
+                        },
+                    )
                     .expect("zero");
                 model[(sector * 512) as usize..((sector + sectors) * 512) as usize].fill(0);
             }

@@ -23,6 +23,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use vouch_engine::BlockDevice;
+use vouch_engine::ZeroFlags;
 use vouch_engine::{
     CreateOptions, Error, GuardKind, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
 };
@@ -559,7 +561,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
                 set_allowed(&state, &model, &doing);
                 (
                     touched,
-                    volume.write_zeroes(offset, len, fua, allocate),
+                    volume.write_zeroes(offset, len, ZeroFlags { fua, allocate }),
                     false,
                 )
             }

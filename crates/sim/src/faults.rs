@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use vouch_engine::BlockDevice;
+use vouch_engine::ZeroFlags;
 use vouch_engine::{
     CreateOptions, Error, FaultKind, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions,
     Storage, Tuning, Volume,
@@ -513,7 +515,14 @@ fn populate(cx: &mut Cx, volume: &Volume) -> Result<(), String> {
             cx.model[lba as usize] = data;
         } else if roll < 8 {
             volume
-                .write_zeroes(lba * BLOCK as u64, BLOCK as u64, false, true)
+                .write_zeroes(
+                    lba * BLOCK as u64,
+                    BLOCK as u64,
+                    ZeroFlags {
+                        fua: false,
+                        allocate: true,
+                    },
+                )
                 .map_err(|e| format!("populate zeroes: {e}"))?;
         }
     }
@@ -779,7 +788,7 @@ fn superblock_fault(cx: &mut Cx, kind: Kind) -> Result<(), String> {
     }
     let opened = Volume::open(cx.storage(), &cx.open);
     let outcome = match (kind, opened) {
-        (Kind::SuperblockBothCorrupt, Err(Error::Volume(message)))
+        (Kind::SuperblockBothCorrupt, Err(Error::Corrupt(message)))
             if message.contains("superblock") =>
         {
             Outcome::Detected

@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use vouch_engine::volume::read_superblock;
+use vouch_engine::read_superblock;
+use vouch_engine::BlockDevice;
 use vouch_engine::{
     CreateOptions, Error, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions, SimStorage,
     Storage, Tuning, Volume,

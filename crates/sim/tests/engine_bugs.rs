@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use vouch_engine::volume::read_superblock;
+use vouch_engine::read_superblock;
 use vouch_engine::{CreateOptions, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume};
 use vouch_format::journal::encode_record;
 use vouch_format::{Context, JournalEntry};

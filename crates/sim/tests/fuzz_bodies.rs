@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use vouch_engine::volume::read_superblock;
+use vouch_engine::read_superblock;
 use vouch_engine::{CreateOptions, LayoutKind, SimStorage, Volume};
 use vouch_format::journal::encode_record;
 use vouch_format::{Context, JournalEntry};

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+use vouch_engine::BlockDevice;
 use vouch_engine::{
     create_volume, open_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume,
     BLOCK,

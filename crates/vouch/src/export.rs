@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use vouch_engine::{Allocation, Error, Volume, BLOCK};
+use vouch_engine::{BlockDevice, ZeroFlags};
 use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent};
 
 /// Largest request the server accepts (payload), advertised in BLOCK_SIZE.
@@ -33,14 +34,17 @@ pub fn to_export_error(error: Error) -> ExportError {
         Error::Fault(fault) => ExportError::new(Errno::Io, error.to_string())
             .at_offset(fault.lba * BLOCK)
             .with_fault_kind(fault.kind.name()),
-        Error::OutOfRange { .. } | Error::Misaligned { .. } => {
+        Error::OutOfRange { .. } | Error::Misaligned { .. } | Error::InvalidArgument(_) => {
             ExportError::new(Errno::Inval, error.to_string())
         }
         Error::ReadOnly(_) => ExportError::new(Errno::Perm, error.to_string()),
         Error::NoSpace { .. } => ExportError::new(Errno::NoSpc, error.to_string()),
-        Error::FailStopped(_) | Error::Io { .. } | Error::Volume(_) => {
-            ExportError::new(Errno::Io, error.to_string())
-        }
+        Error::FailStopped(_)
+        | Error::Io { .. }
+        | Error::Corrupt(_)
+        | Error::Unsupported(_)
+        | Error::Path { .. }
+        | Error::InVolume { .. } => ExportError::new(Errno::Io, error.to_string()),
     }
 }
 
@@ -87,7 +91,14 @@ impl Export for VolumeExport {
     ) -> Result<(), ExportError> {
         // Zeroing never writes data blocks (only contexts), so it is always fast.
         self.volume
-            .write_zeroes(offset, length, fua, no_hole)
+            .write_zeroes(
+                offset,
+                length,
+                ZeroFlags {
+                    fua,
+                    allocate: no_hole,
+                },
+            )
             .map_err(to_export_error)
     }
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError> {

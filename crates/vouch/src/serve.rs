@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
+use vouch_engine::BlockDevice;
 use vouch_engine::{open_volume, FaultKind, OpenOptions, Volume};
 use vouch_nbd::{Export, Listen, Server, ServerConfig};
 

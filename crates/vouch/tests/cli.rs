@@ -273,6 +273,7 @@ fn feature_flags_are_checked_against_the_supported_mask() {
         info.contains("\"read_only\": true"),
         "unknown ro_compat must open read-only: {info}"
     );
+    use vouch_engine::BlockDevice;
     let engine = vouch_engine::open_volume(&volume, &vouch_engine::OpenOptions::default())
         .expect("opens read-only");
     assert!(engine.is_read_only());

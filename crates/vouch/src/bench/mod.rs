@@ -43,6 +43,7 @@ use anyhow::{bail, Context as _, Result};
 use clap::Args;
 use serde_json::{json, Value};
 use vouch_engine::direct::AlignedBuf;
+use vouch_engine::BlockDevice;
 use vouch_engine::{
     create_volume, open_volume, CreateOptions, GuardKind, LayoutKind, OpenOptions, StatsSnapshot,
     Volume,

@@ -1,0 +1,131 @@
+//! `Backing`: the storage under a volume with what every path needs to use
+//! it — the geometry, counted I/O (stats), errors with their object and
+//! offset, and the fail-stop latch (after a failed write or sync the volume
+//! refuses writes until reopened; fsync is never retried).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use vouch_format::Geometry;
+
+use crate::error::{Error, Result};
+use crate::stats::Stats;
+use crate::storage::{ObjectId, Run, Storage};
+
+pub(crate) struct Backing {
+    storage: Arc<dyn Storage>,
+    pub geometry: Geometry,
+    pub stats: Stats,
+    /// Why the volume cannot be written (read-only open, unknown ro-compat
+    /// features), as the end of an error message.
+    read_only: Option<String>,
+    failed: Mutex<Option<String>>,
+    has_failed: AtomicBool,
+}
+
+impl Backing {
+    pub fn new(
+        storage: Arc<dyn Storage>,
+        geometry: Geometry,
+        read_only: Option<String>,
+    ) -> Backing {
+        Backing {
+            storage,
+            geometry,
+            stats: Stats::default(),
+            read_only,
+            failed: Mutex::new(None),
+            has_failed: AtomicBool::new(false),
+        }
+    }
+
+    pub fn storage(&self) -> &dyn Storage {
+        &*self.storage
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.read_only.is_some()
+    }
+
+    pub fn has_failed(&self) -> bool {
+        self.has_failed.load(Ordering::Acquire)
+    }
+
+    pub fn check_writable(&self) -> Result<()> {
+        if let Some(why) = &self.read_only {
+            return Err(Error::ReadOnly(why.clone()));
+        }
+        if self.has_failed() {
+            let why = self.failed.lock().clone().unwrap_or_default();
+            return Err(Error::FailStopped(why));
+        }
+        Ok(())
+    }
+
+    /// Record a durability failure: no further writes until reopened.
+    pub fn fail_stop(&self, error: Error) -> Error {
+        let mut failed = self.failed.lock();
+        if failed.is_none() {
+            *failed = Some(error.to_string());
+            tracing::error!(%error, "volume failed stop: refusing writes until reopened");
+        }
+        self.has_failed.store(true, Ordering::Release);
+        error
+    }
+
+    // --- counted I/O ---------------------------------------------------------
+
+    pub fn write_object(&self, object: ObjectId, offset: u64, data: &[u8]) -> Result<()> {
+        self.storage
+            .write_at(object, offset, data)
+            .map_err(|error| Error::io("write", object, offset, error))?;
+        self.stats.add_written(object, data.len() as u64);
+        Ok(())
+    }
+
+    /// Several runs to one object in one batch (their order on the media
+    /// does not matter to the caller); a failure names the run it hit.
+    pub fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<()> {
+        self.storage
+            .write_runs(object, runs)
+            .map_err(|failed| Error::io("write", object, failed.offset, failed.error))?;
+        self.stats
+            .add_written(object, runs.iter().map(Run::len).sum());
+        Ok(())
+    }
+
+    pub fn read_object(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.storage
+            .read_at(object, offset, buf)
+            .map_err(|error| Error::io("read", object, offset, error))?;
+        self.stats.add_read(buf.len() as u64);
+        Ok(())
+    }
+
+    /// A read whose failure is a fault of the blocks it covers, not an
+    /// error of the call: the caller names the LBAs (and counts the bytes).
+    pub fn try_read(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
+        self.storage.read_at(object, offset, buf)
+    }
+
+    pub fn punch(&self, object: ObjectId, offset: u64, len: u64) -> Result<()> {
+        self.storage
+            .punch_hole(object, offset, len)
+            .map_err(|error| Error::io("punch", object, offset, error))
+    }
+
+    pub fn sync_object(&self, object: ObjectId) -> Result<()> {
+        self.storage
+            .sync(object)
+            .map_err(|error| Error::io("sync", object, 0, error))?;
+        self.stats.syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub fn seek_data(&self, object: ObjectId, offset: u64) -> Result<Option<u64>> {
+        self.storage
+            .next_data(object, offset)
+            .map_err(|error| Error::io("seek", object, offset, error))
+    }
+}

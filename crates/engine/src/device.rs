@@ -1,0 +1,155 @@
+//! `BlockDevice`: the block-level interface every layer speaks. A `Volume`
+//! implements it; the NBD adapter consumes it; layers that stack on it
+//! (fault injection today; mirrors, remote replicas and offloads next)
+//! implement it too, wrapping another device, without the engine knowing.
+//!
+//! Besides reads and writes it carries the calls those layers need:
+//! moving a block *together with its context* (`read_sealed` /
+//! `write_sealed`, for repair, resync and replicas: PI travels with the
+//! data and is checked at every hop), scans (`read_blocks_collecting`,
+//! `next_possible_data`), and the offloads `verify`, `copy` and `compare`
+//! with default implementations in terms of reads and writes, which a
+//! device that can do better overrides.
+
+use std::ops::Range;
+
+use vouch_format::Context;
+
+use crate::error::{Error, Fault, Result};
+use crate::layout::Allocation;
+use crate::state::{Block, BLOCK};
+use crate::write::ZeroFlags;
+
+/// Blocks moved per step by the default `verify`, `copy` and `compare` (1 MiB).
+pub const OFFLOAD_CHUNK_BLOCKS: u64 = 256;
+
+/// One block as stored: its bytes and the context that protects them.
+/// Not verified by the device that read it; the device that writes it
+/// verifies it before it stores it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SealedBlock {
+    pub lba: u64,
+    pub data: Box<Block>,
+    pub context: Context,
+}
+
+pub trait BlockDevice: Send + Sync {
+    /// Size in bytes.
+    fn size(&self) -> u64;
+
+    fn is_read_only(&self) -> bool;
+
+    /// Read `buf.len()` bytes at `offset` (512-byte aligned), every block
+    /// verified; a fault fails the read naming its LBA. Returns the byte
+    /// ranges of `buf` known to be zero without data I/O (holes).
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>>;
+
+    /// Write `data` at `offset` (512-byte aligned). With `fua` it is durable
+    /// when this returns; otherwise after the next flush.
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
+
+    /// Make every write completed before this call durable.
+    fn flush(&self) -> Result<()>;
+
+    /// Deallocate: the range reads as zeros afterwards.
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()>;
+
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()>;
+
+    /// Allocation from the block holding `offset`, as runs of
+    /// `(blocks, kind)`, covering at most `max_blocks` blocks.
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> Result<Vec<(u64, Allocation)>>;
+
+    /// Read whole blocks; faulty blocks are zero-filled and listed instead
+    /// of failing the call (scans, `check`, `export --allow-faults`).
+    fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>>;
+
+    /// The first LBA at or after `lba` that may hold data; scans skip to
+    /// it. A device that cannot tell returns `lba`.
+    fn next_possible_data(&self, lba: u64) -> Result<u64> {
+        Ok(lba)
+    }
+
+    /// Blocks `[first, first + count)` as stored, each with its context.
+    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>>;
+
+    /// Store sealed blocks at their LBAs, after verifying each against its
+    /// context: a block that does not verify fails the call naming it, and
+    /// none of the blocks is stored.
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
+
+    /// Verify every block of `[first, first + count)` without returning
+    /// data; returns the faults found.
+    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
+        let mut faults = Vec::new();
+        let mut buffer = vec![0u8; (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize];
+        let end = first + count;
+        let mut lba = first;
+        while lba < end {
+            let n = (end - lba).min(OFFLOAD_CHUNK_BLOCKS);
+            faults.extend(self.read_blocks_collecting(
+                lba,
+                n,
+                &mut buffer[..(n * BLOCK) as usize],
+            )?);
+            lba += n;
+        }
+        Ok(faults)
+    }
+
+    /// Copy `count` blocks from `source` to `destination` (LBAs), with
+    /// `memmove` semantics when the ranges overlap. Source blocks are
+    /// verified on the way: a fault fails the copy naming the LBA. The
+    /// destination is durable after the next flush, like any write.
+    fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
+        let blocks = self.size() / BLOCK;
+        for start in [source, destination] {
+            if start.checked_add(count).is_none_or(|end| end > blocks) {
+                return Err(Error::OutOfRange {
+                    offset: start * BLOCK,
+                    length: count * BLOCK,
+                    size: self.size(),
+                });
+            }
+        }
+        let mut buffer = vec![0u8; (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize];
+        // Copy backwards when the destination overlaps the source's tail.
+        let backwards = destination > source && destination < source + count;
+        let mut done = 0;
+        while done < count {
+            let n = (count - done).min(OFFLOAD_CHUNK_BLOCKS);
+            let at = if backwards { count - done - n } else { done };
+            let chunk = &mut buffer[..(n * BLOCK) as usize];
+            self.read((source + at) * BLOCK, chunk)?;
+            self.write((destination + at) * BLOCK, chunk, false)?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// NVMe Compare: `None` when the bytes at `offset` equal `data`, else
+    /// the offset (from `offset`) of the first byte that differs.
+    fn compare(&self, offset: u64, data: &[u8]) -> Result<Option<u64>> {
+        let step = (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize;
+        let mut buffer = vec![0u8; step.min(data.len())];
+        let mut at = 0usize;
+        while at < data.len() {
+            let n = step.min(data.len() - at);
+            self.read(offset + at as u64, &mut buffer[..n])?;
+            if let Some(index) = buffer[..n]
+                .iter()
+                .zip(&data[at..at + n])
+                .position(|(a, b)| a != b)
+            {
+                return Ok(Some((at + index) as u64));
+            }
+            at += n;
+        }
+        Ok(None)
+    }
+}

@@ -1,0 +1,97 @@
+//! `Engine`: one open volume's parts, each owned by the path that uses it.
+//!
+//! - `shared` (`shared.rs`): what every path borrows — backing storage,
+//!   protection, layouts, the in-memory state. Reads are methods on it.
+//! - `committer` (`commit.rs`): the journal position and durability state,
+//!   and the background committer's signal.
+//! - the writers' stripe locks and tuning (`write.rs`).
+//!
+//! `Volume` (`volume.rs`) is the public handle; nothing outside the engine
+//! sees these parts.
+
+use std::sync::Arc;
+
+use parking_lot::{Mutex, RwLock};
+use vouch_format::Superblock;
+
+use crate::backing::Backing;
+use crate::commit::Committer;
+use crate::error::{Error, Result};
+use crate::journal::Journal;
+use crate::layout::LayoutMap;
+use crate::options::{OpenOptions, Tuning};
+use crate::protection::GuardProtection;
+use crate::recovery::{recover, RecoveryReport};
+use crate::shared::Shared;
+use crate::state::VolumeState;
+use crate::storage::Storage;
+use crate::superblock::read_superblock;
+
+/// Writers to one block serialize on one of these (sub-block writes are
+/// read-modify-write).
+const STRIPES: usize = 64;
+
+pub(crate) struct Engine {
+    pub shared: Shared,
+    pub committer: Committer,
+    pub tuning: Tuning,
+    stripes: Vec<Mutex<()>>,
+    pub recovery: RecoveryReport,
+}
+
+impl Engine {
+    /// Open a volume on `storage`, recovering from the journal if it was
+    /// not closed cleanly.
+    pub fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Engine> {
+        let superblock = read_superblock(&*storage)?;
+        let unknown = superblock.features.unknown_incompat();
+        if unknown != 0 {
+            return Err(Error::Unsupported(format!(
+                "volume uses incompatible features this vouch does not support (incompat bits {unknown:#x}); refusing to open"
+            )));
+        }
+        let mut read_only = options
+            .read_only
+            .then(|| " (opened with --read-only)".to_string());
+        let unknown_ro = superblock.features.unknown_ro_compat();
+        if unknown_ro != 0 {
+            read_only = Some(format!(
+                " (unknown ro-compat features {unknown_ro:#x}: opened read-only)"
+            ));
+        }
+        let geometry = superblock
+            .geometry()
+            .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")))?;
+        let shared = Shared {
+            io: Backing::new(storage, geometry, read_only),
+            protection: Box::new(GuardProtection::new(
+                superblock.guard,
+                superblock.volume_tag(),
+            )),
+            layouts: LayoutMap::whole(geometry),
+            state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
+            uuid: superblock.uuid,
+        };
+        let committer = Committer::new(
+            Journal::after_checkpoint(superblock),
+            superblock.journal_bytes,
+            options.tuning.overlay_limit,
+        );
+        let recovery = recover(&shared, &committer)?;
+        Ok(Engine {
+            shared,
+            committer,
+            tuning: options.tuning,
+            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            recovery,
+        })
+    }
+
+    pub fn stripe(&self, lba: u64) -> &Mutex<()> {
+        &self.stripes[(lba % STRIPES as u64) as usize]
+    }
+
+    pub fn superblock(&self) -> Superblock {
+        self.committer.lock().superblock
+    }
+}

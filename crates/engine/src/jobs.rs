@@ -1,0 +1,271 @@
+//! Background jobs as one mechanism: a chunked scan over a `BlockDevice`
+//! that skips holes, can be throttled (bytes per second), reports progress,
+//! can be cancelled from another thread, and can resume from a persisted
+//! cursor. `check` and `export` run on it today; scrub, resync, copy and
+//! layout migration are the same loop with another visitor.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::device::BlockDevice;
+use crate::error::{Error, Fault, Result};
+use crate::state::BLOCK;
+
+/// Blocks read per step of a scan (1 MiB). Scans start chunks on multiples
+/// of it, so a resumed scan reads the same chunks.
+pub const SCAN_CHUNK_BLOCKS: u64 = 256;
+
+/// Shared between a running job and whoever watches it: progress counters
+/// and the cancel switch. Cheap to poll from any thread.
+#[derive(Debug, Default)]
+pub struct JobControl {
+    cancel: AtomicBool,
+    /// Blocks of the range behind the cursor (checked or skipped as holes).
+    done_blocks: AtomicU64,
+    total_blocks: AtomicU64,
+    /// Blocks actually read and verified (holes skipped are not counted).
+    read_blocks: AtomicU64,
+}
+
+impl JobControl {
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Release);
+    }
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Acquire)
+    }
+    /// `(done, total)` in blocks.
+    pub fn progress(&self) -> (u64, u64) {
+        (
+            self.done_blocks.load(Ordering::Relaxed),
+            self.total_blocks.load(Ordering::Relaxed),
+        )
+    }
+    pub fn read_blocks(&self) -> u64 {
+        self.read_blocks.load(Ordering::Relaxed)
+    }
+}
+
+/// Where a scan has got to, kept across restarts.
+pub trait Cursor {
+    /// The LBA to resume from, if a scan was interrupted.
+    fn load(&self) -> Result<Option<u64>>;
+    /// Record that every block before `lba` is done.
+    fn save(&self, lba: u64) -> Result<()>;
+    /// The scan finished: forget the cursor.
+    fn clear(&self) -> Result<()>;
+}
+
+/// A cursor in a small text file, replaced atomically (write a temporary
+/// file, fsync, rename): after a crash it holds the old or the new LBA.
+pub struct CursorFile {
+    path: PathBuf,
+}
+
+impl CursorFile {
+    pub fn new(path: impl Into<PathBuf>) -> CursorFile {
+        CursorFile { path: path.into() }
+    }
+
+    fn error(&self, action: &'static str, error: impl std::fmt::Display) -> Error {
+        Error::Path {
+            action,
+            path: self.path.clone(),
+            cause: error.to_string(),
+        }
+    }
+}
+
+impl Cursor for CursorFile {
+    fn load(&self) -> Result<Option<u64>> {
+        match std::fs::read_to_string(&self.path) {
+            Ok(text) => text
+                .trim()
+                .parse::<u64>()
+                .map(Some)
+                .map_err(|error| self.error("parse the scan cursor", error)),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(error) => Err(self.error("read the scan cursor", error)),
+        }
+    }
+
+    fn save(&self, lba: u64) -> Result<()> {
+        let temporary = self.path.with_extension("tmp");
+        let write = || -> std::io::Result<()> {
+            let mut file = std::fs::File::create(&temporary)?;
+            writeln!(file, "{lba}")?;
+            file.sync_all()?;
+            std::fs::rename(&temporary, &self.path)
+        };
+        write().map_err(|error| self.error("save the scan cursor", error))
+    }
+
+    fn clear(&self) -> Result<()> {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(error) => Err(self.error("remove the scan cursor", error)),
+        }
+    }
+}
+
+/// Keeps a job at or under a byte rate by sleeping between chunks.
+pub struct Throttle {
+    bytes_per_second: Option<u64>,
+    started: Instant,
+    bytes: u64,
+}
+
+impl Throttle {
+    /// `None`: no limit.
+    pub fn new(bytes_per_second: Option<u64>) -> Throttle {
+        Throttle {
+            bytes_per_second: bytes_per_second.filter(|rate| *rate > 0),
+            started: Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    /// How long to wait after `bytes` more to stay at the rate.
+    pub fn delay_after(&mut self, bytes: u64) -> Duration {
+        self.bytes += bytes;
+        let Some(rate) = self.bytes_per_second else {
+            return Duration::ZERO;
+        };
+        let due = Duration::from_secs_f64(self.bytes as f64 / rate as f64);
+        due.saturating_sub(self.started.elapsed())
+    }
+
+    pub fn pace(&mut self, bytes: u64) {
+        let delay = self.delay_after(bytes);
+        if !delay.is_zero() {
+            std::thread::sleep(delay);
+        }
+    }
+}
+
+/// What to scan and how fast.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ScanOptions {
+    /// Blocks `[start, end)`; `end` `None` means to the end of the device.
+    pub start: u64,
+    pub end: Option<u64>,
+    /// Bytes per second read at most (`None`: as fast as it goes).
+    pub rate_bytes_per_second: Option<u64>,
+}
+
+/// How a scan ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScanEnd {
+    Finished,
+    /// Cancelled with every block before `at` done.
+    Cancelled {
+        at: u64,
+    },
+}
+
+/// One chunk read by a scan: blocks `[lba, lba + count)`, their bytes
+/// (faulty blocks zero-filled) and their faults.
+pub struct Chunk<'a> {
+    pub lba: u64,
+    pub count: u64,
+    pub data: &'a [u8],
+    pub faults: &'a [Fault],
+}
+
+/// Scan `device` chunk by chunk, skipping holes, calling `visit` with each
+/// chunk. With a `cursor`, resume where it says and save progress every
+/// chunk (the cursor never runs ahead of what `visit` has seen).
+pub fn scan(
+    device: &dyn BlockDevice,
+    options: ScanOptions,
+    control: &JobControl,
+    cursor: Option<&dyn Cursor>,
+    mut visit: impl FnMut(Chunk<'_>) -> Result<()>,
+) -> Result<ScanEnd> {
+    let blocks = device.size() / BLOCK;
+    let end = options.end.unwrap_or(blocks).min(blocks);
+    let resume = match cursor {
+        Some(cursor) => cursor.load()?,
+        None => None,
+    };
+    let mut lba = resume.unwrap_or(options.start).clamp(options.start, end);
+    control
+        .total_blocks
+        .store(end - options.start, Ordering::Relaxed);
+    control
+        .done_blocks
+        .store(lba - options.start, Ordering::Relaxed);
+    let mut throttle = Throttle::new(options.rate_bytes_per_second);
+    let mut buffer = vec![0u8; (SCAN_CHUNK_BLOCKS * BLOCK) as usize];
+    while lba < end {
+        if control.is_cancelled() {
+            return Ok(ScanEnd::Cancelled { at: lba });
+        }
+        lba = device.next_possible_data(lba)?.min(end);
+        if lba >= end {
+            break;
+        }
+        let count = (end - lba).min(SCAN_CHUNK_BLOCKS - lba % SCAN_CHUNK_BLOCKS);
+        let data = &mut buffer[..(count * BLOCK) as usize];
+        let faults = device.read_blocks_collecting(lba, count, data)?;
+        visit(Chunk {
+            lba,
+            count,
+            data,
+            faults: &faults,
+        })?;
+        lba += count;
+        control.read_blocks.fetch_add(count, Ordering::Relaxed);
+        control
+            .done_blocks
+            .store(lba - options.start, Ordering::Relaxed);
+        if let Some(cursor) = cursor {
+            cursor.save(lba)?;
+        }
+        throttle.pace(count * BLOCK);
+    }
+    control
+        .done_blocks
+        .store(end - options.start, Ordering::Relaxed);
+    if let Some(cursor) = cursor {
+        cursor.clear()?;
+    }
+    Ok(ScanEnd::Finished)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_throttle_spaces_bytes_at_its_rate() {
+        let mut throttle = Throttle::new(Some(1 << 20));
+        // 4 MiB at 1 MiB/s is due after 4 s; almost nothing has elapsed.
+        let delay = throttle.delay_after(4 << 20);
+        assert!(delay > Duration::from_millis(3900), "{delay:?}");
+        let mut unlimited = Throttle::new(None);
+        assert_eq!(unlimited.delay_after(1 << 40), Duration::ZERO);
+    }
+
+    #[test]
+    fn a_cursor_file_survives_and_clears() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let cursor = CursorFile::new(dir.path().join("scan.cursor"));
+        assert_eq!(cursor.load().expect("load"), None);
+        cursor.save(512).expect("save");
+        assert_eq!(
+            CursorFile::new(dir.path().join("scan.cursor"))
+                .load()
+                .expect("load"),
+            Some(512)
+        );
+        cursor.clear().expect("clear");
+        assert_eq!(cursor.load().expect("load"), None);
+        std::fs::write(dir.path().join("scan.cursor"), "not a number").expect("write");
+        let error = cursor.load().expect_err("garbage is refused");
+        assert!(error.to_string().contains("scan.cursor"), "{error}");
+    }
+}

@@ -1,0 +1,92 @@
+//! The context journal: its position and durability state (`Journal`, owned
+//! by the committer behind its lock), and reading back the records written
+//! since the last checkpoint (recovery). Appending lives with the commit
+//! (`commit.rs`), because a full journal forces a checkpoint first.
+
+use std::collections::BTreeSet;
+
+use vouch_format::journal::{decode_entries, JournalHeader, JOURNAL_ALIGN};
+use vouch_format::{JournalEntry, Superblock};
+
+use crate::backing::Backing;
+use crate::error::Result;
+use crate::storage::ObjectId;
+
+/// Journal position and durability, serialized by the committer's lock.
+pub(crate) struct Journal {
+    /// The superblock as last written (checkpoints write the older copy).
+    pub superblock: Superblock,
+    pub next_seq: u64,
+    /// Where the next record goes.
+    pub offset: u64,
+    /// Commits up to this sequence number have their data durable at home
+    /// (ORDER POINT B); recovery verifies only later ones.
+    pub data_durable_seq: u64,
+    /// Objects written since their last sync.
+    pub unsynced: BTreeSet<ObjectId>,
+}
+
+impl Journal {
+    pub fn after_checkpoint(superblock: Superblock) -> Journal {
+        Journal {
+            superblock,
+            next_seq: superblock.checkpoint_seq + 1,
+            offset: 0,
+            data_durable_seq: superblock.checkpoint_seq,
+            unsynced: BTreeSet::new(),
+        }
+    }
+}
+
+/// One journal record read back.
+pub(crate) struct Record {
+    pub header: JournalHeader,
+    pub bytes: Vec<u8>,
+    pub entries: Vec<JournalEntry>,
+}
+
+/// Valid records with consecutive sequence numbers after `checkpoint_seq`,
+/// and the journal offset just past the last one. `check` refuses a record
+/// that passed its checksums but cannot have been written by vouch.
+pub(crate) fn read_records(
+    io: &Backing,
+    uuid: [u8; 16],
+    journal_bytes: u64,
+    checkpoint_seq: u64,
+    check: impl Fn(&Record) -> Result<()>,
+) -> Result<(Vec<Record>, u64)> {
+    let mut records = Vec::new();
+    let mut offset = 0u64;
+    let mut expected = checkpoint_seq + 1;
+    let mut first_block = vec![0u8; JOURNAL_ALIGN as usize];
+    while offset + JOURNAL_ALIGN <= journal_bytes {
+        io.read_object(ObjectId::Journal, offset, &mut first_block)?;
+        let Ok(header) = JournalHeader::decode(&first_block) else {
+            break;
+        };
+        if header.volume_uuid != uuid || header.seq != expected {
+            break;
+        }
+        let len = u64::from(header.record_blocks) * JOURNAL_ALIGN;
+        if offset + len > journal_bytes {
+            break;
+        }
+        let mut bytes = vec![0u8; len as usize];
+        io.read_object(ObjectId::Journal, offset, &mut bytes)?;
+        // A torn record fails its payload CRC: its commit never reached
+        // the data (ORDER POINT A), so the replay ends before it.
+        let Ok(entries) = decode_entries(&header, &bytes) else {
+            break;
+        };
+        let record = Record {
+            header,
+            bytes,
+            entries,
+        };
+        check(&record)?;
+        records.push(record);
+        offset += len;
+        expected += 1;
+    }
+    Ok((records, offset))
+}

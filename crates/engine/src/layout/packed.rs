@@ -1,0 +1,338 @@
+//! The `packed` layout: each block's context right after its data in one
+//! 4128-byte record, 31 records per 128 KiB row (Crucible-style): one read
+//! I/O returns both. A record write is not atomic on the media, so the
+//! journal carries the data too (a redo log): recovery rewrites every
+//! journaled record, and each block reads its newest journaled data.
+
+use std::collections::BTreeSet;
+use std::ops::Range;
+
+use parking_lot::RwLock;
+use vouch_format::journal::record_data;
+use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
+use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
+
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
+use crate::backing::Backing;
+use crate::contexts::{context_in_range, ContextStore, Lookup};
+use crate::error::Result;
+use crate::journal::Record;
+use crate::protection::Seal;
+use crate::state::{shared_block, DirtyBlock, RangeOp, VolumeState, BLOCK};
+use crate::storage::ObjectId;
+
+/// The unused bytes at the end of a packed row (zero on disk).
+static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
+    as usize] = [0; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES) as usize];
+
+pub(crate) struct PackedLayout {
+    geometry: Geometry,
+}
+
+impl PackedLayout {
+    pub fn new(geometry: Geometry) -> PackedLayout {
+        PackedLayout { geometry }
+    }
+
+    /// Trim / zero `[start, end)` of one segment: punch whole rows of holes,
+    /// rewrite the records at the edges with the range's contexts.
+    fn apply_range_in_segment(
+        &self,
+        io: &Backing,
+        object: ObjectId,
+        (start, end): (u64, u64),
+        template: Context,
+    ) -> Result<()> {
+        let mut lba = start;
+        while lba < end {
+            let slot = lba % PACKED_RECORDS_PER_ROW;
+            let row_start = self.geometry.locate(lba).data_offset - slot * PACKED_RECORD_BYTES;
+            let row_end_lba = (lba - slot + PACKED_RECORDS_PER_ROW).min(end);
+            if slot == 0
+                && row_end_lba - lba == PACKED_RECORDS_PER_ROW
+                && matches!(template, Context::Unwritten)
+            {
+                // Whole rows: punch them in one call.
+                let rows = (end - lba) / PACKED_RECORDS_PER_ROW;
+                io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
+                lba += rows * PACKED_RECORDS_PER_ROW;
+                continue;
+            }
+            let first = self.geometry.locate(lba).data_offset;
+            let mut run = vec![0u8; ((row_end_lba - lba) * PACKED_RECORD_BYTES) as usize];
+            for (index, block) in (lba..row_end_lba).enumerate() {
+                let at = index * PACKED_RECORD_BYTES as usize + BLOCK as usize;
+                run[at..at + CONTEXT_BYTES]
+                    .copy_from_slice(&context_in_range(template, block).encode());
+            }
+            io.write_object(object, first, &run)?;
+            lba = row_end_lba;
+        }
+        Ok(())
+    }
+}
+
+impl Layout for PackedLayout {
+    fn kind(&self) -> LayoutKind {
+        LayoutKind::Packed
+    }
+
+    fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    fn journals_data(&self) -> bool {
+        true
+    }
+
+    fn contexts_in_table(&self) -> bool {
+        false
+    }
+
+    fn plan(&self, lba: u64, contexts: &ContextStore) -> Planned {
+        // Contexts live in the records; only a read-only open of an
+        // unrecovered volume holds (zeroed) ranges in memory.
+        let pending_zero = !contexts.ranges.is_empty()
+            && matches!(contexts.lookup(lba), Lookup::Found(Ok(context)) if context.reads_as_zero());
+        if pending_zero {
+            Planned::Zero
+        } else {
+            Planned::Home(ContextFrom::Record)
+        }
+    }
+
+    fn read_run(
+        &self,
+        io: &Backing,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
+        let location = self.geometry.locate(first);
+        let span = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES
+            - location.data_offset;
+        let mut records = vec![0u8; span as usize];
+        let object = ObjectId::Data(location.segment);
+        io.try_read(object, location.data_offset, &mut records)?;
+        let mut contexts = Vec::with_capacity(count as usize);
+        for (index, lba) in (first..first + count).enumerate() {
+            let at = (self.geometry.locate(lba).data_offset - location.data_offset) as usize;
+            out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
+                .copy_from_slice(&records[at..at + BLOCK as usize]);
+            contexts.push(Context::decode(
+                &records[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
+            ));
+        }
+        Ok(contexts)
+    }
+
+    fn read_block(
+        &self,
+        io: &Backing,
+        lba: u64,
+        block: &mut [u8],
+    ) -> std::io::Result<Option<Result<Context, FormatError>>> {
+        let location = self.geometry.locate(lba);
+        let mut record = [0u8; PACKED_RECORD_BYTES as usize];
+        io.try_read(
+            ObjectId::Data(location.segment),
+            location.data_offset,
+            &mut record,
+        )?;
+        block.copy_from_slice(&record[..BLOCK as usize]);
+        Ok(Some(Context::decode(&record[BLOCK as usize..])))
+    }
+
+    fn write_home(
+        &self,
+        io: &Backing,
+        blocks: &[(u64, DirtyBlock)],
+        contexts: &[Context],
+        unsynced: &mut BTreeSet<ObjectId>,
+    ) -> Result<()> {
+        // Records straight from the buffered blocks: each block's data, then
+        // its encoded context, and the zero padding at a row's end when a run
+        // crosses into the next row. Nothing is copied here.
+        let encoded: Vec<[u8; CONTEXT_BYTES]> = contexts.iter().map(Context::encode).collect();
+        let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
+        let mut index = 0;
+        while index < blocks.len() {
+            let first = self.geometry.locate(blocks[index].0);
+            let mut parts: Vec<&[u8]> = Vec::with_capacity(2);
+            let mut next_offset = first.data_offset;
+            let mut end = index;
+            loop {
+                let at = self.geometry.locate(blocks[end].0).data_offset;
+                if at > next_offset {
+                    parts.push(&ROW_PADDING[..(at - next_offset) as usize]);
+                }
+                parts.push(&blocks[end].1.data[..]);
+                parts.push(&encoded[end][..]);
+                next_offset = at + PACKED_RECORD_BYTES;
+                end += 1;
+                if end == blocks.len()
+                    || !self.geometry.contiguous(blocks[end - 1].0, blocks[end].0)
+                {
+                    break;
+                }
+            }
+            runs.push((ObjectId::Data(first.segment), first.data_offset, parts));
+            index = end;
+        }
+        super::write_runs_by_object(io, &runs, unsynced)
+    }
+
+    fn apply_range_home(
+        &self,
+        io: &Backing,
+        range: &RangeOp,
+        unsynced: &mut BTreeSet<ObjectId>,
+    ) -> Result<()> {
+        super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
+            let object = ObjectId::Data(self.geometry.locate(lba).segment);
+            self.apply_range_in_segment(io, object, (lba, end), range.template)?;
+            unsynced.insert(object);
+            Ok(())
+        })
+    }
+
+    fn next_data_on_disk(&self, io: &Backing, lba: u64) -> Result<Option<u64>> {
+        let mut segment_first = lba;
+        while segment_first < self.geometry.blocks {
+            let location = self.geometry.locate(segment_first);
+            let base = segment_first - segment_first % self.geometry.segment_blocks;
+            if let Some(at) =
+                io.seek_data(ObjectId::Data(location.segment), location.data_offset)?
+            {
+                let row_lba = base + (at / PACKED_ROW_BYTES) * PACKED_RECORDS_PER_ROW;
+                return Ok(Some(row_lba.max(segment_first)));
+            }
+            segment_first = base + self.geometry.segment_blocks;
+        }
+        Ok(None)
+    }
+
+    fn allocation(
+        &self,
+        io: &Backing,
+        _state: &RwLock<VolumeState>,
+        first: u64,
+        buffered: &[bool],
+    ) -> Result<Vec<Allocation>> {
+        let count = buffered.len() as u64;
+        // Sparse fast path: no data anywhere in these records.
+        let start = self.geometry.locate(first);
+        let last = self.geometry.locate(first + count - 1);
+        let any_data = match io.seek_data(ObjectId::Data(start.segment), start.data_offset)? {
+            Some(at) => {
+                at < last.data_offset + PACKED_RECORD_BYTES || last.segment != start.segment
+            }
+            None => last.segment != start.segment,
+        };
+        let mut kinds = Vec::with_capacity(buffered.len());
+        for (index, lba) in (first..first + count).enumerate() {
+            if buffered[index] {
+                kinds.push(Allocation::Data);
+                continue;
+            }
+            if !any_data {
+                kinds.push(Allocation::Hole);
+                continue;
+            }
+            let location = self.geometry.locate(lba);
+            let mut raw = [0u8; CONTEXT_BYTES];
+            io.read_object(
+                ObjectId::Data(location.segment),
+                location.data_offset + BLOCK,
+                &mut raw,
+            )?;
+            kinds.push(match Context::decode(&raw) {
+                Ok(Context::Unwritten) => Allocation::Hole,
+                Ok(Context::Zero { .. }) => Allocation::Zero,
+                _ => Allocation::Data,
+            });
+        }
+        Ok(kinds)
+    }
+
+    /// A redo needs every data block the record's entries name.
+    fn check_record(&self, record: &Record) -> std::result::Result<(), String> {
+        let data_entries = record
+            .entries
+            .iter()
+            .filter(|entry| entry.count == 1 && matches!(entry.context, Context::Data { .. }))
+            .count();
+        if data_entries != record.header.data_blocks as usize {
+            return Err(format!(
+                "{data_entries} data entries but {} data blocks",
+                record.header.data_blocks
+            ));
+        }
+        Ok(())
+    }
+
+    /// The journal is a redo log: every record's blocks are rewritten from
+    /// the journal's copy. A read-only open cannot write, so it serves the
+    /// journaled blocks and ranges from memory instead.
+    fn replay(&self, replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>> {
+        let read_only = replay.io.is_read_only();
+        for record in records {
+            let mut data_index = 0usize;
+            for entry in &record.entries {
+                if entry.count == 1 && matches!(entry.context, Context::Data { .. }) {
+                    let data = record_data(&record.header, &record.bytes, data_index);
+                    data_index += 1;
+                    if read_only {
+                        let guard = match entry.context {
+                            Context::Data { guard, .. } => guard,
+                            _ => unreachable!("matched Data above"),
+                        };
+                        replay.state.write().active.insert(
+                            entry.lba,
+                            DirtyBlock {
+                                data: shared_block(data),
+                                seal: Seal { guard },
+                            },
+                        );
+                        continue;
+                    }
+                    let location = self.geometry.locate(entry.lba);
+                    let mut record_bytes = vec![0u8; PACKED_RECORD_BYTES as usize];
+                    record_bytes[..BLOCK as usize].copy_from_slice(data);
+                    record_bytes[BLOCK as usize..].copy_from_slice(&entry.context.encode());
+                    let object = ObjectId::Data(location.segment);
+                    replay
+                        .io
+                        .write_object(object, location.data_offset, &record_bytes)?;
+                    replay.unsynced.insert(object);
+                } else {
+                    let range = RangeOp {
+                        start: entry.lba,
+                        end: entry.lba + u64::from(entry.count),
+                        template: entry.context,
+                    };
+                    if read_only {
+                        // Served from memory as a range (its size does not
+                        // matter), superseding journaled data buffered before it.
+                        let mut state = replay.state.write();
+                        state.drop_buffered(range.start, range.end);
+                        state
+                            .contexts
+                            .set_range(range.start, range.end, range.template);
+                        continue;
+                    }
+                    self.apply_range_home(replay.io, &range, replay.unsynced)?;
+                }
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    fn checkpoint_contexts(
+        &self,
+        _io: &Backing,
+        _state: &RwLock<VolumeState>,
+    ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
+        Ok((Vec::new(), Vec::new()))
+    }
+}

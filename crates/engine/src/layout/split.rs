@@ -1,0 +1,411 @@
+//! The `split` layout: data blocks in the data segments, their contexts in
+//! a separate context table (`contexts` object), DIX-style. Contexts
+//! committed since the last checkpoint live in memory (`ContextStore`) and
+//! in the journal; a checkpoint writes them into the table.
+//!
+//! Recovery: a commit after the last ORDER POINT B may not have reached
+//! home, so each block it wrote is read back and given the newest context
+//! its data matches (new, an older write, or the context it had before;
+//! zero-reading contexts always match). A block matching none was torn
+//! below 4 KiB by the media: it keeps its newest context and reads as a
+//! fault.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
+
+use parking_lot::RwLock;
+use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
+
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
+use crate::backing::Backing;
+use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
+use crate::error::Result;
+use crate::journal::Record;
+use crate::state::{load_context_page, Block, DirtyBlock, RangeOp, VolumeState, BLOCK};
+use crate::storage::ObjectId;
+
+pub(crate) struct SplitLayout {
+    geometry: Geometry,
+}
+
+impl SplitLayout {
+    pub fn new(geometry: Geometry) -> SplitLayout {
+        SplitLayout { geometry }
+    }
+
+    /// The context a block has now, loading its table page if needed.
+    fn context_now(&self, io: &Backing, state: &RwLock<VolumeState>, lba: u64) -> Result<Context> {
+        if let Lookup::Found(found) = state.read().contexts.lookup(lba) {
+            return Ok(found.unwrap_or(Context::Unwritten));
+        }
+        let page = load_context_page(io, state, ContextStore::page_of(lba))?;
+        let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+        Ok(Context::decode(&page[at..at + CONTEXT_BYTES]).unwrap_or(Context::Unwritten))
+    }
+
+    fn write_context_page(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+        page_no: u64,
+        page: Box<[u8; 4096]>,
+        written: &mut WrittenPages,
+    ) -> Result<()> {
+        io.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
+        let cached = state.read().contexts.is_cached(page_no);
+        written.push((page_no, cached.then(|| Page::from(page))));
+        Ok(())
+    }
+
+    /// A context page as it is now (cached copy or disk), to be modified.
+    fn page_for_update(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+        page_no: u64,
+    ) -> Result<Box<[u8; 4096]>> {
+        let mut page = Box::new([0u8; 4096]);
+        match state.read().contexts.cached_page(page_no) {
+            Some(cached) => page.copy_from_slice(&cached[..]),
+            None => io.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?,
+        }
+        Ok(page)
+    }
+
+    /// A range's contexts: whole pages of holes are punched (returned as
+    /// page ranges), edge pages are modified in `pages`.
+    fn write_context_range(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+        (start, end, template): (u64, u64, Context),
+        pages: &mut BTreeMap<u64, Box<[u8; 4096]>>,
+    ) -> Result<Vec<Range<u64>>> {
+        let mut punched = Vec::new();
+        let mut lba = start;
+        while lba < end {
+            let page_no = ContextStore::page_of(lba);
+            let page_end = ((page_no + 1) * CONTEXTS_PER_PAGE).min(end);
+            if lba.is_multiple_of(CONTEXTS_PER_PAGE)
+                && page_end - lba == CONTEXTS_PER_PAGE
+                && matches!(template, Context::Unwritten)
+            {
+                let whole = (end - lba) / CONTEXTS_PER_PAGE;
+                io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
+                pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
+                punched.push(page_no..page_no + whole);
+                lba += whole * CONTEXTS_PER_PAGE;
+                continue;
+            }
+            if let std::collections::btree_map::Entry::Vacant(entry) = pages.entry(page_no) {
+                entry.insert(self.page_for_update(io, state, page_no)?);
+            }
+            let page = pages.get_mut(&page_no).expect("inserted above");
+            for block in lba..page_end {
+                let at = (block % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+                page[at..at + CONTEXT_BYTES]
+                    .copy_from_slice(&context_in_range(template, block).encode());
+            }
+            lba = page_end;
+        }
+        Ok(punched)
+    }
+}
+
+impl Layout for SplitLayout {
+    fn kind(&self) -> LayoutKind {
+        LayoutKind::Split
+    }
+
+    fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    fn journals_data(&self) -> bool {
+        false
+    }
+
+    fn contexts_in_table(&self) -> bool {
+        true
+    }
+
+    fn plan(&self, lba: u64, contexts: &ContextStore) -> Planned {
+        match contexts.lookup(lba) {
+            Lookup::Found(Ok(context)) if context.reads_as_zero() => Planned::Zero,
+            Lookup::Found(found) => Planned::Home(ContextFrom::Known(found)),
+            Lookup::NeedPage(page) => Planned::NeedPage(page),
+        }
+    }
+
+    fn read_run(
+        &self,
+        io: &Backing,
+        first: u64,
+        _count: u64,
+        out: &mut [u8],
+    ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
+        let location = self.geometry.locate(first);
+        io.try_read(ObjectId::Data(location.segment), location.data_offset, out)?;
+        Ok(Vec::new())
+    }
+
+    fn read_block(
+        &self,
+        io: &Backing,
+        lba: u64,
+        block: &mut [u8],
+    ) -> std::io::Result<Option<Result<Context, FormatError>>> {
+        let location = self.geometry.locate(lba);
+        io.try_read(
+            ObjectId::Data(location.segment),
+            location.data_offset,
+            block,
+        )?;
+        Ok(None)
+    }
+
+    fn write_home(
+        &self,
+        io: &Backing,
+        blocks: &[(u64, DirtyBlock)],
+        _contexts: &[Context],
+        unsynced: &mut BTreeSet<ObjectId>,
+    ) -> Result<()> {
+        // Runs of consecutive LBAs, each one write straight from the
+        // buffered blocks; all of them submitted as one batch per object.
+        let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
+        let mut index = 0;
+        while index < blocks.len() {
+            let mut end = index + 1;
+            while end < blocks.len() && self.geometry.contiguous(blocks[end - 1].0, blocks[end].0) {
+                end += 1;
+            }
+            let location = self.geometry.locate(blocks[index].0);
+            let parts = blocks[index..end]
+                .iter()
+                .map(|(_, dirty)| &dirty.data[..])
+                .collect();
+            runs.push((
+                ObjectId::Data(location.segment),
+                location.data_offset,
+                parts,
+            ));
+            index = end;
+        }
+        super::write_runs_by_object(io, &runs, unsynced)
+    }
+
+    fn apply_range_home(
+        &self,
+        io: &Backing,
+        range: &RangeOp,
+        unsynced: &mut BTreeSet<ObjectId>,
+    ) -> Result<()> {
+        // Punch the data of holes; the context change waits for the checkpoint.
+        super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
+            let location = self.geometry.locate(lba);
+            let object = ObjectId::Data(location.segment);
+            if matches!(range.template, Context::Unwritten) {
+                io.punch(object, location.data_offset, (end - lba) * BLOCK)?;
+            }
+            unsynced.insert(object);
+            Ok(())
+        })
+    }
+
+    fn next_data_on_disk(&self, io: &Backing, lba: u64) -> Result<Option<u64>> {
+        let offset = lba * CONTEXT_BYTES as u64;
+        Ok(io
+            .seek_data(ObjectId::Contexts, offset)?
+            .map(|at| at / CONTEXT_BYTES as u64))
+    }
+
+    fn allocation(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+        first: u64,
+        buffered: &[bool],
+    ) -> Result<Vec<Allocation>> {
+        let mut kinds = Vec::with_capacity(buffered.len());
+        for (index, is_buffered) in buffered.iter().enumerate() {
+            if *is_buffered {
+                kinds.push(Allocation::Data);
+                continue;
+            }
+            let lba = first + index as u64;
+            let lookup = state.read().contexts.lookup(lba);
+            let found = match lookup {
+                Lookup::Found(found) => found,
+                Lookup::NeedPage(page_no) => match load_context_page(io, state, page_no) {
+                    Ok(page) => {
+                        let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+                        Context::decode(&page[at..at + CONTEXT_BYTES])
+                    }
+                    // Unreadable context: reported as data (a read names the fault).
+                    Err(_) => {
+                        kinds.push(Allocation::Data);
+                        continue;
+                    }
+                },
+            };
+            kinds.push(match found {
+                Ok(Context::Unwritten) => Allocation::Hole,
+                Ok(Context::Zero { .. }) => Allocation::Zero,
+                _ => Allocation::Data,
+            });
+        }
+        Ok(kinds)
+    }
+
+    fn check_record(&self, _record: &Record) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    fn replay(&self, replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>> {
+        let Replay {
+            io,
+            protection,
+            state,
+            report,
+            ..
+        } = replay;
+        let Some(last) = records.last() else {
+            return Ok(Vec::new());
+        };
+        let mut resolutions = Vec::new();
+        let verify_after = last.header.data_durable_seq;
+        // For each block an unverified commit wrote: [context before, writes...].
+        let mut candidates: BTreeMap<u64, Vec<Context>> = BTreeMap::new();
+        for record in records {
+            for entry in &record.entries {
+                if entry.count == 1 && matches!(entry.context, Context::Data { .. }) {
+                    if record.header.seq > verify_after {
+                        if let std::collections::btree_map::Entry::Vacant(vacant) =
+                            candidates.entry(entry.lba)
+                        {
+                            let before = self.context_now(io, state, entry.lba)?;
+                            vacant.insert(vec![before]);
+                        }
+                        candidates
+                            .get_mut(&entry.lba)
+                            .expect("inserted")
+                            .push(entry.context);
+                    }
+                    state.write().contexts.set(entry.lba, entry.context);
+                } else {
+                    let end = entry.lba + u64::from(entry.count);
+                    state
+                        .write()
+                        .contexts
+                        .set_range(entry.lba, end, entry.context);
+                    let superseded: Vec<u64> = candidates
+                        .range(entry.lba..end)
+                        .map(|(lba, _)| *lba)
+                        .collect();
+                    for lba in superseded {
+                        candidates.remove(&lba);
+                    }
+                }
+            }
+        }
+        let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
+        for (lba, options) in candidates {
+            let location = self.geometry.locate(lba);
+            report.blocks_verified += 1;
+            let read = io.read_object(
+                ObjectId::Data(location.segment),
+                location.data_offset,
+                &mut block[..],
+            );
+            if let Err(error) = read {
+                // Not knowing what landed, keep the newest context: reads of
+                // this block then report the fault with its LBA instead of
+                // recovery silently deciding it was an old hole.
+                tracing::warn!(lba, %error, "block unreadable during recovery: it will read as a fault");
+                report.blocks_unreadable.push(lba);
+                continue;
+            }
+            let newest = *options.last().expect("at least one write");
+            let chosen = options
+                .iter()
+                .rev()
+                .find(|context| protection.matches(context, &block[..]));
+            match chosen {
+                Some(context) if *context == newest => {}
+                Some(context) => {
+                    report.blocks_reverted += 1;
+                    state.write().contexts.set(lba, *context);
+                    resolutions.push(JournalEntry {
+                        lba,
+                        count: 1,
+                        context: *context,
+                    });
+                }
+                None => {
+                    tracing::warn!(
+                        lba,
+                        "block torn by the crash: it will read as a fault until rewritten"
+                    );
+                    report.blocks_torn.push(lba);
+                }
+            }
+        }
+        Ok(resolutions)
+    }
+
+    /// Write ranges, then overlay entries in page order, into the context
+    /// table, one page at a time (memory stays bounded), then fsync it.
+    fn checkpoint_contexts(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+    ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
+        let (mut entries, ranges) = {
+            let state = state.read();
+            let entries: Vec<(u64, Context)> = state
+                .contexts
+                .overlay
+                .iter()
+                .map(|(lba, context)| (*lba, *context))
+                .collect();
+            (entries, state.contexts.ranges.clone())
+        };
+        entries.sort_unstable_by_key(|(lba, _)| *lba);
+        let mut punched = Vec::new();
+        let mut edge_pages: BTreeMap<u64, Box<[u8; 4096]>> = BTreeMap::new();
+        for (&start, &(end, template)) in &ranges {
+            punched.extend(self.write_context_range(
+                io,
+                state,
+                (start, end, template),
+                &mut edge_pages,
+            )?);
+        }
+        let mut rewritten = Vec::new();
+        let mut index = 0;
+        while index < entries.len() {
+            let page_no = ContextStore::page_of(entries[index].0);
+            let mut page = match edge_pages.remove(&page_no) {
+                Some(page) => page,
+                // Punched just now: its cached copy predates the trim.
+                None if punched.iter().any(|range| range.contains(&page_no)) => {
+                    Box::new([0u8; 4096])
+                }
+                None => self.page_for_update(io, state, page_no)?,
+            };
+            while index < entries.len() && ContextStore::page_of(entries[index].0) == page_no {
+                let (lba, context) = entries[index];
+                let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+                page[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
+                index += 1;
+            }
+            self.write_context_page(io, state, page_no, page, &mut rewritten)?;
+        }
+        for (page_no, page) in edge_pages {
+            self.write_context_page(io, state, page_no, page, &mut rewritten)?;
+        }
+        io.sync_object(ObjectId::Contexts)?;
+        Ok((rewritten, punched))
+    }
+}

@@ -1,0 +1,76 @@
+//! How a volume is created and opened, and the engine's tuning knobs.
+
+use vouch_format::{GuardKind, LayoutKind};
+
+/// Knobs with measured defaults (see docs/BENCHMARKS.md).
+#[derive(Clone, Copy, Debug)]
+pub struct Tuning {
+    /// Blocks buffered before a commit starts (16 MiB). Writers block at twice this.
+    pub dirty_limit_blocks: usize,
+    /// Clean context pages cached (split layout): 16384 pages = 64 MiB,
+    /// enough for every context of an 8 GiB volume.
+    pub context_cache_pages: usize,
+    /// Committed-but-not-checkpointed contexts before a checkpoint (split):
+    /// 1 Mi = at most 64 MiB resident. Each checkpoint writes back every
+    /// dirty data page (order point B), so a larger overlay (and journal)
+    /// means fewer of them: measured in docs/BENCHMARKS.md.
+    pub overlay_limit: usize,
+    /// Commit full write-back buffers on a background thread, so writers
+    /// never wait for the journal or home writes until the buffer reaches
+    /// twice `dirty_limit_blocks`. Off: the writer that fills the buffer
+    /// commits it inline (deterministic: the simulators replay seeds).
+    pub background_commit: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Tuning {
+        Tuning {
+            dirty_limit_blocks: 4096,
+            context_cache_pages: 16384,
+            overlay_limit: 1024 * 1024,
+            background_commit: true,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct CreateOptions {
+    pub size_bytes: u64,
+    pub layout: LayoutKind,
+    pub guard: GuardKind,
+    /// Blocks per data segment file (default: 1 TiB of data).
+    pub segment_blocks: Option<u64>,
+    /// Journal capacity (default: 128 MiB split, 64 MiB packed).
+    pub journal_bytes: Option<u64>,
+}
+
+impl CreateOptions {
+    pub fn new(size_bytes: u64) -> CreateOptions {
+        CreateOptions {
+            size_bytes,
+            layout: LayoutKind::Split,
+            guard: GuardKind::Crc32c,
+            segment_blocks: None,
+            journal_bytes: None,
+        }
+    }
+
+    pub fn journal_bytes(&self) -> u64 {
+        self.journal_bytes
+            .unwrap_or_else(|| crate::layout::default_journal_bytes(self.layout))
+    }
+
+    pub fn segment_blocks(&self) -> u64 {
+        self.segment_blocks
+            .unwrap_or_else(|| vouch_format::layout::default_segment_blocks(self.layout))
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OpenOptions {
+    pub read_only: bool,
+    /// Data segments bypass the host page cache (O_DIRECT, like qemu's
+    /// cache=none); used by `open_volume` (file storage only).
+    pub direct: bool,
+    pub tuning: Tuning,
+}

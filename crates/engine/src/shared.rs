@@ -1,0 +1,41 @@
+//! `Shared`: the parts of a volume every path borrows — the backing
+//! storage, the protection scheme, the layout map and the in-memory state.
+//! The read path is a method set on it (`read.rs`); the committer and
+//! recovery are handed it. What a path owns (the journal position, the
+//! committer's signal, the writers' stripe locks) lives with that path.
+
+use parking_lot::RwLock;
+use vouch_format::SECTOR_SIZE;
+
+use crate::backing::Backing;
+use crate::error::{Error, Result};
+use crate::layout::LayoutMap;
+use crate::protection::Protection;
+use crate::state::VolumeState;
+
+pub(crate) struct Shared {
+    pub io: Backing,
+    pub protection: Box<dyn Protection>,
+    pub layouts: LayoutMap,
+    pub state: RwLock<VolumeState>,
+    pub uuid: [u8; 16],
+}
+
+impl Shared {
+    /// Validate a byte range: in bounds and 512-byte aligned.
+    pub fn check_range(&self, offset: u64, length: u64) -> Result<()> {
+        let size = self.io.geometry.size_bytes;
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(Error::OutOfRange {
+                offset,
+                length,
+                size,
+            });
+        }
+        let sector = u64::from(SECTOR_SIZE);
+        if !offset.is_multiple_of(sector) || !length.is_multiple_of(sector) {
+            return Err(Error::Misaligned { offset, length });
+        }
+        Ok(())
+    }
+}

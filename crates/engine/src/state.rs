@@ -1,0 +1,98 @@
+//! What a volume holds in memory between the client and home storage, under
+//! one reader-writer lock: the write-back buffer (blocks acknowledged, not
+//! yet committed), the commit in flight, and the contexts not yet
+//! checkpointed (`ContextStore`). Readers plan under the shared lock;
+//! writers, commits and checkpoints take it exclusively.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use vouch_format::{Context, BLOCK_SIZE};
+
+use parking_lot::RwLock;
+
+use crate::backing::Backing;
+use crate::contexts::{ContextStore, Page};
+use crate::error::Result;
+use crate::protection::Seal;
+use crate::storage::ObjectId;
+
+pub type Block = [u8; BLOCK_SIZE as usize];
+pub const BLOCK: u64 = BLOCK_SIZE as u64;
+
+/// A shared copy of one block's bytes: one allocation and one copy
+/// (`Arc::from(Box)` would allocate and copy twice).
+pub(crate) fn shared_block(bytes: &[u8]) -> Arc<Block> {
+    Arc::<Block>::try_from(Arc::<[u8]>::from(bytes)).expect("a slice of exactly one block")
+}
+
+/// A block buffered in memory, acknowledged but not yet committed: its
+/// bytes and the seal computed when it was buffered.
+#[derive(Clone)]
+pub(crate) struct DirtyBlock {
+    pub data: Arc<Block>,
+    pub seal: Seal,
+}
+
+/// A trim or write-zeroes over whole blocks `[start, end)`.
+#[derive(Clone, Copy, Debug)]
+pub struct RangeOp {
+    pub start: u64,
+    pub end: u64,
+    /// `Unwritten` (hole) or `Zero` (allocated zeroes); ref tag filled per block.
+    pub template: Context,
+}
+
+pub(crate) struct VolumeState {
+    pub active: BTreeMap<u64, DirtyBlock>,
+    pub committing: BTreeMap<u64, DirtyBlock>,
+    pub contexts: ContextStore,
+}
+
+impl VolumeState {
+    pub fn new(context_cache_pages: usize) -> VolumeState {
+        VolumeState {
+            active: BTreeMap::new(),
+            committing: BTreeMap::new(),
+            contexts: ContextStore::new(context_cache_pages),
+        }
+    }
+
+    /// The newest buffered copy of a block, if any.
+    pub fn buffered(&self, lba: u64) -> Option<&DirtyBlock> {
+        self.active.get(&lba).or_else(|| self.committing.get(&lba))
+    }
+
+    /// Drop buffered writes inside `[start, end)`: a range op supersedes them.
+    pub fn drop_buffered(&mut self, start: u64, end: u64) {
+        let stale: Vec<u64> = self.active.range(start..end).map(|(lba, _)| *lba).collect();
+        for lba in stale {
+            self.active.remove(&lba);
+        }
+    }
+
+    /// Memory held by buffers and caches.
+    pub fn resident_bytes(&self) -> u64 {
+        (self.active.len() + self.committing.len()) as u64 * (BLOCK + 64)
+            + self.contexts.resident_bytes()
+    }
+}
+
+/// Load one page of the context table into the cache, without holding the
+/// lock during the read. A checkpoint that ran meanwhile may have rewritten
+/// the page: then it is returned but not cached (the cache's epoch moved).
+pub(crate) fn load_context_page(
+    io: &Backing,
+    state: &RwLock<VolumeState>,
+    page_no: u64,
+) -> Result<Page> {
+    let epoch = state.read().contexts.epoch();
+    let mut bytes = [0u8; 4096];
+    io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
+    let page = shared_block(&bytes);
+    state
+        .write()
+        .contexts
+        .insert_page_from(page_no, page.clone(), epoch);
+    Ok(page)
+}

@@ -1,0 +1,123 @@
+//! The `Storage` trait under the engine, and its backends.
+//!
+//! A volume is a directory of objects (files): the superblock, the journal,
+//! the context table (split layout) and data segments. The engine only ever
+//! uses positioned reads and writes, syncs, and hole punching, so the same
+//! trait is served by real files (`file.rs`, with O_DIRECT and io_uring in
+//! `direct.rs`) and by the simulated backend in `sim.rs` that the crash and
+//! fault tests use.
+
+use std::io;
+
+use vouch_format::Geometry;
+
+pub mod direct;
+pub mod sim;
+
+/// Most iovecs one pwritev takes (Linux UIO_MAXIOV).
+pub(crate) const IOV_MAX: usize = 1024;
+
+/// One object (file) of a volume.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ObjectId {
+    Superblock,
+    Journal,
+    Contexts,
+    Data(u32),
+}
+
+impl ObjectId {
+    pub fn file_name(self) -> String {
+        match self {
+            ObjectId::Superblock => "superblock".to_string(),
+            ObjectId::Journal => "journal".to_string(),
+            ObjectId::Contexts => "contexts".to_string(),
+            ObjectId::Data(segment) => Geometry::segment_name(segment),
+        }
+    }
+}
+
+/// Positioned I/O over a volume's objects. Implementations are shared by
+/// many threads; every method is safe to call concurrently.
+pub trait Storage: Send + Sync {
+    /// Read exactly `buf.len()` bytes at `offset`. Bytes past the end of the
+    /// object, and holes, read as zero.
+    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// Write all of `data` at `offset`.
+    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()>;
+    /// Write the concatenation of `parts` at `offset`: one I/O for a run of
+    /// blocks without copying them together first. The default concatenates.
+    fn write_vectored_at(&self, object: ObjectId, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        self.write_at(object, offset, &parts.concat())
+    }
+    /// Write several non-overlapping runs to one object. They may reach the
+    /// storage in any order and concurrently (callers order dependent writes
+    /// with `sync`). The default writes them one after the other.
+    /// A failure names the run it hit (`RunError::offset`).
+    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<(), RunError> {
+        write_runs_in_turn(self, object, runs)
+    }
+    /// Make every completed write to `object` durable.
+    fn sync(&self, object: ObjectId) -> io::Result<()>;
+    /// Deallocate a range; it reads as zero afterwards. Like a write, it is
+    /// durable only after `sync`.
+    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()>;
+    /// The first offset at or after `offset` that may hold data (SEEK_DATA),
+    /// or `None` when only holes follow. Used to skip sparse regions.
+    fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>>;
+    /// Bytes of real storage allocated to `object` (for `info`).
+    fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64>;
+}
+
+/// `Storage::write_runs` one run after the other.
+pub(crate) fn write_runs_in_turn<S: Storage + ?Sized>(
+    storage: &S,
+    object: ObjectId,
+    runs: &[Run<'_>],
+) -> Result<(), RunError> {
+    for run in runs {
+        storage
+            .write_vectored_at(object, run.offset, run.parts)
+            .map_err(|error| RunError {
+                offset: run.offset,
+                error,
+            })?;
+    }
+    Ok(())
+}
+
+/// A batch write (`Storage::write_runs`) that failed: the offset of the run
+/// whose write failed (not the batch's first), and the cause.
+#[derive(Debug)]
+pub struct RunError {
+    pub offset: u64,
+    pub error: io::Error,
+}
+
+/// One run of bytes to write at `offset`: the concatenation of `parts`.
+pub struct Run<'a> {
+    pub offset: u64,
+    pub parts: &'a [&'a [u8]],
+}
+
+impl Run<'_> {
+    pub fn len(&self) -> u64 {
+        self.parts.iter().map(|part| part.len() as u64).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The objects a volume of this geometry has.
+pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
+    let mut objects = vec![ObjectId::Superblock, ObjectId::Journal];
+    if geometry.layout == vouch_format::LayoutKind::Split {
+        objects.push(ObjectId::Contexts);
+    }
+    objects.extend((0..geometry.segments()).map(ObjectId::Data));
+    objects
+}
+
+mod file;
+pub use file::{FileOpen, FileStorage};

@@ -1,0 +1,239 @@
+//! The write path: writes are sealed on the writer's thread and buffered
+//! (acknowledged, not yet durable, as NBD allows); a commit — on flush,
+//! FUA, a full buffer, or a trim — journals and writes them home
+//! (`commit.rs` has the crash ordering). Writers block only on flush/FUA or
+//! when the buffer has doubled (backpressure).
+
+use std::sync::Arc;
+
+use vouch_format::superblock::STATE_CLEAN;
+
+use vouch_format::Context;
+
+use crate::device::SealedBlock;
+use crate::engine::Engine;
+use crate::error::{Error, Fault, Result};
+use crate::state::{shared_block, Block, DirtyBlock, RangeOp, BLOCK};
+
+/// How `write_zeroes` zeroes a range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// Durable when the call returns (NBD FUA).
+    pub fua: bool,
+    /// Record the blocks as written zeroes rather than holes (NBD NO_HOLE).
+    /// Either way no data is written.
+    pub allocate: bool,
+}
+
+impl Engine {
+    /// Write `data` at `offset` (512-byte aligned). With `fua` the write is
+    /// durable when this returns; otherwise after the next flush.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        let shared = &self.shared;
+        shared.io.check_writable()?;
+        shared.check_range(offset, data.len() as u64)?;
+        shared.io.stats.add_client_write(data.len() as u64);
+        let mut blocks = Vec::with_capacity(data.len() / BLOCK as usize + 2);
+        let mut at = 0usize;
+        while at < data.len() {
+            let byte = offset + at as u64;
+            let lba = byte / BLOCK;
+            let within = (byte % BLOCK) as usize;
+            let n = (BLOCK as usize - within).min(data.len() - at);
+            if n == BLOCK as usize {
+                blocks.push((lba, shared_block(&data[at..at + n])));
+            } else {
+                // Sub-block write: read-modify-write under the block's stripe
+                // lock so two partial writes to one block cannot lose either.
+                let _stripe = self.stripe(lba).lock();
+                let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
+                shared.read_blocks(lba, 1, &mut block[..], None)?;
+                block[within..within + n].copy_from_slice(&data[at..at + n]);
+                self.buffer_blocks(vec![(lba, Arc::from(block))])?;
+            }
+            at += n;
+        }
+        if !blocks.is_empty() {
+            self.buffer_blocks(blocks)?;
+        }
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn buffer_blocks(&self, blocks: Vec<(u64, Arc<Block>)>) -> Result<()> {
+        let shared = &self.shared;
+        let sealed: Vec<(u64, DirtyBlock)> = blocks
+            .into_iter()
+            .map(|(lba, data)| {
+                let seal = shared.protection.seal(lba, &data[..]);
+                (lba, DirtyBlock { data, seal })
+            })
+            .collect();
+        self.buffer_sealed(sealed)
+    }
+
+    fn buffer_sealed(&self, sealed: Vec<(u64, DirtyBlock)>) -> Result<()> {
+        let shared = &self.shared;
+        let buffered = {
+            let mut state = shared.state.write();
+            for (lba, dirty) in sealed {
+                state.active.insert(lba, dirty);
+            }
+            state.active.len()
+        };
+        if buffered >= self.tuning.dirty_limit_blocks {
+            // Hand the buffer to the background committer, or commit inline
+            // unless another commit is running. Writers block (and commit
+            // themselves) only when the buffer has doubled: backpressure.
+            let lock = if buffered >= 2 * self.tuning.dirty_limit_blocks {
+                Some(self.committer.lock())
+            } else if self.committer.is_background() {
+                self.committer.request();
+                None
+            } else {
+                self.committer.try_lock()
+            };
+            if let Some(mut journal) = lock {
+                self.committer.commit(shared, &mut journal, &[])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Store blocks moved with their contexts (`BlockDevice::write_sealed`):
+    /// each is verified against its context for its LBA first, and any
+    /// failure refuses the whole call. Data blocks keep their seal (the PI
+    /// computed where the data was created); zero-reading contexts become
+    /// a trim or written zeroes.
+    pub fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        let shared = &self.shared;
+        shared.io.check_writable()?;
+        let size_blocks = shared.io.geometry.blocks;
+        for block in blocks {
+            if block.lba >= size_blocks {
+                return Err(Error::OutOfRange {
+                    offset: block.lba.saturating_mul(BLOCK),
+                    length: BLOCK,
+                    size: shared.io.geometry.size_bytes,
+                });
+            }
+            shared
+                .protection
+                .open(block.lba, &Ok(block.context), &block.data[..])
+                .map_err(|kind| {
+                    Error::Fault(Fault {
+                        lba: block.lba,
+                        kind,
+                    })
+                })?;
+        }
+        let mut data_blocks = Vec::with_capacity(blocks.len());
+        for block in blocks {
+            match shared.protection.seal_of(&block.context) {
+                Some(seal) => data_blocks.push((
+                    block.lba,
+                    DirtyBlock {
+                        data: Arc::new(*block.data),
+                        seal,
+                    },
+                )),
+                None => {
+                    let allocate = matches!(block.context, Context::Zero { .. });
+                    let template = shared.protection.zero_template(allocate);
+                    self.zero_range(block.lba * BLOCK, BLOCK, false, template)?;
+                }
+            }
+        }
+        self.buffer_sealed(data_blocks)
+    }
+
+    /// Make every write completed before this call durable.
+    pub fn flush(&self) -> Result<()> {
+        let shared = &self.shared;
+        if shared.io.is_read_only() {
+            return Ok(()); // nothing can be dirty
+        }
+        shared.io.check_writable()?;
+        let mut journal = self.committer.lock();
+        self.committer.commit(shared, &mut journal, &[])?;
+        self.committer.sync_data(shared, &mut journal)?;
+        shared
+            .io
+            .stats
+            .flushes
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Deallocate: the range reads as zeros afterwards. Sub-block edges are
+    /// written as zeros (read-modify-write).
+    pub fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.zero_range(offset, length, fua, vouch_format::Context::Unwritten)
+    }
+
+    /// Write zeroes (see `ZeroFlags`).
+    pub fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        let template = self.shared.protection.zero_template(flags.allocate);
+        self.zero_range(offset, length, flags.fua, template)
+    }
+
+    fn zero_range(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        template: vouch_format::Context,
+    ) -> Result<()> {
+        let shared = &self.shared;
+        shared.io.check_writable()?;
+        shared.check_range(offset, length)?;
+        if length == 0 {
+            return Ok(());
+        }
+        let first_full = offset.div_ceil(BLOCK);
+        let end_full = (offset + length) / BLOCK;
+        // Partial blocks at either edge become explicit zero writes.
+        let head_end = (first_full * BLOCK).min(offset + length);
+        if head_end > offset {
+            self.write(offset, &vec![0u8; (head_end - offset) as usize], false)?;
+        }
+        let tail_start = (end_full * BLOCK).max(head_end);
+        if offset + length > tail_start && end_full >= first_full {
+            self.write(
+                tail_start,
+                &vec![0u8; (offset + length - tail_start) as usize],
+                false,
+            )?;
+        }
+        if end_full > first_full {
+            let mut journal = self.committer.lock();
+            // Buffered writes inside the range are superseded by it.
+            shared.state.write().drop_buffered(first_full, end_full);
+            let range = RangeOp {
+                start: first_full,
+                end: end_full,
+                template,
+            };
+            self.committer.commit(shared, &mut journal, &[range])?;
+            if fua {
+                self.committer.sync_data(shared, &mut journal)?;
+            }
+        } else if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Commit, checkpoint and mark the volume clean (`Volume::close`).
+    pub fn shutdown(&self) -> Result<()> {
+        let shared = &self.shared;
+        if shared.io.is_read_only() || shared.io.has_failed() {
+            return Ok(());
+        }
+        let mut journal = self.committer.lock();
+        self.committer.commit(shared, &mut journal, &[])?;
+        self.committer.checkpoint(shared, &mut journal, STATE_CLEAN)
+    }
+}
