@@ -149,6 +149,12 @@ impl Geometry {
         }
     }
 
+    /// Does this layout keep contexts in a separate context table object
+    /// (split), rather than beside each block (packed)?
+    pub fn has_context_table(&self) -> bool {
+        self.layout == LayoutKind::Split
+    }
+
     pub fn contexts_len(&self) -> u64 {
         self.blocks * CONTEXT_BYTES as u64
     }

@@ -8,6 +8,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+use vouch_engine::jobs::{scan, JobControl, ScanOptions};
 use vouch_engine::BlockDevice;
 use vouch_engine::{
     create_volume, open_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume,
@@ -252,24 +253,22 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
     let size = volume.size();
     output.set_len(size)?;
     let bar = progress_bar(size, "exporting");
-    let blocks = size / BLOCK;
-    let mut chunk = vec![0u8; (COPY_CHUNK_BLOCKS * BLOCK) as usize];
     let mut faults = Vec::new();
-    let mut lba = 0;
-    while lba < blocks {
-        lba = volume.next_possible_data(lba)?;
-        if lba >= blocks {
-            break;
+    let control = JobControl::default();
+    scan(volume, ScanOptions::default(), &control, None, |chunk| {
+        faults.extend_from_slice(chunk.faults);
+        if chunk.data.iter().any(|b| *b != 0) {
+            output
+                .write_all_at(chunk.data, chunk.lba * BLOCK)
+                .map_err(|error| vouch_engine::Error::Path {
+                    action: "write",
+                    path: "the raw image".into(),
+                    cause: error.to_string(),
+                })?;
         }
-        let count = (blocks - lba).min(COPY_CHUNK_BLOCKS - lba % COPY_CHUNK_BLOCKS);
-        let buf = &mut chunk[..(count * BLOCK) as usize];
-        faults.extend(volume.read_blocks_collecting(lba, count, buf)?);
-        if buf.iter().any(|b| *b != 0) {
-            output.write_all_at(buf, lba * BLOCK)?;
-        }
-        lba += count;
-        bar.set_position(lba * BLOCK);
-    }
+        bar.set_position((chunk.lba + chunk.count) * BLOCK);
+        Ok(())
+    })?;
     bar.finish_and_clear();
     if !faults.is_empty() && !allow_faults {
         let list: Vec<String> = faults

@@ -1,11 +1,12 @@
-//! The bridge between the engine and the NBD server: a `Volume` as an NBD
-//! `Export`. The server validated ranges and flags already; the engine
-//! checks them again (both ends).
+//! The bridge between the engine and the NBD server: any `BlockDevice` (a
+//! `Volume`, or a layer stacked on one) as an NBD `Export`. The server
+//! validated ranges and flags already; the engine checks them again (both
+//! ends).
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use vouch_engine::{Allocation, Error, Volume, BLOCK};
+use vouch_engine::{Allocation, Error, BLOCK};
 use vouch_engine::{BlockDevice, ZeroFlags};
 use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent};
 
@@ -15,12 +16,12 @@ pub const MAX_REQUEST_BYTES: u32 = 32 << 20;
 const BLOCK_STATUS_MAX_BLOCKS: u64 = 65536;
 
 pub struct VolumeExport {
-    volume: Arc<Volume>,
+    volume: Arc<dyn BlockDevice>,
     description: String,
 }
 
 impl VolumeExport {
-    pub fn new(volume: Arc<Volume>, description: String) -> VolumeExport {
+    pub fn new(volume: Arc<dyn BlockDevice>, description: String) -> VolumeExport {
         VolumeExport {
             volume,
             description,

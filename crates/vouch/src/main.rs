@@ -3,6 +3,7 @@
 mod bench;
 mod commands;
 mod export;
+mod inject;
 mod serve;
 
 use std::path::PathBuf;

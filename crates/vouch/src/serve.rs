@@ -16,6 +16,7 @@ use vouch_nbd::{Export, Listen, Server, ServerConfig};
 
 use crate::commands::create_options;
 use crate::export::VolumeExport;
+use crate::inject::FaultInjector;
 use crate::CreateArgs;
 
 #[derive(Args, Debug)]
@@ -60,6 +61,14 @@ pub struct ServeArgs {
     /// With TLS: also accept plaintext clients (default: TLS is required).
     #[arg(long, requires = "tls_cert")]
     tls_optional: bool,
+    /// Fail chosen requests before they reach the volume, to see how
+    /// clients cope (like nbdkit's error filter; the volume is untouched).
+    /// Comma-separated rules OP:KIND[@FIRST[-LAST]] over LBAs: OP read
+    /// (KIND a fault kind such as guard_mismatch, or io), write (io,
+    /// nospace; also trims and zeroes) or flush (io, nospace; no range).
+    /// Example: read:guard_mismatch@8-15,write:nospace@100.
+    #[arg(long, value_name = "SPEC")]
+    inject: Option<crate::inject::InjectSpec>,
 }
 
 fn export_name(path: &std::path::Path) -> String {
@@ -154,7 +163,12 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
             volume.layout().name(),
             volume.guard().name()
         );
-        let export: Arc<dyn Export> = Arc::new(VolumeExport::new(volume.clone(), description));
+        let mut device: Arc<dyn BlockDevice> = volume.clone();
+        if let Some(spec) = &args.inject {
+            eprintln!("vouch: injecting faults into {name}: {spec}");
+            device = Arc::new(FaultInjector::new(device, spec.clone()));
+        }
+        let export: Arc<dyn Export> = Arc::new(VolumeExport::new(device, description));
         if index == 0 {
             config.default_export = Some(name.clone());
         }

@@ -148,7 +148,7 @@ impl FileStorage {
         Ok(FileStorage {
             superblock,
             journal: open(ObjectId::Journal)?,
-            contexts: if geometry.layout == vouch_format::LayoutKind::Split {
+            contexts: if geometry.has_context_table() {
                 Some(open(ObjectId::Contexts)?)
             } else {
                 None

@@ -112,7 +112,7 @@ impl Run<'_> {
 /// The objects a volume of this geometry has.
 pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
     let mut objects = vec![ObjectId::Superblock, ObjectId::Journal];
-    if geometry.layout == vouch_format::LayoutKind::Split {
+    if geometry.has_context_table() {
         objects.push(ObjectId::Contexts);
     }
     objects.extend((0..geometry.segments()).map(ObjectId::Data));
