@@ -23,8 +23,8 @@ use tracing::{debug, warn};
 
 use crate::export::{Errno, Export, ExportError, Extent};
 use crate::handshake::Session;
+use crate::limits::Limits;
 use crate::metrics::Metrics;
-use crate::server::Limits;
 use crate::wire::{self, Command, Request};
 use crate::worker::WorkerPool;
 
