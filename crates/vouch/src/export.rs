@@ -81,13 +81,11 @@ impl Export for VolumeExport {
         &self,
         offset: u64,
         length: u64,
-        fua: bool,
-        no_hole: bool,
-        _fast_zero: bool,
+        flags: vouch_nbd::ZeroFlags,
     ) -> Result<(), ExportError> {
         // Zeroing never writes data blocks (only contexts), so it is always fast.
         self.volume
-            .write_zeroes(offset, length, fua, no_hole)
+            .write_zeroes(offset, length, flags.fua, flags.no_hole)
             .map_err(to_export_error)
     }
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError> {
