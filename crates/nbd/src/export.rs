@@ -124,6 +124,18 @@ pub struct Extent {
     pub zero: bool,
 }
 
+/// The request flags that change what WRITE_ZEROES must do. A struct rather
+/// than positional bools so call sites name what they ask for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// NBD_CMD_FLAG_FUA: durable before the reply.
+    pub fua: bool,
+    /// NBD_CMD_FLAG_NO_HOLE: the range must stay allocated (no punching).
+    pub no_hole: bool,
+    /// NBD_CMD_FLAG_FAST_ZERO: fail with NotSup rather than be slow.
+    pub fast_zero: bool,
+}
+
 /// Something the NBD server can serve.
 ///
 /// Methods are synchronous and may block; the server calls them from a pool
@@ -164,15 +176,8 @@ pub trait Export: Send + Sync + 'static {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
     fn flush(&self) -> Result<(), ExportError>;
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError>;
-    /// no_hole: must allocate (NBD_CMD_FLAG_NO_HOLE). fast_zero: fail with NotSup rather than be slow.
-    fn write_zeroes(
-        &self,
-        offset: u64,
-        length: u64,
-        fua: bool,
-        no_hole: bool,
-        fast_zero: bool,
-    ) -> Result<(), ExportError>;
+    /// Zero `length` bytes at `offset`; see [`ZeroFlags`] for what each flag demands.
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<(), ExportError>;
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError>;
     /// base:allocation extents covering at least [offset, offset+1) and at most `length` bytes.
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError>;

@@ -11,7 +11,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tracing::debug;
 
 use crate::export::{BlockSizes, Export};
-use crate::server::Limits;
+use crate::limits::Limits;
 use crate::wire::{self, ClientOption, OptionHeader};
 
 /// Context id we assign to `base:allocation` in SET_META_CONTEXT replies.

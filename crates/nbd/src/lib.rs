@@ -19,6 +19,7 @@
 
 pub mod export;
 pub mod handshake;
+pub mod limits;
 pub mod metrics;
 pub mod server;
 pub mod tls;
@@ -26,7 +27,8 @@ mod transmission;
 pub mod wire;
 mod worker;
 
-pub use export::{BlockSizes, Errno, Export, ExportError, Extent};
+pub use export::{BlockSizes, Errno, Export, ExportError, Extent, ZeroFlags};
+pub use limits::Limits;
 pub use metrics::{serve_metrics, serve_metrics_on, Metrics};
-pub use server::{Limits, Listen, Server, ServerConfig, ServerError, ShutdownHandle};
+pub use server::{Listen, Server, ServerConfig, ServerError, ShutdownHandle};
 pub use worker::{Executor, DEFAULT_WORKER_THREADS};

@@ -21,10 +21,10 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
-use crate::export::{Errno, Export, ExportError, Extent};
+use crate::export::{Errno, Export, ExportError, Extent, ZeroFlags};
 use crate::handshake::Session;
+use crate::limits::Limits;
 use crate::metrics::Metrics;
-use crate::server::Limits;
 use crate::wire::{self, Command, Request};
 use crate::worker::WorkerPool;
 
@@ -477,9 +477,12 @@ fn run_command(
         }
         Command::WriteZeroes => {
             if !empty {
-                let no_hole = request.flags & wire::CMD_FLAG_NO_HOLE != 0;
-                let fast_zero = request.flags & wire::CMD_FLAG_FAST_ZERO != 0;
-                export.write_zeroes(offset, length, fua, no_hole, fast_zero)?;
+                let flags = ZeroFlags {
+                    fua,
+                    no_hole: request.flags & wire::CMD_FLAG_NO_HOLE != 0,
+                    fast_zero: request.flags & wire::CMD_FLAG_FAST_ZERO != 0,
+                };
+                export.write_zeroes(offset, length, flags)?;
             }
             Ok(done_reply(session, request.cookie))
         }

@@ -175,7 +175,7 @@ fn garbage_and_bad_handshakes_are_dropped() {
     assert_eq!(option_reply(&mut stream).1, wire::REP_ERR_INVALID);
     send_option(&mut stream, wire::OPT_LIST, b"junk");
     assert_eq!(option_reply(&mut stream).1, wire::REP_ERR_INVALID);
-    for _ in 0..vouch_nbd::server::DEFAULT_MAX_OPTIONS {
+    for _ in 0..vouch_nbd::limits::DEFAULT_MAX_OPTIONS {
         send_option(&mut stream, wire::OPT_STRUCTURED_REPLY, &[]);
     }
     assert_closed(&mut stream);

@@ -86,9 +86,7 @@ impl Export for VolumeExport {
         &self,
         offset: u64,
         length: u64,
-        fua: bool,
-        no_hole: bool,
-        _fast_zero: bool,
+        flags: vouch_nbd::ZeroFlags,
     ) -> Result<(), ExportError> {
         // Zeroing never writes data blocks (only contexts), so it is always fast.
         self.volume
@@ -96,8 +94,8 @@ impl Export for VolumeExport {
                 offset,
                 length,
                 ZeroFlags {
-                    fua,
-                    allocate: no_hole,
+                    fua: flags.fua,
+                    allocate: flags.no_hole,
                 },
             )
             .map_err(to_export_error)

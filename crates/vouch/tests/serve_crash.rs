@@ -214,7 +214,7 @@ fn crash_cycles(layout: &str, journal: Option<&str>, seed: u64, cycles: u64) {
         );
         // The crashed volume, offline: not closed cleanly, yet no faults.
         // (A packed volume whose journal holds trims cannot be opened
-        // read-only; serve.rs crashed_packed_volume_with_trims_opens_read_only
+        // read-only; serve_lifecycle.rs crashed_packed_volume_with_trims_opens_read_only
         // fails on that. Here such crash states are only counted.)
         let info = vouch(&["info", s(&volume), "--json"]);
         if layout == "packed" && text(&info).contains("trims not yet applied") {

@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
-use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent};
+use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent, ZeroFlags};
 
 /// Allocation-tracking granularity.
 pub const TRACK_BLOCK: u64 = 4096;
@@ -154,29 +154,27 @@ impl Export for MemExport {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError> {
-        self.write_zeroes(offset, length, fua, false, false)
+        // A trim is a zeroing that may punch holes.
+        let flags = ZeroFlags {
+            fua,
+            ..ZeroFlags::default()
+        };
+        self.write_zeroes(offset, length, flags)
     }
 
-    fn write_zeroes(
-        &self,
-        offset: u64,
-        length: u64,
-        fua: bool,
-        no_hole: bool,
-        _fast_zero: bool,
-    ) -> Result<(), ExportError> {
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<(), ExportError> {
         self.check(offset, length);
         let mut inner = self.inner.write();
         inner.data[offset as usize..(offset + length) as usize].fill(0);
         for block in Self::blocks(offset, length) {
             inner.allocated[block] = true;
         }
-        if !no_hole {
+        if !flags.no_hole {
             for block in Self::full_blocks(offset, length) {
                 inner.allocated[block] = false;
             }
         }
-        if fua {
+        if flags.fua {
             self.fua_writes.fetch_add(1, Ordering::Relaxed);
         }
         Ok(())

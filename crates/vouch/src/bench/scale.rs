@@ -1,6 +1,16 @@
 //! `vouch bench --scale`: memory and crash-recovery time, 1 GiB vs 1 TiB.
 
-use super::*;
+use std::path::Path;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::Instant;
+
+use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
+use vouch_engine::BlockDevice;
+use vouch_engine::{create_volume, open_volume, CreateOptions, GuardKind, LayoutKind, OpenOptions};
+
+use super::load::Rng;
+use super::{BenchArgs, BLOCK};
 
 pub(super) fn scale(
     args: &BenchArgs,
@@ -184,5 +194,3 @@ pub(super) fn scale_child(phase: &str, args: &BenchArgs) -> Result<ExitCode> {
     println!("SCALE_RESULT {result}");
     Ok(ExitCode::SUCCESS)
 }
-
-// --- machine facts and housekeeping -------------------------------------------------

@@ -4,8 +4,11 @@
 
 #![allow(dead_code)]
 
+pub mod clients;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,6 +27,7 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 pub const PYTHON: &str = "/usr/bin/python3";
 
 pub const BLOCK: u64 = 4096;
+pub const MIB: u64 = 1 << 20;
 
 pub fn vouch_bin() -> &'static str {
     env!("CARGO_BIN_EXE_vouch")
@@ -536,4 +540,18 @@ pub fn sha256(path: &Path) -> String {
         .next()
         .expect("sha256sum output")
         .to_string()
+}
+
+/// Flip the bits of `mask` in the byte at `offset` of `path`, durably.
+pub fn flip_bit(path: &Path, offset: u64, mask: u8) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open for corruption");
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, offset).expect("read byte");
+    byte[0] ^= mask;
+    file.write_all_at(&byte, offset).expect("write byte");
+    file.sync_all().expect("sync");
 }

@@ -1,0 +1,284 @@
+//! `vouch serve` under bad input and bad disks: a bit flipped on disk is
+//! an EIO naming the LBA (and counted in metrics), and garbage,
+//! out-of-range, misaligned or zero-length requests get what the NBD spec
+//! asks for without harming the server or other clients.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// (7) A bit flipped on disk under a stopped server: reading that LBA fails
+/// with EIO and a message naming it; every other block reads correctly;
+/// the metrics count the fault; `vouch check` lists exactly that LBA.
+#[test]
+fn corrupted_block_fails_with_eio_naming_the_lba() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    let mut server = Server::start(dir.path(), &[s(&volume), "--create", "1MiB"]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+for lba in range(16):
+    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    assert_eq!(info_json(&volume)["clean"], true);
+    flip_bit(&volume.join("data.00000"), 7 * BLOCK + 100, 0x04);
+
+    let server = Server::start(dir.path(), &[s(&volume), "--metrics", "127.0.0.1:0"]);
+    let result = py_json(
+        r#"
+# libnbd keeps the server's structured error message out of str(e); it
+# reports it through the debug log ("structured error server message: ...").
+log = []
+h = nbd.NBD()
+h.set_debug(True)
+h.set_debug_callback(lambda context, message: log.append(message))
+h.connect_uri(sys.argv[1])
+def failure(e):
+    info = err_info(e)
+    info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
+                               if "server message: " in m]
+    return info
+out = {"blocks": {}}
+for lba in range(16):
+    log.clear()
+    try:
+        out["blocks"][str(lba)] = h.pread(4096, lba * 4096) == block_data(lba, 1000 + lba)
+    except nbd.Error as e:
+        out["blocks"][str(lba)] = failure(e)
+for name, (length, offset) in {"sub_block": (512, 7 * 4096 + 1024),
+                               "span": (16 * 4096, 0)}.items():
+    log.clear()
+    try:
+        h.pread(length, offset)
+        out[name] = "ok"
+    except nbd.Error as e:
+        out[name] = failure(e)
+# The connection survives the errors.
+out["after"] = h.pread(4096, 8 * 4096) == block_data(8, 1008)
+print(json.dumps(out))
+"#,
+        &[&server.uri],
+    );
+    for lba in 0..16 {
+        let entry = &result["blocks"][lba.to_string()];
+        if lba == 7 {
+            assert_eq!(
+                entry["errnum"],
+                libc::EIO,
+                "LBA 7 must fail with EIO: {result}"
+            );
+            let messages = &entry["server_messages"];
+            assert!(
+                messages.as_array().is_some_and(|m| m.len() == 1
+                    && m[0]
+                        .as_str()
+                        .is_some_and(|m| m.contains("LBA 7") && m.contains("guard_mismatch"))),
+                "the server's structured error message must name the LBA and kind: {result}"
+            );
+        } else {
+            assert_eq!(*entry, true, "LBA {lba} must read correctly: {result}");
+        }
+    }
+    for name in ["sub_block", "span"] {
+        assert_eq!(result[name]["errnum"], libc::EIO, "{name}: {result}");
+        let messages = result[name]["server_messages"].to_string();
+        assert!(messages.contains("LBA 7"), "{name}: {result}");
+    }
+    assert_eq!(result["after"], true, "{result}");
+
+    let metrics = server.metrics_text();
+    let engine = metric(
+        &metrics,
+        r#"vouch_engine_checksum_failures_total{volume="vol",kind="guard_mismatch"}"#,
+    );
+    assert!(
+        engine.unwrap_or(0.0) >= 3.0,
+        "engine guard_mismatch counter ({engine:?}) must count the 3 failed reads:\n{metrics}"
+    );
+    let nbd = metric(
+        &metrics,
+        r#"vouch_nbd_verification_faults_total{kind="guard_mismatch"}"#,
+    );
+    assert!(
+        nbd.unwrap_or(0.0) >= 3.0,
+        "nbd fault counter {nbd:?}:\n{metrics}"
+    );
+    let eio = metric(&metrics, r#"vouch_nbd_errors_total{errno="EIO"}"#);
+    assert!(eio.unwrap_or(0.0) >= 3.0, "EIO replies {eio:?}:\n{metrics}");
+    for kind in ["ref_tag_mismatch", "volume_tag_mismatch", "context_corrupt"] {
+        let series =
+            format!(r#"vouch_engine_checksum_failures_total{{volume="vol",kind="{kind}"}}"#);
+        assert_eq!(metric(&metrics, &series), Some(0.0), "{series}:\n{metrics}");
+    }
+    drop(server);
+    assert_eq!(
+        check_faults(&volume),
+        (1, vec![(7, "guard_mismatch".to_string())])
+    );
+}
+
+/// Read until EOF/reset; true when the peer closed within `timeout`.
+fn closed_by_peer(stream: &mut TcpStream, timeout: Duration) -> bool {
+    stream
+        .set_read_timeout(Some(Duration::from_millis(100)))
+        .expect("timeout");
+    let deadline = Instant::now() + timeout;
+    let mut buf = [0u8; 4096];
+    while Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+/// (11) Hostile and out-of-spec input: garbage on the socket is disconnected
+/// without harming other clients; out-of-range and misaligned requests get
+/// the errno the NBD spec asks for and change nothing; zero-length requests
+/// do not drop the connection.
+#[test]
+fn garbage_out_of_range_and_zero_length_requests() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    let mut server = Server::start(dir.path(), &[s(&volume), "--create", "1MiB"]);
+
+    // A silent connection that never negotiates must not block anyone.
+    let silent = TcpStream::connect(server.addr).expect("connect");
+    // Garbage right away.
+    let mut garbage = TcpStream::connect(server.addr).expect("connect");
+    garbage
+        .write_all(&random_bytes(4096, 11))
+        .expect("send garbage");
+    assert!(
+        closed_by_peer(&mut garbage, Duration::from_secs(10)),
+        "garbage connection not closed"
+    );
+    // A valid greeting, then garbage instead of an option.
+    let mut stream = TcpStream::connect(server.addr).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let mut greeting = [0u8; 18];
+    stream.read_exact(&mut greeting).expect("greeting");
+    assert_eq!(&greeting[..8], b"NBDMAGIC", "greeting {greeting:?}");
+    assert_eq!(&greeting[8..16], b"IHAVEOPT", "greeting {greeting:?}");
+    stream.write_all(&[0, 0, 0, 3]).expect("client flags");
+    stream
+        .write_all(b"NOTANOPTION-----garbage garbage garbage")
+        .expect("garbage");
+    assert!(
+        closed_by_peer(&mut stream, Duration::from_secs(10)),
+        "bad option not disconnected"
+    );
+    // An option header claiming a huge payload.
+    let mut huge = TcpStream::connect(server.addr).expect("connect");
+    huge.read_exact(&mut greeting).expect("greeting");
+    huge.write_all(&[0, 0, 0, 3]).expect("client flags");
+    let mut option = b"IHAVEOPT".to_vec();
+    option.extend_from_slice(&1u32.to_be_bytes()); // NBD_OPT_EXPORT_NAME
+    option.extend_from_slice(&0xFFFF_FFF0u32.to_be_bytes());
+    huge.write_all(&option).expect("option");
+    assert!(
+        closed_by_peer(&mut huge, Duration::from_secs(10)),
+        "4 GiB option not refused"
+    );
+
+    let result = py_json(
+        r#"
+h = connect(sys.argv[1], strict=False)
+size = h.get_size()
+out = {"size": size}
+h.pwrite(b"\x6b" * 4096, size - 4096)
+h.flush()
+def attempt(name, op):
+    try:
+        op()
+        out[name] = "ok"
+    except nbd.Error as e:
+        out[name] = err_info(e)
+attempt("read_past_end", lambda: h.pread(4096, size))
+attempt("read_across_end", lambda: h.pread(8192, size - 4096))
+attempt("read_far_past_end", lambda: h.pread(4096, 1 << 62))
+attempt("write_past_end", lambda: h.pwrite(b"\x01" * 4096, size))
+attempt("write_across_end", lambda: h.pwrite(b"\x01" * 8192, size - 4096))
+attempt("trim_past_end", lambda: h.trim(4096, size))
+attempt("zero_past_end", lambda: h.zero(4096, size))
+attempt("cache_past_end", lambda: h.cache(4096, size))
+attempt("read_unaligned", lambda: h.pread(100, 1))
+attempt("write_unaligned", lambda: h.pwrite(b"\x01" * 100, 4097))
+attempt("read_zero_length", lambda: h.pread(0, 4096))
+attempt("write_zero_length", lambda: h.pwrite(b"", 4096))
+attempt("read_zero_length_at_end", lambda: h.pread(0, size))
+out["last_block_intact"] = h.pread(4096, size - 4096) == b"\x6b" * 4096
+out["first_block_zero"] = h.pread(8192, 0) == bytes(8192)
+print(json.dumps(out))
+"#,
+        &[&server.uri],
+    );
+    let errnum = |name: &str| result[name]["errnum"].as_i64();
+    // NBD spec, "Error values": ENOSPC for writes (and write zeroes) beyond
+    // the end, EINVAL for reads and trims beyond it and for misalignment.
+    for name in [
+        "read_past_end",
+        "read_across_end",
+        "read_far_past_end",
+        "trim_past_end",
+        "cache_past_end",
+        "read_unaligned",
+        "write_unaligned",
+    ] {
+        assert_eq!(
+            errnum(name),
+            Some(libc::EINVAL.into()),
+            "{name} must be EINVAL: {result}"
+        );
+    }
+    for name in ["write_past_end", "write_across_end", "zero_past_end"] {
+        assert_eq!(
+            errnum(name),
+            Some(libc::ENOSPC.into()),
+            "{name} must be ENOSPC: {result}"
+        );
+    }
+    // Zero-length: behaviour unspecified, but the server SHOULD NOT disconnect.
+    for name in [
+        "read_zero_length",
+        "write_zero_length",
+        "read_zero_length_at_end",
+    ] {
+        assert!(
+            result[name] == "ok" || errnum(name) == Some(libc::EINVAL.into()),
+            "{name}: {result}"
+        );
+    }
+    assert_eq!(
+        result["last_block_intact"], true,
+        "a refused write changed data: {result}"
+    );
+    assert_eq!(result["first_block_zero"], true, "{result}");
+    assert!(
+        server.is_running(),
+        "the server died:\n{}",
+        server.log_text()
+    );
+    drop(silent);
+    server.stop();
+    assert_check_clean(&volume);
+}
