@@ -1,0 +1,172 @@
+//! The `BlockDevice` calls the next layers build on: sealed blocks moved
+//! between two copies of one volume (PI travels with the data and is
+//! checked on arrival), and the default verify / copy / compare offloads.
+
+use std::sync::Arc;
+
+use vouch_engine::{
+    create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind, ObjectId,
+    OpenOptions, SimStorage, Volume, ZeroFlags, BLOCK,
+};
+
+fn pattern(lba: u64, tag: u8) -> Vec<u8> {
+    (0..BLOCK as usize)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (lba as u8) ^ tag)
+        .collect()
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir(to).expect("mkdir");
+    for entry in std::fs::read_dir(from).expect("read_dir") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
+    }
+}
+
+fn read_block(device: &dyn BlockDevice, lba: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; BLOCK as usize];
+    device.read(lba * BLOCK, &mut buf).expect("read");
+    buf
+}
+
+#[test]
+fn sealed_blocks_move_between_copies_of_a_volume_and_are_checked_on_arrival() {
+    for layout in LayoutKind::ALL {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (a_path, b_path) = (dir.path().join("a"), dir.path().join("b"));
+        let mut options = CreateOptions::new(1 << 20);
+        options.layout = layout;
+        let a = create_volume(&a_path, &options).expect("create");
+        for lba in 0..8 {
+            a.write(lba * BLOCK, &pattern(lba, 1), false)
+                .expect("write");
+        }
+        a.close().expect("close");
+        // A replica: the same volume (uuid, volume tag), copied while closed.
+        copy_dir(&a_path, &b_path);
+        let a = open_volume(&a_path, &OpenOptions::default()).expect("open a");
+        let b = open_volume(&b_path, &OpenOptions::default()).expect("open b");
+        for lba in 0..6 {
+            a.write(lba * BLOCK, &pattern(lba, 2), false)
+                .expect("write");
+        }
+        a.trim(6 * BLOCK, BLOCK, false).expect("trim");
+        let zero = ZeroFlags {
+            fua: false,
+            allocate: true,
+        };
+        a.write_zeroes(7 * BLOCK, BLOCK, zero).expect("zeroes");
+        a.flush().expect("flush");
+        // Half from the home copy, and two still in the write-back buffer.
+        a.write(2 * BLOCK, &pattern(2, 3), false).expect("write");
+        a.write(3 * BLOCK, &pattern(3, 3), false).expect("write");
+
+        let sealed = a.read_sealed(0, 8).expect("read_sealed");
+        assert_eq!(sealed.len(), 8);
+        assert!(sealed.iter().enumerate().all(|(i, s)| s.lba == i as u64));
+
+        // Tampered on the way: refused naming the block, nothing stored.
+        let mut bad = sealed.clone();
+        bad[4].data[17] ^= 0x40;
+        let error = b.write_sealed(&bad).expect_err("a flipped bit is refused");
+        assert!(
+            matches!(&error, Error::Fault(f) if f.lba == 4 && f.kind == FaultKind::GuardMismatch),
+            "{layout:?}: {error}"
+        );
+        // Delivered to the wrong LBA: the reference tag refuses it.
+        let mut moved = vec![sealed[1].clone()];
+        moved[0].lba = 5;
+        let error = b
+            .write_sealed(&moved)
+            .expect_err("a misdirected block is refused");
+        assert!(
+            matches!(&error, Error::Fault(f) if f.lba == 5 && f.kind == FaultKind::RefTagMismatch),
+            "{layout:?}: {error}"
+        );
+        for lba in 0..8 {
+            assert_eq!(read_block(&b, lba), pattern(lba, 1), "{layout:?} LBA {lba}");
+        }
+
+        b.write_sealed(&sealed).expect("write_sealed");
+        b.flush().expect("flush");
+        for lba in 0..8 {
+            assert_eq!(
+                read_block(&b, lba),
+                read_block(&a, lba),
+                "{layout:?} LBA {lba}"
+            );
+        }
+        b.close().expect("close b");
+        let b = open_volume(&b_path, &OpenOptions::default()).expect("reopen b");
+        assert!(b.check(|_, _| {}).expect("check").faults.is_empty());
+        assert_eq!(read_block(&b, 2), pattern(2, 3));
+        assert_eq!(read_block(&b, 6), vec![0u8; BLOCK as usize]);
+    }
+}
+
+fn sim_volume(layout: LayoutKind) -> (Arc<SimStorage>, Volume) {
+    let storage = Arc::new(SimStorage::new());
+    let mut options = CreateOptions::new(256 * BLOCK);
+    options.layout = layout;
+    let volume = Volume::create(storage.clone(), &options).expect("create");
+    (storage, volume)
+}
+
+#[test]
+fn default_copy_has_memmove_semantics_and_compare_finds_the_first_difference() {
+    for layout in LayoutKind::ALL {
+        let (_storage, volume) = sim_volume(layout);
+        for lba in 0..8 {
+            volume
+                .write(lba * BLOCK, &pattern(lba, 9), false)
+                .expect("write");
+        }
+        // Overlapping forwards: 0..6 -> 2..8.
+        volume.copy(0, 2, 6).expect("copy");
+        for lba in 2..8 {
+            assert_eq!(read_block(&volume, lba), pattern(lba - 2, 9), "{layout:?}");
+        }
+        // Overlapping backwards: 2..8 -> 1..7.
+        volume.copy(2, 1, 6).expect("copy");
+        for lba in 1..7 {
+            assert_eq!(read_block(&volume, lba), pattern(lba - 1, 9), "{layout:?}");
+        }
+        assert!(matches!(
+            volume.copy(250, 0, 10),
+            Err(Error::OutOfRange { .. })
+        ));
+        let expected: Vec<u8> = (1..7).flat_map(|lba| pattern(lba - 1, 9)).collect();
+        assert_eq!(volume.compare(BLOCK, &expected).expect("compare"), None);
+        let mut different = expected.clone();
+        different[3 * BLOCK as usize + 5] ^= 1;
+        assert_eq!(
+            volume.compare(BLOCK, &different).expect("compare"),
+            Some(3 * BLOCK + 5)
+        );
+    }
+}
+
+#[test]
+fn default_verify_names_the_corrupt_block_and_a_copy_refuses_to_propagate_it() {
+    let (storage, volume) = sim_volume(LayoutKind::Split);
+    for lba in 0..16 {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 4), false)
+            .expect("write");
+    }
+    volume.flush().expect("flush");
+    storage.corrupt(ObjectId::Data(0), 9 * BLOCK + 100, 0x01);
+    let faults = volume.verify(0, 16).expect("verify");
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(
+        (faults[0].lba, faults[0].kind),
+        (9, FaultKind::GuardMismatch)
+    );
+    let error = volume
+        .copy(8, 100, 4)
+        .expect_err("a corrupt source fails the copy");
+    assert!(
+        matches!(&error, Error::Fault(f) if f.lba == 9),
+        "the copy names the corrupt source block: {error}"
+    );
+}
