@@ -1,13 +1,23 @@
 //! Commits and checkpoints: the crash ordering of every write.
 //!
-//! Commit N (under the committer's lock on `Journal`):
+//! A commit (under the committer's lock on `Journal`):
 //!   1. swap the write-back buffer into `committing` (reads still see it);
-//!   2. append journal record N (new contexts; in the packed layout also the
-//!      data) and fsync the journal.            -- ORDER POINT A
-//!   3. write data (split) or records (packed) to their home, and apply range
-//!      operations (hole punches); no fsync here.
-//!   4. publish the new contexts (split: into the overlay) and drop
-//!      `committing`.
+//!   then for each group of blocks whose record fits in half the journal
+//!   (one group unless the journal is small), as record N:
+//!   2. if the record does not fit in the journal, checkpoint first (below);
+//!      append record N (new contexts; in the packed layout also the data)
+//!      and fsync the journal.                  -- ORDER POINT A
+//!   3. write data (split) or records (packed) to their home, and with the
+//!      last group apply range operations (hole punches); no fsync here.
+//!   4. publish the group's new contexts (split: into the overlay);
+//!   and finally drop `committing`.
+//!
+//! A checkpoint never runs between a record and its home writes: it would
+//! retire a record whose blocks had not been written, and a crash in the
+//! home writes that follow would leave them torn (packed) or under their
+//! old contexts (split) with nothing to replay. (Found by
+//! `serve_crash.rs` with a 1 MiB packed journal: a commit split into four
+//! records, a checkpoint between the second and third.)
 //!
 //! A crash before A loses commit N entirely: none of its data reached home,
 //! so every block reads its old contents. A crash after A: recovery knows
@@ -158,42 +168,85 @@ impl Committer {
         if blocks.is_empty() && ranges.is_empty() {
             return Ok(());
         }
-        match self.commit_blocks(shared, journal, &blocks, ranges) {
-            Ok(contexts) => {
-                let mut state = shared.state.write();
-                for ((lba, _), context) in blocks.iter().zip(&contexts) {
-                    if shared.layouts.of(*lba).contexts_in_table() {
-                        state.contexts.set(*lba, *context);
-                    }
-                }
-                state.committing.clear();
-                let pending = state.contexts.pending();
-                drop(state);
-                shared.io.stats.commits.fetch_add(1, Ordering::Relaxed);
-                let journal_full = journal.offset * 4 > self.journal_bytes * 3;
-                if journal_full || pending > self.overlay_limit {
-                    self.checkpoint(shared, journal, STATE_OPEN)?;
-                }
-                Ok(())
+        let mut start = 0;
+        let result = loop {
+            let end = self.group_end(shared, &blocks, start, ranges.len());
+            // The ranges go with the last group.
+            let group_ranges = if end == blocks.len() { ranges } else { &[] };
+            if let Err(error) =
+                self.commit_group(shared, journal, &blocks[start..end], group_ranges)
+            {
+                break Err(error);
             }
+            if end == blocks.len() {
+                break Ok(());
+            }
+            start = end;
+        };
+        if let Err(error) = result {
             // The buffered blocks stay in `committing`, so reads still return
             // what was acknowledged; writes are refused until reopened.
-            Err(error) => Err(shared.io.fail_stop(error)),
+            return Err(shared.io.fail_stop(error));
         }
+        let pending = {
+            let mut state = shared.state.write();
+            state.committing.clear();
+            state.contexts.pending()
+        };
+        shared.io.stats.commits.fetch_add(1, Ordering::Relaxed);
+        let journal_full = journal.offset * 4 > self.journal_bytes * 3;
+        if journal_full || pending > self.overlay_limit {
+            self.checkpoint(shared, journal, STATE_OPEN)?;
+        }
+        Ok(())
     }
 
-    /// Journal and write home; returns each block's new context.
-    fn commit_blocks(
+    /// The end of the group of blocks from `start` whose journal record
+    /// fits in half the journal (with room for `range_entries`), at least
+    /// one block. Each group is journaled and written home before the next
+    /// is journaled: a checkpoint that a later group's record forces then
+    /// finds every earlier group home (and, split, its contexts
+    /// published), so it may retire their records. A checkpoint between two
+    /// records of one group would claim blocks that had not been written.
+    fn group_end(
+        &self,
+        shared: &Shared,
+        blocks: &[(u64, DirtyBlock)],
+        start: usize,
+        range_entries: usize,
+    ) -> usize {
+        let half = self.journal_bytes / 2;
+        let reserved = range_entries as u32 * 2;
+        let mut entries = 0u32;
+        let mut data = 0u32;
+        let mut end = start;
+        while end < blocks.len() {
+            let with_data = u32::from(shared.layouts.of(blocks[end].0).journals_data());
+            if end > start
+                && JournalHeader::record_bytes(entries + 1 + reserved, data + with_data) > half
+            {
+                break;
+            }
+            entries += 1;
+            data += with_data;
+            end += 1;
+        }
+        end
+    }
+
+    /// Journal one group of blocks (and, with the last group, the ranges)
+    /// as one record, write them home and publish their contexts.
+    fn commit_group(
         &self,
         shared: &Shared,
         journal: &mut Journal,
         blocks: &[(u64, DirtyBlock)],
         ranges: &[RangeOp],
-    ) -> Result<Vec<Context>> {
-        let seq = journal.next_seq;
+    ) -> Result<()> {
         let mut entries = Vec::with_capacity(blocks.len() + ranges.len());
         let mut contexts = Vec::with_capacity(blocks.len());
         let mut journaled_data: Vec<&[u8]> = Vec::new();
+        let seq = self.reserve_record(shared, journal, blocks, ranges)?;
         for (lba, dirty) in blocks {
             // A buffer corrupted in memory after it was sealed is still
             // caught: the context carries the seal of the bytes the client
@@ -233,15 +286,16 @@ impl Committer {
             .any(|layout| layout.journals_data());
         let data = journals_data.then_some(&journaled_data[..]);
         self.append(shared, journal, &entries, data)?;
+        assert_eq!(journal.next_seq, seq + 1, "one group is one record");
         // ORDER POINT A passed: home writes may now reach the disk in any order.
-        let pieces: Vec<_> = ranges
-            .iter()
-            .flat_map(|range| shared.layouts.pieces(range.start, range.end))
-            .collect();
-        if pieces
-            .iter()
-            .any(|(_, _, layout)| layout.contexts_in_table())
-        {
+        let ranges_in_table = ranges.iter().any(|range| {
+            shared
+                .layouts
+                .pieces(range.start, range.end)
+                .iter()
+                .any(|(_, _, layout)| layout.contexts_in_table())
+        });
+        if ranges_in_table {
             // Publish trims before punching their data: a reader must never
             // see punched data under the block's old context.
             let mut state = shared.state.write();
@@ -274,7 +328,42 @@ impl Committer {
                 layout.apply_range_home(&shared.io, &piece, &mut journal.unsynced)?;
             }
         }
-        Ok(contexts)
+        // Publish the group's contexts now, not after the whole commit: a
+        // checkpoint forced by the next group's record writes the context
+        // table and retires this group's record.
+        let mut state = shared.state.write();
+        for ((lba, _), context) in blocks.iter().zip(&contexts) {
+            if shared.layouts.of(*lba).contexts_in_table() {
+                state.contexts.set(*lba, *context);
+            }
+        }
+        Ok(())
+    }
+
+    /// Make room for one group's record before building it: a checkpoint,
+    /// if it must run, runs before the record is written (never between a
+    /// record and its home writes). Returns the record's sequence number.
+    fn reserve_record(
+        &self,
+        shared: &Shared,
+        journal: &mut Journal,
+        blocks: &[(u64, DirtyBlock)],
+        ranges: &[RangeOp],
+    ) -> Result<u64> {
+        let data = blocks
+            .iter()
+            .filter(|(lba, _)| shared.layouts.of(*lba).journals_data())
+            .count() as u32;
+        let range_entries: u64 = ranges
+            .iter()
+            .map(|range| (range.end - range.start).div_ceil(MAX_RANGE_ENTRY_BLOCKS))
+            .sum();
+        let record_len =
+            JournalHeader::record_bytes(blocks.len() as u32 + range_entries as u32, data);
+        if journal.offset + record_len > self.journal_bytes {
+            self.checkpoint(shared, journal, STATE_OPEN)?;
+        }
+        Ok(journal.next_seq)
     }
 
     /// Write one journal record (splitting oversized commits) and fsync it.

@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use vouch_engine::read_superblock;
+use vouch_engine::BlockDevice;
 use vouch_engine::{CreateOptions, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume};
 use vouch_format::journal::encode_record;
 use vouch_format::{Context, JournalEntry};
@@ -101,4 +102,67 @@ fn packed_record_without_data_is_a_clear_error() {
     }))
     .expect("recovery must not panic");
     assert!(result.is_err());
+}
+
+/// Found by `serve_crash.rs` (packed, 1 MiB journal, SIGKILL): a commit too
+/// large for one journal record was split into several records, and when
+/// the journal filled between two of them, the checkpoint that made room
+/// retired the earlier records before their blocks had been written home.
+/// A crash in those home writes left a record torn (new data, old context)
+/// with nothing to replay: a block unreadable by a crash alone.
+#[test]
+fn a_checkpoint_never_retires_a_record_whose_blocks_are_not_home() {
+    let sim = SimStorage::new();
+    let mut options = CreateOptions::new(1024 * 4096);
+    options.layout = LayoutKind::Packed;
+    options.journal_bytes = Some(1 << 20);
+    Volume::create(Arc::new(sim.clone()), &options)
+        .and_then(Volume::close)
+        .expect("create");
+    let tuning = vouch_engine::Tuning {
+        dirty_limit_blocks: 200,
+        background_commit: false,
+        ..vouch_engine::Tuning::default()
+    };
+    let open = OpenOptions {
+        tuning,
+        ..OpenOptions::default()
+    };
+    let volume = Volume::open(Arc::new(sim.clone()), &open).expect("open");
+    // 100 blocks flushed: their record fills ~40% of the journal.
+    for lba in 0..100u64 {
+        volume
+            .write(lba * 4096, &[1u8; 4096], false)
+            .expect("write");
+    }
+    volume.flush().expect("flush");
+    // 200 blocks fill the buffer and commit inline, unsynced: one commit
+    // whose data needs ~80% of the journal, more than one record holds.
+    for lba in 300..500u64 {
+        volume
+            .write(lba * 4096, &[2u8; 4096], false)
+            .expect("write");
+    }
+    assert!(sim.pending_count() > 0, "the second commit is not synced");
+    // Power loss: every unsynced data write torn after its first sector.
+    let image = sim.crash_image(|object, _, _| match object {
+        ObjectId::Data(_) => 0b1,
+        _ => u64::MAX,
+    });
+    drop(volume);
+    let volume = Volume::open(Arc::new(image), &OpenOptions::default()).expect("recover");
+    let report = volume.check(|_, _| {}).expect("check");
+    assert!(
+        report.faults.is_empty(),
+        "blocks left unreadable by a crash: {:?}",
+        report.faults
+    );
+    let mut block = [0u8; 4096];
+    for lba in 300..500u64 {
+        volume.read(lba * 4096, &mut block).expect("read");
+        assert!(
+            block == [2u8; 4096] || block == [0u8; 4096],
+            "LBA {lba} reads neither its old nor its new contents"
+        );
+    }
 }
