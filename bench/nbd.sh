@@ -36,8 +36,8 @@
 #   (order): run the whole matrix. INTERLEAVE=test (the default with VOUCH_BASE): for rep: for test: for
 #   server in (order): run that test, so every server is measured seconds apart (cache state prepared
 #   before each run: cheap for vouch_*/base_*, a re-read or eviction of the raw image for the anchors).
-#   Order: the server list rotated by one each round (rep, or rep+test), reversed every other round, so
-#   each vouch_X/base_X pair runs in both orders.
+#   Order: round K (K = rep-1, or rep-1+test index) runs the server list rotated by K/2 and reversed when
+#   K is odd, so rounds 2r and 2r+1 run every pair (e.g. vouch_X, base_X) in both orders.
 # Per run: IOPS, MB/s, fio usr/sys CPU, machine CPU busy % (/proc/stat), server CPU time
 # (utime+stime of the server process, /proc/PID/stat) per I/O.
 #
@@ -280,9 +280,9 @@ server_block() { # REP SERVER : prepare the cache state, then run the full matri
     for item in "${ITEMS[@]}"; do run_item "$1" "$2" "$item"; done
 }
 
-server_order() { # K -> the servers rotated by K, reversed when K is odd (each pair runs in both orders)
-    local i n=${#SRV[@]} out=()
-    for i in $(seq 0 $((n-1))); do out+=("${SRV[$(( (i + K) % n ))]}"); done
+server_order() { # K -> the servers rotated by K/2, reversed when K is odd: rounds 2r and 2r+1 run every
+    local i n=${#SRV[@]} out=()   # pair of servers in both orders (rotating by K would not: with two
+    for i in $(seq 0 $((n-1))); do out+=("${SRV[$(( (i + K / 2) % n ))]}"); done   # servers it undoes the reversal)
     if (( K % 2 )); then for (( i=n-1; i>=0; i-- )); do echo "${out[$i]}"; done
     else printf '%s\n' "${out[@]}"; fi
 }
