@@ -23,6 +23,7 @@
 # and SERVERS not given, SERVERS defaults to the four pairs (no anchors), e.g.
 #   VOUCH_BASE=/work/base/target/release/vouch REPS=5 bench/nbd.sh
 #   VOUCH_BASE=... SERVERS="vouch_split_direct base_split_direct" TESTS="rr4k_qd32 rw4k_qd32" bench/nbd.sh
+# (bench/AB.md: the whole A/B procedure, with bench/ab-engine.sh for the engine level.)
 #
 # Workloads (fio --norandommap --randrepeat=0, numjobs=1, whole export):
 #   4 KiB randread / randwrite at iodepth 1 and 32, 1 MiB seq read / write at iodepth 8 (RUNTIME s each)
