@@ -8,14 +8,37 @@
 #   vouch_split_direct, vouch_packed_direct   the same with `serve --direct` (O_DIRECT data
 #                 segments: the like-for-like comparison with qemu-nbd --cache=none; not in the default set)
 #   qemunbd       qemu-nbd -f raw -t -e 8 --cache=none --aio=io_uring    (O_DIRECT, page cache evicted first)
+#   qemunbd_wb    qemu-nbd -f raw -t -e 8 --cache=writeback --aio=threads (qemu-nbd's own defaults: page
+#                 cache, flush = fdatasync; file warmed first like nbdkit_pc; not in the default set)
 #   nbdkit_none   nbdkit file cache=none fadvise=random                  (page cache evicted first)
 #   nbdkit_pc     nbdkit file (default: page cache; file warmed first)   (buffered ceiling, like vouch)
-# The three anchors serve one prefilled raw file of SIZE in DIR (same filesystem as the volumes).
+# The anchors serve one prefilled raw file of SIZE in DIR (same filesystem as the volumes).
+#
+# A/B against an older vouch (the "costs nothing" check of an engine change): VOUCH_BASE=/path/to/old/vouch
+# enables base_split, base_packed, base_split_direct, base_packed_direct: exactly the vouch_* servers
+# (own volumes vol-base-*, own ports, own prefill) but running $VOUCH_BASE. They are interleaved with
+# every other server in the same repetitions, and report.md gets a "new vs base" section per pair:
+# per-repetition ratios vouch_X/base_X (same repetition), their median, the ratio of the medians, and a
+# flag on every test whose median per-repetition ratio is < AB_THRESHOLD (0.95). With VOUCH_BASE set
+# and SERVERS not given, SERVERS defaults to the four pairs (no anchors), e.g.
+#   VOUCH_BASE=/work/base/target/release/vouch REPS=5 bench/nbd.sh
+#   VOUCH_BASE=... SERVERS="vouch_split_direct base_split_direct" TESTS="rr4k_qd32 rw4k_qd32" bench/nbd.sh
+# (bench/AB.md: the whole A/B procedure, with bench/ab-engine.sh for the engine level.)
 #
 # Workloads (fio --norandommap --randrepeat=0, numjobs=1, whole export):
 #   4 KiB randread / randwrite at iodepth 1 and 32, 1 MiB seq read / write at iodepth 8 (RUNTIME s each)
+#   rw4k_fsync1: 4 KiB randwrite QD1, fio --fsync=1 (an NBD_CMD_FLUSH after every write)
+#   rw4k_fsync8: 4 KiB randwrite QD1, fio --fsync=8 (a flush every 8 writes: database-like)
+#     (fio's nbd engine turns fio's sync I/O into nbd_aio_flush, i.e. NBD_CMD_FLUSH; the flush count and
+#      mean flush latency come from the "sync" section of fio's JSON and are in samples.tsv / report.md.
+#      IOPS of these tests count writes only.)
 #   randread of N x 4 KiB, N in SWEEP_BLOCKS, iodepth 1 and 8 (SWEEP_RUNTIME s each)
-# Repetitions: for rep in 1..REPS: for server in (rotated order): run the whole matrix.
+# Repetitions, INTERLEAVE=server (the default without VOUCH_BASE): for rep in 1..REPS: for server in
+#   (order): run the whole matrix. INTERLEAVE=test (the default with VOUCH_BASE): for rep: for test: for
+#   server in (order): run that test, so every server is measured seconds apart (cache state prepared
+#   before each run: cheap for vouch_*/base_*, a re-read or eviction of the raw image for the anchors).
+#   Order: round K (K = rep-1, or rep-1+test index) runs the server list rotated by K/2 and reversed when
+#   K is odd, so rounds 2r and 2r+1 run every pair (e.g. vouch_X, base_X) in both orders.
 # Per run: IOPS, MB/s, fio usr/sys CPU, machine CPU busy % (/proc/stat), server CPU time
 # (utime+stime of the server process, /proc/PID/stat) per I/O.
 #
@@ -23,7 +46,12 @@
 #         $OUT/fio/*.json (raw fio output), $OUT/logs/ (server logs).
 #
 # Knobs (environment; e.g. SERVERS="vouch_split_direct vouch_split qemunbd" for the cache=none comparison):
-ENV_KNOBS="SIZE RUNTIME SWEEP_RUNTIME REPS DIR OUT SERVERS SWEEP_BLOCKS PORT_BASE VOUCH BUILD KEEP_RAW"  # (REPORT_ONLY is not a measurement knob)
+#   SIZE RUNTIME SWEEP_RUNTIME REPS DIR OUT SERVERS PORT_BASE VOUCH BUILD KEEP_RAW: see their defaults below
+#   SWEEP_BLOCKS  block counts of the read sweep ("none": no sweep)
+#   TESTS         main-matrix tests to run, by name (default: all of MATRIX below)
+#   VOUCH_BASE    second vouch binary for the base_* servers (A/B); AB_THRESHOLD flag level (0.95)
+#   REPORT_ONLY=1 only rebuild $OUT/report.md from $OUT/samples.tsv
+ENV_KNOBS="SIZE RUNTIME SWEEP_RUNTIME REPS DIR OUT SERVERS SWEEP_BLOCKS TESTS PORT_BASE VOUCH VOUCH_BASE BUILD KEEP_RAW AB_THRESHOLD INTERLEAVE"  # (REPORT_ONLY is not a measurement knob)
 GIVEN_ENV=""
 for _v in $ENV_KNOBS; do [ -n "${!_v+x}" ] && GIVEN_ENV+="$_v=${!_v} "; done
 SIZE=${SIZE:-4G}                       # volume / raw image size (IEC: 4G = 4 GiB)
@@ -32,9 +60,18 @@ SWEEP_RUNTIME=${SWEEP_RUNTIME:-5}      # seconds per block-size-sweep run
 REPS=${REPS:-3}                        # repetitions (servers interleaved within each)
 DIR=${DIR:-/var/tmp/vouch-nbd-bench}   # volumes, raw image, pid files
 OUT=${OUT:-$DIR/results}               # results (overwritten each run)
-SERVERS=${SERVERS:-"vouch_split vouch_packed qemunbd nbdkit_none nbdkit_pc"}
+VOUCH_BASE=${VOUCH_BASE:-}             # A/B: older vouch binary for the base_* servers (empty: none)
+AB_THRESHOLD=${AB_THRESHOLD:-0.95}     # A/B: flag tests whose median per-rep vouch_X/base_X is below this
+INTERLEAVE=${INTERLEAVE:-$([ -n "$VOUCH_BASE" ] && echo test || echo server)}  # see the header
+case $INTERLEAVE in server|test) ;; *) echo "INTERLEAVE must be server or test" >&2; exit 1 ;; esac
+if [ -n "$VOUCH_BASE" ]; then
+    SERVERS=${SERVERS:-"vouch_split base_split vouch_packed base_packed vouch_split_direct base_split_direct vouch_packed_direct base_packed_direct"}
+else
+    SERVERS=${SERVERS:-"vouch_split vouch_packed qemunbd nbdkit_none nbdkit_pc"}
+fi
 SWEEP_BLOCKS=${SWEEP_BLOCKS:-"1 4 16 64 256 1024"}
-PORT_BASE=${PORT_BASE:-10930}          # ports PORT_BASE .. PORT_BASE+6
+[ "$SWEEP_BLOCKS" = none ] && SWEEP_BLOCKS=""
+PORT_BASE=${PORT_BASE:-10930}          # ports PORT_BASE .. PORT_BASE+11
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VOUCH=${VOUCH:-$REPO/target/release/vouch}
 BUILD=${BUILD:-1}                      # 1: cargo build --release -p vouch first
@@ -57,8 +94,14 @@ die() { log "FATAL: $*"; exit 1; }
 
 declare -A PORT=( [vouch_split]=$PORT_BASE [vouch_packed]=$((PORT_BASE+1)) [qemunbd]=$((PORT_BASE+2))
                   [nbdkit_none]=$((PORT_BASE+3)) [nbdkit_pc]=$((PORT_BASE+4))
-                  [vouch_split_direct]=$((PORT_BASE+5)) [vouch_packed_direct]=$((PORT_BASE+6)) )
-for s in $SERVERS; do [ -n "${PORT[$s]:-}" ] || die "unknown server $s"; done
+                  [vouch_split_direct]=$((PORT_BASE+5)) [vouch_packed_direct]=$((PORT_BASE+6))
+                  [qemunbd_wb]=$((PORT_BASE+7))
+                  [base_split]=$((PORT_BASE+8)) [base_packed]=$((PORT_BASE+9))
+                  [base_split_direct]=$((PORT_BASE+10)) [base_packed_direct]=$((PORT_BASE+11)) )
+for s in $SERVERS; do
+    [ -n "${PORT[$s]:-}" ] || die "unknown server $s"
+    [[ $s != base_* ]] || [ -n "$VOUCH_BASE" ] || die "server $s needs VOUCH_BASE=/path/to/old/vouch"
+done
 
 # ---------------------------------------------------------------- packages
 need_pkgs() {
@@ -86,7 +129,7 @@ cleanup() {
         stop_pid "$(cat "$f" 2>/dev/null)" 60
         rm -f "$f"
     done
-    rm -rf "$DIR/vol-split" "$DIR/vol-packed" "$RUN/vouch"
+    rm -rf "$DIR"/vol-* "$RUN/vouch" "$RUN/vouch-base"
     [ "$KEEP_RAW" = 1 ] || rm -f "$RAW" "$RAW.filled"
 }
 trap cleanup EXIT
@@ -125,18 +168,24 @@ make_raw() {
 start_server() { # NAME
     local s=$1 port=${PORT[$1]}
     case $s in
-    vouch_split|vouch_packed|vouch_split_direct|vouch_packed_direct)
-        local name=${s#vouch_} layout direct=()
+    vouch_split|vouch_packed|vouch_split_direct|vouch_packed_direct|base_split|base_packed|base_split_direct|base_packed_direct)
+        # base_X is vouch_X run by $VOUCH_BASE, with its own volume
+        local bin=$VOUCH name=${s#vouch_} vol_prefix=vol-
+        if [[ $s == base_* ]]; then bin=$VOUCH_BASE; name=${s#base_}; vol_prefix=vol-base-; fi
+        local layout direct=()
         layout=${name%_direct}
         [ "$name" = "$layout" ] || direct=(--direct)
-        local vol="$DIR/vol-$name"
+        local vol="$DIR/$vol_prefix$name"
         rm -rf "$vol"
-        "$VOUCH" serve "$vol" --create "$BYTES" --layout "$layout" "${direct[@]}" --listen "127.0.0.1:$port" \
+        "$bin" serve "$vol" --create "$BYTES" --layout "$layout" "${direct[@]}" --listen "127.0.0.1:$port" \
             > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
     qemunbd)
         evict_raw
         qemu-nbd -f raw -t -e 8 --cache=none --aio=io_uring -b 127.0.0.1 -p "$port" \
+            --pid-file="$RUN/$s.pid" --fork "$RAW" 2> "$OUT/logs/$s.log" || die "qemu-nbd: $(cat "$OUT/logs/$s.log")" ;;
+    qemunbd_wb)
+        qemu-nbd -f raw -t -e 8 --cache=writeback --aio=threads -b 127.0.0.1 -p "$port" \
             --pid-file="$RUN/$s.pid" --fork "$RAW" 2> "$OUT/logs/$s.log" || die "qemu-nbd: $(cat "$OUT/logs/$s.log")" ;;
     nbdkit_none)
         nbdkit -P "$RUN/$s.pid" -i 127.0.0.1 -p "$port" file file="$RAW" cache=none fadvise=random \
@@ -150,7 +199,8 @@ start_server() { # NAME
     log "$s: pid $(server_pid "$s") on nbd://127.0.0.1:$port"
 }
 
-# fio_parse JSON -> "iops MBps total_ios clat_us p99_us usr sys err" for direction DIR (read|write)
+# fio_parse JSON -> "iops MBps total_ios clat_us p99_us usr sys err flushes flush_lat_us" for direction DIR
+# (read|write); flushes = fio sync I/Os (NBD_CMD_FLUSH with the nbd engine), flush_lat_us their mean latency
 fio_parse() {
     python3 - "$1" "$2" <<'PY'
 import json, sys
@@ -158,14 +208,18 @@ s = open(sys.argv[1]).read()
 j = json.loads(s[s.index('{'):])["jobs"][0]
 d = j[sys.argv[2]]
 p99 = d.get("clat_ns", {}).get("percentile", {}).get("99.000000", 0) / 1e3
-print("%.1f %.2f %d %.1f %.1f %.2f %.2f %d" % (d["iops"], d["bw_bytes"] / 1e6, d["total_ios"],
-      d["clat_ns"]["mean"] / 1e3, p99, j["usr_cpu"], j["sys_cpu"], j.get("error", 0)))
+sync = j.get("sync", {})
+flushes = sync.get("total_ios", 0)
+flush_lat = sync.get("lat_ns", {}).get("mean", 0) / 1e3 if flushes else float("nan")
+print("%.1f %.2f %d %.1f %.1f %.2f %.2f %d %d %.1f" % (d["iops"], d["bw_bytes"] / 1e6, d["total_ios"],
+      d["clat_ns"]["mean"] / 1e3, p99, j["usr_cpu"], j["sys_cpu"], j.get("error", 0), flushes, flush_lat))
 PY
 }
 
-# run_one REP SERVER TEST RW BS QD SECONDS : one fio run, one TSV row
+# run_one REP SERVER TEST RW BS QD SECONDS [FIO-ARG...] : one fio run, one TSV row
 run_one() {
     local rep=$1 s=$2 test=$3 rw=$4 bs=$5 qd=$6 secs=$7
+    shift 7; local extra=("$@")   # the rest: extra fio arguments (e.g. --fsync=8)
     local port=${PORT[$s]} pid; pid=$(server_pid "$s")
     local tag="$s-$test-r$rep" json="$OUT/fio/$s-$test-r$rep.json"
     sync  # start every run with no dirty pages from the previous one
@@ -173,39 +227,72 @@ run_one() {
     read -r b0 t0 < <(cpu_ticks); p0=$(proc_ticks "$pid"); w0=$(date +%s.%N)
     timeout --kill-after=10 $((secs + 60)) fio --output-format=json --output="$json" --name="$test" \
         --ioengine=nbd --uri="nbd://127.0.0.1:$port" --rw="$rw" --bs="$bs" --iodepth="$qd" --numjobs=1 \
-        --time_based --runtime="$secs" --norandommap --randrepeat=0 > "$OUT/logs/$tag.stdout" 2>&1
+        --time_based --runtime="$secs" --norandommap --randrepeat=0 "${extra[@]}" > "$OUT/logs/$tag.stdout" 2>&1
     rc=$?
     w1=$(date +%s.%N); p1=$(proc_ticks "$pid"); read -r b1 t1 < <(cpu_ticks)
     local dir=read; [[ $rw == *write* ]] && dir=write
-    local parsed; parsed=$(fio_parse "$json" "$dir" 2>/dev/null) || parsed="0 0 0 0 0 0 0 1"
+    local parsed; parsed=$(fio_parse "$json" "$dir" 2>/dev/null) || parsed="0 0 0 0 0 0 0 1 0 nan"
     [ $rc -ne 0 ] && log "fio $tag rc=$rc (see $OUT/logs/$tag.stdout)"
     set -- $parsed
-    local iops=$1 mbps=$2 ios=$3 clat=$4 p99=$5 usr=$6 sys=$7 err=$8
+    local iops=$1 mbps=$2 ios=$3 clat=$4 p99=$5 usr=$6 sys=$7 err=$8 flushes=$9 flush_lat=${10}
     local busy srv_s us_io
     busy=$(awk -v b=$((b1-b0)) -v t=$((t1-t0)) -v n="$NCPU" 'BEGIN{ if (t>0) printf "%.1f", 100*n*b/t; else print 0 }')
     srv_s=$(awk -v d=$((p1-p0)) -v hz="$HZ" 'BEGIN{ printf "%.3f", d/hz }')
     us_io=$(awk -v s="$srv_s" -v n="$ios" 'BEGIN{ if (n>0) printf "%.2f", s*1e6/n; else print "nan" }')
-    printf '%s\n' "$rep	$s	$test	$rw	$bs	$qd	$secs	$iops	$mbps	$ios	$clat	$p99	$usr	$sys	$busy	$srv_s	$us_io	$(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", b-a}')	$rc	$err" >> "$TSV"
-    log "r$rep $s $test: iops=$iops MB/s=$mbps srv_cpu=${srv_s}s (${us_io} us/io) busy=${busy}% rc=$rc"
+    printf '%s\n' "$rep	$s	$test	$rw	$bs	$qd	$secs	$iops	$mbps	$ios	$clat	$p99	$usr	$sys	$busy	$srv_s	$us_io	$(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", b-a}')	$rc	$err	$flushes	$flush_lat" >> "$TSV"
+    log "r$rep $s $test: iops=$iops MB/s=$mbps srv_cpu=${srv_s}s (${us_io} us/io) busy=${busy}% rc=$rc${extra[*]:+ (${extra[*]}: $flushes flushes, ${flush_lat} us each)}"
 }
 
+# name:rw:bs:qd[:extra fio arguments, comma-separated]
 MATRIX="rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd1:randwrite:4k:1 rw4k_qd32:randwrite:4k:32 sr1m_qd8:read:1M:8 sw1m_qd8:write:1M:8"
+MATRIX+=" rw4k_fsync1:randwrite:4k:1:--fsync=1 rw4k_fsync8:randwrite:4k:1:--fsync=8"
+ALL_TESTS=$(for t in $MATRIX; do printf '%s ' "${t%%:*}"; done)
+TESTS=${TESTS:-$ALL_TESTS}
+for t in $TESTS; do [[ " $ALL_TESTS " == *" $t "* ]] || die "unknown test $t (known: $ALL_TESTS)"; done
 
-server_block() { # REP SERVER : prepare the cache state, then run the full matrix + sweep
-    local rep=$1 s=$2 t name rw bs qd n
-    case $s in
+prep_cache() { # SERVER : the page-cache state of the raw image this server is measured with
+    case $1 in
         qemunbd|nbdkit_none) evict_raw ;;
-        nbdkit_pc) warm_raw ;;
+        nbdkit_pc|qemunbd_wb) warm_raw ;;
     esac
+}
+
+# every test of one repetition, in order: name:rw:bs:qd:extra:seconds
+test_items() {
+    local t name rw bs qd extra n
     for t in $MATRIX; do
-        IFS=: read -r name rw bs qd <<< "$t"
-        run_one "$rep" "$s" "$name" "$rw" "$bs" "$qd" "$RUNTIME"
+        IFS=: read -r name rw bs qd extra <<< "$t"
+        [[ " $TESTS " == *" $name "* ]] && echo "$name:$rw:$bs:$qd:$extra:$RUNTIME"
     done
     for n in $SWEEP_BLOCKS; do
-        for qd in 1 8; do
-            run_one "$rep" "$s" "sweep_${n}x4k_qd$qd" randread "$((n*4))k" "$qd" "$SWEEP_RUNTIME"
-        done
+        for qd in 1 8; do echo "sweep_${n}x4k_qd$qd:randread:$((n*4))k:$qd::$SWEEP_RUNTIME"; done
     done
+}
+
+run_item() { # REP SERVER ITEM
+    local name rw bs qd extra secs
+    IFS=: read -r name rw bs qd extra secs <<< "$3"
+    run_one "$1" "$2" "$name" "$rw" "$bs" "$qd" "$secs" ${extra//,/ }
+}
+
+server_block() { # REP SERVER : prepare the cache state, then run the full matrix + sweep
+    local item
+    prep_cache "$2"
+    for item in "${ITEMS[@]}"; do run_item "$1" "$2" "$item"; done
+}
+
+server_order() { # K -> the servers rotated by K/2, reversed when K is odd: rounds 2r and 2r+1 run every
+    local i n=${#SRV[@]} out=()   # pair of servers in both orders (rotating by K would not: with two
+    for i in $(seq 0 $((n-1))); do out+=("${SRV[$(( (i + K / 2) % n ))]}"); done   # servers it undoes the reversal)
+    if (( K % 2 )); then for (( i=n-1; i>=0; i-- )); do echo "${out[$i]}"; done
+    else printf '%s\n' "${out[@]}"; fi
+}
+
+bin_facts() { # BINARY -> "path, sha256 prefix, --version, git commit of the tree it sits in (if any)"
+    local b=$1 rev
+    rev=$(git -C "$(dirname "$b")" rev-parse --short HEAD 2>/dev/null) \
+        && { git -C "$(dirname "$b")" diff --quiet HEAD -- crates 2>/dev/null || rev+="+dirty"; }
+    echo "\`$b\` (sha256 $(sha256sum "$b" | cut -c1-12), $("$b" --version 2>/dev/null | head -1)${rev:+, tree at $rev})"
 }
 
 machine_facts() {
@@ -215,15 +302,18 @@ machine_facts() {
     echo "- kernel: $(uname -r)"
     echo "- directory: $DIR on $(findmnt -n -o FSTYPE,SOURCE,OPTIONS -T "$DIR" | awk '{print $1" ("$2", "$3")"}')"
     echo "- fio $(fio --version | sed 's/fio-//'), $(qemu-nbd --version | head -1), $(nbdkit --version), vouch $(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null)$(cd "$REPO" && git diff --quiet HEAD -- crates 2>/dev/null || echo '+dirty')"
-    echo "- settings: SIZE=$SIZE ($BYTES bytes) RUNTIME=$RUNTIME SWEEP_RUNTIME=$SWEEP_RUNTIME REPS=$REPS SERVERS=\"$SERVERS\" SWEEP_BLOCKS=\"$SWEEP_BLOCKS\""
+    echo "- vouch binary (vouch_*): $(bin_facts "$VOUCH_SRC")"
+    [ -z "$VOUCH_BASE" ] || echo "- base binary (base_*): $(bin_facts "$VOUCH_BASE_SRC")"
+    echo "- settings: SIZE=$SIZE ($BYTES bytes) RUNTIME=$RUNTIME SWEEP_RUNTIME=$SWEEP_RUNTIME REPS=$REPS INTERLEAVE=$INTERLEAVE SERVERS=\"$SERVERS\" SWEEP_BLOCKS=\"$SWEEP_BLOCKS\" TESTS=\"$TESTS\""
 }
 
 # ---------------------------------------------------------------- report
 make_report() {
-    python3 - "$TSV" "$OUT/facts.md" "$OUT/prefill.txt" "$RUNTIME" "$SWEEP_RUNTIME" "$REPS" > "$REPORT" <<'PY'
+    python3 - "$TSV" "$OUT/facts.md" "$OUT/prefill.txt" "$RUNTIME" "$SWEEP_RUNTIME" "$REPS" "$AB_THRESHOLD" > "$REPORT" <<'PY'
 import csv, sys, statistics as st
 from collections import defaultdict
-tsv, facts, prefill, runtime, sweep_rt, reps = sys.argv[1:7]
+tsv, facts, prefill, runtime, sweep_rt, reps, ab_thr = sys.argv[1:8]
+ab_thr = float(ab_thr)
 rows = list(csv.DictReader(open(tsv), delimiter="\t"))
 S = defaultdict(list)
 order_t, order_s = [], []
@@ -236,10 +326,11 @@ for r in rows:
 reps = max((int(r["rep"]) for r in rows), default=0)
 runtime = next((r["runtime_s"] for r in rows if not r["test"].startswith("sweep_")), runtime)
 sweep_rt = next((r["runtime_s"] for r in rows if r["test"].startswith("sweep_")), sweep_rt)
-pref = ["vouch_split", "vouch_packed", "vouch_split_direct", "vouch_packed_direct", "qemunbd", "nbdkit_none", "nbdkit_pc"]
+pref = ["vouch_split", "base_split", "vouch_packed", "base_packed", "vouch_split_direct", "base_split_direct",
+        "vouch_packed_direct", "base_packed_direct", "qemunbd", "qemunbd_wb", "nbdkit_none", "nbdkit_pc"]
 servers = [s for s in pref if s in order_s] + [s for s in order_s if s not in pref]
 def med(s, t, f):
-    v = [float(r[f]) for r in S.get((s, t), []) if r[f] not in ("nan", "") and r["rc"] == "0"]
+    v = [float(r[f]) for r in S.get((s, t), []) if r.get(f) not in (None, "nan", "") and r["rc"] == "0"]
     return st.median(v) if v else float("nan")
 def spread(s, t, f):
     v = [float(r[f]) for r in S.get((s, t), []) if r["rc"] == "0"]
@@ -252,7 +343,7 @@ def fmt(x, d=0):
 main = [t for t in order_t if not t.startswith("sweep_")]
 sweep = [t for t in order_t if t.startswith("sweep_")]
 vouch = [s for s in servers if s.startswith("vouch")]
-anch = [s for s in ("qemunbd", "nbdkit_none", "nbdkit_pc") if s in servers]
+anch = [s for s in ("qemunbd", "qemunbd_wb", "nbdkit_none", "nbdkit_pc") if s in servers]
 out = []
 P = out.append
 P("# vouch over NBD vs qemu-nbd / nbdkit (bench/nbd.sh)\n")
@@ -305,12 +396,61 @@ for t in sweep:
     n, qd = t[len("sweep_"):].split("x4k_qd")
     P(f"| {n} | {qd} | " + " | ".join(f"{fmt(med(s,t,'iops'))} ({fmt(med(s,t,'MBps'))} MB/s)" for s in servers) + " |")
 P("")
-P("## Targets (vs qemu-nbd, same run)\n")
-P("| target | " + " | ".join(vouch) + " |")
-P("|---|" + "---|" * len(vouch))
+flush_tests = [t for t in main if any(float(r.get("flushes") or 0) > 0 for s in servers for r in S.get((s, t), []))]
+if flush_tests:
+    P("## Flush-heavy tests: writes/s, flushes/s, mean flush latency\n")
+    P("fio `--fsync=N` with the nbd engine: an NBD_CMD_FLUSH after every N writes (QD1). "
+      "Cell: write IOPS / flushes per second / mean flush latency in µs (medians).\n")
+    def fl_rate(s, t):
+        v = [float(r["flushes"]) / float(r["runtime_s"]) for r in S.get((s, t), [])
+             if r["rc"] == "0" and r.get("flushes") not in (None, "")]
+        return st.median(v) if v else float("nan")
+    P("| test | " + " | ".join(servers) + " |")
+    P("|---|" + "---:|" * len(servers))
+    for t in flush_tests:
+        P(f"| {t} | " + " | ".join(f"{fmt(med(s,t,'iops'))} / {fmt(fl_rate(s,t))} / {fmt(med(s,t,'flush_lat_us'),1)}" for s in servers) + " |")
+    P("")
+ab_pairs = [(s, "base_" + s[len("vouch_"):]) for s in servers if s.startswith("vouch_") and "base_" + s[len("vouch_"):] in servers]
+ab_flags = []
+if ab_pairs:
+    P(f"## New vs base (vouch_X = VOUCH, base_X = VOUCH_BASE; flag: median per-rep ratio < {ab_thr:.2f})\n")
+    P("Per rep: vouch_X / base_X of the same repetition (IOPS; MB/s for 1 MiB tests; higher is better). "
+      "`med rep` = median of those per-rep ratios (the verdict), `med/med` = ratio of the medians. "
+      "CPU = server CPU-µs per I/O, vouch_X / base_X (lower is better).\n")
+    def by_rep(s, t, f):
+        return {r["rep"]: float(r[f]) for r in S.get((s, t), []) if r["rc"] == "0" and r.get(f) not in (None, "", "nan")}
+    for new, base in ab_pairs:
+        P(f"### {new} / {base}\n")
+        P("| test | new | base | per rep | med rep | med/med | CPU/io | verdict |")
+        P("|---|---:|---:|---|---:|---:|---:|---|")
+        for t in main + sweep:
+            f = "MBps" if "1m" in t else "iops"
+            a, b = by_rep(new, t, f), by_rep(base, t, f)
+            per = [(k, a[k] / b[k]) for k in sorted(a, key=int) if k in b and b[k] > 0]
+            mr = st.median([x for _, x in per]) if per else float("nan")
+            mm = ratio(med(new, t, f), med(base, t, f))
+            cpu = ratio(med(new, t, "server_cpu_us_per_io"), med(base, t, "server_cpu_us_per_io"))
+            if mr != mr:
+                v = "-"
+            elif mr < ab_thr:
+                v = f"**SLOWER** {mr:.3f}x"; ab_flags.append(f"{new} {t} {mr:.3f}x")
+            elif mm < ab_thr:
+                v = "ok (med/med below)"
+            else:
+                v = "ok"
+            P(f"| {t} | {fmt(med(new,t,f))} | {fmt(med(base,t,f))} | " + " ".join(f"{x:.3f}" for _, x in per)
+              + f" | {fmt(mr,3)} | {fmt(mm,3)} | {fmt(cpu,2)} | {v} |")
+        P("")
+    if ab_flags:
+        P(f"**A/B verdict: {len(ab_flags)} test(s) slower than {ab_thr:.2f}x base:** " + "; ".join(ab_flags) + "\n")
+    else:
+        P(f"**A/B verdict: no test below {ab_thr:.2f}x base** (median of per-rep ratios, {reps} rep(s)).\n")
 def verdict(x, thr):
     return "-" if x != x else ("**pass** %.2fx" % x if x >= thr else "**FAIL** %.2fx" % x)
-if "qemunbd" in servers:
+if "qemunbd" in servers and vouch:
+    P("## Targets (vs qemu-nbd, same run)\n")
+    P("| target | " + " | ".join(vouch) + " |")
+    P("|---|" + "---|" * len(vouch))
     P("| 4 KiB randread QD32 >= 1.2x | " + " | ".join(verdict(ratio(med(v,"rr4k_qd32","iops"), med("qemunbd","rr4k_qd32","iops")), 1.2) for v in vouch) + " |")
     P("| 4 KiB randwrite QD32 >= 1.0x | " + " | ".join(verdict(ratio(med(v,"rw4k_qd32","iops"), med("qemunbd","rw4k_qd32","iops")), 1.0) for v in vouch) + " |")
     cells = []
@@ -342,17 +482,22 @@ if [ "$BUILD" = 1 ]; then
     (cd "$REPO" && cargo build --release -p vouch) > "$OUT/logs/build.log" 2>&1 || die "build failed: see $OUT/logs/build.log"
 fi
 [ -x "$VOUCH" ] || die "no vouch binary at $VOUCH"
+VOUCH_SRC=$VOUCH VOUCH_BASE_SRC=$VOUCH_BASE
 cp "$VOUCH" "$RUN/vouch" && VOUCH="$RUN/vouch"   # snapshot: a rebuild during the run cannot change it
+if [ -n "$VOUCH_BASE" ]; then
+    [ -x "$VOUCH_BASE" ] || die "no vouch binary at VOUCH_BASE=$VOUCH_BASE"
+    cp "$VOUCH_BASE" "$RUN/vouch-base" && VOUCH_BASE="$RUN/vouch-base"
+fi
 machine_facts > "$OUT/facts.md"
 cat "$OUT/facts.md" >&2
-printf 'rep\tserver\ttest\trw\tbs\tqd\truntime_s\tiops\tMBps\ttotal_ios\tclat_us\tp99_us\tfio_usr_pct\tfio_sys_pct\tmachine_busy_pct\tserver_cpu_s\tserver_cpu_us_per_io\twall_s\trc\tfio_err\n' > "$TSV"
+printf 'rep\tserver\ttest\trw\tbs\tqd\truntime_s\tiops\tMBps\ttotal_ios\tclat_us\tp99_us\tfio_usr_pct\tfio_sys_pct\tmachine_busy_pct\tserver_cpu_s\tserver_cpu_us_per_io\twall_s\trc\tfio_err\tflushes\tflush_lat_us\n' > "$TSV"
 T0=$(date +%s)
 
-need_raw=0; for s in $SERVERS; do [[ $s == vouch_* ]] || need_raw=1; done
+need_raw=0; for s in $SERVERS; do [[ $s == vouch_* || $s == base_* ]] || need_raw=1; done
 [ $need_raw = 1 ] && make_raw
 for s in $SERVERS; do
     start_server "$s"
-    if [[ $s == vouch_* ]]; then
+    if [[ $s == vouch_* || $s == base_* ]]; then
         log "$s: prefill (fio seq write 1M QD8 over NBD, $BYTES bytes)"
         sync; w0=$(date +%s.%N)
         fio --name=prefill --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[$s]}" --rw=write --bs=1M --iodepth=8 \
@@ -363,14 +508,22 @@ for s in $SERVERS; do
     fi
 done
 
-set -- $SERVERS; NS=$#
 SRV=($SERVERS)
+mapfile -t ITEMS < <(test_items)
 for rep in $(seq "$REPS"); do
-    for i in $(seq 0 $((NS-1))); do
-        s=${SRV[$(( (i + rep - 1) % NS ))]}   # rotate the order each repetition
-        log "=== rep $rep/$REPS: $s"
-        server_block "$rep" "$s"
-    done
+    if [ "$INTERLEAVE" = test ]; then   # rep -> test -> server: every server runs a test seconds apart
+        for idx in "${!ITEMS[@]}"; do
+            K=$(( rep - 1 + idx ))
+            log "=== rep $rep/$REPS: ${ITEMS[$idx]%%:*}"
+            for s in $(server_order); do prep_cache "$s"; run_item "$rep" "$s" "${ITEMS[$idx]}"; done
+        done
+    else                                # rep -> server -> test (the whole matrix per server)
+        K=$(( rep - 1 ))
+        for s in $(server_order); do
+            log "=== rep $rep/$REPS: $s"
+            server_block "$rep" "$s"
+        done
+    fi
 done
 log "measurements done in $(( $(date +%s) - T0 )) s"
 make_report
