@@ -201,13 +201,17 @@ impl Committer {
         Ok(())
     }
 
-    /// The end of the group of blocks from `start` whose journal record
-    /// fits in half the journal (with room for `range_entries`), at least
-    /// one block. Each group is journaled and written home before the next
-    /// is journaled: a checkpoint that a later group's record forces then
-    /// finds every earlier group home (and, split, its contexts
-    /// published), so it may retire their records. A checkpoint between two
-    /// records of one group would claim blocks that had not been written.
+    /// The end of the group of blocks from `start` to journal as one
+    /// record. A commit whose record fits in half the journal is one group;
+    /// a larger one is cut into groups of equal size (like halves, not one
+    /// full-size record and a remainder: equal records pack the journal
+    /// better, so fewer checkpoints), each at least one block and within
+    /// half the journal (with room for `range_entries`). Each group is
+    /// journaled and written home before the next is journaled: a
+    /// checkpoint that a later group's record forces then finds every
+    /// earlier group home (and, split, its contexts published), so it may
+    /// retire their records. A checkpoint between two records of one group
+    /// would claim blocks that had not been written.
     fn group_end(
         &self,
         shared: &Shared,
@@ -217,14 +221,18 @@ impl Committer {
     ) -> usize {
         let half = self.journal_bytes / 2;
         let reserved = range_entries as u32 * 2;
+        let journals_data = |index: usize| shared.layouts.of(blocks[index].0).journals_data();
+        let remaining = blocks.len() - start;
+        let remaining_data = (start..blocks.len()).filter(|i| journals_data(*i)).count();
+        let total = JournalHeader::record_bytes(remaining as u32 + reserved, remaining_data as u32);
+        let target = total / total.div_ceil(half).max(1);
         let mut entries = 0u32;
         let mut data = 0u32;
         let mut end = start;
         while end < blocks.len() {
-            let with_data = u32::from(shared.layouts.of(blocks[end].0).journals_data());
-            if end > start
-                && JournalHeader::record_bytes(entries + 1 + reserved, data + with_data) > half
-            {
+            let with_data = u32::from(journals_data(end));
+            let bytes = JournalHeader::record_bytes(entries + 1 + reserved, data + with_data);
+            if end > start && (bytes > half || (bytes > target && end - start < remaining)) {
                 break;
             }
             entries += 1;
@@ -331,10 +339,16 @@ impl Committer {
         // Publish the group's contexts now, not after the whole commit: a
         // checkpoint forced by the next group's record writes the context
         // table and retires this group's record.
-        let mut state = shared.state.write();
-        for ((lba, _), context) in blocks.iter().zip(&contexts) {
-            if shared.layouts.of(*lba).contexts_in_table() {
-                state.contexts.set(*lba, *context);
+        if shared
+            .layouts
+            .layouts()
+            .any(|layout| layout.contexts_in_table())
+        {
+            let mut state = shared.state.write();
+            for ((lba, _), context) in blocks.iter().zip(&contexts) {
+                if shared.layouts.of(*lba).contexts_in_table() {
+                    state.contexts.set(*lba, *context);
+                }
             }
         }
         Ok(())
