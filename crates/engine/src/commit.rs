@@ -43,7 +43,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
-use vouch_format::journal::{encode_record, JournalHeader};
+use vouch_format::journal::{encode_record, JournalHeader, JOURNAL_ALIGN};
 use vouch_format::superblock::STATE_OPEN;
 use vouch_format::{Context, JournalEntry, Superblock};
 
@@ -170,7 +170,7 @@ impl Committer {
         }
         let mut start = 0;
         let result = loop {
-            let end = self.group_end(shared, &blocks, start, ranges.len());
+            let end = self.group_end(shared, journal, &blocks, (start, ranges.len()));
             // The ranges go with the last group.
             let group_ranges = if end == blocks.len() { ranges } else { &[] };
             if let Err(error) =
@@ -201,23 +201,25 @@ impl Committer {
         Ok(())
     }
 
-    /// The end of the group of blocks from `start` to journal as one
-    /// record. A commit whose record fits in half the journal is one group;
-    /// a larger one is cut into groups of equal size (like halves, not one
-    /// full-size record and a remainder: equal records pack the journal
-    /// better, so fewer checkpoints), each at least one block and within
-    /// half the journal (with room for `range_entries`). Each group is
-    /// journaled and written home before the next is journaled: a
-    /// checkpoint that a later group's record forces then finds every
-    /// earlier group home (and, split, its contexts published), so it may
-    /// retire their records. A checkpoint between two records of one group
-    /// would claim blocks that had not been written.
+    /// The end of the group of blocks from `start` to journal and write
+    /// home together. Each group is journaled and written home before the
+    /// next is journaled, so a checkpoint that a later group's record forces
+    /// finds every earlier group home (and, split, its contexts published)
+    /// and may retire their records; a checkpoint between the records of
+    /// one group would claim blocks that had not been written.
+    ///
+    /// - The rest of the commit is one group when its record fits in half
+    ///   the journal, or when the records `append` cuts it into all fit in
+    ///   the rest of the journal (nothing can checkpoint between them).
+    /// - Otherwise it is cut into groups of equal size, each within half the
+    ///   journal (equal records pack the journal like the old halves; a
+    ///   full-size record and a remainder would checkpoint more often).
     fn group_end(
         &self,
         shared: &Shared,
+        journal: &Journal,
         blocks: &[(u64, DirtyBlock)],
-        start: usize,
-        range_entries: usize,
+        (start, range_entries): (usize, usize),
     ) -> usize {
         let half = self.journal_bytes / 2;
         let reserved = range_entries as u32 * 2;
@@ -225,14 +227,21 @@ impl Committer {
         let remaining = blocks.len() - start;
         let remaining_data = (start..blocks.len()).filter(|i| journals_data(*i)).count();
         let total = JournalHeader::record_bytes(remaining as u32 + reserved, remaining_data as u32);
-        let target = total / total.div_ceil(half).max(1);
+        let records = total.div_ceil(half).max(1);
+        // Each extra record costs at most a header block and a partly
+        // filled entries block.
+        let with_headers = total + 2 * records * 2 * JOURNAL_ALIGN;
+        if total <= half || journal.offset + with_headers <= self.journal_bytes {
+            return blocks.len();
+        }
+        let target = total / records;
         let mut entries = 0u32;
         let mut data = 0u32;
         let mut end = start;
         while end < blocks.len() {
             let with_data = u32::from(journals_data(end));
             let bytes = JournalHeader::record_bytes(entries + 1 + reserved, data + with_data);
-            if end > start && (bytes > half || (bytes > target && end - start < remaining)) {
+            if end > start && (bytes > half || bytes > target) {
                 break;
             }
             entries += 1;
@@ -293,8 +302,12 @@ impl Committer {
             .layouts()
             .any(|layout| layout.journals_data());
         let data = journals_data.then_some(&journaled_data[..]);
+        let generation = journal.superblock.generation;
         self.append(shared, journal, &entries, data)?;
-        assert_eq!(journal.next_seq, seq + 1, "one group is one record");
+        assert_eq!(
+            journal.superblock.generation, generation,
+            "a checkpoint ran between the records of one group"
+        );
         // ORDER POINT A passed: home writes may now reach the disk in any order.
         let ranges_in_table = ranges.iter().any(|range| {
             shared
