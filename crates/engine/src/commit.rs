@@ -2,15 +2,16 @@
 //!
 //! A commit (under the committer's lock on `Journal`):
 //!   1. swap the write-back buffer into `committing` (reads still see it);
-//!   then for each group of blocks whose record fits in half the journal
-//!   (one group unless the journal is small), as record N:
-//!   2. if the record does not fit in the journal, checkpoint first (below);
-//!      append record N (new contexts; in the packed layout also the data)
-//!      and fsync the journal.                  -- ORDER POINT A
-//!   3. write data (split) or records (packed) to their home, and with the
-//!      last group apply range operations (hole punches); no fsync here.
-//!   4. publish the group's new contexts (split: into the overlay);
-//!   and finally drop `committing`.
+//!   2. for each group of blocks (one group unless its records would not
+//!      fit in the rest of the journal: `group_end`), as record N (a record
+//!      over half the journal is written as several, back to back):
+//!      - if the record does not fit in the journal, checkpoint first
+//!        (below); append record N (new contexts; in the packed layout
+//!        also the data) and fsync the journal.   -- ORDER POINT A
+//!      - write data (split) or records (packed) to their home, and with
+//!        the last group apply range operations (hole punches); no fsync;
+//!      - publish the group's new contexts (split: into the overlay);
+//!   3. drop `committing`.
 //!
 //! A checkpoint never runs between a record and its home writes: it would
 //! retire a record whose blocks had not been written, and a crash in the
