@@ -213,9 +213,10 @@ fn crash_cycles(layout: &str, journal: Option<&str>, seed: u64, cycles: u64) {
             "{context}: the server was not killed: {status:?}"
         );
         // The crashed volume, offline: not closed cleanly, yet no faults.
-        // (A packed volume whose journal holds trims cannot be opened
-        // read-only; serve_lifecycle.rs crashed_packed_volume_with_trims_opens_read_only
-        // fails on that. Here such crash states are only counted.)
+        // (A packed volume whose journal held trims once could not be
+        // opened read-only: serve_lifecycle.rs
+        // crashed_packed_volume_with_trims_opens_read_only guards that fix.
+        // Should the refusal come back, such crash states are counted here.)
         let info = vouch(&["info", s(&volume), "--json"]);
         if layout == "packed" && text(&info).contains("trims not yet applied") {
             offline_refused += 1;

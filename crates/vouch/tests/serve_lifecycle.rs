@@ -248,10 +248,12 @@ fn crashed_split_volume_with_trims_opens_read_only() {
     crashed_volume_with_trims_opens_read_only("split");
 }
 
-/// Fails: engine/src/recovery.rs replay_packed refuses read-only replay of a
+/// A regression test: packed replay used to refuse a read-only replay of a
 /// journal range entry ("the journal holds trims not yet applied: open the
 /// volume read-write once to recover it"), so after a crash `vouch info`,
-/// `check`, `export` and `serve --read-only` all exit 2 on a packed volume.
+/// `check`, `export` and `serve --read-only` all exited 2 on a packed
+/// volume. Read-only replay now serves journaled ranges from memory
+/// (`layout/packed.rs`, `replay`).
 #[test]
 fn crashed_packed_volume_with_trims_opens_read_only() {
     crashed_volume_with_trims_opens_read_only("packed");
@@ -262,9 +264,11 @@ fn crashed_packed_volume_with_trims_opens_read_only() {
 /// buffers, journal offsets and context caches on the same files corrupt
 /// each other. The second server must refuse to start.
 ///
-/// Fails today: nothing locks the volume. Both servers start; a block
-/// written and flushed through the first, then rewritten through the
-/// second, reads as EIO (guard_mismatch) from the first.
+/// A regression test: nothing used to lock the volume, both servers
+/// started, and a block written and flushed through the first, then
+/// rewritten through the second, read as EIO (guard_mismatch) from the
+/// first. The superblock file is now flock'ed (`storage/file.rs`,
+/// `lock_volume`).
 #[test]
 fn second_server_on_the_same_volume_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -381,12 +385,11 @@ print(json.dumps({"bad": bad}))
 /// `vouch serve` prints its listening line once clients can connect; from
 /// then on SIGTERM must be the graceful stop (finish, flush, close, exit 0).
 ///
-/// Fails today (about half of the starts): serve.rs prints "serving on"
-/// and only then spawns the task that installs the SIGINT/SIGTERM handlers,
-/// so a SIGTERM in that window kills the process with the default action
-/// (status: signal 15): the volume is not closed, writes acknowledged by
-/// then are not flushed. Fix: create the `tokio::signal::unix::signal`
-/// streams before `Server::bind` / the println, and move them into the task.
+/// A regression test: serve.rs used to print "serving on" before it
+/// installed the SIGINT/SIGTERM handlers, so a SIGTERM in that window (about
+/// half of the starts) killed the process with the default action: the
+/// volume was not closed, acknowledged writes were not flushed. The signal
+/// streams are now created before the listening line.
 #[test]
 fn sigterm_right_after_the_listening_line_is_graceful() {
     let dir = tempfile::tempdir().expect("tempdir");
