@@ -7,9 +7,6 @@ use crate::error::{Fault, Result};
 use crate::jobs::{scan, JobControl, ScanOptions};
 use crate::state::BLOCK;
 
-/// Blocks verified per read while checking (1 MiB).
-pub const CHECK_CHUNK_BLOCKS: u64 = crate::jobs::SCAN_CHUNK_BLOCKS;
-
 #[derive(Clone, Debug, Default)]
 pub struct CheckReport {
     /// Blocks examined (holes skipped without I/O are not counted).

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
-use vouch_format::Superblock;
+use vouch_format::{GuardKind, Superblock};
 
 use crate::backing::Backing;
 use crate::commit::Committer;
@@ -37,6 +37,9 @@ pub(crate) struct Engine {
     pub tuning: Tuning,
     stripes: Vec<Mutex<()>>,
     pub recovery: RecoveryReport,
+    /// Fixed at creation; kept here so asking for it never waits for a
+    /// commit (the superblock copy in `Journal` is behind the commit lock).
+    pub guard: GuardKind,
 }
 
 impl Engine {
@@ -84,6 +87,7 @@ impl Engine {
             tuning: options.tuning,
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             recovery,
+            guard: superblock.guard,
         })
     }
 

@@ -102,7 +102,7 @@ impl Volume {
         self.engine.shared.io.geometry
     }
     pub fn guard(&self) -> GuardKind {
-        self.engine.superblock().guard
+        self.engine.guard
     }
     pub fn layout(&self) -> LayoutKind {
         self.engine.shared.layouts.primary().kind()

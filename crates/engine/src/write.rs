@@ -75,6 +75,9 @@ impl Engine {
     }
 
     fn buffer_sealed(&self, sealed: Vec<(u64, DirtyBlock)>) -> Result<()> {
+        if sealed.is_empty() {
+            return Ok(());
+        }
         let shared = &self.shared;
         let buffered = {
             let mut state = shared.state.write();
@@ -129,22 +132,39 @@ impl Engine {
                     })
                 })?;
         }
+        // In the order given, so a later block for an LBA wins: data blocks
+        // are buffered, and a run of consecutive zero-reading blocks of one
+        // kind becomes one trim or write-zeroes (one commit, not one each),
+        // after the data blocks before it are buffered.
         let mut data_blocks = Vec::with_capacity(blocks.len());
-        for block in blocks {
-            match shared.protection.seal_of(&block.context) {
-                Some(seal) => data_blocks.push((
+        let mut index = 0;
+        while index < blocks.len() {
+            let block = &blocks[index];
+            if let Some(seal) = shared.protection.seal_of(&block.context) {
+                data_blocks.push((
                     block.lba,
                     DirtyBlock {
                         data: Arc::new(*block.data),
                         seal,
                     },
-                )),
-                None => {
-                    let allocate = matches!(block.context, Context::Zero { .. });
-                    let template = shared.protection.zero_template(allocate);
-                    self.zero_range(block.lba * BLOCK, BLOCK, false, template)?;
-                }
+                ));
+                index += 1;
+                continue;
             }
+            let allocate = matches!(block.context, Context::Zero { .. });
+            let mut end = index + 1;
+            while end < blocks.len()
+                && blocks[end].lba == blocks[end - 1].lba + 1
+                && shared.protection.seal_of(&blocks[end].context).is_none()
+                && matches!(blocks[end].context, Context::Zero { .. }) == allocate
+            {
+                end += 1;
+            }
+            self.buffer_sealed(std::mem::take(&mut data_blocks))?;
+            let template = shared.protection.zero_template(allocate);
+            let length = (end - index) as u64 * BLOCK;
+            self.zero_range(block.lba * BLOCK, length, false, template)?;
+            index = end;
         }
         self.buffer_sealed(data_blocks)
     }

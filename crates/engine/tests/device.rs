@@ -104,6 +104,46 @@ fn sealed_blocks_move_between_copies_of_a_volume_and_are_checked_on_arrival() {
     }
 }
 
+#[test]
+fn sealed_blocks_apply_in_order_and_runs_of_holes_in_one_commit() {
+    let (_storage, volume) = sim_volume(LayoutKind::Split);
+    for lba in 0..6 {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 5), false)
+            .expect("write");
+    }
+    let data = volume.read_sealed(0, 6).expect("read_sealed");
+    volume.trim(0, 6 * BLOCK, false).expect("trim");
+    let holes = volume.read_sealed(0, 6).expect("read_sealed");
+    // LBA 0: data, then its hole (the hole wins); LBA 1: hole, then data
+    // (the data wins); LBAs 2..6: data, then one run of four holes.
+    let batch = vec![
+        data[0].clone(),
+        holes[0].clone(),
+        holes[1].clone(),
+        data[1].clone(),
+        data[2].clone(),
+        data[3].clone(),
+        holes[2].clone(),
+        holes[3].clone(),
+        holes[4].clone(),
+        holes[5].clone(),
+    ];
+    let commits = volume.stats().snapshot().commits;
+    volume.write_sealed(&batch).expect("write_sealed");
+    let zero = vec![0u8; BLOCK as usize];
+    assert_eq!(read_block(&volume, 0), zero);
+    assert_eq!(read_block(&volume, 1), pattern(1, 5));
+    for lba in 2..6 {
+        assert_eq!(read_block(&volume, lba), zero, "LBA {lba}");
+    }
+    assert_eq!(
+        volume.stats().snapshot().commits - commits,
+        2,
+        "one commit per run of holes"
+    );
+}
+
 fn sim_volume(layout: LayoutKind) -> (Arc<SimStorage>, Volume) {
     let storage = Arc::new(SimStorage::new());
     let mut options = CreateOptions::new(256 * BLOCK);
