@@ -15,6 +15,9 @@ command -v fio >/dev/null 2>&1 || need+=(fio)
 command -v mkfs.ext4 >/dev/null 2>&1 || need+=(e2fsprogs)
 command -v fusermount3 >/dev/null 2>&1 || need+=(fuse3)
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
+command -v mkfs.btrfs >/dev/null 2>&1 || need+=(btrfs-progs)
+command -v mkfs.xfs >/dev/null 2>&1 || need+=(xfsprogs)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing: ${need[*]}"

@@ -124,6 +124,24 @@ pub struct Extent {
     pub zero: bool,
 }
 
+/// A run of the export for BLOCK_STATUS `x-vouch:integrity`: what checking
+/// its blocks just now found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IntegrityExtent {
+    pub length: u64,
+    pub status: Integrity,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Integrity {
+    /// Read and verified.
+    Verified,
+    /// Read and failed verification.
+    Fault,
+    /// Not stored: reads as zeros, nothing to verify.
+    Hole,
+}
+
 /// The request flags that change what WRITE_ZEROES must do. A struct rather
 /// than positional bools so call sites name what they ask for.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -181,4 +199,23 @@ pub trait Export: Send + Sync + 'static {
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError>;
     /// base:allocation extents covering at least [offset, offset+1) and at most `length` bytes.
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError>;
+    /// Whether the export offers the `x-vouch:integrity` metadata context.
+    fn can_integrity_status(&self) -> bool {
+        false
+    }
+    /// `x-vouch:integrity`: verify the blocks from `offset` now and say
+    /// what was found, covering at least [offset, offset+1) and at most
+    /// `length` bytes (an export may check less than asked, to bound the
+    /// request's time; the client asks again for the rest).
+    fn integrity_status(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<IntegrityExtent>, ExportError> {
+        let _ = (offset, length);
+        Err(ExportError::new(
+            Errno::NotSup,
+            "this export has no integrity metadata context",
+        ))
+    }
 }

@@ -16,6 +16,22 @@ use crate::wire::{self, ClientOption, OptionHeader};
 
 /// Context id we assign to `base:allocation` in SET_META_CONTEXT replies.
 pub const BASE_ALLOCATION_CONTEXT_ID: u32 = 1;
+/// Context id we assign to `x-vouch:integrity` in SET_META_CONTEXT replies.
+pub const INTEGRITY_CONTEXT_ID: u32 = 2;
+
+/// The metadata contexts selected for a session (by SET_META_CONTEXT on
+/// the export it entered transmission with), as their context ids.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct MetaContexts {
+    pub base_allocation: Option<u32>,
+    pub integrity: Option<u32>,
+}
+
+impl MetaContexts {
+    pub fn any(self) -> bool {
+        self.base_allocation.is_some() || self.integrity.is_some()
+    }
+}
 
 /// Why a handshake ended without entering transmission.
 #[derive(Debug, thiserror::Error)]
@@ -51,8 +67,8 @@ pub(crate) struct Session {
     pub size: u64,
     pub transmission_flags: u16,
     pub structured_replies: bool,
-    /// Context id of `base:allocation` if it was selected for this export.
-    pub base_allocation: Option<u32>,
+    /// The metadata contexts selected for this export (BLOCK_STATUS).
+    pub contexts: MetaContexts,
     pub block_sizes: BlockSizes,
 }
 
@@ -63,8 +79,9 @@ pub(crate) struct OptionState {
     pub no_zeroes: bool,
     pub options_seen: u32,
     structured_replies: bool,
-    /// Export name whose SET_META_CONTEXT selected base:allocation.
+    /// Export name whose SET_META_CONTEXT selected `meta_contexts`.
     meta_export: Option<String>,
+    meta_contexts: MetaContexts,
 }
 
 impl OptionState {
@@ -72,6 +89,7 @@ impl OptionState {
         self.tls_active = true;
         self.structured_replies = false;
         self.meta_export = None;
+        self.meta_contexts = MetaContexts::default();
     }
 }
 
@@ -381,15 +399,18 @@ fn make_session(
     canonical: String,
     export: Arc<dyn Export>,
 ) -> Session {
-    let base_allocation = (state.structured_replies
-        && state.meta_export.as_deref() == Some(requested_name))
-    .then_some(BASE_ALLOCATION_CONTEXT_ID);
+    let contexts =
+        if state.structured_replies && state.meta_export.as_deref() == Some(requested_name) {
+            state.meta_contexts
+        } else {
+            MetaContexts::default()
+        };
     Session {
         export_name: canonical,
         size: export.size(),
         transmission_flags: transmission_flags(export.as_ref(), state.structured_replies),
         structured_replies: state.structured_replies,
-        base_allocation,
+        contexts,
         block_sizes: effective_block_sizes(export.as_ref(), context.limits),
         export,
     }
@@ -458,6 +479,7 @@ where
     if set {
         // SET replaces the previous selection even when it fails.
         state.meta_export = None;
+        state.meta_contexts = MetaContexts::default();
         if !state.structured_replies {
             return send_error(
                 stream,
@@ -468,7 +490,7 @@ where
             .await;
         }
     }
-    if context.lookup(name).is_none() {
+    let Some((_, export)) = context.lookup(name) else {
         return send_error(
             stream,
             option,
@@ -476,25 +498,46 @@ where
             &format!("unknown export {name:?}"),
         )
         .await;
-    }
-    let matches = if set {
-        // "base:" selects nothing in SET; unknown namespaces/leaves are ignored.
-        queries
-            .iter()
-            .any(|query| query == wire::META_BASE_ALLOCATION)
-    } else {
-        queries.is_empty()
-            || queries
-                .iter()
-                .any(|query| query == "base:" || query == wire::META_BASE_ALLOCATION)
     };
-    if matches {
-        let context_id = if set { BASE_ALLOCATION_CONTEXT_ID } else { 0 };
-        let payload = wire::rep_meta_context(context_id, wire::META_BASE_ALLOCATION);
-        send_reply(stream, option, wire::REP_META_CONTEXT, &payload).await?;
-        if set {
-            state.meta_export = Some(name.to_string());
+    // The contexts this export offers, with the namespace wildcard that
+    // lists each (a wildcard never selects: the spec's rule for `base:`,
+    // which vouch applies to its own namespace too).
+    let mut offered = vec![(
+        wire::META_BASE_ALLOCATION,
+        "base:",
+        BASE_ALLOCATION_CONTEXT_ID,
+    )];
+    if export.can_integrity_status() {
+        offered.push((
+            wire::META_VOUCH_INTEGRITY,
+            wire::META_VOUCH_NAMESPACE,
+            INTEGRITY_CONTEXT_ID,
+        ));
+    }
+    let mut selected = MetaContexts::default();
+    for (context_name, wildcard, id) in offered {
+        let matches = if set {
+            queries.iter().any(|query| query == context_name)
+        } else {
+            queries.is_empty()
+                || queries
+                    .iter()
+                    .any(|query| query == wildcard || query == context_name)
+        };
+        if !matches {
+            continue;
         }
+        let context_id = if set { id } else { 0 };
+        let payload = wire::rep_meta_context(context_id, context_name);
+        send_reply(stream, option, wire::REP_META_CONTEXT, &payload).await?;
+        match id {
+            BASE_ALLOCATION_CONTEXT_ID => selected.base_allocation = Some(id),
+            _ => selected.integrity = Some(id),
+        }
+    }
+    if set && selected.any() {
+        state.meta_export = Some(name.to_string());
+        state.meta_contexts = selected;
     }
     send_reply(stream, option, wire::REP_ACK, &[]).await
 }

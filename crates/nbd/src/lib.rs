@@ -27,7 +27,9 @@ mod transmission;
 pub mod wire;
 mod worker;
 
-pub use export::{BlockSizes, Errno, Export, ExportError, Extent, ZeroFlags};
+pub use export::{
+    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, ZeroFlags,
+};
 pub use limits::Limits;
 pub use metrics::{serve_metrics, serve_metrics_on, Metrics};
 pub use server::{Listen, Server, ServerConfig, ServerError, ShutdownHandle};

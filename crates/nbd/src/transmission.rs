@@ -21,7 +21,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
-use crate::export::{Errno, Export, ExportError, Extent, ZeroFlags};
+use crate::export::{Errno, Export, ExportError, Integrity, ZeroFlags};
 use crate::handshake::Session;
 use crate::limits::Limits;
 use crate::metrics::Metrics;
@@ -287,7 +287,7 @@ fn validate(session: &Session, limits: &Limits, request: &Request) -> Result<Com
         Command::Trim => flags & wire::TFLAG_SEND_TRIM != 0,
         Command::WriteZeroes => flags & wire::TFLAG_SEND_WRITE_ZEROES != 0,
         Command::Cache => flags & wire::TFLAG_SEND_CACHE != 0,
-        Command::BlockStatus => session.base_allocation.is_some(),
+        Command::BlockStatus => session.contexts.any(),
         _ => true,
     };
     if !advertised {
@@ -665,26 +665,51 @@ fn block_status_reply(
     export: &dyn Export,
     request: &Request,
 ) -> Result<Reply, ExportError> {
-    let context_id = session
-        .base_allocation
-        .expect("validated: base:allocation negotiated");
-    let extents = export.block_status(request.offset, u64::from(request.length))?;
     let req_one = request.flags & wire::CMD_FLAG_REQ_ONE != 0;
-    let descriptors = descriptors(&extents, u64::from(request.length), req_one);
-    if descriptors.is_empty() {
+    let length = u64::from(request.length);
+    // One chunk per selected context (the spec's rule), DONE on the last.
+    let mut chunks: Vec<(u32, Vec<(u32, u32)>)> = Vec::with_capacity(2);
+    if let Some(context_id) = session.contexts.base_allocation {
+        let extents = export.block_status(request.offset, length)?;
+        let runs = extents.iter().map(|extent| {
+            let status = (if extent.hole { wire::STATE_HOLE } else { 0 })
+                | (if extent.zero { wire::STATE_ZERO } else { 0 });
+            (extent.length, status)
+        });
+        chunks.push((context_id, descriptors(runs, length, req_one)));
+    }
+    if let Some(context_id) = session.contexts.integrity {
+        let extents = export.integrity_status(request.offset, length)?;
+        let runs = extents.iter().map(|extent| {
+            let status = match extent.status {
+                Integrity::Verified => wire::INTEGRITY_VERIFIED,
+                Integrity::Fault => wire::INTEGRITY_FAULT,
+                Integrity::Hole => wire::INTEGRITY_HOLE,
+            };
+            (extent.length, status)
+        });
+        chunks.push((context_id, descriptors(runs, length, req_one)));
+    }
+    debug_assert!(!chunks.is_empty(), "validated: a context was negotiated");
+    if chunks.iter().any(|(_, descriptors)| descriptors.is_empty()) {
         return Err(ExportError::new(
             Errno::Io,
             "export returned no block status extents",
         ));
     }
-    let mut head = Vec::with_capacity(wire::STRUCTURED_HEADER_BYTES + 4 + 8 * descriptors.len());
-    wire::push_block_status(
-        &mut head,
-        wire::REPLY_FLAG_DONE,
-        request.cookie,
-        context_id,
-        &descriptors,
+    let descriptor_count: usize = chunks.iter().map(|(_, d)| d.len()).sum();
+    let mut head = Vec::with_capacity(
+        chunks.len() * (wire::STRUCTURED_HEADER_BYTES + 4) + 8 * descriptor_count,
     );
+    let last = chunks.len() - 1;
+    for (index, (context_id, descriptors)) in chunks.iter().enumerate() {
+        let flags = if index == last {
+            wire::REPLY_FLAG_DONE
+        } else {
+            0
+        };
+        wire::push_block_status(&mut head, flags, request.cookie, *context_id, descriptors);
+    }
     Ok(Reply {
         head,
         data: Vec::new(),
@@ -693,26 +718,24 @@ fn block_status_reply(
     })
 }
 
-/// Convert export extents to wire descriptors: clipped to the request (so
-/// every length fits in u32 and REQ_ONE's bound holds), empty extents
-/// dropped, equal neighbours merged, capped at 2^20 descriptors.
+/// Convert runs of `(length, status)` to wire descriptors: clipped to the
+/// request (so every length fits in u32 and REQ_ONE's bound holds), empty
+/// runs dropped, equal neighbours merged, capped at 2^20 descriptors.
 pub(crate) fn descriptors(
-    extents: &[Extent],
+    runs: impl IntoIterator<Item = (u64, u32)>,
     request_length: u64,
     req_one: bool,
 ) -> Vec<(u32, u32)> {
     let mut out: Vec<(u32, u32)> = Vec::new();
     let mut covered = 0u64;
-    for extent in extents {
+    for (length, status) in runs {
         if covered >= request_length {
             break;
         }
-        let length = extent.length.min(request_length - covered);
+        let length = length.min(request_length - covered);
         if length == 0 {
             continue;
         }
-        let status = (if extent.hole { wire::STATE_HOLE } else { 0 })
-            | (if extent.zero { wire::STATE_ZERO } else { 0 });
         covered += length;
         let length = length as u32; // <= request_length, itself a u32
         match out.last_mut() {
@@ -836,8 +859,10 @@ where
 mod tests {
     use super::*;
 
-    fn extent(length: u64, hole: bool, zero: bool) -> Extent {
-        Extent { length, hole, zero }
+    fn extent(length: u64, hole: bool, zero: bool) -> (u64, u32) {
+        let status =
+            (if hole { wire::STATE_HOLE } else { 0 }) | (if zero { wire::STATE_ZERO } else { 0 });
+        (length, status)
     }
 
     #[test]
@@ -848,12 +873,12 @@ mod tests {
             extent(1 << 40, true, true),
         ];
         assert_eq!(
-            descriptors(&extents, 16384, false),
+            descriptors(extents, 16384, false),
             vec![(8192, 0), (8192, 3)]
         );
-        assert_eq!(descriptors(&extents, 16384, true), vec![(8192, 0)]);
-        assert_eq!(descriptors(&extents, 100, true), vec![(100, 0)]);
-        assert_eq!(descriptors(&[extent(0, false, false)], 100, false), vec![]);
+        assert_eq!(descriptors(extents, 16384, true), vec![(8192, 0)]);
+        assert_eq!(descriptors(extents, 100, true), vec![(100, 0)]);
+        assert_eq!(descriptors([extent(0, false, false)], 100, false), vec![]);
     }
 
     #[test]

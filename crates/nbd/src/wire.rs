@@ -128,6 +128,21 @@ pub const GREETING_BYTES: usize = 18;
 
 /// The metadata context name for allocation status.
 pub const META_BASE_ALLOCATION: &str = "base:allocation";
+/// vouch's integrity context. The spec reserves unregistered namespaces to
+/// `x-*` ("for local experiments"), so vouch's namespace is `x-vouch`.
+pub const META_VOUCH_INTEGRITY: &str = "x-vouch:integrity";
+/// The wildcard that lists every context of vouch's namespace.
+pub const META_VOUCH_NAMESPACE: &str = "x-vouch:";
+/// `x-vouch:integrity` status flags. 0 claims nothing (the spec requires a
+/// status of 0 to be always safe): the extent was not checked.
+/// Every block of the extent was read just now and passed verification.
+pub const INTEGRITY_VERIFIED: u32 = 1 << 0;
+/// Every block of the extent failed verification (a fault named by LBA in
+/// the server's log and metrics).
+pub const INTEGRITY_FAULT: u32 = 1 << 1;
+/// The extent is not stored (a hole): it reads as zeros and has no
+/// protection information to check.
+pub const INTEGRITY_HOLE: u32 = 1 << 2;
 
 /// Transmission command types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -8,12 +8,17 @@ use std::sync::Arc;
 
 use vouch_engine::{Allocation, Error, BLOCK};
 use vouch_engine::{BlockDevice, ZeroFlags};
-use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent};
+use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent};
 
 /// Largest request the server accepts (payload), advertised in BLOCK_SIZE.
 pub const MAX_REQUEST_BYTES: u32 = 32 << 20;
 /// Blocks one BLOCK_STATUS reply describes at most (256 MiB).
 const BLOCK_STATUS_MAX_BLOCKS: u64 = 65536;
+/// Blocks one `x-vouch:integrity` query verifies at most (32 MiB, the
+/// largest read): a query is a read the client does not receive, so it is
+/// bounded like one. The reply covers what was checked; the client asks
+/// again from there (the spec lets a reply cover less than asked).
+const INTEGRITY_MAX_BLOCKS: u64 = MAX_REQUEST_BYTES as u64 / BLOCK;
 
 pub struct VolumeExport {
     volume: Arc<dyn BlockDevice>,
@@ -139,6 +144,65 @@ impl Export for VolumeExport {
                 hole,
                 zero,
             });
+        }
+        Ok(extents)
+    }
+
+    fn can_integrity_status(&self) -> bool {
+        true
+    }
+
+    fn integrity_status(
+        &self,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<IntegrityExtent>, ExportError> {
+        let first = offset / BLOCK;
+        let end = offset
+            .saturating_add(length)
+            .div_ceil(BLOCK)
+            .min(first + INTEGRITY_MAX_BLOCKS);
+        let runs = self
+            .volume
+            .block_status(first * BLOCK, (end - first) * BLOCK, end - first)
+            .map_err(to_export_error)?;
+        // Per block: holes have nothing to verify; stored blocks are read
+        // and verified now, faults (and their LBAs) from the verify.
+        let mut statuses: Vec<(u64, Integrity)> = Vec::new();
+        let mut lba = first;
+        for (blocks, allocation) in runs {
+            let blocks = blocks.min(end - lba);
+            if blocks == 0 {
+                break;
+            }
+            if allocation == Allocation::Hole {
+                statuses.push((blocks, Integrity::Hole));
+            } else {
+                let faults = self.volume.verify(lba, blocks).map_err(to_export_error)?;
+                let mut at = lba;
+                for fault in faults {
+                    if fault.lba > at {
+                        statuses.push((fault.lba - at, Integrity::Verified));
+                    }
+                    statuses.push((1, Integrity::Fault));
+                    at = fault.lba + 1;
+                }
+                if lba + blocks > at {
+                    statuses.push((lba + blocks - at, Integrity::Verified));
+                }
+            }
+            lba += blocks;
+        }
+        // In bytes, the first run trimmed to `offset`, neighbours merged.
+        let mut extents: Vec<IntegrityExtent> = Vec::with_capacity(statuses.len());
+        let mut skip = offset % BLOCK;
+        for (blocks, status) in statuses {
+            let length = blocks * BLOCK - skip;
+            skip = 0;
+            match extents.last_mut() {
+                Some(last) if last.status == status => last.length += length,
+                _ => extents.push(IntegrityExtent { length, status }),
+            }
         }
         Ok(extents)
     }
