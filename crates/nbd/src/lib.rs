@@ -12,7 +12,7 @@
 //! config.listen.push(Listen::Tcp("127.0.0.1:10809".parse().unwrap()));
 //! let server = Server::bind(config).await?;
 //! let shutdown = server.shutdown_handle(); // call shutdown.shutdown() on SIGTERM
-//! let metrics = server.metrics();          // metrics.render_prometheus()
+//! let metrics = server.metrics();          // vouch_nbd::metrics::router(metrics, || {})
 //! server.run().await
 //! # }
 //! ```
@@ -27,10 +27,10 @@ mod transmission;
 pub mod wire;
 mod worker;
 
+pub use crate::metrics::{serve_metrics, serve_metrics_on, Metrics};
 pub use export::{
     BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, ZeroFlags,
 };
 pub use limits::Limits;
-pub use metrics::{serve_metrics, serve_metrics_on, Metrics};
 pub use server::{Listen, Server, ServerConfig, ServerError, ShutdownHandle};
 pub use worker::{Executor, DEFAULT_WORKER_THREADS};

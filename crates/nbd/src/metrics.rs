@@ -1,68 +1,135 @@
-//! Server metrics: lock-free counters on the hot path, rendered in the
-//! Prometheus text exposition format 0.0.4, plus a tiny HTTP endpoint.
+//! Server metrics: lock-free counters on the hot path, published through a
+//! `metrics` recorder (`metrics-exporter-prometheus`) and rendered in the
+//! Prometheus text exposition format 0.0.4; [`router`] serves them over HTTP.
+//!
+//! Counters and gauges stay plain atomics (the accessors read them, and an
+//! increment costs one `fetch_add`); they are copied into the recorder when a
+//! scrape renders. The latency histogram is the recorder's own histogram,
+//! recorded per request; its samples are folded into buckets at each render
+//! and every [`UPKEEP_EVERY`] requests of a command, so memory stays bounded
+//! even when nobody scrapes.
+//!
+//! Cost, measured with a loop of `request_finished` (2 shared cores, best
+//! runs): hand-written atomics only 15-18 ns a request (30 ns with two
+//! threads contending); with the recorder's histogram 55-100 ns (175-270 ns
+//! contending); counters as recorder handles too would add 5-30 ns more,
+//! hence atomics published at scrape time for everything but the histogram,
+//! which the recorder cannot take pre-bucketed. NBD requests take tens of µs.
+
+mod http;
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
+use metrics_exporter_prometheus::{
+    Matcher, PrometheusBuilder, PrometheusHandle, PrometheusRecorder,
+};
 use parking_lot::Mutex;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 use crate::export::Errno;
 use crate::wire::Command;
+
+pub use http::{router, serve_metrics, serve_metrics_on, serve_on, CONTENT_TYPE};
 
 /// Number of latency histogram buckets (plus +Inf).
 pub const LATENCY_BUCKETS: usize = 16;
 /// Upper bound of the first bucket; each next bucket doubles (8 µs .. 262 ms).
 pub const LATENCY_FIRST_BUCKET_US: u64 = 8;
-/// Largest HTTP request head the metrics endpoint reads.
-const HTTP_REQUEST_MAX_BYTES: usize = 8192;
-/// A metrics scrape that does not send its request in this time is dropped.
-const HTTP_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Every this many requests of one command, pending latency samples are
+/// folded into the histogram buckets (bounds memory between scrapes).
+pub const UPKEEP_EVERY: u64 = 4096;
 
 const COMMANDS: usize = Command::ALL.len();
-
-#[derive(Default)]
-struct Histogram {
-    /// Non-cumulative counts; rendering accumulates.
-    buckets: [AtomicU64; LATENCY_BUCKETS],
-    overflow: AtomicU64,
-    sum_us: AtomicU64,
-}
-
-impl Histogram {
-    fn observe(&self, latency_us: u64) {
-        // Bucket i holds latencies <= 8 µs * 2^i.
-        let index = if latency_us <= LATENCY_FIRST_BUCKET_US {
-            0
-        } else {
-            let ratio = (latency_us - 1) / LATENCY_FIRST_BUCKET_US;
-            (64 - ratio.leading_zeros()) as usize
-        };
-        match self.buckets.get(index) {
-            Some(bucket) => bucket.fetch_add(1, Relaxed),
-            None => self.overflow.fetch_add(1, Relaxed),
-        };
-        self.sum_us.fetch_add(latency_us, Relaxed);
-    }
-}
+const LATENCY: &str = "vouch_nbd_request_latency_seconds";
 
 /// All NBD server counters. Shared by every connection of a server.
-#[derive(Default)]
 pub struct Metrics {
     requests: [AtomicU64; COMMANDS],
     bytes: [AtomicU64; COMMANDS],
-    latency: [Histogram; COMMANDS],
+    /// Recorder histograms, one per command (a no-op one for `Disc`).
+    latency: [metrics::Histogram; COMMANDS],
     errors: [AtomicU64; Errno::ALL.len()],
     faults: Mutex<BTreeMap<&'static str, u64>>,
     in_flight: AtomicU64,
     connections_open: AtomicU64,
     connections_total: AtomicU64,
     protocol_errors: AtomicU64,
+    /// This server's recorder (never installed globally: every server, and
+    /// every test, has its own).
+    recorder: PrometheusRecorder,
+    handle: PrometheusHandle,
+}
+
+impl Default for Metrics {
+    fn default() -> Metrics {
+        let bounds: Vec<f64> = (0..LATENCY_BUCKETS)
+            .map(|index| (LATENCY_FIRST_BUCKET_US << index) as f64 / 1e6)
+            .collect();
+        let recorder = PrometheusBuilder::new()
+            .set_buckets_for_metric(Matcher::Full(LATENCY.to_string()), &bounds)
+            .expect("the latency bucket list is not empty")
+            .build_recorder();
+        let handle = recorder.handle();
+        let latency = metrics::with_local_recorder(&recorder, || {
+            describe();
+            Command::ALL.map(|command| {
+                if command == Command::Disc {
+                    metrics::Histogram::noop()
+                } else {
+                    metrics::histogram!(LATENCY, "command" => command.name())
+                }
+            })
+        });
+        Metrics {
+            requests: Default::default(),
+            bytes: Default::default(),
+            latency,
+            errors: Default::default(),
+            faults: Mutex::default(),
+            in_flight: AtomicU64::new(0),
+            connections_open: AtomicU64::new(0),
+            connections_total: AtomicU64::new(0),
+            protocol_errors: AtomicU64::new(0),
+            recorder,
+            handle,
+        }
+    }
+}
+
+/// HELP texts of the NBD metrics.
+fn describe() {
+    metrics::describe_counter!(
+        "vouch_nbd_requests_total",
+        "NBD requests completed, by command."
+    );
+    metrics::describe_counter!(
+        "vouch_nbd_bytes_total",
+        "Bytes read/written or affected (trim, zero, cache), by command."
+    );
+    metrics::describe_counter!("vouch_nbd_errors_total", "NBD error replies, by errno.");
+    metrics::describe_counter!(
+        "vouch_nbd_verification_faults_total",
+        "Verification faults reported by the export, by kind."
+    );
+    metrics::describe_gauge!(
+        "vouch_nbd_requests_in_flight",
+        "Requests received and not yet answered."
+    );
+    metrics::describe_gauge!("vouch_nbd_connections_open", "Open client connections.");
+    metrics::describe_counter!(
+        "vouch_nbd_connections_total",
+        "Client connections accepted."
+    );
+    metrics::describe_counter!(
+        "vouch_nbd_protocol_errors_total",
+        "Connections dropped for protocol violations."
+    );
+    metrics::describe_histogram!(
+        LATENCY,
+        "Request latency from header received to reply queued."
+    );
 }
 
 impl Metrics {
@@ -84,13 +151,16 @@ impl Metrics {
         errno: Option<Errno>,
     ) {
         let index = command.index();
-        self.requests[index].fetch_add(1, Relaxed);
+        let before = self.requests[index].fetch_add(1, Relaxed);
         self.bytes[index].fetch_add(bytes, Relaxed);
-        self.latency[index].observe(latency.as_micros() as u64);
+        self.latency[index].record(latency.as_secs_f64());
         if let Some(errno) = errno {
             self.errors[errno.index()].fetch_add(1, Relaxed);
         }
         self.in_flight.fetch_sub(1, Relaxed);
+        if before % UPKEEP_EVERY == UPKEEP_EVERY - 1 {
+            self.handle.run_upkeep();
+        }
     }
 
     /// An error answered without executing (validation failure).
@@ -139,203 +209,45 @@ impl Metrics {
 
     /// Prometheus text exposition format 0.0.4.
     pub fn render_prometheus(&self) -> String {
-        let mut out = String::with_capacity(8192);
-        let commands = Command::ALL.iter().filter(|c| **c != Command::Disc);
-        header(
-            &mut out,
-            "vouch_nbd_requests_total",
-            "counter",
-            "NBD requests completed, by command.",
-        );
-        for command in commands.clone() {
-            let _ = writeln!(
-                out,
-                "vouch_nbd_requests_total{{command=\"{}\"}} {}",
-                command.name(),
-                self.requests(*command)
-            );
-        }
-        header(
-            &mut out,
-            "vouch_nbd_bytes_total",
-            "counter",
-            "Bytes read/written or affected (trim, zero, cache), by command.",
-        );
-        for command in commands.clone() {
-            let _ = writeln!(
-                out,
-                "vouch_nbd_bytes_total{{command=\"{}\"}} {}",
-                command.name(),
-                self.bytes(*command)
-            );
-        }
-        header(
-            &mut out,
-            "vouch_nbd_errors_total",
-            "counter",
-            "NBD error replies, by errno.",
-        );
-        for errno in Errno::ALL {
-            let _ = writeln!(
-                out,
-                "vouch_nbd_errors_total{{errno=\"{}\"}} {}",
-                errno.name(),
-                self.errors(errno)
-            );
-        }
-        header(
-            &mut out,
-            "vouch_nbd_verification_faults_total",
-            "counter",
-            "Verification faults reported by the export, by kind.",
-        );
-        for (kind, count) in self.faults.lock().iter() {
-            let _ = writeln!(
-                out,
-                "vouch_nbd_verification_faults_total{{kind=\"{kind}\"}} {count}"
-            );
-        }
-        header(
-            &mut out,
-            "vouch_nbd_requests_in_flight",
-            "gauge",
-            "Requests received and not yet answered.",
-        );
-        let _ = writeln!(out, "vouch_nbd_requests_in_flight {}", self.in_flight());
-        header(
-            &mut out,
-            "vouch_nbd_connections_open",
-            "gauge",
-            "Open client connections.",
-        );
-        let _ = writeln!(
-            out,
-            "vouch_nbd_connections_open {}",
-            self.connections_open()
-        );
-        header(
-            &mut out,
-            "vouch_nbd_connections_total",
-            "counter",
-            "Client connections accepted.",
-        );
-        let _ = writeln!(
-            out,
-            "vouch_nbd_connections_total {}",
-            self.connections_total()
-        );
-        header(
-            &mut out,
-            "vouch_nbd_protocol_errors_total",
-            "counter",
-            "Connections dropped for protocol violations.",
-        );
-        let _ = writeln!(
-            out,
-            "vouch_nbd_protocol_errors_total {}",
-            self.protocol_errors.load(Relaxed)
-        );
-        header(
-            &mut out,
-            "vouch_nbd_request_latency_seconds",
-            "histogram",
-            "Request latency from header received to reply queued.",
-        );
-        for command in commands {
-            self.render_histogram(&mut out, *command);
-        }
-        out
+        self.render_prometheus_with(&|| {})
     }
 
-    fn render_histogram(&self, out: &mut String, command: Command) {
-        let histogram = &self.latency[command.index()];
-        let name = command.name();
-        let mut cumulative = 0u64;
-        for (index, bucket) in histogram.buckets.iter().enumerate() {
-            cumulative += bucket.load(Relaxed);
-            let bound_us = LATENCY_FIRST_BUCKET_US << index;
-            let _ = writeln!(
-                out,
-                "vouch_nbd_request_latency_seconds_bucket{{command=\"{name}\",le=\"{}\"}} {cumulative}",
-                bound_us as f64 / 1e6
-            );
-        }
-        cumulative += histogram.overflow.load(Relaxed);
-        let _ = writeln!(out, "vouch_nbd_request_latency_seconds_bucket{{command=\"{name}\",le=\"+Inf\"}} {cumulative}");
-        let _ = writeln!(
-            out,
-            "vouch_nbd_request_latency_seconds_sum{{command=\"{name}\"}} {}",
-            histogram.sum_us.load(Relaxed) as f64 / 1e6
-        );
-        let _ = writeln!(
-            out,
-            "vouch_nbd_request_latency_seconds_count{{command=\"{name}\"}} {cumulative}"
-        );
-    }
-}
-
-fn header(out: &mut String, name: &str, kind: &str, help: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-/// Serve `GET /metrics` on an already bound listener (useful with port 0).
-/// Each response is `metrics.render_prometheus()` followed by `extra()`.
-pub async fn serve_metrics_on(
-    listener: TcpListener,
-    metrics: Arc<Metrics>,
-    extra: impl Fn() -> String + Send + Sync + 'static,
-) -> std::io::Result<()> {
-    let extra = Arc::new(extra);
-    loop {
-        let (mut stream, _) = listener.accept().await?;
-        let metrics = metrics.clone();
-        let extra = extra.clone();
-        tokio::spawn(async move {
-            let _ = tokio::time::timeout(HTTP_REQUEST_TIMEOUT, async {
-                let mut head = Vec::with_capacity(1024);
-                let mut chunk = [0u8; 1024];
-                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let read = stream.read(&mut chunk).await?;
-                    if read == 0 || head.len() + read > HTTP_REQUEST_MAX_BYTES {
-                        return Ok::<(), std::io::Error>(());
-                    }
-                    head.extend_from_slice(&chunk[..read]);
-                }
-                let first_line = head.split(|b| *b == b'\r').next().unwrap_or(&[]);
-                let mut parts = first_line.split(|b| *b == b' ');
-                let method = parts.next().unwrap_or(&[]);
-                let path = parts.next().unwrap_or(&[]);
-                let response = if method == b"GET" && (path == b"/metrics" || path.starts_with(b"/metrics?")) {
-                    let mut body = metrics.render_prometheus();
-                    body.push_str(&extra());
-                    format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                } else {
-                    let body = "not found\n";
-                    format!(
-                        "HTTP/1.1 404 Not Found\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                };
-                stream.write_all(response.as_bytes()).await?;
-                stream.shutdown().await
-            })
-            .await;
+    /// Like [`Metrics::render_prometheus`], after running `publish` with this
+    /// server's recorder as the local recorder: the `metrics::counter!`,
+    /// `gauge!` and `describe_*!` macros called in it (on this thread) land
+    /// in this server's output. That is how a caller adds its own series
+    /// (e.g. engine counters read from snapshots at scrape time).
+    pub fn render_prometheus_with(&self, publish: &dyn Fn()) -> String {
+        metrics::with_local_recorder(&self.recorder, || {
+            self.publish();
+            publish();
         });
+        self.handle.render()
     }
-}
 
-/// Bind `addr` and serve `GET /metrics` forever (see [`serve_metrics_on`]).
-pub async fn serve_metrics(
-    addr: SocketAddr,
-    metrics: Arc<Metrics>,
-    extra: impl Fn() -> String + Send + Sync + 'static,
-) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr).await?;
-    serve_metrics_on(listener, metrics, extra).await
+    /// Copy the atomics into the recorder.
+    fn publish(&self) {
+        for command in Command::ALL.iter().filter(|c| **c != Command::Disc) {
+            let name = command.name();
+            metrics::counter!("vouch_nbd_requests_total", "command" => name)
+                .absolute(self.requests(*command));
+            metrics::counter!("vouch_nbd_bytes_total", "command" => name)
+                .absolute(self.bytes(*command));
+        }
+        for errno in Errno::ALL {
+            metrics::counter!("vouch_nbd_errors_total", "errno" => errno.name())
+                .absolute(self.errors(errno));
+        }
+        for (kind, count) in self.faults.lock().iter() {
+            metrics::counter!("vouch_nbd_verification_faults_total", "kind" => *kind)
+                .absolute(*count);
+        }
+        metrics::gauge!("vouch_nbd_requests_in_flight").set(self.in_flight() as f64);
+        metrics::gauge!("vouch_nbd_connections_open").set(self.connections_open() as f64);
+        metrics::counter!("vouch_nbd_connections_total").absolute(self.connections_total());
+        metrics::counter!("vouch_nbd_protocol_errors_total")
+            .absolute(self.protocol_errors.load(Relaxed));
+    }
 }
 
 #[cfg(test)]
@@ -359,10 +271,18 @@ mod tests {
         assert!(text.contains(
             "vouch_nbd_request_latency_seconds_bucket{command=\"read\",le=\"0.000032\"} 5"
         ));
+        assert!(text.contains(
+            "vouch_nbd_request_latency_seconds_bucket{command=\"read\",le=\"0.262144\"} 5"
+        ));
         assert!(text
             .contains("vouch_nbd_request_latency_seconds_bucket{command=\"read\",le=\"+Inf\"} 6"));
+        assert!(text.contains("vouch_nbd_request_latency_seconds_count{command=\"read\"} 6"));
         assert!(text.contains("vouch_nbd_bytes_total{command=\"read\"} 24576"));
         assert!(text.contains("# TYPE vouch_nbd_request_latency_seconds histogram"));
+        assert!(text.contains(
+            "# HELP vouch_nbd_request_latency_seconds Request latency from header received to reply queued."
+        ));
+        assert!(!text.contains("command=\"disc\""), "{text}");
         assert_eq!(metrics.in_flight(), 0);
     }
 
@@ -374,8 +294,63 @@ mod tests {
         let text = metrics.render_prometheus();
         assert!(text.contains("vouch_nbd_errors_total{errno=\"EINVAL\"} 1"));
         assert!(text.contains("vouch_nbd_verification_faults_total{kind=\"guard_mismatch\"} 1"));
-        for line in text.lines().filter(|l| !l.starts_with('#')) {
+        assert!(text.contains("# TYPE vouch_nbd_requests_in_flight gauge"));
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
             assert!(line.starts_with("vouch_nbd_"), "{line}");
         }
+    }
+
+    #[test]
+    fn upkeep_folds_samples_and_keeps_every_count() {
+        let metrics = Metrics::default();
+        let total = 3 * UPKEEP_EVERY + 5;
+        for _ in 0..total {
+            metrics.request_started();
+            metrics.request_finished(Command::Write, 512, Duration::from_micros(20), None);
+        }
+        let text = metrics.render_prometheus();
+        assert!(
+            text.contains(&format!(
+                "vouch_nbd_request_latency_seconds_bucket{{command=\"write\",le=\"0.000032\"}} {total}"
+            )),
+            "{text}"
+        );
+        assert!(text.contains(
+            "vouch_nbd_request_latency_seconds_bucket{command=\"write\",le=\"0.000016\"} 0"
+        ));
+        // A second render does not count the samples again.
+        assert!(metrics.render_prometheus().contains(&format!(
+            "vouch_nbd_request_latency_seconds_count{{command=\"write\"}} {total}"
+        )));
+    }
+
+    #[test]
+    fn two_servers_do_not_share_series() {
+        let one = Metrics::default();
+        let two = Metrics::default();
+        one.connection_opened();
+        assert!(one
+            .render_prometheus()
+            .contains("vouch_nbd_connections_total 1"));
+        assert!(two
+            .render_prometheus()
+            .contains("vouch_nbd_connections_total 0"));
+    }
+
+    #[test]
+    fn publish_adds_caller_series() {
+        let metrics = Metrics::default();
+        let text = metrics.render_prometheus_with(&|| {
+            metrics::describe_gauge!("vouch_test_gauge", "A test gauge");
+            metrics::gauge!("vouch_test_gauge", "volume" => "a").set(7.0);
+        });
+        assert!(
+            text.contains("# HELP vouch_test_gauge A test gauge"),
+            "{text}"
+        );
+        assert!(text.contains("vouch_test_gauge{volume=\"a\"} 7"), "{text}");
     }
 }

@@ -4,21 +4,29 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::time::Duration;
 
 use common::{python, TestOptions, TestServer};
 
-fn http_get(port: u16, path: &str) -> String {
+/// One request on its own connection; the whole response, head and body.
+fn http_request(port: u16, method: &str, path: &str) -> String {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut response = String::new();
     stream.read_to_string(&mut response).unwrap();
     response
 }
 
-#[test]
-fn metrics_endpoint_serves_prometheus_text() {
-    let server = TestServer::start(TestOptions::default());
-    python(&server, "h = nbd.NBD(); h.connect_uri(URI); h.pwrite(b'x' * 4096, 0); h.pread(4096, 0); h.flush()\n");
+/// Serve the endpoint of `server` on an ephemeral port in its own runtime,
+/// with one extra gauge published at each scrape.
+fn serve_endpoint(server: &TestServer) -> u16 {
     let metrics = server.metrics.clone();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -28,18 +36,28 @@ fn metrics_endpoint_serves_prometheus_text() {
         .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
         .unwrap();
     let port = listener.local_addr().unwrap().port();
-    let thread = std::thread::spawn(move || {
+    std::thread::spawn(move || {
         runtime.block_on(async move {
             let serve = vouch_nbd::serve_metrics_on(listener, metrics, || {
-                "vouch_engine_test 1\n".to_string()
+                metrics::gauge!("vouch_engine_test").set(1.0);
             });
-            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), serve).await;
+            let _ = tokio::time::timeout(Duration::from_secs(30), serve).await;
         })
     });
-    let response = http_get(port, "/metrics");
+    port
+}
+
+#[test]
+fn metrics_endpoint_serves_prometheus_text() {
+    let server = TestServer::start(TestOptions::default());
+    python(&server, "h = nbd.NBD(); h.connect_uri(URI); h.pwrite(b'x' * 4096, 0); h.pread(4096, 0); h.flush()\n");
+    let port = serve_endpoint(&server);
+    let response = http_request(port, "GET", "/metrics");
     assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
     assert!(
-        response.contains("Content-Type: text/plain; version=0.0.4"),
+        response
+            .to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
         "{response}"
     );
     for expected in [
@@ -57,6 +75,60 @@ fn metrics_endpoint_serves_prometheus_text() {
             "missing {expected}:\n{response}"
         );
     }
-    assert!(http_get(port, "/other").starts_with("HTTP/1.1 404"));
-    drop(thread);
+}
+
+#[test]
+fn metrics_endpoint_rejects_other_paths_and_methods() {
+    let server = TestServer::start(TestOptions::default());
+    let port = serve_endpoint(&server);
+    for path in ["/other", "/", "/metrics/x"] {
+        let response = http_request(port, "GET", path);
+        assert!(response.starts_with("HTTP/1.1 404"), "{path}: {response}");
+    }
+    for method in ["POST", "PUT", "DELETE"] {
+        let response = http_request(port, method, "/metrics");
+        assert!(response.starts_with("HTTP/1.1 405"), "{method}: {response}");
+    }
+    let garbage = {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        stream
+            .write_all(b"\x16\x03\x01 not http at all\r\n\r\n")
+            .unwrap();
+        let mut response = String::new();
+        let _ = stream.read_to_string(&mut response);
+        response
+    };
+    assert!(
+        garbage.is_empty() || garbage.starts_with("HTTP/1.1 400"),
+        "{garbage}"
+    );
+    // The endpoint still answers after all of that.
+    assert!(http_request(port, "GET", "/metrics").starts_with("HTTP/1.1 200 OK\r\n"));
+}
+
+#[test]
+fn slow_clients_do_not_hold_the_endpoint() {
+    let server = TestServer::start(TestOptions::default());
+    let port = serve_endpoint(&server);
+    // Clients that connect and send half a request head, or nothing at all.
+    let mut idle = Vec::new();
+    for index in 0..8 {
+        let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        if index % 2 == 0 {
+            stream.write_all(b"GET /metr").unwrap();
+        }
+        idle.push(stream);
+    }
+    let started = std::time::Instant::now();
+    let response = http_request(port, "GET", "/metrics");
+    assert!(response.starts_with("HTTP/1.1 200 OK\r\n"), "{response}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a scrape waited {:?} behind idle clients",
+        started.elapsed()
+    );
+    drop(idle);
 }

@@ -1,7 +1,6 @@
 //! `vouch serve`: export volumes over NBD until SIGINT/SIGTERM, then finish
 //! in-flight requests, flush, close every volume cleanly and exit 0.
 
-use std::fmt::Write as _;
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -204,7 +203,7 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         tokio::spawn(vouch_nbd::serve_metrics_on(
             listener,
             server.metrics(),
-            move || render_engine_metrics(&engine_volumes),
+            move || publish_engine_metrics(&engine_volumes),
         ));
     }
     std::io::stdout().flush()?;
@@ -228,9 +227,10 @@ type Counter = (
     fn(&vouch_engine::StatsSnapshot) -> u64,
 );
 
-/// Engine counters in Prometheus text format, one series per volume.
-fn render_engine_metrics(volumes: &[(String, Arc<Volume>)]) -> String {
-    let mut out = String::new();
+/// Engine counters, one series per volume, published into the metrics
+/// recorder at each scrape (run by `vouch_nbd::metrics::router` with the
+/// server's recorder as the local one).
+pub(crate) fn publish_engine_metrics(volumes: &[(String, Arc<Volume>)]) {
     let counters: [Counter; 10] = [
         (
             "vouch_engine_client_written_bytes_total",
@@ -276,37 +276,22 @@ fn render_engine_metrics(volumes: &[(String, Arc<Volume>)]) -> String {
         .map(|(name, volume)| (name.clone(), volume.stats().snapshot()))
         .collect();
     for (metric, help, get) in counters {
-        let _ = writeln!(out, "# HELP {metric} {help}\n# TYPE {metric} counter");
+        metrics::describe_counter!(metric, help);
         for (name, snapshot) in &snapshots {
-            let _ = writeln!(out, "{metric}{{volume=\"{name}\"}} {}", get(snapshot));
+            metrics::counter!(metric, "volume" => name.clone()).absolute(get(snapshot));
         }
     }
     let metric = "vouch_engine_checksum_failures_total";
-    let _ = writeln!(
-        out,
-        "# HELP {metric} Blocks that failed verification, by kind\n# TYPE {metric} counter"
-    );
+    metrics::describe_counter!(metric, "Blocks that failed verification, by kind");
     for (name, snapshot) in &snapshots {
         for kind in FaultKind::ALL {
-            let _ = writeln!(
-                out,
-                "{metric}{{volume=\"{name}\",kind=\"{}\"}} {}",
-                kind.name(),
-                snapshot.faults_of(kind)
-            );
+            metrics::counter!(metric, "volume" => name.clone(), "kind" => kind.name())
+                .absolute(snapshot.faults_of(kind));
         }
     }
     let metric = "vouch_engine_resident_bytes";
-    let _ = writeln!(
-        out,
-        "# HELP {metric} Memory held by buffers and caches\n# TYPE {metric} gauge"
-    );
+    metrics::describe_gauge!(metric, "Memory held by buffers and caches");
     for (name, volume) in volumes {
-        let _ = writeln!(
-            out,
-            "{metric}{{volume=\"{name}\"}} {}",
-            volume.resident_bytes()
-        );
+        metrics::gauge!(metric, "volume" => name.clone()).set(volume.resident_bytes() as f64);
     }
-    out
 }
