@@ -5,7 +5,7 @@
 //!
 //! The record is replaced atomically (temporary file, fsync, rename, fsync
 //! of the directory) together with the cursor, every time the scan saves
-//! its cursor (`jobs::CURSOR_SAVE_INTERVAL` / `CURSOR_SAVE_BLOCKS`): the
+//! its cursor (`jobs::CURSOR_SAVE_INTERVAL`): the
 //! faults and counts in it are always those of the blocks before the
 //! cursor, so a resumed scrub neither loses nor repeats one.
 
