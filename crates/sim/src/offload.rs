@@ -132,3 +132,44 @@ impl Drop for ScrubDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use vouch_engine::{BlockDevice, CreateOptions, ObjectId, SimStorage};
+
+    use super::*;
+
+    /// The checks are not vacuous: wrong bytes, a missed fault and a
+    /// fault where there is none are each caught.
+    #[test]
+    fn the_offload_checks_catch_a_wrong_digest_and_wrong_faults() {
+        let storage = Arc::new(SimStorage::new());
+        let volume = Volume::create(storage.clone(), &CreateOptions::new(300 * BLOCK as u64))
+            .expect("create");
+        let mut rng = Rng::new(7);
+        let mut bytes = rng.bytes(300 * BLOCK);
+        bytes[280 * BLOCK..].fill(0);
+        volume
+            .write(0, &bytes[..280 * BLOCK], false)
+            .expect("write");
+        volume.flush().expect("flush");
+        check_verify(&volume, &bytes, &[], 0, 300, &mut rng).expect("the model's bytes");
+        check_verify(&volume, &bytes, &[], 250, 40, &mut rng).expect("a range");
+        check_scrub(&volume, &[], &mut rng).expect("scrub");
+        let mut wrong = bytes.clone();
+        wrong[260 * BLOCK + 9] ^= 1;
+        let error = check_verify(&volume, &wrong, &[], 0, 300, &mut rng).expect_err("wrong bytes");
+        assert!(error.contains("digest"), "{error}");
+        let error =
+            check_verify(&volume, &bytes, &[3], 0, 300, &mut rng).expect_err("a missed fault");
+        assert!(error.contains("[3]"), "{error}");
+        storage.corrupt(ObjectId::Data(0), 5 * BLOCK as u64 + 1, 0x40);
+        bytes[5 * BLOCK..6 * BLOCK].fill(0);
+        check_verify(&volume, &bytes, &[5], 0, 300, &mut rng).expect("the fault, as zeros");
+        check_scrub(&volume, &[5], &mut rng).expect("scrub finds it");
+        let error = check_scrub(&volume, &[], &mut rng).expect_err("an unexpected fault");
+        assert!(error.contains("[5]"), "{error}");
+    }
+}
