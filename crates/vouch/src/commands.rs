@@ -387,3 +387,14 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
     }
     Ok(faults)
 }
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_time_formats_civil_dates() {
+        assert_eq!(super::utc_time(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(super::utc_time(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(super::utc_time(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        assert_eq!(super::utc_time(4_102_444_799), "2099-12-31 23:59:59 UTC");
+    }
+}
