@@ -8,6 +8,10 @@
 //! creates `DIR/split` and `DIR/packed` (GIB GiB of pseudo-random data
 //! each, default 3) if they are missing, then reads each ROUNDS times
 //! (default 3) every way and prints the median MiB/s.
+//!
+//! With `VT_FOREGROUND=MIB_PER_S` it instead measures 4 KiB random reads
+//! (one thread, 3 s) alone and while a scrub limited to MIB_PER_S runs with
+//! the reader's request count as its foreground counter.
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
@@ -73,6 +77,65 @@ fn cpu_seconds() -> f64 {
     seconds(usage.ru_utime) + seconds(usage.ru_stime)
 }
 
+/// 4 KiB random reads for `seconds`; returns reads per second.
+fn random_reads(
+    volume: &dyn BlockDevice,
+    seconds: f64,
+    counter: &std::sync::atomic::AtomicU64,
+) -> f64 {
+    let blocks = volume.size() / BLOCK;
+    let mut state = 0x2545_f491_4f6c_dd1du64;
+    let mut block = vec![0u8; BLOCK as usize];
+    let started = Instant::now();
+    let mut reads = 0u64;
+    while started.elapsed().as_secs_f64() < seconds {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        volume
+            .read((state % blocks) * BLOCK, &mut block)
+            .expect("read");
+        reads += 1;
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    reads as f64 / started.elapsed().as_secs_f64()
+}
+
+fn foreground(path: &Path, rate_mib: u64) {
+    use std::sync::atomic::AtomicU64;
+    use std::sync::Arc;
+    let volume = Arc::new(open_volume(path, &OpenOptions::default()).expect("open"));
+    read_files(path);
+    let counter = Arc::new(AtomicU64::new(0));
+    for _ in 0..2 {
+        let alone = random_reads(&*volume, 3.0, &counter);
+        let _ = std::fs::remove_file(path.join("scrub.json"));
+        let control = Arc::new(JobControl::default());
+        let scrubber = {
+            let (volume, control, counter) = (volume.clone(), control.clone(), counter.clone());
+            let path = path.to_path_buf();
+            std::thread::spawn(move || {
+                let options = ScrubOptions {
+                    rate_bytes_per_second: Some(rate_mib << 20),
+                    foreground: Some(Arc::new(move || {
+                        counter.load(std::sync::atomic::Ordering::Relaxed)
+                    })),
+                };
+                scrub(&*volume, &path, &options, &control).expect("scrub")
+            })
+        };
+        let during = random_reads(&*volume, 3.0, &counter);
+        control.cancel();
+        let record = scrubber.join().expect("scrub thread");
+        println!(
+            "{}: 4 KiB random reads alone {alone:.0}/s, during a {rate_mib} MiB/s scrub {during:.0}/s ({:.2}x); the scrub checked {} blocks",
+            path.display(),
+            during / alone,
+            record.blocks_checked
+        );
+    }
+}
+
 fn median(mut values: Vec<f64>) -> f64 {
     values.sort_by(f64::total_cmp);
     values[values.len() / 2]
@@ -86,6 +149,9 @@ fn main() {
     let seed = ProofSeed([7u8; 32]);
     // VT_LAYOUT=split|packed: one layout only (profiling).
     let only = std::env::var("VT_LAYOUT").ok();
+    let foreground_rate: Option<u64> = std::env::var("VT_FOREGROUND")
+        .ok()
+        .map(|r| r.parse().expect("MIB_PER_S"));
     for layout in LayoutKind::ALL {
         if only.as_deref().is_some_and(|name| name != layout.name()) {
             continue;
@@ -94,6 +160,10 @@ fn main() {
         if !path.exists() {
             eprintln!("creating {} ({gib} GiB)", path.display());
             fill(&path, layout, gib << 30);
+        }
+        if let Some(rate) = foreground_rate {
+            foreground(&path, rate);
+            continue;
         }
         let volume = open_volume(&path, &OpenOptions::default()).expect("open");
         let blocks = volume.size() / BLOCK;
