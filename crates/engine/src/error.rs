@@ -89,6 +89,10 @@ pub enum Error {
     /// A caller asked for something impossible (a size, a geometry).
     #[error("{0}")]
     InvalidArgument(String),
+    /// A job (verify, compare, copy) was cancelled through its
+    /// `JobControl`; every block before LBA `at` was done.
+    #[error("cancelled: every block before LBA {at} was done")]
+    Cancelled { at: u64 },
     /// A volume directory could not be created or opened.
     #[error("cannot {action} {}: {cause}", path.display())]
     Path {

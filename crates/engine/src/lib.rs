@@ -12,7 +12,8 @@
 //! - `read`, `write`, `commit`, `recovery` — the paths, over `shared`
 //!   parts and the committer (`engine`).
 //! - `device` — the `BlockDevice` trait; `volume` — the public handle.
-//! - `jobs`, `check` — background scans.
+//! - `jobs`, `check` — background scans; `verify` (with the proof-of-work
+//!   digest) and `compare_ranges`; `scrub` (whole-volume verify, persisted).
 
 mod backing;
 pub mod check;
@@ -28,11 +29,13 @@ pub mod options;
 pub mod protection;
 mod read;
 pub mod recovery;
+pub mod scrub;
 mod shared;
 mod state;
 pub mod stats;
 pub mod storage;
 pub mod superblock;
+pub mod verify;
 pub mod volume;
 mod write;
 

@@ -100,3 +100,75 @@ fn a_scan_of_a_range_stays_in_it_and_a_throttled_scan_keeps_its_rate() {
         started.elapsed()
     );
 }
+
+/// Counts the saves a scan makes.
+#[derive(Default)]
+struct CountingCursor {
+    saves: std::sync::Mutex<Vec<u64>>,
+    cleared: std::sync::atomic::AtomicBool,
+}
+
+impl Cursor for CountingCursor {
+    fn load(&self) -> vouch_engine::Result<Option<u64>> {
+        Ok(None)
+    }
+    fn save(&self, lba: u64) -> vouch_engine::Result<()> {
+        self.saves.lock().expect("lock").push(lba);
+        Ok(())
+    }
+    fn clear(&self) -> vouch_engine::Result<()> {
+        self.cleared
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_scan_saves_its_cursor_once_a_second_and_when_cancelled_not_every_chunk() {
+    let volume = volume_with_data(&[0, 1, 2, 3, 4, 5, 6, 7]);
+    let cursor = CountingCursor::default();
+    let control = JobControl::default();
+    let started = std::time::Instant::now();
+    scan(
+        &volume,
+        ScanOptions::default(),
+        &control,
+        Some(&cursor),
+        |_| Ok(()),
+    )
+    .expect("scan");
+    assert!(cursor.cleared.load(std::sync::atomic::Ordering::Relaxed));
+    if started.elapsed() < vouch_engine::jobs::CURSOR_SAVE_INTERVAL {
+        assert_eq!(
+            *cursor.saves.lock().expect("lock"),
+            Vec::<u64>::new(),
+            "8 chunks in under a second: no fsync"
+        );
+    }
+
+    // Throttled to 4 chunks a second: about one save a second, and one at the cancel.
+    let cursor = CountingCursor::default();
+    let control = JobControl::default();
+    let options = ScanOptions {
+        rate_bytes_per_second: Some(4 << 20),
+        ..ScanOptions::default()
+    };
+    let mut chunks = 0;
+    let end = scan(&volume, options, &control, Some(&cursor), |_| {
+        chunks += 1;
+        if chunks == 6 {
+            control.cancel();
+        }
+        Ok(())
+    })
+    .expect("scan");
+    assert_eq!(end, ScanEnd::Cancelled { at: 6 * 256 });
+    let saves = cursor.saves.lock().expect("lock").clone();
+    assert_eq!(
+        saves.last(),
+        Some(&(6 * 256)),
+        "saved at the cancel: {saves:?}"
+    );
+    assert!(saves.len() <= 3, "{saves:?}");
+    assert!(!cursor.cleared.load(std::sync::atomic::Ordering::Relaxed));
+}

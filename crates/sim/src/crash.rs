@@ -14,8 +14,12 @@
 //! (sampled), and after every operation (every flush / FUA point gets one
 //! image per strategy). Each image is recovered with `Volume::open`, every
 //! block is read, `check()` must list exactly the blocks that read as
-//! faults, and on a sample of images a second crash is taken *during*
-//! recovery (at its I/O) and *after* it (before close).
+//! faults, a verify of a random range (`offload.rs`) must report exactly
+//! the blocks that failed to read and the proof digest of the bytes read
+//! (a scrub too, on a sample), and on a sample of images a second crash is
+//! taken *during* recovery (at its I/O) and *after* it (before close).
+//! Verify and scrub also run between the workload's operations, where they
+//! must report no fault and the digest of the model's bytes.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -274,6 +278,7 @@ impl Checker {
                 "check() lists faults at {listed:?} but reads failed at {faulty:?}"
             ));
         }
+        self.check_offloads(&volume, &reads, rng)?;
         if depth == 0 && rng.below(1000) < self.after_permille {
             // A second power loss after recovery, before the volume is closed:
             // recovery made its result durable, so every block reads the same.
@@ -291,6 +296,36 @@ impl Checker {
                     reads[lba], second[lba]
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// Verify a random range (the whole volume one time in four) and, on a
+    /// sample, scrub: they must report exactly the blocks whose reads
+    /// failed, and the digest of the bytes the reads returned.
+    fn check_offloads(&self, volume: &Volume, reads: &[Read], rng: &mut Rng) -> Result<(), String> {
+        let faulty: Vec<u64> = (0..self.blocks)
+            .filter(|lba| reads[*lba as usize] == Read::Fault)
+            .collect();
+        let mut bytes = vec![0u8; self.blocks as usize * BLOCK];
+        for (lba, block) in bytes.chunks_exact_mut(BLOCK).enumerate() {
+            if reads[lba] != Read::Fault {
+                volume
+                    .read(lba as u64 * BLOCK as u64, block)
+                    .map_err(|error| format!("LBA {lba} unreadable on a second read: {error}"))?;
+            }
+        }
+        let (first, count) = if rng.chance(1, 4) {
+            (0, self.blocks)
+        } else {
+            let first = rng.below(self.blocks);
+            (first, rng.range(1, self.blocks - first))
+        };
+        crate::offload::check_verify(volume, &bytes, &faulty, first, count, rng)
+            .map_err(|error| format!("after recovery: {error}"))?;
+        if rng.chance(1, 8) {
+            crate::offload::check_scrub(volume, &faulty, rng)
+                .map_err(|error| format!("after recovery: {error}"))?;
         }
         Ok(())
     }
@@ -412,6 +447,13 @@ enum Op {
         allocate: bool,
     },
     Flush,
+    /// `offload::check_verify` of blocks `[first, first + count)`.
+    Verify {
+        first: u64,
+        count: u64,
+    },
+    /// `offload::check_scrub`.
+    Scrub,
 }
 
 fn random_range(rng: &mut Rng, size: u64) -> (u64, u64) {
@@ -434,6 +476,15 @@ fn random_op(rng: &mut Rng, size: u64) -> Op {
     let roll = rng.below(100);
     if roll < 12 {
         return Op::Flush;
+    }
+    if roll < 16 {
+        let blocks = size / BLOCK as u64;
+        let first = rng.below(blocks);
+        let count = rng.range(1, blocks - first);
+        return Op::Verify { first, count };
+    }
+    if roll < 18 {
+        return Op::Scrub;
     }
     let (offset, len) = random_range(rng, size);
     let fua = rng.chance(1, 8);
@@ -568,6 +619,19 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             Op::Flush => {
                 set_allowed(&state, &model, &doing);
                 (Vec::new(), volume.flush(), true)
+            }
+            Op::Verify { first, count } => {
+                set_allowed(&state, &model, &doing);
+                let bytes = model.current.concat();
+                crate::offload::check_verify(&volume, &bytes, &[], first, count, &mut rng)
+                    .map_err(|error| format!("{doing}: {error}"))?;
+                (Vec::new(), Ok(()), false)
+            }
+            Op::Scrub => {
+                set_allowed(&state, &model, &doing);
+                crate::offload::check_scrub(&volume, &[], &mut rng)
+                    .map_err(|error| format!("{doing}: {error}"))?;
+                (Vec::new(), Ok(()), false)
             }
         };
         if let Some(violation) = state.lock().violation.take() {

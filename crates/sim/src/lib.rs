@@ -9,6 +9,8 @@
 //!   misdirected reads, zeroed sectors, superblock damage, I/O errors,
 //!   ENOSPC) that classifies each fault as detected, silently wrong or
 //!   harmless and builds the detection matrix.
+//! - [`offload`]: verify (with its proof digest) and scrub, interleaved with
+//!   the crash workload and run on recovered images.
 //! - [`fuzz`]: the bodies of the cargo-fuzz targets in `fuzz/`, as plain
 //!   functions so stable `cargo test` exercises them too.
 //!
@@ -17,6 +19,7 @@
 pub mod crash;
 pub mod faults;
 pub mod fuzz;
+pub mod offload;
 pub mod recorder;
 pub mod rng;
 

@@ -9,6 +9,7 @@ use anyhow::{bail, Context as _, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use vouch_engine::jobs::{scan, JobControl, ScanOptions};
+use vouch_engine::scrub::ScrubRecord;
 use vouch_engine::BlockDevice;
 use vouch_engine::{
     create_volume, open_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume,
@@ -57,6 +58,9 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
     let volume = open_read_only(path)?;
     let info = volume.info()?;
     let recovery = volume.recovery_report();
+    // An unreadable scrub record is shown as such, not a failed `info`: the
+    // record is advisory (docs/FORMAT.md).
+    let scrub = vouch_engine::scrub::last_scrub(path);
     if json_output {
         let value = json!({
             "path": path.display().to_string(),
@@ -79,6 +83,7 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "journal_records_pending": recovery.records_replayed,
             "read_only": info.read_only,
             "allocated_bytes": info.allocated_bytes,
+            "last_scrub": scrub_json(&scrub),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
@@ -120,8 +125,107 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             info.allocated_bytes,
             bytesize::ByteSize(info.allocated_bytes)
         );
+        println!("last scrub:      {}", scrub_text(&scrub));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Faults of the last scrub listed by `vouch info` (all are in scrub.json).
+const INFO_FAULTS_SHOWN: usize = 8;
+
+/// The last scrub for `info --json`: `null` if none ran.
+fn scrub_json(scrub: &vouch_engine::Result<Option<ScrubRecord>>) -> serde_json::Value {
+    match scrub {
+        Ok(None) => serde_json::Value::Null,
+        Err(error) => json!({ "error": error.to_string() }),
+        Ok(Some(record)) => json!({
+            "state": record.state.name(),
+            "started_unix": record.started_unix,
+            "finished_unix": record.finished_unix,
+            "cursor": record.cursor,
+            "blocks_total": record.blocks_total,
+            "blocks_checked": record.blocks_checked,
+            "faults_found": record.faults_found,
+            "first_faults": record
+                .faults
+                .iter()
+                .take(INFO_FAULTS_SHOWN)
+                .map(|fault| json!({ "lba": fault.lba, "kind": fault.kind.name() }))
+                .collect::<Vec<_>>(),
+            "error": record.error,
+        }),
+    }
+}
+
+/// `unix` seconds as `YYYY-MM-DD HH:MM:SS UTC` (days to a civil date:
+/// H. Hinnant's algorithm, proleptic Gregorian).
+fn utc_time(unix: u64) -> String {
+    let days = (unix / 86400) as i64;
+    let seconds = unix % 86400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let day_of_era = z - era * 146_097;
+    let year_of_era =
+        (day_of_era - day_of_era / 1460 + day_of_era / 36524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
+    let month = if shifted_month < 10 {
+        shifted_month + 3
+    } else {
+        shifted_month - 9
+    };
+    let year = year_of_era + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02} UTC",
+        seconds / 3600,
+        seconds / 60 % 60,
+        seconds % 60
+    )
+}
+
+/// The last scrub for `info`, on one line or a few.
+fn scrub_text(scrub: &vouch_engine::Result<Option<ScrubRecord>>) -> String {
+    let record = match scrub {
+        Ok(None) => return "never".to_string(),
+        Err(error) => return format!("unknown ({error})"),
+        Ok(Some(record)) => record,
+    };
+    let when = utc_time;
+    let mut text = format!(
+        "{}, started {}{}, {} of {} blocks scanned ({} read and verified, holes skipped), {} fault(s)",
+        record.state.name(),
+        when(record.started_unix),
+        record
+            .finished_unix
+            .map(|unix| format!(", ended {}", when(unix)))
+            .unwrap_or_default(),
+        record.cursor,
+        record.blocks_total,
+        record.blocks_checked,
+        record.faults_found,
+    );
+    if !record.faults.is_empty() {
+        let shown: Vec<String> = record
+            .faults
+            .iter()
+            .take(INFO_FAULTS_SHOWN)
+            .map(|fault| format!("{} ({})", fault.lba, fault.kind.name()))
+            .collect();
+        let more = if record.faults_found > shown.len() as u64 {
+            ", ..."
+        } else {
+            ""
+        };
+        text.push_str(&format!(
+            "\n                 faulty LBAs: {}{more}",
+            shown.join(", ")
+        ));
+    }
+    if let Some(error) = &record.error {
+        text.push_str(&format!("\n                 error: {error}"));
+    }
+    text
 }
 
 fn progress_bar(total: u64, what: &str) -> ProgressBar {
@@ -282,4 +386,15 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
         );
     }
     Ok(faults)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn utc_time_formats_civil_dates() {
+        assert_eq!(super::utc_time(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(super::utc_time(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(super::utc_time(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        assert_eq!(super::utc_time(4_102_444_799), "2099-12-31 23:59:59 UTC");
+    }
 }

@@ -50,6 +50,7 @@ pub fn to_export_error(error: Error) -> ExportError {
         | Error::Corrupt(_)
         | Error::Unsupported(_)
         | Error::Path { .. }
+        | Error::Cancelled { .. }
         | Error::InVolume { .. } => ExportError::new(Errno::Io, error.to_string()),
     }
 }
