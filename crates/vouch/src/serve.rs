@@ -69,6 +69,8 @@ pub struct ServeArgs {
     /// Example: read:guard_mismatch@8-15,write:nospace@100.
     #[arg(long, value_name = "SPEC")]
     inject: Option<crate::inject::InjectSpec>,
+    #[command(flatten)]
+    control: crate::offload::control::ControlArgs,
 }
 
 fn export_name(path: &std::path::Path) -> String {
@@ -207,6 +209,14 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
             move || render_engine_metrics(&engine_volumes),
         ));
     }
+    let control = crate::offload::control::start_for_server(
+        &args.control,
+        &names,
+        &args.paths,
+        volumes,
+        server.metrics(),
+    )
+    .await?;
     std::io::stdout().flush()?;
     let shutdown = server.shutdown_handle();
     tokio::spawn(async move {
@@ -218,6 +228,9 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         shutdown.shutdown();
     });
     server.run().await?;
+    if let Some(control) = control {
+        tokio::task::block_in_place(|| control.shutdown());
+    }
     Ok(())
 }
 
