@@ -88,7 +88,8 @@ async fn authorize(State(state): State<ApiState>, request: Request, next: Next) 
             None => {
                 return ApiError(
                     StatusCode::UNAUTHORIZED,
-                    "this control API needs 'Authorization: Bearer TOKEN'".into(),
+                    "missing bearer token: this control API needs 'Authorization: Bearer TOKEN'"
+                        .into(),
                 )
                 .into_response()
             }
