@@ -229,7 +229,7 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
     });
     server.run().await?;
     if let Some(control) = control {
-        tokio::task::block_in_place(|| control.shutdown());
+        control.shutdown().await;
     }
     Ok(())
 }

@@ -490,3 +490,37 @@ fn the_control_api_on_a_unix_socket() {
     let status: Value = serde_json::from_slice(&status.stdout).expect("json");
     assert_eq!(status["last_scrub"]["state"], "finished", "{status}");
 }
+
+#[test]
+fn sigterm_cancels_jobs_keeps_the_scrub_cursor_and_closes_cleanly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = volume_with_data(dir.path(), "a", 16 << 20, 10);
+    let mut server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
+    let id = submit(
+        &server,
+        json!({"op": "scrub", "export": "a", "rate": 2 << 20}),
+    );
+    wait_until("the scrub to run", TIMEOUT, || {
+        common::control::job(&server, id)["progress"]["done_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            > 0
+    });
+    // A long-poll left open does not hold the shutdown up.
+    let addr = control(&server).to_string();
+    let poll = std::thread::spawn(move || {
+        std::panic::catch_unwind(|| {
+            request(&addr, "GET", &format!("/v1/jobs/{id}?wait=60"), None, None)
+        })
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let took = server.stop();
+    assert!(took < std::time::Duration::from_secs(8), "{took:?}");
+    let _ = poll.join();
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(a.join("scrub.json")).expect("scrub.json"))
+            .expect("json");
+    assert_eq!(record["state"], "cancelled", "{record}");
+    assert!(record["cursor"].as_u64().expect("cursor") > 0, "{record}");
+    assert_eq!(info_json(&a)["clean"], true, "closed cleanly");
+}

@@ -64,18 +64,33 @@ impl ControlAddr {
     }
 }
 
+/// How long open control connections may take to finish at shutdown.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 /// The running control API.
 pub struct ControlServer {
     pub jobs: Arc<Jobs>,
     task: tokio::task::JoinHandle<()>,
+    stop: tokio::sync::watch::Sender<bool>,
 }
 
 impl ControlServer {
-    /// Stop listening, cancel every job and wait for their threads (a
-    /// cancelled scrub keeps its cursor and resumes next time).
-    pub fn shutdown(self) {
-        self.task.abort();
-        self.jobs.shutdown();
+    /// Cancel every job and wait for their threads (a cancelled scrub keeps
+    /// its cursor and resumes next time), then stop serving: when this
+    /// returns nothing of the control API holds a volume any more, so
+    /// `serve` can close them cleanly.
+    pub async fn shutdown(self) {
+        let jobs = self.jobs.clone();
+        let _ = tokio::task::spawn_blocking(move || jobs.shutdown()).await;
+        self.stop.send_replace(true);
+        let mut task = self.task;
+        if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+            .await
+            .is_err()
+        {
+            task.abort();
+            let _ = task.await;
+        }
     }
 }
 
@@ -221,6 +236,11 @@ pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<Control
         .transpose()?
         .map(Arc::new);
     let tls = tls_config(args)?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        let mut stopped = stopped;
+        let _ = stopped.wait_for(|stop| *stop).await;
+    };
     let app = router(ApiState {
         jobs: jobs.clone(),
         token,
@@ -236,13 +256,17 @@ pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<Control
                     println!("vouch: control on https://{local}");
                     let listener = TlsListener::new(listener, TlsAcceptor::from(tls))?;
                     tokio::spawn(async move {
-                        let _ = axum::serve(listener, app).await;
+                        let _ = axum::serve(listener, app)
+                            .with_graceful_shutdown(signal)
+                            .await;
                     })
                 }
                 None => {
                     println!("vouch: control on http://{local}");
                     tokio::spawn(async move {
-                        let _ = axum::serve(listener, app).await;
+                        let _ = axum::serve(listener, app)
+                            .with_graceful_shutdown(signal)
+                            .await;
                     })
                 }
             }
@@ -264,11 +288,13 @@ pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<Control
                 .with_context(|| format!("control API on {}", path.display()))?;
             println!("vouch: control on unix:{}", path.display());
             tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
+                let _ = axum::serve(listener, app)
+                    .with_graceful_shutdown(signal)
+                    .await;
             })
         }
     };
-    Ok(Some(ControlServer { jobs, task }))
+    Ok(Some(ControlServer { jobs, task, stop }))
 }
 
 /// `start` for `vouch serve`: one export per volume (in `names` order), and
