@@ -193,6 +193,14 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
     if let Some(socket) = &args.socket {
         println!("vouch: serving on nbd+unix:///?socket={}", socket.display());
     }
+    let control = crate::offload::control::start_for_server(
+        &args.control,
+        &names,
+        &args.paths,
+        volumes,
+        server.metrics(),
+    )
+    .await?;
     if let Some(addr) = args.metrics {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -203,20 +211,21 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         );
         let engine_volumes: Vec<(String, Arc<Volume>)> =
             names.iter().cloned().zip(volumes.iter().cloned()).collect();
+        let offload_jobs = control
+            .as_ref()
+            .map(|control| Arc::downgrade(&control.jobs));
         tokio::spawn(vouch_nbd::serve_metrics_on(
             listener,
             server.metrics(),
-            move || render_engine_metrics(&engine_volumes),
+            move || {
+                let mut page = render_engine_metrics(&engine_volumes);
+                if let Some(jobs) = offload_jobs.as_ref().and_then(std::sync::Weak::upgrade) {
+                    page.push_str(&crate::offload::metrics::render(&jobs));
+                }
+                page
+            },
         ));
     }
-    let control = crate::offload::control::start_for_server(
-        &args.control,
-        &names,
-        &args.paths,
-        volumes,
-        server.metrics(),
-    )
-    .await?;
     std::io::stdout().flush()?;
     let shutdown = server.shutdown_handle();
     tokio::spawn(async move {

@@ -524,3 +524,40 @@ fn sigterm_cancels_jobs_keeps_the_scrub_cursor_and_closes_cleanly() {
     assert!(record["cursor"].as_u64().expect("cursor") > 0, "{record}");
     assert_eq!(info_json(&a)["clean"], true, "closed cleanly");
 }
+
+#[test]
+fn metrics_show_jobs_and_the_last_scrub() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = volume_with_data(dir.path(), "a", 2 << 20, 14);
+    flip_bit(&a.join("data.00000"), 20 * BLOCK, 0x01);
+    let server = Server::start(
+        dir.path(),
+        &[
+            s(&a),
+            "--control",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
+    let (code, record, _) = cli_json(&server, &["scrub", "a"]);
+    assert_eq!(code, 1, "{record}");
+    let page = server.metrics_text();
+    for (series, value) in [
+        ("vouch_offload_jobs{op=\"scrub\",state=\"finished\"}", 1.0),
+        ("vouch_offload_jobs{op=\"copy\",state=\"running\"}", 0.0),
+        ("vouch_scrub_faults{volume=\"a\"}", 1.0),
+        ("vouch_scrub_cursor_blocks{volume=\"a\"}", 512.0),
+        ("vouch_scrub_running{volume=\"a\"}", 0.0),
+    ] {
+        assert_eq!(metric(&page, series), Some(value), "{series} in:\n{page}");
+    }
+    assert!(
+        metric(
+            &page,
+            "vouch_scrub_last_finished_timestamp_seconds{volume=\"a\"}"
+        )
+        .unwrap_or(0.0)
+            > 0.0
+    );
+}

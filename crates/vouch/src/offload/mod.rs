@@ -4,6 +4,7 @@
 //! - `engine_api` — the engine calls (the one place that names them);
 //! - `jobs` — the server's job table and threads; `render` — results as JSON;
 //! - `api` — the control API's routes; `control` — its listener and guards;
+//! - `metrics` — job and scrub series for `serve --metrics`;
 //! - `client` — the CLI's HTTP client; `cli` — `vouch verify|scrub|copy|compare`.
 
 pub mod api;
@@ -12,4 +13,5 @@ pub mod client;
 pub mod control;
 pub mod engine_api;
 pub mod jobs;
+pub mod metrics;
 pub mod render;
