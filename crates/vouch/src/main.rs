@@ -166,10 +166,10 @@ fn main() -> ExitCode {
         } => commands::export(&path, &raw, allow_faults),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
-        Command::Verify(args) => offload::cli::verify(args),
-        Command::Scrub(args) => offload::cli::scrub(args),
-        Command::Copy(args) => offload::cli::copy(args),
-        Command::Compare(args) => offload::cli::compare(args),
+        Command::Verify(args) => offload::cli_ops::verify(args),
+        Command::Scrub(args) => offload::cli_ops::scrub(args),
+        Command::Copy(args) => offload::cli_ops::copy(args),
+        Command::Compare(args) => offload::cli_ops::compare(args),
     };
     match result {
         Ok(code) => code,

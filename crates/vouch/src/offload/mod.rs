@@ -5,10 +5,12 @@
 //! - `jobs` — the server's job table and threads; `render` — results as JSON;
 //! - `api` — the control API's routes; `control` — its listener and guards;
 //! - `metrics` — job and scrub series for `serve --metrics`;
-//! - `client` — the CLI's HTTP client; `cli` — `vouch verify|scrub|copy|compare`.
+//! - `client` — the CLI's HTTP client; `cli` (arguments, progress, runners) and
+//!   `cli_ops` — `vouch verify|scrub|copy|compare`.
 
 pub mod api;
 pub mod cli;
+pub mod cli_ops;
 pub mod client;
 pub mod control;
 pub mod engine_api;
