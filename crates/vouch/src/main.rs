@@ -4,6 +4,7 @@ mod bench;
 mod commands;
 mod export;
 mod inject;
+mod offload;
 mod serve;
 
 use std::path::PathBuf;
@@ -93,16 +94,45 @@ enum Command {
     },
     /// Export a volume over NBD (default 127.0.0.1:10809).
     Serve(serve::ServeArgs),
+    /// Verify a range (default: all) without moving its data: every bad
+    /// LBA and its fault kind, and with --seed a proof-of-work digest.
+    /// Offline on a stopped volume (PATH), or on a running server with
+    /// --server (an export name). Exit 0 clean, 1 faults found, 2 error.
+    Verify(offload::cli::VerifyArgs),
+    /// Scrub a whole volume (verify, resumable from a cursor kept in the
+    /// volume directory; the record is shown by --status and `vouch info`).
+    /// Offline, or with --server as a background job of the server.
+    /// Exit 0 clean, 1 faults found or not finished, 2 error.
+    Scrub(offload::cli::ScrubArgs),
+    /// Copy a range from SRC to DST (volumes offline, export names with
+    /// --server; SRC may equal DST: overlapping ranges copy like memmove).
+    /// Source blocks are verified on the way: a corrupt one fails the copy
+    /// naming its LBA. Exit 0 copied, 1 a source block is corrupt, 2 error.
+    Copy(offload::cli::CopyArgs),
+    /// Compare a range with a file's bytes or with another range (NVMe
+    /// Compare): equal, or the first differing byte. Exit 0 equal,
+    /// 1 differ (or a block failed verification), 2 error.
+    Compare(offload::cli::CompareArgs),
     /// Engine benchmark: raw file vs split vs packed, every guard.
     Bench(bench::BenchArgs),
 }
 
-/// Parse sizes like 10GiB, 512MiB, 4k, 1048576.
+/// Parse sizes like 10GiB, 512MiB, 4k, 1048576. A bare K, M, G, T, P or E
+/// is a power of 1024 (4K = 4096, like dd and qemu-img); KB, MB... are
+/// powers of 1000.
 pub fn parse_size(text: &str) -> Result<u64, String> {
     let trimmed = text.trim();
     if let Ok(bytes) = trimmed.parse::<u64>() {
         return Ok(bytes);
     }
+    let binary;
+    let trimmed = match trimmed.chars().last() {
+        Some(unit) if "kKmMgGtTpPeE".contains(unit) => {
+            binary = format!("{trimmed}iB");
+            binary.as_str()
+        }
+        _ => trimmed,
+    };
     let bytes = trimmed
         .parse::<bytesize::ByteSize>()
         .map(|size| size.as_u64())
@@ -138,6 +168,10 @@ fn main() -> ExitCode {
         } => commands::export(&path, &raw, allow_faults),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Verify(args) => offload::cli_ops::verify(args),
+        Command::Scrub(args) => offload::cli_ops::scrub(args),
+        Command::Copy(args) => offload::cli_ops::copy(args),
+        Command::Compare(args) => offload::cli_ops::compare(args),
     };
     match result {
         Ok(code) => code,
@@ -145,5 +179,23 @@ fn main() -> ExitCode {
             eprintln!("vouch: error: {error:#}");
             ExitCode::from(2)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn a_bare_unit_letter_is_a_power_of_1024() {
+        assert_eq!(parse_size("4K"), Ok(4096));
+        assert_eq!(parse_size("4k"), Ok(4096));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("2G"), Ok(2 << 30));
+        assert_eq!(parse_size("1MiB"), Ok(1 << 20));
+        assert_eq!(parse_size("1MB"), Ok(1_000_000));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert!(parse_size("4Q").is_err());
+        assert!(parse_size("").is_err());
     }
 }

@@ -68,6 +68,8 @@ pub struct ServeArgs {
     /// Example: read:guard_mismatch@8-15,write:nospace@100.
     #[arg(long, value_name = "SPEC")]
     inject: Option<crate::inject::InjectSpec>,
+    #[command(flatten)]
+    control: crate::offload::control::ControlArgs,
 }
 
 fn export_name(path: &std::path::Path) -> String {
@@ -190,6 +192,14 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
     if let Some(socket) = &args.socket {
         println!("vouch: serving on nbd+unix:///?socket={}", socket.display());
     }
+    let control = crate::offload::control::start_for_server(
+        &args.control,
+        &names,
+        &args.paths,
+        volumes,
+        server.metrics(),
+    )
+    .await?;
     if let Some(addr) = args.metrics {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
@@ -200,10 +210,18 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         );
         let engine_volumes: Vec<(String, Arc<Volume>)> =
             names.iter().cloned().zip(volumes.iter().cloned()).collect();
+        let offload_jobs = control
+            .as_ref()
+            .map(|control| Arc::downgrade(&control.jobs));
         tokio::spawn(vouch_nbd::serve_metrics_on(
             listener,
             server.metrics(),
-            move || publish_engine_metrics(&engine_volumes),
+            move || {
+                publish_engine_metrics(&engine_volumes);
+                if let Some(jobs) = offload_jobs.as_ref().and_then(std::sync::Weak::upgrade) {
+                    crate::offload::metrics::publish(&jobs);
+                }
+            },
         ));
     }
     std::io::stdout().flush()?;
@@ -217,6 +235,9 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         shutdown.shutdown();
     });
     server.run().await?;
+    if let Some(control) = control {
+        control.shutdown().await;
+    }
     Ok(())
 }
 

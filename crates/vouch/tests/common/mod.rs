@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod clients;
+pub mod control;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -277,6 +278,9 @@ pub struct Server {
     pub uri: String,
     pub addr: SocketAddr,
     pub metrics: Option<SocketAddr>,
+    /// The control API's address as printed (`http://...`, `https://...`
+    /// or `unix:PATH`), when started with --control.
+    pub control: Option<String>,
     pub log: PathBuf,
     args: Vec<String>,
     dir: PathBuf,
@@ -330,12 +334,14 @@ impl Server {
         });
         let wants_metrics = args.iter().any(|a| a == "--metrics");
         let wants_unix = args.iter().any(|a| a == "--socket");
+        let wants_control = args.iter().any(|a| a == "--control");
         let mut server = Server {
             child: Some(child),
             pid,
             uri: String::new(),
             addr: "0.0.0.0:0".parse().expect("addr"),
             metrics: None,
+            control: None,
             log,
             args,
             dir: dir.to_path_buf(),
@@ -345,6 +351,7 @@ impl Server {
         while server.uri.is_empty()
             || (wants_metrics && server.metrics.is_none())
             || (wants_unix && !seen_unix)
+            || (wants_control && server.control.is_none())
         {
             let left = deadline.saturating_duration_since(Instant::now());
             match receiver.recv_timeout(left) {
@@ -356,6 +363,8 @@ impl Server {
                         server.uri = format!("nbd://{}", server.addr);
                     } else if line.starts_with("vouch: serving on nbd+unix://") {
                         seen_unix = true;
+                    } else if let Some(rest) = line.strip_prefix("vouch: control on ") {
+                        server.control = Some(rest.to_string());
                     } else if let Some(rest) = line.strip_prefix("vouch: metrics on http://") {
                         let addr = rest.trim_end_matches("/metrics");
                         server.metrics =

@@ -1,0 +1,425 @@
+//! The control API's routes (axum): `/v1/exports` and `/v1/jobs`. Every
+//! request is validated here (400/403/404/409 with a one-line JSON error);
+//! jobs run on `Jobs`' threads. docs/PROTOCOL.md is the reference.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Path, Query, Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use base64::Engine as _;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use vouch_engine::BLOCK;
+
+use super::engine_api::{self as engine, CopyMethod, ProofSeed, VerifyOptions};
+use super::jobs::{CompareWith, JobSpec, Jobs};
+use super::render;
+
+/// Most bytes a compare may send inline (`data_base64`, decoded).
+pub const MAX_COMPARE_DATA: usize = 16 << 20;
+/// Longest long-poll (`?wait=`).
+const MAX_WAIT_SECONDS: f64 = 300.0;
+
+/// An API error: a status and one line for `{"error": ...}`.
+#[derive(Debug)]
+pub struct ApiError(pub StatusCode, pub String);
+
+impl ApiError {
+    fn bad(message: impl Into<String>) -> ApiError {
+        ApiError(StatusCode::BAD_REQUEST, message.into())
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({"error": self.1}))).into_response()
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// What the router shares: the jobs and the bearer token, if any.
+#[derive(Clone)]
+pub struct ApiState {
+    pub jobs: Arc<Jobs>,
+    pub token: Option<Arc<String>>,
+}
+
+pub fn router(state: ApiState) -> Router {
+    Router::new()
+        .route("/v1/exports", get(exports))
+        .route("/v1/jobs", get(list_jobs).post(create_job))
+        .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(MAX_COMPARE_DATA / 3 * 4 + 4096))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            authorize,
+        ))
+        .with_state(state)
+}
+
+/// Constant-time comparison of two byte strings.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn authorize(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    if let Some(token) = &state.token {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| value.strip_prefix("Bearer "));
+        match given {
+            Some(given) if same_secret(given.trim().as_bytes(), token.as_bytes()) => {}
+            Some(_) => {
+                return ApiError(StatusCode::UNAUTHORIZED, "wrong bearer token".into())
+                    .into_response()
+            }
+            None => {
+                return ApiError(
+                    StatusCode::UNAUTHORIZED,
+                    "missing bearer token: this control API needs 'Authorization: Bearer TOKEN'"
+                        .into(),
+                )
+                .into_response()
+            }
+        }
+    }
+    next.run(request).await
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError(
+        StatusCode::NOT_FOUND,
+        format!("no such endpoint: {method} {uri} (see docs/PROTOCOL.md)"),
+    )
+}
+
+async fn exports(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
+    let mut list = Vec::new();
+    for entry in &state.jobs.exports {
+        let dir = entry.dir.clone();
+        let last = tokio::task::spawn_blocking(move || engine::last_scrub(&dir))
+            .await
+            .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+            .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+        let volume = &entry.volume;
+        list.push(json!({
+            "name": entry.name,
+            "size": vouch_engine::BlockDevice::size(&**volume),
+            "blocks": vouch_engine::BlockDevice::size(&**volume) / BLOCK,
+            "layout": volume.layout().name(),
+            "guard": volume.guard().name(),
+            "read_only": vouch_engine::BlockDevice::is_read_only(&**volume),
+            "last_scrub": last.as_ref().map(render::scrub_json),
+        }));
+    }
+    Ok(Json(json!({ "exports": list })))
+}
+
+async fn list_jobs(State(state): State<ApiState>) -> Json<Value> {
+    let jobs: Vec<Value> = state
+        .jobs
+        .list()
+        .iter()
+        .map(|job| job.to_json(&state.jobs.exports))
+        .collect();
+    Json(json!({ "jobs": jobs }))
+}
+
+fn job_of(state: &ApiState, id: &str) -> ApiResult<Arc<super::jobs::Job>> {
+    id.parse::<u64>()
+        .ok()
+        .and_then(|id| state.jobs.get(id))
+        .ok_or_else(|| {
+            ApiError(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "no job {id:?} (finished jobs are kept for the last {})",
+                    super::jobs::KEEP_FINISHED
+                ),
+            )
+        })
+}
+
+async fn get_job(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+    Query(query): Query<HashMap<String, String>>,
+) -> ApiResult<Json<Value>> {
+    let job = job_of(&state, &id)?;
+    for key in query.keys() {
+        if key != "wait" {
+            return Err(ApiError::bad(format!(
+                "unknown query parameter {key:?} (only wait=SECONDS)"
+            )));
+        }
+    }
+    if let Some(wait) = query.get("wait") {
+        let seconds: f64 = wait
+            .parse()
+            .ok()
+            .filter(|s: &f64| s.is_finite() && *s >= 0.0)
+            .ok_or_else(|| ApiError::bad(format!("wait={wait:?} is not a number of seconds")))?;
+        job.wait(Duration::from_secs_f64(seconds.min(MAX_WAIT_SECONDS)))
+            .await;
+    }
+    Ok(Json(job.to_json(&state.jobs.exports)))
+}
+
+async fn cancel_job(
+    State(state): State<ApiState>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let job = job_of(&state, &id)?;
+    let cancelled = state.jobs.cancel(&job);
+    Ok(Json(
+        json!({"id": job.id, "cancelled": cancelled, "state": job.state().name()}),
+    ))
+}
+
+async fn create_job(
+    State(state): State<ApiState>,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let jobs = state.jobs.clone();
+    // Decoding base64 and checking ranges is cheap; the job itself runs on
+    // its own thread.
+    let spec = parse_job(&jobs, &body)?;
+    let job = jobs
+        .submit(spec)
+        .map_err(|conflict| ApiError(StatusCode::CONFLICT, conflict.0))?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"id": job.id, "state": job.state().name()})),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct VerifyRequest {
+    export: String,
+    offset: Option<u64>,
+    length: Option<u64>,
+    seed: Option<String>,
+    #[serde(default)]
+    segments: bool,
+    rate: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ScrubRequest {
+    export: String,
+    rate: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Place {
+    export: String,
+    offset: Option<u64>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CopyRequest {
+    source: Place,
+    destination: Place,
+    length: u64,
+    method: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompareRequest {
+    export: String,
+    offset: Option<u64>,
+    length: Option<u64>,
+    data_base64: Option<String>,
+    other: Option<Place>,
+}
+
+fn fields<T: DeserializeOwned>(op: &str, body: Value) -> ApiResult<T> {
+    serde_json::from_value(body)
+        .map_err(|error| ApiError::bad(format!("bad {op} request: {error}")))
+}
+
+/// Parse and validate a `POST /v1/jobs` body into a job.
+pub fn parse_job(jobs: &Jobs, body: &[u8]) -> ApiResult<JobSpec> {
+    let mut value: Value = serde_json::from_slice(body)
+        .map_err(|error| ApiError::bad(format!("the body is not JSON: {error}")))?;
+    let object = value
+        .as_object_mut()
+        .ok_or_else(|| ApiError::bad("the body must be a JSON object with an \"op\""))?;
+    let op = match object.remove("op") {
+        Some(Value::String(op)) => op,
+        Some(_) => return Err(ApiError::bad("\"op\" must be a string")),
+        None => {
+            return Err(ApiError::bad(
+                "missing \"op\" (verify, scrub, copy or compare)",
+            ))
+        }
+    };
+    let export = |name: &str| {
+        jobs.export_index(name)
+            .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export named {name:?}")))
+    };
+    match op.as_str() {
+        "verify" => {
+            let request: VerifyRequest = fields(&op, value)?;
+            let index = export(&request.export)?;
+            let (first, count) = range(jobs, index, request.offset, request.length)?;
+            let seed = request
+                .seed
+                .map(|text| ProofSeed::from_hex(&text))
+                .transpose()
+                .map_err(|e| ApiError::bad(e.to_string()))?;
+            Ok(JobSpec::Verify {
+                export: index,
+                first,
+                count,
+                options: VerifyOptions {
+                    seed,
+                    segments: request.segments,
+                    rate_bytes_per_second: request.rate,
+                },
+            })
+        }
+        "scrub" => {
+            let request: ScrubRequest = fields(&op, value)?;
+            Ok(JobSpec::Scrub {
+                export: export(&request.export)?,
+                rate: request.rate,
+            })
+        }
+        "copy" => {
+            let request: CopyRequest = fields(&op, value)?;
+            let source = export(&request.source.export)?;
+            let destination = export(&request.destination.export)?;
+            let method = CopyMethod::parse(request.method.as_deref().unwrap_or("auto"))
+                .map_err(|e| ApiError::bad(e.to_string()))?;
+            let (source_first, count) =
+                range(jobs, source, request.source.offset, Some(request.length))?;
+            let (destination_first, _) = range(
+                jobs,
+                destination,
+                request.destination.offset,
+                Some(request.length),
+            )?;
+            if vouch_engine::BlockDevice::is_read_only(&*jobs.exports[destination].volume) {
+                return Err(ApiError(
+                    StatusCode::FORBIDDEN,
+                    format!(
+                        "export {:?} is read-only: cannot copy into it",
+                        request.destination.export
+                    ),
+                ));
+            }
+            Ok(JobSpec::Copy {
+                source,
+                source_first,
+                destination,
+                destination_first,
+                count,
+                method,
+            })
+        }
+        "compare" => {
+            let request: CompareRequest = fields(&op, value)?;
+            let index = export(&request.export)?;
+            match (request.data_base64, request.other) {
+                (Some(data), None) => {
+                    let data = base64::engine::general_purpose::STANDARD
+                        .decode(data.trim())
+                        .map_err(|e| ApiError::bad(format!("data_base64 is not base64: {e}")))?;
+                    if data.len() > MAX_COMPARE_DATA {
+                        return Err(ApiError::bad(format!(
+                            "data_base64 holds {} bytes; at most {MAX_COMPARE_DATA} (compare a range of another export instead)",
+                            data.len()
+                        )));
+                    }
+                    let length = request.length.unwrap_or(data.len() as u64);
+                    if length != data.len() as u64 {
+                        return Err(ApiError::bad(format!(
+                            "length {length} but data_base64 holds {} bytes",
+                            data.len()
+                        )));
+                    }
+                    let (first, count) = range(jobs, index, request.offset, Some(length))?;
+                    Ok(JobSpec::Compare {
+                        export: index,
+                        first,
+                        count,
+                        with: CompareWith::Data(Arc::new(data)),
+                    })
+                }
+                (None, Some(other)) => {
+                    let other_index = export(&other.export)?;
+                    let (first, count) = range(jobs, index, request.offset, request.length)?;
+                    let (other_first, _) =
+                        range(jobs, other_index, other.offset, Some(count * BLOCK))?;
+                    Ok(JobSpec::Compare {
+                        export: index,
+                        first,
+                        count,
+                        with: CompareWith::Range {
+                            export: other_index,
+                            first: other_first,
+                        },
+                    })
+                }
+                _ => Err(ApiError::bad(
+                    "compare takes exactly one of \"data_base64\" and \"other\"",
+                )),
+            }
+        }
+        other => Err(ApiError::bad(format!(
+            "unknown op {other:?} (verify, scrub, copy or compare)"
+        ))),
+    }
+}
+
+/// A byte range of an export as blocks: both 4096-aligned, not empty,
+/// inside the export. `length` `None` runs to the end.
+fn range(
+    jobs: &Jobs,
+    export: usize,
+    offset: Option<u64>,
+    length: Option<u64>,
+) -> ApiResult<(u64, u64)> {
+    let entry = &jobs.exports[export];
+    let size = vouch_engine::BlockDevice::size(&*entry.volume);
+    let offset = offset.unwrap_or(0);
+    if !offset.is_multiple_of(BLOCK) {
+        return Err(ApiError::bad(format!(
+            "offset {offset} is not a multiple of {BLOCK}"
+        )));
+    }
+    let length = length.unwrap_or(size.saturating_sub(offset));
+    if !length.is_multiple_of(BLOCK) {
+        return Err(ApiError::bad(format!(
+            "length {length} is not a multiple of {BLOCK}"
+        )));
+    }
+    if length == 0 {
+        return Err(ApiError::bad("length is 0: nothing to do"));
+    }
+    if offset.checked_add(length).is_none_or(|end| end > size) {
+        return Err(ApiError::bad(format!(
+            "range {offset}+{length} is past the end of export {:?} ({size} bytes)",
+            entry.name
+        )));
+    }
+    Ok((offset / BLOCK, length / BLOCK))
+}
