@@ -86,6 +86,9 @@ pub enum Error {
     /// The volume uses features this build does not implement.
     #[error("{0}")]
     Unsupported(String),
+    /// A job was cancelled; the message says how far it got.
+    #[error("{0}")]
+    Cancelled(String),
     /// A caller asked for something impossible (a size, a geometry).
     #[error("{0}")]
     InvalidArgument(String),

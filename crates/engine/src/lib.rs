@@ -12,12 +12,14 @@
 //! - `read`, `write`, `commit`, `recovery` — the paths, over `shared`
 //!   parts and the committer (`engine`).
 //! - `device` — the `BlockDevice` trait; `volume` — the public handle.
-//! - `jobs`, `check` — background scans.
+//! - `jobs`, `check` — background scans; `copy` — copy next to the data
+//!   (reflink or pipelined).
 
 mod backing;
 pub mod check;
 mod commit;
 pub mod contexts;
+pub mod copy;
 pub mod device;
 mod engine;
 pub mod error;
@@ -45,7 +47,7 @@ pub use state::{RangeOp, BLOCK};
 pub use stats::{Stats, StatsSnapshot};
 pub use storage::sim::{FaultPlan, SimStorage};
 pub use storage::{direct, sim};
-pub use storage::{FileOpen, FileStorage, ObjectId, Run, Storage};
+pub use storage::{CloneRange, FileOpen, FileStorage, ObjectId, Run, Storage};
 pub use superblock::{read_superblock, MAX_VOLUME_BYTES};
 pub use volume::{Volume, VolumeInfo};
 pub use vouch_format::{GuardKind, LayoutKind};
