@@ -224,10 +224,8 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<CopyMethod> {
         },
         CopyMethod::Auto => {
             // A small shift inside one volume would clone in tiny steps.
-            if job
-                .overlap_shift()
-                .is_some_and(|shift| shift < reflink::STEP_BLOCKS)
-            {
+            let piece = reflink::piece_blocks(job.destination.engine());
+            if job.overlap_shift().is_some_and(|shift| shift < piece) {
                 return Ok(CopyMethod::Pipelined);
             }
             let cache = &job.destination.engine().copy_methods.chosen;
