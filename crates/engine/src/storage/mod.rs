@@ -2,7 +2,8 @@
 //!
 //! A volume is a directory of objects (files): the superblock, the journal,
 //! the context table (split layout) and data segments. The engine only ever
-//! uses positioned reads and writes, syncs, and hole punching, so the same
+//! uses positioned reads and writes, syncs, hole punching and (for reflink
+//! copies) extent sharing, so the same
 //! trait is served by real files (`file.rs`, with O_DIRECT and io_uring in
 //! `direct.rs`) and by the simulated backend in `sim.rs` that the crash and
 //! fault tests use.
