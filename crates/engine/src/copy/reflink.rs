@@ -398,19 +398,31 @@ fn block(data: &[u8], index: usize) -> &[u8] {
 /// decoded is a fault of its block.
 fn source_contexts(engine: &Engine, first: u64, count: u64) -> Result<Vec<Context>> {
     let shared = &engine.shared;
+    // Under one short lock; pages not cached are loaded after it.
+    let found: Vec<Lookup> = {
+        let state = shared.state.read();
+        (first..first + count)
+            .map(|lba| state.contexts.lookup(lba))
+            .collect()
+    };
     let mut contexts = Vec::with_capacity(count as usize);
-    for lba in first..first + count {
-        let lookup = shared.state.read().contexts.lookup(lba);
+    let mut loaded: Option<(u64, crate::contexts::Page)> = None;
+    for (lba, lookup) in (first..).zip(found) {
         let found = match lookup {
             Lookup::Found(found) => found,
             Lookup::NeedPage(page_no) => {
-                match load_context_page(&shared.io, &shared.state, page_no) {
-                    Ok(page) => {
-                        let at = (lba % CONTEXTS_PER_PAGE) as usize * vouch_format::CONTEXT_BYTES;
-                        Context::decode(&page[at..at + vouch_format::CONTEXT_BYTES])
-                    }
-                    Err(_) => return Err(fault(engine, lba, FaultKind::Unreadable)),
-                }
+                let page = match &loaded {
+                    Some((number, page)) if *number == page_no => page.clone(),
+                    _ => match load_context_page(&shared.io, &shared.state, page_no) {
+                        Ok(page) => {
+                            loaded = Some((page_no, page.clone()));
+                            page
+                        }
+                        Err(_) => return Err(fault(engine, lba, FaultKind::Unreadable)),
+                    },
+                };
+                let at = (lba % CONTEXTS_PER_PAGE) as usize * vouch_format::CONTEXT_BYTES;
+                Context::decode(&page[at..at + vouch_format::CONTEXT_BYTES])
             }
         };
         contexts.push(found.map_err(|_| fault(engine, lba, FaultKind::ContextCorrupt))?);
