@@ -20,6 +20,7 @@
 
 mod pipelined;
 mod reflink;
+mod source;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
