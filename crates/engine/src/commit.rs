@@ -194,12 +194,40 @@ impl Committer {
             state.committing.clear();
             state.contexts.pending()
         };
+        self.committed(shared, journal, pending)
+    }
+
+    /// After a commit (or another journaled change, such as a reflink copy,
+    /// `copy/reflink.rs`) published its contexts: count it, and checkpoint
+    /// when the journal is 3/4 full or `pending` contexts are over the limit.
+    pub(crate) fn committed(
+        &self,
+        shared: &Shared,
+        journal: &mut Journal,
+        pending: usize,
+    ) -> Result<()> {
         shared.io.stats.commits.fetch_add(1, Ordering::Relaxed);
         let journal_full = journal.offset * 4 > self.journal_bytes * 3;
         if journal_full || pending > self.overlay_limit {
             self.checkpoint(shared, journal, STATE_OPEN)?;
         }
         Ok(())
+    }
+
+    /// Make room for a record of `record_len` bytes before building it (a
+    /// checkpoint, if one must run, runs now, never between a record and its
+    /// home writes). Returns the record's sequence number. For journaled
+    /// changes outside `commit` (`copy/reflink.rs`).
+    pub(crate) fn reserve(
+        &self,
+        shared: &Shared,
+        journal: &mut Journal,
+        record_len: u64,
+    ) -> Result<u64> {
+        if journal.offset + record_len > self.journal_bytes {
+            self.checkpoint(shared, journal, STATE_OPEN)?;
+        }
+        Ok(journal.next_seq)
     }
 
     /// The end of the group of blocks from `start` to journal and write

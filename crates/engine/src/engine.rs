@@ -40,6 +40,8 @@ pub(crate) struct Engine {
     /// Fixed at creation; kept here so asking for it never waits for a
     /// commit (the superblock copy in `Journal` is behind the commit lock).
     pub guard: GuardKind,
+    /// The copy method `Auto` chose per source volume (`copy.rs`).
+    pub copy_methods: crate::copy::MethodCache,
 }
 
 impl Engine {
@@ -88,6 +90,7 @@ impl Engine {
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             recovery,
             guard: superblock.guard,
+            copy_methods: Default::default(),
         })
     }
 

@@ -86,13 +86,13 @@ pub enum Error {
     /// The volume uses features this build does not implement.
     #[error("{0}")]
     Unsupported(String),
+    /// A job (verify, compare, copy) was cancelled through its
+    /// `JobControl`; the message says how far it got.
+    #[error("{0}")]
+    Cancelled(String),
     /// A caller asked for something impossible (a size, a geometry).
     #[error("{0}")]
     InvalidArgument(String),
-    /// A job (verify, compare, copy) was cancelled through its
-    /// `JobControl`; every block before LBA `at` was done.
-    #[error("cancelled: every block before LBA {at} was done")]
-    Cancelled { at: u64 },
     /// A volume directory could not be created or opened.
     #[error("cannot {action} {}: {cause}", path.display())]
     Path {

@@ -64,6 +64,13 @@ impl JobControl {
         self.read_blocks.fetch_add(read, Ordering::Relaxed);
         self.done_blocks.store(done, Ordering::Relaxed);
     }
+
+    /// Record progress of a job that is not a `scan` (copy): `done` of
+    /// `total` blocks.
+    pub fn set_progress(&self, done: u64, total: u64) {
+        self.total_blocks.store(total, Ordering::Relaxed);
+        self.done_blocks.store(done, Ordering::Relaxed);
+    }
 }
 
 /// Where a scan has got to, kept across restarts.

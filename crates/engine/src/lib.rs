@@ -13,12 +13,14 @@
 //!   parts and the committer (`engine`).
 //! - `device` — the `BlockDevice` trait; `volume` — the public handle.
 //! - `jobs`, `check` — background scans; `verify` (with the proof-of-work
-//!   digest) and `compare_ranges`; `scrub` (whole-volume verify, persisted).
+//!   digest) and `compare_ranges`; `scrub` (whole-volume verify, persisted);
+//!   `copy` — copy next to the data (reflink or pipelined).
 
 mod backing;
 pub mod check;
 mod commit;
 pub mod contexts;
+pub mod copy;
 pub mod device;
 mod engine;
 pub mod error;
@@ -48,7 +50,7 @@ pub use state::{RangeOp, BLOCK};
 pub use stats::{Stats, StatsSnapshot};
 pub use storage::sim::{FaultPlan, SimStorage};
 pub use storage::{direct, sim};
-pub use storage::{FileOpen, FileStorage, ObjectId, Run, Storage};
+pub use storage::{CloneRange, FileOpen, FileStorage, ObjectId, Run, Storage};
 pub use superblock::{read_superblock, MAX_VOLUME_BYTES};
 pub use volume::{Volume, VolumeInfo};
 pub use vouch_format::{GuardKind, LayoutKind};

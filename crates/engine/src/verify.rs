@@ -238,7 +238,9 @@ pub fn verify(
         },
     )?;
     if let ScanEnd::Cancelled { at } = scanned {
-        return Err(Error::Cancelled { at });
+        return Err(Error::Cancelled(format!(
+            "verify cancelled: every block before LBA {at} was checked"
+        )));
     }
     let (digest, segments) = match digester {
         Some(digester) => {
@@ -282,7 +284,10 @@ pub fn compare_ranges(
     let mut done = 0;
     while done < count {
         if control.is_cancelled() {
-            return Err(Error::Cancelled { at: a_first + done });
+            return Err(Error::Cancelled(format!(
+                "compare cancelled: every block before LBA {} was compared",
+                a_first + done
+            )));
         }
         let n = (count - done).min(step);
         let bytes = (n * BLOCK) as usize;

@@ -98,6 +98,11 @@ impl Volume {
         self.engine.shutdown()
     }
 
+    /// The engine behind the handle (for offloads such as `copy`).
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
     pub fn geometry(&self) -> Geometry {
         self.engine.shared.io.geometry
     }
@@ -204,5 +209,12 @@ impl BlockDevice for Volume {
     }
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         self.engine.write_sealed(blocks)
+    }
+    /// Copy within the volume next to the data (`copy::copy`, method
+    /// `Auto`): reflink when the filesystem shares extents, else pipelined.
+    fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
+        let options = crate::copy::CopyOptions::default();
+        let control = crate::jobs::JobControl::default();
+        crate::copy::copy(self, source, self, destination, count, &options, &control).map(|_| ())
     }
 }

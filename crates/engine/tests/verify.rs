@@ -129,7 +129,10 @@ fn verify_refuses_a_range_past_the_end_and_stops_when_cancelled() {
     control.cancel();
     let error =
         verify(&volume, 0, BLOCKS, &VerifyOptions::default(), &control).expect_err("cancelled");
-    assert!(matches!(error, Error::Cancelled { at: 0 }), "{error}");
+    assert!(
+        matches!(&error, Error::Cancelled(message) if message.contains("before LBA 0 ")),
+        "{error}"
+    );
 }
 
 /// Segment digest, recomputed from the algorithm in `verify`'s
@@ -331,7 +334,10 @@ fn compare_ranges_finds_equality_the_first_difference_and_damage() {
         control.cancel();
         let error =
             compare_ranges(&volume, 0, &volume, 1000, 300, &control).expect_err("cancelled");
-        assert!(matches!(error, Error::Cancelled { at: 0 }), "{error}");
+        assert!(
+        matches!(&error, Error::Cancelled(message) if message.contains("before LBA 0 ")),
+        "{error}"
+    );
     }
 }
 

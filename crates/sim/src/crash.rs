@@ -27,6 +27,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
+use vouch_engine::jobs::JobControl;
 use vouch_engine::BlockDevice;
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
@@ -408,6 +410,22 @@ impl Model {
         touched
     }
 
+    /// A copy of blocks `[from, from + count)` to `to` (memmove): each
+    /// destination block takes the source block's value from before the copy.
+    fn copy(&mut self, from: u64, to: u64, count: u64) -> Vec<usize> {
+        let values: Vec<Vec<u8>> = (from..from + count)
+            .map(|lba| self.current[lba as usize].clone())
+            .collect();
+        let mut touched = Vec::with_capacity(count as usize);
+        for (index, value) in values.into_iter().enumerate() {
+            let lba = to as usize + index;
+            self.versions[lba].push(fingerprint(&value));
+            self.current[lba] = value;
+            touched.push(lba);
+        }
+        touched
+    }
+
     fn make_durable(&mut self, blocks: impl Iterator<Item = usize>) {
         for lba in blocks {
             // Values before the newest can never be read again.
@@ -446,6 +464,13 @@ enum Op {
         fua: bool,
         allocate: bool,
     },
+    /// `copy::copy` within the volume (memmove on overlap).
+    Copy {
+        from: u64,
+        to: u64,
+        count: u64,
+        method: CopyMethod,
+    },
     Flush,
     /// `offload::check_verify` of blocks `[first, first + count)`.
     Verify {
@@ -472,7 +497,7 @@ fn random_range(rng: &mut Rng, size: u64) -> (u64, u64) {
     (start * 512, len * 512)
 }
 
-fn random_op(rng: &mut Rng, size: u64) -> Op {
+fn random_op(rng: &mut Rng, size: u64, layout: LayoutKind) -> Op {
     let roll = rng.below(100);
     if roll < 12 {
         return Op::Flush;
@@ -485,6 +510,30 @@ fn random_op(rng: &mut Rng, size: u64) -> Op {
     }
     if roll < 18 {
         return Op::Scrub;
+    }
+    if roll >= 92 {
+        let blocks = size / BLOCK as u64;
+        let count = rng.range(1, 24).min(blocks);
+        let from = rng.below(blocks - count + 1);
+        // Half the copies overlap their source (memmove), forwards or back.
+        let to = if rng.chance(1, 2) {
+            let low = from.saturating_sub(count - 1);
+            let high = (from + count - 1).min(blocks - count);
+            rng.range(low, high)
+        } else {
+            rng.below(blocks - count + 1)
+        };
+        let mut methods = vec![CopyMethod::Auto, CopyMethod::Pipelined];
+        if layout == LayoutKind::Split {
+            methods.push(CopyMethod::Reflink);
+        }
+        let method = methods[rng.below(methods.len() as u64) as usize];
+        return Op::Copy {
+            from,
+            to,
+            count,
+            method,
+        };
     }
     let (offset, len) = random_range(rng, size);
     let fua = rng.chance(1, 8);
@@ -586,7 +635,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     }
     let ops = rng.range(30, 90);
     for index in 0..ops {
-        let op = random_op(&mut rng, size);
+        let op = random_op(&mut rng, size, config.layout);
         counters.ops.fetch_add(1, Ordering::Relaxed);
         let doing = format!("op {index} {op:?}");
         let (touched, result, durable_all) = match op {
@@ -615,6 +664,19 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
                     volume.write_zeroes(offset, len, ZeroFlags { fua, allocate }),
                     false,
                 )
+            }
+            Op::Copy {
+                from,
+                to,
+                count,
+                method,
+            } => {
+                let touched = model.copy(from, to, count);
+                set_allowed(&state, &model, &doing);
+                let options = CopyOptions { method };
+                let control = JobControl::default();
+                let copied = copy(&volume, from, &volume, to, count, &options, &control);
+                (touched, copied.map(|_| ()), false)
             }
             Op::Flush => {
                 set_allowed(&state, &model, &doing);

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use vouch_engine::sim::PendingOp;
-use vouch_engine::{ObjectId, SimStorage, Storage};
+use vouch_engine::{CloneRange, ObjectId, SimStorage, Storage};
 
 /// Called at a crash point with the sim and the issue order of its pending ops.
 pub type Hook = Box<dyn FnMut(&SimStorage, &[ObjectId]) + Send>;
@@ -100,6 +100,22 @@ impl Storage for Recorder {
 
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
         self.sim.allocated_bytes(object)
+    }
+
+    /// The sim's reflink: one unsynced write per 4 KiB block (each kept or
+    /// lost by a crash, like any write).
+    fn clone_range(&self, clone: CloneRange<'_>) -> io::Result<()> {
+        self.crash_point();
+        let (object, len) = (clone.object, clone.len);
+        self.sim.clone_range(clone)?;
+        let mut order = self.order.lock();
+        order.extend(std::iter::repeat_n(object, len.div_ceil(4096) as usize));
+        self.bytes_written.fetch_add(len, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn probe_clone(&self, source: &dyn Storage, source_object: ObjectId) -> io::Result<()> {
+        self.sim.probe_clone(source, source_object)
     }
 }
 

@@ -50,7 +50,7 @@ pub fn to_export_error(error: Error) -> ExportError {
         | Error::Corrupt(_)
         | Error::Unsupported(_)
         | Error::Path { .. }
-        | Error::Cancelled { .. }
+        | Error::Cancelled(_)
         | Error::InVolume { .. } => ExportError::new(Errno::Io, error.to_string()),
     }
 }

@@ -5,13 +5,16 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
 use vouch_format::Geometry;
 
 use super::direct;
-use super::{objects_of, write_runs_in_turn, ObjectId, Run, RunError, Storage, IOV_MAX};
+use super::{
+    objects_of, reflink_unsupported, write_runs_in_turn, CloneRange, ObjectId, Run, RunError,
+    Storage, IOV_MAX,
+};
 
 /// How `FileStorage::open_objects` opens a volume's files.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -34,6 +37,8 @@ impl FileOpen {
 /// data segments are opened O_DIRECT and batched writes go through io_uring
 /// (`direct.rs`); the superblock, journal and contexts stay buffered.
 pub struct FileStorage {
+    /// The volume directory (a reflink probe makes a nameless file in it).
+    dir: PathBuf,
     superblock: File,
     journal: File,
     contexts: Option<File>,
@@ -146,6 +151,7 @@ impl FileStorage {
         let superblock = open(ObjectId::Superblock)?;
         lock_volume(&superblock, dir, writable)?;
         Ok(FileStorage {
+            dir: dir.to_path_buf(),
             superblock,
             journal: open(ObjectId::Journal)?,
             contexts: if geometry.has_context_table() {
@@ -366,6 +372,75 @@ impl Storage for FileStorage {
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
         use std::os::unix::fs::MetadataExt;
         Ok(self.file(object)?.metadata()?.blocks() * 512)
+    }
+
+    fn clone_range(&self, clone: CloneRange<'_>) -> io::Result<()> {
+        let source = clone
+            .source
+            .file_of(clone.source_object)
+            .ok_or_else(|| reflink_unsupported("the source volume is not stored in files"))?;
+        ficlonerange(
+            self.file(clone.object)?,
+            clone.offset,
+            source,
+            clone.source_offset,
+            clone.len,
+        )
+    }
+
+    fn probe_clone(&self, source: &dyn Storage, source_object: ObjectId) -> io::Result<()> {
+        let source = source
+            .file_of(source_object)
+            .ok_or_else(|| reflink_unsupported("the source volume is not stored in files"))?;
+        // A nameless file in this volume's directory: the same filesystem
+        // as the data segments, gone when it is closed.
+        let scratch = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_TMPFILE)
+            .open(&self.dir)?;
+        ficlonerange(&scratch, 0, source, 0, 4096)
+    }
+
+    fn file_of(&self, object: ObjectId) -> Option<&File> {
+        self.file(object).ok()
+    }
+}
+
+/// `ioctl(FICLONERANGE)`: `destination` at `offset` shares `len` bytes of
+/// `source` at `source_offset`. The errors that mean "this filesystem (or
+/// this pair of files) cannot share extents" become `Unsupported`.
+fn ficlonerange(
+    destination: &File,
+    offset: u64,
+    source: &File,
+    source_offset: u64,
+    len: u64,
+) -> io::Result<()> {
+    let range = libc::file_clone_range {
+        src_fd: i64::from(source.as_raw_fd()),
+        src_offset: source_offset,
+        src_length: len,
+        dest_offset: offset,
+    };
+    // SAFETY: FICLONERANGE reads one `file_clone_range` that lives for the
+    // call; both descriptors are open files.
+    let rc = unsafe { libc::ioctl(destination.as_raw_fd(), libc::FICLONERANGE, &range) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let error = io::Error::last_os_error();
+    match error.raw_os_error() {
+        Some(libc::EOPNOTSUPP | libc::ENOTTY | libc::ENOSYS) => Err(reflink_unsupported(format!(
+            "the filesystem cannot share extents ({error})"
+        ))),
+        Some(libc::EXDEV) => Err(reflink_unsupported(format!(
+            "source and destination are on different filesystems ({error})"
+        ))),
+        Some(libc::EINVAL) => Err(reflink_unsupported(format!(
+            "the filesystem refused the range ({error})"
+        ))),
+        _ => Err(error),
     }
 }
 

@@ -2,7 +2,8 @@
 //!
 //! A volume is a directory of objects (files): the superblock, the journal,
 //! the context table (split layout) and data segments. The engine only ever
-//! uses positioned reads and writes, syncs, and hole punching, so the same
+//! uses positioned reads and writes, syncs, hole punching and (for reflink
+//! copies) extent sharing, so the same
 //! trait is served by real files (`file.rs`, with O_DIRECT and io_uring in
 //! `direct.rs`) and by the simulated backend in `sim.rs` that the crash and
 //! fault tests use.
@@ -67,6 +68,51 @@ pub trait Storage: Send + Sync {
     fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>>;
     /// Bytes of real storage allocated to `object` (for `info`).
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64>;
+
+    /// Make `len` bytes of `object` at `offset` share the bytes of
+    /// `source`'s `source_object` at `source_offset` (reflink,
+    /// `FICLONERANGE`), without copying them. Offsets and `len` are
+    /// multiples of 4 KiB; within one object the ranges do not overlap.
+    /// Like a write, the result is durable only after `sync(object)`.
+    /// Storage that cannot share extents (or not with this source) fails
+    /// with `ErrorKind::Unsupported` ("reflink not supported here").
+    fn clone_range(&self, clone: CloneRange<'_>) -> io::Result<()> {
+        let _ = clone;
+        Err(reflink_unsupported("this storage cannot share extents"))
+    }
+
+    /// Check, changing no object, that `clone_range` from `source`'s
+    /// `source_object` into this storage can work: `Unsupported` if not.
+    fn probe_clone(&self, source: &dyn Storage, source_object: ObjectId) -> io::Result<()> {
+        let _ = (source, source_object);
+        Err(reflink_unsupported("this storage cannot share extents"))
+    }
+
+    /// The open file behind `object`, when this storage is backed by files
+    /// (a reflink from another volume's storage needs its descriptor).
+    fn file_of(&self, object: ObjectId) -> Option<&std::fs::File> {
+        let _ = object;
+        None
+    }
+}
+
+/// One `Storage::clone_range` request: `len` bytes of `source`'s
+/// `source_object` at `source_offset` shared into `object` at `offset`.
+pub struct CloneRange<'a> {
+    pub object: ObjectId,
+    pub offset: u64,
+    pub source: &'a dyn Storage,
+    pub source_object: ObjectId,
+    pub source_offset: u64,
+    pub len: u64,
+}
+
+/// The error of a reflink the storage cannot do (`ErrorKind::Unsupported`).
+pub fn reflink_unsupported(why: impl std::fmt::Display) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::Unsupported,
+        format!("reflink not supported here: {why}"),
+    )
 }
 
 /// `Storage::write_runs` one run after the other.

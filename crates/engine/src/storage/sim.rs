@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::storage::{ObjectId, Storage};
+use crate::storage::{CloneRange, ObjectId, Storage};
 
 const PAGE: u64 = 4096;
 pub const SECTOR: u64 = 512;
@@ -375,6 +375,24 @@ impl Storage for SimStorage {
             .objects
             .get(&object)
             .map_or(0, |entry| entry.live.allocated()))
+    }
+
+    /// A simulated reflink: the source's live bytes become one unsynced
+    /// write per 4 KiB block, so a crash keeps or loses each block (and
+    /// tears it like any write, if the crash image tears sectors).
+    fn clone_range(&self, clone: CloneRange<'_>) -> io::Result<()> {
+        let mut bytes = vec![0u8; clone.len as usize];
+        clone
+            .source
+            .read_at(clone.source_object, clone.source_offset, &mut bytes)?;
+        for (index, block) in bytes.chunks(PAGE as usize).enumerate() {
+            self.write_at(clone.object, clone.offset + index as u64 * PAGE, block)?;
+        }
+        Ok(())
+    }
+
+    fn probe_clone(&self, _source: &dyn Storage, _source_object: ObjectId) -> io::Result<()> {
+        Ok(())
     }
 }
 

@@ -1,0 +1,248 @@
+//! Copy next to the data: blocks move from one volume (or one range) to
+//! another without passing through a client, verified on the way, with
+//! their destination contexts re-tagged for the new LBAs.
+//!
+//! Two methods:
+//! - **pipelined** (`copy/pipelined.rs`, any layout): segments of 1 MiB,
+//!   a reader thread verifying source segments ahead of the writer, a
+//!   bounded number of segments in flight (the "slots" of the NVMe simple
+//!   copy discussion). The destination writes are ordinary writes: sealed
+//!   for their new LBAs, buffered, committed like any write.
+//! - **reflink** (`copy/reflink.rs`, split layout, one filesystem that
+//!   shares extents): the source blocks are read and verified, the
+//!   destination's new contexts journaled (ORDER POINT A), then the data
+//!   extents are shared with `FICLONERANGE` as the "home write", then the
+//!   contexts published — the crash contract of a write (CRASH_MODEL.md).
+//!
+//! `Auto` picks once per (destination, source) pair and caches the choice
+//! in the destination's engine: reflink when a probe clone into the
+//! destination's directory works, pipelined otherwise.
+
+mod pipelined;
+mod reflink;
+mod source;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use crate::device::BlockDevice;
+use crate::error::{Error, Result};
+use crate::jobs::JobControl;
+use crate::state::BLOCK;
+use crate::volume::Volume;
+
+/// How `copy` moves the blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyMethod {
+    /// Pick by measuring once per volume (cached), like the kernel's RAID xor benchmark.
+    Auto,
+    /// FICLONERANGE data extents, then rewrite only the contexts (split layout, same filesystem).
+    Reflink,
+    /// Segmented copy, several segments in flight, bounded memory.
+    Pipelined,
+}
+
+impl CopyMethod {
+    /// The method's name: "auto", "reflink" or "pipelined".
+    pub fn name(self) -> &'static str {
+        match self {
+            CopyMethod::Auto => "auto",
+            CopyMethod::Reflink => "reflink",
+            CopyMethod::Pipelined => "pipelined",
+        }
+    }
+
+    /// The method named `text`; anything else is `InvalidArgument`.
+    pub fn parse(text: &str) -> Result<CopyMethod> {
+        match text {
+            "auto" => Ok(CopyMethod::Auto),
+            "reflink" => Ok(CopyMethod::Reflink),
+            "pipelined" => Ok(CopyMethod::Pipelined),
+            other => Err(Error::InvalidArgument(format!(
+                "unknown copy method {other:?}: expected auto, reflink or pipelined"
+            ))),
+        }
+    }
+}
+
+/// How to copy.
+#[derive(Clone, Debug)]
+pub struct CopyOptions {
+    pub method: CopyMethod,
+}
+
+impl Default for CopyOptions {
+    fn default() -> CopyOptions {
+        CopyOptions {
+            method: CopyMethod::Auto,
+        }
+    }
+}
+
+/// What a copy did.
+#[derive(Clone, Debug)]
+pub struct CopyReport {
+    /// The method actually used (never `Auto`).
+    pub method: CopyMethod,
+    /// Blocks copied.
+    pub blocks: u64,
+    pub elapsed: Duration,
+}
+
+/// The method `Auto` chose for each source volume (by UUID), kept in the
+/// destination's engine so the probe runs once per pair.
+#[derive(Default)]
+pub struct MethodCache {
+    chosen: Mutex<HashMap<[u8; 16], CopyMethod>>,
+}
+
+/// Copy `count` blocks from `source` LBA `source_first` to `destination`
+/// LBA `destination_first` (may be the same volume: memmove semantics when
+/// the ranges overlap). Source blocks verified; a corrupt source block fails
+/// the copy naming its LBA (Error::Fault / the engine's fault error) and is
+/// never written anywhere. Destination contexts re-tagged for the new LBAs.
+/// Crash contract = writes: each destination block reads old or new, never
+/// a mix of data and context; durable after a flush. Progress and cancel via
+/// `control` (progress in blocks; cancelled -> Err naming how far it got,
+/// every block before that copied, none after it half-copied).
+pub fn copy(
+    source: &Volume,
+    source_first: u64,
+    destination: &Volume,
+    destination_first: u64,
+    count: u64,
+    options: &CopyOptions,
+    control: &JobControl,
+) -> Result<CopyReport> {
+    let started = Instant::now();
+    check_range(source, source_first, count)?;
+    check_range(destination, destination_first, count)?;
+    destination.engine().shared.io.check_writable()?;
+    let job = Job {
+        source,
+        source_first,
+        destination,
+        destination_first,
+        count,
+        control,
+    };
+    let method = choose(&job, options.method)?;
+    control.set_progress(0, count);
+    if job.overlap_shift() == Some(0) {
+        // A range onto itself: nothing moves, but a corrupt source block
+        // still fails the copy, as any copy's would.
+        pipelined::verify_only(&job)?;
+    } else if count > 0 {
+        match method {
+            CopyMethod::Reflink => reflink::run(&job)?,
+            _ => pipelined::run(&job)?,
+        }
+    }
+    Ok(CopyReport {
+        method,
+        blocks: count,
+        elapsed: started.elapsed(),
+    })
+}
+
+/// One copy request, as the methods see it.
+pub(crate) struct Job<'a> {
+    pub source: &'a Volume,
+    pub source_first: u64,
+    pub destination: &'a Volume,
+    pub destination_first: u64,
+    pub count: u64,
+    pub control: &'a JobControl,
+}
+
+impl Job<'_> {
+    /// Source and destination are one volume.
+    pub fn same_volume(&self) -> bool {
+        std::ptr::eq(self.source.engine(), self.destination.engine())
+    }
+
+    /// The ranges overlap in one volume and the destination starts inside
+    /// the source: copy from the end backwards (memmove).
+    pub fn backwards(&self) -> bool {
+        self.same_volume()
+            && self.destination_first > self.source_first
+            && self.destination_first < self.source_first + self.count
+    }
+
+    /// Blocks between the two ranges' starts, when they overlap in one
+    /// volume (a copy step must not be longer, or it would overwrite
+    /// source blocks it has not read).
+    pub fn overlap_shift(&self) -> Option<u64> {
+        let shift = self.source_first.abs_diff(self.destination_first);
+        (self.same_volume() && shift < self.count).then_some(shift)
+    }
+
+    /// The error of a copy cancelled with `done` blocks copied.
+    pub fn cancelled(&self, done: u64) -> Error {
+        let copied = if done == 0 {
+            "nothing was copied".to_string()
+        } else if self.backwards() {
+            let end = self.destination_first + self.count;
+            format!("destination blocks {}..{end} are copied", end - done)
+        } else {
+            format!(
+                "destination blocks {}..{} are copied",
+                self.destination_first,
+                self.destination_first + done
+            )
+        };
+        Error::Cancelled(format!(
+            "copy cancelled after {done} of {} blocks: {copied}, the rest of the destination is unchanged",
+            self.count
+        ))
+    }
+}
+
+fn check_range(volume: &Volume, first: u64, count: u64) -> Result<()> {
+    let blocks = volume.size() / BLOCK;
+    if first.checked_add(count).is_none_or(|end| end > blocks) {
+        return Err(Error::OutOfRange {
+            offset: first.saturating_mul(BLOCK),
+            length: count.saturating_mul(BLOCK),
+            size: volume.size(),
+        });
+    }
+    Ok(())
+}
+
+/// The method to use: forced ones are checked (a reflink that cannot work
+/// is an error, never a silent fallback); `Auto` probes once per pair.
+fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<CopyMethod> {
+    match requested {
+        CopyMethod::Pipelined => Ok(CopyMethod::Pipelined),
+        CopyMethod::Reflink => match reflink::possible(job) {
+            Ok(()) => Ok(CopyMethod::Reflink),
+            Err(why) => Err(Error::Unsupported(format!(
+                "reflink copy is not possible here: {why} (use the pipelined or auto method)"
+            ))),
+        },
+        CopyMethod::Auto => {
+            // A small shift inside one volume would clone in tiny steps.
+            let piece = reflink::piece_blocks(job.destination.engine());
+            if job.overlap_shift().is_some_and(|shift| shift < piece) {
+                return Ok(CopyMethod::Pipelined);
+            }
+            let cache = &job.destination.engine().copy_methods.chosen;
+            let key = job.source.engine().shared.uuid;
+            if let Some(method) = cache.lock().get(&key) {
+                return Ok(*method);
+            }
+            let method = match reflink::possible(job) {
+                Ok(()) => CopyMethod::Reflink,
+                Err(why) => {
+                    tracing::debug!(%why, "copy: reflink not possible, using the pipelined copy");
+                    CopyMethod::Pipelined
+                }
+            };
+            cache.lock().insert(key, method);
+            Ok(method)
+        }
+    }
+}
