@@ -335,9 +335,9 @@ fn compare_ranges_finds_equality_the_first_difference_and_damage() {
         let error =
             compare_ranges(&volume, 0, &volume, 1000, 300, &control).expect_err("cancelled");
         assert!(
-        matches!(&error, Error::Cancelled(message) if message.contains("before LBA 0 ")),
-        "{error}"
-    );
+            matches!(&error, Error::Cancelled(message) if message.contains("before LBA 0 ")),
+            "{error}"
+        );
     }
 }
 
