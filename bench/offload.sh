@@ -26,7 +26,7 @@ REPS=${REPS:-3}
 DIR=${DIR:-/var/tmp/vouch-offload-bench}
 OUT=${OUT:-$DIR/results}
 LINK_RATE=${LINK_RATE:-10gbit}
-SCRUB_RATE=${SCRUB_RATE:-200M}
+SCRUB_RATE=${SCRUB_RATE:-100M}
 COLD=${COLD:-0}
 TESTS=${TESTS:-"verify_link verify_loopback verify_digest scrub copy copy_reflink scrub_foreground"}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -102,7 +102,10 @@ control_job() { # base_url json [curl prefix...]
     local id state
     id=$("$@" curl -sS -f -H "Authorization: Bearer $(cat "$TOKEN")" -H 'content-type: application/json' \
         -d "$json" "$base/v1/jobs" | jq -r .id)
-    state=$("$@" curl -sS -f -H "Authorization: Bearer $(cat "$TOKEN")" "$base/v1/jobs/$id?wait=3600" | jq -r .state)
+    state=queued
+    while [ "$state" = queued ] || [ "$state" = running ]; do
+        state=$("$@" curl -sS -f -H "Authorization: Bearer $(cat "$TOKEN")" "$base/v1/jobs/$id?wait=300" | jq -r .state)
+    done
     [ "$state" = finished ] || { echo "job $json: $state" >&2; return 1; }
 }
 
@@ -190,7 +193,8 @@ if has scrub || has scrub_foreground; then
             fio_iops() {
                 fio --ioengine=nbd --uri="nbd://127.0.0.1:$LOOP_NBD_PORT/src" --rw=randread --bs=4k --iodepth=1 \
                     --runtime=15 --time_based --norandommap --randrepeat=0 --name=fg --output-format=json \
-                    | jq '.jobs[0].read.iops'
+                    --output="$OUT/fio-fg.json" >/dev/null
+                jq '.jobs[0].read.iops' "$OUT/fio-fg.json"
             }
             alone=$(fio_iops)
             rate=$(bytes_of "$SCRUB_RATE")
@@ -227,7 +231,7 @@ if has copy; then
     cleanup; PIDS=()
 fi
 if has copy_reflink; then
-    truncate -s $((BYTES * 3)) "$DIR/btrfs.img"
+    truncate -s $((BYTES * 5 + (4 << 30))) "$DIR/btrfs.img"
     mkfs.btrfs -q "$DIR/btrfs.img"
     LOOPDEV=$(losetup -f --show "$DIR/btrfs.img")
     MNT=$DIR/mnt; mkdir -p "$MNT"; mount "$LOOPDEV" "$MNT"

@@ -4,9 +4,13 @@
 //! cursor. `check` and `export` run on it today; scrub, resync, copy and
 //! layout migration are the same loop with another visitor.
 
+use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::device::BlockDevice;
@@ -16,6 +20,12 @@ use crate::state::BLOCK;
 /// Blocks read per step of a scan (1 MiB). Scans start chunks on multiples
 /// of it, so a resumed scan reads the same chunks.
 pub const SCAN_CHUNK_BLOCKS: u64 = 256;
+
+/// Threads that read and verify chunks for a scan, and how many chunks
+/// may be handed out ahead of the one being visited (bounded memory:
+/// SCAN_AHEAD MiB of buffers).
+const SCAN_READERS: usize = 2;
+const SCAN_AHEAD: usize = 4;
 
 /// A scan saves its cursor this often, and when it is cancelled: an fsync
 /// per 1 MiB chunk (or per 64 MiB, at page-cache speeds of several GiB/s)
@@ -221,46 +231,115 @@ pub fn scan(
     control.start(end - options.start, lba - options.start);
     let mut saved = (lba, Instant::now());
     let mut throttle = Throttle::new(options.rate_bytes_per_second);
-    let mut buffer = vec![0u8; (SCAN_CHUNK_BLOCKS * BLOCK) as usize];
-    while lba < end {
-        if control.is_cancelled() {
-            if let Some(cursor) = cursor {
-                if saved.0 != lba {
-                    cursor.save(lba)?;
+    // Reading and verifying a chunk is the work (a page-cache copy and a
+    // CRC per block): SCAN_READERS threads do it for the chunks ahead of
+    // the one being visited. Chunks are handed out and visited in LBA
+    // order, so the visitor and the cursor see what a one-thread scan sees.
+    let (request_send, request_receive) = mpsc::channel::<ChunkRead>();
+    let request_receive = Mutex::new(request_receive);
+    let (done_send, done_receive) = mpsc::channel::<(ChunkRead, Result<Vec<Fault>>)>();
+    std::thread::scope(|scope| {
+        for _ in 0..SCAN_READERS {
+            let done_send = done_send.clone();
+            let request_receive = &request_receive;
+            scope.spawn(move || loop {
+                let request = request_receive.lock().recv();
+                let Ok(mut read) = request else {
+                    return; // the scan is over
+                };
+                let faults = device.read_blocks_collecting(read.lba, read.count, &mut read.data);
+                if done_send.send((read, faults)).is_err() {
+                    return;
                 }
+            });
+        }
+        drop(done_send);
+        let mut next = lba; // where the next chunk handed out starts
+        let mut order: VecDeque<u64> = VecDeque::new(); // handed out, not visited
+        let mut arrived: HashMap<u64, (ChunkRead, Result<Vec<Fault>>)> = HashMap::new();
+        let mut spare: Vec<Vec<u8>> = Vec::new();
+        let result = (|| -> Result<ScanEnd> {
+            loop {
+                if control.is_cancelled() {
+                    if let Some(cursor) = cursor {
+                        if saved.0 != lba {
+                            cursor.save(lba)?;
+                        }
+                    }
+                    return Ok(ScanEnd::Cancelled { at: lba });
+                }
+                while order.len() < SCAN_AHEAD && next < end {
+                    next = device.next_possible_data(next)?.min(end);
+                    if next >= end {
+                        break;
+                    }
+                    let count = (end - next).min(SCAN_CHUNK_BLOCKS - next % SCAN_CHUNK_BLOCKS);
+                    let mut data = spare.pop().unwrap_or_default();
+                    data.resize((count * BLOCK) as usize, 0);
+                    let read = ChunkRead {
+                        lba: next,
+                        count,
+                        data,
+                    };
+                    request_send
+                        .send(read)
+                        .expect("the scan's readers live until it ends");
+                    order.push_back(next);
+                    next += count;
+                }
+                let Some(&first) = order.front() else {
+                    return Ok(ScanEnd::Finished);
+                };
+                let (read, faults) = loop {
+                    if let Some(done) = arrived.remove(&first) {
+                        break done;
+                    }
+                    let done = done_receive
+                        .recv()
+                        .expect("a reader answers every chunk it takes");
+                    arrived.insert(done.0.lba, done);
+                };
+                order.pop_front();
+                let faults = faults?;
+                visit(Chunk {
+                    lba: read.lba,
+                    count: read.count,
+                    data: &read.data,
+                    faults: &faults,
+                })?;
+                lba = read.lba + read.count;
+                control.advance(lba - options.start, read.count);
+                spare.push(read.data);
+                if let Some(cursor) = cursor {
+                    if saved.1.elapsed() >= CURSOR_SAVE_INTERVAL {
+                        cursor.save(lba)?;
+                        saved = (lba, Instant::now());
+                    }
+                }
+                throttle.pace(read.count * BLOCK);
             }
-            return Ok(ScanEnd::Cancelled { at: lba });
-        }
-        lba = device.next_possible_data(lba)?.min(end);
-        if lba >= end {
-            break;
-        }
-        let count = (end - lba).min(SCAN_CHUNK_BLOCKS - lba % SCAN_CHUNK_BLOCKS);
-        let data = &mut buffer[..(count * BLOCK) as usize];
-        let faults = device.read_blocks_collecting(lba, count, data)?;
-        visit(Chunk {
-            lba,
-            count,
-            data,
-            faults: &faults,
-        })?;
-        lba += count;
-        control.advance(lba - options.start, count);
-        if let Some(cursor) = cursor {
-            if saved.1.elapsed() >= CURSOR_SAVE_INTERVAL {
-                cursor.save(lba)?;
-                saved = (lba, Instant::now());
+        })();
+        // Closing the request channel ends the readers (after the chunk
+        // each may be reading); the scope waits for them.
+        drop(request_send);
+        let end_state = result?;
+        if end_state == ScanEnd::Finished {
+            control
+                .done_blocks
+                .store(end - options.start, Ordering::Relaxed);
+            if let Some(cursor) = cursor {
+                cursor.clear()?;
             }
         }
-        throttle.pace(count * BLOCK);
-    }
-    control
-        .done_blocks
-        .store(end - options.start, Ordering::Relaxed);
-    if let Some(cursor) = cursor {
-        cursor.clear()?;
-    }
-    Ok(ScanEnd::Finished)
+        Ok(end_state)
+    })
+}
+
+/// One chunk handed to a scan reader: where, how many blocks, the buffer.
+struct ChunkRead {
+    lba: u64,
+    count: u64,
+    data: Vec<u8>,
 }
 
 #[cfg(test)]

@@ -70,7 +70,13 @@ impl ProofSeed {
             let digits = std::str::from_utf8(pair).ok();
             seed[index] = digits
                 .and_then(|digits| u8::from_str_radix(digits, 16).ok())
-                .ok_or_else(|| wrong(format!("{:?} is not a hex byte", pair.escape_ascii())))?;
+                .ok_or_else(|| {
+                    wrong(format!(
+                        "hex digits only: \"{}\" at offset {} is not a hex byte",
+                        pair.escape_ascii(),
+                        index * 2
+                    ))
+                })?;
         }
         Ok(ProofSeed(seed))
     }
