@@ -180,11 +180,14 @@ if has scrub || has scrub_foreground; then
         if has scrub; then
             warm "$DIR/vol-src"
             timed scrub dd_data_file "$rep" "$BYTES" -- dd if="$DIR/vol-src/data.00000" of=/dev/null bs=1M
+            # A cancelled scrub's record would make the next one resume: start each from block 0.
+            rm -f "$DIR/vol-src/scrub.json"
             timed scrub scrub_api "$rep" "$BYTES" -- control_job "$base" '{"op":"scrub","export":"src"}'
             if [ "$COLD" = 1 ]; then
                 sync; echo 3 > /proc/sys/vm/drop_caches
                 timed scrub dd_data_file_cold "$rep" "$BYTES" -- dd if="$DIR/vol-src/data.00000" of=/dev/null bs=1M
                 sync; echo 3 > /proc/sys/vm/drop_caches
+                rm -f "$DIR/vol-src/scrub.json"
                 timed scrub scrub_api_cold "$rep" "$BYTES" -- control_job "$base" '{"op":"scrub","export":"src"}'
             fi
         fi
@@ -198,6 +201,7 @@ if has scrub || has scrub_foreground; then
             }
             alone=$(fio_iops)
             rate=$(bytes_of "$SCRUB_RATE")
+            rm -f "$DIR/vol-src/scrub.json"
             id=$(curl -sS -f -H "Authorization: Bearer $(cat "$TOKEN")" -H 'content-type: application/json' \
                 -d "{\"op\":\"scrub\",\"export\":\"src\",\"rate\":$rate}" "$base/v1/jobs" | jq -r .id)
             sleep 1

@@ -221,6 +221,27 @@ pub fn scan(
     cursor: Option<&dyn Cursor>,
     mut visit: impl FnMut(Chunk<'_>) -> Result<()>,
 ) -> Result<ScanEnd> {
+    scan_prepared(
+        device,
+        options,
+        control,
+        cursor,
+        |_| (),
+        |chunk, ()| visit(chunk),
+    )
+}
+
+/// `scan`, with `prepare` run on each chunk by the reader thread that read
+/// it (in parallel, in any order: per-chunk work such as a digest), and its
+/// result handed to `visit` with the chunk (in LBA order).
+pub fn scan_prepared<T: Send>(
+    device: &dyn BlockDevice,
+    options: ScanOptions,
+    control: &JobControl,
+    cursor: Option<&dyn Cursor>,
+    prepare: impl Fn(&Chunk<'_>) -> T + Sync,
+    mut visit: impl FnMut(Chunk<'_>, T) -> Result<()>,
+) -> Result<ScanEnd> {
     let blocks = device.size() / BLOCK;
     let end = options.end.unwrap_or(blocks).min(blocks);
     let resume = match cursor {
@@ -237,17 +258,28 @@ pub fn scan(
     // order, so the visitor and the cursor see what a one-thread scan sees.
     let (request_send, request_receive) = mpsc::channel::<ChunkRead>();
     let request_receive = Mutex::new(request_receive);
-    let (done_send, done_receive) = mpsc::channel::<(ChunkRead, Result<Vec<Fault>>)>();
+    let (done_send, done_receive) = mpsc::channel::<(ChunkRead, Result<(Vec<Fault>, T)>)>();
     std::thread::scope(|scope| {
         for _ in 0..SCAN_READERS {
             let done_send = done_send.clone();
             let request_receive = &request_receive;
+            let prepare = &prepare;
             scope.spawn(move || loop {
                 let request = request_receive.lock().recv();
                 let Ok(mut read) = request else {
                     return; // the scan is over
                 };
-                let faults = device.read_blocks_collecting(read.lba, read.count, &mut read.data);
+                let faults = device
+                    .read_blocks_collecting(read.lba, read.count, &mut read.data)
+                    .map(|faults| {
+                        let prepared = prepare(&Chunk {
+                            lba: read.lba,
+                            count: read.count,
+                            data: &read.data,
+                            faults: &faults,
+                        });
+                        (faults, prepared)
+                    });
                 if done_send.send((read, faults)).is_err() {
                     return;
                 }
@@ -256,7 +288,7 @@ pub fn scan(
         drop(done_send);
         let mut next = lba; // where the next chunk handed out starts
         let mut order: VecDeque<u64> = VecDeque::new(); // handed out, not visited
-        let mut arrived: HashMap<u64, (ChunkRead, Result<Vec<Fault>>)> = HashMap::new();
+        let mut arrived: HashMap<u64, (ChunkRead, Result<(Vec<Fault>, T)>)> = HashMap::new();
         let mut spare: Vec<Vec<u8>> = Vec::new();
         let result = (|| -> Result<ScanEnd> {
             loop {
@@ -300,13 +332,16 @@ pub fn scan(
                     arrived.insert(done.0.lba, done);
                 };
                 order.pop_front();
-                let faults = faults?;
-                visit(Chunk {
-                    lba: read.lba,
-                    count: read.count,
-                    data: &read.data,
-                    faults: &faults,
-                })?;
+                let (faults, prepared) = faults?;
+                visit(
+                    Chunk {
+                        lba: read.lba,
+                        count: read.count,
+                        data: &read.data,
+                        faults: &faults,
+                    },
+                    prepared,
+                )?;
                 lba = read.lba + read.count;
                 control.advance(lba - options.start, read.count);
                 spare.push(read.data);

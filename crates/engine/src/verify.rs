@@ -38,7 +38,7 @@ use twox_hash::XxHash3_128;
 
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, Result};
-use crate::jobs::{scan, JobControl, ScanEnd, ScanOptions, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{scan_prepared, JobControl, ScanEnd, ScanOptions, SCAN_CHUNK_BLOCKS};
 use crate::state::BLOCK;
 
 /// Bytes in a proof seed.
@@ -159,12 +159,13 @@ impl Digester {
     }
 
     fn segment(&mut self, lba: u64, count: u64, data: &[u8]) {
+        let digest = segment_digest(&self.secret, lba, data);
+        self.push(lba, count, digest);
+    }
+
+    /// A segment whose digest was computed already (by a scan reader).
+    fn push(&mut self, lba: u64, count: u64, digest: [u8; 16]) {
         debug_assert_eq!(lba, self.next, "segments arrive in order");
-        let mut hasher = XxHash3_128::with_seed_and_secret(0, self.secret)
-            .expect("a 192-byte secret is long enough");
-        hasher.write(&lba.to_le_bytes());
-        hasher.write(data);
-        let digest = hasher.finish_128().to_be_bytes();
         self.concatenated.extend_from_slice(&digest);
         if self.keep {
             self.segments.push(SegmentDigest { lba, count, digest });
@@ -190,6 +191,15 @@ impl Digester {
             .to_be_bytes();
         (total, self.segments)
     }
+}
+
+/// One segment's digest (step 2 of the module documentation).
+fn segment_digest(secret: &[u8; SECRET_BYTES], lba: u64, data: &[u8]) -> [u8; 16] {
+    let mut hasher =
+        XxHash3_128::with_seed_and_secret(0, *secret).expect("a 192-byte secret is long enough");
+    hasher.write(&lba.to_le_bytes());
+    hasher.write(data);
+    hasher.finish_128().to_be_bytes()
 }
 
 /// Blocks `[first, first + count)` must lie on `device`.
@@ -224,7 +234,10 @@ pub fn verify(
         .map(|seed| Digester::new(&seed, first, end, options.segments));
     let mut faults = Vec::new();
     let mut blocks_read = 0;
-    let scanned = scan(
+    // Segment digests are computed by the scan's reader threads, beside
+    // the reading and verifying; the visitor only orders them.
+    let secret = digester.as_ref().map(|digester| digester.secret);
+    let scanned = scan_prepared(
         device,
         ScanOptions {
             start: first,
@@ -234,11 +247,16 @@ pub fn verify(
         control,
         None,
         |chunk| {
+            secret
+                .as_ref()
+                .map(|secret| segment_digest(secret, chunk.lba, chunk.data))
+        },
+        |chunk, digest| {
             faults.extend_from_slice(chunk.faults);
             blocks_read += chunk.count;
-            if let Some(digester) = digester.as_mut() {
+            if let (Some(digester), Some(digest)) = (digester.as_mut(), digest) {
                 digester.zeros_until(chunk.lba);
-                digester.segment(chunk.lba, chunk.count, chunk.data);
+                digester.push(chunk.lba, chunk.count, digest);
             }
             Ok(())
         },
