@@ -258,7 +258,7 @@ pub fn scan_prepared<T: Send>(
     // order, so the visitor and the cursor see what a one-thread scan sees.
     let (request_send, request_receive) = mpsc::channel::<ChunkRead>();
     let request_receive = Mutex::new(request_receive);
-    let (done_send, done_receive) = mpsc::channel::<(ChunkRead, Result<(Vec<Fault>, T)>)>();
+    let (done_send, done_receive) = mpsc::channel::<ChunkDone<T>>();
     std::thread::scope(|scope| {
         for _ in 0..SCAN_READERS {
             let done_send = done_send.clone();
@@ -288,7 +288,7 @@ pub fn scan_prepared<T: Send>(
         drop(done_send);
         let mut next = lba; // where the next chunk handed out starts
         let mut order: VecDeque<u64> = VecDeque::new(); // handed out, not visited
-        let mut arrived: HashMap<u64, (ChunkRead, Result<(Vec<Fault>, T)>)> = HashMap::new();
+        let mut arrived: HashMap<u64, ChunkDone<T>> = HashMap::new();
         let mut spare: Vec<Vec<u8>> = Vec::new();
         let result = (|| -> Result<ScanEnd> {
             loop {
@@ -369,6 +369,10 @@ pub fn scan_prepared<T: Send>(
         Ok(end_state)
     })
 }
+
+/// A chunk back from a scan reader: the chunk, and its faults and the
+/// result of `prepare` (or the read's error).
+type ChunkDone<T> = (ChunkRead, Result<(Vec<Fault>, T)>);
 
 /// One chunk handed to a scan reader: where, how many blocks, the buffer.
 struct ChunkRead {
