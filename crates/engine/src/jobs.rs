@@ -26,6 +26,8 @@ pub const SCAN_CHUNK_BLOCKS: u64 = 256;
 /// SCAN_AHEAD MiB of buffers).
 const SCAN_READERS: usize = 2;
 const SCAN_AHEAD: usize = 4;
+/// How often a scan waiting for a chunk checks that its readers live.
+const READER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
 /// A scan saves its cursor this often, and when it is cancelled: an fsync
 /// per 1 MiB chunk (or per 64 MiB, at page-cache speeds of several GiB/s)
@@ -260,11 +262,15 @@ pub fn scan_prepared<T: Send>(
     let request_receive = Mutex::new(request_receive);
     let (done_send, done_receive) = mpsc::channel::<ChunkDone<T>>();
     std::thread::scope(|scope| {
+        // Owned here, so that a panic below drops it and the readers end
+        // before the scope joins them.
+        let request_send = request_send;
+        let mut readers = Vec::with_capacity(SCAN_READERS);
         for _ in 0..SCAN_READERS {
             let done_send = done_send.clone();
             let request_receive = &request_receive;
             let prepare = &prepare;
-            scope.spawn(move || loop {
+            readers.push(scope.spawn(move || loop {
                 let request = request_receive.lock().recv();
                 let Ok(mut read) = request else {
                     return; // the scan is over
@@ -283,7 +289,7 @@ pub fn scan_prepared<T: Send>(
                 if done_send.send((read, faults)).is_err() {
                     return;
                 }
-            });
+            }));
         }
         drop(done_send);
         let mut next = lba; // where the next chunk handed out starts
@@ -326,10 +332,18 @@ pub fn scan_prepared<T: Send>(
                     if let Some(done) = arrived.remove(&first) {
                         break done;
                     }
-                    let done = done_receive
-                        .recv()
-                        .expect("a reader answers every chunk it takes");
-                    arrived.insert(done.0.lba, done);
+                    // A reader that ended while chunks are handed out
+                    // panicked with one of them: fail loudly, never wait
+                    // for a chunk that will not come.
+                    match done_receive.recv_timeout(READER_CHECK_INTERVAL) {
+                        Ok(done) => {
+                            arrived.insert(done.0.lba, done);
+                        }
+                        Err(_) if readers.iter().any(|reader| reader.is_finished()) => {
+                            panic!("a scan reader thread panicked")
+                        }
+                        Err(_) => {}
+                    }
                 };
                 order.pop_front();
                 let (faults, prepared) = faults?;

@@ -17,7 +17,8 @@
 //!    zero-reading blocks as range entries) is written and fsynced —
 //!    ORDER POINT A;
 //! 4. for each piece: the destination range's buffered writes are dropped
-//!    (the copy supersedes them) and the piece's blocks, read again, become
+//!    (the copy supersedes them) and the piece's blocks, read and verified
+//!    again, become
 //!    the destination's `committing` blocks, so its readers see the new
 //!    data from memory while the extents change under them; the "home
 //!    write": data runs cloned, zero runs trimmed like a trim's (no fsync:
@@ -330,9 +331,21 @@ fn home_piece(
 ) -> Result<()> {
     let shared = &destination.shared;
     let (target, count) = (piece.blocks.destination, piece.blocks.count);
-    // The verified blocks again (the source cannot change: its committer
-    // lock is held), for readers while their extents change.
+    // The blocks again (the source cannot change: its committer lock is
+    // held), for readers while their extents change and for a refused
+    // clone's fallback write — verified again, because these are the bytes
+    // that leave: a read that now returns other bytes fails the copy (and,
+    // after A, stops the volume's writes like a failed commit; recovery
+    // keeps the old contexts these blocks' data still matches).
     read_data(source, piece.blocks.source, piece.contexts, data)?;
+    for (index, context) in piece.contexts.iter().enumerate() {
+        let lba = piece.blocks.source + index as u64;
+        source
+            .shared
+            .protection
+            .open(lba, &Ok(*context), block(data, index))
+            .map_err(|kind| fault(source, lba, kind))?;
+    }
     let mut committing = BTreeMap::new();
     for (index, seal) in piece.seals.iter().enumerate() {
         let dirty = DirtyBlock {
