@@ -17,6 +17,7 @@
 //!   `copy` — copy next to the data (reflink or pipelined).
 
 mod backing;
+pub mod buffer;
 pub mod check;
 mod commit;
 pub mod contexts;
