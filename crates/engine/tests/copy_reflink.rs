@@ -166,9 +166,29 @@ fn reflink_copies_share_extents_and_retag_contexts_on_btrfs() {
             100 + lba
         );
     }
-    // Auto picks reflink here too (and caches it).
+    // Auto measures once per pair (a clone against a write, each synced),
+    // picks the faster, says so, and caches the choice.
     let auto = copy(&a, 0, &a, 8000, count, &CopyOptions::default(), &control).expect("auto");
-    assert_eq!(auto.method, CopyMethod::Reflink);
+    let millis = |label: &str| -> f64 {
+        let at = auto.chosen_by.find(label).expect(label) + label.len();
+        let rest = &auto.chosen_by[at..];
+        rest[..rest.find(" ms").expect("ms")]
+            .parse()
+            .expect("a number")
+    };
+    assert!(
+        auto.chosen_by.starts_with("measured 4096 KiB"),
+        "{}",
+        auto.chosen_by
+    );
+    let faster = if millis("cloned and synced in ") < millis("written and synced in ") {
+        CopyMethod::Reflink
+    } else {
+        CopyMethod::Pipelined
+    };
+    assert_eq!(auto.method, faster, "{}", auto.chosen_by);
+    let again = copy(&a, 0, &a, 8000, count, &CopyOptions::default(), &control).expect("auto");
+    assert_eq!(again.chosen_by, auto.chosen_by, "the choice is cached");
     b.flush().expect("flush");
     a.close().expect("close");
     b.close().expect("close");

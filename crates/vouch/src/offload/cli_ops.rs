@@ -235,9 +235,10 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
         args.json,
         |result| {
             println!(
-                "copied {} blocks ({}) in {:.3} s",
+                "copied {} blocks ({}: {}) in {:.3} s",
                 result["blocks"],
                 result["method"].as_str().unwrap_or("?"),
+                result["chosen_by"].as_str().unwrap_or("?"),
                 result["elapsed_seconds"].as_f64().unwrap_or(0.0)
             )
         },
