@@ -87,20 +87,7 @@ pub trait BlockDevice: Send + Sync {
     /// Verify every block of `[first, first + count)` without returning
     /// data; returns the faults found.
     fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
-        let mut faults = Vec::new();
-        let mut buffer = PageBuffer::new((OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize);
-        let end = first + count;
-        let mut lba = first;
-        while lba < end {
-            let n = (end - lba).min(OFFLOAD_CHUNK_BLOCKS);
-            faults.extend(self.read_blocks_collecting(
-                lba,
-                n,
-                &mut buffer[..(n * BLOCK) as usize],
-            )?);
-            lba += n;
-        }
-        Ok(faults)
+        verify_in_turn(self, first, count)
     }
 
     /// Copy `count` blocks from `source` to `destination` (LBAs), with
@@ -153,4 +140,26 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(None)
     }
+}
+
+/// `BlockDevice::verify` on the calling thread, a chunk at a time.
+pub fn verify_in_turn<D: BlockDevice + ?Sized>(
+    device: &D,
+    first: u64,
+    count: u64,
+) -> Result<Vec<Fault>> {
+    let mut faults = Vec::new();
+    let mut buffer = PageBuffer::new((OFFLOAD_CHUNK_BLOCKS.min(count) * BLOCK) as usize);
+    let end = first + count;
+    let mut lba = first;
+    while lba < end {
+        let n = (end - lba).min(OFFLOAD_CHUNK_BLOCKS);
+        faults.extend(device.read_blocks_collecting(
+            lba,
+            n,
+            &mut buffer[..(n * BLOCK) as usize],
+        )?);
+        lba += n;
+    }
+    Ok(faults)
 }
