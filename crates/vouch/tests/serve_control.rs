@@ -568,3 +568,26 @@ fn metrics_show_jobs_and_the_last_scrub() {
             > 0.0
     );
 }
+
+/// A file longer than one request carries (16 MiB) is compared in pieces;
+/// the difference is counted from the start of the whole range.
+#[test]
+fn compare_with_a_file_longer_than_one_request_works_in_pieces() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = volume_with_data(dir.path(), "a", 40 << 20, 9);
+    let raw = dir.path().join("a.raw");
+    let server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
+    let (code, same, stderr) = cli_json(&server, &["compare", "a", "--with-file", s(&raw)]);
+    assert_eq!(
+        (code, same["equal"].clone()),
+        (0, json!(true)),
+        "{same} {stderr}"
+    );
+    let mut bytes = std::fs::read(&raw).expect("read");
+    let at = (35 << 20) + 5;
+    bytes[at] ^= 0x40;
+    std::fs::write(&raw, &bytes).expect("write");
+    let (code, differs, stderr) = cli_json(&server, &["compare", "a", "--with-file", s(&raw)]);
+    assert_eq!(code, 1, "{differs} {stderr}");
+    assert_eq!(differs["first_difference"], at, "{differs}");
+}
