@@ -11,7 +11,7 @@ use vouch_format::Geometry;
 
 use crate::error::{Error, Result};
 use crate::stats::Stats;
-use crate::storage::{ObjectId, Run, Storage};
+use crate::storage::{ObjectId, Run, Storage, Wait};
 
 pub(crate) struct Backing {
     storage: Arc<dyn Storage>,
@@ -107,6 +107,21 @@ impl Backing {
     /// error of the call: the caller names the LBAs (and counts the bytes).
     pub fn try_read(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
         self.storage.read_at(object, offset, buf)
+    }
+
+    /// `try_read`, or with `Wait::NoWait` only from memory
+    /// (`ErrorKind::WouldBlock` when some byte is not there).
+    pub fn try_read_with(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        buf: &mut [u8],
+        wait: Wait,
+    ) -> std::io::Result<()> {
+        match wait {
+            Wait::Block => self.storage.read_at(object, offset, buf),
+            Wait::NoWait => self.storage.read_at_nowait(object, offset, buf),
+        }
     }
 
     pub fn punch(&self, object: ObjectId, offset: u64, len: u64) -> Result<()> {

@@ -45,6 +45,15 @@ pub trait BlockDevice: Send + Sync {
     /// ranges of `buf` known to be zero without data I/O (holes).
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>>;
 
+    /// `read` only if it can complete without waiting for a device (every
+    /// block in memory or the page cache): `Ok(None)` when it would block,
+    /// with nothing counted or logged; then call `read`. The NBD server
+    /// calls it on its async reactor. The default always would block.
+    fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
+        let _ = (offset, buf);
+        Ok(None)
+    }
+
     /// Write `data` at `offset` (512-byte aligned). With `fua` it is durable
     /// when this returns; otherwise after the next flush.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;

@@ -31,6 +31,7 @@ mod layout;
 pub mod options;
 pub mod protection;
 mod read;
+mod read_nowait;
 pub mod recovery;
 pub mod scrub;
 mod shared;

@@ -19,12 +19,13 @@ use crate::jobs::SCAN_CHUNK_BLOCKS;
 use crate::layout::{Allocation, ContextFrom, Planned};
 use crate::shared::Shared;
 use crate::state::{load_context_page, Block, BLOCK};
+use crate::storage::Wait;
 
 /// How long a read of blocks being cloned sleeps before it looks again.
 const CLONE_WAIT: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// Where one block's bytes come from.
-enum Source {
+pub(crate) enum Source {
     Memory(Arc<Block>),
     Zero,
     /// Home storage, verified against its context.
@@ -35,7 +36,11 @@ enum Source {
 
 /// Each block's source, in LBA order; small reads (the common 4 KiB case)
 /// stay on the stack.
-type Plan = SmallVec<[Source; 4]>;
+pub(crate) type Plan = SmallVec<[Source; 4]>;
+
+/// Blocks of a plan whose context page must be loaded first:
+/// `(index in the plan, page number)`.
+pub(crate) type MissingPages = Vec<(usize, u64)>;
 
 /// How a read treats faults.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -146,13 +151,7 @@ impl Shared {
                     index += 1;
                 }
                 Source::Home(_) => {
-                    let mut end = index + 1;
-                    while end < plan.len()
-                        && matches!(plan[end], Source::Home(_))
-                        && self.home_contiguous(first + end as u64 - 1, first + end as u64)
-                    {
-                        end += 1;
-                    }
+                    let end = self.home_run_end(first, &plan, index);
                     let run = &mut out[index * BLOCK as usize..end * BLOCK as usize];
                     self.read_home_run(lba, &plan[index..end], run, faults, on_fault)?;
                     if on_fault == OnFault::Stop && !faults.is_empty() {
@@ -241,40 +240,63 @@ impl Shared {
         Ok(sealed)
     }
 
+    /// Where the run of home blocks starting at `plan[index]` (LBA
+    /// `first + index`) ends: the index after its last block that one I/O
+    /// can read.
+    pub(crate) fn home_run_end(&self, first: u64, plan: &[Source], index: usize) -> usize {
+        let mut end = index + 1;
+        while end < plan.len()
+            && matches!(plan[end], Source::Home(_))
+            && self.home_contiguous(first + end as u64 - 1, first + end as u64)
+        {
+            end += 1;
+        }
+        end
+    }
+
     /// Can one I/O read blocks `a` and `a + 1` = `b` from home?
     fn home_contiguous(&self, a: u64, b: u64) -> bool {
         self.layouts.same_span(a, b) && self.layouts.of(a).geometry().contiguous(a, b)
     }
 
-    /// Decide each block's source under one short lock; load missing context
-    /// pages without holding it.
-    fn plan(&self, first: u64, count: u64) -> Result<Plan> {
+    /// Decide each block's source under one short lock, from what is in
+    /// memory: blocks whose context page is not loaded are `Unreadable` in
+    /// the plan and listed as missing. `None` while a reflink copy is
+    /// replacing these blocks' extents (copy/reflink.rs).
+    pub(crate) fn plan_from_memory(&self, first: u64, count: u64) -> Option<(Plan, MissingPages)> {
+        let state = self.state.read();
+        if state.cloning(first, count) {
+            return None;
+        }
         let mut plan = Plan::with_capacity(count as usize);
         let mut missing = Vec::new();
-        {
-            let mut state = self.state.read();
-            while state.cloning(first, count) {
-                // A reflink copy is replacing these blocks' extents: wait
-                // for their new contexts (copy/reflink.rs).
-                drop(state);
-                std::thread::sleep(CLONE_WAIT);
-                state = self.state.read();
+        for lba in first..first + count {
+            if let Some(dirty) = state.buffered(lba) {
+                plan.push(Source::Memory(dirty.data.clone()));
+                continue;
             }
-            for lba in first..first + count {
-                if let Some(dirty) = state.buffered(lba) {
-                    plan.push(Source::Memory(dirty.data.clone()));
-                    continue;
-                }
-                match self.layouts.of(lba).plan(lba, &state.contexts) {
-                    Planned::Zero => plan.push(Source::Zero),
-                    Planned::Home(context) => plan.push(Source::Home(context)),
-                    Planned::NeedPage(page) => {
-                        missing.push((plan.len(), page));
-                        plan.push(Source::Unreadable);
-                    }
+            match self.layouts.of(lba).plan(lba, &state.contexts) {
+                Planned::Zero => plan.push(Source::Zero),
+                Planned::Home(context) => plan.push(Source::Home(context)),
+                Planned::NeedPage(page) => {
+                    missing.push((plan.len(), page));
+                    plan.push(Source::Unreadable);
                 }
             }
         }
+        Some((plan, missing))
+    }
+
+    /// Decide each block's source under one short lock; load missing context
+    /// pages without holding it.
+    fn plan(&self, first: u64, count: u64) -> Result<Plan> {
+        let (mut plan, missing) = loop {
+            match self.plan_from_memory(first, count) {
+                Some(found) => break found,
+                // Wait for the blocks' new contexts.
+                None => std::thread::sleep(CLONE_WAIT),
+            }
+        };
         let mut loaded: Option<(u64, Page)> = None;
         for (index, page_no) in missing {
             let page = match &loaded {
@@ -309,7 +331,10 @@ impl Shared {
         on_fault: OnFault,
     ) -> Result<()> {
         let count = plan.len() as u64;
-        let io = self.layouts.of(first).read_run(&self.io, first, count, out);
+        let io = self
+            .layouts
+            .of(first)
+            .read_run(&self.io, first, count, out, Wait::Block);
         self.io.stats.add_read(out.len() as u64);
         let Ok(record_contexts) = io else {
             // Find which blocks are unreadable, one at a time.
@@ -429,7 +454,7 @@ impl Shared {
     }
 }
 
-fn push_hole(holes: &mut Vec<Range<u64>>, range: Range<u64>) {
+pub(crate) fn push_hole(holes: &mut Vec<Range<u64>>, range: Range<u64>) {
     match holes.last_mut() {
         Some(last) if last.end == range.start => last.end = range.end,
         _ => holes.push(range),

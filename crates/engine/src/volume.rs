@@ -181,6 +181,9 @@ impl BlockDevice for Volume {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.engine.shared.read(offset, buf)
     }
+    fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
+        self.engine.shared.try_read(offset, buf)
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.engine.write(offset, data, fua)
     }

@@ -157,7 +157,8 @@ pub struct ZeroFlags {
 /// Something the NBD server can serve.
 ///
 /// Methods are synchronous and may block; the server calls them from a pool
-/// of worker threads, concurrently, never from the async reactor.
+/// of worker threads, concurrently, never from the async reactor — except
+/// `try_read`, which must not block.
 ///
 /// Multi-conn: the server advertises NBD_FLAG_CAN_MULTI_CONN when
 /// `can_multi_conn()` is true. That is only correct if `flush()` makes every
@@ -191,6 +192,20 @@ pub trait Export: Send + Sync + 'static {
     /// Fill `buf` with the bytes at `offset`. Returns the sub-ranges (relative to `offset`, sorted, non-overlapping)
     /// that are known to be zero without data I/O (unwritten/trimmed), so READ can answer them with OFFSET_HOLE chunks.
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>, ExportError>;
+    /// `read`, but only if it can complete without blocking (every byte in
+    /// memory or the page cache, no lock held for long): `None` when it
+    /// would block, and the server then calls `read` on a worker. Unlike
+    /// every other method this one runs on the async reactor, so it must
+    /// never wait for I/O; declining must have no side effects. The
+    /// default always would block.
+    fn try_read(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<Vec<Range<u64>>, ExportError>> {
+        let _ = (offset, buf);
+        None
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
     fn flush(&self) -> Result<(), ExportError>;
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError>;

@@ -10,6 +10,11 @@
 //!
 //! Invalid requests are answered by the reader itself (no thread hop), after
 //! consuming any WRITE payload so the stream never desynchronises.
+//!
+//! The inline fast path: a small READ the export can answer without
+//! blocking (page cache, write-back buffer; `Export::try_read`) is executed
+//! by the reader itself, like an invalid request; one that would block goes
+//! to the pool exactly as above.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -35,6 +40,10 @@ const WRITE_BATCH_BYTES: usize = 256 * 1024;
 /// Read payloads up to this size are copied into the coalescing buffer;
 /// larger ones are written straight from the read buffer.
 const COPY_PAYLOAD_MAX_BYTES: usize = 64 * 1024;
+/// Largest READ the reader task answers itself when the export can do so
+/// without blocking (`try_inline_read`); larger ones always go to a worker,
+/// so one request never holds the reactor for long.
+const INLINE_READ_MAX_BYTES: usize = 128 * 1024;
 /// Servers SHOULD NOT send more than 2^20 block status descriptors per chunk.
 const MAX_BLOCK_STATUS_EXTENTS: usize = 1 << 20;
 
@@ -195,6 +204,13 @@ where
             Vec::new()
         };
         connection.metrics.request_started();
+        let permits = match command {
+            Command::Read => match try_inline_read(connection, &request, permits, received) {
+                Ok(()) => continue,
+                Err(permits) => permits,
+            },
+            _ => permits,
+        };
         let connection = connection.clone();
         resources.pool.submit(Box::new(move || {
             execute(&connection, request, command, payload, permits, received);
@@ -379,6 +395,43 @@ fn rejection_reason(errno: Errno) -> &'static str {
     }
 }
 
+/// The inline fast path (issue 11): a READ of at most
+/// `INLINE_READ_MAX_BYTES` that the export can answer without blocking
+/// (`Export::try_read`: page cache, write-back buffer) runs here on the
+/// reader task, saving the hand-offs to a worker thread and back, which
+/// cost more than a page-cache read. Gives the permits back when the read
+/// would block; the caller then submits it to the pool as usual.
+fn try_inline_read(
+    connection: &Connection,
+    request: &Request,
+    permits: Permits,
+    received: Instant,
+) -> Result<(), Permits> {
+    let length = request.length as usize;
+    if length == 0 || length > INLINE_READ_MAX_BYTES {
+        return Err(permits);
+    }
+    let session = &connection.session;
+    let mut data = vec![0u8; length];
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        session.export.try_read(request.offset, &mut data)
+    }));
+    let outcome = match outcome {
+        Ok(None) => return Err(permits),
+        Ok(Some(read)) => Ok(read.map(|holes| read_reply_of(session, request, data, holes))),
+        Err(panic) => Err(panic),
+    };
+    finish(
+        connection,
+        request,
+        Command::Read,
+        outcome,
+        permits,
+        received,
+    );
+    Ok(())
+}
+
 /// Runs on a worker thread: call the export and queue the reply.
 fn execute(
     connection: &Connection,
@@ -392,6 +445,19 @@ fn execute(
     let outcome = catch_unwind(AssertUnwindSafe(|| {
         run_command(connection, export, &request, command, &payload)
     }));
+    finish(connection, &request, command, outcome, permits, received);
+}
+
+/// Encode the outcome of a request (its reply, an export error or a panic),
+/// count it and queue the reply for the writer.
+fn finish(
+    connection: &Connection,
+    request: &Request,
+    command: Command,
+    outcome: std::thread::Result<Result<Reply, ExportError>>,
+    permits: Permits,
+    received: Instant,
+) {
     let mut reply = match outcome {
         Ok(Ok(reply)) => reply,
         Ok(Err(error)) => {
@@ -409,7 +475,7 @@ fn execute(
             } else {
                 debug!(%request, %error, "export error");
             }
-            error_reply(&connection.session, request.cookie, &error, Some(&request))
+            error_reply(&connection.session, request.cookie, &error, Some(request))
         }
         Err(_) => {
             warn!(%request, "export panicked; answering EIO");
@@ -553,24 +619,36 @@ fn read_reply(
     } else {
         Vec::new()
     };
+    Ok(read_reply_of(session, request, data, holes))
+}
+
+/// The reply to a READ whose bytes are in `data`, `holes` (relative to the
+/// request) known to be zero.
+fn read_reply_of(
+    session: &Session,
+    request: &Request,
+    data: Vec<u8>,
+    holes: Vec<Range<u64>>,
+) -> Reply {
+    let length = request.length as usize;
     let cookie = request.cookie;
     if !session.structured_replies {
-        return Ok(Reply {
+        return Reply {
             head: wire::simple_reply(0, cookie).to_vec(),
             data,
             layout: Layout::Single,
             _permits: None,
-        });
+        };
     }
     if length == 0 {
         let head = wire::structured_header(wire::REPLY_FLAG_DONE, wire::REPLY_TYPE_NONE, cookie, 0)
             .to_vec();
-        return Ok(Reply {
+        return Reply {
             head,
             data,
             layout: Layout::Single,
             _permits: None,
-        });
+        };
     }
     let df = request.flags & wire::CMD_FLAG_DF != 0;
     let holes = if df {
@@ -588,12 +666,12 @@ fn read_reply(
             request.offset,
             length as u32,
         );
-        return Ok(Reply {
+        return Reply {
             head,
             data,
             layout: Layout::Single,
             _permits: None,
-        });
+        };
     }
     // Split into alternating data / hole chunks.
     let mut segments: Vec<(Range<usize>, bool)> = Vec::with_capacity(holes.len() * 2 + 1);
@@ -634,12 +712,12 @@ fn read_reply(
             });
         }
     }
-    Ok(Reply {
+    Reply {
         head,
         data,
         layout: Layout::Pieces(pieces),
         _permits: None,
-    })
+    }
 }
 
 /// Hole ranges as the export returned them, if they are well-formed (sorted,

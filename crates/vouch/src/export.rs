@@ -75,6 +75,16 @@ impl Export for VolumeExport {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>, ExportError> {
         self.volume.read(offset, buf).map_err(to_export_error)
     }
+    fn try_read(
+        &self,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Option<Result<Vec<Range<u64>>, ExportError>> {
+        self.volume
+            .try_read(offset, buf)
+            .map_err(to_export_error)
+            .transpose()
+    }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
         self.volume
             .write(offset, data, fua)

@@ -24,7 +24,7 @@ use crate::journal::Record;
 use crate::protection::Protection;
 use crate::recovery::RecoveryReport;
 use crate::state::{DirtyBlock, RangeOp, VolumeState};
-use crate::storage::{ObjectId, Run};
+use crate::storage::{ObjectId, Run, Wait};
 
 pub(crate) use packed::PackedLayout;
 pub(crate) use split::SplitLayout;
@@ -91,13 +91,15 @@ pub(crate) trait Layout: Send + Sync {
 
     /// Read `count` consecutive blocks from home into `out`. Returns the
     /// contexts stored with them (empty when contexts live elsewhere).
-    /// An error means some block of the run is unreadable.
+    /// An error means some block of the run is unreadable, or, with
+    /// `Wait::NoWait`, that reading it would have to wait for the device.
     fn read_run(
         &self,
         io: &Backing,
         first: u64,
         count: u64,
         out: &mut [u8],
+        wait: Wait,
     ) -> std::io::Result<Vec<Result<Context, FormatError>>>;
 
     /// Read one block from home; returns its stored context, if it has one.

@@ -19,7 +19,7 @@ use crate::error::Result;
 use crate::journal::Record;
 use crate::protection::Seal;
 use crate::state::{shared_block, DirtyBlock, RangeOp, VolumeState, BLOCK};
-use crate::storage::ObjectId;
+use crate::storage::{ObjectId, Wait};
 
 /// The unused bytes at the end of a packed row (zero on disk).
 static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
@@ -107,13 +107,14 @@ impl Layout for PackedLayout {
         first: u64,
         count: u64,
         out: &mut [u8],
+        wait: Wait,
     ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
         let location = self.geometry.locate(first);
         let span = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES
             - location.data_offset;
         let mut records = vec![0u8; span as usize];
         let object = ObjectId::Data(location.segment);
-        io.try_read(object, location.data_offset, &mut records)?;
+        io.try_read_with(object, location.data_offset, &mut records, wait)?;
         let mut contexts = Vec::with_capacity(count as usize);
         for (index, lba) in (first..first + count).enumerate() {
             let at = (self.geometry.locate(lba).data_offset - location.data_offset) as usize;

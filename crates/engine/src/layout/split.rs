@@ -22,7 +22,7 @@ use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER
 use crate::error::Result;
 use crate::journal::Record;
 use crate::state::{load_context_page, Block, DirtyBlock, RangeOp, VolumeState, BLOCK};
-use crate::storage::ObjectId;
+use crate::storage::{ObjectId, Wait};
 
 pub(crate) struct SplitLayout {
     geometry: Geometry,
@@ -143,9 +143,15 @@ impl Layout for SplitLayout {
         first: u64,
         _count: u64,
         out: &mut [u8],
+        wait: Wait,
     ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
         let location = self.geometry.locate(first);
-        io.try_read(ObjectId::Data(location.segment), location.data_offset, out)?;
+        io.try_read_with(
+            ObjectId::Data(location.segment),
+            location.data_offset,
+            out,
+            wait,
+        )?;
         Ok(Vec::new())
     }
 

@@ -231,6 +231,14 @@ impl Storage for FileStorage {
         direct::read_full(file, offset, buf)
     }
 
+    fn read_at_nowait(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        // O_DIRECT reads never come from the page cache: decline them.
+        if self.is_direct(object) {
+            return Err(super::nowait::would_block());
+        }
+        super::nowait::read_full_nowait(self.file(object)?, offset, buf)
+    }
+
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
         if self.is_direct(object) {
             return self.write_vectored_at(object, offset, &[data]);

@@ -13,7 +13,10 @@ use std::io;
 use vouch_format::Geometry;
 
 pub mod direct;
+pub mod nowait;
 pub mod sim;
+
+pub use nowait::Wait;
 
 /// Most iovecs one pwritev takes (Linux UIO_MAXIOV).
 pub(crate) const IOV_MAX: usize = 1024;
@@ -44,6 +47,13 @@ pub trait Storage: Send + Sync {
     /// Read exactly `buf.len()` bytes at `offset`. Bytes past the end of the
     /// object, and holes, read as zero.
     fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()>;
+    /// `read_at` without waiting for the device: `ErrorKind::WouldBlock`
+    /// when some byte is not in memory (the page cache). The default, for
+    /// storage that cannot tell, always would block.
+    fn read_at_nowait(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let _ = (object, offset, buf);
+        Err(nowait::would_block())
+    }
     /// Write all of `data` at `offset`.
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()>;
     /// Write the concatenation of `parts` at `offset`: one I/O for a run of

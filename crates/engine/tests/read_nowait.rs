@@ -1,0 +1,208 @@
+//! `BlockDevice::try_read` (issue 11's inline NBD read path): a read that
+//! would have to wait for the device declines with nothing counted, a warm
+//! one returns the very bytes (and holes) the blocking read returns, a
+//! corrupt block is left to the blocking read to report with its LBA, and
+//! reads racing writes see whole, ever newer blocks.
+
+mod common;
+
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use common::{corrupt_data, data_offset, open, pattern, read_range, volume_dir};
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use vouch_engine::{
+    create_volume, open_volume, BlockDevice, CreateOptions, Error, Fault, FaultKind, LayoutKind,
+    OpenOptions, Tuning, BLOCK,
+};
+
+const LAYOUTS: [LayoutKind; 2] = [LayoutKind::Split, LayoutKind::Packed];
+/// The blocks `volume_dir` writes.
+const WRITTEN: std::ops::Range<u64> = 0..64;
+
+/// Drop `data.00000` from the page cache (it is clean: the volume is
+/// committed), so reading it would have to wait for the disk.
+fn evict_data(path: &Path) {
+    let file = std::fs::File::open(path.join("data.00000")).expect("open data segment");
+    file.sync_all().expect("sync data segment");
+    // SAFETY: plain syscall on a descriptor `file` keeps open.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    assert_eq!(rc, 0, "posix_fadvise(DONTNEED)");
+}
+
+#[test]
+fn a_cold_read_declines_and_a_warm_one_returns_the_verified_bytes() {
+    for layout in LAYOUTS {
+        let (_dir, path) = volume_dir(layout, std::slice::from_ref(&WRITTEN));
+        let volume = open(&path);
+        // Loads the context pages (split) and the data into the page cache.
+        let expected = read_range(&volume, 0, 72);
+        let written: Vec<u8> = (0..64).flat_map(|lba| pattern(lba, 1)).collect();
+        assert_eq!(expected[..written.len()], written[..], "{layout:?}");
+
+        evict_data(&path);
+        let before = volume.stats().snapshot();
+        let mut buf = vec![0u8; 16 * BLOCK as usize];
+        let cold = volume.try_read(8 * BLOCK, &mut buf).expect("try_read");
+        assert!(
+            cold.is_none(),
+            "{layout:?}: a read of an evicted file must decline"
+        );
+        assert_eq!(
+            volume.stats().snapshot(),
+            before,
+            "{layout:?}: declining counts nothing"
+        );
+
+        // The blocking read brings it back; now it completes without waiting.
+        let blocking = read_range(&volume, 8, 16);
+        assert_eq!(
+            blocking[..],
+            expected[8 * BLOCK as usize..24 * BLOCK as usize]
+        );
+        let warm = volume.try_read(8 * BLOCK, &mut buf).expect("try_read");
+        assert_eq!(warm, Some(Vec::new()), "{layout:?}: a warm read completes");
+        assert_eq!(buf, blocking, "{layout:?}: the same verified bytes");
+
+        // A range ending in never-written blocks: same bytes and holes.
+        let mut both = vec![0u8; 16 * BLOCK as usize];
+        let holes = volume.read(56 * BLOCK, &mut both).expect("read");
+        let mut fast = vec![0xAAu8; 16 * BLOCK as usize];
+        let fast_holes = volume.try_read(56 * BLOCK, &mut fast).expect("try_read");
+        assert_eq!(fast_holes, Some(holes), "{layout:?}: the same holes");
+        assert_eq!(fast, both, "{layout:?}: unwritten blocks read as zeros");
+
+        // Part of a block is left to the blocking read.
+        let mut part = vec![0u8; 512];
+        assert!(volume
+            .try_read(8 * BLOCK, &mut part)
+            .expect("try_read")
+            .is_none());
+    }
+}
+
+#[test]
+fn a_corrupt_block_declines_and_the_blocking_read_names_its_lba() {
+    for layout in LAYOUTS {
+        let (_dir, path) = volume_dir(layout, std::slice::from_ref(&WRITTEN));
+        corrupt_data(&path, 10);
+        let offset = data_offset(&path, 10);
+        let volume = open(&path);
+        read_range(&volume, 0, 8);
+        // The corrupt block's bytes are in the page cache (it was just
+        // rewritten), so the inline read gets as far as verifying them.
+        let data = std::fs::read(path.join("data.00000")).expect("read data segment");
+        assert!(data.len() as u64 > offset);
+
+        let before = volume.stats().snapshot();
+        let mut buf = vec![0u8; 4 * BLOCK as usize];
+        let inline = volume.try_read(8 * BLOCK, &mut buf).expect("try_read");
+        assert!(inline.is_none(), "{layout:?}: a fault is not judged inline");
+        assert_eq!(
+            volume.stats().snapshot(),
+            before,
+            "{layout:?}: nothing counted"
+        );
+
+        let error = volume
+            .read(8 * BLOCK, &mut buf)
+            .expect_err("the block is corrupt");
+        assert!(
+            matches!(
+                error,
+                Error::Fault(Fault {
+                    lba: 10,
+                    kind: FaultKind::GuardMismatch
+                })
+            ),
+            "{layout:?}: {error}"
+        );
+        assert_eq!(
+            volume
+                .stats()
+                .snapshot()
+                .faults_of(FaultKind::GuardMismatch),
+            1
+        );
+    }
+}
+
+/// The tag `pattern(lba, tag)` was written with, if `block` is one.
+fn tag_of(lba: u64, block: &[u8]) -> Option<u8> {
+    let tag = block[0].wrapping_sub((lba as u8).wrapping_mul(31));
+    (block == pattern(lba, tag)).then_some(tag)
+}
+
+#[test]
+fn reads_racing_writes_and_commits_see_whole_ever_newer_blocks() {
+    const BLOCKS: u64 = 256;
+    for layout in LAYOUTS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("vol");
+        let mut create = CreateOptions::new(4 << 20);
+        create.layout = layout;
+        create_volume(&path, &create)
+            .expect("create")
+            .close()
+            .expect("close");
+        let options = OpenOptions {
+            tuning: Tuning {
+                dirty_limit_blocks: 16,
+                context_cache_pages: 2,
+                overlay_limit: 64,
+                background_commit: true,
+            },
+            ..OpenOptions::default()
+        };
+        let volume = open_volume(&path, &options).expect("open");
+        let initial: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, 1)).collect();
+        volume.write(0, &initial, false).expect("write");
+        volume.flush().expect("flush");
+
+        let done = AtomicBool::new(false);
+        let inline_reads = std::thread::scope(|scope| {
+            scope.spawn(|| {
+                let mut rng = StdRng::seed_from_u64(11);
+                for tag in 2..=200u8 {
+                    for _ in 0..8 {
+                        let lba = rng.gen_range(0..BLOCKS - 2);
+                        let data: Vec<u8> = (lba..lba + 2).flat_map(|l| pattern(l, tag)).collect();
+                        volume.write(lba * BLOCK, &data, false).expect("write");
+                    }
+                }
+                done.store(true, Ordering::Release);
+            });
+            let mut rng = StdRng::seed_from_u64(12);
+            let mut seen = vec![1u8; BLOCKS as usize];
+            let mut inline_reads = 0u64;
+            while !done.load(Ordering::Acquire) {
+                let lba = rng.gen_range(0..BLOCKS - 4);
+                let mut buf = vec![0u8; 4 * BLOCK as usize];
+                if volume
+                    .try_read(lba * BLOCK, &mut buf)
+                    .expect("try_read")
+                    .is_some()
+                {
+                    inline_reads += 1;
+                } else {
+                    volume.read(lba * BLOCK, &mut buf).expect("read");
+                }
+                for (index, block) in buf.chunks(BLOCK as usize).enumerate() {
+                    let at = lba + index as u64;
+                    let tag = tag_of(at, block)
+                        .unwrap_or_else(|| panic!("{layout:?}: LBA {at} is not a whole block"));
+                    assert!(
+                        tag >= seen[at as usize],
+                        "{layout:?}: LBA {at} went back from tag {} to {tag}",
+                        seen[at as usize]
+                    );
+                    seen[at as usize] = tag;
+                }
+            }
+            inline_reads
+        });
+        assert!(inline_reads > 0, "{layout:?}: some reads completed inline");
+        volume.close().expect("close");
+    }
+}
