@@ -58,6 +58,16 @@ pub trait BlockDevice: Send + Sync {
     /// when this returns; otherwise after the next flush.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
 
+    /// `write` without FUA, only if it can complete without waiting (the
+    /// blocks fit in a write-back buffer that is not full): `Ok(false)`
+    /// when it would wait, with nothing written; then call `write`. The
+    /// NBD server calls it on its async reactor. The default always would
+    /// wait.
+    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        let _ = (offset, data);
+        Ok(false)
+    }
+
     /// Make every write completed before this call durable.
     fn flush(&self) -> Result<()>;
 

@@ -187,6 +187,9 @@ impl BlockDevice for Volume {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.engine.write(offset, data, fua)
     }
+    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        self.engine.try_write(offset, data)
+    }
     fn flush(&self) -> Result<()> {
         self.engine.flush()
     }

@@ -62,6 +62,48 @@ impl Engine {
         Ok(())
     }
 
+    /// `write` of whole blocks without FUA, only if it can complete without
+    /// waiting (issue 11's inline NBD path): the blocks fit in the
+    /// write-back buffer below the level where writers commit themselves,
+    /// and a background committer takes the commit. `Ok(false)` when it
+    /// would wait, with nothing written or counted; then call `write`.
+    pub fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        let shared = &self.shared;
+        shared.io.check_writable()?;
+        shared.check_range(offset, data.len() as u64)?;
+        let whole_blocks =
+            offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
+        if data.is_empty() || !whole_blocks || !self.committer.is_background() {
+            return Ok(false);
+        }
+        let first = offset / BLOCK;
+        let sealed: Vec<(u64, DirtyBlock)> = data
+            .chunks_exact(BLOCK as usize)
+            .zip(first..)
+            .map(|(bytes, lba)| {
+                let data = shared_block(bytes);
+                let seal = shared.protection.seal(lba, &data[..]);
+                (lba, DirtyBlock { data, seal })
+            })
+            .collect();
+        let limit = self.tuning.dirty_limit_blocks;
+        let buffered = {
+            let mut state = shared.state.write();
+            if state.active.len() + sealed.len() >= 2 * limit {
+                return Ok(false);
+            }
+            for (lba, dirty) in sealed {
+                state.active.insert(lba, dirty);
+            }
+            state.active.len()
+        };
+        shared.io.stats.add_client_write(data.len() as u64);
+        if buffered >= limit {
+            self.committer.request();
+        }
+        Ok(true)
+    }
+
     fn buffer_blocks(&self, blocks: Vec<(u64, Arc<Block>)>) -> Result<()> {
         let shared = &self.shared;
         let sealed: Vec<(u64, DirtyBlock)> = blocks

@@ -158,7 +158,7 @@ pub struct ZeroFlags {
 ///
 /// Methods are synchronous and may block; the server calls them from a pool
 /// of worker threads, concurrently, never from the async reactor — except
-/// `try_read`, which must not block.
+/// `try_read` and `try_write`, which must not block.
 ///
 /// Multi-conn: the server advertises NBD_FLAG_CAN_MULTI_CONN when
 /// `can_multi_conn()` is true. That is only correct if `flush()` makes every
@@ -207,6 +207,14 @@ pub trait Export: Send + Sync + 'static {
         None
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
+    /// `write` without FUA, only if it can complete without blocking (e.g.
+    /// into a write-back buffer with room): `None` when it would block, with
+    /// nothing written, and the server then calls `write` on a worker. Runs
+    /// on the async reactor like `try_read`. The default always would block.
+    fn try_write(&self, offset: u64, data: &[u8]) -> Option<Result<(), ExportError>> {
+        let _ = (offset, data);
+        None
+    }
     fn flush(&self) -> Result<(), ExportError>;
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError>;
     /// Zero `length` bytes at `offset`; see [`ZeroFlags`] for what each flag demands.

@@ -47,6 +47,9 @@ const LATENCY: &str = "vouch_nbd_request_latency_seconds";
 /// All NBD server counters. Shared by every connection of a server.
 pub struct Metrics {
     requests: [AtomicU64; COMMANDS],
+    /// Of `requests`, those executed on the connection's task (the inline
+    /// fast path) rather than by a worker.
+    inline: [AtomicU64; COMMANDS],
     bytes: [AtomicU64; COMMANDS],
     /// Recorder histograms, one per command (a no-op one for `Disc`).
     latency: [metrics::Histogram; COMMANDS],
@@ -84,6 +87,7 @@ impl Default for Metrics {
         });
         Metrics {
             requests: Default::default(),
+            inline: Default::default(),
             bytes: Default::default(),
             latency,
             errors: Default::default(),
@@ -103,6 +107,10 @@ fn describe() {
     metrics::describe_counter!(
         "vouch_nbd_requests_total",
         "NBD requests completed, by command."
+    );
+    metrics::describe_counter!(
+        "vouch_nbd_inline_requests_total",
+        "Of the NBD requests completed, those executed on the connection's own task without blocking (no worker hand-off), by command."
     );
     metrics::describe_counter!(
         "vouch_nbd_bytes_total",
@@ -163,6 +171,11 @@ impl Metrics {
         }
     }
 
+    /// A request executed inline (counted as finished separately).
+    pub(crate) fn request_inline(&self, command: Command) {
+        self.inline[command.index()].fetch_add(1, Relaxed);
+    }
+
     /// An error answered without executing (validation failure).
     pub(crate) fn request_rejected(&self, errno: Errno) {
         self.errors[errno.index()].fetch_add(1, Relaxed);
@@ -187,6 +200,9 @@ impl Metrics {
 
     pub fn requests(&self, command: Command) -> u64 {
         self.requests[command.index()].load(Relaxed)
+    }
+    pub fn inline_requests(&self, command: Command) -> u64 {
+        self.inline[command.index()].load(Relaxed)
     }
     pub fn bytes(&self, command: Command) -> u64 {
         self.bytes[command.index()].load(Relaxed)
@@ -231,6 +247,8 @@ impl Metrics {
             let name = command.name();
             metrics::counter!("vouch_nbd_requests_total", "command" => name)
                 .absolute(self.requests(*command));
+            metrics::counter!("vouch_nbd_inline_requests_total", "command" => name)
+                .absolute(self.inline_requests(*command));
             metrics::counter!("vouch_nbd_bytes_total", "command" => name)
                 .absolute(self.bytes(*command));
         }

@@ -11,10 +11,11 @@
 //! Invalid requests are answered by the reader itself (no thread hop), after
 //! consuming any WRITE payload so the stream never desynchronises.
 //!
-//! The inline fast path: a small READ the export can answer without
-//! blocking (page cache, write-back buffer; `Export::try_read`) is executed
-//! by the reader itself, like an invalid request; one that would block goes
-//! to the pool exactly as above.
+//! The inline fast path: a small READ, or WRITE without FUA, that the
+//! export can complete without blocking (page cache, write-back buffer;
+//! `Export::try_read` / `try_write`) is executed by the reader itself, like
+//! an invalid request; one that would block goes to the pool exactly as
+//! above.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -40,10 +41,10 @@ const WRITE_BATCH_BYTES: usize = 256 * 1024;
 /// Read payloads up to this size are copied into the coalescing buffer;
 /// larger ones are written straight from the read buffer.
 const COPY_PAYLOAD_MAX_BYTES: usize = 64 * 1024;
-/// Largest READ the reader task answers itself when the export can do so
-/// without blocking (`try_inline_read`); larger ones always go to a worker,
-/// so one request never holds the reactor for long.
-const INLINE_READ_MAX_BYTES: usize = 128 * 1024;
+/// Largest READ or WRITE the reader task executes itself when the export
+/// can do so without blocking (`try_inline`); larger ones always go to a
+/// worker, so one request never holds the reactor for long.
+const INLINE_MAX_BYTES: usize = 128 * 1024;
 /// Servers SHOULD NOT send more than 2^20 block status descriptors per chunk.
 const MAX_BLOCK_STATUS_EXTENTS: usize = 1 << 20;
 
@@ -204,12 +205,9 @@ where
             Vec::new()
         };
         connection.metrics.request_started();
-        let permits = match command {
-            Command::Read => match try_inline_read(connection, &request, permits, received) {
-                Ok(()) => continue,
-                Err(permits) => permits,
-            },
-            _ => permits,
+        let permits = match try_inline(connection, &request, command, &payload, permits, received) {
+            Ok(()) => continue,
+            Err(permits) => permits,
         };
         let connection = connection.clone();
         resources.pool.submit(Box::new(move || {
@@ -395,40 +393,51 @@ fn rejection_reason(errno: Errno) -> &'static str {
     }
 }
 
-/// The inline fast path (issue 11): a READ of at most
-/// `INLINE_READ_MAX_BYTES` that the export can answer without blocking
-/// (`Export::try_read`: page cache, write-back buffer) runs here on the
-/// reader task, saving the hand-offs to a worker thread and back, which
-/// cost more than a page-cache read. Gives the permits back when the read
-/// would block; the caller then submits it to the pool as usual.
-fn try_inline_read(
+/// The inline fast path (issue 11): a READ, or a WRITE without FUA, of at
+/// most `INLINE_MAX_BYTES` that the export can complete without blocking
+/// (`Export::try_read`: page cache, write-back buffer; `Export::try_write`:
+/// a write-back buffer with room) runs here on the reader task, saving the
+/// hand-offs to a worker thread and back, which cost more than the work.
+/// Gives the permits back when the request would block (or is of another
+/// kind); the caller then submits it to the pool as usual.
+fn try_inline(
     connection: &Connection,
     request: &Request,
+    command: Command,
+    payload: &[u8],
     permits: Permits,
     received: Instant,
 ) -> Result<(), Permits> {
     let length = request.length as usize;
-    if length == 0 || length > INLINE_READ_MAX_BYTES {
+    let fua = request.flags & wire::CMD_FLAG_FUA != 0;
+    let inline = match command {
+        Command::Read => true,
+        Command::Write => !fua,
+        _ => false,
+    };
+    if !inline || length == 0 || length > INLINE_MAX_BYTES {
         return Err(permits);
     }
     let session = &connection.session;
-    let mut data = vec![0u8; length];
-    let outcome = catch_unwind(AssertUnwindSafe(|| {
-        session.export.try_read(request.offset, &mut data)
+    let export = session.export.as_ref();
+    let outcome = catch_unwind(AssertUnwindSafe(|| match command {
+        Command::Read => {
+            let mut data = vec![0u8; length];
+            let holes = export.try_read(request.offset, &mut data)?;
+            Some(holes.map(|holes| read_reply_of(session, request, data, holes)))
+        }
+        _ => {
+            let written = export.try_write(request.offset, payload)?;
+            Some(written.map(|()| done_reply(session, request.cookie)))
+        }
     }));
     let outcome = match outcome {
         Ok(None) => return Err(permits),
-        Ok(Some(read)) => Ok(read.map(|holes| read_reply_of(session, request, data, holes))),
+        Ok(Some(reply)) => Ok(reply),
         Err(panic) => Err(panic),
     };
-    finish(
-        connection,
-        request,
-        Command::Read,
-        outcome,
-        permits,
-        received,
-    );
+    connection.metrics.request_inline(command);
+    finish(connection, request, command, outcome, permits, received);
     Ok(())
 }
 

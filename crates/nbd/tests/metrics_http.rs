@@ -66,6 +66,8 @@ fn metrics_endpoint_serves_prometheus_text() {
         "vouch_nbd_requests_total{command=\"read\"} 1",
         "vouch_nbd_requests_total{command=\"flush\"} 1",
         "vouch_nbd_bytes_total{command=\"write\"} 4096",
+        // The in-memory export has no try_read / try_write: all via workers.
+        "vouch_nbd_inline_requests_total{command=\"read\"} 0",
         "vouch_nbd_request_latency_seconds_count{command=\"read\"} 1",
         "vouch_nbd_connections_total 1",
         "vouch_engine_test 1",

@@ -90,6 +90,13 @@ impl Export for VolumeExport {
             .write(offset, data, fua)
             .map_err(to_export_error)
     }
+    fn try_write(&self, offset: u64, data: &[u8]) -> Option<Result<(), ExportError>> {
+        match self.volume.try_write(offset, data) {
+            Ok(true) => Some(Ok(())),
+            Ok(false) => None,
+            Err(error) => Some(Err(to_export_error(error))),
+        }
+    }
     fn flush(&self) -> Result<(), ExportError> {
         self.volume.flush().map_err(to_export_error)
     }

@@ -115,6 +115,16 @@ print(json.dumps(out))
     );
     let eio = metric(&metrics, r#"vouch_nbd_errors_total{errno="EIO"}"#);
     assert!(eio.unwrap_or(0.0) >= 3.0, "EIO replies {eio:?}:\n{metrics}");
+    // Blocks in the page cache were answered on the connection's own task
+    // (the inline fast path); the corrupt one still failed naming its LBA.
+    let inline = metric(
+        &metrics,
+        r#"vouch_nbd_inline_requests_total{command="read"}"#,
+    );
+    assert!(
+        inline.unwrap_or(0.0) >= 1.0,
+        "inline reads {inline:?}:\n{metrics}"
+    );
     for kind in ["ref_tag_mismatch", "volume_tag_mismatch", "context_corrupt"] {
         let series =
             format!(r#"vouch_engine_checksum_failures_total{{volume="vol",kind="{kind}"}}"#);

@@ -1,8 +1,9 @@
-//! `BlockDevice::try_read` (issue 11's inline NBD read path): a read that
-//! would have to wait for the device declines with nothing counted, a warm
-//! one returns the very bytes (and holes) the blocking read returns, a
-//! corrupt block is left to the blocking read to report with its LBA, and
-//! reads racing writes see whole, ever newer blocks.
+//! `BlockDevice::try_read` / `try_write` (issue 11's inline NBD path): a
+//! read that would have to wait for the device declines with nothing
+//! counted, a warm one returns the very bytes (and holes) the blocking read
+//! returns, a corrupt block is left to the blocking read to report with its
+//! LBA, a write declines when it would wait for a commit, and reads racing
+//! writes see whole, ever newer blocks.
 
 mod common;
 
@@ -168,7 +169,9 @@ fn reads_racing_writes_and_commits_see_whole_ever_newer_blocks() {
                     for _ in 0..8 {
                         let lba = rng.gen_range(0..BLOCKS - 2);
                         let data: Vec<u8> = (lba..lba + 2).flat_map(|l| pattern(l, tag)).collect();
-                        volume.write(lba * BLOCK, &data, false).expect("write");
+                        if !volume.try_write(lba * BLOCK, &data).expect("try_write") {
+                            volume.write(lba * BLOCK, &data, false).expect("write");
+                        }
                     }
                 }
                 done.store(true, Ordering::Release);
@@ -203,6 +206,77 @@ fn reads_racing_writes_and_commits_see_whole_ever_newer_blocks() {
             inline_reads
         });
         assert!(inline_reads > 0, "{layout:?}: some reads completed inline");
+        volume.close().expect("close");
+    }
+}
+
+#[test]
+fn a_write_declines_when_it_would_wait_and_is_kept_when_it_does_not() {
+    for layout in LAYOUTS {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("vol");
+        let mut create = CreateOptions::new(4 << 20);
+        create.layout = layout;
+        create_volume(&path, &create)
+            .expect("create")
+            .close()
+            .expect("close");
+        let tuning = Tuning {
+            dirty_limit_blocks: 16,
+            context_cache_pages: 2,
+            overlay_limit: 64,
+            background_commit: true,
+        };
+        let open_with = |tuning: Tuning| {
+            open_volume(
+                &path,
+                &OpenOptions {
+                    tuning,
+                    ..OpenOptions::default()
+                },
+            )
+            .expect("open")
+        };
+
+        // No background committer: the writer would commit itself.
+        let volume = open_with(Tuning {
+            background_commit: false,
+            ..tuning
+        });
+        let block = pattern(3, 7);
+        assert!(!volume.try_write(3 * BLOCK, &block).expect("try_write"));
+        volume.close().expect("close");
+
+        let volume = open_with(tuning);
+        let before = volume.stats().snapshot();
+        // Part of a block needs a read-modify-write; twice the buffer limit
+        // would make the writer commit itself.
+        assert!(!volume
+            .try_write(3 * BLOCK, &block[..512])
+            .expect("try_write"));
+        let too_many: Vec<u8> = (0..32).flat_map(|lba| pattern(lba, 7)).collect();
+        assert!(!volume.try_write(0, &too_many).expect("try_write"));
+        assert_eq!(
+            volume.stats().snapshot(),
+            before,
+            "{layout:?}: nothing done"
+        );
+        assert_eq!(read_range(&volume, 0, 32), vec![0u8; 32 * BLOCK as usize]);
+
+        let written: Vec<u8> = (0..8).flat_map(|lba| pattern(lba, 7)).collect();
+        assert!(
+            volume.try_write(0, &written).expect("try_write"),
+            "{layout:?}"
+        );
+        assert_eq!(read_range(&volume, 0, 8), written, "{layout:?}");
+        volume.flush().expect("flush");
+        volume.close().expect("close");
+        let volume = open_with(tuning);
+        assert_eq!(
+            read_range(&volume, 0, 8),
+            written,
+            "{layout:?}: durable after flush"
+        );
         volume.close().expect("close");
     }
 }
