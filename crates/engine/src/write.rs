@@ -66,8 +66,10 @@ impl Engine {
         let shared = &self.shared;
         let sealed: Vec<(u64, DirtyBlock)> = blocks
             .into_iter()
-            .map(|(lba, data)| {
-                let seal = shared.protection.seal(lba, &data[..]);
+            .map(|(lba, mut data)| {
+                // Fresh copies, not shared yet: sealed (encrypted) in place.
+                let bytes = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
+                let seal = shared.protection.seal(lba, &mut bytes[..]);
                 (lba, DirtyBlock { data, seal })
             })
             .collect();

@@ -578,6 +578,8 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         read_only: false,
         direct: false,
         tuning,
+        key: None,
+        keyless: false,
     };
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(size);
@@ -592,7 +594,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         blocks,
         unit: config.tearing.unit(),
         sector_tearing: config.tearing == Tearing::Sector,
-        open,
+        open: open.clone(),
         nested_permille: config.nested_permille,
         after_permille: config.after_permille,
     };

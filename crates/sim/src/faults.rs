@@ -478,6 +478,8 @@ pub fn run_cell(layout: LayoutKind, guard: GuardKind, count: u64, seed: u64) -> 
             overlay_limit: 1024,
             background_commit: false,
         },
+        key: None,
+        keyless: false,
     };
     let mut result = CellResult::default();
     let created = Volume::create(rec.clone(), &options).and_then(Volume::close);

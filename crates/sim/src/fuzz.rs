@@ -27,6 +27,8 @@ fn small_tuning() -> OpenOptions {
             overlay_limit: 8,
             background_commit: false,
         },
+        key: None,
+        keyless: false,
     }
 }
 
