@@ -106,6 +106,18 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     Volume::open(Arc::new(storage), options)
 }
 
+/// The superblock of the volume directory at `path` (the newest valid
+/// copy), read without opening the volume: what a caller checks before
+/// opening (is it encrypted, how is its key given).
+pub fn volume_superblock(path: &Path) -> Result<vouch_format::Superblock> {
+    let file = FileStorage::open_superblock(path).map_err(|error| Error::Path {
+        action: "open",
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    })?;
+    read_superblock_file(&file, path)
+}
+
 /// Both superblock slots from the file (short files read as zeros), then
 /// the one selection rule (`superblock::select`).
 fn read_superblock_file(file: &std::fs::File, path: &Path) -> Result<vouch_format::Superblock> {
