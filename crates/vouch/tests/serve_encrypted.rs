@@ -404,3 +404,90 @@ print(json.dumps({"head": h.pread(4096, 0)[:len(sys.argv[2])].decode()}))
     );
     assert_eq!(first["head"], MARKER);
 }
+
+/// Run `vouch ARGS` on a pseudo-terminal, typing `answers` at its prompts
+/// (lines ending in ':'); returns (exit code, everything it printed).
+fn on_terminal(args: &[&str], answers: &[&str]) -> (i32, String) {
+    let script = r#"
+import json, os, pty, sys
+args, answers = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+pid, fd = pty.fork()
+if pid == 0:
+    os.execv(args[0], args)
+out, pending, seen = b"", [a.encode() for a in answers], 0
+while True:
+    try:
+        data = os.read(fd, 1024)
+    except OSError:
+        break
+    if not data:
+        break
+    out += data
+    if pending and out[seen:].rstrip().endswith(b":"):
+        os.write(fd, pending.pop(0) + b"\n")
+        seen = len(out)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"code": os.waitstatus_to_exitcode(status), "out": out.decode(errors="replace")}))
+"#;
+    let mut full = vec![vouch_bin()];
+    full.extend_from_slice(args);
+    let output = run(std::process::Command::new(python()).args([
+        "-c",
+        script,
+        &serde_json::to_string(&full).expect("json"),
+        &serde_json::to_string(answers).expect("json"),
+    ]));
+    let json: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|e| panic!("pty helper ({e}): {}", text(&output)));
+    (
+        json["code"].as_i64().expect("code") as i32,
+        json["out"].as_str().expect("out").to_string(),
+    )
+}
+
+#[test]
+fn a_passphrase_is_asked_for_on_a_terminal_only() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    let (code, out) = on_terminal(
+        &["create", s(&volume), "--size", "1MiB", "--encrypt"],
+        &["first try", "second try"],
+    );
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("the passphrases differ"), "{out}");
+    assert!(!volume.exists());
+    let (code, out) = on_terminal(
+        &["create", s(&volume), "--size", "1MiB", "--encrypt"],
+        &["correct horse", "correct horse"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        !out.contains("correct horse"),
+        "the passphrase is not echoed: {out}"
+    );
+    assert_eq!(info_json(&volume)["key"], "passphrase (Argon2id)");
+    let (code, out) = on_terminal(&["check", s(&volume)], &["correct horse"]);
+    assert_eq!(code, 0, "{out}");
+    let (code, out) = on_terminal(&["check", s(&volume)], &["correct horsf"]);
+    assert_eq!(code, 2, "{out}");
+    assert!(out.contains("wrong key"), "{out}");
+    // Not on a terminal: no prompt, one line saying how to give the key.
+    let output = vouch(&["check", s(&volume)]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(
+        text(&output).contains("run on a terminal to type its passphrase"),
+        "{}",
+        text(&output)
+    );
+    // Changed to a key file on a terminal, then only the key file opens it.
+    let new = key_file(dir.path(), "new", 9);
+    let (code, out) = on_terminal(
+        &["key", "change", s(&volume), "--new-key-file", s(&new)],
+        &["correct horse"],
+    );
+    assert_eq!(code, 0, "{out}");
+    assert!(vouch(&["check", s(&volume), "--key-file", s(&new)])
+        .status
+        .success());
+    assert_eq!(info_json(&volume)["key"], "raw 32-byte key");
+}

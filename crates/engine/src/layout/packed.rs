@@ -15,7 +15,7 @@ use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CON
 use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{shared_block, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::ObjectId;
@@ -282,10 +282,16 @@ impl Layout for PackedLayout {
                     let data = record_data(&record.header, &record.bytes, data_index);
                     data_index += 1;
                     if read_only {
-                        let seal = replay
-                            .protection
-                            .seal_of(&entry.context)
-                            .expect("a data entry carries a seal");
+                        // A context of the other protection kind (plain in an
+                        // encrypted volume, or the reverse) is corruption.
+                        let Some(seal) = replay.protection.seal_of(&entry.context) else {
+                            return Err(Error::Corrupt(format!(
+                                "journal record {} holds a {:?} context for LBA {}, which this volume does not write",
+                                record.header.seq,
+                                entry.context.kind(),
+                                entry.lba
+                            )));
+                        };
                         replay.state.write().active.insert(
                             entry.lba,
                             DirtyBlock {
