@@ -58,6 +58,9 @@ enum Command {
         seed: u64,
         #[arg(long, default_value_t = 2)]
         threads: usize,
+        /// An encrypted volume (the guard is crc32c).
+        #[arg(long)]
+        encrypted: bool,
     },
     /// Write the fuzz targets' seed corpora (one directory per target).
     Corpus {
@@ -128,12 +131,14 @@ fn run(cli: Cli) -> Result<bool, String> {
             count,
             seed,
             threads,
+            encrypted,
         } => {
             let config = FaultConfig {
                 cells: vec![(layout(&layout_name)?, guard(&guard_name)?)],
                 count,
                 seed,
                 threads,
+                encrypted,
             };
             let report = faults::run(&config);
             print!("{}", report.render(&config));
@@ -167,6 +172,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                 count,
                 seed,
                 threads,
+                encrypted: false,
             };
             let report = faults::run(&config);
             print!("{}", report.render(&config));
