@@ -221,8 +221,13 @@ fi
 copy_round() { # test dir method rep
     local test=$1 dir=$2 method=$3 rep=$4 base="http://127.0.0.1:$LOOP_CONTROL_PORT"
     local a="nbd://127.0.0.1:$LOOP_NBD_PORT/src" b="nbd://127.0.0.1:$LOOP_NBD_PORT/dst"
+    # Each method starts with no dirty data left by the one before it
+    # (its write-back would otherwise slow the next one's fsyncs and reads).
+    sync
     timed "$test" nbdcopy "$rep" "$BYTES" -- nbdcopy "$a" "$b"
+    sync
     timed "$test" qemu_img_convert "$rep" "$BYTES" -- qemu-img convert -n -f raw -O raw "$a" "$b"
+    sync
     timed "$test" "offload_$method" "$rep" "$BYTES" -- control_job "$base" \
         "{\"op\":\"copy\",\"source\":{\"export\":\"src\",\"offset\":0},\"destination\":{\"export\":\"dst\",\"offset\":0},\"length\":$BYTES,\"method\":\"$method\"}"
     # The copy is right: the destination reads what the source does.

@@ -15,8 +15,13 @@
 //!   contexts published — the crash contract of a write (CRASH_MODEL.md).
 //!
 //! `Auto` picks once per (destination, source) pair and caches the choice
-//! in the destination's engine: reflink when a probe clone into the
-//! destination's directory works, pipelined otherwise.
+//! in the destination's engine, by measuring (as the kernel's RAID xor
+//! benchmark picks its routine): `MEASURE_BYTES` of the source's first
+//! data segment written to a nameless scratch file beside the destination
+//! and synced, then cloned there and synced; reflink when it can work and
+//! the clone was faster, pipelined otherwise. Both methods read and verify
+//! every source block, so the landing is what differs. The report says
+//! which method ran and why.
 
 mod pipelined;
 mod reflink;
@@ -81,11 +86,16 @@ impl Default for CopyOptions {
     }
 }
 
+/// Bytes `Auto` writes and clones to choose a method (see module doc).
+pub const MEASURE_BYTES: u64 = 4 << 20;
+
 /// What a copy did.
 #[derive(Clone, Debug)]
 pub struct CopyReport {
     /// The method actually used (never `Auto`).
     pub method: CopyMethod,
+    /// Why: "forced", or what `Auto` measured or found.
+    pub chosen_by: String,
     /// Blocks copied.
     pub blocks: u64,
     pub elapsed: Duration,
@@ -95,7 +105,7 @@ pub struct CopyReport {
 /// destination's engine so the probe runs once per pair.
 #[derive(Default)]
 pub struct MethodCache {
-    chosen: Mutex<HashMap<[u8; 16], CopyMethod>>,
+    chosen: Mutex<HashMap<[u8; 16], (CopyMethod, String)>>,
 }
 
 /// Copy `count` blocks from `source` LBA `source_first` to `destination`
@@ -128,7 +138,7 @@ pub fn copy(
         count,
         control,
     };
-    let method = choose(&job, options.method)?;
+    let (method, chosen_by) = choose(&job, options.method)?;
     control.set_progress(0, count);
     if job.overlap_shift() == Some(0) {
         // A range onto itself: nothing moves, but a corrupt source block
@@ -142,6 +152,7 @@ pub fn copy(
     }
     Ok(CopyReport {
         method,
+        chosen_by,
         blocks: count,
         elapsed: started.elapsed(),
     })
@@ -212,13 +223,14 @@ fn check_range(volume: &Volume, first: u64, count: u64) -> Result<()> {
     Ok(())
 }
 
-/// The method to use: forced ones are checked (a reflink that cannot work
-/// is an error, never a silent fallback); `Auto` probes once per pair.
-fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<CopyMethod> {
+/// The method to use, and why: forced ones are checked (a reflink that
+/// cannot work is an error, never a silent fallback); `Auto` measures once
+/// per pair (module doc).
+fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<(CopyMethod, String)> {
     match requested {
-        CopyMethod::Pipelined => Ok(CopyMethod::Pipelined),
+        CopyMethod::Pipelined => Ok((CopyMethod::Pipelined, "forced".to_string())),
         CopyMethod::Reflink => match reflink::possible(job) {
-            Ok(()) => Ok(CopyMethod::Reflink),
+            Ok(()) => Ok((CopyMethod::Reflink, "forced".to_string())),
             Err(why) => Err(Error::Unsupported(format!(
                 "reflink copy is not possible here: {why} (use the pipelined or auto method)"
             ))),
@@ -227,22 +239,55 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<CopyMethod> {
             // A small shift inside one volume would clone in tiny steps.
             let piece = reflink::piece_blocks(job.destination.engine());
             if job.overlap_shift().is_some_and(|shift| shift < piece) {
-                return Ok(CopyMethod::Pipelined);
+                let why = format!("a shift of less than {piece} blocks within one volume");
+                return Ok((CopyMethod::Pipelined, why));
             }
             let cache = &job.destination.engine().copy_methods.chosen;
             let key = job.source.engine().shared.uuid;
-            if let Some(method) = cache.lock().get(&key) {
-                return Ok(*method);
+            if let Some(chosen) = cache.lock().get(&key) {
+                return Ok(chosen.clone());
             }
-            let method = match reflink::possible(job) {
-                Ok(()) => CopyMethod::Reflink,
-                Err(why) => {
-                    tracing::debug!(%why, "copy: reflink not possible, using the pipelined copy");
-                    CopyMethod::Pipelined
-                }
+            let chosen = measure(job);
+            tracing::info!(method = chosen.0.name(), why = %chosen.1, "copy: method chosen");
+            cache.lock().insert(key, chosen.clone());
+            Ok(chosen)
+        }
+    }
+}
+
+/// `Auto`'s measurement for a pair whose choice is not cached yet.
+fn measure(job: &Job<'_>) -> (CopyMethod, String) {
+    if let Err(why) = reflink::possible(job) {
+        return (
+            CopyMethod::Pipelined,
+            format!("reflink not possible: {why}"),
+        );
+    }
+    let source = &job.source.engine().shared.io;
+    let destination = &job.destination.engine().shared.io;
+    let timing = destination.storage().measure_clone(
+        source.storage(),
+        crate::storage::ObjectId::Data(0),
+        MEASURE_BYTES,
+    );
+    match timing {
+        Err(error) => (
+            CopyMethod::Pipelined,
+            format!("reflink not measurable: {error}"),
+        ),
+        Ok(timing) => {
+            let method = if timing.clone < timing.write {
+                CopyMethod::Reflink
+            } else {
+                CopyMethod::Pipelined
             };
-            cache.lock().insert(key, method);
-            Ok(method)
+            let why = format!(
+                "measured {} KiB: cloned and synced in {:.3} ms, written and synced in {:.3} ms",
+                timing.bytes / 1024,
+                timing.clone.as_secs_f64() * 1e3,
+                timing.write.as_secs_f64() * 1e3
+            );
+            (method, why)
         }
     }
 }

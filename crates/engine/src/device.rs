@@ -15,6 +15,7 @@ use std::ops::Range;
 
 use vouch_format::Context;
 
+use crate::buffer::PageBuffer;
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::state::{Block, BLOCK};
@@ -86,20 +87,7 @@ pub trait BlockDevice: Send + Sync {
     /// Verify every block of `[first, first + count)` without returning
     /// data; returns the faults found.
     fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
-        let mut faults = Vec::new();
-        let mut buffer = vec![0u8; (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize];
-        let end = first + count;
-        let mut lba = first;
-        while lba < end {
-            let n = (end - lba).min(OFFLOAD_CHUNK_BLOCKS);
-            faults.extend(self.read_blocks_collecting(
-                lba,
-                n,
-                &mut buffer[..(n * BLOCK) as usize],
-            )?);
-            lba += n;
-        }
-        Ok(faults)
+        verify_in_turn(self, first, count)
     }
 
     /// Copy `count` blocks from `source` to `destination` (LBAs), with
@@ -117,7 +105,7 @@ pub trait BlockDevice: Send + Sync {
                 });
             }
         }
-        let mut buffer = vec![0u8; (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize];
+        let mut buffer = PageBuffer::new((OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize);
         // Copy backwards when the destination overlaps the source's tail.
         let backwards = destination > source && destination < source + count;
         let mut done = 0;
@@ -136,7 +124,7 @@ pub trait BlockDevice: Send + Sync {
     /// the offset (from `offset`) of the first byte that differs.
     fn compare(&self, offset: u64, data: &[u8]) -> Result<Option<u64>> {
         let step = (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize;
-        let mut buffer = vec![0u8; step.min(data.len())];
+        let mut buffer = PageBuffer::new(step.min(data.len()));
         let mut at = 0usize;
         while at < data.len() {
             let n = step.min(data.len() - at);
@@ -152,4 +140,26 @@ pub trait BlockDevice: Send + Sync {
         }
         Ok(None)
     }
+}
+
+/// `BlockDevice::verify` on the calling thread, a chunk at a time.
+pub fn verify_in_turn<D: BlockDevice + ?Sized>(
+    device: &D,
+    first: u64,
+    count: u64,
+) -> Result<Vec<Fault>> {
+    let mut faults = Vec::new();
+    let mut buffer = PageBuffer::new((OFFLOAD_CHUNK_BLOCKS.min(count) * BLOCK) as usize);
+    let end = first + count;
+    let mut lba = first;
+    while lba < end {
+        let n = (end - lba).min(OFFLOAD_CHUNK_BLOCKS);
+        faults.extend(device.read_blocks_collecting(
+            lba,
+            n,
+            &mut buffer[..(n * BLOCK) as usize],
+        )?);
+        lba += n;
+    }
+    Ok(faults)
 }

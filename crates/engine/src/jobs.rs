@@ -13,6 +13,7 @@ use std::sync::mpsc;
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::buffer::PageBuffer;
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, Result};
 use crate::state::BLOCK;
@@ -26,6 +27,8 @@ pub const SCAN_CHUNK_BLOCKS: u64 = 256;
 /// SCAN_AHEAD MiB of buffers).
 const SCAN_READERS: usize = 2;
 const SCAN_AHEAD: usize = 4;
+/// Blocks a scan reader copies from the kernel before checking them.
+const READ_PART_BLOCKS: u64 = 64;
 /// How often a scan waiting for a chunk checks that its readers live.
 const READER_CHECK_INTERVAL: Duration = Duration::from_millis(100);
 
@@ -275,9 +278,8 @@ pub fn scan_prepared<T: Send>(
                 let Ok(mut read) = request else {
                     return; // the scan is over
                 };
-                let faults = device
-                    .read_blocks_collecting(read.lba, read.count, &mut read.data)
-                    .map(|faults| {
+                let faults =
+                    read_in_parts(device, read.lba, read.count, &mut read.data).map(|faults| {
                         let prepared = prepare(&Chunk {
                             lba: read.lba,
                             count: read.count,
@@ -295,7 +297,7 @@ pub fn scan_prepared<T: Send>(
         let mut next = lba; // where the next chunk handed out starts
         let mut order: VecDeque<u64> = VecDeque::new(); // handed out, not visited
         let mut arrived: HashMap<u64, ChunkDone<T>> = HashMap::new();
-        let mut spare: Vec<Vec<u8>> = Vec::new();
+        let mut spare: Vec<PageBuffer> = Vec::new();
         let result = (|| -> Result<ScanEnd> {
             loop {
                 if control.is_cancelled() {
@@ -313,7 +315,7 @@ pub fn scan_prepared<T: Send>(
                     }
                     let count = (end - next).min(SCAN_CHUNK_BLOCKS - next % SCAN_CHUNK_BLOCKS);
                     let mut data = spare.pop().unwrap_or_default();
-                    data.resize((count * BLOCK) as usize, 0);
+                    data.set_len((count * BLOCK) as usize);
                     let read = ChunkRead {
                         lba: next,
                         count,
@@ -384,6 +386,25 @@ pub fn scan_prepared<T: Send>(
     })
 }
 
+/// Read and verify a chunk in parts of `READ_PART_BLOCKS`, so that each
+/// part's CRCs run over bytes still in the core's cache from the copy.
+fn read_in_parts(
+    device: &dyn BlockDevice,
+    first: u64,
+    count: u64,
+    out: &mut [u8],
+) -> Result<Vec<Fault>> {
+    let mut faults = Vec::new();
+    let mut at = 0;
+    while at < count {
+        let n = (count - at).min(READ_PART_BLOCKS);
+        let part = &mut out[(at * BLOCK) as usize..((at + n) * BLOCK) as usize];
+        faults.extend(device.read_blocks_collecting(first + at, n, part)?);
+        at += n;
+    }
+    Ok(faults)
+}
+
 /// A chunk back from a scan reader: the chunk, and its faults and the
 /// result of `prepare` (or the read's error).
 type ChunkDone<T> = (ChunkRead, Result<(Vec<Fault>, T)>);
@@ -392,7 +413,7 @@ type ChunkDone<T> = (ChunkRead, Result<(Vec<Fault>, T)>);
 struct ChunkRead {
     lba: u64,
     count: u64,
-    data: Vec<u8>,
+    data: PageBuffer,
 }
 
 #[cfg(test)]

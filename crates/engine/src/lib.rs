@@ -18,6 +18,7 @@
 //!   `copy` — copy next to the data (reflink or pipelined).
 
 mod backing;
+pub mod buffer;
 pub mod check;
 mod commit;
 pub mod contexts;

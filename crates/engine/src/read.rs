@@ -21,6 +21,9 @@ use crate::protection::Seal;
 use crate::shared::Shared;
 use crate::state::{load_context_page, Block, BLOCK};
 
+/// How long a read of blocks being cloned sleeps before it looks again.
+const CLONE_WAIT: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// Where one block's bytes come from.
 enum Source {
     /// The write-back buffer: the bytes as sealed (ciphertext on an
@@ -258,7 +261,14 @@ impl Shared {
         let mut plan = Plan::with_capacity(count as usize);
         let mut missing = Vec::new();
         {
-            let state = self.state.read();
+            let mut state = self.state.read();
+            while state.cloning(first, count) {
+                // A reflink copy is replacing these blocks' extents: wait
+                // for their new contexts (copy/reflink.rs).
+                drop(state);
+                std::thread::sleep(CLONE_WAIT);
+                state = self.state.read();
+            }
             for lba in first..first + count {
                 if let Some(dirty) = state.buffered(lba) {
                     plan.push(Source::Memory(dirty.data.clone(), dirty.seal));

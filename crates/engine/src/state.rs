@@ -46,6 +46,10 @@ pub struct RangeOp {
 pub(crate) struct VolumeState {
     pub active: BTreeMap<u64, DirtyBlock>,
     pub committing: BTreeMap<u64, DirtyBlock>,
+    /// Blocks whose home extents a reflink copy is replacing right now
+    /// (their new contexts are not yet published): a read of them waits
+    /// until the range is clear (a clone of 16 MiB takes ~0.1 ms).
+    pub cloning: Option<std::ops::Range<u64>>,
     pub contexts: ContextStore,
 }
 
@@ -54,6 +58,7 @@ impl VolumeState {
         VolumeState {
             active: BTreeMap::new(),
             committing: BTreeMap::new(),
+            cloning: None,
             contexts: ContextStore::new(context_cache_pages),
         }
     }
@@ -61,6 +66,13 @@ impl VolumeState {
     /// The newest buffered copy of a block, if any.
     pub fn buffered(&self, lba: u64) -> Option<&DirtyBlock> {
         self.active.get(&lba).or_else(|| self.committing.get(&lba))
+    }
+
+    /// Is any block of `[first, first + count)` being cloned?
+    pub fn cloning(&self, first: u64, count: u64) -> bool {
+        self.cloning
+            .as_ref()
+            .is_some_and(|range| range.start < first + count && first < range.end)
     }
 
     /// Drop buffered writes inside `[start, end)`: a range op supersedes them.

@@ -36,6 +36,7 @@ use std::time::Instant;
 
 use twox_hash::XxHash3_128;
 
+use crate::buffer::PageBuffer;
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, Result};
 use crate::jobs::{scan_prepared, JobControl, ScanEnd, ScanOptions, SCAN_CHUNK_BLOCKS};
@@ -302,8 +303,8 @@ pub fn compare_ranges(
     check_block_range(b, b_first, count)?;
     control.start(count, 0);
     let step = SCAN_CHUNK_BLOCKS;
-    let mut a_buffer = vec![0u8; (step.min(count) * BLOCK) as usize];
-    let mut b_buffer = a_buffer.clone();
+    let mut a_buffer = PageBuffer::new((step.min(count) * BLOCK) as usize);
+    let mut b_buffer = PageBuffer::new((step.min(count) * BLOCK) as usize);
     let mut difference = None;
     let mut done = 0;
     while done < count {

@@ -194,6 +194,10 @@ impl Drop for Volume {
     }
 }
 
+/// A `verify` of this many blocks (4 MiB) or more runs on the scan's
+/// reader threads.
+const PARALLEL_VERIFY_BLOCKS: u64 = 4 * crate::jobs::SCAN_CHUNK_BLOCKS;
+
 impl BlockDevice for Volume {
     fn size(&self) -> u64 {
         self.engine.shared.io.geometry.size_bytes
@@ -223,6 +227,21 @@ impl BlockDevice for Volume {
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>> {
         self.engine.shared.block_status(offset, length, max_blocks)
+    }
+    /// Long ranges on the scan's reader threads (`verify::verify`), short
+    /// ones on the calling thread (starting threads would cost more).
+    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
+        if count < PARALLEL_VERIFY_BLOCKS {
+            return crate::device::verify_in_turn(self, first, count);
+        }
+        let report = crate::verify::verify(
+            self,
+            first,
+            count,
+            &crate::verify::VerifyOptions::default(),
+            &crate::jobs::JobControl::default(),
+        )?;
+        Ok(report.faults)
     }
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.engine.shared.read_blocks_collecting(first, count, out)

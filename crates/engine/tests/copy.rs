@@ -299,7 +299,7 @@ fn bad_copy_requests_are_refused_with_clear_errors() {
 fn reflink_on_a_filesystem_without_it_falls_back_under_auto_and_fails_when_forced() {
     for layout in LayoutKind::ALL {
         let dir = tempfile::tempdir().expect("tempdir");
-        let volume = create(&dir.path().join("v"), layout, 512);
+        let volume = create(&dir.path().join("v"), layout, 16384);
         volume.write(0, &pattern(0, 1), false).expect("write");
         volume.write(BLOCK, &pattern(1, 1), false).expect("write");
         let control = JobControl::default();
@@ -336,6 +336,24 @@ fn reflink_on_a_filesystem_without_it_falls_back_under_auto_and_fails_when_force
         .expect("auto copy");
         assert_eq!(report.method, CopyMethod::Pipelined);
         assert!(read_block(&volume, 101) == pattern(1, 1));
+        // Far enough to clone in whole pieces: Auto says reflink cannot work.
+        let far = copy(
+            &volume,
+            0,
+            &volume,
+            8192,
+            2,
+            &CopyOptions::default(),
+            &control,
+        )
+        .expect("auto copy");
+        assert_eq!(far.method, CopyMethod::Pipelined);
+        assert!(
+            far.chosen_by.starts_with("reflink not possible"),
+            "{}",
+            far.chosen_by
+        );
+        assert!(read_block(&volume, 8193) == pattern(1, 1));
     }
 }
 

@@ -166,9 +166,29 @@ fn reflink_copies_share_extents_and_retag_contexts_on_btrfs() {
             100 + lba
         );
     }
-    // Auto picks reflink here too (and caches it).
+    // Auto measures once per pair (a clone against a write, each synced),
+    // picks the faster, says so, and caches the choice.
     let auto = copy(&a, 0, &a, 8000, count, &CopyOptions::default(), &control).expect("auto");
-    assert_eq!(auto.method, CopyMethod::Reflink);
+    let millis = |label: &str| -> f64 {
+        let at = auto.chosen_by.find(label).expect(label) + label.len();
+        let rest = &auto.chosen_by[at..];
+        rest[..rest.find(" ms").expect("ms")]
+            .parse()
+            .expect("a number")
+    };
+    assert!(
+        auto.chosen_by.starts_with("measured 4096 KiB"),
+        "{}",
+        auto.chosen_by
+    );
+    let faster = if millis("cloned and synced in ") < millis("written and synced in ") {
+        CopyMethod::Reflink
+    } else {
+        CopyMethod::Pipelined
+    };
+    assert_eq!(auto.method, faster, "{}", auto.chosen_by);
+    let again = copy(&a, 0, &a, 8000, count, &CopyOptions::default(), &control).expect("auto");
+    assert_eq!(again.chosen_by, auto.chosen_by, "the choice is cached");
     b.flush().expect("flush");
     a.close().expect("close");
     b.close().expect("close");
@@ -261,6 +281,69 @@ fn reflink_memmove_and_a_corrupt_source_on_btrfs() {
         assert!(
             read_block(&volume, 5000 + lba) == pattern(lba, 6),
             "destination changed"
+        );
+    }
+}
+
+/// Readers of the destination while a reflink copy replaces its extents
+/// see each block's old or new contents — never an error, never a mix.
+#[test]
+fn readers_during_a_reflink_copy_see_old_or_new_blocks_on_btrfs() {
+    let fs = Btrfs::new();
+    let a = create(&fs.path("a"), 32768);
+    let b = create(&fs.path("b"), 32768);
+    let count = 12288u64; // three 4096-block pieces
+    let run = 64u64;
+    for first in (0..count).step_by(run as usize) {
+        let (mut new, mut before) = (Vec::new(), Vec::new());
+        for lba in first..first + run {
+            new.extend(pattern(lba, 1));
+            before.extend(pattern(1000 + lba, 3));
+        }
+        a.write(first * BLOCK, &new, false).expect("write source");
+        b.write((1000 + first) * BLOCK, &before, false)
+            .expect("write destination");
+    }
+    a.flush().expect("flush");
+    b.flush().expect("flush");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let reads = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|scope| {
+        for reader in 0..2u64 {
+            let (b, done, reads) = (&b, &done, &reads);
+            scope.spawn(move || {
+                let mut buffer = vec![0u8; (16 * BLOCK) as usize];
+                let mut first = reader * 4096;
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    first = (first + 16 * 37) % (count - 16);
+                    b.read((1000 + first) * BLOCK, &mut buffer)
+                        .unwrap_or_else(|error| panic!("read at {}: {error}", 1000 + first));
+                    for index in 0..16 {
+                        let lba = first + index;
+                        let got = &buffer[(index * BLOCK) as usize..((index + 1) * BLOCK) as usize];
+                        assert!(
+                            got == pattern(lba, 1) || got == pattern(1000 + lba, 3),
+                            "LBA {} is neither old nor new",
+                            1000 + lba
+                        );
+                    }
+                    reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+        let control = JobControl::default();
+        for _ in 0..3 {
+            let report = copy(&a, 0, &b, 1000, count, &reflink(), &control).expect("reflink copy");
+            assert_eq!(report.method, CopyMethod::Reflink);
+        }
+        done.store(true, std::sync::atomic::Ordering::Release);
+    });
+    assert!(reads.into_inner() > 0, "the readers ran");
+    for lba in 0..count {
+        assert!(
+            read_block(&b, 1000 + lba) == pattern(lba, 1),
+            "LBA {}",
+            1000 + lba
         );
     }
 }

@@ -107,6 +107,16 @@ fn verify_finds_exactly_the_blocks_damaged_on_disk_with_their_kinds() {
                 },
             ]
         );
+        // The volume's own `BlockDevice::verify` (the x-vouch:integrity
+        // context's): a long range on the scan's threads, a short one on
+        // this thread, the same faults either way.
+        let whole = BlockDevice::verify(&volume, 0, BLOCKS).expect("verify");
+        assert_eq!(whole, report_faults_whole(&volume), "{layout:?}");
+        assert_eq!(
+            BlockDevice::verify(&volume, 200, 400).expect("verify"),
+            report.faults,
+            "{layout:?}"
+        );
         // Reads still refuse the damaged blocks; verify changed nothing.
         let mut block = vec![0u8; BLOCK as usize];
         assert!(matches!(
@@ -114,6 +124,20 @@ fn verify_finds_exactly_the_blocks_damaged_on_disk_with_their_kinds() {
             Err(Error::Fault(_))
         ));
     }
+}
+
+/// The faults of a whole-volume verify offload.
+fn report_faults_whole(volume: &vouch_engine::Volume) -> Vec<Fault> {
+    let report = verify(
+        volume,
+        0,
+        BLOCKS,
+        &VerifyOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("verify");
+    assert_eq!(report.faults.len(), 4);
+    report.faults
 }
 
 #[test]

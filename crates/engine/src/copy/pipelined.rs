@@ -20,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 
 use super::Job;
+use crate::buffer::PageBuffer;
 use crate::device::BlockDevice;
 use crate::error::Result;
 use crate::state::BLOCK;
@@ -34,13 +35,13 @@ const SLOTS: usize = 8;
 struct Segment {
     at: u64,
     count: u64,
-    data: Vec<u8>,
+    data: PageBuffer,
 }
 
 pub(super) fn run(job: &Job<'_>) -> Result<()> {
     let step = SEGMENT_BLOCKS;
     let (full_tx, full_rx) = sync_channel::<Result<Segment>>(SLOTS);
-    let (free_tx, free_rx) = sync_channel::<Vec<u8>>(SLOTS);
+    let (free_tx, free_rx) = sync_channel::<PageBuffer>(SLOTS);
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let reader = scope.spawn(|| read_segments(job, step, full_tx, free_rx, &stop));
@@ -68,7 +69,7 @@ fn read_segments(
     job: &Job<'_>,
     step: u64,
     full: SyncSender<Result<Segment>>,
-    free: Receiver<Vec<u8>>,
+    free: Receiver<PageBuffer>,
     stop: &AtomicBool,
 ) {
     let mut allocated = 0usize;
@@ -78,14 +79,14 @@ fn read_segments(
         }
         let mut data = if allocated < SLOTS {
             allocated += 1;
-            vec![0u8; (step * BLOCK) as usize]
+            PageBuffer::new((step * BLOCK) as usize)
         } else {
             match free.recv() {
                 Ok(buffer) => buffer,
                 Err(_) => return, // the writer stopped
             }
         };
-        data.resize((count * BLOCK) as usize, 0);
+        data.set_len((count * BLOCK) as usize);
         let read = job
             .source
             .read((job.source_first + at) * BLOCK, &mut data)
@@ -100,7 +101,7 @@ fn read_segments(
 fn write_segments(
     job: &Job<'_>,
     full: Receiver<Result<Segment>>,
-    free: SyncSender<Vec<u8>>,
+    free: SyncSender<PageBuffer>,
 ) -> Result<()> {
     let mut done = 0u64;
     while done < job.count {
@@ -129,7 +130,7 @@ fn write_segments(
 /// corrupt source block, like any copy.
 pub(super) fn verify_only(job: &Job<'_>) -> Result<()> {
     let step = SEGMENT_BLOCKS;
-    let mut buffer = vec![0u8; (step * BLOCK) as usize];
+    let mut buffer = PageBuffer::new((step * BLOCK) as usize);
     let mut done = 0;
     for (at, count) in segments(job, step) {
         if job.control.is_cancelled() {

@@ -9,45 +9,47 @@
 //! 1. if the source range has writes in its write-back buffer, commit the
 //!    source first, so its home copy is what was acknowledged;
 //! 2. read every source block of the step from home and verify it against
-//!    its context (a fault fails the copy naming the LBA: nothing of the
-//!    step was written), keeping the destination's seal (the source's
-//!    guard when both volumes use the same guard kind);
+//!    its context, on `VERIFY_THREADS` threads (a fault fails the copy
+//!    naming the lowest faulty LBA: nothing of the step was written),
+//!    keeping the destination's seal (the source's guard when both
+//!    volumes use the same guard kind) — the one read of the source;
 //! 3. one journal record with the destination's new contexts (the source's
 //!    guard, reference tag = destination LBA, this record's generation;
 //!    zero-reading blocks as range entries) is written and fsynced —
 //!    ORDER POINT A;
 //! 4. for each piece: the destination range's buffered writes are dropped
-//!    (the copy supersedes them) and the piece's blocks, read and verified
-//!    again, become
-//!    the destination's `committing` blocks, so its readers see the new
-//!    data from memory while the extents change under them; the "home
-//!    write": data runs cloned, zero runs trimmed like a trim's (no fsync:
-//!    the next flush syncs the destination's segments, ORDER POINT B; a
-//!    clone refused now is written instead from the copy in memory, so the
-//!    record stays true); the piece's contexts published and `committing`
-//!    dropped.
+//!    (the copy supersedes them) and the piece is marked `cloning`, so its
+//!    readers wait (a read that had already started and sees new data
+//!    under an old context re-plans, and waits too) while the "home
+//!    write" runs: data runs cloned, zero runs trimmed like a trim's (no
+//!    fsync: the next flush syncs the destination's segments, ORDER POINT
+//!    B; a clone refused now is written instead from the source blocks,
+//!    read and verified again, so the record stays true); then the piece's
+//!    contexts are published and `cloning` cleared.
 //!
 //! A crash before 3 leaves the destination untouched. After 3, recovery
 //! re-reads every block of records after `data_durable_seq` and keeps the
 //! newest context its data matches: a block whose clone persisted reads
 //! new, one whose clone was lost (or not yet issued) reads old. After a
-//! flush, every block reads new. The source is read twice (2 and 4), from
-//! the page cache in the common case; holding a whole step in memory
-//! instead would cost 256 MiB.
+//! flush, every block reads new. If the home write fails after 3, the
+//! volume fail-stops like a failed commit (writes refused until it is
+//! reopened); a block whose clone was half done then reads as a fault,
+//! never as wrong data, and recovery settles it at the reopen.
 
-use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use vouch_format::journal::JournalHeader;
 use vouch_format::{Context, JournalEntry, LayoutKind};
 
 use super::source::{fault, read_data, source_contexts};
 use super::Job;
+use crate::buffer::PageBuffer;
 use crate::contexts::context_in_range;
 use crate::engine::Engine;
 use crate::error::Result;
 use crate::journal::Journal;
 use crate::protection::Seal;
-use crate::state::{shared_block, DirtyBlock, RangeOp, BLOCK};
+use crate::state::{RangeOp, BLOCK};
 use crate::storage::{CloneRange, ObjectId};
 
 /// Pieces per step at most: one journal record and one fsync per 16
@@ -55,10 +57,14 @@ use crate::storage::{CloneRange, ObjectId};
 /// entries.
 const PIECES_PER_STEP: u64 = 16;
 
+/// Threads that read and verify a step's source blocks, and the blocks
+/// each reads at a time (1 MiB, into a page-aligned buffer).
+const VERIFY_THREADS: usize = 2;
+const VERIFY_PART_BLOCKS: u64 = 256;
+
 /// Blocks cloned at a time within a step: the destination's write-back
-/// buffer limit (4096 blocks, 16 MiB, by default) — the memory a copy
-/// holds for readers of the blocks whose extents are changing, no more
-/// than a commit holds.
+/// buffer limit (4096 blocks, 16 MiB, by default) — how many blocks
+/// readers may wait for at once.
 pub(crate) fn piece_blocks(destination: &Engine) -> u64 {
     (destination.tuning.dirty_limit_blocks as u64).max(1)
 }
@@ -98,7 +104,6 @@ pub(super) fn run(job: &Job<'_>) -> Result<()> {
         // In one file, a clone's source and destination must not overlap.
         step = step.min(shift.max(1));
     }
-    let mut buffer = vec![0u8; (step.min(piece).min(job.count) * BLOCK) as usize];
     let mut done = 0u64;
     while done < job.count {
         if job.control.is_cancelled() {
@@ -117,23 +122,17 @@ pub(super) fn run(job: &Job<'_>) -> Result<()> {
         };
         if job.same_volume() {
             let mut journal = destination.committer.lock();
-            copy_step(
-                source,
-                destination,
-                (None, &mut journal),
-                blocks,
-                &mut buffer,
-            )?;
+            copy_step(source, destination, (None, &mut journal), blocks, piece)?;
         } else if (source as *const Engine) < (destination as *const Engine) {
             let mut source_journal = source.committer.lock();
             let mut journal = destination.committer.lock();
             let journals = (Some(&mut *source_journal), &mut *journal);
-            copy_step(source, destination, journals, blocks, &mut buffer)?;
+            copy_step(source, destination, journals, blocks, piece)?;
         } else {
             let mut journal = destination.committer.lock();
             let mut source_journal = source.committer.lock();
             let journals = (Some(&mut *source_journal), &mut *journal);
-            copy_step(source, destination, journals, blocks, &mut buffer)?;
+            copy_step(source, destination, journals, blocks, piece)?;
         }
         done += n;
         job.control.set_progress(done, job.count);
@@ -180,7 +179,7 @@ fn copy_step(
     destination: &Engine,
     (source_journal, journal): (Option<&mut Journal>, &mut Journal),
     blocks: Blocks,
-    buffer: &mut [u8],
+    piece_blocks: u64,
 ) -> Result<()> {
     let (first, target, count) = (blocks.source, blocks.destination, blocks.count);
     // 1. The source's acknowledged writes home first.
@@ -200,42 +199,11 @@ fn copy_step(
             None => source.committer.commit(&source.shared, journal, &[])?,
         }
     }
-    // 2. Read and verify every block of the step, piece by piece, keeping
-    // only its context and the destination's seal.
+    // 2. Read and verify every block of the step, keeping only its context
+    // and the destination's seal.
     let shared = &destination.shared;
-    let same_guard = source.guard == destination.guard;
-    let mut contexts = Vec::with_capacity(count as usize);
-    let mut seals: Vec<Option<Seal>> = Vec::with_capacity(count as usize);
-    let piece_blocks = (buffer.len() as u64 / BLOCK).max(1);
-    let mut at = 0;
-    while at < count {
-        let n = (count - at).min(piece_blocks);
-        let data = &mut buffer[..(n * BLOCK) as usize];
-        let piece = source_contexts(source, first + at, n)?;
-        read_data(source, first + at, &piece, data)?;
-        for (index, context) in piece.iter().enumerate() {
-            let lba = first + at + index as u64;
-            source
-                .shared
-                .protection
-                .open(lba, &Ok(*context), block(data, index))
-                .map_err(|kind| fault(source, lba, kind))?;
-            let seal = match source.shared.protection.seal_of(context) {
-                None => None,
-                Some(seal) if same_guard => Some(seal),
-                Some(_) => {
-                    let lba = target + at + index as u64;
-                    let mut copy = [0u8; BLOCK as usize];
-                    copy.copy_from_slice(block(data, index));
-                    Some(shared.protection.seal(lba, &mut copy))
-                }
-            };
-            seals.push(seal);
-        }
-        contexts.extend(piece);
-        at += n;
-    }
-    // 4 (sizes first: a checkpoint, if needed, runs before the record).
+    let (contexts, seals) = verify_step(source, destination, blocks)?;
+    // 3 (sizes first: a checkpoint, if needed, runs before the record).
     let ranges = zero_ranges(destination, target, &contexts);
     let data_blocks = seals.iter().flatten().count();
     let record_len = JournalHeader::record_bytes((data_blocks + ranges.len()) as u32, 0);
@@ -261,12 +229,11 @@ fn copy_step(
             context: context_in_range(range.template, range.start),
         });
     }
-    let zero_seal = shared.protection.seal(target, &mut [0u8; BLOCK as usize]);
     let result = destination
         .committer
         .append(shared, journal, &entries, None)
         .and_then(|()| {
-            // ORDER POINT A passed: 3, 5 and 6, one piece at a time.
+            // ORDER POINT A passed: 4, one piece at a time.
             let mut at = 0;
             while at < count {
                 let n = (count - at).min(piece_blocks);
@@ -276,21 +243,111 @@ fn copy_step(
                     seals: &seals[at as usize..(at + n) as usize],
                     new_contexts: &new_contexts[at as usize..(at + n) as usize],
                     ranges: &ranges,
-                    zero_seal,
                 };
-                let data = &mut buffer[..(n * BLOCK) as usize];
-                home_piece(source, destination, journal, &piece, data)?;
+                home_piece(source, destination, journal, &piece)?;
                 at += n;
             }
             Ok(())
         });
     if let Err(error) = result {
-        // As a failed commit: blocks in flight stay in `committing` (reads
-        // return them), writes are refused until the volume is reopened.
+        // As a failed commit: writes are refused until the volume is
+        // reopened, and recovery settles the step's blocks then.
+        shared.state.write().cloning = None;
         return Err(shared.io.fail_stop(error));
     }
     let pending = shared.state.read().contexts.pending();
     destination.committer.committed(shared, journal, pending)
+}
+
+/// Read the step's source blocks from home and verify each against its
+/// context, in parts of `VERIFY_PART_BLOCKS` shared out to
+/// `VERIFY_THREADS` threads: each block's context, and the destination's
+/// seal for it (`None` for a block that reads as zeros). A fault fails the
+/// step naming the lowest faulty LBA.
+fn verify_step(source: &Engine, destination: &Engine, blocks: Blocks) -> Result<Verified> {
+    let parts = blocks.count.div_ceil(VERIFY_PART_BLOCKS);
+    let next = AtomicU64::new(0);
+    let verify_parts = || -> Vec<(u64, Result<Verified>)> {
+        let mut buffer = PageBuffer::new((VERIFY_PART_BLOCKS * BLOCK) as usize);
+        let mut done = Vec::new();
+        loop {
+            let part = next.fetch_add(1, Ordering::Relaxed);
+            if part >= parts {
+                return done;
+            }
+            let at = part * VERIFY_PART_BLOCKS;
+            let n = (blocks.count - at).min(VERIFY_PART_BLOCKS);
+            buffer.set_len((n * BLOCK) as usize);
+            let verified = verify_part(source, destination, blocks.part(at, n), &mut buffer);
+            let failed = verified.is_err();
+            done.push((part, verified));
+            if failed {
+                // The other threads finish their parts; lower faults win.
+                return done;
+            }
+        }
+    };
+    let mut done: Vec<_> = std::thread::scope(|scope| {
+        let helpers: Vec<_> = (1..VERIFY_THREADS)
+            .map(|_| scope.spawn(verify_parts))
+            .collect();
+        let mut done = verify_parts();
+        for helper in helpers {
+            done.extend(helper.join().expect("a copy's verify thread panicked"));
+        }
+        done
+    });
+    done.sort_by_key(|(part, _)| *part);
+    let mut contexts = Vec::with_capacity(blocks.count as usize);
+    let mut seals = Vec::with_capacity(blocks.count as usize);
+    for (_, verified) in done {
+        let (part_contexts, part_seals) = verified?;
+        contexts.extend(part_contexts);
+        seals.extend(part_seals);
+    }
+    assert_eq!(
+        contexts.len() as u64,
+        blocks.count,
+        "every part of a step that verified was returned"
+    );
+    Ok((contexts, seals))
+}
+
+/// Verified source blocks: each one's context, and the destination's seal
+/// for it (`None` for a block that reads as zeros).
+type Verified = (Vec<Context>, Vec<Option<Seal>>);
+
+/// One part of `verify_step`, read into `data`.
+fn verify_part(
+    source: &Engine,
+    destination: &Engine,
+    blocks: Blocks,
+    data: &mut [u8],
+) -> Result<Verified> {
+    let same_guard = source.guard == destination.guard;
+    let contexts = source_contexts(source, blocks.source, blocks.count)?;
+    read_data(source, blocks.source, &contexts, data)?;
+    let mut seals = Vec::with_capacity(contexts.len());
+    for (index, context) in contexts.iter().enumerate() {
+        let lba = blocks.source + index as u64;
+        source
+            .shared
+            .protection
+            .open(lba, &Ok(*context), block(data, index))
+            .map_err(|kind| fault(source, lba, kind))?;
+        let seal = match source.shared.protection.seal_of(context) {
+            None => None,
+            Some(seal) if same_guard => Some(seal),
+            Some(_) => {
+                let lba = blocks.destination + index as u64;
+                let mut copy = [0u8; BLOCK as usize];
+                copy.copy_from_slice(block(data, index));
+                Some(destination.shared.protection.seal(lba, &mut copy))
+            }
+        };
+        seals.push(seal);
+    }
+    Ok((contexts, seals))
 }
 
 /// Runs of zero-reading source blocks, as the destination's range ops.
@@ -328,55 +385,30 @@ struct Piece<'a> {
     new_contexts: &'a [Option<Context>],
     /// The step's zero ranges (the piece applies its part of them).
     ranges: &'a [RangeOp],
-    zero_seal: Seal,
 }
 
-/// Steps 3, 5 and 6 for one piece, after the step's record (A).
+/// Step 4 for one piece, after the step's record (A): readers of the
+/// piece wait while its extents change, then see its new contexts.
 fn home_piece(
     source: &Engine,
     destination: &Engine,
     journal: &mut Journal,
     piece: &Piece<'_>,
-    data: &mut [u8],
 ) -> Result<()> {
     let shared = &destination.shared;
     let (target, count) = (piece.blocks.destination, piece.blocks.count);
-    // The blocks again (the source cannot change: its committer lock is
-    // held), for readers while their extents change and for a refused
-    // clone's fallback write — verified again, because these are the bytes
-    // that leave: a read that now returns other bytes fails the copy (and,
-    // after A, stops the volume's writes like a failed commit; recovery
-    // keeps the old contexts these blocks' data still matches).
-    read_data(source, piece.blocks.source, piece.contexts, data)?;
-    for (index, context) in piece.contexts.iter().enumerate() {
-        let lba = piece.blocks.source + index as u64;
-        source
-            .shared
-            .protection
-            .open(lba, &Ok(*context), block(data, index))
-            .map_err(|kind| fault(source, lba, kind))?;
-    }
-    let mut committing = BTreeMap::new();
-    for (index, seal) in piece.seals.iter().enumerate() {
-        let dirty = DirtyBlock {
-            data: shared_block(block(data, index)),
-            seal: seal.unwrap_or(piece.zero_seal),
-        };
-        committing.insert(target + index as u64, dirty);
-    }
     {
         let mut state = shared.state.write();
-        assert!(state.committing.is_empty(), "a commit is already in flight");
         state.drop_buffered(target, target + count);
-        state.committing = committing;
+        state.cloning = Some(target..target + count);
     }
     clone_home(
         source,
         destination,
         journal,
         piece.blocks,
+        piece.contexts,
         piece.seals,
-        data,
     )?;
     let pieces: Vec<RangeOp> = piece
         .ranges
@@ -409,7 +441,7 @@ fn home_piece(
             .contexts
             .set_range(range.start, range.end, range.template);
     }
-    state.committing.clear();
+    state.cloning = None;
     Ok(())
 }
 
@@ -419,14 +451,15 @@ fn block(data: &[u8], index: usize) -> &[u8] {
 
 /// Clone the data blocks of a step (`seals[i]` is `Some` for a data block)
 /// in runs contiguous on both sides. A clone the storage refuses now is
-/// written instead from `data` (verified), so the journaled contexts hold.
+/// written instead from the source blocks (`contexts`), read and verified
+/// again, so the journaled contexts hold.
 fn clone_home(
     source: &Engine,
     destination: &Engine,
     journal: &mut Journal,
     blocks: Blocks,
+    contexts: &[Context],
     seals: &[Option<Seal>],
-    data: &[u8],
 ) -> Result<()> {
     let from = source.shared.io.geometry;
     let to = destination.shared.io.geometry;
@@ -463,8 +496,19 @@ fn clone_home(
         journal.unsynced.insert(object);
         if let Err(error) = cloned {
             tracing::warn!(%error, ?object, offset = target_at.data_offset, "reflink failed after the journal record: writing the blocks instead");
-            let bytes = &data[index * BLOCK as usize..end * BLOCK as usize];
-            io.write_object(object, target_at.data_offset, bytes)?;
+            let first = blocks.source + index as u64;
+            let run = &contexts[index..end];
+            let mut data = PageBuffer::new(run.len() * BLOCK as usize);
+            read_data(source, first, run, &mut data)?;
+            for (offset, context) in run.iter().enumerate() {
+                let lba = first + offset as u64;
+                source
+                    .shared
+                    .protection
+                    .open(lba, &Ok(*context), block(&data, offset))
+                    .map_err(|kind| fault(source, lba, kind))?;
+            }
+            io.write_object(object, target_at.data_offset, &data)?;
         }
         index = end;
     }

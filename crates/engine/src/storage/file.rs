@@ -12,8 +12,8 @@ use vouch_format::Geometry;
 
 use super::direct;
 use super::{
-    objects_of, reflink_unsupported, write_runs_in_turn, CloneRange, ObjectId, Run, RunError,
-    Storage, IOV_MAX,
+    objects_of, reflink_unsupported, write_runs_in_turn, CloneRange, CloneTiming, ObjectId, Run,
+    RunError, Storage, IOV_MAX,
 };
 
 /// How `FileStorage::open_objects` opens a volume's files.
@@ -400,6 +400,43 @@ impl Storage for FileStorage {
             .custom_flags(libc::O_TMPFILE)
             .open(&self.dir)?;
         ficlonerange(&scratch, 0, source, 0, 4096)
+    }
+
+    fn measure_clone(
+        &self,
+        source: &dyn Storage,
+        source_object: ObjectId,
+        len: u64,
+    ) -> io::Result<CloneTiming> {
+        let source = source
+            .file_of(source_object)
+            .ok_or_else(|| reflink_unsupported("the source volume is not stored in files"))?;
+        // Whole 4 KiB pages, within the source file (a clone past its end
+        // is refused).
+        let len = (len.min(source.metadata()?.len()) / 4096) * 4096;
+        if len == 0 {
+            return Err(reflink_unsupported("the source segment is empty"));
+        }
+        let scratch = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_TMPFILE)
+            .open(&self.dir)?;
+        let mut bytes = crate::buffer::PageBuffer::new(len as usize);
+        source.read_exact_at(&mut bytes, 0)?;
+        let started = std::time::Instant::now();
+        scratch.write_all_at(&bytes, 0)?;
+        scratch.sync_data()?;
+        let write = started.elapsed();
+        let started = std::time::Instant::now();
+        ficlonerange(&scratch, len, source, 0, len)?;
+        scratch.sync_data()?;
+        let clone = started.elapsed();
+        Ok(CloneTiming {
+            bytes: len,
+            write,
+            clone,
+        })
     }
 
     fn file_of(&self, object: ObjectId) -> Option<&File> {

@@ -88,6 +88,21 @@ pub trait Storage: Send + Sync {
         Err(reflink_unsupported("this storage cannot share extents"))
     }
 
+    /// Time the two ways a copy can land `len` bytes of `source`'s
+    /// `source_object` (from offset 0) here, on scratch space that no
+    /// object uses: written, and cloned, each made durable. `Unsupported`
+    /// when this storage cannot share extents with `source` (or cannot
+    /// measure). Called once per volume pair by the copy's `Auto` method.
+    fn measure_clone(
+        &self,
+        source: &dyn Storage,
+        source_object: ObjectId,
+        len: u64,
+    ) -> io::Result<CloneTiming> {
+        let _ = (source, source_object, len);
+        Err(reflink_unsupported("this storage cannot measure a clone"))
+    }
+
     /// The open file behind `object`, when this storage is backed by files
     /// (a reflink from another volume's storage needs its descriptor).
     fn file_of(&self, object: ObjectId) -> Option<&std::fs::File> {
@@ -105,6 +120,15 @@ pub struct CloneRange<'a> {
     pub source_object: ObjectId,
     pub source_offset: u64,
     pub len: u64,
+}
+
+/// What `Storage::measure_clone` measured: `bytes` written (and synced),
+/// and the same bytes cloned (and synced).
+#[derive(Clone, Copy, Debug)]
+pub struct CloneTiming {
+    pub bytes: u64,
+    pub write: std::time::Duration,
+    pub clone: std::time::Duration,
 }
 
 /// The error of a reflink the storage cannot do (`ErrorKind::Unsupported`).

@@ -99,7 +99,7 @@ pub struct CompareArgs {
     /// Bytes to compare (default: the file's length with --with-file).
     #[arg(long, value_parser = parse_size)]
     pub(super) length: Option<u64>,
-    /// Compare with the bytes of this file (at most 16 MiB with --server).
+    /// Compare with the bytes of this file (with --server, sent 16 MiB per request).
     #[arg(long, value_name = "FILE")]
     pub(super) with_file: Option<PathBuf>,
     /// Compare with a range of another (or the same) volume / export.
@@ -170,8 +170,8 @@ impl Progress {
 /// How a job ended, online or offline.
 pub(super) struct Ended {
     state: String,
-    result: Option<Value>,
-    error: Option<String>,
+    pub(super) result: Option<Value>,
+    pub(super) error: Option<String>,
     /// The error is a block that failed verification.
     fault: bool,
 }

@@ -235,9 +235,10 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
         args.json,
         |result| {
             println!(
-                "copied {} blocks ({}) in {:.3} s",
+                "copied {} blocks ({}: {}) in {:.3} s",
                 result["blocks"],
                 result["method"].as_str().unwrap_or("?"),
+                result["chosen_by"].as_str().unwrap_or("?"),
                 result["elapsed_seconds"].as_f64().unwrap_or(0.0)
             )
         },
@@ -263,20 +264,14 @@ pub fn compare(args: CompareArgs) -> Result<ExitCode> {
         None => None,
     };
     let ended = match client(&args.server)? {
-        Some(client) => {
-            let mut request = json!({"op": "compare", "export": args.target, "offset": args.offset, "length": args.length});
-            match &data {
-                Some(data) => {
-                    use base64::Engine as _;
-                    request["data_base64"] = base64::engine::general_purpose::STANDARD
-                        .encode(data)
-                        .into();
-                    request["length"] = data.len().into();
-                }
-                None => request["other"] = json!({"export": args.with, "offset": args.with_offset}),
+        Some(client) => match &data {
+            Some(data) => compare_online_in_pieces(&client, &args, data)?,
+            None => {
+                let mut request = json!({"op": "compare", "export": args.target, "offset": args.offset, "length": args.length});
+                request["other"] = json!({"export": args.with, "offset": args.with_offset});
+                online(&client, "comparing", args.json, request)?
             }
-            online(&client, "comparing", args.json, request)?
-        }
+        },
         None => {
             let volume = open(&args.target, false, crate::key::Use::Data)?;
             match data {
@@ -318,4 +313,41 @@ pub fn compare(args: CompareArgs) -> Result<ExitCode> {
         },
         |result| result["equal"] == false,
     )
+}
+
+/// Compare a file's bytes on a server, one request per
+/// `api::MAX_COMPARE_DATA` (16 MiB, the most one request carries), stopping
+/// at the first piece that differs or fails; its difference is counted from
+/// the start of the whole range.
+fn compare_online_in_pieces(
+    client: &Client,
+    args: &CompareArgs,
+    data: &[u8],
+) -> Result<super::cli::Ended> {
+    use base64::Engine as _;
+    let mut at = 0usize;
+    loop {
+        let piece = &data[at..(at + super::api::MAX_COMPARE_DATA).min(data.len())];
+        let request = json!({
+            "op": "compare",
+            "export": args.target,
+            "offset": args.offset + at as u64,
+            "length": piece.len(),
+            "data_base64": base64::engine::general_purpose::STANDARD.encode(piece),
+        });
+        let mut ended = online(client, "comparing", args.json, request)?;
+        let equal = ended
+            .result
+            .as_ref()
+            .is_some_and(|result| result["equal"] == true);
+        if !equal || ended.error.is_some() || at + piece.len() >= data.len() {
+            if let Some(result) = ended.result.as_mut() {
+                if let Some(offset) = result["first_difference"].as_u64() {
+                    result["first_difference"] = (offset + at as u64).into();
+                }
+            }
+            return Ok(ended);
+        }
+        at += piece.len();
+    }
 }

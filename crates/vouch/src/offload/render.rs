@@ -58,6 +58,7 @@ pub fn scrub_json(record: &ScrubRecord) -> Value {
 pub fn copy_json(report: &CopyReport) -> Value {
     json!({
         "method": report.method.name(),
+        "chosen_by": report.chosen_by,
         "blocks": report.blocks,
         "elapsed_seconds": report.elapsed.as_secs_f64(),
     })
