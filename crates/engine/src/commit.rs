@@ -46,7 +46,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use vouch_format::journal::{encode_record, JournalHeader, JOURNAL_ALIGN};
 use vouch_format::superblock::STATE_OPEN;
-use vouch_format::{Context, JournalEntry, Superblock};
+use vouch_format::{JournalEntry, Superblock};
 
 use crate::contexts::context_in_range;
 use crate::error::Result;
@@ -298,12 +298,11 @@ impl Committer {
             // caught: the context carries the seal of the bytes the client
             // sent, so the read of the home copy fails with this LBA.
             // Re-sealing here on every commit is left to debug builds.
-            debug_assert_eq!(
-                shared.protection.seal(*lba, &dirty.data[..]),
-                dirty.seal,
+            let context = shared.protection.context(*lba, dirty.seal, seq);
+            debug_assert!(
+                shared.protection.matches(&context, &dirty.data[..]),
                 "buffered block {lba} changed in memory"
             );
-            let context = shared.protection.context(*lba, dirty.seal, seq);
             contexts.push(context);
             entries.push(JournalEntry {
                 lba: *lba,
@@ -439,7 +438,7 @@ impl Committer {
             let data_half = data.map(|d| {
                 let count = entries[..half]
                     .iter()
-                    .filter(|e| matches!(e.context, Context::Data { .. }))
+                    .filter(|e| e.context.carries_data())
                     .count();
                 d.split_at(count)
             });

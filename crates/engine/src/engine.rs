@@ -12,20 +12,25 @@
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
-use vouch_format::{GuardKind, Superblock};
+use vouch_format::{FeatureFlags, GuardKind, Superblock};
 
 use crate::backing::Backing;
 use crate::commit::Committer;
+use crate::encryption::EncryptedProtection;
 use crate::error::{Error, Result};
 use crate::journal::Journal;
+use crate::keys::KEY_BYTES;
 use crate::layout::LayoutMap;
 use crate::options::{OpenOptions, Tuning};
-use crate::protection::GuardProtection;
+use crate::protection::{GuardProtection, Protection};
 use crate::recovery::{recover, RecoveryReport};
 use crate::shared::Shared;
 use crate::state::VolumeState;
 use crate::storage::Storage;
 use crate::superblock::read_superblock;
+
+/// What opening an encrypted volume without a key says.
+pub const MISSING_KEY: &str = "the volume is encrypted and no key was given: give it with --key-file FILE (32 raw bytes), the VOUCH_KEY_FILE environment variable, or type its passphrase at the prompt on a terminal";
 
 /// Writers to one block serialize on one of these (sub-block writes are
 /// read-modify-write).
@@ -42,6 +47,11 @@ pub(crate) struct Engine {
     pub guard: GuardKind,
     /// The copy method `Auto` chose per source volume (`copy.rs`).
     pub copy_methods: crate::copy::MethodCache,
+    /// An encrypted volume's data key, when opened with its key (kept to
+    /// rewrap it on a key change).
+    pub data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
+    /// The volume is encrypted (fixed at creation).
+    encrypted: bool,
 }
 
 impl Engine {
@@ -67,12 +77,36 @@ impl Engine {
         let geometry = superblock
             .geometry()
             .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")))?;
-        let shared = Shared {
-            io: Backing::new(storage, geometry, read_only),
-            protection: Box::new(GuardProtection::new(
+        // The key is checked before anything else is read or written.
+        let mut data_key = None;
+        let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
+        let protection: Box<dyn Protection> = if encrypted {
+            let (uuid, tag) = (superblock.uuid, superblock.volume_tag());
+            match (&options.key, options.keyless) {
+                (Some(secret), _) => {
+                    let key = secret.unwrap(&uuid, &superblock.key_wrap)?;
+                    let protection = EncryptedProtection::new(&key[..], uuid, tag);
+                    data_key = Some(key);
+                    Box::new(protection)
+                }
+                (None, true) => {
+                    read_only = Some(
+                        " (encrypted volume opened without its key: keyless verification only)"
+                            .to_string(),
+                    );
+                    Box::new(EncryptedProtection::keyless(uuid, tag))
+                }
+                (None, false) => return Err(Error::Key(MISSING_KEY.into())),
+            }
+        } else {
+            Box::new(GuardProtection::new(
                 superblock.guard,
                 superblock.volume_tag(),
-            )),
+            ))
+        };
+        let shared = Shared {
+            io: Backing::new(storage, geometry, read_only),
+            protection,
             layouts: LayoutMap::whole(geometry),
             state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
             uuid: superblock.uuid,
@@ -91,7 +125,14 @@ impl Engine {
             recovery,
             guard: superblock.guard,
             copy_methods: Default::default(),
+            data_key,
+            encrypted,
         })
+    }
+
+    /// Is the volume encrypted? (Fixed at creation; never waits for a commit.)
+    pub fn encrypted(&self) -> bool {
+        self.encrypted
     }
 
     pub fn stripe(&self, lba: u64) -> &Mutex<()> {

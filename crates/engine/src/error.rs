@@ -17,15 +17,19 @@ pub enum FaultKind {
     ContextCorrupt,
     /// The backing storage returned an error reading the block.
     Unreadable,
+    /// Encrypted volumes: the block does not authenticate under the
+    /// volume's key, uuid and its LBA (moved, swapped or forged).
+    AuthFailed,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 5] = [
+    pub const ALL: [FaultKind; 6] = [
         FaultKind::GuardMismatch,
         FaultKind::RefTagMismatch,
         FaultKind::VolumeTagMismatch,
         FaultKind::ContextCorrupt,
         FaultKind::Unreadable,
+        FaultKind::AuthFailed,
     ];
 
     /// Stable snake_case name used in logs, JSON and metrics labels.
@@ -36,6 +40,7 @@ impl FaultKind {
             FaultKind::VolumeTagMismatch => "volume_tag_mismatch",
             FaultKind::ContextCorrupt => "context_corrupt",
             FaultKind::Unreadable => "unreadable",
+            FaultKind::AuthFailed => "auth_failed",
         }
     }
 }
@@ -83,6 +88,9 @@ pub enum Error {
     /// superblock copies invalid, an impossible journal record).
     #[error("{0}")]
     Corrupt(String),
+    /// An encrypted volume's key is missing, malformed or wrong.
+    #[error("{0}")]
+    Key(String),
     /// The volume uses features this build does not implement.
     #[error("{0}")]
     Unsupported(String),

@@ -7,7 +7,8 @@
 //! - `backing` — storage with counted I/O, errors with context, fail-stop.
 //! - `superblock`, `journal`, `contexts`, `state` — the on-disk and
 //!   in-memory structures.
-//! - `protection` — sealing and opening blocks (guard, tags).
+//! - `protection` — sealing and opening blocks (guard, tags);
+//!   `encryption` and `keys` — the encrypted volume's protection and keys.
 //! - `layout/` — split and packed, behind one trait, per LBA range.
 //! - `read`, `write`, `commit`, `recovery` — the paths, over `shared`
 //!   parts and the committer (`engine`).
@@ -23,10 +24,12 @@ mod commit;
 pub mod contexts;
 pub mod copy;
 pub mod device;
+pub mod encryption;
 mod engine;
 pub mod error;
 pub mod jobs;
 mod journal;
+pub mod keys;
 mod layout;
 pub mod options;
 pub mod protection;
@@ -46,6 +49,7 @@ mod write;
 pub use check::{check, CheckReport};
 pub use device::{BlockDevice, SealedBlock};
 pub use error::{Error, Fault, FaultKind, Result};
+pub use keys::UserSecret;
 pub use layout::Allocation;
 pub use options::{CreateOptions, OpenOptions, Tuning};
 pub use state::{RangeOp, BLOCK};
@@ -96,12 +100,24 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
         .geometry()
         .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")).in_volume(path))?;
     let how = FileOpen {
-        writable: !options.read_only,
+        writable: !options.read_only && !options.keyless,
         direct: options.direct,
     };
     let storage =
         FileStorage::open_objects(path, &geometry, how).map_err(|error| cannot_open(&error))?;
     Volume::open(Arc::new(storage), options)
+}
+
+/// The superblock of the volume directory at `path` (the newest valid
+/// copy), read without opening the volume: what a caller checks before
+/// opening (is it encrypted, how is its key given).
+pub fn volume_superblock(path: &Path) -> Result<vouch_format::Superblock> {
+    let file = FileStorage::open_superblock(path).map_err(|error| Error::Path {
+        action: "open",
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    })?;
+    read_superblock_file(&file, path)
 }
 
 /// Both superblock slots from the file (short files read as zeros), then

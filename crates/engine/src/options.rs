@@ -2,6 +2,8 @@
 
 use vouch_format::{GuardKind, LayoutKind};
 
+use crate::keys::UserSecret;
+
 /// Knobs with measured defaults (see docs/BENCHMARKS.md).
 #[derive(Clone, Copy, Debug)]
 pub struct Tuning {
@@ -33,7 +35,7 @@ impl Default for Tuning {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct CreateOptions {
     pub size_bytes: u64,
     pub layout: LayoutKind,
@@ -42,6 +44,9 @@ pub struct CreateOptions {
     pub segment_blocks: Option<u64>,
     /// Journal capacity (default: 128 MiB split, 64 MiB packed).
     pub journal_bytes: Option<u64>,
+    /// Encrypt the volume, its data key wrapped by this key or passphrase
+    /// (`keys.rs`); `None`: a plain volume.
+    pub encrypt: Option<UserSecret>,
 }
 
 impl CreateOptions {
@@ -52,6 +57,7 @@ impl CreateOptions {
             guard: GuardKind::Crc32c,
             segment_blocks: None,
             journal_bytes: None,
+            encrypt: None,
         }
     }
 
@@ -66,11 +72,19 @@ impl CreateOptions {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct OpenOptions {
     pub read_only: bool,
     /// Data segments bypass the host page cache (O_DIRECT, like qemu's
     /// cache=none); used by `open_volume` (file storage only).
     pub direct: bool,
     pub tuning: Tuning,
+    /// The key (or passphrase) of an encrypted volume; ignored by a plain
+    /// one. An encrypted volume opened without it is refused, unless
+    /// `keyless` is set.
+    pub key: Option<UserSecret>,
+    /// Open an encrypted volume without its key, read-only: reads return
+    /// ciphertext checked only by the keyless guard (`check --keyless`,
+    /// scrub and verify without handing out the key). Never served.
+    pub keyless: bool,
 }

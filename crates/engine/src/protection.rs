@@ -5,26 +5,46 @@
 //! computes a guard or compares a tag.
 //!
 //! `GuardProtection` is the plain implementation: a guard checksum over the
-//! data, a reference tag (the LBA) and a volume tag. An encrypted volume
-//! (AEAD nonce and tag bound to volume and LBA) is a second implementation
-//! of the same trait.
+//! data, a reference tag (the LBA) and a volume tag. `EncryptedProtection`
+//! (`encryption.rs`) is the second: sealing encrypts the bytes in place
+//! (AES-256-GCM-SIV, volume and LBA as associated data), opening for a
+//! reader authenticates and decrypts them in place. Below this trait every
+//! byte of an encrypted volume — buffered, journaled, at home — is
+//! ciphertext.
 
 use vouch_format::{Context, FormatError, GuardKind};
 
 use crate::error::FaultKind;
 
 /// What sealing one block produced, carried with the buffered block until
-/// its commit knows the generation. Plain protection: the guard.
+/// its commit knows the generation. Plain protection: the guard (nonce and
+/// tag zero). Encrypted: the keyless guard, the nonce's random part and
+/// the AEAD tag.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Seal {
     pub guard: u64,
+    pub nonce: [u8; vouch_format::context::ENCRYPTED_NONCE_RANDOM],
+    pub tag: [u8; 16],
+}
+
+impl Seal {
+    /// A plain seal: just the guard.
+    pub fn guard(guard: u64) -> Seal {
+        Seal {
+            guard,
+            nonce: [0; vouch_format::context::ENCRYPTED_NONCE_RANDOM],
+            tag: [0; 16],
+        }
+    }
 }
 
 /// Seal and open blocks for one volume. Implementations are shared by every
 /// reader and writer thread.
 pub trait Protection: Send + Sync {
-    /// Seal a block's bytes for `lba`, on the writer's thread.
-    fn seal(&self, lba: u64, data: &[u8]) -> Seal;
+    /// Seal a block's bytes for `lba`, on the writer's thread. A protection
+    /// that transforms data (encryption) replaces `data` with the bytes to
+    /// store; the plain one leaves it as it is.
+    fn seal(&self, lba: u64, data: &mut [u8]) -> Seal;
 
     /// The context a sealed block is stored with, once its commit's
     /// sequence number (the block's generation) is known.
@@ -42,6 +62,24 @@ pub trait Protection: Send + Sync {
         context: &Result<Context, FormatError>,
         stored: &[u8],
     ) -> Result<(), FaultKind>;
+
+    /// Open a block for a reader: check it like `open` and turn the stored
+    /// bytes into the data in place (decrypt). The plain protection only
+    /// checks.
+    fn open_in_place(
+        &self,
+        lba: u64,
+        context: &Result<Context, FormatError>,
+        stored: &mut [u8],
+    ) -> Result<(), FaultKind> {
+        self.open(lba, context, stored)
+    }
+
+    /// Turn a copy of a buffered block (sealed in memory with `seal`, not
+    /// yet committed) into its data in place. Plain: nothing to do.
+    fn reveal(&self, _lba: u64, _seal: &Seal, _data: &mut [u8]) -> Result<(), FaultKind> {
+        Ok(())
+    }
 
     /// Does `stored` hold the very bytes `context` sealed? Recovery asks
     /// this of each candidate context of a block whose write may not have
@@ -76,10 +114,8 @@ impl GuardProtection {
 }
 
 impl Protection for GuardProtection {
-    fn seal(&self, _lba: u64, data: &[u8]) -> Seal {
-        Seal {
-            guard: self.guard.compute(data),
-        }
+    fn seal(&self, _lba: u64, data: &mut [u8]) -> Seal {
+        Seal::guard(self.guard.compute(data))
     }
 
     fn context(&self, lba: u64, seal: Seal, generation: u64) -> Context {
@@ -145,7 +181,7 @@ impl Protection for GuardProtection {
 
     fn seal_of(&self, context: &Context) -> Option<Seal> {
         match context {
-            Context::Data { guard, .. } => Some(Seal { guard: *guard }),
+            Context::Data { guard, .. } => Some(Seal::guard(*guard)),
             _ => None,
         }
     }
@@ -158,8 +194,12 @@ mod tests {
     #[test]
     fn a_sealed_block_opens_only_at_its_lba_in_its_volume() {
         let protection = GuardProtection::new(GuardKind::Crc32c, 7);
-        let data = [0x5au8; 4096];
-        let context = protection.context(9, protection.seal(9, &data), 3);
+        let mut data = [0x5au8; 4096];
+        let context = protection.context(9, protection.seal(9, &mut data), 3);
+        assert_eq!(
+            data, [0x5au8; 4096],
+            "plain sealing leaves the data as it is"
+        );
         assert_eq!(protection.open(9, &Ok(context), &data), Ok(()));
         assert_eq!(
             protection.open(10, &Ok(context), &data),

@@ -17,6 +17,7 @@ use crate::device::SealedBlock;
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::jobs::SCAN_CHUNK_BLOCKS;
 use crate::layout::{Allocation, ContextFrom, Planned};
+use crate::protection::Seal;
 use crate::shared::Shared;
 use crate::state::{load_context_page, Block, BLOCK};
 use crate::storage::Wait;
@@ -26,7 +27,9 @@ const CLONE_WAIT: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// Where one block's bytes come from.
 pub(crate) enum Source {
-    Memory(Arc<Block>),
+    /// The write-back buffer: the bytes as sealed (ciphertext on an
+    /// encrypted volume) and their seal.
+    Memory(Arc<Block>, Seal),
     Zero,
     /// Home storage, verified against its context.
     Home(ContextFrom),
@@ -132,8 +135,15 @@ impl Shared {
             let lba = first + index as u64;
             let block = index * BLOCK as usize..(index + 1) * BLOCK as usize;
             match &plan[index] {
-                Source::Memory(data) => {
-                    out[block].copy_from_slice(&data[..]);
+                Source::Memory(data, seal) => {
+                    out[block.clone()].copy_from_slice(&data[..]);
+                    if let Err(kind) = self.protection.reveal(lba, seal, &mut out[block.clone()]) {
+                        // Only a buffer corrupted in memory gets here.
+                        self.note_fault(lba, kind, &mut out[block], faults);
+                        if on_fault == OnFault::Stop {
+                            return Ok(());
+                        }
+                    }
                     index += 1;
                 }
                 Source::Zero => {
@@ -199,9 +209,9 @@ impl Shared {
     }
 
     /// Blocks as stored, each with its context (`BlockDevice::read_sealed`).
-    /// A block still in the write-back buffer is sealed now, with the
-    /// generation its commit will carry; a block that reads as zeros has a
-    /// hole's context.
+    /// A block still in the write-back buffer carries the seal it was
+    /// buffered with and the generation its commit will carry; a block that
+    /// reads as zeros has a hole's context.
     pub fn read_sealed(&self, first: u64, count: u64, generation: u64) -> Result<Vec<SealedBlock>> {
         self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
         let plan = self.plan(first, count)?;
@@ -210,10 +220,9 @@ impl Shared {
             let lba = first + index as u64;
             let mut data: Box<Block> = Box::new([0u8; BLOCK as usize]);
             let context = match source {
-                Source::Memory(buffered) => {
+                Source::Memory(buffered, seal) => {
                     data.copy_from_slice(&buffered[..]);
-                    let seal = self.protection.seal(lba, &data[..]);
-                    self.protection.context(lba, seal, generation)
+                    self.protection.context(lba, *seal, generation)
                 }
                 Source::Zero => Context::Unwritten,
                 Source::Unreadable => return Err(unreadable(lba)),
@@ -272,7 +281,7 @@ impl Shared {
         let mut missing = Vec::new();
         for lba in first..first + count {
             if let Some(dirty) = state.buffered(lba) {
-                plan.push(Source::Memory(dirty.data.clone()));
+                plan.push(Source::Memory(dirty.data.clone(), dirty.seal));
                 continue;
             }
             match self.layouts.of(lba).plan(lba, &state.contexts) {
@@ -355,7 +364,7 @@ impl Shared {
                 Source::Home(ContextFrom::Known(found)) => found.clone(),
                 _ => record_contexts[index].clone(),
             };
-            if self.protection.open(lba, &context, block).is_ok() {
+            if self.protection.open_in_place(lba, &context, block).is_ok() {
                 if context.is_ok_and(|c| c.reads_as_zero()) {
                     block.fill(0);
                 }
@@ -391,9 +400,9 @@ impl Shared {
     fn reread_block(&self, lba: u64, block: &mut [u8]) -> std::result::Result<(), FaultKind> {
         let plan = self.plan(lba, 1).map_err(|_| FaultKind::Unreadable)?;
         let known = match &plan[0] {
-            Source::Memory(data) => {
+            Source::Memory(data, seal) => {
                 block.copy_from_slice(&data[..]);
-                return Ok(());
+                return self.protection.reveal(lba, seal, block);
             }
             Source::Zero => {
                 block.fill(0);
@@ -411,7 +420,7 @@ impl Shared {
         let context = known
             .or(stored)
             .expect("a layout without a context table returns the record's context");
-        self.protection.open(lba, &context, block)?;
+        self.protection.open_in_place(lba, &context, block)?;
         if context.is_ok_and(|c| c.reads_as_zero()) {
             block.fill(0);
         }

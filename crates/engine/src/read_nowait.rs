@@ -42,8 +42,12 @@ impl Shared {
         while index < plan.len() {
             let block = index * BLOCK as usize..(index + 1) * BLOCK as usize;
             match &plan[index] {
-                Source::Memory(data) => {
-                    buf[block].copy_from_slice(&data[..]);
+                Source::Memory(data, seal) => {
+                    buf[block.clone()].copy_from_slice(&data[..]);
+                    let lba = first + index as u64;
+                    if self.protection.reveal(lba, seal, &mut buf[block]).is_err() {
+                        return Ok(None);
+                    }
                     index += 1;
                 }
                 Source::Zero => {
@@ -83,7 +87,7 @@ impl Shared {
                 Source::Home(ContextFrom::Known(found)) => found.clone(),
                 _ => record_contexts[index].clone(),
             };
-            if self.protection.open(lba, &context, block).is_err() {
+            if self.protection.open_in_place(lba, &context, block).is_err() {
                 return false;
             }
             if context.is_ok_and(|c| c.reads_as_zero()) {

@@ -5,9 +5,11 @@
 //! any `Storage`.
 
 use vouch_format::superblock::{FORMAT_VERSION, STATE_CLEAN, SUPERBLOCK_SLOT_BYTES};
-use vouch_format::{FeatureFlags, Geometry, Superblock, BLOCK_SIZE};
+use vouch_format::{FeatureFlags, Geometry, GuardKind, KeyWrap, Superblock, BLOCK_SIZE};
 
+use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::keys::UserSecret;
 use crate::options::CreateOptions;
 use crate::state::BLOCK;
 use crate::storage::{ObjectId, Storage};
@@ -89,10 +91,23 @@ pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
     let segment_blocks = options.segment_blocks();
     Geometry::new(options.layout, options.size_bytes, segment_blocks)
         .map_err(|error| Error::InvalidArgument(format!("bad geometry: {error}")))?;
+    let uuid = *uuid::Uuid::new_v4().as_bytes();
+    let mut features = FeatureFlags::for_layout(options.layout);
+    let mut key_wrap = KeyWrap::default();
+    if let Some(secret) = &options.encrypt {
+        if options.guard != GuardKind::Crc32c {
+            return Err(Error::InvalidArgument(format!(
+                "an encrypted volume's keyless guard is CRC-32C (with the AEAD tag); guard {} does not apply",
+                options.guard.name()
+            )));
+        }
+        features.incompat |= FeatureFlags::INCOMPAT_ENCRYPTED;
+        key_wrap = secret.wrap(&uuid, &crate::keys::new_data_key())?;
+    }
     Ok(Superblock {
         version: FORMAT_VERSION,
-        features: FeatureFlags::for_layout(options.layout),
-        uuid: *uuid::Uuid::new_v4().as_bytes(),
+        features,
+        uuid,
         block_size: BLOCK_SIZE,
         guard: options.guard,
         layout: options.layout,
@@ -105,5 +120,34 @@ pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
         created_unix_secs: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_secs()),
+        key_wrap,
     })
+}
+
+/// Rewrap an open encrypted volume's data key under `secret` (`vouch key
+/// change`). Crash-safe: the new superblock is written to the older copy
+/// and fsynced — from then on it is the newest valid copy, and only the
+/// new key opens the volume; before, the old copy is newest and only the
+/// old key does. Then it is written to the other copy too (generation + 2)
+/// and fsynced, so the old wrap does not stay on disk; a torn second write
+/// leaves the first. Never neither key (docs/CRASH_MODEL.md).
+pub(crate) fn change_key(engine: &Engine, secret: &UserSecret) -> Result<()> {
+    let shared = &engine.shared;
+    let Some(data_key) = &engine.data_key else {
+        return Err(Error::Key(
+            "the volume is not encrypted, or was opened without its key: there is no key to change"
+                .into(),
+        ));
+    };
+    shared.io.check_writable()?;
+    let mut journal = engine.committer.lock();
+    let mut superblock = journal.superblock;
+    superblock.key_wrap = secret.wrap(&superblock.uuid, data_key)?;
+    for _ in 0..2 {
+        superblock.generation += 1;
+        write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
+        shared.io.sync_object(ObjectId::Superblock)?;
+        journal.superblock = superblock;
+    }
+    Ok(())
 }

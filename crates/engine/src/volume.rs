@@ -13,6 +13,7 @@ use vouch_format::{FeatureFlags, Geometry, GuardKind, LayoutKind, BLOCK_SIZE};
 use crate::device::{BlockDevice, SealedBlock};
 use crate::engine::Engine;
 use crate::error::{Error, Fault, Result};
+use crate::keys::UserSecret;
 use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
 use crate::recovery::RecoveryReport;
@@ -45,6 +46,10 @@ pub struct VolumeInfo {
     pub clean: bool,
     pub read_only: bool,
     pub allocated_bytes: u64,
+    /// Encrypted (AES-256-GCM-SIV); `kdf` says how its key is given.
+    pub encrypted: bool,
+    /// Encrypted volumes: "raw key" or "passphrase (Argon2id)".
+    pub key_kind: Option<&'static str>,
 }
 
 impl Volume {
@@ -56,7 +61,23 @@ impl Volume {
         storage
             .sync(ObjectId::Superblock)
             .map_err(|error| Error::io("sync", ObjectId::Superblock, 0, error))?;
-        Volume::open(storage, &OpenOptions::default())
+        let open = OpenOptions {
+            key: options.encrypt.clone(),
+            ..OpenOptions::default()
+        };
+        Volume::open(storage, &open)
+    }
+
+    /// Rewrap an encrypted volume's data key under a new key or
+    /// passphrase (crash-safe: `superblock::change_key`). The data is not
+    /// rewritten; afterwards only the new key opens the volume.
+    pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
+        crate::superblock::change_key(&self.engine, secret)
+    }
+
+    /// Is the volume encrypted?
+    pub fn encrypted(&self) -> bool {
+        self.engine.encrypted()
     }
 
     /// Open a volume, recovering from the journal if it was not closed cleanly.
@@ -157,6 +178,12 @@ impl Volume {
             clean: self.engine.recovery.was_clean,
             read_only: io.is_read_only(),
             allocated_bytes: allocated,
+            encrypted: superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0,
+            key_kind: (superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0)
+                .then_some(match superblock.key_wrap.kdf {
+                    vouch_format::superblock::KDF_ARGON2ID => "passphrase (Argon2id)",
+                    _ => "raw 32-byte key",
+                }),
         })
     }
 }

@@ -81,8 +81,10 @@ impl Engine {
             .chunks_exact(BLOCK as usize)
             .zip(first..)
             .map(|(bytes, lba)| {
-                let data = shared_block(bytes);
-                let seal = shared.protection.seal(lba, &data[..]);
+                let mut data = shared_block(bytes);
+                // A fresh copy, not shared yet: sealed (encrypted) in place.
+                let block = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
+                let seal = shared.protection.seal(lba, &mut block[..]);
                 (lba, DirtyBlock { data, seal })
             })
             .collect();
@@ -108,8 +110,10 @@ impl Engine {
         let shared = &self.shared;
         let sealed: Vec<(u64, DirtyBlock)> = blocks
             .into_iter()
-            .map(|(lba, data)| {
-                let seal = shared.protection.seal(lba, &data[..]);
+            .map(|(lba, mut data)| {
+                // Fresh copies, not shared yet: sealed (encrypted) in place.
+                let bytes = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
+                let seal = shared.protection.seal(lba, &mut bytes[..]);
                 (lba, DirtyBlock { data, seal })
             })
             .collect();

@@ -32,6 +32,8 @@ fn stress(layout: LayoutKind) {
                 read_only: false,
                 direct: false,
                 tuning,
+                key: None,
+                keyless: false,
             },
         )
         .expect("open"),

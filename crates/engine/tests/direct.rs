@@ -20,6 +20,8 @@ fn options(direct: bool) -> OpenOptions {
             overlay_limit: 64,
             background_commit: true,
         },
+        key: None,
+        keyless: false,
     }
 }
 

@@ -71,6 +71,8 @@ fn open(storage: &SimStorage) -> Volume {
         read_only: false,
         direct: false,
         tuning: tuning(),
+        key: None,
+        keyless: false,
     };
     Volume::open(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("open")
 }

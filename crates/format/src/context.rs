@@ -5,8 +5,11 @@
 //! - `Data`: guard + reference tag + volume tag + write generation, self-checked
 //!   by a CRC-32C of its first 28 bytes;
 //! - `Zero`: trimmed or written as zeroes (reads as zeros, data untouched);
-//! - `Encrypted`: reserved for AES-256-GCM-SIV volumes: a 12-byte nonce and a
-//!   16-byte tag; the AEAD binds volume and LBA through associated data.
+//! - `Encrypted`: a block of an encrypted volume: the AES-256-GCM-SIV nonce
+//!   (the kind byte and 11 random bytes), the 16-byte AEAD tag (volume uuid
+//!   and LBA are associated data) and a keyless guard, CRC-32C of the
+//!   context's first 28 bytes and the stored (encrypted) data, which anyone
+//!   can check without the key.
 
 use crate::bytes::{get_u32, get_u64, put_u32, put_u64};
 use crate::{crc32c, Field, FormatError};
@@ -38,9 +41,42 @@ pub enum Context {
         generation: u32,
     },
     Encrypted {
-        nonce: [u8; 12],
+        /// Bytes 1..12: the random part of the AEAD nonce (byte 0 of the
+        /// nonce is the kind byte, 3; see `aead_nonce`).
+        nonce: [u8; ENCRYPTED_NONCE_RANDOM],
+        /// The AES-256-GCM-SIV tag.
         tag: [u8; 16],
+        /// Keyless guard: `encrypted_guard` of the context and stored data.
+        guard: u32,
     },
+}
+
+/// Random bytes in an encrypted context's nonce (the 12-byte AEAD nonce is
+/// the kind byte followed by these).
+pub const ENCRYPTED_NONCE_RANDOM: usize = 11;
+
+/// The 12-byte AEAD nonce of an encrypted context: its kind byte (3) and
+/// its 11 random bytes, i.e. bytes 0..12 of the encoded context.
+pub fn aead_nonce(random: &[u8; ENCRYPTED_NONCE_RANDOM]) -> [u8; 12] {
+    let mut nonce = [0u8; 12];
+    nonce[0] = ContextKind::Encrypted as u8;
+    nonce[1..].copy_from_slice(random);
+    nonce
+}
+
+/// The keyless guard of an encrypted block: CRC-32C of the context's first
+/// 28 bytes (kind, nonce, tag) followed by the 4096 stored bytes (the
+/// ciphertext). A scrub or replica without the key checks this; it catches
+/// a corrupt context byte as well as corrupt data.
+pub fn encrypted_guard(nonce: &[u8; ENCRYPTED_NONCE_RANDOM], tag: &[u8; 16], stored: &[u8]) -> u32 {
+    let mut head = [0u8; 28];
+    head[0] = ContextKind::Encrypted as u8;
+    head[1..12].copy_from_slice(nonce);
+    head[12..28].copy_from_slice(tag);
+    let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+    digest.update(&head);
+    digest.update(stored);
+    digest.finalize() as u32
 }
 
 impl Context {
@@ -90,19 +126,19 @@ impl Context {
             size: 1,
         },
         Field {
-            name: "reserved",
-            offset: 1,
-            size: 3,
-        },
-        Field {
             name: "nonce",
-            offset: 4,
-            size: 12,
+            offset: 1,
+            size: 11,
         },
         Field {
             name: "aead_tag",
-            offset: 16,
+            offset: 12,
             size: 16,
+        },
+        Field {
+            name: "guard",
+            offset: 28,
+            size: 4,
         },
     ];
 
@@ -113,6 +149,11 @@ impl Context {
             Context::Data { .. } => ContextKind::Data,
             Context::Encrypted { .. } => ContextKind::Encrypted,
         }
+    }
+
+    /// True when the context seals a stored data block (plain or encrypted).
+    pub fn carries_data(&self) -> bool {
+        matches!(self, Context::Data { .. } | Context::Encrypted { .. })
     }
 
     /// True when reading the block needs no data I/O (it reads as zeros).
@@ -149,10 +190,11 @@ impl Context {
                 guard,
                 generation,
             ),
-            Context::Encrypted { nonce, tag } => {
+            Context::Encrypted { nonce, tag, guard } => {
                 out[0] = ContextKind::Encrypted as u8;
-                out[4..16].copy_from_slice(&nonce);
-                out[16..32].copy_from_slice(&tag);
+                out[1..12].copy_from_slice(&nonce);
+                out[12..28].copy_from_slice(&tag);
+                put_u32(&mut out, 28, guard);
             }
         }
         out
@@ -203,12 +245,19 @@ impl Context {
                     })
                 }
             }
+            // An encrypted context cannot check itself without its data:
+            // its guard covers its bytes and the data together (checked by
+            // whoever reads the block, with or without the key).
             3 => {
-                let mut nonce = [0u8; 12];
+                let mut nonce = [0u8; ENCRYPTED_NONCE_RANDOM];
                 let mut tag = [0u8; 16];
-                nonce.copy_from_slice(&raw[4..16]);
-                tag.copy_from_slice(&raw[16..32]);
-                Ok(Context::Encrypted { nonce, tag })
+                nonce.copy_from_slice(&raw[1..12]);
+                tag.copy_from_slice(&raw[12..28]);
+                Ok(Context::Encrypted {
+                    nonce,
+                    tag,
+                    guard: get_u32(raw, 28),
+                })
             }
             other => Err(FormatError::UnknownContextKind(other)),
         }
@@ -277,6 +326,39 @@ mod tests {
             flipped[bit / 8] ^= 1 << (bit % 8);
             assert_ne!(Context::decode(&flipped).ok(), Some(ctx), "bit {bit}");
         }
+    }
+
+    #[test]
+    fn encrypted_golden_bytes_and_keyless_guard() {
+        let nonce = [0xA5; ENCRYPTED_NONCE_RANDOM];
+        let tag = [0x3C; 16];
+        let data = [0x77u8; 4096];
+        let guard = encrypted_guard(&nonce, &tag, &data);
+        let ctx = Context::Encrypted { nonce, tag, guard };
+        let bytes = ctx.encode();
+        assert_eq!(bytes[0], 3);
+        assert_eq!(&bytes[1..12], &nonce);
+        assert_eq!(&bytes[12..28], &tag);
+        assert_eq!(get_u32(&bytes, 28), guard);
+        assert_eq!(Context::decode(&bytes).unwrap(), ctx);
+        assert_eq!(&aead_nonce(&nonce)[..], &bytes[..12]);
+        // The guard is CRC-32C of the 28 context bytes then the data.
+        let mut whole = bytes[..28].to_vec();
+        whole.extend_from_slice(&data);
+        assert_eq!(guard, crc32c(&whole));
+        // Any flipped bit of context or data changes the keyless guard.
+        for bit in 0..(28 * 8) {
+            let mut flipped = bytes;
+            flipped[bit / 8] ^= 1 << (bit % 8);
+            // Otherwise it is no longer an encrypted context: corrupt or
+            // another kind, whose own checks apply.
+            if let Ok(Context::Encrypted { nonce, tag, guard }) = Context::decode(&flipped) {
+                assert_ne!(encrypted_guard(&nonce, &tag, &data), guard, "bit {bit}");
+            }
+        }
+        let mut flipped = data;
+        flipped[4095] ^= 0x80;
+        assert_ne!(encrypted_guard(&nonce, &tag, &flipped), guard);
     }
 
     proptest! {

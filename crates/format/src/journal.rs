@@ -233,7 +233,7 @@ pub fn encode_record(
     if let Some(blocks) = data {
         let data_entries = entries
             .iter()
-            .filter(|entry| matches!(entry.context, Context::Data { .. }))
+            .filter(|entry| entry.context.carries_data())
             .count();
         assert_eq!(
             blocks.len(),

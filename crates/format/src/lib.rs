@@ -11,11 +11,11 @@ pub mod journal;
 pub mod layout;
 pub mod superblock;
 
-pub use context::{Context, ContextKind, CONTEXT_BYTES};
+pub use context::{aead_nonce, encrypted_guard, Context, ContextKind, CONTEXT_BYTES};
 pub use guard::{crc32c, GuardKind};
 pub use journal::{JournalEntry, JournalHeader, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES};
 pub use layout::{Geometry, LayoutKind};
-pub use superblock::{FeatureFlags, Superblock, SUPERBLOCK_BYTES};
+pub use superblock::{FeatureFlags, KeyWrap, Superblock, SUPERBLOCK_BYTES};
 
 /// The only block size this version writes. 512-byte blocks are a possible
 /// later feature (it would be an incompat flag).

@@ -36,13 +36,14 @@ impl FeatureFlags {
     pub const INCOMPAT_CONTEXT_JOURNAL: u64 = 1 << 0;
     /// Data segments use the packed (record) layout.
     pub const INCOMPAT_PACKED_LAYOUT: u64 = 1 << 1;
-    /// Blocks are encrypted (AES-256-GCM-SIV contexts). Defined, not yet supported.
+    /// Blocks are encrypted (AES-256-GCM-SIV contexts, kind 3); the
+    /// superblock's key fields hold the wrapped data key.
     pub const INCOMPAT_ENCRYPTED: u64 = 1 << 2;
 
     pub const SUPPORTED_COMPAT: u64 = Self::COMPAT_HOLE_PUNCH;
     pub const SUPPORTED_RO_COMPAT: u64 = 0;
     pub const SUPPORTED_INCOMPAT: u64 =
-        Self::INCOMPAT_CONTEXT_JOURNAL | Self::INCOMPAT_PACKED_LAYOUT;
+        Self::INCOMPAT_CONTEXT_JOURNAL | Self::INCOMPAT_PACKED_LAYOUT | Self::INCOMPAT_ENCRYPTED;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
         let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL;
@@ -64,6 +65,33 @@ impl FeatureFlags {
     pub fn unknown_ro_compat(&self) -> u64 {
         self.ro_compat & !Self::SUPPORTED_RO_COMPAT
     }
+}
+
+/// How the user's key of an encrypted volume was made (`KeyWrap::kdf`).
+pub const KDF_RAW: u8 = 0;
+/// The user's key is Argon2id(passphrase, `kdf_salt`, costs).
+pub const KDF_ARGON2ID: u8 = 1;
+
+/// An encrypted volume's key material in the superblock: the random data
+/// key wrapped (AES-256-GCM-SIV) by the user's key, and how a passphrase
+/// becomes the user's key. All zero in a plain volume. The wrap's tag is
+/// the key-check value: a wrong user key fails to unwrap.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeyWrap {
+    /// `KDF_RAW` (a 32-byte key given as is) or `KDF_ARGON2ID`.
+    pub kdf: u8,
+    /// Argon2id memory cost in KiB.
+    pub kdf_m_cost_kib: u32,
+    /// Argon2id passes.
+    pub kdf_t_cost: u32,
+    /// Argon2id lanes.
+    pub kdf_parallelism: u32,
+    pub kdf_salt: [u8; 16],
+    pub wrap_nonce: [u8; 12],
+    /// The data key, encrypted under the user's key.
+    pub wrapped_key: [u8; 32],
+    /// The wrap's AEAD tag: checks the user's key before anything is read.
+    pub key_check: [u8; 16],
 }
 
 /// Clean-shutdown state recorded in the superblock.
@@ -88,6 +116,8 @@ pub struct Superblock {
     pub checkpoint_seq: u64,
     pub state: u32,
     pub created_unix_secs: u64,
+    /// Encrypted volumes only (all zero otherwise).
+    pub key_wrap: KeyWrap,
 }
 
 impl Superblock {
@@ -188,9 +218,54 @@ impl Superblock {
             size: 8,
         },
         Field {
-            name: "reserved2",
+            name: "kdf",
             offset: 120,
-            size: 132,
+            size: 1,
+        },
+        Field {
+            name: "reserved2",
+            offset: 121,
+            size: 3,
+        },
+        Field {
+            name: "kdf_m_cost_kib",
+            offset: 124,
+            size: 4,
+        },
+        Field {
+            name: "kdf_t_cost",
+            offset: 128,
+            size: 4,
+        },
+        Field {
+            name: "kdf_parallelism",
+            offset: 132,
+            size: 4,
+        },
+        Field {
+            name: "kdf_salt",
+            offset: 136,
+            size: 16,
+        },
+        Field {
+            name: "wrap_nonce",
+            offset: 152,
+            size: 12,
+        },
+        Field {
+            name: "wrapped_key",
+            offset: 164,
+            size: 32,
+        },
+        Field {
+            name: "key_check",
+            offset: 196,
+            size: 16,
+        },
+        Field {
+            name: "reserved3",
+            offset: 212,
+            size: 40,
         },
         Field {
             name: "crc",
@@ -227,6 +302,15 @@ impl Superblock {
         put_u64(&mut out, 96, self.checkpoint_seq);
         put_u32(&mut out, 104, self.state);
         put_u64(&mut out, 112, self.created_unix_secs);
+        let wrap = &self.key_wrap;
+        out[120] = wrap.kdf;
+        put_u32(&mut out, 124, wrap.kdf_m_cost_kib);
+        put_u32(&mut out, 128, wrap.kdf_t_cost);
+        put_u32(&mut out, 132, wrap.kdf_parallelism);
+        out[136..152].copy_from_slice(&wrap.kdf_salt);
+        out[152..164].copy_from_slice(&wrap.wrap_nonce);
+        out[164..196].copy_from_slice(&wrap.wrapped_key);
+        out[196..212].copy_from_slice(&wrap.key_check);
         crate::seal(&mut out, 252);
         out
     }
@@ -263,7 +347,26 @@ impl Superblock {
             checkpoint_seq: get_u64(raw, 96),
             state: get_u32(raw, 104),
             created_unix_secs: get_u64(raw, 112),
+            key_wrap: KeyWrap {
+                kdf: raw[120],
+                kdf_m_cost_kib: get_u32(raw, 124),
+                kdf_t_cost: get_u32(raw, 128),
+                kdf_parallelism: get_u32(raw, 132),
+                kdf_salt: raw[136..152].try_into().expect("16 bytes"),
+                wrap_nonce: raw[152..164].try_into().expect("12 bytes"),
+                wrapped_key: raw[164..196].try_into().expect("32 bytes"),
+                key_check: raw[196..212].try_into().expect("16 bytes"),
+            },
         };
+        let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
+        if !encrypted && superblock.key_wrap != KeyWrap::default() {
+            return Err(FormatError::Geometry(
+                "key fields are set but the volume is not encrypted",
+            ));
+        }
+        if encrypted && superblock.key_wrap.kdf > KDF_ARGON2ID {
+            return Err(FormatError::Geometry("unknown key derivation function"));
+        }
         superblock.geometry()?;
         // Counters only ever grow by one per checkpoint: values near the top
         // of the range are corruption, and would overflow when incremented.
@@ -319,7 +422,34 @@ mod tests {
             checkpoint_seq: 9,
             state: STATE_CLEAN,
             created_unix_secs: 1_700_000_000,
+            key_wrap: KeyWrap::default(),
         }
+    }
+
+    #[test]
+    fn key_wrap_round_trips_and_needs_the_flag() {
+        let mut sb = sample();
+        sb.features.incompat |= FeatureFlags::INCOMPAT_ENCRYPTED;
+        sb.key_wrap = KeyWrap {
+            kdf: KDF_ARGON2ID,
+            kdf_m_cost_kib: 65536,
+            kdf_t_cost: 3,
+            kdf_parallelism: 1,
+            kdf_salt: [1; 16],
+            wrap_nonce: [2; 12],
+            wrapped_key: [3; 32],
+            key_check: [4; 16],
+        };
+        let bytes = sb.encode();
+        assert_eq!(Superblock::decode(&bytes).unwrap(), sb);
+        assert_eq!(&bytes[164..196], &[3u8; 32]);
+        assert_eq!(&bytes[196..212], &[4u8; 16]);
+        let mut plain = sb;
+        plain.features.incompat &= !FeatureFlags::INCOMPAT_ENCRYPTED;
+        assert!(Superblock::decode(&plain.encode()).is_err());
+        let mut unknown_kdf = sb;
+        unknown_kdf.key_wrap.kdf = 9;
+        assert!(Superblock::decode(&unknown_kdf.encode()).is_err());
     }
 
     #[test]

@@ -90,6 +90,8 @@ pub struct CrashConfig {
     /// volume is opened, so flushed data is lost in crash images. Every
     /// seed must then report a violation.
     pub sabotage_sync: bool,
+    /// Encrypted volumes (AES-256-GCM-SIV; the guard must be crc32c).
+    pub encrypted: bool,
 }
 
 impl CrashConfig {
@@ -105,16 +107,18 @@ impl CrashConfig {
             nested_permille: 40,
             after_permille: 40,
             sabotage_sync: false,
+            encrypted: false,
         }
     }
 
     /// The command that replays one seed.
     pub fn replay_command(&self, seed: u64) -> String {
         format!(
-            "cargo run --release -p vouch-sim -- crash --layout {} --guard {} --tearing {} --seed {seed} --seeds 1",
+            "cargo run --release -p vouch-sim -- crash --layout {} --guard {} --tearing {} --seed {seed} --seeds 1{}",
             self.layout.name(),
             self.guard.name(),
-            self.tearing.name()
+            self.tearing.name(),
+            if self.encrypted { " --encrypted" } else { "" }
         )
     }
 }
@@ -147,8 +151,9 @@ pub struct CrashReport {
 impl CrashReport {
     pub fn summary(&self, config: &CrashConfig) -> String {
         format!(
-            "crash: layout={} guard={} tearing={} seeds={} ops={} images={} (during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            "crash: layout={}{} guard={} tearing={} seeds={} ops={} images={} (during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
             config.layout.name(),
+            if config.encrypted { " encrypted" } else { "" },
             config.guard.name(),
             config.tearing.name(),
             self.seeds,
@@ -497,7 +502,9 @@ fn random_range(rng: &mut Rng, size: u64) -> (u64, u64) {
     (start * 512, len * 512)
 }
 
-fn random_op(rng: &mut Rng, size: u64, layout: LayoutKind) -> Op {
+/// A random operation; `reflink`: forced reflink copies are possible
+/// (split, plain volumes).
+fn random_op(rng: &mut Rng, size: u64, reflink: bool) -> Op {
     let roll = rng.below(100);
     if roll < 12 {
         return Op::Flush;
@@ -524,7 +531,7 @@ fn random_op(rng: &mut Rng, size: u64, layout: LayoutKind) -> Op {
             rng.below(blocks - count + 1)
         };
         let mut methods = vec![CopyMethod::Auto, CopyMethod::Pipelined];
-        if layout == LayoutKind::Split {
+        if reflink {
             methods.push(CopyMethod::Reflink);
         }
         let method = methods[rng.below(methods.len() as u64) as usize];
@@ -560,6 +567,13 @@ struct HookState {
 }
 
 /// Run one seed; `Err` carries a description of the first violation.
+/// The key of seed `seed`'s encrypted volume.
+pub fn seed_key(seed: u64) -> vouch_engine::UserSecret {
+    let mut key = [0x5au8; 32];
+    key[..8].copy_from_slice(&seed.to_le_bytes());
+    vouch_engine::UserSecret::key(&key).expect("32 bytes")
+}
+
 pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let blocks = rng.range(64, 192);
@@ -578,11 +592,14 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         read_only: false,
         direct: false,
         tuning,
+        key: config.encrypted.then(|| seed_key(seed)),
+        keyless: false,
     };
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(size);
     options.layout = config.layout;
     options.guard = config.guard;
+    options.encrypt = open.key.clone();
     options.journal_bytes = Some(1 << 20);
     options.segment_blocks = Some(segment_blocks);
     Volume::create(Arc::new(sim.clone()), &options)
@@ -592,7 +609,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         blocks,
         unit: config.tearing.unit(),
         sector_tearing: config.tearing == Tearing::Sector,
-        open,
+        open: open.clone(),
         nested_permille: config.nested_permille,
         after_permille: config.after_permille,
     };
@@ -635,7 +652,8 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     }
     let ops = rng.range(30, 90);
     for index in 0..ops {
-        let op = random_op(&mut rng, size, config.layout);
+        let reflink = config.layout == LayoutKind::Split && !config.encrypted;
+        let op = random_op(&mut rng, size, reflink);
         counters.ops.fetch_add(1, Ordering::Relaxed);
         let doing = format!("op {index} {op:?}");
         let (touched, result, durable_all) = match op {

@@ -152,6 +152,8 @@ pub struct FaultConfig {
     pub count: u64,
     pub seed: u64,
     pub threads: usize,
+    /// Encrypted volumes in every cell (AES-256-GCM-SIV; guard crc32c).
+    pub encrypted: bool,
 }
 
 #[derive(Debug, Default)]
@@ -216,7 +218,7 @@ pub fn run(config: &FaultConfig) -> FaultReport {
                     .seed
                     .wrapping_mul(1_000_003)
                     .wrapping_add(index as u64 * 101 + part);
-                let result = run_cell(layout, guard, count, seed);
+                let result = run_cell(layout, guard, config.encrypted, count, seed);
                 let mut report = report.lock();
                 for (kind, tally) in result.tallies {
                     report
@@ -228,9 +230,10 @@ pub fn run(config: &FaultConfig) -> FaultReport {
                 report.injections += result.injections;
                 for violation in result.violations {
                     report.violations.push(format!(
-                        "VIOLATION layout={} guard={} cell-seed={seed}: {violation}",
+                        "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
                         layout.name(),
-                        guard.name()
+                        guard.name(),
+                        if config.encrypted { " encrypted" } else { "" }
                     ));
                 }
             });
@@ -246,8 +249,9 @@ impl FaultReport {
     pub fn render(&self, config: &FaultConfig) -> String {
         let mut out = String::new();
         let _ = write!(out, "| fault |");
+        let encrypted = if config.encrypted { " encrypted" } else { "" };
         for (layout, guard) in &config.cells {
-            let _ = write!(out, " {} {} |", layout.name(), guard.name());
+            let _ = write!(out, " {} {}{encrypted} |", layout.name(), guard.name());
         }
         out.push('\n');
         let _ = write!(out, "|---|");
@@ -461,7 +465,14 @@ fn volume_geometry(layout: LayoutKind) -> vouch_format::Geometry {
 }
 
 /// Run `count` injections of every kind on one fresh volume.
-pub fn run_cell(layout: LayoutKind, guard: GuardKind, count: u64, seed: u64) -> CellResult {
+pub fn run_cell(
+    layout: LayoutKind,
+    guard: GuardKind,
+    encrypted: bool,
+    count: u64,
+    seed: u64,
+) -> CellResult {
+    let key = encrypted.then(|| crate::crash::seed_key(seed));
     let mut rng = Rng::new(seed);
     let rec = Arc::new(Recorder::new(vouch_engine::SimStorage::new()));
     let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
@@ -469,6 +480,7 @@ pub fn run_cell(layout: LayoutKind, guard: GuardKind, count: u64, seed: u64) -> 
     options.guard = guard;
     options.journal_bytes = Some(1 << 20);
     options.segment_blocks = Some(segment_blocks(layout));
+    options.encrypt = key.clone();
     let open = OpenOptions {
         read_only: false,
         direct: false,
@@ -478,6 +490,8 @@ pub fn run_cell(layout: LayoutKind, guard: GuardKind, count: u64, seed: u64) -> 
             overlay_limit: 1024,
             background_commit: false,
         },
+        key,
+        keyless: false,
     };
     let mut result = CellResult::default();
     let created = Volume::create(rec.clone(), &options).and_then(Volume::close);

@@ -27,6 +27,8 @@ fn small_tuning() -> OpenOptions {
             overlay_limit: 8,
             background_commit: false,
         },
+        key: None,
+        keyless: false,
     }
 }
 
@@ -161,7 +163,7 @@ pub fn journal(data: &[u8]) {
     };
     let data_entries = entries
         .iter()
-        .filter(|entry| matches!(entry.context, Context::Data { .. }))
+        .filter(|entry| entry.context.carries_data())
         .count();
     let blocks: Vec<Vec<u8>> = (0..data_entries).map(|i| vec![i as u8; 4096]).collect();
     let block_refs: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();

@@ -19,6 +19,7 @@
 pub mod crash;
 pub mod faults;
 pub mod fuzz;
+pub mod keychange;
 pub mod offload;
 pub mod recorder;
 pub mod rng;

@@ -33,6 +33,17 @@ enum Command {
         tearing: String,
         #[arg(long, default_value_t = 2)]
         threads: usize,
+        /// Encrypted volumes (the guard is crc32c).
+        #[arg(long)]
+        encrypted: bool,
+    },
+    /// Crash at every write and sync of a key change (both layouts): after
+    /// each crash exactly one of the two keys opens the volume.
+    Keychange {
+        #[arg(long, default_value_t = 20)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
@@ -47,6 +58,9 @@ enum Command {
         seed: u64,
         #[arg(long, default_value_t = 2)]
         threads: usize,
+        /// An encrypted volume (the guard is crc32c).
+        #[arg(long)]
+        encrypted: bool,
     },
     /// Write the fuzz targets' seed corpora (one directory per target).
     Corpus {
@@ -95,6 +109,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             seed,
             tearing,
             threads,
+            encrypted,
         } => {
             let tearing = Tearing::from_name(&tearing)
                 .ok_or_else(|| format!("unknown tearing {tearing:?} (none, sector)"))?;
@@ -102,6 +117,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             config.seeds = seeds;
             config.seed = seed;
             config.threads = threads;
+            config.encrypted = encrypted;
             let report = vouch_sim::crash::run(&config);
             for violation in &report.violations {
                 println!("{violation}");
@@ -115,15 +131,25 @@ fn run(cli: Cli) -> Result<bool, String> {
             count,
             seed,
             threads,
+            encrypted,
         } => {
             let config = FaultConfig {
                 cells: vec![(layout(&layout_name)?, guard(&guard_name)?)],
                 count,
                 seed,
                 threads,
+                encrypted,
             };
             let report = faults::run(&config);
             print!("{}", report.render(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::Keychange { seeds, seed } => {
+            let report = vouch_sim::keychange::run(seed, seeds);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", report.summary());
             Ok(report.violations.is_empty())
         }
         Command::Corpus { out } => {
@@ -146,6 +172,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                 count,
                 seed,
                 threads,
+                encrypted: false,
             };
             let report = faults::run(&config);
             print!("{}", report.render(&config));

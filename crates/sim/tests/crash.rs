@@ -11,7 +11,11 @@ use vouch_sim::{GuardKind, LayoutKind};
 const IMAGES: u64 = if cfg!(debug_assertions) { 300 } else { 2_000 };
 
 fn run_until(layout: LayoutKind, guard: GuardKind, tearing: Tearing, seed: u64) {
-    let mut config = CrashConfig::new(layout, guard, tearing);
+    run_config(CrashConfig::new(layout, guard, tearing), seed);
+}
+
+fn run_config(mut config: CrashConfig, seed: u64) {
+    let (layout, guard, tearing) = (config.layout, config.guard, config.tearing);
     config.seed = seed;
     config.seeds = 2;
     let mut images = 0;
@@ -29,8 +33,9 @@ fn run_until(layout: LayoutKind, guard: GuardKind, tearing: Tearing, seed: u64) 
         config.seed += config.seeds;
     }
     eprintln!(
-        "crash: layout={} guard={} tearing={} seeds={seeds} images={images} violations=0",
+        "crash: layout={}{} guard={} tearing={} seeds={seeds} images={images} violations=0",
         layout.name(),
+        if config.encrypted { " encrypted" } else { "" },
         guard.name(),
         tearing.name()
     );
@@ -55,6 +60,38 @@ fn torn_sectors_read_old_new_or_a_fault() {
         Tearing::Sector,
         1000,
     );
+}
+
+/// Encrypted volumes (issue 13), whole blocks and torn sectors.
+#[test]
+fn encrypted_crash_images_satisfy_the_contract() {
+    for (layout, tearing) in [
+        (LayoutKind::Split, Tearing::None),
+        (LayoutKind::Packed, Tearing::None),
+        (LayoutKind::Split, Tearing::Sector),
+    ] {
+        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, tearing);
+        config.encrypted = true;
+        run_config(config, 2000);
+    }
+}
+
+/// A crash at any write or sync of a key change leaves exactly one of the
+/// two keys working, never neither; once it returned, only the new one.
+#[test]
+fn a_crash_during_a_key_change_leaves_exactly_one_key() {
+    let report = vouch_sim::keychange::run(1, 8);
+    assert!(
+        report.violations.is_empty(),
+        "{}",
+        report.violations.join("\n")
+    );
+    assert!(
+        report.old_key > 0 && report.new_key > 0,
+        "{}",
+        report.summary()
+    );
+    eprintln!("{}", report.summary());
 }
 
 /// The checker is not vacuous: a store that acknowledges syncs without

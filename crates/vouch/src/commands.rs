@@ -12,10 +12,10 @@ use vouch_engine::jobs::{scan, JobControl, ScanOptions};
 use vouch_engine::scrub::ScrubRecord;
 use vouch_engine::BlockDevice;
 use vouch_engine::{
-    create_volume, open_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume,
-    BLOCK,
+    create_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume, BLOCK,
 };
 
+use crate::key::Use;
 use crate::CreateArgs;
 
 /// Blocks moved per I/O by import and export (1 MiB).
@@ -27,35 +27,41 @@ pub fn create_options(size: u64, args: &CreateArgs) -> Result<CreateOptions> {
     options.guard = GuardKind::from_name(&args.guard).context("unknown guard")?;
     options.journal_bytes = args.journal;
     options.segment_blocks = args.segment_blocks;
+    if args.encrypt {
+        options.encrypt = Some(crate::key::new_secret()?);
+    }
     Ok(options)
 }
 
 pub fn create(path: &Path, size: u64, args: &CreateArgs) -> Result<ExitCode> {
     let volume = create_volume(path, &create_options(size, args)?)?;
     let summary = format!(
-        "created {} ({} bytes, layout {}, guard {})",
+        "created {} ({} bytes, layout {}, {})",
         path.display(),
         volume.size(),
         volume.layout().name(),
-        volume.guard().name()
+        if volume.encrypted() {
+            "encrypted: AES-256-GCM-SIV".to_string()
+        } else {
+            format!("guard {}", volume.guard().name())
+        }
     );
     volume.close()?;
     println!("{summary}");
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn open_read_only(path: &Path) -> Result<Volume> {
-    Ok(open_volume(
-        path,
-        &OpenOptions {
-            read_only: true,
-            ..OpenOptions::default()
-        },
-    )?)
+/// Open a volume read-only, with its key if it is encrypted (`key::open`).
+pub fn open_read_only(path: &Path, purpose: Use) -> Result<Volume> {
+    let options = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
+    crate::key::open(path, options, purpose)
 }
 
 pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
-    let volume = open_read_only(path)?;
+    let volume = open_read_only(path, Use::Info)?;
     let info = volume.info()?;
     let recovery = volume.recovery_report();
     // An unreadable scrub record is shown as such, not a failed `info`: the
@@ -83,6 +89,8 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "journal_records_pending": recovery.records_replayed,
             "read_only": info.read_only,
             "allocated_bytes": info.allocated_bytes,
+            "encrypted": info.encrypted,
+            "key": info.key_kind,
             "last_scrub": scrub_json(&scrub),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
@@ -99,7 +107,13 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             info.blocks, info.block_size
         );
         println!("layout:          {}", info.layout.name());
-        println!("guard:           {}", info.guard.name());
+        if let Some(key) = info.key_kind {
+            println!(
+                "encryption:      AES-256-GCM-SIV per block (key: {key}); keyless guard crc32c"
+            );
+        } else {
+            println!("guard:           {}", info.guard.name());
+        }
         println!(
             "features:        compat {:#x}, ro_compat {:#x}, incompat {:#x}",
             info.features.compat, info.features.ro_compat, info.features.incompat
@@ -242,7 +256,7 @@ fn progress_bar(total: u64, what: &str) -> ProgressBar {
 }
 
 pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
-    let volume = open_read_only(path)?;
+    let volume = open_read_only(path, Use::Verify)?;
     let bar = progress_bar(volume.size(), "checking");
     let report = volume.check(|done, _| bar.set_position(done * BLOCK))?;
     bar.finish_and_clear();
@@ -323,7 +337,7 @@ pub fn import(raw: &Path, path: &Path, args: &CreateArgs) -> Result<ExitCode> {
 }
 
 pub fn export(path: &Path, raw: &Path, allow_faults: bool) -> Result<ExitCode> {
-    let volume = open_read_only(path)?;
+    let volume = open_read_only(path, Use::Data)?;
     let output = FsOpenOptions::new()
         .write(true)
         .create_new(true)

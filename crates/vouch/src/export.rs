@@ -49,6 +49,7 @@ pub fn to_export_error(error: Error) -> ExportError {
         | Error::Io { .. }
         | Error::Corrupt(_)
         | Error::Unsupported(_)
+        | Error::Key(_)
         | Error::Path { .. }
         | Error::Cancelled(_)
         | Error::InVolume { .. } => ExportError::new(Errno::Io, error.to_string()),

@@ -4,6 +4,7 @@ mod bench;
 mod commands;
 mod export;
 mod inject;
+mod key;
 mod offload;
 mod serve;
 
@@ -23,6 +24,8 @@ struct Cli {
     /// Log filter (e.g. "info", "vouch=debug"); also RUST_LOG.
     #[arg(long, global = true, default_value = "info")]
     log: String,
+    #[command(flatten)]
+    key: key::KeyArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -48,6 +51,12 @@ pub struct CreateArgs {
     /// Blocks per data segment file (default: 1 TiB of data per file).
     #[arg(long, hide = true)]
     pub segment_blocks: Option<u64>,
+    /// Encrypt every block (AES-256-GCM-SIV, bound to the volume and LBA).
+    /// The key: --key-file FILE (32 raw bytes) or VOUCH_KEY_FILE, else a
+    /// passphrase chosen on the terminal (Argon2id). Every later command
+    /// needs the same key; `vouch key change` replaces it.
+    #[arg(long)]
+    pub encrypt: bool,
 }
 
 #[derive(Subcommand)]
@@ -115,6 +124,11 @@ enum Command {
     Compare(offload::cli::CompareArgs),
     /// Engine benchmark: raw file vs split vs packed, every guard.
     Bench(bench::BenchArgs),
+    /// Manage an encrypted volume's key.
+    Key {
+        #[command(subcommand)]
+        command: key::KeyCommand,
+    },
 }
 
 /// Parse sizes like 10GiB, 512MiB, 4k, 1048576. A bare K, M, G, T, P or E
@@ -156,6 +170,7 @@ fn main() -> ExitCode {
         // Colours only for a person at a terminal; logs are plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    key::init(cli.key.clone());
     let result = match cli.command {
         Command::Create { path, size, create } => commands::create(&path, size, &create),
         Command::Info { path, json } => commands::info(&path, json),
@@ -172,6 +187,7 @@ fn main() -> ExitCode {
         Command::Scrub(args) => offload::cli_ops::scrub(args),
         Command::Copy(args) => offload::cli_ops::copy(args),
         Command::Compare(args) => offload::cli_ops::compare(args),
+        Command::Key { command } => key::run(command),
     };
     match result {
         Ok(code) => code,

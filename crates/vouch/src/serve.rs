@@ -10,7 +10,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
 use vouch_engine::BlockDevice;
-use vouch_engine::{open_volume, FaultKind, OpenOptions, Volume};
+use vouch_engine::{FaultKind, OpenOptions, Volume};
 use vouch_nbd::{Export, Listen, Server, ServerConfig};
 
 use crate::commands::create_options;
@@ -103,7 +103,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             direct: args.direct,
             ..OpenOptions::default()
         };
-        let volume = open_volume(path, &options)?;
+        let volume = crate::key::open(path, options, crate::key::Use::Data)?;
         let report = volume.recovery_report();
         if report.records_replayed > 0 {
             eprintln!(

@@ -288,6 +288,17 @@ fn feature_flags_are_checked_against_the_supported_mask() {
         sb.features.incompat |= vouch_format::FeatureFlags::INCOMPAT_ENCRYPTED
     });
     fails(&["check", s(&volume)], 2, "refusing to open");
+    // ENCRYPTED is supported now: set on a plain volume (no wrapped key),
+    // it asks for a key, and no key unlocks it.
+    rewrite_superblock(&volume, |sb| sb.features.incompat &= !(1 << 33));
+    fails(&["check", s(&volume)], 2, "no key was given");
+    let key = dir.path().join("key");
+    std::fs::write(&key, [0u8; 32]).expect("write key");
+    fails(
+        &["check", s(&volume), "--key-file", s(&key)],
+        2,
+        "wrong key",
+    );
 }
 
 #[test]

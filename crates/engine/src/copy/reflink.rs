@@ -72,6 +72,14 @@ pub(crate) fn piece_blocks(destination: &Engine) -> u64 {
 /// Can a reflink copy work for this job? `Err` says why not.
 pub(super) fn possible(job: &Job<'_>) -> std::result::Result<(), String> {
     for (name, volume) in [("source", job.source), ("destination", job.destination)] {
+        // The LBA (and volume) are associated data of every encrypted
+        // block: a shared extent would not authenticate at its new LBA, so
+        // a copy must re-encrypt (the pipelined copy does).
+        if volume.encrypted() {
+            return Err(format!(
+                "the {name} volume is encrypted: each block is bound to its LBA and volume, so it must be re-encrypted for the destination, not shared"
+            ));
+        }
         if volume.layout() != LayoutKind::Split {
             return Err(format!(
                 "the {name} volume has the {} layout; only split volumes keep data blocks whole and aligned",
@@ -332,7 +340,9 @@ fn verify_part(
             Some(seal) if same_guard => Some(seal),
             Some(_) => {
                 let lba = blocks.destination + index as u64;
-                Some(destination.shared.protection.seal(lba, block(data, index)))
+                let mut copy = [0u8; BLOCK as usize];
+                copy.copy_from_slice(block(data, index));
+                Some(destination.shared.protection.seal(lba, &mut copy))
             }
         };
         seals.push(seal);

@@ -15,9 +15,8 @@ use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CON
 use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::journal::Record;
-use crate::protection::Seal;
 use crate::state::{shared_block, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Wait};
 
@@ -261,7 +260,7 @@ impl Layout for PackedLayout {
         let data_entries = record
             .entries
             .iter()
-            .filter(|entry| entry.count == 1 && matches!(entry.context, Context::Data { .. }))
+            .filter(|entry| entry.count == 1 && entry.context.carries_data())
             .count();
         if data_entries != record.header.data_blocks as usize {
             return Err(format!(
@@ -280,19 +279,25 @@ impl Layout for PackedLayout {
         for record in records {
             let mut data_index = 0usize;
             for entry in &record.entries {
-                if entry.count == 1 && matches!(entry.context, Context::Data { .. }) {
+                if entry.count == 1 && entry.context.carries_data() {
                     let data = record_data(&record.header, &record.bytes, data_index);
                     data_index += 1;
                     if read_only {
-                        let guard = match entry.context {
-                            Context::Data { guard, .. } => guard,
-                            _ => unreachable!("matched Data above"),
+                        // A context of the other protection kind (plain in an
+                        // encrypted volume, or the reverse) is corruption.
+                        let Some(seal) = replay.protection.seal_of(&entry.context) else {
+                            return Err(Error::Corrupt(format!(
+                                "journal record {} holds a {:?} context for LBA {}, which this volume does not write",
+                                record.header.seq,
+                                entry.context.kind(),
+                                entry.lba
+                            )));
                         };
                         replay.state.write().active.insert(
                             entry.lba,
                             DirtyBlock {
                                 data: shared_block(data),
-                                seal: Seal { guard },
+                                seal,
                             },
                         );
                         continue;

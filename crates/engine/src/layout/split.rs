@@ -285,7 +285,7 @@ impl Layout for SplitLayout {
         let mut candidates: BTreeMap<u64, Vec<Context>> = BTreeMap::new();
         for record in records {
             for entry in &record.entries {
-                if entry.count == 1 && matches!(entry.context, Context::Data { .. }) {
+                if entry.count == 1 && entry.context.carries_data() {
                     if record.header.seq > verify_after {
                         if let std::collections::btree_map::Entry::Vacant(vacant) =
                             candidates.entry(entry.lba)

@@ -14,7 +14,7 @@ use hyper::Method;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{json, Value};
 use vouch_engine::jobs::JobControl;
-use vouch_engine::{open_volume, BlockDevice, OpenOptions, Volume, BLOCK};
+use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
 
 use super::client::{Client, ServerArgs};
 use crate::parse_size;
@@ -252,12 +252,15 @@ pub(super) fn client(server: &ServerArgs) -> Result<Option<Client>> {
         .transpose()
 }
 
-pub(super) fn open(path: &str, writable: bool) -> Result<Volume> {
+/// Open a volume offline, with its key if it is encrypted (`key::open`;
+/// `purpose` says whether `--keyless` may stand in for it).
+pub(super) fn open(path: &str, writable: bool, purpose: crate::key::Use) -> Result<Volume> {
     let options = OpenOptions {
         read_only: !writable,
         ..OpenOptions::default()
     };
-    open_volume(Path::new(path), &options).with_context(|| format!("opening volume {path}"))
+    crate::key::open(Path::new(path), options, purpose)
+        .with_context(|| format!("opening volume {path}"))
 }
 
 /// Offline range check (the server does the same and answers 400).

@@ -31,7 +31,7 @@ pub fn verify(args: VerifyArgs) -> Result<ExitCode> {
             online(&client, "verifying", args.json, request)?
         }
         None => {
-            let volume = open(&args.target, false)?;
+            let volume = open(&args.target, false, crate::key::Use::Verify)?;
             let (first, count) = blocks(&volume, args.offset.unwrap_or(0), args.length)?;
             let options = VerifyOptions {
                 seed,
@@ -168,7 +168,7 @@ pub fn scrub(args: ScrubArgs) -> Result<ExitCode> {
             json!({"op": "scrub", "export": name, "rate": args.rate}),
         )?,
         None => {
-            let volume = open(&name, false)?;
+            let volume = open(&name, false, crate::key::Use::Verify)?;
             let options = ScrubOptions {
                 rate_bytes_per_second: args.rate,
                 foreground: None,
@@ -202,11 +202,11 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
         None => {
             let same = std::fs::canonicalize(&args.source).ok()
                 == std::fs::canonicalize(&args.destination).ok();
-            let destination = open(&args.destination, true)?;
+            let destination = open(&args.destination, true, crate::key::Use::Data)?;
             let source_volume = if same {
                 None
             } else {
-                Some(open(&args.source, false)?)
+                Some(open(&args.source, false, crate::key::Use::Data)?)
             };
             let source = source_volume.as_ref().unwrap_or(&destination);
             let (source_first, count) = blocks(source, args.source_offset, Some(args.length))?;
@@ -273,7 +273,7 @@ pub fn compare(args: CompareArgs) -> Result<ExitCode> {
             }
         },
         None => {
-            let volume = open(&args.target, false)?;
+            let volume = open(&args.target, false, crate::key::Use::Data)?;
             match data {
                 Some(data) => {
                     blocks(&volume, args.offset, Some(data.len() as u64))?;
@@ -288,7 +288,7 @@ pub fn compare(args: CompareArgs) -> Result<ExitCode> {
                     let other_volume = if same {
                         None
                     } else {
-                        Some(open(&other_path, false)?)
+                        Some(open(&other_path, false, crate::key::Use::Data)?)
                     };
                     let other = other_volume.as_ref().unwrap_or(&volume);
                     let (first, count) = blocks(&volume, args.offset, args.length)?;

@@ -1,0 +1,317 @@
+//! `EncryptedProtection`: the `Protection` of an encrypted volume. Sealing
+//! encrypts a block in place with AES-256-GCM-SIV under the data key, with
+//! a fresh random nonce and the volume uuid and LBA as associated data;
+//! the context (kind 3, docs/FORMAT.md) carries the nonce, the tag and a
+//! keyless guard (CRC-32C of the context and the ciphertext).
+//!
+//! Opened with the key, every read authenticates (a failure is the fault
+//! `auth_failed`, naming the LBA) and decrypts in place before a byte
+//! leaves the engine; the keyless guard is checked too, so a read finds
+//! whatever a keyless scrub would. Opened without the key (keyless
+//! verification, read-only), only the keyless guard is checked and the
+//! data stays ciphertext.
+
+use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce};
+use rand::RngCore;
+use vouch_format::context::ENCRYPTED_NONCE_RANDOM;
+use vouch_format::{aead_nonce, encrypted_guard, Context, FormatError};
+
+use crate::error::FaultKind;
+use crate::protection::{Protection, Seal};
+use crate::state::BLOCK;
+
+/// The nonce's random part and the tag of a block that passed the keyless
+/// check.
+type Sealed<'a> = (&'a [u8; ENCRYPTED_NONCE_RANDOM], &'a [u8; 16]);
+
+/// The `Protection` of an encrypted volume (module docs).
+pub struct EncryptedProtection {
+    /// `None`: keyless (check the keyless guard only; never decrypt).
+    cipher: Option<LessSafeKey>,
+    uuid: [u8; 16],
+    volume_tag: u32,
+}
+
+impl EncryptedProtection {
+    /// With the volume's data key: seals, authenticates and decrypts.
+    pub fn new(data_key: &[u8], uuid: [u8; 16], volume_tag: u32) -> EncryptedProtection {
+        EncryptedProtection {
+            cipher: Some(crate::keys::cipher(data_key)),
+            uuid,
+            volume_tag,
+        }
+    }
+
+    /// Without the key: checks the keyless guard only (read-only volumes).
+    pub fn keyless(uuid: [u8; 16], volume_tag: u32) -> EncryptedProtection {
+        EncryptedProtection {
+            cipher: None,
+            uuid,
+            volume_tag,
+        }
+    }
+
+    /// Associated data: volume uuid || LBA (little-endian).
+    fn aad(&self, lba: u64) -> [u8; 24] {
+        let mut aad = [0u8; 24];
+        aad[..16].copy_from_slice(&self.uuid);
+        aad[16..].copy_from_slice(&lba.to_le_bytes());
+        aad
+    }
+
+    /// The encrypted parts of a context, or the fault of one that is not
+    /// a valid kind-3 context with a matching keyless guard.
+    fn check_keyless<'a>(
+        &self,
+        lba: u64,
+        context: &'a Result<Context, FormatError>,
+        stored: &[u8],
+    ) -> Result<Option<Sealed<'a>>, FaultKind> {
+        match context {
+            Err(_) => Err(FaultKind::ContextCorrupt),
+            Ok(Context::Unwritten) => Ok(None),
+            Ok(Context::Zero {
+                volume_tag,
+                ref_tag,
+                ..
+            }) => {
+                if *volume_tag != self.volume_tag {
+                    return Err(FaultKind::VolumeTagMismatch);
+                }
+                if *ref_tag != lba {
+                    return Err(FaultKind::RefTagMismatch);
+                }
+                Ok(None)
+            }
+            // Plain data in an encrypted volume: never written by vouch.
+            Ok(Context::Data { .. }) => Err(FaultKind::ContextCorrupt),
+            Ok(Context::Encrypted { nonce, tag, guard }) => {
+                if encrypted_guard(nonce, tag, stored) != *guard {
+                    return Err(FaultKind::GuardMismatch);
+                }
+                Ok(Some((nonce, tag)))
+            }
+        }
+    }
+}
+
+impl Protection for EncryptedProtection {
+    fn seal(&self, lba: u64, data: &mut [u8]) -> Seal {
+        let cipher = self
+            .cipher
+            .as_ref()
+            .expect("a keyless encrypted volume is read-only: nothing is sealed");
+        let mut nonce = [0u8; ENCRYPTED_NONCE_RANDOM];
+        rand::thread_rng().fill_bytes(&mut nonce);
+        let sealed = cipher
+            .seal_in_place_separate_tag(
+                Nonce::assume_unique_for_key(aead_nonce(&nonce)),
+                Aad::from(self.aad(lba)),
+                data,
+            )
+            .expect("AES-256-GCM-SIV seals a 4 KiB block");
+        let mut tag = [0u8; 16];
+        tag.copy_from_slice(sealed.as_ref());
+        Seal {
+            guard: u64::from(encrypted_guard(&nonce, &tag, data)),
+            nonce,
+            tag,
+        }
+    }
+
+    fn context(&self, _lba: u64, seal: Seal, _generation: u64) -> Context {
+        Context::Encrypted {
+            nonce: seal.nonce,
+            tag: seal.tag,
+            guard: seal.guard as u32,
+        }
+    }
+
+    fn zero_template(&self, allocate: bool) -> Context {
+        if allocate {
+            Context::Zero {
+                volume_tag: self.volume_tag,
+                ref_tag: 0,
+                generation: 0,
+            }
+        } else {
+            Context::Unwritten
+        }
+    }
+
+    /// Check without changing `stored`: the keyless guard, then (with the
+    /// key) authentication, decrypting into a scratch block.
+    fn open(
+        &self,
+        lba: u64,
+        context: &Result<Context, FormatError>,
+        stored: &[u8],
+    ) -> Result<(), FaultKind> {
+        let Some((nonce, tag)) = self.check_keyless(lba, context, stored)? else {
+            return Ok(());
+        };
+        let Some(cipher) = &self.cipher else {
+            return Ok(());
+        };
+        let mut scratch = [0u8; BLOCK as usize];
+        let scratch = &mut scratch[..stored.len()];
+        cipher
+            .open_separate_gather(
+                Nonce::assume_unique_for_key(aead_nonce(nonce)),
+                Aad::from(self.aad(lba)),
+                stored,
+                tag,
+                scratch,
+            )
+            .map_err(|_| FaultKind::AuthFailed)
+    }
+
+    fn open_in_place(
+        &self,
+        lba: u64,
+        context: &Result<Context, FormatError>,
+        stored: &mut [u8],
+    ) -> Result<(), FaultKind> {
+        let Some((nonce, tag)) = self.check_keyless(lba, context, stored)? else {
+            return Ok(());
+        };
+        let Some(cipher) = &self.cipher else {
+            return Ok(());
+        };
+        cipher
+            .open_in_place_separate_tag(
+                Nonce::assume_unique_for_key(aead_nonce(nonce)),
+                Aad::from(self.aad(lba)),
+                tag,
+                stored,
+            )
+            .map(|_| ())
+            .map_err(|_| FaultKind::AuthFailed)
+    }
+
+    fn reveal(&self, lba: u64, seal: &Seal, data: &mut [u8]) -> Result<(), FaultKind> {
+        let context = Ok(self.context(lba, *seal, 0));
+        self.open_in_place(lba, &context, data)
+    }
+
+    fn matches(&self, context: &Context, stored: &[u8]) -> bool {
+        match context {
+            Context::Encrypted { nonce, tag, guard } => {
+                encrypted_guard(nonce, tag, stored) == *guard
+            }
+            Context::Data { .. } => false,
+            other => other.reads_as_zero(),
+        }
+    }
+
+    fn seal_of(&self, context: &Context) -> Option<Seal> {
+        match context {
+            Context::Encrypted { nonce, tag, guard } => Some(Seal {
+                guard: u64::from(*guard),
+                nonce: *nonce,
+                tag: *tag,
+            }),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sealed(
+        protection: &EncryptedProtection,
+        lba: u64,
+        plain: &[u8; 4096],
+    ) -> ([u8; 4096], Context) {
+        let mut data = *plain;
+        let seal = protection.seal(lba, &mut data);
+        (data, protection.context(lba, seal, 1))
+    }
+
+    #[test]
+    fn a_sealed_block_opens_only_at_its_lba_in_its_volume_with_its_key() {
+        let protection = EncryptedProtection::new(&[9u8; 32], [1u8; 16], 5);
+        let plain = [0x42u8; 4096];
+        let (stored, context) = sealed(&protection, 7, &plain);
+        assert!(
+            stored.windows(8).all(|w| w != &plain[..8]),
+            "ciphertext hides the data"
+        );
+        assert_eq!(protection.open(7, &Ok(context), &stored), Ok(()));
+        let mut opened = stored;
+        assert_eq!(
+            protection.open_in_place(7, &Ok(context), &mut opened),
+            Ok(())
+        );
+        assert_eq!(opened, plain);
+        // Another LBA (a swap or misdirected write) fails authentication.
+        let mut moved = stored;
+        assert_eq!(
+            protection.open_in_place(8, &Ok(context), &mut moved),
+            Err(FaultKind::AuthFailed)
+        );
+        // Another volume, another key.
+        let other_volume = EncryptedProtection::new(&[9u8; 32], [2u8; 16], 5);
+        assert_eq!(
+            other_volume.open(7, &Ok(context), &stored),
+            Err(FaultKind::AuthFailed)
+        );
+        let other_key = EncryptedProtection::new(&[8u8; 32], [1u8; 16], 5);
+        assert_eq!(
+            other_key.open(7, &Ok(context), &stored),
+            Err(FaultKind::AuthFailed)
+        );
+        // Two writes of the same data differ (fresh nonce).
+        let (again, _) = sealed(&protection, 7, &plain);
+        assert_ne!(again, stored);
+    }
+
+    #[test]
+    fn flipped_bits_are_found_with_and_without_the_key() {
+        let protection = EncryptedProtection::new(&[3u8; 32], [4u8; 16], 5);
+        let keyless = EncryptedProtection::keyless([4u8; 16], 5);
+        let (stored, context) = sealed(&protection, 11, &[7u8; 4096]);
+        assert_eq!(keyless.open(11, &Ok(context), &stored), Ok(()));
+        let mut flipped = stored;
+        flipped[1000] ^= 4;
+        for checker in [&protection, &keyless] {
+            assert_eq!(
+                checker.open(11, &Ok(context), &flipped),
+                Err(FaultKind::GuardMismatch)
+            );
+        }
+        let encoded = context.encode();
+        for byte in [1usize, 11, 12, 27, 28, 31] {
+            let mut bad = encoded;
+            bad[byte] ^= 0x10;
+            let bad = Context::decode(&bad);
+            assert_eq!(
+                protection.open(11, &bad, &stored),
+                Err(FaultKind::GuardMismatch)
+            );
+            assert_eq!(
+                keyless.open(11, &bad, &stored),
+                Err(FaultKind::GuardMismatch)
+            );
+        }
+        // A consistent forgery (guard recomputed) still fails authentication.
+        let Context::Encrypted { nonce, mut tag, .. } = context else {
+            unreachable!("an encrypted context")
+        };
+        tag[0] ^= 1;
+        let forged = Context::Encrypted {
+            nonce,
+            tag,
+            guard: encrypted_guard(&nonce, &tag, &stored),
+        };
+        assert_eq!(keyless.open(11, &Ok(forged), &stored), Ok(()));
+        assert_eq!(
+            protection.open(11, &Ok(forged), &stored),
+            Err(FaultKind::AuthFailed)
+        );
+        assert!(protection.matches(&context, &stored));
+        assert!(!protection.matches(&context, &flipped));
+    }
+}
