@@ -17,7 +17,7 @@ use vouch_format::context::ENCRYPTED_NONCE_RANDOM;
 use vouch_format::{aead_nonce, encrypted_guard, Context, FormatError};
 
 use crate::error::FaultKind;
-use crate::protection::{Protection, Seal};
+use crate::protection::{zero_template, Protection, Seal};
 use crate::state::BLOCK;
 
 /// The nonce's random part and the tag of a block that passed the keyless
@@ -128,15 +128,7 @@ impl Protection for EncryptedProtection {
     }
 
     fn zero_template(&self, allocate: bool) -> Context {
-        if allocate {
-            Context::Zero {
-                volume_tag: self.volume_tag,
-                ref_tag: 0,
-                generation: 0,
-            }
-        } else {
-            Context::Unwritten
-        }
+        zero_template(self.volume_tag, allocate)
     }
 
     /// Check without changing `stored`: the keyless guard, then (with the

@@ -91,6 +91,21 @@ pub trait Protection: Send + Sync {
     fn seal_of(&self, context: &Context) -> Option<Seal>;
 }
 
+/// The context template of a trimmed (`allocate` false: never written) or
+/// written-zeroes range in a volume with `volume_tag`: the same for every
+/// protection, since no data is stored for either.
+pub(crate) fn zero_template(volume_tag: u32, allocate: bool) -> Context {
+    if allocate {
+        Context::Zero {
+            volume_tag,
+            ref_tag: 0,
+            generation: 0,
+        }
+    } else {
+        Context::Unwritten
+    }
+}
+
 /// Plain protection: guard + reference tag + volume tag.
 pub struct GuardProtection {
     guard: GuardKind,
@@ -129,15 +144,7 @@ impl Protection for GuardProtection {
     }
 
     fn zero_template(&self, allocate: bool) -> Context {
-        if allocate {
-            Context::Zero {
-                volume_tag: self.volume_tag,
-                ref_tag: 0,
-                generation: 0,
-            }
-        } else {
-            Context::Unwritten
-        }
+        zero_template(self.volume_tag, allocate)
     }
 
     fn open(

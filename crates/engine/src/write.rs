@@ -77,17 +77,11 @@ impl Engine {
             return Ok(false);
         }
         let first = offset / BLOCK;
-        let sealed: Vec<(u64, DirtyBlock)> = data
-            .chunks_exact(BLOCK as usize)
-            .zip(first..)
-            .map(|(bytes, lba)| {
-                let mut data = shared_block(bytes);
-                // A fresh copy, not shared yet: sealed (encrypted) in place.
-                let block = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
-                let seal = shared.protection.seal(lba, &mut block[..]);
-                (lba, DirtyBlock { data, seal })
-            })
-            .collect();
+        let sealed = self.seal_blocks(
+            data.chunks_exact(BLOCK as usize)
+                .zip(first..)
+                .map(|(bytes, lba)| (lba, shared_block(bytes))),
+        );
         let limit = self.tuning.dirty_limit_blocks;
         let buffered = {
             let mut state = shared.state.write();
@@ -106,17 +100,23 @@ impl Engine {
         Ok(true)
     }
 
-    fn buffer_blocks(&self, blocks: Vec<(u64, Arc<Block>)>) -> Result<()> {
-        let shared = &self.shared;
-        let sealed: Vec<(u64, DirtyBlock)> = blocks
-            .into_iter()
+    /// Seal fresh copies of blocks (not shared yet) in place: the seal, and
+    /// for an encrypted volume the ciphertext.
+    fn seal_blocks(
+        &self,
+        blocks: impl Iterator<Item = (u64, Arc<Block>)>,
+    ) -> Vec<(u64, DirtyBlock)> {
+        blocks
             .map(|(lba, mut data)| {
-                // Fresh copies, not shared yet: sealed (encrypted) in place.
                 let bytes = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
-                let seal = shared.protection.seal(lba, &mut bytes[..]);
+                let seal = self.shared.protection.seal(lba, &mut bytes[..]);
                 (lba, DirtyBlock { data, seal })
             })
-            .collect();
+            .collect()
+    }
+
+    fn buffer_blocks(&self, blocks: Vec<(u64, Arc<Block>)>) -> Result<()> {
+        let sealed = self.seal_blocks(blocks.into_iter());
         self.buffer_sealed(sealed)
     }
 
