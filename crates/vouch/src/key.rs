@@ -167,9 +167,64 @@ fn secret_from(file: Option<PathBuf>, how: &str) -> Result<UserSecret> {
     Ok(UserSecret::passphrase(&first)?)
 }
 
+/// Ask for a passphrase on the controlling terminal. Echo is turned off
+/// *before* the prompt is shown, so an answer typed (or pasted) the moment
+/// the prompt appears is never echoed; the terminal's settings are restored
+/// however the read ends.
 fn prompt(text: &str) -> Result<Zeroizing<Vec<u8>>> {
-    let typed = Zeroizing::new(rpassword::prompt_password(text).context("reading the passphrase")?);
-    Ok(Zeroizing::new(typed.as_bytes().to_vec()))
+    use std::io::{BufRead as _, Write as _};
+    use std::os::fd::AsRawFd as _;
+    let tty = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/tty")
+        .context("opening the terminal to read the passphrase")?;
+    let hidden = EchoOff::new(tty.as_raw_fd()).context("turning off the terminal's echo")?;
+    (&tty)
+        .write_all(text.as_bytes())
+        .context("writing the prompt")?;
+    let mut line = Zeroizing::new(Vec::new());
+    std::io::BufReader::new(&tty)
+        .read_until(b'\n', &mut line)
+        .context("reading the passphrase")?;
+    drop(hidden);
+    // The newline the user typed was not echoed.
+    let _ = (&tty).write_all(b"\n");
+    while matches!(line.last(), Some(b'\n' | b'\r')) {
+        line.pop();
+    }
+    Ok(line)
+}
+
+/// The terminal's echo switched off until dropped.
+struct EchoOff {
+    fd: std::os::fd::RawFd,
+    saved: libc::termios,
+}
+
+impl EchoOff {
+    fn new(fd: std::os::fd::RawFd) -> std::io::Result<Self> {
+        // SAFETY: termios is plain data; tcgetattr fills it or fails.
+        let mut saved: libc::termios = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is an open terminal for the duration of the call.
+        if unsafe { libc::tcgetattr(fd, &mut saved) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let mut quiet = saved;
+        quiet.c_lflag &= !libc::ECHO;
+        // SAFETY: as above; TCSANOW keeps any typeahead.
+        if unsafe { libc::tcsetattr(fd, libc::TCSANOW, &quiet) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Self { fd, saved })
+    }
+}
+
+impl Drop for EchoOff {
+    fn drop(&mut self) {
+        // SAFETY: restores the settings read in `new` on the same open fd.
+        unsafe { libc::tcsetattr(self.fd, libc::TCSANOW, &self.saved) };
+    }
 }
 
 /// `vouch key ...`
