@@ -63,6 +63,26 @@ impl EncryptedProtection {
         aad
     }
 
+    /// Authenticate and decrypt `stored` in place (on failure its bytes
+    /// are unspecified).
+    fn decrypt_in_place(
+        &self,
+        cipher: &LessSafeKey,
+        lba: u64,
+        (nonce, generation, tag): Sealed<'_>,
+        stored: &mut [u8],
+    ) -> Result<(), FaultKind> {
+        cipher
+            .open_in_place_separate_tag(
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(self.aad(lba, generation)),
+                tag,
+                stored,
+            )
+            .map(|_| ())
+            .map_err(|_| FaultKind::AuthFailed)
+    }
+
     /// The encrypted parts of a context, or the fault of one that is not
     /// a valid kind-3 context with a matching keyless guard.
     fn check_keyless<'a>(
@@ -180,18 +200,10 @@ impl Protection for EncryptedProtection {
         let Some((nonce, generation, tag)) = self.check_keyless(lba, context, stored)? else {
             return Ok(());
         };
-        let Some(cipher) = &self.cipher else {
-            return Ok(());
-        };
-        cipher
-            .open_in_place_separate_tag(
-                Nonce::assume_unique_for_key(nonce),
-                Aad::from(self.aad(lba, generation)),
-                tag,
-                stored,
-            )
-            .map(|_| ())
-            .map_err(|_| FaultKind::AuthFailed)
+        match &self.cipher {
+            Some(cipher) => self.decrypt_in_place(cipher, lba, (nonce, generation, tag), stored),
+            None => Ok(()),
+        }
     }
 
     /// With the key, authentication alone: the AEAD covers the nonce (kind
@@ -215,15 +227,12 @@ impl Protection for EncryptedProtection {
                     ..
                 }),
                 Some(cipher),
-            ) => cipher
-                .open_in_place_separate_tag(
-                    Nonce::assume_unique_for_key(aead_nonce(*generation, nonce)),
-                    Aad::from(self.aad(lba, *generation)),
-                    tag,
-                    stored,
-                )
-                .map(|_| ())
-                .map_err(|_| FaultKind::AuthFailed),
+            ) => self.decrypt_in_place(
+                cipher,
+                lba,
+                (aead_nonce(*generation, nonce), *generation, tag),
+                stored,
+            ),
             _ => self.open_in_place(lba, context, stored),
         }
     }
