@@ -100,7 +100,9 @@ impl Mirror {
         let present: Vec<&Arc<dyn BlockDevice>> =
             legs.iter().filter_map(|leg| leg.device.as_ref()).collect();
         let Some(first) = present.first() else {
-            return Err(Error::InvalidArgument("a mirror needs a present leg".into()));
+            return Err(Error::InvalidArgument(
+                "a mirror needs a present leg".into(),
+            ));
         };
         let size = first.size();
         if let Some(leg) = legs
@@ -190,13 +192,17 @@ impl Mirror {
 
     /// Lock the stripes of blocks `[first, end)`, in order.
     pub(super) fn lock(&self, first: u64, end: u64) -> Vec<MutexGuard<'_, ()>> {
-        let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
+        let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
+            ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
             .take(STRIPES)
             .map(|run| (run % STRIPES as u64) as usize)
             .collect();
         stripes.sort_unstable();
         stripes.dedup();
-        stripes.iter().map(|&stripe| self.stripes[stripe].lock()).collect()
+        stripes
+            .iter()
+            .map(|&stripe| self.stripes[stripe].lock())
+            .collect()
     }
 
     fn lock_bytes(&self, offset: u64, length: u64) -> Vec<MutexGuard<'_, ()>> {
@@ -231,13 +237,23 @@ impl Mirror {
         }
         let name = &self.legs[leg].name;
         if active.len() == 1 {
-            tracing::error!(leg, name, why, "mirror: the last active leg is failing; keeping it");
+            tracing::error!(
+                leg,
+                name,
+                why,
+                "mirror: the last active leg is failing; keeping it"
+            );
             return;
         }
         self.legs[leg]
             .state
             .store(LegState::Faulted as u8, Ordering::Release);
-        tracing::error!(leg, name, why, "mirror: leg FAULTED: no more I/O to it until it is replaced");
+        tracing::error!(
+            leg,
+            name,
+            why,
+            "mirror: leg FAULTED: no more I/O to it until it is replaced"
+        );
         if let Some(membership) = &self.membership {
             if let Err(error) = membership.set_state(leg, LegState::Faulted) {
                 tracing::error!(leg, name, %error, "mirror: cannot record the fault in the mirror records");
@@ -309,7 +325,9 @@ impl BlockDevice for Mirror {
     }
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
         let _locked = self.lock_bytes(offset, length);
-        self.each_leg("write zeroes", |leg| leg.write_zeroes(offset, length, flags))
+        self.each_leg("write zeroes", |leg| {
+            leg.write_zeroes(offset, length, flags)
+        })
     }
     fn block_status(
         &self,

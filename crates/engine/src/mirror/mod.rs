@@ -29,6 +29,7 @@ pub mod set;
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
 pub use set::{create_mirror, is_mirrored, open_mirror, FileMembership, OpenedSet};
 pub use vouch_format::mirror::LegState;
+pub use vouch_format::Context;
 
 use crate::error::Result;
 

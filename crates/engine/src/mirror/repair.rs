@@ -14,7 +14,12 @@ use crate::state::{Block, BLOCK};
 impl Mirror {
     /// `buf` at byte `offset` (512-byte aligned) from `leg`, every faulty
     /// block repaired; fails naming the first block no leg holds good.
-    pub(super) fn read_bytes_repairing(&self, leg: usize, offset: u64, buf: &mut [u8]) -> Result<()> {
+    pub(super) fn read_bytes_repairing(
+        &self,
+        leg: usize,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
         let first = offset / BLOCK;
         let end = (offset + buf.len() as u64).div_ceil(BLOCK);
         let mut blocks = vec![0u8; ((end - first) * BLOCK) as usize];
@@ -86,12 +91,16 @@ impl Mirror {
     pub(super) fn repair_block(&self, lba: u64, bad: usize, kind: FaultKind) -> Result<Box<Block>> {
         let _locked = self.lock(lba, lba + 1);
         let mut good: Box<Block> = Box::new([0u8; BLOCK as usize]);
-        let source = self.active().into_iter().filter(|&leg| leg != bad).find(|&leg| {
-            matches!(
-                self.device(leg).read_blocks_collecting(lba, 1, &mut good[..]),
-                Ok(faults) if faults.is_empty()
-            )
-        });
+        let source = self
+            .active()
+            .into_iter()
+            .filter(|&leg| leg != bad)
+            .find(|&leg| {
+                matches!(
+                    self.device(leg).read_blocks_collecting(lba, 1, &mut good[..]),
+                    Ok(faults) if faults.is_empty()
+                )
+            });
         let Some(source) = source else {
             tracing::error!(
                 lba,

@@ -69,7 +69,9 @@ pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport>
     let mut lba = 0;
     while lba < blocks {
         if control.is_cancelled() {
-            return Err(Error::Cancelled(format!("mirror scrub cancelled at LBA {lba}")));
+            return Err(Error::Cancelled(format!(
+                "mirror scrub cancelled at LBA {lba}"
+            )));
         }
         lba = mirror.next_possible_data(lba)?;
         if lba >= blocks {
@@ -94,7 +96,10 @@ impl Mirror {
         for &leg in &legs {
             let mut data = vec![0u8; size];
             let mut kinds = vec![None; count as usize];
-            match self.device(leg).read_blocks_collecting(first, count, &mut data) {
+            match self
+                .device(leg)
+                .read_blocks_collecting(first, count, &mut data)
+            {
                 Ok(found) => {
                     for fault in found {
                         kinds[(fault.lba - first) as usize] = Some(fault.kind);
@@ -112,8 +117,11 @@ impl Mirror {
         report.blocks_checked += count;
         for index in 0..count as usize {
             let lba = first + index as u64;
-            let block = |at: usize| &copies[at][index * BLOCK as usize..(index + 1) * BLOCK as usize];
-            let good: Vec<usize> = (0..legs.len()).filter(|&at| faults[at][index].is_none()).collect();
+            let block =
+                |at: usize| &copies[at][index * BLOCK as usize..(index + 1) * BLOCK as usize];
+            let good: Vec<usize> = (0..legs.len())
+                .filter(|&at| faults[at][index].is_none())
+                .collect();
             let mut targets: Vec<(usize, &'static str)> = (0..legs.len())
                 .filter_map(|at| faults[at][index].map(|kind| (at, kind.name())))
                 .collect();
@@ -121,7 +129,12 @@ impl Mirror {
                 for (at, kind) in targets {
                     tracing::error!(lba, leg = legs[at], kind, "mirror scrub: bad on every leg");
                     self.count(legs[at], kind, false);
-                    report.note(Finding { lba, leg: legs[at], kind, repaired: false });
+                    report.note(Finding {
+                        lba,
+                        leg: legs[at],
+                        kind,
+                        repaired: false,
+                    });
                 }
                 continue;
             }
@@ -138,22 +151,47 @@ impl Mirror {
                     }
                     None => {
                         for at in good.iter().copied().chain(targets.iter().map(|t| t.0)) {
-                            tracing::error!(lba, leg = legs[at], "mirror scrub: legs differ and no generation decides: left");
-                            report.note(Finding { lba, leg: legs[at], kind: "conflict", repaired: false });
+                            tracing::error!(
+                                lba,
+                                leg = legs[at],
+                                "mirror scrub: legs differ and no generation decides: left"
+                            );
+                            report.note(Finding {
+                                lba,
+                                leg: legs[at],
+                                kind: "conflict",
+                                repaired: false,
+                            });
                         }
                         continue;
                     }
                 }
             }
             for (at, kind) in targets {
-                let repaired = self.rewrite(legs[source], legs[at], lba, block(source).try_into().expect("one block"));
+                let repaired = self.rewrite(
+                    legs[source],
+                    legs[at],
+                    lba,
+                    block(source).try_into().expect("one block"),
+                );
                 if repaired {
-                    tracing::warn!(lba, leg = legs[at], kind, source = legs[source], "mirror scrub: repaired");
+                    tracing::warn!(
+                        lba,
+                        leg = legs[at],
+                        kind,
+                        source = legs[source],
+                        "mirror scrub: repaired"
+                    );
                 } else {
                     tracing::error!(lba, leg = legs[at], kind, "mirror scrub: repair failed");
                 }
                 self.count(legs[at], kind, repaired);
-                report.note(Finding { lba, leg: legs[at], kind, repaired });
+                report.note(Finding {
+                    lba,
+                    leg: legs[at],
+                    kind,
+                    repaired,
+                });
             }
         }
         Ok(())
@@ -175,7 +213,11 @@ impl Mirror {
             generations.push((at, generation_of(&sealed.first()?.context)?));
         }
         let highest = generations.iter().map(|g| g.1).max()?;
-        let winners: Vec<usize> = generations.iter().filter(|g| g.1 == highest).map(|g| g.0).collect();
+        let winners: Vec<usize> = generations
+            .iter()
+            .filter(|g| g.1 == highest)
+            .map(|g| g.0)
+            .collect();
         let winner = winners[0];
         winners
             .iter()

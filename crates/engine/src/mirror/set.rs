@@ -93,8 +93,8 @@ pub fn create_mirror(paths: &[PathBuf], options: &CreateOptions) -> Result<Volum
 fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
     crate::create_volume(&paths[0], options)?.close()?;
     let superblock_file = paths[0].join("superblock");
-    let superblock =
-        std::fs::read(&superblock_file).map_err(|error| path_error("read", &superblock_file, error))?;
+    let superblock = std::fs::read(&superblock_file)
+        .map_err(|error| path_error("read", &superblock_file, error))?;
     let geometry = crate::volume_superblock(&paths[0])?
         .geometry()
         .map_err(|error| Error::Corrupt(format!("leg 0 superblock: {error}")))?;
@@ -118,7 +118,10 @@ fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
     }
     let absolute: Vec<PathBuf> = paths
         .iter()
-        .map(|path| path.canonicalize().map_err(|error| path_error("open", path, error)))
+        .map(|path| {
+            path.canonicalize()
+                .map_err(|error| path_error("open", path, error))
+        })
         .collect::<Result<_>>()?;
     let uuid = crate::volume_superblock(&paths[0])?.uuid;
     let mut record = MirrorRecord {
