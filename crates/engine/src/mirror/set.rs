@@ -9,7 +9,8 @@ use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use parking_lot::Mutex;
-use vouch_format::mirror::{LegState, MirrorMember, MirrorRecord, MAX_LEGS, MIN_LEGS};
+pub use vouch_format::mirror::MirrorRecord;
+use vouch_format::mirror::{LegState, MirrorMember, MAX_LEGS, MIN_LEGS};
 
 use super::Membership;
 use crate::error::{Error, Result};
@@ -90,31 +91,38 @@ pub fn create_mirror(paths: &[PathBuf], options: &CreateOptions) -> Result<Volum
     result
 }
 
-fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
-    crate::create_volume(&paths[0], options)?.close()?;
-    let superblock_file = paths[0].join("superblock");
+/// Create an empty leg at `target` with the superblock of the leg at
+/// `source` (same uuid, geometry, tags and key), ready to be filled with
+/// `write_sealed` (a new mirror, or `vouch mirror replace`).
+pub fn create_leg_like(source: &Path, target: &Path) -> Result<()> {
+    let superblock_file = source.join("superblock");
     let superblock = std::fs::read(&superblock_file)
         .map_err(|error| path_error("read", &superblock_file, error))?;
-    let geometry = crate::volume_superblock(&paths[0])?
+    let geometry = crate::volume_superblock(source)?
         .geometry()
-        .map_err(|error| Error::Corrupt(format!("leg 0 superblock: {error}")))?;
-    let journal = std::fs::metadata(paths[0].join("journal"))
-        .map_err(|error| path_error("read", &paths[0], error))?
+        .map_err(|error| Error::Corrupt(format!("{}: superblock: {error}", source.display())))?;
+    let journal = std::fs::metadata(source.join("journal"))
+        .map_err(|error| path_error("read", source, error))?
         .len();
+    drop(
+        FileStorage::create(target, &geometry, journal)
+            .map_err(|error| path_error("create", target, error))?,
+    );
+    let file = target.join("superblock");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .and_then(|mut out| {
+            out.write_all(&superblock)?;
+            out.sync_all()
+        })
+        .map_err(|error| path_error("write", &file, error))
+}
+
+fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
+    crate::create_volume(&paths[0], options)?.close()?;
     for path in &paths[1..] {
-        drop(
-            FileStorage::create(path, &geometry, journal)
-                .map_err(|error| path_error("create", path, error))?,
-        );
-        let file = path.join("superblock");
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&file)
-            .and_then(|mut out| {
-                out.write_all(&superblock)?;
-                out.sync_all()
-            })
-            .map_err(|error| path_error("write", &file, error))?;
+        create_leg_like(&paths[0], path)?;
     }
     let absolute: Vec<PathBuf> = paths
         .iter()
@@ -151,37 +159,11 @@ fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
     crate::open_volume(&paths[0], &open)
 }
 
-/// One member of an opened set.
-pub struct OpenedLeg {
-    pub path: PathBuf,
-    /// The member's state in the set's view.
-    pub state: LegState,
-    /// The open volume: `None` if the leg is not active or could not be
-    /// opened (`missing` says why).
-    pub volume: Option<Volume>,
-    pub missing: Option<String>,
-}
-
-/// A mirror set opened from one of its legs.
-pub struct OpenedSet {
-    /// The set's view (the record with the highest epoch).
-    pub record: MirrorRecord,
-    pub legs: Vec<OpenedLeg>,
-    /// What an operator must hear about (missing legs, legs marked stale).
-    pub warnings: Vec<String>,
-}
-
-/// Open the mirror set the leg at `path` belongs to. `open_leg` opens one
-/// leg's volume (with the caller's options and key). A leg that cannot be
-/// found or opened is reported by name; with `writable`, a missing active
-/// leg is marked stale in the other legs' records first (it would miss the
-/// writes to come). Fails only if no active leg opens, or the legs' records
-/// disagree at the same epoch (split brain).
-pub fn open_mirror(
-    path: &Path,
-    writable: bool,
-    open_leg: &mut dyn FnMut(&Path) -> Result<Volume>,
-) -> Result<OpenedSet> {
+/// The set's view from the leg at `path`: the record with the highest
+/// epoch among the legs found, and for each member why it was not found
+/// (`None`: found). Two different records at the same highest epoch are a
+/// split brain, refused naming both legs.
+pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
     let given = read_record(path)?;
     let mut found: Vec<Option<MirrorRecord>> = Vec::new();
     let mut reasons: Vec<Option<String>> = Vec::new();
@@ -230,7 +212,41 @@ pub fn open_mirror(
             given.members[first_index].path, given.members[*other].path
         )));
     }
-    let mut record = view.clone();
+    Ok((view.clone(), reasons))
+}
+
+/// One member of an opened set.
+pub struct OpenedLeg {
+    pub path: PathBuf,
+    /// The member's state in the set's view.
+    pub state: LegState,
+    /// The open volume: `None` if the leg is not active or could not be
+    /// opened (`missing` says why).
+    pub volume: Option<Volume>,
+    pub missing: Option<String>,
+}
+
+/// A mirror set opened from one of its legs.
+pub struct OpenedSet {
+    /// The set's view (the record with the highest epoch).
+    pub record: MirrorRecord,
+    pub legs: Vec<OpenedLeg>,
+    /// What an operator must hear about (missing legs, legs marked stale).
+    pub warnings: Vec<String>,
+}
+
+/// Open the mirror set the leg at `path` belongs to. `open_leg` opens one
+/// leg's volume (with the caller's options and key). A leg that cannot be
+/// found or opened is reported by name; with `writable`, a missing active
+/// leg is marked stale in the other legs' records first (it would miss the
+/// writes to come). Fails only if no active leg opens, or the legs' records
+/// disagree at the same epoch (split brain).
+pub fn open_mirror(
+    path: &Path,
+    writable: bool,
+    open_leg: &mut dyn FnMut(&Path) -> Result<Volume>,
+) -> Result<OpenedSet> {
+    let (mut record, reasons) = view(path)?;
     let mut warnings = Vec::new();
     let mut legs = Vec::new();
     for (index, member) in record.members.iter().enumerate() {
