@@ -303,12 +303,23 @@ impl BlockDevice for Mirror {
         self.read_bytes_repairing(leg, offset, buf)?;
         Ok(Vec::new())
     }
+    /// The leg `read` would pick next, without taking its turn unless it
+    /// answers: when it declines (cold data, or a block that fails
+    /// verification), the blocking `read` goes to that same leg and
+    /// repairs what it finds.
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
-        let leg = self.pick()?;
+        let active = self.active();
+        if active.is_empty() {
+            return Ok(None);
+        }
+        let leg = active[self.next.load(Ordering::Relaxed) % active.len()];
         match self.device(leg).try_read(offset, buf) {
-            Ok(done) => Ok(done),
+            Ok(Some(holes)) => {
+                self.next.fetch_add(1, Ordering::Relaxed);
+                Ok(Some(holes))
+            }
+            Ok(None) => Ok(None),
             Err(error) if is_request_error(&error) => Err(error),
-            // The blocking read repairs.
             Err(_) => Ok(None),
         }
     }
