@@ -337,3 +337,48 @@ fn bad_mirror_creation_is_refused_and_leaves_nothing() {
     assert!(error.to_string().contains("already exists"), "{error}");
     assert!(!dir.path().join("c").exists());
 }
+
+#[test]
+fn an_encrypted_mirror_shares_its_key_and_repairs_with_sealed_ciphertext() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = legs(dir.path(), 2);
+    let key = || vouch_engine::UserSecret::key(&[9u8; 32]).expect("32 bytes");
+    let mut create = CreateOptions::new(1 << 20);
+    create.encrypt = Some(key());
+    create_mirror(&paths, &create)
+        .expect("create")
+        .close()
+        .expect("close");
+    let keyed = || OpenOptions {
+        key: Some(key()),
+        ..options()
+    };
+    let open_keyed = |path: &Path| {
+        let set = open_mirror(path, true, &mut |leg| open_volume(leg, &keyed())).expect("open");
+        let mut volumes = Vec::new();
+        let mut mirror_legs = Vec::new();
+        for leg in set.legs {
+            let volume = leg.volume.map(Arc::new);
+            mirror_legs.push(MirrorLeg {
+                name: leg.path.display().to_string(),
+                device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
+                state: leg.state,
+            });
+            volumes.push(volume);
+        }
+        (Mirror::new(mirror_legs, None).expect("mirror"), volumes)
+    };
+    let (mirror, volumes) = open_keyed(&paths[0]);
+    write_blocks(&mirror, 4, 7);
+    close(mirror, volumes);
+    flip(&paths[1].join("data.00000"), 2 * BLOCK + 50);
+    let (mirror, volumes) = open_keyed(&paths[1]);
+    for result in read_all_legs(&mirror, 2) {
+        assert_eq!(result.expect("good data"), pattern(2, 7));
+    }
+    assert_eq!(mirror.status()[1].corrected, 1);
+    close(mirror, volumes);
+    let leg = open_volume(&paths[1], &keyed()).expect("leg 1 alone");
+    let report = leg.check(|_, _| {}).expect("check");
+    assert!(report.faults.is_empty(), "{:?}", report.faults);
+}

@@ -112,9 +112,6 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
                 set.volumes.len(),
                 set.mirror.active().len()
             );
-            if args.control.control.is_some() {
-                eprintln!("vouch: WARNING: {}: control API jobs act on one leg of the mirror, without repair; use the offline `vouch scrub` to repair", path.display());
-            }
             volumes.push(Arc::clone(&set.primary));
             mirrors.push(Some(set));
             continue;
@@ -228,6 +225,10 @@ async fn serve(
         &names,
         &args.paths,
         volumes,
+        &mirrors
+            .iter()
+            .map(|set| set.as_ref().map(|set| set.mirror.clone()))
+            .collect::<Vec<_>>(),
         server.metrics(),
     )
     .await?;
