@@ -456,6 +456,9 @@ impl Committer {
         shared.io.sync_object(ObjectId::Journal)?;
         journal.offset += record.len() as u64;
         journal.next_seq += 1;
+        shared
+            .sealing_seq
+            .store(journal.next_seq, Ordering::Release);
         Ok(())
     }
 

@@ -1,8 +1,9 @@
 //! `EncryptedProtection`: the `Protection` of an encrypted volume. Sealing
 //! encrypts a block in place with AES-256-GCM-SIV under the data key, with
-//! a fresh random nonce and the volume uuid and LBA as associated data;
-//! the context (kind 3, docs/FORMAT.md) carries the nonce, the tag and a
-//! keyless guard (CRC-32C of the context and the ciphertext).
+//! a nonce of the write's generation and fresh random bytes, and the volume
+//! uuid, LBA and generation as associated data; the context (kind 3,
+//! docs/FORMAT.md) carries the generation, the nonce, the tag and a keyless
+//! guard (CRC-32C of the context and the ciphertext).
 //!
 //! Opened with the key, every read authenticates (a failure is the fault
 //! `auth_failed`, naming the LBA) and decrypts in place before a byte
@@ -20,9 +21,9 @@ use crate::error::FaultKind;
 use crate::protection::{zero_template, Protection, Seal};
 use crate::state::BLOCK;
 
-/// The nonce's random part and the tag of a block that passed the keyless
-/// check.
-type Sealed<'a> = (&'a [u8; ENCRYPTED_NONCE_RANDOM], &'a [u8; 16]);
+/// The AEAD nonce, the generation and the tag of a block that passed the
+/// keyless check.
+type Sealed<'a> = ([u8; 12], u32, &'a [u8; 16]);
 
 /// The `Protection` of an encrypted volume (module docs).
 pub struct EncryptedProtection {
@@ -51,11 +52,12 @@ impl EncryptedProtection {
         }
     }
 
-    /// Associated data: volume uuid || LBA (little-endian).
-    fn aad(&self, lba: u64) -> [u8; 24] {
-        let mut aad = [0u8; 24];
+    /// Associated data: volume uuid || LBA || generation (little-endian).
+    fn aad(&self, lba: u64, generation: u32) -> [u8; 28] {
+        let mut aad = [0u8; 28];
         aad[..16].copy_from_slice(&self.uuid);
-        aad[16..].copy_from_slice(&lba.to_le_bytes());
+        aad[16..24].copy_from_slice(&lba.to_le_bytes());
+        aad[24..].copy_from_slice(&generation.to_le_bytes());
         aad
     }
 
@@ -85,35 +87,43 @@ impl EncryptedProtection {
             }
             // Plain data in an encrypted volume: never written by vouch.
             Ok(Context::Data { .. }) => Err(FaultKind::ContextCorrupt),
-            Ok(Context::Encrypted { nonce, tag, guard }) => {
-                if encrypted_guard(nonce, tag, stored) != *guard {
+            Ok(Context::Encrypted {
+                generation,
+                nonce,
+                tag,
+                guard,
+            }) => {
+                if encrypted_guard(*generation, nonce, tag, stored) != *guard {
                     return Err(FaultKind::GuardMismatch);
                 }
-                Ok(Some((nonce, tag)))
+                Ok(Some((aead_nonce(*generation, nonce), *generation, tag)))
             }
         }
     }
 }
 
 impl Protection for EncryptedProtection {
-    fn seal(&self, lba: u64, data: &mut [u8]) -> Seal {
+    fn seal(&self, lba: u64, data: &mut [u8], generation: u64) -> Seal {
         let cipher = self
             .cipher
             .as_ref()
             .expect("a keyless encrypted volume is read-only: nothing is sealed");
+        // The low 32 bits, as in a plain context's generation field.
+        let generation = generation as u32;
         let mut nonce = [0u8; ENCRYPTED_NONCE_RANDOM];
         rand::thread_rng().fill_bytes(&mut nonce);
         let sealed = cipher
             .seal_in_place_separate_tag(
-                Nonce::assume_unique_for_key(aead_nonce(&nonce)),
-                Aad::from(self.aad(lba)),
+                Nonce::assume_unique_for_key(aead_nonce(generation, &nonce)),
+                Aad::from(self.aad(lba, generation)),
                 data,
             )
             .expect("AES-256-GCM-SIV seals a 4 KiB block");
         let mut tag = [0u8; 16];
         tag.copy_from_slice(sealed.as_ref());
         Seal {
-            guard: u64::from(encrypted_guard(&nonce, &tag, data)),
+            guard: u64::from(encrypted_guard(generation, &nonce, &tag, data)),
+            generation,
             nonce,
             tag,
         }
@@ -121,6 +131,7 @@ impl Protection for EncryptedProtection {
 
     fn context(&self, _lba: u64, seal: Seal, _generation: u64) -> Context {
         Context::Encrypted {
+            generation: seal.generation,
             nonce: seal.nonce,
             tag: seal.tag,
             guard: seal.guard as u32,
@@ -139,7 +150,7 @@ impl Protection for EncryptedProtection {
         context: &Result<Context, FormatError>,
         stored: &[u8],
     ) -> Result<(), FaultKind> {
-        let Some((nonce, tag)) = self.check_keyless(lba, context, stored)? else {
+        let Some((nonce, generation, tag)) = self.check_keyless(lba, context, stored)? else {
             return Ok(());
         };
         let Some(cipher) = &self.cipher else {
@@ -149,8 +160,8 @@ impl Protection for EncryptedProtection {
         let scratch = &mut scratch[..stored.len()];
         cipher
             .open_separate_gather(
-                Nonce::assume_unique_for_key(aead_nonce(nonce)),
-                Aad::from(self.aad(lba)),
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(self.aad(lba, generation)),
                 stored,
                 tag,
                 scratch,
@@ -164,7 +175,7 @@ impl Protection for EncryptedProtection {
         context: &Result<Context, FormatError>,
         stored: &mut [u8],
     ) -> Result<(), FaultKind> {
-        let Some((nonce, tag)) = self.check_keyless(lba, context, stored)? else {
+        let Some((nonce, generation, tag)) = self.check_keyless(lba, context, stored)? else {
             return Ok(());
         };
         let Some(cipher) = &self.cipher else {
@@ -172,8 +183,8 @@ impl Protection for EncryptedProtection {
         };
         cipher
             .open_in_place_separate_tag(
-                Nonce::assume_unique_for_key(aead_nonce(nonce)),
-                Aad::from(self.aad(lba)),
+                Nonce::assume_unique_for_key(nonce),
+                Aad::from(self.aad(lba, generation)),
                 tag,
                 stored,
             )
@@ -188,9 +199,12 @@ impl Protection for EncryptedProtection {
 
     fn matches(&self, context: &Context, stored: &[u8]) -> bool {
         match context {
-            Context::Encrypted { nonce, tag, guard } => {
-                encrypted_guard(nonce, tag, stored) == *guard
-            }
+            Context::Encrypted {
+                generation,
+                nonce,
+                tag,
+                guard,
+            } => encrypted_guard(*generation, nonce, tag, stored) == *guard,
             Context::Data { .. } => false,
             other => other.reads_as_zero(),
         }
@@ -198,8 +212,14 @@ impl Protection for EncryptedProtection {
 
     fn seal_of(&self, context: &Context) -> Option<Seal> {
         match context {
-            Context::Encrypted { nonce, tag, guard } => Some(Seal {
+            Context::Encrypted {
+                generation,
+                nonce,
+                tag,
+                guard,
+            } => Some(Seal {
                 guard: u64::from(*guard),
+                generation: *generation,
                 nonce: *nonce,
                 tag: *tag,
             }),
@@ -218,7 +238,7 @@ mod tests {
         plain: &[u8; 4096],
     ) -> ([u8; 4096], Context) {
         let mut data = *plain;
-        let seal = protection.seal(lba, &mut data);
+        let seal = protection.seal(lba, &mut data, 1);
         (data, protection.context(lba, seal, 1))
     }
 
@@ -289,14 +309,35 @@ mod tests {
             );
         }
         // A consistent forgery (guard recomputed) still fails authentication.
-        let Context::Encrypted { nonce, mut tag, .. } = context else {
+        let Context::Encrypted {
+            generation,
+            nonce,
+            mut tag,
+            ..
+        } = context
+        else {
             unreachable!("an encrypted context")
         };
         tag[0] ^= 1;
         let forged = Context::Encrypted {
+            generation,
             nonce,
             tag,
-            guard: encrypted_guard(&nonce, &tag, &stored),
+            guard: encrypted_guard(generation, &nonce, &tag, &stored),
+        };
+        assert_eq!(keyless.open(11, &Ok(forged), &stored), Ok(()));
+        assert_eq!(
+            protection.open(11, &Ok(forged), &stored),
+            Err(FaultKind::AuthFailed)
+        );
+        // So does a changed generation with its guard recomputed: the
+        // generation is associated data (and part of the nonce).
+        tag[0] ^= 1;
+        let forged = Context::Encrypted {
+            generation: generation + 1,
+            nonce,
+            tag,
+            guard: encrypted_guard(generation + 1, &nonce, &tag, &stored),
         };
         assert_eq!(keyless.open(11, &Ok(forged), &stored), Ok(()));
         assert_eq!(

@@ -9,6 +9,7 @@
 //! `Volume` (`volume.rs`) is the public handle; nothing outside the engine
 //! sees these parts.
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -110,6 +111,7 @@ impl Engine {
             layouts: LayoutMap::whole(geometry),
             state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
             uuid: superblock.uuid,
+            sealing_seq: AtomicU64::new(superblock.checkpoint_seq + 1),
         };
         let committer = Committer::new(
             Journal::after_checkpoint(superblock),

@@ -23,6 +23,9 @@ use crate::error::FaultKind;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Seal {
     pub guard: u64,
+    /// The generation the seal was made under (encrypted: in the nonce and
+    /// the associated data; plain: unused, the commit's sequence is used).
+    pub generation: u32,
     pub nonce: [u8; vouch_format::context::ENCRYPTED_NONCE_RANDOM],
     pub tag: [u8; 16],
 }
@@ -32,6 +35,7 @@ impl Seal {
     pub fn guard(guard: u64) -> Seal {
         Seal {
             guard,
+            generation: 0,
             nonce: [0; vouch_format::context::ENCRYPTED_NONCE_RANDOM],
             tag: [0; 16],
         }
@@ -43,8 +47,10 @@ impl Seal {
 pub trait Protection: Send + Sync {
     /// Seal a block's bytes for `lba`, on the writer's thread. A protection
     /// that transforms data (encryption) replaces `data` with the bytes to
-    /// store; the plain one leaves it as it is.
-    fn seal(&self, lba: u64, data: &mut [u8]) -> Seal;
+    /// store; the plain one leaves it as it is. `generation` is
+    /// `Shared::sealing_generation()`: the encrypted protection binds the
+    /// block to it; the plain one takes the commit's sequence later.
+    fn seal(&self, lba: u64, data: &mut [u8], generation: u64) -> Seal;
 
     /// The context a sealed block is stored with, once its commit's
     /// sequence number (the block's generation) is known.
@@ -129,7 +135,7 @@ impl GuardProtection {
 }
 
 impl Protection for GuardProtection {
-    fn seal(&self, _lba: u64, data: &mut [u8]) -> Seal {
+    fn seal(&self, _lba: u64, data: &mut [u8], _generation: u64) -> Seal {
         Seal::guard(self.guard.compute(data))
     }
 
@@ -202,7 +208,7 @@ mod tests {
     fn a_sealed_block_opens_only_at_its_lba_in_its_volume() {
         let protection = GuardProtection::new(GuardKind::Crc32c, 7);
         let mut data = [0x5au8; 4096];
-        let context = protection.context(9, protection.seal(9, &mut data), 3);
+        let context = protection.context(9, protection.seal(9, &mut data, 3), 3);
         assert_eq!(
             data, [0x5au8; 4096],
             "plain sealing leaves the data as it is"

@@ -63,6 +63,9 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
         report.records_replayed = records.len() as u64;
         if let Some(last) = records.last() {
             journal.next_seq = last.header.seq + 1;
+            shared
+                .sealing_seq
+                .store(journal.next_seq, std::sync::atomic::Ordering::Release);
             journal.data_durable_seq = last.header.data_durable_seq;
         }
         // New records continue after the replayed ones: no checkpoint at

@@ -4,6 +4,8 @@
 //! recovery are handed it. What a path owns (the journal position, the
 //! committer's signal, the writers' stripe locks) lives with that path.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use parking_lot::RwLock;
 use vouch_format::SECTOR_SIZE;
 
@@ -19,9 +21,18 @@ pub(crate) struct Shared {
     pub layouts: LayoutMap,
     pub state: RwLock<VolumeState>,
     pub uuid: [u8; 16],
+    /// The journal sequence the next commit will take (kept by the
+    /// committer). A block sealed now gets it as its generation when the
+    /// seal needs one before the commit (encryption's associated data).
+    pub sealing_seq: AtomicU64,
 }
 
 impl Shared {
+    /// The generation a block sealed now carries (see `sealing_seq`).
+    pub fn sealing_generation(&self) -> u64 {
+        self.sealing_seq.load(Ordering::Acquire)
+    }
+
     /// Validate a byte range: in bounds and 512-byte aligned.
     pub fn check_range(&self, offset: u64, length: u64) -> Result<()> {
         let size = self.io.geometry.size_bytes;

@@ -106,10 +106,11 @@ impl Engine {
         &self,
         blocks: impl Iterator<Item = (u64, Arc<Block>)>,
     ) -> Vec<(u64, DirtyBlock)> {
+        let generation = self.shared.sealing_generation();
         blocks
             .map(|(lba, mut data)| {
                 let bytes = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
-                let seal = self.shared.protection.seal(lba, &mut bytes[..]);
+                let seal = self.shared.protection.seal(lba, &mut bytes[..], generation);
                 (lba, DirtyBlock { data, seal })
             })
             .collect()

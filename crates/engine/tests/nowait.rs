@@ -23,13 +23,45 @@ const LAYOUTS: [LayoutKind; 2] = [LayoutKind::Split, LayoutKind::Packed];
 const WRITTEN: std::ops::Range<u64> = 0..64;
 
 /// Drop `data.00000` from the page cache (it is clean: the volume is
-/// committed), so reading it would have to wait for the disk.
+/// committed), so reading it would have to wait for the disk. DONTNEED is
+/// advice: on a busy machine a page can survive it, so evict until
+/// mincore(2) shows none of the file resident (or give up loudly).
 fn evict_data(path: &Path) {
     let file = std::fs::File::open(path.join("data.00000")).expect("open data segment");
     file.sync_all().expect("sync data segment");
-    // SAFETY: plain syscall on a descriptor `file` keeps open.
-    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
-    assert_eq!(rc, 0, "posix_fadvise(DONTNEED)");
+    let len = file.metadata().expect("stat").len() as usize;
+    for _ in 0..50 {
+        // SAFETY: plain syscall on a descriptor `file` keeps open.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        assert_eq!(rc, 0, "posix_fadvise(DONTNEED)");
+        if resident_pages(&file, len) == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    panic!("data.00000 stays in the page cache after 50 evictions");
+}
+
+/// Pages of the first `len` bytes of `file` in the page cache (mincore).
+fn resident_pages(file: &std::fs::File, len: usize) -> usize {
+    // SAFETY: a read-only shared mapping of an open file, unmapped below;
+    // mincore writes one byte per page into a vector of that many bytes.
+    unsafe {
+        let map = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        );
+        assert_ne!(map, libc::MAP_FAILED, "mmap");
+        let mut pages = vec![0u8; len.div_ceil(4096)];
+        let rc = libc::mincore(map, len, pages.as_mut_ptr());
+        libc::munmap(map, len);
+        assert_eq!(rc, 0, "mincore");
+        pages.iter().filter(|p| **p & 1 == 1).count()
+    }
 }
 
 #[test]

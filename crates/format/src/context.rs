@@ -6,10 +6,10 @@
 //!   by a CRC-32C of its first 28 bytes;
 //! - `Zero`: trimmed or written as zeroes (reads as zeros, data untouched);
 //! - `Encrypted`: a block of an encrypted volume: the AES-256-GCM-SIV nonce
-//!   (the kind byte and 11 random bytes), the 16-byte AEAD tag (volume uuid
-//!   and LBA are associated data) and a keyless guard, CRC-32C of the
-//!   context's first 28 bytes and the stored (encrypted) data, which anyone
-//!   can check without the key.
+//!   (the kind byte, the write's generation and 7 random bytes), the 16-byte
+//!   AEAD tag (volume uuid, LBA and generation are associated data) and a
+//!   keyless guard, CRC-32C of the context's first 28 bytes and the stored
+//!   (encrypted) data, which anyone can check without the key.
 
 use crate::bytes::{get_u32, get_u64, put_u32, put_u64};
 use crate::{crc32c, Field, FormatError};
@@ -41,8 +41,11 @@ pub enum Context {
         generation: u32,
     },
     Encrypted {
-        /// Bytes 1..12: the random part of the AEAD nonce (byte 0 of the
-        /// nonce is the kind byte, 3; see `aead_nonce`).
+        /// Bytes 1..5: the write's generation (the journal sequence open
+        /// when the block was sealed); part of the AEAD nonce and of the
+        /// associated data.
+        generation: u32,
+        /// Bytes 5..12: the random part of the AEAD nonce (see `aead_nonce`).
         nonce: [u8; ENCRYPTED_NONCE_RANDOM],
         /// The AES-256-GCM-SIV tag.
         tag: [u8; 16],
@@ -52,26 +55,32 @@ pub enum Context {
 }
 
 /// Random bytes in an encrypted context's nonce (the 12-byte AEAD nonce is
-/// the kind byte followed by these).
-pub const ENCRYPTED_NONCE_RANDOM: usize = 11;
+/// the kind byte, the 4-byte generation, then these).
+pub const ENCRYPTED_NONCE_RANDOM: usize = 7;
 
-/// The 12-byte AEAD nonce of an encrypted context: its kind byte (3) and
-/// its 11 random bytes, i.e. bytes 0..12 of the encoded context.
-pub fn aead_nonce(random: &[u8; ENCRYPTED_NONCE_RANDOM]) -> [u8; 12] {
+/// The 12-byte AEAD nonce of an encrypted context: its kind byte (3), its
+/// generation (little-endian) and its 7 random bytes, i.e. bytes 0..12 of
+/// the encoded context.
+pub fn aead_nonce(generation: u32, random: &[u8; ENCRYPTED_NONCE_RANDOM]) -> [u8; 12] {
     let mut nonce = [0u8; 12];
     nonce[0] = ContextKind::Encrypted as u8;
-    nonce[1..].copy_from_slice(random);
+    nonce[1..5].copy_from_slice(&generation.to_le_bytes());
+    nonce[5..].copy_from_slice(random);
     nonce
 }
 
 /// The keyless guard of an encrypted block: CRC-32C of the context's first
-/// 28 bytes (kind, nonce, tag) followed by the 4096 stored bytes (the
-/// ciphertext). A scrub or replica without the key checks this; it catches
-/// a corrupt context byte as well as corrupt data.
-pub fn encrypted_guard(nonce: &[u8; ENCRYPTED_NONCE_RANDOM], tag: &[u8; 16], stored: &[u8]) -> u32 {
+/// 28 bytes (kind, generation, nonce, tag) followed by the 4096 stored bytes
+/// (the ciphertext). A scrub or replica without the key checks this; it
+/// catches a corrupt context byte as well as corrupt data.
+pub fn encrypted_guard(
+    generation: u32,
+    nonce: &[u8; ENCRYPTED_NONCE_RANDOM],
+    tag: &[u8; 16],
+    stored: &[u8],
+) -> u32 {
     let mut head = [0u8; 28];
-    head[0] = ContextKind::Encrypted as u8;
-    head[1..12].copy_from_slice(nonce);
+    head[..12].copy_from_slice(&aead_nonce(generation, nonce));
     head[12..28].copy_from_slice(tag);
     let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
     digest.update(&head);
@@ -126,9 +135,14 @@ impl Context {
             size: 1,
         },
         Field {
-            name: "nonce",
+            name: "generation",
             offset: 1,
-            size: 11,
+            size: 4,
+        },
+        Field {
+            name: "nonce",
+            offset: 5,
+            size: 7,
         },
         Field {
             name: "aead_tag",
@@ -148,6 +162,19 @@ impl Context {
             Context::Zero { .. } => ContextKind::Zero,
             Context::Data { .. } => ContextKind::Data,
             Context::Encrypted { .. } => ContextKind::Encrypted,
+        }
+    }
+
+    /// The generation of a written block (the journal sequence, low 32
+    /// bits, that wrote a plain block or was open when an encrypted one was
+    /// sealed): a later write of the same LBA never has a lower one. `None`
+    /// for a block never written.
+    pub fn generation(&self) -> Option<u32> {
+        match *self {
+            Context::Unwritten => None,
+            Context::Zero { generation, .. }
+            | Context::Data { generation, .. }
+            | Context::Encrypted { generation, .. } => Some(generation),
         }
     }
 
@@ -190,9 +217,13 @@ impl Context {
                 guard,
                 generation,
             ),
-            Context::Encrypted { nonce, tag, guard } => {
-                out[0] = ContextKind::Encrypted as u8;
-                out[1..12].copy_from_slice(&nonce);
+            Context::Encrypted {
+                generation,
+                nonce,
+                tag,
+                guard,
+            } => {
+                out[..12].copy_from_slice(&aead_nonce(generation, &nonce));
                 out[12..28].copy_from_slice(&tag);
                 put_u32(&mut out, 28, guard);
             }
@@ -251,9 +282,10 @@ impl Context {
             3 => {
                 let mut nonce = [0u8; ENCRYPTED_NONCE_RANDOM];
                 let mut tag = [0u8; 16];
-                nonce.copy_from_slice(&raw[1..12]);
+                nonce.copy_from_slice(&raw[5..12]);
                 tag.copy_from_slice(&raw[12..28]);
                 Ok(Context::Encrypted {
+                    generation: get_u32(raw, 1),
                     nonce,
                     tag,
                     guard: get_u32(raw, 28),
@@ -330,18 +362,26 @@ mod tests {
 
     #[test]
     fn encrypted_golden_bytes_and_keyless_guard() {
+        let generation = 0x0A0B_0C0D;
         let nonce = [0xA5; ENCRYPTED_NONCE_RANDOM];
         let tag = [0x3C; 16];
         let data = [0x77u8; 4096];
-        let guard = encrypted_guard(&nonce, &tag, &data);
-        let ctx = Context::Encrypted { nonce, tag, guard };
+        let guard = encrypted_guard(generation, &nonce, &tag, &data);
+        let ctx = Context::Encrypted {
+            generation,
+            nonce,
+            tag,
+            guard,
+        };
         let bytes = ctx.encode();
         assert_eq!(bytes[0], 3);
-        assert_eq!(&bytes[1..12], &nonce);
+        assert_eq!(&bytes[1..5], &[0x0D, 0x0C, 0x0B, 0x0A]);
+        assert_eq!(&bytes[5..12], &nonce);
         assert_eq!(&bytes[12..28], &tag);
         assert_eq!(get_u32(&bytes, 28), guard);
         assert_eq!(Context::decode(&bytes).unwrap(), ctx);
-        assert_eq!(&aead_nonce(&nonce)[..], &bytes[..12]);
+        assert_eq!(ctx.generation(), Some(generation));
+        assert_eq!(&aead_nonce(generation, &nonce)[..], &bytes[..12]);
         // The guard is CRC-32C of the 28 context bytes then the data.
         let mut whole = bytes[..28].to_vec();
         whole.extend_from_slice(&data);
@@ -352,13 +392,23 @@ mod tests {
             flipped[bit / 8] ^= 1 << (bit % 8);
             // Otherwise it is no longer an encrypted context: corrupt or
             // another kind, whose own checks apply.
-            if let Ok(Context::Encrypted { nonce, tag, guard }) = Context::decode(&flipped) {
-                assert_ne!(encrypted_guard(&nonce, &tag, &data), guard, "bit {bit}");
+            if let Ok(Context::Encrypted {
+                generation,
+                nonce,
+                tag,
+                guard,
+            }) = Context::decode(&flipped)
+            {
+                assert_ne!(
+                    encrypted_guard(generation, &nonce, &tag, &data),
+                    guard,
+                    "bit {bit}"
+                );
             }
         }
         let mut flipped = data;
         flipped[4095] ^= 0x80;
-        assert_ne!(encrypted_guard(&nonce, &tag, &flipped), guard);
+        assert_ne!(encrypted_guard(generation, &nonce, &tag, &flipped), guard);
     }
 
     proptest! {

@@ -141,14 +141,14 @@ print(json.dumps({"ok": True}))
     assert_check_clean_with_key(&volume, &key);
 
     // Damage: a ciphertext bit (LBA 3), a tag bit (LBA 4: context bytes
-    // 12..28), a nonce bit (LBA 5: bytes 1..12), and LBAs 8 and 9 swapped
+    // 12..28), a nonce bit (LBA 5: random bytes 5..12), and LBAs 8 and 9 swapped
     // with their contexts.
     let (data3, _) = locations(&volume, layout, 3);
     flip_bit(&data3.0, data3.1 + 2000, 0x08);
     let (_, context4) = locations(&volume, layout, 4);
     flip_bit(&context4.0, context4.1 + 20, 0x01);
     let (_, context5) = locations(&volume, layout, 5);
-    flip_bit(&context5.0, context5.1 + 3, 0x40);
+    flip_bit(&context5.0, context5.1 + 8, 0x40);
     let (data8, context8) = locations(&volume, layout, 8);
     let (data9, context9) = locations(&volume, layout, 9);
     if layout == "split" {
@@ -159,7 +159,16 @@ print(json.dumps({"ok": True}))
     }
     let bad = [3u64, 4, 5, 8, 9];
 
-    let server = Server::start(dir.path(), &[s(&volume), "--key-file", s(&key)]);
+    let server = Server::start(
+        dir.path(),
+        &[
+            s(&volume),
+            "--key-file",
+            s(&key),
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
     let result = py_json(
         r#"
 log = []
@@ -194,6 +203,20 @@ print(json.dumps(out))
             assert_eq!(*entry, true, "{layout}: LBA {lba} must read: {result}");
         }
     }
+    // Authentication failures are counted by kind: the keyless guard
+    // (ciphertext, tag, nonce: LBAs 3, 4, 5) and the AEAD (the swap: 8, 9).
+    let metrics = server.metrics_text();
+    for (kind, at_least) in [("guard_mismatch", 3.0), ("auth_failed", 2.0)] {
+        let series =
+            format!(r#"vouch_engine_checksum_failures_total{{volume="vol",kind="{kind}"}}"#);
+        let count = metric(&metrics, &series).unwrap_or(0.0);
+        assert!(
+            count >= at_least,
+            "{layout}: {series} = {count}:\n{metrics}"
+        );
+    }
+    let series = r#"vouch_engine_checksum_failures_total{volume="vol",kind="ref_tag_mismatch"}"#;
+    assert_eq!(metric(&metrics, series), Some(0.0), "{layout}:\n{metrics}");
     drop(server);
 
     // `vouch check` with the key lists all five; the swap is an

@@ -342,7 +342,13 @@ fn verify_part(
                 let lba = blocks.destination + index as u64;
                 let mut copy = [0u8; BLOCK as usize];
                 copy.copy_from_slice(block(data, index));
-                Some(destination.shared.protection.seal(lba, &mut copy))
+                let generation = destination.shared.sealing_generation();
+                Some(
+                    destination
+                        .shared
+                        .protection
+                        .seal(lba, &mut copy, generation),
+                )
             }
         };
         seals.push(seal);
