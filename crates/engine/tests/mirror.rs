@@ -381,4 +381,30 @@ fn an_encrypted_mirror_shares_its_key_and_repairs_with_sealed_ciphertext() {
     let leg = open_volume(&paths[1], &keyed()).expect("leg 1 alone");
     let report = leg.check(|_, _| {}).expect("check");
     assert!(report.faults.is_empty(), "{:?}", report.faults);
+    leg.close().expect("close");
+
+    // A lost write on leg 1: its old sealed block (old generation, still
+    // authentic) put back with write_sealed, which keeps an encrypted
+    // block's generation. Scrub finds it stale and the newer copy wins.
+    let (mirror, volumes) = open_keyed(&paths[0]);
+    let leg1 = volumes[1].as_ref().expect("leg 1");
+    let old = leg1.read_sealed(3, 1).expect("sealed");
+    mirror
+        .write(3 * BLOCK, &pattern(3, 8), false)
+        .expect("write");
+    mirror.flush().expect("flush");
+    leg1.write_sealed(&old).expect("the old block is authentic");
+    leg1.flush().expect("flush");
+    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    assert_eq!(
+        (report.found, report.repaired, report.left),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.findings[0].kind, "stale");
+    assert_eq!(report.findings[0].leg, 1);
+    let mut buf = vec![0u8; BLOCK as usize];
+    leg1.read(3 * BLOCK, &mut buf).expect("read leg 1");
+    assert_eq!(buf, pattern(3, 8), "leg 1 holds the newer block again");
+    close(mirror, volumes);
 }

@@ -42,14 +42,3 @@ pub const FAULT_THRESHOLD: u64 = 20;
 pub trait Membership: Send + Sync {
     fn set_state(&self, leg: usize, state: LegState) -> Result<()>;
 }
-
-/// The generation a context carries, if any: the sequence number of the
-/// commit that wrote it on its leg. Hole contexts and (until they carry
-/// one) encrypted contexts have none.
-pub fn generation_of(context: &vouch_format::Context) -> Option<u32> {
-    match context {
-        vouch_format::Context::Data { generation, .. }
-        | vouch_format::Context::Zero { generation, .. } => Some(*generation),
-        _ => None,
-    }
-}

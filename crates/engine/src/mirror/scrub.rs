@@ -9,14 +9,13 @@
 //! - if the verifying copies agree, they are the source;
 //! - if they differ, the copy with the highest generation wins and the
 //!   others are rewritten from it as `stale`; when that cannot decide (a
-//!   hole against data, an encrypted context without a generation, two
+//!   hole against data, two
 //!   different copies with the same generation) every copy is left as a
 //!   `conflict`.
 
 use serde::Serialize;
 
 use super::device::{is_request_error, Mirror};
-use super::generation_of;
 use crate::device::BlockDevice;
 use crate::error::{Error, FaultKind, Result};
 use crate::jobs::JobControl;
@@ -210,7 +209,7 @@ impl Mirror {
         let mut generations = Vec::with_capacity(good.len());
         for &at in good {
             let sealed = self.device(legs[at]).read_sealed(lba, 1).ok()?;
-            generations.push((at, generation_of(&sealed.first()?.context)?));
+            generations.push((at, sealed.first()?.context.generation()?));
         }
         let highest = generations.iter().map(|g| g.1).max()?;
         let winners: Vec<usize> = generations
