@@ -85,8 +85,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Verify every written block offline. Exit 0 when clean, 1 when faults
-    /// were found (each LBA and fault kind listed), 2 on error.
+    /// Verify every written block offline (a mirrored volume: every leg,
+    /// each alone, without repair). Exit 0 when clean, 1 when faults were
+    /// found (each LBA and fault kind listed), 2 on error.
     Check {
         path: PathBuf,
         /// Print JSON.
@@ -119,7 +120,11 @@ enum Command {
     /// Scrub a whole volume (verify, resumable from a cursor kept in the
     /// volume directory; the record is shown by --status and `vouch info`).
     /// Offline, or with --server as a background job of the server.
-    /// Exit 0 clean, 1 faults found or not finished, 2 error.
+    /// A mirrored volume: every leg is checked and every block bad on one
+    /// leg repaired from another (the newer generation wins where two
+    /// legs verify but differ); the report says found, repaired and left.
+    /// Exit 0 clean (or all repaired), 1 faults found or not finished,
+    /// 2 error.
     Scrub(offload::cli::ScrubArgs),
     /// Copy a range from SRC to DST (volumes offline, export names with
     /// --server; SRC may equal DST: overlapping ranges copy like memmove).

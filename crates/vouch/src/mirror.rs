@@ -19,9 +19,11 @@ use crate::key::Use;
 
 #[derive(Subcommand, Debug)]
 pub enum MirrorCommand {
-    /// Show every leg of the mirrored volume PATH (any leg): its path,
-    /// state (active, faulted, stale, missing) and, after a check, its
-    /// faults. Exit 0 when every leg is active and present, 1 otherwise.
+    /// Show every leg of the mirrored volume PATH (any leg): its path and
+    /// state (active, faulted, stale, missing), as the newest mirror
+    /// record says. A running server's repair counters are in its metrics
+    /// (vouch_mirror_*). Exit 0 when every leg is active and present, 1
+    /// otherwise.
     Status {
         path: PathBuf,
         /// Print JSON.
@@ -29,9 +31,10 @@ pub enum MirrorCommand {
         json: bool,
     },
     /// Replace leg LEG (its index, see `status`) offline: copy every
-    /// block, with its context, from an active leg into it (a new or
-    /// emptied volume directory at the leg's path is created first if the
-    /// leg is missing), then mark it active. The server must be stopped.
+    /// block, with its context, from an active leg into it (if the leg's
+    /// directory is missing, an empty leg is created there from an active
+    /// leg's superblock first), verify it, then mark it active. Offline:
+    /// the server must be stopped.
     Replace {
         path: PathBuf,
         #[arg(long)]
