@@ -80,6 +80,17 @@ fn writing_one_leg_alone_is_refused() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     vouch_ok(&["create", s(&a), "--size", "1MiB", "--mirror", s(&b)]);
+    let info = info_json(&b);
+    assert_eq!(info["uuid"], info_json(&a)["uuid"], "the legs share one uuid");
+    assert_eq!(info["mirror"]["leg"], 1);
+    for (index, leg) in [&a, &b].iter().enumerate() {
+        let row = &info["mirror"]["legs"][index];
+        assert_eq!(row["state"], "active", "{info}");
+        assert_eq!(
+            row["path"],
+            leg.canonicalize().expect("path").display().to_string()
+        );
+    }
     let copy = vouch(&["copy", s(&b), s(&b), "--length", "4096"]);
     assert_eq!(copy.status.code(), Some(2), "{}", text(&copy));
     assert!(text(&copy).contains("leg of a mirror"), "{}", text(&copy));
