@@ -27,5 +27,5 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 cargo fmt --all --check
-cargo clippy --workspace --all-targets --release -- -D warnings
-cargo test --workspace --release
+cargo clippy --workspace --all-targets --profile ci -- -D warnings
+cargo test --workspace --profile ci

@@ -81,6 +81,22 @@ pub trait Protection: Send + Sync {
         self.open(lba, context, stored)
     }
 
+    /// Open a block for a client read: like `open_in_place`, except that a
+    /// protection whose authentication covers everything its keyless check
+    /// covers may skip that check when authentication passes. On any error
+    /// `stored` may be garbage and the fault kind only provisional: the
+    /// caller re-reads the block and opens it with `open_in_place`, which
+    /// checks everything and names the fault. Scans (check, verify, scrub)
+    /// always use `open_in_place`.
+    fn open_for_client(
+        &self,
+        lba: u64,
+        context: &Result<Context, FormatError>,
+        stored: &mut [u8],
+    ) -> Result<(), FaultKind> {
+        self.open_in_place(lba, context, stored)
+    }
+
     /// Turn a copy of a buffered block (sealed in memory with `seal`, not
     /// yet committed) into its data in place. Plain: nothing to do.
     fn reveal(&self, _lba: u64, _seal: &Seal, _data: &mut [u8]) -> Result<(), FaultKind> {

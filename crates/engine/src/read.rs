@@ -364,7 +364,14 @@ impl Shared {
                 Source::Home(ContextFrom::Known(found)) => found.clone(),
                 _ => record_contexts[index].clone(),
             };
-            if self.protection.open_in_place(lba, &context, block).is_ok() {
+            // A client read may take the protection's quicker opening; a
+            // failure is re-read below and opened with every check.
+            let opened = if on_fault == OnFault::Stop {
+                self.protection.open_for_client(lba, &context, block)
+            } else {
+                self.protection.open_in_place(lba, &context, block)
+            };
+            if opened.is_ok() {
                 if context.is_ok_and(|c| c.reads_as_zero()) {
                     block.fill(0);
                 }

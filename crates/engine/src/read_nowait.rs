@@ -87,7 +87,11 @@ impl Shared {
                 Source::Home(ContextFrom::Known(found)) => found.clone(),
                 _ => record_contexts[index].clone(),
             };
-            if self.protection.open_in_place(lba, &context, block).is_err() {
+            if self
+                .protection
+                .open_for_client(lba, &context, block)
+                .is_err()
+            {
                 return false;
             }
             if context.is_ok_and(|c| c.reads_as_zero()) {

@@ -149,6 +149,10 @@ print(json.dumps({"ok": True}))
     flip_bit(&context4.0, context4.1 + 20, 0x01);
     let (_, context5) = locations(&volume, layout, 5);
     flip_bit(&context5.0, context5.1 + 8, 0x40);
+    // The keyless guard itself (LBA 6: bytes 28..32): the data is authentic,
+    // so a client read with the key returns it; scans still report it.
+    let (_, context6) = locations(&volume, layout, 6);
+    flip_bit(&context6.0, context6.1 + 29, 0x02);
     let (data8, context8) = locations(&volume, layout, 8);
     let (data9, context9) = locations(&volume, layout, 9);
     if layout == "split" {
@@ -219,7 +223,7 @@ print(json.dumps(out))
     assert_eq!(metric(&metrics, series), Some(0.0), "{layout}:\n{metrics}");
     drop(server);
 
-    // `vouch check` with the key lists all five; the swap is an
+    // `vouch check` with the key lists all six; the swap is an
     // authentication failure. Without the key the swap goes unseen (each
     // block is consistent with its own context) but the flips do not.
     let (code, faults) = check_with(&volume, &["--key-file", s(&key)]);
@@ -228,6 +232,7 @@ print(json.dumps(out))
         (3, "guard_mismatch"),
         (4, "guard_mismatch"),
         (5, "guard_mismatch"),
+        (6, "guard_mismatch"),
         (8, "auth_failed"),
         (9, "auth_failed"),
     ]
@@ -237,7 +242,7 @@ print(json.dumps(out))
     assert_eq!(faults, expected, "{layout}");
     let (code, faults) = check_with(&volume, &["--keyless"]);
     assert_eq!(code, 1);
-    assert_eq!(faults, expected[..3].to_vec(), "{layout}: keyless");
+    assert_eq!(faults, expected[..4].to_vec(), "{layout}: keyless");
 }
 
 /// The first 20 bytes of the libnbd block for `lba` (the prelude's
