@@ -81,7 +81,11 @@ fn writing_one_leg_alone_is_refused() {
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
     vouch_ok(&["create", s(&a), "--size", "1MiB", "--mirror", s(&b)]);
     let info = info_json(&b);
-    assert_eq!(info["uuid"], info_json(&a)["uuid"], "the legs share one uuid");
+    assert_eq!(
+        info["uuid"],
+        info_json(&a)["uuid"],
+        "the legs share one uuid"
+    );
     assert_eq!(info["mirror"]["leg"], 1);
     for (index, leg) in [&a, &b].iter().enumerate() {
         let row = &info["mirror"]["legs"][index];
