@@ -30,7 +30,9 @@ pub mod error;
 pub mod jobs;
 mod journal;
 pub mod keys;
+
 mod layout;
+pub mod mirror;
 pub mod options;
 pub mod protection;
 mod read;

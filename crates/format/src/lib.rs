@@ -9,6 +9,7 @@ pub mod context;
 pub mod guard;
 pub mod journal;
 pub mod layout;
+pub mod mirror;
 pub mod superblock;
 
 pub use context::{aead_nonce, encrypted_guard, Context, ContextKind, CONTEXT_BYTES};

@@ -65,6 +65,13 @@ fn journal_tables_match_code() {
 }
 
 #[test]
+fn mirror_tables_match_code() {
+    use vouch_format::mirror::MirrorRecord;
+    assert_matches("## Mirror record", MirrorRecord::FIELDS);
+    assert_matches("### Mirror member entry", MirrorRecord::ENTRY_FIELDS);
+}
+
+#[test]
 fn the_checker_catches_a_wrong_row() {
     let doc = "### T\n\n| offset | size | field |\n|---|---|---|\n| 0 | 8 | magic |\n| 8 | 4 | version |\n";
     let rows = table_after(doc, "### T");

@@ -20,6 +20,7 @@ pub mod crash;
 pub mod faults;
 pub mod fuzz;
 pub mod keychange;
+pub mod mirror;
 pub mod offload;
 pub mod recorder;
 pub mod rng;

@@ -92,6 +92,11 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "encrypted": info.encrypted,
             "key": info.key_kind,
             "last_scrub": scrub_json(&scrub),
+            "mirror": if vouch_engine::mirror::is_mirrored(path) {
+                crate::mirror::info_json(path)?
+            } else {
+                serde_json::Value::Null
+            },
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
@@ -140,6 +145,9 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             bytesize::ByteSize(info.allocated_bytes)
         );
         println!("last scrub:      {}", scrub_text(&scrub));
+        if vouch_engine::mirror::is_mirrored(path) {
+            crate::mirror::print_info(path)?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -256,6 +264,9 @@ fn progress_bar(total: u64, what: &str) -> ProgressBar {
 }
 
 pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
+    if vouch_engine::mirror::is_mirrored(path) {
+        return crate::mirror::check(path, json_output);
+    }
     let volume = open_read_only(path, Use::Verify)?;
     let bar = progress_bar(volume.size(), "checking");
     let report = volume.check(|done, _| bar.set_position(done * BLOCK))?;

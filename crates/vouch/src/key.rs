@@ -247,6 +247,12 @@ pub enum KeyCommand {
 pub fn run(command: KeyCommand) -> Result<ExitCode> {
     match command {
         KeyCommand::Change { path, new_key_file } => {
+            if vouch_engine::mirror::is_mirrored(&path) {
+                anyhow::bail!(
+                    "{} is a leg of a mirror: changing the key of mirrored volumes is not supported yet",
+                    path.display()
+                );
+            }
             let volume = open(&path, OpenOptions::default(), Use::Data)?;
             let file =
                 new_key_file.or_else(|| std::env::var_os(NEW_KEY_FILE_ENV).map(PathBuf::from));

@@ -5,6 +5,7 @@ mod commands;
 mod export;
 mod inject;
 mod key;
+mod mirror;
 mod offload;
 mod serve;
 
@@ -67,6 +68,13 @@ enum Command {
         /// Nominal size, e.g. 10GiB, 16TiB, 1048576 (a multiple of 4096).
         #[arg(long, value_parser = parse_size)]
         size: u64,
+        /// Make PATH leg 0 of a mirror and this directory another leg (give
+        /// it once or twice: 2 or 3 legs, e.g. on different disks). Every
+        /// leg is a whole volume with the same uuid; `serve`, `info`,
+        /// `check` and `scrub` given any leg use every leg, and a block
+        /// that fails verification on one leg is repaired from another.
+        #[arg(long, value_name = "PATH2")]
+        mirror: Vec<PathBuf>,
         #[command(flatten)]
         create: CreateArgs,
     },
@@ -77,8 +85,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Verify every written block offline. Exit 0 when clean, 1 when faults
-    /// were found (each LBA and fault kind listed), 2 on error.
+    /// Verify every written block offline (a mirrored volume: every leg,
+    /// each alone, without repair). Exit 0 when clean, 1 when faults were
+    /// found (each LBA and fault kind listed), 2 on error.
     Check {
         path: PathBuf,
         /// Print JSON.
@@ -111,7 +120,11 @@ enum Command {
     /// Scrub a whole volume (verify, resumable from a cursor kept in the
     /// volume directory; the record is shown by --status and `vouch info`).
     /// Offline, or with --server as a background job of the server.
-    /// Exit 0 clean, 1 faults found or not finished, 2 error.
+    /// A mirrored volume: every leg is checked and every block bad on one
+    /// leg repaired from another (the newer generation wins where two
+    /// legs verify but differ); the report says found, repaired and left.
+    /// Exit 0 clean (or all repaired), 1 faults found or not finished,
+    /// 2 error.
     Scrub(offload::cli::ScrubArgs),
     /// Copy a range from SRC to DST (volumes offline, export names with
     /// --server; SRC may equal DST: overlapping ranges copy like memmove).
@@ -124,6 +137,11 @@ enum Command {
     Compare(offload::cli::CompareArgs),
     /// Engine benchmark: raw file vs split vs packed, every guard.
     Bench(bench::BenchArgs),
+    /// Mirrored volumes: the legs' state and counters, replacing a leg.
+    Mirror {
+        #[command(subcommand)]
+        command: mirror::MirrorCommand,
+    },
     /// Manage an encrypted volume's key.
     Key {
         #[command(subcommand)]
@@ -172,7 +190,16 @@ fn main() -> ExitCode {
         .init();
     key::init(cli.key.clone());
     let result = match cli.command {
-        Command::Create { path, size, create } => commands::create(&path, size, &create),
+        Command::Create {
+            path,
+            size,
+            mirror: mirrors,
+            create,
+        } if !mirrors.is_empty() => mirror::create(&path, &mirrors, size, &create),
+        Command::Create {
+            path, size, create, ..
+        } => commands::create(&path, size, &create),
+        Command::Mirror { command } => mirror::run(command),
         Command::Info { path, json } => commands::info(&path, json),
         Command::Check { path, json } => commands::check(&path, json),
         Command::Import { raw, path, create } => commands::import(&raw, &path, &create),

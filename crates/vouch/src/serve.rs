@@ -97,12 +97,26 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         );
     }
     let mut volumes = Vec::new();
+    let mut mirrors = Vec::new();
     for path in &args.paths {
         let options = OpenOptions {
             read_only: args.read_only,
             direct: args.direct,
             ..OpenOptions::default()
         };
+        if vouch_engine::mirror::is_mirrored(path) {
+            let set = crate::mirror::open(path, options, crate::key::Use::Data)?;
+            eprintln!(
+                "vouch: {}: mirror of {} legs, {} active",
+                path.display(),
+                set.volumes.len(),
+                set.mirror.active().len()
+            );
+            volumes.push(Arc::clone(&set.primary));
+            mirrors.push(Some(set));
+            continue;
+        }
+        mirrors.push(None);
         let volume = crate::key::open(path, options, crate::key::Use::Data)?;
         let report = volume.recovery_report();
         if report.records_replayed > 0 {
@@ -122,10 +136,17 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = runtime.block_on(serve(&args, &volumes));
+    let result = runtime.block_on(serve(&args, &volumes, &mirrors));
     drop(runtime);
     result?;
-    for (path, volume) in args.paths.iter().zip(volumes) {
+    for ((path, volume), mirror) in args.paths.iter().zip(volumes).zip(mirrors) {
+        if let Some(mirror) = mirror {
+            drop(volume);
+            mirror
+                .close()
+                .with_context(|| format!("closing the legs of {}", path.display()))?;
+            continue;
+        }
         match Arc::try_unwrap(volume) {
             Ok(volume) => volume
                 .close()
@@ -137,7 +158,11 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
+async fn serve(
+    args: &ServeArgs,
+    volumes: &[Arc<Volume>],
+    mirrors: &[Option<crate::mirror::OpenMirror>],
+) -> Result<()> {
     // Handle signals before announcing the listener: a SIGTERM right after
     // "serving on" must stop cleanly, not take the default action.
     use tokio::signal::unix::{signal, SignalKind};
@@ -164,7 +189,10 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
             volume.layout().name(),
             volume.guard().name()
         );
-        let mut device: Arc<dyn BlockDevice> = volume.clone();
+        let mut device: Arc<dyn BlockDevice> = match &mirrors[index] {
+            Some(set) => set.mirror.clone(),
+            None => volume.clone(),
+        };
         if let Some(spec) = &args.inject {
             eprintln!("vouch: injecting faults into {name}: {spec}");
             device = Arc::new(FaultInjector::new(device, spec.clone()));
@@ -197,6 +225,10 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         &names,
         &args.paths,
         volumes,
+        &mirrors
+            .iter()
+            .map(|set| set.as_ref().map(|set| set.mirror.clone()))
+            .collect::<Vec<_>>(),
         server.metrics(),
     )
     .await?;
@@ -210,6 +242,11 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
         );
         let engine_volumes: Vec<(String, Arc<Volume>)> =
             names.iter().cloned().zip(volumes.iter().cloned()).collect();
+        let mirror_devices: Vec<(String, Arc<vouch_engine::mirror::Mirror>)> = names
+            .iter()
+            .zip(mirrors)
+            .filter_map(|(name, set)| set.as_ref().map(|set| (name.clone(), set.mirror.clone())))
+            .collect();
         let offload_jobs = control
             .as_ref()
             .map(|control| Arc::downgrade(&control.jobs));
@@ -218,6 +255,7 @@ async fn serve(args: &ServeArgs, volumes: &[Arc<Volume>]) -> Result<()> {
             server.metrics(),
             move || {
                 publish_engine_metrics(&engine_volumes);
+                crate::mirror::publish_metrics(&mirror_devices);
                 if let Some(jobs) = offload_jobs.as_ref().and_then(std::sync::Weak::upgrade) {
                     crate::offload::metrics::publish(&jobs);
                 }

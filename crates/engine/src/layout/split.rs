@@ -34,13 +34,22 @@ impl SplitLayout {
     }
 
     /// The context a block has now, loading its table page if needed.
-    fn context_now(&self, io: &Backing, state: &RwLock<VolumeState>, lba: u64) -> Result<Context> {
+    /// The block's context before the journal's records, `None` if the
+    /// stored one is corrupt: a corrupt context is no candidate for what
+    /// the block holds (taking it as a hole would always "match" and turn a
+    /// block whose rewrite was lost into zeros instead of a fault).
+    fn context_now(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+        lba: u64,
+    ) -> Result<Option<Context>> {
         if let Lookup::Found(found) = state.read().contexts.lookup(lba) {
-            return Ok(found.unwrap_or(Context::Unwritten));
+            return Ok(found.ok());
         }
         let page = load_context_page(io, state, ContextStore::page_of(lba))?;
         let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-        Ok(Context::decode(&page[at..at + CONTEXT_BYTES]).unwrap_or(Context::Unwritten))
+        Ok(Context::decode(&page[at..at + CONTEXT_BYTES]).ok())
     }
 
     fn write_context_page(
@@ -291,7 +300,7 @@ impl Layout for SplitLayout {
                             candidates.entry(entry.lba)
                         {
                             let before = self.context_now(io, state, entry.lba)?;
-                            vacant.insert(vec![before]);
+                            vacant.insert(before.into_iter().collect());
                         }
                         candidates
                             .get_mut(&entry.lba)

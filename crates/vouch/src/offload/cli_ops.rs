@@ -160,6 +160,9 @@ pub fn scrub(args: ScrubArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
+    if client.is_none() && vouch_engine::mirror::is_mirrored(Path::new(&name)) {
+        return crate::mirror::scrub(Path::new(&name), args.json);
+    }
     let ended = match &client {
         Some(client) => online(
             client,

@@ -304,6 +304,7 @@ pub async fn start_for_server(
     names: &[String],
     paths: &[PathBuf],
     volumes: &[Arc<vouch_engine::Volume>],
+    mirrors: &[Option<Arc<vouch_engine::mirror::Mirror>>],
     metrics: Arc<vouch_nbd::Metrics>,
 ) -> Result<Option<ControlServer>> {
     if args.control.is_none() {
@@ -313,10 +314,12 @@ pub async fn start_for_server(
         .iter()
         .zip(paths)
         .zip(volumes)
-        .map(|((name, dir), volume)| super::jobs::ExportEntry {
+        .zip(mirrors)
+        .map(|(((name, dir), volume), mirror)| super::jobs::ExportEntry {
             name: name.clone(),
             dir: dir.clone(),
             volume: volume.clone(),
+            mirror: mirror.clone(),
         })
         .collect();
     // Requests started = finished + in flight: moves whenever a client asks.

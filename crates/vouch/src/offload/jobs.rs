@@ -26,6 +26,9 @@ pub struct ExportEntry {
     /// The volume directory (where scrub keeps its record).
     pub dir: PathBuf,
     pub volume: Arc<Volume>,
+    /// A mirrored export: jobs go through the mirror (reads repair, scrub
+    /// checks and repairs every leg); `volume` is its first open leg.
+    pub mirror: Option<Arc<vouch_engine::mirror::Mirror>>,
 }
 
 /// What the other side of a compare is.
@@ -420,7 +423,12 @@ impl Jobs {
         spec: &JobSpec,
         control: &JobControl,
     ) -> vouch_engine::Result<(JobState, Value)> {
-        let device = |index: usize| -> &dyn BlockDevice { &*self.exports[index].volume };
+        let device = |index: usize| -> &dyn BlockDevice {
+            match &self.exports[index].mirror {
+                Some(mirror) => &**mirror,
+                None => &*self.exports[index].volume,
+            }
+        };
         match spec {
             JobSpec::Verify {
                 export,
@@ -430,6 +438,17 @@ impl Jobs {
             } => {
                 let report = engine::verify(device(*export), *first, *count, options, control)?;
                 Ok((JobState::Finished, render::verify_json(&report)))
+            }
+            JobSpec::Scrub { export, .. } if self.exports[*export].mirror.is_some() => {
+                let mirror = self.exports[*export].mirror.as_ref().expect("mirrored");
+                let report = vouch_engine::mirror::scrub::scrub(mirror, control)?;
+                Ok((JobState::Finished, render::mirror_scrub_json(&report)))
+            }
+            JobSpec::Copy { destination, .. } if self.exports[*destination].mirror.is_some() => {
+                Err(vouch_engine::Error::Unsupported(format!(
+                    "copy into the mirrored export {:?} is not supported yet (it would write one leg); copy through NBD instead",
+                    self.exports[*destination].name
+                )))
             }
             JobSpec::Scrub { export, rate } => {
                 let options = ScrubOptions {

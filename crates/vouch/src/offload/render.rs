@@ -42,6 +42,29 @@ pub fn scrub_state_name(state: ScrubState) -> &'static str {
     }
 }
 
+/// A mirror scrub's report, with the fields of `scrub_json` the CLI reads
+/// (`faults`: what was left unrepaired) and the mirror's counts.
+pub fn mirror_scrub_json(report: &vouch_engine::mirror::scrub::MirrorScrubReport) -> Value {
+    let left: Vec<Value> = report
+        .findings
+        .iter()
+        .filter(|finding| !finding.repaired)
+        .map(|finding| json!({"lba": finding.lba, "kind": finding.kind, "leg": finding.leg}))
+        .collect();
+    json!({
+        "state": "finished",
+        "blocks_checked": report.blocks_checked,
+        "faults": left,
+        "error": null,
+        "mirror": {
+            "found": report.found,
+            "repaired": report.repaired,
+            "left": report.left,
+            "findings": report.findings,
+        },
+    })
+}
+
 pub fn scrub_json(record: &ScrubRecord) -> Value {
     json!({
         "state": scrub_state_name(record.state),

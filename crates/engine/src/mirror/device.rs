@@ -1,0 +1,383 @@
+//! The `Mirror` device: its legs, their state and counters, the stripe
+//! lock, and the `BlockDevice` implementation (reads that repair are in
+//! `repair.rs`).
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
+use vouch_format::mirror::LegState;
+
+use super::{Membership, FAULT_THRESHOLD};
+use crate::device::{BlockDevice, SealedBlock};
+use crate::error::{Error, Fault, Result};
+use crate::layout::Allocation;
+use crate::state::BLOCK;
+use crate::write::ZeroFlags;
+
+/// Stripes of the mirror's lock; LBAs map to them in runs of
+/// `STRIPE_BLOCKS` (1 MiB), so a write takes one or two.
+const STRIPES: usize = 64;
+const STRIPE_BLOCKS: u64 = 256;
+
+/// One leg handed to `Mirror::new`.
+pub struct MirrorLeg {
+    /// How logs, metrics and status name it (its path or address).
+    pub name: String,
+    /// `None` when the leg is missing.
+    pub device: Option<Arc<dyn BlockDevice>>,
+    pub state: LegState,
+}
+
+pub(super) struct Leg {
+    pub(super) name: String,
+    pub(super) device: Option<Arc<dyn BlockDevice>>,
+    state: AtomicU8,
+    corrected: AtomicU64,
+    /// Repairs by (fault kind, repaired?).
+    repairs: Mutex<BTreeMap<(&'static str, bool), u64>>,
+}
+
+/// Repairs of one kind on one leg.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RepairCount {
+    /// A `FaultKind` name, `stale` (verified but older than another leg's
+    /// copy) or `io` (the leg failed the read).
+    pub kind: &'static str,
+    pub repaired: bool,
+    pub count: u64,
+}
+
+/// What `vouch mirror status` and the metrics show of a leg.
+#[derive(Clone, Debug)]
+pub struct LegStatus {
+    pub name: String,
+    pub state: LegState,
+    pub present: bool,
+    /// Errors corrected on this leg (what the fault threshold counts).
+    pub corrected: u64,
+    pub repairs: Vec<RepairCount>,
+}
+
+/// A `BlockDevice` over 2 or 3 legs (see the module's documentation).
+pub struct Mirror {
+    pub(super) legs: Vec<Leg>,
+    next: AtomicUsize,
+    stripes: Box<[Mutex<()>]>,
+    membership: Option<Box<dyn Membership>>,
+    /// Serialises decisions to fault a leg (never the last active one).
+    faulting: Mutex<()>,
+    size: u64,
+    read_only: bool,
+}
+
+/// Errors about the request, not the leg: every leg would give the same.
+pub(super) fn is_request_error(error: &Error) -> bool {
+    matches!(
+        error,
+        Error::OutOfRange { .. }
+            | Error::Misaligned { .. }
+            | Error::ReadOnly(_)
+            | Error::InvalidArgument(_)
+            | Error::Unsupported(_)
+    )
+}
+
+fn state_from(byte: u8) -> LegState {
+    match byte {
+        0 => LegState::Active,
+        1 => LegState::Faulted,
+        _ => LegState::Stale,
+    }
+}
+
+impl Mirror {
+    /// A mirror over `legs`; `membership` records state changes (faults).
+    /// Every present leg must have the same size, and one must be active.
+    pub fn new(legs: Vec<MirrorLeg>, membership: Option<Box<dyn Membership>>) -> Result<Mirror> {
+        let present: Vec<&Arc<dyn BlockDevice>> =
+            legs.iter().filter_map(|leg| leg.device.as_ref()).collect();
+        let Some(first) = present.first() else {
+            return Err(Error::InvalidArgument(
+                "a mirror needs a present leg".into(),
+            ));
+        };
+        let size = first.size();
+        if let Some(leg) = legs
+            .iter()
+            .find(|leg| leg.device.as_ref().is_some_and(|d| d.size() != size))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "mirror leg {} is not {size} bytes like the others",
+                leg.name
+            )));
+        }
+        let read_only = present.iter().any(|device| device.is_read_only());
+        let mirror = Mirror {
+            legs: legs
+                .into_iter()
+                .map(|leg| Leg {
+                    name: leg.name,
+                    device: leg.device,
+                    state: AtomicU8::new(leg.state as u8),
+                    corrected: AtomicU64::new(0),
+                    repairs: Mutex::new(BTreeMap::new()),
+                })
+                .collect(),
+            next: AtomicUsize::new(0),
+            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            membership,
+            faulting: Mutex::new(()),
+            size,
+            read_only,
+        };
+        if mirror.active().is_empty() {
+            return Err(Error::InvalidArgument(
+                "a mirror needs an active leg".into(),
+            ));
+        }
+        Ok(mirror)
+    }
+
+    /// Legs that are active and present, in order.
+    pub fn active(&self) -> Vec<usize> {
+        (0..self.legs.len())
+            .filter(|&leg| {
+                self.legs[leg].device.is_some()
+                    && state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
+            })
+            .collect()
+    }
+
+    pub(super) fn device(&self, leg: usize) -> &dyn BlockDevice {
+        &**self.legs[leg]
+            .device
+            .as_ref()
+            .expect("only present legs are used")
+    }
+
+    /// Each leg's state and counters.
+    pub fn status(&self) -> Vec<LegStatus> {
+        self.legs
+            .iter()
+            .map(|leg| LegStatus {
+                name: leg.name.clone(),
+                state: state_from(leg.state.load(Ordering::Acquire)),
+                present: leg.device.is_some(),
+                corrected: leg.corrected.load(Ordering::Relaxed),
+                repairs: leg
+                    .repairs
+                    .lock()
+                    .iter()
+                    .map(|(&(kind, repaired), &count)| RepairCount {
+                        kind,
+                        repaired,
+                        count,
+                    })
+                    .collect(),
+            })
+            .collect()
+    }
+
+    /// The active leg to read next (round robin).
+    fn pick(&self) -> Result<usize> {
+        let active = self.active();
+        if active.is_empty() {
+            return Err(Error::FailStopped("no active mirror leg".into()));
+        }
+        Ok(active[self.next.fetch_add(1, Ordering::Relaxed) % active.len()])
+    }
+
+    /// Lock the stripes of blocks `[first, end)`, in order.
+    pub(super) fn lock(&self, first: u64, end: u64) -> Vec<MutexGuard<'_, ()>> {
+        let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
+            ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
+            .take(STRIPES)
+            .map(|run| (run % STRIPES as u64) as usize)
+            .collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        stripes
+            .iter()
+            .map(|&stripe| self.stripes[stripe].lock())
+            .collect()
+    }
+
+    fn lock_bytes(&self, offset: u64, length: u64) -> Vec<MutexGuard<'_, ()>> {
+        self.lock(offset / BLOCK, (offset + length).div_ceil(BLOCK))
+    }
+
+    /// Count a repair attempt on `leg`; a corrected error past the
+    /// threshold faults the leg.
+    pub(super) fn count(&self, leg: usize, kind: &'static str, repaired: bool) {
+        *self.legs[leg]
+            .repairs
+            .lock()
+            .entry((kind, repaired))
+            .or_insert(0) += 1;
+        if repaired {
+            let corrected = self.legs[leg].corrected.fetch_add(1, Ordering::Relaxed) + 1;
+            if corrected > FAULT_THRESHOLD {
+                self.fault(
+                    leg,
+                    &format!("{corrected} corrected errors (threshold {FAULT_THRESHOLD})"),
+                );
+            }
+        }
+    }
+
+    /// Fault `leg` (no more I/O), unless it is the last active one.
+    pub fn fault(&self, leg: usize, why: &str) {
+        let _decide = self.faulting.lock();
+        let active = self.active();
+        if !active.contains(&leg) {
+            return;
+        }
+        let name = &self.legs[leg].name;
+        if active.len() == 1 {
+            tracing::error!(
+                leg,
+                name,
+                why,
+                "mirror: the last active leg is failing; keeping it"
+            );
+            return;
+        }
+        self.legs[leg]
+            .state
+            .store(LegState::Faulted as u8, Ordering::Release);
+        tracing::error!(
+            leg,
+            name,
+            why,
+            "mirror: leg FAULTED: no more I/O to it until it is replaced"
+        );
+        if let Some(membership) = &self.membership {
+            if let Err(error) = membership.set_state(leg, LegState::Faulted) {
+                tracing::error!(leg, name, %error, "mirror: cannot record the fault in the mirror records");
+            }
+        }
+    }
+
+    /// Run `op` on every active leg. A leg that fails while another
+    /// succeeds is faulted; if every leg fails, the first error is returned.
+    fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
+        let mut succeeded = 0;
+        let mut failed = Vec::new();
+        for leg in self.active() {
+            match op(self.device(leg)) {
+                Ok(()) => succeeded += 1,
+                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) => failed.push((leg, error)),
+            }
+        }
+        if succeeded == 0 {
+            return match failed.into_iter().next() {
+                Some((_, error)) => Err(error),
+                None => Err(Error::FailStopped("no active mirror leg".into())),
+            };
+        }
+        for (leg, error) in failed {
+            self.fault(leg, &format!("{what} failed: {error}"));
+        }
+        Ok(())
+    }
+}
+
+impl BlockDevice for Mirror {
+    fn size(&self) -> u64 {
+        self.size
+    }
+    fn is_read_only(&self) -> bool {
+        self.read_only
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        let leg = self.pick()?;
+        match self.device(leg).read(offset, buf) {
+            Ok(holes) => return Ok(holes),
+            Err(error) if is_request_error(&error) => return Err(error),
+            Err(_) => {}
+        }
+        self.read_bytes_repairing(leg, offset, buf)?;
+        Ok(Vec::new())
+    }
+    /// The leg `read` would pick next, without taking its turn unless it
+    /// answers: when it declines (cold data, or a block that fails
+    /// verification), the blocking `read` goes to that same leg and
+    /// repairs what it finds.
+    fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
+        let active = self.active();
+        if active.is_empty() {
+            return Ok(None);
+        }
+        let leg = active[self.next.load(Ordering::Relaxed) % active.len()];
+        match self.device(leg).try_read(offset, buf) {
+            Ok(Some(holes)) => {
+                self.next.fetch_add(1, Ordering::Relaxed);
+                Ok(Some(holes))
+            }
+            Ok(None) => Ok(None),
+            Err(error) if is_request_error(&error) => Err(error),
+            Err(_) => Ok(None),
+        }
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        let _locked = self.lock_bytes(offset, data.len() as u64);
+        self.each_leg("write", |leg| leg.write(offset, data, fua))
+    }
+    fn flush(&self) -> Result<()> {
+        self.each_leg("flush", |leg| leg.flush())
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        let _locked = self.lock_bytes(offset, length);
+        self.each_leg("trim", |leg| leg.trim(offset, length, fua))
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        let _locked = self.lock_bytes(offset, length);
+        self.each_leg("write zeroes", |leg| {
+            leg.write_zeroes(offset, length, flags)
+        })
+    }
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> Result<Vec<(u64, Allocation)>> {
+        self.device(self.pick()?)
+            .block_status(offset, length, max_blocks)
+    }
+    /// Faulty blocks are repaired from another leg; only blocks bad on
+    /// every leg are listed (zero-filled).
+    fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        let leg = self.pick()?;
+        self.read_blocks_repairing(leg, first, count, out)
+    }
+    /// The first LBA at or after `lba` that may hold data on any leg.
+    fn next_possible_data(&self, lba: u64) -> Result<u64> {
+        let mut next = u64::MAX;
+        for leg in self.active() {
+            next = next.min(self.device(leg).next_possible_data(lba)?);
+        }
+        Ok(next.max(lba))
+    }
+    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
+        let mut last = None;
+        for leg in self.active() {
+            match self.device(leg).read_sealed(first, count) {
+                Ok(blocks) => return Ok(blocks),
+                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::FailStopped("no active mirror leg".into())))
+    }
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        let first = blocks.iter().map(|b| b.lba).min().unwrap_or(0);
+        let end = blocks.iter().map(|b| b.lba + 1).max().unwrap_or(0);
+        let _locked = self.lock(first, end);
+        self.each_leg("write", |leg| leg.write_sealed(blocks))
+    }
+}

@@ -1,0 +1,44 @@
+//! Mirrors: a `Mirror` is a `BlockDevice` over 2 or 3 legs, each another
+//! `BlockDevice` (a local `Volume` today; a remote replica is another
+//! implementation of the same trait). It sits outside the engine's paths:
+//! it sees its legs only through the trait.
+//!
+//! - Writes, trims and zeroes go to every active leg under the mirror's
+//!   stripe lock (so two writers or a write and a repair cannot order
+//!   themselves differently on two legs); each leg seals what it stores.
+//!   A leg that fails a write or flush while another succeeds is faulted.
+//!   Flush flushes every active leg.
+//! - Reads go to one active leg, round robin. A block that fails
+//!   verification there is repaired (`repair.rs`, md's order): fetched
+//!   from another leg with `read_sealed` after that leg verified it,
+//!   written to the bad leg with `write_sealed` (which verifies it again),
+//!   flushed and re-read there. The client gets the good data. A block bad
+//!   on every leg fails naming its LBA and nothing is rewritten.
+//! - Each leg counts its corrected errors; past `FAULT_THRESHOLD` (md's
+//!   20) it is faulted: no more I/O, recorded in `Membership`.
+//! - `scrub.rs` checks every leg and repairs every repairable block; where
+//!   two legs verify but differ, the higher generation wins.
+//!
+//! `set.rs` keeps the set on disk (the `mirror` record of each leg).
+
+mod device;
+mod repair;
+pub mod scrub;
+pub mod set;
+
+pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
+pub use set::{create_mirror, is_mirrored, open_mirror, FileMembership, OpenedSet};
+pub use vouch_format::mirror::LegState;
+pub use vouch_format::Context;
+
+use crate::error::Result;
+
+/// Corrected errors a leg may need before it is faulted (md's default
+/// `max_corrected_read_errors`).
+pub const FAULT_THRESHOLD: u64 = 20;
+
+/// Where a mirror records a leg's change of state, so it survives a
+/// restart (the legs' records locally; a remote set's coordinator later).
+pub trait Membership: Send + Sync {
+    fn set_state(&self, leg: usize, state: LegState) -> Result<()>;
+}

@@ -1,0 +1,170 @@
+//! Read repair, in md's order: a block that failed verification on one leg
+//! is fetched from another leg that verifies it, written to the bad leg
+//! with `write_sealed` (the bad leg verifies the sealed block before it
+//! stores it), flushed there, and re-read and compared. The caller gets
+//! the good data whether or not the rewrite took. A block bad on every leg
+//! is a fault naming its LBA, and nothing is rewritten: a good copy is
+//! never overwritten from a bad one, and a context is never rewritten to
+//! match data (the sealed block moves whole, with its own context).
+
+use super::device::{is_request_error, Mirror};
+use crate::error::{Error, Fault, FaultKind, Result};
+use crate::state::{Block, BLOCK};
+
+impl Mirror {
+    /// `buf` at byte `offset` (512-byte aligned) from `leg`, every faulty
+    /// block repaired; fails naming the first block no leg holds good.
+    pub(super) fn read_bytes_repairing(
+        &self,
+        leg: usize,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        let first = offset / BLOCK;
+        let end = (offset + buf.len() as u64).div_ceil(BLOCK);
+        let mut blocks = vec![0u8; ((end - first) * BLOCK) as usize];
+        let faults = self.read_blocks_repairing(leg, first, end - first, &mut blocks)?;
+        if let Some(fault) = faults.first() {
+            return Err(Error::Fault(fault.clone()));
+        }
+        let skip = (offset - first * BLOCK) as usize;
+        buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
+        Ok(())
+    }
+
+    /// Whole blocks from `leg` (or, if it fails the read, from another
+    /// active leg), each faulty one repaired; returns the faults no leg
+    /// could repair (zero-filled in `out`).
+    pub(super) fn read_blocks_repairing(
+        &self,
+        leg: usize,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> Result<Vec<Fault>> {
+        let mut candidates = vec![leg];
+        candidates.extend(self.active().into_iter().filter(|&other| other != leg));
+        let mut read = None;
+        for &candidate in &candidates {
+            match self
+                .device(candidate)
+                .read_blocks_collecting(first, count, out)
+            {
+                Ok(faults) => {
+                    read = Some((candidate, faults));
+                    break;
+                }
+                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) => {
+                    tracing::warn!(
+                        leg = candidate,
+                        name = %self.legs[candidate].name,
+                        first,
+                        count,
+                        %error,
+                        "mirror: leg failed a read; reading another leg"
+                    );
+                    self.count(candidate, "io", false);
+                }
+            }
+        }
+        let Some((base, faults)) = read else {
+            return Err(Error::Fault(Fault {
+                lba: first,
+                kind: FaultKind::Unreadable,
+            }));
+        };
+        let mut left = Vec::new();
+        for fault in faults {
+            let at = ((fault.lba - first) * BLOCK) as usize;
+            match self.repair_block(fault.lba, base, fault.kind) {
+                Ok(good) => out[at..at + BLOCK as usize].copy_from_slice(&good[..]),
+                Err(Error::Fault(unrepaired)) => left.push(unrepaired),
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(left)
+    }
+
+    /// The good contents of block `lba`, which failed with `kind` on leg
+    /// `bad`, from another leg; the bad leg is rewritten from it.
+    pub(super) fn repair_block(&self, lba: u64, bad: usize, kind: FaultKind) -> Result<Box<Block>> {
+        let _locked = self.lock(lba, lba + 1);
+        let mut good: Box<Block> = Box::new([0u8; BLOCK as usize]);
+        let source = self
+            .active()
+            .into_iter()
+            .filter(|&leg| leg != bad)
+            .find(|&leg| {
+                matches!(
+                    self.device(leg).read_blocks_collecting(lba, 1, &mut good[..]),
+                    Ok(faults) if faults.is_empty()
+                )
+            });
+        let Some(source) = source else {
+            tracing::error!(
+                lba,
+                leg = bad,
+                name = %self.legs[bad].name,
+                kind = kind.name(),
+                "mirror: block bad on every leg: not repaired, nothing rewritten"
+            );
+            self.count(bad, kind.name(), false);
+            return Err(Error::Fault(Fault { lba, kind }));
+        };
+        // A write may have replaced the block on the bad leg since it was
+        // read (writes take the lock this holds now): then nothing to do.
+        let mut now = [0u8; BLOCK as usize];
+        if matches!(
+            self.device(bad).read_blocks_collecting(lba, 1, &mut now),
+            Ok(faults) if faults.is_empty()
+        ) {
+            return Ok(good);
+        }
+        let repaired = self.rewrite(source, bad, lba, &good);
+        if repaired {
+            tracing::warn!(
+                lba,
+                leg = bad,
+                name = %self.legs[bad].name,
+                kind = kind.name(),
+                source,
+                "mirror: repaired a block from another leg"
+            );
+        } else {
+            tracing::error!(
+                lba,
+                leg = bad,
+                name = %self.legs[bad].name,
+                kind = kind.name(),
+                source,
+                "mirror: repair failed: the leg still does not hold the good block"
+            );
+        }
+        self.count(bad, kind.name(), repaired);
+        Ok(good)
+    }
+
+    /// Move block `lba` sealed from `source` to `target`, flush `target`
+    /// and re-read it there: true if it now reads `good`. The caller holds
+    /// the block's stripe lock.
+    pub(super) fn rewrite(&self, source: usize, target: usize, lba: u64, good: &Block) -> bool {
+        let step = || -> Result<bool> {
+            let sealed = self.device(source).read_sealed(lba, 1)?;
+            self.device(target).write_sealed(&sealed)?;
+            self.device(target).flush()?;
+            let mut check = [0u8; BLOCK as usize];
+            let faults = self
+                .device(target)
+                .read_blocks_collecting(lba, 1, &mut check)?;
+            Ok(faults.is_empty() && check[..] == good[..])
+        };
+        match step() {
+            Ok(done) => done,
+            Err(error) => {
+                tracing::error!(lba, source, target, %error, "mirror: rewriting a block failed");
+                false
+            }
+        }
+    }
+}

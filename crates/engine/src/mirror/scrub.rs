@@ -1,0 +1,226 @@
+//! Scrub repair: every block that may hold data is read and verified on
+//! every active leg, a chunk (1 MiB) at a time under the mirror's stripe
+//! lock, and every repairable fault repaired (`Mirror::rewrite`: sealed
+//! block from a good leg, flush, re-read).
+//!
+//! Which copy is right, per block:
+//! - legs whose copy fails verification are bad; if no leg verifies, the
+//!   block is left (reported, nothing rewritten);
+//! - if the verifying copies agree, they are the source;
+//! - if they differ, the copy with the highest generation wins and the
+//!   others are rewritten from it as `stale`; when that cannot decide (a
+//!   hole against data, two
+//!   different copies with the same generation) every copy is left as a
+//!   `conflict`.
+
+use serde::Serialize;
+
+use super::device::{is_request_error, Mirror};
+use crate::device::BlockDevice;
+use crate::error::{Error, FaultKind, Result};
+use crate::jobs::JobControl;
+use crate::state::BLOCK;
+
+/// Findings kept in a report; past this only the counts grow.
+pub const MAX_FINDINGS: usize = 65536;
+
+const CHUNK_BLOCKS: u64 = 256;
+
+/// One bad copy a scrub found.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Finding {
+    pub lba: u64,
+    pub leg: usize,
+    /// A `FaultKind` name, `stale` or `conflict`.
+    pub kind: &'static str,
+    pub repaired: bool,
+}
+
+/// What a mirror scrub found, repaired and left.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct MirrorScrubReport {
+    pub blocks_checked: u64,
+    pub found: u64,
+    pub repaired: u64,
+    pub left: u64,
+    pub findings: Vec<Finding>,
+}
+
+impl MirrorScrubReport {
+    fn note(&mut self, finding: Finding) {
+        self.found += 1;
+        if finding.repaired {
+            self.repaired += 1;
+        } else {
+            self.left += 1;
+        }
+        if self.findings.len() < MAX_FINDINGS {
+            self.findings.push(finding);
+        }
+    }
+}
+
+/// Scrub every active leg of `mirror`, repairing what can be repaired;
+/// `control` reports progress and cancels (`Error::Cancelled`).
+pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport> {
+    let blocks = mirror.size() / BLOCK;
+    let mut report = MirrorScrubReport::default();
+    let mut lba = 0;
+    while lba < blocks {
+        if control.is_cancelled() {
+            return Err(Error::Cancelled(format!(
+                "mirror scrub cancelled at LBA {lba}"
+            )));
+        }
+        lba = mirror.next_possible_data(lba)?;
+        if lba >= blocks {
+            break;
+        }
+        let count = CHUNK_BLOCKS.min(blocks - lba);
+        mirror.scrub_chunk(lba, count, &mut report)?;
+        lba += count;
+        control.set_progress(lba, blocks);
+    }
+    control.set_progress(blocks, blocks);
+    Ok(report)
+}
+
+impl Mirror {
+    fn scrub_chunk(&self, first: u64, count: u64, report: &mut MirrorScrubReport) -> Result<()> {
+        let _locked = self.lock(first, first + count);
+        let legs = self.active();
+        let size = (count * BLOCK) as usize;
+        let mut copies: Vec<Vec<u8>> = Vec::with_capacity(legs.len());
+        let mut faults: Vec<Vec<Option<FaultKind>>> = Vec::with_capacity(legs.len());
+        for &leg in &legs {
+            let mut data = vec![0u8; size];
+            let mut kinds = vec![None; count as usize];
+            match self
+                .device(leg)
+                .read_blocks_collecting(first, count, &mut data)
+            {
+                Ok(found) => {
+                    for fault in found {
+                        kinds[(fault.lba - first) as usize] = Some(fault.kind);
+                    }
+                }
+                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) => {
+                    tracing::warn!(leg, first, count, %error, "mirror scrub: leg failed a read");
+                    kinds.fill(Some(FaultKind::Unreadable));
+                }
+            }
+            copies.push(data);
+            faults.push(kinds);
+        }
+        report.blocks_checked += count;
+        for index in 0..count as usize {
+            let lba = first + index as u64;
+            let block =
+                |at: usize| &copies[at][index * BLOCK as usize..(index + 1) * BLOCK as usize];
+            let good: Vec<usize> = (0..legs.len())
+                .filter(|&at| faults[at][index].is_none())
+                .collect();
+            let mut targets: Vec<(usize, &'static str)> = (0..legs.len())
+                .filter_map(|at| faults[at][index].map(|kind| (at, kind.name())))
+                .collect();
+            if good.is_empty() {
+                for (at, kind) in targets {
+                    tracing::error!(lba, leg = legs[at], kind, "mirror scrub: bad on every leg");
+                    self.count(legs[at], kind, false);
+                    report.note(Finding {
+                        lba,
+                        leg: legs[at],
+                        kind,
+                        repaired: false,
+                    });
+                }
+                continue;
+            }
+            let mut source = good[0];
+            if good.iter().any(|&at| block(at) != block(source)) {
+                match self.newest(lba, &legs, &good, &block) {
+                    Some(winner) => {
+                        source = winner;
+                        targets.extend(
+                            good.iter()
+                                .filter(|&&at| block(at) != block(winner))
+                                .map(|&at| (at, "stale")),
+                        );
+                    }
+                    None => {
+                        for at in good.iter().copied().chain(targets.iter().map(|t| t.0)) {
+                            tracing::error!(
+                                lba,
+                                leg = legs[at],
+                                "mirror scrub: legs differ and no generation decides: left"
+                            );
+                            report.note(Finding {
+                                lba,
+                                leg: legs[at],
+                                kind: "conflict",
+                                repaired: false,
+                            });
+                        }
+                        continue;
+                    }
+                }
+            }
+            for (at, kind) in targets {
+                let repaired = self.rewrite(
+                    legs[source],
+                    legs[at],
+                    lba,
+                    block(source).try_into().expect("one block"),
+                );
+                if repaired {
+                    tracing::warn!(
+                        lba,
+                        leg = legs[at],
+                        kind,
+                        source = legs[source],
+                        "mirror scrub: repaired"
+                    );
+                } else {
+                    tracing::error!(lba, leg = legs[at], kind, "mirror scrub: repair failed");
+                }
+                self.count(legs[at], kind, repaired);
+                report.note(Finding {
+                    lba,
+                    leg: legs[at],
+                    kind,
+                    repaired,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Among the verifying copies `good` of block `lba`, the one with the
+    /// highest generation, if that decides: every copy has a generation,
+    /// and no copy with different bytes shares the highest.
+    fn newest<'a>(
+        &self,
+        lba: u64,
+        legs: &[usize],
+        good: &[usize],
+        block: &dyn Fn(usize) -> &'a [u8],
+    ) -> Option<usize> {
+        let mut generations = Vec::with_capacity(good.len());
+        for &at in good {
+            let sealed = self.device(legs[at]).read_sealed(lba, 1).ok()?;
+            generations.push((at, sealed.first()?.context.generation()?));
+        }
+        let highest = generations.iter().map(|g| g.1).max()?;
+        let winners: Vec<usize> = generations
+            .iter()
+            .filter(|g| g.1 == highest)
+            .map(|g| g.0)
+            .collect();
+        let winner = winners[0];
+        winners
+            .iter()
+            .all(|&at| block(at) == block(winner))
+            .then_some(winner)
+    }
+}

@@ -1,0 +1,348 @@
+//! A mirror set on disk: creating the legs (whole volumes with leg 0's
+//! superblock, so they share uuid, tags and key), reading and replacing
+//! each leg's `mirror` record (docs/FORMAT.md), and opening the set from
+//! any one leg: the record with the highest epoch is the set's view, a
+//! missing leg is reported by name and, when the set is opened for
+//! writing, marked stale so it is never read again without a replace.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use parking_lot::Mutex;
+pub use vouch_format::mirror::MirrorRecord;
+use vouch_format::mirror::{LegState, MirrorMember, MAX_LEGS, MIN_LEGS};
+
+use super::Membership;
+use crate::error::{Error, Result};
+use crate::options::CreateOptions;
+use crate::storage::FileStorage;
+use crate::volume::Volume;
+
+/// The record's file name in each leg's directory.
+pub const RECORD_FILE: &str = "mirror";
+
+/// Is the volume directory at `path` a leg of a mirror?
+pub fn is_mirrored(path: &Path) -> bool {
+    path.join(RECORD_FILE).exists()
+}
+
+fn path_error(action: &'static str, path: &Path, cause: impl std::fmt::Display) -> Error {
+    Error::Path {
+        action,
+        path: path.to_path_buf(),
+        cause: cause.to_string(),
+    }
+}
+
+/// The mirror record of the leg at `path`.
+pub fn read_record(path: &Path) -> Result<MirrorRecord> {
+    let file = path.join(RECORD_FILE);
+    let bytes = std::fs::read(&file).map_err(|error| path_error("read", &file, error))?;
+    MirrorRecord::decode(&bytes)
+        .map_err(|error| Error::Corrupt(format!("mirror record {}: {error}", file.display())))
+}
+
+/// Replace the record of the leg at `path` atomically (temporary file,
+/// fsync, rename, directory fsync).
+pub fn write_record(path: &Path, record: &MirrorRecord) -> Result<()> {
+    let bytes = record
+        .encode()
+        .map_err(|error| Error::InvalidArgument(format!("mirror record: {error}")))?;
+    let temporary = path.join("mirror.tmp");
+    let target = path.join(RECORD_FILE);
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&temporary)?;
+        file.write_all(&bytes)?;
+        file.sync_all()?;
+        std::fs::rename(&temporary, &target)?;
+        std::fs::File::open(path)?.sync_all()
+    };
+    write().map_err(|error| path_error("write", &target, error))
+}
+
+/// Create a mirrored volume: leg 0 at `paths[0]` like `create_volume`, then
+/// each other leg with leg 0's superblock, then every leg's record. On
+/// failure nothing is left behind.
+pub fn create_mirror(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
+    if !(MIN_LEGS..=MAX_LEGS).contains(&paths.len()) {
+        return Err(Error::InvalidArgument(format!(
+            "a mirror has 2 or 3 legs, not {}",
+            paths.len()
+        )));
+    }
+    for (index, path) in paths.iter().enumerate() {
+        if path.exists() {
+            return Err(path_error(
+                "create",
+                path,
+                "already exists (a mirror leg must be a new directory)",
+            ));
+        }
+        if paths[..index].contains(path) {
+            return Err(path_error("create", path, "is given twice"));
+        }
+    }
+    let result = create_legs(paths, options);
+    if result.is_err() {
+        for path in paths {
+            let _ = std::fs::remove_dir_all(path);
+        }
+    }
+    result
+}
+
+/// Create an empty leg at `target` with the superblock of the leg at
+/// `source` (same uuid, geometry, tags and key), ready to be filled with
+/// `write_sealed` (a new mirror, or `vouch mirror replace`).
+pub fn create_leg_like(source: &Path, target: &Path) -> Result<()> {
+    let superblock_file = source.join("superblock");
+    let superblock = std::fs::read(&superblock_file)
+        .map_err(|error| path_error("read", &superblock_file, error))?;
+    let geometry = crate::volume_superblock(source)?
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("{}: superblock: {error}", source.display())))?;
+    let journal = std::fs::metadata(source.join("journal"))
+        .map_err(|error| path_error("read", source, error))?
+        .len();
+    drop(
+        FileStorage::create(target, &geometry, journal)
+            .map_err(|error| path_error("create", target, error))?,
+    );
+    let file = target.join("superblock");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .and_then(|mut out| {
+            out.write_all(&superblock)?;
+            out.sync_all()
+        })
+        .map_err(|error| path_error("write", &file, error))
+}
+
+fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
+    crate::create_volume(&paths[0], options)?.close()?;
+    for path in &paths[1..] {
+        create_leg_like(&paths[0], path)?;
+    }
+    let absolute: Vec<PathBuf> = paths
+        .iter()
+        .map(|path| {
+            path.canonicalize()
+                .map_err(|error| path_error("open", path, error))
+        })
+        .collect::<Result<_>>()?;
+    let uuid = crate::volume_superblock(&paths[0])?.uuid;
+    let mut record = MirrorRecord {
+        leg: 0,
+        uuid,
+        epoch: 1,
+        members: absolute
+            .iter()
+            .map(|path| MirrorMember {
+                state: LegState::Active,
+                path: path.to_string_lossy().into_owned(),
+            })
+            .collect(),
+    };
+    for (index, path) in paths.iter().enumerate() {
+        record.leg = index as u16;
+        write_record(path, &record)?;
+    }
+    let open = crate::options::OpenOptions {
+        key: options.encrypt.clone(),
+        ..Default::default()
+    };
+    // Every leg must open as a volume; leg 0 is returned.
+    for path in &paths[1..] {
+        crate::open_volume(path, &open)?.close()?;
+    }
+    crate::open_volume(&paths[0], &open)
+}
+
+/// The set's view from the leg at `path`: the record with the highest
+/// epoch among the legs found, and for each member why it was not found
+/// (`None`: found). Two different records at the same highest epoch are a
+/// split brain, refused naming both legs.
+pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
+    let given = read_record(path)?;
+    let mut found: Vec<Option<MirrorRecord>> = Vec::new();
+    let mut reasons: Vec<Option<String>> = Vec::new();
+    for (index, member) in given.members.iter().enumerate() {
+        if index == usize::from(given.leg) {
+            found.push(Some(given.clone()));
+            reasons.push(None);
+            continue;
+        }
+        match read_record(Path::new(&member.path)) {
+            Ok(record) if record.uuid != given.uuid => {
+                found.push(None);
+                reasons.push(Some("belongs to another volume (uuid differs)".into()));
+            }
+            Ok(record) if usize::from(record.leg) != index => {
+                found.push(None);
+                reasons.push(Some(format!(
+                    "says it is leg {}, not leg {index}",
+                    record.leg
+                )));
+            }
+            Ok(record) => {
+                found.push(Some(record));
+                reasons.push(None);
+            }
+            Err(error) => {
+                found.push(None);
+                reasons.push(Some(error.to_string()));
+            }
+        }
+    }
+    let epoch = found.iter().flatten().map(|r| r.epoch).max().unwrap_or(0);
+    let newest: Vec<(usize, &MirrorRecord)> = found
+        .iter()
+        .enumerate()
+        .filter_map(|(index, record)| record.as_ref().map(|r| (index, r)))
+        .filter(|(_, record)| record.epoch == epoch)
+        .collect();
+    let (first_index, view) = newest[0];
+    if let Some((other, _)) = newest
+        .iter()
+        .find(|(_, record)| record.members != view.members)
+    {
+        return Err(Error::Corrupt(format!(
+            "mirror legs {} and {} disagree at the same epoch {epoch} (each was opened without the other: split brain); replace one of them",
+            given.members[first_index].path, given.members[*other].path
+        )));
+    }
+    Ok((view.clone(), reasons))
+}
+
+/// One member of an opened set.
+pub struct OpenedLeg {
+    pub path: PathBuf,
+    /// The member's state in the set's view.
+    pub state: LegState,
+    /// The open volume: `None` if the leg is not active or could not be
+    /// opened (`missing` says why).
+    pub volume: Option<Volume>,
+    pub missing: Option<String>,
+}
+
+/// A mirror set opened from one of its legs.
+pub struct OpenedSet {
+    /// The set's view (the record with the highest epoch).
+    pub record: MirrorRecord,
+    pub legs: Vec<OpenedLeg>,
+    /// What an operator must hear about (missing legs, legs marked stale).
+    pub warnings: Vec<String>,
+}
+
+/// Open the mirror set the leg at `path` belongs to. `open_leg` opens one
+/// leg's volume (with the caller's options and key). A leg that cannot be
+/// found or opened is reported by name; with `writable`, a missing active
+/// leg is marked stale in the other legs' records first (it would miss the
+/// writes to come). Fails only if no active leg opens, or the legs' records
+/// disagree at the same epoch (split brain).
+pub fn open_mirror(
+    path: &Path,
+    writable: bool,
+    open_leg: &mut dyn FnMut(&Path) -> Result<Volume>,
+) -> Result<OpenedSet> {
+    let (mut record, reasons) = view(path)?;
+    let mut warnings = Vec::new();
+    let mut legs = Vec::new();
+    for (index, member) in record.members.iter().enumerate() {
+        let leg_path = PathBuf::from(&member.path);
+        let mut leg = OpenedLeg {
+            path: leg_path.clone(),
+            state: member.state,
+            volume: None,
+            missing: reasons[index].clone(),
+        };
+        if member.state == LegState::Active {
+            if leg.missing.is_none() {
+                match open_leg(&leg_path) {
+                    Ok(volume) => leg.volume = Some(volume),
+                    Err(error) => leg.missing = Some(error.to_string()),
+                }
+            }
+            if let Some(why) = &leg.missing {
+                warnings.push(format!(
+                    "mirror leg {index} ({}) is missing: {why}; serving degraded",
+                    member.path
+                ));
+            }
+        } else {
+            warnings.push(format!(
+                "mirror leg {index} ({}) is {}: not used until `vouch mirror replace`",
+                member.path,
+                member.state.name()
+            ));
+        }
+        legs.push(leg);
+    }
+    if legs.iter().all(|leg| leg.volume.is_none()) {
+        return Err(Error::Corrupt(format!(
+            "no active leg of the mirror could be opened: {}",
+            warnings.join("; ")
+        )));
+    }
+    let lost: Vec<usize> = legs
+        .iter()
+        .enumerate()
+        .filter(|(_, leg)| leg.state == LegState::Active && leg.volume.is_none())
+        .map(|(index, _)| index)
+        .collect();
+    if writable && !lost.is_empty() {
+        for &index in &lost {
+            record.members[index].state = LegState::Stale;
+            legs[index].state = LegState::Stale;
+            warnings.push(format!(
+                "mirror leg {index} ({}) marked stale: it will miss writes",
+                record.members[index].path
+            ));
+        }
+        record.epoch += 1;
+        store_on_active_legs(&record)?;
+    }
+    Ok(OpenedSet {
+        record,
+        legs,
+        warnings,
+    })
+}
+
+/// Write `record` (each leg's own index filled in) to every active leg.
+fn store_on_active_legs(record: &MirrorRecord) -> Result<()> {
+    let mut copy = record.clone();
+    for (index, member) in record.members.iter().enumerate() {
+        if member.state == LegState::Active {
+            copy.leg = index as u16;
+            write_record(Path::new(&member.path), &copy)?;
+        }
+    }
+    Ok(())
+}
+
+/// `Membership` kept in the legs' `mirror` files.
+pub struct FileMembership {
+    record: Mutex<MirrorRecord>,
+}
+
+impl FileMembership {
+    pub fn new(record: MirrorRecord) -> FileMembership {
+        FileMembership {
+            record: Mutex::new(record),
+        }
+    }
+}
+
+impl Membership for FileMembership {
+    fn set_state(&self, leg: usize, state: LegState) -> Result<()> {
+        let mut record = self.record.lock();
+        if record.members[leg].state == state {
+            return Ok(());
+        }
+        record.members[leg].state = state;
+        record.epoch += 1;
+        store_on_active_legs(&record)
+    }
+}

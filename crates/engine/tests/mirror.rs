@@ -1,0 +1,410 @@
+//! Mirrors over real volume directories: the set on disk, read repair
+//! (data and context corruption), a block bad on every leg, the fault
+//! threshold, scrub repair with a stale copy, a missing leg.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vouch_engine::jobs::JobControl;
+use vouch_engine::mirror::{
+    self, create_mirror, open_mirror, FileMembership, LegState, Mirror, MirrorLeg,
+};
+use vouch_engine::{
+    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Tuning, Volume, BLOCK,
+};
+
+fn pattern(lba: u64, tag: u8) -> Vec<u8> {
+    (0..BLOCK as usize)
+        .map(|i| (i as u8).wrapping_mul(31) ^ (lba as u8) ^ tag)
+        .collect()
+}
+
+fn legs(dir: &Path, n: usize) -> Vec<PathBuf> {
+    (0..n).map(|i| dir.join(format!("leg{i}"))).collect()
+}
+
+fn options() -> OpenOptions {
+    OpenOptions {
+        tuning: Tuning {
+            background_commit: false,
+            ..Tuning::default()
+        },
+        ..OpenOptions::default()
+    }
+}
+
+/// Open the set from `path` as a Mirror over its legs.
+fn open(path: &Path) -> (Mirror, Vec<Option<Arc<Volume>>>) {
+    let set = open_mirror(path, true, &mut |leg| open_volume(leg, &options())).expect("open set");
+    let mut volumes = Vec::new();
+    let mut mirror_legs = Vec::new();
+    for leg in set.legs {
+        let volume = leg.volume.map(Arc::new);
+        mirror_legs.push(MirrorLeg {
+            name: leg.path.display().to_string(),
+            device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
+            state: leg.state,
+        });
+        volumes.push(volume);
+    }
+    let membership = Box::new(FileMembership::new(set.record));
+    (
+        Mirror::new(mirror_legs, Some(membership)).expect("mirror"),
+        volumes,
+    )
+}
+
+fn close(mirror: Mirror, volumes: Vec<Option<Arc<Volume>>>) {
+    drop(mirror);
+    for volume in volumes.into_iter().flatten() {
+        Arc::try_unwrap(volume)
+            .ok()
+            .expect("sole owner")
+            .close()
+            .expect("close");
+    }
+}
+
+fn create(dir: &Path, n: usize) -> Vec<PathBuf> {
+    let paths = legs(dir, n);
+    create_mirror(&paths, &CreateOptions::new(4 << 20))
+        .expect("create")
+        .close()
+        .expect("close");
+    paths
+}
+
+fn write_blocks(mirror: &Mirror, count: u64, tag: u8) {
+    for lba in 0..count {
+        mirror
+            .write(lba * BLOCK, &pattern(lba, tag), false)
+            .expect("write");
+    }
+    mirror.flush().expect("flush");
+}
+
+fn flip(path: &Path, offset: u64) {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open");
+    let mut byte = [0u8];
+    file.read_exact_at(&mut byte, offset).expect("read");
+    byte[0] ^= 0x10;
+    file.write_all_at(&byte, offset).expect("write");
+}
+
+fn read_all_legs(mirror: &Mirror, lba: u64) -> Vec<Result<Vec<u8>, Error>> {
+    (0..3)
+        .map(|_| {
+            let mut buf = vec![0u8; BLOCK as usize];
+            mirror.read(lba * BLOCK, &mut buf).map(|_| buf)
+        })
+        .collect()
+}
+
+fn check_clean(path: &Path) {
+    let volume = open_volume(
+        path,
+        &OpenOptions {
+            read_only: true,
+            ..OpenOptions::default()
+        },
+    )
+    .expect("open leg alone");
+    let report = volume.check(|_, _| {}).expect("check");
+    assert!(
+        report.faults.is_empty(),
+        "{}: {:?}",
+        path.display(),
+        report.faults
+    );
+}
+
+#[test]
+fn a_corrupt_block_on_one_leg_is_served_good_and_repaired_on_disk() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    assert!(mirror::is_mirrored(&paths[1]));
+    let (mirror, volumes) = open(&paths[1]);
+    write_blocks(&mirror, 16, 1);
+    close(mirror, volumes);
+    // A data byte of LBA 5 and the context of LBA 9 on leg 1 (contexts
+    // reach their table at the checkpoint of a clean close).
+    flip(&paths[1].join("data.00000"), 5 * BLOCK + 77);
+    flip(&paths[1].join("contexts"), 9 * 32 + 20);
+    let (mirror, volumes) = open(&paths[1]);
+    for lba in [5, 9] {
+        for result in read_all_legs(&mirror, lba) {
+            assert_eq!(result.expect("good data"), pattern(lba, 1));
+        }
+    }
+    let status = mirror.status();
+    assert_eq!(status[1].corrected, 2, "{status:?}");
+    assert_eq!(status[0].corrected, 0);
+    assert!(status[1]
+        .repairs
+        .iter()
+        .any(|r| r.kind == "guard_mismatch" && r.repaired));
+    assert!(status[1]
+        .repairs
+        .iter()
+        .any(|r| r.kind == "context_corrupt" && r.repaired));
+    close(mirror, volumes);
+    check_clean(&paths[1]);
+    let mut raw = vec![0u8; BLOCK as usize];
+    std::fs::File::open(paths[1].join("data.00000"))
+        .expect("open")
+        .read_exact_at(&mut raw, 5 * BLOCK)
+        .expect("read");
+    assert_eq!(raw, pattern(5, 1), "the data on leg 1's disk is repaired");
+}
+
+#[test]
+fn a_block_bad_on_every_leg_fails_naming_it_and_nothing_is_rewritten() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, 8, 2);
+    flip(&paths[0].join("data.00000"), 3 * BLOCK + 1);
+    flip(&paths[1].join("data.00000"), 3 * BLOCK + 2);
+    let before: Vec<Vec<u8>> = paths
+        .iter()
+        .map(|p| std::fs::read(p.join("data.00000")).expect("read"))
+        .collect();
+    for result in read_all_legs(&mirror, 3) {
+        match result {
+            Err(Error::Fault(fault)) => {
+                assert_eq!(fault.lba, 3);
+                assert_eq!(fault.kind, FaultKind::GuardMismatch);
+            }
+            other => panic!("expected a fault naming LBA 3: {other:?}"),
+        }
+    }
+    assert_eq!(
+        read_all_legs(&mirror, 4)[0].as_ref().expect("ok"),
+        &pattern(4, 2)
+    );
+    let after: Vec<Vec<u8>> = paths
+        .iter()
+        .map(|p| std::fs::read(p.join("data.00000")).expect("read"))
+        .collect();
+    assert_eq!(before, after, "nothing rewritten");
+    assert!(mirror.status().iter().all(|leg| leg.corrected == 0));
+    close(mirror, volumes);
+}
+
+#[test]
+fn a_leg_needing_more_than_twenty_repairs_is_faulted_and_recorded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 3);
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, 32, 3);
+    for lba in 0..21 {
+        flip(&paths[2].join("data.00000"), lba * BLOCK + 9);
+    }
+    for lba in 0..21 {
+        let mut buf = vec![0u8; BLOCK as usize];
+        // The repairing path reads every leg's copy of a faulty block.
+        let faults = mirror
+            .read_blocks_collecting(lba, 1, &mut buf)
+            .expect("read");
+        assert!(faults.is_empty());
+        assert_eq!(buf, pattern(lba, 3));
+        // Round robin reached leg 2 for at most one in three; read the
+        // rest through the scrub below.
+    }
+    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let status = mirror.status();
+    assert_eq!(status[2].corrected, 21, "{status:?} {report:?}");
+    assert_eq!(status[2].state, LegState::Faulted);
+    assert_eq!(mirror.active(), vec![0, 1]);
+    close(mirror, volumes);
+    let record = mirror::set::read_record(&paths[0]).expect("record");
+    assert_eq!(record.members[2].state, LegState::Faulted);
+    // Reopened from any leg, the faulted leg stays out.
+    let set = open_mirror(&paths[2], false, &mut |p| open_volume(p, &options())).expect("open");
+    assert!(set.legs[2].volume.is_none());
+    assert!(
+        set.warnings.iter().any(|w| w.contains("faulted")),
+        "{:?}",
+        set.warnings
+    );
+}
+
+#[test]
+fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, 8, 4);
+    // Keep leg 1's old sealed LBA 2 (data + context) as stored.
+    let old = volumes[1]
+        .as_ref()
+        .expect("leg")
+        .read_sealed(2, 1)
+        .expect("sealed");
+    mirror
+        .write(2 * BLOCK, &pattern(2, 5), false)
+        .expect("write");
+    mirror.flush().expect("flush");
+    close(mirror, volumes);
+    // Lose that write on leg 1: put its old bytes and context back on
+    // disk, as a lost write would leave them (still valid, older).
+    let old_context = match old[0].context {
+        vouch_engine::mirror::Context::Data { .. } => old[0].context.encode(),
+        other => panic!("data context expected: {other:?}"),
+    };
+    let data = std::fs::OpenOptions::new()
+        .write(true)
+        .open(paths[1].join("data.00000"))
+        .expect("open");
+    data.write_all_at(&old[0].data[..], 2 * BLOCK)
+        .expect("write");
+    let contexts = std::fs::OpenOptions::new()
+        .write(true)
+        .open(paths[1].join("contexts"))
+        .expect("open");
+    contexts.write_all_at(&old_context, 2 * 32).expect("write");
+    drop((data, contexts));
+    // Corrupt LBA 6 on leg 0 too.
+    flip(&paths[0].join("data.00000"), 6 * BLOCK + 3);
+
+    let (mirror, volumes) = open(&paths[0]);
+    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    assert_eq!(
+        (report.found, report.repaired, report.left),
+        (2, 2, 0),
+        "{report:?}"
+    );
+    assert!(report
+        .findings
+        .iter()
+        .any(|f| f.lba == 2 && f.leg == 1 && f.kind == "stale" && f.repaired));
+    assert!(report
+        .findings
+        .iter()
+        .any(|f| f.lba == 6 && f.leg == 0 && f.kind == "guard_mismatch"));
+    let again = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    assert_eq!(again.found, 0, "{again:?}");
+    close(mirror, volumes);
+    for path in &paths {
+        let volume = open_volume(path, &options()).expect("open");
+        let mut buf = vec![0u8; BLOCK as usize];
+        volume.read(2 * BLOCK, &mut buf).expect("read");
+        assert_eq!(buf, pattern(2, 5), "{}: the newer copy won", path.display());
+        volume.close().expect("close");
+    }
+}
+
+#[test]
+fn a_missing_leg_is_named_and_marked_stale_when_opened_for_writing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    std::fs::rename(&paths[1], dir.path().join("moved")).expect("move leg 1 away");
+    let set = open_mirror(&paths[0], true, &mut |p| open_volume(p, &options())).expect("degraded");
+    assert!(set.legs[1].volume.is_none());
+    assert!(
+        set.warnings
+            .iter()
+            .any(|w| w.contains("leg1") && w.contains("missing")),
+        "{:?}",
+        set.warnings
+    );
+    assert_eq!(set.record.members[1].state, LegState::Stale);
+    drop(set);
+    std::fs::rename(dir.path().join("moved"), &paths[1]).expect("bring it back");
+    let set = open_mirror(&paths[1], false, &mut |p| open_volume(p, &options())).expect("open");
+    assert_eq!(set.legs[1].state, LegState::Stale, "the newer record wins");
+    assert!(set.legs[1].volume.is_none());
+}
+
+#[test]
+fn bad_mirror_creation_is_refused_and_leaves_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let one = legs(dir.path(), 1);
+    assert!(create_mirror(&one, &CreateOptions::new(1 << 20)).is_err());
+    let same = vec![dir.path().join("a"), dir.path().join("a")];
+    assert!(create_mirror(&same, &CreateOptions::new(1 << 20)).is_err());
+    assert!(!dir.path().join("a").exists());
+    std::fs::create_dir(dir.path().join("b")).expect("mkdir");
+    let exists = vec![dir.path().join("c"), dir.path().join("b")];
+    let Err(error) = create_mirror(&exists, &CreateOptions::new(1 << 20)) else {
+        panic!("an existing leg directory is refused");
+    };
+    assert!(error.to_string().contains("already exists"), "{error}");
+    assert!(!dir.path().join("c").exists());
+}
+
+#[test]
+fn an_encrypted_mirror_shares_its_key_and_repairs_with_sealed_ciphertext() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = legs(dir.path(), 2);
+    let key = || vouch_engine::UserSecret::key(&[9u8; 32]).expect("32 bytes");
+    let mut create = CreateOptions::new(1 << 20);
+    create.encrypt = Some(key());
+    create_mirror(&paths, &create)
+        .expect("create")
+        .close()
+        .expect("close");
+    let keyed = || OpenOptions {
+        key: Some(key()),
+        ..options()
+    };
+    let open_keyed = |path: &Path| {
+        let set = open_mirror(path, true, &mut |leg| open_volume(leg, &keyed())).expect("open");
+        let mut volumes = Vec::new();
+        let mut mirror_legs = Vec::new();
+        for leg in set.legs {
+            let volume = leg.volume.map(Arc::new);
+            mirror_legs.push(MirrorLeg {
+                name: leg.path.display().to_string(),
+                device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
+                state: leg.state,
+            });
+            volumes.push(volume);
+        }
+        (Mirror::new(mirror_legs, None).expect("mirror"), volumes)
+    };
+    let (mirror, volumes) = open_keyed(&paths[0]);
+    write_blocks(&mirror, 4, 7);
+    close(mirror, volumes);
+    flip(&paths[1].join("data.00000"), 2 * BLOCK + 50);
+    let (mirror, volumes) = open_keyed(&paths[1]);
+    for result in read_all_legs(&mirror, 2) {
+        assert_eq!(result.expect("good data"), pattern(2, 7));
+    }
+    assert_eq!(mirror.status()[1].corrected, 1);
+    close(mirror, volumes);
+    let leg = open_volume(&paths[1], &keyed()).expect("leg 1 alone");
+    let report = leg.check(|_, _| {}).expect("check");
+    assert!(report.faults.is_empty(), "{:?}", report.faults);
+    leg.close().expect("close");
+
+    // A lost write on leg 1: its old sealed block (old generation, still
+    // authentic) put back with write_sealed, which keeps an encrypted
+    // block's generation. Scrub finds it stale and the newer copy wins.
+    let (mirror, volumes) = open_keyed(&paths[0]);
+    let leg1 = volumes[1].as_ref().expect("leg 1");
+    let old = leg1.read_sealed(3, 1).expect("sealed");
+    mirror
+        .write(3 * BLOCK, &pattern(3, 8), false)
+        .expect("write");
+    mirror.flush().expect("flush");
+    leg1.write_sealed(&old).expect("the old block is authentic");
+    leg1.flush().expect("flush");
+    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    assert_eq!(
+        (report.found, report.repaired, report.left),
+        (1, 1, 0),
+        "{report:?}"
+    );
+    assert_eq!(report.findings[0].kind, "stale");
+    assert_eq!(report.findings[0].leg, 1);
+    let mut buf = vec![0u8; BLOCK as usize];
+    leg1.read(3 * BLOCK, &mut buf).expect("read leg 1");
+    assert_eq!(buf, pattern(3, 8), "leg 1 holds the newer block again");
+    close(mirror, volumes);
+}

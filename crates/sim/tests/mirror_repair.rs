@@ -1,0 +1,25 @@
+//! Crashes during mirror repair: each block of the repaired leg reads its
+//! old or its new contents, the block bad on both legs is never rewritten,
+//! the source leg is only read (`vouch_sim::mirror`).
+
+#[test]
+fn a_crash_during_repair_leaves_old_or_new_contents_on_each_leg() {
+    let report = vouch_sim::mirror::run(1, if cfg!(debug_assertions) { 4 } else { 24 });
+    assert!(
+        report.violations.is_empty(),
+        "{}\n{}",
+        report.violations.join("\n"),
+        report.summary()
+    );
+    assert!(
+        report.repaired > 0 && report.images > 0,
+        "{}",
+        report.summary()
+    );
+    assert!(
+        report.new_blocks > 0 && report.old_blocks > 0,
+        "{}",
+        report.summary()
+    );
+    eprintln!("{}", report.summary());
+}

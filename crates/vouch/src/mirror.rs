@@ -1,0 +1,401 @@
+//! Mirrored volumes in the CLI: `create --mirror`, opening a set for
+//! `serve` (the `Mirror` device over every leg), `info`, `check` and
+//! offline `scrub` of every leg, and `vouch mirror status|replace`.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{bail, Context as _, Result};
+use clap::Subcommand;
+use serde_json::json;
+use vouch_engine::jobs::JobControl;
+use vouch_engine::mirror::{
+    self, FileMembership, LegState, LegStatus, Membership, Mirror, MirrorLeg,
+};
+use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
+
+use crate::key::Use;
+
+#[derive(Subcommand, Debug)]
+pub enum MirrorCommand {
+    /// Show every leg of the mirrored volume PATH (any leg): its path and
+    /// state (active, faulted, stale, missing), as the newest mirror
+    /// record says. A running server's repair counters are in its metrics
+    /// (vouch_mirror_*). Exit 0 when every leg is active and present, 1
+    /// otherwise.
+    Status {
+        path: PathBuf,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replace leg LEG (its index, see `status`) offline: copy every
+    /// block, with its context, from an active leg into it (if the leg's
+    /// directory is missing, an empty leg is created there from an active
+    /// leg's superblock first), verify it, then mark it active. Offline:
+    /// the server must be stopped.
+    Replace {
+        path: PathBuf,
+        #[arg(long)]
+        leg: usize,
+    },
+}
+
+/// A mirror set opened for serving or scrubbing.
+pub struct OpenMirror {
+    pub mirror: Arc<Mirror>,
+    /// Each leg's volume, in leg order (`None`: not active or missing).
+    pub volumes: Vec<Option<Arc<Volume>>>,
+    /// The first open leg: its geometry, stats and uuid describe the set.
+    pub primary: Arc<Volume>,
+    /// The set's view when it was opened.
+    pub record: mirror::set::MirrorRecord,
+}
+
+/// Open the set the leg at `path` belongs to; warnings go to stderr.
+pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirror> {
+    let writable = !options.read_only;
+    let set = mirror::open_mirror(path, writable, &mut |leg| {
+        crate::key::open(leg, options.clone(), purpose)
+            .map_err(|error| vouch_engine::Error::InvalidArgument(format!("{error:#}")))
+    })?;
+    for warning in &set.warnings {
+        eprintln!("vouch: WARNING: {warning}");
+        tracing::warn!("{warning}");
+    }
+    let mut volumes = Vec::new();
+    let mut legs = Vec::new();
+    for leg in set.legs {
+        let volume = leg.volume.map(Arc::new);
+        legs.push(MirrorLeg {
+            name: leg.path.display().to_string(),
+            device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
+            state: leg.state,
+        });
+        volumes.push(volume);
+    }
+    let primary = volumes
+        .iter()
+        .flatten()
+        .next()
+        .cloned()
+        .context("no leg open")?;
+    let record = set.record.clone();
+    let membership: Box<dyn Membership> = Box::new(FileMembership::new(set.record));
+    let mirror = Arc::new(Mirror::new(legs, Some(membership))?);
+    Ok(OpenMirror {
+        mirror,
+        volumes,
+        primary,
+        record,
+    })
+}
+
+impl OpenMirror {
+    /// Close every leg cleanly (after every other holder of the mirror is gone).
+    pub fn close(self) -> Result<()> {
+        drop(self.mirror);
+        drop(self.primary);
+        for volume in self.volumes.into_iter().flatten() {
+            match Arc::try_unwrap(volume) {
+                Ok(volume) => volume.close()?,
+                Err(volume) => volume.flush()?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `vouch create PATH --mirror PATH2 ...`.
+pub fn create(
+    path: &Path,
+    mirrors: &[PathBuf],
+    size: u64,
+    args: &crate::CreateArgs,
+) -> Result<ExitCode> {
+    let mut paths = vec![path.to_path_buf()];
+    paths.extend(mirrors.iter().cloned());
+    let options = crate::commands::create_options(size, args)?;
+    mirror::create_mirror(&paths, &options)?.close()?;
+    let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    println!(
+        "created a {}-way mirror ({size} bytes): {}",
+        paths.len(),
+        names.join(", ")
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The legs as the set's view (the newest record found) and the disks
+/// say: (index, path, state or "missing").
+fn leg_rows(path: &Path) -> Result<Vec<(usize, String, &'static str)>> {
+    let (record, missing) = mirror::set::view(path)?;
+    Ok(record
+        .members
+        .iter()
+        .enumerate()
+        .map(|(index, member)| {
+            let state = if missing[index].is_some() {
+                "missing"
+            } else {
+                member.state.name()
+            };
+            (index, member.path.clone(), state)
+        })
+        .collect())
+}
+
+/// Lines (or JSON) `vouch info` adds for a mirrored volume.
+pub fn info_json(path: &Path) -> Result<serde_json::Value> {
+    let record = mirror::set::read_record(path)?;
+    let legs: Vec<_> = leg_rows(path)?
+        .into_iter()
+        .map(|(index, leg, state)| json!({"leg": index, "path": leg, "state": state}))
+        .collect();
+    Ok(json!({"leg": record.leg, "legs": legs, "epoch": record.epoch}))
+}
+
+pub fn print_info(path: &Path) -> Result<()> {
+    let record = mirror::set::read_record(path)?;
+    println!(
+        "mirror:          leg {} of a {}-way mirror (record epoch {})",
+        record.leg,
+        record.members.len(),
+        record.epoch
+    );
+    for (index, leg, state) in leg_rows(path)? {
+        println!("  leg {index}:         {leg} ({state})");
+    }
+    Ok(())
+}
+
+/// `vouch mirror status`.
+pub fn status(path: &Path, json_output: bool) -> Result<ExitCode> {
+    let rows = leg_rows(path)?;
+    let healthy = rows.iter().all(|row| row.2 == "active");
+    if json_output {
+        println!("{}", serde_json::to_string_pretty(&info_json(path)?)?);
+    } else {
+        for (index, leg, state) in &rows {
+            println!("leg {index}: {leg}: {state}");
+        }
+        println!(
+            "{}",
+            if healthy {
+                "every leg active"
+            } else {
+                "DEGRADED: not every leg is active (replace with `vouch mirror replace`)"
+            }
+        );
+    }
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `vouch check` of a mirrored volume: every present leg, each alone.
+pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
+    let mut clean = true;
+    let mut reports = Vec::new();
+    for (index, leg, state) in leg_rows(path)? {
+        if state == "missing" {
+            clean = false;
+            reports.push(json!({"leg": index, "path": leg, "state": state}));
+            if !json_output {
+                println!("leg {index}: {leg}: missing");
+            }
+            continue;
+        }
+        let volume = crate::commands::open_read_only(Path::new(&leg), Use::Verify)?;
+        let report = volume.check(|_, _| {})?;
+        clean &= report.faults.is_empty() && state == "active";
+        let faults: Vec<_> = report
+            .faults
+            .iter()
+            .map(|f| json!({"lba": f.lba, "kind": f.kind.name()}))
+            .collect();
+        if !json_output {
+            for fault in &report.faults {
+                println!(
+                    "leg {index}: fault: LBA {} {}",
+                    fault.lba,
+                    fault.kind.name()
+                );
+            }
+            println!(
+                "leg {index}: {leg} ({state}): {} blocks checked, {} faults",
+                report.blocks_checked,
+                report.faults.len()
+            );
+        }
+        reports.push(json!({"leg": index, "path": leg, "state": state,
+            "blocks_checked": report.blocks_checked, "faults": faults}));
+    }
+    if json_output {
+        let value = json!({"path": path.display().to_string(), "legs": reports, "clean": clean});
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    }
+    Ok(if clean {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Offline `vouch scrub` of a mirrored volume: check every active leg and
+/// repair what can be repaired. Exit 0 when nothing was left unrepaired.
+pub fn scrub(path: &Path, json_output: bool) -> Result<ExitCode> {
+    let set = open(path, OpenOptions::default(), Use::Verify)?;
+    let report = mirror::scrub::scrub(&set.mirror, &JobControl::default());
+    let status = set.mirror.status();
+    set.close()?;
+    let report = report?;
+    if json_output {
+        let value = json!({"path": path.display().to_string(), "report": report,
+            "legs": status_json(&status)});
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        for finding in &report.findings {
+            println!(
+                "LBA {} leg {}: {} {}",
+                finding.lba,
+                finding.leg,
+                finding.kind,
+                if finding.repaired { "repaired" } else { "LEFT" }
+            );
+        }
+        println!(
+            "{}: {} blocks checked on every leg: {} found, {} repaired, {} left",
+            path.display(),
+            report.blocks_checked,
+            report.found,
+            report.repaired,
+            report.left
+        );
+    }
+    Ok(if report.left == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// Legs' states and repair counters as JSON.
+pub fn status_json(status: &[LegStatus]) -> serde_json::Value {
+    status
+        .iter()
+        .enumerate()
+        .map(|(index, leg)| {
+            json!({"leg": index, "name": leg.name, "state": leg.state.name(),
+                "present": leg.present, "corrected": leg.corrected,
+                "repairs": leg.repairs.iter().map(|r| json!({"kind": r.kind,
+                    "repaired": r.repaired, "count": r.count})).collect::<Vec<_>>()})
+        })
+        .collect()
+}
+
+/// `vouch mirror replace`: copy every block from an active leg into leg
+/// `leg` (created afresh if missing), then mark it active.
+pub fn replace(path: &Path, leg: usize) -> Result<ExitCode> {
+    let record = mirror::set::read_record(path)?;
+    let target = PathBuf::from(
+        &record
+            .members
+            .get(leg)
+            .with_context(|| format!("the mirror has no leg {leg}"))?
+            .path,
+    );
+    let set = open(path, OpenOptions::default(), Use::Data)?;
+    if set.mirror.active().contains(&leg) {
+        bail!(
+            "leg {leg} ({}) is active: nothing to replace",
+            target.display()
+        );
+    }
+    let source = Arc::clone(&set.primary);
+    if !target.exists() {
+        let source_path = PathBuf::from(&set.record.members[set.mirror.active()[0]].path);
+        mirror::set::create_leg_like(&source_path, &target)?;
+        eprintln!("vouch: created an empty leg at {}", target.display());
+    }
+    let destination = crate::key::open(&target, OpenOptions::default(), Use::Data)?;
+    if destination.uuid_string() != source.uuid_string() || destination.size() != source.size() {
+        bail!(
+            "{} is not a leg of this volume (uuid or size differs)",
+            target.display()
+        );
+    }
+    let blocks = source.size() / BLOCK;
+    let mut lba = 0;
+    let mut moved = 0u64;
+    while lba < blocks {
+        let count = 256.min(blocks - lba);
+        let sealed = source.read_sealed(lba, count)?;
+        destination.write_sealed(&sealed)?;
+        moved += count;
+        lba += count;
+    }
+    destination.flush()?;
+    let report = destination.check(|_, _| {})?;
+    if !report.faults.is_empty() {
+        bail!(
+            "leg {leg} still has {} faults after the copy; left as it was marked",
+            report.faults.len()
+        );
+    }
+    destination.close()?;
+    // The new leg's record is written with the others'.
+    FileMembership::new(set.record.clone()).set_state(leg, LegState::Active)?;
+    set.close()?;
+    println!(
+        "leg {leg} ({}): {moved} blocks copied and verified; active",
+        target.display()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Run a `vouch mirror` command.
+pub fn run(command: MirrorCommand) -> Result<ExitCode> {
+    match command {
+        MirrorCommand::Status { path, json } => status(&path, json),
+        MirrorCommand::Replace { path, leg } => replace(&path, leg),
+    }
+}
+
+/// Mirror series, published at each scrape: repairs by leg, fault kind and
+/// outcome; corrected errors and whether each leg is active.
+pub fn publish_metrics(mirrors: &[(String, Arc<Mirror>)]) {
+    let repairs = "vouch_mirror_repairs_total";
+    metrics::describe_counter!(
+        repairs,
+        "Blocks found bad on a mirror leg, by fault kind and whether the leg was repaired"
+    );
+    let corrected = "vouch_mirror_corrected_errors_total";
+    metrics::describe_counter!(
+        corrected,
+        "Errors corrected on a mirror leg (the fault threshold counts these)"
+    );
+    let active = "vouch_mirror_leg_active";
+    metrics::describe_gauge!(
+        active,
+        "1 if the mirror leg is active, 0 if faulted, stale or missing"
+    );
+    for (name, mirror) in mirrors {
+        for (index, leg) in mirror.status().iter().enumerate() {
+            let leg_label = index.to_string();
+            for repair in &leg.repairs {
+                metrics::counter!(repairs, "volume" => name.clone(), "leg" => leg_label.clone(),
+                    "kind" => repair.kind, "outcome" => if repair.repaired { "repaired" } else { "unrepaired" })
+                .absolute(repair.count);
+            }
+            metrics::counter!(corrected, "volume" => name.clone(), "leg" => leg_label.clone())
+                .absolute(leg.corrected);
+            let is_active = leg.present && leg.state == LegState::Active;
+            metrics::gauge!(active, "volume" => name.clone(), "leg" => leg_label)
+                .set(if is_active { 1.0 } else { 0.0 });
+        }
+    }
+}

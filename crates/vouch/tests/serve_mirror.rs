@@ -1,0 +1,336 @@
+//! Mirrored volumes served over NBD to a real client (libnbd's Python
+//! binding): a block corrupt on one leg reads correctly and is repaired on
+//! that leg's disk, counted in metrics; a block corrupt on every leg is an
+//! EIO naming its LBA with nothing rewritten; a leg past the repair
+//! threshold is faulted and replaced; a missing leg serves degraded and is
+//! marked stale; offline scrub repairs and reports what it left.
+
+mod common;
+
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+
+use common::*;
+
+/// Create a 2-way mirror `a` + `b` in `dir` and write blocks 0..16 (tag
+/// 1000 + LBA) through NBD, then stop the server.
+fn mirror_with_data(dir: &Path, legs: &[&str]) {
+    let a = dir.join("a");
+    let mut args = vec!["create", s(&a), "--size", "1MiB"];
+    let others: Vec<String> = legs
+        .iter()
+        .map(|leg| dir.join(leg).display().to_string())
+        .collect();
+    for leg in &others {
+        args.extend(["--mirror", leg.as_str()]);
+    }
+    vouch_ok(&args);
+    let mut server = Server::start(dir, &[s(&a)]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+for lba in range(16):
+    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+}
+
+fn block_of(path: &Path, lba: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; BLOCK as usize];
+    std::fs::File::open(path.join("data.00000"))
+        .expect("open data")
+        .read_exact_at(&mut buf, lba * BLOCK)
+        .expect("read");
+    buf
+}
+
+/// Read every block `times` times; each entry is true (good data) or the
+/// error with the server's messages.
+const READ_ALL: &str = r#"
+log = []
+h = nbd.NBD()
+h.set_debug(True)
+h.set_debug_callback(lambda context, message: log.append(message))
+h.connect_uri(sys.argv[1])
+out = {}
+for lba in range(16):
+    for _ in range(int(sys.argv[2])):
+        log.clear()
+        try:
+            ok = h.pread(4096, lba * 4096) == block_data(lba, 1000 + lba)
+            out.setdefault(str(lba), []).append(ok)
+        except nbd.Error as e:
+            info = err_info(e)
+            info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
+                                       if "server message: " in m]
+            out.setdefault(str(lba), []).append(info)
+print(json.dumps(out))
+"#;
+
+#[test]
+fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    // A data byte of LBA 7 and a context byte of LBA 9, on leg 1 only.
+    flip_bit(&b.join("data.00000"), 7 * BLOCK + 100, 0x04);
+    flip_bit(&b.join("contexts"), 9 * 32 + 20, 0x01);
+    let check = vouch(&["check", s(&a)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    assert!(
+        text(&check).contains("leg 1: fault: LBA 7 guard_mismatch")
+            && text(&check).contains("leg 1: fault: LBA 9 context_corrupt"),
+        "check names both faults on leg 1: {}",
+        text(&check)
+    );
+
+    let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
+    let result = py_json(READ_ALL, &[&server.uri, "3"]);
+    for lba in 0..16 {
+        for read in result[lba.to_string()].as_array().expect("reads") {
+            assert_eq!(*read, true, "LBA {lba} must read good data: {result}");
+        }
+    }
+    let metrics = server.metrics_text();
+    for kind in ["guard_mismatch", "context_corrupt"] {
+        let series = format!(
+            r#"vouch_mirror_repairs_total{{volume="a",leg="1",kind="{kind}",outcome="repaired"}}"#
+        );
+        assert_eq!(metric(&metrics, &series), Some(1.0), "{series}:\n{metrics}");
+    }
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"vouch_mirror_corrected_errors_total{volume="a",leg="1"}"#
+        ),
+        Some(2.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"vouch_mirror_corrected_errors_total{volume="a",leg="0"}"#
+        ),
+        Some(0.0)
+    );
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("repaired a block from another leg") && log.contains("lba=7"),
+        "{log}"
+    );
+    // Leg 1 alone: clean, and its data file holds the good block again.
+    assert_check_clean(&a);
+    assert_eq!(block_of(&b, 7), block_of(&a, 7));
+    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
+    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
+    assert_check_clean(&b);
+}
+
+#[test]
+fn a_block_corrupt_on_every_leg_is_eio_naming_it_and_nothing_is_rewritten() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    flip_bit(&a.join("data.00000"), 3 * BLOCK + 10, 0x01);
+    flip_bit(&b.join("data.00000"), 3 * BLOCK + 20, 0x01);
+    let before = (sha256(&a.join("data.00000")), sha256(&b.join("data.00000")));
+    let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
+    let result = py_json(READ_ALL, &[&server.uri, "2"]);
+    for read in result["3"].as_array().expect("reads") {
+        assert_eq!(read["errnum"], libc::EIO, "{result}");
+        assert!(
+            read["server_messages"].to_string().contains("LBA 3"),
+            "the error names LBA 3: {result}"
+        );
+    }
+    assert_eq!(result["4"][0], true, "{result}");
+    let metrics = server.metrics_text();
+    assert!(
+        metric(
+            &metrics,
+            r#"vouch_mirror_repairs_total{volume="a",leg="0",kind="guard_mismatch",outcome="unrepaired"}"#
+        )
+        .unwrap_or(0.0)
+            + metric(
+                &metrics,
+                r#"vouch_mirror_repairs_total{volume="a",leg="1",kind="guard_mismatch",outcome="unrepaired"}"#
+            )
+            .unwrap_or(0.0)
+            >= 2.0,
+        "{metrics}"
+    );
+    server.stop();
+    assert!(server.log_text().contains("bad on every leg"));
+    let after = (sha256(&a.join("data.00000")), sha256(&b.join("data.00000")));
+    assert_eq!(before, after, "no leg's data was rewritten");
+}
+
+#[test]
+fn a_leg_past_twenty_repairs_is_faulted_then_replaced() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    // Write 32 more blocks so 21 can go bad on leg 1.
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+for lba in range(16, 64):
+    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    for lba in 16..37 {
+        flip_bit(&b.join("data.00000"), lba * BLOCK + 5, 0x80);
+    }
+    let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
+    let result = py_json(
+        r#"
+h = connect(sys.argv[1])
+# Two reads in a row of each block: round robin sends one to each leg.
+ok = all(h.pread(4096, lba * 4096) == block_data(lba, 1000 + lba)
+         for lba in range(16, 64) for _ in range(2))
+print(json.dumps({"ok": ok}))
+"#,
+        &[&server.uri],
+    );
+    assert_eq!(result["ok"], true);
+    let metrics = server.metrics_text();
+    assert_eq!(
+        metric(&metrics, r#"vouch_mirror_leg_active{volume="a",leg="1"}"#),
+        Some(0.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(&metrics, r#"vouch_mirror_leg_active{volume="a",leg="0"}"#),
+        Some(1.0)
+    );
+    server.stop();
+    assert!(
+        server.log_text().contains("leg FAULTED"),
+        "{}",
+        server.log_text()
+    );
+    let status = vouch(&["mirror", "status", s(&a)]);
+    assert_eq!(status.status.code(), Some(1), "{}", text(&status));
+    assert!(text(&status).contains("leg 1") && text(&status).contains("faulted"));
+
+    let replaced = vouch_ok(&["mirror", "replace", s(&b), "--leg", "1"]);
+    assert!(text(&replaced).contains("active"), "{}", text(&replaced));
+    let status = vouch_ok(&["mirror", "status", s(&a)]);
+    assert!(text(&status).contains("every leg active"));
+    assert_check_clean(&a);
+    for lba in 16..37 {
+        assert_eq!(block_of(&b, lba), block_of(&a, lba), "LBA {lba}");
+    }
+}
+
+#[test]
+fn a_missing_leg_serves_degraded_then_stays_stale_until_replaced() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let away = dir.path().join("away");
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+h.pwrite(block_data(2, 77), 2 * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("WARNING") && log.contains(s(&b)) && log.contains("missing"),
+        "{log}"
+    );
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let status = vouch(&["mirror", "status", s(&b)]);
+    assert_eq!(status.status.code(), Some(1));
+    assert!(text(&status).contains("stale"), "{}", text(&status));
+    // Served from leg 1, the set still reads the new data (leg 1 is not used).
+    let server = Server::start(dir.path(), &[s(&b)]);
+    let result = py_json(
+        r#"
+h = connect(sys.argv[1])
+print(json.dumps({"new": h.pread(4096, 2 * 4096) == block_data(2, 77)}))
+"#,
+        &[&server.uri],
+    );
+    assert_eq!(result["new"], true);
+    drop(server);
+    vouch_ok(&["mirror", "replace", s(&a), "--leg", "1"]);
+    assert_check_clean(&a);
+    assert_eq!(block_of(&b, 2), block_of(&a, 2));
+}
+
+#[test]
+fn offline_scrub_repairs_every_leg_and_reports_what_it_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b", "c"]);
+    let (a, b, c) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("c"),
+    );
+    flip_bit(&a.join("data.00000"), 2 * BLOCK, 0x01);
+    flip_bit(&b.join("contexts"), 4 * 32 + 8, 0x01);
+    for leg in [&a, &b, &c] {
+        flip_bit(&leg.join("data.00000"), 6 * BLOCK + 1, 0x02);
+    }
+    let output = vouch(&["scrub", s(&c), "--json"]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let value: serde_json::Value = serde_json::from_slice(&output.stdout).expect("scrub JSON");
+    let report = &value["report"];
+    assert_eq!(
+        (&report["found"], &report["repaired"], &report["left"]),
+        (&5.into(), &2.into(), &3.into()),
+        "{value}"
+    );
+    let findings = report["findings"].as_array().expect("findings");
+    assert!(findings.iter().any(|f| f["lba"] == 2
+        && f["leg"] == 0
+        && f["kind"] == "guard_mismatch"
+        && f["repaired"] == true));
+    assert!(findings.iter().any(|f| f["lba"] == 4
+        && f["leg"] == 1
+        && f["kind"] == "context_corrupt"
+        && f["repaired"] == true));
+    assert_eq!(
+        findings
+            .iter()
+            .filter(|f| f["lba"] == 6 && f["repaired"] == false)
+            .count(),
+        3,
+        "{value}"
+    );
+    let again = vouch(&["scrub", s(&a)]);
+    assert!(
+        text(&again).contains("3 found, 0 repaired, 3 left"),
+        "{}",
+        text(&again)
+    );
+    let check = vouch(&["check", s(&a), "--json"]);
+    let checked: serde_json::Value = serde_json::from_slice(&check.stdout).expect("check JSON");
+    for leg in checked["legs"].as_array().expect("legs") {
+        let lbas: Vec<u64> = leg["faults"]
+            .as_array()
+            .expect("faults")
+            .iter()
+            .map(|f| f["lba"].as_u64().expect("lba"))
+            .collect();
+        assert_eq!(lbas, vec![6], "only LBA 6 is left on each leg: {checked}");
+    }
+}
