@@ -66,7 +66,9 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
     }
     let mut volumes = Vec::new();
     let mut legs = Vec::new();
+    let mut set_paths = Vec::new();
     for leg in set.legs {
+        set_paths.push(leg.path.display().to_string());
         let volume = leg.volume.map(Arc::new);
         legs.push(MirrorLeg {
             name: leg.path.display().to_string(),
@@ -84,6 +86,30 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
     let record = set.record.clone();
     let membership: Box<dyn Membership> = Box::new(FileMembership::new(set.record));
     let mirror = Arc::new(Mirror::new(legs, Some(membership))?);
+    let unclean: Vec<String> = volumes
+        .iter()
+        .zip(&set_paths)
+        .filter_map(|(volume, path)| {
+            volume
+                .as_ref()
+                .filter(|v| !v.recovery_report().was_clean)
+                .map(|_| path.clone())
+        })
+        .collect();
+    let marked = mirror::set::is_unsynced(&record);
+    if !unclean.is_empty() || marked {
+        mirror.read_one_leg_until_scrubbed();
+        let why = if unclean.is_empty() {
+            "an earlier unclean shutdown has not been scrubbed yet".to_string()
+        } else {
+            format!("legs not shut down cleanly: {}", unclean.join(", "))
+        };
+        let warning = format!(
+            "mirror legs may differ on blocks being written at a crash ({why}): every read goes to one leg until `vouch scrub` (or the control API's scrub) makes them agree"
+        );
+        eprintln!("vouch: WARNING: {warning}");
+        tracing::warn!("{warning}");
+    }
     Ok(OpenMirror {
         mirror,
         volumes,

@@ -3,7 +3,8 @@
 //! that leg's disk, counted in metrics; a block corrupt on every leg is an
 //! EIO naming its LBA with nothing rewritten; a leg past the repair
 //! threshold is faulted and replaced; a missing leg serves degraded and is
-//! marked stale; offline scrub repairs and reports what it left.
+//! marked stale; offline scrub repairs and reports what it left; after a
+//! crash reads stay on one leg, across restarts, until a scrub.
 
 mod common;
 
@@ -333,4 +334,54 @@ fn offline_scrub_repairs_every_leg_and_reports_what_it_left() {
             .collect();
         assert_eq!(lbas, vec![6], "only LBA 6 is left on each leg: {checked}");
     }
+}
+
+#[test]
+fn after_a_crash_reads_stay_on_one_leg_across_restarts_until_a_scrub() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let marker = |leg: &Path| leg.join("mirror.unsynced").exists();
+    // Killed with writes in flight: neither leg is shut down cleanly.
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+for lba in range(16):
+    h.pwrite(block_data(lba, 3000 + lba), lba * 4096)
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.signal(libc::SIGKILL);
+    server.stop_status(std::time::Duration::from_secs(10));
+    assert!(!marker(&a) && !marker(&b));
+    // The next server says the legs may differ and marks both.
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("may differ") && log.contains("not shut down cleanly"),
+        "{log}"
+    );
+    assert!(marker(&a) && marker(&b), "both legs marked");
+    // Shut down cleanly, but not scrubbed: the next one still reads one leg.
+    let mut server = Server::start(dir.path(), &[s(&b)]);
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("may differ") && log.contains("not been scrubbed yet"),
+        "{log}"
+    );
+    // An offline scrub with nothing left clears the marks.
+    let scrub = vouch(&["scrub", s(&a)]);
+    assert!(scrub.status.success(), "{}", text(&scrub));
+    assert!(!marker(&a) && !marker(&b), "{}", text(&scrub));
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    server.stop();
+    assert!(
+        !server.log_text().contains("may differ"),
+        "{}",
+        server.log_text()
+    );
 }

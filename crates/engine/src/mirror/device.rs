@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, MutexGuard};
@@ -65,6 +65,8 @@ pub struct LegStatus {
 pub struct Mirror {
     pub(super) legs: Vec<Leg>,
     next: AtomicUsize,
+    /// Reads go to the first active leg only (`read_one_leg_until_scrubbed`).
+    one_leg: AtomicBool,
     stripes: Box<[Mutex<()>]>,
     membership: Option<Box<dyn Membership>>,
     /// Serialises decisions to fault a leg (never the last active one).
@@ -127,6 +129,7 @@ impl Mirror {
                 })
                 .collect(),
             next: AtomicUsize::new(0),
+            one_leg: AtomicBool::new(false),
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             membership,
             faulting: Mutex::new(()),
@@ -181,11 +184,47 @@ impl Mirror {
             .collect()
     }
 
-    /// The active leg to read next (round robin).
+    /// After an unclean shutdown the legs may hold different (each valid)
+    /// contents of blocks that were being written: round-robin reads could
+    /// then return the new contents and later the old. Until a scrub makes
+    /// the legs agree, every read goes to the first active leg (md reads
+    /// one disk while it resyncs after a crash).
+    /// The choice is recorded by the membership (a marker beside each
+    /// leg's record), so a restart before the scrub keeps it.
+    pub fn read_one_leg_until_scrubbed(&self) {
+        self.one_leg.store(true, Ordering::Release);
+        if let Some(membership) = &self.membership {
+            if let Err(error) = membership.set_unsynced(true) {
+                tracing::error!(%error, "mirror: could not record that the legs may differ");
+            }
+        }
+    }
+
+    /// True while reads go to one leg only (see above).
+    pub fn reads_one_leg(&self) -> bool {
+        self.one_leg.load(Ordering::Acquire)
+    }
+
+    /// A scrub left every block agreeing on every leg: round robin again.
+    pub(super) fn legs_agree(&self) {
+        if let Some(membership) = &self.membership {
+            if let Err(error) = membership.set_unsynced(false) {
+                // Still marked: reads stay on one leg (safe), say why.
+                tracing::error!(%error, "mirror: could not record that the legs agree");
+                return;
+            }
+        }
+        self.one_leg.store(false, Ordering::Release);
+    }
+
+    /// The active leg to read next (round robin, or the first one).
     fn pick(&self) -> Result<usize> {
         let active = self.active();
         if active.is_empty() {
             return Err(Error::FailStopped("no active mirror leg".into()));
+        }
+        if self.reads_one_leg() {
+            return Ok(active[0]);
         }
         Ok(active[self.next.fetch_add(1, Ordering::Relaxed) % active.len()])
     }
@@ -312,7 +351,11 @@ impl BlockDevice for Mirror {
         if active.is_empty() {
             return Ok(None);
         }
-        let leg = active[self.next.load(Ordering::Relaxed) % active.len()];
+        let leg = if self.reads_one_leg() {
+            active[0]
+        } else {
+            active[self.next.load(Ordering::Relaxed) % active.len()]
+        };
         match self.device(leg).try_read(offset, buf) {
             Ok(Some(holes)) => {
                 self.next.fetch_add(1, Ordering::Relaxed);

@@ -41,4 +41,11 @@ pub const FAULT_THRESHOLD: u64 = 20;
 /// restart (the legs' records locally; a remote set's coordinator later).
 pub trait Membership: Send + Sync {
     fn set_state(&self, leg: usize, state: LegState) -> Result<()>;
+
+    /// Record that the legs may differ on some blocks (after an unclean
+    /// shutdown) until a scrub makes them agree, or that they agree again.
+    fn set_unsynced(&self, unsynced: bool) -> Result<()> {
+        let _ = unsynced;
+        Ok(())
+    }
 }

@@ -82,6 +82,9 @@ pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport>
         control.set_progress(lba, blocks);
     }
     control.set_progress(blocks, blocks);
+    if report.left == 0 {
+        mirror.legs_agree();
+    }
     Ok(report)
 }
 

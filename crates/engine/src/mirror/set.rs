@@ -21,6 +21,48 @@ use crate::volume::Volume;
 /// The record's file name in each leg's directory.
 pub const RECORD_FILE: &str = "mirror";
 
+/// Present in a leg's directory while the legs may differ on some blocks
+/// (an unclean shutdown, until a scrub finishes with nothing left): reads
+/// then go to one leg, across restarts (docs/CRASH_MODEL.md).
+pub const UNSYNCED_FILE: &str = "mirror.unsynced";
+
+/// Does any member of `record` carry the `UNSYNCED_FILE` marker?
+pub fn is_unsynced(record: &MirrorRecord) -> bool {
+    record
+        .members
+        .iter()
+        .any(|member| Path::new(&member.path).join(UNSYNCED_FILE).exists())
+}
+
+/// Create (`unsynced`) or remove the marker in every active leg's
+/// directory, durably (file and directory fsynced).
+fn mark_unsynced(record: &MirrorRecord, unsynced: bool) -> Result<()> {
+    for member in &record.members {
+        let dir = Path::new(&member.path);
+        if member.state != LegState::Active || !dir.is_dir() {
+            continue;
+        }
+        let marker = dir.join(UNSYNCED_FILE);
+        let change = || -> std::io::Result<()> {
+            if unsynced {
+                let mut file = std::fs::File::create(&marker)?;
+                file.write_all(
+                    b"legs may differ: reads go to one leg until a scrub makes them agree\n",
+                )?;
+                file.sync_all()?;
+            } else {
+                match std::fs::remove_file(&marker) {
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+                    other => other?,
+                }
+            }
+            std::fs::File::open(dir)?.sync_all()
+        };
+        change().map_err(|error| path_error("mark", &marker, error))?;
+    }
+    Ok(())
+}
+
 /// Is the volume directory at `path` a leg of a mirror?
 pub fn is_mirrored(path: &Path) -> bool {
     path.join(RECORD_FILE).exists()
@@ -344,5 +386,9 @@ impl Membership for FileMembership {
         record.members[leg].state = state;
         record.epoch += 1;
         store_on_active_legs(&record)
+    }
+
+    fn set_unsynced(&self, unsynced: bool) -> Result<()> {
+        mark_unsynced(&self.record.lock(), unsynced)
     }
 }
