@@ -7,9 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{
-    self, create_mirror, open_mirror, FileMembership, LegState, Mirror, MirrorLeg,
-};
+use vouch_engine::mirror::{self, create_mirror, open_mirror, LegState, Mirror};
 use vouch_engine::{
     open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Tuning, Volume, BLOCK,
 };
@@ -36,23 +34,10 @@ fn options() -> OpenOptions {
 
 /// Open the set from `path` as a Mirror over its legs.
 fn open(path: &Path) -> (Mirror, Vec<Option<Arc<Volume>>>) {
-    let set = open_mirror(path, true, &mut |leg| open_volume(leg, &options())).expect("open set");
-    let mut volumes = Vec::new();
-    let mut mirror_legs = Vec::new();
-    for leg in set.legs {
-        let volume = leg.volume.map(Arc::new);
-        mirror_legs.push(MirrorLeg {
-            name: leg.path.display().to_string(),
-            device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
-            state: leg.state,
-        });
-        volumes.push(volume);
-    }
-    let membership = Box::new(FileMembership::new(set.record));
-    (
-        Mirror::new(mirror_legs, Some(membership)).expect("mirror"),
-        volumes,
-    )
+    open_mirror(path, true, &mut |leg| open_volume(leg, &options()))
+        .expect("open set")
+        .into_mirror(true)
+        .expect("mirror")
 }
 
 fn close(mirror: Mirror, volumes: Vec<Option<Arc<Volume>>>) {
@@ -354,19 +339,10 @@ fn an_encrypted_mirror_shares_its_key_and_repairs_with_sealed_ciphertext() {
         ..options()
     };
     let open_keyed = |path: &Path| {
-        let set = open_mirror(path, true, &mut |leg| open_volume(leg, &keyed())).expect("open");
-        let mut volumes = Vec::new();
-        let mut mirror_legs = Vec::new();
-        for leg in set.legs {
-            let volume = leg.volume.map(Arc::new);
-            mirror_legs.push(MirrorLeg {
-                name: leg.path.display().to_string(),
-                device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
-                state: leg.state,
-            });
-            volumes.push(volume);
-        }
-        (Mirror::new(mirror_legs, None).expect("mirror"), volumes)
+        open_mirror(path, true, &mut |leg| open_volume(leg, &keyed()))
+            .expect("open")
+            .into_mirror(false)
+            .expect("mirror")
     };
     let (mirror, volumes) = open_keyed(&paths[0]);
     write_blocks(&mirror, 4, 7);

@@ -10,9 +10,7 @@ use anyhow::{bail, Context as _, Result};
 use clap::Subcommand;
 use serde_json::json;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{
-    self, FileMembership, LegState, LegStatus, Membership, Mirror, MirrorLeg,
-};
+use vouch_engine::mirror::{self, FileMembership, LegState, LegStatus, Membership, Mirror};
 use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
 
 use crate::key::Use;
@@ -64,37 +62,24 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
         eprintln!("vouch: WARNING: {warning}");
         tracing::warn!("{warning}");
     }
-    let mut volumes = Vec::new();
-    let mut legs = Vec::new();
-    let mut set_paths = Vec::new();
-    for leg in set.legs {
-        set_paths.push(leg.path.display().to_string());
-        let volume = leg.volume.map(Arc::new);
-        legs.push(MirrorLeg {
-            name: leg.path.display().to_string(),
-            device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
-            state: leg.state,
-        });
-        volumes.push(volume);
-    }
+    let record = set.record.clone();
+    let (mirror, volumes) = set.into_mirror(true)?;
+    let mirror = Arc::new(mirror);
     let primary = volumes
         .iter()
         .flatten()
         .next()
         .cloned()
         .context("no leg open")?;
-    let record = set.record.clone();
-    let membership: Box<dyn Membership> = Box::new(FileMembership::new(set.record));
-    let mirror = Arc::new(Mirror::new(legs, Some(membership))?);
     let unclean: Vec<String> = volumes
         .iter()
-        .zip(&set_paths)
-        .filter_map(|(volume, path)| {
+        .zip(&record.members)
+        .filter(|(volume, _)| {
             volume
                 .as_ref()
-                .filter(|v| !v.recovery_report().was_clean)
-                .map(|_| path.clone())
+                .is_some_and(|v| !v.recovery_report().was_clean)
         })
+        .map(|(_, member)| member.path.clone())
         .collect();
     let marked = mirror::set::is_unsynced(&record);
     if !unclean.is_empty() || marked {

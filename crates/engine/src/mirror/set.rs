@@ -7,12 +7,14 @@
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 pub use vouch_format::mirror::MirrorRecord;
 use vouch_format::mirror::{LegState, MirrorMember, MAX_LEGS, MIN_LEGS};
 
-use super::Membership;
+use super::{Membership, Mirror, MirrorLeg};
+use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::options::CreateOptions;
 use crate::storage::FileStorage;
@@ -275,6 +277,28 @@ pub struct OpenedSet {
     pub legs: Vec<OpenedLeg>,
     /// What an operator must hear about (missing legs, legs marked stale).
     pub warnings: Vec<String>,
+}
+
+impl OpenedSet {
+    /// The `Mirror` over the opened legs and each leg's volume in leg order
+    /// (`None`: not active or missing). With `record_changes`, the mirror
+    /// records state changes in the legs' files (`FileMembership`).
+    pub fn into_mirror(self, record_changes: bool) -> Result<(Mirror, Vec<Option<Arc<Volume>>>)> {
+        let mut volumes = Vec::with_capacity(self.legs.len());
+        let mut legs = Vec::with_capacity(self.legs.len());
+        for leg in self.legs {
+            let volume = leg.volume.map(Arc::new);
+            legs.push(MirrorLeg {
+                name: leg.path.display().to_string(),
+                device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
+                state: leg.state,
+            });
+            volumes.push(volume);
+        }
+        let membership = record_changes
+            .then(|| Box::new(FileMembership::new(self.record)) as Box<dyn Membership>);
+        Ok((Mirror::new(legs, membership)?, volumes))
+    }
 }
 
 /// Open the mirror set the leg at `path` belongs to. `open_leg` opens one
