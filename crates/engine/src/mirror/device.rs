@@ -366,6 +366,15 @@ impl BlockDevice for Mirror {
             Err(_) => Ok(None),
         }
     }
+    /// Crash ordering: each leg's write keeps the engine's own order
+    /// (docs/CRASH_MODEL.md); between legs there is none. Power lost
+    /// between leg 0's write and leg 1's leaves leg 0 with the new block and
+    /// leg 1 with the old, each valid: the write was not acknowledged, so
+    /// either is allowed, and the next open reads one leg until a scrub
+    /// makes them agree (`read_one_leg_until_scrubbed`). With `fua` the
+    /// write is acknowledged only after every active leg made it durable.
+    /// The stripe lock is held across the legs' writes so a repair never
+    /// moves a block between legs while they differ mid-write.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let _locked = self.lock_bytes(offset, data.len() as u64);
         self.each_leg("write", |leg| leg.write(offset, data, fua))
