@@ -12,9 +12,12 @@
 //!   clients read wins, so a block never changes under a reader without a
 //!   write (md resyncs from the disk it reads);
 //! - otherwise, if they differ, the copy with the highest generation wins
-//!   and the others are rewritten from it as `stale`; when that cannot
-//!   decide (a hole against data, two different copies with the same
-//!   generation) every copy is left as a `conflict`.
+//!   and the others are rewritten from it as `stale` (a lost write on one
+//!   leg): every leg stores a write with the one generation the mirror
+//!   stamped (`Mirror::write`), so generations compare across legs; a copy
+//!   claiming a generation above the mirror's clock is not believed; when
+//!   that cannot decide (a hole against data, two different copies with
+//!   the same generation) every copy is left as a `conflict`.
 
 use serde::Serialize;
 
@@ -221,10 +224,25 @@ impl Mirror {
         good: &[usize],
         block: &dyn Fn(usize) -> &'a [u8],
     ) -> Option<usize> {
+        // The exporter's own record: no copy can be newer than the mirror's
+        // clock (every write it stamped came from it). A copy claiming more
+        // is not believed, whatever its checksums say.
+        let clock = self.generation_clock();
         let mut generations = Vec::with_capacity(good.len());
         for &at in good {
             let sealed = self.device(legs[at]).read_sealed(lba, 1).ok()?;
-            generations.push((at, sealed.first()?.context.generation()?));
+            let generation = sealed.first()?.context.generation()?;
+            if clock < u64::from(u32::MAX) && u64::from(generation) > clock {
+                tracing::error!(
+                    lba,
+                    leg = legs[at],
+                    generation,
+                    clock,
+                    "mirror scrub: a copy claims a generation this mirror never stamped"
+                );
+                continue;
+            }
+            generations.push((at, generation));
         }
         let highest = generations.iter().map(|g| g.1).max()?;
         let winners: Vec<usize> = generations
