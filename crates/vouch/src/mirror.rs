@@ -38,6 +38,28 @@ pub enum MirrorCommand {
         #[arg(long)]
         leg: usize,
     },
+    /// Add a leg at NEW_LEG (a new directory) to the volume PATH, offline:
+    /// a mirror with fewer than 3 legs, or a plain volume, which becomes a
+    /// 2-leg mirror. The leg joins stale, is filled with every block and
+    /// its context from an active leg, verified, then marked active (what
+    /// `replace` does). Stop the server first.
+    Add {
+        /// The volume (any leg of a mirrored volume).
+        path: PathBuf,
+        /// Where the new leg is created (must not exist).
+        new_leg: PathBuf,
+    },
+    /// Remove leg LEG (its index, see `status`) from the mirror PATH
+    /// belongs to, offline. At least one active leg must remain; a mirror
+    /// left with one leg becomes a plain volume. The removed leg's
+    /// directory is left on disk as a plain volume (its data is older
+    /// than the set's if it was not active). Stop the server first.
+    Remove {
+        /// The volume (any remaining leg).
+        path: PathBuf,
+        #[arg(long)]
+        leg: usize,
+    },
 }
 
 /// A mirror set opened for serving or scrubbing.
@@ -368,11 +390,48 @@ pub fn replace(path: &Path, leg: usize) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `vouch mirror add`: the leg joins stale, then `replace` fills it.
+pub fn add(path: &Path, new_leg: &Path) -> Result<ExitCode> {
+    let index = mirror::manage::add_member(path, new_leg)?;
+    eprintln!(
+        "vouch: leg {index} ({}) added (stale); copying every block into it",
+        new_leg.display()
+    );
+    replace(path, index)
+}
+
+/// `vouch mirror remove`.
+pub fn remove(path: &Path, leg: usize) -> Result<ExitCode> {
+    let removed = mirror::manage::remove_member(path, leg)?;
+    let left = match removed.remaining.as_slice() {
+        [only] => format!("{} is a plain volume now", only.display()),
+        legs => format!(
+            "{} legs remain: {}",
+            legs.len(),
+            legs.iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    println!("leg {leg} ({}) removed; {left}", removed.path.display());
+    if removed.state != LegState::Active {
+        eprintln!(
+            "vouch: warning: {} was {}: its data is older than the volume's; do not serve it",
+            removed.path.display(),
+            removed.state.name()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
 /// Run a `vouch mirror` command.
 pub fn run(command: MirrorCommand) -> Result<ExitCode> {
     match command {
         MirrorCommand::Status { path, json } => status(&path, json),
         MirrorCommand::Replace { path, leg } => replace(&path, leg),
+        MirrorCommand::Add { path, new_leg } => add(&path, &new_leg),
+        MirrorCommand::Remove { path, leg } => remove(&path, leg),
     }
 }
 

@@ -22,6 +22,7 @@
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
 mod device;
+pub mod manage;
 mod repair;
 pub mod scrub;
 pub mod set;

@@ -38,7 +38,7 @@ pub fn is_unsynced(record: &MirrorRecord) -> bool {
 
 /// Create (`unsynced`) or remove the marker in every active leg's
 /// directory, durably (file and directory fsynced).
-fn mark_unsynced(record: &MirrorRecord, unsynced: bool) -> Result<()> {
+pub(super) fn mark_unsynced(record: &MirrorRecord, unsynced: bool) -> Result<()> {
     for member in &record.members {
         let dir = Path::new(&member.path);
         if member.state != LegState::Active || !dir.is_dir() {

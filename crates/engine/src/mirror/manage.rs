@@ -1,0 +1,222 @@
+//! Changing a set's membership offline (`vouch mirror add|remove`): a new
+//! leg joins as *stale* (the caller fills it, `vouch mirror replace`'s
+//! copy, and marks it active); a leg leaves the set, and a set left with
+//! one leg becomes a plain volume. Each change is one new record (the
+//! epoch grows by one) written to the legs it concerns, in an order a
+//! crash cannot turn into a wrong view (see each function). The server
+//! must be stopped: the legs' volume locks are taken while the records
+//! change.
+
+use std::path::{Path, PathBuf};
+
+use vouch_format::mirror::{LegState, MirrorMember, MirrorRecord, MAX_LEGS, MIN_LEGS};
+
+use super::set::{
+    create_leg_like, is_mirrored, mark_unsynced, read_record, view, write_record, RECORD_FILE,
+    UNSYNCED_FILE,
+};
+use crate::error::{Error, Result};
+use crate::storage::{FileOpen, FileStorage};
+
+fn path_error(action: &'static str, path: &Path, cause: impl std::fmt::Display) -> Error {
+    Error::Path {
+        action,
+        path: path.to_path_buf(),
+        cause: cause.to_string(),
+    }
+}
+
+fn canonical(path: &Path) -> Result<String> {
+    Ok(path
+        .canonicalize()
+        .map_err(|error| path_error("open", path, error))?
+        .to_string_lossy()
+        .into_owned())
+}
+
+/// Hold every present leg's volume lock (exclusively) while membership
+/// changes: a running server, or another `vouch` on a leg, is refused.
+fn lock_legs(paths: &[PathBuf]) -> Result<Vec<FileStorage>> {
+    paths
+        .iter()
+        .filter(|path| path.join("superblock").exists())
+        .map(|path| {
+            let geometry = crate::volume_superblock(path)?
+                .geometry()
+                .map_err(|error| {
+                    Error::Corrupt(format!("{}: superblock: {error}", path.display()))
+                })?;
+            FileStorage::open_objects(path, &geometry, FileOpen::WRITABLE)
+                .map_err(|error| path_error("lock", path, error))
+        })
+        .collect()
+}
+
+/// Add an empty leg at `target` (a new directory) to the volume at `path`:
+/// a leg of a mirror with fewer than 3 legs, or a plain volume, which
+/// becomes a 2-leg mirror. The new leg has the volume's superblock (uuid,
+/// tags, key) and joins as *stale*: never read until it is filled and
+/// marked active. Returns its index.
+///
+/// Order: the new leg's directory and its record first, then the existing
+/// legs' records. A crash before the last step leaves the set as it was
+/// (its records do not name the new leg) and an orphan directory, which a
+/// retry refuses by name (remove it and run `add` again).
+pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
+    if target.exists() {
+        return Err(path_error(
+            "add",
+            target,
+            "already exists (a new mirror leg must be a new directory)",
+        ));
+    }
+    let mut record = if is_mirrored(path) {
+        view(path)?.0
+    } else {
+        let superblock = crate::volume_superblock(path)?;
+        MirrorRecord {
+            leg: 0,
+            uuid: superblock.uuid,
+            epoch: 0,
+            members: vec![MirrorMember {
+                state: LegState::Active,
+                path: canonical(path)?,
+            }],
+        }
+    };
+    if record.members.len() >= MAX_LEGS {
+        return Err(Error::InvalidArgument(format!(
+            "the mirror already has {MAX_LEGS} legs; remove one first"
+        )));
+    }
+    let source = record
+        .members
+        .iter()
+        .find(|member| member.state == LegState::Active)
+        .map(|member| PathBuf::from(&member.path))
+        .ok_or_else(|| Error::Corrupt("no active leg to copy the superblock from".into()))?;
+    let legs: Vec<PathBuf> = record
+        .members
+        .iter()
+        .map(|m| PathBuf::from(&m.path))
+        .collect();
+    let _locks = lock_legs(&legs)?;
+    create_leg_like(&source, target)?;
+    let index = record.members.len();
+    record.members.push(MirrorMember {
+        state: LegState::Stale,
+        path: canonical(target)?,
+    });
+    record.epoch += 1;
+    record.leg = index as u16;
+    write_record(target, &record)?;
+    for (leg, member) in record.members.iter().enumerate().take(index) {
+        if member.state == LegState::Active || Path::new(&member.path).join(RECORD_FILE).exists() {
+            let mut copy = record.clone();
+            copy.leg = leg as u16;
+            write_record(Path::new(&member.path), &copy)?;
+        }
+    }
+    Ok(index)
+}
+
+/// What `remove_member` did.
+#[derive(Debug)]
+pub struct Removed {
+    /// The removed leg's directory (left on disk as a plain volume).
+    pub path: PathBuf,
+    /// The removed leg's state before: anything but active means its data
+    /// is older than the set's.
+    pub state: LegState,
+    /// The legs left; one means the set is a plain volume now.
+    pub remaining: Vec<PathBuf>,
+}
+
+/// Remove leg `leg` from the set the leg at `path` belongs to. At least one
+/// active leg must remain. The removed leg's directory is left as it is,
+/// without its record: a plain volume holding the data as of when it was
+/// last in the set (older than the set's if it was not active).
+///
+/// Order: the remaining legs' records first (a new epoch without the leg;
+/// when one leg remains, its record is removed instead and it is a plain
+/// volume), then the removed leg's record. A crash in between leaves the
+/// removed leg with an old record no newer view names, and the set without
+/// it.
+pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
+    let (record, _) = view(path)?;
+    let member = record.members.get(leg).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "the mirror has no leg {leg} (legs 0..{})",
+            record.members.len()
+        ))
+    })?;
+    let removed = PathBuf::from(&member.path);
+    let state = member.state;
+    let mut next = record.clone();
+    next.members.remove(leg);
+    next.epoch += 1;
+    if !next
+        .members
+        .iter()
+        .any(|member| member.state == LegState::Active)
+    {
+        return Err(Error::InvalidArgument(format!(
+            "leg {leg} is the only active leg: removing it would leave no good copy"
+        )));
+    }
+    let legs: Vec<PathBuf> = record
+        .members
+        .iter()
+        .map(|m| PathBuf::from(&m.path))
+        .collect();
+    let _locks = lock_legs(&legs)?;
+    let remaining: Vec<PathBuf> = next
+        .members
+        .iter()
+        .map(|m| PathBuf::from(&m.path))
+        .collect();
+    if next.members.len() >= MIN_LEGS {
+        for (index, member) in next.members.iter().enumerate() {
+            let dir = Path::new(&member.path);
+            if member.state == LegState::Active || dir.join(RECORD_FILE).exists() {
+                let mut copy = next.clone();
+                copy.leg = index as u16;
+                write_record(dir, &copy)?;
+            }
+        }
+    } else {
+        // One leg left: a plain volume. Forget whether legs differed.
+        mark_unsynced(&record, false)?;
+        remove_record(&remaining[0])?;
+    }
+    if removed.exists() {
+        remove_record(&removed)?;
+        let marker = removed.join(UNSYNCED_FILE);
+        if marker.exists() {
+            std::fs::remove_file(&marker).map_err(|error| path_error("remove", &marker, error))?;
+        }
+    }
+    Ok(Removed {
+        path: removed,
+        state,
+        remaining,
+    })
+}
+
+/// Remove a leg's record durably (file, then directory fsync).
+fn remove_record(dir: &Path) -> Result<()> {
+    let file = dir.join(RECORD_FILE);
+    if let Err(error) = std::fs::remove_file(&file) {
+        if error.kind() != std::io::ErrorKind::NotFound {
+            return Err(path_error("remove", &file, error));
+        }
+    }
+    std::fs::File::open(dir)
+        .and_then(|handle| handle.sync_all())
+        .map_err(|error| path_error("sync", dir, error))?;
+    // Reading it back must fail now: a plain volume has no record.
+    match read_record(dir) {
+        Err(_) => Ok(()),
+        Ok(_) => Err(path_error("remove", &file, "the record is still there")),
+    }
+}
