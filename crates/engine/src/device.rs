@@ -103,6 +103,21 @@ pub trait BlockDevice: Send + Sync {
     /// none of the blocks is stored.
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
 
+    /// `write_sealed` only if it can complete without waiting (the
+    /// mirror's inline path): `Ok(false)` with nothing stored when it would
+    /// wait. The default always would.
+    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        let _ = blocks;
+        Ok(false)
+    }
+
+    /// Whether `try_write_sealed` of `count` blocks would find room now (a
+    /// hint: it may not a moment later). The default: never.
+    fn has_room_for(&self, count: usize) -> bool {
+        let _ = count;
+        false
+    }
+
     /// Seal whole blocks (`data`, from LBA `first`) as this device would
     /// store them, each with its context carrying `generation`, for
     /// `write_sealed` here or on another leg of one mirror: the mirror

@@ -262,6 +262,12 @@ impl BlockDevice for Volume {
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         self.engine.write_sealed(blocks)
     }
+    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        self.engine.try_write_sealed(blocks)
+    }
+    fn has_room_for(&self, count: usize) -> bool {
+        self.engine.has_room_for(count)
+    }
     fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
         self.engine.seal_for_transfer(first, data, generation)
     }

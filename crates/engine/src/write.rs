@@ -152,6 +152,75 @@ impl Engine {
         Ok(())
     }
 
+    /// `write_sealed` of data blocks only if it can complete without
+    /// waiting (the mirror's inline write path, like `try_write`): every
+    /// block verified first, then buffered if the write-back buffer has
+    /// room below the level where writers commit themselves and a
+    /// background committer takes the commit. `Ok(false)` when it would
+    /// wait, with nothing stored.
+    pub fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        let shared = &self.shared;
+        shared.io.check_writable()?;
+        if blocks.is_empty() || !self.committer.is_background() {
+            return Ok(false);
+        }
+        let mut dirty = Vec::with_capacity(blocks.len());
+        for block in blocks {
+            if block.lba >= shared.io.geometry.blocks {
+                return Err(Error::OutOfRange {
+                    offset: block.lba.saturating_mul(BLOCK),
+                    length: BLOCK,
+                    size: shared.io.geometry.size_bytes,
+                });
+            }
+            let Some(seal) = shared.protection.seal_of(&block.context) else {
+                return Ok(false); // a zero-reading block is a range operation
+            };
+            shared
+                .protection
+                .open(block.lba, &Ok(block.context), &block.data[..])
+                .map_err(|kind| {
+                    Error::Fault(Fault {
+                        lba: block.lba,
+                        kind,
+                    })
+                })?;
+            dirty.push((
+                block.lba,
+                DirtyBlock {
+                    data: Arc::new(*block.data),
+                    seal,
+                },
+            ));
+        }
+        let limit = self.tuning.dirty_limit_blocks;
+        let buffered = {
+            let mut state = shared.state.write();
+            if state.active.len() + dirty.len() >= 2 * limit {
+                return Ok(false);
+            }
+            for (lba, block) in dirty {
+                state.active.insert(lba, block);
+            }
+            state.active.len()
+        };
+        shared
+            .io
+            .stats
+            .add_client_write(blocks.len() as u64 * BLOCK);
+        if buffered >= limit {
+            self.committer.request();
+        }
+        Ok(true)
+    }
+
+    /// Whether `try_write_sealed` of `count` blocks would find room now
+    /// (it may not a moment later: another writer can fill the buffer).
+    pub fn has_room_for(&self, count: usize) -> bool {
+        self.committer.is_background()
+            && self.shared.state.read().active.len() + count < 2 * self.tuning.dirty_limit_blocks
+    }
+
     /// Seal whole blocks for storing elsewhere or here with `write_sealed`
     /// (`BlockDevice::seal_blocks`): each block's stored bytes (ciphertext
     /// on an encrypted volume) and its context carrying `generation`.

@@ -364,6 +364,55 @@ fn legs_store_one_context_per_write_and_an_impossible_generation_is_not_believed
     close(mirror, volumes);
 }
 
+/// The inline write path: with background committers, `try_write` of
+/// whole blocks buffers the write on every leg at once (one context on
+/// both); a partial block, or legs without a background committer,
+/// decline with nothing written.
+#[test]
+fn the_inline_write_buffers_on_every_leg_or_declines_with_nothing_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    // Without background committers (these tests' options) it declines.
+    assert!(!mirror.try_write(0, &pattern(0, 3)).expect("try"));
+    close(mirror, volumes);
+    let background = OpenOptions::default();
+    let (mirror, volumes) = open_mirror(&paths[0], true, &mut |leg| open_volume(leg, &background))
+        .expect("open set")
+        .into_mirror(true)
+        .expect("mirror");
+    assert!(
+        !mirror.try_write(512, &[1u8; 4096]).expect("try"),
+        "unaligned declines"
+    );
+    let mut data = pattern(4, 3);
+    data.extend(pattern(5, 3));
+    assert!(
+        mirror.try_write(4 * BLOCK, &data).expect("try"),
+        "room: buffered inline"
+    );
+    for lba in [4, 5] {
+        let copies: Vec<_> = volumes
+            .iter()
+            .map(|v| {
+                v.as_ref()
+                    .expect("leg")
+                    .read_sealed(lba, 1)
+                    .expect("sealed")
+                    .remove(0)
+            })
+            .collect();
+        assert_eq!(copies[0].context, copies[1].context, "LBA {lba}");
+        assert_eq!(&copies[0].data[..], &pattern(lba, 3)[..], "LBA {lba}");
+        assert_eq!(copies[0].data, copies[1].data, "LBA {lba}");
+    }
+    mirror.flush().expect("flush");
+    let mut buf = vec![0u8; BLOCK as usize];
+    mirror.read(5 * BLOCK, &mut buf).expect("read");
+    assert_eq!(buf, pattern(5, 3));
+    close(mirror, volumes);
+}
+
 #[test]
 fn a_missing_leg_is_named_and_marked_stale_when_opened_for_writing() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -248,6 +248,22 @@ impl Mirror {
         self.lock(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
 
+    /// `lock` without waiting: `None` if any stripe is held (a writer or a
+    /// repair is on it), with nothing held.
+    fn try_lock(&self, first: u64, end: u64) -> Option<Vec<MutexGuard<'_, ()>>> {
+        let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
+            ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
+            .take(STRIPES)
+            .map(|run| (run % STRIPES as u64) as usize)
+            .collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        stripes
+            .iter()
+            .map(|&stripe| self.stripes[stripe].try_lock())
+            .collect()
+    }
+
     /// Count a repair attempt on `leg`; a corrected error past the
     /// threshold faults the leg.
     pub(super) fn count(&self, leg: usize, kind: &'static str, repaired: bool) {
@@ -472,6 +488,42 @@ impl BlockDevice for Mirror {
             Ok(None) => self.each_leg("write", |leg| leg.write(offset, data, fua)),
             Err(error) => Err(error),
         }
+    }
+    /// The inline path (the NBD reactor's, like `Volume::try_write`): whole
+    /// blocks only, when no stripe of the range is held and every active
+    /// leg has room in its write-back buffer; then sealed once and buffered
+    /// on every leg without waiting. `Ok(false)`, with nothing written,
+    /// when any of that fails first. If a leg's room is gone by the time
+    /// its turn comes (another writer filled it), that leg takes the
+    /// blocking `write_sealed`: the write is never half done.
+    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        let whole = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
+        if data.is_empty() || !whole {
+            return Ok(false);
+        }
+        let count = data.len() / BLOCK as usize;
+        let first = offset / BLOCK;
+        let Some(_locked) = self.try_lock(first, first + count as u64) else {
+            return Ok(false);
+        };
+        let active = self.active();
+        if active.is_empty()
+            || !active
+                .iter()
+                .all(|&leg| self.device(leg).has_room_for(count))
+        {
+            return Ok(false);
+        }
+        let Some(sealed) = self.seal_write(offset, data)? else {
+            return Ok(false);
+        };
+        self.each_leg("write", |leg| {
+            if !leg.try_write_sealed(&sealed)? {
+                leg.write_sealed(&sealed)?;
+            }
+            Ok(())
+        })?;
+        Ok(true)
     }
     fn flush(&self) -> Result<()> {
         self.each_leg("flush", |leg| leg.flush())
