@@ -22,12 +22,17 @@
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
 mod device;
+pub mod remote;
 mod repair;
 pub mod scrub;
 pub mod set;
 
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
-pub use set::{create_mirror, is_mirrored, open_mirror, FileMembership, OpenedSet};
+pub use remote::{is_remote_member, LegTemplate};
+pub use set::{
+    create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
+    OpenedSet,
+};
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 
