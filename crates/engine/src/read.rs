@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use smallvec::SmallVec;
 
-use vouch_format::{Context, CONTEXT_BYTES};
+use vouch_format::{Context, FormatError, CONTEXT_BYTES};
 
 use crate::contexts::{Page, CONTEXTS_PER_PAGE};
 use crate::device::SealedBlock;
@@ -403,19 +403,56 @@ impl Shared {
         faults.push(Fault { lba, kind });
     }
 
-    /// Re-read one block from scratch: fresh source, fresh context.
+    /// Re-read one block from scratch: fresh source, fresh context. A
+    /// failure counts as a fault only when the block's context stayed the
+    /// same across two attempts: a block rewritten again (or its record
+    /// moved) between the plan and the read is read once more, a bounded
+    /// number of times, so concurrent writers never cause a false fault.
     fn reread_block(&self, lba: u64, block: &mut [u8]) -> std::result::Result<(), FaultKind> {
-        let plan = self.plan(lba, 1).map_err(|_| FaultKind::Unreadable)?;
+        const ATTEMPTS: usize = 8;
+        let mut previous = None;
+        let mut last = FaultKind::Unreadable;
+        for _ in 0..ATTEMPTS {
+            match self.reread_once(lba, block) {
+                Ok(()) => return Ok(()),
+                // Nothing to compare: an I/O error or a fault in memory.
+                Err((kind, None)) => return Err(kind),
+                Err((kind, context)) => {
+                    if previous == context {
+                        return Err(kind);
+                    }
+                    last = kind;
+                    previous = context;
+                }
+            }
+        }
+        Err(last)
+    }
+
+    /// One attempt of `reread_block`; a failure carries the context the
+    /// block was checked against (`None` when another attempt cannot help:
+    /// the read itself failed, or the block in memory does not verify).
+    fn reread_once(
+        &self,
+        lba: u64,
+        block: &mut [u8],
+    ) -> std::result::Result<(), (FaultKind, Option<Result<Context, FormatError>>)> {
+        let plan = self
+            .plan(lba, 1)
+            .map_err(|_| (FaultKind::Unreadable, None))?;
         let known = match &plan[0] {
             Source::Memory(data, seal) => {
                 block.copy_from_slice(&data[..]);
-                return self.protection.reveal(lba, seal, block);
+                return self
+                    .protection
+                    .reveal(lba, seal, block)
+                    .map_err(|kind| (kind, None));
             }
             Source::Zero => {
                 block.fill(0);
                 return Ok(());
             }
-            Source::Unreadable => return Err(FaultKind::Unreadable),
+            Source::Unreadable => return Err((FaultKind::Unreadable, None)),
             Source::Home(ContextFrom::Known(found)) => Some(found.clone()),
             Source::Home(ContextFrom::Record) => None,
         };
@@ -423,11 +460,13 @@ impl Shared {
             .layouts
             .of(lba)
             .read_block(&self.io, lba, block)
-            .map_err(|_| FaultKind::Unreadable)?;
+            .map_err(|_| (FaultKind::Unreadable, None))?;
         let context = known
             .or(stored)
             .expect("a layout without a context table returns the record's context");
-        self.protection.open_in_place(lba, &context, block)?;
+        self.protection
+            .open_in_place(lba, &context, block)
+            .map_err(|kind| (kind, Some(context.clone())))?;
         if context.is_ok_and(|c| c.reads_as_zero()) {
             block.fill(0);
         }

@@ -284,6 +284,11 @@ async fn accept_loop(listener: BoundListener, shared: Arc<Shared>, alive: mpsc::
             };
             match result {
                 Ok(()) => debug!(%peer, "connection closed"),
+                // A refused TLS client (no certificate, or one the CA did
+                // not sign) is worth a line an operator sees.
+                Err(error @ ConnectionEnd::Tls(_)) => {
+                    warn!(%peer, %error, "TLS client refused")
+                }
                 Err(error) => debug!(%peer, %error, "connection ended"),
             }
             metrics.connection_closed();

@@ -60,6 +60,11 @@ pub struct ServeArgs {
     /// With TLS: also accept plaintext clients (default: TLS is required).
     #[arg(long, requires = "tls_cert")]
     tls_optional: bool,
+    /// With TLS: require every client to present a certificate signed by
+    /// this CA (PEM), like qemu-nbd's verify-peer=on; a client without one,
+    /// or with another CA's, is refused and logged.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_ca: Option<PathBuf>,
     /// Fail chosen requests before they reach the volume, to see how
     /// clients cope (like nbdkit's error filter; the volume is untouched).
     /// Comma-separated rules OP:KIND[@FIRST[-LAST]] over LBAs: OP read
@@ -210,7 +215,11 @@ async fn serve(
         config.listen.push(Listen::Unix(socket.clone()));
     }
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
-        config.tls = Some(vouch_nbd::tls::server_config_from_pem_files(cert, key)?);
+        config.tls = Some(vouch_nbd::tls::server_config(
+            cert,
+            key,
+            args.tls_ca.as_deref(),
+        )?);
         config.tls_required = !args.tls_optional;
     }
     let server = Server::bind(config).await?;

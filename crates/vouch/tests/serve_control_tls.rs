@@ -5,79 +5,8 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
+use common::pki::{make_ca, make_leaf};
 use common::*;
-
-fn openssl(args: &[&str]) {
-    run_ok(Command::new(tool("openssl", "openssl")).args(args));
-}
-
-/// A CA: (certificate, key).
-fn make_ca(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
-    let cert = dir.join(format!("{name}.pem"));
-    let key = dir.join(format!("{name}.key"));
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        s(&key),
-        "-out",
-        s(&cert),
-        "-days",
-        "1",
-        "-subj",
-        &format!("/CN={name}"),
-    ]);
-    (cert, key)
-}
-
-/// A leaf signed by `ca`, for `usage` serverAuth or clientAuth.
-fn make_leaf(dir: &Path, name: &str, ca: &(PathBuf, PathBuf), usage: &str) -> (PathBuf, PathBuf) {
-    let cert = dir.join(format!("{name}.pem"));
-    let key = dir.join(format!("{name}.key"));
-    let csr = dir.join(format!("{name}.csr"));
-    let ext = dir.join(format!("{name}.ext"));
-    std::fs::write(
-        &ext,
-        format!("basicConstraints=CA:FALSE\nextendedKeyUsage={usage}\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"),
-    )
-    .expect("ext");
-    openssl(&[
-        "req",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        s(&key),
-        "-out",
-        s(&csr),
-        "-subj",
-        &format!("/CN={name}"),
-    ]);
-    openssl(&[
-        "x509",
-        "-req",
-        "-in",
-        s(&csr),
-        "-CA",
-        s(&ca.0),
-        "-CAkey",
-        s(&ca.1),
-        "-CAcreateserial",
-        "-out",
-        s(&cert),
-        "-days",
-        "1",
-        "-extfile",
-        s(&ext),
-    ]);
-    (cert, key)
-}
 
 #[test]
 fn tls_client_certificates_guard_the_control_api() {

@@ -2,7 +2,6 @@
 //! connection (hyper) over TCP, TLS or a Unix socket, JSON in and out.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use clap::Args;
@@ -53,31 +52,16 @@ fn read(path: &PathBuf) -> Result<Vec<u8>> {
 }
 
 fn tls_connector(args: &ServerArgs) -> Result<tokio_rustls::TlsConnector> {
-    let mut roots = rustls::RootCertStore::empty();
-    if let Some(ca) = &args.tls_ca {
-        for cert in rustls_pemfile::certs(&mut &read(ca)?[..]) {
-            roots.add(cert.with_context(|| format!("parsing {}", ca.display()))?)?;
-        }
-    }
-    if roots.is_empty() {
+    let Some(ca) = &args.tls_ca else {
         bail!("an https:// --server needs --tls-ca FILE (the CA that signed its certificate)");
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots);
-    let config = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => {
-            let certs = rustls_pemfile::certs(&mut &read(cert)?[..])
-                .collect::<Result<Vec<_>, _>>()
-                .with_context(|| format!("parsing {}", cert.display()))?;
-            let key_der = rustls_pemfile::private_key(&mut &read(key)?[..])?
-                .with_context(|| format!("no private key in {}", key.display()))?;
-            builder.with_client_auth_cert(certs, key_der)?
-        }
-        _ => builder.with_no_client_auth(),
     };
-    Ok(tokio_rustls::TlsConnector::from(Arc::new(config)))
+    let identity = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some((cert.as_path(), key.as_path())),
+        _ => None,
+    };
+    let config = vouch_nbd::tls::client_config(ca, identity)
+        .context("loading the control client's TLS configuration")?;
+    Ok(tokio_rustls::TlsConnector::from(config))
 }
 
 impl Client {

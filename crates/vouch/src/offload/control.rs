@@ -114,45 +114,9 @@ fn tls_config(args: &ControlArgs) -> Result<Option<Arc<rustls::ServerConfig>>> {
     let (Some(cert), Some(key)) = (&args.control_tls_cert, &args.control_tls_key) else {
         return Ok(None);
     };
-    let read =
-        |path: &PathBuf| std::fs::read(path).with_context(|| format!("reading {}", path.display()));
-    let certs: Vec<_> = rustls_pemfile::certs(&mut &read(cert)?[..])
-        .collect::<Result<_, _>>()
-        .with_context(|| format!("parsing {}", cert.display()))?;
-    if certs.is_empty() {
-        bail!("no certificate in {}", cert.display());
-    }
-    let key_der = rustls_pemfile::private_key(&mut &read(key)?[..])
-        .with_context(|| format!("parsing {}", key.display()))?
-        .with_context(|| format!("no private key in {}", key.display()))?;
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()?;
-    let builder = match &args.control_tls_client_ca {
-        Some(ca) => {
-            let mut roots = rustls::RootCertStore::empty();
-            for cert in rustls_pemfile::certs(&mut &read(ca)?[..]) {
-                roots
-                    .add(cert.with_context(|| format!("parsing {}", ca.display()))?)
-                    .with_context(|| format!("adding a CA from {}", ca.display()))?;
-            }
-            if roots.is_empty() {
-                bail!("no CA certificate in {}", ca.display());
-            }
-            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
-                Arc::new(roots),
-                provider,
-            )
-            .build()
-            .context("building the client certificate verifier")?;
-            builder.with_client_cert_verifier(verifier)
-        }
-        None => builder.with_no_client_auth(),
-    };
-    let config = builder
-        .with_single_cert(certs, key_der)
-        .context("the control TLS certificate and key do not match")?;
-    Ok(Some(Arc::new(config)))
+    let config = vouch_nbd::tls::server_config(cert, key, args.control_tls_client_ca.as_deref())
+        .context("loading the control API's TLS configuration")?;
+    Ok(Some(config))
 }
 
 /// The refusal for an unguarded non-loopback address, if it is one.
