@@ -90,7 +90,7 @@ impl RemoteLeg {
                 "replica {url} is encrypted: remote replicas of encrypted volumes are not supported yet"
             )));
         }
-        if u64::from(info.block_size) != BLOCK || info.size_bytes % BLOCK != 0 {
+        if u64::from(info.block_size) != BLOCK || !info.size_bytes.is_multiple_of(BLOCK) {
             return Err(Error::Corrupt(format!(
                 "replica {url}: block size {} and size {} are not a vouch volume's",
                 info.block_size, info.size_bytes
@@ -142,7 +142,7 @@ impl RemoteLeg {
                 size,
             });
         }
-        if offset % 512 != 0 || length % 512 != 0 {
+        if !offset.is_multiple_of(512) || !length.is_multiple_of(512) {
             return Err(Error::Misaligned { offset, length });
         }
         Ok(())
@@ -307,7 +307,7 @@ impl BlockDevice for RemoteLeg {
         }
         let first = offset / BLOCK;
         let end = (offset + data.len() as u64).div_ceil(BLOCK);
-        let aligned = offset % BLOCK == 0 && data.len() as u64 % BLOCK == 0;
+        let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         let blocks = if aligned {
             self.seal(first, data)
         } else {

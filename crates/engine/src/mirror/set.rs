@@ -371,6 +371,9 @@ pub fn open_mirror(
     })
 }
 
+/// Opens a remote member of a set (its URL, the set's record).
+pub type OpenRemote<'a> = dyn FnMut(&str, &MirrorRecord) -> Result<Arc<dyn BlockDevice>> + 'a;
+
 /// `open_mirror` where members may be remote: `open_remote(url, record)`
 /// connects to one and checks it belongs to the set (its uuid is
 /// `record.uuid`); a remote member that fails is missing like a local one.
@@ -378,7 +381,7 @@ pub fn open_mirror_with(
     path: &Path,
     writable: bool,
     open_leg: &mut dyn FnMut(&Path) -> Result<Volume>,
-    open_remote: &mut dyn FnMut(&str, &MirrorRecord) -> Result<Arc<dyn BlockDevice>>,
+    open_remote: &mut OpenRemote,
 ) -> Result<OpenedSet> {
     let (mut record, reasons) = view(path)?;
     let mut warnings = Vec::new();
