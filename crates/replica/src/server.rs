@@ -4,7 +4,8 @@
 //! to `MAX_IN_FLIGHT` of them at once (each on a blocking thread) and
 //! answers in any order, by handle. A replica is held by one connection at
 //! a time (two exporters writing one replica would make it a mix of
-//! both); it is released when that connection ends.
+//! both): it is opened when that connection opens it and closed cleanly
+//! when the connection ends.
 //!
 //! A frame that breaks the protocol gets a `MALFORMED` answer naming the
 //! rule, and the connection is closed (its framing can no longer be
@@ -31,11 +32,11 @@ use crate::MAX_IN_FLIGHT;
 
 struct Replica {
     volume: Arc<Volume>,
-    /// The peer holding it, if any.
-    holder: Option<String>,
+    /// The peer holding it.
+    holder: String,
 }
 
-/// The replicas under one directory, opened on first use and kept open.
+/// The replicas under one directory; the open ones, by name.
 pub struct Registry {
     dir: PathBuf,
     replicas: Mutex<HashMap<String, Replica>>,
@@ -119,19 +120,16 @@ impl Registry {
 
     /// Hold replica `name` for `peer`, opening it if needed.
     fn open(&self, name: &str, peer: &str) -> Result<(Arc<Volume>, ReplicaInfo), Refusal> {
+        // Held across the open, so two connections cannot both open it.
         let mut replicas = self.replicas.lock();
-        if let Some(replica) = replicas.get_mut(name) {
-            if let Some(holder) = &replica.holder {
-                return Err(refusal(
-                    Status::InUse,
-                    format!("replica {name} is in use by another exporter ({holder})"),
-                ));
-            }
-            replica.holder = Some(peer.to_string());
-            let volume = Arc::clone(&replica.volume);
-            drop(replicas);
-            let info = Registry::info(&volume, &self.dir.join(name))?;
-            return Ok((volume, info));
+        if let Some(replica) = replicas.get(name) {
+            return Err(refusal(
+                Status::InUse,
+                format!(
+                    "replica {name} is in use by another exporter ({})",
+                    replica.holder
+                ),
+            ));
         }
         let path = self.dir.join(name);
         if !path.join("superblock").exists() {
@@ -156,7 +154,7 @@ impl Registry {
             name.to_string(),
             Replica {
                 volume: Arc::clone(&volume),
-                holder: Some(peer.to_string()),
+                holder: peer.to_string(),
             },
         );
         tracing::info!(name, peer, "replica opened");
@@ -192,12 +190,14 @@ impl Registry {
         self.open(name, peer)
     }
 
+    /// The connection of `peer` ended: close its replica cleanly.
     fn release(&self, name: &str, peer: &str) {
-        if let Some(replica) = self.replicas.lock().get_mut(name) {
-            if replica.holder.as_deref() == Some(peer) {
-                replica.holder = None;
-                tracing::info!(name, peer, "replica released");
-            }
+        let mut replicas = self.replicas.lock();
+        if replicas.get(name).is_some_and(|r| r.holder == peer) {
+            let replica = replicas.remove(name).expect("present");
+            drop(replicas);
+            close(name, replica.volume);
+            tracing::info!(name, peer, "replica released and closed");
         }
     }
 
@@ -205,14 +205,19 @@ impl Registry {
     pub fn close_all(&self) {
         let replicas: Vec<(String, Replica)> = self.replicas.lock().drain().collect();
         for (name, replica) in replicas {
-            let result = match Arc::try_unwrap(replica.volume) {
-                Ok(volume) => volume.close(),
-                Err(shared) => shared.flush(),
-            };
-            if let Err(error) = result {
-                tracing::error!(name, %error, "closing a replica failed");
-            }
+            close(&name, replica.volume);
         }
+    }
+}
+
+/// Close a replica's volume (flush only, if a request still holds it).
+fn close(name: &str, volume: Arc<Volume>) {
+    let result = match Arc::try_unwrap(volume) {
+        Ok(volume) => volume.close(),
+        Err(shared) => shared.flush(),
+    };
+    if let Err(error) = result {
+        tracing::error!(name, %error, "closing a replica failed");
     }
 }
 
@@ -413,8 +418,10 @@ where
     // Let requests in flight finish before the replica is released.
     let in_flight = Arc::clone(&session.in_flight);
     let _all = in_flight.acquire_many(MAX_IN_FLIGHT as u32).await;
-    if let Some((name, _)) = session.opened.take() {
-        registry.release(&name, &peer);
+    if let Some((name, volume)) = session.opened.take() {
+        drop(volume);
+        let peer = peer.clone();
+        let _ = tokio::task::spawn_blocking(move || registry.release(&name, &peer)).await;
     }
     drop(session);
     let _ = writing.await;

@@ -244,10 +244,20 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
         let report = if mirror::is_remote_member(&leg) {
             // Verified on the replica, next to its data.
             let record = mirror::set::read_record(path)?;
-            let (blocks_checked, faults) = crate::replica::check_member(&leg, &record)?;
-            vouch_engine::CheckReport {
-                blocks_checked,
-                faults,
+            match crate::replica::check_member(&leg, &record) {
+                Ok((blocks_checked, faults)) => vouch_engine::CheckReport {
+                    blocks_checked,
+                    faults,
+                },
+                Err(error) => {
+                    clean = false;
+                    if !json_output {
+                        println!("leg {index}: {leg} ({state}): not checked: {error}");
+                    }
+                    reports.push(json!({"leg": index, "path": leg, "state": state,
+                        "error": error.to_string()}));
+                    continue;
+                }
             }
         } else {
             let volume = crate::commands::open_read_only(Path::new(&leg), Use::Verify)?;
