@@ -97,9 +97,7 @@ impl Process {
 
     /// SIGTERM, then wait (bounded) for it to exit; SIGKILL if it does not.
     pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
-        if self.child.is_none() {
-            return None;
-        }
+        self.child.as_ref()?;
         signal(self.pid, libc::SIGTERM);
         self.reap(STOP_TIMEOUT)
     }
