@@ -314,6 +314,24 @@ fn answer(handle: u64, result: Result<Vec<u8>, Refusal>) -> Vec<u8> {
     frame
 }
 
+/// TCP keepalive probes after this long idle, then every
+/// `KEEPALIVE_INTERVAL`, `KEEPALIVE_RETRIES` times: an exporter whose host
+/// died without closing the connection releases its replica within about
+/// a minute (a restarted exporter can then open it again).
+pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+pub const KEEPALIVE_RETRIES: u32 = 3;
+
+fn keep_alive(tcp: &tokio::net::TcpStream) {
+    let settings = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    if let Err(error) = socket2::SockRef::from(tcp).set_tcp_keepalive(&settings) {
+        tracing::warn!(%error, "replica: cannot set TCP keepalive");
+    }
+}
+
 /// Serve connections from `listener` until `shutdown` completes; then
 /// wait for open connections to end (bounded) and close every replica.
 pub async fn serve(
@@ -336,6 +354,7 @@ pub async fn serve(
                     }
                 };
                 let _ = tcp.set_nodelay(true);
+                keep_alive(&tcp);
                 let registry = Arc::clone(&registry);
                 let tls = tls.clone();
                 connections.spawn(async move {
