@@ -190,12 +190,13 @@ impl Registry {
         self.open(name, peer)
     }
 
-    /// The connection of `peer` ended: close its replica cleanly.
+    /// The connection of `peer` ended: close its replica cleanly. The map
+    /// stays locked until the volume is closed, so an exporter that opens
+    /// it right after (a restart) waits rather than finding it locked.
     fn release(&self, name: &str, peer: &str) {
         let mut replicas = self.replicas.lock();
         if replicas.get(name).is_some_and(|r| r.holder == peer) {
             let replica = replicas.remove(name).expect("present");
-            drop(replicas);
             close(name, replica.volume);
             tracing::info!(name, peer, "replica released and closed");
         }

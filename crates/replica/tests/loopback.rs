@@ -334,3 +334,105 @@ fn a_lost_connection_fails_every_later_request_as_unreachable() {
     let error = remote.flush().expect_err("still gone");
     assert!(matches!(error, Error::Unreachable(_)), "{error:?}");
 }
+
+#[test]
+fn a_request_past_its_timeout_drops_the_connection_and_later_requests_fail_at_once() {
+    // A peer that shakes hands and then never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().expect("addr").port();
+    let thread = std::thread::spawn(move || {
+        let (mut peer, _) = silent.accept().expect("accept");
+        let mut hello = [0u8; wire::HELLO_BYTES];
+        peer.read_exact(&mut hello).expect("hello");
+        peer.write_all(
+            &Hello {
+                version: 1,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+        // Read requests, answer none, until the client hangs up.
+        let mut sink = Vec::new();
+        let _ = peer.read_to_end(&mut sink);
+    });
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
+    let options = ClientOptions {
+        timeout: Duration::from_millis(300),
+        tls: None,
+    };
+    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    let started = std::time::Instant::now();
+    let error = connection.call(&Request::Flush).expect_err("no answer");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(error.to_string().contains("timed out"), "{error}");
+    let started = std::time::Instant::now();
+    let error = connection.call(&Request::Flush).expect_err("dead");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "failed at once"
+    );
+    assert!(error.to_string().contains("timed out"), "{error}");
+    drop(connection);
+    thread.join().expect("silent peer");
+}
+
+#[test]
+fn the_replica_verifies_each_sealed_block_before_storing_any() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let template = LegTemplate::of(&local_volume(dir.path())).expect("template");
+    let remote = RemoteLeg::create(&server.url("r"), &template, &options()).expect("create");
+    remote.write(0, &pattern(0, 1), true).expect("write");
+    let good = remote.read_sealed(0, 1).expect("sealed").remove(0);
+    drop(remote);
+    // Raw requests: LBA 0's sealed block is good; the one made for LBA 2
+    // from it has a flipped data bit (its guard no longer matches); the
+    // one sent to LBA 3 still says LBA 0 in its reference tag.
+    let connection =
+        vouch_replica::Connection::connect(&server.url("r"), &options()).expect("connect");
+    connection
+        .call(&Request::Open { name: "r".into() })
+        .expect("open");
+    let mut bad = good.clone();
+    bad.lba = 2;
+    if let vouch_format::Context::Data { ref_tag, .. } = &mut bad.context {
+        *ref_tag = 2;
+    }
+    bad.data[7] ^= 1;
+    let mut misplaced = good.clone();
+    misplaced.lba = 3; // its context says LBA 0
+    for (blocks, kind) in [
+        (vec![good.clone(), bad], "guard_mismatch"),
+        (vec![misplaced], "ref_tag_mismatch"),
+    ] {
+        let error = connection
+            .call(&Request::WriteSealed {
+                blocks: blocks.clone(),
+                fua: true,
+            })
+            .expect_err("refused");
+        let vouch_replica::ClientError::Remote { status, body } = &error else {
+            panic!("{error:?}");
+        };
+        assert_eq!(*status, Status::Fault, "{error}");
+        assert_eq!(
+            wire::fault_kind_from(body.kind).expect("kind").name(),
+            kind,
+            "{error}"
+        );
+        assert_eq!(body.detail[0], blocks.last().expect("a block").lba);
+    }
+    // Nothing of the refused requests was stored.
+    let answer = connection
+        .call(&Request::ReadSealed { first: 2, count: 2 })
+        .expect("read");
+    for entry in wire::decode_read_entries(2, 2, &answer).expect("entries") {
+        let wire::ReadEntry::Sealed(block) = entry else {
+            panic!("{entry:?}");
+        };
+        assert_eq!(block.context, vouch_format::Context::Unwritten);
+    }
+}
