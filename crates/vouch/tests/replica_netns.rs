@@ -160,3 +160,73 @@ fn a_replica_across_a_link_takes_writes_and_a_sigkill_leaves_the_exporter_servin
         text(&output)
     );
 }
+
+#[test]
+fn a_cut_link_times_out_and_the_remote_leg_is_marked_stale() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let net = NetnsPair::new("cut");
+    let replicas = dir.path().join("replicas");
+    let listen = format!("{}:7000", net.replica_ip);
+    let _replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
+        .unwrap_or_else(|error| panic!("{error}"));
+    let a = dir.path().join("a");
+    let url = format!("vouch://{listen}/disk");
+    let output = vouch_in(
+        Some(&net.exporter),
+        &["create", s(&a), "--size", "64MiB", "--mirror", &url],
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    let mut exporter = exporter(
+        dir.path(),
+        &[s(&a), "--replica-timeout", "2"],
+        &net.exporter,
+    );
+    let uri = format!("nbd://{}", exporter.addr);
+    qemu_io_ok(&net.exporter, &uri, &["write -P 0x44 0 4M", "flush"]);
+    // The replica's end of the link goes down: packets vanish, nothing
+    // answers, the request times out.
+    let output = run_timeout(
+        Command::new(tool("ip", "iproute2")).args([
+            "-n",
+            &net.replica,
+            "link",
+            "set",
+            &net.replica_dev,
+            "down",
+        ]),
+        TIMEOUT,
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    let started = Instant::now();
+    qemu_io_ok(
+        &net.exporter,
+        &uri,
+        &[
+            "write -P 0x55 4M 4M",
+            "flush",
+            "read -P 0x55 4M 4M",
+            "read -P 0x44 0 4M",
+        ],
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(30),
+        "the write waited {took:?} for the timeout"
+    );
+    let log = exporter.log_text();
+    assert!(
+        log.contains("STALE (unreachable)") && log.contains("timed out"),
+        "{log}"
+    );
+    let output = vouch_in(Some(&net.exporter), &["mirror", "status", s(&a)]);
+    assert!(
+        text(&output).contains(&format!("leg 1: {url}: stale")),
+        "{}",
+        text(&output)
+    );
+    assert!(
+        exporter.stop().is_some_and(|s| s.success()),
+        "{}",
+        exporter.log_text()
+    );
+}

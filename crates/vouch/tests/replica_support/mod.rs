@@ -191,6 +191,8 @@ pub struct NetnsPair {
     pub exporter: String,
     pub replica_ip: String,
     pub exporter_ip: String,
+    /// The veth end inside the replica's namespace.
+    pub replica_dev: String,
 }
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -208,17 +210,22 @@ fn ip(args: &[&str]) -> Result<(), String> {
 
 impl NetnsPair {
     /// Make the pair; `tag` keeps concurrent tests apart.
+    ///
+    /// Cut the link with `ip -n REPLICA link set REPLICA_DEV down`.
     pub fn new(tag: &str) -> NetnsPair {
-        let id = std::process::id() % 200 + 20;
+        // Distinct per process and per tag (tests of one binary run at once).
+        let salt: u32 = tag.bytes().map(u32::from).sum();
+        let id = (std::process::id() + salt * 7) % 200 + 20;
+        let veth_r = format!("vr{id}{}r", &tag[..tag.len().min(3)]);
+        let veth_e = format!("vr{id}{}e", &tag[..tag.len().min(3)]);
+        // Dropped (and cleaned) even if a step below fails.
         let pair = NetnsPair {
             replica: format!("vr-{tag}-{id}-r"),
             exporter: format!("vr-{tag}-{id}-e"),
             replica_ip: format!("10.231.{id}.1"),
             exporter_ip: format!("10.231.{id}.2"),
+            replica_dev: veth_r.clone(),
         };
-        // Dropped (and cleaned) even if a step below fails.
-        let veth_r = format!("vr{id}{}r", &tag[..tag.len().min(3)]);
-        let veth_e = format!("vr{id}{}e", &tag[..tag.len().min(3)]);
         let setup = || -> Result<(), String> {
             ip(&["netns", "add", &pair.replica])?;
             ip(&["netns", "add", &pair.exporter])?;
