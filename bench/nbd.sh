@@ -5,6 +5,9 @@
 # Servers (all started once, kept running for the whole run, driven one at a time):
 #   vouch_split   vouch serve, split layout, fresh volume of SIZE, prefilled (fio seq 1M write via NBD)
 #   vouch_packed  vouch serve, packed layout, same
+#   vouch_mirror2, vouch_mirror3   vouch serve of a local 2-way / 3-way mirror (split; legs
+#                 vol-mirrorN, vol-mirrorN-leg1, -leg2 in DIR), prefilled like vouch_split; report.md
+#                 gets a "mirror vs single" section (ratios to vouch_split); not in the default set
 #   vouch_split_direct, vouch_packed_direct   the same with `serve --direct` (O_DIRECT data
 #                 segments: the like-for-like comparison with qemu-nbd --cache=none; not in the default set)
 #   qemunbd       qemu-nbd -f raw -t -e 8 --cache=none --aio=io_uring    (O_DIRECT, page cache evicted first)
@@ -97,7 +100,8 @@ declare -A PORT=( [vouch_split]=$PORT_BASE [vouch_packed]=$((PORT_BASE+1)) [qemu
                   [vouch_split_direct]=$((PORT_BASE+5)) [vouch_packed_direct]=$((PORT_BASE+6))
                   [qemunbd_wb]=$((PORT_BASE+7))
                   [base_split]=$((PORT_BASE+8)) [base_packed]=$((PORT_BASE+9))
-                  [base_split_direct]=$((PORT_BASE+10)) [base_packed_direct]=$((PORT_BASE+11)) )
+                  [base_split_direct]=$((PORT_BASE+10)) [base_packed_direct]=$((PORT_BASE+11))
+                  [vouch_mirror2]=$((PORT_BASE+12)) [vouch_mirror3]=$((PORT_BASE+13)) )
 for s in $SERVERS; do
     [ -n "${PORT[$s]:-}" ] || die "unknown server $s"
     [[ $s != base_* ]] || [ -n "$VOUCH_BASE" ] || die "server $s needs VOUCH_BASE=/path/to/old/vouch"
@@ -179,6 +183,14 @@ start_server() { # NAME
         rm -rf "$vol"
         "$bin" serve "$vol" --create "$BYTES" --layout "$layout" "${direct[@]}" --listen "127.0.0.1:$port" \
             > "$OUT/logs/$s.log" 2>&1 &
+        echo $! > "$RUN/$s.pid" ;;
+    vouch_mirror2|vouch_mirror3)
+        local legs=${s#vouch_mirror} vol="$DIR/vol-${s#vouch_}" mirrors=()
+        rm -rf "$vol" "$vol"-leg*
+        for i in $(seq 1 $((legs - 1))); do mirrors+=(--mirror "$vol-leg$i"); done
+        "$VOUCH" create "$vol" --size "$BYTES" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
+            || die "$s: create failed: $(cat "$OUT/logs/$s.create.log")"
+        "$VOUCH" serve "$vol" --listen "127.0.0.1:$port" > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
     qemunbd)
         evict_raw
@@ -327,7 +339,8 @@ reps = max((int(r["rep"]) for r in rows), default=0)
 runtime = next((r["runtime_s"] for r in rows if not r["test"].startswith("sweep_")), runtime)
 sweep_rt = next((r["runtime_s"] for r in rows if r["test"].startswith("sweep_")), sweep_rt)
 pref = ["vouch_split", "base_split", "vouch_packed", "base_packed", "vouch_split_direct", "base_split_direct",
-        "vouch_packed_direct", "base_packed_direct", "qemunbd", "qemunbd_wb", "nbdkit_none", "nbdkit_pc"]
+        "vouch_packed_direct", "base_packed_direct", "vouch_mirror2", "vouch_mirror3",
+        "qemunbd", "qemunbd_wb", "nbdkit_none", "nbdkit_pc"]
 servers = [s for s in pref if s in order_s] + [s for s in order_s if s not in pref]
 def med(s, t, f):
     v = [float(r[f]) for r in S.get((s, t), []) if r.get(f) not in (None, "nan", "") and r["rc"] == "0"]
@@ -368,6 +381,17 @@ for t in main + sweep:
     f = "MBps" if "1m" in t else "iops"
     P(f"| {t} | " + " | ".join(fmt(ratio(med(v,t,f), med(a,t,f)), 2) for v, a in pairs) + " |")
 P("")
+mirrors = [s for s in ("vouch_mirror2", "vouch_mirror3") if s in servers]
+if mirrors and "vouch_split" in servers:
+    P("## Mirror vs single (local legs; ratio of medians to vouch_split; issue 14 targets: reads >= 1.0x, writes >= 0.7x)\n")
+    P("| test | " + " | ".join(f"{m.replace('vouch_','')}/split" for m in mirrors) + " | target |")
+    P("|---|" + "---:|" * len(mirrors) + "---|")
+    for t in main:
+        f = "MBps" if "1m" in t else "iops"
+        target = 1.0 if t.startswith(("rr", "sr")) else 0.7
+        P(f"| {t} | " + " | ".join(fmt(ratio(med(m,t,f), med("vouch_split",t,f)), 2) for m in mirrors)
+          + f" | >= {target} |")
+    P("")
 P("## Server CPU per I/O (µs of server utime+stime per request; lower is better)\n")
 P("| test | " + " | ".join(servers) + " |")
 P("|---|" + "---:|" * len(servers))

@@ -103,6 +103,27 @@ pub trait BlockDevice: Send + Sync {
     /// none of the blocks is stored.
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
 
+    /// Seal whole blocks (`data`, from LBA `first`) as this device would
+    /// store them, each with its context carrying `generation`, for
+    /// `write_sealed` here or on another leg of one mirror: the mirror
+    /// seals a write once and every leg stores the same bytes and context
+    /// (PI computed once, verified at every leg). `Unsupported` when the
+    /// device cannot seal (then the mirror has each leg seal for itself).
+    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+        let _ = (first, data, generation);
+        Err(Error::Unsupported(
+            "sealing blocks for another device".into(),
+        ))
+    }
+
+    /// The generation a block sealed now would carry here (0 when the
+    /// device has no such clock): a mirror stamps each write with the
+    /// highest of its legs' clocks, so every leg stores one generation and
+    /// a later write of a block always has a generation at least as high.
+    fn generation_clock(&self) -> u64 {
+        0
+    }
+
     /// Verify every block of `[first, first + count)` without returning
     /// data; returns the faults found.
     fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {

@@ -24,7 +24,10 @@ use crate::error::FaultKind;
 pub struct Seal {
     pub guard: u64,
     /// The generation the seal was made under (encrypted: in the nonce and
-    /// the associated data; plain: unused, the commit's sequence is used).
+    /// the associated data). Plain: 0 for a block this volume sealed (its
+    /// commit's sequence becomes the generation), or the generation a
+    /// block moved with its context (`seal_of`) or sealed for a mirror
+    /// (`BlockDevice::seal_blocks`) already carries, which it keeps.
     pub generation: u32,
     pub nonce: [u8; vouch_format::context::ENCRYPTED_NONCE_RANDOM],
     pub tag: [u8; 16],
@@ -160,8 +163,13 @@ impl Protection for GuardProtection {
             volume_tag: self.volume_tag,
             ref_tag: lba,
             guard: seal.guard,
-            // The generation field holds the low 32 bits of the sequence.
-            generation: generation as u32,
+            // The generation field holds the low 32 bits of the sequence,
+            // unless the seal already carries one (see `Seal::generation`).
+            generation: if seal.generation != 0 {
+                seal.generation
+            } else {
+                generation as u32
+            },
         }
     }
 
@@ -210,7 +218,12 @@ impl Protection for GuardProtection {
 
     fn seal_of(&self, context: &Context) -> Option<Seal> {
         match context {
-            Context::Data { guard, .. } => Some(Seal::guard(*guard)),
+            Context::Data {
+                guard, generation, ..
+            } => Some(Seal {
+                generation: *generation,
+                ..Seal::guard(*guard)
+            }),
             _ => None,
         }
     }

@@ -262,6 +262,12 @@ impl BlockDevice for Volume {
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         self.engine.write_sealed(blocks)
     }
+    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+        self.engine.seal_for_transfer(first, data, generation)
+    }
+    fn generation_clock(&self) -> u64 {
+        self.engine.shared.sealing_generation()
+    }
     /// Copy within the volume next to the data (`copy::copy`, method
     /// `Auto`): reflink when the filesystem shares extents, else pipelined.
     fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {

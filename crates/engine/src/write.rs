@@ -152,6 +152,43 @@ impl Engine {
         Ok(())
     }
 
+    /// Seal whole blocks for storing elsewhere or here with `write_sealed`
+    /// (`BlockDevice::seal_blocks`): each block's stored bytes (ciphertext
+    /// on an encrypted volume) and its context carrying `generation`.
+    pub fn seal_for_transfer(
+        &self,
+        first: u64,
+        data: &[u8],
+        generation: u64,
+    ) -> Result<Vec<SealedBlock>> {
+        let shared = &self.shared;
+        if !data.len().is_multiple_of(BLOCK as usize) {
+            return Err(Error::Misaligned {
+                offset: first * BLOCK,
+                length: data.len() as u64,
+            });
+        }
+        shared.check_range(first * BLOCK, data.len() as u64)?;
+        // A plain seal keeps a non-zero generation; 0 would mean "take the
+        // commit's", so the lowest generation a transfer carries is 1.
+        let generation = generation.max(1);
+        Ok(data
+            .chunks_exact(BLOCK as usize)
+            .zip(first..)
+            .map(|(bytes, lba)| {
+                let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
+                block.copy_from_slice(bytes);
+                let mut seal = shared.protection.seal(lba, &mut block[..], generation);
+                seal.generation = generation as u32;
+                SealedBlock {
+                    lba,
+                    context: shared.protection.context(lba, seal, generation),
+                    data: block,
+                }
+            })
+            .collect())
+    }
+
     /// Store blocks moved with their contexts (`BlockDevice::write_sealed`):
     /// each is verified against its context for its LBA first, and any
     /// failure refuses the whole call. Data blocks keep their seal (the PI

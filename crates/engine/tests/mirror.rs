@@ -284,6 +284,86 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
     }
 }
 
+/// A mirrored write is sealed once: every leg stores the same bytes and
+/// the same context (one generation from the mirror's clock), a sub-block
+/// write included; a later write of a block gets a higher generation on
+/// every leg. A copy whose generation is above the mirror's clock (the
+/// exporter never stamped it) does not win a scrub.
+#[test]
+fn legs_store_one_context_per_write_and_an_impossible_generation_is_not_believed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, 4, 1);
+    mirror
+        .write(BLOCK + 512, &[0xAB; 1024], false)
+        .expect("sub-block write");
+    mirror.flush().expect("flush");
+    let sealed = |lba: u64| -> Vec<vouch_engine::SealedBlock> {
+        volumes
+            .iter()
+            .map(|v| {
+                v.as_ref()
+                    .expect("leg")
+                    .read_sealed(lba, 1)
+                    .expect("sealed")
+                    .remove(0)
+            })
+            .collect()
+    };
+    for lba in 0..4 {
+        let copies = sealed(lba);
+        assert_eq!(
+            copies[0].context, copies[1].context,
+            "LBA {lba}: one context on both legs"
+        );
+        assert_eq!(copies[0].data, copies[1].data, "LBA {lba}");
+    }
+    let mut expected = pattern(1, 1);
+    expected[512..1536].fill(0xAB);
+    assert_eq!(&sealed(1)[0].data[..], &expected[..]);
+    let before = sealed(3)[0].context.generation().expect("generation");
+    mirror
+        .write(3 * BLOCK, &pattern(3, 2), false)
+        .expect("write");
+    mirror.flush().expect("flush");
+    let after = sealed(3);
+    assert_eq!(after[0].context, after[1].context);
+    assert!(after[0].context.generation().expect("generation") > before);
+
+    // Forge a copy on leg 1 with a generation far above the clock (its
+    // guard right, so it verifies), then scrub: leg 0's copy stays.
+    let forged_generation = mirror.generation_clock() + 1000;
+    let leg1 = volumes[1].as_ref().expect("leg");
+    let forged = leg1
+        .seal_blocks(3, &pattern(3, 9), forged_generation)
+        .expect("seal");
+    assert_eq!(
+        forged[0].context.generation(),
+        Some(forged_generation as u32)
+    );
+    leg1.write_sealed(&forged).expect("store the forged copy");
+    volumes[1].as_ref().expect("leg").flush().expect("flush");
+    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    assert!(
+        report
+            .findings
+            .iter()
+            .any(|f| f.lba == 3 && f.leg == 1 && f.repaired),
+        "the forged copy is repaired from leg 0: {report:?}"
+    );
+    for (at, volume) in volumes.iter().enumerate() {
+        let mut buf = vec![0u8; BLOCK as usize];
+        volume
+            .as_ref()
+            .expect("leg")
+            .read(3 * BLOCK, &mut buf)
+            .expect("read");
+        assert_eq!(buf, pattern(3, 2), "leg {at} holds the last write");
+    }
+    close(mirror, volumes);
+}
+
 #[test]
 fn a_missing_leg_is_named_and_marked_stale_when_opened_for_writing() {
     let dir = tempfile::tempdir().expect("tempdir");

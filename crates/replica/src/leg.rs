@@ -1,11 +1,15 @@
 //! `RemoteLeg`: a replica on another host as a `BlockDevice`, so a
 //! `Mirror` uses it like a local leg.
 //!
-//! PI travels with the data. `write` seals each block here, once, with the
-//! volume's plain protection (guard over the data, reference tag = LBA,
-//! volume tag) and sends data and context together (`WRITE_SEALED`); the
-//! replica verifies each block against its context before storing it
-//! (`Volume::write_sealed`) and stores it with the guard sent. Reads fetch
+//! PI travels with the data. A `Mirror` seals each write once on the
+//! exporter (`seal_blocks` of its first active leg, with the mirror's
+//! generation) and hands every leg the same sealed blocks; this leg sends
+//! them, data and context together (`WRITE_SEALED`), after checking them
+//! here, and the replica verifies each block against its context before
+//! storing it (`Volume::write_sealed`), keeping the guard and generation
+//! sent. `seal_blocks` and `write` seal here with the volume's plain
+//! protection (guard, reference tag = LBA, volume tag) when this leg is
+//! the one asked to seal or the caller is not a mirror. Reads fetch
 //! blocks with their contexts (`READ_SEALED`) and verify them again here,
 //! so a block damaged anywhere between the replica's disk and this
 //! process is a fault naming its LBA, and the mirror repairs it.
@@ -183,21 +187,21 @@ impl RemoteLeg {
             })
     }
 
-    /// Seal `data` (whole blocks from `first`) here: the contexts the
-    /// replica will verify and store.
-    fn seal(&self, first: u64, data: &[u8]) -> Vec<SealedBlock> {
+    /// Seal `data` (whole blocks from `first`) here with `generation` (0:
+    /// the replica's commit assigns one): the contexts the replica will
+    /// verify and store.
+    fn seal(&self, first: u64, data: &[u8], generation: u64) -> Vec<SealedBlock> {
         data.chunks_exact(BLOCK as usize)
             .enumerate()
             .map(|(index, bytes)| {
                 let lba = first + index as u64;
                 let mut block = Box::new([0u8; BLOCK as usize]);
                 block.copy_from_slice(bytes);
-                // Plain sealing leaves the bytes as they are; the
-                // generation is the replica's to assign (its commit's).
-                let seal = self.protection.seal(lba, &mut block[..], 0);
+                // Plain sealing leaves the bytes as they are.
+                let seal = self.protection.seal(lba, &mut block[..], generation);
                 SealedBlock {
                     lba,
-                    context: self.protection.context(lba, seal, 0),
+                    context: self.protection.context(lba, seal, generation),
                     data: block,
                 }
             })
@@ -309,13 +313,13 @@ impl BlockDevice for RemoteLeg {
         let end = (offset + data.len() as u64).div_ceil(BLOCK);
         let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         let blocks = if aligned {
-            self.seal(first, data)
+            self.seal(first, data, 0)
         } else {
             let mut whole = vec![0u8; ((end - first) * BLOCK) as usize];
             self.read(first * BLOCK, &mut whole)?;
             let at = (offset - first * BLOCK) as usize;
             whole[at..at + data.len()].copy_from_slice(data);
-            self.seal(first, &whole)
+            self.seal(first, &whole, 0)
         };
         self.send_sealed(&blocks, fua)
     }
@@ -422,6 +426,18 @@ impl BlockDevice for RemoteLeg {
             self.open_block(block).map_err(Error::Fault)?;
         }
         self.send_sealed(blocks, false)
+    }
+
+    /// Sealed here, as the replica would store them (plain protection).
+    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+        if !(data.len() as u64).is_multiple_of(BLOCK) {
+            return Err(Error::InvalidArgument(format!(
+                "sealing {} bytes: not whole blocks",
+                data.len()
+            )));
+        }
+        self.check_blocks(first, data.len() as u64 / BLOCK)?;
+        Ok(self.seal(first, data, generation))
     }
 
     /// On the replica, next to its data: only the faults travel.

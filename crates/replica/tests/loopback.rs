@@ -133,6 +133,14 @@ fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy(
         remote.read(lba * BLOCK, &mut buf).expect("remote read");
         assert_eq!(buf, pattern(lba, 1), "LBA {lba} on the remote leg");
     }
+    // Sealed once on the exporter: both legs store the same context,
+    // generation included (the mirror's clock, not the replica's own).
+    let here = local.read_sealed(0, 16).expect("local sealed");
+    let there = remote.read_sealed(0, 16).expect("remote sealed");
+    for (a, b) in here.iter().zip(&there) {
+        assert_eq!(a.context, b.context, "LBA {}", a.lba);
+        assert!(a.context.generation().is_some_and(|g| g > 0));
+    }
     let mut partial = vec![0u8; BLOCK as usize];
     remote.read(20 * BLOCK, &mut partial).expect("read");
     assert_eq!(&partial[..512], &[0u8; 512][..]);

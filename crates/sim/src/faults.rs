@@ -35,7 +35,7 @@ use crate::recorder::Recorder;
 use crate::rng::Rng;
 use crate::BLOCK;
 
-const BLOCKS: u64 = 256;
+pub(crate) const BLOCKS: u64 = 256;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
@@ -452,14 +452,14 @@ impl Cx {
     }
 }
 
-fn segment_blocks(layout: LayoutKind) -> u64 {
+pub(crate) fn segment_blocks(layout: LayoutKind) -> u64 {
     match layout {
         LayoutKind::Split => 128,
         LayoutKind::Packed => 124,
     }
 }
 
-fn volume_geometry(layout: LayoutKind) -> vouch_format::Geometry {
+pub(crate) fn volume_geometry(layout: LayoutKind) -> vouch_format::Geometry {
     vouch_format::Geometry::new(layout, BLOCKS * BLOCK as u64, segment_blocks(layout))
         .expect("valid geometry")
 }

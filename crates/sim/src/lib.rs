@@ -21,6 +21,8 @@ pub mod faults;
 pub mod fuzz;
 pub mod keychange;
 pub mod mirror;
+pub mod mirror_faults;
+pub mod mirror_write;
 pub mod offload;
 pub mod recorder;
 pub mod rng;

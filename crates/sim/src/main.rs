@@ -77,6 +77,15 @@ enum Command {
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
+    /// Faults on one leg of a 2-leg mirror (crc32c, split and packed): the
+    /// "repaired" column of the detection matrix, as Markdown.
+    MirrorMatrix {
+        /// Injections per fault kind per layout.
+        #[arg(long, default_value_t = 200)]
+        count: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
 }
 
 fn layout(name: &str) -> Result<LayoutKind, String> {
@@ -161,6 +170,15 @@ fn run(cli: Cli) -> Result<bool, String> {
                 println!("{}", path.display());
             }
             Ok(true)
+        }
+        Command::MirrorMatrix { count, seed } => {
+            let report = vouch_sim::mirror_faults::run(count, seed);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            print!("{}", report.render());
+            println!("{}", report.summary());
+            Ok(report.violations.is_empty())
         }
         Command::Matrix {
             count,

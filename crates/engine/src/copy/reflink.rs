@@ -337,6 +337,13 @@ fn verify_part(
             .map_err(|kind| fault(source, lba, kind))?;
         let seal = match source.shared.protection.seal_of(context) {
             None => None,
+            // A plain copy is a new write at its destination: its
+            // generation is the commit's, not the source's. (An encrypted
+            // seal keeps its generation: it is in the associated data.)
+            Some(seal) if same_guard && matches!(context, Context::Data { .. }) => Some(Seal {
+                generation: 0,
+                ..seal
+            }),
             Some(seal) if same_guard => Some(seal),
             Some(_) => {
                 let lba = blocks.destination + index as u64;

@@ -321,6 +321,84 @@ impl Mirror {
         }
     }
 
+    /// The mirror's generation clock: the highest of its active legs'
+    /// (each leg's advances with its commits, so a later write of a block
+    /// never gets a lower generation than an earlier one).
+    pub fn generation_clock(&self) -> u64 {
+        self.active()
+            .into_iter()
+            .map(|leg| self.device(leg).generation_clock())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// The blocks `[offset, offset + data.len())` covers, sealed once by the
+    /// first active leg that can seal, with the mirror's generation; a
+    /// partial block at either edge is read from a leg first (verified;
+    /// the caller holds the stripe lock, so nothing changes it meanwhile).
+    /// `None` when no leg can seal.
+    fn seal_write(&self, offset: u64, data: &[u8]) -> Result<Option<Vec<SealedBlock>>> {
+        self.check_bytes(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(Some(Vec::new()));
+        }
+        let first = offset / BLOCK;
+        let end = (offset + data.len() as u64).div_ceil(BLOCK);
+        let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
+        let merged;
+        let blocks: &[u8] = if aligned {
+            data
+        } else {
+            let mut buffer = vec![0u8; ((end - first) * BLOCK) as usize];
+            for lba in [first, end - 1] {
+                let at = ((lba - first) * BLOCK) as usize;
+                self.read_edge(lba, &mut buffer[at..at + BLOCK as usize])?;
+            }
+            let skip = (offset - first * BLOCK) as usize;
+            buffer[skip..skip + data.len()].copy_from_slice(data);
+            merged = buffer;
+            &merged
+        };
+        let generation = self.generation_clock();
+        for leg in self.active() {
+            match self.device(leg).seal_blocks(first, blocks, generation) {
+                Ok(sealed) => return Ok(Some(sealed)),
+                Err(Error::Unsupported(_)) => continue,
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(None)
+    }
+
+    /// One block of a partial write, from the first active leg that reads
+    /// it good (no repair here: the caller holds the stripe lock).
+    fn read_edge(&self, lba: u64, block: &mut [u8]) -> Result<()> {
+        let mut last = None;
+        for leg in self.active() {
+            match self.device(leg).read(lba * BLOCK, block) {
+                Ok(_) => return Ok(()),
+                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) => last = Some(error),
+            }
+        }
+        Err(last.unwrap_or_else(|| Error::FailStopped("no active mirror leg".into())))
+    }
+
+    /// Validate a byte range against the mirror: in bounds, 512-aligned.
+    fn check_bytes(&self, offset: u64, length: u64) -> Result<()> {
+        if offset.checked_add(length).is_none_or(|end| end > self.size) {
+            return Err(Error::OutOfRange {
+                offset,
+                length,
+                size: self.size,
+            });
+        }
+        if !offset.is_multiple_of(512) || !length.is_multiple_of(512) {
+            return Err(Error::Misaligned { offset, length });
+        }
+        Ok(())
+    }
+
     /// Run `op` on every active leg. A leg that fails while another
     /// succeeds is faulted; if every leg fails, the first error is returned.
     fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
@@ -396,9 +474,25 @@ impl BlockDevice for Mirror {
     /// write is acknowledged only after every active leg made it durable.
     /// The stripe lock is held across the legs' writes so a repair never
     /// moves a block between legs while they differ mid-write.
+    ///
+    /// The write is sealed once (`seal_write`) and every leg stores the same
+    /// bytes and context, with one generation from the mirror's clock, after
+    /// verifying it (`write_sealed`): so legs' generations are comparable
+    /// and a scrub can tell a lost write from the newer copy.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         let _locked = self.lock_bytes(offset, data.len() as u64);
-        self.each_leg("write", |leg| leg.write(offset, data, fua))
+        match self.seal_write(offset, data) {
+            Ok(Some(sealed)) => self.each_leg("write", |leg| {
+                leg.write_sealed(&sealed)?;
+                if fua {
+                    leg.flush()?;
+                }
+                Ok(())
+            }),
+            // No leg can seal for the others: each seals for itself.
+            Ok(None) => self.each_leg("write", |leg| leg.write(offset, data, fua)),
+            Err(error) => Err(error),
+        }
     }
     fn flush(&self) -> Result<()> {
         self.each_leg("flush", |leg| leg.flush())

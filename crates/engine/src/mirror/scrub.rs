@@ -7,11 +7,17 @@
 //! - legs whose copy fails verification are bad; if no leg verifies, the
 //!   block is left (reported, nothing rewritten);
 //! - if the verifying copies agree, they are the source;
-//! - if they differ, the copy with the highest generation wins and the
-//!   others are rewritten from it as `stale`; when that cannot decide (a
-//!   hole against data, two
-//!   different copies with the same generation) every copy is left as a
-//!   `conflict`.
+//! - if they differ after an unclean shutdown (reads go to one leg until
+//!   a scrub, `Mirror::read_one_leg_until_scrubbed`), the copy of the leg
+//!   clients read wins, so a block never changes under a reader without a
+//!   write (md resyncs from the disk it reads);
+//! - otherwise, if they differ, the copy with the highest generation wins
+//!   and the others are rewritten from it as `stale` (a lost write on one
+//!   leg): every leg stores a write with the one generation the mirror
+//!   stamped (`Mirror::write`), so generations compare across legs; a copy
+//!   claiming a generation above the mirror's clock is not believed; when
+//!   that cannot decide (a hole against data, two different copies with
+//!   the same generation) every copy is left as a `conflict`.
 
 use serde::Serialize;
 
@@ -92,6 +98,10 @@ impl Mirror {
     fn scrub_chunk(&self, first: u64, count: u64, report: &mut MirrorScrubReport) -> Result<()> {
         let _locked = self.lock(first, first + count);
         let legs = self.active();
+        let read_leg = self
+            .reads_one_leg()
+            .then(|| legs.first().copied())
+            .flatten();
         let size = (count * BLOCK) as usize;
         let mut copies: Vec<Vec<u8>> = Vec::with_capacity(legs.len());
         let mut faults: Vec<Vec<Option<FaultKind>>> = Vec::with_capacity(legs.len());
@@ -142,7 +152,12 @@ impl Mirror {
             }
             let mut source = good[0];
             if good.iter().any(|&at| block(at) != block(source)) {
-                match self.newest(lba, &legs, &good, &block) {
+                // After an unclean shutdown clients have read one leg only
+                // (`read_one_leg_until_scrubbed`): its verifying copy wins,
+                // as md resyncs from the disk it reads, so no block a
+                // client has read changes under it. Otherwise the newest.
+                let read_copy = good.iter().copied().find(|&at| read_leg == Some(legs[at]));
+                match read_copy.or_else(|| self.newest(lba, &legs, &good, &block)) {
                     Some(winner) => {
                         source = winner;
                         targets.extend(
@@ -209,10 +224,25 @@ impl Mirror {
         good: &[usize],
         block: &dyn Fn(usize) -> &'a [u8],
     ) -> Option<usize> {
+        // The exporter's own record: no copy can be newer than the mirror's
+        // clock (every write it stamped came from it). A copy claiming more
+        // is not believed, whatever its checksums say.
+        let clock = self.generation_clock();
         let mut generations = Vec::with_capacity(good.len());
         for &at in good {
             let sealed = self.device(legs[at]).read_sealed(lba, 1).ok()?;
-            generations.push((at, sealed.first()?.context.generation()?));
+            let generation = sealed.first()?.context.generation()?;
+            if clock < u64::from(u32::MAX) && u64::from(generation) > clock {
+                tracing::error!(
+                    lba,
+                    leg = legs[at],
+                    generation,
+                    clock,
+                    "mirror scrub: a copy claims a generation this mirror never stamped"
+                );
+                continue;
+            }
+            generations.push((at, generation));
         }
         let highest = generations.iter().map(|g| g.1).max()?;
         let winners: Vec<usize> = generations

@@ -194,12 +194,23 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
     } else {
         libc::LOCK_SH
     };
-    // SAFETY: flock on a valid, open file descriptor.
-    let rc = unsafe { libc::flock(superblock.as_raw_fd(), mode | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(());
-    }
-    let error = io::Error::last_os_error();
+    // A lock can outlive its holder's close by a moment: a process that
+    // forks (any `Command` in it) shares the open file until the child
+    // execs. So a refusal is retried for a short while before it counts.
+    let mut attempts = 0;
+    let error = loop {
+        // SAFETY: flock on a valid, open file descriptor.
+        let rc = unsafe { libc::flock(superblock.as_raw_fd(), mode | libc::LOCK_NB) };
+        if rc == 0 {
+            return Ok(());
+        }
+        let error = io::Error::last_os_error();
+        attempts += 1;
+        if error.raw_os_error() != Some(libc::EWOULDBLOCK) || attempts == 20 {
+            break error;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
     if error.raw_os_error() == Some(libc::EWOULDBLOCK) {
         let holder = if writable {
             "another vouch process has it open"

@@ -1,0 +1,291 @@
+//! Crashes of the exporter during mirrored writes (`Mirror::write`, `trim`,
+//! `flush`; docs/CRASH_MODEL.md "Mirrors"). Two legs of one volume on
+//! recording storage take a random workload of writes, trims and flushes
+//! through a `Mirror`. The exporter is one process, so a crash cuts both
+//! legs at the same instant: at every write and sync either leg issues, a
+//! crash image of *each* leg is built (both with one strategy, or one leg
+//! with everything and the other with nothing since its last sync — the
+//! crash between the legs). Each pair is recovered as a restart does it
+//! (reads go to the first leg until a scrub, `read_one_leg_until_scrubbed`)
+//! and checked:
+//! - every block reads a value the contract allows: what the last
+//!   completed flush made durable, or a write issued since;
+//! - a scrub repairs every difference (nothing left, no conflict), and
+//!   afterwards both legs hold, block for block, what was read before the
+//!   scrub: no block changes under a reader without a write.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use vouch_engine::jobs::JobControl;
+use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
+use vouch_engine::{
+    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
+};
+
+use crate::fingerprint;
+use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
+use crate::rng::Rng;
+use crate::BLOCK;
+
+/// Blocks in the volume, and operations per seed.
+const BLOCKS: u64 = 32;
+const OPERATIONS: usize = 14;
+
+/// What an exporter-crash run found.
+#[derive(Debug, Default)]
+pub struct MirrorWriteReport {
+    pub seeds: u64,
+    /// Crash points (writes and syncs of either leg) and image pairs checked.
+    pub crash_points: u64,
+    pub images: u64,
+    /// Image pairs whose legs differed on some block after recovery.
+    pub diverged: u64,
+    /// Blocks the scrubs rewrote.
+    pub repaired: u64,
+    pub violations: Vec<String>,
+    pub seconds: f64,
+}
+
+impl MirrorWriteReport {
+    pub fn summary(&self) -> String {
+        format!(
+            "mirror write: seeds={} crash_points={} image_pairs={} diverged={} repaired={} violations={} time={:.1}s",
+            self.seeds,
+            self.crash_points,
+            self.images,
+            self.diverged,
+            self.repaired,
+            self.violations.len(),
+            self.seconds
+        )
+    }
+}
+
+fn open_options() -> OpenOptions {
+    OpenOptions {
+        tuning: Tuning {
+            background_commit: false,
+            ..Tuning::default()
+        },
+        ..OpenOptions::default()
+    }
+}
+
+/// Per block, the fingerprints a read may return after a crash now.
+type Allowed = Vec<Vec<u64>>;
+
+/// A crash: both legs' images and what each block may read.
+struct Crash {
+    legs: [SimStorage; 2],
+    allowed: Allowed,
+}
+
+/// Run seeds `first..first + seeds`.
+pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
+    let started = Instant::now();
+    let mut report = MirrorWriteReport::default();
+    for seed in first..first + seeds {
+        if let Err(message) = run_seed(seed, &mut report) {
+            report.violations.push(format!("seed {seed}: {message}"));
+        }
+        report.seeds += 1;
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    report
+}
+
+fn mirror_over(volumes: [Arc<Volume>; 2]) -> Result<Mirror, String> {
+    let legs = volumes
+        .into_iter()
+        .enumerate()
+        .map(|(index, volume)| MirrorLeg {
+            name: format!("leg{index}"),
+            device: Some(volume as Arc<dyn BlockDevice>),
+            state: LegState::Active,
+        })
+        .collect();
+    Mirror::new(legs, None).map_err(|e| e.to_string())
+}
+
+/// One seed; violations are pushed to `report`, setup errors returned.
+pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let sim = SimStorage::new();
+    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
+    options.layout = if rng.chance(1, 2) {
+        LayoutKind::Split
+    } else {
+        LayoutKind::Packed
+    };
+    let volume = Volume::create(Arc::new(sim.clone()), &options).map_err(|e| e.to_string())?;
+    let zero = fingerprint(&[0u8; BLOCK]);
+    let mut allowed: Allowed = vec![vec![zero]; BLOCKS as usize];
+    for lba in 0..BLOCKS / 2 {
+        let data = rng.bytes(BLOCK);
+        volume
+            .write(lba * BLOCK as u64, &data, false)
+            .map_err(|e| e.to_string())?;
+        allowed[lba as usize] = vec![fingerprint(&data)];
+    }
+    volume.close().map_err(|e| e.to_string())?;
+    let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
+    let volumes = [0, 1].map(|at| {
+        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open_options())
+            .map(Arc::new)
+            .map_err(|e| format!("leg {at}: {e}"))
+    });
+    let [Ok(volume0), Ok(volume1)] = volumes else {
+        return Err("a leg does not open".into());
+    };
+    let mirror = mirror_over([volume0, volume1])?;
+
+    // The model the hooks read: what each block may hold if the exporter
+    // died now. Updated before each operation (its value is allowed while
+    // it runs) and after each flush (only the last value is).
+    let model = Arc::new(Mutex::new(allowed));
+    let crashes: Arc<Mutex<Vec<Crash>>> = Arc::new(Mutex::new(Vec::new()));
+    let points = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    for at in 0..2 {
+        let other = Arc::clone(&recorders[1 - at]);
+        let (model, crashes, points) = (model.clone(), crashes.clone(), points.clone());
+        let mut hook_rng = rng.fork();
+        recorders[at].set_hook(Some(Box::new(move |sim, order| {
+            points.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let other_order = other.order();
+            let mut pairs: Vec<(Strategy, Strategy)> = vec![
+                (Strategy::Persisted, Strategy::Dropped),
+                (Strategy::Dropped, Strategy::Persisted),
+            ];
+            let strategy = STRATEGIES[hook_rng.below(STRATEGIES.len() as u64) as usize];
+            pairs.push((strategy, strategy));
+            for (mine, theirs) in pairs {
+                let image = crash_image(sim, order, mine, 4096, &mut hook_rng);
+                let other_image =
+                    crash_image(&other.sim, &other_order, theirs, 4096, &mut hook_rng);
+                let legs = if at == 0 {
+                    [image, other_image]
+                } else {
+                    [other_image, image]
+                };
+                crashes.lock().push(Crash {
+                    legs,
+                    allowed: model.lock().clone(),
+                });
+            }
+        })));
+    }
+
+    for _ in 0..OPERATIONS {
+        let lba = rng.below(BLOCKS);
+        let count = rng.range(1, 4).min(BLOCKS - lba);
+        match rng.below(6) {
+            0 => {
+                let before = model.lock().clone();
+                mirror.flush().map_err(|e| format!("flush: {e}"))?;
+                let mut now = model.lock();
+                for (block, values) in now.iter_mut().enumerate() {
+                    let last = *before[block].last().expect("a value");
+                    *values = vec![last];
+                }
+            }
+            1 => {
+                {
+                    let mut now = model.lock();
+                    for block in lba..lba + count {
+                        now[block as usize].push(zero);
+                    }
+                }
+                mirror
+                    .trim(lba * BLOCK as u64, count * BLOCK as u64, false)
+                    .map_err(|e| format!("trim: {e}"))?;
+            }
+            _ => {
+                let data = rng.bytes(count as usize * BLOCK);
+                {
+                    let mut now = model.lock();
+                    for (index, block) in (lba..lba + count).enumerate() {
+                        now[block as usize]
+                            .push(fingerprint(&data[index * BLOCK..(index + 1) * BLOCK]));
+                    }
+                }
+                mirror
+                    .write(lba * BLOCK as u64, &data, rng.chance(1, 5))
+                    .map_err(|e| format!("write: {e}"))?;
+            }
+        }
+    }
+    for recorder in &recorders {
+        recorder.set_hook(None);
+    }
+    report.crash_points += points.load(std::sync::atomic::Ordering::Relaxed);
+    drop(mirror);
+    let crashes = std::mem::take(&mut *crashes.lock());
+    for (index, crash) in crashes.into_iter().enumerate() {
+        report.images += 1;
+        if let Err(message) = check_crash(crash, report) {
+            report
+                .violations
+                .push(format!("seed {seed} crash image pair {index}: {message}"));
+        }
+    }
+    Ok(())
+}
+
+/// Recover one crash image pair as a restart does and check the contract.
+fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), String> {
+    let [leg0, leg1] = crash.legs;
+    let open = |image: SimStorage, at: usize| {
+        Volume::open(Arc::new(image) as Arc<dyn Storage>, &open_options())
+            .map(Arc::new)
+            .map_err(|e| format!("leg {at} does not open: {e}"))
+    };
+    let volumes = [open(leg0, 0)?, open(leg1, 1)?];
+    let mirror = mirror_over([volumes[0].clone(), volumes[1].clone()])?;
+    mirror.read_one_leg_until_scrubbed();
+    let mut seen = Vec::with_capacity(BLOCKS as usize);
+    let mut diverged = false;
+    for lba in 0..BLOCKS {
+        let mut buf = vec![0u8; BLOCK];
+        mirror
+            .read(lba * BLOCK as u64, &mut buf)
+            .map_err(|e| format!("LBA {lba} fails after recovery: {e}"))?;
+        let print = fingerprint(&buf);
+        if !crash.allowed[lba as usize].contains(&print) {
+            return Err(format!(
+                "LBA {lba} reads a value no write or flush allows ({} allowed)",
+                crash.allowed[lba as usize].len()
+            ));
+        }
+        let mut other = vec![0u8; BLOCK];
+        if volumes[1].read(lba * BLOCK as u64, &mut other).is_err() || other != buf {
+            diverged = true;
+        }
+        seen.push(print);
+    }
+    report.diverged += u64::from(diverged);
+    let scrubbed = vouch_engine::mirror::scrub::scrub(&mirror, &JobControl::default())
+        .map_err(|e| format!("scrub: {e}"))?;
+    if scrubbed.left != 0 {
+        return Err(format!("the scrub left blocks: {scrubbed:?}"));
+    }
+    report.repaired += scrubbed.repaired;
+    if mirror.reads_one_leg() {
+        return Err("a scrub with nothing left must end one-leg reads".into());
+    }
+    for lba in 0..BLOCKS {
+        for (at, volume) in volumes.iter().enumerate() {
+            let mut buf = vec![0u8; BLOCK];
+            volume
+                .read(lba * BLOCK as u64, &mut buf)
+                .map_err(|e| format!("leg {at} LBA {lba} fails after the scrub: {e}"))?;
+            if fingerprint(&buf) != seen[lba as usize] {
+                return Err(format!(
+                    "leg {at} LBA {lba} changed under the scrub: it no longer holds what clients read before it"
+                ));
+            }
+        }
+    }
+    Ok(())
+}

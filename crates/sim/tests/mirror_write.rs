@@ -1,0 +1,28 @@
+//! Crashes of the exporter between and during the legs' writes: every
+//! block reads a value the contract allows, and the scrub after the
+//! restart makes the legs agree on what clients read
+//! (`vouch_sim::mirror_write`).
+
+#[test]
+fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
+    let report = vouch_sim::mirror_write::run(1, if cfg!(debug_assertions) { 3 } else { 16 });
+    assert!(
+        report.violations.is_empty(),
+        "{}\n{}",
+        report
+            .violations
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n"),
+        report.summary()
+    );
+    assert!(
+        report.images > 0 && report.diverged > 0,
+        "{}",
+        report.summary()
+    );
+    assert!(report.repaired > 0, "{}", report.summary());
+    eprintln!("{}", report.summary());
+}
