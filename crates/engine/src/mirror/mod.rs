@@ -1,5 +1,6 @@
 //! Mirrors: a `Mirror` is a `BlockDevice` over 2 or 3 legs, each another
-//! `BlockDevice` (a local `Volume` today; a remote replica is another
+//! `BlockDevice` (a local `Volume`, or a remote replica: vouch-replica's
+//! `RemoteLeg`, members named `vouch://HOST:PORT/NAME`, `remote.rs`; another
 //! implementation of the same trait). It sits outside the engine's paths:
 //! it sees its legs only through the trait.
 //!
