@@ -154,7 +154,7 @@ fn leg_rows(path: &Path) -> Result<Vec<(usize, String, &'static str)>> {
     // set's volume).
     for (index, member) in record.members.iter().enumerate() {
         if mirror::is_remote_member(&member.path) && member.state == LegState::Active {
-            if let Err(error) = crate::replica::open_leg(&member.path, &record) {
+            if let Err(error) = crate::replica::probe_member(&member.path, &record) {
                 eprintln!(
                     "vouch: WARNING: mirror leg {index} ({}): {error}",
                     member.path

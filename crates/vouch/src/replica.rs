@@ -114,6 +114,22 @@ pub fn open_leg(url: &str, record: &MirrorRecord) -> vouch_engine::Result<Remote
     Ok(leg)
 }
 
+/// Is the remote member `url` there for `status` and `info`? A replica
+/// held by its exporter (a running `serve`) answers `IN_USE`: it is
+/// reachable and in use, which counts as present (its uuid was checked
+/// when the exporter opened it).
+pub fn probe_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<()> {
+    match open_leg(url, record) {
+        Ok(_) => Ok(()),
+        Err(vouch_engine::Error::InvalidArgument(message))
+            if message.contains("is in use by another exporter") =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
 /// `open_leg` as a mirror leg.
 pub fn open_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<Arc<dyn BlockDevice>> {
     Ok(Arc::new(open_leg(url, record)?))

@@ -71,6 +71,12 @@ fn a_local_and_a_remote_leg_serve_over_nbd_and_a_corrupt_remote_block_is_repaire
     );
 
     let mut server = Server::start(dir.path(), &[s(&a)]);
+    // While the exporter holds the replica, status still counts it present.
+    let status = text(&vouch_ok(&["mirror", "status", s(&a)]));
+    assert!(
+        status.contains(&format!("leg 1: {url}: active")),
+        "{status}"
+    );
     write_blocks(&server.uri, 500);
     assert_eq!(read_blocks(&server.uri, 500)["bad"], serde_json::json!([]));
     server.stop();
