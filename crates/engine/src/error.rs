@@ -98,6 +98,11 @@ pub enum Error {
     /// `JobControl`; the message says how far it got.
     #[error("{0}")]
     Cancelled(String),
+    /// A remote device (a replica) could not be reached, or its connection
+    /// failed or timed out mid-request: the device, not the request, is at
+    /// fault, and it stays unreachable until it is opened again.
+    #[error("{0}")]
+    Unreachable(String),
     /// A caller asked for something impossible (a size, a geometry).
     #[error("{0}")]
     InvalidArgument(String),

@@ -52,6 +52,7 @@ pub fn to_export_error(error: Error) -> ExportError {
         | Error::Key(_)
         | Error::Path { .. }
         | Error::Cancelled(_)
+        | Error::Unreachable(_)
         | Error::InVolume { .. } => ExportError::new(Errno::Io, error.to_string()),
     }
 }

@@ -7,6 +7,7 @@ mod inject;
 mod key;
 mod mirror;
 mod offload;
+mod replica;
 mod serve;
 
 use std::path::PathBuf;
@@ -27,6 +28,8 @@ struct Cli {
     log: String,
     #[command(flatten)]
     key: key::KeyArgs,
+    #[command(flatten)]
+    replica: replica::ReplicaClientArgs,
     #[command(subcommand)]
     command: Command,
 }
@@ -73,7 +76,10 @@ enum Command {
         /// leg is a whole volume with the same uuid; `serve`, `info`,
         /// `check` and `scrub` given any leg use every leg, and a block
         /// that fails verification on one leg is repaired from another.
-        #[arg(long, value_name = "PATH2")]
+        /// A leg may be a remote replica, vouch://HOST:PORT/NAME: created
+        /// as NAME on that host's `vouch replica serve` (PATH, leg 0, stays
+        /// local and keeps the set's record).
+        #[arg(long, value_name = "PATH2|vouch://HOST:PORT/NAME")]
         mirror: Vec<PathBuf>,
         #[command(flatten)]
         create: CreateArgs,
@@ -142,6 +148,12 @@ enum Command {
         #[command(subcommand)]
         command: mirror::MirrorCommand,
     },
+    /// Remote replicas: `vouch replica serve DIR --listen ADDR:PORT` holds
+    /// them for the hosts that export their volumes.
+    Replica {
+        #[command(subcommand)]
+        command: replica::ReplicaCommand,
+    },
     /// Manage an encrypted volume's key.
     Key {
         #[command(subcommand)]
@@ -189,6 +201,7 @@ fn main() -> ExitCode {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     key::init(cli.key.clone());
+    replica::init(cli.replica.clone());
     let result = match cli.command {
         Command::Create {
             path,
@@ -215,6 +228,7 @@ fn main() -> ExitCode {
         Command::Copy(args) => offload::cli_ops::copy(args),
         Command::Compare(args) => offload::cli_ops::compare(args),
         Command::Key { command } => key::run(command),
+        Command::Replica { command } => replica::run(command),
     };
     match result {
         Ok(code) => code,

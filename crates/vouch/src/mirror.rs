@@ -76,10 +76,15 @@ pub struct OpenMirror {
 /// Open the set the leg at `path` belongs to; warnings go to stderr.
 pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirror> {
     let writable = !options.read_only;
-    let set = mirror::open_mirror(path, writable, &mut |leg| {
-        crate::key::open(leg, options.clone(), purpose)
-            .map_err(|error| vouch_engine::Error::InvalidArgument(format!("{error:#}")))
-    })?;
+    let set = mirror::open_mirror_with(
+        path,
+        writable,
+        &mut |leg| {
+            crate::key::open(leg, options.clone(), purpose)
+                .map_err(|error| vouch_engine::Error::InvalidArgument(format!("{error:#}")))
+        },
+        &mut |url, record| crate::replica::open_member(url, record),
+    )?;
     for warning in &set.warnings {
         eprintln!("vouch: WARNING: {warning}");
         tracing::warn!("{warning}");
@@ -150,7 +155,10 @@ pub fn create(
     let mut paths = vec![path.to_path_buf()];
     paths.extend(mirrors.iter().cloned());
     let options = crate::commands::create_options(size, args)?;
-    mirror::create_mirror(&paths, &options)?.close()?;
+    mirror::create_mirror_with(&paths, &options, &mut |url, leg0| {
+        crate::replica::create_member(url, leg0)
+    })?
+    .close()?;
     let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     println!(
         "created a {}-way mirror ({size} bytes): {}",
@@ -163,7 +171,20 @@ pub fn create(
 /// The legs as the set's view (the newest record found) and the disks
 /// say: (index, path, state or "missing").
 fn leg_rows(path: &Path) -> Result<Vec<(usize, String, &'static str)>> {
-    let (record, missing) = mirror::set::view(path)?;
+    let (record, mut missing) = mirror::set::view(path)?;
+    // A remote member is reached to be counted present (and must hold the
+    // set's volume).
+    for (index, member) in record.members.iter().enumerate() {
+        if mirror::is_remote_member(&member.path) && member.state == LegState::Active {
+            if let Err(error) = crate::replica::probe_member(&member.path, &record) {
+                eprintln!(
+                    "vouch: WARNING: mirror leg {index} ({}): {error}",
+                    member.path
+                );
+                missing[index] = Some(error.to_string());
+            }
+        }
+    }
     Ok(record
         .members
         .iter()
@@ -242,8 +263,28 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             }
             continue;
         }
-        let volume = crate::commands::open_read_only(Path::new(&leg), Use::Verify)?;
-        let report = volume.check(|_, _| {})?;
+        let report = if mirror::is_remote_member(&leg) {
+            // Verified on the replica, next to its data.
+            let record = mirror::set::read_record(path)?;
+            match crate::replica::check_member(&leg, &record) {
+                Ok((blocks_checked, faults)) => vouch_engine::CheckReport {
+                    blocks_checked,
+                    faults,
+                },
+                Err(error) => {
+                    clean = false;
+                    if !json_output {
+                        println!("leg {index}: {leg} ({state}): not checked: {error}");
+                    }
+                    reports.push(json!({"leg": index, "path": leg, "state": state,
+                        "error": error.to_string()}));
+                    continue;
+                }
+            }
+        } else {
+            let volume = crate::commands::open_read_only(Path::new(&leg), Use::Verify)?;
+            volume.check(|_, _| {})?
+        };
         clean &= report.faults.is_empty() && state == "active";
         let faults: Vec<_> = report
             .faults
@@ -341,6 +382,12 @@ pub fn replace(path: &Path, leg: usize) -> Result<ExitCode> {
             .with_context(|| format!("the mirror has no leg {leg}"))?
             .path,
     );
+    if mirror::is_remote_member(&target.to_string_lossy()) {
+        bail!(
+            "leg {leg} ({}) is a remote replica: replacing a remote leg is not supported yet (it comes with resync)",
+            target.display()
+        );
+    }
     let set = open(path, OpenOptions::default(), Use::Data)?;
     if set.mirror.active().contains(&leg) {
         bail!(

@@ -285,6 +285,25 @@ impl Mirror {
 
     /// Fault `leg` (no more I/O), unless it is the last active one.
     pub fn fault(&self, leg: usize, why: &str) {
+        self.take_out(leg, why, LegState::Faulted);
+    }
+
+    /// Take `leg` out after `error`: a leg that could not be reached (a
+    /// remote replica whose connection failed or timed out) is marked
+    /// stale, since its copy is only behind, not bad; any other failure
+    /// faults it.
+    pub(super) fn fail(&self, leg: usize, why: &str, error: &Error) {
+        let state = if matches!(error, Error::Unreachable(_)) {
+            LegState::Stale
+        } else {
+            LegState::Faulted
+        };
+        self.take_out(leg, why, state);
+    }
+
+    /// Mark `leg` faulted or stale (no more I/O), unless it is the last
+    /// active one.
+    fn take_out(&self, leg: usize, why: &str, state: LegState) {
         let _decide = self.faulting.lock();
         let active = self.active();
         if !active.contains(&leg) {
@@ -300,17 +319,19 @@ impl Mirror {
             );
             return;
         }
-        self.legs[leg]
-            .state
-            .store(LegState::Faulted as u8, Ordering::Release);
+        self.legs[leg].state.store(state as u8, Ordering::Release);
+        let shown = match state {
+            LegState::Stale => "STALE (unreachable)",
+            _ => "FAULTED",
+        };
         tracing::error!(
             leg,
             name,
             why,
-            "mirror: leg FAULTED: no more I/O to it until it is replaced"
+            "mirror: leg {shown}: no more I/O to it until it is replaced"
         );
         if let Some(membership) = &self.membership {
-            if let Err(error) = membership.set_state(leg, LegState::Faulted) {
+            if let Err(error) = membership.set_state(leg, state) {
                 tracing::error!(leg, name, %error, "mirror: cannot record the fault in the mirror records");
             }
         }
@@ -413,7 +434,7 @@ impl Mirror {
             };
         }
         for (leg, error) in failed {
-            self.fault(leg, &format!("{what} failed: {error}"));
+            self.fail(leg, &format!("{what} failed: {error}"), &error);
         }
         Ok(())
     }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use vouch_format::mirror::{LegState, MirrorMember, MirrorRecord, MAX_LEGS, MIN_LEGS};
 
+use super::remote::is_remote_member;
 use super::set::{
     create_leg_like, is_mirrored, mark_unsynced, read_record, view, write_record, RECORD_FILE,
     UNSYNCED_FILE,
@@ -39,7 +40,9 @@ fn canonical(path: &Path) -> Result<String> {
 fn lock_legs(paths: &[PathBuf]) -> Result<Vec<FileStorage>> {
     paths
         .iter()
-        .filter(|path| path.join("superblock").exists())
+        .filter(|path| {
+            !is_remote_member(&path.to_string_lossy()) && path.join("superblock").exists()
+        })
         .map(|path| {
             let geometry = crate::volume_superblock(path)?
                 .geometry()
@@ -63,6 +66,12 @@ fn lock_legs(paths: &[PathBuf]) -> Result<Vec<FileStorage>> {
 /// (its records do not name the new leg) and an orphan directory, which a
 /// retry refuses by name (remove it and run `add` again).
 pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
+    if is_remote_member(&target.to_string_lossy()) {
+        return Err(Error::InvalidArgument(format!(
+            "{}: adding a remote leg to an existing volume is not supported yet (create the volume with --mirror vouch://...)",
+            target.display()
+        )));
+    }
     if target.exists() {
         return Err(path_error(
             "add",
@@ -92,9 +101,9 @@ pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
     let source = record
         .members
         .iter()
-        .find(|member| member.state == LegState::Active)
+        .find(|member| member.state == LegState::Active && !is_remote_member(&member.path))
         .map(|member| PathBuf::from(&member.path))
-        .ok_or_else(|| Error::Corrupt("no active leg to copy the superblock from".into()))?;
+        .ok_or_else(|| Error::Corrupt("no active local leg to copy the superblock from".into()))?;
     let legs: Vec<PathBuf> = record
         .members
         .iter()
@@ -111,6 +120,11 @@ pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
     record.leg = index as u16;
     write_record(target, &record)?;
     for (leg, member) in record.members.iter().enumerate().take(index) {
+        // Remote members keep no record: the set's records live on its
+        // local legs.
+        if is_remote_member(&member.path) {
+            continue;
+        }
         if member.state == LegState::Active || Path::new(&member.path).join(RECORD_FILE).exists() {
             let mut copy = record.clone();
             copy.leg = leg as u16;
@@ -158,6 +172,15 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
     if !next
         .members
         .iter()
+        .any(|member| !is_remote_member(&member.path))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "leg {leg} is the last local leg: the set's records live on local legs"
+        )));
+    }
+    if !next
+        .members
+        .iter()
         .any(|member| member.state == LegState::Active)
     {
         return Err(Error::InvalidArgument(format!(
@@ -178,6 +201,9 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
     if next.members.len() >= MIN_LEGS {
         for (index, member) in next.members.iter().enumerate() {
             let dir = Path::new(&member.path);
+            if is_remote_member(&member.path) {
+                continue;
+            }
             if member.state == LegState::Active || dir.join(RECORD_FILE).exists() {
                 let mut copy = next.clone();
                 copy.leg = index as u16;
@@ -189,7 +215,7 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
         mark_unsynced(&record, false)?;
         remove_record(&remaining[0])?;
     }
-    if removed.exists() {
+    if !is_remote_member(&member_path(&removed)) && removed.exists() {
         remove_record(&removed)?;
         let marker = removed.join(UNSYNCED_FILE);
         if marker.exists() {
@@ -201,6 +227,10 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
         state,
         remaining,
     })
+}
+
+fn member_path(path: &Path) -> String {
+    path.to_string_lossy().into_owned()
 }
 
 /// Remove a leg's record durably (file, then directory fsync).

@@ -1,5 +1,6 @@
 //! Mirrors: a `Mirror` is a `BlockDevice` over 2 or 3 legs, each another
-//! `BlockDevice` (a local `Volume` today; a remote replica is another
+//! `BlockDevice` (a local `Volume`, or a remote replica: vouch-replica's
+//! `RemoteLeg`, members named `vouch://HOST:PORT/NAME`, `remote.rs`; another
 //! implementation of the same trait). It sits outside the engine's paths:
 //! it sees its legs only through the trait.
 //!
@@ -23,12 +24,17 @@
 
 mod device;
 pub mod manage;
+pub mod remote;
 mod repair;
 pub mod scrub;
 pub mod set;
 
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
-pub use set::{create_mirror, is_mirrored, open_mirror, FileMembership, OpenedSet};
+pub use remote::{is_remote_member, LegTemplate};
+pub use set::{
+    create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
+    OpenedSet,
+};
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 

@@ -65,6 +65,9 @@ impl Mirror {
                         "mirror: leg failed a read; reading another leg"
                     );
                     self.count(candidate, "io", false);
+                    if matches!(error, Error::Unreachable(_)) {
+                        self.fail(candidate, &format!("read failed: {error}"), &error);
+                    }
                 }
             }
         }

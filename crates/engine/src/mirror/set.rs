@@ -108,6 +108,30 @@ pub fn write_record(path: &Path, record: &MirrorRecord) -> Result<()> {
 /// each other leg with leg 0's superblock, then every leg's record. On
 /// failure nothing is left behind.
 pub fn create_mirror(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
+    create_mirror_with(paths, options, &mut |url, _| {
+        Err(Error::Unsupported(format!(
+            "mirror member {url} is remote: this caller cannot reach remote replicas"
+        )))
+    })
+}
+
+/// `create_mirror` where members may be remote (`remote::is_remote_member`):
+/// `create_remote(url, leg 0's path)` creates each from leg 0 after leg 0
+/// exists (leg 0 must be local). A remote member that was created is not
+/// removed on a later failure: the error names it.
+pub fn create_mirror_with(
+    paths: &[PathBuf],
+    options: &CreateOptions,
+    create_remote: &mut dyn FnMut(&str, &Path) -> Result<()>,
+) -> Result<Volume> {
+    if paths
+        .first()
+        .is_some_and(|first| super::is_remote_member(&first.to_string_lossy()))
+    {
+        return Err(Error::InvalidArgument(
+            "leg 0 of a mirror must be a local directory (it keeps the set's record)".into(),
+        ));
+    }
     if !(MIN_LEGS..=MAX_LEGS).contains(&paths.len()) {
         return Err(Error::InvalidArgument(format!(
             "a mirror has 2 or 3 legs, not {}",
@@ -115,7 +139,7 @@ pub fn create_mirror(paths: &[PathBuf], options: &CreateOptions) -> Result<Volum
         )));
     }
     for (index, path) in paths.iter().enumerate() {
-        if path.exists() {
+        if !is_remote(path) && path.exists() {
             return Err(path_error(
                 "create",
                 path,
@@ -126,13 +150,17 @@ pub fn create_mirror(paths: &[PathBuf], options: &CreateOptions) -> Result<Volum
             return Err(path_error("create", path, "is given twice"));
         }
     }
-    let result = create_legs(paths, options);
+    let result = create_legs(paths, options, create_remote);
     if result.is_err() {
-        for path in paths {
+        for path in paths.iter().filter(|path| !is_remote(path)) {
             let _ = std::fs::remove_dir_all(path);
         }
     }
     result
+}
+
+fn is_remote(path: &Path) -> bool {
+    super::is_remote_member(&path.to_string_lossy())
 }
 
 /// Create an empty leg at `target` with the superblock of the leg at
@@ -163,14 +191,25 @@ pub fn create_leg_like(source: &Path, target: &Path) -> Result<()> {
         .map_err(|error| path_error("write", &file, error))
 }
 
-fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
+fn create_legs(
+    paths: &[PathBuf],
+    options: &CreateOptions,
+    create_remote: &mut dyn FnMut(&str, &Path) -> Result<()>,
+) -> Result<Volume> {
     crate::create_volume(&paths[0], options)?.close()?;
     for path in &paths[1..] {
-        create_leg_like(&paths[0], path)?;
+        if is_remote(path) {
+            create_remote(&path.to_string_lossy(), &paths[0])?;
+        } else {
+            create_leg_like(&paths[0], path)?;
+        }
     }
     let absolute: Vec<PathBuf> = paths
         .iter()
         .map(|path| {
+            if is_remote(path) {
+                return Ok(path.clone());
+            }
             path.canonicalize()
                 .map_err(|error| path_error("open", path, error))
         })
@@ -189,15 +228,17 @@ fn create_legs(paths: &[PathBuf], options: &CreateOptions) -> Result<Volume> {
             .collect(),
     };
     for (index, path) in paths.iter().enumerate() {
-        record.leg = index as u16;
-        write_record(path, &record)?;
+        if !is_remote(path) {
+            record.leg = index as u16;
+            write_record(path, &record)?;
+        }
     }
     let open = crate::options::OpenOptions {
         key: options.encrypt.clone(),
         ..Default::default()
     };
     // Every leg must open as a volume; leg 0 is returned.
-    for path in &paths[1..] {
+    for path in paths[1..].iter().filter(|path| !is_remote(path)) {
         crate::open_volume(path, &open)?.close()?;
     }
     crate::open_volume(&paths[0], &open)
@@ -214,6 +255,12 @@ pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
     for (index, member) in given.members.iter().enumerate() {
         if index == usize::from(given.leg) {
             found.push(Some(given.clone()));
+            reasons.push(None);
+            continue;
+        }
+        if super::is_remote_member(&member.path) {
+            // No record there: whoever opens the set reaches it.
+            found.push(None);
             reasons.push(None);
             continue;
         }
@@ -267,6 +314,8 @@ pub struct OpenedLeg {
     /// The open volume: `None` if the leg is not active or could not be
     /// opened (`missing` says why).
     pub volume: Option<Volume>,
+    /// A remote member, opened (`None`: local, not active or missing).
+    pub remote: Option<Arc<dyn BlockDevice>>,
     pub missing: Option<String>,
 }
 
@@ -290,7 +339,10 @@ impl OpenedSet {
             let volume = leg.volume.map(Arc::new);
             legs.push(MirrorLeg {
                 name: leg.path.display().to_string(),
-                device: volume.clone().map(|v| v as Arc<dyn BlockDevice>),
+                device: volume
+                    .clone()
+                    .map(|v| v as Arc<dyn BlockDevice>)
+                    .or(leg.remote),
                 state: leg.state,
             });
             volumes.push(volume);
@@ -312,6 +364,25 @@ pub fn open_mirror(
     writable: bool,
     open_leg: &mut dyn FnMut(&Path) -> Result<Volume>,
 ) -> Result<OpenedSet> {
+    open_mirror_with(path, writable, open_leg, &mut |url, _| {
+        Err(Error::Unsupported(format!(
+            "{url} is remote: this caller cannot reach remote replicas"
+        )))
+    })
+}
+
+/// Opens a remote member of a set (its URL, the set's record).
+pub type OpenRemote<'a> = dyn FnMut(&str, &MirrorRecord) -> Result<Arc<dyn BlockDevice>> + 'a;
+
+/// `open_mirror` where members may be remote: `open_remote(url, record)`
+/// connects to one and checks it belongs to the set (its uuid is
+/// `record.uuid`); a remote member that fails is missing like a local one.
+pub fn open_mirror_with(
+    path: &Path,
+    writable: bool,
+    open_leg: &mut dyn FnMut(&Path) -> Result<Volume>,
+    open_remote: &mut OpenRemote,
+) -> Result<OpenedSet> {
     let (mut record, reasons) = view(path)?;
     let mut warnings = Vec::new();
     let mut legs = Vec::new();
@@ -321,10 +392,16 @@ pub fn open_mirror(
             path: leg_path.clone(),
             state: member.state,
             volume: None,
+            remote: None,
             missing: reasons[index].clone(),
         };
         if member.state == LegState::Active {
-            if leg.missing.is_none() {
+            if leg.missing.is_none() && super::is_remote_member(&member.path) {
+                match open_remote(&member.path, &record) {
+                    Ok(device) => leg.remote = Some(device),
+                    Err(error) => leg.missing = Some(error.to_string()),
+                }
+            } else if leg.missing.is_none() {
                 match open_leg(&leg_path) {
                     Ok(volume) => leg.volume = Some(volume),
                     Err(error) => leg.missing = Some(error.to_string()),
@@ -346,6 +423,8 @@ pub fn open_mirror(
         legs.push(leg);
     }
     if legs.iter().all(|leg| leg.volume.is_none()) {
+        // Leg 0 (local) keeps the record: a set is never served from
+        // remote members alone.
         return Err(Error::Corrupt(format!(
             "no active leg of the mirror could be opened: {}",
             warnings.join("; ")
@@ -354,7 +433,9 @@ pub fn open_mirror(
     let lost: Vec<usize> = legs
         .iter()
         .enumerate()
-        .filter(|(_, leg)| leg.state == LegState::Active && leg.volume.is_none())
+        .filter(|(_, leg)| {
+            leg.state == LegState::Active && leg.volume.is_none() && leg.remote.is_none()
+        })
         .map(|(index, _)| index)
         .collect();
     if writable && !lost.is_empty() {
@@ -380,7 +461,7 @@ pub fn open_mirror(
 fn store_on_active_legs(record: &MirrorRecord) -> Result<()> {
     let mut copy = record.clone();
     for (index, member) in record.members.iter().enumerate() {
-        if member.state == LegState::Active {
+        if member.state == LegState::Active && !super::is_remote_member(&member.path) {
             copy.leg = index as u16;
             write_record(Path::new(&member.path), &copy)?;
         }

@@ -1,0 +1,335 @@
+//! One connection to a replica server: requests carry handles so several
+//! are in flight; a reader task hands each answer to its waiting caller.
+//! Callers are ordinary threads (the `BlockDevice` is synchronous): each
+//! waits for its answer with a timeout. A connection that fails — a read
+//! or write error, a malformed answer, a request that timed out — is dead
+//! for good: every waiting and later request fails at once with the
+//! reason, and only opening the leg again reconnects (never silently
+//! mid-run, where writes the replica missed would go unnoticed).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+
+use crate::url::ReplicaUrl;
+use crate::wire::{
+    self, encode_request, ErrorBody, Hello, Request, ResponseHeader, Status, HELLO_BYTES, HELLO_OK,
+    HELLO_VERSION_REFUSED, PROTOCOL_VERSION, RESPONSE_HEADER_BYTES,
+};
+
+/// How a client reaches replicas.
+#[derive(Clone)]
+pub struct ClientOptions {
+    /// Bound on each request's round trip.
+    pub timeout: Duration,
+    /// TLS (server verified against a CA, and a client certificate);
+    /// `None`: plain TCP.
+    pub tls: Option<Arc<rustls::ClientConfig>>,
+}
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        ClientOptions {
+            timeout: crate::REQUEST_TIMEOUT,
+            tls: None,
+        }
+    }
+}
+
+/// Why a request did not get an answer, or got an error.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ClientError {
+    /// Cannot connect, or the connection failed or timed out.
+    #[error("{0}")]
+    Unreachable(String),
+    /// The server refused the handshake (another protocol version, not a
+    /// replica server).
+    #[error("{0}")]
+    Refused(String),
+    /// The server answered with an error.
+    #[error("{}", body.message)]
+    Remote { status: Status, body: ErrorBody },
+}
+
+type Answer = Result<(Status, Vec<u8>), String>;
+
+struct Shared {
+    pending: Mutex<HashMap<u64, SyncSender<Answer>>>,
+    /// Why the connection is dead; `None` while it lives.
+    dead: Mutex<Option<String>>,
+}
+
+impl Shared {
+    /// Mark the connection dead (the first reason wins) and fail every
+    /// waiting request.
+    fn kill(&self, reason: String) {
+        let mut dead = self.dead.lock();
+        if dead.is_none() {
+            *dead = Some(reason);
+        }
+        let reason = dead.clone().expect("set above");
+        drop(dead);
+        for (_, waiter) in self.pending.lock().drain() {
+            let _ = waiter.try_send(Err(reason.clone()));
+        }
+    }
+}
+
+/// A connection to one replica server.
+pub struct Connection {
+    runtime: Option<tokio::runtime::Runtime>,
+    frames: UnboundedSender<Vec<u8>>,
+    shared: Arc<Shared>,
+    tasks: Vec<tokio::task::AbortHandle>,
+    next_handle: AtomicU64,
+    timeout: Duration,
+    /// How errors name the peer.
+    pub peer: String,
+}
+
+/// Read exactly `buf.len()` bytes.
+async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std::io::Result<()> {
+    reader.read_exact(buf).await.map(|_| ())
+}
+
+impl Connection {
+    /// Connect to the server of `url` and shake hands (version checked).
+    pub fn connect(url: &ReplicaUrl, options: &ClientOptions) -> Result<Connection, ClientError> {
+        let peer = url.to_string();
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("vouch-replica-client")
+            .enable_all()
+            .build()
+            .map_err(|error| ClientError::Unreachable(format!("{peer}: runtime: {error}")))?;
+        let address = url.address();
+        let host = url.host.clone();
+        let tls = options.tls.clone();
+        let unreachable = |why: String| ClientError::Unreachable(format!("replica {peer}: {why}"));
+        let connected = runtime.block_on(async {
+            let tcp = tokio::time::timeout(crate::CONNECT_TIMEOUT, TcpStream::connect(&address))
+                .await
+                .map_err(|_| {
+                    unreachable(format!(
+                        "connecting timed out after {:?}",
+                        crate::CONNECT_TIMEOUT
+                    ))
+                })?
+                .map_err(|error| unreachable(format!("cannot connect: {error}")))?;
+            let _ = tcp.set_nodelay(true);
+            let handshake = async {
+                match tls {
+                    Some(config) => {
+                        let name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(
+                            |error| unreachable(format!("TLS server name {host:?}: {error}")),
+                        )?;
+                        let stream = tokio_rustls::TlsConnector::from(config)
+                            .connect(name, tcp)
+                            .await
+                            .map_err(|error| {
+                                unreachable(format!("TLS handshake failed: {error}"))
+                            })?;
+                        let (reader, writer) = tokio::io::split(stream);
+                        Ok::<_, ClientError>(
+                            Self::hello(Box::new(reader), Box::new(writer), &peer).await?,
+                        )
+                    }
+                    None => {
+                        let (reader, writer) = tcp.into_split();
+                        Self::hello(Box::new(reader), Box::new(writer), &peer).await
+                    }
+                }
+            };
+            tokio::time::timeout(crate::CONNECT_TIMEOUT, handshake)
+                .await
+                .map_err(|_| {
+                    unreachable("the handshake timed out (does the server want TLS?)".into())
+                })?
+        })?;
+        let (reader, writer) = connected;
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(HashMap::new()),
+            dead: Mutex::new(None),
+        });
+        let (frames, mut outgoing) = unbounded_channel::<Vec<u8>>();
+        let writing = {
+            let shared = Arc::clone(&shared);
+            let peer = peer.clone();
+            runtime.spawn(async move {
+                let mut writer = writer;
+                while let Some(frame) = outgoing.recv().await {
+                    if let Err(error) = writer.write_all(&frame).await {
+                        shared.kill(format!("replica {peer}: connection lost: {error}"));
+                        return;
+                    }
+                }
+                let _ = writer.shutdown().await;
+            })
+        };
+        let reading = {
+            let shared = Arc::clone(&shared);
+            let peer = peer.clone();
+            runtime.spawn(async move {
+                let why = Self::read_answers(reader, &shared).await;
+                shared.kill(format!("replica {peer}: {why}"));
+            })
+        };
+        Ok(Connection {
+            runtime: Some(runtime),
+            frames,
+            shared,
+            tasks: vec![writing.abort_handle(), reading.abort_handle()],
+            next_handle: AtomicU64::new(1),
+            timeout: options.timeout,
+            peer,
+        })
+    }
+
+    /// Send our hello, read the server's, refuse another version by name.
+    async fn hello(
+        mut reader: Box<dyn AsyncRead + Send + Unpin>,
+        mut writer: Box<dyn AsyncWrite + Send + Unpin>,
+        peer: &str,
+    ) -> Result<
+        (
+            Box<dyn AsyncRead + Send + Unpin>,
+            Box<dyn AsyncWrite + Send + Unpin>,
+        ),
+        ClientError,
+    > {
+        let ours = Hello {
+            version: PROTOCOL_VERSION,
+            status: HELLO_OK,
+        };
+        let lost = |error: std::io::Error| {
+            ClientError::Unreachable(format!("replica {peer}: handshake: {error}"))
+        };
+        writer.write_all(&ours.encode()).await.map_err(lost)?;
+        writer.flush().await.map_err(lost)?;
+        let mut bytes = [0u8; HELLO_BYTES];
+        read_exact(&mut reader, &mut bytes).await.map_err(|error| {
+            ClientError::Refused(format!(
+                "replica {peer}: the server closed the connection during the handshake ({error}): not a vouch replica server, or it wants TLS, or it refused our certificate"
+            ))
+        })?;
+        let theirs = Hello::decode(&bytes).map_err(|_| {
+            ClientError::Refused(format!(
+                "replica {peer}: not a vouch replica server (bad handshake magic)"
+            ))
+        })?;
+        if theirs.version != PROTOCOL_VERSION {
+            return Err(ClientError::Refused(format!(
+                "replica {peer}: {}",
+                wire::version_refusal(theirs.version)
+            )));
+        }
+        match theirs.status {
+            HELLO_OK => Ok((reader, writer)),
+            HELLO_VERSION_REFUSED => Err(ClientError::Refused(format!(
+                "replica {peer}: the server refused our version: {}",
+                wire::version_refusal(PROTOCOL_VERSION)
+            ))),
+            other => Err(ClientError::Refused(format!(
+                "replica {peer}: unknown handshake status {other}"
+            ))),
+        }
+    }
+
+    /// Hand each answer to its waiter until the connection fails; returns why.
+    async fn read_answers(
+        mut reader: Box<dyn AsyncRead + Send + Unpin>,
+        shared: &Shared,
+    ) -> String {
+        loop {
+            let mut header = [0u8; RESPONSE_HEADER_BYTES];
+            if let Err(error) = read_exact(&mut reader, &mut header).await {
+                return format!("connection lost: {error}");
+            }
+            let header = match ResponseHeader::decode(&header) {
+                Ok(header) => header,
+                Err(error) => return format!("malformed answer: {error}"),
+            };
+            let mut payload = vec![0u8; header.payload_bytes as usize];
+            if let Err(error) = read_exact(&mut reader, &mut payload).await {
+                return format!("connection lost: {error}");
+            }
+            let Some(waiter) = shared.pending.lock().remove(&header.handle) else {
+                return format!("an answer for unknown handle {}", header.handle);
+            };
+            let _ = waiter.try_send(Ok((header.status, payload)));
+        }
+    }
+
+    /// Send `request` and wait for its answer: the payload of an OK
+    /// answer, or the error.
+    pub fn call(&self, request: &Request) -> Result<Vec<u8>, ClientError> {
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let (waiter, answer) = sync_channel(1);
+        self.shared.pending.lock().insert(handle, waiter);
+        // Checked after registering: a connection killed before that
+        // would never answer this waiter.
+        if let Some(reason) = self.shared.dead.lock().clone() {
+            self.shared.pending.lock().remove(&handle);
+            return Err(ClientError::Unreachable(reason));
+        }
+        if self.frames.send(encode_request(handle, request)).is_err() {
+            self.shared.pending.lock().remove(&handle);
+            return Err(ClientError::Unreachable(format!(
+                "replica {}: connection closed",
+                self.peer
+            )));
+        }
+        let answer = match answer.recv_timeout(self.timeout) {
+            Ok(answer) => answer,
+            Err(RecvTimeoutError::Timeout) => {
+                let reason = format!(
+                    "replica {}: request timed out after {:?}; the connection is dropped",
+                    self.peer, self.timeout
+                );
+                self.kill(reason.clone());
+                return Err(ClientError::Unreachable(reason));
+            }
+            Err(RecvTimeoutError::Disconnected) => Err("connection closed".to_string()),
+        };
+        let (status, payload) = answer.map_err(ClientError::Unreachable)?;
+        if status == Status::Ok {
+            return Ok(payload);
+        }
+        let body = ErrorBody::decode(&payload).map_err(|error| {
+            let reason = format!("replica {}: malformed error answer: {error}", self.peer);
+            self.kill(reason.clone());
+            ClientError::Unreachable(reason)
+        })?;
+        Err(ClientError::Remote { status, body })
+    }
+
+    /// Mark the connection dead now (a malformed answer, a timeout).
+    pub fn kill(&self, reason: String) {
+        self.shared.kill(reason);
+        for task in &self.tasks {
+            task.abort();
+        }
+    }
+
+    /// Why the connection is dead, if it is.
+    pub fn dead(&self) -> Option<String> {
+        self.shared.dead.lock().clone()
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.kill(format!("replica {}: connection closed", self.peer));
+        if let Some(runtime) = self.runtime.take() {
+            // Allowed on any thread, async or not.
+            runtime.shutdown_background();
+        }
+    }
+}

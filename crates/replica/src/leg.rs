@@ -1,0 +1,464 @@
+//! `RemoteLeg`: a replica on another host as a `BlockDevice`, so a
+//! `Mirror` uses it like a local leg.
+//!
+//! PI travels with the data. A `Mirror` seals each write once on the
+//! exporter (`seal_blocks` of its first active leg, with the mirror's
+//! generation) and hands every leg the same sealed blocks; this leg sends
+//! them, data and context together (`WRITE_SEALED`), after checking them
+//! here, and the replica verifies each block against its context before
+//! storing it (`Volume::write_sealed`), keeping the guard and generation
+//! sent. `seal_blocks` and `write` seal here with the volume's plain
+//! protection (guard, reference tag = LBA, volume tag) when this leg is
+//! the one asked to seal or the caller is not a mirror. Reads fetch
+//! blocks with their contexts (`READ_SEALED`) and verify them again here,
+//! so a block damaged anywhere between the replica's disk and this
+//! process is a fault naming its LBA, and the mirror repairs it.
+//!
+//! Every request is bounded by the connection's timeout; a connection that
+//! fails makes every later call fail with `Error::Unreachable` (the mirror
+//! marks the leg stale) until the leg is opened again.
+
+use std::ops::Range;
+
+use vouch_engine::mirror::LegTemplate;
+use vouch_engine::protection::{GuardProtection, Protection};
+use vouch_engine::ZeroFlags;
+use vouch_engine::{Allocation, BlockDevice, Error, Fault, GuardKind, Result, SealedBlock, BLOCK};
+
+use crate::client::{ClientError, ClientOptions, Connection};
+use crate::url::ReplicaUrl;
+use crate::wire::{
+    self, decode_faults, decode_read_entries, decode_runs, ReadEntry, ReplicaInfo, Request, Status,
+    MAX_BLOCKS_PER_REQUEST, MAX_STATUS_RUNS, MAX_VERIFY_BLOCKS,
+};
+
+/// A remote replica as a mirror leg.
+pub struct RemoteLeg {
+    url: ReplicaUrl,
+    connection: Connection,
+    info: ReplicaInfo,
+    protection: GuardProtection,
+}
+
+impl RemoteLeg {
+    /// Connect to the replica at `url` and open it.
+    pub fn open(url: &ReplicaUrl, options: &ClientOptions) -> Result<RemoteLeg> {
+        let connection = Connection::connect(url, options).map_err(|e| leg_error(url, e))?;
+        let answer = connection
+            .call(&Request::Open {
+                name: url.name.clone(),
+            })
+            .map_err(|e| leg_error(url, e))?;
+        RemoteLeg::with_info(url, connection, &answer)
+    }
+
+    /// Connect to the server of `url` and create the replica `url.name`
+    /// there from `template` (leg 0's superblock: same uuid, geometry,
+    /// tags), then hold it open.
+    pub fn create(
+        url: &ReplicaUrl,
+        template: &LegTemplate,
+        options: &ClientOptions,
+    ) -> Result<RemoteLeg> {
+        if template.superblock.len() != wire::SUPERBLOCK_FILE_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "a leg template's superblock is {} bytes, not {}",
+                template.superblock.len(),
+                wire::SUPERBLOCK_FILE_BYTES
+            )));
+        }
+        if template.superblock()?.features.incompat & vouch_format::FeatureFlags::INCOMPAT_ENCRYPTED
+            != 0
+        {
+            return Err(Error::Unsupported(format!(
+                "{url}: remote replicas of encrypted volumes are not supported yet"
+            )));
+        }
+        let connection = Connection::connect(url, options).map_err(|e| leg_error(url, e))?;
+        let answer = connection
+            .call(&Request::Create {
+                name: url.name.clone(),
+                journal_bytes: template.journal_bytes,
+                superblock: template.superblock.clone(),
+            })
+            .map_err(|e| leg_error(url, e))?;
+        RemoteLeg::with_info(url, connection, &answer)
+    }
+
+    fn with_info(url: &ReplicaUrl, connection: Connection, answer: &[u8]) -> Result<RemoteLeg> {
+        let info = ReplicaInfo::decode(answer).map_err(|error| {
+            Error::Unreachable(format!("replica {url}: malformed OPEN answer: {error}"))
+        })?;
+        if info.encrypted {
+            return Err(Error::Unsupported(format!(
+                "replica {url} is encrypted: remote replicas of encrypted volumes are not supported yet"
+            )));
+        }
+        if u64::from(info.block_size) != BLOCK || !info.size_bytes.is_multiple_of(BLOCK) {
+            return Err(Error::Corrupt(format!(
+                "replica {url}: block size {} and size {} are not a vouch volume's",
+                info.block_size, info.size_bytes
+            )));
+        }
+        let guard = GuardKind::from_byte(info.guard)
+            .map_err(|error| Error::Corrupt(format!("replica {url}: guard: {error}")))?;
+        Ok(RemoteLeg {
+            url: url.clone(),
+            connection,
+            protection: GuardProtection::new(guard, info.volume_tag),
+            info,
+        })
+    }
+
+    /// What the replica said of its volume when opened.
+    pub fn info(&self) -> &ReplicaInfo {
+        &self.info
+    }
+
+    /// The replica's volume uuid, hyphenated.
+    pub fn uuid_string(&self) -> String {
+        format_uuid(&self.info.uuid)
+    }
+
+    pub fn url(&self) -> &ReplicaUrl {
+        &self.url
+    }
+
+    fn call(&self, request: &Request) -> Result<Vec<u8>> {
+        self.connection
+            .call(request)
+            .map_err(|error| leg_error(&self.url, error))
+    }
+
+    /// A malformed answer: the connection is not to be trusted any more.
+    fn malformed(&self, what: &str, error: wire::WireError) -> Error {
+        let reason = format!("replica {}: malformed {what} answer: {error}", self.url);
+        self.connection.kill(reason.clone());
+        Error::Unreachable(reason)
+    }
+
+    fn check_range(&self, offset: u64, length: u64) -> Result<()> {
+        let size = self.info.size_bytes;
+        if offset.checked_add(length).is_none_or(|end| end > size) {
+            return Err(Error::OutOfRange {
+                offset,
+                length,
+                size,
+            });
+        }
+        if !offset.is_multiple_of(512) || !length.is_multiple_of(512) {
+            return Err(Error::Misaligned { offset, length });
+        }
+        Ok(())
+    }
+
+    fn check_blocks(&self, first: u64, count: u64) -> Result<()> {
+        self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))
+    }
+
+    /// Blocks `[first, first + count)` as the replica stores them, in
+    /// requests of at most `MAX_BLOCKS_PER_REQUEST`.
+    fn read_entries(&self, first: u64, count: u64) -> Result<Vec<ReadEntry>> {
+        self.check_blocks(first, count)?;
+        let mut entries = Vec::with_capacity(count as usize);
+        let mut lba = first;
+        while lba < first + count {
+            let n = (first + count - lba).min(MAX_BLOCKS_PER_REQUEST);
+            let answer = self.call(&Request::ReadSealed {
+                first: lba,
+                count: n,
+            })?;
+            entries.extend(
+                decode_read_entries(lba, n, &answer)
+                    .map_err(|error| self.malformed("READ_SEALED", error))?,
+            );
+            lba += n;
+        }
+        Ok(entries)
+    }
+
+    /// Verify a block read from the replica here, again.
+    fn open_block(&self, block: &SealedBlock) -> std::result::Result<(), Fault> {
+        self.protection
+            .open(block.lba, &Ok(block.context), &block.data[..])
+            .map_err(|kind| Fault {
+                lba: block.lba,
+                kind,
+            })
+    }
+
+    /// Seal `data` (whole blocks from `first`) here with `generation` (0:
+    /// the replica's commit assigns one): the contexts the replica will
+    /// verify and store.
+    fn seal(&self, first: u64, data: &[u8], generation: u64) -> Vec<SealedBlock> {
+        data.chunks_exact(BLOCK as usize)
+            .enumerate()
+            .map(|(index, bytes)| {
+                let lba = first + index as u64;
+                let mut block = Box::new([0u8; BLOCK as usize]);
+                block.copy_from_slice(bytes);
+                // Plain sealing leaves the bytes as they are.
+                let seal = self.protection.seal(lba, &mut block[..], generation);
+                SealedBlock {
+                    lba,
+                    context: self.protection.context(lba, seal, generation),
+                    data: block,
+                }
+            })
+            .collect()
+    }
+
+    fn send_sealed(&self, blocks: &[SealedBlock], fua: bool) -> Result<()> {
+        for chunk in blocks.chunks(MAX_BLOCKS_PER_REQUEST as usize) {
+            self.call(&Request::WriteSealed {
+                blocks: chunk.to_vec(),
+                fua,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+fn format_uuid(uuid: &[u8; 16]) -> String {
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// A client error as the engine's: request errors keep their kind (every
+/// leg would refuse the same), a lost connection is `Unreachable` (the
+/// mirror marks the leg stale), the replica's own failures fail-stop it.
+pub fn leg_error(url: &ReplicaUrl, error: ClientError) -> Error {
+    let (status, body) = match error {
+        ClientError::Unreachable(why) => return Error::Unreachable(why),
+        ClientError::Refused(why) => return Error::Unreachable(why),
+        ClientError::Remote { status, body } => (status, body),
+    };
+    let message = format!("replica {url}: {}", body.message);
+    let [first, second, third] = body.detail;
+    match status {
+        Status::Fault => match wire::fault_kind_from(body.kind) {
+            Ok(kind) => Error::Fault(Fault { lba: first, kind }),
+            Err(_) => Error::Unreachable(format!("{message} (unknown fault kind {})", body.kind)),
+        },
+        Status::OutOfRange => Error::OutOfRange {
+            offset: first,
+            length: second,
+            size: third,
+        },
+        Status::Misaligned => Error::Misaligned {
+            offset: first,
+            length: second,
+        },
+        Status::ReadOnly => Error::ReadOnly(format!(" ({message})")),
+        Status::InvalidArgument | Status::UnknownName | Status::InUse | Status::Exists => {
+            Error::InvalidArgument(message)
+        }
+        Status::Unsupported => Error::Unsupported(message),
+        Status::Corrupt => Error::Corrupt(message),
+        Status::Malformed | Status::NotOpen => Error::Unreachable(message),
+        Status::Io | Status::Ok => Error::FailStopped(message),
+    }
+}
+
+impl BlockDevice for RemoteLeg {
+    fn size(&self) -> u64 {
+        self.info.size_bytes
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.info.read_only
+    }
+
+    /// Fetched sealed and verified here (after the replica read it).
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        self.check_range(offset, buf.len() as u64)?;
+        if buf.is_empty() {
+            return Ok(Vec::new());
+        }
+        let first = offset / BLOCK;
+        let end = (offset + buf.len() as u64).div_ceil(BLOCK);
+        for entry in self.read_entries(first, end - first)? {
+            let block = match entry {
+                ReadEntry::Sealed(block) => block,
+                ReadEntry::Fault(fault) => return Err(Error::Fault(fault)),
+            };
+            self.open_block(&block).map_err(Error::Fault)?;
+            // The block's bytes that fall inside the request.
+            let block_start = block.lba * BLOCK;
+            let from = block_start.max(offset);
+            let to = (block_start + BLOCK).min(offset + buf.len() as u64);
+            buf[(from - offset) as usize..(to - offset) as usize].copy_from_slice(
+                &block.data[(from - block_start) as usize..(to - block_start) as usize],
+            );
+        }
+        Ok(Vec::new())
+    }
+
+    /// Sealed here, verified and stored there. Partial blocks at the edges
+    /// are read (verified), patched and resealed: the mirror holds the
+    /// stripe lock across it.
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let first = offset / BLOCK;
+        let end = (offset + data.len() as u64).div_ceil(BLOCK);
+        let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
+        let blocks = if aligned {
+            self.seal(first, data, 0)
+        } else {
+            let mut whole = vec![0u8; ((end - first) * BLOCK) as usize];
+            self.read(first * BLOCK, &mut whole)?;
+            let at = (offset - first * BLOCK) as usize;
+            whole[at..at + data.len()].copy_from_slice(data);
+            self.seal(first, &whole, 0)
+        };
+        self.send_sealed(&blocks, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        self.call(&Request::Flush).map(|_| ())
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.check_range(offset, length)?;
+        self.call(&Request::Trim {
+            offset,
+            length,
+            fua,
+        })
+        .map(|_| ())
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        self.check_range(offset, length)?;
+        self.call(&Request::WriteZeroes {
+            offset,
+            length,
+            fua: flags.fua,
+            allocate: flags.allocate,
+        })
+        .map(|_| ())
+    }
+
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> Result<Vec<(u64, Allocation)>> {
+        let answer = self.call(&Request::BlockStatus {
+            offset,
+            length,
+            max_blocks: max_blocks.clamp(1, MAX_STATUS_RUNS),
+        })?;
+        decode_runs(&answer).map_err(|error| self.malformed("BLOCK_STATUS", error))
+    }
+
+    /// Faulty blocks — as the replica found them, or as they verify here —
+    /// are zero-filled and listed.
+    fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        if out.len() as u64 != count.saturating_mul(BLOCK) {
+            return Err(Error::InvalidArgument(format!(
+                "{count} blocks into a buffer of {} bytes",
+                out.len()
+            )));
+        }
+        let mut faults = Vec::new();
+        for (index, entry) in self.read_entries(first, count)?.into_iter().enumerate() {
+            let slot = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
+            let fault = match entry {
+                ReadEntry::Sealed(block) => match self.open_block(&block) {
+                    Ok(()) => {
+                        slot.copy_from_slice(&block.data[..]);
+                        continue;
+                    }
+                    Err(fault) => fault,
+                },
+                ReadEntry::Fault(fault) => fault,
+            };
+            slot.fill(0);
+            faults.push(fault);
+        }
+        Ok(faults)
+    }
+
+    fn next_possible_data(&self, lba: u64) -> Result<u64> {
+        let answer = self.call(&Request::NextData { lba })?;
+        let bytes: [u8; 8] = answer
+            .as_slice()
+            .try_into()
+            .map_err(|_| self.malformed("NEXT_DATA", wire::WireError::Truncated("8 bytes")))?;
+        Ok(u64::from_le_bytes(bytes))
+    }
+
+    /// As stored there; a block the replica cannot read (or whose context
+    /// does not decode) fails the call naming it, as a local volume's does.
+    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
+        self.read_entries(first, count)?
+            .into_iter()
+            .map(|entry| match entry {
+                ReadEntry::Sealed(block) => Ok(block),
+                ReadEntry::Fault(fault) => Err(Error::Fault(fault)),
+            })
+            .collect()
+    }
+
+    /// Verified here before sending (so no block of a bad call is stored,
+    /// even across several requests), and again there before storing.
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        for block in blocks {
+            if block.lba >= self.info.size_bytes / BLOCK {
+                return Err(Error::OutOfRange {
+                    offset: block.lba.saturating_mul(BLOCK),
+                    length: BLOCK,
+                    size: self.info.size_bytes,
+                });
+            }
+            self.open_block(block).map_err(Error::Fault)?;
+        }
+        self.send_sealed(blocks, false)
+    }
+
+    /// Sealed here, as the replica would store them (plain protection).
+    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+        if !(data.len() as u64).is_multiple_of(BLOCK) {
+            return Err(Error::InvalidArgument(format!(
+                "sealing {} bytes: not whole blocks",
+                data.len()
+            )));
+        }
+        self.check_blocks(first, data.len() as u64 / BLOCK)?;
+        Ok(self.seal(first, data, generation))
+    }
+
+    /// On the replica, next to its data: only the faults travel.
+    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
+        self.check_blocks(first, count)?;
+        let mut faults = Vec::new();
+        let mut lba = first;
+        while lba < first + count {
+            let n = (first + count - lba).min(MAX_VERIFY_BLOCKS);
+            let answer = self.call(&Request::Verify {
+                first: lba,
+                count: n,
+            })?;
+            let (found, truncated) =
+                decode_faults(&answer).map_err(|error| self.malformed("VERIFY", error))?;
+            if truncated {
+                tracing::warn!(url = %self.url, lba, "replica VERIFY listed only its first faults");
+            }
+            faults.extend(found);
+            lba += n;
+        }
+        Ok(faults)
+    }
+}

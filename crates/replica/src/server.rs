@@ -1,0 +1,578 @@
+//! `vouch replica serve DIR`: replicas are volume directories `DIR/NAME`,
+//! served to exporters over TCP (or TLS). Each connection shakes hands,
+//! opens or creates one replica, then sends requests; the server runs up
+//! to `MAX_IN_FLIGHT` of them at once (each on a blocking thread) and
+//! answers in any order, by handle. A replica is held by one connection at
+//! a time (two exporters writing one replica would make it a mix of
+//! both): it is opened when that connection opens it and closed cleanly
+//! when the connection ends.
+//!
+//! A frame that breaks the protocol gets a `MALFORMED` answer naming the
+//! rule, and the connection is closed (its framing can no longer be
+//! trusted); a request the volume refuses gets an error answer and the
+//! connection goes on.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Semaphore};
+use vouch_engine::mirror::LegTemplate;
+use vouch_engine::{BlockDevice, Error, OpenOptions, Volume, ZeroFlags, BLOCK};
+
+use crate::wire::{
+    self, decode_request, encode_faults, encode_read_entries, encode_runs, ErrorBody, Hello,
+    ReadEntry, ReplicaInfo, Request, RequestHeader, ResponseHeader, Status, WireError, HELLO_BYTES,
+    HELLO_OK, HELLO_VERSION_REFUSED, PROTOCOL_VERSION, REQUEST_HEADER_BYTES,
+};
+use crate::MAX_IN_FLIGHT;
+
+struct Replica {
+    volume: Arc<Volume>,
+    /// The peer holding it.
+    holder: String,
+}
+
+/// The replicas under one directory; the open ones, by name.
+pub struct Registry {
+    dir: PathBuf,
+    replicas: Mutex<HashMap<String, Replica>>,
+}
+
+/// An error answer.
+type Refusal = (Status, ErrorBody);
+
+fn refusal(status: Status, message: String) -> Refusal {
+    (
+        status,
+        ErrorBody {
+            detail: [0; 3],
+            kind: 0,
+            message,
+        },
+    )
+}
+
+/// The answer for an engine error.
+fn engine_refusal(error: &Error) -> Refusal {
+    let message = error.to_string();
+    let mut body = ErrorBody {
+        detail: [0; 3],
+        kind: 0,
+        message,
+    };
+    let status = match error {
+        Error::Fault(fault) => {
+            body.detail[0] = fault.lba;
+            body.kind = wire::fault_kind_code(fault.kind);
+            Status::Fault
+        }
+        Error::OutOfRange {
+            offset,
+            length,
+            size,
+        } => {
+            body.detail = [*offset, *length, *size];
+            Status::OutOfRange
+        }
+        Error::Misaligned { offset, length } => {
+            body.detail = [*offset, *length, 0];
+            Status::Misaligned
+        }
+        Error::ReadOnly(_) => Status::ReadOnly,
+        Error::InvalidArgument(_) => Status::InvalidArgument,
+        Error::Unsupported(_) => Status::Unsupported,
+        Error::Corrupt(_) | Error::Key(_) | Error::Path { .. } | Error::InVolume { .. } => {
+            Status::Corrupt
+        }
+        _ => Status::Io,
+    };
+    (status, body)
+}
+
+impl Registry {
+    pub fn new(dir: &Path) -> Registry {
+        Registry {
+            dir: dir.to_path_buf(),
+            replicas: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn info(volume: &Volume, path: &Path) -> Result<ReplicaInfo, Refusal> {
+        let superblock = vouch_engine::volume_superblock(path).map_err(|e| engine_refusal(&e))?;
+        let geometry = volume.geometry();
+        Ok(ReplicaInfo {
+            size_bytes: volume.size(),
+            uuid: superblock.uuid,
+            block_size: BLOCK as u32,
+            volume_tag: superblock.volume_tag(),
+            guard: volume.guard() as u8,
+            layout: volume.layout() as u8,
+            encrypted: volume.encrypted(),
+            read_only: volume.is_read_only(),
+            segment_blocks: geometry.segment_blocks,
+            journal_bytes: superblock.journal_bytes,
+        })
+    }
+
+    /// Hold replica `name` for `peer`, opening it if needed.
+    fn open(&self, name: &str, peer: &str) -> Result<(Arc<Volume>, ReplicaInfo), Refusal> {
+        // Held across the open, so two connections cannot both open it.
+        let mut replicas = self.replicas.lock();
+        if let Some(replica) = replicas.get(name) {
+            return Err(refusal(
+                Status::InUse,
+                format!(
+                    "replica {name} is in use by another exporter ({})",
+                    replica.holder
+                ),
+            ));
+        }
+        let path = self.dir.join(name);
+        if !path.join("superblock").exists() {
+            return Err(refusal(
+                Status::UnknownName,
+                format!("no replica named {name} in {}", self.dir.display()),
+            ));
+        }
+        let superblock = vouch_engine::volume_superblock(&path).map_err(|e| engine_refusal(&e))?;
+        if superblock.features.incompat & vouch_format::FeatureFlags::INCOMPAT_ENCRYPTED != 0 {
+            return Err(refusal(
+                Status::Unsupported,
+                format!("replica {name} is encrypted: remote replicas of encrypted volumes are not supported yet"),
+            ));
+        }
+        let volume = Arc::new(
+            vouch_engine::open_volume(&path, &OpenOptions::default())
+                .map_err(|e| engine_refusal(&e))?,
+        );
+        let info = Registry::info(&volume, &path)?;
+        replicas.insert(
+            name.to_string(),
+            Replica {
+                volume: Arc::clone(&volume),
+                holder: peer.to_string(),
+            },
+        );
+        tracing::info!(name, peer, "replica opened");
+        Ok((volume, info))
+    }
+
+    /// Create replica `name` from `template` and hold it for `peer`.
+    fn create(
+        &self,
+        name: &str,
+        template: &LegTemplate,
+        peer: &str,
+    ) -> Result<(Arc<Volume>, ReplicaInfo), Refusal> {
+        let path = self.dir.join(name);
+        {
+            let replicas = self.replicas.lock();
+            if replicas.contains_key(name) || path.exists() {
+                return Err(refusal(
+                    Status::Exists,
+                    format!("replica {name} already exists in {}", self.dir.display()),
+                ));
+            }
+        }
+        let superblock = template.superblock().map_err(|e| engine_refusal(&e))?;
+        if superblock.features.incompat & vouch_format::FeatureFlags::INCOMPAT_ENCRYPTED != 0 {
+            return Err(refusal(
+                Status::Unsupported,
+                "remote replicas of encrypted volumes are not supported yet".into(),
+            ));
+        }
+        template.create(&path).map_err(|e| engine_refusal(&e))?;
+        tracing::info!(name, peer, "replica created");
+        self.open(name, peer)
+    }
+
+    /// The connection of `peer` ended: close its replica cleanly. The map
+    /// stays locked until the volume is closed, so an exporter that opens
+    /// it right after (a restart) waits rather than finding it locked.
+    fn release(&self, name: &str, peer: &str) {
+        let mut replicas = self.replicas.lock();
+        if replicas.get(name).is_some_and(|r| r.holder == peer) {
+            let replica = replicas.remove(name).expect("present");
+            close(name, replica.volume);
+            tracing::info!(name, peer, "replica released and closed");
+        }
+    }
+
+    /// Close every replica cleanly (at shutdown, after connections end).
+    pub fn close_all(&self) {
+        let replicas: Vec<(String, Replica)> = self.replicas.lock().drain().collect();
+        for (name, replica) in replicas {
+            close(&name, replica.volume);
+        }
+    }
+}
+
+/// Close a replica's volume (flush only, if a request still holds it).
+fn close(name: &str, volume: Arc<Volume>) {
+    let result = match Arc::try_unwrap(volume) {
+        Ok(volume) => volume.close(),
+        Err(shared) => shared.flush(),
+    };
+    if let Err(error) = result {
+        tracing::error!(name, %error, "closing a replica failed");
+    }
+}
+
+/// Run one request on the replica's volume (a blocking thread).
+fn execute(volume: &Volume, request: Request) -> Result<Vec<u8>, Refusal> {
+    let refuse = |error: Error| engine_refusal(&error);
+    match request {
+        Request::ReadSealed { first, count } => {
+            let entries = match volume.read_sealed(first, count) {
+                Ok(blocks) => blocks.into_iter().map(ReadEntry::Sealed).collect(),
+                // Name each block the volume cannot hand over, keep the rest.
+                Err(Error::Fault(_)) => (first..first + count)
+                    .map(|lba| match volume.read_sealed(lba, 1) {
+                        Ok(mut one) => Ok(ReadEntry::Sealed(one.remove(0))),
+                        Err(Error::Fault(fault)) => Ok(ReadEntry::Fault(fault)),
+                        Err(error) => Err(refuse(error)),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?,
+                Err(error) => return Err(refuse(error)),
+            };
+            Ok(encode_read_entries(&entries))
+        }
+        Request::WriteSealed { blocks, fua } => {
+            volume.write_sealed(&blocks).map_err(refuse)?;
+            if fua {
+                volume.flush().map_err(refuse)?;
+            }
+            Ok(Vec::new())
+        }
+        Request::Flush => volume.flush().map(|_| Vec::new()).map_err(refuse),
+        Request::Trim {
+            offset,
+            length,
+            fua,
+        } => volume
+            .trim(offset, length, fua)
+            .map(|_| Vec::new())
+            .map_err(refuse),
+        Request::WriteZeroes {
+            offset,
+            length,
+            fua,
+            allocate,
+        } => volume
+            .write_zeroes(offset, length, ZeroFlags { fua, allocate })
+            .map(|_| Vec::new())
+            .map_err(refuse),
+        Request::Verify { first, count } => {
+            let blocks = volume.size() / BLOCK;
+            if first.checked_add(count).is_none_or(|end| end > blocks) {
+                return Err(refuse(Error::OutOfRange {
+                    offset: first.saturating_mul(BLOCK),
+                    length: count.saturating_mul(BLOCK),
+                    size: volume.size(),
+                }));
+            }
+            volume
+                .verify(first, count)
+                .map(|faults| encode_faults(&faults))
+                .map_err(refuse)
+        }
+        Request::BlockStatus {
+            offset,
+            length,
+            max_blocks,
+        } => volume
+            .block_status(offset, length, max_blocks)
+            .map(|runs| encode_runs(&runs))
+            .map_err(refuse),
+        Request::NextData { lba } => volume
+            .next_possible_data(lba)
+            .map(|next| next.to_le_bytes().to_vec())
+            .map_err(refuse),
+        Request::Open { .. } | Request::Create { .. } => Err(refusal(
+            Status::InvalidArgument,
+            "a replica is already open on this connection".into(),
+        )),
+    }
+}
+
+fn answer(handle: u64, result: Result<Vec<u8>, Refusal>) -> Vec<u8> {
+    let (status, payload) = match result {
+        Ok(payload) => (Status::Ok, payload),
+        Err((status, body)) => (status, body.encode()),
+    };
+    let mut frame = ResponseHeader {
+        status,
+        handle,
+        payload_bytes: payload.len() as u32,
+    }
+    .encode()
+    .to_vec();
+    frame.extend_from_slice(&payload);
+    frame
+}
+
+/// TCP keepalive probes after this long idle, then every
+/// `KEEPALIVE_INTERVAL`, `KEEPALIVE_RETRIES` times: an exporter whose host
+/// died without closing the connection releases its replica within about
+/// a minute (a restarted exporter can then open it again).
+pub const KEEPALIVE_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+pub const KEEPALIVE_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+pub const KEEPALIVE_RETRIES: u32 = 3;
+
+fn keep_alive(tcp: &tokio::net::TcpStream) {
+    let settings = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_RETRIES);
+    if let Err(error) = socket2::SockRef::from(tcp).set_tcp_keepalive(&settings) {
+        tracing::warn!(%error, "replica: cannot set TCP keepalive");
+    }
+}
+
+/// Serve connections from `listener` until `shutdown` completes; then
+/// wait for open connections to end (bounded) and close every replica.
+pub async fn serve(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    tokio::pin!(shutdown);
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            accepted = listener.accept() => {
+                let (tcp, address) = match accepted {
+                    Ok(accepted) => accepted,
+                    Err(error) => {
+                        tracing::warn!(%error, "accept failed");
+                        continue;
+                    }
+                };
+                let _ = tcp.set_nodelay(true);
+                keep_alive(&tcp);
+                let registry = Arc::clone(&registry);
+                let tls = tls.clone();
+                connections.spawn(async move {
+                    let peer = address.to_string();
+                    match tls {
+                        Some(acceptor) => match acceptor.accept(tcp).await {
+                            Ok(stream) => serve_connection(stream, peer, registry).await,
+                            Err(error) => tracing::warn!(peer, %error, "replica: TLS handshake refused"),
+                        },
+                        None => serve_connection(tcp, peer, registry).await,
+                    }
+                });
+            }
+        }
+    }
+    connections.abort_all();
+    while connections.join_next().await.is_some() {}
+    registry.close_all();
+}
+
+/// One connection: handshake, then requests until it ends.
+pub async fn serve_connection<S>(stream: S, peer: String, registry: Arc<Registry>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let mut hello = [0u8; HELLO_BYTES];
+    if reader.read_exact(&mut hello).await.is_err() {
+        return;
+    }
+    let theirs = match Hello::decode(&hello) {
+        Ok(theirs) => theirs,
+        Err(_) => {
+            tracing::warn!(
+                peer,
+                "replica: refused a connection: not the vouch replica handshake"
+            );
+            return;
+        }
+    };
+    let status = if theirs.version == PROTOCOL_VERSION {
+        HELLO_OK
+    } else {
+        HELLO_VERSION_REFUSED
+    };
+    let ours = Hello {
+        version: PROTOCOL_VERSION,
+        status,
+    };
+    if writer.write_all(&ours.encode()).await.is_err() || writer.flush().await.is_err() {
+        return;
+    }
+    if status != HELLO_OK {
+        tracing::warn!(
+            peer,
+            "replica: refused: {}",
+            wire::version_refusal(theirs.version)
+        );
+        return;
+    }
+    let (answers, mut outgoing) = mpsc::channel::<Vec<u8>>(2 * MAX_IN_FLIGHT);
+    let writing = tokio::spawn(async move {
+        while let Some(frame) = outgoing.recv().await {
+            if writer.write_all(&frame).await.is_err() {
+                return;
+            }
+        }
+        let _ = writer.shutdown().await;
+    });
+    let mut session = Session {
+        peer: peer.clone(),
+        registry: Arc::clone(&registry),
+        opened: None,
+        answers,
+        in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+    };
+    if let Err(reason) = session.run(&mut reader).await {
+        tracing::warn!(peer, "replica: connection closed: {reason}");
+    }
+    // Let requests in flight finish before the replica is released.
+    let in_flight = Arc::clone(&session.in_flight);
+    let _all = in_flight.acquire_many(MAX_IN_FLIGHT as u32).await;
+    if let Some((name, volume)) = session.opened.take() {
+        drop(volume);
+        let peer = peer.clone();
+        let _ = tokio::task::spawn_blocking(move || registry.release(&name, &peer)).await;
+    }
+    drop(session);
+    let _ = writing.await;
+}
+
+struct Session {
+    peer: String,
+    registry: Arc<Registry>,
+    opened: Option<(String, Arc<Volume>)>,
+    answers: mpsc::Sender<Vec<u8>>,
+    in_flight: Arc<Semaphore>,
+}
+
+impl Session {
+    /// Read and dispatch requests; `Ok` at a clean end of stream, `Err`
+    /// with the reason when a frame broke the protocol.
+    async fn run<R: AsyncRead + Unpin>(&mut self, reader: &mut R) -> Result<(), String> {
+        loop {
+            let permit = Arc::clone(&self.in_flight)
+                .acquire_owned()
+                .await
+                .map_err(|_| "closing".to_string())?;
+            let mut bytes = [0u8; REQUEST_HEADER_BYTES];
+            if reader.read_exact(&mut bytes).await.is_err() {
+                return Ok(());
+            }
+            let handle = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
+            let header = match RequestHeader::decode(&bytes) {
+                Ok(header) => header,
+                Err(error) => return Err(self.malformed(handle, error).await),
+            };
+            let mut payload = vec![0u8; header.payload_bytes as usize];
+            if reader.read_exact(&mut payload).await.is_err() {
+                return Err("the connection ended inside a request".into());
+            }
+            let request = match decode_request(&header, &payload) {
+                Ok(request) => request,
+                Err(WireError::BadContext(lba)) => {
+                    let body = ErrorBody {
+                        detail: [lba, 0, 0],
+                        kind: wire::fault_kind_code(vouch_engine::FaultKind::ContextCorrupt),
+                        message: format!("LBA {lba}: its context does not decode"),
+                    };
+                    self.send(answer(handle, Err((Status::Fault, body)))).await;
+                    continue;
+                }
+                Err(error) => return Err(self.malformed(handle, error).await),
+            };
+            drop(payload);
+            match request {
+                Request::Open { .. } | Request::Create { .. } if self.opened.is_none() => {
+                    let result = self.open(request).await;
+                    self.send(answer(handle, result)).await;
+                }
+                request => {
+                    let Some((_, volume)) = &self.opened else {
+                        let refused = refusal(
+                            Status::NotOpen,
+                            "no replica is open on this connection: send OPEN or CREATE first"
+                                .into(),
+                        );
+                        self.send(answer(handle, Err(refused))).await;
+                        continue;
+                    };
+                    let volume = Arc::clone(volume);
+                    let answers = self.answers.clone();
+                    tokio::spawn(async move {
+                        let result = tokio::task::spawn_blocking(move || execute(&volume, request))
+                            .await
+                            .unwrap_or_else(|error| {
+                                Err(refusal(Status::Io, format!("request failed: {error}")))
+                            });
+                        let _ = answers.send(answer(handle, result)).await;
+                        drop(permit);
+                    });
+                }
+            }
+        }
+    }
+
+    async fn send(&self, frame: Vec<u8>) {
+        let _ = self.answers.send(frame).await;
+    }
+
+    async fn malformed(&self, handle: u64, error: WireError) -> String {
+        let reason = format!("malformed request: {error}");
+        self.send(answer(
+            handle,
+            Err(refusal(Status::Malformed, reason.clone())),
+        ))
+        .await;
+        reason
+    }
+
+    async fn open(&mut self, request: Request) -> Result<Vec<u8>, Refusal> {
+        let registry = Arc::clone(&self.registry);
+        let peer = self.peer.clone();
+        let (name, opened) = match request {
+            Request::Open { name } => {
+                let task_name = name.clone();
+                (
+                    name,
+                    tokio::task::spawn_blocking(move || registry.open(&task_name, &peer)).await,
+                )
+            }
+            Request::Create {
+                name,
+                journal_bytes,
+                superblock,
+            } => {
+                let task_name = name.clone();
+                let template = LegTemplate {
+                    superblock,
+                    journal_bytes,
+                };
+                (
+                    name,
+                    tokio::task::spawn_blocking(move || {
+                        registry.create(&task_name, &template, &peer)
+                    })
+                    .await,
+                )
+            }
+            _ => unreachable!("only OPEN and CREATE come here"),
+        };
+        let (volume, info) = opened
+            .unwrap_or_else(|error| Err(refusal(Status::Io, format!("open failed: {error}"))))
+            .inspect_err(|(_, body)| {
+                tracing::warn!(peer = self.peer, name, "replica: refused: {}", body.message)
+            })?;
+        self.opened = Some((name, volume));
+        Ok(info.encode().to_vec())
+    }
+}

@@ -1,0 +1,446 @@
+//! The replica server and `RemoteLeg` over real loopback sockets, with
+//! real volumes: a mirror of a local and a remote leg, repair of the
+//! remote copy, and refusals (version, name, holder, malformed frames, a
+//! lost connection).
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use vouch_engine::mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
+use vouch_engine::{BlockDevice, CreateOptions, Error, BLOCK};
+use vouch_replica::server::{serve, Registry};
+use vouch_replica::wire::{self, Hello, Request, ResponseHeader, Status};
+use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};
+
+struct TestServer {
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TestServer {
+    fn start(dir: &Path) -> TestServer {
+        let registry = Arc::new(Registry::new(dir));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let (ready, port) = std::sync::mpsc::channel();
+        let thread = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Runtime::new().expect("runtime");
+            runtime.block_on(async move {
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .expect("bind");
+                ready
+                    .send(listener.local_addr().expect("addr").port())
+                    .expect("ready");
+                serve(listener, registry, None, async {
+                    let _ = stopped.await;
+                })
+                .await;
+            });
+        });
+        TestServer {
+            port: port.recv().expect("port"),
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+
+    fn url(&self, name: &str) -> ReplicaUrl {
+        ReplicaUrl::parse(&format!("vouch://127.0.0.1:{}/{name}", self.port)).expect("url")
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+fn options() -> ClientOptions {
+    ClientOptions {
+        timeout: Duration::from_secs(10),
+        tls: None,
+    }
+}
+
+fn local_volume(dir: &Path) -> PathBuf {
+    let path = dir.join("local");
+    let options = CreateOptions::new(4 << 20);
+    vouch_engine::create_volume(&path, &options)
+        .expect("create")
+        .close()
+        .expect("close");
+    path
+}
+
+fn pattern(lba: u64, tag: u8) -> Vec<u8> {
+    (0..BLOCK)
+        .map(|i| (i as u8) ^ tag ^ (lba as u8).wrapping_mul(31))
+        .collect()
+}
+
+#[test]
+fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let local_path = local_volume(dir.path());
+    let template = LegTemplate::of(&local_path).expect("template");
+    let remote = RemoteLeg::create(&server.url("disk"), &template, &options()).expect("create");
+    let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
+    assert_eq!(remote.uuid_string(), local.uuid_string());
+    assert_eq!(remote.size(), local.size());
+    let local: Arc<dyn BlockDevice> = Arc::new(local);
+    let remote = Arc::new(remote);
+    let mirror = Mirror::new(
+        vec![
+            MirrorLeg {
+                name: "local".into(),
+                device: Some(Arc::clone(&local)),
+                state: LegState::Active,
+            },
+            MirrorLeg {
+                name: "remote".into(),
+                device: Some(Arc::clone(&remote) as Arc<dyn BlockDevice>),
+                state: LegState::Active,
+            },
+        ],
+        None,
+    )
+    .expect("mirror");
+    for lba in 0..16 {
+        mirror
+            .write(lba * BLOCK, &pattern(lba, 1), false)
+            .expect("write");
+    }
+    // A sub-block write: read, patched and resealed on the exporter.
+    mirror
+        .write(20 * BLOCK + 512, &[0xab; 1024], false)
+        .expect("partial write");
+    mirror.flush().expect("flush");
+    for lba in 0..16 {
+        let mut buf = vec![0u8; BLOCK as usize];
+        remote.read(lba * BLOCK, &mut buf).expect("remote read");
+        assert_eq!(buf, pattern(lba, 1), "LBA {lba} on the remote leg");
+    }
+    // Sealed once on the exporter: both legs store the same context,
+    // generation included (the mirror's clock, not the replica's own).
+    let here = local.read_sealed(0, 16).expect("local sealed");
+    let there = remote.read_sealed(0, 16).expect("remote sealed");
+    for (a, b) in here.iter().zip(&there) {
+        assert_eq!(a.context, b.context, "LBA {}", a.lba);
+        assert!(a.context.generation().is_some_and(|g| g > 0));
+    }
+    let mut partial = vec![0u8; BLOCK as usize];
+    remote.read(20 * BLOCK, &mut partial).expect("read");
+    assert_eq!(&partial[..512], &[0u8; 512][..]);
+    assert_eq!(&partial[512..1536], &[0xab; 1024][..]);
+    assert!(remote.verify(0, 1024).expect("verify").is_empty());
+
+    // Corrupt LBA 5 in the replica's file on disk (split layout: data at
+    // LBA * 4096 of data.00000).
+    let data_file = replicas.join("disk").join("data.00000");
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&data_file)
+        .expect("open data");
+    let mut byte = [0u8; 1];
+    file.read_exact_at(&mut byte, 5 * BLOCK + 100)
+        .expect("read");
+    byte[0] ^= 0x40;
+    file.write_all_at(&byte, 5 * BLOCK + 100).expect("write");
+    drop(file);
+    let faults = remote.verify(0, 1024).expect("verify");
+    assert_eq!(faults.len(), 1, "{faults:?}");
+    assert_eq!(faults[0].lba, 5);
+    // Reads through the mirror: good data every time, the remote repaired.
+    for _ in 0..4 {
+        let mut buf = vec![0u8; BLOCK as usize];
+        mirror.read(5 * BLOCK, &mut buf).expect("mirror read");
+        assert_eq!(buf, pattern(5, 1));
+    }
+    let status = mirror.status();
+    assert_eq!(status[1].corrected, 1, "{:?}", status[1].repairs);
+    assert!(remote.verify(0, 1024).expect("verify").is_empty());
+}
+
+#[test]
+fn refusals_are_named_unknown_replica_in_use_and_bad_names() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let error = RemoteLeg::open(&server.url("nothing"), &options())
+        .err()
+        .expect("unknown name refused");
+    assert!(
+        error.to_string().contains("no replica named nothing"),
+        "{error}"
+    );
+    let template = LegTemplate::of(&local_volume(dir.path())).expect("template");
+    let first = RemoteLeg::create(&server.url("r"), &template, &options()).expect("create");
+    let again = RemoteLeg::create(&server.url("r"), &template, &options())
+        .err()
+        .expect("exists");
+    assert!(again.to_string().contains("already exists"), "{again}");
+    let busy = RemoteLeg::open(&server.url("r"), &options())
+        .err()
+        .expect("in use");
+    assert!(
+        busy.to_string().contains("in use by another exporter"),
+        "{busy}"
+    );
+    drop(first);
+    // Released when its connection ends.
+    let mut reopened = None;
+    for _ in 0..50 {
+        match RemoteLeg::open(&server.url("r"), &options()) {
+            Ok(leg) => {
+                reopened = Some(leg);
+                break;
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    assert!(reopened.is_some(), "the replica was not released");
+    // A name with a path in it never reaches the server.
+    assert!(ReplicaUrl::parse(&format!("vouch://127.0.0.1:{}/../x", server.port)).is_err());
+}
+
+fn raw_connect(port: u16) -> TcpStream {
+    let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    stream
+}
+
+#[test]
+fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = TestServer::start(dir.path());
+    // The server refuses version 2 and says which it speaks.
+    let mut stream = raw_connect(server.port);
+    stream
+        .write_all(
+            &Hello {
+                version: 2,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+    let mut answer = [0u8; wire::HELLO_BYTES];
+    stream.read_exact(&mut answer).expect("answer");
+    let hello = Hello::decode(&answer).expect("decode");
+    assert_eq!(hello.version, 1);
+    assert_eq!(hello.status, wire::HELLO_VERSION_REFUSED);
+    // The client refuses a server of version 2 by name.
+    let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = fake.local_addr().expect("addr").port();
+    let thread = std::thread::spawn(move || {
+        let (mut peer, _) = fake.accept().expect("accept");
+        let mut hello = [0u8; wire::HELLO_BYTES];
+        peer.read_exact(&mut hello).expect("read hello");
+        peer.write_all(
+            &Hello {
+                version: 2,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("write hello");
+    });
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
+    let error = RemoteLeg::open(&url, &options()).err().expect("refused");
+    assert!(
+        error
+            .to_string()
+            .contains("replica protocol version 2 is not supported (this side speaks 1)"),
+        "{error}"
+    );
+    thread.join().expect("fake server");
+}
+
+#[test]
+fn a_malformed_frame_gets_a_malformed_answer_and_the_connection_closes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let server = TestServer::start(dir.path());
+    let mut stream = raw_connect(server.port);
+    stream
+        .write_all(
+            &Hello {
+                version: 1,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+    let mut answer = [0u8; wire::HELLO_BYTES];
+    stream.read_exact(&mut answer).expect("answer");
+    // A READ_SEALED of 100000 blocks (over the limit), handle 77.
+    let mut frame = wire::encode_request(77, &Request::ReadSealed { first: 0, count: 1 });
+    frame[24..32].copy_from_slice(&100_000u64.to_le_bytes());
+    stream.write_all(&frame).expect("send");
+    let mut header = [0u8; wire::RESPONSE_HEADER_BYTES];
+    stream.read_exact(&mut header).expect("answer header");
+    let header = ResponseHeader::decode(&header).expect("decode");
+    assert_eq!((header.status, header.handle), (Status::Malformed, 77));
+    let mut body = vec![0u8; header.payload_bytes as usize];
+    stream.read_exact(&mut body).expect("body");
+    let body = wire::ErrorBody::decode(&body).expect("error body");
+    assert!(body.message.contains("over the limit"), "{}", body.message);
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).expect("closed");
+    assert!(rest.is_empty());
+    // A data request before OPEN is refused, the connection kept.
+    let mut stream = raw_connect(server.port);
+    stream
+        .write_all(
+            &Hello {
+                version: 1,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+    stream.read_exact(&mut answer).expect("answer");
+    stream
+        .write_all(&wire::encode_request(3, &Request::Flush))
+        .expect("send");
+    let mut header = [0u8; wire::RESPONSE_HEADER_BYTES];
+    stream.read_exact(&mut header).expect("answer header");
+    let header = ResponseHeader::decode(&header).expect("decode");
+    assert_eq!(header.status, Status::NotOpen);
+}
+
+#[test]
+fn a_lost_connection_fails_every_later_request_as_unreachable() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let template = LegTemplate::of(&local_volume(dir.path())).expect("template");
+    let remote = RemoteLeg::create(&server.url("r"), &template, &options()).expect("create");
+    remote.write(0, &pattern(0, 3), true).expect("write");
+    drop(server);
+    let error = remote
+        .write(0, &pattern(0, 4), false)
+        .expect_err("server gone");
+    assert!(matches!(error, Error::Unreachable(_)), "{error:?}");
+    let error = remote.flush().expect_err("still gone");
+    assert!(matches!(error, Error::Unreachable(_)), "{error:?}");
+}
+
+#[test]
+fn a_request_past_its_timeout_drops_the_connection_and_later_requests_fail_at_once() {
+    // A peer that shakes hands and then never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().expect("addr").port();
+    let thread = std::thread::spawn(move || {
+        let (mut peer, _) = silent.accept().expect("accept");
+        let mut hello = [0u8; wire::HELLO_BYTES];
+        peer.read_exact(&mut hello).expect("hello");
+        peer.write_all(
+            &Hello {
+                version: 1,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+        // Read requests, answer none, until the client hangs up.
+        let mut sink = Vec::new();
+        let _ = peer.read_to_end(&mut sink);
+    });
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
+    let options = ClientOptions {
+        timeout: Duration::from_millis(300),
+        tls: None,
+    };
+    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    let started = std::time::Instant::now();
+    let error = connection.call(&Request::Flush).expect_err("no answer");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(error.to_string().contains("timed out"), "{error}");
+    let started = std::time::Instant::now();
+    let error = connection.call(&Request::Flush).expect_err("dead");
+    assert!(
+        started.elapsed() < Duration::from_millis(100),
+        "failed at once"
+    );
+    assert!(error.to_string().contains("timed out"), "{error}");
+    drop(connection);
+    thread.join().expect("silent peer");
+}
+
+#[test]
+fn the_replica_verifies_each_sealed_block_before_storing_any() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let template = LegTemplate::of(&local_volume(dir.path())).expect("template");
+    let remote = RemoteLeg::create(&server.url("r"), &template, &options()).expect("create");
+    remote.write(0, &pattern(0, 1), true).expect("write");
+    let good = remote.read_sealed(0, 1).expect("sealed").remove(0);
+    drop(remote);
+    // Raw requests: LBA 0's sealed block is good; the one made for LBA 2
+    // from it has a flipped data bit (its guard no longer matches); the
+    // one sent to LBA 3 still says LBA 0 in its reference tag.
+    let connection =
+        vouch_replica::Connection::connect(&server.url("r"), &options()).expect("connect");
+    connection
+        .call(&Request::Open { name: "r".into() })
+        .expect("open");
+    let mut bad = good.clone();
+    bad.lba = 2;
+    if let vouch_format::Context::Data { ref_tag, .. } = &mut bad.context {
+        *ref_tag = 2;
+    }
+    bad.data[7] ^= 1;
+    let mut misplaced = good.clone();
+    misplaced.lba = 3; // its context says LBA 0
+    for (blocks, kind) in [
+        (vec![good.clone(), bad], "guard_mismatch"),
+        (vec![misplaced], "ref_tag_mismatch"),
+    ] {
+        let error = connection
+            .call(&Request::WriteSealed {
+                blocks: blocks.clone(),
+                fua: true,
+            })
+            .expect_err("refused");
+        let vouch_replica::ClientError::Remote { status, body } = &error else {
+            panic!("{error:?}");
+        };
+        assert_eq!(*status, Status::Fault, "{error}");
+        assert_eq!(
+            wire::fault_kind_from(body.kind).expect("kind").name(),
+            kind,
+            "{error}"
+        );
+        assert_eq!(body.detail[0], blocks.last().expect("a block").lba);
+    }
+    // Nothing of the refused requests was stored.
+    let answer = connection
+        .call(&Request::ReadSealed { first: 2, count: 2 })
+        .expect("read");
+    for entry in wire::decode_read_entries(2, 2, &answer).expect("entries") {
+        let wire::ReadEntry::Sealed(block) = entry else {
+            panic!("{entry:?}");
+        };
+        assert_eq!(block.context, vouch_format::Context::Unwritten);
+    }
+}

@@ -1,0 +1,254 @@
+//! Remote replicas in the CLI: `vouch replica serve DIR --listen ADDR`
+//! (vouch-replica's server), the exporter's side of the connection (the
+//! global `--replica-tls-*` options), and the remote members of a mirror
+//! set: created from leg 0, opened and checked against the set's uuid,
+//! probed for `status` / `info`, verified for `check`.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use anyhow::{bail, Context as _, Result};
+use clap::{Args, Subcommand};
+use vouch_engine::mirror::set::MirrorRecord;
+use vouch_engine::mirror::LegTemplate;
+use vouch_engine::{BlockDevice, Fault, BLOCK};
+use vouch_replica::tls::TlsFiles;
+use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};
+
+/// How this process reaches remote replicas (global options).
+#[derive(Args, Clone, Debug, Default)]
+pub struct ReplicaClientArgs {
+    /// Mutual TLS to remote replicas (mirror members vouch://HOST:PORT/NAME):
+    /// this side's certificate (PEM), presented to the replica server. Give
+    /// it with --replica-tls-key and --replica-tls-ca. Without them remote
+    /// replicas are reached over plain TCP, which a replica server on a
+    /// non-loopback address refuses unless it runs with --insecure.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub replica_tls_cert: Option<PathBuf>,
+    /// The private key of --replica-tls-cert (PEM).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub replica_tls_key: Option<PathBuf>,
+    /// The CA that signed the replica servers' certificates (PEM): a
+    /// replica whose certificate it did not sign is refused.
+    #[arg(long, global = true, value_name = "FILE")]
+    pub replica_tls_ca: Option<PathBuf>,
+    /// Bound on each request to a remote replica, in seconds: a request
+    /// that takes longer drops the connection and the leg is marked stale.
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 30)]
+    pub replica_timeout: u64,
+}
+
+static CLIENT_ARGS: OnceLock<ReplicaClientArgs> = OnceLock::new();
+static CLIENT_OPTIONS: OnceLock<std::result::Result<ClientOptions, String>> = OnceLock::new();
+
+/// Remember the global replica options (once, from `main`).
+pub fn init(args: ReplicaClientArgs) {
+    let _ = CLIENT_ARGS.set(args);
+}
+
+fn build_options(args: &ReplicaClientArgs) -> std::result::Result<ClientOptions, String> {
+    if args.replica_timeout == 0 {
+        return Err("--replica-timeout must be at least 1 second".into());
+    }
+    let tls = match (
+        &args.replica_tls_cert,
+        &args.replica_tls_key,
+        &args.replica_tls_ca,
+    ) {
+        (None, None, None) => None,
+        (Some(cert), Some(key), Some(ca)) => Some(vouch_replica::tls::client_config(&TlsFiles {
+            cert,
+            key,
+            ca,
+        })?),
+        _ => {
+            return Err(
+                "--replica-tls-cert, --replica-tls-key and --replica-tls-ca go together".into(),
+            )
+        }
+    };
+    Ok(ClientOptions {
+        timeout: Duration::from_secs(args.replica_timeout),
+        tls,
+    })
+}
+
+/// The client options from the global arguments (built once).
+pub fn client_options() -> vouch_engine::Result<ClientOptions> {
+    CLIENT_OPTIONS
+        .get_or_init(|| build_options(&CLIENT_ARGS.get().cloned().unwrap_or_default()))
+        .clone()
+        .map_err(vouch_engine::Error::InvalidArgument)
+}
+
+fn parse_url(url: &str) -> vouch_engine::Result<ReplicaUrl> {
+    ReplicaUrl::parse(url).map_err(vouch_engine::Error::InvalidArgument)
+}
+
+fn uuid_string(uuid: &[u8; 16]) -> String {
+    let hex: String = uuid.iter().map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &hex[0..8],
+        &hex[8..12],
+        &hex[12..16],
+        &hex[16..20],
+        &hex[20..32]
+    )
+}
+
+/// Open the remote member `url` of the set `record` describes: it must
+/// hold the set's volume (same uuid), or it is refused by name.
+pub fn open_leg(url: &str, record: &MirrorRecord) -> vouch_engine::Result<RemoteLeg> {
+    let leg = RemoteLeg::open(&parse_url(url)?, &client_options()?)?;
+    if leg.info().uuid != record.uuid {
+        return Err(vouch_engine::Error::Corrupt(format!(
+            "replica {url} belongs to another volume: its uuid {} is not the set's {}",
+            leg.uuid_string(),
+            uuid_string(&record.uuid)
+        )));
+    }
+    Ok(leg)
+}
+
+/// Is the remote member `url` there for `status` and `info`? A replica
+/// held by its exporter (a running `serve`) answers `IN_USE`: it is
+/// reachable and in use, which counts as present (its uuid was checked
+/// when the exporter opened it).
+pub fn probe_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<()> {
+    match open_leg(url, record) {
+        Ok(_) => Ok(()),
+        Err(vouch_engine::Error::InvalidArgument(message))
+            if message.contains("is in use by another exporter") =>
+        {
+            Ok(())
+        }
+        Err(error) => Err(error),
+    }
+}
+
+/// `open_leg` as a mirror leg.
+pub fn open_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<Arc<dyn BlockDevice>> {
+    Ok(Arc::new(open_leg(url, record)?))
+}
+
+/// Create the remote member `url` from leg 0 at `leg0` (same superblock).
+pub fn create_member(url: &str, leg0: &Path) -> vouch_engine::Result<()> {
+    let template = LegTemplate::of(leg0)?;
+    drop(RemoteLeg::create(
+        &parse_url(url)?,
+        &template,
+        &client_options()?,
+    )?);
+    Ok(())
+}
+
+/// Verify every block of the remote member on the replica: (blocks
+/// checked, faults).
+pub fn check_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<(u64, Vec<Fault>)> {
+    let leg = open_leg(url, record)?;
+    let blocks = leg.size() / BLOCK;
+    Ok((blocks, leg.verify(0, blocks)?))
+}
+
+#[derive(Subcommand, Debug)]
+pub enum ReplicaCommand {
+    /// Hold replicas of mirrored volumes under DIR (each a volume directory
+    /// DIR/NAME) and serve them to their exporter over the replica protocol
+    /// (docs/PROTOCOL.md). An exporter reaches one as a mirror member
+    /// vouch://HOST:PORT/NAME: `vouch create PATH --size S --mirror
+    /// vouch://HOST:PORT/NAME` creates it here from PATH's superblock. Each
+    /// block arrives with its context and is verified before it is stored.
+    /// One exporter at a time per replica. Stops on SIGTERM or SIGINT,
+    /// closing every replica cleanly.
+    Serve(ServeArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// The directory holding the replicas (created if missing).
+    pub dir: PathBuf,
+    /// Listen on ADDR:PORT (port 0 picks one; the address is printed).
+    #[arg(long, value_name = "ADDR:PORT")]
+    pub listen: SocketAddr,
+    /// This server's certificate (PEM) for mutual TLS; with --tls-key and
+    /// --tls-ca, every exporter must present a certificate that CA signed.
+    #[arg(long, value_name = "FILE", requires_all = ["tls_key", "tls_ca"])]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// The CA that signs the exporters' client certificates (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_ca: Option<PathBuf>,
+    /// Accept plain TCP on a non-loopback address (anyone who can reach
+    /// the port can then write the replicas): for isolated test networks.
+    /// Without TLS, a non-loopback --listen is refused unless this is given.
+    #[arg(long, conflicts_with = "tls_cert")]
+    pub insecure: bool,
+}
+
+/// Run a `vouch replica` command.
+pub fn run(command: ReplicaCommand) -> Result<ExitCode> {
+    match command {
+        ReplicaCommand::Serve(args) => serve(args),
+    }
+}
+
+fn serve(args: ServeArgs) -> Result<ExitCode> {
+    let tls = match (&args.tls_cert, &args.tls_key, &args.tls_ca) {
+        (Some(cert), Some(key), Some(ca)) => Some(
+            vouch_replica::tls::server_config(&TlsFiles { cert, key, ca })
+                .map_err(anyhow::Error::msg)
+                .context("replica serve TLS")?,
+        ),
+        _ => None,
+    };
+    if tls.is_none() && !args.listen.ip().is_loopback() && !args.insecure {
+        bail!(
+            "--listen {} is not a loopback address: replicas take writes, so plain TCP there needs --insecure (or mutual TLS: --tls-cert, --tls-key, --tls-ca)",
+            args.listen
+        );
+    }
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let dir = args
+        .dir
+        .canonicalize()
+        .with_context(|| format!("opening {}", args.dir.display()))?;
+    let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("listening on {}", args.listen))?;
+        let local = listener.local_addr()?;
+        println!(
+            "vouch replica: serving {} on {local} ({})",
+            dir.display(),
+            if tls.is_some() {
+                "mutual TLS"
+            } else {
+                "plain TCP"
+            }
+        );
+        use std::io::Write as _;
+        std::io::stdout().flush()?;
+        let registry = Arc::new(vouch_replica::server::Registry::new(&dir));
+        let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+        let mut terminate =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        let shutdown = async move {
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            tracing::info!("replica server stopping");
+        };
+        vouch_replica::server::serve(listener, registry, acceptor, shutdown).await;
+        anyhow::Ok(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}

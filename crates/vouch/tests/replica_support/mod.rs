@@ -1,0 +1,261 @@
+//! Fixtures for the remote-replica tests: a `vouch replica serve` process
+//! (optionally inside a network namespace), an exporter (`vouch serve`)
+//! inside a namespace, and a pair of namespaces joined by a veth pair that
+//! is removed on drop, even when the test panics.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use crate::common::{run_timeout, s, tool, vouch_bin, wait_timeout, STOP_TIMEOUT, TIMEOUT};
+
+/// How long a server may take to print its listening line.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A child process started by a test, killed by its pid on drop.
+pub struct Process {
+    pub child: Option<Child>,
+    pub pid: u32,
+    pub log: PathBuf,
+    /// The address it printed (`HOST:PORT`).
+    pub addr: String,
+}
+
+fn signal(pid: u32, signal: i32) {
+    // SAFETY: kill(2) on the pid of a child this test spawned and has not
+    // reaped (the `Child` is still held).
+    unsafe {
+        libc::kill(pid as i32, signal);
+    }
+}
+
+impl Process {
+    /// Spawn `command` (stderr to `log`), wait for a stdout line starting
+    /// with `prefix`, and take the address after `on ` from it.
+    fn start(mut command: Command, log: PathBuf, prefix: &str) -> Result<Process, String> {
+        let log_file = std::fs::File::create(&log).expect("create log");
+        let mut child = command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log_file)
+            .spawn()
+            .map_err(|error| format!("spawn {command:?}: {error}"))?;
+        let pid = child.id();
+        let stdout = child.stdout.take().expect("stdout");
+        let (sender, receiver) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if sender.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut process = Process {
+            child: Some(child),
+            pid,
+            log,
+            addr: String::new(),
+        };
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match receiver.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => {
+                    let after = line.split(" on ").nth(1).expect("an address");
+                    let addr = after.split_whitespace().next().expect("address");
+                    process.addr = addr.trim_start_matches("nbd://").to_string();
+                    return Ok(process);
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    let status = process.reap(STOP_TIMEOUT);
+                    return Err(format!(
+                        "{command:?} not ready ({status:?}):\n{}",
+                        process.log_text()
+                    ));
+                }
+            }
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill9(&mut self) {
+        if self.child.is_some() {
+            signal(self.pid, libc::SIGKILL);
+            self.reap(STOP_TIMEOUT);
+        }
+    }
+
+    /// SIGTERM, then wait (bounded) for it to exit; SIGKILL if it does not.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.as_ref()?;
+        signal(self.pid, libc::SIGTERM);
+        self.reap(STOP_TIMEOUT)
+    }
+
+    fn reap(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let mut child = self.child.take()?;
+        let status = wait_timeout(&mut child, timeout);
+        if status.is_none() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        status
+    }
+
+    pub fn is_running(&mut self) -> bool {
+        match &mut self.child {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// `command` run inside namespace `netns` (or as it is with `None`).
+pub fn in_netns(netns: Option<&str>, program: &Path) -> Command {
+    match netns {
+        Some(name) => {
+            let mut command = Command::new(tool("ip", "iproute2"));
+            command.args(["netns", "exec", name]).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
+}
+
+/// `vouch replica serve DIR --listen LISTEN EXTRA...` (in `netns`).
+pub fn replica_server(
+    dir: &Path,
+    listen: &str,
+    extra: &[&str],
+    netns: Option<&str>,
+) -> Result<Process, String> {
+    let mut command = in_netns(netns, Path::new(vouch_bin()));
+    command
+        .args([
+            "replica",
+            "serve",
+            s(dir),
+            "--listen",
+            listen,
+            "--log",
+            "info",
+        ])
+        .args(extra);
+    let log = dir.with_extension(format!("replica-{}.log", listen.replace([':', '.'], "_")));
+    Process::start(command, log, "vouch replica: serving")
+}
+
+/// `vouch serve ARGS --listen 127.0.0.1:0` inside `netns`.
+pub fn exporter(dir: &Path, args: &[&str], netns: &str) -> Process {
+    let mut command = in_netns(Some(netns), Path::new(vouch_bin()));
+    command
+        .arg("serve")
+        .args(args)
+        .args(["--listen", "127.0.0.1:0", "--log", "info"])
+        .current_dir(dir);
+    Process::start(
+        command,
+        dir.join("exporter.log"),
+        "vouch: serving on nbd://",
+    )
+    .unwrap_or_else(|error| panic!("{error}"))
+}
+
+/// `vouch ARGS` inside `netns` (or here), bounded.
+pub fn vouch_in(netns: Option<&str>, args: &[&str]) -> Output {
+    let mut command = in_netns(netns, Path::new(vouch_bin()));
+    command.args(args);
+    run_timeout(&mut command, TIMEOUT)
+}
+
+/// Two network namespaces joined by a veth pair: the replica side at
+/// 10.231.N.1/24, the exporter side at 10.231.N.2/24. Removed on drop.
+pub struct NetnsPair {
+    pub replica: String,
+    pub exporter: String,
+    pub replica_ip: String,
+    pub exporter_ip: String,
+    /// The veth end inside the replica's namespace.
+    pub replica_dev: String,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let output = run_timeout(Command::new(tool("ip", "iproute2")).args(args), TIMEOUT);
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&output.stderr)
+        ))
+    }
+}
+
+impl NetnsPair {
+    /// Make the pair; `tag` keeps concurrent tests apart.
+    ///
+    /// Cut the link with `ip -n REPLICA link set REPLICA_DEV down`.
+    pub fn new(tag: &str) -> NetnsPair {
+        // Distinct per process and per tag (tests of one binary run at once).
+        let salt: u32 = tag.bytes().map(u32::from).sum();
+        let id = (std::process::id() + salt * 7) % 200 + 20;
+        let veth_r = format!("vr{id}{}r", &tag[..tag.len().min(3)]);
+        let veth_e = format!("vr{id}{}e", &tag[..tag.len().min(3)]);
+        // Dropped (and cleaned) even if a step below fails.
+        let pair = NetnsPair {
+            replica: format!("vr-{tag}-{id}-r"),
+            exporter: format!("vr-{tag}-{id}-e"),
+            replica_ip: format!("10.231.{id}.1"),
+            exporter_ip: format!("10.231.{id}.2"),
+            replica_dev: veth_r.clone(),
+        };
+        let setup = || -> Result<(), String> {
+            ip(&["netns", "add", &pair.replica])?;
+            ip(&["netns", "add", &pair.exporter])?;
+            ip(&[
+                "link", "add", &veth_r, "type", "veth", "peer", "name", &veth_e,
+            ])?;
+            ip(&["link", "set", &veth_r, "netns", &pair.replica])?;
+            ip(&["link", "set", &veth_e, "netns", &pair.exporter])?;
+            for (ns, dev, addr) in [
+                (&pair.replica, &veth_r, &pair.replica_ip),
+                (&pair.exporter, &veth_e, &pair.exporter_ip),
+            ] {
+                ip(&["-n", ns, "addr", "add", &format!("{addr}/24"), "dev", dev])?;
+                ip(&["-n", ns, "link", "set", dev, "up"])?;
+                ip(&["-n", ns, "link", "set", "lo", "up"])?;
+            }
+            Ok(())
+        };
+        if let Err(error) = setup() {
+            drop(pair);
+            panic!("network namespaces: {error} (these tests need root and iproute2)");
+        }
+        pair
+    }
+}
+
+impl Drop for NetnsPair {
+    fn drop(&mut self) {
+        // Deleting a namespace deletes the veth end inside it (and its peer).
+        let _ = ip(&["netns", "del", &self.replica]);
+        let _ = ip(&["netns", "del", &self.exporter]);
+    }
+}
