@@ -7,6 +7,7 @@ mod inject;
 mod key;
 mod mirror;
 mod offload;
+mod resync;
 mod serve;
 
 use std::path::PathBuf;

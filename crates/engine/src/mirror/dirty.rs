@@ -116,6 +116,19 @@ fn uuid_text(uuid: &[u8; 16]) -> String {
     uuid.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// Read the map file at `path` without changing it: its header and the
+/// blocks it counts as dirty (blocks of a region marked on disk
+/// included), or why it cannot be trusted.
+pub fn inspect(path: &Path) -> std::result::Result<(DirtyHeader, u64), String> {
+    let bytes = std::fs::read(path).map_err(|error| error.to_string())?;
+    let header = DirtyHeader::decode(&bytes).map_err(|error| format!("header: {error}"))?;
+    let (regions, bits) = load_file(path, &header)?;
+    let count = (0..header.blocks)
+        .filter(|&lba| bit(&bits, lba) || bit(&regions, lba / u64::from(header.region_blocks)))
+        .count() as u64;
+    Ok((header, count))
+}
+
 impl DirtyMap {
     /// Open the map of stale leg `leg` from the directories of the
     /// surviving legs (`dirs`), or create it there. Valid copies are
