@@ -276,7 +276,7 @@ impl DirtyMap {
         let inner = self.inner.lock();
         let mut at = lba;
         while at < self.header.blocks {
-            if at % 8 == 0 && inner.bits[(at / 8) as usize] == 0 {
+            if at.is_multiple_of(8) && inner.bits[(at / 8) as usize] == 0 {
                 at += 8;
                 continue;
             }
