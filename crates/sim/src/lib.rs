@@ -23,6 +23,7 @@ pub mod keychange;
 pub mod mirror;
 pub mod offload;
 pub mod recorder;
+pub mod resync;
 pub mod rng;
 
 pub use vouch_engine::{GuardKind, LayoutKind};
