@@ -34,6 +34,9 @@ const FAST: ResyncRate = ResyncRate {
     max: 1 << 40,
 };
 
+/// A crash image of leg 1 and the map file on disk at that moment.
+type CrashImage = (SimStorage, Option<Vec<u8>>);
+
 /// What a resync crash run found.
 #[derive(Debug, Default)]
 pub struct ResyncReport {
@@ -213,7 +216,7 @@ pub fn run_seed(seed: u64, dir: &Path, report: &mut ResyncReport) -> Result<(), 
     // Leg 1 back on the recorder: resync, crash images at each of its I/Os.
     let recorder = Arc::new(Recorder::new(leg1_sim));
     let map_path: PathBuf = dir.join("mirror.dirty.1");
-    let images: Arc<Mutex<Vec<(SimStorage, Option<Vec<u8>>)>>> = Arc::new(Mutex::new(Vec::new()));
+    let images: Arc<Mutex<Vec<CrashImage>>> = Arc::new(Mutex::new(Vec::new()));
     let collected = Arc::clone(&images);
     let mut hook_rng = rng.fork();
     let hook_map = map_path.clone();
