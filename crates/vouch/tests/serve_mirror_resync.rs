@@ -240,6 +240,12 @@ fn a_resync_killed_midway_resumes_from_its_map_and_the_ceiling_bounds_its_rate()
         "after the kill the map holds what is left ({left} of 3072): {status}"
     );
     assert_eq!(status["legs"][1]["state"], "stale", "{status}");
+    let info = vouch_ok(&["info", s(&a)]);
+    assert!(
+        text(&info).contains(&format!("resync: {left} blocks to copy")),
+        "{}",
+        text(&info)
+    );
     // Restarted at full speed, the resync resumes with what was left.
     let mut server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
     let row = wait_resync_end(&server, Duration::from_secs(60));

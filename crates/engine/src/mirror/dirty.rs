@@ -454,3 +454,96 @@ impl DirtyMap {
         self.files.iter().map(|(path, _)| path.clone()).collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BLOCKS: u64 = 3 * REGION_BLOCKS as u64 + 10;
+
+    fn open(dir: &Path, create_clean: bool) -> (DirtyMap, Option<String>) {
+        DirtyMap::open(&[dir.to_path_buf()], 1, [4; 16], BLOCKS, create_clean).expect("open")
+    }
+
+    #[test]
+    fn a_clean_close_keeps_exactly_the_marked_blocks() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (map, unknown) = open(dir.path(), true);
+        assert!(unknown.is_none());
+        map.mark(5, 7).expect("mark");
+        map.mark(
+            2 * u64::from(REGION_BLOCKS) + 1,
+            2 * u64::from(REGION_BLOCKS) + 2,
+        )
+        .expect("mark");
+        map.sync_and_retire().expect("close");
+        drop(map);
+        let (map, unknown) = open(dir.path(), false);
+        assert!(unknown.is_none());
+        assert_eq!(map.count(), 3);
+        assert_eq!(map.dirty_in(0, 10), vec![5, 6]);
+        let (_, count) = inspect(&dir.path().join(map_file_name(1))).expect("inspect");
+        assert_eq!(count, 3);
+    }
+
+    #[test]
+    fn a_crash_before_the_block_sync_counts_the_whole_region() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (map, _) = open(dir.path(), true);
+        // The region bit is durable before `mark` returns; the block bit
+        // only at the next sync, which never comes (a crash).
+        map.mark(u64::from(REGION_BLOCKS) + 3, u64::from(REGION_BLOCKS) + 4)
+            .expect("mark");
+        drop(map);
+        let (map, unknown) = open(dir.path(), false);
+        assert!(unknown.is_none());
+        assert_eq!(map.count(), u64::from(REGION_BLOCKS), "the whole region");
+        assert_eq!(map.next_dirty(0), Some(u64::from(REGION_BLOCKS)));
+        // After a sync the region bits go: a later crash keeps only blocks.
+        map.sync_and_retire().expect("retire");
+        let copied: Vec<u64> = (u64::from(REGION_BLOCKS)..2 * u64::from(REGION_BLOCKS))
+            .filter(|&lba| lba != u64::from(REGION_BLOCKS) + 3)
+            .collect();
+        let since = map.sequence();
+        assert_eq!(
+            map.clear_unless_touched(&copied, since),
+            copied.len() as u64
+        );
+        map.sync_and_retire().expect("sync");
+        drop(map);
+        let (map, _) = open(dir.path(), false);
+        assert_eq!(map.dirty_in(0, BLOCKS), vec![u64::from(REGION_BLOCKS) + 3]);
+    }
+
+    #[test]
+    fn a_block_marked_after_its_copy_stays_dirty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (map, _) = open(dir.path(), true);
+        map.mark(0, 4).expect("mark");
+        let since = map.sequence();
+        map.mark(2, 3).expect("written again after the copy");
+        assert_eq!(map.clear_unless_touched(&[0, 1, 2, 3], since), 0);
+        assert_eq!(map.count(), 4);
+    }
+
+    #[test]
+    fn a_damaged_or_missing_map_is_unknown_history_and_full() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (map, unknown) = open(dir.path(), false);
+        assert!(unknown.expect("no map").contains("no resync map"));
+        assert_eq!(map.count(), BLOCKS);
+        drop(map);
+        let path = dir.path().join(map_file_name(1));
+        let (map, _) = open(dir.path(), true);
+        map.sync_and_retire().expect("sync");
+        drop(map);
+        let mut bytes = std::fs::read(&path).expect("read");
+        let at = bytes.len() - 100;
+        bytes[at] ^= 1;
+        std::fs::write(&path, &bytes).expect("damage");
+        assert!(inspect(&path).expect_err("damaged").contains("checksum"));
+        let (map, unknown) = open(dir.path(), false);
+        assert!(unknown.expect("damaged").contains("unusable"));
+        assert_eq!(map.count(), BLOCKS, "every block");
+    }
+}
