@@ -402,3 +402,25 @@ fn bad_resync_requests_get_clear_errors_and_change_nothing() {
     assert!(text(&out).contains("--resync-min"), "{}", text(&out));
     assert_legs_agree(dir.path());
 }
+
+#[test]
+fn an_offline_resync_copies_the_map_and_makes_the_leg_active() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    write_blocks(&server.uri, &scattered(11), 4);
+    server.stop();
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let out = vouch_ok(&["mirror", "resync", s(&a), "--leg", "1", "--json"]);
+    let answer: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let row = &answer["legs"][1];
+    assert_eq!(row["state"], "active", "{answer}");
+    assert_eq!(row["resync"]["copied"], 11, "{answer}");
+    assert_legs_agree(dir.path());
+}
