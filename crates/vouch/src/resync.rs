@@ -23,6 +23,8 @@ pub struct Resyncer {
     options: OpenOptions,
     rate: ResyncRate,
     lock: parking_lot::Mutex<()>,
+    /// Legs opened here when they came back: closed cleanly at the end.
+    attached: parking_lot::Mutex<Vec<Arc<vouch_engine::Volume>>>,
     /// Legs whose map was started full at open, and why.
     unknown: parking_lot::Mutex<std::collections::HashMap<usize, String>>,
 }
@@ -40,7 +42,13 @@ impl Resyncer {
             rate,
             lock: parking_lot::Mutex::new(()),
             unknown: parking_lot::Mutex::new(std::collections::HashMap::new()),
+            attached: parking_lot::Mutex::new(Vec::new()),
         }
+    }
+
+    /// The legs this opened (to close cleanly once the mirror is closed).
+    pub fn take_attached(&self) -> Vec<Arc<vouch_engine::Volume>> {
+        std::mem::take(&mut *self.attached.lock())
     }
 
     /// Track every stale leg's writes in its map (a full one for unknown
@@ -181,8 +189,10 @@ impl Resyncer {
         }) {
             bail!("the active legs' records changed under the server");
         }
-        let volume: Arc<dyn BlockDevice> = Arc::new(volume);
-        self.mirror.attach(leg, volume)?;
+        let volume = Arc::new(volume);
+        self.mirror
+            .attach(leg, Arc::clone(&volume) as Arc<dyn BlockDevice>)?;
+        self.attached.lock().push(volume);
         Ok(unknown)
     }
 
@@ -365,7 +375,10 @@ pub fn run_offline(
     });
     set.mirror.stop_resyncs()?;
     let legs = legs_json(&set.mirror);
+    let attached = resyncer.take_attached();
+    drop(resyncer);
     set.close()?;
+    close_attached(attached)?;
     let progress = outcome?.context("the resync left no progress")?;
     if json_output {
         println!(
@@ -382,4 +395,15 @@ pub fn run_offline(
     } else {
         std::process::ExitCode::from(1)
     })
+}
+
+/// Close legs a `Resyncer` opened, once the mirror holding them is gone.
+pub fn close_attached(volumes: Vec<Arc<vouch_engine::Volume>>) -> Result<()> {
+    for volume in volumes {
+        match Arc::try_unwrap(volume) {
+            Ok(volume) => volume.close()?,
+            Err(volume) => volume.flush()?,
+        }
+    }
+    Ok(())
 }

@@ -168,6 +168,11 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         .enable_all()
         .build()?;
     let result = runtime.block_on(serve(&args, &volumes, &mirrors, &resyncers));
+    let attached: Vec<_> = resyncers
+        .iter()
+        .flatten()
+        .flat_map(|resyncer| resyncer.take_attached())
+        .collect();
     drop(resyncers);
     drop(runtime);
     result?;
@@ -186,6 +191,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             Err(volume) => volume.flush()?,
         }
     }
+    crate::resync::close_attached(attached).context("closing mirror legs brought back")?;
     eprintln!("vouch: stopped cleanly");
     Ok(ExitCode::SUCCESS)
 }

@@ -174,6 +174,14 @@ fn a_leg_back_online_gets_exactly_the_blocks_written_while_it_was_away() {
     write_blocks(&server.uri, &[1, 2, 3], 9);
     server.stop();
     assert_legs_agree(dir.path());
+    // The leg opened while serving was closed cleanly too.
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    assert!(
+        !server.log_text().contains("not shut down cleanly"),
+        "{}",
+        server.log_text()
+    );
+    server.stop();
 }
 
 /// Some data on both legs before a leg goes away.
