@@ -42,7 +42,9 @@ pub enum MirrorCommand {
     /// with `mirror status --server`); without, the volume must not be
     /// served and this copies at --rate.
     Resync {
+        /// Any leg of the volume (offline), or the export name (--server).
         path: String,
+        /// The leg to resync (its index, see `status`).
         #[arg(long)]
         leg: usize,
         /// Offline copy rate (bytes per second, e.g. 200M = 200 MiB/s).
