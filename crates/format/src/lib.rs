@@ -6,6 +6,7 @@
 //! the two against each other.
 
 pub mod context;
+pub mod dirty;
 pub mod guard;
 pub mod journal;
 pub mod layout;

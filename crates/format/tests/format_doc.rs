@@ -98,3 +98,9 @@ fn feature_flag_table_matches_code() {
     assert!(doc.contains("| compat | 0 | HOLE_PUNCH |"));
     assert_eq!(vouch_format::FeatureFlags::COMPAT_HOLE_PUNCH, 1 << 0);
 }
+
+#[test]
+fn resync_map_table_matches_code() {
+    use vouch_format::dirty::DirtyHeader;
+    assert_matches("## Resync map", DirtyHeader::FIELDS);
+}

@@ -25,6 +25,7 @@ pub mod mirror_faults;
 pub mod mirror_write;
 pub mod offload;
 pub mod recorder;
+pub mod resync;
 pub mod rng;
 
 pub use vouch_engine::{GuardKind, LayoutKind};

@@ -8,6 +8,7 @@ mod key;
 mod mirror;
 mod offload;
 mod replica;
+mod resync;
 mod serve;
 
 use std::path::PathBuf;

@@ -19,14 +19,42 @@ use crate::key::Use;
 pub enum MirrorCommand {
     /// Show every leg of the mirrored volume PATH (any leg): its path and
     /// state (active, faulted, stale, missing), as the newest mirror
-    /// record says. A running server's repair counters are in its metrics
-    /// (vouch_mirror_*). Exit 0 when every leg is active and present, 1
-    /// otherwise.
+    /// record says, and for a stale leg the blocks its resync map marks.
+    /// With --server, PATH is an export name and a running server answers:
+    /// each leg's state (resyncing included) and a resync's progress
+    /// (blocks to copy, copied, left, rate, ETA). A running server's
+    /// repair counters are in its metrics (vouch_mirror_*). Exit 0 when
+    /// every leg is active and present, 1 otherwise.
     Status {
-        path: PathBuf,
+        path: String,
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        server: crate::offload::client::ServerArgs,
+    },
+    /// Resync stale or faulted leg LEG: copy the blocks its resync map
+    /// marks (written while it was away) from an active leg, each verified
+    /// on arrival, then mark it active. A leg with unknown history (no
+    /// usable map, a re-created directory) gets every block. With
+    /// --server, PATH is an export name and the running server resyncs
+    /// online (rate limited by its --resync-min/--resync-max; follow it
+    /// with `mirror status --server`); without, the volume must not be
+    /// served and this copies at --rate.
+    Resync {
+        /// Any leg of the volume (offline), or the export name (--server).
+        path: String,
+        /// The leg to resync (its index, see `status`).
+        #[arg(long)]
+        leg: usize,
+        /// Offline copy rate (bytes per second, e.g. 200M = 200 MiB/s).
+        #[arg(long, value_parser = crate::parse_size, default_value = "200M")]
+        rate: u64,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        server: crate::offload::client::ServerArgs,
     },
     /// Replace leg LEG (its index, see `status`) offline: copy every
     /// block, with its context, from an active leg into it (if the leg's
@@ -92,15 +120,17 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
     let record = set.record.clone();
     let (mirror, volumes) = set.into_mirror(true)?;
     let mirror = Arc::new(mirror);
-    let primary = volumes
-        .iter()
-        .flatten()
-        .next()
-        .cloned()
+    let active = mirror.active();
+    let primary = active
+        .first()
+        .and_then(|&index| volumes[index].clone())
         .context("no leg open")?;
     let unclean: Vec<String> = volumes
         .iter()
         .zip(&record.members)
+        .enumerate()
+        .filter(|(index, _)| active.contains(index))
+        .map(|(_, row)| row)
         .filter(|(volume, _)| {
             volume
                 .as_ref()
@@ -133,6 +163,7 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
 impl OpenMirror {
     /// Close every leg cleanly (after every other holder of the mirror is gone).
     pub fn close(self) -> Result<()> {
+        self.mirror.stop_resyncs()?;
         drop(self.mirror);
         drop(self.primary);
         for volume in self.volumes.into_iter().flatten() {
@@ -207,6 +238,17 @@ pub fn info_json(path: &Path) -> Result<serde_json::Value> {
         .into_iter()
         .map(|(index, leg, state)| json!({"leg": index, "path": leg, "state": state}))
         .collect();
+    let (view, _) = mirror::set::view(path)?;
+    let legs: Vec<_> = legs
+        .into_iter()
+        .map(|mut row| {
+            let index = row["leg"].as_u64().unwrap_or(0) as usize;
+            let (dirty, unknown) = crate::resync::offline_dirty(&view, index);
+            row["dirty_blocks"] = json!(dirty);
+            row["unknown_history"] = json!(unknown);
+            row
+        })
+        .collect();
     Ok(json!({"leg": record.leg, "legs": legs, "epoch": record.epoch}))
 }
 
@@ -218,10 +260,70 @@ pub fn print_info(path: &Path) -> Result<()> {
         record.members.len(),
         record.epoch
     );
+    let (view, _) = mirror::set::view(path)?;
     for (index, leg, state) in leg_rows(path)? {
-        println!("  leg {index}:         {leg} ({state})");
+        let resync = match crate::resync::offline_dirty(&view, index) {
+            (Some(dirty), _) => format!(", resync: {dirty} blocks to copy"),
+            (None, Some(why)) => format!(", resync: full (unknown history: {why})"),
+            (None, None) => String::new(),
+        };
+        println!("  leg {index}:         {leg} ({state}{resync})");
     }
     Ok(())
+}
+
+/// `vouch mirror status` of a running server's export `name`.
+fn status_online(
+    name: &str,
+    json_output: bool,
+    server: &crate::offload::client::ServerArgs,
+) -> Result<ExitCode> {
+    let client = crate::offload::client::Client::new(server)?;
+    let answer = client.call(hyper::Method::GET, &format!("/v1/mirrors/{name}"), None)?;
+    let legs = &answer["legs"];
+    let healthy = legs.as_array().is_some_and(|legs| {
+        legs.iter()
+            .all(|leg| leg["state"] == "active" && leg["present"] == true)
+    });
+    if json_output {
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+    } else {
+        crate::resync::print_legs(legs);
+        println!(
+            "{}",
+            if healthy {
+                "every leg active"
+            } else {
+                "DEGRADED: not every leg is active"
+            }
+        );
+    }
+    Ok(if healthy {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// `vouch mirror resync --server`: ask the running server.
+fn resync_online(
+    name: &str,
+    leg: usize,
+    json_output: bool,
+    server: &crate::offload::client::ServerArgs,
+) -> Result<ExitCode> {
+    let client = crate::offload::client::Client::new(server)?;
+    let answer = client.call(
+        hyper::Method::POST,
+        &format!("/v1/mirrors/{name}/resync"),
+        Some(&json!({"leg": leg})),
+    )?;
+    if json_output {
+        println!("{}", serde_json::to_string_pretty(&answer)?);
+    } else {
+        println!("{}", answer["message"].as_str().unwrap_or("resync started"));
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 /// `vouch mirror status`.
@@ -231,9 +333,7 @@ pub fn status(path: &Path, json_output: bool) -> Result<ExitCode> {
     if json_output {
         println!("{}", serde_json::to_string_pretty(&info_json(path)?)?);
     } else {
-        for (index, leg, state) in &rows {
-            println!("leg {index}: {leg}: {state}");
-        }
+        crate::resync::print_legs(&info_json(path)?["legs"]);
         println!(
             "{}",
             if healthy {
@@ -475,7 +575,28 @@ pub fn remove(path: &Path, leg: usize) -> Result<ExitCode> {
 /// Run a `vouch mirror` command.
 pub fn run(command: MirrorCommand) -> Result<ExitCode> {
     match command {
-        MirrorCommand::Status { path, json } => status(&path, json),
+        MirrorCommand::Status { path, json, server } => match server.server {
+            Some(_) => status_online(&path, json, &server),
+            None => status(Path::new(&path), json),
+        },
+        MirrorCommand::Resync {
+            path,
+            leg,
+            rate,
+            json,
+            server,
+        } => match server.server {
+            Some(_) => resync_online(&path, leg, json, &server),
+            None => crate::resync::run_offline(
+                Path::new(&path),
+                leg,
+                mirror::ResyncRate {
+                    min: rate.max(1),
+                    max: rate.max(1),
+                },
+                json,
+            ),
+        },
         MirrorCommand::Replace { path, leg } => replace(&path, leg),
         MirrorCommand::Add { path, new_leg } => add(&path, &new_leg),
         MirrorCommand::Remove { path, leg } => remove(&path, leg),

@@ -73,6 +73,16 @@ pub struct ServeArgs {
     /// Example: read:guard_mismatch@8-15,write:nospace@100.
     #[arg(long, value_name = "SPEC")]
     inject: Option<crate::inject::InjectSpec>,
+    /// Resync floor: a stale mirror leg's resync copies at least this many
+    /// bytes per second even while clients are busy (like DRBD's
+    /// c-min-rate, md's speed_limit_min). Sizes: 10M = 10 MiB/s.
+    #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "1M")]
+    resync_min: u64,
+    /// Resync ceiling: at most this many bytes per second, the rate it
+    /// runs at while no client request arrives (DRBD's c-max-rate, md's
+    /// speed_limit_max). Sizes: 200M = 200 MiB/s, 2G = 2 GiB/s.
+    #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "200M")]
+    resync_max: u64,
     #[command(flatten)]
     control: crate::offload::control::ControlArgs,
 }
@@ -101,8 +111,20 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             args.paths.len()
         );
     }
+    if args.resync_min == 0 || args.resync_min > args.resync_max {
+        bail!(
+            "--resync-min ({}) must be positive and at most --resync-max ({})",
+            args.resync_min,
+            args.resync_max
+        );
+    }
+    let rate = vouch_engine::mirror::ResyncRate {
+        min: args.resync_min,
+        max: args.resync_max,
+    };
     let mut volumes = Vec::new();
     let mut mirrors = Vec::new();
+    let mut resyncers = Vec::new();
     for path in &args.paths {
         let options = OpenOptions {
             read_only: args.read_only,
@@ -110,18 +132,27 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             ..OpenOptions::default()
         };
         if vouch_engine::mirror::is_mirrored(path) {
-            let set = crate::mirror::open(path, options, crate::key::Use::Data)?;
+            let set = crate::mirror::open(path, options.clone(), crate::key::Use::Data)?;
             eprintln!(
                 "vouch: {}: mirror of {} legs, {} active",
                 path.display(),
                 set.volumes.len(),
                 set.mirror.active().len()
             );
+            let resyncer = Arc::new(crate::resync::Resyncer::new(&set, options, rate));
+            if !args.read_only {
+                for note in resyncer.start_at_open()? {
+                    eprintln!("vouch: {note}");
+                    tracing::warn!("{note}");
+                }
+            }
             volumes.push(Arc::clone(&set.primary));
             mirrors.push(Some(set));
+            resyncers.push(Some(resyncer));
             continue;
         }
         mirrors.push(None);
+        resyncers.push(None);
         let volume = crate::key::open(path, options, crate::key::Use::Data)?;
         let report = volume.recovery_report();
         if report.records_replayed > 0 {
@@ -141,7 +172,13 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = runtime.block_on(serve(&args, &volumes, &mirrors));
+    let result = runtime.block_on(serve(&args, &volumes, &mirrors, &resyncers));
+    let attached: Vec<_> = resyncers
+        .iter()
+        .flatten()
+        .flat_map(|resyncer| resyncer.take_attached())
+        .collect();
+    drop(resyncers);
     drop(runtime);
     result?;
     for ((path, volume), mirror) in args.paths.iter().zip(volumes).zip(mirrors) {
@@ -159,6 +196,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             Err(volume) => volume.flush()?,
         }
     }
+    crate::resync::close_attached(attached).context("closing mirror legs brought back")?;
     eprintln!("vouch: stopped cleanly");
     Ok(ExitCode::SUCCESS)
 }
@@ -167,6 +205,7 @@ async fn serve(
     args: &ServeArgs,
     volumes: &[Arc<Volume>],
     mirrors: &[Option<crate::mirror::OpenMirror>],
+    resyncers: &[Option<Arc<crate::resync::Resyncer>>],
 ) -> Result<()> {
     // Handle signals before announcing the listener: a SIGTERM right after
     // "serving on" must stop cleanly, not take the default action.
@@ -234,10 +273,7 @@ async fn serve(
         &names,
         &args.paths,
         volumes,
-        &mirrors
-            .iter()
-            .map(|set| set.as_ref().map(|set| set.mirror.clone()))
-            .collect::<Vec<_>>(),
+        resyncers,
         server.metrics(),
     )
     .await?;
@@ -265,6 +301,7 @@ async fn serve(
             move || {
                 publish_engine_metrics(&engine_volumes);
                 crate::mirror::publish_metrics(&mirror_devices);
+                crate::resync::publish_metrics(&mirror_devices);
                 if let Some(jobs) = offload_jobs.as_ref().and_then(std::sync::Weak::upgrade) {
                     crate::offload::metrics::publish(&jobs);
                 }

@@ -3,8 +3,9 @@
 //! that leg's disk, counted in metrics; a block corrupt on every leg is an
 //! EIO naming its LBA with nothing rewritten; a leg past the repair
 //! threshold is faulted and replaced; a missing leg serves degraded and is
-//! marked stale; offline scrub repairs and reports what it left; after a
-//! crash reads stay on one leg, across restarts, until a scrub.
+//! marked stale, then resynced from its map when back; offline scrub
+//! repairs and reports what it left; after a crash reads stay on one leg,
+//! across restarts, until a scrub.
 
 mod common;
 
@@ -235,7 +236,7 @@ print(json.dumps({"ok": ok}))
 }
 
 #[test]
-fn a_missing_leg_serves_degraded_then_stays_stale_until_replaced() {
+fn a_missing_leg_serves_degraded_then_is_resynced_when_back() {
     let dir = tempfile::tempdir().expect("tempdir");
     mirror_with_data(dir.path(), &["b"]);
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
@@ -261,8 +262,14 @@ print(json.dumps({"ok": True}))
     let status = vouch(&["mirror", "status", s(&b)]);
     assert_eq!(status.status.code(), Some(1));
     assert!(text(&status).contains("stale"), "{}", text(&status));
-    // Served from leg 1, the set still reads the new data (leg 1 is not used).
-    let server = Server::start(dir.path(), &[s(&b)]);
+    assert!(
+        text(&status).contains("1 blocks to copy"),
+        "{}",
+        text(&status)
+    );
+    // Served from leg 1, the set still reads the new data (leg 1 is not
+    // read while stale), and leg 1, back, is resynced from its map.
+    let mut server = Server::start(dir.path(), &[s(&b)]);
     let result = py_json(
         r#"
 h = connect(sys.argv[1])
@@ -271,8 +278,10 @@ print(json.dumps({"new": h.pread(4096, 2 * 4096) == block_data(2, 77)}))
         &[&server.uri],
     );
     assert_eq!(result["new"], true);
-    drop(server);
-    vouch_ok(&["mirror", "replace", s(&a), "--leg", "1"]);
+    wait_until("leg 1 resynced", std::time::Duration::from_secs(30), || {
+        vouch(&["mirror", "status", s(&a)]).status.code() == Some(0)
+    });
+    server.stop();
     assert_check_clean(&a);
     assert_eq!(block_of(&b, 2), block_of(&a, 2));
 }

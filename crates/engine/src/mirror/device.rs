@@ -5,11 +5,13 @@
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Mutex, MutexGuard, RwLock};
 use vouch_format::mirror::LegState;
 
+use super::dirty::DirtyMap;
+use super::resync::ResyncProgress;
 use super::{Membership, FAULT_THRESHOLD};
 use crate::device::{BlockDevice, SealedBlock};
 use crate::error::{Error, Fault, Result};
@@ -33,8 +35,14 @@ pub struct MirrorLeg {
 
 pub(super) struct Leg {
     pub(super) name: String,
-    pub(super) device: Option<Arc<dyn BlockDevice>>,
+    /// Set once: at `Mirror::new`, or when a missing leg is attached.
+    pub(super) device: OnceLock<Arc<dyn BlockDevice>>,
     state: AtomicU8,
+    /// The resync map while the leg is stale or resyncing.
+    pub(super) map: RwLock<Option<Arc<DirtyMap>>>,
+    /// Written to (not read) while its map is copied (`resync.rs`).
+    pub(super) resyncing: AtomicBool,
+    pub(super) progress: Mutex<Option<ResyncProgress>>,
     corrected: AtomicU64,
     /// Repairs by (fault kind, repaired?).
     repairs: Mutex<BTreeMap<(&'static str, bool), u64>>,
@@ -59,6 +67,23 @@ pub struct LegStatus {
     /// Errors corrected on this leg (what the fault threshold counts).
     pub corrected: u64,
     pub repairs: Vec<RepairCount>,
+    /// Written to but not read yet: its resync is running.
+    pub resyncing: bool,
+    /// Blocks its resync map marks (`None`: no map).
+    pub dirty: Option<u64>,
+    /// The last (or running) resync's progress.
+    pub resync: Option<ResyncProgress>,
+}
+
+impl LegStatus {
+    /// `resyncing`, or the recorded state's name.
+    pub fn state_name(&self) -> &'static str {
+        if self.resyncing {
+            "resyncing"
+        } else {
+            self.state.name()
+        }
+    }
 }
 
 /// A `BlockDevice` over 2 or 3 legs (see the module's documentation).
@@ -68,11 +93,16 @@ pub struct Mirror {
     /// Reads go to the first active leg only (`read_one_leg_until_scrubbed`).
     one_leg: AtomicBool,
     stripes: Box<[Mutex<()>]>,
-    membership: Option<Box<dyn Membership>>,
+    pub(super) membership: Option<Box<dyn Membership>>,
     /// Serialises decisions to fault a leg (never the last active one).
     faulting: Mutex<()>,
     size: u64,
     read_only: bool,
+    /// Client requests seen (reads and writes): resync backs off while it moves.
+    pub(super) foreground: AtomicU64,
+    /// Running resyncs' threads, and the flag that stops them.
+    pub(super) resyncs: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    pub(super) stopping: AtomicBool,
 }
 
 /// Errors about the request, not the leg: every leg would give the same.
@@ -122,8 +152,11 @@ impl Mirror {
                 .into_iter()
                 .map(|leg| Leg {
                     name: leg.name,
-                    device: leg.device,
+                    device: leg.device.map(OnceLock::from).unwrap_or_default(),
                     state: AtomicU8::new(leg.state as u8),
+                    map: RwLock::new(None),
+                    resyncing: AtomicBool::new(false),
+                    progress: Mutex::new(None),
                     corrected: AtomicU64::new(0),
                     repairs: Mutex::new(BTreeMap::new()),
                 })
@@ -135,6 +168,9 @@ impl Mirror {
             faulting: Mutex::new(()),
             size,
             read_only,
+            foreground: AtomicU64::new(0),
+            resyncs: Mutex::new(Vec::new()),
+            stopping: AtomicBool::new(false),
         };
         if mirror.active().is_empty() {
             return Err(Error::InvalidArgument(
@@ -148,7 +184,7 @@ impl Mirror {
     pub fn active(&self) -> Vec<usize> {
         (0..self.legs.len())
             .filter(|&leg| {
-                self.legs[leg].device.is_some()
+                self.legs[leg].device.get().is_some()
                     && state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
             })
             .collect()
@@ -157,8 +193,65 @@ impl Mirror {
     pub(super) fn device(&self, leg: usize) -> &dyn BlockDevice {
         &**self.legs[leg]
             .device
-            .as_ref()
+            .get()
             .expect("only present legs are used")
+    }
+
+    /// Record `leg` active in memory (its resync finished).
+    pub(super) fn set_leg_active(&self, leg: usize) -> Result<()> {
+        let _decide = self.faulting.lock();
+        self.legs[leg]
+            .state
+            .store(LegState::Active as u8, Ordering::Release);
+        Ok(())
+    }
+
+    /// Legs that get writes: the active ones and those resyncing.
+    pub(super) fn write_targets(&self) -> Vec<usize> {
+        (0..self.legs.len())
+            .filter(|&leg| {
+                self.legs[leg].device.get().is_some()
+                    && (state_from(self.legs[leg].state.load(Ordering::Acquire))
+                        == LegState::Active
+                        || self.legs[leg].resyncing.load(Ordering::Acquire))
+            })
+            .collect()
+    }
+
+    /// Mark blocks `[first, end)` in every stale leg's resync map before
+    /// a write to them is issued (the caller holds their stripe lock).
+    /// A map that cannot record the mark is dropped (its leg then has
+    /// unknown history: a full resync); if it cannot even be removed the
+    /// write fails, so no write escapes the map.
+    pub(super) fn mark(&self, first: u64, end: u64) -> Result<()> {
+        for (index, leg) in self.legs.iter().enumerate() {
+            let map = leg.map.read().clone();
+            let Some(map) = map else { continue };
+            if let Err(error) = map.mark(first, end) {
+                tracing::error!(leg = index, name = %leg.name, %error,
+                    "mirror: cannot record a write in the resync map; dropping it (the leg will need a full resync)");
+                map.remove()?;
+                leg.resyncing.store(false, Ordering::Release);
+                *leg.map.write() = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any leg has a resync map (writes must mark it first).
+    fn tracks_any_leg(&self) -> bool {
+        self.legs.iter().any(|leg| leg.map.read().is_some())
+    }
+
+    /// Make every resync map's block bits durable (part of a flush).
+    fn sync_maps(&self) -> Result<()> {
+        for leg in &self.legs {
+            let map = leg.map.read().clone();
+            if let Some(map) = map {
+                map.sync()?;
+            }
+        }
+        Ok(())
     }
 
     /// Each leg's state and counters.
@@ -168,8 +261,11 @@ impl Mirror {
             .map(|leg| LegStatus {
                 name: leg.name.clone(),
                 state: state_from(leg.state.load(Ordering::Acquire)),
-                present: leg.device.is_some(),
+                present: leg.device.get().is_some(),
                 corrected: leg.corrected.load(Ordering::Relaxed),
+                resyncing: leg.resyncing.load(Ordering::Acquire),
+                dirty: leg.map.read().as_ref().map(|map| map.count()),
+                resync: leg.progress.lock().clone(),
                 repairs: leg
                     .repairs
                     .lock()
@@ -262,6 +358,10 @@ impl Mirror {
             .iter()
             .map(|&stripe| self.stripes[stripe].try_lock())
             .collect()
+    }
+
+    fn mark_bytes(&self, offset: u64, length: u64) -> Result<()> {
+        self.mark(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
 
     /// Count a repair attempt on `leg`; a corrected error past the
@@ -417,12 +517,22 @@ impl Mirror {
 
     /// Run `op` on every active leg. A leg that fails while another
     /// succeeds is faulted; if every leg fails, the first error is returned.
+    /// A resyncing leg that fails stops resyncing (its map still covers
+    /// the write: it was marked first) and stays stale.
     fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
         let mut succeeded = 0;
         let mut failed = Vec::new();
-        for leg in self.active() {
+        for leg in self.write_targets() {
+            let resyncing =
+                state_from(self.legs[leg].state.load(Ordering::Acquire)) != LegState::Active;
             match op(self.device(leg)) {
+                Ok(()) if resyncing => {}
                 Ok(()) => succeeded += 1,
+                Err(error) if resyncing && !is_request_error(&error) => {
+                    tracing::error!(leg, name = %self.legs[leg].name, %error,
+                        "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
+                    self.legs[leg].resyncing.store(false, Ordering::Release);
+                }
                 Err(error) if is_request_error(&error) => return Err(error),
                 Err(error) => failed.push((leg, error)),
             }
@@ -448,6 +558,7 @@ impl BlockDevice for Mirror {
         self.read_only
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let leg = self.pick()?;
         match self.device(leg).read(offset, buf) {
             Ok(holes) => return Ok(holes),
@@ -490,13 +601,16 @@ impl BlockDevice for Mirror {
     /// write is acknowledged only after every active leg made it durable.
     /// The stripe lock is held across the legs' writes so a repair never
     /// moves a block between legs while they differ mid-write.
+    /// A stale leg's resync map marks the blocks first (`mark`).
     ///
     /// The write is sealed once (`seal_write`) and every leg stores the same
     /// bytes and context, with one generation from the mirror's clock, after
     /// verifying it (`write_sealed`): so legs' generations are comparable
     /// and a scrub can tell a lost write from the newer copy.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, data.len() as u64);
+        self.mark_bytes(offset, data.len() as u64)?;
         match self.seal_write(offset, data) {
             Ok(Some(sealed)) => self.each_leg("write", |leg| {
                 leg.write_sealed(&sealed)?;
@@ -527,9 +641,13 @@ impl BlockDevice for Mirror {
         let Some(_locked) = self.try_lock(first, first + count as u64) else {
             return Ok(false);
         };
-        let active = self.active();
-        if active.is_empty()
-            || !active
+        // A stale leg's map must be marked first, which may sync: not here.
+        if self.tracks_any_leg() {
+            return Ok(false);
+        }
+        let targets = self.write_targets();
+        if targets.is_empty()
+            || !targets
                 .iter()
                 .all(|&leg| self.device(leg).has_room_for(count))
         {
@@ -546,15 +664,22 @@ impl BlockDevice for Mirror {
         })?;
         Ok(true)
     }
+    /// The resync maps' block bits are made durable first (one sync).
     fn flush(&self) -> Result<()> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
+        self.sync_maps()?;
         self.each_leg("flush", |leg| leg.flush())
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, length);
+        self.mark_bytes(offset, length)?;
         self.each_leg("trim", |leg| leg.trim(offset, length, fua))
     }
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, length);
+        self.mark_bytes(offset, length)?;
         self.each_leg("write zeroes", |leg| {
             leg.write_zeroes(offset, length, flags)
         })
@@ -597,6 +722,9 @@ impl BlockDevice for Mirror {
         let first = blocks.iter().map(|b| b.lba).min().unwrap_or(0);
         let end = blocks.iter().map(|b| b.lba + 1).max().unwrap_or(0);
         let _locked = self.lock(first, end);
+        for block in blocks {
+            self.mark(block.lba, block.lba + 1)?;
+        }
         self.each_leg("write", |leg| leg.write_sealed(blocks))
     }
 }

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use vouch_format::mirror::{LegState, MirrorMember, MirrorRecord, MAX_LEGS, MIN_LEGS};
 
+use super::dirty::map_file_name;
 use super::remote::is_remote_member;
 use super::set::{
     create_leg_like, is_mirrored, mark_unsynced, read_record, view, write_record, RECORD_FILE,
@@ -112,6 +113,12 @@ pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
     let _locks = lock_legs(&legs)?;
     create_leg_like(&source, target)?;
     let index = record.members.len();
+    // No map may name the new leg: it is filled whole.
+    for member in &record.members {
+        if !is_remote_member(&member.path) && Path::new(&member.path).is_dir() {
+            remove_maps_from(Path::new(&member.path), index)?;
+        }
+    }
     record.members.push(MirrorMember {
         state: LegState::Stale,
         path: canonical(target)?,
@@ -198,6 +205,17 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
         .iter()
         .map(|m| PathBuf::from(&m.path))
         .collect();
+    // Resync maps are named by leg index (`mirror.dirty.N`): the removed
+    // leg's map goes, and the maps of legs after it would now name the
+    // wrong leg, so they go too (those legs then have unknown history: a
+    // full, verified resync, never a wrong partial one). Before the new
+    // records: once they exist, a later leg would take the removed leg's
+    // index, and its map with it.
+    for dir in &legs {
+        if !is_remote_member(&member_path(dir)) {
+            remove_maps_from(dir, leg)?;
+        }
+    }
     if next.members.len() >= MIN_LEGS {
         for (index, member) in next.members.iter().enumerate() {
             let dir = Path::new(&member.path);
@@ -227,6 +245,19 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
         state,
         remaining,
     })
+}
+
+/// Remove the resync maps of legs `first` and after from `dir`.
+fn remove_maps_from(dir: &Path, first: usize) -> Result<()> {
+    for leg in first..MAX_LEGS {
+        let map = dir.join(map_file_name(leg));
+        match std::fs::remove_file(&map) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+            Err(error) => return Err(path_error("remove", &map, error)),
+        }
+    }
+    Ok(())
 }
 
 fn member_path(path: &Path) -> String {

@@ -20,17 +20,26 @@
 //! - `scrub.rs` checks every leg and repairs every repairable block; where
 //!   two legs verify but differ, the higher generation wins.
 //!
+//! - A stale leg's writes are tracked block by block in a resync map
+//!   (`dirty.rs`, marked before each write is issued); `resync.rs` copies
+//!   exactly those blocks to the leg online, rate-limited, while it is
+//!   written to but not read, then makes it active again.
+//!
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
 mod device;
+pub mod dirty;
 pub mod manage;
 pub mod remote;
 mod repair;
+pub mod resync;
 pub mod scrub;
 pub mod set;
 
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
+pub use dirty::DirtyMap;
 pub use remote::{is_remote_member, LegTemplate};
+pub use resync::{ResyncProgress, ResyncRate};
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet,

@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 pub use vouch_format::mirror::MirrorRecord;
 use vouch_format::mirror::{LegState, MirrorMember, MAX_LEGS, MIN_LEGS};
 
+use super::dirty::{map_file_name, DirtyMap};
 use super::{Membership, Mirror, MirrorLeg};
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
@@ -414,17 +415,31 @@ pub fn open_mirror_with(
                 ));
             }
         } else {
+            // A stale leg (or one whose resync was interrupted) that is
+            // back is opened for resync: written to, not read, until its
+            // resync map is copied.
+            let resumable = member.state == LegState::Stale || has_map(&record, index);
+            if writable && resumable && leg.missing.is_none() {
+                match open_leg(&leg_path) {
+                    Ok(volume) => leg.volume = Some(volume),
+                    Err(error) => leg.missing = Some(error.to_string()),
+                }
+            }
             warnings.push(format!(
-                "mirror leg {index} ({}) is {}: not used until `vouch mirror replace`",
+                "mirror leg {index} ({}) is {}{}: not read until it is resynced (`vouch mirror resync`) or replaced",
                 member.path,
-                member.state.name()
+                member.state.name(),
+                if leg.volume.is_some() { ", present" } else { "" }
             ));
         }
         legs.push(leg);
     }
-    if legs.iter().all(|leg| leg.volume.is_none()) {
-        // Leg 0 (local) keeps the record: a set is never served from
-        // remote members alone.
+    // Leg 0 (local) keeps the record: a set is never served from remote
+    // members alone; a stale leg opened for resync does not count.
+    if legs
+        .iter()
+        .all(|leg| leg.volume.is_none() || leg.state != LegState::Active)
+    {
         return Err(Error::Corrupt(format!(
             "no active leg of the mirror could be opened: {}",
             warnings.join("; ")
@@ -439,6 +454,16 @@ pub fn open_mirror_with(
         .map(|(index, _)| index)
         .collect();
     if writable && !lost.is_empty() {
+        // Each lost leg's resync map exists (empty) before the record says
+        // it is stale: from then on every write is marked in it.
+        let mut after = record.clone();
+        for &index in &lost {
+            after.members[index].state = LegState::Stale;
+        }
+        let blocks = blocks_of(&legs)?;
+        for &index in &lost {
+            DirtyMap::open(&map_dirs(&after), index, after.uuid, blocks, true)?;
+        }
         for &index in &lost {
             record.members[index].state = LegState::Stale;
             legs[index].state = LegState::Stale;
@@ -455,6 +480,60 @@ pub fn open_mirror_with(
         legs,
         warnings,
     })
+}
+
+/// The directories that hold resync maps: the active legs' that exist.
+pub fn map_dirs(record: &MirrorRecord) -> Vec<PathBuf> {
+    record
+        .members
+        .iter()
+        .filter(|member| member.state == LegState::Active)
+        .map(|member| PathBuf::from(&member.path))
+        .filter(|dir| dir.is_dir())
+        .collect()
+}
+
+/// Does an active leg's directory hold a resync map for leg `leg`?
+pub fn has_map(record: &MirrorRecord, leg: usize) -> bool {
+    map_dirs(record)
+        .iter()
+        .any(|dir| dir.join(map_file_name(leg)).exists())
+}
+
+fn blocks_of(legs: &[OpenedLeg]) -> Result<u64> {
+    legs.iter()
+        .find_map(|leg| leg.volume.as_ref())
+        .map(|volume| BlockDevice::size(volume) / crate::state::BLOCK)
+        .ok_or_else(|| Error::Corrupt("no leg of the mirror is open".into()))
+}
+
+/// Open (or create) the resync map of every leg that is not active and is
+/// stale or has a map, and track writes for it in `mirror`. Returns each
+/// such leg with why its history is unknown (`Some`: its map was missing
+/// or damaged, so every block is dirty: a full verified resync).
+pub fn track_stale_legs(
+    mirror: &Mirror,
+    record: &MirrorRecord,
+) -> Result<Vec<(usize, Option<String>)>> {
+    let active = mirror.active();
+    let blocks = mirror.size() / crate::state::BLOCK;
+    let mut tracked = Vec::new();
+    for (index, member) in record.members.iter().enumerate() {
+        if active.contains(&index) {
+            // A map left by a resync that finished before its removal.
+            for dir in map_dirs(record) {
+                let _ = std::fs::remove_file(dir.join(map_file_name(index)));
+            }
+            continue;
+        }
+        if member.state != LegState::Stale && !has_map(record, index) {
+            continue;
+        }
+        let (map, unknown) = DirtyMap::open(&map_dirs(record), index, record.uuid, blocks, false)?;
+        mirror.track(index, Arc::new(map))?;
+        tracked.push((index, unknown));
+    }
+    Ok(tracked)
 }
 
 /// Write `record` (each leg's own index filled in) to every active leg.

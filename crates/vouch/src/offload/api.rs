@@ -58,6 +58,11 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/exports", get(exports))
         .route("/v1/jobs", get(list_jobs).post(create_job))
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .route("/v1/mirrors/{export}", get(mirror_status))
+        .route(
+            "/v1/mirrors/{export}/resync",
+            axum::routing::post(mirror_resync),
+        )
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(MAX_COMPARE_DATA / 3 * 4 + 4096))
         .layer(axum::middleware::from_fn_with_state(
@@ -125,6 +130,56 @@ async fn exports(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
         }));
     }
     Ok(Json(json!({ "exports": list })))
+}
+
+fn resyncer_of(state: &ApiState, export: &str) -> ApiResult<Arc<crate::resync::Resyncer>> {
+    let entry = state
+        .jobs
+        .exports
+        .iter()
+        .find(|entry| entry.name == export)
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export {export:?}")))?;
+    entry
+        .resync
+        .clone()
+        .ok_or_else(|| ApiError::bad(format!("export {export:?} is not a mirrored volume")))
+}
+
+/// `GET /v1/mirrors/{export}`: every leg's state and resync progress.
+async fn mirror_status(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let resyncer = resyncer_of(&state, &export)?;
+    Ok(Json(
+        json!({"export": export, "legs": resyncer.status_json()}),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResyncBody {
+    leg: usize,
+}
+
+/// `POST /v1/mirrors/{export}/resync {"leg": N}`: start resyncing leg N.
+async fn mirror_resync(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let resyncer = resyncer_of(&state, &export)?;
+    let body: ResyncBody = serde_json::from_slice(&body).map_err(|error| {
+        ApiError::bad(format!("resync request: {error} (expected {{\"leg\": N}})"))
+    })?;
+    let message = tokio::task::spawn_blocking(move || resyncer.resync(body.leg))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({"export": export, "leg": body.leg, "message": message})),
+    ))
 }
 
 async fn list_jobs(State(state): State<ApiState>) -> Json<Value> {

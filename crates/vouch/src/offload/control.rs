@@ -268,7 +268,7 @@ pub async fn start_for_server(
     names: &[String],
     paths: &[PathBuf],
     volumes: &[Arc<vouch_engine::Volume>],
-    mirrors: &[Option<Arc<vouch_engine::mirror::Mirror>>],
+    resyncers: &[Option<Arc<crate::resync::Resyncer>>],
     metrics: Arc<vouch_nbd::Metrics>,
 ) -> Result<Option<ControlServer>> {
     if args.control.is_none() {
@@ -278,13 +278,16 @@ pub async fn start_for_server(
         .iter()
         .zip(paths)
         .zip(volumes)
-        .zip(mirrors)
-        .map(|(((name, dir), volume), mirror)| super::jobs::ExportEntry {
-            name: name.clone(),
-            dir: dir.clone(),
-            volume: volume.clone(),
-            mirror: mirror.clone(),
-        })
+        .zip(resyncers)
+        .map(
+            |(((name, dir), volume), resyncer)| super::jobs::ExportEntry {
+                name: name.clone(),
+                dir: dir.clone(),
+                volume: volume.clone(),
+                mirror: resyncer.as_ref().map(|r| r.mirror.clone()),
+                resync: resyncer.clone(),
+            },
+        )
         .collect();
     // Requests started = finished + in flight: moves whenever a client asks.
     let foreground: Arc<dyn Fn() -> u64 + Send + Sync> = Arc::new(move || {

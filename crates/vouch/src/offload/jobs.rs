@@ -29,6 +29,8 @@ pub struct ExportEntry {
     /// A mirrored export: jobs go through the mirror (reads repair, scrub
     /// checks and repairs every leg); `volume` is its first open leg.
     pub mirror: Option<Arc<vouch_engine::mirror::Mirror>>,
+    /// A mirrored export's resyncs (`/v1/mirrors`).
+    pub resync: Option<Arc<crate::resync::Resyncer>>,
 }
 
 /// What the other side of a compare is.

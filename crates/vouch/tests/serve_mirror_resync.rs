@@ -1,0 +1,434 @@
+//! Block-granular resync of a stale mirror leg, with real processes and
+//! real NBD clients (qemu-io): a leg missing while the server runs misses
+//! exactly the blocks written meanwhile, and an online resync copies
+//! exactly those (counted by status and metrics); a SIGKILL mid-resync
+//! resumes from the map; unknown history (a damaged map, a re-created
+//! leg) gets a full resync; the ceiling bounds the rate; bad requests get
+//! clear errors.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::clients::qemu_io_ok;
+use common::control::request;
+use common::*;
+use serde_json::Value;
+
+const SIZE: &str = "64MiB";
+const BLOCKS: u64 = 64 * 256;
+
+fn create_mirror(dir: &Path) {
+    vouch_ok(&[
+        "create",
+        s(&dir.join("a")),
+        "--size",
+        SIZE,
+        "--mirror",
+        s(&dir.join("b")),
+    ]);
+}
+
+/// Distinct LBAs spread over the volume (every region), each its own pattern.
+fn scattered(n: u64) -> Vec<u64> {
+    (0..n).map(|i| (i * 7919 + 3) % BLOCKS).collect()
+}
+
+fn write_blocks(uri: &str, lbas: &[u64], salt: u64) {
+    let commands: Vec<String> = lbas
+        .iter()
+        .map(|lba| format!("write -P {} {} 4k", (lba + salt) % 251 + 1, lba * 4096))
+        .collect();
+    let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
+    for chunk in commands.chunks(200) {
+        qemu_io_ok(uri, chunk);
+    }
+}
+
+fn mirror_status(server: &Server) -> Value {
+    let (status, answer) = request(
+        common::control::control(server),
+        "GET",
+        "/v1/mirrors/a",
+        None,
+        None,
+    );
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
+fn leg1(server: &Server) -> Value {
+    mirror_status(server)["legs"][1].clone()
+}
+
+/// Wait until leg 1's resync has ended (not running); its JSON row.
+fn wait_resync_end(server: &Server, timeout: Duration) -> Value {
+    let mut last = Value::Null;
+    wait_until("the resync to end", timeout, || {
+        last = leg1(server);
+        last["resync"].is_object() && last["resync"]["state"] != "running"
+    });
+    last
+}
+
+fn leg_bytes(dir: &Path, leg: &Path) -> Vec<u8> {
+    let raw = dir.join(format!(
+        "{}.raw",
+        leg.file_name().unwrap().to_string_lossy()
+    ));
+    let _ = std::fs::remove_file(&raw);
+    vouch_ok(&["export", s(leg), s(&raw)]);
+    let bytes = std::fs::read(&raw).expect("read export");
+    std::fs::remove_file(&raw).expect("remove export");
+    bytes
+}
+
+/// Every leg active and clean, byte-identical, no resync map left.
+fn assert_legs_agree(dir: &Path) {
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    assert_check_clean(&a);
+    let status = vouch(&["mirror", "status", s(&a)]);
+    assert_eq!(status.status.code(), Some(0), "{}", text(&status));
+    let (left, right) = (leg_bytes(dir, &a), leg_bytes(dir, &b));
+    let first = left.iter().zip(&right).position(|(x, y)| x != y);
+    assert!(
+        left.len() == right.len() && first.is_none(),
+        "legs differ (first at byte {first:?})"
+    );
+    assert!(!a.join("mirror.dirty.1").exists(), "the map is removed");
+}
+
+fn control_args(server: &Server) -> Vec<String> {
+    vec![
+        "--server".into(),
+        common::control::control(server).to_string(),
+    ]
+}
+
+#[test]
+fn a_leg_back_online_gets_exactly_the_blocks_written_while_it_was_away() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    write_blocks_offline_setup(dir.path());
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            s(&a),
+            "--control",
+            "127.0.0.1:0",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
+    let written = scattered(37);
+    write_blocks(&server.uri, &written, 5);
+    let row = leg1(&server);
+    assert_eq!(row["state"], "stale", "{row}");
+    assert_eq!(row["dirty_blocks"], written.len() as u64, "{row}");
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
+    let control = control_args(&server);
+    args.extend(control.iter().map(String::as_str));
+    let started = vouch_ok(&args);
+    assert!(
+        text(&started).contains("resync of 37 blocks"),
+        "{}",
+        text(&started)
+    );
+    let row = wait_resync_end(&server, Duration::from_secs(60));
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["state"], "active", "{row}");
+    assert_eq!(
+        row["resync"]["copied"], 37,
+        "exactly the written blocks: {row}"
+    );
+    assert_eq!(row["resync"]["blocks_to_copy"], 37, "{row}");
+    assert_eq!(row["resync"]["left"], 0, "{row}");
+    let metrics = server.metrics_text();
+    assert_eq!(
+        metric(
+            &metrics,
+            "vouch_mirror_resync_copied_blocks{volume=\"a\",leg=\"1\"}"
+        ),
+        Some(37.0),
+        "{metrics}"
+    );
+    // The CLI against the server shows the finished resync.
+    let mut args = vec!["mirror", "status", "a"];
+    args.extend(control.iter().map(String::as_str));
+    let status = vouch(&args);
+    assert_eq!(status.status.code(), Some(0), "{}", text(&status));
+    assert!(
+        text(&status).contains("resync done: 37 of 37 blocks copied, 0 left"),
+        "{}",
+        text(&status)
+    );
+    // Writes after the resync reach both legs; reads see them.
+    write_blocks(&server.uri, &[1, 2, 3], 9);
+    server.stop();
+    assert_legs_agree(dir.path());
+    // The leg opened while serving was closed cleanly too.
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    assert!(
+        !server.log_text().contains("not shut down cleanly"),
+        "{}",
+        server.log_text()
+    );
+    server.stop();
+}
+
+/// Some data on both legs before a leg goes away.
+fn write_blocks_offline_setup(dir: &Path) {
+    let mut server = Server::start(dir, &[s(&dir.join("a"))]);
+    write_blocks(&server.uri, &scattered(10), 1);
+    server.stop();
+}
+
+#[test]
+fn a_resync_killed_midway_resumes_from_its_map_and_the_ceiling_bounds_its_rate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    // 12 MiB in 3 regions: 3072 blocks.
+    qemu_io_ok(
+        &server.uri,
+        &["write -P 7 0 4M", "write -P 8 20M 4M", "write -P 9 40M 4M"],
+    );
+    server.stop();
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    // Present at open: the resync starts by itself, at 1 MiB/s at most.
+    let started = Instant::now();
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            s(&a),
+            "--control",
+            "127.0.0.1:0",
+            "--resync-min",
+            "512K",
+            "--resync-max",
+            "1M",
+        ],
+    );
+    let mut row = Value::Null;
+    wait_until("some blocks copied", Duration::from_secs(30), || {
+        row = leg1(&server);
+        row["resync"]["copied"].as_u64().unwrap_or(0) > 0
+    });
+    assert_eq!(row["state"], "resyncing", "{row}");
+    assert_eq!(row["resync"]["blocks_to_copy"], 3072, "{row}");
+    std::thread::sleep(Duration::from_millis(1500));
+    let row = leg1(&server);
+    let copied = row["resync"]["copied"].as_u64().expect("copied");
+    // The ceiling: at most 1 MiB/s after the first batch (4 MiB).
+    let seconds = started.elapsed().as_secs_f64();
+    assert!(
+        (copied * 4096) as f64 <= 4.0 * 1048576.0 + 1048576.0 * seconds,
+        "{copied} blocks in {seconds:.1}s exceeds a 1 MiB/s ceiling: {row}"
+    );
+    server.kill9();
+    let status = vouch(&["mirror", "status", s(&a), "--json"]);
+    let status: Value = serde_json::from_slice(&status.stdout).expect("status JSON");
+    let left = status["legs"][1]["dirty_blocks"].as_u64().expect("a map");
+    assert!(
+        left > 0 && left < 3072,
+        "after the kill the map holds what is left ({left} of 3072): {status}"
+    );
+    assert_eq!(status["legs"][1]["state"], "stale", "{status}");
+    let info = vouch_ok(&["info", s(&a)]);
+    assert!(
+        text(&info).contains(&format!("resync: {left} blocks to copy")),
+        "{}",
+        text(&info)
+    );
+    // Restarted at full speed, the resync resumes with what was left.
+    let mut server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
+    let row = wait_resync_end(&server, Duration::from_secs(60));
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(
+        row["resync"]["blocks_to_copy"], left,
+        "resumed, not restarted: {row}"
+    );
+    server.stop();
+    assert_legs_agree(dir.path());
+}
+
+#[test]
+fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
+    server.stop();
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            s(&a),
+            "--control",
+            "127.0.0.1:0",
+            "--resync-min",
+            "1M",
+            "--resync-max",
+            "2M",
+        ],
+    );
+    let row = wait_resync_end(&server, Duration::from_secs(60));
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["resync"]["copied"], 1536, "{row}");
+    // 6 MiB at 2 MiB/s: at least 3 s (loosely: 2.5 s).
+    let elapsed = row["resync"]["elapsed_ms"].as_u64().expect("elapsed");
+    assert!(
+        elapsed >= 2500,
+        "6 MiB at 2 MiB/s took only {elapsed} ms: {row}"
+    );
+    server.stop();
+    assert_legs_agree(dir.path());
+}
+
+#[test]
+fn unknown_history_gets_a_full_verified_resync() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    write_blocks_offline_setup(dir.path());
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    write_blocks(&server.uri, &scattered(20), 2);
+    server.stop();
+    // A damaged map: status says so, and a full resync follows at open.
+    let map = a.join("mirror.dirty.1");
+    let mut bytes = std::fs::read(&map).expect("map");
+    bytes[5 * 4096 / 2] ^= 0xff;
+    std::fs::write(&map, &bytes).expect("damage the map");
+    let status = vouch(&["mirror", "status", s(&a)]);
+    assert!(
+        text(&status).contains("unknown history") && text(&status).contains("checksum"),
+        "{}",
+        text(&status)
+    );
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let mut server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
+    assert!(
+        server.log_text().contains("unknown history"),
+        "{}",
+        server.log_text()
+    );
+    let row = wait_resync_end(&server, Duration::from_secs(120));
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["resync"]["full"], true, "{row}");
+    assert_eq!(row["resync"]["copied"], BLOCKS, "every block: {row}");
+    server.stop();
+    assert_legs_agree(dir.path());
+
+    // A leg whose directory is gone, resynced online: re-created, full.
+    std::fs::rename(&b, &away).expect("take leg 1 away again");
+    let mut server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
+    write_blocks(&server.uri, &scattered(5), 3);
+    std::fs::remove_dir_all(&away).expect("lose leg 1");
+    let (code, answer) = request(
+        common::control::control(&server),
+        "POST",
+        "/v1/mirrors/a/resync",
+        Some(&serde_json::json!({"leg": 1})),
+        None,
+    );
+    assert_eq!(code, 202, "{answer}");
+    assert!(
+        answer["message"]
+            .as_str()
+            .unwrap_or("")
+            .contains("unknown history"),
+        "{answer}"
+    );
+    let row = wait_resync_end(&server, Duration::from_secs(120));
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["resync"]["copied"], BLOCKS, "{row}");
+    server.stop();
+    assert_legs_agree(dir.path());
+}
+
+#[test]
+fn bad_resync_requests_get_clear_errors_and_change_nothing() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let a = dir.path().join("a");
+    let server = Server::start(dir.path(), &[s(&a), "--control", "127.0.0.1:0"]);
+    let control = common::control::control(&server).to_string();
+    for (body, expect) in [
+        (
+            serde_json::json!({"leg": 0}),
+            "is active: nothing to resync",
+        ),
+        (serde_json::json!({"leg": 7}), "no leg 7"),
+        (serde_json::json!({"leg": "x"}), "resync request"),
+        (serde_json::json!({"legs": 1}), "resync request"),
+    ] {
+        let (code, answer) = request(&control, "POST", "/v1/mirrors/a/resync", Some(&body), None);
+        assert!(code == 409 || code == 400, "{body}: {code} {answer}");
+        assert!(
+            answer["error"].as_str().unwrap_or("").contains(expect),
+            "{body}: {answer}"
+        );
+    }
+    let out = vouch(&["mirror", "resync", "a", "--leg", "1", "--server", &control]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(text(&out).contains("is active"), "{}", text(&out));
+    drop(server);
+    let out = vouch(&["mirror", "resync", s(&a), "--leg", "0"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out).contains("is active: nothing to resync"),
+        "{}",
+        text(&out)
+    );
+    let out = vouch(&["serve", s(&a), "--resync-min", "10M", "--resync-max", "1M"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(text(&out).contains("--resync-min"), "{}", text(&out));
+    assert_legs_agree(dir.path());
+}
+
+#[test]
+fn an_offline_resync_copies_the_map_and_makes_the_leg_active() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    write_blocks(&server.uri, &scattered(11), 4);
+    server.stop();
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let out = vouch_ok(&["mirror", "resync", s(&a), "--leg", "1", "--json"]);
+    let answer: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let row = &answer["legs"][1];
+    assert_eq!(row["state"], "active", "{answer}");
+    assert_eq!(row["resync"]["copied"], 11, "{answer}");
+    assert_legs_agree(dir.path());
+}
