@@ -28,4 +28,4 @@ fi
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile ci -- -D warnings
-cargo test --workspace --profile ci
+cargo test --workspace --profile ci --no-fail-fast

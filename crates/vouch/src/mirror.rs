@@ -501,7 +501,15 @@ pub fn replace(path: &Path, leg: usize) -> Result<ExitCode> {
         mirror::set::create_leg_like(&source_path, &target)?;
         eprintln!("vouch: created an empty leg at {}", target.display());
     }
-    let destination = crate::key::open(&target, OpenOptions::default(), Use::Data)?;
+    // A stale leg that is present is open in the set already (for resync).
+    let destination = match set.volumes.get(leg).cloned().flatten() {
+        Some(volume) => volume,
+        None => Arc::new(crate::key::open(
+            &target,
+            OpenOptions::default(),
+            Use::Data,
+        )?),
+    };
     if destination.uuid_string() != source.uuid_string() || destination.size() != source.size() {
         bail!(
             "{} is not a leg of this volume (uuid or size differs)",
@@ -526,9 +534,20 @@ pub fn replace(path: &Path, leg: usize) -> Result<ExitCode> {
             report.faults.len()
         );
     }
-    destination.close()?;
-    // The new leg's record is written with the others'.
+    if let Ok(volume) = Arc::try_unwrap(destination) {
+        volume.close()?;
+    }
+    // The new leg's record is written with the others'; then its resync
+    // map, if it had one, is gone (the leg holds every block now).
     FileMembership::new(set.record.clone()).set_state(leg, LegState::Active)?;
+    for dir in mirror::set::map_dirs(&set.record) {
+        let map = dir.join(mirror::dirty::map_file_name(leg));
+        if let Err(error) = std::fs::remove_file(&map) {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                return Err(error).with_context(|| format!("removing {}", map.display()));
+            }
+        }
+    }
     set.close()?;
     println!(
         "leg {leg} ({}): {moved} blocks copied and verified; active",
