@@ -82,22 +82,32 @@ impl Engine {
                 .zip(first..)
                 .map(|(bytes, lba)| (lba, shared_block(bytes))),
         );
+        Ok(self.buffer_without_waiting(sealed))
+    }
+
+    /// Buffer sealed blocks if that needs no wait: below twice the dirty
+    /// limit (where writers commit themselves); past the limit the
+    /// background committer is asked to commit. False, with nothing
+    /// buffered or counted, when there is no room.
+    fn buffer_without_waiting(&self, sealed: Vec<(u64, DirtyBlock)>) -> bool {
+        let shared = &self.shared;
+        let bytes = sealed.len() as u64 * BLOCK;
         let limit = self.tuning.dirty_limit_blocks;
         let buffered = {
             let mut state = shared.state.write();
             if state.active.len() + sealed.len() >= 2 * limit {
-                return Ok(false);
+                return false;
             }
             for (lba, dirty) in sealed {
                 state.active.insert(lba, dirty);
             }
             state.active.len()
         };
-        shared.io.stats.add_client_write(data.len() as u64);
+        shared.io.stats.add_client_write(bytes);
         if buffered >= limit {
             self.committer.request();
         }
-        Ok(true)
+        true
     }
 
     /// Seal fresh copies of blocks (not shared yet) in place: the seal, and
@@ -193,25 +203,7 @@ impl Engine {
                 },
             ));
         }
-        let limit = self.tuning.dirty_limit_blocks;
-        let buffered = {
-            let mut state = shared.state.write();
-            if state.active.len() + dirty.len() >= 2 * limit {
-                return Ok(false);
-            }
-            for (lba, block) in dirty {
-                state.active.insert(lba, block);
-            }
-            state.active.len()
-        };
-        shared
-            .io
-            .stats
-            .add_client_write(blocks.len() as u64 * BLOCK);
-        if buffered >= limit {
-            self.committer.request();
-        }
-        Ok(true)
+        Ok(self.buffer_without_waiting(dirty))
     }
 
     /// Whether `try_write_sealed` of `count` blocks would find room now

@@ -20,7 +20,7 @@ use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
     BlockDevice, CreateOptions, Error, LayoutKind, ObjectId, OpenOptions, SimStorage, Storage,
-    Tuning, Volume,
+    Volume,
 };
 
 use crate::recorder::{crash_image, Recorder, STRATEGIES};
@@ -62,13 +62,7 @@ impl MirrorReport {
 }
 
 fn open_options() -> OpenOptions {
-    OpenOptions {
-        tuning: Tuning {
-            background_commit: false,
-            ..Tuning::default()
-        },
-        ..OpenOptions::default()
-    }
+    crate::foreground_options()
 }
 
 /// Run seeds `first..first + seeds`.

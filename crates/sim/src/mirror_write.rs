@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
+    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Volume,
 };
 
 use crate::fingerprint;
@@ -64,13 +64,7 @@ impl MirrorWriteReport {
 }
 
 fn open_options() -> OpenOptions {
-    OpenOptions {
-        tuning: Tuning {
-            background_commit: false,
-            ..Tuning::default()
-        },
-        ..OpenOptions::default()
-    }
+    crate::foreground_options()
 }
 
 /// Per block, the fingerprints a read may return after a crash now.

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use vouch_engine::mirror::{DirtyMap, LegState, Mirror, MirrorLeg, ResyncRate};
 use vouch_engine::{
-    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
+    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Volume,
 };
 
 use crate::recorder::{crash_image, Recorder, STRATEGIES};
@@ -68,13 +68,7 @@ impl ResyncReport {
 }
 
 fn open_options() -> OpenOptions {
-    OpenOptions {
-        tuning: Tuning {
-            background_commit: false,
-            ..Tuning::default()
-        },
-        ..OpenOptions::default()
-    }
+    crate::foreground_options()
 }
 
 /// Run seeds `first..first + seeds`.

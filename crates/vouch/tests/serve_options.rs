@@ -131,26 +131,7 @@ fn unix_socket_export() {
 }
 
 fn make_cert(dir: &Path, name: &str) -> (std::path::PathBuf, std::path::PathBuf) {
-    let cert = dir.join(format!("{name}-cert.pem"));
-    let key = dir.join(format!("{name}-key.pem"));
-    run_ok(Command::new(tool("openssl", "openssl")).args([
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        s(&key),
-        "-out",
-        s(&cert),
-        "-days",
-        "1",
-        "-subj",
-        "/CN=localhost",
-        "-addext",
-        "subjectAltName=DNS:localhost,IP:127.0.0.1",
-    ]));
-    (cert, key)
+    common::pki::make_self_signed(dir, name, "serverAuth")
 }
 
 /// A libnbd certificate directory: `ca-cert.pem` is the only required file

@@ -117,6 +117,18 @@ pub(super) fn is_request_error(error: &Error) -> bool {
     )
 }
 
+/// The stripes blocks `[first, end)` fall in, in lock order.
+fn stripes_of(first: u64, end: u64) -> Vec<usize> {
+    let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
+        ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
+        .take(STRIPES)
+        .map(|run| (run % STRIPES as u64) as usize)
+        .collect();
+    stripes.sort_unstable();
+    stripes.dedup();
+    stripes
+}
+
 fn state_from(byte: u8) -> LegState {
     match byte {
         0 => LegState::Active,
@@ -327,14 +339,7 @@ impl Mirror {
 
     /// Lock the stripes of blocks `[first, end)`, in order.
     pub(super) fn lock(&self, first: u64, end: u64) -> Vec<MutexGuard<'_, ()>> {
-        let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
-            ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
-            .take(STRIPES)
-            .map(|run| (run % STRIPES as u64) as usize)
-            .collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        stripes
+        stripes_of(first, end)
             .iter()
             .map(|&stripe| self.stripes[stripe].lock())
             .collect()
@@ -347,14 +352,7 @@ impl Mirror {
     /// `lock` without waiting: `None` if any stripe is held (a writer or a
     /// repair is on it), with nothing held.
     fn try_lock(&self, first: u64, end: u64) -> Option<Vec<MutexGuard<'_, ()>>> {
-        let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
-            ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
-            .take(STRIPES)
-            .map(|run| (run % STRIPES as u64) as usize)
-            .collect();
-        stripes.sort_unstable();
-        stripes.dedup();
-        stripes
+        stripes_of(first, end)
             .iter()
             .map(|&stripe| self.stripes[stripe].try_lock())
             .collect()

@@ -105,11 +105,7 @@ pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
         .find(|member| member.state == LegState::Active && !is_remote_member(&member.path))
         .map(|member| PathBuf::from(&member.path))
         .ok_or_else(|| Error::Corrupt("no active local leg to copy the superblock from".into()))?;
-    let legs: Vec<PathBuf> = record
-        .members
-        .iter()
-        .map(|m| PathBuf::from(&m.path))
-        .collect();
+    let legs = member_paths(&record);
     let _locks = lock_legs(&legs)?;
     create_leg_like(&source, target)?;
     let index = record.members.len();
@@ -194,17 +190,9 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
             "leg {leg} is the only active leg: removing it would leave no good copy"
         )));
     }
-    let legs: Vec<PathBuf> = record
-        .members
-        .iter()
-        .map(|m| PathBuf::from(&m.path))
-        .collect();
+    let legs = member_paths(&record);
     let _locks = lock_legs(&legs)?;
-    let remaining: Vec<PathBuf> = next
-        .members
-        .iter()
-        .map(|m| PathBuf::from(&m.path))
-        .collect();
+    let remaining = member_paths(&next);
     // Resync maps are named by leg index (`mirror.dirty.N`): the removed
     // leg's map goes, and the maps of legs after it would now name the
     // wrong leg, so they go too (those legs then have unknown history: a
@@ -245,6 +233,14 @@ pub fn remove_member(path: &Path, leg: usize) -> Result<Removed> {
         state,
         remaining,
     })
+}
+
+fn member_paths(record: &MirrorRecord) -> Vec<PathBuf> {
+    record
+        .members
+        .iter()
+        .map(|member| PathBuf::from(&member.path))
+        .collect()
 }
 
 /// Remove the resync maps of legs `first` and after from `dir`.

@@ -13,11 +13,12 @@ fn openssl(args: &[&str]) {
     run_ok(Command::new(tool("openssl", "openssl")).args(args));
 }
 
-/// A CA: (certificate, key).
-pub fn make_ca(dir: &Path, name: &str) -> Pair {
+/// A self-signed certificate with a 2048-bit RSA key, `subject` and any
+/// `-addext` extensions.
+fn self_signed(dir: &Path, name: &str, subject: &str, extensions: &[&str]) -> Pair {
     let cert = dir.join(format!("{name}.pem"));
     let key = dir.join(format!("{name}.key"));
-    openssl(&[
+    let mut args = vec![
         "req",
         "-x509",
         "-newkey",
@@ -30,9 +31,18 @@ pub fn make_ca(dir: &Path, name: &str) -> Pair {
         "-days",
         "1",
         "-subj",
-        &format!("/CN={name}"),
-    ]);
+        subject,
+    ];
+    for extension in extensions {
+        args.extend(["-addext", extension]);
+    }
+    openssl(&args);
     (cert, key)
+}
+
+/// A CA: (certificate, key).
+pub fn make_ca(dir: &Path, name: &str) -> Pair {
+    self_signed(dir, name, &format!("/CN={name}"), &[])
 }
 
 /// A leaf with a 2048-bit RSA key signed by `ca`, for `usage` serverAuth
@@ -84,30 +94,18 @@ pub fn make_leaf_with_key(dir: &Path, name: &str, ca: &Pair, usage: &str, newkey
     (cert, key)
 }
 
-/// A self-signed leaf (its own issuer), for `usage`.
+/// A self-signed leaf (its own issuer), for `usage`, valid for localhost
+/// and 127.0.0.1.
 pub fn make_self_signed(dir: &Path, name: &str, usage: &str) -> Pair {
-    let cert = dir.join(format!("{name}.pem"));
-    let key = dir.join(format!("{name}.key"));
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-keyout",
-        s(&key),
-        "-out",
-        s(&cert),
-        "-days",
-        "1",
-        "-subj",
-        &format!("/CN={name}"),
-        "-addext",
-        &format!("extendedKeyUsage={usage}"),
-        "-addext",
-        "subjectAltName=DNS:localhost,IP:127.0.0.1",
-    ]);
-    (cert, key)
+    self_signed(
+        dir,
+        name,
+        "/CN=localhost",
+        &[
+            &format!("extendedKeyUsage={usage}"),
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+    )
 }
 
 /// A libnbd / qemu certificate directory: `ca-cert.pem` (the CA to verify
