@@ -176,25 +176,10 @@ impl Engine {
         }
         let mut dirty = Vec::with_capacity(blocks.len());
         for block in blocks {
-            if block.lba >= shared.io.geometry.blocks {
-                return Err(Error::OutOfRange {
-                    offset: block.lba.saturating_mul(BLOCK),
-                    length: BLOCK,
-                    size: shared.io.geometry.size_bytes,
-                });
-            }
+            self.check_sealed(block)?;
             let Some(seal) = shared.protection.seal_of(&block.context) else {
                 return Ok(false); // a zero-reading block is a range operation
             };
-            shared
-                .protection
-                .open(block.lba, &Ok(block.context), &block.data[..])
-                .map_err(|kind| {
-                    Error::Fault(Fault {
-                        lba: block.lba,
-                        kind,
-                    })
-                })?;
             dirty.push((
                 block.lba,
                 DirtyBlock {
@@ -204,6 +189,28 @@ impl Engine {
             ));
         }
         Ok(self.buffer_without_waiting(dirty))
+    }
+
+    /// A block moved with its context: inside the volume, and verified
+    /// against that context for its LBA (a failure names it).
+    fn check_sealed(&self, block: &SealedBlock) -> Result<()> {
+        let shared = &self.shared;
+        if block.lba >= shared.io.geometry.blocks {
+            return Err(Error::OutOfRange {
+                offset: block.lba.saturating_mul(BLOCK),
+                length: BLOCK,
+                size: shared.io.geometry.size_bytes,
+            });
+        }
+        shared
+            .protection
+            .open(block.lba, &Ok(block.context), &block.data[..])
+            .map_err(|kind| {
+                Error::Fault(Fault {
+                    lba: block.lba,
+                    kind,
+                })
+            })
     }
 
     /// Whether `try_write_sealed` of `count` blocks would find room now
@@ -258,24 +265,8 @@ impl Engine {
     pub fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         let shared = &self.shared;
         shared.io.check_writable()?;
-        let size_blocks = shared.io.geometry.blocks;
         for block in blocks {
-            if block.lba >= size_blocks {
-                return Err(Error::OutOfRange {
-                    offset: block.lba.saturating_mul(BLOCK),
-                    length: BLOCK,
-                    size: shared.io.geometry.size_bytes,
-                });
-            }
-            shared
-                .protection
-                .open(block.lba, &Ok(block.context), &block.data[..])
-                .map_err(|kind| {
-                    Error::Fault(Fault {
-                        lba: block.lba,
-                        kind,
-                    })
-                })?;
+            self.check_sealed(block)?;
         }
         // In the order given, so a later block for an LBA wins: data blocks
         // are buffered, and a run of consecutive zero-reading blocks of one

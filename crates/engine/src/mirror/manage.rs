@@ -243,15 +243,24 @@ fn member_paths(record: &MirrorRecord) -> Vec<PathBuf> {
         .collect()
 }
 
-/// Remove the resync maps of legs `first` and after from `dir`.
+/// Remove the resync maps of legs `first` and after from `dir`, durably
+/// (the directory is fsynced when one went): the caller writes records that
+/// renumber legs next, and a map surviving a crash would then name the
+/// wrong leg.
 fn remove_maps_from(dir: &Path, first: usize) -> Result<()> {
+    let mut removed = false;
     for leg in first..MAX_LEGS {
         let map = dir.join(map_file_name(leg));
         match std::fs::remove_file(&map) {
-            Ok(()) => {}
+            Ok(()) => removed = true,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
             Err(error) => return Err(path_error("remove", &map, error)),
         }
+    }
+    if removed {
+        std::fs::File::open(dir)
+            .and_then(|handle| handle.sync_all())
+            .map_err(|error| path_error("sync", dir, error))?;
     }
     Ok(())
 }
