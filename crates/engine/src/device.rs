@@ -12,6 +12,7 @@
 //! device that can do better overrides.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use vouch_format::Context;
 
@@ -30,7 +31,8 @@ pub const OFFLOAD_CHUNK_BLOCKS: u64 = 256;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SealedBlock {
     pub lba: u64,
-    pub data: Box<Block>,
+    /// Shared: a mirrored write hands the same bytes to every leg.
+    pub data: Arc<Block>,
     pub context: Context,
 }
 

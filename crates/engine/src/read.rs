@@ -218,30 +218,32 @@ impl Shared {
         let mut sealed = Vec::with_capacity(count as usize);
         for (index, source) in plan.iter().enumerate() {
             let lba = first + index as u64;
-            let mut data: Box<Block> = Box::new([0u8; BLOCK as usize]);
-            let context = match source {
-                Source::Memory(buffered, seal) => {
-                    data.copy_from_slice(&buffered[..]);
-                    self.protection.context(lba, *seal, generation)
-                }
-                Source::Zero => Context::Unwritten,
+            let (data, context) = match source {
+                Source::Memory(buffered, seal) => (
+                    Arc::clone(buffered),
+                    self.protection.context(lba, *seal, generation),
+                ),
+                Source::Zero => (Arc::new([0u8; BLOCK as usize]), Context::Unwritten),
                 Source::Unreadable => return Err(unreadable(lba)),
                 Source::Home(from) => {
+                    let mut data: Arc<Block> = Arc::new([0u8; BLOCK as usize]);
+                    let bytes = Arc::get_mut(&mut data).expect("a new block is not shared");
                     let stored = self
                         .layouts
                         .of(lba)
-                        .read_block(&self.io, lba, &mut data[..])
+                        .read_block(&self.io, lba, &mut bytes[..])
                         .map_err(|_| unreadable(lba))?;
                     let context = match from {
                         ContextFrom::Known(found) => found.clone(),
                         ContextFrom::Record => stored.expect("a record carries its context"),
                     };
-                    context.map_err(|_| {
+                    let context = context.map_err(|_| {
                         Error::Fault(Fault {
                             lba,
                             kind: FaultKind::ContextCorrupt,
                         })
-                    })?
+                    })?;
+                    (data, context)
                 }
             };
             sealed.push(SealedBlock { lba, data, context });

@@ -22,7 +22,7 @@ pub const BLOCK: u64 = BLOCK_SIZE as u64;
 
 /// A shared copy of one block's bytes: one allocation and one copy
 /// (`Arc::from(Box)` would allocate and copy twice).
-pub(crate) fn shared_block(bytes: &[u8]) -> Arc<Block> {
+pub fn shared_block(bytes: &[u8]) -> Arc<Block> {
     Arc::<Block>::try_from(Arc::<[u8]>::from(bytes)).expect("a slice of exactly one block")
 }
 

@@ -183,7 +183,7 @@ impl Engine {
             dirty.push((
                 block.lba,
                 DirtyBlock {
-                    data: Arc::new(*block.data),
+                    data: Arc::clone(&block.data),
                     seal,
                 },
             ));
@@ -244,9 +244,9 @@ impl Engine {
             .chunks_exact(BLOCK as usize)
             .zip(first..)
             .map(|(bytes, lba)| {
-                let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
-                block.copy_from_slice(bytes);
-                let mut seal = shared.protection.seal(lba, &mut block[..], generation);
+                let mut block = shared_block(bytes);
+                let stored = Arc::get_mut(&mut block).expect("a new block is not shared");
+                let mut seal = shared.protection.seal(lba, &mut stored[..], generation);
                 seal.generation = generation as u32;
                 SealedBlock {
                     lba,
@@ -280,7 +280,7 @@ impl Engine {
                 data_blocks.push((
                     block.lba,
                     DirtyBlock {
-                        data: Arc::new(*block.data),
+                        data: Arc::clone(&block.data),
                         seal,
                     },
                 ));

@@ -198,9 +198,7 @@ where
         )
         .await;
         let payload = if command == Command::Write {
-            let mut payload = vec![0u8; request.length as usize];
-            reader.read_exact(&mut payload).await?;
-            payload
+            read_payload(reader, request.length as usize).await?
         } else {
             Vec::new()
         };
@@ -614,6 +612,23 @@ fn error_reply(
         layout: Layout::Single,
         _permits: None,
     }
+}
+
+/// A write's `length` bytes of data, read into a buffer that is not
+/// zeroed first (a 1 MiB write would otherwise pay a memset it overwrites).
+async fn read_payload<R>(reader: &mut R, length: usize) -> std::io::Result<Vec<u8>>
+where
+    R: AsyncRead + Unpin,
+{
+    let mut payload = Vec::with_capacity(length);
+    (&mut *reader)
+        .take(length as u64)
+        .read_to_end(&mut payload)
+        .await?;
+    if payload.len() < length {
+        return Err(std::io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(payload)
 }
 
 fn read_reply(

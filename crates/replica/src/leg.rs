@@ -19,11 +19,14 @@
 //! marks the leg stale) until the leg is opened again.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use vouch_engine::mirror::LegTemplate;
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
-use vouch_engine::{Allocation, BlockDevice, Error, Fault, GuardKind, Result, SealedBlock, BLOCK};
+use vouch_engine::{
+    shared_block, Allocation, BlockDevice, Error, Fault, GuardKind, Result, SealedBlock, BLOCK,
+};
 
 use crate::client::{ClientError, ClientOptions, Connection};
 use crate::url::ReplicaUrl;
@@ -195,10 +198,10 @@ impl RemoteLeg {
             .enumerate()
             .map(|(index, bytes)| {
                 let lba = first + index as u64;
-                let mut block = Box::new([0u8; BLOCK as usize]);
-                block.copy_from_slice(bytes);
+                let mut block = shared_block(bytes);
+                let stored = Arc::get_mut(&mut block).expect("a new block is not shared");
                 // Plain sealing leaves the bytes as they are.
-                let seal = self.protection.seal(lba, &mut block[..], generation);
+                let seal = self.protection.seal(lba, &mut stored[..], generation);
                 SealedBlock {
                     lba,
                     context: self.protection.context(lba, seal, generation),

@@ -9,7 +9,7 @@ use super::*;
 fn sealed(lba: u64, fill: u8) -> SealedBlock {
     SealedBlock {
         lba,
-        data: Box::new([fill; BLOCK as usize]),
+        data: std::sync::Arc::new([fill; BLOCK as usize]),
         context: Context::Data {
             volume_tag: 7,
             ref_tag: lba,
