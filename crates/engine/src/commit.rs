@@ -29,7 +29,13 @@
 //!
 //! Flush = commit + fsync of every data object written since the last sync
 //! (ORDER POINT B). The next journal record carries `data_durable_seq`, so
-//! recovery verifies only commits after the last point B.
+//! recovery verifies only commits after the last point B. Home writes that
+//! a record holds a copy of (a *redo* record: every packed record, and a
+//! split flush's commit of at most `REDO_MAX_BLOCKS`, ZFS's intent log for
+//! small synchronous writes) are durable at A already: a flush does not
+//! fsync them. They are fsynced by the next checkpoint, and (split) before
+//! the next commit that is not redo writes its record, so a redo record
+//! that a later record overwrites always has its blocks home (`replay`).
 //!
 //! Checkpoint (journal nearly full, overlay large, or close):
 //!   1. fsync data (B);  2. split: write overlay and ranges into `contexts`,
@@ -58,6 +64,11 @@ use crate::superblock::write_superblock_copy;
 
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
+
+/// The largest flush commit journaled as a redo record (256 KiB): the
+/// small synchronous writes whose flush then costs one fsync, not two.
+/// Larger ones are written once, home, and fsynced there.
+pub const REDO_MAX_BLOCKS: usize = 64;
 
 /// The component that commits: it owns the journal position and
 /// durability state (`Journal`, behind its lock) and the background
@@ -155,7 +166,28 @@ impl Committer {
 
     /// Commit the write-back buffer and `ranges` (see the module comment).
     pub fn commit(&self, shared: &Shared, journal: &mut Journal, ranges: &[RangeOp]) -> Result<()> {
+        self.commit_as(shared, journal, ranges, false)
+    }
+
+    /// The commit a flush (or FUA) runs: a redo record when the buffer holds
+    /// at most `REDO_MAX_BLOCKS` (its fsync is then all the flush needs for
+    /// them; see the module comment), else a plain commit.
+    pub fn commit_for_flush(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
+        let buffered = shared.state.read().active.len();
+        self.commit_as(shared, journal, &[], buffered <= REDO_MAX_BLOCKS)
+    }
+
+    fn commit_as(
+        &self,
+        shared: &Shared,
+        journal: &mut Journal,
+        ranges: &[RangeOp],
+        redo: bool,
+    ) -> Result<()> {
         shared.io.check_writable()?;
+        if !redo {
+            self.before_plain_record(shared, journal)?;
+        }
         let blocks: Vec<(u64, DirtyBlock)> = {
             let mut state = shared.state.write();
             assert!(state.committing.is_empty(), "a commit is already in flight");
@@ -171,11 +203,11 @@ impl Committer {
         }
         let mut start = 0;
         let result = loop {
-            let end = self.group_end(shared, journal, &blocks, (start, ranges.len()));
+            let end = self.group_end(shared, journal, &blocks, (start, ranges.len()), redo);
             // The ranges go with the last group.
             let group_ranges = if end == blocks.len() { ranges } else { &[] };
             if let Err(error) =
-                self.commit_group(shared, journal, &blocks[start..end], group_ranges)
+                self.commit_group(shared, journal, &blocks[start..end], group_ranges, redo)
             {
                 break Err(error);
             }
@@ -249,10 +281,11 @@ impl Committer {
         journal: &Journal,
         blocks: &[(u64, DirtyBlock)],
         (start, range_entries): (usize, usize),
+        redo: bool,
     ) -> usize {
         let half = self.journal_bytes / 2;
         let reserved = range_entries as u32 * 2;
-        let journals_data = |index: usize| shared.layouts.of(blocks[index].0).journals_data();
+        let journals_data = |index: usize| redo || shared.layouts.of(blocks[index].0).journals_data();
         let remaining = blocks.len() - start;
         let remaining_data = (start..blocks.len()).filter(|i| journals_data(*i)).count();
         let total = JournalHeader::record_bytes(remaining as u32 + reserved, remaining_data as u32);
@@ -288,11 +321,12 @@ impl Committer {
         journal: &mut Journal,
         blocks: &[(u64, DirtyBlock)],
         ranges: &[RangeOp],
+        redo: bool,
     ) -> Result<()> {
         let mut entries = Vec::with_capacity(blocks.len() + ranges.len());
         let mut contexts = Vec::with_capacity(blocks.len());
         let mut journaled_data: Vec<&[u8]> = Vec::new();
-        let seq = self.reserve_record(shared, journal, blocks, ranges)?;
+        let seq = self.reserve_record(shared, journal, blocks, ranges, redo)?;
         for (lba, dirty) in blocks {
             // A buffer corrupted in memory after it was sealed is still
             // caught: the context carries the seal of the bytes the client
@@ -309,7 +343,7 @@ impl Committer {
                 count: 1,
                 context,
             });
-            if shared.layouts.of(*lba).journals_data() {
+            if redo || shared.layouts.of(*lba).journals_data() {
                 journaled_data.push(&dirty.data[..]);
             }
         }
@@ -325,10 +359,7 @@ impl Committer {
                 start += count;
             }
         }
-        let journals_data = shared
-            .layouts
-            .layouts()
-            .any(|layout| layout.journals_data());
+        let journals_data = redo || shared.layouts.layouts().any(|layout| layout.journals_data());
         let data = journals_data.then_some(&journaled_data[..]);
         let generation = journal.superblock.generation;
         self.append(shared, journal, &entries, data)?;
@@ -363,7 +394,7 @@ impl Committer {
                 &shared.io,
                 &blocks[index..end],
                 &contexts[index..end],
-                &mut journal.unsynced,
+                journal.unsynced_for(layout, redo),
             )?;
             index = end;
         }
@@ -374,7 +405,7 @@ impl Committer {
                     end,
                     template: range.template,
                 };
-                layout.apply_range_home(&shared.io, &piece, &mut journal.unsynced)?;
+                layout.apply_range_home(&shared.io, &piece, journal.unsynced_for(layout, false))?;
             }
         }
         // Publish the group's contexts now, not after the whole commit: a
@@ -404,10 +435,11 @@ impl Committer {
         journal: &mut Journal,
         blocks: &[(u64, DirtyBlock)],
         ranges: &[RangeOp],
+        redo: bool,
     ) -> Result<u64> {
         let data = blocks
             .iter()
-            .filter(|(lba, _)| shared.layouts.of(*lba).journals_data())
+            .filter(|(lba, _)| redo || shared.layouts.of(*lba).journals_data())
             .count() as u32;
         let range_entries: u64 = ranges
             .iter()
@@ -462,7 +494,10 @@ impl Committer {
         Ok(())
     }
 
-    /// ORDER POINT B: make all home writes so far durable.
+    /// ORDER POINT B, as a flush needs it: make every home write so far
+    /// durable that no journal record holds a copy of. Home writes covered
+    /// by a redo record (packed) are durable already, in the journal (A);
+    /// `sync_all` syncs them before a checkpoint retires those records.
     pub fn sync_data(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
         let objects = std::mem::take(&mut journal.unsynced);
         for object in &objects {
@@ -472,6 +507,41 @@ impl Committer {
         }
         journal.data_durable_seq = journal.next_seq - 1;
         Ok(())
+    }
+
+    /// ORDER POINT B for every home write so far, redo-covered ones too:
+    /// what a checkpoint needs before it retires the records.
+    pub fn sync_all(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
+        self.sync_redo(shared, journal)?;
+        self.sync_data(shared, journal)
+    }
+
+    /// Before a journal record that does not carry its blocks' data (a
+    /// plain commit, a reflink copy's record): the home writes of earlier
+    /// redo records are made durable, since such a record may overwrite
+    /// their blocks and replay then trusts home for them (module comment).
+    pub(crate) fn before_plain_record(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
+        if journal.redo_unsynced.is_empty() || self.all_journal_data(shared) {
+            return Ok(());
+        }
+        self.sync_redo(shared, journal)
+    }
+
+    /// Make the home writes of redo records durable.
+    fn sync_redo(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
+        let objects = std::mem::take(&mut journal.redo_unsynced);
+        for object in &objects {
+            if let Err(error) = shared.io.sync_object(*object) {
+                return Err(shared.io.fail_stop(error));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every layout's records carry their data (packed): no commit needs
+    /// redo-covered writes home first.
+    fn all_journal_data(&self, shared: &Shared) -> bool {
+        shared.layouts.layouts().all(|layout| layout.journals_data())
     }
 
     /// Move committed contexts home and restart the journal (module comment).
@@ -491,7 +561,7 @@ impl Committer {
         journal: &mut Journal,
         state_flag: u32,
     ) -> Result<()> {
-        self.sync_data(shared, journal)?;
+        self.sync_all(shared, journal)?;
         let mut rewritten = Vec::new();
         let mut dropped = Vec::new();
         for layout in shared.layouts.layouts() {

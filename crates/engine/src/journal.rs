@@ -10,6 +10,7 @@ use vouch_format::{JournalEntry, Superblock};
 
 use crate::backing::Backing;
 use crate::error::Result;
+use crate::layout::Layout;
 use crate::storage::ObjectId;
 
 /// Journal position and durability, serialized by the committer's lock.
@@ -22,8 +23,14 @@ pub(crate) struct Journal {
     /// Commits up to this sequence number have their data durable at home
     /// (ORDER POINT B); recovery verifies only later ones.
     pub data_durable_seq: u64,
-    /// Objects written since their last sync.
+    /// Objects written since their last sync by home writes a flush must
+    /// make durable (split: the journal holds only their contexts).
     pub unsynced: BTreeSet<ObjectId>,
+    /// Objects written since their last sync by home writes that journal
+    /// records carry a copy of (packed: a redo log, fsynced at A): a flush
+    /// leaves them to the next checkpoint, which syncs them before it
+    /// retires those records.
+    pub redo_unsynced: BTreeSet<ObjectId>,
 }
 
 impl Journal {
@@ -34,6 +41,18 @@ impl Journal {
             offset: 0,
             data_durable_seq: superblock.checkpoint_seq,
             unsynced: BTreeSet::new(),
+            redo_unsynced: BTreeSet::new(),
+        }
+    }
+
+    /// Where `layout`'s home writes are recorded until synced: with the
+    /// redo-covered ones when the record carries their data (`redo`, or a
+    /// layout whose records always do).
+    pub fn unsynced_for(&mut self, layout: &dyn Layout, redo: bool) -> &mut BTreeSet<ObjectId> {
+        if redo || layout.journals_data() {
+            &mut self.redo_unsynced
+        } else {
+            &mut self.unsynced
         }
     }
 }

@@ -115,7 +115,7 @@ fn persist(
             journal.unsynced.insert(ObjectId::Data(segment));
         }
     }
-    committer.sync_data(shared, journal)?;
+    committer.sync_all(shared, journal)?;
     if !resolutions.is_empty() {
         committer.append(shared, journal, &resolutions, None)?;
     }

@@ -313,7 +313,7 @@ impl Engine {
         }
         shared.io.check_writable()?;
         let mut journal = self.committer.lock();
-        self.committer.commit(shared, &mut journal, &[])?;
+        self.committer.commit_for_flush(shared, &mut journal)?;
         self.committer.sync_data(shared, &mut journal)?;
         shared
             .io

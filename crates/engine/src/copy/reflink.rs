@@ -207,6 +207,7 @@ fn copy_step(
     let ranges = zero_ranges(destination, target, &contexts);
     let data_blocks = seals.iter().flatten().count();
     let record_len = JournalHeader::record_bytes((data_blocks + ranges.len()) as u32, 0);
+    destination.committer.before_plain_record(shared, journal)?;
     let seq = destination.committer.reserve(shared, journal, record_len)?;
     let mut entries = Vec::with_capacity(data_blocks + ranges.len());
     let mut new_contexts = Vec::with_capacity(count as usize);

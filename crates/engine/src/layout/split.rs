@@ -14,14 +14,18 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
 use parking_lot::RwLock;
+use vouch_format::journal::record_data;
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
 use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::protection::Protection;
 use crate::journal::Record;
-use crate::state::{load_context_page, Block, DirtyBlock, RangeOp, VolumeState, BLOCK};
+use crate::state::{
+    load_context_page, shared_block, Block, DirtyBlock, RangeOp, VolumeState, BLOCK,
+};
 use crate::storage::{ObjectId, Wait};
 
 pub(crate) struct SplitLayout {
@@ -118,6 +122,44 @@ impl SplitLayout {
             lba = page_end;
         }
         Ok(punched)
+    }
+
+    /// Replay one block of a redo record from the journal's copy: home, or
+    /// (read-only) into the write-back buffer, under its context.
+    fn redo_block(
+        &self,
+        io: &Backing,
+        state: &RwLock<VolumeState>,
+        unsynced: &mut BTreeSet<ObjectId>,
+        protection: &dyn Protection,
+        entry: &JournalEntry,
+        data: &[u8],
+    ) -> Result<()> {
+        if io.is_read_only() {
+            let Some(seal) = protection.seal_of(&entry.context) else {
+                return Err(Error::Corrupt(format!(
+                    "journal record holds a {:?} context for LBA {}, which this volume does not write",
+                    entry.context.kind(),
+                    entry.lba
+                )));
+            };
+            let mut state = state.write();
+            state.active.insert(
+                entry.lba,
+                DirtyBlock {
+                    data: shared_block(data),
+                    seal,
+                },
+            );
+            state.contexts.set(entry.lba, entry.context);
+            return Ok(());
+        }
+        let location = self.geometry.locate(entry.lba);
+        let object = ObjectId::Data(location.segment);
+        io.write_object(object, location.data_offset, data)?;
+        unsynced.insert(object);
+        state.write().contexts.set(entry.lba, entry.context);
+        Ok(())
     }
 }
 
@@ -273,7 +315,23 @@ impl Layout for SplitLayout {
         Ok(kinds)
     }
 
-    fn check_record(&self, _record: &Record) -> std::result::Result<(), String> {
+    /// A redo record (a flush's small commit) needs every data block its
+    /// entries name; other records carry contexts only.
+    fn check_record(&self, record: &Record) -> std::result::Result<(), String> {
+        if !record.header.has_data() {
+            return Ok(());
+        }
+        let data_entries = record
+            .entries
+            .iter()
+            .filter(|entry| entry.count == 1 && entry.context.carries_data())
+            .count();
+        if data_entries != record.header.data_blocks as usize {
+            return Err(format!(
+                "{data_entries} data entries but {} data blocks",
+                record.header.data_blocks
+            ));
+        }
         Ok(())
     }
 
@@ -282,19 +340,33 @@ impl Layout for SplitLayout {
             io,
             protection,
             state,
+            unsynced,
             report,
-            ..
         } = replay;
         let Some(last) = records.last() else {
             return Ok(Vec::new());
         };
         let mut resolutions = Vec::new();
         let verify_after = last.header.data_durable_seq;
+        let redo_last = last_records_of_redo_blocks(records);
         // For each block an unverified commit wrote: [context before, writes...].
         let mut candidates: BTreeMap<u64, Vec<Context>> = BTreeMap::new();
         for record in records {
+            let mut data_index = 0usize;
             for entry in &record.entries {
                 if entry.count == 1 && entry.context.carries_data() {
+                    if record.header.has_data() {
+                        let data = record_data(&record.header, &record.bytes, data_index);
+                        data_index += 1;
+                        // The last record to touch the block holds its copy:
+                        // redo it (a redo record that a later record
+                        // overwrote had its blocks home before that one).
+                        if redo_last.get(&entry.lba) == Some(&record.header.seq) {
+                            candidates.remove(&entry.lba);
+                            self.redo_block(io, state, unsynced, protection, entry, data)?;
+                            continue;
+                        }
+                    }
                     if record.header.seq > verify_after {
                         if let std::collections::btree_map::Entry::Vacant(vacant) =
                             candidates.entry(entry.lba)
@@ -423,4 +495,30 @@ impl Layout for SplitLayout {
         io.sync_object(ObjectId::Contexts)?;
         Ok((rewritten, punched))
     }
+}
+
+/// For every block a redo record (one carrying data) holds: the sequence
+/// number of the last record that touches it, a redo record, a plain one
+/// or a range.
+fn last_records_of_redo_blocks(records: &[Record]) -> BTreeMap<u64, u64> {
+    let mut last: BTreeMap<u64, u64> = BTreeMap::new();
+    for record in records.iter().filter(|record| record.header.has_data()) {
+        for entry in &record.entries {
+            if entry.count == 1 && entry.context.carries_data() {
+                last.insert(entry.lba, 0);
+            }
+        }
+    }
+    if last.is_empty() {
+        return last;
+    }
+    for record in records {
+        for entry in &record.entries {
+            let end = entry.lba.saturating_add(u64::from(entry.count));
+            for (_, seq) in last.range_mut(entry.lba..end) {
+                *seq = record.header.seq;
+            }
+        }
+    }
+    last
 }
