@@ -285,7 +285,8 @@ impl Committer {
     ) -> usize {
         let half = self.journal_bytes / 2;
         let reserved = range_entries as u32 * 2;
-        let journals_data = |index: usize| redo || shared.layouts.of(blocks[index].0).journals_data();
+        let journals_data =
+            |index: usize| redo || shared.layouts.of(blocks[index].0).journals_data();
         let remaining = blocks.len() - start;
         let remaining_data = (start..blocks.len()).filter(|i| journals_data(*i)).count();
         let total = JournalHeader::record_bytes(remaining as u32 + reserved, remaining_data as u32);
@@ -359,7 +360,11 @@ impl Committer {
                 start += count;
             }
         }
-        let journals_data = redo || shared.layouts.layouts().any(|layout| layout.journals_data());
+        let journals_data = redo
+            || shared
+                .layouts
+                .layouts()
+                .any(|layout| layout.journals_data());
         let data = journals_data.then_some(&journaled_data[..]);
         let generation = journal.superblock.generation;
         self.append(shared, journal, &entries, data)?;
@@ -541,7 +546,10 @@ impl Committer {
     /// Every layout's records carry their data (packed): no commit needs
     /// redo-covered writes home first.
     fn all_journal_data(&self, shared: &Shared) -> bool {
-        shared.layouts.layouts().all(|layout| layout.journals_data())
+        shared
+            .layouts
+            .layouts()
+            .all(|layout| layout.journals_data())
     }
 
     /// Move committed contexts home and restart the journal (module comment).

@@ -40,7 +40,9 @@ fn a_small_flush_is_one_fsync_and_survives_losing_its_home_writes() {
     for layout in LayoutKind::ALL {
         let (sim, volume) = sim_volume(layout);
         for lba in [3u64, 4, 200] {
-            volume.write(lba * 4096, &block(lba as u8), false).expect("write");
+            volume
+                .write(lba * 4096, &block(lba as u8), false)
+                .expect("write");
         }
         let (_, syncs_before) = sim.counts();
         volume.flush().expect("flush");
@@ -63,9 +65,17 @@ fn a_small_flush_is_one_fsync_and_survives_losing_its_home_writes() {
         drop(volume);
         let volume = Volume::open(Arc::new(image), &OpenOptions::default()).expect("reopen");
         for lba in [3u64, 4, 200] {
-            assert_eq!(read_block(&volume, lba), block(lba as u8), "{layout:?} LBA {lba}");
+            assert_eq!(
+                read_block(&volume, lba),
+                block(lba as u8),
+                "{layout:?} LBA {lba}"
+            );
         }
-        assert_eq!(read_block(&volume, 5), block(0), "{layout:?}: untouched block");
+        assert_eq!(
+            read_block(&volume, 5),
+            block(0),
+            "{layout:?}: untouched block"
+        );
     }
 }
 

@@ -21,8 +21,8 @@ use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Result};
-use crate::protection::Protection;
 use crate::journal::Record;
+use crate::protection::Protection;
 use crate::state::{
     load_context_page, shared_block, Block, DirtyBlock, RangeOp, VolumeState, BLOCK,
 };
