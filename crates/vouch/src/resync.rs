@@ -117,6 +117,12 @@ impl Resyncer {
             bail!("mirror leg {leg} ({}) is resyncing already", path.display());
         }
         let mut full = self.unknown.lock().remove(&leg);
+        if !status.present && mirror::is_remote_member(&member.path) {
+            bail!(
+                "mirror leg {leg} ({}) is a remote replica that could not be reached when the set was opened: start its replica server, then resync again",
+                member.path
+            );
+        }
         if !status.present {
             full = self.bring_back(leg, &path)?;
         }
