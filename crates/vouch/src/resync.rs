@@ -118,12 +118,11 @@ impl Resyncer {
         }
         let mut full = self.unknown.lock().remove(&leg);
         if !status.present && mirror::is_remote_member(&member.path) {
-            bail!(
-                "mirror leg {leg} ({}) is a remote replica that could not be reached when the set was opened: start its replica server, then resync again",
-                member.path
-            );
-        }
-        if !status.present {
+            // Reached now (its uuid checked), or refused with the reason.
+            let device = crate::replica::open_member(&member.path, &self.record)
+                .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
+            self.mirror.attach(leg, device)?;
+        } else if !status.present {
             full = self.bring_back(leg, &path)?;
         }
         let dirs = self.map_dirs();
