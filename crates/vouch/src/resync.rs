@@ -122,6 +122,11 @@ impl Resyncer {
             let device = crate::replica::open_member(&member.path, &self.record)
                 .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
             self.mirror.attach(leg, device)?;
+        } else if mirror::is_remote_member(&member.path) {
+            // Its connection died when it was taken out: a new one.
+            self.mirror
+                .reconnect(leg)
+                .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
         } else if !status.present {
             full = self.bring_back(leg, &path)?;
         }

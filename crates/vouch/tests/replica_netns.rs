@@ -4,7 +4,10 @@
 //! the other. Written and read back across the link; then the replica is
 //! SIGKILLed while writes run: the exporter keeps serving from its local
 //! leg, marks the remote leg stale (the log and `vouch mirror status` say
-//! so), and every write acknowledged and flushed reads back.
+//! so), and every write acknowledged and flushed reads back. A replica
+//! killed (or cut off) mid-run and back is resynced online (offline) with
+//! only the blocks its resync map marks: those written since the last
+//! flush before it failed and while it was away.
 //!
 //! Plain TCP across the namespaces: the replica server runs with
 //! `--insecure` (mutual TLS is tested over loopback in replica_loopback.rs,
@@ -267,6 +270,31 @@ fn resync_leg_1(netns: &str, a: &Path) -> serde_json::Value {
     }
 }
 
+/// `vouch mirror resync a --leg 1 --server CONTROL` on the running
+/// exporter, then its status until the resync ended; leg 1's row.
+fn resync_leg_1_online(netns: &str, control: &str) -> serde_json::Value {
+    let output = vouch_in(
+        Some(netns),
+        &["mirror", "resync", "a", "--leg", "1", "--server", control],
+    );
+    assert!(output.status.success(), "resync: {}", text(&output));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let output = vouch_in(
+            Some(netns),
+            &["mirror", "status", "a", "--json", "--server", control],
+        );
+        let status: serde_json::Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("{error}: {}", text(&output)));
+        let row = status["legs"][1].clone();
+        if row["resync"]["state"] != "running" {
+            return row;
+        }
+        assert!(Instant::now() < deadline, "resync still running: {row}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 /// After a resync: the set checks clean on every leg, a scrub finds no
 /// block that differs between the legs, the data reads back through a new
 /// exporter, and the replica's own directory checks clean.
@@ -323,7 +351,7 @@ fn assert_map_tracked(progress: &serde_json::Value, written: u64, after: u64, bl
 }
 
 #[test]
-fn a_replica_killed_mid_run_is_resynced_with_only_the_blocks_it_may_lack() {
+fn a_replica_killed_mid_run_is_resynced_online_with_only_the_blocks_it_may_lack() {
     let dir = tempfile::tempdir().expect("tempdir");
     let net = NetnsPair::new("rkill");
     let replicas = dir.path().join("replicas");
@@ -337,7 +365,9 @@ fn a_replica_killed_mid_run_is_resynced_with_only_the_blocks_it_may_lack() {
         &["create", s(&a), "--size", "256MiB", "--mirror", &url],
     );
     assert!(output.status.success(), "{}", text(&output));
-    let mut exporter = exporter(dir.path(), &[s(&a)], &net.exporter);
+    // The control API on the exporter's own loopback (its namespace).
+    let control = "127.0.0.1:7100";
+    let mut exporter = exporter(dir.path(), &[s(&a), "--control", control], &net.exporter);
     let uri = format!("nbd://{}", exporter.addr);
     qemu_io_ok(&net.exporter, &uri, &["write -P 0x11 0 8M", "flush"]);
     // 32 writes of 1 MiB, each flushed; the replica is SIGKILLed once
@@ -372,11 +402,17 @@ fn a_replica_killed_mid_run_is_resynced_with_only_the_blocks_it_may_lack() {
         since_flush <= 512,
         "{since_flush} blocks since the last flush"
     );
-    assert!(exporter.stop().is_some_and(|s| s.success()));
 
+    // The replica comes back; the running exporter reconnects to it and
+    // resyncs it online.
     let mut replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
         .unwrap_or_else(|error| panic!("{error}"));
-    let progress = resync_leg_1(&net.exporter, &a);
+    let row = resync_leg_1_online(&net.exporter, control);
+    assert_eq!(row["state"], "active", "{row}");
+    let progress = row["resync"].clone();
+    // Writes after the resync reach both legs.
+    qemu_io_ok(&net.exporter, &uri, &["write -P 0x34 42M 1M", "flush"]);
+    assert!(exporter.stop().is_some_and(|s| s.success()));
     // What reached the replica's disk before the kill was flushed there,
     // but for at most the one write in flight.
     let written = (32 + 2) * 256;
@@ -395,12 +431,13 @@ fn a_replica_killed_mid_run_is_resynced_with_only_the_blocks_it_may_lack() {
             "read -P 0x11 0 8M",
             "read -P 0x22 8M 32M",
             "read -P 0x33 40M 2M",
+            "read -P 0x34 42M 1M",
         ],
     );
 }
 
 #[test]
-fn a_replica_cut_off_mid_run_is_resynced_with_only_the_blocks_it_may_lack() {
+fn a_replica_cut_off_mid_run_is_resynced_offline_with_only_the_blocks_it_may_lack() {
     let dir = tempfile::tempdir().expect("tempdir");
     let net = NetnsPair::new("rcut");
     let replicas = dir.path().join("replicas");
