@@ -133,6 +133,13 @@ pub trait BlockDevice: Send + Sync {
         ))
     }
 
+    /// Reach the device again after it became unreachable (a remote
+    /// leg whose connection died), checking it is still the same volume;
+    /// nothing to do while it is reachable. `Unsupported` by default.
+    fn reconnect(&self) -> Result<()> {
+        Err(Error::Unsupported("reconnecting this device".into()))
+    }
+
     /// The generation a block sealed now would carry here (0 when the
     /// device has no such clock): a mirror stamps each write with the
     /// highest of its legs' clocks, so every leg stores one generation and

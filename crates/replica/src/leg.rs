@@ -16,10 +16,13 @@
 //!
 //! Every request is bounded by the connection's timeout; a connection that
 //! fails makes every later call fail with `Error::Unreachable` (the mirror
-//! marks the leg stale) until the leg is opened again.
+//! marks the leg stale) until the leg is opened again, or `reconnect`
+//! (a resync of the stale leg) connects anew to the same volume.
 
 use std::ops::Range;
 use std::sync::Arc;
+
+use parking_lot::RwLock;
 
 use vouch_engine::mirror::LegTemplate;
 use vouch_engine::protection::{GuardProtection, Protection};
@@ -38,7 +41,9 @@ use crate::wire::{
 /// A remote replica as a mirror leg.
 pub struct RemoteLeg {
     url: ReplicaUrl,
-    connection: Connection,
+    /// Replaced only by `reconnect`, once this one is dead.
+    connection: RwLock<Arc<Connection>>,
+    options: ClientOptions,
     info: ReplicaInfo,
     protection: GuardProtection,
 }
@@ -52,7 +57,7 @@ impl RemoteLeg {
                 name: url.name.clone(),
             })
             .map_err(|e| leg_error(url, e))?;
-        RemoteLeg::with_info(url, connection, &answer)
+        RemoteLeg::with_info(url, options, connection, &answer)
     }
 
     /// Connect to the server of `url` and create the replica `url.name`
@@ -85,10 +90,15 @@ impl RemoteLeg {
                 superblock: template.superblock.clone(),
             })
             .map_err(|e| leg_error(url, e))?;
-        RemoteLeg::with_info(url, connection, &answer)
+        RemoteLeg::with_info(url, options, connection, &answer)
     }
 
-    fn with_info(url: &ReplicaUrl, connection: Connection, answer: &[u8]) -> Result<RemoteLeg> {
+    fn with_info(
+        url: &ReplicaUrl,
+        options: &ClientOptions,
+        connection: Connection,
+        answer: &[u8],
+    ) -> Result<RemoteLeg> {
         let info = ReplicaInfo::decode(answer).map_err(|error| {
             Error::Unreachable(format!("replica {url}: malformed OPEN answer: {error}"))
         })?;
@@ -107,7 +117,8 @@ impl RemoteLeg {
             .map_err(|error| Error::Corrupt(format!("replica {url}: guard: {error}")))?;
         Ok(RemoteLeg {
             url: url.clone(),
-            connection,
+            connection: RwLock::new(Arc::new(connection)),
+            options: options.clone(),
             protection: GuardProtection::new(guard, info.volume_tag),
             info,
         })
@@ -128,7 +139,8 @@ impl RemoteLeg {
     }
 
     fn call(&self, request: &Request) -> Result<Vec<u8>> {
-        self.connection
+        let connection = Arc::clone(&self.connection.read());
+        connection
             .call(request)
             .map_err(|error| leg_error(&self.url, error))
     }
@@ -136,7 +148,7 @@ impl RemoteLeg {
     /// A malformed answer: the connection is not to be trusted any more.
     fn malformed(&self, what: &str, error: wire::WireError) -> Error {
         let reason = format!("replica {}: malformed {what} answer: {error}", self.url);
-        self.connection.kill(reason.clone());
+        self.connection.read().kill(reason.clone());
         Error::Unreachable(reason)
     }
 
@@ -273,6 +285,31 @@ pub fn leg_error(url: &ReplicaUrl, error: ClientError) -> Error {
 impl BlockDevice for RemoteLeg {
     fn size(&self) -> u64 {
         self.info.size_bytes
+    }
+    /// A new connection when this one is dead; the replica must answer
+    /// OPEN with the volume this leg was opened on (uuid, size, guard,
+    /// volume tag), or the old, dead connection is kept and the call fails.
+    fn reconnect(&self) -> Result<()> {
+        if self.connection.read().dead().is_none() {
+            return Ok(());
+        }
+        let fresh = RemoteLeg::open(&self.url, &self.options)?;
+        let (old, new) = (&self.info, &fresh.info);
+        if (old.uuid, old.size_bytes, old.guard, old.volume_tag)
+            != (new.uuid, new.size_bytes, new.guard, new.volume_tag)
+        {
+            return Err(Error::Corrupt(format!(
+                "replica {} now holds another volume (uuid {}, {} bytes), not {} ({} bytes)",
+                self.url,
+                fresh.uuid_string(),
+                new.size_bytes,
+                self.uuid_string(),
+                old.size_bytes
+            )));
+        }
+        *self.connection.write() = Arc::clone(&fresh.connection.read());
+        tracing::info!(url = %self.url, "replica: reconnected");
+        Ok(())
     }
 
     fn is_read_only(&self) -> bool {

@@ -22,6 +22,7 @@ pub mod fuzz;
 pub mod keychange;
 pub mod mirror;
 pub mod mirror_faults;
+pub mod mirror_midrun;
 pub mod mirror_write;
 pub mod offload;
 pub mod recorder;

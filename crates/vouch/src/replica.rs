@@ -36,7 +36,10 @@ pub struct ReplicaClientArgs {
     #[arg(long, global = true, value_name = "FILE")]
     pub replica_tls_ca: Option<PathBuf>,
     /// Bound on each request to a remote replica, in seconds: a request
-    /// that takes longer drops the connection and the leg is marked stale.
+    /// that takes longer drops the connection and the leg is marked stale,
+    /// with a resync map of the blocks written since the last flush and
+    /// every write after (no replay queue: a replica that falls behind by
+    /// this long gets a map-tracked resync, not a full copy).
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 30)]
     pub replica_timeout: u64,
 }

@@ -117,7 +117,17 @@ impl Resyncer {
             bail!("mirror leg {leg} ({}) is resyncing already", path.display());
         }
         let mut full = self.unknown.lock().remove(&leg);
-        if !status.present {
+        if !status.present && mirror::is_remote_member(&member.path) {
+            // Reached now (its uuid checked), or refused with the reason.
+            let device = crate::replica::open_member(&member.path, &self.record)
+                .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
+            self.mirror.attach(leg, device)?;
+        } else if mirror::is_remote_member(&member.path) {
+            // Its connection died when it was taken out: a new one.
+            self.mirror
+                .reconnect(leg)
+                .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
+        } else if !status.present {
             full = self.bring_back(leg, &path)?;
         }
         let dirs = self.map_dirs();

@@ -4,7 +4,10 @@
 //! the other. Written and read back across the link; then the replica is
 //! SIGKILLed while writes run: the exporter keeps serving from its local
 //! leg, marks the remote leg stale (the log and `vouch mirror status` say
-//! so), and every write acknowledged and flushed reads back.
+//! so), and every write acknowledged and flushed reads back. A replica
+//! killed (or cut off) mid-run and back is resynced online (offline) with
+//! only the blocks its resync map marks: those written since the last
+//! flush before it failed and while it was away.
 //!
 //! Plain TCP across the namespaces: the replica server runs with
 //! `--insecure` (mutual TLS is tested over loopback in replica_loopback.rs,
@@ -228,5 +231,285 @@ fn a_cut_link_times_out_and_the_remote_leg_is_marked_stale() {
         exporter.stop().is_some_and(|s| s.success()),
         "{}",
         exporter.log_text()
+    );
+}
+
+/// A number the exporter logged as `key=N` (the last one).
+fn logged_number(log: &str, key: &str) -> Option<u64> {
+    log.rsplit(&format!("{key}="))
+        .next()
+        .filter(|_| log.contains(&format!("{key}=")))
+        .and_then(|rest| {
+            rest.split(|c: char| !c.is_ascii_digit())
+                .next()
+                .and_then(|digits| digits.parse().ok())
+        })
+}
+
+/// `vouch mirror resync A --leg 1 --json` offline, retried while the
+/// replica still holds the volume for the exporter's old connection (a
+/// cut link delays its close); returns leg 1's resync progress.
+fn resync_leg_1(netns: &str, a: &Path) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let output = vouch_in(
+            Some(netns),
+            &["mirror", "resync", s(a), "--leg", "1", "--json"],
+        );
+        if output.status.success() {
+            let value: serde_json::Value = serde_json::from_slice(&output.stdout)
+                .unwrap_or_else(|error| panic!("{error}: {}", text(&output)));
+            return value["legs"][1]["resync"].clone();
+        }
+        assert!(
+            text(&output).contains("in use by another exporter") && Instant::now() < deadline,
+            "resync: {}",
+            text(&output)
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// `vouch mirror resync a --leg 1 --server CONTROL` on the running
+/// exporter, then its status until the resync ended; leg 1's row.
+fn resync_leg_1_online(netns: &str, control: &str) -> serde_json::Value {
+    let output = vouch_in(
+        Some(netns),
+        &["mirror", "resync", "a", "--leg", "1", "--server", control],
+    );
+    assert!(output.status.success(), "resync: {}", text(&output));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let output = vouch_in(
+            Some(netns),
+            &["mirror", "status", "a", "--json", "--server", control],
+        );
+        let status: serde_json::Value = serde_json::from_slice(&output.stdout)
+            .unwrap_or_else(|error| panic!("{error}: {}", text(&output)));
+        let row = status["legs"][1].clone();
+        if row["resync"]["state"] != "running" {
+            return row;
+        }
+        assert!(Instant::now() < deadline, "resync still running: {row}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// After a resync: the set checks clean on every leg, a scrub finds no
+/// block that differs between the legs, the data reads back through a new
+/// exporter, and the replica's own directory checks clean.
+fn assert_legs_identical_and_clean(
+    dir: &Path,
+    net: &NetnsPair,
+    a: &Path,
+    replica: &mut Process,
+    reads: &[&str],
+) {
+    let output = vouch_in(Some(&net.exporter), &["check", s(a)]);
+    assert!(output.status.success(), "check: {}", text(&output));
+    let output = vouch_in(Some(&net.exporter), &["scrub", s(a), "--json"]);
+    let scrub: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|error| panic!("{error}: {}", text(&output)));
+    assert!(output.status.success(), "{scrub}");
+    assert_eq!(scrub["report"]["found"], 0, "the legs differ: {scrub}");
+    assert!(
+        scrub["report"]["blocks_checked"].as_u64() > Some(0),
+        "{scrub}"
+    );
+    let mut exporter = exporter(dir, &[s(a)], &net.exporter);
+    qemu_io_ok(&net.exporter, &format!("nbd://{}", exporter.addr), reads);
+    assert!(exporter.stop().is_some_and(|s| s.success()));
+    replica.stop();
+    let leg = dir.join("replicas").join("disk");
+    let output = vouch_in(None, &["check", s(&leg)]);
+    assert!(
+        output.status.success(),
+        "the replica's volume: {}",
+        text(&output)
+    );
+}
+
+/// Leg 1's resync copied exactly its map, not the volume: at most the
+/// blocks written after the leg was last known in sync (`written`), and
+/// at least those written after it was marked stale (`after`).
+fn assert_map_tracked(progress: &serde_json::Value, written: u64, after: u64, blocks: u64) {
+    assert_eq!(progress["state"], "done", "{progress}");
+    assert_eq!(progress["full"], false, "a map-tracked resync: {progress}");
+    let copied = progress["copied"].as_u64().expect("copied");
+    assert_eq!(
+        Some(copied),
+        progress["blocks_to_copy"].as_u64(),
+        "{progress}"
+    );
+    assert_eq!(progress["left"], 0, "{progress}");
+    eprintln!("resync copied {copied} blocks; {written} written since the last common flush, {after} after the leg went stale; the volume has {blocks}");
+    assert!(
+        (after..=written).contains(&copied),
+        "copied {copied}, not within [{after}, {written}]"
+    );
+    assert!(copied * 4 < blocks, "{copied} of {blocks} blocks");
+}
+
+#[test]
+fn a_replica_killed_mid_run_is_resynced_online_with_only_the_blocks_it_may_lack() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let net = NetnsPair::new("rkill");
+    let replicas = dir.path().join("replicas");
+    let listen = format!("{}:7000", net.replica_ip);
+    let mut replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
+        .unwrap_or_else(|error| panic!("{error}"));
+    let a = dir.path().join("a");
+    let url = format!("vouch://{listen}/disk");
+    let output = vouch_in(
+        Some(&net.exporter),
+        &["create", s(&a), "--size", "256MiB", "--mirror", &url],
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    // The control API on the exporter's own loopback (its namespace).
+    let control = "127.0.0.1:7100";
+    let mut exporter = exporter(dir.path(), &[s(&a), "--control", control], &net.exporter);
+    let uri = format!("nbd://{}", exporter.addr);
+    qemu_io_ok(&net.exporter, &uri, &["write -P 0x11 0 8M", "flush"]);
+    // 32 writes of 1 MiB, each flushed; the replica is SIGKILLed once
+    // 8 of them reached its disk.
+    let data = replicas.join("disk").join("data.00000");
+    let commands: Vec<String> = (0..32)
+        .flat_map(|i| [format!("write -P 0x22 {}M 1M", 8 + i), "flush".to_string()])
+        .collect();
+    let mut writer = qemu_io_command(&net.exporter, &uri, &commands)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn qemu-io");
+    let before = allocated_bytes(&data);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while allocated_bytes(&data) < before + (8 << 20) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    replica.kill9();
+    let status = wait_timeout(&mut writer, TIMEOUT).expect("qemu-io finished");
+    let output = writer.wait_with_output().expect("qemu-io output");
+    assert!(status.success(), "{output:?}");
+    let reached = allocated_bytes(&data).saturating_sub(before) / BLOCK;
+    // Written while it is away.
+    qemu_io_ok(&net.exporter, &uri, &["write -P 0x33 40M 2M", "flush"]);
+    let log = exporter.log_text();
+    assert!(log.contains("STALE (unreachable)"), "{log}");
+    let since_flush = logged_number(&log, "since_flush").expect("the map's start logged");
+    // Each write is flushed before the next: at most one is unflushed
+    // (1 MiB, or the 2 MiB one if the kill came that late).
+    assert!(
+        since_flush <= 512,
+        "{since_flush} blocks since the last flush"
+    );
+
+    // The replica comes back; the running exporter reconnects to it and
+    // resyncs it online.
+    let mut replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
+        .unwrap_or_else(|error| panic!("{error}"));
+    let row = resync_leg_1_online(&net.exporter, control);
+    assert_eq!(row["state"], "active", "{row}");
+    let progress = row["resync"].clone();
+    // Writes after the resync reach both legs.
+    qemu_io_ok(&net.exporter, &uri, &["write -P 0x34 42M 1M", "flush"]);
+    assert!(exporter.stop().is_some_and(|s| s.success()));
+    // What reached the replica's disk before the kill was flushed there,
+    // but for at most the one write in flight.
+    let written = (32 + 2) * 256;
+    eprintln!("{reached} blocks reached the replica's disk before the kill");
+    assert_map_tracked(&progress, written, 2 * 256, 256 * 256);
+    assert!(
+        progress["copied"].as_u64() <= Some(written - reached + 256),
+        "{progress}: the blocks the replica held were copied again"
+    );
+    assert_legs_identical_and_clean(
+        dir.path(),
+        &net,
+        &a,
+        &mut replica,
+        &[
+            "read -P 0x11 0 8M",
+            "read -P 0x22 8M 32M",
+            "read -P 0x33 40M 2M",
+            "read -P 0x34 42M 1M",
+        ],
+    );
+}
+
+#[test]
+fn a_replica_cut_off_mid_run_is_resynced_offline_with_only_the_blocks_it_may_lack() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let net = NetnsPair::new("rcut");
+    let replicas = dir.path().join("replicas");
+    let listen = format!("{}:7000", net.replica_ip);
+    let mut replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
+        .unwrap_or_else(|error| panic!("{error}"));
+    let a = dir.path().join("a");
+    let url = format!("vouch://{listen}/disk");
+    let output = vouch_in(
+        Some(&net.exporter),
+        &["create", s(&a), "--size", "64MiB", "--mirror", &url],
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    let mut exporter = exporter(
+        dir.path(),
+        &[s(&a), "--replica-timeout", "2"],
+        &net.exporter,
+    );
+    let uri = format!("nbd://{}", exporter.addr);
+    // Flushed on both legs, then 1 MiB more (qemu-io flushes it as it
+    // exits): the map holds the write that timed out and what follows.
+    qemu_io_ok(
+        &net.exporter,
+        &uri,
+        &["write -P 0x44 0 4M", "flush", "write -P 0x45 4M 1M"],
+    );
+    let link = |state: &str| {
+        let output = run_timeout(
+            Command::new(tool("ip", "iproute2")).args([
+                "-n",
+                &net.replica,
+                "link",
+                "set",
+                &net.replica_dev,
+                state,
+            ]),
+            TIMEOUT,
+        );
+        assert!(output.status.success(), "{}", text(&output));
+    };
+    link("down");
+    qemu_io_ok(
+        &net.exporter,
+        &uri,
+        &[
+            "write -P 0x55 8M 4M",
+            "flush",
+            "write -P 0x56 16M 1M",
+            "flush",
+        ],
+    );
+    let log = exporter.log_text();
+    assert!(log.contains("STALE (unreachable)"), "{log}");
+    let since_flush = logged_number(&log, "since_flush").expect("the map's start logged");
+    assert!(
+        (1024..=256 + 1024).contains(&since_flush),
+        "{since_flush}: the failing write (and 1 MiB if qemu-io did not flush it)"
+    );
+    assert!(exporter.stop().is_some_and(|s| s.success()));
+    link("up");
+    let progress = resync_leg_1(&net.exporter, &a);
+    assert_map_tracked(&progress, 256 + 1024 + 256, 1024 + 256, 64 * 256);
+    assert_legs_identical_and_clean(
+        dir.path(),
+        &net,
+        &a,
+        &mut replica,
+        &[
+            "read -P 0x44 0 4M",
+            "read -P 0x45 4M 1M",
+            "read -P 0x55 8M 4M",
+            "read -P 0x56 16M 1M",
+        ],
     );
 }

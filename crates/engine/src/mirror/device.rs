@@ -12,6 +12,7 @@ use vouch_format::mirror::LegState;
 
 use super::dirty::DirtyMap;
 use super::resync::ResyncProgress;
+use super::written::Written;
 use super::{Membership, FAULT_THRESHOLD};
 use crate::device::{BlockDevice, SealedBlock};
 use crate::error::{Error, Fault, Result};
@@ -103,6 +104,8 @@ pub struct Mirror {
     /// Running resyncs' threads, and the flag that stops them.
     pub(super) resyncs: Mutex<Vec<std::thread::JoinHandle<()>>>,
     pub(super) stopping: AtomicBool,
+    /// Blocks written since the last flush (`written.rs`).
+    pub(super) written: Written,
 }
 
 /// Errors about the request, not the leg: every leg would give the same.
@@ -183,6 +186,7 @@ impl Mirror {
             foreground: AtomicU64::new(0),
             resyncs: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
+            written: Written::new(size / BLOCK),
         };
         if mirror.active().is_empty() {
             return Err(Error::InvalidArgument(
@@ -417,16 +421,26 @@ impl Mirror {
             );
             return;
         }
+        // Its map is durable before the records say it is stale.
+        let mapped = (state == LegState::Stale)
+            .then(|| self.map_stale_leg(leg))
+            .flatten();
         self.legs[leg].state.store(state as u8, Ordering::Release);
         let shown = match state {
             LegState::Stale => "STALE (unreachable)",
             _ => "FAULTED",
         };
+        let until = match mapped {
+            Some(_) => "resynced (its resync map tracks what it misses)",
+            None if state == LegState::Stale => "resynced in full (unknown history)",
+            None => "replaced",
+        };
         tracing::error!(
             leg,
             name,
             why,
-            "mirror: leg {shown}: no more I/O to it until it is replaced"
+            map_blocks = mapped,
+            "mirror: leg {shown}: no more I/O to it until it is {until}"
         );
         if let Some(membership) = &self.membership {
             if let Err(error) = membership.set_state(leg, state) {
@@ -608,6 +622,7 @@ impl BlockDevice for Mirror {
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, data.len() as u64);
+        let _recorded = self.record_bytes(offset, data.len() as u64);
         self.mark_bytes(offset, data.len() as u64)?;
         match self.seal_write(offset, data) {
             Ok(Some(sealed)) => self.each_leg("write", |leg| {
@@ -654,6 +669,7 @@ impl BlockDevice for Mirror {
         let Some(sealed) = self.seal_write(offset, data)? else {
             return Ok(false);
         };
+        let _recorded = self.record_bytes(offset, data.len() as u64);
         self.each_leg("write", |leg| {
             if !leg.try_write_sealed(&sealed)? {
                 leg.write_sealed(&sealed)?;
@@ -663,20 +679,27 @@ impl BlockDevice for Mirror {
         Ok(true)
     }
     /// The resync maps' block bits are made durable first (one sync).
+    /// On success the blocks written before it started are forgotten by
+    /// the record of what a lost leg may lack (`written.rs`).
     fn flush(&self) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         self.sync_maps()?;
-        self.each_leg("flush", |leg| leg.flush())
+        let ticket = self.written.flush_started();
+        self.each_leg("flush", |leg| leg.flush())?;
+        self.written.flush_succeeded(ticket);
+        Ok(())
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, length);
+        let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
         self.each_leg("trim", |leg| leg.trim(offset, length, fua))
     }
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, length);
+        let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
         self.each_leg("write zeroes", |leg| {
             leg.write_zeroes(offset, length, flags)
@@ -720,6 +743,7 @@ impl BlockDevice for Mirror {
         let first = blocks.iter().map(|b| b.lba).min().unwrap_or(0);
         let end = blocks.iter().map(|b| b.lba + 1).max().unwrap_or(0);
         let _locked = self.lock(first, end);
+        let _recorded = self.written.record(first, end);
         for block in blocks {
             self.mark(block.lba, block.lba + 1)?;
         }

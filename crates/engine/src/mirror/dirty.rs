@@ -144,6 +144,19 @@ impl DirtyMap {
         blocks: u64,
         create_clean: bool,
     ) -> Result<(DirtyMap, Option<String>)> {
+        DirtyMap::open_marked(dirs, leg, uuid, blocks, create_clean, &[])
+    }
+
+    /// `open`, with the blocks of `marked` dirty too in what is written:
+    /// each copy is complete (or absent) at every instant.
+    pub fn open_marked(
+        dirs: &[PathBuf],
+        leg: usize,
+        uuid: [u8; 16],
+        blocks: u64,
+        create_clean: bool,
+        marked: &[std::ops::Range<u64>],
+    ) -> Result<(DirtyMap, Option<String>)> {
         let header = DirtyHeader {
             leg: leg as u16,
             uuid,
@@ -183,6 +196,9 @@ impl DirtyMap {
         } else {
             Some(format!("resync map unusable ({})", problems.join("; ")))
         };
+        for lba in marked.iter().flat_map(|run| run.start..run.end.min(blocks)) {
+            set_bit(&mut bits, lba, true);
+        }
         if unknown.is_some() {
             for lba in 0..blocks {
                 set_bit(&mut bits, lba, true);

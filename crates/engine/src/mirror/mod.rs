@@ -24,6 +24,9 @@
 //!   (`dirty.rs`, marked before each write is issued); `resync.rs` copies
 //!   exactly those blocks to the leg online, rate-limited, while it is
 //!   written to but not read, then makes it active again.
+//! - A leg that stops answering mid-run (unreachable, timed out) gets its
+//!   map when it is taken out, starting from the blocks written since the
+//!   last flush (`written.rs`): those it may have acknowledged and lost.
 //!
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
@@ -35,6 +38,7 @@ mod repair;
 pub mod resync;
 pub mod scrub;
 pub mod set;
+mod written;
 
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
 pub use dirty::DirtyMap;
@@ -63,5 +67,22 @@ pub trait Membership: Send + Sync {
     fn set_unsynced(&self, unsynced: bool) -> Result<()> {
         let _ = unsynced;
         Ok(())
+    }
+
+    /// Create the resync map of leg `leg` (a volume of `blocks` blocks),
+    /// which is being marked stale now, with the blocks of `marked`
+    /// dirty: durable in the surviving legs' directories (file and
+    /// directory fsynced) when this returns. Unsupported by default (the
+    /// leg then has unknown history: a full resync).
+    fn create_map(
+        &self,
+        leg: usize,
+        blocks: u64,
+        marked: &[std::ops::Range<u64>],
+    ) -> Result<DirtyMap> {
+        let _ = (leg, blocks, marked);
+        Err(crate::error::Error::Unsupported(
+            "this mirror keeps no resync maps".into(),
+        ))
     }
 }

@@ -105,6 +105,25 @@ impl Mirror {
         })
     }
 
+    /// Reach stale leg `leg` again before its resync (a remote leg whose
+    /// connection died when it was taken out).
+    pub fn reconnect(&self, leg: usize) -> Result<()> {
+        let slot = self.leg_slot(leg)?;
+        if self.active().contains(&leg) || slot.resyncing.load(Ordering::Acquire) {
+            return Err(Error::InvalidArgument(format!(
+                "mirror leg {leg} ({}) is in use: not reconnecting it",
+                slot.name
+            )));
+        }
+        match slot.device.get() {
+            Some(device) => device.reconnect(),
+            None => Err(Error::InvalidArgument(format!(
+                "mirror leg {leg} ({}) is missing",
+                slot.name
+            ))),
+        }
+    }
+
     /// Track writes for stale leg `leg` in `map` from now on.
     pub fn track(&self, leg: usize, map: Arc<DirtyMap>) -> Result<()> {
         let slot = self.leg_slot(leg)?;

@@ -420,16 +420,25 @@ pub fn open_mirror_with(
             // resync map is copied.
             let resumable = member.state == LegState::Stale || has_map(&record, index);
             if writable && resumable && leg.missing.is_none() {
-                match open_leg(&leg_path) {
-                    Ok(volume) => leg.volume = Some(volume),
-                    Err(error) => leg.missing = Some(error.to_string()),
+                if super::is_remote_member(&member.path) {
+                    // Reached again (its uuid checked): a new connection.
+                    match open_remote(&member.path, &record) {
+                        Ok(device) => leg.remote = Some(device),
+                        Err(error) => leg.missing = Some(error.to_string()),
+                    }
+                } else {
+                    match open_leg(&leg_path) {
+                        Ok(volume) => leg.volume = Some(volume),
+                        Err(error) => leg.missing = Some(error.to_string()),
+                    }
                 }
             }
+            let present = leg.volume.is_some() || leg.remote.is_some();
             warnings.push(format!(
                 "mirror leg {index} ({}) is {}{}: not read until it is resynced (`vouch mirror resync`) or replaced",
                 member.path,
                 member.state.name(),
-                if leg.volume.is_some() { ", present" } else { "" }
+                if present { ", present" } else { "" }
             ));
         }
         legs.push(leg);
@@ -574,5 +583,31 @@ impl Membership for FileMembership {
 
     fn set_unsynced(&self, unsynced: bool) -> Result<()> {
         mark_unsynced(&self.record.lock(), unsynced)
+    }
+
+    /// In the directories of the legs that stay active.
+    fn create_map(
+        &self,
+        leg: usize,
+        blocks: u64,
+        marked: &[std::ops::Range<u64>],
+    ) -> Result<DirtyMap> {
+        let mut after = self.record.lock().clone();
+        after.members[leg].state = LegState::Stale;
+        let dirs = map_dirs(&after);
+        if dirs.is_empty() {
+            return Err(Error::Unsupported(
+                "no active local leg to keep a resync map in".into(),
+            ));
+        }
+        let (map, unknown) = DirtyMap::open_marked(&dirs, leg, after.uuid, blocks, true, marked)?;
+        if let Some(why) = unknown {
+            tracing::warn!(
+                leg,
+                why,
+                "mirror: an earlier resync map was unusable: the new one marks every block"
+            );
+        }
+        Ok(map)
     }
 }

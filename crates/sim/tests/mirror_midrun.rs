@@ -1,0 +1,21 @@
+//! Crashes while a leg lost mid-run is given its resync map: where the
+//! records call it stale, its map is valid and covers every block its
+//! surviving copy lacks, or it has unknown history (a full resync)
+//! (`vouch_sim::mirror_midrun`).
+
+#[test]
+fn a_crash_while_a_lost_leg_gets_its_map_leaves_a_covering_map_or_unknown_history() {
+    let report = vouch_sim::mirror_midrun::run(1, if cfg!(debug_assertions) { 4 } else { 24 });
+    assert!(
+        report.violations.is_empty(),
+        "{}\n{}",
+        report.violations.join("\n"),
+        report.summary()
+    );
+    assert!(
+        report.mapped > 0 && report.lacking_blocks > 0,
+        "nothing was tested: {}",
+        report.summary()
+    );
+    eprintln!("{}", report.summary());
+}
