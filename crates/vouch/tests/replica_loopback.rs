@@ -57,7 +57,7 @@ fn check_json(volume: &Path) -> (i32, serde_json::Value) {
 }
 
 #[test]
-fn a_local_and_a_remote_leg_serve_over_nbd_and_a_corrupt_remote_block_is_repaired() {
+fn a_local_and_a_remote_leg_serve_over_nbd_reads_stay_local_and_both_copies_are_repaired() {
     let dir = tempfile::tempdir().expect("tempdir");
     let replicas = dir.path().join("replicas");
     let mut replica = replica_server(&replicas, "127.0.0.1:0", &[], None).expect("replica");
@@ -85,38 +85,67 @@ fn a_local_and_a_remote_leg_serve_over_nbd_and_a_corrupt_remote_block_is_repaire
     assert_eq!(report["legs"][1]["path"], url.as_str());
     assert_eq!(report["legs"][1]["faults"], serde_json::json!([]));
 
-    // LBA 7's data in the replica's file (split layout: LBA * 4096).
+    // LBA 7 bad in the replica's file, LBA 9 bad in the local leg's (split
+    // layout: data at LBA * 4096).
     flip_bit(
         &replicas.join("disk").join("data.00000"),
         7 * BLOCK + 50,
         0x10,
     );
+    flip_bit(&a.join("data.00000"), 9 * BLOCK + 50, 0x10);
     let (code, report) = check_json(&a);
     assert_eq!(code, 1, "{report}");
     assert_eq!(
         report["legs"][1]["faults"],
         serde_json::json!([{"lba": 7, "kind": "guard_mismatch"}])
     );
+    assert_eq!(
+        report["legs"][0]["faults"],
+        serde_json::json!([{"lba": 9, "kind": "guard_mismatch"}])
+    );
 
     let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
-    // Round robin: two reads of each block reach both legs.
+    // Reads stay on the local leg (prefer-local): every block reads good,
+    // LBA 9 is served from the replica and rewritten on the local leg, and
+    // the replica's bad LBA 7 is not read at all.
     for _ in 0..2 {
         assert_eq!(read_blocks(&server.uri, 500)["bad"], serde_json::json!([]));
     }
     let metrics = server.metrics_text();
-    let repaired = metrics
-        .lines()
-        .find(|line| {
-            line.starts_with("vouch_mirror_repairs_total")
-                && line.contains("leg=\"1\"")
-                && line.contains("guard_mismatch")
-                && line.contains("outcome=\"repaired\"")
-        })
-        .unwrap_or_else(|| panic!("no repair counted:\n{metrics}"));
-    assert!(repaired.ends_with(" 1"), "{repaired}");
+    let repairs = |leg: &str| -> Vec<String> {
+        metrics
+            .lines()
+            .filter(|line| {
+                line.starts_with("vouch_mirror_repairs_total")
+                    && line.contains(&format!("leg=\"{leg}\""))
+                    && !line.ends_with(" 0")
+            })
+            .map(str::to_string)
+            .collect()
+    };
+    let local = repairs("0");
+    assert!(
+        local.len() == 1
+            && local[0].contains("guard_mismatch")
+            && local[0].contains("outcome=\"repaired\"")
+            && local[0].ends_with(" 1"),
+        "one repair of the local leg from the replica:\n{metrics}"
+    );
+    assert_eq!(repairs("1"), Vec::<String>::new(), "{metrics}");
     server.stop();
     let (code, report) = check_json(&a);
-    assert_eq!(code, 0, "the remote copy was repaired: {report}");
+    assert_eq!(code, 1, "{report}");
+    assert_eq!(report["legs"][0]["faults"], serde_json::json!([]));
+    assert_eq!(
+        report["legs"][1]["faults"],
+        serde_json::json!([{"lba": 7, "kind": "guard_mismatch"}]),
+        "the replica's copy is not read by clients: {report}"
+    );
+    // Scrub reads every leg, the replica too, and repairs its copy.
+    let scrub = vouch(&["scrub", s(&a)]);
+    assert_eq!(scrub.status.code(), Some(0), "{}", text(&scrub));
+    let (code, report) = check_json(&a);
+    assert_eq!(code, 0, "the remote copy was repaired by scrub: {report}");
     replica.stop();
 }
 

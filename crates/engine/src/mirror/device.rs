@@ -11,6 +11,7 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use vouch_format::mirror::LegState;
 
 use super::dirty::DirtyMap;
+use super::remote::is_remote_member;
 use super::resync::ResyncProgress;
 use super::written::Written;
 use super::{Membership, FAULT_THRESHOLD};
@@ -36,6 +37,8 @@ pub struct MirrorLeg {
 
 pub(super) struct Leg {
     pub(super) name: String,
+    /// A remote replica (`vouch://`): read only when no local leg is active.
+    remote: bool,
     /// Set once: at `Mirror::new`, or when a missing leg is attached.
     pub(super) device: OnceLock<Arc<dyn BlockDevice>>,
     state: AtomicU8,
@@ -166,6 +169,7 @@ impl Mirror {
             legs: legs
                 .into_iter()
                 .map(|leg| Leg {
+                    remote: is_remote_member(&leg.name),
                     name: leg.name,
                     device: leg.device.map(OnceLock::from).unwrap_or_default(),
                     state: AtomicU8::new(leg.state as u8),
@@ -329,14 +333,22 @@ impl Mirror {
         self.one_leg.store(false, Ordering::Release);
     }
 
-    /// The active leg to read next (round robin, or the first one).
+    /// The active leg to read next: round robin over the active local
+    /// legs, over the remote ones only when no local leg is active (a
+    /// remote read costs a network round trip for the same verified bytes:
+    /// DRBD's prefer-local, md's write-mostly legs); or the first active leg
+    /// while `reads_one_leg`. Remote copies are still checked by scrub, and
+    /// a local read that fails verification is repaired from them.
     fn pick(&self) -> Result<usize> {
-        let active = self.active();
+        let mut active = self.active();
         if active.is_empty() {
             return Err(Error::FailStopped("no active mirror leg".into()));
         }
         if self.reads_one_leg() {
             return Ok(active[0]);
+        }
+        if active.iter().any(|&leg| !self.legs[leg].remote) {
+            active.retain(|&leg| !self.legs[leg].remote);
         }
         Ok(active[self.next.fetch_add(1, Ordering::Relaxed) % active.len()])
     }

@@ -9,7 +9,8 @@
 //!   themselves differently on two legs); each leg seals what it stores.
 //!   A leg that fails a write or flush while another succeeds is faulted.
 //!   Flush flushes every active leg.
-//! - Reads go to one active leg, round robin. A block that fails
+//! - Reads go to one active leg, round robin over the local legs (remote
+//!   legs are read only when no local leg is active). A block that fails
 //!   verification there is repaired (`repair.rs`, md's order): fetched
 //!   from another leg with `read_sealed` after that leg verified it,
 //!   written to the bad leg with `write_sealed` (which verifies it again),

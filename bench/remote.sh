@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# bench/remote.sh -- mirrors with remote legs (replicas on other "hosts": network namespaces joined by
+# veth pairs) vs a single volume and vs local mirrors, all in one run (issue 14), then the resync of a
+# remote leg across the link.
+#
+# Topology (made here, removed on exit; addresses exist only inside these namespaces):
+#   vrb-e   the exporters (vouch serve) and the client (fio --ioengine=nbd to 127.0.0.1 inside vrb-e)
+#   vrb-r1  `vouch replica serve DIR/r1 --listen 10.233.1.1:7101 --insecure`, veth vrb1e <-> vrb1r
+#   vrb-r2  the same at 10.233.2.1:7102 (the third leg of remote3)
+# The link is a veth pair (memory speed) unless LINK shapes it, e.g. LINK="rate 10gbit burst 4mb latency
+# 10ms" (tc tbf on both ends) and/or NETEM="delay 100us" (tc netem: a round trip of 2x that). The
+# replicas' files are on the same filesystem as the exporter's (one disk: only the network is separate).
+#
+# Servers (each serves a fresh split volume of SIZE, prefilled with a sequential 1M write through NBD):
+#   single   vouch serve of one volume          local2, local3   local 2-/3-way mirrors (legs in DIR)
+#   remote2  local leg + the replica in vrb-r1  remote3          local leg + vrb-r1 + vrb-r2
+# Workloads: TESTS (default: 4 KiB randread/randwrite QD1/QD32, 1 MiB seq read/write QD8), RUNTIME s each,
+# REPS rounds; each round runs every test on every server, servers rotated between rounds.
+# Then RESYNC: after a flush, the replica of remote2 is SIGKILLed, RESYNC_WRITE of 64 KiB random writes land on the
+# local leg (tracked in the resync map), the replica comes back, the exporter stops, and an offline
+# `vouch mirror resync` copies the map across the link: blocks, seconds, MiB/s.
+#
+# Output: $OUT/samples.tsv, $OUT/report.md (medians, ratios to single, exporter and replica CPU per I/O).
+# Needs root (ip netns, tc) and fio; builds target/release/vouch unless BUILD=0.
+#   SIZE=1G REPS=3 RUNTIME=5 bench/remote.sh
+#   LINK="rate 10gbit burst 4mb latency 10ms" NETEM="delay 50us" bench/remote.sh
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+SIZE=${SIZE:-1G}; RUNTIME=${RUNTIME:-5}; REPS=${REPS:-3}; BUILD=${BUILD:-1}
+SERVERS=${SERVERS:-"single local2 local3 remote2 remote3"}
+TESTS=${TESTS:-"rr4k_qd1 rr4k_qd32 rw4k_qd1 rw4k_qd32 sr1m_qd8 sw1m_qd8"}
+LINK=${LINK:-}; NETEM=${NETEM:-}; RESYNC_WRITE=${RESYNC_WRITE:-256M}
+DIR=${DIR:-/var/tmp/vouch-remote-bench}
+OUT=${OUT:-$REPO/target/bench-remote/$(date +%Y%m%d-%H%M%S)}
+VOUCH=${VOUCH:-$REPO/target/release/vouch}
+NS_E=vrb-e; NS_R=(vrb-r1 vrb-r2)
+declare -A PORT=([single]=10900 [local2]=10901 [local3]=10902 [remote2]=10903 [remote3]=10904)
+declare -A PID=() RPID=()
+log() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
+die() { log "FATAL: $*"; exit 1; }
+[ "$(id -u)" -eq 0 ] || die "bench/remote.sh needs root (ip netns, tc)"
+command -v fio >/dev/null || die "fio missing: apt-get install -y fio"
+for s in $SERVERS; do [ -n "${PORT[$s]:-}" ] || die "unknown server $s"; done
+in_e() { ip netns exec $NS_E "$@"; }
+
+cleanup() {
+    local p
+    for p in "${PID[@]}" "${RPID[@]}"; do kill -TERM "$p" 2>/dev/null; done
+    for p in "${PID[@]}" "${RPID[@]}"; do
+        for _ in $(seq 300); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+        kill -KILL "$p" 2>/dev/null
+    done
+    for ns in $NS_E "${NS_R[@]}"; do ip netns del "$ns" 2>/dev/null; done
+    rm -rf "$DIR"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM HUP
+
+if [ "$BUILD" = 1 ]; then
+    (cd "$REPO" && cargo build --release -q -p vouch) || die "cargo build failed"
+fi
+mkdir -p "$OUT/logs"; rm -rf "$DIR"; mkdir -p "$DIR"
+for ns in $NS_E "${NS_R[@]}"; do ip netns del "$ns" 2>/dev/null; ip netns add "$ns" || die "ip netns add $ns"; done
+in_e ip link set lo up
+for i in 1 2; do
+    ns=${NS_R[$((i-1))]}
+    ip link add vrb${i}e type veth peer name vrb${i}r || die "veth $i"
+    ip link set vrb${i}e netns $NS_E; ip link set vrb${i}r netns "$ns"
+    in_e ip addr add 10.233.$i.2/24 dev vrb${i}e; in_e ip link set vrb${i}e up
+    ip netns exec "$ns" ip addr add 10.233.$i.1/24 dev vrb${i}r
+    ip netns exec "$ns" ip link set vrb${i}r up; ip netns exec "$ns" ip link set lo up
+    for side in "$NS_E vrb${i}e" "$ns vrb${i}r"; do
+        set -- $side
+        if [ -n "$NETEM" ]; then
+            ip netns exec "$1" tc qdisc add dev "$2" root handle 1: netem $NETEM || die "tc netem $NETEM"
+            [ -z "$LINK" ] || ip netns exec "$1" tc qdisc add dev "$2" parent 1: handle 2: tbf $LINK || die "tc tbf $LINK"
+        elif [ -n "$LINK" ]; then
+            ip netns exec "$1" tc qdisc add dev "$2" root tbf $LINK || die "tc tbf $LINK"
+        fi
+    done
+done
+
+start_replica() { # INDEX (1|2)
+    local i=$1 ns=${NS_R[$(($1-1))]}
+    ip netns exec "$ns" "$VOUCH" replica serve "$DIR/r$i" --listen "10.233.$i.1:710$i" --insecure \
+        >> "$OUT/logs/replica$i.log" 2>&1 &
+    RPID[$i]=$!
+    for _ in $(seq 100); do grep -q "serving" "$OUT/logs/replica$i.log" 2>/dev/null && return 0; sleep 0.1; done
+    die "replica $i did not start: $(tail -3 "$OUT/logs/replica$i.log")"
+}
+wait_port() { # PORT
+    for _ in $(seq 200); do in_e bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null && return 0; sleep 0.1; done
+    return 1
+}
+start_server() { # NAME
+    local s=$1 vol="$DIR/vol-$1" mirrors=()
+    case $s in
+    local2|local3) for i in $(seq 1 $((${s#local} - 1))); do mirrors+=(--mirror "$vol-leg$i"); done ;;
+    remote2|remote3) for i in $(seq 1 $((${s#remote} - 1))); do mirrors+=(--mirror "vouch://10.233.$i.1:710$i/$s"); done ;;
+    esac
+    if [ ! -d "$vol" ]; then
+        in_e "$VOUCH" create "$vol" --size "$SIZE" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
+            || die "$s: create: $(cat "$OUT/logs/$s.create.log")"
+    fi
+    ip netns exec $NS_E "$VOUCH" serve "$vol" --listen "127.0.0.1:${PORT[$s]}" >> "$OUT/logs/$s.log" 2>&1 &
+    PID[$s]=$!
+    wait_port "${PORT[$s]}" || die "$s did not listen: $(tail -5 "$OUT/logs/$s.log")"
+}
+stop_server() { # NAME
+    local p=${PID[$1]}; kill -TERM "$p"; wait "$p" 2>/dev/null; unset "PID[$1]"
+}
+ticks() { local s; s=$(cat "/proc/$1/stat" 2>/dev/null) || { echo 0; return; }; s=${s##*) }; set -- $s; echo $(( ${12} + ${13} )); }
+replica_ticks() { local t=0 p; for p in "${RPID[@]}"; do t=$((t + $(ticks "$p"))); done; echo $t; }
+HZ=$(getconf CLK_TCK)
+
+start_replica 1; start_replica 2
+for s in $SERVERS; do
+    start_server "$s"
+    log "$s: prefill (sequential 1M writes)"
+    in_e fio --name=fill --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[$s]}" --rw=write --bs=1M --iodepth=8 \
+        --size="$SIZE" > "$OUT/logs/$s.fill.txt" 2>&1 || die "$s: prefill failed"
+done
+
+TSV=$OUT/samples.tsv
+printf 'rep\tserver\ttest\tiops\tMBps\tios\texporter_s\treplicas_s\n' > "$TSV"
+spec() { case $1 in
+    rr4k_qd1) echo "randread 4k 1";; rr4k_qd32) echo "randread 4k 32";;
+    rw4k_qd1) echo "randwrite 4k 1";; rw4k_qd32) echo "randwrite 4k 32";;
+    sr1m_qd8) echo "read 1M 8";; sw1m_qd8) echo "write 1M 8";; *) die "unknown test $1";; esac; }
+read -ra order <<< "$SERVERS"
+for rep in $(seq "$REPS"); do
+    n=${#order[@]}; k=$(( (rep - 1) % n )); rot=("${order[@]:k}" "${order[@]:0:k}")
+    [ $((rep % 2)) = 0 ] && rot=($(printf '%s\n' "${rot[@]}" | tac))
+    for t in $TESTS; do
+        read -r rw bs qd <<< "$(spec "$t")"
+        for s in "${rot[@]}"; do
+            sync
+            json="$OUT/logs/$s-$t-r$rep.json"
+            e0=$(ticks "${PID[$s]}"); r0=$(replica_ticks)
+            in_e timeout $((RUNTIME + 60)) fio --output-format=json --output="$json" --name="$t" --ioengine=nbd \
+                --uri="nbd://127.0.0.1:${PORT[$s]}" --rw="$rw" --bs="$bs" --iodepth="$qd" --time_based \
+                --runtime="$RUNTIME" --norandommap --randrepeat=0 > /dev/null 2>&1 || log "fio $s $t rc=$?"
+            e1=$(ticks "${PID[$s]}"); r1=$(replica_ticks)
+            row=$(python3 - "$json" "$rw" <<'PY'
+import json, sys
+s = open(sys.argv[1]).read(); j = json.loads(s[s.index('{'):])["jobs"][0]
+d = j["write" if "write" in sys.argv[2] else "read"]
+print("%.1f\t%.2f\t%d" % (d["iops"], d["bw_bytes"] / 1e6, d["total_ios"]))
+PY
+) || row="0	0	0"
+            es=$(awk -v d=$((e1 - e0)) -v hz="$HZ" 'BEGIN{printf "%.3f", d/hz}')
+            rs=$(awk -v d=$((r1 - r0)) -v hz="$HZ" 'BEGIN{printf "%.3f", d/hz}')
+            printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$rep" "$s" "$t" "$row" "$es" "$rs" >> "$TSV"
+            log "r$rep $s $t: $(cut -f1,2 <<< "$row" | tr '\t' ' ') (iops MB/s) exporter ${es}s replicas ${rs}s"
+        done
+    done
+done
+
+# ---------------------------------------------------------------- resync of a remote leg across the link
+RESYNC=""
+if [[ " $SERVERS " == *" remote2 "* ]]; then
+    # A flush first: the blocks written since the last flush (here: the whole benchmark's) join a lost
+    # leg's resync map, since the replica may not have made them durable.
+    in_e fio --name=flush --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[remote2]}" --rw=write --bs=4k \
+        --size=4k --end_fsync=1 > "$OUT/logs/resync-flush.txt" 2>&1 || die "flush failed"
+    log "resync: SIGKILL replica 1, $RESYNC_WRITE of 64 KiB random writes to remote2"
+    kill -KILL "${RPID[1]}"; wait "${RPID[1]}" 2>/dev/null; unset "RPID[1]"
+    in_e fio --name=away --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[remote2]}" --rw=randwrite --bs=64k \
+        --iodepth=8 --size="$SIZE" --io_size="$RESYNC_WRITE" --randrepeat=0 --norandommap \
+        > "$OUT/logs/resync-writes.txt" 2>&1 || die "resync writes failed"
+    stop_server remote2
+    start_replica 1
+    in_e "$VOUCH" mirror status "$DIR/vol-remote2" > "$OUT/logs/resync-status-before.txt" 2>&1
+    t0=$(date +%s.%N)
+    in_e "$VOUCH" mirror resync "$DIR/vol-remote2" --leg 1 --rate 4G > "$OUT/logs/resync.txt" 2>&1 \
+        || die "resync failed: $(tail -3 "$OUT/logs/resync.txt")"
+    t1=$(date +%s.%N)
+    in_e "$VOUCH" check "$DIR/vol-remote2" > "$OUT/logs/resync-check.txt" 2>&1 \
+        || die "check after resync: $(tail -5 "$OUT/logs/resync-check.txt")"
+    RESYNC="$(tail -1 "$OUT/logs/resync.txt") in $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}') s; check clean"
+    log "resync: $RESYNC"
+fi
+
+python3 - "$TSV" "$SERVERS" "$TESTS" "$RESYNC" "SIZE=$SIZE REPS=$REPS RUNTIME=$RUNTIME LINK='$LINK' NETEM='$NETEM'" \
+    > "$OUT/report.md" <<'PY'
+import csv, statistics, sys
+tsv, servers, tests, resync, knobs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4], sys.argv[5]
+rows = list(csv.DictReader(open(tsv), delimiter="\t"))
+def med(s, t, f):
+    v = [float(r[f]) for r in rows if r["server"] == s and r["test"] == t]
+    return statistics.median(v) if v else float("nan")
+def per_io(s, t, f):
+    v = [float(r[f]) * 1e6 / float(r["ios"]) for r in rows if r["server"] == s and r["test"] == t and float(r["ios"]) > 0]
+    return statistics.median(v) if v else float("nan")
+print(f"# bench/remote.sh: {knobs}\n")
+print("IOPS (medians) and ratio to `single`; CPU: exporter / replica servers, µs per I/O\n")
+print("| test | " + " | ".join(servers) + " |")
+print("|---" * (len(servers) + 1) + "|")
+for t in tests:
+    base = med("single", t, "iops") if "single" in servers else float("nan")
+    cells = []
+    for s in servers:
+        i = med(s, t, "iops")
+        cell = f"{i:,.0f}"
+        if s != "single" and base == base and base > 0:
+            cell += f" ({i / base:.2f}x)"
+        cell += f"<br>{per_io(s, t, 'exporter_s'):.0f}/{per_io(s, t, 'replicas_s'):.0f} µs"
+        cells.append(cell)
+    print(f"| {t} | " + " | ".join(cells) + " |")
+if resync:
+    print(f"\nResync of remote2's leg 1 across the link (offline `vouch mirror resync`): {resync}")
+PY
+log "report: $OUT/report.md"; cat "$OUT/report.md"
