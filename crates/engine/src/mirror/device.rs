@@ -333,24 +333,29 @@ impl Mirror {
         self.one_leg.store(false, Ordering::Release);
     }
 
-    /// The active leg to read next: round robin over the active local
-    /// legs, over the remote ones only when no local leg is active (a
-    /// remote read costs a network round trip for the same verified bytes:
-    /// DRBD's prefer-local, md's write-mostly legs); or the first active leg
-    /// while `reads_one_leg`. Remote copies are still checked by scrub, and
-    /// a local read that fails verification is repaired from them.
-    fn pick(&self) -> Result<usize> {
+    /// The legs reads go to, in order: the active local legs (the remote
+    /// ones only when no local leg is active: a remote read costs a network
+    /// round trip for the same verified bytes; DRBD's prefer-local, md's
+    /// write-mostly legs), or just the first active leg while
+    /// `reads_one_leg`. Remote copies are still checked by scrub, and a
+    /// local read that fails verification is repaired from them.
+    fn read_legs(&self) -> Vec<usize> {
         let mut active = self.active();
-        if active.is_empty() {
-            return Err(Error::FailStopped("no active mirror leg".into()));
-        }
         if self.reads_one_leg() {
-            return Ok(active[0]);
-        }
-        if active.iter().any(|&leg| !self.legs[leg].remote) {
+            active.truncate(1);
+        } else if active.iter().any(|&leg| !self.legs[leg].remote) {
             active.retain(|&leg| !self.legs[leg].remote);
         }
-        Ok(active[self.next.fetch_add(1, Ordering::Relaxed) % active.len()])
+        active
+    }
+
+    /// The leg to read next: round robin over `read_legs`.
+    fn pick(&self) -> Result<usize> {
+        let legs = self.read_legs();
+        if legs.is_empty() {
+            return Err(Error::FailStopped("no active mirror leg".into()));
+        }
+        Ok(legs[self.next.fetch_add(1, Ordering::Relaxed) % legs.len()])
     }
 
     /// Lock the stripes of blocks `[first, end)`, in order.
@@ -597,15 +602,11 @@ impl BlockDevice for Mirror {
     /// verification), the blocking `read` goes to that same leg and
     /// repairs what it finds.
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
-        let active = self.active();
-        if active.is_empty() {
+        let legs = self.read_legs();
+        if legs.is_empty() {
             return Ok(None);
         }
-        let leg = if self.reads_one_leg() {
-            active[0]
-        } else {
-            active[self.next.load(Ordering::Relaxed) % active.len()]
-        };
+        let leg = legs[self.next.load(Ordering::Relaxed) % legs.len()];
         match self.device(leg).try_read(offset, buf) {
             Ok(Some(holes)) => {
                 self.next.fetch_add(1, Ordering::Relaxed);
