@@ -14,6 +14,7 @@ use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CON
 
 use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
 use crate::backing::Backing;
+use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
 use crate::error::{Error, Result};
 use crate::journal::Record;
@@ -23,6 +24,18 @@ use crate::storage::{ObjectId, Wait};
 /// The unused bytes at the end of a packed row (zero on disk).
 static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
     as usize] = [0; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES) as usize];
+
+/// Alignment of a run's read of whole records (O_DIRECT's unit).
+const READ_ALIGN: u64 = 4096;
+
+/// Largest record buffer a reading thread keeps between reads (a read of
+/// 1024 blocks spans about 4 MiB of records).
+const KEEP_RECORDS_BYTES: usize = 8 << 20;
+
+thread_local! {
+    /// Each reading thread's record buffer, reused.
+    static RECORDS: std::cell::Cell<PageBuffer> = std::cell::Cell::new(PageBuffer::default());
+}
 
 pub(crate) struct PackedLayout {
     geometry: Geometry,
@@ -109,21 +122,42 @@ impl Layout for PackedLayout {
         wait: Wait,
     ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
         let location = self.geometry.locate(first);
-        let span = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES
-            - location.data_offset;
-        let mut records = vec![0u8; span as usize];
+        let end = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES;
+        // The records' span widened to 4 KiB boundaries (rows are 128 KiB
+        // and a segment whole rows, so it stays inside the run's rows and
+        // the segment), read into a reused
+        // page-aligned buffer: an O_DIRECT read then needs no bounce buffer,
+        // and nothing is zeroed or allocated per read. Measured: a 1024-block
+        // `--direct` read cost 4.9 ms of CPU with a fresh zeroed Vec and a
+        // fresh bounce buffer each time (bench/packed.sh).
+        let start = location.data_offset - location.data_offset % READ_ALIGN;
+        let end = end.next_multiple_of(READ_ALIGN);
+        let base = (location.data_offset - start) as usize;
         let object = ObjectId::Data(location.segment);
-        io.try_read_with(object, location.data_offset, &mut records, wait)?;
-        let mut contexts = Vec::with_capacity(count as usize);
-        for (index, lba) in (first..first + count).enumerate() {
-            let at = (self.geometry.locate(lba).data_offset - location.data_offset) as usize;
-            out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
-                .copy_from_slice(&records[at..at + BLOCK as usize]);
-            contexts.push(Context::decode(
-                &records[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
-            ));
-        }
-        Ok(contexts)
+        RECORDS.with(|cell| {
+            let mut records = cell.take();
+            records.set_len((end - start) as usize);
+            let read = io.try_read_with(object, start, &mut records, wait);
+            let contexts = read.map(|()| {
+                (first..first + count)
+                    .enumerate()
+                    .map(|(index, lba)| {
+                        let at = base
+                            + (self.geometry.locate(lba).data_offset - location.data_offset)
+                                as usize;
+                        out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
+                            .copy_from_slice(&records[at..at + BLOCK as usize]);
+                        Context::decode(
+                            &records[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
+                        )
+                    })
+                    .collect()
+            });
+            if records.len() <= KEEP_RECORDS_BYTES {
+                cell.replace(records);
+            }
+            contexts
+        })
     }
 
     fn read_block(

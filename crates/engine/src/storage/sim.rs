@@ -130,7 +130,11 @@ pub struct FaultPlan {
     pub misdirect_write: Option<(ObjectId, u64, u64)>,
     /// Writes to (object, offset) are acknowledged and dropped: a lost write.
     pub lose_write: Option<(ObjectId, u64)>,
-    /// Reads of (object, from) return the bytes at (object, to): a misdirected read.
+    /// A read whose range holds (object, from) is served from a place
+    /// displaced by `to - from`, so the bytes it returns for `from` are
+    /// those at (object, to): a misdirected read (the whole I/O lands
+    /// elsewhere). A read that starts before `from` (a packed run widened
+    /// to 4 KiB) is displaced too, as long as the place exists.
     pub misdirect_read: Option<(ObjectId, u64, u64)>,
 }
 
@@ -296,8 +300,10 @@ impl Storage for SimStorage {
         }
         let mut source = offset;
         if let Some((id, from, to)) = state.faults.misdirect_read {
-            if id == object && from == offset {
-                source = to;
+            if id == object && overlaps(offset, buf.len() as u64, from, 1) {
+                if let Some(displaced) = to.checked_sub(from - offset) {
+                    source = displaced;
+                }
             }
         }
         match state.objects.get(&object) {
