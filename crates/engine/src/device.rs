@@ -36,6 +36,10 @@ pub struct SealedBlock {
     pub context: Context,
 }
 
+/// A write started by `BlockDevice::start_write_sealed`: call it to wait
+/// for the outcome.
+pub type PendingWrite = Box<dyn FnOnce() -> Result<()> + Send>;
+
 pub trait BlockDevice: Send + Sync {
     /// Size in bytes.
     fn size(&self) -> u64;
@@ -111,6 +115,21 @@ pub trait BlockDevice: Send + Sync {
     fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
         let _ = blocks;
         Ok(false)
+    }
+
+    /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
+    /// without waiting for it, for a device whose writes travel (a remote
+    /// replica): the mirror starts these first and writes its local legs
+    /// while they are under way. The `PendingWrite` returns the outcome
+    /// `write_sealed` would have. `None` (the default): the device has no
+    /// such path; the caller writes synchronously.
+    fn start_write_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+    ) -> Option<Result<PendingWrite>> {
+        let _ = (blocks, fua);
+        None
     }
 
     /// Whether `try_write_sealed` of `count` blocks would find room now (a

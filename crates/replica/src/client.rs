@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, RecvTimeoutError, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -101,7 +101,10 @@ async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std
 
 impl Connection {
     /// Connect to the server of `url` and shake hands (version checked).
-    pub fn connect(url: &ReplicaUrl, options: &ClientOptions) -> Result<Connection, ClientError> {
+    pub fn connect(
+        url: &ReplicaUrl,
+        options: &ClientOptions,
+    ) -> Result<Arc<Connection>, ClientError> {
         let peer = url.to_string();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -181,7 +184,7 @@ impl Connection {
                 shared.kill(format!("replica {peer}: {why}"));
             })
         };
-        Ok(Connection {
+        Ok(Arc::new(Connection {
             runtime: Some(runtime),
             frames,
             shared,
@@ -189,7 +192,7 @@ impl Connection {
             next_handle: AtomicU64::new(1),
             timeout: options.timeout,
             peer,
-        })
+        }))
     }
 
     /// Send our hello, read the server's, refuse another version by name.
@@ -269,7 +272,15 @@ impl Connection {
 
     /// Send `request` and wait for its answer: the payload of an OK
     /// answer, or the error.
-    pub fn call(&self, request: &Request) -> Result<Vec<u8>, ClientError> {
+    pub fn call(self: &Arc<Self>, request: &Request) -> Result<Vec<u8>, ClientError> {
+        self.send(request)?.wait()
+    }
+
+    /// Send `request` without waiting for its answer: `Pending::wait`
+    /// collects it (with the same timeout, counted from its call), so a
+    /// caller can overlap several round trips, or a round trip with work
+    /// of its own.
+    pub fn send(self: &Arc<Self>, request: &Request) -> Result<Pending, ClientError> {
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let (waiter, answer) = sync_channel(1);
         self.shared.pending.lock().insert(handle, waiter);
@@ -286,28 +297,10 @@ impl Connection {
                 self.peer
             )));
         }
-        let answer = match answer.recv_timeout(self.timeout) {
-            Ok(answer) => answer,
-            Err(RecvTimeoutError::Timeout) => {
-                let reason = format!(
-                    "replica {}: request timed out after {:?}; the connection is dropped",
-                    self.peer, self.timeout
-                );
-                self.kill(reason.clone());
-                return Err(ClientError::Unreachable(reason));
-            }
-            Err(RecvTimeoutError::Disconnected) => Err("connection closed".to_string()),
-        };
-        let (status, payload) = answer.map_err(ClientError::Unreachable)?;
-        if status == Status::Ok {
-            return Ok(payload);
-        }
-        let body = ErrorBody::decode(&payload).map_err(|error| {
-            let reason = format!("replica {}: malformed error answer: {error}", self.peer);
-            self.kill(reason.clone());
-            ClientError::Unreachable(reason)
-        })?;
-        Err(ClientError::Remote { status, body })
+        Ok(Pending {
+            connection: Arc::clone(self),
+            answer,
+        })
     }
 
     /// Mark the connection dead now (a malformed answer, a timeout).
@@ -321,6 +314,46 @@ impl Connection {
     /// Why the connection is dead, if it is.
     pub fn dead(&self) -> Option<String> {
         self.shared.dead.lock().clone()
+    }
+}
+
+/// A request sent and not yet answered (`Connection::send`).
+pub struct Pending {
+    connection: Arc<Connection>,
+    answer: Receiver<Answer>,
+}
+
+impl Pending {
+    /// Wait for the answer: the payload of an OK answer, or the error. A
+    /// request unanswered after the connection's timeout kills the
+    /// connection (every other waiter fails at once too).
+    pub fn wait(self) -> Result<Vec<u8>, ClientError> {
+        let connection = &self.connection;
+        let answer = match self.answer.recv_timeout(connection.timeout) {
+            Ok(answer) => answer,
+            Err(RecvTimeoutError::Timeout) => {
+                let reason = format!(
+                    "replica {}: request timed out after {:?}; the connection is dropped",
+                    connection.peer, connection.timeout
+                );
+                connection.kill(reason.clone());
+                return Err(ClientError::Unreachable(reason));
+            }
+            Err(RecvTimeoutError::Disconnected) => Err("connection closed".to_string()),
+        };
+        let (status, payload) = answer.map_err(ClientError::Unreachable)?;
+        if status == Status::Ok {
+            return Ok(payload);
+        }
+        let body = ErrorBody::decode(&payload).map_err(|error| {
+            let reason = format!(
+                "replica {}: malformed error answer: {error}",
+                connection.peer
+            );
+            connection.kill(reason.clone());
+            ClientError::Unreachable(reason)
+        })?;
+        Err(ClientError::Remote { status, body })
     }
 }
 

@@ -28,7 +28,8 @@ use vouch_engine::mirror::LegTemplate;
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
-    shared_block, Allocation, BlockDevice, Error, Fault, GuardKind, Result, SealedBlock, BLOCK,
+    shared_block, Allocation, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result,
+    SealedBlock, BLOCK,
 };
 
 use crate::client::{ClientError, ClientOptions, Connection};
@@ -96,7 +97,7 @@ impl RemoteLeg {
     fn with_info(
         url: &ReplicaUrl,
         options: &ClientOptions,
-        connection: Connection,
+        connection: Arc<Connection>,
         answer: &[u8],
     ) -> Result<RemoteLeg> {
         let info = ReplicaInfo::decode(answer).map_err(|error| {
@@ -117,7 +118,7 @@ impl RemoteLeg {
             .map_err(|error| Error::Corrupt(format!("replica {url}: guard: {error}")))?;
         Ok(RemoteLeg {
             url: url.clone(),
-            connection: RwLock::new(Arc::new(connection)),
+            connection: RwLock::new(connection),
             options: options.clone(),
             protection: GuardProtection::new(guard, info.volume_tag),
             info,
@@ -221,6 +222,22 @@ impl RemoteLeg {
                 }
             })
             .collect()
+    }
+
+    /// Blocks to send: inside the replica, and each verified here before
+    /// it leaves (the replica verifies it again before storing it).
+    fn check_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        for block in blocks {
+            if block.lba >= self.info.size_bytes / BLOCK {
+                return Err(Error::OutOfRange {
+                    offset: block.lba.saturating_mul(BLOCK),
+                    length: BLOCK,
+                    size: self.info.size_bytes,
+                });
+            }
+            self.open_block(block).map_err(Error::Fault)?;
+        }
+        Ok(())
     }
 
     fn send_sealed(&self, blocks: &[SealedBlock], fua: bool) -> Result<()> {
@@ -455,17 +472,36 @@ impl BlockDevice for RemoteLeg {
     /// Verified here before sending (so no block of a bad call is stored,
     /// even across several requests), and again there before storing.
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        for block in blocks {
-            if block.lba >= self.info.size_bytes / BLOCK {
-                return Err(Error::OutOfRange {
-                    offset: block.lba.saturating_mul(BLOCK),
-                    length: BLOCK,
-                    size: self.info.size_bytes,
-                });
-            }
-            self.open_block(block).map_err(Error::Fault)?;
-        }
+        self.check_sealed(blocks)?;
         self.send_sealed(blocks, false)
+    }
+    /// Every request of the write is sent now; the waiter collects the
+    /// answers (each within the connection's timeout).
+    fn start_write_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+    ) -> Option<Result<PendingWrite>> {
+        Some(self.check_sealed(blocks).and_then(|()| {
+            let connection = Arc::clone(&self.connection.read());
+            let url = self.url.clone();
+            let pending = blocks
+                .chunks(MAX_BLOCKS_PER_REQUEST as usize)
+                .map(|chunk| {
+                    connection.send(&Request::WriteSealed {
+                        blocks: chunk.to_vec(),
+                        fua,
+                    })
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(|error| leg_error(&url, error))?;
+            Ok(Box::new(move || {
+                for request in pending {
+                    request.wait().map_err(|error| leg_error(&url, error))?;
+                }
+                Ok(())
+            }) as PendingWrite)
+        }))
     }
 
     /// Sealed here, as the replica would store them (plain protection).

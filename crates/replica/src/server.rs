@@ -222,6 +222,22 @@ fn close(name: &str, volume: Arc<Volume>) {
     }
 }
 
+/// Run a request that completes without waiting (`WriteSealed` without
+/// FUA, when the volume's write-back buffer has room:
+/// `BlockDevice::try_write_sealed`, which verifies every block first);
+/// anything else, or a write that would wait, is handed back untouched
+/// for `execute` on a blocking thread.
+fn try_inline(volume: &Volume, request: Request) -> Result<Result<Vec<u8>, Refusal>, Request> {
+    match &request {
+        Request::WriteSealed { blocks, fua: false } => match volume.try_write_sealed(blocks) {
+            Ok(true) => Ok(Ok(Vec::new())),
+            Ok(false) => Err(request),
+            Err(error) => Ok(Err(engine_refusal(&error))),
+        },
+        _ => Err(request),
+    }
+}
+
 /// Run one request on the replica's volume (a blocking thread).
 fn execute(volume: &Volume, request: Request) -> Result<Vec<u8>, Refusal> {
     let refuse = |error: Error| engine_refusal(&error);
@@ -505,6 +521,18 @@ impl Session {
                         );
                         self.send(answer(handle, Err(refused))).await;
                         continue;
+                    };
+                    // A write the volume can buffer without waiting is
+                    // answered here, on the connection's task: the hand-off
+                    // to a blocking thread and back cost more than the
+                    // write (the NBD server's inline path, issue 11).
+                    let request = match try_inline(volume, request) {
+                        Ok(result) => {
+                            self.send(answer(handle, result)).await;
+                            drop(permit);
+                            continue;
+                        }
+                        Err(request) => request,
                     };
                     let volume = Arc::clone(volume);
                     let answers = self.answers.clone();

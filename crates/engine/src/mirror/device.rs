@@ -15,7 +15,7 @@ use super::remote::is_remote_member;
 use super::resync::ResyncProgress;
 use super::written::Written;
 use super::{Membership, FAULT_THRESHOLD};
-use crate::device::{BlockDevice, SealedBlock};
+use crate::device::{BlockDevice, PendingWrite, SealedBlock};
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::state::BLOCK;
@@ -549,18 +549,81 @@ impl Mirror {
     /// A resyncing leg that fails stops resyncing (its map still covers
     /// the write: it was marked first) and stays stale.
     fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
+        self.each_leg_of(&self.write_targets(), what, |_, device| op(device))
+    }
+
+    /// Store `sealed` on every write target, judged leg by leg as
+    /// `each_leg` judges. Legs whose writes travel (remote replicas:
+    /// `start_write_sealed`) are started first, so their round trips
+    /// overlap each other and the local legs' writes; every started write
+    /// is waited for before this returns, whatever happens (`Started`'s
+    /// drop), so no leg's write is still in flight once the stripe lock is
+    /// released. Request errors (range, alignment) are checked before any
+    /// leg is written (`seal_write`), so a started remote write never
+    /// stores what a local leg then refuses as a bad request.
+    fn write_sealed_to_legs(&self, sealed: &[SealedBlock], fua: bool) -> Result<()> {
+        let targets = self.write_targets();
+        let started = Started {
+            mirror: self,
+            pending: Mutex::new(
+                targets
+                    .iter()
+                    .filter_map(|&leg| {
+                        let pending = self.device(leg).start_write_sealed(sealed, fua)?;
+                        Some((leg, pending))
+                    })
+                    .collect(),
+            ),
+        };
+        self.each_leg_of(&targets, "write", |leg, device| match started.take(leg) {
+            Some(pending) => pending.and_then(|wait| wait()),
+            None => {
+                device.write_sealed(sealed)?;
+                if fua {
+                    device.flush()?;
+                }
+                Ok(())
+            }
+        })
+    }
+
+    /// A leg that failed a write outside `each_leg_of`'s loop, judged as it
+    /// judges: a request error is the caller's, a resyncing leg stops its
+    /// resync, an active leg is faulted or taken out.
+    fn write_failed_on(&self, leg: usize, error: &Error) {
+        if is_request_error(error) {
+            return;
+        }
+        if state_from(self.legs[leg].state.load(Ordering::Acquire)) != LegState::Active {
+            self.stop_resync(leg, "write", error);
+        } else {
+            self.fail(leg, &format!("write failed: {error}"), error);
+        }
+    }
+
+    fn stop_resync(&self, leg: usize, what: &str, error: &Error) {
+        tracing::error!(leg, name = %self.legs[leg].name, %error,
+            "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
+        self.legs[leg].resyncing.store(false, Ordering::Release);
+    }
+
+    /// `each_leg` over `targets`, telling `op` each leg's index.
+    fn each_leg_of(
+        &self,
+        targets: &[usize],
+        what: &str,
+        op: impl Fn(usize, &dyn BlockDevice) -> Result<()>,
+    ) -> Result<()> {
         let mut succeeded = 0;
         let mut failed = Vec::new();
-        for leg in self.write_targets() {
+        for &leg in targets {
             let resyncing =
                 state_from(self.legs[leg].state.load(Ordering::Acquire)) != LegState::Active;
-            match op(self.device(leg)) {
+            match op(leg, self.device(leg)) {
                 Ok(()) if resyncing => {}
                 Ok(()) => succeeded += 1,
                 Err(error) if resyncing && !is_request_error(&error) => {
-                    tracing::error!(leg, name = %self.legs[leg].name, %error,
-                        "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
-                    self.legs[leg].resyncing.store(false, Ordering::Release);
+                    self.stop_resync(leg, what, &error);
                 }
                 Err(error) if is_request_error(&error) => return Err(error),
                 Err(error) => failed.push((leg, error)),
@@ -576,6 +639,32 @@ impl Mirror {
             self.fail(leg, &format!("{what} failed: {error}"), &error);
         }
         Ok(())
+    }
+}
+
+/// Writes started on legs by `write_sealed_to_legs`, each taken when its
+/// leg's turn comes; any left when it is dropped (the loop stopped early,
+/// or a leg's write panicked) are waited for then, and their legs judged.
+struct Started<'a> {
+    mirror: &'a Mirror,
+    pending: Mutex<Vec<(usize, Result<PendingWrite>)>>,
+}
+
+impl Started<'_> {
+    fn take(&self, leg: usize) -> Option<Result<PendingWrite>> {
+        let mut pending = self.pending.lock();
+        let at = pending.iter().position(|(started, _)| *started == leg)?;
+        Some(pending.swap_remove(at).1)
+    }
+}
+
+impl Drop for Started<'_> {
+    fn drop(&mut self) {
+        for (leg, pending) in std::mem::take(self.pending.get_mut()) {
+            if let Err(error) = pending.and_then(|wait| wait()) {
+                self.mirror.write_failed_on(leg, &error);
+            }
+        }
     }
 }
 
@@ -638,13 +727,7 @@ impl BlockDevice for Mirror {
         let _recorded = self.record_bytes(offset, data.len() as u64);
         self.mark_bytes(offset, data.len() as u64)?;
         match self.seal_write(offset, data) {
-            Ok(Some(sealed)) => self.each_leg("write", |leg| {
-                leg.write_sealed(&sealed)?;
-                if fua {
-                    leg.flush()?;
-                }
-                Ok(())
-            }),
+            Ok(Some(sealed)) => self.write_sealed_to_legs(&sealed, fua),
             // No leg can seal for the others: each seals for itself.
             Ok(None) => self.each_leg("write", |leg| leg.write(offset, data, fua)),
             Err(error) => Err(error),
