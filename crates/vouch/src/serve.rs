@@ -113,15 +113,6 @@ fn export_name(path: &std::path::Path) -> String {
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
     // Options are checked before `--create` makes anything.
     let cache_pages = context_cache_pages(args.context_cache)?;
-    if let Some(size) = args.create {
-        let path = &args.paths[0];
-        if !path.exists() {
-            let volume =
-                vouch_engine::create_volume(path, &create_options(size, &args.create_args)?)?;
-            volume.close()?;
-            eprintln!("vouch: created {} ({size} bytes)", path.display());
-        }
-    }
     if !args.names.is_empty() && args.names.len() != args.paths.len() {
         bail!(
             "give one --name per volume ({} names for {} volumes)",
@@ -135,6 +126,15 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             args.resync_min,
             args.resync_max
         );
+    }
+    if let Some(size) = args.create {
+        let path = &args.paths[0];
+        if !path.exists() {
+            let volume =
+                vouch_engine::create_volume(path, &create_options(size, &args.create_args)?)?;
+            volume.close()?;
+            eprintln!("vouch: created {} ({size} bytes)", path.display());
+        }
     }
     let rate = vouch_engine::mirror::ResyncRate {
         min: args.resync_min,

@@ -467,5 +467,16 @@ fn one_page_context_cache_serves_verified_io_in_both_layouts() {
             refused.contains("--context-cache must be at least 4K"),
             "{layout}: the refusal names the option and its floor:\n{refused}"
         );
+        // Refused before `--create` makes anything.
+        let fresh = dir.path().join("fresh");
+        let args = [s(&fresh), "--create", "8MiB", "--context-cache", "1K"];
+        if let Ok(server) = Server::try_start(dir.path(), &args) {
+            drop(server);
+            panic!("{layout}: `serve --create --context-cache 1K` started");
+        }
+        assert!(
+            !fresh.exists(),
+            "{layout}: a refused serve --create left a volume behind"
+        );
     }
 }
