@@ -11,7 +11,7 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::clients::qemu_io_ok;
+use common::clients::{fio, qemu_io_ok};
 use common::control::request;
 use common::*;
 use serde_json::Value;
@@ -301,6 +301,82 @@ fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
         elapsed >= 2500,
         "6 MiB at 2 MiB/s took only {elapsed} ms: {row}"
     );
+    server.stop();
+    assert_legs_agree(dir.path());
+}
+
+/// Under client I/O the resync runs at its floor, not its ceiling, and the
+/// floor keeps it moving: 6 MiB with a 2 MiB/s floor and a 1 GiB/s
+/// ceiling, while fio reads at random the whole time, takes at least
+/// 6 MiB / 2 MiB/s (the ceiling would take milliseconds) and ends while
+/// fio still runs.
+#[test]
+fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    create_mirror(dir.path());
+    let (a, b, away) = (
+        dir.path().join("a"),
+        dir.path().join("b"),
+        dir.path().join("away"),
+    );
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            s(&a),
+            "--control",
+            "127.0.0.1:0",
+            "--resync-min",
+            "2M",
+            "--resync-max",
+            "1G",
+        ],
+    );
+    qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    const FIO_SECONDS: u64 = 12;
+    let reader = {
+        let uri = format!("--uri={}", server.uri);
+        let dir = dir.path().to_path_buf();
+        std::thread::spawn(move || {
+            let runtime = format!("--runtime={FIO_SECONDS}");
+            fio(
+                &dir,
+                &[
+                    "--name=foreground",
+                    "--ioengine=nbd",
+                    &uri,
+                    "--rw=randread",
+                    "--bs=4k",
+                    "--iodepth=1",
+                    "--time_based",
+                    &runtime,
+                ],
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
+    let control = control_args(&server);
+    args.extend(control.iter().map(String::as_str));
+    let started_at = Instant::now();
+    vouch_ok(&args);
+    let row = wait_resync_end(&server, Duration::from_secs(60));
+    let finished_after = started_at.elapsed();
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["resync"]["copied"], 1536, "{row}");
+    let elapsed = row["resync"]["elapsed_ms"].as_u64().expect("elapsed");
+    assert!(
+        elapsed >= 2500,
+        "6 MiB under client I/O with a 2 MiB/s floor took only {elapsed} ms: the ceiling was used: {row}"
+    );
+    assert!(
+        finished_after < Duration::from_secs(FIO_SECONDS - 1),
+        "the resync took {finished_after:?}, past the client's {FIO_SECONDS} s of reads: the floor did not keep it going: {row}"
+    );
+    let json = reader.join().expect("fio thread");
+    let reads = json["jobs"][0]["read"]["total_ios"].as_u64().unwrap_or(0);
+    assert!(reads > 0, "fio read nothing: {json}");
     server.stop();
     assert_legs_agree(dir.path());
 }

@@ -691,6 +691,8 @@ impl BlockDevice for Mirror {
     /// verification), the blocking `read` goes to that same leg and
     /// repairs what it finds.
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
+        // Client I/O, inline or not: a resync runs at its floor meanwhile.
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let legs = self.read_legs();
         if legs.is_empty() {
             return Ok(None);
@@ -741,6 +743,7 @@ impl BlockDevice for Mirror {
     /// its turn comes (another writer filled it), that leg takes the
     /// blocking `write_sealed`: the write is never half done.
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        self.foreground.fetch_add(1, Ordering::Relaxed);
         let whole = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         if data.is_empty() || !whole {
             return Ok(false);
