@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::clients::{fio, qemu_io_ok};
@@ -28,6 +28,29 @@ fn create_mirror(dir: &Path) {
         "--mirror",
         s(&dir.join("b")),
     ]);
+}
+
+/// A new 2-leg mirror (`a`, `b`) in `dir` whose leg 1 is then moved away
+/// (to `away`): (a, b, away).
+fn mirror_with_leg_1_away(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    create_mirror(dir);
+    let (a, b, away) = (dir.join("a"), dir.join("b"), dir.join("away"));
+    std::fs::rename(&b, &away).expect("take leg 1 away");
+    (a, b, away)
+}
+
+/// `vouch serve` of leg `a` with the control API and these resync rates.
+fn serve_with_rates(dir: &Path, a: &Path, min: &str, max: &str) -> Server {
+    let args = [
+        s(a),
+        "--control",
+        "127.0.0.1:0",
+        "--resync-min",
+        min,
+        "--resync-max",
+        max,
+    ];
+    Server::start(dir, &args)
 }
 
 /// Distinct LBAs spread over the volume (every region), each its own pattern.
@@ -194,13 +217,7 @@ fn write_blocks_offline_setup(dir: &Path) {
 #[test]
 fn a_resync_killed_midway_resumes_from_its_map_and_the_ceiling_bounds_its_rate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    create_mirror(dir.path());
-    let (a, b, away) = (
-        dir.path().join("a"),
-        dir.path().join("b"),
-        dir.path().join("away"),
-    );
-    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let (a, b, away) = mirror_with_leg_1_away(dir.path());
     let mut server = Server::start(dir.path(), &[s(&a)]);
     // 12 MiB in 3 regions: 3072 blocks.
     qemu_io_ok(
@@ -211,18 +228,7 @@ fn a_resync_killed_midway_resumes_from_its_map_and_the_ceiling_bounds_its_rate()
     std::fs::rename(&away, &b).expect("bring leg 1 back");
     // Present at open: the resync starts by itself, at 1 MiB/s at most.
     let started = Instant::now();
-    let mut server = Server::start(
-        dir.path(),
-        &[
-            s(&a),
-            "--control",
-            "127.0.0.1:0",
-            "--resync-min",
-            "512K",
-            "--resync-max",
-            "1M",
-        ],
-    );
+    let mut server = serve_with_rates(dir.path(), &a, "512K", "1M");
     let mut row = Value::Null;
     wait_until("some blocks copied", Duration::from_secs(30), || {
         row = leg1(&server);
@@ -269,29 +275,12 @@ fn a_resync_killed_midway_resumes_from_its_map_and_the_ceiling_bounds_its_rate()
 #[test]
 fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
     let dir = tempfile::tempdir().expect("tempdir");
-    create_mirror(dir.path());
-    let (a, b, away) = (
-        dir.path().join("a"),
-        dir.path().join("b"),
-        dir.path().join("away"),
-    );
-    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let (a, b, away) = mirror_with_leg_1_away(dir.path());
     let mut server = Server::start(dir.path(), &[s(&a)]);
     qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
     server.stop();
     std::fs::rename(&away, &b).expect("bring leg 1 back");
-    let mut server = Server::start(
-        dir.path(),
-        &[
-            s(&a),
-            "--control",
-            "127.0.0.1:0",
-            "--resync-min",
-            "1M",
-            "--resync-max",
-            "2M",
-        ],
-    );
+    let mut server = serve_with_rates(dir.path(), &a, "1M", "2M");
     let row = wait_resync_end(&server, Duration::from_secs(60));
     assert_eq!(row["resync"]["state"], "done", "{row}");
     assert_eq!(row["resync"]["copied"], 1536, "{row}");
@@ -313,25 +302,8 @@ fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
 #[test]
 fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
     let dir = tempfile::tempdir().expect("tempdir");
-    create_mirror(dir.path());
-    let (a, b, away) = (
-        dir.path().join("a"),
-        dir.path().join("b"),
-        dir.path().join("away"),
-    );
-    std::fs::rename(&b, &away).expect("take leg 1 away");
-    let mut server = Server::start(
-        dir.path(),
-        &[
-            s(&a),
-            "--control",
-            "127.0.0.1:0",
-            "--resync-min",
-            "2M",
-            "--resync-max",
-            "1G",
-        ],
-    );
+    let (a, b, away) = mirror_with_leg_1_away(dir.path());
+    let mut server = serve_with_rates(dir.path(), &a, "2M", "1G");
     qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
     std::fs::rename(&away, &b).expect("bring leg 1 back");
     const FIO_SECONDS: u64 = 12;
@@ -490,13 +462,7 @@ fn bad_resync_requests_get_clear_errors_and_change_nothing() {
 #[test]
 fn an_offline_resync_copies_the_map_and_makes_the_leg_active() {
     let dir = tempfile::tempdir().expect("tempdir");
-    create_mirror(dir.path());
-    let (a, b, away) = (
-        dir.path().join("a"),
-        dir.path().join("b"),
-        dir.path().join("away"),
-    );
-    std::fs::rename(&b, &away).expect("take leg 1 away");
+    let (a, b, away) = mirror_with_leg_1_away(dir.path());
     let mut server = Server::start(dir.path(), &[s(&a)]);
     write_blocks(&server.uri, &scattered(11), 4);
     server.stop();
