@@ -43,7 +43,8 @@
 #   Order: round K (K = rep-1, or rep-1+test index) runs the server list rotated by K/2 and reversed when
 #   K is odd, so rounds 2r and 2r+1 run every pair (e.g. vouch_X, base_X) in both orders.
 # Per run: IOPS, MB/s, fio usr/sys CPU, machine CPU busy % (/proc/stat), server CPU time
-# (utime+stime of the server process, /proc/PID/stat) per I/O.
+# (utime+stime of the server process, /proc/PID/stat) per I/O; for vouch servers (serving metrics on
+# port + 100) the log line also gives the share of the test's requests answered inline (inline=N%).
 #
 # Output: $OUT/samples.tsv (one row per run), $OUT/report.md (medians, ratios, targets),
 #         $OUT/fio/*.json (raw fio output), $OUT/logs/ (server logs).
@@ -182,7 +183,7 @@ start_server() { # NAME
         local vol="$DIR/$vol_prefix$name"
         rm -rf "$vol"
         "$bin" serve "$vol" --create "$BYTES" --layout "$layout" "${direct[@]}" --listen "127.0.0.1:$port" \
-            > "$OUT/logs/$s.log" 2>&1 &
+            --metrics "127.0.0.1:$((port + 100))" > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
     vouch_mirror2|vouch_mirror3)
         local legs=${s#vouch_mirror} vol="$DIR/vol-${s#vouch_}" mirrors=()
@@ -190,7 +191,8 @@ start_server() { # NAME
         for i in $(seq 1 $((legs - 1))); do mirrors+=(--mirror "$vol-leg$i"); done
         "$VOUCH" create "$vol" --size "$BYTES" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
             || die "$s: create failed: $(cat "$OUT/logs/$s.create.log")"
-        "$VOUCH" serve "$vol" --listen "127.0.0.1:$port" > "$OUT/logs/$s.log" 2>&1 &
+        "$VOUCH" serve "$vol" --listen "127.0.0.1:$port" --metrics "127.0.0.1:$((port + 100))" \
+            > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
     qemunbd)
         evict_raw
@@ -228,6 +230,16 @@ print("%.1f %.2f %d %.1f %.1f %.2f %.2f %d %d %.1f" % (d["iops"], d["bw_bytes"] 
 PY
 }
 
+# vouch_counts SERVER DIR(read|write) -> "requests inline" of that command from the server's metrics
+# (vouch servers only; empty for the anchors or a server without --metrics)
+vouch_counts() {
+    case $1 in vouch_*|base_*) ;; *) return 0 ;; esac
+    curl -s --max-time 2 "http://127.0.0.1:$(( ${PORT[$1]} + 100 ))/metrics" 2>/dev/null | awk -v c="$2" '
+        $1 == "vouch_nbd_requests_total{command=\"" c "\"}" { r = $2 }
+        $1 == "vouch_nbd_inline_requests_total{command=\"" c "\"}" { i = $2 }
+        END { if (r != "") print r, i + 0 }'
+}
+
 # run_one REP SERVER TEST RW BS QD SECONDS [FIO-ARG...] : one fio run, one TSV row
 run_one() {
     local rep=$1 s=$2 test=$3 rw=$4 bs=$5 qd=$6 secs=$7
@@ -235,14 +247,19 @@ run_one() {
     local port=${PORT[$s]} pid; pid=$(server_pid "$s")
     local tag="$s-$test-r$rep" json="$OUT/fio/$s-$test-r$rep.json"
     sync  # start every run with no dirty pages from the previous one
-    local b0 t0 b1 t1 p0 p1 w0 w1 rc
+    local b0 t0 b1 t1 p0 p1 w0 w1 rc c0 c1 inline=""
+    local dir=read; [[ $rw == *write* ]] && dir=write
+    c0=$(vouch_counts "$s" "$dir")
     read -r b0 t0 < <(cpu_ticks); p0=$(proc_ticks "$pid"); w0=$(date +%s.%N)
     timeout --kill-after=10 $((secs + 60)) fio --output-format=json --output="$json" --name="$test" \
         --ioengine=nbd --uri="nbd://127.0.0.1:$port" --rw="$rw" --bs="$bs" --iodepth="$qd" --numjobs=1 \
         --time_based --runtime="$secs" --norandommap --randrepeat=0 "${extra[@]}" > "$OUT/logs/$tag.stdout" 2>&1
     rc=$?
     w1=$(date +%s.%N); p1=$(proc_ticks "$pid"); read -r b1 t1 < <(cpu_ticks)
-    local dir=read; [[ $rw == *write* ]] && dir=write
+    c1=$(vouch_counts "$s" "$dir")
+    if [ -n "$c0" ] && [ -n "$c1" ]; then  # share of this test's requests answered inline (diagnosis)
+        inline=$(echo "$c0 $c1" | awk '{ n = $3 - $1; printf " inline=%.0f%%", (n > 0 ? 100 * ($4 - $2) / n : 0) }')
+    fi
     local parsed; parsed=$(fio_parse "$json" "$dir" 2>/dev/null) || parsed="0 0 0 0 0 0 0 1 0 nan"
     [ $rc -ne 0 ] && log "fio $tag rc=$rc (see $OUT/logs/$tag.stdout)"
     set -- $parsed
@@ -252,7 +269,7 @@ run_one() {
     srv_s=$(awk -v d=$((p1-p0)) -v hz="$HZ" 'BEGIN{ printf "%.3f", d/hz }')
     us_io=$(awk -v s="$srv_s" -v n="$ios" 'BEGIN{ if (n>0) printf "%.2f", s*1e6/n; else print "nan" }')
     printf '%s\n' "$rep	$s	$test	$rw	$bs	$qd	$secs	$iops	$mbps	$ios	$clat	$p99	$usr	$sys	$busy	$srv_s	$us_io	$(awk -v a="$w0" -v b="$w1" 'BEGIN{printf "%.2f", b-a}')	$rc	$err	$flushes	$flush_lat" >> "$TSV"
-    log "r$rep $s $test: iops=$iops MB/s=$mbps srv_cpu=${srv_s}s (${us_io} us/io) busy=${busy}% rc=$rc${extra[*]:+ (${extra[*]}: $flushes flushes, ${flush_lat} us each)}"
+    log "r$rep $s $test: iops=$iops MB/s=$mbps srv_cpu=${srv_s}s (${us_io} us/io) busy=${busy}% rc=$rc$inline${extra[*]:+ (${extra[*]}: $flushes flushes, ${flush_lat} us each)}"
 }
 
 # name:rw:bs:qd[:extra fio arguments, comma-separated]
