@@ -178,9 +178,12 @@ impl ContextStore {
     }
 
     /// After a checkpoint wrote everything pending to disk: every page it
-    /// wrote is refreshed (new content given) or dropped (a reader may have
-    /// cached the old content meanwhile), punched pages are dropped, and the
-    /// epoch moves so loads begun before now are not cached.
+    /// wrote is cached with its new content (given: the overlay that served
+    /// its contexts is cleared now, so without it the next read of each
+    /// page would load it from disk again; the FIFO bounds the cache) or
+    /// dropped (no content given: a reader may have cached the old content
+    /// meanwhile), punched pages are dropped, and the epoch moves so loads
+    /// begun before now are not cached.
     pub fn clear_pending(
         &mut self,
         written: Vec<(u64, Option<Page>)>,
@@ -191,10 +194,8 @@ impl ContextStore {
         self.epoch += 1;
         for (page_no, content) in written {
             match content {
-                Some(page) if self.cache.contains_key(&page_no) => {
-                    self.cache.insert(page_no, page);
-                }
-                _ => {
+                Some(page) => self.insert_page(page_no, page),
+                None => {
                     self.cache.remove(&page_no);
                 }
             }

@@ -59,14 +59,12 @@ impl SplitLayout {
     fn write_context_page(
         &self,
         io: &Backing,
-        state: &RwLock<VolumeState>,
         page_no: u64,
         page: Box<[u8; 4096]>,
         written: &mut WrittenPages,
     ) -> Result<()> {
         io.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
-        let cached = state.read().contexts.is_cached(page_no);
-        written.push((page_no, cached.then(|| Page::from(page))));
+        written.push((page_no, Some(Page::from(page))));
         Ok(())
     }
 
@@ -487,10 +485,10 @@ impl Layout for SplitLayout {
                 page[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
                 index += 1;
             }
-            self.write_context_page(io, state, page_no, page, &mut rewritten)?;
+            self.write_context_page(io, page_no, page, &mut rewritten)?;
         }
         for (page_no, page) in edge_pages {
-            self.write_context_page(io, state, page_no, page, &mut rewritten)?;
+            self.write_context_page(io, page_no, page, &mut rewritten)?;
         }
         io.sync_object(ObjectId::Contexts)?;
         Ok((rewritten, punched))
