@@ -172,33 +172,19 @@ impl ContextStore {
         self.overlay.keys().copied().filter(|key| *key >= lba).min()
     }
 
-    /// Is this page cached now?
-    pub fn is_cached(&self, page_no: u64) -> bool {
-        self.cache.contains_key(&page_no)
-    }
-
     /// After a checkpoint wrote everything pending to disk: every page it
-    /// wrote is cached with its new content (given: the overlay that served
-    /// its contexts is cleared now, so without it the next read of each
-    /// page would load it from disk again; the FIFO bounds the cache) or
-    /// dropped (no content given: a reader may have cached the old content
-    /// meanwhile), punched pages are dropped, and the epoch moves so loads
-    /// begun before now are not cached.
-    pub fn clear_pending(
-        &mut self,
-        written: Vec<(u64, Option<Page>)>,
-        punched_pages: &[Range<u64>],
-    ) {
+    /// wrote is cached with its new content, replacing any older copy a
+    /// reader cached meanwhile (the overlay that served its contexts is
+    /// cleared now, so without it the next read of each page would load it
+    /// from disk again; the FIFO bounds the cache), punched pages are
+    /// dropped, and the epoch moves so loads begun before now are not
+    /// cached.
+    pub fn clear_pending(&mut self, written: Vec<(u64, Page)>, punched_pages: &[Range<u64>]) {
         self.overlay.clear();
         self.ranges.clear();
         self.epoch += 1;
-        for (page_no, content) in written {
-            match content {
-                Some(page) => self.insert_page(page_no, page),
-                None => {
-                    self.cache.remove(&page_no);
-                }
-            }
+        for (page_no, page) in written {
+            self.insert_page(page_no, page);
         }
         if !punched_pages.is_empty() {
             self.cache

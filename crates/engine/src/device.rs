@@ -121,8 +121,10 @@ pub trait BlockDevice: Send + Sync {
     /// without waiting for it, for a device whose writes travel (a remote
     /// replica): the mirror starts these first and writes its local legs
     /// while they are under way. The `PendingWrite` returns the outcome
-    /// `write_sealed` would have. `None` (the default): the device has no
-    /// such path; the caller writes synchronously.
+    /// `write_sealed` would have. The blocks must be of distinct LBAs (one
+    /// sealed write): a device may store them in any order. `None` (the
+    /// default): the device has no such path; the caller writes
+    /// synchronously.
     fn start_write_sealed(
         &self,
         blocks: &[SealedBlock],

@@ -475,8 +475,9 @@ impl BlockDevice for RemoteLeg {
         self.check_sealed(blocks)?;
         self.send_sealed(blocks, false)
     }
-    /// Every request of the write is sent now; the waiter collects the
-    /// answers (each within the connection's timeout).
+    /// Every request of the write is sent now, so the replica may store
+    /// them in any order (the blocks are distinct LBAs); the waiter
+    /// collects the answers (each within the connection's timeout).
     fn start_write_sealed(
         &self,
         blocks: &[SealedBlock],

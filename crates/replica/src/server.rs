@@ -525,7 +525,12 @@ impl Session {
                     // A write the volume can buffer without waiting is
                     // answered here, on the connection's task: the hand-off
                     // to a blocking thread and back cost more than the
-                    // write (the NBD server's inline path, issue 11).
+                    // write (the NBD server's inline path, issue 11). It may
+                    // overtake an earlier request still on a blocking
+                    // thread, as spawned requests already overtake each
+                    // other: the exporter never has two writes of one
+                    // block in flight (its stripe lock is held until every
+                    // leg answered).
                     let request = match try_inline(volume, request) {
                         Ok(result) => {
                             self.send(answer(handle, result)).await;

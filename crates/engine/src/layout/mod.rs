@@ -58,8 +58,8 @@ pub enum Allocation {
     Data,
 }
 
-/// Context pages a checkpoint wrote, with their new content when cached.
-pub(crate) type WrittenPages = Vec<(u64, Option<Page>)>;
+/// Context pages a checkpoint wrote, with their new content.
+pub(crate) type WrittenPages = Vec<(u64, Page)>;
 
 /// What a layout's replay works with at open.
 pub(crate) struct Replay<'a> {

@@ -125,11 +125,11 @@ impl Layout for PackedLayout {
         let end = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES;
         // The records' span widened to 4 KiB boundaries (rows are 128 KiB
         // and a segment whole rows, so it stays inside the run's rows and
-        // the segment), read into a reused
-        // page-aligned buffer: an O_DIRECT read then needs no bounce buffer,
-        // and nothing is zeroed or allocated per read. Measured: a 1024-block
-        // `--direct` read cost 4.9 ms of CPU with a fresh zeroed Vec and a
-        // fresh bounce buffer each time (bench/packed.sh).
+        // the segment), read into a reused page-aligned buffer: an O_DIRECT
+        // read then needs no bounce buffer, and nothing is zeroed or
+        // allocated per read. Measured: a 1024-block `--direct` read cost
+        // 4.9 ms of CPU with a fresh zeroed Vec and a fresh bounce buffer
+        // each time (bench/packed.sh).
         let start = location.data_offset - location.data_offset % READ_ALIGN;
         let end = end.next_multiple_of(READ_ALIGN);
         let base = (location.data_offset - start) as usize;

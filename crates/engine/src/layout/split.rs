@@ -64,7 +64,7 @@ impl SplitLayout {
         written: &mut WrittenPages,
     ) -> Result<()> {
         io.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
-        written.push((page_no, Some(Page::from(page))));
+        written.push((page_no, Page::from(page)));
         Ok(())
     }
 

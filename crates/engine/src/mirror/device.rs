@@ -2,6 +2,7 @@
 //! lock, and the `BlockDevice` implementation (reads that repair are in
 //! `repair.rs`).
 
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
@@ -565,7 +566,7 @@ impl Mirror {
         let targets = self.write_targets();
         let started = Started {
             mirror: self,
-            pending: Mutex::new(
+            pending: RefCell::new(
                 targets
                     .iter()
                     .filter_map(|&leg| {
@@ -647,12 +648,12 @@ impl Mirror {
 /// or a leg's write panicked) are waited for then, and their legs judged.
 struct Started<'a> {
     mirror: &'a Mirror,
-    pending: Mutex<Vec<(usize, Result<PendingWrite>)>>,
+    pending: RefCell<Vec<(usize, Result<PendingWrite>)>>,
 }
 
 impl Started<'_> {
     fn take(&self, leg: usize) -> Option<Result<PendingWrite>> {
-        let mut pending = self.pending.lock();
+        let mut pending = self.pending.borrow_mut();
         let at = pending.iter().position(|(started, _)| *started == leg)?;
         Some(pending.swap_remove(at).1)
     }
