@@ -11,6 +11,7 @@
 #   copy             offloaded copy (control API, method auto: pipelined on ext4) between two exports vs
 #                    nbdcopy between the exports and qemu-img convert -n between them
 #   copy_reflink     the same on a btrfs made on a loop device (method reflink vs nbdcopy)
+#   copy_reflink_xfs the same on an xfs (-m reflink=1) made on a loop device
 #   scrub_foreground fio 4 KiB randread QD1 over NBD alone vs while a scrub limited to SCRUB_RATE runs
 #
 # Every measurement is repeated REPS times, the methods interleaved within each repetition; the
@@ -28,7 +29,7 @@ OUT=${OUT:-$DIR/results}
 LINK_RATE=${LINK_RATE:-10gbit}
 SCRUB_RATE=${SCRUB_RATE:-100M}
 COLD=${COLD:-0}
-TESTS=${TESTS:-"verify_link verify_loopback verify_digest scrub copy copy_reflink scrub_foreground"}
+TESTS=${TESTS:-"verify_link verify_loopback verify_digest scrub copy copy_reflink copy_reflink_xfs scrub_foreground"}
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VOUCH=${VOUCH:-$REPO/target/release/vouch}
 BUILD=${BUILD:-1}
@@ -45,7 +46,7 @@ LOOP_CONTROL_PORT=10853
 
 need() { command -v "$1" >/dev/null 2>&1 || { echo "missing $1: apt-get install -y $2" >&2; exit 1; }; }
 need nbdcopy libnbd-bin; need nbdinfo libnbd-bin; need qemu-img qemu-utils; need fio fio
-need ip iproute2; need tc iproute2; need mkfs.btrfs btrfs-progs; need curl curl; need jq jq
+need ip iproute2; need tc iproute2; need mkfs.btrfs btrfs-progs; need mkfs.xfs xfsprogs; need curl curl; need jq jq
 [ "$(id -u)" -eq 0 ] || { echo "bench/offload.sh needs root (netns, tc, loop devices)" >&2; exit 1; }
 
 if [ "$BUILD" = 1 ]; then (cd "$REPO" && cargo build --release -p vouch >&2); fi
@@ -65,7 +66,7 @@ cleanup() {
     ip netns del $NS_CLI 2>/dev/null || true
     if [ -n "$MNT" ]; then umount "$MNT" 2>/dev/null || true; fi
     if [ -n "$LOOPDEV" ]; then losetup -d "$LOOPDEV" 2>/dev/null || true; fi
-    rm -rf "$DIR"/vol-* "$DIR/btrfs.img" "$DIR/mnt"
+    rm -rf "$DIR"/vol-* "$DIR/fs.img" "$DIR/mnt"
 }
 trap cleanup EXIT
 
@@ -239,17 +240,21 @@ if has copy; then
     for rep in $(seq "$REPS"); do copy_round copy "$DIR" auto "$rep"; done
     cleanup; PIDS=()
 fi
-if has copy_reflink; then
-    truncate -s $((BYTES * 5 + (4 << 30))) "$DIR/btrfs.img"
-    mkfs.btrfs -q "$DIR/btrfs.img"
-    LOOPDEV=$(losetup -f --show "$DIR/btrfs.img")
+reflink_rounds() { # test mkfs...
+    local test=$1; shift
+    truncate -s $((BYTES * 5 + (4 << 30))) "$DIR/fs.img"
+    "$@" "$DIR/fs.img"
+    LOOPDEV=$(losetup -f --show "$DIR/fs.img")
     MNT=$DIR/mnt; mkdir -p "$MNT"; mount "$LOOPDEV" "$MNT"
     rm -rf "$MNT"/vol-*
     "$VOUCH" import "$RAW" "$MNT/vol-src" >/dev/null; "$VOUCH" import "$RAW" "$MNT/vol-dst" >/dev/null
     warm "$MNT/vol-src"
     start_server "" "127.0.0.1:$LOOP_NBD_PORT" "127.0.0.1:$LOOP_CONTROL_PORT" "$MNT/vol-src" "$MNT/vol-dst" --name src --name dst
-    for rep in $(seq "$REPS"); do copy_round copy_reflink "$MNT" reflink "$rep"; done
-fi
+    for rep in $(seq "$REPS"); do copy_round "$test" "$MNT" reflink "$rep"; done
+    cleanup; PIDS=(); MNT=""; LOOPDEV=""
+}
+if has copy_reflink; then reflink_rounds copy_reflink mkfs.btrfs -q; fi
+if has copy_reflink_xfs; then reflink_rounds copy_reflink_xfs mkfs.xfs -q -m reflink=1; fi
 
 # ---- report: medians and ratios ----
 {

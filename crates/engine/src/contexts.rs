@@ -13,15 +13,18 @@ use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 
 use rustc_hash::FxHashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 use vouch_format::{Context, FormatError, CONTEXT_BYTES};
 
 pub const CONTEXTS_PER_PAGE: u64 = 4096 / CONTEXT_BYTES as u64;
+// `OverlayHasher` keeps a block's slot in its page as the hash's low bits.
+const _: () = assert!(CONTEXTS_PER_PAGE.is_power_of_two());
 pub type Page = Arc<[u8; 4096]>;
 
 pub struct ContextStore {
-    pub overlay: FxHashMap<u64, Context>,
+    pub overlay: Overlay,
     /// start -> (end exclusive, template context of kind Unwritten or Zero)
     pub ranges: BTreeMap<u64, (u64, Context)>,
     cache: FxHashMap<u64, Page>,
@@ -31,6 +34,42 @@ pub struct ContextStore {
     /// may be stale and must not enter the cache after it.
     epoch: u64,
 }
+
+/// Contexts by LBA, hashed by `OverlayHasher`.
+pub type Overlay = std::collections::HashMap<u64, Context, BuildHasherDefault<OverlayHasher>>;
+
+/// The overlay's hash of an LBA: its slot in its context page in the low
+/// 7 bits, a multiplicative hash of the page number (FxHash's multiplier
+/// and rotation) above them. The blocks of one page land in adjacent
+/// buckets, so a run of blocks (a large write, a copy) fills the table in
+/// cache-friendly order instead of one cache miss per block, while pages
+/// spread over the table as any hash would spread them.
+#[derive(Default)]
+pub struct OverlayHasher(u64);
+
+impl Hasher for OverlayHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        // Not used by `u64` keys; a plain FxHash-style mix for completeness.
+        for byte in bytes {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(*byte)).wrapping_mul(PAGE_MIX);
+        }
+    }
+
+    fn write_u64(&mut self, lba: u64) {
+        let slot_bits = CONTEXTS_PER_PAGE - 1;
+        let page = (lba / CONTEXTS_PER_PAGE)
+            .wrapping_mul(PAGE_MIX)
+            .rotate_left(26);
+        self.0 = (page & !slot_bits) | (lba & slot_bits);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// FxHash's multiplier (rustc-hash 2).
+const PAGE_MIX: u64 = 0xf135_7aea_2e62_a9c5;
 
 /// A range's context for one of its blocks: the template with that block's LBA.
 pub fn context_in_range(template: Context, lba: u64) -> Context {
@@ -57,7 +96,7 @@ pub enum Lookup {
 impl ContextStore {
     pub fn new(cache_limit_pages: usize) -> ContextStore {
         ContextStore {
-            overlay: FxHashMap::default(),
+            overlay: Overlay::default(),
             ranges: BTreeMap::new(),
             cache: FxHashMap::default(),
             fifo: VecDeque::new(),
@@ -123,6 +162,11 @@ impl ContextStore {
 
     pub fn set(&mut self, lba: u64, context: Context) {
         self.overlay.insert(lba, context);
+    }
+
+    /// Room for `more` overlay entries (before setting a run of them).
+    pub fn reserve(&mut self, more: usize) {
+        self.overlay.reserve(more);
     }
 
     /// Record that `[start, end)` now has `template`'s kind. Overlay entries
@@ -204,6 +248,41 @@ mod tests {
             volume_tag: 1,
             ref_tag: lba,
             generation: 0,
+        }
+    }
+
+    fn overlay_hash(lba: u64) -> u64 {
+        let mut hasher = OverlayHasher::default();
+        hasher.write_u64(lba);
+        hasher.finish()
+    }
+
+    #[test]
+    fn overlay_hash_keeps_a_page_adjacent_and_spreads_pages() {
+        // One page's blocks: consecutive hashes.
+        let base = overlay_hash(5 * CONTEXTS_PER_PAGE);
+        for slot in 0..CONTEXTS_PER_PAGE {
+            assert_eq!(overlay_hash(5 * CONTEXTS_PER_PAGE + slot), base + slot);
+        }
+        // Pages, even at a power-of-two stride, fill a table's buckets
+        // (the low bits) and its control bytes (the top 7 bits).
+        for stride in [1u64, 2, 1024, 1 << 20] {
+            let buckets: std::collections::HashSet<u64> = (0..4096)
+                .map(|page| (overlay_hash(page * stride * CONTEXTS_PER_PAGE) >> 7) & 4095)
+                .collect();
+            assert!(
+                buckets.len() > 2048,
+                "stride {stride}: {} of 4096 page buckets",
+                buckets.len()
+            );
+            let tops: std::collections::HashSet<u64> = (0..4096)
+                .map(|page| overlay_hash(page * stride * CONTEXTS_PER_PAGE) >> 57)
+                .collect();
+            assert!(
+                tops.len() > 100,
+                "stride {stride}: {} top-7-bit values",
+                tops.len()
+            );
         }
     }
 

@@ -3,16 +3,24 @@
 //! only the destination's contexts are written — journaled like any
 //! commit's. A copy is cut into steps of at most `PIECES_PER_STEP` pieces
 //! (one journal record each), and a step into pieces of `piece_blocks`
-//! (the memory it holds). With the committer lock of both volumes held (taken
-//! in address order), one step is:
+//! (the memory it holds). Steps run in windows: with the committer lock of
+//! both volumes held (taken in address order) for up to `WINDOW`,
 //!
-//! 1. if the source range has writes in its write-back buffer, commit the
-//!    source first, so its home copy is what was acknowledged;
-//! 2. read every source block of the step from home and verify it against
-//!    its context, on `VERIFY_THREADS` threads (a fault fails the copy
-//!    naming the lowest faulty LBA: nothing of the step was written),
+//! 1. if the window's source range has writes in its write-back buffer,
+//!    the source is committed first, so its home copy is what was
+//!    acknowledged;
+//!
+//! then for each step of the window:
+//!
+//! 2. every source block of the step is read from home and verified
+//!    against its context, on `VERIFY_THREADS` threads (a fault fails the
+//!    copy naming the lowest faulty LBA: nothing of the step was written),
 //!    keeping the destination's seal (the source's guard when both
-//!    volumes use the same guard kind) — the one read of the source;
+//!    volumes use the same guard kind) — the one read of the source. The
+//!    read maps the page cache where it can (`Storage::map_for_check`: the
+//!    check keeps nothing, so nothing is copied). Step k + 1 is verified
+//!    while step k runs 3 and 4: in memmove order no step's destination is
+//!    a later step's source;
 //! 3. one journal record with the destination's new contexts (the source's
 //!    guard, reference tag = destination LBA, this record's generation;
 //!    zero-reading blocks as range entries) is written and fsynced —
@@ -50,7 +58,7 @@ use crate::error::Result;
 use crate::journal::Journal;
 use crate::protection::Seal;
 use crate::state::{RangeOp, BLOCK};
-use crate::storage::{CloneRange, ObjectId};
+use crate::storage::{CloneRange, Mapped, ObjectId};
 
 /// Pieces per step at most: one journal record and one fsync per 16
 /// pieces (256 MiB by default), fewer if half the journal holds fewer
@@ -104,40 +112,166 @@ pub(super) fn run(job: &Job<'_>) -> Result<()> {
         // In one file, a clone's source and destination must not overlap.
         step = step.min(shift.max(1));
     }
-    let mut done = 0u64;
-    while done < job.count {
-        if job.control.is_cancelled() {
-            return Err(job.cancelled(done));
-        }
-        let n = (job.count - done).min(step);
+    // The steps in the order they run (memmove's: a step's destination is
+    // never a later step's source, so a later step may be verified while
+    // an earlier one lands).
+    let mut steps = Vec::new();
+    let mut planned = 0u64;
+    while planned < job.count {
+        let n = (job.count - planned).min(step);
         let at = if job.backwards() {
-            job.count - done - n
+            job.count - planned - n
         } else {
-            done
+            planned
         };
-        let blocks = Blocks {
+        steps.push(Blocks {
             source: job.source_first + at,
             destination: job.destination_first + at,
             count: n,
+        });
+        planned += n;
+    }
+    let mut done = 0u64;
+    let mut next = 0;
+    while next < steps.len() {
+        if job.control.is_cancelled() {
+            return Err(job.cancelled(done));
+        }
+        let window = Window {
+            source,
+            destination,
+            steps: &steps[next..],
+            piece,
+        };
+        let mut landed = |blocks: u64| {
+            done += blocks;
+            next += 1;
+            job.control.set_progress(done, job.count);
         };
         if job.same_volume() {
             let mut journal = destination.committer.lock();
-            copy_step(source, destination, (None, &mut journal), blocks, piece)?;
+            window.run((None, &mut journal), &mut landed)?;
         } else if (source as *const Engine) < (destination as *const Engine) {
             let mut source_journal = source.committer.lock();
             let mut journal = destination.committer.lock();
             let journals = (Some(&mut *source_journal), &mut *journal);
-            copy_step(source, destination, journals, blocks, piece)?;
+            window.run(journals, &mut landed)?;
         } else {
             let mut journal = destination.committer.lock();
             let mut source_journal = source.committer.lock();
             let journals = (Some(&mut *source_journal), &mut *journal);
-            copy_step(source, destination, journals, blocks, piece)?;
+            window.run(journals, &mut landed)?;
         }
-        done += n;
-        job.control.set_progress(done, job.count);
     }
     Ok(())
+}
+
+/// How long one window may hold the committer locks before it stops
+/// starting steps (the writes of both volumes' clients wait for a commit
+/// meanwhile once their write-back buffers fill).
+const WINDOW: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Steps run under one hold of the committer locks: each step's record and
+/// home writes while the next step is read and verified on other threads.
+struct Window<'a> {
+    source: &'a Engine,
+    destination: &'a Engine,
+    /// The steps left; the window runs the first and as many after it as
+    /// start within `WINDOW`.
+    steps: &'a [Blocks],
+    piece: u64,
+}
+
+impl Window<'_> {
+    fn run(
+        &self,
+        (source_journal, journal): (Option<&mut Journal>, &mut Journal),
+        landed: &mut dyn FnMut(u64),
+    ) -> Result<()> {
+        let (source, destination) = (self.source, self.destination);
+        let started = std::time::Instant::now();
+        commit_source_first(source, destination, source_journal, journal, self.steps)?;
+        let mut verified = verify_step(source, destination, self.steps[0]);
+        for (index, blocks) in self.steps.iter().enumerate() {
+            let current = verified?;
+            let next = self
+                .steps
+                .get(index + 1)
+                .filter(|_| started.elapsed() < WINDOW)
+                .copied();
+            let (landing, next_verified) = std::thread::scope(|scope| {
+                let verifying = next.map(|next| {
+                    // The clone would drop the destination's cached pages
+                    // under the file's lock, on this (landing) thread:
+                    // drop them beforehand, beside the verify.
+                    scope.spawn(move || drop_destination_cache(destination, next));
+                    scope.spawn(move || verify_step(source, destination, next))
+                });
+                let landing = land_step(source, destination, journal, *blocks, current, self.piece);
+                let next_verified = verifying
+                    .map(|verifying| verifying.join().expect("a copy's verify thread panicked"));
+                (landing, next_verified)
+            });
+            landing?;
+            landed(blocks.count);
+            match next_verified {
+                Some(next_verified) => verified = next_verified,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Advise the destination's storage that a step's destination range is
+/// about to be replaced (`Storage::drop_cached`).
+fn drop_destination_cache(destination: &Engine, blocks: Blocks) {
+    let io = &destination.shared.io;
+    let mut lba = blocks.destination;
+    let end = blocks.destination + blocks.count;
+    while lba < end {
+        let at = io.geometry.locate(lba);
+        let segment_end = (u64::from(at.segment) + 1) * io.geometry.segment_blocks;
+        let n = segment_end.min(end) - lba;
+        io.storage()
+            .drop_cached(ObjectId::Data(at.segment), at.data_offset, n * BLOCK);
+        lba += n;
+    }
+}
+
+/// If the source range of `steps` has writes in its write-back buffer,
+/// commit the source first, so its home copy is what was acknowledged (the
+/// source's journal is `None` when the source is the destination).
+fn commit_source_first(
+    source: &Engine,
+    destination: &Engine,
+    source_journal: Option<&mut Journal>,
+    journal: &mut Journal,
+    steps: &[Blocks],
+) -> Result<()> {
+    let low = steps.iter().map(|step| step.source).min().unwrap_or(0);
+    let high = steps
+        .iter()
+        .map(|step| step.source + step.count)
+        .max()
+        .unwrap_or(0);
+    let buffered = source
+        .shared
+        .state
+        .read()
+        .active
+        .range(low..high)
+        .next()
+        .is_some();
+    if !buffered {
+        return Ok(());
+    }
+    match source_journal {
+        Some(source_journal) => source.committer.commit(&source.shared, source_journal, &[]),
+        None => destination
+            .committer
+            .commit(&destination.shared, journal, &[]),
+    }
 }
 
 /// The most blocks one step may journal: `most`, or fewer when
@@ -172,37 +306,18 @@ impl Blocks {
     }
 }
 
-/// One step (module comment), under both committer locks: the source's
-/// journal is `None` when the source is the destination.
-fn copy_step(
+/// Steps 3 and 4 (module comment) of one step whose source blocks were
+/// read and verified (2), under both committer locks.
+fn land_step(
     source: &Engine,
     destination: &Engine,
-    (source_journal, journal): (Option<&mut Journal>, &mut Journal),
+    journal: &mut Journal,
     blocks: Blocks,
+    (contexts, seals): Verified,
     piece_blocks: u64,
 ) -> Result<()> {
-    let (first, target, count) = (blocks.source, blocks.destination, blocks.count);
-    // 1. The source's acknowledged writes home first.
-    let buffered = source
-        .shared
-        .state
-        .read()
-        .active
-        .range(first..first + count)
-        .next()
-        .is_some();
-    if buffered {
-        match source_journal {
-            Some(source_journal) => source
-                .committer
-                .commit(&source.shared, source_journal, &[])?,
-            None => source.committer.commit(&source.shared, journal, &[])?,
-        }
-    }
-    // 2. Read and verify every block of the step, keeping only its context
-    // and the destination's seal.
+    let (target, count) = (blocks.destination, blocks.count);
     let shared = &destination.shared;
-    let (contexts, seals) = verify_step(source, destination, blocks)?;
     // 3 (sizes first: a checkpoint, if needed, runs before the record).
     let ranges = zero_ranges(destination, target, &contexts);
     let data_blocks = seals.iter().flatten().count();
@@ -268,6 +383,8 @@ fn copy_step(
 fn verify_step(source: &Engine, destination: &Engine, blocks: Blocks) -> Result<Verified> {
     let parts = blocks.count.div_ceil(VERIFY_PART_BLOCKS);
     let next = AtomicU64::new(0);
+    let mapped = map_step(source, blocks);
+    let view = mapped.as_ref();
     let verify_parts = || -> Vec<(u64, Result<Verified>)> {
         let mut buffer = PageBuffer::new((VERIFY_PART_BLOCKS * BLOCK) as usize);
         let mut done = Vec::new();
@@ -279,7 +396,8 @@ fn verify_step(source: &Engine, destination: &Engine, blocks: Blocks) -> Result<
             let at = part * VERIFY_PART_BLOCKS;
             let n = (blocks.count - at).min(VERIFY_PART_BLOCKS);
             buffer.set_len((n * BLOCK) as usize);
-            let verified = verify_part(source, destination, blocks.part(at, n), &mut buffer);
+            let blocks = blocks.part(at, n);
+            let verified = verify_part(source, destination, blocks, (view, at), &mut buffer);
             let failed = verified.is_err();
             done.push((part, verified));
             if failed {
@@ -323,18 +441,34 @@ fn verify_part(
     source: &Engine,
     destination: &Engine,
     blocks: Blocks,
+    (step, at): (Option<&Mapped>, u64),
     data: &mut [u8],
 ) -> Result<Verified> {
     let same_guard = source.guard == destination.guard;
     let contexts = source_contexts(source, blocks.source, blocks.count)?;
-    read_data(source, blocks.source, &contexts, data)?;
+    // The page cache's own pages when they can be mapped (no copy: the
+    // check keeps nothing), else a read into `data`.
+    let data: &[u8] = match mapped_part(source, step, at, &contexts) {
+        Some(bytes) => bytes,
+        None => {
+            read_data(source, blocks.source, &contexts, data)?;
+            data
+        }
+    };
     let mut seals = Vec::with_capacity(contexts.len());
     for (index, context) in contexts.iter().enumerate() {
         let lba = blocks.source + index as u64;
+        // A zero-reading block is checked as the zeros it reads as (what
+        // its slot holds on disk is not its data).
+        let bytes = if context.reads_as_zero() {
+            &ZERO_BLOCK
+        } else {
+            block(data, index)
+        };
         source
             .shared
             .protection
-            .open(lba, &Ok(*context), block(data, index))
+            .open(lba, &Ok(*context), bytes)
             .map_err(|kind| fault(source, lba, kind))?;
         let seal = match source.shared.protection.seal_of(context) {
             None => None,
@@ -349,7 +483,7 @@ fn verify_part(
             Some(_) => {
                 let lba = blocks.destination + index as u64;
                 let mut copy = [0u8; BLOCK as usize];
-                copy.copy_from_slice(block(data, index));
+                copy.copy_from_slice(bytes);
                 let generation = destination.shared.sealing_generation();
                 Some(
                     destination
@@ -362,6 +496,42 @@ fn verify_part(
         seals.push(seal);
     }
     Ok((contexts, seals))
+}
+
+static ZERO_BLOCK: [u8; BLOCK as usize] = [0; BLOCK as usize];
+
+/// The source blocks of a step mapped (`Storage::map_for_check`), when they
+/// lie in one data segment; `None` sends every part to `read_data`.
+fn map_step(source: &Engine, blocks: Blocks) -> Option<Mapped> {
+    let io = &source.shared.io;
+    let last = blocks.source + blocks.count - 1;
+    // (Split layout: one segment's blocks lie end to end.)
+    if blocks.source / io.geometry.segment_blocks != last / io.geometry.segment_blocks {
+        return None;
+    }
+    let at = io.geometry.locate(blocks.source);
+    io.storage().map_for_check(
+        ObjectId::Data(at.segment),
+        at.data_offset,
+        blocks.count * BLOCK,
+    )
+}
+
+/// One part's source bytes from the step's mapping, if it has one and they
+/// can be read (counted as read: the check reads them).
+fn mapped_part<'a>(
+    source: &Engine,
+    step: Option<&'a Mapped>,
+    at: u64,
+    contexts: &[Context],
+) -> Option<&'a [u8]> {
+    if contexts.iter().all(Context::reads_as_zero) {
+        return None;
+    }
+    let bytes = step?.bytes((at * BLOCK) as usize, contexts.len() * BLOCK as usize)?;
+    let data_blocks = contexts.iter().filter(|c| !c.reads_as_zero()).count() as u64;
+    source.shared.io.stats.add_read(data_blocks * BLOCK);
+    Some(bytes)
 }
 
 /// Runs of zero-reading source blocks, as the destination's range ops.
@@ -445,6 +615,7 @@ fn home_piece(
         )?;
     }
     let mut state = shared.state.write();
+    state.contexts.reserve(piece.new_contexts.len());
     for (index, context) in piece.new_contexts.iter().enumerate() {
         if let Some(context) = context {
             state.contexts.set(target + index as u64, *context);

@@ -12,6 +12,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 use vouch_format::journal::record_data;
@@ -26,7 +27,7 @@ use crate::protection::Protection;
 use crate::state::{
     load_context_page, shared_block, Block, DirtyBlock, RangeOp, VolumeState, BLOCK,
 };
-use crate::storage::{ObjectId, Wait};
+use crate::storage::{ObjectId, Run, Wait, IOV_MAX};
 
 pub(crate) struct SplitLayout {
     geometry: Geometry,
@@ -56,29 +57,45 @@ impl SplitLayout {
         Ok(Context::decode(&page[at..at + CONTEXT_BYTES]).ok())
     }
 
-    fn write_context_page(
-        &self,
-        io: &Backing,
-        page_no: u64,
-        page: Box<[u8; 4096]>,
-        written: &mut WrittenPages,
-    ) -> Result<()> {
-        io.write_object(ObjectId::Contexts, page_no * 4096, &page[..])?;
-        written.push((page_no, Page::from(page)));
-        Ok(())
+    /// Write the checkpoint's pages, sorted by page number, in runs of
+    /// adjacent pages (one `pwritev` per run of up to `IOV_MAX` pages).
+    fn write_context_pages(&self, io: &Backing, pages: &WrittenPages) -> Result<()> {
+        let mut runs_parts: Vec<Vec<&[u8]>> = Vec::new();
+        let mut offsets = Vec::new();
+        for (index, (page_no, page)) in pages.iter().enumerate() {
+            let adjacent = index > 0 && pages[index - 1].0 + 1 == *page_no;
+            match runs_parts.last_mut() {
+                Some(parts) if adjacent && parts.len() < IOV_MAX => parts.push(&page[..]),
+                _ => {
+                    runs_parts.push(vec![&page[..]]);
+                    offsets.push(page_no * 4096);
+                }
+            }
+        }
+        let runs: Vec<Run<'_>> = offsets
+            .iter()
+            .zip(&runs_parts)
+            .map(|(offset, parts)| Run {
+                offset: *offset,
+                parts,
+            })
+            .collect();
+        io.write_runs(ObjectId::Contexts, &runs)
     }
 
-    /// A context page as it is now (cached copy or disk), to be modified.
+    /// A context page as it is now (cached copy or disk), to be modified:
+    /// a page no one else holds yet (`Arc::get_mut` succeeds on it).
     fn page_for_update(
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
         page_no: u64,
-    ) -> Result<Box<[u8; 4096]>> {
-        let mut page = Box::new([0u8; 4096]);
+    ) -> Result<Page> {
+        let mut page = Page::new([0u8; 4096]);
+        let bytes = unique(&mut page);
         match state.read().contexts.cached_page(page_no) {
-            Some(cached) => page.copy_from_slice(&cached[..]),
-            None => io.read_object(ObjectId::Contexts, page_no * 4096, &mut page[..])?,
+            Some(cached) => bytes.copy_from_slice(&cached[..]),
+            None => io.read_object(ObjectId::Contexts, page_no * 4096, bytes)?,
         }
         Ok(page)
     }
@@ -90,7 +107,7 @@ impl SplitLayout {
         io: &Backing,
         state: &RwLock<VolumeState>,
         (start, end, template): (u64, u64, Context),
-        pages: &mut BTreeMap<u64, Box<[u8; 4096]>>,
+        pages: &mut BTreeMap<u64, Page>,
     ) -> Result<Vec<Range<u64>>> {
         let mut punched = Vec::new();
         let mut lba = start;
@@ -111,7 +128,7 @@ impl SplitLayout {
             if let std::collections::btree_map::Entry::Vacant(entry) = pages.entry(page_no) {
                 entry.insert(self.page_for_update(io, state, page_no)?);
             }
-            let page = pages.get_mut(&page_no).expect("inserted above");
+            let page = unique(pages.get_mut(&page_no).expect("inserted above"));
             for block in lba..page_end {
                 let at = (block % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
                 page[at..at + CONTEXT_BYTES]
@@ -458,7 +475,7 @@ impl Layout for SplitLayout {
         };
         entries.sort_unstable_by_key(|(lba, _)| *lba);
         let mut punched = Vec::new();
-        let mut edge_pages: BTreeMap<u64, Box<[u8; 4096]>> = BTreeMap::new();
+        let mut edge_pages: BTreeMap<u64, Page> = BTreeMap::new();
         for (&start, &(end, template)) in &ranges {
             punched.extend(self.write_context_range(
                 io,
@@ -467,29 +484,36 @@ impl Layout for SplitLayout {
                 &mut edge_pages,
             )?);
         }
-        let mut rewritten = Vec::new();
+        let mut rewritten: WrittenPages = Vec::new();
         let mut index = 0;
         while index < entries.len() {
             let page_no = ContextStore::page_of(entries[index].0);
+            let mut end = index;
+            while end < entries.len() && ContextStore::page_of(entries[end].0) == page_no {
+                end += 1;
+            }
             let mut page = match edge_pages.remove(&page_no) {
                 Some(page) => page,
-                // Punched just now: its cached copy predates the trim.
-                None if punched.iter().any(|range| range.contains(&page_no)) => {
-                    Box::new([0u8; 4096])
+                // Every context of the page is new, or it was punched just
+                // now (its cached copy predates the trim): nothing to keep.
+                None if end - index == CONTEXTS_PER_PAGE as usize
+                    || punched.iter().any(|range| range.contains(&page_no)) =>
+                {
+                    Page::new([0u8; 4096])
                 }
                 None => self.page_for_update(io, state, page_no)?,
             };
-            while index < entries.len() && ContextStore::page_of(entries[index].0) == page_no {
-                let (lba, context) = entries[index];
+            let bytes = unique(&mut page);
+            for (lba, context) in &entries[index..end] {
                 let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-                page[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
-                index += 1;
+                bytes[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
             }
-            self.write_context_page(io, page_no, page, &mut rewritten)?;
+            rewritten.push((page_no, page));
+            index = end;
         }
-        for (page_no, page) in edge_pages {
-            self.write_context_page(io, page_no, page, &mut rewritten)?;
-        }
+        rewritten.extend(edge_pages);
+        rewritten.sort_unstable_by_key(|(page_no, _)| *page_no);
+        self.write_context_pages(io, &rewritten)?;
         io.sync_object(ObjectId::Contexts)?;
         Ok((rewritten, punched))
     }
@@ -519,4 +543,9 @@ fn last_records_of_redo_blocks(records: &[Record]) -> BTreeMap<u64, u64> {
         }
     }
     last
+}
+
+/// The bytes of a page this checkpoint built and no one else holds yet.
+fn unique(page: &mut Page) -> &mut [u8; 4096] {
+    Arc::get_mut(page).expect("a page being built is not shared yet")
 }

@@ -12,8 +12,8 @@ use vouch_format::Geometry;
 
 use super::direct;
 use super::{
-    objects_of, reflink_unsupported, write_runs_in_turn, CloneRange, CloneTiming, ObjectId, Run,
-    RunError, Storage, IOV_MAX,
+    objects_of, reflink_unsupported, write_runs_in_turn, CloneRange, CloneTiming, Mapped, ObjectId,
+    Run, RunError, Storage, IOV_MAX,
 };
 
 /// How `FileStorage::open_objects` opens a volume's files.
@@ -456,6 +456,45 @@ impl Storage for FileStorage {
             write,
             clone,
         })
+    }
+
+    fn map_for_check(&self, object: ObjectId, offset: u64, len: u64) -> Option<Mapped> {
+        if self.is_direct(object) || len == 0 {
+            return None;
+        }
+        let file = self.file(object).ok()?;
+        if offset.checked_add(len)? > file.metadata().ok()?.len() {
+            return None;
+        }
+        // SAFETY: a shared read-only mapping of a file this volume holds
+        // open and locked (`lock_volume`); vouch never shrinks an open
+        // volume's objects, and the range was checked to lie inside the
+        // file. Another process truncating the file while it is mapped
+        // would make a read of the view fault (SIGBUS) — outside the
+        // volume's contract, like writing into its files.
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(offset)
+                .len(usize::try_from(len).ok()?)
+                .map(file)
+        }
+        .ok()?;
+        Some(Mapped(map))
+    }
+
+    fn drop_cached(&self, object: ObjectId, offset: u64, len: u64) {
+        if let Ok(file) = self.file(object) {
+            // SAFETY: posix_fadvise on a valid, open file descriptor; a
+            // hint, whose failure changes nothing.
+            unsafe {
+                libc::posix_fadvise(
+                    file.as_raw_fd(),
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                    libc::POSIX_FADV_DONTNEED,
+                )
+            };
+        }
     }
 
     fn file_of(&self, object: ObjectId) -> Option<&File> {

@@ -113,11 +113,53 @@ pub trait Storage: Send + Sync {
         Err(reflink_unsupported("this storage cannot measure a clone"))
     }
 
+    /// A read-only view of `len` bytes of `object` at `offset` (a multiple
+    /// of 4 KiB), mapped instead of copied, for a check that reads a range
+    /// once and keeps nothing (a reflink copy's verify): `None` when this
+    /// storage cannot map (the default; O_DIRECT files, which bypass the
+    /// page cache) or the range reaches past the end of the object. Its
+    /// bytes are reached through `Mapped::bytes`, which brings them into
+    /// memory first and says `None` for a range that cannot be read: the
+    /// caller then uses `read_at`, which reports it as an error.
+    fn map_for_check(&self, object: ObjectId, offset: u64, len: u64) -> Option<Mapped> {
+        let _ = (object, offset, len);
+        None
+    }
+
+    /// Advise that `len` bytes of `object` at `offset` will be replaced
+    /// without being read (a reflink clone onto them): their clean cached
+    /// pages may be dropped now, by the caller's thread, rather than by
+    /// the clone. Only a hint: nothing changes what the range reads. The
+    /// default does nothing.
+    fn drop_cached(&self, object: ObjectId, offset: u64, len: u64) {
+        let _ = (object, offset, len);
+    }
+
     /// The open file behind `object`, when this storage is backed by files
     /// (a reflink from another volume's storage needs its descriptor).
     fn file_of(&self, object: ObjectId) -> Option<&std::fs::File> {
         let _ = object;
         None
+    }
+}
+
+/// Bytes of an object mapped read-only by `Storage::map_for_check`; they
+/// stay mapped until this is dropped.
+pub struct Mapped(pub(crate) memmap2::Mmap);
+
+impl Mapped {
+    /// `len` bytes of the view at `offset`, every page of them faulted in
+    /// first (MADV_POPULATE_READ): `None` when some page cannot be read —
+    /// where touching it unpopulated would stop the process (SIGBUS). A
+    /// page reclaimed between this and the caller's read is read again
+    /// then; only a device error in that window would stop the process,
+    /// and it stops: it never reads wrong bytes.
+    pub fn bytes(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        let end = offset.checked_add(len).filter(|end| *end <= self.0.len())?;
+        self.0
+            .advise_range(memmap2::Advice::PopulateRead, offset, len)
+            .ok()?;
+        Some(&self.0[offset..end])
     }
 }
 
