@@ -14,6 +14,7 @@
 //!   afterwards both legs hold, block for block, what was read before the
 //!   scrub: no block changes under a reader without a write.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,7 +22,8 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Volume,
+    Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, OpenOptions, PendingWrite,
+    SealedBlock, SimStorage, Storage, Volume, ZeroFlags,
 };
 
 use crate::fingerprint;
@@ -44,6 +46,9 @@ pub struct MirrorWriteReport {
     pub diverged: u64,
     /// Blocks the scrubs rewrote.
     pub repaired: u64,
+    /// Seeds whose leg 1 took writes as a remote replica does
+    /// (`start_write_sealed`).
+    pub travelling: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -51,8 +56,9 @@ pub struct MirrorWriteReport {
 impl MirrorWriteReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror write: seeds={} crash_points={} image_pairs={} diverged={} repaired={} violations={} time={:.1}s",
+            "mirror write: seeds={} (leg 1 remote-style in {}) crash_points={} image_pairs={} diverged={} repaired={} violations={} time={:.1}s",
             self.seeds,
+            self.travelling,
             self.crash_points,
             self.images,
             self.diverged,
@@ -90,17 +96,129 @@ pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
     report
 }
 
-fn mirror_over(volumes: [Arc<Volume>; 2]) -> Result<Mirror, String> {
+/// How leg 1 takes the mirror's writes: as a local volume does
+/// (`write_sealed`), or as a remote replica does (`start_write_sealed`:
+/// started before the local leg is written, waited for after), its write
+/// landing when it is started or only when it is waited for — the two
+/// orders a replica's round trip allows against the local leg's writes.
+#[derive(Clone, Copy, Debug)]
+enum Leg1 {
+    Local,
+    Travelling { lands_when_waited: bool },
+}
+
+fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
     let legs = volumes
         .into_iter()
         .enumerate()
-        .map(|(index, volume)| MirrorLeg {
-            name: format!("leg{index}"),
-            device: Some(volume as Arc<dyn BlockDevice>),
-            state: LegState::Active,
+        .map(|(index, volume)| {
+            let device: Arc<dyn BlockDevice> = match leg1 {
+                Leg1::Travelling { lands_when_waited } if index == 1 => Arc::new(Travelling {
+                    volume,
+                    lands_when_waited,
+                }),
+                _ => volume,
+            };
+            MirrorLeg {
+                name: format!("leg{index}"),
+                device: Some(device),
+                state: LegState::Active,
+            }
         })
         .collect();
     Mirror::new(legs, None).map_err(|e| e.to_string())
+}
+
+/// A volume taking sealed writes the way a remote replica does
+/// (`vouch_replica::RemoteLeg`): `start_write_sealed` starts them and the
+/// returned waiter gives the outcome; a FUA write is flushed there too.
+/// Everything else is the volume's.
+struct Travelling {
+    volume: Arc<Volume>,
+    lands_when_waited: bool,
+}
+
+impl BlockDevice for Travelling {
+    fn size(&self) -> u64 {
+        self.volume.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.volume.is_read_only()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> vouch_engine::Result<Vec<Range<u64>>> {
+        self.volume.read(offset, buf)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
+        self.volume.write(offset, data, fua)
+    }
+    fn flush(&self) -> vouch_engine::Result<()> {
+        self.volume.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> vouch_engine::Result<()> {
+        self.volume.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> vouch_engine::Result<()> {
+        self.volume.write_zeroes(offset, length, flags)
+    }
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> vouch_engine::Result<Vec<(u64, Allocation)>> {
+        self.volume.block_status(offset, length, max_blocks)
+    }
+    fn read_blocks_collecting(
+        &self,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> vouch_engine::Result<Vec<Fault>> {
+        self.volume.read_blocks_collecting(first, count, out)
+    }
+    fn next_possible_data(&self, lba: u64) -> vouch_engine::Result<u64> {
+        self.volume.next_possible_data(lba)
+    }
+    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
+        self.volume.read_sealed(first, count)
+    }
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
+        self.volume.write_sealed(blocks)
+    }
+    fn start_write_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+    ) -> Option<vouch_engine::Result<PendingWrite>> {
+        let volume = Arc::clone(&self.volume);
+        let land = move |blocks: &[SealedBlock]| {
+            volume.write_sealed(blocks)?;
+            if fua {
+                volume.flush()?;
+            }
+            Ok(())
+        };
+        if self.lands_when_waited {
+            let blocks = blocks.to_vec();
+            return Some(Ok(Box::new(move || land(&blocks))));
+        }
+        let landed = land(blocks);
+        Some(Ok(Box::new(move || landed)))
+    }
+    fn seal_blocks(
+        &self,
+        first: u64,
+        data: &[u8],
+        generation: u64,
+    ) -> vouch_engine::Result<Vec<SealedBlock>> {
+        self.volume.seal_blocks(first, data, generation)
+    }
+    fn generation_clock(&self) -> u64 {
+        self.volume.generation_clock()
+    }
+    fn verify(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<Fault>> {
+        self.volume.verify(first, count)
+    }
 }
 
 /// One seed; violations are pushed to `report`, setup errors returned.
@@ -133,7 +251,14 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     let [Ok(volume0), Ok(volume1)] = volumes else {
         return Err("a leg does not open".into());
     };
-    let mirror = mirror_over([volume0, volume1])?;
+    let leg1 = match rng.below(3) {
+        0 => Leg1::Local,
+        n => Leg1::Travelling {
+            lands_when_waited: n == 2,
+        },
+    };
+    report.travelling += u64::from(!matches!(leg1, Leg1::Local));
+    let mirror = mirror_over([volume0, volume1], leg1)?;
 
     // The model the hooks read: what each block may hold if the exporter
     // died now. Updated before each operation (its value is allowed while
@@ -236,7 +361,7 @@ fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), Strin
             .map_err(|e| format!("leg {at} does not open: {e}"))
     };
     let volumes = [open(leg0, 0)?, open(leg1, 1)?];
-    let mirror = mirror_over([volumes[0].clone(), volumes[1].clone()])?;
+    let mirror = mirror_over([volumes[0].clone(), volumes[1].clone()], Leg1::Local)?;
     mirror.read_one_leg_until_scrubbed();
     let mut seen = Vec::with_capacity(BLOCKS as usize);
     let mut diverged = false;
@@ -252,10 +377,19 @@ fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), Strin
                 crash.allowed[lba as usize].len()
             ));
         }
+        // Each leg alone holds an allowed value too: after a completed
+        // flush, the flushed one (a leg's write that never landed, a
+        // remote one not waited for, would show here).
         let mut other = vec![0u8; BLOCK];
-        if volumes[1].read(lba * BLOCK as u64, &mut other).is_err() || other != buf {
-            diverged = true;
+        volumes[1]
+            .read(lba * BLOCK as u64, &mut other)
+            .map_err(|e| format!("leg 1 LBA {lba} fails after recovery: {e}"))?;
+        if !crash.allowed[lba as usize].contains(&fingerprint(&other)) {
+            return Err(format!(
+                "leg 1 LBA {lba} holds a value no write or flush allows"
+            ));
         }
+        diverged |= other != buf;
         seen.push(print);
     }
     report.diverged += u64::from(diverged);

@@ -5,7 +5,7 @@
 
 #[test]
 fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
-    let report = vouch_sim::mirror_write::run(1, if cfg!(debug_assertions) { 3 } else { 16 });
+    let report = vouch_sim::mirror_write::run(1, if cfg!(debug_assertions) { 6 } else { 64 });
     assert!(
         report.violations.is_empty(),
         "{}\n{}",
@@ -24,5 +24,11 @@ fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
         report.summary()
     );
     assert!(report.repaired > 0, "{}", report.summary());
+    // Both ways of taking a write: a local leg's, a remote replica's.
+    assert!(
+        report.travelling > 0 && report.travelling < report.seeds,
+        "{}",
+        report.summary()
+    );
     eprintln!("{}", report.summary());
 }
