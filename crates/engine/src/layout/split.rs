@@ -463,17 +463,30 @@ impl Layout for SplitLayout {
         io: &Backing,
         state: &RwLock<VolumeState>,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
-        let (mut entries, ranges) = {
+        // The overlay's entries, and its runs of entries of one page: its
+        // hash keeps a page's blocks in adjacent buckets, so a page's
+        // entries come out together (or in a few runs), and sorting the
+        // runs by page groups them without sorting a million entries.
+        let (entries, mut runs, ranges) = {
             let state = state.read();
-            let entries: Vec<(u64, Context)> = state
-                .contexts
-                .overlay
-                .iter()
-                .map(|(lba, context)| (*lba, *context))
-                .collect();
-            (entries, state.contexts.ranges.clone())
+            let overlay = &state.contexts.overlay;
+            let mut entries: Vec<(u64, Context)> = Vec::with_capacity(overlay.len());
+            let mut runs: Vec<PageRun> = Vec::new();
+            for (lba, context) in overlay {
+                let page_no = ContextStore::page_of(*lba);
+                match runs.last_mut() {
+                    Some(run) if run.page_no == page_no => run.len += 1,
+                    _ => runs.push(PageRun {
+                        page_no,
+                        start: entries.len(),
+                        len: 1,
+                    }),
+                }
+                entries.push((*lba, *context));
+            }
+            (entries, runs, state.contexts.ranges.clone())
         };
-        entries.sort_unstable_by_key(|(lba, _)| *lba);
+        runs.sort_unstable_by_key(|run| run.page_no);
         let mut punched = Vec::new();
         let mut edge_pages: BTreeMap<u64, Page> = BTreeMap::new();
         for (&start, &(end, template)) in &ranges {
@@ -485,18 +498,15 @@ impl Layout for SplitLayout {
             )?);
         }
         let mut rewritten: WrittenPages = Vec::new();
-        let mut index = 0;
-        while index < entries.len() {
-            let page_no = ContextStore::page_of(entries[index].0);
-            let mut end = index;
-            while end < entries.len() && ContextStore::page_of(entries[end].0) == page_no {
-                end += 1;
-            }
+        for page_runs in runs.chunk_by(|a, b| a.page_no == b.page_no) {
+            let page_no = page_runs[0].page_no;
+            // LBAs are the overlay's keys: distinct.
+            let new_contexts: usize = page_runs.iter().map(|run| run.len).sum();
             let mut page = match edge_pages.remove(&page_no) {
                 Some(page) => page,
                 // Every context of the page is new, or it was punched just
                 // now (its cached copy predates the trim): nothing to keep.
-                None if end - index == CONTEXTS_PER_PAGE as usize
+                None if new_contexts == CONTEXTS_PER_PAGE as usize
                     || punched.iter().any(|range| range.contains(&page_no)) =>
                 {
                     Page::new([0u8; 4096])
@@ -504,12 +514,13 @@ impl Layout for SplitLayout {
                 None => self.page_for_update(io, state, page_no)?,
             };
             let bytes = unique(&mut page);
-            for (lba, context) in &entries[index..end] {
-                let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-                bytes[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
+            for run in page_runs {
+                for (lba, context) in &entries[run.start..run.start + run.len] {
+                    let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+                    bytes[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
+                }
             }
             rewritten.push((page_no, page));
-            index = end;
         }
         rewritten.extend(edge_pages);
         rewritten.sort_unstable_by_key(|(page_no, _)| *page_no);
@@ -517,6 +528,14 @@ impl Layout for SplitLayout {
         io.sync_object(ObjectId::Contexts)?;
         Ok((rewritten, punched))
     }
+}
+
+/// Entries `[start, start + len)` of a checkpoint's overlay entries, all
+/// of context page `page_no`.
+struct PageRun {
+    page_no: u64,
+    start: usize,
+    len: usize,
 }
 
 /// For every block a redo record (one carrying data) holds: the sequence
