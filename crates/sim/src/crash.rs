@@ -520,7 +520,15 @@ fn random_op(rng: &mut Rng, size: u64, reflink: bool) -> Op {
     }
     if roll >= 92 {
         let blocks = size / BLOCK as u64;
-        let count = rng.range(1, 24).min(blocks);
+        // A quarter of the copies are long enough to span several of the
+        // reflink copy's steps (16 pieces of 2-16 blocks), so step k + 1 is
+        // verified while step k lands.
+        let count = if rng.chance(1, 4) {
+            rng.range(24, 96)
+        } else {
+            rng.range(1, 24)
+        }
+        .min(blocks);
         let from = rng.below(blocks - count + 1);
         // Half the copies overlap their source (memmove), forwards or back.
         let to = if rng.chance(1, 2) {
