@@ -53,6 +53,17 @@ fn serve_with_rates(dir: &Path, a: &Path, min: &str, max: &str) -> Server {
     Server::start(dir, &args)
 }
 
+/// A mirror served with these resync rates whose leg 1 was away while
+/// the first 6 MiB were written (pattern 3), then brought back (not yet
+/// resynced): the server and leg 1's path.
+fn six_mib_marked_then_leg_1_back(dir: &Path, min: &str, max: &str) -> (Server, PathBuf) {
+    let (a, b, away) = mirror_with_leg_1_away(dir);
+    let server = serve_with_rates(dir, &a, min, max);
+    qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
+    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    (server, b)
+}
+
 /// Distinct LBAs spread over the volume (every region), each its own pattern.
 fn scattered(n: u64) -> Vec<u64> {
     (0..n).map(|i| (i * 7919 + 3) % BLOCKS).collect()
@@ -302,10 +313,7 @@ fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
 #[test]
 fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (a, b, away) = mirror_with_leg_1_away(dir.path());
-    let mut server = serve_with_rates(dir.path(), &a, "2M", "1G");
-    qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
-    std::fs::rename(&away, &b).expect("bring leg 1 back");
+    let (mut server, _) = six_mib_marked_then_leg_1_back(dir.path(), "2M", "1G");
     const FIO_SECONDS: u64 = 12;
     let reader = {
         let uri = format!("--uri={}", server.uri);
@@ -483,14 +491,11 @@ fn an_offline_resync_copies_the_map_and_makes_the_leg_active() {
 #[test]
 fn client_writes_during_a_resync_land_on_both_legs() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let (a, b, away) = mirror_with_leg_1_away(dir.path());
     // A ceiling of 2 MiB/s: the 6 MiB take at least 3 s, with or
     // without client I/O.
-    let mut server = serve_with_rates(dir.path(), &a, "1M", "2M");
-    qemu_io_ok(&server.uri, &["write -P 3 0 6M"]);
+    let (mut server, b) = six_mib_marked_then_leg_1_back(dir.path(), "1M", "2M");
     let mut model = vec![0u8; (BLOCKS * 4096) as usize];
     model[..6 << 20].fill(3);
-    std::fs::rename(&away, &b).expect("bring leg 1 back");
     let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
     let control = control_args(&server);
     args.extend(control.iter().map(String::as_str));
