@@ -156,6 +156,11 @@ impl ContextStore {
         }
     }
 
+    /// Pages the cache holds at most.
+    pub fn cache_limit_pages(&self) -> usize {
+        self.cache_limit_pages
+    }
+
     pub fn cached_page(&self, page_no: u64) -> Option<Page> {
         self.cache.get(&page_no).cloned()
     }
@@ -216,19 +221,29 @@ impl ContextStore {
         self.overlay.keys().copied().filter(|key| *key >= lba).min()
     }
 
-    /// After a checkpoint wrote everything pending to disk: every page it
-    /// wrote is cached with its new content, replacing any older copy a
-    /// reader cached meanwhile (the overlay that served its contexts is
-    /// cleared now, so without it the next read of each page would load it
-    /// from disk again; the FIFO bounds the cache), punched pages are
-    /// dropped, and the epoch moves so loads begun before now are not
-    /// cached.
-    pub fn clear_pending(&mut self, written: Vec<(u64, Page)>, punched_pages: &[Range<u64>]) {
+    /// After a checkpoint wrote everything pending to disk: each page it
+    /// wrote is cached with its new content when given (`Some`), replacing
+    /// any older copy a reader cached meanwhile (the overlay that served
+    /// its contexts is cleared now, so without it the next read of each
+    /// page would load it from disk again; the FIFO bounds the cache), or
+    /// dropped when not (`None`: a copy a reader cached meanwhile may be
+    /// older than what was written); punched pages are dropped, and the
+    /// epoch moves so loads begun before now are not cached.
+    pub fn clear_pending(
+        &mut self,
+        written: Vec<(u64, Option<Page>)>,
+        punched_pages: &[Range<u64>],
+    ) {
         self.overlay.clear();
         self.ranges.clear();
         self.epoch += 1;
-        for (page_no, page) in written {
-            self.insert_page(page_no, page);
+        for (page_no, content) in written {
+            match content {
+                Some(page) => self.insert_page(page_no, page),
+                None => {
+                    self.cache.remove(&page_no);
+                }
+            }
         }
         if !punched_pages.is_empty() {
             self.cache

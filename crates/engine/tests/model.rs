@@ -305,3 +305,70 @@ fn checkpoints_of_whole_and_partial_context_pages_keep_every_context() {
         "trim across pages, then an edge page written whole",
     );
 }
+
+/// A checkpoint that writes more context pages than the cache holds keeps
+/// the content of the last ones only; a page it wrote without keeping must
+/// still leave the cache, since a reader may have cached its old content
+/// while the overlay served the new contexts: here page 0 is cached after
+/// a block on it was written, and that block read after the checkpoint.
+#[test]
+fn a_checkpoint_drops_stale_cached_copies_of_pages_it_does_not_keep() {
+    let storage = SimStorage::new();
+    let blocks = 24 * 128;
+    let mut options = CreateOptions::new(blocks * 4096);
+    options.journal_bytes = Some(4 << 20);
+    // Old contents in blocks 0 and 5 of every page, checkpointed.
+    let volume =
+        Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("create");
+    for page in 0..21u64 {
+        for block in [0, 5] {
+            let at = (page * 128 + block) * 4096;
+            volume.write(at, &[0x11; 4096], false).expect("old");
+        }
+    }
+    volume.close().expect("close");
+    let volume = Volume::open(
+        Arc::new(storage) as Arc<dyn Storage>,
+        &OpenOptions {
+            tuning: Tuning {
+                dirty_limit_blocks: 64,
+                context_cache_pages: 16,
+                overlay_limit: 20,
+                background_commit: false,
+            },
+            ..OpenOptions::default()
+        },
+    )
+    .expect("open");
+    let block_of_page = |page: u64, fill: u8| (page * 128 * 4096, vec![fill; 4096]);
+    // One block in each of pages 0..11, committed: 11 overlay entries.
+    for page in 0..11 {
+        let (at, data) = block_of_page(page, 0x40 + page as u8);
+        volume.write(at, &data, false).expect("write");
+    }
+    volume.flush().expect("flush");
+    // Block 5 of pages 5 to 19, then of page 0: their pages are loaded and
+    // cached, page 0's old (block 0's new context is in the overlay) and
+    // last in the cache's FIFO.
+    let mut buf = vec![0u8; 4096];
+    for page in (5..20).chain([0]) {
+        volume
+            .read((page * 128 + 5) * 4096, &mut buf)
+            .expect("read caches the page");
+    }
+    // Ten more pages: 21 entries > 20, a checkpoint of 21 pages, the last
+    // 16 (pages 5 to 20) kept: all but page 20 replace cached copies in
+    // place, so caching them evicts only the FIFO's front, not page 0.
+    for page in 11..21 {
+        let (at, data) = block_of_page(page, 0x40 + page as u8);
+        volume.write(at, &data, false).expect("write");
+    }
+    volume.flush().expect("flush: checkpoint");
+    for page in 0..21 {
+        let (at, data) = block_of_page(page, 0x40 + page as u8);
+        volume
+            .read(at, &mut buf)
+            .unwrap_or_else(|e| panic!("page {page}'s block after the checkpoint: {e}"));
+        assert!(buf == data, "page {page}'s block reads other bytes");
+    }
+}

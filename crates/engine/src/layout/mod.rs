@@ -58,8 +58,10 @@ pub enum Allocation {
     Data,
 }
 
-/// Context pages a checkpoint wrote, with their new content.
-pub(crate) type WrittenPages = Vec<(u64, Page)>;
+/// Context pages a checkpoint wrote, each with its new content when it is
+/// among the last the checkpoint wrote, as many as the context cache holds
+/// (`None`: written, content not kept).
+pub(crate) type WrittenPages = Vec<(u64, Option<Page>)>;
 
 /// What a layout's replay works with at open.
 pub(crate) struct Replay<'a> {

@@ -57,32 +57,6 @@ impl SplitLayout {
         Ok(Context::decode(&page[at..at + CONTEXT_BYTES]).ok())
     }
 
-    /// Write the checkpoint's pages, sorted by page number, in runs of
-    /// adjacent pages (one `pwritev` per run of up to `IOV_MAX` pages).
-    fn write_context_pages(&self, io: &Backing, pages: &WrittenPages) -> Result<()> {
-        let mut runs_parts: Vec<Vec<&[u8]>> = Vec::new();
-        let mut offsets = Vec::new();
-        for (index, (page_no, page)) in pages.iter().enumerate() {
-            let adjacent = index > 0 && pages[index - 1].0 + 1 == *page_no;
-            match runs_parts.last_mut() {
-                Some(parts) if adjacent && parts.len() < IOV_MAX => parts.push(&page[..]),
-                _ => {
-                    runs_parts.push(vec![&page[..]]);
-                    offsets.push(page_no * 4096);
-                }
-            }
-        }
-        let runs: Vec<Run<'_>> = offsets
-            .iter()
-            .zip(&runs_parts)
-            .map(|(offset, parts)| Run {
-                offset: *offset,
-                parts,
-            })
-            .collect();
-        io.write_runs(ObjectId::Contexts, &runs)
-    }
-
     /// A context page as it is now (cached copy or disk), to be modified:
     /// a page no one else holds yet (`Arc::get_mut` succeeds on it).
     fn page_for_update(
@@ -467,7 +441,7 @@ impl Layout for SplitLayout {
         // hash keeps a page's blocks in adjacent buckets, so a page's
         // entries come out together (or in a few runs), and sorting the
         // runs by page groups them without sorting a million entries.
-        let (entries, mut runs, ranges) = {
+        let (entries, mut runs, ranges, keep) = {
             let state = state.read();
             let overlay = &state.contexts.overlay;
             let mut entries: Vec<(u64, Context)> = Vec::with_capacity(overlay.len());
@@ -484,7 +458,8 @@ impl Layout for SplitLayout {
                 }
                 entries.push((*lba, *context));
             }
-            (entries, runs, state.contexts.ranges.clone())
+            let keep = state.contexts.cache_limit_pages();
+            (entries, runs, state.contexts.ranges.clone(), keep)
         };
         runs.sort_unstable_by_key(|run| run.page_no);
         let mut punched = Vec::new();
@@ -497,9 +472,20 @@ impl Layout for SplitLayout {
                 &mut edge_pages,
             )?);
         }
-        let mut rewritten: WrittenPages = Vec::new();
+        // Pages are built and written in page order (entries' pages and
+        // the ranges' edge pages merged), a batch at a time, so the
+        // checkpoint holds at most a batch and the pages the cache can
+        // keep, however many it writes.
+        let mut pages = CheckpointPages::new(keep);
         for page_runs in runs.chunk_by(|a, b| a.page_no == b.page_no) {
             let page_no = page_runs[0].page_no;
+            while let Some(edge) = edge_pages.first_entry() {
+                if *edge.key() >= page_no {
+                    break;
+                }
+                let (edge_no, edge) = edge.remove_entry();
+                pages.push(io, edge_no, edge)?;
+            }
             // LBAs are the overlay's keys: distinct.
             let new_contexts: usize = page_runs.iter().map(|run| run.len).sum();
             let mut page = match edge_pages.remove(&page_no) {
@@ -520,13 +506,86 @@ impl Layout for SplitLayout {
                     bytes[at..at + CONTEXT_BYTES].copy_from_slice(&context.encode());
                 }
             }
-            rewritten.push((page_no, page));
+            pages.push(io, page_no, page)?;
         }
-        rewritten.extend(edge_pages);
-        rewritten.sort_unstable_by_key(|(page_no, _)| *page_no);
-        self.write_context_pages(io, &rewritten)?;
+        for (edge_no, edge) in edge_pages {
+            pages.push(io, edge_no, edge)?;
+        }
+        let rewritten = pages.finish(io)?;
         io.sync_object(ObjectId::Contexts)?;
         Ok((rewritten, punched))
+    }
+}
+
+/// The pages a checkpoint writes, in batches of up to `IOV_MAX` written
+/// as runs of adjacent pages (one `pwritev` each). Of the pages written,
+/// only the content of the last `keep` (what the context cache can hold)
+/// is kept, to be cached (`ContextStore::clear_pending`); the others are
+/// named only, so the cache drops any older copy of them.
+struct CheckpointPages {
+    batch: Vec<(u64, Page)>,
+    written: WrittenPages,
+    /// `written[first_kept..]` have their content.
+    first_kept: usize,
+    keep: usize,
+}
+
+impl CheckpointPages {
+    fn new(keep: usize) -> CheckpointPages {
+        CheckpointPages {
+            batch: Vec::with_capacity(IOV_MAX),
+            written: Vec::new(),
+            first_kept: 0,
+            keep,
+        }
+    }
+
+    fn push(&mut self, io: &Backing, page_no: u64, page: Page) -> Result<()> {
+        self.batch.push((page_no, page));
+        if self.batch.len() == IOV_MAX {
+            self.write_batch(io)?;
+        }
+        Ok(())
+    }
+
+    fn write_batch(&mut self, io: &Backing) -> Result<()> {
+        let mut runs_parts: Vec<Vec<&[u8]>> = Vec::new();
+        let mut offsets = Vec::new();
+        for (index, (page_no, page)) in self.batch.iter().enumerate() {
+            if index > 0 && self.batch[index - 1].0 + 1 == *page_no {
+                runs_parts.last_mut().expect("a run").push(&page[..]);
+            } else {
+                runs_parts.push(vec![&page[..]]);
+                offsets.push(page_no * 4096);
+            }
+        }
+        let runs: Vec<Run<'_>> = offsets
+            .iter()
+            .zip(&runs_parts)
+            .map(|(offset, parts)| Run {
+                offset: *offset,
+                parts,
+            })
+            .collect();
+        io.write_runs(ObjectId::Contexts, &runs)?;
+        let batch = self
+            .batch
+            .drain(..)
+            .map(|(page_no, page)| (page_no, Some(page)));
+        self.written.extend(batch);
+        while self.written.len() - self.first_kept > self.keep {
+            self.written[self.first_kept].1 = None;
+            self.first_kept += 1;
+        }
+        Ok(())
+    }
+
+    /// Write the last batch; every page written.
+    fn finish(mut self, io: &Backing) -> Result<WrittenPages> {
+        if !self.batch.is_empty() {
+            self.write_batch(io)?;
+        }
+        Ok(self.written)
     }
 }
 
