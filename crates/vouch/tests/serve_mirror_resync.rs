@@ -118,6 +118,15 @@ fn leg_bytes(dir: &Path, leg: &Path) -> Vec<u8> {
     bytes
 }
 
+/// Leg 1's resync row: done, the 1,536 blocks of 6 MiB copied, in at
+/// least 2.5 s (`how` says why it had to take that long).
+fn assert_six_mib_resynced_in_at_least_2500_ms(row: &Value, how: &str) {
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["resync"]["copied"], 1536, "{row}");
+    let elapsed = row["resync"]["elapsed_ms"].as_u64().expect("elapsed");
+    assert!(elapsed >= 2500, "6 MiB {how} took only {elapsed} ms: {row}");
+}
+
 /// Every leg active and clean, byte-identical, no resync map left.
 fn assert_legs_agree(dir: &Path) {
     let (a, b) = (dir.join("a"), dir.join("b"));
@@ -293,14 +302,8 @@ fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
     std::fs::rename(&away, &b).expect("bring leg 1 back");
     let mut server = serve_with_rates(dir.path(), &a, "1M", "2M");
     let row = wait_resync_end(&server, Duration::from_secs(60));
-    assert_eq!(row["resync"]["state"], "done", "{row}");
-    assert_eq!(row["resync"]["copied"], 1536, "{row}");
     // 6 MiB at 2 MiB/s: at least 3 s (loosely: 2.5 s).
-    let elapsed = row["resync"]["elapsed_ms"].as_u64().expect("elapsed");
-    assert!(
-        elapsed >= 2500,
-        "6 MiB at 2 MiB/s took only {elapsed} ms: {row}"
-    );
+    assert_six_mib_resynced_in_at_least_2500_ms(&row, "at a 2 MiB/s ceiling");
     server.stop();
     assert_legs_agree(dir.path());
 }
@@ -343,12 +346,9 @@ fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
     vouch_ok(&args);
     let row = wait_resync_end(&server, Duration::from_secs(60));
     let finished_after = started_at.elapsed();
-    assert_eq!(row["resync"]["state"], "done", "{row}");
-    assert_eq!(row["resync"]["copied"], 1536, "{row}");
-    let elapsed = row["resync"]["elapsed_ms"].as_u64().expect("elapsed");
-    assert!(
-        elapsed >= 2500,
-        "6 MiB under client I/O with a 2 MiB/s floor took only {elapsed} ms: the ceiling was used: {row}"
+    assert_six_mib_resynced_in_at_least_2500_ms(
+        &row,
+        "under client I/O with a 2 MiB/s floor (the ceiling was used)",
     );
     assert!(
         finished_after < Duration::from_secs(FIO_SECONDS - 1),
