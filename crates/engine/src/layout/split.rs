@@ -67,7 +67,9 @@ impl SplitLayout {
     ) -> Result<Page> {
         let mut page = Page::new([0u8; 4096]);
         let bytes = unique(&mut page);
-        match state.read().contexts.cached_page(page_no) {
+        // (The state lock is released before a read from disk.)
+        let cached = state.read().contexts.cached_page(page_no);
+        match cached {
             Some(cached) => bytes.copy_from_slice(&cached[..]),
             None => io.read_object(ObjectId::Contexts, page_no * 4096, bytes)?,
         }
