@@ -483,49 +483,100 @@ fn an_offline_resync_copies_the_map_and_makes_the_leg_active() {
     assert_legs_agree(dir.path());
 }
 
-/// Client writes while the leg resyncs, racing the resync's copies of the
-/// same blocks (the writes land in the 6 MiB the map names, and beyond
-/// it): they go to both legs, so when the resync ends both legs hold,
-/// byte for byte, what the client wrote last — no copy of an older block
-/// lands over a newer write — `check` is clean and the map is gone.
+/// Writes 64 KiB chunks (a pattern each) over bytes 4-12 MiB without
+/// pause, flushing every 16, until the file `argv[2]` exists; touches
+/// `argv[3]` after its first 16 writes; then writes 32 more, flushes and
+/// prints how many it wrote before and after it saw the file, and the
+/// pattern each chunk holds last.
+const WRITER: &str = r#"
+h = connect(sys.argv[1])
+stop, started = sys.argv[2], sys.argv[3]
+first, chunks, size = 4 << 20, 128, 65536
+last = {}
+n, after = 0, 0
+while after < 32:
+    chunk = (n * 7919) % chunks
+    pattern = n % 250 + 4
+    h.pwrite(bytes([pattern]) * size, first + chunk * size)
+    last[chunk] = pattern
+    n += 1
+    if n % 16 == 0:
+        h.flush()
+    if n == 16:
+        open(started, "w").close()
+    if after or os.path.exists(stop):
+        after += 1
+h.flush()
+print(json.dumps({"before_stop": n - after, "after_stop": after, "last": last}))
+"#;
+
+/// Client writes without pause for the whole resync, racing its copies:
+/// a stream of 64 KiB writes over 4-12 MiB (half over the 6 MiB the map
+/// names, half beyond it). The resync must end while the stream goes on
+/// (within 30 s: the 4 MiB no write covers take 4 s at the 1 MiB/s
+/// floor), and then both legs hold, byte for byte, what the client wrote
+/// last — no copy of an older block lands over a newer write — `check` is
+/// clean and the map is gone. (Before blocks landed per block, a write
+/// kept its region and itself dirty: such a stream kept the resync going
+/// for as long as it ran.)
 #[test]
-fn client_writes_during_a_resync_land_on_both_legs() {
+fn client_writes_without_pause_during_a_resync_land_on_both_legs_and_it_ends() {
     let dir = tempfile::tempdir().expect("tempdir");
-    // A ceiling of 2 MiB/s: the 6 MiB take at least 3 s, with or
-    // without client I/O.
     let (mut server, b) = six_mib_marked_then_leg_1_back(dir.path(), "1M", "2M");
-    let mut model = vec![0u8; (BLOCKS * 4096) as usize];
-    model[..6 << 20].fill(3);
+    let (stop, started) = (dir.path().join("stop"), dir.path().join("started"));
+    let writer = {
+        let (uri, stop, started) = (server.uri.clone(), stop.clone(), started.clone());
+        std::thread::spawn(move || {
+            let output = py_timeout(
+                WRITER,
+                &[&uri, s(&stop), s(&started)],
+                Duration::from_secs(120),
+            );
+            assert!(output.status.success(), "writer: {}", text(&output));
+            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+            serde_json::from_str::<Value>(stdout.trim()).expect("writer's JSON")
+        })
+    };
+    wait_until("the writer to start", Duration::from_secs(30), || {
+        started.exists()
+    });
     let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
     let control = control_args(&server);
     args.extend(control.iter().map(String::as_str));
+    let resync_started = Instant::now();
     vouch_ok(&args);
-    // 24 batches of 16 writes of 64 KiB over the first 8 MiB (a block
-    // written during the resync stays marked and is copied again, so a
-    // write stream that outruns the ceiling would keep it going; these
-    // stop, and it ends).
-    let mut written_during = 0u64;
-    for batch in 0..24u64 {
-        written_during += u64::from(leg1(&server)["resync"]["state"] == "running");
-        let commands: Vec<String> = (0..16u64)
-            .map(|i| {
-                let at = ((batch * 16 + i) * 7_919 % 128) * 65_536;
-                let pattern = (batch * 16 + i) % 250 + 4;
-                model[at as usize..at as usize + 65_536].fill(pattern as u8);
-                format!("write -P {pattern} {at} 64k")
-            })
-            .collect();
-        let commands: Vec<&str> = commands.iter().map(String::as_str).collect();
-        qemu_io_ok(&server.uri, &commands);
-    }
-    assert!(
-        written_during >= 2,
-        "only {written_during} of 24 batches of writes ran during the resync"
-    );
-    let row = wait_resync_end(&server, Duration::from_secs(60));
+    let row = wait_resync_end(&server, Duration::from_secs(30));
+    let took = resync_started.elapsed();
+    std::fs::write(&stop, b"").expect("stop the writer");
+    let written = writer.join().expect("writer thread");
     assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert!(
+        took < Duration::from_secs(30),
+        "the resync took {took:?} under the write stream: {row}"
+    );
+    // The stream ran the whole time: it was still writing when the resync
+    // had ended (it stops only once told, after that).
+    let before = written["before_stop"].as_u64().expect("count");
+    assert!(
+        before > 16 + 64,
+        "the client wrote only {before} times: {written}"
+    );
+    assert_eq!(written["after_stop"], 32, "{written}");
+    let copied = row["resync"]["copied"].as_u64().expect("copied");
+    assert!(
+        (1024..=1536).contains(&copied),
+        "the 4 MiB no write covers are copied, and at most the 6 MiB: {row}"
+    );
+    eprintln!("resync took {took:?} ({copied} blocks copied) under {before} client writes");
     server.stop();
     assert_legs_agree(dir.path());
+    let mut model = vec![0u8; (BLOCKS * 4096) as usize];
+    model[..6 << 20].fill(3);
+    for (chunk, pattern) in written["last"].as_object().expect("last") {
+        let at = (4 << 20) + chunk.parse::<usize>().expect("chunk") * 65_536;
+        let pattern = pattern.as_u64().expect("pattern") as u8;
+        model[at..at + 65_536].fill(pattern);
+    }
     let legs = leg_bytes(dir.path(), &b);
     let first = legs.iter().zip(&model).position(|(x, y)| x != y);
     assert!(

@@ -371,6 +371,12 @@ impl Mirror {
         self.lock(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
 
+    /// Every stripe, in order: no write, trim or copy is in flight while
+    /// they are held.
+    pub(super) fn lock_all(&self) -> Vec<MutexGuard<'_, ()>> {
+        self.stripes.iter().map(|stripe| stripe.lock()).collect()
+    }
+
     /// `lock` without waiting: `None` if any stripe is held (a writer or a
     /// repair is on it), with nothing held.
     fn try_lock(&self, first: u64, end: u64) -> Option<Vec<MutexGuard<'_, ()>>> {
@@ -551,6 +557,7 @@ impl Mirror {
     /// the write: it was marked first) and stays stale.
     fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
         self.each_leg_of(&self.write_targets(), what, |_, device| op(device))
+            .map(|_| ())
     }
 
     /// Store `sealed` on every write target, judged leg by leg as
@@ -562,7 +569,8 @@ impl Mirror {
     /// released. Request errors (range, alignment) are checked before any
     /// leg is written (`seal_write`), so a started remote write never
     /// stores what a local leg then refuses as a bad request.
-    fn write_sealed_to_legs(&self, sealed: &[SealedBlock], fua: bool) -> Result<()> {
+    /// Returns the resyncing legs that took the write.
+    fn write_sealed_to_legs(&self, sealed: &[SealedBlock], fua: bool) -> Result<Vec<usize>> {
         let targets = self.write_targets();
         let started = Started {
             mirror: self,
@@ -608,20 +616,22 @@ impl Mirror {
         self.legs[leg].resyncing.store(false, Ordering::Release);
     }
 
-    /// `each_leg` over `targets`, telling `op` each leg's index.
+    /// `each_leg` over `targets`, telling `op` each leg's index. Returns
+    /// the resyncing legs on which `op` succeeded.
     fn each_leg_of(
         &self,
         targets: &[usize],
         what: &str,
         op: impl Fn(usize, &dyn BlockDevice) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<Vec<usize>> {
         let mut succeeded = 0;
         let mut failed = Vec::new();
+        let mut resynced = Vec::new();
         for &leg in targets {
             let resyncing =
                 state_from(self.legs[leg].state.load(Ordering::Acquire)) != LegState::Active;
             match op(leg, self.device(leg)) {
-                Ok(()) if resyncing => {}
+                Ok(()) if resyncing => resynced.push(leg),
                 Ok(()) => succeeded += 1,
                 Err(error) if resyncing && !is_request_error(&error) => {
                     self.stop_resync(leg, what, &error);
@@ -639,7 +649,7 @@ impl Mirror {
         for (leg, error) in failed {
             self.fail(leg, &format!("{what} failed: {error}"), &error);
         }
-        Ok(())
+        Ok(resynced)
     }
 }
 
@@ -724,13 +734,27 @@ impl BlockDevice for Mirror {
     /// bytes and context, with one generation from the mirror's clock, after
     /// verifying it (`write_sealed`): so legs' generations are comparable
     /// and a scrub can tell a lost write from the newer copy.
+    ///
+    /// A resyncing leg that took the sealed write holds the blocks as every
+    /// active leg does: they *land* in its map (`DirtyMap::landed`, still
+    /// under the stripe lock), to be cleared once a flush of that leg
+    /// issued after this returned has returned (`resync.rs`).
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, data.len() as u64);
         let _recorded = self.record_bytes(offset, data.len() as u64);
         self.mark_bytes(offset, data.len() as u64)?;
         match self.seal_write(offset, data) {
-            Ok(Some(sealed)) => self.write_sealed_to_legs(&sealed, fua),
+            Ok(Some(sealed)) => {
+                // Exactly the blocks every target stored (none for an
+                // empty write).
+                for leg in self.write_sealed_to_legs(&sealed, fua)? {
+                    if let Some(map) = self.legs[leg].map.read().as_ref() {
+                        map.landed(sealed.iter().map(|block| block.lba));
+                    }
+                }
+                Ok(())
+            }
             // No leg can seal for the others: each seals for itself.
             Ok(None) => self.each_leg("write", |leg| leg.write(offset, data, fua)),
             Err(error) => Err(error),

@@ -1,5 +1,6 @@
 //! The resync map of a stale leg (docs/FORMAT.md, "Resync map"): which
-//! blocks may differ on it, kept in every surviving leg's directory.
+//! blocks may differ on it, kept in every surviving leg's directory
+//! (through a `MapStore`: real files, or the simulator's).
 //!
 //! Crash ordering (docs/CRASH_MODEL.md): `mark` sets the block bits in
 //! memory and, if the write's region is not marked on disk yet, writes and
@@ -11,11 +12,23 @@
 //! `sync_and_retire` (resync batches, clean close). At open, a region bit
 //! found on disk means a write there may lack its block bit: every block
 //! of the region counts as dirty.
+//!
+//! Clearing (the resync, `resync.rs`): a dirty block whose newest contents
+//! reached the resyncing leg — copied there, or a client write that every
+//! write target took, under the block's stripe lock — is *landed*
+//! (`landed`). `begin_flush` then starts a new generation of landed
+//! blocks, the resyncing leg is flushed, and `clear_landed` clears the
+//! blocks of the generation before: each landed before that flush was
+//! issued, so it is durable there. A `mark` takes its blocks out of both
+//! generations (a write in flight is not known to have landed), so a block
+//! written during the flush stays dirty. The cleared bits reach the disk
+//! with the next sync, after the leg's flush returned: at every crash each
+//! block that may differ on the leg has its block bit or its region bit on
+//! disk.
 
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 use vouch_format::dirty::{
@@ -23,6 +36,7 @@ use vouch_format::dirty::{
     REGION_BLOCKS,
 };
 
+pub use super::map_file::{FileMaps, MapFile, MapStore};
 use crate::error::{Error, Result};
 
 /// The map's file name in a surviving leg's directory for stale leg `leg`.
@@ -33,7 +47,8 @@ pub fn map_file_name(leg: usize) -> String {
 /// A persistent per-block dirty map (see the module's documentation).
 pub struct DirtyMap {
     header: DirtyHeader,
-    files: Vec<(PathBuf, File)>,
+    store: Arc<dyn MapStore>,
+    files: Vec<(PathBuf, Box<dyn MapFile>)>,
     inner: Mutex<Inner>,
 }
 
@@ -46,11 +61,26 @@ struct Inner {
     wanted: Vec<u8>,
     /// Region bits as on disk.
     on_disk: Vec<u8>,
-    /// Mark sequence per region: the last `mark` that touched it.
-    touched: Vec<u64>,
-    sequence: u64,
+    /// Dirty blocks landed on the resyncing leg and not marked since, in
+    /// two generations: `landed[epoch % 2]` takes new ones.
+    landed: [BTreeSet<u64>; 2],
+    epoch: u64,
     /// Block bits set.
     count: u64,
+}
+
+impl Inner {
+    fn has_landed(&self, lba: u64) -> bool {
+        self.landed.iter().any(|slot| slot.contains(&lba))
+    }
+}
+
+/// A flush of the resyncing leg in progress (`begin_flush`): what its
+/// success lets `clear_landed` clear.
+#[derive(Debug)]
+pub struct LandedTicket {
+    /// The generation that was current when the flush began.
+    epoch: u64,
 }
 
 fn bit(bytes: &[u8], index: u64) -> bool {
@@ -77,10 +107,10 @@ fn io_error(action: &'static str, path: &Path, error: impl std::fmt::Display) ->
     }
 }
 
-/// Why a map file cannot be trusted (`None`: it can).
-fn load_file(path: &Path, expect: &DirtyHeader) -> std::result::Result<(Vec<u8>, Vec<u8>), String> {
-    let bytes = std::fs::read(path).map_err(|error| error.to_string())?;
-    let header = DirtyHeader::decode(&bytes).map_err(|error| format!("header: {error}"))?;
+/// The region and block sections of a map file's `bytes`, or why they
+/// cannot be trusted.
+fn parse(bytes: &[u8], expect: &DirtyHeader) -> std::result::Result<(Vec<u8>, Vec<u8>), String> {
+    let header = DirtyHeader::decode(bytes).map_err(|error| format!("header: {error}"))?;
     if header != *expect {
         return Err(format!(
             "it is for leg {} of a {}-block volume {}, not this one",
@@ -122,7 +152,7 @@ fn uuid_text(uuid: &[u8; 16]) -> String {
 pub fn inspect(path: &Path) -> std::result::Result<(DirtyHeader, u64), String> {
     let bytes = std::fs::read(path).map_err(|error| error.to_string())?;
     let header = DirtyHeader::decode(&bytes).map_err(|error| format!("header: {error}"))?;
-    let (regions, bits) = load_file(path, &header)?;
+    let (regions, bits) = parse(&bytes, &header)?;
     let count = (0..header.blocks)
         .filter(|&lba| bit(&bits, lba) || bit(&regions, lba / u64::from(header.region_blocks)))
         .count() as u64;
@@ -163,15 +193,33 @@ impl DirtyMap {
             blocks,
             region_blocks: REGION_BLOCKS,
         };
-        let paths: Vec<PathBuf> = dirs.iter().map(|d| d.join(map_file_name(leg))).collect();
+        DirtyMap::open_in(Arc::new(FileMaps), dirs, header, create_clean, marked)
+    }
+
+    /// `open_marked` on the map files of `store` (the simulator's, or
+    /// `FileMaps`) for the leg, volume and size `header` names.
+    pub fn open_in(
+        store: Arc<dyn MapStore>,
+        dirs: &[PathBuf],
+        header: DirtyHeader,
+        create_clean: bool,
+        marked: &[std::ops::Range<u64>],
+    ) -> Result<(DirtyMap, Option<String>)> {
+        let blocks = header.blocks;
+        let paths: Vec<PathBuf> = dirs
+            .iter()
+            .map(|d| d.join(map_file_name(usize::from(header.leg))))
+            .collect();
         let mut bits = vec![0u8; header.block_pages() as usize * PAGE_BITS_BYTES];
         let mut valid = 0;
         let mut problems = Vec::new();
         for path in &paths {
-            if !path.exists() {
-                continue;
-            }
-            match load_file(path, &header) {
+            let loaded = match store.read(path) {
+                Ok(None) => continue,
+                Ok(Some(bytes)) => parse(&bytes, &header),
+                Err(error) => Err(error.to_string()),
+            };
+            match loaded {
                 Ok((regions, blocks_bits)) => {
                     valid += 1;
                     for (into, from) in bits.iter_mut().zip(&blocks_bits) {
@@ -179,8 +227,9 @@ impl DirtyMap {
                     }
                     for region in 0..header.regions() {
                         if bit(&regions, region) {
-                            let first = region * u64::from(REGION_BLOCKS);
-                            for lba in first..(first + u64::from(REGION_BLOCKS)).min(blocks) {
+                            let first = region * u64::from(header.region_blocks);
+                            for lba in first..(first + u64::from(header.region_blocks)).min(blocks)
+                            {
                                 set_bit(&mut bits, lba, true);
                             }
                         }
@@ -205,19 +254,19 @@ impl DirtyMap {
             }
         }
         let count = (0..blocks).filter(|&lba| bit(&bits, lba)).count() as u64;
-        let map = DirtyMap::write_new(&header, &paths, bits, count)?;
+        let map = DirtyMap::write_new(store, header, &paths, bits, count)?;
         Ok((map, unknown))
     }
 
-    /// Write every copy afresh (temporary file, fsync, rename, directory
-    /// fsync) with `bits` and no region marked, and open them.
+    /// Write every copy afresh (`MapStore::create`: complete or absent at
+    /// every instant) with `bits` and no region marked, and open them.
     fn write_new(
-        header: &DirtyHeader,
+        store: Arc<dyn MapStore>,
+        header: DirtyHeader,
         paths: &[PathBuf],
         bits: Vec<u8>,
         count: u64,
     ) -> Result<DirtyMap> {
-        let regions = header.regions() as usize;
         let mut image = header.encode();
         for page in 0..header.region_pages() {
             let number = header.region_page_offset(page) / DIRTY_PAGE_BYTES as u64;
@@ -230,35 +279,23 @@ impl DirtyMap {
         }
         let mut files = Vec::new();
         for path in paths {
-            let temporary = path.with_extension("tmp");
-            let write = || -> std::io::Result<File> {
-                std::fs::write(&temporary, &image)?;
-                File::open(&temporary)?.sync_all()?;
-                std::fs::rename(&temporary, path)?;
-                if let Some(dir) = path.parent() {
-                    File::open(dir)?.sync_all()?;
-                }
-                std::fs::OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .open(path)
-            };
-            files.push((
-                path.clone(),
-                write().map_err(|error| io_error("write", path, error))?,
-            ));
+            let file = store
+                .create(path, &image)
+                .map_err(|error| io_error("write", path, error))?;
+            files.push((path.clone(), file));
         }
         let region_bytes = header.region_pages() as usize * PAGE_BITS_BYTES;
         Ok(DirtyMap {
-            header: header.clone(),
+            header,
+            store,
             files,
             inner: Mutex::new(Inner {
                 bits,
                 changed: BTreeSet::new(),
                 wanted: vec![0u8; region_bytes],
                 on_disk: vec![0u8; region_bytes],
-                touched: vec![0; regions],
-                sequence: 0,
+                landed: [BTreeSet::new(), BTreeSet::new()],
+                epoch: 0,
                 count,
             }),
         })
@@ -274,9 +311,9 @@ impl DirtyMap {
         self.inner.lock().count
     }
 
-    /// The mark sequence now (for `clear_unless_touched`).
-    pub fn sequence(&self) -> u64 {
-        self.inner.lock().sequence
+    /// Is block `lba` dirty?
+    pub fn is_dirty(&self, lba: u64) -> bool {
+        lba < self.header.blocks && bit(&self.inner.lock().bits, lba)
     }
 
     /// The dirty blocks in `[first, end)`.
@@ -287,8 +324,26 @@ impl DirtyMap {
             .collect()
     }
 
+    /// The dirty blocks in `[first, end)` that have not landed (those a
+    /// resync must copy).
+    pub fn to_copy_in(&self, first: u64, end: u64) -> Vec<u64> {
+        let inner = self.inner.lock();
+        (first..end.min(self.header.blocks))
+            .filter(|&lba| bit(&inner.bits, lba) && !inner.has_landed(lba))
+            .collect()
+    }
+
     /// The first dirty block at or after `lba`.
     pub fn next_dirty(&self, lba: u64) -> Option<u64> {
+        self.next_where(lba, false)
+    }
+
+    /// The first dirty block at or after `lba` that has not landed.
+    pub fn next_to_copy(&self, lba: u64) -> Option<u64> {
+        self.next_where(lba, true)
+    }
+
+    fn next_where(&self, lba: u64, skip_landed: bool) -> Option<u64> {
         let inner = self.inner.lock();
         let mut at = lba;
         while at < self.header.blocks {
@@ -296,7 +351,7 @@ impl DirtyMap {
                 at += 8;
                 continue;
             }
-            if bit(&inner.bits, at) {
+            if bit(&inner.bits, at) && !(skip_landed && inner.has_landed(at)) {
                 return Some(at);
             }
             at += 1;
@@ -307,7 +362,7 @@ impl DirtyMap {
     fn write_pages(&self, pages: impl Iterator<Item = (u64, Vec<u8>)> + Clone) -> Result<()> {
         for (path, file) in &self.files {
             for (offset, bytes) in pages.clone() {
-                file.write_all_at(&bytes, offset)
+                file.write_at(offset, &bytes)
                     .map_err(|error| io_error("write", path, error))?;
             }
         }
@@ -316,8 +371,7 @@ impl DirtyMap {
 
     fn sync_files(&self) -> Result<()> {
         for (path, file) in &self.files {
-            file.sync_data()
-                .map_err(|error| io_error("sync", path, error))?;
+            file.sync().map_err(|error| io_error("sync", path, error))?;
         }
         Ok(())
     }
@@ -347,19 +401,24 @@ impl DirtyMap {
     /// documentation).
     pub fn mark(&self, first: u64, end: u64) -> Result<()> {
         let end = end.min(self.header.blocks);
-        let mut inner = self.inner.lock();
-        inner.sequence += 1;
-        let sequence = inner.sequence;
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
         for lba in first..end {
             if !set_bit(&mut inner.bits, lba, true) {
                 inner.count += 1;
                 inner.changed.insert(lba / PAGE_BITS);
             }
         }
+        // Written again: landed no more until this write lands too.
+        for landed in &mut inner.landed {
+            let again: Vec<u64> = landed.range(first..end).copied().collect();
+            for lba in again {
+                landed.remove(&lba);
+            }
+        }
         let mut pages = BTreeSet::new();
-        let region_blocks = u64::from(REGION_BLOCKS);
+        let region_blocks = u64::from(self.header.region_blocks);
         for region in first / region_blocks..end.div_ceil(region_blocks) {
-            inner.touched[region as usize] = sequence;
             set_bit(&mut inner.wanted, region, true);
             if !bit(&inner.on_disk, region) {
                 pages.insert(region / PAGE_BITS);
@@ -369,7 +428,7 @@ impl DirtyMap {
             return Ok(());
         }
         let writes: Vec<(u64, Vec<u8>)> =
-            pages.iter().map(|&p| self.region_page(&inner, p)).collect();
+            pages.iter().map(|&p| self.region_page(inner, p)).collect();
         self.write_pages(writes.into_iter())?;
         self.sync_files()?;
         for page in pages {
@@ -426,18 +485,52 @@ impl DirtyMap {
         Ok(())
     }
 
-    /// Clear `lbas` (copied to the stale leg and durable there) unless a
-    /// `mark` touched their region after `since`: such a block may have
-    /// been written again after it was copied and stays dirty. Returns the
-    /// blocks cleared. Durable at the next `sync`.
-    pub fn clear_unless_touched(&self, lbas: &[u64], since: u64) -> u64 {
-        let mut inner = self.inner.lock();
-        let mut cleared = 0;
-        for &lba in lbas {
-            let region = (lba / u64::from(REGION_BLOCKS)) as usize;
-            if inner.touched[region] > since {
-                continue;
+    /// `lbas` reached the resyncing leg — copied there, or written to
+    /// every write target by a client write that succeeded — under their
+    /// stripe lock: each still dirty is *landed*, clean once a flush of
+    /// that leg issued after this returned has returned (`begin_flush`,
+    /// `clear_landed`), unless a `mark` touches it first.
+    pub fn landed(&self, lbas: impl IntoIterator<Item = u64>) {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let slot = (inner.epoch % 2) as usize;
+        for lba in lbas {
+            if lba < self.header.blocks && bit(&inner.bits, lba) {
+                inner.landed[slot].insert(lba);
             }
+        }
+    }
+
+    /// Whether any block has landed and awaits a flush.
+    pub fn has_landed(&self) -> bool {
+        self.inner.lock().landed.iter().any(|slot| !slot.is_empty())
+    }
+
+    /// A flush of the resyncing leg is about to be issued: what landed
+    /// before now is what it makes durable; what lands from now on waits
+    /// for the next one.
+    pub fn begin_flush(&self) -> LandedTicket {
+        let mut inner = self.inner.lock();
+        inner.epoch += 1;
+        LandedTicket {
+            epoch: inner.epoch - 1,
+        }
+    }
+
+    /// The flush of `ticket` returned: clear the blocks that landed before
+    /// it began and were not marked since. Returns the blocks cleared;
+    /// durable at the next `sync`.
+    pub fn clear_landed(&self, ticket: LandedTicket) -> u64 {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        assert_eq!(
+            inner.epoch,
+            ticket.epoch + 1,
+            "one flush of the resyncing leg at a time"
+        );
+        let done = std::mem::take(&mut inner.landed[(ticket.epoch % 2) as usize]);
+        let mut cleared = 0;
+        for lba in done {
             if set_bit(&mut inner.bits, lba, false) {
                 inner.count -= 1;
                 inner.changed.insert(lba / PAGE_BITS);
@@ -450,17 +543,9 @@ impl DirtyMap {
     /// Delete every copy (the leg is in sync again), directories fsynced.
     pub fn remove(&self) -> Result<()> {
         for (path, _) in &self.files {
-            match std::fs::remove_file(path) {
-                Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(io_error("remove", path, error))
-                }
-                _ => {}
-            }
-            if let Some(dir) = path.parent() {
-                File::open(dir)
-                    .and_then(|dir| dir.sync_all())
-                    .map_err(|error| io_error("sync", dir, error))?;
-            }
+            self.store
+                .remove(path)
+                .map_err(|error| io_error("remove", path, error))?;
         }
         Ok(())
     }
@@ -520,11 +605,9 @@ mod tests {
         let copied: Vec<u64> = (u64::from(REGION_BLOCKS)..2 * u64::from(REGION_BLOCKS))
             .filter(|&lba| lba != u64::from(REGION_BLOCKS) + 3)
             .collect();
-        let since = map.sequence();
-        assert_eq!(
-            map.clear_unless_touched(&copied, since),
-            copied.len() as u64
-        );
+        map.landed(copied.iter().copied());
+        let ticket = map.begin_flush();
+        assert_eq!(map.clear_landed(ticket), copied.len() as u64);
         map.sync_and_retire().expect("sync");
         drop(map);
         let (map, _) = open(dir.path(), false);
@@ -532,14 +615,42 @@ mod tests {
     }
 
     #[test]
-    fn a_block_marked_after_its_copy_stays_dirty() {
+    fn a_block_marked_after_it_landed_stays_dirty_and_its_neighbours_clear() {
         let dir = tempfile::tempdir().expect("tempdir");
         let (map, _) = open(dir.path(), true);
         map.mark(0, 4).expect("mark");
-        let since = map.sequence();
+        map.landed(0..4);
+        assert!(map.to_copy_in(0, 8).is_empty(), "landed: not copied again");
         map.mark(2, 3).expect("written again after the copy");
-        assert_eq!(map.clear_unless_touched(&[0, 1, 2, 3], since), 0);
-        assert_eq!(map.count(), 4);
+        assert_eq!(map.to_copy_in(0, 8), vec![2]);
+        assert_eq!(map.next_to_copy(0), Some(2));
+        let ticket = map.begin_flush();
+        assert_eq!(map.clear_landed(ticket), 3, "per block: 0, 1 and 3 clear");
+        assert_eq!(map.dirty_in(0, 8), vec![2]);
+    }
+
+    #[test]
+    fn only_what_landed_before_the_flush_began_is_cleared() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (map, _) = open(dir.path(), true);
+        map.mark(0, 10).expect("mark");
+        map.landed([1, 2]);
+        let ticket = map.begin_flush();
+        // Landed while the flush runs (a write that completed after it was
+        // issued): the flush may not cover it.
+        map.landed([5]);
+        // Written during the flush after it landed before: not covered.
+        map.mark(2, 3).expect("mark");
+        assert_eq!(map.clear_landed(ticket), 1);
+        assert_eq!(map.dirty_in(0, 10), vec![0, 2, 3, 4, 5, 6, 7, 8, 9]);
+        assert!(map.has_landed(), "block 5 waits for the next flush");
+        let ticket = map.begin_flush();
+        assert_eq!(map.clear_landed(ticket), 1);
+        assert_eq!(map.dirty_in(0, 10), vec![0, 2, 3, 4, 6, 7, 8, 9]);
+        assert!(!map.has_landed());
+        // A block that is not dirty does not land (nothing to clear).
+        map.landed([1]);
+        assert!(!map.has_landed());
     }
 
     #[test]

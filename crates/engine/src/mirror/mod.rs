@@ -34,6 +34,7 @@
 mod device;
 pub mod dirty;
 pub mod manage;
+mod map_file;
 pub mod remote;
 mod repair;
 pub mod resync;
@@ -42,9 +43,9 @@ pub mod set;
 mod written;
 
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
-pub use dirty::DirtyMap;
+pub use dirty::{DirtyMap, FileMaps, LandedTicket, MapFile, MapStore};
 pub use remote::{is_remote_member, LegTemplate};
-pub use resync::{ResyncProgress, ResyncRate};
+pub use resync::{ResyncCursor, ResyncProgress, ResyncRate, ResyncStep};
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet,

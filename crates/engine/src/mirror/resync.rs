@@ -1,21 +1,35 @@
 //! Online resync of a stale leg from its resync map (`dirty.rs`).
 //!
 //! A thread walks the map in windows of one stripe (1 MiB). For each
-//! window it takes the mirror's stripe lock, notes the map's mark
-//! sequence, reads the window's dirty blocks sealed from an active leg
-//! and writes them sealed to the resyncing leg (which verifies each block
-//! against its context before storing it; a block that fails there is
-//! fetched from another active leg, or left dirty and named). Client
-//! writes meanwhile go to every active leg *and* the resyncing one. After
-//! a batch the resyncing leg is flushed, then the batch's bits are cleared
-//! unless a client write touched their region since they were copied, and
-//! the map is synced: a restart resumes from what is left. When the map is
-//! empty the leg is recorded active and the map is removed.
+//! window it takes the mirror's stripe lock, reads the window's dirty
+//! blocks that have not landed sealed from an active leg and writes them
+//! sealed to the resyncing leg (which verifies each block against its
+//! context before storing it; a block that fails there is fetched from
+//! another active leg, or left dirty and named); the copied blocks land
+//! in the map. Client writes meanwhile go to every active leg *and* the
+//! resyncing one; a sealed write that every target took lands its blocks
+//! too (`Mirror::write`). After a batch of windows the resyncing leg is
+//! flushed and what landed before that flush began is cleared
+//! (`DirtyMap::clear_landed`; a block written again meanwhile stays
+//! dirty), then the map is synced: a restart resumes from what is left.
+//! So a block is copied once, or not at all if a client rewrites it first
+//! (again only if a trim or zeroing, which each leg applies itself,
+//! touches it after its copy), and a resync ends while clients keep
+//! writing: when nothing is left to copy,
+//! it holds every stripe for one last flush of the leg (no write in
+//! flight), and if the map is then empty records the leg active in
+//! memory before any other write starts; then in the records, and the
+//! map is removed.
 //!
 //! The rate has a floor and a ceiling (DRBD's c-min-rate/c-max-rate, md's
 //! speed_limit_min/max): the ceiling while no client request arrived
 //! during the last batch, the floor while they do.
+//!
+//! `begin_resync`, `resync_step` and `end_resync` are the thread's parts;
+//! the crash simulator calls them itself to put client writes between
+//! batches in a replayable order.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -77,6 +91,50 @@ struct Run {
     started: Instant,
     total: u64,
     full: bool,
+}
+
+/// A resync between two batches (`Mirror::begin_resync`).
+pub struct ResyncCursor {
+    leg: usize,
+    map: Arc<DirtyMap>,
+    run: Run,
+    /// Where the next batch looks first.
+    lba: u64,
+    /// Blocks no active leg holds good: left dirty.
+    unrepairable: BTreeSet<u64>,
+    copied: u64,
+    /// Blocks per window, windows per batch.
+    window: u64,
+    windows: usize,
+}
+
+impl ResyncCursor {
+    /// Blocks copied so far.
+    pub fn copied(&self) -> u64 {
+        self.copied
+    }
+
+    /// Copy in windows of `window` blocks (dividing the 256 of a stripe,
+    /// so a window is under one stripe lock), `windows` per batch: the
+    /// simulator's small volumes take several batches this way.
+    pub fn set_batch(&mut self, window: u64, windows: usize) {
+        assert!(
+            window > 0 && WINDOW_BLOCKS.is_multiple_of(window) && windows > 0,
+            "a window divides a stripe"
+        );
+        (self.window, self.windows) = (window, windows);
+    }
+}
+
+/// What one batch (`Mirror::resync_step`) did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ResyncStep {
+    /// Copied this many blocks (0: none to copy, but the map was not
+    /// empty yet: a write failed or is still landing).
+    Copied(u64),
+    /// The map is empty and the leg active in memory; `end_resync`
+    /// records it.
+    Finished,
 }
 
 impl Mirror {
@@ -144,6 +202,35 @@ impl Mirror {
     /// Start resyncing stale leg `leg` (present, with a map) on a thread.
     /// `full` says the map was started full (unknown history).
     pub fn start_resync(self: &Arc<Self>, leg: usize, rate: ResyncRate, full: bool) -> Result<()> {
+        if rate.min == 0 || rate.max < rate.min {
+            return Err(Error::InvalidArgument(format!(
+                "resync rate floor {} and ceiling {} (bytes/s): the floor must be positive and at most the ceiling",
+                rate.min, rate.max
+            )));
+        }
+        let cursor = self.begin_resync(leg, full)?;
+        let mirror = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name(format!("vouch-resync-{leg}"))
+            .spawn(move || mirror.resync_thread(cursor, rate));
+        match spawned {
+            Ok(handle) => {
+                self.resyncs.lock().push(handle);
+                Ok(())
+            }
+            Err(error) => {
+                self.legs[leg].resyncing.store(false, Ordering::Release);
+                Err(Error::InvalidArgument(format!(
+                    "cannot start a resync: {error}"
+                )))
+            }
+        }
+    }
+
+    /// Make stale leg `leg` (present, with a map) a write target and
+    /// return the cursor of its resync, to be run by `resync_step` until
+    /// it finishes or fails, then `end_resync`.
+    pub fn begin_resync(&self, leg: usize, full: bool) -> Result<ResyncCursor> {
         let slot = self.leg_slot(leg)?;
         if self.active().contains(&leg) {
             return Err(Error::InvalidArgument(format!(
@@ -163,12 +250,6 @@ impl Mirror {
                 slot.name
             )));
         };
-        if rate.min == 0 || rate.max < rate.min {
-            return Err(Error::InvalidArgument(format!(
-                "resync rate floor {} and ceiling {} (bytes/s): the floor must be positive and at most the ceiling",
-                rate.min, rate.max
-            )));
-        }
         if slot.resyncing.swap(true, Ordering::AcqRel) {
             return Err(Error::InvalidArgument(format!(
                 "mirror leg {leg} ({}) is resyncing already",
@@ -180,16 +261,20 @@ impl Mirror {
             total: map.count(),
             full,
         };
-        *slot.progress.lock() = Some(self.progress(&run, 0, &map, "running", None));
-        tracing::info!(leg, name = %slot.name, blocks = run.total, full,
+        let cursor = ResyncCursor {
+            leg,
+            map,
+            run,
+            lba: 0,
+            unrepairable: BTreeSet::new(),
+            copied: 0,
+            window: WINDOW_BLOCKS,
+            windows: BATCH_WINDOWS,
+        };
+        *slot.progress.lock() = Some(self.progress(&cursor, "running", None));
+        tracing::info!(leg, name = %slot.name, blocks = cursor.run.total, full,
             "mirror: resync started");
-        let mirror = Arc::clone(self);
-        let handle = std::thread::Builder::new()
-            .name(format!("vouch-resync-{leg}"))
-            .spawn(move || mirror.resync_thread(leg, map, run, rate))
-            .map_err(|error| Error::InvalidArgument(format!("cannot start a resync: {error}")))?;
-        self.resyncs.lock().push(handle);
-        Ok(())
+        Ok(cursor)
     }
 
     /// Stop every resync (each keeps its map: a restart resumes) and
@@ -211,19 +296,18 @@ impl Mirror {
 
     fn progress(
         &self,
-        run: &Run,
-        copied: u64,
-        map: &DirtyMap,
+        cursor: &ResyncCursor,
         state: &'static str,
         error: Option<String>,
     ) -> ResyncProgress {
+        let (run, copied) = (&cursor.run, cursor.copied);
         let elapsed = run.started.elapsed();
         let rate = if elapsed.as_secs_f64() > 0.0 {
             (copied as f64 * crate::state::BLOCK as f64 / elapsed.as_secs_f64()) as u64
         } else {
             0
         };
-        let left = map.count();
+        let left = cursor.map.count();
         ResyncProgress {
             total: run.total,
             copied,
@@ -237,102 +321,59 @@ impl Mirror {
         }
     }
 
-    fn resync_thread(&self, leg: usize, map: Arc<DirtyMap>, run: Run, rate: ResyncRate) {
-        let slot = &self.legs[leg];
-        let (copied, state, error) = match self.resync_loop(leg, &map, &run, rate) {
-            Err((copied, error)) => (copied, "failed", Some(error.to_string())),
-            Ok(copied) if self.stopping.load(Ordering::Acquire) => (
-                copied,
+    fn resync_thread(&self, mut cursor: ResyncCursor, rate: ResyncRate) {
+        let result = self.resync_loop(&mut cursor, rate);
+        self.end_resync(cursor, result);
+    }
+
+    /// The end of a resync: `result` is `Ok(true)` when its last step
+    /// finished, `Ok(false)` when it was stopped. A finished resync is
+    /// recorded (the leg active in the records, then its map removed).
+    /// Returns its final progress.
+    pub fn end_resync(&self, cursor: ResyncCursor, result: Result<bool>) -> ResyncProgress {
+        let slot = &self.legs[cursor.leg];
+        let (state, error) = match result {
+            Err(error) => ("failed", Some(error.to_string())),
+            Ok(true) => match self.finish(cursor.leg, &cursor.map) {
+                Ok(()) => ("done", None),
+                Err(error) => ("failed", Some(error.to_string())),
+            },
+            Ok(false) if self.stopping.load(Ordering::Acquire) => (
                 "stopped",
                 Some(format!(
                     "server stopping; {} blocks left for the next start",
-                    map.count()
+                    cursor.map.count()
                 )),
             ),
-            Ok(copied) if !slot.resyncing.load(Ordering::Acquire) => (
-                copied,
+            Ok(false) => (
                 "stopped",
                 Some("the leg failed a write; it stays stale".to_string()),
             ),
-            Ok(copied) => match self.finish(leg, &map) {
-                Ok(()) => (copied, "done", None),
-                Err(error) => (copied, "failed", Some(error.to_string())),
-            },
         };
         slot.resyncing.store(false, Ordering::Release);
-        let progress = self.progress(&run, copied, &map, state, error.clone());
-        tracing::info!(leg, name = %slot.name, state, copied, left = progress.left,
-            error = error.as_deref().unwrap_or(""), "mirror: resync ended");
-        *slot.progress.lock() = Some(progress);
+        let progress = self.progress(&cursor, state, error.clone());
+        tracing::info!(leg = cursor.leg, name = %slot.name, state, copied = cursor.copied,
+            left = progress.left, error = error.as_deref().unwrap_or(""), "mirror: resync ended");
+        *slot.progress.lock() = Some(progress.clone());
+        progress
     }
 
-    /// Copy until the map is empty; returns the blocks copied.
-    fn resync_loop(
-        &self,
-        leg: usize,
-        map: &DirtyMap,
-        run: &Run,
-        rate: ResyncRate,
-    ) -> std::result::Result<u64, (u64, Error)> {
-        let slot = &self.legs[leg];
-        let target = self.device(leg);
-        let mut copied = 0u64;
-        map.sync_and_retire().map_err(|e| (copied, e))?;
-        let mut lba = 0;
-        let mut unrepairable: Vec<u64> = Vec::new();
+    /// Run steps until the resync finishes (`Ok(true)`) or is stopped
+    /// (`Ok(false)`: the server stops, or the leg failed a write), pacing
+    /// them.
+    fn resync_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
+        let slot = &self.legs[cursor.leg];
         loop {
             if self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire) {
-                return Ok(copied);
+                return Ok(false);
             }
             let started = Instant::now();
             let foreground = self.foreground.load(Ordering::Relaxed);
-            let mut batch: Vec<(Vec<u64>, u64)> = Vec::new();
-            let mut moved = 0u64;
-            while batch.len() < BATCH_WINDOWS {
-                let Some(next) = map.next_dirty(lba) else {
-                    break;
-                };
-                let window = next - next % WINDOW_BLOCKS;
-                lba = window + WINDOW_BLOCKS;
-                let _locked = self.lock(window, window + WINDOW_BLOCKS);
-                let since = map.sequence();
-                let dirty: Vec<u64> = map
-                    .dirty_in(window, window + WINDOW_BLOCKS)
-                    .into_iter()
-                    .filter(|lba| !unrepairable.contains(lba))
-                    .collect();
-                if dirty.is_empty() {
-                    continue;
-                }
-                let (done, left) = self.copy_blocks(leg, &dirty).map_err(|e| (copied, e))?;
-                unrepairable.extend(left);
-                moved += done.len() as u64;
-                batch.push((done, since));
-            }
-            if batch.is_empty() {
-                if map.count() > unrepairable.len() as u64 {
-                    lba = 0; // written again meanwhile: another pass
-                    continue;
-                }
-                if !unrepairable.is_empty() {
-                    return Err((
-                        copied,
-                        Error::InvalidArgument(format!(
-                            "{} blocks fail verification on every active leg (first LBA {}): left dirty, the leg stays stale",
-                            unrepairable.len(),
-                            unrepairable[0]
-                        )),
-                    ));
-                }
-                return Ok(copied);
-            }
-            target.flush().map_err(|e| (copied, e))?;
-            for (done, since) in &batch {
-                map.clear_unless_touched(done, *since);
-            }
-            map.sync_and_retire().map_err(|e| (copied, e))?;
-            copied += moved;
-            *slot.progress.lock() = Some(self.progress(run, copied, map, "running", None));
+            let moved = match self.resync_step(cursor)? {
+                ResyncStep::Finished => return Ok(true),
+                ResyncStep::Copied(moved) => moved,
+            };
+            *slot.progress.lock() = Some(self.progress(cursor, "running", None));
             // Pace: the ceiling while clients are idle, the floor while busy.
             let busy = self.foreground.load(Ordering::Relaxed) != foreground;
             let limit = if busy { rate.min } else { rate.max };
@@ -344,6 +385,93 @@ impl Mirror {
                 left -= nap;
             }
         }
+    }
+
+    /// One batch: copy the blocks left to copy in up to `BATCH_WINDOWS`
+    /// windows (or as `set_batch` says), from where the last batch
+    /// stopped, wrapping once; then flush the leg and clear what landed
+    /// (`flush_landed`). With nothing left to copy, try to finish
+    /// (`finish_quiesced`).
+    pub fn resync_step(&self, cursor: &mut ResyncCursor) -> Result<ResyncStep> {
+        let map = Arc::clone(&cursor.map);
+        let mut moved = 0u64;
+        let mut windows = 0;
+        let mut wrapped = false;
+        let width = cursor.window;
+        while windows < cursor.windows {
+            let Some(next) = map.next_to_copy(cursor.lba) else {
+                if cursor.lba == 0 || wrapped {
+                    break;
+                }
+                (cursor.lba, wrapped) = (0, true);
+                continue;
+            };
+            let window = next - next % width;
+            cursor.lba = window + width;
+            let _locked = self.lock(window, window + width);
+            let lbas: Vec<u64> = map
+                .to_copy_in(window, window + width)
+                .into_iter()
+                .filter(|lba| !cursor.unrepairable.contains(lba))
+                .collect();
+            if lbas.is_empty() {
+                continue;
+            }
+            let (done, left) = self.copy_blocks(cursor.leg, &lbas)?;
+            // Still under the stripe lock: no write slipped in since the copy.
+            map.landed(done.iter().copied());
+            cursor.unrepairable.extend(left);
+            moved += done.len() as u64;
+            windows += 1;
+        }
+        if map.has_landed() {
+            self.flush_landed(cursor.leg, &map)?;
+        }
+        cursor.copied += moved;
+        if moved > 0 {
+            return Ok(ResyncStep::Copied(moved));
+        }
+        cursor.unrepairable.retain(|&lba| map.is_dirty(lba));
+        if !cursor.unrepairable.is_empty() && map.count() == cursor.unrepairable.len() as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "{} blocks fail verification on every active leg (first LBA {}): left dirty, the leg stays stale",
+                cursor.unrepairable.len(),
+                cursor.unrepairable.first().copied().unwrap_or_default()
+            )));
+        }
+        self.finish_quiesced(cursor)
+    }
+
+    /// Flush `leg` and clear the blocks that landed on it before the flush
+    /// began, then sync the map with no region marked. Crash ordering: the
+    /// leg's flush returns before any bit is cleared, and cleared bits
+    /// reach the disk only with the sync after it.
+    fn flush_landed(&self, leg: usize, map: &DirtyMap) -> Result<()> {
+        let ticket = map.begin_flush();
+        self.device(leg).flush()?;
+        map.clear_landed(ticket);
+        map.sync_and_retire()
+    }
+
+    /// Nothing is left to copy, but blocks may still be landing (writes in
+    /// flight): hold every stripe (no write in flight, none starts), flush
+    /// the leg and clear what landed; if the map is then empty, make the
+    /// leg active in memory before any write starts again, so every later
+    /// write treats it as a member (a failure faults it). Otherwise (a
+    /// write failed, or one marked a block after the batch looked), go on.
+    fn finish_quiesced(&self, cursor: &ResyncCursor) -> Result<ResyncStep> {
+        let _all = self.lock_all();
+        if !self.legs[cursor.leg].resyncing.load(Ordering::Acquire) {
+            return Ok(ResyncStep::Copied(0));
+        }
+        if cursor.map.has_landed() {
+            self.flush_landed(cursor.leg, &cursor.map)?;
+        }
+        if cursor.map.count() > 0 {
+            return Ok(ResyncStep::Copied(0));
+        }
+        self.set_leg_active(cursor.leg)?;
+        Ok(ResyncStep::Finished)
     }
 
     /// Copy `lbas` (one window, stripe locked) from an active leg to `leg`.
@@ -404,10 +532,11 @@ impl Mirror {
         Ok(out)
     }
 
-    /// The map is empty: record the leg active, then remove the map.
+    /// The map is empty and the leg active in memory (`finish_quiesced`):
+    /// record it active, then remove the map (a crash between leaves a
+    /// map for an active leg, removed at open).
     fn finish(&self, leg: usize, map: &DirtyMap) -> Result<()> {
         let slot = &self.legs[leg];
-        self.set_leg_active(leg)?;
         if let Some(membership) = &self.membership {
             membership.set_state(leg, LegState::Active)?;
         }

@@ -1,0 +1,198 @@
+//! Online resync under a client write stream, over real volume
+//! directories: writer threads write without pause, over the blocks the
+//! map names and beyond, for the whole resync; the resync must still end
+//! (within a bound, while they write), and then both legs hold, block for
+//! block, what each writer wrote last, and the map is gone.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vouch_engine::mirror::{self, create_mirror, open_mirror, Mirror, ResyncRate};
+use vouch_engine::{open_volume, BlockDevice, CreateOptions, OpenOptions, Tuning, Volume, BLOCK};
+
+/// 32 MiB legs; leg 1 misses writes to the first 12 MiB.
+const SIZE: u64 = 32 << 20;
+const MISSED: u64 = 12 << 20;
+/// Writers write over the first 16 MiB: in the map and beyond it.
+const WRITTEN: u64 = 16 << 20;
+const WRITERS: u64 = 2;
+
+fn options() -> OpenOptions {
+    OpenOptions {
+        tuning: Tuning {
+            background_commit: false,
+            ..Tuning::default()
+        },
+        ..OpenOptions::default()
+    }
+}
+
+fn open(path: &Path) -> (Mirror, Vec<Option<Arc<Volume>>>, mirror::set::MirrorRecord) {
+    let set = open_mirror(path, true, &mut |leg| open_volume(leg, &options())).expect("open set");
+    let record = set.record.clone();
+    let (mirror, volumes) = set.into_mirror(true).expect("mirror");
+    mirror::set::track_stale_legs(&mirror, &record).expect("track stale legs");
+    (mirror, volumes, record)
+}
+
+fn close(mirror: Arc<Mirror>, volumes: Vec<Option<Arc<Volume>>>) {
+    mirror.stop_resyncs().expect("stop resyncs");
+    drop(mirror);
+    for volume in volumes.into_iter().flatten() {
+        Arc::try_unwrap(volume)
+            .ok()
+            .expect("sole owner")
+            .close()
+            .expect("close");
+    }
+}
+
+/// A block's contents for a writer's `n`-th write.
+fn block(lba: u64, n: u64) -> Vec<u8> {
+    let mut out = vec![0u8; BLOCK as usize];
+    for (i, chunk) in out.chunks_exact_mut(16).enumerate() {
+        chunk[..8].copy_from_slice(&lba.to_le_bytes());
+        chunk[8..].copy_from_slice(&(n ^ i as u64).to_le_bytes());
+    }
+    out
+}
+
+/// Writer `id` writes runs of 1-16 blocks within its own stripes of the
+/// first `WRITTEN` bytes until `stop`; returns what it wrote last per
+/// block (`None`: never) and how many writes it made.
+fn writer(
+    mirror: Arc<Mirror>,
+    id: u64,
+    stop: Arc<AtomicBool>,
+    writes: Arc<AtomicU64>,
+) -> Vec<Option<u64>> {
+    let blocks = WRITTEN / BLOCK;
+    let mut last = vec![None; blocks as usize];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(id + 1);
+    let mut n = 0;
+    while !stop.load(Ordering::Acquire) {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        // Runs of 64 blocks alternate between writers: no two write one block.
+        let run = (state % (blocks / 64 / WRITERS)) * WRITERS + id;
+        let count = state >> 40 & 15;
+        let first = run * 64 + (state >> 20) % (64 - count);
+        let count = count + 1;
+        let mut data = Vec::with_capacity((count * BLOCK) as usize);
+        for lba in first..first + count {
+            n += 1;
+            data.extend(block(lba, n));
+            last[lba as usize] = Some(n);
+        }
+        mirror
+            .write(first * BLOCK, &data, false)
+            .expect("client write");
+        if n % 64 < count {
+            mirror.flush().expect("client flush");
+        }
+        writes.fetch_add(1, Ordering::Relaxed);
+    }
+    last
+}
+
+#[test]
+fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+    create_mirror(&paths, &CreateOptions::new(SIZE))
+        .expect("create")
+        .close()
+        .expect("close");
+    // Leg 1 away while the first 12 MiB are written: its map names them.
+    let away = dir.path().join("away");
+    std::fs::rename(&paths[1], &away).expect("leg 1 away");
+    let (mirror, volumes, _) = open(&paths[0]);
+    for at in (0..MISSED).step_by(1 << 20) {
+        mirror
+            .write(at, &vec![0xa5; 1 << 20], false)
+            .expect("write");
+    }
+    mirror.flush().expect("flush");
+    close(Arc::new(mirror), volumes);
+    std::fs::rename(&away, &paths[1]).expect("leg 1 back");
+
+    let (mirror, volumes, record) = open(&paths[0]);
+    let mirror = Arc::new(mirror);
+    assert_eq!(record.members[1].state, mirror::LegState::Stale);
+    assert_eq!(mirror.map_of(1).expect("map").count(), MISSED / BLOCK);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writes = Arc::new(AtomicU64::new(0));
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|id| {
+            let (mirror, stop, writes) =
+                (Arc::clone(&mirror), Arc::clone(&stop), Arc::clone(&writes));
+            std::thread::spawn(move || writer(mirror, id, stop, writes))
+        })
+        .collect();
+    while writes.load(Ordering::Relaxed) < 50 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Under client I/O the floor applies: 12 MiB at 8 MiB/s, 1.5 s.
+    let rate = ResyncRate {
+        min: 8 << 20,
+        max: 1 << 30,
+    };
+    let started = Instant::now();
+    mirror.start_resync(1, rate, false).expect("start resync");
+    let before = writes.load(Ordering::Relaxed);
+    let bound = Duration::from_secs(30);
+    while mirror.status()[1].resyncing && started.elapsed() < bound {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let took = started.elapsed();
+    let during = writes.load(Ordering::Relaxed) - before;
+    // The writers are still writing: the resync ended under them.
+    std::thread::sleep(Duration::from_millis(100));
+    let after = writes.load(Ordering::Relaxed);
+    stop.store(true, Ordering::Release);
+    let last: Vec<Vec<Option<u64>>> = writers
+        .into_iter()
+        .map(|w| w.join().expect("writer"))
+        .collect();
+    let progress = mirror.status()[1].resync.clone().expect("progress");
+    assert_eq!(
+        progress.state, "done",
+        "the resync did not end within {bound:?} under {during} client writes: {progress:?}"
+    );
+    assert!(
+        during >= 100 && after > before + during,
+        "writers wrote {during} times during the resync and {} after it",
+        after - before - during
+    );
+    assert!(mirror.map_of(1).is_none(), "the map is gone");
+    assert_eq!(mirror.active(), vec![0, 1]);
+    eprintln!(
+        "resync of {} blocks (copied {}) took {took:?} under {during} client writes",
+        MISSED / BLOCK,
+        progress.copied
+    );
+    mirror.flush().expect("flush");
+    // Both legs hold what the writers wrote last, and 0xa5 or zeros
+    // where they did not write.
+    let leg = |index: usize| volumes[index].as_ref().expect("leg open");
+    let mut ours = vec![0u8; BLOCK as usize];
+    let mut theirs = vec![0u8; BLOCK as usize];
+    for lba in 0..SIZE / BLOCK {
+        leg(0).read(lba * BLOCK, &mut ours).expect("leg 0");
+        leg(1).read(lba * BLOCK, &mut theirs).expect("leg 1");
+        assert!(ours == theirs, "the legs differ at LBA {lba}");
+        let written = last
+            .iter()
+            .find_map(|by| by.get(lba as usize).copied().flatten());
+        let expected = match written {
+            Some(n) => block(lba, n),
+            None if lba * BLOCK < MISSED => vec![0xa5; BLOCK as usize],
+            None => vec![0; BLOCK as usize],
+        };
+        assert!(ours == expected, "LBA {lba} is not what was written last");
+    }
+    close(mirror, volumes);
+}
