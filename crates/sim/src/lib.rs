@@ -20,6 +20,7 @@ pub mod crash;
 pub mod faults;
 pub mod fuzz;
 pub mod keychange;
+pub mod map_store;
 pub mod mirror;
 pub mod mirror_faults;
 pub mod mirror_midrun;

@@ -77,6 +77,15 @@ enum Command {
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
+    /// Crash the exporter (both legs and the resync map's files) at every
+    /// write and sync of a mirror resync with client writes between its
+    /// batches; every image is checked and restarted to the end.
+    Resync {
+        #[arg(long, default_value_t = 16)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Faults on one leg of a 2-leg mirror (crc32c, split and packed): the
     /// "repaired" column of the detection matrix, as Markdown.
     MirrorMatrix {
@@ -170,6 +179,14 @@ fn run(cli: Cli) -> Result<bool, String> {
                 println!("{}", path.display());
             }
             Ok(true)
+        }
+        Command::Resync { seeds, seed } => {
+            let report = vouch_sim::resync::run(seed, seeds);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", report.summary());
+            Ok(report.violations.is_empty())
         }
         Command::MirrorMatrix { count, seed } => {
             let report = vouch_sim::mirror_faults::run(count, seed);

@@ -1,69 +1,173 @@
-//! Crash points of mirror resync (`crates/engine/src/mirror/resync.rs`,
-//! docs/CRASH_MODEL.md "Resync"). Two identical legs on simulated storage;
-//! leg 1 goes away and a `Mirror` writes random blocks to leg 0 alone,
-//! marking them in a resync map (a real file in a temporary directory).
-//! Leg 1 then comes back on the recording storage and is resynced; at
-//! every write and sync it issues, crash images of leg 1 are built with
-//! every strategy, and the map file as it is on disk at that moment is
-//! kept. Contract, for every image:
-//! - leg 1 opens and each block reads its old contents (before the resync)
-//!   or its new ones (leg 0's), never other bytes, never a fault;
-//! - the kept map is valid (not unknown history), and a restart resyncing
-//!   from it leaves leg 1 equal to leg 0 on every block;
-//! - once the map is gone (the resync finished), leg 1 equals leg 0.
+//! Crash points of mirror resync under client writes
+//! (`crates/engine/src/mirror/resync.rs`, docs/CRASH_MODEL.md "Resync").
+//!
+//! Two identical legs on simulated storage; leg 1 goes away and a
+//! `Mirror` writes, trims and flushes random blocks on leg 0 alone,
+//! marking them in a resync map kept in simulated map files (`SimMaps`,
+//! 16-block regions so region bits do not cover the whole volume). Leg 1
+//! then comes back and is resynced batch by batch (`Mirror::resync_step`,
+//! a few blocks per batch), with client writes (some partial blocks, some
+//! FUA), trims and flushes between the batches, to blocks in the map and
+//! outside it, and after the resync ends. Leg 0, leg 1 and the map files
+//! are all recorded: at every write and sync any of them issues (and
+//! before each map create and remove) the exporter crashes, and image
+//! triples are built: each strategy on all three, and one random
+//! strategy on each. The map's unsynced writes are torn at 512 bytes in
+//! half the seeds (a torn page fails its CRC). Contract, per image:
+//! - leg 0 opens and every block reads its durable value (the last
+//!   completed flush or FUA) or a value written since: no acknowledged
+//!   and flushed write is lost;
+//! - leg 1 opens and every block reads a value once written there; one
+//!   that is not allowed now (older than the last flush) must be covered
+//!   by the map on disk (its block or region bit), or the map fails its
+//!   CRC (unknown history: a full resync); with no map (the resync
+//!   finished and removed it) every block must be allowed;
+//! - a restart (reads to leg 0 until a scrub, the map's resync run to the
+//!   end, then a scrub) leaves both legs equal to what leg 0 read, on
+//!   every block.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use parking_lot::Mutex;
-use vouch_engine::mirror::{DirtyMap, LegState, Mirror, MirrorLeg, ResyncRate};
+use vouch_engine::jobs::JobControl;
+use vouch_engine::mirror::{
+    DirtyMap, LegState, MapStore, Mirror, MirrorLeg, ResyncCursor, ResyncStep,
+};
 use vouch_engine::{
     BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Volume,
 };
+use vouch_format::dirty::DirtyHeader;
 
-use crate::recorder::{crash_image, Recorder, STRATEGIES};
+use crate::map_store::SimMaps;
+use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
 use crate::rng::Rng;
-use crate::BLOCK;
+use crate::{fingerprint, BLOCK};
 
-/// Blocks in the volume (one resync window).
-const BLOCKS: u64 = 96;
+/// Blocks in the volume.
+const BLOCKS: u64 = 128;
+/// Blocks per region bit of the simulated maps.
+const REGION_BLOCKS: u32 = 16;
 const UUID: [u8; 16] = [0x5e; 16];
-const FAST: ResyncRate = ResyncRate {
-    min: 1 << 40,
-    max: 1 << 40,
-};
+/// Where the map lives (a name in `SimMaps`).
+const DIR: &str = "/sim/leg0";
+/// Batches a resync may take before it counts as not converging.
+const MAX_STEPS: u64 = 2000;
 
-/// A crash image of leg 1 and the map file on disk at that moment.
-type CrashImage = (SimStorage, Option<Vec<u8>>);
+fn header() -> DirtyHeader {
+    DirtyHeader {
+        leg: 1,
+        uuid: UUID,
+        blocks: BLOCKS,
+        region_blocks: REGION_BLOCKS,
+    }
+}
+
+fn map_path() -> PathBuf {
+    Path::new(DIR).join(vouch_engine::mirror::dirty::map_file_name(1))
+}
 
 /// What a resync crash run found.
 #[derive(Debug, Default)]
 pub struct ResyncReport {
     pub seeds: u64,
-    /// Crash images of leg 1 checked (each also restarted to the end).
+    /// Crash points (each gives 5 image triples).
+    pub points: u64,
+    /// Image triples checked (each also restarted to the end).
     pub images: u64,
-    /// Blocks the resyncs copied (summed over seeds).
+    /// Images whose map failed its CRC (a full resync at restart).
+    pub unknown_maps: u64,
+    /// Images with no map (taken after the resync removed it).
+    pub no_map: u64,
+    /// Image blocks on leg 1 holding a value no longer allowed: each one
+    /// must be covered by the map.
+    pub covered: u64,
+    /// Blocks the resyncs copied, batches they took, client operations
+    /// run during them.
     pub copied: u64,
-    /// Image blocks that read their old and their new contents.
-    pub old_blocks: u64,
-    pub new_blocks: u64,
+    pub steps: u64,
+    pub client_ops: u64,
+    /// Map file writes and syncs (each a crash point).
+    pub map_writes: u64,
+    pub map_syncs: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
 
 impl ResyncReport {
+    /// Add what a seed's checker found.
+    fn merge(&mut self, found: ResyncReport) {
+        self.points += found.points;
+        self.images += found.images;
+        self.unknown_maps += found.unknown_maps;
+        self.no_map += found.no_map;
+        self.covered += found.covered;
+        self.violations.extend(found.violations);
+    }
+
     pub fn summary(&self) -> String {
         format!(
-            "mirror resync: seeds={} images={} copied={} image blocks old={} new={} violations={} time={:.1}s",
+            "mirror resync: seeds={} points={} images={} (map unknown={} no map={}) stale-covered={} copied={} steps={} client-ops={} map writes={} syncs={} violations={} time={:.1}s",
             self.seeds,
+            self.points,
             self.images,
+            self.unknown_maps,
+            self.no_map,
+            self.covered,
             self.copied,
-            self.old_blocks,
-            self.new_blocks,
+            self.steps,
+            self.client_ops,
+            self.map_writes,
+            self.map_syncs,
             self.violations.len(),
             self.seconds
         )
+    }
+}
+
+/// Per block: the value durable now, the values written since the last
+/// flush, and every value it ever held (fingerprints), and its newest
+/// bytes.
+#[derive(Clone)]
+struct Model {
+    durable: Vec<u64>,
+    since: Vec<Vec<u64>>,
+    ever: Vec<Vec<u64>>,
+    newest: Vec<Vec<u8>>,
+}
+
+impl Model {
+    fn new(blocks: Vec<Vec<u8>>) -> Model {
+        let prints: Vec<u64> = blocks.iter().map(|b| fingerprint(b)).collect();
+        Model {
+            durable: prints.clone(),
+            since: vec![Vec::new(); blocks.len()],
+            ever: prints.iter().map(|&p| vec![p]).collect(),
+            newest: blocks,
+        }
+    }
+
+    fn allowed(&self, lba: usize, print: u64) -> bool {
+        self.durable[lba] == print || self.since[lba].contains(&print)
+    }
+
+    /// A value about to be written (it may or may not land).
+    fn write(&mut self, lba: usize, bytes: Vec<u8>) {
+        let print = fingerprint(&bytes);
+        self.since[lba].push(print);
+        if !self.ever[lba].contains(&print) {
+            self.ever[lba].push(print);
+        }
+        self.newest[lba] = bytes;
+    }
+
+    /// A flush (or FUA) of `lbas` completed: their newest values are durable.
+    fn durable(&mut self, lbas: impl Iterator<Item = usize>) {
+        for lba in lbas {
+            self.durable[lba] = fingerprint(&self.newest[lba]);
+            self.since[lba].clear();
+        }
     }
 }
 
@@ -71,84 +175,13 @@ fn open_options() -> OpenOptions {
     crate::foreground_options()
 }
 
-/// Run seeds `first..first + seeds`.
-pub fn run(first: u64, seeds: u64) -> ResyncReport {
-    let started = Instant::now();
-    let mut report = ResyncReport::default();
-    for seed in first..first + seeds {
-        let dir =
-            std::env::temp_dir().join(format!("vouch-sim-resync-{}-{seed}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        if let Err(message) = std::fs::create_dir_all(&dir)
-            .map_err(|e| e.to_string())
-            .and_then(|()| run_seed(seed, &dir, &mut report))
-        {
-            report.violations.push(format!("seed {seed}: {message}"));
-        }
-        let _ = std::fs::remove_dir_all(&dir);
-        report.seeds += 1;
-    }
-    report.seconds = started.elapsed().as_secs_f64();
-    report
-}
-
 fn open(storage: Arc<dyn Storage>) -> Result<Arc<Volume>, String> {
     Volume::open(storage, &open_options())
         .map(Arc::new)
-        .map_err(|e| e.to_string())
+        .map_err(|e| format!("open: {e}"))
 }
 
-/// A mirror of `leg0` (active) and `leg1` (stale; `None`: missing) whose
-/// writes for leg 1 are marked in the map in `dir`.
-fn stale_mirror(
-    leg0: Arc<Volume>,
-    leg1: Option<Arc<Volume>>,
-    dir: &Path,
-    create_clean: bool,
-) -> Result<(Arc<Mirror>, Option<String>), String> {
-    let mirror = Mirror::new(
-        vec![
-            MirrorLeg {
-                name: "leg0".into(),
-                device: Some(leg0 as Arc<dyn BlockDevice>),
-                state: LegState::Active,
-            },
-            MirrorLeg {
-                name: "leg1".into(),
-                device: leg1.map(|v| v as Arc<dyn BlockDevice>),
-                state: LegState::Stale,
-            },
-        ],
-        None,
-    )
-    .map_err(|e| e.to_string())?;
-    let (map, unknown) = DirtyMap::open(&[dir.to_path_buf()], 1, UUID, BLOCKS, create_clean)
-        .map_err(|e| e.to_string())?;
-    mirror.track(1, Arc::new(map)).map_err(|e| e.to_string())?;
-    Ok((Arc::new(mirror), unknown))
-}
-
-/// Resync leg 1 to the end; the blocks copied.
-fn resync(mirror: &Arc<Mirror>) -> Result<u64, String> {
-    mirror
-        .start_resync(1, FAST, false)
-        .map_err(|e| e.to_string())?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while mirror.status()[1].resyncing {
-        if Instant::now() > deadline {
-            return Err("resync did not end within 60 s".into());
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    mirror.stop_resyncs().map_err(|e| e.to_string())?;
-    let progress = mirror.status()[1].resync.clone().ok_or("no progress")?;
-    if progress.state != "done" {
-        return Err(format!("resync ended {progress:?}"));
-    }
-    Ok(progress.copied)
-}
-
-fn read_all(volume: &Volume) -> Result<Vec<Vec<u8>>, String> {
+fn read_all(volume: &dyn BlockDevice) -> Result<Vec<Vec<u8>>, String> {
     (0..BLOCKS)
         .map(|lba| {
             let mut buf = vec![0u8; BLOCK];
@@ -160,9 +193,272 @@ fn read_all(volume: &Volume) -> Result<Vec<Vec<u8>>, String> {
         .collect()
 }
 
-/// One seed; violations are pushed to `report`, setup errors returned.
-pub fn run_seed(seed: u64, dir: &Path, report: &mut ResyncReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
+/// A mirror of `leg0` (active) and `leg1` (`state`; `None`: missing).
+fn mirror_of(
+    leg0: Arc<Volume>,
+    leg1: Option<Arc<Volume>>,
+    state: LegState,
+) -> Result<Arc<Mirror>, String> {
+    Mirror::new(
+        vec![
+            MirrorLeg {
+                name: "leg0".into(),
+                device: Some(leg0 as Arc<dyn BlockDevice>),
+                state: LegState::Active,
+            },
+            MirrorLeg {
+                name: "leg1".into(),
+                device: leg1.map(|v| v as Arc<dyn BlockDevice>),
+                state,
+            },
+        ],
+        None,
+    )
+    .map(Arc::new)
+    .map_err(|e| e.to_string())
+}
+
+/// Open leg 1's map from `maps` and track writes in it: why its history is
+/// unknown, if it is.
+fn track(mirror: &Mirror, maps: &SimMaps, create_clean: bool) -> Result<Option<String>, String> {
+    let store: Arc<dyn MapStore> = Arc::new(maps.clone());
+    let (map, unknown) =
+        DirtyMap::open_in(store, &[PathBuf::from(DIR)], header(), create_clean, &[])
+            .map_err(|e| format!("map: {e}"))?;
+    mirror.track(1, Arc::new(map)).map_err(|e| e.to_string())?;
+    Ok(unknown)
+}
+
+/// Run leg 1's resync to its end, batch by batch; the blocks copied.
+fn resync_to_end(mirror: &Mirror, full: bool, window: u64) -> Result<(u64, u64), String> {
+    let mut cursor = mirror.begin_resync(1, full).map_err(|e| e.to_string())?;
+    cursor.set_batch(window, 2);
+    let mut steps = 0;
+    let result = loop {
+        steps += 1;
+        match mirror.resync_step(&mut cursor) {
+            Ok(ResyncStep::Finished) => break Ok(true),
+            Ok(ResyncStep::Copied(_)) if steps < MAX_STEPS => {}
+            Ok(ResyncStep::Copied(_)) => break Ok(false),
+            Err(error) => break Err(error),
+        }
+    };
+    let progress = mirror.end_resync(cursor, result);
+    if progress.state != "done" {
+        return Err(format!("resync ended {progress:?} after {steps} batches"));
+    }
+    Ok((progress.copied, steps))
+}
+
+/// Run seeds `first..first + seeds`.
+pub fn run(first: u64, seeds: u64) -> ResyncReport {
+    let started = Instant::now();
+    let mut report = ResyncReport::default();
+    for seed in first..first + seeds {
+        if let Err(message) = run_seed(seed, &mut report) {
+            report.violations.push(format!(
+                "seed {seed}: {message} (replay: vouch-sim resync --seed {seed} --seeds 1)"
+            ));
+        }
+        report.seeds += 1;
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    report
+}
+
+/// One client operation through `mirror`, the model updated around it.
+fn client_op(mirror: &Mirror, model: &Mutex<Model>, rng: &mut Rng) -> Result<(), String> {
+    let lba = rng.below(BLOCKS);
+    let count = rng.range(1, 6).min(BLOCKS - lba);
+    let bytes = BLOCK as u64;
+    let choice = rng.below(16);
+    if choice < 2 {
+        mirror.flush().map_err(|e| format!("flush: {e}"))?;
+        let mut model = model.lock();
+        model.durable(0..BLOCKS as usize);
+        return Ok(());
+    }
+    if choice < 4 {
+        {
+            let mut model = model.lock();
+            for at in lba..lba + count {
+                model.write(at as usize, vec![0u8; BLOCK]);
+            }
+        }
+        return mirror
+            .trim(lba * bytes, count * bytes, false)
+            .map_err(|e| format!("trim: {e}"));
+    }
+    // A write: one in four partial (512-byte aligned), one in eight FUA.
+    let (offset, length) = if choice < 8 {
+        let start = lba * bytes + rng.below(8) * 512;
+        let end = ((lba + count) * bytes - rng.below(8) * 512).max(start + 512);
+        (start, end - start)
+    } else {
+        (lba * bytes, count * bytes)
+    };
+    let data = rng.bytes(length as usize);
+    let fua = rng.chance(1, 8);
+    let first = offset / bytes;
+    let end = (offset + length).div_ceil(bytes);
+    {
+        let mut model = model.lock();
+        for at in first..end {
+            let mut block = model.newest[at as usize].clone();
+            let from = offset.max(at * bytes);
+            let to = (offset + length).min((at + 1) * bytes);
+            block[(from - at * bytes) as usize..(to - at * bytes) as usize]
+                .copy_from_slice(&data[(from - offset) as usize..(to - offset) as usize]);
+            model.write(at as usize, block);
+        }
+    }
+    mirror
+        .write(offset, &data, fua)
+        .map_err(|e| format!("write: {e}"))?;
+    if fua {
+        model.lock().durable(first as usize..end as usize);
+    }
+    Ok(())
+}
+
+/// The crash checker the hooks of leg 0, leg 1 and the map files call.
+struct Checker {
+    seed: u64,
+    leg0: Arc<Recorder>,
+    leg1: Arc<Recorder>,
+    maps: SimMaps,
+    model: Arc<Mutex<Model>>,
+    /// Tearing unit of the map's unsynced writes.
+    map_unit: u64,
+    window: u64,
+    rng: Rng,
+    report: ResyncReport,
+}
+
+impl Checker {
+    /// A crash now: image triples with each strategy on all three, and
+    /// one random strategy on each.
+    fn point(&mut self) {
+        self.report.points += 1;
+        let model = self.model.lock().clone();
+        let mut choices: Vec<[Strategy; 3]> = STRATEGIES.iter().map(|&s| [s; 3]).collect();
+        let mut pick = || STRATEGIES[self.rng.below(STRATEGIES.len() as u64) as usize];
+        choices.push([pick(), pick(), pick()]);
+        for [s0, s1, sm] in choices {
+            let image0 = crash_image(&self.leg0.sim, &self.leg0.order(), s0, 4096, &mut self.rng);
+            let image1 = crash_image(&self.leg1.sim, &self.leg1.order(), s1, 4096, &mut self.rng);
+            let maps = self.maps.crash_image(sm, self.map_unit, &mut self.rng);
+            self.report.images += 1;
+            if let Err(message) = self.check(image0, image1, maps, &model) {
+                let index = self.report.images;
+                self.report.violations.push(format!(
+                    "seed {} point {} image {index} ({s0:?}/{s1:?}/map {sm:?}): {message}",
+                    self.seed, self.report.points
+                ));
+            }
+        }
+    }
+
+    fn check(
+        &mut self,
+        image0: SimStorage,
+        image1: SimStorage,
+        maps: SimMaps,
+        model: &Model,
+    ) -> Result<(), String> {
+        let leg0 = open(Arc::new(image0)).map_err(|e| format!("leg 0: {e}"))?;
+        let leg1 = open(Arc::new(image1)).map_err(|e| format!("leg 1: {e}"))?;
+        let before0 = read_all(&*leg0).map_err(|e| format!("leg 0: {e}"))?;
+        for (lba, block) in before0.iter().enumerate() {
+            if !model.allowed(lba, fingerprint(block)) {
+                return Err(format!(
+                    "leg 0 LBA {lba} lost a flushed write (holds a value no flush or later write allows)"
+                ));
+            }
+        }
+        let mapped = maps.file(&map_path()).is_some();
+        let state = if mapped {
+            LegState::Stale
+        } else {
+            LegState::Active
+        };
+        let mirror = mirror_of(Arc::clone(&leg0), Some(Arc::clone(&leg1)), state)?;
+        let unknown = if mapped {
+            let unknown = track(&mirror, &maps, false)?;
+            self.report.unknown_maps += u64::from(unknown.is_some());
+            unknown
+        } else {
+            self.report.no_map += 1;
+            None
+        };
+        self.check_leg1(&leg1, mirror.map_of(1).as_deref(), unknown.is_some(), model)?;
+        // Restart: reads to leg 0 until a scrub; the map resynced to the
+        // end; a scrub.
+        mirror.read_one_leg_until_scrubbed();
+        if mapped {
+            resync_to_end(&mirror, unknown.is_some(), self.window)
+                .map_err(|e| format!("restarted resync: {e}"))?;
+        }
+        let scrubbed = vouch_engine::mirror::scrub::scrub(&mirror, &JobControl::default())
+            .map_err(|e| format!("scrub: {e}"))?;
+        if scrubbed.left != 0 {
+            return Err(format!("the scrub left blocks: {scrubbed:?}"));
+        }
+        let after0 = read_all(&*leg0).map_err(|e| format!("leg 0 after restart: {e}"))?;
+        let after1 = read_all(&*leg1).map_err(|e| format!("leg 1 after restart: {e}"))?;
+        for lba in 0..BLOCKS as usize {
+            if after0[lba] != before0[lba] {
+                return Err(format!("leg 0 LBA {lba} changed in the restart"));
+            }
+            if after1[lba] != after0[lba] {
+                return Err(format!(
+                    "after the restart's resync and scrub leg 1 LBA {lba} differs from leg 0"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every block of leg 1 holds a value once written there; one older
+    /// than the last flush is covered by `map` (or the map's history is
+    /// `unknown`: a full resync). With no map, every block is allowed.
+    fn check_leg1(
+        &mut self,
+        leg1: &Volume,
+        map: Option<&DirtyMap>,
+        unknown: bool,
+        model: &Model,
+    ) -> Result<(), String> {
+        let blocks = read_all(leg1).map_err(|e| format!("leg 1: {e}"))?;
+        for (lba, block) in blocks.iter().enumerate() {
+            let print = fingerprint(block);
+            if !model.ever[lba].contains(&print) {
+                return Err(format!("leg 1 LBA {lba} holds bytes never written there"));
+            }
+            if model.allowed(lba, print) || unknown {
+                continue;
+            }
+            match map {
+                Some(map) if map.is_dirty(lba as u64) => self.report.covered += 1,
+                Some(_) => {
+                    return Err(format!(
+                        "leg 1 LBA {lba} holds a value older than the last flush and the map on disk does not cover it"
+                    ))
+                }
+                None => {
+                    return Err(format!(
+                        "the map is gone but leg 1 LBA {lba} holds a value older than the last flush"
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A new volume, half written and closed: two identical copies of it
+/// (leg 0 and leg 1) and its blocks.
+fn new_legs(rng: &mut Rng) -> Result<(SimStorage, SimStorage, Vec<Vec<u8>>), String> {
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
     options.layout = if rng.chance(1, 2) {
@@ -177,131 +473,165 @@ pub fn run_seed(seed: u64, dir: &Path, report: &mut ResyncReport) -> Result<(), 
             .map_err(|e| e.to_string())?;
     }
     volume.close().map_err(|e| e.to_string())?;
-    let leg0_sim = sim.crash_image(|_, _, _| u64::MAX);
-    let leg1_sim = sim.crash_image(|_, _, _| u64::MAX);
-    let old = read_all(&*open(Arc::new(leg1_sim.clone()))?)?;
+    let leg0 = sim.crash_image(|_, _, _| u64::MAX);
+    let leg1 = sim.crash_image(|_, _, _| u64::MAX);
+    let blocks = read_all(&*open(Arc::new(sim))?)?;
+    Ok((leg0, leg1, blocks))
+}
 
-    // Leg 1 away: writes reach leg 0 only and are marked in the map.
-    let leg0 = open(Arc::new(leg0_sim.clone()))?;
-    let (mirror, _) = stale_mirror(Arc::clone(&leg0), None, dir, true)?;
-    for _ in 0..rng.range(1, 12) {
-        let lba = rng.below(BLOCKS);
-        let count = rng.range(1, 4).min(BLOCKS - lba);
+/// Call `checker` before every I/O of both legs and the map files
+/// (`None`: no more).
+fn hook_all(checker: Option<&Arc<Mutex<Checker>>>, legs: [&Recorder; 2], maps: &SimMaps) {
+    for recorder in legs {
+        let hook = checker.map(Arc::clone);
+        recorder.set_hook(hook.map(|checker| -> crate::recorder::Hook {
+            Box::new(move |_, _| checker.lock().point())
+        }));
+    }
+    let hook = checker.map(Arc::clone);
+    maps.set_hook(
+        hook.map(|checker| -> crate::map_store::MapHook {
+            Box::new(move || checker.lock().point())
+        }),
+    );
+}
+
+/// A mirror and its two legs' volumes.
+type Served = (Arc<Mirror>, Arc<Volume>, Arc<Volume>);
+
+/// Leg 1 back after `mirror` ran without it: attached to the running
+/// mirror with its map as in memory (`vouch mirror resync --server`), or,
+/// when not `online`, after a clean restart with its map read back from
+/// the files. The mirror and both legs' volumes.
+fn bring_back(
+    online: bool,
+    (mirror, leg0): (Arc<Mirror>, Arc<Volume>),
+    recorders: [&Arc<Recorder>; 2],
+    maps: &SimMaps,
+    model: &Mutex<Model>,
+) -> Result<Served, String> {
+    let reopen = |recorder: &Arc<Recorder>| open(Arc::clone(recorder) as Arc<dyn Storage>);
+    if online {
+        let leg1 = reopen(recorders[1])?;
         mirror
-            .write(
-                lba * BLOCK as u64,
-                &rng.bytes(BLOCK * count as usize),
-                false,
-            )
+            .attach(1, Arc::clone(&leg1) as Arc<dyn BlockDevice>)
             .map_err(|e| e.to_string())?;
-        if rng.chance(1, 3) {
-            mirror.flush().map_err(|e| e.to_string())?;
-        }
+        return Ok((mirror, leg0, leg1));
     }
     mirror.flush().map_err(|e| e.to_string())?;
+    model.lock().durable(0..BLOCKS as usize);
     mirror.stop_resyncs().map_err(|e| e.to_string())?;
     drop(mirror);
     Arc::try_unwrap(leg0)
         .map_err(|_| "leg 0 still shared")?
         .close()
         .map_err(|e| e.to_string())?;
-    let new = read_all(&*open(Arc::new(leg0_sim.clone()))?)?;
-
-    // Leg 1 back on the recorder: resync, crash images at each of its I/Os.
-    let recorder = Arc::new(Recorder::new(leg1_sim));
-    let map_path: PathBuf = dir.join("mirror.dirty.1");
-    let images: Arc<Mutex<Vec<CrashImage>>> = Arc::new(Mutex::new(Vec::new()));
-    let collected = Arc::clone(&images);
-    let mut hook_rng = rng.fork();
-    let hook_map = map_path.clone();
-    recorder.set_hook(Some(Box::new(move |sim, order| {
-        let map = std::fs::read(&hook_map).ok();
-        for strategy in STRATEGIES {
-            let image = crash_image(sim, order, strategy, 4096, &mut hook_rng);
-            collected.lock().push((image, map.clone()));
-        }
-    })));
-    let leg0 = open(Arc::new(leg0_sim.crash_image(|_, _, _| u64::MAX)))?;
-    let leg1 = open(recorder.clone() as Arc<dyn Storage>)?;
-    let (mirror, unknown) = stale_mirror(leg0, Some(leg1), dir, false)?;
-    if let Some(why) = unknown {
+    let (leg0, leg1) = (reopen(recorders[0])?, reopen(recorders[1])?);
+    let mirror = mirror_of(Arc::clone(&leg0), Some(Arc::clone(&leg1)), LegState::Stale)?;
+    if let Some(why) = track(&mirror, maps, false)? {
         return Err(format!(
             "the map written while leg 1 was away is unusable: {why}"
         ));
     }
-    report.copied += resync(&mirror)?;
-    recorder.crash_point();
-    recorder.set_hook(None);
-    drop(mirror);
+    Ok((mirror, leg0, leg1))
+}
 
-    let images = std::mem::take(&mut *images.lock());
-    for (index, (image, map)) in images.into_iter().enumerate() {
-        report.images += 1;
-        let fail = |what: String| format!("seed {seed} image {index}: {what}");
-        let volume = match open(Arc::new(image.clone())) {
-            Ok(volume) => volume,
-            Err(error) => {
-                report
-                    .violations
-                    .push(fail(format!("leg 1 does not open: {error}")));
-                continue;
-            }
-        };
-        for lba in 0..BLOCKS {
-            let mut buf = vec![0u8; BLOCK];
-            match volume.read(lba * BLOCK as u64, &mut buf) {
-                Ok(_) if buf == new[lba as usize] => report.new_blocks += 1,
-                Ok(_) if buf == old[lba as usize] => report.old_blocks += 1,
-                other => report.violations.push(fail(format!(
-                    "leg 1 LBA {lba} reads neither its old nor its new contents: {:?}",
-                    other.map(|_| "other bytes")
-                ))),
-            }
-        }
-        // Restart: the map as it was on disk, the resync run to the end.
-        // No map: the resync had finished (the leg is active): it must
-        // hold every block.
-        let Some(map) = map else {
-            match read_all(&volume) {
-                Ok(after) if after == new => {}
-                other => report.violations.push(fail(format!(
-                    "the map is gone but leg 1 differs from leg 0: {:?}",
-                    other.map(|_| "some blocks differ")
-                ))),
-            }
-            continue;
-        };
-        drop(volume);
-        std::fs::write(&map_path, &map).map_err(|e| e.to_string())?;
-        let leg0 = open(Arc::new(leg0_sim.crash_image(|_, _, _| u64::MAX)))?;
-        let leg1 = open(Arc::new(image))?;
-        let (mirror, unknown) = stale_mirror(leg0, Some(Arc::clone(&leg1)), dir, false)?;
-        if let Some(why) = unknown {
-            report
-                .violations
-                .push(fail(format!("the map on disk is unusable: {why}")));
-        }
-        if let Err(error) = resync(&mirror) {
-            report
-                .violations
-                .push(fail(format!("restarted resync: {error}")));
-            continue;
-        }
-        drop(mirror);
-        match read_all(&leg1) {
-            Ok(after) => {
-                for lba in 0..BLOCKS {
-                    if after[lba as usize] != new[lba as usize] {
-                        report.violations.push(fail(format!(
-                            "after the restarted resync leg 1 LBA {lba} differs from leg 0"
-                        )));
-                    }
-                }
-            }
-            Err(error) => report
-                .violations
-                .push(fail(format!("after restart: {error}"))),
+/// One seed; violations are pushed to `report`, setup errors returned.
+pub fn run_seed(seed: u64, report: &mut ResyncReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (leg0_sim, leg1_sim, initial) = new_legs(&mut rng)?;
+    let map_unit = if rng.chance(1, 2) { 512 } else { 4096 };
+    let window = [4, 8, 16][rng.below(3) as usize];
+    let model = Arc::new(Mutex::new(Model::new(initial)));
+    let maps = SimMaps::new();
+    // Everything recorded from here on: a crash point at each I/O.
+    let recorders = [
+        Arc::new(Recorder::new(leg0_sim)),
+        Arc::new(Recorder::new(leg1_sim)),
+    ];
+    let checker = Arc::new(Mutex::new(Checker {
+        seed,
+        leg0: Arc::clone(&recorders[0]),
+        leg1: Arc::clone(&recorders[1]),
+        maps: maps.clone(),
+        model: Arc::clone(&model),
+        map_unit,
+        window,
+        rng: rng.fork(),
+        report: ResyncReport::default(),
+    }));
+    hook_all(Some(&checker), [&recorders[0], &recorders[1]], &maps);
+
+    // Leg 1 away: client I/O reaches leg 0 only and is marked in the map.
+    let leg0 = open(Arc::clone(&recorders[0]) as Arc<dyn Storage>)?;
+    let mirror = mirror_of(Arc::clone(&leg0), None, LegState::Stale)?;
+    track(&mirror, &maps, true)?;
+    for _ in 0..rng.range(4, 24) {
+        client_op(&mirror, &model, &mut rng)?;
+    }
+    let online = rng.chance(1, 2);
+    let (mirror, leg0, leg1) = bring_back(
+        online,
+        (mirror, leg0),
+        [&recorders[0], &recorders[1]],
+        &maps,
+        &model,
+    )?;
+    let mut cursor = mirror.begin_resync(1, false).map_err(|e| e.to_string())?;
+    cursor.set_batch(window, 2);
+    let (result, steps) = drive(&mirror, &mut cursor, &model, &mut rng, report)?;
+    let progress = mirror.end_resync(cursor, result);
+    report.copied += progress.copied;
+    // After the resync (the leg active, its map gone): more client I/O.
+    for _ in 0..rng.range(0, 4) {
+        client_op(&mirror, &model, &mut rng)?;
+        report.client_ops += 1;
+    }
+    checker.lock().point();
+    hook_all(None, [&recorders[0], &recorders[1]], &maps);
+    let counts = maps.counts();
+    report.map_writes += counts.writes;
+    report.map_syncs += counts.syncs;
+    report.merge(std::mem::take(&mut checker.lock().report));
+    if progress.state != "done" {
+        return Err(format!(
+            "the resync under client writes ended {progress:?} after {steps} batches"
+        ));
+    }
+    // Both legs now hold what the client wrote last.
+    for (leg, name) in [(&leg0, "leg 0"), (&leg1, "leg 1")] {
+        let blocks = read_all(&**leg).map_err(|e| format!("{name}: {e}"))?;
+        let model = model.lock();
+        if let Some(lba) = (0..BLOCKS as usize).find(|&lba| blocks[lba] != model.newest[lba]) {
+            return Err(format!(
+                "after the resync {name} LBA {lba} is not what the client wrote last"
+            ));
         }
     }
     Ok(())
+}
+
+/// Run the resync's batches with client I/O between them: what the
+/// resync came to (`end_resync`'s input) and the batches it took, or a
+/// client request's error.
+fn drive(
+    mirror: &Mirror,
+    cursor: &mut ResyncCursor,
+    model: &Mutex<Model>,
+    rng: &mut Rng,
+    report: &mut ResyncReport,
+) -> Result<(vouch_engine::Result<bool>, u64), String> {
+    for steps in 1..=MAX_STEPS {
+        report.steps += 1;
+        match mirror.resync_step(cursor) {
+            Ok(ResyncStep::Finished) => return Ok((Ok(true), steps)),
+            Ok(ResyncStep::Copied(_)) => {}
+            Err(error) => return Ok((Err(error), steps)),
+        }
+        for _ in 0..rng.range(0, 3) {
+            report.client_ops += 1;
+            client_op(mirror, model, rng)?;
+        }
+    }
+    Ok((Ok(false), MAX_STEPS))
 }
