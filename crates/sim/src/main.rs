@@ -77,6 +77,30 @@ enum Command {
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
+    /// Crash leg 1 of a mirror at every write and sync of read and scrub
+    /// repair (`mirror.rs`).
+    MirrorRepair {
+        #[arg(long, default_value_t = 24)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Crash the exporter at every write and sync of mirrored writes
+    /// (`mirror_write.rs`).
+    MirrorWrite {
+        #[arg(long, default_value_t = 64)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
+    /// Crash the exporter at each step of taking a lost leg out with its
+    /// resync map (`mirror_midrun.rs`).
+    MirrorMidrun {
+        #[arg(long, default_value_t = 24)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Crash the exporter (both legs and the resync map's files) at every
     /// write and sync of a mirror resync with client writes between its
     /// batches; every image is checked and restarted to the end.
@@ -105,6 +129,15 @@ fn guard(name: &str) -> Result<GuardKind, String> {
     parse_guard(name).ok_or_else(|| {
         format!("unknown guard {name:?} (crc32c, crc64nvme, crc16t10dif, xxh3, none)")
     })
+}
+
+/// Print a run's violations and summary; whether it had none.
+fn print_report(violations: &[String], summary: &str) -> bool {
+    for violation in violations {
+        println!("{violation}");
+    }
+    println!("{summary}");
+    violations.is_empty()
 }
 
 fn main() -> ExitCode {
@@ -182,11 +215,19 @@ fn run(cli: Cli) -> Result<bool, String> {
         }
         Command::Resync { seeds, seed } => {
             let report = vouch_sim::resync::run(seed, seeds);
-            for violation in &report.violations {
-                println!("{violation}");
-            }
-            println!("{}", report.summary());
-            Ok(report.violations.is_empty())
+            Ok(print_report(&report.violations, &report.summary()))
+        }
+        Command::MirrorRepair { seeds, seed } => {
+            let report = vouch_sim::mirror::run(seed, seeds);
+            Ok(print_report(&report.violations, &report.summary()))
+        }
+        Command::MirrorWrite { seeds, seed } => {
+            let report = vouch_sim::mirror_write::run(seed, seeds);
+            Ok(print_report(&report.violations, &report.summary()))
+        }
+        Command::MirrorMidrun { seeds, seed } => {
+            let report = vouch_sim::mirror_midrun::run(seed, seeds);
+            Ok(print_report(&report.violations, &report.summary()))
         }
         Command::MirrorMatrix { count, seed } => {
             let report = vouch_sim::mirror_faults::run(count, seed);
