@@ -18,8 +18,9 @@
 # The anchors serve one prefilled raw file of SIZE in DIR (same filesystem as the volumes).
 #
 # A/B against an older vouch (the "costs nothing" check of an engine change): VOUCH_BASE=/path/to/old/vouch
-# enables base_split, base_packed, base_split_direct, base_packed_direct: exactly the vouch_* servers
-# (own volumes vol-base-*, own ports, own prefill) but running $VOUCH_BASE. They are interleaved with
+# enables base_split, base_packed, base_split_direct, base_packed_direct (and base_mirror2,
+# base_mirror3): exactly the vouch_* servers (own volumes vol-base-*, own ports, own prefill) but
+# running $VOUCH_BASE. They are interleaved with
 # every other server in the same repetitions, and report.md gets a "new vs base" section per pair:
 # per-repetition ratios vouch_X/base_X (same repetition), their median, the ratio of the medians, and a
 # flag on every test whose median per-repetition ratio is < AB_THRESHOLD (0.95). With VOUCH_BASE set
@@ -102,7 +103,8 @@ declare -A PORT=( [vouch_split]=$PORT_BASE [vouch_packed]=$((PORT_BASE+1)) [qemu
                   [qemunbd_wb]=$((PORT_BASE+7))
                   [base_split]=$((PORT_BASE+8)) [base_packed]=$((PORT_BASE+9))
                   [base_split_direct]=$((PORT_BASE+10)) [base_packed_direct]=$((PORT_BASE+11))
-                  [vouch_mirror2]=$((PORT_BASE+12)) [vouch_mirror3]=$((PORT_BASE+13)) )
+                  [vouch_mirror2]=$((PORT_BASE+12)) [vouch_mirror3]=$((PORT_BASE+13))
+                  [base_mirror2]=$((PORT_BASE+14)) [base_mirror3]=$((PORT_BASE+15)) )
 for s in $SERVERS; do
     [ -n "${PORT[$s]:-}" ] || die "unknown server $s"
     [[ $s != base_* ]] || [ -n "$VOUCH_BASE" ] || die "server $s needs VOUCH_BASE=/path/to/old/vouch"
@@ -185,13 +187,16 @@ start_server() { # NAME
         "$bin" serve "$vol" --create "$BYTES" --layout "$layout" "${direct[@]}" --listen "127.0.0.1:$port" \
             --metrics "127.0.0.1:$((port + 100))" > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
-    vouch_mirror2|vouch_mirror3)
-        local legs=${s#vouch_mirror} vol="$DIR/vol-${s#vouch_}" mirrors=()
+    vouch_mirror2|vouch_mirror3|base_mirror2|base_mirror3)
+        # base_mirrorN is vouch_mirrorN run by $VOUCH_BASE, with its own legs
+        local bin=$VOUCH vol="$DIR/vol-${s#vouch_}" mirrors=()
+        if [[ $s == base_* ]]; then bin=$VOUCH_BASE; vol="$DIR/vol-base-${s#base_}"; fi
+        local legs=${s#*_mirror}
         rm -rf "$vol" "$vol"-leg*
         for i in $(seq 1 $((legs - 1))); do mirrors+=(--mirror "$vol-leg$i"); done
-        "$VOUCH" create "$vol" --size "$BYTES" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
+        "$bin" create "$vol" --size "$BYTES" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
             || die "$s: create failed: $(cat "$OUT/logs/$s.create.log")"
-        "$VOUCH" serve "$vol" --listen "127.0.0.1:$port" --metrics "127.0.0.1:$((port + 100))" \
+        "$bin" serve "$vol" --listen "127.0.0.1:$port" --metrics "127.0.0.1:$((port + 100))" \
             > "$OUT/logs/$s.log" 2>&1 &
         echo $! > "$RUN/$s.pid" ;;
     qemunbd)
@@ -356,7 +361,8 @@ reps = max((int(r["rep"]) for r in rows), default=0)
 runtime = next((r["runtime_s"] for r in rows if not r["test"].startswith("sweep_")), runtime)
 sweep_rt = next((r["runtime_s"] for r in rows if r["test"].startswith("sweep_")), sweep_rt)
 pref = ["vouch_split", "base_split", "vouch_packed", "base_packed", "vouch_split_direct", "base_split_direct",
-        "vouch_packed_direct", "base_packed_direct", "vouch_mirror2", "vouch_mirror3",
+        "vouch_packed_direct", "base_packed_direct", "vouch_mirror2", "base_mirror2", "vouch_mirror3",
+        "base_mirror3",
         "qemunbd", "qemunbd_wb", "nbdkit_none", "nbdkit_pc"]
 servers = [s for s in pref if s in order_s] + [s for s in order_s if s not in pref]
 def med(s, t, f):
