@@ -19,7 +19,7 @@ case $FG in randread) DIRECTION=read ;; randwrite) DIRECTION=write ;; *) echo "F
 PORT=10812; CONTROL=127.0.0.1:10813
 command -v fio >/dev/null || { echo "fio missing: apt-get install -y fio" >&2; exit 1; }
 P=""
-stop() { [ -n "$P" ] && { kill "$P" 2>/dev/null; wait "$P" 2>/dev/null || true; P=""; }; }
+stop() { if [ -n "$P" ]; then kill "$P" 2>/dev/null; wait "$P" 2>/dev/null || true; P=""; fi; }
 trap 'stop; rm -rf "$D"' EXIT
 serve() { # extra serve args
     $V serve "$D/a" --listen 127.0.0.1:$PORT "$@" >>"$D/serve.log" 2>&1 & P=$!
