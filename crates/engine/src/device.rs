@@ -12,14 +12,15 @@
 //! device that can do better overrides.
 
 use std::ops::Range;
-use std::sync::Arc;
+
+use bytes::Bytes;
 
 use vouch_format::Context;
 
 use crate::buffer::PageBuffer;
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
-use crate::state::{Block, BLOCK};
+use crate::state::{BlockData, BLOCK};
 use crate::write::ZeroFlags;
 
 /// Blocks moved per step by the default `verify`, `copy` and `compare` (1 MiB).
@@ -32,7 +33,7 @@ pub const OFFLOAD_CHUNK_BLOCKS: u64 = 256;
 pub struct SealedBlock {
     pub lba: u64,
     /// Shared: a mirrored write hands the same bytes to every leg.
-    pub data: Arc<Block>,
+    pub data: BlockData,
     pub context: Context,
 }
 
@@ -72,6 +73,17 @@ pub trait BlockDevice: Send + Sync {
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
         let _ = (offset, data);
         Ok(false)
+    }
+
+    /// `write` of bytes the device may keep without copying them (an NBD
+    /// WRITE's payload). The default writes a borrowed copy.
+    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
+        self.write(offset, data, fua)
+    }
+
+    /// `try_write` of bytes the device may keep. The default: `try_write`.
+    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
+        self.try_write(offset, data)
     }
 
     /// Make every write completed before this call durable.
@@ -147,7 +159,7 @@ pub trait BlockDevice: Send + Sync {
     /// seals a write once and every leg stores the same bytes and context
     /// (PI computed once, verified at every leg). `Unsupported` when the
     /// device cannot seal (then the mirror has each leg seal for itself).
-    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+    fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
         let _ = (first, data, generation);
         Err(Error::Unsupported(
             "sealing blocks for another device".into(),

@@ -54,7 +54,7 @@ pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
 pub use layout::Allocation;
 pub use options::{CreateOptions, OpenOptions, Tuning};
-pub use state::{shared_block, Block, RangeOp, BLOCK};
+pub use state::{Block, BlockData, RangeOp, BLOCK};
 pub use stats::{Stats, StatsSnapshot};
 pub use storage::sim::{FaultPlan, SimStorage};
 pub use storage::{direct, sim};

@@ -55,6 +55,15 @@ pub trait Protection: Send + Sync {
     /// block to it; the plain one takes the commit's sequence later.
     fn seal(&self, lba: u64, data: &mut [u8], generation: u64) -> Seal;
 
+    /// `seal` of bytes that must not change (a block shared with the
+    /// buffer it was received into): `Some` for a protection that stores
+    /// data as it is, `None` for one that transforms it (encryption), which
+    /// the caller then seals in a copy with `seal`.
+    fn seal_unchanged(&self, lba: u64, data: &[u8], generation: u64) -> Option<Seal> {
+        let _ = (lba, data, generation);
+        None
+    }
+
     /// The context a sealed block is stored with, once its commit's
     /// sequence number (the block's generation) is known.
     fn context(&self, lba: u64, seal: Seal, generation: u64) -> Context;
@@ -156,6 +165,10 @@ impl GuardProtection {
 impl Protection for GuardProtection {
     fn seal(&self, _lba: u64, data: &mut [u8], _generation: u64) -> Seal {
         Seal::guard(self.guard.compute(data))
+    }
+
+    fn seal_unchanged(&self, _lba: u64, data: &[u8], _generation: u64) -> Option<Seal> {
+        Some(Seal::guard(self.guard.compute(data)))
     }
 
     fn context(&self, lba: u64, seal: Seal, generation: u64) -> Context {

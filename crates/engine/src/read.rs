@@ -6,8 +6,8 @@
 //! bytes of it are returned.
 
 use std::ops::Range;
-use std::sync::Arc;
 
+use bytes::BytesMut;
 use smallvec::SmallVec;
 
 use vouch_format::{Context, FormatError, CONTEXT_BYTES};
@@ -19,7 +19,7 @@ use crate::jobs::SCAN_CHUNK_BLOCKS;
 use crate::layout::{Allocation, ContextFrom, Planned};
 use crate::protection::Seal;
 use crate::shared::Shared;
-use crate::state::{load_context_page, Block, BLOCK};
+use crate::state::{load_context_page, BlockData, BLOCK};
 use crate::storage::Wait;
 
 /// How long a read of blocks being cloned sleeps before it looks again.
@@ -29,7 +29,7 @@ const CLONE_WAIT: std::time::Duration = std::time::Duration::from_micros(50);
 pub(crate) enum Source {
     /// The write-back buffer: the bytes as sealed (ciphertext on an
     /// encrypted volume) and their seal.
-    Memory(Arc<Block>, Seal),
+    Memory(BlockData, Seal),
     Zero,
     /// Home storage, verified against its context.
     Home(ContextFrom),
@@ -220,19 +220,19 @@ impl Shared {
             let lba = first + index as u64;
             let (data, context) = match source {
                 Source::Memory(buffered, seal) => (
-                    Arc::clone(buffered),
+                    buffered.clone(),
                     self.protection.context(lba, *seal, generation),
                 ),
-                Source::Zero => (Arc::new([0u8; BLOCK as usize]), Context::Unwritten),
+                Source::Zero => (BlockData::zeroed(), Context::Unwritten),
                 Source::Unreadable => return Err(unreadable(lba)),
                 Source::Home(from) => {
-                    let mut data: Arc<Block> = Arc::new([0u8; BLOCK as usize]);
-                    let bytes = Arc::get_mut(&mut data).expect("a new block is not shared");
+                    let mut bytes = BytesMut::zeroed(BLOCK as usize);
                     let stored = self
                         .layouts
                         .of(lba)
                         .read_block(&self.io, lba, &mut bytes[..])
                         .map_err(|_| unreadable(lba))?;
+                    let data = BlockData::from_bytes(bytes.freeze());
                     let context = match from {
                         ContextFrom::Known(found) => found.clone(),
                         ContextFrom::Record => stored.expect("a record carries its context"),

@@ -5,7 +5,8 @@
 //! writers, commits and checkpoints take it exclusively.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+
+use bytes::Bytes;
 
 use vouch_format::{Context, BLOCK_SIZE};
 
@@ -20,17 +21,61 @@ use crate::storage::ObjectId;
 pub type Block = [u8; BLOCK_SIZE as usize];
 pub const BLOCK: u64 = BLOCK_SIZE as u64;
 
-/// A shared copy of one block's bytes: one allocation and one copy
-/// (`Arc::from(Box)` would allocate and copy twice).
-pub fn shared_block(bytes: &[u8]) -> Arc<Block> {
-    Arc::<Block>::try_from(Arc::<[u8]>::from(bytes)).expect("a slice of exactly one block")
+/// One block's bytes (exactly `BLOCK`), shared without copying: a block
+/// of its own, or a 4 KiB window of a larger buffer kept whole — an NBD
+/// WRITE's payload is buffered, journaled and written home from the
+/// buffer it was received into, and a mirrored write hands the same bytes
+/// to every leg. Immutable once made: a block is sealed (and, encrypted,
+/// enciphered) before it becomes a `BlockData`.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BlockData(Bytes);
+
+/// The bytes of a never-written block, shared by every zero `BlockData`.
+static ZERO_BLOCK: Block = [0u8; BLOCK_SIZE as usize];
+
+impl BlockData {
+    /// A block of its own holding a copy of `bytes` (one block long).
+    pub fn copy_from(bytes: &[u8]) -> BlockData {
+        BlockData::from_bytes(Bytes::copy_from_slice(bytes))
+    }
+
+    /// A block of zeros (no allocation).
+    pub fn zeroed() -> BlockData {
+        BlockData(Bytes::from_static(&ZERO_BLOCK))
+    }
+
+    /// Block `index` of `buffer`, sharing it (no copy).
+    pub fn of_buffer(buffer: &Bytes, index: usize) -> BlockData {
+        let start = index * BLOCK as usize;
+        BlockData::from_bytes(buffer.slice(start..start + BLOCK as usize))
+    }
+
+    /// Take `bytes`, which must be exactly one block long.
+    pub fn from_bytes(bytes: Bytes) -> BlockData {
+        assert_eq!(bytes.len(), BLOCK as usize, "a block is {BLOCK} bytes");
+        BlockData(bytes)
+    }
+}
+
+impl std::ops::Deref for BlockData {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for BlockData {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let nonzero = self.0.iter().filter(|byte| **byte != 0).count();
+        write!(f, "BlockData({nonzero} non-zero bytes)")
+    }
 }
 
 /// A block buffered in memory, acknowledged but not yet committed: its
 /// bytes and the seal computed when it was buffered.
 #[derive(Clone)]
 pub(crate) struct DirtyBlock {
-    pub data: Arc<Block>,
+    pub data: BlockData,
     pub seal: Seal,
 }
 
@@ -101,7 +146,7 @@ pub(crate) fn load_context_page(
     let epoch = state.read().contexts.epoch();
     let mut bytes = [0u8; 4096];
     io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
-    let page = shared_block(&bytes);
+    let page = std::sync::Arc::new(bytes);
     state
         .write()
         .contexts

@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
+use bytes::Bytes;
 use vouch_format::{FeatureFlags, Geometry, GuardKind, LayoutKind, BLOCK_SIZE};
 
 use crate::device::{BlockDevice, SealedBlock};
@@ -215,7 +216,14 @@ impl BlockDevice for Volume {
         self.engine.write(offset, data, fua)
     }
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        self.engine.try_write(offset, data)
+        self.engine
+            .try_write_shared(offset, &Bytes::copy_from_slice(data))
+    }
+    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
+        self.engine.write_shared(offset, data, fua)
+    }
+    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
+        self.engine.try_write_shared(offset, data)
     }
     fn flush(&self) -> Result<()> {
         self.engine.flush()
@@ -268,7 +276,7 @@ impl BlockDevice for Volume {
     fn has_room_for(&self, count: usize) -> bool {
         self.engine.has_room_for(count)
     }
-    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+    fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
         self.engine.seal_for_transfer(first, data, generation)
     }
     fn generation_clock(&self) -> u64 {

@@ -4,8 +4,7 @@
 //! (`commit.rs` has the crash ordering). Writers block only on flush/FUA or
 //! when the buffer has doubled (backpressure).
 
-use std::sync::Arc;
-
+use bytes::{Bytes, BytesMut};
 use vouch_format::superblock::STATE_CLEAN;
 
 use vouch_format::Context;
@@ -13,7 +12,7 @@ use vouch_format::Context;
 use crate::device::SealedBlock;
 use crate::engine::Engine;
 use crate::error::{Error, Fault, Result};
-use crate::state::{shared_block, Block, DirtyBlock, RangeOp, BLOCK};
+use crate::state::{BlockData, DirtyBlock, RangeOp, BLOCK};
 
 /// How `write_zeroes` zeroes a range.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -29,32 +28,33 @@ impl Engine {
     /// Write `data` at `offset` (512-byte aligned). With `fua` the write is
     /// durable when this returns; otherwise after the next flush.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.write_shared(offset, &Bytes::copy_from_slice(data), fua)
+    }
+
+    /// `write` of bytes the engine may keep (an NBD WRITE's payload): whole
+    /// blocks are buffered, journaled and written home from `data` itself,
+    /// without a copy per block (a protection that transforms data, such as
+    /// encryption, seals a copy).
+    pub fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
         let shared = &self.shared;
         shared.io.check_writable()?;
         shared.check_range(offset, data.len() as u64)?;
         shared.io.stats.add_client_write(data.len() as u64);
-        let mut blocks = Vec::with_capacity(data.len() / BLOCK as usize + 2);
-        let mut at = 0usize;
-        while at < data.len() {
-            let byte = offset + at as u64;
-            let lba = byte / BLOCK;
-            let within = (byte % BLOCK) as usize;
-            let n = (BLOCK as usize - within).min(data.len() - at);
-            if n == BLOCK as usize {
-                blocks.push((lba, shared_block(&data[at..at + n])));
-            } else {
-                // Sub-block write: read-modify-write under the block's stripe
-                // lock so two partial writes to one block cannot lose either.
-                let _stripe = self.stripe(lba).lock();
-                let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
-                shared.read_blocks(lba, 1, &mut block[..], None)?;
-                block[within..within + n].copy_from_slice(&data[at..at + n]);
-                self.buffer_blocks(vec![(lba, Arc::from(block))])?;
-            }
-            at += n;
+        // A partial first or last block is merged into the stored one
+        // (read-modify-write); the whole blocks between are one run.
+        let head = ((BLOCK - offset % BLOCK) % BLOCK).min(data.len() as u64) as usize;
+        let whole = (data.len() - head) / BLOCK as usize * BLOCK as usize;
+        if head > 0 {
+            self.write_partial(offset, &data[..head])?;
         }
-        if !blocks.is_empty() {
-            self.buffer_blocks(blocks)?;
+        if whole > 0 {
+            let run = data.slice(head..head + whole);
+            let first = (offset + head as u64) / BLOCK;
+            let sealed = self.seal_run(first, run, shared.sealing_generation());
+            self.buffer_sealed(sealed)?;
+        }
+        if head + whole < data.len() {
+            self.write_partial(offset + (head + whole) as u64, &data[head + whole..])?;
         }
         if fua {
             self.flush()?;
@@ -62,12 +62,25 @@ impl Engine {
         Ok(())
     }
 
-    /// `write` of whole blocks without FUA, only if it can complete without
-    /// waiting (issue 11's inline NBD path): the blocks fit in the
+    /// Sub-block write: read-modify-write under the block's stripe lock so
+    /// two partial writes to one block cannot lose either.
+    fn write_partial(&self, offset: u64, data: &[u8]) -> Result<()> {
+        let lba = offset / BLOCK;
+        let within = (offset % BLOCK) as usize;
+        let _stripe = self.stripe(lba).lock();
+        let mut block = BytesMut::zeroed(BLOCK as usize);
+        self.shared.read_blocks(lba, 1, &mut block[..], None)?;
+        block[within..within + data.len()].copy_from_slice(data);
+        let sealed = self.seal_run(lba, block.freeze(), self.shared.sealing_generation());
+        self.buffer_sealed(sealed)
+    }
+
+    /// `write_shared` of whole blocks without FUA, only if it can complete
+    /// without waiting (issue 11's inline NBD path): the blocks fit in the
     /// write-back buffer below the level where writers commit themselves,
     /// and a background committer takes the commit. `Ok(false)` when it
-    /// would wait, with nothing written or counted; then call `write`.
-    pub fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+    /// would wait, with nothing written or counted; then call `write_shared`.
+    pub fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
         let shared = &self.shared;
         shared.io.check_writable()?;
         shared.check_range(offset, data.len() as u64)?;
@@ -76,12 +89,7 @@ impl Engine {
         if data.is_empty() || !whole_blocks || !self.committer.is_background() {
             return Ok(false);
         }
-        let first = offset / BLOCK;
-        let sealed = self.seal_blocks(
-            data.chunks_exact(BLOCK as usize)
-                .zip(first..)
-                .map(|(bytes, lba)| (lba, shared_block(bytes))),
-        );
+        let sealed = self.seal_run(offset / BLOCK, data.clone(), shared.sealing_generation());
         Ok(self.buffer_without_waiting(sealed))
     }
 
@@ -110,25 +118,48 @@ impl Engine {
         true
     }
 
-    /// Seal fresh copies of blocks (not shared yet) in place: the seal, and
-    /// for an encrypted volume the ciphertext.
-    fn seal_blocks(
-        &self,
-        blocks: impl Iterator<Item = (u64, Arc<Block>)>,
-    ) -> Vec<(u64, DirtyBlock)> {
-        let generation = self.shared.sealing_generation();
-        blocks
-            .map(|(lba, mut data)| {
-                let bytes = Arc::get_mut(&mut data).expect("a block buffered now is not shared");
-                let seal = self.shared.protection.seal(lba, &mut bytes[..], generation);
-                (lba, DirtyBlock { data, seal })
-            })
-            .collect()
+    /// Seal the whole blocks of `data` (block-aligned), the first at LBA
+    /// `first`, with `generation` (`Shared::sealing_generation()`, or a
+    /// transfer's). A protection that stores data as it is seals each block
+    /// where it lies, and the blocks share `data`; one that transforms it
+    /// (encryption) seals in place in `data` if nothing else holds it, else
+    /// in one copy of it.
+    fn seal_run(&self, first: u64, data: Bytes, generation: u64) -> Vec<(u64, DirtyBlock)> {
+        let protection = &self.shared.protection;
+        let count = data.len() / BLOCK as usize;
+        let mut sealed = Vec::with_capacity(count);
+        for (index, lba) in (first..first + count as u64).enumerate() {
+            let block = BlockData::of_buffer(&data, index);
+            // A protection either keeps every block as it is or none.
+            let Some(seal) = protection.seal_unchanged(lba, &block, generation) else {
+                drop(block);
+                return self.seal_transformed(first, data, generation);
+            };
+            sealed.push((lba, DirtyBlock { data: block, seal }));
+        }
+        sealed
     }
 
-    fn buffer_blocks(&self, blocks: Vec<(u64, Arc<Block>)>) -> Result<()> {
-        let sealed = self.seal_blocks(blocks.into_iter());
-        self.buffer_sealed(sealed)
+    /// `seal_run` for a protection that rewrites the bytes it seals.
+    fn seal_transformed(&self, first: u64, data: Bytes, generation: u64) -> Vec<(u64, DirtyBlock)> {
+        let mut data = data
+            .try_into_mut()
+            .unwrap_or_else(|shared| BytesMut::from(&shared[..]));
+        let mut sealed = Vec::with_capacity(data.len() / BLOCK as usize);
+        let mut lba = first;
+        while !data.is_empty() {
+            let mut block = data.split_to(BLOCK as usize);
+            let seal = self.shared.protection.seal(lba, &mut block[..], generation);
+            sealed.push((
+                lba,
+                DirtyBlock {
+                    data: BlockData::from_bytes(block.freeze()),
+                    seal,
+                },
+            ));
+            lba += 1;
+        }
+        sealed
     }
 
     fn buffer_sealed(&self, sealed: Vec<(u64, DirtyBlock)>) -> Result<()> {
@@ -183,7 +214,7 @@ impl Engine {
             dirty.push((
                 block.lba,
                 DirtyBlock {
-                    data: Arc::clone(&block.data),
+                    data: block.data.clone(),
                     seal,
                 },
             ));
@@ -226,7 +257,7 @@ impl Engine {
     pub fn seal_for_transfer(
         &self,
         first: u64,
-        data: &[u8],
+        data: &Bytes,
         generation: u64,
     ) -> Result<Vec<SealedBlock>> {
         let shared = &self.shared;
@@ -240,18 +271,15 @@ impl Engine {
         // A plain seal keeps a non-zero generation; 0 would mean "take the
         // commit's", so the lowest generation a transfer carries is 1.
         let generation = generation.max(1);
-        Ok(data
-            .chunks_exact(BLOCK as usize)
-            .zip(first..)
-            .map(|(bytes, lba)| {
-                let mut block = shared_block(bytes);
-                let stored = Arc::get_mut(&mut block).expect("a new block is not shared");
-                let mut seal = shared.protection.seal(lba, &mut stored[..], generation);
+        Ok(self
+            .seal_run(first, data.clone(), generation)
+            .into_iter()
+            .map(|(lba, DirtyBlock { data, mut seal })| {
                 seal.generation = generation as u32;
                 SealedBlock {
                     lba,
                     context: shared.protection.context(lba, seal, generation),
-                    data: block,
+                    data,
                 }
             })
             .collect())
@@ -280,7 +308,7 @@ impl Engine {
                 data_blocks.push((
                     block.lba,
                     DirtyBlock {
-                        data: Arc::clone(&block.data),
+                        data: block.data.clone(),
                         seal,
                     },
                 ));

@@ -67,7 +67,9 @@ fn sealed_blocks_move_between_copies_of_a_volume_and_are_checked_on_arrival() {
 
         // Tampered on the way: refused naming the block, nothing stored.
         let mut bad = sealed.clone();
-        std::sync::Arc::make_mut(&mut bad[4].data)[17] ^= 0x40;
+        let mut flipped = bad[4].data.to_vec();
+        flipped[17] ^= 0x40;
+        bad[4].data = vouch_engine::BlockData::copy_from(&flipped);
         let error = b.write_sealed(&bad).expect_err("a flipped bit is refused");
         assert!(
             matches!(&error, Error::Fault(f) if f.lba == 4 && f.kind == FaultKind::GuardMismatch),

@@ -336,7 +336,7 @@ fn legs_store_one_context_per_write_and_an_impossible_generation_is_not_believed
     let forged_generation = mirror.generation_clock() + 1000;
     let leg1 = volumes[1].as_ref().expect("leg");
     let forged = leg1
-        .seal_blocks(3, &pattern(3, 9), forged_generation)
+        .seal_blocks(3, &bytes::Bytes::from(pattern(3, 9)), forged_generation)
         .expect("seal");
     assert_eq!(
         forged[0].context.generation(),

@@ -22,14 +22,15 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use parking_lot::RwLock;
 
 use vouch_engine::mirror::LegTemplate;
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
-    shared_block, Allocation, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result,
-    SealedBlock, BLOCK,
+    Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result, SealedBlock,
+    BLOCK,
 };
 
 use crate::client::{ClientError, ClientOptions, Connection};
@@ -206,15 +207,15 @@ impl RemoteLeg {
     /// Seal `data` (whole blocks from `first`) here with `generation` (0:
     /// the replica's commit assigns one): the contexts the replica will
     /// verify and store.
-    fn seal(&self, first: u64, data: &[u8], generation: u64) -> Vec<SealedBlock> {
-        data.chunks_exact(BLOCK as usize)
-            .enumerate()
-            .map(|(index, bytes)| {
+    fn seal(&self, first: u64, data: &Bytes, generation: u64) -> Vec<SealedBlock> {
+        (0..data.len() / BLOCK as usize)
+            .map(|index| {
                 let lba = first + index as u64;
-                let mut block = shared_block(bytes);
-                let stored = Arc::get_mut(&mut block).expect("a new block is not shared");
-                // Plain sealing leaves the bytes as they are.
-                let seal = self.protection.seal(lba, &mut stored[..], generation);
+                let block = BlockData::of_buffer(data, index);
+                let seal = self
+                    .protection
+                    .seal_unchanged(lba, &block, generation)
+                    .expect("a replica's protection stores data as it is");
                 SealedBlock {
                     lba,
                     context: self.protection.context(lba, seal, generation),
@@ -370,13 +371,13 @@ impl BlockDevice for RemoteLeg {
         let end = (offset + data.len() as u64).div_ceil(BLOCK);
         let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         let blocks = if aligned {
-            self.seal(first, data, 0)
+            self.seal(first, &Bytes::copy_from_slice(data), 0)
         } else {
             let mut whole = vec![0u8; ((end - first) * BLOCK) as usize];
             self.read(first * BLOCK, &mut whole)?;
             let at = (offset - first * BLOCK) as usize;
             whole[at..at + data.len()].copy_from_slice(data);
-            self.seal(first, &whole, 0)
+            self.seal(first, &Bytes::from(whole), 0)
         };
         self.send_sealed(&blocks, fua)
     }
@@ -506,7 +507,7 @@ impl BlockDevice for RemoteLeg {
     }
 
     /// Sealed here, as the replica would store them (plain protection).
-    fn seal_blocks(&self, first: u64, data: &[u8], generation: u64) -> Result<Vec<SealedBlock>> {
+    fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
         if !(data.len() as u64).is_multiple_of(BLOCK) {
             return Err(Error::InvalidArgument(format!(
                 "sealing {} bytes: not whole blocks",

@@ -4,7 +4,7 @@
 //! length is bounded before anything is allocated; a frame that breaks a
 //! rule is a `WireError`, never a panic.
 
-use vouch_engine::{shared_block, Allocation, Fault, FaultKind, SealedBlock, BLOCK};
+use vouch_engine::{Allocation, BlockData, Fault, FaultKind, SealedBlock, BLOCK};
 use vouch_format::Context;
 
 /// The first 8 bytes each side sends.
@@ -451,7 +451,7 @@ fn decode_write_entry(entry: &[u8]) -> Result<SealedBlock, WireError> {
     let lba = u64_at(entry, 0);
     let context =
         Context::decode(&entry[8..8 + CONTEXT_BYTES]).map_err(|_| WireError::BadContext(lba))?;
-    let data = shared_block(&entry[8 + CONTEXT_BYTES..]);
+    let data = BlockData::copy_from(&entry[8 + CONTEXT_BYTES..]);
     Ok(SealedBlock { lba, data, context })
 }
 
@@ -817,7 +817,7 @@ pub fn decode_read_entries(
                             kind: FaultKind::ContextCorrupt,
                         }));
                     };
-                    let data = shared_block(&entry[8 + CONTEXT_BYTES..]);
+                    let data = BlockData::copy_from(&entry[8 + CONTEXT_BYTES..]);
                     Ok(ReadEntry::Sealed(SealedBlock { lba, data, context }))
                 }
                 1 => Ok(ReadEntry::Fault(Fault {

@@ -9,7 +9,7 @@ use super::*;
 fn sealed(lba: u64, fill: u8) -> SealedBlock {
     SealedBlock {
         lba,
-        data: std::sync::Arc::new([fill; BLOCK as usize]),
+        data: vouch_engine::BlockData::copy_from(&[fill; BLOCK as usize]),
         context: Context::Data {
             volume_tag: 7,
             ref_tag: lba,

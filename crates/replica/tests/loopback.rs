@@ -409,7 +409,9 @@ fn the_replica_verifies_each_sealed_block_before_storing_any() {
     if let vouch_format::Context::Data { ref_tag, .. } = &mut bad.context {
         *ref_tag = 2;
     }
-    std::sync::Arc::make_mut(&mut bad.data)[7] ^= 1;
+    let mut flipped = bad.data.to_vec();
+    flipped[7] ^= 1;
+    bad.data = vouch_engine::BlockData::copy_from(&flipped);
     let mut misplaced = good.clone();
     misplaced.lba = 3; // its context says LBA 0
     for (blocks, kind) in [

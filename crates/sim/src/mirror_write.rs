@@ -18,6 +18,7 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
@@ -208,7 +209,7 @@ impl BlockDevice for Travelling {
     fn seal_blocks(
         &self,
         first: u64,
-        data: &[u8],
+        data: &Bytes,
         generation: u64,
     ) -> vouch_engine::Result<Vec<SealedBlock>> {
         self.volume.seal_blocks(first, data, generation)

@@ -18,7 +18,7 @@ use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
 use crate::error::{Error, Result};
 use crate::journal::Record;
-use crate::state::{shared_block, DirtyBlock, RangeOp, VolumeState, BLOCK};
+use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Wait};
 
 /// The unused bytes at the end of a packed row (zero on disk).
@@ -330,7 +330,7 @@ impl Layout for PackedLayout {
                         replay.state.write().active.insert(
                             entry.lba,
                             DirtyBlock {
-                                data: shared_block(data),
+                                data: BlockData::copy_from(data),
                                 seal,
                             },
                         );

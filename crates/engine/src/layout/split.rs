@@ -24,9 +24,7 @@ use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::protection::Protection;
-use crate::state::{
-    load_context_page, shared_block, Block, DirtyBlock, RangeOp, VolumeState, BLOCK,
-};
+use crate::state::{load_context_page, Block, BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Run, Wait, IOV_MAX};
 
 pub(crate) struct SplitLayout {
@@ -138,7 +136,7 @@ impl SplitLayout {
             state.active.insert(
                 entry.lba,
                 DirtyBlock {
-                    data: shared_block(data),
+                    data: BlockData::copy_from(data),
                     seal,
                 },
             );

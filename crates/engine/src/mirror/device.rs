@@ -8,6 +8,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use vouch_format::mirror::LegState;
 
@@ -489,7 +490,7 @@ impl Mirror {
     /// partial block at either edge is read from a leg first (verified;
     /// the caller holds the stripe lock, so nothing changes it meanwhile).
     /// `None` when no leg can seal.
-    fn seal_write(&self, offset: u64, data: &[u8]) -> Result<Option<Vec<SealedBlock>>> {
+    fn seal_write(&self, offset: u64, data: &Bytes) -> Result<Option<Vec<SealedBlock>>> {
         self.check_bytes(offset, data.len() as u64)?;
         if data.is_empty() {
             return Ok(Some(Vec::new()));
@@ -497,9 +498,8 @@ impl Mirror {
         let first = offset / BLOCK;
         let end = (offset + data.len() as u64).div_ceil(BLOCK);
         let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
-        let merged;
-        let blocks: &[u8] = if aligned {
-            data
+        let blocks = if aligned {
+            data.clone()
         } else {
             let mut buffer = vec![0u8; ((end - first) * BLOCK) as usize];
             for lba in [first, end - 1] {
@@ -508,12 +508,11 @@ impl Mirror {
             }
             let skip = (offset - first * BLOCK) as usize;
             buffer[skip..skip + data.len()].copy_from_slice(data);
-            merged = buffer;
-            &merged
+            Bytes::from(buffer)
         };
         let generation = self.generation_clock();
         for leg in self.active() {
-            match self.device(leg).seal_blocks(first, blocks, generation) {
+            match self.device(leg).seal_blocks(first, &blocks, generation) {
                 Ok(sealed) => return Ok(Some(sealed)),
                 Err(Error::Unsupported(_)) => continue,
                 Err(error) => return Err(error),
@@ -740,6 +739,10 @@ impl BlockDevice for Mirror {
     /// under the stripe lock), to be cleared once a flush of that leg
     /// issued after this returned has returned (`resync.rs`).
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.write_shared(offset, &Bytes::copy_from_slice(data), fua)
+    }
+
+    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, data.len() as u64);
         let _recorded = self.record_bytes(offset, data.len() as u64);
@@ -756,7 +759,7 @@ impl BlockDevice for Mirror {
                 Ok(())
             }
             // No leg can seal for the others: each seals for itself.
-            Ok(None) => self.each_leg("write", |leg| leg.write(offset, data, fua)),
+            Ok(None) => self.each_leg("write", |leg| leg.write_shared(offset, data, fua)),
             Err(error) => Err(error),
         }
     }
@@ -768,6 +771,10 @@ impl BlockDevice for Mirror {
     /// its turn comes (another writer filled it), that leg takes the
     /// blocking `write_sealed`: the write is never half done.
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        self.try_write_shared(offset, &Bytes::copy_from_slice(data))
+    }
+
+    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let whole = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         if data.is_empty() || !whole {
