@@ -5,6 +5,8 @@
 
 use std::ops::Range;
 
+use bytes::Bytes;
+
 /// Error an export returns; the server maps `errno` onto the wire and sends `message`
 /// in a structured error reply (NBD_REPLY_TYPE_ERROR / ERROR_OFFSET) when structured replies are negotiated.
 #[derive(Debug, Clone)]
@@ -206,12 +208,15 @@ pub trait Export: Send + Sync + 'static {
         let _ = (offset, buf);
         None
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError>;
+    /// Write `data` at `offset`. The export may keep `data` (a clone shares
+    /// it) instead of copying it: the server received it into a buffer of
+    /// its own, starting on a page boundary.
+    fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError>;
     /// `write` without FUA, only if it can complete without blocking (e.g.
     /// into a write-back buffer with room): `None` when it would block, with
     /// nothing written, and the server then calls `write` on a worker. Runs
     /// on the async reactor like `try_read`. The default always would block.
-    fn try_write(&self, offset: u64, data: &[u8]) -> Option<Result<(), ExportError>> {
+    fn try_write(&self, offset: u64, data: &Bytes) -> Option<Result<(), ExportError>> {
         let _ = (offset, data);
         None
     }

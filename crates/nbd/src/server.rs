@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +15,7 @@ use tracing::{debug, info, warn};
 use crate::export::Export;
 use crate::handshake::{self, HandshakeContext, HandshakeError, Negotiated, OptionState};
 use crate::metrics::Metrics;
-use crate::transmission::{self, ServerResources};
+use crate::transmission::{self, ReceiveLowWater, ServerResources};
 use crate::worker::{Executor, WorkerPool};
 
 // Re-exported so `vouch_nbd::server::{Limits, DEFAULT_*}` keep working now
@@ -279,8 +280,11 @@ async fn accept_loop(listener: BoundListener, shared: Arc<Shared>, alive: mpsc::
             metrics.connection_opened();
             debug!(%peer, "connection opened");
             let result = match stream {
-                Accepted::Tcp(stream) => serve_connection(stream, &shared).await,
-                Accepted::Unix(stream) => serve_connection(stream, &shared).await,
+                Accepted::Tcp(stream) => {
+                    let low_water = ReceiveLowWater::new(stream.as_raw_fd());
+                    serve_connection(stream, &shared, Some(low_water)).await
+                }
+                Accepted::Unix(stream) => serve_connection(stream, &shared, None).await,
             };
             match result {
                 Ok(()) => debug!(%peer, "connection closed"),
@@ -315,7 +319,13 @@ enum ConnectionEnd {
     Transmission(#[from] transmission::ConnectionError),
 }
 
-async fn serve_connection<S>(mut stream: S, shared: &Shared) -> Result<(), ConnectionEnd>
+/// `low_water`: the receive low-water mark of a plain TCP stream, used
+/// only if the connection does not start TLS.
+async fn serve_connection<S>(
+    mut stream: S,
+    shared: &Shared,
+    low_water: Option<ReceiveLowWater>,
+) -> Result<(), ConnectionEnd>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -342,7 +352,8 @@ where
     };
     match negotiated {
         Negotiated::Transmission(session) => {
-            transmission::run(stream, session, &shared.resources, shared.shutdown.clone()).await?;
+            let shutdown = shared.shutdown.clone();
+            transmission::run(stream, session, &shared.resources, shutdown, low_water).await?;
         }
         Negotiated::StartTls => {
             let acceptor = shared
@@ -360,8 +371,8 @@ where
             };
             match negotiated {
                 Negotiated::Transmission(session) => {
-                    transmission::run(tls, session, &shared.resources, shared.shutdown.clone())
-                        .await?;
+                    let shutdown = shared.shutdown.clone();
+                    transmission::run(tls, session, &shared.resources, shutdown, None).await?;
                 }
                 Negotiated::StartTls => unreachable!("STARTTLS is refused once TLS is active"),
             }

@@ -6,6 +6,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use vouch_engine::{Allocation, Error, BLOCK};
 use vouch_engine::{BlockDevice, ZeroFlags};
 use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent};
@@ -87,13 +88,13 @@ impl Export for VolumeExport {
             .map_err(to_export_error)
             .transpose()
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+    fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError> {
         self.volume
-            .write(offset, data, fua)
+            .write_shared(offset, data, fua)
             .map_err(to_export_error)
     }
-    fn try_write(&self, offset: u64, data: &[u8]) -> Option<Result<(), ExportError>> {
-        match self.volume.try_write(offset, data) {
+    fn try_write(&self, offset: u64, data: &Bytes) -> Option<Result<(), ExportError>> {
+        match self.volume.try_write_shared(offset, data) {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
             Err(error) => Some(Err(to_export_error(error))),

@@ -7,6 +7,7 @@
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use bytes::Bytes;
 use parking_lot::RwLock;
 use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent, ZeroFlags};
 
@@ -134,7 +135,7 @@ impl Export for MemExport {
         Ok(holes)
     }
 
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<(), ExportError> {
+    fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError> {
         self.check(offset, data.len() as u64);
         let mut inner = self.inner.write();
         inner.data[offset as usize..offset as usize + data.len()].copy_from_slice(data);
@@ -210,7 +211,7 @@ impl Export for MemExport {
 impl MemExport {
     /// Write `byte` over a range directly (test setup), marking it allocated.
     pub fn fill_range(&self, offset: u64, length: u64, byte: u8) {
-        self.write(offset, &vec![byte; length as usize], false)
+        self.write(offset, &Bytes::from(vec![byte; length as usize]), false)
             .unwrap();
     }
 }
