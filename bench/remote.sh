@@ -20,6 +20,9 @@
 # local leg (tracked in the resync map), the replica comes back, the exporter stops, and an offline
 # `vouch mirror resync` copies the map across the link: blocks, seconds, MiB/s.
 #
+# A/B in one run: VOUCH_B=OTHER_BINARY adds servers named SERVER_b (e.g. SERVERS="single remote2 remote2_b"):
+# the same volume layout, exported by that binary (the replicas stay VOUCH's), on the port of SERVER + 10.
+#
 # Output: $OUT/samples.tsv, $OUT/report.md (medians, ratios to single, exporter and replica CPU per I/O).
 # Needs root (ip netns, tc) and fio; builds target/release/vouch unless BUILD=0.
 #   SIZE=1G REPS=3 RUNTIME=5 bench/remote.sh
@@ -33,6 +36,7 @@ LINK=${LINK:-}; NETEM=${NETEM:-}; RESYNC_WRITE=${RESYNC_WRITE:-256M}
 DIR=${DIR:-/var/tmp/vouch-remote-bench}
 OUT=${OUT:-$REPO/target/bench-remote/$(date +%Y%m%d-%H%M%S)}
 VOUCH=${VOUCH:-$REPO/target/release/vouch}
+VOUCH_B=${VOUCH_B:-}
 NS_E=vrb-e; NS_R=(vrb-r1 vrb-r2)
 declare -A PORT=([single]=10900 [local2]=10901 [local3]=10902 [remote2]=10903 [remote3]=10904)
 declare -A PID=() RPID=()
@@ -40,7 +44,14 @@ log() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "FATAL: $*"; exit 1; }
 [ "$(id -u)" -eq 0 ] || die "bench/remote.sh needs root (ip netns, tc)"
 command -v fio >/dev/null || die "fio missing: apt-get install -y fio"
-for s in $SERVERS; do [ -n "${PORT[$s]:-}" ] || die "unknown server $s"; done
+for s in $SERVERS; do
+    if [[ $s == *_b ]]; then
+        [ -n "$VOUCH_B" ] || die "server $s needs VOUCH_B"
+        [ -n "${PORT[${s%_b}]:-}" ] || die "unknown server $s"
+        PORT[$s]=$((PORT[${s%_b}] + 10))
+    fi
+    [ -n "${PORT[$s]:-}" ] || die "unknown server $s"
+done
 in_e() { ip netns exec $NS_E "$@"; }
 
 cleanup() {
@@ -93,16 +104,17 @@ wait_port() { # PORT
     return 1
 }
 start_server() { # NAME
-    local s=$1 vol="$DIR/vol-$1" mirrors=()
-    case $s in
-    local2|local3) for i in $(seq 1 $((${s#local} - 1))); do mirrors+=(--mirror "$vol-leg$i"); done ;;
-    remote2|remote3) for i in $(seq 1 $((${s#remote} - 1))); do mirrors+=(--mirror "vouch://10.233.$i.1:710$i/$s"); done ;;
+    local s=$1 vol="$DIR/vol-$1" mirrors=() vouch=$VOUCH base=${1%_b}
+    [[ $s == *_b ]] && vouch=$VOUCH_B
+    case $base in
+    local2|local3) for i in $(seq 1 $((${base#local} - 1))); do mirrors+=(--mirror "$vol-leg$i"); done ;;
+    remote2|remote3) for i in $(seq 1 $((${base#remote} - 1))); do mirrors+=(--mirror "vouch://10.233.$i.1:710$i/$s"); done ;;
     esac
     if [ ! -d "$vol" ]; then
         in_e "$VOUCH" create "$vol" --size "$SIZE" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
             || die "$s: create: $(cat "$OUT/logs/$s.create.log")"
     fi
-    ip netns exec $NS_E "$VOUCH" serve "$vol" --listen "127.0.0.1:${PORT[$s]}" >> "$OUT/logs/$s.log" 2>&1 &
+    ip netns exec $NS_E "$vouch" serve "$vol" --listen "127.0.0.1:${PORT[$s]}" >> "$OUT/logs/$s.log" 2>&1 &
     PID[$s]=$!
     wait_port "${PORT[$s]}" || die "$s did not listen: $(tail -5 "$OUT/logs/$s.log")"
 }

@@ -6,6 +6,11 @@
 //! for good: every waiting and later request fails at once with the
 //! reason, and only opening the leg again reconnects (never silently
 //! mid-run, where writes the replica missed would go unnoticed).
+//!
+//! Two transports: plain TCP (`plain.rs`: callers write their frames to
+//! the socket themselves, a reader thread answers them) and TLS (a tokio
+//! runtime: a writer task sends the frames callers queue, a reader task
+//! answers them).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,9 +23,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
+use crate::plain::Plain;
 use crate::url::ReplicaUrl;
 use crate::wire::{
-    self, encode_request, ErrorBody, Hello, Request, ResponseHeader, Status, HELLO_BYTES, HELLO_OK,
+    self, encode_request_frame, ErrorBody, Hello, Request, ResponseHeader, Status, HELLO_BYTES, HELLO_OK,
     HELLO_VERSION_REFUSED, PROTOCOL_VERSION, RESPONSE_HEADER_BYTES,
 };
 
@@ -60,16 +66,26 @@ pub enum ClientError {
 
 type Answer = Result<(Status, Vec<u8>), String>;
 
-struct Shared {
+pub(crate) struct Shared {
     pending: Mutex<HashMap<u64, SyncSender<Answer>>>,
     /// Why the connection is dead; `None` while it lives.
     dead: Mutex<Option<String>>,
 }
 
 impl Shared {
+    /// Hand an answer to its waiter; an answer nobody waits for is a
+    /// broken peer (the reason).
+    pub(crate) fn deliver(&self, handle: u64, status: Status, payload: Vec<u8>) -> Result<(), String> {
+        let Some(waiter) = self.pending.lock().remove(&handle) else {
+            return Err(format!("an answer for unknown handle {handle}"));
+        };
+        let _ = waiter.try_send(Ok((status, payload)));
+        Ok(())
+    }
+
     /// Mark the connection dead (the first reason wins) and fail every
     /// waiting request.
-    fn kill(&self, reason: String) {
+    pub(crate) fn kill(&self, reason: String) {
         let mut dead = self.dead.lock();
         if dead.is_none() {
             *dead = Some(reason);
@@ -84,14 +100,48 @@ impl Shared {
 
 /// A connection to one replica server.
 pub struct Connection {
-    runtime: Option<tokio::runtime::Runtime>,
-    frames: UnboundedSender<Vec<u8>>,
+    transport: Transport,
     shared: Arc<Shared>,
-    tasks: Vec<tokio::task::AbortHandle>,
     next_handle: AtomicU64,
     timeout: Duration,
     /// How errors name the peer.
     pub peer: String,
+}
+
+enum Transport {
+    /// Plain TCP, no runtime (`plain.rs`).
+    Plain(Plain),
+    /// TLS: the runtime, its writer task's queue, both tasks.
+    Tasks {
+        runtime: Option<tokio::runtime::Runtime>,
+        frames: UnboundedSender<Vec<u8>>,
+        tasks: Vec<tokio::task::AbortHandle>,
+    },
+}
+
+/// Check the server's hello: our version, accepted.
+pub(crate) fn check_hello(bytes: &[u8; HELLO_BYTES], peer: &str) -> Result<(), ClientError> {
+    let theirs = Hello::decode(bytes).map_err(|_| {
+        ClientError::Refused(format!(
+            "replica {peer}: not a vouch replica server (bad handshake magic)"
+        ))
+    })?;
+    if theirs.version != PROTOCOL_VERSION {
+        return Err(ClientError::Refused(format!(
+            "replica {peer}: {}",
+            wire::version_refusal(theirs.version)
+        )));
+    }
+    match theirs.status {
+        HELLO_OK => Ok(()),
+        HELLO_VERSION_REFUSED => Err(ClientError::Refused(format!(
+            "replica {peer}: the server refused our version: {}",
+            wire::version_refusal(PROTOCOL_VERSION)
+        ))),
+        other => Err(ClientError::Refused(format!(
+            "replica {peer}: unknown handshake status {other}"
+        ))),
+    }
 }
 
 /// Read exactly `buf.len()` bytes.
@@ -106,6 +156,30 @@ impl Connection {
         options: &ClientOptions,
     ) -> Result<Arc<Connection>, ClientError> {
         let peer = url.to_string();
+        let shared = Arc::new(Shared {
+            pending: Mutex::new(HashMap::new()),
+            dead: Mutex::new(None),
+        });
+        let transport = match &options.tls {
+            None => Transport::Plain(Plain::connect(url, options.timeout, &peer, &shared)?),
+            Some(config) => Self::connect_tls(url, Arc::clone(config), &peer, &shared)?,
+        };
+        Ok(Arc::new(Connection {
+            transport,
+            shared,
+            next_handle: AtomicU64::new(1),
+            timeout: options.timeout,
+            peer,
+        }))
+    }
+
+    /// The TLS transport: a runtime with a writer and a reader task.
+    fn connect_tls(
+        url: &ReplicaUrl,
+        config: Arc<rustls::ClientConfig>,
+        peer: &str,
+        shared: &Arc<Shared>,
+    ) -> Result<Transport, ClientError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("vouch-replica-client")
@@ -114,9 +188,8 @@ impl Connection {
             .map_err(|error| ClientError::Unreachable(format!("{peer}: runtime: {error}")))?;
         let address = url.address();
         let host = url.host.clone();
-        let tls = options.tls.clone();
         let unreachable = |why: String| ClientError::Unreachable(format!("replica {peer}: {why}"));
-        let connected = runtime.block_on(async {
+        let (reader, writer) = runtime.block_on(async {
             let tcp = tokio::time::timeout(crate::CONNECT_TIMEOUT, TcpStream::connect(&address))
                 .await
                 .map_err(|_| {
@@ -128,27 +201,14 @@ impl Connection {
                 .map_err(|error| unreachable(format!("cannot connect: {error}")))?;
             let _ = tcp.set_nodelay(true);
             let handshake = async {
-                match tls {
-                    Some(config) => {
-                        let name = rustls::pki_types::ServerName::try_from(host.clone()).map_err(
-                            |error| unreachable(format!("TLS server name {host:?}: {error}")),
-                        )?;
-                        let stream = tokio_rustls::TlsConnector::from(config)
-                            .connect(name, tcp)
-                            .await
-                            .map_err(|error| {
-                                unreachable(format!("TLS handshake failed: {error}"))
-                            })?;
-                        let (reader, writer) = tokio::io::split(stream);
-                        Ok::<_, ClientError>(
-                            Self::hello(Box::new(reader), Box::new(writer), &peer).await?,
-                        )
-                    }
-                    None => {
-                        let (reader, writer) = tcp.into_split();
-                        Self::hello(Box::new(reader), Box::new(writer), &peer).await
-                    }
-                }
+                let name = rustls::pki_types::ServerName::try_from(host.clone())
+                    .map_err(|error| unreachable(format!("TLS server name {host:?}: {error}")))?;
+                let stream = tokio_rustls::TlsConnector::from(config)
+                    .connect(name, tcp)
+                    .await
+                    .map_err(|error| unreachable(format!("TLS handshake failed: {error}")))?;
+                let (reader, writer) = tokio::io::split(stream);
+                Self::hello(Box::new(reader), Box::new(writer), peer).await
             };
             tokio::time::timeout(crate::CONNECT_TIMEOUT, handshake)
                 .await
@@ -156,15 +216,10 @@ impl Connection {
                     unreachable("the handshake timed out (does the server want TLS?)".into())
                 })?
         })?;
-        let (reader, writer) = connected;
-        let shared = Arc::new(Shared {
-            pending: Mutex::new(HashMap::new()),
-            dead: Mutex::new(None),
-        });
         let (frames, mut outgoing) = unbounded_channel::<Vec<u8>>();
         let writing = {
-            let shared = Arc::clone(&shared);
-            let peer = peer.clone();
+            let shared = Arc::clone(shared);
+            let peer = peer.to_string();
             runtime.spawn(async move {
                 let mut writer = writer;
                 while let Some(frame) = outgoing.recv().await {
@@ -177,22 +232,18 @@ impl Connection {
             })
         };
         let reading = {
-            let shared = Arc::clone(&shared);
-            let peer = peer.clone();
+            let shared = Arc::clone(shared);
+            let peer = peer.to_string();
             runtime.spawn(async move {
                 let why = Self::read_answers(reader, &shared).await;
                 shared.kill(format!("replica {peer}: {why}"));
             })
         };
-        Ok(Arc::new(Connection {
+        Ok(Transport::Tasks {
             runtime: Some(runtime),
             frames,
-            shared,
             tasks: vec![writing.abort_handle(), reading.abort_handle()],
-            next_handle: AtomicU64::new(1),
-            timeout: options.timeout,
-            peer,
-        }))
+        })
     }
 
     /// Send our hello, read the server's, refuse another version by name.
@@ -222,27 +273,8 @@ impl Connection {
                 "replica {peer}: the server closed the connection during the handshake ({error}): not a vouch replica server, or it wants TLS, or it refused our certificate"
             ))
         })?;
-        let theirs = Hello::decode(&bytes).map_err(|_| {
-            ClientError::Refused(format!(
-                "replica {peer}: not a vouch replica server (bad handshake magic)"
-            ))
-        })?;
-        if theirs.version != PROTOCOL_VERSION {
-            return Err(ClientError::Refused(format!(
-                "replica {peer}: {}",
-                wire::version_refusal(theirs.version)
-            )));
-        }
-        match theirs.status {
-            HELLO_OK => Ok((reader, writer)),
-            HELLO_VERSION_REFUSED => Err(ClientError::Refused(format!(
-                "replica {peer}: the server refused our version: {}",
-                wire::version_refusal(PROTOCOL_VERSION)
-            ))),
-            other => Err(ClientError::Refused(format!(
-                "replica {peer}: unknown handshake status {other}"
-            ))),
-        }
+        check_hello(&bytes, peer)?;
+        Ok((reader, writer))
     }
 
     /// Hand each answer to its waiter until the connection fails; returns why.
@@ -263,10 +295,9 @@ impl Connection {
             if let Err(error) = read_exact(&mut reader, &mut payload).await {
                 return format!("connection lost: {error}");
             }
-            let Some(waiter) = shared.pending.lock().remove(&header.handle) else {
-                return format!("an answer for unknown handle {}", header.handle);
-            };
-            let _ = waiter.try_send(Ok((header.status, payload)));
+            if let Err(why) = shared.deliver(header.handle, header.status, payload) {
+                return why;
+            }
         }
     }
 
@@ -290,12 +321,21 @@ impl Connection {
             self.shared.pending.lock().remove(&handle);
             return Err(ClientError::Unreachable(reason));
         }
-        if self.frames.send(encode_request(handle, request)).is_err() {
+        let frame = encode_request_frame(handle, request);
+        let sent = match &self.transport {
+            Transport::Plain(plain) => plain.send(frame).map_err(|error| {
+                let reason = format!("replica {}: connection lost: {error}", self.peer);
+                // Part of the frame may be out: nothing after it can be.
+                self.kill(reason.clone());
+                reason
+            }),
+            Transport::Tasks { frames, .. } => frames
+                .send(frame.to_vec())
+                .map_err(|_| format!("replica {}: connection closed", self.peer)),
+        };
+        if let Err(reason) = sent {
             self.shared.pending.lock().remove(&handle);
-            return Err(ClientError::Unreachable(format!(
-                "replica {}: connection closed",
-                self.peer
-            )));
+            return Err(ClientError::Unreachable(reason));
         }
         Ok(Pending {
             connection: Arc::clone(self),
@@ -306,8 +346,13 @@ impl Connection {
     /// Mark the connection dead now (a malformed answer, a timeout).
     pub fn kill(&self, reason: String) {
         self.shared.kill(reason);
-        for task in &self.tasks {
-            task.abort();
+        match &self.transport {
+            Transport::Plain(plain) => plain.shutdown(),
+            Transport::Tasks { tasks, .. } => {
+                for task in tasks {
+                    task.abort();
+                }
+            }
         }
     }
 
@@ -360,9 +405,11 @@ impl Pending {
 impl Drop for Connection {
     fn drop(&mut self) {
         self.kill(format!("replica {}: connection closed", self.peer));
-        if let Some(runtime) = self.runtime.take() {
-            // Allowed on any thread, async or not.
-            runtime.shutdown_background();
+        if let Transport::Tasks { runtime, .. } = &mut self.transport {
+            if let Some(runtime) = runtime.take() {
+                // Allowed on any thread, async or not.
+                runtime.shutdown_background();
+            }
         }
     }
 }

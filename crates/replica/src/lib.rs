@@ -13,9 +13,13 @@
 //!   seals each block once (guard, reference tag, volume tag) and sends
 //!   data with its context (`WRITE_SEALED`); the replica verifies it before
 //!   storing; blocks read back are verified again on the exporter.
+//! - `frame` — a request's bytes in pieces: a write's block data is
+//!   sent from where it is (`writev`), not copied into one buffer.
 //! - `url` — `vouch://HOST:PORT/NAME`; `tls` — rustls configurations.
 
 pub mod client;
+mod frame;
+mod plain;
 pub mod leg;
 pub mod server;
 pub mod tls;

@@ -5,6 +5,8 @@
 //! rule is a `WireError`, never a panic.
 
 use vouch_engine::{Allocation, BlockData, Fault, FaultKind, SealedBlock, BLOCK};
+
+pub use crate::frame::RequestFrame;
 use vouch_format::Context;
 
 /// The first 8 bytes each side sends.
@@ -49,7 +51,7 @@ pub const INFO_BYTES: usize = 56;
 /// The largest payload either side accepts.
 pub const MAX_PAYLOAD_BYTES: usize = MAX_BLOCKS_PER_REQUEST as usize * WRITE_ENTRY_BYTES;
 
-const CONTEXT_BYTES: usize = vouch_format::context::CONTEXT_BYTES;
+pub(crate) const CONTEXT_BYTES: usize = vouch_format::context::CONTEXT_BYTES;
 const _: () = assert!(WRITE_ENTRY_BYTES == 4136 && READ_ENTRY_BYTES == 4136);
 const _: () = assert!(SUPERBLOCK_FILE_BYTES + 16 + MAX_NAME_BYTES < MAX_PAYLOAD_BYTES);
 const _: () = assert!(8 + MAX_VERIFY_FAULTS * 16 < MAX_PAYLOAD_BYTES);
@@ -457,6 +459,12 @@ fn decode_write_entry(entry: &[u8]) -> Result<SealedBlock, WireError> {
 
 /// A request as bytes: header then payload.
 pub fn encode_request(handle: u64, request: &Request) -> Vec<u8> {
+    encode_request_frame(handle, request).to_vec()
+}
+
+/// `encode_request` in pieces: a WRITE_SEALED's block data is not copied
+/// (`RequestFrame`).
+pub fn encode_request_frame(handle: u64, request: &Request) -> RequestFrame {
     let (op, flags, offset, length, payload) = match request {
         Request::Open { name } => (Op::Open, 0, 0, 0, name.as_bytes().to_vec()),
         Request::Create {
@@ -470,14 +478,7 @@ pub fn encode_request(handle: u64, request: &Request) -> Vec<u8> {
         }
         Request::ReadSealed { first, count } => (Op::ReadSealed, 0, *first, *count, Vec::new()),
         Request::WriteSealed { blocks, fua } => {
-            let mut payload = Vec::with_capacity(blocks.len() * WRITE_ENTRY_BYTES);
-            for block in blocks {
-                payload.extend_from_slice(&block.lba.to_le_bytes());
-                payload.extend_from_slice(&block.context.encode());
-                payload.extend_from_slice(&block.data[..]);
-            }
-            let flags = if *fua { FLAG_FUA } else { 0 };
-            (Op::WriteSealed, flags, 0, blocks.len() as u64, payload)
+            return RequestFrame::write_sealed(handle, blocks, *fua);
         }
         Request::Flush => (Op::Flush, 0, 0, 0, Vec::new()),
         Request::Trim {
@@ -522,9 +523,12 @@ pub fn encode_request(handle: u64, request: &Request) -> Vec<u8> {
         length,
         payload_bytes: payload.len() as u32,
     };
-    let mut frame = header.encode().to_vec();
-    frame.extend_from_slice(&payload);
-    frame
+    let mut head = header.encode().to_vec();
+    head.extend_from_slice(&payload);
+    RequestFrame {
+        head,
+        data: Vec::new(),
+    }
 }
 
 /// Response status codes (the response header's `status`).

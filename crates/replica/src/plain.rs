@@ -1,0 +1,219 @@
+//! A `Connection` over plain TCP without an async runtime: the caller's
+//! thread writes its request frame to the socket itself (`writev`, the
+//! block data not copied), one writer at a time, and a reader thread of
+//! the connection blocks in `read` and hands each answer to its waiter.
+//!
+//! Why: a mirrored write to a remote leg used to cross the connection's
+//! writer task (a channel, an eventfd wake of the runtime's thread, an
+//! epoll round) before reaching the socket, and its answer came back
+//! through the runtime's reader task; on a CPU-bound exporter those
+//! hand-offs cost more than the send itself (docs/BENCHMARKS.md, Stop 23).
+//! TLS connections keep the runtime (`client.rs`): a TLS stream's reads
+//! and writes share one state machine.
+//!
+//! Failure is the same as the runtime's: any error on the socket — a
+//! failed or timed-out write (`SO_SNDTIMEO` = the request timeout), a
+//! failed read, a malformed answer — kills the connection for good
+//! (`Shared::kill`), and `shutdown` wakes the reader and any blocked
+//! writer.
+
+use std::io::{BufReader, Read, Write};
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::client::{check_hello, ClientError, Shared};
+use crate::frame::RequestFrame;
+use crate::url::ReplicaUrl;
+use crate::wire::{Hello, ResponseHeader, HELLO_BYTES, HELLO_OK, PROTOCOL_VERSION};
+use crate::wire::RESPONSE_HEADER_BYTES;
+
+/// Bytes the reader takes from the socket at once: several answers per
+/// `read` when they queue up.
+const READ_BUFFER_BYTES: usize = 64 * 1024;
+
+/// The write side of a plain connection (the reader thread owns the
+/// read side).
+pub(crate) struct Plain {
+    /// Frames waiting for the caller that is writing (`send`).
+    queue: Mutex<Outgoing>,
+    /// Written only by the caller that set `Outgoing::writing`.
+    writer: Mutex<TcpStream>,
+    /// Another handle on the socket, for `shutdown` without waiting for
+    /// a writer.
+    socket: TcpStream,
+}
+
+#[derive(Default)]
+struct Outgoing {
+    /// A caller is writing to the socket; it sends `frames` too before it
+    /// stops.
+    writing: bool,
+    frames: Vec<RequestFrame>,
+}
+
+impl Plain {
+    /// Connect to `url`, shake hands, start the reader thread.
+    pub(crate) fn connect(
+        url: &ReplicaUrl,
+        timeout: std::time::Duration,
+        peer: &str,
+        shared: &Arc<Shared>,
+    ) -> Result<Plain, ClientError> {
+        let unreachable = |why: String| ClientError::Unreachable(format!("replica {peer}: {why}"));
+        let addresses = url
+            .address()
+            .to_socket_addrs()
+            .map_err(|error| unreachable(format!("cannot connect: {error}")))?;
+        let mut last = None;
+        let mut stream = None;
+        for address in addresses {
+            match TcpStream::connect_timeout(&address, crate::CONNECT_TIMEOUT) {
+                Ok(connected) => {
+                    stream = Some(connected);
+                    break;
+                }
+                Err(error) => last = Some(error),
+            }
+        }
+        let stream = stream.ok_or_else(|| match last {
+            Some(error) if error.kind() == std::io::ErrorKind::TimedOut => unreachable(format!(
+                "connecting timed out after {:?}",
+                crate::CONNECT_TIMEOUT
+            )),
+            Some(error) => unreachable(format!("cannot connect: {error}")),
+            None => unreachable("cannot connect: the address resolves to nothing".into()),
+        })?;
+        let setup = |error: std::io::Error| unreachable(format!("socket setup: {error}"));
+        stream.set_nodelay(true).map_err(setup)?;
+        stream
+            .set_read_timeout(Some(crate::CONNECT_TIMEOUT))
+            .map_err(setup)?;
+        stream
+            .set_write_timeout(Some(crate::CONNECT_TIMEOUT))
+            .map_err(setup)?;
+        hello(&stream, peer)?;
+        // Answers may be a long time apart: the waiters' timeouts bound
+        // each request, not the reader.
+        stream.set_read_timeout(None).map_err(setup)?;
+        stream.set_write_timeout(Some(timeout)).map_err(setup)?;
+        let reader = stream.try_clone().map_err(setup)?;
+        let socket = stream.try_clone().map_err(setup)?;
+        let shared_reader = Arc::clone(shared);
+        let reader_peer = peer.to_string();
+        std::thread::Builder::new()
+            .name("vouch-replica-reader".into())
+            .spawn(move || {
+                let why = read_answers(reader, &shared_reader);
+                shared_reader.kill(format!("replica {reader_peer}: {why}"));
+            })
+            .map_err(|error| unreachable(format!("reader thread: {error}")))?;
+        Ok(Plain {
+            queue: Mutex::new(Outgoing::default()),
+            writer: Mutex::new(stream),
+            socket,
+        })
+    }
+
+    /// Send `frame` on the caller's thread, never waiting for another
+    /// caller: if one is writing, `frame` is queued and that caller
+    /// writes it (with any others queued meanwhile, in one `writev`)
+    /// before it stops. Frames go out whole and in the order queued; the
+    /// protocol needs no more (each answer names its request, and a
+    /// later write of a block is sent only once the earlier one was
+    /// answered: the mirror's stripe lock).
+    ///
+    /// An error leaves the stream in an unknown place, with frames of
+    /// other callers perhaps lost: the caller kills the connection, which
+    /// fails every waiting request.
+    pub(crate) fn send(&self, frame: RequestFrame) -> std::io::Result<()> {
+        let mut batch = {
+            let mut queue = self.queue.lock();
+            if queue.writing {
+                queue.frames.push(frame);
+                return Ok(());
+            }
+            queue.writing = true;
+            vec![frame]
+        };
+        let mut writer = self.writer.lock();
+        loop {
+            if let Err(error) = write_frames(&mut writer, &batch) {
+                // Later callers queue behind a writer that never comes:
+                // the connection is killed, so they fail on their waits.
+                return Err(error);
+            }
+            let mut queue = self.queue.lock();
+            if queue.frames.is_empty() {
+                queue.writing = false;
+                return Ok(());
+            }
+            batch = std::mem::take(&mut queue.frames);
+        }
+    }
+
+    /// Wake the reader thread and any blocked writer: the connection is
+    /// dead.
+    pub(crate) fn shutdown(&self) {
+        let _ = self.socket.shutdown(Shutdown::Both);
+    }
+}
+
+/// Write `frames` whole, in order.
+fn write_frames(out: &mut TcpStream, frames: &[RequestFrame]) -> std::io::Result<()> {
+    RequestFrame::write_all(out, frames)?;
+    out.flush()
+}
+
+/// Send our hello, read the server's, refuse another version by name
+/// (as the runtime's `Connection::hello` does).
+fn hello(mut stream: &TcpStream, peer: &str) -> Result<(), ClientError> {
+    let ours = Hello {
+        version: PROTOCOL_VERSION,
+        status: HELLO_OK,
+    };
+    stream.write_all(&ours.encode()).map_err(|error| {
+        ClientError::Unreachable(format!("replica {peer}: handshake: {error}"))
+    })?;
+    let mut bytes = [0u8; HELLO_BYTES];
+    match stream.read_exact(&mut bytes) {
+        Ok(()) => check_hello(&bytes, peer),
+        Err(error)
+            if matches!(
+                error.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) =>
+        {
+            Err(ClientError::Unreachable(format!(
+                "replica {peer}: the handshake timed out (does the server want TLS?)"
+            )))
+        }
+        Err(error) => Err(ClientError::Refused(format!(
+            "replica {peer}: the server closed the connection during the handshake ({error}): not a vouch replica server, or it wants TLS, or it refused our certificate"
+        ))),
+    }
+}
+
+/// The reader thread: hand each answer to its waiter until the connection
+/// fails; returns why.
+fn read_answers(stream: TcpStream, shared: &Shared) -> String {
+    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+    loop {
+        let mut header = [0u8; RESPONSE_HEADER_BYTES];
+        if let Err(error) = reader.read_exact(&mut header) {
+            return format!("connection lost: {error}");
+        }
+        let header = match ResponseHeader::decode(&header) {
+            Ok(header) => header,
+            Err(error) => return format!("malformed answer: {error}"),
+        };
+        let mut payload = vec![0u8; header.payload_bytes as usize];
+        if let Err(error) = reader.read_exact(&mut payload) {
+            return format!("connection lost: {error}");
+        }
+        if let Err(why) = shared.deliver(header.handle, header.status, payload) {
+            return why;
+        }
+    }
+}
