@@ -107,3 +107,118 @@ impl RequestFrame {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{decode_request, encode_request_frame, Request, RequestHeader};
+    use vouch_format::Context;
+
+    /// Takes at most `step` bytes per call, as a socket under pressure may,
+    /// and refuses more than `IOV_MAX` slices, as Linux does.
+    struct Trickle {
+        out: Vec<u8>,
+        step: usize,
+    }
+
+    impl Write for Trickle {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            let n = buf.len().min(self.step);
+            self.out.extend_from_slice(&buf[..n]);
+            Ok(n)
+        }
+        fn write_vectored(&mut self, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+            if slices.len() > 1024 {
+                return Err(std::io::ErrorKind::InvalidInput.into());
+            }
+            let mut n = 0;
+            for slice in slices {
+                let take = slice.len().min(self.step - n);
+                self.out.extend_from_slice(&slice[..take]);
+                n += take;
+                if n == self.step {
+                    break;
+                }
+            }
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn blocks(count: u64) -> Vec<SealedBlock> {
+        (0..count)
+            .map(|lba| SealedBlock {
+                lba: 100 + lba,
+                data: BlockData::copy_from(&[lba as u8 ^ 0x5a; 4096]),
+                context: Context::Data {
+                    volume_tag: 7,
+                    ref_tag: 100 + lba,
+                    guard: 0x1234,
+                    generation: 3,
+                },
+            })
+            .collect()
+    }
+
+    #[test]
+    fn frames_written_in_short_pieces_are_the_encoded_bytes_in_order() {
+        let write = encode_request_frame(
+            9,
+            &Request::WriteSealed {
+                blocks: blocks(3),
+                fua: true,
+            },
+        );
+        let flush = encode_request_frame(10, &Request::Flush);
+        let mut expected = write.to_vec();
+        expected.extend_from_slice(&flush.to_vec());
+        for step in [1, 7, 40, 4096, 1 << 20] {
+            let mut out = Trickle {
+                out: Vec::new(),
+                step,
+            };
+            let frames = [write_copy(&write), write_copy(&flush)];
+            RequestFrame::write_all(&mut out, &frames).expect("write");
+            assert!(out.out == expected, "step {step}");
+        }
+        // And the bytes are the request.
+        let header: [u8; REQUEST_HEADER_BYTES] = expected[..REQUEST_HEADER_BYTES]
+            .try_into()
+            .expect("header");
+        let header = RequestHeader::decode(&header).expect("decode header");
+        let end = REQUEST_HEADER_BYTES + header.payload_bytes as usize;
+        match decode_request(&header, &expected[REQUEST_HEADER_BYTES..end]).expect("decode") {
+            Request::WriteSealed { blocks: got, fua } => {
+                assert!(fua);
+                assert_eq!(got.len(), 3);
+                for (got, sent) in got.iter().zip(blocks(3)) {
+                    assert_eq!((got.lba, got.context), (sent.lba, sent.context));
+                    assert!(got.data[..] == sent.data[..]);
+                }
+            }
+            other => panic!("decoded {other:?}"),
+        }
+    }
+
+    /// More slices than one `writev` takes: 600 blocks are 1200 slices.
+    #[test]
+    fn a_frame_of_more_slices_than_one_writev_takes_goes_out_whole() {
+        let frame = RequestFrame::write_sealed(1, &blocks(600), false);
+        let mut out = Trickle {
+            out: Vec::new(),
+            step: usize::MAX,
+        };
+        RequestFrame::write_all(&mut out, std::slice::from_ref(&frame)).expect("write");
+        assert!(out.out == frame.to_vec());
+        assert_eq!(out.out.len(), REQUEST_HEADER_BYTES + 600 * WRITE_ENTRY_BYTES);
+    }
+
+    fn write_copy(frame: &RequestFrame) -> RequestFrame {
+        RequestFrame {
+            head: frame.head.clone(),
+            data: frame.data.clone(),
+        }
+    }
+}
