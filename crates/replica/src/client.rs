@@ -26,8 +26,8 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use crate::plain::Plain;
 use crate::url::ReplicaUrl;
 use crate::wire::{
-    self, encode_request_frame, ErrorBody, Hello, Request, ResponseHeader, Status, HELLO_BYTES, HELLO_OK,
-    HELLO_VERSION_REFUSED, PROTOCOL_VERSION, RESPONSE_HEADER_BYTES,
+    self, encode_request_frame, ErrorBody, Hello, Request, ResponseHeader, Status, HELLO_BYTES,
+    HELLO_OK, HELLO_VERSION_REFUSED, PROTOCOL_VERSION, RESPONSE_HEADER_BYTES,
 };
 
 /// How a client reaches replicas.
@@ -75,7 +75,12 @@ pub(crate) struct Shared {
 impl Shared {
     /// Hand an answer to its waiter; an answer nobody waits for is a
     /// broken peer (the reason).
-    pub(crate) fn deliver(&self, handle: u64, status: Status, payload: Vec<u8>) -> Result<(), String> {
+    pub(crate) fn deliver(
+        &self,
+        handle: u64,
+        status: Status,
+        payload: Vec<u8>,
+    ) -> Result<(), String> {
         let Some(waiter) = self.pending.lock().remove(&handle) else {
             return Err(format!("an answer for unknown handle {handle}"));
         };

@@ -184,9 +184,8 @@ mod tests {
             assert!(out.out == expected, "step {step}");
         }
         // And the bytes are the request.
-        let header: [u8; REQUEST_HEADER_BYTES] = expected[..REQUEST_HEADER_BYTES]
-            .try_into()
-            .expect("header");
+        let header: [u8; REQUEST_HEADER_BYTES] =
+            expected[..REQUEST_HEADER_BYTES].try_into().expect("header");
         let header = RequestHeader::decode(&header).expect("decode header");
         let end = REQUEST_HEADER_BYTES + header.payload_bytes as usize;
         match decode_request(&header, &expected[REQUEST_HEADER_BYTES..end]).expect("decode") {
@@ -212,7 +211,10 @@ mod tests {
         };
         RequestFrame::write_all(&mut out, std::slice::from_ref(&frame)).expect("write");
         assert!(out.out == frame.to_vec());
-        assert_eq!(out.out.len(), REQUEST_HEADER_BYTES + 600 * WRITE_ENTRY_BYTES);
+        assert_eq!(
+            out.out.len(),
+            REQUEST_HEADER_BYTES + 600 * WRITE_ENTRY_BYTES
+        );
     }
 
     fn write_copy(frame: &RequestFrame) -> RequestFrame {

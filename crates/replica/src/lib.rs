@@ -19,8 +19,8 @@
 
 pub mod client;
 mod frame;
-mod plain;
 pub mod leg;
+mod plain;
 pub mod server;
 pub mod tls;
 pub mod url;

@@ -26,8 +26,8 @@ use parking_lot::Mutex;
 use crate::client::{check_hello, ClientError, Shared};
 use crate::frame::RequestFrame;
 use crate::url::ReplicaUrl;
-use crate::wire::{Hello, ResponseHeader, HELLO_BYTES, HELLO_OK, PROTOCOL_VERSION};
 use crate::wire::RESPONSE_HEADER_BYTES;
+use crate::wire::{Hello, ResponseHeader, HELLO_BYTES, HELLO_OK, PROTOCOL_VERSION};
 
 /// Bytes the reader takes from the socket at once: several answers per
 /// `read` when they queue up.
@@ -139,11 +139,10 @@ impl Plain {
         };
         let mut writer = self.writer.lock();
         loop {
-            if let Err(error) = write_frames(&mut writer, &batch) {
-                // Later callers queue behind a writer that never comes:
-                // the connection is killed, so they fail on their waits.
-                return Err(error);
-            }
+            // On an error, later callers queue behind a writer that never
+            // comes back: the caller kills the connection, so they fail on
+            // their waits.
+            write_frames(&mut writer, &batch)?;
             let mut queue = self.queue.lock();
             if queue.frames.is_empty() {
                 queue.writing = false;
@@ -173,9 +172,9 @@ fn hello(mut stream: &TcpStream, peer: &str) -> Result<(), ClientError> {
         version: PROTOCOL_VERSION,
         status: HELLO_OK,
     };
-    stream.write_all(&ours.encode()).map_err(|error| {
-        ClientError::Unreachable(format!("replica {peer}: handshake: {error}"))
-    })?;
+    stream
+        .write_all(&ours.encode())
+        .map_err(|error| ClientError::Unreachable(format!("replica {peer}: handshake: {error}")))?;
     let mut bytes = [0u8; HELLO_BYTES];
     match stream.read_exact(&mut bytes) {
         Ok(()) => check_hello(&bytes, peer),
