@@ -21,7 +21,8 @@
 # `vouch mirror resync` copies the map across the link: blocks, seconds, MiB/s.
 #
 # A/B in one run: VOUCH_B=OTHER_BINARY adds servers named SERVER_b (e.g. SERVERS="single remote2 remote2_b"):
-# the same volume layout, exported by that binary (the replicas stay VOUCH's), on the port of SERVER + 10.
+# the same volume layout, exported by that binary on the port of SERVER + 10, its remote legs on replica
+# servers of that binary (a second pair in vrb-r1/vrb-r2, ports 7111/7112). Replica CPU counts both pairs.
 #
 # Output: $OUT/samples.tsv, $OUT/report.md (medians, ratios to single, exporter and replica CPU per I/O).
 # Needs root (ip netns, tc) and fio; builds target/release/vouch unless BUILD=0.
@@ -91,13 +92,14 @@ for i in 1 2; do
     done
 done
 
-start_replica() { # INDEX (1|2)
-    local i=$1 ns=${NS_R[$(($1-1))]}
-    ip netns exec "$ns" "$VOUCH" replica serve "$DIR/r$i" --listen "10.233.$i.1:710$i" --insecure \
-        >> "$OUT/logs/replica$i.log" 2>&1 &
-    RPID[$i]=$!
-    for _ in $(seq 100); do grep -q "serving" "$OUT/logs/replica$i.log" 2>/dev/null && return 0; sleep 0.1; done
-    die "replica $i did not start: $(tail -3 "$OUT/logs/replica$i.log")"
+start_replica() { # INDEX (1|2) [b: VOUCH_B's replica, port 711INDEX]
+    local i=$1 ns=${NS_R[$(($1-1))]} vouch=$VOUCH port=710$1 key=$1
+    if [ "${2:-}" = b ]; then vouch=$VOUCH_B; port=711$1; key=b$1; fi
+    ip netns exec "$ns" "$vouch" replica serve "$DIR/r$key" --listen "10.233.$i.1:$port" --insecure \
+        >> "$OUT/logs/replica$key.log" 2>&1 &
+    RPID[$key]=$!
+    for _ in $(seq 100); do grep -q "serving" "$OUT/logs/replica$key.log" 2>/dev/null && return 0; sleep 0.1; done
+    die "replica $key did not start: $(tail -3 "$OUT/logs/replica$key.log")"
 }
 wait_port() { # PORT
     for _ in $(seq 200); do in_e bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null && return 0; sleep 0.1; done
@@ -108,7 +110,9 @@ start_server() { # NAME
     [[ $s == *_b ]] && vouch=$VOUCH_B
     case $base in
     local2|local3) for i in $(seq 1 $((${base#local} - 1))); do mirrors+=(--mirror "$vol-leg$i"); done ;;
-    remote2|remote3) for i in $(seq 1 $((${base#remote} - 1))); do mirrors+=(--mirror "vouch://10.233.$i.1:710$i/$s"); done ;;
+    remote2|remote3)
+        local port=710; [[ $s == *_b ]] && port=711
+        for i in $(seq 1 $((${base#remote} - 1))); do mirrors+=(--mirror "vouch://10.233.$i.1:$port$i/$s"); done ;;
     esac
     if [ ! -d "$vol" ]; then
         in_e "$VOUCH" create "$vol" --size "$SIZE" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
@@ -126,6 +130,7 @@ replica_ticks() { local t=0 p; for p in "${RPID[@]}"; do t=$((t + $(ticks "$p"))
 HZ=$(getconf CLK_TCK)
 
 start_replica 1; start_replica 2
+if [ -n "$VOUCH_B" ]; then start_replica 1 b; start_replica 2 b; fi
 for s in $SERVERS; do
     start_server "$s"
     log "$s: prefill (sequential 1M writes)"
