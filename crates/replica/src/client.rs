@@ -329,7 +329,19 @@ impl Connection {
         let frame = encode_request_frame(handle, request);
         let sent = match &self.transport {
             Transport::Plain(plain) => plain.send(frame).map_err(|error| {
-                let reason = format!("replica {}: connection lost: {error}", self.peer);
+                // SO_SNDTIMEO (the request timeout) ran out: the peer took
+                // nothing for that long, as a request unanswered that long.
+                let reason = if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) {
+                    format!(
+                        "replica {}: sending a request timed out after {:?}; the connection is dropped",
+                        self.peer, self.timeout
+                    )
+                } else {
+                    format!("replica {}: connection lost: {error}", self.peer)
+                };
                 // Part of the frame may be out: nothing after it can be.
                 self.kill(reason.clone());
                 reason
