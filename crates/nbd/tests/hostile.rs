@@ -341,3 +341,55 @@ fn connection_limit_and_graceful_shutdown() {
         "listener closed after shutdown"
     );
 }
+
+/// Large WRITE payloads raise the socket's receive low-water mark while
+/// they arrive: a payload trickled in slow pieces must still be taken,
+/// and the mark must be back to one byte for the next request header (a
+/// lone 28-byte READ after the write would otherwise never wake the
+/// reader, and the 10 s read timeout fails the test).
+#[test]
+fn large_writes_trickled_then_a_lone_small_request() {
+    let server = TestServer::start(TestOptions::default());
+    let (mut stream, _) = go(&server);
+    const MIB: usize = 1 << 20;
+    for (round, byte) in [0x5au8, 0xa5].into_iter().enumerate() {
+        let offset = (round * MIB) as u64;
+        request(&mut stream, 1, 0, round as u64, offset, MIB as u32);
+        let payload = vec![byte; MIB];
+        // Uneven pieces with pauses: the server sees partial payloads.
+        for piece in payload.chunks(300 * 1024 + 7) {
+            stream.write_all(piece).unwrap();
+            std::thread::sleep(Duration::from_millis(30));
+        }
+        assert_eq!(simple_reply(&mut stream), (0, round as u64));
+        // Nothing else is in flight: this header alone must wake the reader.
+        request(&mut stream, 0, 0, 100 + round as u64, offset + 4096, 4096);
+        assert_eq!(simple_reply(&mut stream), (0, 100 + round as u64));
+        assert_eq!(read_exact(&mut stream, 4096), vec![byte; 4096]);
+    }
+    // A large write and a small one sent back to back in one piece.
+    let mut batch = Vec::new();
+    let header = |cookie, offset, length| {
+        wire::encode_request(&Request {
+            flags: 0,
+            command: 1,
+            cookie,
+            offset,
+            length,
+        })
+    };
+    batch.extend_from_slice(&header(7, 0, MIB as u32));
+    batch.extend_from_slice(&vec![0x77; MIB]);
+    batch.extend_from_slice(&header(8, MIB as u64, 4096));
+    batch.extend_from_slice(&[0x88; 4096]);
+    stream.write_all(&batch).unwrap();
+    let mut cookies = [simple_reply(&mut stream), simple_reply(&mut stream)];
+    cookies.sort();
+    assert_eq!(cookies, [(0, 7), (0, 8)]);
+    assert_eq!(
+        server.export.contents(MIB as u64 - 1..MIB as u64 + 1),
+        vec![0x77, 0x88]
+    );
+    request(&mut stream, 2, 0, 9, 0, 0);
+    assert_closed(&mut stream);
+}

@@ -47,6 +47,23 @@ pub fn foreground_options() -> vouch_engine::OpenOptions {
 /// One 4 KiB block.
 pub const BLOCK: usize = 4096;
 
+/// Every block of the first `blocks` of `device`, read (and verified) one
+/// at a time; the first read that fails is an error naming its LBA.
+pub fn read_blocks(
+    device: &dyn vouch_engine::BlockDevice,
+    blocks: u64,
+) -> Result<Vec<Vec<u8>>, String> {
+    (0..blocks)
+        .map(|lba| {
+            let mut buf = vec![0u8; BLOCK];
+            device
+                .read(lba * BLOCK as u64, &mut buf)
+                .map(|_| buf)
+                .map_err(|e| format!("LBA {lba}: {e}"))
+        })
+        .collect()
+}
+
 /// A 64-bit fingerprint of a block's contents (the model stores these).
 pub fn fingerprint(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)

@@ -157,7 +157,7 @@ impl Capturing {
             // A temporary file cut short: its rename never happened.
             files.insert(torn.to_string(), vec![0x5a; 100]);
         }
-        let blocks = read_all(&self.leg0).unwrap_or_default();
+        let blocks = read_all(&*self.leg0).unwrap_or_default();
         self.points.lock().push((name, files, blocks));
     }
 }
@@ -179,16 +179,8 @@ impl Membership for Capturing {
     }
 }
 
-fn read_all(volume: &Volume) -> std::result::Result<Vec<Vec<u8>>, String> {
-    (0..BLOCKS)
-        .map(|lba| {
-            let mut buf = vec![0u8; BLOCK];
-            volume
-                .read(lba * BLOCK as u64, &mut buf)
-                .map(|_| buf)
-                .map_err(|e| format!("LBA {lba}: {e}"))
-        })
-        .collect()
+fn read_all(volume: &dyn BlockDevice) -> std::result::Result<Vec<Vec<u8>>, String> {
+    crate::read_blocks(volume, BLOCKS)
 }
 
 fn open(sim: &SimStorage) -> std::result::Result<Arc<Volume>, String> {

@@ -181,16 +181,8 @@ fn open(storage: Arc<dyn Storage>) -> Result<Arc<Volume>, String> {
         .map_err(|e| format!("open: {e}"))
 }
 
-fn read_all(volume: &dyn BlockDevice) -> Result<Vec<Vec<u8>>, String> {
-    (0..BLOCKS)
-        .map(|lba| {
-            let mut buf = vec![0u8; BLOCK];
-            volume
-                .read(lba * BLOCK as u64, &mut buf)
-                .map(|_| buf)
-                .map_err(|e| format!("LBA {lba}: {e}"))
-        })
-        .collect()
+fn read_all(volume: &dyn BlockDevice) -> std::result::Result<Vec<Vec<u8>>, String> {
+    crate::read_blocks(volume, BLOCKS)
 }
 
 /// A mirror of `leg0` (active) and `leg1` (`state`; `None`: missing).
