@@ -103,13 +103,13 @@ impl Engine {
         let limit = self.tuning.dirty_limit_blocks;
         let buffered = {
             let mut state = shared.state.write();
-            if state.active.len() + sealed.len() >= 2 * limit {
+            if state.held_blocks() + sealed.len() >= 2 * limit {
                 return false;
             }
             for (lba, dirty) in sealed {
-                state.active.insert(lba, dirty);
+                state.buffer(lba, dirty);
             }
-            state.active.len()
+            state.held_blocks()
         };
         shared.io.stats.add_client_write(bytes);
         if buffered >= limit {
@@ -170,9 +170,9 @@ impl Engine {
         let buffered = {
             let mut state = shared.state.write();
             for (lba, dirty) in sealed {
-                state.active.insert(lba, dirty);
+                state.buffer(lba, dirty);
             }
-            state.active.len()
+            state.held_blocks()
         };
         if buffered >= self.tuning.dirty_limit_blocks {
             // Hand the buffer to the background committer, or commit inline
@@ -248,7 +248,7 @@ impl Engine {
     /// (it may not a moment later: another writer can fill the buffer).
     pub fn has_room_for(&self, count: usize) -> bool {
         self.committer.is_background()
-            && self.shared.state.read().active.len() + count < 2 * self.tuning.dirty_limit_blocks
+            && self.shared.state.read().held_blocks() + count < 2 * self.tuning.dirty_limit_blocks
     }
 
     /// Seal whole blocks for storing elsewhere or here with `write_sealed`
