@@ -64,6 +64,12 @@ pub trait Protection: Send + Sync {
         None
     }
 
+    /// Whether blocks are stored as they are (`seal_unchanged` is `Some`):
+    /// sealing then costs a checksum, not a transformation.
+    fn stores_plain(&self) -> bool {
+        false
+    }
+
     /// The context a sealed block is stored with, once its commit's
     /// sequence number (the block's generation) is known.
     fn context(&self, lba: u64, seal: Seal, generation: u64) -> Context;
@@ -165,6 +171,10 @@ impl GuardProtection {
 impl Protection for GuardProtection {
     fn seal(&self, _lba: u64, data: &mut [u8], _generation: u64) -> Seal {
         Seal::guard(self.guard.compute(data))
+    }
+
+    fn stores_plain(&self) -> bool {
+        true
     }
 
     fn seal_unchanged(&self, _lba: u64, data: &[u8], _generation: u64) -> Option<Seal> {
