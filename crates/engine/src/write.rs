@@ -14,10 +14,6 @@ use crate::engine::Engine;
 use crate::error::{Error, Fault, Result};
 use crate::state::{BlockData, DirtyBlock, RangeOp, BLOCK};
 
-/// Largest write `try_write_shared` takes when the protection transforms
-/// the data (encryption): larger ones decline, to be written on a worker.
-const TRANSFORMED_INLINE_MAX_BYTES: usize = 128 * 1024;
-
 /// How `write_zeroes` zeroes a range.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ZeroFlags {
@@ -26,6 +22,25 @@ pub struct ZeroFlags {
     /// Record the blocks as written zeroes rather than holes (NBD NO_HOLE).
     /// Either way no data is written.
     pub allocate: bool,
+}
+
+/// Largest write `try_write_shared` takes when the protection transforms
+/// the data (encryption): larger ones decline, to be written on a worker.
+const TRANSFORMED_INLINE_MAX_BYTES: usize = 128 * 1024;
+
+/// How `write_sealed` checks blocks moved with their contexts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SealCheck {
+    /// Recompute each block's guard (and, encrypted, authenticate it)
+    /// against its context: blocks that crossed a hop (a replica's wire,
+    /// a read from another leg's disk).
+    Full,
+    /// Blocks this process sealed (`seal_for_transfer`) from immutable
+    /// bytes that never left it, stored on a local leg of a mirror: no
+    /// hop lies between the seal and the store, as none does on a single
+    /// volume's write path, so only the place is checked (LBA and volume
+    /// tags) where the protection can judge it without the bytes.
+    Placement,
 }
 
 impl Engine {
@@ -208,7 +223,7 @@ impl Engine {
     /// room below the level where writers commit themselves and a
     /// background committer takes the commit. `Ok(false)` when it would
     /// wait, with nothing stored.
-    pub fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+    pub fn try_write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<bool> {
         let shared = &self.shared;
         shared.io.check_writable()?;
         if blocks.is_empty() || !self.committer.is_background() {
@@ -216,7 +231,7 @@ impl Engine {
         }
         let mut dirty = Vec::with_capacity(blocks.len());
         for block in blocks {
-            self.check_sealed(block)?;
+            self.check_sealed(block, check)?;
             let Some(seal) = shared.protection.seal_of(&block.context) else {
                 return Ok(false); // a zero-reading block is a range operation
             };
@@ -232,8 +247,10 @@ impl Engine {
     }
 
     /// A block moved with its context: inside the volume, and verified
-    /// against that context for its LBA (a failure names it).
-    fn check_sealed(&self, block: &SealedBlock) -> Result<()> {
+    /// against that context for its LBA (a failure names it); with
+    /// `SealCheck::Placement`, the context only, where the protection can
+    /// judge it without the bytes.
+    fn check_sealed(&self, block: &SealedBlock, check: SealCheck) -> Result<()> {
         let shared = &self.shared;
         if block.lba >= shared.io.geometry.blocks {
             return Err(Error::OutOfRange {
@@ -242,9 +259,16 @@ impl Engine {
                 size: shared.io.geometry.size_bytes,
             });
         }
-        shared
-            .protection
-            .open(block.lba, &Ok(block.context), &block.data[..])
+        let placed = match check {
+            SealCheck::Full => None,
+            SealCheck::Placement => shared.protection.check_place(block.lba, &block.context),
+        };
+        placed
+            .unwrap_or_else(|| {
+                shared
+                    .protection
+                    .open(block.lba, &Ok(block.context), &block.data[..])
+            })
             .map_err(|kind| {
                 Error::Fault(Fault {
                     lba: block.lba,
@@ -299,11 +323,11 @@ impl Engine {
     /// failure refuses the whole call. Data blocks keep their seal (the PI
     /// computed where the data was created); zero-reading contexts become
     /// a trim or written zeroes.
-    pub fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+    pub fn write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<()> {
         let shared = &self.shared;
         shared.io.check_writable()?;
         for block in blocks {
-            self.check_sealed(block)?;
+            self.check_sealed(block, check)?;
         }
         // In the order given, so a later block for an LBA wins: data blocks
         // are buffered, and a run of consecutive zero-reading blocks of one
