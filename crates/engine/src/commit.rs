@@ -192,6 +192,7 @@ impl Committer {
             let mut state = shared.state.write();
             assert!(state.committing.is_empty(), "a commit is already in flight");
             state.committing = std::mem::take(&mut state.active);
+            state.committing_orphans = std::mem::take(&mut state.active_orphans);
             state
                 .committing
                 .iter()
@@ -224,6 +225,7 @@ impl Committer {
         let pending = {
             let mut state = shared.state.write();
             state.committing.clear();
+            state.committing_orphans = 0;
             state.contexts.pending()
         };
         self.committed(shared, journal, pending)

@@ -129,6 +129,21 @@ pub trait BlockDevice: Send + Sync {
         Ok(false)
     }
 
+    /// `write_sealed` of blocks this process sealed (`seal_blocks`) from
+    /// bytes that never left it: a mirror's write to its local legs. No
+    /// hop lies between the seal and the store (as none does on a single
+    /// volume's write path), so a device may skip recomputing each guard
+    /// and check only that each context belongs at its LBA here
+    /// (`SealCheck::Placement`). The default verifies like `write_sealed`.
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.write_sealed(blocks)
+    }
+
+    /// `try_write_sealed` of blocks sealed here (see `write_sealed_here`).
+    fn try_write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        self.try_write_sealed(blocks)
+    }
+
     /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
     /// without waiting for it, for a device whose writes travel (a remote
     /// replica): the mirror starts these first and writes its local legs

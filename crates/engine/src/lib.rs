@@ -62,7 +62,7 @@ pub use storage::{CloneRange, FileOpen, FileStorage, ObjectId, Run, Storage};
 pub use superblock::{read_superblock, MAX_VOLUME_BYTES};
 pub use volume::{Volume, VolumeInfo};
 pub use vouch_format::{GuardKind, LayoutKind};
-pub use write::ZeroFlags;
+pub use write::{SealCheck, ZeroFlags};
 
 use std::path::Path;
 use std::sync::Arc;

@@ -64,6 +64,12 @@ pub trait Protection: Send + Sync {
         None
     }
 
+    /// Whether blocks are stored as they are (`seal_unchanged` is `Some`):
+    /// sealing then costs a checksum, not a transformation.
+    fn stores_plain(&self) -> bool {
+        false
+    }
+
     /// The context a sealed block is stored with, once its commit's
     /// sequence number (the block's generation) is known.
     fn context(&self, lba: u64, seal: Seal, generation: u64) -> Context;
@@ -123,6 +129,15 @@ pub trait Protection: Send + Sync {
     /// The seal a context carries, for a block moved with its context
     /// (replicas, repair): `None` if it does not carry data.
     fn seal_of(&self, context: &Context) -> Option<Seal>;
+
+    /// Whether `context` belongs at `lba` of this volume, judged without
+    /// the block's bytes (for blocks this process sealed from bytes that
+    /// never left it: `Engine::write_sealed_here`). `None` when the
+    /// protection cannot tell without them (the encrypted one binds the
+    /// place in the AEAD): the caller opens the block in full.
+    fn check_place(&self, _lba: u64, _context: &Context) -> Option<Result<(), FaultKind>> {
+        None
+    }
 }
 
 /// The context template of a trimmed (`allocate` false: never written) or
@@ -165,6 +180,10 @@ impl GuardProtection {
 impl Protection for GuardProtection {
     fn seal(&self, _lba: u64, data: &mut [u8], _generation: u64) -> Seal {
         Seal::guard(self.guard.compute(data))
+    }
+
+    fn stores_plain(&self) -> bool {
+        true
     }
 
     fn seal_unchanged(&self, _lba: u64, data: &[u8], _generation: u64) -> Option<Seal> {
@@ -239,6 +258,23 @@ impl Protection for GuardProtection {
             }),
             _ => None,
         }
+    }
+
+    fn check_place(&self, lba: u64, context: &Context) -> Option<Result<(), FaultKind>> {
+        Some(match context {
+            Context::Unwritten => Ok(()),
+            Context::Zero {
+                volume_tag,
+                ref_tag,
+                ..
+            }
+            | Context::Data {
+                volume_tag,
+                ref_tag,
+                ..
+            } => self.check_tags(lba, *volume_tag, *ref_tag),
+            Context::Encrypted { .. } => Err(FaultKind::ContextCorrupt),
+        })
     }
 }
 

@@ -22,13 +22,21 @@ pub type Block = [u8; BLOCK_SIZE as usize];
 pub const BLOCK: u64 = BLOCK_SIZE as u64;
 
 /// One block's bytes (exactly `BLOCK`), shared without copying: a block
-/// of its own, or a 4 KiB window of a larger buffer kept whole — an NBD
-/// WRITE's payload is buffered, journaled and written home from the
-/// buffer it was received into, and a mirrored write hands the same bytes
-/// to every leg. Immutable once made: a block is sealed (and, encrypted,
-/// enciphered) before it becomes a `BlockData`.
-#[derive(Clone, PartialEq, Eq)]
-pub struct BlockData(Bytes);
+/// of its own, a 4 KiB window of a larger buffer kept whole, or the static
+/// zero block. An NBD WRITE's payload is buffered, journaled and written
+/// home from the buffer it was received into, and a mirrored write hands
+/// the same bytes to every leg. Immutable once made: a block is sealed
+/// (and, encrypted, enciphered) before it becomes a `BlockData`.
+///
+/// A window keeps its whole buffer alive: a buffered window whose
+/// neighbours were overwritten holds more memory than its 4 KiB, which
+/// the write-back buffer counts (`VolumeState::held_blocks`).
+#[derive(Clone)]
+pub struct BlockData {
+    bytes: Bytes,
+    /// A window of a buffer longer than one block.
+    window: bool,
+}
 
 /// The bytes of a never-written block, shared by every zero `BlockData`.
 static ZERO_BLOCK: Block = [0u8; BLOCK_SIZE as usize];
@@ -41,32 +49,53 @@ impl BlockData {
 
     /// A block of zeros (no allocation).
     pub fn zeroed() -> BlockData {
-        BlockData(Bytes::from_static(&ZERO_BLOCK))
+        BlockData::from_bytes(Bytes::from_static(&ZERO_BLOCK))
     }
 
     /// Block `index` of `buffer`, sharing it (no copy).
     pub fn of_buffer(buffer: &Bytes, index: usize) -> BlockData {
         let start = index * BLOCK as usize;
-        BlockData::from_bytes(buffer.slice(start..start + BLOCK as usize))
+        BlockData {
+            window: buffer.len() > BLOCK as usize,
+            ..BlockData::from_bytes(buffer.slice(start..start + BLOCK as usize))
+        }
     }
 
-    /// Take `bytes`, which must be exactly one block long.
+    /// Take `bytes`, which must be exactly one block long (and are then
+    /// counted as a block of their own).
     pub fn from_bytes(bytes: Bytes) -> BlockData {
         assert_eq!(bytes.len(), BLOCK as usize, "a block is {BLOCK} bytes");
-        BlockData(bytes)
+        BlockData {
+            bytes,
+            window: false,
+        }
+    }
+
+    /// Whether these bytes are a window of a larger buffer (which they
+    /// keep alive).
+    pub fn is_window(&self) -> bool {
+        self.window
     }
 }
+
+impl PartialEq for BlockData {
+    fn eq(&self, other: &BlockData) -> bool {
+        self.bytes == other.bytes
+    }
+}
+
+impl Eq for BlockData {}
 
 impl std::ops::Deref for BlockData {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.0
+        &self.bytes
     }
 }
 
 impl std::fmt::Debug for BlockData {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let nonzero = self.0.iter().filter(|byte| **byte != 0).count();
+        let nonzero = self.bytes.iter().filter(|byte| **byte != 0).count();
         write!(f, "BlockData({nonzero} non-zero bytes)")
     }
 }
@@ -91,6 +120,12 @@ pub struct RangeOp {
 pub(crate) struct VolumeState {
     pub active: BTreeMap<u64, DirtyBlock>,
     pub committing: BTreeMap<u64, DirtyBlock>,
+    /// Windows of larger buffers overwritten or trimmed out of `active`
+    /// since it was last swapped out: the buffers they belonged to may be
+    /// kept alive by a neighbour still buffered (`held_blocks`).
+    pub active_orphans: usize,
+    /// `active_orphans` of the buffer now committing.
+    pub committing_orphans: usize,
     /// Blocks whose home extents a reflink copy is replacing right now
     /// (their new contexts are not yet published): a read of them waits
     /// until the range is clear (a clone of 16 MiB takes ~0.1 ms).
@@ -103,6 +138,8 @@ impl VolumeState {
         VolumeState {
             active: BTreeMap::new(),
             committing: BTreeMap::new(),
+            active_orphans: 0,
+            committing_orphans: 0,
             cloning: None,
             contexts: ContextStore::new(context_cache_pages),
         }
@@ -124,14 +161,33 @@ impl VolumeState {
     pub fn drop_buffered(&mut self, start: u64, end: u64) {
         let stale: Vec<u64> = self.active.range(start..end).map(|(lba, _)| *lba).collect();
         for lba in stale {
-            self.active.remove(&lba);
+            if let Some(old) = self.active.remove(&lba) {
+                self.active_orphans += usize::from(old.data.is_window());
+            }
         }
+    }
+
+    /// Buffer `dirty` for `lba` in `active`, replacing any older copy.
+    pub fn buffer(&mut self, lba: u64, dirty: DirtyBlock) {
+        if let Some(old) = self.active.insert(lba, dirty) {
+            self.active_orphans += usize::from(old.data.is_window());
+        }
+    }
+
+    /// Blocks of memory the active buffer may hold: its blocks, plus the
+    /// windows that left it while their buffer may still be alive. Every
+    /// block of a buffer kept alive is one or the other, so this bounds
+    /// the memory whatever the clients overwrite (a 1 MiB write shifted by
+    /// one block each time would otherwise keep a MiB alive per block
+    /// counted). The write-back limits count this, not `active.len()`.
+    pub fn held_blocks(&self) -> usize {
+        self.active.len() + self.active_orphans
     }
 
     /// Memory held by buffers and caches.
     pub fn resident_bytes(&self) -> u64 {
-        (self.active.len() + self.committing.len()) as u64 * (BLOCK + 64)
-            + self.contexts.resident_bytes()
+        let held = self.held_blocks() + self.committing.len() + self.committing_orphans;
+        held as u64 * (BLOCK + 64) + self.contexts.resident_bytes()
     }
 }
 

@@ -21,6 +21,7 @@ use crate::recovery::RecoveryReport;
 use crate::stats::Stats;
 use crate::storage::{objects_of, ObjectId, Storage};
 use crate::superblock::{new_superblock, write_superblock_copy};
+use crate::write::SealCheck;
 use crate::write::ZeroFlags;
 
 pub use crate::state::BLOCK;
@@ -268,10 +269,16 @@ impl BlockDevice for Volume {
         self.engine.shared.read_sealed(first, count, generation)
     }
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine.write_sealed(blocks)
+        self.engine.write_sealed(blocks, SealCheck::Full)
     }
     fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.engine.try_write_sealed(blocks)
+        self.engine.try_write_sealed(blocks, SealCheck::Full)
+    }
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.engine.write_sealed(blocks, SealCheck::Placement)
+    }
+    fn try_write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        self.engine.try_write_sealed(blocks, SealCheck::Placement)
     }
     fn has_room_for(&self, count: usize) -> bool {
         self.engine.has_room_for(count)

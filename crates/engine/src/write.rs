@@ -24,6 +24,25 @@ pub struct ZeroFlags {
     pub allocate: bool,
 }
 
+/// Largest write `try_write_shared` takes when the protection transforms
+/// the data (encryption): larger ones decline, to be written on a worker.
+const TRANSFORMED_INLINE_MAX_BYTES: usize = 128 * 1024;
+
+/// How `write_sealed` checks blocks moved with their contexts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SealCheck {
+    /// Recompute each block's guard (and, encrypted, authenticate it)
+    /// against its context: blocks that crossed a hop (a replica's wire,
+    /// a read from another leg's disk).
+    Full,
+    /// Blocks this process sealed (`seal_for_transfer`) from immutable
+    /// bytes that never left it, stored on a local leg of a mirror: no
+    /// hop lies between the seal and the store, as none does on a single
+    /// volume's write path, so only the place is checked (LBA and volume
+    /// tags) where the protection can judge it without the bytes.
+    Placement,
+}
+
 impl Engine {
     /// Write `data` at `offset` (512-byte aligned). With `fua` the write is
     /// durable when this returns; otherwise after the next flush.
@@ -89,6 +108,11 @@ impl Engine {
         if data.is_empty() || !whole_blocks || !self.committer.is_background() {
             return Ok(false);
         }
+        // The caller's thread is the NBD reactor: a checksum of up to 1 MiB
+        // (~0.1 ms) is fine there, encrypting it (~0.7 ms) is not.
+        if data.len() > TRANSFORMED_INLINE_MAX_BYTES && !shared.protection.stores_plain() {
+            return Ok(false);
+        }
         let sealed = self.seal_run(offset / BLOCK, data.clone(), shared.sealing_generation());
         Ok(self.buffer_without_waiting(sealed))
     }
@@ -103,13 +127,13 @@ impl Engine {
         let limit = self.tuning.dirty_limit_blocks;
         let buffered = {
             let mut state = shared.state.write();
-            if state.active.len() + sealed.len() >= 2 * limit {
+            if state.held_blocks() + sealed.len() >= 2 * limit {
                 return false;
             }
             for (lba, dirty) in sealed {
-                state.active.insert(lba, dirty);
+                state.buffer(lba, dirty);
             }
-            state.active.len()
+            state.held_blocks()
         };
         shared.io.stats.add_client_write(bytes);
         if buffered >= limit {
@@ -170,9 +194,9 @@ impl Engine {
         let buffered = {
             let mut state = shared.state.write();
             for (lba, dirty) in sealed {
-                state.active.insert(lba, dirty);
+                state.buffer(lba, dirty);
             }
-            state.active.len()
+            state.held_blocks()
         };
         if buffered >= self.tuning.dirty_limit_blocks {
             // Hand the buffer to the background committer, or commit inline
@@ -199,7 +223,7 @@ impl Engine {
     /// room below the level where writers commit themselves and a
     /// background committer takes the commit. `Ok(false)` when it would
     /// wait, with nothing stored.
-    pub fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+    pub fn try_write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<bool> {
         let shared = &self.shared;
         shared.io.check_writable()?;
         if blocks.is_empty() || !self.committer.is_background() {
@@ -207,7 +231,7 @@ impl Engine {
         }
         let mut dirty = Vec::with_capacity(blocks.len());
         for block in blocks {
-            self.check_sealed(block)?;
+            self.check_sealed(block, check)?;
             let Some(seal) = shared.protection.seal_of(&block.context) else {
                 return Ok(false); // a zero-reading block is a range operation
             };
@@ -223,8 +247,10 @@ impl Engine {
     }
 
     /// A block moved with its context: inside the volume, and verified
-    /// against that context for its LBA (a failure names it).
-    fn check_sealed(&self, block: &SealedBlock) -> Result<()> {
+    /// against that context for its LBA (a failure names it); with
+    /// `SealCheck::Placement`, the context only, where the protection can
+    /// judge it without the bytes.
+    fn check_sealed(&self, block: &SealedBlock, check: SealCheck) -> Result<()> {
         let shared = &self.shared;
         if block.lba >= shared.io.geometry.blocks {
             return Err(Error::OutOfRange {
@@ -233,9 +259,16 @@ impl Engine {
                 size: shared.io.geometry.size_bytes,
             });
         }
-        shared
-            .protection
-            .open(block.lba, &Ok(block.context), &block.data[..])
+        let placed = match check {
+            SealCheck::Full => None,
+            SealCheck::Placement => shared.protection.check_place(block.lba, &block.context),
+        };
+        placed
+            .unwrap_or_else(|| {
+                shared
+                    .protection
+                    .open(block.lba, &Ok(block.context), &block.data[..])
+            })
             .map_err(|kind| {
                 Error::Fault(Fault {
                     lba: block.lba,
@@ -248,7 +281,7 @@ impl Engine {
     /// (it may not a moment later: another writer can fill the buffer).
     pub fn has_room_for(&self, count: usize) -> bool {
         self.committer.is_background()
-            && self.shared.state.read().active.len() + count < 2 * self.tuning.dirty_limit_blocks
+            && self.shared.state.read().held_blocks() + count < 2 * self.tuning.dirty_limit_blocks
     }
 
     /// Seal whole blocks for storing elsewhere or here with `write_sealed`
@@ -290,11 +323,11 @@ impl Engine {
     /// failure refuses the whole call. Data blocks keep their seal (the PI
     /// computed where the data was created); zero-reading contexts become
     /// a trim or written zeroes.
-    pub fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+    pub fn write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<()> {
         let shared = &self.shared;
         shared.io.check_writable()?;
         for block in blocks {
-            self.check_sealed(block)?;
+            self.check_sealed(block, check)?;
         }
         // In the order given, so a later block for an LBA wins: data blocks
         // are buffered, and a run of consecutive zero-reading blocks of one

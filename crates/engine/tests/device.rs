@@ -85,6 +85,21 @@ fn sealed_blocks_move_between_copies_of_a_volume_and_are_checked_on_arrival() {
             matches!(&error, Error::Fault(f) if f.lba == 5 && f.kind == FaultKind::RefTagMismatch),
             "{layout:?}: {error}"
         );
+        // Blocks sealed here for a local leg (`write_sealed_here`): the
+        // guard is not recomputed, but the place still is checked.
+        let error = b
+            .write_sealed_here(&moved)
+            .expect_err("a misplaced block is refused here too");
+        assert!(
+            matches!(&error, Error::Fault(f) if f.lba == 5 && f.kind == FaultKind::RefTagMismatch),
+            "{layout:?}: {error}"
+        );
+        let mut beyond = vec![sealed[1].clone()];
+        beyond[0].lba = 1 << 40;
+        assert!(matches!(
+            b.write_sealed_here(&beyond),
+            Err(Error::OutOfRange { .. })
+        ));
         for lba in 0..8 {
             assert_eq!(read_block(&b, lba), pattern(lba, 1), "{layout:?} LBA {lba}");
         }

@@ -586,7 +586,7 @@ impl Mirror {
         self.each_leg_of(&targets, "write", |leg, device| match started.take(leg) {
             Some(pending) => pending.and_then(|wait| wait()),
             None => {
-                device.write_sealed(sealed)?;
+                device.write_sealed_here(sealed)?;
                 if fua {
                     device.flush()?;
                 }
@@ -730,9 +730,13 @@ impl BlockDevice for Mirror {
     /// A stale leg's resync map marks the blocks first (`mark`).
     ///
     /// The write is sealed once (`seal_write`) and every leg stores the same
-    /// bytes and context, with one generation from the mirror's clock, after
-    /// verifying it (`write_sealed`): so legs' generations are comparable
-    /// and a scrub can tell a lost write from the newer copy.
+    /// bytes and context, with one generation from the mirror's clock: so
+    /// legs' generations are comparable and a scrub can tell a lost write
+    /// from the newer copy. A remote leg's replica verifies the blocks
+    /// before storing them (they crossed the wire); a local leg checks
+    /// only each context's place (`write_sealed_here`), since the guard
+    /// was computed in this process from the same immutable bytes, as a
+    /// single volume's write path does.
     ///
     /// A resyncing leg that took the sealed write holds the blocks as every
     /// active leg does: they *land* in its map (`DirtyMap::landed`, still
@@ -802,8 +806,8 @@ impl BlockDevice for Mirror {
         };
         let _recorded = self.record_bytes(offset, data.len() as u64);
         self.each_leg("write", |leg| {
-            if !leg.try_write_sealed(&sealed)? {
-                leg.write_sealed(&sealed)?;
+            if !leg.try_write_sealed_here(&sealed)? {
+                leg.write_sealed_here(&sealed)?;
             }
             Ok(())
         })?;
