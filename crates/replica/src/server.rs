@@ -37,6 +37,10 @@ struct Replica {
 }
 
 /// The replicas under one directory; the open ones, by name.
+/// How long a connection waits for a replica another connection holds
+/// before it is refused as in use (`Registry::open`).
+const IN_USE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+
 pub struct Registry {
     dir: PathBuf,
     replicas: Mutex<HashMap<String, Replica>>,
@@ -118,19 +122,33 @@ impl Registry {
         })
     }
 
-    /// Hold replica `name` for `peer`, opening it if needed.
+    /// Hold replica `name` for `peer`, opening it if needed. A replica
+    /// held by another connection is waited for up to `IN_USE_GRACE`
+    /// first: its exporter may just have stopped (a restarted `serve`, a
+    /// `check` right after one), and this server sees that connection
+    /// end, and closes the volume, a moment after the exporter does.
     fn open(&self, name: &str, peer: &str) -> Result<(Arc<Volume>, ReplicaInfo), Refusal> {
+        let asked = std::time::Instant::now();
         // Held across the open, so two connections cannot both open it.
-        let mut replicas = self.replicas.lock();
-        if let Some(replica) = replicas.get(name) {
-            return Err(refusal(
-                Status::InUse,
-                format!(
-                    "replica {name} is in use by another exporter ({})",
-                    replica.holder
-                ),
-            ));
-        }
+        let mut replicas = loop {
+            let replicas = self.replicas.lock();
+            match replicas.get(name) {
+                None => break replicas,
+                Some(replica) if asked.elapsed() >= IN_USE_GRACE => {
+                    return Err(refusal(
+                        Status::InUse,
+                        format!(
+                            "replica {name} is in use by another exporter ({})",
+                            replica.holder
+                        ),
+                    ));
+                }
+                Some(_) => {
+                    drop(replicas);
+                    std::thread::sleep(std::time::Duration::from_millis(20));
+                }
+            }
+        };
         let path = self.dir.join(name);
         if !path.join("superblock").exists() {
             return Err(refusal(

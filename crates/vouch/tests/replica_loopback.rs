@@ -97,7 +97,8 @@ fn a_local_and_a_remote_leg_serve_over_nbd_reads_stay_local_and_both_copies_are_
     assert_eq!(code, 1, "{report}");
     assert_eq!(
         report["legs"][1]["faults"],
-        serde_json::json!([{"lba": 7, "kind": "guard_mismatch"}])
+        serde_json::json!([{"lba": 7, "kind": "guard_mismatch"}]),
+        "{report}"
     );
     assert_eq!(
         report["legs"][0]["faults"],
