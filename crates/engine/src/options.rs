@@ -88,3 +88,18 @@ pub struct OpenOptions {
     /// scrub and verify without handing out the key). Never served.
     pub keyless: bool,
 }
+
+impl OpenOptions {
+    /// Defaults, but commits run only when a writer or the caller commits
+    /// (no background committer): tests and the simulators, where what is
+    /// buffered or committed must be settled whenever a call returns.
+    pub fn foreground() -> OpenOptions {
+        OpenOptions {
+            tuning: Tuning {
+                background_commit: false,
+                ..Tuning::default()
+            },
+            ..OpenOptions::default()
+        }
+    }
+}

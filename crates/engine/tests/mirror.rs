@@ -9,7 +9,7 @@ use std::sync::Arc;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{self, create_mirror, open_mirror, LegState, Mirror};
 use vouch_engine::{
-    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Tuning, Volume, BLOCK,
+    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Volume, BLOCK,
 };
 
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {
@@ -23,13 +23,7 @@ fn legs(dir: &Path, n: usize) -> Vec<PathBuf> {
 }
 
 fn options() -> OpenOptions {
-    OpenOptions {
-        tuning: Tuning {
-            background_commit: false,
-            ..Tuning::default()
-        },
-        ..OpenOptions::default()
-    }
+    OpenOptions::foreground()
 }
 
 /// Open the set from `path` as a Mirror over its legs.

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vouch_engine::mirror::{self, create_mirror, open_mirror, Mirror, ResyncRate};
-use vouch_engine::{open_volume, BlockDevice, CreateOptions, OpenOptions, Tuning, Volume, BLOCK};
+use vouch_engine::{open_volume, BlockDevice, CreateOptions, OpenOptions, Volume, BLOCK};
 
 /// 32 MiB legs; leg 1 misses writes to the first 12 MiB.
 const SIZE: u64 = 32 << 20;
@@ -20,13 +20,7 @@ const WRITTEN: u64 = 16 << 20;
 const WRITERS: u64 = 2;
 
 fn options() -> OpenOptions {
-    OpenOptions {
-        tuning: Tuning {
-            background_commit: false,
-            ..Tuning::default()
-        },
-        ..OpenOptions::default()
-    }
+    OpenOptions::foreground()
 }
 
 fn open(path: &Path) -> (Mirror, Vec<Option<Arc<Volume>>>, mirror::set::MirrorRecord) {

@@ -35,13 +35,7 @@ pub use vouch_engine::{GuardKind, LayoutKind};
 /// Open options for simulated legs: commits only when the test commits
 /// (no background committer), so crash points come in one order.
 pub fn foreground_options() -> vouch_engine::OpenOptions {
-    vouch_engine::OpenOptions {
-        tuning: vouch_engine::Tuning {
-            background_commit: false,
-            ..vouch_engine::Tuning::default()
-        },
-        ..vouch_engine::OpenOptions::default()
-    }
+    vouch_engine::OpenOptions::foreground()
 }
 
 /// One 4 KiB block.
