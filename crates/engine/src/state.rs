@@ -61,6 +61,15 @@ impl BlockData {
         }
     }
 
+    /// Take `bytes`, one block split off a run of `run_blocks` blocks in
+    /// one allocation (a window of it when the run is longer).
+    pub(crate) fn part_of_run(bytes: Bytes, run_blocks: usize) -> BlockData {
+        BlockData {
+            window: run_blocks > 1,
+            ..BlockData::from_bytes(bytes)
+        }
+    }
+
     /// Take `bytes`, which must be exactly one block long (and are then
     /// counted as a block of their own).
     pub fn from_bytes(bytes: Bytes) -> BlockData {

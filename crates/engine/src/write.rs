@@ -150,15 +150,16 @@ impl Engine {
     /// in one copy of it.
     fn seal_run(&self, first: u64, data: Bytes, generation: u64) -> Vec<(u64, DirtyBlock)> {
         let protection = &self.shared.protection;
+        if !protection.stores_plain() {
+            return self.seal_transformed(first, data, generation);
+        }
         let count = data.len() / BLOCK as usize;
         let mut sealed = Vec::with_capacity(count);
         for (index, lba) in (first..first + count as u64).enumerate() {
             let block = BlockData::of_buffer(&data, index);
-            // A protection either keeps every block as it is or none.
-            let Some(seal) = protection.seal_unchanged(lba, &block, generation) else {
-                drop(block);
-                return self.seal_transformed(first, data, generation);
-            };
+            let seal = protection
+                .seal_unchanged(lba, &block, generation)
+                .expect("a protection that stores plain blocks seals them unchanged");
             sealed.push((lba, DirtyBlock { data: block, seal }));
         }
         sealed
@@ -169,7 +170,9 @@ impl Engine {
         let mut data = data
             .try_into_mut()
             .unwrap_or_else(|shared| BytesMut::from(&shared[..]));
-        let mut sealed = Vec::with_capacity(data.len() / BLOCK as usize);
+        // The blocks split off share the run's allocation: windows of it.
+        let run_blocks = data.len() / BLOCK as usize;
+        let mut sealed = Vec::with_capacity(run_blocks);
         let mut lba = first;
         while !data.is_empty() {
             let mut block = data.split_to(BLOCK as usize);
@@ -177,7 +180,7 @@ impl Engine {
             sealed.push((
                 lba,
                 DirtyBlock {
-                    data: BlockData::from_bytes(block.freeze()),
+                    data: BlockData::part_of_run(block.freeze(), run_blocks),
                     seal,
                 },
             ));
