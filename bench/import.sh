@@ -10,6 +10,7 @@
 #   bench/import.sh
 #   SIZE=4G REPS=5 SERVERS="vouch_split nbdkit_pc" bench/import.sh
 #   FLUSH=0 REPS=5 bench/import.sh
+#   VOUCH_BASE=<another vouch> SERVERS="vouch_split base_split nbdkit_pc" FLUSH=0 bench/import.sh  (A/B)
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 SIZE=${SIZE:-2G}; REPS=${REPS:-3}; BUILD=${BUILD:-1}; FLUSH=${FLUSH:-1}
@@ -17,6 +18,7 @@ SERVERS=${SERVERS:-"vouch_split vouch_packed qemunbd_wb nbdkit_pc"}
 DIR=${DIR:-/var/tmp/vouch-import-bench}
 OUT=${OUT:-$REPO/target/bench-import/$(date +%Y%m%d-%H%M%S)}
 VOUCH=${VOUCH:-$REPO/target/release/vouch}
+VOUCH_BASE=${VOUCH_BASE:-}  # base_split / base_packed: the same servers from this binary
 PORT=${PORT:-10970}
 PID=""
 log() { printf '[%s] %s\n' "$(date +%T)" "$*" >&2; }
@@ -39,8 +41,13 @@ start_server() { # NAME -> a fresh target on $PORT
     local s=$1 target=$DIR/target-$1
     rm -rf "$target"
     case $s in
-    vouch_split|vouch_packed)
-        "$VOUCH" serve "$target" --create "$SIZE" --layout "${s#vouch_}" --listen "127.0.0.1:$PORT" \
+    vouch_split|vouch_packed|base_split|base_packed)
+        local bin=$VOUCH
+        if [ "${s%%_*}" = base ]; then
+            [ -n "$VOUCH_BASE" ] || die "$s needs VOUCH_BASE=<a vouch binary>"
+            bin=$VOUCH_BASE
+        fi
+        "$bin" serve "$target" --create "$SIZE" --layout "${s#*_}" --listen "127.0.0.1:$PORT" \
             >> "$OUT/logs/$s.log" 2>&1 &
         PID=$! ;;
     qemunbd_wb)

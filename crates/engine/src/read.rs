@@ -10,16 +10,16 @@ use std::ops::Range;
 use bytes::BytesMut;
 use smallvec::SmallVec;
 
-use vouch_format::{Context, FormatError, CONTEXT_BYTES};
+use vouch_format::{Context, FormatError};
 
-use crate::contexts::{Page, CONTEXTS_PER_PAGE};
+use crate::contexts::Page;
 use crate::device::SealedBlock;
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::jobs::SCAN_CHUNK_BLOCKS;
 use crate::layout::{Allocation, ContextFrom, Planned};
 use crate::protection::Seal;
 use crate::shared::Shared;
-use crate::state::{load_context_page, BlockData, BLOCK};
+use crate::state::{context_in_page, load_context_page, BlockData, BLOCK};
 use crate::storage::Wait;
 
 /// How long a read of blocks being cloned sleeps before it looks again.
@@ -323,8 +323,7 @@ impl Shared {
                 },
             };
             let lba = first + index as u64;
-            let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-            plan[index] = match Context::decode(&page[at..at + CONTEXT_BYTES]) {
+            plan[index] = match context_in_page(&page, lba) {
                 Ok(context) if context.reads_as_zero() => Source::Zero,
                 found => Source::Home(ContextFrom::Known(found)),
             };

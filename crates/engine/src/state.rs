@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 
 use bytes::Bytes;
 
-use vouch_format::{Context, BLOCK_SIZE};
+use vouch_format::{Context, FormatError, BLOCK_SIZE, CONTEXT_BYTES};
 
 use parking_lot::RwLock;
 
 use crate::backing::Backing;
-use crate::contexts::{ContextStore, Page};
+use crate::contexts::{ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
 use crate::error::Result;
 use crate::protection::Seal;
 use crate::storage::ObjectId;
@@ -217,4 +217,28 @@ pub(crate) fn load_context_page(
         .contexts
         .insert_page_from(page_no, page.clone(), epoch);
     Ok(page)
+}
+
+/// The context of `lba` as stored in `page` (its page of the table).
+pub(crate) fn context_in_page(page: &Page, lba: u64) -> std::result::Result<Context, FormatError> {
+    let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
+    Context::decode(&page[at..at + CONTEXT_BYTES])
+}
+
+/// The published context of `lba`, loading its page of the table into the
+/// cache when it is not there. The outer error is the page's read; the
+/// inner one a stored context that does not decode.
+pub(crate) fn lookup_loading(
+    io: &Backing,
+    state: &RwLock<VolumeState>,
+    lba: u64,
+) -> Result<std::result::Result<Context, FormatError>> {
+    let lookup = state.read().contexts.lookup(lba);
+    match lookup {
+        Lookup::Found(found) => Ok(found),
+        Lookup::NeedPage(page_no) => {
+            let page = load_context_page(io, state, page_no)?;
+            Ok(context_in_page(&page, lba))
+        }
+    }
 }

@@ -5,10 +5,10 @@
 
 use vouch_format::Context;
 
-use crate::contexts::{Lookup, CONTEXTS_PER_PAGE};
+use crate::contexts::Lookup;
 use crate::engine::Engine;
 use crate::error::{Error, Fault, FaultKind, Result};
-use crate::state::{load_context_page, BLOCK};
+use crate::state::{context_in_page, load_context_page, BLOCK};
 use crate::storage::ObjectId;
 
 /// The contexts of blocks `[first, first + count)` of `engine` as committed
@@ -39,8 +39,7 @@ pub(super) fn source_contexts(engine: &Engine, first: u64, count: u64) -> Result
                         Err(_) => return Err(fault(engine, lba, FaultKind::Unreadable)),
                     },
                 };
-                let at = (lba % CONTEXTS_PER_PAGE) as usize * vouch_format::CONTEXT_BYTES;
-                Context::decode(&page[at..at + vouch_format::CONTEXT_BYTES])
+                context_in_page(&page, lba)
             }
         };
         contexts.push(found.map_err(|_| fault(engine, lba, FaultKind::ContextCorrupt))?);

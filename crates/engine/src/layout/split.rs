@@ -24,7 +24,7 @@ use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::protection::Protection;
-use crate::state::{load_context_page, Block, BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
+use crate::state::{lookup_loading, Block, BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Run, Wait, IOV_MAX};
 
 pub(crate) struct SplitLayout {
@@ -47,12 +47,7 @@ impl SplitLayout {
         state: &RwLock<VolumeState>,
         lba: u64,
     ) -> Result<Option<Context>> {
-        if let Lookup::Found(found) = state.read().contexts.lookup(lba) {
-            return Ok(found.ok());
-        }
-        let page = load_context_page(io, state, ContextStore::page_of(lba))?;
-        let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-        Ok(Context::decode(&page[at..at + CONTEXT_BYTES]).ok())
+        Ok(lookup_loading(io, state, lba)?.ok())
     }
 
     /// A context page as it is now (cached copy or disk), to be modified:
@@ -280,20 +275,10 @@ impl Layout for SplitLayout {
                 continue;
             }
             let lba = first + index as u64;
-            let lookup = state.read().contexts.lookup(lba);
-            let found = match lookup {
-                Lookup::Found(found) => found,
-                Lookup::NeedPage(page_no) => match load_context_page(io, state, page_no) {
-                    Ok(page) => {
-                        let at = (lba % CONTEXTS_PER_PAGE) as usize * CONTEXT_BYTES;
-                        Context::decode(&page[at..at + CONTEXT_BYTES])
-                    }
-                    // Unreadable context: reported as data (a read names the fault).
-                    Err(_) => {
-                        kinds.push(Allocation::Data);
-                        continue;
-                    }
-                },
+            let Ok(found) = lookup_loading(io, state, lba) else {
+                // Unreadable context: reported as data (a read names the fault).
+                kinds.push(Allocation::Data);
+                continue;
             };
             kinds.push(match found {
                 Ok(Context::Unwritten) => Allocation::Hole,
