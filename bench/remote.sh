@@ -24,7 +24,8 @@
 # the same volume layout, exported by that binary on the port of SERVER + 10, its remote legs on replica
 # servers of that binary (a second pair in vrb-r1/vrb-r2, ports 7111/7112). Replica CPU counts both pairs.
 #
-# Output: $OUT/samples.tsv, $OUT/report.md (medians, ratios to single, exporter and replica CPU per I/O).
+# Output: $OUT/samples.tsv, $OUT/report.md (medians, ratios to single, exporter and replica CPU per I/O),
+# $OUT/switches.tsv (per run: I/Os and the exporter's context switches, all its threads).
 # Needs root (ip netns, tc) and fio; builds target/release/vouch unless BUILD=0.
 #   SIZE=1G REPS=3 RUNTIME=5 bench/remote.sh
 #   LINK="rate 10gbit burst 4mb latency 10ms" NETEM="delay 50us" bench/remote.sh
@@ -126,6 +127,8 @@ stop_server() { # NAME
     local p=${PID[$1]}; kill -TERM "$p"; wait "$p" 2>/dev/null; unset "PID[$1]"
 }
 ticks() { local s; s=$(cat "/proc/$1/stat" 2>/dev/null) || { echo 0; return; }; s=${s##*) }; set -- $s; echo $(( ${12} + ${13} )); }
+# Context switches of every thread of process PID so far (voluntary + involuntary).
+switches() { cat /proc/"$1"/task/*/status 2>/dev/null | awk '/^(non)?voluntary_ctxt_switches/ {n += $2} END {print n + 0}'; }
 replica_ticks() { local t=0 p; for p in "${RPID[@]}"; do t=$((t + $(ticks "$p"))); done; echo $t; }
 HZ=$(getconf CLK_TCK)
 
@@ -153,11 +156,11 @@ for rep in $(seq "$REPS"); do
         for s in "${rot[@]}"; do
             sync
             json="$OUT/logs/$s-$t-r$rep.json"
-            e0=$(ticks "${PID[$s]}"); r0=$(replica_ticks)
+            e0=$(ticks "${PID[$s]}"); r0=$(replica_ticks); c0=$(switches "${PID[$s]}")
             in_e timeout $((RUNTIME + 60)) fio --output-format=json --output="$json" --name="$t" --ioengine=nbd \
                 --uri="nbd://127.0.0.1:${PORT[$s]}" --rw="$rw" --bs="$bs" --iodepth="$qd" --time_based \
                 --runtime="$RUNTIME" --norandommap --randrepeat=0 > /dev/null 2>&1 || log "fio $s $t rc=$?"
-            e1=$(ticks "${PID[$s]}"); r1=$(replica_ticks)
+            e1=$(ticks "${PID[$s]}"); r1=$(replica_ticks); c1=$(switches "${PID[$s]}")
             row=$(python3 - "$json" "$rw" <<'PY'
 import json, sys
 s = open(sys.argv[1]).read(); j = json.loads(s[s.index('{'):])["jobs"][0]
@@ -168,6 +171,7 @@ PY
             es=$(awk -v d=$((e1 - e0)) -v hz="$HZ" 'BEGIN{printf "%.3f", d/hz}')
             rs=$(awk -v d=$((r1 - r0)) -v hz="$HZ" 'BEGIN{printf "%.3f", d/hz}')
             printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$rep" "$s" "$t" "$row" "$es" "$rs" >> "$TSV"
+            printf '%s\t%s\t%s\t%s\t%s\n' "$rep" "$s" "$t" "$(cut -f3 <<< "$row")" $((c1 - c0)) >> "$OUT/switches.tsv"
             log "r$rep $s $t: $(cut -f1,2 <<< "$row" | tr '\t' ' ') (iops MB/s) exporter ${es}s replicas ${rs}s"
         done
     done

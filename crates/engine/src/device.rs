@@ -12,6 +12,7 @@
 //! device that can do better overrides.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -40,6 +41,16 @@ pub struct SealedBlock {
 /// A write started by `BlockDevice::start_write_sealed`: call it to wait
 /// for the outcome.
 pub type PendingWrite = Box<dyn FnOnce() -> Result<()> + Send>;
+
+/// Called exactly once with the outcome of a write that completes later
+/// (`write_sealed_then`, `try_begin_write`), on whichever thread saw it
+/// complete (a replica connection's reader thread, or the caller's).
+pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// A write that `try_begin_write` made ready (range locked, blocks sealed):
+/// call it with the `WriteDone` that takes the outcome; it starts the
+/// write and returns without waiting for it.
+pub type StartWrite = Box<dyn FnOnce(WriteDone) + Send>;
 
 pub trait BlockDevice: Send + Sync {
     /// Size in bytes.
@@ -159,6 +170,38 @@ pub trait BlockDevice: Send + Sync {
     ) -> Option<Result<PendingWrite>> {
         let _ = (blocks, fua);
         None
+    }
+
+    /// Whether `write_sealed_then` completes later without blocking the
+    /// caller (a remote replica on a connection that answers on its own
+    /// thread). The default: no, it would block (the default
+    /// `write_sealed_then` is `write_sealed`).
+    fn writes_sealed_then(&self) -> bool {
+        false
+    }
+
+    /// Start `write_sealed` of `blocks` (with `fua`, made durable too) and
+    /// call `done` exactly once with its outcome, possibly on another
+    /// thread and within the device's request timeout. The default does
+    /// the write here and then calls `done`.
+    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
+        let outcome = self
+            .write_sealed(blocks)
+            .and_then(|()| if fua { self.flush() } else { Ok(()) });
+        done(outcome);
+    }
+
+    /// The completion-based write of the NBD reactor (a mirror with
+    /// remote legs): if `data` at `offset` (no FUA) can be *started*
+    /// without blocking, lock and prepare it and return the `StartWrite`
+    /// that starts it; its `WriteDone` is called once the write is done
+    /// (every leg answered), with the outcome `write_shared` would have
+    /// returned. `Ok(None)`, with nothing locked or written, when it
+    /// cannot; then call `write_shared`. An `Err` is the write's outcome
+    /// (a request error). The default always declines.
+    fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
+        let _ = (offset, data);
+        Ok(None)
     }
 
     /// Whether `try_write_sealed` of `count` blocks would find room now (a

@@ -7,6 +7,8 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
+pub use crate::transmission::WriteCompletion;
+
 /// Error an export returns; the server maps `errno` onto the wire and sends `message`
 /// in a structured error reply (NBD_REPLY_TYPE_ERROR / ERROR_OFFSET) when structured replies are negotiated.
 #[derive(Debug, Clone)]
@@ -219,6 +221,24 @@ pub trait Export: Send + Sync + 'static {
     fn try_write(&self, offset: u64, data: &Bytes) -> Option<Result<(), ExportError>> {
         let _ = (offset, data);
         None
+    }
+    /// Start a WRITE without FUA that completes later, if it can be
+    /// started without blocking (a mirror whose remote legs answer on
+    /// their connections' threads): the export takes `done` and calls
+    /// `WriteCompletion::complete` once, from any thread, when the write
+    /// is done (the reply is sent then; dropping it unanswered answers
+    /// EIO). `Err(done)`, with nothing written, when it cannot; the server
+    /// then calls `write` on a worker. Runs on the async reactor like
+    /// `try_write`, after `try_write` declined. The default always
+    /// declines.
+    fn try_start_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        done: WriteCompletion,
+    ) -> Result<(), WriteCompletion> {
+        let _ = (offset, data);
+        Err(done)
     }
     fn flush(&self) -> Result<(), ExportError>;
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError>;

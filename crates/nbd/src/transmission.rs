@@ -15,7 +15,10 @@
 //! export can complete without blocking (page cache, write-back buffer;
 //! `Export::try_read` / `try_write`) is executed by the reader itself, like
 //! an invalid request; one that would block goes to the pool exactly as
-//! above.
+//! above. A WRITE the export can *start* without blocking and finish on
+//! another thread (`Export::try_start_write`: a mirror's remote legs) is
+//! started by the reader, and its reply is queued from the thread that
+//! finishes it (`WriteCompletion`): no worker sleeps on it.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -34,6 +37,9 @@ use crate::limits::Limits;
 use crate::metrics::Metrics;
 use crate::wire::{self, Command, Request};
 use crate::worker::WorkerPool;
+
+mod completion;
+pub use completion::WriteCompletion;
 
 /// Bytes the request reader buffers from the socket.
 const READ_BUFFER_BYTES: usize = 64 * 1024;
@@ -223,6 +229,17 @@ where
         let permits = match try_inline(connection, &request, command, &payload, permits, received) {
             Ok(()) => continue,
             Err(permits) => permits,
+        };
+        let permits = match command {
+            Command::Write => {
+                match completion::try_start_inline(
+                    connection, &request, &payload, permits, received,
+                ) {
+                    Ok(()) => continue,
+                    Err(permits) => permits,
+                }
+            }
+            _ => permits,
         };
         let connection = connection.clone();
         resources.pool.submit(Box::new(move || {

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -66,15 +66,30 @@ pub enum ClientError {
 
 type Answer = Result<(Status, Vec<u8>), String>;
 
+/// Called exactly once with a request's outcome (`Connection::send_then`):
+/// the payload of an OK answer, or the error.
+pub type AnswerDone = Box<dyn FnOnce(Result<Vec<u8>, ClientError>) + Send>;
+
+/// Who takes a request's answer.
+enum Waiter {
+    /// A thread blocked in `Pending::wait` (which times itself out).
+    Thread(SyncSender<Answer>),
+    /// A callback; nobody waits, so the connection's reader thread times
+    /// the request out (`Shared::overdue`).
+    Callback { sent: Instant, done: AnswerDone },
+}
+
 pub(crate) struct Shared {
-    pending: Mutex<HashMap<u64, SyncSender<Answer>>>,
+    pending: Mutex<HashMap<u64, Waiter>>,
     /// Why the connection is dead; `None` while it lives.
     dead: Mutex<Option<String>>,
+    /// How errors name the peer.
+    peer: String,
 }
 
 impl Shared {
-    /// Hand an answer to its waiter; an answer nobody waits for is a
-    /// broken peer (the reason).
+    /// Hand an answer to its waiter; an answer nobody waits for, or a
+    /// malformed error answer, is a broken peer (the reason).
     pub(crate) fn deliver(
         &self,
         handle: u64,
@@ -84,8 +99,25 @@ impl Shared {
         let Some(waiter) = self.pending.lock().remove(&handle) else {
             return Err(format!("an answer for unknown handle {handle}"));
         };
-        let _ = waiter.try_send(Ok((status, payload)));
-        Ok(())
+        match waiter {
+            Waiter::Thread(waiter) => {
+                let _ = waiter.try_send(Ok((status, payload)));
+                Ok(())
+            }
+            Waiter::Callback { done, .. } => match interpret(status, payload) {
+                Ok(outcome) => {
+                    done(outcome);
+                    Ok(())
+                }
+                Err(why) => {
+                    done(Err(ClientError::Unreachable(format!(
+                        "replica {}: {why}",
+                        self.peer
+                    ))));
+                    Err(why)
+                }
+            },
+        }
     }
 
     /// Mark the connection dead (the first reason wins) and fail every
@@ -97,9 +129,42 @@ impl Shared {
         }
         let reason = dead.clone().expect("set above");
         drop(dead);
-        for (_, waiter) in self.pending.lock().drain() {
-            let _ = waiter.try_send(Err(reason.clone()));
+        // Callbacks run without the lock: one may send on a connection.
+        let waiters: Vec<Waiter> = self.pending.lock().drain().map(|(_, w)| w).collect();
+        for waiter in waiters {
+            match waiter {
+                Waiter::Thread(waiter) => {
+                    let _ = waiter.try_send(Err(reason.clone()));
+                }
+                Waiter::Callback { done, .. } => {
+                    done(Err(ClientError::Unreachable(reason.clone())));
+                }
+            }
         }
+    }
+
+    /// Why the connection must be dropped now, if a request answered by
+    /// callback has waited longer than `timeout`.
+    pub(crate) fn overdue(&self, timeout: Duration) -> Option<String> {
+        let pending = self.pending.lock();
+        let late = pending.values().any(|waiter| match waiter {
+            Waiter::Callback { sent, .. } => sent.elapsed() > timeout,
+            Waiter::Thread(_) => false,
+        });
+        late.then(|| format!("request timed out after {timeout:?}; the connection is dropped"))
+    }
+}
+
+/// An answer's outcome: the payload of an OK answer or the server's
+/// error; `Err(why)` when the error answer is malformed (the connection
+/// is then broken).
+fn interpret(status: Status, payload: Vec<u8>) -> Result<Result<Vec<u8>, ClientError>, String> {
+    if status == Status::Ok {
+        return Ok(Ok(payload));
+    }
+    match ErrorBody::decode(&payload) {
+        Ok(body) => Ok(Err(ClientError::Remote { status, body })),
+        Err(error) => Err(format!("malformed error answer: {error}")),
     }
 }
 
@@ -164,6 +229,7 @@ impl Connection {
         let shared = Arc::new(Shared {
             pending: Mutex::new(HashMap::new()),
             dead: Mutex::new(None),
+            peer: peer.clone(),
         });
         let transport = match &options.tls {
             None => Transport::Plain(Plain::connect(url, options.timeout, &peer, &shared)?),
@@ -317,14 +383,56 @@ impl Connection {
     /// caller can overlap several round trips, or a round trip with work
     /// of its own.
     pub fn send(self: &Arc<Self>, request: &Request) -> Result<Pending, ClientError> {
-        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let (waiter, answer) = sync_channel(1);
+        self.transmit(request, Waiter::Thread(waiter))
+            .map_err(|(error, _)| error)?;
+        Ok(Pending {
+            connection: Arc::clone(self),
+            answer,
+        })
+    }
+
+    /// Whether `send_then` answers from the connection's own reader
+    /// thread without blocking its caller (plain TCP, alive).
+    pub fn answers_by_callback(&self) -> bool {
+        matches!(self.transport, Transport::Plain(_)) && self.dead().is_none()
+    }
+
+    /// Send `request` and return: `done` is called exactly once with the
+    /// outcome, on the connection's reader thread (or here, when the
+    /// request cannot be sent). Nobody waits, so the reader thread
+    /// enforces the timeout: a request unanswered for longer kills the
+    /// connection, failing it and every other request. On TLS (no such
+    /// reader thread) the caller waits for the answer here, then calls
+    /// `done`.
+    pub fn send_then(self: &Arc<Self>, request: &Request, done: AnswerDone) {
+        if !matches!(self.transport, Transport::Plain(_)) {
+            done(self.call(request));
+            return;
+        }
+        let waiter = Waiter::Callback {
+            sent: Instant::now(),
+            done,
+        };
+        if let Err((error, Some(Waiter::Callback { done, .. }))) = self.transmit(request, waiter) {
+            done(Err(error));
+        }
+    }
+
+    /// Register `waiter` and send `request`. On an error, the waiter is
+    /// given back unless a kill already answered it.
+    fn transmit(
+        self: &Arc<Self>,
+        request: &Request,
+        waiter: Waiter,
+    ) -> Result<(), (ClientError, Option<Waiter>)> {
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         self.shared.pending.lock().insert(handle, waiter);
         // Checked after registering: a connection killed before that
         // would never answer this waiter.
         if let Some(reason) = self.shared.dead.lock().clone() {
-            self.shared.pending.lock().remove(&handle);
-            return Err(ClientError::Unreachable(reason));
+            let waiter = self.shared.pending.lock().remove(&handle);
+            return Err((ClientError::Unreachable(reason), waiter));
         }
         let frame = encode_request_frame(handle, request);
         let sent = match &self.transport {
@@ -343,6 +451,7 @@ impl Connection {
                     format!("replica {}: connection lost: {error}", self.peer)
                 };
                 // Part of the frame may be out: nothing after it can be.
+                // (The kill answers this request's waiter too.)
                 self.kill(reason.clone());
                 reason
             }),
@@ -351,13 +460,10 @@ impl Connection {
                 .map_err(|_| format!("replica {}: connection closed", self.peer)),
         };
         if let Err(reason) = sent {
-            self.shared.pending.lock().remove(&handle);
-            return Err(ClientError::Unreachable(reason));
+            let waiter = self.shared.pending.lock().remove(&handle);
+            return Err((ClientError::Unreachable(reason), waiter));
         }
-        Ok(Pending {
-            connection: Arc::clone(self),
-            answer,
-        })
+        Ok(())
     }
 
     /// Mark the connection dead now (a malformed answer, a timeout).
@@ -404,18 +510,11 @@ impl Pending {
             Err(RecvTimeoutError::Disconnected) => Err("connection closed".to_string()),
         };
         let (status, payload) = answer.map_err(ClientError::Unreachable)?;
-        if status == Status::Ok {
-            return Ok(payload);
-        }
-        let body = ErrorBody::decode(&payload).map_err(|error| {
-            let reason = format!(
-                "replica {}: malformed error answer: {error}",
-                connection.peer
-            );
+        interpret(status, payload).unwrap_or_else(|why| {
+            let reason = format!("replica {}: {why}", connection.peer);
             connection.kill(reason.clone());
-            ClientError::Unreachable(reason)
-        })?;
-        Err(ClientError::Remote { status, body })
+            Err(ClientError::Unreachable(reason))
+        })
     }
 }
 

@@ -23,14 +23,16 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use parking_lot::RwLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use parking_lot::{Mutex, RwLock};
 
 use vouch_engine::mirror::LegTemplate;
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
     Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result, SealedBlock,
-    BLOCK,
+    WriteDone, BLOCK,
 };
 
 use crate::client::{ClientError, ClientOptions, Connection};
@@ -39,6 +41,31 @@ use crate::wire::{
     self, decode_faults, decode_read_entries, decode_runs, ReadEntry, ReplicaInfo, Request, Status,
     MAX_BLOCKS_PER_REQUEST, MAX_STATUS_RUNS, MAX_VERIFY_BLOCKS,
 };
+
+/// The requests of one `write_sealed_then`: the last answer calls `done`.
+struct Join {
+    remaining: AtomicUsize,
+    first_error: Mutex<Option<Error>>,
+    done: Mutex<Option<WriteDone>>,
+}
+
+impl Join {
+    fn arrived(&self, outcome: Result<()>) {
+        if let Err(error) = outcome {
+            self.first_error.lock().get_or_insert(error);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) != 1 {
+            return;
+        }
+        let outcome = match self.first_error.lock().take() {
+            Some(error) => Err(error),
+            None => Ok(()),
+        };
+        if let Some(done) = self.done.lock().take() {
+            done(outcome);
+        }
+    }
+}
 
 /// A remote replica as a mirror leg.
 pub struct RemoteLeg {
@@ -504,6 +531,47 @@ impl BlockDevice for RemoteLeg {
                 Ok(())
             }) as PendingWrite)
         }))
+    }
+
+    /// On plain TCP the connection's reader thread answers (and times
+    /// out) the requests: no caller sleeps on them.
+    fn writes_sealed_then(&self) -> bool {
+        self.connection.read().answers_by_callback()
+    }
+
+    /// Every request of the write is sent now, as `start_write_sealed`
+    /// does; `done` is called once all are answered (the first error
+    /// wins), on the connection's reader thread, or here when a request
+    /// cannot be sent. Each request is bounded by the connection's
+    /// timeout, enforced by that reader thread.
+    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
+        if let Err(error) = self.check_sealed(blocks) {
+            done(Err(error));
+            return;
+        }
+        if blocks.is_empty() {
+            done(Ok(()));
+            return;
+        }
+        let connection = Arc::clone(&self.connection.read());
+        let chunks = blocks.chunks(MAX_BLOCKS_PER_REQUEST as usize);
+        let join = Arc::new(Join {
+            remaining: AtomicUsize::new(chunks.len()),
+            first_error: Mutex::new(None),
+            done: Mutex::new(Some(done)),
+        });
+        for chunk in chunks {
+            let (join, url) = (Arc::clone(&join), self.url.clone());
+            connection.send_then(
+                &Request::WriteSealed {
+                    blocks: chunk.to_vec(),
+                    fua,
+                },
+                Box::new(move |answer| {
+                    join.arrived(answer.map(|_| ()).map_err(|error| leg_error(&url, error)));
+                }),
+            );
+        }
     }
 
     /// Sealed here, as the replica would store them (plain protection).

@@ -17,7 +17,7 @@
 //! (`Shared::kill`), and `shutdown` wakes the reader and any blocked
 //! writer.
 
-use std::io::{BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
 
@@ -94,9 +94,14 @@ impl Plain {
             .set_write_timeout(Some(crate::CONNECT_TIMEOUT))
             .map_err(setup)?;
         hello(&stream, peer)?;
-        // Answers may be a long time apart: the waiters' timeouts bound
-        // each request, not the reader.
-        stream.set_read_timeout(None).map_err(setup)?;
+        // Answers may be a long time apart: the reader wakes every `tick`
+        // only to time out requests answered by callback (nobody waits
+        // for those); waiting threads time themselves out.
+        let tick = (timeout / 4).clamp(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(1),
+        );
+        stream.set_read_timeout(Some(tick)).map_err(setup)?;
         stream.set_write_timeout(Some(timeout)).map_err(setup)?;
         let reader = stream.try_clone().map_err(setup)?;
         let socket = stream.try_clone().map_err(setup)?;
@@ -105,8 +110,10 @@ impl Plain {
         std::thread::Builder::new()
             .name("vouch-replica-reader".into())
             .spawn(move || {
-                let why = read_answers(reader, &shared_reader);
+                let why = read_answers(&reader, &shared_reader, timeout);
                 shared_reader.kill(format!("replica {reader_peer}: {why}"));
+                // Wakes a writer blocked on a peer that stopped reading.
+                let _ = reader.shutdown(Shutdown::Both);
             })
             .map_err(|error| unreachable(format!("reader thread: {error}")))?;
         Ok(Plain {
@@ -195,24 +202,67 @@ fn hello(mut stream: &TcpStream, peer: &str) -> Result<(), ClientError> {
 }
 
 /// The reader thread: hand each answer to its waiter until the connection
-/// fails; returns why.
-fn read_answers(stream: TcpStream, shared: &Shared) -> String {
-    let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, stream);
+/// fails; returns why. The socket's read timeout is a tick: at each one
+/// (and at least once a tick while answers flow) a request answered by
+/// callback that waited longer than `timeout` fails the connection.
+fn read_answers(mut stream: &TcpStream, shared: &Shared, timeout: std::time::Duration) -> String {
+    let mut buffer = vec![0u8; READ_BUFFER_BYTES];
+    // Bytes received and not yet delivered: `buffer[start..end]`.
+    let (mut start, mut end) = (0usize, 0usize);
+    let tick = stream
+        .read_timeout()
+        .ok()
+        .flatten()
+        .unwrap_or(std::time::Duration::from_secs(1));
+    let mut scanned = std::time::Instant::now();
     loop {
-        let mut header = [0u8; RESPONSE_HEADER_BYTES];
-        if let Err(error) = reader.read_exact(&mut header) {
-            return format!("connection lost: {error}");
+        // Deliver every whole answer received.
+        while end - start >= RESPONSE_HEADER_BYTES {
+            let mut bytes = [0u8; RESPONSE_HEADER_BYTES];
+            bytes.copy_from_slice(&buffer[start..start + RESPONSE_HEADER_BYTES]);
+            let header = match ResponseHeader::decode(&bytes) {
+                Ok(header) => header,
+                Err(error) => return format!("malformed answer: {error}"),
+            };
+            let whole = RESPONSE_HEADER_BYTES + header.payload_bytes as usize;
+            if end - start < whole {
+                if whole > buffer.len() {
+                    buffer.resize(whole, 0);
+                }
+                break;
+            }
+            let payload = buffer[start + RESPONSE_HEADER_BYTES..start + whole].to_vec();
+            start += whole;
+            if let Err(why) = shared.deliver(header.handle, header.status, payload) {
+                return why;
+            }
         }
-        let header = match ResponseHeader::decode(&header) {
-            Ok(header) => header,
-            Err(error) => return format!("malformed answer: {error}"),
-        };
-        let mut payload = vec![0u8; header.payload_bytes as usize];
-        if let Err(error) = reader.read_exact(&mut payload) {
-            return format!("connection lost: {error}");
+        // Keep the partial answer at the front, with room after it.
+        if start == end {
+            (start, end) = (0, 0);
+        } else if start > 0 && buffer.len() - end < RESPONSE_HEADER_BYTES.max(buffer.len() / 4) {
+            buffer.copy_within(start..end, 0);
+            (start, end) = (0, end - start);
         }
-        if let Err(why) = shared.deliver(header.handle, header.status, payload) {
-            return why;
+        // A partial answer never fills the buffer (it is grown to fit one).
+        assert!(end < buffer.len(), "room to read into");
+        match stream.read(&mut buffer[end..]) {
+            Ok(0) => return "connection lost: the replica closed the connection".into(),
+            Ok(read) => end += read,
+            Err(error)
+                if matches!(
+                    error.kind(),
+                    std::io::ErrorKind::WouldBlock
+                        | std::io::ErrorKind::TimedOut
+                        | std::io::ErrorKind::Interrupted
+                ) => {}
+            Err(error) => return format!("connection lost: {error}"),
+        }
+        if scanned.elapsed() >= tick {
+            scanned = std::time::Instant::now();
+            if let Some(why) = shared.overdue(timeout) {
+                return why;
+            }
         }
     }
 }

@@ -494,3 +494,164 @@ fn concurrent_writers_on_one_connection_each_land_whole() {
     }
     assert!(remote.verify(0, 1024).expect("verify").is_empty());
 }
+
+/// A peer that shakes hands and then reads requests, answering none,
+/// until the client hangs up.
+fn silent_peer() -> (u16, std::thread::JoinHandle<()>) {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = silent.local_addr().expect("addr").port();
+    let thread = std::thread::spawn(move || {
+        let (mut peer, _) = silent.accept().expect("accept");
+        let mut hello = [0u8; wire::HELLO_BYTES];
+        peer.read_exact(&mut hello).expect("hello");
+        peer.write_all(
+            &Hello {
+                version: 1,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+        let mut sink = Vec::new();
+        let _ = peer.read_to_end(&mut sink);
+    });
+    (port, thread)
+}
+
+#[test]
+fn a_request_answered_by_callback_times_out_on_the_reader_thread() {
+    let (port, thread) = silent_peer();
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
+    let options = ClientOptions {
+        timeout: Duration::from_millis(300),
+        tls: None,
+    };
+    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    assert!(connection.answers_by_callback());
+    let (sender, answers) = std::sync::mpsc::channel();
+    let started = std::time::Instant::now();
+    // Nobody waits on this request: the connection's reader thread must
+    // time it out by itself.
+    let first = sender.clone();
+    connection.send_then(
+        &Request::Flush,
+        Box::new(move |answer| {
+            let _ = first.send(answer);
+        }),
+    );
+    let answer = answers
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the callback is called within the timeout");
+    let took = started.elapsed();
+    let error = answer.expect_err("no answer came");
+    assert!(error.to_string().contains("timed out"), "{error}");
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(2),
+        "timed out after {took:?}"
+    );
+    // The connection is dead: the next request fails at once, on the
+    // caller's thread.
+    assert!(!connection.answers_by_callback());
+    let started = std::time::Instant::now();
+    connection.send_then(
+        &Request::Flush,
+        Box::new(move |answer| {
+            let _ = sender.send(answer);
+        }),
+    );
+    let error = answers
+        .try_recv()
+        .expect("answered before send_then returned")
+        .expect_err("dead");
+    assert!(started.elapsed() < Duration::from_millis(100));
+    assert!(error.to_string().contains("timed out"), "{error}");
+    drop(connection);
+    thread.join().expect("silent peer");
+}
+
+/// Start a write through the mirror's completion path and wait for its
+/// outcome; `None` when the mirror declined it.
+fn write_completing(
+    mirror: &Arc<Mirror>,
+    offset: u64,
+    data: &[u8],
+) -> Option<vouch_engine::Result<()>> {
+    let start = Arc::clone(mirror)
+        .try_begin_write(offset, &bytes::Bytes::copy_from_slice(data))
+        .expect("begin")?;
+    let (sender, outcome) = std::sync::mpsc::channel();
+    start(Box::new(move |result| {
+        let _ = sender.send(result);
+    }));
+    Some(
+        outcome
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the write completes"),
+    )
+}
+
+#[test]
+fn writes_completed_by_the_remote_legs_answer_land_on_both_legs_and_a_lost_replica_is_taken_out() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let local_path = local_volume(dir.path());
+    let template = LegTemplate::of(&local_path).expect("template");
+    let url = server.url("disk");
+    let remote = RemoteLeg::create(&url, &template, &options()).expect("create");
+    let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
+    let local: Arc<dyn BlockDevice> = Arc::new(local);
+    let remote = Arc::new(remote);
+    let mirror = Arc::new(
+        Mirror::new(
+            vec![
+                MirrorLeg {
+                    name: "local".into(),
+                    device: Some(Arc::clone(&local)),
+                    state: LegState::Active,
+                },
+                MirrorLeg {
+                    name: url.to_string(),
+                    device: Some(Arc::clone(&remote) as Arc<dyn BlockDevice>),
+                    state: LegState::Active,
+                },
+            ],
+            None,
+        )
+        .expect("mirror"),
+    );
+    // A partial block is not started this way (it reads an edge first).
+    assert!(write_completing(&mirror, 512, &[1u8; 512]).is_none());
+    for lba in 0..8 {
+        write_completing(&mirror, lba * BLOCK, &pattern(lba, 7))
+            .expect("started")
+            .expect("written");
+    }
+    mirror.flush().expect("flush");
+    for lba in 0..8 {
+        let mut buf = vec![0u8; BLOCK as usize];
+        remote.read(lba * BLOCK, &mut buf).expect("remote read");
+        assert_eq!(buf, pattern(lba, 7), "remote LBA {lba}");
+        local.read(lba * BLOCK, &mut buf).expect("local read");
+        assert_eq!(buf, pattern(lba, 7), "local LBA {lba}");
+    }
+    // The replica goes away: the write is still acknowledged (the local
+    // leg took it) and the remote leg is taken out as unreachable.
+    drop(server);
+    let outcome = write_completing(&mirror, 8 * BLOCK, &pattern(8, 7));
+    if let Some(outcome) = outcome {
+        outcome.expect("the local leg took it");
+    } else {
+        // The dead connection was seen first: the blocking path takes it.
+        mirror
+            .write(8 * BLOCK, &pattern(8, 7), false)
+            .expect("the local leg took it");
+    }
+    let status = mirror.status();
+    assert_eq!(status[1].state, LegState::Stale, "{status:?}");
+    assert_eq!(status[0].state, LegState::Active, "{status:?}");
+    let mut buf = vec![0u8; BLOCK as usize];
+    mirror.read(8 * BLOCK, &mut buf).expect("read");
+    assert_eq!(buf, pattern(8, 7));
+}

@@ -24,7 +24,7 @@ use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
     Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, OpenOptions, PendingWrite,
-    SealedBlock, SimStorage, Storage, Volume, ZeroFlags,
+    SealedBlock, SimStorage, Storage, Volume, WriteDone, ZeroFlags,
 };
 
 use crate::fingerprint;
@@ -50,6 +50,9 @@ pub struct MirrorWriteReport {
     /// Seeds whose leg 1 took writes as a remote replica does
     /// (`start_write_sealed`).
     pub travelling: u64,
+    /// Writes that went through the completion path (`try_begin_write`,
+    /// leg 1 answering by callback: `write_sealed_then`).
+    pub completed_later: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -57,9 +60,10 @@ pub struct MirrorWriteReport {
 impl MirrorWriteReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror write: seeds={} (leg 1 remote-style in {}) crash_points={} image_pairs={} diverged={} repaired={} violations={} time={:.1}s",
+            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}) crash_points={} image_pairs={} diverged={} repaired={} violations={} time={:.1}s",
             self.seeds,
             self.travelling,
+            self.completed_later,
             self.crash_points,
             self.images,
             self.diverged,
@@ -102,26 +106,66 @@ pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
 /// started before the local leg is written, waited for after), its write
 /// landing when it is started or only when it is waited for — the two
 /// orders a replica's round trip allows against the local leg's writes.
-#[derive(Clone, Copy, Debug)]
+/// With `completes`, leg 1 is named as a remote member and also answers
+/// by callback (`write_sealed_then`), so non-FUA writes take the mirror's
+/// completion path (`try_begin_write`), its answer arriving at once or
+/// after the local leg was written (`Deferred`).
+#[derive(Clone)]
 enum Leg1 {
     Local,
-    Travelling { lands_when_waited: bool },
+    Travelling {
+        lands_when_waited: bool,
+        completes: Option<Deferred>,
+    },
 }
+
+/// Answers of leg 1 held back until the write's starter returned, then
+/// delivered on the simulator's thread (deterministic, like a replica's
+/// reader thread answering after the local leg's write).
+type Deferred = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
 
 fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
     let legs = volumes
         .into_iter()
         .enumerate()
         .map(|(index, volume)| {
-            let device: Arc<dyn BlockDevice> = match leg1 {
-                Leg1::Travelling { lands_when_waited } if index == 1 => Arc::new(Travelling {
-                    volume,
+            let (device, name): (Arc<dyn BlockDevice>, String) = match &leg1 {
+                Leg1::Travelling {
                     lands_when_waited,
-                }),
-                _ => volume,
+                    completes,
+                } if index == 1 => (
+                    Arc::new(Travelling {
+                        volume,
+                        lands_when_waited: *lands_when_waited,
+                        completes: completes.clone(),
+                        travels: true,
+                        roomy: false,
+                    }),
+                    match completes {
+                        Some(_) => "vouch://sim:1/leg1".into(),
+                        None => format!("leg{index}"),
+                    },
+                ),
+                // The completion path needs room on the local leg without
+                // waiting (a foreground volume never has any): this one
+                // says it has, then stores blocking (`write_sealed_here`),
+                // as a leg whose room was taken meanwhile does.
+                Leg1::Travelling {
+                    completes: Some(_), ..
+                } => (
+                    Arc::new(Travelling {
+                        volume,
+                        lands_when_waited: false,
+                        completes: None,
+                        travels: false,
+                        roomy: true,
+                    }),
+                    format!("leg{index}"),
+                ),
+                _ => (volume, format!("leg{index}")),
             };
             MirrorLeg {
-                name: format!("leg{index}"),
+                name,
                 device: Some(device),
                 state: LegState::Active,
             }
@@ -137,6 +181,11 @@ fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> 
 struct Travelling {
     volume: Arc<Volume>,
     lands_when_waited: bool,
+    completes: Option<Deferred>,
+    /// Takes `start_write_sealed` (else: the mirror's local-leg path).
+    travels: bool,
+    /// Claims room for the mirror's inline paths (`has_room_for`).
+    roomy: bool,
 }
 
 impl BlockDevice for Travelling {
@@ -186,11 +235,20 @@ impl BlockDevice for Travelling {
     fn write_sealed(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
         self.volume.write_sealed(blocks)
     }
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
+        self.volume.write_sealed_here(blocks)
+    }
+    fn has_room_for(&self, _count: usize) -> bool {
+        self.roomy
+    }
     fn start_write_sealed(
         &self,
         blocks: &[SealedBlock],
         fua: bool,
     ) -> Option<vouch_engine::Result<PendingWrite>> {
+        if !self.travels {
+            return None;
+        }
         let volume = Arc::clone(&self.volume);
         let land = move |blocks: &[SealedBlock]| {
             volume.write_sealed(blocks)?;
@@ -205,6 +263,26 @@ impl BlockDevice for Travelling {
         }
         let landed = land(blocks);
         Some(Ok(Box::new(move || landed)))
+    }
+    fn writes_sealed_then(&self) -> bool {
+        self.completes.is_some()
+    }
+    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
+        let volume = Arc::clone(&self.volume);
+        let land = move |blocks: &[SealedBlock]| {
+            volume.write_sealed(blocks)?;
+            if fua {
+                volume.flush()?;
+            }
+            Ok(())
+        };
+        match &self.completes {
+            Some(deferred) if self.lands_when_waited => {
+                let blocks = blocks.to_vec();
+                deferred.lock().push(Box::new(move || done(land(&blocks))));
+            }
+            _ => done(land(blocks)),
+        }
     }
     fn seal_blocks(
         &self,
@@ -252,14 +330,16 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     let [Ok(volume0), Ok(volume1)] = volumes else {
         return Err("a leg does not open".into());
     };
+    let deferred: Deferred = Arc::new(Mutex::new(Vec::new()));
     let leg1 = match rng.below(3) {
         0 => Leg1::Local,
         n => Leg1::Travelling {
             lands_when_waited: n == 2,
+            completes: rng.chance(1, 2).then(|| deferred.clone()),
         },
     };
     report.travelling += u64::from(!matches!(leg1, Leg1::Local));
-    let mirror = mirror_over([volume0, volume1], leg1)?;
+    let mirror = Arc::new(mirror_over([volume0, volume1], leg1)?);
 
     // The model the hooks read: what each block may hold if the exporter
     // died now. Updated before each operation (its value is allowed while
@@ -330,9 +410,15 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
                             .push(fingerprint(&data[index * BLOCK..(index + 1) * BLOCK]));
                     }
                 }
-                mirror
-                    .write(lba * BLOCK as u64, &data, rng.chance(1, 5))
-                    .map_err(|e| format!("write: {e}"))?;
+                let fua = rng.chance(1, 5);
+                let offset = lba * BLOCK as u64;
+                if fua || !write_completing(&mirror, offset, &data, &deferred)? {
+                    mirror
+                        .write(offset, &data, fua)
+                        .map_err(|e| format!("write: {e}"))?;
+                } else {
+                    report.completed_later += 1;
+                }
             }
         }
     }
@@ -351,6 +437,38 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
         }
     }
     Ok(())
+}
+
+/// A write through the mirror's completion path, waited for here:
+/// `Ok(false)` when the mirror declines it (nothing written).
+fn write_completing(
+    mirror: &Arc<Mirror>,
+    offset: u64,
+    data: &[u8],
+    deferred: &Deferred,
+) -> Result<bool, String> {
+    let begun = Arc::clone(mirror)
+        .try_begin_write(offset, &Bytes::copy_from_slice(data))
+        .map_err(|e| format!("write: {e}"))?;
+    let Some(start) = begun else {
+        return Ok(false);
+    };
+    let (sender, outcome) = std::sync::mpsc::channel();
+    start(Box::new(move |result| {
+        let _ = sender.send(result);
+    }));
+    let answers: Vec<_> = std::mem::take(&mut *deferred.lock());
+    if !answers.is_empty() && outcome.try_recv().is_ok() {
+        return Err("a write was acknowledged before its remote leg answered".into());
+    }
+    for answer in answers {
+        answer();
+    }
+    outcome
+        .try_recv()
+        .map_err(|_| "a started write was not done once its legs answered".to_string())?
+        .map_err(|e| format!("write: {e}"))?;
+    Ok(true)
 }
 
 /// Recover one crash image pair as a restart does and check the contract.

@@ -30,5 +30,7 @@ fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
         "{}",
         report.summary()
     );
+    // And writes a remote leg answers by callback (`try_begin_write`).
+    assert!(report.completed_later > 0, "{}", report.summary());
     eprintln!("{}", report.summary());
 }

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use vouch_engine::{Allocation, Error, BLOCK};
 use vouch_engine::{BlockDevice, ZeroFlags};
-use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent};
+use vouch_nbd::{
+    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, WriteCompletion,
+};
 
 /// Largest request the server accepts (payload), advertised in BLOCK_SIZE.
 pub const MAX_REQUEST_BYTES: u32 = 32 << 20;
@@ -98,6 +100,29 @@ impl Export for VolumeExport {
             Ok(true) => Some(Ok(())),
             Ok(false) => None,
             Err(error) => Some(Err(to_export_error(error))),
+        }
+    }
+    /// A device that can start the write without blocking (a mirror with
+    /// remote legs: `BlockDevice::try_begin_write`) finishes it on the
+    /// thread of the leg that answers last, which completes `done`.
+    fn try_start_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        done: WriteCompletion,
+    ) -> Result<(), WriteCompletion> {
+        match Arc::clone(&self.volume).try_begin_write(offset, data) {
+            Ok(None) => Err(done),
+            Ok(Some(start)) => {
+                start(Box::new(move |outcome| {
+                    done.complete(outcome.map_err(to_export_error));
+                }));
+                Ok(())
+            }
+            Err(error) => {
+                done.complete(Err(to_export_error(error)));
+                Ok(())
+            }
         }
     }
     fn flush(&self) -> Result<(), ExportError> {

@@ -29,7 +29,8 @@ fn qemu_io_command(netns: &str, uri: &str, commands: &[String]) -> Command {
     for c in commands {
         command.args(["-c", c]);
     }
-    command.arg(uri);
+    // Options before the image (`--cache=writeback nbd://...`).
+    command.args(uri.split_whitespace());
     command
 }
 
@@ -215,6 +216,89 @@ fn a_cut_link_times_out_and_the_remote_leg_is_marked_stale() {
     assert!(
         took >= Duration::from_secs(2) && took < Duration::from_secs(30),
         "the write waited {took:?} for the timeout"
+    );
+    let log = exporter.log_text();
+    assert!(
+        log.contains("STALE (unreachable)") && log.contains("timed out"),
+        "{log}"
+    );
+    let output = vouch_in(Some(&net.exporter), &["mirror", "status", s(&a)]);
+    assert!(
+        text(&output).contains(&format!("leg 1: {url}: stale")),
+        "{}",
+        text(&output)
+    );
+    assert!(
+        exporter.stop().is_some_and(|s| s.success()),
+        "{}",
+        exporter.log_text()
+    );
+}
+
+#[test]
+fn a_cut_link_times_out_writes_nobody_waits_for_and_the_remote_leg_is_marked_stale() {
+    // Writes of at most 128 KiB without FUA are started on the NBD reactor
+    // and completed by the replica connection's reader thread
+    // (`try_begin_write`): no thread waits on them, so that reader thread
+    // must time them out.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let net = NetnsPair::new("cutcb");
+    let replicas = dir.path().join("replicas");
+    let listen = format!("{}:7000", net.replica_ip);
+    let _replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
+        .unwrap_or_else(|error| panic!("{error}"));
+    let a = dir.path().join("a");
+    let url = format!("vouch://{listen}/disk");
+    let output = vouch_in(
+        Some(&net.exporter),
+        &["create", s(&a), "--size", "64MiB", "--mirror", &url],
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    let mut exporter = exporter(
+        dir.path(),
+        &[s(&a), "--replica-timeout", "2"],
+        &net.exporter,
+    );
+    let uri = format!("nbd://{}", exporter.addr);
+    qemu_io_ok(&net.exporter, &uri, &["write -P 0x44 0 256k", "flush"]);
+    let output = run_timeout(
+        Command::new(tool("ip", "iproute2")).args([
+            "-n",
+            &net.replica,
+            "link",
+            "set",
+            &net.replica_dev,
+            "down",
+        ]),
+        TIMEOUT,
+    );
+    assert!(output.status.success(), "{}", text(&output));
+    let started = Instant::now();
+    // Write-back cache mode: qemu-io sends no FUA (its default,
+    // writethrough, makes every write FUA, which takes a worker).
+    let uri_writeback = format!("--cache=writeback {uri}");
+    qemu_io_ok(
+        &net.exporter,
+        &uri_writeback,
+        &[
+            "aio_write -P 0x55 1M 64k",
+            "aio_write -P 0x56 2M 4k",
+            "aio_write -P 0x57 3M 128k",
+            // Waits for the three writes only: a request on a worker
+            // (the flush below, or a larger write) would time out by
+            // itself and take the connection down with it.
+            "aio_flush",
+            "flush",
+            "read -P 0x55 1M 64k",
+            "read -P 0x56 2M 4k",
+            "read -P 0x57 3M 128k",
+            "read -P 0x44 0 256k",
+        ],
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(30),
+        "the writes waited {took:?} for the timeout"
     );
     let log = exporter.log_text();
     assert!(

@@ -23,9 +23,15 @@ use crate::layout::Allocation;
 use crate::state::BLOCK;
 use crate::write::ZeroFlags;
 
+/// A held stripe of the mirror's lock that is not tied to a borrow.
+pub(super) type OwnedStripe = parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>;
+
 /// Stripes of the mirror's lock; LBAs map to them in runs of
-/// `STRIPE_BLOCKS` (1 MiB), so a write takes one or two.
-const STRIPES: usize = 64;
+/// `STRIPE_BLOCKS` (1 MiB), so a write takes one or two. Many, because a
+/// write to remote legs holds its stripes for a network round trip
+/// (`complete.rs`) and one that finds a stripe held goes to a blocking
+/// worker: with 64, half of 32 random 4 KiB writes in flight would.
+const STRIPES: usize = 1024;
 const STRIPE_BLOCKS: u64 = 256;
 
 /// One leg handed to `Mirror::new`.
@@ -40,10 +46,10 @@ pub struct MirrorLeg {
 pub(super) struct Leg {
     pub(super) name: String,
     /// A remote replica (`vouch://`): read only when no local leg is active.
-    remote: bool,
+    pub(super) remote: bool,
     /// Set once: at `Mirror::new`, or when a missing leg is attached.
     pub(super) device: OnceLock<Arc<dyn BlockDevice>>,
-    state: AtomicU8,
+    pub(super) state: AtomicU8,
     /// The resync map while the leg is stale or resyncing.
     pub(super) map: RwLock<Option<Arc<DirtyMap>>>,
     /// Written to (not read) while its map is copied (`resync.rs`).
@@ -98,7 +104,9 @@ pub struct Mirror {
     next: AtomicUsize,
     /// Reads go to the first active leg only (`read_one_leg_until_scrubbed`).
     one_leg: AtomicBool,
-    stripes: Box<[Mutex<()>]>,
+    /// Shared so a write that completes on another thread can own its
+    /// stripes (`try_lock_owned`, `complete.rs`).
+    stripes: Box<[Arc<Mutex<()>>]>,
     pub(super) membership: Option<Box<dyn Membership>>,
     /// Serialises decisions to fault a leg (never the last active one).
     faulting: Mutex<()>,
@@ -137,7 +145,7 @@ fn stripes_of(first: u64, end: u64) -> Vec<usize> {
     stripes
 }
 
-fn state_from(byte: u8) -> LegState {
+pub(super) fn state_from(byte: u8) -> LegState {
     match byte {
         0 => LegState::Active,
         1 => LegState::Faulted,
@@ -184,7 +192,7 @@ impl Mirror {
                 .collect(),
             next: AtomicUsize::new(0),
             one_leg: AtomicBool::new(false),
-            stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
+            stripes: (0..STRIPES).map(|_| Arc::new(Mutex::new(()))).collect(),
             membership,
             faulting: Mutex::new(()),
             size,
@@ -261,7 +269,7 @@ impl Mirror {
     }
 
     /// Whether any leg has a resync map (writes must mark it first).
-    fn tracks_any_leg(&self) -> bool {
+    pub(super) fn tracks_any_leg(&self) -> bool {
         self.legs.iter().any(|leg| leg.map.read().is_some())
     }
 
@@ -387,6 +395,15 @@ impl Mirror {
             .collect()
     }
 
+    /// `try_lock` with guards that own their stripes (no borrow of the
+    /// mirror): for a write whose legs answer on another thread.
+    pub(super) fn try_lock_owned(&self, first: u64, end: u64) -> Option<Vec<OwnedStripe>> {
+        stripes_of(first, end)
+            .iter()
+            .map(|&stripe| self.stripes[stripe].try_lock_arc())
+            .collect()
+    }
+
     fn mark_bytes(&self, offset: u64, length: u64) -> Result<()> {
         self.mark(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
@@ -490,7 +507,7 @@ impl Mirror {
     /// partial block at either edge is read from a leg first (verified;
     /// the caller holds the stripe lock, so nothing changes it meanwhile).
     /// `None` when no leg can seal.
-    fn seal_write(&self, offset: u64, data: &Bytes) -> Result<Option<Vec<SealedBlock>>> {
+    pub(super) fn seal_write(&self, offset: u64, data: &Bytes) -> Result<Option<Vec<SealedBlock>>> {
         self.check_bytes(offset, data.len() as u64)?;
         if data.is_empty() {
             return Ok(Some(Vec::new()));
@@ -609,7 +626,7 @@ impl Mirror {
         }
     }
 
-    fn stop_resync(&self, leg: usize, what: &str, error: &Error) {
+    pub(super) fn stop_resync(&self, leg: usize, what: &str, error: &Error) {
         tracing::error!(leg, name = %self.legs[leg].name, %error,
             "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
         self.legs[leg].resyncing.store(false, Ordering::Release);
@@ -812,6 +829,15 @@ impl BlockDevice for Mirror {
             Ok(())
         })?;
         Ok(true)
+    }
+    /// Completes on the thread of the leg that answers last
+    /// (`complete.rs`); only for a mirror with remote legs.
+    fn try_begin_write(
+        self: Arc<Self>,
+        offset: u64,
+        data: &Bytes,
+    ) -> Result<Option<crate::device::StartWrite>> {
+        super::complete::begin(self, offset, data)
     }
     /// The resync maps' block bits are made durable first (one sync).
     /// On success the blocks written before it started are forgotten by

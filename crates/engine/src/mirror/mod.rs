@@ -29,8 +29,14 @@
 //!   map when it is taken out, starting from the blocks written since the
 //!   last flush (`written.rs`): those it may have acknowledged and lost.
 //!
+//! - A mirror with remote legs takes the NBD reactor's non-FUA writes
+//!   without a thread waiting on them (`complete.rs`): the remote legs'
+//!   requests are sent, the local legs written, and the leg that answers
+//!   last judges the legs, releases the stripes and answers the client.
+//!
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
+mod complete;
 mod device;
 pub mod dirty;
 pub mod manage;

@@ -106,7 +106,9 @@ impl Slot {
 /// The blocks written since the last successful flush (see the module's
 /// documentation).
 pub(super) struct Written {
-    slots: [Slot; 2],
+    /// Shared with the writes recording in them (`Recording` owns its
+    /// slot: a write that completes on another thread keeps it).
+    slots: [Arc<Slot>; 2],
     /// Flushes started; the current slot is `epoch % 2`.
     epoch: AtomicU64,
     /// Orders a flush's swap against another's clear.
@@ -115,11 +117,11 @@ pub(super) struct Written {
 }
 
 /// A write being recorded: dropped when the write returned (done or not).
-pub(super) struct Recording<'a> {
-    slot: &'a Slot,
+pub(super) struct Recording {
+    slot: Arc<Slot>,
 }
 
-impl Drop for Recording<'_> {
+impl Drop for Recording {
     fn drop(&mut self) {
         self.slot.in_flight.fetch_sub(1, SeqCst);
     }
@@ -136,7 +138,7 @@ pub(super) struct FlushTicket {
 impl Written {
     pub(super) fn new(blocks: u64) -> Written {
         Written {
-            slots: [Slot::new(blocks), Slot::new(blocks)],
+            slots: [Arc::new(Slot::new(blocks)), Arc::new(Slot::new(blocks))],
             epoch: AtomicU64::new(0),
             swapping: Mutex::new(()),
             blocks,
@@ -145,7 +147,7 @@ impl Written {
 
     /// Record blocks `[first, end)` before a write to them is issued; keep
     /// the returned value until the write returned.
-    pub(super) fn record(&self, first: u64, end: u64) -> Recording<'_> {
+    pub(super) fn record(&self, first: u64, end: u64) -> Recording {
         let slot = loop {
             let epoch = self.epoch.load(SeqCst);
             let slot = &self.slots[(epoch % 2) as usize];
@@ -158,7 +160,9 @@ impl Written {
             slot.in_flight.fetch_sub(1, SeqCst);
         };
         slot.set(first, end.min(self.blocks));
-        Recording { slot }
+        Recording {
+            slot: Arc::clone(slot),
+        }
     }
 
     /// A flush is about to be sent to the legs: writes from now on record
@@ -219,7 +223,7 @@ impl Written {
 impl Mirror {
     /// Record the blocks of bytes `[offset, offset + length)` (a write,
     /// trim or zeroing about to be issued to the legs).
-    pub(super) fn record_bytes(&self, offset: u64, length: u64) -> Recording<'_> {
+    pub(super) fn record_bytes(&self, offset: u64, length: u64) -> Recording {
         self.written
             .record(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
