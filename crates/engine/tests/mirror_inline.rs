@@ -100,9 +100,8 @@ fn encrypted_legs_take_at_most_128_kib_inline() {
     close(mirror, volumes);
 }
 
-/// A leg whose room went between a look and its turn: it passes every
-/// call to a real volume, except that it reports room it does not have
-/// (as a stale answer would), and counts the writes that may block.
+/// A leg over a real volume: every call passed to it, the writes that
+/// may block (commit on the caller's thread) counted.
 struct RoomGone {
     volume: Arc<Volume>,
     blocking_writes: AtomicUsize,
@@ -168,10 +167,12 @@ impl BlockDevice for RoomGone {
     }
 }
 
-/// Leg 1 has no room (no background committer takes its commits, so its
-/// inline writes must decline) though it claims to: the inline write
-/// declines whole — leg 0 does not get it either — and no leg's blocking
-/// write runs on the caller's thread. Leg 0 alone (room): taken inline.
+/// Leg b has no room (no background committer takes its commits, so it
+/// reserves none), as a leg whose buffer another writer just filled: the
+/// inline write declines whole — leg a does not get it either, its
+/// reservation is given back — and no leg's blocking write runs on the
+/// caller's thread (before the reservations, a leg without room at its
+/// turn took the blocking `write_sealed_here`). Leg a alone: taken inline.
 #[test]
 fn a_leg_without_room_declines_the_whole_inline_write_without_blocking() {
     let dir = tempfile::tempdir().expect("tempdir");
