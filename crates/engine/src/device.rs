@@ -150,9 +150,33 @@ pub trait BlockDevice: Send + Sync {
         self.write_sealed(blocks)
     }
 
-    /// `try_write_sealed` of blocks sealed here (see `write_sealed_here`).
-    fn try_write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.try_write_sealed(blocks)
+    /// Reserve room for `count` blocks that `write_sealed_reserved` will
+    /// store without waiting (a mirror's inline path reserves on every
+    /// leg before it writes any: the write is then never half done, nor
+    /// finished by a blocking commit on the caller's thread). False, with
+    /// nothing reserved, when there is none. The default: never.
+    fn reserve_room(&self, count: usize) -> bool {
+        let _ = count;
+        false
+    }
+
+    /// Give back room `reserve_room` reserved and no write used.
+    fn release_room(&self, count: usize) {
+        let _ = count;
+    }
+
+    /// `write_sealed_here` into room `reserve_room(blocks.len())`
+    /// reserved, without waiting; the reservation is used up whatever the
+    /// outcome. Only for data blocks (a zero-reading one is refused).
+    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
+        let _ = blocks;
+        Err(Error::Unsupported("writes into reserved room".into()))
+    }
+
+    /// The largest write this device seals cheaply enough for an inline
+    /// (NBD reactor) path: one that encrypts caps it. The default: any.
+    fn inline_seal_max_bytes(&self) -> usize {
+        usize::MAX
     }
 
     /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
@@ -202,13 +226,6 @@ pub trait BlockDevice: Send + Sync {
     fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
         let _ = (offset, data);
         Ok(None)
-    }
-
-    /// Whether `try_write_sealed` of `count` blocks would find room now (a
-    /// hint: it may not a moment later). The default: never.
-    fn has_room_for(&self, count: usize) -> bool {
-        let _ = count;
-        false
     }
 
     /// Seal whole blocks (`data`, from LBA `first`) as this device would

@@ -135,6 +135,10 @@ pub(crate) struct VolumeState {
     pub active_orphans: usize,
     /// `active_orphans` of the buffer now committing.
     pub committing_orphans: usize,
+    /// Blocks of room reserved for writes about to be buffered
+    /// (`Engine::reserve_room`): counted as held, so no other writer that
+    /// must not wait takes their room meanwhile.
+    pub reserved: usize,
     /// Blocks whose home extents a reflink copy is replacing right now
     /// (their new contexts are not yet published): a read of them waits
     /// until the range is clear (a clone of 16 MiB takes ~0.1 ms).
@@ -149,6 +153,7 @@ impl VolumeState {
             committing: BTreeMap::new(),
             active_orphans: 0,
             committing_orphans: 0,
+            reserved: 0,
             cloning: None,
             contexts: ContextStore::new(context_cache_pages),
         }
@@ -188,9 +193,10 @@ impl VolumeState {
     /// block of a buffer kept alive is one or the other, so this bounds
     /// the memory whatever the clients overwrite (a 1 MiB write shifted by
     /// one block each time would otherwise keep a MiB alive per block
-    /// counted). The write-back limits count this, not `active.len()`.
+    /// counted), and the room reserved for writes about to be buffered.
+    /// The write-back limits count this, not `active.len()`.
     pub fn held_blocks(&self) -> usize {
-        self.active.len() + self.active_orphans
+        self.active.len() + self.active_orphans + self.reserved
     }
 
     /// Memory held by buffers and caches.

@@ -277,11 +277,18 @@ impl BlockDevice for Volume {
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
         self.engine.write_sealed(blocks, SealCheck::Placement)
     }
-    fn try_write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.engine.try_write_sealed(blocks, SealCheck::Placement)
+    fn reserve_room(&self, count: usize) -> bool {
+        self.engine.reserve_room(count)
     }
-    fn has_room_for(&self, count: usize) -> bool {
-        self.engine.has_room_for(count)
+    fn release_room(&self, count: usize) {
+        self.engine.release_room(count)
+    }
+    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.engine
+            .write_sealed_reserved(blocks, SealCheck::Placement)
+    }
+    fn inline_seal_max_bytes(&self) -> usize {
+        self.engine.inline_seal_max_bytes()
     }
     fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
         self.engine.seal_for_transfer(first, data, generation)

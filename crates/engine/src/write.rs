@@ -110,7 +110,7 @@ impl Engine {
         }
         // The caller's thread is the NBD reactor: a checksum of up to 1 MiB
         // (~0.1 ms) is fine there, encrypting it (~0.7 ms) is not.
-        if data.len() > TRANSFORMED_INLINE_MAX_BYTES && !shared.protection.stores_plain() {
+        if data.len() > self.inline_seal_max_bytes() {
             return Ok(false);
         }
         let sealed = self.seal_run(offset / BLOCK, data.clone(), shared.sealing_generation());
@@ -221,22 +221,104 @@ impl Engine {
     }
 
     /// `write_sealed` of data blocks only if it can complete without
-    /// waiting (the mirror's inline write path, like `try_write`): every
+    /// waiting (the replica server's inline path, like `try_write`): every
     /// block verified first, then buffered if the write-back buffer has
     /// room below the level where writers commit themselves and a
     /// background committer takes the commit. `Ok(false)` when it would
     /// wait, with nothing stored.
     pub fn try_write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<bool> {
-        let shared = &self.shared;
-        shared.io.check_writable()?;
+        self.shared.io.check_writable()?;
         if blocks.is_empty() || !self.committer.is_background() {
             return Ok(false);
         }
+        match self.sealed_as_dirty(blocks, check)? {
+            Some(dirty) => Ok(self.buffer_without_waiting(dirty)),
+            None => Ok(false),
+        }
+    }
+
+    /// Reserve room in the write-back buffer for `count` blocks that
+    /// `write_sealed_reserved` will store: what `try_write_sealed` would
+    /// find, held until then so no other writer that must not wait takes
+    /// it (the mirror's inline path reserves on every leg before it writes
+    /// any, so it never finds a leg full halfway). False, with nothing
+    /// reserved, when there is no room or no background committer.
+    pub fn reserve_room(&self, count: usize) -> bool {
+        if count == 0 || !self.committer.is_background() {
+            return false;
+        }
+        let mut state = self.shared.state.write();
+        if state.held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks {
+            return false;
+        }
+        state.reserved += count;
+        true
+    }
+
+    /// Give back room `reserve_room` reserved and no write used.
+    pub fn release_room(&self, count: usize) {
+        let mut state = self.shared.state.write();
+        assert!(state.reserved >= count, "more room released than reserved");
+        state.reserved -= count;
+    }
+
+    /// Store data blocks into room `reserve_room(blocks.len())` reserved,
+    /// checked as `write_sealed` checks them, without waiting: buffered,
+    /// the commit left to the background committer. The reservation is
+    /// used up whatever the outcome. A zero-reading context (a range
+    /// operation, which commits) is refused as an invalid argument, with
+    /// nothing stored.
+    pub fn write_sealed_reserved(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<()> {
+        let dirty = match self.sealed_as_dirty(blocks, check) {
+            Ok(Some(dirty)) => dirty,
+            Ok(None) => {
+                self.release_room(blocks.len());
+                return Err(Error::InvalidArgument(
+                    "a zero-reading block cannot be stored in reserved room".into(),
+                ));
+            }
+            Err(error) => {
+                self.release_room(blocks.len());
+                return Err(error);
+            }
+        };
+        let shared = &self.shared;
+        let buffered = {
+            let mut state = shared.state.write();
+            assert!(
+                state.reserved >= dirty.len(),
+                "a reserved write without its reservation"
+            );
+            state.reserved -= dirty.len();
+            for (lba, block) in dirty {
+                state.buffer(lba, block);
+            }
+            state.held_blocks()
+        };
+        shared
+            .io
+            .stats
+            .add_client_write(blocks.len() as u64 * BLOCK);
+        if buffered >= self.tuning.dirty_limit_blocks {
+            self.committer.request();
+        }
+        Ok(())
+    }
+
+    /// Sealed data blocks checked (`check_sealed`) and ready to buffer;
+    /// `None` if any is zero-reading (a range operation).
+    fn sealed_as_dirty(
+        &self,
+        blocks: &[SealedBlock],
+        check: SealCheck,
+    ) -> Result<Option<Vec<(u64, DirtyBlock)>>> {
+        let shared = &self.shared;
+        shared.io.check_writable()?;
         let mut dirty = Vec::with_capacity(blocks.len());
         for block in blocks {
             self.check_sealed(block, check)?;
             let Some(seal) = shared.protection.seal_of(&block.context) else {
-                return Ok(false); // a zero-reading block is a range operation
+                return Ok(None);
             };
             dirty.push((
                 block.lba,
@@ -246,7 +328,7 @@ impl Engine {
                 },
             ));
         }
-        Ok(self.buffer_without_waiting(dirty))
+        Ok(Some(dirty))
     }
 
     /// A block moved with its context: inside the volume, and verified
@@ -280,11 +362,16 @@ impl Engine {
             })
     }
 
-    /// Whether `try_write_sealed` of `count` blocks would find room now
-    /// (it may not a moment later: another writer can fill the buffer).
-    pub fn has_room_for(&self, count: usize) -> bool {
-        self.committer.is_background()
-            && self.shared.state.read().held_blocks() + count < 2 * self.tuning.dirty_limit_blocks
+    /// The largest write whose sealing is cheap enough for an inline
+    /// (reactor) path: any when blocks are stored as they are (a checksum,
+    /// ~0.1 ms per MiB), `TRANSFORMED_INLINE_MAX_BYTES` when sealing
+    /// transforms them (encrypting 1 MiB takes ~0.7 ms).
+    pub fn inline_seal_max_bytes(&self) -> usize {
+        if self.shared.protection.stores_plain() {
+            usize::MAX
+        } else {
+            TRANSFORMED_INLINE_MAX_BYTES
+        }
     }
 
     /// Seal whole blocks for storing elsewhere or here with `write_sealed`

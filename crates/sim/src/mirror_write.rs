@@ -184,7 +184,7 @@ struct Travelling {
     completes: Option<Deferred>,
     /// Takes `start_write_sealed` (else: the mirror's local-leg path).
     travels: bool,
-    /// Claims room for the mirror's inline paths (`has_room_for`).
+    /// Claims room for the mirror's inline paths (`reserve_room`).
     roomy: bool,
 }
 
@@ -238,8 +238,13 @@ impl BlockDevice for Travelling {
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
         self.volume.write_sealed_here(blocks)
     }
-    fn has_room_for(&self, _count: usize) -> bool {
+    fn reserve_room(&self, _count: usize) -> bool {
         self.roomy
+    }
+    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
+        // The simulator's volumes commit in the foreground: the write
+        // stores (and commits) here, as a leg's reserved room would.
+        self.volume.write_sealed_here(blocks)
     }
     fn start_write_sealed(
         &self,

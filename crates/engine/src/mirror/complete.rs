@@ -32,7 +32,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_format::mirror::LegState;
 
-use super::device::{is_request_error, state_from, Mirror, OwnedStripe};
+use super::device::{is_request_error, state_from, Mirror, OwnedStripe, Reserved};
 use super::written::Recording;
 use crate::device::{SealedBlock, StartWrite, WriteDone};
 use crate::error::{Error, Result};
@@ -91,8 +91,10 @@ impl Drop for LegDone {
 
 /// `Mirror::try_begin_write` (see `BlockDevice::try_begin_write`): only
 /// whole blocks, when no stripe of the range is held, no leg keeps a
-/// resync map (marking one may sync), every local target has room in its
-/// write-back buffer and every remote target completes its writes later.
+/// resync map (marking one may sync), room is reserved in every local
+/// target's write-back buffer, every remote target completes its writes
+/// later, and no target seals the write at a cost the reactor should not
+/// pay (`inline_seal_max_bytes`).
 /// A mirror without a remote target declines (`try_write_shared` is its
 /// inline path).
 pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
@@ -109,11 +111,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     let ready = targets.iter().all(|&leg| {
         let device = mirror.device(leg);
-        if remote(leg) {
-            device.writes_sealed_then()
-        } else {
-            device.has_room_for(count)
-        }
+        data.len() <= device.inline_seal_max_bytes() && (!remote(leg) || device.writes_sealed_then())
     });
     if !ready {
         return Ok(None);
@@ -125,6 +123,12 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     if mirror.tracks_any_leg() {
         return Ok(None);
     }
+    // Room on every local leg first: their writes then never wait, and
+    // the write is never half done (as `Mirror::try_write_shared`).
+    let local: Vec<usize> = targets.iter().copied().filter(|&leg| !remote(leg)).collect();
+    let Some(reserved) = Reserved::on(Arc::clone(&mirror), &local, count) else {
+        return Ok(None);
+    };
     let Some(sealed) = mirror.seal_write(offset, data)? else {
         return Ok(None);
     };
@@ -149,14 +153,15 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
                 done,
             })),
         });
-        start(&flight, &sealed);
+        start(&flight, &sealed, reserved);
     })))
 }
 
 /// Issue the write to every target: remote legs first (their round trips
 /// overlap the local writes), then the local legs inline; the starter's
-/// own share of `remaining` is given up last.
-fn start(flight: &Arc<Flight>, sealed: &[SealedBlock]) {
+/// own share of `remaining` is given up last. The local legs write into
+/// the room `reserved` holds for them.
+fn start(flight: &Arc<Flight>, sealed: &[SealedBlock], mut reserved: Reserved<Arc<Mirror>>) {
     // Given up when this returns, or while unwinding from a panic here
     // (the legs not written then count as failed): never held forever.
     let _starter = Starter(Arc::clone(flight));
@@ -179,16 +184,8 @@ fn start(flight: &Arc<Flight>, sealed: &[SealedBlock]) {
         if mirror.legs[leg].remote {
             continue;
         }
-        let device = mirror.device(leg);
-        let outcome = device
-            .try_write_sealed_here(sealed)
-            .and_then(|stored| match stored {
-                true => Ok(()),
-                // Its room went to another writer meanwhile: the write is
-                // never half done, so this leg waits (as `try_write_shared`).
-                false => device.write_sealed_here(sealed),
-            });
-        flight.arrived(at, outcome);
+        reserved.take(leg);
+        flight.arrived(at, mirror.device(leg).write_sealed_reserved(sealed));
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
-use std::ops::Range;
+use std::ops::{Deref, Range};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -638,7 +638,7 @@ impl Mirror {
         &self,
         targets: &[usize],
         what: &str,
-        op: impl Fn(usize, &dyn BlockDevice) -> Result<()>,
+        mut op: impl FnMut(usize, &dyn BlockDevice) -> Result<()>,
     ) -> Result<Vec<usize>> {
         let mut succeeded = 0;
         let mut failed = Vec::new();
@@ -691,6 +691,47 @@ impl Drop for Started<'_> {
             if let Err(error) = pending.and_then(|wait| wait()) {
                 self.mirror.write_failed_on(leg, &error);
             }
+        }
+    }
+}
+
+/// Room reserved on legs for one inline write (`try_write_shared`):
+/// each leg's is taken when its write goes in; what is left when this is
+/// dropped (the write declined or stopped early) is given back.
+pub(super) struct Reserved<M: Deref<Target = Mirror>> {
+    mirror: M,
+    legs: Vec<usize>,
+    count: usize,
+}
+
+impl<M: Deref<Target = Mirror>> Reserved<M> {
+    /// Room for `count` blocks on every leg of `targets`, or `None` with
+    /// none held.
+    pub(super) fn on(mirror: M, targets: &[usize], count: usize) -> Option<Reserved<M>> {
+        let mut reserved = Reserved {
+            mirror,
+            legs: Vec::with_capacity(targets.len()),
+            count,
+        };
+        for &leg in targets {
+            if !reserved.mirror.device(leg).reserve_room(count) {
+                return None;
+            }
+            reserved.legs.push(leg);
+        }
+        Some(reserved)
+    }
+
+    /// `leg`'s room is being used: no longer given back.
+    pub(super) fn take(&mut self, leg: usize) {
+        self.legs.retain(|&held| held != leg);
+    }
+}
+
+impl<M: Deref<Target = Mirror>> Drop for Reserved<M> {
+    fn drop(&mut self) {
+        for &leg in &self.legs {
+            self.mirror.device(leg).release_room(self.count);
         }
     }
 }
@@ -785,12 +826,14 @@ impl BlockDevice for Mirror {
         }
     }
     /// The inline path (the NBD reactor's, like `Volume::try_write`): whole
-    /// blocks only, when no stripe of the range is held and every active
-    /// leg has room in its write-back buffer; then sealed once and buffered
-    /// on every leg without waiting. `Ok(false)`, with nothing written,
-    /// when any of that fails first. If a leg's room is gone by the time
-    /// its turn comes (another writer filled it), that leg takes the
-    /// blocking `write_sealed`: the write is never half done.
+    /// blocks only, no larger than every write target seals cheaply
+    /// (`inline_seal_max_bytes`: encrypted legs take up to 128 KiB), when
+    /// no stripe of the range is held and every target reserves room in
+    /// its write-back buffer (`reserve_room`); then sealed once and
+    /// buffered on every leg into that room. It never waits: `Ok(false)`,
+    /// with nothing written and every reservation given back, when any of
+    /// that fails first; once every leg holds room, no leg can find its
+    /// buffer full at its turn, so none commits on the caller's thread.
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
         self.try_write_shared(offset, &Bytes::copy_from_slice(data))
     }
@@ -811,22 +854,20 @@ impl BlockDevice for Mirror {
             return Ok(false);
         }
         let targets = self.write_targets();
-        if targets.is_empty()
-            || !targets
-                .iter()
-                .all(|&leg| self.device(leg).has_room_for(count))
-        {
+        let cheap = |&leg: &usize| data.len() <= self.device(leg).inline_seal_max_bytes();
+        if targets.is_empty() || !targets.iter().all(cheap) {
             return Ok(false);
         }
+        let Some(mut reserved) = Reserved::on(self, &targets, count) else {
+            return Ok(false);
+        };
         let Some(sealed) = self.seal_write(offset, data)? else {
             return Ok(false);
         };
         let _recorded = self.record_bytes(offset, data.len() as u64);
-        self.each_leg("write", |leg| {
-            if !leg.try_write_sealed_here(&sealed)? {
-                leg.write_sealed_here(&sealed)?;
-            }
-            Ok(())
+        self.each_leg_of(&targets, "write", |leg, device| {
+            reserved.take(leg);
+            device.write_sealed_reserved(&sealed)
         })?;
         Ok(true)
     }
