@@ -111,7 +111,8 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     let ready = targets.iter().all(|&leg| {
         let device = mirror.device(leg);
-        data.len() <= device.inline_seal_max_bytes() && (!remote(leg) || device.writes_sealed_then())
+        data.len() <= device.inline_seal_max_bytes()
+            && (!remote(leg) || device.writes_sealed_then())
     });
     if !ready {
         return Ok(None);
@@ -125,7 +126,11 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     // Room on every local leg first: their writes then never wait, and
     // the write is never half done (as `Mirror::try_write_shared`).
-    let local: Vec<usize> = targets.iter().copied().filter(|&leg| !remote(leg)).collect();
+    let local: Vec<usize> = targets
+        .iter()
+        .copied()
+        .filter(|&leg| !remote(leg))
+        .collect();
     let Some(reserved) = Reserved::on(Arc::clone(&mirror), &local, count) else {
         return Ok(None);
     };
