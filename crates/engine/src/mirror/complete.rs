@@ -269,15 +269,6 @@ impl Flight {
                 Err(error) => failed.push((leg, error)),
             }
         }
-        if succeeded == 0 {
-            return match failed.into_iter().next() {
-                Some((_, error)) => Err(error),
-                None => Err(Error::FailStopped("no active mirror leg".into())),
-            };
-        }
-        for (leg, error) in failed {
-            mirror.fail(leg, &format!("write failed: {error}"), &error);
-        }
-        Ok(())
+        mirror.settle("write", succeeded, failed)
     }
 }

@@ -656,6 +656,19 @@ impl Mirror {
                 Err(error) => failed.push((leg, error)),
             }
         }
+        self.settle(what, succeeded, failed)?;
+        Ok(resynced)
+    }
+
+    /// The last step of judging an operation's active legs: if none
+    /// succeeded, the first failure is the outcome (nothing is taken out:
+    /// no leg is known good); else each failed leg is taken out.
+    pub(super) fn settle(
+        &self,
+        what: &str,
+        succeeded: usize,
+        failed: Vec<(usize, Error)>,
+    ) -> Result<()> {
         if succeeded == 0 {
             return match failed.into_iter().next() {
                 Some((_, error)) => Err(error),
@@ -665,7 +678,7 @@ impl Mirror {
         for (leg, error) in failed {
             self.fail(leg, &format!("{what} failed: {error}"), &error);
         }
-        Ok(resynced)
+        Ok(())
     }
 }
 
