@@ -237,6 +237,14 @@ fn read_answers(mut stream: &TcpStream, shared: &Shared, timeout: std::time::Dur
                 return why;
             }
         }
+        // Only after every answer in hand was delivered: a request whose
+        // answer was read is never counted overdue.
+        if scanned.elapsed() >= tick {
+            scanned = std::time::Instant::now();
+            if let Some(why) = shared.overdue(timeout) {
+                return why;
+            }
+        }
         // Keep the partial answer at the front, with room after it.
         if start == end {
             (start, end) = (0, 0);
@@ -257,12 +265,6 @@ fn read_answers(mut stream: &TcpStream, shared: &Shared, timeout: std::time::Dur
                         | std::io::ErrorKind::Interrupted
                 ) => {}
             Err(error) => return format!("connection lost: {error}"),
-        }
-        if scanned.elapsed() >= tick {
-            scanned = std::time::Instant::now();
-            if let Some(why) = shared.overdue(timeout) {
-                return why;
-            }
         }
     }
 }

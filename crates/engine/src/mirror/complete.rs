@@ -104,8 +104,24 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     let count = data.len() / BLOCK as usize;
     let first = offset / BLOCK;
-    let targets = mirror.write_targets();
     let remote = |leg: usize| mirror.legs[leg].remote;
+    if !(0..mirror.legs.len()).any(remote) {
+        return Ok(None);
+    }
+    mirror.foreground.fetch_add(1, Ordering::Relaxed);
+    let Some(stripes) = mirror.try_lock_owned(first, first + count as u64) else {
+        return Ok(None);
+    };
+    // Recorded before the check below (as `Mirror::write_shared` records
+    // before it marks): a leg taken out meanwhile builds its map from the
+    // record, so this write is in that map or the check declines it.
+    let recorded = mirror.record_bytes(offset, data.len() as u64);
+    if mirror.tracks_any_leg() {
+        return Ok(None);
+    }
+    // The targets under the stripes, after the check: a leg that finished
+    // its resync before it is written too.
+    let targets = mirror.write_targets();
     if !targets.iter().any(|&leg| remote(leg)) {
         return Ok(None);
     }
@@ -115,13 +131,6 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
             && (!remote(leg) || device.writes_sealed_then())
     });
     if !ready {
-        return Ok(None);
-    }
-    mirror.foreground.fetch_add(1, Ordering::Relaxed);
-    let Some(stripes) = mirror.try_lock_owned(first, first + count as u64) else {
-        return Ok(None);
-    };
-    if mirror.tracks_any_leg() {
         return Ok(None);
     }
     // Room on every local leg first: their writes then never wait, and
@@ -137,7 +146,6 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     let Some(sealed) = mirror.seal_write(offset, data)? else {
         return Ok(None);
     };
-    let recorded = mirror.record_bytes(offset, data.len() as u64);
     let targets: Vec<(usize, bool)> = targets
         .into_iter()
         .map(|leg| {

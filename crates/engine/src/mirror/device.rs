@@ -862,6 +862,10 @@ impl BlockDevice for Mirror {
         let Some(_locked) = self.try_lock(first, first + count as u64) else {
             return Ok(false);
         };
+        // Recorded before the check below, as `write_shared` records before
+        // it marks: a leg taken out meanwhile builds its map from the
+        // record, so the write is in the map or the check declines it.
+        let _recorded = self.record_bytes(offset, data.len() as u64);
         // A stale leg's map must be marked first, which may sync: not here.
         if self.tracks_any_leg() {
             return Ok(false);
@@ -877,7 +881,6 @@ impl BlockDevice for Mirror {
         let Some(sealed) = self.seal_write(offset, data)? else {
             return Ok(false);
         };
-        let _recorded = self.record_bytes(offset, data.len() as u64);
         self.each_leg_of(&targets, "write", |leg, device| {
             reserved.take(leg);
             device.write_sealed_reserved(&sealed)
