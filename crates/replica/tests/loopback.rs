@@ -345,25 +345,7 @@ fn a_lost_connection_fails_every_later_request_as_unreachable() {
 
 #[test]
 fn a_request_past_its_timeout_drops_the_connection_and_later_requests_fail_at_once() {
-    // A peer that shakes hands and then never answers.
-    let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = silent.local_addr().expect("addr").port();
-    let thread = std::thread::spawn(move || {
-        let (mut peer, _) = silent.accept().expect("accept");
-        let mut hello = [0u8; wire::HELLO_BYTES];
-        peer.read_exact(&mut hello).expect("hello");
-        peer.write_all(
-            &Hello {
-                version: 1,
-                status: 0,
-            }
-            .encode(),
-        )
-        .expect("hello");
-        // Read requests, answer none, until the client hangs up.
-        let mut sink = Vec::new();
-        let _ = peer.read_to_end(&mut sink);
-    });
+    let (port, thread) = silent_peer();
     let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
     let options = ClientOptions {
         timeout: Duration::from_millis(300),

@@ -168,71 +168,19 @@ fn a_replica_across_a_link_takes_writes_and_a_sigkill_leaves_the_exporter_servin
 #[test]
 fn a_cut_link_times_out_and_the_remote_leg_is_marked_stale() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let net = NetnsPair::new("cut");
-    let replicas = dir.path().join("replicas");
-    let listen = format!("{}:7000", net.replica_ip);
-    let _replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
-        .unwrap_or_else(|error| panic!("{error}"));
-    let a = dir.path().join("a");
-    let url = format!("vouch://{listen}/disk");
-    let output = vouch_in(
-        Some(&net.exporter),
-        &["create", s(&a), "--size", "64MiB", "--mirror", &url],
-    );
-    assert!(output.status.success(), "{}", text(&output));
-    let mut exporter = exporter(
-        dir.path(),
-        &[s(&a), "--replica-timeout", "2"],
-        &net.exporter,
-    );
-    let uri = format!("nbd://{}", exporter.addr);
-    qemu_io_ok(&net.exporter, &uri, &["write -P 0x44 0 4M", "flush"]);
+    let cut = CutLink::new(dir.path(), "cut");
+    cut.io(&["write -P 0x44 0 4M", "flush"]);
     // The replica's end of the link goes down: packets vanish, nothing
     // answers, the request times out.
-    let output = run_timeout(
-        Command::new(tool("ip", "iproute2")).args([
-            "-n",
-            &net.replica,
-            "link",
-            "set",
-            &net.replica_dev,
-            "down",
-        ]),
-        TIMEOUT,
-    );
-    assert!(output.status.success(), "{}", text(&output));
+    set_replica_link(&cut.net, "down");
     let started = Instant::now();
-    qemu_io_ok(
-        &net.exporter,
-        &uri,
-        &[
-            "write -P 0x55 4M 4M",
-            "flush",
-            "read -P 0x55 4M 4M",
-            "read -P 0x44 0 4M",
-        ],
-    );
-    let took = started.elapsed();
-    assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(30),
-        "the write waited {took:?} for the timeout"
-    );
-    let log = exporter.log_text();
-    assert!(
-        log.contains("STALE (unreachable)") && log.contains("timed out"),
-        "{log}"
-    );
-    let output = vouch_in(Some(&net.exporter), &["mirror", "status", s(&a)]);
-    assert!(
-        text(&output).contains(&format!("leg 1: {url}: stale")),
-        "{}",
-        text(&output)
-    );
-    assert!(
-        exporter.stop().is_some_and(|s| s.success()),
-        "{}",
-        exporter.log_text()
-    );
+    cut.io(&[
+        "write -P 0x55 4M 4M",
+        "flush",
+        "read -P 0x55 4M 4M",
+        "read -P 0x44 0 4M",
+    ]);
+    cut.assert_timed_out_and_stale(started.elapsed());
 }
 
 #[test]
@@ -242,43 +190,15 @@ fn a_cut_link_times_out_writes_nobody_waits_for_and_the_remote_leg_is_marked_sta
     // (`try_begin_write`): no thread waits on them, so that reader thread
     // must time them out.
     let dir = tempfile::tempdir().expect("tempdir");
-    let net = NetnsPair::new("cutcb");
-    let replicas = dir.path().join("replicas");
-    let listen = format!("{}:7000", net.replica_ip);
-    let _replica = replica_server(&replicas, &listen, &["--insecure"], Some(&net.replica))
-        .unwrap_or_else(|error| panic!("{error}"));
-    let a = dir.path().join("a");
-    let url = format!("vouch://{listen}/disk");
-    let output = vouch_in(
-        Some(&net.exporter),
-        &["create", s(&a), "--size", "64MiB", "--mirror", &url],
-    );
-    assert!(output.status.success(), "{}", text(&output));
-    let mut exporter = exporter(
-        dir.path(),
-        &[s(&a), "--replica-timeout", "2"],
-        &net.exporter,
-    );
-    let uri = format!("nbd://{}", exporter.addr);
-    qemu_io_ok(&net.exporter, &uri, &["write -P 0x44 0 256k", "flush"]);
-    let output = run_timeout(
-        Command::new(tool("ip", "iproute2")).args([
-            "-n",
-            &net.replica,
-            "link",
-            "set",
-            &net.replica_dev,
-            "down",
-        ]),
-        TIMEOUT,
-    );
-    assert!(output.status.success(), "{}", text(&output));
+    let cut = CutLink::new(dir.path(), "cutcb");
+    cut.io(&["write -P 0x44 0 256k", "flush"]);
+    set_replica_link(&cut.net, "down");
     let started = Instant::now();
     // Write-back cache mode: qemu-io sends no FUA (its default,
     // writethrough, makes every write FUA, which takes a worker).
-    let uri_writeback = format!("--cache=writeback {uri}");
+    let uri_writeback = format!("--cache=writeback {}", cut.uri);
     qemu_io_ok(
-        &net.exporter,
+        &cut.net.exporter,
         &uri_writeback,
         &[
             "aio_write -P 0x55 1M 64k",
@@ -295,27 +215,95 @@ fn a_cut_link_times_out_writes_nobody_waits_for_and_the_remote_leg_is_marked_sta
             "read -P 0x44 0 256k",
         ],
     );
-    let took = started.elapsed();
-    assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(30),
-        "the writes waited {took:?} for the timeout"
+    cut.assert_timed_out_and_stale(started.elapsed());
+}
+
+/// A 64 MiB volume whose leg 1 is a replica across a veth link, served by
+/// an exporter with a 2 s replica timeout: the cut-link tests.
+struct CutLink {
+    net: NetnsPair,
+    a: std::path::PathBuf,
+    url: String,
+    uri: String,
+    exporter: Process,
+    _replica: Process,
+}
+
+impl CutLink {
+    fn new(dir: &Path, tag: &str) -> CutLink {
+        let net = NetnsPair::new(tag);
+        let listen = format!("{}:7000", net.replica_ip);
+        let replica = replica_server(
+            &dir.join("replicas"),
+            &listen,
+            &["--insecure"],
+            Some(&net.replica),
+        )
+        .unwrap_or_else(|error| panic!("{error}"));
+        let a = dir.join("a");
+        let url = format!("vouch://{listen}/disk");
+        let output = vouch_in(
+            Some(&net.exporter),
+            &["create", s(&a), "--size", "64MiB", "--mirror", &url],
+        );
+        assert!(output.status.success(), "{}", text(&output));
+        let exporter = exporter(dir, &[s(&a), "--replica-timeout", "2"], &net.exporter);
+        let uri = format!("nbd://{}", exporter.addr);
+        CutLink {
+            net,
+            a,
+            url,
+            uri,
+            exporter,
+            _replica: replica,
+        }
+    }
+
+    /// qemu-io `commands` against the export, from the exporter's netns.
+    fn io(&self, commands: &[&str]) {
+        qemu_io_ok(&self.net.exporter, &self.uri, commands);
+    }
+
+    /// The requests after the cut waited for the timeout (`took`), the leg
+    /// was taken out as stale and says so, and the exporter stops cleanly.
+    fn assert_timed_out_and_stale(mut self, took: Duration) {
+        assert!(
+            took >= Duration::from_secs(2) && took < Duration::from_secs(30),
+            "the writes waited {took:?} for the timeout"
+        );
+        let log = self.exporter.log_text();
+        assert!(
+            log.contains("STALE (unreachable)") && log.contains("timed out"),
+            "{log}"
+        );
+        let output = vouch_in(Some(&self.net.exporter), &["mirror", "status", s(&self.a)]);
+        assert!(
+            text(&output).contains(&format!("leg 1: {}: stale", self.url)),
+            "{}",
+            text(&output)
+        );
+        assert!(
+            self.exporter.stop().is_some_and(|s| s.success()),
+            "{}",
+            self.exporter.log_text()
+        );
+    }
+}
+
+/// Take the replica's end of the veth link `down` or bring it `up`.
+fn set_replica_link(net: &NetnsPair, state: &str) {
+    let output = run_timeout(
+        Command::new(tool("ip", "iproute2")).args([
+            "-n",
+            &net.replica,
+            "link",
+            "set",
+            &net.replica_dev,
+            state,
+        ]),
+        TIMEOUT,
     );
-    let log = exporter.log_text();
-    assert!(
-        log.contains("STALE (unreachable)") && log.contains("timed out"),
-        "{log}"
-    );
-    let output = vouch_in(Some(&net.exporter), &["mirror", "status", s(&a)]);
-    assert!(
-        text(&output).contains(&format!("leg 1: {url}: stale")),
-        "{}",
-        text(&output)
-    );
-    assert!(
-        exporter.stop().is_some_and(|s| s.success()),
-        "{}",
-        exporter.log_text()
-    );
+    assert!(output.status.success(), "{}", text(&output));
 }
 
 /// A number the exporter logged as `key=N` (the last one).
@@ -548,21 +536,7 @@ fn a_replica_cut_off_mid_run_is_resynced_offline_with_only_the_blocks_it_may_lac
         &uri,
         &["write -P 0x44 0 4M", "flush", "write -P 0x45 4M 1M"],
     );
-    let link = |state: &str| {
-        let output = run_timeout(
-            Command::new(tool("ip", "iproute2")).args([
-                "-n",
-                &net.replica,
-                "link",
-                "set",
-                &net.replica_dev,
-                state,
-            ]),
-            TIMEOUT,
-        );
-        assert!(output.status.success(), "{}", text(&output));
-    };
-    link("down");
+    set_replica_link(&net, "down");
     qemu_io_ok(
         &net.exporter,
         &uri,
@@ -581,7 +555,7 @@ fn a_replica_cut_off_mid_run_is_resynced_offline_with_only_the_blocks_it_may_lac
         "{since_flush}: the failing write (and 1 MiB if qemu-io did not flush it)"
     );
     assert!(exporter.stop().is_some_and(|s| s.success()));
-    link("up");
+    set_replica_link(&net, "up");
     let progress = resync_leg_1(&net.exporter, &a);
     assert_map_tracked(&progress, 256 + 1024 + 256, 1024 + 256, 64 * 256);
     assert_legs_identical_and_clean(
