@@ -439,11 +439,10 @@ impl Connection {
         }
         let frame = encode_request_frame(handle, request);
         let sent = match &self.transport {
-            Transport::Plain(plain) => plain.send(frame).map_err(|reason| {
+            Transport::Plain(plain) => plain.send(frame).inspect_err(|reason| {
                 // Part of the frame may be out: nothing after it can be.
                 // (The kill answers this request's waiter too.)
                 self.kill(reason.clone());
-                reason
             }),
             Transport::Tasks { frames, .. } => frames
                 .send(frame.to_vec())
