@@ -8,7 +8,8 @@
 //! mid-run, where writes the replica missed would go unnoticed).
 //!
 //! Two transports: plain TCP (`plain.rs`: callers write their frames to
-//! the socket themselves, a reader thread answers them) and TLS (a tokio
+//! the socket themselves without waiting, a sender thread finishes what
+//! a full socket did not take, a reader thread answers them) and TLS (a tokio
 //! runtime: a writer task sends the frames callers queue, a reader task
 //! answers them).
 
@@ -398,9 +399,11 @@ impl Connection {
         matches!(self.transport, Transport::Plain(_)) && self.dead().is_none()
     }
 
-    /// Send `request` and return: `done` is called exactly once with the
-    /// outcome, on the connection's reader thread (or here, when the
-    /// request cannot be sent). Nobody waits, so the reader thread
+    /// Send `request` and return, never waiting on the socket (a full
+    /// one is drained by the connection's sender thread, `plain.rs`):
+    /// `done` is called exactly once with the outcome, on the
+    /// connection's reader thread (or its sender thread, or here, when
+    /// the request cannot be sent). Nobody waits, so the reader thread
     /// enforces the timeout: a request unanswered for longer kills the
     /// connection, failing it and every other request. On TLS (no such
     /// reader thread) the caller waits for the answer here, then calls
@@ -436,24 +439,10 @@ impl Connection {
         }
         let frame = encode_request_frame(handle, request);
         let sent = match &self.transport {
-            Transport::Plain(plain) => plain.send(frame).map_err(|error| {
-                // SO_SNDTIMEO (the request timeout) ran out: the peer took
-                // nothing for that long, as a request unanswered that long.
-                let reason = if matches!(
-                    error.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                ) {
-                    format!(
-                        "replica {}: sending a request timed out after {:?}; the connection is dropped",
-                        self.peer, self.timeout
-                    )
-                } else {
-                    format!("replica {}: connection lost: {error}", self.peer)
-                };
+            Transport::Plain(plain) => plain.send(frame).inspect_err(|reason| {
                 // Part of the frame may be out: nothing after it can be.
                 // (The kill answers this request's waiter too.)
                 self.kill(reason.clone());
-                reason
             }),
             Transport::Tasks { frames, .. } => frames
                 .send(frame.to_vec())

@@ -3,10 +3,10 @@
 //! copied into one buffer first: `head` holds every byte of the frame but
 //! the blocks' data (the header, and each block's LBA and context), and
 //! `data` says after which byte of `head` each block's data goes.
-//! `to_vec` flattens it (the TLS path); `write_all` writes frames with
-//! `writev` (the plain TCP path).
+//! `to_vec` flattens it (the TLS path); `write_from` writes frames with
+//! `writev`, resuming where an earlier write stopped (the plain TCP path).
 
-use std::io::{IoSlice, Write};
+use std::io::IoSlice;
 
 use vouch_engine::{BlockData, SealedBlock};
 
@@ -86,25 +86,49 @@ impl RequestFrame {
         }
     }
 
-    /// Write `frames` whole and in order to `out` (a blocking socket):
-    /// `writev` of at most `MAX_SLICES` pieces at a time, resumed after
-    /// short writes.
-    pub fn write_all(out: &mut impl Write, frames: &[RequestFrame]) -> std::io::Result<()> {
+    /// Bytes of `frames` together.
+    pub fn total(frames: &[RequestFrame]) -> usize {
+        frames.iter().map(RequestFrame::len).sum()
+    }
+
+    /// Write `frames` in order, from byte `from` of them on, with `write`
+    /// (a `writev`: at most `MAX_SLICES` pieces at a time), resumed after
+    /// short writes, until every byte is out or `write` would block.
+    /// Returns how many bytes of `frames` are out in all (counted from
+    /// their start, so `from` included): `RequestFrame::total(frames)`
+    /// when done, fewer when `write` said `WouldBlock` (a send with
+    /// `MSG_DONTWAIT` finding the socket full, or `SO_SNDTIMEO` running
+    /// out on a blocking one).
+    pub fn write_from(
+        frames: &[RequestFrame],
+        from: usize,
+        mut write: impl FnMut(&[IoSlice<'_>]) -> std::io::Result<usize>,
+    ) -> std::io::Result<usize> {
+        assert!(
+            from <= RequestFrame::total(frames),
+            "resumed inside the frames"
+        );
         let mut slices = Vec::new();
         for frame in frames {
             frame.slices(&mut slices);
         }
         let mut rest = &mut slices[..];
+        IoSlice::advance_slices(&mut rest, from);
+        let mut out = from;
         while !rest.is_empty() {
             let take = rest.len().min(MAX_SLICES);
-            match out.write_vectored(&rest[..take]) {
+            match write(&rest[..take]) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-                Ok(written) => IoSlice::advance_slices(&mut rest, written),
+                Ok(written) => {
+                    IoSlice::advance_slices(&mut rest, written);
+                    out += written;
+                }
                 Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return Ok(out),
                 Err(error) => return Err(error),
             }
         }
-        Ok(())
+        Ok(out)
     }
 }
 
@@ -115,35 +139,42 @@ mod tests {
     use vouch_format::Context;
 
     /// Takes at most `step` bytes per call, as a socket under pressure may,
-    /// and refuses more than `IOV_MAX` slices, as Linux does.
+    /// refuses more than `IOV_MAX` slices, as Linux does, and would block
+    /// once it took `room` bytes, as a full socket does.
     struct Trickle {
         out: Vec<u8>,
         step: usize,
+        room: usize,
     }
 
-    impl Write for Trickle {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            let n = buf.len().min(self.step);
-            self.out.extend_from_slice(&buf[..n]);
-            Ok(n)
+    impl Trickle {
+        fn new(step: usize, room: usize) -> Trickle {
+            Trickle {
+                out: Vec::new(),
+                step,
+                room,
+            }
         }
-        fn write_vectored(&mut self, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
+
+        fn writev(&mut self, slices: &[IoSlice<'_>]) -> std::io::Result<usize> {
             if slices.len() > 1024 {
                 return Err(std::io::ErrorKind::InvalidInput.into());
             }
+            let most = self.step.min(self.room);
+            if most == 0 {
+                return Err(std::io::ErrorKind::WouldBlock.into());
+            }
             let mut n = 0;
             for slice in slices {
-                let take = slice.len().min(self.step - n);
+                let take = slice.len().min(most - n);
                 self.out.extend_from_slice(&slice[..take]);
                 n += take;
-                if n == self.step {
+                if n == most {
                     break;
                 }
             }
+            self.room -= n;
             Ok(n)
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
         }
     }
 
@@ -174,14 +205,28 @@ mod tests {
         let flush = encode_request_frame(10, &Request::Flush);
         let mut expected = write.to_vec();
         expected.extend_from_slice(&flush.to_vec());
+        let frames = [write_copy(&write), write_copy(&flush)];
+        let total = RequestFrame::total(&frames);
+        assert_eq!(total, expected.len());
         for step in [1, 7, 40, 4096, 1 << 20] {
-            let mut out = Trickle {
-                out: Vec::new(),
-                step,
-            };
-            let frames = [write_copy(&write), write_copy(&flush)];
-            RequestFrame::write_all(&mut out, &frames).expect("write");
+            let mut out = Trickle::new(step, usize::MAX);
+            let sent = RequestFrame::write_from(&frames, 0, |slices| out.writev(slices));
+            assert_eq!(sent.expect("write"), total);
             assert!(out.out == expected, "step {step}");
+        }
+        // A socket that fills after `room` bytes, each time: every write
+        // resumes where the last stopped.
+        for (step, room) in [(1, 1), (7, 13), (4096, 4095), (1 << 20, 5000)] {
+            let mut out = Trickle::new(step, room);
+            let mut sent = 0;
+            while sent < total {
+                out.room = room;
+                let now = RequestFrame::write_from(&frames, sent, |slices| out.writev(slices));
+                let now = now.expect("write");
+                assert_eq!(now, total.min(sent + room), "step {step} room {room}");
+                sent = now;
+            }
+            assert!(out.out == expected, "step {step} room {room}");
         }
         // And the bytes are the request.
         let header: [u8; REQUEST_HEADER_BYTES] =
@@ -205,11 +250,10 @@ mod tests {
     #[test]
     fn a_frame_of_more_slices_than_one_writev_takes_goes_out_whole() {
         let frame = RequestFrame::write_sealed(1, &blocks(600), false);
-        let mut out = Trickle {
-            out: Vec::new(),
-            step: usize::MAX,
-        };
-        RequestFrame::write_all(&mut out, std::slice::from_ref(&frame)).expect("write");
+        let mut out = Trickle::new(usize::MAX, usize::MAX);
+        let sent =
+            RequestFrame::write_from(std::slice::from_ref(&frame), 0, |slices| out.writev(slices));
+        assert_eq!(sent.expect("write"), frame.len());
         assert!(out.out == frame.to_vec());
         assert_eq!(
             out.out.len(),

@@ -11,17 +11,40 @@
 //! TLS connections keep the runtime (`client.rs`): a TLS stream's reads
 //! and writes share one state machine.
 //!
+//! Sending never waits on the peer. A caller that finds nobody writing
+//! takes the write side and sends with `MSG_DONTWAIT`; frames other
+//! callers queue meanwhile are its to send too (one `writev`), so a
+//! caller behind a writer only queues. When the socket is full (a slow
+//! peer, or one that stopped reading), the writer hands what it could not
+//! send — the frames, and how many of their bytes are out — to the
+//! connection's sender thread, and returns. That thread finishes them
+//! with blocking writes, sends whatever was queued since, and gives the
+//! write side back once the queue is empty. So frames go out whole and in
+//! the order queued, and no caller blocks on the socket: not the NBD
+//! reactor starting a mirrored write (`Connection::send_then`), nor a
+//! worker (`send`/`call` wait for their answer, not for the socket).
+//!
+//! `MSG_DONTWAIT`, not `O_NONBLOCK`: the flag is per call, while
+//! `O_NONBLOCK` belongs to the socket's open file, which the reader and
+//! sender threads share (`try_clone` is a `dup`); both block on purpose,
+//! bounded by `SO_RCVTIMEO` / `SO_SNDTIMEO`.
+//!
 //! Failure is the same as the runtime's: any error on the socket — a
-//! failed or timed-out write (`SO_SNDTIMEO` = the request timeout), a
-//! failed read, a malformed answer — kills the connection for good
-//! (`Shared::kill`), and `shutdown` wakes the reader and any blocked
-//! writer.
+//! failed write, or one that took nothing for the request timeout
+//! (`SO_SNDTIMEO`: a peer that stopped reading), a failed read, a
+//! malformed answer — kills the connection for good (`Shared::kill`),
+//! failing every waiting request, and `shutdown` wakes the reader and a
+//! blocked sender thread. A write that fails on a caller's thread is
+//! killed by that caller (`Connection::transmit`), one on the sender
+//! thread by that thread.
 
-use std::io::{Read, Write};
+use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::Arc;
+use std::time::Duration;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
+use socket2::SockRef;
 
 use crate::client::{check_hello, ClientError, Shared};
 use crate::frame::RequestFrame;
@@ -36,28 +59,41 @@ const READ_BUFFER_BYTES: usize = 64 * 1024;
 /// The write side of a plain connection (the reader thread owns the
 /// read side).
 pub(crate) struct Plain {
-    /// Frames waiting for the caller that is writing (`send`).
-    queue: Mutex<Outgoing>,
-    /// Written only by the caller that set `Outgoing::writing`.
-    writer: Mutex<TcpStream>,
-    /// Another handle on the socket, for `shutdown` without waiting for
-    /// a writer.
+    out: Arc<Outbox>,
+}
+
+/// What the callers and the sender thread share.
+struct Outbox {
+    state: Mutex<Outgoing>,
+    /// Wakes the sender thread: frames handed to it, or the connection
+    /// closed.
+    wake: Condvar,
     socket: TcpStream,
+    /// The request timeout, for the reason a send timed out.
+    timeout: Duration,
+    /// How errors name the peer.
+    peer: String,
 }
 
 #[derive(Default)]
 struct Outgoing {
-    /// A caller is writing to the socket; it sends `frames` too before it
-    /// stops.
+    /// The write side is taken, by a caller or the sender thread; whoever
+    /// holds it sends `frames` too before it lets go.
     writing: bool,
+    /// Frames queued behind the writer.
     frames: Vec<RequestFrame>,
+    /// Frames a caller began and could not finish without waiting, and
+    /// how many of their bytes are out: the sender thread's to finish.
+    handed: Option<(Vec<RequestFrame>, usize)>,
+    /// The connection is closed: the sender thread stops.
+    closed: bool,
 }
 
 impl Plain {
     /// Connect to `url`, shake hands, start the reader thread.
     pub(crate) fn connect(
         url: &ReplicaUrl,
-        timeout: std::time::Duration,
+        timeout: Duration,
         peer: &str,
         shared: &Arc<Shared>,
     ) -> Result<Plain, ClientError> {
@@ -97,14 +133,10 @@ impl Plain {
         // Answers may be a long time apart: the reader wakes every `tick`
         // only to time out requests answered by callback (nobody waits
         // for those); waiting threads time themselves out.
-        let tick = (timeout / 4).clamp(
-            std::time::Duration::from_millis(10),
-            std::time::Duration::from_secs(1),
-        );
+        let tick = (timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
         stream.set_read_timeout(Some(tick)).map_err(setup)?;
         stream.set_write_timeout(Some(timeout)).map_err(setup)?;
         let reader = stream.try_clone().map_err(setup)?;
-        let socket = stream.try_clone().map_err(setup)?;
         let shared_reader = Arc::clone(shared);
         let reader_peer = peer.to_string();
         std::thread::Builder::new()
@@ -112,64 +144,155 @@ impl Plain {
             .spawn(move || {
                 let why = read_answers(&reader, &shared_reader, timeout);
                 shared_reader.kill(format!("replica {reader_peer}: {why}"));
-                // Wakes a writer blocked on a peer that stopped reading.
+                // Wakes a sender thread blocked on a peer that stopped
+                // reading.
                 let _ = reader.shutdown(Shutdown::Both);
             })
             .map_err(|error| unreachable(format!("reader thread: {error}")))?;
-        Ok(Plain {
-            queue: Mutex::new(Outgoing::default()),
-            writer: Mutex::new(stream),
-            socket,
-        })
+        let out = Arc::new(Outbox {
+            state: Mutex::new(Outgoing::default()),
+            wake: Condvar::new(),
+            socket: stream,
+            timeout,
+            peer: peer.to_string(),
+        });
+        let sender = Arc::clone(&out);
+        let shared_sender = Arc::clone(shared);
+        let spawned = std::thread::Builder::new()
+            .name("vouch-replica-sender".into())
+            .spawn(move || finish_sends(&sender, &shared_sender));
+        if let Err(error) = spawned {
+            // The reader thread stops on the shut-down socket.
+            let _ = out.socket.shutdown(Shutdown::Both);
+            return Err(unreachable(format!("sender thread: {error}")));
+        }
+        Ok(Plain { out })
     }
 
-    /// Send `frame` on the caller's thread, never waiting for another
-    /// caller: if one is writing, `frame` is queued and that caller
-    /// writes it (with any others queued meanwhile, in one `writev`)
-    /// before it stops. Frames go out whole and in the order queued; the
-    /// protocol needs no more (each answer names its request, and a
-    /// later write of a block is sent only once the earlier one was
-    /// answered: the mirror's stripe lock).
+    /// Send `frame` without waiting, on the caller's thread: if another
+    /// caller or the sender thread is writing, `frame` is queued and that
+    /// writer sends it (with any others queued meanwhile, in one
+    /// `writev`); if the socket is full, the sender thread finishes it
+    /// (module comment). Frames go out whole and in the order queued; the
+    /// protocol needs no more (each answer names its request, and a later
+    /// write of a block is sent only once the earlier one was answered:
+    /// the mirror's stripe lock).
     ///
-    /// An error leaves the stream in an unknown place, with frames of
-    /// other callers perhaps lost: the caller kills the connection, which
-    /// fails every waiting request.
-    pub(crate) fn send(&self, frame: RequestFrame) -> std::io::Result<()> {
+    /// An error (the reason, to kill the connection with) leaves the
+    /// stream in an unknown place, with frames of other callers perhaps
+    /// lost: the caller kills the connection, which fails every waiting
+    /// request.
+    pub(crate) fn send(&self, frame: RequestFrame) -> Result<(), String> {
         let mut batch = {
-            let mut queue = self.queue.lock();
-            if queue.writing {
-                queue.frames.push(frame);
+            let mut state = self.out.state.lock();
+            if state.writing {
+                state.frames.push(frame);
                 return Ok(());
             }
-            queue.writing = true;
+            state.writing = true;
             vec![frame]
         };
-        let mut writer = self.writer.lock();
         loop {
             // On an error, later callers queue behind a writer that never
             // comes back: the caller kills the connection, so they fail on
             // their waits.
-            write_frames(&mut writer, &batch)?;
-            let mut queue = self.queue.lock();
-            if queue.frames.is_empty() {
-                queue.writing = false;
+            let sent = RequestFrame::write_from(&batch, 0, |slices| {
+                self.out.send(slices, libc::MSG_DONTWAIT)
+            })
+            .map_err(|error| self.out.failed(&error))?;
+            let mut state = self.out.state.lock();
+            if sent < RequestFrame::total(&batch) {
+                state.handed = Some((batch, sent));
+                self.out.wake.notify_one();
                 return Ok(());
             }
-            batch = std::mem::take(&mut queue.frames);
+            if state.frames.is_empty() {
+                state.writing = false;
+                return Ok(());
+            }
+            batch = std::mem::take(&mut state.frames);
         }
     }
 
-    /// Wake the reader thread and any blocked writer: the connection is
-    /// dead.
+    /// Wake the reader thread and a blocked sender thread, and stop the
+    /// sender thread: the connection is dead.
     pub(crate) fn shutdown(&self) {
-        let _ = self.socket.shutdown(Shutdown::Both);
+        self.out.state.lock().closed = true;
+        self.out.wake.notify_one();
+        let _ = self.out.socket.shutdown(Shutdown::Both);
     }
 }
 
-/// Write `frames` whole, in order.
-fn write_frames(out: &mut TcpStream, frames: &[RequestFrame]) -> std::io::Result<()> {
-    RequestFrame::write_all(out, frames)?;
-    out.flush()
+impl Drop for Plain {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl Outbox {
+    /// One `sendmsg` of `slices` (`MSG_NOSIGNAL`: a closed peer is an
+    /// error, not a signal).
+    fn send(&self, slices: &[IoSlice<'_>], flags: libc::c_int) -> std::io::Result<usize> {
+        SockRef::from(&self.socket).send_vectored_with_flags(slices, flags | libc::MSG_NOSIGNAL)
+    }
+
+    /// Why the connection must die after `error` on a send.
+    fn failed(&self, error: &std::io::Error) -> String {
+        format!("replica {}: connection lost: {error}", self.peer)
+    }
+
+    /// Why the connection must die after a blocking send took nothing
+    /// for the whole timeout (`SO_SNDTIMEO`).
+    fn timed_out(&self) -> String {
+        format!(
+            "replica {}: sending a request timed out after {:?}; the connection is dropped",
+            self.peer, self.timeout
+        )
+    }
+}
+
+/// The sender thread: finish the frames a caller hands over, with
+/// blocking writes, then those queued since, until the queue is empty and
+/// the write side is free again; until the connection closes. A peer that
+/// takes nothing for the request timeout, or any error, kills the
+/// connection.
+fn finish_sends(out: &Outbox, shared: &Shared) {
+    loop {
+        let (mut batch, mut from) = {
+            let mut state = out.state.lock();
+            loop {
+                if state.closed {
+                    return;
+                }
+                if let Some(handed) = state.handed.take() {
+                    break handed;
+                }
+                out.wake.wait(&mut state);
+            }
+        };
+        loop {
+            let why = match RequestFrame::write_from(&batch, from, |slices| out.send(slices, 0)) {
+                Ok(sent) if sent == RequestFrame::total(&batch) => None,
+                Ok(_) => Some(out.timed_out()),
+                Err(error) => Some(out.failed(&error)),
+            };
+            if let Some(why) = why {
+                // As `Connection::kill`: fail every request, wake the
+                // reader. The write side stays taken: later callers queue
+                // and fail on the dead connection.
+                shared.kill(why);
+                let _ = out.socket.shutdown(Shutdown::Both);
+                return;
+            }
+            let mut state = out.state.lock();
+            if state.frames.is_empty() {
+                state.writing = false;
+                break;
+            }
+            batch = std::mem::take(&mut state.frames);
+            from = 0;
+        }
+    }
 }
 
 /// Send our hello, read the server's, refuse another version by name
@@ -205,7 +328,7 @@ fn hello(mut stream: &TcpStream, peer: &str) -> Result<(), ClientError> {
 /// fails; returns why. The socket's read timeout is a tick: at each one
 /// (and at least once a tick while answers flow) a request answered by
 /// callback that waited longer than `timeout` fails the connection.
-fn read_answers(mut stream: &TcpStream, shared: &Shared, timeout: std::time::Duration) -> String {
+fn read_answers(mut stream: &TcpStream, shared: &Shared, timeout: Duration) -> String {
     let mut buffer = vec![0u8; READ_BUFFER_BYTES];
     // Bytes received and not yet delivered: `buffer[start..end]`.
     let (mut start, mut end) = (0usize, 0usize);
@@ -213,7 +336,7 @@ fn read_answers(mut stream: &TcpStream, shared: &Shared, timeout: std::time::Dur
         .read_timeout()
         .ok()
         .flatten()
-        .unwrap_or(std::time::Duration::from_secs(1));
+        .unwrap_or(Duration::from_secs(1));
     let mut scanned = std::time::Instant::now();
     loop {
         // Deliver every whole answer received.

@@ -637,3 +637,199 @@ fn writes_completed_by_the_remote_legs_answer_land_on_both_legs_and_a_lost_repli
     mirror.read(8 * BLOCK, &mut buf).expect("read");
     assert_eq!(buf, pattern(8, 7));
 }
+
+/// A peer that shakes hands and then reads nothing (a replica that stays
+/// connected but stopped reading) until `stop` is sent or dropped.
+fn deaf_peer() -> (
+    u16,
+    std::sync::mpsc::Sender<()>,
+    std::thread::JoinHandle<()>,
+) {
+    let deaf = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = deaf.local_addr().expect("addr").port();
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let (mut peer, _) = deaf.accept().expect("accept");
+        let mut hello = [0u8; wire::HELLO_BYTES];
+        peer.read_exact(&mut hello).expect("hello");
+        peer.write_all(
+            &Hello {
+                version: 1,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+        let _ = stopped.recv();
+    });
+    (port, stop, thread)
+}
+
+/// `count` sealed blocks from `first` of `tag`'s pattern, as a mirror
+/// hands them to a leg.
+fn sealed(remote: &RemoteLeg, first: u64, count: u64, tag: u8) -> Vec<vouch_engine::SealedBlock> {
+    let data: Vec<u8> = (first..first + count)
+        .flat_map(|lba| pattern(lba, tag))
+        .collect();
+    remote
+        .seal_blocks(first, &bytes::Bytes::from(data), 1)
+        .expect("seal")
+}
+
+/// A caller that must not block (the NBD reactor starting a mirrored
+/// write) sends with `send_then`: on a replica that stopped reading, the
+/// socket fills, and still every call returns at once; the requests fail
+/// when the connection's timeout runs out (`plain.rs`: the sender thread
+/// finishes what a full socket did not take).
+#[test]
+fn send_then_never_waits_on_a_replica_that_stopped_reading_and_its_requests_time_out() {
+    let (port, stop, thread) = deaf_peer();
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
+    let timeout = Duration::from_secs(1);
+    let options = ClientOptions { timeout, tls: None };
+    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    assert!(connection.answers_by_callback());
+    // 1 MiB frames (the block data shared, not copied); 32 of them are
+    // far more than loopback's socket buffers hold (tcp_wmem's 4 MiB
+    // at most, and the deaf peer's receive window).
+    let block = vouch_engine::SealedBlock {
+        lba: 0,
+        data: vouch_engine::BlockData::copy_from(&pattern(0, 3)),
+        context: vouch_format::Context::Unwritten,
+    };
+    let request = Request::WriteSealed {
+        blocks: vec![block; wire::MAX_BLOCKS_PER_REQUEST as usize],
+        fua: false,
+    };
+    let (sender, answers) = std::sync::mpsc::channel();
+    let started = std::time::Instant::now();
+    for sent in 0..32 {
+        let sender = sender.clone();
+        let call = std::time::Instant::now();
+        connection.send_then(
+            &request,
+            Box::new(move |answer| {
+                let _ = sender.send((answer, started.elapsed()));
+            }),
+        );
+        let took = call.elapsed();
+        assert!(
+            took < Duration::from_millis(200),
+            "send_then {sent} waited {took:?} on a peer that reads nothing"
+        );
+    }
+    assert!(
+        started.elapsed() < timeout,
+        "all sent before the timeout: {:?}",
+        started.elapsed()
+    );
+    for _ in 0..32 {
+        let (answer, at) = answers
+            .recv_timeout(Duration::from_secs(10))
+            .expect("every request is answered");
+        let error = answer.expect_err("the peer answered nothing");
+        assert!(error.to_string().contains("timed out"), "{error}");
+        assert!(
+            at >= timeout && at < timeout * 5,
+            "failed after {at:?}, the timeout is {timeout:?}"
+        );
+    }
+    assert!(connection.dead().is_some());
+    drop(connection);
+    drop(stop);
+    thread.join().expect("deaf peer");
+}
+
+/// A relay to `upstream` that forwards the client's bytes only while
+/// nobody holds `gate` (a replica that stalls, then reads again).
+fn gated_relay(upstream: u16, gate: Arc<std::sync::Mutex<()>>) -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    std::thread::spawn(move || {
+        let (mut client, _) = listener.accept().expect("accept");
+        let mut server = TcpStream::connect(("127.0.0.1", upstream)).expect("upstream");
+        let (mut answers, mut to_client) = (
+            server.try_clone().expect("clone"),
+            client.try_clone().expect("clone"),
+        );
+        std::thread::spawn(move || {
+            let _ = std::io::copy(&mut answers, &mut to_client);
+        });
+        let mut buffer = vec![0u8; 64 * 1024];
+        loop {
+            let read = match client.read(&mut buffer) {
+                Ok(0) | Err(_) => break,
+                Ok(read) => read,
+            };
+            drop(gate.lock());
+            if server.write_all(&buffer[..read]).is_err() {
+                break;
+            }
+        }
+        let _ = server.shutdown(std::net::Shutdown::Write);
+    });
+    port
+}
+
+/// Writes started while the replica does not read fill the socket; the
+/// rest is queued or handed to the sender thread, every call returns at
+/// once, and once the replica reads again every frame arrives whole and
+/// in order: each write is answered and reads back as written.
+#[test]
+fn writes_sent_while_the_replica_stalls_go_out_whole_once_it_reads_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let gate = Arc::new(std::sync::Mutex::new(()));
+    let port = gated_relay(server.port, Arc::clone(&gate));
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/r")).expect("url");
+    let local = dir.path().join("local");
+    vouch_engine::create_volume(&local, &CreateOptions::new(64 << 20))
+        .expect("create")
+        .close()
+        .expect("close");
+    let template = LegTemplate::of(&local).expect("template");
+    let remote = RemoteLeg::create(&url, &template, &options()).expect("create");
+    assert!(remote.writes_sealed_then());
+    // 64 writes of 1 MiB, sealed beforehand: the whole volume.
+    let writes: Vec<_> = (0..64u64)
+        .map(|write| sealed(&remote, write * 256, 256, 5))
+        .collect();
+    let (sender, outcomes) = std::sync::mpsc::channel();
+    let stalled = gate.lock().expect("gate");
+    for (write, blocks) in writes.iter().enumerate() {
+        let sender = sender.clone();
+        let call = std::time::Instant::now();
+        remote.write_sealed_then(
+            blocks,
+            false,
+            Box::new(move |outcome| {
+                let _ = sender.send(outcome);
+            }),
+        );
+        let took = call.elapsed();
+        assert!(
+            took < Duration::from_millis(200),
+            "write {write} waited {took:?} on a stalled replica"
+        );
+    }
+    assert!(
+        outcomes.try_recv().is_err(),
+        "nothing is answered while the replica reads nothing"
+    );
+    drop(stalled);
+    for _ in 0..64 {
+        outcomes
+            .recv_timeout(Duration::from_secs(10))
+            .expect("answered once the replica reads again")
+            .expect("written");
+    }
+    remote.flush().expect("flush");
+    let mut all = vec![0u8; 64 << 20];
+    remote.read(0, &mut all).expect("read");
+    for lba in 0..(64 << 20) / BLOCK {
+        let got = &all[(lba * BLOCK) as usize..((lba + 1) * BLOCK) as usize];
+        assert!(got == pattern(lba, 5).as_slice(), "LBA {lba}");
+    }
+}

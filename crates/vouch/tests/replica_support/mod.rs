@@ -95,6 +95,12 @@ impl Process {
         }
     }
 
+    /// Send `signal` (SIGSTOP, SIGCONT: a replica that stops reading).
+    pub fn send_signal(&self, signal_number: i32) {
+        assert!(self.child.is_some(), "a signal to a reaped process");
+        signal(self.pid, signal_number);
+    }
+
     /// SIGTERM, then wait (bounded) for it to exit; SIGKILL if it does not.
     pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
         self.child.as_ref()?;
@@ -163,11 +169,23 @@ pub fn replica_server(
 
 /// `vouch serve ARGS --listen 127.0.0.1:0` inside `netns`.
 pub fn exporter(dir: &Path, args: &[&str], netns: &str) -> Process {
-    let mut command = in_netns(Some(netns), Path::new(vouch_bin()));
+    exporter_with(dir, args, Some(netns), &[])
+}
+
+/// `vouch serve ARGS --listen 127.0.0.1:0` inside `netns` (or here),
+/// with the variables of `env` set.
+pub fn exporter_with(
+    dir: &Path,
+    args: &[&str],
+    netns: Option<&str>,
+    env: &[(&str, &str)],
+) -> Process {
+    let mut command = in_netns(netns, Path::new(vouch_bin()));
     command
         .arg("serve")
         .args(args)
         .args(["--listen", "127.0.0.1:0", "--log", "info"])
+        .envs(env.iter().copied())
         .current_dir(dir);
     Process::start(
         command,
