@@ -11,7 +11,7 @@ use vouch_format::Geometry;
 
 use crate::error::{Error, Result};
 use crate::stats::Stats;
-use crate::storage::{ObjectId, Run, Storage, Wait};
+use crate::storage::{ObjectId, ReadLater, Run, Storage, Wait};
 
 pub(crate) struct Backing {
     storage: Arc<dyn Storage>,
@@ -107,6 +107,28 @@ impl Backing {
     /// error of the call: the caller names the LBAs (and counts the bytes).
     pub fn try_read(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> std::io::Result<()> {
         self.storage.read_at(object, offset, buf)
+    }
+
+    /// `Storage::start_read`: a read that completes later (the caller
+    /// counts its bytes when it does).
+    pub fn start_read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        len: usize,
+        done: ReadLater,
+    ) -> std::result::Result<(), ReadLater> {
+        self.storage.start_read(object, offset, len, done)
+    }
+
+    /// `Storage::read_events`.
+    pub fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        self.storage.read_events()
+    }
+
+    /// `Storage::reap_reads`.
+    pub fn reap_reads(&self) -> std::io::Result<()> {
+        self.storage.reap_reads()
     }
 
     /// `try_read`, or with `Wait::NoWait` only from memory

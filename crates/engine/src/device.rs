@@ -52,6 +52,17 @@ pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
 /// write and returns without waiting for it.
 pub type StartWrite = Box<dyn FnOnce(WriteDone) + Send>;
 
+/// Called exactly once with the outcome of a read started by
+/// `try_begin_read`: the bytes, every block verified, or `None` when it
+/// could not be finished that way (a block failed verification or was
+/// written meanwhile, the device failed, the ring was full): then read it
+/// with `read`, which rereads, judges and reports.
+pub type ReadDone = Box<dyn FnOnce(Option<Vec<u8>>) + Send>;
+
+/// A read that `try_begin_read` planned: call it with the `ReadDone` that
+/// takes the outcome; it submits the read and returns without waiting.
+pub type StartRead = Box<dyn FnOnce(ReadDone) + Send>;
+
 pub trait BlockDevice: Send + Sync {
     /// Size in bytes.
     fn size(&self) -> u64;
@@ -70,6 +81,32 @@ pub trait BlockDevice: Send + Sync {
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
         let _ = (offset, buf);
         Ok(None)
+    }
+
+    /// A read `try_read` declined because it must wait for the device:
+    /// if it can be started without waiting (its blocks at home,
+    /// contiguous, their contexts in memory, and a reaper: `read_events`),
+    /// plan it and return the `StartRead` that submits it; its `ReadDone`
+    /// is called from `reap_reads`, or at once with `None` if the read
+    /// could not be submitted. `None` when it cannot (then call `read`).
+    /// Never blocks; the default declines.
+    fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
+        let _ = (offset, len);
+        None
+    }
+
+    /// Set up reads that complete later (`try_begin_read`) and return the
+    /// descriptor that becomes readable when some have; the caller
+    /// promises to call `reap_reads` then, until every read it started
+    /// has finished. `None`: this device starts none (the default).
+    fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
+    /// Finish the reads that completed (their `ReadDone`s run here), until
+    /// none is left: then `Err(WouldBlock)` (see `ReadRing::reap`).
+    fn reap_reads(&self) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::WouldBlock.into())
     }
 
     /// Write `data` at `offset` (512-byte aligned). With `fua` it is durable

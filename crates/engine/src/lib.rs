@@ -49,7 +49,9 @@ pub mod volume;
 mod write;
 
 pub use check::{check, CheckReport};
-pub use device::{BlockDevice, PendingWrite, SealedBlock, StartWrite, WriteDone};
+pub use device::{
+    BlockDevice, PendingWrite, ReadDone, SealedBlock, StartRead, StartWrite, WriteDone,
+};
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
 pub use layout::Allocation;

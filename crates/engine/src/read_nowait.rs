@@ -11,8 +11,10 @@
 use std::ops::Range;
 
 use crate::error::Result;
-use crate::layout::ContextFrom;
-use crate::read::{push_hole, Source};
+use vouch_format::{Context, FormatError};
+
+use crate::layout::{ContextFrom, RunSpan};
+use crate::read::{push_hole, Plan, Source};
 use crate::shared::Shared;
 use crate::state::BLOCK;
 use crate::storage::Wait;
@@ -81,7 +83,19 @@ impl Shared {
         let Ok(record_contexts) = layout.read_run(&self.io, first, count, out, Wait::NoWait) else {
             return false;
         };
-        for (index, lba) in (first..first + count).enumerate() {
+        self.open_home_run(first, plan, &record_contexts, out)
+    }
+
+    /// Verify (and on an encrypted volume decrypt) a run of home blocks
+    /// read into `out`: false at the first that fails.
+    fn open_home_run(
+        &self,
+        first: u64,
+        plan: &[Source],
+        record_contexts: &[std::result::Result<Context, FormatError>],
+        out: &mut [u8],
+    ) -> bool {
+        for (index, lba) in (first..first + plan.len() as u64).enumerate() {
             let block = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
             let context = match &plan[index] {
                 Source::Home(ContextFrom::Known(found)) => found.clone(),
@@ -100,4 +114,49 @@ impl Shared {
         }
         true
     }
+
+    /// A read `try_read` declined because its blocks must come from the
+    /// device, if one I/O can fetch them all: every block at home, one
+    /// contiguous run, its context known now (`RingRead`). `None`
+    /// otherwise (read it on a worker).
+    pub(crate) fn plan_ring_read(&self, offset: u64, len: usize) -> Option<RingRead> {
+        let whole_blocks = offset.is_multiple_of(BLOCK) && (len as u64).is_multiple_of(BLOCK);
+        if len == 0 || !whole_blocks || self.check_range(offset, len as u64).is_err() {
+            return None;
+        }
+        let first = offset / BLOCK;
+        let count = len as u64 / BLOCK;
+        let (plan, missing) = self.plan_from_memory(first, count)?;
+        let all_home = plan.iter().all(|source| matches!(source, Source::Home(_)));
+        if !missing.is_empty() || !all_home || self.home_run_end(first, &plan, 0) != plan.len() {
+            return None;
+        }
+        let span = self.layouts.of(first).run_span(first, count);
+        Some(RingRead { first, plan, span })
+    }
+
+    /// The bytes of a `RingRead` from what its I/O read, each block
+    /// verified against the context planned before the I/O was started.
+    /// `None` if any fails (a block written or trimmed meanwhile, or a
+    /// fault): the blocking read then rereads, judges and reports it.
+    pub(crate) fn finish_ring_read(&self, read: &RingRead, span: &[u8]) -> Option<Vec<u8>> {
+        let count = read.plan.len() as u64;
+        let mut out = vec![0u8; (count * BLOCK) as usize];
+        let layout = self.layouts.of(read.first);
+        let record_contexts = layout.run_from_span(read.first, count, span, &mut out);
+        if !self.open_home_run(read.first, &read.plan, &record_contexts, &mut out) {
+            return None;
+        }
+        self.io.stats.add_client_read(out.len() as u64);
+        self.io.stats.add_read(span.len() as u64);
+        Some(out)
+    }
+}
+
+/// A read started to complete later (`BlockDevice::try_start_read`): its
+/// blocks, their planned sources and the one I/O that reads them.
+pub(crate) struct RingRead {
+    first: u64,
+    plan: Plan,
+    pub span: RunSpan,
 }

@@ -11,7 +11,7 @@ use std::thread::JoinHandle;
 use bytes::Bytes;
 use vouch_format::{FeatureFlags, Geometry, GuardKind, LayoutKind, BLOCK_SIZE};
 
-use crate::device::{BlockDevice, SealedBlock};
+use crate::device::{BlockDevice, ReadDone, SealedBlock, StartRead};
 use crate::engine::Engine;
 use crate::error::{Error, Fault, Result};
 use crate::keys::UserSecret;
@@ -19,7 +19,7 @@ use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
 use crate::recovery::RecoveryReport;
 use crate::stats::Stats;
-use crate::storage::{objects_of, ObjectId, Storage};
+use crate::storage::{objects_of, ObjectId, ReadLater, Storage};
 use crate::superblock::{new_superblock, write_superblock_copy};
 use crate::write::SealCheck;
 use crate::write::ZeroFlags;
@@ -212,6 +212,33 @@ impl BlockDevice for Volume {
     }
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
         self.engine.shared.try_read(offset, buf)
+    }
+    /// One I/O through the storage's ring; the blocks are verified on the
+    /// reaping thread against the contexts planned before it started.
+    fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
+        let read = self.engine.shared.plan_ring_read(offset, len)?;
+        let engine = Arc::clone(&self.engine);
+        Some(Box::new(move |done: ReadDone| {
+            let span = read.span;
+            let io = &engine.shared.io;
+            let answer = Arc::clone(&engine);
+            let finish: ReadLater = Box::new(move |bytes| {
+                done(
+                    bytes
+                        .ok()
+                        .and_then(|bytes| answer.shared.finish_ring_read(&read, &bytes)),
+                )
+            });
+            if let Err(finish) = io.start_read(span.object, span.offset, span.len, finish) {
+                finish(Err(std::io::ErrorKind::WouldBlock.into()));
+            }
+        }))
+    }
+    fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        self.engine.shared.io.read_events()
+    }
+    fn reap_reads(&self) -> std::io::Result<()> {
+        self.engine.shared.io.reap_reads()
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.engine.write(offset, data, fua)

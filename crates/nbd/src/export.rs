@@ -7,7 +7,7 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-pub use crate::transmission::WriteCompletion;
+pub use crate::transmission::{ReadCompletion, WriteCompletion};
 
 /// Error an export returns; the server maps `errno` onto the wire and sends `message`
 /// in a structured error reply (NBD_REPLY_TYPE_ERROR / ERROR_OFFSET) when structured replies are negotiated.
@@ -209,6 +209,34 @@ pub trait Export: Send + Sync + 'static {
     ) -> Option<Result<Vec<Range<u64>>, ExportError>> {
         let _ = (offset, buf);
         None
+    }
+    /// A READ that `try_read` declined because it must wait for the
+    /// device, started without waiting if the export can (its own ring of
+    /// reads, reaped by `reap_reads`): the export takes `done` and calls
+    /// `ReadCompletion::complete` once, from `reap_reads` (or at once),
+    /// with the bytes, or `None` to have the read run on a worker after
+    /// all. `Err(done)` when it cannot start it. Runs on the async reactor
+    /// like `try_read`. The default always declines.
+    fn try_start_read(
+        &self,
+        offset: u64,
+        length: usize,
+        done: ReadCompletion,
+    ) -> Result<(), ReadCompletion> {
+        let _ = (offset, length);
+        Err(done)
+    }
+    /// The descriptor that becomes readable when reads started by
+    /// `try_start_read` have completed (set up by this call; the server
+    /// asks once, before serving). The server then calls `reap_reads` on
+    /// its reactor. `None` (the default): this export starts no reads.
+    fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    /// Complete the started reads whose I/O finished, until none is left:
+    /// `Err(WouldBlock)` then.
+    fn reap_reads(&self) -> std::io::Result<()> {
+        Err(std::io::ErrorKind::WouldBlock.into())
     }
     /// Write `data` at `offset`. The export may keep `data` (a clone shares
     /// it) instead of copying it: the server received it into a buffer of

@@ -50,6 +50,10 @@ pub struct Metrics {
     /// Of `requests`, those executed on the connection's task (the inline
     /// fast path) rather than by a worker.
     inline: [AtomicU64; COMMANDS],
+    /// READs started on the export's ring (`Export::try_start_read`):
+    /// answered from it, or finished on a worker after all.
+    ring_reads: AtomicU64,
+    ring_reads_to_worker: AtomicU64,
     bytes: [AtomicU64; COMMANDS],
     /// Recorder histograms, one per command (a no-op one for `Disc`).
     latency: [metrics::Histogram; COMMANDS],
@@ -88,6 +92,8 @@ impl Default for Metrics {
         Metrics {
             requests: Default::default(),
             inline: Default::default(),
+            ring_reads: AtomicU64::new(0),
+            ring_reads_to_worker: AtomicU64::new(0),
             bytes: Default::default(),
             latency,
             errors: Default::default(),
@@ -111,6 +117,10 @@ fn describe() {
     metrics::describe_counter!(
         "vouch_nbd_inline_requests_total",
         "Of the NBD requests completed, those executed on the connection's own task without blocking (no worker hand-off), by command."
+    );
+    metrics::describe_counter!(
+        "vouch_nbd_ring_reads_total",
+        "READs started without a worker and completed by the device's ring: answered from it (outcome=answered, also counted inline), or finished on a worker after all (outcome=worker: a block changed or failed verification, or the ring was full)."
     );
     metrics::describe_counter!(
         "vouch_nbd_bytes_total",
@@ -176,6 +186,17 @@ impl Metrics {
         self.inline[command.index()].fetch_add(1, Relaxed);
     }
 
+    /// A READ started on the export's ring was answered from it.
+    pub(crate) fn ring_read_answered(&self) {
+        self.ring_reads.fetch_add(1, Relaxed);
+        self.request_inline(Command::Read);
+    }
+
+    /// A READ started on the export's ring went to a worker after all.
+    pub(crate) fn ring_read_to_worker(&self) {
+        self.ring_reads_to_worker.fetch_add(1, Relaxed);
+    }
+
     /// An error answered without executing (validation failure).
     pub(crate) fn request_rejected(&self, errno: Errno) {
         self.errors[errno.index()].fetch_add(1, Relaxed);
@@ -203,6 +224,14 @@ impl Metrics {
     }
     pub fn inline_requests(&self, command: Command) -> u64 {
         self.inline[command.index()].load(Relaxed)
+    }
+    /// READs answered from the export's ring, and those it passed to a
+    /// worker (`vouch_nbd_ring_reads_total`).
+    pub fn ring_reads(&self) -> (u64, u64) {
+        (
+            self.ring_reads.load(Relaxed),
+            self.ring_reads_to_worker.load(Relaxed),
+        )
     }
     pub fn bytes(&self, command: Command) -> u64 {
         self.bytes[command.index()].load(Relaxed)
@@ -252,6 +281,9 @@ impl Metrics {
             metrics::counter!("vouch_nbd_bytes_total", "command" => name)
                 .absolute(self.bytes(*command));
         }
+        let (answered, to_worker) = self.ring_reads();
+        metrics::counter!("vouch_nbd_ring_reads_total", "outcome" => "answered").absolute(answered);
+        metrics::counter!("vouch_nbd_ring_reads_total", "outcome" => "worker").absolute(to_worker);
         for errno in Errno::ALL {
             metrics::counter!("vouch_nbd_errors_total", "errno" => errno.name())
                 .absolute(self.errors(errno));

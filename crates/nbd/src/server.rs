@@ -2,12 +2,13 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, Interest};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tracing::{debug, info, warn};
@@ -208,6 +209,12 @@ impl Server {
             listeners,
             signal,
         } = self;
+        let reapers = shared
+            .config
+            .exports
+            .values()
+            .filter_map(|export| spawn_reaper(export.clone()).transpose())
+            .collect::<Result<Vec<_>, _>>()?;
         // Every connection task holds a clone; recv() returns None when all are gone.
         let (alive, mut all_gone) = mpsc::channel::<()>(1);
         let mut accept_tasks = Vec::new();
@@ -233,6 +240,10 @@ impl Server {
             let _ = task.await;
         }
         let _ = all_gone.recv().await;
+        // Every connection waited for its started reads' replies.
+        for reaper in reapers {
+            reaper.abort();
+        }
         for (name, export) in &shared.config.exports {
             let export = export.clone();
             match tokio::task::spawn_blocking(move || export.flush()).await {
@@ -244,6 +255,56 @@ impl Server {
         drop(signal);
         info!("NBD server stopped");
         Ok(())
+    }
+}
+
+/// The export's reads that complete later (`Export::try_start_read`) are
+/// finished by this task, on the server's reactor, when the export's
+/// descriptor says some completed: no thread sleeps on them. `None` when
+/// the export starts no reads. An export whose descriptor cannot be
+/// watched fails the server before it serves.
+fn spawn_reaper(export: Arc<dyn Export>) -> std::io::Result<Option<tokio::task::JoinHandle<()>>> {
+    let Some(fd) = export.read_events() else {
+        return Ok(None);
+    };
+    let events = Events {
+        fd,
+        _export: Arc::clone(&export),
+    };
+    // SAFETY: `Events` holds the export, which owns the descriptor and
+    // keeps it open (the same one: the export sets it up once) for as
+    // long as the `AsyncFd` lives.
+    let events = unsafe { AsyncFd::register_with_interest(events, Interest::READABLE) }
+        .map_err(std::io::Error::from)?;
+    Ok(Some(tokio::spawn(async move {
+        loop {
+            let mut ready = match events.readable().await {
+                Ok(ready) => ready,
+                Err(error) => {
+                    warn!(%error, "watching started reads failed");
+                    return;
+                }
+            };
+            // `reap_reads` returns WouldBlock once nothing more completed,
+            // which clears the readiness until the next completion.
+            if let Ok(Err(error)) = ready.try_io(|_| export.reap_reads()) {
+                warn!(%error, "reaping started reads failed; retrying");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    })))
+}
+
+/// An export's completion descriptor, with the export that owns it (so it
+/// stays open while watched).
+struct Events {
+    fd: RawFd,
+    _export: Arc<dyn Export>,
+}
+
+impl AsRawFd for Events {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd
     }
 }
 

@@ -18,7 +18,11 @@
 //! above. A WRITE the export can *start* without blocking and finish on
 //! another thread (`Export::try_start_write`: a mirror's remote legs) is
 //! started by the reader, and its reply is queued from the thread that
-//! finishes it (`WriteCompletion`): no worker sleeps on it.
+//! finishes it (`WriteCompletion`): no worker sleeps on it. Likewise a
+//! READ that must wait for the device is started on the export's ring of
+//! reads (`Export::try_start_read`) and answered by the server's reaper
+//! task when the ring's eventfd says it completed (`ReadCompletion`); one
+//! the export cannot finish that way goes to the pool after all.
 
 use std::ops::Range;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -39,7 +43,7 @@ use crate::wire::{self, Command, Request};
 use crate::worker::WorkerPool;
 
 mod completion;
-pub use completion::WriteCompletion;
+pub use completion::{ReadCompletion, WriteCompletion};
 
 /// Bytes the request reader buffers from the socket.
 const READ_BUFFER_BYTES: usize = 64 * 1024;
@@ -230,16 +234,22 @@ where
             Ok(()) => continue,
             Err(permits) => permits,
         };
-        let permits = match command {
+        let started = match command {
             Command::Write => {
-                match completion::try_start_inline(
-                    connection, &request, &payload, permits, received,
-                ) {
-                    Ok(()) => continue,
-                    Err(permits) => permits,
-                }
+                completion::try_start_inline(connection, &request, &payload, permits, received)
             }
-            _ => permits,
+            Command::Read => completion::try_start_read_inline(
+                connection,
+                &request,
+                permits,
+                received,
+                &resources.pool,
+            ),
+            _ => Err(permits),
+        };
+        let permits = match started {
+            Ok(()) => continue,
+            Err(permits) => permits,
         };
         let connection = connection.clone();
         resources.pool.submit(Box::new(move || {

@@ -10,7 +10,8 @@ use bytes::Bytes;
 use vouch_engine::{Allocation, Error, BLOCK};
 use vouch_engine::{BlockDevice, ZeroFlags};
 use vouch_nbd::{
-    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, WriteCompletion,
+    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, ReadCompletion,
+    WriteCompletion,
 };
 
 /// Largest request the server accepts (payload), advertised in BLOCK_SIZE.
@@ -89,6 +90,26 @@ impl Export for VolumeExport {
             .try_read(offset, buf)
             .map_err(to_export_error)
             .transpose()
+    }
+    /// The device's ring (`BlockDevice::try_begin_read`): the bytes come
+    /// back verified, or `None` sends the read to a worker.
+    fn try_start_read(
+        &self,
+        offset: u64,
+        length: usize,
+        done: ReadCompletion,
+    ) -> Result<(), ReadCompletion> {
+        let Some(start) = self.volume.try_begin_read(offset, length) else {
+            return Err(done);
+        };
+        start(Box::new(move |bytes| done.complete(bytes)));
+        Ok(())
+    }
+    fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        self.volume.read_events()
+    }
+    fn reap_reads(&self) -> std::io::Result<()> {
+        self.volume.reap_reads()
     }
     fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError> {
         self.volume

@@ -16,6 +16,18 @@ use common::*;
 /// the metrics count the fault; `vouch check` lists exactly that LBA.
 #[test]
 fn corrupted_block_fails_with_eio_naming_the_lba() {
+    corrupted_block_is_reported(false);
+}
+
+/// The same with `serve --direct`: the good blocks are answered from the
+/// volume's read ring (no worker), the corrupt one fails its check there,
+/// goes to a worker after all, and is reported the same way.
+#[test]
+fn corrupted_block_fails_with_eio_naming_the_lba_direct() {
+    corrupted_block_is_reported(true);
+}
+
+fn corrupted_block_is_reported(direct: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
     let mut server = Server::start(dir.path(), &[s(&volume), "--create", "1MiB"]);
@@ -33,7 +45,11 @@ print(json.dumps({"ok": True}))
     assert_eq!(info_json(&volume)["clean"], true);
     flip_bit(&volume.join("data.00000"), 7 * BLOCK + 100, 0x04);
 
-    let server = Server::start(dir.path(), &[s(&volume), "--metrics", "127.0.0.1:0"]);
+    let mut args = vec![s(&volume), "--metrics", "127.0.0.1:0"];
+    if direct {
+        args.push("--direct");
+    }
+    let server = Server::start(dir.path(), &args);
     let result = py_json(
         r#"
 # libnbd keeps the server's structured error message out of str(e); it
@@ -116,7 +132,22 @@ print(json.dumps(out))
     let eio = metric(&metrics, r#"vouch_nbd_errors_total{errno="EIO"}"#);
     assert!(eio.unwrap_or(0.0) >= 3.0, "EIO replies {eio:?}:\n{metrics}");
     // Blocks in the page cache were answered on the connection's own task
-    // (the inline fast path); the corrupt one still failed naming its LBA.
+    // (the inline fast path), with --direct from the read ring; the
+    // corrupt one still failed naming its LBA.
+    if direct {
+        let ring = |outcome: &str| {
+            metric(
+                &metrics,
+                &format!(r#"vouch_nbd_ring_reads_total{{outcome="{outcome}"}}"#),
+            )
+            .unwrap_or(0.0)
+        };
+        assert!(ring("answered") >= 15.0, "ring reads answered:\n{metrics}");
+        assert!(
+            ring("worker") >= 2.0,
+            "the corrupt block's reads went to a worker:\n{metrics}"
+        );
+    }
     let inline = metric(
         &metrics,
         r#"vouch_nbd_inline_requests_total{command="read"}"#,

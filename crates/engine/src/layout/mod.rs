@@ -30,6 +30,14 @@ pub(crate) use packed::PackedLayout;
 pub(crate) use split::SplitLayout;
 
 /// Where a block that is not buffered in memory reads from.
+/// The bytes one I/O reads for a run of home blocks (`Layout::run_span`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct RunSpan {
+    pub object: ObjectId,
+    pub offset: u64,
+    pub len: usize,
+}
+
 pub(crate) enum Planned {
     /// Its context reads as zero: no data I/O.
     Zero,
@@ -103,6 +111,21 @@ pub(crate) trait Layout: Send + Sync {
         out: &mut [u8],
         wait: Wait,
     ) -> std::io::Result<Vec<Result<Context, FormatError>>>;
+
+    /// Where one I/O reads what `read_run(first, count)` reads: its object
+    /// and a byte range aligned to 4 KiB (for reads that complete later).
+    fn run_span(&self, first: u64, count: u64) -> RunSpan;
+
+    /// `read_run`'s result from the bytes read at `run_span`: the blocks
+    /// into `out`, and the contexts stored with them (empty when contexts
+    /// live elsewhere).
+    fn run_from_span(
+        &self,
+        first: u64,
+        count: u64,
+        span: &[u8],
+        out: &mut [u8],
+    ) -> Vec<Result<Context, FormatError>>;
 
     /// Read one block from home; returns its stored context, if it has one.
     fn read_block(

@@ -12,7 +12,7 @@ use vouch_format::journal::record_data;
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, WrittenPages};
 use crate::backing::Backing;
 use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
@@ -121,43 +121,56 @@ impl Layout for PackedLayout {
         out: &mut [u8],
         wait: Wait,
     ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
-        let location = self.geometry.locate(first);
-        let end = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES;
-        // The records' span widened to 4 KiB boundaries (rows are 128 KiB
-        // and a segment whole rows, so it stays inside the run's rows and
-        // the segment), read into a reused page-aligned buffer: an O_DIRECT
-        // read then needs no bounce buffer, and nothing is zeroed or
-        // allocated per read. Measured: a 1024-block `--direct` read cost
-        // 4.9 ms of CPU with a fresh zeroed Vec and a fresh bounce buffer
-        // each time (bench/packed.sh).
-        let start = location.data_offset - location.data_offset % READ_ALIGN;
-        let end = end.next_multiple_of(READ_ALIGN);
-        let base = (location.data_offset - start) as usize;
-        let object = ObjectId::Data(location.segment);
+        let span = self.run_span(first, count);
         RECORDS.with(|cell| {
             let mut records = cell.take();
-            records.set_len((end - start) as usize);
-            let read = io.try_read_with(object, start, &mut records, wait);
-            let contexts = read.map(|()| {
-                (first..first + count)
-                    .enumerate()
-                    .map(|(index, lba)| {
-                        let at = base
-                            + (self.geometry.locate(lba).data_offset - location.data_offset)
-                                as usize;
-                        out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
-                            .copy_from_slice(&records[at..at + BLOCK as usize]);
-                        Context::decode(
-                            &records[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
-                        )
-                    })
-                    .collect()
-            });
+            records.set_len(span.len);
+            let read = io.try_read_with(span.object, span.offset, &mut records, wait);
+            let contexts = read.map(|()| self.run_from_span(first, count, &records, out));
             if records.len() <= KEEP_RECORDS_BYTES {
                 cell.replace(records);
             }
             contexts
         })
+    }
+
+    /// The records' span widened to 4 KiB boundaries (rows are 128 KiB and
+    /// a segment whole rows, so it stays inside the run's rows and the
+    /// segment): `read_run` reads it into a reused page-aligned buffer, so
+    /// an O_DIRECT read needs no bounce buffer, and nothing is zeroed or
+    /// allocated per read. Measured: a 1024-block `--direct` read cost 4.9
+    /// ms of CPU with a fresh zeroed Vec and a fresh bounce buffer each
+    /// time (bench/packed.sh).
+    fn run_span(&self, first: u64, count: u64) -> RunSpan {
+        let location = self.geometry.locate(first);
+        let end = self.geometry.locate(first + count - 1).data_offset + PACKED_RECORD_BYTES;
+        let start = location.data_offset - location.data_offset % READ_ALIGN;
+        let end = end.next_multiple_of(READ_ALIGN);
+        RunSpan {
+            object: ObjectId::Data(location.segment),
+            offset: start,
+            len: (end - start) as usize,
+        }
+    }
+
+    fn run_from_span(
+        &self,
+        first: u64,
+        count: u64,
+        span: &[u8],
+        out: &mut [u8],
+    ) -> Vec<Result<Context, FormatError>> {
+        let start = self.geometry.locate(first).data_offset;
+        let base = (start % READ_ALIGN) as usize;
+        (first..first + count)
+            .enumerate()
+            .map(|(index, lba)| {
+                let at = base + (self.geometry.locate(lba).data_offset - start) as usize;
+                out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
+                    .copy_from_slice(&span[at..at + BLOCK as usize]);
+                Context::decode(&span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize])
+            })
+            .collect()
     }
 
     fn read_block(

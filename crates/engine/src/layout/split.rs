@@ -18,7 +18,7 @@ use parking_lot::RwLock;
 use vouch_format::journal::record_data;
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, WrittenPages};
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Result};
@@ -188,6 +188,26 @@ impl Layout for SplitLayout {
             wait,
         )?;
         Ok(Vec::new())
+    }
+
+    fn run_span(&self, first: u64, count: u64) -> RunSpan {
+        let location = self.geometry.locate(first);
+        RunSpan {
+            object: ObjectId::Data(location.segment),
+            offset: location.data_offset,
+            len: (count * BLOCK) as usize,
+        }
+    }
+
+    fn run_from_span(
+        &self,
+        _first: u64,
+        _count: u64,
+        span: &[u8],
+        out: &mut [u8],
+    ) -> Vec<Result<Context, FormatError>> {
+        out.copy_from_slice(span);
+        Vec::new()
     }
 
     fn read_block(

@@ -4,13 +4,15 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
+use std::os::unix::io::{AsRawFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use parking_lot::Mutex;
 use vouch_format::Geometry;
 
 use super::direct;
+use super::ring_read::{ReadLater, ReadRing};
 use super::{
     objects_of, reflink_unsupported, write_runs_in_turn, CloneRange, CloneTiming, Mapped, ObjectId,
     Run, RunError, Storage, IOV_MAX,
@@ -47,6 +49,9 @@ pub struct FileStorage {
     /// Direct writes: the ring and the envelope arena (writes to data are
     /// serialized by the engine's commit lock anyway).
     writer: Mutex<DirectWriter>,
+    /// Reads that complete later (`start_read`), set up by `read_events`;
+    /// `Some(None)` when io_uring is unavailable.
+    reads: OnceLock<Option<ReadRing>>,
 }
 
 #[derive(Default)]
@@ -164,6 +169,7 @@ impl FileStorage {
                 .collect::<io::Result<_>>()?,
             direct,
             writer: Mutex::new(DirectWriter::default()),
+            reads: OnceLock::new(),
         })
     }
 
@@ -248,6 +254,40 @@ impl Storage for FileStorage {
             return Err(super::nowait::would_block());
         }
         super::nowait::read_full_nowait(self.file(object)?, offset, buf)
+    }
+
+    fn start_read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        len: usize,
+        done: ReadLater,
+    ) -> Result<(), ReadLater> {
+        let Some(Some(ring)) = self.reads.get() else {
+            return Err(done);
+        };
+        match (object, self.file(object)) {
+            (ObjectId::Data(_), Ok(file)) => ring.start(file.as_raw_fd(), offset, len, done),
+            _ => Err(done),
+        }
+    }
+
+    fn read_events(&self) -> Option<RawFd> {
+        let ring = self.reads.get_or_init(|| match ReadRing::new() {
+            Ok(ring) => Some(ring),
+            Err(error) => {
+                tracing::warn!(%error, "io_uring unavailable: reads that wait go to a worker thread");
+                None
+            }
+        });
+        ring.as_ref().map(ReadRing::events_fd)
+    }
+
+    fn reap_reads(&self) -> io::Result<()> {
+        match self.reads.get() {
+            Some(Some(ring)) => ring.reap(),
+            _ => Err(super::nowait::would_block()),
+        }
     }
 
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {

@@ -14,9 +14,11 @@ use vouch_format::Geometry;
 
 pub mod direct;
 pub mod nowait;
+pub mod ring_read;
 pub mod sim;
 
 pub use nowait::Wait;
+pub use ring_read::ReadLater;
 
 /// Most iovecs one pwritev takes (Linux UIO_MAXIOV).
 pub(crate) const IOV_MAX: usize = 1024;
@@ -52,6 +54,32 @@ pub trait Storage: Send + Sync {
     /// storage that cannot tell, always would block.
     fn read_at_nowait(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let _ = (object, offset, buf);
+        Err(nowait::would_block())
+    }
+    /// Start reading `len` bytes (whole 4 KiB pages) of a data object at
+    /// `offset` without waiting for them (`ring_read`): `done` is called
+    /// from `reap_reads`. `Err(done)`, with nothing started, when this
+    /// storage cannot, or nobody called `read_events` (nobody would reap).
+    /// The default cannot.
+    fn start_read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        len: usize,
+        done: ReadLater,
+    ) -> Result<(), ReadLater> {
+        let _ = (object, offset, len);
+        Err(done)
+    }
+    /// Set up reads that complete later and return the descriptor that
+    /// becomes readable when some have: the caller promises to call
+    /// `reap_reads` then. `None` when this storage has none (the default).
+    fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+    /// Call the callbacks of the reads that completed, on this thread;
+    /// `Err(WouldBlock)` once there are no more (see `ReadRing::reap`).
+    fn reap_reads(&self) -> io::Result<()> {
         Err(nowait::would_block())
     }
     /// Write all of `data` at `offset`.

@@ -1,7 +1,10 @@
-//! WRITEs the export finishes later (`Export::try_start_write`): started
-//! on the connection's reader task, answered from whichever thread
-//! finishes them (a mirror's remote legs: a replica connection's reader
-//! thread), with no worker sleeping on them.
+//! Requests the export finishes later, with no worker sleeping on them:
+//! WRITEs (`Export::try_start_write`), started on the connection's reader
+//! task and answered from whichever thread finishes them (a mirror's
+//! remote legs: a replica connection's reader thread), and READs that must
+//! wait for the device (`Export::try_start_read`), started on the reader
+//! task and answered from the export's ring when the server's reaper task
+//! (`reap_reads`, on the same runtime) finds them done.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -9,9 +12,10 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::{done_reply, finish, Connection, Permits};
+use super::{done_reply, execute, finish, read_reply_of, Connection, Permits};
 use crate::export::{Errno, ExportError};
 use crate::wire::{self, Command, Request};
+use crate::worker::WorkerPool;
 
 /// Largest WRITE the reader task starts itself when the export finishes
 /// it later (`try_start_inline`). Smaller than `INLINE_WRITE_MAX_BYTES`:
@@ -113,5 +117,127 @@ pub(super) fn try_start_inline(
             connection.metrics.request_inline(Command::Write);
             Ok(())
         }
+    }
+}
+
+/// Largest READ the reader task starts itself on the export's ring
+/// (`try_start_read_inline`): like `INLINE_MAX_BYTES`, so that verifying
+/// it on the reaper never holds the reactor for long. Larger reads go to
+/// the workers, which verify on both CPUs at once: 1 MiB reads at QD8
+/// through the ring measured 0.76x (`--direct`) and 0.77x (page cache)
+/// of the workers (docs/BENCHMARKS.md, Stop 25).
+const START_READ_MAX_BYTES: usize = 128 * 1024;
+
+/// A READ the export completes later (`Export::try_start_read`): answered
+/// with the bytes, or run on a worker after all. Dropped without
+/// `complete`, it answers EIO.
+pub struct ReadCompletion {
+    read: Option<StartedRead>,
+}
+
+struct StartedRead {
+    connection: Arc<Connection>,
+    request: Request,
+    permits: Permits,
+    received: Instant,
+    pool: Arc<WorkerPool>,
+}
+
+impl ReadCompletion {
+    /// The read is done: `Some(bytes)` (every block verified, exactly the
+    /// request's length) is the reply; `None` runs the read on a worker,
+    /// which judges and reports whatever stopped it here.
+    pub fn complete(mut self, bytes: Option<Vec<u8>>) {
+        let Some(read) = self.read.take() else { return };
+        let StartedRead {
+            connection,
+            request,
+            permits,
+            received,
+            pool,
+        } = read;
+        match bytes {
+            Some(data) if data.len() == request.length as usize => {
+                connection.metrics.ring_read_answered();
+                let reply = read_reply_of(&connection.session, &request, data, Vec::new());
+                finish(
+                    &connection,
+                    &request,
+                    Command::Read,
+                    Ok(Ok(reply)),
+                    permits,
+                    received,
+                );
+            }
+            _ => {
+                connection.metrics.ring_read_to_worker();
+                pool.submit(Box::new(move || {
+                    execute(
+                        &connection,
+                        request,
+                        Command::Read,
+                        Bytes::new(),
+                        permits,
+                        received,
+                    );
+                }));
+            }
+        }
+    }
+
+    fn into_permits(mut self) -> Permits {
+        self.read
+            .take()
+            .expect("an unanswered completion holds its read")
+            .permits
+    }
+}
+
+impl Drop for ReadCompletion {
+    fn drop(&mut self) {
+        if let Some(read) = self.read.take() {
+            let error = ExportError::new(Errno::Io, "the read was dropped without an answer");
+            finish(
+                &read.connection,
+                &read.request,
+                Command::Read,
+                Ok(Err(error)),
+                read.permits,
+                read.received,
+            );
+        }
+    }
+}
+
+/// A READ the export could not answer from memory (`try_read` declined),
+/// started on its ring if it can: no worker sleeps on it. Gives the
+/// permits back when the export declines.
+pub(super) fn try_start_read_inline(
+    connection: &Arc<Connection>,
+    request: &Request,
+    permits: Permits,
+    received: Instant,
+    pool: &Arc<WorkerPool>,
+) -> Result<(), Permits> {
+    let length = request.length as usize;
+    if length == 0 || length > START_READ_MAX_BYTES {
+        return Err(permits);
+    }
+    let done = ReadCompletion {
+        read: Some(StartedRead {
+            connection: Arc::clone(connection),
+            request: *request,
+            permits,
+            received,
+            pool: Arc::clone(pool),
+        }),
+    };
+    let export = connection.session.export.as_ref();
+    // A panic inside drops `done` unanswered, which answers EIO.
+    match catch_unwind(AssertUnwindSafe(|| {
+        export.try_start_read(request.offset, length, done)
+    })) {
+        Ok(Err(done)) => Err(done.into_permits()),
+        Ok(Ok(())) | Err(_) => Ok(()),
     }
 }
