@@ -477,23 +477,29 @@ fn concurrent_writers_on_one_connection_each_land_whole() {
     assert!(remote.verify(0, 1024).expect("verify").is_empty());
 }
 
+/// Accept one client and shake hands as a replica would.
+fn accept_with_hello(listener: &std::net::TcpListener) -> std::net::TcpStream {
+    let (mut peer, _) = listener.accept().expect("accept");
+    let mut hello = [0u8; wire::HELLO_BYTES];
+    peer.read_exact(&mut hello).expect("hello");
+    peer.write_all(
+        &Hello {
+            version: 1,
+            status: 0,
+        }
+        .encode(),
+    )
+    .expect("hello");
+    peer
+}
+
 /// A peer that shakes hands and then reads requests, answering none,
 /// until the client hangs up.
 fn silent_peer() -> (u16, std::thread::JoinHandle<()>) {
     let silent = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = silent.local_addr().expect("addr").port();
     let thread = std::thread::spawn(move || {
-        let (mut peer, _) = silent.accept().expect("accept");
-        let mut hello = [0u8; wire::HELLO_BYTES];
-        peer.read_exact(&mut hello).expect("hello");
-        peer.write_all(
-            &Hello {
-                version: 1,
-                status: 0,
-            }
-            .encode(),
-        )
-        .expect("hello");
+        let mut peer = accept_with_hello(&silent);
         let mut sink = Vec::new();
         let _ = peer.read_to_end(&mut sink);
     });
@@ -649,17 +655,7 @@ fn deaf_peer() -> (
     let port = deaf.local_addr().expect("addr").port();
     let (stop, stopped) = std::sync::mpsc::channel::<()>();
     let thread = std::thread::spawn(move || {
-        let (mut peer, _) = deaf.accept().expect("accept");
-        let mut hello = [0u8; wire::HELLO_BYTES];
-        peer.read_exact(&mut hello).expect("hello");
-        peer.write_all(
-            &Hello {
-                version: 1,
-                status: 0,
-            }
-            .encode(),
-        )
-        .expect("hello");
+        let _peer = accept_with_hello(&deaf);
         let _ = stopped.recv();
     });
     (port, stop, thread)
