@@ -131,6 +131,16 @@ impl Backing {
         self.storage.reap_reads()
     }
 
+    /// `Storage::reads_ready`.
+    pub fn reads_ready(&self) -> bool {
+        self.storage.reads_ready()
+    }
+
+    /// `Storage::reads_in_flight`.
+    pub fn reads_in_flight(&self) -> usize {
+        self.storage.reads_in_flight()
+    }
+
     /// `try_read`, or with `Wait::NoWait` only from memory
     /// (`ErrorKind::WouldBlock` when some byte is not there).
     pub fn try_read_with(

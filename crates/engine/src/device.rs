@@ -109,6 +109,12 @@ pub trait BlockDevice: Send + Sync {
         Err(std::io::ErrorKind::WouldBlock.into())
     }
 
+    /// Reads started by `try_begin_read` whose `ReadDone` was not called
+    /// yet (a server keeps reaping until none is left before it stops).
+    fn reads_in_flight(&self) -> usize {
+        0
+    }
+
     /// Write `data` at `offset` (512-byte aligned). With `fua` it is durable
     /// when this returns; otherwise after the next flush.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;

@@ -216,6 +216,9 @@ impl BlockDevice for Volume {
     /// One I/O through the storage's ring; the blocks are verified on the
     /// reaping thread against the contexts planned before it started.
     fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
+        if !self.engine.shared.io.reads_ready() {
+            return None;
+        }
         let read = self.engine.shared.plan_ring_read(offset, len)?;
         let engine = Arc::clone(&self.engine);
         Some(Box::new(move |done: ReadDone| {
@@ -239,6 +242,9 @@ impl BlockDevice for Volume {
     }
     fn reap_reads(&self) -> std::io::Result<()> {
         self.engine.shared.io.reap_reads()
+    }
+    fn reads_in_flight(&self) -> usize {
+        self.engine.shared.io.reads_in_flight()
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.engine.write(offset, data, fua)

@@ -230,6 +230,9 @@ pub trait Export: Send + Sync + 'static {
     /// `try_start_read` have completed (set up by this call; the server
     /// asks once, before serving). The server then calls `reap_reads` on
     /// its reactor. `None` (the default): this export starts no reads.
+    /// The export must keep this descriptor open, and the same, for as
+    /// long as it lives: the server watches it with epoll until the
+    /// export is dropped.
     fn read_events(&self) -> Option<std::os::fd::RawFd> {
         None
     }
@@ -237,6 +240,11 @@ pub trait Export: Send + Sync + 'static {
     /// `Err(WouldBlock)` then.
     fn reap_reads(&self) -> std::io::Result<()> {
         Err(std::io::ErrorKind::WouldBlock.into())
+    }
+    /// Reads started by `try_start_read` not yet completed: the server
+    /// keeps reaping until none is left before it stops.
+    fn reads_in_flight(&self) -> usize {
+        0
     }
     /// Write `data` at `offset`. The export may keep `data` (a clone shares
     /// it) instead of copying it: the server received it into a buffer of

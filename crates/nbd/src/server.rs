@@ -3,6 +3,7 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +28,10 @@ pub use crate::limits::{
     DEFAULT_MAX_IN_FLIGHT_REQUESTS_PER_CONNECTION, DEFAULT_MAX_OPTIONS, DEFAULT_MAX_OPTION_BYTES,
     DEFAULT_MAX_PAYLOAD_BYTES, DEFAULT_REPLY_WRITE_TIMEOUT,
 };
+
+/// How long a stopping server keeps reaping reads that connections ended
+/// on a protocol error left in flight.
+const READS_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Where to listen.
 #[derive(Debug, Clone)]
@@ -209,12 +214,16 @@ impl Server {
             listeners,
             signal,
         } = self;
-        let reapers = shared
-            .config
-            .exports
-            .values()
-            .filter_map(|export| spawn_reaper(export.clone()).transpose())
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut reapers = Vec::new();
+        for export in shared.config.exports.values() {
+            match spawn_reaper(export.clone()) {
+                Ok(reaper) => reapers.extend(reaper),
+                Err(error) => {
+                    reapers.iter().for_each(tokio::task::JoinHandle::abort);
+                    return Err(error.into());
+                }
+            }
+        }
         // Every connection task holds a clone; recv() returns None when all are gone.
         let (alive, mut all_gone) = mpsc::channel::<()>(1);
         let mut accept_tasks = Vec::new();
@@ -240,7 +249,18 @@ impl Server {
             let _ = task.await;
         }
         let _ = all_gone.recv().await;
-        // Every connection waited for its started reads' replies.
+        // A connection that ended on a protocol error did not wait for
+        // its started reads: let the reapers finish them (bounded).
+        let deadline = tokio::time::Instant::now() + READS_DRAIN_TIMEOUT;
+        while shared
+            .config
+            .exports
+            .values()
+            .any(|export| export.reads_in_flight() > 0)
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
         for reaper in reapers {
             reaper.abort();
         }
@@ -281,15 +301,29 @@ fn spawn_reaper(export: Arc<dyn Export>) -> std::io::Result<Option<tokio::task::
             let mut ready = match events.readable().await {
                 Ok(ready) => ready,
                 Err(error) => {
+                    // Only when the runtime is going away.
                     warn!(%error, "watching started reads failed");
                     return;
                 }
             };
             // `reap_reads` returns WouldBlock once nothing more completed,
-            // which clears the readiness until the next completion.
-            if let Ok(Err(error)) = ready.try_io(|_| export.reap_reads()) {
-                warn!(%error, "reaping started reads failed; retrying");
-                tokio::time::sleep(Duration::from_millis(10)).await;
+            // which clears the readiness until the next completion. A
+            // panic in a read's completion answers that batch's reads EIO
+            // (their completions are dropped) and the reaper goes on.
+            let reaped = ready.try_io(|_| {
+                catch_unwind(AssertUnwindSafe(|| export.reap_reads())).unwrap_or_else(|_| {
+                    warn!("a started read's completion panicked; its batch answered EIO");
+                    Ok(())
+                })
+            });
+            match reaped {
+                // Still completions coming: let other tasks run first.
+                Ok(Ok(())) => tokio::task::yield_now().await,
+                Ok(Err(error)) => {
+                    warn!(%error, "reaping started reads failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                Err(_would_block) => {}
             }
         }
     })))

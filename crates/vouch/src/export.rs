@@ -111,6 +111,9 @@ impl Export for VolumeExport {
     fn reap_reads(&self) -> std::io::Result<()> {
         self.volume.reap_reads()
     }
+    fn reads_in_flight(&self) -> usize {
+        self.volume.reads_in_flight()
+    }
     fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError> {
         self.volume
             .write_shared(offset, data, fua)

@@ -41,6 +41,10 @@ impl FileOpen {
 pub struct FileStorage {
     /// The volume directory (a reflink probe makes a nameless file in it).
     dir: PathBuf,
+    /// Reads that complete later (`start_read`), set up by `read_events`;
+    /// `Some(None)` when io_uring is unavailable. First, so that it is
+    /// dropped (waiting for reads in flight) before the files close.
+    reads: OnceLock<Option<ReadRing>>,
     superblock: File,
     journal: File,
     contexts: Option<File>,
@@ -49,9 +53,6 @@ pub struct FileStorage {
     /// Direct writes: the ring and the envelope arena (writes to data are
     /// serialized by the engine's commit lock anyway).
     writer: Mutex<DirectWriter>,
-    /// Reads that complete later (`start_read`), set up by `read_events`;
-    /// `Some(None)` when io_uring is unavailable.
-    reads: OnceLock<Option<ReadRing>>,
 }
 
 #[derive(Default)]
@@ -287,6 +288,17 @@ impl Storage for FileStorage {
         match self.reads.get() {
             Some(Some(ring)) => ring.reap(),
             _ => Err(super::nowait::would_block()),
+        }
+    }
+
+    fn reads_ready(&self) -> bool {
+        matches!(self.reads.get(), Some(Some(_)))
+    }
+
+    fn reads_in_flight(&self) -> usize {
+        match self.reads.get() {
+            Some(Some(ring)) => ring.in_flight(),
+            _ => 0,
         }
     }
 

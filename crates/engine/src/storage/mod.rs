@@ -82,6 +82,15 @@ pub trait Storage: Send + Sync {
     fn reap_reads(&self) -> io::Result<()> {
         Err(nowait::would_block())
     }
+    /// Whether `start_read` can start reads now (`read_events` set them
+    /// up and io_uring is there): callers check before planning one.
+    fn reads_ready(&self) -> bool {
+        false
+    }
+    /// Reads started and not yet handed to their callbacks.
+    fn reads_in_flight(&self) -> usize {
+        0
+    }
     /// Write all of `data` at `offset`.
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()>;
     /// Write the concatenation of `parts` at `offset`: one I/O for a run of

@@ -27,6 +27,8 @@ use super::direct::{AlignedBuf, DIRECT_ALIGN};
 
 /// Reads in flight on one ring at most (more decline to a worker).
 const RING_ENTRIES: u32 = 128;
+/// Eventfd rounds one `reap` takes before it lets its caller run others.
+const REAP_ROUNDS: usize = 64;
 
 /// Called once with the bytes read (exactly the length asked for, the
 /// buffer's 4 KiB alignment kept) or why not: an I/O error, a short read.
@@ -43,9 +45,6 @@ struct Inner {
     ring: IoUring,
     pending: HashMap<u64, InFlight>,
     next: u64,
-    /// `submit` failed with a transient error: submitted SQEs are still
-    /// queued, and `reap` retries.
-    unsubmitted: bool,
 }
 
 struct InFlight {
@@ -73,7 +72,6 @@ impl ReadRing {
                 ring,
                 pending: HashMap::new(),
                 next: 0,
-                unsubmitted: false,
             }),
             events,
         })
@@ -128,16 +126,13 @@ impl ReadRing {
         );
         match inner.ring.submit() {
             Ok(_) => Ok(()),
-            // The entry stays queued in the ring; `reap` submits it.
-            Err(error) if is_transient(&error) => {
-                inner.unsubmitted = true;
-                Ok(())
-            }
             Err(error) => {
-                // Whether the kernel took the entry is unknown: it stays
-                // pending, its buffer alive until reaped or the ring is
-                // dropped, and this read fails now.
-                tracing::warn!(%error, "io_uring read submission failed");
+                // Even a transient error (EAGAIN, EBUSY, EINTR) fails the
+                // read now: nothing would retry it unless another read
+                // completed. Whether the kernel took the entry is unknown,
+                // so it stays pending, its buffer alive until reaped or
+                // the ring is dropped; a later submit may still run it.
+                tracing::debug!(%error, "io_uring read submission failed");
                 let done = inner
                     .pending
                     .get_mut(&id)
@@ -150,11 +145,23 @@ impl ReadRing {
         }
     }
 
+    /// Reads started and not yet handed to their callbacks.
+    pub fn in_flight(&self) -> usize {
+        let inner = self.inner.lock();
+        inner
+            .pending
+            .values()
+            .filter(|read| read.done.is_some())
+            .count()
+    }
+
     /// Hand every completed read to its callback, on this thread, until
     /// the eventfd says nothing more completed: `Err(WouldBlock)` then (so
-    /// an async caller clears its readiness and waits again).
+    /// an async caller clears its readiness and waits again). `Ok(())`
+    /// after `REAP_ROUNDS` rounds with completions still coming: call
+    /// again (after letting others run).
     pub fn reap(&self) -> io::Result<()> {
-        loop {
+        for _ in 0..REAP_ROUNDS {
             let mut count = [0u8; 8];
             // SAFETY: reads 8 bytes into a buffer of 8 bytes.
             let got = unsafe {
@@ -175,14 +182,12 @@ impl ReadRing {
                 finished.finish(result);
             }
         }
+        Ok(())
     }
 
     /// Take the finished reads off the ring (callbacks run without the lock).
     fn completed(&self) -> Vec<(InFlight, i32)> {
         let mut inner = self.inner.lock();
-        if inner.unsubmitted {
-            inner.unsubmitted = inner.ring.submit().is_err();
-        }
         let Inner { ring, pending, .. } = &mut *inner;
         ring.completion()
             .filter_map(|entry| {
@@ -222,7 +227,11 @@ impl Drop for ReadRing {
     fn drop(&mut self) {
         let inner = self.inner.get_mut();
         while !inner.pending.is_empty() {
-            if inner.ring.submit_and_wait(1).is_err() {
+            let waited = inner.ring.submit_and_wait(1);
+            if waited.as_ref().is_err_and(is_transient) {
+                continue;
+            }
+            if waited.is_err() {
                 // Nothing more can be learned; leak the buffers rather
                 // than free memory the kernel may still write.
                 for (_, read) in inner.pending.drain() {
