@@ -65,6 +65,9 @@ use crate::superblock::write_superblock_copy;
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
 
+/// A flush's reply, called once (`Engine::flush_then`).
+pub type FlushDone = Box<dyn FnOnce(Result<()>) + Send>;
+
 /// The largest flush commit journaled as a redo record (256 KiB): the
 /// small synchronous writes whose flush then costs one fsync, not two.
 /// Larger ones are written once, home, and fsynced there.
@@ -166,15 +169,28 @@ impl Committer {
 
     /// Commit the write-back buffer and `ranges` (see the module comment).
     pub fn commit(&self, shared: &Shared, journal: &mut Journal, ranges: &[RangeOp]) -> Result<()> {
-        self.commit_as(shared, journal, ranges, false)
+        self.commit_as(shared, journal, ranges, None)
     }
 
     /// The commit a flush (or FUA) runs: a redo record when the buffer holds
     /// at most `REDO_MAX_BLOCKS` (its fsync is then all the flush needs for
     /// them; see the module comment), else a plain commit.
-    pub fn commit_for_flush(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
+    ///
+    /// `answer` (taken, if given) is the flush's reply: a redo commit that
+    /// finds no earlier home write waiting for ORDER POINT B calls it at A,
+    /// before the home writes: the flush is durable then (its blocks are in
+    /// the journal, redone home by recovery), so the client need not wait
+    /// for a device write it does not depend on. Otherwise the caller
+    /// answers when the flush is done.
+    pub fn commit_for_flush(
+        &self,
+        shared: &Shared,
+        journal: &mut Journal,
+        answer: &mut Option<FlushDone>,
+    ) -> Result<()> {
         let buffered = shared.state.read().active.len();
-        self.commit_as(shared, journal, &[], buffered <= REDO_MAX_BLOCKS)
+        let redo = buffered <= REDO_MAX_BLOCKS;
+        self.commit_as(shared, journal, &[], redo.then_some(answer))
     }
 
     fn commit_as(
@@ -182,8 +198,9 @@ impl Committer {
         shared: &Shared,
         journal: &mut Journal,
         ranges: &[RangeOp],
-        redo: bool,
+        mut redo_answer: Option<&mut Option<FlushDone>>,
     ) -> Result<()> {
+        let redo = redo_answer.is_some();
         shared.io.check_writable()?;
         if !redo {
             self.before_plain_record(shared, journal)?;
@@ -206,10 +223,16 @@ impl Committer {
         let result = loop {
             let end = self.group_end(shared, journal, &blocks, (start, ranges.len()), redo);
             // The ranges go with the last group.
-            let group_ranges = if end == blocks.len() { ranges } else { &[] };
-            if let Err(error) =
-                self.commit_group(shared, journal, &blocks[start..end], group_ranges, redo)
-            {
+            let last = end == blocks.len();
+            let group_ranges = if last { ranges } else { &[] };
+            let answer = redo_answer.as_deref_mut().filter(|_| last);
+            if let Err(error) = self.commit_group(
+                shared,
+                journal,
+                &blocks[start..end],
+                group_ranges,
+                (redo, answer),
+            ) {
                 break Err(error);
             }
             if end == blocks.len() {
@@ -324,7 +347,7 @@ impl Committer {
         journal: &mut Journal,
         blocks: &[(u64, DirtyBlock)],
         ranges: &[RangeOp],
-        redo: bool,
+        (redo, answer): (bool, Option<&mut Option<FlushDone>>),
     ) -> Result<()> {
         let mut entries = Vec::with_capacity(blocks.len() + ranges.len());
         let mut contexts = Vec::with_capacity(blocks.len());
@@ -375,6 +398,13 @@ impl Committer {
             "a checkpoint ran between the records of one group"
         );
         // ORDER POINT A passed: home writes may now reach the disk in any order.
+        // A flush whose last record this is, with no earlier home write
+        // waiting for B, is durable now (`commit_for_flush`).
+        if journal.unsynced.is_empty() {
+            if let Some(answer) = answer.and_then(Option::take) {
+                answer(Ok(()));
+            }
+        }
         let ranges_in_table = ranges.iter().any(|range| {
             shared
                 .layouts

@@ -19,6 +19,7 @@ use bytes::Bytes;
 use vouch_format::Context;
 
 use crate::buffer::PageBuffer;
+pub use crate::commit::FlushDone;
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::state::{BlockData, BLOCK};
@@ -142,6 +143,14 @@ pub trait BlockDevice: Send + Sync {
 
     /// Make every write completed before this call durable.
     fn flush(&self) -> Result<()>;
+
+    /// `flush`, answered through `done` (once) as soon as it is durable,
+    /// possibly before this returns (a volume answers a small flush when
+    /// its journal record is durable, before the blocks' home writes).
+    /// The default answers when `flush` returns.
+    fn flush_then(&self, done: FlushDone) {
+        done(self.flush());
+    }
 
     /// Deallocate: the range reads as zeros afterwards.
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()>;

@@ -50,7 +50,7 @@ mod write;
 
 pub use check::{check, CheckReport};
 pub use device::{
-    BlockDevice, PendingWrite, ReadDone, SealedBlock, StartRead, StartWrite, WriteDone,
+    BlockDevice, FlushDone, PendingWrite, ReadDone, SealedBlock, StartRead, StartWrite, WriteDone,
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;

@@ -262,6 +262,9 @@ impl BlockDevice for Volume {
     fn flush(&self) -> Result<()> {
         self.engine.flush()
     }
+    fn flush_then(&self, done: crate::device::FlushDone) {
+        self.engine.flush_then(done)
+    }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
         self.engine.trim(offset, length, fua)
     }

@@ -9,6 +9,7 @@ use vouch_format::superblock::STATE_CLEAN;
 
 use vouch_format::Context;
 
+use crate::commit::FlushDone;
 use crate::device::SealedBlock;
 use crate::engine::Engine;
 use crate::error::{Error, Fault, Result};
@@ -458,13 +459,31 @@ impl Engine {
 
     /// Make every write completed before this call durable.
     pub fn flush(&self) -> Result<()> {
+        self.flush_answering(&mut None)
+    }
+
+    /// `flush`, answered through `done` as soon as it is durable: for a
+    /// small flush that is when its redo record is (ORDER POINT A), before
+    /// the blocks' home writes (`Committer::commit_for_flush`). An error
+    /// after that fail-stops the volume as any failed write does; what
+    /// the flush answered is in the journal.
+    pub fn flush_then(&self, done: FlushDone) {
+        let mut answer = Some(done);
+        let flushed = self.flush_answering(&mut answer);
+        if let Some(done) = answer {
+            done(flushed);
+        }
+    }
+
+    fn flush_answering(&self, answer: &mut Option<FlushDone>) -> Result<()> {
         let shared = &self.shared;
         if shared.io.is_read_only() {
             return Ok(()); // nothing can be dirty
         }
         shared.io.check_writable()?;
         let mut journal = self.committer.lock();
-        self.committer.commit_for_flush(shared, &mut journal)?;
+        self.committer
+            .commit_for_flush(shared, &mut journal, answer)?;
         self.committer.sync_data(shared, &mut journal)?;
         shared
             .io

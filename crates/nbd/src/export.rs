@@ -277,6 +277,14 @@ pub trait Export: Send + Sync + 'static {
         Err(done)
     }
     fn flush(&self) -> Result<(), ExportError>;
+    /// FLUSH through `done`, which the export completes once as soon as
+    /// every write completed before it is durable, possibly before this
+    /// returns (then the server replies while the export finishes what
+    /// the flush does not wait for). Runs on a worker. The default
+    /// completes it with `flush`.
+    fn flush_then(&self, done: WriteCompletion) {
+        done.complete(self.flush());
+    }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError>;
     /// Zero `length` bytes at `offset`; see [`ZeroFlags`] for what each flag demands.
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<(), ExportError>;

@@ -253,7 +253,11 @@ where
         };
         let connection = connection.clone();
         resources.pool.submit(Box::new(move || {
-            execute(&connection, request, command, payload, permits, received);
+            if command == Command::Flush {
+                completion::flush(connection, request, permits, received);
+            } else {
+                execute(&connection, request, command, payload, permits, received);
+            }
         }));
     }
 }

@@ -440,6 +440,16 @@ impl Model {
         }
     }
 
+    /// What may be read once every block is durable: its newest value.
+    fn allowed_if_durable(&self) -> Arc<Allowed> {
+        Arc::new(
+            self.versions
+                .iter()
+                .map(|versions| versions[versions.len() - 1..].to_vec())
+                .collect(),
+        )
+    }
+
     fn allowed(&self) -> Arc<Allowed> {
         Arc::new(
             self.versions
@@ -706,7 +716,26 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             }
             Op::Flush => {
                 set_allowed(&state, &model, &doing);
-                (Vec::new(), volume.flush(), true)
+                // A small flush is answered as soon as its redo record is
+                // durable, before its home writes: from the answer on, a
+                // crash at any I/O must keep every block's newest value.
+                let durable = model.allowed_if_durable();
+                let answered_as = format!("{doing}, after its answer");
+                let hook_state = Arc::clone(&state);
+                let outcome = Arc::new(Mutex::new(None));
+                let slot = Arc::clone(&outcome);
+                volume.flush_then(Box::new(move |flushed| {
+                    if flushed.is_ok() {
+                        let mut state = hook_state.lock();
+                        state.allowed = durable;
+                        state.doing = answered_as;
+                    }
+                    *slot.lock() = Some(flushed);
+                }));
+                let flushed = outcome.lock().take();
+                let flushed =
+                    flushed.ok_or_else(|| format!("{doing}: flush_then returned unanswered"))?;
+                (Vec::new(), flushed, true)
             }
             Op::Verify { first, count } => {
                 set_allowed(&state, &model, &doing);

@@ -152,6 +152,11 @@ impl Export for VolumeExport {
     fn flush(&self) -> Result<(), ExportError> {
         self.volume.flush().map_err(to_export_error)
     }
+    fn flush_then(&self, done: WriteCompletion) {
+        self.volume.flush_then(Box::new(move |flushed| {
+            done.complete(flushed.map_err(to_export_error));
+        }));
+    }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<(), ExportError> {
         self.volume
             .trim(offset, length, fua)

@@ -25,16 +25,19 @@ use crate::worker::WorkerPool;
 /// (1 MiB QD8 to a remote mirror: 0.95x with it, docs/BENCHMARKS.md
 /// Stop 24); 4 KiB writes gain 1.4x at QD32.
 const START_WRITE_MAX_BYTES: usize = 128 * 1024;
-/// A WRITE the export completes later (`Export::try_start_write`): its
-/// reply is queued when `complete` is called, from whichever thread the
-/// export finishes it on. Dropped without `complete`, it answers EIO, so
-/// a request is never left without a reply nor its permits held.
+/// A WRITE the export completes later (`Export::try_start_write`), or a
+/// FLUSH it may answer before its call returns (`Export::flush_then`):
+/// the reply is queued when `complete` is called, from whichever thread
+/// the export finishes it on. Dropped without `complete`, it answers EIO,
+/// so a request is never left without a reply nor its permits held.
 pub struct WriteCompletion {
     write: Option<StartedWrite>,
 }
 
 struct StartedWrite {
     connection: Arc<Connection>,
+    /// `Write` or `Flush`: both are answered with a bare reply.
+    command: Command,
     request: Request,
     permits: Permits,
     received: Instant,
@@ -65,7 +68,7 @@ impl StartedWrite {
         finish(
             connection,
             &self.request,
-            Command::Write,
+            self.command,
             outcome,
             self.permits,
             self.received,
@@ -78,7 +81,7 @@ impl Drop for WriteCompletion {
         if let Some(write) = self.write.take() {
             write.answer(Ok(Err(ExportError::new(
                 Errno::Io,
-                "the write was dropped without an answer",
+                "the request was dropped without an answer",
             ))));
         }
     }
@@ -102,6 +105,7 @@ pub(super) fn try_start_inline(
     let done = WriteCompletion {
         write: Some(StartedWrite {
             connection: Arc::clone(connection),
+            command: Command::Write,
             request: *request,
             permits,
             received,
@@ -240,4 +244,26 @@ pub(super) fn try_start_read_inline(
         Ok(Err(done)) => Err(done.into_permits()),
         Ok(Ok(())) | Err(_) => Ok(()),
     }
+}
+
+/// Run a FLUSH on this worker through `Export::flush_then`: the export
+/// may answer it as soon as it is durable, before the call returns.
+pub(super) fn flush(
+    connection: Arc<Connection>,
+    request: Request,
+    permits: Permits,
+    received: Instant,
+) {
+    let done = WriteCompletion {
+        write: Some(StartedWrite {
+            connection: Arc::clone(&connection),
+            command: Command::Flush,
+            request,
+            permits,
+            received,
+        }),
+    };
+    let export = connection.session.export.as_ref();
+    // A panic inside drops `done` unanswered, which answers EIO.
+    let _ = catch_unwind(AssertUnwindSafe(|| export.flush_then(done)));
 }
