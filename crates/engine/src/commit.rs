@@ -36,6 +36,10 @@
 //! fsync them. They are fsynced by the next checkpoint, and (split) before
 //! the next commit that is not redo writes its record, so a redo record
 //! that a later record overwrites always has its blocks home (`replay`).
+//! Such a flush is answered at A (`commit_for_flush`) when no earlier home
+//! write waits for B: its blocks are durable in the journal, and its home
+//! writes follow the answer (a failure there fail-stops the volume and
+//! recovery redoes them).
 //!
 //! Checkpoint (journal nearly full, overlay large, or close):
 //!   1. fsync data (B);  2. split: write overlay and ranges into `contexts`,
