@@ -290,3 +290,46 @@ fn failed_home_write_names_the_failing_run_not_the_batch() {
     volume.read(5 * 4096, &mut buf).expect("still readable");
     assert!(buf == pattern(5, 4096), "acknowledged data still served");
 }
+
+/// A small flush is answered when its redo record is durable (ORDER
+/// POINT A), before the blocks' home writes: a home write that then fails
+/// fail-stops the volume, yet what the flush answered survives a reopen
+/// (recovery redoes the record from the journal).
+#[test]
+fn a_flush_answered_at_its_record_survives_a_failed_home_write() {
+    let (storage, volume) = sim_volume();
+    volume.write(0, &pattern(6, 8192), false).expect("buffered");
+    let (writes, _) = storage.counts();
+    // The journal record is written; the home write after it fails.
+    storage.set_faults(FaultPlan {
+        fail_write_after: Some(writes + 1),
+        ..FaultPlan::default()
+    });
+    let answered = Arc::new(std::sync::Mutex::new(None));
+    let slot = Arc::clone(&answered);
+    volume.flush_then(Box::new(move |flushed| {
+        *slot.lock().expect("lock") = Some(flushed.map_err(|error| error.to_string()));
+    }));
+    assert_eq!(
+        answered.lock().expect("lock").take(),
+        Some(Ok(())),
+        "the flush is answered at its record, before the failing home write"
+    );
+    assert!(
+        matches!(volume.flush(), Err(Error::FailStopped(_))),
+        "the failed home write fail-stopped the volume"
+    );
+    drop(volume);
+    storage.set_faults(FaultPlan::default());
+    let reopened = Volume::open(
+        Arc::new(storage.clone()) as Arc<dyn Storage>,
+        &OpenOptions::default(),
+    )
+    .expect("reopen");
+    let mut buf = vec![0u8; 8192];
+    reopened.read(0, &mut buf).expect("read");
+    assert!(
+        buf == pattern(6, 8192),
+        "the answered flush's blocks survive"
+    );
+}
