@@ -128,6 +128,21 @@ fn sim_volume() -> (SimStorage, Volume) {
     (storage, volume)
 }
 
+/// Clear the faults, reopen (recovering), and check that the volume
+/// starts with `expected`.
+fn reopen_and_expect(storage: &SimStorage, expected: &[u8]) -> Volume {
+    storage.set_faults(FaultPlan::default());
+    let reopened = Volume::open(
+        Arc::new(storage.clone()) as Arc<dyn Storage>,
+        &OpenOptions::default(),
+    )
+    .expect("reopen");
+    let mut buf = vec![0u8; expected.len()];
+    reopened.read(0, &mut buf).expect("read");
+    assert!(buf == expected, "the volume after reopen differs");
+    reopened
+}
+
 #[test]
 fn failed_fsync_fails_stop_and_reopen_recovers() {
     let (storage, volume) = sim_volume();
@@ -150,15 +165,7 @@ fn failed_fsync_fails_stop_and_reopen_recovers() {
         "a failed fsync is never retried as success"
     );
     drop(volume);
-    storage.set_faults(FaultPlan::default());
-    let reopened = Volume::open(
-        Arc::new(storage.clone()) as Arc<dyn Storage>,
-        &OpenOptions::default(),
-    )
-    .expect("reopen");
-    let mut buf = vec![0u8; 8192];
-    reopened.read(0, &mut buf).expect("read");
-    assert!(buf == pattern(3, 8192));
+    let reopened = reopen_and_expect(&storage, &pattern(3, 8192));
     reopened
         .write(0, &[9u8; 4096], true)
         .expect("writable again after reopen");
@@ -320,16 +327,6 @@ fn a_flush_answered_at_its_record_survives_a_failed_home_write() {
         "the failed home write fail-stopped the volume"
     );
     drop(volume);
-    storage.set_faults(FaultPlan::default());
-    let reopened = Volume::open(
-        Arc::new(storage.clone()) as Arc<dyn Storage>,
-        &OpenOptions::default(),
-    )
-    .expect("reopen");
-    let mut buf = vec![0u8; 8192];
-    reopened.read(0, &mut buf).expect("read");
-    assert!(
-        buf == pattern(6, 8192),
-        "the answered flush's blocks survive"
-    );
+    // The answered flush's blocks survive.
+    reopen_and_expect(&storage, &pattern(6, 8192));
 }

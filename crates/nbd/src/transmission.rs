@@ -590,10 +590,6 @@ fn run_command(
             }
             Ok(done_reply(session, request.cookie))
         }
-        Command::Flush => {
-            export.flush()?;
-            Ok(done_reply(session, request.cookie))
-        }
         Command::Trim => {
             if !empty {
                 export.trim(offset, length, fua)?;
@@ -619,6 +615,7 @@ fn run_command(
         }
         Command::BlockStatus => block_status_reply(session, export, request),
         Command::Disc => unreachable!("DISC is handled by the reader"),
+        Command::Flush => unreachable!("FLUSH runs through Export::flush_then (completion::flush)"),
     }
 }
 

@@ -346,12 +346,7 @@ fn a_lost_connection_fails_every_later_request_as_unreachable() {
 #[test]
 fn a_request_past_its_timeout_drops_the_connection_and_later_requests_fail_at_once() {
     let (port, thread) = silent_peer();
-    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
-    let options = ClientOptions {
-        timeout: Duration::from_millis(300),
-        tls: None,
-    };
-    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    let connection = connect_to_peer(port, Duration::from_millis(300));
     let started = std::time::Instant::now();
     let error = connection.call(&Request::Flush).expect_err("no answer");
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -477,6 +472,13 @@ fn concurrent_writers_on_one_connection_each_land_whole() {
     assert!(remote.verify(0, 1024).expect("verify").is_empty());
 }
 
+/// A plain connection to a test peer on `port`, with `timeout`.
+fn connect_to_peer(port: u16, timeout: Duration) -> Arc<vouch_replica::Connection> {
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
+    let options = ClientOptions { timeout, tls: None };
+    vouch_replica::Connection::connect(&url, &options).expect("connect")
+}
+
 /// Accept one client and shake hands as a replica would.
 fn accept_with_hello(listener: &std::net::TcpListener) -> std::net::TcpStream {
     let (mut peer, _) = listener.accept().expect("accept");
@@ -509,12 +511,7 @@ fn silent_peer() -> (u16, std::thread::JoinHandle<()>) {
 #[test]
 fn a_request_answered_by_callback_times_out_on_the_reader_thread() {
     let (port, thread) = silent_peer();
-    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
-    let options = ClientOptions {
-        timeout: Duration::from_millis(300),
-        tls: None,
-    };
-    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    let connection = connect_to_peer(port, Duration::from_millis(300));
     assert!(connection.answers_by_callback());
     let (sender, answers) = std::sync::mpsc::channel();
     let started = std::time::Instant::now();
@@ -680,10 +677,8 @@ fn sealed(remote: &RemoteLeg, first: u64, count: u64, tag: u8) -> Vec<vouch_engi
 #[test]
 fn send_then_never_waits_on_a_replica_that_stopped_reading_and_its_requests_time_out() {
     let (port, stop, thread) = deaf_peer();
-    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
     let timeout = Duration::from_secs(1);
-    let options = ClientOptions { timeout, tls: None };
-    let connection = vouch_replica::Connection::connect(&url, &options).expect("connect");
+    let connection = connect_to_peer(port, timeout);
     assert!(connection.answers_by_callback());
     // 1 MiB frames (the block data shared, not copied); 32 of them are
     // far more than loopback's socket buffers hold (tcp_wmem's 4 MiB
