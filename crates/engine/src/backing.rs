@@ -12,11 +12,14 @@ use vouch_format::Geometry;
 use crate::error::{Error, Result};
 use crate::stats::Stats;
 use crate::storage::{ObjectId, ReadLater, Run, Storage, Wait};
+use crate::written::WrittenMap;
 
 pub(crate) struct Backing {
     storage: Arc<dyn Storage>,
     pub geometry: Geometry,
     pub stats: Stats,
+    /// Which metadata units hold protection information (`written.rs`).
+    pub written: WrittenMap,
     /// Why the volume cannot be written (read-only open, unknown ro-compat
     /// features), as the end of an error message.
     read_only: Option<String>,
@@ -29,11 +32,13 @@ impl Backing {
         storage: Arc<dyn Storage>,
         geometry: Geometry,
         read_only: Option<String>,
+        written: WrittenMap,
     ) -> Backing {
         Backing {
             storage,
             geometry,
             stats: Stats::default(),
+            written,
             read_only,
             failed: Mutex::new(None),
             has_failed: AtomicBool::new(false),

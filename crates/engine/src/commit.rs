@@ -613,6 +613,10 @@ impl Committer {
             rewritten.extend(pages);
             dropped.extend(punched);
         }
+        // The written map after what it describes is durable (contexts
+        // above, data in `sync_all`) and before the superblock retires
+        // the journal that would otherwise restore its bits (`written.rs`).
+        shared.io.written.persist(&shared.io)?;
         let mut superblock = journal.superblock;
         superblock.generation += 1;
         superblock.checkpoint_seq = journal.next_seq - 1;

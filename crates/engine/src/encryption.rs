@@ -92,7 +92,7 @@ impl EncryptedProtection {
         stored: &[u8],
     ) -> Result<Option<Sealed<'a>>, FaultKind> {
         match context {
-            Err(_) => Err(FaultKind::ContextCorrupt),
+            Err(error) => Err(crate::protection::context_fault(error)),
             Ok(Context::Unwritten) => Ok(None),
             Ok(Context::Zero {
                 volume_tag,

@@ -29,6 +29,7 @@ use crate::shared::Shared;
 use crate::state::VolumeState;
 use crate::storage::Storage;
 use crate::superblock::read_superblock;
+use crate::written::WrittenMap;
 
 /// What opening an encrypted volume without a key says.
 pub const MISSING_KEY: &str = "the volume is encrypted and no key was given: give it with --key-file FILE (32 raw bytes), the VOUCH_KEY_FILE environment variable, or type its passphrase at the prompt on a terminal";
@@ -53,6 +54,8 @@ pub(crate) struct Engine {
     pub data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
     /// The volume is encrypted (fixed at creation).
     encrypted: bool,
+    /// Files shorter than the volume needs, found at open (`damage.rs`).
+    pub short_objects: Vec<crate::damage::ShortObject>,
 }
 
 impl Engine {
@@ -105,8 +108,28 @@ impl Engine {
                 superblock.volume_tag(),
             ))
         };
+        let has_map = superblock.features.incompat & FeatureFlags::INCOMPAT_WRITTEN_MAP != 0;
+        let rebuild = options.rebuild_written_map;
+        if rebuild && read_only.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "building the written map needs a writable open{}",
+                read_only.unwrap_or_default()
+            )));
+        }
+        let short_objects = crate::damage::short_objects(&*storage, &geometry, &superblock)?;
+        let written = if rebuild {
+            WrittenMap::empty(&geometry, superblock.uuid)
+        } else if has_map {
+            crate::damage::load_written(&*storage, &geometry, superblock.uuid)?
+        } else {
+            read_only = Some(
+                " (made before the written map: `vouch upgrade PATH` builds it and makes the volume writable)"
+                    .to_string(),
+            );
+            WrittenMap::disabled(&geometry)
+        };
         let shared = Shared {
-            io: Backing::new(storage, geometry, read_only),
+            io: Backing::new(storage, geometry, read_only, written),
             protection,
             layouts: LayoutMap::whole(geometry),
             state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
@@ -118,7 +141,24 @@ impl Engine {
             superblock.journal_bytes,
             options.tuning.overlay_limit,
         );
+        if rebuild {
+            // Before recovery, from what is on disk; recovery then adjusts
+            // it like any replay (`written.rs`).
+            crate::damage::build_written(&shared)?;
+        }
+        if !shared.io.is_read_only() {
+            // A new map (a new volume, or one rebuilt) is on disk before
+            // anything it must describe is written.
+            shared.io.written.persist(&shared.io)?;
+        }
         let recovery = recover(&shared, &committer)?;
+        if rebuild && !has_map {
+            // The flag last: the map it promises is durable (above), and a
+            // checkpoint writes it again with recovery's changes first.
+            let mut journal = committer.lock();
+            journal.superblock.features.incompat |= FeatureFlags::INCOMPAT_WRITTEN_MAP;
+            committer.checkpoint(&shared, &mut journal, vouch_format::superblock::STATE_OPEN)?;
+        }
         Ok(Engine {
             shared,
             committer,
@@ -129,6 +169,7 @@ impl Engine {
             copy_methods: Default::default(),
             data_key,
             encrypted,
+            short_objects,
         })
     }
 

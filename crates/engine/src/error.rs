@@ -20,16 +20,21 @@ pub enum FaultKind {
     /// Encrypted volumes: the block does not authenticate under the
     /// volume's key, uuid and its LBA (moved, swapped or forged).
     AuthFailed,
+    /// The block was written but its protection information is gone: its
+    /// context page or packed row reads as zeros (a file cut short,
+    /// emptied or zeroed) where the written map says it was written.
+    MetadataLost,
 }
 
 impl FaultKind {
-    pub const ALL: [FaultKind; 6] = [
+    pub const ALL: [FaultKind; 7] = [
         FaultKind::GuardMismatch,
         FaultKind::RefTagMismatch,
         FaultKind::VolumeTagMismatch,
         FaultKind::ContextCorrupt,
         FaultKind::Unreadable,
         FaultKind::AuthFailed,
+        FaultKind::MetadataLost,
     ];
 
     /// Stable snake_case name used in logs, JSON and metrics labels.
@@ -41,6 +46,7 @@ impl FaultKind {
             FaultKind::ContextCorrupt => "context_corrupt",
             FaultKind::Unreadable => "unreadable",
             FaultKind::AuthFailed => "auth_failed",
+            FaultKind::MetadataLost => "metadata_lost",
         }
     }
 }

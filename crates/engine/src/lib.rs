@@ -23,6 +23,7 @@ pub mod check;
 mod commit;
 pub mod contexts;
 pub mod copy;
+pub mod damage;
 pub mod device;
 pub mod encryption;
 mod engine;
@@ -47,6 +48,7 @@ pub mod superblock;
 pub mod verify;
 pub mod volume;
 mod write;
+mod written;
 
 pub use check::{check, CheckReport};
 pub use device::{

@@ -87,6 +87,10 @@ pub struct OpenOptions {
     /// ciphertext checked only by the keyless guard (`check --keyless`,
     /// scrub and verify without handing out the key). Never served.
     pub keyless: bool,
+    /// Build the written map from the metadata on disk (`vouch upgrade`):
+    /// a volume made before the map becomes writable, and a map that is
+    /// missing or damaged is made again. Needs a writable open.
+    pub rebuild_written_map: bool,
 }
 
 impl OpenOptions {

@@ -155,6 +155,16 @@ pub(crate) fn zero_template(volume_tag: u32, allocate: bool) -> Context {
     }
 }
 
+/// The fault of a block whose stored context does not decode: its
+/// metadata lost (a lost marker, or a blank unit the written map says was
+/// written), or corrupt.
+pub(crate) fn context_fault(error: &FormatError) -> FaultKind {
+    match error {
+        FormatError::MetadataLost => FaultKind::MetadataLost,
+        _ => FaultKind::ContextCorrupt,
+    }
+}
+
 /// Plain protection: guard + reference tag + volume tag.
 pub struct GuardProtection {
     guard: GuardKind,
@@ -216,7 +226,7 @@ impl Protection for GuardProtection {
         stored: &[u8],
     ) -> Result<(), FaultKind> {
         match context {
-            Err(_) => Err(FaultKind::ContextCorrupt),
+            Err(error) => Err(context_fault(error)),
             Ok(Context::Unwritten) => Ok(()),
             Ok(Context::Zero {
                 volume_tag,

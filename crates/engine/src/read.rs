@@ -237,10 +237,10 @@ impl Shared {
                         ContextFrom::Known(found) => found.clone(),
                         ContextFrom::Record => stored.expect("a record carries its context"),
                     };
-                    let context = context.map_err(|_| {
+                    let context = context.map_err(|error| {
                         Error::Fault(Fault {
                             lba,
-                            kind: FaultKind::ContextCorrupt,
+                            kind: crate::protection::context_fault(&error),
                         })
                     })?;
                     (data, context)
@@ -400,7 +400,16 @@ impl Shared {
     fn note_fault(&self, lba: u64, kind: FaultKind, block: &mut [u8], faults: &mut Vec<Fault>) {
         block.fill(0);
         self.io.stats.count_fault(kind);
-        tracing::warn!(lba, kind = kind.name(), "block failed verification");
+        // The cause once per unit of a read (it reads the unit again).
+        let same_unit = faults.last().is_some_and(|last: &Fault| {
+            last.kind == kind && self.io.written.unit_of(last.lba) == self.io.written.unit_of(lba)
+        });
+        if kind == FaultKind::MetadataLost && !same_unit {
+            let cause = self.metadata_cause(lba);
+            tracing::warn!(lba, kind = kind.name(), %cause, "block failed verification");
+        } else {
+            tracing::warn!(lba, kind = kind.name(), "block failed verification");
+        }
         faults.push(Fault { lba, kind });
     }
 

@@ -143,7 +143,7 @@ impl Shared {
         let count = read.plan.len() as u64;
         let mut out = vec![0u8; (count * BLOCK) as usize];
         let layout = self.layouts.of(read.first);
-        let record_contexts = layout.run_from_span(read.first, count, span, &mut out);
+        let record_contexts = layout.run_from_span(&self.io, read.first, count, span, &mut out);
         if !self.open_home_run(read.first, &read.plan, &record_contexts, &mut out) {
             return None;
         }

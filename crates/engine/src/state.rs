@@ -215,14 +215,21 @@ pub(crate) fn load_context_page(
     page_no: u64,
 ) -> Result<Page> {
     let epoch = state.read().contexts.epoch();
-    let mut bytes = [0u8; 4096];
-    io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
-    let page = std::sync::Arc::new(bytes);
+    let page = std::sync::Arc::new(read_context_page(io, page_no)?);
     state
         .write()
         .contexts
         .insert_page_from(page_no, page.clone(), epoch);
     Ok(page)
+}
+
+/// One page of the context table from disk, judged against the written
+/// map (a lost page becomes lost markers: `WrittenMap::judge_page`).
+pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]> {
+    let mut bytes = [0u8; 4096];
+    io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
+    io.written.judge_page(page_no, &mut bytes);
+    Ok(bytes)
 }
 
 /// The context of `lba` as stored in `page` (its page of the table).

@@ -152,6 +152,26 @@ impl Volume {
         crate::check::check(self, progress)
     }
 
+    /// Files shorter than the volume needs, found at open: each names the
+    /// LBAs whose data or metadata lies past its end (they read as faults).
+    pub fn short_objects(&self) -> &[crate::damage::ShortObject] {
+        &self.engine.short_objects
+    }
+
+    /// Why block `lba` has no protection information (the cause of a
+    /// `metadata_lost` fault): "contexts: page 40 is zeroed: LBAs
+    /// 5120-5247 have no protection information".
+    pub fn metadata_cause(&self, lba: u64) -> String {
+        self.engine.shared.metadata_cause(lba)
+    }
+
+    /// The LBAs whose protection information is kept with `lba`'s (its
+    /// written-map unit: a split context page, a packed row).
+    pub fn metadata_unit(&self, lba: u64) -> Range<u64> {
+        let written = &self.engine.shared.io.written;
+        written.lbas_of(written.unit_of(lba), self.geometry().blocks)
+    }
+
     /// Memory held by caches and buffers now.
     pub fn resident_bytes(&self) -> u64 {
         self.engine.shared.state.read().resident_bytes()

@@ -88,6 +88,26 @@ pub fn encrypted_guard(
     digest.finalize() as u32
 }
 
+/// Kind byte of a *lost marker*: the slot of a block whose protection
+/// information was found lost (its context page or packed row read as
+/// zeros where the written map says metadata was written). A checkpoint
+/// that rewrites such a page stamps the marker into every slot it does not
+/// know, so the loss stays a fault (`FormatError::MetadataLost`) and is
+/// never made a hole; a write or trim of the block replaces it.
+pub const KIND_LOST: u8 = 4;
+
+/// The 32 bytes of a lost marker for `lba` (kind 4, volume tag, ref tag,
+/// zeros, CRC-32C of bytes 0..28).
+pub fn encode_lost(volume_tag: u32, lba: u64) -> [u8; CONTEXT_BYTES] {
+    let mut out = [0u8; CONTEXT_BYTES];
+    out[0] = KIND_LOST;
+    out[4..8].copy_from_slice(&volume_tag.to_le_bytes());
+    out[8..16].copy_from_slice(&lba.to_le_bytes());
+    let crc = crc32c(&out[..28]);
+    out[28..32].copy_from_slice(&crc.to_le_bytes());
+    out
+}
+
 impl Context {
     /// Byte table of the plain (`Data`/`Zero`) variant.
     pub const FIELDS: &'static [Field] = &[
@@ -250,6 +270,17 @@ impl Context {
                         computed: crc32c(&raw[..28]),
                     })
                 }
+            }
+            KIND_LOST => {
+                let stored = get_u32(raw, 28);
+                let computed = crc32c(&raw[..28]);
+                if stored != computed
+                    || raw[1..4] != [0, 0, 0]
+                    || raw[16..28].iter().any(|b| *b != 0)
+                {
+                    return Err(FormatError::BadChecksum { stored, computed });
+                }
+                Err(FormatError::MetadataLost)
             }
             kind @ (1 | 2) => {
                 let stored = get_u32(raw, 28);
@@ -420,6 +451,16 @@ mod tests {
                 Context::Data { volume_tag, ref_tag, guard, generation }
             };
             prop_assert_eq!(Context::decode(&ctx.encode()).unwrap(), ctx);
+        }
+
+        #[test]
+        fn lost_markers_decode_as_lost(lba in any::<u64>(), tag in any::<u32>()) {
+            let marker = encode_lost(tag, lba);
+            prop_assert_eq!(Context::decode(&marker), Err(FormatError::MetadataLost));
+            let mut flipped = marker;
+            flipped[9] ^= 1;
+            let damaged = matches!(Context::decode(&flipped), Err(FormatError::BadChecksum { .. }));
+            prop_assert!(damaged);
         }
 
         #[test]

@@ -12,8 +12,11 @@ pub mod journal;
 pub mod layout;
 pub mod mirror;
 pub mod superblock;
+pub mod written;
 
-pub use context::{aead_nonce, encrypted_guard, Context, ContextKind, CONTEXT_BYTES};
+pub use context::{
+    aead_nonce, encode_lost, encrypted_guard, Context, ContextKind, CONTEXT_BYTES, KIND_LOST,
+};
 pub use guard::{crc32c, GuardKind};
 pub use journal::{JournalEntry, JournalHeader, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES};
 pub use layout::{Geometry, LayoutKind};
@@ -52,6 +55,11 @@ pub enum FormatError {
     UnsupportedBlockSize(u32),
     #[error("inconsistent geometry: {0}")]
     Geometry(&'static str),
+    /// The block was written but its protection information is gone (a
+    /// lost marker, or a context page / packed row read as zeros where the
+    /// written map says metadata was written).
+    #[error("no protection information (its metadata is lost)")]
+    MetadataLost,
     #[error("truncated: need {need} bytes, have {have}")]
     Truncated { need: usize, have: usize },
 }

@@ -39,14 +39,21 @@ impl FeatureFlags {
     /// Blocks are encrypted (AES-256-GCM-SIV contexts, kind 3); the
     /// superblock's key fields hold the wrapped data key.
     pub const INCOMPAT_ENCRYPTED: u64 = 1 << 2;
+    /// The volume keeps a written map (`written`: which metadata units
+    /// hold protection information), so lost metadata reads as a fault,
+    /// never as never-written blocks. Set on every new volume; older
+    /// volumes open read-only until `vouch upgrade` builds the map.
+    pub const INCOMPAT_WRITTEN_MAP: u64 = 1 << 3;
 
     pub const SUPPORTED_COMPAT: u64 = Self::COMPAT_HOLE_PUNCH;
     pub const SUPPORTED_RO_COMPAT: u64 = 0;
-    pub const SUPPORTED_INCOMPAT: u64 =
-        Self::INCOMPAT_CONTEXT_JOURNAL | Self::INCOMPAT_PACKED_LAYOUT | Self::INCOMPAT_ENCRYPTED;
+    pub const SUPPORTED_INCOMPAT: u64 = Self::INCOMPAT_CONTEXT_JOURNAL
+        | Self::INCOMPAT_PACKED_LAYOUT
+        | Self::INCOMPAT_ENCRYPTED
+        | Self::INCOMPAT_WRITTEN_MAP;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
-        let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL;
+        let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL | Self::INCOMPAT_WRITTEN_MAP;
         if layout == LayoutKind::Packed {
             incompat |= Self::INCOMPAT_PACKED_LAYOUT;
         }
@@ -467,7 +474,7 @@ mod tests {
         // the format changed: bump FORMAT_VERSION or add a feature flag.
         assert_eq!(
             get_u32(&bytes, 252),
-            0x1c2fe123,
+            0x67e1ef06,
             "superblock encoding changed"
         );
     }

@@ -72,6 +72,12 @@ fn mirror_tables_match_code() {
 }
 
 #[test]
+fn written_map_table_matches_code() {
+    use vouch_format::written::WrittenHeader;
+    assert_matches("## Written map", WrittenHeader::FIELDS);
+}
+
+#[test]
 fn the_checker_catches_a_wrong_row() {
     let doc = "### T\n\n| offset | size | field |\n|---|---|---|\n| 0 | 8 | magic |\n| 8 | 4 | version |\n";
     let rows = table_after(doc, "### T");

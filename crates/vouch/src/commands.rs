@@ -12,7 +12,8 @@ use vouch_engine::jobs::{scan, JobControl, ScanOptions};
 use vouch_engine::scrub::ScrubRecord;
 use vouch_engine::BlockDevice;
 use vouch_engine::{
-    create_volume, CreateOptions, Fault, GuardKind, LayoutKind, OpenOptions, Volume, BLOCK,
+    create_volume, CreateOptions, Fault, FaultKind, GuardKind, LayoutKind, OpenOptions, Volume,
+    BLOCK,
 };
 
 use crate::key::Use;
@@ -279,14 +280,19 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             .collect();
         let value = json!({
             "path": path.display().to_string(),
+            "damage": describe_faults(&volume, &report.faults, |fault| {
+                format!("fault: LBA {} {}", fault.lba, fault.kind.name())
+            }),
             "blocks_checked": report.blocks_checked,
             "faults": faults,
             "clean": report.faults.is_empty(),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
-        for fault in &report.faults {
-            println!("fault: LBA {} {}", fault.lba, fault.kind.name());
+        for line in describe_faults(&volume, &report.faults, |fault| {
+            format!("fault: LBA {} {}", fault.lba, fault.kind.name())
+        }) {
+            println!("{line}");
         }
         println!(
             "{}: {} blocks checked, {} faults",
@@ -358,8 +364,10 @@ pub fn export(path: &Path, raw: &Path, allow_faults: bool) -> Result<ExitCode> {
     match result {
         Ok(faults) => {
             output.sync_all()?;
-            for fault in &faults {
-                eprintln!("zero-filled: LBA {} {}", fault.lba, fault.kind.name());
+            for line in describe_faults(&volume, &faults, |fault| {
+                format!("LBA {} {}", fault.lba, fault.kind.name())
+            }) {
+                eprintln!("zero-filled: {line}");
             }
             println!(
                 "exported {} to {} ({} bytes, {} faulty blocks zero-filled)",
@@ -400,10 +408,9 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
     })?;
     bar.finish_and_clear();
     if !faults.is_empty() && !allow_faults {
-        let list: Vec<String> = faults
-            .iter()
-            .map(|f| format!("LBA {} ({})", f.lba, f.kind.name()))
-            .collect();
+        let list = describe_faults(volume, &faults, |fault| {
+            format!("LBA {} ({})", fault.lba, fault.kind.name())
+        });
         bail!(
             "{} block(s) failed verification: {}; nothing exported (use --allow-faults to zero-fill them)",
             faults.len(),
@@ -411,6 +418,63 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
         );
     }
     Ok(faults)
+}
+
+/// What a scan's faults say, one line per cause: a file cut short once
+/// (its faults are counted there, not listed), a unit whose metadata is
+/// lost once ("contexts: page 40 is zeroed: LBAs 5120-5247 have no
+/// protection information"), any other fault as `other` words it.
+pub fn describe_faults(
+    volume: &Volume,
+    faults: &[Fault],
+    other: impl Fn(&Fault) -> String,
+) -> Vec<String> {
+    let short = volume.short_objects();
+    let mut lines: Vec<String> = short
+        .iter()
+        .map(|object| {
+            let inside = faults
+                .iter()
+                .filter(|fault| object.lbas.contains(&fault.lba))
+                .count();
+            format!("{object} ({inside} faults)")
+        })
+        .collect();
+    let mut unit_done: Option<std::ops::Range<u64>> = None;
+    for fault in faults {
+        if short.iter().any(|object| object.lbas.contains(&fault.lba)) {
+            continue;
+        }
+        if fault.kind == FaultKind::MetadataLost {
+            if unit_done
+                .as_ref()
+                .is_some_and(|unit| unit.contains(&fault.lba))
+            {
+                continue;
+            }
+            unit_done = Some(volume.metadata_unit(fault.lba));
+            lines.push(volume.metadata_cause(fault.lba));
+            continue;
+        }
+        lines.push(other(fault));
+    }
+    lines
+}
+
+/// `vouch upgrade`: build the written map from the metadata on disk, so a
+/// volume made before it becomes writable, or a lost map is made again.
+pub fn upgrade(path: &Path) -> Result<ExitCode> {
+    let options = OpenOptions {
+        rebuild_written_map: true,
+        ..OpenOptions::default()
+    };
+    let volume = crate::key::open(path, options, Use::Data)?;
+    volume.close()?;
+    println!(
+        "{}: written map built from its metadata; the volume is writable",
+        path.display()
+    );
+    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

@@ -117,6 +117,13 @@ enum Command {
         #[arg(long)]
         allow_faults: bool,
     },
+    /// Build a volume's written map from its metadata as it is now
+    /// (offline). A volume made before the map (format flag WRITTEN_MAP)
+    /// opens read-only until this runs; a volume whose `written` file is
+    /// missing or damaged is refused until this runs or the file is
+    /// restored (the map is what tells lost metadata from never-written
+    /// blocks, so rebuild it only from metadata you trust).
+    Upgrade { path: PathBuf },
     /// Export a volume over NBD (default 127.0.0.1:10809).
     Serve(serve::ServeArgs),
     /// Verify a range (default: all) without moving its data: every bad
@@ -222,6 +229,7 @@ fn main() -> ExitCode {
             raw,
             allow_faults,
         } => commands::export(&path, &raw, allow_faults),
+        Command::Upgrade { path } => commands::upgrade(&path),
         Command::Serve(args) => serve::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Verify(args) => offload::cli_ops::verify(args),

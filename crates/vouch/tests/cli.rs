@@ -10,7 +10,7 @@ use vouch_format::Superblock;
 
 mod common;
 
-use common::{check_faults, s, text, vouch};
+use common::{check_faults, info_json, s, text, vouch};
 
 /// Run and expect success; returns stdout.
 fn ok(args: &[&str]) -> String {
@@ -489,4 +489,320 @@ fn bench_once(interleave: bool) {
         .map(|entry| entry.expect("entry").file_name())
         .collect();
     assert_eq!(left, vec![std::ffi::OsString::from("bench.json")]);
+}
+
+/// How a test loses a volume's metadata (issue 28).
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    /// The file holding the metadata (split: `contexts`, packed:
+    /// `data.00000`) cut to half its length.
+    CutShort,
+    /// The same file emptied (`: > file`).
+    Emptied,
+    /// The same file deleted.
+    Deleted,
+    /// One metadata unit zeroed in place: split, context page 3; packed, row 3.
+    UnitZeroed,
+    /// Split only: the data file cut to half (contexts intact).
+    DataCutShort,
+}
+
+/// Import 2048 distinct blocks into a new volume, lose metadata as
+/// `loss` says, and check what `check` and `export` report: a refusal
+/// naming the file, or faults naming the LBAs and the cause, once per
+/// file or unit — never zeros or a clean check.
+fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 2048);
+    let volume = dir.path().join("vol");
+    let key = dir.path().join("key");
+    std::fs::write(&key, [7u8; 32]).expect("write key");
+    let mut args = vec![
+        "import",
+        s(&raw),
+        s(&volume),
+        "--layout",
+        layout,
+        "--journal",
+        "4MiB",
+    ];
+    if encrypted {
+        args.extend(["--encrypt", "--key-file", s(&key)]);
+    }
+    ok(&args);
+    let with_key = |args: &[&str]| -> Vec<String> {
+        let mut owned: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
+        if encrypted {
+            owned.push("--key-file".into());
+            owned.push(s(&key).to_string());
+        }
+        owned
+    };
+    let packed = layout == "packed";
+    let file = volume.join(match loss {
+        Loss::DataCutShort => "data.00000",
+        _ if packed => "data.00000",
+        _ => "contexts",
+    });
+    let full = std::fs::metadata(&file).expect("stat").len();
+    // The lines `check` must print, and the LBAs that must be faults.
+    let (expected, lost): (String, std::ops::Range<u64>) = match (loss, packed) {
+        (Loss::CutShort, false) => (
+            "contexts is 32 KiB, the volume needs 64 KiB: LBAs 1024-2047 have no protection information (1024 faults)".into(),
+            1024..2048,
+        ),
+        (Loss::CutShort, true) => (
+            "data.00000 is 4224 KiB, the volume needs 8576 KiB: LBAs 1023-2047 are missing (1025 faults)".into(),
+            1023..2048,
+        ),
+        (Loss::Emptied, false) => (
+            "contexts is 0 bytes, the volume needs 64 KiB: LBAs 0-2047 have no protection information (2048 faults)".into(),
+            0..2048,
+        ),
+        (Loss::Emptied, true) => (
+            "data.00000 is 0 bytes, the volume needs 8576 KiB: LBAs 0-2047 are missing (2048 faults)".into(),
+            0..2048,
+        ),
+        (Loss::UnitZeroed, false) => (
+            "contexts: page 3 is zeroed: LBAs 384-511 have no protection information".into(),
+            384..512,
+        ),
+        (Loss::UnitZeroed, true) => (
+            "data.00000: row 3 is zeroed: LBAs 93-123 have no protection information".into(),
+            93..124,
+        ),
+        (Loss::DataCutShort, _) => (
+            "data.00000 is 4 MiB, the volume needs 8 MiB: LBAs 1024-2047 are missing (1024 faults)".into(),
+            1024..2048,
+        ),
+        (Loss::Deleted, _) => (String::new(), 0..0),
+    };
+    let handle = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .expect("open");
+    match loss {
+        Loss::CutShort => handle.set_len(if packed { 33 * 131072 } else { full / 2 }),
+        Loss::DataCutShort => handle.set_len(full / 2),
+        Loss::Emptied => handle.set_len(0),
+        Loss::Deleted => std::fs::remove_file(&file),
+        Loss::UnitZeroed => {
+            let unit = if packed { 131072 } else { 4096 };
+            handle.write_all_at(&vec![0u8; unit], 3 * unit as u64)
+        }
+    }
+    .expect("lose metadata");
+    drop(handle);
+
+    let check = with_key(&["check", s(&volume)]);
+    let check: Vec<&str> = check.iter().map(String::as_str).collect();
+    if let Loss::Deleted = loss {
+        fails(&check, 2, "is missing: every file of the volume is needed");
+        let export = with_key(&["export", s(&volume), "out.raw"]);
+        let export: Vec<&str> = export.iter().map(String::as_str).collect();
+        fails(&export, 2, "is missing");
+        return;
+    }
+    let output = vouch(&check);
+    let report = String::from_utf8_lossy(&output.stdout).to_string();
+    assert_eq!(
+        output.status.code(),
+        Some(1),
+        "{loss:?}: check must fail: {report}"
+    );
+    let lines: Vec<&str> = report.lines().collect();
+    assert_eq!(
+        lines.iter().filter(|line| line.contains("LBAs")).count(),
+        1,
+        "{loss:?}: one line for the loss: {report}"
+    );
+    assert!(
+        lines.contains(&expected.as_str()),
+        "{loss:?}: expected {expected:?} in:\n{report}"
+    );
+    assert!(
+        !report.contains("fault: LBA"),
+        "{loss:?}: the lost blocks are not listed one by one: {report}"
+    );
+    let mut json = check.clone();
+    json.push("--json");
+    let json: serde_json::Value =
+        serde_json::from_slice(&vouch(&json).stdout).expect("check --json");
+    let faults: Vec<u64> = json["faults"]
+        .as_array()
+        .expect("faults")
+        .iter()
+        .map(|fault| fault["lba"].as_u64().expect("lba"))
+        .collect();
+    assert_eq!(faults, lost.clone().collect::<Vec<_>>(), "{loss:?}: {json}");
+
+    // Export refuses, naming the loss once; with --allow-faults it
+    // zero-fills exactly the lost blocks and says so.
+    let out = dir.path().join("out.raw");
+    let export = with_key(&["export", s(&volume), s(&out)]);
+    let export: Vec<&str> = export.iter().map(String::as_str).collect();
+    fails(&export, 2, &expected);
+    assert!(!out.exists(), "nothing exported");
+    let mut allowed = export.clone();
+    allowed.push("--allow-faults");
+    let output = vouch(&allowed);
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(
+        text(&output).contains(&format!("zero-filled: {expected}")),
+        "{}",
+        text(&output)
+    );
+    let exported = std::fs::read(&out).expect("exported");
+    let original = std::fs::read(&raw).expect("raw");
+    for lba in 0..2048u64 {
+        let at = (lba * 4096) as usize..((lba + 1) * 4096) as usize;
+        if lost.contains(&lba) {
+            assert!(
+                exported[at].iter().all(|b| *b == 0),
+                "LBA {lba} zero-filled"
+            );
+        } else {
+            assert_eq!(
+                exported[at.clone()],
+                original[at],
+                "{loss:?}: LBA {lba} must export intact"
+            );
+        }
+    }
+}
+
+#[test]
+fn lost_metadata_is_a_fault_never_zeros_split() {
+    for loss in [
+        Loss::CutShort,
+        Loss::Emptied,
+        Loss::Deleted,
+        Loss::UnitZeroed,
+        Loss::DataCutShort,
+    ] {
+        lost_metadata_is_reported("split", false, loss);
+    }
+}
+
+#[test]
+fn lost_metadata_is_a_fault_never_zeros_packed() {
+    for loss in [
+        Loss::CutShort,
+        Loss::Emptied,
+        Loss::Deleted,
+        Loss::UnitZeroed,
+    ] {
+        lost_metadata_is_reported("packed", false, loss);
+    }
+}
+
+#[test]
+fn lost_metadata_is_a_fault_never_zeros_encrypted() {
+    for layout in ["split", "packed"] {
+        for loss in [
+            Loss::CutShort,
+            Loss::Emptied,
+            Loss::Deleted,
+            Loss::UnitZeroed,
+        ] {
+            lost_metadata_is_reported(layout, true, loss);
+        }
+    }
+}
+
+/// `vouch check` fails (exit 1) with `line` among its output lines.
+fn check_says(volume: &Path, line: &str) {
+    let output = vouch(&["check", s(volume)]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    assert!(
+        stdout.lines().any(|found| found == line),
+        "expected {line:?} in:
+{stdout}"
+    );
+}
+
+/// The issue's reproduction as written: a 64 MiB import whose `contexts`
+/// is cut to 256 KiB checked clean and exported zeros from 32 MiB on.
+#[test]
+fn issue_28_contexts_cut_short_is_not_clean() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 16384);
+    let volume = dir.path().join("vol");
+    ok(&["import", s(&raw), s(&volume)]);
+    let contexts = std::fs::OpenOptions::new()
+        .write(true)
+        .open(volume.join("contexts"))
+        .expect("open");
+    contexts.set_len(262144).expect("truncate");
+    check_says(
+        &volume,
+        "contexts is 256 KiB, the volume needs 512 KiB: LBAs 8192-16383 have no protection information (8192 faults)",
+    );
+    fails(
+        &["export", s(&volume), s(&dir.path().join("o.raw"))],
+        2,
+        "nothing exported",
+    );
+}
+
+/// A volume made before the written map opens read-only, saying how to
+/// upgrade it; `vouch upgrade` builds the map from its contexts, after
+/// which it is writable and a lost page is caught. A `written` file lost
+/// later refuses the open, naming the file and the command.
+#[test]
+fn volumes_before_the_written_map_upgrade_explicitly() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 1024);
+    let volume = dir.path().join("vol");
+    ok(&["import", s(&raw), s(&volume), "--journal", "4MiB"]);
+    rewrite_superblock(&volume, |sb| {
+        sb.features.incompat &= !vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP
+    });
+    std::fs::remove_file(volume.join("written")).expect("remove written");
+    let written_map = vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP;
+    let incompat = |volume: &Path| {
+        info_json(volume)["features"]["incompat"]
+            .as_u64()
+            .expect("incompat")
+    };
+    assert_eq!(incompat(&volume) & written_map, 0);
+    ok(&["check", s(&volume)]);
+    let copy = [
+        "copy",
+        s(&volume),
+        s(&volume),
+        "--length",
+        "4096",
+        "--destination-offset",
+        "8192",
+    ];
+    fails(
+        &copy,
+        2,
+        "made before the written map: `vouch upgrade PATH`",
+    );
+    let done = ok(&["upgrade", s(&volume)]);
+    assert!(done.contains("written map built"), "{done}");
+    assert_ne!(incompat(&volume) & written_map, 0);
+    ok(&copy);
+    ok(&["check", s(&volume)]);
+    // The map built by the upgrade catches a lost page.
+    let contexts = std::fs::OpenOptions::new()
+        .write(true)
+        .open(volume.join("contexts"))
+        .expect("open");
+    contexts
+        .write_all_at(&[0u8; 4096], 4096)
+        .expect("zero page 1");
+    check_says(
+        &volume,
+        "contexts: page 1 is zeroed: LBAs 128-255 have no protection information",
+    );
+    std::fs::write(volume.join("written"), b"").expect("empty the map");
+    fails(
+        &["check", s(&volume)],
+        2,
+        "written: the written map is missing or damaged",
+    );
 }

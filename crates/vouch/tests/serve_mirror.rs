@@ -394,3 +394,56 @@ print(json.dumps({"ok": True}))
         server.log_text()
     );
 }
+
+/// Issue 28: a context page zeroed on one leg is a `metadata_lost` fault
+/// for each of its 128 blocks there, never zeros. Reads over NBD return
+/// the other leg's data and repair it; a scrub repairs the rest (the
+/// page's never-written blocks as holes); the leg then checks clean alone.
+#[test]
+fn a_zeroed_context_page_on_one_leg_is_repaired_from_the_other() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(b.join("contexts"))
+        .expect("open contexts")
+        .write_all_at(&[0u8; 4096], 0)
+        .expect("zero page 0");
+    let check = vouch(&["check", s(&a)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    assert!(
+        text(&check).contains("leg 1: fault: LBA 3 metadata_lost")
+            && text(&check).contains("leg 1: fault: LBA 127 metadata_lost")
+            && !text(&check).contains("leg 0: fault"),
+        "check names the lost blocks on leg 1: {}",
+        text(&check)
+    );
+
+    let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
+    let result = py_json(READ_ALL, &[&server.uri, "1"]);
+    for lba in 0..16 {
+        for read in result[lba.to_string()].as_array().expect("reads") {
+            assert_eq!(*read, true, "LBA {lba} must read good data: {result}");
+        }
+    }
+    let metrics = server.metrics_text();
+    let series =
+        r#"vouch_mirror_repairs_total{volume="a",leg="1",kind="metadata_lost",outcome="repaired"}"#;
+    assert_eq!(metric(&metrics, series), Some(16.0), "{series}:\n{metrics}");
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("contexts: page 0 is zeroed: LBAs 0-127 have no protection information"),
+        "the server log names the cause: {log}"
+    );
+    let scrub = vouch(&["scrub", s(&a)]);
+    assert!(scrub.status.success(), "{}", text(&scrub));
+    assert_check_clean(&a);
+    for lba in 0..16 {
+        assert_eq!(block_of(&b, lba), block_of(&a, lba), "LBA {lba}");
+    }
+    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
+    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
+    assert_check_clean(&b);
+}

@@ -118,9 +118,12 @@ pub(crate) trait Layout: Send + Sync {
 
     /// `read_run`'s result from the bytes read at `run_span`: the blocks
     /// into `out`, and the contexts stored with them (empty when contexts
-    /// live elsewhere).
+    /// live elsewhere). A blank context in a unit the written map says was
+    /// written is `MetadataLost` here: only `read_run`, which may read
+    /// more, can clear it (a unit that is not blank).
     fn run_from_span(
         &self,
+        io: &Backing,
         first: u64,
         count: u64,
         span: &[u8],
@@ -166,6 +169,13 @@ pub(crate) trait Layout: Send + Sync {
         first: u64,
         buffered: &[bool],
     ) -> Result<Vec<Allocation>>;
+
+    /// Where the metadata of written-map unit `unit` lives (a split
+    /// context page, a packed row).
+    fn unit_place(&self, unit: u64) -> crate::damage::UnitPlace;
+
+    /// The context slots in the bytes of one unit (`unit_place`).
+    fn unit_metadata(&self, bytes: &[u8]) -> Vec<[u8; vouch_format::CONTEXT_BYTES]>;
 
     /// Check a record that passed its checksums before replaying it.
     fn check_record(&self, record: &Record) -> std::result::Result<(), String>;

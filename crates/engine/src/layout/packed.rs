@@ -16,6 +16,7 @@ use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, WrittenPa
 use crate::backing::Backing;
 use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
+use crate::damage::UnitPlace;
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
@@ -64,8 +65,12 @@ impl PackedLayout {
                 && row_end_lba - lba == PACKED_RECORDS_PER_ROW
                 && matches!(template, Context::Unwritten)
             {
-                // Whole rows: punch them in one call.
+                // Whole rows: punch them in one call, their bits cleared
+                // first (`written.rs`).
                 let rows = (end - lba) / PACKED_RECORDS_PER_ROW;
+                let _change = io.written.change.lock();
+                io.written
+                    .clear_touched(lba, lba + rows * PACKED_RECORDS_PER_ROW);
                 io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
                 lba += rows * PACKED_RECORDS_PER_ROW;
                 continue;
@@ -77,8 +82,110 @@ impl PackedLayout {
                 run[at..at + CONTEXT_BYTES]
                     .copy_from_slice(&context_in_range(template, block).encode());
             }
-            io.write_object(object, first, &run)?;
+            {
+                // A trim may leave the row blank: its bit is cleared
+                // before a reader can judge it (under `change`).
+                let _change = io.written.change.lock();
+                io.write_object(object, first, &run)?;
+                let unit = io.written.unit_of(lba);
+                if matches!(template, Context::Unwritten) {
+                    let blank = self
+                        .row_blank(io, unit, Wait::Block)
+                        .map_err(|error| Error::io("read", object, first, error))?;
+                    if io.written.is_set(unit) && blank {
+                        io.written.clear(unit);
+                    }
+                } else {
+                    io.written.set(unit);
+                }
+            }
             lba = row_end_lba;
+        }
+        Ok(())
+    }
+}
+
+/// A blank context in a row the written map says was written may be a
+/// lost one: `MetadataLost` until `judge_suspects` reads the row.
+fn suspect(
+    io: &Backing,
+    lba: u64,
+    context: Result<Context, FormatError>,
+) -> Result<Context, FormatError> {
+    match context {
+        Ok(Context::Unwritten) if io.written.is_set(io.written.unit_of(lba)) => {
+            Err(FormatError::MetadataLost)
+        }
+        other => other,
+    }
+}
+
+impl PackedLayout {
+    /// The first LBA at or after `lba` whose record may hold data on disk.
+    fn next_data_in_segments(&self, io: &Backing, lba: u64) -> Result<Option<u64>> {
+        let mut segment_first = lba;
+        while segment_first < self.geometry.blocks {
+            let location = self.geometry.locate(segment_first);
+            let base = segment_first - segment_first % self.geometry.segment_blocks;
+            if let Some(at) =
+                io.seek_data(ObjectId::Data(location.segment), location.data_offset)?
+            {
+                let row_lba = base + (at / PACKED_ROW_BYTES) * PACKED_RECORDS_PER_ROW;
+                return Ok(Some(row_lba.max(segment_first)));
+            }
+            segment_first = base + self.geometry.segment_blocks;
+        }
+        Ok(None)
+    }
+
+    /// Whether every context slot of row `unit` reads as zeros.
+    fn row_blank(&self, io: &Backing, unit: u64, wait: Wait) -> std::io::Result<bool> {
+        let place = self.unit_place(unit);
+        let mut row = vec![0u8; place.len];
+        io.try_read_with(place.object, place.offset, &mut row, wait)?;
+        Ok(self
+            .unit_metadata(&row)
+            .iter()
+            .all(|slot| *slot == [0u8; CONTEXT_BYTES]))
+    }
+
+    /// Settle the suspects `run_from_span` marked (blocks `first..`): a
+    /// blank context whose row still has its bit set and is blank has
+    /// lost its metadata (`MetadataLost` stays); otherwise the block was
+    /// never written (`Unwritten`). Judged under `WrittenMap::change`, so
+    /// a trim blanking the row is never caught half-way.
+    fn judge_suspects(
+        &self,
+        io: &Backing,
+        first: u64,
+        contexts: &mut [Result<Context, FormatError>],
+        wait: Wait,
+    ) -> std::io::Result<()> {
+        let mut judged: Option<(u64, bool)> = None;
+        for (index, context) in contexts.iter_mut().enumerate() {
+            if !matches!(context, Err(FormatError::MetadataLost)) {
+                continue;
+            }
+            let unit = io.written.unit_of(first + index as u64);
+            let lost = match judged {
+                Some((judged_unit, lost)) if judged_unit == unit => lost,
+                _ => {
+                    let _change = io.written.change.lock();
+                    let lost = io.written.is_set(unit) && self.row_blank(io, unit, wait)?;
+                    if lost {
+                        tracing::warn!(
+                            row = unit,
+                            first_lba = unit * PACKED_RECORDS_PER_ROW,
+                            "packed: a row the written map says was written has no contexts: its blocks have no protection information"
+                        );
+                    }
+                    judged = Some((unit, lost));
+                    lost
+                }
+            };
+            if !lost {
+                *context = Ok(Context::Unwritten);
+            }
         }
         Ok(())
     }
@@ -126,11 +233,13 @@ impl Layout for PackedLayout {
             let mut records = cell.take();
             records.set_len(span.len);
             let read = io.try_read_with(span.object, span.offset, &mut records, wait);
-            let contexts = read.map(|()| self.run_from_span(first, count, &records, out));
+            let contexts = read.map(|()| self.run_from_span(io, first, count, &records, out));
             if records.len() <= KEEP_RECORDS_BYTES {
                 cell.replace(records);
             }
-            contexts
+            let mut contexts = contexts?;
+            self.judge_suspects(io, first, &mut contexts, wait)?;
+            Ok(contexts)
         })
     }
 
@@ -155,6 +264,7 @@ impl Layout for PackedLayout {
 
     fn run_from_span(
         &self,
+        io: &Backing,
         first: u64,
         count: u64,
         span: &[u8],
@@ -168,7 +278,11 @@ impl Layout for PackedLayout {
                 let at = base + (self.geometry.locate(lba).data_offset - start) as usize;
                 out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
                     .copy_from_slice(&span[at..at + BLOCK as usize]);
-                Context::decode(&span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize])
+                suspect(
+                    io,
+                    lba,
+                    Context::decode(&span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize]),
+                )
             })
             .collect()
     }
@@ -187,7 +301,10 @@ impl Layout for PackedLayout {
             &mut record,
         )?;
         block.copy_from_slice(&record[..BLOCK as usize]);
-        Ok(Some(Context::decode(&record[BLOCK as usize..])))
+        let mut context = [suspect(io, lba, Context::decode(&record[BLOCK as usize..]))];
+        self.judge_suspects(io, lba, &mut context, Wait::Block)?;
+        let [context] = context;
+        Ok(Some(context))
     }
 
     fn write_home(
@@ -226,7 +343,19 @@ impl Layout for PackedLayout {
             runs.push((ObjectId::Data(first.segment), first.data_offset, parts));
             index = end;
         }
-        super::write_runs_by_object(io, &runs, unsynced)
+        super::write_runs_by_object(io, &runs, unsynced)?;
+        // Set once the records are written (`written.rs`); on disk with
+        // the next checkpoint's map, after the data's fsync. Until then the
+        // journal holds these records and recovery sets the bits again.
+        let mut last = None;
+        for (lba, _) in blocks {
+            let unit = io.written.unit_of(*lba);
+            if last != Some(unit) {
+                io.written.set(unit);
+                last = Some(unit);
+            }
+        }
+        Ok(())
     }
 
     fn apply_range_home(
@@ -243,20 +372,35 @@ impl Layout for PackedLayout {
         })
     }
 
+    /// A row whose bit is set counts too: it may be lost, and a hole on
+    /// disk must not hide that from a scan.
     fn next_data_on_disk(&self, io: &Backing, lba: u64) -> Result<Option<u64>> {
-        let mut segment_first = lba;
-        while segment_first < self.geometry.blocks {
-            let location = self.geometry.locate(segment_first);
-            let base = segment_first - segment_first % self.geometry.segment_blocks;
-            if let Some(at) =
-                io.seek_data(ObjectId::Data(location.segment), location.data_offset)?
-            {
-                let row_lba = base + (at / PACKED_ROW_BYTES) * PACKED_RECORDS_PER_ROW;
-                return Ok(Some(row_lba.max(segment_first)));
-            }
-            segment_first = base + self.geometry.segment_blocks;
+        let on_disk = self.next_data_in_segments(io, lba)?;
+        Ok([on_disk, io.written.next_set_lba(lba)]
+            .into_iter()
+            .flatten()
+            .min())
+    }
+
+    fn unit_place(&self, unit: u64) -> UnitPlace {
+        let first = unit * PACKED_RECORDS_PER_ROW;
+        let location = self.geometry.locate(first);
+        let row_in_segment = location.data_offset / PACKED_ROW_BYTES;
+        UnitPlace {
+            object: ObjectId::Data(location.segment),
+            offset: location.data_offset,
+            len: PACKED_ROW_BYTES as usize,
+            name: format!("row {row_in_segment}"),
         }
-        Ok(None)
+    }
+
+    fn unit_metadata(&self, bytes: &[u8]) -> Vec<[u8; CONTEXT_BYTES]> {
+        (0..PACKED_RECORDS_PER_ROW as usize)
+            .map(|slot| {
+                let at = slot * PACKED_RECORD_BYTES as usize + BLOCK as usize;
+                bytes[at..at + CONTEXT_BYTES].try_into().expect("32 bytes")
+            })
+            .collect()
     }
 
     fn allocation(
@@ -275,7 +419,7 @@ impl Layout for PackedLayout {
                 at < last.data_offset + PACKED_RECORD_BYTES || last.segment != start.segment
             }
             None => last.segment != start.segment,
-        };
+        } || io.written.any_set(first, first + count);
         let mut kinds = Vec::with_capacity(buffered.len());
         for (index, lba) in (first..first + count).enumerate() {
             if buffered[index] {
@@ -293,7 +437,11 @@ impl Layout for PackedLayout {
                 location.data_offset + BLOCK,
                 &mut raw,
             )?;
-            kinds.push(match Context::decode(&raw) {
+            // A lost row is data, never a hole (its reads are faults).
+            let mut context = [suspect(io, lba, Context::decode(&raw))];
+            self.judge_suspects(io, lba, &mut context, Wait::Block)
+                .map_err(|error| Error::io("read", ObjectId::Data(location.segment), 0, error))?;
+            kinds.push(match context[0] {
                 Ok(Context::Unwritten) => Allocation::Hole,
                 Ok(Context::Zero { .. }) => Allocation::Zero,
                 _ => Allocation::Data,
@@ -323,6 +471,12 @@ impl Layout for PackedLayout {
     /// journaled blocks and ranges from memory instead.
     fn replay(&self, replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>> {
         let read_only = replay.io.is_read_only();
+        if read_only {
+            // A trim since the last checkpoint may have blanked a row whose
+            // bit is set in the map on disk; a writable replay redoes the
+            // trim, which clears it as the trim did (`written.rs`).
+            super::split::clear_trimmed_units(replay.io, records);
+        }
         for record in records {
             let mut data_index = 0usize;
             for entry in &record.entries {
@@ -357,6 +511,7 @@ impl Layout for PackedLayout {
                     replay
                         .io
                         .write_object(object, location.data_offset, &record_bytes)?;
+                    replay.io.written.set(replay.io.written.unit_of(entry.lba));
                     replay.unsynced.insert(object);
                 } else {
                     let range = RangeOp {

@@ -21,6 +21,7 @@ use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CON
 use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
+use crate::damage::UnitPlace;
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::protection::Protection;
@@ -64,7 +65,7 @@ impl SplitLayout {
         let cached = state.read().contexts.cached_page(page_no);
         match cached {
             Some(cached) => bytes.copy_from_slice(&cached[..]),
-            None => io.read_object(ObjectId::Contexts, page_no * 4096, bytes)?,
+            None => *bytes = crate::state::read_context_page(io, page_no)?,
         }
         Ok(page)
     }
@@ -88,6 +89,10 @@ impl SplitLayout {
                 && matches!(template, Context::Unwritten)
             {
                 let whole = (end - lba) / CONTEXTS_PER_PAGE;
+                // Cleared before the pages are blank (`written.rs`).
+                for page in page_no..page_no + whole {
+                    io.written.clear(page);
+                }
                 io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
                 pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
                 punched.push(page_no..page_no + whole);
@@ -201,6 +206,7 @@ impl Layout for SplitLayout {
 
     fn run_from_span(
         &self,
+        _io: &Backing,
         _first: u64,
         _count: u64,
         span: &[u8],
@@ -274,11 +280,33 @@ impl Layout for SplitLayout {
         })
     }
 
+    /// A unit whose bit is set counts too: its page may be lost, and a
+    /// hole on disk must not hide that from a scan.
     fn next_data_on_disk(&self, io: &Backing, lba: u64) -> Result<Option<u64>> {
         let offset = lba * CONTEXT_BYTES as u64;
-        Ok(io
+        let on_disk = io
             .seek_data(ObjectId::Contexts, offset)?
-            .map(|at| at / CONTEXT_BYTES as u64))
+            .map(|at| (at / CONTEXT_BYTES as u64).max(lba));
+        Ok([on_disk, io.written.next_set_lba(lba)]
+            .into_iter()
+            .flatten()
+            .min())
+    }
+
+    fn unit_place(&self, unit: u64) -> UnitPlace {
+        UnitPlace {
+            object: ObjectId::Contexts,
+            offset: unit * 4096,
+            len: 4096,
+            name: format!("page {unit}"),
+        }
+    }
+
+    fn unit_metadata(&self, bytes: &[u8]) -> Vec<[u8; CONTEXT_BYTES]> {
+        bytes
+            .chunks_exact(CONTEXT_BYTES)
+            .map(|slot| slot.try_into().expect("32 bytes"))
+            .collect()
     }
 
     fn allocation(
@@ -340,6 +368,10 @@ impl Layout for SplitLayout {
         let Some(last) = records.last() else {
             return Ok(Vec::new());
         };
+        // The checkpoint a replayed trim preceded may have left its pages
+        // blank before the crash, with the map on disk still set: their
+        // bits are cleared before any page is loaded (`written.rs`).
+        clear_trimmed_units(io, records);
         let mut resolutions = Vec::new();
         let verify_after = last.header.data_durable_seq;
         let redo_last = last_records_of_redo_blocks(records);
@@ -546,6 +578,10 @@ impl CheckpointPages {
     }
 
     fn push(&mut self, io: &Backing, page_no: u64, page: Page) -> Result<()> {
+        if page.iter().all(|byte| *byte == 0) {
+            // A blank page: its bit is cleared before it is written.
+            io.written.clear(page_no);
+        }
         self.batch.push((page_no, page));
         if self.batch.len() == IOV_MAX {
             self.write_batch(io)?;
@@ -573,6 +609,13 @@ impl CheckpointPages {
             })
             .collect();
         io.write_runs(ObjectId::Contexts, &runs)?;
+        for (page_no, page) in &self.batch {
+            // Set once the page is written; on disk with the checkpoint's
+            // map, after the contexts' fsync (`written.rs`).
+            if page.iter().any(|byte| *byte != 0) {
+                io.written.set(*page_no);
+            }
+        }
         let batch = self
             .batch
             .drain(..)
@@ -626,6 +669,19 @@ fn last_records_of_redo_blocks(records: &[Record]) -> BTreeMap<u64, u64> {
         }
     }
     last
+}
+
+/// Clear the written-map bit of every unit a trim in `records` touches
+/// (recovery, before anything is read: `written.rs`).
+pub(super) fn clear_trimmed_units(io: &Backing, records: &[Record]) {
+    for record in records {
+        for entry in &record.entries {
+            if matches!(entry.context, Context::Unwritten) {
+                io.written
+                    .clear_touched(entry.lba, entry.lba + u64::from(entry.count));
+            }
+        }
+    }
 }
 
 /// The bytes of a page this checkpoint built and no one else holds yet.

@@ -49,6 +49,8 @@ pub struct FileStorage {
     journal: File,
     contexts: Option<File>,
     data: Vec<File>,
+    /// The written map; `None` in a volume made before it, opened read-only.
+    written: Option<File>,
     direct: bool,
     /// Direct writes: the ring and the envelope arena (writes to data are
     /// serialized by the engine's commit lock anyway).
@@ -95,6 +97,8 @@ impl FileStorage {
                 ObjectId::Journal => journal_bytes,
                 ObjectId::Contexts => geometry.contexts_len(),
                 ObjectId::Data(segment) => geometry.segment_len(segment),
+                // Written by the volume's first open (it starts empty).
+                ObjectId::Written => 0,
             };
             file.set_len(len)?;
             if object == ObjectId::Journal {
@@ -151,8 +155,37 @@ impl FileStorage {
                     } else {
                         ""
                     };
+                    if error.kind() == io::ErrorKind::NotFound && object != ObjectId::Superblock {
+                        // A missing file is never read as never-written blocks.
+                        return io::Error::new(
+                            error.kind(),
+                            format!(
+                                "{} is missing: every file of the volume is needed and its blocks cannot be read without it; restore it from a copy of the volume (or, on a mirror, replace this leg with `vouch mirror replace`)",
+                                path.display()
+                            ),
+                        );
+                    }
                     io::Error::new(error.kind(), format!("{}: {error}{hint}", path.display()))
                 })
+        };
+        // Volumes made before the written map have no `written` file: a
+        // writable open creates it (empty; `Engine::open` decides what an
+        // empty map means), a read-only open goes without.
+        let written_path = dir.join(ObjectId::Written.file_name());
+        let written = match OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .create(writable)
+            .open(&written_path)
+        {
+            Ok(file) => Some(file),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => None,
+            Err(error) => {
+                return Err(io::Error::new(
+                    error.kind(),
+                    format!("{}: {error}", written_path.display()),
+                ))
+            }
         };
         let superblock = open(ObjectId::Superblock)?;
         lock_volume(&superblock, dir, writable)?;
@@ -168,6 +201,7 @@ impl FileStorage {
             data: (0..geometry.segments())
                 .map(|segment| open(ObjectId::Data(segment)))
                 .collect::<io::Result<_>>()?,
+            written,
             direct,
             writer: Mutex::new(DirectWriter::default()),
             reads: OnceLock::new(),
@@ -187,6 +221,7 @@ impl FileStorage {
                 .data
                 .get(segment as usize)
                 .ok_or_else(|| no_object(object)),
+            ObjectId::Written => self.written.as_ref().ok_or_else(|| no_object(object)),
         }
     }
 }
@@ -443,6 +478,15 @@ impl Storage for FileStorage {
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
         use std::os::unix::fs::MetadataExt;
         Ok(self.file(object)?.metadata()?.blocks() * 512)
+    }
+
+    fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
+        match self.file(object) {
+            Ok(file) => Ok(Some(file.metadata()?.len())),
+            // No such object (a volume made before the written map).
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(Some(0)),
+            Err(error) => Err(error),
+        }
     }
 
     fn clone_range(&self, clone: CloneRange<'_>) -> io::Result<()> {

@@ -30,6 +30,8 @@ pub enum ObjectId {
     Journal,
     Contexts,
     Data(u32),
+    /// The written map (volumes with the WRITTEN_MAP flag).
+    Written,
 }
 
 impl ObjectId {
@@ -39,6 +41,7 @@ impl ObjectId {
             ObjectId::Journal => "journal".to_string(),
             ObjectId::Contexts => "contexts".to_string(),
             ObjectId::Data(segment) => Geometry::segment_name(segment),
+            ObjectId::Written => "written".to_string(),
         }
     }
 }
@@ -115,6 +118,14 @@ pub trait Storage: Send + Sync {
     fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>>;
     /// Bytes of real storage allocated to `object` (for `info`).
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64>;
+
+    /// The length of `object` when this storage keeps one that can fall
+    /// short of what the volume needs (a file cut short or emptied);
+    /// `None` when it cannot tell (the default: objects grow as written).
+    fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
+        let _ = object;
+        Ok(None)
+    }
 
     /// Make `len` bytes of `object` at `offset` share the bytes of
     /// `source`'s `source_object` at `source_offset` (reflink,
@@ -275,6 +286,7 @@ pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
         objects.push(ObjectId::Contexts);
     }
     objects.extend((0..geometry.segments()).map(ObjectId::Data));
+    objects.push(ObjectId::Written);
     objects
 }
 

@@ -1,0 +1,217 @@
+//! Lost metadata, found and named: files shorter than the volume needs
+//! (found at open, reported once per file), the written map at open
+//! (`written.rs`), and the cause of a `metadata_lost` fault for messages
+//! ("contexts: page 40 is zeroed: LBAs 5120-5247 have no protection
+//! information"). Absence is never emptiness: a block whose metadata is
+//! missing is a fault naming its LBA, never zeros or a hole.
+
+use std::ops::Range;
+
+use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
+use vouch_format::{Geometry, LayoutKind, Superblock, KIND_LOST};
+
+use crate::error::{Error, Result};
+use crate::shared::Shared;
+use crate::storage::{objects_of, ObjectId, Storage};
+use crate::written::{Loaded, WrittenMap};
+
+/// A file of the volume shorter than its nominal length, and the LBAs
+/// whose data or metadata lies past its end.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShortObject {
+    pub object: ObjectId,
+    pub len: u64,
+    pub expected: u64,
+    pub lbas: Range<u64>,
+}
+
+impl std::fmt::Display for ShortObject {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.object {
+            ObjectId::Contexts => "have no protection information",
+            _ => "are missing",
+        };
+        write!(
+            f,
+            "{} is {}, the volume needs {}: LBAs {}-{} {what}",
+            self.object.file_name(),
+            size(self.len),
+            size(self.expected),
+            self.lbas.start,
+            self.lbas.end - 1
+        )
+    }
+}
+
+/// A byte count as qemu-img writes sizes (powers of 1024).
+fn size(bytes: u64) -> String {
+    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
+            return format!("{} {unit}", bytes >> shift);
+        }
+    }
+    format!("{bytes} bytes")
+}
+
+/// The files shorter than the geometry needs. A short journal refuses the
+/// open: the commits it held cannot be told from none.
+pub(crate) fn short_objects(
+    storage: &dyn Storage,
+    geometry: &Geometry,
+    superblock: &Superblock,
+) -> Result<Vec<ShortObject>> {
+    let mut short = Vec::new();
+    for object in objects_of(geometry) {
+        let expected = match object {
+            ObjectId::Journal => superblock.journal_bytes,
+            ObjectId::Contexts => geometry.contexts_len(),
+            ObjectId::Data(segment) => geometry.segment_len(segment),
+            ObjectId::Superblock | ObjectId::Written => continue,
+        };
+        let len = storage
+            .object_len(object)
+            .map_err(|error| Error::io("stat", object, 0, error))?;
+        let Some(len) = len.filter(|len| *len < expected) else {
+            continue;
+        };
+        let lbas = match object {
+            ObjectId::Journal => {
+                return Err(Error::Corrupt(format!(
+                    "journal is {}, the volume needs {}: the commits it holds may be lost; restore it from a copy of the volume; refusing to open",
+                    size(len),
+                    size(superblock.journal_bytes)
+                )))
+            }
+            ObjectId::Contexts => len / 32..geometry.blocks,
+            ObjectId::Data(segment) => {
+                let base = u64::from(segment) * geometry.segment_blocks;
+                let whole = match geometry.layout {
+                    LayoutKind::Split => len / 4096,
+                    LayoutKind::Packed => {
+                        (len / PACKED_ROW_BYTES) * PACKED_RECORDS_PER_ROW
+                            + ((len % PACKED_ROW_BYTES) / PACKED_RECORD_BYTES)
+                                .min(PACKED_RECORDS_PER_ROW)
+                    }
+                };
+                let end = (base + geometry.segment_blocks).min(geometry.blocks);
+                (base + whole).min(end)..end
+            }
+            ObjectId::Superblock | ObjectId::Written => continue,
+        };
+        if !lbas.is_empty() {
+            short.push(ShortObject {
+                object,
+                len,
+                expected,
+                lbas,
+            });
+        }
+    }
+    Ok(short)
+}
+
+/// The written map of a volume that has one. No valid copy is refused
+/// unless the volume holds nothing yet (a new volume or mirror leg, whose
+/// first open writes its map).
+pub(crate) fn load_written(
+    storage: &dyn Storage,
+    geometry: &Geometry,
+    uuid: [u8; 16],
+) -> Result<WrittenMap> {
+    let why = match WrittenMap::load(storage, geometry, uuid)? {
+        Loaded::Map(map) => return Ok(map),
+        Loaded::None(why) => why,
+    };
+    let mut holds_nothing = true;
+    for object in objects_of(geometry) {
+        if matches!(object, ObjectId::Contexts | ObjectId::Data(_)) {
+            let next = storage
+                .next_data(object, 0)
+                .map_err(|error| Error::io("seek", object, 0, error))?;
+            holds_nothing &= next.is_none();
+        }
+    }
+    if holds_nothing {
+        return Ok(WrittenMap::empty(geometry, uuid));
+    }
+    Err(Error::Corrupt(format!(
+        "written: the written map is missing or damaged ({why}); without it lost metadata cannot be told from never-written blocks, so the volume is not opened: restore the file from a copy of the volume, or rebuild it from the metadata as it is now with `vouch upgrade PATH` (offline)"
+    )))
+}
+
+/// Set the bit of every unit whose metadata on disk is not blank (an
+/// upgrade, or a rebuild of a lost map).
+pub(crate) fn build_written(shared: &Shared) -> Result<()> {
+    let io = &shared.io;
+    let blocks = io.geometry.blocks;
+    let mut lba = 0;
+    while lba < blocks {
+        let layout = shared.layouts.of(lba);
+        let Some(next) = layout.next_data_on_disk(io, lba)? else {
+            lba = shared.layouts.span_end(lba);
+            continue;
+        };
+        let unit = io.written.unit_of(next);
+        let place = layout.unit_place(unit);
+        let mut bytes = vec![0u8; place.len];
+        io.read_object(place.object, place.offset, &mut bytes)?;
+        if layout
+            .unit_metadata(&bytes)
+            .iter()
+            .any(|slot| *slot != [0u8; 32])
+        {
+            io.written.set(unit);
+        }
+        lba = (unit + 1) * io.written.unit_blocks();
+    }
+    Ok(())
+}
+
+/// Where a metadata unit lives: its object, byte range, and its name.
+pub(crate) struct UnitPlace {
+    pub object: ObjectId,
+    pub offset: u64,
+    pub len: usize,
+    /// "page 40" or "row 12" (numbered within its object).
+    pub name: String,
+}
+
+impl Shared {
+    /// Why block `lba` has no protection information, for messages:
+    /// "contexts: page 40 is zeroed: LBAs 5120-5247 have no protection
+    /// information".
+    pub fn metadata_cause(&self, lba: u64) -> String {
+        let io = &self.io;
+        let unit = io.written.unit_of(lba);
+        let lbas = io.written.lbas_of(unit, io.geometry.blocks);
+        let place = self.layouts.of(lba).unit_place(unit);
+        let file = place.object.file_name();
+        let len = io.storage().object_len(place.object).ok().flatten();
+        let what = if len.is_some_and(|len| place.offset + place.len as u64 > len) {
+            format!("is past the end of the file ({} bytes)", len.unwrap_or(0))
+        } else {
+            let mut bytes = vec![0u8; place.len];
+            match io.read_object(place.object, place.offset, &mut bytes) {
+                Err(error) => format!("cannot be read ({error})"),
+                Ok(()) if bytes.iter().all(|byte| *byte == 0) => "is zeroed".to_string(),
+                Ok(())
+                    if self
+                        .layouts
+                        .of(lba)
+                        .unit_metadata(&bytes)
+                        .iter()
+                        .any(|slot| slot[0] == KIND_LOST) =>
+                {
+                    "was found lost before (it holds lost markers)".to_string()
+                }
+                Ok(()) => "has no contexts".to_string(),
+            }
+        };
+        format!(
+            "{file}: {} {what}: LBAs {}-{} have no protection information",
+            place.name,
+            lbas.start,
+            lbas.end - 1
+        )
+    }
+}

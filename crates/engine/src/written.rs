@@ -1,0 +1,299 @@
+//! The written map in memory (`vouch_format::written` is its file): one bit
+//! per metadata unit (a split context page, a packed row), set while the
+//! unit holds protection information on disk. Resident (split: 256 KiB per
+//! TiB; packed: about 1 MiB), read without a lock on the hot path.
+//!
+//! What a bit means, and the orderings that keep it true (every change
+//! happens under the commit lock: commits, checkpoints, recovery):
+//! - *set* ⇒ the unit's metadata on disk is not blank. So a unit whose bit
+//!   is set and whose page or row reads as zeros (cut short, emptied,
+//!   zeroed) has lost its metadata: its blocks are `metadata_lost` faults,
+//!   never zeros.
+//! - A bit is set only after the unit's metadata is written (split: when a
+//!   checkpoint has written the page; packed: after a commit's home write
+//!   of a record of the row), and cleared before the unit can become blank
+//!   (split: before a checkpoint writes a blank page or punches it; packed:
+//!   before a trim punches a row; a trim that leaves a row blank clears it
+//!   while holding `change`, which a reader's judgement takes too).
+//! - On disk the map is written at each checkpoint, after the contexts (or
+//!   data) it describes are durable and before the superblock retires the
+//!   journal. A crash before that leaves the previous copy: a bit it lacks
+//!   only weakens detection until the next checkpoint; a bit it has for a
+//!   unit made blank since is cleared again by recovery, which replays the
+//!   trim that blanked it (split: every page a replayed trim touches;
+//!   packed: the replayed punch clears it like the original did).
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+use vouch_format::written::{
+    bits_bytes, copy_bytes, copy_offset, unit_blocks, WrittenHeader, WRITTEN_PAGE_BYTES,
+};
+use vouch_format::{crc32c, Geometry};
+
+use crate::backing::Backing;
+use crate::error::{Error, Result};
+use crate::storage::{ObjectId, Storage};
+
+pub(crate) struct WrittenMap {
+    /// False for a volume made before the written map (opened read-only):
+    /// no bit is ever set, so it reads as it always did.
+    enabled: bool,
+    unit_blocks: u64,
+    units: u64,
+    uuid: [u8; 16],
+    words: Vec<AtomicU64>,
+    /// The bits changed since the copy on disk was written.
+    dirty: AtomicBool,
+    /// `seq` of the newest copy on disk (0: none yet).
+    seq: AtomicU64,
+    /// Held while a unit may be blank with its bit set (a packed trim that
+    /// blanks a row, before it clears the bit) and by a reader judging a
+    /// unit lost, so the reader never sees that moment.
+    pub change: Mutex<()>,
+}
+
+/// What `WrittenMap::load` found in the `written` object.
+pub(crate) enum Loaded {
+    Map(WrittenMap),
+    /// No valid copy: the reason, for the refusal.
+    None(String),
+}
+
+impl WrittenMap {
+    fn with(geometry: &Geometry, uuid: [u8; 16], enabled: bool) -> WrittenMap {
+        let unit = u64::from(unit_blocks(geometry.layout));
+        let units = geometry.blocks.div_ceil(unit);
+        WrittenMap {
+            enabled,
+            unit_blocks: unit,
+            units,
+            uuid,
+            words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            dirty: AtomicBool::new(false),
+            seq: AtomicU64::new(0),
+            change: Mutex::new(()),
+        }
+    }
+
+    /// The map of a volume made before it: never set, never written.
+    pub fn disabled(geometry: &Geometry) -> WrittenMap {
+        WrittenMap::with(geometry, [0; 16], false)
+    }
+
+    /// An empty map (a new volume, or one being built by an upgrade).
+    pub fn empty(geometry: &Geometry, uuid: [u8; 16]) -> WrittenMap {
+        let map = WrittenMap::with(geometry, uuid, true);
+        map.dirty.store(true, Ordering::Release);
+        map
+    }
+
+    pub fn unit_blocks(&self) -> u64 {
+        self.unit_blocks
+    }
+
+    pub fn unit_of(&self, lba: u64) -> u64 {
+        lba / self.unit_blocks
+    }
+
+    /// The LBAs of `unit` (the last unit may be short).
+    pub fn lbas_of(&self, unit: u64, blocks: u64) -> Range<u64> {
+        unit * self.unit_blocks..((unit + 1) * self.unit_blocks).min(blocks)
+    }
+
+    pub fn is_set(&self, unit: u64) -> bool {
+        self.enabled
+            && unit < self.units
+            && self.words[(unit / 64) as usize].load(Ordering::Acquire) & (1 << (unit % 64)) != 0
+    }
+
+    pub fn set(&self, unit: u64) {
+        if !self.enabled || unit >= self.units {
+            return;
+        }
+        let bit = 1 << (unit % 64);
+        let old = self.words[(unit / 64) as usize].fetch_or(bit, Ordering::AcqRel);
+        if old & bit == 0 {
+            self.dirty.store(true, Ordering::Release);
+        }
+    }
+
+    pub fn clear(&self, unit: u64) {
+        if !self.enabled || unit >= self.units {
+            return;
+        }
+        let bit = 1 << (unit % 64);
+        let old = self.words[(unit / 64) as usize].fetch_and(!bit, Ordering::AcqRel);
+        if old & bit != 0 {
+            self.dirty.store(true, Ordering::Release);
+        }
+    }
+
+    /// Clear every unit that `[start, end)` touches.
+    pub fn clear_touched(&self, start: u64, end: u64) {
+        if end > start {
+            for unit in self.unit_of(start)..=self.unit_of(end - 1) {
+                self.clear(unit);
+            }
+        }
+    }
+
+    /// The first LBA at or after `lba` in a unit whose bit is set.
+    pub fn next_set_lba(&self, lba: u64) -> Option<u64> {
+        if !self.enabled {
+            return None;
+        }
+        let mut unit = self.unit_of(lba);
+        while unit < self.units {
+            let word = self.words[(unit / 64) as usize].load(Ordering::Acquire) >> (unit % 64);
+            if word != 0 {
+                let found = unit + u64::from(word.trailing_zeros());
+                return (found < self.units).then(|| (found * self.unit_blocks).max(lba));
+            }
+            unit = (unit / 64 + 1) * 64;
+        }
+        None
+    }
+
+    /// Whether any unit touching `[start, end)` has its bit set.
+    pub fn any_set(&self, start: u64, end: u64) -> bool {
+        self.next_set_lba(start).is_some_and(|lba| lba < end)
+    }
+
+    /// A context page whose bit is set but that reads as zeros has lost
+    /// its metadata: it is replaced by a page of lost markers, so its
+    /// blocks read as `metadata_lost` faults and a checkpoint that
+    /// rewrites the page keeps them so (`vouch_format::encode_lost`).
+    /// Any other page is returned as it is.
+    pub fn judge_page(&self, page_no: u64, page: &mut [u8; 4096]) {
+        if !self.is_set(page_no) || page.iter().any(|byte| *byte != 0) {
+            return;
+        }
+        let volume_tag = crc32c(&self.uuid);
+        for (slot, context) in page.chunks_mut(vouch_format::CONTEXT_BYTES).enumerate() {
+            let lba = page_no * self.unit_blocks + slot as u64;
+            context.copy_from_slice(&vouch_format::encode_lost(volume_tag, lba));
+        }
+        tracing::warn!(
+            page = page_no,
+            first_lba = page_no * self.unit_blocks,
+            "contexts: a page the written map says was written reads as zeros: its blocks have no protection information"
+        );
+    }
+
+    fn bits(&self) -> Vec<u8> {
+        let mut bytes = vec![0u8; bits_bytes(self.units) as usize];
+        for (index, word) in self.words.iter().enumerate() {
+            let at = index * 8;
+            let word = word.load(Ordering::Acquire).to_le_bytes();
+            let take = (bytes.len() - at).min(8);
+            bytes[at..at + take].copy_from_slice(&word[..take]);
+        }
+        bytes
+    }
+
+    /// Read both copies of the map; the valid one with the higher `seq` wins.
+    pub fn load(storage: &dyn Storage, geometry: &Geometry, uuid: [u8; 16]) -> Result<Loaded> {
+        let map = WrittenMap::with(geometry, uuid, true);
+        let mut best: Option<(WrittenHeader, Vec<u8>)> = None;
+        let mut why = Vec::new();
+        for copy in 0..2 {
+            let offset = copy_offset(copy, map.units);
+            let mut raw = vec![0u8; copy_bytes(map.units) as usize];
+            match storage.read_at(ObjectId::Written, offset, &mut raw) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                    return Ok(Loaded::None("the file is missing".into()))
+                }
+                Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
+            }
+            let (header, bits) = raw.split_at(4096);
+            let header = match WrittenHeader::decode(header) {
+                Ok(header) => header,
+                Err(error) => {
+                    why.push(format!("copy {copy}: {error}"));
+                    continue;
+                }
+            };
+            if header.uuid != uuid
+                || header.units != map.units
+                || u64::from(header.unit_blocks) != map.unit_blocks
+            {
+                why.push(format!("copy {copy} is of another volume or geometry"));
+                continue;
+            }
+            if !header.bits_match(bits) {
+                why.push(format!("copy {copy}: its bits fail their checksum"));
+                continue;
+            }
+            if best.as_ref().is_none_or(|(old, _)| header.seq > old.seq) {
+                best = Some((header, bits.to_vec()));
+            }
+        }
+        let Some((header, bits)) = best else {
+            return Ok(Loaded::None(why.join("; ")));
+        };
+        for (index, word) in map.words.iter().enumerate() {
+            let at = index * 8;
+            let mut raw = [0u8; 8];
+            let take = (bits.len() - at).min(8);
+            raw[..take].copy_from_slice(&bits[at..at + take]);
+            word.store(u64::from_le_bytes(raw), Ordering::Release);
+        }
+        map.seq.store(header.seq, Ordering::Release);
+        Ok(Loaded::Map(map))
+    }
+
+    /// Write the bits to the older copy (`seq + 1`) and fsync, if they
+    /// changed since the last write. Called under the commit lock, at a
+    /// checkpoint after what the bits describe is durable and before the
+    /// superblock retires the journal (module comment).
+    pub fn persist(&self, io: &Backing) -> Result<()> {
+        if !self.enabled || !self.dirty.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let result = (|| {
+            let bits = self.bits();
+            let seq = self.seq.load(Ordering::Acquire) + 1;
+            let header = WrittenHeader {
+                unit_blocks: self.unit_blocks as u32,
+                uuid: self.uuid,
+                seq,
+                units: self.units,
+                bits_crc: crc32c(&bits),
+            };
+            // The whole copy, its runs of zero pages punched rather than
+            // written (a sparse map stays sparse: a new 16 TiB volume's is
+            // 4 MiB of zeros). A torn update fails the copy's CRCs and the
+            // other copy (the previous state) wins.
+            let base = copy_offset(seq % 2, self.units);
+            io.write_object(ObjectId::Written, base, &header.encode())?;
+            let page = WRITTEN_PAGE_BYTES as usize;
+            let mut at = 0;
+            while at < bits.len() {
+                let zero = bits[at..at + page].iter().all(|byte| *byte == 0);
+                let mut end = at + page;
+                while end < bits.len()
+                    && bits[end..end + page].iter().all(|byte| *byte == 0) == zero
+                {
+                    end += page;
+                }
+                let offset = base + WRITTEN_PAGE_BYTES + at as u64;
+                if zero {
+                    io.punch(ObjectId::Written, offset, (end - at) as u64)?;
+                } else {
+                    io.write_object(ObjectId::Written, offset, &bits[at..end])?;
+                }
+                at = end;
+            }
+            io.sync_object(ObjectId::Written)?;
+            self.seq.store(seq, Ordering::Release);
+            Ok(())
+        })();
+        if result.is_err() {
+            self.dirty.store(true, Ordering::Release);
+        }
+        result
+    }
+}
