@@ -108,7 +108,7 @@ pub struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, outcome: Outcome) {
+    pub(crate) fn add(&mut self, outcome: Outcome) {
         match outcome {
             Outcome::Detected => self.detected += 1,
             Outcome::Silent => self.silent += 1,
@@ -492,6 +492,7 @@ pub fn run_cell(
         },
         key,
         keyless: false,
+        rebuild_written_map: false,
     };
     let mut result = CellResult::default();
     let created = Volume::create(rec.clone(), &options).and_then(Volume::close);

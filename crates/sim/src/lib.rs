@@ -21,6 +21,7 @@ pub mod faults;
 pub mod fuzz;
 pub mod keychange;
 pub mod map_store;
+pub mod metadata;
 pub mod mirror;
 pub mod mirror_faults;
 pub mod mirror_midrun;

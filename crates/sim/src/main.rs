@@ -77,6 +77,21 @@ enum Command {
         #[arg(long, default_value_t = 2)]
         threads: usize,
     },
+    /// Lost metadata (files cut short, emptied, deleted; units zeroed, copied
+    /// from elsewhere or another volume; older copies; the written map
+    /// lost) on both layouts and every guard: the Markdown rows.
+    Metadata {
+        /// Injections per damage kind per cell.
+        #[arg(long, default_value_t = 50)]
+        count: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value_t = 2)]
+        threads: usize,
+        /// Encrypted volumes (the guard is crc32c).
+        #[arg(long)]
+        encrypted: bool,
+    },
     /// Crash leg 1 of a mirror at every write and sync of read and scrub
     /// repair (`mirror.rs`).
     MirrorRepair {
@@ -192,6 +207,23 @@ fn run(cli: Cli) -> Result<bool, String> {
                 encrypted,
             };
             let report = faults::run(&config);
+            print!("{}", report.render(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::Metadata {
+            count,
+            seed,
+            threads,
+            encrypted,
+        } => {
+            let mut config = vouch_sim::metadata::MetaConfig::all(count, seed, encrypted);
+            config.threads = threads;
+            if encrypted {
+                config
+                    .cells
+                    .retain(|(_, guard)| *guard == GuardKind::Crc32c);
+            }
+            let report = vouch_sim::metadata::run(&config);
             print!("{}", report.render(&config));
             Ok(report.violations.is_empty())
         }

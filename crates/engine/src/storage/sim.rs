@@ -80,6 +80,13 @@ impl SparseBytes {
     pub fn allocated(&self) -> u64 {
         self.pages.len() as u64 * PAGE
     }
+
+    /// The end of the last page holding bytes (0 when empty).
+    pub fn end(&self) -> u64 {
+        self.pages
+            .last_key_value()
+            .map_or(0, |(page, _)| (page + 1) * PAGE)
+    }
 }
 
 /// A write (or hole punch) made since the object's last sync.
@@ -141,6 +148,11 @@ pub struct FaultPlan {
 #[derive(Default)]
 struct SimState {
     objects: BTreeMap<ObjectId, SimObject>,
+    /// Objects cut to a length (`truncate`): their length from then on, grown
+    /// by writes past it. Other objects have no length of their own.
+    lengths: BTreeMap<ObjectId, u64>,
+    /// Objects deleted (`remove`): opening the volume finds them missing.
+    removed: std::collections::BTreeSet<ObjectId>,
     faults: FaultPlan,
     writes_done: u64,
     bytes_written: u64,
@@ -232,6 +244,8 @@ impl SimStorage {
         SimStorage {
             state: Arc::new(Mutex::new(SimState {
                 objects,
+                lengths: state.lengths.clone(),
+                removed: state.removed.clone(),
                 ..SimState::default()
             })),
         }
@@ -256,6 +270,64 @@ impl SimStorage {
         let entry = state.objects.entry(object).or_default();
         entry.live.write(offset, data);
         entry.durable.write(offset, data);
+    }
+
+    /// Cut `object` to `len` bytes (live and durable), as `truncate(1)`
+    /// would: the bytes past it are gone, and `object_len` reports it.
+    pub fn truncate(&self, object: ObjectId, len: u64) {
+        let mut state = self.state.lock();
+        let entry = state.objects.entry(object).or_default();
+        for bytes in [&mut entry.live, &mut entry.durable] {
+            let end = bytes.end();
+            if end > len {
+                bytes.punch(len, end - len);
+            }
+        }
+        state.lengths.insert(object, len);
+    }
+
+    /// Delete `object`, as `rm` would: `object_len` then fails with
+    /// `NotFound`, the way opening a missing file does.
+    pub fn remove(&self, object: ObjectId) {
+        let mut state = self.state.lock();
+        state.objects.remove(&object);
+        state.lengths.remove(&object);
+        state.removed.insert(object);
+    }
+
+    /// A copy of every object (live, durable and pending bytes, lengths and
+    /// removals) that shares nothing with this one: damage can be injected
+    /// into the copy and the original used again.
+    pub fn duplicate(&self) -> SimStorage {
+        let state = self.state.lock();
+        SimStorage {
+            state: Arc::new(Mutex::new(SimState {
+                objects: state.objects.clone(),
+                faults: state.faults.clone(),
+                lengths: state.lengths.clone(),
+                removed: state.removed.clone(),
+                ..SimState::default()
+            })),
+        }
+    }
+
+    /// Make `object` what it is in `from` (live and durable bytes, length),
+    /// as restoring an older copy of one file would.
+    pub fn replace_object(&self, object: ObjectId, from: &SimStorage) {
+        let source = from.state.lock();
+        let copy = source.objects.get(&object).cloned();
+        let len = source.lengths.get(&object).copied();
+        drop(source);
+        let mut state = self.state.lock();
+        state.removed.remove(&object);
+        match copy {
+            Some(entry) => state.objects.insert(object, entry),
+            None => state.objects.remove(&object),
+        };
+        match len {
+            Some(len) => state.lengths.insert(object, len),
+            None => state.lengths.remove(&object),
+        };
     }
 
     /// Read the live bytes without going through fault hooks.
@@ -336,6 +408,9 @@ impl Storage for SimStorage {
                 target = to;
             }
         }
+        if let Some(len) = state.lengths.get_mut(&object) {
+            *len = (*len).max(target + data.len() as u64);
+        }
         let entry = state.objects.entry(object).or_default();
         entry.live.write(target, data);
         entry.pending.push(PendingOp::Write {
@@ -381,6 +456,17 @@ impl Storage for SimStorage {
             .objects
             .get(&object)
             .map_or(0, |entry| entry.live.allocated()))
+    }
+
+    fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
+        let state = self.state.lock();
+        if state.removed.contains(&object) {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{} is missing", object.file_name()),
+            ));
+        }
+        Ok(state.lengths.get(&object).copied())
     }
 
     /// A simulated reflink: the source's live bytes become one unsynced

@@ -1,0 +1,760 @@
+//! Lost metadata in the detection matrix (`vouch-sim metadata`): damage to
+//! the files of a closed volume as a bad copy, a full disk or an operator's
+//! mistake leaves it — a file cut short, emptied or deleted, a metadata unit
+//! (a split context page, a packed row) or a 4 KiB page zeroed, a unit copied
+//! in from another place or from another volume, an older copy of a file
+//! restored, the written map lost — then the volume is opened as `serve`
+//! opens it (writable) and every block is read.
+//!
+//! Absence is never emptiness: each block must read as its data or fail
+//! with a fault naming its LBA — or the open must refuse, naming the damaged
+//! file. Each injection is classified like the media faults (`faults.rs`):
+//! detected (a fault or a refusal naming the file), silently wrong (a block
+//! the damage touched returned bytes that are not the model's: zeros for a
+//! written block is the case this exists for), harmless (every block read
+//! right). Beside that, on every injection:
+//! - blocks the damage did not touch read right (no collateral);
+//! - `check()` lists exactly the blocks whose reads fail;
+//! - after a close (a checkpoint) and a reopen, every block that failed still
+//!   fails or reads right: a checkpoint never turns a loss into zeros.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use vouch_engine::{
+    BlockDevice, CreateOptions, Error, GuardKind, LayoutKind, ObjectId, OpenOptions, SimStorage,
+    Storage, Tuning, Volume, ZeroFlags,
+};
+use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
+
+use crate::faults::{all_cells, segment_blocks, Cell, Outcome, Tally, BLOCKS};
+use crate::rng::Rng;
+use crate::BLOCK;
+
+/// Contexts in one 4 KiB page of the split layout's `contexts` file.
+const CONTEXTS_PER_PAGE: u64 = 128;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum MetaKind {
+    UnitZeroed,
+    PageZeroed,
+    CutShort,
+    Emptied,
+    Deleted,
+    UnitFromElsewhere,
+    UnitFromOtherVolume,
+    OlderCopy,
+    WrittenMapLost,
+}
+
+impl MetaKind {
+    pub const ALL: [MetaKind; 9] = [
+        MetaKind::UnitZeroed,
+        MetaKind::PageZeroed,
+        MetaKind::CutShort,
+        MetaKind::Emptied,
+        MetaKind::Deleted,
+        MetaKind::UnitFromElsewhere,
+        MetaKind::UnitFromOtherVolume,
+        MetaKind::OlderCopy,
+        MetaKind::WrittenMapLost,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            MetaKind::UnitZeroed => "metadata unit zeroed (split: context page; packed: row)",
+            MetaKind::PageZeroed => "4 KiB page of a file zeroed (contexts or data)",
+            MetaKind::CutShort => "file cut short",
+            MetaKind::Emptied => "file emptied",
+            MetaKind::Deleted => "file deleted",
+            MetaKind::UnitFromElsewhere => "unit copied from another place",
+            MetaKind::UnitFromOtherVolume => "unit copied from another volume",
+            MetaKind::OlderCopy => "older copy of a file restored",
+            MetaKind::WrittenMapLost => "written map damaged or lost",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct MetaConfig {
+    pub cells: Vec<Cell>,
+    /// Injections per kind per cell.
+    pub count: u64,
+    pub seed: u64,
+    pub threads: usize,
+    pub encrypted: bool,
+}
+
+impl MetaConfig {
+    pub fn all(count: u64, seed: u64, encrypted: bool) -> MetaConfig {
+        MetaConfig {
+            cells: all_cells(),
+            count,
+            seed,
+            threads: 2,
+            encrypted,
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct MetaReport {
+    pub tallies: BTreeMap<(usize, MetaKind), Tally>,
+    /// Injections the open refused, naming the damaged file.
+    pub refused: BTreeMap<(usize, MetaKind), u64>,
+    pub injections: u64,
+    pub violations: Vec<String>,
+    pub seconds: f64,
+}
+
+/// Whether the design claims that this damage is never silent in this
+/// cell. Losses of metadata are claimed in every cell: they are found by
+/// the written map and the per-context tags, whatever the guard. Damage
+/// that leaves valid-looking metadata over other data (a zeroed data page,
+/// an older copy of a file) is found by comparing data with its guard, so
+/// it is claimed where the guard is (the media matrix's rule); an older
+/// copy of a packed segment holds old records whose contexts match their
+/// own data, which no single copy can tell from the newest (a replayed
+/// block, docs/CRASH_MODEL.md "what is not detected").
+fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
+    let guarded = guard != GuardKind::None && guard.bits() >= 32;
+    match kind {
+        MetaKind::PageZeroed => guarded,
+        MetaKind::OlderCopy => guarded && layout == LayoutKind::Split,
+        _ => true,
+    }
+}
+
+pub fn run(config: &MetaConfig) -> MetaReport {
+    let started = Instant::now();
+    let threads = config.threads.max(1) as u64;
+    let mut work = Vec::new();
+    for index in 0..config.cells.len() {
+        for part in 0..threads {
+            let count = config.count / threads + u64::from(part < config.count % threads);
+            if count > 0 {
+                work.push((index, part, count));
+            }
+        }
+    }
+    let queue = Mutex::new(work);
+    let report = Mutex::new(MetaReport::default());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let Some((index, part, count)) = queue.lock().pop() else {
+                    break;
+                };
+                let (layout, guard) = config.cells[index];
+                let seed = config
+                    .seed
+                    .wrapping_mul(1_000_033)
+                    .wrapping_add(index as u64 * 131 + part);
+                let cell = run_cell(layout, guard, config.encrypted, count, seed);
+                let mut report = report.lock();
+                for (kind, tally) in cell.tallies {
+                    let entry = report.tallies.entry((index, kind)).or_default();
+                    entry.detected += tally.detected;
+                    entry.silent += tally.silent;
+                    entry.harmless += tally.harmless;
+                }
+                for (kind, refused) in cell.refused {
+                    *report.refused.entry((index, kind)).or_default() += refused;
+                }
+                report.injections += cell.injections;
+                for violation in cell.violations {
+                    report.violations.push(format!(
+                        "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
+                        layout.name(),
+                        guard.name(),
+                        if config.encrypted { " encrypted" } else { "" }
+                    ));
+                }
+            });
+        }
+    });
+    let mut report = report.into_inner();
+    report.seconds = started.elapsed().as_secs_f64();
+    report
+}
+
+impl MetaReport {
+    /// The Markdown rows (silently wrong over the injections that changed
+    /// what a read returns, and how many of the detections were refusals at
+    /// open) and a summary line.
+    pub fn render(&self, config: &MetaConfig) -> String {
+        let mut out = String::new();
+        let encrypted = if config.encrypted { " encrypted" } else { "" };
+        let _ = write!(out, "| damage |");
+        for (layout, guard) in &config.cells {
+            let _ = write!(out, " {} {}{encrypted} |", layout.name(), guard.name());
+        }
+        out.push_str("\n|---|");
+        for _ in &config.cells {
+            out.push_str("---|");
+        }
+        out.push('\n');
+        for kind in MetaKind::ALL {
+            let _ = write!(out, "| {} |", kind.label());
+            for index in 0..config.cells.len() {
+                let tally = self
+                    .tallies
+                    .get(&(index, kind))
+                    .copied()
+                    .unwrap_or_default();
+                let refused = self.refused.get(&(index, kind)).copied().unwrap_or(0);
+                let tried = tally.detected + tally.silent + tally.harmless;
+                let _ = write!(
+                    out,
+                    " {tried} tried: {} silent, {} detected ({refused} at open) |",
+                    tally.silent, tally.detected
+                );
+            }
+            out.push('\n');
+        }
+        for violation in &self.violations {
+            let _ = writeln!(out, "{violation}");
+        }
+        let (mut detected, mut silent, mut harmless) = (0, 0, 0);
+        for tally in self.tallies.values() {
+            detected += tally.detected;
+            silent += tally.silent;
+            harmless += tally.harmless;
+        }
+        let _ = writeln!(
+            out,
+            "metadata: cells={} injections={} outcomes: detected={detected} silently-wrong={silent} harmless={harmless} violations={} time={:.1}s",
+            config.cells.len(),
+            self.injections,
+            self.violations.len(),
+            self.seconds
+        );
+        out
+    }
+}
+
+#[derive(Default)]
+struct CellResult {
+    tallies: BTreeMap<MetaKind, Tally>,
+    refused: BTreeMap<MetaKind, u64>,
+    injections: u64,
+    violations: Vec<String>,
+}
+
+/// One prepared volume and what each injection starts from.
+struct Cx {
+    layout: LayoutKind,
+    guard: GuardKind,
+    open: OpenOptions,
+    geometry: vouch_format::Geometry,
+    /// The volume, closed, every context at home.
+    pristine: SimStorage,
+    /// The same volume before its second round of writes.
+    older: SimStorage,
+    /// Another volume of the same shape (another uuid, other data).
+    other: SimStorage,
+    model: Vec<Vec<u8>>,
+    rng: Rng,
+    result: CellResult,
+    /// The kind being classified (`claimed` is asked per kind).
+    kind_now: MetaKind,
+}
+
+/// What one injection did: the storage to open, the blocks it may have
+/// touched, and the file it damaged (a refusal must name it).
+struct Damage {
+    storage: SimStorage,
+    affected: BTreeSet<u64>,
+    file: String,
+    what: String,
+}
+
+fn create_options(
+    layout: LayoutKind,
+    guard: GuardKind,
+    key: Option<vouch_engine::UserSecret>,
+) -> CreateOptions {
+    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
+    options.layout = layout;
+    options.guard = guard;
+    options.journal_bytes = Some(1 << 20);
+    options.segment_blocks = Some(segment_blocks(layout));
+    options.encrypt = key;
+    options
+}
+
+/// Write a random mix over `fraction_percent` of the blocks: data (kept in
+/// `model`), written zeroes and trims; then close.
+fn write_round(
+    storage: &SimStorage,
+    open: &OpenOptions,
+    model: &mut [Vec<u8>],
+    rng: &mut Rng,
+    fraction_percent: u64,
+) -> Result<(), String> {
+    let volume = Volume::open(Arc::new(storage.clone()), open).map_err(|e| format!("open: {e}"))?;
+    for lba in 0..BLOCKS {
+        if rng.below(100) >= fraction_percent {
+            continue;
+        }
+        let offset = lba * BLOCK as u64;
+        match rng.below(10) {
+            0 => {
+                volume
+                    .write_zeroes(
+                        offset,
+                        BLOCK as u64,
+                        ZeroFlags {
+                            fua: false,
+                            allocate: true,
+                        },
+                    )
+                    .map_err(|e| format!("zeroes: {e}"))?;
+                model[lba as usize] = vec![0u8; BLOCK];
+            }
+            1 => {
+                volume
+                    .trim(offset, BLOCK as u64, false)
+                    .map_err(|e| format!("trim: {e}"))?;
+                model[lba as usize] = vec![0u8; BLOCK];
+            }
+            _ => {
+                let data = rng.bytes(BLOCK);
+                volume
+                    .write(offset, &data, false)
+                    .map_err(|e| format!("write: {e}"))?;
+                model[lba as usize] = data;
+            }
+        }
+    }
+    volume.close().map_err(|e| format!("close: {e}"))
+}
+
+fn run_cell(
+    layout: LayoutKind,
+    guard: GuardKind,
+    encrypted: bool,
+    count: u64,
+    seed: u64,
+) -> CellResult {
+    let key = encrypted.then(|| crate::crash::seed_key(seed));
+    let mut rng = Rng::new(seed);
+    let open = OpenOptions {
+        tuning: Tuning {
+            dirty_limit_blocks: 64,
+            context_cache_pages: 1,
+            overlay_limit: 1024,
+            background_commit: false,
+        },
+        key: key.clone(),
+        ..OpenOptions::default()
+    };
+    let mut result = CellResult::default();
+    let prepared = (|| -> Result<(SimStorage, SimStorage, SimStorage, Vec<Vec<u8>>), String> {
+        let options = create_options(layout, guard, key.clone());
+        let storage = SimStorage::new();
+        Volume::create(Arc::new(storage.clone()), &options)
+            .and_then(Volume::close)
+            .map_err(|e| format!("create: {e}"))?;
+        let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
+        write_round(&storage, &open, &mut model, &mut rng, 60)?;
+        let older = storage.duplicate();
+        write_round(&storage, &open, &mut model, &mut rng, 40)?;
+        let other = SimStorage::new();
+        Volume::create(Arc::new(other.clone()), &options)
+            .and_then(Volume::close)
+            .map_err(|e| format!("create the other volume: {e}"))?;
+        let mut other_model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
+        write_round(&other, &open, &mut other_model, &mut rng, 90)?;
+        Ok((storage, older, other, model))
+    })();
+    let (pristine, older, other, model) = match prepared {
+        Ok(prepared) => prepared,
+        Err(error) => {
+            result.violations.push(format!("prepare: {error}"));
+            return result;
+        }
+    };
+    let geometry =
+        vouch_format::Geometry::new(layout, BLOCKS * BLOCK as u64, segment_blocks(layout))
+            .expect("valid geometry");
+    let mut cx = Cx {
+        layout,
+        guard,
+        open,
+        geometry,
+        pristine,
+        older,
+        other,
+        model,
+        rng: rng.fork(),
+        result,
+        kind_now: MetaKind::UnitZeroed,
+    };
+    for _ in 0..count {
+        for kind in MetaKind::ALL {
+            let damage = cx.inject(kind);
+            cx.classify(kind, damage);
+            cx.result.injections += 1;
+        }
+    }
+    cx.result
+}
+
+impl Cx {
+    fn violation(&mut self, message: String) {
+        if self.result.violations.len() < 20 {
+            self.result.violations.push(message);
+        }
+    }
+
+    /// The files that hold a block's data or metadata.
+    fn files(&self) -> Vec<ObjectId> {
+        let mut files = Vec::new();
+        if self.layout == LayoutKind::Split {
+            files.push(ObjectId::Contexts);
+        }
+        files.extend((0..self.geometry.segments()).map(ObjectId::Data));
+        files
+    }
+
+    fn nominal_len(&self, object: ObjectId) -> u64 {
+        match object {
+            ObjectId::Contexts => self.geometry.contexts_len(),
+            ObjectId::Data(segment) => self.geometry.segment_len(segment),
+            _ => 0,
+        }
+    }
+
+    fn segment_lbas(&self, segment: u32) -> Range<u64> {
+        let first = u64::from(segment) * self.geometry.segment_blocks;
+        first..(first + self.geometry.segment_blocks).min(BLOCKS)
+    }
+
+    /// Blocks whose data or metadata overlaps bytes `range` of `object`,
+    /// widened to whole metadata units (a unit is lost or kept whole).
+    fn blocks_at(&self, object: ObjectId, range: Range<u64>) -> BTreeSet<u64> {
+        let mut blocks = BTreeSet::new();
+        if range.is_empty() {
+            return blocks;
+        }
+        match (object, self.layout) {
+            (ObjectId::Contexts, _) => {
+                let first = range.start / 32;
+                let end = range.end.div_ceil(32).min(BLOCKS);
+                let first = first - first % CONTEXTS_PER_PAGE;
+                let end = end.div_ceil(CONTEXTS_PER_PAGE) * CONTEXTS_PER_PAGE;
+                blocks.extend(first..end.min(BLOCKS));
+            }
+            (ObjectId::Data(segment), LayoutKind::Split) => {
+                let lbas = self.segment_lbas(segment);
+                for slot in range.start / BLOCK as u64..range.end.div_ceil(BLOCK as u64) {
+                    if lbas.start + slot < lbas.end {
+                        blocks.insert(lbas.start + slot);
+                    }
+                }
+            }
+            (ObjectId::Data(segment), LayoutKind::Packed) => {
+                let lbas = self.segment_lbas(segment);
+                for lba in lbas.clone() {
+                    let slot = lba - lbas.start;
+                    let row = slot / PACKED_RECORDS_PER_ROW;
+                    let at = row * PACKED_ROW_BYTES
+                        + (slot % PACKED_RECORDS_PER_ROW) * PACKED_RECORD_BYTES;
+                    if at < range.end && range.start < at + PACKED_RECORD_BYTES {
+                        // The whole row: its unit.
+                        let row_first = lbas.start + row * PACKED_RECORDS_PER_ROW;
+                        blocks
+                            .extend(row_first..(row_first + PACKED_RECORDS_PER_ROW).min(lbas.end));
+                    }
+                }
+            }
+            _ => {}
+        }
+        blocks
+    }
+
+    /// A metadata unit: its object and byte range (split: a context page;
+    /// packed: a row of a segment).
+    fn random_unit(&mut self) -> (ObjectId, Range<u64>) {
+        match self.layout {
+            LayoutKind::Split => {
+                let pages = BLOCKS.div_ceil(CONTEXTS_PER_PAGE);
+                let page = self.rng.below(pages);
+                (ObjectId::Contexts, page * 4096..(page + 1) * 4096)
+            }
+            LayoutKind::Packed => {
+                let segment = self.rng.below(u64::from(self.geometry.segments())) as u32;
+                let rows = self.nominal_len(ObjectId::Data(segment)) / PACKED_ROW_BYTES;
+                let row = self.rng.below(rows.max(1));
+                (
+                    ObjectId::Data(segment),
+                    row * PACKED_ROW_BYTES..(row + 1) * PACKED_ROW_BYTES,
+                )
+            }
+        }
+    }
+
+    fn read_bytes(storage: &SimStorage, object: ObjectId, range: &Range<u64>) -> Vec<u8> {
+        let mut bytes = vec![0u8; (range.end - range.start) as usize];
+        storage.peek(object, range.start, &mut bytes);
+        bytes
+    }
+
+    fn inject(&mut self, kind: MetaKind) -> Damage {
+        let storage = self.pristine.duplicate();
+        let files = self.files();
+        let file = files[self.rng.below(files.len() as u64) as usize];
+        let (object, affected, what) = match kind {
+            MetaKind::UnitZeroed => {
+                let (object, range) = self.random_unit();
+                storage.overwrite(
+                    object,
+                    range.start,
+                    &vec![0u8; (range.end - range.start) as usize],
+                );
+                let affected = self.blocks_at(object, range.clone());
+                (object, affected, format!("bytes {range:?} zeroed"))
+            }
+            MetaKind::PageZeroed => {
+                let len = self.nominal_len(file);
+                let page = self.rng.below(len / 4096);
+                let range = page * 4096..(page + 1) * 4096;
+                storage.overwrite(file, range.start, &[0u8; 4096]);
+                (
+                    file,
+                    self.blocks_at(file, range.clone()),
+                    format!("bytes {range:?} zeroed"),
+                )
+            }
+            MetaKind::CutShort | MetaKind::Emptied => {
+                let len = self.nominal_len(file);
+                let cut = if kind == MetaKind::Emptied {
+                    0
+                } else {
+                    self.rng.below(len / 4096) * 4096
+                };
+                storage.truncate(file, cut);
+                (
+                    file,
+                    self.blocks_at(file, cut..len),
+                    format!("cut to {cut} of {len} bytes"),
+                )
+            }
+            MetaKind::Deleted => {
+                storage.remove(file);
+                let len = self.nominal_len(file);
+                (file, self.blocks_at(file, 0..len), "deleted".to_string())
+            }
+            MetaKind::UnitFromElsewhere => {
+                let (object, range) = self.random_unit();
+                let (from_object, from) = loop {
+                    let candidate = self.random_unit();
+                    if candidate != (object, range.clone()) {
+                        break candidate;
+                    }
+                };
+                let bytes = Self::read_bytes(&self.pristine, from_object, &from);
+                storage.overwrite(object, range.start, &bytes);
+                let affected = self.blocks_at(object, range.clone());
+                (
+                    object,
+                    affected,
+                    format!("bytes {range:?} from {} {from:?}", from_object.file_name()),
+                )
+            }
+            MetaKind::UnitFromOtherVolume => {
+                let (object, range) = self.random_unit();
+                let bytes = Self::read_bytes(&self.other, object, &range);
+                storage.overwrite(object, range.start, &bytes);
+                let affected = self.blocks_at(object, range.clone());
+                (
+                    object,
+                    affected,
+                    format!("bytes {range:?} from another volume"),
+                )
+            }
+            MetaKind::OlderCopy => {
+                storage.replace_object(file, &self.older);
+                let len = self.nominal_len(file);
+                (
+                    file,
+                    self.blocks_at(file, 0..len),
+                    "an older copy".to_string(),
+                )
+            }
+            MetaKind::WrittenMapLost => {
+                let what = match self.rng.below(4) {
+                    0 => {
+                        storage.remove(ObjectId::Written);
+                        "deleted"
+                    }
+                    1 => {
+                        storage.truncate(ObjectId::Written, 0);
+                        "emptied"
+                    }
+                    // A bit flipped in one of the map's two copies, or in both.
+                    copies => {
+                        let mut bytes = vec![0u8; 64 * 1024];
+                        self.pristine.peek(ObjectId::Written, 0, &mut bytes);
+                        let end = bytes.iter().rposition(|b| *b != 0).unwrap_or(0) as u64 + 1;
+                        let half = end.div_ceil(2);
+                        for copy in 0..(copies - 1) {
+                            let at = copy * half + self.rng.below(half.min(64));
+                            storage.corrupt(ObjectId::Written, at, 1 << self.rng.below(8));
+                        }
+                        if copies == 2 {
+                            "one copy corrupt"
+                        } else {
+                            "both copies corrupt"
+                        }
+                    }
+                };
+                // The map damaged, the metadata intact: every block must still
+                // read right, or the open refuse naming the map.
+                (ObjectId::Written, BTreeSet::new(), what.to_string())
+            }
+        };
+        Damage {
+            storage,
+            affected,
+            file: object.file_name(),
+            what,
+        }
+    }
+
+    fn read_block(volume: &Volume, lba: u64) -> Result<Vec<u8>, Error> {
+        let mut buf = vec![0u8; BLOCK];
+        volume.read(lba * BLOCK as u64, &mut buf)?;
+        Ok(buf)
+    }
+
+    /// Read every block: the outcome over `affected`, the LBAs that failed,
+    /// and a violation for any block outside `affected` that reads wrong.
+    fn read_all(
+        &mut self,
+        volume: &Volume,
+        damage: &Damage,
+        label: &str,
+    ) -> (Outcome, BTreeSet<u64>) {
+        let (mut silent, mut detected) = (Vec::new(), 0u64);
+        let mut failing = BTreeSet::new();
+        for lba in 0..BLOCKS {
+            let touched = damage.affected.contains(&lba);
+            match Self::read_block(volume, lba) {
+                Ok(buf) if buf == self.model[lba as usize] => {}
+                Ok(buf) if touched => {
+                    let zeros = buf.iter().all(|b| *b == 0);
+                    silent.push((lba, zeros));
+                }
+                Ok(_) => self.violation(format!(
+                    "{label}: {} {}: LBA {lba}, not touched, reads wrong data",
+                    damage.file, damage.what
+                )),
+                Err(Error::Fault(fault)) if fault.lba == lba && touched => {
+                    detected += 1;
+                    failing.insert(lba);
+                }
+                Err(error) => {
+                    failing.insert(lba);
+                    self.violation(format!(
+                        "{label}: {} {}: LBA {lba}{} fails: {error}",
+                        damage.file,
+                        damage.what,
+                        if touched { "" } else { ", not touched," }
+                    ));
+                }
+            }
+        }
+        let outcome = if let Some((lba, zeros)) = silent.first() {
+            if claimed(self.kind_now, self.layout, self.guard) {
+                self.violation(format!(
+                    "{label}: {} {}: {} blocks silently wrong, first LBA {lba}{}",
+                    damage.file,
+                    damage.what,
+                    silent.len(),
+                    if *zeros { " (read as zeros)" } else { "" }
+                ));
+            }
+            Outcome::Silent
+        } else if detected > 0 {
+            Outcome::Detected
+        } else {
+            Outcome::Harmless
+        };
+        (outcome, failing)
+    }
+}
+
+impl Cx {
+    fn classify(&mut self, kind: MetaKind, damage: Damage) {
+        self.kind_now = kind;
+        let storage: Arc<dyn Storage> = Arc::new(damage.storage.clone());
+        let volume = match Volume::open(storage.clone(), &self.open) {
+            Ok(volume) => volume,
+            Err(error) => {
+                let message = error.to_string();
+                if !message.contains(&damage.file) {
+                    self.violation(format!(
+                        "{} {}: the open refused without naming the file: {message}",
+                        damage.file, damage.what
+                    ));
+                }
+                *self.result.refused.entry(kind).or_default() += 1;
+                self.result.tallies.entry(kind).or_default().detected += 1;
+                return;
+            }
+        };
+        let (outcome, failing) = self.read_all(&volume, &damage, kind.label());
+        match volume.check(|_, _| {}) {
+            Ok(report) => {
+                let listed: BTreeSet<u64> = report.faults.iter().map(|f| f.lba).collect();
+                if listed != failing {
+                    self.violation(format!(
+                        "{}: {} {}: check() lists {} blocks, reads fail at {} (first listed {:?}, first failing {:?})",
+                        kind.label(),
+                        damage.file,
+                        damage.what,
+                        listed.len(),
+                        failing.len(),
+                        listed.iter().next(),
+                        failing.iter().next()
+                    ));
+                }
+            }
+            Err(error) => self.violation(format!("{}: check() failed: {error}", kind.label())),
+        }
+        match volume
+            .close()
+            .and_then(|()| Volume::open(storage, &self.open))
+        {
+            Ok(reopened) => {
+                // A checkpoint keeps the loss: nothing that failed reads
+                // as anything but its data now.
+                let (again, _) = self.read_all(&reopened, &damage, "after a close and reopen");
+                if outcome != Outcome::Silent && again == Outcome::Silent {
+                    self.violation(format!(
+                        "{}: {} {}: detected, then silently wrong after a checkpoint",
+                        kind.label(),
+                        damage.file,
+                        damage.what
+                    ));
+                }
+                if let Err(error) = reopened.close() {
+                    self.violation(format!("{}: close after reopen: {error}", kind.label()));
+                }
+            }
+            Err(error) => self.violation(format!(
+                "{}: {} {}: close and reopen failed: {error}",
+                kind.label(),
+                damage.file,
+                damage.what
+            )),
+        }
+        self.result.tallies.entry(kind).or_default().add(outcome);
+    }
+}
