@@ -172,7 +172,7 @@ enum Command {
         key: key::KeyFileArgs,
     },
     /// Export a volume over NBD (default 127.0.0.1:10809).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Verify a range (default: all) without moving its data: every bad
     /// LBA and its fault kind, and with --seed a proof-of-work digest.
     /// Offline on a stopped volume (PATH), or on a running server with
@@ -486,7 +486,7 @@ fn main() -> ExitCode {
             allow_faults,
             ..
         } => commands::export(&path, &raw, allow_faults),
-        Command::Serve(args) => serve::run(args),
+        Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
         Command::Verify(args) => offload::cli_ops::verify(args),
         Command::Scrub(args) => offload::cli_ops::scrub(args),
@@ -529,6 +529,11 @@ mod tests {
             .map(ToString::to_string)
             .collect::<Vec<_>>()
             .join(" ")
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
     }
 
     #[test]

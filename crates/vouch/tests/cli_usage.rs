@@ -6,6 +6,7 @@
 use std::io::{BufRead as _, BufReader, Read as _};
 use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
 use std::os::unix::process::ExitStatusExt as _;
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
 
 mod common;
@@ -243,9 +244,7 @@ fn sizes_read_like_qemu_img_and_a_decimal_unit_is_explained() {
         &["bench"],
         &["mirror", "resync"],
     ] {
-        let mut args = command.to_vec();
-        args.push("--help");
-        let help = String::from_utf8_lossy(&vouch_ok(&args).stdout).into_owned();
+        let help = help_of(command);
         assert!(
             help.contains("powers of 1024") && help.contains("powers of 1000"),
             "vouch {command:?} --help does not say how sizes read:\n{help}"
@@ -305,13 +304,19 @@ fn each_command_lists_only_the_options_it_takes() {
     }
 }
 
-#[test]
-fn options_given_before_the_command_still_work_where_they_apply() {
+/// A plain 1 MiB volume and a key file (which a plain volume does not need).
+fn plain_volume_and_a_key() -> (tempfile::TempDir, PathBuf, PathBuf) {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
     vouch_ok(&["create", s(&volume), "--size", "1MiB"]);
     let key = dir.path().join("key");
     std::fs::write(&key, [7u8; 32]).expect("key");
+    (dir, volume, key)
+}
+
+#[test]
+fn options_given_before_the_command_still_work_where_they_apply() {
+    let (dir, volume, key) = plain_volume_and_a_key();
     // The key file reaches the command: a plain volume needs none, and
     // says so in its log.
     let output = vouch_ok(&["--key-file", s(&key), "info", s(&volume)]);
@@ -461,11 +466,7 @@ fn has_colour(text: &str) -> bool {
 
 #[test]
 fn no_color_is_honoured_on_a_terminal_and_logs_elsewhere_are_plain() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let volume = dir.path().join("vol");
-    vouch_ok(&["create", s(&volume), "--size", "1MiB"]);
-    let key = dir.path().join("key");
-    std::fs::write(&key, [7u8; 32]).expect("key");
+    let (_dir, volume, key) = plain_volume_and_a_key();
     // A plain volume given a key logs one INFO line saying it needs none.
     let args = ["info", s(&volume), "--key-file", s(&key)];
     let logged = "is not encrypted: it needs no key";
