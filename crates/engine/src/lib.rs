@@ -114,6 +114,37 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     Volume::open(Arc::new(storage), options)
 }
 
+/// A look at the volume directory at `path` without opening it, for a
+/// volume another process holds for writing (a running server): what its
+/// superblock (the newest valid copy: a checkpoint rewrites the older one,
+/// so one copy is whole even mid-write) and its files' allocation say. No
+/// lock is taken, the journal is not read and nothing is written; the
+/// superblock is as of the holder's last checkpoint, and `clean` says
+/// whether that checkpoint closed the volume.
+pub fn peek_volume(path: &Path) -> Result<VolumeInfo> {
+    use std::os::unix::fs::MetadataExt as _;
+    let superblock = volume_superblock(path)?;
+    let geometry = superblock
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")).in_volume(path))?;
+    let allocated = storage::objects_of(&geometry)
+        .into_iter()
+        .filter_map(|object| std::fs::metadata(path.join(object.file_name())).ok())
+        .map(|metadata| metadata.blocks() * 512)
+        .sum();
+    Ok(VolumeInfo::of(&superblock, &geometry, allocated))
+}
+
+/// Does another process hold the volume directory at `path` open for
+/// writing (`FileStorage::held_for_writing`)?
+pub fn volume_in_use(path: &Path) -> Result<bool> {
+    FileStorage::held_for_writing(path).map_err(|error| Error::Path {
+        action: "open",
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    })
+}
+
 /// The superblock of the volume directory at `path` (the newest valid
 /// copy), read without opening the volume: what a caller checks before
 /// opening (is it encrypted, how is its key given).

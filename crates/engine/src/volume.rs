@@ -46,6 +46,9 @@ pub struct VolumeInfo {
     pub journal_bytes: u64,
     pub checkpoint_seq: u64,
     pub clean: bool,
+    /// This vouch opens the volume read-only whatever is asked: it carries
+    /// ro_compat features this build does not know. A property of the
+    /// volume, not of how it was opened (`info` itself opens read-only).
     pub read_only: bool,
     pub allocated_bytes: u64,
     /// Encrypted (AES-256-GCM-SIV); `kdf` says how its key is given.
@@ -178,35 +181,51 @@ impl Volume {
     }
 
     pub fn info(&self) -> Result<VolumeInfo> {
-        let superblock = self.engine.superblock();
         let geometry = self.geometry();
         let io = &self.engine.shared.io;
         let mut allocated = 0;
         for object in objects_of(&geometry) {
             allocated += io.storage().allocated_bytes(object).unwrap_or(0);
         }
-        Ok(VolumeInfo {
-            uuid: self.uuid_string(),
+        let mut info = VolumeInfo::of(&self.engine.superblock(), &geometry, allocated);
+        info.journal_bytes = self.engine.committer.journal_bytes();
+        info.clean = self.engine.recovery.was_clean;
+        Ok(info)
+    }
+}
+
+impl VolumeInfo {
+    /// What `superblock` says, with the objects' allocation; `clean` is
+    /// the superblock's state (an open volume knows better: its recovery).
+    pub(crate) fn of(
+        superblock: &vouch_format::Superblock,
+        geometry: &Geometry,
+        allocated_bytes: u64,
+    ) -> VolumeInfo {
+        let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
+        VolumeInfo {
+            uuid: uuid::Uuid::from_bytes(superblock.uuid)
+                .hyphenated()
+                .to_string(),
             size_bytes: geometry.size_bytes,
             blocks: geometry.blocks,
             block_size: BLOCK_SIZE,
-            layout: self.layout(),
+            layout: geometry.layout,
             guard: superblock.guard,
             features: superblock.features,
             segments: geometry.segments(),
             segment_blocks: geometry.segment_blocks,
-            journal_bytes: self.engine.committer.journal_bytes(),
+            journal_bytes: superblock.journal_bytes,
             checkpoint_seq: superblock.checkpoint_seq,
-            clean: self.engine.recovery.was_clean,
-            read_only: io.is_read_only(),
-            allocated_bytes: allocated,
-            encrypted: superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0,
-            key_kind: (superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0)
-                .then_some(match superblock.key_wrap.kdf {
-                    vouch_format::superblock::KDF_ARGON2ID => "passphrase (Argon2id)",
-                    _ => "raw 32-byte key",
-                }),
-        })
+            clean: superblock.state == vouch_format::superblock::STATE_CLEAN,
+            read_only: superblock.features.unknown_ro_compat() != 0,
+            allocated_bytes,
+            encrypted,
+            key_kind: encrypted.then_some(match superblock.key_wrap.kdf {
+                vouch_format::superblock::KDF_ARGON2ID => "passphrase (Argon2id)",
+                _ => "raw 32-byte key",
+            }),
+        }
     }
 }
 

@@ -52,6 +52,15 @@ pub fn create(path: &Path, size: u64, args: &CreateArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Refuse a path that is not a volume directory, saying what it is (does
+/// not exist, a file, an empty directory...), before anything in it is
+/// read: for the commands that start with a file other than the volume's
+/// superblock (a mirror record, a scrub record).
+pub fn volume_dir(path: &Path) -> Result<()> {
+    vouch_engine::FileStorage::open_superblock(path)?;
+    Ok(())
+}
+
 /// Open a volume read-only, with its key if it is encrypted (`key::open`).
 pub fn open_read_only(path: &Path, purpose: Use) -> Result<Volume> {
     let options = OpenOptions {
@@ -61,10 +70,21 @@ pub fn open_read_only(path: &Path, purpose: Use) -> Result<Volume> {
     crate::key::open(path, options, purpose)
 }
 
+/// Shown for a volume another process holds for writing.
+const IN_USE_STATE: &str = "in use: another vouch process (a running `vouch serve`) holds it for writing; shown from its superblock and files without opening it (live state: the server's --metrics, or `vouch verify|scrub --server`)";
+
 pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
-    let volume = open_read_only(path, Use::Info)?;
-    let info = volume.info()?;
-    let recovery = volume.recovery_report();
+    // A held volume cannot be opened, even read-only (its journal is being
+    // written); its superblock and files can be read, which is all `info`
+    // needs but the count of journal records a recovery would replay.
+    let in_use = vouch_engine::volume_in_use(path)?;
+    let (info, records_pending) = if in_use {
+        (vouch_engine::peek_volume(path)?, None)
+    } else {
+        let volume = open_read_only(path, Use::Info)?;
+        let pending = volume.recovery_report().records_replayed;
+        (volume.info()?, Some(pending))
+    };
     // An unreadable scrub record is shown as such, not a failed `info`: the
     // record is advisory (docs/FORMAT.md).
     let scrub = vouch_engine::scrub::last_scrub(path);
@@ -86,8 +106,9 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "segment_blocks": info.segment_blocks,
             "journal_bytes": info.journal_bytes,
             "checkpoint_seq": info.checkpoint_seq,
-            "clean": info.clean,
-            "journal_records_pending": recovery.records_replayed,
+            "in_use": in_use,
+            "clean": (!in_use).then_some(info.clean),
+            "journal_records_pending": records_pending,
             "read_only": info.read_only,
             "allocated_bytes": info.allocated_bytes,
             "encrypted": info.encrypted,
@@ -134,12 +155,20 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
         );
         println!(
             "state:           {}",
-            if info.clean {
+            if in_use {
+                IN_USE_STATE
+            } else if info.clean {
                 "clean"
             } else {
                 "not closed cleanly (recovers from its journal when opened)"
             }
         );
+        if info.read_only {
+            println!(
+                "writable:        no: ro_compat features {:#x} are unknown to this vouch, which only reads it",
+                info.features.unknown_ro_compat()
+            );
+        }
         println!(
             "allocated:       {} bytes ({})",
             info.allocated_bytes,

@@ -22,26 +22,35 @@ pub const KEY_FILE_ENV: &str = "VOUCH_KEY_FILE";
 /// Environment variable naming the new key file of `vouch key change`.
 pub const NEW_KEY_FILE_ENV: &str = "VOUCH_NEW_KEY_FILE";
 
-/// Key options every command takes (global).
+/// The key of an encrypted volume, for the commands that read or write
+/// its data (and `create`/`import`/`serve --create` with --encrypt).
 #[derive(Args, Clone, Debug, Default)]
-pub struct KeyArgs {
+pub struct KeyFileArgs {
     /// Key of an encrypted volume: a file of exactly 32 raw bytes (make one
     /// with `head -c 32 /dev/urandom > FILE`). Without it, the file named by
     /// the VOUCH_KEY_FILE environment variable; without that, a passphrase
     /// is asked for on the terminal. A key is never given as a value on the
     /// command line.
-    #[arg(long, global = true, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     pub key_file: Option<PathBuf>,
-    /// Check an encrypted volume without its key (check, verify, scrub,
-    /// info): only the keyless guard (CRC-32C of each block's context and
-    /// ciphertext) is checked, read-only; nothing is decrypted.
-    #[arg(long, global = true)]
+}
+
+/// `--key-file` and `--keyless`: the commands that verify blocks (check,
+/// verify, scrub, info) may do it without the key.
+#[derive(Args, Clone, Debug, Default)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    pub file: KeyFileArgs,
+    /// Check an encrypted volume without its key: only the keyless guard
+    /// (CRC-32C of each block's context and ciphertext) is checked,
+    /// read-only; nothing is decrypted.
+    #[arg(long)]
     pub keyless: bool,
 }
 
 static KEY_ARGS: OnceLock<KeyArgs> = OnceLock::new();
 
-/// Remember the global key options (once, from `main`).
+/// Remember the command's key options (once, from `main`).
 pub fn init(args: KeyArgs) {
     let _ = KEY_ARGS.set(args);
 }
@@ -73,7 +82,7 @@ pub fn open_options(path: &Path, mut options: OpenOptions, purpose: Use) -> Resu
     let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
     if !encrypted {
         // Not an error: one command may open plain and encrypted volumes.
-        if args.key_file.is_some() {
+        if args.file.key_file.is_some() {
             tracing::info!(
                 "{} is not encrypted: it needs no key (--key-file applies to encrypted volumes)",
                 path.display()
@@ -89,7 +98,7 @@ pub fn open_options(path: &Path, mut options: OpenOptions, purpose: Use) -> Resu
         options.read_only = true;
         return Ok(options);
     }
-    let from_file = match &args.key_file {
+    let from_file = match &args.file.key_file {
         Some(file) => Some(file.clone()),
         None => std::env::var_os(KEY_FILE_ENV).map(PathBuf::from),
     };
@@ -145,7 +154,7 @@ pub fn read_key_file(file: &Path) -> Result<UserSecret> {
 /// `VOUCH_KEY_FILE`, else a new passphrase typed twice on the terminal.
 pub fn new_secret() -> Result<UserSecret> {
     let args = key_args();
-    let from_file = match &args.key_file {
+    let from_file = match &args.file.key_file {
         Some(file) => Some(file.clone()),
         None => std::env::var_os(KEY_FILE_ENV).map(PathBuf::from),
     };
@@ -237,16 +246,22 @@ pub enum KeyCommand {
     /// --new-key-file, else VOUCH_NEW_KEY_FILE, else a new passphrase typed
     /// twice. The volume must not be served meanwhile.
     Change {
+        /// The encrypted volume's directory.
         path: PathBuf,
         /// The new key: a file of exactly 32 raw bytes.
         #[arg(long, value_name = "FILE")]
         new_key_file: Option<PathBuf>,
+        /// The current key (see `--key-file` of any command).
+        #[command(flatten)]
+        key: KeyFileArgs,
     },
 }
 
 pub fn run(command: KeyCommand) -> Result<ExitCode> {
     match command {
-        KeyCommand::Change { path, new_key_file } => {
+        KeyCommand::Change {
+            path, new_key_file, ..
+        } => {
             if vouch_engine::mirror::is_mirrored(&path) {
                 anyhow::bail!(
                     "{} is a leg of a mirror: changing the key of mirrored volumes is not supported yet",

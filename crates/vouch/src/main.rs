@@ -14,7 +14,7 @@ mod serve;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
 
 /// A block store that vouches for every block: each 4 KiB block is stored
 /// with protection information (a guard checksum and a reference tag binding
@@ -23,16 +23,39 @@ use clap::{Args, Parser, Subcommand};
 /// the kernel client.
 #[derive(Parser)]
 #[command(name = "vouch", version, about, long_about = None, propagate_version = true)]
+#[command(after_help = SIZES_HELP)]
 struct Cli {
-    /// Log filter (e.g. "info", "vouch=debug"); also RUST_LOG.
+    /// Log filter (e.g. "info", "vouch=debug"); also RUST_LOG. Logs go to
+    /// stderr, coloured only on a terminal and never when NO_COLOR is set.
     #[arg(long, global = true, default_value = "info")]
     log: String,
     #[command(flatten)]
-    key: key::KeyArgs,
-    #[command(flatten)]
-    replica: replica::ReplicaClientArgs,
+    before: OptionsBeforeCommand,
     #[command(subcommand)]
     command: Command,
+}
+
+/// How every size option reads (like qemu-img's).
+const SIZES_HELP: &str = "Sizes: 4096, 4K, 10M, 2G, 1T: K, M, G, T (and KiB, MiB, GiB, TiB) are powers of 1024; KB, MB, GB, TB are powers of 1000 (2GB = 2000000000 bytes).";
+
+/// The key and replica options once were global, and users put them
+/// before the command (`vouch --replica-tls-cert F ... serve VOL`). They
+/// are now options of the commands they apply to, and still accepted
+/// there, for those commands only (hidden from --help).
+#[derive(Args, Debug, Default)]
+struct OptionsBeforeCommand {
+    #[arg(long, hide = true, value_name = "FILE")]
+    key_file: Option<PathBuf>,
+    #[arg(long, hide = true)]
+    keyless: bool,
+    #[arg(long, hide = true, value_name = "FILE")]
+    replica_tls_cert: Option<PathBuf>,
+    #[arg(long, hide = true, value_name = "FILE")]
+    replica_tls_key: Option<PathBuf>,
+    #[arg(long, hide = true, value_name = "FILE")]
+    replica_tls_ca: Option<PathBuf>,
+    #[arg(long, hide = true, value_name = "SECONDS")]
+    replica_timeout: Option<u64>,
 }
 
 /// How a new volume is laid out.
@@ -50,8 +73,9 @@ pub struct CreateArgs {
     /// such guarantee; `vouch bench` prints each guard's cost.
     #[arg(long, default_value = "crc32c", value_parser = ["crc32c", "crc64nvme", "crc16t10dif", "xxh3", "none"])]
     pub guard: String,
-    /// Journal capacity (default 128MiB split, 64MiB packed).
-    #[arg(long, value_parser = parse_size)]
+    /// Journal capacity (default 128MiB split, 64MiB packed; K, M, G are
+    /// powers of 1024, KB, MB, GB powers of 1000).
+    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
     pub journal: Option<u64>,
     /// Blocks per data segment file (default: 1 TiB of data per file).
     #[arg(long, hide = true)]
@@ -68,9 +92,12 @@ pub struct CreateArgs {
 enum Command {
     /// Create a new volume directory at PATH (sparse: instant at any size).
     Create {
+        /// The new volume's directory (must not exist, or be empty).
         path: PathBuf,
-        /// Nominal size, e.g. 10GiB, 16TiB, 1048576 (a multiple of 4096).
-        #[arg(long, value_parser = parse_size)]
+        /// Nominal size, a multiple of 4096: 10GiB = 10G, 16TiB, 1048576.
+        /// K, M, G, T (and KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+        /// GB, TB are powers of 1000 (2GB = 2000000000 bytes).
+        #[arg(long, value_name = "SIZE", value_parser = parse_volume_size)]
         size: u64,
         /// Make PATH leg 0 of a mirror and this directory another leg (give
         /// it once or twice: 2 or 3 legs, e.g. on different disks). Every
@@ -84,38 +111,65 @@ enum Command {
         mirror: Vec<PathBuf>,
         #[command(flatten)]
         create: CreateArgs,
+        #[command(flatten)]
+        key: key::KeyFileArgs,
+        #[command(flatten)]
+        replica: replica::ReplicaClientArgs,
     },
     /// Show a volume's geometry, layout, guard, feature flags and usage.
+    /// Read-only: a volume a running `vouch serve` holds is shown from its
+    /// superblock and files, without opening it (live counters: the
+    /// server's --metrics; its checks: `verify`/`scrub --server`).
     Info {
+        /// The volume's directory (any leg of a mirrored volume).
         path: PathBuf,
-        /// Print JSON.
+        /// Print JSON. `read_only` is true when this vouch can only read
+        /// the volume (it carries ro_compat features this build does not
+        /// know); `in_use` when another process holds it for writing.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        key: key::KeyArgs,
+        #[command(flatten)]
+        replica: replica::ReplicaClientArgs,
     },
     /// Verify every written block offline (a mirrored volume: every leg,
     /// each alone, without repair). Exit 0 when clean, 1 when faults were
     /// found (each LBA and fault kind listed), 2 on error.
     Check {
+        /// The volume's directory (any leg of a mirrored volume).
         path: PathBuf,
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        key: key::KeyArgs,
+        #[command(flatten)]
+        replica: replica::ReplicaClientArgs,
     },
     /// Convert a raw disk image into a new volume (size rounded up to 4 KiB).
     Import {
+        /// The raw disk image to read.
         raw: PathBuf,
+        /// The new volume's directory (must not exist, or be empty).
         path: PathBuf,
         #[command(flatten)]
         create: CreateArgs,
+        #[command(flatten)]
+        key: key::KeyFileArgs,
     },
     /// Convert a volume into a new raw disk image. Fails naming the faulty
     /// LBAs unless --allow-faults, which zero-fills them.
     Export {
+        /// The volume's directory.
         path: PathBuf,
+        /// The raw image to write (must not exist).
         raw: PathBuf,
         /// Zero-fill blocks that fail verification instead of failing.
         #[arg(long)]
         allow_faults: bool,
+        #[command(flatten)]
+        key: key::KeyFileArgs,
     },
     /// Build a volume's written map from its metadata as it is now
     /// (offline). A volume made before the map (format flag WRITTEN_MAP)
@@ -123,9 +177,14 @@ enum Command {
     /// missing or damaged is refused until this runs or the file is
     /// restored (the map is what tells lost metadata from never-written
     /// blocks, so rebuild it only from metadata you trust).
-    Upgrade { path: PathBuf },
+    Upgrade {
+        /// The volume's directory (offline: no server may have it open).
+        path: PathBuf,
+        #[command(flatten)]
+        key: key::KeyFileArgs,
+    },
     /// Export a volume over NBD (default 127.0.0.1:10809).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Verify a range (default: all) without moving its data: every bad
     /// LBA and its fault kind, and with --seed a proof-of-work digest.
     /// Offline on a stopped volume (PATH), or on a running server with
@@ -198,39 +257,251 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
     Ok(bytes)
 }
 
+/// `text` and the bytes `parse_size` read it as, for an error about those
+/// bytes: "{text} is {what}", where a decimal unit says so, since taking
+/// 2GB for 2 GiB is the usual mistake: "2GB is 2000000000 bytes (GB is
+/// decimal; G and GiB are 1024-based): not a multiple of 4096".
+fn size_is(text: &str, bytes: u64, what: &str) -> String {
+    let text = text.trim();
+    if text.parse::<u64>().is_ok() {
+        return format!("{text} is {what}");
+    }
+    let unit = text.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.' || c == ' ');
+    let mut letters = unit.chars();
+    match (letters.next(), letters.next(), letters.next()) {
+        (Some(prefix), Some('b' | 'B'), None) if "kKmMgGtTpPeE".contains(prefix) => {
+            let prefix = prefix.to_ascii_uppercase();
+            format!("{text} is {bytes} bytes ({unit} is decimal; {prefix} and {prefix}iB are 1024-based): {what}")
+        }
+        _ => format!("{text} is {bytes} bytes: {what}"),
+    }
+}
+
+/// A volume's size (`create --size`, `serve --create`): `parse_size`, then
+/// at most the largest volume and a positive multiple of 4096 bytes, told
+/// in the user's own unit.
+pub fn parse_volume_size(text: &str) -> Result<u64, String> {
+    let bytes = parse_size(text)?;
+    if bytes > vouch_engine::MAX_VOLUME_BYTES {
+        return Err(size_is(
+            text,
+            bytes,
+            "larger than the largest volume vouch supports (1 PiB)",
+        ));
+    }
+    if bytes == 0 || !bytes.is_multiple_of(vouch_engine::BLOCK) {
+        return Err(size_is(text, bytes, "not a positive multiple of 4096"));
+    }
+    Ok(bytes)
+}
+
+/// An offset or length in a volume (verify, copy, compare): `parse_size`,
+/// then a multiple of 4096 bytes, told in the user's own unit.
+pub fn parse_block_bytes(text: &str) -> Result<u64, String> {
+    let bytes = parse_size(text)?;
+    if !bytes.is_multiple_of(vouch_engine::BLOCK) {
+        return Err(size_is(text, bytes, "not a multiple of 4096"));
+    }
+    Ok(bytes)
+}
+
+/// The key and replica options `command` takes; `None` for those it does
+/// not take.
+struct VolumeOptions<'a> {
+    key_file: Option<&'a key::KeyFileArgs>,
+    keyless: Option<bool>,
+    replica: Option<&'a replica::ReplicaClientArgs>,
+}
+
+/// `--key-file` and `--keyless` of a command that checks blocks.
+fn checks(key: &key::KeyArgs) -> (Option<&key::KeyFileArgs>, Option<bool>) {
+    (Some(&key.file), Some(key.keyless))
+}
+
+impl Command {
+    fn volume_options(&self) -> VolumeOptions<'_> {
+        use mirror::MirrorCommand as M;
+        let none = VolumeOptions {
+            key_file: None,
+            keyless: None,
+            replica: None,
+        };
+        let ((key_file, keyless), replica) = match self {
+            Command::Create { key, replica, .. } => ((Some(key), None), Some(replica)),
+            Command::Info { key, replica, .. } | Command::Check { key, replica, .. } => {
+                (checks(key), Some(replica))
+            }
+            Command::Import { key, .. }
+            | Command::Export { key, .. }
+            | Command::Upgrade { key, .. } => ((Some(key), None), None),
+            Command::Serve(args) => ((Some(&args.key), None), Some(&args.replica)),
+            Command::Verify(args) => (checks(&args.key), None),
+            Command::Scrub(args) => (checks(&args.key), Some(&args.replica)),
+            Command::Copy(args) => ((Some(&args.key), None), None),
+            Command::Compare(args) => ((Some(&args.key), None), None),
+            Command::Mirror { command } => match command {
+                M::Status { replica, .. } => ((None, None), Some(replica)),
+                M::Resync { key, replica, .. }
+                | M::Replace { key, replica, .. }
+                | M::Add { key, replica, .. } => ((Some(key), None), Some(replica)),
+                M::Remove { .. } => return none,
+            },
+            Command::Key {
+                command: key::KeyCommand::Change { key, .. },
+            } => ((Some(key), None), None),
+            Command::Bench(_) | Command::Replica { .. } => return none,
+        };
+        VolumeOptions {
+            key_file,
+            keyless,
+            replica,
+        }
+    }
+
+    /// A server: it runs until stopped and writes to clients' sockets.
+    fn serves(&self) -> bool {
+        matches!(
+            self,
+            Command::Serve(_)
+                | Command::Replica {
+                    command: replica::ReplicaCommand::Serve(_)
+                }
+        )
+    }
+}
+
+/// The command's key and replica options, with those given before the
+/// command (`OptionsBeforeCommand`) filling in what is not given after
+/// it. One given before a command that does not take it is an error.
+fn volume_options(
+    before: &OptionsBeforeCommand,
+    command: &Command,
+    name: &str,
+) -> Result<(key::KeyArgs, replica::ReplicaClientArgs), String> {
+    let takes = command.volume_options();
+    let refuse = |option: &str| format!("{option} does not apply to `vouch {name}`");
+    let mut key = key::KeyArgs::default();
+    match takes.key_file {
+        Some(args) => key.file.key_file = args.key_file.clone().or(before.key_file.clone()),
+        None if before.key_file.is_some() => return Err(refuse("--key-file")),
+        None => {}
+    }
+    match takes.keyless {
+        Some(keyless) => key.keyless = keyless || before.keyless,
+        None if before.keyless => return Err(refuse("--keyless")),
+        None => {}
+    }
+    let given_before = before.replica_tls_cert.is_some()
+        || before.replica_tls_key.is_some()
+        || before.replica_tls_ca.is_some()
+        || before.replica_timeout.is_some();
+    let replica = match takes.replica {
+        Some(args) => replica::ReplicaClientArgs {
+            replica_tls_cert: args
+                .replica_tls_cert
+                .clone()
+                .or(before.replica_tls_cert.clone()),
+            replica_tls_key: args
+                .replica_tls_key
+                .clone()
+                .or(before.replica_tls_key.clone()),
+            replica_tls_ca: args
+                .replica_tls_ca
+                .clone()
+                .or(before.replica_tls_ca.clone()),
+            replica_timeout: args.replica_timeout.or(before.replica_timeout),
+        },
+        None if given_before => return Err(refuse("--replica-tls-*/--replica-timeout")),
+        None => replica::ReplicaClientArgs::default(),
+    };
+    Ok((key, replica))
+}
+
+/// The subcommand's name as typed, e.g. "mirror status".
+fn command_name(matches: &clap::ArgMatches) -> String {
+    let mut names = Vec::new();
+    let mut current = matches;
+    while let Some((name, sub)) = current.subcommand() {
+        names.push(name);
+        current = sub;
+    }
+    names.join(" ")
+}
+
+/// Set SIGPIPE's disposition: `SIG_DFL` ends the process at a write to a
+/// closed pipe, `SIG_IGN` (Rust's start-up choice) makes it fail EPIPE.
+fn sigpipe(disposition: libc::sighandler_t) {
+    // SAFETY: signal(2) with SIG_DFL or SIG_IGN installs no handler code;
+    // called from the main thread before any other thread starts.
+    unsafe { libc::signal(libc::SIGPIPE, disposition) };
+}
+
+/// Colours for a person at a terminal who has not set NO_COLOR
+/// (https://no-color.org: present and not empty).
+fn colour_logs() -> bool {
+    std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|value| value.is_empty())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // A command whose output is cut short (`vouch check VOL | head -1`)
+    // ends as Unix filters do: killed by SIGPIPE at its next write to the
+    // closed pipe, quietly (the shell sees 141, so a cut-short `check`
+    // never reports success it did not deliver). Rust ignores SIGPIPE, so
+    // the write would fail and `println!` panic instead. This covers every
+    // write to stdout and stderr, help included. Sockets are unaffected:
+    // std sends with MSG_NOSIGNAL. Servers keep SIGPIPE ignored (below).
+    sigpipe(libc::SIG_DFL);
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
+    if cli.command.serves() {
+        // A server runs for long: a closed stdout or stderr (a supervisor's
+        // log pipe) must fail a write, not kill it with every volume open.
+        sigpipe(libc::SIG_IGN);
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cli.log));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        // Colours only for a person at a terminal; logs are plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // Logs are plain text unless a person at a terminal reads them.
+        .with_ansi(colour_logs())
         .init();
-    key::init(cli.key.clone());
-    replica::init(cli.replica.clone());
+    let (key_options, replica_options) =
+        match volume_options(&cli.before, &cli.command, &command_name(&matches)) {
+            Ok(options) => options,
+            Err(message) => {
+                eprintln!("vouch: error: {message}");
+                return ExitCode::from(2);
+            }
+        };
+    key::init(key_options);
+    replica::init(replica_options);
     let result = match cli.command {
         Command::Create {
             path,
             size,
             mirror: mirrors,
             create,
+            ..
         } if !mirrors.is_empty() => mirror::create(&path, &mirrors, size, &create),
         Command::Create {
             path, size, create, ..
         } => commands::create(&path, size, &create),
         Command::Mirror { command } => mirror::run(command),
-        Command::Info { path, json } => commands::info(&path, json),
-        Command::Check { path, json } => commands::check(&path, json),
-        Command::Import { raw, path, create } => commands::import(&raw, &path, &create),
+        Command::Info { path, json, .. } => commands::info(&path, json),
+        Command::Check { path, json, .. } => commands::check(&path, json),
+        Command::Import {
+            raw, path, create, ..
+        } => commands::import(&raw, &path, &create),
         Command::Export {
             path,
             raw,
             allow_faults,
+            ..
         } => commands::export(&path, &raw, allow_faults),
-        Command::Upgrade { path } => commands::upgrade(&path),
-        Command::Serve(args) => serve::run(args),
+        Command::Upgrade { path, .. } => commands::upgrade(&path),
+        Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
         Command::Verify(args) => offload::cli_ops::verify(args),
         Command::Scrub(args) => offload::cli_ops::scrub(args),
@@ -250,7 +521,104 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_size;
+    use super::{parse_block_bytes, parse_size, parse_volume_size, Cli};
+    use clap::CommandFactory as _;
+
+    /// Every command and subcommand, with its name as typed.
+    fn every_command() -> Vec<(String, clap::Command)> {
+        let mut found = Vec::new();
+        let mut stack = vec![(String::from("vouch"), Cli::command())];
+        while let Some((name, command)) = stack.pop() {
+            for sub in command.get_subcommands() {
+                stack.push((format!("{name} {}", sub.get_name()), sub.clone()));
+            }
+            found.push((name, command));
+        }
+        found
+    }
+
+    fn help_of(arg: &clap::Arg) -> String {
+        [arg.get_help(), arg.get_long_help()]
+            .into_iter()
+            .flatten()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_argument_has_a_description() {
+        for (name, command) in every_command() {
+            for arg in command.get_arguments().filter(|arg| !arg.is_hide_set()) {
+                assert!(
+                    !help_of(arg).trim().is_empty(),
+                    "`{name}`: {} has no description in --help",
+                    arg.get_id()
+                );
+            }
+            let positionals = command.get_positionals().count();
+            let described = command
+                .get_positionals()
+                .filter(|arg| !help_of(arg).trim().is_empty())
+                .count();
+            assert_eq!(
+                positionals, described,
+                "`{name}`: a positional without a description"
+            );
+        }
+    }
+
+    #[test]
+    fn every_size_option_says_how_sizes_read() {
+        let mut sizes = 0;
+        for (name, command) in every_command() {
+            for arg in command.get_arguments().filter(|arg| !arg.is_hide_set()) {
+                let names = arg.get_value_names().unwrap_or_default();
+                if names
+                    .iter()
+                    .any(|value| ["SIZE", "BYTES", "RATE"].contains(&value.as_str()))
+                {
+                    sizes += 1;
+                    let help = help_of(arg);
+                    assert!(
+                        help.contains("powers of 1024") && help.contains("powers of 1000"),
+                        "`{name} --{}` takes a size but its help does not say K = 1024, KB = 1000: {help}",
+                        arg.get_id()
+                    );
+                }
+            }
+        }
+        assert!(sizes >= 20, "only {sizes} size options found");
+    }
+
+    #[test]
+    fn a_size_that_is_not_whole_blocks_is_told_in_its_own_unit() {
+        assert_eq!(
+            parse_volume_size("2GB"),
+            Err("2GB is 2000000000 bytes (GB is decimal; G and GiB are 1024-based): not a positive multiple of 4096".into())
+        );
+        assert_eq!(parse_volume_size("2G"), Ok(2 << 30));
+        assert_eq!(
+            parse_volume_size("2gb").map_err(|e| e.contains("gb is decimal; G and GiB")),
+            Err(true)
+        );
+        assert_eq!(
+            parse_volume_size("0"),
+            Err("0 is not a positive multiple of 4096".into())
+        );
+        assert!(parse_volume_size("2PiB").is_err_and(|e| e.contains("largest volume")));
+        assert_eq!(
+            parse_block_bytes("1.5K"),
+            Err("1.5K is 1536 bytes: not a multiple of 4096".into())
+        );
+        assert_eq!(parse_block_bytes("0"), Ok(0));
+        assert_eq!(parse_block_bytes("8K"), Ok(8192));
+    }
 
     #[test]
     fn a_bare_unit_letter_is_a_power_of_1024() {

@@ -26,12 +26,15 @@ pub enum MirrorCommand {
     /// repair counters are in its metrics (vouch_mirror_*). Exit 0 when
     /// every leg is active and present, 1 otherwise.
     Status {
+        /// Any leg of the volume (offline), or the export name (--server).
         path: String,
         /// Print JSON.
         #[arg(long)]
         json: bool,
         #[command(flatten)]
         server: crate::offload::client::ServerArgs,
+        #[command(flatten)]
+        replica: crate::replica::ReplicaClientArgs,
     },
     /// Resync stale or faulted leg LEG: copy the blocks its resync map
     /// marks (written while it was away) from an active leg, each verified
@@ -47,14 +50,19 @@ pub enum MirrorCommand {
         /// The leg to resync (its index, see `status`).
         #[arg(long)]
         leg: usize,
-        /// Offline copy rate (bytes per second, e.g. 200M = 200 MiB/s).
-        #[arg(long, value_parser = crate::parse_size, default_value = "200M")]
+        /// Offline copy rate in bytes per second (200M = 200 MiB/s; K, M,
+        /// G = powers of 1024, KB, MB, GB = powers of 1000).
+        #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "200M")]
         rate: u64,
         /// Print JSON.
         #[arg(long)]
         json: bool,
         #[command(flatten)]
         server: crate::offload::client::ServerArgs,
+        #[command(flatten)]
+        key: crate::key::KeyFileArgs,
+        #[command(flatten)]
+        replica: crate::replica::ReplicaClientArgs,
     },
     /// Replace leg LEG (its index, see `status`) offline: copy every
     /// block, with its context, from an active leg into it (if the leg's
@@ -62,9 +70,15 @@ pub enum MirrorCommand {
     /// leg's superblock first), verify it, then mark it active. Offline:
     /// the server must be stopped.
     Replace {
+        /// Any active leg of the volume.
         path: PathBuf,
+        /// The leg to replace (its index, see `status`).
         #[arg(long)]
         leg: usize,
+        #[command(flatten)]
+        key: crate::key::KeyFileArgs,
+        #[command(flatten)]
+        replica: crate::replica::ReplicaClientArgs,
     },
     /// Add a leg at NEW_LEG (a new directory) to the volume PATH, offline:
     /// a mirror with fewer than 3 legs, or a plain volume, which becomes a
@@ -76,6 +90,10 @@ pub enum MirrorCommand {
         path: PathBuf,
         /// Where the new leg is created (must not exist).
         new_leg: PathBuf,
+        #[command(flatten)]
+        key: crate::key::KeyFileArgs,
+        #[command(flatten)]
+        replica: crate::replica::ReplicaClientArgs,
     },
     /// Remove leg LEG (its index, see `status`) from the mirror PATH
     /// belongs to, offline. At least one active leg must remain; a mirror
@@ -85,6 +103,7 @@ pub enum MirrorCommand {
     Remove {
         /// The volume (any remaining leg).
         path: PathBuf,
+        /// The leg to remove (its index, see `status`).
         #[arg(long)]
         leg: usize,
     },
@@ -591,12 +610,26 @@ pub fn remove(path: &Path, leg: usize) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The leg of a mirror at `path`: a volume directory with a mirror record.
+fn mirror_leg(path: &Path) -> Result<&Path> {
+    crate::commands::volume_dir(path)?;
+    if !mirror::is_mirrored(path) {
+        bail!(
+            "{} is a plain volume, not a leg of a mirror (`vouch mirror add` makes it one)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
 /// Run a `vouch mirror` command.
 pub fn run(command: MirrorCommand) -> Result<ExitCode> {
     match command {
-        MirrorCommand::Status { path, json, server } => match server.server {
+        MirrorCommand::Status {
+            path, json, server, ..
+        } => match server.server {
             Some(_) => status_online(&path, json, &server),
-            None => status(Path::new(&path), json),
+            None => status(mirror_leg(Path::new(&path))?, json),
         },
         MirrorCommand::Resync {
             path,
@@ -604,10 +637,11 @@ pub fn run(command: MirrorCommand) -> Result<ExitCode> {
             rate,
             json,
             server,
+            ..
         } => match server.server {
             Some(_) => resync_online(&path, leg, json, &server),
             None => crate::resync::run_offline(
-                Path::new(&path),
+                mirror_leg(Path::new(&path))?,
                 leg,
                 mirror::ResyncRate {
                     min: rate.max(1),
@@ -616,9 +650,12 @@ pub fn run(command: MirrorCommand) -> Result<ExitCode> {
                 json,
             ),
         },
-        MirrorCommand::Replace { path, leg } => replace(&path, leg),
-        MirrorCommand::Add { path, new_leg } => add(&path, &new_leg),
-        MirrorCommand::Remove { path, leg } => remove(&path, leg),
+        MirrorCommand::Replace { path, leg, .. } => replace(mirror_leg(&path)?, leg),
+        MirrorCommand::Add { path, new_leg, .. } => {
+            crate::commands::volume_dir(&path)?;
+            add(&path, &new_leg)
+        }
+        MirrorCommand::Remove { path, leg } => remove(mirror_leg(&path)?, leg),
     }
 }
 

@@ -1,8 +1,9 @@
 //! Remote replicas in the CLI: `vouch replica serve DIR --listen ADDR`
 //! (vouch-replica's server), the exporter's side of the connection (the
-//! global `--replica-tls-*` options), and the remote members of a mirror
-//! set: created from leg 0, opened and checked against the set's uuid,
-//! probed for `status` / `info`, verified for `check`.
+//! `--replica-tls-*` options of the commands that open mirrors), and the
+//! remote members of a mirror set: created from leg 0, opened and checked
+//! against the set's uuid, probed for `status` / `info`, verified for
+//! `check`.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -18,42 +19,51 @@ use vouch_engine::{BlockDevice, Fault, BLOCK};
 use vouch_replica::tls::TlsFiles;
 use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};
 
-/// How this process reaches remote replicas (global options).
+/// Seconds a request to a remote replica may take (`--replica-timeout`).
+const DEFAULT_REPLICA_TIMEOUT_SECONDS: u64 = 30;
+
+/// How this process reaches remote replicas: the options of the commands
+/// that may open a mirror with a remote member (create, info, check,
+/// serve, scrub, mirror).
 #[derive(Args, Clone, Debug, Default)]
+#[command(next_help_heading = "Remote replicas (mirror members vouch://HOST:PORT/NAME)")]
 pub struct ReplicaClientArgs {
     /// Mutual TLS to remote replicas (mirror members vouch://HOST:PORT/NAME):
     /// this side's certificate (PEM), presented to the replica server. Give
     /// it with --replica-tls-key and --replica-tls-ca. Without them remote
     /// replicas are reached over plain TCP, which a replica server on a
     /// non-loopback address refuses unless it runs with --insecure.
-    #[arg(long, global = true, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     pub replica_tls_cert: Option<PathBuf>,
     /// The private key of --replica-tls-cert (PEM).
-    #[arg(long, global = true, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     pub replica_tls_key: Option<PathBuf>,
     /// The CA that signed the replica servers' certificates (PEM): a
     /// replica whose certificate it did not sign is refused.
-    #[arg(long, global = true, value_name = "FILE")]
+    #[arg(long, value_name = "FILE")]
     pub replica_tls_ca: Option<PathBuf>,
     /// Bound on each request to a remote replica, in seconds: a request
     /// that takes longer drops the connection and the leg is marked stale,
     /// with a resync map of the blocks written since the last flush and
     /// every write after (no replay queue: a replica that falls behind by
-    /// this long gets a map-tracked resync, not a full copy).
-    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 30)]
-    pub replica_timeout: u64,
+    /// this long gets a map-tracked resync, not a full copy). Default 30.
+    #[arg(long, value_name = "SECONDS")]
+    pub replica_timeout: Option<u64>,
 }
 
 static CLIENT_ARGS: OnceLock<ReplicaClientArgs> = OnceLock::new();
 static CLIENT_OPTIONS: OnceLock<std::result::Result<ClientOptions, String>> = OnceLock::new();
 
-/// Remember the global replica options (once, from `main`).
+/// Remember the command's replica options (once, from `main`).
 pub fn init(args: ReplicaClientArgs) {
     let _ = CLIENT_ARGS.set(args);
 }
 
 fn build_options(args: &ReplicaClientArgs) -> std::result::Result<ClientOptions, String> {
-    if args.replica_timeout == 0 {
+    let timeout = args
+        .replica_timeout
+        .unwrap_or(DEFAULT_REPLICA_TIMEOUT_SECONDS);
+    if timeout == 0 {
         return Err("--replica-timeout must be at least 1 second".into());
     }
     let tls = match (
@@ -74,12 +84,12 @@ fn build_options(args: &ReplicaClientArgs) -> std::result::Result<ClientOptions,
         }
     };
     Ok(ClientOptions {
-        timeout: Duration::from_secs(args.replica_timeout),
+        timeout: Duration::from_secs(timeout),
         tls,
     })
 }
 
-/// The client options from the global arguments (built once).
+/// The client options from the command's arguments (built once).
 pub fn client_options() -> vouch_engine::Result<ClientOptions> {
     CLIENT_OPTIONS
         .get_or_init(|| build_options(&CLIENT_ARGS.get().cloned().unwrap_or_default()))

@@ -24,8 +24,10 @@ pub struct ServeArgs {
     /// (the empty export name).
     #[arg(required = true)]
     paths: Vec<PathBuf>,
-    /// Create the (first) volume with this size if PATH does not exist yet.
-    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size)]
+    /// Create the (first) volume with this size if PATH does not exist yet
+    /// (a multiple of 4096: 10GiB = 10G; K, M, G, T are powers of 1024, KB,
+    /// MB, GB, TB powers of 1000).
+    #[arg(long, value_name = "SIZE", value_parser = crate::parse_volume_size)]
     create: Option<u64>,
     #[command(flatten)]
     create_args: CreateArgs,
@@ -52,7 +54,8 @@ pub struct ServeArgs {
     /// every context of an 8 GiB volume). A volume whose working set's
     /// contexts do not fit reads a context page before its data on a miss
     /// (from the page cache, or the device when evicted), which is what
-    /// the packed layout avoids. Sizes: 64M = 64 MiB; at least 4K.
+    /// the packed layout avoids. At least 4K; 64M = 64 MiB (K, M, G are
+    /// powers of 1024, KB, MB, GB powers of 1000).
     #[arg(long, value_name = "SIZE", value_parser = crate::parse_size, default_value = "64M")]
     context_cache: u64,
     /// Serve Prometheus metrics on http://ADDR/metrics.
@@ -82,16 +85,22 @@ pub struct ServeArgs {
     inject: Option<crate::inject::InjectSpec>,
     /// Resync floor: a stale mirror leg's resync copies at least this many
     /// bytes per second even while clients are busy (like DRBD's
-    /// c-min-rate, md's speed_limit_min). Sizes: 10M = 10 MiB/s.
+    /// c-min-rate, md's speed_limit_min). 10M = 10 MiB/s (K, M, G are
+    /// powers of 1024, KB, MB, GB powers of 1000).
     #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "1M")]
     resync_min: u64,
     /// Resync ceiling: at most this many bytes per second, the rate it
     /// runs at while no client request arrives (DRBD's c-max-rate, md's
-    /// speed_limit_max). Sizes: 200M = 200 MiB/s, 2G = 2 GiB/s.
+    /// speed_limit_max). 200M = 200 MiB/s, 2G = 2 GiB/s (K, M, G are powers
+    /// of 1024, KB, MB, GB powers of 1000).
     #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "200M")]
     resync_max: u64,
     #[command(flatten)]
     control: crate::offload::control::ControlArgs,
+    #[command(flatten)]
+    pub key: crate::key::KeyFileArgs,
+    #[command(flatten)]
+    pub replica: crate::replica::ReplicaClientArgs,
 }
 
 /// `--context-cache` in whole 4 KiB context pages.

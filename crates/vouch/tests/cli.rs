@@ -265,6 +265,12 @@ fn feature_flags_are_checked_against_the_supported_mask() {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
     ok(&["create", s(&volume), "--size", "1MiB"]);
+    // `read_only` is the volume's: `info` itself always opens read-only.
+    let info = ok(&["info", s(&volume), "--json"]);
+    assert!(
+        info.contains("\"read_only\": false"),
+        "a writable volume: {info}"
+    );
     rewrite_superblock(&volume, |sb| sb.features.compat |= 1 << 40);
     ok(&["check", s(&volume)]);
     rewrite_superblock(&volume, |sb| sb.features.ro_compat |= 1 << 7);
@@ -272,6 +278,11 @@ fn feature_flags_are_checked_against_the_supported_mask() {
     assert!(
         info.contains("\"read_only\": true"),
         "unknown ro_compat must open read-only: {info}"
+    );
+    let info = ok(&["info", s(&volume)]);
+    assert!(
+        info.contains("writable:        no: ro_compat features 0x80 are unknown"),
+        "{info}"
     );
     use vouch_engine::BlockDevice;
     let engine = vouch_engine::open_volume(&volume, &vouch_engine::OpenOptions::default())

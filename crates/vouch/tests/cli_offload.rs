@@ -103,7 +103,7 @@ fn offline_verify_finds_faults_and_its_digest_equals_the_servers() {
     for (args, message) in [
         (
             vec!["verify", s(&volume), "--offset", "100"],
-            "multiples of 4096",
+            "100 is not a multiple of 4096",
         ),
         (
             vec!["verify", s(&volume), "--offset", "4M", "--length", "4K"],

@@ -118,20 +118,51 @@ impl FileStorage {
         FileStorage::open_objects(dir, geometry, FileOpen::WRITABLE)
     }
 
-    /// Open just the superblock file, to learn the geometry.
+    /// Open just the superblock file, to learn the geometry. A path that
+    /// is not a volume directory is refused saying what it is instead.
     pub fn open_superblock(dir: &Path) -> io::Result<File> {
-        if !dir.is_dir() {
-            let what = if dir.exists() {
-                "is not a vouch volume directory"
-            } else {
-                "does not exist"
-            };
-            return Err(io::Error::new(
+        let not_a_volume = |what: &str| {
+            io::Error::new(
                 io::ErrorKind::NotFound,
-                format!("{} {what}", dir.display()),
-            ));
+                format!("{} is not a vouch volume ({what})", dir.display()),
+            )
+        };
+        match std::fs::metadata(dir) {
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                return Err(io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("{} does not exist", dir.display()),
+                ))
+            }
+            Err(error) => return Err(error),
+            Ok(metadata) if !metadata.is_dir() => {
+                return Err(not_a_volume("not a directory; a volume is a directory"))
+            }
+            Ok(_) => {}
         }
-        File::open(dir.join("superblock"))
+        match File::open(dir.join(ObjectId::Superblock.file_name())) {
+            Err(error) if error.kind() == io::ErrorKind::NotFound => {
+                let empty = std::fs::read_dir(dir)?.next().is_none();
+                Err(not_a_volume(if empty {
+                    "an empty directory"
+                } else {
+                    "a directory without a superblock file"
+                }))
+            }
+            other => other,
+        }
+    }
+
+    /// Does another process hold the volume at `dir` open for writing?
+    /// Probed with the shared lock a reader takes (`lock_volume`), which
+    /// is released at once: nothing is opened for writing.
+    pub fn held_for_writing(dir: &Path) -> io::Result<bool> {
+        let superblock = FileStorage::open_superblock(dir)?;
+        match lock_volume(&superblock, dir, false) {
+            Ok(()) => Ok(false),
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => Ok(true),
+            Err(error) => Err(error),
+        }
     }
 
     /// Open every object of an existing volume (see `FileOpen`).

@@ -20,8 +20,9 @@ pub struct BenchArgs {
     /// Seconds per test.
     #[arg(long, default_value_t = 5.0)]
     pub seconds: f64,
-    /// Volume / file size.
-    #[arg(long, default_value = "1GiB", value_parser = crate::parse_size)]
+    /// Volume / file size (a multiple of 4096; K, M, G, T and KiB, MiB,
+    /// GiB, TiB are powers of 1024, KB, MB, GB, TB powers of 1000).
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = crate::parse_volume_size)]
     pub size: u64,
     /// Directory for the volumes (default: $TMPDIR or /var/tmp); a
     /// subdirectory is created there and removed afterwards.
@@ -73,8 +74,9 @@ pub struct BenchArgs {
     /// Scale mode: memory and crash-recovery time, 1 GiB vs 1 TiB volumes.
     #[arg(long)]
     pub scale: bool,
-    /// Scale mode: volume sizes.
-    #[arg(long, value_delimiter = ',', default_value = "1GiB,1TiB", value_parser = crate::parse_size)]
+    /// Scale mode: volume sizes (1TiB = 1T; K, M, G, T are powers of 1024,
+    /// KB, MB, GB, TB powers of 1000).
+    #[arg(long, value_name = "SIZE", value_delimiter = ',', default_value = "1GiB,1TiB", value_parser = crate::parse_volume_size)]
     pub scale_sizes: Vec<u64>,
     /// Scale mode: random 4 KiB writes before the crash (a flush half-way).
     #[arg(long, default_value_t = 20000)]

@@ -23,11 +23,13 @@ use crate::parse_size;
 pub struct VerifyArgs {
     /// Volume directory (offline) or export name (with --server).
     pub(super) target: String,
-    /// First byte (a multiple of 4096; default 0).
-    #[arg(long, value_parser = parse_size)]
+    /// First byte (a multiple of 4096; default 0). K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+    /// GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
     pub(super) offset: Option<u64>,
-    /// Bytes to verify (a multiple of 4096; default: to the end).
-    #[arg(long, value_parser = parse_size)]
+    /// Bytes to verify (a multiple of 4096; default: to the end). K, M, G, T are
+    /// powers of 1024, KB, MB, GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
     pub(super) length: Option<u64>,
     /// Proof of work: 64 hex digits; the result carries a keyed digest of
     /// the verified data (docs/PROTOCOL.md says how to recompute it).
@@ -36,22 +38,28 @@ pub struct VerifyArgs {
     /// With --seed: also list one digest per 1 MiB segment.
     #[arg(long, requires = "seed")]
     pub(super) segments: bool,
-    /// Read at most this many bytes per second (e.g. 200M).
-    #[arg(long, value_parser = parse_size)]
+    /// Read at most this many bytes per second (e.g. 200M = 200 MiB/s).
+    /// K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+    /// GB, TB powers of 1000.
+    #[arg(long, value_name = "RATE", value_parser = parse_size)]
     pub(super) rate: Option<u64>,
     #[command(flatten)]
     pub(super) server: ServerArgs,
     /// Print the result as JSON (no progress).
     #[arg(long)]
     pub(super) json: bool,
+    #[command(flatten)]
+    pub key: crate::key::KeyArgs,
 }
 
 #[derive(Args, Debug)]
 pub struct ScrubArgs {
     /// Volume directory (offline) or export name (with --server).
     pub(super) target: String,
-    /// Read at most this many bytes per second.
-    #[arg(long, value_parser = parse_size)]
+    /// Read at most this many bytes per second (e.g. 200M = 200 MiB/s).
+    /// K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+    /// GB, TB powers of 1000.
+    #[arg(long, value_name = "RATE", value_parser = parse_size)]
     pub(super) rate: Option<u64>,
     /// Show the last scrub's record (and a running scrub) instead of scrubbing.
     #[arg(long, conflicts_with = "cancel")]
@@ -64,6 +72,10 @@ pub struct ScrubArgs {
     /// Print the result as JSON (no progress).
     #[arg(long)]
     pub(super) json: bool,
+    #[command(flatten)]
+    pub key: crate::key::KeyArgs,
+    #[command(flatten)]
+    pub replica: crate::replica::ReplicaClientArgs,
 }
 
 #[derive(Args, Debug)]
@@ -72,12 +84,17 @@ pub struct CopyArgs {
     pub(super) source: String,
     /// Destination volume (may be the source) or export name.
     pub(super) destination: String,
-    /// Bytes to copy (a multiple of 4096).
-    #[arg(long, value_parser = parse_size)]
+    /// Bytes to copy (a multiple of 4096). K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+    /// GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
     pub(super) length: u64,
-    #[arg(long, value_parser = parse_size, default_value = "0")]
+    /// First byte read from SOURCE (a multiple of 4096). K, M, G, T are
+    /// powers of 1024, KB, MB, GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
     pub(super) source_offset: u64,
-    #[arg(long, value_parser = parse_size, default_value = "0")]
+    /// First byte written in DESTINATION (a multiple of 4096). K, M, G, T are
+    /// powers of 1024, KB, MB, GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
     pub(super) destination_offset: u64,
     /// auto (measure once per volume), reflink or pipelined.
     #[arg(long, default_value = "auto", value_parser = ["auto", "reflink", "pipelined"])]
@@ -87,6 +104,8 @@ pub struct CopyArgs {
     /// Print the result as JSON (no progress).
     #[arg(long)]
     pub(super) json: bool,
+    #[command(flatten)]
+    pub key: crate::key::KeyFileArgs,
 }
 
 #[derive(Args, Debug)]
@@ -94,10 +113,13 @@ pub struct CopyArgs {
 pub struct CompareArgs {
     /// Volume directory (offline) or export name (with --server).
     pub(super) target: String,
-    #[arg(long, value_parser = parse_size, default_value = "0")]
+    /// First byte compared (a multiple of 4096). K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+    /// GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
     pub(super) offset: u64,
-    /// Bytes to compare (default: the file's length with --with-file).
-    #[arg(long, value_parser = parse_size)]
+    /// Bytes to compare (default: the file's length with --with-file). K, M, G, T are
+    /// powers of 1024, KB, MB, GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
     pub(super) length: Option<u64>,
     /// Compare with the bytes of this file (with --server, sent 16 MiB per request).
     #[arg(long, value_name = "FILE")]
@@ -105,13 +127,17 @@ pub struct CompareArgs {
     /// Compare with a range of another (or the same) volume / export.
     #[arg(long, value_name = "VOLUME")]
     pub(super) with: Option<String>,
-    #[arg(long, value_parser = parse_size, default_value = "0")]
+    /// First byte of the --with range (a multiple of 4096). K, M, G, T are
+    /// powers of 1024, KB, MB, GB, TB powers of 1000.
+    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
     pub(super) with_offset: u64,
     #[command(flatten)]
     pub(super) server: ServerArgs,
     /// Print the result as JSON (no progress).
     #[arg(long)]
     pub(super) json: bool,
+    #[command(flatten)]
+    pub key: crate::key::KeyFileArgs,
 }
 
 /// Progress on stderr: a bar on a terminal, a line every few seconds
