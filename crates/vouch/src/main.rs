@@ -10,6 +10,7 @@ mod offload;
 mod replica;
 mod resync;
 mod serve;
+mod service;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -117,7 +118,16 @@ enum Command {
         #[arg(long)]
         allow_faults: bool,
     },
-    /// Export a volume over NBD (default 127.0.0.1:10809).
+    /// Export volumes over NBD (default 127.0.0.1:10809) until SIGINT or
+    /// SIGTERM, then finish in-flight requests, flush and close them.
+    ///
+    /// Under a service manager: with systemd socket activation (LISTEN_PID,
+    /// LISTEN_FDS, LISTEN_FDNAMES) it serves the TCP and Unix stream sockets
+    /// passed from descriptor 3 on instead of binding any; with
+    /// NOTIFY_SOCKET it reports READY=1 once every listener is bound and
+    /// every volume is open, STATUS= lines, and STOPPING=1 when a signal
+    /// starts a clean stop (a unit can use Type=notify). dist/systemd/ has
+    /// vouch.socket and vouch@.service.
     Serve(serve::ServeArgs),
     /// Verify a range (default: all) without moving its data: every bad
     /// LBA and its fault kind, and with --seed a proof-of-work digest.
