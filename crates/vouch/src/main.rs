@@ -170,6 +170,9 @@ enum Command {
         #[command(subcommand)]
         command: key::KeyCommand,
     },
+    /// Write a manual page per command into DIR (for packages).
+    #[command(hide = true)]
+    Man { dir: PathBuf },
 }
 
 /// Parse sizes like 10GiB, 512MiB, 4k, 1048576. A bare K, M, G, T, P or E
@@ -240,6 +243,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => offload::cli_ops::compare(args),
         Command::Key { command } => key::run(command),
         Command::Replica { command } => replica::run(command),
+        Command::Man { dir } => service::man::run(&dir),
     };
     match result {
         Ok(code) => code,
