@@ -30,6 +30,23 @@ fn create_volume(dir: &Path, size: &str) -> PathBuf {
     volume
 }
 
+/// `vouch serve ARGS --log info` as given (no `--listen` added, unlike
+/// `Server::start`), with `env`, waiting for the lines `expect` names.
+fn serve(
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+    expect: Expect,
+) -> Result<Server, String> {
+    let mut command = Command::new(vouch_bin());
+    command.arg("serve").args(args).args(["--log", "info"]);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let args = args.iter().map(|a| a.to_string()).collect();
+    Server::launch(dir, command, args, expect)
+}
+
 /// A port free a moment ago (systemd-socket-activate cannot pick one).
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -225,14 +242,13 @@ fn readiness_comes_once_the_port_accepts_and_stopping_on_sigterm() {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = create_volume(dir.path(), "8MiB");
     let (notify, notify_value) = notify_socket(dir.path(), false);
-    let args = vec![s(&volume).to_string()];
-    let mut command = Command::new(vouch_bin());
-    command
-        .arg("serve")
-        .args(&args)
-        .args(["--listen", "127.0.0.1:0", "--log", "info"])
-        .env("NOTIFY_SOCKET", &notify_value);
-    let mut server = Server::launch(dir.path(), command, args, Expect::default()).expect("launch");
+    let mut server = serve(
+        dir.path(),
+        &[s(&volume), "--listen", "127.0.0.1:0"],
+        &[("NOTIFY_SOCKET", &notify_value)],
+        Expect::default(),
+    )
+    .expect("launch");
     let ready = next_notification(&notify);
     let status = ready
         .strip_prefix("READY=1\nSTATUS=serving 1 export on nbd://")
@@ -281,17 +297,12 @@ fn listen_takes_host_names_and_repeats_for_ipv4_and_ipv6() {
     TcpListener::bind("[::1]:0").expect("IPv6 loopback ([::1]) is not usable here");
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = create_volume(dir.path(), "8MiB");
-    let args: Vec<String> = [s(&volume), "--listen", "localhost:0", "--listen", "[::1]:0"]
-        .iter()
-        .map(|a| a.to_string())
-        .collect();
-    let mut command = Command::new(vouch_bin());
-    command.arg("serve").args(&args).args(["--log", "info"]);
     let expect = Expect {
         tcp: true,
         ..Expect::default()
     };
-    let mut server = Server::launch(dir.path(), command, args, expect).expect("start");
+    let args = [s(&volume), "--listen", "localhost:0", "--listen", "[::1]:0"];
+    let mut server = serve(dir.path(), &args, &[], expect).expect("start");
     let v4 = server.wait_for_line("vouch: serving on nbd://127.0.0.1:");
     let v6 = server.wait_for_line("vouch: serving on nbd://[::1]:");
     for line in [v4, v6] {
@@ -316,18 +327,17 @@ fn socket_alone_binds_no_tcp_and_its_file_goes_on_a_clean_stop() {
     let other = dir.path().join("other");
     vouch_ok(&["create", s(&other), "--size", "8MiB"]);
     let socket = dir.path().join("nbd.sock");
+    let expect = Expect {
+        unix: true,
+        ..Expect::default()
+    };
     let start = |volume: &Path| {
-        let args: Vec<String> = [s(volume), "--socket", s(&socket)]
-            .iter()
-            .map(|a| a.to_string())
-            .collect();
-        let mut command = Command::new(vouch_bin());
-        command.arg("serve").args(&args).args(["--log", "info"]);
-        let expect = Expect {
-            unix: true,
-            ..Expect::default()
-        };
-        Server::launch(dir.path(), command, args, expect)
+        serve(
+            dir.path(),
+            &[s(volume), "--socket", s(&socket)],
+            &[],
+            expect,
+        )
     };
     let mut server = start(&volume).expect("--socket alone starts with 10809 taken");
     assert_eq!(
