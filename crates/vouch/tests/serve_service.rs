@@ -234,6 +234,34 @@ fn socket_activation_serves_a_passed_unix_socket_and_leaves_its_file() {
     assert_check_clean(&volume);
 }
 
+/// Under socket activation the service manager decides the addresses: a
+/// --socket (or --listen) given as well is refused with a reason.
+#[test]
+fn socket_activation_refuses_listeners_of_its_own() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = create_volume(dir.path(), "8MiB");
+    let socket = dir.path().join("activated.sock");
+    let own = dir.path().join("own.sock");
+    let mut server = activate(
+        dir.path(),
+        &[s(&socket).to_string()],
+        None,
+        &[],
+        &[s(&volume), "--socket", s(&own)],
+    )
+    .expect("a Unix socket path cannot be taken");
+    // The first connection starts vouch, which refuses to run.
+    let _ = std::os::unix::net::UnixStream::connect(&socket).expect("connect");
+    let status = server.reap(STOP_TIMEOUT);
+    assert_eq!(status.code(), Some(2), "{}", server.log_text());
+    let log = server.log_text();
+    assert!(
+        log.contains("cannot be combined with socket activation"),
+        "{log}"
+    );
+    assert!(!own.exists(), "its own socket was bound anyway");
+}
+
 /// Without socket activation: READY=1 arrives only once the announced
 /// port accepts connections (a connection made right then gets the NBD
 /// greeting), and SIGTERM sends STOPPING=1 before the clean exit.
