@@ -131,7 +131,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     // First, while this is the only thread: taking the sockets clears
     // LISTEN_* from the environment.
     let activated = activation::take()?;
-    let notifier = Notifier::from_env()?;
+    let notifier = Notifier::from_env();
     // Options are checked before `--create` makes anything.
     if activated.is_some() && (!args.listen.is_empty() || args.socket.is_some()) {
         bail!("--listen and --socket cannot be combined with socket activation (LISTEN_FDS): the service manager passes the sockets");

@@ -33,11 +33,17 @@ struct Target {
 
 impl Notifier {
     /// The notifier `NOTIFY_SOCKET` asks for (none when unset or empty).
-    pub fn from_env() -> Result<Notifier> {
+    /// One it cannot use (systemd's `vsock:` addresses) is logged and
+    /// left out: the server still serves, and the service manager's
+    /// start timeout reports the readiness it did not hear.
+    pub fn from_env() -> Notifier {
         match std::env::var_os("NOTIFY_SOCKET") {
-            None => Ok(Notifier::default()),
-            Some(text) if text.is_empty() => Ok(Notifier::default()),
-            Some(text) => Notifier::to(text),
+            None => Notifier::default(),
+            Some(text) if text.is_empty() => Notifier::default(),
+            Some(text) => Notifier::to(text).unwrap_or_else(|error| {
+                tracing::warn!("no readiness notification: {error:#}");
+                Notifier::default()
+            }),
         }
     }
 
