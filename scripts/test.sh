@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh machine: installs the Debian packages
-# the tests drive (real NBD clients, fio, nbdfuse), then runs formatting,
+# the tests drive (real NBD clients, fio, nbdfuse, systemd-socket-activate,
+# dpkg-dev for the package), then runs formatting,
 # lints and every test. Used by .ci/run as is.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,9 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v mkfs.btrfs >/dev/null 2>&1 || need+=(btrfs-progs)
 command -v mkfs.xfs >/dev/null 2>&1 || need+=(xfsprogs)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v systemd-socket-activate >/dev/null 2>&1 || need+=(systemd)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
+command -v dpkg-shlibdeps >/dev/null 2>&1 || need+=(dpkg-dev)
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing: ${need[*]}"

@@ -22,6 +22,7 @@ pub mod handshake;
 pub mod limits;
 pub mod metrics;
 pub mod server;
+pub mod socket_file;
 pub mod tls;
 mod transmission;
 pub mod wire;

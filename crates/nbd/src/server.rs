@@ -17,6 +17,7 @@ use tracing::{debug, info, warn};
 use crate::export::Export;
 use crate::handshake::{self, HandshakeContext, HandshakeError, Negotiated, OptionState};
 use crate::metrics::Metrics;
+use crate::socket_file::SocketFile;
 use crate::transmission::{self, ReceiveLowWater, ServerResources};
 use crate::worker::{Executor, WorkerPool};
 
@@ -38,8 +39,16 @@ const READS_DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum Listen {
     /// `ADDR:PORT`; port 0 picks an ephemeral port (see [`Server::tcp_addrs`]).
     Tcp(SocketAddr),
-    /// A Unix socket path (an existing socket file is replaced).
+    /// A Unix socket path. A stale socket file is replaced, a live
+    /// server's is refused ([`crate::socket_file::bind_unix`]); the file is
+    /// removed when the server stops (or is dropped unstarted).
     Unix(PathBuf),
+    /// A TCP socket already listening (bound by the caller, or passed by
+    /// systemd socket activation), served as it is.
+    TcpListener(Arc<std::net::TcpListener>),
+    /// A Unix socket already listening (socket activation): served as it
+    /// is; its file belongs to whoever made it and is left in place.
+    UnixListener(Arc<std::os::unix::net::UnixListener>),
 }
 
 /// Everything needed to build a [`Server`].
@@ -91,7 +100,15 @@ impl ShutdownHandle {
 
 enum BoundListener {
     Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
+    Unix {
+        /// The file this server made, removed with the listener. Declared
+        /// first: fields drop in order, and the file must go while the
+        /// listener is still open (see [`SocketFile`]).
+        _file: Option<SocketFile>,
+        listener: UnixListener,
+        /// The path, or `@name` for an abstract socket, for logs.
+        label: String,
+    },
 }
 
 /// A bound NBD server. Build with [`Server::bind`], drive with [`Server::run`].
@@ -111,7 +128,7 @@ struct Shared {
 
 impl Server {
     /// Validate the configuration and bind every listener.
-    pub async fn bind(config: ServerConfig) -> Result<Server, ServerError> {
+    pub async fn bind(mut config: ServerConfig) -> Result<Server, ServerError> {
         if config.exports.is_empty() {
             return Err(ServerError::Config("no exports".into()));
         }
@@ -131,33 +148,8 @@ impl Server {
             return Err(ServerError::Config("no listeners".into()));
         }
         let mut listeners = Vec::new();
-        for listen in &config.listen {
-            let bound = match listen {
-                Listen::Tcp(addr) => {
-                    BoundListener::Tcp(TcpListener::bind(addr).await.map_err(|source| {
-                        ServerError::Bind {
-                            what: addr.to_string(),
-                            source,
-                        }
-                    })?)
-                }
-                Listen::Unix(path) => {
-                    // A stale socket from a previous run would make bind fail.
-                    if std::fs::symlink_metadata(path).is_ok_and(|m| {
-                        use std::os::unix::fs::FileTypeExt;
-                        m.file_type().is_socket()
-                    }) {
-                        let _ = std::fs::remove_file(path);
-                    }
-                    let listener =
-                        UnixListener::bind(path).map_err(|source| ServerError::Bind {
-                            what: path.display().to_string(),
-                            source,
-                        })?;
-                    BoundListener::Unix(listener, path.clone())
-                }
-            };
-            listeners.push(bound);
+        for listen in std::mem::take(&mut config.listen) {
+            listeners.push(bind_listener(listen).await?);
         }
         let (signal, shutdown) = watch::channel(false);
         let metrics = config.metrics.clone().unwrap_or_default();
@@ -191,7 +183,19 @@ impl Server {
             .iter()
             .filter_map(|listener| match listener {
                 BoundListener::Tcp(tcp) => tcp.local_addr().ok(),
-                BoundListener::Unix(..) => None,
+                BoundListener::Unix { .. } => None,
+            })
+            .collect()
+    }
+
+    /// The Unix sockets listened on: their paths (`@name` for an abstract
+    /// socket).
+    pub fn unix_sockets(&self) -> Vec<String> {
+        self.listeners
+            .iter()
+            .filter_map(|listener| match listener {
+                BoundListener::Tcp(_) => None,
+                BoundListener::Unix { label, .. } => Some(label.clone()),
             })
             .collect()
     }
@@ -278,6 +282,69 @@ impl Server {
     }
 }
 
+/// Bind (or adopt) one listener. A socket handed over already listening
+/// is duplicated when it is still shared, so the caller's copy stays open.
+async fn bind_listener(listen: Listen) -> Result<BoundListener, ServerError> {
+    Ok(match listen {
+        Listen::Tcp(addr) => BoundListener::Tcp(
+            TcpListener::bind(addr)
+                .await
+                .map_err(bind_error(addr.to_string()))?,
+        ),
+        Listen::Unix(path) => {
+            let label = path.display().to_string();
+            let (listener, file) =
+                crate::socket_file::bind_unix(&path).map_err(bind_error(label.clone()))?;
+            listener.set_nonblocking(true)?;
+            BoundListener::Unix {
+                listener: UnixListener::from_std(listener)?,
+                label,
+                _file: Some(file),
+            }
+        }
+        Listen::TcpListener(shared) => {
+            let listener = Arc::try_unwrap(shared).or_else(|shared| shared.try_clone())?;
+            let label = listener
+                .local_addr()
+                .map_or_else(|_| "an inherited TCP socket".to_string(), |a| a.to_string());
+            listener
+                .set_nonblocking(true)
+                .map_err(bind_error(label.clone()))?;
+            BoundListener::Tcp(TcpListener::from_std(listener).map_err(bind_error(label))?)
+        }
+        Listen::UnixListener(shared) => {
+            let listener = Arc::try_unwrap(shared).or_else(|shared| shared.try_clone())?;
+            let label = unix_label(&listener);
+            listener
+                .set_nonblocking(true)
+                .map_err(bind_error(label.clone()))?;
+            BoundListener::Unix {
+                listener: UnixListener::from_std(listener).map_err(bind_error(label.clone()))?,
+                label,
+                _file: None,
+            }
+        }
+    })
+}
+
+/// A bind failure that names the address.
+fn bind_error(what: String) -> impl FnOnce(std::io::Error) -> ServerError {
+    move |source| ServerError::Bind { what, source }
+}
+
+/// A Unix listener's path, `@name` when abstract, for logs.
+fn unix_label(listener: &std::os::unix::net::UnixListener) -> String {
+    use std::os::linux::net::SocketAddrExt as _;
+    match listener.local_addr() {
+        Ok(addr) => match (addr.as_pathname(), addr.as_abstract_name()) {
+            (Some(path), _) => path.display().to_string(),
+            (None, Some(name)) => format!("@{}", String::from_utf8_lossy(name)),
+            (None, None) => "an unnamed Unix socket".to_string(),
+        },
+        Err(_) => "an inherited Unix socket".to_string(),
+    }
+}
+
 /// The export's reads that complete later (`Export::try_start_read`) are
 /// finished by this task, on the server's reactor, when the export's
 /// descriptor says some completed: no thread sleeps on them. `None` when
@@ -350,10 +417,12 @@ async fn accept_loop(listener: BoundListener, shared: Arc<Shared>, alive: mpsc::
                 let _ = stream.set_nodelay(true);
                 (Accepted::Tcp(stream), peer.to_string())
             }),
-            BoundListener::Unix(unix, path) => unix
+            BoundListener::Unix {
+                listener, label, ..
+            } => listener
                 .accept()
                 .await
-                .map(|(stream, _)| (Accepted::Unix(stream), path.display().to_string())),
+                .map(|(stream, _)| (Accepted::Unix(stream), label.clone())),
         };
         let (stream, peer) = match accepted {
             Ok(accepted) => accepted,

@@ -10,6 +10,7 @@ mod offload;
 mod replica;
 mod resync;
 mod serve;
+mod service;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -183,7 +184,16 @@ enum Command {
         #[command(flatten)]
         key: key::KeyFileArgs,
     },
-    /// Export a volume over NBD (default 127.0.0.1:10809).
+    /// Export volumes over NBD (default 127.0.0.1:10809) until SIGINT or
+    /// SIGTERM, then finish in-flight requests, flush and close them.
+    ///
+    /// Under a service manager: with systemd socket activation (LISTEN_PID,
+    /// LISTEN_FDS, LISTEN_FDNAMES) it serves the TCP and Unix stream sockets
+    /// passed from descriptor 3 on instead of binding any; with
+    /// NOTIFY_SOCKET it reports READY=1 once every listener is bound and
+    /// every volume is open, STATUS= lines, and STOPPING=1 when a signal
+    /// starts a clean stop (a unit can use Type=notify). dist/systemd/ has
+    /// vouch.socket and vouch@.service.
     Serve(Box<serve::ServeArgs>),
     /// Verify a range (default: all) without moving its data: every bad
     /// LBA and its fault kind, and with --seed a proof-of-work digest.
@@ -226,6 +236,9 @@ enum Command {
         #[command(subcommand)]
         command: key::KeyCommand,
     },
+    /// Write a manual page per command into DIR (for packages).
+    #[command(hide = true)]
+    Man { dir: PathBuf },
 }
 
 /// Parse sizes like 10GiB, 512MiB, 4k, 1048576. A bare K, M, G, T, P or E
@@ -349,7 +362,7 @@ impl Command {
             Command::Key {
                 command: key::KeyCommand::Change { key, .. },
             } => ((Some(key), None), None),
-            Command::Bench(_) | Command::Replica { .. } => return none,
+            Command::Bench(_) | Command::Replica { .. } | Command::Man { .. } => return none,
         };
         VolumeOptions {
             key_file,
@@ -509,6 +522,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => offload::cli_ops::compare(args),
         Command::Key { command } => key::run(command),
         Command::Replica { command } => replica::run(command),
+        Command::Man { dir } => service::man::run(&dir),
     };
     match result {
         Ok(code) => code,

@@ -16,7 +16,14 @@ use vouch_nbd::{Export, Listen, Server, ServerConfig};
 use crate::commands::create_options;
 use crate::export::VolumeExport;
 use crate::inject::FaultInjector;
+use crate::service::activation::{self, Inherited};
+use crate::service::listen;
+use crate::service::notify::Notifier;
+use crate::service::pid_file::PidFile;
 use crate::CreateArgs;
+
+/// Where `vouch serve` listens when given neither --listen nor --socket.
+const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
 
 #[derive(Args, Debug)]
 pub struct ServeArgs {
@@ -31,12 +38,22 @@ pub struct ServeArgs {
     create: Option<u64>,
     #[command(flatten)]
     create_args: CreateArgs,
-    /// TCP address to listen on. Port 0 picks a free port (printed).
-    #[arg(long, default_value = "127.0.0.1:10809")]
-    listen: SocketAddr,
-    /// Also listen on this Unix socket.
+    /// Listen for NBD clients on HOST:PORT over TCP; give it again for
+    /// more addresses (--listen 127.0.0.1:10809 --listen [::1]:10809).
+    /// HOST may be a name (localhost, myhost): every address it resolves
+    /// to is listened on. No port means 10809; port 0 picks a free one
+    /// (printed). Default: 127.0.0.1:10809, unless --socket is given.
+    #[arg(long, value_name = "HOST:PORT")]
+    listen: Vec<String>,
+    /// Listen on this Unix socket; without --listen, on it alone (no TCP).
+    /// A stale socket file is replaced, a live server's refused; the file
+    /// is removed when the server stops cleanly.
     #[arg(long, value_name = "PATH")]
     socket: Option<PathBuf>,
+    /// Write the server's process id to FILE once it serves (every
+    /// listener bound, every volume open); removed when it stops cleanly.
+    #[arg(long, value_name = "FILE")]
+    pid_file: Option<PathBuf>,
     /// Export names, in the order of PATHs (default: each directory's name).
     #[arg(long = "name")]
     names: Vec<String>,
@@ -58,7 +75,7 @@ pub struct ServeArgs {
     /// powers of 1024, KB, MB, GB powers of 1000).
     #[arg(long, value_name = "SIZE", value_parser = crate::parse_size, default_value = "64M")]
     context_cache: u64,
-    /// Serve Prometheus metrics on http://ADDR/metrics.
+    /// Serve Prometheus metrics on http://ADDR/metrics (IP:PORT).
     #[arg(long, value_name = "ADDR")]
     metrics: Option<SocketAddr>,
     /// TLS certificate chain (PEM). With --tls-key, clients must STARTTLS.
@@ -120,7 +137,14 @@ fn export_name(path: &std::path::Path) -> String {
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
+    // First, while this is the only thread: taking the sockets clears
+    // LISTEN_* from the environment.
+    let activated = activation::take()?;
+    let notifier = Notifier::from_env();
     // Options are checked before `--create` makes anything.
+    if activated.is_some() && (!args.listen.is_empty() || args.socket.is_some()) {
+        bail!("--listen and --socket cannot be combined with socket activation (LISTEN_FDS): the service manager passes the sockets");
+    }
     let cache_pages = context_cache_pages(args.context_cache)?;
     if !args.names.is_empty() && args.names.len() != args.paths.len() {
         bail!(
@@ -200,7 +224,11 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    let result = runtime.block_on(serve(&args, &volumes, &mirrors, &resyncers));
+    let service = Service {
+        activated,
+        notifier,
+    };
+    let served = runtime.block_on(serve(&args, service, &volumes, &mirrors, &resyncers));
     let attached: Vec<_> = resyncers
         .iter()
         .flatten()
@@ -208,8 +236,24 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
         .collect();
     drop(resyncers);
     drop(runtime);
-    result?;
-    for ((path, volume), mirror) in args.paths.iter().zip(volumes).zip(mirrors) {
+    // Closed whether serving ended cleanly or failed to start (a busy
+    // port): either way the volumes are left clean, with no recovery due.
+    let closed = close_volumes(&args.paths, volumes, mirrors, attached);
+    // The pid file goes last: while it exists the volumes may be open.
+    let pid_file = served?;
+    closed?;
+    drop(pid_file);
+    eprintln!("vouch: stopped cleanly");
+    Ok(ExitCode::SUCCESS)
+}
+
+fn close_volumes(
+    paths: &[PathBuf],
+    volumes: Vec<Arc<Volume>>,
+    mirrors: Vec<Option<crate::mirror::OpenMirror>>,
+    attached: Vec<Arc<Volume>>,
+) -> Result<()> {
+    for ((path, volume), mirror) in paths.iter().zip(volumes).zip(mirrors) {
         if let Some(mirror) = mirror {
             drop(volume);
             mirror
@@ -224,17 +268,57 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             Err(volume) => volume.flush()?,
         }
     }
-    crate::resync::close_attached(attached).context("closing mirror legs brought back")?;
-    eprintln!("vouch: stopped cleanly");
-    Ok(ExitCode::SUCCESS)
+    crate::resync::close_attached(attached).context("closing mirror legs brought back")
+}
+
+/// What the service manager handed over: sockets (socket activation) and
+/// where to report readiness.
+struct Service {
+    activated: Option<Vec<Inherited>>,
+    notifier: Notifier,
+}
+
+/// The NBD listeners: the sockets systemd passed, else --listen (TCP,
+/// bound here) and --socket; 127.0.0.1:10809 when neither is given.
+fn nbd_listeners(args: &ServeArgs, activated: Option<Vec<Inherited>>) -> Result<Vec<Listen>> {
+    if let Some(sockets) = activated {
+        return Ok(sockets
+            .into_iter()
+            .map(|socket| match socket {
+                Inherited::Tcp { listener, name } => {
+                    tracing::info!(%name, addr = ?listener.local_addr().ok(), "socket activation: TCP");
+                    Listen::TcpListener(Arc::new(listener))
+                }
+                Inherited::Unix { listener, name } => {
+                    tracing::info!(%name, addr = ?listener.local_addr().ok(), "socket activation: Unix");
+                    Listen::UnixListener(Arc::new(listener))
+                }
+            })
+            .collect());
+    }
+    let texts = if args.listen.is_empty() && args.socket.is_none() {
+        vec![DEFAULT_LISTEN.to_string()]
+    } else {
+        args.listen.clone()
+    };
+    let endpoints = listen::resolve(&texts)?;
+    let mut listens: Vec<Listen> = listen::bind(&endpoints)?
+        .into_iter()
+        .map(|listener| Listen::TcpListener(Arc::new(listener)))
+        .collect();
+    if let Some(socket) = &args.socket {
+        listens.push(Listen::Unix(socket.clone()));
+    }
+    Ok(listens)
 }
 
 async fn serve(
     args: &ServeArgs,
+    service: Service,
     volumes: &[Arc<Volume>],
     mirrors: &[Option<crate::mirror::OpenMirror>],
     resyncers: &[Option<Arc<crate::resync::Resyncer>>],
-) -> Result<()> {
+) -> Result<Option<PidFile>> {
     // Handle signals before announcing the listener: a SIGTERM right after
     // "serving on" must stop cleanly, not take the default action.
     use tokio::signal::unix::{signal, SignalKind};
@@ -277,10 +361,6 @@ async fn serve(
             bail!("export name {name:?} is used twice; give distinct --name values");
         }
     }
-    config.listen.push(Listen::Tcp(args.listen));
-    if let Some(socket) = &args.socket {
-        config.listen.push(Listen::Unix(socket.clone()));
-    }
     if let (Some(cert), Some(key)) = (&args.tls_cert, &args.tls_key) {
         config.tls = Some(vouch_nbd::tls::server_config(
             cert,
@@ -289,30 +369,56 @@ async fn serve(
         )?);
         config.tls_required = !args.tls_optional;
     }
+    // Every listener is bound before anything is announced: a busy port
+    // fails the start with nothing printed on stdout, no pid file, no
+    // READY=1, and the socket files made so far removed again.
+    config.listen = nbd_listeners(args, service.activated)?;
     let server = Server::bind(config).await?;
+    let metrics_listener = match args.metrics {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen on {addr} for --metrics"))?,
+        ),
+        None => None,
+    };
+    let control_listener = crate::offload::control::bind(&args.control).await?;
+    let pid_file = args.pid_file.as_deref().map(PidFile::write).transpose()?;
+
+    let mut endpoints = Vec::new();
     for addr in server.tcp_addrs() {
-        println!("vouch: serving on nbd://{addr}");
+        endpoints.push(format!("nbd://{addr}"));
     }
-    if let Some(socket) = &args.socket {
-        println!("vouch: serving on nbd+unix:///?socket={}", socket.display());
+    for socket in server.unix_sockets() {
+        endpoints.push(format!("nbd+unix:///?socket={socket}"));
     }
-    let control = crate::offload::control::start_for_server(
-        &args.control,
-        &names,
-        &args.paths,
-        volumes,
-        resyncers,
-        server.metrics(),
-    )
-    .await?;
-    if let Some(addr) = args.metrics {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("metrics on {addr}"))?;
+    for endpoint in &endpoints {
+        println!("vouch: serving on {endpoint}");
+    }
+    if let Some(control) = &control_listener {
+        println!("vouch: control on {}", control.url());
+    }
+    if let Some(listener) = &metrics_listener {
         println!(
             "vouch: metrics on http://{}/metrics",
             listener.local_addr()?
         );
+    }
+    std::io::stdout().flush()?;
+
+    let control = control_listener
+        .map(|listener| {
+            crate::offload::control::start_for_server(
+                listener,
+                &names,
+                &args.paths,
+                volumes,
+                resyncers,
+                server.metrics(),
+            )
+        })
+        .transpose()?;
+    if let Some(listener) = metrics_listener {
         let engine_volumes: Vec<(String, Arc<Volume>)> =
             names.iter().cloned().zip(volumes.iter().cloned()).collect();
         let mirror_devices: Vec<(String, Arc<vouch_engine::mirror::Mirror>)> = names
@@ -336,13 +442,19 @@ async fn serve(
             },
         ));
     }
-    std::io::stdout().flush()?;
+    let notifier = service.notifier;
+    notifier.ready(&format!(
+        "serving {} on {}",
+        plural(names.len(), "export"),
+        endpoints.join(", ")
+    ));
     let shutdown = server.shutdown_handle();
     tokio::spawn(async move {
         tokio::select! {
             _ = interrupt.recv() => {}
             _ = terminate.recv() => {}
         }
+        notifier.stopping("stopping: finishing in-flight requests, flushing, closing volumes");
         eprintln!("vouch: signal received: finishing in-flight requests, flushing");
         shutdown.shutdown();
     });
@@ -350,7 +462,16 @@ async fn serve(
     if let Some(control) = control {
         control.shutdown().await;
     }
-    Ok(())
+    Ok(pid_file)
+}
+
+/// "1 export", "2 exports".
+fn plural(count: usize, noun: &str) -> String {
+    if count == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{count} {noun}s")
+    }
 }
 
 /// A counter's name, help text and how to read it from a snapshot.

@@ -14,6 +14,7 @@ use tokio_rustls::TlsAcceptor;
 
 use super::api::{router, ApiState};
 use super::jobs::Jobs;
+use vouch_nbd::socket_file::SocketFile;
 
 /// How long a TLS client may take to finish its handshake.
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -72,6 +73,9 @@ pub struct ControlServer {
     pub jobs: Arc<Jobs>,
     task: tokio::task::JoinHandle<()>,
     stop: tokio::sync::watch::Sender<bool>,
+    /// A Unix socket's file, removed when the server shuts down (or is
+    /// dropped).
+    socket_file: Option<SocketFile>,
 }
 
 impl ControlServer {
@@ -82,6 +86,8 @@ impl ControlServer {
     pub async fn shutdown(self) {
         let jobs = self.jobs.clone();
         let _ = tokio::task::spawn_blocking(move || jobs.shutdown()).await;
+        // The file goes while the listener is still open (see SocketFile).
+        drop(self.socket_file);
         self.stop.send_replace(true);
         let mut task = self.task;
         if tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
@@ -186,8 +192,31 @@ impl axum::serve::Listener for TlsListener {
     }
 }
 
-/// Bind the control API and start serving it; prints `vouch: control on URL`.
-pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<ControlServer>> {
+/// Where a bound control API listens.
+enum BoundControl {
+    Tcp(TcpListener),
+    Unix(UnixListener, SocketFile),
+}
+
+/// The control API's listener, bound but not serving yet: `vouch serve`
+/// binds every listener before it announces any ([`ControlListener::url`]).
+pub struct ControlListener {
+    bound: BoundControl,
+    token: Option<Arc<String>>,
+    tls: Option<Arc<rustls::ServerConfig>>,
+    url: String,
+}
+
+impl ControlListener {
+    /// `http://ADDR`, `https://ADDR` or `unix:PATH`.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+}
+
+/// Check `--control` and its guards, load the token and TLS material and
+/// bind the listener; `None` without `--control`.
+pub async fn bind(args: &ControlArgs) -> Result<Option<ControlListener>> {
     let Some(text) = &args.control else {
         return Ok(None);
     };
@@ -200,6 +229,39 @@ pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<Control
         .transpose()?
         .map(Arc::new);
     let tls = tls_config(args)?;
+    let (bound, url) = match addr {
+        ControlAddr::Tcp(socket) => {
+            let listener = TcpListener::bind(socket)
+                .await
+                .with_context(|| format!("cannot listen on {socket} for --control"))?;
+            let scheme = if tls.is_some() { "https" } else { "http" };
+            let url = format!("{scheme}://{}", listener.local_addr()?);
+            (BoundControl::Tcp(listener), url)
+        }
+        ControlAddr::Unix(path) => {
+            if tls.is_some() {
+                bail!("--control-tls-* applies to a TCP --control address, not a Unix socket");
+            }
+            let (listener, file) = vouch_nbd::socket_file::bind_unix(&path)
+                .with_context(|| format!("cannot listen on {} for --control", path.display()))?;
+            listener.set_nonblocking(true)?;
+            let url = format!("unix:{}", path.display());
+            (
+                BoundControl::Unix(UnixListener::from_std(listener)?, file),
+                url,
+            )
+        }
+    };
+    Ok(Some(ControlListener {
+        bound,
+        token,
+        tls,
+        url,
+    }))
+}
+
+/// Serve the control API on a bound listener, its jobs run by `jobs`.
+fn serve(listener: ControlListener, jobs: Arc<Jobs>) -> Result<ControlServer> {
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let signal = async move {
         let mut stopped = stopped;
@@ -207,50 +269,25 @@ pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<Control
     };
     let app = router(ApiState {
         jobs: jobs.clone(),
-        token,
+        token: listener.token,
     });
-    let task = match addr {
-        ControlAddr::Tcp(socket) => {
-            let listener = TcpListener::bind(socket)
-                .await
-                .with_context(|| format!("control API on {socket}"))?;
-            let local = listener.local_addr()?;
-            match tls {
-                Some(tls) => {
-                    println!("vouch: control on https://{local}");
-                    let listener = TlsListener::new(listener, TlsAcceptor::from(tls))?;
-                    tokio::spawn(async move {
-                        let _ = axum::serve(listener, app)
-                            .with_graceful_shutdown(signal)
-                            .await;
-                    })
-                }
-                None => {
-                    println!("vouch: control on http://{local}");
-                    tokio::spawn(async move {
-                        let _ = axum::serve(listener, app)
-                            .with_graceful_shutdown(signal)
-                            .await;
-                    })
-                }
-            }
+    let mut socket_file = None;
+    let task = match (listener.bound, listener.tls) {
+        (BoundControl::Tcp(listener), Some(tls)) => {
+            let listener = TlsListener::new(listener, TlsAcceptor::from(tls))?;
+            tokio::spawn(async move {
+                let _ = axum::serve(listener, app)
+                    .with_graceful_shutdown(signal)
+                    .await;
+            })
         }
-        ControlAddr::Unix(path) => {
-            if tls.is_some() {
-                bail!("--control-tls-* applies to a TCP --control address, not a Unix socket");
-            }
-            if let Ok(meta) = std::fs::symlink_metadata(&path) {
-                use std::os::unix::fs::FileTypeExt;
-                if meta.file_type().is_socket() {
-                    std::fs::remove_file(&path)
-                        .with_context(|| format!("removing the old socket {}", path.display()))?;
-                } else {
-                    bail!("--control {}: exists and is not a socket", path.display());
-                }
-            }
-            let listener = UnixListener::bind(&path)
-                .with_context(|| format!("control API on {}", path.display()))?;
-            println!("vouch: control on unix:{}", path.display());
+        (BoundControl::Tcp(listener), None) => tokio::spawn(async move {
+            let _ = axum::serve(listener, app)
+                .with_graceful_shutdown(signal)
+                .await;
+        }),
+        (BoundControl::Unix(listener, file), _) => {
+            socket_file = Some(file);
             tokio::spawn(async move {
                 let _ = axum::serve(listener, app)
                     .with_graceful_shutdown(signal)
@@ -258,22 +295,25 @@ pub async fn start(args: &ControlArgs, jobs: Arc<Jobs>) -> Result<Option<Control
             })
         }
     };
-    Ok(Some(ControlServer { jobs, task, stop }))
+    Ok(ControlServer {
+        jobs,
+        task,
+        stop,
+        socket_file,
+    })
 }
 
-/// `start` for `vouch serve`: one export per volume (in `names` order), and
-/// scrub yields to the NBD server's requests (`metrics`).
-pub async fn start_for_server(
-    args: &ControlArgs,
+/// Start the control API of `vouch serve` on its bound listener: one
+/// export per volume (in `names` order), and scrub yields to the NBD
+/// server's requests (`metrics`).
+pub fn start_for_server(
+    listener: ControlListener,
     names: &[String],
     paths: &[PathBuf],
     volumes: &[Arc<vouch_engine::Volume>],
     resyncers: &[Option<Arc<crate::resync::Resyncer>>],
     metrics: Arc<vouch_nbd::Metrics>,
-) -> Result<Option<ControlServer>> {
-    if args.control.is_none() {
-        return Ok(None);
-    }
+) -> Result<ControlServer> {
     let exports = names
         .iter()
         .zip(paths)
@@ -297,5 +337,5 @@ pub async fn start_for_server(
             .sum::<u64>()
             + metrics.in_flight()
     });
-    start(args, Jobs::new(exports, Some(foreground))).await
+    serve(listener, Jobs::new(exports, Some(foreground)))
 }

@@ -283,8 +283,22 @@ pub struct Server {
     /// or `unix:PATH`), when started with --control.
     pub control: Option<String>,
     pub log: PathBuf,
+    /// Every line it printed on stdout so far (see `wait_for_line`).
+    pub printed: Vec<String>,
+    lines: mpsc::Receiver<String>,
     args: Vec<String>,
     dir: PathBuf,
+}
+
+/// The lines a starting server prints that `Server::launch` waits for.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Expect {
+    /// "serving on nbd://ADDR" (the last one sets `addr` and `uri`).
+    pub tcp: bool,
+    /// "serving on nbd+unix://...".
+    pub unix: bool,
+    pub metrics: bool,
+    pub control: bool,
 }
 
 static SERVER_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -309,13 +323,35 @@ impl Server {
     }
 
     fn try_start_owned(dir: &Path, args: Vec<String>) -> Result<Server, String> {
+        let mut command = Command::new(vouch_bin());
+        command
+            .arg("serve")
+            .args(&args)
+            .args(["--listen", "127.0.0.1:0", "--log", "info"]);
+        let expect = Expect {
+            tcp: true,
+            unix: args.iter().any(|a| a == "--socket"),
+            metrics: args.iter().any(|a| a == "--metrics"),
+            control: args.iter().any(|a| a == "--control"),
+        };
+        Server::launch(dir, command, args, expect)
+    }
+
+    /// Start `command` (a `vouch serve`, maybe behind a wrapper such as
+    /// systemd-socket-activate) in `dir`, its stdout read here and its
+    /// stderr logged to a file there, and wait for the lines `expect`
+    /// names (none: return at once). `args` are its serve arguments, for
+    /// messages and `restart`.
+    pub fn launch(
+        dir: &Path,
+        mut command: Command,
+        args: Vec<String>,
+        expect: Expect,
+    ) -> Result<Server, String> {
         let n = SERVER_COUNTER.fetch_add(1, Ordering::Relaxed);
         let log = dir.join(format!("serve-{n}.log"));
         let log_file = std::fs::File::create(&log).expect("create server log");
-        let mut child = Command::new(vouch_bin())
-            .arg("serve")
-            .args(&args)
-            .args(["--listen", "127.0.0.1:0", "--log", "info"])
+        let mut child = command
             .current_dir(dir)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -333,9 +369,6 @@ impl Server {
                 }
             }
         });
-        let wants_metrics = args.iter().any(|a| a == "--metrics");
-        let wants_unix = args.iter().any(|a| a == "--socket");
-        let wants_control = args.iter().any(|a| a == "--control");
         let mut server = Server {
             child: Some(child),
             pid,
@@ -344,18 +377,20 @@ impl Server {
             metrics: None,
             control: None,
             log,
+            printed: Vec::new(),
+            lines: receiver,
             args,
             dir: dir.to_path_buf(),
         };
         let deadline = Instant::now() + READY_TIMEOUT;
         let mut seen_unix = false;
-        while server.uri.is_empty()
-            || (wants_metrics && server.metrics.is_none())
-            || (wants_unix && !seen_unix)
-            || (wants_control && server.control.is_none())
+        while (expect.tcp && server.uri.is_empty())
+            || (expect.metrics && server.metrics.is_none())
+            || (expect.unix && !seen_unix)
+            || (expect.control && server.control.is_none())
         {
             let left = deadline.saturating_duration_since(Instant::now());
-            match receiver.recv_timeout(left) {
+            match server.lines.recv_timeout(left) {
                 Ok(line) => {
                     if let Some(rest) = line.strip_prefix("vouch: serving on nbd://") {
                         server.addr = rest
@@ -373,6 +408,7 @@ impl Server {
                                 panic!("bad metrics address in {line:?}: {e}")
                             }));
                     }
+                    server.printed.push(line);
                 }
                 Err(mpsc::RecvTimeoutError::Disconnected) => {
                     // Stdout closed: it exited (or is exiting).
@@ -398,6 +434,27 @@ impl Server {
             }
         }
         Ok(server)
+    }
+
+    /// The first line printed on stdout that starts with `prefix`, waiting
+    /// for it (bounded) if it has not come yet.
+    pub fn wait_for_line(&mut self, prefix: &str) -> String {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            if let Some(line) = self.printed.iter().find(|line| line.starts_with(prefix)) {
+                return line.clone();
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => self.printed.push(line),
+                Err(error) => panic!(
+                    "vouch serve {:?} printed no line starting {prefix:?} ({error:?}); it printed {:?}:\n{}",
+                    self.args,
+                    self.printed,
+                    self.log_text()
+                ),
+            }
+        }
     }
 
     /// Start again with the same arguments (e.g. after a stop or a kill).
