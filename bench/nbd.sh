@@ -239,10 +239,11 @@ PY
 # (vouch servers only; empty for the anchors or a server without --metrics)
 vouch_counts() {
     case $1 in vouch_*|base_*) ;; *) return 0 ;; esac
+    # Summed over the export label (one export per server here).
     curl -s --max-time 2 "http://127.0.0.1:$(( ${PORT[$1]} + 100 ))/metrics" 2>/dev/null | awk -v c="$2" '
-        $1 == "vouch_nbd_requests_total{command=\"" c "\"}" { r = $2 }
-        $1 == "vouch_nbd_inline_requests_total{command=\"" c "\"}" { i = $2 }
-        END { if (r != "") print r, i + 0 }'
+        index($1, "vouch_nbd_requests_total{command=\"" c "\",") == 1 { r += $2; seen = 1 }
+        index($1, "vouch_nbd_inline_requests_total{command=\"" c "\",") == 1 { i += $2 }
+        END { if (seen) print r, i + 0 }'
 }
 
 # run_one REP SERVER TEST RW BS QD SECONDS [FIO-ARG...] : one fio run, one TSV row

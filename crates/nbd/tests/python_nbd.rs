@@ -201,7 +201,9 @@ print("ok")
     assert_eq!(server.metrics.errors(Errno::Io), 2);
     let text = server.metrics.render_prometheus();
     assert!(
-        text.contains("vouch_nbd_verification_faults_total{kind=\"guard_mismatch\"} 2"),
+        text.contains(
+            "vouch_nbd_verification_faults_total{kind=\"guard_mismatch\",export=\"disk\"} 2"
+        ),
         "{text}"
     );
 }
