@@ -416,7 +416,7 @@ mod tests {
         assert!(text.contains("vouch_nbd_bytes_total{command=\"read\",export=\"vol\"} 24576"));
         assert!(text.contains("# TYPE vouch_nbd_request_latency_seconds histogram"));
         assert!(text.contains(
-            "# HELP vouch_nbd_request_latency_seconds Request latency from header received to reply queued."
+            "# HELP vouch_nbd_request_latency_seconds Request latency from header received to reply queued, by export and command."
         ));
         assert!(!text.contains("command=\"disc\""), "{text}");
         assert_eq!(metrics.in_flight(), 0);
