@@ -11,22 +11,9 @@ mod common;
 
 use common::*;
 
-/// libnbd connections of the two kinds, and a byte model of the export.
+/// Byte patterns and a whole-export comparison against a model.
 const PY_BYTES: &str = r#"
 import random
-
-def unnegotiated(uri, export_name=False):
-    """A client that never asks for block sizes. export_name=True: a
-    newstyle (not fixed-newstyle) handshake, where libnbd can only use
-    NBD_OPT_EXPORT_NAME."""
-    h = nbd.NBD()
-    h.set_request_block_size(False)
-    # libnbd would check alignment against the sizes the server volunteers.
-    h.set_strict_mode(nbd.STRICT_MASK & ~nbd.STRICT_ALIGN)
-    if export_name:
-        h.set_handshake_flags(0)
-    h.connect_uri(uri)
-    return h
 
 def pattern(offset, length, tag):
     return bytes((offset + i * 7 + tag) % 251 + 1 for i in range(length))
@@ -53,7 +40,7 @@ fn unnegotiated_client_reads_and_writes_any_byte_range() {
     let model = dir.path().join("model.bin");
     let body = r#"
 uri, model_path = sys.argv[1], sys.argv[2]
-h = unnegotiated(uri)
+h = connect_unnegotiated(uri)
 size = h.get_size()
 model = bytearray(size)
 # Written blocks first, so partial writes patch real data.
@@ -91,7 +78,7 @@ for offset, length in ((1, 1), (4095, 2), (513, 9000), (size - 1, 1), (4093, 409
 check(h, model, "same connection")
 h.flush()
 h.shutdown()
-h = unnegotiated(uri)
+h = connect_unnegotiated(uri)
 check(h, model, "after reconnect")
 h.shutdown()
 open(model_path, "wb").write(model)
@@ -106,7 +93,7 @@ print(json.dumps({"ops": len(ops), "size": size}))
     let reread = r#"
 uri, model_path = sys.argv[1], sys.argv[2]
 model = open(model_path, "rb").read()
-h = unnegotiated(uri)
+h = connect_unnegotiated(uri)
 check(h, model, "after a clean restart")
 # A client that negotiates block sizes reads the same bytes, aligned.
 g = nbd.NBD()
@@ -131,7 +118,7 @@ fn export_name_client_gets_byte_granularity() {
     let volume = dir.path().join("vol");
     let server = Server::start(dir.path(), &[s(&volume), "--create", "1MiB"]);
     let body = r#"
-h = unnegotiated(sys.argv[1], export_name=True)
+h = connect_unnegotiated(sys.argv[1], export_name=True)
 protocol = h.get_protocol()
 h.pwrite(b"\xab", 1)
 h.pwrite(b"\xcd" * 3, 4094)
@@ -207,7 +194,7 @@ fn concurrent_unaligned_writes_to_one_block_lose_nothing() {
     let server = Server::start(dir.path(), &[s(&volume), "--create", "1MiB"]);
     let body = r#"
 uri = sys.argv[1]
-handles = [unnegotiated(uri) for _ in range(4)]
+handles = [connect_unnegotiated(uri) for _ in range(4)]
 model = bytearray(2 * 4096)
 lost = []
 for round in range(20):
@@ -261,7 +248,7 @@ fn unaligned_requests_are_counted_per_export() {
         ],
     );
     let body = r#"
-one = unnegotiated(sys.argv[1])
+one = connect_unnegotiated(sys.argv[1])
 for i in range(5):
     one.pwrite(b"\x5a" * 100, 4096 * i + 7)
 one.pread(10, 3)
