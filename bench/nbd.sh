@@ -36,6 +36,10 @@
 #     (fio's nbd engine turns fio's sync I/O into nbd_aio_flush, i.e. NBD_CMD_FLUSH; the flush count and
 #      mean flush latency come from the "sync" section of fio's JSON and are in samples.tsv / report.md.
 #      IOPS of these tests count writes only.)
+#   rw512_qd1, rw512_qd32: 512-byte randwrite at iodepth 1 and 32 (fio --bs=512, so 512-aligned: the
+#     cost of sub-block writes, which vouch read-modify-writes per 4 KiB block; report.md compares them
+#     with rw4k_qd1/qd32 of the same repetition. fio's nbd engine (libnbd) asks for block sizes, vouch
+#     advertises a 512-byte minimum, so these are valid requests for a negotiating client.)
 #   randread of N x 4 KiB, N in SWEEP_BLOCKS, iodepth 1 and 8 (SWEEP_RUNTIME s each)
 # Repetitions, INTERLEAVE=server (the default without VOUCH_BASE): for rep in 1..REPS: for server in
 #   (order): run the whole matrix. INTERLEAVE=test (the default with VOUCH_BASE): for rep: for test: for
@@ -239,10 +243,11 @@ PY
 # (vouch servers only; empty for the anchors or a server without --metrics)
 vouch_counts() {
     case $1 in vouch_*|base_*) ;; *) return 0 ;; esac
+    # Summed over the export label (one export per server here).
     curl -s --max-time 2 "http://127.0.0.1:$(( ${PORT[$1]} + 100 ))/metrics" 2>/dev/null | awk -v c="$2" '
-        $1 == "vouch_nbd_requests_total{command=\"" c "\"}" { r = $2 }
-        $1 == "vouch_nbd_inline_requests_total{command=\"" c "\"}" { i = $2 }
-        END { if (r != "") print r, i + 0 }'
+        index($1, "vouch_nbd_requests_total{command=\"" c "\",") == 1 { r += $2; seen = 1 }
+        index($1, "vouch_nbd_inline_requests_total{command=\"" c "\",") == 1 { i += $2 }
+        END { if (seen) print r, i + 0 }'
 }
 
 # run_one REP SERVER TEST RW BS QD SECONDS [FIO-ARG...] : one fio run, one TSV row
@@ -280,6 +285,7 @@ run_one() {
 # name:rw:bs:qd[:extra fio arguments, comma-separated]
 MATRIX="rr4k_qd1:randread:4k:1 rr4k_qd32:randread:4k:32 rw4k_qd1:randwrite:4k:1 rw4k_qd32:randwrite:4k:32 sr1m_qd8:read:1M:8 sw1m_qd8:write:1M:8"
 MATRIX+=" rw4k_fsync1:randwrite:4k:1:--fsync=1 rw4k_fsync8:randwrite:4k:1:--fsync=8"
+MATRIX+=" rw512_qd1:randwrite:512:1 rw512_qd32:randwrite:512:32"
 ALL_TESTS=$(for t in $MATRIX; do printf '%s ' "${t%%:*}"; done)
 TESTS=${TESTS:-$ALL_TESTS}
 for t in $TESTS; do [[ " $ALL_TESTS " == *" $t "* ]] || die "unknown test $t (known: $ALL_TESTS)"; done
@@ -414,6 +420,21 @@ if mirrors and "vouch_split" in servers:
         target = 1.0 if t.startswith(("rr", "sr")) else 0.7
         P(f"| {t} | " + " | ".join(fmt(ratio(med(m,t,f), med("vouch_split",t,f)), 2) for m in mirrors)
           + f" | >= {target} |")
+    P("")
+sub = [(q, f"rw512_{q}", f"rw4k_{q}") for q in ("qd1", "qd32") if f"rw512_{q}" in main and f"rw4k_{q}" in main]
+if sub:
+    P("## Sub-block writes: 512 B vs 4 KiB random writes (IOPS, same repetition)\n")
+    P("Per rep: IOPS of rw512 / IOPS of rw4k at the same QD in the same repetition; vouch read-modify-writes "
+      "the 4 KiB block a 512-byte write covers (read + verify + patch + seal).\n")
+    P("| server | QD | rw512 IOPS (median) | rw4k IOPS (median) | per-rep rw512/rw4k | median |")
+    P("|---|---:|---:|---:|---|---:|")
+    for s in servers:
+        for q, small, big in sub:
+            a = {r["rep"]: float(r["iops"]) for r in S.get((s, small), []) if r["rc"] == "0"}
+            b = {r["rep"]: float(r["iops"]) for r in S.get((s, big), []) if r["rc"] == "0"}
+            per = [a[k] / b[k] for k in sorted(a, key=int) if k in b and b[k] > 0]
+            P(f"| {s} | {q[2:]} | {fmt(med(s,small,'iops'))} | {fmt(med(s,big,'iops'))} | "
+              + " ".join(f"{x:.2f}" for x in per) + f" | {fmt(st.median(per), 2) if per else '-'} |")
     P("")
 P("## Server CPU per I/O (µs of server utime+stime per request; lower is better)\n")
 P("| test | " + " | ".join(servers) + " |")

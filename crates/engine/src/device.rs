@@ -70,8 +70,8 @@ pub trait BlockDevice: Send + Sync {
 
     fn is_read_only(&self) -> bool;
 
-    /// Read `buf.len()` bytes at `offset` (512-byte aligned), every block
-    /// verified; a fault fails the read naming its LBA. Returns the byte
+    /// Read `buf.len()` bytes at `offset` (any byte range), every block
+    /// it touches verified; a fault fails the read naming its LBA. Returns the byte
     /// ranges of `buf` known to be zero without data I/O (holes).
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>>;
 
@@ -116,8 +116,10 @@ pub trait BlockDevice: Send + Sync {
         0
     }
 
-    /// Write `data` at `offset` (512-byte aligned). With `fua` it is durable
-    /// when this returns; otherwise after the next flush.
+    /// Write `data` at `offset` (any byte range: a block it covers only in
+    /// part is read, verified, patched and written whole, under the
+    /// block's stripe lock). With `fua` it is durable when this returns;
+    /// otherwise after the next flush.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
 
     /// `write` without FUA, only if it can complete without waiting (the

@@ -55,7 +55,7 @@ pub(crate) enum OnFault {
 }
 
 impl Shared {
-    /// Read `buf.len()` bytes at `offset` (512-byte aligned), verifying every
+    /// Read `buf.len()` bytes at `offset` (any byte range), verifying every
     /// block. Returns the byte ranges of `buf` (relative) known to be zero
     /// without data I/O.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {

@@ -7,7 +7,6 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::RwLock;
-use vouch_format::SECTOR_SIZE;
 
 use crate::backing::Backing;
 use crate::error::{Error, Result};
@@ -33,7 +32,10 @@ impl Shared {
         self.sealing_seq.load(Ordering::Acquire)
     }
 
-    /// Validate a byte range: in bounds and 512-byte aligned.
+    /// Validate a byte range: in bounds. Any byte offset and length is
+    /// served: a read copies the requested bytes out of its verified
+    /// blocks, and a write or zeroing that covers part of a block
+    /// read-modify-writes that block (`Engine::write_partial`).
     pub fn check_range(&self, offset: u64, length: u64) -> Result<()> {
         let size = self.io.geometry.size_bytes;
         if offset.checked_add(length).is_none_or(|end| end > size) {
@@ -42,10 +44,6 @@ impl Shared {
                 length,
                 size,
             });
-        }
-        let sector = u64::from(SECTOR_SIZE);
-        if !offset.is_multiple_of(sector) || !length.is_multiple_of(sector) {
-            return Err(Error::Misaligned { offset, length });
         }
         Ok(())
     }

@@ -45,7 +45,7 @@ pub enum SealCheck {
 }
 
 impl Engine {
-    /// Write `data` at `offset` (512-byte aligned). With `fua` the write is
+    /// Write `data` at `offset` (any byte range). With `fua` the write is
     /// durable when this returns; otherwise after the next flush.
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.write_shared(offset, &Bytes::copy_from_slice(data), fua)
@@ -82,8 +82,19 @@ impl Engine {
         Ok(())
     }
 
-    /// Sub-block write: read-modify-write under the block's stripe lock so
-    /// two partial writes to one block cannot lose either.
+    /// Sub-block write (a write, a zeroing's edge, or an NBD client's
+    /// byte-granular request): read-modify-write under the block's stripe
+    /// lock so two partial writes to one block cannot lose either. The
+    /// stored block is read and verified first (a fault fails the write
+    /// and changes nothing), patched in memory, then sealed and buffered
+    /// as a whole block, like any aligned write.
+    ///
+    /// Crash ordering: nothing of the block is written in place; the
+    /// patched block travels the commit path whole (journal record fsynced
+    /// at ORDER POINT A, then home), so a crash leaves it old in full
+    /// (before A) or new in full (after A), never torn between the two;
+    /// the bytes of the block the write did not cover are the same in
+    /// both. Durable after the next flush, or before the reply with FUA.
     fn write_partial(&self, offset: u64, data: &[u8]) -> Result<()> {
         let lba = offset / BLOCK;
         let within = (offset % BLOCK) as usize;

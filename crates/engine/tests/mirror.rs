@@ -9,7 +9,8 @@ use std::sync::Arc;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{self, create_mirror, open_mirror, LegState, Mirror};
 use vouch_engine::{
-    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Volume, BLOCK,
+    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Volume, ZeroFlags,
+    BLOCK,
 };
 
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {
@@ -275,6 +276,49 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
         volume.read(2 * BLOCK, &mut buf).expect("read");
         assert_eq!(buf, pattern(2, 5), "{}: the newer copy won", path.display());
         volume.close().expect("close");
+    }
+}
+
+/// Byte ranges (an NBD client that negotiated no block size): a write
+/// of one byte is sealed once for every leg, and a zeroing or trim whose
+/// ends fall inside a 512-byte sector writes those bytes as zeros through
+/// the mirror, the whole sectors going to the legs; every leg then reads
+/// the same bytes, and the model's.
+#[test]
+fn byte_ranges_reach_every_leg_alike() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, 4, 1);
+    let mut model: Vec<u8> = (0..4).flat_map(|lba| pattern(lba, 1)).collect();
+    mirror.write(1, &[0xAB], false).expect("one byte");
+    model[1] = 0xAB;
+    mirror
+        .write_zeroes(BLOCK - 1, 3, ZeroFlags::default())
+        .expect("three zero bytes across a block boundary");
+    model[BLOCK as usize - 1..BLOCK as usize + 2].fill(0);
+    let trim = 2 * BLOCK + 7..3 * BLOCK + 9;
+    mirror
+        .trim(trim.start, trim.end - trim.start, false)
+        .expect("trim with sub-sector ends");
+    model[trim.start as usize..trim.end as usize].fill(0);
+    mirror.flush().expect("flush");
+    let mut buf = vec![0u8; model.len()];
+    mirror.read(0, &mut buf).expect("read");
+    assert!(buf == model, "the mirror reads the model");
+    for (leg, volume) in volumes.iter().enumerate() {
+        let volume = volume.as_ref().expect("leg");
+        volume.read(0, &mut buf).expect("read leg");
+        assert!(buf == model, "leg {leg} reads the model");
+    }
+    let contexts: Vec<_> = volumes
+        .iter()
+        .map(|v| v.as_ref().expect("leg").read_sealed(0, 1).expect("sealed")[0].context)
+        .collect();
+    assert_eq!(contexts[0], contexts[1], "one seal for the one-byte write");
+    close(mirror, volumes);
+    for path in &paths {
+        check_clean(path);
     }
 }
 

@@ -25,7 +25,8 @@ pub use superblock::{FeatureFlags, KeyWrap, Superblock, SUPERBLOCK_BYTES};
 /// The only block size this version writes. 512-byte blocks are a possible
 /// later feature (it would be an incompat flag).
 pub const BLOCK_SIZE: u32 = 4096;
-/// Sector granularity for sub-block I/O alignment.
+/// Sector granularity: torn writes (512e media), and the unit in which the
+/// replica protocol takes trims and zeroes. Reads and writes take any byte.
 pub const SECTOR_SIZE: u32 = 512;
 
 /// One named field of an on-disk structure: what `docs/FORMAT.md` tabulates.

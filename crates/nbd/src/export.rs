@@ -193,6 +193,15 @@ pub trait Export: Send + Sync + 'static {
     fn can_cache(&self) -> bool {
         true
     }
+    /// Whether the export serves requests at any byte offset and length
+    /// (reading, and read-modify-writing, the blocks they cover in part).
+    /// Then a client that negotiates no block size may send any (the
+    /// spec's default sizing: minimum block size 1); a client that asks
+    /// for block sizes keeps `block_sizes().minimum`. The default is
+    /// false: the advertised minimum binds every client.
+    fn can_byte_granularity(&self) -> bool {
+        false
+    }
     /// Fill `buf` with the bytes at `offset`. Returns the sub-ranges (relative to `offset`, sorted, non-overlapping)
     /// that are known to be zero without data I/O (unwritten/trimmed), so READ can answer them with OFFSET_HOLE chunks.
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>, ExportError>;

@@ -69,7 +69,15 @@ pub(crate) struct Session {
     pub structured_replies: bool,
     /// The metadata contexts selected for this export (BLOCK_STATUS).
     pub contexts: MetaContexts,
+    /// The sizes advertised in NBD_INFO_BLOCK_SIZE.
     pub block_sizes: BlockSizes,
+    /// The alignment requests must keep: the advertised minimum for a
+    /// client that asked for block sizes (NBD_OPT_GO with
+    /// NBD_INFO_BLOCK_SIZE: it MUST abide by them); for one that did not
+    /// (NBD_OPT_EXPORT_NAME, or GO without that request) 1 if the export
+    /// serves any byte range (`Export::can_byte_granularity`), as the
+    /// spec's default sizing says a server SHOULD, else the minimum.
+    pub request_alignment: u32,
 }
 
 /// Per-connection state carried across options (and reset by STARTTLS).
@@ -330,7 +338,7 @@ where
                     "EXPORT_NAME for unknown export {name:?}"
                 )));
             };
-            let session = make_session(context, state, &name, canonical, export);
+            let session = make_session(context, state, &name, canonical, export, false);
             let reply =
                 wire::export_name_reply(session.size, session.transmission_flags, state.no_zeroes);
             stream.write_all(&reply).await?;
@@ -376,7 +384,10 @@ where
                 .await?;
                 return Ok(None);
             };
-            let session = make_session(context, state, &name, canonical, export);
+            // Only GO commits the client to the sizes (OPT_INFO lets it
+            // learn them without committing).
+            let asked = go && requests.contains(&wire::INFO_BLOCK_SIZE);
+            let session = make_session(context, state, &name, canonical, export, asked);
             send_info(stream, option, &session, &requests).await?;
             send_reply(stream, option, wire::REP_ACK, &[]).await?;
             Ok(go.then_some(Negotiated::Transmission(session)))
@@ -398,6 +409,7 @@ fn make_session(
     requested_name: &str,
     canonical: String,
     export: Arc<dyn Export>,
+    asked_block_sizes: bool,
 ) -> Session {
     let contexts =
         if state.structured_replies && state.meta_export.as_deref() == Some(requested_name) {
@@ -405,13 +417,20 @@ fn make_session(
         } else {
             MetaContexts::default()
         };
+    let block_sizes = effective_block_sizes(export.as_ref(), context.limits);
+    let request_alignment = if asked_block_sizes || !export.can_byte_granularity() {
+        block_sizes.minimum
+    } else {
+        1
+    };
     Session {
         export_name: canonical,
         size: export.size(),
         transmission_flags: transmission_flags(export.as_ref(), state.structured_replies),
         structured_replies: state.structured_replies,
         contexts,
-        block_sizes: effective_block_sizes(export.as_ref(), context.limits),
+        block_sizes,
+        request_alignment,
         export,
     }
 }
@@ -452,8 +471,8 @@ where
             .await?;
         }
     }
-    // Always sent: our minimum block size may be larger than the default of 1,
-    // and the spec lets us volunteer information.
+    // Always sent (the spec lets us volunteer information): it binds the
+    // client only if it asked for it with GO (`Session::request_alignment`).
     let sizes = session.block_sizes;
     send_reply(
         stream,

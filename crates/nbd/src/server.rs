@@ -153,6 +153,10 @@ impl Server {
         }
         let (signal, shutdown) = watch::channel(false);
         let metrics = config.metrics.clone().unwrap_or_default();
+        // Every export's series from the start, before its first client.
+        for name in config.exports.keys() {
+            metrics.export(name);
+        }
         let resources = ServerResources {
             metrics,
             pool: Arc::new(WorkerPool::new(config.executor)?),

@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 use crate::export::{Errno, Export, ExportError, Integrity, ZeroFlags};
 use crate::handshake::Session;
 use crate::limits::Limits;
-use crate::metrics::Metrics;
+use crate::metrics::{ExportMetrics, Metrics};
 use crate::wire::{self, Command, Request};
 use crate::worker::WorkerPool;
 
@@ -105,7 +105,8 @@ struct Permits {
 /// Per-connection state shared by the reader and jobs on worker threads.
 struct Connection {
     session: Session,
-    metrics: Arc<Metrics>,
+    /// The counters of the session's export.
+    metrics: Arc<ExportMetrics>,
     replies: UnboundedSender<Reply>,
 }
 
@@ -136,8 +137,8 @@ where
         resources.limits.reply_write_timeout,
     ));
     let connection = Arc::new(Connection {
+        metrics: resources.metrics.export(&session.export_name),
         session,
-        metrics: resources.metrics.clone(),
         replies,
     });
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
@@ -230,6 +231,9 @@ where
             Bytes::new()
         };
         connection.metrics.request_started();
+        if is_unaligned(&connection.session, &request, command) {
+            connection.metrics.request_unaligned(command);
+        }
         let permits = match try_inline(connection, &request, command, &payload, permits, received) {
             Ok(()) => continue,
             Err(permits) => permits,
@@ -380,7 +384,10 @@ fn validate(session: &Session, limits: &Limits, request: &Request) -> Result<Com
             _ => Errno::Inval,
         });
     }
-    let minimum = u64::from(session.block_sizes.minimum);
+    // The advertised minimum binds a client that asked for block sizes;
+    // one that did not may use any byte the export can serve
+    // (`Session::request_alignment`).
+    let minimum = u64::from(session.request_alignment);
     let end = request.offset + length;
     if !request.offset.is_multiple_of(minimum)
         || (!end.is_multiple_of(minimum) && end != session.size)
@@ -392,6 +399,21 @@ fn validate(session: &Session, limits: &Limits, request: &Request) -> Result<Com
         return Err(Errno::Inval);
     }
     Ok(command)
+}
+
+/// A valid data request whose offset or length is not a multiple of the
+/// preferred block size: an export read-modify-writes the blocks such a
+/// write or zeroing covers in part (counted per export:
+/// `vouch_nbd_unaligned_requests_total`).
+fn is_unaligned(session: &Session, request: &Request, command: Command) -> bool {
+    let data = matches!(
+        command,
+        Command::Read | Command::Write | Command::Trim | Command::WriteZeroes
+    );
+    let preferred = u64::from(session.block_sizes.preferred);
+    data && request.length > 0
+        && !(request.offset.is_multiple_of(preferred)
+            && u64::from(request.length).is_multiple_of(preferred))
 }
 
 /// Answer an invalid request from the reader, discarding any WRITE payload.

@@ -62,13 +62,13 @@ fn metrics_endpoint_serves_prometheus_text() {
     );
     for expected in [
         "# TYPE vouch_nbd_requests_total counter",
-        "vouch_nbd_requests_total{command=\"write\"} 1",
-        "vouch_nbd_requests_total{command=\"read\"} 1",
-        "vouch_nbd_requests_total{command=\"flush\"} 1",
-        "vouch_nbd_bytes_total{command=\"write\"} 4096",
+        "vouch_nbd_requests_total{command=\"write\",export=\"disk\"} 1",
+        "vouch_nbd_requests_total{command=\"read\",export=\"disk\"} 1",
+        "vouch_nbd_requests_total{command=\"flush\",export=\"disk\"} 1",
+        "vouch_nbd_bytes_total{command=\"write\",export=\"disk\"} 4096",
         // The in-memory export has no try_read / try_write: all via workers.
-        "vouch_nbd_inline_requests_total{command=\"read\"} 0",
-        "vouch_nbd_request_latency_seconds_count{command=\"read\"} 1",
+        "vouch_nbd_inline_requests_total{command=\"read\",export=\"disk\"} 0",
+        "vouch_nbd_request_latency_seconds_count{command=\"read\",export=\"disk\"} 1",
         "vouch_nbd_connections_total 1",
         "vouch_engine_test 1",
     ] {

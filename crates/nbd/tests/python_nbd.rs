@@ -156,6 +156,19 @@ for structured in (True, False):
     assert h.pread(4096, 0) == b"\x33" * 4096
     h.shutdown()
 
+# A client that asks for no block sizes may use any byte only on an export
+# that serves them (Export::can_byte_granularity); this one does not, so
+# the advertised minimum (512) still binds it.
+h = nbd.NBD()
+h.set_request_block_size(False)
+h.set_strict_mode(0)
+h.set_export_name("disk")
+h.connect_tcp("127.0.0.1", str(PORT))
+expect_errno(errno.EINVAL, h.pread, 1, 1)
+expect_errno(errno.EINVAL, h.pwrite, b"x" * 100, 512)
+assert h.pread(512, 40960) == bytes(512)
+h.shutdown()
+
 ro = connect(export="ro", strict=False)
 assert ro.is_read_only()
 assert not ro.can_trim() and not ro.can_zero()
@@ -201,7 +214,9 @@ print("ok")
     assert_eq!(server.metrics.errors(Errno::Io), 2);
     let text = server.metrics.render_prometheus();
     assert!(
-        text.contains("vouch_nbd_verification_faults_total{kind=\"guard_mismatch\"} 2"),
+        text.contains(
+            "vouch_nbd_verification_faults_total{kind=\"guard_mismatch\",export=\"disk\"} 2"
+        ),
         "{text}"
     );
 }

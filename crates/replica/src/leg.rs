@@ -181,6 +181,9 @@ impl RemoteLeg {
         Error::Unreachable(reason)
     }
 
+    /// In bounds: reads and writes take any byte range (whole blocks
+    /// travel; partial edge blocks are read-modify-written under the
+    /// mirror's stripe lock, see `write`).
     fn check_range(&self, offset: u64, length: u64) -> Result<()> {
         let size = self.info.size_bytes;
         if offset.checked_add(length).is_none_or(|end| end > size) {
@@ -190,7 +193,16 @@ impl RemoteLeg {
                 size,
             });
         }
-        if !offset.is_multiple_of(512) || !length.is_multiple_of(512) {
+        Ok(())
+    }
+
+    /// A trim or zeroing travels as a byte range, which the replica
+    /// protocol takes in whole 512-byte sectors (the mirror writes the
+    /// bytes outside them as zeros: `Mirror::zero_sector_edges`).
+    fn check_sectors(&self, offset: u64, length: u64) -> Result<()> {
+        self.check_range(offset, length)?;
+        let sector = u64::from(vouch_format::SECTOR_SIZE);
+        if !offset.is_multiple_of(sector) || !length.is_multiple_of(sector) {
             return Err(Error::Misaligned { offset, length });
         }
         Ok(())
@@ -414,7 +426,7 @@ impl BlockDevice for RemoteLeg {
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.check_range(offset, length)?;
+        self.check_sectors(offset, length)?;
         self.call(&Request::Trim {
             offset,
             length,
@@ -424,7 +436,7 @@ impl BlockDevice for RemoteLeg {
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
-        self.check_range(offset, length)?;
+        self.check_sectors(offset, length)?;
         self.call(&Request::WriteZeroes {
             offset,
             length,

@@ -504,6 +504,11 @@ fn random_range(rng: &mut Rng, size: u64) -> (u64, u64) {
         let len = rng.range(1, 16).min(blocks);
         let start = rng.below(blocks - len + 1);
         (start * 8, len * 8)
+    } else if rng.chance(1, 3) {
+        // Any byte range (an NBD client that negotiated no block size):
+        // partial blocks at either end, read-modify-written.
+        let len = rng.range(1, 3 * BLOCK as u64).min(size);
+        return (rng.below(size - len + 1), len);
     } else {
         let len = rng.range(1, 128).min(sectors_total);
         let start = rng.below(sectors_total - len + 1);

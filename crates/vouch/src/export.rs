@@ -78,6 +78,13 @@ impl Export for VolumeExport {
             maximum: MAX_REQUEST_BYTES,
         }
     }
+    /// Every `BlockDevice` serves any byte range: reads copy the bytes out
+    /// of verified blocks, writes and zeroes read-modify-write a block they
+    /// cover in part under its stripe lock (engine `write_partial`, the
+    /// mirror's `seal_write`).
+    fn can_byte_granularity(&self) -> bool {
+        true
+    }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>, ExportError> {
         self.volume.read(offset, buf).map_err(to_export_error)
     }

@@ -150,6 +150,65 @@ fn a_local_and_a_remote_leg_serve_over_nbd_reads_stay_local_and_both_copies_are_
     replica.stop();
 }
 
+/// A client that negotiated no block size writes, zeroes and trims byte
+/// ranges on a mirror with a remote leg: a partial block is sealed once
+/// by the exporter and sent whole, and the bytes of a trim or zeroing
+/// outside whole 512-byte sectors are written as zeros the same way (the
+/// replica protocol takes trims and zeroes in sectors), so both legs
+/// store the same bytes and verify clean.
+#[test]
+fn byte_ranges_reach_a_remote_leg_alike() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    let mut replica = replica_server(&replicas, "127.0.0.1:0", &[], None).expect("replica");
+    let a = dir.path().join("a");
+    let url = format!("vouch://{}/disk", replica.addr);
+    vouch_ok(&["create", s(&a), "--size", "1MiB", "--mirror", &url]);
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    let body = r#"
+h = connect_unnegotiated(sys.argv[1])
+model = bytearray(4 * 4096)
+for lba in range(4):
+    data = block_data(lba, 3)
+    h.pwrite(data, lba * 4096)
+    model[lba * 4096:(lba + 1) * 4096] = data
+for kind, offset, length in (("w", 1, 1), ("z", 4095, 3), ("t", 8191, 4099), ("w", 700, 5000)):
+    if kind == "w":
+        data = bytes((offset + i) % 253 + 1 for i in range(length))
+        h.pwrite(data, offset)
+        model[offset:offset + length] = data
+    elif kind == "z":
+        h.zero(length, offset)
+        model[offset:offset + length] = bytes(length)
+    else:
+        h.trim(length, offset)
+        model[offset:offset + length] = bytes(length)
+h.flush()
+assert h.pread(len(model), 0) == bytes(model)
+h.shutdown()
+print(json.dumps({"ok": True}))
+"#;
+    assert_eq!(py_json(body, &[&server.uri])["ok"], true);
+    server.stop();
+    // Both legs verify (the replica is opened again once the exporter's
+    // connection has released it, so its writes are home).
+    let (code, report) = check_json(&a);
+    assert_eq!(code, 0, "{report}");
+    // Split layout: block LBA at LBA * 4096 of the first data file, on
+    // each leg (the trimmed block 2 is a hole on both: zeros).
+    let home = |volume: &Path| {
+        let mut bytes = vec![0u8; 4 * BLOCK as usize];
+        let mut file = std::fs::File::open(volume.join("data.00000")).expect("data file");
+        file.read_exact(&mut bytes).expect("read data file");
+        bytes
+    };
+    assert!(
+        home(&a) == home(&replicas.join("disk")),
+        "the local and the remote leg hold the same bytes"
+    );
+    replica.stop();
+}
+
 fn hello(version: u32) -> [u8; 16] {
     let mut bytes = [0u8; 16];
     bytes[..8].copy_from_slice(b"VOUCHREP");

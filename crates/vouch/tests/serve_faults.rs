@@ -124,13 +124,16 @@ print(json.dumps(out))
     );
     let nbd = metric(
         &metrics,
-        r#"vouch_nbd_verification_faults_total{kind="guard_mismatch"}"#,
+        r#"vouch_nbd_verification_faults_total{kind="guard_mismatch",export="vol"}"#,
     );
     assert!(
         nbd.unwrap_or(0.0) >= 3.0,
         "nbd fault counter {nbd:?}:\n{metrics}"
     );
-    let eio = metric(&metrics, r#"vouch_nbd_errors_total{errno="EIO"}"#);
+    let eio = metric(
+        &metrics,
+        r#"vouch_nbd_errors_total{errno="EIO",export="vol"}"#,
+    );
     assert!(eio.unwrap_or(0.0) >= 3.0, "EIO replies {eio:?}:\n{metrics}");
     // Blocks in the page cache were answered on the connection's own task
     // (the inline fast path), with --direct from the read ring; the
@@ -139,7 +142,7 @@ print(json.dumps(out))
         let ring = |outcome: &str| {
             metric(
                 &metrics,
-                &format!(r#"vouch_nbd_ring_reads_total{{outcome="{outcome}"}}"#),
+                &format!(r#"vouch_nbd_ring_reads_total{{outcome="{outcome}",export="vol"}}"#),
             )
             .unwrap_or(0.0)
         };
@@ -151,7 +154,7 @@ print(json.dumps(out))
     }
     let inline = metric(
         &metrics,
-        r#"vouch_nbd_inline_requests_total{command="read"}"#,
+        r#"vouch_nbd_inline_requests_total{command="read",export="vol"}"#,
     );
     assert!(
         inline.unwrap_or(0.0) >= 1.0,

@@ -78,7 +78,7 @@ print(json.dumps(out))
     let metrics = server.metrics_text();
     let faults = metric(
         &metrics,
-        r#"vouch_nbd_verification_faults_total{kind="ref_tag_mismatch"}"#,
+        r#"vouch_nbd_verification_faults_total{kind="ref_tag_mismatch",export="vol"}"#,
     );
     assert_eq!(faults, Some(1.0), "{metrics}");
     drop(server);

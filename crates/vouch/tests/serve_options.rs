@@ -551,7 +551,7 @@ print(json.dumps({"first": first, "bad": bad[:10], "reads": reads, "last": last}
         let metrics = server.metrics_text();
         let answered = metric(
             &metrics,
-            r#"vouch_nbd_ring_reads_total{outcome="answered"}"#,
+            r#"vouch_nbd_ring_reads_total{outcome="answered",export="vol"}"#,
         );
         assert!(
             answered.unwrap_or(0.0) >= 64.0,

@@ -538,6 +538,29 @@ impl Mirror {
         Ok(None)
     }
 
+    /// `write_shared` once the caller holds the range's stripes, its
+    /// record and its marks: sealed once (`seal_write`, which
+    /// read-modify-writes a partial block at either edge from a verified
+    /// copy, still under those stripes, so two partial writes to one block
+    /// keep both) and stored by every leg.
+    fn write_locked(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
+        match self.seal_write(offset, data) {
+            Ok(Some(sealed)) => {
+                // Exactly the blocks every target stored (none for an
+                // empty write).
+                for leg in self.write_sealed_to_legs(&sealed, fua)? {
+                    if let Some(map) = self.legs[leg].map.read().as_ref() {
+                        map.landed(sealed.iter().map(|block| block.lba));
+                    }
+                }
+                Ok(())
+            }
+            // No leg can seal for the others: each seals for itself.
+            Ok(None) => self.each_leg("write", |leg| leg.write_shared(offset, data, fua)),
+            Err(error) => Err(error),
+        }
+    }
+
     /// One block of a partial write, from the first active leg that reads
     /// it good (no repair here: the caller holds the stripe lock).
     fn read_edge(&self, lba: u64, block: &mut [u8]) -> Result<()> {
@@ -552,7 +575,8 @@ impl Mirror {
         Err(last.unwrap_or_else(|| Error::FailStopped("no active mirror leg".into())))
     }
 
-    /// Validate a byte range against the mirror: in bounds, 512-aligned.
+    /// Validate a byte range against the mirror: in bounds. Any byte
+    /// offset and length is served (partial blocks: `seal_write`).
     fn check_bytes(&self, offset: u64, length: u64) -> Result<()> {
         if offset.checked_add(length).is_none_or(|end| end > self.size) {
             return Err(Error::OutOfRange {
@@ -561,10 +585,33 @@ impl Mirror {
                 size: self.size,
             });
         }
-        if !offset.is_multiple_of(512) || !length.is_multiple_of(512) {
-            return Err(Error::Misaligned { offset, length });
-        }
         Ok(())
+    }
+
+    /// The whole 512-byte sectors of a trim or zeroing of `[offset,
+    /// offset + length)`, after the bytes outside them (less than a sector
+    /// at either end, from a client that negotiated no block size) are
+    /// written as zeros through the mirror's own read-modify-write
+    /// (`write_locked`: sealed once, the same bytes and generation on
+    /// every leg), since legs take trims and zeroes in sectors (a remote
+    /// leg's wire does). The caller holds the stripes, the record and the
+    /// marks of the whole range. `None` when no whole sector is left.
+    fn zero_sector_edges(&self, offset: u64, length: u64, fua: bool) -> Result<Option<Range<u64>>> {
+        const SECTOR: u64 = vouch_format::SECTOR_SIZE as u64;
+        self.check_bytes(offset, length)?;
+        let end = offset + length;
+        let sectors = offset.next_multiple_of(SECTOR)..end / SECTOR * SECTOR;
+        if sectors.start >= sectors.end {
+            let zeros = Bytes::from(vec![0u8; length as usize]);
+            return self.write_locked(offset, &zeros, fua).map(|()| None);
+        }
+        for edge in [offset..sectors.start, sectors.end..end] {
+            if !edge.is_empty() {
+                let zeros = Bytes::from(vec![0u8; (edge.end - edge.start) as usize]);
+                self.write_locked(edge.start, &zeros, fua)?;
+            }
+        }
+        Ok(Some(sectors))
     }
 
     /// Run `op` on every active leg. A leg that fails while another
@@ -822,22 +869,9 @@ impl BlockDevice for Mirror {
         let _locked = self.lock_bytes(offset, data.len() as u64);
         let _recorded = self.record_bytes(offset, data.len() as u64);
         self.mark_bytes(offset, data.len() as u64)?;
-        match self.seal_write(offset, data) {
-            Ok(Some(sealed)) => {
-                // Exactly the blocks every target stored (none for an
-                // empty write).
-                for leg in self.write_sealed_to_legs(&sealed, fua)? {
-                    if let Some(map) = self.legs[leg].map.read().as_ref() {
-                        map.landed(sealed.iter().map(|block| block.lba));
-                    }
-                }
-                Ok(())
-            }
-            // No leg can seal for the others: each seals for itself.
-            Ok(None) => self.each_leg("write", |leg| leg.write_shared(offset, data, fua)),
-            Err(error) => Err(error),
-        }
+        self.write_locked(offset, data, fua)
     }
+
     /// The inline path (the NBD reactor's, like `Volume::try_write`): whole
     /// blocks only, no larger than every write target seals cheaply
     /// (`inline_seal_max_bytes`: encrypted legs take up to 128 KiB), when
@@ -912,6 +946,10 @@ impl BlockDevice for Mirror {
         let _locked = self.lock_bytes(offset, length);
         let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
+        let Some(sectors) = self.zero_sector_edges(offset, length, fua)? else {
+            return Ok(());
+        };
+        let (offset, length) = (sectors.start, sectors.end - sectors.start);
         self.each_leg("trim", |leg| leg.trim(offset, length, fua))
     }
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
@@ -919,6 +957,10 @@ impl BlockDevice for Mirror {
         let _locked = self.lock_bytes(offset, length);
         let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
+        let Some(sectors) = self.zero_sector_edges(offset, length, flags.fua)? else {
+            return Ok(());
+        };
+        let (offset, length) = (sectors.start, sectors.end - sectors.start);
         self.each_leg("write zeroes", |leg| {
             leg.write_zeroes(offset, length, flags)
         })

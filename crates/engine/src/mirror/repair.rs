@@ -12,7 +12,7 @@ use crate::error::{Error, Fault, FaultKind, Result};
 use crate::state::{Block, BLOCK};
 
 impl Mirror {
-    /// `buf` at byte `offset` (512-byte aligned) from `leg`, every faulty
+    /// `buf` at byte `offset` (any byte range) from `leg`, every faulty
     /// block repaired; fails naming the first block no leg holds good.
     pub(super) fn read_bytes_repairing(
         &self,

@@ -249,7 +249,8 @@ pub fn py_json(script: &str, args: &[&str]) -> serde_json::Value {
         .unwrap_or_else(|| panic!("no JSON line in python output:\n{}", text(&output)))
 }
 
-/// Helpers every Python script gets: `connect`, `block_data`, `err_info`.
+/// Helpers every Python script gets: `connect`, `connect_unnegotiated`,
+/// `block_data`, `err_info`.
 pub const PY_PRELUDE: &str = r#"
 import errno, hashlib, json, os, signal, struct, sys, time
 import nbd
@@ -258,6 +259,20 @@ def connect(uri, strict=True, name=None):
     h = nbd.NBD()
     if not strict:
         h.set_strict_mode(0)
+    h.connect_uri(uri)
+    return h
+
+def connect_unnegotiated(uri, export_name=False):
+    """A client that never asks for block sizes (NBD_OPT_GO without
+    NBD_INFO_BLOCK_SIZE), so any byte range is valid. export_name=True: a
+    newstyle (not fixed-newstyle) handshake, where libnbd can only use
+    NBD_OPT_EXPORT_NAME."""
+    h = nbd.NBD()
+    h.set_request_block_size(False)
+    # libnbd would check alignment against the sizes the server volunteers.
+    h.set_strict_mode(nbd.STRICT_MASK & ~nbd.STRICT_ALIGN)
+    if export_name:
+        h.set_handshake_flags(0)
     h.connect_uri(uri)
     return h
 
