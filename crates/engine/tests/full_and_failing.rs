@@ -241,6 +241,7 @@ fn block_unreadable_during_recovery_is_reported_not_reverted() {
             tuning,
             key: None,
             keyless: false,
+            rebuild_written_map: false,
         },
     )
     .expect("open");

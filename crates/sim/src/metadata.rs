@@ -354,7 +354,7 @@ fn run_cell(
         ..OpenOptions::default()
     };
     let mut result = CellResult::default();
-    let prepared = (|| -> Result<(SimStorage, SimStorage, SimStorage, Vec<Vec<u8>>), String> {
+    let prepared = (|| -> Result<Prepared, String> {
         let options = create_options(layout, guard, key.clone());
         let storage = SimStorage::new();
         Volume::create(Arc::new(storage.clone()), &options)

@@ -392,19 +392,29 @@ async fn serve(
     for socket in server.unix_sockets() {
         endpoints.push(format!("nbd+unix:///?socket={socket}"));
     }
+    let mut announcement = String::new();
     for endpoint in &endpoints {
-        println!("vouch: serving on {endpoint}");
+        announcement.push_str(&format!("vouch: serving on {endpoint}\n"));
     }
     if let Some(control) = &control_listener {
-        println!("vouch: control on {}", control.url());
+        announcement.push_str(&format!("vouch: control on {}\n", control.url()));
     }
     if let Some(listener) = &metrics_listener {
-        println!(
-            "vouch: metrics on http://{}/metrics",
+        announcement.push_str(&format!(
+            "vouch: metrics on http://{}/metrics\n",
             listener.local_addr()?
-        );
+        ));
     }
-    std::io::stdout().flush()?;
+    // A server whose stdout was closed (`vouch serve ... | head -1`, a
+    // supervisor that drops it) goes on serving: the announcement is for
+    // whoever reads it, and the volumes are open.
+    let mut stdout = std::io::stdout();
+    if let Err(error) = stdout
+        .write_all(announcement.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        tracing::warn!("could not print where vouch serves ({error}); serving anyway");
+    }
 
     let control = control_listener
         .map(|listener| {

@@ -116,6 +116,40 @@ fn a_reader_that_stops_after_one_line_ends_the_command_quietly() {
     assert_ends_by_sigpipe(&args, status, &stderr);
 }
 
+/// A server is not a filter: with its stdout closed (a supervisor that
+/// drops it, `vouch serve ... | head -0`) it keeps serving, and stops
+/// cleanly on SIGTERM.
+#[test]
+fn a_server_with_a_closed_stdout_keeps_serving() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    let socket = dir.path().join("nbd.sock");
+    vouch_ok(&["create", s(&volume), "--size", "8MiB"]);
+    let mut child = Command::new(vouch_bin())
+        .args(["serve", s(&volume), "--socket", s(&socket)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(closed_pipe()))
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn vouch serve");
+    let uri = format!("nbd+unix:///?socket={}", socket.display());
+    common::wait_until("the socket to answer", TIMEOUT, || {
+        Command::new(common::tool("nbdinfo", "libnbd-bin"))
+            .arg(&uri)
+            .output()
+            .is_ok_and(|output| output.status.success())
+    });
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let mut stderr_pipe = child.stderr.take().expect("stderr");
+    let status = wait_timeout(&mut child, TIMEOUT).expect("vouch serve stopped");
+    let mut stderr = String::new();
+    stderr_pipe.read_to_string(&mut stderr).expect("stderr");
+    assert!(status.success(), "{status:?}:\n{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(stderr.contains("stopped cleanly"), "{stderr}");
+}
+
 /// The one error line of a failed command (exit 2).
 fn error_line(args: &[&str]) -> String {
     let output = vouch(args);
