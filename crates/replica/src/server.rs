@@ -380,6 +380,11 @@ pub async fn serve(
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
+            // Reap every finished connection's task: a `JoinSet` keeps a
+            // task's result (and its allocation) until it is joined, so a
+            // server that only spawned would grow with every connection
+            // it ever had.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => {
                 let (tcp, address) = match accepted {
                     Ok(accepted) => accepted,
