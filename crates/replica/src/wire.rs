@@ -12,7 +12,9 @@ use vouch_format::Context;
 /// The first 8 bytes each side sends.
 pub const HELLO_MAGIC: [u8; 8] = *b"VOUCHREP";
 /// The protocol version this side speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2 added authentication after the hello (`auth.rs`): a
+/// challenge, a response, a verdict, sent on every connection.
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Handshake message: magic, version (u32), status (u32).
 pub const HELLO_BYTES: usize = 16;
 /// Handshake status: accepted.
