@@ -190,3 +190,31 @@ fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
     }
     close(mirror, volumes);
 }
+
+#[test]
+fn a_finished_resync_shows_nothing_left_even_when_writes_came_before_it_was_recorded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+    create_mirror(&paths, &CreateOptions::new(4 << 20))
+        .expect("create")
+        .close()
+        .expect("close");
+    let away = dir.path().join("away");
+    std::fs::rename(&paths[1], &away).expect("leg 1 away");
+    let (mirror, volumes, _) = open(&paths[0]);
+    mirror.write(0, &vec![0x5a; 1 << 20], true).expect("write");
+    close(Arc::new(mirror), volumes);
+    std::fs::rename(&away, &paths[1]).expect("leg 1 back");
+    let (mirror, volumes, _) = open(&paths[0]);
+    let mut cursor = mirror.begin_resync(1, false).expect("begin");
+    while mirror.resync_step(&mut cursor).expect("step") != mirror::ResyncStep::Finished {}
+    // The leg is active; a client writes before the end is recorded.
+    mirror
+        .write(2 << 20, &vec![0x77; 64 << 10], false)
+        .expect("write");
+    let progress = mirror.end_resync(cursor, Ok(true));
+    assert_eq!(progress.state, "done", "{progress:?}");
+    assert_eq!(progress.left, 0, "{progress:?}");
+    assert_eq!(mirror.status()[1].resync.as_ref().map(|p| p.left), Some(0));
+    close(Arc::new(mirror), volumes);
+}

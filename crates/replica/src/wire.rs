@@ -277,7 +277,10 @@ impl RequestHeader {
         };
         match self.op {
             Op::Open => {
-                if got == 0 || got > MAX_NAME_BYTES as u64 {
+                if got == 0 {
+                    return Err(WireError::BadName(String::new(), "empty"));
+                }
+                if got > MAX_NAME_BYTES as u64 {
                     return Err(WireError::OverLimit {
                         what: "OPEN name length",
                         got,
@@ -288,7 +291,10 @@ impl RequestHeader {
             }
             Op::Create => {
                 let fixed = SUPERBLOCK_FILE_BYTES as u64;
-                if got <= fixed || got > fixed + MAX_NAME_BYTES as u64 {
+                if got == fixed {
+                    return Err(WireError::BadName(String::new(), "empty"));
+                }
+                if got < fixed || got > fixed + MAX_NAME_BYTES as u64 {
                     return Err(WireError::Length {
                         what: "CREATE",
                         got,

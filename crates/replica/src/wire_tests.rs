@@ -177,6 +177,15 @@ fn limits_and_names_are_enforced() {
     }
     assert!(check_name(&"n".repeat(256)).is_err());
     assert!(check_name("vm-disk.0").is_ok());
+    // An empty name reads as one, not as a length over a limit.
+    let frame = encode_request(
+        1,
+        &Request::Open {
+            name: String::new(),
+        },
+    );
+    let error = decode(&frame).expect_err("empty name").to_string();
+    assert_eq!(error, "replica name \"\": empty");
 }
 
 #[test]

@@ -844,3 +844,50 @@ fn writes_sent_while_the_replica_stalls_go_out_whole_once_it_reads_again() {
         assert!(got == pattern(lba, 5).as_slice(), "LBA {lba}");
     }
 }
+
+#[test]
+fn a_replica_whose_connection_died_is_neither_present_nor_active_in_the_status() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let local_path = local_volume(dir.path());
+    let template = LegTemplate::of(&local_path).expect("template");
+    let remote = RemoteLeg::create(&server.url("disk"), &template, &options()).expect("create");
+    let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
+    let mirror = Mirror::new(
+        vec![
+            MirrorLeg {
+                name: "local".into(),
+                device: Some(Arc::new(local) as Arc<dyn BlockDevice>),
+                state: LegState::Active,
+            },
+            MirrorLeg {
+                name: "remote".into(),
+                device: Some(Arc::new(remote) as Arc<dyn BlockDevice>),
+                state: LegState::Active,
+            },
+        ],
+        None,
+    )
+    .expect("mirror");
+    mirror.write(0, &pattern(0, 1), true).expect("write");
+    assert!(mirror.status()[1].present);
+    // The replica server goes away; nothing is written meanwhile.
+    drop(server);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while mirror.status()[1].present && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = mirror.status();
+    assert!(!status[1].present, "a dead replica shown present");
+    assert_eq!(
+        status[1].state,
+        LegState::Stale,
+        "active on a dead connection"
+    );
+    assert_eq!(mirror.active(), vec![0]);
+    mirror
+        .write(BLOCK, &pattern(1, 1), true)
+        .expect("the local leg serves");
+}

@@ -284,14 +284,37 @@ impl Mirror {
         Ok(())
     }
 
-    /// Each leg's state and counters.
+    /// Take out every active leg that cannot be reached now (a remote
+    /// replica whose connection died: a request timed out, the replica
+    /// was killed) as the next write to it would (stale, with a resync
+    /// map), so no status shows a leg active on a dead connection while
+    /// the volume is idle.
+    pub fn take_out_unreachable(&self) {
+        for leg in self.active() {
+            if let Some(why) = self.device(leg).unreachable() {
+                self.fail(
+                    leg,
+                    &format!("connection lost: {why}"),
+                    &Error::Unreachable(why.clone()),
+                );
+            }
+        }
+    }
+
+    /// Each leg's state and counters. A leg is present when its device is
+    /// open and reachable (a remote leg's connection is alive); an active
+    /// leg that is not is taken out first (`take_out_unreachable`).
     pub fn status(&self) -> Vec<LegStatus> {
+        self.take_out_unreachable();
         self.legs
             .iter()
             .map(|leg| LegStatus {
                 name: leg.name.clone(),
                 state: state_from(leg.state.load(Ordering::Acquire)),
-                present: leg.device.get().is_some(),
+                present: leg
+                    .device
+                    .get()
+                    .is_some_and(|device| device.unreachable().is_none()),
                 corrected: leg.corrected.load(Ordering::Relaxed),
                 resyncing: leg.resyncing.load(Ordering::Acquire),
                 dirty: leg.map.read().as_ref().map(|map| map.count()),
@@ -626,10 +649,14 @@ impl Mirror {
         }
     }
 
+    /// A leg that is not active failed a `what`: if it was resyncing, its
+    /// resync stops (said once); a leg already taken out (by another leg
+    /// of the same write, or an earlier failure) has nothing to stop.
     pub(super) fn stop_resync(&self, leg: usize, what: &str, error: &Error) {
-        tracing::error!(leg, name = %self.legs[leg].name, %error,
-            "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
-        self.legs[leg].resyncing.store(false, Ordering::Release);
+        if self.legs[leg].resyncing.swap(false, Ordering::AcqRel) {
+            tracing::error!(leg, name = %self.legs[leg].name, %error,
+                "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
+        }
     }
 
     /// `each_leg` over `targets`, telling `op` each leg's index. Returns

@@ -351,7 +351,14 @@ impl Mirror {
             ),
         };
         slot.resyncing.store(false, Ordering::Release);
-        let progress = self.progress(&cursor, state, error.clone());
+        let mut progress = self.progress(&cursor, state, error.clone());
+        if state == "done" {
+            // The map was empty when the leg became active; writes since
+            // (to a member) still marked it until `finish` removed it, so
+            // a crash in between resyncs them, but none is left to copy.
+            progress.left = 0;
+            progress.eta_seconds = Some(0);
+        }
         tracing::info!(leg = cursor.leg, name = %slot.name, state, copied = cursor.copied,
             left = progress.left, error = error.as_deref().unwrap_or(""), "mirror: resync ended");
         *slot.progress.lock() = Some(progress.clone());
