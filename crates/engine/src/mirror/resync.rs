@@ -151,7 +151,9 @@ impl Mirror {
         }
         slot.device
             .set(device)
-            .map_err(|_| Error::InvalidArgument(format!("mirror leg {leg} is present already")))
+            .map_err(|_| Error::InvalidArgument(format!("mirror leg {leg} is present already")))?;
+        self.reset_corrected(leg);
+        Ok(())
     }
 
     fn leg_slot(&self, leg: usize) -> Result<&super::device::Leg> {
@@ -352,6 +354,9 @@ impl Mirror {
         };
         slot.resyncing.store(false, Ordering::Release);
         let mut progress = self.progress(&cursor, state, error.clone());
+        if state == "done" && cursor.run.full {
+            self.reset_corrected(cursor.leg);
+        }
         if state == "done" {
             // The map was empty when the leg became active; writes since
             // (to a member) still marked it until `finish` removed it, so

@@ -184,6 +184,9 @@ impl Mirror {
                     }
                 }
             }
+            // Legs that differ after an unclean shutdown (the copy clients
+            // read decided) are the set's doing, not the leg's own errors.
+            let crash_divergence = read_leg.is_some();
             for (at, kind) in targets {
                 let repaired = self.rewrite(
                     legs[source],
@@ -202,7 +205,11 @@ impl Mirror {
                 } else {
                     tracing::error!(lba, leg = legs[at], kind, "mirror scrub: repair failed");
                 }
-                self.count(legs[at], kind, repaired);
+                if crash_divergence && kind == "stale" {
+                    self.note_repair(legs[at], kind, repaired);
+                } else {
+                    self.count(legs[at], kind, repaired);
+                }
                 report.note(Finding {
                     lba,
                     leg: legs[at],
