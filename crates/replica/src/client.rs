@@ -343,7 +343,15 @@ impl Connection {
             runtime.spawn(async move {
                 let mut writer = writer;
                 while let Some(frame) = outgoing.recv().await {
-                    if let Err(error) = writer.write_all(&frame).await {
+                    // The TLS stream may keep the end of a frame in its own
+                    // buffer when the socket is full (its write returns once
+                    // the bytes are accepted): flush before waiting for the
+                    // next frame, or a request's tail waits for it.
+                    let sent = match writer.write_all(&frame).await {
+                        Ok(()) if outgoing.is_empty() => writer.flush().await,
+                        sent => sent,
+                    };
+                    if let Err(error) = sent {
                         shared.kill(format!("replica {peer}: connection lost: {error}"));
                         return;
                     }

@@ -678,6 +678,15 @@ pub async fn serve_connection<S>(
             if writer.write_all(&frame).await.is_err() {
                 return;
             }
+            // A TLS stream's write returns once its buffer *accepted* the
+            // bytes: with the socket full, the end of this answer stays
+            // there until something flushes it. Flush before waiting for
+            // the next answer, or a large READ_SEALED answer with nothing
+            // after it never arrives whole (the exporter times out). A
+            // no-op on plain TCP.
+            if outgoing.is_empty() && writer.flush().await.is_err() {
+                return;
+            }
         }
         let _ = writer.shutdown().await;
     });
