@@ -120,7 +120,10 @@ pub struct RepairCount {
 pub struct LegStatus {
     pub name: String,
     pub state: LegState,
+    /// Open and reachable (a remote leg's connection alive).
     pub present: bool,
+    /// Open: its device is attached (reachable or not).
+    pub attached: bool,
     /// Errors corrected on this leg (what the fault threshold counts).
     pub corrected: u64,
     pub repairs: Vec<RepairCount>,
@@ -360,6 +363,7 @@ impl Mirror {
                     .device
                     .get()
                     .is_some_and(|device| device.unreachable().is_none()),
+                attached: leg.device.get().is_some(),
                 corrected: leg.corrected.lock().now(),
                 resyncing: leg.resyncing.load(Ordering::Acquire),
                 dirty: leg.map.read().as_ref().map(|map| map.count()),
