@@ -242,9 +242,10 @@ fn filesystem_bytes(dir: &Path) -> Result<u64> {
     use std::os::unix::ffi::OsStrExt;
     let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
         .with_context(|| format!("{} has a NUL byte", dir.display()))?;
-    // SAFETY: statvfs(3) on a NUL-terminated path into a zeroed struct
-    // this function owns.
+    // SAFETY: `statvfs` is plain old data; all zeroes is a valid value.
     let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs(3) on a NUL-terminated path into a struct this
+    // function owns.
     if unsafe { libc::statvfs(path.as_ptr(), &mut stats) } != 0 {
         return Err(std::io::Error::last_os_error())
             .with_context(|| format!("statvfs {}", dir.display()));
