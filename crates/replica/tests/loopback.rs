@@ -83,6 +83,16 @@ fn local_volume(dir: &Path) -> PathBuf {
     path
 }
 
+/// A mirror of an active local and an active remote leg, no membership.
+fn local_and_remote(local: Arc<dyn BlockDevice>, remote: Arc<dyn BlockDevice>) -> Mirror {
+    let leg = |name: &str, device| MirrorLeg {
+        name: name.into(),
+        device: Some(device),
+        state: LegState::Active,
+    };
+    Mirror::new(vec![leg("local", local), leg("remote", remote)], None).expect("mirror")
+}
+
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {
     (0..BLOCK)
         .map(|i| (i as u8) ^ tag ^ (lba as u8).wrapping_mul(31))
@@ -103,22 +113,10 @@ fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy(
     assert_eq!(remote.size(), local.size());
     let local: Arc<dyn BlockDevice> = Arc::new(local);
     let remote = Arc::new(remote);
-    let mirror = Mirror::new(
-        vec![
-            MirrorLeg {
-                name: "local".into(),
-                device: Some(Arc::clone(&local)),
-                state: LegState::Active,
-            },
-            MirrorLeg {
-                name: "remote".into(),
-                device: Some(Arc::clone(&remote) as Arc<dyn BlockDevice>),
-                state: LegState::Active,
-            },
-        ],
-        None,
-    )
-    .expect("mirror");
+    let mirror = local_and_remote(
+        Arc::clone(&local),
+        Arc::clone(&remote) as Arc<dyn BlockDevice>,
+    );
     for lba in 0..16 {
         mirror
             .write(lba * BLOCK, &pattern(lba, 1), false)
@@ -855,22 +853,7 @@ fn a_replica_whose_connection_died_is_neither_present_nor_active_in_the_status()
     let template = LegTemplate::of(&local_path).expect("template");
     let remote = RemoteLeg::create(&server.url("disk"), &template, &options()).expect("create");
     let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
-    let mirror = Mirror::new(
-        vec![
-            MirrorLeg {
-                name: "local".into(),
-                device: Some(Arc::new(local) as Arc<dyn BlockDevice>),
-                state: LegState::Active,
-            },
-            MirrorLeg {
-                name: "remote".into(),
-                device: Some(Arc::new(remote) as Arc<dyn BlockDevice>),
-                state: LegState::Active,
-            },
-        ],
-        None,
-    )
-    .expect("mirror");
+    let mirror = local_and_remote(Arc::new(local), Arc::new(remote));
     mirror.write(0, &pattern(0, 1), true).expect("write");
     assert!(mirror.status()[1].present);
     // The replica server goes away; nothing is written meanwhile.

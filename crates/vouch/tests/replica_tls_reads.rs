@@ -29,20 +29,8 @@ const SLOW_STEP_BYTES: usize = 16 << 10;
 const SLOW_STEP_PAUSE: Duration = Duration::from_millis(2);
 
 fn small_receive_buffer(stream: &TcpStream) {
-    use std::os::fd::AsRawFd;
     let bytes: libc::c_int = 128 << 10;
-    // SAFETY: setsockopt on a socket this function's caller owns, with a
-    // pointer to a live c_int and its size.
-    let result = unsafe {
-        libc::setsockopt(
-            stream.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
-            &bytes as *const libc::c_int as *const libc::c_void,
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    assert_eq!(result, 0, "SO_RCVBUF");
+    set_socket_option(stream, libc::SO_RCVBUF, &bytes);
 }
 
 /// A relay on loopback to `upstream` for one connection: the exporter's

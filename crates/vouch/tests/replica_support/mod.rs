@@ -186,6 +186,28 @@ pub fn replica_handshake(
     Ok(stream)
 }
 
+/// Set socket option `name` (level `SOL_SOCKET`) of `stream` to `value`.
+pub fn set_socket_option<T>(stream: &std::net::TcpStream, name: libc::c_int, value: &T) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt(2) on a socket the caller owns, with a pointer
+    // to a live `T` and its size.
+    let result = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            value as *const T as *const libc::c_void,
+            std::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(
+        result,
+        0,
+        "setsockopt {name}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
 /// `command` run inside namespace `netns` (or as it is with `None`).
 pub fn in_netns(netns: Option<&str>, program: &Path) -> Command {
     match netns {
