@@ -18,6 +18,7 @@ command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v mkfs.btrfs >/dev/null 2>&1 || need+=(btrfs-progs)
 command -v mkfs.xfs >/dev/null 2>&1 || need+=(xfsprogs)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v sysctl >/dev/null 2>&1 || need+=(procps)
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing: ${need[*]}"

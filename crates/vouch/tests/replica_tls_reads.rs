@@ -110,14 +110,8 @@ fn tls_sealed_reads_of_the_largest_size_arrive_whole_through_a_slow_link_under_w
     // One namespace of the pair: its loopback, with small send buffers.
     let net = NetnsPair::new("tlsrd");
     let sysctl = run_timeout(
-        std::process::Command::new(tool("ip", "iproute2")).args([
-            "netns",
-            "exec",
-            &net.replica,
-            "sysctl",
-            "-w",
-            "net.ipv4.tcp_wmem=4096 16384 32768",
-        ]),
+        in_netns(Some(&net.replica), &tool("sysctl", "procps"))
+            .args(["-w", "net.ipv4.tcp_wmem=4096 16384 32768"]),
         TIMEOUT,
     );
     assert!(sysctl.status.success(), "{}", text(&sysctl));
