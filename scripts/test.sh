@@ -22,6 +22,7 @@ command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v systemd-socket-activate >/dev/null 2>&1 || need+=(systemd)
 command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 command -v dpkg-shlibdeps >/dev/null 2>&1 || need+=(dpkg-dev)
+command -v sysctl >/dev/null 2>&1 || need+=(procps)
 /usr/bin/python3 -c 'import nbd' >/dev/null 2>&1 || need+=(python3-libnbd)
 if [ ${#need[@]} -gt 0 ]; then
     echo "installing: ${need[*]}"

@@ -302,6 +302,13 @@ pub trait BlockDevice: Send + Sync {
         Err(Error::Unsupported("reconnecting this device".into()))
     }
 
+    /// Why the device cannot be reached now (a remote leg whose
+    /// connection died), without trying to reach it; `None` while it can
+    /// be (always, for a local device).
+    fn unreachable(&self) -> Option<String> {
+        None
+    }
+
     /// The generation a block sealed now would carry here (0 when the
     /// device has no such clock): a mirror stamps each write with the
     /// highest of its legs' clocks, so every leg stores one generation and

@@ -190,3 +190,94 @@ fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
     }
     close(mirror, volumes);
 }
+
+#[test]
+fn a_finished_resync_shows_nothing_left_even_when_writes_came_before_it_was_recorded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+    create_mirror(&paths, &CreateOptions::new(4 << 20))
+        .expect("create")
+        .close()
+        .expect("close");
+    let away = dir.path().join("away");
+    std::fs::rename(&paths[1], &away).expect("leg 1 away");
+    let (mirror, volumes, _) = open(&paths[0]);
+    mirror.write(0, &vec![0x5a; 1 << 20], true).expect("write");
+    close(Arc::new(mirror), volumes);
+    std::fs::rename(&away, &paths[1]).expect("leg 1 back");
+    let (mirror, volumes, _) = open(&paths[0]);
+    let mut cursor = mirror.begin_resync(1, false).expect("begin");
+    while mirror.resync_step(&mut cursor).expect("step") != mirror::ResyncStep::Finished {}
+    // The leg is active; a client writes before the end is recorded.
+    mirror
+        .write(2 << 20, &vec![0x77; 64 << 10], false)
+        .expect("write");
+    let progress = mirror.end_resync(cursor, Ok(true));
+    assert_eq!(progress.state, "done", "{progress:?}");
+    assert_eq!(progress.left, 0, "{progress:?}");
+    assert_eq!(mirror.status()[1].resync.as_ref().map(|p| p.left), Some(0));
+    close(Arc::new(mirror), volumes);
+}
+
+/// Write `count` blocks from `first` to leg 0 alone (bypassing the
+/// mirror): the legs then differ there, each copy valid.
+fn write_leg0_only(volumes: &[Option<Arc<Volume>>], first: u64, count: u64, tag: u8) {
+    let leg0 = volumes[0].as_ref().expect("leg 0");
+    leg0.write(first * BLOCK, &vec![tag; (count * BLOCK) as usize], false)
+        .expect("write leg 0");
+    leg0.flush().expect("flush leg 0");
+}
+
+#[test]
+fn legs_that_differ_after_a_crash_are_not_counted_against_a_leg_and_a_full_resync_resets_its_count()
+{
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+    create_mirror(&paths, &CreateOptions::new(4 << 20))
+        .expect("create")
+        .close()
+        .expect("close");
+    let (mirror, volumes, record) = open(&paths[0]);
+    let mirror = Arc::new(mirror);
+    // After an unclean shutdown 30 blocks differ (more than the
+    // threshold of 20): the scrub makes them agree without blaming leg 1.
+    mirror.read_one_leg_until_scrubbed();
+    write_leg0_only(&volumes, 0, 30, 0x11);
+    let control = vouch_engine::jobs::JobControl::default();
+    let report = mirror::scrub::scrub(&mirror, &control).expect("scrub");
+    assert_eq!((report.found, report.repaired), (30, 30), "{report:?}");
+    assert_eq!(mirror.active(), vec![0, 1], "leg 1 faulted for a crash");
+    assert_eq!(mirror.status()[1].corrected, 0);
+    // A leg's own errors count: 15 blocks leg 0 holds older than the
+    // mirror wrote them (written to both, then to leg 0 alone with its
+    // own, lower, generation: the scrub rewrites leg 0's as `stale`).
+    mirror
+        .write(100 * BLOCK, &vec![0x21; 15 * BLOCK as usize], true)
+        .expect("write");
+    write_leg0_only(&volumes, 100, 15, 0x22);
+    let report = mirror::scrub::scrub(&mirror, &control).expect("scrub");
+    assert_eq!(report.repaired, 15, "{report:?}");
+    assert_eq!(mirror.status()[0].corrected, 15, "{report:?}");
+    // Leg 0 is taken out and resynced in full: its count starts afresh.
+    mirror.fault(0, "test");
+    let blocks = mirror.size() / BLOCK;
+    let (map, _) = mirror::DirtyMap::open(
+        &mirror::set::map_dirs(&record)[1..],
+        0,
+        record.uuid,
+        blocks,
+        false,
+    )
+    .expect("map");
+    map.mark(0, blocks).expect("mark");
+    mirror.track(0, Arc::new(map)).expect("track");
+    let mut cursor = mirror.begin_resync(0, true).expect("begin");
+    while mirror.resync_step(&mut cursor).expect("step") != mirror::ResyncStep::Finished {}
+    assert_eq!(mirror.end_resync(cursor, Ok(true)).state, "done");
+    assert_eq!(
+        mirror.status()[0].corrected,
+        0,
+        "a full resync keeps old errors"
+    );
+    close(mirror, volumes);
+}

@@ -24,6 +24,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
+use crate::auth::{
+    self, Challenge, Secret, Verdict, CHALLENGE_BYTES, RESPONSE_BYTES, VERDICT_BYTES,
+};
 use crate::plain::Plain;
 use crate::url::ReplicaUrl;
 use crate::wire::{
@@ -39,6 +42,9 @@ pub struct ClientOptions {
     /// TLS (server verified against a CA, and a client certificate);
     /// `None`: plain TCP.
     pub tls: Option<Arc<rustls::ClientConfig>>,
+    /// The secret shared with replica servers (`auth.rs`): proven at
+    /// every connect, and the server must prove it back.
+    pub secret: Option<Arc<Secret>>,
 }
 
 impl Default for ClientOptions {
@@ -46,6 +52,7 @@ impl Default for ClientOptions {
         ClientOptions {
             timeout: crate::REQUEST_TIMEOUT,
             tls: None,
+            secret: None,
         }
     }
 }
@@ -215,6 +222,45 @@ pub(crate) fn check_hello(bytes: &[u8; HELLO_BYTES], peer: &str) -> Result<(), C
     }
 }
 
+/// This side's answer to a server's challenge (after the hellos), and
+/// what checks the server's verdict: the handshake's authentication step,
+/// the same on both transports.
+pub(crate) struct ChallengeAnswer {
+    pub(crate) response: [u8; RESPONSE_BYTES],
+    challenge: Challenge,
+    nonce: auth::Nonce,
+    peer: String,
+}
+
+impl ChallengeAnswer {
+    pub(crate) fn new(
+        challenge: &[u8; CHALLENGE_BYTES],
+        secret: Option<&Secret>,
+        peer: &str,
+    ) -> Result<ChallengeAnswer, ClientError> {
+        let refused = |why: String| ClientError::Refused(format!("replica {peer}: {why}"));
+        let challenge = Challenge::decode(challenge).map_err(refused)?;
+        let nonce = auth::nonce();
+        let response = auth::respond(secret, &challenge, &nonce).map_err(refused)?;
+        Ok(ChallengeAnswer {
+            response: response.encode(),
+            challenge,
+            nonce,
+            peer: peer.to_string(),
+        })
+    }
+
+    pub(crate) fn check(
+        &self,
+        verdict: &[u8; VERDICT_BYTES],
+        secret: Option<&Secret>,
+    ) -> Result<(), ClientError> {
+        let refused = |why: String| ClientError::Refused(format!("replica {}: {why}", self.peer));
+        let verdict = Verdict::decode(verdict).map_err(refused)?;
+        auth::accept_verdict(secret, &self.challenge, &self.nonce, &verdict).map_err(refused)
+    }
+}
+
 /// Read exactly `buf.len()` bytes.
 async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std::io::Result<()> {
     reader.read_exact(buf).await.map(|_| ())
@@ -233,8 +279,8 @@ impl Connection {
             peer: peer.clone(),
         });
         let transport = match &options.tls {
-            None => Transport::Plain(Plain::connect(url, options.timeout, &peer, &shared)?),
-            Some(config) => Self::connect_tls(url, Arc::clone(config), &peer, &shared)?,
+            None => Transport::Plain(Plain::connect(url, options, &peer, &shared)?),
+            Some(config) => Self::connect_tls(url, Arc::clone(config), options, &peer, &shared)?,
         };
         Ok(Arc::new(Connection {
             transport,
@@ -249,9 +295,11 @@ impl Connection {
     fn connect_tls(
         url: &ReplicaUrl,
         config: Arc<rustls::ClientConfig>,
+        options: &ClientOptions,
         peer: &str,
         shared: &Arc<Shared>,
     ) -> Result<Transport, ClientError> {
+        let secret = options.secret.clone();
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("vouch-replica-client")
@@ -280,7 +328,7 @@ impl Connection {
                     .await
                     .map_err(|error| unreachable(format!("TLS handshake failed: {error}")))?;
                 let (reader, writer) = tokio::io::split(stream);
-                Self::hello(Box::new(reader), Box::new(writer), peer).await
+                Self::hello(Box::new(reader), Box::new(writer), peer, secret.as_deref()).await
             };
             tokio::time::timeout(crate::CONNECT_TIMEOUT, handshake)
                 .await
@@ -295,7 +343,15 @@ impl Connection {
             runtime.spawn(async move {
                 let mut writer = writer;
                 while let Some(frame) = outgoing.recv().await {
-                    if let Err(error) = writer.write_all(&frame).await {
+                    // The TLS stream may keep the end of a frame in its own
+                    // buffer when the socket is full (its write returns once
+                    // the bytes are accepted): flush before waiting for the
+                    // next frame, or a request's tail waits for it.
+                    let sent = match writer.write_all(&frame).await {
+                        Ok(()) if outgoing.is_empty() => writer.flush().await,
+                        sent => sent,
+                    };
+                    if let Err(error) = sent {
                         shared.kill(format!("replica {peer}: connection lost: {error}"));
                         return;
                     }
@@ -318,11 +374,13 @@ impl Connection {
         })
     }
 
-    /// Send our hello, read the server's, refuse another version by name.
+    /// Send our hello, read the server's, refuse another version by name;
+    /// then answer the server's challenge and check its verdict.
     async fn hello(
         mut reader: Box<dyn AsyncRead + Send + Unpin>,
         mut writer: Box<dyn AsyncWrite + Send + Unpin>,
         peer: &str,
+        secret: Option<&Secret>,
     ) -> Result<
         (
             Box<dyn AsyncRead + Send + Unpin>,
@@ -346,6 +404,16 @@ impl Connection {
             ))
         })?;
         check_hello(&bytes, peer)?;
+        let mut challenge = [0u8; CHALLENGE_BYTES];
+        read_exact(&mut reader, &mut challenge)
+            .await
+            .map_err(lost)?;
+        let answer = ChallengeAnswer::new(&challenge, secret, peer)?;
+        writer.write_all(&answer.response).await.map_err(lost)?;
+        writer.flush().await.map_err(lost)?;
+        let mut verdict = [0u8; VERDICT_BYTES];
+        read_exact(&mut reader, &mut verdict).await.map_err(lost)?;
+        answer.check(&verdict, secret)?;
         Ok((reader, writer))
     }
 

@@ -343,6 +343,10 @@ impl BlockDevice for RemoteLeg {
     fn size(&self) -> u64 {
         self.info.size_bytes
     }
+    fn unreachable(&self) -> Option<String> {
+        self.connection.read().dead()
+    }
+
     /// A new connection when this one is dead; the replica must answer
     /// OPEN with the volume this leg was opened on (uuid, size, guard,
     /// volume tag), or the old, dead connection is kept and the call fails.

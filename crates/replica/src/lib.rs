@@ -15,8 +15,11 @@
 //!   storing; blocks read back are verified again on the exporter.
 //! - `frame` — a request's bytes in pieces: a write's block data is
 //!   sent from where it is (`writev`), not copied into one buffer.
+//! - `auth` — a shared secret proven by challenge and response at every
+//!   connect (authentication without TLS; mutual).
 //! - `url` — `vouch://HOST:PORT/NAME`; `tls` — rustls configurations.
 
+pub mod auth;
 pub mod client;
 mod frame;
 pub mod leg;

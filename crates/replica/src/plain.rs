@@ -46,7 +46,7 @@ use std::time::Duration;
 use parking_lot::{Condvar, Mutex};
 use socket2::SockRef;
 
-use crate::client::{check_hello, ClientError, Shared};
+use crate::client::{check_hello, ChallengeAnswer, ClientError, ClientOptions, Shared};
 use crate::frame::RequestFrame;
 use crate::url::ReplicaUrl;
 use crate::wire::RESPONSE_HEADER_BYTES;
@@ -93,10 +93,11 @@ impl Plain {
     /// Connect to `url`, shake hands, start the reader thread.
     pub(crate) fn connect(
         url: &ReplicaUrl,
-        timeout: Duration,
+        options: &ClientOptions,
         peer: &str,
         shared: &Arc<Shared>,
     ) -> Result<Plain, ClientError> {
+        let timeout = options.timeout;
         let unreachable = |why: String| ClientError::Unreachable(format!("replica {peer}: {why}"));
         let addresses = url
             .address()
@@ -129,7 +130,7 @@ impl Plain {
         stream
             .set_write_timeout(Some(crate::CONNECT_TIMEOUT))
             .map_err(setup)?;
-        hello(&stream, peer)?;
+        hello(&stream, peer, options.secret.as_deref())?;
         // Answers may be a long time apart: the reader wakes every `tick`
         // only to time out requests answered by callback (nobody waits
         // for those); waiting threads time themselves out.
@@ -297,31 +298,50 @@ fn finish_sends(out: &Outbox, shared: &Shared) {
 
 /// Send our hello, read the server's, refuse another version by name
 /// (as the runtime's `Connection::hello` does).
-fn hello(mut stream: &TcpStream, peer: &str) -> Result<(), ClientError> {
+fn hello(
+    mut stream: &TcpStream,
+    peer: &str,
+    secret: Option<&crate::auth::Secret>,
+) -> Result<(), ClientError> {
     let ours = Hello {
         version: PROTOCOL_VERSION,
         status: HELLO_OK,
     };
-    stream
-        .write_all(&ours.encode())
-        .map_err(|error| ClientError::Unreachable(format!("replica {peer}: handshake: {error}")))?;
+    let lost = |error: std::io::Error| {
+        if matches!(
+            error.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        ) {
+            ClientError::Unreachable(format!(
+                "replica {peer}: the handshake timed out (does the server want TLS?)"
+            ))
+        } else {
+            ClientError::Unreachable(format!("replica {peer}: handshake: {error}"))
+        }
+    };
+    stream.write_all(&ours.encode()).map_err(lost)?;
     let mut bytes = [0u8; HELLO_BYTES];
     match stream.read_exact(&mut bytes) {
-        Ok(()) => check_hello(&bytes, peer),
+        Ok(()) => check_hello(&bytes, peer)?,
         Err(error)
             if matches!(
                 error.kind(),
                 std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
             ) =>
         {
-            Err(ClientError::Unreachable(format!(
-                "replica {peer}: the handshake timed out (does the server want TLS?)"
-            )))
+            return Err(lost(error))
         }
-        Err(error) => Err(ClientError::Refused(format!(
+        Err(error) => return Err(ClientError::Refused(format!(
             "replica {peer}: the server closed the connection during the handshake ({error}): not a vouch replica server, or it wants TLS, or it refused our certificate"
         ))),
     }
+    let mut challenge = [0u8; crate::auth::CHALLENGE_BYTES];
+    stream.read_exact(&mut challenge).map_err(lost)?;
+    let answer = ChallengeAnswer::new(&challenge, secret, peer)?;
+    stream.write_all(&answer.response).map_err(lost)?;
+    let mut verdict = [0u8; crate::auth::VERDICT_BYTES];
+    stream.read_exact(&mut verdict).map_err(lost)?;
+    answer.check(&verdict, secret)
 }
 
 /// The reader thread: hand each answer to its waiter until the connection

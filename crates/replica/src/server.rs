@@ -14,7 +14,9 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -23,12 +25,70 @@ use tokio::sync::{mpsc, Semaphore};
 use vouch_engine::mirror::LegTemplate;
 use vouch_engine::{BlockDevice, Error, OpenOptions, Volume, ZeroFlags, BLOCK};
 
+use crate::auth::{self, Challenge, Response, Secret, RESPONSE_BYTES};
 use crate::wire::{
     self, decode_request, encode_faults, encode_read_entries, encode_runs, ErrorBody, Hello,
     ReadEntry, ReplicaInfo, Request, RequestHeader, ResponseHeader, Status, WireError, HELLO_BYTES,
     HELLO_OK, HELLO_VERSION_REFUSED, PROTOCOL_VERSION, REQUEST_HEADER_BYTES,
 };
 use crate::MAX_IN_FLIGHT;
+
+/// Connections a server holds at once (`ServerOptions::max_connections`):
+/// one past it is closed at accept, so strangers who only connect cannot
+/// exhaust the server's memory or tasks.
+pub const MAX_CONNECTIONS: usize = 64;
+/// Bound on a connection's TLS handshake, hello and authentication
+/// (`ServerOptions::handshake_timeout`): a peer that connects and says
+/// nothing is dropped.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound on the rest of a request once its first byte arrived, header
+/// and payload (`ServerOptions::payload_timeout`): a payload that never
+/// arrives drops the connection. (Between requests a connection may be
+/// idle: TCP keepalive finds a dead exporter.)
+pub const PAYLOAD_TIMEOUT: Duration = Duration::from_secs(30);
+/// The largest journal a CREATE may ask for unless the server's policy
+/// says otherwise (8x the engine's largest default).
+pub const MAX_JOURNAL_BYTES: u64 = 1 << 30;
+
+/// What a server allows its peers (`vouch replica serve`'s options).
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    pub max_connections: usize,
+    pub handshake_timeout: Duration,
+    pub payload_timeout: Duration,
+    /// Every connection must prove it (`auth.rs`); `None`: every peer
+    /// that reaches the port is trusted.
+    pub secret: Option<Arc<Secret>>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            max_connections: MAX_CONNECTIONS,
+            handshake_timeout: HANDSHAKE_TIMEOUT,
+            payload_timeout: PAYLOAD_TIMEOUT,
+            secret: None,
+        }
+    }
+}
+
+/// What a CREATE may ask of this server (its policy, not the peer's).
+#[derive(Clone, Copy, Debug)]
+pub struct CreatePolicy {
+    /// The largest volume a CREATE may make, in bytes.
+    pub max_volume_bytes: u64,
+    /// The largest journal (the template's superblock says its size).
+    pub max_journal_bytes: u64,
+}
+
+impl Default for CreatePolicy {
+    fn default() -> Self {
+        CreatePolicy {
+            max_volume_bytes: vouch_engine::MAX_VOLUME_BYTES,
+            max_journal_bytes: MAX_JOURNAL_BYTES,
+        }
+    }
+}
 
 struct Replica {
     volume: Arc<Volume>,
@@ -44,6 +104,7 @@ const IN_USE_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 pub struct Registry {
     dir: PathBuf,
     replicas: Mutex<HashMap<String, Replica>>,
+    policy: CreatePolicy,
 }
 
 /// An error answer.
@@ -98,11 +159,52 @@ fn engine_refusal(error: &Error) -> Refusal {
 }
 
 impl Registry {
-    pub fn new(dir: &Path) -> Registry {
+    pub fn new(dir: &Path, policy: CreatePolicy) -> Registry {
         Registry {
             dir: dir.to_path_buf(),
             replicas: Mutex::new(HashMap::new()),
+            policy,
         }
+    }
+
+    /// Refuse a CREATE whose sizes the policy does not allow. The journal
+    /// is the template's (its superblock records the size, and every
+    /// leg of a set shares that superblock); the request's own journal
+    /// field must agree with it, so the size checked is the size made.
+    fn allowed(
+        &self,
+        template: &LegTemplate,
+        superblock: &vouch_format::Superblock,
+    ) -> Result<(), Refusal> {
+        let policy = &self.policy;
+        if superblock.size_bytes > policy.max_volume_bytes {
+            return Err(refusal(
+                Status::InvalidArgument,
+                format!(
+                    "a replica of {} bytes is over this server's limit of {} bytes (--max-volume-size)",
+                    superblock.size_bytes, policy.max_volume_bytes
+                ),
+            ));
+        }
+        if template.journal_bytes != superblock.journal_bytes {
+            return Err(refusal(
+                Status::InvalidArgument,
+                format!(
+                    "CREATE asks for a journal of {} bytes, but its superblock says {}",
+                    template.journal_bytes, superblock.journal_bytes
+                ),
+            ));
+        }
+        if superblock.journal_bytes > policy.max_journal_bytes {
+            return Err(refusal(
+                Status::InvalidArgument,
+                format!(
+                    "a journal of {} bytes is over this server's limit of {} bytes (--max-journal-size)",
+                    superblock.journal_bytes, policy.max_journal_bytes
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn info(volume: &Volume, path: &Path) -> Result<ReplicaInfo, Refusal> {
@@ -203,6 +305,7 @@ impl Registry {
                 "remote replicas of encrypted volumes are not supported yet".into(),
             ));
         }
+        self.allowed(template, &superblock)?;
         template.create(&path).map_err(|e| engine_refusal(&e))?;
         tracing::info!(name, peer, "replica created");
         self.open(name, peer)
@@ -373,13 +476,21 @@ pub async fn serve(
     listener: TcpListener,
     registry: Arc<Registry>,
     tls: Option<tokio_rustls::TlsAcceptor>,
+    options: ServerOptions,
     shutdown: impl std::future::Future<Output = ()>,
 ) {
     tokio::pin!(shutdown);
+    let options = Arc::new(options);
     let mut connections = tokio::task::JoinSet::new();
+    let mut over_limit = OverLimit::default();
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
+            // Reap every finished connection's task: a `JoinSet` keeps a
+            // task's result (and its allocation) until it is joined, so a
+            // server that only spawned would grow with every connection
+            // it ever had.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
             accepted = listener.accept() => {
                 let (tcp, address) = match accepted {
                     Ok(accepted) => accepted,
@@ -388,18 +499,31 @@ pub async fn serve(
                         continue;
                     }
                 };
+                if connections.len() >= options.max_connections {
+                    over_limit.refuse(address, options.max_connections);
+                    continue;
+                }
                 let _ = tcp.set_nodelay(true);
                 keep_alive(&tcp);
                 let registry = Arc::clone(&registry);
                 let tls = tls.clone();
+                let options = Arc::clone(&options);
                 connections.spawn(async move {
                     let peer = address.to_string();
                     match tls {
-                        Some(acceptor) => match acceptor.accept(tcp).await {
-                            Ok(stream) => serve_connection(stream, peer, registry).await,
-                            Err(error) => tracing::warn!(peer, %error, "replica: TLS handshake refused"),
-                        },
-                        None => serve_connection(tcp, peer, registry).await,
+                        Some(acceptor) => {
+                            let accepted = tokio::time::timeout(
+                                options.handshake_timeout,
+                                acceptor.accept(tcp),
+                            )
+                            .await;
+                            match accepted {
+                                Ok(Ok(stream)) => serve_connection(stream, peer, registry, &options).await,
+                                Ok(Err(error)) => tracing::warn!(peer, %error, "replica: TLS handshake refused"),
+                                Err(_) => tracing::warn!(peer, "replica: TLS handshake timed out"),
+                            }
+                        }
+                        None => serve_connection(tcp, peer, registry, &options).await,
                     }
                 });
             }
@@ -410,25 +534,57 @@ pub async fn serve(
     registry.close_all();
 }
 
-/// One connection: handshake, then requests until it ends.
-pub async fn serve_connection<S>(stream: S, peer: String, registry: Arc<Registry>)
+/// Connections closed at accept because the server was full, logged at
+/// most once a second (a flood must not become a flood of log lines).
+#[derive(Default)]
+struct OverLimit {
+    refused: u64,
+    logged: Option<Instant>,
+}
+
+impl OverLimit {
+    fn refuse(&mut self, address: std::net::SocketAddr, limit: usize) {
+        self.refused += 1;
+        if self
+            .logged
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
+        {
+            tracing::warn!(
+                peer = %address,
+                refused = self.refused,
+                "replica: connection refused: the server holds its limit of {limit} connections (--max-connections)"
+            );
+            self.logged = Some(Instant::now());
+        }
+    }
+}
+
+/// Connections refused by authentication since the server started (logs
+/// carry it, so a flood of bad proofs is visible without a line each).
+static AUTH_REFUSED: AtomicU64 = AtomicU64::new(0);
+
+/// The hello and the authentication (`auth.rs`), bounded by the caller:
+/// `true` when the peer may send requests.
+async fn handshake<R, W>(
+    reader: &mut R,
+    writer: &mut W,
+    peer: &str,
+    secret: Option<&Secret>,
+) -> bool
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
 {
-    let (mut reader, mut writer) = tokio::io::split(stream);
     let mut hello = [0u8; HELLO_BYTES];
     if reader.read_exact(&mut hello).await.is_err() {
-        return;
+        return false;
     }
-    let theirs = match Hello::decode(&hello) {
-        Ok(theirs) => theirs,
-        Err(_) => {
-            tracing::warn!(
-                peer,
-                "replica: refused a connection: not the vouch replica handshake"
-            );
-            return;
-        }
+    let Ok(theirs) = Hello::decode(&hello) else {
+        tracing::warn!(
+            peer,
+            "replica: refused a connection: not the vouch replica handshake"
+        );
+        return false;
     };
     let status = if theirs.version == PROTOCOL_VERSION {
         HELLO_OK
@@ -439,21 +595,96 @@ where
         version: PROTOCOL_VERSION,
         status,
     };
-    if writer.write_all(&ours.encode()).await.is_err() || writer.flush().await.is_err() {
-        return;
-    }
     if status != HELLO_OK {
+        let _ = writer.write_all(&ours.encode()).await;
+        let _ = writer.flush().await;
         tracing::warn!(
             peer,
             "replica: refused: {}",
             wire::version_refusal(theirs.version)
         );
-        return;
+        return false;
+    }
+    let challenge = Challenge {
+        flags: if secret.is_some() {
+            auth::SECRET_REQUIRED
+        } else {
+            0
+        },
+        nonce: auth::nonce(),
+    };
+    let mut opening = ours.encode().to_vec();
+    opening.extend_from_slice(&challenge.encode());
+    if writer.write_all(&opening).await.is_err() || writer.flush().await.is_err() {
+        return false;
+    }
+    let mut bytes = [0u8; RESPONSE_BYTES];
+    if reader.read_exact(&mut bytes).await.is_err() {
+        return false;
+    }
+    let response = match Response::decode(&bytes) {
+        Ok(response) => response,
+        Err(why) => {
+            tracing::warn!(peer, "replica: refused a connection: {why}");
+            return false;
+        }
+    };
+    let (verdict, accepted) = auth::judge(secret, &challenge.nonce, &response);
+    if writer.write_all(&verdict.encode()).await.is_err() || writer.flush().await.is_err() {
+        return false;
+    }
+    if !accepted {
+        let refused = AUTH_REFUSED.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::warn!(
+            peer,
+            refused,
+            "replica: authentication refused: no proof of the shared secret, or a wrong one"
+        );
+    }
+    accepted
+}
+
+/// One connection: handshake (bounded by `options.handshake_timeout`),
+/// then requests until it ends.
+pub async fn serve_connection<S>(
+    stream: S,
+    peer: String,
+    registry: Arc<Registry>,
+    options: &ServerOptions,
+) where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut reader, mut writer) = tokio::io::split(stream);
+    let shaken = tokio::time::timeout(
+        options.handshake_timeout,
+        handshake(&mut reader, &mut writer, &peer, options.secret.as_deref()),
+    )
+    .await;
+    match shaken {
+        Ok(true) => {}
+        Ok(false) => return,
+        Err(_) => {
+            tracing::warn!(
+                peer,
+                "replica: handshake timed out after {:?}: connection dropped",
+                options.handshake_timeout
+            );
+            return;
+        }
     }
     let (answers, mut outgoing) = mpsc::channel::<Vec<u8>>(2 * MAX_IN_FLIGHT);
     let writing = tokio::spawn(async move {
         while let Some(frame) = outgoing.recv().await {
             if writer.write_all(&frame).await.is_err() {
+                return;
+            }
+            // A TLS stream's write returns once its buffer *accepted* the
+            // bytes: with the socket full, the end of this answer stays
+            // there until something flushes it. Flush before waiting for
+            // the next answer, or a large READ_SEALED answer with nothing
+            // after it never arrives whole (the exporter times out). A
+            // no-op on plain TCP.
+            if outgoing.is_empty() && writer.flush().await.is_err() {
                 return;
             }
         }
@@ -465,6 +696,7 @@ where
         opened: None,
         answers,
         in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+        payload_timeout: options.payload_timeout,
     };
     if let Err(reason) = session.run(&mut reader).await {
         tracing::warn!(peer, "replica: connection closed: {reason}");
@@ -487,6 +719,7 @@ struct Session {
     opened: Option<(String, Arc<Volume>)>,
     answers: mpsc::Sender<Vec<u8>>,
     in_flight: Arc<Semaphore>,
+    payload_timeout: Duration,
 }
 
 impl Session {
@@ -499,8 +732,17 @@ impl Session {
                 .await
                 .map_err(|_| "closing".to_string())?;
             let mut bytes = [0u8; REQUEST_HEADER_BYTES];
-            if reader.read_exact(&mut bytes).await.is_err() {
+            // Idle between requests as long as the exporter likes; once a
+            // request began, all of it within the payload timeout.
+            if reader.read_exact(&mut bytes[..1]).await.is_err() {
                 return Ok(());
+            }
+            let timeout = self.payload_timeout;
+            let stalled = || format!("a request stalled: not all of it arrived within {timeout:?}");
+            match tokio::time::timeout(timeout, reader.read_exact(&mut bytes[1..])).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => return Err("the connection ended inside a request".into()),
+                Err(_) => return Err(stalled()),
             }
             let handle = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
             let header = match RequestHeader::decode(&bytes) {
@@ -508,8 +750,10 @@ impl Session {
                 Err(error) => return Err(self.malformed(handle, error).await),
             };
             let mut payload = vec![0u8; header.payload_bytes as usize];
-            if reader.read_exact(&mut payload).await.is_err() {
-                return Err("the connection ended inside a request".into());
+            match tokio::time::timeout(timeout, reader.read_exact(&mut payload)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) => return Err("the connection ended inside a request".into()),
+                Err(_) => return Err(stalled()),
             }
             let request = match decode_request(&header, &payload) {
                 Ok(request) => request,

@@ -12,7 +12,9 @@ use vouch_format::Context;
 /// The first 8 bytes each side sends.
 pub const HELLO_MAGIC: [u8; 8] = *b"VOUCHREP";
 /// The protocol version this side speaks.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Version 2 added authentication after the hello (`auth.rs`): a
+/// challenge, a response, a verdict, sent on every connection.
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Handshake message: magic, version (u32), status (u32).
 pub const HELLO_BYTES: usize = 16;
 /// Handshake status: accepted.
@@ -275,7 +277,10 @@ impl RequestHeader {
         };
         match self.op {
             Op::Open => {
-                if got == 0 || got > MAX_NAME_BYTES as u64 {
+                if got == 0 {
+                    return Err(WireError::BadName(String::new(), "empty"));
+                }
+                if got > MAX_NAME_BYTES as u64 {
                     return Err(WireError::OverLimit {
                         what: "OPEN name length",
                         got,
@@ -286,7 +291,10 @@ impl RequestHeader {
             }
             Op::Create => {
                 let fixed = SUPERBLOCK_FILE_BYTES as u64;
-                if got <= fixed || got > fixed + MAX_NAME_BYTES as u64 {
+                if got == fixed {
+                    return Err(WireError::BadName(String::new(), "empty"));
+                }
+                if got < fixed || got > fixed + MAX_NAME_BYTES as u64 {
                     return Err(WireError::Length {
                         what: "CREATE",
                         got,

@@ -101,14 +101,14 @@ fn golden_bytes_of_a_flush_and_a_hello() {
 #[test]
 fn a_hello_with_another_magic_is_refused_and_versions_are_named() {
     let mut hello = Hello {
-        version: 2,
+        version: 3,
         status: 0,
     }
     .encode();
-    assert_eq!(Hello::decode(&hello).unwrap().version, 2);
+    assert_eq!(Hello::decode(&hello).unwrap().version, 3);
     assert_eq!(
-        version_refusal(2),
-        "replica protocol version 2 is not supported (this side speaks 1)"
+        version_refusal(3),
+        "replica protocol version 3 is not supported (this side speaks 2)"
     );
     hello[0] = b'X';
     assert!(matches!(Hello::decode(&hello), Err(WireError::BadMagic(_))));
@@ -177,6 +177,15 @@ fn limits_and_names_are_enforced() {
     }
     assert!(check_name(&"n".repeat(256)).is_err());
     assert!(check_name("vm-disk.0").is_ok());
+    // An empty name reads as one, not as a length over a limit.
+    let frame = encode_request(
+        1,
+        &Request::Open {
+            name: String::new(),
+        },
+    );
+    let error = decode(&frame).expect_err("empty name").to_string();
+    assert_eq!(error, "replica name \"\": empty");
 }
 
 #[test]

@@ -12,7 +12,8 @@ use std::time::Duration;
 
 use vouch_engine::mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
 use vouch_engine::{BlockDevice, CreateOptions, Error, BLOCK};
-use vouch_replica::server::{serve, Registry};
+use vouch_replica::auth;
+use vouch_replica::server::{serve, CreatePolicy, Registry, ServerOptions};
 use vouch_replica::wire::{self, Hello, Request, ResponseHeader, Status};
 use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};
 
@@ -24,7 +25,7 @@ struct TestServer {
 
 impl TestServer {
     fn start(dir: &Path) -> TestServer {
-        let registry = Arc::new(Registry::new(dir));
+        let registry = Arc::new(Registry::new(dir, CreatePolicy::default()));
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let (ready, port) = std::sync::mpsc::channel();
         let thread = std::thread::spawn(move || {
@@ -36,7 +37,7 @@ impl TestServer {
                 ready
                     .send(listener.local_addr().expect("addr").port())
                     .expect("ready");
-                serve(listener, registry, None, async {
+                serve(listener, registry, None, ServerOptions::default(), async {
                     let _ = stopped.await;
                 })
                 .await;
@@ -68,7 +69,7 @@ impl Drop for TestServer {
 fn options() -> ClientOptions {
     ClientOptions {
         timeout: Duration::from_secs(10),
-        tls: None,
+        ..ClientOptions::default()
     }
 }
 
@@ -80,6 +81,16 @@ fn local_volume(dir: &Path) -> PathBuf {
         .close()
         .expect("close");
     path
+}
+
+/// A mirror of an active local and an active remote leg, no membership.
+fn local_and_remote(local: Arc<dyn BlockDevice>, remote: Arc<dyn BlockDevice>) -> Mirror {
+    let leg = |name: &str, device| MirrorLeg {
+        name: name.into(),
+        device: Some(device),
+        state: LegState::Active,
+    };
+    Mirror::new(vec![leg("local", local), leg("remote", remote)], None).expect("mirror")
 }
 
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {
@@ -102,22 +113,10 @@ fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy(
     assert_eq!(remote.size(), local.size());
     let local: Arc<dyn BlockDevice> = Arc::new(local);
     let remote = Arc::new(remote);
-    let mirror = Mirror::new(
-        vec![
-            MirrorLeg {
-                name: "local".into(),
-                device: Some(Arc::clone(&local)),
-                state: LegState::Active,
-            },
-            MirrorLeg {
-                name: "remote".into(),
-                device: Some(Arc::clone(&remote) as Arc<dyn BlockDevice>),
-                state: LegState::Active,
-            },
-        ],
-        None,
-    )
-    .expect("mirror");
+    let mirror = local_and_remote(
+        Arc::clone(&local),
+        Arc::clone(&remote) as Arc<dyn BlockDevice>,
+    );
     for lba in 0..16 {
         mirror
             .write(lba * BLOCK, &pattern(lba, 1), false)
@@ -226,16 +225,41 @@ fn raw_connect(port: u16) -> TcpStream {
     stream
 }
 
+/// A raw connection past the handshake: hellos, and the answer to a
+/// challenge that asks for no secret.
+fn raw_handshake(port: u16) -> TcpStream {
+    let mut stream = raw_connect(port);
+    let hello = Hello {
+        version: wire::PROTOCOL_VERSION,
+        status: 0,
+    };
+    stream.write_all(&hello.encode()).expect("hello");
+    let mut answer = [0u8; wire::HELLO_BYTES + auth::CHALLENGE_BYTES];
+    stream.read_exact(&mut answer).expect("hello and challenge");
+    let challenge =
+        auth::Challenge::decode(answer[wire::HELLO_BYTES..].try_into().expect("40 bytes"))
+            .expect("challenge");
+    let response = auth::respond(None, &challenge, &auth::nonce()).expect("response");
+    stream.write_all(&response.encode()).expect("response");
+    let mut verdict = [0u8; auth::VERDICT_BYTES];
+    stream.read_exact(&mut verdict).expect("verdict");
+    assert_eq!(
+        auth::Verdict::decode(&verdict).expect("verdict").status,
+        auth::ACCEPTED
+    );
+    stream
+}
+
 #[test]
 fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = TestServer::start(dir.path());
-    // The server refuses version 2 and says which it speaks.
+    // The server refuses version 3 and says which it speaks.
     let mut stream = raw_connect(server.port);
     stream
         .write_all(
             &Hello {
-                version: 2,
+                version: 3,
                 status: 0,
             }
             .encode(),
@@ -244,9 +268,9 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
     let mut answer = [0u8; wire::HELLO_BYTES];
     stream.read_exact(&mut answer).expect("answer");
     let hello = Hello::decode(&answer).expect("decode");
-    assert_eq!(hello.version, 1);
+    assert_eq!(hello.version, 2);
     assert_eq!(hello.status, wire::HELLO_VERSION_REFUSED);
-    // The client refuses a server of version 2 by name.
+    // The client refuses a server of version 3 by name.
     let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = fake.local_addr().expect("addr").port();
     let thread = std::thread::spawn(move || {
@@ -255,7 +279,7 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
         peer.read_exact(&mut hello).expect("read hello");
         peer.write_all(
             &Hello {
-                version: 2,
+                version: 3,
                 status: 0,
             }
             .encode(),
@@ -267,7 +291,7 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
     assert!(
         error
             .to_string()
-            .contains("replica protocol version 2 is not supported (this side speaks 1)"),
+            .contains("replica protocol version 3 is not supported (this side speaks 2)"),
         "{error}"
     );
     thread.join().expect("fake server");
@@ -277,18 +301,7 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
 fn a_malformed_frame_gets_a_malformed_answer_and_the_connection_closes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = TestServer::start(dir.path());
-    let mut stream = raw_connect(server.port);
-    stream
-        .write_all(
-            &Hello {
-                version: 1,
-                status: 0,
-            }
-            .encode(),
-        )
-        .expect("hello");
-    let mut answer = [0u8; wire::HELLO_BYTES];
-    stream.read_exact(&mut answer).expect("answer");
+    let mut stream = raw_handshake(server.port);
     // A READ_SEALED of 100000 blocks (over the limit), handle 77.
     let mut frame = wire::encode_request(77, &Request::ReadSealed { first: 0, count: 1 });
     frame[24..32].copy_from_slice(&100_000u64.to_le_bytes());
@@ -305,17 +318,7 @@ fn a_malformed_frame_gets_a_malformed_answer_and_the_connection_closes() {
     stream.read_to_end(&mut rest).expect("closed");
     assert!(rest.is_empty());
     // A data request before OPEN is refused, the connection kept.
-    let mut stream = raw_connect(server.port);
-    stream
-        .write_all(
-            &Hello {
-                version: 1,
-                status: 0,
-            }
-            .encode(),
-        )
-        .expect("hello");
-    stream.read_exact(&mut answer).expect("answer");
+    let mut stream = raw_handshake(server.port);
     stream
         .write_all(&wire::encode_request(3, &Request::Flush))
         .expect("send");
@@ -475,23 +478,38 @@ fn concurrent_writers_on_one_connection_each_land_whole() {
 /// A plain connection to a test peer on `port`, with `timeout`.
 fn connect_to_peer(port: u16, timeout: Duration) -> Arc<vouch_replica::Connection> {
     let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/x")).expect("url");
-    let options = ClientOptions { timeout, tls: None };
+    let options = ClientOptions {
+        timeout,
+        ..ClientOptions::default()
+    };
     vouch_replica::Connection::connect(&url, &options).expect("connect")
 }
 
-/// Accept one client and shake hands as a replica would.
+/// Accept one client and shake hands as a replica would (asking for no
+/// secret).
 fn accept_with_hello(listener: &std::net::TcpListener) -> std::net::TcpStream {
     let (mut peer, _) = listener.accept().expect("accept");
     let mut hello = [0u8; wire::HELLO_BYTES];
     peer.read_exact(&mut hello).expect("hello");
-    peer.write_all(
-        &Hello {
-            version: 1,
-            status: 0,
-        }
-        .encode(),
-    )
-    .expect("hello");
+    let mut opening = Hello {
+        version: wire::PROTOCOL_VERSION,
+        status: 0,
+    }
+    .encode()
+    .to_vec();
+    let challenge = auth::Challenge {
+        flags: 0,
+        nonce: auth::nonce(),
+    };
+    opening.extend_from_slice(&challenge.encode());
+    peer.write_all(&opening).expect("hello");
+    let mut response = [0u8; auth::RESPONSE_BYTES];
+    peer.read_exact(&mut response).expect("response");
+    let verdict = auth::Verdict {
+        status: auth::ACCEPTED,
+        proof: [0; auth::PROOF_BYTES],
+    };
+    peer.write_all(&verdict.encode()).expect("verdict");
     peer
 }
 
@@ -823,4 +841,36 @@ fn writes_sent_while_the_replica_stalls_go_out_whole_once_it_reads_again() {
         let got = &all[(lba * BLOCK) as usize..((lba + 1) * BLOCK) as usize];
         assert!(got == pattern(lba, 5).as_slice(), "LBA {lba}");
     }
+}
+
+#[test]
+fn a_replica_whose_connection_died_is_neither_present_nor_active_in_the_status() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let local_path = local_volume(dir.path());
+    let template = LegTemplate::of(&local_path).expect("template");
+    let remote = RemoteLeg::create(&server.url("disk"), &template, &options()).expect("create");
+    let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
+    let mirror = local_and_remote(Arc::new(local), Arc::new(remote));
+    mirror.write(0, &pattern(0, 1), true).expect("write");
+    assert!(mirror.status()[1].present);
+    // The replica server goes away; nothing is written meanwhile.
+    drop(server);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while mirror.status()[1].present && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let status = mirror.status();
+    assert!(!status[1].present, "a dead replica shown present");
+    assert_eq!(
+        status[1].state,
+        LegState::Stale,
+        "active on a dead connection"
+    );
+    assert_eq!(mirror.active(), vec![0]);
+    mirror
+        .write(BLOCK, &pattern(1, 1), true)
+        .expect("the local leg serves");
 }

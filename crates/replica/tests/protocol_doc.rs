@@ -76,7 +76,41 @@ fn sizes_and_limits_in_the_text_are_the_code_s() {
         format!("message length (4, at most {})", wire::MAX_MESSAGE_BYTES),
         format!("count (4, at most {}), truncated", wire::MAX_VERIFY_FAULTS),
         format!("up to {} requests", vouch_replica::MAX_IN_FLIGHT),
-        wire::version_refusal(2),
+        wire::version_refusal(3),
+        format!(
+            "| challenge (server) | {} |",
+            vouch_replica::auth::CHALLENGE_BYTES
+        ),
+        format!(
+            "| response (client) | {} |",
+            vouch_replica::auth::RESPONSE_BYTES
+        ),
+        format!(
+            "| verdict (server) | {} |",
+            vouch_replica::auth::VERDICT_BYTES
+        ),
+        format!("context `{}`", vouch_replica::auth::KEY_CONTEXT),
+        format!(
+            "{}..{} bytes",
+            vouch_replica::auth::SECRET_MIN_BYTES,
+            vouch_replica::auth::SECRET_MAX_BYTES
+        ),
+        format!(
+            "at most {} connections",
+            vouch_replica::server::MAX_CONNECTIONS
+        ),
+        format!(
+            "has {} s for its TLS handshake",
+            vouch_replica::server::HANDSHAKE_TIMEOUT.as_secs()
+        ),
+        format!(
+            "within {} s",
+            vouch_replica::server::PAYLOAD_TIMEOUT.as_secs()
+        ),
+        format!(
+            "(default {} GiB)",
+            vouch_replica::server::MAX_JOURNAL_BYTES >> 30
+        ),
     ] {
         assert!(doc.contains(&text), "PROTOCOL.md lacks {text:?}");
     }

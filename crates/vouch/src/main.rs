@@ -57,6 +57,8 @@ struct OptionsBeforeCommand {
     replica_tls_ca: Option<PathBuf>,
     #[arg(long, hide = true, value_name = "SECONDS")]
     replica_timeout: Option<u64>,
+    #[arg(long, hide = true, value_name = "FILE")]
+    replica_secret_file: Option<PathBuf>,
 }
 
 /// How a new volume is laid out.
@@ -407,7 +409,8 @@ fn volume_options(
     let given_before = before.replica_tls_cert.is_some()
         || before.replica_tls_key.is_some()
         || before.replica_tls_ca.is_some()
-        || before.replica_timeout.is_some();
+        || before.replica_timeout.is_some()
+        || before.replica_secret_file.is_some();
     let replica = match takes.replica {
         Some(args) => replica::ReplicaClientArgs {
             replica_tls_cert: args
@@ -423,8 +426,16 @@ fn volume_options(
                 .clone()
                 .or(before.replica_tls_ca.clone()),
             replica_timeout: args.replica_timeout.or(before.replica_timeout),
+            replica_secret_file: args
+                .replica_secret_file
+                .clone()
+                .or(before.replica_secret_file.clone()),
         },
-        None if given_before => return Err(refuse("--replica-tls-*/--replica-timeout")),
+        None if given_before => {
+            return Err(refuse(
+                "--replica-tls-*/--replica-timeout/--replica-secret-file",
+            ))
+        }
         None => replica::ReplicaClientArgs::default(),
     };
     Ok((key, replica))

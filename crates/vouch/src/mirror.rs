@@ -667,10 +667,12 @@ pub fn publish_metrics(mirrors: &[(String, Arc<Mirror>)]) {
         repairs,
         "Blocks found bad on a mirror leg, by fault kind and whether the leg was repaired"
     );
-    let corrected = "vouch_mirror_corrected_errors_total";
-    metrics::describe_counter!(
+    // A gauge: the count the fault threshold judges halves every hour
+    // and restarts after a full resync (the repairs counter keeps all).
+    let corrected = "vouch_mirror_corrected_errors";
+    metrics::describe_gauge!(
         corrected,
-        "Errors corrected on a mirror leg (the fault threshold counts these)"
+        "Corrected errors of a mirror leg's own that its fault threshold counts now (halving every hour)"
     );
     let active = "vouch_mirror_leg_active";
     metrics::describe_gauge!(
@@ -685,8 +687,8 @@ pub fn publish_metrics(mirrors: &[(String, Arc<Mirror>)]) {
                     "kind" => repair.kind, "outcome" => if repair.repaired { "repaired" } else { "unrepaired" })
                 .absolute(repair.count);
             }
-            metrics::counter!(corrected, "volume" => name.clone(), "leg" => leg_label.clone())
-                .absolute(leg.corrected);
+            metrics::gauge!(corrected, "volume" => name.clone(), "leg" => leg_label.clone())
+                .set(leg.corrected as f64);
             let is_active = leg.present && leg.state == LegState::Active;
             metrics::gauge!(active, "volume" => name.clone(), "leg" => leg_label)
                 .set(if is_active { 1.0 } else { 0.0 });

@@ -49,6 +49,13 @@ pub struct ReplicaClientArgs {
     /// this long gets a map-tracked resync, not a full copy). Default 30.
     #[arg(long, value_name = "SECONDS")]
     pub replica_timeout: Option<u64>,
+    /// A secret shared with the replica servers (the file their
+    /// --secret-file names; owner-readable only, at least 32 bytes, e.g.
+    /// `openssl rand -hex 32`): proven by challenge and response at every
+    /// connect, never sent, and the server must prove it back (a server
+    /// without it is refused).
+    #[arg(long, value_name = "FILE")]
+    pub replica_secret_file: Option<PathBuf>,
 }
 
 static CLIENT_ARGS: OnceLock<ReplicaClientArgs> = OnceLock::new();
@@ -83,9 +90,14 @@ fn build_options(args: &ReplicaClientArgs) -> std::result::Result<ClientOptions,
             )
         }
     };
+    let secret = match &args.replica_secret_file {
+        Some(path) => Some(Arc::new(vouch_replica::auth::Secret::from_file(path)?)),
+        None => None,
+    };
     Ok(ClientOptions {
         timeout: Duration::from_secs(timeout),
         tls,
+        secret,
     })
 }
 
@@ -175,8 +187,10 @@ pub enum ReplicaCommand {
     /// vouch://HOST:PORT/NAME: `vouch create PATH --size S --mirror
     /// vouch://HOST:PORT/NAME` creates it here from PATH's superblock. Each
     /// block arrives with its context and is verified before it is stored.
-    /// One exporter at a time per replica. Stops on SIGTERM or SIGINT,
-    /// closing every replica cleanly.
+    /// One exporter at a time per replica. Without TLS or --secret-file
+    /// every peer that reaches the port is trusted (on loopback: every
+    /// local user); with either, only peers that prove it. Stops on
+    /// SIGTERM or SIGINT, closing every replica cleanly.
     Serve(ServeArgs),
 }
 
@@ -197,11 +211,56 @@ pub struct ServeArgs {
     /// The CA that signs the exporters' client certificates (PEM).
     #[arg(long, value_name = "FILE", requires = "tls_cert")]
     pub tls_ca: Option<PathBuf>,
-    /// Accept plain TCP on a non-loopback address (anyone who can reach
-    /// the port can then write the replicas): for isolated test networks.
-    /// Without TLS, a non-loopback --listen is refused unless this is given.
-    #[arg(long, conflicts_with = "tls_cert")]
+    /// Every connection must prove this shared secret (owner-readable
+    /// file, at least 32 bytes, e.g. `openssl rand -hex 32`) by challenge
+    /// and response before any request, loopback included; the server
+    /// proves it back. It is never sent. It does not encrypt the stream:
+    /// with TLS too on networks where others can tamper with TCP.
+    /// Without it (and without TLS) the server trusts every peer that
+    /// reaches its port: on loopback, every local user.
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Accept plain TCP on a non-loopback address with no secret (anyone
+    /// who can reach the port can then write the replicas): for isolated
+    /// test networks. Without TLS or --secret-file, a non-loopback
+    /// --listen is refused unless this is given.
+    #[arg(long, conflicts_with_all = ["tls_cert", "secret_file"])]
     pub insecure: bool,
+    /// Connections held at once; one more is closed at accept.
+    #[arg(long, value_name = "N", default_value_t = vouch_replica::server::MAX_CONNECTIONS)]
+    pub max_connections: usize,
+    /// Seconds a new connection has for its TLS handshake, hello and
+    /// authentication; a peer that stalls is dropped.
+    #[arg(long, value_name = "SECONDS", default_value_t = vouch_replica::server::HANDSHAKE_TIMEOUT.as_secs())]
+    pub handshake_timeout: u64,
+    /// Seconds a request has to arrive whole once it began (header and
+    /// payload); a payload that never arrives drops the connection.
+    #[arg(long, value_name = "SECONDS", default_value_t = vouch_replica::server::PAYLOAD_TIMEOUT.as_secs())]
+    pub payload_timeout: u64,
+    /// The largest replica a CREATE may make (default: the size of DIR's
+    /// filesystem). K/M/G/T are powers of 1024.
+    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size)]
+    pub max_volume_size: Option<u64>,
+    /// The largest journal a CREATE may bring (its size is the one leg 0's
+    /// superblock records, shared by every leg).
+    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size, default_value = "1G")]
+    pub max_journal_size: u64,
+}
+
+/// The size of the filesystem holding `dir`, in bytes.
+fn filesystem_bytes(dir: &Path) -> Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .with_context(|| format!("{} has a NUL byte", dir.display()))?;
+    // SAFETY: `statvfs` is plain old data; all zeroes is a valid value.
+    let mut stats: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: statvfs(3) on a NUL-terminated path into a struct this
+    // function owns.
+    if unsafe { libc::statvfs(path.as_ptr(), &mut stats) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("statvfs {}", dir.display()));
+    }
+    Ok((stats.f_blocks as u64).saturating_mul(stats.f_frsize as u64))
 }
 
 /// Run a `vouch replica` command.
@@ -220,11 +279,20 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         ),
         _ => None,
     };
-    if tls.is_none() && !args.listen.ip().is_loopback() && !args.insecure {
+    let secret = match &args.secret_file {
+        Some(path) => Some(Arc::new(
+            vouch_replica::auth::Secret::from_file(path).map_err(anyhow::Error::msg)?,
+        )),
+        None => None,
+    };
+    if tls.is_none() && secret.is_none() && !args.listen.ip().is_loopback() && !args.insecure {
         bail!(
-            "--listen {} is not a loopback address: replicas take writes, so plain TCP there needs --insecure (or mutual TLS: --tls-cert, --tls-key, --tls-ca)",
+            "--listen {} is not a loopback address: replicas take writes, so plain TCP there needs --secret-file (or mutual TLS: --tls-cert, --tls-key, --tls-ca), or --insecure",
             args.listen
         );
+    }
+    if args.max_connections == 0 || args.handshake_timeout == 0 || args.payload_timeout == 0 {
+        bail!("--max-connections, --handshake-timeout and --payload-timeout must be at least 1");
     }
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
@@ -232,6 +300,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         .dir
         .canonicalize()
         .with_context(|| format!("opening {}", args.dir.display()))?;
+    let options_secret = secret.is_some();
     let runtime = tokio::runtime::Runtime::new().context("starting the runtime")?;
     runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(args.listen)
@@ -241,15 +310,29 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         println!(
             "vouch replica: serving {} on {local} ({})",
             dir.display(),
-            if tls.is_some() {
-                "mutual TLS"
-            } else {
-                "plain TCP"
+            match (tls.is_some(), options_secret) {
+                (true, true) => "mutual TLS, shared secret",
+                (true, false) => "mutual TLS",
+                (false, true) => "plain TCP, shared secret",
+                (false, false) => "plain TCP, no authentication",
             }
         );
         use std::io::Write as _;
         std::io::stdout().flush()?;
-        let registry = Arc::new(vouch_replica::server::Registry::new(&dir));
+        let policy = vouch_replica::server::CreatePolicy {
+            max_volume_bytes: match args.max_volume_size {
+                Some(size) => size,
+                None => filesystem_bytes(&dir)?,
+            },
+            max_journal_bytes: args.max_journal_size,
+        };
+        let registry = Arc::new(vouch_replica::server::Registry::new(&dir, policy));
+        let options = vouch_replica::server::ServerOptions {
+            max_connections: args.max_connections,
+            handshake_timeout: Duration::from_secs(args.handshake_timeout),
+            payload_timeout: Duration::from_secs(args.payload_timeout),
+            secret,
+        };
         let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
         let mut terminate =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -260,7 +343,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             }
             tracing::info!("replica server stopping");
         };
-        vouch_replica::server::serve(listener, registry, acceptor, shutdown).await;
+        vouch_replica::server::serve(listener, registry, acceptor, options, shutdown).await;
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)

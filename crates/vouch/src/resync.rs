@@ -117,7 +117,7 @@ impl Resyncer {
             bail!("mirror leg {leg} ({}) is resyncing already", path.display());
         }
         let mut full = self.unknown.lock().remove(&leg);
-        if !status.present && mirror::is_remote_member(&member.path) {
+        if !status.attached && mirror::is_remote_member(&member.path) {
             // Reached now (its uuid checked), or refused with the reason.
             let device = crate::replica::open_member(&member.path, &self.record)
                 .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
@@ -127,7 +127,7 @@ impl Resyncer {
             self.mirror
                 .reconnect(leg)
                 .with_context(|| format!("mirror leg {leg} ({}) cannot be reached", member.path))?;
-        } else if !status.present {
+        } else if !status.attached {
             full = self.bring_back(leg, &path)?;
         }
         let dirs = self.map_dirs();

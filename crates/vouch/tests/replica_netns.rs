@@ -130,6 +130,9 @@ fn a_replica_across_a_link_takes_writes_and_a_sigkill_leaves_the_exporter_servin
     );
     let log = exporter.log_text();
     assert!(log.contains("STALE (unreachable)"), "{log}");
+    // Writes in flight when the leg was taken out fail too; no resync
+    // ran, so none of them is reported as a resync stopping.
+    assert!(!log.contains("resyncing leg failed"), "{log}");
     let output = vouch_in(Some(&net.exporter), &["mirror", "status", s(&a)]);
     assert_eq!(output.status.code(), Some(1), "{}", text(&output));
     assert!(
@@ -467,6 +470,9 @@ fn a_replica_killed_mid_run_is_resynced_online_with_only_the_blocks_it_may_lack(
     qemu_io_ok(&net.exporter, &uri, &["write -P 0x33 40M 2M", "flush"]);
     let log = exporter.log_text();
     assert!(log.contains("STALE (unreachable)"), "{log}");
+    // Writes in flight when the leg was taken out fail too; no resync
+    // ran, so none of them is reported as a resync stopping.
+    assert!(!log.contains("resyncing leg failed"), "{log}");
     let since_flush = logged_number(&log, "since_flush").expect("the map's start logged");
     // Each write is flushed before the next: at most one is unflushed
     // (1 MiB, or the 2 MiB one if the kill came that late).
@@ -549,6 +555,9 @@ fn a_replica_cut_off_mid_run_is_resynced_offline_with_only_the_blocks_it_may_lac
     );
     let log = exporter.log_text();
     assert!(log.contains("STALE (unreachable)"), "{log}");
+    // Writes in flight when the leg was taken out fail too; no resync
+    // ran, so none of them is reported as a resync stopping.
+    assert!(!log.contains("resyncing leg failed"), "{log}");
     let since_flush = logged_number(&log, "since_flush").expect("the map's start logged");
     assert!(
         (1024..=256 + 1024).contains(&since_flush),

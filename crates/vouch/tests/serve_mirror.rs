@@ -107,7 +107,7 @@ fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
     assert_eq!(
         metric(
             &metrics,
-            r#"vouch_mirror_corrected_errors_total{volume="a",leg="1"}"#
+            r#"vouch_mirror_corrected_errors{volume="a",leg="1"}"#
         ),
         Some(2.0),
         "{metrics}"
@@ -115,7 +115,7 @@ fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
     assert_eq!(
         metric(
             &metrics,
-            r#"vouch_mirror_corrected_errors_total{volume="a",leg="0"}"#
+            r#"vouch_mirror_corrected_errors{volume="a",leg="0"}"#
         ),
         Some(0.0)
     );

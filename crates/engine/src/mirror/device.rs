@@ -16,7 +16,7 @@ use super::dirty::DirtyMap;
 use super::remote::is_remote_member;
 use super::resync::ResyncProgress;
 use super::written::Written;
-use super::{Membership, FAULT_THRESHOLD};
+use super::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
 use crate::device::{BlockDevice, PendingWrite, SealedBlock};
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
@@ -55,9 +55,54 @@ pub(super) struct Leg {
     /// Written to (not read) while its map is copied (`resync.rs`).
     pub(super) resyncing: AtomicBool,
     pub(super) progress: Mutex<Option<ResyncProgress>>,
-    corrected: AtomicU64,
+    corrected: Mutex<Corrected>,
     /// Repairs by (fault kind, repaired?).
     repairs: Mutex<BTreeMap<(&'static str, bool), u64>>,
+}
+
+/// A leg's corrected errors, the count the fault threshold judges: it
+/// halves every `CORRECTED_HALF_LIFE` (md halves its corrected read
+/// errors every hour, `check_decay_read_errors`), so a leg faults on a
+/// burst of its own errors, not on a few spread over its life.
+pub(super) struct Corrected {
+    count: u64,
+    /// When the count last halved (or started).
+    since: std::time::Instant,
+}
+
+impl Corrected {
+    fn new() -> Corrected {
+        Corrected {
+            count: 0,
+            since: std::time::Instant::now(),
+        }
+    }
+
+    /// The count now, halved once per half-life passed since `since`.
+    fn now(&mut self) -> u64 {
+        let (count, halvings) = decayed(self.count, self.since.elapsed());
+        self.count = count;
+        self.since += CORRECTED_HALF_LIFE * halvings;
+        self.count
+    }
+
+    fn add_one(&mut self) -> u64 {
+        self.now();
+        self.count += 1;
+        self.count
+    }
+
+    fn reset(&mut self) {
+        *self = Corrected::new();
+    }
+}
+
+/// `count` after `elapsed`: halved once per whole `CORRECTED_HALF_LIFE`;
+/// also the number of halvings (how far the start moves).
+pub(super) fn decayed(count: u64, elapsed: std::time::Duration) -> (u64, u32) {
+    let halvings = (elapsed.as_secs() / CORRECTED_HALF_LIFE.as_secs()).min(u64::from(u32::MAX));
+    let halvings = halvings as u32;
+    (count.checked_shr(halvings).unwrap_or(0), halvings)
 }
 
 /// Repairs of one kind on one leg.
@@ -75,7 +120,10 @@ pub struct RepairCount {
 pub struct LegStatus {
     pub name: String,
     pub state: LegState,
+    /// Open and reachable (a remote leg's connection alive).
     pub present: bool,
+    /// Open: its device is attached (reachable or not).
+    pub attached: bool,
     /// Errors corrected on this leg (what the fault threshold counts).
     pub corrected: u64,
     pub repairs: Vec<RepairCount>,
@@ -186,7 +234,7 @@ impl Mirror {
                     map: RwLock::new(None),
                     resyncing: AtomicBool::new(false),
                     progress: Mutex::new(None),
-                    corrected: AtomicU64::new(0),
+                    corrected: Mutex::new(Corrected::new()),
                     repairs: Mutex::new(BTreeMap::new()),
                 })
                 .collect(),
@@ -284,15 +332,39 @@ impl Mirror {
         Ok(())
     }
 
-    /// Each leg's state and counters.
+    /// Take out every active leg that cannot be reached now (a remote
+    /// replica whose connection died: a request timed out, the replica
+    /// was killed) as the next write to it would (stale, with a resync
+    /// map), so no status shows a leg active on a dead connection while
+    /// the volume is idle.
+    pub fn take_out_unreachable(&self) {
+        for leg in self.active() {
+            if let Some(why) = self.device(leg).unreachable() {
+                self.fail(
+                    leg,
+                    &format!("connection lost: {why}"),
+                    &Error::Unreachable(why.clone()),
+                );
+            }
+        }
+    }
+
+    /// Each leg's state and counters. A leg is present when its device is
+    /// open and reachable (a remote leg's connection is alive); an active
+    /// leg that is not is taken out first (`take_out_unreachable`).
     pub fn status(&self) -> Vec<LegStatus> {
+        self.take_out_unreachable();
         self.legs
             .iter()
             .map(|leg| LegStatus {
                 name: leg.name.clone(),
                 state: state_from(leg.state.load(Ordering::Acquire)),
-                present: leg.device.get().is_some(),
-                corrected: leg.corrected.load(Ordering::Relaxed),
+                present: leg
+                    .device
+                    .get()
+                    .is_some_and(|device| device.unreachable().is_none()),
+                attached: leg.device.get().is_some(),
+                corrected: leg.corrected.lock().now(),
                 resyncing: leg.resyncing.load(Ordering::Acquire),
                 dirty: leg.map.read().as_ref().map(|map| map.count()),
                 resync: leg.progress.lock().clone(),
@@ -408,23 +480,42 @@ impl Mirror {
         self.mark(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
 
-    /// Count a repair attempt on `leg`; a corrected error past the
-    /// threshold faults the leg.
+    /// Count a repair attempt on `leg` for an error the leg made on its
+    /// own (a block that failed verification there, a write it lost); a
+    /// corrected error past the threshold faults the leg.
     pub(super) fn count(&self, leg: usize, kind: &'static str, repaired: bool) {
+        self.note_repair(leg, kind, repaired);
+        if repaired {
+            let corrected = self.legs[leg].corrected.lock().add_one();
+            if corrected > FAULT_THRESHOLD {
+                self.fault(
+                    leg,
+                    &format!(
+                        "{corrected} corrected errors (threshold {FAULT_THRESHOLD}, halving every {} s)",
+                        CORRECTED_HALF_LIFE.as_secs()
+                    ),
+                );
+            }
+        }
+    }
+
+    /// Record a repair on `leg` in its counters by kind, without counting
+    /// it against the leg: the legs differed because of what happened to
+    /// the whole set (blocks written at an unclean shutdown), not because
+    /// this leg got them wrong.
+    pub(super) fn note_repair(&self, leg: usize, kind: &'static str, repaired: bool) {
         *self.legs[leg]
             .repairs
             .lock()
             .entry((kind, repaired))
             .or_insert(0) += 1;
-        if repaired {
-            let corrected = self.legs[leg].corrected.fetch_add(1, Ordering::Relaxed) + 1;
-            if corrected > FAULT_THRESHOLD {
-                self.fault(
-                    leg,
-                    &format!("{corrected} corrected errors (threshold {FAULT_THRESHOLD})"),
-                );
-            }
-        }
+    }
+
+    /// Start `leg`'s corrected-error count afresh: it was rebuilt, or
+    /// resynced in full (every block it holds was just copied and
+    /// verified), so what it got wrong before is gone.
+    pub(super) fn reset_corrected(&self, leg: usize) {
+        self.legs[leg].corrected.lock().reset();
     }
 
     /// Fault `leg` (no more I/O), unless it is the last active one.
@@ -673,10 +764,14 @@ impl Mirror {
         }
     }
 
+    /// A leg that is not active failed a `what`: if it was resyncing, its
+    /// resync stops (said once); a leg already taken out (by another leg
+    /// of the same write, or an earlier failure) has nothing to stop.
     pub(super) fn stop_resync(&self, leg: usize, what: &str, error: &Error) {
-        tracing::error!(leg, name = %self.legs[leg].name, %error,
-            "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
-        self.legs[leg].resyncing.store(false, Ordering::Release);
+        if self.legs[leg].resyncing.swap(false, Ordering::AcqRel) {
+            tracing::error!(leg, name = %self.legs[leg].name, %error,
+                "mirror: resyncing leg failed a {what}: resync stopped, leg stays stale");
+        }
     }
 
     /// `each_leg` over `targets`, telling `op` each leg's index. Returns

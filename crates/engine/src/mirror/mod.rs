@@ -16,8 +16,10 @@
 //!   written to the bad leg with `write_sealed` (which verifies it again),
 //!   flushed and re-read there. The client gets the good data. A block bad
 //!   on every leg fails naming its LBA and nothing is rewritten.
-//! - Each leg counts its corrected errors; past `FAULT_THRESHOLD` (md's
-//!   20) it is faulted: no more I/O, recorded in `Membership`.
+//! - Each leg counts the errors it made on its own and that were
+//!   corrected; past `FAULT_THRESHOLD` (md's 20) it is faulted: no more
+//!   I/O, recorded in `Membership`. The count halves every hour and
+//!   starts afresh when the leg is attached or resynced in full.
 //! - `scrub.rs` checks every leg and repairs every repairable block; where
 //!   two legs verify but differ, the higher generation wins.
 //!
@@ -62,8 +64,13 @@ pub use vouch_format::Context;
 use crate::error::Result;
 
 /// Corrected errors a leg may need before it is faulted (md's default
-/// `max_corrected_read_errors`).
+/// `max_corrected_read_errors`). Only errors the leg made on its own
+/// count (not legs differing after an unclean shutdown), the count halves
+/// every `CORRECTED_HALF_LIFE`, and it starts at 0 when the leg is opened,
+/// attached, or resynced in full.
 pub const FAULT_THRESHOLD: u64 = 20;
+/// The corrected-error count halves once per this (md: every hour).
+pub const CORRECTED_HALF_LIFE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Where a mirror records a leg's change of state, so it survives a
 /// restart (the legs' records locally; a remote set's coordinator later).
@@ -92,5 +99,21 @@ pub trait Membership: Send + Sync {
         Err(crate::error::Error::Unsupported(
             "this mirror keeps no resync maps".into(),
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::device::decayed;
+    use super::CORRECTED_HALF_LIFE;
+
+    #[test]
+    fn the_corrected_count_halves_once_per_half_life() {
+        let hour = CORRECTED_HALF_LIFE;
+        assert_eq!(decayed(25, hour / 2), (25, 0));
+        assert_eq!(decayed(25, hour), (12, 1));
+        assert_eq!(decayed(25, hour * 3 + hour / 2), (3, 3));
+        assert_eq!(decayed(25, hour * 100), (0, 100));
+        assert_eq!(decayed(u64::MAX, hour * 64), (0, 64));
     }
 }

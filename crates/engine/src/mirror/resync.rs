@@ -151,7 +151,9 @@ impl Mirror {
         }
         slot.device
             .set(device)
-            .map_err(|_| Error::InvalidArgument(format!("mirror leg {leg} is present already")))
+            .map_err(|_| Error::InvalidArgument(format!("mirror leg {leg} is present already")))?;
+        self.reset_corrected(leg);
+        Ok(())
     }
 
     fn leg_slot(&self, leg: usize) -> Result<&super::device::Leg> {
@@ -351,7 +353,17 @@ impl Mirror {
             ),
         };
         slot.resyncing.store(false, Ordering::Release);
-        let progress = self.progress(&cursor, state, error.clone());
+        let mut progress = self.progress(&cursor, state, error.clone());
+        if state == "done" && cursor.run.full {
+            self.reset_corrected(cursor.leg);
+        }
+        if state == "done" {
+            // The map was empty when the leg became active; writes since
+            // (to a member) still marked it until `finish` removed it, so
+            // a crash in between resyncs them, but none is left to copy.
+            progress.left = 0;
+            progress.eta_seconds = Some(0);
+        }
         tracing::info!(leg = cursor.leg, name = %slot.name, state, copied = cursor.copied,
             left = progress.left, error = error.as_deref().unwrap_or(""), "mirror: resync ended");
         *slot.progress.lock() = Some(progress.clone());

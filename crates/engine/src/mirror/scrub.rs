@@ -97,15 +97,16 @@ pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport>
 impl Mirror {
     fn scrub_chunk(&self, first: u64, count: u64, report: &mut MirrorScrubReport) -> Result<()> {
         let _locked = self.lock(first, first + count);
-        let legs = self.active();
+        let active = self.active();
         let read_leg = self
             .reads_one_leg()
-            .then(|| legs.first().copied())
+            .then(|| active.first().copied())
             .flatten();
         let size = (count * BLOCK) as usize;
-        let mut copies: Vec<Vec<u8>> = Vec::with_capacity(legs.len());
-        let mut faults: Vec<Vec<Option<FaultKind>>> = Vec::with_capacity(legs.len());
-        for &leg in &legs {
+        let mut legs = Vec::with_capacity(active.len());
+        let mut copies: Vec<Vec<u8>> = Vec::with_capacity(active.len());
+        let mut faults: Vec<Vec<Option<FaultKind>>> = Vec::with_capacity(active.len());
+        for leg in active {
             let mut data = vec![0u8; size];
             let mut kinds = vec![None; count as usize];
             match self
@@ -118,11 +119,20 @@ impl Mirror {
                     }
                 }
                 Err(error) if is_request_error(&error) => return Err(error),
+                // A leg that cannot be reached is taken out (stale, its
+                // map from the blocks written since the last flush), not
+                // found unreadable block by block and "repaired" by
+                // rewrites that cannot reach it either.
+                Err(error @ Error::Unreachable(_)) => {
+                    self.fail(leg, &format!("scrub read failed: {error}"), &error);
+                    continue;
+                }
                 Err(error) => {
                     tracing::warn!(leg, first, count, %error, "mirror scrub: leg failed a read");
                     kinds.fill(Some(FaultKind::Unreadable));
                 }
             }
+            legs.push(leg);
             copies.push(data);
             faults.push(kinds);
         }
@@ -184,6 +194,9 @@ impl Mirror {
                     }
                 }
             }
+            // Legs that differ after an unclean shutdown (the copy clients
+            // read decided) are the set's doing, not the leg's own errors.
+            let crash_divergence = read_leg.is_some();
             for (at, kind) in targets {
                 let repaired = self.rewrite(
                     legs[source],
@@ -202,7 +215,11 @@ impl Mirror {
                 } else {
                     tracing::error!(lba, leg = legs[at], kind, "mirror scrub: repair failed");
                 }
-                self.count(legs[at], kind, repaired);
+                if crash_divergence && kind == "stale" {
+                    self.note_repair(legs[at], kind, repaired);
+                } else {
+                    self.count(legs[at], kind, repaired);
+                }
                 report.note(Finding {
                     lba,
                     leg: legs[at],

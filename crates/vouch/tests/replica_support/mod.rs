@@ -132,6 +132,82 @@ impl Drop for Process {
     }
 }
 
+/// Connect to the replica server at `addr` and shake hands as an
+/// exporter would: hellos, then the answer to its challenge (proving
+/// `secret` when given). `Err` with the reason when the server refuses or
+/// closes.
+pub fn replica_handshake(
+    addr: &str,
+    secret: Option<&vouch_replica::auth::Secret>,
+) -> Result<std::net::TcpStream, String> {
+    use std::io::{Read, Write};
+    use vouch_replica::auth;
+    use vouch_replica::wire::{Hello, HELLO_BYTES, HELLO_OK, PROTOCOL_VERSION};
+    let mut stream = std::net::TcpStream::connect(addr).map_err(|e| format!("connect: {e}"))?;
+    stream
+        .set_read_timeout(Some(TIMEOUT))
+        .map_err(|e| e.to_string())?;
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        status: HELLO_OK,
+    };
+    stream
+        .write_all(&hello.encode())
+        .map_err(|e| format!("hello: {e}"))?;
+    let mut opening = [0u8; HELLO_BYTES + auth::CHALLENGE_BYTES];
+    stream
+        .read_exact(&mut opening)
+        .map_err(|e| format!("the server's hello and challenge: {e}"))?;
+    let challenge = auth::Challenge::decode(opening[HELLO_BYTES..].try_into().expect("40"))?;
+    let nonce = auth::nonce();
+    let response = match secret {
+        Some(secret) => auth::Response {
+            flags: auth::HAS_PROOF,
+            nonce,
+            proof: secret.client_proof(&challenge.nonce, &nonce),
+        },
+        None => auth::Response {
+            flags: 0,
+            nonce,
+            proof: [0; auth::PROOF_BYTES],
+        },
+    };
+    stream
+        .write_all(&response.encode())
+        .map_err(|e| format!("response: {e}"))?;
+    let mut verdict = [0u8; auth::VERDICT_BYTES];
+    stream
+        .read_exact(&mut verdict)
+        .map_err(|e| format!("verdict: {e}"))?;
+    let verdict = auth::Verdict::decode(&verdict)?;
+    if verdict.status != auth::ACCEPTED {
+        return Err("refused".into());
+    }
+    Ok(stream)
+}
+
+/// Set socket option `name` (level `SOL_SOCKET`) of `stream` to `value`.
+pub fn set_socket_option<T>(stream: &std::net::TcpStream, name: libc::c_int, value: &T) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setsockopt(2) on a socket the caller owns, with a pointer
+    // to a live `T` and its size.
+    let result = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            name,
+            value as *const T as *const libc::c_void,
+            std::mem::size_of::<T>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(
+        result,
+        0,
+        "setsockopt {name}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
 /// `command` run inside namespace `netns` (or as it is with `None`).
 pub fn in_netns(netns: Option<&str>, program: &Path) -> Command {
     match netns {
