@@ -334,6 +334,10 @@ fn write_round(
     volume.close().map_err(|e| format!("close: {e}"))
 }
 
+/// The volume after both rounds of writes, the same volume after the
+/// first, another volume, and the model of the first.
+type Prepared = (SimStorage, SimStorage, SimStorage, Vec<Vec<u8>>);
+
 fn run_cell(
     layout: LayoutKind,
     guard: GuardKind,
