@@ -34,6 +34,7 @@ fn stress(layout: LayoutKind) {
                 tuning,
                 key: None,
                 keyless: false,
+                rebuild_written_map: false,
             },
         )
         .expect("open"),

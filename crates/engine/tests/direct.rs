@@ -22,6 +22,7 @@ fn options(direct: bool) -> OpenOptions {
         },
         key: None,
         keyless: false,
+        rebuild_written_map: false,
     }
 }
 

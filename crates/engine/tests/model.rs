@@ -73,6 +73,7 @@ fn open(storage: &SimStorage) -> Volume {
         tuning: tuning(),
         key: None,
         keyless: false,
+        rebuild_written_map: false,
     };
     Volume::open(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("open")
 }

@@ -612,6 +612,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         tuning,
         key: config.encrypted.then(|| seed_key(seed)),
         keyless: false,
+        rebuild_written_map: false,
     };
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(size);

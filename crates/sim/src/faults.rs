@@ -492,6 +492,7 @@ pub fn run_cell(
         },
         key,
         keyless: false,
+        rebuild_written_map: false,
     };
     let mut result = CellResult::default();
     let created = Volume::create(rec.clone(), &options).and_then(Volume::close);

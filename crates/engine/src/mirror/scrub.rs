@@ -202,7 +202,7 @@ impl Mirror {
                 } else {
                     tracing::error!(lba, leg = legs[at], kind, "mirror scrub: repair failed");
                 }
-                self.count(legs[at], kind, repaired);
+                self.count_at(legs[at], kind, repaired, Some(lba));
                 report.note(Finding {
                     lba,
                     leg: legs[at],
