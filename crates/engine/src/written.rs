@@ -89,6 +89,24 @@ impl WrittenMap {
         map
     }
 
+    /// The map a rebuild (`vouch upgrade`) starts from: the valid map on
+    /// disk if there is one (a rebuild only adds bits, so a unit already
+    /// known written and now blank stays lost, and its next write is the
+    /// newest copy), else an empty one.
+    pub fn to_rebuild(
+        storage: &dyn Storage,
+        geometry: &Geometry,
+        uuid: [u8; 16],
+    ) -> Result<WrittenMap> {
+        match WrittenMap::load(storage, geometry, uuid)? {
+            Loaded::Map(old) => {
+                old.dirty.store(true, Ordering::Release);
+                Ok(old)
+            }
+            Loaded::None(_) => Ok(WrittenMap::empty(geometry, uuid)),
+        }
+    }
+
     pub fn unit_blocks(&self) -> u64 {
         self.unit_blocks
     }

@@ -799,6 +799,13 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
         &volume,
         "contexts: page 1 is zeroed: LBAs 128-255 have no protection information",
     );
+    // Upgrading again adds to the map, never drops from it: the page the
+    // map knows written stays lost (not made holes).
+    ok(&["upgrade", s(&volume)]);
+    check_says(
+        &volume,
+        "contexts: page 1 is zeroed: LBAs 128-255 have no protection information",
+    );
     std::fs::write(volume.join("written"), b"").expect("empty the map");
     fails(
         &["check", s(&volume)],

@@ -28,16 +28,7 @@ fn mirror_with_data(dir: &Path, legs: &[&str]) {
     }
     vouch_ok(&args);
     let mut server = Server::start(dir, &[s(&a)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-for lba in range(16):
-    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
-    );
+    write_tagged_blocks(&server.uri, 16);
     server.stop();
 }
 
