@@ -767,7 +767,12 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
             .expect("incompat")
     };
     assert_eq!(incompat(&volume) & written_map, 0);
-    ok(&["check", s(&volume)]);
+    let old = vouch(&["check", s(&volume)]);
+    assert!(
+        old.status.success() && text(&old).contains("was made before the written map"),
+        "{}",
+        text(&old)
+    );
     let copy = [
         "copy",
         s(&volume),
