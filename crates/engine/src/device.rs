@@ -172,6 +172,13 @@ pub trait BlockDevice: Send + Sync {
     /// of failing the call (scans, `check`, `export --allow-faults`).
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>>;
 
+    /// The blocks whose protection information is kept with `lba`'s (one
+    /// unit of metadata, lost or damaged together: a split context page, a
+    /// packed row). A device that cannot tell returns `lba` alone.
+    fn metadata_unit(&self, lba: u64) -> std::ops::Range<u64> {
+        lba..lba + 1
+    }
+
     /// The first LBA at or after `lba` that may hold data; scans skip to
     /// it. A device that cannot tell returns `lba`.
     fn next_possible_data(&self, lba: u64) -> Result<u64> {

@@ -118,7 +118,7 @@ impl Engine {
         }
         let short_objects = crate::damage::short_objects(&*storage, &geometry, &superblock)?;
         let written = if rebuild {
-            WrittenMap::empty(&geometry, superblock.uuid)
+            WrittenMap::to_rebuild(&*storage, &geometry, superblock.uuid)?
         } else if has_map {
             crate::damage::load_written(&*storage, &geometry, superblock.uuid)?
         } else {

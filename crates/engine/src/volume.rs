@@ -339,6 +339,9 @@ impl BlockDevice for Volume {
     fn next_possible_data(&self, lba: u64) -> Result<u64> {
         self.engine.shared.next_possible_data(lba)
     }
+    fn metadata_unit(&self, lba: u64) -> Range<u64> {
+        Volume::metadata_unit(self, lba)
+    }
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         let generation = self.engine.committer.lock().next_seq;
         self.engine.shared.read_sealed(first, count, generation)

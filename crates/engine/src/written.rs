@@ -89,6 +89,24 @@ impl WrittenMap {
         map
     }
 
+    /// The map a rebuild (`vouch upgrade`) starts from: the valid map on
+    /// disk if there is one (a rebuild only adds bits, so a unit already
+    /// known written and now blank stays lost, and its next write is the
+    /// newest copy), else an empty one.
+    pub fn to_rebuild(
+        storage: &dyn Storage,
+        geometry: &Geometry,
+        uuid: [u8; 16],
+    ) -> Result<WrittenMap> {
+        match WrittenMap::load(storage, geometry, uuid)? {
+            Loaded::Map(old) => {
+                old.dirty.store(true, Ordering::Release);
+                Ok(old)
+            }
+            Loaded::None(_) => Ok(WrittenMap::empty(geometry, uuid)),
+        }
+    }
+
     pub fn unit_blocks(&self) -> u64 {
         self.unit_blocks
     }
@@ -295,5 +313,65 @@ impl WrittenMap {
             self.dirty.store(true, Ordering::Release);
         }
         result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use vouch_format::LayoutKind;
+
+    use super::*;
+    use crate::storage::sim::SimStorage;
+
+    fn loaded(storage: &SimStorage, geometry: &Geometry) -> WrittenMap {
+        match WrittenMap::load(storage, geometry, [9; 16]).expect("load") {
+            Loaded::Map(map) => map,
+            Loaded::None(why) => panic!("no valid copy: {why}"),
+        }
+    }
+
+    /// Bits round-trip through the file; a torn (corrupt) newest copy
+    /// leaves the previous one; a map of another volume is not used.
+    #[test]
+    fn copies_alternate_and_a_damaged_one_leaves_the_other() {
+        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
+        let storage = SimStorage::new();
+        let io = Backing::new(
+            Arc::new(storage.clone()),
+            geometry,
+            None,
+            WrittenMap::empty(&geometry, [9; 16]),
+        );
+        assert_eq!(io.written.next_set_lba(0), None);
+        io.written.set(3);
+        io.written.set(70);
+        io.written.persist(&io).expect("persist 1");
+        let first = loaded(&storage, &geometry);
+        assert!(first.is_set(3) && first.is_set(70) && !first.is_set(4));
+        assert_eq!(first.next_set_lba(0), Some(3 * 128));
+        assert_eq!(first.next_set_lba(3 * 128 + 5), Some(3 * 128 + 5));
+        assert_eq!(first.next_set_lba(4 * 128), Some(70 * 128));
+        assert!(!first.any_set(71 * 128, 16384));
+        // Unchanged bits are not written again.
+        io.written.persist(&io).expect("persist, nothing changed");
+        assert_eq!(loaded(&storage, &geometry).seq.load(Ordering::Acquire), 1);
+        io.written.clear(3);
+        io.written.persist(&io).expect("persist 2");
+        let second = loaded(&storage, &geometry);
+        assert!(!second.is_set(3) && second.is_set(70));
+        // Damage the newest copy (seq 2, copy 0): the previous one wins.
+        storage.corrupt(
+            ObjectId::Written,
+            copy_offset(0, second.units) + 4096 + 8,
+            0x01,
+        );
+        let back = loaded(&storage, &geometry);
+        assert!(back.is_set(3) && back.is_set(70));
+        match WrittenMap::load(&storage, &geometry, [8; 16]).expect("load") {
+            Loaded::Map(_) => panic!("a map of another volume must not be used"),
+            Loaded::None(why) => assert!(why.contains("another volume"), "{why}"),
+        }
     }
 }

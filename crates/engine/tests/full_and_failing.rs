@@ -239,9 +239,7 @@ fn block_unreadable_during_recovery_is_reported_not_reverted() {
             read_only: false,
             direct: false,
             tuning,
-            key: None,
-            keyless: false,
-            rebuild_written_map: false,
+            ..OpenOptions::default()
         },
     )
     .expect("open");

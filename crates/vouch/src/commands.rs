@@ -298,6 +298,15 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
         return crate::mirror::check(path, json_output);
     }
     let volume = open_read_only(path, Use::Verify)?;
+    let features = volume.info()?.features;
+    if features.incompat & vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP == 0 {
+        // Without the map a lost context page reads as never written.
+        eprintln!(
+            "note: {} was made before the written map: lost metadata is not detected in it; `vouch upgrade {}` builds the map",
+            path.display(),
+            path.display()
+        );
+    }
     let bar = progress_bar(volume.size(), "checking");
     let report = volume.check(|done, _| bar.set_position(done * BLOCK))?;
     bar.finish_and_clear();

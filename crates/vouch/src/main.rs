@@ -138,7 +138,8 @@ enum Command {
     },
     /// Verify every written block offline (a mirrored volume: every leg,
     /// each alone, without repair). Exit 0 when clean, 1 when faults were
-    /// found (each LBA and fault kind listed), 2 on error.
+    /// found (each LBA and fault kind listed; lost metadata once per file
+    /// cut short and once per context page or packed row lost), 2 on error.
     Check {
         /// The volume's directory (any leg of a mirrored volume).
         path: PathBuf,

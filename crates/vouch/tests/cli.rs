@@ -778,7 +778,12 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
             .expect("incompat")
     };
     assert_eq!(incompat(&volume) & written_map, 0);
-    ok(&["check", s(&volume)]);
+    let old = vouch(&["check", s(&volume)]);
+    assert!(
+        old.status.success() && text(&old).contains("was made before the written map"),
+        "{}",
+        text(&old)
+    );
     let copy = [
         "copy",
         s(&volume),
@@ -806,6 +811,13 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
     contexts
         .write_all_at(&[0u8; 4096], 4096)
         .expect("zero page 1");
+    check_says(
+        &volume,
+        "contexts: page 1 is zeroed: LBAs 128-255 have no protection information",
+    );
+    // Upgrading again adds to the map, never drops from it: the page the
+    // map knows written stays lost (not made holes).
+    ok(&["upgrade", s(&volume)]);
     check_says(
         &volume,
         "contexts: page 1 is zeroed: LBAs 128-255 have no protection information",

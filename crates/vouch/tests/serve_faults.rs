@@ -32,16 +32,7 @@ fn corrupted_block_is_reported(direct: bool) {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
     let mut server = Server::start(dir.path(), &[s(&volume), "--create", "1MiB"]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-for lba in range(16):
-    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
-    );
+    write_tagged_blocks(&server.uri, 16);
     server.stop();
     assert_eq!(info_json(&volume)["clean"], true);
     flip_bit(&volume.join("data.00000"), 7 * BLOCK + 100, 0x04);
@@ -347,16 +338,7 @@ fn lost_unit_over_nbd(layout: &str) {
     let volume = dir.path().join("vol");
     vouch_ok(&["create", s(&volume), "--size", "1MiB", "--layout", layout]);
     let mut server = Server::start(dir.path(), &[s(&volume)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-for lba in range(8):
-    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
-    );
+    write_tagged_blocks(&server.uri, 8);
     server.stop();
     let (file, unit, cause) = if layout == "split" {
         (

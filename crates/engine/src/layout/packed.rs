@@ -138,15 +138,24 @@ impl PackedLayout {
         Ok(None)
     }
 
-    /// Whether every context slot of row `unit` reads as zeros.
+    /// Whether every context slot of row `unit` reads as zeros. Only the
+    /// 31 slots are read, each alone: a slot that cannot be read proves
+    /// nothing blank, so the row is not called lost for it (and a read
+    /// error of another record never fails this block's read); waiting,
+    /// with `Wait::NoWait`, is still an error.
     fn row_blank(&self, io: &Backing, unit: u64, wait: Wait) -> std::io::Result<bool> {
         let place = self.unit_place(unit);
-        let mut row = vec![0u8; place.len];
-        io.try_read_with(place.object, place.offset, &mut row, wait)?;
-        Ok(self
-            .unit_metadata(&row)
-            .iter()
-            .all(|slot| *slot == [0u8; CONTEXT_BYTES]))
+        for slot in 0..PACKED_RECORDS_PER_ROW {
+            let mut context = [0u8; CONTEXT_BYTES];
+            let at = place.offset + slot * PACKED_RECORD_BYTES + BLOCK;
+            match io.try_read_with(place.object, at, &mut context, wait) {
+                Ok(()) if context == [0u8; CONTEXT_BYTES] => {}
+                Ok(()) => return Ok(false),
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return Err(error),
+                Err(_) => return Ok(false),
+            }
+        }
+        Ok(true)
     }
 
     /// Settle the suspects `run_from_span` marked (blocks `first..`): a

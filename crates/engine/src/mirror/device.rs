@@ -18,7 +18,7 @@ use super::resync::ResyncProgress;
 use super::written::Written;
 use super::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
 use crate::device::{BlockDevice, PendingWrite, SealedBlock};
-use crate::error::{Error, Fault, Result};
+use crate::error::{Error, Fault, FaultKind, Result};
 use crate::layout::Allocation;
 use crate::state::BLOCK;
 use crate::write::ZeroFlags;
@@ -56,6 +56,10 @@ pub(super) struct Leg {
     pub(super) resyncing: AtomicBool,
     pub(super) progress: Mutex<Option<ResyncProgress>>,
     corrected: Mutex<Corrected>,
+    /// 1 + the first LBA of the last lost metadata unit repaired (0:
+    /// none): a unit lost is one failure of the leg, counted once towards
+    /// the fault threshold however many of its blocks are repaired.
+    last_lost_unit: AtomicU64,
     /// Repairs by (fault kind, repaired?).
     repairs: Mutex<BTreeMap<(&'static str, bool), u64>>,
 }
@@ -235,6 +239,7 @@ impl Mirror {
                     resyncing: AtomicBool::new(false),
                     progress: Mutex::new(None),
                     corrected: Mutex::new(Corrected::new()),
+                    last_lost_unit: AtomicU64::new(0),
                     repairs: Mutex::new(BTreeMap::new()),
                 })
                 .collect(),
@@ -484,7 +489,25 @@ impl Mirror {
     /// own (a block that failed verification there, a write it lost); a
     /// corrected error past the threshold faults the leg.
     pub(super) fn count(&self, leg: usize, kind: &'static str, repaired: bool) {
+        self.count_at(leg, kind, repaired, None);
+    }
+
+    /// `count` of a repair of block `lba`: the blocks of one lost metadata
+    /// unit (`BlockDevice::metadata_unit`) are one corrected error.
+    pub(super) fn count_at(
+        &self,
+        leg: usize,
+        kind: &'static str,
+        repaired: bool,
+        lba: Option<u64>,
+    ) {
         self.note_repair(leg, kind, repaired);
+        if let Some(lba) = lba.filter(|_| repaired && kind == FaultKind::MetadataLost.name()) {
+            let unit = self.device(leg).metadata_unit(lba).start + 1;
+            if self.legs[leg].last_lost_unit.swap(unit, Ordering::Relaxed) == unit {
+                return;
+            }
+        }
         if repaired {
             let corrected = self.legs[leg].corrected.lock().add_one();
             if corrected > FAULT_THRESHOLD {

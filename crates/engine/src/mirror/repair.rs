@@ -144,7 +144,7 @@ impl Mirror {
                 "mirror: repair failed: the leg still does not hold the good block"
             );
         }
-        self.count(bad, kind.name(), repaired);
+        self.count_at(bad, kind.name(), repaired, Some(lba));
         Ok(good)
     }
 

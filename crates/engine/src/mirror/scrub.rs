@@ -218,7 +218,7 @@ impl Mirror {
                 if crash_divergence && kind == "stale" {
                     self.note_repair(legs[at], kind, repaired);
                 } else {
-                    self.count(legs[at], kind, repaired);
+                    self.count_at(legs[at], kind, repaired, Some(lba));
                 }
                 report.note(Finding {
                     lba,

@@ -219,6 +219,21 @@ pub fn assert_check_clean(volume: &Path) {
     );
 }
 
+/// Write blocks `0..count` (each `block_data(lba, 1000 + lba)`) through
+/// NBD at `uri` and flush.
+pub fn write_tagged_blocks(uri: &str, count: u64) {
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+for lba in range(int(sys.argv[2])):
+    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[uri, &count.to_string()],
+    );
+}
+
 /// Run a Python script (with the libnbd bindings) with arguments.
 pub fn py(script: &str, args: &[&str]) -> Output {
     py_timeout(script, args, TIMEOUT)
