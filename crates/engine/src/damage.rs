@@ -112,16 +112,23 @@ pub(crate) fn short_objects(
 
 /// The written map of a volume that has one. No valid copy is refused
 /// unless the volume holds nothing yet (a new volume or mirror leg, whose
-/// first open writes its map).
+/// first open writes its map): `never_opened` (its superblock is still the
+/// one `create` wrote), or no data or contexts on disk. The first test
+/// does not depend on the filesystem reporting holes (ramfs reports every
+/// byte as data).
 pub(crate) fn load_written(
     storage: &dyn Storage,
     geometry: &Geometry,
     uuid: [u8; 16],
+    never_opened: bool,
 ) -> Result<WrittenMap> {
     let why = match WrittenMap::load(storage, geometry, uuid)? {
         Loaded::Map(map) => return Ok(map),
         Loaded::None(why) => why,
     };
+    if never_opened {
+        return Ok(WrittenMap::empty(geometry, uuid));
+    }
     let mut holds_nothing = true;
     for object in objects_of(geometry) {
         if matches!(object, ObjectId::Contexts | ObjectId::Data(_)) {

@@ -108,6 +108,15 @@ impl Engine {
                 superblock.volume_tag(),
             ))
         };
+        // Nothing vouch creates is larger, and what the open keeps in memory
+        // grows with the size (the written map): a larger size is damage.
+        if superblock.size_bytes > crate::MAX_VOLUME_BYTES {
+            return Err(Error::Corrupt(format!(
+                "superblock: size {} is larger than the largest volume vouch supports ({} bytes, 1 PiB); refusing to open",
+                superblock.size_bytes,
+                crate::MAX_VOLUME_BYTES
+            )));
+        }
         let has_map = superblock.features.incompat & FeatureFlags::INCOMPAT_WRITTEN_MAP != 0;
         let rebuild = options.rebuild_written_map;
         if rebuild && read_only.is_some() {
@@ -120,7 +129,10 @@ impl Engine {
         let written = if rebuild {
             WrittenMap::to_rebuild(&*storage, &geometry, superblock.uuid)?
         } else if has_map {
-            crate::damage::load_written(&*storage, &geometry, superblock.uuid)?
+            // `create` writes generation 1 to both copies and the first
+            // open (`mark_open`) moves past it.
+            let never_opened = superblock.generation == 1 && superblock.checkpoint_seq == 0;
+            crate::damage::load_written(&*storage, &geometry, superblock.uuid, never_opened)?
         } else {
             read_only = Some(
                 " (made before the written map: `vouch upgrade PATH` builds it and makes the volume writable)"

@@ -8,7 +8,7 @@ use vouch_sim::{GuardKind, LayoutKind};
 /// Images per layout: the release binary runs far more (docs/RELIABILITY.md).
 /// Unoptimised builds are ~20x slower: `cargo test --release -p vouch-sim`
 /// runs the full 2,000 images per test.
-const IMAGES: u64 = if cfg!(debug_assertions) { 300 } else { 2_000 };
+const IMAGES: u64 = if !cfg!(sim_full) { 300 } else { 2_000 };
 
 fn run_until(layout: LayoutKind, guard: GuardKind, tearing: Tearing, seed: u64) {
     run_config(CrashConfig::new(layout, guard, tearing), seed);

@@ -8,7 +8,7 @@ fn detection_matrix_small() {
     // 14 rows x 10 cells; `count` injections per kind per cell.
     let config = FaultConfig {
         cells: all_cells(),
-        count: if cfg!(debug_assertions) { 60 } else { 200 },
+        count: if !cfg!(sim_full) { 60 } else { 200 },
         seed: 7,
         threads: 2,
         encrypted: false,
@@ -66,7 +66,7 @@ fn detection_matrix_encrypted() {
             (LayoutKind::Split, GuardKind::Crc32c),
             (LayoutKind::Packed, GuardKind::Crc32c),
         ],
-        count: if cfg!(debug_assertions) { 60 } else { 200 },
+        count: if !cfg!(sim_full) { 60 } else { 200 },
         seed: 11,
         threads: 2,
         encrypted: true,

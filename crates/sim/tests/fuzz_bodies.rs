@@ -9,11 +9,7 @@ use vouch_format::{Context, JournalEntry};
 use vouch_sim::fuzz;
 use vouch_sim::rng::Rng;
 
-const INPUTS: u64 = if cfg!(debug_assertions) {
-    20_000
-} else {
-    100_000
-};
+const INPUTS: u64 = if !cfg!(sim_full) { 20_000 } else { 100_000 };
 
 /// Random bytes, or a valid seed with a few random byte edits.
 fn input(rng: &mut Rng, seeds: &[Vec<u8>], max: usize) -> Vec<u8> {
@@ -129,7 +125,7 @@ fn journal_inputs() {
 #[test]
 fn engine_model_inputs() {
     let mut rng = Rng::new(4);
-    let runs = if cfg!(debug_assertions) { 300 } else { 3_000 };
+    let runs = if !cfg!(sim_full) { 300 } else { 3_000 };
     for _ in 0..runs {
         let len = rng.range(2, 120) as usize;
         let mut data = rng.bytes(len);

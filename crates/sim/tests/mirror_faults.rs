@@ -10,7 +10,7 @@ use vouch_sim::mirror_faults::{run, Outcome};
 
 #[test]
 fn faults_on_one_leg_are_served_and_repaired_from_the_other() {
-    let report = run(if cfg!(debug_assertions) { 10 } else { 60 }, 7);
+    let report = run(if !cfg!(sim_full) { 10 } else { 60 }, 7);
     eprintln!("{}\n{}", report.render(), report.summary());
     assert!(
         report.violations.is_empty(),

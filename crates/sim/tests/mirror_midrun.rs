@@ -5,7 +5,7 @@
 
 #[test]
 fn a_crash_while_a_lost_leg_gets_its_map_leaves_a_covering_map_or_unknown_history() {
-    let report = vouch_sim::mirror_midrun::run(1, if cfg!(debug_assertions) { 4 } else { 24 });
+    let report = vouch_sim::mirror_midrun::run(1, if !cfg!(sim_full) { 4 } else { 24 });
     assert!(
         report.violations.is_empty(),
         "{}\n{}",

@@ -4,7 +4,7 @@
 
 #[test]
 fn a_crash_during_repair_leaves_old_or_new_contents_on_each_leg() {
-    let report = vouch_sim::mirror::run(1, if cfg!(debug_assertions) { 4 } else { 24 });
+    let report = vouch_sim::mirror::run(1, if !cfg!(sim_full) { 4 } else { 24 });
     assert!(
         report.violations.is_empty(),
         "{}\n{}",

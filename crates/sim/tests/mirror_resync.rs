@@ -6,7 +6,7 @@
 
 #[test]
 fn a_crash_during_a_resync_under_writes_is_covered_by_the_map_and_a_restart_finishes() {
-    let report = vouch_sim::resync::run(1, if cfg!(debug_assertions) { 2 } else { 12 });
+    let report = vouch_sim::resync::run(1, if !cfg!(sim_full) { 2 } else { 12 });
     assert!(
         report.violations.is_empty(),
         "{}\n{}",

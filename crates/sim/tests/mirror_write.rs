@@ -5,7 +5,7 @@
 
 #[test]
 fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
-    let report = vouch_sim::mirror_write::run(1, if cfg!(debug_assertions) { 6 } else { 64 });
+    let report = vouch_sim::mirror_write::run(1, if !cfg!(sim_full) { 6 } else { 64 });
     assert!(
         report.violations.is_empty(),
         "{}\n{}",

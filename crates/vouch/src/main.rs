@@ -241,7 +241,10 @@ enum Command {
     },
     /// Write a manual page per command into DIR (for packages).
     #[command(hide = true)]
-    Man { dir: PathBuf },
+    Man {
+        /// The directory to write the pages into (made if missing).
+        dir: PathBuf,
+    },
 }
 
 /// Parse sizes like 10GiB, 512MiB, 4k, 1048576. A bare K, M, G, T, P or E
