@@ -115,7 +115,7 @@ impl Tally {
             Outcome::Harmless => self.harmless += 1,
         }
     }
-    fn merge(&mut self, other: &Tally) {
+    pub(crate) fn merge(&mut self, other: &Tally) {
         self.detected += other.detected;
         self.silent += other.silent;
         self.harmless += other.harmless;
@@ -193,52 +193,78 @@ fn claimed(kind: Kind, layout: LayoutKind, guard: GuardKind) -> bool {
     }
 }
 
-pub fn run(config: &FaultConfig) -> FaultReport {
-    let started = Instant::now();
-    let threads = config.threads.max(1) as u64;
+/// Run `count` injections of every one of `cells` cells on `threads`
+/// threads: each cell's count is split into one part per thread,
+/// `run_part(cell, part, count)` runs a part, and `merge(cell, result)`
+/// takes its result (one at a time).
+pub(crate) fn run_cells<R>(
+    cells: usize,
+    count: u64,
+    threads: usize,
+    run_part: impl Fn(usize, u64, u64) -> R + Sync,
+    merge: impl FnMut(usize, R) + Send,
+) {
+    let threads = threads.max(1) as u64;
     let mut work = Vec::new();
-    for (index, _) in config.cells.iter().enumerate() {
+    for index in 0..cells {
         for part in 0..threads {
-            let count = config.count / threads + u64::from(part < config.count % threads);
+            let count = count / threads + u64::from(part < count % threads);
             if count > 0 {
                 work.push((index, part, count));
             }
         }
     }
     let queue = Mutex::new(work);
-    let report = Mutex::new(FaultReport::default());
+    let merge = Mutex::new(merge);
     std::thread::scope(|scope| {
         for _ in 0..threads {
             scope.spawn(|| loop {
                 let Some((index, part, count)) = queue.lock().pop() else {
                     break;
                 };
-                let (layout, guard) = config.cells[index];
-                let seed = config
-                    .seed
-                    .wrapping_mul(1_000_003)
-                    .wrapping_add(index as u64 * 101 + part);
-                let result = run_cell(layout, guard, config.encrypted, count, seed);
-                let mut report = report.lock();
-                for (kind, tally) in result.tallies {
-                    report
-                        .tallies
-                        .entry((index, kind))
-                        .or_default()
-                        .merge(&tally);
-                }
-                report.injections += result.injections;
-                for violation in result.violations {
-                    report.violations.push(format!(
-                        "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
-                        layout.name(),
-                        guard.name(),
-                        if config.encrypted { " encrypted" } else { "" }
-                    ));
-                }
+                let result = run_part(index, part, count);
+                (merge.lock())(index, result);
             });
         }
     });
+}
+
+pub fn run(config: &FaultConfig) -> FaultReport {
+    let started = Instant::now();
+    let report = Mutex::new(FaultReport::default());
+    run_cells(
+        config.cells.len(),
+        config.count,
+        config.threads,
+        |index, part, count| {
+            let (layout, guard) = config.cells[index];
+            let seed = config
+                .seed
+                .wrapping_mul(1_000_003)
+                .wrapping_add(index as u64 * 101 + part);
+            (seed, run_cell(layout, guard, config.encrypted, count, seed))
+        },
+        |index, (seed, result)| {
+            let (layout, guard) = config.cells[index];
+            let mut report = report.lock();
+            for (kind, tally) in result.tallies {
+                report
+                    .tallies
+                    .entry((index, kind))
+                    .or_default()
+                    .merge(&tally);
+            }
+            report.injections += result.injections;
+            for violation in result.violations {
+                report.violations.push(format!(
+                    "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
+                    layout.name(),
+                    guard.name(),
+                    if config.encrypted { " encrypted" } else { "" }
+                ));
+            }
+        },
+    );
     let mut report = report.into_inner();
     report.seconds = started.elapsed().as_secs_f64();
     report

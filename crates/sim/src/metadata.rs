@@ -31,7 +31,7 @@ use vouch_engine::{
 };
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 
-use crate::faults::{all_cells, segment_blocks, Cell, Outcome, Tally, BLOCKS};
+use crate::faults::{all_cells, run_cells, segment_blocks, Cell, Outcome, Tally, BLOCKS};
 use crate::rng::Rng;
 use crate::BLOCK;
 
@@ -140,52 +140,43 @@ fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
 
 pub fn run(config: &MetaConfig) -> MetaReport {
     let started = Instant::now();
-    let threads = config.threads.max(1) as u64;
-    let mut work = Vec::new();
-    for index in 0..config.cells.len() {
-        for part in 0..threads {
-            let count = config.count / threads + u64::from(part < config.count % threads);
-            if count > 0 {
-                work.push((index, part, count));
-            }
-        }
-    }
-    let queue = Mutex::new(work);
     let report = Mutex::new(MetaReport::default());
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| loop {
-                let Some((index, part, count)) = queue.lock().pop() else {
-                    break;
-                };
-                let (layout, guard) = config.cells[index];
-                let seed = config
-                    .seed
-                    .wrapping_mul(1_000_033)
-                    .wrapping_add(index as u64 * 131 + part);
-                let cell = run_cell(layout, guard, config.encrypted, count, seed);
-                let mut report = report.lock();
-                for (kind, tally) in cell.tallies {
-                    let entry = report.tallies.entry((index, kind)).or_default();
-                    entry.detected += tally.detected;
-                    entry.silent += tally.silent;
-                    entry.harmless += tally.harmless;
-                }
-                for (kind, refused) in cell.refused {
-                    *report.refused.entry((index, kind)).or_default() += refused;
-                }
-                report.injections += cell.injections;
-                for violation in cell.violations {
-                    report.violations.push(format!(
-                        "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
-                        layout.name(),
-                        guard.name(),
-                        if config.encrypted { " encrypted" } else { "" }
-                    ));
-                }
-            });
-        }
-    });
+    run_cells(
+        config.cells.len(),
+        config.count,
+        config.threads,
+        |index, part, count| {
+            let (layout, guard) = config.cells[index];
+            let seed = config
+                .seed
+                .wrapping_mul(1_000_033)
+                .wrapping_add(index as u64 * 131 + part);
+            (seed, run_cell(layout, guard, config.encrypted, count, seed))
+        },
+        |index, (seed, cell)| {
+            let (layout, guard) = config.cells[index];
+            let mut report = report.lock();
+            for (kind, tally) in cell.tallies {
+                report
+                    .tallies
+                    .entry((index, kind))
+                    .or_default()
+                    .merge(&tally);
+            }
+            for (kind, refused) in cell.refused {
+                *report.refused.entry((index, kind)).or_default() += refused;
+            }
+            report.injections += cell.injections;
+            for violation in cell.violations {
+                report.violations.push(format!(
+                    "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
+                    layout.name(),
+                    guard.name(),
+                    if config.encrypted { " encrypted" } else { "" }
+                ));
+            }
+        },
+    );
     let mut report = report.into_inner();
     report.seconds = started.elapsed().as_secs_f64();
     report
