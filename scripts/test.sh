@@ -33,4 +33,9 @@ fi
 
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile ci -- -D warnings
+# The fuzz targets live in their own workspace (cargo-fuzz runs them on
+# nightly): they must keep compiling, with their lockfile current, against
+# the crates they drive. Their bodies also run on stable in
+# crates/sim/tests/fuzz_bodies.rs.
+cargo check --manifest-path fuzz/Cargo.toml --bins --locked
 cargo test --workspace --profile ci --no-fail-fast
