@@ -229,6 +229,17 @@ pub(crate) fn run_cells<R>(
     });
 }
 
+/// A violation found in one cell, with what replays it.
+pub(crate) fn cell_violation(cell: Cell, encrypted: bool, seed: u64, violation: &str) -> String {
+    let (layout, guard) = cell;
+    format!(
+        "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
+        layout.name(),
+        guard.name(),
+        if encrypted { " encrypted" } else { "" }
+    )
+}
+
 pub fn run(config: &FaultConfig) -> FaultReport {
     let started = Instant::now();
     let report = Mutex::new(FaultReport::default());
@@ -256,11 +267,11 @@ pub fn run(config: &FaultConfig) -> FaultReport {
             }
             report.injections += result.injections;
             for violation in result.violations {
-                report.violations.push(format!(
-                    "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
-                    layout.name(),
-                    guard.name(),
-                    if config.encrypted { " encrypted" } else { "" }
+                report.violations.push(cell_violation(
+                    (layout, guard),
+                    config.encrypted,
+                    seed,
+                    &violation,
                 ));
             }
         },

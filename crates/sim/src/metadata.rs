@@ -31,7 +31,9 @@ use vouch_engine::{
 };
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 
-use crate::faults::{all_cells, run_cells, segment_blocks, Cell, Outcome, Tally, BLOCKS};
+use crate::faults::{
+    all_cells, cell_violation, run_cells, segment_blocks, Cell, Outcome, Tally, BLOCKS,
+};
 use crate::rng::Rng;
 use crate::BLOCK;
 
@@ -168,11 +170,11 @@ pub fn run(config: &MetaConfig) -> MetaReport {
             }
             report.injections += cell.injections;
             for violation in cell.violations {
-                report.violations.push(format!(
-                    "VIOLATION layout={} guard={}{} cell-seed={seed}: {violation}",
-                    layout.name(),
-                    guard.name(),
-                    if config.encrypted { " encrypted" } else { "" }
+                report.violations.push(cell_violation(
+                    (layout, guard),
+                    config.encrypted,
+                    seed,
+                    &violation,
                 ));
             }
         },
