@@ -209,19 +209,24 @@ impl Committer {
         if !redo {
             self.before_plain_record(shared, journal)?;
         }
-        let blocks: Vec<(u64, DirtyBlock)> = {
+        // The buffer and its held-log slot are taken together: every block
+        // in the one is in the other (`held.rs`).
+        let (blocks, held_slot): (Vec<(u64, DirtyBlock)>, Option<usize>) = {
+            let mut held = shared.held.lock();
             let mut state = shared.state.write();
             assert!(state.committing.is_empty(), "a commit is already in flight");
             state.committing = std::mem::take(&mut state.active);
             state.committing_orphans = std::mem::take(&mut state.active_orphans);
-            state
+            state.logged = 0;
+            let blocks = state
                 .committing
                 .iter()
                 .map(|(lba, dirty)| (*lba, dirty.clone()))
-                .collect()
+                .collect();
+            (blocks, held.swap())
         };
         if blocks.is_empty() && ranges.is_empty() {
-            return Ok(());
+            return self.release_held(shared, held_slot);
         }
         let mut start = 0;
         let result = loop {
@@ -255,7 +260,23 @@ impl Committer {
             state.committing_orphans = 0;
             state.contexts.pending()
         };
+        self.release_held(shared, held_slot)?;
         self.committed(shared, journal, pending)
+    }
+
+    /// The commit's blocks are in the kernel (journal record and home
+    /// writes returned): their held-log slot can be emptied, before the
+    /// commit (and any flush or trim that ran it) is answered. A failure
+    /// fail-stops the volume: the slot's records would otherwise come back
+    /// after a crash over what was written since.
+    fn release_held(&self, shared: &Shared, slot: Option<usize>) -> Result<()> {
+        match slot {
+            Some(slot) => shared
+                .held
+                .empty(&shared.io, slot)
+                .map_err(|error| shared.io.fail_stop(error)),
+            None => Ok(()),
+        }
     }
 
     /// After a commit (or another journaled change, such as a reflink copy,

@@ -66,7 +66,7 @@ pub(crate) fn short_objects(
             ObjectId::Journal => superblock.journal_bytes,
             ObjectId::Contexts => geometry.contexts_len(),
             ObjectId::Data(segment) => geometry.segment_len(segment),
-            ObjectId::Superblock | ObjectId::Written => continue,
+            ObjectId::Superblock | ObjectId::Written | ObjectId::Held(_) => continue,
         };
         let len = storage
             .object_len(object)
@@ -96,7 +96,7 @@ pub(crate) fn short_objects(
                 let end = (base + geometry.segment_blocks).min(geometry.blocks);
                 (base + whole).min(end)..end
             }
-            ObjectId::Superblock | ObjectId::Written => continue,
+            ObjectId::Superblock | ObjectId::Written | ObjectId::Held(_) => continue,
         };
         if !lbas.is_empty() {
             short.push(ShortObject {

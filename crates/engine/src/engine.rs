@@ -19,6 +19,7 @@ use crate::backing::Backing;
 use crate::commit::Committer;
 use crate::encryption::EncryptedProtection;
 use crate::error::{Error, Result};
+use crate::held::HeldLog;
 use crate::journal::Journal;
 use crate::keys::KEY_BYTES;
 use crate::layout::LayoutMap;
@@ -140,8 +141,11 @@ impl Engine {
             );
             WrittenMap::disabled(&geometry)
         };
+        let io = Backing::new(storage, geometry, read_only, written);
+        let (held, held_records) = HeldLog::open(&io, superblock.uuid)?;
         let shared = Shared {
-            io: Backing::new(storage, geometry, read_only, written),
+            io,
+            held,
             protection,
             layouts: LayoutMap::whole(geometry),
             state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
@@ -163,7 +167,21 @@ impl Engine {
             // anything it must describe is written.
             shared.io.written.persist(&shared.io)?;
         }
-        let recovery = recover(&shared, &committer)?;
+        let mut recovery = recover(&shared, &committer)?;
+        // What the held log kept goes back into the write-back buffer after
+        // the journal's recovery (it is newer than anything committed); a
+        // writable open commits and flushes it before emptying the log, so
+        // a crash meanwhile finds it again. A read-only open keeps it in
+        // memory: reads and checks see what was acknowledged.
+        recovery.held_blocks = crate::held::rebuffer(&shared, held_records)?;
+        if !shared.io.is_read_only() {
+            if recovery.held_blocks > 0 {
+                let mut journal = committer.lock();
+                committer.commit(&shared, &mut journal, &[])?;
+                committer.sync_data(&shared, &mut journal)?;
+            }
+            shared.held.empty_all(&shared.io)?;
+        }
         if rebuild && !has_map {
             // The flag last: the map it promises is durable (above), and a
             // checkpoint writes it again with recovery's changes first.

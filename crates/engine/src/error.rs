@@ -83,6 +83,10 @@ pub enum Error {
     FailStopped(String),
     #[error("no space left on the backing filesystem ({object:?} at {offset}); nothing acknowledged was lost")]
     NoSpace { object: ObjectId, offset: u64 },
+    /// The held log (`held.rs`) failed an I/O: a write it could not take
+    /// was not acknowledged (and the volume fail-stops).
+    #[error("cannot {op} the held log (where acknowledged writes wait for their commit, in memory that survives a crash of this process; the volume's `held` file names it): {cause}; this write was not acknowledged, nothing acknowledged was lost")]
+    HeldLog { op: &'static str, cause: io::Error },
     #[error("I/O error {op} {object:?} at {offset}: {cause}")]
     Io {
         op: &'static str,

@@ -28,6 +28,7 @@ pub mod device;
 pub mod encryption;
 mod engine;
 pub mod error;
+mod held;
 pub mod jobs;
 mod journal;
 pub mod keys;

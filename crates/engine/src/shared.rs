@@ -19,6 +19,9 @@ pub(crate) struct Shared {
     pub protection: Box<dyn Protection>,
     pub layouts: LayoutMap,
     pub state: RwLock<VolumeState>,
+    /// What makes a buffered write survive a process crash (`held.rs`):
+    /// its lock is taken before `state`'s.
+    pub held: crate::held::HeldLog,
     pub uuid: [u8; 16],
     /// The journal sequence the next commit will take (kept by the
     /// committer). A block sealed now gets it as its generation when the

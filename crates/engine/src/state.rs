@@ -135,6 +135,10 @@ pub(crate) struct VolumeState {
     pub active_orphans: usize,
     /// `active_orphans` of the buffer now committing.
     pub committing_orphans: usize,
+    /// Blocks appended to the held log's active slot since the buffer was
+    /// last swapped out: overwrites of one block add to it while `active`
+    /// stays the same size, and the slot is memory too (`held_blocks`).
+    pub logged: usize,
     /// Blocks of room reserved for writes about to be buffered
     /// (`Engine::reserve_room`): counted as held, so no other writer that
     /// must not wait takes their room meanwhile.
@@ -153,6 +157,7 @@ impl VolumeState {
             committing: BTreeMap::new(),
             active_orphans: 0,
             committing_orphans: 0,
+            logged: 0,
             reserved: 0,
             cloning: None,
             contexts: ContextStore::new(context_cache_pages),
@@ -194,9 +199,11 @@ impl VolumeState {
     /// the memory whatever the clients overwrite (a 1 MiB write shifted by
     /// one block each time would otherwise keep a MiB alive per block
     /// counted), and the room reserved for writes about to be buffered.
-    /// The write-back limits count this, not `active.len()`.
+    /// The held log's active slot holds every block logged since the swap
+    /// (`logged`), overwritten or not: the larger of the two counts. The
+    /// write-back limits count this, not `active.len()`.
     pub fn held_blocks(&self) -> usize {
-        self.active.len() + self.active_orphans + self.reserved
+        (self.active.len() + self.active_orphans).max(self.logged) + self.reserved
     }
 
     /// Memory held by buffers and caches.

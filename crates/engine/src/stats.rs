@@ -73,7 +73,9 @@ impl Stats {
         let counter = match object {
             ObjectId::Journal => &self.journal_bytes_written,
             ObjectId::Contexts => &self.context_bytes_written,
-            ObjectId::Superblock | ObjectId::Written => &self.superblock_bytes_written,
+            ObjectId::Superblock | ObjectId::Written | ObjectId::Held(_) => {
+                &self.superblock_bytes_written
+            }
             ObjectId::Data(_) => &self.data_bytes_written,
         };
         counter.fetch_add(bytes, Ordering::Relaxed);

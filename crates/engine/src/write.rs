@@ -1,8 +1,9 @@
-//! The write path: writes are sealed on the writer's thread and buffered
-//! (acknowledged, not yet durable, as NBD allows); a commit — on flush,
-//! FUA, a full buffer, or a trim — journals and writes them home
-//! (`commit.rs` has the crash ordering). Writers block only on flush/FUA or
-//! when the buffer has doubled (backpressure).
+//! The write path: writes are sealed on the writer's thread, appended to
+//! the held log and buffered (`log_and_buffer`: acknowledged, not yet
+//! durable, as NBD allows, but kept through a crash of this process); a
+//! commit — on flush, FUA, a full buffer, or a trim — journals and writes
+//! them home (`commit.rs` has the crash ordering). Writers block only on
+//! flush/FUA or when the buffer has doubled (backpressure).
 
 use bytes::{Bytes, BytesMut};
 use vouch_format::superblock::STATE_CLEAN;
@@ -28,6 +29,17 @@ pub struct ZeroFlags {
 /// Largest write `try_write_shared` takes when the protection transforms
 /// the data (encryption): larger ones decline, to be written on a worker.
 const TRANSFORMED_INLINE_MAX_BYTES: usize = 128 * 1024;
+
+/// How a write enters the write-back buffer (`Engine::log_and_buffer`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Admission {
+    /// Always buffered; the caller commits itself if the buffer doubled.
+    MayWait,
+    /// Only if it fits below twice the dirty limit (the inline paths).
+    MustNotWait,
+    /// Into room `reserve_room` set aside (the mirror's inline write).
+    Reserved,
+}
 
 /// How `write_sealed` checks blocks moved with their contexts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,32 +138,63 @@ impl Engine {
             return Ok(false);
         }
         let sealed = self.seal_run(offset / BLOCK, data.clone(), shared.sealing_generation());
-        Ok(self.buffer_without_waiting(sealed))
+        self.buffer_without_waiting(sealed)
     }
 
     /// Buffer sealed blocks if that needs no wait: below twice the dirty
     /// limit (where writers commit themselves); past the limit the
     /// background committer is asked to commit. False, with nothing
     /// buffered or counted, when there is no room.
-    fn buffer_without_waiting(&self, sealed: Vec<(u64, DirtyBlock)>) -> bool {
-        let shared = &self.shared;
+    fn buffer_without_waiting(&self, sealed: Vec<(u64, DirtyBlock)>) -> Result<bool> {
         let bytes = sealed.len() as u64 * BLOCK;
-        let limit = self.tuning.dirty_limit_blocks;
-        let buffered = {
-            let mut state = shared.state.write();
-            if state.held_blocks() + sealed.len() >= 2 * limit {
-                return false;
-            }
-            for (lba, dirty) in sealed {
-                state.buffer(lba, dirty);
-            }
-            state.held_blocks()
+        let Some(buffered) = self.log_and_buffer(sealed, Admission::MustNotWait)? else {
+            return Ok(false);
         };
-        shared.io.stats.add_client_write(bytes);
-        if buffered >= limit {
+        self.shared.io.stats.add_client_write(bytes);
+        if buffered >= self.tuning.dirty_limit_blocks {
             self.committer.request();
         }
-        true
+        Ok(true)
+    }
+
+    /// The one way blocks enter the write-back buffer: appended to the
+    /// held log first (`held.rs`: the pwrite has returned, so a crash of
+    /// this process keeps them), then buffered, under the log's lock so a
+    /// commit takes both or neither. Only then may the write be
+    /// acknowledged. Returns the blocks the buffer holds afterwards, or
+    /// `None` (nothing logged or buffered) when `MustNotWait` finds no
+    /// room below twice the dirty limit.
+    fn log_and_buffer(
+        &self,
+        sealed: Vec<(u64, DirtyBlock)>,
+        admission: Admission,
+    ) -> Result<Option<usize>> {
+        let shared = &self.shared;
+        let count = sealed.len();
+        let mut held = shared.held.lock();
+        if admission == Admission::MustNotWait
+            && shared.state.read().held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks
+        {
+            return Ok(None);
+        }
+        // A held log that cannot take a write fail-stops the volume like
+        // any failed write: nothing of this write was acknowledged, and
+        // what was (buffered, logged) stays readable until reopened.
+        held.append(&shared.io, &*shared.protection, &sealed)
+            .map_err(|error| shared.io.fail_stop(error))?;
+        let mut state = shared.state.write();
+        if admission == Admission::Reserved {
+            assert!(
+                state.reserved >= count,
+                "a reserved write without its reservation"
+            );
+            state.reserved -= count;
+        }
+        state.logged += count;
+        for (lba, dirty) in sealed {
+            state.buffer(lba, dirty);
+        }
+        Ok(Some(state.held_blocks()))
     }
 
     /// Seal the whole blocks of `data` (block-aligned), the first at LBA
@@ -206,13 +249,9 @@ impl Engine {
             return Ok(());
         }
         let shared = &self.shared;
-        let buffered = {
-            let mut state = shared.state.write();
-            for (lba, dirty) in sealed {
-                state.buffer(lba, dirty);
-            }
-            state.held_blocks()
-        };
+        let buffered = self
+            .log_and_buffer(sealed, Admission::MayWait)?
+            .expect("a write that may wait is always buffered");
         if buffered >= self.tuning.dirty_limit_blocks {
             // Hand the buffer to the background committer, or commit inline
             // unless another commit is running. Writers block (and commit
@@ -244,7 +283,7 @@ impl Engine {
             return Ok(false);
         }
         match self.sealed_as_dirty(blocks, check)? {
-            Some(dirty) => Ok(self.buffer_without_waiting(dirty)),
+            Some(dirty) => self.buffer_without_waiting(dirty),
             None => Ok(false),
         }
     }
@@ -295,17 +334,12 @@ impl Engine {
             }
         };
         let shared = &self.shared;
-        let buffered = {
-            let mut state = shared.state.write();
-            assert!(
-                state.reserved >= dirty.len(),
-                "a reserved write without its reservation"
-            );
-            state.reserved -= dirty.len();
-            for (lba, block) in dirty {
-                state.buffer(lba, block);
+        let buffered = match self.log_and_buffer(dirty, Admission::Reserved) {
+            Ok(buffered) => buffered.expect("reserved room is always buffered"),
+            Err(error) => {
+                self.release_room(blocks.len());
+                return Err(error);
             }
-            state.held_blocks()
         };
         shared
             .io
@@ -571,6 +605,13 @@ impl Engine {
         }
         let mut journal = self.committer.lock();
         self.committer.commit(shared, &mut journal, &[])?;
-        self.committer.checkpoint(shared, &mut journal, STATE_CLEAN)
+        self.committer
+            .checkpoint(shared, &mut journal, STATE_CLEAN)?;
+        // Clean: nothing is held (the commit emptied the log), so the
+        // slots go. A failure leaves empty slots, which cost nothing.
+        if let Err(error) = shared.io.storage().release_held() {
+            tracing::warn!(%error, "cannot remove the held log's files");
+        }
+        Ok(())
     }
 }

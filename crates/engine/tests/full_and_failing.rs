@@ -174,12 +174,13 @@ fn failed_fsync_fails_stop_and_reopen_recovers() {
 #[test]
 fn failed_write_fails_stop() {
     let (storage, volume) = sim_volume();
+    volume.write(0, &pattern(5, 4096), false).expect("buffered");
+    // The commit's first write fails (the held log's came before).
     let (writes, _) = storage.counts();
     storage.set_faults(FaultPlan {
         fail_write_after: Some(writes),
         ..FaultPlan::default()
     });
-    volume.write(0, &pattern(5, 4096), false).expect("buffered");
     assert!(matches!(volume.flush(), Err(Error::Io { .. })));
     assert!(matches!(
         volume.write(4096, &[1u8; 4096], false),
@@ -190,6 +191,53 @@ fn failed_write_fails_stop() {
         .read(0, &mut buf)
         .expect("acknowledged data still readable");
     assert!(buf == pattern(5, 4096));
+}
+
+/// The held log (memory that outlives the process) cannot take a write:
+/// the write fails before it is acknowledged, naming the held log; the
+/// volume fail-stops like after any failed write, what was acknowledged
+/// stays readable, and a reopen is writable again.
+#[test]
+fn a_write_the_held_log_cannot_take_is_refused_and_changes_nothing() {
+    let (storage, volume) = sim_volume();
+    volume
+        .write(0, &pattern(3, 4096), true)
+        .expect("durable write");
+    volume
+        .write(4096, &pattern(5, 4096), false)
+        .expect("acknowledged, not flushed");
+    let (writes, _) = storage.counts();
+    storage.set_faults(FaultPlan {
+        fail_write_after: Some(writes),
+        ..FaultPlan::default()
+    });
+    let refused = volume
+        .write(0, &pattern(4, 4096), false)
+        .expect_err("the held log failed its write");
+    assert!(
+        refused.to_string().contains("held log"),
+        "the error names the held log: {refused}"
+    );
+    assert!(matches!(
+        volume.write(8192, &[1u8; 4096], false),
+        Err(Error::FailStopped(_))
+    ));
+    let mut buf = vec![0u8; 4096];
+    volume.read(0, &mut buf).expect("read");
+    assert!(buf == pattern(3, 4096), "a refused write changed the block");
+    volume.read(4096, &mut buf).expect("read");
+    assert!(
+        buf == pattern(5, 4096),
+        "an acknowledged write is still read"
+    );
+    // A crash now (the process gone, the held log kept): both survive.
+    drop(volume);
+    let reopened = reopen_and_expect(&storage, &pattern(3, 4096));
+    reopened.read(4096, &mut buf).expect("read");
+    assert!(buf == pattern(5, 4096), "the acknowledged write was lost");
+    reopened
+        .write(8192, &[1u8; 4096], true)
+        .expect("writable after reopen");
 }
 
 #[test]

@@ -8,6 +8,7 @@
 pub mod context;
 pub mod dirty;
 pub mod guard;
+pub mod held;
 pub mod journal;
 pub mod layout;
 pub mod mirror;

@@ -78,6 +78,13 @@ fn written_map_table_matches_code() {
 }
 
 #[test]
+fn held_log_tables_match_code() {
+    use vouch_format::held::{HeldHeader, RecordHeader};
+    assert_matches("### Held log slot header", HeldHeader::FIELDS);
+    assert_matches("### Held log record header", RecordHeader::FIELDS);
+}
+
+#[test]
 fn the_checker_catches_a_wrong_row() {
     let doc = "### T\n\n| offset | size | field |\n|---|---|---|\n| 0 | 8 | magic |\n| 8 | 4 | version |\n";
     let rows = table_after(doc, "### T");

@@ -10,9 +10,18 @@
 //! since the floor). An operation in flight has its new values appended
 //! before it starts and its floor raised only after it returns.
 //!
+//! Two kinds of crash (docs/CRASH_MODEL.md, "Two failures"). A *power
+//! cut* keeps what was synced plus any subset of the rest (the floor
+//! above). A *crash of the process alone* keeps every write that returned
+//! and the held log, and must keep every acknowledged write: after it a
+//! block reads its last acknowledged value or a later one in flight
+//! (`Model::allowed_process`); a power cut during or after that recovery
+//! is checked against the power-cut floor.
+//!
 //! Crash points: right before every write, punch and sync the engine issues
-//! (sampled), and after every operation (every flush / FUA point gets one
-//! image per strategy). Each image is recovered with `Volume::open`, every
+//! (sampled; a third of them process crashes), and after every operation
+//! (every flush / FUA point gets one image per strategy and a process
+//! crash; other operations a process crash one time in two). Each image is recovered with `Volume::open`, every
 //! block is read, `check()` must list exactly the blocks that read as
 //! faults, a verify of a random range (`offload.rs`) must report exactly
 //! the blocks that failed to read and the proof digest of the bytes read
@@ -90,6 +99,10 @@ pub struct CrashConfig {
     /// volume is opened, so flushed data is lost in crash images. Every
     /// seed must then report a violation.
     pub sabotage_sync: bool,
+    /// Self-test only: the workload's held log is never written, as if
+    /// writes were acknowledged before it; process-crash images must then
+    /// find acknowledged writes lost.
+    pub sabotage_held: bool,
     /// Encrypted volumes (AES-256-GCM-SIV; the guard must be crc32c).
     pub encrypted: bool,
 }
@@ -107,6 +120,7 @@ impl CrashConfig {
             nested_permille: 40,
             after_permille: 40,
             sabotage_sync: false,
+            sabotage_held: false,
             encrypted: false,
         }
     }
@@ -131,6 +145,8 @@ pub struct Counters {
     pub during_recovery: AtomicU64,
     /// Images taken by a second crash after recovery, before close.
     pub after_recovery: AtomicU64,
+    /// Images of a crash of the process alone (kernel state kept).
+    pub process: AtomicU64,
     /// Blocks that read as a fault because the media tore them (sector tearing only).
     pub torn_faults: AtomicU64,
     pub ops: AtomicU64,
@@ -141,6 +157,7 @@ pub struct CrashReport {
     pub images: u64,
     pub during_recovery: u64,
     pub after_recovery: u64,
+    pub process: u64,
     pub torn_faults: u64,
     pub ops: u64,
     pub seeds: u64,
@@ -151,7 +168,7 @@ pub struct CrashReport {
 impl CrashReport {
     pub fn summary(&self, config: &CrashConfig) -> String {
         format!(
-            "crash: layout={}{} guard={} tearing={} seeds={} ops={} images={} (during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            "crash: layout={}{} guard={} tearing={} seeds={} ops={} images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
             config.layout.name(),
             if config.encrypted { " encrypted" } else { "" },
             config.guard.name(),
@@ -159,6 +176,7 @@ impl CrashReport {
             self.seeds,
             self.ops,
             self.images,
+            self.process,
             self.during_recovery,
             self.after_recovery,
             self.torn_faults,
@@ -199,6 +217,7 @@ pub fn run(config: &CrashConfig) -> CrashReport {
         images: counters.images.load(Ordering::Relaxed),
         during_recovery: counters.during_recovery.load(Ordering::Relaxed),
         after_recovery: counters.after_recovery.load(Ordering::Relaxed),
+        process: counters.process.load(Ordering::Relaxed),
         torn_faults: counters.torn_faults.load(Ordering::Relaxed),
         ops: counters.ops.load(Ordering::Relaxed),
         seeds: config.seeds,
@@ -226,11 +245,40 @@ enum Read {
 }
 
 impl Checker {
-    /// Recover `image` and check the contract on every block.
+    /// Recover `image` (a power cut's) and check the contract on every block.
     fn verify(
         &self,
         image: SimStorage,
         allowed: &Arc<Allowed>,
+        rng: &mut Rng,
+        depth: u32,
+        counters: &Arc<Counters>,
+    ) -> Result<(), String> {
+        self.verify_image(image, (allowed, allowed), rng, depth, counters)
+    }
+
+    /// Recover the image of a crash of the process alone (`process_image`):
+    /// every block must read what `process` allows (its last acknowledged
+    /// value or a later one); a power cut during or after that recovery
+    /// may still lose what `power` allows it to.
+    fn verify_process(
+        &self,
+        image: SimStorage,
+        (process, power): (&Arc<Allowed>, &Arc<Allowed>),
+        rng: &mut Rng,
+        depth: u32,
+        counters: &Arc<Counters>,
+    ) -> Result<(), String> {
+        counters.process.fetch_add(1, Ordering::Relaxed);
+        self.verify_image(image, (process, power), rng, depth, counters)
+    }
+
+    /// Recover `image`; its reads must be in `allowed`, and a second
+    /// crash taken during recovery (a power cut) in `crash_allowed`.
+    fn verify_image(
+        &self,
+        image: SimStorage,
+        (allowed, crash_allowed): (&Arc<Allowed>, &Arc<Allowed>),
         rng: &mut Rng,
         depth: u32,
         counters: &Arc<Counters>,
@@ -241,7 +289,7 @@ impl Checker {
         if depth == 0 && rng.below(1000) < self.nested_permille {
             // A second power loss at an I/O of the recovery itself.
             let checker = self.clone();
-            let allowed = allowed.clone();
+            let allowed = crash_allowed.clone();
             let nested = nested.clone();
             let mut hook_rng = rng.fork();
             let mut taken = 0u32;
@@ -379,6 +427,9 @@ struct Model {
     current: Vec<Vec<u8>>,
     versions: Vec<Vec<u64>>,
     floor: Vec<usize>,
+    /// Per block: the index in `versions` of its last acknowledged value
+    /// (what a process crash must keep).
+    acked: Vec<usize>,
 }
 
 impl Model {
@@ -388,6 +439,7 @@ impl Model {
             current: vec![vec![0u8; BLOCK]; blocks as usize],
             versions: vec![vec![zero]; blocks as usize],
             floor: vec![0; blocks as usize],
+            acked: vec![0; blocks as usize],
         }
     }
 
@@ -437,7 +489,28 @@ impl Model {
             let last = self.versions[lba].len() - 1;
             self.versions[lba].drain(..last);
             self.floor[lba] = 0;
+            self.acked[lba] = 0;
         }
+    }
+
+    /// The operation that wrote `blocks` returned: their newest values are
+    /// acknowledged.
+    fn make_acked(&mut self, blocks: impl Iterator<Item = usize>) {
+        for lba in blocks {
+            self.acked[lba] = self.versions[lba].len() - 1;
+        }
+    }
+
+    /// What may be read after a crash of the process alone: the last
+    /// acknowledged value of each block, or a later one (in flight).
+    fn allowed_process(&self) -> Arc<Allowed> {
+        Arc::new(
+            self.versions
+                .iter()
+                .zip(&self.acked)
+                .map(|(versions, acked)| versions[*acked..].to_vec())
+                .collect(),
+        )
     }
 
     /// What may be read once every block is durable: its newest value.
@@ -585,6 +658,8 @@ fn random_op(rng: &mut Rng, size: u64, reflink: bool) -> Op {
 struct HookState {
     rng: Rng,
     allowed: Arc<Allowed>,
+    /// What a process crash now must keep (`Model::allowed_process`).
+    process: Arc<Allowed>,
     violation: Option<String>,
     doing: String,
 }
@@ -642,6 +717,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     let state = Arc::new(Mutex::new(HookState {
         rng: rng.fork(),
         allowed: model.allowed(),
+        process: model.allowed_process(),
         violation: None,
         doing: "open".into(),
     }));
@@ -656,6 +732,21 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
                 return;
             }
             let state = &mut *state;
+            if state.rng.chance(1, 3) {
+                // The process dies here, before this I/O; the kernel lives.
+                let image = process_image(sim);
+                let allowed = (&state.process, &state.allowed);
+                if let Err(error) =
+                    checker.verify_process(image, allowed, &mut state.rng, 0, &counters_static)
+                {
+                    state.violation = Some(format!(
+                        "process crash inside {} ({} pending ops): {error}",
+                        state.doing,
+                        order.len()
+                    ));
+                }
+                return;
+            }
             let strategy = STRATEGIES[state.rng.below(4) as usize];
             let image = crash_image(sim, order, strategy, checker.unit, &mut state.rng);
             if let Err(error) =
@@ -673,6 +764,9 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         .map_err(|error| format!("open failed: {error}"))?;
     if config.sabotage_sync {
         recorder.sabotage_sync.store(true, Ordering::Relaxed);
+    }
+    if config.sabotage_held {
+        recorder.sabotage_held.store(true, Ordering::Relaxed);
     }
     let ops = rng.range(30, 90);
     for index in 0..ops {
@@ -766,6 +860,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             Op::Write { fua: true, .. } | Op::Trim { fua: true, .. } | Op::Zeroes { fua: true, .. }
         );
         let point = durable_all || fua;
+        model.make_acked(touched.iter().copied());
         if durable_all {
             model.make_durable(0..blocks as usize);
         } else if fua {
@@ -783,6 +878,15 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             Vec::new()
         };
         let order = recorder.order();
+        if point || state.rng.chance(1, 2) {
+            // The process dies between operations: every acknowledged
+            // write must read back, flushed or not.
+            let image = process_image(&recorder.sim);
+            let allowed = (&state.process, &state.allowed);
+            checker
+                .verify_process(image, allowed, &mut state.rng, 0, counters)
+                .map_err(|error| format!("process crash after {doing}: {error}"))?;
+        }
         for strategy in strategies {
             let image = crash_image(
                 &recorder.sim,
@@ -820,5 +924,13 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
 fn set_allowed(state: &Mutex<HookState>, model: &Model, doing: &str) {
     let mut state = state.lock();
     state.allowed = model.allowed();
+    state.process = model.allowed_process();
     state.doing = doing.to_string();
+}
+
+/// What a crash of the vouch process leaves: every write that returned,
+/// synced or not (the kernel keeps them), and the held log; nothing of the
+/// process's memory.
+fn process_image(sim: &SimStorage) -> SimStorage {
+    sim.duplicate()
 }

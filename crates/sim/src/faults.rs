@@ -968,9 +968,15 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
         return Ok(volume);
     };
     let mut outcome = Outcome::Detected;
+    // The held log (the storage's `Held` objects) fails the same ways and
+    // says it is the held log that failed.
+    let held_full = |error: &Error| matches!(error, Error::HeldLog { cause, .. } if cause.kind() == std::io::ErrorKind::StorageFull);
     let right_error = match kind {
-        Kind::WriteError => matches!(error, Error::Io { .. }),
-        _ => matches!(error, Error::NoSpace { .. }),
+        Kind::WriteError => {
+            matches!(error, Error::Io { .. })
+                || (matches!(error, Error::HeldLog { .. }) && !held_full(&error))
+        }
+        _ => matches!(error, Error::NoSpace { .. }) || held_full(&error),
     };
     if !right_error {
         cx.violation(format!("{}: the client got {error}", kind.label()));

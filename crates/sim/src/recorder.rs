@@ -26,6 +26,10 @@ pub struct Recorder {
     /// Sabotage for self-tests: `sync` succeeds without syncing, the way a
     /// store that ignores flushes would. The crash checker must catch it.
     pub sabotage_sync: std::sync::atomic::AtomicBool,
+    /// Sabotage for self-tests: writes to the held log succeed without
+    /// writing, the way an engine that acknowledged before logging would
+    /// leave it. Process-crash images must catch it.
+    pub sabotage_held: std::sync::atomic::AtomicBool,
 }
 
 impl Recorder {
@@ -36,6 +40,7 @@ impl Recorder {
             bytes_written: AtomicU64::new(0),
             hook: Mutex::new(None),
             sabotage_sync: std::sync::atomic::AtomicBool::new(false),
+            sabotage_held: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -70,11 +75,26 @@ impl Storage for Recorder {
 
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
         self.crash_point();
+        if matches!(object, ObjectId::Held(_)) && self.sabotage_held.load(Ordering::Relaxed) {
+            return Ok(());
+        }
         self.sim.write_at(object, offset, data)?;
         self.order.lock().push(object);
         self.bytes_written
             .fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn has_held(&self) -> bool {
+        self.sim.has_held()
+    }
+
+    fn boot_id(&self) -> [u8; 16] {
+        self.sim.boot_id()
+    }
+
+    fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
+        self.sim.object_len(object)
     }
 
     fn sync(&self, object: ObjectId) -> io::Result<()> {

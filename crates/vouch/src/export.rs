@@ -49,8 +49,13 @@ pub fn to_export_error(error: Error) -> ExportError {
         }
         Error::ReadOnly(_) => ExportError::new(Errno::Perm, error.to_string()),
         Error::NoSpace { .. } => ExportError::new(Errno::NoSpc, error.to_string()),
+        // A full held log (tmpfs) is a full disk to the client: ENOSPC.
+        Error::HeldLog { cause, .. } if cause.raw_os_error() == Some(libc::ENOSPC) => {
+            ExportError::new(Errno::NoSpc, error.to_string())
+        }
         Error::FailStopped(_)
         | Error::Io { .. }
+        | Error::HeldLog { .. }
         | Error::Corrupt(_)
         | Error::Unsupported(_)
         | Error::Key(_)

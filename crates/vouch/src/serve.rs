@@ -219,6 +219,13 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
                 report.blocks_unreadable.len()
             );
         }
+        if report.held_blocks > 0 {
+            eprintln!(
+                "vouch: {}: {} blocks a crashed vouch process had acknowledged were put back from its held log and committed",
+                path.display(),
+                report.held_blocks
+            );
+        }
         volumes.push(Arc::new(volume));
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -66,27 +66,6 @@ fn swap(file_a: &(PathBuf, u64), file_b: &(PathBuf, u64), length: usize) {
     file.sync_all().expect("sync");
 }
 
-/// `vouch check PATH --json` with extra arguments: (exit code, [(lba, kind)]).
-fn check_with(volume: &Path, extra: &[&str]) -> (i32, Vec<(u64, String)>) {
-    let mut args = vec!["check", s(volume), "--json"];
-    args.extend_from_slice(extra);
-    let output = vouch(&args);
-    let json: serde_json::Value = serde_json::from_slice(&output.stdout)
-        .unwrap_or_else(|e| panic!("check --json output ({e}): {}", text(&output)));
-    let faults = json["faults"]
-        .as_array()
-        .expect("faults")
-        .iter()
-        .map(|f| {
-            (
-                f["lba"].as_u64().expect("lba"),
-                f["kind"].as_str().expect("kind").to_string(),
-            )
-        })
-        .collect();
-    (output.status.code().expect("exit code"), faults)
-}
-
 const MARKER: &str = "vouch-known-plaintext-marker-0123456789";
 
 fn plaintext_and_damage(layout: &str) {
@@ -226,7 +205,7 @@ print(json.dumps(out))
     // `vouch check` with the key lists all six; the swap is an
     // authentication failure. Without the key the swap goes unseen (each
     // block is consistent with its own context) but the flips do not.
-    let (code, faults) = check_with(&volume, &["--key-file", s(&key)]);
+    let (code, faults) = check_faults_with(&volume, &["--key-file", s(&key)]);
     assert_eq!(code, 1);
     let expected: Vec<(u64, String)> = [
         (3, "guard_mismatch"),
@@ -240,7 +219,7 @@ print(json.dumps(out))
     .map(|(lba, kind)| (*lba, kind.to_string()))
     .collect();
     assert_eq!(faults, expected, "{layout}");
-    let (code, faults) = check_with(&volume, &["--keyless"]);
+    let (code, faults) = check_faults_with(&volume, &["--keyless"]);
     assert_eq!(code, 1);
     assert_eq!(faults, expected[..4].to_vec(), "{layout}: keyless");
 }

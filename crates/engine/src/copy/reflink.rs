@@ -25,14 +25,15 @@
 //!    guard, reference tag = destination LBA, this record's generation;
 //!    zero-reading blocks as range entries) is written and fsynced —
 //!    ORDER POINT A;
-//! 4. for each piece: the destination range's buffered writes are dropped
-//!    (the copy supersedes them) and the piece is marked `cloning`, so its
+//! 4. for each piece: the piece is marked `cloning`, so its
 //!    readers wait (a read that had already started and sees new data
 //!    under an old context re-plans, and waits too) while the "home
 //!    write" runs: data runs cloned, zero runs trimmed like a trim's (no
 //!    fsync: the next flush syncs the destination's segments, ORDER POINT
 //!    B; a clone refused now is written instead from the source blocks,
-//!    read and verified again, so the record stays true); then the piece's
+//!    read and verified again, so the record stays true); then the
+//!    destination range's buffered writes are dropped (the copy supersedes
+//!    them; a drop record in the held log says so too), the piece's
 //!    contexts are published and `cloning` cleared.
 //!
 //! A crash before 3 leaves the destination untouched. After 3, recovery
@@ -581,11 +582,7 @@ fn home_piece(
 ) -> Result<()> {
     let shared = &destination.shared;
     let (target, count) = (piece.blocks.destination, piece.blocks.count);
-    {
-        let mut state = shared.state.write();
-        state.drop_buffered(target, target + count);
-        state.cloning = Some(target..target + count);
-    }
+    shared.state.write().cloning = Some(target..target + count);
     clone_home(
         source,
         destination,
@@ -614,7 +611,16 @@ fn home_piece(
             &mut journal.unsynced,
         )?;
     }
+    // The piece is home (in the kernel): the destination's buffered writes
+    // it replaces are dropped now, and with a drop record in the held log
+    // under the same locks, so a crash of the process replays neither
+    // them over the copy nor a write buffered after it. (Dropped before
+    // the clone, a crash in between would have lost them while the copy
+    // reverted to the old home blocks.)
+    let mut held = shared.held.lock();
+    let dropped = held.append_drop(&shared.io, target, count);
     let mut state = shared.state.write();
+    state.drop_buffered(target, target + count);
     state.contexts.reserve(piece.new_contexts.len());
     for (index, context) in piece.new_contexts.iter().enumerate() {
         if let Some(context) = context {
@@ -627,7 +633,11 @@ fn home_piece(
             .set_range(range.start, range.end, range.template);
     }
     state.cloning = None;
-    Ok(())
+    drop(state);
+    drop(held);
+    // A held log that missed the drop would bring the writes back after a
+    // crash of the process: stop accepting writes instead.
+    dropped.map_err(|error| shared.io.fail_stop(error))
 }
 
 fn block(data: &[u8], index: usize) -> &[u8] {

@@ -51,6 +51,11 @@ pub struct FileStorage {
     data: Vec<File>,
     /// The written map; `None` in a volume made before it, opened read-only.
     written: Option<File>,
+    /// The held log's slots (`HeldFiles`), outside the directory: those a
+    /// previous process of this boot left, or made by `prepare_held`.
+    held: OnceLock<HeldFiles>,
+    /// Opened for writing (so it can make the held log).
+    writable: bool,
     direct: bool,
     /// Direct writes: the ring and the envelope arena (writes to data are
     /// serialized by the engine's commit lock anyway).
@@ -97,8 +102,9 @@ impl FileStorage {
                 ObjectId::Journal => journal_bytes,
                 ObjectId::Contexts => geometry.contexts_len(),
                 ObjectId::Data(segment) => geometry.segment_len(segment),
-                // Written by the volume's first open (it starts empty).
-                ObjectId::Written => 0,
+                // Written by the volume's first open (it starts empty); the
+                // held log is not in the directory (`HeldFiles`).
+                ObjectId::Written | ObjectId::Held(_) => 0,
             };
             file.set_len(len)?;
             if object == ObjectId::Journal {
@@ -220,6 +226,10 @@ impl FileStorage {
         };
         let superblock = open(ObjectId::Superblock)?;
         lock_volume(&superblock, dir, writable)?;
+        let held = OnceLock::new();
+        if let Some(files) = HeldFiles::find(dir, writable)? {
+            let _ = held.set(files);
+        }
         Ok(FileStorage {
             dir: dir.to_path_buf(),
             superblock,
@@ -233,6 +243,8 @@ impl FileStorage {
                 .map(|segment| open(ObjectId::Data(segment)))
                 .collect::<io::Result<_>>()?,
             written,
+            held,
+            writable,
             direct,
             writer: Mutex::new(DirectWriter::default()),
             reads: OnceLock::new(),
@@ -253,8 +265,167 @@ impl FileStorage {
                 .get(segment as usize)
                 .ok_or_else(|| no_object(object)),
             ObjectId::Written => self.written.as_ref().ok_or_else(|| no_object(object)),
+            ObjectId::Held(slot) => self
+                .held
+                .get()
+                .and_then(|held| held.files.get(slot as usize))
+                .ok_or_else(|| no_object(object)),
         }
     }
+}
+
+/// The held log's two slot files (`ObjectId::Held`, `held.rs`). They live
+/// in memory that outlives the process but not the machine: the first of
+/// `$VOUCH_RUNTIME_DIR`, systemd's `$RUNTIME_DIRECTORY`, `/dev/shm`, the
+/// temporary directory; named after the volume directory's device and
+/// inode (`vouch-DEV-INO.held0`/`.held1`, mode 0600). The directory's
+/// `held` file records where they are and under which boot
+/// (`BOOT_ID PREFIX`), so a restart in the same boot finds them wherever
+/// the previous process put them; after a reboot they are gone, as a
+/// power cut takes what was not flushed.
+struct HeldFiles {
+    files: [File; 2],
+    paths: [PathBuf; 2],
+    pointer: PathBuf,
+}
+
+/// The file in a volume directory that says where its held log is.
+pub const HELD_POINTER: &str = "held";
+
+impl HeldFiles {
+    /// The slots a process of this boot left (the directory's `held` file
+    /// names them), if any. Nothing is created: a refused open leaves the
+    /// volume as it was (`prepare_held` makes them).
+    fn find(dir: &Path, writable: bool) -> io::Result<Option<HeldFiles>> {
+        let pointer = dir.join(HELD_POINTER);
+        let boot = boot_text();
+        let prefix = match std::fs::read_to_string(&pointer) {
+            Ok(text) => text
+                .trim_end_matches('\n')
+                .split_once(' ')
+                .filter(|(recorded_boot, _)| *recorded_boot == boot)
+                .map(|(_, prefix)| PathBuf::from(prefix)),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => None,
+            Err(error) => {
+                return Err(io::Error::new(
+                    error.kind(),
+                    format!("{}: {error}", pointer.display()),
+                ))
+            }
+        };
+        let Some(prefix) = prefix else {
+            return Ok(None);
+        };
+        let paths = slot_paths(&prefix);
+        if let Some(missing) = paths.iter().find(|path| !path.exists()) {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!(
+                    "{} is missing: {} says the writes a vouch process acknowledged and had not yet committed were held there (in memory, since this machine booted), and they cannot be recovered without it; to open the volume without them, remove {}",
+                    missing.display(),
+                    pointer.display(),
+                    pointer.display()
+                ),
+            ));
+        }
+        let files = [
+            open_slot(&paths[0], writable, false)?,
+            open_slot(&paths[1], writable, false)?,
+        ];
+        Ok(Some(HeldFiles {
+            files,
+            paths,
+            pointer,
+        }))
+    }
+
+    /// New, empty slots for a writable open, and the directory's `held`
+    /// file naming them (written whole, then renamed into place).
+    fn create(dir: &Path) -> io::Result<HeldFiles> {
+        let prefix = held_prefix(dir)?;
+        let paths = slot_paths(&prefix);
+        let files = [
+            open_slot(&paths[0], true, true)?,
+            open_slot(&paths[1], true, true)?,
+        ];
+        let pointer = dir.join(HELD_POINTER);
+        let text = format!("{} {}\n", boot_text(), prefix.display());
+        let temporary = dir.join(format!("{HELD_POINTER}.new"));
+        std::fs::write(&temporary, text)
+            .and_then(|()| std::fs::rename(&temporary, &pointer))
+            .map_err(|error| {
+                io::Error::new(error.kind(), format!("{}: {error}", pointer.display()))
+            })?;
+        Ok(HeldFiles {
+            files,
+            paths,
+            pointer,
+        })
+    }
+
+    /// After a clean close: the pointer first (a crash between leaves
+    /// files nobody points at, emptied by the close's commit), then the
+    /// slots.
+    fn release(&self) -> io::Result<()> {
+        for path in std::iter::once(&self.pointer).chain(&self.paths) {
+            match std::fs::remove_file(path) {
+                Ok(()) => {}
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    return Err(io::Error::new(
+                        error.kind(),
+                        format!("{}: {error}", path.display()),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn boot_text() -> String {
+    uuid::Uuid::from_bytes(super::current_boot_id())
+        .hyphenated()
+        .to_string()
+}
+
+fn slot_paths(prefix: &Path) -> [PathBuf; 2] {
+    [0, 1].map(|slot| {
+        let mut name = prefix.as_os_str().to_owned();
+        name.push(format!(".held{slot}"));
+        PathBuf::from(name)
+    })
+}
+
+fn open_slot(path: &Path, writable: bool, fresh: bool) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(writable)
+        .create(fresh)
+        .truncate(fresh)
+        .mode(0o600)
+        .open(path)
+        .map_err(|error| io::Error::new(error.kind(), format!("{}: {error}", path.display())))
+}
+
+/// Where a volume directory's held log goes: see `HeldFiles`.
+fn held_prefix(dir: &Path) -> io::Result<PathBuf> {
+    use std::os::unix::fs::MetadataExt as _;
+    let runtime = std::env::var_os("VOUCH_RUNTIME_DIR")
+        .filter(|value| !value.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var("RUNTIME_DIRECTORY")
+                .ok()
+                .and_then(|value| value.split(':').next().map(PathBuf::from))
+                .filter(|path| !path.as_os_str().is_empty())
+        })
+        .or_else(|| Some(PathBuf::from("/dev/shm")).filter(|path| path.is_dir()))
+        .unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&runtime)
+        .map_err(|error| io::Error::new(error.kind(), format!("{}: {error}", runtime.display())))?;
+    let metadata = std::fs::metadata(dir)?;
+    Ok(runtime.join(format!("vouch-{}-{}", metadata.dev(), metadata.ino())))
 }
 
 /// One writer or any number of readers per volume, across processes: an
@@ -517,6 +688,26 @@ impl Storage for FileStorage {
             // No such object (a volume made before the written map).
             Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(Some(0)),
             Err(error) => Err(error),
+        }
+    }
+
+    fn has_held(&self) -> bool {
+        self.writable || self.held.get().is_some()
+    }
+
+    fn prepare_held(&self) -> io::Result<()> {
+        if self.held.get().is_some() {
+            return Ok(());
+        }
+        let files = HeldFiles::create(&self.dir)?;
+        let _ = self.held.set(files);
+        Ok(())
+    }
+
+    fn release_held(&self) -> io::Result<()> {
+        match self.held.get() {
+            Some(held) => held.release(),
+            None => Ok(()),
         }
     }
 

@@ -32,6 +32,10 @@ pub enum ObjectId {
     Data(u32),
     /// The written map (volumes with the WRITTEN_MAP flag).
     Written,
+    /// A slot (0 or 1) of the held log (`held.rs`): kept in memory that
+    /// outlives the process, not in the volume directory, and lost with
+    /// the machine (a power cut).
+    Held(u8),
 }
 
 impl ObjectId {
@@ -42,6 +46,7 @@ impl ObjectId {
             ObjectId::Contexts => "contexts".to_string(),
             ObjectId::Data(segment) => Geometry::segment_name(segment),
             ObjectId::Written => "written".to_string(),
+            ObjectId::Held(slot) => format!("held{slot}"),
         }
     }
 }
@@ -183,6 +188,33 @@ pub trait Storage: Send + Sync {
         let _ = (object, offset, len);
     }
 
+    /// Whether this storage keeps the held log's slots (`ObjectId::Held`):
+    /// memory that survives the process but not the machine. The default
+    /// has none, and a volume on it keeps acknowledged writes only in its
+    /// write-back buffer until they commit.
+    fn has_held(&self) -> bool {
+        false
+    }
+
+    /// The running kernel's boot (`/proc/sys/kernel/random/boot_id`): the
+    /// held log's slots are believed only within the boot that wrote them.
+    fn boot_id(&self) -> [u8; 16] {
+        current_boot_id()
+    }
+
+    /// Make the held log's slots if this storage keeps them where a new
+    /// process can find them (a writable open, before anything is
+    /// appended). The default has nothing to make.
+    fn prepare_held(&self) -> io::Result<()> {
+        Ok(())
+    }
+
+    /// The volume was closed cleanly: the held log's slots (empty now)
+    /// and whatever points at them may go. The default does nothing.
+    fn release_held(&self) -> io::Result<()> {
+        Ok(())
+    }
+
     /// The open file behind `object`, when this storage is backed by files
     /// (a reflink from another volume's storage needs its descriptor).
     fn file_of(&self, object: ObjectId) -> Option<&std::fs::File> {
@@ -277,6 +309,15 @@ impl Run<'_> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The running kernel's boot id (zero if the kernel does not say).
+pub fn current_boot_id() -> [u8; 16] {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .and_then(|text| uuid::Uuid::parse_str(text.trim()).ok())
+        .map(|id| *id.as_bytes())
+        .unwrap_or([0; 16])
 }
 
 /// The objects a volume of this geometry has.

@@ -6,7 +6,9 @@
 //!
 //! `crash_image` builds the state a power loss could leave: the durable
 //! bytes plus any chosen subset of the unsynced writes, each whole, dropped
-//! or torn at 512-byte sector granularity.
+//! or torn at 512-byte sector granularity, and no held log (it is memory).
+//! `duplicate` is what a crash of the process alone leaves: every write
+//! that returned, synced or not, and the held log.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -219,6 +221,10 @@ impl SimStorage {
         let state = self.state.lock();
         let mut objects = BTreeMap::new();
         for (id, object) in &state.objects {
+            if matches!(id, ObjectId::Held(_)) {
+                // Memory that outlives the process, not the machine.
+                continue;
+            }
             let mut bytes = object.durable.clone();
             for (index, op) in object.pending.iter().enumerate() {
                 let mask = choose(*id, index, op);
@@ -458,8 +464,22 @@ impl Storage for SimStorage {
             .map_or(0, |entry| entry.live.allocated()))
     }
 
+    fn has_held(&self) -> bool {
+        true
+    }
+
+    /// One boot for the simulation: a power cut (`crash_image`) takes the
+    /// held log with it instead.
+    fn boot_id(&self) -> [u8; 16] {
+        [0x5e; 16]
+    }
+
     fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
         let state = self.state.lock();
+        if let ObjectId::Held(_) = object {
+            // Held slots grow as written; their length is how far.
+            return Ok(state.objects.get(&object).map(|entry| entry.live.end()));
+        }
         if state.removed.contains(&object) {
             return Err(io::Error::new(
                 io::ErrorKind::NotFound,

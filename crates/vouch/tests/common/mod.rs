@@ -191,7 +191,14 @@ pub fn info_json(volume: &Path) -> serde_json::Value {
 
 /// `vouch check PATH --json`: (exit code, [(lba, kind)]).
 pub fn check_faults(volume: &Path) -> (i32, Vec<(u64, String)>) {
-    let output = vouch(&["check", s(volume), "--json"]);
+    check_faults_with(volume, &[])
+}
+
+/// `check_faults` with more arguments (a key file).
+pub fn check_faults_with(volume: &Path, extra: &[&str]) -> (i32, Vec<(u64, String)>) {
+    let mut args = vec!["check", s(volume), "--json"];
+    args.extend(extra);
+    let output = vouch(&args);
     let json: serde_json::Value = serde_json::from_slice(&output.stdout)
         .unwrap_or_else(|e| panic!("check --json output ({e}): {}", text(&output)));
     let faults = json["faults"]
