@@ -566,6 +566,10 @@ fn sigterm_cancels_jobs_keeps_the_scrub_cursor_and_closes_cleanly() {
     let mut response = Vec::new();
     poll.read_to_end(&mut response)
         .expect("the long-poll's answer");
+    assert!(
+        !response.is_empty(),
+        "the shutdown closed the long-poll unanswered"
+    );
     let (status, job) = parse_response(&response);
     assert_eq!(status, 200, "{job}");
     assert_eq!(job["state"], "cancelled", "{job}");
