@@ -337,6 +337,8 @@ print(json.dumps({"reads": n}))
 /// ceiling, while a client reads without pause the whole time, takes at
 /// least 6 MiB / 2 MiB/s (the ceiling would take milliseconds) and ends
 /// while the client still reads (it stops only once told, after that).
+/// How long a resync under load takes, and what it costs the client, is
+/// bench/resync-online.sh's to measure.
 #[test]
 fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
     let dir = tempfile::tempdir().expect("tempdir");
