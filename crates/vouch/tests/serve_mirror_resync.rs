@@ -332,6 +332,38 @@ while not os.path.exists(stop):
 print(json.dumps({"reads": n}))
 "#;
 
+/// Run the client `script` (`READER` or `WRITER`) on a thread against
+/// `uri` and return once it has started: the file that stops it (once it
+/// exists) and the thread, which yields the JSON it printed.
+fn start_client(
+    dir: &Path,
+    uri: &str,
+    script: &'static str,
+    what: &'static str,
+) -> (PathBuf, std::thread::JoinHandle<Value>) {
+    let (stop, started) = (dir.join("stop"), dir.join("started"));
+    let client = {
+        let (uri, stop, started) = (uri.to_string(), stop.clone(), started.clone());
+        std::thread::spawn(move || {
+            let output = py_timeout(
+                script,
+                &[&uri, s(&stop), s(&started)],
+                Duration::from_secs(120),
+            );
+            assert!(output.status.success(), "{what}: {}", text(&output));
+            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+            serde_json::from_str::<Value>(stdout.trim())
+                .unwrap_or_else(|error| panic!("{what}'s JSON ({error}): {stdout}"))
+        })
+    };
+    wait_until(
+        &format!("the {what} to start"),
+        Duration::from_secs(30),
+        || started.exists(),
+    );
+    (stop, client)
+}
+
 /// Under client I/O the resync runs at its floor, not its ceiling, and the
 /// floor keeps it moving: 6 MiB with a 2 MiB/s floor and a 1 GiB/s
 /// ceiling, while a client reads without pause the whole time, takes at
@@ -343,23 +375,7 @@ print(json.dumps({"reads": n}))
 fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut server, _) = six_mib_marked_then_leg_1_back(dir.path(), "2M", "1G");
-    let (stop, started) = (dir.path().join("stop"), dir.path().join("started"));
-    let reader = {
-        let (uri, stop, started) = (server.uri.clone(), stop.clone(), started.clone());
-        std::thread::spawn(move || {
-            let output = py_timeout(
-                READER,
-                &[&uri, s(&stop), s(&started)],
-                Duration::from_secs(120),
-            );
-            assert!(output.status.success(), "reader: {}", text(&output));
-            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-            serde_json::from_str::<Value>(stdout.trim()).expect("reader's JSON")
-        })
-    };
-    wait_until("the reader to start", Duration::from_secs(30), || {
-        started.exists()
-    });
+    let (stop, reader) = start_client(dir.path(), &server.uri, READER, "reader");
     let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
     let control = control_args(&server);
     args.extend(control.iter().map(String::as_str));
@@ -543,23 +559,7 @@ print(json.dumps({"before_stop": n - after, "after_stop": after, "last": last}))
 fn client_writes_without_pause_during_a_resync_land_on_both_legs_and_it_ends() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut server, b) = six_mib_marked_then_leg_1_back(dir.path(), "1M", "2M");
-    let (stop, started) = (dir.path().join("stop"), dir.path().join("started"));
-    let writer = {
-        let (uri, stop, started) = (server.uri.clone(), stop.clone(), started.clone());
-        std::thread::spawn(move || {
-            let output = py_timeout(
-                WRITER,
-                &[&uri, s(&stop), s(&started)],
-                Duration::from_secs(120),
-            );
-            assert!(output.status.success(), "writer: {}", text(&output));
-            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-            serde_json::from_str::<Value>(stdout.trim()).expect("writer's JSON")
-        })
-    };
-    wait_until("the writer to start", Duration::from_secs(30), || {
-        started.exists()
-    });
+    let (stop, writer) = start_client(dir.path(), &server.uri, WRITER, "writer");
     let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
     let control = control_args(&server);
     args.extend(control.iter().map(String::as_str));
