@@ -171,6 +171,11 @@ fn a_scrub_keeps_its_rate_and_backs_off_for_foreground_io() {
         started.elapsed()
     );
 
+    // The scrub reads the foreground counter once before it starts and
+    // after each chunk it read (it skips holes: the 1024 blocks written);
+    // after a back-off it reads it again, so the reads of the counter
+    // tell how often it backed off.
+    let chunks = 1024 / vouch_engine::jobs::SCAN_CHUNK_BLOCKS;
     // Foreground requests arriving all the time: every chunk waits for them.
     let requests = Arc::new(AtomicU64::new(0));
     let counter = requests.clone();
@@ -185,17 +190,26 @@ fn a_scrub_keeps_its_rate_and_backs_off_for_foreground_io() {
         backed_off >= vouch_engine::scrub::FOREGROUND_BACKOFF * 4,
         "{backed_off:?}"
     );
-    // No foreground requests: no waiting.
+    assert_eq!(
+        requests.load(Ordering::Relaxed),
+        1 + 2 * chunks,
+        "a back-off after each of the {chunks} chunks"
+    );
+    // No foreground requests: no back-off.
+    let looked = Arc::new(AtomicU64::new(0));
+    let counter = looked.clone();
     let quiet = ScrubOptions {
         rate_bytes_per_second: None,
-        foreground: Some(Arc::new(|| 7)),
+        foreground: Some(Arc::new(move || {
+            counter.fetch_add(1, Ordering::Relaxed);
+            7
+        })),
     };
-    let started = Instant::now();
     scrub(&volume, &path, &quiet, &JobControl::default()).expect("scrub");
-    assert!(
-        started.elapsed() < backed_off,
-        "{:?} vs {backed_off:?}",
-        started.elapsed()
+    assert_eq!(
+        looked.load(Ordering::Relaxed),
+        1 + chunks,
+        "no back-off over {chunks} quiet chunks"
     );
 }
 
@@ -301,7 +315,9 @@ fn a_scrub_refuses_a_read_only_directory_and_a_second_scrub() {
         let (volume, path, control) = (volume.clone(), path.clone(), control.clone());
         std::thread::spawn(move || scrub(&*volume, &path, &options, &control))
     };
+    let deadline = Instant::now() + Duration::from_secs(30);
     while !entered.load(Ordering::Relaxed) {
+        assert!(Instant::now() < deadline, "the first scrub never started");
         std::thread::sleep(Duration::from_millis(1));
     }
     let error = scrub(

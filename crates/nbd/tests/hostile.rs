@@ -8,8 +8,8 @@ use std::net::TcpStream;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{TestOptions, TestServer};
-use vouch_nbd::wire::{self, Request};
+use common::{wait_until, TestOptions, TestServer};
+use vouch_nbd::wire::{self, Command, Request};
 use vouch_nbd::Limits;
 
 fn connect(server: &TestServer) -> TcpStream {
@@ -302,7 +302,13 @@ fn client_that_never_reads_does_not_stall_others() {
             break;
         }
     }
-    std::thread::sleep(Duration::from_millis(200));
+    // Until the server has answered 8 of them: the stubborn connection has
+    // had its whole 8 MiB budget in flight at least once.
+    wait_until(
+        "8 of the stubborn client's reads answered",
+        Duration::from_secs(30),
+        || server.metrics.requests(Command::Read) >= 8,
+    );
     for byte in 0..4 {
         healthy_round_trip(&server, 0x70 + byte);
     }
@@ -356,7 +362,8 @@ fn large_writes_trickled_then_a_lone_small_request() {
         let offset = (round * MIB) as u64;
         request(&mut stream, 1, 0, round as u64, offset, MIB as u32);
         let payload = vec![byte; MIB];
-        // Uneven pieces with pauses: the server sees partial payloads.
+        // Uneven pieces with pauses (a slow client, not a
+        // synchronisation): the server sees partial payloads.
         for piece in payload.chunks(300 * 1024 + 7) {
             stream.write_all(piece).unwrap();
             std::thread::sleep(Duration::from_millis(30));

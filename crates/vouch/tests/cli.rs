@@ -121,16 +121,12 @@ fn import_check_export_round_trip_both_layouts() {
 }
 
 #[test]
-fn create_is_sparse_and_instant_at_16_tib() {
+fn create_at_16_tib_is_sparse() {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("big");
-    let started = std::time::Instant::now();
+    // What makes it quick is what is asserted: it allocates (so writes)
+    // almost nothing.
     ok(&["create", s(&volume), "--size", "16TiB"]);
-    assert!(
-        started.elapsed().as_secs() < 5,
-        "create took {:?}",
-        started.elapsed()
-    );
     let info: serde_json::Value =
         serde_json::from_str(&ok(&["info", s(&volume), "--json"])).expect("json");
     assert_eq!(info["size_bytes"], 16u64 << 40);

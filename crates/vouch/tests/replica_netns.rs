@@ -267,16 +267,18 @@ impl CutLink {
         qemu_io_ok(&self.net.exporter, &self.uri, commands);
     }
 
-    /// The requests after the cut waited for the timeout (`took`), the leg
-    /// was taken out as stale and says so, and the exporter stops cleanly.
+    /// The requests after the cut waited out the 2 s timeout (`took`, at
+    /// least that; qemu-io's run_timeout is the hang guard), the leg was
+    /// taken out as stale for it and says so, and the exporter stops
+    /// cleanly.
     fn assert_timed_out_and_stale(mut self, took: Duration) {
         assert!(
-            took >= Duration::from_secs(2) && took < Duration::from_secs(30),
-            "the writes waited {took:?} for the timeout"
+            took >= Duration::from_secs(2),
+            "the writes finished after {took:?}, before the 2 s timeout"
         );
         let log = self.exporter.log_text();
         assert!(
-            log.contains("STALE (unreachable)") && log.contains("timed out"),
+            log.contains("STALE (unreachable)") && log.contains("timed out after 2s"),
             "{log}"
         );
         let output = vouch_in(Some(&self.net.exporter), &["mirror", "status", s(&self.a)]);

@@ -2,14 +2,12 @@
 //! NBD client writes through the mirror's completion path: the NBD
 //! reactor that starts those writes never waits on the full socket
 //! (`replica/src/plain.rs`), so another client's reads keep being
-//! answered at once; the remote leg is taken out as stale when
-//! `--replica-timeout` runs out, and only then are the writes
+//! answered while those writes wait; the remote leg is taken out as stale
+//! when `--replica-timeout` runs out, and only then are the writes
 //! acknowledged, each on the local leg (the only live one).
 
 mod common;
 mod replica_support;
-
-use std::process::{Command, Stdio};
 
 use common::*;
 use replica_support::*;
@@ -19,7 +17,8 @@ const REPLICA_TIMEOUT: u64 = 4;
 
 /// Writes of `SIZE` bytes without FUA at `i + 1` MiB (i < COUNT), all in
 /// flight at once, each block `block_data(lba, TAG)`; prints when each
-/// write completed (seconds after the first was issued) and the errors.
+/// write completed (seconds after the first was issued), that start (`t0`,
+/// on the system's monotonic clock) and the errors.
 const WRITER: &str = r#"
 h = connect(sys.argv[1])
 count, size, tag = (int(a) for a in sys.argv[2:5])
@@ -41,26 +40,27 @@ while pending:
         done.append(time.monotonic() - t0)
         del pending[cookie]
 h.flush()
-print(json.dumps({"done": done, "errors": errors}))
+print(json.dumps({"t0": t0, "done": done, "errors": errors}))
 "#;
 
-/// 4 KiB reads of blocks 0..256 (written with tag 900 + lba) for
-/// `SECONDS`: the slowest read (or connect), and the blocks that read
-/// back wrong.
+/// 4 KiB reads of blocks 0..256 (written with tag 900 + lba) without
+/// pause until the file `argv[2]` exists; touches `argv[3]` after its
+/// first 16 reads. Prints when each read was answered (on the system's
+/// monotonic clock, which the writer's `t0` shares) and the blocks that
+/// read back wrong.
 const READER: &str = r#"
-t0 = time.monotonic()
 h = connect(sys.argv[1])
-worst = time.monotonic() - t0
-reads, bad, lba = 0, [], 0
-while time.monotonic() - t0 < float(sys.argv[2]):
-    t = time.monotonic()
+stop, started = sys.argv[2], sys.argv[3]
+answered, bad, lba = [], [], 0
+while not os.path.exists(stop):
     got = h.pread(4096, lba * 4096)
-    worst = max(worst, time.monotonic() - t)
+    answered.append(round(time.monotonic(), 4))
     if got != block_data(lba, 900 + lba):
         bad.append(lba)
     lba = (lba + 1) % 256
-    reads += 1
-print(json.dumps({"reads": reads, "worst": worst, "bad": bad}))
+    if len(answered) == 16:
+        open(started, "w").close()
+print(json.dumps({"answered": answered, "bad": bad}))
 "#;
 
 /// Which blocks of the `WRITER`'s writes do not read back as written.
@@ -110,6 +110,14 @@ print(json.dumps({"ok": True}))
     );
 
     replica.send_signal(libc::SIGSTOP);
+    // Another client reads without pause from before the writes start
+    // until they are all answered.
+    let (stop, started) = (dir.path().join("stop"), dir.path().join("started"));
+    let reader = {
+        let (uri, stop, started) = (uri.clone(), stop.clone(), started.clone());
+        std::thread::spawn(move || py_json(READER, &[&uri, s(&stop), s(&started)]))
+    };
+    wait_until("the reader to start", TIMEOUT, || started.exists());
     // 128 writes of 128 KiB, the most the completion path takes, each in
     // its own MiB (its own stripe: a write that finds its stripe held
     // takes a worker): 16 MiB, far more than the replica connection's
@@ -117,32 +125,10 @@ print(json.dumps({"ok": True}))
     // fill it: a connection has at most 256 requests in flight.)
     let (count, size, tag) = (128u64, 128u64 << 10, 7u64);
     let args = [count, size, tag].map(|n| n.to_string());
-    let writer = Command::new(python())
-        .arg("-c")
-        .arg(format!("{PY_PRELUDE}\n{WRITER}"))
-        .args([uri.as_str(), &args[0], &args[1], &args[2]])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the writer");
-    // Reads by another client while the writes wait for the replica.
-    let reads = py_json(
-        READER,
-        &[&uri, &(REPLICA_TIMEOUT as f64 * 0.75).to_string()],
-    );
-    assert_eq!(reads["bad"], serde_json::json!([]), "{reads}");
-    let worst = reads["worst"].as_f64().expect("worst");
-    assert!(
-        worst < 1.0,
-        "a read waited {worst:.2} s while the replica read nothing: {reads}\n{}",
-        exporter.log_text()
-    );
-
-    let output = wait_output(writer);
-    assert!(output.status.success(), "writer: {}", text(&output));
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let writes: serde_json::Value = serde_json::from_str(stdout.trim()).expect("writer JSON");
+    let writes = py_json(WRITER, &[uri.as_str(), &args[0], &args[1], &args[2]]);
+    std::fs::write(&stop, b"").expect("stop the reader");
+    let reads = reader.join().expect("reader thread");
+    assert_eq!(reads["bad"], serde_json::json!([]), "{}", reads["bad"]);
     assert_eq!(writes["errors"], serde_json::json!([]), "{writes}");
     let done: Vec<f64> = writes["done"]
         .as_array()
@@ -157,6 +143,24 @@ print(json.dumps({"ok": True}))
     assert!(
         earliest >= REPLICA_TIMEOUT as f64 * 0.9,
         "a write was acknowledged after {earliest:.2} s, before the replica timed out"
+    );
+    // Reads kept being answered while every write waited for the replica:
+    // over the last half of that wait, before the first write was
+    // acknowledged. A reactor stuck on the full replica socket answers
+    // none there (at most the one read it held, as it is let go).
+    let first_ack = writes["t0"].as_f64().expect("t0") + earliest;
+    let window = (first_ack - REPLICA_TIMEOUT as f64 / 2.0)..first_ack;
+    let answered = reads["answered"].as_array().expect("answered");
+    let during = answered
+        .iter()
+        .filter(|at| window.contains(&at.as_f64().expect("time")))
+        .count();
+    assert!(
+        during >= 10,
+        "{during} of {} reads answered in the {} s before the first write was: the reads waited for the replica\n{}",
+        answered.len(),
+        REPLICA_TIMEOUT as f64 / 2.0,
+        exporter.log_text()
     );
     let log = exporter.log_text();
     assert!(
@@ -175,13 +179,4 @@ print(json.dumps({"ok": True}))
     );
     replica.send_signal(libc::SIGCONT);
     replica.stop();
-}
-
-/// Wait (bounded) for `child` and collect its output.
-fn wait_output(mut child: std::process::Child) -> std::process::Output {
-    let status = wait_timeout(&mut child, TIMEOUT);
-    if status.is_none() {
-        let _ = child.kill();
-    }
-    child.wait_with_output().expect("output")
 }

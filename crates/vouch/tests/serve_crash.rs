@@ -457,11 +457,19 @@ fn sigkill_under_fio_randwrite() {
     let nbdcopy = tool("nbdcopy", "libnbd-bin");
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
-    for (layout, delay_ms) in [("split", 700), ("packed", 450)] {
+    for layout in ["split", "packed"] {
         let volume = volume.with_extension(layout);
         let mut server = Server::start(
             dir.path(),
-            &[s(&volume), "--create", "64MiB", "--layout", layout],
+            &[
+                s(&volume),
+                "--create",
+                "64MiB",
+                "--layout",
+                layout,
+                "--metrics",
+                "127.0.0.1:0",
+            ],
         );
         let mut child = Command::new(&fio)
             .current_dir(dir.path())
@@ -483,7 +491,17 @@ fn sigkill_under_fio_randwrite() {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("spawn fio");
-        std::thread::sleep(Duration::from_millis(delay_ms));
+        // Killed mid-run (fio writes for 30 s): once 1,000 writes and a
+        // flush were answered, with more in flight.
+        let answered = |command: &str| {
+            let text = server.metrics_text();
+            let series =
+                format!(r#"vouch_nbd_requests_total{{command="{command}",export="vol.{layout}"}}"#);
+            metric(&text, &series).unwrap_or(0.0)
+        };
+        wait_until("fio's writes and a flush answered", TIMEOUT, || {
+            answered("write") >= 1000.0 && answered("flush") >= 1.0
+        });
         assert!(
             server.is_running(),
             "server died under fio:\n{}",

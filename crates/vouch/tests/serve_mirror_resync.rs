@@ -11,7 +11,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::clients::{fio, qemu_io_ok};
+use common::clients::qemu_io_ok;
 use common::control::request;
 use common::*;
 use serde_json::Value;
@@ -256,10 +256,18 @@ fn a_resync_killed_midway_resumes_from_its_map_and_the_ceiling_bounds_its_rate()
     });
     assert_eq!(row["state"], "resyncing", "{row}");
     assert_eq!(row["resync"]["blocks_to_copy"], 3072, "{row}");
-    std::thread::sleep(Duration::from_millis(1500));
-    let row = leg1(&server);
+    // Until it is paced: a MiB past the first batch (4 MiB).
+    wait_until(
+        "copies past the first batch",
+        Duration::from_secs(30),
+        || {
+            row = leg1(&server);
+            row["resync"]["copied"].as_u64().unwrap_or(0) >= 1280
+        },
+    );
     let copied = row["resync"]["copied"].as_u64().expect("copied");
-    // The ceiling: at most 1 MiB/s after the first batch (4 MiB).
+    // The ceiling: at most 1 MiB/s after the first batch (a lower bound
+    // on the time taken, which a slow machine only widens).
     let seconds = started.elapsed().as_secs_f64();
     assert!(
         (copied * 4096) as f64 <= 4.0 * 1048576.0 + 1048576.0 * seconds,
@@ -308,55 +316,83 @@ fn the_rate_ceiling_makes_a_resync_take_at_least_size_over_rate() {
     assert_legs_agree(dir.path());
 }
 
+/// Reads 4 KiB blocks at random over the volume without pause until the
+/// file `argv[2]` exists; touches `argv[3]` after its first 16 reads;
+/// prints how many it read.
+const READER: &str = r#"
+h = connect(sys.argv[1])
+stop, started = sys.argv[2], sys.argv[3]
+blocks = h.get_size() // 4096
+n = 0
+while not os.path.exists(stop):
+    h.pread(4096, (n * 7919) % blocks * 4096)
+    n += 1
+    if n == 16:
+        open(started, "w").close()
+print(json.dumps({"reads": n}))
+"#;
+
+/// Run the client `script` (`READER` or `WRITER`) on a thread against
+/// `uri` and return once it has started: the file that stops it (once it
+/// exists) and the thread, which yields the JSON it printed.
+fn start_client(
+    dir: &Path,
+    uri: &str,
+    script: &'static str,
+    what: &'static str,
+) -> (PathBuf, std::thread::JoinHandle<Value>) {
+    let (stop, started) = (dir.join("stop"), dir.join("started"));
+    let client = {
+        let (uri, stop, started) = (uri.to_string(), stop.clone(), started.clone());
+        std::thread::spawn(move || {
+            let output = py_timeout(
+                script,
+                &[&uri, s(&stop), s(&started)],
+                Duration::from_secs(120),
+            );
+            assert!(output.status.success(), "{what}: {}", text(&output));
+            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+            serde_json::from_str::<Value>(stdout.trim())
+                .unwrap_or_else(|error| panic!("{what}'s JSON ({error}): {stdout}"))
+        })
+    };
+    wait_until(
+        &format!("the {what} to start"),
+        Duration::from_secs(30),
+        || started.exists(),
+    );
+    (stop, client)
+}
+
 /// Under client I/O the resync runs at its floor, not its ceiling, and the
 /// floor keeps it moving: 6 MiB with a 2 MiB/s floor and a 1 GiB/s
-/// ceiling, while fio reads at random the whole time, takes at least
-/// 6 MiB / 2 MiB/s (the ceiling would take milliseconds) and ends while
-/// fio still runs.
+/// ceiling, while a client reads without pause the whole time, takes at
+/// least 6 MiB / 2 MiB/s (the ceiling would take milliseconds) and ends
+/// while the client still reads (it stops only once told, after that).
+/// How long a resync under load takes, and what it costs the client, is
+/// bench/resync-online.sh's to measure.
 #[test]
 fn under_client_io_the_resync_runs_at_its_floor_and_finishes() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut server, _) = six_mib_marked_then_leg_1_back(dir.path(), "2M", "1G");
-    const FIO_SECONDS: u64 = 12;
-    let reader = {
-        let uri = format!("--uri={}", server.uri);
-        let dir = dir.path().to_path_buf();
-        std::thread::spawn(move || {
-            let runtime = format!("--runtime={FIO_SECONDS}");
-            fio(
-                &dir,
-                &[
-                    "--name=foreground",
-                    "--ioengine=nbd",
-                    &uri,
-                    "--rw=randread",
-                    "--bs=4k",
-                    "--iodepth=1",
-                    "--time_based",
-                    &runtime,
-                ],
-            )
-        })
-    };
-    std::thread::sleep(Duration::from_millis(500));
+    let (stop, reader) = start_client(dir.path(), &server.uri, READER, "reader");
     let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
     let control = control_args(&server);
     args.extend(control.iter().map(String::as_str));
-    let started_at = Instant::now();
     vouch_ok(&args);
+    // 60 s: a hang guard, for a floor that did not keep the resync going.
     let row = wait_resync_end(&server, Duration::from_secs(60));
-    let finished_after = started_at.elapsed();
+    std::fs::write(&stop, b"").expect("stop the reader");
+    let read = reader.join().expect("reader thread");
     assert_six_mib_resynced_in_at_least_2500_ms(
         &row,
         "under client I/O with a 2 MiB/s floor (the ceiling was used)",
     );
+    let reads = read["reads"].as_u64().expect("reads");
     assert!(
-        finished_after < Duration::from_secs(FIO_SECONDS - 1),
-        "the resync took {finished_after:?}, past the client's {FIO_SECONDS} s of reads: the floor did not keep it going: {row}"
+        reads > 16 + 64,
+        "the client read only {reads} times: {read}"
     );
-    let json = reader.join().expect("fio thread");
-    let reads = json["jobs"][0]["read"]["total_ios"].as_u64().unwrap_or(0);
-    assert!(reads > 0, "fio read nothing: {json}");
     server.stop();
     assert_legs_agree(dir.path());
 }
@@ -513,47 +549,27 @@ print(json.dumps({"before_stop": n - after, "after_stop": after, "last": last}))
 /// Client writes without pause for the whole resync, racing its copies:
 /// a stream of 64 KiB writes over 4-12 MiB (half over the 6 MiB the map
 /// names, half beyond it). The resync must end while the stream goes on
-/// (within 30 s: the 4 MiB no write covers take 4 s at the 1 MiB/s
-/// floor), and then both legs hold, byte for byte, what the client wrote
-/// last — no copy of an older block lands over a newer write — `check` is
-/// clean and the map is gone. (Before blocks landed per block, a write
-/// kept its region and itself dirty: such a stream kept the resync going
-/// for as long as it ran.)
+/// (the 4 MiB no write covers take 4 s at the 1 MiB/s floor; 60 s is the
+/// hang guard), and then both legs hold, byte for byte, what the client
+/// wrote last — no copy of an older block lands over a newer write —
+/// `check` is clean and the map is gone. (Before blocks landed per block,
+/// a write kept its region and itself dirty: such a stream kept the
+/// resync going for as long as it ran.)
 #[test]
 fn client_writes_without_pause_during_a_resync_land_on_both_legs_and_it_ends() {
     let dir = tempfile::tempdir().expect("tempdir");
     let (mut server, b) = six_mib_marked_then_leg_1_back(dir.path(), "1M", "2M");
-    let (stop, started) = (dir.path().join("stop"), dir.path().join("started"));
-    let writer = {
-        let (uri, stop, started) = (server.uri.clone(), stop.clone(), started.clone());
-        std::thread::spawn(move || {
-            let output = py_timeout(
-                WRITER,
-                &[&uri, s(&stop), s(&started)],
-                Duration::from_secs(120),
-            );
-            assert!(output.status.success(), "writer: {}", text(&output));
-            let stdout = String::from_utf8_lossy(&output.stdout).to_string();
-            serde_json::from_str::<Value>(stdout.trim()).expect("writer's JSON")
-        })
-    };
-    wait_until("the writer to start", Duration::from_secs(30), || {
-        started.exists()
-    });
+    let (stop, writer) = start_client(dir.path(), &server.uri, WRITER, "writer");
     let mut args = vec!["mirror", "resync", "a", "--leg", "1"];
     let control = control_args(&server);
     args.extend(control.iter().map(String::as_str));
     let resync_started = Instant::now();
     vouch_ok(&args);
-    let row = wait_resync_end(&server, Duration::from_secs(30));
+    let row = wait_resync_end(&server, Duration::from_secs(60));
     let took = resync_started.elapsed();
     std::fs::write(&stop, b"").expect("stop the writer");
     let written = writer.join().expect("writer thread");
     assert_eq!(row["resync"]["state"], "done", "{row}");
-    assert!(
-        took < Duration::from_secs(30),
-        "the resync took {took:?} under the write stream: {row}"
-    );
     // The stream ran the whole time: it was still writing when the resync
     // had ended (it stops only once told, after that).
     let before = written["before_stop"].as_u64().expect("count");

@@ -153,12 +153,18 @@ pub fn run(command: &mut Command, stdin: Option<&str>) -> Output {
         let mut pipe = child.0.as_mut().unwrap().stdin.take().unwrap();
         pipe.write_all(input.as_bytes()).unwrap();
     }
-    let deadline = Instant::now() + CLIENT_TIMEOUT;
-    loop {
-        if child.0.as_mut().unwrap().try_wait().unwrap().is_some() {
-            return child.0.take().unwrap().wait_with_output().unwrap();
-        }
-        assert!(Instant::now() < deadline, "{description} timed out");
+    wait_until(&description, CLIENT_TIMEOUT, || {
+        child.0.as_mut().unwrap().try_wait().unwrap().is_some()
+    });
+    child.0.take().unwrap().wait_with_output().unwrap()
+}
+
+/// Poll `condition` every few milliseconds until it holds; fail naming
+/// `what` once `timeout` (a hang guard) has passed.
+pub fn wait_until(what: &str, timeout: Duration, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -54,7 +54,13 @@ pub fn request_raw(
             .expect("timeout");
         exchange(&mut stream, &message)
     };
-    let text = String::from_utf8_lossy(&response).to_string();
+    parse_response(&response)
+}
+
+/// One whole HTTP/1.1 response: `(status, JSON body)` (`Value::Null` for
+/// an empty body).
+pub fn parse_response(response: &[u8]) -> (u16, Value) {
+    let text = String::from_utf8_lossy(response).to_string();
     let (head, body) = text
         .split_once("\r\n\r\n")
         .unwrap_or_else(|| panic!("malformed HTTP response: {text:?}"));
