@@ -229,6 +229,9 @@ build_initramfs() {
     # smaller initramfs boots faster.
     strip "$stage/usr/local/bin/vouch"
     [ -f /etc/mke2fs.conf ] && cp /etc/mke2fs.conf "$stage/etc/"
+    # The key of scenario B's encrypted volume (the same for every boot of
+    # a run, as it is in this initramfs).
+    head -c 32 /dev/urandom >"$stage/vm/test.key"
     (cd "$stage" && find . | busybox cpio -o -H newc 2>/dev/null) >"$INITRAMFS"
     note "initramfs $(du -h "$INITRAMFS" | cut -f1), modules: ${MODULE_ORDER[*]##*/}"
 }
@@ -274,16 +277,22 @@ guest_trouble() {
     die "$2"
 }
 
-# wait_guest_exit LOG PID: wait for the guest to power off and require its
-# role to have exited 0.
-wait_guest_exit() {
+# guest_finished LOG PID: wait (bounded) for the guest to power off;
+# status 0 when its role exited 0, 1 when it failed, so the caller can say
+# what was lost.
+guest_finished() {
     local log=$1 pid=$2 deadline=$((SECONDS + BOOT_TIMEOUT_S))
     while kill -0 "$pid" 2>/dev/null; do
         [ "$SECONDS" -lt "$deadline" ] || guest_trouble "$log" "the guest did not power off within ${BOOT_TIMEOUT_S}s"
         sleep 0.1
     done
     wait "$pid" || guest_trouble "$log" "qemu exited with status $?"
-    grep -q '^@@vm exit 0' "$log" || guest_trouble "$log" "the guest role failed"
+    grep -q '^@@vm exit 0' "$log"
+}
+
+# wait_guest_exit LOG PID: guest_finished, its role's failure fatal.
+wait_guest_exit() {
+    guest_finished "$1" "$2" || guest_trouble "$1" "the guest role failed"
 }
 
 # ---------------------------------------------------------------- vouch on the host
@@ -368,7 +377,7 @@ scenario_a() {
     log=$dir/verify.console
     boot_guest "$log" "vm.role=a-verify" "${drives[@]}"
     guest=$GUEST_PID
-    if ! wait_guest_exit_quiet "$log" "$guest"; then
+    if ! guest_finished "$log" "$guest"; then
         echo "---- guest console (verify boot):" >&2
         grep -E '^@@vm|EXT4-fs|I/O error' "$log" >&2 || true
         die "A: data lost across the vouch restarts ($restarts):
@@ -389,25 +398,14 @@ last_written() {
     sed -n 's/^@@vm wrote \([0-9]*\) .*/\1/p' "$1" | tail -n 1
 }
 
-# Like wait_guest_exit, but returns 1 on a failed role instead of dying,
-# so the caller can say what was lost.
-wait_guest_exit_quiet() {
-    local log=$1 pid=$2 deadline=$((SECONDS + BOOT_TIMEOUT_S))
-    while kill -0 "$pid" 2>/dev/null; do
-        [ "$SECONDS" -lt "$deadline" ] || guest_trouble "$log" "the guest did not power off within ${BOOT_TIMEOUT_S}s"
-        sleep 0.1
-    done
-    wait "$pid" || guest_trouble "$log" "qemu exited with status $?"
-    grep -q '^@@vm exit 0' "$log"
-}
-
 # ---------------------------------------------------------------- scenario B
 
-# power_cut_chain FS CYCLES: CYCLES boots on one disk; each verifies the
-# previous cycle, runs `vouch check`, writes until the host SIGKILLs qemu.
-# A last boot verifies the last cycle without writing.
+# power_cut_chain FS CYCLES VOLUME_ARGS: CYCLES boots on one disk; each
+# verifies the previous cycle, runs `vouch check`, writes until the host
+# SIGKILLs qemu. A last boot verifies the last cycle without writing.
+# VOLUME_ARGS (vm.layout=..., vm.encrypt=...) choose the volume's kind.
 power_cut_chain() {
-    local fs=$1 cycles=$2 dir=$VM_DIR/run/b-$1
+    local fs=$1 cycles=$2 volume_args=$3 dir=$VM_DIR/run/b-$1
     rm -rf "$dir"
     mkdir -p "$dir"
     truncate -s 512M "$dir/disk.raw"
@@ -423,10 +421,11 @@ power_cut_chain() {
         log=$dir/cycle-$cycle.console
         local write=1
         [ "$cycle" -lt "$cycles" ] || write=0
-        boot_guest "$log" "vm.role=b-cycle vm.fs=$fs vm.cycle=$cycle vm.flushed=$flushed vm.write=$write" "${drives[@]}"
+        boot_guest "$log" "vm.role=b-cycle vm.fs=$fs vm.cycle=$cycle vm.flushed=$flushed vm.write=$write $volume_args" \
+            "${drives[@]}"
         local guest=$GUEST_PID
         if [ "$write" -eq 0 ]; then
-            wait_guest_exit_quiet "$log" "$guest" || b_failed "$fs" "$cycle" "$log"
+            guest_finished "$log" "$guest" || b_failed "$fs" "$cycle" "$log"
             break
         fi
         kill_after=$((RANDOM % 10))
@@ -443,7 +442,7 @@ power_cut_chain() {
         flushed=$(sed -n 's/^@@vm FLUSHED \([0-9]*\)$/\1/p' "$log" | tail -n 1)
         summary+=" $flushed"
     done
-    note "B/$fs: $cycles power cuts, last flushed record per cycle:$summary; every flushed record read back, vouch check clean after each"
+    note "B/$fs ($volume_args): $cycles power cuts, last flushed record per cycle:$summary; every flushed record read back, vouch check clean after each"
 }
 
 b_failed() {
@@ -457,10 +456,12 @@ $(sed -n 's/^@@vm FAIL /  /p' "$log")"
 
 scenario_b() {
     local ext4_cuts=$(((POWER_CUTS + 1) / 2)) xfs_cuts=$((POWER_CUTS / 2))
+    # Two routes each: split and encrypted on ext4, packed (data in the
+    # journal) on xfs.
     phase "B: $ext4_cuts power cuts on ext4"
-    power_cut_chain ext4 "$ext4_cuts"
+    power_cut_chain ext4 "$ext4_cuts" "vm.layout=split vm.encrypt=1"
     phase "B: $xfs_cuts power cuts on xfs"
-    power_cut_chain xfs "$xfs_cuts"
+    power_cut_chain xfs "$xfs_cuts" "vm.layout=packed vm.encrypt=0"
 }
 
 # ---------------------------------------------------------------- main

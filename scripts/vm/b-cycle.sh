@@ -8,6 +8,9 @@
 #   vm.flushed  the last "FLUSHED n" the previous cycle printed before the
 #               host killed qemu (-1: none to check)
 #   vm.write    1: start the next cycle's writes; 0: verify only
+#   vm.layout   split or packed (used when cycle 0 creates the volume)
+#   vm.encrypt  1: the volume is encrypted, its key /vm/test.key (32 bytes
+#               the host put in the initramfs)
 # Steps: mount (the file system's own journal recovery), serve the volume,
 # read back records 0..flushed as the previous cycle wrote them, stop
 # vouch (SIGTERM), `vouch check`, then serve again and write records,
@@ -19,6 +22,13 @@ fs=$(arg fs)
 cycle=$(arg cycle)
 flushed=$(arg flushed)
 write=$(arg write)
+layout=$(arg layout)
+create_options="--layout $layout"
+if [ "$(arg encrypt)" = 1 ]; then
+    create_options="$create_options --encrypt"
+    # Every vouch command below (serve, check) takes the key from here.
+    export VOUCH_KEY_FILE=/vm/test.key
+fi
 PORT=10809
 URI=nbd://127.0.0.1:$PORT
 MAX_RECORDS=40
@@ -69,11 +79,11 @@ mount -t "$fs" /dev/vda /mnt || fail "mount -t $fs /dev/vda"
 direct=""
 [ $((cycle % 2)) -eq 1 ] && direct=--direct
 if [ "$cycle" -eq 0 ]; then
-    serve --create 96M --journal 16M /mnt/vol
+    serve --create 96M --journal 16M $create_options /mnt/vol
 else
     serve $direct /mnt/vol
 fi
-say "serving (cycle $cycle on $fs ${direct:-page cache})"
+say "serving (cycle $cycle on $fs, ${direct:-page cache}, $create_options)"
 
 if [ "$flushed" -ge 0 ]; then
     previous=$((cycle - 1))
