@@ -42,6 +42,8 @@ MARKER_TIMEOUT_S=240
 
 declare -a CLEANUP_PIDS=()
 cleanup() {
+    # A phase a failure ended still gets its time printed.
+    [ -z "${PHASE_NAME:-}" ] || phase ""
     local pid
     for pid in "${CLEANUP_PIDS[@]}"; do
         kill -9 "$pid" 2>/dev/null || true

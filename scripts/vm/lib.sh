@@ -17,7 +17,7 @@ fail() {
 arg() {
     for word in $(cat /proc/cmdline); do
         case "$word" in
-        "vm.$1="*) echo "${word#vm.$1=}" ;;
+        "vm.$1="*) echo "${word#"vm.$1="}" ;;
         esac
     done
 }
