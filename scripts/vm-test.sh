@@ -380,7 +380,7 @@ scenario_a() {
     boot_guest "$log" "vm.role=a-verify" "${drives[@]}"
     guest=$GUEST_PID
     if ! guest_finished "$log" "$guest"; then
-        echo "---- guest console (verify boot):" >&2
+        echo "---- guest console (verify boot), all of it in $log:" >&2
         grep -E '^@@vm|EXT4-fs|I/O error' "$log" >&2 || true
         die "A: data lost across the vouch restarts ($restarts):
 $(sed -n 's/^@@vm LOST /  lost: /p' "$log")
@@ -449,7 +449,7 @@ power_cut_chain() {
 
 b_failed() {
     local fs=$1 cycle=$2 log=$3
-    echo "---- guest console (B/$fs cycle $cycle):" >&2
+    echo "---- guest console (B/$fs cycle $cycle), all of it in $log:" >&2
     grep -E '^@@vm|I/O error|EXT4-fs|XFS' "$log" >&2 || true
     die "B/$fs: after power cut $cycle:
 $(sed -n 's/^@@vm LOST /  lost: /p' "$log")
