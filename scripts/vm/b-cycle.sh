@@ -36,8 +36,9 @@ MAX_RECORDS=40
 # Record n: at n * 2 MiB, one of these lengths (KiB), every byte of it
 # pattern(cycle, n). Consecutive cycles write different patterns to the
 # same offsets, so an overwrite that did not survive reads back wrong.
-# Flushes of at most 256 KiB travel in vouch's journal (redo records),
-# larger ones are written home and fdatasynced there: both routes occur.
+# In the split layout a flush of at most 256 KiB travels in vouch's
+# journal (a redo record), a larger one is written home and fdatasynced
+# there: both routes occur. (The packed layout journals all data.)
 LENGTHS="4 60 1024 8 516 2048"
 STRIDE=2097152
 record_length_kib() {
