@@ -39,3 +39,7 @@ cargo clippy --workspace --all-targets --profile ci -- -D warnings
 # crates/sim/tests/fuzz_bodies.rs.
 cargo check --manifest-path fuzz/Cargo.toml --bins --locked
 cargo test --workspace --profile ci --no-fail-fast
+# The real-VM tests (qemu TCG guests, about 5 minutes): they install what
+# they need themselves (qemu-system-x86 from qemu-utils' own suite,
+# busybox-static) and download Debian's cloud kernel under target/vm/.
+./scripts/vm-test.sh
