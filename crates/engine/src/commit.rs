@@ -213,6 +213,9 @@ impl Committer {
         // in the one is in the other (`held.rs`).
         let (blocks, held_slot): (Vec<(u64, DirtyBlock)>, Option<usize>) = {
             let mut held = shared.held.lock();
+            let held_slot = held
+                .swap(&shared.io)
+                .map_err(|error| shared.io.fail_stop(error))?;
             let mut state = shared.state.write();
             assert!(state.committing.is_empty(), "a commit is already in flight");
             state.committing = std::mem::take(&mut state.active);
@@ -223,7 +226,7 @@ impl Committer {
                 .iter()
                 .map(|(lba, dirty)| (*lba, dirty.clone()))
                 .collect();
-            (blocks, held.swap())
+            (blocks, held_slot)
         };
         if blocks.is_empty() && ranges.is_empty() {
             return self.release_held(shared, held_slot);

@@ -174,6 +174,12 @@ impl Engine {
         // a crash meanwhile finds it again. A read-only open keeps it in
         // memory: reads and checks see what was acknowledged.
         recovery.held_blocks = crate::held::rebuffer(&shared, held_records)?;
+        if recovery.held_blocks > 0 {
+            tracing::info!(
+                blocks = recovery.held_blocks,
+                "put back the writes a crashed process had acknowledged, from the held log"
+            );
+        }
         if !shared.io.is_read_only() {
             if recovery.held_blocks > 0 {
                 let mut journal = committer.lock();

@@ -214,15 +214,26 @@ impl HeldSlots {
     /// A commit takes the buffer: writers go on in the other slot (empty:
     /// the previous commit emptied it). Returns the slot the commit must
     /// empty once its home writes are in the kernel, if it holds records.
-    pub fn swap(&mut self) -> Option<usize> {
+    ///
+    /// Replay orders the slots by epoch, so the slot writers go on in must
+    /// have the higher one: a slot that sat out a commit unused kept the
+    /// epoch it had, lower than the one now committing, and is emptied
+    /// again first. (Without this a crash during the commit replayed the
+    /// newer writes first and the older ones over them: found by
+    /// serve_crash.rs, packed, with trims.)
+    pub fn swap(&mut self, io: &Backing) -> Result<Option<usize>> {
         if !self.enabled {
-            return None;
+            return Ok(None);
         }
         let committing = self.active;
-        debug_assert!(!self.used[1 - committing], "the other slot is not empty");
-        self.active = 1 - committing;
+        let next = 1 - committing;
+        debug_assert!(!self.used[next], "the other slot is not empty");
+        if self.epochs[next] < self.epochs[committing] {
+            self.empty(io, next)?;
+        }
+        self.active = next;
         self.tail = HELD_HEADER_BYTES;
-        self.used[committing].then_some(committing)
+        Ok(self.used[committing].then_some(committing))
     }
 
     fn empty(&mut self, io: &Backing, slot: usize) -> Result<()> {
@@ -287,6 +298,12 @@ fn read_slot(
             break;
         }
         if record.flags & FLAG_DROP != 0 {
+            tracing::debug!(
+                slot,
+                first = record.first,
+                blocks = record.blocks,
+                "held log drop record"
+            );
             records.push(Held::Drop {
                 first: record.first,
                 count: record.blocks,
@@ -315,6 +332,14 @@ fn read_slot(
             let start = index * BLOCK as usize;
             blocks.push((lba, context, data.slice(start..start + BLOCK as usize)));
         }
+        tracing::debug!(
+            slot,
+            epoch = header.epoch,
+            at,
+            first = blocks.first().map(|(lba, _, _)| *lba),
+            count,
+            "held log record"
+        );
         records.push(Held::Blocks(blocks));
         at += record.record_bytes();
     }

@@ -197,6 +197,13 @@ enum Command {
     /// every volume is open, STATUS= lines, and STOPPING=1 when a signal
     /// starts a clean stop (a unit can use Type=notify). dist/systemd/ has
     /// vouch.socket and vouch@.service.
+    ///
+    /// A write is answered once it is buffered and in the volume's held
+    /// log: two files in memory that outlive the process (tmpfs), in
+    /// $VOUCH_RUNTIME_DIR, else $RUNTIME_DIRECTORY (systemd's
+    /// RuntimeDirectory=), else /dev/shm. A crash or `kill -9` of the
+    /// server loses no answered write: the next open puts them back. Only a
+    /// power cut loses writes not yet flushed, as NBD allows.
     Serve(Box<serve::ServeArgs>),
     /// Verify a range (default: all) without moving its data: every bad
     /// LBA and its fault kind, and with --seed a proof-of-work digest.
