@@ -197,6 +197,14 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
                     eprintln!("vouch: {note}");
                     tracing::warn!("{note}");
                 }
+                // The extents an unclean stop may have left different,
+                // online and paced like a resync.
+                if set.mirror.start_reconcile(rate)? {
+                    eprintln!(
+                        "vouch: {}: reconciling the extents the activity log names",
+                        path.display()
+                    );
+                }
             }
             volumes.push(Arc::clone(&set.primary));
             mirrors.push(Some(set));
