@@ -221,18 +221,27 @@ impl Mirror {
                     .map(|(at, kind)| (lba, source, at, kind)),
             );
         }
-        let mut pairs: Vec<(usize, usize)> = repairs.iter().map(|r| (r.1, r.2)).collect();
-        pairs.sort_unstable();
-        pairs.dedup();
         // Legs that differ after an unclean shutdown (the copy clients
-        // read decided) are the set's doing, not the leg's own errors.
+        // read decided) are the set's doing, not the leg's own errors:
+        // rewritten in one batch per pair of legs (one flush). A leg's own
+        // errors are rewritten one by one, each flushed and re-read.
         let crash_divergence = read_leg.is_some();
-        for (source, target) in pairs {
-            let batch: Vec<(u64, &'static str)> = repairs
-                .iter()
-                .filter(|r| (r.1, r.2) == (source, target))
-                .map(|r| (r.0, r.3))
-                .collect();
+        let together = |kind: &str| crash_divergence && kind == divergence;
+        let mut batches: Vec<Vec<(u64, &'static str)>> = Vec::new();
+        let mut pairs: Vec<(usize, usize)> = Vec::new();
+        for &(lba, source, target, kind) in &repairs {
+            let last = pairs.iter().rposition(|&pair| pair == (source, target));
+            match last {
+                Some(at) if together(kind) && together(batches[at][0].1) => {
+                    batches[at].push((lba, kind));
+                }
+                _ => {
+                    pairs.push((source, target));
+                    batches.push(vec![(lba, kind)]);
+                }
+            }
+        }
+        for ((source, target), batch) in pairs.into_iter().zip(batches) {
             let lbas: Vec<u64> = batch.iter().map(|b| b.0).collect();
             let good: Vec<&[u8]> = lbas
                 .iter()
