@@ -74,12 +74,12 @@ impl MirrorWriteReport {
     }
 }
 
-fn open_options() -> OpenOptions {
+pub(crate) fn open_options() -> OpenOptions {
     crate::foreground_options()
 }
 
 /// Per block, the fingerprints a read may return after a crash now.
-type Allowed = Vec<Vec<u64>>;
+pub(crate) type Allowed = Vec<Vec<u64>>;
 
 /// A crash: both legs' images and what each block may read.
 struct Crash {
@@ -110,9 +110,13 @@ pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
 /// by callback (`write_sealed_then`), so non-FUA writes take the mirror's
 /// completion path (`try_begin_write`), its answer arriving at once or
 /// after the local leg was written (`Deferred`).
+/// With `Roomy`, both legs take sealed writes locally and claim room in
+/// their write-back buffers, so the mirror's inline path (`try_write`)
+/// takes writes too.
 #[derive(Clone)]
-enum Leg1 {
+pub(crate) enum Leg1 {
     Local,
+    Roomy,
     Travelling {
         lands_when_waited: bool,
         completes: Option<Deferred>,
@@ -122,9 +126,9 @@ enum Leg1 {
 /// Answers of leg 1 held back until the write's starter returned, then
 /// delivered on the simulator's thread (deterministic, like a replica's
 /// reader thread answering after the local leg's write).
-type Deferred = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
+pub(crate) type Deferred = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
 
-fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
+pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
     let legs = volumes
         .into_iter()
         .enumerate()
@@ -153,6 +157,16 @@ fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> 
                 Leg1::Travelling {
                     completes: Some(_), ..
                 } => (
+                    Arc::new(Travelling {
+                        volume,
+                        lands_when_waited: false,
+                        completes: None,
+                        travels: false,
+                        roomy: true,
+                    }),
+                    format!("leg{index}"),
+                ),
+                Leg1::Roomy => (
                     Arc::new(Travelling {
                         volume,
                         lands_when_waited: false,
@@ -446,7 +460,7 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
 
 /// A write through the mirror's completion path, waited for here:
 /// `Ok(false)` when the mirror declines it (nothing written).
-fn write_completing(
+pub(crate) fn write_completing(
     mirror: &Arc<Mirror>,
     offset: u64,
     data: &[u8],

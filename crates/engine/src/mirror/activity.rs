@@ -343,8 +343,17 @@ impl ActivityLog {
             .filter(|&extent| !bit(&self.logged, extent))
             .collect();
         if !missing.is_empty() {
-            let limit =
-                (inner.pinned.len() + self.geometry.active_extents).min(ACTIVITY_MAX_EXTENTS);
+            // A write wider than the log's share still fits: the others
+            // leave for it (an NBD request of 32 MiB spans 9 extents of
+            // the 64; only a caller's own larger write can need this).
+            let own = (extents.end - extents.start) as usize;
+            let limit = (inner.pinned.len() + self.geometry.active_extents.max(own))
+                .min(ACTIVITY_MAX_EXTENTS);
+            if own > limit {
+                return Err(Error::InvalidArgument(format!(
+                    "a mirrored write of {own} extents is more than the activity log holds"
+                )));
+            }
             let over = (inner.entries.len() + missing.len()).saturating_sub(limit);
             let evicted = self.evict(&mut inner, over, &extents);
             if evicted.len() < over {
