@@ -21,8 +21,11 @@ pub enum MirrorCommand {
     /// state (active, faulted, stale, missing), as the newest mirror
     /// record says, and for a stale leg the blocks its resync map marks.
     /// With --server, PATH is an export name and a running server answers:
-    /// each leg's state (resyncing included) and a resync's progress
-    /// (blocks to copy, copied, left, rate, ETA). A running server's
+    /// each leg's state (resyncing, or reconciling while the extents the
+    /// activity log named after an unclean stop are checked, included), a
+    /// resync's progress (blocks to copy, copied, left, rate, ETA) and a
+    /// reconciliation's (regions and blocks left, copied, rate, ETA). A
+    /// running server's
     /// repair counters are in its metrics (vouch_mirror_*). Exit 0 when
     /// every leg is active and present, 1 otherwise.
     Status {
