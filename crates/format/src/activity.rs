@@ -17,7 +17,7 @@ use crate::{crc32c, Field, FormatError};
 pub const ACTIVITY_MAGIC: [u8; 8] = *b"VOUCHACT";
 pub const ACTIVITY_VERSION: u32 = 1;
 /// Bytes of one copy (two copies make the file).
-pub const ACTIVITY_COPY_BYTES: usize = 4096;
+pub const ACTIVITY_COPY_BYTES: usize = 16384;
 /// Extents one copy can name.
 pub const ACTIVITY_MAX_EXTENTS: usize = (ACTIVITY_COPY_BYTES - HEADER_USED) / 8;
 const CRC_AT: usize = 60;
@@ -96,6 +96,13 @@ impl ActivityLog {
     /// File offset of the copy that holds `seq`.
     pub fn copy_offset(seq: u64) -> u64 {
         (seq % 2) * ACTIVITY_COPY_BYTES as u64
+    }
+
+    /// Bytes of a copy naming `count` extents that an update must write:
+    /// the header and the extents, in whole 4096-byte pages (what follows
+    /// in the copy's place is never read).
+    pub fn used_bytes(count: usize) -> usize {
+        (HEADER_USED + count * 8).next_multiple_of(4096)
     }
 
     /// One copy's bytes. Fails if it names more than `ACTIVITY_MAX_EXTENTS`.
@@ -191,7 +198,7 @@ mod tests {
     #[test]
     fn table_tiles_the_header() {
         assert!(crate::fields_tile(ActivityLog::FIELDS, HEADER_USED));
-        assert_eq!(ACTIVITY_MAX_EXTENTS, 504);
+        assert_eq!(ACTIVITY_MAX_EXTENTS, 2040);
     }
 
     #[test]

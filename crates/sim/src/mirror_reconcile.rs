@@ -219,9 +219,9 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
             }
         })
     };
-    for at in 0..2 {
+    for (at, recorder) in recorders.iter().enumerate() {
         let (snapshot, points) = (snapshot.clone(), leg_points.clone());
-        recorders[at].set_hook(Some(Box::new(move |sim, order| {
+        recorder.set_hook(Some(Box::new(move |sim, order| {
             points.fetch_add(1, Ordering::Relaxed);
             snapshot(Some((at, sim, order)));
         })));
@@ -350,7 +350,7 @@ fn check_crash(crash: Crash, report: &mut ReconcileReport) -> Result<(), String>
         .keep_activity_log(Arc::new(log))
         .map_err(|e| e.to_string())?;
     let cursor = mirror.begin_reconcile();
-    if cursor.is_some() != !extents.is_empty() {
+    if cursor.is_some() == extents.is_empty() {
         return Err("a reconciliation must start exactly when the log names extents".into());
     }
     let mut seen = Vec::with_capacity(BLOCKS as usize);
