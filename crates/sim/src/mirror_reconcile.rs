@@ -30,12 +30,14 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use vouch_engine::mirror::{ActivityGeometry, ActivityLog, MapStore, Recovered};
-use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, SimStorage, Storage, Volume};
+use vouch_engine::{BlockDevice, SimStorage, Storage, Volume};
 
 use crate::fingerprint;
 use crate::map_store::SimMaps;
-use crate::mirror_write::{mirror_over, open_options, write_completing, Allowed, Deferred, Leg1};
-use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
+use crate::mirror_write::{
+    mirror_over, open_options, prefilled_legs, write_completing, Allowed, Deferred, Leg1,
+};
+use crate::recorder::{crash_image, Strategy, STRATEGIES};
 use crate::rng::Rng;
 use crate::BLOCK;
 
@@ -133,33 +135,8 @@ type Snapshot = Arc<dyn Fn(Option<(usize, &SimStorage, &[vouch_engine::ObjectId]
 
 fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
-    options.layout = if rng.chance(1, 2) {
-        LayoutKind::Split
-    } else {
-        LayoutKind::Packed
-    };
-    let volume = Volume::create(Arc::new(sim.clone()), &options).map_err(|e| e.to_string())?;
+    let (allowed, recorders, [volume0, volume1]) = prefilled_legs(&mut rng, BLOCKS)?;
     let zero = fingerprint(&[0u8; BLOCK]);
-    let mut allowed: Allowed = vec![vec![zero]; BLOCKS as usize];
-    for lba in 0..BLOCKS / 2 {
-        let data = rng.bytes(BLOCK);
-        volume
-            .write(lba * BLOCK as u64, &data, false)
-            .map_err(|e| e.to_string())?;
-        allowed[lba as usize] = vec![fingerprint(&data)];
-    }
-    volume.close().map_err(|e| e.to_string())?;
-    let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
-    let volumes = [0, 1].map(|at| {
-        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open_options())
-            .map(Arc::new)
-            .map_err(|e| format!("leg {at}: {e}"))
-    });
-    let [Ok(volume0), Ok(volume1)] = volumes else {
-        return Err("a leg does not open".into());
-    };
     let deferred: Deferred = Arc::new(Mutex::new(Vec::new()));
     let leg1 = match rng.below(4) {
         0 => Leg1::Local,

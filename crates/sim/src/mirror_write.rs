@@ -319,11 +319,17 @@ impl BlockDevice for Travelling {
     }
 }
 
-/// One seed; violations are pushed to `report`, setup errors returned.
-pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
+/// Two legs of one volume of `blocks` blocks (split or packed at random),
+/// its first half written with random blocks and closed, each then opened
+/// on its own recording copy: what each block may read (the model), the
+/// recorders and the open legs.
+#[allow(clippy::type_complexity)]
+pub(crate) fn prefilled_legs(
+    rng: &mut Rng,
+    blocks: u64,
+) -> Result<(Allowed, [Arc<Recorder>; 2], [Arc<Volume>; 2]), String> {
     let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
+    let mut options = CreateOptions::new(blocks * BLOCK as u64);
     options.layout = if rng.chance(1, 2) {
         LayoutKind::Split
     } else {
@@ -331,8 +337,8 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     };
     let volume = Volume::create(Arc::new(sim.clone()), &options).map_err(|e| e.to_string())?;
     let zero = fingerprint(&[0u8; BLOCK]);
-    let mut allowed: Allowed = vec![vec![zero]; BLOCKS as usize];
-    for lba in 0..BLOCKS / 2 {
+    let mut allowed: Allowed = vec![vec![zero]; blocks as usize];
+    for lba in 0..blocks / 2 {
         let data = rng.bytes(BLOCK);
         volume
             .write(lba * BLOCK as u64, &data, false)
@@ -349,6 +355,14 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     let [Ok(volume0), Ok(volume1)] = volumes else {
         return Err("a leg does not open".into());
     };
+    Ok((allowed, recorders, [volume0, volume1]))
+}
+
+/// One seed; violations are pushed to `report`, setup errors returned.
+pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (allowed, recorders, [volume0, volume1]) = prefilled_legs(&mut rng, BLOCKS)?;
+    let zero = fingerprint(&[0u8; BLOCK]);
     let deferred: Deferred = Arc::new(Mutex::new(Vec::new()));
     let leg1 = match rng.below(3) {
         0 => Leg1::Local,
