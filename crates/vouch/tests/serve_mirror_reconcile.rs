@@ -107,9 +107,12 @@ fn an_exporter_killed_mid_write_stream_reconciles_the_logged_extents_and_faults_
     let leg1 = &first["legs"][1];
     assert_eq!(leg1["state"], "reconciling", "{first}");
     let regions = leg1["reconcile"]["regions"].as_u64().expect("regions");
+    // The 4 extents written (4 MiB each, 16 MiB written), and at most the
+    // 3 the log adds ahead of a writer that looks sequential: not the 16
+    // of the volume.
     assert!(
-        (1..=4).contains(&regions),
-        "the log names the written extents only (4 MiB each, 16 MiB written): {first}"
+        (1..=7).contains(&regions),
+        "the log names the written extents only: {first}"
     );
     assert_eq!(first["legs"][0]["state"], "active", "{first}");
     let metrics = server.metrics_text();
