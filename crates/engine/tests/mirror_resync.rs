@@ -258,6 +258,14 @@ fn legs_that_differ_after_a_crash_are_not_counted_against_a_leg_and_a_full_resyn
     // A leg's own errors count: 15 blocks leg 0 holds older than the
     // mirror wrote them (written to both, then to leg 0 alone with its
     // own, lower, generation: the scrub rewrites leg 0's as `stale`).
+    // Leg 1's clock is put ahead of leg 0's first (30 commits of its own
+    // to the same blocks, overwritten below), so the mirror's stamp, the
+    // highest leg clock, is above what leg 0 stamps alone.
+    let leg1 = volumes[1].as_ref().expect("leg 1");
+    for round in 0..30u8 {
+        leg1.write(100 * BLOCK, &vec![round; 15 * BLOCK as usize], true)
+            .expect("write leg 1");
+    }
     mirror
         .write(100 * BLOCK, &vec![0x21; 15 * BLOCK as usize], true)
         .expect("write");

@@ -5,6 +5,7 @@
 //! constant of each structure is the same table in code, and a test checks
 //! the two against each other.
 
+pub mod activity;
 pub mod context;
 pub mod dirty;
 pub mod guard;

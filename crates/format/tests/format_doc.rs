@@ -117,3 +117,9 @@ fn resync_map_table_matches_code() {
     use vouch_format::dirty::DirtyHeader;
     assert_matches("## Resync map", DirtyHeader::FIELDS);
 }
+
+#[test]
+fn activity_log_table_matches_code() {
+    use vouch_format::activity::ActivityLog;
+    assert_matches("## Activity log", ActivityLog::FIELDS);
+}

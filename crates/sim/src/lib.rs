@@ -25,6 +25,7 @@ pub mod metadata;
 pub mod mirror;
 pub mod mirror_faults;
 pub mod mirror_midrun;
+pub mod mirror_reconcile;
 pub mod mirror_write;
 pub mod offload;
 pub mod recorder;

@@ -108,6 +108,15 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Crash the exporter at every write and sync of mirrored writes with
+    /// the activity log (the legs' and the log's), then reconcile the
+    /// logged extents (`mirror_reconcile.rs`).
+    MirrorReconcile {
+        #[arg(long, default_value_t = 64)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+    },
     /// Crash the exporter at each step of taking a lost leg out with its
     /// resync map (`mirror_midrun.rs`).
     MirrorMidrun {
@@ -255,6 +264,10 @@ fn run(cli: Cli) -> Result<bool, String> {
         }
         Command::MirrorWrite { seeds, seed } => {
             let report = vouch_sim::mirror_write::run(seed, seeds);
+            Ok(print_report(&report.violations, &report.summary()))
+        }
+        Command::MirrorReconcile { seeds, seed } => {
+            let report = vouch_sim::mirror_reconcile::run(seed, seeds, false);
             Ok(print_report(&report.violations, &report.summary()))
         }
         Command::MirrorMidrun { seeds, seed } => {

@@ -31,6 +31,9 @@ pub struct SimMaps {
 }
 
 struct Shared {
+    /// Sabotage for self-tests: `sync` returns without syncing, as a store
+    /// that ignores flushes would. The crash checker must catch it.
+    sabotage_sync: std::sync::atomic::AtomicBool,
     sim: SimStorage,
     state: Mutex<State>,
     hook: Mutex<Option<MapHook>>,
@@ -72,11 +75,19 @@ impl SimMaps {
     fn with(sim: SimStorage, state: State) -> SimMaps {
         SimMaps {
             shared: Arc::new(Shared {
+                sabotage_sync: std::sync::atomic::AtomicBool::new(false),
                 sim,
                 state: Mutex::new(state),
                 hook: Mutex::new(None),
             }),
         }
+    }
+
+    /// Make every later `sync` a no-op (see `Shared::sabotage_sync`).
+    pub fn sabotage_sync(&self) {
+        self.shared
+            .sabotage_sync
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
     pub fn set_hook(&self, hook: Option<MapHook>) {
@@ -142,6 +153,12 @@ impl MapFile for SimMapFile {
     fn sync(&self) -> io::Result<()> {
         self.maps.crash_point();
         let shared = &self.maps.shared;
+        if shared
+            .sabotage_sync
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return Ok(());
+        }
         let mut state = shared.state.lock();
         shared.sim.sync(ObjectId::Data(self.object))?;
         let object = ObjectId::Data(self.object);

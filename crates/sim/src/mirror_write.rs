@@ -74,12 +74,12 @@ impl MirrorWriteReport {
     }
 }
 
-fn open_options() -> OpenOptions {
+pub(crate) fn open_options() -> OpenOptions {
     crate::foreground_options()
 }
 
 /// Per block, the fingerprints a read may return after a crash now.
-type Allowed = Vec<Vec<u64>>;
+pub(crate) type Allowed = Vec<Vec<u64>>;
 
 /// A crash: both legs' images and what each block may read.
 struct Crash {
@@ -110,9 +110,13 @@ pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
 /// by callback (`write_sealed_then`), so non-FUA writes take the mirror's
 /// completion path (`try_begin_write`), its answer arriving at once or
 /// after the local leg was written (`Deferred`).
+/// With `Roomy`, both legs take sealed writes locally and claim room in
+/// their write-back buffers, so the mirror's inline path (`try_write`)
+/// takes writes too.
 #[derive(Clone)]
-enum Leg1 {
+pub(crate) enum Leg1 {
     Local,
+    Roomy,
     Travelling {
         lands_when_waited: bool,
         completes: Option<Deferred>,
@@ -122,9 +126,9 @@ enum Leg1 {
 /// Answers of leg 1 held back until the write's starter returned, then
 /// delivered on the simulator's thread (deterministic, like a replica's
 /// reader thread answering after the local leg's write).
-type Deferred = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
+pub(crate) type Deferred = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
 
-fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
+pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
     let legs = volumes
         .into_iter()
         .enumerate()
@@ -153,6 +157,16 @@ fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> 
                 Leg1::Travelling {
                     completes: Some(_), ..
                 } => (
+                    Arc::new(Travelling {
+                        volume,
+                        lands_when_waited: false,
+                        completes: None,
+                        travels: false,
+                        roomy: true,
+                    }),
+                    format!("leg{index}"),
+                ),
+                Leg1::Roomy => (
                     Arc::new(Travelling {
                         volume,
                         lands_when_waited: false,
@@ -305,11 +319,17 @@ impl BlockDevice for Travelling {
     }
 }
 
-/// One seed; violations are pushed to `report`, setup errors returned.
-pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
+/// Two legs of one volume of `blocks` blocks (split or packed at random),
+/// its first half written with random blocks and closed, each then opened
+/// on its own recording copy: what each block may read (the model), the
+/// recorders and the open legs.
+#[allow(clippy::type_complexity)]
+pub(crate) fn prefilled_legs(
+    rng: &mut Rng,
+    blocks: u64,
+) -> Result<(Allowed, [Arc<Recorder>; 2], [Arc<Volume>; 2]), String> {
     let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
+    let mut options = CreateOptions::new(blocks * BLOCK as u64);
     options.layout = if rng.chance(1, 2) {
         LayoutKind::Split
     } else {
@@ -317,8 +337,8 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     };
     let volume = Volume::create(Arc::new(sim.clone()), &options).map_err(|e| e.to_string())?;
     let zero = fingerprint(&[0u8; BLOCK]);
-    let mut allowed: Allowed = vec![vec![zero]; BLOCKS as usize];
-    for lba in 0..BLOCKS / 2 {
+    let mut allowed: Allowed = vec![vec![zero]; blocks as usize];
+    for lba in 0..blocks / 2 {
         let data = rng.bytes(BLOCK);
         volume
             .write(lba * BLOCK as u64, &data, false)
@@ -335,6 +355,14 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     let [Ok(volume0), Ok(volume1)] = volumes else {
         return Err("a leg does not open".into());
     };
+    Ok((allowed, recorders, [volume0, volume1]))
+}
+
+/// One seed; violations are pushed to `report`, setup errors returned.
+pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (allowed, recorders, [volume0, volume1]) = prefilled_legs(&mut rng, BLOCKS)?;
+    let zero = fingerprint(&[0u8; BLOCK]);
     let deferred: Deferred = Arc::new(Mutex::new(Vec::new()));
     let leg1 = match rng.below(3) {
         0 => Leg1::Local,
@@ -446,7 +474,7 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
 
 /// A write through the mirror's completion path, waited for here:
 /// `Ok(false)` when the mirror declines it (nothing written).
-fn write_completing(
+pub(crate) fn write_completing(
     mirror: &Arc<Mirror>,
     offset: u64,
     data: &[u8],

@@ -21,8 +21,11 @@ pub enum MirrorCommand {
     /// state (active, faulted, stale, missing), as the newest mirror
     /// record says, and for a stale leg the blocks its resync map marks.
     /// With --server, PATH is an export name and a running server answers:
-    /// each leg's state (resyncing included) and a resync's progress
-    /// (blocks to copy, copied, left, rate, ETA). A running server's
+    /// each leg's state (resyncing, or reconciling while the extents the
+    /// activity log named after an unclean stop are checked, included), a
+    /// resync's progress (blocks to copy, copied, left, rate, ETA) and a
+    /// reconciliation's (regions and blocks left, copied, rate, ETA). A
+    /// running server's
     /// repair counters are in its metrics (vouch_mirror_*). Exit 0 when
     /// every leg is active and present, 1 otherwise.
     Status {
@@ -158,7 +161,33 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
         .map(|(_, member)| member.path.clone())
         .collect();
     let marked = mirror::set::is_unsynced(&record);
-    if !unclean.is_empty() || marked {
+    // The activity log names every extent the legs may differ in after an
+    // unclean stop: those are reconciled (`serve` starts it), not the
+    // whole volume. Without a usable log, or with a whole scrub still owed
+    // (the marker), reads stay on one leg until a scrub.
+    let recovered = if writable {
+        let blocks = mirror.size() / BLOCK;
+        let (log, recovered) = mirror::set::open_activity(&record, blocks)?;
+        mirror.keep_activity_log(Arc::new(log))?;
+        recovered
+    } else {
+        mirror::Recovered::Unknown("opened read-only".into())
+    };
+    let bounded = match &recovered {
+        mirror::Recovered::Extents(extents) if !marked => Some(extents.len()),
+        _ => None,
+    };
+    if let Some(extents) = bounded.filter(|&extents| extents > 0) {
+        mirror.hold_reads_until_reconciled();
+        let warning = format!(
+            "mirror legs may differ in {extents} extents written at an unclean stop (the activity log names them): reads go to one leg until they are reconciled"
+        );
+        eprintln!("vouch: WARNING: {warning}");
+        tracing::warn!("{warning}");
+    } else if bounded.is_none() && (!unclean.is_empty() || marked) {
+        if let mirror::Recovered::Unknown(why) = &recovered {
+            tracing::warn!(why, "mirror: no usable activity log");
+        }
         mirror.read_one_leg_until_scrubbed();
         let why = if unclean.is_empty() {
             "an earlier unclean shutdown has not been scrubbed yet".to_string()
@@ -183,6 +212,8 @@ impl OpenMirror {
     /// Close every leg cleanly (after every other holder of the mirror is gone).
     pub fn close(self) -> Result<()> {
         self.mirror.stop_resyncs()?;
+        // After the last write: the log left names nothing to reconcile.
+        self.mirror.close_activity_log()?;
         drop(self.mirror);
         drop(self.primary);
         for volume in self.volumes.into_iter().flatten() {

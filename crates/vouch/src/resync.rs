@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
 use vouch_engine::mirror::dirty::{inspect, map_file_name, DirtyMap};
-use vouch_engine::mirror::{self, LegState, Mirror, ResyncProgress, ResyncRate};
+use vouch_engine::mirror::{self, LegState, Mirror, ReconcileProgress, ResyncProgress, ResyncRate};
 use vouch_engine::{BlockDevice, OpenOptions, BLOCK};
 
 use crate::key::Use;
@@ -228,16 +228,37 @@ pub fn progress_json(progress: &ResyncProgress) -> Value {
         "elapsed_ms": progress.elapsed_ms, "error": progress.error})
 }
 
-/// Each leg of a running mirror: state and resync.
+/// A reconciliation's progress as JSON.
+pub fn reconcile_json(progress: &ReconcileProgress) -> Value {
+    json!({"state": progress.state, "regions": progress.extents,
+        "regions_left": progress.extents_left, "region_blocks": progress.extent_blocks,
+        "blocks_checked": progress.blocks_checked, "blocks_left": progress.blocks_left,
+        "blocks_copied": progress.blocks_copied,
+        "blocks_unsettled": progress.blocks_left_unsettled,
+        "rate_bytes_per_second": progress.rate, "eta_seconds": progress.eta_seconds,
+        "elapsed_ms": progress.elapsed_ms, "error": progress.error})
+}
+
+/// Each leg of a running mirror: state, resync, and the reconciliation
+/// after an unclean stop on the legs it checks (every active leg but the
+/// one reads go to meanwhile).
 pub fn legs_json(mirror: &Mirror) -> Value {
-    mirror
-        .status()
+    let reconcile = mirror.reconcile_progress();
+    let status = mirror.status();
+    let read_leg = status
+        .iter()
+        .position(|leg| leg.state == LegState::Active && leg.attached);
+    status
         .iter()
         .enumerate()
         .map(|(index, leg)| {
+            let reconciled = (leg.state == LegState::Active && Some(index) != read_leg)
+                .then_some(reconcile.as_ref())
+                .flatten();
             json!({"leg": index, "name": leg.name, "state": leg.state_name(),
                 "present": leg.present, "dirty_blocks": leg.dirty,
-                "resync": leg.resync.as_ref().map(progress_json)})
+                "resync": leg.resync.as_ref().map(progress_json),
+                "reconcile": reconciled.map(reconcile_json)})
         })
         .collect()
 }
@@ -258,6 +279,26 @@ pub fn print_legs(legs: &Value) {
             line += &format!(" (unknown history: {why}; full resync)");
         }
         println!("{line}");
+        let reconcile = &leg["reconcile"];
+        if reconcile.is_object() {
+            let rate = reconcile["rate_bytes_per_second"].as_u64().unwrap_or(0);
+            let eta = reconcile["eta_seconds"]
+                .as_u64()
+                .map_or("unknown".to_string(), |s| format!("{s}s"));
+            println!(
+                "  reconcile {}: {} of {} regions left ({} blocks left), {} blocks checked, {} copied, {:.1} MiB/s, ETA {eta}{}",
+                reconcile["state"].as_str().unwrap_or("?"),
+                reconcile["regions_left"].as_u64().unwrap_or(0),
+                reconcile["regions"].as_u64().unwrap_or(0),
+                reconcile["blocks_left"].as_u64().unwrap_or(0),
+                reconcile["blocks_checked"].as_u64().unwrap_or(0),
+                reconcile["blocks_copied"].as_u64().unwrap_or(0),
+                rate as f64 / (1024.0 * 1024.0),
+                reconcile["error"]
+                    .as_str()
+                    .map_or(String::new(), |e| format!(" ({e})"))
+            );
+        }
         let resync = &leg["resync"];
         if resync.is_object() {
             let to_copy = resync["blocks_to_copy"].as_u64().unwrap_or(0);
@@ -337,10 +378,62 @@ pub fn publish_metrics(mirrors: &[(String, Arc<Mirror>)]) {
         ),
         ("vouch_mirror_resync_running", "1 while the leg resyncs"),
     ];
+    let reconcile_names = [
+        (
+            "vouch_mirror_reconcile_regions",
+            "Regions (extents) the activity log named after an unclean stop",
+        ),
+        (
+            "vouch_mirror_reconcile_regions_left",
+            "Regions the reconciliation has still to check",
+        ),
+        (
+            "vouch_mirror_reconcile_blocks_left",
+            "Blocks the reconciliation has still to check",
+        ),
+        (
+            "vouch_mirror_reconcile_copied_blocks",
+            "Blocks the reconciliation copied to a leg that differed",
+        ),
+        (
+            "vouch_mirror_reconcile_rate_bytes",
+            "The reconciliation's rate so far, bytes checked per second",
+        ),
+        (
+            "vouch_mirror_reconcile_eta_seconds",
+            "Seconds the reconciliation has left at its rate",
+        ),
+        (
+            "vouch_mirror_reconcile_running",
+            "1 while the reconciliation runs",
+        ),
+    ];
+    for (name, help) in reconcile_names {
+        metrics::describe_gauge!(name, help);
+    }
     for (name, help) in names {
         metrics::describe_gauge!(name, help);
     }
     for (volume, mirror) in mirrors {
+        if let Some(progress) = mirror.reconcile_progress() {
+            let labels = [("volume", volume.clone())];
+            let values = [
+                progress.extents as f64,
+                progress.extents_left as f64,
+                progress.blocks_left as f64,
+                progress.blocks_copied as f64,
+                progress.rate as f64,
+                progress.eta_seconds.unwrap_or(0) as f64,
+                if progress.state == "running" {
+                    1.0
+                } else {
+                    0.0
+                },
+            ];
+            for ((name, _), value) in reconcile_names.iter().zip(values) {
+                metrics::gauge!(*name, &labels).set(value);
+            }
+        }
         for (index, leg) in mirror.status().iter().enumerate() {
             let labels = [("volume", volume.clone()), ("leg", index.to_string())];
             let (total, copied, rate) = leg

@@ -103,7 +103,9 @@ pub struct ServeArgs {
     /// Resync floor: a stale mirror leg's resync copies at least this many
     /// bytes per second even while clients are busy (like DRBD's
     /// c-min-rate, md's speed_limit_min). 10M = 10 MiB/s (K, M, G are
-    /// powers of 1024, KB, MB, GB powers of 1000).
+    /// powers of 1024, KB, MB, GB powers of 1000). The reconciliation of
+    /// the extents a mirror's activity log names after an unclean stop is
+    /// paced by the same floor and ceiling (bytes checked per second).
     #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "1M")]
     resync_min: u64,
     /// Resync ceiling: at most this many bytes per second, the rate it
@@ -196,6 +198,14 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
                 for note in resyncer.start_at_open()? {
                     eprintln!("vouch: {note}");
                     tracing::warn!("{note}");
+                }
+                // The extents an unclean stop may have left different,
+                // online and paced like a resync.
+                if set.mirror.start_reconcile(rate)? {
+                    eprintln!(
+                        "vouch: {}: reconciling the extents the activity log names",
+                        path.display()
+                    );
                 }
             }
             volumes.push(Arc::clone(&set.primary));

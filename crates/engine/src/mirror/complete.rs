@@ -18,7 +18,10 @@
 //! connection's timeout, enforced by its reader thread, so a write whose
 //! replica never answers still completes (the leg taken out as stale).
 //!
-//! Crash ordering: as `Mirror::write_shared` (device.rs): each leg keeps
+//! Crash ordering: as `Mirror::write_shared` (device.rs): its extents
+//! are in the activity log on disk before any leg is written (`begin`
+//! declines a write whose extent is not logged yet: adding one syncs),
+//! each leg keeps
 //! the engine's order, none between legs, and the write is acknowledged
 //! (`WriteDone` called with `Ok`) only once every target leg answered,
 //! the stripe lock held until then. No FUA here: a FUA write takes the
@@ -32,6 +35,7 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_format::mirror::LegState;
 
+use super::activity::Entered;
 use super::device::{is_request_error, state_from, Mirror, OwnedStripe, Reserved};
 use super::written::Recording;
 use crate::device::{SealedBlock, StartWrite, WriteDone};
@@ -57,6 +61,7 @@ struct Flight {
 struct Held {
     _stripes: Vec<OwnedStripe>,
     _recorded: Recording,
+    _logged: Option<Entered>,
     done: WriteDone,
 }
 
@@ -112,6 +117,10 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     let Some(stripes) = mirror.try_lock_owned(first, first + count as u64) else {
         return Ok(None);
     };
+    // Its extents must be in the activity log already: adding one syncs.
+    let Some(logged) = mirror.try_enter_log(first, first + count as u64) else {
+        return Ok(None);
+    };
     // Recorded before the check below (as `Mirror::write_shared` records
     // before it marks): a leg taken out meanwhile builds its map from the
     // record, so this write is in that map or the check declines it.
@@ -163,6 +172,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
             held: Mutex::new(Some(Held {
                 _stripes: stripes,
                 _recorded: recorded,
+                _logged: logged,
                 done,
             })),
         });
@@ -242,10 +252,12 @@ impl Flight {
         let Held {
             _stripes,
             _recorded,
+            _logged,
             done,
         } = held;
         drop(_stripes);
         drop(_recorded);
+        drop(_logged);
         done(result);
     }
 

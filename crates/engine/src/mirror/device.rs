@@ -12,7 +12,9 @@ use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use vouch_format::mirror::LegState;
 
+use super::activity::ActivityLog;
 use super::dirty::DirtyMap;
+use super::reconcile::ReconcileProgress;
 use super::remote::is_remote_member;
 use super::resync::ResyncProgress;
 use super::written::Written;
@@ -133,6 +135,10 @@ pub struct LegStatus {
     pub repairs: Vec<RepairCount>,
     /// Written to but not read yet: its resync is running.
     pub resyncing: bool,
+    /// Active, but not read while the reconciliation after an unclean
+    /// stop runs: it may differ from the leg reads go to in the extents
+    /// the activity log named.
+    pub reconciling: bool,
     /// Blocks its resync map marks (`None`: no map).
     pub dirty: Option<u64>,
     /// The last (or running) resync's progress.
@@ -140,10 +146,12 @@ pub struct LegStatus {
 }
 
 impl LegStatus {
-    /// `resyncing`, or the recorded state's name.
+    /// `resyncing`, `reconciling`, or the recorded state's name.
     pub fn state_name(&self) -> &'static str {
         if self.resyncing {
             "resyncing"
+        } else if self.reconciling {
+            "reconciling"
         } else {
             self.state.name()
         }
@@ -154,8 +162,12 @@ impl LegStatus {
 pub struct Mirror {
     pub(super) legs: Vec<Leg>,
     next: AtomicUsize,
-    /// Reads go to the first active leg only (`read_one_leg_until_scrubbed`).
+    /// Reads go to the first active leg only (`read_one_leg_until_scrubbed`,
+    /// or while a reconciliation runs).
     one_leg: AtomicBool,
+    /// Reads stay on one leg until a whole scrub (the legs may differ
+    /// anywhere), whatever a reconciliation settles.
+    scrub_pending: AtomicBool,
     /// Shared so a write that completes on another thread can own its
     /// stripes (`try_lock_owned`, `complete.rs`).
     stripes: Box<[Arc<Mutex<()>>]>,
@@ -171,6 +183,12 @@ pub struct Mirror {
     pub(super) stopping: AtomicBool,
     /// Blocks written since the last flush (`written.rs`).
     pub(super) written: Written,
+    /// The extents that may be written now, durable before any leg is
+    /// written (`activity.rs`); set once, when the set keeps a log.
+    pub(super) activity: OnceLock<Arc<ActivityLog>>,
+    /// The reconciliation after an unclean stop (`reconcile.rs`).
+    pub(super) reconcile: Mutex<Option<ReconcileProgress>>,
+    pub(super) reconciling: AtomicBool,
 }
 
 /// Errors about the request, not the leg: every leg would give the same.
@@ -245,6 +263,7 @@ impl Mirror {
                 .collect(),
             next: AtomicUsize::new(0),
             one_leg: AtomicBool::new(false),
+            scrub_pending: AtomicBool::new(false),
             stripes: (0..STRIPES).map(|_| Arc::new(Mutex::new(()))).collect(),
             membership,
             faulting: Mutex::new(()),
@@ -254,6 +273,9 @@ impl Mirror {
             resyncs: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             written: Written::new(size / BLOCK),
+            activity: OnceLock::new(),
+            reconcile: Mutex::new(None),
+            reconciling: AtomicBool::new(false),
         };
         if mirror.active().is_empty() {
             return Err(Error::InvalidArgument(
@@ -359,9 +381,15 @@ impl Mirror {
     /// leg that is not is taken out first (`take_out_unreachable`).
     pub fn status(&self) -> Vec<LegStatus> {
         self.take_out_unreachable();
+        let active = self.active();
+        let reconciling = self.reconciling.load(Ordering::Acquire);
         self.legs
             .iter()
-            .map(|leg| LegStatus {
+            .enumerate()
+            .map(|(index, leg)| LegStatus {
+                reconciling: reconciling
+                    && active.contains(&index)
+                    && active.first() != Some(&index),
                 name: leg.name.clone(),
                 state: state_from(leg.state.load(Ordering::Acquire)),
                 present: leg
@@ -395,6 +423,7 @@ impl Mirror {
     /// The choice is recorded by the membership (a marker beside each
     /// leg's record), so a restart before the scrub keeps it.
     pub fn read_one_leg_until_scrubbed(&self) {
+        self.scrub_pending.store(true, Ordering::Release);
         self.one_leg.store(true, Ordering::Release);
         if let Some(membership) = &self.membership {
             if let Err(error) = membership.set_unsynced(true) {
@@ -417,7 +446,22 @@ impl Mirror {
                 return;
             }
         }
+        self.scrub_pending.store(false, Ordering::Release);
         self.one_leg.store(false, Ordering::Release);
+    }
+
+    /// Reads go to the first active leg while a reconciliation runs (in
+    /// memory: the activity log names the extents again at a restart).
+    pub(super) fn hold_reads_on_one_leg(&self) {
+        self.one_leg.store(true, Ordering::Release);
+    }
+
+    /// The reconciliation settled every extent: round robin again, unless
+    /// a whole scrub is still owed (`read_one_leg_until_scrubbed`).
+    pub(super) fn release_reads_from_one_leg(&self) {
+        if !self.scrub_pending.load(Ordering::Acquire) {
+            self.one_leg.store(false, Ordering::Release);
+        }
     }
 
     /// The legs reads go to, in order: the active local legs (the remote
@@ -985,6 +1029,7 @@ impl BlockDevice for Mirror {
     fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, data.len() as u64);
+        let _logged = self.enter_log_bytes(offset, data.len() as u64)?;
         let _recorded = self.record_bytes(offset, data.len() as u64);
         self.mark_bytes(offset, data.len() as u64)?;
         self.write_locked(offset, data, fua)
@@ -1012,6 +1057,10 @@ impl BlockDevice for Mirror {
         let count = data.len() / BLOCK as usize;
         let first = offset / BLOCK;
         let Some(_locked) = self.try_lock(first, first + count as u64) else {
+            return Ok(false);
+        };
+        // Its extents must be in the activity log already: adding one syncs.
+        let Some(_logged) = self.try_enter_log(first, first + count as u64) else {
             return Ok(false);
         };
         // Recorded before the check below, as `write_shared` records before
@@ -1051,37 +1100,59 @@ impl BlockDevice for Mirror {
     /// The resync maps' block bits are made durable first (one sync).
     /// On success the blocks written before it started are forgotten by
     /// the record of what a lost leg may lack (`written.rs`).
+    /// Its success lets the activity log forget extents whose writes all
+    /// returned before it began (`ActivityLog::flush_begins`).
     fn flush(&self) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         self.sync_maps()?;
         let ticket = self.written.flush_started();
+        let number = self.activity.get().map(|log| log.flush_begins());
         self.each_leg("flush", |leg| leg.flush())?;
         self.written.flush_succeeded(ticket);
+        if let (Some(log), Some(number)) = (self.activity.get(), number) {
+            log.flush_succeeded(number);
+        }
         Ok(())
     }
+    /// In pieces of at most half the activity log's extents, each entered
+    /// in the log before its legs are trimmed (a whole-volume trim would
+    /// not fit in it at once).
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, length);
         let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
-        let Some(sectors) = self.zero_sector_edges(offset, length, fua)? else {
-            return Ok(());
-        };
-        let (offset, length) = (sectors.start, sectors.end - sectors.start);
-        self.each_leg("trim", |leg| leg.trim(offset, length, fua))
+        self.check_bytes(offset, length)?;
+        for piece in self.log_pieces(offset, length) {
+            let _logged = self.enter_log_bytes(piece.start, piece.end - piece.start)?;
+            let (offset, length) = (piece.start, piece.end - piece.start);
+            let Some(sectors) = self.zero_sector_edges(offset, length, fua)? else {
+                continue;
+            };
+            let (offset, length) = (sectors.start, sectors.end - sectors.start);
+            self.each_leg("trim", |leg| leg.trim(offset, length, fua))?;
+        }
+        Ok(())
     }
+    /// In pieces, as `trim`.
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let _locked = self.lock_bytes(offset, length);
         let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
-        let Some(sectors) = self.zero_sector_edges(offset, length, flags.fua)? else {
-            return Ok(());
-        };
-        let (offset, length) = (sectors.start, sectors.end - sectors.start);
-        self.each_leg("write zeroes", |leg| {
-            leg.write_zeroes(offset, length, flags)
-        })
+        self.check_bytes(offset, length)?;
+        for piece in self.log_pieces(offset, length) {
+            let _logged = self.enter_log_bytes(piece.start, piece.end - piece.start)?;
+            let (offset, length) = (piece.start, piece.end - piece.start);
+            let Some(sectors) = self.zero_sector_edges(offset, length, flags.fua)? else {
+                continue;
+            };
+            let (offset, length) = (sectors.start, sectors.end - sectors.start);
+            self.each_leg("write zeroes", |leg| {
+                leg.write_zeroes(offset, length, flags)
+            })?;
+        }
+        Ok(())
     }
     fn block_status(
         &self,
@@ -1121,6 +1192,7 @@ impl BlockDevice for Mirror {
         let first = blocks.iter().map(|b| b.lba).min().unwrap_or(0);
         let end = blocks.iter().map(|b| b.lba + 1).max().unwrap_or(0);
         let _locked = self.lock(first, end);
+        let _logged = self.enter_log(first, end)?;
         let _recorded = self.written.record(first, end);
         for block in blocks {
             self.mark(block.lba, block.lba + 1)?;

@@ -38,11 +38,13 @@
 //!
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
+pub mod activity;
 mod complete;
 mod device;
 pub mod dirty;
 pub mod manage;
 mod map_file;
+pub mod reconcile;
 pub mod remote;
 mod repair;
 pub mod resync;
@@ -50,8 +52,10 @@ pub mod scrub;
 pub mod set;
 mod written;
 
+pub use activity::{ActivityGeometry, ActivityLog, Recovered};
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
 pub use dirty::{DirtyMap, FileMaps, LandedTicket, MapFile, MapStore};
+pub use reconcile::{ReconcileCursor, ReconcileProgress};
 pub use remote::{is_remote_member, LegTemplate};
 pub use resync::{ResyncCursor, ResyncProgress, ResyncRate, ResyncStep};
 pub use set::{

@@ -148,6 +148,60 @@ impl Mirror {
         Ok(good)
     }
 
+    /// `rewrite` of several blocks of one stripe at once: moved sealed
+    /// from `source` to `target` in one write, one flush of `target`, then
+    /// each re-read there; a batch that fails is retried block by block.
+    /// Whether each now reads its `good` copy. The caller holds the
+    /// stripe lock.
+    pub(super) fn rewrite_blocks(
+        &self,
+        source: usize,
+        target: usize,
+        lbas: &[u64],
+        good: &[&[u8]],
+    ) -> Vec<bool> {
+        if let [lba] = lbas {
+            return vec![self.rewrite(
+                source,
+                target,
+                *lba,
+                good[0].try_into().expect("one block"),
+            )];
+        }
+        let step = || -> Result<Vec<bool>> {
+            let sealed = self.read_runs(source, lbas)?;
+            self.device(target).write_sealed(&sealed)?;
+            self.device(target).flush()?;
+            let (first, end) = (lbas[0], lbas[lbas.len() - 1] + 1);
+            let mut check = vec![0u8; ((end - first) * BLOCK) as usize];
+            let faults =
+                self.device(target)
+                    .read_blocks_collecting(first, end - first, &mut check)?;
+            Ok(lbas
+                .iter()
+                .zip(good)
+                .map(|(&lba, good)| {
+                    let at = ((lba - first) * BLOCK) as usize;
+                    !faults.iter().any(|fault| fault.lba == lba)
+                        && check[at..at + BLOCK as usize] == good[..]
+                })
+                .collect())
+        };
+        match step() {
+            Ok(done) => done,
+            Err(error) => {
+                tracing::warn!(source, target, blocks = lbas.len(), %error,
+                    "mirror: rewriting blocks together failed; one by one");
+                lbas.iter()
+                    .zip(good)
+                    .map(|(&lba, good)| {
+                        self.rewrite(source, target, lba, (*good).try_into().expect("one block"))
+                    })
+                    .collect()
+            }
+        }
+    }
+
     /// Move block `lba` sealed from `source` to `target`, flush `target`
     /// and re-read it there: true if it now reads `good`. The caller holds
     /// the block's stripe lock.

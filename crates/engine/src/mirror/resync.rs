@@ -527,7 +527,7 @@ impl Mirror {
     }
 
     /// Read `lbas` sealed from `source`, in runs of consecutive LBAs.
-    fn read_runs(&self, source: usize, lbas: &[u64]) -> Result<Vec<SealedBlock>> {
+    pub(super) fn read_runs(&self, source: usize, lbas: &[u64]) -> Result<Vec<SealedBlock>> {
         let mut out = Vec::with_capacity(lbas.len());
         let mut at = 0;
         while at < lbas.len() {

@@ -83,7 +83,7 @@ pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport>
             break;
         }
         let count = CHUNK_BLOCKS.min(blocks - lba);
-        mirror.scrub_chunk(lba, count, &mut report)?;
+        mirror.scrub_chunk(lba, count, &mut report, "stale")?;
         lba += count;
         control.set_progress(lba, blocks);
     }
@@ -95,7 +95,18 @@ pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport>
 }
 
 impl Mirror {
-    fn scrub_chunk(&self, first: u64, count: u64, report: &mut MirrorScrubReport) -> Result<()> {
+    /// Check and repair blocks `[first, count)` on every active leg.
+    /// Copies that verify but differ while reads go to one leg (after an
+    /// unclean stop) are found as `divergence` (`stale` for a scrub,
+    /// `reconcile` for the reconciliation of the activity log's extents)
+    /// and not counted against the leg.
+    pub(super) fn scrub_chunk(
+        &self,
+        first: u64,
+        count: u64,
+        report: &mut MirrorScrubReport,
+        divergence: &'static str,
+    ) -> Result<()> {
         let _locked = self.lock(first, first + count);
         let active = self.active();
         let read_leg = self
@@ -137,6 +148,9 @@ impl Mirror {
             faults.push(kinds);
         }
         report.blocks_checked += count;
+        // (lba, source, target, kind), by position in `legs`: rewritten
+        // after the chunk is judged, a batch per pair of legs (one flush).
+        let mut repairs: Vec<(u64, usize, usize, &'static str)> = Vec::new();
         for index in 0..count as usize {
             let lba = first + index as u64;
             let block =
@@ -170,11 +184,18 @@ impl Mirror {
                 match read_copy.or_else(|| self.newest(lba, &legs, &good, &block)) {
                     Some(winner) => {
                         source = winner;
-                        targets.extend(
-                            good.iter()
-                                .filter(|&&at| block(at) != block(winner))
-                                .map(|&at| (at, "stale")),
-                        );
+                        targets.extend(good.iter().filter(|&&at| block(at) != block(winner)).map(
+                            |&at| {
+                                (
+                                    at,
+                                    if read_leg.is_some() {
+                                        divergence
+                                    } else {
+                                        "stale"
+                                    },
+                                )
+                            },
+                        ));
                     }
                     None => {
                         for at in good.iter().copied().chain(targets.iter().map(|t| t.0)) {
@@ -194,35 +215,71 @@ impl Mirror {
                     }
                 }
             }
-            // Legs that differ after an unclean shutdown (the copy clients
-            // read decided) are the set's doing, not the leg's own errors.
-            let crash_divergence = read_leg.is_some();
-            for (at, kind) in targets {
-                let repaired = self.rewrite(
-                    legs[source],
-                    legs[at],
-                    lba,
-                    block(source).try_into().expect("one block"),
-                );
-                if repaired {
-                    tracing::warn!(
+            repairs.extend(
+                targets
+                    .into_iter()
+                    .map(|(at, kind)| (lba, source, at, kind)),
+            );
+        }
+        // Legs that differ after an unclean shutdown (the copy clients
+        // read decided) are the set's doing, not the leg's own errors:
+        // rewritten in one batch per pair of legs (one flush). A leg's own
+        // errors are rewritten one by one, each flushed and re-read.
+        let crash_divergence = read_leg.is_some();
+        let together = |kind: &str| crash_divergence && kind == divergence;
+        let mut batches: Vec<Vec<(u64, &'static str)>> = Vec::new();
+        let mut pairs: Vec<(usize, usize)> = Vec::new();
+        for &(lba, source, target, kind) in &repairs {
+            let last = pairs.iter().rposition(|&pair| pair == (source, target));
+            match last {
+                Some(at) if together(kind) && together(batches[at][0].1) => {
+                    batches[at].push((lba, kind));
+                }
+                _ => {
+                    pairs.push((source, target));
+                    batches.push(vec![(lba, kind)]);
+                }
+            }
+        }
+        for ((source, target), batch) in pairs.into_iter().zip(batches) {
+            let lbas: Vec<u64> = batch.iter().map(|b| b.0).collect();
+            let good: Vec<&[u8]> = lbas
+                .iter()
+                .map(|&lba| {
+                    let at = ((lba - first) * BLOCK) as usize;
+                    &copies[source][at..at + BLOCK as usize]
+                })
+                .collect();
+            let repaired = self.rewrite_blocks(legs[source], legs[target], &lbas, &good);
+            for ((lba, kind), repaired) in batch.into_iter().zip(repaired) {
+                let leg = legs[target];
+                if !repaired {
+                    tracing::error!(lba, leg, kind, "mirror scrub: repair failed");
+                } else if kind == divergence && crash_divergence {
+                    tracing::debug!(
                         lba,
-                        leg = legs[at],
+                        leg,
                         kind,
                         source = legs[source],
                         "mirror scrub: repaired"
                     );
                 } else {
-                    tracing::error!(lba, leg = legs[at], kind, "mirror scrub: repair failed");
+                    tracing::warn!(
+                        lba,
+                        leg,
+                        kind,
+                        source = legs[source],
+                        "mirror scrub: repaired"
+                    );
                 }
-                if crash_divergence && kind == "stale" {
-                    self.note_repair(legs[at], kind, repaired);
+                if crash_divergence && kind == divergence {
+                    self.note_repair(leg, kind, repaired);
                 } else {
-                    self.count_at(legs[at], kind, repaired, Some(lba));
+                    self.count_at(leg, kind, repaired, Some(lba));
                 }
                 report.note(Finding {
                     lba,
-                    leg: legs[at],
+                    leg,
                     kind,
                     repaired,
                 });

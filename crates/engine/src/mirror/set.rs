@@ -557,6 +557,20 @@ fn store_on_active_legs(record: &MirrorRecord) -> Result<()> {
     Ok(())
 }
 
+/// Open the set's activity log (`mirror.active`) in every active local
+/// leg's directory: what the last run may have left different, and the
+/// log from now on (`Mirror::keep_activity_log`).
+pub fn open_activity(
+    record: &MirrorRecord,
+    blocks: u64,
+) -> Result<(super::ActivityLog, super::Recovered)> {
+    super::ActivityLog::open(
+        Arc::new(super::FileMaps),
+        &map_dirs(record),
+        super::ActivityGeometry::of(record.uuid, blocks),
+    )
+}
+
 /// `Membership` kept in the legs' `mirror` files.
 pub struct FileMembership {
     record: Mutex<MirrorRecord>,

@@ -1,0 +1,286 @@
+//! Reconciliation after an unclean stop (docs/CRASH_MODEL.md, "Crash
+//! reconciliation by an activity log"): the extents the activity log
+//! named when the set was opened (`activity.rs`) are the only places the
+//! legs may differ. A thread checks them, a chunk (1 MiB, one stripe) at
+//! a time under the stripe lock, with the scrub's rule (`scrub_chunk`):
+//! reads go to the first active leg until it is done, so that leg's
+//! verifying copy wins and is written to every other leg that differs
+//! (md resyncs from the disk it reads), listed as `reconcile` repairs and
+//! never counted toward a leg's fault threshold (the set's crash made
+//! them differ, not the leg). A block that fails verification on a leg is
+//! that leg's own error and counted as a scrub counts it.
+//!
+//! Crash ordering: an extent leaves the set to reconcile (`unpin`) only
+//! after its last chunk was checked, each repair flushed on its leg
+//! (`Mirror::rewrite`); until then the log keeps naming it, so a crash
+//! mid-way reconciles it again at the next open. Client writes go on
+//! meanwhile, to every leg as always.
+//!
+//! Paced like a resync (`ResyncRate`): its ceiling while no client
+//! request arrived during the last chunk, its floor while they do.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::device::Mirror;
+use super::resync::ResyncRate;
+use super::scrub::MirrorScrubReport;
+use crate::device::BlockDevice;
+use crate::error::{Error, Result};
+use crate::state::BLOCK;
+
+/// Blocks per step (one stripe of the mirror's lock).
+const CHUNK_BLOCKS: u64 = 256;
+
+/// A reconciliation's progress, as `vouch mirror status` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReconcileProgress {
+    /// Extents (regions) the activity log named at open.
+    pub extents: u64,
+    /// Extents left to check.
+    pub extents_left: u64,
+    /// Blocks per extent.
+    pub extent_blocks: u64,
+    /// Blocks checked on every active leg so far.
+    pub blocks_checked: u64,
+    /// Blocks left to check.
+    pub blocks_left: u64,
+    /// Blocks copied to a leg that differed.
+    pub blocks_copied: u64,
+    /// Blocks that could not be settled (bad on every leg, or a conflict).
+    pub blocks_left_unsettled: u64,
+    /// Bytes checked per second so far.
+    pub rate: u64,
+    /// Seconds to go at that rate (`None` before a rate is known).
+    pub eta_seconds: Option<u64>,
+    /// `running`, `done`, `stopped` or `failed`.
+    pub state: &'static str,
+    pub error: Option<String>,
+    pub elapsed_ms: u64,
+}
+
+/// A reconciliation between two steps (`Mirror::begin_reconcile`).
+pub struct ReconcileCursor {
+    extents: Vec<u64>,
+    /// The extent being checked (index into `extents`) and the next LBA.
+    at: usize,
+    lba: u64,
+    report: MirrorScrubReport,
+    started: Instant,
+}
+
+impl ReconcileCursor {
+    /// Blocks copied so far.
+    pub fn copied(&self) -> u64 {
+        self.report.repaired
+    }
+
+    /// Blocks checked so far.
+    pub fn checked(&self) -> u64 {
+        self.report.blocks_checked
+    }
+
+    /// Blocks found bad or different and not settled.
+    pub fn unsettled(&self) -> u64 {
+        self.report.left
+    }
+}
+
+impl Mirror {
+    /// Start reconciling the extents the activity log carried from the
+    /// last run: reads go to the first active leg until it ends. `None`
+    /// when there is nothing to reconcile (no log, or it was empty).
+    pub fn begin_reconcile(&self) -> Option<ReconcileCursor> {
+        let log = self.activity.get()?;
+        let extents = log.pinned();
+        if extents.is_empty() {
+            return None;
+        }
+        self.hold_reads_on_one_leg();
+        self.reconciling.store(true, Ordering::Release);
+        let first = extents[0] * log.extent_blocks();
+        let cursor = ReconcileCursor {
+            extents,
+            at: 0,
+            lba: first,
+            report: MirrorScrubReport::default(),
+            started: Instant::now(),
+        };
+        *self.reconcile.lock() = Some(self.reconcile_progress_of(&cursor, "running", None));
+        tracing::info!(
+            extents = cursor.extents.len(),
+            "mirror: reconciling the extents written at an unclean stop"
+        );
+        Some(cursor)
+    }
+
+    /// One chunk: check and repair it on every active leg; after the last
+    /// chunk of an extent, the extent leaves the set to reconcile.
+    /// Returns the blocks checked (0: finished; `end_reconcile` next).
+    pub fn reconcile_step(&self, cursor: &mut ReconcileCursor) -> Result<u64> {
+        let Some(log) = self.activity.get() else {
+            return Ok(0);
+        };
+        let Some(&extent) = cursor.extents.get(cursor.at) else {
+            return Ok(0);
+        };
+        let blocks = self.size() / BLOCK;
+        let extent_end = ((extent + 1) * log.extent_blocks()).min(blocks);
+        let count = CHUNK_BLOCKS
+            .min(extent_end - cursor.lba)
+            .min(CHUNK_BLOCKS - cursor.lba % CHUNK_BLOCKS);
+        self.scrub_chunk(cursor.lba, count, &mut cursor.report, "reconcile")?;
+        cursor.lba += count;
+        if cursor.lba >= extent_end {
+            log.unpin(extent);
+            cursor.at += 1;
+            if let Some(&next) = cursor.extents.get(cursor.at) {
+                cursor.lba = next * log.extent_blocks();
+            }
+        }
+        *self.reconcile.lock() = Some(self.reconcile_progress_of(cursor, "running", None));
+        Ok(count)
+    }
+
+    /// The end of a reconciliation: `result` is `Ok(true)` when every
+    /// extent was checked. Reads go round robin again only then, and only
+    /// if nothing was left unsettled. Returns its final progress.
+    pub fn end_reconcile(
+        &self,
+        cursor: ReconcileCursor,
+        result: Result<bool>,
+    ) -> ReconcileProgress {
+        let (state, error) = match result {
+            Ok(true) if cursor.report.left == 0 => ("done", None),
+            Ok(true) => (
+                "done",
+                Some(format!(
+                    "{} blocks left unsettled: reads stay on one leg until a scrub",
+                    cursor.report.left
+                )),
+            ),
+            Ok(false) => (
+                "stopped",
+                Some("server stopping; the log keeps what is left for the next start".into()),
+            ),
+            Err(error) => ("failed", Some(error.to_string())),
+        };
+        if state == "done" && error.is_none() {
+            self.release_reads_from_one_leg();
+        }
+        self.reconciling.store(false, Ordering::Release);
+        let progress = self.reconcile_progress_of(&cursor, state, error.clone());
+        tracing::info!(
+            state,
+            checked = cursor.report.blocks_checked,
+            copied = cursor.report.repaired,
+            left = cursor.report.left,
+            error = error.as_deref().unwrap_or(""),
+            "mirror: reconciliation ended"
+        );
+        *self.reconcile.lock() = Some(progress.clone());
+        progress
+    }
+
+    /// Reconcile on a thread, paced by `rate` (see the module's
+    /// documentation). `false` when there is nothing to reconcile.
+    pub fn start_reconcile(self: &Arc<Self>, rate: ResyncRate) -> Result<bool> {
+        if rate.min == 0 || rate.max < rate.min {
+            return Err(Error::InvalidArgument(format!(
+                "reconcile rate floor {} and ceiling {} (bytes/s): the floor must be positive and at most the ceiling",
+                rate.min, rate.max
+            )));
+        }
+        let Some(cursor) = self.begin_reconcile() else {
+            return Ok(false);
+        };
+        let mirror = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("vouch-reconcile".into())
+            .spawn(move || {
+                let mut cursor = cursor;
+                let result = mirror.reconcile_loop(&mut cursor, rate);
+                mirror.end_reconcile(cursor, result);
+            });
+        match spawned {
+            Ok(handle) => {
+                self.resyncs.lock().push(handle);
+                Ok(true)
+            }
+            Err(error) => {
+                self.reconciling.store(false, Ordering::Release);
+                Err(Error::InvalidArgument(format!(
+                    "cannot start reconciling: {error}"
+                )))
+            }
+        }
+    }
+
+    fn reconcile_loop(&self, cursor: &mut ReconcileCursor, rate: ResyncRate) -> Result<bool> {
+        loop {
+            if self.stopping.load(Ordering::Acquire) {
+                return Ok(false);
+            }
+            let started = Instant::now();
+            let foreground = self.foreground.load(Ordering::Relaxed);
+            let checked = self.reconcile_step(cursor)?;
+            if checked == 0 {
+                return Ok(true);
+            }
+            let busy = self.foreground.load(Ordering::Relaxed) != foreground;
+            let limit = if busy { rate.min } else { rate.max };
+            let due = Duration::from_secs_f64((checked * BLOCK) as f64 / limit as f64);
+            let mut left = due.saturating_sub(started.elapsed());
+            while !left.is_zero() && !self.stopping.load(Ordering::Acquire) {
+                let nap = left.min(Duration::from_millis(50));
+                std::thread::sleep(nap);
+                left -= nap;
+            }
+        }
+    }
+
+    /// The running (or last) reconciliation's progress.
+    pub fn reconcile_progress(&self) -> Option<ReconcileProgress> {
+        self.reconcile.lock().clone()
+    }
+
+    fn reconcile_progress_of(
+        &self,
+        cursor: &ReconcileCursor,
+        state: &'static str,
+        error: Option<String>,
+    ) -> ReconcileProgress {
+        let extent_blocks = self
+            .activity
+            .get()
+            .map_or(super::activity::EXTENT_BLOCKS, |log| log.extent_blocks());
+        let extents = cursor.extents.len() as u64;
+        let extents_left = extents - cursor.at as u64;
+        let blocks_left = match cursor.extents.get(cursor.at) {
+            Some(&extent) => extents_left * extent_blocks - (cursor.lba - extent * extent_blocks),
+            None => 0,
+        };
+        let elapsed = cursor.started.elapsed();
+        let checked = cursor.report.blocks_checked;
+        let rate = if elapsed.as_secs_f64() > 0.0 {
+            (checked as f64 * BLOCK as f64 / elapsed.as_secs_f64()) as u64
+        } else {
+            0
+        };
+        ReconcileProgress {
+            extents,
+            extents_left,
+            extent_blocks,
+            blocks_checked: checked,
+            blocks_left,
+            blocks_copied: cursor.report.repaired,
+            blocks_left_unsettled: cursor.report.left,
+            rate,
+            eta_seconds: (rate > 0).then(|| blocks_left * BLOCK / rate),
+            state,
+            error,
+            elapsed_ms: elapsed.as_millis() as u64,
+        }
+    }
+}
