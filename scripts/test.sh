@@ -31,6 +31,15 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends "${need[@]}"
 fi
 
+# The held logs of the volumes the tests make and kill go to a directory
+# of this run (removed at the end), not to /dev/shm where a killed
+# server's would stay until the next boot.
+if [ -z "${VOUCH_RUNTIME_DIR:-}" ]; then
+    VOUCH_RUNTIME_DIR=$(mktemp -d /tmp/vouch-test-runtime.XXXXXX)
+    export VOUCH_RUNTIME_DIR
+    trap 'rm -rf "$VOUCH_RUNTIME_DIR"' EXIT
+fi
+
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile ci -- -D warnings
 # The fuzz targets live in their own workspace (cargo-fuzz runs them on

@@ -209,6 +209,22 @@ impl Engine {
         })
     }
 
+    /// Remove the held log's files if nothing is held: no live record in
+    /// either slot and nothing buffered or committing (`Volume`'s drop).
+    pub fn release_held_if_empty(&self) {
+        let shared = &self.shared;
+        if shared.io.is_read_only() {
+            return;
+        }
+        let held = shared.held.lock();
+        let state = shared.state.read();
+        if held.is_empty() && state.active.is_empty() && state.committing.is_empty() {
+            if let Err(error) = shared.io.storage().release_held() {
+                tracing::debug!(%error, "cannot remove the held log's files");
+            }
+        }
+    }
+
     /// Is the volume encrypted? (Fixed at creation; never waits for a commit.)
     pub fn encrypted(&self) -> bool {
         self.encrypted

@@ -143,6 +143,11 @@ impl HeldLog {
 }
 
 impl HeldSlots {
+    /// No slot holds a live record.
+    pub fn is_empty(&self) -> bool {
+        !self.used[0] && !self.used[1]
+    }
+
     /// Append `blocks` (as they will be buffered) to the active slot. The
     /// caller then buffers them before releasing the lock.
     pub fn append(

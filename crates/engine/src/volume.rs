@@ -232,6 +232,11 @@ impl VolumeInfo {
 impl Drop for Volume {
     fn drop(&mut self) {
         self.stop_committer();
+        // Dropped without `close`: when no acknowledged write waits for its
+        // commit, the held log's files go as well, so a handle dropped
+        // (a command that failed, a test) leaves nothing in tmpfs; when
+        // some do, they stay for the next open, as after a crash.
+        self.engine.release_held_if_empty();
     }
 }
 
