@@ -35,7 +35,8 @@ use vouch_engine::{BlockDevice, SimStorage, Storage, Volume};
 use crate::fingerprint;
 use crate::map_store::SimMaps;
 use crate::mirror_write::{
-    mirror_over, open_options, prefilled_legs, write_completing, Allowed, Deferred, Leg1,
+    flush_modelled, mirror_over, model_write, open_options, prefilled_legs, trim_modelled,
+    write_completing, Allowed, Deferred, Leg1,
 };
 use crate::recorder::{crash_image, Strategy, STRATEGIES};
 use crate::rng::Rng;
@@ -215,34 +216,11 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
         let lba = rng.below(BLOCKS);
         let count = rng.range(1, 6).min(BLOCKS - lba);
         match rng.below(7) {
-            0 => {
-                let before = model.lock().clone();
-                mirror.flush().map_err(|e| format!("flush: {e}"))?;
-                let mut now = model.lock();
-                for (block, values) in now.iter_mut().enumerate() {
-                    *values = vec![*before[block].last().expect("a value")];
-                }
-            }
-            1 => {
-                {
-                    let mut now = model.lock();
-                    for block in lba..lba + count {
-                        now[block as usize].push(zero);
-                    }
-                }
-                mirror
-                    .trim(lba * BLOCK as u64, count * BLOCK as u64, false)
-                    .map_err(|e| format!("trim: {e}"))?;
-            }
+            0 => flush_modelled(&mirror, &model)?,
+            1 => trim_modelled(&mirror, &model, lba, count, zero)?,
             _ => {
                 let data = rng.bytes(count as usize * BLOCK);
-                {
-                    let mut now = model.lock();
-                    for (index, block) in (lba..lba + count).enumerate() {
-                        now[block as usize]
-                            .push(fingerprint(&data[index * BLOCK..(index + 1) * BLOCK]));
-                    }
-                }
+                model_write(&model, lba, &data);
                 let offset = lba * BLOCK as u64;
                 let fua = rng.chance(1, 6);
                 let route = rng.below(3);

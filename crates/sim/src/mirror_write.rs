@@ -414,35 +414,11 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
         let lba = rng.below(BLOCKS);
         let count = rng.range(1, 4).min(BLOCKS - lba);
         match rng.below(6) {
-            0 => {
-                let before = model.lock().clone();
-                mirror.flush().map_err(|e| format!("flush: {e}"))?;
-                let mut now = model.lock();
-                for (block, values) in now.iter_mut().enumerate() {
-                    let last = *before[block].last().expect("a value");
-                    *values = vec![last];
-                }
-            }
-            1 => {
-                {
-                    let mut now = model.lock();
-                    for block in lba..lba + count {
-                        now[block as usize].push(zero);
-                    }
-                }
-                mirror
-                    .trim(lba * BLOCK as u64, count * BLOCK as u64, false)
-                    .map_err(|e| format!("trim: {e}"))?;
-            }
+            0 => flush_modelled(&mirror, &model)?,
+            1 => trim_modelled(&mirror, &model, lba, count, zero)?,
             _ => {
                 let data = rng.bytes(count as usize * BLOCK);
-                {
-                    let mut now = model.lock();
-                    for (index, block) in (lba..lba + count).enumerate() {
-                        now[block as usize]
-                            .push(fingerprint(&data[index * BLOCK..(index + 1) * BLOCK]));
-                    }
-                }
+                model_write(&model, lba, &data);
                 let fua = rng.chance(1, 5);
                 let offset = lba * BLOCK as u64;
                 if fua || !write_completing(&mirror, offset, &data, &deferred)? {
@@ -474,6 +450,45 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
 
 /// A write through the mirror's completion path, waited for here:
 /// `Ok(false)` when the mirror declines it (nothing written).
+/// Flush the mirror; then only each block's value from before the flush
+/// may be read after a crash (the model's last value as the flush began).
+pub(crate) fn flush_modelled(mirror: &Mirror, model: &Mutex<Allowed>) -> Result<(), String> {
+    let before = model.lock().clone();
+    mirror.flush().map_err(|e| format!("flush: {e}"))?;
+    let mut now = model.lock();
+    for (block, values) in now.iter_mut().enumerate() {
+        *values = vec![*before[block].last().expect("a value")];
+    }
+    Ok(())
+}
+
+/// Trim `count` blocks from `lba`, the zeros allowed from before it starts.
+pub(crate) fn trim_modelled(
+    mirror: &Mirror,
+    model: &Mutex<Allowed>,
+    lba: u64,
+    count: u64,
+    zero: u64,
+) -> Result<(), String> {
+    {
+        let mut now = model.lock();
+        for block in lba..lba + count {
+            now[block as usize].push(zero);
+        }
+    }
+    mirror
+        .trim(lba * BLOCK as u64, count * BLOCK as u64, false)
+        .map_err(|e| format!("trim: {e}"))
+}
+
+/// Allow the blocks of `data`, written from `lba`, before the write starts.
+pub(crate) fn model_write(model: &Mutex<Allowed>, lba: u64, data: &[u8]) {
+    let mut now = model.lock();
+    for (index, block) in data.chunks_exact(BLOCK).enumerate() {
+        now[lba as usize + index].push(fingerprint(block));
+    }
+}
+
 pub(crate) fn write_completing(
     mirror: &Arc<Mirror>,
     offset: u64,
