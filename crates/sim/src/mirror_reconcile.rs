@@ -30,12 +30,12 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use vouch_engine::mirror::{ActivityGeometry, ActivityLog, MapStore, Recovered};
-use vouch_engine::{BlockDevice, SimStorage, Storage, Volume};
+use vouch_engine::{BlockDevice, SimStorage};
 
 use crate::fingerprint;
 use crate::map_store::SimMaps;
 use crate::mirror_write::{
-    flush_modelled, mirror_over, model_write, open_options, prefilled_legs, trim_modelled,
+    flush_modelled, mirror_over, model_write, open_crash_legs, prefilled_legs, trim_modelled,
     write_completing, Allowed, Deferred, Leg1,
 };
 use crate::recorder::{crash_image, Strategy, STRATEGIES};
@@ -271,13 +271,7 @@ fn read_block(device: &dyn BlockDevice, lba: u64, what: &str) -> Result<Vec<u8>,
 
 /// Recover one crash as a restart does, reconcile, check the contract.
 fn check_crash(crash: Crash, report: &mut ReconcileReport) -> Result<(), String> {
-    let [leg0, leg1] = crash.legs;
-    let open = |image: SimStorage, at: usize| {
-        Volume::open(Arc::new(image) as Arc<dyn Storage>, &open_options())
-            .map(Arc::new)
-            .map_err(|e| format!("leg {at} does not open: {e}"))
-    };
-    let volumes = [open(leg0, 0)?, open(leg1, 1)?];
+    let volumes = open_crash_legs(crash.legs)?;
     let store: Arc<dyn MapStore> = Arc::new(crash.log);
     let (log, recovered) = ActivityLog::open(store, &log_dirs(), geometry())
         .map_err(|e| format!("the activity log does not open: {e}"))?;

@@ -519,15 +519,20 @@ pub(crate) fn write_completing(
     Ok(true)
 }
 
-/// Recover one crash image pair as a restart does and check the contract.
-fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), String> {
-    let [leg0, leg1] = crash.legs;
+/// Open both legs' crash images as a restart does (each recovers).
+pub(crate) fn open_crash_legs(legs: [SimStorage; 2]) -> Result<[Arc<Volume>; 2], String> {
+    let [leg0, leg1] = legs;
     let open = |image: SimStorage, at: usize| {
         Volume::open(Arc::new(image) as Arc<dyn Storage>, &open_options())
             .map(Arc::new)
             .map_err(|e| format!("leg {at} does not open: {e}"))
     };
-    let volumes = [open(leg0, 0)?, open(leg1, 1)?];
+    Ok([open(leg0, 0)?, open(leg1, 1)?])
+}
+
+/// Recover one crash image pair as a restart does and check the contract.
+fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), String> {
+    let volumes = open_crash_legs(crash.legs)?;
     let mirror = mirror_over([volumes[0].clone(), volumes[1].clone()], Leg1::Local)?;
     mirror.read_one_leg_until_scrubbed();
     let mut seen = Vec::with_capacity(BLOCKS as usize);
