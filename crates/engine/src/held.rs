@@ -33,6 +33,7 @@
 //! and empties both slots before it serves anything.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -62,6 +63,15 @@ pub(crate) struct HeldLog {
     /// The storage keeps held slots (`HeldSlots::enabled`, fixed at open).
     enabled: bool,
     inner: Mutex<HeldSlots>,
+    /// Records of each slot whose place is taken and whose body is still
+    /// being copied: a slot is emptied only when none is left. Counted
+    /// outside the lock, so a finished copy takes no lock...
+    copying: [AtomicUsize; 2],
+    /// ...unless a commit waits for the count to reach 0 (`empty`): it
+    /// sets this, then checks the count, under the lock; a copy lowers the
+    /// count, then checks this (both sequentially consistent, so one of
+    /// them sees the other) and takes the lock to signal.
+    waiting: AtomicBool,
     /// Signalled when a slot's last copy in flight finishes.
     copied: Condvar,
 }
@@ -81,9 +91,6 @@ pub(crate) struct HeldSlots {
     epochs: [u64; 2],
     /// Whether each slot holds live records.
     used: [bool; 2],
-    /// Records of each slot whose place is taken and whose body is still
-    /// being copied: a slot is emptied only when none is left.
-    copying: [usize; 2],
     /// Bytes of each slot the storage made room for (`grow_held`).
     grown: [u64; 2],
 }
@@ -119,7 +126,6 @@ impl HeldLog {
             tail: HELD_HEADER_BYTES,
             epochs: [0; 2],
             used: [false; 2],
-            copying: [0; 2],
             grown: [0; 2],
         };
         let mut found: Vec<(u64, Vec<Held>)> = Vec::new();
@@ -137,6 +143,8 @@ impl HeldLog {
             HeldLog {
                 enabled,
                 inner: Mutex::new(slots),
+                copying: [AtomicUsize::new(0), AtomicUsize::new(0)],
+                waiting: AtomicBool::new(false),
                 copied: Condvar::new(),
             },
             held,
@@ -183,12 +191,32 @@ impl HeldLog {
                 storage.publish_held(slot, placed.at + DONE_AT as u64, done_word(placed.epoch))
             })
             .map_err(|cause| Error::HeldLog { op: "write", cause });
-        let mut slots = self.lock();
-        slots.copying[placed.slot] -= 1;
-        if slots.copying[placed.slot] == 0 {
+        if self.copying[placed.slot].fetch_sub(1, Ordering::SeqCst) == 1
+            && self.waiting.load(Ordering::SeqCst)
+        {
+            let _slots = self.lock();
             self.copied.notify_all();
         }
         result
+    }
+
+    /// Take the place of a record of `blocks` (whose `entries` `entries`
+    /// made) in the active slot of `slots` (this log's, locked): its
+    /// header written, its body left to `fill`, which the caller runs
+    /// after buffering the blocks and releasing the lock. `None` when
+    /// nothing is logged.
+    pub fn place(
+        &self,
+        slots: &mut HeldSlots,
+        io: &Backing,
+        entries: &[u8],
+        blocks: &[(u64, DirtyBlock)],
+    ) -> Result<Option<Placed>> {
+        let placed = slots.place(io, entries, blocks)?;
+        if let Some(placed) = &placed {
+            self.copying[placed.slot].fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(placed)
     }
 
     /// Empty `slot` (a new epoch in its header): its records are dead.
@@ -196,8 +224,12 @@ impl HeldLog {
     /// the lock, so never for long).
     pub fn empty(&self, io: &Backing, slot: usize) -> Result<()> {
         let mut slots = self.lock();
-        while slots.copying[slot] > 0 {
-            self.copied.wait(&mut slots);
+        if self.copying[slot].load(Ordering::SeqCst) > 0 {
+            self.waiting.store(true, Ordering::SeqCst);
+            while self.copying[slot].load(Ordering::SeqCst) > 0 {
+                self.copied.wait(&mut slots);
+            }
+            self.waiting.store(false, Ordering::SeqCst);
         }
         slots.empty(io, slot)
     }
@@ -235,11 +267,8 @@ impl HeldSlots {
         !self.used[0] && !self.used[1]
     }
 
-    /// Take the place of a record of `blocks` (whose `entries` the log
-    /// made) in the active slot: its header written, its body left to
-    /// `HeldLog::fill`, which the caller runs after buffering the blocks
-    /// and releasing the lock. `None` when nothing is logged.
-    pub fn place(
+    /// `HeldLog::place`, less the count of copies in flight.
+    fn place(
         &mut self,
         io: &Backing,
         entries: &[u8],
@@ -258,7 +287,6 @@ impl HeldSlots {
             blocks: 0,
         };
         let at = self.write_header(io, &header, header.encode())?;
-        self.copying[self.active] += 1;
         Ok(Some(Placed {
             slot: self.active,
             at,
@@ -341,7 +369,6 @@ impl HeldSlots {
         let committing = self.active;
         let next = 1 - committing;
         debug_assert!(!self.used[next], "the other slot is not empty");
-        debug_assert_eq!(self.copying[next], 0, "copies into an emptied slot");
         if self.epochs[next] < self.epochs[committing] {
             self.empty(io, next)?;
         }
@@ -363,12 +390,12 @@ impl HeldSlots {
     }
 
     /// Write `slot`'s header with a new epoch. No copy may be in flight
-    /// into it (`HeldLog::empty` waits for them).
+    /// into it (`HeldLog::empty` waits for them; the slot `swap` empties
+    /// again was not written since the previous commit emptied it).
     fn empty(&mut self, io: &Backing, slot: usize) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
-        debug_assert_eq!(self.copying[slot], 0, "a copy in flight into the slot");
         let epoch = self.epochs[0].max(self.epochs[1]) + 1;
         let page = self.header_page(slot, epoch);
         io.storage()

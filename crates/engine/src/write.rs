@@ -175,8 +175,9 @@ impl Engine {
         let count = sealed.len();
         let entries = shared.held.entries(&*shared.protection, &sealed);
         let mut held = shared.held.lock();
+        let mut state = shared.state.write();
         if admission == Admission::MustNotWait
-            && shared.state.read().held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks
+            && state.held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks
         {
             return Ok(None);
         }
@@ -184,11 +185,15 @@ impl Engine {
         // any failed write: nothing of this write was acknowledged, and
         // what was (buffered, logged) stays readable until reopened. Room
         // (a full tmpfs) is found here, before anything is buffered.
-        let placed = held
-            .place(&shared.io, &entries, &sealed)
-            .map_err(|error| shared.io.fail_stop(error))?;
+        let placed = match shared.held.place(&mut held, &shared.io, &entries, &sealed) {
+            Ok(placed) => placed,
+            Err(error) => {
+                drop(state);
+                drop(held);
+                return Err(shared.io.fail_stop(error));
+            }
+        };
         let buffered = {
-            let mut state = shared.state.write();
             if admission == Admission::Reserved {
                 assert!(
                     state.reserved >= count,
@@ -202,6 +207,7 @@ impl Engine {
             }
             state.held_blocks()
         };
+        drop(state);
         drop(held);
         if let Some(placed) = placed {
             // A copy that fails leaves this unacknowledged write buffered

@@ -298,6 +298,10 @@ struct HeldFiles {
     /// Found where the pointer said (a previous process of this boot).
     named: bool,
     maps: [Option<memmap2::MmapRaw>; 2],
+    /// The runtime directory's filesystem cannot allocate ahead
+    /// (`fallocate` unsupported): a store into a page it has no room for
+    /// would stop the process, so every write goes through `pwritev`.
+    unmapped: std::sync::atomic::AtomicBool,
 }
 
 /// Address space mapped per held slot. A slot holds at most about twice
@@ -368,6 +372,7 @@ impl HeldFiles {
             pointer,
             named: true,
             maps,
+            unmapped: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -402,11 +407,15 @@ impl HeldFiles {
             pointer,
             named: false,
             maps,
+            unmapped: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// The mapping of `slot` if `[at, at + len)` lies inside it.
     fn mapped(&self, slot: u8, at: u64, len: usize) -> Option<*mut u8> {
+        if self.unmapped.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
         let map = self.maps.get(slot as usize)?.as_ref()?;
         let end = at.checked_add(len as u64)?;
         // SAFETY: `at < end <= HELD_WINDOW`, the mapping's length.
@@ -767,7 +776,15 @@ impl Storage for FileStorage {
             libc::fallocate(file.as_raw_fd(), 0, from as libc::off_t, len as libc::off_t)
         };
         if result < 0 {
-            return Err(io::Error::last_os_error());
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                if let Some(held) = self.held.get() {
+                    held.unmapped
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                return Ok(());
+            }
+            return Err(error);
         }
         Ok(())
     }
