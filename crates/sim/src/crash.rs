@@ -703,12 +703,23 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         recorder.sabotage_held.store(true, Ordering::Relaxed);
     }
     let ops = rng.range(30, 90);
+    let mut flushed_last = false;
     for index in 0..ops {
         let reflink = config.layout == LayoutKind::Split && !config.encrypted;
-        let op = random_op(&mut rng, size, reflink);
+        // A client flushing again with nothing new (a commit with an empty
+        // buffer: the held log's slots swap without one being emptied).
+        let op = if flushed_last && rng.chance(1, 3) {
+            Op::Flush
+        } else {
+            random_op(&mut rng, size, reflink)
+        };
+        flushed_last = matches!(op, Op::Flush);
         counters.ops.fetch_add(1, Ordering::Relaxed);
         let doing = format!("op {index} {op:?}");
-        world.lock().start(&doing, busy_of(&op, blocks));
+        // The other clients are idle during a third of the operations: no
+        // inline writes at the steps of its commits.
+        let idle = rng.chance(1, 3);
+        world.lock().start(&doing, busy_of(&op, blocks), idle);
         let (touched, result, flushed) = run_op(
             &op,
             (&volume, &recorder),
@@ -727,11 +738,11 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         );
         {
             let mut world = world.lock();
-            world.model.make_acked(touched.iter().copied());
+            world.wrote(&touched);
             if fua {
                 world.model.make_durable(touched.into_iter());
             }
-            world.start(&format!("after {doing}"), 0..0);
+            world.start(&format!("after {doing}"), 0..0, false);
         }
         // The background committer takes the commit a writer requested,
         // when the seed says so: writes run at its steps (`at_step`).

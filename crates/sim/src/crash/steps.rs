@@ -27,6 +27,12 @@ pub(super) struct World {
     /// the writes run at commit steps stay off them, since two writes to
     /// one block at once have no order a model could check.
     pub(super) busy: Range<u64>,
+    /// Blocks written since the last commit took the write-back buffer,
+    /// and those the commit in flight took then (about what it holds).
+    pub(super) since_taken: Vec<u64>,
+    taken: Vec<u64>,
+    /// No inline writes at commit steps now (the other clients are idle).
+    idle: bool,
     pub(super) violation: Option<String>,
     pub(super) doing: String,
 }
@@ -37,15 +43,27 @@ impl World {
             rng,
             model,
             busy: 0..0,
+            since_taken: Vec::new(),
+            taken: Vec::new(),
+            idle: false,
             violation: None,
             doing: "open".into(),
         }
     }
 
-    /// The workload starts `doing`, touching `busy`.
-    pub(super) fn start(&mut self, doing: &str, busy: Range<u64>) {
+    /// `blocks` were written (acknowledged).
+    pub(super) fn wrote(&mut self, blocks: &[usize]) {
+        self.model.make_acked(blocks.iter().copied());
+        self.since_taken
+            .extend(blocks.iter().map(|&lba| lba as u64));
+    }
+
+    /// The workload starts `doing`, touching `busy`; with `idle`, no
+    /// inline writes run at the steps of its commits.
+    pub(super) fn start(&mut self, doing: &str, busy: Range<u64>, idle: bool) {
         self.doing = doing.to_string();
         self.busy = busy;
+        self.idle = idle;
     }
 }
 
@@ -97,7 +115,7 @@ pub(super) fn crash_now(
 
 /// What a stepped commit runs at each of its steps: up to three inline
 /// writes (`try_write_shared`) into the buffer and slot writers now fill,
-/// then, one time in three, a crash right there (process or power).
+/// then, at random, a crash right there (process or power).
 /// With `sabotage_inline`, the inline writes' held-log appends keep
 /// nothing (self-test: an inline route that acknowledged before it).
 pub(super) fn at_step(
@@ -116,18 +134,36 @@ pub(super) fn at_step(
             if world.violation.is_some() {
                 return;
             }
-            world.rng.below(4)
+            if step == CommitStep::Taken {
+                world.taken = std::mem::take(&mut world.since_taken);
+            }
+            if world.idle {
+                0
+            } else {
+                world.rng.below(4)
+            }
         };
+        let mut written = false;
         for _ in 0..writes {
-            if let Err(error) = inline_write(&volume, &world, &recorder, sabotage_inline, &counters)
-            {
-                world.lock().violation.get_or_insert(error);
-                return;
+            match inline_write(&volume, &world, &recorder, sabotage_inline, &counters) {
+                Ok(wrote) => written |= wrote,
+                Err(error) => {
+                    world.lock().violation.get_or_insert(error);
+                    return;
+                }
             }
         }
+        // A crash here one time in four, one in two after writes filled
+        // the other slot (two in three of those a process crash: the held
+        // log's two slots are what it then replays).
         let mut world = world.lock();
-        if world.rng.chance(1, 3) {
-            let cut = if world.rng.chance(1, 2) {
+        let (crash, process) = if written {
+            ((1, 2), (2, 3))
+        } else {
+            ((1, 4), (1, 2))
+        };
+        if world.rng.chance(crash.0, crash.1) {
+            let cut = if world.rng.chance(process.0, process.1) {
                 Cut::Process
             } else {
                 Cut::Power
@@ -147,23 +183,33 @@ pub(super) fn at_step(
 }
 
 /// One write through the inline route (`try_write_shared`: whole blocks,
-/// never waiting) of 1-8 random blocks off the busy ones: modelled before
+/// never waiting) of 1-8 blocks off the busy ones: modelled before
 /// it starts, acknowledged when it returns true, taken back when it
-/// declines (nothing written).
+/// declines (nothing written). Returns whether it wrote.
 pub(super) fn inline_write(
     volume: &Volume,
     world: &Mutex<World>,
     recorder: &Recorder,
     sabotage: bool,
     counters: &Counters,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let (offset, data, touched, before) = {
-        let mut world = world.lock();
+        let mut guard = world.lock();
+        let world = &mut *guard;
         let blocks = world.model.blocks();
         let count = world.rng.range(1, 8).min(blocks);
-        let first = world.rng.below(blocks - count + 1);
+        // Half of them rewrite a block the commit running took: the case
+        // where the order of the two held-log slots decides which value a
+        // crash keeps.
+        let first = if !world.taken.is_empty() && world.rng.chance(1, 2) {
+            let at = world.rng.below(world.taken.len() as u64) as usize;
+            let lba = world.taken[at];
+            lba.min(blocks - count)
+        } else {
+            world.rng.below(blocks - count + 1)
+        };
         if world.busy.start < first + count && first < world.busy.end {
-            return Ok(());
+            return Ok(false);
         }
         let data = world.rng.bytes(count as usize * BLOCK);
         let before = world.model.current[first as usize..(first + count) as usize].to_vec();
@@ -176,13 +222,13 @@ pub(super) fn inline_write(
     match written {
         Ok(true) => {
             counters.inline_writes.fetch_add(1, Ordering::Relaxed);
-            world.model.make_acked(touched.into_iter());
-            Ok(())
+            world.wrote(&touched);
+            Ok(true)
         }
         Ok(false) => {
             counters.inline_declined.fetch_add(1, Ordering::Relaxed);
             world.model.undo(&touched, before);
-            Ok(())
+            Ok(false)
         }
         Err(error) => Err(format!(
             "an inline write at a commit step of {} failed: {error}",
