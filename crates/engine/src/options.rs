@@ -23,7 +23,9 @@ pub struct Tuning {
     /// Commit full write-back buffers on a background thread, so writers
     /// never wait for the journal or home writes until the buffer reaches
     /// twice `dirty_limit_blocks`. Off: the writer that fills the buffer
-    /// commits it inline (deterministic: the simulators replay seeds).
+    /// commits it inline (tests, and the simulators' checks of their crash
+    /// images; their workloads step the background committer instead:
+    /// `OpenOptions::schedule`).
     pub background_commit: bool,
 }
 
