@@ -115,29 +115,34 @@ fn a_store_that_ignores_flushes_is_caught() {
     }
 }
 
+/// A break of an ordering (`broken` applied to each layout's config) is
+/// caught: of seeds 1..=`seeds`, at least `at_least` end in a process
+/// crash that finds acknowledged writes lost.
+fn assert_caught(broken: impl Fn(&mut CrashConfig), (seeds, at_least): (u64, usize), what: &str) {
+    for layout in LayoutKind::ALL {
+        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, Tearing::None);
+        broken(&mut config);
+        let caught = (1..=seeds)
+            .filter_map(|seed| run_seed(&config, seed, &Arc::new(Counters::default())).err())
+            .filter(|error| error.contains("process crash"))
+            .count();
+        assert!(
+            caught >= at_least,
+            "{layout:?}: only {caught} of {seeds} seeds caught {what}"
+        );
+    }
+}
+
 /// An engine that acknowledged writes before they were in the held log
 /// (here: a held log that takes writes and keeps nothing) loses them in a
 /// crash of the process: the process-crash images must say so.
 #[test]
 fn acknowledging_before_the_held_log_is_caught() {
-    for layout in LayoutKind::ALL {
-        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, Tearing::None);
-        config.sabotage_held = true;
-        let caught = caught_by_process_crashes(&config, 4);
-        assert!(
-            caught >= 3,
-            "{layout:?}: only {caught} of 4 seeds caught acknowledged writes lost by a process crash"
-        );
-    }
-}
-
-/// How many of seeds 1..=`seeds` of `config` (per layout) a process
-/// crash finds losing acknowledged writes.
-fn caught_by_process_crashes(config: &CrashConfig, seeds: u64) -> usize {
-    (1..=seeds)
-        .filter_map(|seed| run_seed(config, seed, &Arc::new(Counters::default())).err())
-        .filter(|error| error.contains("process crash"))
-        .count()
+    assert_caught(
+        |config| config.sabotage_held = true,
+        (4, 3),
+        "acknowledged writes lost by a process crash",
+    );
 }
 
 /// The inline route (`try_write_shared`, the NBD reactor's) acknowledging
@@ -145,15 +150,11 @@ fn caught_by_process_crashes(config: &CrashConfig, seeds: u64) -> usize {
 /// loses the write in a crash of the process.
 #[test]
 fn an_inline_write_acknowledged_before_the_held_log_is_caught() {
-    for layout in LayoutKind::ALL {
-        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, Tearing::None);
-        config.sabotage_inline_held = true;
-        let caught = caught_by_process_crashes(&config, 4);
-        assert!(
-            caught >= 3,
-            "{layout:?}: only {caught} of 4 seeds caught inline writes lost by a process crash"
-        );
-    }
+    assert_caught(
+        |config| config.sabotage_inline_held = true,
+        (4, 3),
+        "inline writes lost by a process crash",
+    );
 }
 
 /// A commit that empties its held-log slot before its journal record and
@@ -161,18 +162,11 @@ fn an_inline_write_acknowledged_before_the_held_log_is_caught() {
 /// dies in between.
 #[test]
 fn emptying_the_committing_slot_before_its_home_writes_is_caught() {
-    for layout in LayoutKind::ALL {
-        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, Tearing::None);
-        config.breaks = OrderingBreaks {
-            empty_before_home: true,
-            ..OrderingBreaks::default()
-        };
-        let caught = caught_by_process_crashes(&config, 4);
-        assert!(
-            caught >= 3,
-            "{layout:?}: only {caught} of 4 seeds caught a slot emptied before its home writes"
-        );
-    }
+    assert_caught(
+        |config| config.breaks.empty_before_home = true,
+        (4, 3),
+        "a slot emptied before its home writes",
+    );
 }
 
 /// The held-log epoch bug serve_crash.rs found: a slot that sat out a
@@ -182,23 +176,21 @@ fn emptying_the_committing_slot_before_its_home_writes_is_caught() {
 /// other slot shows it: the stepped committer's inline writes.
 #[test]
 fn a_slot_left_at_a_lower_epoch_is_caught() {
-    for layout in LayoutKind::ALL {
-        let mut config = CrashConfig::new(layout, GuardKind::Crc32c, Tearing::None);
-        config.breaks = OrderingBreaks {
-            keep_stale_epoch: true,
-            ..OrderingBreaks::default()
-        };
-        // It needs a commit with an empty buffer, then writers during the
-        // next commit and a crash before its slot is emptied: more seeds,
-        // each cheaper (crashes at 3 % of the I/Os and at the commit
-        // steps, none nested).
-        config.io_permille = 30;
-        config.nested_permille = 0;
-        config.after_permille = 0;
-        let caught = caught_by_process_crashes(&config, 8);
-        assert!(
-            caught >= 3,
-            "{layout:?}: only {caught} of 8 seeds caught writers filling a slot of a lower epoch"
-        );
-    }
+    assert_caught(
+        |config| {
+            config.breaks = OrderingBreaks {
+                keep_stale_epoch: true,
+                ..OrderingBreaks::default()
+            };
+            // It needs a commit with an empty buffer, then writers during
+            // the next commit and a crash before its slot is emptied: more
+            // seeds, each cheaper (crashes at 3 % of the I/Os and at the
+            // commit steps, none nested).
+            config.io_permille = 30;
+            config.nested_permille = 0;
+            config.after_permille = 0;
+        },
+        (8, 3),
+        "writers filling a slot of a lower epoch",
+    );
 }

@@ -124,23 +124,22 @@ impl Model {
     /// What may be read after a crash of the process alone: the last
     /// acknowledged value of each block, or a later one (in flight).
     pub(super) fn allowed_process(&self) -> Arc<Allowed> {
-        Arc::new(
-            self.versions
-                .iter()
-                .zip(&self.acked)
-                .map(|(versions, acked)| versions[*acked..].to_vec())
-                .collect(),
-        )
+        self.values_from(&self.acked)
     }
 
     /// What may be read after a power cut: the value as of the last flush
     /// or FUA write, or any later one.
     pub(super) fn allowed(&self) -> Arc<Allowed> {
+        self.values_from(&self.floor)
+    }
+
+    /// Each block's values from index `oldest[block]` on.
+    fn values_from(&self, oldest: &[usize]) -> Arc<Allowed> {
         Arc::new(
             self.versions
                 .iter()
-                .zip(&self.floor)
-                .map(|(versions, floor)| versions[*floor..].to_vec())
+                .zip(oldest)
+                .map(|(versions, oldest)| versions[*oldest..].to_vec())
                 .collect(),
         )
     }
