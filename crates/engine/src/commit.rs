@@ -13,6 +13,12 @@
 //!      - publish the group's new contexts (split: into the overlay);
 //!   3. drop `committing`.
 //!
+//! Writers that do not wait go on meanwhile, into the other buffer and
+//! held-log slot. A volume whose caller steps its commits (the simulator,
+//! `schedule.rs`) is called after 1, after each record and each group's
+//! home writes, and before a checkpoint: the orders those writers and a
+//! crash can take against the commit.
+//!
 //! A checkpoint never runs between a record and its home writes: it would
 //! retire a record whose blocks had not been written, and a crash in the
 //! home writes that follow would leave them torn (packed) or under their
