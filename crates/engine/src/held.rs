@@ -7,19 +7,25 @@
 //! nothing happened. So before a block enters the buffer it is appended,
 //! sealed (bytes as stored + context), to a slot of the held log: a file in
 //! memory that outlives the process (tmpfs: `Storage`'s `Held` objects;
-//! `storage/file.rs` says where). A pwrite to it costs a copy in memory,
+//! `storage/file.rs` says where). A copy into it costs a memcpy,
 //! never a device write, and a power cut loses it exactly as it loses the
 //! write-back buffer — what the NBD contract allows for unflushed writes.
 //!
-//! Two slots, one per write-back buffer. Writers append to the *active*
-//! slot under the log's lock and insert into the buffer before releasing
-//! it, so the buffer and its slot never disagree; a commit swaps the
-//! buffer and the slots together (under the same lock), and once the
-//! commit's home writes are in the kernel it empties the committing slot
-//! (a new epoch in its header: the records left in it are dead). The
-//! ORDER: append (pwrite returned) -> buffer -> acknowledge; commit home
-//! writes returned -> empty the slot. A crash anywhere keeps every
-//! acknowledged block in a slot or in the kernel's copy of the volume.
+//! Two slots, one per write-back buffer. A writer takes its record's place
+//! in the active slot under the log's lock — the record's header written
+//! there, `done` not yet set — and inserts its blocks into the buffer
+//! before releasing it, so the buffer and its slot never disagree on
+//! order; then it copies the record's body into its place beside other
+//! writers' copies, sets the record's `done` word, and only then is the
+//! write acknowledged. A commit swaps the buffer and the slots together
+//! (under the same lock); once the commit's home writes are in the kernel
+//! and the committing slot's copies in flight have finished, it empties
+//! that slot (a new epoch in its header: the records left in it are dead).
+//! ORDER: header (place taken) -> buffer -> body -> done -> acknowledge;
+//! commit home writes returned and copies finished -> empty the slot. A
+//! crash anywhere keeps every acknowledged block in a slot (done) or in
+//! the kernel's copy of the volume; a record not done was never
+//! acknowledged and is skipped.
 //!
 //! At open, after the journal's recovery, the live records of both slots
 //! (the lower epoch first) are put back into the write-back buffer in the
@@ -29,10 +35,10 @@
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 use vouch_format::held::{
-    decode_entry, encode_entry, entries_crc, HeldHeader, RecordHeader, ENTRY_BYTES, FLAG_DROP,
-    HELD_HEADER_BYTES, RECORD_HEADER_BYTES,
+    decode_entry, done_word, encode_entry, entries_crc, HeldHeader, RecordHeader, DONE_AT,
+    ENTRY_BYTES, FLAG_DROP, HELD_HEADER_BYTES, HELD_VERSION, RECORD_HEADER_BYTES,
 };
 use vouch_format::Context;
 
@@ -50,10 +56,14 @@ pub(crate) enum Held {
     Drop { first: u64, count: u64 },
 }
 
-/// The log of one volume. `lock` is held across an append and the insert
-/// into the write-back buffer that it covers.
+/// The log of one volume. Its lock is held while a record's place is
+/// taken and its blocks are buffered, never across the body's copy.
 pub(crate) struct HeldLog {
+    /// The storage keeps held slots (`HeldSlots::enabled`, fixed at open).
+    enabled: bool,
     inner: Mutex<HeldSlots>,
+    /// Signalled when a slot's last copy in flight finishes.
+    copied: Condvar,
 }
 
 /// The slots' positions, behind the log's lock.
@@ -71,6 +81,23 @@ pub(crate) struct HeldSlots {
     epochs: [u64; 2],
     /// Whether each slot holds live records.
     used: [bool; 2],
+    /// Records of each slot whose place is taken and whose body is still
+    /// being copied: a slot is emptied only when none is left.
+    copying: [usize; 2],
+    /// Bytes of each slot the storage made room for (`grow_held`).
+    grown: [u64; 2],
+}
+
+/// Room is made in a slot this much at a time: a write rarely pays for it.
+const GROW_STEP: u64 = 8 << 20;
+
+/// A record whose header is in its slot and whose body its writer copies
+/// (`HeldLog::fill`).
+#[must_use = "a placed record must be filled, or its slot is never emptied"]
+pub(crate) struct Placed {
+    slot: usize,
+    at: u64,
+    epoch: u64,
 }
 
 fn slot_object(slot: usize) -> ObjectId {
@@ -92,6 +119,8 @@ impl HeldLog {
             tail: HELD_HEADER_BYTES,
             epochs: [0; 2],
             used: [false; 2],
+            copying: [0; 2],
+            grown: [0; 2],
         };
         let mut found: Vec<(u64, Vec<Held>)> = Vec::new();
         if enabled {
@@ -106,7 +135,9 @@ impl HeldLog {
         let held = found.into_iter().flat_map(|(_, records)| records).collect();
         Ok((
             HeldLog {
+                enabled,
                 inner: Mutex::new(slots),
+                copied: Condvar::new(),
             },
             held,
         ))
@@ -116,20 +147,76 @@ impl HeldLog {
         self.inner.lock()
     }
 
+    /// The entries of a record of `blocks` (as they will be buffered): an
+    /// LBA and context each. Made before the lock is taken; empty when
+    /// nothing is logged.
+    pub fn entries(&self, protection: &dyn Protection, blocks: &[(u64, DirtyBlock)]) -> Vec<u8> {
+        if !self.enabled {
+            return Vec::new();
+        }
+        let mut entries = Vec::with_capacity(blocks.len() * ENTRY_BYTES);
+        for (lba, dirty) in blocks {
+            let context = protection.context(*lba, dirty.seal, 0);
+            encode_entry(&mut entries, *lba, &context.encode());
+        }
+        entries
+    }
+
+    /// Copy a placed record's body (`entries`, then the blocks' bytes)
+    /// into its place and set its `done` word: from then on a crash of
+    /// the process keeps it. Runs outside the lock, beside other writers.
+    pub fn fill(
+        &self,
+        io: &Backing,
+        placed: Placed,
+        entries: &[u8],
+        blocks: &[(u64, DirtyBlock)],
+    ) -> Result<()> {
+        let storage = io.storage();
+        let slot = placed.slot as u8;
+        let mut parts: Vec<&[u8]> = Vec::with_capacity(blocks.len() + 1);
+        parts.push(entries);
+        parts.extend(blocks.iter().map(|(_, dirty)| &dirty.data[..]));
+        let result = storage
+            .write_held(slot, placed.at + RECORD_HEADER_BYTES as u64, &parts)
+            .and_then(|()| {
+                storage.publish_held(slot, placed.at + DONE_AT as u64, done_word(placed.epoch))
+            })
+            .map_err(|cause| Error::HeldLog { op: "write", cause });
+        let mut slots = self.lock();
+        slots.copying[placed.slot] -= 1;
+        if slots.copying[placed.slot] == 0 {
+            self.copied.notify_all();
+        }
+        result
+    }
+
     /// Empty `slot` (a new epoch in its header): its records are dead.
+    /// Waits for the copies still in flight into it (they finish without
+    /// the lock, so never for long).
     pub fn empty(&self, io: &Backing, slot: usize) -> Result<()> {
-        self.lock().empty(io, slot)
+        let mut slots = self.lock();
+        while slots.copying[slot] > 0 {
+            self.copied.wait(&mut slots);
+        }
+        slots.empty(io, slot)
     }
 
     /// Empty both slots (after the open's replay is durable), making the
-    /// headers this boot's.
+    /// headers this boot's. New slots get their headers before anything
+    /// points at them (`Storage::prepare_held`).
     pub fn empty_all(&self, io: &Backing) -> Result<()> {
         let mut slots = self.lock();
         if !slots.enabled {
             return Ok(());
         }
+        let next = slots.epochs[0].max(slots.epochs[1]);
+        let pages = [
+            slots.header_page(0, next + 1),
+            slots.header_page(1, next + 2),
+        ];
         io.storage()
-            .prepare_held()
+            .prepare_held([&pages[0], &pages[1]])
             .map_err(|cause| Error::HeldLog {
                 op: "create",
                 cause,
@@ -148,72 +235,93 @@ impl HeldSlots {
         !self.used[0] && !self.used[1]
     }
 
-    /// Append `blocks` (as they will be buffered) to the active slot. The
-    /// caller then buffers them before releasing the lock.
-    pub fn append(
+    /// Take the place of a record of `blocks` (whose `entries` the log
+    /// made) in the active slot: its header written, its body left to
+    /// `HeldLog::fill`, which the caller runs after buffering the blocks
+    /// and releasing the lock. `None` when nothing is logged.
+    pub fn place(
         &mut self,
         io: &Backing,
-        protection: &dyn Protection,
+        entries: &[u8],
         blocks: &[(u64, DirtyBlock)],
-    ) -> Result<()> {
+    ) -> Result<Option<Placed>> {
         if !self.enabled || blocks.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
-        let mut entries = Vec::with_capacity(blocks.len() * ENTRY_BYTES);
-        for (lba, dirty) in blocks {
-            let context = protection.context(*lba, dirty.seal, 0);
-            encode_entry(&mut entries, *lba, &context.encode());
-        }
+        let epoch = self.epochs[self.active];
         let header = RecordHeader {
-            epoch: self.epochs[self.active],
+            epoch,
             count: blocks.len() as u32,
             flags: 0,
-            entries_crc: entries_crc(&entries),
+            entries_crc: entries_crc(entries),
             first: 0,
             blocks: 0,
         };
-        let mut parts: Vec<&[u8]> = Vec::with_capacity(blocks.len() + 1);
-        parts.push(&entries);
-        parts.extend(blocks.iter().map(|(_, dirty)| &dirty.data[..]));
-        self.write_record(io, header, &parts)
+        let at = self.write_header(io, &header, header.encode())?;
+        self.copying[self.active] += 1;
+        Ok(Some(Placed {
+            slot: self.active,
+            at,
+            epoch,
+        }))
     }
 
     /// Append a record saying the blocks `[first, first + count)` logged
-    /// so far are superseded (their buffered copies were dropped).
+    /// so far are superseded (their buffered copies were dropped): no
+    /// body, so it is written done.
     pub fn append_drop(&mut self, io: &Backing, first: u64, count: u64) -> Result<()> {
         if !self.enabled || !self.used[self.active] {
             return Ok(());
         }
+        let epoch = self.epochs[self.active];
         let header = RecordHeader {
-            epoch: self.epochs[self.active],
+            epoch,
             count: 0,
             flags: FLAG_DROP,
             entries_crc: entries_crc(&[]),
             first,
             blocks: count,
         };
-        self.write_record(io, header, &[])
+        let mut raw = header.encode();
+        raw[DONE_AT..DONE_AT + 8].copy_from_slice(&done_word(epoch).to_le_bytes());
+        self.write_header(io, &header, raw).map(|_| ())
     }
 
-    /// The body first, then the header: a header found after a crash
-    /// means its body is whole (a process crash keeps every write that
-    /// returned, in order).
-    fn write_record(&mut self, io: &Backing, header: RecordHeader, body: &[&[u8]]) -> Result<()> {
-        let object = slot_object(self.active);
+    /// Write a record's header at the active slot's tail (room for the
+    /// whole record made first) and move the tail past the record.
+    /// Headers are written one at a time under the lock, back to back, so
+    /// after a crash every record before the last header has its header.
+    fn write_header(
+        &mut self,
+        io: &Backing,
+        header: &RecordHeader,
+        raw: [u8; RECORD_HEADER_BYTES],
+    ) -> Result<u64> {
+        let slot = self.active;
         let at = self.tail;
+        let end = at + header.record_bytes();
         let storage = io.storage();
-        if !body.is_empty() {
-            let body_at = at + RECORD_HEADER_BYTES as u64;
-            storage
-                .write_vectored_at(object, body_at, body)
-                .map_err(|cause| Error::HeldLog { op: "write", cause })?;
+        if end > self.grown[slot] {
+            // A step at a time, or just what this record needs when the
+            // step does not fit (a small runtime directory fills up whole).
+            let from = self.grown[slot];
+            let step = end.div_ceil(GROW_STEP) * GROW_STEP;
+            let exact = end.div_ceil(BLOCK) * BLOCK;
+            let grown = match storage.grow_held(slot as u8, from, step) {
+                Ok(()) => step,
+                Err(_) => storage
+                    .grow_held(slot as u8, from, exact)
+                    .map(|()| exact)
+                    .map_err(|cause| Error::HeldLog { op: "write", cause })?,
+            };
+            self.grown[slot] = grown;
         }
         storage
-            .write_at(object, at, &header.encode())
+            .write_held(slot as u8, at, &[&raw])
             .map_err(|cause| Error::HeldLog { op: "write", cause })?;
-        self.tail = at + header.record_bytes();
-        self.used[self.active] = true;
-        Ok(())
+        self.tail = end;
+        self.used[slot] = true;
+        Ok(at)
     }
 
     /// A commit takes the buffer: writers go on in the other slot (empty:
@@ -234,6 +342,7 @@ impl HeldSlots {
         let committing = self.active;
         let next = 1 - committing;
         debug_assert!(!self.used[next], "the other slot is not empty");
+        debug_assert_eq!(self.copying[next], 0, "copies into an emptied slot");
         if reempty_stale && self.epochs[next] < self.epochs[committing] {
             self.empty(io, next)?;
         }
@@ -242,20 +351,29 @@ impl HeldSlots {
         Ok(self.used[committing].then_some(committing))
     }
 
-    fn empty(&mut self, io: &Backing, slot: usize) -> Result<()> {
-        if !self.enabled {
-            return Ok(());
-        }
-        let epoch = self.epochs[0].max(self.epochs[1]) + 1;
-        let header = HeldHeader {
+    /// The header page of `slot` at `epoch`.
+    fn header_page(&self, slot: usize, epoch: u64) -> Vec<u8> {
+        HeldHeader {
             slot: slot as u32,
             uuid: self.uuid,
             boot_id: self.boot_id,
             epoch,
-        };
-        let object = slot_object(slot);
+            version: HELD_VERSION,
+        }
+        .encode()
+    }
+
+    /// Write `slot`'s header with a new epoch. No copy may be in flight
+    /// into it (`HeldLog::empty` waits for them).
+    fn empty(&mut self, io: &Backing, slot: usize) -> Result<()> {
+        if !self.enabled {
+            return Ok(());
+        }
+        debug_assert_eq!(self.copying[slot], 0, "a copy in flight into the slot");
+        let epoch = self.epochs[0].max(self.epochs[1]) + 1;
+        let page = self.header_page(slot, epoch);
         io.storage()
-            .write_at(object, 0, &header.encode())
+            .write_at(slot_object(slot), 0, &page)
             .map_err(|cause| Error::HeldLog { op: "write", cause })?;
         self.epochs[slot] = epoch;
         self.used[slot] = false;
@@ -277,21 +395,41 @@ fn read_slot(
 ) -> Result<Option<(u64, Vec<Held>)>> {
     let object = slot_object(slot);
     let storage = io.storage();
+    // A slot the volume's `held` file names was given its header before
+    // the file named it: one without is damage (truncated, zeroed,
+    // replaced), and reading it as empty would lose acknowledged writes
+    // silently.
+    let named = storage.held_named();
+    let damaged = |what: &str| {
+        Error::Corrupt(format!(
+            "held log slot {slot} {what}: the volume's `held` file names it as holding the writes a vouch process of this boot acknowledged before it stopped, and they cannot be recovered from it; to open the volume without them (they read as they were before), remove the `held` file in the volume directory"
+        ))
+    };
     let len = storage
         .object_len(object)
         .map_err(|error| Error::io("read", object, 0, error))?
         .unwrap_or(0);
     if len < HELD_HEADER_BYTES {
-        return Ok(None);
+        return match named {
+            true => Err(damaged(&format!("is {len} bytes, shorter than its header"))),
+            false => Ok(None),
+        };
     }
     let mut page = vec![0u8; HELD_HEADER_BYTES as usize];
     io.read_object(object, 0, &mut page)?;
-    let Ok(header) = HeldHeader::decode(&page) else {
-        return Ok(None);
+    let header = match HeldHeader::decode(&page) {
+        Ok(header) => header,
+        Err(error) if named => return Err(damaged(&format!("has no valid header ({error})"))),
+        Err(_) => return Ok(None),
     };
     if header.uuid != uuid || header.boot_id != boot_id {
-        return Ok(None);
+        return match named {
+            true => Err(damaged("belongs to another volume or another boot")),
+            false => Ok(None),
+        };
     }
+    // Version 1 wrote each body before its header: a header means whole.
+    let needs_done = header.version == HELD_VERSION;
     let mut records = Vec::new();
     let mut at = HELD_HEADER_BYTES;
     let mut raw = [0u8; RECORD_HEADER_BYTES];
@@ -302,6 +440,18 @@ fn read_slot(
         };
         if record.epoch != header.epoch || at + record.record_bytes() > len {
             break;
+        }
+        if needs_done && !record.is_done(&raw) {
+            // Its place was taken, its copy not finished: never
+            // acknowledged. The records after it may be.
+            tracing::debug!(
+                slot,
+                at,
+                count = record.count,
+                "held log record not done, skipped"
+            );
+            at += record.record_bytes();
+            continue;
         }
         if record.flags & FLAG_DROP != 0 {
             tracing::debug!(
@@ -354,7 +504,7 @@ fn read_slot(
 
 /// Put what the held log kept back into the write-back buffer, in order:
 /// each block verified against its context for its LBA first (a whole
-/// record the pwrite finished cannot fail this: a failure is damage, and
+/// record marked done cannot fail this: a failure is damage, and
 /// refuses the open naming the block). Returns the blocks put back.
 pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Result<u64> {
     let geometry = shared.io.geometry;
@@ -379,7 +529,12 @@ pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Resul
                     shared
                         .protection
                         .open(lba, &Ok(context), &data)
-                        .map_err(|kind| Error::Fault(Fault { lba, kind }))?;
+                        .map_err(|kind| {
+                            Error::Corrupt(format!(
+                                "held log: the block a vouch process of this boot acknowledged for LBA {lba} and held there is damaged ({}); to open the volume without the held writes (they read as they were before), remove the `held` file in the volume directory",
+                                Fault { lba, kind }
+                            ))
+                        })?;
                     let Some(seal) = shared.protection.seal_of(&context) else {
                         return Err(Error::Corrupt(format!(
                             "held log: LBA {lba} logged with a {:?} context",

@@ -157,13 +157,15 @@ impl Engine {
         Ok(true)
     }
 
-    /// The one way blocks enter the write-back buffer: appended to the
-    /// held log first (`held.rs`: the pwrite has returned, so a crash of
-    /// this process keeps them), then buffered, under the log's lock so a
-    /// commit takes both or neither. Only then may the write be
-    /// acknowledged. Returns the blocks the buffer holds afterwards, or
-    /// `None` (nothing logged or buffered) when `MustNotWait` finds no
-    /// room below twice the dirty limit.
+    /// The one way blocks enter the write-back buffer, and the held log
+    /// with them (`held.rs`): under the log's lock the record's place is
+    /// taken (its header written) and the blocks are buffered, so a commit
+    /// takes both or neither and both keep one order; then, outside the
+    /// lock and beside other writers, the record's body is copied and
+    /// marked done, so a crash of this process keeps it. Only then may the
+    /// write be acknowledged. Returns the blocks the buffer holds
+    /// afterwards, or `None` (nothing logged or buffered) when
+    /// `MustNotWait` finds no room below twice the dirty limit.
     fn log_and_buffer(
         &self,
         sealed: Vec<(u64, DirtyBlock)>,
@@ -171,6 +173,7 @@ impl Engine {
     ) -> Result<Option<usize>> {
         let shared = &self.shared;
         let count = sealed.len();
+        let entries = shared.held.entries(&*shared.protection, &sealed);
         let mut held = shared.held.lock();
         if admission == Admission::MustNotWait
             && shared.state.read().held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks
@@ -179,22 +182,37 @@ impl Engine {
         }
         // A held log that cannot take a write fail-stops the volume like
         // any failed write: nothing of this write was acknowledged, and
-        // what was (buffered, logged) stays readable until reopened.
-        held.append(&shared.io, &*shared.protection, &sealed)
+        // what was (buffered, logged) stays readable until reopened. Room
+        // (a full tmpfs) is found here, before anything is buffered.
+        let placed = held
+            .place(&shared.io, &entries, &sealed)
             .map_err(|error| shared.io.fail_stop(error))?;
-        let mut state = shared.state.write();
-        if admission == Admission::Reserved {
-            assert!(
-                state.reserved >= count,
-                "a reserved write without its reservation"
-            );
-            state.reserved -= count;
+        let buffered = {
+            let mut state = shared.state.write();
+            if admission == Admission::Reserved {
+                assert!(
+                    state.reserved >= count,
+                    "a reserved write without its reservation"
+                );
+                state.reserved -= count;
+            }
+            state.logged += count;
+            for (lba, dirty) in &sealed {
+                state.buffer(*lba, dirty.clone());
+            }
+            state.held_blocks()
+        };
+        drop(held);
+        if let Some(placed) = placed {
+            // A copy that fails leaves this unacknowledged write buffered
+            // (readable, as a failed pwrite may leave its bytes) and the
+            // volume fail-stopped.
+            shared
+                .held
+                .fill(&shared.io, placed, &entries, &sealed)
+                .map_err(|error| shared.io.fail_stop(error))?;
         }
-        state.logged += count;
-        for (lba, dirty) in sealed {
-            state.buffer(lba, dirty);
-        }
-        Ok(Some(state.held_blocks()))
+        Ok(Some(buffered))
     }
 
     /// Seal the whole blocks of `data` (block-aligned), the first at LBA

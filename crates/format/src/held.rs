@@ -8,10 +8,13 @@
 //! A slot is a 4096-byte header page, then records back to back. Its
 //! `epoch` grows each time the slot is emptied (after its buffer's
 //! commit); a record counts only if it carries its slot's epoch, so the
-//! records of an emptied slot are dead without being erased. Records are
-//! written one at a time, each body before its header, so after a process
-//! crash a slot holds whole records followed by at most one record whose
-//! header is not there (never acknowledged). `boot_id` ties the slot to
+//! records of an emptied slot are dead without being erased. A record's
+//! header is written first, when its place is taken (headers are back to
+//! back, one writer at a time); its body is copied after, by its writer
+//! alone and beside other writers' copies, and its `done` word is set
+//! last, before the write is acknowledged. After a process crash a slot
+//! holds a run of headers, each record whole and done or skipped (never
+//! acknowledged), ended by one that is not there. `boot_id` ties the slot to
 //! the running kernel: a slot from an earlier boot is not read at all (a
 //! power cut keeps only what was flushed, and a flush commits).
 //!
@@ -27,7 +30,11 @@ use crate::{check_sealed, crc32c, Field, FormatError, CONTEXT_BYTES};
 
 pub const HELD_MAGIC: [u8; 8] = *b"VOUCHHLD";
 pub const RECORD_MAGIC: [u8; 8] = *b"VOUCHHRC";
-pub const HELD_VERSION: u32 = 1;
+pub const HELD_VERSION: u32 = 2;
+/// Version 1 wrote each body before its header and had no `done` word: a
+/// record whose header is there is whole. Still read, so a crash of an
+/// older binary loses nothing to the newer one that opens its slots.
+pub const HELD_VERSION_BODY_FIRST: u32 = 1;
 /// The slot header's page; records start after it.
 pub const HELD_HEADER_BYTES: u64 = 4096;
 pub const RECORD_HEADER_BYTES: usize = 64;
@@ -38,6 +45,17 @@ const USED: usize = 64;
 
 /// A record that marks earlier blocks of a range superseded.
 pub const FLAG_DROP: u32 = 1;
+/// Where a record header's `done` word is: 8-byte aligned (records are
+/// multiples of 8 bytes after a 4096-byte page), outside the CRC, so it is
+/// set by one aligned store after the body is in place.
+pub const DONE_AT: usize = 48;
+
+/// The `done` word of a finished record of `epoch`: bound to the epoch, so
+/// a word a dead record of an earlier epoch left at the same place never
+/// passes for it.
+pub fn done_word(epoch: u64) -> u64 {
+    epoch ^ 0x444f_4e45_5643_4844 // "DONEVCHD"
+}
 
 /// A slot's header (the first 64 bytes of its page; the rest is zero).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,6 +68,9 @@ pub struct HeldHeader {
     pub boot_id: [u8; 16],
     /// Records with this epoch are live; it grows at every emptying.
     pub epoch: u64,
+    /// `HELD_VERSION`, or `HELD_VERSION_BODY_FIRST` for a slot an older
+    /// binary wrote (decode only; `encode` writes `HELD_VERSION`).
+    pub version: u32,
 }
 
 impl HeldHeader {
@@ -101,6 +122,10 @@ impl HeldHeader {
         let mut out = vec![0u8; HELD_HEADER_BYTES as usize];
         out[0..8].copy_from_slice(&HELD_MAGIC);
         put_u32(&mut out, 8, HELD_VERSION);
+        debug_assert_eq!(
+            self.version, HELD_VERSION,
+            "only the current version is written"
+        );
         put_u32(&mut out, 12, self.slot);
         out[16..32].copy_from_slice(&self.uuid);
         out[32..48].copy_from_slice(&self.boot_id);
@@ -112,7 +137,7 @@ impl HeldHeader {
     pub fn decode(raw: &[u8]) -> Result<HeldHeader, FormatError> {
         check_sealed(raw, USED, &HELD_MAGIC, CRC_AT)?;
         let version = get_u32(raw, 8);
-        if version != HELD_VERSION {
+        if version != HELD_VERSION && version != HELD_VERSION_BODY_FIRST {
             return Err(FormatError::UnsupportedVersion(version));
         }
         let mut uuid = [0u8; 16];
@@ -124,6 +149,7 @@ impl HeldHeader {
             uuid,
             boot_id,
             epoch: get_u64(raw, 48),
+            version,
         })
     }
 }
@@ -187,9 +213,14 @@ impl RecordHeader {
             size: 8,
         },
         Field {
-            name: "reserved2",
+            name: "done",
             offset: 48,
-            size: 12,
+            size: 8,
+        },
+        Field {
+            name: "reserved2",
+            offset: 56,
+            size: 4,
         },
         Field {
             name: "crc",
@@ -211,8 +242,20 @@ impl RecordHeader {
         out
     }
 
+    /// The header as written when its place is taken, `done` 0 (the CRC
+    /// reads `done` as 0 whatever it holds).
     pub fn decode(raw: &[u8]) -> Result<RecordHeader, FormatError> {
-        check_sealed(raw, RECORD_HEADER_BYTES, &RECORD_MAGIC, CRC_AT)?;
+        if raw.len() < RECORD_HEADER_BYTES {
+            return Err(FormatError::Truncated {
+                need: RECORD_HEADER_BYTES,
+                have: raw.len(),
+            });
+        }
+        let mut copy: [u8; RECORD_HEADER_BYTES] = raw[..RECORD_HEADER_BYTES]
+            .try_into()
+            .expect("the length was checked");
+        copy[DONE_AT..DONE_AT + 8].fill(0);
+        check_sealed(&copy, RECORD_HEADER_BYTES, &RECORD_MAGIC, CRC_AT)?;
         Ok(RecordHeader {
             epoch: get_u64(raw, 8),
             count: get_u32(raw, 16),
@@ -221,6 +264,12 @@ impl RecordHeader {
             first: get_u64(raw, 32),
             blocks: get_u64(raw, 40),
         })
+    }
+
+    /// Whether the record whose raw header is `raw` was finished (its
+    /// `done` word set for its epoch).
+    pub fn is_done(&self, raw: &[u8]) -> bool {
+        get_u64(raw, DONE_AT) == done_word(self.epoch)
     }
 
     /// Bytes the record takes, header included.
@@ -266,6 +315,7 @@ mod tests {
             uuid: [7; 16],
             boot_id: [9; 16],
             epoch: 42,
+            version: HELD_VERSION,
         };
         let mut raw = header.encode();
         assert_eq!(HeldHeader::decode(&raw), Ok(header));
@@ -284,6 +334,16 @@ mod tests {
         };
         let mut raw = record.encode();
         assert_eq!(RecordHeader::decode(&raw), Ok(record));
+        assert!(!record.is_done(&raw));
+        raw[DONE_AT..DONE_AT + 8].copy_from_slice(&done_word(3).to_le_bytes());
+        assert_eq!(
+            RecordHeader::decode(&raw),
+            Ok(record),
+            "done is outside the CRC"
+        );
+        assert!(record.is_done(&raw));
+        raw[DONE_AT..DONE_AT + 8].copy_from_slice(&done_word(2).to_le_bytes());
+        assert!(!record.is_done(&raw), "an earlier epoch's done word");
         assert_eq!(record.record_bytes(), 64 + 2 * (40 + 4096));
         raw[0] = b'X';
         assert_eq!(RecordHeader::decode(&raw), Err(FormatError::BadMagic));

@@ -283,10 +283,36 @@ impl FileStorage {
 /// (`BOOT_ID PREFIX`), so a restart in the same boot finds them wherever
 /// the previous process put them; after a reboot they are gone, as a
 /// power cut takes what was not flushed.
+///
+/// A writable open maps each slot shared (`HELD_WINDOW` bytes of address
+/// space; the file's pages are allocated by `grow_held` before they are
+/// touched, so a full tmpfs is ENOSPC there and never a SIGBUS here):
+/// records are copied in with `memcpy`, beside one another, instead of a
+/// `pwritev` each. Stores to a shared mapping are in the file the moment
+/// they are made, so a crash of the process keeps them as it keeps a
+/// returned pwrite.
 struct HeldFiles {
     files: [File; 2],
     paths: [PathBuf; 2],
     pointer: PathBuf,
+    /// Found where the pointer said (a previous process of this boot).
+    named: bool,
+    maps: [Option<memmap2::MmapRaw>; 2],
+}
+
+/// Address space mapped per held slot. A slot holds at most about twice
+/// the write-back limit (64 MiB by default) plus the writes in flight; a
+/// record past the window is written with `pwritev` instead.
+const HELD_WINDOW: u64 = 1 << 30;
+
+fn map_slot(file: &File, writable: bool) -> io::Result<Option<memmap2::MmapRaw>> {
+    if !writable {
+        return Ok(None);
+    }
+    memmap2::MmapOptions::new()
+        .len(HELD_WINDOW as usize)
+        .map_raw(file)
+        .map(Some)
 }
 
 /// The file in a volume directory that says where its held log is.
@@ -332,22 +358,36 @@ impl HeldFiles {
             open_slot(&paths[0], writable, false)?,
             open_slot(&paths[1], writable, false)?,
         ];
+        let maps = [
+            map_slot(&files[0], writable)?,
+            map_slot(&files[1], writable)?,
+        ];
         Ok(Some(HeldFiles {
             files,
             paths,
             pointer,
+            named: true,
+            maps,
         }))
     }
 
-    /// New, empty slots for a writable open, and the directory's `held`
-    /// file naming them (written whole, then renamed into place).
-    fn create(dir: &Path) -> io::Result<HeldFiles> {
+    /// New slots for a writable open, each holding its header page from
+    /// `headers`, and only then the directory's `held` file naming them
+    /// (written whole, then renamed into place): a crash before the rename
+    /// leaves slots nobody points at; after it, slots with headers.
+    fn create(dir: &Path, headers: [&[u8]; 2]) -> io::Result<HeldFiles> {
         let prefix = held_prefix(dir)?;
         let paths = slot_paths(&prefix);
         let files = [
             open_slot(&paths[0], true, true)?,
             open_slot(&paths[1], true, true)?,
         ];
+        for ((file, header), path) in files.iter().zip(headers).zip(&paths) {
+            file.write_all_at(header, 0).map_err(|error| {
+                io::Error::new(error.kind(), format!("{}: {error}", path.display()))
+            })?;
+        }
+        let maps = [map_slot(&files[0], true)?, map_slot(&files[1], true)?];
         let pointer = dir.join(HELD_POINTER);
         let text = format!("{} {}\n", boot_text(), prefix.display());
         let temporary = dir.join(format!("{HELD_POINTER}.new"));
@@ -360,7 +400,17 @@ impl HeldFiles {
             files,
             paths,
             pointer,
+            named: false,
+            maps,
         })
+    }
+
+    /// The mapping of `slot` if `[at, at + len)` lies inside it.
+    fn mapped(&self, slot: u8, at: u64, len: usize) -> Option<*mut u8> {
+        let map = self.maps.get(slot as usize)?.as_ref()?;
+        let end = at.checked_add(len as u64)?;
+        // SAFETY: `at < end <= HELD_WINDOW`, the mapping's length.
+        (end <= map.len() as u64).then(|| unsafe { map.as_mut_ptr().add(at as usize) })
     }
 
     /// After a clean close: the pointer first (a crash between leaves
@@ -695,12 +745,70 @@ impl Storage for FileStorage {
         self.writable || self.held.get().is_some()
     }
 
-    fn prepare_held(&self) -> io::Result<()> {
+    fn prepare_held(&self, headers: [&[u8]; 2]) -> io::Result<()> {
         if self.held.get().is_some() {
             return Ok(());
         }
-        let files = HeldFiles::create(&self.dir)?;
+        let files = HeldFiles::create(&self.dir, headers)?;
         let _ = self.held.set(files);
+        Ok(())
+    }
+
+    fn held_named(&self) -> bool {
+        self.held.get().is_some_and(|held| held.named)
+    }
+
+    fn grow_held(&self, slot: u8, from: u64, end: u64) -> io::Result<()> {
+        let file = self.file(ObjectId::Held(slot))?;
+        let len = end.saturating_sub(from);
+        // SAFETY: fallocate on an open descriptor; mode 0 allocates the
+        // range (tmpfs: its pages) and extends the file over it.
+        let result = unsafe {
+            libc::fallocate(file.as_raw_fd(), 0, from as libc::off_t, len as libc::off_t)
+        };
+        if result < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn write_held(&self, slot: u8, at: u64, parts: &[&[u8]]) -> io::Result<()> {
+        let len = parts.iter().map(|part| part.len()).sum();
+        let held = self
+            .held
+            .get()
+            .ok_or_else(|| no_object(ObjectId::Held(slot)))?;
+        let Some(mut to) = held.mapped(slot, at, len) else {
+            return self.write_vectored_at(ObjectId::Held(slot), at, parts);
+        };
+        for part in parts {
+            // SAFETY: `mapped` checked `[at, at + len)` is inside the
+            // mapping, and `grow_held` allocated it in the file (no
+            // SIGBUS); the engine gives each writer a range of its own.
+            unsafe {
+                std::ptr::copy_nonoverlapping(part.as_ptr(), to, part.len());
+                to = to.add(part.len());
+            }
+        }
+        Ok(())
+    }
+
+    fn publish_held(&self, slot: u8, at: u64, word: u64) -> io::Result<()> {
+        let held = self
+            .held
+            .get()
+            .ok_or_else(|| no_object(ObjectId::Held(slot)))?;
+        let Some(to) = held
+            .mapped(slot, at, 8)
+            .filter(|to| (*to as usize).is_multiple_of(8))
+        else {
+            return self.write_at(ObjectId::Held(slot), at, &word.to_le_bytes());
+        };
+        // SAFETY: inside the mapping and allocated (as in `write_held`),
+        // 8-byte aligned; only this writer touches this word. Release:
+        // the body copied before is in the file before the word is.
+        let word_at = unsafe { std::sync::atomic::AtomicU64::from_ptr(to.cast::<u64>()) };
+        word_at.store(word.to_le(), std::sync::atomic::Ordering::Release);
         Ok(())
     }
 

@@ -204,9 +204,43 @@ pub trait Storage: Send + Sync {
 
     /// Make the held log's slots if this storage keeps them where a new
     /// process can find them (a writable open, before anything is
-    /// appended). The default has nothing to make.
-    fn prepare_held(&self) -> io::Result<()> {
+    /// appended), each starting with its header page from `headers`, and
+    /// only then say where they are: a slot a new process is pointed at
+    /// always has a header. The default has nothing to make.
+    fn prepare_held(&self, headers: [&[u8]; 2]) -> io::Result<()> {
+        let _ = headers;
         Ok(())
+    }
+
+    /// Whether the held log's slots were found where a process of this
+    /// boot said it held writes (a slot then has its header: one that does
+    /// not is damage, not emptiness). The default never says so.
+    fn held_named(&self) -> bool {
+        false
+    }
+
+    /// Make held slot `slot` able to take bytes `[from, end)` (everything
+    /// before `from` already can) without a later `write_held` failing
+    /// for room: memory allocated now, so a full tmpfs is an error here,
+    /// before anything of the write is visible. The default grows as
+    /// written.
+    fn grow_held(&self, slot: u8, from: u64, end: u64) -> io::Result<()> {
+        let _ = (slot, from, end);
+        Ok(())
+    }
+
+    /// Copy `parts` into held slot `slot` at `at`. Several threads call
+    /// this at once for disjoint ranges (each record's body is copied by
+    /// its writer alone), within what `grow_held` made room for.
+    fn write_held(&self, slot: u8, at: u64, parts: &[&[u8]]) -> io::Result<()> {
+        self.write_vectored_at(ObjectId::Held(slot), at, parts)
+    }
+
+    /// Store the little-endian `word` at `at` (8-byte aligned) of held
+    /// slot `slot` once everything this thread wrote to it before is
+    /// there: a record's `done` mark, set after its body.
+    fn publish_held(&self, slot: u8, at: u64, word: u64) -> io::Result<()> {
+        self.write_at(ObjectId::Held(slot), at, &word.to_le_bytes())
     }
 
     /// The volume was closed cleanly: the held log's slots (empty now)

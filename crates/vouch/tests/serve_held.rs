@@ -1,0 +1,224 @@
+//! The held log's own failures, through the binary (issue 29): a slot the
+//! volume's `held` file names that was cut short or zeroed after a crash
+//! is never read as "nothing held" (the acknowledged writes in it would
+//! silently come back as what was there before); and a runtime directory
+//! with no room left refuses writes with ENOSPC and loses nothing it
+//! acknowledged.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+
+/// `vouch serve VOLUME [--create 64MiB]` with its held log in `runtime`.
+fn serve(dir: &Path, volume: &Path, runtime: &Path, create: bool) -> Result<Server, String> {
+    let mut args = vec![volume.display().to_string()];
+    if create {
+        args.extend(["--create".into(), "64MiB".into()]);
+    }
+    args.extend([
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--log".into(),
+        "info".into(),
+    ]);
+    let mut command = Command::new(vouch_bin());
+    command
+        .env("VOUCH_RUNTIME_DIR", runtime)
+        .arg("serve")
+        .args(&args);
+    let expect = Expect {
+        tcp: true,
+        ..Expect::default()
+    };
+    Server::launch(dir, command, args, expect)
+}
+
+/// Write `count` MiB, MiB `i` filled with byte `base + i`, each answered,
+/// none flushed; stop at the first error. Prints the MiB written and the
+/// error's errno name, if any, as JSON.
+const WRITE_MIBS: &str = r#"
+uri, count, base = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = connect(uri)
+written, error = 0, None
+for i in range(count):
+    try:
+        h.pwrite(bytes([(base + i) % 256]) * (1 << 20), i << 20)
+    except nbd.Error as e:
+        error = errno.errorcode.get(e.errno, str(e.errno))
+        break
+    written += 1
+# No flush, no clean disconnect: the server is killed after this.
+print(json.dumps({"written": written, "error": error}))
+"#;
+
+/// How many of the first `count` MiB read back as written (`base + i`),
+/// and how many read as zeros.
+const READ_MIBS: &str = r#"
+uri, count, base = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = connect(uri)
+same = zeros = 0
+for i in range(count):
+    data = h.pread(1 << 20, i << 20)
+    if data == bytes([(base + i) % 256]) * (1 << 20):
+        same += 1
+    elif data == bytes(1 << 20):
+        zeros += 1
+print(json.dumps({"same": same, "zeros": zeros}))
+"#;
+
+fn write_mibs(uri: &str, count: u64, base: u8) -> serde_json::Value {
+    py_json(WRITE_MIBS, &[uri, &count.to_string(), &base.to_string()])
+}
+
+fn read_mibs(uri: &str, count: u64, base: u8) -> (u64, u64) {
+    let result = py_json(READ_MIBS, &[uri, &count.to_string(), &base.to_string()]);
+    (
+        result["same"].as_u64().expect("same"),
+        result["zeros"].as_u64().expect("zeros"),
+    )
+}
+
+/// The slot files the volume's `held` file names.
+fn held_slots(volume: &Path) -> [PathBuf; 2] {
+    let pointer = std::fs::read_to_string(volume.join("held")).expect("the volume's held file");
+    let (_boot, prefix) = pointer
+        .trim_end()
+        .split_once(' ')
+        .expect("held is `BOOT_ID PREFIX`");
+    [0, 1].map(|slot| PathBuf::from(format!("{prefix}.held{slot}")))
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Damage {
+    /// Cut to nothing (`: > slot`).
+    Emptied,
+    /// Its header page zeroed.
+    HeaderZeroed,
+}
+
+fn damage(path: &Path, how: Damage) {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect("open slot");
+    match how {
+        Damage::Emptied => file.set_len(0).expect("truncate slot"),
+        Damage::HeaderZeroed => {
+            use std::os::unix::fs::FileExt as _;
+            file.write_all_at(&[0u8; 4096], 0).expect("zero header");
+        }
+    }
+}
+
+/// Acknowledged, unflushed writes; `kill -9`; then each slot damaged:
+/// `check` and `serve` refuse, naming the held log and what to do;
+/// removing `held` (the operator accepting the loss) opens the volume,
+/// the held writes gone and everything else intact. Undamaged, the same
+/// writes come back (the control: they were only in the held log).
+#[test]
+fn a_damaged_held_slot_refuses_the_open_and_says_what_to_do() {
+    const MIBS: u64 = 6;
+    for how in [None, Some(Damage::Emptied), Some(Damage::HeaderZeroed)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let runtime = dir.path().join("runtime");
+        std::fs::create_dir(&runtime).expect("runtime dir");
+        let volume = dir.path().join("vol");
+        let mut server = serve(dir.path(), &volume, &runtime, true).expect("serve");
+        let uri = server.export_uri("vol");
+        let wrote = write_mibs(&uri, MIBS, 0x40);
+        assert_eq!(wrote["written"], MIBS, "{wrote}");
+        server.kill9();
+
+        let Some(how) = how else {
+            let server = serve(dir.path(), &volume, &runtime, false).expect("restart");
+            assert_eq!(
+                read_mibs(&server.export_uri("vol"), MIBS, 0x40),
+                (MIBS, 0),
+                "undamaged, every acknowledged MiB reads back"
+            );
+            continue;
+        };
+        for slot in held_slots(&volume) {
+            damage(&slot, how);
+        }
+        let check = vouch(&["check", s(&volume)]);
+        let said = text(&check);
+        assert!(!check.status.success(), "{how:?}: check passed:\n{said}");
+        assert!(
+            said.contains("held log slot") && said.contains("remove the `held` file"),
+            "{how:?}: check does not name the held log and what to do:\n{said}"
+        );
+        let refused = serve(dir.path(), &volume, &runtime, false)
+            .err()
+            .unwrap_or_else(|| panic!("{how:?}: serve opened a volume whose held log is damaged"));
+        assert!(
+            refused.contains("held log slot") && refused.contains("remove the `held` file"),
+            "{how:?}: serve's refusal does not say what to do:\n{refused}"
+        );
+
+        std::fs::remove_file(volume.join("held")).expect("remove held");
+        assert_check_clean(&volume);
+        let server = serve(dir.path(), &volume, &runtime, false).expect("serve without held");
+        assert_eq!(
+            read_mibs(&server.export_uri("vol"), MIBS, 0x40),
+            (0, MIBS),
+            "{how:?}: without the held log the unflushed writes read as before"
+        );
+    }
+}
+
+/// A runtime directory (tmpfs) too small for the held log: the writes it
+/// cannot take are refused with ENOSPC, and every write acknowledged
+/// before survives a `kill -9` and reads back.
+#[test]
+fn a_full_runtime_directory_is_enospc_and_loses_nothing_acknowledged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runtime = dir.path().join("runtime");
+    std::fs::create_dir(&runtime).expect("runtime dir");
+    let mount = run(Command::new("mount").args([
+        "-t",
+        "tmpfs",
+        "-o",
+        "size=6m,mode=0700",
+        "vouch-test-held",
+        s(&runtime),
+    ]));
+    assert!(
+        mount.status.success(),
+        "mounting a small tmpfs (needs root):\n{}",
+        text(&mount)
+    );
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(runtime.clone());
+
+    let volume = dir.path().join("vol");
+    let mut server = serve(dir.path(), &volume, &runtime, true).expect("serve");
+    let uri = server.export_uri("vol");
+    let wrote = write_mibs(&uri, 16, 0x10);
+    let written = wrote["written"].as_u64().expect("written");
+    assert_eq!(
+        wrote["error"], "ENOSPC",
+        "a write the held log has no room for is ENOSPC: {wrote}"
+    );
+    assert!(written >= 1, "nothing fit in 6 MiB: {wrote}");
+    assert!(
+        server.log_text().contains("held log"),
+        "the server's log names the held log:\n{}",
+        server.log_text()
+    );
+    server.kill9();
+
+    let server = serve(dir.path(), &volume, &runtime, false).expect("restart");
+    let (same, _) = read_mibs(&server.export_uri("vol"), written, 0x10);
+    assert_eq!(same, written, "acknowledged MiB lost after the crash");
+    drop(server);
+    assert_check_clean(&volume);
+}
