@@ -13,6 +13,12 @@
 //!      - publish the group's new contexts (split: into the overlay);
 //!   3. drop `committing`.
 //!
+//! Writers that do not wait go on meanwhile, into the other buffer and
+//! held-log slot. A volume whose caller steps its commits (the simulator,
+//! `schedule.rs`) is called after 1, after each record and each group's
+//! home writes, and before a checkpoint: the orders those writers and a
+//! crash can take against the commit.
+//!
 //! A checkpoint never runs between a record and its home writes: it would
 //! retire a record whose blocks had not been written, and a crash in the
 //! home writes that follow would leave them torn (packed) or under their
@@ -52,6 +58,7 @@
 //! and end the replay.
 
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use vouch_format::journal::{encode_record, JournalHeader, JOURNAL_ALIGN};
@@ -61,6 +68,7 @@ use vouch_format::{JournalEntry, Superblock};
 use crate::contexts::context_in_range;
 use crate::error::Result;
 use crate::journal::Journal;
+use crate::schedule::{CommitSchedule, CommitStep, OrderingBreaks};
 use crate::shared::Shared;
 use crate::state::{DirtyBlock, RangeOp};
 use crate::storage::ObjectId;
@@ -85,10 +93,16 @@ pub(crate) struct Committer {
     journal_bytes: u64,
     /// Pending contexts that force a checkpoint (`Tuning::overlay_limit`).
     overlay_limit: usize,
-    /// Set while a background committer thread runs.
+    /// Set while a background committer runs (a thread, or the caller
+    /// of a stepped volume: `schedule`).
     background: AtomicBool,
     signal: Mutex<SignalFlags>,
     wake: Condvar,
+    /// Called at each commit's steps when the caller steps the commits
+    /// (`schedule.rs`); `None` in production.
+    schedule: Option<Arc<dyn CommitSchedule>>,
+    /// The schedule's self-test breaks, read once.
+    breaks: OrderingBreaks,
 }
 
 #[derive(Default)]
@@ -98,7 +112,16 @@ struct SignalFlags {
 }
 
 impl Committer {
-    pub fn new(journal: Journal, journal_bytes: u64, overlay_limit: usize) -> Committer {
+    pub fn new(
+        journal: Journal,
+        journal_bytes: u64,
+        overlay_limit: usize,
+        schedule: Option<Arc<dyn CommitSchedule>>,
+    ) -> Committer {
+        let breaks = schedule
+            .as_ref()
+            .map(|schedule| schedule.breaks())
+            .unwrap_or_default();
         Committer {
             journal: Mutex::new(journal),
             journal_bytes,
@@ -106,6 +129,22 @@ impl Committer {
             background: AtomicBool::new(false),
             signal: Mutex::new(SignalFlags::default()),
             wake: Condvar::new(),
+            schedule,
+            breaks,
+        }
+    }
+
+    /// Whether the caller steps the background commits (`schedule.rs`).
+    pub fn is_stepped(&self) -> bool {
+        self.schedule.is_some()
+    }
+
+    /// A commit reached `step`: a stepped volume's caller may run
+    /// non-waiting writers now. One `Option` test per step, a few per
+    /// commit, none per write (`schedule.rs`, "Cost").
+    fn reached(&self, step: CommitStep) {
+        if let Some(schedule) = &self.schedule {
+            schedule.reached(step);
         }
     }
 
@@ -148,8 +187,7 @@ impl Committer {
     }
 
     /// The background committer's loop: commit the write-back buffer each
-    /// time a writer fills it. A failed commit has already fail-stopped the
-    /// volume, so writers see the error on their next call.
+    /// time a writer fills it.
     pub fn run(&self, shared: &Shared) {
         loop {
             {
@@ -162,10 +200,32 @@ impl Committer {
                 }
                 flags.wanted = false;
             }
-            let mut journal = self.lock();
-            if let Err(error) = self.commit(shared, &mut journal, &[]) {
-                tracing::debug!(%error, "background commit failed");
+            self.commit_requested(shared);
+        }
+    }
+
+    /// One turn of `run` on the caller's thread, for a stepped volume
+    /// (`schedule.rs`): the requested commit, if a writer requested one.
+    /// Returns whether it ran.
+    pub fn run_requested(&self, shared: &Shared) -> bool {
+        {
+            let mut flags = self.signal.lock();
+            if !flags.wanted || flags.stop {
+                return false;
             }
+            flags.wanted = false;
+        }
+        self.commit_requested(shared);
+        true
+    }
+
+    /// The background commit a writer requested. A failed commit has
+    /// already fail-stopped the volume, so writers see the error on their
+    /// next call.
+    fn commit_requested(&self, shared: &Shared) {
+        let mut journal = self.lock();
+        if let Err(error) = self.commit(shared, &mut journal, &[]) {
+            tracing::debug!(%error, "background commit failed");
         }
     }
 
@@ -211,10 +271,10 @@ impl Committer {
         }
         // The buffer and its held-log slot are taken together: every block
         // in the one is in the other (`held.rs`).
-        let (blocks, held_slot): (Vec<(u64, DirtyBlock)>, Option<usize>) = {
+        let (blocks, mut held_slot): (Vec<(u64, DirtyBlock)>, Option<usize>) = {
             let mut held = shared.held.lock();
             let held_slot = held
-                .swap(&shared.io)
+                .swap(&shared.io, !self.breaks.keep_stale_epoch)
                 .map_err(|error| shared.io.fail_stop(error))?;
             let mut state = shared.state.write();
             assert!(state.committing.is_empty(), "a commit is already in flight");
@@ -231,6 +291,10 @@ impl Committer {
         if blocks.is_empty() && ranges.is_empty() {
             return self.release_held(shared, held_slot);
         }
+        if self.breaks.empty_before_home {
+            self.release_held(shared, held_slot.take())?;
+        }
+        self.reached(CommitStep::Taken);
         let mut start = 0;
         let result = loop {
             let end = self.group_end(shared, journal, &blocks, (start, ranges.len()), redo);
@@ -294,6 +358,7 @@ impl Committer {
         shared.io.stats.commits.fetch_add(1, Ordering::Relaxed);
         let journal_full = journal.offset * 4 > self.journal_bytes * 3;
         if journal_full || pending > self.overlay_limit {
+            self.reached(CommitStep::Checkpointing);
             self.checkpoint(shared, journal, STATE_OPEN)?;
         }
         Ok(())
@@ -433,6 +498,7 @@ impl Committer {
                 answer(Ok(()));
             }
         }
+        self.reached(CommitStep::Journaled);
         let ranges_in_table = ranges.iter().any(|range| {
             shared
                 .layouts
@@ -488,6 +554,7 @@ impl Committer {
                 }
             }
         }
+        self.reached(CommitStep::WrittenHome);
         Ok(())
     }
 

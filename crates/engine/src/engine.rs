@@ -156,6 +156,7 @@ impl Engine {
             Journal::after_checkpoint(superblock),
             superblock.journal_bytes,
             options.tuning.overlay_limit,
+            options.schedule.clone(),
         );
         if rebuild {
             // Before recovery, from what is on disk; recovery then adjusts

@@ -361,15 +361,16 @@ impl HeldSlots {
     /// epoch it had, lower than the one now committing, and is emptied
     /// again first. (Without this a crash during the commit replayed the
     /// newer writes first and the older ones over them: found by
-    /// serve_crash.rs, packed, with trims.)
-    pub fn swap(&mut self, io: &Backing) -> Result<Option<usize>> {
+    /// serve_crash.rs, packed, with trims.) `reempty_stale` is false only
+    /// in the simulator's self-test of that bug (`OrderingBreaks`).
+    pub fn swap(&mut self, io: &Backing, reempty_stale: bool) -> Result<Option<usize>> {
         if !self.enabled {
             return Ok(None);
         }
         let committing = self.active;
         let next = 1 - committing;
         debug_assert!(!self.used[next], "the other slot is not empty");
-        if self.epochs[next] < self.epochs[committing] {
+        if reempty_stale && self.epochs[next] < self.epochs[committing] {
             self.empty(io, next)?;
         }
         self.active = next;

@@ -11,7 +11,8 @@
 //!   `encryption` and `keys` — the encrypted volume's protection and keys.
 //! - `layout/` — split and packed, behind one trait, per LBA range.
 //! - `read`, `write`, `commit`, `recovery` — the paths, over `shared`
-//!   parts and the committer (`engine`).
+//!   parts and the committer (`engine`); `schedule` — who runs the
+//!   background committer (a thread, or the simulator stepping it).
 //! - `device` — the `BlockDevice` trait; `volume` — the public handle.
 //! - `jobs`, `check` — background scans; `verify` (with the proof-of-work
 //!   digest) and `compare_ranges`; `scrub` (whole-volume verify, persisted);
@@ -40,6 +41,7 @@ pub mod protection;
 mod read;
 mod read_nowait;
 pub mod recovery;
+pub mod schedule;
 pub mod scrub;
 mod shared;
 mod state;
@@ -59,6 +61,7 @@ pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
 pub use layout::Allocation;
 pub use options::{CreateOptions, OpenOptions, Tuning};
+pub use schedule::{CommitSchedule, CommitStep, OrderingBreaks};
 pub use state::{Block, BlockData, RangeOp, BLOCK};
 pub use stats::{Stats, StatsSnapshot};
 pub use storage::sim::{FaultPlan, SimStorage};

@@ -1,8 +1,11 @@
 //! How a volume is created and opened, and the engine's tuning knobs.
 
+use std::sync::Arc;
+
 use vouch_format::{GuardKind, LayoutKind};
 
 use crate::keys::UserSecret;
+use crate::schedule::CommitSchedule;
 
 /// Knobs with measured defaults (see docs/BENCHMARKS.md).
 #[derive(Clone, Copy, Debug)]
@@ -20,7 +23,9 @@ pub struct Tuning {
     /// Commit full write-back buffers on a background thread, so writers
     /// never wait for the journal or home writes until the buffer reaches
     /// twice `dirty_limit_blocks`. Off: the writer that fills the buffer
-    /// commits it inline (deterministic: the simulators replay seeds).
+    /// commits it inline (tests, and the simulators' checks of their crash
+    /// images; their workloads step the background committer instead:
+    /// `OpenOptions::schedule`).
     pub background_commit: bool,
 }
 
@@ -91,6 +96,11 @@ pub struct OpenOptions {
     /// a volume made before the map becomes writable, and a map that is
     /// missing or damaged is made again. Needs a writable open.
     pub rebuild_written_map: bool,
+    /// Who runs the background committer (with `Tuning::background_commit`
+    /// on): `None`, a thread of the volume's; `Some`, the caller, which
+    /// runs each requested commit (`Volume::run_requested_commit`) and is
+    /// called at every commit's steps (`schedule.rs`: the simulator).
+    pub schedule: Option<Arc<dyn CommitSchedule>>,
 }
 
 impl OpenOptions {

@@ -1,8 +1,9 @@
 //! `Volume`: the public handle on an open volume. It owns the engine's
-//! parts (`engine.rs`) and, unless `Tuning::background_commit` is off or
-//! the volume is read-only, the background committer thread. Dropping the
-//! handle stops the thread; `close` also checkpoints and marks the volume
-//! clean. Its data path is the `BlockDevice` trait.
+//! parts (`engine.rs`) and, unless `Tuning::background_commit` is off, the
+//! volume is read-only or its caller steps the commits
+//! (`OpenOptions::schedule`), the background committer thread. Dropping
+//! the handle stops the thread; `close` also checkpoints and marks the
+//! volume clean. Its data path is the `BlockDevice` trait.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -88,7 +89,13 @@ impl Volume {
     /// Open a volume, recovering from the journal if it was not closed cleanly.
     pub fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Volume> {
         let engine = Arc::new(Engine::open(storage, options)?);
-        let committer = if options.tuning.background_commit && !engine.shared.io.is_read_only() {
+        let background = options.tuning.background_commit && !engine.shared.io.is_read_only();
+        let committer = if background && engine.committer.is_stepped() {
+            // The caller runs the commits writers request
+            // (`run_requested_commit`): no thread.
+            engine.committer.set_background(true);
+            None
+        } else if background {
             engine.committer.set_background(true);
             let shared = Arc::clone(&engine);
             let spawned = std::thread::Builder::new()
@@ -116,6 +123,18 @@ impl Volume {
                 tracing::error!("the background committer panicked");
             }
         }
+    }
+
+    /// Run the background commit a writer requested, if one did, on this
+    /// thread: the committer thread's work, for a volume whose caller
+    /// steps its commits (`OpenOptions::schedule`, the simulator). Returns
+    /// whether a commit ran; always false for other volumes (their thread,
+    /// if any, takes the requests).
+    pub fn run_requested_commit(&self) -> bool {
+        let committer = &self.engine.committer;
+        committer.is_stepped()
+            && committer.is_background()
+            && committer.run_requested(&self.engine.shared)
     }
 
     /// Flush, checkpoint and mark the volume clean.

@@ -18,10 +18,24 @@
 //! (`Model::allowed_process`); a power cut during or after that recovery
 //! is checked against the power-cut floor.
 //!
+//! Scheduling as in production (`crate::stepper`): the volume has a
+//! background committer, stepped by the seed instead of run on a thread.
+//! Writes of whole blocks take the NBD reactor's inline route
+//! (`try_write_shared`) half the time, falling back to the worker's
+//! (`write_shared`) when it declines; a commit a writer requested runs
+//! when the seed says so, between operations; and at every step of every
+//! commit (`CommitStep`) inline writes may fill the other write-back
+//! buffer and held-log slot while the commit goes on, and a crash may be
+//! taken (`steps.rs`). A write run there stays off the blocks of the
+//! operation in flight; a flush makes durable what was written before it
+//! started (`Model::durable_from`).
+//!
 //! Crash points: right before every write, punch and sync the engine issues
-//! (sampled; a third of them process crashes), and after every operation
-//! (every flush / FUA point gets one image per strategy and a process
-//! crash; other operations a process crash one time in two). Each image is recovered with `Volume::open`, every
+//! (sampled; a third of them process crashes), at a third of the commit
+//! steps (process or power, one time in two each), and after every
+//! operation (every flush / FUA point gets one image per strategy and a
+//! process crash; other operations a process crash one time in two). Each
+//! image is recovered with `Volume::open` (foreground commits), every
 //! block is read, `check()` must list exactly the blocks that read as
 //! faults, a verify of a random range (`offload.rs`) must report exactly
 //! the blocks that failed to read and the proof digest of the bytes read
@@ -31,22 +45,32 @@
 //! must report no fault and the digest of the model's bytes.
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;
 use vouch_engine::BlockDevice;
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
-    CreateOptions, Error, GuardKind, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume,
+    CreateOptions, Error, GuardKind, LayoutKind, OpenOptions, OrderingBreaks, SimStorage, Storage,
+    Tuning, Volume,
 };
 
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
 use crate::rng::Rng;
+use crate::stepper::Stepper;
 use crate::{fingerprint, BLOCK};
+
+mod model;
+mod steps;
+
+use model::Model;
+use steps::{at_step, crash_now, try_inline, Cut, World};
 
 /// Per block: the fingerprints a post-crash read may return.
 pub type Allowed = Vec<Vec<u64>>;
@@ -103,6 +127,13 @@ pub struct CrashConfig {
     /// writes were acknowledged before it; process-crash images must then
     /// find acknowledged writes lost.
     pub sabotage_held: bool,
+    /// Self-test only: the held log keeps nothing of the writes that take
+    /// the inline route (`try_write_shared`), as if that route
+    /// acknowledged before its append.
+    pub sabotage_inline_held: bool,
+    /// Self-test only: orderings the engine breaks on purpose
+    /// (`OrderingBreaks`); process-crash images must catch each.
+    pub breaks: OrderingBreaks,
     /// Encrypted volumes (AES-256-GCM-SIV; the guard must be crc32c).
     pub encrypted: bool,
 }
@@ -121,6 +152,8 @@ impl CrashConfig {
             after_permille: 40,
             sabotage_sync: false,
             sabotage_held: false,
+            sabotage_inline_held: false,
+            breaks: OrderingBreaks::default(),
             encrypted: false,
         }
     }
@@ -150,6 +183,15 @@ pub struct Counters {
     /// Blocks that read as a fault because the media tore them (sector tearing only).
     pub torn_faults: AtomicU64,
     pub ops: AtomicU64,
+    /// Writes that took the inline route (`try_write_shared`), and those
+    /// it declined (then written on the worker's route, or not at all at
+    /// a commit step).
+    pub inline_writes: AtomicU64,
+    pub inline_declined: AtomicU64,
+    /// Requested commits the simulator ran as the background committer.
+    pub background_commits: AtomicU64,
+    /// Steps at which a commit yielded to the simulator (`CommitStep`).
+    pub commit_steps: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -160,6 +202,9 @@ pub struct CrashReport {
     pub process: u64,
     pub torn_faults: u64,
     pub ops: u64,
+    pub inline_writes: u64,
+    pub background_commits: u64,
+    pub commit_steps: u64,
     pub seeds: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
@@ -168,13 +213,16 @@ pub struct CrashReport {
 impl CrashReport {
     pub fn summary(&self, config: &CrashConfig) -> String {
         format!(
-            "crash: layout={}{} guard={} tearing={} seeds={} ops={} images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} background-commits={} commit-steps={} images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
             config.layout.name(),
             if config.encrypted { " encrypted" } else { "" },
             config.guard.name(),
             config.tearing.name(),
             self.seeds,
             self.ops,
+            self.inline_writes,
+            self.background_commits,
+            self.commit_steps,
             self.images,
             self.process,
             self.during_recovery,
@@ -220,6 +268,9 @@ pub fn run(config: &CrashConfig) -> CrashReport {
         process: counters.process.load(Ordering::Relaxed),
         torn_faults: counters.torn_faults.load(Ordering::Relaxed),
         ops: counters.ops.load(Ordering::Relaxed),
+        inline_writes: counters.inline_writes.load(Ordering::Relaxed),
+        background_commits: counters.background_commits.load(Ordering::Relaxed),
+        commit_steps: counters.commit_steps.load(Ordering::Relaxed),
         seeds: config.seeds,
         violations,
         seconds: started.elapsed().as_secs_f64(),
@@ -344,7 +395,9 @@ impl Checker {
             drop(volume);
             let volume = Volume::open(Arc::new(again) as Arc<dyn Storage>, &self.open)
                 .map_err(|error| format!("recovery after recovery failed: {error}"))?;
-            let second = self.read_all(&volume, allowed, counters)?;
+            let second = self
+                .read_all(&volume, allowed, counters)
+                .map_err(|error| format!("after a crash after recovery ({strategy:?}): {error}"))?;
             if let Some(lba) = (0..reads.len()).find(|lba| reads[*lba] != second[*lba]) {
                 return Err(format!(
                     "crash after recovery ({strategy:?}) changed LBA {lba}: {:?} then {:?}",
@@ -419,118 +472,6 @@ impl Checker {
             }
         }
         Ok(reads)
-    }
-}
-
-/// The model of one volume's blocks.
-struct Model {
-    current: Vec<Vec<u8>>,
-    versions: Vec<Vec<u64>>,
-    floor: Vec<usize>,
-    /// Per block: the index in `versions` of its last acknowledged value
-    /// (what a process crash must keep).
-    acked: Vec<usize>,
-}
-
-impl Model {
-    fn new(blocks: u64) -> Model {
-        let zero = fingerprint(&[0u8; BLOCK]);
-        Model {
-            current: vec![vec![0u8; BLOCK]; blocks as usize],
-            versions: vec![vec![zero]; blocks as usize],
-            floor: vec![0; blocks as usize],
-            acked: vec![0; blocks as usize],
-        }
-    }
-
-    /// Apply `data` (or zeros) over the byte range; returns the blocks touched.
-    fn apply(&mut self, offset: u64, len: u64, data: Option<&[u8]>) -> Vec<usize> {
-        let mut touched = Vec::new();
-        let mut at = offset;
-        while at < offset + len {
-            let lba = (at / BLOCK as u64) as usize;
-            let within = (at % BLOCK as u64) as usize;
-            let n = (BLOCK - within).min((offset + len - at) as usize);
-            let block = &mut self.current[lba];
-            match data {
-                Some(data) => {
-                    let from = (at - offset) as usize;
-                    block[within..within + n].copy_from_slice(&data[from..from + n]);
-                }
-                None => block[within..within + n].fill(0),
-            }
-            let value = fingerprint(block);
-            self.versions[lba].push(value);
-            touched.push(lba);
-            at += n as u64;
-        }
-        touched
-    }
-
-    /// A copy of blocks `[from, from + count)` to `to` (memmove): each
-    /// destination block takes the source block's value from before the copy.
-    fn copy(&mut self, from: u64, to: u64, count: u64) -> Vec<usize> {
-        let values: Vec<Vec<u8>> = (from..from + count)
-            .map(|lba| self.current[lba as usize].clone())
-            .collect();
-        let mut touched = Vec::with_capacity(count as usize);
-        for (index, value) in values.into_iter().enumerate() {
-            let lba = to as usize + index;
-            self.versions[lba].push(fingerprint(&value));
-            self.current[lba] = value;
-            touched.push(lba);
-        }
-        touched
-    }
-
-    fn make_durable(&mut self, blocks: impl Iterator<Item = usize>) {
-        for lba in blocks {
-            // Values before the newest can never be read again.
-            let last = self.versions[lba].len() - 1;
-            self.versions[lba].drain(..last);
-            self.floor[lba] = 0;
-            self.acked[lba] = 0;
-        }
-    }
-
-    /// The operation that wrote `blocks` returned: their newest values are
-    /// acknowledged.
-    fn make_acked(&mut self, blocks: impl Iterator<Item = usize>) {
-        for lba in blocks {
-            self.acked[lba] = self.versions[lba].len() - 1;
-        }
-    }
-
-    /// What may be read after a crash of the process alone: the last
-    /// acknowledged value of each block, or a later one (in flight).
-    fn allowed_process(&self) -> Arc<Allowed> {
-        Arc::new(
-            self.versions
-                .iter()
-                .zip(&self.acked)
-                .map(|(versions, acked)| versions[*acked..].to_vec())
-                .collect(),
-        )
-    }
-
-    /// What may be read once every block is durable: its newest value.
-    fn allowed_if_durable(&self) -> Arc<Allowed> {
-        Arc::new(
-            self.versions
-                .iter()
-                .map(|versions| versions[versions.len() - 1..].to_vec())
-                .collect(),
-        )
-    }
-
-    fn allowed(&self) -> Arc<Allowed> {
-        Arc::new(
-            self.versions
-                .iter()
-                .zip(&self.floor)
-                .map(|(versions, floor)| versions[*floor..].to_vec())
-                .collect(),
-        )
     }
 }
 
@@ -654,17 +595,6 @@ fn random_op(rng: &mut Rng, size: u64, reflink: bool) -> Op {
     }
 }
 
-/// Shared between the driver and the I/O hook.
-struct HookState {
-    rng: Rng,
-    allowed: Arc<Allowed>,
-    /// What a process crash now must keep (`Model::allowed_process`).
-    process: Arc<Allowed>,
-    violation: Option<String>,
-    doing: String,
-}
-
-/// Run one seed; `Err` carries a description of the first violation.
 /// The key of seed `seed`'s encrypted volume.
 pub fn seed_key(seed: u64) -> vouch_engine::UserSecret {
     let mut key = [0x5au8; 32];
@@ -672,6 +602,23 @@ pub fn seed_key(seed: u64) -> vouch_engine::UserSecret {
     vouch_engine::UserSecret::key(&key).expect("32 bytes")
 }
 
+/// The blocks an operation touches (reads or writes), for `World::busy`.
+fn busy_of(op: &Op, blocks: u64) -> Range<u64> {
+    let bytes =
+        |offset: u64, len: u64| offset / BLOCK as u64..(offset + len).div_ceil(BLOCK as u64);
+    match *op {
+        Op::Write { offset, len, .. }
+        | Op::Trim { offset, len, .. }
+        | Op::Zeroes { offset, len, .. } => bytes(offset, len),
+        Op::Copy {
+            from, to, count, ..
+        } => from.min(to)..from.max(to) + count,
+        Op::Flush => 0..0,
+        Op::Verify { .. } | Op::Scrub => 0..blocks,
+    }
+}
+
+/// Run one seed; `Err` carries a description of the first violation.
 pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let blocks = rng.range(64, 192);
@@ -686,13 +633,19 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         overlay_limit: rng.range(4, 48) as usize,
         background_commit: false,
     };
+    let key = config.encrypted.then(|| seed_key(seed));
+    // The workload's volume: its background commits stepped by the seed
+    // (`stepper.rs`). Crash images are recovered in the foreground, so a
+    // check's own opens run no writer.
+    let stepper = Stepper::new(config.breaks);
     let open = OpenOptions {
-        read_only: false,
-        direct: false,
+        key: key.clone(),
+        ..stepper.options(tuning)
+    };
+    let checked_open = OpenOptions {
         tuning,
-        key: config.encrypted.then(|| seed_key(seed)),
-        keyless: false,
-        rebuild_written_map: false,
+        key,
+        ..OpenOptions::default()
     };
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(size);
@@ -708,60 +661,41 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         blocks,
         unit: config.tearing.unit(),
         sector_tearing: config.tearing == Tearing::Sector,
-        open: open.clone(),
+        open: checked_open.clone(),
         nested_permille: config.nested_permille,
         after_permille: config.after_permille,
     };
     let recorder = Arc::new(Recorder::new(sim));
-    let mut model = Model::new(blocks);
-    let state = Arc::new(Mutex::new(HookState {
-        rng: rng.fork(),
-        allowed: model.allowed(),
-        process: model.allowed_process(),
-        violation: None,
-        doing: "open".into(),
-    }));
-    let counters_static = counters.clone();
+    let world = Arc::new(Mutex::new(World::new(rng.fork(), Model::new(blocks))));
     {
-        let state = state.clone();
+        let world = world.clone();
         let checker = checker.clone();
+        let counters = counters.clone();
         let io_permille = config.io_permille;
         recorder.set_hook(Some(Box::new(move |sim, order| {
-            let mut state = state.lock();
-            if state.violation.is_some() || state.rng.below(1000) >= io_permille {
+            let mut world = world.lock();
+            if world.violation.is_some() || world.rng.below(1000) >= io_permille {
                 return;
             }
-            let state = &mut *state;
-            if state.rng.chance(1, 3) {
-                // The process dies here, before this I/O; the kernel lives.
-                let image = process_image(sim);
-                let allowed = (&state.process, &state.allowed);
-                if let Err(error) =
-                    checker.verify_process(image, allowed, &mut state.rng, 0, &counters_static)
-                {
-                    state.violation = Some(format!(
-                        "process crash inside {} ({} pending ops): {error}",
-                        state.doing,
-                        order.len()
-                    ));
-                }
-                return;
-            }
-            let strategy = STRATEGIES[state.rng.below(4) as usize];
-            let image = crash_image(sim, order, strategy, checker.unit, &mut state.rng);
-            if let Err(error) =
-                checker.verify(image, &state.allowed, &mut state.rng, 0, &counters_static)
-            {
-                state.violation = Some(format!(
-                    "crash inside {} (image {strategy:?}, {} pending ops): {error}",
-                    state.doing,
-                    order.len()
-                ));
-            }
+            // A third are the process dying here, before this I/O.
+            let cut = if world.rng.chance(1, 3) {
+                Cut::Process
+            } else {
+                Cut::Power
+            };
+            crash_now(&checker, &mut world, (sim, order), cut, &counters, "inside");
         })));
     }
-    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &open)
-        .map_err(|error| format!("open failed: {error}"))?;
+    let volume = Arc::new(
+        Volume::open(recorder.clone() as Arc<dyn Storage>, &open)
+            .map_err(|error| format!("open failed: {error}"))?,
+    );
+    stepper.set(Some(at_step(
+        world.clone(),
+        Arc::downgrade(&volume),
+        (checker.clone(), recorder.clone(), counters.clone()),
+        config.sabotage_inline_held,
+    )));
     if config.sabotage_sync {
         recorder.sabotage_sync.store(true, Ordering::Relaxed);
     }
@@ -769,89 +703,32 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         recorder.sabotage_held.store(true, Ordering::Relaxed);
     }
     let ops = rng.range(30, 90);
+    let mut flushed_last = false;
     for index in 0..ops {
         let reflink = config.layout == LayoutKind::Split && !config.encrypted;
-        let op = random_op(&mut rng, size, reflink);
+        // A client flushing again with nothing new (a commit with an empty
+        // buffer: the held log's slots swap without one being emptied).
+        let op = if flushed_last && rng.chance(1, 3) {
+            Op::Flush
+        } else {
+            random_op(&mut rng, size, reflink)
+        };
+        flushed_last = matches!(op, Op::Flush);
         counters.ops.fetch_add(1, Ordering::Relaxed);
         let doing = format!("op {index} {op:?}");
-        let (touched, result, durable_all) = match op {
-            Op::Write { offset, len, .. } => {
-                let data = rng.bytes(len as usize);
-                let touched = model.apply(offset, len, Some(&data));
-                set_allowed(&state, &model, &doing);
-                let fua = matches!(op, Op::Write { fua: true, .. });
-                (touched, volume.write(offset, &data, fua), false)
-            }
-            Op::Trim { offset, len, fua } => {
-                let touched = model.apply(offset, len, None);
-                set_allowed(&state, &model, &doing);
-                (touched, volume.trim(offset, len, fua), false)
-            }
-            Op::Zeroes {
-                offset,
-                len,
-                fua,
-                allocate,
-            } => {
-                let touched = model.apply(offset, len, None);
-                set_allowed(&state, &model, &doing);
-                (
-                    touched,
-                    volume.write_zeroes(offset, len, ZeroFlags { fua, allocate }),
-                    false,
-                )
-            }
-            Op::Copy {
-                from,
-                to,
-                count,
-                method,
-            } => {
-                let touched = model.copy(from, to, count);
-                set_allowed(&state, &model, &doing);
-                let options = CopyOptions { method };
-                let control = JobControl::default();
-                let copied = copy(&volume, from, &volume, to, count, &options, &control);
-                (touched, copied.map(|_| ()), false)
-            }
-            Op::Flush => {
-                set_allowed(&state, &model, &doing);
-                // A small flush is answered as soon as its redo record is
-                // durable, before its home writes: from the answer on, a
-                // crash at any I/O must keep every block's newest value.
-                let durable = model.allowed_if_durable();
-                let answered_as = format!("{doing}, after its answer");
-                let hook_state = Arc::clone(&state);
-                let outcome = Arc::new(Mutex::new(None));
-                let slot = Arc::clone(&outcome);
-                volume.flush_then(Box::new(move |flushed| {
-                    if flushed.is_ok() {
-                        let mut state = hook_state.lock();
-                        state.allowed = durable;
-                        state.doing = answered_as;
-                    }
-                    *slot.lock() = Some(flushed);
-                }));
-                let flushed = outcome.lock().take();
-                let flushed =
-                    flushed.ok_or_else(|| format!("{doing}: flush_then returned unanswered"))?;
-                (Vec::new(), flushed, true)
-            }
-            Op::Verify { first, count } => {
-                set_allowed(&state, &model, &doing);
-                let bytes = model.current.concat();
-                crate::offload::check_verify(&volume, &bytes, &[], first, count, &mut rng)
-                    .map_err(|error| format!("{doing}: {error}"))?;
-                (Vec::new(), Ok(()), false)
-            }
-            Op::Scrub => {
-                set_allowed(&state, &model, &doing);
-                crate::offload::check_scrub(&volume, &[], &mut rng)
-                    .map_err(|error| format!("{doing}: {error}"))?;
-                (Vec::new(), Ok(()), false)
-            }
-        };
-        if let Some(violation) = state.lock().violation.take() {
+        // The other clients are idle during a third of the operations: no
+        // inline writes at the steps of its commits.
+        let idle = rng.chance(1, 3);
+        world.lock().start(&doing, busy_of(&op, blocks), idle);
+        let (touched, result, flushed) = run_op(
+            &op,
+            (&volume, &recorder),
+            &world,
+            &mut rng,
+            (config, counters),
+        )?;
+        let violation = world.lock().violation.take();
+        if let Some(violation) = violation {
             return Err(violation);
         }
         result.map_err(|error| format!("{doing} failed: {error}"))?;
@@ -859,60 +736,46 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             op,
             Op::Write { fua: true, .. } | Op::Trim { fua: true, .. } | Op::Zeroes { fua: true, .. }
         );
-        let point = durable_all || fua;
-        model.make_acked(touched.iter().copied());
-        if durable_all {
-            model.make_durable(0..blocks as usize);
-        } else if fua {
-            model.make_durable(touched.into_iter());
+        {
+            let mut world = world.lock();
+            world.wrote(&touched);
+            if fua {
+                world.model.make_durable(touched.into_iter());
+            }
+            world.start(&format!("after {doing}"), 0..0, false);
         }
-        set_allowed(&state, &model, &format!("after {doing}"));
-        // Crash points between operations: every strategy at a flush / FUA point.
-        let mut state = state.lock();
-        let state = &mut *state;
-        let strategies: Vec<Strategy> = if point {
-            STRATEGIES.to_vec()
-        } else if state.rng.chance(1, 2) {
-            vec![STRATEGIES[state.rng.below(4) as usize]]
-        } else {
-            Vec::new()
-        };
-        let order = recorder.order();
-        if point || state.rng.chance(1, 2) {
-            // The process dies between operations: every acknowledged
-            // write must read back, flushed or not.
-            let image = process_image(&recorder.sim);
-            let allowed = (&state.process, &state.allowed);
-            checker
-                .verify_process(image, allowed, &mut state.rng, 0, counters)
-                .map_err(|error| format!("process crash after {doing}: {error}"))?;
+        // The background committer takes the commit a writer requested,
+        // when the seed says so: writes run at its steps (`at_step`).
+        if rng.chance(1, 2) {
+            world.lock().doing = format!("the background commit after {doing}");
+            if volume.run_requested_commit() {
+                counters.background_commits.fetch_add(1, Ordering::Relaxed);
+            }
+            if let Some(violation) = world.lock().violation.take() {
+                return Err(violation);
+            }
+            world.lock().doing = format!("after {doing}");
         }
-        for strategy in strategies {
-            let image = crash_image(
-                &recorder.sim,
-                &order,
-                strategy,
-                checker.unit,
-                &mut state.rng,
-            );
-            checker
-                .verify(image, &state.allowed, &mut state.rng, 0, counters)
-                .map_err(|error| format!("crash after {doing} (image {strategy:?}): {error}"))?;
-        }
+        crash_between_ops(&checker, &world, &recorder, flushed || fua, counters)
+            .map_err(|error| format!("{error} (after {doing})"))?;
     }
     recorder.set_hook(None);
+    // Closing takes no more writers at its commit.
+    stepper.set(None);
+    let volume = Arc::try_unwrap(volume).map_err(|_| "the volume is still shared".to_string())?;
     // A clean close and reopen reads exactly the latest values.
     volume
         .close()
         .map_err(|error| format!("close failed: {error}"))?;
-    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &open)
+    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &checked_open)
         .map_err(|error| format!("reopen failed: {error}"))?;
     let mut buf = vec![0u8; BLOCK];
-    for lba in 0..blocks {
+    let current = std::mem::take(&mut world.lock().model.current);
+    for (lba, expected) in current.iter().enumerate() {
         volume
-            .read(lba * BLOCK as u64, &mut buf)
+            .read(lba as u64 * BLOCK as u64, &mut buf)
             .map_err(|error| format!("read after clean reopen failed: {error}"))?;
-        if buf != model.current[lba as usize] {
+        if buf != *expected {
             return Err(format!(
                 "LBA {lba} differs from the model after a clean close"
             ));
@@ -921,16 +784,149 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     Ok(())
 }
 
-fn set_allowed(state: &Mutex<HookState>, model: &Model, doing: &str) {
-    let mut state = state.lock();
-    state.allowed = model.allowed();
-    state.process = model.allowed_process();
-    state.doing = doing.to_string();
+/// Run one operation of the workload: the blocks it wrote, its outcome,
+/// and whether it was a flush (every block durable as of its start).
+fn run_op(
+    op: &Op,
+    (volume, recorder): (&Arc<Volume>, &Arc<Recorder>),
+    world: &Arc<Mutex<World>>,
+    rng: &mut Rng,
+    (config, counters): (&CrashConfig, &Arc<Counters>),
+) -> Result<(Vec<usize>, vouch_engine::Result<()>, bool), String> {
+    let apply =
+        |offset: u64, len: u64, data: Option<&[u8]>| world.lock().model.apply(offset, len, data);
+    Ok(match *op {
+        Op::Write { offset, len, fua } => {
+            let data = Bytes::from(rng.bytes(len as usize));
+            let touched = apply(offset, len, Some(&data));
+            // Whole blocks without FUA take the NBD reactor's route half
+            // the time: inline if that needs no wait, else on a worker.
+            let whole = offset % BLOCK as u64 == 0 && len % BLOCK as u64 == 0;
+            let written = if whole && !fua && rng.chance(1, 2) {
+                let sabotage = config.sabotage_inline_held;
+                match try_inline(volume, offset, &data, recorder, sabotage) {
+                    Ok(true) => {
+                        counters.inline_writes.fetch_add(1, Ordering::Relaxed);
+                        Ok(())
+                    }
+                    Ok(false) => volume.write_shared(offset, &data, false),
+                    Err(error) => Err(error),
+                }
+            } else {
+                volume.write_shared(offset, &data, fua)
+            };
+            (touched, written, false)
+        }
+        Op::Trim { offset, len, fua } => {
+            let touched = apply(offset, len, None);
+            (touched, volume.trim(offset, len, fua), false)
+        }
+        Op::Zeroes {
+            offset,
+            len,
+            fua,
+            allocate,
+        } => {
+            let touched = apply(offset, len, None);
+            let flags = ZeroFlags { fua, allocate };
+            (touched, volume.write_zeroes(offset, len, flags), false)
+        }
+        Op::Copy {
+            from,
+            to,
+            count,
+            method,
+        } => {
+            let touched = world.lock().model.copy(from, to, count);
+            let options = CopyOptions { method };
+            let control = JobControl::default();
+            let copied = copy(volume, from, volume, to, count, &options, &control);
+            (touched, copied.map(|_| ()), false)
+        }
+        Op::Flush => {
+            // A small flush is answered as soon as its redo record is
+            // durable, before its home writes: from the answer on, a
+            // crash at any I/O must keep every block's value from when
+            // the flush started (writes run at its commit's steps since
+            // are not its).
+            let mark = world.lock().model.newest();
+            let hook_world = Arc::clone(world);
+            let outcome = Arc::new(Mutex::new(None));
+            let slot = Arc::clone(&outcome);
+            volume.flush_then(Box::new(move |flushed| {
+                if flushed.is_ok() {
+                    let mut world = hook_world.lock();
+                    world.model.durable_from(&mark);
+                    world.doing = format!("{}, after its answer", world.doing);
+                }
+                *slot.lock() = Some(flushed);
+            }));
+            let flushed = outcome
+                .lock()
+                .take()
+                .ok_or_else(|| "a flush returned unanswered".to_string())?;
+            (Vec::new(), flushed, true)
+        }
+        Op::Verify { first, count } => {
+            let bytes = world.lock().model.current.concat();
+            crate::offload::check_verify(volume, &bytes, &[], first, count, rng)
+                .map_err(|error| format!("{op:?}: {error}"))?;
+            (Vec::new(), Ok(()), false)
+        }
+        Op::Scrub => {
+            crate::offload::check_scrub(volume, &[], rng)
+                .map_err(|error| format!("{op:?}: {error}"))?;
+            (Vec::new(), Ok(()), false)
+        }
+    })
 }
 
-/// What a crash of the vouch process leaves: every write that returned,
-/// synced or not (the kernel keeps them), and the held log; nothing of the
-/// process's memory.
-fn process_image(sim: &SimStorage) -> SimStorage {
-    sim.duplicate()
+/// Crash points between operations: after a flush or FUA point every
+/// power-cut strategy and a process crash; otherwise a process crash one
+/// time in two and one power cut one time in two.
+fn crash_between_ops(
+    checker: &Checker,
+    world: &Mutex<World>,
+    recorder: &Recorder,
+    point: bool,
+    counters: &Arc<Counters>,
+) -> Result<(), String> {
+    let mut world = world.lock();
+    let world = &mut *world;
+    let order = recorder.order();
+    if point || world.rng.chance(1, 2) {
+        // Every acknowledged write must read back, flushed or not.
+        crash_now(
+            checker,
+            world,
+            (&recorder.sim, &order),
+            Cut::Process,
+            counters,
+            "between operations,",
+        );
+    }
+    let strategies: Vec<Strategy> = if point {
+        STRATEGIES.to_vec()
+    } else if world.rng.chance(1, 2) {
+        vec![STRATEGIES[world.rng.below(4) as usize]]
+    } else {
+        Vec::new()
+    };
+    let power = world.model.allowed();
+    for strategy in strategies {
+        let image = crash_image(
+            &recorder.sim,
+            &order,
+            strategy,
+            checker.unit,
+            &mut world.rng,
+        );
+        checker
+            .verify(image, &power, &mut world.rng, 0, counters)
+            .map_err(|error| format!("crash between operations (image {strategy:?}): {error}"))?;
+    }
+    match world.violation.take() {
+        Some(violation) => Err(violation),
+        None => Ok(()),
+    }
 }

@@ -530,6 +530,7 @@ pub fn run_cell(
         key,
         keyless: false,
         rebuild_written_map: false,
+        schedule: None,
     };
     let mut result = CellResult::default();
     let created = Volume::create(rec.clone(), &options).and_then(Volume::close);

@@ -30,6 +30,7 @@ fn small_tuning() -> OpenOptions {
         key: None,
         keyless: false,
         rebuild_written_map: false,
+        schedule: None,
     }
 }
 

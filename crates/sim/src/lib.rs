@@ -31,6 +31,7 @@ pub mod offload;
 pub mod recorder;
 pub mod resync;
 pub mod rng;
+pub mod stepper;
 
 pub use vouch_engine::{GuardKind, LayoutKind};
 

@@ -140,8 +140,7 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
     let zero = fingerprint(&[0u8; BLOCK]);
     let deferred: Deferred = Arc::new(Mutex::new(Vec::new()));
     let leg1 = match rng.below(4) {
-        0 => Leg1::Local,
-        1 => Leg1::Roomy,
+        0 | 1 => Leg1::Local,
         n => Leg1::Travelling {
             lands_when_waited: n == 3,
             completes: Some(deferred.clone()),

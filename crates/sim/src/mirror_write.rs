@@ -1,11 +1,19 @@
 //! Crashes of the exporter during mirrored writes (`Mirror::write`, `trim`,
 //! `flush`; docs/CRASH_MODEL.md "Mirrors"). Two legs of one volume on
 //! recording storage take a random workload of writes, trims and flushes
-//! through a `Mirror`. The exporter is one process, so a crash cuts both
+//! through a `Mirror`. The legs run the production scheduling: each has a
+//! background committer the seed steps (`crate::stepper`), so the
+//! mirror's inline route (`try_write_shared`) and its completion path
+//! (`try_begin_write`, `complete.rs`) reserve room in the legs' write-back
+//! buffers and store into it (`write_sealed_reserved`) as they do in
+//! production, and the legs' requested commits run between operations.
+//! The exporter is one process, so a crash cuts both
 //! legs at the same instant: at every write and sync either leg issues, a
 //! crash image of *each* leg is built (both with one strategy, or one leg
 //! with everything and the other with nothing since its last sync — the
-//! crash between the legs). Each pair is recovered as a restart does it
+//! crash between the legs), and a process crash of both (every write that
+//! returned and the held logs kept: every acknowledged write must read
+//! back). Each pair is recovered as a restart does it
 //! (reads go to the first leg until a scrub, `read_one_leg_until_scrubbed`)
 //! and checked:
 //! - every block reads a value the contract allows: what the last
@@ -23,13 +31,14 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, OpenOptions, PendingWrite,
-    SealedBlock, SimStorage, Storage, Volume, WriteDone, ZeroFlags,
+    Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, OpenOptions, OrderingBreaks,
+    PendingWrite, SealedBlock, SimStorage, Storage, Volume, WriteDone, ZeroFlags,
 };
 
 use crate::fingerprint;
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
 use crate::rng::Rng;
+use crate::stepper::Stepper;
 use crate::BLOCK;
 
 /// Blocks in the volume, and operations per seed.
@@ -53,6 +62,12 @@ pub struct MirrorWriteReport {
     /// Writes that went through the completion path (`try_begin_write`,
     /// leg 1 answering by callback: `write_sealed_then`).
     pub completed_later: u64,
+    /// Writes the mirror's inline route took (`try_write_shared`).
+    pub inline_writes: u64,
+    /// Image pairs of a process crash (kernel state kept).
+    pub process_images: u64,
+    /// Requested commits the simulator ran as a leg's background committer.
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -60,12 +75,15 @@ pub struct MirrorWriteReport {
 impl MirrorWriteReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}) crash_points={} image_pairs={} diverged={} repaired={} violations={} time={:.1}s",
+            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
             self.seeds,
             self.travelling,
             self.completed_later,
+            self.inline_writes,
+            self.background_commits,
             self.crash_points,
             self.images,
+            self.process_images,
             self.diverged,
             self.repaired,
             self.violations.len(),
@@ -74,8 +92,22 @@ impl MirrorWriteReport {
     }
 }
 
-pub(crate) fn open_options() -> OpenOptions {
-    crate::foreground_options()
+/// How a leg of the workload opens: its background commits stepped by
+/// the seed, with a small write-back buffer so they are requested.
+pub(crate) fn open_options(rng: &mut Rng) -> OpenOptions {
+    let tuning = vouch_engine::Tuning {
+        dirty_limit_blocks: rng.range(2, 12) as usize,
+        ..vouch_engine::Tuning::default()
+    };
+    Stepper::new(OrderingBreaks::default()).options(tuning)
+}
+
+/// Run the requested commit of each leg (`legs`) one time in two: the
+/// background committers, stepped. Returns how many ran.
+pub(crate) fn step_commits(legs: &[Arc<Volume>; 2], rng: &mut Rng) -> u64 {
+    legs.iter()
+        .filter(|leg| rng.chance(1, 2) && leg.run_requested_commit())
+        .count() as u64
 }
 
 /// Per block, the fingerprints a read may return after a crash now.
@@ -85,14 +117,22 @@ pub(crate) type Allowed = Vec<Vec<u64>>;
 struct Crash {
     legs: [SimStorage; 2],
     allowed: Allowed,
+    process: bool,
 }
 
 /// Run seeds `first..first + seeds`.
 pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
+    run_with(first, seeds, false)
+}
+
+/// `run`; with `sabotage_completion`, the local leg's held log keeps
+/// nothing of the writes that take the completion path (self-test: that
+/// path acknowledging before the local leg holds the write).
+pub fn run_with(first: u64, seeds: u64, sabotage_completion: bool) -> MirrorWriteReport {
     let started = Instant::now();
     let mut report = MirrorWriteReport::default();
     for seed in first..first + seeds {
-        if let Err(message) = run_seed(seed, &mut report) {
+        if let Err(message) = run_seed(seed, sabotage_completion, &mut report) {
             report.violations.push(format!("seed {seed}: {message}"));
         }
         report.seeds += 1;
@@ -110,13 +150,11 @@ pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
 /// by callback (`write_sealed_then`), so non-FUA writes take the mirror's
 /// completion path (`try_begin_write`), its answer arriving at once or
 /// after the local leg was written (`Deferred`).
-/// With `Roomy`, both legs take sealed writes locally and claim room in
-/// their write-back buffers, so the mirror's inline path (`try_write`)
-/// takes writes too.
+/// With `Local`, both legs are volumes as they are (their room in the
+/// write-back buffers takes the mirror's inline route).
 #[derive(Clone)]
 pub(crate) enum Leg1 {
     Local,
-    Roomy,
     Travelling {
         lands_when_waited: bool,
         completes: Option<Deferred>,
@@ -142,39 +180,11 @@ pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirro
                         volume,
                         lands_when_waited: *lands_when_waited,
                         completes: completes.clone(),
-                        travels: true,
-                        roomy: false,
                     }),
                     match completes {
                         Some(_) => "vouch://sim:1/leg1".into(),
                         None => format!("leg{index}"),
                     },
-                ),
-                // The completion path needs room on the local leg without
-                // waiting (a foreground volume never has any): this one
-                // says it has, then stores blocking (`write_sealed_here`),
-                // as a leg whose room was taken meanwhile does.
-                Leg1::Travelling {
-                    completes: Some(_), ..
-                } => (
-                    Arc::new(Travelling {
-                        volume,
-                        lands_when_waited: false,
-                        completes: None,
-                        travels: false,
-                        roomy: true,
-                    }),
-                    format!("leg{index}"),
-                ),
-                Leg1::Roomy => (
-                    Arc::new(Travelling {
-                        volume,
-                        lands_when_waited: false,
-                        completes: None,
-                        travels: false,
-                        roomy: true,
-                    }),
-                    format!("leg{index}"),
                 ),
                 _ => (volume, format!("leg{index}")),
             };
@@ -191,15 +201,25 @@ pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirro
 /// A volume taking sealed writes the way a remote replica does
 /// (`vouch_replica::RemoteLeg`): `start_write_sealed` starts them and the
 /// returned waiter gives the outcome; a FUA write is flushed there too.
-/// Everything else is the volume's.
+/// They land as the replica server stores them (`land`). Everything else
+/// is the volume's; it reserves no room (a remote leg never does).
 struct Travelling {
     volume: Arc<Volume>,
     lands_when_waited: bool,
     completes: Option<Deferred>,
-    /// Takes `start_write_sealed` (else: the mirror's local-leg path).
-    travels: bool,
-    /// Claims room for the mirror's inline paths (`reserve_room`).
-    roomy: bool,
+}
+
+/// Store blocks on `volume` as the replica server does: its inline route
+/// (`try_write_sealed`) when that needs no wait, else `write_sealed`;
+/// then a flush for FUA.
+fn land(volume: &Volume, blocks: &[SealedBlock], fua: bool) -> vouch_engine::Result<()> {
+    if !volume.try_write_sealed(blocks)? {
+        volume.write_sealed(blocks)?;
+    }
+    if fua {
+        volume.flush()?;
+    }
+    Ok(())
 }
 
 impl BlockDevice for Travelling {
@@ -252,35 +272,17 @@ impl BlockDevice for Travelling {
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
         self.volume.write_sealed_here(blocks)
     }
-    fn reserve_room(&self, _count: usize) -> bool {
-        self.roomy
-    }
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        // The simulator's volumes commit in the foreground: the write
-        // stores (and commits) here, as a leg's reserved room would.
-        self.volume.write_sealed_here(blocks)
-    }
     fn start_write_sealed(
         &self,
         blocks: &[SealedBlock],
         fua: bool,
     ) -> Option<vouch_engine::Result<PendingWrite>> {
-        if !self.travels {
-            return None;
-        }
         let volume = Arc::clone(&self.volume);
-        let land = move |blocks: &[SealedBlock]| {
-            volume.write_sealed(blocks)?;
-            if fua {
-                volume.flush()?;
-            }
-            Ok(())
-        };
         if self.lands_when_waited {
             let blocks = blocks.to_vec();
-            return Some(Ok(Box::new(move || land(&blocks))));
+            return Some(Ok(Box::new(move || land(&volume, &blocks, fua))));
         }
-        let landed = land(blocks);
+        let landed = land(&volume, blocks, fua);
         Some(Ok(Box::new(move || landed)))
     }
     fn writes_sealed_then(&self) -> bool {
@@ -288,19 +290,14 @@ impl BlockDevice for Travelling {
     }
     fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
         let volume = Arc::clone(&self.volume);
-        let land = move |blocks: &[SealedBlock]| {
-            volume.write_sealed(blocks)?;
-            if fua {
-                volume.flush()?;
-            }
-            Ok(())
-        };
         match &self.completes {
             Some(deferred) if self.lands_when_waited => {
                 let blocks = blocks.to_vec();
-                deferred.lock().push(Box::new(move || done(land(&blocks))));
+                deferred
+                    .lock()
+                    .push(Box::new(move || done(land(&volume, &blocks, fua))));
             }
-            _ => done(land(blocks)),
+            _ => done(land(&volume, blocks, fua)),
         }
     }
     fn seal_blocks(
@@ -347,8 +344,9 @@ pub(crate) fn prefilled_legs(
     }
     volume.close().map_err(|e| e.to_string())?;
     let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
+    let open = open_options(rng);
     let volumes = [0, 1].map(|at| {
-        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open_options())
+        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open)
             .map(Arc::new)
             .map_err(|e| format!("leg {at}: {e}"))
     });
@@ -359,9 +357,13 @@ pub(crate) fn prefilled_legs(
 }
 
 /// One seed; violations are pushed to `report`, setup errors returned.
-pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String> {
+pub fn run_seed(
+    seed: u64,
+    sabotage_completion: bool,
+    report: &mut MirrorWriteReport,
+) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let (allowed, recorders, [volume0, volume1]) = prefilled_legs(&mut rng, BLOCKS)?;
+    let (allowed, recorders, volumes) = prefilled_legs(&mut rng, BLOCKS)?;
     let zero = fingerprint(&[0u8; BLOCK]);
     let deferred: Deferred = Arc::new(Mutex::new(Vec::new()));
     let leg1 = match rng.below(3) {
@@ -372,17 +374,26 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
         },
     };
     report.travelling += u64::from(!matches!(leg1, Leg1::Local));
-    let mirror = Arc::new(mirror_over([volume0, volume1], leg1)?);
+    let mirror = Arc::new(mirror_over(volumes.clone(), leg1)?);
 
-    // The model the hooks read: what each block may hold if the exporter
-    // died now. Updated before each operation (its value is allowed while
-    // it runs) and after each flush (only the last value is).
-    let model = Arc::new(Mutex::new(allowed));
+    // The models the hooks read: what each block may hold if the exporter
+    // lost power now (`model`), or if the process alone died (`acked`:
+    // the last acknowledged value, or one in flight). Updated before each
+    // operation (its value is allowed while it runs), after each flush
+    // (`model`: only the value from before it) and after each write
+    // (`acked`: its value).
+    let model = Arc::new(Mutex::new(allowed.clone()));
+    let acked = Arc::new(Mutex::new(allowed));
     let crashes: Arc<Mutex<Vec<Crash>>> = Arc::new(Mutex::new(Vec::new()));
     let points = Arc::new(std::sync::atomic::AtomicU64::new(0));
     for at in 0..2 {
         let other = Arc::clone(&recorders[1 - at]);
-        let (model, crashes, points) = (model.clone(), crashes.clone(), points.clone());
+        let (model, acked, crashes, points) = (
+            model.clone(),
+            acked.clone(),
+            crashes.clone(),
+            points.clone(),
+        );
         let mut hook_rng = rng.fork();
         recorders[at].set_hook(Some(Box::new(move |sim, order| {
             points.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -393,20 +404,30 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
             ];
             let strategy = STRATEGIES[hook_rng.below(STRATEGIES.len() as u64) as usize];
             pairs.push((strategy, strategy));
+            let in_order = |mine: SimStorage, theirs: SimStorage| {
+                if at == 0 {
+                    [mine, theirs]
+                } else {
+                    [theirs, mine]
+                }
+            };
             for (mine, theirs) in pairs {
                 let image = crash_image(sim, order, mine, 4096, &mut hook_rng);
                 let other_image =
                     crash_image(&other.sim, &other_order, theirs, 4096, &mut hook_rng);
-                let legs = if at == 0 {
-                    [image, other_image]
-                } else {
-                    [other_image, image]
-                };
                 crashes.lock().push(Crash {
-                    legs,
+                    legs: in_order(image, other_image),
                     allowed: model.lock().clone(),
+                    process: false,
                 });
             }
+            // The exporter process dies here: both legs keep every write
+            // that returned and their held logs.
+            crashes.lock().push(Crash {
+                legs: in_order(sim.duplicate(), other.sim.duplicate()),
+                allowed: acked.lock().clone(),
+                process: true,
+            });
         })));
     }
 
@@ -415,21 +436,44 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
         let count = rng.range(1, 4).min(BLOCKS - lba);
         match rng.below(6) {
             0 => flush_modelled(&mirror, &model)?,
-            1 => trim_modelled(&mirror, &model, lba, count, zero)?,
+            1 => {
+                model_write(&acked, lba, &vec![0u8; count as usize * BLOCK]);
+                trim_modelled(&mirror, &model, lba, count, zero)?;
+                acknowledged(&acked, lba, count);
+            }
             _ => {
                 let data = rng.bytes(count as usize * BLOCK);
                 model_write(&model, lba, &data);
+                model_write(&acked, lba, &data);
                 let fua = rng.chance(1, 5);
                 let offset = lba * BLOCK as u64;
-                if fua || !write_completing(&mirror, offset, &data, &deferred)? {
+                // The NBD reactor's routes first, as `serve` tries them:
+                // the completion path (a mirror with a remote leg), the
+                // inline route; else the worker's blocking write.
+                recorders[0]
+                    .sabotage_held
+                    .store(sabotage_completion, std::sync::atomic::Ordering::Relaxed);
+                let completed = !fua && write_completing(&mirror, offset, &data, &deferred)?;
+                recorders[0]
+                    .sabotage_held
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                if completed {
+                    report.completed_later += 1;
+                } else if !fua
+                    && mirror
+                        .try_write_shared(offset, &Bytes::from(data.clone()))
+                        .map_err(|e| format!("inline write: {e}"))?
+                {
+                    report.inline_writes += 1;
+                } else {
                     mirror
                         .write(offset, &data, fua)
                         .map_err(|e| format!("write: {e}"))?;
-                } else {
-                    report.completed_later += 1;
                 }
+                acknowledged(&acked, lba, count);
             }
         }
+        report.background_commits += step_commits(&volumes, &mut rng);
     }
     for recorder in &recorders {
         recorder.set_hook(None);
@@ -439,13 +483,27 @@ pub fn run_seed(seed: u64, report: &mut MirrorWriteReport) -> Result<(), String>
     let crashes = std::mem::take(&mut *crashes.lock());
     for (index, crash) in crashes.into_iter().enumerate() {
         report.images += 1;
+        report.process_images += u64::from(crash.process);
+        let process = crash.process;
         if let Err(message) = check_crash(crash, report) {
+            let cut = if process { "process crash" } else { "crash" };
             report
                 .violations
-                .push(format!("seed {seed} crash image pair {index}: {message}"));
+                .push(format!("seed {seed} {cut} image pair {index}: {message}"));
         }
     }
     Ok(())
+}
+
+/// Blocks `[lba, lba + count)` were acknowledged: a process crash must
+/// keep their newest values.
+fn acknowledged(acked: &Mutex<Allowed>, lba: u64, count: u64) {
+    let mut acked = acked.lock();
+    for block in lba..lba + count {
+        let values = &mut acked[block as usize];
+        let last = *values.last().expect("a value");
+        *values = vec![last];
+    }
 }
 
 /// A write through the mirror's completion path, waited for here:
@@ -523,9 +581,12 @@ pub(crate) fn write_completing(
 pub(crate) fn open_crash_legs(legs: [SimStorage; 2]) -> Result<[Arc<Volume>; 2], String> {
     let [leg0, leg1] = legs;
     let open = |image: SimStorage, at: usize| {
-        Volume::open(Arc::new(image) as Arc<dyn Storage>, &open_options())
-            .map(Arc::new)
-            .map_err(|e| format!("leg {at} does not open: {e}"))
+        Volume::open(
+            Arc::new(image) as Arc<dyn Storage>,
+            &crate::foreground_options(),
+        )
+        .map(Arc::new)
+        .map_err(|e| format!("leg {at} does not open: {e}"))
     };
     Ok([open(leg0, 0)?, open(leg1, 1)?])
 }

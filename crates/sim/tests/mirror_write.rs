@@ -30,7 +30,31 @@ fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
         "{}",
         report.summary()
     );
-    // And writes a remote leg answers by callback (`try_begin_write`).
+    // And writes a remote leg answers by callback (`try_begin_write`),
+    // writes the mirror's inline route took (both into room reserved in
+    // the legs' write-back buffers), the legs' background commits and
+    // crashes of the process alone.
     assert!(report.completed_later > 0, "{}", report.summary());
+    assert!(report.inline_writes > 0, "{}", report.summary());
+    assert!(report.background_commits > 0, "{}", report.summary());
+    assert!(report.process_images > 0, "{}", report.summary());
     eprintln!("{}", report.summary());
+}
+
+/// The completion path acknowledging a write before the local leg holds
+/// it (here: the local leg's held log keeps nothing of those writes)
+/// loses it in a crash of the exporter process: the process-crash images
+/// must say so.
+#[test]
+fn a_completed_write_the_local_leg_does_not_hold_is_caught() {
+    let report = vouch_sim::mirror_write::run_with(1, 6, true);
+    assert!(report.completed_later > 0, "{}", report.summary());
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|violation| violation.contains("process crash")),
+        "no process crash found the lost writes: {}",
+        report.summary()
+    );
 }
