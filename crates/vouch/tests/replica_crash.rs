@@ -36,6 +36,9 @@ const BLOCKS: u64 = 4096;
 /// The exporter's control API and metrics, on its namespace's loopback.
 const CONTROL: &str = "127.0.0.1:7100";
 const METRICS: &str = "127.0.0.1:7101";
+/// A slow resync and reconciliation (1-2 MiB/s: seconds for what a test
+/// writes), so the states they pass through are seen.
+const SLOW: &[&str] = &["--resync-min", "1M", "--resync-max", "2M"];
 
 /// A 2-way mirror `a` (a local leg and `vouch://REPLICA:7000/disk`), its
 /// replica server and its exporter, each in its own namespace, and the
@@ -149,17 +152,7 @@ impl Remote {
     /// Every block through the exporter reads what the contract allows.
     fn verify(&mut self, when: &str) {
         let uri = format!("nbd://{}", self.exporter.addr);
-        let args = Cycle {
-            uri: &uri,
-            pid: self.exporter.pid,
-            state: &self.state,
-            seed: 0,
-            cycle: 0,
-            kill_after: 0,
-            blocks: BLOCKS,
-            after_kill: 0,
-        }
-        .args();
+        let args = Cycle::verify(&uri, &self.state, BLOCKS).args();
         let output = py_in(&self.net.exporter, WORKLOAD, &args, CYCLE_TIMEOUT);
         cycle_result(&output, when, &self.logs());
     }
@@ -173,17 +166,7 @@ impl Remote {
     fn verify_replica_alone(&self, state: &std::path::Path, when: &str) {
         let leg = self.replicas.join("disk");
         let mut server = Server::start(self.dir.path(), &[s(&leg), "--read-only"]);
-        let args = Cycle {
-            uri: &server.uri,
-            pid: server.pid,
-            state,
-            seed: 0,
-            cycle: 0,
-            kill_after: 0,
-            blocks: BLOCKS,
-            after_kill: 0,
-        }
-        .args();
+        let args = Cycle::verify(&server.uri, state, BLOCKS).args();
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let output = py_timeout(WORKLOAD, &args, CYCLE_TIMEOUT);
         cycle_result(
@@ -240,6 +223,13 @@ fn exporter_args<'a>(a: &'a std::path::Path, extra: &'a [String]) -> Vec<&'a str
     args
 }
 
+/// Leg 1's status row after its resync: done, nothing left, active.
+fn assert_resynced(row: &Value) {
+    assert_eq!(row["state"], "active", "{row}");
+    assert_eq!(row["resync"]["state"], "done", "{row}");
+    assert_eq!(row["resync"]["left"], 0, "{row}");
+}
+
 /// A gauge of the exporter's metrics for `volume="a"` and `leg`.
 fn leg_gauge(metrics: &str, name: &str, leg: usize) -> Option<f64> {
     metric(metrics, &format!("{name}{{volume=\"a\",leg=\"{leg}\"}}"))
@@ -247,13 +237,7 @@ fn leg_gauge(metrics: &str, name: &str, leg: usize) -> Option<f64> {
 
 #[test]
 fn an_exporter_killed_mid_stream_keeps_every_acknowledged_write_and_reconciles_the_replica() {
-    // A slow reconciliation (2 MiB/s: seconds for the logged extents), so
-    // its running state is seen.
-    let mut t = Remote::new(
-        "xkill",
-        0x5EED_0291,
-        &["--resync-min", "1M", "--resync-max", "2M"],
-    );
+    let mut t = Remote::new("xkill", 0x5EED_0291, SLOW);
     for cycle in 1..=4 {
         let kill_after = 200 + mix(t.seed ^ cycle ^ 0xA) % 2000;
         let pid = t.exporter.pid;
@@ -332,10 +316,7 @@ fn a_replica_killed_mid_stream_goes_stale_and_is_resynced_with_every_acknowledge
         let at_kill = t.state.with_extension("json.at_kill");
         t.verify_replica_alone(&at_kill, &format!("cycle {cycle}: killed"));
         t.replica = t.start_replica();
-        let row = resync_leg_1_online(&t.net.exporter, CONTROL);
-        assert_eq!(row["state"], "active", "cycle {cycle}: {row}");
-        assert_eq!(row["resync"]["state"], "done", "cycle {cycle}: {row}");
-        assert_eq!(row["resync"]["left"], 0, "cycle {cycle}: {row}");
+        assert_resynced(&resync_leg_1_online(&t.net.exporter, CONTROL));
         t.verify(&format!("cycle {cycle}: resynced"));
     }
     t.finish();
@@ -343,13 +324,8 @@ fn a_replica_killed_mid_stream_goes_stale_and_is_resynced_with_every_acknowledge
 
 #[test]
 fn an_exporter_killed_while_a_resync_runs_keeps_every_acknowledged_write_and_the_resync_finishes() {
-    // A slow resync (1-2 MiB/s: seconds for the blocks the replica
-    // missed), so the kills land while it runs.
-    let mut t = Remote::new(
-        "xresync",
-        0x5EED_0293,
-        &["--resync-min", "1M", "--resync-max", "2M"],
-    );
+    // Slow: the kills land while the resync runs.
+    let mut t = Remote::new("xresync", 0x5EED_0293, SLOW);
     // The replica killed under writes: its map names what it missed.
     let pid = t.replica.pid;
     t.cycle(1, pid, 300, 2000);
@@ -372,10 +348,7 @@ fn an_exporter_killed_while_a_resync_runs_keeps_every_acknowledged_write_and_the
         t.exporter = t.start_exporter();
         t.verify(&format!("cycle {cycle}: restarted during the resync"));
     }
-    let row = wait_resync_leg_1(&t.net.exporter, CONTROL);
-    assert_eq!(row["state"], "active", "{row}");
-    assert_eq!(row["resync"]["state"], "done", "{row}");
-    assert_eq!(row["resync"]["left"], 0, "{row}");
+    assert_resynced(&wait_resync_leg_1(&t.net.exporter, CONTROL));
     t.verify("after the resync");
     t.finish();
 }

@@ -193,7 +193,21 @@ pub struct Cycle<'a> {
     pub after_kill: u64,
 }
 
-impl Cycle<'_> {
+impl<'a> Cycle<'a> {
+    /// A cycle that only verifies every block against `state`.
+    pub fn verify(uri: &'a str, state: &'a std::path::Path, blocks: u64) -> Cycle<'a> {
+        Cycle {
+            uri,
+            pid: 0,
+            state,
+            seed: 0,
+            cycle: 0,
+            kill_after: 0,
+            blocks,
+            after_kill: 0,
+        }
+    }
+
     /// The workload's command-line arguments.
     pub fn args(&self) -> Vec<String> {
         vec![
