@@ -16,25 +16,37 @@
 #   remote2  local leg + the replica in vrb-r1  remote3          local leg + vrb-r1 + vrb-r2
 # Workloads: TESTS (default: 4 KiB randread/randwrite QD1/QD32, 1 MiB seq read/write QD8), RUNTIME s each,
 # REPS rounds; each round runs every test on every server, servers rotated between rounds.
+# Then CRASH (CRASH=1, the default, with remote2 in SERVERS): fio random 64 KiB writes at QD8 over the whole
+# volume (a flush every 256) to remote2 for CRASH_SECONDS, `kill -9` of its exporter mid-stream, a restart with
+# the control API and --resync-max RECONCILE_MAX, and `mirror status --server --json` polled until leg 1 (the
+# replica) is active again: regions (4 MiB extents) the activity log named, blocks checked and copied, the
+# reconciliation's own time and the time from the restart to in sync; then an offline scrub must find 0
+# differences and count 0 corrected errors (SCRUB=0 skips it).
 # Then RESYNC: after a flush, the replica of remote2 is SIGKILLed, RESYNC_WRITE of 64 KiB random writes land on the
 # local leg (tracked in the resync map), the replica comes back, the exporter stops, and an offline
-# `vouch mirror resync` copies the map across the link: blocks, seconds, MiB/s.
+# `vouch mirror resync` copies the map across the link: blocks, seconds, MiB/s. RESYNC_WRITE=0 skips it.
 #
 # A/B in one run: VOUCH_B=OTHER_BINARY adds servers named SERVER_b (e.g. SERVERS="single remote2 remote2_b"):
 # the same volume layout, exported by that binary on the port of SERVER + 10, its remote legs on replica
 # servers of that binary (a second pair in vrb-r1/vrb-r2, ports 7111/7112). Replica CPU counts both pairs.
+# The report then has a column SERVER/SERVER_b (IOPS ratio, per round medians).
 #
 # Output: $OUT/samples.tsv, $OUT/report.md (medians, ratios to single, exporter and replica CPU per I/O),
 # $OUT/switches.tsv (per run: I/Os and the exporter's context switches, all its threads).
 # Needs root (ip netns, tc) and fio; builds target/release/vouch unless BUILD=0.
 #   SIZE=1G REPS=3 RUNTIME=5 bench/remote.sh
 #   LINK="rate 10gbit burst 4mb latency 10ms" NETEM="delay 50us" bench/remote.sh
+#   Issue 31's numbers (reconciliation of a 1 GiB mirror, mirror write throughput A/B against main's binary):
+#   SIZE=1G REPS=3 RUNTIME=5 SERVERS="remote2 remote2_b" TESTS="rw4k_qd32 sw1m_qd8" VOUCH_B=/tmp/vouch-main \
+#     RESYNC_WRITE=0 bench/remote.sh
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 SIZE=${SIZE:-1G}; RUNTIME=${RUNTIME:-5}; REPS=${REPS:-3}; BUILD=${BUILD:-1}
 SERVERS=${SERVERS:-"single local2 local3 remote2 remote3"}
 TESTS=${TESTS:-"rr4k_qd1 rr4k_qd32 rw4k_qd1 rw4k_qd32 sr1m_qd8 sw1m_qd8"}
 LINK=${LINK:-}; NETEM=${NETEM:-}; RESYNC_WRITE=${RESYNC_WRITE:-256M}
+CRASH=${CRASH:-1}; CRASH_SECONDS=${CRASH_SECONDS:-5}; RECONCILE_MAX=${RECONCILE_MAX:-2G}; SCRUB=${SCRUB:-1}
+CONTROL_PORT=10960
 DIR=${DIR:-/var/tmp/vouch-remote-bench}
 OUT=${OUT:-$REPO/target/bench-remote/$(date +%Y%m%d-%H%M%S)}
 VOUCH=${VOUCH:-$REPO/target/release/vouch}
@@ -106,8 +118,9 @@ wait_port() { # PORT
     for _ in $(seq 200); do in_e bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null && return 0; sleep 0.1; done
     return 1
 }
-start_server() { # NAME
+start_server() { # NAME [SERVE ARGUMENTS...]
     local s=$1 vol="$DIR/vol-$1" mirrors=() vouch=$VOUCH base=${1%_b}
+    shift
     [[ $s == *_b ]] && vouch=$VOUCH_B
     case $base in
     local2|local3) for i in $(seq 1 $((${base#local} - 1))); do mirrors+=(--mirror "$vol-leg$i"); done ;;
@@ -119,7 +132,7 @@ start_server() { # NAME
         in_e "$VOUCH" create "$vol" --size "$SIZE" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
             || die "$s: create: $(cat "$OUT/logs/$s.create.log")"
     fi
-    ip netns exec $NS_E "$vouch" serve "$vol" --listen "127.0.0.1:${PORT[$s]}" >> "$OUT/logs/$s.log" 2>&1 &
+    ip netns exec $NS_E "$vouch" serve "$vol" --listen "127.0.0.1:${PORT[$s]}" "$@" >> "$OUT/logs/$s.log" 2>&1 &
     PID[$s]=$!
     wait_port "${PORT[$s]}" || die "$s did not listen: $(tail -5 "$OUT/logs/$s.log")"
 }
@@ -177,9 +190,48 @@ PY
     done
 done
 
+# ---------------------------------------------------------------- an exporter crash: the replica reconciles
+CRASHED=""
+if [ "$CRASH" = 1 ] && [[ " $SERVERS " == *" remote2 "* ]]; then
+    log "crash: random 64 KiB writes to remote2 for ${CRASH_SECONDS}s, then kill -9 of its exporter"
+    in_e fio --name=stream --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[remote2]}" --rw=randwrite --bs=64k \
+        --iodepth=8 --size="$SIZE" --fsync=256 --time_based --runtime=$((CRASH_SECONDS * 4)) \
+        > "$OUT/logs/crash-writes.txt" 2>&1 &
+    stream=$!
+    sleep "$CRASH_SECONDS"
+    kill -KILL "${PID[remote2]}"; wait "${PID[remote2]}" 2>/dev/null; unset "PID[remote2]"
+    wait "$stream" 2>/dev/null
+    t0=$(date +%s.%N)
+    start_server remote2 --control "127.0.0.1:$CONTROL_PORT" --resync-max "$RECONCILE_MAX"
+    status="$OUT/logs/crash-status.json"
+    insync=""
+    for _ in $(seq 1200); do
+        in_e "$VOUCH" mirror status vol-remote2 --server "http://127.0.0.1:$CONTROL_PORT" --json > "$status" 2>/dev/null
+        if python3 -c 'import json,sys; l=json.load(open(sys.argv[1]))["legs"][1]; sys.exit(0 if l["state"]=="active" else 1)' \
+            "$status"; then
+            insync=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.2f", b-a}')
+            break
+        fi
+        sleep 0.05
+    done
+    [ -n "$insync" ] || die "crash: the replica was not in sync after 60 s: $(cat "$status")"
+    scrub=""
+    if [ "$SCRUB" = 1 ]; then
+        stop_server remote2
+        in_e "$VOUCH" scrub "$DIR/vol-remote2" --json > "$OUT/logs/crash-scrub.json" 2>&1 || log "crash: scrub exited non-zero"
+        scrub=$(python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print("scrub afterwards: %d found, %d corrected" % (s["report"]["found"], sum(l.get("corrected", 0) for l in s["legs"])))' \
+            "$OUT/logs/crash-scrub.json") || scrub="scrub output unreadable"
+        start_server remote2
+    fi
+    CRASHED=$(python3 -c 'import json,sys; r=json.load(open(sys.argv[1]))["legs"][1]["reconcile"]; print("%d regions (4 MiB), %d blocks checked, %d copied, reconciled in %.2f s" % (r["regions"], r["blocks_checked"], r["blocks_copied"], r["elapsed_ms"] / 1000))' \
+        "$status")
+    CRASHED="$CRASHED; in sync $insync s after the restart began${scrub:+; $scrub}"
+    log "crash: $CRASHED"
+fi
+
 # ---------------------------------------------------------------- resync of a remote leg across the link
 RESYNC=""
-if [[ " $SERVERS " == *" remote2 "* ]]; then
+if [[ " $SERVERS " == *" remote2 "* ]] && [ "$RESYNC_WRITE" != 0 ]; then
     # A flush first: the blocks written since the last flush (here: the whole benchmark's) join a lost
     # leg's resync map, since the replica may not have made them durable.
     in_e fio --name=flush --ioengine=nbd --uri="nbd://127.0.0.1:${PORT[remote2]}" --rw=write --bs=4k \
@@ -203,9 +255,10 @@ if [[ " $SERVERS " == *" remote2 "* ]]; then
 fi
 
 python3 - "$TSV" "$SERVERS" "$TESTS" "$RESYNC" "SIZE=$SIZE REPS=$REPS RUNTIME=$RUNTIME LINK='$LINK' NETEM='$NETEM'" \
-    > "$OUT/report.md" <<'PY'
+    "$CRASHED" > "$OUT/report.md" <<'PY'
 import csv, statistics, sys
 tsv, servers, tests, resync, knobs = sys.argv[1], sys.argv[2].split(), sys.argv[3].split(), sys.argv[4], sys.argv[5]
+crashed = sys.argv[6]
 rows = list(csv.DictReader(open(tsv), delimiter="\t"))
 def med(s, t, f):
     v = [float(r[f]) for r in rows if r["server"] == s and r["test"] == t]
@@ -215,8 +268,9 @@ def per_io(s, t, f):
     return statistics.median(v) if v else float("nan")
 print(f"# bench/remote.sh: {knobs}\n")
 print("IOPS (medians) and ratio to `single`; CPU: exporter / replica servers, µs per I/O\n")
-print("| test | " + " | ".join(servers) + " |")
-print("|---" * (len(servers) + 1) + "|")
+pairs = [s for s in servers if s + "_b" in servers]
+print("| test | " + " | ".join(servers + [f"{s}/{s}_b" for s in pairs]) + " |")
+print("|---" * (len(servers) + len(pairs) + 1) + "|")
 for t in tests:
     base = med("single", t, "iops") if "single" in servers else float("nan")
     cells = []
@@ -227,7 +281,18 @@ for t in tests:
             cell += f" ({i / base:.2f}x)"
         cell += f"<br>{per_io(s, t, 'exporter_s'):.0f}/{per_io(s, t, 'replicas_s'):.0f} µs"
         cells.append(cell)
+    for s in pairs:
+        # Per round: each round ran both back to back.
+        ratios = []
+        for rep in sorted({r["rep"] for r in rows}):
+            a = [float(r["iops"]) for r in rows if r["server"] == s and r["test"] == t and r["rep"] == rep]
+            b = [float(r["iops"]) for r in rows if r["server"] == s + "_b" and r["test"] == t and r["rep"] == rep]
+            if a and b and b[0] > 0:
+                ratios.append(a[0] / b[0])
+        cells.append(f"{statistics.median(ratios):.3f} ({', '.join(f'{x:.2f}' for x in ratios)})" if ratios else "-")
     print(f"| {t} | " + " | ".join(cells) + " |")
+if crashed:
+    print(f"\nReconciliation of remote2 after kill -9 of its exporter under random 64 KiB writes: {crashed}")
 if resync:
     print(f"\nResync of remote2's leg 1 across the link (offline `vouch mirror resync`): {resync}")
 PY

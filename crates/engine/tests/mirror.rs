@@ -142,6 +142,44 @@ fn a_corrupt_block_on_one_leg_is_served_good_and_repaired_on_disk() {
     assert_eq!(raw, pattern(5, 1), "the data on leg 1's disk is repaired");
 }
 
+/// A repair writes a leg like any mirror write: its extent is in the
+/// activity log on disk before the block reaches the bad leg, so a crash
+/// during the repair is reconciled at the next open, not counted later.
+#[test]
+fn a_read_repair_enters_the_activity_log_before_it_writes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[1]);
+    write_blocks(&mirror, 16, 1);
+    close(mirror, volumes);
+    flip(&paths[1].join("data.00000"), 5 * BLOCK + 77);
+    let (mirror, volumes) = open(&paths[1]);
+    let record = mirror::set::read_record(&paths[1]).expect("record");
+    let blocks = mirror.size() / BLOCK;
+    // A set never served has no log yet: nothing carried over.
+    let (log, _) = mirror::set::open_activity(&record, blocks).expect("log");
+    assert_eq!(log.logged(), 0);
+    mirror
+        .keep_activity_log(Arc::new(log))
+        .expect("keep the log");
+    // Only reads from here: whatever the log names, a repair put there.
+    for result in read_all_legs(&mirror, 5) {
+        assert_eq!(result.expect("good data"), pattern(5, 1));
+    }
+    assert_eq!(mirror.status()[1].corrected, 1);
+    assert_eq!(
+        mirror.activity_log().expect("kept").logged(),
+        1,
+        "the repair's extent is in the log"
+    );
+    // What a crash now leaves: the extent to reconcile.
+    assert_eq!(
+        mirror::set::peek_activity(&record, blocks).expect("peek"),
+        mirror::Recovered::Extents(vec![0])
+    );
+    close(mirror, volumes);
+}
+
 #[test]
 fn a_block_bad_on_every_leg_fails_naming_it_and_nothing_is_rewritten() {
     let dir = tempfile::tempdir().expect("tempdir");

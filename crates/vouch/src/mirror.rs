@@ -20,7 +20,10 @@ pub enum MirrorCommand {
     /// Show every leg of the mirrored volume PATH (any leg): its path and
     /// state (active, faulted, stale, missing), as the newest mirror
     /// record says, and for a stale leg the blocks its resync map marks.
-    /// With --server, PATH is an export name and a running server answers:
+    /// When no process holds the set and its activity log names extents
+    /// (an unclean stop), the active legs but the first are shown
+    /// reconciling: they may differ there until the next open reconciles
+    /// those regions. With --server, PATH is an export name and a running server answers:
     /// each leg's state (resyncing, or reconciling while the extents the
     /// activity log named after an unclean stop are checked, included), a
     /// resync's progress (blocks to copy, copied, left, rate, ETA) and a
@@ -378,12 +381,24 @@ fn resync_online(
 
 /// `vouch mirror status`.
 pub fn status(path: &Path, json_output: bool) -> Result<ExitCode> {
-    let rows = leg_rows(path)?;
-    let healthy = rows.iter().all(|row| row.2 == "active");
+    let mut info = info_json(path)?;
+    let pending = pending_reconcile(path)?;
+    if let Some(extents) = &pending {
+        mark_reconciling(&mut info["legs"], extents.len() as u64);
+    }
+    let healthy = info["legs"]
+        .as_array()
+        .is_some_and(|legs| legs.iter().all(|leg| leg["state"] == "active"));
     if json_output {
-        println!("{}", serde_json::to_string_pretty(&info_json(path)?)?);
+        println!("{}", serde_json::to_string_pretty(&info)?);
     } else {
-        crate::resync::print_legs(&info_json(path)?["legs"]);
+        crate::resync::print_legs(&info["legs"]);
+        if let Some(extents) = &pending {
+            println!(
+                "the legs may differ in {} regions (4 MiB) written at an unclean stop (the activity log names them): the next open reconciles them",
+                extents.len()
+            );
+        }
         println!(
             "{}",
             if healthy {
@@ -398,6 +413,44 @@ pub fn status(path: &Path, json_output: bool) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Offline: the extents the set's activity log names when no process
+/// holds it, i.e. what an unclean stop may have left different on the
+/// active legs (`None`: nothing, a log that is not usable, which the next
+/// open judges by the legs' clean flags, or a running server's set).
+fn pending_reconcile(path: &Path) -> Result<Option<Vec<u64>>> {
+    if vouch_engine::volume_in_use(path)? {
+        return Ok(None);
+    }
+    let record = mirror::set::read_record(path)?;
+    let blocks = vouch_engine::peek_volume(path)?.size_bytes / BLOCK;
+    Ok(match mirror::set::peek_activity(&record, blocks)? {
+        mirror::Recovered::Extents(extents) if !extents.is_empty() => Some(extents),
+        _ => None,
+    })
+}
+
+/// Status rows (`info_json`'s) after an unclean stop that left `regions`
+/// extents to reconcile: every active leg but the first (the one reads go
+/// to until they are reconciled) is `reconciling`, nothing done yet.
+fn mark_reconciling(legs: &mut serde_json::Value, regions: u64) {
+    let Some(legs) = legs.as_array_mut() else {
+        return;
+    };
+    let extent_blocks = mirror::EXTENT_BLOCKS;
+    for leg in legs
+        .iter_mut()
+        .filter(|leg| leg["state"] == "active")
+        .skip(1)
+    {
+        leg["state"] = json!("reconciling");
+        leg["reconcile"] = json!({"state": "pending", "regions": regions,
+            "regions_left": regions, "region_blocks": extent_blocks,
+            "blocks_checked": 0, "blocks_left": regions * extent_blocks,
+            "blocks_copied": 0, "blocks_unsettled": 0, "rate_bytes_per_second": 0,
+            "eta_seconds": null, "elapsed_ms": 0, "error": null});
+    }
 }
 
 /// `vouch check` of a mirrored volume: every present leg, each alone.

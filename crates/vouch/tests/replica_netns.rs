@@ -347,31 +347,6 @@ fn resync_leg_1(netns: &str, a: &Path) -> serde_json::Value {
     }
 }
 
-/// `vouch mirror resync a --leg 1 --server CONTROL` on the running
-/// exporter, then its status until the resync ended; leg 1's row.
-fn resync_leg_1_online(netns: &str, control: &str) -> serde_json::Value {
-    let output = vouch_in(
-        Some(netns),
-        &["mirror", "resync", "a", "--leg", "1", "--server", control],
-    );
-    assert!(output.status.success(), "resync: {}", text(&output));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let output = vouch_in(
-            Some(netns),
-            &["mirror", "status", "a", "--json", "--server", control],
-        );
-        let status: serde_json::Value = serde_json::from_slice(&output.stdout)
-            .unwrap_or_else(|error| panic!("{error}: {}", text(&output)));
-        let row = status["legs"][1].clone();
-        if row["resync"]["state"] != "running" {
-            return row;
-        }
-        assert!(Instant::now() < deadline, "resync still running: {row}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 /// After a resync: the set checks clean on every leg, a scrub finds no
 /// block that differs between the legs, the data reads back through a new
 /// exporter, and the replica's own directory checks clean.

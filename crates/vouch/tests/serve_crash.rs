@@ -15,155 +15,11 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use common::crash::{cycle_result, mix, CYCLE_TIMEOUT, WORKLOAD};
 use common::*;
 
 /// Blocks in the test volume (8 MiB).
 const BLOCKS: u64 = 2048;
-
-/// One cycle: verify the state left by the previous cycle, then (when
-/// kill_after > 0) run the workload and SIGKILL the server after
-/// `kill_after` requests were issued. Prints one JSON line.
-const WORKLOAD: &str = r#"
-import random
-uri, pid, state_path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-seed, cycle, kill_after, nblocks = (int(a) for a in sys.argv[4:8])
-ZERO = -1
-rng = random.Random(seed)
-state = json.load(open(state_path)) if os.path.exists(state_path) else {"allowed": {}}
-h = connect(uri)
-
-def decode(lba, block):
-    if block == bytes(4096):
-        return ZERO
-    magic, who, tag = struct.unpack_from("<4sQQ", block)
-    if magic == b"VCH1" and who == lba and block == block_data(lba, tag):
-        return tag
-    return None
-
-# 1. Every block must hold a value the contract allows.
-violations, baseline = [], {}
-CHUNK = 64
-for start in range(0, nblocks, CHUNK):
-    try:
-        data = h.pread(CHUNK * 4096, start * 4096)
-    except nbd.Error as e:
-        violations.append({"lbas": [start, start + CHUNK], "read_error": err_info(e)})
-        continue
-    for i in range(CHUNK):
-        lba = start + i
-        tag = decode(lba, data[i * 4096:(i + 1) * 4096])
-        allowed = state["allowed"].get(str(lba), [ZERO])
-        if tag is None or tag not in allowed:
-            violations.append({"lba": lba, "got": "garbage" if tag is None else tag,
-                               "allowed": allowed})
-        baseline[lba] = tag
-if kill_after == 0 or violations:
-    print(json.dumps({"violations": violations, "issued": 0}))
-    sys.exit(0)
-
-# 2. The workload. Per block: the tags written this cycle in issue order
-# (never two requests in flight on one block), the index of the last
-# acknowledged one, and the index of the last durable one (flushed after its
-# acknowledgement, or FUA).
-flush_prob = rng.choice([0.002, 0.01, 0.03, 0.1])
-fua_prob = rng.choice([0.0, 0.02, 0.1])
-hot = 64
-writes, last_acked, durable = {}, {}, {}
-busy, inflight = set(), {}
-issued, acked_writes, acked_flushes = 0, 0, 0
-
-def complete(info):
-    global acked_writes, acked_flushes
-    if info[0] == "flush":
-        acked_flushes += 1
-        for lba, idx in info[1].items():
-            if idx > durable.get(lba, -1):
-                durable[lba] = idx
-        return
-    _, pairs, fua = info
-    acked_writes += 1
-    for lba, idx in pairs:
-        busy.discard(lba)
-        last_acked[lba] = max(last_acked.get(lba, -1), idx)
-        if fua:
-            durable[lba] = max(durable.get(lba, -1), idx)
-
-killed = False
-while not killed:
-    while len(inflight) < 16:
-        if issued == kill_after:
-            os.kill(pid, signal.SIGKILL)
-            killed = True
-            break
-        if rng.random() < flush_prob:
-            inflight[h.aio_flush()] = ("flush", dict(last_acked))
-            issued += 1
-            continue
-        n = rng.choice([1, 1, 1, 1, 2, 3, 8, 31, 64, 256])
-        if rng.random() < 0.5:
-            lba = rng.randrange(0, hot)
-        else:
-            lba = rng.randrange(0, nblocks - n + 1)
-        n = min(n, nblocks - lba)
-        lbas = range(lba, lba + n)
-        if any(l in busy for l in lbas):
-            continue
-        tag = cycle * 1000000 + issued
-        kind = rng.random()
-        fua = rng.random() < fua_prob
-        flags = nbd.CMD_FLAG_FUA if fua else 0
-        if kind < 0.06:
-            cookie = h.aio_zero(n * 4096, lba * 4096, flags=flags)
-            tag = ZERO
-        elif kind < 0.10:
-            cookie = h.aio_trim(n * 4096, lba * 4096, flags=flags)
-            tag = ZERO
-        else:
-            data = b"".join(block_data(l, tag) for l in lbas)
-            cookie = h.aio_pwrite(data, lba * 4096, flags=flags)
-        pairs = []
-        for l in lbas:
-            writes.setdefault(l, []).append(tag)
-            pairs.append((l, len(writes[l]) - 1))
-            busy.add(l)
-        inflight[cookie] = ("write", pairs, fua)
-        issued += 1
-    if killed:
-        break
-    h.poll(-1)
-    for cookie in list(inflight):
-        if h.aio_command_completed(cookie):
-            complete(inflight.pop(cookie))
-
-# 3. What each block may read after the crash. A process crash keeps every
-# acknowledged write, flushed or not (docs/CRASH_MODEL.md): a block reads
-# its last acknowledged value or a later one. Requests still in flight (or
-# answered but not yet seen) may or may not have happened.
-allowed = {}
-acked_unflushed = 0
-for lba in range(nblocks):
-    tags = writes.get(lba, [])
-    if lba in last_acked:
-        allowed[lba] = sorted(set(tags[last_acked[lba]:]))
-        acked_unflushed += last_acked[lba] > durable.get(lba, -1)
-    else:
-        allowed[lba] = sorted(set([baseline[lba]] + tags))
-with open(state_path + ".tmp", "w") as f:
-    json.dump({"allowed": {str(k): v for k, v in allowed.items()}}, f)
-os.replace(state_path + ".tmp", state_path)
-print(json.dumps({"violations": [], "issued": issued, "in_flight": len(inflight),
-                  "acked_writes": acked_writes, "acked_flushes": acked_flushes,
-                  "durable_blocks": len(durable), "acked_unflushed": acked_unflushed,
-                  "flush_prob": flush_prob}))
-"#;
-
-/// splitmix64: the per-cycle seeds and kill points.
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
 
 /// How the crashed server runs its volume.
 #[derive(Clone, Copy, Default)]
@@ -245,24 +101,16 @@ fn crash_cycles_in(layout: &str, mode: Mode, seed: u64, cycles: u64) {
                 &kill_after.to_string(),
                 &blocks,
             ],
-            Duration::from_secs(60),
+            CYCLE_TIMEOUT,
         );
         let context = format!(
             "layout {layout}, journal {journal:?}, direct {}, encrypted {}, mirror {}, seed {seed}, cycle {cycle}, kill after {kill_after}",
             mode.direct, mode.encrypted, mode.mirror
         );
-        assert!(
-            output.status.success(),
-            "{context}: workload failed:\n{}",
-            text(&output)
-        );
-        let result: serde_json::Value = serde_json::from_slice(&output.stdout)
-            .unwrap_or_else(|e| panic!("{context}: workload output ({e}):\n{}", text(&output)));
-        assert_eq!(
-            result["violations"],
-            serde_json::json!([]),
-            "{context}: after the previous crash, blocks read values the contract forbids\n{}",
-            server.log_text()
+        let result = cycle_result(
+            &output,
+            &format!("{context}: after the previous crash"),
+            &server.log_text(),
         );
         total_issued += result["issued"].as_u64().unwrap_or(0);
         total_acked_unflushed += result["acked_unflushed"].as_u64().unwrap_or(0);
@@ -308,18 +156,12 @@ fn crash_cycles_in(layout: &str, mode: Mode, seed: u64, cycles: u64) {
     let output = py_timeout(
         WORKLOAD,
         &[&server.uri, &pid, s(&state), "0", "0", "0", &blocks],
-        Duration::from_secs(60),
+        CYCLE_TIMEOUT,
     );
-    assert!(
-        output.status.success(),
-        "final verification:\n{}",
-        text(&output)
-    );
-    let result: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
-    assert_eq!(
-        result["violations"],
-        serde_json::json!([]),
-        "layout {layout}, seed {seed}: after the last crash"
+    cycle_result(
+        &output,
+        &format!("layout {layout}, seed {seed}: after the last crash"),
+        &server.log_text(),
     );
     server.stop();
     let mut info_args = vec!["info", s(&volume), "--json"];
@@ -395,7 +237,7 @@ fn offline_faults(
     let online = py_timeout(
         WORKLOAD,
         &[&restarted.uri, &pid, s(state), "0", "0", "0", &blocks],
-        Duration::from_secs(60),
+        CYCLE_TIMEOUT,
     );
     let recovery_log = restarted.log_text();
     drop(restarted);

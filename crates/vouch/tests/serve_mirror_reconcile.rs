@@ -4,6 +4,8 @@
 //! log names (`mirror status` shows the leg `reconciling`, then every leg
 //! active), and a scrub afterwards finds nothing: no difference between
 //! the legs, no leg faulted, nothing counted against a leg (issue 31).
+//! Before the restart, an offline `mirror status` reads the log and shows
+//! the same regions pending on leg 1.
 
 mod common;
 
@@ -89,6 +91,24 @@ fn an_exporter_killed_mid_write_stream_reconciles_the_logged_extents_and_faults_
     let output = writer.join().expect("writer thread");
     assert!(output.status.success(), "{}", text(&output));
 
+    // Offline, before any restart: the log says which legs may differ.
+    let offline = vouch(&["mirror", "status", s(&a), "--json"]);
+    assert_eq!(offline.status.code(), Some(1), "{}", text(&offline));
+    let offline: Value = serde_json::from_slice(&offline.stdout).expect("status JSON");
+    assert_eq!(offline["legs"][0]["state"], "active", "{offline}");
+    assert_eq!(offline["legs"][1]["state"], "reconciling", "{offline}");
+    let pending = offline["legs"][1]["reconcile"]["regions"]
+        .as_u64()
+        .expect("regions");
+    assert!((1..=7).contains(&pending), "{offline}");
+    let text_status = vouch(&["mirror", "status", s(&b)]);
+    assert!(
+        String::from_utf8_lossy(&text_status.stdout)
+            .contains(&format!("may differ in {pending} regions")),
+        "{}",
+        text(&text_status)
+    );
+
     // Restarted with a slow reconciliation (2 MiB/s: seconds for the
     // logged extents), so its running state is seen.
     let args = [
@@ -107,6 +127,7 @@ fn an_exporter_killed_mid_write_stream_reconciles_the_logged_extents_and_faults_
     let leg1 = &first["legs"][1];
     assert_eq!(leg1["state"], "reconciling", "{first}");
     let regions = leg1["reconcile"]["regions"].as_u64().expect("regions");
+    assert_eq!(regions, pending, "the offline status named other regions");
     // The 4 extents written (4 MiB each, 16 MiB written), and at most the
     // 3 the log adds ahead of a writer that looks sequential: not the 16
     // of the volume.

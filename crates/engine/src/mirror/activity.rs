@@ -20,7 +20,8 @@
 //! extents besides those still to reconcile; when every logged extent has
 //! unflushed writes the writer flushes the legs first (DRBD's al-extents
 //! exhausted), and if all of them still have writes in flight it waits for
-//! one to return.
+//! one to return (on a condition variable that a write signals when it
+//! leaves an extent with nothing in flight and a writer waits: no polling).
 //!
 //! Each update writes the copy `seq % 2` of each file and syncs it, so a
 //! torn update leaves the previous copy (which names a superset of the
@@ -36,10 +37,10 @@
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering::SeqCst};
 use std::sync::Arc;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 use vouch_format::activity::{ActivityLog as Copy, ACTIVITY_COPY_BYTES, ACTIVITY_MAX_EXTENTS};
 
 use super::device::Mirror;
@@ -102,6 +103,63 @@ impl ActivityGeometry {
     }
 }
 
+/// Read the logs in `dirs` (each active local leg's directory): the union
+/// of the valid ones, and the highest copy number seen.
+fn read_logs(
+    store: &dyn MapStore,
+    dirs: &[PathBuf],
+    geometry: ActivityGeometry,
+) -> Result<(Recovered, u64)> {
+    if dirs.is_empty() {
+        return Err(Error::Unsupported(
+            "no active local leg to keep the activity log in".into(),
+        ));
+    }
+    let mut found: BTreeSet<u64> = BTreeSet::new();
+    let mut valid = 0;
+    let mut problems = Vec::new();
+    let mut seq = 0;
+    for dir in dirs {
+        let path = dir.join(ACTIVITY_FILE);
+        let bytes = store
+            .read(&path)
+            .map_err(|error| store_error("read", &path, error))?;
+        let Some(bytes) = bytes else {
+            problems.push(format!("{}: none", path.display()));
+            continue;
+        };
+        match Copy::decode_file(&bytes) {
+            Some(copy)
+                if copy.uuid == geometry.uuid
+                    && copy.blocks == geometry.blocks
+                    && u64::from(copy.extent_blocks) == geometry.extent_blocks =>
+            {
+                valid += 1;
+                seq = seq.max(copy.seq);
+                found.extend(
+                    copy.extents
+                        .iter()
+                        .copied()
+                        .filter(|&e| e < geometry.extents()),
+                );
+            }
+            Some(_) => problems.push(format!("{}: another volume's", path.display())),
+            None => problems.push(format!("{}: no valid copy", path.display())),
+        }
+    }
+    let recovered = if valid == 0 {
+        Recovered::Unknown(problems.join("; "))
+    } else if found.len() > MAX_CARRIED_EXTENTS {
+        Recovered::Unknown(format!(
+            "it names {} extents, more than {MAX_CARRIED_EXTENTS}",
+            found.len()
+        ))
+    } else {
+        Recovered::Extents(found.iter().copied().collect())
+    };
+    Ok((recovered, seq))
+}
+
 /// The in-memory side of the log (see the module's documentation).
 pub struct ActivityLog {
     geometry: ActivityGeometry,
@@ -121,6 +179,11 @@ pub struct ActivityLog {
     /// Updates written (each one sync per file).
     updates: AtomicU64,
     inner: Mutex<Inner>,
+    /// Writers waiting for an extent's writes to return (`Blocked::Busy`).
+    waiters: AtomicUsize,
+    /// Extents left with nothing in flight while a writer waited.
+    idled: Mutex<u64>,
+    idle: Condvar,
 }
 
 struct Inner {
@@ -142,9 +205,18 @@ pub struct Entered {
 impl Drop for Entered {
     fn drop(&mut self) {
         let now = self.log.flushes_started.load(SeqCst);
+        let mut left_idle = false;
         for extent in self.extents.clone() {
             self.log.stamp[extent as usize].fetch_max(now, SeqCst);
-            self.log.in_flight[extent as usize].fetch_sub(1, SeqCst);
+            left_idle |= self.log.in_flight[extent as usize].fetch_sub(1, SeqCst) == 1;
+        }
+        // A writer that found every extent busy may evict this one now.
+        // (Sequentially consistent: a waiter counts itself in `waiters`
+        // before it checks the extents again, so either it sees this
+        // extent idle or this sees it waiting.)
+        if left_idle && self.log.waiters.load(SeqCst) > 0 {
+            *self.log.idled.lock() += 1;
+            self.log.idle.notify_all();
         }
     }
 }
@@ -189,53 +261,7 @@ impl ActivityLog {
         dirs: &[PathBuf],
         geometry: ActivityGeometry,
     ) -> Result<(ActivityLog, Recovered)> {
-        if dirs.is_empty() {
-            return Err(Error::Unsupported(
-                "no active local leg to keep the activity log in".into(),
-            ));
-        }
-        let mut found: BTreeSet<u64> = BTreeSet::new();
-        let mut valid = 0;
-        let mut problems = Vec::new();
-        let mut seq = 0;
-        for dir in dirs {
-            let path = dir.join(ACTIVITY_FILE);
-            let bytes = store
-                .read(&path)
-                .map_err(|error| store_error("read", &path, error))?;
-            let Some(bytes) = bytes else {
-                problems.push(format!("{}: none", path.display()));
-                continue;
-            };
-            match Copy::decode_file(&bytes) {
-                Some(copy)
-                    if copy.uuid == geometry.uuid
-                        && copy.blocks == geometry.blocks
-                        && u64::from(copy.extent_blocks) == geometry.extent_blocks =>
-                {
-                    valid += 1;
-                    seq = seq.max(copy.seq);
-                    found.extend(
-                        copy.extents
-                            .iter()
-                            .copied()
-                            .filter(|&e| e < geometry.extents()),
-                    );
-                }
-                Some(_) => problems.push(format!("{}: another volume's", path.display())),
-                None => problems.push(format!("{}: no valid copy", path.display())),
-            }
-        }
-        let recovered = if valid == 0 {
-            Recovered::Unknown(problems.join("; "))
-        } else if found.len() > MAX_CARRIED_EXTENTS {
-            Recovered::Unknown(format!(
-                "it names {} extents, more than {MAX_CARRIED_EXTENTS}",
-                found.len()
-            ))
-        } else {
-            Recovered::Extents(found.iter().copied().collect())
-        };
+        let (recovered, seq) = read_logs(&*store, dirs, geometry)?;
         let carried: Vec<u64> = match &recovered {
             Recovered::Extents(extents) => extents.clone(),
             Recovered::Unknown(_) => Vec::new(),
@@ -276,6 +302,16 @@ impl ActivityLog {
         Ok((log, recovered))
     }
 
+    /// What `open` would find in `dirs`, without writing anything (for an
+    /// offline `vouch mirror status` of a set no process holds).
+    pub fn peek(
+        store: &dyn MapStore,
+        dirs: &[PathBuf],
+        geometry: ActivityGeometry,
+    ) -> Result<Recovered> {
+        Ok(read_logs(store, dirs, geometry)?.0)
+    }
+
     fn empty(geometry: ActivityGeometry) -> ActivityLog {
         let extents = geometry.extents() as usize;
         let words = extents.div_ceil(64);
@@ -294,6 +330,9 @@ impl ActivityLog {
                 seq: 0,
                 files: Vec::new(),
             }),
+            waiters: AtomicUsize::new(0),
+            idled: Mutex::new(0),
+            idle: Condvar::new(),
         }
     }
 
@@ -449,6 +488,38 @@ impl ActivityLog {
             set_bit(&self.logged, extent);
         }
         clean
+    }
+
+    /// `enter`, and while every extent that could leave has writes in
+    /// flight (`Blocked::Busy`), wait for one of those writes to return
+    /// and try again. Returns `Blocked::NeedsFlush` (nothing held) when
+    /// only a flush of the legs makes room.
+    pub fn enter_waiting(
+        self: &Arc<Self>,
+        first: u64,
+        end: u64,
+    ) -> Result<std::result::Result<Entered, Blocked>> {
+        loop {
+            match self.enter(first, end)? {
+                Err(Blocked::Busy) => {}
+                done => return Ok(done),
+            }
+            // Counted as waiting before looking again: a write returning
+            // after this `enter` saw its extent busy then signals.
+            self.waiters.fetch_add(1, SeqCst);
+            let seen = *self.idled.lock();
+            let again = self.enter(first, end);
+            if !matches!(again, Ok(Err(Blocked::Busy))) {
+                self.waiters.fetch_sub(1, SeqCst);
+                return again;
+            }
+            let mut idled = self.idled.lock();
+            while *idled == seen {
+                self.idle.wait(&mut idled);
+            }
+            drop(idled);
+            self.waiters.fetch_sub(1, SeqCst);
+        }
     }
 
     fn why_blocked(&self, inner: &Inner) -> Blocked {
@@ -617,21 +688,15 @@ impl Mirror {
         let Some(log) = self.activity.get() else {
             return Ok(None);
         };
-        let mut flushed = false;
+        // Every extent that could leave having a write in flight,
+        // `enter_waiting` waits for one to return (each returns without
+        // waiting on this writer: it holds no lock this writer wants). When
+        // a flush made no room (each flushed extent written again
+        // meanwhile), the next round flushes again.
         loop {
-            match log.enter(first, end)? {
+            match log.enter_waiting(first, end)? {
                 Ok(entered) => return Ok(Some(entered)),
-                Err(Blocked::NeedsFlush) if !flushed => {
-                    crate::device::BlockDevice::flush(self)?;
-                    flushed = true;
-                }
-                // Every extent that could leave has a write in flight (each
-                // returns without waiting on this one: it holds no lock
-                // this writer wants).
-                Err(_) => {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                    flushed = false;
-                }
+                Err(_) => crate::device::BlockDevice::flush(self)?,
             }
         }
     }
@@ -735,6 +800,39 @@ mod tests {
         drop(log.enter(4, 5).unwrap().unwrap());
         let (_, recovered) = open(dir.path(), 1);
         assert_eq!(recovered, Recovered::Extents(vec![1]));
+    }
+
+    #[test]
+    fn a_writer_blocked_by_writes_in_flight_waits_for_one_to_return() {
+        let dir = tempfile::tempdir().unwrap();
+        let (log, _) = open(dir.path(), 1);
+        log.unpin(0);
+        let flush = log.flush_begins();
+        log.flush_succeeded(flush);
+        // Extent 0 is logged, flushed, and has a write in flight.
+        let in_flight = log.enter(0, 1).unwrap().unwrap();
+        let (sender, woke) = std::sync::mpsc::channel();
+        let waiter = {
+            let log = Arc::clone(&log);
+            std::thread::spawn(move || sender.send(log.enter_waiting(4, 5).unwrap().err()))
+        };
+        // The writer of extent 1 waits (bounded poll: a hang guard).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while log.waiters.load(SeqCst) == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writer never waited"
+            );
+            std::thread::yield_now();
+        }
+        assert!(!waiter.is_finished(), "it returned with extent 0 busy");
+        // The write returns: the waiter wakes and finds extent 0 idle but
+        // written since the last flush.
+        drop(in_flight);
+        let woke = woke.recv_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(woke, Ok(Some(Blocked::NeedsFlush)), "the writer never woke");
+        waiter.join().unwrap().unwrap();
+        assert_eq!(log.waiters.load(SeqCst), 0);
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub mod scrub;
 pub mod set;
 mod written;
 
-pub use activity::{ActivityGeometry, ActivityLog, Recovered};
+pub use activity::{ActivityGeometry, ActivityLog, Recovered, EXTENT_BLOCKS};
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
 pub use dirty::{DirtyMap, FileMaps, LandedTicket, MapFile, MapStore};
 pub use reconcile::{ReconcileCursor, ReconcileProgress};

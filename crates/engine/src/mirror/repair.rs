@@ -6,6 +6,13 @@
 //! is a fault naming its LBA, and nothing is rewritten: a good copy is
 //! never overwritten from a bad one, and a context is never rewritten to
 //! match data (the sealed block moves whole, with its own context).
+//!
+//! Crash ordering. A repair's write enters the activity log like every
+//! mirror write (ORDER POINT: its extent is in the log on disk before the
+//! block reaches the bad leg, and stays there until a flush of every leg
+//! that began after it), so a crash while a repair writes leaves any
+//! block it touched differing between the legs only inside an extent the
+//! next open reconciles, not a fault for a later scrub to count.
 
 use super::device::{is_request_error, Mirror};
 use crate::error::{Error, Fault, FaultKind, Result};
@@ -170,6 +177,7 @@ impl Mirror {
         }
         let step = || -> Result<Vec<bool>> {
             let sealed = self.read_runs(source, lbas)?;
+            let _logged = self.enter_log(lbas[0], lbas[lbas.len() - 1] + 1)?;
             self.device(target).write_sealed(&sealed)?;
             self.device(target).flush()?;
             let (first, end) = (lbas[0], lbas[lbas.len() - 1] + 1);
@@ -208,6 +216,7 @@ impl Mirror {
     pub(super) fn rewrite(&self, source: usize, target: usize, lba: u64, good: &Block) -> bool {
         let step = || -> Result<bool> {
             let sealed = self.device(source).read_sealed(lba, 1)?;
+            let _logged = self.enter_log(lba, lba + 1)?;
             self.device(target).write_sealed(&sealed)?;
             self.device(target).flush()?;
             let mut check = [0u8; BLOCK as usize];

@@ -571,6 +571,16 @@ pub fn open_activity(
     )
 }
 
+/// What `open_activity` would find, read without writing anything: the
+/// extents an unclean stop may have left different on the active legs.
+pub fn peek_activity(record: &MirrorRecord, blocks: u64) -> Result<super::Recovered> {
+    super::ActivityLog::peek(
+        &super::FileMaps,
+        &map_dirs(record),
+        super::ActivityGeometry::of(record.uuid, blocks),
+    )
+}
+
 /// `Membership` kept in the legs' `mirror` files.
 pub struct FileMembership {
     record: Mutex<MirrorRecord>,

@@ -6,6 +6,7 @@
 
 pub mod clients;
 pub mod control;
+pub mod crash;
 pub mod pki;
 
 use std::io::{BufRead, BufReader, Read, Write};

@@ -11,7 +11,9 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use crate::common::{run_timeout, s, tool, vouch_bin, wait_timeout, STOP_TIMEOUT, TIMEOUT};
+use crate::common::{
+    python, run_timeout, s, text, tool, vouch_bin, wait_timeout, PY_PRELUDE, STOP_TIMEOUT, TIMEOUT,
+};
 
 /// How long a server may take to print its listening line.
 const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -263,9 +265,12 @@ pub fn exporter_with(
         .args(["--listen", "127.0.0.1:0", "--log", "info"])
         .envs(env.iter().copied())
         .current_dir(dir);
+    // A log per start: a restarted exporter keeps its predecessor's.
+    static STARTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Process::start(
         command,
-        dir.join("exporter.log"),
+        dir.join(format!("exporter-{n}.log")),
         "vouch: serving on nbd://",
     )
     .unwrap_or_else(|error| panic!("{error}"))
@@ -352,4 +357,65 @@ impl Drop for NetnsPair {
         let _ = ip(&["netns", "del", &self.replica]);
         let _ = ip(&["netns", "del", &self.exporter]);
     }
+}
+
+/// A Python script with the libnbd bindings (and `PY_PRELUDE`) run
+/// inside `netns`, bounded by `timeout`.
+pub fn py_in(netns: &str, script: &str, args: &[String], timeout: Duration) -> Output {
+    let mut command = in_netns(Some(netns), Path::new(python()));
+    command
+        .arg("-c")
+        .arg(format!("{PY_PRELUDE}\n{script}"))
+        .args(args);
+    run_timeout(&mut command, timeout)
+}
+
+/// `GET /metrics` from the endpoint at `addr` inside `netns`.
+pub fn metrics_in(netns: &str, addr: &str) -> String {
+    let script = "import urllib.request\nprint(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())";
+    let output = py_in(netns, script, &[format!("http://{addr}/metrics")], TIMEOUT);
+    assert!(output.status.success(), "metrics: {}", text(&output));
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+/// `vouch mirror status a --json --server CONTROL` of the exporter
+/// running in `netns` (its volume's directory is named `a`).
+pub fn mirror_status_online(netns: &str, control: &str) -> serde_json::Value {
+    let output = vouch_in(
+        Some(netns),
+        &["mirror", "status", "a", "--json", "--server", control],
+    );
+    serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|error| panic!("{error}: {}", text(&output)))
+}
+
+/// `vouch mirror resync a --leg 1 --server CONTROL` on the running
+/// exporter in `netns`: starts the resync and returns.
+pub fn start_resync_leg_1_online(netns: &str, control: &str) {
+    let output = vouch_in(
+        Some(netns),
+        &["mirror", "resync", "a", "--leg", "1", "--server", control],
+    );
+    assert!(output.status.success(), "resync: {}", text(&output));
+}
+
+/// Leg 1's row of the exporter's status once its resync is no longer
+/// running (bounded).
+pub fn wait_resync_leg_1(netns: &str, control: &str) -> serde_json::Value {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let row = mirror_status_online(netns, control)["legs"][1].clone();
+        if row["resync"]["state"] != "running" {
+            return row;
+        }
+        assert!(Instant::now() < deadline, "resync still running: {row}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// `vouch mirror resync a --leg 1 --server CONTROL` on the running
+/// exporter, then its status until the resync ended; leg 1's row.
+pub fn resync_leg_1_online(netns: &str, control: &str) -> serde_json::Value {
+    start_resync_leg_1_online(netns, control);
+    wait_resync_leg_1(netns, control)
 }
