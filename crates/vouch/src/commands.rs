@@ -461,7 +461,9 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
 /// What a scan's faults say, one line per cause: a file cut short once
 /// (its faults are counted there, not listed), a unit whose metadata is
 /// lost once ("contexts: page 40 is zeroed: LBAs 5120-5247 have no
-/// protection information"), any other fault as `other` words it.
+/// protection information"), a unit copied in from another place or
+/// volume once ("... belongs to another place ..."), any other fault as
+/// `other` words it.
 pub fn describe_faults(
     volume: &Volume,
     faults: &[Fault],
@@ -483,15 +485,27 @@ pub fn describe_faults(
         if short.iter().any(|object| object.lbas.contains(&fault.lba)) {
             continue;
         }
+        if unit_done
+            .as_ref()
+            .is_some_and(|unit| unit.contains(&fault.lba))
+        {
+            continue;
+        }
         if fault.kind == FaultKind::MetadataLost {
-            if unit_done
-                .as_ref()
-                .is_some_and(|unit| unit.contains(&fault.lba))
-            {
-                continue;
-            }
             unit_done = Some(volume.metadata_unit(fault.lba));
             lines.push(volume.metadata_cause(fault.lba));
+            continue;
+        }
+        let misplaced = matches!(
+            fault.kind,
+            FaultKind::RefTagMismatch | FaultKind::VolumeTagMismatch | FaultKind::AuthFailed
+        );
+        if let Some(cause) = misplaced
+            .then(|| volume.misplaced_cause(fault.lba))
+            .flatten()
+        {
+            unit_done = Some(volume.metadata_unit(fault.lba));
+            lines.push(cause);
             continue;
         }
         lines.push(other(fault));
