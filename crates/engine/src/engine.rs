@@ -171,10 +171,10 @@ impl Engine {
             // it like any replay (`written.rs`).
             crate::damage::build_written(&shared)?;
             if !bound {
-                // Every written unit made whole (durable) before the
-                // volume writes as one whose units are whole.
-                crate::damage::bind_written_units(&shared)?;
+                // Every written unit made whole (durable) before anything
+                // else is written: from here on units are kept whole.
                 shared.io.written.set_bound();
+                crate::damage::bind_written_units(&shared)?;
             }
         }
         if !shared.io.is_read_only() {

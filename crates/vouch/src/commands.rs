@@ -306,6 +306,14 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             path.display(),
             path.display()
         );
+    } else if features.incompat & vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS == 0 {
+        // Without whole units a blank slot of a written unit reads as
+        // never written.
+        eprintln!(
+            "note: {} was made before whole metadata units: a context page or packed row cut or zeroed in part, or copied from another place, is not always detected in it; `vouch upgrade {}` makes its units whole",
+            path.display(),
+            path.display()
+        );
     }
     let bar = progress_bar(volume.size(), "checking");
     let report = volume.check(|done, _| bar.set_position(done * BLOCK))?;
@@ -513,8 +521,9 @@ pub fn describe_faults(
     lines
 }
 
-/// `vouch upgrade`: build the written map from the metadata on disk, so a
-/// volume made before it becomes writable, or a lost map is made again.
+/// `vouch upgrade`: build the written map from the metadata on disk and
+/// make every written unit whole (vacant markers in its blank slots), so a
+/// volume made before either becomes writable, or a lost map is made again.
 pub fn upgrade(path: &Path) -> Result<ExitCode> {
     let options = OpenOptions {
         rebuild_written_map: true,
@@ -523,7 +532,7 @@ pub fn upgrade(path: &Path) -> Result<ExitCode> {
     let volume = crate::key::open(path, options, Use::Data)?;
     volume.close()?;
     println!(
-        "{}: written map built from its metadata; the volume is writable",
+        "{}: written map built from its metadata, every written unit whole; the volume is writable",
         path.display()
     );
     Ok(ExitCode::SUCCESS)
