@@ -204,7 +204,10 @@ pub fn unit(data: &[u8]) {
         let read = volume.read(lba * 4096, &mut buf);
         if !damaged.contains(&lba) {
             assert!(read.is_ok(), "LBA {lba} outside the damaged unit: {read:?}");
-            assert_eq!(buf, model[lba as usize], "LBA {lba} outside the damaged unit");
+            assert_eq!(
+                buf, model[lba as usize],
+                "LBA {lba} outside the damaged unit"
+            );
             continue;
         }
         match read {
@@ -513,7 +516,11 @@ pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
     // engine_model: layout/guard byte, write-error countdown, then 4-byte ops.
     // unit: layout and unit byte, offset, then the bytes written there (a
     // blank slot, a foreign vacant marker).
-    out.push(("unit", "split-blank-slot".to_string(), vec![2, 64, 0, 0, 0, 0, 0]));
+    out.push((
+        "unit",
+        "split-blank-slot".to_string(),
+        vec![2, 64, 0, 0, 0, 0, 0],
+    ));
     let mut foreign = vec![3, 0x20, 0x10];
     foreign.extend_from_slice(&vouch_format::encode_vacant(7, 40));
     out.push(("unit", "packed-foreign-vacant".to_string(), foreign));

@@ -647,7 +647,10 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
                 let mut args = args.clone();
                 args[2] = s(&other);
                 ok(&args);
-                (other.join(file.file_name().expect("a file name")), 3 * unit as u64)
+                (
+                    other.join(file.file_name().expect("a file name")),
+                    3 * unit as u64,
+                )
             };
             let mut bytes = vec![0u8; unit];
             std::fs::File::open(&source.0)
