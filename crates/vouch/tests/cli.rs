@@ -829,6 +829,31 @@ fn issue_28_contexts_cut_short_is_not_clean() {
     );
 }
 
+/// A volume of an older format: `check` passes noting `note`, a write (a
+/// copy within the volume) is refused naming `refusal`, and after `vouch
+/// upgrade` (which says `done`) the same copy succeeds.
+fn upgrade_makes_writable(volume: &Path, note: &str, refusal: &str, done: &str) {
+    let old = vouch(&["check", s(volume)]);
+    assert!(
+        old.status.success() && text(&old).contains(note),
+        "{}",
+        text(&old)
+    );
+    let copy = [
+        "copy",
+        s(volume),
+        s(volume),
+        "--length",
+        "4096",
+        "--destination-offset",
+        "8192",
+    ];
+    fails(&copy, 2, refusal);
+    let said = ok(&["upgrade", s(volume)]);
+    assert!(said.contains(done), "{said}");
+    ok(&copy);
+}
+
 /// A volume made before whole metadata units (a written map, but blank
 /// slots for never-written blocks, as the binary before wrote them) opens
 /// read-only, saying how to upgrade; `vouch upgrade` writes the vacant
@@ -872,28 +897,12 @@ fn volumes_before_whole_units_upgrade_explicitly() {
         handle.write_all_at(&[0u8; 32], slot).expect("blank slot");
         let bound = vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS;
         rewrite_superblock(&volume, |sb| sb.features.incompat &= !bound);
-        let old = vouch(&["check", s(&volume)]);
-        assert!(
-            old.status.success() && text(&old).contains("made before whole metadata units"),
-            "{}",
-            text(&old)
-        );
-        let copy = [
-            "copy",
-            s(&volume),
-            s(&volume),
-            "--length",
-            "4096",
-            "--destination-offset",
-            "8192",
-        ];
-        fails(
-            &copy,
-            2,
+        upgrade_makes_writable(
+            &volume,
+            "made before whole metadata units",
             "made before whole metadata units: `vouch upgrade PATH`",
+            "every written unit whole",
         );
-        let done = ok(&["upgrade", s(&volume)]);
-        assert!(done.contains("every written unit whole"), "{done}");
         let flags = info_json(&volume)["features"]["incompat"]
             .as_u64()
             .expect("incompat");
@@ -901,7 +910,6 @@ fn volumes_before_whole_units_upgrade_explicitly() {
         let mut marker = [0u8; 32];
         handle.read_exact_at(&mut marker, slot).expect("read slot");
         assert_eq!(marker[0], vouch_format::KIND_VACANT, "{layout}: {marker:?}");
-        ok(&copy);
         ok(&["check", s(&volume)]);
         // Whole now: the same slot zeroed again is lost, not never written.
         handle.write_all_at(&[0u8; 32], slot).expect("blank slot");
@@ -931,30 +939,13 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
             .expect("incompat")
     };
     assert_eq!(incompat(&volume) & written_map, 0);
-    let old = vouch(&["check", s(&volume)]);
-    assert!(
-        old.status.success() && text(&old).contains("was made before the written map"),
-        "{}",
-        text(&old)
-    );
-    let copy = [
-        "copy",
-        s(&volume),
-        s(&volume),
-        "--length",
-        "4096",
-        "--destination-offset",
-        "8192",
-    ];
-    fails(
-        &copy,
-        2,
+    upgrade_makes_writable(
+        &volume,
+        "was made before the written map",
         "made before the written map: `vouch upgrade PATH`",
+        "written map built",
     );
-    let done = ok(&["upgrade", s(&volume)]);
-    assert!(done.contains("written map built"), "{done}");
     assert_ne!(incompat(&volume) & written_map, 0);
-    ok(&copy);
     ok(&["check", s(&volume)]);
     // The map built by the upgrade catches a lost page.
     let contexts = std::fs::OpenOptions::new()
