@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use vouch_format::written::{
     bits_bytes, copy_bytes, copy_offset, unit_blocks, WrittenHeader, WRITTEN_PAGE_BYTES,
 };
-use vouch_format::{crc32c, vacant_of, Context, FormatError, Geometry, CONTEXT_BYTES};
+use vouch_format::{crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, CONTEXT_BYTES};
 
 use crate::backing::Backing;
 use crate::error::{Error, Result};
@@ -292,6 +292,9 @@ impl WrittenMap {
                 && vacant_of(context, self.volume_tag, lba)
             {
                 context.fill(0);
+            } else if context[0] != ContextKind::Zero as u8 {
+                // Data, encrypted and lost slots are checked where they
+                // are read: nothing to do here (no CRC per slot per page).
             } else if let Ok(Context::Zero {
                 volume_tag,
                 ref_tag,
