@@ -8,7 +8,7 @@
 use std::ops::Range;
 
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
-use vouch_format::{Geometry, LayoutKind, Superblock, KIND_LOST};
+use vouch_format::{Geometry, LayoutKind, Superblock, KIND_LOST, KIND_VACANT};
 
 use crate::error::{Error, Result};
 use crate::shared::Shared;
@@ -174,6 +174,37 @@ pub(crate) fn build_written(shared: &Shared) -> Result<()> {
     Ok(())
 }
 
+/// Make every unit whose bit is set whole (an upgrade to whole units):
+/// each blank slot of it gets its vacant marker, written in place, then
+/// every such file is fsynced — before the map that marks the units is
+/// written and before the flag (`Engine::open`).
+pub(crate) fn bind_written_units(shared: &Shared) -> Result<()> {
+    let io = &shared.io;
+    let blocks = io.geometry.blocks;
+    let mut touched = std::collections::BTreeSet::new();
+    let mut lba = 0;
+    while let Some(next) = io.written.next_set_lba(lba) {
+        let unit = io.written.unit_of(next);
+        let place = shared.layouts.of(next).unit_place(unit);
+        let mut bytes = vec![0u8; place.len];
+        io.read_object(place.object, place.offset, &mut bytes)?;
+        let first = unit * io.written.unit_blocks();
+        let changed = {
+            let mut slots = shared.layouts.of(next).unit_slots(&mut bytes);
+            io.written.bind_slots((first, blocks), &mut slots, false)
+        };
+        if changed {
+            io.write_object(place.object, place.offset, &bytes)?;
+            touched.insert(place.object);
+        }
+        lba = (unit + 1) * io.written.unit_blocks();
+    }
+    for object in touched {
+        io.sync_object(object)?;
+    }
+    Ok(())
+}
+
 /// Where a metadata unit lives: its object, byte range, and its name.
 pub(crate) struct UnitPlace {
     pub object: ObjectId,
@@ -194,6 +225,7 @@ impl Shared {
         let place = self.layouts.of(lba).unit_place(unit);
         let file = place.object.file_name();
         let len = io.storage().object_len(place.object).ok().flatten();
+        let mut lost = lbas.clone();
         let what = if len.is_some_and(|len| place.offset + place.len as u64 > len) {
             format!("is past the end of the file ({} bytes)", len.unwrap_or(0))
         } else {
@@ -211,14 +243,96 @@ impl Shared {
                 {
                     "was found lost before (it holds lost markers)".to_string()
                 }
-                Ok(()) => "has no contexts".to_string(),
+                Ok(()) => {
+                    // Whole units (`INCOMPAT_BOUND_UNITS`): some slots
+                    // blank, the rest intact; name the blank ones.
+                    let blank: Vec<u64> = self
+                        .layouts
+                        .of(lba)
+                        .unit_metadata(&bytes)
+                        .iter()
+                        .zip(lbas.clone())
+                        .filter(|(slot, _)| **slot == [0u8; 32])
+                        .map(|(_, lba)| lba)
+                        .collect();
+                    if let (Some(first), Some(last)) = (blank.first(), blank.last()) {
+                        lost = *first..*last + 1;
+                        format!(
+                            "has {} blank slot{} (cut or zeroed in part)",
+                            blank.len(),
+                            if blank.len() == 1 { "" } else { "s" }
+                        )
+                    } else {
+                        "has no contexts".to_string()
+                    }
+                }
             }
         };
+        let (have, lbas_word) = if lost.end - lost.start == 1 {
+            ("has", format!("LBA {}", lost.start))
+        } else {
+            ("have", format!("LBAs {}-{}", lost.start, lost.end - 1))
+        };
         format!(
-            "{file}: {} {what}: LBAs {}-{} have no protection information",
+            "{file}: {} {what}: {lbas_word} {have} no protection information",
+            place.name
+        )
+    }
+
+    /// Why the blocks of `lba`'s unit fail their tags, when the unit as a
+    /// whole was copied in from elsewhere (more than half of its slots
+    /// that hold anything name another place or another volume), for
+    /// messages: "contexts: page 3 belongs to another place (its slots
+    /// name LBAs 640-767): LBAs 384-511 have no valid protection
+    /// information". `None` for a unit that is mostly its own (a single
+    /// misdirected write is reported per block).
+    pub fn misplaced_cause(&self, lba: u64) -> Option<String> {
+        let io = &self.io;
+        let unit = io.written.unit_of(lba);
+        let lbas = io.written.lbas_of(unit, io.geometry.blocks);
+        let layout = self.layouts.of(lba);
+        let place = layout.unit_place(unit);
+        let mut bytes = vec![0u8; place.len];
+        io.read_object(place.object, place.offset, &mut bytes)
+            .ok()?;
+        let volume_tag = vouch_format::crc32c(&self.uuid);
+        let (mut held, mut other_volume, mut misplaced) = (0usize, 0usize, 0usize);
+        let mut named: Option<Range<u64>> = None;
+        for (index, slot) in layout.unit_metadata(&bytes).iter().enumerate() {
+            if *slot == [0u8; 32] {
+                continue;
+            }
+            held += 1;
+            // The kinds with tags: data, zero, lost and vacant markers.
+            if !matches!(slot[0], 1 | 2 | KIND_LOST | KIND_VACANT) {
+                continue;
+            }
+            let tag = u32::from_le_bytes(slot[4..8].try_into().expect("4 bytes"));
+            let ref_tag = u64::from_le_bytes(slot[8..16].try_into().expect("8 bytes"));
+            if tag != volume_tag {
+                other_volume += 1;
+            } else if ref_tag != lbas.start + index as u64 {
+                misplaced += 1;
+                let range = named.get_or_insert(ref_tag..ref_tag + 1);
+                range.start = range.start.min(ref_tag);
+                range.end = range.end.max(ref_tag + 1);
+            }
+        }
+        let foreign = match named {
+            _ if other_volume * 2 > held => "belongs to another volume".to_string(),
+            Some(named) if misplaced * 2 > held => format!(
+                "belongs to another place (its slots name LBAs {}-{})",
+                named.start,
+                named.end - 1
+            ),
+            _ => return None,
+        };
+        Some(format!(
+            "{}: {} {foreign}: LBAs {}-{} have no valid protection information",
+            place.object.file_name(),
             place.name,
             lbas.start,
             lbas.end - 1
-        )
+        ))
     }
 }

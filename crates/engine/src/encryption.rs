@@ -92,6 +92,9 @@ impl EncryptedProtection {
         stored: &[u8],
     ) -> Result<Option<Sealed<'a>>, FaultKind> {
         match context {
+            Err(FormatError::Vacant { volume_tag, .. }) if *volume_tag != self.volume_tag => {
+                Err(FaultKind::VolumeTagMismatch)
+            }
             Err(error) => Err(crate::protection::context_fault(error)),
             Ok(Context::Unwritten) => Ok(None),
             Ok(Context::Zero {

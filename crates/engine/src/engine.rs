@@ -119,6 +119,7 @@ impl Engine {
             )));
         }
         let has_map = superblock.features.incompat & FeatureFlags::INCOMPAT_WRITTEN_MAP != 0;
+        let bound = superblock.features.incompat & FeatureFlags::INCOMPAT_BOUND_UNITS != 0;
         let rebuild = options.rebuild_written_map;
         if rebuild && read_only.is_some() {
             return Err(Error::InvalidArgument(format!(
@@ -141,6 +142,14 @@ impl Engine {
             );
             WrittenMap::disabled(&geometry)
         };
+        if bound {
+            written.set_bound();
+        } else if has_map && !rebuild && read_only.is_none() {
+            read_only = Some(
+                " (made before whole metadata units: `vouch upgrade PATH` writes their vacant markers and makes the volume writable)"
+                    .to_string(),
+            );
+        }
         let io = Backing::new(storage, geometry, read_only, written);
         let (held, held_records) = HeldLog::open(&io, superblock.uuid)?;
         let shared = Shared {
@@ -162,6 +171,12 @@ impl Engine {
             // Before recovery, from what is on disk; recovery then adjusts
             // it like any replay (`written.rs`).
             crate::damage::build_written(&shared)?;
+            if !bound {
+                // Every written unit made whole (durable) before anything
+                // else is written: from here on units are kept whole.
+                shared.io.written.set_bound();
+                crate::damage::bind_written_units(&shared)?;
+            }
         }
         if !shared.io.is_read_only() {
             // A new map (a new volume, or one rebuilt) is on disk before
@@ -189,11 +204,16 @@ impl Engine {
             }
             shared.held.empty_all(&shared.io)?;
         }
-        if rebuild && !has_map {
-            // The flag last: the map it promises is durable (above), and a
-            // checkpoint writes it again with recovery's changes first.
+        if rebuild && !(has_map && bound) {
+            // The flags last: the map and the whole units they promise are
+            // durable (above), and a checkpoint writes the map again with
+            // recovery's changes first. An upgrade cut short before this
+            // leaves markers in a volume without the flag: this binary
+            // reads them (`WrittenMap::judge_slot`), and the upgrade is
+            // finished by running it again.
             let mut journal = committer.lock();
-            journal.superblock.features.incompat |= FeatureFlags::INCOMPAT_WRITTEN_MAP;
+            journal.superblock.features.incompat |=
+                FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;
             committer.checkpoint(&shared, &mut journal, vouch_format::superblock::STATE_OPEN)?;
         }
         Ok(Engine {

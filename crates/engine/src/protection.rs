@@ -161,6 +161,9 @@ pub(crate) fn zero_template(volume_tag: u32, allocate: bool) -> Context {
 pub(crate) fn context_fault(error: &FormatError) -> FaultKind {
     match error {
         FormatError::MetadataLost => FaultKind::MetadataLost,
+        // A vacant marker of another place (`Protection::open` tells
+        // another volume's apart by its volume tag).
+        FormatError::Vacant { .. } => FaultKind::RefTagMismatch,
         _ => FaultKind::ContextCorrupt,
     }
 }
@@ -226,6 +229,13 @@ impl Protection for GuardProtection {
         stored: &[u8],
     ) -> Result<(), FaultKind> {
         match context {
+            Err(FormatError::Vacant {
+                volume_tag,
+                ref_tag,
+            }) => Err(self
+                .check_tags(lba, *volume_tag, *ref_tag)
+                .err()
+                .unwrap_or(FaultKind::ContextCorrupt)),
             Err(error) => Err(context_fault(error)),
             Ok(Context::Unwritten) => Ok(()),
             Ok(Context::Zero {

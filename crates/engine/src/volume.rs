@@ -187,6 +187,14 @@ impl Volume {
         self.engine.shared.metadata_cause(lba)
     }
 
+    /// Why the blocks of `lba`'s unit fail their tags when the unit was
+    /// copied in from another place or volume (`None` otherwise): "contexts:
+    /// page 3 belongs to another place (its slots name LBAs 640-767): LBAs
+    /// 384-511 have no valid protection information".
+    pub fn misplaced_cause(&self, lba: u64) -> Option<String> {
+        self.engine.shared.misplaced_cause(lba)
+    }
+
     /// The LBAs whose protection information is kept with `lba`'s (its
     /// written-map unit: a split context page, a packed row).
     pub fn metadata_unit(&self, lba: u64) -> Range<u64> {

@@ -30,7 +30,7 @@ use parking_lot::Mutex;
 use vouch_format::written::{
     bits_bytes, copy_bytes, copy_offset, unit_blocks, WrittenHeader, WRITTEN_PAGE_BYTES,
 };
-use vouch_format::{crc32c, Geometry};
+use vouch_format::{crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, CONTEXT_BYTES};
 
 use crate::backing::Backing;
 use crate::error::{Error, Result};
@@ -44,6 +44,14 @@ pub(crate) struct WrittenMap {
     units: u64,
     uuid: [u8; 16],
     words: Vec<AtomicU64>,
+    /// `crc32c(uuid)`: the volume tag of the markers this map judges.
+    volume_tag: u32,
+    /// The volume's units are whole (`INCOMPAT_BOUND_UNITS`): a written
+    /// unit has no blank slot (vacant markers stand for never-written
+    /// and trimmed blocks), so one blank slot in it is lost metadata.
+    /// Set at open from the flag, or by `vouch upgrade` once it has
+    /// written the markers.
+    bound: AtomicBool,
     /// The bits changed since the copy on disk was written.
     dirty: AtomicBool,
     /// `seq` of the newest copy on disk (0: none yet).
@@ -70,6 +78,8 @@ impl WrittenMap {
             unit_blocks: unit,
             units,
             uuid,
+            volume_tag: crc32c(&uuid),
+            bound: AtomicBool::new(false),
             words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             dirty: AtomicBool::new(false),
             seq: AtomicU64::new(0),
@@ -105,6 +115,70 @@ impl WrittenMap {
             }
             Loaded::None(_) => Ok(WrittenMap::empty(geometry, uuid)),
         }
+    }
+
+    /// Whether the volume's units are whole (`bound` above).
+    pub fn bound(&self) -> bool {
+        self.bound.load(Ordering::Acquire)
+    }
+
+    /// From now on, units are kept whole and judged so.
+    pub fn set_bound(&self) {
+        if self.enabled {
+            self.bound.store(true, Ordering::Release);
+        }
+    }
+
+    /// The vacant marker of `lba` (a never-written or trimmed slot of a
+    /// whole unit).
+    pub fn vacant(&self, lba: u64) -> [u8; CONTEXT_BYTES] {
+        vouch_format::encode_vacant(self.volume_tag, lba)
+    }
+
+    /// The context of `lba` from its stored slot `raw`, judged against the
+    /// map: a blank slot in a unit whose bit is set is lost
+    /// (`MetadataLost`; a volume whose units are not whole leaves that to
+    /// its layout, which then looks at the whole unit); its own vacant
+    /// marker reads as never written; anything else as it decodes.
+    pub fn judge_slot(&self, lba: u64, raw: &[u8]) -> Result<Context, FormatError> {
+        if raw[..CONTEXT_BYTES].iter().all(|byte| *byte == 0) {
+            return if self.is_set(self.unit_of(lba)) {
+                Err(FormatError::MetadataLost)
+            } else {
+                Ok(Context::Unwritten)
+            };
+        }
+        if vacant_of(raw, self.volume_tag, lba) {
+            return Ok(Context::Unwritten);
+        }
+        Context::decode(raw)
+    }
+
+    /// A unit's slots as they go to disk (`slots`: its metadata, slot `i`
+    /// holding LBA `first_lba + i`, past the volume's `blocks` ignored): in
+    /// a volume whose units are whole, every blank slot of a unit that is
+    /// not blank (or, with `even_if_blank`, is about to hold a record)
+    /// becomes its vacant marker. Returns whether any changed.
+    pub fn bind_slots(
+        &self,
+        (first_lba, blocks): (u64, u64),
+        slots: &mut [&mut [u8]],
+        even_if_blank: bool,
+    ) -> bool {
+        if !self.bound()
+            || (!even_if_blank && slots.iter().all(|slot| slot.iter().all(|byte| *byte == 0)))
+        {
+            return false;
+        }
+        let mut changed = false;
+        for (index, slot) in slots.iter_mut().enumerate() {
+            let lba = first_lba + index as u64;
+            if lba < blocks && slot.iter().all(|byte| *byte == 0) {
+                slot.copy_from_slice(&self.vacant(lba));
+                changed = true;
+            }
+        }
+        changed
     }
 
     pub fn unit_blocks(&self) -> u64 {
@@ -179,25 +253,71 @@ impl WrittenMap {
         self.next_set_lba(start).is_some_and(|lba| lba < end)
     }
 
-    /// A context page whose bit is set but that reads as zeros has lost
-    /// its metadata: it is replaced by a page of lost markers, so its
-    /// blocks read as `metadata_lost` faults and a checkpoint that
-    /// rewrites the page keeps them so (`vouch_format::encode_lost`).
-    /// Any other page is returned as it is.
+    /// A context page as read from disk, judged against the map: its own
+    /// vacant markers become blank slots (never written, as the context
+    /// cache keeps them); a blank slot of a page whose bit is set — any
+    /// one when units are whole, else only a wholly blank page — has lost
+    /// its metadata and becomes a lost marker, so its block reads as a
+    /// `metadata_lost` fault and a checkpoint that rewrites the page keeps
+    /// it so (`vouch_format::encode_lost`). Markers of another place or
+    /// volume stay, and decode as `FormatError::Vacant`.
     pub fn judge_page(&self, page_no: u64, page: &mut [u8; 4096]) {
-        if !self.is_set(page_no) || page.iter().any(|byte| *byte != 0) {
+        let set = self.is_set(page_no);
+        let bound = self.bound();
+        if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
-        let volume_tag = crc32c(&self.uuid);
-        for (slot, context) in page.chunks_mut(vouch_format::CONTEXT_BYTES).enumerate() {
-            let lba = page_no * self.unit_blocks + slot as u64;
-            context.copy_from_slice(&vouch_format::encode_lost(volume_tag, lba));
+        if !bound && set && page.iter().all(|byte| *byte == 0) {
+            // Not whole units: only a wholly blank page is known lost.
+            for (slot, context) in page.chunks_mut(CONTEXT_BYTES).enumerate() {
+                let lba = page_no * self.unit_blocks + slot as u64;
+                context.copy_from_slice(&vouch_format::encode_lost(self.volume_tag, lba));
+            }
+            tracing::warn!(
+                page = page_no,
+                first_lba = page_no * self.unit_blocks,
+                "contexts: a page the written map says was written reads as zeros: its blocks have no protection information"
+            );
+            return;
         }
-        tracing::warn!(
-            page = page_no,
-            first_lba = page_no * self.unit_blocks,
-            "contexts: a page the written map says was written reads as zeros: its blocks have no protection information"
-        );
+        let mut lost = 0;
+        for (slot, context) in page.chunks_mut(CONTEXT_BYTES).enumerate() {
+            let lba = page_no * self.unit_blocks + slot as u64;
+            if context.iter().all(|byte| *byte == 0) {
+                if set && bound {
+                    context.copy_from_slice(&vouch_format::encode_lost(self.volume_tag, lba));
+                    lost += 1;
+                }
+            } else if context[0] == vouch_format::KIND_VACANT
+                && vacant_of(context, self.volume_tag, lba)
+            {
+                context.fill(0);
+            } else if context[0] != ContextKind::Zero as u8 {
+                // Data, encrypted and lost slots are checked where they
+                // are read: nothing to do here (no CRC per slot per page).
+            } else if let Ok(Context::Zero {
+                volume_tag,
+                ref_tag,
+                ..
+            }) = Context::decode(context)
+            {
+                // A zero context reads as zeros without its tags being
+                // looked at again: one of another place or volume is kept
+                // as that place's vacant marker, which fails the read
+                // with the tags it names (`FormatError::Vacant`).
+                if (volume_tag, ref_tag) != (self.volume_tag, lba) {
+                    context.copy_from_slice(&vouch_format::encode_vacant(volume_tag, ref_tag));
+                }
+            }
+        }
+        if lost > 0 {
+            tracing::warn!(
+                page = page_no,
+                first_lba = page_no * self.unit_blocks,
+                slots = lost,
+                "contexts: a page the written map says was written has blank slots: their blocks have no protection information"
+            );
+        }
     }
 
     fn bits(&self) -> Vec<u8> {

@@ -99,13 +99,54 @@ pub const KIND_LOST: u8 = 4;
 /// The 32 bytes of a lost marker for `lba` (kind 4, volume tag, ref tag,
 /// zeros, CRC-32C of bytes 0..28).
 pub fn encode_lost(volume_tag: u32, lba: u64) -> [u8; CONTEXT_BYTES] {
+    encode_marker(KIND_LOST, volume_tag, lba)
+}
+
+/// Kind byte of a *vacant marker* (volumes with `INCOMPAT_BOUND_UNITS`):
+/// the slot of a never-written or trimmed block inside a metadata unit
+/// that holds protection information. A written unit then has no blank
+/// slot, so a blank slot in it is lost metadata (a page cut short or
+/// zeroed in part), and every slot is bound to its LBA and volume, so a
+/// unit copied in from another place or another volume fails on every
+/// block, the never-written ones included. The layout that reads the slot
+/// knows its LBA: a marker of this LBA and volume reads as never written
+/// (`vacant_of`); any other decodes as `FormatError::Vacant`.
+pub const KIND_VACANT: u8 = 5;
+
+/// The 32 bytes of a marker of `kind` (lost or vacant) for `lba`: the
+/// kind, volume tag, ref tag, zeros, CRC-32C of bytes 0..28.
+fn encode_marker(kind: u8, volume_tag: u32, lba: u64) -> [u8; CONTEXT_BYTES] {
     let mut out = [0u8; CONTEXT_BYTES];
-    out[0] = KIND_LOST;
+    out[0] = kind;
     out[4..8].copy_from_slice(&volume_tag.to_le_bytes());
     out[8..16].copy_from_slice(&lba.to_le_bytes());
     let crc = crc32c(&out[..28]);
     out[28..32].copy_from_slice(&crc.to_le_bytes());
     out
+}
+
+/// The volume tag and ref tag of a well-formed marker (lost or vacant:
+/// its CRC and zero fields check), else the checksum error.
+fn decode_marker(raw: &[u8]) -> Result<(u32, u64), FormatError> {
+    let stored = get_u32(raw, 28);
+    let computed = crc32c(&raw[..28]);
+    if stored != computed || raw[1..4] != [0, 0, 0] || raw[16..28].iter().any(|b| *b != 0) {
+        return Err(FormatError::BadChecksum { stored, computed });
+    }
+    Ok((get_u32(raw, 4), get_u64(raw, 8)))
+}
+
+/// The 32 bytes of a vacant marker for `lba` in a volume with `volume_tag`.
+pub fn encode_vacant(volume_tag: u32, lba: u64) -> [u8; CONTEXT_BYTES] {
+    encode_marker(KIND_VACANT, volume_tag, lba)
+}
+
+/// Whether `raw` is the vacant marker of `lba` in the volume with
+/// `volume_tag` (then the block reads as never written).
+pub fn vacant_of(raw: &[u8], volume_tag: u32, lba: u64) -> bool {
+    raw.len() >= CONTEXT_BYTES
+        && raw[0] == KIND_VACANT
+        && decode_marker(raw) == Ok((volume_tag, lba))
 }
 
 impl Context {
@@ -272,15 +313,17 @@ impl Context {
                 }
             }
             KIND_LOST => {
-                let stored = get_u32(raw, 28);
-                let computed = crc32c(&raw[..28]);
-                if stored != computed
-                    || raw[1..4] != [0, 0, 0]
-                    || raw[16..28].iter().any(|b| *b != 0)
-                {
-                    return Err(FormatError::BadChecksum { stored, computed });
-                }
+                decode_marker(raw)?;
                 Err(FormatError::MetadataLost)
+            }
+            // A vacant marker that reaches here was not accepted at its
+            // place (`vacant_of`): it names another LBA or volume.
+            KIND_VACANT => {
+                let (volume_tag, ref_tag) = decode_marker(raw)?;
+                Err(FormatError::Vacant {
+                    volume_tag,
+                    ref_tag,
+                })
             }
             kind @ (1 | 2) => {
                 let stored = get_u32(raw, 28);
@@ -376,6 +419,21 @@ mod tests {
     }
 
     #[test]
+    fn vacant_golden_bytes() {
+        let bytes = encode_vacant(0x1122_3344, 0x0102_0304_0506_0708);
+        let expected: [u8; 32] = [
+            0x05, 0, 0, 0, 0x44, 0x33, 0x22, 0x11, 0x08, 0x07, 0x06, 0x05, 0x04, 0x03, 0x02, 0x01,
+            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        ];
+        assert_eq!(
+            bytes[..28],
+            expected[..28],
+            "vacant marker encoding changed"
+        );
+        assert_eq!(get_u32(&bytes, 28), crc32c(&bytes[..28]));
+    }
+
+    #[test]
     fn any_single_bit_flip_is_detected() {
         let ctx = Context::Data {
             volume_tag: 9,
@@ -459,6 +517,25 @@ mod tests {
             prop_assert_eq!(Context::decode(&marker), Err(FormatError::MetadataLost));
             let mut flipped = marker;
             flipped[9] ^= 1;
+            let damaged = matches!(Context::decode(&flipped), Err(FormatError::BadChecksum { .. }));
+            prop_assert!(damaged);
+        }
+
+        #[test]
+        fn vacant_markers_bind_their_place(lba in any::<u64>(), tag in any::<u32>()) {
+            let marker = encode_vacant(tag, lba);
+            prop_assert!(vacant_of(&marker, tag, lba));
+            prop_assert!(!vacant_of(&marker, tag, lba.wrapping_add(1)));
+            prop_assert!(!vacant_of(&marker, tag ^ 1, lba));
+            prop_assert!(!vacant_of(&[0u8; CONTEXT_BYTES], tag, lba));
+            prop_assert!(!vacant_of(&encode_lost(tag, lba), tag, lba));
+            prop_assert_eq!(
+                Context::decode(&marker),
+                Err(FormatError::Vacant { volume_tag: tag, ref_tag: lba })
+            );
+            let mut flipped = marker;
+            flipped[9] ^= 1;
+            prop_assert!(!vacant_of(&flipped, tag, lba));
             let damaged = matches!(Context::decode(&flipped), Err(FormatError::BadChecksum { .. }));
             prop_assert!(damaged);
         }

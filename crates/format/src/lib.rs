@@ -17,7 +17,8 @@ pub mod superblock;
 pub mod written;
 
 pub use context::{
-    aead_nonce, encode_lost, encrypted_guard, Context, ContextKind, CONTEXT_BYTES, KIND_LOST,
+    aead_nonce, encode_lost, encode_vacant, encrypted_guard, vacant_of, Context, ContextKind,
+    CONTEXT_BYTES, KIND_LOST, KIND_VACANT,
 };
 pub use guard::{crc32c, GuardKind};
 pub use journal::{JournalEntry, JournalHeader, JOURNAL_ENTRY_BYTES, JOURNAL_HEADER_BYTES};
@@ -63,6 +64,11 @@ pub enum FormatError {
     /// written map says metadata was written).
     #[error("no protection information (its metadata is lost)")]
     MetadataLost,
+    /// A vacant marker (a never-written slot of a written unit) read at a
+    /// place it does not name: its unit was copied from another place or
+    /// another volume.
+    #[error("a vacant marker of LBA {ref_tag}, volume tag {volume_tag:#010x}, in another place")]
+    Vacant { volume_tag: u32, ref_tag: u64 },
     #[error("truncated: need {need} bytes, have {have}")]
     Truncated { need: usize, have: usize },
 }

@@ -44,16 +44,27 @@ impl FeatureFlags {
     /// never as never-written blocks. Set on every new volume; older
     /// volumes open read-only until `vouch upgrade` builds the map.
     pub const INCOMPAT_WRITTEN_MAP: u64 = 1 << 3;
+    /// Every metadata unit that holds protection information (a split
+    /// context page, a packed row) is whole: its never-written and trimmed
+    /// slots hold vacant markers bound to their LBA and volume (kind 5),
+    /// so a blank slot in a written unit is lost metadata and a unit from
+    /// another place or volume fails on every block. Set on every new
+    /// volume; older volumes open read-only until `vouch upgrade` writes
+    /// the markers.
+    pub const INCOMPAT_BOUND_UNITS: u64 = 1 << 4;
 
     pub const SUPPORTED_COMPAT: u64 = Self::COMPAT_HOLE_PUNCH;
     pub const SUPPORTED_RO_COMPAT: u64 = 0;
     pub const SUPPORTED_INCOMPAT: u64 = Self::INCOMPAT_CONTEXT_JOURNAL
         | Self::INCOMPAT_PACKED_LAYOUT
         | Self::INCOMPAT_ENCRYPTED
-        | Self::INCOMPAT_WRITTEN_MAP;
+        | Self::INCOMPAT_WRITTEN_MAP
+        | Self::INCOMPAT_BOUND_UNITS;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
-        let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL | Self::INCOMPAT_WRITTEN_MAP;
+        let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL
+            | Self::INCOMPAT_WRITTEN_MAP
+            | Self::INCOMPAT_BOUND_UNITS;
         if layout == LayoutKind::Packed {
             incompat |= Self::INCOMPAT_PACKED_LAYOUT;
         }
@@ -474,7 +485,7 @@ mod tests {
         // the format changed: bump FORMAT_VERSION or add a feature flag.
         assert_eq!(
             get_u32(&bytes, 252),
-            0x67e1ef06,
+            0x907d_f34c,
             "superblock encoding changed"
         );
     }

@@ -108,6 +108,12 @@ fn feature_flag_table_matches_code() {
     assert_eq!(vouch_format::FeatureFlags::INCOMPAT_PACKED_LAYOUT, 1 << 1);
     assert!(doc.contains("| incompat | 2 | ENCRYPTED |"));
     assert_eq!(vouch_format::FeatureFlags::INCOMPAT_ENCRYPTED, 1 << 2);
+    assert!(doc.contains("| incompat | 3 | WRITTEN_MAP |"));
+    assert_eq!(vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP, 1 << 3);
+    assert!(doc.contains("| incompat | 4 | BOUND_UNITS |"));
+    assert_eq!(vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS, 1 << 4);
+    assert!(doc.contains("### Vacant marker (kind 5"));
+    assert_eq!(vouch_format::KIND_VACANT, 5);
     assert!(doc.contains("| compat | 0 | HOLE_PUNCH |"));
     assert_eq!(vouch_format::FeatureFlags::COMPAT_HOLE_PUNCH, 1 << 0);
 }

@@ -127,7 +127,105 @@ pub fn context(data: &[u8]) {
     let mut flipped = raw;
     flipped[bit / 8] ^= 1 << (bit % 8);
     assert_ne!(Context::decode(&flipped).ok(), Some(decoded), "bit {bit}");
+    // A vacant marker from the same bytes binds its LBA and volume: it is
+    // that place's and no other's, and any flipped bit unbinds it.
+    let tag = u32::from_le_bytes(raw[4..8].try_into().expect("4 bytes"));
+    let lba = u64::from_le_bytes(raw[8..16].try_into().expect("8 bytes"));
+    let marker = vouch_format::encode_vacant(tag, lba);
+    assert!(vouch_format::vacant_of(&marker, tag, lba));
+    assert!(!vouch_format::vacant_of(&marker, tag, lba ^ 1));
+    assert!(!vouch_format::vacant_of(&marker, tag ^ 1, lba));
+    let mut flipped = marker;
+    flipped[bit / 8] ^= 1 << (bit % 8);
+    assert!(!vouch_format::vacant_of(&flipped, tag, lba), "bit {bit}");
+    let _ = vouch_format::vacant_of(data, tag, lba);
 }
+
+/// Metadata units (a split context page, a packed row) as damage leaves
+/// them: a written volume of a few units has bytes of one unit replaced by
+/// `data` (byte 0: bit 0 the layout, the rest the unit; bytes 1..3: the
+/// offset in the unit; then the bytes written there), then is opened and
+/// read in full. Never a panic; every block of another unit reads what
+/// was written (a unit's judgement never spills over); a block of the
+/// damaged unit reads what was written there (zeros only if it was never
+/// written or was trimmed) or fails with a fault naming it. The bytes decode through the vacant
+/// and lost markers, the map's judgement and each layout's read path.
+pub fn unit(data: &[u8]) {
+    let [mode, low, high, bytes @ ..] = data else {
+        return;
+    };
+    let layout = if mode & 1 == 0 {
+        LayoutKind::Split
+    } else {
+        LayoutKind::Packed
+    };
+    let (unit_blocks, unit_bytes) = match layout {
+        LayoutKind::Split => (128u64, 4096u64),
+        LayoutKind::Packed => (31, 128 * 1024),
+    };
+    let sim = SimStorage::new();
+    let mut options = CreateOptions::new(UNIT_BLOCKS * 4096);
+    options.layout = layout;
+    options.journal_bytes = Some(1 << 20);
+    Volume::create(Arc::new(sim.clone()), &options)
+        .and_then(Volume::close)
+        .expect("create");
+    // Every third block left never written, every seventh trimmed: units
+    // hold data, vacant markers and zero contexts.
+    let mut model = vec![vec![0u8; 4096]; UNIT_BLOCKS as usize];
+    let volume = Volume::open(Arc::new(sim.clone()), &small_tuning()).expect("open");
+    for lba in 0..UNIT_BLOCKS {
+        if lba % 3 == 0 {
+            continue;
+        }
+        let block = vec![(lba as u8) | 1; 4096];
+        volume.write(lba * 4096, &block, false).expect("write");
+        model[lba as usize] = block;
+        if lba % 7 == 0 {
+            volume.trim(lba * 4096, 4096, false).expect("trim");
+            model[lba as usize] = vec![0u8; 4096];
+        }
+    }
+    volume.close().expect("close");
+    let units = UNIT_BLOCKS.div_ceil(unit_blocks);
+    let unit = u64::from(mode >> 1) % units;
+    let offset = u64::from(u16::from_le_bytes([*low, *high])) % unit_bytes;
+    let (object, base) = match layout {
+        LayoutKind::Split => (ObjectId::Contexts, unit * unit_bytes),
+        LayoutKind::Packed => (ObjectId::Data(0), unit * unit_bytes),
+    };
+    let len = bytes.len().min((unit_bytes - offset) as usize);
+    sim.overwrite(object, base + offset, &bytes[..len]);
+    let Ok(volume) = Volume::open(Arc::new(sim), &small_tuning()) else {
+        return;
+    };
+    let damaged = unit * unit_blocks..(unit + 1) * unit_blocks;
+    let mut buf = vec![0u8; 4096];
+    for lba in 0..UNIT_BLOCKS {
+        let read = volume.read(lba * 4096, &mut buf);
+        if !damaged.contains(&lba) {
+            assert!(read.is_ok(), "LBA {lba} outside the damaged unit: {read:?}");
+            assert_eq!(
+                buf, model[lba as usize],
+                "LBA {lba} outside the damaged unit"
+            );
+            continue;
+        }
+        match read {
+            Ok(_) => assert_eq!(
+                buf, model[lba as usize],
+                "LBA {lba} of the damaged unit reads what was not written there"
+            ),
+            Err(Error::Fault(fault)) => assert_eq!(fault.lba, lba),
+            Err(error) => panic!("LBA {lba}: {error}"),
+        }
+    }
+    let _ = volume.check(|_, _| {});
+}
+
+/// Blocks of the volume `unit` damages: three split pages, about twelve
+/// packed rows.
+const UNIT_BLOCKS: u64 = 3 * 128;
 
 /// Journal records: header and entries decode without panics and round
 /// trip; a record built from fuzzed entries, with valid checksums, is
@@ -417,6 +515,16 @@ pub fn seed_corpus() -> Vec<(&'static str, String, Vec<u8>)> {
     raw[0] = 7;
     out.push(("journal", "replay-packed".to_string(), raw));
     // engine_model: layout/guard byte, write-error countdown, then 4-byte ops.
+    // unit: layout and unit byte, offset, then the bytes written there (a
+    // blank slot, a foreign vacant marker).
+    out.push((
+        "unit",
+        "split-blank-slot".to_string(),
+        vec![2, 64, 0, 0, 0, 0, 0],
+    ));
+    let mut foreign = vec![3, 0x20, 0x10];
+    foreign.extend_from_slice(&vouch_format::encode_vacant(7, 40));
+    out.push(("unit", "packed-foreign-vacant".to_string(), foreign));
     out.push((
         "engine_model",
         "split-error-after-3".to_string(),

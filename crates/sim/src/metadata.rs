@@ -115,27 +115,35 @@ pub struct MetaReport {
 
 /// Whether the design claims that this damage is never silent in this
 /// cell: what the written map (a bit per split context page / packed row,
-/// kept apart from the metadata) and the files' expected lengths catch
-/// today. A unit that reads as zeros while its bit is set, an emptied or
-/// deleted file, and a damaged map are claimed in every cell. A split
-/// file cut short is claimed where a guard compares data with its context
-/// (contexts cut: the unit is blank; data cut: the data no longer matches).
-/// Not claimed yet (measured, listed in docs/RELIABILITY.md): a page or
-/// row copied from another place or volume (its zero slots read as never
-/// written), a packed row cut or zeroed in part (a zero record inside a
-/// written row reads as never written), an emptied split data file under
-/// guard `none`, and an older copy of a file (its metadata matches its own
-/// old data). Those need self-checking units (a per-unit checksum bound to
-/// the volume, the unit's place and its generation).
+/// kept apart from the metadata), whole units (every slot of a written
+/// unit holds a context or a vacant marker bound to its LBA and volume)
+/// and the files' expected lengths catch today. Claimed in every cell: a
+/// unit zeroed, copied from another place or another volume, a deleted
+/// file, a damaged map; in packed, a file cut short or emptied (a blank
+/// slot in a written row is lost). A split file cut short or emptied is
+/// claimed where a guard compares data with its context (contexts cut:
+/// blank slots of written pages; data cut: the data no longer matches). A
+/// zeroed 4 KiB page is claimed where the guard has 32 bits or more: a
+/// page of data only is a long error, and a 16-bit guard lets one in
+/// 65536 through (the media matrix's rule).
+/// Not claimed yet (measured, listed in docs/RELIABILITY.md): a split data
+/// file cut or emptied under guard `none`, and an older copy of a file
+/// (its metadata matches its own old data; that needs the expected
+/// generation of each unit kept where the checkpoint can check it).
 fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
     let guarded = guard != GuardKind::None;
     match (kind, layout) {
-        (MetaKind::UnitZeroed | MetaKind::Deleted | MetaKind::WrittenMapLost, _) => true,
-        (MetaKind::Emptied, LayoutKind::Packed) => true,
+        (
+            MetaKind::UnitZeroed
+            | MetaKind::Deleted
+            | MetaKind::WrittenMapLost
+            | MetaKind::UnitFromElsewhere
+            | MetaKind::UnitFromOtherVolume,
+            _,
+        ) => true,
+        (MetaKind::Emptied | MetaKind::CutShort, LayoutKind::Packed) => true,
         (MetaKind::Emptied | MetaKind::CutShort, LayoutKind::Split) => guarded,
-        // A zeroed page of split data is a long error: a 16-bit guard lets
-        // one in 65536 through (the media matrix's rule).
-        (MetaKind::PageZeroed, LayoutKind::Split) => guarded && guard.bits() >= 32,
+        (MetaKind::PageZeroed, _) => guarded && guard.bits() >= 32,
         _ => false,
     }
 }

@@ -76,6 +76,20 @@ fn context_inputs() {
 }
 
 #[test]
+fn unit_inputs() {
+    let seeds: Vec<Vec<u8>> = fuzz::seed_corpus()
+        .into_iter()
+        .filter(|(target, _, _)| *target == "unit")
+        .map(|(_, _, bytes)| bytes)
+        .collect();
+    let mut rng = Rng::new(4);
+    // Each input builds and reads a volume: fewer than the decoders get.
+    for _ in 0..INPUTS / 100 {
+        fuzz::unit(&input(&mut rng, &seeds, 80));
+    }
+}
+
+#[test]
 fn journal_inputs() {
     let entries = [
         JournalEntry {

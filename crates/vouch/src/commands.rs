@@ -306,6 +306,14 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             path.display(),
             path.display()
         );
+    } else if features.incompat & vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS == 0 {
+        // Without whole units a blank slot of a written unit reads as
+        // never written.
+        eprintln!(
+            "note: {} was made before whole metadata units: a context page or packed row cut or zeroed in part, or copied from another place, is not always detected in it; `vouch upgrade {}` makes its units whole",
+            path.display(),
+            path.display()
+        );
     }
     let bar = progress_bar(volume.size(), "checking");
     let report = volume.check(|done, _| bar.set_position(done * BLOCK))?;
@@ -461,7 +469,9 @@ fn export_into(volume: &Volume, output: &File, allow_faults: bool) -> Result<Vec
 /// What a scan's faults say, one line per cause: a file cut short once
 /// (its faults are counted there, not listed), a unit whose metadata is
 /// lost once ("contexts: page 40 is zeroed: LBAs 5120-5247 have no
-/// protection information"), any other fault as `other` words it.
+/// protection information"), a unit copied in from another place or
+/// volume once ("... belongs to another place ..."), any other fault as
+/// `other` words it.
 pub fn describe_faults(
     volume: &Volume,
     faults: &[Fault],
@@ -483,15 +493,27 @@ pub fn describe_faults(
         if short.iter().any(|object| object.lbas.contains(&fault.lba)) {
             continue;
         }
+        if unit_done
+            .as_ref()
+            .is_some_and(|unit| unit.contains(&fault.lba))
+        {
+            continue;
+        }
         if fault.kind == FaultKind::MetadataLost {
-            if unit_done
-                .as_ref()
-                .is_some_and(|unit| unit.contains(&fault.lba))
-            {
-                continue;
-            }
             unit_done = Some(volume.metadata_unit(fault.lba));
             lines.push(volume.metadata_cause(fault.lba));
+            continue;
+        }
+        let misplaced = matches!(
+            fault.kind,
+            FaultKind::RefTagMismatch | FaultKind::VolumeTagMismatch | FaultKind::AuthFailed
+        );
+        if let Some(cause) = misplaced
+            .then(|| volume.misplaced_cause(fault.lba))
+            .flatten()
+        {
+            unit_done = Some(volume.metadata_unit(fault.lba));
+            lines.push(cause);
             continue;
         }
         lines.push(other(fault));
@@ -499,8 +521,9 @@ pub fn describe_faults(
     lines
 }
 
-/// `vouch upgrade`: build the written map from the metadata on disk, so a
-/// volume made before it becomes writable, or a lost map is made again.
+/// `vouch upgrade`: build the written map from the metadata on disk and
+/// make every written unit whole (vacant markers in its blank slots), so a
+/// volume made before either becomes writable, or a lost map is made again.
 pub fn upgrade(path: &Path) -> Result<ExitCode> {
     let options = OpenOptions {
         rebuild_written_map: true,
@@ -509,7 +532,7 @@ pub fn upgrade(path: &Path) -> Result<ExitCode> {
     let volume = crate::key::open(path, options, Use::Data)?;
     volume.close()?;
     println!(
-        "{}: written map built from its metadata; the volume is writable",
+        "{}: written map built from its metadata, every written unit whole; the volume is writable",
         path.display()
     );
     Ok(ExitCode::SUCCESS)

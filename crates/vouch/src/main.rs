@@ -175,12 +175,16 @@ enum Command {
         #[command(flatten)]
         key: key::KeyFileArgs,
     },
-    /// Build a volume's written map from its metadata as it is now
-    /// (offline). A volume made before the map (format flag WRITTEN_MAP)
-    /// opens read-only until this runs; a volume whose `written` file is
-    /// missing or damaged is refused until this runs or the file is
-    /// restored (the map is what tells lost metadata from never-written
-    /// blocks, so rebuild it only from metadata you trust).
+    /// Build a volume's written map from its metadata as it is now, and
+    /// make every written metadata unit whole (offline). A volume made
+    /// before the map (format flag WRITTEN_MAP) or before whole units
+    /// (BOUND_UNITS: vacant markers in the never-written slots of a
+    /// written context page or packed row) opens read-only until this
+    /// runs; a volume whose `written` file is missing or damaged is
+    /// refused until this runs or the file is restored (the map is what
+    /// tells lost metadata from never-written blocks, so rebuild it only
+    /// from metadata you trust). An upgrade cut short is finished by
+    /// running it again.
     Upgrade {
         /// The volume's directory (offline: no server may have it open).
         path: PathBuf,

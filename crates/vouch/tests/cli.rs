@@ -512,6 +512,15 @@ enum Loss {
     UnitZeroed,
     /// Split only: the data file cut to half (contexts intact).
     DataCutShort,
+    /// One slot of unit 3 zeroed (split: LBA 389's context; packed: LBA
+    /// 94's, the second record of row 3).
+    ZeroedInPart,
+    /// Unit 5 copied over unit 3 (plain volumes: the message reads the
+    /// tags, which an encrypted context does not carry in the clear).
+    FromElsewhere,
+    /// Unit 3 of another volume (the same image imported again) copied
+    /// over unit 3 (plain volumes, as above).
+    FromOtherVolume,
 }
 
 /// Import 2048 distinct blocks into a new volume, lose metadata as
@@ -578,6 +587,30 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
             "data.00000: row 3 is zeroed: LBAs 93-123 have no protection information".into(),
             93..124,
         ),
+        (Loss::ZeroedInPart, false) => (
+            "contexts: page 3 has 1 blank slot (cut or zeroed in part): LBA 389 has no protection information".into(),
+            389..390,
+        ),
+        (Loss::ZeroedInPart, true) => (
+            "data.00000: row 3 has 1 blank slot (cut or zeroed in part): LBA 94 has no protection information".into(),
+            94..95,
+        ),
+        (Loss::FromElsewhere, false) => (
+            "contexts: page 3 belongs to another place (its slots name LBAs 640-767): LBAs 384-511 have no valid protection information".into(),
+            384..512,
+        ),
+        (Loss::FromElsewhere, true) => (
+            "data.00000: row 3 belongs to another place (its slots name LBAs 155-185): LBAs 93-123 have no valid protection information".into(),
+            93..124,
+        ),
+        (Loss::FromOtherVolume, false) => (
+            "contexts: page 3 belongs to another volume: LBAs 384-511 have no valid protection information".into(),
+            384..512,
+        ),
+        (Loss::FromOtherVolume, true) => (
+            "data.00000: row 3 belongs to another volume: LBAs 93-123 have no valid protection information".into(),
+            93..124,
+        ),
         (Loss::DataCutShort, _) => (
             "data.00000 is 4 MiB, the volume needs 8 MiB: LBAs 1024-2047 are missing (1024 faults)".into(),
             1024..2048,
@@ -596,6 +629,34 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
         Loss::UnitZeroed => {
             let unit = if packed { 131072 } else { 4096 };
             handle.write_all_at(&vec![0u8; unit], 3 * unit as u64)
+        }
+        Loss::ZeroedInPart => {
+            let slot = if packed {
+                3 * 131072 + 4128 + 4096
+            } else {
+                389 * 32
+            };
+            handle.write_all_at(&[0u8; 32], slot)
+        }
+        Loss::FromElsewhere | Loss::FromOtherVolume => {
+            let unit = if packed { 131072 } else { 4096 };
+            let source = if let Loss::FromElsewhere = loss {
+                (file.clone(), 5 * unit as u64)
+            } else {
+                let other = dir.path().join("other");
+                let mut args = args.clone();
+                args[2] = s(&other);
+                ok(&args);
+                (
+                    other.join(file.file_name().expect("a file name")),
+                    3 * unit as u64,
+                )
+            };
+            let mut bytes = vec![0u8; unit];
+            std::fs::File::open(&source.0)
+                .and_then(|from| from.read_exact_at(&mut bytes, source.1))
+                .expect("read the unit to copy");
+            handle.write_all_at(&bytes, 3 * unit as u64)
         }
     }
     .expect("lose metadata");
@@ -619,7 +680,7 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
     );
     let lines: Vec<&str> = report.lines().collect();
     assert_eq!(
-        lines.iter().filter(|line| line.contains("LBAs")).count(),
+        lines.iter().filter(|line| line.contains("LBA")).count(),
         1,
         "{loss:?}: one line for the loss: {report}"
     );
@@ -686,6 +747,7 @@ fn lost_metadata_is_a_fault_never_zeros_split() {
         Loss::Deleted,
         Loss::UnitZeroed,
         Loss::DataCutShort,
+        Loss::ZeroedInPart,
     ] {
         lost_metadata_is_reported("split", false, loss);
     }
@@ -698,6 +760,7 @@ fn lost_metadata_is_a_fault_never_zeros_packed() {
         Loss::Emptied,
         Loss::Deleted,
         Loss::UnitZeroed,
+        Loss::ZeroedInPart,
     ] {
         lost_metadata_is_reported("packed", false, loss);
     }
@@ -711,8 +774,21 @@ fn lost_metadata_is_a_fault_never_zeros_encrypted() {
             Loss::Emptied,
             Loss::Deleted,
             Loss::UnitZeroed,
+            Loss::ZeroedInPart,
         ] {
             lost_metadata_is_reported(layout, true, loss);
+        }
+    }
+}
+
+/// Issue 28: a metadata unit copied in from another place or another
+/// volume is named once by `check` and `export`, every block of it a
+/// fault — never its neighbour's or the other volume's data, never zeros.
+#[test]
+fn a_unit_from_elsewhere_is_named_never_read() {
+    for layout in ["split", "packed"] {
+        for loss in [Loss::FromElsewhere, Loss::FromOtherVolume] {
+            lost_metadata_is_reported(layout, false, loss);
         }
     }
 }
@@ -753,6 +829,94 @@ fn issue_28_contexts_cut_short_is_not_clean() {
     );
 }
 
+/// A volume of an older format: `check` passes noting `note`, a write (a
+/// copy within the volume) is refused naming `refusal`, and after `vouch
+/// upgrade` (which says `done`) the same copy succeeds.
+fn upgrade_makes_writable(volume: &Path, note: &str, refusal: &str, done: &str) {
+    let old = vouch(&["check", s(volume)]);
+    assert!(
+        old.status.success() && text(&old).contains(note),
+        "{}",
+        text(&old)
+    );
+    let copy = [
+        "copy",
+        s(volume),
+        s(volume),
+        "--length",
+        "4096",
+        "--destination-offset",
+        "8192",
+    ];
+    fails(&copy, 2, refusal);
+    let said = ok(&["upgrade", s(volume)]);
+    assert!(said.contains(done), "{said}");
+    ok(&copy);
+}
+
+/// A volume made before whole metadata units (a written map, but blank
+/// slots for never-written blocks, as the binary before wrote them) opens
+/// read-only, saying how to upgrade; `vouch upgrade` writes the vacant
+/// markers, after which it is writable and a slot zeroed later is caught.
+#[test]
+fn volumes_before_whole_units_upgrade_explicitly() {
+    for layout in ["split", "packed"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let raw = raw_image(dir.path(), 1024);
+        let volume = dir.path().join("vol");
+        ok(&[
+            "import",
+            s(&raw),
+            s(&volume),
+            "--layout",
+            layout,
+            "--journal",
+            "4MiB",
+        ]);
+        let packed = layout == "packed";
+        let (file, slot, line) = if packed {
+            (
+                "data.00000",
+                3 * 131072 + 4128 + 4096,
+                "data.00000: row 3 has 1 blank slot (cut or zeroed in part): LBA 94 has no protection information",
+            )
+        } else {
+            (
+                "contexts",
+                389 * 32,
+                "contexts: page 3 has 1 blank slot (cut or zeroed in part): LBA 389 has no protection information",
+            )
+        };
+        let handle = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(volume.join(file))
+            .expect("open");
+        // What the binary before wrote for a never-written block inside a
+        // written unit: a blank slot.
+        handle.write_all_at(&[0u8; 32], slot).expect("blank slot");
+        let bound = vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS;
+        rewrite_superblock(&volume, |sb| sb.features.incompat &= !bound);
+        upgrade_makes_writable(
+            &volume,
+            "made before whole metadata units",
+            "made before whole metadata units: `vouch upgrade PATH`",
+            "every written unit whole",
+        );
+        let flags = info_json(&volume)["features"]["incompat"]
+            .as_u64()
+            .expect("incompat");
+        assert_ne!(flags & bound, 0, "{layout}");
+        let mut marker = [0u8; 32];
+        handle.read_exact_at(&mut marker, slot).expect("read slot");
+        assert_eq!(marker[0], vouch_format::KIND_VACANT, "{layout}: {marker:?}");
+        ok(&["check", s(&volume)]);
+        // Whole now: the same slot zeroed again is lost, not never written.
+        handle.write_all_at(&[0u8; 32], slot).expect("blank slot");
+        check_says(&volume, line);
+    }
+}
+
 /// A volume made before the written map opens read-only, saying how to
 /// upgrade it; `vouch upgrade` builds the map from its contexts, after
 /// which it is writable and a lost page is caught. A `written` file lost
@@ -764,7 +928,8 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
     let volume = dir.path().join("vol");
     ok(&["import", s(&raw), s(&volume), "--journal", "4MiB"]);
     rewrite_superblock(&volume, |sb| {
-        sb.features.incompat &= !vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP
+        sb.features.incompat &= !(vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP
+            | vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS)
     });
     std::fs::remove_file(volume.join("written")).expect("remove written");
     let written_map = vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP;
@@ -774,30 +939,13 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
             .expect("incompat")
     };
     assert_eq!(incompat(&volume) & written_map, 0);
-    let old = vouch(&["check", s(&volume)]);
-    assert!(
-        old.status.success() && text(&old).contains("was made before the written map"),
-        "{}",
-        text(&old)
-    );
-    let copy = [
-        "copy",
-        s(&volume),
-        s(&volume),
-        "--length",
-        "4096",
-        "--destination-offset",
-        "8192",
-    ];
-    fails(
-        &copy,
-        2,
+    upgrade_makes_writable(
+        &volume,
+        "was made before the written map",
         "made before the written map: `vouch upgrade PATH`",
+        "written map built",
     );
-    let done = ok(&["upgrade", s(&volume)]);
-    assert!(done.contains("written map built"), "{done}");
     assert_ne!(incompat(&volume) & written_map, 0);
-    ok(&copy);
     ok(&["check", s(&volume)]);
     // The map built by the upgrade catches a lost page.
     let contexts = std::fs::OpenOptions::new()

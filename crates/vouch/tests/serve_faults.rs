@@ -325,40 +325,82 @@ print(json.dumps(out))
 /// read of it is EIO naming the LBA, and the server log names the cause.
 #[test]
 fn a_lost_metadata_unit_is_eio_and_never_a_hole_split() {
-    lost_unit_over_nbd("split");
+    lost_unit_over_nbd("split", UnitLoss::Zeroed);
 }
 
 #[test]
 fn a_lost_metadata_unit_is_eio_and_never_a_hole_packed() {
-    lost_unit_over_nbd("packed");
+    lost_unit_over_nbd("packed", UnitLoss::Zeroed);
 }
 
-fn lost_unit_over_nbd(layout: &str) {
+/// A unit copied in from another volume fails every read of it over NBD
+/// with the volume tag named, its never-written blocks included (their
+/// vacant markers name the other volume): never zeros, never a hole.
+#[test]
+fn a_unit_from_another_volume_is_eio_and_never_a_hole_split() {
+    lost_unit_over_nbd("split", UnitLoss::FromOtherVolume);
+}
+
+#[test]
+fn a_unit_from_another_volume_is_eio_and_never_a_hole_packed() {
+    lost_unit_over_nbd("packed", UnitLoss::FromOtherVolume);
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum UnitLoss {
+    /// Unit 0 zeroed.
+    Zeroed,
+    /// Unit 0 replaced by unit 0 of another volume written the same way.
+    FromOtherVolume,
+}
+
+fn lost_unit_over_nbd(layout: &str, loss: UnitLoss) {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
-    vouch_ok(&["create", s(&volume), "--size", "1MiB", "--layout", layout]);
-    let mut server = Server::start(dir.path(), &[s(&volume)]);
-    write_tagged_blocks(&server.uri, 8);
-    server.stop();
-    let (file, unit, cause) = if layout == "split" {
-        (
-            "contexts",
-            4096,
-            "contexts: page 0 is zeroed: LBAs 0-127 have no protection information",
-        )
+    let other = dir.path().join("other");
+    for volume in [&volume, &other] {
+        vouch_ok(&["create", s(volume), "--size", "1MiB", "--layout", layout]);
+        let mut server = Server::start(dir.path(), &[s(volume)]);
+        write_tagged_blocks(&server.uri, 8);
+        server.stop();
+    }
+    let (file, unit) = if layout == "split" {
+        ("contexts", "page 0")
     } else {
-        (
-            "data.00000",
-            131072,
-            "data.00000: row 0 is zeroed: LBAs 0-30 have no protection information",
-        )
+        ("data.00000", "row 0")
+    };
+    let (unit_bytes, lbas) = if layout == "split" {
+        (4096, "LBAs 0-127")
+    } else {
+        (131072, "LBAs 0-30")
+    };
+    let (bytes, cause, fault) = match loss {
+        UnitLoss::Zeroed => (
+            vec![0u8; unit_bytes],
+            format!("{file}: {unit} is zeroed: {lbas} have no protection information"),
+            "metadata_lost",
+        ),
+        UnitLoss::FromOtherVolume => {
+            let mut bytes = vec![0u8; unit_bytes];
+            std::fs::File::open(other.join(file))
+                .expect("open the other volume's file")
+                .read_exact_at(&mut bytes, 0)
+                .expect("read its unit");
+            (
+                bytes,
+                format!(
+                    "{file}: {unit} belongs to another volume: {lbas} have no valid protection information"
+                ),
+                "volume_tag_mismatch",
+            )
+        }
     };
     std::fs::OpenOptions::new()
         .write(true)
         .open(volume.join(file))
         .expect("open")
-        .write_all_at(&vec![0u8; unit], 0)
-        .expect("zero the unit");
+        .write_all_at(&bytes, 0)
+        .expect("replace the unit");
 
     let mut server = Server::start(dir.path(), &[s(&volume)]);
     let map = clients::nbdinfo_json(&server.uri, &["--map"]);
@@ -399,16 +441,19 @@ print(json.dumps(out))
             entry["server_messages"]
                 .to_string()
                 .contains(&format!("LBA {lba}"))
-                && entry["server_messages"]
-                    .to_string()
-                    .contains("metadata_lost"),
+                && entry["server_messages"].to_string().contains(fault),
             "LBA {lba}: {result}"
         );
     }
     server.stop();
-    let log = server.log_text();
-    assert!(log.contains(cause), "the server log names the cause: {log}");
+    if loss == UnitLoss::Zeroed {
+        let log = server.log_text();
+        assert!(
+            log.contains(&cause),
+            "the server log names the cause: {log}"
+        );
+    }
     let check = vouch(&["check", s(&volume)]);
     assert_eq!(check.status.code(), Some(1), "{}", text(&check));
-    assert!(text(&check).contains(cause), "{}", text(&check));
+    assert!(text(&check).contains(&cause), "{}", text(&check));
 }

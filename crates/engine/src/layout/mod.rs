@@ -177,6 +177,9 @@ pub(crate) trait Layout: Send + Sync {
     /// The context slots in the bytes of one unit (`unit_place`).
     fn unit_metadata(&self, bytes: &[u8]) -> Vec<[u8; vouch_format::CONTEXT_BYTES]>;
 
+    /// The context slots in the bytes of one unit, to change in place.
+    fn unit_slots<'a>(&self, bytes: &'a mut [u8]) -> Vec<&'a mut [u8]>;
+
     /// Check a record that passed its checksums before replaying it.
     fn check_record(&self, record: &Record) -> std::result::Result<(), String>;
 

@@ -76,22 +76,36 @@ impl PackedLayout {
                 continue;
             }
             let first = self.geometry.locate(lba).data_offset;
+            let unit = io.written.unit_of(lba);
+            let trim = matches!(template, Context::Unwritten);
+            if !trim {
+                self.bind_row(io, unit)?;
+            }
+            // A trimmed slot of a whole row is its vacant marker, never
+            // blank (a blank slot there is lost metadata).
+            let vacant = trim && io.written.bound() && io.written.is_set(unit);
             let mut run = vec![0u8; ((row_end_lba - lba) * PACKED_RECORD_BYTES) as usize];
             for (index, block) in (lba..row_end_lba).enumerate() {
                 let at = index * PACKED_RECORD_BYTES as usize + BLOCK as usize;
-                run[at..at + CONTEXT_BYTES]
-                    .copy_from_slice(&context_in_range(template, block).encode());
+                let slot = if vacant {
+                    io.written.vacant(block)
+                } else {
+                    context_in_range(template, block).encode()
+                };
+                run[at..at + CONTEXT_BYTES].copy_from_slice(&slot);
             }
             {
                 // A trim may leave the row blank: its bit is cleared
                 // before a reader can judge it (under `change`).
                 let _change = io.written.change.lock();
                 io.write_object(object, first, &run)?;
-                let unit = io.written.unit_of(lba);
-                if matches!(template, Context::Unwritten) {
-                    let blank = self
-                        .row_blank(io, unit, Wait::Block)
-                        .map_err(|error| Error::io("read", object, first, error))?;
+                if trim {
+                    let blank = if io.written.bound() {
+                        self.row_vacant(io, unit)?
+                    } else {
+                        self.row_blank(io, unit, Wait::Block)
+                            .map_err(|error| Error::io("read", object, first, error))?
+                    };
                     if io.written.is_set(unit) && blank {
                         io.written.clear(unit);
                     }
@@ -105,22 +119,55 @@ impl PackedLayout {
     }
 }
 
-/// A blank context in a row the written map says was written may be a
-/// lost one: `MetadataLost` until `judge_suspects` reads the row.
-fn suspect(
-    io: &Backing,
-    lba: u64,
-    context: Result<Context, FormatError>,
-) -> Result<Context, FormatError> {
-    match context {
-        Ok(Context::Unwritten) if io.written.is_set(io.written.unit_of(lba)) => {
-            Err(FormatError::MetadataLost)
-        }
-        other => other,
-    }
-}
-
 impl PackedLayout {
+    /// Make row `unit` whole before its first record is written (volumes
+    /// whose units are whole, and only while its bit is clear): every
+    /// blank slot of the row gets its vacant marker, in one write of the
+    /// row, so once the record is written and the bit set no slot of the
+    /// row is blank. The row is read first, so whatever it holds is kept.
+    /// Crash ordering: this write, then the records, then the bit (set in
+    /// memory, on disk with the next checkpoint's map after the data's
+    /// fsync). A crash in between leaves markers and maybe records under
+    /// a clear bit, which read as never written until the journal's replay
+    /// writes the records again (binding the row again first).
+    fn bind_row(&self, io: &Backing, unit: u64) -> Result<()> {
+        if !io.written.bound() || io.written.is_set(unit) {
+            return Ok(());
+        }
+        let place = self.unit_place(unit);
+        let mut row = PageBuffer::new(place.len);
+        io.read_object(place.object, place.offset, &mut row)?;
+        let changed = {
+            let mut slots = self.unit_slots(&mut row);
+            // A row with nothing in it yet is made whole by its first
+            // record: pretend that record is there.
+            let first = unit * PACKED_RECORDS_PER_ROW;
+            io.written
+                .bind_slots((first, self.geometry.blocks), &mut slots, true)
+        };
+        if changed {
+            io.write_object(place.object, place.offset, &row)?;
+        }
+        Ok(())
+    }
+
+    /// Whether every slot of row `unit` is blank or its own vacant marker
+    /// (a whole row that holds nothing).
+    fn row_vacant(&self, io: &Backing, unit: u64) -> Result<bool> {
+        let place = self.unit_place(unit);
+        let first = unit * PACKED_RECORDS_PER_ROW;
+        for slot in 0..PACKED_RECORDS_PER_ROW {
+            let mut raw = [0u8; CONTEXT_BYTES];
+            let at = place.offset + slot * PACKED_RECORD_BYTES + BLOCK;
+            io.read_object(place.object, at, &mut raw)?;
+            let lba = first + slot;
+            if raw != [0u8; CONTEXT_BYTES] && raw != io.written.vacant(lba) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+
     /// The first LBA at or after `lba` whose record may hold data on disk.
     fn next_data_in_segments(&self, io: &Backing, lba: u64) -> Result<Option<u64>> {
         let mut segment_first = lba;
@@ -170,6 +217,11 @@ impl PackedLayout {
         contexts: &mut [Result<Context, FormatError>],
         wait: Wait,
     ) -> std::io::Result<()> {
+        if io.written.bound() {
+            // Whole rows: a blank slot in a row whose bit is set is lost
+            // whatever the rest of the row holds (`judge_slot`).
+            return Ok(());
+        }
         let mut judged: Option<(u64, bool)> = None;
         for (index, context) in contexts.iter_mut().enumerate() {
             if !matches!(context, Err(FormatError::MetadataLost)) {
@@ -287,10 +339,9 @@ impl Layout for PackedLayout {
                 let at = base + (self.geometry.locate(lba).data_offset - start) as usize;
                 out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
                     .copy_from_slice(&span[at..at + BLOCK as usize]);
-                suspect(
-                    io,
+                io.written.judge_slot(
                     lba,
-                    Context::decode(&span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize]),
+                    &span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
                 )
             })
             .collect()
@@ -310,7 +361,7 @@ impl Layout for PackedLayout {
             &mut record,
         )?;
         block.copy_from_slice(&record[..BLOCK as usize]);
-        let mut context = [suspect(io, lba, Context::decode(&record[BLOCK as usize..]))];
+        let mut context = [io.written.judge_slot(lba, &record[BLOCK as usize..])];
         self.judge_suspects(io, lba, &mut context, Wait::Block)?;
         let [context] = context;
         Ok(Some(context))
@@ -327,6 +378,15 @@ impl Layout for PackedLayout {
         // its encoded context, and the zero padding at a row's end when a run
         // crosses into the next row. Nothing is copied here.
         let encoded: Vec<[u8; CONTEXT_BYTES]> = contexts.iter().map(Context::encode).collect();
+        // A row's first record makes it whole first (`bind_row`).
+        let mut last = None;
+        for (lba, _) in blocks {
+            let unit = io.written.unit_of(*lba);
+            if last != Some(unit) {
+                self.bind_row(io, unit)?;
+                last = Some(unit);
+            }
+        }
         let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
         let mut index = 0;
         while index < blocks.len() {
@@ -412,6 +472,14 @@ impl Layout for PackedLayout {
             .collect()
     }
 
+    fn unit_slots<'a>(&self, bytes: &'a mut [u8]) -> Vec<&'a mut [u8]> {
+        bytes
+            .chunks_mut(PACKED_RECORD_BYTES as usize)
+            .take(PACKED_RECORDS_PER_ROW as usize)
+            .map(|record| &mut record[BLOCK as usize..BLOCK as usize + CONTEXT_BYTES])
+            .collect()
+    }
+
     fn allocation(
         &self,
         io: &Backing,
@@ -447,7 +515,7 @@ impl Layout for PackedLayout {
                 &mut raw,
             )?;
             // A lost row is data, never a hole (its reads are faults).
-            let mut context = [suspect(io, lba, Context::decode(&raw))];
+            let mut context = [io.written.judge_slot(lba, &raw)];
             self.judge_suspects(io, lba, &mut context, Wait::Block)
                 .map_err(|error| Error::io("read", ObjectId::Data(location.segment), 0, error))?;
             kinds.push(match context[0] {
@@ -517,6 +585,7 @@ impl Layout for PackedLayout {
                     record_bytes[..BLOCK as usize].copy_from_slice(data);
                     record_bytes[BLOCK as usize..].copy_from_slice(&entry.context.encode());
                     let object = ObjectId::Data(location.segment);
+                    self.bind_row(replay.io, replay.io.written.unit_of(entry.lba))?;
                     replay
                         .io
                         .write_object(object, location.data_offset, &record_bytes)?;

@@ -309,6 +309,10 @@ impl Layout for SplitLayout {
             .collect()
     }
 
+    fn unit_slots<'a>(&self, bytes: &'a mut [u8]) -> Vec<&'a mut [u8]> {
+        bytes.chunks_exact_mut(CONTEXT_BYTES).collect()
+    }
+
     fn allocation(
         &self,
         io: &Backing,
@@ -590,13 +594,37 @@ impl CheckpointPages {
     }
 
     fn write_batch(&mut self, io: &Backing) -> Result<()> {
+        // In memory a never-written slot is blank; on disk, in a page that
+        // is not blank, it is its vacant marker (units are whole: a blank
+        // slot of a written page is then lost, `WrittenMap::judge_page`).
+        // Written in the same run as the page's other slots, so the page
+        // is whole on disk whenever its bit is set.
+        let on_disk: Vec<Option<Box<[u8; 4096]>>> = self
+            .batch
+            .iter()
+            .map(|(page_no, page)| {
+                if !io.written.bound() {
+                    return None;
+                }
+                let mut copy = Box::new(**page);
+                let mut slots: Vec<&mut [u8]> = copy.chunks_mut(CONTEXT_BYTES).collect();
+                io.written
+                    .bind_slots(
+                        (page_no * CONTEXTS_PER_PAGE, io.geometry.blocks),
+                        &mut slots,
+                        false,
+                    )
+                    .then_some(copy)
+            })
+            .collect();
         let mut runs_parts: Vec<Vec<&[u8]>> = Vec::new();
         let mut offsets = Vec::new();
         for (index, (page_no, page)) in self.batch.iter().enumerate() {
+            let bytes = on_disk[index].as_deref().unwrap_or(&**page);
             if index > 0 && self.batch[index - 1].0 + 1 == *page_no {
-                runs_parts.last_mut().expect("a run").push(&page[..]);
+                runs_parts.last_mut().expect("a run").push(&bytes[..]);
             } else {
-                runs_parts.push(vec![&page[..]]);
+                runs_parts.push(vec![&bytes[..]]);
                 offsets.push(page_no * 4096);
             }
         }
