@@ -185,12 +185,14 @@ fn a_slot_left_at_a_lower_epoch_is_caught() {
             // It needs a commit with an empty buffer, then writers during
             // the next commit and a crash before its slot is emptied: more
             // seeds, each cheaper (crashes at 3 % of the I/Os and at the
-            // commit steps, none nested).
+            // commit steps, none nested). The seeds are fixed, so the count
+            // is too: with whole units on, seeds 1-16 catch it 8 times
+            // (split) and 7 (packed); 1-8 caught it only twice in packed.
             config.io_permille = 30;
             config.nested_permille = 0;
             config.after_permille = 0;
         },
-        (8, 3),
+        (16, 4),
         "writers filling a slot of a lower epoch",
     );
 }
