@@ -465,7 +465,18 @@ fn read_slot(
         let Ok(record) = RecordHeader::decode(&raw) else {
             break;
         };
-        if record.epoch != header.epoch || at + record.record_bytes() > len {
+        if record.epoch != header.epoch {
+            break;
+        }
+        if at + record.record_bytes() > len {
+            // Room for a record is made before its header is written, so
+            // a live header whose record runs past the file means the
+            // file was cut: damage, not the end of the log.
+            if named {
+                return Err(damaged(&format!(
+                    "is cut short: its record at byte {at} runs past its end ({len} bytes)"
+                )));
+            }
             break;
         }
         if needs_done && !record.is_done(&raw) {

@@ -1,5 +1,6 @@
 //! The held log's own failures, through the binary (issue 29): a slot the
-//! volume's `held` file names that was cut short or zeroed after a crash
+//! volume's `held` file names that was emptied, cut inside a record, or
+//! zeroed after a crash
 //! is never read as "nothing held" (the acknowledged writes in it would
 //! silently come back as what was there before); and a runtime directory
 //! with no room left refuses writes with ENOSPC and loses nothing it
@@ -97,6 +98,8 @@ enum Damage {
     Emptied,
     /// Its header page zeroed.
     HeaderZeroed,
+    /// Cut inside its first record (the record's header kept).
+    CutInRecord,
 }
 
 fn damage(path: &Path, how: Damage) {
@@ -106,6 +109,7 @@ fn damage(path: &Path, how: Damage) {
         .expect("open slot");
     match how {
         Damage::Emptied => file.set_len(0).expect("truncate slot"),
+        Damage::CutInRecord => file.set_len(4096 + 100_000).expect("truncate slot"),
         Damage::HeaderZeroed => {
             use std::os::unix::fs::FileExt as _;
             file.write_all_at(&[0u8; 4096], 0).expect("zero header");
@@ -121,7 +125,12 @@ fn damage(path: &Path, how: Damage) {
 #[test]
 fn a_damaged_held_slot_refuses_the_open_and_says_what_to_do() {
     const MIBS: u64 = 6;
-    for how in [None, Some(Damage::Emptied), Some(Damage::HeaderZeroed)] {
+    for how in [
+        None,
+        Some(Damage::Emptied),
+        Some(Damage::HeaderZeroed),
+        Some(Damage::CutInRecord),
+    ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let runtime = dir.path().join("runtime");
         std::fs::create_dir(&runtime).expect("runtime dir");
