@@ -129,7 +129,7 @@ start_server() { # NAME [SERVE ARGUMENTS...]
         for i in $(seq 1 $((${base#remote} - 1))); do mirrors+=(--mirror "vouch://10.233.$i.1:$port$i/$s"); done ;;
     esac
     if [ ! -d "$vol" ]; then
-        in_e "$VOUCH" create "$vol" --size "$SIZE" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
+        in_e "$vouch" create "$vol" --size "$SIZE" "${mirrors[@]}" > "$OUT/logs/$s.create.log" 2>&1 \
             || die "$s: create: $(cat "$OUT/logs/$s.create.log")"
     fi
     ip netns exec $NS_E "$vouch" serve "$vol" --listen "127.0.0.1:${PORT[$s]}" "$@" >> "$OUT/logs/$s.log" 2>&1 &

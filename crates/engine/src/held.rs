@@ -38,8 +38,9 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use bytes::Bytes;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use vouch_format::held::{
-    decode_entry, done_word, encode_entry, entries_crc, HeldHeader, RecordHeader, DONE_AT,
-    ENTRY_BYTES, FLAG_DROP, HELD_HEADER_BYTES, HELD_VERSION, RECORD_HEADER_BYTES,
+    decode_entry, done_word, encode_entry, entries_crc, HeldHeader, RecordHeader, SizedWord,
+    DONE_AT, ENTRY_BYTES, FLAG_DROP, HELD_HEADER_BYTES, HELD_VERSION, RECORD_HEADER_BYTES,
+    SIZED_AT, SIZED_BYTES,
 };
 use vouch_format::Context;
 
@@ -93,6 +94,9 @@ pub(crate) struct HeldSlots {
     used: [bool; 2],
     /// Bytes of each slot the storage made room for (`grow_held`).
     grown: [u64; 2],
+    /// Each slot file's length (`object_len`) after it last grew, kept in
+    /// its header page (`SizedWord`): a file found shorter was cut.
+    sized: [u64; 2],
 }
 
 /// Room is made in a slot this much at a time: a write rarely pays for it.
@@ -127,6 +131,7 @@ impl HeldLog {
             epochs: [0; 2],
             used: [false; 2],
             grown: [0; 2],
+            sized: [0; 2],
         };
         let mut found: Vec<(u64, Vec<Held>)> = Vec::new();
         if enabled {
@@ -343,6 +348,7 @@ impl HeldSlots {
                     .map_err(|cause| Error::HeldLog { op: "write", cause })?,
             };
             self.grown[slot] = grown;
+            self.note_size(io, slot)?;
         }
         storage
             .write_held(slot as u8, at, &[&raw])
@@ -378,16 +384,46 @@ impl HeldSlots {
         Ok(self.used[committing].then_some(committing))
     }
 
-    /// The header page of `slot` at `epoch`.
+    /// The header page of `slot` at `epoch`, with the slot's length.
     fn header_page(&self, slot: usize, epoch: u64) -> Vec<u8> {
-        HeldHeader {
+        let mut page = HeldHeader {
             slot: slot as u32,
             uuid: self.uuid,
             boot_id: self.boot_id,
             epoch,
             version: HELD_VERSION,
         }
-        .encode()
+        .encode();
+        let sized = SizedWord {
+            length: self.sized[slot],
+        };
+        page[SIZED_AT..SIZED_AT + SIZED_BYTES].copy_from_slice(&sized.encode());
+        page
+    }
+
+    /// Record in `slot`'s header page the file's length now that it grew
+    /// (a rare step: `GROW_STEP`). The length is read back rather than
+    /// assumed: where the storage cannot allocate ahead, the file is only
+    /// as long as what was written, and files never shrink while open. A
+    /// crash before this store leaves the smaller length: never a false
+    /// refusal.
+    fn note_size(&mut self, io: &Backing, slot: usize) -> Result<()> {
+        let storage = io.storage();
+        let length = storage
+            .object_len(slot_object(slot))
+            .map_err(|cause| Error::HeldLog { op: "write", cause })?
+            .unwrap_or(0);
+        if length <= self.sized[slot] {
+            return Ok(());
+        }
+        self.sized[slot] = length;
+        storage
+            .write_held(
+                slot as u8,
+                SIZED_AT as u64,
+                &[&SizedWord { length }.encode()],
+            )
+            .map_err(|cause| Error::HeldLog { op: "write", cause })
     }
 
     /// Write `slot`'s header with a new epoch. No copy may be in flight
@@ -454,6 +490,14 @@ fn read_slot(
             true => Err(damaged("belongs to another volume or another boot")),
             false => Ok(None),
         };
+    }
+    if let Some(sized) = SizedWord::decode(&page[SIZED_AT..SIZED_AT + SIZED_BYTES]) {
+        if named && len < sized.length {
+            return Err(damaged(&format!(
+                "is cut short: {len} bytes, where it had grown to {} (records at its end are gone)",
+                sized.length
+            )));
+        }
     }
     // Version 1 wrote each body before its header: a header means whole.
     let needs_done = header.version == HELD_VERSION;

@@ -57,6 +57,54 @@ pub fn done_word(epoch: u64) -> u64 {
     epoch ^ 0x444f_4e45_5643_4844 // "DONEVCHD"
 }
 
+/// Where a slot's header page keeps the slot file's length as it stood
+/// after the slot last grew (`SizedWord`): bytes 64-79, outside the
+/// header's CRC (rewritten on its own when the slot grows). A slot file
+/// shorter than that was cut, wherever the cut fell, even exactly at the
+/// end of a record, where its records alone cannot tell.
+pub const SIZED_AT: usize = 64;
+pub const SIZED_BYTES: usize = 16;
+const SIZED_KEY: u64 = 0x5349_5a45_4456_4348; // "SIZEDVCH"
+
+/// A slot file's length as recorded in its header page: `length` then
+/// `length XOR 0x5349_5A45_4456_4348`, so zeros or stray bytes read as no
+/// record at all (never as a length that would refuse the open).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SizedWord {
+    pub length: u64,
+}
+
+impl SizedWord {
+    pub const FIELDS: &'static [Field] = &[
+        Field {
+            name: "sized",
+            offset: 0,
+            size: 8,
+        },
+        Field {
+            name: "sized_check",
+            offset: 8,
+            size: 8,
+        },
+    ];
+
+    pub fn encode(&self) -> [u8; SIZED_BYTES] {
+        let mut out = [0u8; SIZED_BYTES];
+        put_u64(&mut out, 0, self.length);
+        put_u64(&mut out, 8, self.length ^ SIZED_KEY);
+        out
+    }
+
+    /// The recorded length, if `raw` (at least `SIZED_BYTES`) holds one.
+    pub fn decode(raw: &[u8]) -> Option<SizedWord> {
+        if raw.len() < SIZED_BYTES {
+            return None;
+        }
+        let length = get_u64(raw, 0);
+        (get_u64(raw, 8) == length ^ SIZED_KEY).then_some(SizedWord { length })
+    }
+}
+
 /// A slot's header (the first 64 bytes of its page; the rest is zero).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HeldHeader {
@@ -302,10 +350,22 @@ mod tests {
     #[test]
     fn tables_tile_their_structures() {
         assert!(crate::fields_tile(HeldHeader::FIELDS, USED));
+        assert!(crate::fields_tile(SizedWord::FIELDS, SIZED_BYTES));
         assert!(crate::fields_tile(
             RecordHeader::FIELDS,
             RECORD_HEADER_BYTES
         ));
+    }
+
+    #[test]
+    fn a_sized_word_round_trips_and_zeros_are_none() {
+        let word = SizedWord { length: 8 << 20 };
+        assert_eq!(SizedWord::decode(&word.encode()), Some(word));
+        assert_eq!(SizedWord::decode(&[0u8; SIZED_BYTES]), None);
+        let mut raw = word.encode();
+        raw[3] ^= 1;
+        assert_eq!(SizedWord::decode(&raw), None, "a changed length");
+        assert_eq!(SizedWord::decode(&raw[..8]), None, "too short");
     }
 
     #[test]

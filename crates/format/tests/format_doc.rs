@@ -79,8 +79,9 @@ fn written_map_table_matches_code() {
 
 #[test]
 fn held_log_tables_match_code() {
-    use vouch_format::held::{HeldHeader, RecordHeader};
+    use vouch_format::held::{HeldHeader, RecordHeader, SizedWord};
     assert_matches("### Held log slot header", HeldHeader::FIELDS);
+    assert_matches("### Held log slot length", SizedWord::FIELDS);
     assert_matches("### Held log record header", RecordHeader::FIELDS);
 }
 

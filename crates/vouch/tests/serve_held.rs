@@ -1,5 +1,5 @@
 //! The held log's own failures, through the binary (issue 29): a slot the
-//! volume's `held` file names that was emptied, cut inside a record, or
+//! volume's `held` file names that was emptied, cut inside a record or at a record's end, or
 //! zeroed after a crash
 //! is never read as "nothing held" (the acknowledged writes in it would
 //! silently come back as what was there before); and a runtime directory
@@ -100,16 +100,30 @@ enum Damage {
     HeaderZeroed,
     /// Cut inside its first record (the record's header kept).
     CutInRecord,
+    /// Cut exactly where its first record ends: every record is whole,
+    /// the ones after it are gone.
+    CutAfterRecord,
 }
 
 fn damage(path: &Path, how: Damage) {
     let file = std::fs::OpenOptions::new()
+        .read(true)
         .write(true)
         .open(path)
         .expect("open slot");
     match how {
         Damage::Emptied => file.set_len(0).expect("truncate slot"),
         Damage::CutInRecord => file.set_len(4096 + 100_000).expect("truncate slot"),
+        Damage::CutAfterRecord => {
+            use std::os::unix::fs::FileExt as _;
+            // The record header's `count` (FORMAT.md "Held log record
+            // header"): 64 bytes, then 40 and 4096 per block.
+            let mut count = [0u8; 4];
+            file.read_at(&mut count, 4096 + 16).expect("read count");
+            let count = u64::from(u32::from_le_bytes(count));
+            file.set_len(4096 + 64 + count * (40 + 4096))
+                .expect("truncate slot");
+        }
         Damage::HeaderZeroed => {
             use std::os::unix::fs::FileExt as _;
             file.write_all_at(&[0u8; 4096], 0).expect("zero header");
@@ -130,6 +144,7 @@ fn a_damaged_held_slot_refuses_the_open_and_says_what_to_do() {
         Some(Damage::Emptied),
         Some(Damage::HeaderZeroed),
         Some(Damage::CutInRecord),
+        Some(Damage::CutAfterRecord),
     ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let runtime = dir.path().join("runtime");
