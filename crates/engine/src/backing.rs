@@ -49,6 +49,12 @@ impl Backing {
         &*self.storage
     }
 
+    /// The storage, to keep it alive beside the volume (the landing
+    /// area's regions outlive a request).
+    pub fn storage_arc(&self) -> Arc<dyn Storage> {
+        Arc::clone(&self.storage)
+    }
+
     pub fn is_read_only(&self) -> bool {
         self.read_only.is_some()
     }

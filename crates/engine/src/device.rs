@@ -143,6 +143,16 @@ pub trait BlockDevice: Send + Sync {
         self.try_write(offset, data)
     }
 
+    /// Memory to receive a write's payload of `len` bytes into before it
+    /// is passed to `write_shared` / `try_write_shared` (frozen): a volume
+    /// whose held log can name it instead of copying it (`landing.rs`).
+    /// `None`, the default, receives into process memory. Only a hint:
+    /// the write takes any `Bytes`.
+    fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
+        let _ = len;
+        None
+    }
+
     /// Make every write completed before this call durable.
     fn flush(&self) -> Result<()>;
 

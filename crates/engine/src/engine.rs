@@ -203,6 +203,12 @@ impl Engine {
                 committer.sync_data(&shared, &mut journal)?;
             }
             shared.held.empty_all(&shared.io)?;
+            // A protection that transforms what it seals (encryption)
+            // seals a copy, never the received bytes in place: nothing
+            // would land.
+            if shared.protection.stores_plain() {
+                shared.held.open_landing(&shared.io);
+            }
         }
         if rebuild && !(has_map && bound) {
             // The flags last: the map and the whole units they promise are

@@ -39,13 +39,14 @@ use bytes::Bytes;
 use parking_lot::{Condvar, Mutex, MutexGuard};
 use vouch_format::held::{
     decode_entry, done_word, encode_entry, entries_crc, HeldHeader, RecordHeader, SizedWord,
-    DONE_AT, ENTRY_BYTES, FLAG_DROP, HELD_HEADER_BYTES, HELD_VERSION, RECORD_HEADER_BYTES,
-    SIZED_AT, SIZED_BYTES,
+    DONE_AT, ENTRY_BYTES, FLAG_DROP, FLAG_LANDED, HELD_HEADER_BYTES, HELD_VERSION,
+    HELD_VERSION_BODY_FIRST, RECORD_HEADER_BYTES, SIZED_AT, SIZED_BYTES,
 };
 use vouch_format::Context;
 
 use crate::backing::Backing;
 use crate::error::{Error, Fault, Result};
+use crate::landing::{LandingArea, LandingBuffer};
 use crate::protection::Protection;
 use crate::state::{BlockData, DirtyBlock, BLOCK};
 use crate::storage::ObjectId;
@@ -75,6 +76,9 @@ pub(crate) struct HeldLog {
     waiting: AtomicBool,
     /// Signalled when a slot's last copy in flight finishes.
     copied: Condvar,
+    /// Where large payloads are received (`landing.rs`): a writable open
+    /// of a volume whose blocks are stored as written makes it.
+    landing: std::sync::OnceLock<std::sync::Arc<LandingArea>>,
 }
 
 /// The slots' positions, behind the log's lock.
@@ -97,6 +101,10 @@ pub(crate) struct HeldSlots {
     /// Each slot file's length (`object_len`) after it last grew, kept in
     /// its header page (`SizedWord`): a file found shorter was cut.
     sized: [u64; 2],
+    /// A block of each landed record of each slot: its bytes keep the
+    /// landing region the record names from being reused until the slot
+    /// is emptied (`landing.rs`).
+    kept: [Vec<BlockData>; 2],
 }
 
 /// Room is made in a slot this much at a time: a write rarely pays for it.
@@ -109,6 +117,8 @@ pub(crate) struct Placed {
     slot: usize,
     at: u64,
     epoch: u64,
+    /// The blocks are in the landing area: the body is the entries only.
+    landed: bool,
 }
 
 fn slot_object(slot: usize) -> ObjectId {
@@ -132,6 +142,7 @@ impl HeldLog {
             used: [false; 2],
             grown: [0; 2],
             sized: [0; 2],
+            kept: [Vec::new(), Vec::new()],
         };
         let mut found: Vec<(u64, Vec<Held>)> = Vec::new();
         if enabled {
@@ -151,9 +162,43 @@ impl HeldLog {
                 copying: [AtomicUsize::new(0), AtomicUsize::new(0)],
                 waiting: AtomicBool::new(false),
                 copied: Condvar::new(),
+                landing: std::sync::OnceLock::new(),
             },
             held,
         ))
+    }
+
+    /// Make the landing area (a writable open, after `empty_all`: nothing
+    /// live names it any more), if the storage has one.
+    pub fn open_landing(&self, io: &Backing) {
+        if !self.enabled {
+            return;
+        }
+        if let Some(area) = LandingArea::new(io.storage_arc()) {
+            let _ = self.landing.set(area);
+        }
+    }
+
+    /// A region of the landing area to receive a payload of `len` bytes
+    /// into, if there is an area and room in it.
+    pub fn landing_buffer(&self, len: usize) -> Option<LandingBuffer> {
+        self.landing.get()?.take(len)
+    }
+
+    /// Where `blocks` are in the landing area, if they are one run of it
+    /// in LBA order (a payload received there, sealed where it lies).
+    pub fn landed(&self, blocks: &[(u64, DirtyBlock)]) -> Option<u64> {
+        let area = self.landing.get()?;
+        let (_, first) = blocks.first()?;
+        let start = first.data.as_ptr();
+        let offset = area.offset_of(start, blocks.len() * BLOCK as usize)?;
+        let in_a_row = blocks.iter().enumerate().all(|(index, (_, dirty))| {
+            std::ptr::eq(
+                dirty.data.as_ptr(),
+                start.wrapping_add(index * BLOCK as usize),
+            )
+        });
+        in_a_row.then_some(offset)
     }
 
     pub fn lock(&self) -> MutexGuard<'_, HeldSlots> {
@@ -189,7 +234,9 @@ impl HeldLog {
         let slot = placed.slot as u8;
         let mut parts: Vec<&[u8]> = Vec::with_capacity(blocks.len() + 1);
         parts.push(entries);
-        parts.extend(blocks.iter().map(|(_, dirty)| &dirty.data[..]));
+        if !placed.landed {
+            parts.extend(blocks.iter().map(|(_, dirty)| &dirty.data[..]));
+        }
         let result = storage
             .write_held(slot, placed.at + RECORD_HEADER_BYTES as u64, &parts)
             .and_then(|()| {
@@ -209,15 +256,17 @@ impl HeldLog {
     /// made) in the active slot of `slots` (this log's, locked): its
     /// header written, its body left to `fill`, which the caller runs
     /// after buffering the blocks and releasing the lock. `None` when
-    /// nothing is logged.
+    /// nothing is logged. `landed`: the blocks' offset in the landing area
+    /// (`landed`), which the record names instead of holding them.
     pub fn place(
         &self,
         slots: &mut HeldSlots,
         io: &Backing,
         entries: &[u8],
         blocks: &[(u64, DirtyBlock)],
+        landed: Option<u64>,
     ) -> Result<Option<Placed>> {
-        let placed = slots.place(io, entries, blocks)?;
+        let placed = slots.place(io, entries, blocks, landed)?;
         if let Some(placed) = &placed {
             self.copying[placed.slot].fetch_add(1, Ordering::SeqCst);
         }
@@ -278,6 +327,7 @@ impl HeldSlots {
         io: &Backing,
         entries: &[u8],
         blocks: &[(u64, DirtyBlock)],
+        landed: Option<u64>,
     ) -> Result<Option<Placed>> {
         if !self.enabled || blocks.is_empty() {
             return Ok(None);
@@ -286,16 +336,21 @@ impl HeldSlots {
         let header = RecordHeader {
             epoch,
             count: blocks.len() as u32,
-            flags: 0,
+            flags: if landed.is_some() { FLAG_LANDED } else { 0 },
             entries_crc: entries_crc(entries),
-            first: 0,
+            first: landed.unwrap_or(0),
             blocks: 0,
         };
         let at = self.write_header(io, &header, header.encode())?;
+        if landed.is_some() {
+            // The region stays as it is while the record naming it lives.
+            self.kept[self.active].push(blocks[0].1.data.clone());
+        }
         Ok(Some(Placed {
             slot: self.active,
             at,
             epoch,
+            landed: landed.is_some(),
         }))
     }
 
@@ -440,6 +495,8 @@ impl HeldSlots {
             .map_err(|cause| Error::HeldLog { op: "write", cause })?;
         self.epochs[slot] = epoch;
         self.used[slot] = false;
+        // Its records are dead: the landing regions they named may go.
+        self.kept[slot].clear();
         if slot == self.active {
             self.tail = HELD_HEADER_BYTES;
         }
@@ -500,7 +557,7 @@ fn read_slot(
         }
     }
     // Version 1 wrote each body before its header: a header means whole.
-    let needs_done = header.version == HELD_VERSION;
+    let needs_done = header.version != HELD_VERSION_BODY_FIRST;
     let mut records = Vec::new();
     let mut at = HELD_HEADER_BYTES;
     let mut raw = [0u8; RECORD_HEADER_BYTES];
@@ -556,8 +613,18 @@ fn read_slot(
             break;
         }
         let mut data = vec![0u8; count * BLOCK as usize];
-        let data_at = at + (RECORD_HEADER_BYTES + entries.len()) as u64;
-        io.read_object(object, data_at, &mut data)?;
+        if record.flags & FLAG_LANDED != 0 {
+            // The blocks are where the payload was received.
+            storage.read_landing(record.first, &mut data).map_err(|error| {
+                damaged(&format!(
+                    "has a record at byte {at} whose blocks are in the landing file at byte {}, which cannot be read ({error})",
+                    record.first
+                ))
+            })?;
+        } else {
+            let data_at = at + (RECORD_HEADER_BYTES + entries.len()) as u64;
+            io.read_object(object, data_at, &mut data)?;
+        }
         let data = Bytes::from(data);
         let mut blocks = Vec::with_capacity(count);
         for index in 0..count {

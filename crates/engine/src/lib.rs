@@ -33,6 +33,7 @@ mod held;
 pub mod jobs;
 mod journal;
 pub mod keys;
+mod landing;
 
 mod layout;
 pub mod mirror;
@@ -59,6 +60,7 @@ pub use device::{
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
+pub use landing::{LandingBuffer, LANDING_CHUNK};
 pub use layout::Allocation;
 pub use options::{CreateOptions, OpenOptions, Tuning};
 pub use schedule::{CommitSchedule, CommitStep, OrderingBreaks};

@@ -330,6 +330,9 @@ impl BlockDevice for Volume {
     fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
         self.engine.try_write_shared(offset, data)
     }
+    fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
+        self.engine.landing_buffer(len)
+    }
     fn flush(&self) -> Result<()> {
         self.engine.flush()
     }

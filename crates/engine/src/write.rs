@@ -118,6 +118,12 @@ impl Engine {
         self.buffer_sealed(sealed)
     }
 
+    /// A region of the landing area for a payload of `len` bytes
+    /// (`BlockDevice::landing_buffer`).
+    pub fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
+        self.shared.held.landing_buffer(len)
+    }
+
     /// `write_shared` of whole blocks without FUA, only if it can complete
     /// without waiting (issue 11's inline NBD path): the blocks fit in the
     /// write-back buffer below the level where writers commit themselves,
@@ -174,6 +180,7 @@ impl Engine {
         let shared = &self.shared;
         let count = sealed.len();
         let entries = shared.held.entries(&*shared.protection, &sealed);
+        let landed = shared.held.landed(&sealed);
         let mut held = shared.held.lock();
         let mut state = shared.state.write();
         if admission == Admission::MustNotWait
@@ -185,7 +192,10 @@ impl Engine {
         // any failed write: nothing of this write was acknowledged, and
         // what was (buffered, logged) stays readable until reopened. Room
         // (a full tmpfs) is found here, before anything is buffered.
-        let placed = match shared.held.place(&mut held, &shared.io, &entries, &sealed) {
+        let placed = match shared
+            .held
+            .place(&mut held, &shared.io, &entries, &sealed, landed)
+        {
             Ok(placed) => placed,
             Err(error) => {
                 drop(state);

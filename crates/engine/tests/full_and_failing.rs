@@ -143,6 +143,48 @@ fn reopen_and_expect(storage: &SimStorage, expected: &[u8]) -> Volume {
     reopened
 }
 
+/// A payload received into the landing area is named by its held-log
+/// record, not copied into it; its region must not be handed out again
+/// while that record is live, even once every block of it was rewritten
+/// (the buffer no longer refers to it): a crash replays the record and
+/// verifies each of its blocks, which must still be what it names.
+#[test]
+fn a_landed_region_is_not_reused_while_its_record_is_live() {
+    let storage = SimStorage::new();
+    let mut options = CreateOptions::new(64 << 20);
+    options.journal_bytes = Some(1 << 20);
+    let volume =
+        Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("create");
+    let landed = |offset: u64, data: &[u8]| -> bool {
+        let Some(mut buffer) = volume.landing_buffer(data.len()) else {
+            volume.write(offset, data, false).expect("write");
+            return false;
+        };
+        buffer.as_mut_slice().copy_from_slice(data);
+        volume
+            .write_shared(offset, &buffer.freeze(), false)
+            .expect("landed write");
+        true
+    };
+    assert!(
+        landed(0, &pattern(1, 64 << 10)),
+        "the sim storage has a landing area"
+    );
+    // Every block of it rewritten, from memory of its own.
+    volume
+        .write(0, &pattern(2, 64 << 10), false)
+        .expect("rewrite");
+    // A payload as large as the simulated area (4 MiB) takes every region
+    // that is free: the first write's must not be.
+    let large = pattern(3, 4 << 20);
+    landed(4 << 20, &large);
+    drop(volume);
+    let reopened = reopen_and_expect(&storage, &pattern(2, 64 << 10));
+    let mut buf = vec![0u8; large.len()];
+    reopened.read(4 << 20, &mut buf).expect("read");
+    assert!(buf == large, "the large write was lost");
+}
+
 #[test]
 fn failed_fsync_fails_stop_and_reopen_recovers() {
     let (storage, volume) = sim_volume();

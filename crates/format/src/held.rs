@@ -21,7 +21,10 @@
 //! A record: a 64-byte header, `count` entries of 40 bytes (an LBA and the
 //! 32-byte context the block is sealed with), then `count` blocks of 4096
 //! bytes (as stored: ciphertext on an encrypted volume). Each block is
-//! verified against its context when the log is replayed. A *drop* record
+//! verified against its context when the log is replayed. A *landed*
+//! record (flags 2) has no blocks of its own: they are where the write's
+//! payload was received, `count` blocks at byte `first` of the landing
+//! file (`PREFIX.landing`, beside the slots, the same kind of memory). A *drop* record
 //! (`count` 0, flags 1) says the blocks `[first, first + blocks)` logged
 //! before it were superseded (a reflink copy landed over them).
 
@@ -30,7 +33,11 @@ use crate::{check_sealed, crc32c, Field, FormatError, CONTEXT_BYTES};
 
 pub const HELD_MAGIC: [u8; 8] = *b"VOUCHHLD";
 pub const RECORD_MAGIC: [u8; 8] = *b"VOUCHHRC";
-pub const HELD_VERSION: u32 = 2;
+pub const HELD_VERSION: u32 = 3;
+/// Version 2 had no landed records (`FLAG_LANDED`); otherwise the same.
+/// Still read. (An older binary refuses a version 3 slot, and with it the
+/// open, rather than misread a landed record.)
+pub const HELD_VERSION_NOT_LANDED: u32 = 2;
 /// Version 1 wrote each body before its header and had no `done` word: a
 /// record whose header is there is whole. Still read, so a crash of an
 /// older binary loses nothing to the newer one that opens its slots.
@@ -45,6 +52,8 @@ const USED: usize = 64;
 
 /// A record that marks earlier blocks of a range superseded.
 pub const FLAG_DROP: u32 = 1;
+/// A record whose blocks are in the landing file at byte `first`.
+pub const FLAG_LANDED: u32 = 2;
 /// Where a record header's `done` word is: 8-byte aligned (records are
 /// multiples of 8 bytes after a 4096-byte page), outside the CRC, so it is
 /// set by one aligned store after the body is in place.
@@ -185,7 +194,10 @@ impl HeldHeader {
     pub fn decode(raw: &[u8]) -> Result<HeldHeader, FormatError> {
         check_sealed(raw, USED, &HELD_MAGIC, CRC_AT)?;
         let version = get_u32(raw, 8);
-        if version != HELD_VERSION && version != HELD_VERSION_BODY_FIRST {
+        if !matches!(
+            version,
+            HELD_VERSION | HELD_VERSION_NOT_LANDED | HELD_VERSION_BODY_FIRST
+        ) {
             return Err(FormatError::UnsupportedVersion(version));
         }
         let mut uuid = [0u8; 16];
@@ -209,11 +221,12 @@ pub struct RecordHeader {
     pub epoch: u64,
     /// Blocks in the record (0 for a drop record).
     pub count: u32,
-    /// `FLAG_DROP`, or 0.
+    /// `FLAG_DROP`, `FLAG_LANDED`, or 0.
     pub flags: u32,
     /// CRC-32C of the entries.
     pub entries_crc: u32,
     /// Drop records: the first LBA and the number of blocks dropped.
+    /// Landed records: the blocks' byte offset in the landing file.
     pub first: u64,
     pub blocks: u64,
 }
@@ -322,7 +335,12 @@ impl RecordHeader {
 
     /// Bytes the record takes, header included.
     pub fn record_bytes(&self) -> u64 {
-        RECORD_HEADER_BYTES as u64 + self.count as u64 * (ENTRY_BYTES as u64 + 4096)
+        let block_bytes = if self.flags & FLAG_LANDED != 0 {
+            0
+        } else {
+            4096
+        };
+        RECORD_HEADER_BYTES as u64 + self.count as u64 * (ENTRY_BYTES as u64 + block_bytes)
     }
 }
 

@@ -168,6 +168,20 @@ pub struct ZeroFlags {
 /// `can_multi_conn()` is true. That is only correct if `flush()` makes every
 /// write completed on *any* connection durable (i.e. it flushes the whole
 /// export, not per-connection state) and all connections see one shared cache.
+/// A buffer an export lends for one WRITE payload (`Export::payload_buffer`).
+pub trait PayloadBuffer: Send {
+    /// Exactly the payload's length, to receive into (its bytes before
+    /// are unspecified).
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    /// Its length in bytes.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The received payload.
+    fn freeze(self: Box<Self>) -> Bytes;
+}
+
 pub trait Export: Send + Sync + 'static {
     fn size(&self) -> u64;
     fn description(&self) -> Option<String> {
@@ -254,6 +268,17 @@ pub trait Export: Send + Sync + 'static {
     /// keeps reaping until none is left before it stops.
     fn reads_in_flight(&self) -> usize {
         0
+    }
+    /// Memory the export offers to receive a WRITE payload of `length`
+    /// bytes at `offset` into, before `write` / `try_write` get it (as the
+    /// `Bytes` it freezes into): memory the export can keep without a copy
+    /// where a copy would otherwise be made (vouch: the landing area its
+    /// held log names instead of copying the blocks). The server asks only
+    /// for large, block-aligned payloads. `None`, the default: the server
+    /// receives into a buffer of its own.
+    fn payload_buffer(&self, offset: u64, length: usize) -> Option<Box<dyn PayloadBuffer>> {
+        let _ = (offset, length);
+        None
     }
     /// Write `data` at `offset`. The export may keep `data` (a clone shares
     /// it) instead of copying it: the server received it into a buffer of

@@ -30,8 +30,8 @@ mod worker;
 
 pub use crate::metrics::{serve_metrics, serve_metrics_on, Metrics};
 pub use export::{
-    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, ReadCompletion,
-    WriteCompletion, ZeroFlags,
+    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, PayloadBuffer,
+    ReadCompletion, WriteCompletion, ZeroFlags,
 };
 pub use limits::Limits;
 pub use server::{Listen, Server, ServerConfig, ServerError, ShutdownHandle};

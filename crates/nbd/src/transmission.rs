@@ -35,7 +35,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, warn};
 
-use crate::export::{Errno, Export, ExportError, Integrity, ZeroFlags};
+use crate::export::{Errno, Export, ExportError, Integrity, PayloadBuffer, ZeroFlags};
 use crate::handshake::Session;
 use crate::limits::Limits;
 use crate::metrics::{ExportMetrics, Metrics};
@@ -226,7 +226,22 @@ where
         )
         .await;
         let payload = if command == Command::Write {
-            read_payload(reader, request.length as usize, low_water).await?
+            let length = request.length as usize;
+            let lent = (length >= LEND_FROM_BYTES
+                && request.offset.is_multiple_of(LEND_ALIGN)
+                && (length as u64).is_multiple_of(LEND_ALIGN))
+            .then(|| {
+                connection
+                    .session
+                    .export
+                    .payload_buffer(request.offset, length)
+            })
+            .flatten();
+            match lent {
+                // One lent with another length is not used, rather than trusted.
+                Some(lent) if lent.len() == length => receive_into(reader, lent, low_water).await?,
+                _ => read_payload(reader, length, low_water).await?,
+            }
         } else {
             Bytes::new()
         };
@@ -687,6 +702,41 @@ fn error_reply(
 
 /// Payloads at least this large start on a page boundary (`read_payload`).
 const ALIGN_PAYLOAD_FROM_BYTES: usize = 64 * 1024;
+
+/// WRITE payloads at least this large, at offsets and of lengths that are
+/// multiples of `LEND_ALIGN`, are received into memory the export lends
+/// (`Export::payload_buffer`), if it does: below it the copy the export
+/// saves costs less than asking.
+const LEND_FROM_BYTES: usize = 64 * 1024;
+const LEND_ALIGN: u64 = 4096;
+
+/// `read_payload` into a buffer the export lent: the payload lands where
+/// the export keeps it, with no copy after (`Export::payload_buffer`).
+async fn receive_into<R>(
+    reader: &mut BufReader<R>,
+    mut lent: Box<dyn PayloadBuffer>,
+    low_water: Option<&ReceiveLowWater>,
+) -> std::io::Result<Bytes>
+where
+    R: AsyncRead + Unpin,
+{
+    let buffer = lent.as_mut_slice();
+    let mut filled = 0;
+    while filled < buffer.len() {
+        if let Some(low_water) = low_water {
+            low_water.expect((buffer.len() - filled).saturating_sub(reader.buffer().len()));
+        }
+        let read = reader.read(&mut buffer[filled..]).await?;
+        if read == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        filled += read;
+    }
+    if let Some(low_water) = low_water {
+        low_water.expect(0);
+    }
+    Ok(lent.freeze())
+}
 
 /// A write's `length` bytes of data, received into a buffer of their own
 /// that the export may keep (`Export::write`): a large one's first byte is

@@ -131,6 +131,9 @@ pub struct CrashConfig {
     /// the inline route (`try_write_shared`), as if that route
     /// acknowledged before its append.
     pub sabotage_inline_held: bool,
+    /// Self-test: the landing area is memory the process takes with it
+    /// (`Recorder::sabotage_landing`).
+    pub sabotage_landing: bool,
     /// Self-test only: orderings the engine breaks on purpose
     /// (`OrderingBreaks`); process-crash images must catch each.
     pub breaks: OrderingBreaks,
@@ -153,6 +156,7 @@ impl CrashConfig {
             sabotage_sync: false,
             sabotage_held: false,
             sabotage_inline_held: false,
+            sabotage_landing: false,
             breaks: OrderingBreaks::default(),
             encrypted: false,
         }
@@ -188,6 +192,10 @@ pub struct Counters {
     /// a commit step).
     pub inline_writes: AtomicU64,
     pub inline_declined: AtomicU64,
+    /// Writes whose payload was received into the volume's landing area
+    /// (`BlockDevice::landing_buffer`, as the NBD reader does for large
+    /// ones), so the held log named it instead of copying it.
+    pub landed_writes: AtomicU64,
     /// Requested commits the simulator ran as the background committer.
     pub background_commits: AtomicU64,
     /// Steps at which a commit yielded to the simulator (`CommitStep`).
@@ -203,6 +211,7 @@ pub struct CrashReport {
     pub torn_faults: u64,
     pub ops: u64,
     pub inline_writes: u64,
+    pub landed_writes: u64,
     pub background_commits: u64,
     pub commit_steps: u64,
     pub seeds: u64,
@@ -213,7 +222,7 @@ pub struct CrashReport {
 impl CrashReport {
     pub fn summary(&self, config: &CrashConfig) -> String {
         format!(
-            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} background-commits={} commit-steps={} images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} landed-writes={} background-commits={} commit-steps={} images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
             config.layout.name(),
             if config.encrypted { " encrypted" } else { "" },
             config.guard.name(),
@@ -221,6 +230,7 @@ impl CrashReport {
             self.seeds,
             self.ops,
             self.inline_writes,
+            self.landed_writes,
             self.background_commits,
             self.commit_steps,
             self.images,
@@ -269,6 +279,7 @@ pub fn run(config: &CrashConfig) -> CrashReport {
         torn_faults: counters.torn_faults.load(Ordering::Relaxed),
         ops: counters.ops.load(Ordering::Relaxed),
         inline_writes: counters.inline_writes.load(Ordering::Relaxed),
+        landed_writes: counters.landed_writes.load(Ordering::Relaxed),
         background_commits: counters.background_commits.load(Ordering::Relaxed),
         commit_steps: counters.commit_steps.load(Ordering::Relaxed),
         seeds: config.seeds,
@@ -686,6 +697,9 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             crash_now(&checker, &mut world, (sim, order), cut, &counters, "inside");
         })));
     }
+    if config.sabotage_landing {
+        recorder.sabotage_landing.store(true, Ordering::Relaxed);
+    }
     let volume = Arc::new(
         Volume::open(recorder.clone() as Arc<dyn Storage>, &open)
             .map_err(|error| format!("open failed: {error}"))?,
@@ -784,6 +798,21 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     Ok(())
 }
 
+/// A write's payload as the NBD reader receives it: with `land`, into the
+/// volume's landing area if it has room (as large payloads are: any size
+/// here, the simulator's volumes are small), so the held log names it
+/// instead of copying it; else into memory of its own.
+pub(crate) fn receive(volume: &Volume, bytes: Vec<u8>, land: bool, counters: &Counters) -> Bytes {
+    match land.then(|| volume.landing_buffer(bytes.len())).flatten() {
+        Some(mut buffer) => {
+            buffer.as_mut_slice().copy_from_slice(&bytes);
+            counters.landed_writes.fetch_add(1, Ordering::Relaxed);
+            buffer.freeze()
+        }
+        None => Bytes::from(bytes),
+    }
+}
+
 /// Run one operation of the workload: the blocks it wrote, its outcome,
 /// and whether it was a flush (every block durable as of its start).
 fn run_op(
@@ -797,11 +826,13 @@ fn run_op(
         |offset: u64, len: u64, data: Option<&[u8]>| world.lock().model.apply(offset, len, data);
     Ok(match *op {
         Op::Write { offset, len, fua } => {
-            let data = Bytes::from(rng.bytes(len as usize));
+            let whole = offset % BLOCK as u64 == 0 && len % BLOCK as u64 == 0;
+            let bytes = rng.bytes(len as usize);
+            let land = whole && rng.chance(1, 2);
+            let data = receive(volume, bytes, land, counters);
             let touched = apply(offset, len, Some(&data));
             // Whole blocks without FUA take the NBD reactor's route half
             // the time: inline if that needs no wait, else on a worker.
-            let whole = offset % BLOCK as u64 == 0 && len % BLOCK as u64 == 0;
             let written = if whole && !fua && rng.chance(1, 2) {
                 let sabotage = config.sabotage_inline_held;
                 match try_inline(volume, offset, &data, recorder, sabotage) {

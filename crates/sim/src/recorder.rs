@@ -30,6 +30,12 @@ pub struct Recorder {
     /// writing, the way an engine that acknowledged before logging would
     /// leave it. Process-crash images must catch it.
     pub sabotage_held: std::sync::atomic::AtomicBool,
+    /// Sabotage for self-tests, set before the volume opens: its landing
+    /// area is memory a crash of the process does not keep (`decoy`'s, not
+    /// the storage's), the way an engine whose held log named payloads in
+    /// process memory would be. Process-crash images must catch it.
+    pub sabotage_landing: std::sync::atomic::AtomicBool,
+    decoy: SimStorage,
 }
 
 impl Recorder {
@@ -41,6 +47,8 @@ impl Recorder {
             hook: Mutex::new(None),
             sabotage_sync: std::sync::atomic::AtomicBool::new(false),
             sabotage_held: std::sync::atomic::AtomicBool::new(false),
+            sabotage_landing: std::sync::atomic::AtomicBool::new(false),
+            decoy: SimStorage::new(),
         }
     }
 
@@ -91,6 +99,21 @@ impl Storage for Recorder {
 
     fn boot_id(&self) -> [u8; 16] {
         self.sim.boot_id()
+    }
+
+    fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        match self.sabotage_landing.load(Ordering::Relaxed) {
+            true => self.decoy.landing_window(),
+            false => self.sim.landing_window(),
+        }
+    }
+
+    fn grow_landing(&self, from: u64, end: u64) -> io::Result<()> {
+        self.sim.grow_landing(from, end)
+    }
+
+    fn read_landing(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.sim.read_landing(at, buf)
     }
 
     fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {

@@ -21,6 +21,7 @@ fn run_config(mut config: CrashConfig, seed: u64) {
     config.seeds = 2;
     let mut images = 0;
     let mut seeds = 0;
+    let mut landed = 0;
     while images < IMAGES {
         let report = run(&config);
         assert!(
@@ -31,10 +32,19 @@ fn run_config(mut config: CrashConfig, seed: u64) {
         );
         images += report.images;
         seeds += report.seeds;
+        landed += report.landed_writes;
         config.seed += config.seeds;
     }
+    // Plain volumes receive payloads into the landing area as the NBD
+    // reader does; an encrypted one seals a copy, so nothing lands.
+    assert_eq!(
+        landed > 0,
+        !config.encrypted,
+        "landed writes: {landed} (encrypted: {})",
+        config.encrypted
+    );
     eprintln!(
-        "crash: layout={}{} guard={} tearing={} seeds={seeds} images={images} violations=0",
+        "crash: layout={}{} guard={} tearing={} seeds={seeds} images={images} landed-writes={landed} violations=0",
         layout.name(),
         if config.encrypted { " encrypted" } else { "" },
         guard.name(),
@@ -142,6 +152,18 @@ fn acknowledging_before_the_held_log_is_caught() {
         |config| config.sabotage_held = true,
         (4, 3),
         "acknowledged writes lost by a process crash",
+    );
+}
+
+/// A held log naming payloads in memory a crash of the process does not
+/// keep (here: the landing area is not the storage's) loses them: the
+/// process-crash images must say so, as they do for the held log itself.
+#[test]
+fn a_landing_area_the_process_takes_with_it_is_caught() {
+    assert_caught(
+        |config| config.sabotage_landing = true,
+        (4, 3),
+        "landed writes lost by a process crash",
     );
 }
 

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use vouch_engine::{Allocation, Error, BLOCK};
 use vouch_engine::{BlockDevice, ZeroFlags};
 use vouch_nbd::{
-    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, ReadCompletion,
-    WriteCompletion,
+    BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, PayloadBuffer,
+    ReadCompletion, WriteCompletion,
 };
 
 /// Largest request the server accepts (payload), advertised in BLOCK_SIZE.
@@ -63,6 +63,21 @@ pub fn to_export_error(error: Error) -> ExportError {
         | Error::Cancelled(_)
         | Error::Unreachable(_)
         | Error::InVolume { .. } => ExportError::new(Errno::Io, error.to_string()),
+    }
+}
+
+/// A landing region lent to the NBD server for one payload.
+struct Landed(vouch_engine::LandingBuffer);
+
+impl PayloadBuffer for Landed {
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn freeze(self: Box<Self>) -> Bytes {
+        self.0.freeze()
     }
 }
 
@@ -125,6 +140,13 @@ impl Export for VolumeExport {
     }
     fn reads_in_flight(&self) -> usize {
         self.volume.reads_in_flight()
+    }
+    /// The volume's landing area (engine `landing.rs`): its held log then
+    /// names where the payload is instead of copying it.
+    fn payload_buffer(&self, offset: u64, length: usize) -> Option<Box<dyn PayloadBuffer>> {
+        let _ = offset;
+        let buffer = self.volume.landing_buffer(length)?;
+        Some(Box::new(Landed(buffer)))
     }
     fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError> {
         self.volume

@@ -1,10 +1,10 @@
 //! The held log's own failures, through the binary (issue 29): a slot the
-//! volume's `held` file names that was emptied, cut inside a record or at a record's end, or
-//! zeroed after a crash
-//! is never read as "nothing held" (the acknowledged writes in it would
-//! silently come back as what was there before); and a runtime directory
-//! with no room left refuses writes with ENOSPC and loses nothing it
-//! acknowledged.
+//! volume's `held` file names that was emptied, zeroed, or cut inside a
+//! record or at a record's end, and a landing file (where landed records'
+//! payloads are) deleted or zeroed after a crash, are never read as
+//! "nothing held" (the acknowledged writes in them would silently come
+//! back as what was there before); and a runtime directory with no room
+//! left refuses writes with ENOSPC and loses nothing it acknowledged.
 
 mod common;
 
@@ -103,9 +103,56 @@ enum Damage {
     /// Cut exactly where its first record ends: every record is whole,
     /// the ones after it are gone.
     CutAfterRecord,
+    /// The landing file (where the payloads of landed records are) deleted.
+    LandingRemoved,
+    /// The landing file zeroed: landed records name blocks that are not
+    /// what was written.
+    LandingZeroed,
 }
 
-fn damage(path: &Path, how: Damage) {
+/// The landing file beside the slots (`PREFIX.landing`).
+fn landing_file(volume: &Path) -> PathBuf {
+    let [slot, _] = held_slots(volume);
+    slot.with_extension("landing")
+}
+
+/// Records in the slots whose blocks are in the landing file (flags 2).
+fn landed_records(volume: &Path) -> usize {
+    let mut landed = 0;
+    for slot in held_slots(volume) {
+        let bytes = std::fs::read(&slot).expect("read slot");
+        let mut at = 4096;
+        while at + 64 <= bytes.len() && &bytes[at..at + 8] == b"VOUCHHRC" {
+            let word =
+                |from: usize| u32::from_le_bytes(bytes[from..from + 4].try_into().expect("4"));
+            let (count, flags) = (word(at + 16) as usize, word(at + 20));
+            landed += usize::from(flags & 2 != 0);
+            at += 64 + count * 40 + if flags & 2 != 0 { 0 } else { count * 4096 };
+        }
+    }
+    landed
+}
+
+fn damage(volume: &Path, how: Damage) {
+    match how {
+        Damage::LandingRemoved => {
+            std::fs::remove_file(landing_file(volume)).expect("remove the landing file");
+            return;
+        }
+        Damage::LandingZeroed => {
+            let path = landing_file(volume);
+            let len = std::fs::metadata(&path).expect("landing file").len();
+            std::fs::write(&path, vec![0u8; len as usize]).expect("zero the landing file");
+            return;
+        }
+        _ => {}
+    }
+    for slot in held_slots(volume) {
+        damage_slot(&slot, how);
+    }
+}
+
+fn damage_slot(path: &Path, how: Damage) {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -116,18 +163,23 @@ fn damage(path: &Path, how: Damage) {
         Damage::CutInRecord => file.set_len(4096 + 100_000).expect("truncate slot"),
         Damage::CutAfterRecord => {
             use std::os::unix::fs::FileExt as _;
-            // The record header's `count` (FORMAT.md "Held log record
-            // header"): 64 bytes, then 40 and 4096 per block.
-            let mut count = [0u8; 4];
-            file.read_at(&mut count, 4096 + 16).expect("read count");
-            let count = u64::from(u32::from_le_bytes(count));
-            file.set_len(4096 + 64 + count * (40 + 4096))
+            // The record header's `count` and `flags` (FORMAT.md "Held
+            // log record header"): 64 bytes, then 40 per block, and 4096
+            // per block unless the record is landed (flags 2: its blocks
+            // are in the landing file).
+            let mut head = [0u8; 8];
+            file.read_at(&mut head, 4096 + 16).expect("read count");
+            let count = u64::from(u32::from_le_bytes(head[..4].try_into().expect("4")));
+            let landed = u32::from_le_bytes(head[4..].try_into().expect("4")) & 2 != 0;
+            let block = if landed { 0 } else { 4096 };
+            file.set_len(4096 + 64 + count * (40 + block))
                 .expect("truncate slot");
         }
         Damage::HeaderZeroed => {
             use std::os::unix::fs::FileExt as _;
             file.write_all_at(&[0u8; 4096], 0).expect("zero header");
         }
+        Damage::LandingRemoved | Damage::LandingZeroed => unreachable!("not a slot's damage"),
     }
 }
 
@@ -145,6 +197,8 @@ fn a_damaged_held_slot_refuses_the_open_and_says_what_to_do() {
         Some(Damage::HeaderZeroed),
         Some(Damage::CutInRecord),
         Some(Damage::CutAfterRecord),
+        Some(Damage::LandingRemoved),
+        Some(Damage::LandingZeroed),
     ] {
         let dir = tempfile::tempdir().expect("tempdir");
         let runtime = dir.path().join("runtime");
@@ -155,6 +209,9 @@ fn a_damaged_held_slot_refuses_the_open_and_says_what_to_do() {
         let wrote = write_mibs(&uri, MIBS, 0x40);
         assert_eq!(wrote["written"], MIBS, "{wrote}");
         server.kill9();
+        // 1 MiB payloads are received into the landing file and the slots
+        // name them there: the landing damages below hit acknowledged writes.
+        assert!(landed_records(&volume) > 0, "no landed record in the slots");
 
         let Some(how) = how else {
             let server = serve(dir.path(), &volume, &runtime, false).expect("restart");
@@ -165,21 +222,19 @@ fn a_damaged_held_slot_refuses_the_open_and_says_what_to_do() {
             );
             continue;
         };
-        for slot in held_slots(&volume) {
-            damage(&slot, how);
-        }
+        damage(&volume, how);
         let check = vouch(&["check", s(&volume)]);
         let said = text(&check);
         assert!(!check.status.success(), "{how:?}: check passed:\n{said}");
         assert!(
-            said.contains("held log slot") && said.contains("remove the `held` file"),
+            said.contains("held log") && said.contains("remove the `held` file"),
             "{how:?}: check does not name the held log and what to do:\n{said}"
         );
         let refused = serve(dir.path(), &volume, &runtime, false)
             .err()
             .unwrap_or_else(|| panic!("{how:?}: serve opened a volume whose held log is damaged"));
         assert!(
-            refused.contains("held log slot") && refused.contains("remove the `held` file"),
+            refused.contains("held log") && refused.contains("remove the `held` file"),
             "{how:?}: serve's refusal does not say what to do:\n{refused}"
         );
 

@@ -298,10 +298,50 @@ struct HeldFiles {
     /// Found where the pointer said (a previous process of this boot).
     named: bool,
     maps: [Option<memmap2::MmapRaw>; 2],
+    /// Where large write payloads are received (`Storage::landing_window`),
+    /// beside the slots: `PREFIX.landing`.
+    landing: Option<LandingFile>,
     /// The runtime directory's filesystem cannot allocate ahead
     /// (`fallocate` unsupported): a store into a page it has no room for
     /// would stop the process, so every write goes through `pwritev`.
     unmapped: std::sync::atomic::AtomicBool,
+}
+
+/// The landing file: a write's payload received straight into it is what
+/// the held log's landed records point at (`engine/src/landing.rs`).
+struct LandingFile {
+    file: File,
+    path: PathBuf,
+    /// Mapped shared for a writable open (`LANDING_WINDOW` bytes).
+    map: Option<memmap2::MmapRaw>,
+}
+
+/// Address space mapped for the landing file: payloads in flight and
+/// buffered (about twice the write-back limit, 64 MiB by default, plus the
+/// writes being received) fit many times over; a payload that finds no
+/// room is received into process memory instead.
+const LANDING_WINDOW: u64 = 1 << 30;
+
+impl LandingFile {
+    fn open(prefix: &Path, writable: bool, fresh: bool) -> io::Result<Option<LandingFile>> {
+        let mut name = prefix.as_os_str().to_owned();
+        name.push(".landing");
+        let path = PathBuf::from(name);
+        if !writable && !path.exists() {
+            return Ok(None);
+        }
+        // A writable open of slots an older binary made has none yet.
+        let file = open_slot(&path, writable, fresh || !path.exists())?;
+        let map = match writable {
+            true => Some(
+                memmap2::MmapOptions::new()
+                    .len(LANDING_WINDOW as usize)
+                    .map_raw(&file)?,
+            ),
+            false => None,
+        };
+        Ok(Some(LandingFile { file, path, map }))
+    }
 }
 
 /// Address space mapped per held slot. A slot holds at most about twice
@@ -417,12 +457,14 @@ impl HeldFiles {
             map_slot(&files[0], writable)?,
             map_slot(&files[1], writable)?,
         ];
+        let landing = LandingFile::open(&prefix, writable, false)?;
         Ok(Some(HeldFiles {
             files,
             paths,
             pointer,
             named: true,
             maps,
+            landing,
             unmapped: std::sync::atomic::AtomicBool::new(false),
         }))
     }
@@ -444,6 +486,7 @@ impl HeldFiles {
             })?;
         }
         let maps = [map_slot(&files[0], true)?, map_slot(&files[1], true)?];
+        let landing = LandingFile::open(&prefix, true, true)?;
         let pointer = dir.join(HELD_POINTER);
         let text = format!("{} {}\n", boot_text(), prefix.display());
         let temporary = dir.join(format!("{HELD_POINTER}.new"));
@@ -458,6 +501,7 @@ impl HeldFiles {
             pointer,
             named: false,
             maps,
+            landing,
             unmapped: std::sync::atomic::AtomicBool::new(false),
         })
     }
@@ -477,7 +521,11 @@ impl HeldFiles {
     /// files nobody points at, emptied by the close's commit), then the
     /// slots.
     fn release(&self) -> io::Result<()> {
-        for path in std::iter::once(&self.pointer).chain(&self.paths) {
+        let landing = self.landing.as_ref().map(|landing| &landing.path);
+        for path in std::iter::once(&self.pointer)
+            .chain(&self.paths)
+            .chain(landing)
+        {
             match std::fs::remove_file(path) {
                 Ok(()) => {}
                 Err(error) if error.kind() == io::ErrorKind::NotFound => {}
@@ -881,6 +929,53 @@ impl Storage for FileStorage {
         let word_at = unsafe { std::sync::atomic::AtomicU64::from_ptr(to.cast::<u64>()) };
         word_at.store(word.to_le(), std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+
+    fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        let held = self.held.get()?;
+        if held.unmapped.load(std::sync::atomic::Ordering::Relaxed) {
+            return None;
+        }
+        let map = held.landing.as_ref()?.map.as_ref()?;
+        std::ptr::NonNull::new(map.as_mut_ptr()).map(|base| (base, map.len()))
+    }
+
+    fn grow_landing(&self, from: u64, end: u64) -> io::Result<()> {
+        let landing = self
+            .held
+            .get()
+            .and_then(|held| held.landing.as_ref())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no landing file"))?;
+        let len = end.saturating_sub(from);
+        // SAFETY: fallocate on an open descriptor; mode 0 allocates the
+        // range (tmpfs: its pages) and extends the file over it, so a
+        // store into it never meets a SIGBUS. Unsupported (EOPNOTSUPP) is
+        // an error here: the caller receives into process memory instead.
+        let result = unsafe {
+            libc::fallocate(
+                landing.file.as_raw_fd(),
+                0,
+                from as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        match result {
+            0 => Ok(()),
+            _ => Err(io::Error::last_os_error()),
+        }
+    }
+
+    fn read_landing(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        let landing = self
+            .held
+            .get()
+            .and_then(|held| held.landing.as_ref())
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::NotFound, "the landing file is missing")
+            })?;
+        landing.file.read_exact_at(buf, at).map_err(|error| {
+            io::Error::new(error.kind(), format!("{}: {error}", landing.path.display()))
+        })
     }
 
     fn release_held(&self) -> io::Result<()> {

@@ -243,6 +243,35 @@ pub trait Storage: Send + Sync {
         self.write_at(ObjectId::Held(slot), at, &word.to_le_bytes())
     }
 
+    /// The landing area (`landing.rs`): memory of the held log's kind,
+    /// mapped, that a large write's payload is received straight into, so
+    /// the held log records where it is instead of copying it. Its base
+    /// and length in bytes; `None` where there is none (the default).
+    fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        None
+    }
+
+    /// Make the landing area's bytes `[from, end)` able to take stores
+    /// (allocated, so a full tmpfs is an error here and never a fault on
+    /// the store).
+    fn grow_landing(&self, from: u64, end: u64) -> io::Result<()> {
+        let _ = (from, end);
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this storage has no landing area",
+        ))
+    }
+
+    /// Read `buf.len()` bytes of the landing area at `at` (a landed
+    /// record's blocks, at replay).
+    fn read_landing(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        let _ = (at, buf);
+        Err(io::Error::new(
+            io::ErrorKind::NotFound,
+            "this storage has no landing area",
+        ))
+    }
+
     /// The volume was closed cleanly: the held log's slots (empty now)
     /// and whatever points at them may go. The default does nothing.
     fn release_held(&self) -> io::Result<()> {

@@ -165,6 +165,59 @@ struct SimState {
 #[derive(Clone, Default)]
 pub struct SimStorage {
     state: Arc<Mutex<SimState>>,
+    /// The landing area (`Storage::landing_window`), made when first asked
+    /// for: memory that a crash of the process keeps (`duplicate` copies
+    /// it) and a power cut does not (`crash_image` leaves it).
+    landing: Arc<std::sync::OnceLock<SimLanding>>,
+}
+
+/// Bytes of the simulated landing area: enough for the simulator's small
+/// volumes (a payload that finds no room is received into process memory,
+/// as in production).
+const SIM_LANDING_BYTES: usize = 4 << 20;
+
+/// The simulated landing area: fixed memory at a stable address, written
+/// through the pointer `landing_window` gives (as a mapping is).
+struct SimLanding {
+    base: std::ptr::NonNull<u8>,
+}
+
+// SAFETY: the memory is owned by this value alone and freed in `drop`;
+// concurrent access goes through the raw pointer, to disjoint regions
+// (the engine's landing allocator hands each out once).
+unsafe impl Send for SimLanding {}
+// SAFETY: as above.
+unsafe impl Sync for SimLanding {}
+
+impl SimLanding {
+    fn new(from: Option<&SimLanding>) -> SimLanding {
+        let mut bytes = vec![0u8; SIM_LANDING_BYTES].into_boxed_slice();
+        if let Some(from) = from {
+            bytes.copy_from_slice(from.bytes());
+        }
+        let base = std::ptr::NonNull::new(Box::into_raw(bytes).cast::<u8>())
+            .expect("a boxed slice is never null");
+        SimLanding { base }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `base` is a live allocation of SIM_LANDING_BYTES.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr(), SIM_LANDING_BYTES) }
+    }
+}
+
+impl Drop for SimLanding {
+    fn drop(&mut self) {
+        // SAFETY: made by `Box::into_raw` of a slice of this length in
+        // `new`; nothing uses it after the storage (and every engine
+        // region, which holds the storage) is gone.
+        drop(unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.base.as_ptr(),
+                SIM_LANDING_BYTES,
+            ))
+        });
+    }
 }
 
 fn injected(kind: io::ErrorKind, what: &str) -> io::Error {
@@ -254,6 +307,8 @@ impl SimStorage {
                 removed: state.removed.clone(),
                 ..SimState::default()
             })),
+            // The landing area is memory, lost with the machine.
+            landing: Arc::default(),
         }
     }
 
@@ -306,6 +361,10 @@ impl SimStorage {
     /// into the copy and the original used again.
     pub fn duplicate(&self) -> SimStorage {
         let state = self.state.lock();
+        let landing = std::sync::OnceLock::new();
+        if let Some(from) = self.landing.get() {
+            let _ = landing.set(SimLanding::new(Some(from)));
+        }
         SimStorage {
             state: Arc::new(Mutex::new(SimState {
                 objects: state.objects.clone(),
@@ -314,6 +373,7 @@ impl SimStorage {
                 removed: state.removed.clone(),
                 ..SimState::default()
             })),
+            landing: Arc::new(landing),
         }
     }
 
@@ -466,6 +526,38 @@ impl Storage for SimStorage {
 
     fn has_held(&self) -> bool {
         true
+    }
+
+    fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        let landing = self.landing.get_or_init(|| SimLanding::new(None));
+        Some((landing.base, SIM_LANDING_BYTES))
+    }
+
+    fn grow_landing(&self, _from: u64, end: u64) -> io::Result<()> {
+        match end <= SIM_LANDING_BYTES as u64 {
+            true => Ok(()),
+            false => Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                "the simulated landing area is full",
+            )),
+        }
+    }
+
+    fn read_landing(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        let landing = self
+            .landing
+            .get()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no landing area"))?;
+        let bytes = landing.bytes();
+        let range = usize::try_from(at)
+            .ok()
+            .and_then(|at| Some(at..at.checked_add(buf.len())?))
+            .filter(|range| range.end <= bytes.len())
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::UnexpectedEof, "past the landing area's end")
+            })?;
+        buf.copy_from_slice(&bytes[range]);
+        Ok(())
     }
 
     /// One boot for the simulation: a power cut (`crash_image`) takes the

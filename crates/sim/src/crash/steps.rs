@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use vouch_engine::{BlockDevice, CommitStep, SimStorage, Volume};
 
 use super::model::Model;
-use super::{Checker, Counters};
+use super::{receive, Checker, Counters};
 use crate::recorder::{crash_image, Recorder, STRATEGIES};
 use crate::rng::Rng;
 use crate::stepper::AtStep;
@@ -215,7 +215,16 @@ pub(super) fn inline_write(
         let before = world.model.current[first as usize..(first + count) as usize].to_vec();
         let offset = first * BLOCK as u64;
         let touched = world.model.apply(offset, count * BLOCK as u64, Some(&data));
-        (offset, Bytes::from(data), touched, before)
+        // Half of them received into the landing area, as a large NBD
+        // payload is: regions freed by the commit running may be reused
+        // here, while its slot still names them until it is emptied.
+        let land = world.rng.chance(1, 2);
+        (
+            offset,
+            receive(volume, data, land, counters),
+            touched,
+            before,
+        )
     };
     let written = try_inline(volume, offset, &data, recorder, sabotage);
     let mut world = world.lock();
