@@ -21,7 +21,6 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 
 use super::Job;
 use crate::buffer::PageBuffer;
-use crate::device::BlockDevice;
 use crate::error::Result;
 use crate::state::BLOCK;
 
