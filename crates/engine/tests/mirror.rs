@@ -659,3 +659,44 @@ fn after_an_unclean_shutdown_reads_stay_on_one_leg_until_a_scrub_makes_the_legs_
     assert_eq!(seen.len(), 1, "{}", seen.len());
     close(mirror, volumes);
 }
+
+/// A mirror scrub is a job like a volume's: at a rate it waits between
+/// chunks (counted in its `JobControl`), it yields to foreground requests,
+/// and without either it never waits.
+#[test]
+fn a_mirror_scrub_keeps_its_rate_and_yields_to_foreground_requests() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    // 512 blocks: two scan chunks.
+    write_blocks(&mirror, 512, 1);
+    let scrub = |options: vouch_engine::scrub::ScrubOptions| {
+        let control = JobControl::default();
+        let report = mirror::scrub::scrub(&mirror, &options, &control).expect("scrub");
+        assert_eq!(
+            (report.blocks_checked, report.found),
+            (512, 0),
+            "{report:?}"
+        );
+        assert_eq!(control.progress(), (1024, 1024));
+        control.paced_waits()
+    };
+    assert_eq!(scrub(Default::default()), 0, "unpaced, no foreground");
+    // 1 MiB per chunk at 1 MiB/s: a wait after each.
+    let paced = scrub(vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: Some(1 << 20),
+        foreground: None,
+    });
+    assert_eq!(paced, 2, "a wait after each chunk at 1 MiB/s");
+    // A foreground count that moves on every look: a back-off per chunk.
+    let requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = Arc::clone(&requests);
+    let busy = scrub(vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: None,
+        foreground: Some(Arc::new(move || {
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        })),
+    });
+    assert_eq!(busy, 2, "a back-off after each chunk");
+    close(mirror, volumes);
+}
