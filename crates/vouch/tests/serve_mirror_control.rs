@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use common::control::{submit, wait_job};
@@ -111,15 +111,6 @@ fn writing_one_leg_alone_is_refused() {
     assert_eq!(one.status.code(), Some(2));
     assert!(text(&one).contains("2 or 3 legs"), "{}", text(&one));
     assert!(!dir.path().join("x").exists());
-}
-
-/// A plain volume `name` in `dir` holding `data` from byte 0.
-fn volume_from(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
-    let raw = dir.join(format!("{name}.raw"));
-    std::fs::write(&raw, data).expect("write raw");
-    let volume = dir.join(name);
-    vouch_ok(&["import", s(&raw), s(&volume)]);
-    volume
 }
 
 /// Each leg of the mirror at `legs[0]` holds `source`'s first `length`
