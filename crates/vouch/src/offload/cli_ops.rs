@@ -204,9 +204,10 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
             online(&client, "copying", args.json, request)?
         }
         None => {
-            let same = std::fs::canonicalize(&args.source).ok()
-                == std::fs::canonicalize(&args.destination).ok();
             let destination = Destination::open(&args.destination)?;
+            let same = std::fs::canonicalize(&args.source).ok()
+                == std::fs::canonicalize(&args.destination).ok()
+                || destination.has_leg(&args.source);
             let source_volume = if same {
                 None
             } else {
@@ -276,6 +277,18 @@ impl Destination {
             return Ok(Destination::Mirror(set));
         }
         open(path, true, crate::key::Use::Data).map(Destination::Volume)
+    }
+
+    /// `path` is a leg of this mirror: a copy from it is a copy within
+    /// the mirror (the set holds every leg open).
+    fn has_leg(&self, path: &str) -> bool {
+        let (Destination::Mirror(set), Ok(path)) = (self, std::fs::canonicalize(path)) else {
+            return false;
+        };
+        set.record
+            .members
+            .iter()
+            .any(|member| std::fs::canonicalize(&member.path).is_ok_and(|leg| leg == path))
     }
 
     fn device(&self) -> &dyn BlockDevice {
