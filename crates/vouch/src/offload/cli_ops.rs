@@ -205,39 +205,12 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
         }
         None => {
             let destination = Destination::open(&args.destination)?;
-            let same = std::fs::canonicalize(&args.source).ok()
-                == std::fs::canonicalize(&args.destination).ok()
-                || destination.has_leg(&args.source);
-            let source_volume = if same {
-                None
-            } else {
-                Some(open(&args.source, false, crate::key::Use::Data)?)
-            };
-            let source: &dyn BlockDevice = match &source_volume {
-                Some(volume) => volume,
-                None => destination.device(),
-            };
-            let (source_first, count) = blocks(source, args.source_offset, Some(args.length))?;
-            let (destination_first, _) = blocks(
-                destination.device(),
-                args.destination_offset,
-                Some(args.length),
-            )?;
-            let ended = offline("copying", args.json, |control| {
-                let report = engine::copy(
-                    source,
-                    source_first,
-                    destination.device(),
-                    destination_first,
-                    count,
-                    &CopyOptions { method },
-                    control,
-                )?;
-                destination.device().flush()?;
-                Ok(render::copy_json(&report))
-            });
-            drop(source_volume);
-            destination.close()?;
+            // Closed whatever happens: a mirror left open would count as
+            // an unclean stop and be reconciled at its next open.
+            let ended = copy_offline(&args, method, &destination);
+            let closed = destination.close();
+            let ended = ended?;
+            closed?;
             ended
         }
     };
@@ -255,6 +228,45 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
         },
         |_| false,
     )
+}
+
+/// `vouch copy` offline into `destination` (opened from `args.destination`).
+fn copy_offline(
+    args: &CopyArgs,
+    method: CopyMethod,
+    destination: &Destination,
+) -> Result<super::cli::Ended> {
+    let same = std::fs::canonicalize(&args.source).ok()
+        == std::fs::canonicalize(&args.destination).ok()
+        || destination.has_leg(&args.source);
+    let source_volume = if same {
+        None
+    } else {
+        Some(open(&args.source, false, crate::key::Use::Data)?)
+    };
+    let source: &dyn BlockDevice = match &source_volume {
+        Some(volume) => volume,
+        None => destination.device(),
+    };
+    let (source_first, count) = blocks(source, args.source_offset, Some(args.length))?;
+    let (destination_first, _) = blocks(
+        destination.device(),
+        args.destination_offset,
+        Some(args.length),
+    )?;
+    Ok(offline("copying", args.json, |control| {
+        let report = engine::copy(
+            source,
+            source_first,
+            destination.device(),
+            destination_first,
+            count,
+            &CopyOptions { method },
+            control,
+        )?;
+        destination.device().flush()?;
+        Ok(render::copy_json(&report))
+    }))
 }
 
 /// An offline copy's destination: a volume, or the whole mirror set when
