@@ -212,8 +212,9 @@ impl Pace {
 
 /// The one pacing of every job (scans, scrubs, a mirror's scrub, resync
 /// and reconciliation): after each step the job calls `pace` with the
-/// bytes it moved, and the pacer waits as long as `Pace` says, longer
-/// than `FOREGROUND_BACKOFF` when foreground requests arrived meanwhile.
+/// bytes it moved, and the pacer waits as long as `Pace` says (when
+/// foreground requests arrived meanwhile: the floor of a `FloorCeiling`,
+/// at least `FOREGROUND_BACKOFF` otherwise).
 pub struct Pacer<'a> {
     pace: Pace,
     foreground: Option<&'a (dyn Fn() -> u64 + Send + Sync)>,
