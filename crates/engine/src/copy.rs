@@ -1,15 +1,17 @@
-//! Copy next to the data: blocks move from one volume (or one range) to
+//! Copy next to the data: blocks move from one device (or one range) to
 //! another without passing through a client, verified on the way, with
-//! their destination contexts re-tagged for the new LBAs.
+//! their destination contexts re-tagged for the new LBAs. Source and
+//! destination are any `BlockDevice` (a volume, a mirror, a layer); two
+//! volumes (`BlockDevice::as_volume`) may also take the reflink fast path.
 //!
 //! Two methods:
-//! - **pipelined** (`copy/pipelined.rs`, any layout): segments of 1 MiB,
+//! - **pipelined** (`copy/pipelined.rs`, any device, any layout): segments of 1 MiB,
 //!   a reader thread verifying source segments ahead of the writer, a
 //!   bounded number of segments in flight (the "slots" of the NVMe simple
 //!   copy discussion). The destination writes are ordinary writes: sealed
 //!   for their new LBAs, buffered, committed like any write.
-//! - **reflink** (`copy/reflink.rs`, split layout, one filesystem that
-//!   shares extents): the source blocks are read and verified, the
+//! - **reflink** (`copy/reflink.rs`, two volumes, split layout, one
+//!   filesystem that shares extents): the source blocks are read and verified, the
 //!   destination's new contexts journaled (ORDER POINT A), then the data
 //!   extents are shared with `FICLONERANGE` as the "home write", then the
 //!   contexts published — the crash contract of a write (CRASH_MODEL.md).
@@ -35,7 +37,7 @@ use parking_lot::Mutex;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::jobs::JobControl;
-use crate::state::BLOCK;
+use crate::verify::check_block_range;
 use crate::volume::Volume;
 
 /// How `copy` moves the blocks.
@@ -109,7 +111,7 @@ pub struct MethodCache {
 }
 
 /// Copy `count` blocks from `source` LBA `source_first` to `destination`
-/// LBA `destination_first` (may be the same volume: memmove semantics when
+/// LBA `destination_first` (may be the same device: memmove semantics when
 /// the ranges overlap). Source blocks verified; a corrupt source block fails
 /// the copy naming its LBA (Error::Fault / the engine's fault error) and is
 /// never written anywhere. Destination contexts re-tagged for the new LBAs.
@@ -118,18 +120,24 @@ pub struct MethodCache {
 /// `control` (progress in blocks; cancelled -> Err naming how far it got,
 /// every block before that copied, none after it half-copied).
 pub fn copy(
-    source: &Volume,
+    source: &dyn BlockDevice,
     source_first: u64,
-    destination: &Volume,
+    destination: &dyn BlockDevice,
     destination_first: u64,
     count: u64,
     options: &CopyOptions,
     control: &JobControl,
 ) -> Result<CopyReport> {
     let started = Instant::now();
-    check_range(source, source_first, count)?;
-    check_range(destination, destination_first, count)?;
-    destination.engine().shared.io.check_writable()?;
+    check_block_range(source, source_first, count)?;
+    check_block_range(destination, destination_first, count)?;
+    match destination.as_volume() {
+        Some(volume) => volume.engine().shared.io.check_writable()?,
+        None if destination.is_read_only() => {
+            return Err(Error::ReadOnly(" (the copy's destination)".into()))
+        }
+        None => {}
+    }
     let job = Job {
         source,
         source_first,
@@ -137,6 +145,7 @@ pub fn copy(
         destination_first,
         count,
         control,
+        volumes: source.as_volume().zip(destination.as_volume()),
     };
     let (method, chosen_by) = choose(&job, options.method)?;
     control.set_progress(0, count);
@@ -146,7 +155,11 @@ pub fn copy(
         pipelined::verify_only(&job)?;
     } else if count > 0 {
         match method {
-            CopyMethod::Reflink => reflink::run(&job)?,
+            CopyMethod::Reflink => reflink::run(
+                &job,
+                job.volumes
+                    .ok_or_else(|| Error::Unsupported(reflink::NOT_VOLUMES.to_string()))?,
+            )?,
             _ => pipelined::run(&job)?,
         }
     }
@@ -160,18 +173,24 @@ pub fn copy(
 
 /// One copy request, as the methods see it.
 pub(crate) struct Job<'a> {
-    pub source: &'a Volume,
+    pub source: &'a dyn BlockDevice,
     pub source_first: u64,
-    pub destination: &'a Volume,
+    pub destination: &'a dyn BlockDevice,
     pub destination_first: u64,
     pub count: u64,
     pub control: &'a JobControl,
+    /// Both ends are volumes: the reflink path and `Auto`'s measurement
+    /// are open to the job.
+    pub volumes: Option<(&'a Volume, &'a Volume)>,
 }
 
 impl Job<'_> {
-    /// Source and destination are one volume.
+    /// Source and destination are one device.
     pub fn same_volume(&self) -> bool {
-        std::ptr::eq(self.source.engine(), self.destination.engine())
+        match self.volumes {
+            Some((source, destination)) => std::ptr::eq(source.engine(), destination.engine()),
+            None => std::ptr::addr_eq(self.source, self.destination),
+        }
     }
 
     /// The ranges overlap in one volume and the destination starts inside
@@ -211,18 +230,6 @@ impl Job<'_> {
     }
 }
 
-fn check_range(volume: &Volume, first: u64, count: u64) -> Result<()> {
-    let blocks = volume.size() / BLOCK;
-    if first.checked_add(count).is_none_or(|end| end > blocks) {
-        return Err(Error::OutOfRange {
-            offset: first.saturating_mul(BLOCK),
-            length: count.saturating_mul(BLOCK),
-            size: volume.size(),
-        });
-    }
-    Ok(())
-}
-
 /// The method to use, and why: forced ones are checked (a reflink that
 /// cannot work is an error, never a silent fallback); `Auto` measures once
 /// per pair (module doc).
@@ -230,20 +237,25 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<(CopyMethod, String)> 
     match requested {
         CopyMethod::Pipelined => Ok((CopyMethod::Pipelined, "forced".to_string())),
         CopyMethod::Reflink => match reflink::possible(job) {
-            Ok(()) => Ok((CopyMethod::Reflink, "forced".to_string())),
+            Ok(_) => Ok((CopyMethod::Reflink, "forced".to_string())),
             Err(why) => Err(Error::Unsupported(format!(
                 "reflink copy is not possible here: {why} (use the pipelined or auto method)"
             ))),
         },
         CopyMethod::Auto => {
             // A small shift inside one volume would clone in tiny steps.
-            let piece = reflink::piece_blocks(job.destination.engine());
-            if job.overlap_shift().is_some_and(|shift| shift < piece) {
-                let why = format!("a shift of less than {piece} blocks within one volume");
-                return Ok((CopyMethod::Pipelined, why));
+            if let Some((_, destination)) = job.volumes {
+                let piece = reflink::piece_blocks(destination.engine());
+                if job.overlap_shift().is_some_and(|shift| shift < piece) {
+                    let why = format!("a shift of less than {piece} blocks within one volume");
+                    return Ok((CopyMethod::Pipelined, why));
+                }
             }
-            let cache = &job.destination.engine().copy_methods.chosen;
-            let key = job.source.engine().shared.uuid;
+            let Some((source, destination)) = job.volumes else {
+                return Ok((CopyMethod::Pipelined, reflink::NOT_VOLUMES.to_string()));
+            };
+            let cache = &destination.engine().copy_methods.chosen;
+            let key = source.engine().shared.uuid;
             if let Some(chosen) = cache.lock().get(&key) {
                 return Ok(chosen.clone());
             }
@@ -257,14 +269,17 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<(CopyMethod, String)> 
 
 /// `Auto`'s measurement for a pair whose choice is not cached yet.
 fn measure(job: &Job<'_>) -> (CopyMethod, String) {
-    if let Err(why) = reflink::possible(job) {
-        return (
-            CopyMethod::Pipelined,
-            format!("reflink not possible: {why}"),
-        );
-    }
-    let source = &job.source.engine().shared.io;
-    let destination = &job.destination.engine().shared.io;
+    let volumes = match reflink::possible(job) {
+        Ok(volumes) => volumes,
+        Err(why) => {
+            return (
+                CopyMethod::Pipelined,
+                format!("reflink not possible: {why}"),
+            )
+        }
+    };
+    let source = &volumes.0.engine().shared.io;
+    let destination = &volumes.1.engine().shared.io;
     let timing = destination.storage().measure_clone(
         source.storage(),
         crate::storage::ObjectId::Data(0),

@@ -334,6 +334,14 @@ pub trait BlockDevice: Send + Sync {
         0
     }
 
+    /// The volume behind this device when it is one: `copy::copy` takes
+    /// its fast path (reflink: extents shared, only contexts written)
+    /// between two volumes, and copies any other device (a mirror, a
+    /// layer) with reads and writes. `None` for every device but `Volume`.
+    fn as_volume(&self) -> Option<&crate::volume::Volume> {
+        None
+    }
+
     /// Verify every block of `[first, first + count)` without returning
     /// data; returns the faults found.
     fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {

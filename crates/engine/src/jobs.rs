@@ -1,14 +1,22 @@
-//! Background jobs as one mechanism: a chunked scan over a `BlockDevice`
-//! that skips holes, can be throttled (bytes per second), reports progress,
-//! can be cancelled from another thread, and can resume from a persisted
-//! cursor. `check` and `export` run on it today; scrub, resync, copy and
-//! layout migration are the same loop with another visitor.
+//! Background jobs as one mechanism. Every job visits a range step by
+//! step, paced by one `Pacer` (a fixed rate, or a floor and a ceiling that
+//! backs off under foreground load), reporting progress and taking a
+//! cancel through a `JobControl`, and keeping where it is in a cursor:
+//! - `scan`: a chunked scan over a `BlockDevice` that skips holes, reads
+//!   and verifies on reader threads and can resume from a persisted
+//!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it.
+//! - a mirror's scrub (`mirror/scrub.rs`) visits the same chunks with its
+//!   own reader (every leg), paced and counted the same way;
+//! - a mirror's resync and reconciliation step through their map and
+//!   extents (`ResyncCursor`, `ReconcileCursor`), paced by `Pace::FloorCeiling`,
+//!   their progress measured by `Throughput`;
+//! - copy (`copy.rs`) reports through `JobControl` and cancels the same way.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use parking_lot::Mutex;
 use std::time::{Duration, Instant};
@@ -48,6 +56,8 @@ pub struct JobControl {
     total_blocks: AtomicU64,
     /// Blocks actually read and verified (holes skipped are not counted).
     read_blocks: AtomicU64,
+    /// Times the job's pacer waited.
+    paced_waits: AtomicU64,
 }
 
 impl JobControl {
@@ -66,6 +76,18 @@ impl JobControl {
     }
     pub fn read_blocks(&self) -> u64 {
         self.read_blocks.load(Ordering::Relaxed)
+    }
+    /// Times the job waited for its pace (its rate, or foreground requests).
+    pub fn paced_waits(&self) -> u64 {
+        self.paced_waits.load(Ordering::Relaxed)
+    }
+
+    /// Pace the job after a step that moved `bytes` (`Pacer::pace`), an
+    /// early end to the wait on a cancel, counting the waits.
+    pub fn pace(&self, pacer: &mut Pacer<'_>, bytes: u64) {
+        if pacer.pace(bytes, &|| self.is_cancelled()) {
+            self.paced_waits.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// A job over `total` blocks starts with `done` of them behind it.
@@ -151,49 +173,175 @@ impl Cursor for CursorFile {
     }
 }
 
-/// Keeps a job at or under a byte rate by sleeping between chunks.
-pub struct Throttle {
-    bytes_per_second: Option<u64>,
-    started: Instant,
-    bytes: u64,
+/// How long a job waits before its next step when foreground requests
+/// arrived during the last one (and its pace would not wait longer).
+pub const FOREGROUND_BACKOFF: Duration = Duration::from_millis(5);
+
+/// A pacer sleeps in naps of at most this, so that a cancel or a stopping
+/// server ends a slow job's wait promptly.
+const PACE_NAP: Duration = Duration::from_millis(50);
+
+/// A monotonic count of foreground requests (the NBD server's, or a
+/// mirror's own): a job whose count moved during a step yields.
+pub type Foreground = Arc<dyn Fn() -> u64 + Send + Sync>;
+
+/// How fast a job may go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Pace {
+    /// As fast as it goes.
+    #[default]
+    Unlimited,
+    /// At most this many bytes per second, averaged over the job so far.
+    Fixed(u64),
+    /// A floor and a ceiling in bytes per second (DRBD's
+    /// c-min-rate/c-max-rate, md's speed_limit_min/max): each step runs at
+    /// the ceiling while no foreground request arrived during the last
+    /// one, at the floor while they do.
+    FloorCeiling { min: u64, max: u64 },
 }
 
-impl Throttle {
-    /// `None`: no limit.
-    pub fn new(bytes_per_second: Option<u64>) -> Throttle {
-        Throttle {
-            bytes_per_second: bytes_per_second.filter(|rate| *rate > 0),
-            started: Instant::now(),
+impl Pace {
+    /// `Fixed(rate)`, or `Unlimited` for `None` or 0.
+    pub fn fixed(bytes_per_second: Option<u64>) -> Pace {
+        match bytes_per_second {
+            Some(rate) if rate > 0 => Pace::Fixed(rate),
+            _ => Pace::Unlimited,
+        }
+    }
+}
+
+/// The one pacing of every job (scans, scrubs, a mirror's scrub, resync
+/// and reconciliation): after each step the job calls `pace` with the
+/// bytes it moved, and the pacer waits as long as `Pace` says (when
+/// foreground requests arrived meanwhile: the floor of a `FloorCeiling`,
+/// at least `FOREGROUND_BACKOFF` otherwise).
+pub struct Pacer<'a> {
+    pace: Pace,
+    foreground: Option<&'a (dyn Fn() -> u64 + Send + Sync)>,
+    /// The foreground count when the current step began.
+    seen: u64,
+    started: Instant,
+    bytes: u64,
+    step_started: Instant,
+    waits: u64,
+}
+
+impl<'a> Pacer<'a> {
+    /// A job starts now; `foreground` is read once here, then once per
+    /// step (and once more after a wait).
+    pub fn new(pace: Pace, foreground: Option<&'a (dyn Fn() -> u64 + Send + Sync)>) -> Pacer<'a> {
+        let now = Instant::now();
+        Pacer {
+            pace,
+            foreground,
+            seen: foreground.map_or(0, |count| count()),
+            started: now,
             bytes: 0,
+            step_started: now,
+            waits: 0,
         }
     }
 
-    /// How long to wait after `bytes` more to stay at the rate.
-    pub fn delay_after(&mut self, bytes: u64) -> Duration {
+    /// How long to wait after a step that moved `bytes` (and whether
+    /// foreground requests arrived during it: `busy`).
+    fn delay_after(&mut self, bytes: u64, busy: bool) -> Duration {
         self.bytes += bytes;
-        let Some(rate) = self.bytes_per_second else {
-            return Duration::ZERO;
+        let due = |bytes: u64, rate: u64, since: Instant| {
+            Duration::from_secs_f64(bytes as f64 / rate.max(1) as f64)
+                .saturating_sub(since.elapsed())
         };
-        let due = Duration::from_secs_f64(self.bytes as f64 / rate as f64);
-        due.saturating_sub(self.started.elapsed())
+        let paced = match self.pace {
+            Pace::Unlimited => Duration::ZERO,
+            Pace::Fixed(rate) => due(self.bytes, rate, self.started),
+            Pace::FloorCeiling { min, max } => {
+                due(bytes, if busy { min } else { max }, self.step_started)
+            }
+        };
+        match self.pace {
+            // The floor is the yield.
+            Pace::FloorCeiling { .. } => paced,
+            _ if busy => paced.max(FOREGROUND_BACKOFF),
+            _ => paced,
+        }
     }
 
-    pub fn pace(&mut self, bytes: u64) {
-        let delay = self.delay_after(bytes);
-        if !delay.is_zero() {
-            std::thread::sleep(delay);
+    /// The step that just ended moved `bytes`: wait before the next one as
+    /// the pace says, in naps, returning early once `stop` says so.
+    /// Returns whether it waited.
+    pub fn pace(&mut self, bytes: u64, stop: &dyn Fn() -> bool) -> bool {
+        let busy = match self.foreground {
+            Some(count) => {
+                let now = count();
+                let moved = now != self.seen;
+                self.seen = now;
+                moved
+            }
+            None => false,
+        };
+        let mut left = self.delay_after(bytes, busy);
+        let waited = !left.is_zero();
+        while !left.is_zero() && !stop() {
+            let nap = left.min(PACE_NAP);
+            std::thread::sleep(nap);
+            left -= nap;
+        }
+        if waited {
+            self.waits += 1;
+            // Requests that arrived while waiting were let go first: the
+            // next step starts with the count as it is now.
+            if let Some(count) = self.foreground {
+                self.seen = count();
+            }
+        }
+        self.step_started = Instant::now();
+        waited
+    }
+
+    /// How many times the pacer waited.
+    pub fn waits(&self) -> u64 {
+        self.waits
+    }
+}
+
+/// A job's speed so far and the time it has left at that speed, as the
+/// progress of a resync, a reconciliation and a control API job show it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Throughput {
+    /// Bytes per second over the job so far.
+    pub rate: u64,
+    /// Seconds to go at that rate (`None` before a rate is known).
+    pub eta_seconds: Option<u64>,
+    pub elapsed_ms: u64,
+}
+
+impl Throughput {
+    /// A job started at `started` with `done` blocks behind it and `left`
+    /// to go.
+    pub fn measure(started: Instant, done: u64, left: u64) -> Throughput {
+        let elapsed = started.elapsed();
+        let rate = if elapsed.as_secs_f64() > 0.0 {
+            (done as f64 * BLOCK as f64 / elapsed.as_secs_f64()) as u64
+        } else {
+            0
+        };
+        Throughput {
+            rate,
+            eta_seconds: (rate > 0).then(|| left * BLOCK / rate),
+            elapsed_ms: elapsed.as_millis() as u64,
         }
     }
 }
 
 /// What to scan and how fast.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Default)]
 pub struct ScanOptions {
     /// Blocks `[start, end)`; `end` `None` means to the end of the device.
     pub start: u64,
     pub end: Option<u64>,
     /// Bytes per second read at most (`None`: as fast as it goes).
     pub rate_bytes_per_second: Option<u64>,
+    /// Foreground requests to yield to (`Pacer`).
+    pub foreground: Option<Foreground>,
 }
 
 /// How a scan ended.
@@ -256,7 +404,10 @@ pub fn scan_prepared<T: Send>(
     let mut lba = resume.unwrap_or(options.start).clamp(options.start, end);
     control.start(end - options.start, lba - options.start);
     let mut saved = (lba, Instant::now());
-    let mut throttle = Throttle::new(options.rate_bytes_per_second);
+    let mut pacer = Pacer::new(
+        Pace::fixed(options.rate_bytes_per_second),
+        options.foreground.as_deref(),
+    );
     // Reading and verifying a chunk is the work (a page-cache copy and a
     // CRC per block): SCAN_READERS threads do it for the chunks ahead of
     // the one being visited. Chunks are handed out and visited in LBA
@@ -367,7 +518,7 @@ pub fn scan_prepared<T: Send>(
                         saved = (lba, Instant::now());
                     }
                 }
-                throttle.pace(read.count * BLOCK);
+                control.pace(&mut pacer, read.count * BLOCK);
             }
         })();
         // Closing the request channel ends the readers (after the chunk
@@ -421,13 +572,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_throttle_spaces_bytes_at_its_rate() {
-        let mut throttle = Throttle::new(Some(1 << 20));
+    fn a_pacer_spaces_bytes_at_its_rate_and_yields() {
+        let mut fixed = Pacer::new(Pace::Fixed(1 << 20), None);
         // 4 MiB at 1 MiB/s is due after 4 s; almost nothing has elapsed.
-        let delay = throttle.delay_after(4 << 20);
+        let delay = fixed.delay_after(4 << 20, false);
         assert!(delay > Duration::from_millis(3900), "{delay:?}");
-        let mut unlimited = Throttle::new(None);
-        assert_eq!(unlimited.delay_after(1 << 40), Duration::ZERO);
+        let mut unlimited = Pacer::new(Pace::fixed(None), None);
+        assert_eq!(unlimited.delay_after(1 << 40, false), Duration::ZERO);
+        assert_eq!(unlimited.delay_after(1 << 20, true), FOREGROUND_BACKOFF);
+        // 1 MiB: a second at a 1 MiB/s floor (busy), 1/64 s at the ceiling.
+        let mut adaptive = Pacer::new(
+            Pace::FloorCeiling {
+                min: 1 << 20,
+                max: 64 << 20,
+            },
+            None,
+        );
+        let busy = adaptive.delay_after(1 << 20, true);
+        assert!(busy > Duration::from_millis(900), "{busy:?}");
+        let idle = adaptive.delay_after(1 << 20, false);
+        assert!(idle <= Duration::from_millis(16), "{idle:?}");
+    }
+
+    #[test]
+    fn a_pacer_counts_its_waits_and_a_stop_ends_one() {
+        let requests = AtomicU64::new(0);
+        let count = || requests.fetch_add(1, Ordering::Relaxed);
+        let mut pacer = Pacer::new(Pace::Fixed(1), Some(&count));
+        // Due in 2^20 s: the stop ends the wait at once.
+        assert!(pacer.pace(1 << 20, &|| true));
+        assert_eq!(pacer.waits(), 1);
+        let mut quiet = Pacer::new(Pace::Unlimited, None);
+        assert!(!quiet.pace(1 << 20, &|| false));
+        assert_eq!(quiet.waits(), 0);
     }
 
     #[test]

@@ -11,15 +11,14 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, FaultKind, Result};
-use crate::jobs::{scan, Cursor, JobControl, ScanEnd, ScanOptions};
+use crate::jobs::{scan, Cursor, Foreground, JobControl, ScanEnd, ScanOptions};
 use crate::state::BLOCK;
 
 /// The record's file in the volume directory.
@@ -29,17 +28,18 @@ pub const SCRUB_FILE: &str = "scrub.json";
 pub const MAX_RECORDED_FAULTS: usize = 65536;
 
 /// How long a scrub waits before its next chunk when foreground requests
-/// arrived while it read the last one.
-pub const FOREGROUND_BACKOFF: Duration = Duration::from_millis(5);
+/// arrived while it read the last one (the jobs' pacer's back-off).
+pub use crate::jobs::FOREGROUND_BACKOFF;
 
-/// How a scrub runs.
+/// How a scrub runs: a volume's (`scrub`) or a mirror's
+/// (`mirror::scrub::scrub`).
 #[derive(Clone, Default)]
 pub struct ScrubOptions {
     /// Bytes per second read at most (`None`: as fast as it goes).
     pub rate_bytes_per_second: Option<u64>,
     /// A monotonic count of foreground requests (the NBD server's); when it
     /// moves, the scrub backs off so foreground I/O goes first.
-    pub foreground: Option<Arc<dyn Fn() -> u64 + Send + Sync>>,
+    pub foreground: Option<Foreground>,
 }
 
 /// Where a scrub is.
@@ -326,32 +326,22 @@ pub fn scrub(
         record: &shared,
         resume,
     };
-    let foreground = options.foreground.as_deref();
-    let mut seen = foreground.map(|count| count());
     let scanned = scan(
         device,
         ScanOptions {
             start: 0,
             end: None,
             rate_bytes_per_second: options.rate_bytes_per_second,
+            // Foreground requests that arrived while a chunk was read go
+            // first: the scan's pacer backs off.
+            foreground: options.foreground.clone(),
         },
         control,
         Some(&cursor),
         |chunk| {
-            {
-                let mut record = shared.lock();
-                record.note(chunk.faults);
-                record.blocks_checked += chunk.count;
-            }
-            // Foreground requests arrived while this chunk was read: let
-            // them go first.
-            if let (Some(count), Some(last)) = (foreground, seen.as_mut()) {
-                let now = count();
-                if now != *last {
-                    std::thread::sleep(FOREGROUND_BACKOFF);
-                    *last = count();
-                }
-            }
+            let mut record = shared.lock();
+            record.note(chunk.faults);
+            record.blocks_checked += chunk.count;
             Ok(())
         },
     );

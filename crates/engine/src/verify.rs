@@ -244,6 +244,7 @@ pub fn verify(
             start: first,
             end: Some(end),
             rate_bytes_per_second: options.rate_bytes_per_second,
+            foreground: None,
         },
         control,
         None,

@@ -353,6 +353,9 @@ impl BlockDevice for Volume {
     ) -> Result<Vec<(u64, Allocation)>> {
         self.engine.shared.block_status(offset, length, max_blocks)
     }
+    fn as_volume(&self) -> Option<&Volume> {
+        Some(self)
+    }
     /// Long ranges on the scan's reader threads (`verify::verify`), short
     /// ones on the calling thread (starting threads would cost more).
     fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {

@@ -85,6 +85,7 @@ fn a_scan_of_a_range_stays_in_it_and_a_throttled_scan_keeps_its_rate() {
         end: Some(768),
         // 2 MiB at 8 MiB/s: at least 0.25 s.
         rate_bytes_per_second: Some(8 << 20),
+        ..ScanOptions::default()
     };
     let started = std::time::Instant::now();
     let mut visited = Vec::new();

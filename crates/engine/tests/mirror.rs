@@ -234,7 +234,12 @@ fn a_leg_needing_more_than_twenty_repairs_is_faulted_and_recorded() {
         // Round robin reached leg 2 for at most one in three; read the
         // rest through the scrub below.
     }
-    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("scrub");
     let status = mirror.status();
     assert_eq!(status[2].corrected, 21, "{status:?} {report:?}");
     assert_eq!(status[2].state, LegState::Faulted);
@@ -291,7 +296,12 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
     flip(&paths[0].join("data.00000"), 6 * BLOCK + 3);
 
     let (mirror, volumes) = open(&paths[0]);
-    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("scrub");
     assert_eq!(
         (report.found, report.repaired, report.left),
         (2, 2, 0),
@@ -305,7 +315,12 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
         .findings
         .iter()
         .any(|f| f.lba == 6 && f.leg == 0 && f.kind == "guard_mismatch"));
-    let again = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let again = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("scrub");
     assert_eq!(again.found, 0, "{again:?}");
     close(mirror, volumes);
     for path in &paths {
@@ -420,7 +435,12 @@ fn legs_store_one_context_per_write_and_an_impossible_generation_is_not_believed
     );
     leg1.write_sealed(&forged).expect("store the forged copy");
     volumes[1].as_ref().expect("leg").flush().expect("flush");
-    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("scrub");
     assert!(
         report
             .findings
@@ -576,7 +596,12 @@ fn an_encrypted_mirror_shares_its_key_and_repairs_with_sealed_ciphertext() {
     mirror.flush().expect("flush");
     leg1.write_sealed(&old).expect("the old block is authentic");
     leg1.flush().expect("flush");
-    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("scrub");
     assert_eq!(
         (report.found, report.repaired, report.left),
         (1, 1, 0),
@@ -622,10 +647,56 @@ fn after_an_unclean_shutdown_reads_stay_on_one_leg_until_a_scrub_makes_the_legs_
     assert_eq!(seen.len(), 1, "one leg only");
     assert!(seen.contains(&pattern(5, 9)), "the first leg's contents");
     assert!(mirror.reads_one_leg());
-    let report = mirror::scrub::scrub(&mirror, &JobControl::default()).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .expect("scrub");
     assert_eq!(report.left, 0, "{report:?}");
     assert!(!mirror.reads_one_leg(), "the legs agree: round robin again");
     let seen = read_many(&mirror);
     assert_eq!(seen.len(), 1, "{}", seen.len());
+    close(mirror, volumes);
+}
+
+/// A mirror scrub is a job like a volume's: at a rate it waits between
+/// chunks (counted in its `JobControl`), it yields to foreground requests,
+/// and without either it never waits.
+#[test]
+fn a_mirror_scrub_keeps_its_rate_and_yields_to_foreground_requests() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    // 512 blocks: two scan chunks.
+    write_blocks(&mirror, 512, 1);
+    let scrub = |options: vouch_engine::scrub::ScrubOptions| {
+        let control = JobControl::default();
+        let report = mirror::scrub::scrub(&mirror, &options, &control).expect("scrub");
+        assert_eq!(
+            (report.blocks_checked, report.found),
+            (512, 0),
+            "{report:?}"
+        );
+        assert_eq!(control.progress(), (1024, 1024));
+        control.paced_waits()
+    };
+    assert_eq!(scrub(Default::default()), 0, "unpaced, no foreground");
+    // 1 MiB per chunk at 1 MiB/s: a wait after each.
+    let paced = scrub(vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: Some(1 << 20),
+        foreground: None,
+    });
+    assert_eq!(paced, 2, "a wait after each chunk at 1 MiB/s");
+    // A foreground count that moves on every look: a back-off per chunk.
+    let requests = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let counter = Arc::clone(&requests);
+    let busy = scrub(vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: None,
+        foreground: Some(Arc::new(move || {
+            counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        })),
+    });
+    assert_eq!(busy, 2, "a back-off after each chunk");
     close(mirror, volumes);
 }

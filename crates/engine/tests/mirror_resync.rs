@@ -251,7 +251,12 @@ fn legs_that_differ_after_a_crash_are_not_counted_against_a_leg_and_a_full_resyn
     mirror.read_one_leg_until_scrubbed();
     write_leg0_only(&volumes, 0, 30, 0x11);
     let control = vouch_engine::jobs::JobControl::default();
-    let report = mirror::scrub::scrub(&mirror, &control).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &control,
+    )
+    .expect("scrub");
     assert_eq!((report.found, report.repaired), (30, 30), "{report:?}");
     assert_eq!(mirror.active(), vec![0, 1], "leg 1 faulted for a crash");
     assert_eq!(mirror.status()[1].corrected, 0);
@@ -270,7 +275,12 @@ fn legs_that_differ_after_a_crash_are_not_counted_against_a_leg_and_a_full_resyn
         .write(100 * BLOCK, &vec![0x21; 15 * BLOCK as usize], true)
         .expect("write");
     write_leg0_only(&volumes, 100, 15, 0x22);
-    let report = mirror::scrub::scrub(&mirror, &control).expect("scrub");
+    let report = mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &control,
+    )
+    .expect("scrub");
     assert_eq!(report.repaired, 15, "{report:?}");
     assert_eq!(mirror.status()[0].corrected, 15, "{report:?}");
     // Leg 0 is taken out and resynced in full: its count starts afresh.

@@ -871,7 +871,7 @@ fn run_op(
             let touched = world.lock().model.copy(from, to, count);
             let options = CopyOptions { method };
             let control = JobControl::default();
-            let copied = copy(volume, from, volume, to, count, &options, &control);
+            let copied = copy(&**volume, from, &**volume, to, count, &options, &control);
             (touched, copied.map(|_| ()), false)
         }
         Op::Flush => {

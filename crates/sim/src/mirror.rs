@@ -169,8 +169,12 @@ pub fn run_seed(seed: u64, report: &mut MirrorReport) -> Result<(), String> {
             }
         }
     }
-    let scrubbed = vouch_engine::mirror::scrub::scrub(&mirror, &JobControl::default())
-        .map_err(|e| e.to_string())?;
+    let scrubbed = vouch_engine::mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .map_err(|e| e.to_string())?;
     if scrubbed.left != 2 || scrubbed.repaired != 0 {
         report.violations.push(format!(
             "seed {seed}: after read repair the scrub must leave only LBA {both} on both legs: {scrubbed:?}"

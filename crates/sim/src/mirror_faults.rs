@@ -276,8 +276,12 @@ impl Cx {
             self.legs[1].sim.set_faults(FaultPlan::default());
         }
         if outcome == Some(Outcome::Silent) {
-            vouch_engine::mirror::scrub::scrub(&self.mirror, &JobControl::default())
-                .map_err(|e| format!("scrub: {e}"))?;
+            vouch_engine::mirror::scrub::scrub(
+                &self.mirror,
+                &vouch_engine::scrub::ScrubOptions::default(),
+                &JobControl::default(),
+            )
+            .map_err(|e| format!("scrub: {e}"))?;
             self.leg0_still_good(lba, kind, report);
             if self.leg1_reads_model(lba) {
                 return Ok(Outcome::SilentThenScrubRepaired);
@@ -292,8 +296,12 @@ impl Cx {
         if self.leg1_reads_model(lba) {
             return Ok(Outcome::RepairedByRead);
         }
-        vouch_engine::mirror::scrub::scrub(&self.mirror, &JobControl::default())
-            .map_err(|e| format!("scrub: {e}"))?;
+        vouch_engine::mirror::scrub::scrub(
+            &self.mirror,
+            &vouch_engine::scrub::ScrubOptions::default(),
+            &JobControl::default(),
+        )
+        .map_err(|e| format!("scrub: {e}"))?;
         self.leg0_still_good(lba, kind, report);
         Ok(if self.leg1_reads_model(lba) {
             Outcome::RepairedByScrub

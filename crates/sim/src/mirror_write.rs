@@ -626,8 +626,12 @@ fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), Strin
         seen.push(print);
     }
     report.diverged += u64::from(diverged);
-    let scrubbed = vouch_engine::mirror::scrub::scrub(&mirror, &JobControl::default())
-        .map_err(|e| format!("scrub: {e}"))?;
+    let scrubbed = vouch_engine::mirror::scrub::scrub(
+        &mirror,
+        &vouch_engine::scrub::ScrubOptions::default(),
+        &JobControl::default(),
+    )
+    .map_err(|e| format!("scrub: {e}"))?;
     if scrubbed.left != 0 {
         return Err(format!("the scrub left blocks: {scrubbed:?}"));
     }

@@ -391,8 +391,12 @@ impl Checker {
             resync_to_end(&mirror, unknown.is_some(), self.window)
                 .map_err(|e| format!("restarted resync: {e}"))?;
         }
-        let scrubbed = vouch_engine::mirror::scrub::scrub(&mirror, &JobControl::default())
-            .map_err(|e| format!("scrub: {e}"))?;
+        let scrubbed = vouch_engine::mirror::scrub::scrub(
+            &mirror,
+            &vouch_engine::scrub::ScrubOptions::default(),
+            &JobControl::default(),
+        )
+        .map_err(|e| format!("scrub: {e}"))?;
         if scrubbed.left != 0 {
             return Err(format!("the scrub left blocks: {scrubbed:?}"));
         }

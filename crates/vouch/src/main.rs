@@ -219,14 +219,17 @@ enum Command {
     /// Offline, or with --server as a background job of the server.
     /// A mirrored volume: every leg is checked and every block bad on one
     /// leg repaired from another (the newer generation wins where two
-    /// legs verify but differ); the report says found, repaired and left.
+    /// legs verify but differ), at --rate like any scrub; the report says
+    /// found, repaired and left.
     /// Exit 0 clean (or all repaired), 1 faults found or not finished,
     /// 2 error.
     Scrub(offload::cli::ScrubArgs),
     /// Copy a range from SRC to DST (volumes offline, export names with
     /// --server; SRC may equal DST: overlapping ranges copy like memmove).
-    /// Source blocks are verified on the way: a corrupt one fails the copy
-    /// naming its LBA. Exit 0 copied, 1 a source block is corrupt, 2 error.
+    /// A mirrored DST (any leg offline, or a mirrored export) is written
+    /// through its mirror: every leg gets the blocks. Source blocks are
+    /// verified on the way: a corrupt one fails the copy naming its LBA.
+    /// Exit 0 copied, 1 a source block is corrupt, 2 error.
     Copy(offload::cli::CopyArgs),
     /// Compare a range with a file's bytes or with another range (NVMe
     /// Compare): equal, or the first differing byte. Exit 0 equal,

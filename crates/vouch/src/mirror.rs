@@ -524,15 +524,20 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
 
 /// Offline `vouch scrub` of a mirrored volume: check every active leg and
 /// repair what can be repaired. Exit 0 when nothing was left unrepaired.
-pub fn scrub(path: &Path, json_output: bool) -> Result<ExitCode> {
+pub fn scrub(path: &Path, rate: Option<u64>, json_output: bool) -> Result<ExitCode> {
     let set = open(path, OpenOptions::default(), Use::Verify)?;
-    let report = mirror::scrub::scrub(&set.mirror, &JobControl::default());
+    let options = vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: rate,
+        foreground: None,
+    };
+    let control = JobControl::default();
+    let report = mirror::scrub::scrub(&set.mirror, &options, &control);
     let status = set.mirror.status();
     set.close()?;
     let report = report?;
     if json_output {
         let value = json!({"path": path.display().to_string(), "report": report,
-            "legs": status_json(&status)});
+            "legs": status_json(&status), "paced_waits": control.paced_waits()});
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         for finding in &report.findings {

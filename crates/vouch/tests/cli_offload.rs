@@ -4,21 +4,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::control::control;
 use common::*;
 use serde_json::Value;
 
 const SEED: &str = "5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed5eed";
-
-fn volume_from(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
-    let raw = dir.join(format!("{name}.raw"));
-    std::fs::write(&raw, data).expect("write raw");
-    let volume = dir.join(name);
-    vouch_ok(&["import", s(&raw), s(&volume)]);
-    volume
-}
 
 fn json_of(args: &[&str]) -> (i32, Value, String) {
     let output = vouch(args);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -12,14 +12,6 @@ use common::clients::qemu_img;
 use common::control::{job, request, submit, wait_job};
 use common::*;
 use serde_json::{json, Value};
-
-fn volume_from(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
-    let raw = dir.join(format!("{name}.raw"));
-    std::fs::write(&raw, data).expect("write raw");
-    let volume = dir.join(name);
-    vouch_ok(&["import", s(&raw), s(&volume)]);
-    volume
-}
 
 /// An export's bytes, read over NBD with qemu-img convert.
 fn read_export(server: &Server, name: &str, dir: &Path) -> Vec<u8> {

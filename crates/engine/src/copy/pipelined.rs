@@ -11,17 +11,17 @@
 //! (the reader is ahead); going backwards the mirror image. So a write
 //! never lands on source blocks still to be read, whatever the shift.
 //!
-//! The destination writes are ordinary buffered writes (sealed for the
-//! destination LBAs, committed in groups): the crash contract of writes,
-//! durable after the next flush. A fault in a source segment stops the
-//! reader; nothing of that segment is written.
+//! The destination writes are the destination device's ordinary writes
+//! (a volume's: sealed for the destination LBAs, buffered, committed in
+//! groups; a mirror's: its activity log first, then every leg): the crash
+//! contract of writes, durable after the next flush. A fault in a source
+//! segment stops the reader; nothing of that segment is written.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 
 use super::Job;
 use crate::buffer::PageBuffer;
-use crate::device::BlockDevice;
 use crate::error::Result;
 use crate::state::BLOCK;
 

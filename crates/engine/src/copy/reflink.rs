@@ -60,6 +60,7 @@ use crate::journal::Journal;
 use crate::protection::Seal;
 use crate::state::{RangeOp, BLOCK};
 use crate::storage::{CloneRange, Mapped, ObjectId};
+use crate::volume::Volume;
 
 /// Pieces per step at most: one journal record and one fsync per 16
 /// pieces (256 MiB by default), fewer if half the journal holds fewer
@@ -78,9 +79,17 @@ pub(crate) fn piece_blocks(destination: &Engine) -> u64 {
     (destination.tuning.dirty_limit_blocks as u64).max(1)
 }
 
-/// Can a reflink copy work for this job? `Err` says why not.
-pub(super) fn possible(job: &Job<'_>) -> std::result::Result<(), String> {
-    for (name, volume) in [("source", job.source), ("destination", job.destination)] {
+/// Why a job that is not between two volumes cannot be a reflink copy.
+pub(super) const NOT_VOLUMES: &str =
+    "source and destination are not both volumes (a mirror or a layer copies with reads and writes)";
+
+/// Can a reflink copy work for this job? The two volumes if so, `Err`
+/// says why not.
+pub(super) fn possible<'a>(job: &Job<'a>) -> std::result::Result<(&'a Volume, &'a Volume), String> {
+    let Some((source, destination)) = job.volumes else {
+        return Err(NOT_VOLUMES.to_string());
+    };
+    for (name, volume) in [("source", source), ("destination", destination)] {
         // The LBA (and volume) are associated data of every encrypted
         // block: a shared extent would not authenticate at its new LBA, so
         // a copy must re-encrypt (the pipelined copy does).
@@ -96,17 +105,19 @@ pub(super) fn possible(job: &Job<'_>) -> std::result::Result<(), String> {
             ));
         }
     }
-    let source = &job.source.engine().shared.io;
-    let destination = &job.destination.engine().shared.io;
-    destination
+    let source_io = &source.engine().shared.io;
+    let destination_io = &destination.engine().shared.io;
+    destination_io
         .storage()
-        .probe_clone(source.storage(), ObjectId::Data(0))
-        .map_err(|error| error.to_string())
+        .probe_clone(source_io.storage(), ObjectId::Data(0))
+        .map_err(|error| error.to_string())?;
+    Ok((source, destination))
 }
 
-pub(super) fn run(job: &Job<'_>) -> Result<()> {
-    let source = job.source.engine();
-    let destination = job.destination.engine();
+/// Run `job` between its two `volumes` (`possible` said it can).
+pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume)) -> Result<()> {
+    let source = volumes.0.engine();
+    let destination = volumes.1.engine();
     let piece = piece_blocks(destination);
     let mut step = record_blocks(destination, piece * PIECES_PER_STEP);
     if let Some(shift) = job.overlap_shift() {

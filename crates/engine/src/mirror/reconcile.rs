@@ -16,22 +16,24 @@
 //! mid-way reconciles it again at the next open. Client writes go on
 //! meanwhile, to every leg as always.
 //!
-//! Paced like a resync (`ResyncRate`): its ceiling while no client
-//! request arrived during the last chunk, its floor while they do.
+//! Paced like a resync (`ResyncRate`, the jobs' `Pacer`): its ceiling
+//! while no client request arrived during the last chunk, its floor while
+//! they do.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::device::Mirror;
 use super::resync::ResyncRate;
 use super::scrub::MirrorScrubReport;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
+use crate::jobs::{Pacer, Throughput, SCAN_CHUNK_BLOCKS};
 use crate::state::BLOCK;
 
-/// Blocks per step (one stripe of the mirror's lock).
-const CHUNK_BLOCKS: u64 = 256;
+/// Blocks per step: a scan chunk, one stripe of the mirror's lock.
+const CHUNK_BLOCKS: u64 = SCAN_CHUNK_BLOCKS;
 
 /// A reconciliation's progress, as `vouch mirror status` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -218,25 +220,17 @@ impl Mirror {
     }
 
     fn reconcile_loop(&self, cursor: &mut ReconcileCursor, rate: ResyncRate) -> Result<bool> {
+        let foreground = || self.foreground.load(Ordering::Relaxed);
+        let mut pacer = Pacer::new(rate.pace(), Some(&foreground));
         loop {
             if self.stopping.load(Ordering::Acquire) {
                 return Ok(false);
             }
-            let started = Instant::now();
-            let foreground = self.foreground.load(Ordering::Relaxed);
             let checked = self.reconcile_step(cursor)?;
             if checked == 0 {
                 return Ok(true);
             }
-            let busy = self.foreground.load(Ordering::Relaxed) != foreground;
-            let limit = if busy { rate.min } else { rate.max };
-            let due = Duration::from_secs_f64((checked * BLOCK) as f64 / limit as f64);
-            let mut left = due.saturating_sub(started.elapsed());
-            while !left.is_zero() && !self.stopping.load(Ordering::Acquire) {
-                let nap = left.min(Duration::from_millis(50));
-                std::thread::sleep(nap);
-                left -= nap;
-            }
+            pacer.pace(checked * BLOCK, &|| self.stopping.load(Ordering::Acquire));
         }
     }
 
@@ -261,13 +255,8 @@ impl Mirror {
             Some(&extent) => extents_left * extent_blocks - (cursor.lba - extent * extent_blocks),
             None => 0,
         };
-        let elapsed = cursor.started.elapsed();
         let checked = cursor.report.blocks_checked;
-        let rate = if elapsed.as_secs_f64() > 0.0 {
-            (checked as f64 * BLOCK as f64 / elapsed.as_secs_f64()) as u64
-        } else {
-            0
-        };
+        let throughput = Throughput::measure(cursor.started, checked, blocks_left);
         ReconcileProgress {
             extents,
             extents_left,
@@ -276,11 +265,11 @@ impl Mirror {
             blocks_left,
             blocks_copied: cursor.report.repaired,
             blocks_left_unsettled: cursor.report.left,
-            rate,
-            eta_seconds: (rate > 0).then(|| blocks_left * BLOCK / rate),
+            rate: throughput.rate,
+            eta_seconds: throughput.eta_seconds,
             state,
             error,
-            elapsed_ms: elapsed.as_millis() as u64,
+            elapsed_ms: throughput.elapsed_ms,
         }
     }
 }

@@ -23,7 +23,8 @@
 //!
 //! The rate has a floor and a ceiling (DRBD's c-min-rate/c-max-rate, md's
 //! speed_limit_min/max): the ceiling while no client request arrived
-//! during the last batch, the floor while they do.
+//! during the last batch, the floor while they do (the jobs' `Pacer`,
+//! `Pace::FloorCeiling`).
 //!
 //! `begin_resync`, `resync_step` and `end_resync` are the thread's parts;
 //! the crash simulator calls them itself to put client writes between
@@ -32,7 +33,7 @@
 use std::collections::BTreeSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use vouch_format::mirror::LegState;
 
@@ -40,6 +41,7 @@ use super::device::{is_request_error, Mirror};
 use super::dirty::DirtyMap;
 use crate::device::{BlockDevice, SealedBlock};
 use crate::error::{Error, Result};
+use crate::jobs::{Pace, Pacer, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = 256;
@@ -53,6 +55,16 @@ pub struct ResyncRate {
     pub min: u64,
     /// Never faster than this (while clients are idle).
     pub max: u64,
+}
+
+impl ResyncRate {
+    /// The jobs' pace of this floor and ceiling.
+    pub fn pace(self) -> Pace {
+        Pace::FloorCeiling {
+            min: self.min,
+            max: self.max,
+        }
+    }
 }
 
 impl Default for ResyncRate {
@@ -302,24 +314,18 @@ impl Mirror {
         state: &'static str,
         error: Option<String>,
     ) -> ResyncProgress {
-        let (run, copied) = (&cursor.run, cursor.copied);
-        let elapsed = run.started.elapsed();
-        let rate = if elapsed.as_secs_f64() > 0.0 {
-            (copied as f64 * crate::state::BLOCK as f64 / elapsed.as_secs_f64()) as u64
-        } else {
-            0
-        };
         let left = cursor.map.count();
+        let throughput = Throughput::measure(cursor.run.started, cursor.copied, left);
         ResyncProgress {
-            total: run.total,
-            copied,
+            total: cursor.run.total,
+            copied: cursor.copied,
             left,
-            full: run.full,
-            rate,
-            eta_seconds: (rate > 0).then(|| left * crate::state::BLOCK / rate),
+            full: cursor.run.full,
+            rate: throughput.rate,
+            eta_seconds: throughput.eta_seconds,
             state,
             error,
-            elapsed_ms: elapsed.as_millis() as u64,
+            elapsed_ms: throughput.elapsed_ms,
         }
     }
 
@@ -375,27 +381,20 @@ impl Mirror {
     /// them.
     fn resync_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
         let slot = &self.legs[cursor.leg];
+        let foreground = || self.foreground.load(Ordering::Relaxed);
+        let mut pacer = Pacer::new(rate.pace(), Some(&foreground));
         loop {
             if self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire) {
                 return Ok(false);
             }
-            let started = Instant::now();
-            let foreground = self.foreground.load(Ordering::Relaxed);
             let moved = match self.resync_step(cursor)? {
                 ResyncStep::Finished => return Ok(true),
                 ResyncStep::Copied(moved) => moved,
             };
             *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-            // Pace: the ceiling while clients are idle, the floor while busy.
-            let busy = self.foreground.load(Ordering::Relaxed) != foreground;
-            let limit = if busy { rate.min } else { rate.max };
-            let due = Duration::from_secs_f64((moved * crate::state::BLOCK) as f64 / limit as f64);
-            let mut left = due.saturating_sub(started.elapsed());
-            while !left.is_zero() && !self.stopping.load(Ordering::Acquire) {
-                let nap = left.min(Duration::from_millis(50));
-                std::thread::sleep(nap);
-                left -= nap;
-            }
+            pacer.pace(moved * crate::state::BLOCK, &|| {
+                self.stopping.load(Ordering::Acquire)
+            });
         }
     }
 

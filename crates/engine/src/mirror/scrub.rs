@@ -24,13 +24,12 @@ use serde::Serialize;
 use super::device::{is_request_error, Mirror};
 use crate::device::BlockDevice;
 use crate::error::{Error, FaultKind, Result};
-use crate::jobs::JobControl;
+use crate::jobs::{JobControl, Pace, Pacer, SCAN_CHUNK_BLOCKS};
+use crate::scrub::ScrubOptions;
 use crate::state::BLOCK;
 
 /// Findings kept in a report; past this only the counts grow.
 pub const MAX_FINDINGS: usize = 65536;
-
-const CHUNK_BLOCKS: u64 = 256;
 
 /// One bad copy a scrub found.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -67,10 +66,23 @@ impl MirrorScrubReport {
 }
 
 /// Scrub every active leg of `mirror`, repairing what can be repaired;
-/// `control` reports progress and cancels (`Error::Cancelled`).
-pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport> {
+/// `control` reports progress and cancels (`Error::Cancelled`). A job like
+/// any other (`jobs`): it visits the chunks that may hold data (a
+/// volume's scan chunks, each one stripe), paced by `options` (its rate,
+/// and backing off for foreground requests) with the waits counted in
+/// `control`.
+pub fn scrub(
+    mirror: &Mirror,
+    options: &ScrubOptions,
+    control: &JobControl,
+) -> Result<MirrorScrubReport> {
     let blocks = mirror.size() / BLOCK;
     let mut report = MirrorScrubReport::default();
+    let mut pacer = Pacer::new(
+        Pace::fixed(options.rate_bytes_per_second),
+        options.foreground.as_deref(),
+    );
+    control.start(blocks, 0);
     let mut lba = 0;
     while lba < blocks {
         if control.is_cancelled() {
@@ -82,12 +94,13 @@ pub fn scrub(mirror: &Mirror, control: &JobControl) -> Result<MirrorScrubReport>
         if lba >= blocks {
             break;
         }
-        let count = CHUNK_BLOCKS.min(blocks - lba);
+        let count = (blocks - lba).min(SCAN_CHUNK_BLOCKS - lba % SCAN_CHUNK_BLOCKS);
         mirror.scrub_chunk(lba, count, &mut report, "stale")?;
         lba += count;
-        control.set_progress(lba, blocks);
+        control.advance(lba, count);
+        control.pace(&mut pacer, count * BLOCK);
     }
-    control.set_progress(blocks, blocks);
+    control.advance(blocks, 0);
     if report.left == 0 {
         mirror.legs_agree();
     }

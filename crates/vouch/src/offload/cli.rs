@@ -295,8 +295,12 @@ pub(super) fn open(path: &str, writable: bool, purpose: crate::key::Use) -> Resu
 }
 
 /// Offline range check (the server does the same and answers 400).
-pub(super) fn blocks(volume: &Volume, offset: u64, length: Option<u64>) -> Result<(u64, u64)> {
-    let size = volume.size();
+pub(super) fn blocks(
+    device: &dyn BlockDevice,
+    offset: u64,
+    length: Option<u64>,
+) -> Result<(u64, u64)> {
+    let size = device.size();
     let length = length.unwrap_or(size.saturating_sub(offset));
     if !offset.is_multiple_of(BLOCK) || !length.is_multiple_of(BLOCK) {
         bail!("offset {offset} and length {length} must be multiples of {BLOCK}");

@@ -162,7 +162,7 @@ pub fn scrub(args: ScrubArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if client.is_none() && vouch_engine::mirror::is_mirrored(Path::new(&name)) {
-        return crate::mirror::scrub(Path::new(&name), args.json);
+        return crate::mirror::scrub(Path::new(&name), args.rate, args.json);
     }
     let ended = match &client {
         Some(client) => online(
@@ -204,33 +204,13 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
             online(&client, "copying", args.json, request)?
         }
         None => {
-            let same = std::fs::canonicalize(&args.source).ok()
-                == std::fs::canonicalize(&args.destination).ok();
-            let destination = open(&args.destination, true, crate::key::Use::Data)?;
-            let source_volume = if same {
-                None
-            } else {
-                Some(open(&args.source, false, crate::key::Use::Data)?)
-            };
-            let source = source_volume.as_ref().unwrap_or(&destination);
-            let (source_first, count) = blocks(source, args.source_offset, Some(args.length))?;
-            let (destination_first, _) =
-                blocks(&destination, args.destination_offset, Some(args.length))?;
-            let ended = offline("copying", args.json, |control| {
-                let report = engine::copy(
-                    source,
-                    source_first,
-                    &destination,
-                    destination_first,
-                    count,
-                    &CopyOptions { method },
-                    control,
-                )?;
-                destination.flush()?;
-                Ok(render::copy_json(&report))
-            });
-            drop(source_volume);
-            destination.close()?;
+            let destination = Destination::open(&args.destination)?;
+            // Closed whatever happens: a mirror left open would count as
+            // an unclean stop and be reconciled at its next open.
+            let ended = copy_offline(&args, method, &destination);
+            let closed = destination.close();
+            let ended = ended?;
+            closed?;
             ended
         }
     };
@@ -248,6 +228,94 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
         },
         |_| false,
     )
+}
+
+/// `vouch copy` offline into `destination` (opened from `args.destination`).
+fn copy_offline(
+    args: &CopyArgs,
+    method: CopyMethod,
+    destination: &Destination,
+) -> Result<super::cli::Ended> {
+    let same = std::fs::canonicalize(&args.source).ok()
+        == std::fs::canonicalize(&args.destination).ok()
+        || destination.has_leg(&args.source);
+    let source_volume = if same {
+        None
+    } else {
+        Some(open(&args.source, false, crate::key::Use::Data)?)
+    };
+    let source: &dyn BlockDevice = match &source_volume {
+        Some(volume) => volume,
+        None => destination.device(),
+    };
+    let (source_first, count) = blocks(source, args.source_offset, Some(args.length))?;
+    let (destination_first, _) = blocks(
+        destination.device(),
+        args.destination_offset,
+        Some(args.length),
+    )?;
+    Ok(offline("copying", args.json, |control| {
+        let report = engine::copy(
+            source,
+            source_first,
+            destination.device(),
+            destination_first,
+            count,
+            &CopyOptions { method },
+            control,
+        )?;
+        destination.device().flush()?;
+        Ok(render::copy_json(&report))
+    }))
+}
+
+/// An offline copy's destination: a volume, or the whole mirror set when
+/// the path is one of its legs (every leg gets the blocks, as `check` and
+/// `scrub` given a leg use every leg).
+enum Destination {
+    Volume(vouch_engine::Volume),
+    Mirror(crate::mirror::OpenMirror),
+}
+
+impl Destination {
+    fn open(path: &str) -> Result<Destination> {
+        if vouch_engine::mirror::is_mirrored(Path::new(path)) {
+            let set = crate::mirror::open(
+                Path::new(path),
+                vouch_engine::OpenOptions::default(),
+                crate::key::Use::Data,
+            )
+            .with_context(|| format!("opening the mirror of {path}"))?;
+            return Ok(Destination::Mirror(set));
+        }
+        open(path, true, crate::key::Use::Data).map(Destination::Volume)
+    }
+
+    /// `path` is a leg of this mirror: a copy from it is a copy within
+    /// the mirror (the set holds every leg open).
+    fn has_leg(&self, path: &str) -> bool {
+        let (Destination::Mirror(set), Ok(path)) = (self, std::fs::canonicalize(path)) else {
+            return false;
+        };
+        set.record
+            .members
+            .iter()
+            .any(|member| std::fs::canonicalize(&member.path).is_ok_and(|leg| leg == path))
+    }
+
+    fn device(&self) -> &dyn BlockDevice {
+        match self {
+            Destination::Volume(volume) => volume,
+            Destination::Mirror(set) => &*set.mirror,
+        }
+    }
+
+    fn close(self) -> Result<()> {
+        match self {
+            Destination::Volume(volume) => Ok(volume.close()?),
+            Destination::Mirror(set) => set.close(),
+        }
+    }
 }
 
 pub fn compare(args: CompareArgs) -> Result<ExitCode> {

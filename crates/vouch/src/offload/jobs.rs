@@ -157,7 +157,8 @@ impl Job {
             "request": render::spec_json(&self.spec, exports),
             "state": status.state.name(),
             "created_unix": self.created_unix,
-            "progress": {"done_blocks": done, "total_blocks": total},
+            "progress": {"done_blocks": done, "total_blocks": total,
+                "paced_waits": self.control.paced_waits()},
             "elapsed_seconds": elapsed.map(|e| e.as_secs_f64()),
             "bytes_per_second": bytes_per_second.map(|r| r.round() as u64),
             "eta_seconds": eta,
@@ -441,23 +442,16 @@ impl Jobs {
                 let report = engine::verify(device(*export), *first, *count, options, control)?;
                 Ok((JobState::Finished, render::verify_json(&report)))
             }
-            JobSpec::Scrub { export, .. } if self.exports[*export].mirror.is_some() => {
-                let mirror = self.exports[*export].mirror.as_ref().expect("mirrored");
-                let report = vouch_engine::mirror::scrub::scrub(mirror, control)?;
-                Ok((JobState::Finished, render::mirror_scrub_json(&report)))
-            }
-            JobSpec::Copy { destination, .. } if self.exports[*destination].mirror.is_some() => {
-                Err(vouch_engine::Error::Unsupported(format!(
-                    "copy into the mirrored export {:?} is not supported yet (it would write one leg); copy through NBD instead",
-                    self.exports[*destination].name
-                )))
-            }
             JobSpec::Scrub { export, rate } => {
                 let options = ScrubOptions {
                     rate_bytes_per_second: *rate,
                     foreground: self.foreground.clone(),
                 };
                 let entry = &self.exports[*export];
+                if let Some(mirror) = &entry.mirror {
+                    let report = vouch_engine::mirror::scrub::scrub(mirror, &options, control)?;
+                    return Ok((JobState::Finished, render::mirror_scrub_json(&report)));
+                }
                 let record = engine::scrub(device(*export), &entry.dir, &options, control)?;
                 let state = match record.state {
                     engine::ScrubState::Finished => JobState::Finished,
@@ -474,17 +468,19 @@ impl Jobs {
                 count,
                 method,
             } => {
+                // A mirrored destination is copied into through its
+                // mirror: every leg gets the blocks.
                 let report = engine::copy(
-                    &self.exports[*source].volume,
+                    device(*source),
                     *source_first,
-                    &self.exports[*destination].volume,
+                    device(*destination),
                     *destination_first,
                     *count,
                     &CopyOptions { method: *method },
                     control,
                 )?;
                 // Durable when the job reports finished.
-                self.exports[*destination].volume.flush()?;
+                device(*destination).flush()?;
                 Ok((JobState::Finished, render::copy_json(&report)))
             }
             JobSpec::Compare {

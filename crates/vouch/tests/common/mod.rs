@@ -622,6 +622,16 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
         })
 }
 
+/// A plain volume `name` in `dir` holding `data` from byte 0 (`vouch
+/// import` of a raw file).
+pub fn volume_from(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
+    let raw = dir.join(format!("{name}.raw"));
+    std::fs::write(&raw, data).expect("write raw");
+    let volume = dir.join(name);
+    vouch_ok(&["import", s(&raw), s(&volume)]);
+    volume
+}
+
 /// Deterministic pseudo-random bytes (xorshift64*), cheaper than pulling in a
 /// seeded RNG for large images.
 pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
