@@ -101,8 +101,8 @@ pub(crate) struct HeldSlots {
     /// Each slot file's length (`object_len`) after it last grew, kept in
     /// its header page (`SizedWord`): a file found shorter was cut.
     sized: [u64; 2],
-    /// A block of each landed record of each slot: its bytes keep the
-    /// landing region the record names from being reused until the slot
+    /// The blocks of each landed record of each slot: their bytes keep the
+    /// landing regions the record names from being reused until the slot
     /// is emptied (`landing.rs`).
     kept: [Vec<BlockData>; 2],
 }
@@ -343,8 +343,11 @@ impl HeldSlots {
         };
         let at = self.write_header(io, &header, header.encode())?;
         if landed.is_some() {
-            // The region stays as it is while the record naming it lives.
-            self.kept[self.active].push(blocks[0].1.data.clone());
+            // The region stays as it is while the record naming it lives:
+            // every block is kept (a run that crossed from one region into
+            // the next would leave the second free if only one were).
+            let kept = &mut self.kept[self.active];
+            kept.extend(blocks.iter().map(|(_, dirty)| dirty.data.clone()));
         }
         Ok(Some(Placed {
             slot: self.active,

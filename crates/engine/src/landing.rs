@@ -39,6 +39,15 @@ pub const LANDING_CHUNK: usize = 64 * 1024;
 /// Room is made in the area (allocated in its file) this much at a time.
 const GROW_STEP: u64 = 8 << 20;
 
+/// The most the area grows to (allocated in the runtime directory, which
+/// the held log's slots share): about twice what is ever in use at once
+/// (the buffered writes, up to twice the write-back limit, 64 MiB by
+/// default, kept by their slots until emptied, and the payloads being
+/// received). Regions are taken lowest first, so the file only grows as
+/// far as the most that was in use; past this a payload is received into
+/// process memory.
+const GROW_LIMIT: u64 = 256 << 20;
+
 /// The landing area of one volume.
 pub(crate) struct LandingArea {
     /// Keeps the mapping (and the file behind it) alive while any region
@@ -60,9 +69,6 @@ unsafe impl Sync for LandingArea {}
 struct Chunks {
     /// Bit `i % 64` of word `i / 64`: chunk `i` is taken.
     taken: Vec<u64>,
-    /// Where the next search starts (next fit: regions are freed roughly
-    /// in the order they were taken, as their commits finish).
-    cursor: usize,
     /// Bytes of the area allocated in its file.
     grown: u64,
     /// The storage refused to grow the area (a full or unsuitable runtime
@@ -85,30 +91,28 @@ impl Chunks {
         }
     }
 
-    /// The first chunk of `count` free ones in a row, searching from the
-    /// cursor to the end and then from the start.
+    /// The first chunk of the lowest `count` free ones in a row among the
+    /// first `chunks` (first fit: the file grows only as far as the most
+    /// ever taken at once; next fit would walk, and allocate, all of it).
     fn find(&self, chunks: usize, count: usize) -> Option<usize> {
-        let search = |from: usize, to: usize| {
-            let mut run = 0;
-            let mut chunk = from;
-            while chunk < to {
-                if run == 0 && chunk.is_multiple_of(64) && self.taken[chunk / 64] == u64::MAX {
-                    chunk += 64;
-                    continue;
-                }
-                if self.is_taken(chunk) {
-                    run = 0;
-                } else {
-                    run += 1;
-                    if run == count {
-                        return Some(chunk + 1 - count);
-                    }
-                }
-                chunk += 1;
+        let mut run = 0;
+        let mut chunk = 0;
+        while chunk < chunks {
+            if run == 0 && chunk.is_multiple_of(64) && self.taken[chunk / 64] == u64::MAX {
+                chunk += 64;
+                continue;
             }
-            None
-        };
-        search(self.cursor, chunks).or_else(|| search(0, (self.cursor + count).min(chunks)))
+            if self.is_taken(chunk) {
+                run = 0;
+            } else {
+                run += 1;
+                if run == count {
+                    return Some(chunk + 1 - count);
+                }
+            }
+            chunk += 1;
+        }
+        None
     }
 }
 
@@ -116,7 +120,7 @@ impl LandingArea {
     /// The storage's landing area, if it has one.
     pub fn new(storage: Arc<dyn Storage>) -> Option<Arc<LandingArea>> {
         let (base, len) = storage.landing_window()?;
-        let chunks = len / LANDING_CHUNK;
+        let chunks = len.min(GROW_LIMIT as usize) / LANDING_CHUNK;
         (chunks > 0).then(|| {
             Arc::new(LandingArea {
                 storage,
@@ -124,7 +128,6 @@ impl LandingArea {
                 chunks,
                 inner: Mutex::new(Chunks {
                     taken: vec![0; chunks.div_ceil(64)],
-                    cursor: 0,
                     grown: 0,
                     stuck: false,
                 }),
@@ -140,25 +143,35 @@ impl LandingArea {
         }
         let count = len.div_ceil(LANDING_CHUNK);
         let mut chunks = self.inner.lock();
-        let first = chunks.find(self.chunks, count)?;
+        // Once growing failed, only what was allocated is used.
+        let searched = match chunks.stuck {
+            true => chunks.grown as usize / LANDING_CHUNK,
+            false => self.chunks,
+        };
+        let first = chunks.find(searched, count)?;
         let end = ((first + count) * LANDING_CHUNK) as u64;
         if end > chunks.grown {
-            if chunks.stuck {
-                return None;
-            }
-            let to = end
+            // A step at a time, or just what this payload needs when the
+            // step does not fit (as the held log's slots grow).
+            let step = end
                 .div_ceil(GROW_STEP)
                 .saturating_mul(GROW_STEP)
                 .min((self.chunks * LANDING_CHUNK) as u64);
-            if let Err(error) = self.storage.grow_landing(chunks.grown, to) {
-                tracing::debug!(%error, "the landing area cannot grow: payloads are received into process memory");
-                chunks.stuck = true;
-                return None;
-            }
+            let grown = chunks.grown;
+            let to = match self.storage.grow_landing(grown, step) {
+                Ok(()) => step,
+                Err(_) => match self.storage.grow_landing(grown, end) {
+                    Ok(()) => end,
+                    Err(error) => {
+                        tracing::debug!(%error, "the landing area cannot grow: larger payloads are received into process memory");
+                        chunks.stuck = true;
+                        return None;
+                    }
+                },
+            };
             chunks.grown = to;
         }
         chunks.set(first, count, true);
-        chunks.cursor = (first + count) % self.chunks;
         drop(chunks);
         Some(LandingBuffer {
             region: Region {
@@ -285,6 +298,28 @@ mod tests {
         drop(a);
         assert_eq!(area.taken(), 0);
         assert_eq!(area.offset_of([0u8; 8].as_ptr(), 8), None);
+    }
+
+    /// Regions taken and freed in turn, two at a time, as commits free
+    /// the payloads they took: the area stays as large as the most in use
+    /// at once, never walks on through the window allocating as it goes.
+    #[test]
+    fn the_area_grows_only_as_far_as_the_most_in_use() {
+        let area = LandingArea::new(Arc::new(SimStorage::new())).expect("the sim has an area");
+        let mut live = std::collections::VecDeque::new();
+        let mut highest = 0;
+        for _ in 0..1000 {
+            let taken = area.take(1 << 20).expect("room");
+            highest = highest.max((taken.region.first + taken.region.count) * LANDING_CHUNK);
+            live.push_back(taken);
+            if live.len() > 2 {
+                live.pop_front();
+            }
+        }
+        assert!(
+            highest <= 3 << 20,
+            "used up to byte {highest} for 3 MiB in use at most"
+        );
     }
 
     #[test]

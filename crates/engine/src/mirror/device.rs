@@ -1048,6 +1048,17 @@ impl BlockDevice for Mirror {
         self.try_write_shared(offset, &Bytes::copy_from_slice(data))
     }
 
+    /// The landing area of the first local leg written: it stores the
+    /// sealed blocks as they lie in the payload, so its held log names
+    /// them instead of copying them (the other legs copy as before).
+    fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
+        let leg = self
+            .write_targets()
+            .into_iter()
+            .find(|&leg| !self.legs[leg].remote)?;
+        self.device(leg).landing_buffer(len)
+    }
+
     fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let whole = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);

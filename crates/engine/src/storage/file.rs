@@ -308,7 +308,8 @@ struct HeldFiles {
 }
 
 /// The landing file: a write's payload received straight into it is what
-/// the held log's landed records point at (`engine/src/landing.rs`).
+/// the held log's landed records point at (`engine/src/landing.rs`). At
+/// most `GROW_LIMIT` of it (there) is ever allocated.
 struct LandingFile {
     file: File,
     path: PathBuf,
@@ -316,31 +317,48 @@ struct LandingFile {
     map: Option<memmap2::MmapRaw>,
 }
 
-/// Address space mapped for the landing file: payloads in flight and
-/// buffered (about twice the write-back limit, 64 MiB by default, plus the
-/// writes being received) fit many times over; a payload that finds no
-/// room is received into process memory instead.
+/// Address space mapped for the landing file (the engine allocates in it
+/// only as far as the most it ever has in use at once, at most its
+/// `GROW_LIMIT`); a payload that finds no room is received into process
+/// memory instead.
 const LANDING_WINDOW: u64 = 1 << 30;
 
 impl LandingFile {
-    fn open(prefix: &Path, writable: bool, fresh: bool) -> io::Result<Option<LandingFile>> {
+    /// The landing file beside the slots `prefix` names: a new one
+    /// (`fresh`), else the one a previous process left (none if it left
+    /// none: slots an older vouch made; nothing is created). Landing is
+    /// only a way to save a copy, so a file that cannot be made or mapped
+    /// means none (payloads are received into process memory), never a
+    /// refused open; replay then refuses only if a live record needs it.
+    fn open(prefix: &Path, writable: bool, fresh: bool) -> Option<LandingFile> {
         let mut name = prefix.as_os_str().to_owned();
         name.push(".landing");
         let path = PathBuf::from(name);
-        if !writable && !path.exists() {
-            return Ok(None);
+        if !fresh && !path.exists() {
+            return None;
         }
-        // A writable open of slots an older binary made has none yet.
-        let file = open_slot(&path, writable, fresh || !path.exists())?;
-        let map = match writable {
-            true => Some(
-                memmap2::MmapOptions::new()
-                    .len(LANDING_WINDOW as usize)
-                    .map_raw(&file)?,
-            ),
-            false => None,
-        };
-        Ok(Some(LandingFile { file, path, map }))
+        let opened = open_slot(&path, writable, fresh).and_then(|file| {
+            let map = match writable {
+                true => Some(
+                    memmap2::MmapOptions::new()
+                        .len(LANDING_WINDOW as usize)
+                        .map_raw(&file)?,
+                ),
+                false => None,
+            };
+            Ok(LandingFile {
+                file,
+                path: path.clone(),
+                map,
+            })
+        });
+        match opened {
+            Ok(landing) => Some(landing),
+            Err(error) => {
+                tracing::warn!(path = %path.display(), %error, "no landing file: write payloads are received into process memory");
+                None
+            }
+        }
     }
 }
 
@@ -457,7 +475,7 @@ impl HeldFiles {
             map_slot(&files[0], writable)?,
             map_slot(&files[1], writable)?,
         ];
-        let landing = LandingFile::open(&prefix, writable, false)?;
+        let landing = LandingFile::open(&prefix, writable, false);
         Ok(Some(HeldFiles {
             files,
             paths,
@@ -486,7 +504,7 @@ impl HeldFiles {
             })?;
         }
         let maps = [map_slot(&files[0], true)?, map_slot(&files[1], true)?];
-        let landing = LandingFile::open(&prefix, true, true)?;
+        let landing = LandingFile::open(&prefix, true, true);
         let pointer = dir.join(HELD_POINTER);
         let text = format!("{} {}\n", boot_text(), prefix.display());
         let temporary = dir.join(format!("{HELD_POINTER}.new"));

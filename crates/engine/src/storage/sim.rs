@@ -177,7 +177,9 @@ pub struct SimStorage {
 const SIM_LANDING_BYTES: usize = 4 << 20;
 
 /// The simulated landing area: fixed memory at a stable address, written
-/// through the pointer `landing_window` gives (as a mapping is).
+/// through the pointer `landing_window` gives (as a mapping is). Read
+/// whole by `duplicate` while nothing writes it: a simulated volume and
+/// its crash images are driven by one thread.
 struct SimLanding {
     base: std::ptr::NonNull<u8>,
 }
