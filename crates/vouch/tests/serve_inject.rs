@@ -26,31 +26,17 @@ fn injected_faults_reach_the_client_and_leave_the_volume_untouched() {
     );
     let result = py_json(
         r#"
-log = []
-h = nbd.NBD()
-h.set_debug(True)
-h.set_debug_callback(lambda context, message: log.append(message))
-h.connect_uri(sys.argv[1])
-def attempt(f):
-    log.clear()
-    try:
-        f()
-        return "ok"
-    except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        return info
+h, log = connect_logged(sys.argv[1])
 out = {"writes": {}, "reads": {}}
 for lba in range(16):
-    out["writes"][str(lba)] = attempt(lambda: h.pwrite(block_data(lba, 7), lba * 4096))
+    out["writes"][str(lba)] = attempt(log, lambda: h.pwrite(block_data(lba, 7), lba * 4096))
 h.flush()
 for lba in range(16):
     def read():
         if h.pread(4096, lba * 4096) != block_data(lba, 7) and lba not in (9, 10):
             raise RuntimeError("wrong data at LBA %d" % lba)
-    out["reads"][str(lba)] = attempt(read)
-out["zero_9"] = attempt(lambda: h.zero(4096, 9 * 4096))
+    out["reads"][str(lba)] = attempt(log, read)
+out["zero_9"] = attempt(log, lambda: h.zero(4096, 9 * 4096))
 print(json.dumps(out))
 "#,
         &[&server.uri],
@@ -126,37 +112,21 @@ fn injection_keeps_the_inline_and_ring_paths() {
     );
     let result = py_json(
         r#"
-log = []
-h = nbd.NBD()
-h.set_debug(True)
-h.set_debug_callback(lambda context, message: log.append(message))
-h.connect_uri(sys.argv[1])
-def attempt(f):
-    log.clear()
-    try:
-        f()
-        return "ok"
-    except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        return info
+h, log = connect_logged(sys.argv[1])
 blocks = 256
-writes = {lba: attempt(lambda: h.pwrite(block_data(lba, 3), lba * 4096))
+writes = {lba: attempt(log, lambda: h.pwrite(block_data(lba, 3), lba * 4096))
           for lba in range(blocks)}
 h.flush()
 def read(lba):
-    def run():
-        got = h.pread(4096, lba * 4096)
-        want = bytes(4096) if lba == 200 else block_data(lba, 3)
-        if got != want:
-            raise RuntimeError("wrong data at LBA %d" % lba)
-    return run
-reads = {lba: attempt(read(lba)) for lba in range(blocks)}
+    got = []
+    outcome = attempt(log, lambda: got.append(h.pread(4096, lba * 4096)))
+    want = bytes(4096) if lba == 200 else block_data(lba, 3)
+    return "wrong data" if outcome == "ok" and got[0] != want else outcome
+reads = {lba: read(lba) for lba in range(blocks)}
 print(json.dumps({
     "write_failures": {str(lba): w for lba, w in writes.items() if w != "ok"},
     "read_failures": {str(lba): r for lba, r in reads.items() if r != "ok"},
-    "span": attempt(lambda: h.pread(8 * 4096, 96 * 4096)),
+    "span": attempt(log, lambda: h.pread(8 * 4096, 96 * 4096)),
 }))
 "#,
         &[&server.uri],
