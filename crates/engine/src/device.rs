@@ -10,6 +10,30 @@
 //! `next_possible_data`), and the offloads `verify`, `copy` and `compare`
 //! with default implementations in terms of reads and writes, which a
 //! device that can do better overrides.
+//!
+//! **Layers forward by default.** A layer (fault injection; like an
+//! nbdkit filter) is a `BlockDevice` whose `below` names the device it
+//! wraps: every provided method then passes the call on to that device
+//! unchanged, fast paths included (inline `try_read`/`try_write_shared`,
+//! ring reads, `flush_then`, the sealed and reserved writes,
+//! `try_begin_write`, the offloads), so a layer overrides only the calls
+//! it changes, and a call it does not name keeps the route the device
+//! below offers. A layer that changes what a call does must override
+//! every route that call can take (a layer that fails reads overrides
+//! `try_read`, `try_begin_read`, `verify`, `copy` and `compare` as well
+//! as `read`). Only a device at the bottom (`below` is `None`: a volume,
+//! a mirror over its legs, a remote leg) gets the declining or
+//! read-and-write defaults each method describes. The methods without a
+//! default stay required of a layer too (three lines for `size`,
+//! `is_read_only` and `block_status`), so a device at the bottom cannot
+//! forget one.
+//!
+//! Why one trait with a `below` hook rather than a separate `Layer` trait
+//! with a blanket `impl<L: Layer> BlockDevice for L`: that would restate
+//! every method twice (the layer's forwarding default, and the blanket
+//! impl calling it), and a method added to `BlockDevice` but not to
+//! `Layer` would silently decline again under every layer. Here each
+//! provided method states both behaviours in one place.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -65,6 +89,13 @@ pub type ReadDone = Box<dyn FnOnce(Option<Vec<u8>>) + Send>;
 pub type StartRead = Box<dyn FnOnce(ReadDone) + Send>;
 
 pub trait BlockDevice: Send + Sync {
+    /// The device this one is a layer over, which every provided method
+    /// passes its call on to; `None` (the default) for a device at the
+    /// bottom of a stack. An `Arc` so that `try_begin_write` can forward.
+    fn below(&self) -> Option<&Arc<dyn BlockDevice>> {
+        None
+    }
+
     /// Size in bytes.
     fn size(&self) -> u64;
 
@@ -80,8 +111,10 @@ pub trait BlockDevice: Send + Sync {
     /// with nothing counted or logged; then call `read`. The NBD server
     /// calls it on its async reactor. The default always would block.
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
-        let _ = (offset, buf);
-        Ok(None)
+        match self.below() {
+            Some(below) => below.try_read(offset, buf),
+            None => Ok(None),
+        }
     }
 
     /// A read `try_read` declined because it must wait for the device:
@@ -92,8 +125,7 @@ pub trait BlockDevice: Send + Sync {
     /// could not be submitted. `None` when it cannot (then call `read`).
     /// Never blocks; the default declines.
     fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
-        let _ = (offset, len);
-        None
+        self.below()?.try_begin_read(offset, len)
     }
 
     /// Set up reads that complete later (`try_begin_read`) and return the
@@ -101,19 +133,22 @@ pub trait BlockDevice: Send + Sync {
     /// promises to call `reap_reads` then, until every read it started
     /// has finished. `None`: this device starts none (the default).
     fn read_events(&self) -> Option<std::os::fd::RawFd> {
-        None
+        self.below()?.read_events()
     }
 
     /// Finish the reads that completed (their `ReadDone`s run here), until
     /// none is left: then `Err(WouldBlock)` (see `ReadRing::reap`).
     fn reap_reads(&self) -> std::io::Result<()> {
-        Err(std::io::ErrorKind::WouldBlock.into())
+        match self.below() {
+            Some(below) => below.reap_reads(),
+            None => Err(std::io::ErrorKind::WouldBlock.into()),
+        }
     }
 
     /// Reads started by `try_begin_read` whose `ReadDone` was not called
     /// yet (a server keeps reaping until none is left before it stops).
     fn reads_in_flight(&self) -> usize {
-        0
+        self.below().map_or(0, |below| below.reads_in_flight())
     }
 
     /// Write `data` at `offset` (any byte range: a block it covers only in
@@ -128,19 +163,27 @@ pub trait BlockDevice: Send + Sync {
     /// NBD server calls it on its async reactor. The default always would
     /// wait.
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        let _ = (offset, data);
-        Ok(false)
+        match self.below() {
+            Some(below) => below.try_write(offset, data),
+            None => Ok(false),
+        }
     }
 
     /// `write` of bytes the device may keep without copying them (an NBD
     /// WRITE's payload). The default writes a borrowed copy.
     fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.write(offset, data, fua)
+        match self.below() {
+            Some(below) => below.write_shared(offset, data, fua),
+            None => self.write(offset, data, fua),
+        }
     }
 
     /// `try_write` of bytes the device may keep. The default: `try_write`.
     fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        self.try_write(offset, data)
+        match self.below() {
+            Some(below) => below.try_write_shared(offset, data),
+            None => self.try_write(offset, data),
+        }
     }
 
     /// Memory to receive a write's payload of `len` bytes into before it
@@ -161,7 +204,10 @@ pub trait BlockDevice: Send + Sync {
     /// its journal record is durable, before the blocks' home writes).
     /// The default answers when `flush` returns.
     fn flush_then(&self, done: FlushDone) {
-        done(self.flush());
+        match self.below() {
+            Some(below) => below.flush_then(done),
+            None => done(self.flush()),
+        }
     }
 
     /// Deallocate: the range reads as zeros afterwards.
@@ -186,13 +232,19 @@ pub trait BlockDevice: Send + Sync {
     /// unit of metadata, lost or damaged together: a split context page, a
     /// packed row). A device that cannot tell returns `lba` alone.
     fn metadata_unit(&self, lba: u64) -> std::ops::Range<u64> {
-        lba..lba + 1
+        match self.below() {
+            Some(below) => below.metadata_unit(lba),
+            None => lba..lba + 1,
+        }
     }
 
     /// The first LBA at or after `lba` that may hold data; scans skip to
     /// it. A device that cannot tell returns `lba`.
     fn next_possible_data(&self, lba: u64) -> Result<u64> {
-        Ok(lba)
+        match self.below() {
+            Some(below) => below.next_possible_data(lba),
+            None => Ok(lba),
+        }
     }
 
     /// Blocks `[first, first + count)` as stored, each with its context.
@@ -207,8 +259,10 @@ pub trait BlockDevice: Send + Sync {
     /// mirror's inline path): `Ok(false)` with nothing stored when it would
     /// wait. The default always would.
     fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        let _ = blocks;
-        Ok(false)
+        match self.below() {
+            Some(below) => below.try_write_sealed(blocks),
+            None => Ok(false),
+        }
     }
 
     /// `write_sealed` of blocks this process sealed (`seal_blocks`) from
@@ -218,7 +272,10 @@ pub trait BlockDevice: Send + Sync {
     /// and check only that each context belongs at its LBA here
     /// (`SealCheck::Placement`). The default verifies like `write_sealed`.
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.write_sealed(blocks)
+        match self.below() {
+            Some(below) => below.write_sealed_here(blocks),
+            None => self.write_sealed(blocks),
+        }
     }
 
     /// Reserve room for `count` blocks that `write_sealed_reserved` will
@@ -227,27 +284,31 @@ pub trait BlockDevice: Send + Sync {
     /// finished by a blocking commit on the caller's thread). False, with
     /// nothing reserved, when there is none. The default: never.
     fn reserve_room(&self, count: usize) -> bool {
-        let _ = count;
-        false
+        self.below().is_some_and(|below| below.reserve_room(count))
     }
 
     /// Give back room `reserve_room` reserved and no write used.
     fn release_room(&self, count: usize) {
-        let _ = count;
+        if let Some(below) = self.below() {
+            below.release_room(count);
+        }
     }
 
     /// `write_sealed_here` into room `reserve_room(blocks.len())`
     /// reserved, without waiting; the reservation is used up whatever the
     /// outcome. Only for data blocks (a zero-reading one is refused).
     fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        let _ = blocks;
-        Err(Error::Unsupported("writes into reserved room".into()))
+        match self.below() {
+            Some(below) => below.write_sealed_reserved(blocks),
+            None => Err(Error::Unsupported("writes into reserved room".into())),
+        }
     }
 
     /// The largest write this device seals cheaply enough for an inline
     /// (NBD reactor) path: one that encrypts caps it. The default: any.
     fn inline_seal_max_bytes(&self) -> usize {
-        usize::MAX
+        self.below()
+            .map_or(usize::MAX, |below| below.inline_seal_max_bytes())
     }
 
     /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
@@ -263,8 +324,7 @@ pub trait BlockDevice: Send + Sync {
         blocks: &[SealedBlock],
         fua: bool,
     ) -> Option<Result<PendingWrite>> {
-        let _ = (blocks, fua);
-        None
+        self.below()?.start_write_sealed(blocks, fua)
     }
 
     /// Whether `write_sealed_then` completes later without blocking the
@@ -272,7 +332,7 @@ pub trait BlockDevice: Send + Sync {
     /// thread). The default: no, it would block (the default
     /// `write_sealed_then` is `write_sealed`).
     fn writes_sealed_then(&self) -> bool {
-        false
+        self.below().is_some_and(|below| below.writes_sealed_then())
     }
 
     /// Start `write_sealed` of `blocks` (with `fua`, made durable too) and
@@ -280,6 +340,9 @@ pub trait BlockDevice: Send + Sync {
     /// thread and within the device's request timeout. The default does
     /// the write here and then calls `done`.
     fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
+        if let Some(below) = self.below() {
+            return below.write_sealed_then(blocks, fua, done);
+        }
         let outcome = self
             .write_sealed(blocks)
             .and_then(|()| if fua { self.flush() } else { Ok(()) });
@@ -295,8 +358,10 @@ pub trait BlockDevice: Send + Sync {
     /// cannot; then call `write_shared`. An `Err` is the write's outcome
     /// (a request error). The default always declines.
     fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
-        let _ = (offset, data);
-        Ok(None)
+        match self.below() {
+            Some(below) => Arc::clone(below).try_begin_write(offset, data),
+            None => Ok(None),
+        }
     }
 
     /// Seal whole blocks (`data`, from LBA `first`) as this device would
@@ -306,24 +371,29 @@ pub trait BlockDevice: Send + Sync {
     /// (PI computed once, verified at every leg). `Unsupported` when the
     /// device cannot seal (then the mirror has each leg seal for itself).
     fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
-        let _ = (first, data, generation);
-        Err(Error::Unsupported(
-            "sealing blocks for another device".into(),
-        ))
+        match self.below() {
+            Some(below) => below.seal_blocks(first, data, generation),
+            None => Err(Error::Unsupported(
+                "sealing blocks for another device".into(),
+            )),
+        }
     }
 
     /// Reach the device again after it became unreachable (a remote
     /// leg whose connection died), checking it is still the same volume;
     /// nothing to do while it is reachable. `Unsupported` by default.
     fn reconnect(&self) -> Result<()> {
-        Err(Error::Unsupported("reconnecting this device".into()))
+        match self.below() {
+            Some(below) => below.reconnect(),
+            None => Err(Error::Unsupported("reconnecting this device".into())),
+        }
     }
 
     /// Why the device cannot be reached now (a remote leg whose
     /// connection died), without trying to reach it; `None` while it can
     /// be (always, for a local device).
     fn unreachable(&self) -> Option<String> {
-        None
+        self.below()?.unreachable()
     }
 
     /// The generation a block sealed now would carry here (0 when the
@@ -331,7 +401,7 @@ pub trait BlockDevice: Send + Sync {
     /// highest of its legs' clocks, so every leg stores one generation and
     /// a later write of a block always has a generation at least as high.
     fn generation_clock(&self) -> u64 {
-        0
+        self.below().map_or(0, |below| below.generation_clock())
     }
 
     /// The volume behind this device when it is one: `copy::copy` takes
@@ -345,7 +415,10 @@ pub trait BlockDevice: Send + Sync {
     /// Verify every block of `[first, first + count)` without returning
     /// data; returns the faults found.
     fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
-        verify_in_turn(self, first, count)
+        match self.below() {
+            Some(below) => below.verify(first, count),
+            None => verify_in_turn(self, first, count),
+        }
     }
 
     /// Copy `count` blocks from `source` to `destination` (LBAs), with
@@ -353,6 +426,9 @@ pub trait BlockDevice: Send + Sync {
     /// verified on the way: a fault fails the copy naming the LBA. The
     /// destination is durable after the next flush, like any write.
     fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
+        if let Some(below) = self.below() {
+            return below.copy(source, destination, count);
+        }
         let blocks = self.size() / BLOCK;
         for start in [source, destination] {
             if start.checked_add(count).is_none_or(|end| end > blocks) {
@@ -381,6 +457,9 @@ pub trait BlockDevice: Send + Sync {
     /// NVMe Compare: `None` when the bytes at `offset` equal `data`, else
     /// the offset (from `offset`) of the first byte that differs.
     fn compare(&self, offset: u64, data: &[u8]) -> Result<Option<u64>> {
+        if let Some(below) = self.below() {
+            return below.compare(offset, data);
+        }
         let step = (OFFLOAD_CHUNK_BLOCKS * BLOCK) as usize;
         let mut buffer = PageBuffer::new(step.min(data.len()));
         let mut at = 0usize;

@@ -56,7 +56,8 @@ mod written;
 
 pub use check::{check, CheckReport};
 pub use device::{
-    BlockDevice, FlushDone, PendingWrite, ReadDone, SealedBlock, StartRead, StartWrite, WriteDone,
+    verify_in_turn, BlockDevice, FlushDone, PendingWrite, ReadDone, SealedBlock, StartRead,
+    StartWrite, WriteDone,
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;

@@ -1,6 +1,8 @@
 //! A fault-injection layer (`vouch serve --inject SPEC`), like nbdkit's
 //! error filter: a `BlockDevice` wrapping another, failing chosen requests
-//! before they reach it. It proves that layers stack on the block-device
+//! before they reach it, on whichever route (inline, ring, worker) a
+//! request takes; every call and fast path it does not change forwards to
+//! the device below (`BlockDevice::below`), so `--inject` keeps them all. It proves that layers stack on the block-device
 //! trait without the engine knowing, and lets tests and operators see how
 //! clients behave on each kind of fault without corrupting a volume.
 //!
@@ -15,9 +17,10 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use bytes::Bytes;
 use vouch_engine::{
-    Allocation, BlockDevice, Error, Fault, FaultKind, ObjectId, Result, SealedBlock, ZeroFlags,
-    BLOCK,
+    verify_in_turn, Allocation, BlockDevice, Error, Fault, FaultKind, FlushDone, ObjectId,
+    PendingWrite, Result, SealedBlock, StartRead, StartWrite, WriteDone, ZeroFlags, BLOCK,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -173,37 +176,42 @@ impl FaultInjector {
 
     fn check_bytes(&self, op: Op, offset: u64, length: u64) -> Result<()> {
         let first = offset / BLOCK;
-        let end = (offset + length).div_ceil(BLOCK).max(first + 1);
+        let end = offset.saturating_add(length).div_ceil(BLOCK).max(first + 1);
         self.check(op, first, end)
+    }
+
+    /// The write rules for each of `blocks`' LBAs.
+    fn check_blocks(&self, blocks: &[SealedBlock]) -> Result<()> {
+        blocks
+            .iter()
+            .try_for_each(|block| self.check(Op::Write, block.lba, block.lba + 1))
+    }
+
+    /// A sealed write's rules: its blocks', and with `fua` the flush's
+    /// (it flushes too).
+    fn check_sealed_write(&self, blocks: &[SealedBlock], fua: bool) -> Result<()> {
+        self.check_blocks(blocks)?;
+        if fua {
+            self.check(Op::Flush, 0, u64::MAX)?;
+        }
+        Ok(())
     }
 }
 
+/// A layer: every call it does not name here reaches the volume below
+/// unchanged, fast paths included (`BlockDevice::below`). Every route a
+/// rule's operation can take checks the rules first, so no injected fault
+/// is skipped because the request took a fast path; a failed check stores
+/// nothing and reaches nothing below.
 impl BlockDevice for FaultInjector {
+    fn below(&self) -> Option<&Arc<dyn BlockDevice>> {
+        Some(&self.inner)
+    }
     fn size(&self) -> u64 {
         self.inner.size()
     }
     fn is_read_only(&self) -> bool {
         self.inner.is_read_only()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
-        self.check_bytes(Op::Read, offset, buf.len() as u64)?;
-        self.inner.read(offset, buf)
-    }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.check_bytes(Op::Write, offset, data.len() as u64)?;
-        self.inner.write(offset, data, fua)
-    }
-    fn flush(&self) -> Result<()> {
-        self.check(Op::Flush, 0, u64::MAX)?;
-        self.inner.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.check_bytes(Op::Write, offset, length)?;
-        self.inner.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
-        self.check_bytes(Op::Write, offset, length)?;
-        self.inner.write_zeroes(offset, length, flags)
     }
     fn block_status(
         &self,
@@ -213,22 +221,128 @@ impl BlockDevice for FaultInjector {
     ) -> Result<Vec<(u64, Allocation)>> {
         self.inner.block_status(offset, length, max_blocks)
     }
+
+    // Reads.
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        self.check_bytes(Op::Read, offset, buf.len() as u64)?;
+        self.inner.read(offset, buf)
+    }
+    fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
+        self.check_bytes(Op::Read, offset, buf.len() as u64)?;
+        self.inner.try_read(offset, buf)
+    }
+    /// A ring read's outcome carries no error, so a read a rule covers is
+    /// declined here and fails on the worker path (`read`), naming its LBA.
+    fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
+        self.check_bytes(Op::Read, offset, len as u64).ok()?;
+        self.inner.try_begin_read(offset, len)
+    }
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.check(Op::Read, first, first + count)?;
         self.inner.read_blocks_collecting(first, count, out)
-    }
-    fn next_possible_data(&self, lba: u64) -> Result<u64> {
-        self.inner.next_possible_data(lba)
     }
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.check(Op::Read, first, first + count)?;
         self.inner.read_sealed(first, count)
     }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        for block in blocks {
-            self.check(Op::Write, block.lba, block.lba + 1)?;
+    /// Over a range a read rule touches, verified here a chunk at a time
+    /// through `read_blocks_collecting`, which injects; elsewhere the
+    /// device below verifies its own way.
+    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
+        if self.check(Op::Read, first, first + count).is_err() {
+            return verify_in_turn(self, first, count);
         }
+        self.inner.verify(first, count)
+    }
+    fn compare(&self, offset: u64, data: &[u8]) -> Result<Option<u64>> {
+        self.check_bytes(Op::Read, offset, data.len() as u64)?;
+        self.inner.compare(offset, data)
+    }
+    /// Reads the source and writes the destination: both sets of rules,
+    /// checked before anything is copied.
+    fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
+        self.check(Op::Read, source, source.saturating_add(count))?;
+        self.check(Op::Write, destination, destination.saturating_add(count))?;
+        self.inner.copy(source, destination, count)
+    }
+
+    // Writes (trims and zeroes too).
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_bytes(Op::Write, offset, data.len() as u64)?;
+        self.inner.write(offset, data, fua)
+    }
+    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
+        self.check_bytes(Op::Write, offset, data.len() as u64)?;
+        self.inner.try_write(offset, data)
+    }
+    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
+        self.check_bytes(Op::Write, offset, data.len() as u64)?;
+        self.inner.write_shared(offset, data, fua)
+    }
+    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
+        self.check_bytes(Op::Write, offset, data.len() as u64)?;
+        self.inner.try_write_shared(offset, data)
+    }
+    fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
+        self.check_bytes(Op::Write, offset, data.len() as u64)?;
+        Arc::clone(&self.inner).try_begin_write(offset, data)
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        self.check_bytes(Op::Write, offset, length)?;
+        self.inner.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        self.check_bytes(Op::Write, offset, length)?;
+        self.inner.write_zeroes(offset, length, flags)
+    }
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.check_blocks(blocks)?;
         self.inner.write_sealed(blocks)
+    }
+    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        self.check_blocks(blocks)?;
+        self.inner.try_write_sealed(blocks)
+    }
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.check_blocks(blocks)?;
+        self.inner.write_sealed_here(blocks)
+    }
+    /// The reservation is used up whatever the outcome: a refused write
+    /// gives it back below.
+    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
+        if let Err(error) = self.check_blocks(blocks) {
+            self.inner.release_room(blocks.len());
+            return Err(error);
+        }
+        self.inner.write_sealed_reserved(blocks)
+    }
+    fn start_write_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+    ) -> Option<Result<PendingWrite>> {
+        if let Err(error) = self.check_sealed_write(blocks, fua) {
+            return Some(Err(error));
+        }
+        self.inner.start_write_sealed(blocks, fua)
+    }
+    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
+        match self.check_sealed_write(blocks, fua) {
+            Err(error) => done(Err(error)),
+            Ok(()) => self.inner.write_sealed_then(blocks, fua, done),
+        }
+    }
+
+    // Flushes.
+    fn flush(&self) -> Result<()> {
+        self.check(Op::Flush, 0, u64::MAX)?;
+        self.inner.flush()
+    }
+    fn flush_then(&self, done: FlushDone) {
+        match self.check(Op::Flush, 0, u64::MAX) {
+            Err(error) => done(Err(error)),
+            Ok(()) => self.inner.flush_then(done),
+        }
     }
 }
 

@@ -97,7 +97,9 @@ pub struct ServeArgs {
     /// Comma-separated rules OP:KIND[@FIRST[-LAST]] over LBAs: OP read
     /// (KIND a fault kind such as guard_mismatch, or io), write (io,
     /// nospace; also trims and zeroes) or flush (io, nospace; no range).
-    /// Example: read:guard_mismatch@8-15,write:nospace@100.
+    /// Example: read:guard_mismatch@8-15,write:nospace@100. The rules hold
+    /// on every route (inline, read ring, worker); every other request
+    /// takes the fast paths it would without --inject.
     #[arg(long, value_name = "SPEC")]
     inject: Option<crate::inject::InjectSpec>,
     /// Resync floor: a stale mirror leg's resync copies at least this many

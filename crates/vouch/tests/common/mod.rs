@@ -273,7 +273,7 @@ pub fn py_json(script: &str, args: &[&str]) -> serde_json::Value {
 }
 
 /// Helpers every Python script gets: `connect`, `connect_unnegotiated`,
-/// `block_data`, `err_info`.
+/// `block_data`, `err_info`, `connect_logged`, `attempt`.
 pub const PY_PRELUDE: &str = r#"
 import errno, hashlib, json, os, signal, struct, sys, time
 import nbd
@@ -306,6 +306,29 @@ def block_data(lba, tag):
 
 def err_info(e):
     return {"errnum": e.errnum, "errno": e.errno, "message": str(e)}
+
+def connect_logged(uri):
+    """A client whose libnbd debug log is kept, for `attempt`: returns
+    (handle, log)."""
+    log = []
+    h = nbd.NBD()
+    h.set_debug(True)
+    h.set_debug_callback(lambda context, message: log.append(message))
+    h.connect_uri(uri)
+    return h, log
+
+def attempt(log, f):
+    """"ok" when f() succeeds; else its nbd.Error's err_info with the
+    structured error messages the server sent meanwhile."""
+    log.clear()
+    try:
+        f()
+        return "ok"
+    except nbd.Error as e:
+        info = err_info(e)
+        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
+                                   if "server message: " in m]
+        return info
 "#;
 
 /// A `vouch serve` child process. Drop sends SIGTERM and waits (SIGKILL after
