@@ -189,11 +189,11 @@ pub trait BlockDevice: Send + Sync {
     /// Memory to receive a write's payload of `len` bytes into before it
     /// is passed to `write_shared` / `try_write_shared` (frozen): a volume
     /// whose held log can name it instead of copying it (`landing.rs`).
-    /// `None`, the default, receives into process memory. Only a hint:
-    /// the write takes any `Bytes`.
+    /// A layer lends the device below's; at the bottom, `None` (the
+    /// default) receives into process memory. Only a hint: the write takes
+    /// any `Bytes`.
     fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
-        let _ = len;
-        None
+        self.below()?.landing_buffer(len)
     }
 
     /// Make every write completed before this call durable.
