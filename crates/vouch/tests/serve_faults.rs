@@ -457,3 +457,91 @@ print(json.dumps(out))
     assert_eq!(check.status.code(), Some(1), "{}", text(&check));
     assert!(text(&check).contains(&cause), "{}", text(&check));
 }
+
+/// Issue 28: a split data file cut short under guard `none` (nothing
+/// compares data with its context): a read of a written block past the
+/// file's end is an EIO naming the LBA and `metadata_lost`, never the
+/// hole's zeros. A write past the end (which extends the file and leaves
+/// a hole before it) does not make the blocks in between read as zeros
+/// after a restart: the open marked them lost on disk.
+#[test]
+fn a_data_file_cut_short_unguarded_is_eio_never_zeros() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    vouch_ok(&[
+        "create", s(&volume), "--size", "1MiB", "--guard", "none",
+    ]);
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    write_tagged_blocks(&server.uri, 12);
+    server.stop();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(volume.join("data.00000"))
+        .expect("open")
+        .set_len(4 * BLOCK)
+        .expect("cut the data file to 4 blocks");
+
+    let read_script = r#"
+log = []
+h = nbd.NBD()
+h.set_debug(True)
+h.set_debug_callback(lambda context, message: log.append(message))
+h.connect_uri(sys.argv[1])
+out = {}
+for lba in range(12):
+    log.clear()
+    try:
+        data = h.pread(4096, lba * 4096)
+        out[str(lba)] = {"ok": data == block_data(lba, 1000 + lba), "zeros": data == bytes(4096)}
+    except nbd.Error as e:
+        info = err_info(e)
+        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
+                                   if "server message: " in m]
+        out[str(lba)] = info
+if sys.argv[2] == "write":
+    h.pwrite(block_data(10, 5000), 10 * 4096)
+    h.flush()
+print(json.dumps(out))
+"#;
+    let expect_lost = |result: &serde_json::Value, lost: &[u64]| {
+        for lba in 0..12u64 {
+            let entry = &result[lba.to_string()];
+            if lost.contains(&lba) {
+                assert_eq!(entry["errnum"], libc::EIO, "LBA {lba}: {result}");
+                let messages = entry["server_messages"].to_string();
+                assert!(
+                    messages.contains(&format!("LBA {lba}")) && messages.contains("metadata_lost"),
+                    "LBA {lba}: {result}"
+                );
+            } else if lba != 10 {
+                assert_eq!(entry["ok"], true, "LBA {lba} reads its data: {result}");
+            }
+        }
+    };
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    let result = py_json(read_script, &[&server.uri, "write"]);
+    expect_lost(&result, &[4, 5, 6, 7, 8, 9, 10, 11]);
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("data.00000 is 16 KiB, the volume needs 1 MiB: LBAs 4-255 are missing"),
+        "the server log names the cause: {log}"
+    );
+
+    // LBA 10 written again: the file now reaches past the lost blocks.
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    let result = py_json(
+        &read_script.replace("block_data(lba, 1000 + lba)", "block_data(lba, 5000 if lba == 10 else 1000 + lba)"),
+        &[&server.uri, "read"],
+    );
+    expect_lost(&result, &[4, 5, 6, 7, 8, 9, 11]);
+    assert_eq!(result["10"]["ok"], true, "{result}");
+    server.stop();
+    let check = vouch(&["check", s(&volume)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    assert!(
+        text(&check).contains("contexts: page 0 has 7 lost markers (found lost before): LBAs 4-11 have no protection information"),
+        "{}",
+        text(&check)
+    );
+}
