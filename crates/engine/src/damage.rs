@@ -156,7 +156,10 @@ pub(crate) fn stamp_short_data_on_disk(io: &Backing) -> Result<()> {
     for short in &io.short_data {
         let mut offset = short.lbas.start * CONTEXT_BYTES as u64;
         let end = short.lbas.end * CONTEXT_BYTES as u64;
-        while let Some(at) = io.seek_data(ObjectId::Contexts, offset)?.filter(|at| *at < end) {
+        while let Some(at) = io
+            .seek_data(ObjectId::Contexts, offset)?
+            .filter(|at| *at < end)
+        {
             let page_no = at / 4096;
             let mut page = [0u8; 4096];
             io.read_object(ObjectId::Contexts, page_no * 4096, &mut page)?;

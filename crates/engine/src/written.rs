@@ -31,7 +31,9 @@ use vouch_format::written::{
     bits_bytes, copy_bytes, copy_offset, generations_bytes, generations_offset, unit_blocks,
     GenerationsHeader, WrittenHeader, WRITTEN_PAGE_BYTES,
 };
-use vouch_format::{crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, CONTEXT_BYTES};
+use vouch_format::{
+    crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, LayoutKind, CONTEXT_BYTES,
+};
 
 use crate::backing::Backing;
 use crate::error::{Error, Result};
@@ -87,7 +89,13 @@ impl WrittenMap {
             volume_tag: crc32c(&uuid),
             bound: AtomicBool::new(false),
             words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            generations: (0..if enabled { units } else { 0 })
+            // Split only: a packed row's generation is not checked (a
+            // read of one record does not read its row).
+            generations: (0..if enabled && geometry.layout == LayoutKind::Split {
+                units
+            } else {
+                0
+            })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
             dirty: AtomicBool::new(false),
@@ -488,6 +496,9 @@ impl WrittenMap {
     /// valid; else every unit's is not known (0): a map written by a binary
     /// from before them, or a torn copy, only weakens detection.
     fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<()> {
+        if self.generations.is_empty() {
+            return Ok(());
+        }
         for copy in 0..2 {
             let offset = generations_offset(copy, self.units);
             let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
@@ -555,16 +566,18 @@ impl WrittenMap {
             write_sparse(io, base + WRITTEN_PAGE_BYTES, &bits)?;
             // The generations of the same `seq`, in the same fsync: torn,
             // they fail their CRC or name another `seq`, and are not known.
-            let values = self.generation_values();
-            let generations = GenerationsHeader {
-                uuid: self.uuid,
-                seq,
-                units: self.units,
-                values_crc: crc32c(&values),
-            };
-            let base = generations_offset(seq % 2, self.units);
-            io.write_object(ObjectId::Written, base, &generations.encode())?;
-            write_sparse(io, base + WRITTEN_PAGE_BYTES, &values)?;
+            if !self.generations.is_empty() {
+                let values = self.generation_values();
+                let generations = GenerationsHeader {
+                    uuid: self.uuid,
+                    seq,
+                    units: self.units,
+                    values_crc: crc32c(&values),
+                };
+                let base = generations_offset(seq % 2, self.units);
+                io.write_object(ObjectId::Written, base, &generations.encode())?;
+                write_sparse(io, base + WRITTEN_PAGE_BYTES, &values)?;
+            }
             io.sync_object(ObjectId::Written)?;
             self.seq.store(seq, Ordering::Release);
             Ok(())

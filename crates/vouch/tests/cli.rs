@@ -550,7 +550,10 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
     if encrypted {
         args.extend(["--encrypt", "--key-file", s(&key)]);
     }
-    if matches!(loss, Loss::DataCutShortUnguarded | Loss::DataEmptiedUnguarded) {
+    if matches!(
+        loss,
+        Loss::DataCutShortUnguarded | Loss::DataEmptiedUnguarded
+    ) {
         args.extend(["--guard", "none"]);
     }
     ok(&args);

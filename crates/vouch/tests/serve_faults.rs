@@ -468,9 +468,7 @@ print(json.dumps(out))
 fn a_data_file_cut_short_unguarded_is_eio_never_zeros() {
     let dir = tempfile::tempdir().expect("tempdir");
     let volume = dir.path().join("vol");
-    vouch_ok(&[
-        "create", s(&volume), "--size", "1MiB", "--guard", "none",
-    ]);
+    vouch_ok(&["create", s(&volume), "--size", "1MiB", "--guard", "none"]);
     let mut server = Server::start(dir.path(), &[s(&volume)]);
     write_tagged_blocks(&server.uri, 12);
     server.stop();
@@ -531,7 +529,10 @@ print(json.dumps(out))
     // LBA 10 written again: the file now reaches past the lost blocks.
     let mut server = Server::start(dir.path(), &[s(&volume)]);
     let result = py_json(
-        &read_script.replace("block_data(lba, 1000 + lba)", "block_data(lba, 5000 if lba == 10 else 1000 + lba)"),
+        &read_script.replace(
+            "block_data(lba, 1000 + lba)",
+            "block_data(lba, 5000 if lba == 10 else 1000 + lba)",
+        ),
         &[&server.uri, "read"],
     );
     expect_lost(&result, &[4, 5, 6, 7, 8, 9, 11]);

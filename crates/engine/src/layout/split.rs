@@ -92,6 +92,7 @@ impl SplitLayout {
                 // Cleared before the pages are blank (`written.rs`).
                 for page in page_no..page_no + whole {
                     io.written.clear(page);
+                    io.written.set_expected_generation(page, 0);
                 }
                 io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
                 pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
@@ -649,8 +650,10 @@ impl CheckpointPages {
             // judged an older copy.
             if page.iter().any(|byte| *byte != 0) {
                 io.written.set(*page_no);
-                io.written
-                    .set_expected_generation(*page_no, io.written.page_generation(*page_no, &page[..]));
+                io.written.set_expected_generation(
+                    *page_no,
+                    io.written.page_generation(*page_no, &page[..]),
+                );
             } else {
                 io.written.set_expected_generation(*page_no, 0);
             }
