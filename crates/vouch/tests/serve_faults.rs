@@ -415,21 +415,14 @@ fn lost_unit_over_nbd(layout: &str, loss: UnitLoss) {
     );
     let result = py_json(
         r#"
-log = []
-h = nbd.NBD()
-h.set_debug(True)
-h.set_debug_callback(lambda context, message: log.append(message))
-h.connect_uri(sys.argv[1])
+h, log = connect_logged(sys.argv[1])
 out = {}
 for lba in [0, 5, 20]:
     log.clear()
     try:
         out[str(lba)] = list(h.pread(4096, lba * 4096)[:4])
     except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        out[str(lba)] = info
+        out[str(lba)] = failure(e, log)
 print(json.dumps(out))
 "#,
         &[&server.uri],
@@ -480,11 +473,7 @@ fn a_data_file_cut_short_unguarded_is_eio_never_zeros() {
         .expect("cut the data file to 4 blocks");
 
     let read_script = r#"
-log = []
-h = nbd.NBD()
-h.set_debug(True)
-h.set_debug_callback(lambda context, message: log.append(message))
-h.connect_uri(sys.argv[1])
+h, log = connect_logged(sys.argv[1])
 out = {}
 for lba in range(12):
     log.clear()
@@ -492,10 +481,7 @@ for lba in range(12):
         data = h.pread(4096, lba * 4096)
         out[str(lba)] = {"ok": data == block_data(lba, 1000 + lba), "zeros": data == bytes(4096)}
     except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        out[str(lba)] = info
+        out[str(lba)] = failure(e, log)
 if sys.argv[2] == "write":
     h.pwrite(block_data(10, 5000), 10 * 4096)
     h.flush()
@@ -579,7 +565,7 @@ print(json.dumps({"ok": True}))
     let check = vouch(&["check", s(&volume)]);
     let report = text(&check);
     assert_eq!(check.status.code(), Some(1), "{report}");
-    let cause = regex_free_line(&report, "contexts: page 1 is older than the volume expects");
+    let cause = line_starting(&report, "contexts: page 1 is older than the volume expects");
     assert!(
         cause.ends_with("an older copy of the file?): LBAs 128-255 have no protection information"),
         "{report}"
@@ -599,21 +585,14 @@ print(json.dumps({"ok": True}))
     let server = Server::start(dir.path(), &[s(&volume)]);
     let result = py_json(
         r#"
-log = []
-h = nbd.NBD()
-h.set_debug(True)
-h.set_debug_callback(lambda context, message: log.append(message))
-h.connect_uri(sys.argv[1])
+h, log = connect_logged(sys.argv[1])
 out = {}
 for lba in [5, 127, 128, 132, 138, 200]:
     log.clear()
     try:
         out[str(lba)] = {"ok": h.pread(4096, lba * 4096) == block_data(lba, 1000 + lba)}
     except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        out[str(lba)] = info
+        out[str(lba)] = failure(e, log)
 print(json.dumps(out))
 "#,
         &[&server.uri],
@@ -634,7 +613,7 @@ print(json.dumps(out))
 }
 
 /// The line of `report` that starts with `start` (the test fails without one).
-fn regex_free_line(report: &str, start: &str) -> String {
+fn line_starting(report: &str, start: &str) -> String {
     report
         .lines()
         .find(|line| line.trim_start().starts_with(start))

@@ -273,7 +273,7 @@ pub fn py_json(script: &str, args: &[&str]) -> serde_json::Value {
 }
 
 /// Helpers every Python script gets: `connect`, `connect_unnegotiated`,
-/// `block_data`, `err_info`.
+/// `block_data`, `err_info`, `connect_logged`, `failure`.
 pub const PY_PRELUDE: &str = r#"
 import errno, hashlib, json, os, signal, struct, sys, time
 import nbd
@@ -306,6 +306,23 @@ def block_data(lba, tag):
 
 def err_info(e):
     return {"errnum": e.errnum, "errno": e.errno, "message": str(e)}
+
+def connect_logged(uri):
+    """A client and its libnbd debug log (a list): libnbd keeps the
+    server's structured error message out of str(e) and reports it there."""
+    log = []
+    h = nbd.NBD()
+    h.set_debug(True)
+    h.set_debug_callback(lambda context, message: log.append(message))
+    h.connect_uri(uri)
+    return h, log
+
+def failure(e, log):
+    """err_info(e) with the server messages in log (clear it before the request)."""
+    info = err_info(e)
+    info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
+                               if "server message: " in m]
+    return info
 "#;
 
 /// A `vouch serve` child process. Drop sends SIGTERM and waits (SIGKILL after
