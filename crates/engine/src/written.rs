@@ -22,6 +22,14 @@
 //!   unit made blank since is cleared again by recovery, which replays the
 //!   trim that blanked it (split: every page a replayed trim touches;
 //!   packed: the replayed punch clears it like the original did).
+//! - Split pages also have an *expected generation*, written with the bits
+//!   (the highest generation of a page's own contexts when a checkpoint
+//!   last wrote it): a page found older is an older copy of `contexts`,
+//!   lost as a whole (`judge_page`). Set after the page is written, so the
+//!   map on disk is never newer than the page; recovery forgets it for
+//!   every page a replayed entry touches (a checkpoint cut before the map
+//!   may have made a page older: a trim, a copy keeping its source's
+//!   generation).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -539,8 +547,9 @@ impl WrittenMap {
         bytes
     }
 
-    /// Write the bits to the older copy (`seq + 1`) and fsync, if they
-    /// changed since the last write. Called under the commit lock, at a
+    /// Write the bits (and, split, the pages' expected generations) to the
+    /// older copy (`seq + 1`) and fsync, if they changed since the last
+    /// write. Called under the commit lock, at a
     /// checkpoint after what the bits describe is durable and before the
     /// superblock retires the journal (module comment).
     pub fn persist(&self, io: &Backing) -> Result<()> {
