@@ -73,9 +73,8 @@ fn mirror_tables_match_code() {
 
 #[test]
 fn written_map_table_matches_code() {
-    use vouch_format::written::{GenerationsHeader, WrittenHeader};
+    use vouch_format::written::WrittenHeader;
     assert_matches("## Written map", WrittenHeader::FIELDS);
-    assert_matches("### Generations copy header", GenerationsHeader::FIELDS);
 }
 
 #[test]
