@@ -20,6 +20,11 @@ pub(crate) struct Backing {
     pub stats: Stats,
     /// Which metadata units hold protection information (`written.rs`).
     pub written: WrittenMap,
+    /// Split data segments shorter than the volume needs, found at open
+    /// (`damage::short_objects`): the data of their LBAs past the end is
+    /// gone, so a block there with a data context is lost, never zeros
+    /// (`damage::stamp_short_data`).
+    pub short_data: Vec<crate::damage::ShortObject>,
     /// Why the volume cannot be written (read-only open, unknown ro-compat
     /// features), as the end of an error message.
     read_only: Option<String>,
@@ -39,6 +44,7 @@ impl Backing {
             geometry,
             stats: Stats::default(),
             written,
+            short_data: Vec::new(),
             read_only,
             failed: Mutex::new(None),
             has_failed: AtomicBool::new(false),

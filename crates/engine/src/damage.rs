@@ -8,8 +8,12 @@
 use std::ops::Range;
 
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
-use vouch_format::{Geometry, LayoutKind, Superblock, KIND_LOST, KIND_VACANT};
+use vouch_format::{
+    ContextKind, Geometry, LayoutKind, Superblock, CONTEXT_BYTES, KIND_LOST, KIND_VACANT,
+};
 
+use crate::backing::Backing;
+use crate::contexts::CONTEXTS_PER_PAGE;
 use crate::error::{Error, Result};
 use crate::shared::Shared;
 use crate::storage::{objects_of, ObjectId, Storage};
@@ -108,6 +112,84 @@ pub(crate) fn short_objects(
         }
     }
     Ok(short)
+}
+
+/// Split: turn the slots of `page_no` whose block has a data context
+/// (plain or encrypted) and whose data lies past the end of a short data
+/// segment (`Backing::short_data`) into lost markers. Its data is gone
+/// (the file was cut or emptied); without this, guard `none` would read
+/// the hole past the end as the block's zeros. Returns whether any changed.
+pub(crate) fn stamp_short_data(io: &Backing, page_no: u64, page: &mut [u8; 4096]) -> bool {
+    let per_page = CONTEXTS_PER_PAGE;
+    let lbas = page_no * per_page..(page_no + 1) * per_page;
+    let mut changed = false;
+    for short in &io.short_data {
+        let start = short.lbas.start.max(lbas.start);
+        let end = short.lbas.end.min(lbas.end);
+        for lba in start..end {
+            let at = (lba - lbas.start) as usize * CONTEXT_BYTES;
+            let slot = &mut page[at..at + CONTEXT_BYTES];
+            if slot[0] == ContextKind::Data as u8 || slot[0] == ContextKind::Encrypted as u8 {
+                slot.copy_from_slice(&io.written.lost(lba));
+                changed = true;
+            }
+        }
+    }
+    changed
+}
+
+/// A writable open of a split volume with short data segments: every
+/// context of a block whose data is past a segment's end becomes a lost
+/// marker on disk, fsynced before anything else is written (recovery
+/// included). A later write past the end extends the file and leaves a
+/// hole before it, so the file's length alone would not find these blocks
+/// at the next open; the markers do, until each block is written again (a
+/// client write, a repair from a mirror leg). A crash before the fsync
+/// leaves the file as short as it was, and the next open stamps again.
+///
+/// The markers carry no generation, so a stamped page may be older than
+/// the generation the map expects of it: the lower generation is written
+/// with the map (fsynced) before any page is, so a crash in between
+/// leaves pages newer than the map, never older.
+pub(crate) fn stamp_short_data_on_disk(io: &Backing) -> Result<()> {
+    let mut stamped = Vec::new();
+    for short in &io.short_data {
+        let mut offset = short.lbas.start * CONTEXT_BYTES as u64;
+        let end = short.lbas.end * CONTEXT_BYTES as u64;
+        while let Some(at) = io
+            .seek_data(ObjectId::Contexts, offset)?
+            .filter(|at| *at < end)
+        {
+            let page_no = at / 4096;
+            let mut page = [0u8; 4096];
+            io.read_object(ObjectId::Contexts, page_no * 4096, &mut page)?;
+            if io.written.stale_page(page_no, &page).is_none()
+                && stamp_short_data(io, page_no, &mut page)
+            {
+                stamped.push((page_no, page));
+            }
+            offset = (page_no + 1) * 4096;
+        }
+    }
+    if stamped.is_empty() {
+        return Ok(());
+    }
+    for (page_no, page) in &stamped {
+        let generation = io.written.page_generation(*page_no, page);
+        if io.written.expected_generation(*page_no) != 0 {
+            io.written.set_expected_generation(*page_no, generation);
+        }
+    }
+    io.written.persist(io)?;
+    for (page_no, page) in &stamped {
+        io.write_object(ObjectId::Contexts, page_no * 4096, page)?;
+    }
+    io.sync_object(ObjectId::Contexts)?;
+    tracing::warn!(
+        pages = stamped.len(),
+        "data segments are shorter than the volume needs: the blocks past their ends are marked lost"
+    );
+    Ok(())
 }
 
 /// The written map of a volume that has one. No valid copy is refused
@@ -220,6 +302,9 @@ impl Shared {
     /// information".
     pub fn metadata_cause(&self, lba: u64) -> String {
         let io = &self.io;
+        if let Some(short) = io.short_data.iter().find(|short| short.lbas.contains(&lba)) {
+            return short.to_string();
+        }
         let unit = io.written.unit_of(lba);
         let lbas = io.written.lbas_of(unit, io.geometry.blocks);
         let place = self.layouts.of(lba).unit_place(unit);
@@ -230,8 +315,18 @@ impl Shared {
             format!("is past the end of the file ({} bytes)", len.unwrap_or(0))
         } else {
             let mut bytes = vec![0u8; place.len];
-            match io.read_object(place.object, place.offset, &mut bytes) {
+            let read = io.read_object(place.object, place.offset, &mut bytes);
+            let stale = (read.is_ok() && place.object == ObjectId::Contexts)
+                .then(|| io.written.stale_page(unit, &bytes))
+                .flatten();
+            match read {
                 Err(error) => format!("cannot be read ({error})"),
+                Ok(()) if stale.is_some() => {
+                    let (found, expected) = stale.unwrap_or_default();
+                    format!(
+                        "is older than the volume expects (generation {found} < {expected}: an older copy of the file?)"
+                    )
+                }
                 Ok(()) if bytes.iter().all(|byte| *byte == 0) => "is zeroed".to_string(),
                 Ok(())
                     if self
@@ -241,7 +336,23 @@ impl Shared {
                         .iter()
                         .any(|slot| slot[0] == KIND_LOST) =>
                 {
-                    "was found lost before (it holds lost markers)".to_string()
+                    let marked: Vec<u64> = self
+                        .layouts
+                        .of(lba)
+                        .unit_metadata(&bytes)
+                        .iter()
+                        .zip(lbas.clone())
+                        .filter(|(slot, _)| slot[0] == KIND_LOST)
+                        .map(|(_, lba)| lba)
+                        .collect();
+                    if let (Some(first), Some(last)) = (marked.first(), marked.last()) {
+                        lost = *first..*last + 1;
+                    }
+                    format!(
+                        "has {} lost marker{} (found lost before)",
+                        marked.len(),
+                        if marked.len() == 1 { "" } else { "s" }
+                    )
                 }
                 Ok(()) => {
                     // Whole units (`INCOMPAT_BOUND_UNITS`): some slots

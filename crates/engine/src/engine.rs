@@ -13,7 +13,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
-use vouch_format::{FeatureFlags, GuardKind, Superblock};
+use vouch_format::{FeatureFlags, GuardKind, LayoutKind, Superblock};
 
 use crate::backing::Backing;
 use crate::commit::Committer;
@@ -28,7 +28,7 @@ use crate::protection::{GuardProtection, Protection};
 use crate::recovery::{recover, RecoveryReport};
 use crate::shared::Shared;
 use crate::state::VolumeState;
-use crate::storage::Storage;
+use crate::storage::{ObjectId, Storage};
 use crate::superblock::read_superblock;
 use crate::written::WrittenMap;
 
@@ -150,7 +150,17 @@ impl Engine {
                     .to_string(),
             );
         }
-        let io = Backing::new(storage, geometry, read_only, written);
+        let mut io = Backing::new(storage, geometry, read_only, written);
+        if geometry.layout == LayoutKind::Split {
+            io.short_data = short_objects
+                .iter()
+                .filter(|short| matches!(short.object, ObjectId::Data(_)))
+                .cloned()
+                .collect();
+            if !io.is_read_only() {
+                crate::damage::stamp_short_data_on_disk(&io)?;
+            }
+        }
         let (held, held_records) = HeldLog::open(&io, superblock.uuid)?;
         let shared = Shared {
             io,

@@ -236,6 +236,13 @@ pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]
     let mut bytes = [0u8; 4096];
     io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
     io.written.judge_page(page_no, &mut bytes);
+    if io.is_read_only() {
+        // A writable open stamped these on disk (`Engine::open`); a
+        // read-only one cannot, and nothing it does can write the blocks.
+        // After the judgement: the markers carry no generation, so the
+        // page stamped would look older than it is.
+        crate::damage::stamp_short_data(io, page_no, &mut bytes);
+    }
     Ok(bytes)
 }
 

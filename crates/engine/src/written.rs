@@ -22,15 +22,26 @@
 //!   unit made blank since is cleared again by recovery, which replays the
 //!   trim that blanked it (split: every page a replayed trim touches;
 //!   packed: the replayed punch clears it like the original did).
+//! - Split pages also have an *expected generation*, written with the bits
+//!   (the highest generation of a page's own contexts when a checkpoint
+//!   last wrote it): a page found older is an older copy of `contexts`,
+//!   lost as a whole (`judge_page`). Set after the page is written, so the
+//!   map on disk is never newer than the page; recovery forgets it for
+//!   every page a replayed entry touches (a checkpoint cut before the map
+//!   may have made a page older: a trim, a copy keeping its source's
+//!   generation).
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use vouch_format::written::{
-    bits_bytes, copy_bytes, copy_offset, unit_blocks, WrittenHeader, WRITTEN_PAGE_BYTES,
+    bits_bytes, copy_bytes, copy_offset, generations_bytes, generations_offset, unit_blocks,
+    GenerationsHeader, WrittenHeader, WRITTEN_PAGE_BYTES,
 };
-use vouch_format::{crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, CONTEXT_BYTES};
+use vouch_format::{
+    crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, LayoutKind, CONTEXT_BYTES,
+};
 
 use crate::backing::Backing;
 use crate::error::{Error, Result};
@@ -44,6 +55,11 @@ pub(crate) struct WrittenMap {
     units: u64,
     uuid: [u8; 16],
     words: Vec<AtomicU64>,
+    /// The expected generation of each unit (split pages; 0: not known):
+    /// the highest generation among its own contexts when a checkpoint
+    /// last wrote it. A page whose contexts are all older was restored
+    /// from an older copy of the file (`judge_page`).
+    generations: Vec<AtomicU32>,
     /// `crc32c(uuid)`: the volume tag of the markers this map judges.
     volume_tag: u32,
     /// The volume's units are whole (`INCOMPAT_BOUND_UNITS`): a written
@@ -81,6 +97,15 @@ impl WrittenMap {
             volume_tag: crc32c(&uuid),
             bound: AtomicBool::new(false),
             words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
+            // Split only: a packed row's generation is not checked (a
+            // read of one record does not read its row).
+            generations: (0..if enabled && geometry.layout == LayoutKind::Split {
+                units
+            } else {
+                0
+            })
+                .map(|_| AtomicU32::new(0))
+                .collect(),
             dirty: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             change: Mutex::new(()),
@@ -181,6 +206,12 @@ impl WrittenMap {
         changed
     }
 
+    /// The lost marker of `lba` (a slot whose protection information, or
+    /// whose data, is gone).
+    pub fn lost(&self, lba: u64) -> [u8; CONTEXT_BYTES] {
+        vouch_format::encode_lost(self.volume_tag, lba)
+    }
+
     pub fn unit_blocks(&self) -> u64 {
         self.unit_blocks
     }
@@ -220,6 +251,73 @@ impl WrittenMap {
         if old & bit != 0 {
             self.dirty.store(true, Ordering::Release);
         }
+    }
+
+    /// The generation `unit` is expected to have on disk (0: not known).
+    pub fn expected_generation(&self, unit: u64) -> u32 {
+        self.generations
+            .get(unit as usize)
+            .map_or(0, |value| value.load(Ordering::Acquire))
+    }
+
+    /// Record the generation a checkpoint wrote `unit` with (0: forget).
+    pub fn set_expected_generation(&self, unit: u64, generation: u32) {
+        if let Some(value) = self.generations.get(unit as usize) {
+            if value.swap(generation, Ordering::AcqRel) != generation {
+                self.dirty.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    /// Forget the expected generation of every unit `[start, end)`
+    /// touches (recovery: what the journal changes there may have reached
+    /// disk after the map was written, lower as well as higher).
+    pub fn forget_generations(&self, start: u64, end: u64) {
+        if end > start {
+            for unit in self.unit_of(start)..=self.unit_of(end - 1) {
+                self.set_expected_generation(unit, 0);
+            }
+        }
+    }
+
+    /// A split context page's generation: the highest generation among
+    /// its slots that are its own (a plain context naming this volume and
+    /// its LBA; an encrypted one, whose tags are inside its AEAD), 0 if
+    /// none is. Markers carry none.
+    pub fn page_generation(&self, page_no: u64, page: &[u8]) -> u32 {
+        let mut highest = 0u32;
+        for (slot, context) in page.chunks(CONTEXT_BYTES).enumerate() {
+            let lba = page_no * self.unit_blocks + slot as u64;
+            let generation = match context[0] {
+                1 | 2 => {
+                    let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
+                    let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
+                    if (tag, ref_tag) != (self.volume_tag, lba) {
+                        continue;
+                    }
+                    u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                }
+                3 => u32::from_le_bytes(context[1..5].try_into().expect("4 bytes")),
+                _ => continue,
+            };
+            if newer(generation, highest) {
+                highest = generation;
+            }
+        }
+        highest
+    }
+
+    /// Whether split page `page_no` (as read from disk) is older than the
+    /// checkpoint that last wrote it: `(its generation, the expected)`.
+    /// A page with no own context is left to its tags (a page of another
+    /// place or volume fails them, named as such).
+    pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
+        let expected = self.expected_generation(page_no);
+        if expected == 0 || !self.is_set(page_no) {
+            return None;
+        }
+        let found = self.page_generation(page_no, page);
+        (found != 0 && newer(expected, found)).then_some((found, expected))
     }
 
     /// Clear every unit that `[start, end)` touches.
@@ -265,6 +363,24 @@ impl WrittenMap {
         let set = self.is_set(page_no);
         let bound = self.bound();
         if !set && page.iter().all(|byte| *byte == 0) {
+            return;
+        }
+        if let Some((found, expected)) = self.stale_page(page_no, page) {
+            // An older copy of the page: which of its slots still hold
+            // what the volume wrote last cannot be told, so none is
+            // trusted (a mirror leg repairs them; a checkpoint that
+            // rewrites the page keeps the markers).
+            for (slot, context) in page.chunks_mut(CONTEXT_BYTES).enumerate() {
+                let lba = page_no * self.unit_blocks + slot as u64;
+                context.copy_from_slice(&vouch_format::encode_lost(self.volume_tag, lba));
+            }
+            tracing::warn!(
+                page = page_no,
+                first_lba = page_no * self.unit_blocks,
+                found,
+                expected,
+                "contexts: a page is older than the volume expects (an older copy of the file?): its blocks have no valid protection information"
+            );
             return;
         }
         if !bound && set && page.iter().all(|byte| *byte == 0) {
@@ -380,11 +496,60 @@ impl WrittenMap {
             word.store(u64::from_le_bytes(raw), Ordering::Release);
         }
         map.seq.store(header.seq, Ordering::Release);
+        map.load_generations(storage, header.seq)?;
         Ok(Loaded::Map(map))
     }
 
-    /// Write the bits to the older copy (`seq + 1`) and fsync, if they
-    /// changed since the last write. Called under the commit lock, at a
+    /// The generations copy written with the bits' copy `seq`, if one is
+    /// valid; else every unit's is not known (0): a map written by a binary
+    /// from before them, or a torn copy, only weakens detection.
+    fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<()> {
+        if self.generations.is_empty() {
+            return Ok(());
+        }
+        for copy in 0..2 {
+            let offset = generations_offset(copy, self.units);
+            let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
+            match storage.read_at(ObjectId::Written, offset, &mut raw) {
+                Ok(()) => {}
+                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => continue,
+                Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
+            }
+            let (header, values) = raw.split_at(WRITTEN_PAGE_BYTES as usize);
+            let Ok(header) = GenerationsHeader::decode(header) else {
+                continue;
+            };
+            if header.uuid != self.uuid
+                || header.units != self.units
+                || header.seq != seq
+                || !header.values_match(values)
+            {
+                continue;
+            }
+            for (unit, value) in self.generations.iter().enumerate() {
+                let at = unit * 4;
+                value.store(
+                    u32::from_le_bytes(values[at..at + 4].try_into().expect("4 bytes")),
+                    Ordering::Release,
+                );
+            }
+            return Ok(());
+        }
+        Ok(())
+    }
+
+    fn generation_values(&self) -> Vec<u8> {
+        let mut bytes = vec![0u8; generations_bytes(self.units) as usize];
+        for (unit, value) in self.generations.iter().enumerate() {
+            let at = unit * 4;
+            bytes[at..at + 4].copy_from_slice(&value.load(Ordering::Acquire).to_le_bytes());
+        }
+        bytes
+    }
+
+    /// Write the bits (and, split, the pages' expected generations) to the
+    /// older copy (`seq + 1`) and fsync, if they changed since the last
+    /// write. Called under the commit lock, at a
     /// checkpoint after what the bits describe is durable and before the
     /// superblock retires the journal (module comment).
     pub fn persist(&self, io: &Backing) -> Result<()> {
@@ -407,23 +572,20 @@ impl WrittenMap {
             // other copy (the previous state) wins.
             let base = copy_offset(seq % 2, self.units);
             io.write_object(ObjectId::Written, base, &header.encode())?;
-            let page = WRITTEN_PAGE_BYTES as usize;
-            let mut at = 0;
-            while at < bits.len() {
-                let zero = bits[at..at + page].iter().all(|byte| *byte == 0);
-                let mut end = at + page;
-                while end < bits.len()
-                    && bits[end..end + page].iter().all(|byte| *byte == 0) == zero
-                {
-                    end += page;
-                }
-                let offset = base + WRITTEN_PAGE_BYTES + at as u64;
-                if zero {
-                    io.punch(ObjectId::Written, offset, (end - at) as u64)?;
-                } else {
-                    io.write_object(ObjectId::Written, offset, &bits[at..end])?;
-                }
-                at = end;
+            write_sparse(io, base + WRITTEN_PAGE_BYTES, &bits)?;
+            // The generations of the same `seq`, in the same fsync: torn,
+            // they fail their CRC or name another `seq`, and are not known.
+            if !self.generations.is_empty() {
+                let values = self.generation_values();
+                let generations = GenerationsHeader {
+                    uuid: self.uuid,
+                    seq,
+                    units: self.units,
+                    values_crc: crc32c(&values),
+                };
+                let base = generations_offset(seq % 2, self.units);
+                io.write_object(ObjectId::Written, base, &generations.encode())?;
+                write_sparse(io, base + WRITTEN_PAGE_BYTES, &values)?;
             }
             io.sync_object(ObjectId::Written)?;
             self.seq.store(seq, Ordering::Release);
@@ -434,6 +596,35 @@ impl WrittenMap {
         }
         result
     }
+}
+
+/// Serial-number order of 32-bit generations (RFC 1982): whether `a` is
+/// newer than `b`, across the wrap of the journal's sequence's low bits.
+pub(crate) fn newer(a: u32, b: u32) -> bool {
+    a != b && (a.wrapping_sub(b) as i32) > 0
+}
+
+/// Write `bytes` at `offset` of `written`, its runs of zero pages punched
+/// rather than written (a sparse map stays sparse: a new 16 TiB volume's
+/// bits are 4 MiB of zeros).
+fn write_sparse(io: &Backing, offset: u64, bytes: &[u8]) -> Result<()> {
+    let page = WRITTEN_PAGE_BYTES as usize;
+    let mut at = 0;
+    while at < bytes.len() {
+        let zero = bytes[at..at + page].iter().all(|byte| *byte == 0);
+        let mut end = at + page;
+        while end < bytes.len() && bytes[end..end + page].iter().all(|byte| *byte == 0) == zero {
+            end += page;
+        }
+        let place = offset + at as u64;
+        if zero {
+            io.punch(ObjectId::Written, place, (end - at) as u64)?;
+        } else {
+            io.write_object(ObjectId::Written, place, &bytes[at..end])?;
+        }
+        at = end;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

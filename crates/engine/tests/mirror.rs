@@ -257,12 +257,20 @@ fn a_leg_needing_more_than_twenty_repairs_is_faulted_and_recorded() {
     );
 }
 
+/// A write lost on leg 1 (LBA 2's old data and context put back) makes
+/// its context page older than the generation leg 1's written map
+/// expects of it: the whole page is lost there (which of its contexts
+/// are stale cannot be told) and repaired from leg 0, and a block corrupt
+/// on leg 0 in another page is repaired from leg 1.
 #[test]
 fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
     let dir = tempfile::tempdir().expect("tempdir");
     let paths = create(dir.path(), 2);
     let (mirror, volumes) = open(&paths[0]);
     write_blocks(&mirror, 8, 4);
+    mirror
+        .write(130 * BLOCK, &pattern(130, 4), false)
+        .expect("write");
     // Keep leg 1's old sealed LBA 2 (data + context) as stored.
     let old = volumes[1]
         .as_ref()
@@ -292,8 +300,8 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
         .expect("open");
     contexts.write_all_at(&old_context, 2 * 32).expect("write");
     drop((data, contexts));
-    // Corrupt LBA 6 on leg 0 too.
-    flip(&paths[0].join("data.00000"), 6 * BLOCK + 3);
+    // Corrupt LBA 130 (context page 1) on leg 0 too.
+    flip(&paths[0].join("data.00000"), 130 * BLOCK + 3);
 
     let (mirror, volumes) = open(&paths[0]);
     let report = mirror::scrub::scrub(
@@ -302,19 +310,20 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
         &JobControl::default(),
     )
     .expect("scrub");
+    // Page 0 on leg 1 (128 blocks), and LBA 130 on leg 0.
     assert_eq!(
         (report.found, report.repaired, report.left),
-        (2, 2, 0),
+        (129, 129, 0),
         "{report:?}"
     );
     assert!(report
         .findings
         .iter()
-        .any(|f| f.lba == 2 && f.leg == 1 && f.kind == "stale" && f.repaired));
+        .any(|f| f.lba == 2 && f.leg == 1 && f.kind == "metadata_lost" && f.repaired));
     assert!(report
         .findings
         .iter()
-        .any(|f| f.lba == 6 && f.leg == 0 && f.kind == "guard_mismatch"));
+        .any(|f| f.lba == 130 && f.leg == 0 && f.kind == "guard_mismatch" && f.repaired));
     let again = mirror::scrub::scrub(
         &mirror,
         &vouch_engine::scrub::ScrubOptions::default(),

@@ -73,8 +73,9 @@ fn mirror_tables_match_code() {
 
 #[test]
 fn written_map_table_matches_code() {
-    use vouch_format::written::WrittenHeader;
+    use vouch_format::written::{GenerationsHeader, WrittenHeader};
     assert_matches("## Written map", WrittenHeader::FIELDS);
+    assert_matches("### Generations copy header", GenerationsHeader::FIELDS);
 }
 
 #[test]

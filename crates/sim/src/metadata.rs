@@ -119,32 +119,34 @@ pub struct MetaReport {
 /// unit holds a context or a vacant marker bound to its LBA and volume)
 /// and the files' expected lengths catch today. Claimed in every cell: a
 /// unit zeroed, copied from another place or another volume, a deleted
-/// file, a damaged map; in packed, a file cut short or emptied (a blank
-/// slot in a written row is lost). A split file cut short or emptied is
-/// claimed where a guard compares data with its context (contexts cut:
-/// blank slots of written pages; data cut: the data no longer matches). A
-/// zeroed 4 KiB page is claimed where the guard has 32 bits or more: a
-/// page of data only is a long error, and a 16-bit guard lets one in
-/// 65536 through (the media matrix's rule).
-/// Not claimed yet (measured, listed in docs/RELIABILITY.md): a split data
-/// file cut or emptied under guard `none`, and an older copy of a file
-/// (its metadata matches its own old data; that needs the expected
-/// generation of each unit kept where the checkpoint can check it).
+/// file, a damaged map, a file cut short or emptied (packed: a blank slot
+/// in a written row is lost; split contexts: blank slots of written
+/// pages; split data: a block with a data context past the end of its
+/// segment is lost, whatever the guard). A zeroed 4 KiB page is claimed
+/// where the guard has 32 bits or more: a page of data only is a long
+/// error, and a 16-bit guard lets one in 65536 through (the media
+/// matrix's rule).
+/// An older copy of a file is claimed in split with a guard of 32 bits or
+/// more: a context page older than the generation the written map expects
+/// of it is lost, and an older data file fails the guard (encrypted: its
+/// AEAD; a 16-bit guard, as for a zeroed page, lets a long error through
+/// once in 65536).
+/// Not claimed (measured, listed in docs/RELIABILITY.md): an older copy of
+/// a split data file under guard `none` (nothing compares data with its
+/// context), and of a packed data file (packed rows keep no expected
+/// generation: a read of one record does not read its row).
 fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
     let guarded = guard != GuardKind::None;
-    match (kind, layout) {
-        (
-            MetaKind::UnitZeroed
-            | MetaKind::Deleted
-            | MetaKind::WrittenMapLost
-            | MetaKind::UnitFromElsewhere
-            | MetaKind::UnitFromOtherVolume,
-            _,
-        ) => true,
-        (MetaKind::Emptied | MetaKind::CutShort, LayoutKind::Packed) => true,
-        (MetaKind::Emptied | MetaKind::CutShort, LayoutKind::Split) => guarded,
-        (MetaKind::PageZeroed, _) => guarded && guard.bits() >= 32,
-        _ => false,
+    match kind {
+        MetaKind::UnitZeroed
+        | MetaKind::Deleted
+        | MetaKind::WrittenMapLost
+        | MetaKind::UnitFromElsewhere
+        | MetaKind::UnitFromOtherVolume
+        | MetaKind::Emptied
+        | MetaKind::CutShort => true,
+        MetaKind::PageZeroed => guarded && guard.bits() >= 32,
+        MetaKind::OlderCopy => layout == LayoutKind::Split && guarded && guard.bits() >= 32,
     }
 }
 

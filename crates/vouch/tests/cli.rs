@@ -512,6 +512,11 @@ enum Loss {
     UnitZeroed,
     /// Split only: the data file cut to half (contexts intact).
     DataCutShort,
+    /// Split only, guard `none` (nothing compares data with its context):
+    /// the data file cut to half.
+    DataCutShortUnguarded,
+    /// Split only, guard `none`: the data file emptied.
+    DataEmptiedUnguarded,
     /// One slot of unit 3 zeroed (split: LBA 389's context; packed: LBA
     /// 94's, the second record of row 3).
     ZeroedInPart,
@@ -545,6 +550,12 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
     if encrypted {
         args.extend(["--encrypt", "--key-file", s(&key)]);
     }
+    if matches!(
+        loss,
+        Loss::DataCutShortUnguarded | Loss::DataEmptiedUnguarded
+    ) {
+        args.extend(["--guard", "none"]);
+    }
     ok(&args);
     let with_key = |args: &[&str]| -> Vec<String> {
         let mut owned: Vec<String> = args.iter().map(|arg| arg.to_string()).collect();
@@ -556,7 +567,9 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
     };
     let packed = layout == "packed";
     let file = volume.join(match loss {
-        Loss::DataCutShort => "data.00000",
+        Loss::DataCutShort | Loss::DataCutShortUnguarded | Loss::DataEmptiedUnguarded => {
+            "data.00000"
+        }
         _ if packed => "data.00000",
         _ => "contexts",
     });
@@ -611,7 +624,11 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
             "data.00000: row 3 belongs to another volume: LBAs 93-123 have no valid protection information".into(),
             93..124,
         ),
-        (Loss::DataCutShort, _) => (
+        (Loss::DataEmptiedUnguarded, _) => (
+            "data.00000 is 0 bytes, the volume needs 8 MiB: LBAs 0-2047 are missing (2048 faults)".into(),
+            0..2048,
+        ),
+        (Loss::DataCutShort | Loss::DataCutShortUnguarded, _) => (
             "data.00000 is 4 MiB, the volume needs 8 MiB: LBAs 1024-2047 are missing (1024 faults)".into(),
             1024..2048,
         ),
@@ -623,7 +640,8 @@ fn lost_metadata_is_reported(layout: &str, encrypted: bool, loss: Loss) {
         .expect("open");
     match loss {
         Loss::CutShort => handle.set_len(if packed { 33 * 131072 } else { full / 2 }),
-        Loss::DataCutShort => handle.set_len(full / 2),
+        Loss::DataCutShort | Loss::DataCutShortUnguarded => handle.set_len(full / 2),
+        Loss::DataEmptiedUnguarded => handle.set_len(0),
         Loss::Emptied => handle.set_len(0),
         Loss::Deleted => std::fs::remove_file(&file),
         Loss::UnitZeroed => {
@@ -747,6 +765,8 @@ fn lost_metadata_is_a_fault_never_zeros_split() {
         Loss::Deleted,
         Loss::UnitZeroed,
         Loss::DataCutShort,
+        Loss::DataCutShortUnguarded,
+        Loss::DataEmptiedUnguarded,
         Loss::ZeroedInPart,
     ] {
         lost_metadata_is_reported("split", false, loss);

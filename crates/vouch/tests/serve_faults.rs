@@ -415,21 +415,14 @@ fn lost_unit_over_nbd(layout: &str, loss: UnitLoss) {
     );
     let result = py_json(
         r#"
-log = []
-h = nbd.NBD()
-h.set_debug(True)
-h.set_debug_callback(lambda context, message: log.append(message))
-h.connect_uri(sys.argv[1])
+h, log = connect_logged(sys.argv[1])
 out = {}
 for lba in [0, 5, 20]:
     log.clear()
     try:
         out[str(lba)] = list(h.pread(4096, lba * 4096)[:4])
     except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        out[str(lba)] = info
+        out[str(lba)] = failure(e, log)
 print(json.dumps(out))
 "#,
         &[&server.uri],
@@ -456,4 +449,175 @@ print(json.dumps(out))
     let check = vouch(&["check", s(&volume)]);
     assert_eq!(check.status.code(), Some(1), "{}", text(&check));
     assert!(text(&check).contains(&cause), "{}", text(&check));
+}
+
+/// Issue 28: a split data file cut short under guard `none` (nothing
+/// compares data with its context): a read of a written block past the
+/// file's end is an EIO naming the LBA and `metadata_lost`, never the
+/// hole's zeros. A write past the end (which extends the file and leaves
+/// a hole before it) does not make the blocks in between read as zeros
+/// after a restart: the open marked them lost on disk.
+#[test]
+fn a_data_file_cut_short_unguarded_is_eio_never_zeros() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    vouch_ok(&["create", s(&volume), "--size", "1MiB", "--guard", "none"]);
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    write_tagged_blocks(&server.uri, 12);
+    server.stop();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(volume.join("data.00000"))
+        .expect("open")
+        .set_len(4 * BLOCK)
+        .expect("cut the data file to 4 blocks");
+
+    let read_script = r#"
+h, log = connect_logged(sys.argv[1])
+out = {}
+for lba in range(12):
+    log.clear()
+    try:
+        data = h.pread(4096, lba * 4096)
+        out[str(lba)] = {"ok": data == block_data(lba, 1000 + lba), "zeros": data == bytes(4096)}
+    except nbd.Error as e:
+        out[str(lba)] = failure(e, log)
+if sys.argv[2] == "write":
+    h.pwrite(block_data(10, 5000), 10 * 4096)
+    h.flush()
+print(json.dumps(out))
+"#;
+    let expect_lost = |result: &serde_json::Value, lost: &[u64]| {
+        for lba in 0..12u64 {
+            let entry = &result[lba.to_string()];
+            if lost.contains(&lba) {
+                assert_eq!(entry["errnum"], libc::EIO, "LBA {lba}: {result}");
+                let messages = entry["server_messages"].to_string();
+                assert!(
+                    messages.contains(&format!("LBA {lba}")) && messages.contains("metadata_lost"),
+                    "LBA {lba}: {result}"
+                );
+            } else if lba != 10 {
+                assert_eq!(entry["ok"], true, "LBA {lba} reads its data: {result}");
+            }
+        }
+    };
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    let result = py_json(read_script, &[&server.uri, "write"]);
+    expect_lost(&result, &[4, 5, 6, 7, 8, 9, 10, 11]);
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("data.00000 is 16 KiB, the volume needs 1 MiB: LBAs 4-255 are missing"),
+        "the server log names the cause: {log}"
+    );
+
+    // LBA 10 written again: the file now reaches past the lost blocks.
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    let result = py_json(
+        &read_script.replace(
+            "block_data(lba, 1000 + lba)",
+            "block_data(lba, 5000 if lba == 10 else 1000 + lba)",
+        ),
+        &[&server.uri, "read"],
+    );
+    expect_lost(&result, &[4, 5, 6, 7, 8, 9, 11]);
+    assert_eq!(result["10"]["ok"], true, "{result}");
+    server.stop();
+    let check = vouch(&["check", s(&volume)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    assert!(
+        text(&check).contains("contexts: page 0 has 7 lost markers (found lost before): LBAs 4-11 have no protection information"),
+        "{}",
+        text(&check)
+    );
+}
+
+/// Issue 28: an older copy of `contexts` restored (split). Its pages are
+/// whole and in their place; a page the volume rewrote since is older
+/// than the generation the written map expects of it, so every block of
+/// it is a fault naming the cause — never a block written since read as
+/// never written (zeros), never old data. `check` and `export` name the
+/// page once; over NBD its blocks are EIO; the page the volume did not
+/// rewrite reads as before.
+#[test]
+fn an_older_copy_of_the_contexts_is_named_never_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    vouch_ok(&["create", s(&volume), "--size", "1MiB"]);
+    let write_script = r#"
+h = connect(sys.argv[1])
+for lba in range(int(sys.argv[2]), int(sys.argv[3])):
+    h.pwrite(block_data(lba, int(sys.argv[4]) + lba), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#;
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    py_json(write_script, &[&server.uri, "0", "136", "1000"]);
+    server.stop();
+    let older = std::fs::read(volume.join("contexts")).expect("read contexts");
+    // Blocks 130-135 rewritten, 136-140 written for the first time.
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    py_json(write_script, &[&server.uri, "130", "141", "2000"]);
+    server.stop();
+    std::fs::write(volume.join("contexts"), &older).expect("restore the older copy");
+
+    let check = vouch(&["check", s(&volume)]);
+    let report = text(&check);
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    let cause = line_starting(&report, "contexts: page 1 is older than the volume expects");
+    assert!(
+        cause.ends_with("an older copy of the file?): LBAs 128-255 have no protection information"),
+        "{report}"
+    );
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert_eq!(
+        stdout.lines().filter(|line| line.contains("LBA")).count(),
+        1,
+        "one line for the page: {report}"
+    );
+    let out = dir.path().join("out.raw");
+    let export = vouch(&["export", s(&volume), s(&out)]);
+    assert_eq!(export.status.code(), Some(2), "{}", text(&export));
+    assert!(text(&export).contains(&cause), "{}", text(&export));
+    assert!(!out.exists(), "nothing exported");
+
+    let server = Server::start(dir.path(), &[s(&volume)]);
+    let result = py_json(
+        r#"
+h, log = connect_logged(sys.argv[1])
+out = {}
+for lba in [5, 127, 128, 132, 138, 200]:
+    log.clear()
+    try:
+        out[str(lba)] = {"ok": h.pread(4096, lba * 4096) == block_data(lba, 1000 + lba)}
+    except nbd.Error as e:
+        out[str(lba)] = failure(e, log)
+print(json.dumps(out))
+"#,
+        &[&server.uri],
+    );
+    for lba in [5, 127] {
+        assert_eq!(result[lba.to_string()]["ok"], true, "LBA {lba}: {result}");
+    }
+    for lba in [128, 132, 138, 200] {
+        let entry = &result[lba.to_string()];
+        assert_eq!(entry["errnum"], libc::EIO, "LBA {lba}: {result}");
+        let messages = entry["server_messages"].to_string();
+        assert!(
+            messages.contains(&format!("LBA {lba}")) && messages.contains("metadata_lost"),
+            "LBA {lba}: {result}"
+        );
+    }
+    drop(server);
+}
+
+/// The line of `report` that starts with `start` (the test fails without one).
+fn line_starting(report: &str, start: &str) -> String {
+    report
+        .lines()
+        .find(|line| line.trim_start().starts_with(start))
+        .unwrap_or_else(|| panic!("no line starting {start:?} in:\n{report}"))
+        .trim_start()
+        .to_string()
 }

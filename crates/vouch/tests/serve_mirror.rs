@@ -398,15 +398,47 @@ print(json.dumps({"ok": True}))
 /// page's never-written blocks as holes); the leg then checks clean alone.
 #[test]
 fn a_zeroed_context_page_on_one_leg_is_repaired_from_the_other() {
+    lost_page_on_one_leg_is_repaired(PageLoss::Zeroed);
+}
+
+/// The same with an older copy of leg 1's `contexts` restored (its page 0
+/// from before the blocks were written again): older than the generation
+/// the leg's written map expects, so lost, never read.
+#[test]
+fn an_older_context_page_on_one_leg_is_repaired_from_the_other() {
+    lost_page_on_one_leg_is_repaired(PageLoss::OlderCopy);
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum PageLoss {
+    Zeroed,
+    OlderCopy,
+}
+
+fn lost_page_on_one_leg_is_repaired(loss: PageLoss) {
     let dir = tempfile::tempdir().expect("tempdir");
     mirror_with_data(dir.path(), &["b"]);
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    std::fs::OpenOptions::new()
-        .write(true)
-        .open(b.join("contexts"))
-        .expect("open contexts")
-        .write_all_at(&[0u8; 4096], 0)
-        .expect("zero page 0");
+    let cause = match loss {
+        PageLoss::Zeroed => {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(b.join("contexts"))
+                .expect("open contexts")
+                .write_all_at(&[0u8; 4096], 0)
+                .expect("zero page 0");
+            "contexts: page 0 is zeroed: LBAs 0-127 have no protection information"
+        }
+        PageLoss::OlderCopy => {
+            let older = std::fs::read(b.join("contexts")).expect("read contexts");
+            // The same data written again: newer generations on both legs.
+            let mut server = Server::start(dir.path(), &[s(&a)]);
+            write_tagged_blocks(&server.uri, 20);
+            server.stop();
+            std::fs::write(b.join("contexts"), &older).expect("restore the older copy");
+            "contexts: page 0 is older than the volume expects (generation "
+        }
+    };
     let check = vouch(&["check", s(&a)]);
     assert_eq!(check.status.code(), Some(1), "{}", text(&check));
     assert!(
@@ -433,10 +465,7 @@ fn a_zeroed_context_page_on_one_leg_is_repaired_from_the_other() {
     assert!((1.0..=16.0).contains(&repaired), "{series}:\n{metrics}");
     server.stop();
     let log = server.log_text();
-    assert!(
-        log.contains("contexts: page 0 is zeroed: LBAs 0-127 have no protection information"),
-        "the server log names the cause: {log}"
-    );
+    assert!(log.contains(cause), "the server log names the cause: {log}");
     let scrub = vouch(&["scrub", s(&a)]);
     assert!(scrub.status.success(), "{}", text(&scrub));
     assert_check_clean(&a);

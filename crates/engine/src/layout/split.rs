@@ -92,6 +92,7 @@ impl SplitLayout {
                 // Cleared before the pages are blank (`written.rs`).
                 for page in page_no..page_no + whole {
                     io.written.clear(page);
+                    io.written.set_expected_generation(page, 0);
                 }
                 io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
                 pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
@@ -376,6 +377,7 @@ impl Layout for SplitLayout {
         // blank before the crash, with the map on disk still set: their
         // bits are cleared before any page is loaded (`written.rs`).
         clear_trimmed_units(io, records);
+        forget_replayed_generations(io, records);
         let mut resolutions = Vec::new();
         let verify_after = last.header.data_durable_seq;
         let redo_last = last_records_of_redo_blocks(records);
@@ -639,9 +641,21 @@ impl CheckpointPages {
         io.write_runs(ObjectId::Contexts, &runs)?;
         for (page_no, page) in &self.batch {
             // Set once the page is written; on disk with the checkpoint's
-            // map, after the contexts' fsync (`written.rs`).
+            // map, after the contexts' fsync (`written.rs`). So is the
+            // page's generation: the map on disk is never newer than the
+            // page, and after a crash before it is written, recovery
+            // forgets the generation of every page the journal touches
+            // (`forget_replayed_generations`), so a page that a checkpoint
+            // made older (a trim or a copy of its newest block) is never
+            // judged an older copy.
             if page.iter().any(|byte| *byte != 0) {
                 io.written.set(*page_no);
+                io.written.set_expected_generation(
+                    *page_no,
+                    io.written.page_generation(*page_no, &page[..]),
+                );
+            } else {
+                io.written.set_expected_generation(*page_no, 0);
             }
         }
         let batch = self
@@ -708,6 +722,21 @@ pub(super) fn clear_trimmed_units(io: &Backing, records: &[Record]) {
                 io.written
                     .clear_touched(entry.lba, entry.lba + u64::from(entry.count));
             }
+        }
+    }
+}
+
+/// Forget the expected generation of every page an entry of `records`
+/// touches (recovery, before anything is read): a checkpoint interrupted
+/// after writing pages and before writing the map leaves pages newer than
+/// the map — or older, where a trim or a copy (which keeps its source's
+/// generation) replaced a page's newest context. Each is known again once
+/// the next checkpoint writes it.
+fn forget_replayed_generations(io: &Backing, records: &[Record]) {
+    for record in records {
+        for entry in &record.entries {
+            io.written
+                .forget_generations(entry.lba, entry.lba + u64::from(entry.count.max(1)));
         }
     }
 }

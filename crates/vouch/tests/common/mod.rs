@@ -273,7 +273,7 @@ pub fn py_json(script: &str, args: &[&str]) -> serde_json::Value {
 }
 
 /// Helpers every Python script gets: `connect`, `connect_unnegotiated`,
-/// `block_data`, `err_info`, `connect_logged`, `attempt`.
+/// `block_data`, `err_info`, `connect_logged`, `failure`, `attempt`.
 pub const PY_PRELUDE: &str = r#"
 import errno, hashlib, json, os, signal, struct, sys, time
 import nbd
@@ -308,8 +308,9 @@ def err_info(e):
     return {"errnum": e.errnum, "errno": e.errno, "message": str(e)}
 
 def connect_logged(uri):
-    """A client whose libnbd debug log is kept, for `attempt`: returns
-    (handle, log)."""
+    """A client and its libnbd debug log (a list): libnbd keeps the
+    server's structured error message out of str(e) and reports it there
+    (`failure`, `attempt`). Returns (handle, log)."""
     log = []
     h = nbd.NBD()
     h.set_debug(True)
@@ -317,18 +318,22 @@ def connect_logged(uri):
     h.connect_uri(uri)
     return h, log
 
+def failure(e, log):
+    """err_info(e) with the server messages in log (clear it before the request)."""
+    info = err_info(e)
+    info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
+                               if "server message: " in m]
+    return info
+
 def attempt(log, f):
-    """"ok" when f() succeeds; else its nbd.Error's err_info with the
-    structured error messages the server sent meanwhile."""
+    """"ok" when f() succeeds; else its nbd.Error's `failure`, with the
+    server messages sent meanwhile."""
     log.clear()
     try:
         f()
         return "ok"
     except nbd.Error as e:
-        info = err_info(e)
-        info["server_messages"] = [m.split("server message: ", 1)[1] for m in log
-                                   if "server message: " in m]
-        return info
+        return failure(e, log)
 "#;
 
 /// A `vouch serve` child process. Drop sends SIGTERM and waits (SIGKILL after
