@@ -60,6 +60,12 @@ pub(crate) struct WrittenMap {
     /// last wrote it. A page whose contexts are all older was restored
     /// from an older copy of the file (`judge_page`).
     generations: Vec<AtomicU32>,
+    /// Odd while a checkpoint writes context pages and then sets their
+    /// expected generations (`begin_page_writes` .. `end_page_writes`):
+    /// a page a reader read from disk meanwhile may be the one before the
+    /// write while the expected value is already the one after, so it is
+    /// not judged older (`judge_page`'s `seen`). A seqlock's counter.
+    page_writes: AtomicU64,
     /// `crc32c(uuid)`: the volume tag of the markers this map judges.
     volume_tag: u32,
     /// The volume's units are whole (`INCOMPAT_BOUND_UNITS`): a written
@@ -106,6 +112,7 @@ impl WrittenMap {
             })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
+            page_writes: AtomicU64::new(0),
             dirty: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             change: Mutex::new(()),
@@ -253,6 +260,22 @@ impl WrittenMap {
         }
     }
 
+    /// The count of checkpoints' page writes begun and ended (odd: one is
+    /// running), to take before reading a page to judge (`judge_page`).
+    pub fn page_writes(&self) -> u64 {
+        self.page_writes.load(Ordering::Acquire)
+    }
+
+    /// A checkpoint starts writing context pages (then sets their
+    /// expected generations); `end_page_writes` when both are done.
+    pub fn begin_page_writes(&self) {
+        self.page_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn end_page_writes(&self) {
+        self.page_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
     /// The generation `unit` is expected to have on disk (0: not known).
     pub fn expected_generation(&self, unit: u64) -> u32 {
         self.generations
@@ -359,13 +382,19 @@ impl WrittenMap {
     /// `metadata_lost` fault and a checkpoint that rewrites the page keeps
     /// it so (`vouch_format::encode_lost`). Markers of another place or
     /// volume stay, and decode as `FormatError::Vacant`.
-    pub fn judge_page(&self, page_no: u64, page: &mut [u8; 4096]) {
+    ///
+    /// `seen`: `page_writes()` before the page was read. A checkpoint that
+    /// wrote pages since (or was writing them) may have raised the
+    /// expected generation past the bytes read, so the page is not judged
+    /// older then (it is read again at its next load).
+    pub fn judge_page(&self, page_no: u64, page: &mut [u8; 4096], seen: u64) {
         let set = self.is_set(page_no);
         let bound = self.bound();
         if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
-        if let Some((found, expected)) = self.stale_page(page_no, page) {
+        let settled = seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen;
+        if let Some((found, expected)) = settled.then(|| self.stale_page(page_no, page)).flatten() {
             // An older copy of the page: which of its slots still hold
             // what the volume wrote last cannot be told, so none is
             // trusted (a mirror leg repairs them; a checkpoint that

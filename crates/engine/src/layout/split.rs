@@ -638,7 +638,15 @@ impl CheckpointPages {
                 parts,
             })
             .collect();
-        io.write_runs(ObjectId::Contexts, &runs)?;
+        // Readers that load a page meanwhile do not judge it older
+        // (`WrittenMap::judge_page`): they may read it before this write
+        // and see its expected generation after.
+        io.written.begin_page_writes();
+        let wrote = io.write_runs(ObjectId::Contexts, &runs);
+        if let Err(error) = wrote {
+            io.written.end_page_writes();
+            return Err(error.into());
+        }
         for (page_no, page) in &self.batch {
             // Set once the page is written; on disk with the checkpoint's
             // map, after the contexts' fsync (`written.rs`). So is the
@@ -658,6 +666,7 @@ impl CheckpointPages {
                 io.written.set_expected_generation(*page_no, 0);
             }
         }
+        io.written.end_page_writes();
         let batch = self
             .batch
             .drain(..)
