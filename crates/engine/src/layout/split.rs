@@ -645,7 +645,7 @@ impl CheckpointPages {
         let wrote = io.write_runs(ObjectId::Contexts, &runs);
         if let Err(error) = wrote {
             io.written.end_page_writes();
-            return Err(error.into());
+            return Err(error);
         }
         for (page_no, page) in &self.batch {
             // Set once the page is written; on disk with the checkpoint's
