@@ -110,10 +110,7 @@ impl FileStorage {
             if object == ObjectId::Journal {
                 // Reserve the journal's space now, so a full filesystem fails
                 // here, cleanly, and never in the middle of a commit.
-                // SAFETY: fallocate on a valid, open file descriptor.
-                let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len as libc::off_t) };
-                if rc != 0 {
-                    let error = io::Error::last_os_error();
+                if let Err(error) = allocate(&file, 0, len) {
                     if error.raw_os_error() != Some(libc::EOPNOTSUPP) {
                         return Err(error);
                     }
@@ -426,6 +423,19 @@ fn map_slot(file: &File, writable: bool) -> io::Result<Option<memmap2::MmapRaw>>
         .len(HELD_WINDOW as usize)
         .map_raw(file)
         .map(Some)
+}
+
+/// Allocate `len` bytes of `file` at `from` (`fallocate` mode 0: the
+/// blocks, or tmpfs pages, are reserved and the file extended over them),
+/// so a full filesystem fails here rather than at a later write or store.
+fn allocate(file: &File, from: u64, len: u64) -> io::Result<()> {
+    // SAFETY: fallocate on an open descriptor with plain integers.
+    let result =
+        unsafe { libc::fallocate(file.as_raw_fd(), 0, from as libc::off_t, len as libc::off_t) };
+    match result {
+        0 => Ok(()),
+        _ => Err(io::Error::last_os_error()),
+    }
 }
 
 /// The file in a volume directory that says where its held log is.
@@ -886,14 +896,7 @@ impl Storage for FileStorage {
 
     fn grow_held(&self, slot: u8, from: u64, end: u64) -> io::Result<()> {
         let file = self.file(ObjectId::Held(slot))?;
-        let len = end.saturating_sub(from);
-        // SAFETY: fallocate on an open descriptor; mode 0 allocates the
-        // range (tmpfs: its pages) and extends the file over it.
-        let result = unsafe {
-            libc::fallocate(file.as_raw_fd(), 0, from as libc::off_t, len as libc::off_t)
-        };
-        if result < 0 {
-            let error = io::Error::last_os_error();
+        if let Err(error) = allocate(file, from, end.saturating_sub(from)) {
             if error.raw_os_error() == Some(libc::EOPNOTSUPP) {
                 if let Some(held) = self.held.get() {
                     held.unmapped
@@ -964,23 +967,10 @@ impl Storage for FileStorage {
             .get()
             .and_then(|held| held.landing.as_ref())
             .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "no landing file"))?;
-        let len = end.saturating_sub(from);
-        // SAFETY: fallocate on an open descriptor; mode 0 allocates the
-        // range (tmpfs: its pages) and extends the file over it, so a
-        // store into it never meets a SIGBUS. Unsupported (EOPNOTSUPP) is
-        // an error here: the caller receives into process memory instead.
-        let result = unsafe {
-            libc::fallocate(
-                landing.file.as_raw_fd(),
-                0,
-                from as libc::off_t,
-                len as libc::off_t,
-            )
-        };
-        match result {
-            0 => Ok(()),
-            _ => Err(io::Error::last_os_error()),
-        }
+        // A store into the allocated range never meets a SIGBUS.
+        // Unsupported (EOPNOTSUPP) is an error here: the caller receives
+        // into process memory instead.
+        allocate(&landing.file, from, end.saturating_sub(from))
     }
 
     fn read_landing(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
