@@ -365,18 +365,24 @@ impl LandingFile {
 const HELD_WINDOW: u64 = 1 << 30;
 
 /// Copy `from` to `to`. The held log is written and not read again
-/// (unless the process crashed), so its blocks are stored around the
+/// (unless the process crashed), so large parts are stored around the
 /// cache (non-temporal stores, SSE2: every x86-64 has it): a 1 MiB record
 /// then costs about 40 µs instead of 63 µs here, and does not evict what
-/// the commit and the socket are working on. Short parts are copied
-/// plainly.
+/// the commit and the socket are working on. Parts under `STREAM_FROM`
+/// (a 4 KiB block, the common small write) are copied plainly: into the
+/// cache they cost less than the streamed stores, and the fence after a
+/// streamed copy waits for them to reach memory, which a small write
+/// would pay on every request.
+///
+/// Returns whether it streamed (the stores then need `store_fence`).
 ///
 /// # Safety
 /// `to` must be valid for `from.len()` bytes of writes, not overlapping
 /// `from`.
-unsafe fn stream_copy(to: *mut u8, from: &[u8]) {
+unsafe fn stream_copy(to: *mut u8, from: &[u8]) -> bool {
+    const STREAM_FROM: usize = 64 << 10;
     #[cfg(target_arch = "x86_64")]
-    if from.len() >= 1024 {
+    if from.len() >= STREAM_FROM {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let mut to = to;
         let mut from = from;
@@ -400,10 +406,11 @@ unsafe fn stream_copy(to: *mut u8, from: &[u8]) {
         let tail = chunks.remainder();
         // SAFETY: the rest of the caller's range.
         unsafe { std::ptr::copy_nonoverlapping(tail.as_ptr(), to, tail.len()) };
-        return;
+        return true;
     }
     // SAFETY: as the caller promises.
     unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), to, from.len()) };
+    false
 }
 
 /// Order the non-temporal stores `stream_copy` made before later stores.
@@ -918,18 +925,22 @@ impl Storage for FileStorage {
         let Some(mut to) = held.mapped(slot, at, len) else {
             return self.write_vectored_at(ObjectId::Held(slot), at, parts);
         };
+        let mut streamed = false;
         for part in parts {
             // SAFETY: `mapped` checked `[at, at + len)` is inside the
             // mapping, and `grow_held` allocated it in the file (no
             // SIGBUS); the engine gives each writer a range of its own.
             unsafe {
-                stream_copy(to, part);
+                streamed |= stream_copy(to, part);
                 to = to.add(part.len());
             }
         }
-        // The streamed stores are weakly ordered: fence them before the
-        // record's `done` word (`publish_held`) can be stored.
-        store_fence();
+        // Streamed stores are weakly ordered: fence them before the
+        // record's `done` word (`publish_held`) can be stored. Plain
+        // stores are ordered before it by the word's release store.
+        if streamed {
+            store_fence();
+        }
         Ok(())
     }
 
