@@ -7,7 +7,7 @@
 //! writer task (a channel, an eventfd wake of the runtime's thread, an
 //! epoll round) before reaching the socket, and its answer came back
 //! through the runtime's reader task; on a CPU-bound exporter those
-//! hand-offs cost more than the send itself (docs/BENCHMARKS.md, Stop 23).
+//! hand-offs cost more than the send itself.
 //! TLS connections keep the runtime (`client.rs`): a TLS stream's reads
 //! and writes share one state machine.
 //!

@@ -1,5 +1,5 @@
 //! Mirrored writes that complete later: the NBD reactor's path for a
-//! mirror with remote legs (docs/BENCHMARKS.md, Stop 24).
+//! mirror with remote legs.
 //!
 //! A blocking `write_shared` to a remote leg costs its thread a sleep per
 //! write: the NBD reactor hands the write to a worker, the worker sleeps

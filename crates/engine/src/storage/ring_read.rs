@@ -5,7 +5,7 @@
 //! `pread` and then woke the reactor to send the reply. On the 2-vCPU VMs
 //! this runs on, each of those wakes of a sleeping thread costs about as
 //! much as the device read itself: `serve --direct` answered 4 KiB reads at
-//! QD1 at 0.6x qemu-nbd's rate (docs/BENCHMARKS.md, Stop 25). Here the
+//! QD1 at 0.6x qemu-nbd's rate. Here the
 //! reactor submits the read itself (`ReadRing::start`) and goes on; the
 //! ring signals an eventfd when reads complete, the reactor's event loop
 //! wakes on it like on a socket, and `reap` hands each finished read to

@@ -22,8 +22,8 @@ use crate::worker::WorkerPool;
 /// starting a mirrored write sends its payload to the remote legs from
 /// the reader (on veth the receiver's TCP work runs in that send), which
 /// for 1 MiB writes cost more reader time than the worker's hand-offs
-/// (1 MiB QD8 to a remote mirror: 0.95x with it, docs/BENCHMARKS.md
-/// Stop 24); 4 KiB writes gain 1.4x at QD32.
+/// (1 MiB QD8 to a remote mirror measured 0.95x with it); 4 KiB writes
+/// gain 1.4x at QD32.
 const START_WRITE_MAX_BYTES: usize = 128 * 1024;
 /// A WRITE the export completes later (`Export::try_start_write`), or a
 /// FLUSH it may answer before its call returns (`Export::flush_then`):
@@ -129,7 +129,7 @@ pub(super) fn try_start_inline(
 /// it on the reaper never holds the reactor for long. Larger reads go to
 /// the workers, which verify on both CPUs at once: 1 MiB reads at QD8
 /// through the ring measured 0.76x (`--direct`) and 0.77x (page cache)
-/// of the workers (docs/BENCHMARKS.md, Stop 25).
+/// of the workers.
 const START_READ_MAX_BYTES: usize = 128 * 1024;
 
 /// A READ the export completes later (`Export::try_start_read`): answered
