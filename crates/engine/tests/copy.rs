@@ -33,7 +33,7 @@ fn create(path: &Path, layout: LayoutKind, blocks: u64) -> Volume {
 }
 
 fn with(method: CopyMethod) -> CopyOptions {
-    CopyOptions { method }
+    CopyOptions::with(method)
 }
 
 /// Blocks `first..first + count` written with `tag`, except every 17th

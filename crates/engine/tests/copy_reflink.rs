@@ -87,9 +87,7 @@ fn create(path: &Path, blocks: u64) -> Volume {
 }
 
 fn reflink() -> CopyOptions {
-    CopyOptions {
-        method: CopyMethod::Reflink,
-    }
+    CopyOptions::with(CopyMethod::Reflink)
 }
 
 /// Does FIEMAP report the extent at `offset` of `file` as shared?
