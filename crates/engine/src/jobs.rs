@@ -1,16 +1,18 @@
-//! Background jobs as one mechanism. Every job visits a range step by
-//! step, paced by one `Pacer` (a fixed rate, or a floor and a ceiling that
-//! backs off under foreground load), reporting progress and taking a
-//! cancel through a `JobControl`, and keeping where it is in a cursor:
+//! Background jobs as one mechanism. A job is a `Visit`: it goes through
+//! a range step by step, paced by one `Pacer` (a fixed rate, or a floor
+//! and a ceiling that backs off under foreground load), reporting
+//! progress and taking a cancel through a `JobControl`, and keeping where
+//! it stands in a `Cursor` when it resumes:
 //! - `scan`: a chunked scan over a `BlockDevice` that skips holes, reads
 //!   and verifies on reader threads and can resume from a persisted
-//!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it.
+//!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it;
 //! - a mirror's scrub (`mirror/scrub.rs`) visits the same chunks with its
-//!   own reader (every leg), paced and counted the same way;
+//!   own reader (every leg), with a cursor of its own;
+//! - copy (`copy.rs`, both methods) and `verify::compare_ranges`;
 //! - a mirror's resync and reconciliation step through their map and
-//!   extents (`ResyncCursor`, `ReconcileCursor`), paced by `Pace::FloorCeiling`,
-//!   their progress measured by `Throughput`;
-//! - copy (`copy.rs`) reports through `JobControl` and cancels the same way.
+//!   extents (`ResyncCursor`, `ReconcileCursor`), which are not positions
+//!   below which all is done: they share `paced_steps` instead, paced by
+//!   `Pace::FloorCeiling`, their progress measured by `Throughput`.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
@@ -101,22 +103,15 @@ impl JobControl {
         self.read_blocks.fetch_add(read, Ordering::Relaxed);
         self.done_blocks.store(done, Ordering::Relaxed);
     }
-
-    /// Record progress of a job that is not a `scan` (copy): `done` of
-    /// `total` blocks.
-    pub fn set_progress(&self, done: u64, total: u64) {
-        self.total_blocks.store(total, Ordering::Relaxed);
-        self.done_blocks.store(done, Ordering::Relaxed);
-    }
 }
 
-/// Where a scan has got to, kept across restarts.
+/// Where a job (`Visit`) has got to, kept across restarts.
 pub trait Cursor {
-    /// The LBA to resume from, if a scan was interrupted.
+    /// The position to resume from, if a job was interrupted.
     fn load(&self) -> Result<Option<u64>>;
-    /// Record that every block before `lba` is done.
+    /// Record that every position before `lba` is done.
     fn save(&self, lba: u64) -> Result<()>;
-    /// The scan finished: forget the cursor.
+    /// The job finished: forget the cursor.
     fn clear(&self) -> Result<()>;
 }
 
@@ -210,7 +205,7 @@ impl Pace {
     }
 }
 
-/// The one pacing of every job (scans, scrubs, a mirror's scrub, resync
+/// The one pacing of every job (each `Visit`, and `paced_steps`: resync
 /// and reconciliation): after each step the job calls `pace` with the
 /// bytes it moved, and the pacer waits as long as `Pace` says (when
 /// foreground requests arrived meanwhile: the floor of a `FloorCeiling`,
