@@ -219,8 +219,8 @@ impl Mirror {
         }
     }
 
-    /// Its cursor is the activity log's extents, not a position
-    /// (`jobs::paced_steps`).
+    /// Its cursor is the activity log's extents, not a position that a
+    /// `jobs::Visit` could keep: `jobs::paced_steps`.
     fn reconcile_loop(&self, cursor: &mut ReconcileCursor, rate: ResyncRate) -> Result<bool> {
         let foreground = || self.foreground.load(Ordering::Relaxed);
         let stop = || self.stopping.load(Ordering::Acquire);

@@ -378,8 +378,8 @@ impl Mirror {
 
     /// Run steps until the resync finishes (`Ok(true)`) or is stopped
     /// (`Ok(false)`: the server stops, or the leg failed a write), pacing
-    /// them.
-    /// Its cursor is the dirty map, not a position (`jobs::paced_steps`).
+    /// them. Its cursor is the dirty map, not a position that a
+    /// `jobs::Visit` could keep: `jobs::paced_steps`.
     fn resync_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
         let slot = &self.legs[cursor.leg];
         let foreground = || self.foreground.load(Ordering::Relaxed);
