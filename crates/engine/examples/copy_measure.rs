@@ -104,7 +104,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
     for method in [CopyMethod::Reflink, CopyMethod::Pipelined] {
         let control = JobControl::default();
         let started = Instant::now();
-        let options = CopyOptions { method };
+        let options = CopyOptions::with(method);
         match copy(&volume, 0, &volume, blocks, blocks, &options, &control) {
             Ok(report) => {
                 volume.flush()?;

@@ -36,7 +36,7 @@ use parking_lot::Mutex;
 
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
-use crate::jobs::JobControl;
+use crate::jobs::{JobControl, Pace, Visit};
 use crate::verify::check_block_range;
 use crate::volume::Volume;
 
@@ -78,13 +78,24 @@ impl CopyMethod {
 #[derive(Clone, Debug)]
 pub struct CopyOptions {
     pub method: CopyMethod,
+    /// Bytes per second copied at most (`None`: as fast as it goes), the
+    /// jobs' `Pace::Fixed`: either method waits between its steps.
+    pub rate_bytes_per_second: Option<u64>,
+}
+
+impl CopyOptions {
+    /// Copy by `method`, as fast as it goes.
+    pub fn with(method: CopyMethod) -> CopyOptions {
+        CopyOptions {
+            method,
+            rate_bytes_per_second: None,
+        }
+    }
 }
 
 impl Default for CopyOptions {
     fn default() -> CopyOptions {
-        CopyOptions {
-            method: CopyMethod::Auto,
-        }
+        CopyOptions::with(CopyMethod::Auto)
     }
 }
 
@@ -101,6 +112,8 @@ pub struct CopyReport {
     /// Blocks copied.
     pub blocks: u64,
     pub elapsed: Duration,
+    /// Times the copy waited for its rate (`JobControl::paced_waits`).
+    pub paced_waits: u64,
 }
 
 /// The method `Auto` chose for each source volume (by UUID), kept in the
@@ -118,7 +131,9 @@ pub struct MethodCache {
 /// Crash contract = writes: each destination block reads old or new, never
 /// a mix of data and context; durable after a flush. Progress and cancel via
 /// `control` (progress in blocks; cancelled -> Err naming how far it got,
-/// every block before that copied, none after it half-copied).
+/// every block before that copied, none after it half-copied), paced by
+/// `options.rate_bytes_per_second`: a `jobs::Visit` over the blocks to
+/// copy, with no cursor (a copy is not resumed: it is asked for again).
 pub fn copy(
     source: &dyn BlockDevice,
     source_first: u64,
@@ -148,19 +163,21 @@ pub fn copy(
         volumes: source.as_volume().zip(destination.as_volume()),
     };
     let (method, chosen_by) = choose(&job, options.method)?;
-    control.set_progress(0, count);
+    let pace = Pace::fixed(options.rate_bytes_per_second);
+    let mut run = Visit::begin(control, 0..count, pace, None, None)?;
     if job.overlap_shift() == Some(0) {
         // A range onto itself: nothing moves, but a corrupt source block
         // still fails the copy, as any copy's would.
-        pipelined::verify_only(&job)?;
+        pipelined::verify_only(&job, &mut run)?;
     } else if count > 0 {
         match method {
             CopyMethod::Reflink => reflink::run(
                 &job,
                 job.volumes
                     .ok_or_else(|| Error::Unsupported(reflink::NOT_VOLUMES.to_string()))?,
+                &mut run,
             )?,
-            _ => pipelined::run(&job)?,
+            _ => pipelined::run(&job, &mut run)?,
         }
     }
     Ok(CopyReport {
@@ -168,6 +185,7 @@ pub fn copy(
         chosen_by,
         blocks: count,
         elapsed: started.elapsed(),
+        paced_waits: control.paced_waits(),
     })
 }
 

@@ -1,16 +1,18 @@
-//! Background jobs as one mechanism. Every job visits a range step by
-//! step, paced by one `Pacer` (a fixed rate, or a floor and a ceiling that
-//! backs off under foreground load), reporting progress and taking a
-//! cancel through a `JobControl`, and keeping where it is in a cursor:
+//! Background jobs as one mechanism. A job is a `Visit`: it goes through
+//! a range step by step, paced by one `Pacer` (a fixed rate, or a floor
+//! and a ceiling that backs off under foreground load), reporting
+//! progress and taking a cancel through a `JobControl`, and keeping where
+//! it stands in a `Cursor` when it resumes:
 //! - `scan`: a chunked scan over a `BlockDevice` that skips holes, reads
 //!   and verifies on reader threads and can resume from a persisted
-//!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it.
+//!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it;
 //! - a mirror's scrub (`mirror/scrub.rs`) visits the same chunks with its
-//!   own reader (every leg), paced and counted the same way;
+//!   own reader (every leg), with a cursor of its own;
+//! - copy (`copy.rs`, both methods) and `verify::compare_ranges`;
 //! - a mirror's resync and reconciliation step through their map and
-//!   extents (`ResyncCursor`, `ReconcileCursor`), paced by `Pace::FloorCeiling`,
-//!   their progress measured by `Throughput`;
-//! - copy (`copy.rs`) reports through `JobControl` and cancels the same way.
+//!   extents (`ResyncCursor`, `ReconcileCursor`), which are not positions
+//!   below which all is done: they share `paced_steps` instead, paced by
+//!   `Pace::FloorCeiling`, their progress measured by `Throughput`.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::Write;
@@ -101,22 +103,15 @@ impl JobControl {
         self.read_blocks.fetch_add(read, Ordering::Relaxed);
         self.done_blocks.store(done, Ordering::Relaxed);
     }
-
-    /// Record progress of a job that is not a `scan` (copy): `done` of
-    /// `total` blocks.
-    pub fn set_progress(&self, done: u64, total: u64) {
-        self.total_blocks.store(total, Ordering::Relaxed);
-        self.done_blocks.store(done, Ordering::Relaxed);
-    }
 }
 
-/// Where a scan has got to, kept across restarts.
+/// Where a job (`Visit`) has got to, kept across restarts.
 pub trait Cursor {
-    /// The LBA to resume from, if a scan was interrupted.
+    /// The position to resume from, if a job was interrupted.
     fn load(&self) -> Result<Option<u64>>;
-    /// Record that every block before `lba` is done.
+    /// Record that every position before `lba` is done.
     fn save(&self, lba: u64) -> Result<()>;
-    /// The scan finished: forget the cursor.
+    /// The job finished: forget the cursor.
     fn clear(&self) -> Result<()>;
 }
 
@@ -210,7 +205,7 @@ impl Pace {
     }
 }
 
-/// The one pacing of every job (scans, scrubs, a mirror's scrub, resync
+/// The one pacing of every job (each `Visit`, and `paced_steps`: resync
 /// and reconciliation): after each step the job calls `pace` with the
 /// bytes it moved, and the pacer waits as long as `Pace` says (when
 /// foreground requests arrived meanwhile: the floor of a `FloorCeiling`,
@@ -332,6 +327,141 @@ impl Throughput {
     }
 }
 
+/// One run of a job over the positions `[start, end)` (LBAs, or a copy's
+/// blocks done), the loop every job steps through (scan, a mirror's scrub,
+/// copy, compare): where it stands (every position before `at` is done),
+/// its progress and cancel in a `JobControl`, its `Pacer`, and for a job
+/// that resumes a `Cursor`, saved at a pause between steps every
+/// `CURSOR_SAVE_INTERVAL` and when cancelled, never ahead of what is done.
+pub struct Visit<'a> {
+    control: &'a JobControl,
+    pacer: Pacer<'a>,
+    cursor: Option<&'a dyn Cursor>,
+    start: u64,
+    end: u64,
+    at: u64,
+    /// Where this run began.
+    began: u64,
+    /// Where the cursor was saved last, and when.
+    saved: (u64, Instant),
+}
+
+impl<'a> Visit<'a> {
+    /// Start a run over `range` at `pace`, yielding to `foreground`, from
+    /// where `cursor` says (clamped to the range) or from the start.
+    pub fn begin(
+        control: &'a JobControl,
+        range: std::ops::Range<u64>,
+        pace: Pace,
+        foreground: Option<&'a (dyn Fn() -> u64 + Send + Sync)>,
+        cursor: Option<&'a dyn Cursor>,
+    ) -> Result<Visit<'a>> {
+        let (start, end) = (range.start.min(range.end), range.end);
+        let resume = match cursor {
+            Some(cursor) => cursor.load()?,
+            None => None,
+        };
+        let at = resume.unwrap_or(start).clamp(start, end);
+        control.start(end - start, at - start);
+        Ok(Visit {
+            control,
+            pacer: Pacer::new(pace, foreground),
+            cursor,
+            start,
+            end,
+            at,
+            began: at,
+            saved: (at, Instant::now()),
+        })
+    }
+
+    /// Every position before this one is done.
+    pub fn at(&self) -> u64 {
+        self.at
+    }
+
+    /// The run began where an earlier one stopped (its cursor).
+    pub fn resumed(&self) -> bool {
+        self.began > self.start
+    }
+
+    /// Whether the job was cancelled; if so, its cursor now says where it
+    /// stands.
+    pub fn cancelled(&mut self) -> Result<bool> {
+        if !self.control.is_cancelled() {
+            return Ok(false);
+        }
+        if let Some(cursor) = self.cursor {
+            if self.saved.0 != self.at {
+                cursor.save(self.at)?;
+                self.saved = (self.at, Instant::now());
+            }
+        }
+        Ok(true)
+    }
+
+    /// Every position before `to` is done; `read` blocks were read on the
+    /// way (holes skipped are not).
+    pub fn advance(&mut self, to: u64, read: u64) {
+        self.at = to.clamp(self.at, self.end);
+        self.control.advance(self.at - self.start, read);
+    }
+
+    /// A pause between steps (no lock held): save the cursor if it is
+    /// due, then wait as the pace says after a step that moved `bytes`.
+    pub fn pace(&mut self, bytes: u64) -> Result<()> {
+        if let Some(cursor) = self.cursor {
+            if self.saved.1.elapsed() >= CURSOR_SAVE_INTERVAL {
+                cursor.save(self.at)?;
+                self.saved = (self.at, Instant::now());
+            }
+        }
+        self.control.pace(&mut self.pacer, bytes);
+        Ok(())
+    }
+
+    /// `advance` to `to`, then `pace` after the step's `bytes`.
+    pub fn step(&mut self, to: u64, read: u64, bytes: u64) -> Result<()> {
+        self.advance(to, read);
+        self.pace(bytes)
+    }
+
+    /// The run reached its end: the whole range is done and the cursor
+    /// forgotten.
+    pub fn finish(mut self) -> Result<()> {
+        self.advance(self.end, 0);
+        match self.cursor {
+            Some(cursor) => cursor.clear(),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The loop of a job whose cursor is not a position below which all is
+/// done, so that it cannot be a `Visit`: a mirror's resync (its cursor is
+/// the dirty map, which a client write marks again behind it, walked
+/// round and wrapping) and reconciliation (the activity log's extents,
+/// left one by one). Run `step` until it says it finished (`None`:
+/// `Ok(true)`) or `stop` says so (`Ok(false)`), pacing after each step by
+/// the bytes it moved; a wait ends early on `stop`.
+pub fn paced_steps(
+    pace: Pace,
+    foreground: Option<&(dyn Fn() -> u64 + Send + Sync)>,
+    stop: &dyn Fn() -> bool,
+    mut step: impl FnMut() -> Result<Option<u64>>,
+) -> Result<bool> {
+    let mut pacer = Pacer::new(pace, foreground);
+    loop {
+        if stop() {
+            return Ok(false);
+        }
+        let Some(bytes) = step()? else {
+            return Ok(true);
+        };
+        pacer.pace(bytes, stop);
+    }
+}
+
 /// What to scan and how fast.
 #[derive(Clone, Default)]
 pub struct ScanOptions {
@@ -397,17 +527,13 @@ pub fn scan_prepared<T: Send>(
 ) -> Result<ScanEnd> {
     let blocks = device.size() / BLOCK;
     let end = options.end.unwrap_or(blocks).min(blocks);
-    let resume = match cursor {
-        Some(cursor) => cursor.load()?,
-        None => None,
-    };
-    let mut lba = resume.unwrap_or(options.start).clamp(options.start, end);
-    control.start(end - options.start, lba - options.start);
-    let mut saved = (lba, Instant::now());
-    let mut pacer = Pacer::new(
+    let mut run = Visit::begin(
+        control,
+        options.start..end,
         Pace::fixed(options.rate_bytes_per_second),
         options.foreground.as_deref(),
-    );
+        cursor,
+    )?;
     // Reading and verifying a chunk is the work (a page-cache copy and a
     // CRC per block): SCAN_READERS threads do it for the chunks ahead of
     // the one being visited. Chunks are handed out and visited in LBA
@@ -445,19 +571,14 @@ pub fn scan_prepared<T: Send>(
             }));
         }
         drop(done_send);
-        let mut next = lba; // where the next chunk handed out starts
+        let mut next = run.at(); // where the next chunk handed out starts
         let mut order: VecDeque<u64> = VecDeque::new(); // handed out, not visited
         let mut arrived: HashMap<u64, ChunkDone<T>> = HashMap::new();
         let mut spare: Vec<PageBuffer> = Vec::new();
         let result = (|| -> Result<ScanEnd> {
             loop {
-                if control.is_cancelled() {
-                    if let Some(cursor) = cursor {
-                        if saved.0 != lba {
-                            cursor.save(lba)?;
-                        }
-                    }
-                    return Ok(ScanEnd::Cancelled { at: lba });
+                if run.cancelled()? {
+                    return Ok(ScanEnd::Cancelled { at: run.at() });
                 }
                 while order.len() < SCAN_AHEAD && next < end {
                     next = device.next_possible_data(next)?.min(end);
@@ -509,16 +630,9 @@ pub fn scan_prepared<T: Send>(
                     },
                     prepared,
                 )?;
-                lba = read.lba + read.count;
-                control.advance(lba - options.start, read.count);
+                run.advance(read.lba + read.count, read.count);
                 spare.push(read.data);
-                if let Some(cursor) = cursor {
-                    if saved.1.elapsed() >= CURSOR_SAVE_INTERVAL {
-                        cursor.save(lba)?;
-                        saved = (lba, Instant::now());
-                    }
-                }
-                control.pace(&mut pacer, read.count * BLOCK);
+                run.pace(read.count * BLOCK)?;
             }
         })();
         // Closing the request channel ends the readers (after the chunk
@@ -526,12 +640,7 @@ pub fn scan_prepared<T: Send>(
         drop(request_send);
         let end_state = result?;
         if end_state == ScanEnd::Finished {
-            control
-                .done_blocks
-                .store(end - options.start, Ordering::Relaxed);
-            if let Some(cursor) = cursor {
-                cursor.clear()?;
-            }
+            run.finish()?;
         }
         Ok(end_state)
     })

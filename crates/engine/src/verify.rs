@@ -39,7 +39,9 @@ use twox_hash::XxHash3_128;
 use crate::buffer::PageBuffer;
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, Result};
-use crate::jobs::{scan_prepared, JobControl, ScanEnd, ScanOptions, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{
+    scan_prepared, JobControl, Pace, ScanEnd, ScanOptions, Visit, SCAN_CHUNK_BLOCKS,
+};
 use crate::state::BLOCK;
 
 /// Bytes in a proof seed.
@@ -302,19 +304,21 @@ pub fn compare_ranges(
 ) -> Result<Option<u64>> {
     check_block_range(a, a_first, count)?;
     check_block_range(b, b_first, count)?;
-    control.start(count, 0);
+    // A `Visit` over the blocks compared, not a `scan`: two ranges are
+    // read in step, holes too (a hole is equal to zeros on the other side).
+    let mut run = Visit::begin(control, 0..count, Pace::Unlimited, None, None)?;
     let step = SCAN_CHUNK_BLOCKS;
     let mut a_buffer = PageBuffer::new((step.min(count) * BLOCK) as usize);
     let mut b_buffer = PageBuffer::new((step.min(count) * BLOCK) as usize);
     let mut difference = None;
-    let mut done = 0;
-    while done < count {
-        if control.is_cancelled() {
+    while run.at() < count {
+        if run.cancelled()? {
             return Err(Error::Cancelled(format!(
                 "compare cancelled: every block before LBA {} was compared",
-                a_first + done
+                a_first + run.at()
             )));
         }
+        let done = run.at();
         let n = (count - done).min(step);
         let bytes = (n * BLOCK) as usize;
         a.read((a_first + done) * BLOCK, &mut a_buffer[..bytes])?;
@@ -323,9 +327,9 @@ pub fn compare_ranges(
             difference = first_difference(&a_buffer[..bytes], &b_buffer[..bytes])
                 .map(|at| done * BLOCK + at as u64);
         }
-        done += n;
-        control.advance(done, 2 * n);
+        run.step(done + n, 2 * n, 2 * n * BLOCK)?;
     }
+    run.finish()?;
     Ok(difference)
 }
 

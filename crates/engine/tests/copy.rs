@@ -33,7 +33,7 @@ fn create(path: &Path, layout: LayoutKind, blocks: u64) -> Volume {
 }
 
 fn with(method: CopyMethod) -> CopyOptions {
-    CopyOptions { method }
+    CopyOptions::with(method)
 }
 
 /// Blocks `first..first + count` written with `tag`, except every 17th
@@ -436,4 +436,33 @@ fn volume_copy_is_the_offload() {
     }
     let error = BlockDevice::copy(&volume, 1000, 0, 30).expect_err("past the end");
     assert!(matches!(error, Error::OutOfRange { .. }), "{error}");
+}
+
+/// A copy is a job like a scan: at a rate it waits between its steps
+/// (counted in its `JobControl` and its report), as fast as it goes it
+/// never waits, and either way the blocks arrive.
+#[test]
+fn a_copy_keeps_its_rate() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (a_path, b_path) = (dir.path().join("a"), dir.path().join("b"));
+    let count = 1024u64; // 4 MiB: four pipelined segments
+    let a = create(&a_path, LayoutKind::Split, count);
+    let b = create(&b_path, LayoutKind::Split, count);
+    let expected = fill(&a, 0, count, 5);
+    for rate in [None, Some(4u64 << 20)] {
+        let control = JobControl::default();
+        let options = CopyOptions {
+            method: CopyMethod::Pipelined,
+            rate_bytes_per_second: rate,
+        };
+        let report = copy(&a, 0, &b, 0, count, &options, &control).expect("copy");
+        assert_eq!(control.progress(), (count, count));
+        assert_eq!(report.paced_waits, control.paced_waits());
+        match rate {
+            None => assert_eq!(control.paced_waits(), 0, "unpaced"),
+            // 1 MiB per segment at 4 MiB/s: each is due later than it ends.
+            Some(_) => assert!(control.paced_waits() >= 1, "{report:?}"),
+        }
+        assert_blocks(&b, 0, &expected, "copied");
+    }
 }

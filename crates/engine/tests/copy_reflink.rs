@@ -87,9 +87,7 @@ fn create(path: &Path, blocks: u64) -> Volume {
 }
 
 fn reflink() -> CopyOptions {
-    CopyOptions {
-        method: CopyMethod::Reflink,
-    }
+    CopyOptions::with(CopyMethod::Reflink)
 }
 
 /// Does FIEMAP report the extent at `offset` of `file` as shared?
@@ -345,5 +343,35 @@ fn readers_during_a_reflink_copy_see_old_or_new_blocks_on_btrfs() {
             "LBA {}",
             1000 + lba
         );
+    }
+}
+
+/// The reflink copy keeps a rate too: it waits between its windows (with
+/// the committer locks released), counted in its `JobControl`.
+#[test]
+fn a_reflink_copy_keeps_its_rate_on_btrfs() {
+    let fs = Btrfs::new();
+    let (a_path, b_path) = (fs.path("a"), fs.path("b"));
+    let count = 2048u64; // 8 MiB
+    let a = create(&a_path, count);
+    let b = create(&b_path, count);
+    for lba in 0..count {
+        a.write(lba * BLOCK, &pattern(lba, 6), false)
+            .expect("write");
+    }
+    a.flush().expect("flush");
+    // 8 MiB at 4 MiB/s: due two seconds after it starts, so it waits.
+    let options = CopyOptions {
+        method: CopyMethod::Reflink,
+        rate_bytes_per_second: Some(4 << 20),
+    };
+    let control = JobControl::default();
+    let report = copy(&a, 0, &b, 0, count, &options, &control).expect("paced reflink copy");
+    assert_eq!(report.method, CopyMethod::Reflink);
+    assert_eq!(control.progress(), (count, count));
+    assert!(control.paced_waits() >= 1, "{report:?}");
+    assert_eq!(report.paced_waits, control.paced_waits());
+    for lba in 0..count {
+        assert!(read_block(&b, lba) == pattern(lba, 6), "LBA {lba}");
     }
 }

@@ -298,9 +298,7 @@ fn a_passphrase_volume_opens_with_its_passphrase() {
 fn copies_re_encrypt_and_reflink_refuses() {
     let (_dir, path) = encrypted_dir(LayoutKind::Split);
     let volume = open_volume(&path, &with_key(key(1))).expect("open");
-    let options = CopyOptions {
-        method: CopyMethod::Reflink,
-    };
+    let options = CopyOptions::with(CopyMethod::Reflink);
     let refused = copy(
         &volume,
         0,

@@ -6,7 +6,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vouch_engine::jobs::JobControl;
+use vouch_engine::jobs::{Cursor, JobControl};
 use vouch_engine::mirror::{self, create_mirror, open_mirror, LegState, Mirror};
 use vouch_engine::{
     open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Volume, ZeroFlags,
@@ -707,5 +707,60 @@ fn a_mirror_scrub_keeps_its_rate_and_yields_to_foreground_requests() {
         })),
     });
     assert_eq!(busy, 2, "a back-off after each chunk");
+    close(mirror, volumes);
+}
+
+/// A mirror scrub keeps a cursor as a volume's scan does: cancelled under
+/// way it saves where it stands, the next scrub resumes there (checking
+/// only the rest, its progress starting there) and forgets the cursor
+/// when it finishes, so the one after checks everything again.
+#[test]
+fn a_mirror_scrub_resumes_from_its_cursor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    // 1024 blocks: four scan chunks.
+    write_blocks(&mirror, 1024, 1);
+    let cursor = mirror::scrub::cursor_in(&paths[0]);
+    // 1 MiB/s: about a second per chunk, cancelled after the first.
+    let slow = vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: Some(1 << 20),
+        foreground: None,
+    };
+    let control = JobControl::default();
+    let cancelled = std::thread::scope(|scope| {
+        let job =
+            scope.spawn(|| mirror::scrub::scrub_from(&mirror, &slow, &control, Some(&cursor)));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while control.progress().0 < 256 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        control.cancel();
+        job.join().expect("scrub thread")
+    });
+    let error = cancelled.expect_err("cancelled");
+    assert!(matches!(error, Error::Cancelled(_)), "{error}");
+    let at = cursor.load().expect("load").expect("saved when cancelled");
+    assert!(
+        (256..1024).contains(&at) && at.is_multiple_of(256),
+        "cursor {at}"
+    );
+
+    let control = JobControl::default();
+    let scrub = |control: &JobControl| {
+        mirror::scrub::scrub_from(&mirror, &Default::default(), control, Some(&cursor))
+            .expect("scrub")
+    };
+    let resumed = scrub(&control);
+    assert_eq!(resumed.blocks_checked, 1024 - at, "{resumed:?}");
+    assert_eq!(control.progress(), (1024, 1024));
+    assert_eq!(control.read_blocks(), 1024 - at);
+    assert_eq!(
+        cursor.load().expect("load"),
+        None,
+        "forgotten when finished"
+    );
+    let whole = scrub(&JobControl::default());
+    assert_eq!(whole.blocks_checked, 1024, "{whole:?}");
     close(mirror, volumes);
 }

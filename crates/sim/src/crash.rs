@@ -869,7 +869,7 @@ fn run_op(
             method,
         } => {
             let touched = world.lock().model.copy(from, to, count);
-            let options = CopyOptions { method };
+            let options = CopyOptions::with(method);
             let control = JobControl::default();
             let copied = copy(&**volume, from, &**volume, to, count, &options, &control);
             (touched, copied.map(|_| ()), false)

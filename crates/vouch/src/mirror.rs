@@ -531,7 +531,9 @@ pub fn scrub(path: &Path, rate: Option<u64>, json_output: bool) -> Result<ExitCo
         foreground: None,
     };
     let control = JobControl::default();
-    let report = mirror::scrub::scrub(&set.mirror, &options, &control);
+    // A cancelled or interrupted scrub resumes from its cursor in `path`.
+    let cursor = mirror::scrub::cursor_in(path);
+    let report = mirror::scrub::scrub_from(&set.mirror, &options, &control, Some(&cursor));
     let status = set.mirror.status();
     set.close()?;
     let report = report?;

@@ -195,10 +195,17 @@ fn an_offline_copy_into_a_leg_writes_the_whole_mirror() {
         "2M",
         "--destination-offset",
         "2M",
+        "--rate",
+        "4M",
         "--json",
     ]);
     let report: serde_json::Value = serde_json::from_slice(&copy.stdout).expect("copy --json");
     assert_eq!(report["blocks"], 512, "{report}");
+    // Two 1 MiB segments at 4 MiB/s: each is due later than it ends.
+    assert!(
+        report["paced_waits"].as_u64().expect("paced_waits") >= 1,
+        "an offline copy keeps --rate: {report}"
+    );
     assert_copied_to_every_leg(&[&a, &b], &source, "2M", "2M");
     // Within the mirror too, whichever legs name it (memmove between its
     // own ranges: the source is the set, not leg 0 opened a second time).
@@ -226,4 +233,76 @@ fn an_offline_copy_into_a_leg_writes_the_whole_mirror() {
         scrub["paced_waits"].as_u64().expect("paced_waits") >= 1,
         "an offline mirror scrub keeps --rate: {scrub}"
     );
+}
+
+/// A copy job keeps its `rate` as a scrub does (its waits in
+/// `progress.paced_waits` and in its result), and a mirrored export's
+/// scrub keeps a cursor: cancelled under way, the next scrub resumes
+/// where it stood and checks only the rest.
+#[test]
+fn a_copy_job_keeps_its_rate_and_a_cancelled_mirror_scrub_resumes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = random_bytes(4 << 20, 32);
+    let source = volume_from(dir.path(), "src", &data);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    vouch_ok(&["create", s(&a), "--size", "4MiB", "--mirror", s(&b)]);
+    let server = Server::start(dir.path(), &[s(&a), s(&source), "--control", "127.0.0.1:0"]);
+    for rate in [None, Some(4u64 << 20)] {
+        let mut body = json!({"op": "copy", "source": {"export": "src"},
+               "destination": {"export": "a"}, "length": 4 << 20, "method": "pipelined"});
+        if let Some(rate) = rate {
+            body["rate"] = rate.into();
+        }
+        let id = submit(&server, body);
+        let job = wait_job(&server, id, TIMEOUT);
+        assert_eq!(job["state"], "finished", "{job}");
+        assert_eq!(job["request"]["rate"], json!(rate), "{job}");
+        let waits = job["progress"]["paced_waits"]
+            .as_u64()
+            .expect("paced_waits");
+        assert_eq!(job["result"]["paced_waits"], waits, "{job}");
+        match rate {
+            None => assert_eq!(waits, 0, "a copy with no rate never waits: {job}"),
+            // 1 MiB segments at 4 MiB/s: each is due later than it ends.
+            Some(_) => assert!(waits >= 1, "a copy at a rate waits for it: {job}"),
+        }
+    }
+
+    // A scrub at 1 MiB/s (about a second a chunk), cancelled after its
+    // first chunk: its cursor stays in the leg's directory.
+    let id = submit(
+        &server,
+        json!({"op": "scrub", "export": "a", "rate": 1 << 20}),
+    );
+    wait_until("the scrub's first chunk", TIMEOUT, || {
+        common::control::job(&server, id)["progress"]["done_blocks"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 256
+    });
+    let (status, answer) = common::control::request(
+        common::control::control(&server),
+        "DELETE",
+        &format!("/v1/jobs/{id}"),
+        None,
+        None,
+    );
+    assert_eq!(status, 200, "{answer}");
+    let cancelled = wait_job(&server, id, TIMEOUT);
+    assert_eq!(cancelled["state"], "cancelled", "{cancelled}");
+    let cursor_file = a.join("mirror.scrub.cursor");
+    let at: u64 = std::fs::read_to_string(&cursor_file)
+        .expect("the scrub's cursor")
+        .trim()
+        .parse()
+        .expect("an LBA");
+    assert!((256..1024).contains(&at), "cursor {at}");
+    let id = submit(&server, json!({"op": "scrub", "export": "a"}));
+    let resumed = wait_job(&server, id, TIMEOUT);
+    assert_eq!(resumed["state"], "finished", "{resumed}");
+    assert_eq!(resumed["result"]["blocks_checked"], 1024 - at, "{resumed}");
+    assert_eq!(resumed["progress"]["done_blocks"], 1024, "{resumed}");
+    assert!(!cursor_file.exists(), "a finished scrub forgets its cursor");
+    drop(server);
+    assert_copied_to_every_leg(&[&a, &b], &source, "0", "4M");
 }

@@ -23,6 +23,7 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use super::Job;
 use crate::buffer::PageBuffer;
 use crate::error::Result;
+use crate::jobs::Visit;
 use crate::state::BLOCK;
 
 /// Blocks per segment (1 MiB).
@@ -38,14 +39,14 @@ struct Segment {
     data: PageBuffer,
 }
 
-pub(super) fn run(job: &Job<'_>) -> Result<()> {
+pub(super) fn run(job: &Job<'_>, run: &mut Visit<'_>) -> Result<()> {
     let step = SEGMENT_BLOCKS;
     let (full_tx, full_rx) = sync_channel::<Result<Segment>>(SLOTS);
     let (free_tx, free_rx) = sync_channel::<PageBuffer>(SLOTS);
     let stop = AtomicBool::new(false);
     std::thread::scope(|scope| {
         let reader = scope.spawn(|| read_segments(job, step, full_tx, free_rx, &stop));
-        let result = write_segments(job, full_rx, free_tx);
+        let result = write_segments(job, run, full_rx, free_tx);
         stop.store(true, Ordering::Release);
         let _ = reader.join();
         result
@@ -98,48 +99,48 @@ fn read_segments(
     }
 }
 
+/// Write the segments read, in copy order, pacing after each (the reader
+/// waits for a free slot meanwhile).
 fn write_segments(
     job: &Job<'_>,
+    run: &mut Visit<'_>,
     full: Receiver<Result<Segment>>,
     free: SyncSender<PageBuffer>,
 ) -> Result<()> {
-    let mut done = 0u64;
-    while done < job.count {
-        if job.control.is_cancelled() {
-            return Err(job.cancelled(done));
+    while run.at() < job.count {
+        if run.cancelled()? {
+            return Err(job.cancelled(run.at()));
         }
         let segment = match full.recv() {
             Ok(segment) => segment?,
             // The reader saw the cancel before this thread did.
-            Err(_) => return Err(job.cancelled(done)),
+            Err(_) => return Err(job.cancelled(run.at())),
         };
         job.destination.write(
             (job.destination_first + segment.at) * BLOCK,
             &segment.data,
             false,
         )?;
-        done += segment.count;
-        job.control.set_progress(done, job.count);
+        let done = run.at() + segment.count;
         // The reader may have finished and dropped its end: fine.
         let _ = free.try_send(segment.data);
+        run.step(done, segment.count, segment.count * BLOCK)?;
     }
     Ok(())
 }
 
 /// A copy of a range onto itself moves nothing; it still fails on a
 /// corrupt source block, like any copy.
-pub(super) fn verify_only(job: &Job<'_>) -> Result<()> {
+pub(super) fn verify_only(job: &Job<'_>, run: &mut Visit<'_>) -> Result<()> {
     let step = SEGMENT_BLOCKS;
     let mut buffer = PageBuffer::new((step * BLOCK) as usize);
-    let mut done = 0;
     for (at, count) in segments(job, step) {
-        if job.control.is_cancelled() {
-            return Err(job.cancelled(done));
+        if run.cancelled()? {
+            return Err(job.cancelled(run.at()));
         }
         let data = &mut buffer[..(count * BLOCK) as usize];
         job.source.read((job.source_first + at) * BLOCK, data)?;
-        done += count;
-        job.control.set_progress(done, job.count);
+        run.step(run.at() + count, count, count * BLOCK)?;
     }
     Ok(())
 }

@@ -56,6 +56,7 @@ use crate::buffer::PageBuffer;
 use crate::contexts::context_in_range;
 use crate::engine::Engine;
 use crate::error::Result;
+use crate::jobs::Visit;
 use crate::journal::Journal;
 use crate::protection::Seal;
 use crate::state::{RangeOp, BLOCK};
@@ -115,7 +116,7 @@ pub(super) fn possible<'a>(job: &Job<'a>) -> std::result::Result<(&'a Volume, &'
 }
 
 /// Run `job` between its two `volumes` (`possible` said it can).
-pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume)) -> Result<()> {
+pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume), run: &mut Visit<'_>) -> Result<()> {
     let source = volumes.0.engine();
     let destination = volumes.1.engine();
     let piece = piece_blocks(destination);
@@ -143,11 +144,10 @@ pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume)) -> Result<()> {
         });
         planned += n;
     }
-    let mut done = 0u64;
     let mut next = 0;
     while next < steps.len() {
-        if job.control.is_cancelled() {
-            return Err(job.cancelled(done));
+        if run.cancelled()? {
+            return Err(job.cancelled(run.at()));
         }
         let window = Window {
             source,
@@ -155,10 +155,10 @@ pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume)) -> Result<()> {
             steps: &steps[next..],
             piece,
         };
+        let before = run.at();
         let mut landed = |blocks: u64| {
-            done += blocks;
             next += 1;
-            job.control.set_progress(done, job.count);
+            run.advance(run.at() + blocks, blocks);
         };
         if job.same_volume() {
             let mut journal = destination.committer.lock();
@@ -174,6 +174,9 @@ pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume)) -> Result<()> {
             let journals = (Some(&mut *source_journal), &mut *journal);
             window.run(journals, &mut landed)?;
         }
+        // Paced between windows, with the committer locks released: the
+        // clients' commits of both volumes run while the copy waits.
+        run.pace((run.at() - before) * BLOCK)?;
     }
     Ok(())
 }

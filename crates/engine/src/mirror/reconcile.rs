@@ -29,7 +29,7 @@ use super::resync::ResyncRate;
 use super::scrub::MirrorScrubReport;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
-use crate::jobs::{Pacer, Throughput, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{paced_steps, Throughput, SCAN_CHUNK_BLOCKS};
 use crate::state::BLOCK;
 
 /// Blocks per step: a scan chunk, one stripe of the mirror's lock.
@@ -219,19 +219,15 @@ impl Mirror {
         }
     }
 
+    /// Its cursor is the activity log's extents, not a position that a
+    /// `jobs::Visit` could keep: `jobs::paced_steps`.
     fn reconcile_loop(&self, cursor: &mut ReconcileCursor, rate: ResyncRate) -> Result<bool> {
         let foreground = || self.foreground.load(Ordering::Relaxed);
-        let mut pacer = Pacer::new(rate.pace(), Some(&foreground));
-        loop {
-            if self.stopping.load(Ordering::Acquire) {
-                return Ok(false);
-            }
+        let stop = || self.stopping.load(Ordering::Acquire);
+        paced_steps(rate.pace(), Some(&foreground), &stop, || {
             let checked = self.reconcile_step(cursor)?;
-            if checked == 0 {
-                return Ok(true);
-            }
-            pacer.pace(checked * BLOCK, &|| self.stopping.load(Ordering::Acquire));
-        }
+            Ok((checked > 0).then_some(checked * BLOCK))
+        })
     }
 
     /// The running (or last) reconciliation's progress.

@@ -41,7 +41,7 @@ use super::device::{is_request_error, Mirror};
 use super::dirty::DirtyMap;
 use crate::device::{BlockDevice, SealedBlock};
 use crate::error::{Error, Result};
-use crate::jobs::{Pace, Pacer, Throughput};
+use crate::jobs::{paced_steps, Pace, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = 256;
@@ -378,24 +378,22 @@ impl Mirror {
 
     /// Run steps until the resync finishes (`Ok(true)`) or is stopped
     /// (`Ok(false)`: the server stops, or the leg failed a write), pacing
-    /// them.
+    /// them. Its cursor is the dirty map, not a position that a
+    /// `jobs::Visit` could keep: `jobs::paced_steps`.
     fn resync_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
         let slot = &self.legs[cursor.leg];
         let foreground = || self.foreground.load(Ordering::Relaxed);
-        let mut pacer = Pacer::new(rate.pace(), Some(&foreground));
-        loop {
-            if self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire) {
-                return Ok(false);
+        let stop =
+            || self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire);
+        paced_steps(rate.pace(), Some(&foreground), &stop, || {
+            match self.resync_step(cursor)? {
+                ResyncStep::Finished => Ok(None),
+                ResyncStep::Copied(moved) => {
+                    *slot.progress.lock() = Some(self.progress(cursor, "running", None));
+                    Ok(Some(moved * crate::state::BLOCK))
+                }
             }
-            let moved = match self.resync_step(cursor)? {
-                ResyncStep::Finished => return Ok(true),
-                ResyncStep::Copied(moved) => moved,
-            };
-            *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-            pacer.pace(moved * crate::state::BLOCK, &|| {
-                self.stopping.load(Ordering::Acquire)
-            });
-        }
+        })
     }
 
     /// One batch: copy the blocks left to copy in up to `BATCH_WINDOWS`

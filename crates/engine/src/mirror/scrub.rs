@@ -19,12 +19,14 @@
 //!   that cannot decide (a hole against data, two different copies with
 //!   the same generation) every copy is left as a `conflict`.
 
+use std::path::Path;
+
 use serde::Serialize;
 
 use super::device::{is_request_error, Mirror};
 use crate::device::BlockDevice;
 use crate::error::{Error, FaultKind, Result};
-use crate::jobs::{JobControl, Pace, Pacer, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{Cursor, CursorFile, JobControl, Pace, Visit, SCAN_CHUNK_BLOCKS};
 use crate::scrub::ScrubOptions;
 use crate::state::BLOCK;
 
@@ -65,43 +67,77 @@ impl MirrorScrubReport {
     }
 }
 
-/// Scrub every active leg of `mirror`, repairing what can be repaired;
-/// `control` reports progress and cancels (`Error::Cancelled`). A job like
-/// any other (`jobs`): it visits the chunks that may hold data (a
-/// volume's scan chunks, each one stripe), paced by `options` (its rate,
-/// and backing off for foreground requests) with the waits counted in
-/// `control`.
+/// The file in a leg's directory (the one a scrub was started from) that
+/// keeps where a mirror scrub stands (`jobs::CursorFile`), so that a
+/// cancelled or interrupted one resumes there.
+pub const CURSOR_FILE: &str = "mirror.scrub.cursor";
+
+/// The cursor of mirror scrubs started from the leg directory `dir`.
+pub fn cursor_in(dir: &Path) -> CursorFile {
+    CursorFile::new(dir.join(CURSOR_FILE))
+}
+
+/// Scrub every active leg of `mirror` from its first block, repairing
+/// what can be repaired (`scrub_from`, with no cursor).
 pub fn scrub(
     mirror: &Mirror,
     options: &ScrubOptions,
     control: &JobControl,
 ) -> Result<MirrorScrubReport> {
+    scrub_from(mirror, options, control, None)
+}
+
+/// Scrub every active leg of `mirror`, repairing what can be repaired;
+/// `control` reports progress and cancels (`Error::Cancelled`). A job
+/// like any other (`jobs::Visit`): it visits the chunks that may hold data
+/// (a volume's scan chunks, each one stripe), paced by `options` (its
+/// rate, and backing off for foreground requests) with the waits counted
+/// in `control`, and resumes from `cursor`, saved as it goes and when
+/// cancelled. The report covers the blocks this run checked.
+///
+/// While reads go to one leg (the legs may differ after an unclean stop)
+/// the cursor is cleared first: only a run over every block proves the
+/// legs agree, and only such a run with nothing left sends reads to every
+/// leg again.
+pub fn scrub_from(
+    mirror: &Mirror,
+    options: &ScrubOptions,
+    control: &JobControl,
+    cursor: Option<&dyn Cursor>,
+) -> Result<MirrorScrubReport> {
     let blocks = mirror.size() / BLOCK;
+    if let Some(cursor) = cursor.filter(|_| mirror.reads_one_leg()) {
+        cursor.clear()?;
+    }
     let mut report = MirrorScrubReport::default();
-    let mut pacer = Pacer::new(
+    let mut run = Visit::begin(
+        control,
+        0..blocks,
         Pace::fixed(options.rate_bytes_per_second),
         options.foreground.as_deref(),
-    );
-    control.start(blocks, 0);
-    let mut lba = 0;
-    while lba < blocks {
-        if control.is_cancelled() {
+        cursor,
+    )?;
+    if run.resumed() {
+        tracing::info!(at = run.at(), "mirror scrub: resuming from its cursor");
+    }
+    let whole = !run.resumed();
+    loop {
+        if run.cancelled()? {
             return Err(Error::Cancelled(format!(
-                "mirror scrub cancelled at LBA {lba}"
+                "mirror scrub cancelled at LBA {}",
+                run.at()
             )));
         }
-        lba = mirror.next_possible_data(lba)?;
+        let lba = mirror.next_possible_data(run.at())?;
         if lba >= blocks {
             break;
         }
         let count = (blocks - lba).min(SCAN_CHUNK_BLOCKS - lba % SCAN_CHUNK_BLOCKS);
         mirror.scrub_chunk(lba, count, &mut report, "stale")?;
-        lba += count;
-        control.advance(lba, count);
-        control.pace(&mut pacer, count * BLOCK);
+        run.step(lba + count, count, count * BLOCK)?;
     }
-    control.advance(blocks, 0);
-    if report.left == 0 {
+    run.finish()?;
+    if report.left == 0 && whole {
         mirror.legs_agree();
     }
     Ok(report)

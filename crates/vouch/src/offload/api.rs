@@ -293,6 +293,7 @@ struct CopyRequest {
     destination: Place,
     length: u64,
     method: Option<String>,
+    rate: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -388,6 +389,7 @@ pub fn parse_job(jobs: &Jobs, body: &[u8]) -> ApiResult<JobSpec> {
                 destination_first,
                 count,
                 method,
+                rate: request.rate,
             })
         }
         "compare" => {

@@ -99,6 +99,11 @@ pub struct CopyArgs {
     /// auto (measure once per volume), reflink or pipelined.
     #[arg(long, default_value = "auto", value_parser = ["auto", "reflink", "pipelined"])]
     pub(super) method: String,
+    /// Copy at most this many bytes per second (e.g. 200M = 200 MiB/s).
+    /// K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
+    /// GB, TB powers of 1000.
+    #[arg(long, value_name = "RATE", value_parser = parse_size)]
+    pub(super) rate: Option<u64>,
     #[command(flatten)]
     pub(super) server: ServerArgs,
     /// Print the result as JSON (no progress).

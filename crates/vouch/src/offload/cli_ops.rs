@@ -199,7 +199,7 @@ pub fn copy(args: CopyArgs) -> Result<ExitCode> {
                 "op": "copy",
                 "source": {"export": args.source, "offset": args.source_offset},
                 "destination": {"export": args.destination, "offset": args.destination_offset},
-                "length": args.length, "method": args.method,
+                "length": args.length, "method": args.method, "rate": args.rate,
             });
             online(&client, "copying", args.json, request)?
         }
@@ -261,7 +261,10 @@ fn copy_offline(
             destination.device(),
             destination_first,
             count,
-            &CopyOptions { method },
+            &CopyOptions {
+                method,
+                rate_bytes_per_second: args.rate,
+            },
             control,
         )?;
         destination.device().flush()?;

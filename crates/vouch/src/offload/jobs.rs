@@ -60,6 +60,8 @@ pub enum JobSpec {
         destination_first: u64,
         count: u64,
         method: CopyMethod,
+        /// Bytes per second copied at most.
+        rate: Option<u64>,
     },
     Compare {
         export: usize,
@@ -449,7 +451,15 @@ impl Jobs {
                 };
                 let entry = &self.exports[*export];
                 if let Some(mirror) = &entry.mirror {
-                    let report = vouch_engine::mirror::scrub::scrub(mirror, &options, control)?;
+                    // Its cursor beside the volume scrub's record: a
+                    // cancelled or interrupted scrub resumes there.
+                    let cursor = vouch_engine::mirror::scrub::cursor_in(&entry.dir);
+                    let report = vouch_engine::mirror::scrub::scrub_from(
+                        mirror,
+                        &options,
+                        control,
+                        Some(&cursor),
+                    )?;
                     return Ok((JobState::Finished, render::mirror_scrub_json(&report)));
                 }
                 let record = engine::scrub(device(*export), &entry.dir, &options, control)?;
@@ -467,6 +477,7 @@ impl Jobs {
                 destination_first,
                 count,
                 method,
+                rate,
             } => {
                 // A mirrored destination is copied into through its
                 // mirror: every leg gets the blocks.
@@ -476,7 +487,10 @@ impl Jobs {
                     device(*destination),
                     *destination_first,
                     *count,
-                    &CopyOptions { method: *method },
+                    &CopyOptions {
+                        method: *method,
+                        rate_bytes_per_second: *rate,
+                    },
                     control,
                 )?;
                 // Durable when the job reports finished.

@@ -84,6 +84,7 @@ pub fn copy_json(report: &CopyReport) -> Value {
         "chosen_by": report.chosen_by,
         "blocks": report.blocks,
         "elapsed_seconds": report.elapsed.as_secs_f64(),
+        "paced_waits": report.paced_waits,
     })
 }
 
@@ -115,11 +116,12 @@ pub fn spec_json(spec: &JobSpec, exports: &[ExportEntry]) -> Value {
             destination_first,
             count,
             method,
+            rate,
         } => json!({
             "op": "copy",
             "source": {"export": name(*source), "offset": source_first * BLOCK},
             "destination": {"export": name(*destination), "offset": destination_first * BLOCK},
-            "length": count * BLOCK, "method": method.name(),
+            "length": count * BLOCK, "method": method.name(), "rate": rate,
         }),
         JobSpec::Compare {
             export,
