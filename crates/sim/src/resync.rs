@@ -547,7 +547,7 @@ impl Checker {
                 [image0, image1],
                 maps,
                 &model,
-                None,
+                false,
                 &format!("{s0:?}/{s1:?}/map {sm:?}"),
             );
         }
@@ -558,7 +558,7 @@ impl Checker {
             .maps
             .crash_image(Strategy::Persisted, self.map_unit, &mut self.rng);
         self.report.process_images += 1;
-        self.checked(legs, maps, &model, Some(()), "process crash");
+        self.checked(legs, maps, &model, true, "process crash");
     }
 
     /// Check one image triple, a violation recorded as `what`; `process`:
@@ -568,11 +568,11 @@ impl Checker {
         [image0, image1]: [SimStorage; 2],
         maps: SimMaps,
         model: &Model,
-        process: Option<()>,
+        process: bool,
         what: &str,
     ) {
         self.report.images += 1;
-        if let Err(message) = self.check(image0, image1, maps, model, process.is_some()) {
+        if let Err(message) = self.check(image0, image1, maps, model, process) {
             let index = self.report.images;
             self.report.violations.push(format!(
                 "seed {} point {} image {index} ({what}): {message}",
