@@ -15,6 +15,14 @@
 //! Every 16th injection also reads the whole volume and runs `check()`,
 //! which must list exactly the blocks that fail to read, and only blocks the
 //! fault touched.
+//!
+//! The volume runs the production scheduling (`crate::stepper`): a
+//! background committer the seed steps and a two-block write-back buffer,
+//! so the write faults (misdirected, lost, I/O errors, ENOSPC) hit the
+//! background commit's journal and home writes as well as a flush's, and
+//! writes take the inline route (`try_write_shared`) half the time. A
+//! background commit that fails stops the volume: the client's next
+//! request is refused as fail-stopped, which is how the error reaches it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -26,13 +34,14 @@ use vouch_engine::BlockDevice;
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
     CreateOptions, Error, FaultKind, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions,
-    Storage, Tuning, Volume,
+    OrderingBreaks, Storage, Tuning, Volume,
 };
 use vouch_format::layout::PACKED_RECORD_BYTES;
 use vouch_format::Superblock;
 
 use crate::recorder::Recorder;
 use crate::rng::Rng;
+use crate::stepper::{step_commits, write_as_served, Stepper};
 use crate::BLOCK;
 
 pub(crate) const BLOCKS: u64 = 256;
@@ -160,6 +169,8 @@ pub struct FaultConfig {
 pub struct FaultReport {
     pub tallies: BTreeMap<(usize, Kind), Tally>,
     pub injections: u64,
+    pub inline_writes: u64,
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -266,6 +277,8 @@ pub fn run(config: &FaultConfig) -> FaultReport {
                     .merge(&tally);
             }
             report.injections += result.injections;
+            report.inline_writes += result.inline_writes;
+            report.background_commits += result.background_commits;
             for violation in result.violations {
                 report.violations.push(cell_violation(
                     (layout, guard),
@@ -346,6 +359,10 @@ impl FaultReport {
 pub struct CellResult {
     pub tallies: BTreeMap<Kind, Tally>,
     pub injections: u64,
+    /// Writes the inline route took, and requested commits the simulator
+    /// ran as the background committer.
+    pub inline_writes: u64,
+    pub background_commits: u64,
     pub violations: Vec<String>,
 }
 
@@ -519,18 +536,13 @@ pub fn run_cell(
     options.segment_blocks = Some(segment_blocks(layout));
     options.encrypt = key.clone();
     let open = OpenOptions {
-        read_only: false,
-        direct: false,
-        tuning: Tuning {
-            dirty_limit_blocks: 64,
+        key,
+        ..Stepper::new(OrderingBreaks::default()).options(Tuning {
+            dirty_limit_blocks: 2,
             context_cache_pages: 1,
             overlay_limit: 1024,
-            background_commit: false,
-        },
-        key,
-        keyless: false,
-        rebuild_written_map: false,
-        schedule: None,
+            background_commit: true,
+        })
     };
     let mut result = CellResult::default();
     let created = Volume::create(rec.clone(), &options).and_then(Volume::close);
@@ -737,10 +749,30 @@ fn read_error(cx: &mut Cx, volume: &Volume) {
     cx.rec.sim.set_faults(FaultPlan::default());
 }
 
-fn write_block(volume: &Volume, lba: u64, data: &[u8]) -> Result<(), String> {
-    volume
-        .write(lba * BLOCK as u64, data, false)
+/// Write a block as the NBD reactor does (the inline route half the
+/// time), then, one time in two, run the commit it requested as the
+/// background committer would.
+fn write_block(cx: &mut Cx, volume: &Volume, lba: u64, data: &[u8]) -> Result<(), String> {
+    write_served(cx, volume, lba * BLOCK as u64, data, false)
         .map_err(|e| format!("write of LBA {lba} failed: {e}"))
+}
+
+/// `write_block` of any whole blocks, `fua` taking the worker's route;
+/// the engine's error as it is.
+fn write_served(
+    cx: &mut Cx,
+    volume: &Volume,
+    offset: u64,
+    data: &[u8],
+    fua: bool,
+) -> vouch_engine::Result<()> {
+    let inline = cx.rng.chance(1, 2);
+    let data = bytes::Bytes::copy_from_slice(data);
+    if write_as_served(volume, offset, &data, fua, inline)? {
+        cx.result.inline_writes += 1;
+    }
+    cx.result.background_commits += step_commits([volume], &mut cx.rng);
+    Ok(())
 }
 
 fn misdirected_write(cx: &mut Cx, volume: &Volume) -> Result<(), String> {
@@ -753,7 +785,7 @@ fn misdirected_write(cx: &mut Cx, volume: &Volume) -> Result<(), String> {
         misdirect_write: Some((object, from, to)),
         ..FaultPlan::default()
     });
-    write_block(volume, lba, &data)?;
+    write_block(cx, volume, lba, &data)?;
     let flushed = volume.flush();
     cx.rec.sim.set_faults(FaultPlan::default());
     flushed.map_err(|e| format!("flush after misdirected write failed: {e}"))?;
@@ -774,8 +806,8 @@ fn misdirected_write(cx: &mut Cx, volume: &Volume) -> Result<(), String> {
     );
     cx.sweep(volume, &[lba, other], "misdirected write");
     // Repair both from the model.
-    write_block(volume, lba, &expected)?;
-    write_block(volume, other, &expected_other)?;
+    write_block(cx, volume, lba, &expected)?;
+    write_block(cx, volume, other, &expected_other)?;
     volume.flush().map_err(|e| format!("repair flush: {e}"))
 }
 
@@ -787,7 +819,7 @@ fn lost_write(cx: &mut Cx, volume: &Volume) -> Result<(), String> {
         lose_write: Some((object, offset)),
         ..FaultPlan::default()
     });
-    write_block(volume, lba, &data)?;
+    write_block(cx, volume, lba, &data)?;
     let flushed = volume.flush();
     cx.rec.sim.set_faults(FaultPlan::default());
     flushed.map_err(|e| format!("flush after lost write failed: {e}"))?;
@@ -795,7 +827,7 @@ fn lost_write(cx: &mut Cx, volume: &Volume) -> Result<(), String> {
     let outcome = cx.classify(volume, lba, &data, Kind::LostWrite);
     cx.record(Kind::LostWrite, outcome, &format!("LBA {lba}"));
     cx.sweep(volume, &[lba], "lost write");
-    write_block(volume, lba, &data)?;
+    write_block(cx, volume, lba, &data)?;
     volume.flush().map_err(|e| format!("repair flush: {e}"))
 }
 
@@ -911,6 +943,7 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
     // last acknowledged one.
     let mut versions: BTreeMap<u64, (Vec<Vec<u8>>, usize)> = BTreeMap::new();
     let mut failure: Option<Error> = None;
+    let commits_before = cx.result.background_commits;
     let steps = cx.rng.range(1, 4);
     for _ in 0..steps {
         if cx.rng.chance(1, 4) {
@@ -936,7 +969,7 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
                 .0
                 .push(data[index * BLOCK..(index + 1) * BLOCK].to_vec());
         }
-        match volume.write(first * BLOCK as u64, &data, fua) {
+        match write_served(cx, &volume, first * BLOCK as u64, &data, fua) {
             Ok(()) => {
                 for lba in first..first + count {
                     let entry = versions.get_mut(&lba).expect("inserted");
@@ -952,6 +985,12 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
                 break;
             }
         }
+    }
+    // A background commit that failed told no one: the client learns it
+    // at its next request (a flush here, the fault still injected).
+    let background = cx.result.background_commits > commits_before;
+    if failure.is_none() && background {
+        failure = volume.flush().err();
     }
     let Some(error) = failure else {
         cx.rec.sim.set_faults(FaultPlan::default());
@@ -972,13 +1011,17 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
     // The held log (the storage's `Held` objects) fails the same ways and
     // says it is the held log that failed.
     let held_full = |error: &Error| matches!(error, Error::HeldLog { cause, .. } if cause.kind() == std::io::ErrorKind::StorageFull);
-    let right_error = match kind {
-        Kind::WriteError => {
-            matches!(error, Error::Io { .. })
-                || (matches!(error, Error::HeldLog { .. }) && !held_full(&error))
-        }
-        _ => matches!(error, Error::NoSpace { .. }) || held_full(&error),
-    };
+    // After a failed background commit, the client's request is refused
+    // as fail-stopped (the cause is in the message and the log).
+    let stopped = background && matches!(error, Error::FailStopped(_));
+    let right_error = stopped
+        || match kind {
+            Kind::WriteError => {
+                matches!(error, Error::Io { .. })
+                    || (matches!(error, Error::HeldLog { .. }) && !held_full(&error))
+            }
+            _ => matches!(error, Error::NoSpace { .. }) || held_full(&error),
+        };
     if !right_error {
         cx.violation(format!("{}: the client got {error}", kind.label()));
     }
@@ -1031,7 +1074,7 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
                 outcome = Outcome::Silent;
                 // Resynchronise the model so later checks stay meaningful.
                 let data = values.last().expect("one value").clone();
-                write_block(&volume, lba, &data)?;
+                write_block(cx, &volume, lba, &data)?;
                 cx.model[lba as usize] = data;
             }
         }

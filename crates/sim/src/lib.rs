@@ -13,8 +13,10 @@
 //!   the crash workload and run on recovered images.
 //! - [`fuzz`]: the bodies of the cargo-fuzz targets in `fuzz/`, as plain
 //!   functions so stable `cargo test` exercises them too.
+//! - [`stepper`]: the production scheduling the workloads run on (the
+//!   background committer, stepped by the seed; the inline write route).
 //!
-//! See docs/RELIABILITY.md.
+//! See docs/RELIABILITY.md ("What each simulator drives").
 
 pub mod crash;
 pub mod faults;
@@ -35,8 +37,10 @@ pub mod stepper;
 
 pub use vouch_engine::{GuardKind, LayoutKind};
 
-/// Open options for simulated legs: commits only when the test commits
-/// (no background committer), so crash points come in one order.
+/// Open options for recovering a crash image (and checks that write
+/// nothing): commits only when the caller commits (no background
+/// committer), so a check's own open runs no writer. Workloads open on the
+/// production scheduling instead (`stepper::stepped_options`).
 pub fn foreground_options() -> vouch_engine::OpenOptions {
     vouch_engine::OpenOptions::foreground()
 }

@@ -11,6 +11,12 @@
 //!   block that was good;
 //! - the block bad on both legs is never rewritten: it fails on both;
 //! - leg 0, the source, is only read: every block still reads good.
+//!
+//! The legs run the production scheduling (`crate::stepper`): their
+//! background committers, stepped by the seed, take the commits the
+//! repair writes request between the reads, so those commits' journal
+//! and home writes are crash points too. (Read repair stores with the
+//! worker's sealed write; it has no inline route.)
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,6 +48,9 @@ pub struct MirrorReport {
     /// Image blocks that read their old (corrupt) and their new contents.
     pub old_blocks: u64,
     pub new_blocks: u64,
+    /// Requested commits the simulator ran as the legs' background
+    /// committers.
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -49,18 +58,20 @@ pub struct MirrorReport {
 impl MirrorReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror repair: seeds={} images={} repaired={} image blocks old={} new={} violations={} time={:.1}s",
+            "mirror repair: seeds={} images={} repaired={} image blocks old={} new={} leg background commits={} violations={} time={:.1}s",
             self.seeds,
             self.images,
             self.repaired,
             self.old_blocks,
             self.new_blocks,
+            self.background_commits,
             self.violations.len(),
             self.seconds
         )
     }
 }
 
+/// How crash images and the source leg's final state are opened.
 fn open_options() -> OpenOptions {
     crate::foreground_options()
 }
@@ -123,12 +134,15 @@ pub fn run_seed(seed: u64, report: &mut MirrorReport) -> Result<(), String> {
 
     let recorder0 = Arc::new(Recorder::new(leg0));
     let recorder1 = Arc::new(Recorder::new(leg1));
+    // A one-block write-back buffer: each repair write requests a commit.
+    let mut stepped = crate::stepper::stepped_options(&mut rng);
+    stepped.tuning.dirty_limit_blocks = 1;
     let volume0 = Arc::new(
-        Volume::open(recorder0.clone() as Arc<dyn Storage>, &open_options())
+        Volume::open(recorder0.clone() as Arc<dyn Storage>, &stepped)
             .map_err(|e| format!("leg 0: {e}"))?,
     );
     let volume1 = Arc::new(
-        Volume::open(recorder1.clone() as Arc<dyn Storage>, &open_options())
+        Volume::open(recorder1.clone() as Arc<dyn Storage>, &stepped)
             .map_err(|e| format!("leg 1: {e}"))?,
     );
     let images: Arc<Mutex<Vec<SimStorage>>> = Arc::new(Mutex::new(Vec::new()));
@@ -168,6 +182,7 @@ pub fn run_seed(seed: u64, report: &mut MirrorReport) -> Result<(), String> {
                 )),
             }
         }
+        report.background_commits += crate::stepper::step_commits([&*volume0, &*volume1], &mut rng);
     }
     let scrubbed = vouch_engine::mirror::scrub::scrub(
         &mirror,

@@ -14,23 +14,35 @@
 //!
 //! After each injection both legs are rewritten from the model through the
 //! mirror and flushed, so faults never accumulate.
+//!
+//! The legs run the production scheduling (`crate::stepper`): each has a
+//! background committer the seed steps, run after every write before its
+//! flush, so a write fault on leg 1 may hit the background commit's home
+//! writes rather than the flush's; and writes take the mirror's inline
+//! route (`try_write_shared`: room reserved on both legs, stored without
+//! waiting) half the time. `run_with` breaks that route on purpose (leg 1
+//! acknowledges reserved writes it never stores), which the matrix must
+//! show as wrong bytes served.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    BlockDevice, CreateOptions, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions, Storage,
-    Tuning, Volume,
+    Allocation, BlockDevice, CreateOptions, Fault, FaultPlan, GuardKind, LayoutKind, ObjectId,
+    OpenOptions, SealedBlock, Storage, Volume, ZeroFlags,
 };
 use vouch_format::layout::PACKED_RECORD_BYTES;
 
 use crate::faults::{segment_blocks, volume_geometry, Kind, BLOCKS};
 use crate::recorder::Recorder;
 use crate::rng::Rng;
+use crate::stepper::{step_commits, stepped_options, write_as_served};
 use crate::BLOCK;
 
 /// The kinds a mirror can act on: faults of one block on one leg. (A
@@ -77,6 +89,10 @@ impl Tally {
 pub struct MirrorMatrix {
     pub tallies: BTreeMap<(String, Kind), Tally>,
     pub injections: u64,
+    /// Writes the mirror's inline route took, and the requested commits
+    /// the simulator ran as the legs' background committers.
+    pub inline_writes: u64,
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -123,8 +139,10 @@ impl MirrorMatrix {
 
     pub fn summary(&self) -> String {
         format!(
-            "mirror matrix: injections={} violations={} time={:.1}s",
+            "mirror matrix: injections={} (inline writes {}, leg background commits {}) violations={} time={:.1}s",
             self.injections,
+            self.inline_writes,
+            self.background_commits,
             self.violations.len(),
             self.seconds
         )
@@ -138,17 +156,78 @@ struct Cx {
     mirror: Mirror,
     model: Vec<Vec<u8>>,
     rng: Rng,
+    /// Leg 1 drops the reserved writes of the inline route (`run_with`).
+    sabotage: bool,
+    inline_writes: u64,
+    background_commits: u64,
 }
 
-fn open_options() -> OpenOptions {
-    OpenOptions {
-        tuning: Tuning {
-            dirty_limit_blocks: 64,
-            context_cache_pages: 1,
-            overlay_limit: 1024,
-            background_commit: false,
-        },
-        ..OpenOptions::default()
+/// Leg options: the production scheduling, stepped (`step_commits`), with
+/// one context page cached so context faults are read from storage, and
+/// a one-block write-back buffer so every write requests a commit (one
+/// time in two the background one takes it before the flush).
+fn open_options(rng: &mut Rng) -> OpenOptions {
+    let mut options = stepped_options(rng);
+    options.tuning.context_cache_pages = 1;
+    options.tuning.dirty_limit_blocks = 1;
+    options
+}
+
+/// Leg 1 with the inline route broken (`run_with`): a layer that
+/// acknowledges writes into reserved room without storing them (the room
+/// is given back); every other call reaches the volume below.
+struct DropsReserved(Arc<dyn BlockDevice>);
+
+impl BlockDevice for DropsReserved {
+    fn below(&self) -> Option<&Arc<dyn BlockDevice>> {
+        Some(&self.0)
+    }
+    fn size(&self) -> u64 {
+        self.0.size()
+    }
+    fn is_read_only(&self) -> bool {
+        self.0.is_read_only()
+    }
+    fn read(&self, offset: u64, buf: &mut [u8]) -> vouch_engine::Result<Vec<Range<u64>>> {
+        self.0.read(offset, buf)
+    }
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
+        self.0.write(offset, data, fua)
+    }
+    fn flush(&self) -> vouch_engine::Result<()> {
+        self.0.flush()
+    }
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> vouch_engine::Result<()> {
+        self.0.trim(offset, length, fua)
+    }
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> vouch_engine::Result<()> {
+        self.0.write_zeroes(offset, length, flags)
+    }
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> vouch_engine::Result<Vec<(u64, Allocation)>> {
+        self.0.block_status(offset, length, max_blocks)
+    }
+    fn read_blocks_collecting(
+        &self,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> vouch_engine::Result<Vec<Fault>> {
+        self.0.read_blocks_collecting(first, count, out)
+    }
+    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
+        self.0.read_sealed(first, count)
+    }
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
+        self.0.write_sealed(blocks)
+    }
+    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
+        self.0.release_room(blocks.len());
+        Ok(())
     }
 }
 
@@ -218,13 +297,26 @@ impl Cx {
         }
     }
 
+    /// Write `data` at `lba` through the mirror as the NBD reactor does
+    /// (the inline route half the time, else the worker's), then run the
+    /// legs' requested background commits.
+    fn write_served(&mut self, lba: u64, data: &[u8]) -> vouch_engine::Result<()> {
+        let inline = self.rng.chance(1, 2);
+        let data = Bytes::copy_from_slice(data);
+        if write_as_served(&self.mirror, lba * BLOCK as u64, &data, false, inline)? {
+            self.inline_writes += 1;
+        }
+        self.background_commits +=
+            step_commits(self.volumes.iter().map(|volume| &**volume), &mut self.rng);
+        Ok(())
+    }
+
     /// Write `data` at `lba` through the mirror with `plan` on leg 1's
-    /// storage only, and flush.
+    /// storage only (the legs' background commits included), and flush.
     fn write_with_fault(&mut self, lba: u64, data: &[u8], plan: FaultPlan) -> Result<(), String> {
         self.legs[1].sim.set_faults(plan);
         let written = self
-            .mirror
-            .write(lba * BLOCK as u64, data, false)
+            .write_served(lba, data)
             .and_then(|_| self.mirror.flush());
         self.legs[1].sim.set_faults(FaultPlan::default());
         written.map_err(|e| format!("write of LBA {lba}: {e}"))?;
@@ -235,8 +327,8 @@ impl Cx {
     /// Restore `lbas` on both legs from the model.
     fn restore(&mut self, lbas: &[u64]) -> Result<(), String> {
         for &lba in lbas {
-            self.mirror
-                .write(lba * BLOCK as u64, &self.model[lba as usize], false)
+            let data = self.model[lba as usize].clone();
+            self.write_served(lba, &data)
                 .map_err(|e| format!("restore of LBA {lba}: {e}"))?;
         }
         self.mirror
@@ -324,10 +416,16 @@ fn record(report: &mut MirrorMatrix, layout: LayoutKind, kind: Kind, outcome: Ou
 
 /// `count` injections of every kind in each layout, from `seed`.
 pub fn run(count: u64, seed: u64) -> MirrorMatrix {
+    run_with(count, seed, false)
+}
+
+/// `run`; with `sabotage`, leg 1 acknowledges the inline route's writes
+/// without storing them (`DropsReserved`).
+pub fn run_with(count: u64, seed: u64, sabotage: bool) -> MirrorMatrix {
     let started = Instant::now();
     let mut report = MirrorMatrix::default();
     for layout in [LayoutKind::Split, LayoutKind::Packed] {
-        if let Err(error) = run_layout(layout, count, seed, &mut report) {
+        if let Err(error) = run_layout(layout, count, (seed, sabotage), &mut report) {
             report.violations.push(format!("{layout:?}: {error}"));
         }
     }
@@ -338,7 +436,7 @@ pub fn run(count: u64, seed: u64) -> MirrorMatrix {
 fn run_layout(
     layout: LayoutKind,
     count: u64,
-    seed: u64,
+    (seed, sabotage): (u64, bool),
     report: &mut MirrorMatrix,
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
@@ -360,13 +458,14 @@ fn run_layout(
     }
     volume.close().map_err(|e| e.to_string())?;
     let legs = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
+    let options = open_options(&mut rng);
     let open = |at: usize| {
-        Volume::open(legs[at].clone() as Arc<dyn Storage>, &open_options())
+        Volume::open(legs[at].clone() as Arc<dyn Storage>, &options)
             .map(Arc::new)
             .map_err(|e| format!("leg {at}: {e}"))
     };
     let volumes = [open(0)?, open(1)?];
-    let mirror = mirror_over(&volumes)?;
+    let mirror = mirror_over(&volumes, sabotage)?;
     let mut cx = Cx {
         layout,
         legs,
@@ -374,10 +473,22 @@ fn run_layout(
         mirror,
         model,
         rng: rng.fork(),
+        sabotage,
+        inline_writes: 0,
+        background_commits: 0,
     };
+    let run = run_injections(&mut cx, count, report);
+    report.inline_writes += cx.inline_writes;
+    report.background_commits += cx.background_commits;
+    run
+}
+
+/// `count` injections of every kind on `cx`'s legs.
+fn run_injections(cx: &mut Cx, count: u64, report: &mut MirrorMatrix) -> Result<(), String> {
+    let layout = cx.layout;
     for _ in 0..count {
         for kind in KINDS {
-            let outcome = inject(&mut cx, kind, report)?;
+            let outcome = inject(cx, kind, report)?;
             record(report, layout, kind, outcome.0);
             if let Some(victim) = outcome.1 {
                 record(report, layout, Kind::MisdirectedWriteVictim, victim);
@@ -391,20 +502,26 @@ fn run_layout(
             }
             // A fresh mirror over the same legs: its corrected-error counts
             // start at zero, so the fault threshold (md's 20) never trips.
-            cx.mirror = mirror_over(&cx.volumes)?;
+            cx.mirror = mirror_over(&cx.volumes, cx.sabotage)?;
         }
     }
     Ok(())
 }
 
-fn mirror_over(volumes: &[Arc<Volume>; 2]) -> Result<Mirror, String> {
+fn mirror_over(volumes: &[Arc<Volume>; 2], sabotage: bool) -> Result<Mirror, String> {
     let legs = volumes
         .iter()
         .enumerate()
-        .map(|(at, volume)| MirrorLeg {
-            name: format!("leg{at}"),
-            device: Some(volume.clone() as Arc<dyn BlockDevice>),
-            state: LegState::Active,
+        .map(|(at, volume)| {
+            let device = volume.clone() as Arc<dyn BlockDevice>;
+            MirrorLeg {
+                name: format!("leg{at}"),
+                device: Some(match sabotage && at == 1 {
+                    true => Arc::new(DropsReserved(device)),
+                    false => device,
+                }),
+                state: LegState::Active,
+            }
         })
         .collect();
     Mirror::new(legs, None).map_err(|e| e.to_string())

@@ -18,6 +18,12 @@
 //! is valid and marks every block on which the replica's surviving copy
 //! differs from leg 0 at that moment, or the leg has unknown history (a
 //! full resync); where they still call it active, no map for it is kept.
+//!
+//! Both volumes run the production scheduling (`crate::stepper`): their
+//! background committers, stepped by the seed, take the commits writers
+//! request between the writes (the replica's only while it lives). The
+//! replica is a remote leg, which reserves no room, so the mirror's
+//! writes take the worker's route, as they do in production.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -30,7 +36,8 @@ use parking_lot::Mutex;
 use vouch_engine::mirror::set::{open_mirror_with, track_stale_legs, write_record, MirrorRecord};
 use vouch_engine::mirror::{DirtyMap, FileMembership, LegState, Membership, Mirror, MirrorLeg};
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Error, Fault, Result, SealedBlock, SimStorage, Volume,
+    Allocation, BlockDevice, CreateOptions, Error, Fault, OpenOptions, Result, SealedBlock,
+    SimStorage, Volume,
 };
 use vouch_format::mirror::MirrorMember;
 
@@ -53,6 +60,8 @@ pub struct MidrunReport {
     /// Blocks those maps marked, and the blocks the replica lacked.
     pub map_blocks: u64,
     pub lacking_blocks: u64,
+    /// Requested commits the simulator ran as background committers.
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -60,12 +69,13 @@ pub struct MidrunReport {
 impl MidrunReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror mid-run loss: seeds={} captures={} mapped={} map blocks={} lacking={} violations={} time={:.1}s",
+            "mirror mid-run loss: seeds={} captures={} mapped={} map blocks={} lacking={} background commits={} violations={} time={:.1}s",
             self.seeds,
             self.captures,
             self.mapped,
             self.map_blocks,
             self.lacking_blocks,
+            self.background_commits,
             self.violations.len(),
             self.seconds
         )
@@ -183,8 +193,8 @@ fn read_all(volume: &dyn BlockDevice) -> std::result::Result<Vec<Vec<u8>>, Strin
     crate::read_blocks(volume, BLOCKS)
 }
 
-fn open(sim: &SimStorage) -> std::result::Result<Arc<Volume>, String> {
-    Volume::open(Arc::new(sim.clone()), &crate::foreground_options())
+fn open(sim: &SimStorage, options: &OpenOptions) -> std::result::Result<Arc<Volume>, String> {
+    Volume::open(Arc::new(sim.clone()), options)
         .map(Arc::new)
         .map_err(|e| e.to_string())
 }
@@ -242,9 +252,10 @@ pub fn run_seed(
     };
     write_record(dir, &record).map_err(|e| e.to_string())?;
 
-    let leg0 = open(&sim0)?;
+    let stepped = crate::stepper::stepped_options(&mut rng);
+    let leg0 = open(&sim0, &stepped)?;
     let replica = Arc::new(Replica {
-        volume: open(&sim1)?,
+        volume: open(&sim1, &stepped)?,
         killed: AtomicBool::new(false),
     });
     let points = Arc::new(Mutex::new(Vec::new()));
@@ -290,10 +301,15 @@ pub fn run_seed(
         if rng.chance(1, 3) {
             mirror.flush().map_err(|e| e.to_string())?;
         }
+        let alive = survivor.is_none();
+        let volumes = [Some(&*leg0), alive.then_some(&*replica.volume)];
+        report.background_commits +=
+            crate::stepper::step_commits(volumes.into_iter().flatten(), &mut rng);
     }
     mirror.stop_resyncs().map_err(|e| e.to_string())?;
     drop(mirror);
-    let survivor = read_all(&*open(&survivor.ok_or("never killed")?)?)?;
+    let foreground = crate::foreground_options();
+    let survivor = read_all(&*open(&survivor.ok_or("never killed")?, &foreground)?)?;
 
     let points = std::mem::take(&mut *points.lock());
     if points.is_empty() {

@@ -4,7 +4,9 @@
 //! runs. Two legs on recording storage and the log's two files on the
 //! simulator's map store take a random workload of writes (by the three
 //! routes: the worker's `write`, the inline `try_write`, the completion
-//! path `try_begin_write`), trims and flushes; extents are 4 blocks and
+//! path `try_begin_write`), trims and flushes, the legs on the production
+//! scheduling (background committers stepped by the seed between
+//! operations, `crate::stepper`); extents are 4 blocks and
 //! the log keeps 2, so extents are evicted (after a flush the writer
 //! forces) all the time. At every write and sync of either leg and every
 //! write, sync and create of the log, images of both legs and of the log
@@ -40,6 +42,7 @@ use crate::mirror_write::{
 };
 use crate::recorder::{crash_image, Strategy, STRATEGIES};
 use crate::rng::Rng;
+use crate::stepper::step_commits;
 use crate::BLOCK;
 
 const BLOCKS: u64 = 32;
@@ -69,6 +72,8 @@ pub struct ReconcileReport {
     pub worker_writes: u64,
     pub inline_writes: u64,
     pub completed_writes: u64,
+    /// Requested commits the simulator ran as a leg's background committer.
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -76,7 +81,7 @@ pub struct ReconcileReport {
 impl ReconcileReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror reconcile: seeds={} crash_points={} (log {}) image_triples={} diverged={} extents_reconciled={} copied={} faults_counted={} log_updates={} writes worker/inline/completed={}/{}/{} violations={} time={:.1}s",
+            "mirror reconcile: seeds={} crash_points={} (log {}) image_triples={} diverged={} extents_reconciled={} copied={} faults_counted={} log_updates={} writes worker/inline/completed={}/{}/{} leg background commits={} violations={} time={:.1}s",
             self.seeds,
             self.leg_points + self.log_points,
             self.log_points,
@@ -89,6 +94,7 @@ impl ReconcileReport {
             self.worker_writes,
             self.inline_writes,
             self.completed_writes,
+            self.background_commits,
             self.violations.len(),
             self.seconds
         )
@@ -146,6 +152,7 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
             completes: Some(deferred.clone()),
         },
     };
+    let legs = [Arc::clone(&volume0), Arc::clone(&volume1)];
     let mirror = Arc::new(mirror_over([volume0, volume1], leg1)?);
     let maps = SimMaps::new();
     if sabotage {
@@ -239,7 +246,11 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
                 }
             }
         }
+        // The legs' background committers, stepped: their commits'
+        // journal and home writes are crash points too.
+        report.background_commits += step_commits(legs.iter().map(|leg| &**leg), &mut rng);
     }
+    drop(legs);
     for recorder in &recorders {
         recorder.set_hook(None);
     }

@@ -31,14 +31,14 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, OpenOptions, OrderingBreaks,
-    PendingWrite, SealedBlock, SimStorage, Storage, Volume, WriteDone, ZeroFlags,
+    Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock,
+    SimStorage, Storage, Volume, WriteDone, ZeroFlags,
 };
 
 use crate::fingerprint;
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
 use crate::rng::Rng;
-use crate::stepper::Stepper;
+use crate::stepper::step_commits;
 use crate::BLOCK;
 
 /// Blocks in the volume, and operations per seed.
@@ -90,24 +90,6 @@ impl MirrorWriteReport {
             self.seconds
         )
     }
-}
-
-/// How a leg of the workload opens: its background commits stepped by
-/// the seed, with a small write-back buffer so they are requested.
-pub(crate) fn open_options(rng: &mut Rng) -> OpenOptions {
-    let tuning = vouch_engine::Tuning {
-        dirty_limit_blocks: rng.range(2, 12) as usize,
-        ..vouch_engine::Tuning::default()
-    };
-    Stepper::new(OrderingBreaks::default()).options(tuning)
-}
-
-/// Run the requested commit of each leg (`legs`) one time in two: the
-/// background committers, stepped. Returns how many ran.
-pub(crate) fn step_commits(legs: &[Arc<Volume>; 2], rng: &mut Rng) -> u64 {
-    legs.iter()
-        .filter(|leg| rng.chance(1, 2) && leg.run_requested_commit())
-        .count() as u64
 }
 
 /// Per block, the fingerprints a read may return after a crash now.
@@ -344,7 +326,7 @@ pub(crate) fn prefilled_legs(
     }
     volume.close().map_err(|e| e.to_string())?;
     let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
-    let open = open_options(rng);
+    let open = crate::stepper::stepped_options(rng);
     let volumes = [0, 1].map(|at| {
         Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open)
             .map(Arc::new)
@@ -473,7 +455,7 @@ pub fn run_seed(
                 acknowledged(&acked, lba, count);
             }
         }
-        report.background_commits += step_commits(&volumes, &mut rng);
+        report.background_commits += step_commits(volumes.iter().map(|leg| &**leg), &mut rng);
     }
     for recorder in &recorders {
         recorder.set_hook(None);

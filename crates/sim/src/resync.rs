@@ -25,24 +25,41 @@
 //! - a restart (reads to leg 0 until a scrub, the map's resync run to the
 //!   end, then a scrub) leaves both legs equal to what leg 0 read, on
 //!   every block.
+//!
+//! Scheduling as in production (`crate::stepper`): both legs have a
+//! background committer the seed steps, run between client operations
+//! and resync batches; whole-block writes without FUA take the mirror's
+//! inline route (`try_write_shared`: room reserved on each leg, stored
+//! without waiting) half the time; and while leg 0's background commit
+//! runs, up to two inline client writes run at each of its steps
+//! (`CommitStep`), as the NBD reactor's would beside the committer
+//! thread. Each crash point also takes a process crash of the exporter
+//! (every write that returned and the held logs kept, the map's unsynced
+//! writes too): leg 0 must then read every acknowledged write (its last
+//! acknowledged value or one in flight). `run_with` breaks an ordering
+//! on purpose (`Sabotage`), which these checks must catch.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::Instant;
 
+use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{
     DirtyMap, LegState, MapStore, Mirror, MirrorLeg, ResyncCursor, ResyncStep,
 };
 use vouch_engine::{
-    BlockDevice, CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Volume,
+    BlockDevice, CommitStep, CreateOptions, LayoutKind, OpenOptions, OrderingBreaks, SimStorage,
+    Storage, Volume,
 };
 use vouch_format::dirty::DirtyHeader;
 
 use crate::map_store::SimMaps;
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
 use crate::rng::Rng;
+use crate::stepper::{step_commits, stepped_options, stepped_tuning, write_as_served, Stepper};
 use crate::{fingerprint, BLOCK};
 
 /// Blocks in the volume.
@@ -91,6 +108,14 @@ pub struct ResyncReport {
     /// Map file writes and syncs (each a crash point).
     pub map_writes: u64,
     pub map_syncs: u64,
+    /// Image triples of a process crash (kernel state kept).
+    pub process_images: u64,
+    /// Client writes the mirror's inline route took, those of them run at
+    /// a step of leg 0's background commit, and the background commits
+    /// the simulator ran on either leg.
+    pub inline_writes: u64,
+    pub at_step_writes: u64,
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -100,6 +125,7 @@ impl ResyncReport {
     fn merge(&mut self, found: ResyncReport) {
         self.points += found.points;
         self.images += found.images;
+        self.process_images += found.process_images;
         self.unknown_maps += found.unknown_maps;
         self.no_map += found.no_map;
         self.covered += found.covered;
@@ -108,16 +134,20 @@ impl ResyncReport {
 
     pub fn summary(&self) -> String {
         format!(
-            "mirror resync: seeds={} points={} images={} (map unknown={} no map={}) stale-covered={} copied={} steps={} client-ops={} map writes={} syncs={} violations={} time={:.1}s",
+            "mirror resync: seeds={} points={} images={} (process {}, map unknown={} no map={}) stale-covered={} copied={} steps={} client-ops={} (inline {}, at commit steps {}) background commits={} map writes={} syncs={} violations={} time={:.1}s",
             self.seeds,
             self.points,
             self.images,
+            self.process_images,
             self.unknown_maps,
             self.no_map,
             self.covered,
             self.copied,
             self.steps,
             self.client_ops,
+            self.inline_writes,
+            self.at_step_writes,
+            self.background_commits,
             self.map_writes,
             self.map_syncs,
             self.violations.len(),
@@ -127,12 +157,14 @@ impl ResyncReport {
 }
 
 /// Per block: the value durable now, the values written since the last
-/// flush, and every value it ever held (fingerprints), and its newest
-/// bytes.
+/// flush, the values a process crash may leave (the last acknowledged
+/// one and any in flight), every value it ever held (fingerprints), and
+/// its newest bytes.
 #[derive(Clone)]
 struct Model {
     durable: Vec<u64>,
     since: Vec<Vec<u64>>,
+    acked: Vec<Vec<u64>>,
     ever: Vec<Vec<u64>>,
     newest: Vec<Vec<u8>>,
 }
@@ -143,6 +175,7 @@ impl Model {
         Model {
             durable: prints.clone(),
             since: vec![Vec::new(); blocks.len()],
+            acked: prints.iter().map(|&p| vec![p]).collect(),
             ever: prints.iter().map(|&p| vec![p]).collect(),
             newest: blocks,
         }
@@ -152,14 +185,28 @@ impl Model {
         self.durable[lba] == print || self.since[lba].contains(&print)
     }
 
+    /// After a process crash: `print` is the last acknowledged value of
+    /// block `lba` or one in flight.
+    fn kept(&self, lba: usize, print: u64) -> bool {
+        self.acked[lba].contains(&print)
+    }
+
     /// A value about to be written (it may or may not land).
     fn write(&mut self, lba: usize, bytes: Vec<u8>) {
         let print = fingerprint(&bytes);
         self.since[lba].push(print);
+        self.acked[lba].push(print);
         if !self.ever[lba].contains(&print) {
             self.ever[lba].push(print);
         }
         self.newest[lba] = bytes;
+    }
+
+    /// The writes to `lbas` were acknowledged: a process crash keeps them.
+    fn acknowledged(&mut self, lbas: impl Iterator<Item = usize>) {
+        for lba in lbas {
+            self.acked[lba] = vec![fingerprint(&self.newest[lba])];
+        }
     }
 
     /// A flush (or FUA) of `lbas` completed: their newest values are durable.
@@ -171,14 +218,30 @@ impl Model {
     }
 }
 
-fn open_options() -> OpenOptions {
-    crate::foreground_options()
-}
-
-fn open(storage: Arc<dyn Storage>) -> Result<Arc<Volume>, String> {
-    Volume::open(storage, &open_options())
+/// Open a leg: crash images with foreground commits (a check's own
+/// opens run no writer), the workload's legs stepped (`Workload::leg0`).
+fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Arc<Volume>, String> {
+    Volume::open(storage, options)
         .map(Arc::new)
         .map_err(|e| format!("open: {e}"))
+}
+
+fn open_image(image: SimStorage) -> Result<Arc<Volume>, String> {
+    open(Arc::new(image), &crate::foreground_options())
+}
+
+/// An ordering broken on purpose (self-tests: the checks must catch it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Sabotage {
+    #[default]
+    None,
+    /// The mirror's inline route acknowledges before leg 0's held log
+    /// holds the write (its held-log appends keep nothing).
+    InlineBeforeHeld,
+    /// Leg 0's background committer empties the committing held-log slot
+    /// before its journal record and home writes
+    /// (`OrderingBreaks::empty_before_home`).
+    EmptyBeforeHome,
 }
 
 fn read_all(volume: &dyn BlockDevice) -> std::result::Result<Vec<Vec<u8>>, String> {
@@ -244,10 +307,15 @@ fn resync_to_end(mirror: &Mirror, full: bool, window: u64) -> Result<(u64, u64),
 
 /// Run seeds `first..first + seeds`.
 pub fn run(first: u64, seeds: u64) -> ResyncReport {
+    run_with(first, seeds, Sabotage::None)
+}
+
+/// `run` with `sabotage` broken.
+pub fn run_with(first: u64, seeds: u64, sabotage: Sabotage) -> ResyncReport {
     let started = Instant::now();
     let mut report = ResyncReport::default();
     for seed in first..first + seeds {
-        if let Err(message) = run_seed(seed, &mut report) {
+        if let Err(message) = run_seed(seed, sabotage, &mut report) {
             report.violations.push(format!(
                 "seed {seed}: {message} (replay: vouch-sim resync --seed {seed} --seeds 1)"
             ));
@@ -258,8 +326,136 @@ pub fn run(first: u64, seeds: u64) -> ResyncReport {
     report
 }
 
+/// The client's side of a seed: the model its operations update, and
+/// what its inline writes count and break.
+struct Client {
+    model: Arc<Mutex<Model>>,
+    /// Leg 0's storage: its held-log appends keep nothing during an
+    /// inline write with `Sabotage::InlineBeforeHeld`.
+    leg0: Arc<Recorder>,
+    sabotage: Sabotage,
+    inline_writes: AtomicU64,
+    at_step_writes: AtomicU64,
+}
+
+impl Client {
+    /// A write of whole blocks as the NBD reactor takes it (`inline`: the
+    /// mirror's inline route if it needs no wait, else the worker's).
+    fn write_served(
+        &self,
+        mirror: &Mirror,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        inline: bool,
+    ) -> vouch_engine::Result<bool> {
+        let sabotage = self.sabotage == Sabotage::InlineBeforeHeld;
+        if sabotage {
+            self.leg0.sabotage_held.store(true, Ordering::Relaxed);
+        }
+        let written = write_as_served(mirror, offset, data, fua, inline);
+        if sabotage {
+            self.leg0.sabotage_held.store(false, Ordering::Relaxed);
+        }
+        if let Ok(true) = written {
+            self.inline_writes.fetch_add(1, Ordering::Relaxed);
+        }
+        written
+    }
+
+    /// At a step of leg 0's background commit: one inline write of 1-4
+    /// whole blocks through `mirror`, modelled before it starts,
+    /// acknowledged when the route takes it, taken back when it declines
+    /// (it waits for nothing, so it never falls back to the worker here).
+    fn write_at_step(&self, mirror: &Mirror, rng: &mut Rng) -> Result<(), String> {
+        let count = rng.range(1, 4);
+        let lba = rng.below(BLOCKS - count + 1);
+        let data = Bytes::from(rng.bytes(count as usize * BLOCK));
+        let lbas = lba as usize..(lba + count) as usize;
+        let before = {
+            let mut model = self.model.lock();
+            let before = model.clone();
+            for (at, block) in lbas.clone().zip(data.chunks_exact(BLOCK)) {
+                model.write(at, block.to_vec());
+            }
+            before
+        };
+        let sabotage = self.sabotage == Sabotage::InlineBeforeHeld;
+        if sabotage {
+            self.leg0.sabotage_held.store(true, Ordering::Relaxed);
+        }
+        let written = mirror.try_write_shared(lba * BLOCK as u64, &data);
+        if sabotage {
+            self.leg0.sabotage_held.store(false, Ordering::Relaxed);
+        }
+        let mut model = self.model.lock();
+        match written {
+            Ok(true) => {
+                self.inline_writes.fetch_add(1, Ordering::Relaxed);
+                self.at_step_writes.fetch_add(1, Ordering::Relaxed);
+                model.acknowledged(lbas);
+                Ok(())
+            }
+            Ok(false) => {
+                *model = before;
+                Ok(())
+            }
+            Err(error) => Err(format!("an inline write at a commit step: {error}")),
+        }
+    }
+}
+
+/// What leg 0's stepped commits run at their steps: inline client writes,
+/// only while the simulator runs a commit as the background committer
+/// (a commit a writer runs itself holds that writer's locks).
+struct AtSteps {
+    mirror: Weak<Mirror>,
+    rng: Rng,
+    background: bool,
+    failed: Option<String>,
+}
+
+/// The closure leg 0's stepper calls at each step (`Stepper::set`).
+fn at_steps(steps: Arc<Mutex<AtSteps>>, client: Arc<Client>) -> crate::stepper::AtStep {
+    Box::new(move |_step: CommitStep| {
+        let mut steps = steps.lock();
+        let steps = &mut *steps;
+        if !steps.background || steps.failed.is_some() {
+            return;
+        }
+        let Some(mirror) = steps.mirror.upgrade() else {
+            return;
+        };
+        for _ in 0..steps.rng.below(3) {
+            if let Err(error) = client.write_at_step(&mirror, &mut steps.rng) {
+                steps.failed = Some(error);
+                return;
+            }
+        }
+    })
+}
+
+/// Run the requested commits of `legs` as their background committers
+/// would by now, leg 0's steps running inline writes (`at_steps`).
+fn step_legs(
+    legs: &[&Volume],
+    steps: &Mutex<AtSteps>,
+    rng: &mut Rng,
+    report: &mut ResyncReport,
+) -> Result<(), String> {
+    steps.lock().background = true;
+    report.background_commits += step_commits(legs.iter().copied(), rng);
+    let mut steps = steps.lock();
+    steps.background = false;
+    match steps.failed.take() {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
+}
+
 /// One client operation through `mirror`, the model updated around it.
-fn client_op(mirror: &Mirror, model: &Mutex<Model>, rng: &mut Rng) -> Result<(), String> {
+fn client_op(mirror: &Mirror, client: &Client, rng: &mut Rng) -> Result<(), String> {
+    let model = &client.model;
     let lba = rng.below(BLOCKS);
     let count = rng.range(1, 6).min(BLOCKS - lba);
     let bytes = BLOCK as u64;
@@ -277,9 +473,13 @@ fn client_op(mirror: &Mirror, model: &Mutex<Model>, rng: &mut Rng) -> Result<(),
                 model.write(at as usize, vec![0u8; BLOCK]);
             }
         }
-        return mirror
+        mirror
             .trim(lba * bytes, count * bytes, false)
-            .map_err(|e| format!("trim: {e}"));
+            .map_err(|e| format!("trim: {e}"))?;
+        model
+            .lock()
+            .acknowledged(lba as usize..(lba + count) as usize);
+        return Ok(());
     }
     // A write: one in four partial (512-byte aligned), one in eight FUA.
     let (offset, length) = if choice < 8 {
@@ -304,11 +504,14 @@ fn client_op(mirror: &Mirror, model: &Mutex<Model>, rng: &mut Rng) -> Result<(),
             model.write(at as usize, block);
         }
     }
-    mirror
-        .write(offset, &data, fua)
+    let inline = rng.chance(1, 2);
+    client
+        .write_served(mirror, offset, &Bytes::from(data), fua, inline)
         .map_err(|e| format!("write: {e}"))?;
+    let mut model = model.lock();
+    model.acknowledged(first as usize..end as usize);
     if fua {
-        model.lock().durable(first as usize..end as usize);
+        model.durable(first as usize..end as usize);
     }
     Ok(())
 }
@@ -340,14 +543,41 @@ impl Checker {
             let image0 = crash_image(&self.leg0.sim, &self.leg0.order(), s0, 4096, &mut self.rng);
             let image1 = crash_image(&self.leg1.sim, &self.leg1.order(), s1, 4096, &mut self.rng);
             let maps = self.maps.crash_image(sm, self.map_unit, &mut self.rng);
-            self.report.images += 1;
-            if let Err(message) = self.check(image0, image1, maps, &model) {
-                let index = self.report.images;
-                self.report.violations.push(format!(
-                    "seed {} point {} image {index} ({s0:?}/{s1:?}/map {sm:?}): {message}",
-                    self.seed, self.report.points
-                ));
-            }
+            self.checked(
+                [image0, image1],
+                maps,
+                &model,
+                false,
+                &format!("{s0:?}/{s1:?}/map {sm:?}"),
+            );
+        }
+        // The exporter process dies here: the kernel keeps every write
+        // that returned, the legs' held logs and the map's unsynced writes.
+        let legs = [self.leg0.sim.duplicate(), self.leg1.sim.duplicate()];
+        let maps = self
+            .maps
+            .crash_image(Strategy::Persisted, self.map_unit, &mut self.rng);
+        self.report.process_images += 1;
+        self.checked(legs, maps, &model, true, "process crash");
+    }
+
+    /// Check one image triple, a violation recorded as `what`; `process`:
+    /// leg 0 must keep every acknowledged write.
+    fn checked(
+        &mut self,
+        [image0, image1]: [SimStorage; 2],
+        maps: SimMaps,
+        model: &Model,
+        process: bool,
+        what: &str,
+    ) {
+        self.report.images += 1;
+        if let Err(message) = self.check(image0, image1, maps, model, process) {
+            let index = self.report.images;
+            self.report.violations.push(format!(
+                "seed {} point {} image {index} ({what}): {message}",
+                self.seed, self.report.points
+            ));
         }
     }
 
@@ -357,12 +587,19 @@ impl Checker {
         image1: SimStorage,
         maps: SimMaps,
         model: &Model,
+        process: bool,
     ) -> Result<(), String> {
-        let leg0 = open(Arc::new(image0)).map_err(|e| format!("leg 0: {e}"))?;
-        let leg1 = open(Arc::new(image1)).map_err(|e| format!("leg 1: {e}"))?;
+        let leg0 = open_image(image0).map_err(|e| format!("leg 0: {e}"))?;
+        let leg1 = open_image(image1).map_err(|e| format!("leg 1: {e}"))?;
         let before0 = read_all(&*leg0).map_err(|e| format!("leg 0: {e}"))?;
         for (lba, block) in before0.iter().enumerate() {
-            if !model.allowed(lba, fingerprint(block)) {
+            let print = fingerprint(block);
+            if process && !model.kept(lba, print) {
+                return Err(format!(
+                    "leg 0 LBA {lba} lost an acknowledged write in a process crash"
+                ));
+            }
+            if !model.allowed(lba, print) {
                 return Err(format!(
                     "leg 0 LBA {lba} lost a flushed write (holds a value no flush or later write allows)"
                 ));
@@ -471,7 +708,7 @@ fn new_legs(rng: &mut Rng) -> Result<(SimStorage, SimStorage, Vec<Vec<u8>>), Str
     volume.close().map_err(|e| e.to_string())?;
     let leg0 = sim.crash_image(|_, _, _| u64::MAX);
     let leg1 = sim.crash_image(|_, _, _| u64::MAX);
-    let blocks = read_all(&*open(Arc::new(sim))?)?;
+    let blocks = read_all(&*open_image(sim)?)?;
     Ok((leg0, leg1, blocks))
 }
 
@@ -495,6 +732,13 @@ fn hook_all(checker: Option<&Arc<Mutex<Checker>>>, legs: [&Recorder; 2], maps: &
 /// A mirror and its two legs' volumes.
 type Served = (Arc<Mirror>, Arc<Volume>, Arc<Volume>);
 
+/// How the workload's legs open: leg 0 stepped by `leg0` (its steps run
+/// inline writes), leg 1 stepped with nothing at its steps.
+struct LegOptions {
+    leg0: OpenOptions,
+    leg1: OpenOptions,
+}
+
 /// Leg 1 back after `mirror` ran without it: attached to the running
 /// mirror with its map as in memory (`vouch mirror resync --server`), or,
 /// when not `online`, after a clean restart with its map read back from
@@ -502,13 +746,15 @@ type Served = (Arc<Mirror>, Arc<Volume>, Arc<Volume>);
 fn bring_back(
     online: bool,
     (mirror, leg0): (Arc<Mirror>, Arc<Volume>),
-    recorders: [&Arc<Recorder>; 2],
+    (recorders, options): ([&Arc<Recorder>; 2], &LegOptions),
     maps: &SimMaps,
     model: &Mutex<Model>,
 ) -> Result<Served, String> {
-    let reopen = |recorder: &Arc<Recorder>| open(Arc::clone(recorder) as Arc<dyn Storage>);
+    let reopen = |recorder: &Arc<Recorder>, options: &OpenOptions| {
+        open(Arc::clone(recorder) as Arc<dyn Storage>, options)
+    };
     if online {
-        let leg1 = reopen(recorders[1])?;
+        let leg1 = reopen(recorders[1], &options.leg1)?;
         mirror
             .attach(1, Arc::clone(&leg1) as Arc<dyn BlockDevice>)
             .map_err(|e| e.to_string())?;
@@ -522,7 +768,8 @@ fn bring_back(
         .map_err(|_| "leg 0 still shared")?
         .close()
         .map_err(|e| e.to_string())?;
-    let (leg0, leg1) = (reopen(recorders[0])?, reopen(recorders[1])?);
+    let leg0 = reopen(recorders[0], &options.leg0)?;
+    let leg1 = reopen(recorders[1], &options.leg1)?;
     let mirror = mirror_of(Arc::clone(&leg0), Some(Arc::clone(&leg1)), LegState::Stale)?;
     if let Some(why) = track(&mirror, maps, false)? {
         return Err(format!(
@@ -533,7 +780,7 @@ fn bring_back(
 }
 
 /// One seed; violations are pushed to `report`, setup errors returned.
-pub fn run_seed(seed: u64, report: &mut ResyncReport) -> Result<(), String> {
+pub fn run_seed(seed: u64, sabotage: Sabotage, report: &mut ResyncReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let (leg0_sim, leg1_sim, initial) = new_legs(&mut rng)?;
     let map_unit = if rng.chance(1, 2) { 512 } else { 4096 };
@@ -558,40 +805,81 @@ pub fn run_seed(seed: u64, report: &mut ResyncReport) -> Result<(), String> {
     }));
     hook_all(Some(&checker), [&recorders[0], &recorders[1]], &maps);
 
+    // The production scheduling: both legs' background committers stepped
+    // by the seed, leg 0's steps running inline client writes.
+    let client = Arc::new(Client {
+        model: Arc::clone(&model),
+        leg0: Arc::clone(&recorders[0]),
+        sabotage,
+        inline_writes: AtomicU64::new(0),
+        at_step_writes: AtomicU64::new(0),
+    });
+    let stepper = Stepper::new(OrderingBreaks {
+        empty_before_home: sabotage == Sabotage::EmptyBeforeHome,
+        ..OrderingBreaks::default()
+    });
+    let options = LegOptions {
+        leg0: stepper.options(stepped_tuning(&mut rng)),
+        leg1: stepped_options(&mut rng),
+    };
+    let steps = Arc::new(Mutex::new(AtSteps {
+        mirror: Weak::new(),
+        rng: rng.fork(),
+        background: false,
+        failed: None,
+    }));
+    stepper.set(Some(at_steps(Arc::clone(&steps), Arc::clone(&client))));
+
     // Leg 1 away: client I/O reaches leg 0 only and is marked in the map.
-    let leg0 = open(Arc::clone(&recorders[0]) as Arc<dyn Storage>)?;
+    let leg0 = open(Arc::clone(&recorders[0]) as Arc<dyn Storage>, &options.leg0)?;
     let mirror = mirror_of(Arc::clone(&leg0), None, LegState::Stale)?;
+    steps.lock().mirror = Arc::downgrade(&mirror);
     track(&mirror, &maps, true)?;
     for _ in 0..rng.range(4, 24) {
-        client_op(&mirror, &model, &mut rng)?;
+        client_op(&mirror, &client, &mut rng)?;
+        step_legs(&[&leg0], &steps, &mut rng, report)?;
     }
     let online = rng.chance(1, 2);
     let (mirror, leg0, leg1) = bring_back(
         online,
         (mirror, leg0),
-        [&recorders[0], &recorders[1]],
+        ([&recorders[0], &recorders[1]], &options),
         &maps,
         &model,
     )?;
+    steps.lock().mirror = Arc::downgrade(&mirror);
+    let legs = [&*leg0, &*leg1];
     let mut cursor = mirror.begin_resync(1, false).map_err(|e| e.to_string())?;
     cursor.set_batch(window, 2);
-    let (result, steps) = drive(&mirror, &mut cursor, &model, &mut rng, report)?;
+    let (result, steps_taken) = drive(
+        (&mirror, &legs),
+        &mut cursor,
+        (&client, &steps),
+        &mut rng,
+        report,
+    )?;
     let progress = mirror.end_resync(cursor, result);
     report.copied += progress.copied;
-    // After the resync (the leg active, its map gone): more client I/O.
-    for _ in 0..rng.range(0, 4) {
-        client_op(&mirror, &model, &mut rng)?;
+    // After the resync (the leg active, its map gone): more client I/O,
+    // where the mirror's inline route may take writes (it declines while
+    // a leg's map is tracked: marking the map may sync).
+    for _ in 0..rng.range(2, 8) {
+        client_op(&mirror, &client, &mut rng)?;
         report.client_ops += 1;
+        step_legs(&legs, &steps, &mut rng, report)?;
     }
     checker.lock().point();
     hook_all(None, [&recorders[0], &recorders[1]], &maps);
+    stepper.set(None);
     let counts = maps.counts();
     report.map_writes += counts.writes;
     report.map_syncs += counts.syncs;
+    report.inline_writes += client.inline_writes.load(Ordering::Relaxed);
+    report.at_step_writes += client.at_step_writes.load(Ordering::Relaxed);
     report.merge(std::mem::take(&mut checker.lock().report));
     if progress.state != "done" {
         return Err(format!(
-            "the resync under client writes ended {progress:?} after {steps} batches"
+            "the resync under client writes ended {progress:?} after {steps_taken} batches"
         ));
     }
     // Both legs now hold what the client wrote last.
@@ -607,27 +895,28 @@ pub fn run_seed(seed: u64, report: &mut ResyncReport) -> Result<(), String> {
     Ok(())
 }
 
-/// Run the resync's batches with client I/O between them: what the
-/// resync came to (`end_resync`'s input) and the batches it took, or a
-/// client request's error.
+/// Run the resync's batches with client I/O and the legs' background
+/// commits between them: what the resync came to (`end_resync`'s input)
+/// and the batches it took, or a client request's error.
 fn drive(
-    mirror: &Mirror,
+    (mirror, legs): (&Mirror, &[&Volume]),
     cursor: &mut ResyncCursor,
-    model: &Mutex<Model>,
+    (client, steps): (&Client, &Mutex<AtSteps>),
     rng: &mut Rng,
     report: &mut ResyncReport,
 ) -> Result<(vouch_engine::Result<bool>, u64), String> {
-    for steps in 1..=MAX_STEPS {
+    for taken in 1..=MAX_STEPS {
         report.steps += 1;
         match mirror.resync_step(cursor) {
-            Ok(ResyncStep::Finished) => return Ok((Ok(true), steps)),
+            Ok(ResyncStep::Finished) => return Ok((Ok(true), taken)),
             Ok(ResyncStep::Copied(_)) => {}
-            Err(error) => return Ok((Err(error), steps)),
+            Err(error) => return Ok((Err(error), taken)),
         }
         for _ in 0..rng.range(0, 3) {
             report.client_ops += 1;
-            client_op(mirror, model, rng)?;
+            client_op(mirror, client, rng)?;
         }
+        step_legs(legs, steps, rng, report)?;
     }
     Ok((Ok(false), MAX_STEPS))
 }

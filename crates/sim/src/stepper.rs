@@ -68,3 +68,48 @@ impl CommitSchedule for Stepper {
         self.breaks
     }
 }
+
+/// Open options for a simulated volume (or leg) on the production
+/// scheduling with nothing run at its commits' steps: the background
+/// committer on and stepped by the simulator (`step_commits`), and a small
+/// write-back buffer (2-11 blocks, from `rng`) so writers request commits
+/// and the inline routes meet a full buffer.
+pub fn stepped_options(rng: &mut crate::rng::Rng) -> OpenOptions {
+    Stepper::new(OrderingBreaks::default()).options(stepped_tuning(rng))
+}
+
+/// `Tuning::default()` with a write-back buffer of 2-11 blocks.
+pub fn stepped_tuning(rng: &mut crate::rng::Rng) -> Tuning {
+    Tuning {
+        dirty_limit_blocks: rng.range(2, 12) as usize,
+        ..Tuning::default()
+    }
+}
+
+/// Run each volume's requested commit one time in two, as its background
+/// committer would have by now. Returns how many ran.
+pub fn step_commits<'a>(
+    volumes: impl IntoIterator<Item = &'a vouch_engine::Volume>,
+    rng: &mut crate::rng::Rng,
+) -> u64 {
+    volumes
+        .into_iter()
+        .filter(|volume| rng.chance(1, 2) && volume.run_requested_commit())
+        .count() as u64
+}
+
+/// A write of whole blocks as the NBD reactor takes it: the inline route
+/// (`try_write_shared`) when `inline` and it needs no wait, else the
+/// worker's `write_shared`. Returns whether the inline route took it.
+pub fn write_as_served(
+    device: &dyn vouch_engine::BlockDevice,
+    offset: u64,
+    data: &bytes::Bytes,
+    fua: bool,
+    inline: bool,
+) -> vouch_engine::Result<bool> {
+    if inline && !fua && device.try_write_shared(offset, data)? {
+        return Ok(true);
+    }
+    device.write_shared(offset, data, fua).map(|()| false)
+}

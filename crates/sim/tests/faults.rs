@@ -17,6 +17,13 @@ fn detection_matrix_small() {
     let table = report.render(&config);
     eprintln!("{table}");
     assert!(report.violations.is_empty(), "{table}");
+    // The production scheduling ran: inline writes and background commits.
+    assert!(
+        report.inline_writes > 0 && report.background_commits > 0,
+        "inline writes {}, background commits {}",
+        report.inline_writes,
+        report.background_commits
+    );
     let fraction = |layout: LayoutKind, guard: GuardKind, kind: Kind| {
         let index = config
             .cells

@@ -3,10 +3,12 @@
 //! detects is served from the other leg and repaired by the read; the
 //! faults a packed leg cannot see (a lost or misdirected write leaves an
 //! older, valid record) are found by a scrub, which repairs them from the
-//! newer copy and never overwrites the good leg.
+//! newer copy and never overwrites the good leg. The legs run the
+//! production scheduling (stepped background committers, the mirror's
+//! inline route), and a break of the inline route is caught.
 
 use vouch_sim::faults::Kind;
-use vouch_sim::mirror_faults::{run, Outcome};
+use vouch_sim::mirror_faults::{run, run_with, Outcome};
 
 #[test]
 fn faults_on_one_leg_are_served_and_repaired_from_the_other() {
@@ -16,6 +18,11 @@ fn faults_on_one_leg_are_served_and_repaired_from_the_other() {
         report.violations.is_empty(),
         "{}\n{}",
         report.violations.join("\n"),
+        report.summary()
+    );
+    assert!(
+        report.inline_writes > 0 && report.background_commits > 0,
+        "{}",
         report.summary()
     );
     for ((layout, kind), tally) in &report.tallies {
@@ -44,4 +51,33 @@ fn faults_on_one_leg_are_served_and_repaired_from_the_other() {
             );
         }
     }
+}
+
+/// Leg 1 acknowledging the mirror's inline writes without storing them
+/// (the route's fan-out broken): clients are served wrong bytes from it.
+#[test]
+fn an_inline_route_that_skips_a_leg_is_caught() {
+    let report = run_with(2, 7, true);
+    // Wrong bytes where the matrix expects none: every kind but those a
+    // packed leg cannot see.
+    let silent: u64 = report
+        .tallies
+        .iter()
+        .filter(|((layout, kind), _)| {
+            layout != "packed" || !matches!(kind, Kind::LostWrite | Kind::MisdirectedWriteLost)
+        })
+        .map(|(_, tally)| {
+            [Outcome::Silent, Outcome::SilentThenScrubRepaired]
+                .iter()
+                .filter_map(|outcome| tally.0.get(outcome))
+                .sum::<u64>()
+        })
+        .sum();
+    assert!(
+        silent > 0 && report.inline_writes > 0,
+        "not caught: {}\n{}",
+        report.render(),
+        report.summary()
+    );
+    eprintln!("{}", report.summary());
 }

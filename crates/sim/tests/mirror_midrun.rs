@@ -17,5 +17,7 @@ fn a_crash_while_a_lost_leg_gets_its_map_leaves_a_covering_map_or_unknown_histor
         "nothing was tested: {}",
         report.summary()
     );
+    // The volumes' background committers (stepped) took commits.
+    assert!(report.background_commits > 0, "{}", report.summary());
     eprintln!("{}", report.summary());
 }

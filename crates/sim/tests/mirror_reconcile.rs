@@ -28,12 +28,13 @@ fn an_exporter_crash_anywhere_in_mirrored_writes_is_settled_by_reconciling_the_l
         "{}",
         report.summary()
     );
-    // Every route a mirrored write takes.
+    // Every route a mirrored write takes, and the legs' background commits.
     assert!(
         report.worker_writes > 0 && report.inline_writes > 0 && report.completed_writes > 0,
         "{}",
         report.summary()
     );
+    assert!(report.background_commits > 0, "{}", report.summary());
     eprintln!("{}", report.summary());
 }
 

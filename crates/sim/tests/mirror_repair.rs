@@ -16,6 +16,8 @@ fn a_crash_during_repair_leaves_old_or_new_contents_on_each_leg() {
         "{}",
         report.summary()
     );
+    // The legs' background committers (stepped) took repair writes.
+    assert!(report.background_commits > 0, "{}", report.summary());
     assert!(
         report.new_blocks > 0 && report.old_blocks > 0,
         "{}",
