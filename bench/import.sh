@@ -3,7 +3,7 @@
 # fresh export (with FLUSH=1, the default, `nbdcopy --flush`: the copy ends when the data is durable,
 # so the disk's write-back speed dominates; FLUSH=0 times what the server ingests), vouch (split and packed, page cache) vs qemu-nbd --cache=writeback vs nbdkit's file
 # plugin, each target new for every copy (a fresh vouch volume; a fresh sparse raw file for the
-# anchors), servers alternating within each round (the order rotates every round).
+# anchors), servers alternating within each round (in a new order every round).
 #
 # Output: $OUT/samples.tsv and $OUT/report.md (median seconds, MB/s, ratios to each anchor).
 # Needs nbdcopy (libnbd-bin), qemu-nbd (qemu-utils), nbdkit; builds target/release/vouch unless BUILD=0.
@@ -94,9 +94,11 @@ TSV=$OUT/samples.tsv
 printf 'rep\tserver\tseconds\n' > "$TSV"
 read -ra SRV <<< "$SERVERS"
 for rep in $(seq 1 "$REPS"); do
-    n=${#SRV[@]}
-    for i in $(seq 0 $((n - 1))); do
-        s=${SRV[$(( (i + rep - 1) % n ))]}
+    # A new order each round, the same for a given round in every run: a rotation would have each
+    # server always follow the same one, and what a copy leaves behind (freed page cache the host
+    # takes back, discards) then always lands on the same server.
+    mapfile -t order < <(printf '%s\n' "${SRV[@]}" | shuf --random-source=<(yes "$rep"))
+    for s in "${order[@]}"; do
         start_server "$s"
         sync
         t0=$(date +%s.%N)
