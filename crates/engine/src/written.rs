@@ -61,11 +61,23 @@ pub(crate) struct WrittenMap {
     /// from an older copy of the file (`judge_page`).
     generations: Vec<AtomicU32>,
     /// Odd while a checkpoint writes context pages and then sets their
-    /// expected generations (`begin_page_writes` .. `end_page_writes`):
-    /// a page a reader read from disk meanwhile may be the one before the
-    /// write while the expected value is already the one after, so it is
-    /// not judged older (`judge_page`'s `seen`). A seqlock's counter.
+    /// expected generations, or a commit writes packed records and moves
+    /// their rows' (`begin_page_writes` .. `end_page_writes`): a unit a
+    /// reader read from disk meanwhile may be the one before the write
+    /// while the expected value is already the one after, so it is not
+    /// judged older (`judge_page`'s `seen`). A seqlock's counter.
     page_writes: AtomicU64,
+    /// Packed: one bit per row found no older than its expected
+    /// generation during this open (or whose expectation is not known),
+    /// so each row is judged once, not at every read of one of its
+    /// records. Memory only: an older copy is restored while the volume
+    /// is closed.
+    current: Vec<AtomicU64>,
+    /// Packed: one bit per row found older than its expected generation
+    /// this open, so its later reads fail without reading it again (and
+    /// it is named once in the log). Cleared when the row is made current
+    /// (`set_current`: a write marked its older slots lost).
+    older: Vec<AtomicU64>,
     /// `crc32c(uuid)`: the volume tag of the markers this map judges.
     volume_tag: u32,
     /// The volume's units are whole (`INCOMPAT_BOUND_UNITS`): a written
@@ -103,16 +115,12 @@ impl WrittenMap {
             volume_tag: crc32c(&uuid),
             bound: AtomicBool::new(false),
             words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            // Split only: a packed row's generation is not checked (a
-            // read of one record does not read its row).
-            generations: (0..if enabled && geometry.layout == LayoutKind::Split {
-                units
-            } else {
-                0
-            })
+            generations: (0..if enabled { units } else { 0 })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
             page_writes: AtomicU64::new(0),
+            current: row_bits(enabled, geometry, units),
+            older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
             seq: AtomicU64::new(0),
             change: Mutex::new(()),
@@ -266,6 +274,13 @@ impl WrittenMap {
         self.page_writes.load(Ordering::Acquire)
     }
 
+    /// Whether no unit was written, nor its expected generation moved,
+    /// since `seen = page_writes()`: a unit read from disk in between is
+    /// judged against the expected value now.
+    pub fn settled(&self, seen: u64) -> bool {
+        seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen
+    }
+
     /// A checkpoint starts writing context pages (then sets their
     /// expected generations); `end_page_writes` when both are done.
     pub fn begin_page_writes(&self) {
@@ -274,6 +289,77 @@ impl WrittenMap {
 
     pub fn end_page_writes(&self) {
         self.page_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A writer of packed rows (a commit's records, a range's edge
+    /// records) holds this while it writes and moves expected
+    /// generations: `page_writes` is odd meanwhile (`judge_page`'s
+    /// `seen`). Taken under the commit lock, never nested.
+    pub fn page_writes_guard(&self) -> PageWritesGuard<'_> {
+        self.begin_page_writes();
+        PageWritesGuard(self)
+    }
+
+    /// Whether packed row `unit` is still to be judged against its
+    /// expected generation this open: its bit set, its expectation known,
+    /// not yet found current.
+    pub fn to_judge(&self, unit: u64) -> bool {
+        self.current.get((unit / 64) as usize).is_some_and(|word| {
+            word.load(Ordering::Acquire) & (1 << (unit % 64)) == 0
+                && self.expected_generation(unit) != 0
+                && self.is_set(unit)
+        })
+    }
+
+    /// Packed row `unit` is current for the rest of this open: a slot of
+    /// it held a generation no older than expected, or it was judged, or
+    /// its older slots were marked lost.
+    pub fn set_current(&self, unit: u64) {
+        if let Some(word) = self.current.get((unit / 64) as usize) {
+            word.fetch_or(1 << (unit % 64), Ordering::AcqRel);
+        }
+        if let Some(word) = self.older.get((unit / 64) as usize) {
+            word.fetch_and(!(1 << (unit % 64)), Ordering::AcqRel);
+        }
+    }
+
+    /// Packed row `unit` was found older than expected this open; true
+    /// the first time (to name it once).
+    pub fn set_older(&self, unit: u64) -> bool {
+        self.older.get((unit / 64) as usize).is_some_and(|word| {
+            word.fetch_or(1 << (unit % 64), Ordering::AcqRel) & (1 << (unit % 64)) == 0
+        })
+    }
+
+    /// Whether packed row `unit` was found older this open (and not made
+    /// current since).
+    pub fn is_older(&self, unit: u64) -> bool {
+        self.older
+            .get((unit / 64) as usize)
+            .is_some_and(|word| word.load(Ordering::Acquire) & (1 << (unit % 64)) != 0)
+    }
+
+    /// A unit's expected generation after records of generations up to
+    /// `newest` were written into it (and, before, `forget_older` for
+    /// each). A unit whose expectation was forgotten or never known
+    /// expects `newest` from now: those records are in it.
+    pub fn raise_expected(&self, unit: u64, newest: u32) {
+        let expected = self.expected_generation(unit);
+        if newest != 0 && (expected == 0 || newer(newest, expected)) {
+            self.set_expected_generation(unit, newest);
+        }
+    }
+
+    /// Before a write into `unit` of a slot of generation `generation`
+    /// (`None`: a marker, which carries none): one that is not newer than
+    /// expected may replace the slot that held the unit's newest, so the
+    /// expectation is forgotten before the write can lower it on disk
+    /// (a copy keeps its source's generation; a trim leaves a marker).
+    pub fn forget_older(&self, unit: u64, generation: Option<u32>) {
+        let expected = self.expected_generation(unit);
+        if expected != 0 && generation.is_none_or(|generation| newer(expected, generation)) {
+            self.set_expected_generation(unit, 0);
+        }
     }
 
     /// The generation `unit` is expected to have on disk (0: not known).
@@ -308,9 +394,20 @@ impl WrittenMap {
     /// its LBA; an encrypted one, whose tags are inside its AEAD), 0 if
     /// none is. Markers carry none.
     pub fn page_generation(&self, page_no: u64, page: &[u8]) -> u32 {
+        self.slots_generation(page_no * self.unit_blocks, page.chunks(CONTEXT_BYTES))
+    }
+
+    /// The generation of consecutive slots, the first of LBA `first_lba`
+    /// (a split page's, a packed row's contexts, or some of them): as
+    /// `page_generation`.
+    pub fn slots_generation<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> u32 {
         let mut highest = 0u32;
-        for (slot, context) in page.chunks(CONTEXT_BYTES).enumerate() {
-            let lba = page_no * self.unit_blocks + slot as u64;
+        for (slot, context) in slots.enumerate() {
+            let lba = first_lba + slot as u64;
             let generation = match context[0] {
                 1 | 2 => {
                     let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
@@ -335,11 +432,20 @@ impl WrittenMap {
     /// A page with no own context is left to its tags (a page of another
     /// place or volume fails them, named as such).
     pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
-        let expected = self.expected_generation(page_no);
-        if expected == 0 || !self.is_set(page_no) {
+        self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))
+    }
+
+    /// `stale_page` for any unit, from its slots in LBA order.
+    pub fn stale_unit<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<(u32, u32)> {
+        let expected = self.expected_generation(unit);
+        if expected == 0 || !self.is_set(unit) {
             return None;
         }
-        let found = self.page_generation(page_no, page);
+        let found = self.slots_generation(unit * self.unit_blocks, slots);
         (found != 0 && newer(expected, found)).then_some((found, expected))
     }
 
@@ -393,7 +499,7 @@ impl WrittenMap {
         if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
-        let settled = seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen;
+        let settled = self.settled(seen);
         if let Some((found, expected)) = settled.then(|| self.stale_page(page_no, page)).flatten() {
             // An older copy of the page: which of its slots still hold
             // what the volume wrote last cannot be told, so none is
@@ -624,6 +730,26 @@ impl WrittenMap {
             self.dirty.store(true, Ordering::Release);
         }
         result
+    }
+}
+
+/// A bit per packed row of the map, in memory (none for split).
+fn row_bits(enabled: bool, geometry: &Geometry, units: u64) -> Vec<AtomicU64> {
+    let words = if enabled && geometry.layout == LayoutKind::Packed {
+        units.div_ceil(64)
+    } else {
+        0
+    };
+    (0..words).map(|_| AtomicU64::new(0)).collect()
+}
+
+/// `WrittenMap::page_writes_guard`: ends the writes when dropped, on
+/// every path out of the writer.
+pub(crate) struct PageWritesGuard<'a>(&'a WrittenMap);
+
+impl Drop for PageWritesGuard<'_> {
+    fn drop(&mut self) {
+        self.0.end_page_writes();
     }
 }
 
