@@ -30,6 +30,13 @@
 //!   every page a replayed entry touches (a checkpoint cut before the map
 //!   may have made a page older: a trim, a copy keeping its source's
 //!   generation).
+//! - Packed rows have one too: a generation the row's newest own record
+//!   is at least, raised by a commit after it writes records into the row
+//!   (on disk with the next checkpoint's map, after their fsync) and
+//!   forgotten before a write that may lower it (`forget_older`). A row is
+//!   judged once per open (`current`), at a read (`PackedLayout::
+//!   judge_rows`) or before its first write (`settle_row`); recovery
+//!   forgets the value of every row a replayed entry touches.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -55,10 +62,11 @@ pub(crate) struct WrittenMap {
     units: u64,
     uuid: [u8; 16],
     words: Vec<AtomicU64>,
-    /// The expected generation of each unit (split pages; 0: not known):
-    /// the highest generation among its own contexts when a checkpoint
-    /// last wrote it. A page whose contexts are all older was restored
-    /// from an older copy of the file (`judge_page`).
+    /// The expected generation of each unit (0: not known). Split: the
+    /// highest generation among a page's own contexts when a checkpoint
+    /// last wrote it; packed: a generation the row's newest own record is
+    /// at least. A unit whose contexts are all older was restored from an
+    /// older copy of the file (`judge_page`, `PackedLayout::judge_rows`).
     generations: Vec<AtomicU32>,
     /// Odd while a checkpoint writes context pages and then sets their
     /// expected generations, or a commit writes packed records and moves
@@ -351,15 +359,20 @@ impl WrittenMap {
     }
 
     /// Before a write into `unit` of a slot of generation `generation`
-    /// (`None`: a marker, which carries none): one that is not newer than
-    /// expected may replace the slot that held the unit's newest, so the
-    /// expectation is forgotten before the write can lower it on disk
-    /// (a copy keeps its source's generation; a trim leaves a marker).
-    pub fn forget_older(&self, unit: u64, generation: Option<u32>) {
+    /// (`None` or 0: a marker or a zero context, which carry none): one
+    /// that is not newer than expected may replace the slot that held the
+    /// unit's newest, so the expectation is forgotten before the write can
+    /// lower it on disk (a copy keeps its source's generation; a trim
+    /// leaves a marker). Returns whether it was forgotten (the writer then
+    /// reads the unit's newest back after the write).
+    pub fn forget_older(&self, unit: u64, generation: Option<u32>) -> bool {
         let expected = self.expected_generation(unit);
-        if expected != 0 && generation.is_none_or(|generation| newer(expected, generation)) {
+        let older = generation.is_none_or(|generation| generation == 0 || newer(expected, generation));
+        if expected != 0 && older {
             self.set_expected_generation(unit, 0);
+            return true;
         }
+        false
     }
 
     /// The generation `unit` is expected to have on disk (0: not known).
@@ -405,23 +418,39 @@ impl WrittenMap {
         first_lba: u64,
         slots: impl Iterator<Item = &'a [u8]>,
     ) -> u32 {
-        let mut highest = 0u32;
+        self.own_newest(first_lba, slots).unwrap_or(0)
+    }
+
+    /// The newest generation among consecutive slots' own ones (as
+    /// `slots_generation`), or `None` if no slot is the volume's own: a
+    /// context naming this volume and its LBA (an encrypted one), or a
+    /// vacant or lost marker naming them, which count as generation 0.
+    pub fn own_newest<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<u32> {
+        let mut highest = None;
         for (slot, context) in slots.enumerate() {
             let lba = first_lba + slot as u64;
             let generation = match context[0] {
-                1 | 2 => {
+                1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
                     let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
                     let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
                     if (tag, ref_tag) != (self.volume_tag, lba) {
                         continue;
                     }
-                    u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                    if matches!(context[0], 1 | 2) {
+                        u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                    } else {
+                        0
+                    }
                 }
                 3 => u32::from_le_bytes(context[1..5].try_into().expect("4 bytes")),
                 _ => continue,
             };
-            if newer(generation, highest) {
-                highest = generation;
+            if highest.is_none_or(|highest| newer(generation, highest)) {
+                highest = Some(generation);
             }
         }
         highest
@@ -429,8 +458,10 @@ impl WrittenMap {
 
     /// Whether split page `page_no` (as read from disk) is older than the
     /// checkpoint that last wrote it: `(its generation, the expected)`.
-    /// A page with no own context is left to its tags (a page of another
-    /// place or volume fails them, named as such).
+    /// A page with no own slot is left to its tags (a page of another
+    /// place or volume fails them, named as such); one whose own slots are
+    /// only markers and zero contexts (generation 0) is older than any
+    /// expected value.
     pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
         self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))
     }
@@ -445,8 +476,8 @@ impl WrittenMap {
         if expected == 0 || !self.is_set(unit) {
             return None;
         }
-        let found = self.slots_generation(unit * self.unit_blocks, slots);
-        (found != 0 && newer(expected, found)).then_some((found, expected))
+        let found = self.own_newest(unit * self.unit_blocks, slots)?;
+        (found == 0 || newer(expected, found)).then_some((found, expected))
     }
 
     /// Clear every unit that `[start, end)` touches.

@@ -85,9 +85,9 @@ impl PackedLayout {
             if !trim {
                 self.bind_row(io, unit)?;
             }
-            // Markers carry no generation, a zero context its range's.
-            let generation = template.generation();
-            io.written.forget_older(unit, generation);
+            // Markers and zero contexts carry no generation: the row's
+            // newest is read back after the write.
+            io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
             let vacant = trim && io.written.bound() && io.written.is_set(unit);
@@ -118,7 +118,12 @@ impl PackedLayout {
                     }
                 } else {
                     io.written.set(unit);
-                    io.written.raise_expected(unit, generation.unwrap_or(0));
+                }
+                if io.written.is_set(unit) {
+                    // The row's newest after the edge, read back: one
+                    // whose newest record was not replaced stays judged.
+                    io.written
+                        .raise_expected(unit, self.row_generation(io, unit)?);
                 }
             }
             lba = row_end_lba;
@@ -166,6 +171,17 @@ impl PackedLayout {
             "packed: a row is older than the volume expects (an older copy of the file?): its blocks are marked lost before a write into it"
         );
         Ok(())
+    }
+
+    /// The newest generation of row `unit`'s own contexts on disk.
+    fn row_generation(&self, io: &Backing, unit: u64) -> Result<u32> {
+        let place = self.unit_place(unit);
+        let mut row = PageBuffer::new(place.len);
+        io.read_object(place.object, place.offset, &mut row)?;
+        Ok(io.written.slots_generation(
+            unit * PACKED_RECORDS_PER_ROW,
+            Self::row_contexts(&row),
+        ))
     }
 
     /// The 31 contexts of a row's bytes, in LBA order.
@@ -217,8 +233,10 @@ impl PackedLayout {
                 let at = (self.geometry.locate(lba).data_offset - span_start + BLOCK) as usize;
                 &span[at..at + CONTEXT_BYTES]
             };
-            let in_span = io.written.slots_generation(low, (low..high).map(slot_at));
-            if in_span != 0 && !crate::written::newer(expected, in_span) {
+            let in_span = io.written.own_newest(low, (low..high).map(slot_at));
+            let current =
+                |found: u32| found != 0 && !crate::written::newer(expected, found);
+            if in_span.is_some_and(current) {
                 io.written.set_current(unit);
                 continue;
             }
@@ -234,7 +252,7 @@ impl PackedLayout {
                 match io.try_read_with(place.object, place.offset, &mut row, wait) {
                     Ok(()) => io
                         .written
-                        .slots_generation(lbas.start, Self::row_contexts(&row)),
+                        .own_newest(lbas.start, Self::row_contexts(&row)),
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
                         return Err(error)
                     }
@@ -243,11 +261,11 @@ impl PackedLayout {
                     Err(_) => continue,
                 }
             };
-            // A row with no own context is left to its tags.
-            if found == 0 || !crate::written::newer(expected, found) {
+            // A row with no own slot is left to its tags.
+            let Some(found) = found.filter(|found| !current(*found)) else {
                 io.written.set_current(unit);
                 continue;
-            }
+            };
             if !io.written.settled(seen) {
                 continue;
             }
@@ -570,19 +588,23 @@ impl Layout for PackedLayout {
         // (`bind_row`). A record older than the row's expected generation
         // forgets it before the write (`forget_older`); the newest record
         // of each row raises it after (`raise_expected`).
-        let mut rows: Vec<(u64, u32)> = Vec::new();
+        // (unit, newest generation written into it, expectation forgotten)
+        let mut rows: Vec<(u64, u32, bool)> = Vec::new();
         for ((lba, _), context) in blocks.iter().zip(contexts) {
             let unit = io.written.unit_of(*lba);
-            if rows.last().is_none_or(|(last, _)| *last != unit) {
+            if rows.last().is_none_or(|(last, ..)| *last != unit) {
                 self.settle_row(io, unit)?;
                 self.bind_row(io, unit)?;
-                rows.push((unit, 0));
+                rows.push((unit, 0, false));
             }
             let generation = context.generation();
-            io.written.forget_older(unit, generation);
-            if let (Some(row), Some(generation)) = (rows.last_mut(), generation) {
-                if row.1 == 0 || crate::written::newer(generation, row.1) {
-                    row.1 = generation;
+            let forgot = io.written.forget_older(unit, generation);
+            if let Some(row) = rows.last_mut() {
+                row.2 |= forgot;
+                if let Some(generation) = generation {
+                    if row.1 == 0 || crate::written::newer(generation, row.1) {
+                        row.1 = generation;
+                    }
                 }
             }
         }
@@ -616,8 +638,15 @@ impl Layout for PackedLayout {
         // the next checkpoint's map, after the data's fsync. Until then the
         // journal holds these records and recovery sets the bits again
         // (and forgets the rows' expected generations).
-        for (unit, newest) in rows {
+        // A row whose expectation a record forgot has its newest read
+        // back (rare: a copy keeping an older generation, zeros written).
+        for (unit, newest, forgot) in rows {
             io.written.set(unit);
+            let newest = if forgot {
+                self.row_generation(io, unit)?
+            } else {
+                newest
+            };
             io.written.raise_expected(unit, newest);
         }
         Ok(())
