@@ -96,6 +96,12 @@ pub(crate) struct WrittenMap {
     bound: AtomicBool,
     /// The bits changed since the copy on disk was written.
     dirty: AtomicBool,
+    /// Per generations copy (0, 1), one bit per 4 KiB page of its values:
+    /// the page changed since that copy was last written, so a map update
+    /// writes only those pages of the copy it writes (not 8 MiB per TiB
+    /// at every checkpoint that moved one value). All set at open: the
+    /// copy not loaded may be torn or of another `seq`.
+    generation_pages: [Vec<AtomicU64>; 2],
     /// `seq` of the newest copy on disk (0: none yet).
     seq: AtomicU64,
     /// Held while a unit may be blank with its bit set (a packed trim that
@@ -130,6 +136,19 @@ impl WrittenMap {
             current: row_bits(enabled, geometry, units),
             older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
+            generation_pages: [0, 1].map(|_| {
+                let pages = if enabled {
+                    generations_bytes(units) / WRITTEN_PAGE_BYTES
+                } else {
+                    0
+                };
+                (0..pages.div_ceil(64))
+                    .map(|word| {
+                        let left = pages - word * 64;
+                        AtomicU64::new(if left >= 64 { u64::MAX } else { (1 << left) - 1 })
+                    })
+                    .collect()
+            }),
             seq: AtomicU64::new(0),
             change: Mutex::new(()),
         }
@@ -363,16 +382,13 @@ impl WrittenMap {
     /// that is not newer than expected may replace the slot that held the
     /// unit's newest, so the expectation is forgotten before the write can
     /// lower it on disk (a copy keeps its source's generation; a trim
-    /// leaves a marker). Returns whether it was forgotten (the writer then
-    /// reads the unit's newest back after the write).
-    pub fn forget_older(&self, unit: u64, generation: Option<u32>) -> bool {
+    /// leaves a marker).
+    pub fn forget_older(&self, unit: u64, generation: Option<u32>) {
         let expected = self.expected_generation(unit);
         let older = generation.is_none_or(|generation| generation == 0 || newer(expected, generation));
         if expected != 0 && older {
             self.set_expected_generation(unit, 0);
-            return true;
         }
-        false
     }
 
     /// The generation `unit` is expected to have on disk (0: not known).
@@ -386,6 +402,10 @@ impl WrittenMap {
     pub fn set_expected_generation(&self, unit: u64, generation: u32) {
         if let Some(value) = self.generations.get(unit as usize) {
             if value.swap(generation, Ordering::AcqRel) != generation {
+                let page = unit * 4 / WRITTEN_PAGE_BYTES;
+                for pages in &self.generation_pages {
+                    pages[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+                }
                 self.dirty.store(true, Ordering::Release);
             }
         }
@@ -722,9 +742,16 @@ impl WrittenMap {
         if !self.enabled || !self.dirty.swap(false, Ordering::AcqRel) {
             return Ok(());
         }
+        let seq = self.seq.load(Ordering::Acquire) + 1;
+        // The generation pages this copy must be given, taken before the
+        // values are read (a value moved meanwhile marks its page again).
+        let pages = &self.generation_pages[(seq % 2) as usize];
+        let taken: Vec<u64> = pages
+            .iter()
+            .map(|word| word.swap(0, Ordering::AcqRel))
+            .collect();
         let result = (|| {
             let bits = self.bits();
-            let seq = self.seq.load(Ordering::Acquire) + 1;
             let header = WrittenHeader {
                 unit_blocks: self.unit_blocks as u32,
                 uuid: self.uuid,
@@ -751,7 +778,9 @@ impl WrittenMap {
                 };
                 let base = generations_offset(seq % 2, self.units);
                 io.write_object(ObjectId::Written, base, &generations.encode())?;
-                write_sparse(io, base + WRITTEN_PAGE_BYTES, &values)?;
+                // Only the pages changed since this copy was last written:
+                // the others hold these values already.
+                write_pages(io, base + WRITTEN_PAGE_BYTES, &values, &taken)?;
             }
             io.sync_object(ObjectId::Written)?;
             self.seq.store(seq, Ordering::Release);
@@ -759,6 +788,10 @@ impl WrittenMap {
         })();
         if result.is_err() {
             self.dirty.store(true, Ordering::Release);
+            // The pages are written again at the next update.
+            for (word, bits) in pages.iter().zip(&taken) {
+                word.fetch_or(*bits, Ordering::AcqRel);
+            }
         }
         result
     }
@@ -788,6 +821,29 @@ impl Drop for PageWritesGuard<'_> {
 /// newer than `b`, across the wrap of the journal's sequence's low bits.
 pub(crate) fn newer(a: u32, b: u32) -> bool {
     a != b && (a.wrapping_sub(b) as i32) > 0
+}
+
+/// Write the 4 KiB pages of `bytes` whose bit is set in `pages` at
+/// `offset` of `written` (zero pages punched), each run of them in one
+/// call.
+fn write_pages(io: &Backing, offset: u64, bytes: &[u8], pages: &[u64]) -> Result<()> {
+    let page = WRITTEN_PAGE_BYTES as usize;
+    let count = bytes.len() / page;
+    let chosen = |index: usize| pages[index / 64] & (1 << (index % 64)) != 0;
+    let mut index = 0;
+    while index < count {
+        if !chosen(index) {
+            index += 1;
+            continue;
+        }
+        let mut end = index + 1;
+        while end < count && chosen(end) {
+            end += 1;
+        }
+        write_sparse(io, offset + (index * page) as u64, &bytes[index * page..end * page])?;
+        index = end;
+    }
+    Ok(())
 }
 
 /// Write `bytes` at `offset` of `written`, its runs of zero pages punched

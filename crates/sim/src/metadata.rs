@@ -126,15 +126,15 @@ pub struct MetaReport {
 /// where the guard has 32 bits or more: a page of data only is a long
 /// error, and a 16-bit guard lets one in 65536 through (the media
 /// matrix's rule).
-/// An older copy of a file is claimed in packed, whatever the guard (a row
-/// older than the generation the written map expects of it is lost), and
-/// in split with a guard of 32 bits or more: a context page older than
-/// expected is lost, and an older data file fails the guard (encrypted:
-/// its AEAD; a 16-bit guard, as for a zeroed page, lets a long error
-/// through once in 65536).
+/// An older copy of a file is claimed in split with a guard of 32 bits or
+/// more: a context page older than expected is lost, and an older data
+/// file fails the guard (encrypted: its AEAD; a 16-bit guard, as for a
+/// zeroed page, lets a long error through once in 65536).
 /// Not claimed (measured, listed in docs/RELIABILITY.md): an older copy of
 /// a split data file under guard `none` (nothing compares data with its
-/// context: out of reach by design).
+/// context: out of reach by design), and of a packed data file: a row is
+/// caught when its expected generation is known, but a trim or zeros
+/// written into a row forget it until the row's next record.
 fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
     let guarded = guard != GuardKind::None;
     match kind {
@@ -146,7 +146,7 @@ fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
         | MetaKind::Emptied
         | MetaKind::CutShort => true,
         MetaKind::PageZeroed => guarded && guard.bits() >= 32,
-        MetaKind::OlderCopy => layout == LayoutKind::Packed || (guarded && guard.bits() >= 32),
+        MetaKind::OlderCopy => layout == LayoutKind::Split && guarded && guard.bits() >= 32,
     }
 }
 

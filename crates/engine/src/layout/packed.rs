@@ -86,7 +86,9 @@ impl PackedLayout {
                 self.bind_row(io, unit)?;
             }
             // Markers and zero contexts carry no generation: the row's
-            // newest is read back after the write.
+            // expectation is forgotten, known again at its next record.
+            // (Reading the row's newest back after the write instead broke
+            // the crash contract in `vouch-sim crash`: cause not found.)
             io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
@@ -119,12 +121,7 @@ impl PackedLayout {
                 } else {
                     io.written.set(unit);
                 }
-                if io.written.is_set(unit) {
-                    // The row's newest after the edge, read back: one
-                    // whose newest record was not replaced stays judged.
-                    io.written
-                        .raise_expected(unit, self.row_generation(io, unit)?);
-                }
+
             }
             lba = row_end_lba;
         }
@@ -171,17 +168,6 @@ impl PackedLayout {
             "packed: a row is older than the volume expects (an older copy of the file?): its blocks are marked lost before a write into it"
         );
         Ok(())
-    }
-
-    /// The newest generation of row `unit`'s own contexts on disk.
-    fn row_generation(&self, io: &Backing, unit: u64) -> Result<u32> {
-        let place = self.unit_place(unit);
-        let mut row = PageBuffer::new(place.len);
-        io.read_object(place.object, place.offset, &mut row)?;
-        Ok(io.written.slots_generation(
-            unit * PACKED_RECORDS_PER_ROW,
-            Self::row_contexts(&row),
-        ))
     }
 
     /// The 31 contexts of a row's bytes, in LBA order.
@@ -588,19 +574,18 @@ impl Layout for PackedLayout {
         // (`bind_row`). A record older than the row's expected generation
         // forgets it before the write (`forget_older`); the newest record
         // of each row raises it after (`raise_expected`).
-        // (unit, newest generation written into it, expectation forgotten)
-        let mut rows: Vec<(u64, u32, bool)> = Vec::new();
+        // (unit, newest generation written into it)
+        let mut rows: Vec<(u64, u32)> = Vec::new();
         for ((lba, _), context) in blocks.iter().zip(contexts) {
             let unit = io.written.unit_of(*lba);
             if rows.last().is_none_or(|(last, ..)| *last != unit) {
                 self.settle_row(io, unit)?;
                 self.bind_row(io, unit)?;
-                rows.push((unit, 0, false));
+                rows.push((unit, 0));
             }
             let generation = context.generation();
-            let forgot = io.written.forget_older(unit, generation);
+            io.written.forget_older(unit, generation);
             if let Some(row) = rows.last_mut() {
-                row.2 |= forgot;
                 if let Some(generation) = generation {
                     if row.1 == 0 || crate::written::newer(generation, row.1) {
                         row.1 = generation;
@@ -638,15 +623,10 @@ impl Layout for PackedLayout {
         // the next checkpoint's map, after the data's fsync. Until then the
         // journal holds these records and recovery sets the bits again
         // (and forgets the rows' expected generations).
-        // A row whose expectation a record forgot has its newest read
-        // back (rare: a copy keeping an older generation, zeros written).
-        for (unit, newest, forgot) in rows {
+        // A row whose expectation a record forgot (a copy keeping an older
+        // generation, zeros written) expects the newest written now.
+        for (unit, newest) in rows {
             io.written.set(unit);
-            let newest = if forgot {
-                self.row_generation(io, unit)?
-            } else {
-                newest
-            };
             io.written.raise_expected(unit, newest);
         }
         Ok(())
@@ -842,6 +822,11 @@ impl Layout for PackedLayout {
                 }
             }
         }
+        // A range's edge raised its row's expectation from the row as it
+        // was then, and a later replayed record may have replaced that
+        // row's newest with the older one the journal holds (the journal
+        // wins): forgotten again, known at the row's next write.
+        super::split::forget_replayed_generations(replay.io, records);
         Ok(Vec::new())
     }
 
