@@ -121,7 +121,6 @@ impl PackedLayout {
                 } else {
                     io.written.set(unit);
                 }
-
             }
             lba = row_end_lba;
         }
@@ -220,8 +219,7 @@ impl PackedLayout {
                 &span[at..at + CONTEXT_BYTES]
             };
             let in_span = io.written.own_newest(low, (low..high).map(slot_at));
-            let current =
-                |found: u32| found != 0 && !crate::written::newer(expected, found);
+            let current = |found: u32| found != 0 && !crate::written::newer(expected, found);
             if in_span.is_some_and(current) {
                 io.written.set_current(unit);
                 continue;
@@ -236,9 +234,7 @@ impl PackedLayout {
                 let place = self.unit_place(unit);
                 let mut row = PageBuffer::new(place.len);
                 match io.try_read_with(place.object, place.offset, &mut row, wait) {
-                    Ok(()) => io
-                        .written
-                        .own_newest(lbas.start, Self::row_contexts(&row)),
+                    Ok(()) => io.written.own_newest(lbas.start, Self::row_contexts(&row)),
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
                         return Err(error)
                     }
