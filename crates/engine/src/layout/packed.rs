@@ -142,6 +142,10 @@ impl PackedLayout {
     /// records' fsync; a crash before leaves the older row, judged again.
     fn settle_row(&self, io: &Backing, unit: u64) -> Result<()> {
         if !io.written.to_judge(unit) {
+            // Nothing to judge it by (or judged already): the row is
+            // current from now on, so reads of the records written into
+            // it this open never read it whole to judge it.
+            io.written.set_current(unit);
             return Ok(());
         }
         let place = self.unit_place(unit);
