@@ -364,25 +364,27 @@ impl LandingFile {
 /// record past the window is written with `pwritev` instead.
 const HELD_WINDOW: u64 = 1 << 30;
 
+/// Records of at least this many bytes are streamed into the held log
+/// (`copy_into_held`).
+const STREAM_FROM: usize = 64 << 10;
+
 /// Copy `from` to `to`. The held log is written and not read again
-/// (unless the process crashed), so large parts are stored around the
-/// cache (non-temporal stores, SSE2: every x86-64 has it): a 1 MiB record
-/// then costs about 40 µs instead of 63 µs here, and does not evict what
-/// the commit and the socket are working on. Parts under `STREAM_FROM`
-/// (a 4 KiB block, the common small write) are copied plainly: into the
-/// cache they cost less than the streamed stores, and the fence after a
-/// streamed copy waits for them to reach memory, which a small write
-/// would pay on every request.
-///
-/// Returns whether it streamed (the stores then need `store_fence`).
+/// (unless the process crashed), so a large record's parts are stored
+/// around the cache (`stream`: non-temporal stores, SSE2, every x86-64
+/// has it): a 1 MiB record then costs about 40 µs instead of 63 µs here,
+/// and does not evict what the commit and the socket are working on. A
+/// record under `STREAM_FROM` (a 4 KiB write, the common small one) is
+/// copied plainly: into the cache it costs less, and the fence after
+/// streamed stores waits for them to reach memory, which a small write
+/// would pay on every request. Large payloads from NBD are landed and not
+/// copied at all; a replica's and an encrypted volume's are streamed.
 ///
 /// # Safety
 /// `to` must be valid for `from.len()` bytes of writes, not overlapping
 /// `from`.
-unsafe fn stream_copy(to: *mut u8, from: &[u8]) -> bool {
-    const STREAM_FROM: usize = 64 << 10;
+unsafe fn copy_into_held(to: *mut u8, from: &[u8], stream: bool) {
     #[cfg(target_arch = "x86_64")]
-    if from.len() >= STREAM_FROM {
+    if stream && from.len() >= 1024 {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let mut to = to;
         let mut from = from;
@@ -406,14 +408,15 @@ unsafe fn stream_copy(to: *mut u8, from: &[u8]) -> bool {
         let tail = chunks.remainder();
         // SAFETY: the rest of the caller's range.
         unsafe { std::ptr::copy_nonoverlapping(tail.as_ptr(), to, tail.len()) };
-        return true;
+        return;
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = stream;
     // SAFETY: as the caller promises.
     unsafe { std::ptr::copy_nonoverlapping(from.as_ptr(), to, from.len()) };
-    false
 }
 
-/// Order the non-temporal stores `stream_copy` made before later stores.
+/// Order the non-temporal stores `copy_into_held` made before later stores.
 fn store_fence() {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: SSE (every x86-64); a fence has no other effect.
@@ -925,20 +928,22 @@ impl Storage for FileStorage {
         let Some(mut to) = held.mapped(slot, at, len) else {
             return self.write_vectored_at(ObjectId::Held(slot), at, parts);
         };
-        let mut streamed = false;
+        // A record's parts are its entries and one part per 4 KiB block:
+        // whether to stream is the whole record's size, not a part's.
+        let stream = len >= STREAM_FROM;
         for part in parts {
             // SAFETY: `mapped` checked `[at, at + len)` is inside the
             // mapping, and `grow_held` allocated it in the file (no
             // SIGBUS); the engine gives each writer a range of its own.
             unsafe {
-                streamed |= stream_copy(to, part);
+                copy_into_held(to, part, stream);
                 to = to.add(part.len());
             }
         }
         // Streamed stores are weakly ordered: fence them before the
         // record's `done` word (`publish_held`) can be stored. Plain
         // stores are ordered before it by the word's release store.
-        if streamed {
+        if stream {
             store_fence();
         }
         Ok(())
