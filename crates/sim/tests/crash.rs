@@ -89,6 +89,7 @@ fn encrypted_crash_images_satisfy_the_contract() {
 
 /// A crash at any write or sync of a key change leaves exactly one of the
 /// two keys working, never neither; once it returned, only the new one.
+/// The volume runs the production scheduling with unflushed writes.
 #[test]
 fn a_crash_during_a_key_change_leaves_exactly_one_key() {
     let report = vouch_sim::keychange::run(1, 8);
@@ -99,6 +100,12 @@ fn a_crash_during_a_key_change_leaves_exactly_one_key() {
     );
     assert!(
         report.old_key > 0 && report.new_key > 0,
+        "{}",
+        report.summary()
+    );
+    // The production scheduling ran: inline writes and background commits.
+    assert!(
+        report.inline_writes > 0 && report.background_commits > 0,
         "{}",
         report.summary()
     );
