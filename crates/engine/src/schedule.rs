@@ -57,6 +57,11 @@ pub struct OrderingBreaks {
     /// replays before the committing one (the epoch bug serve_crash.rs
     /// found).
     pub keep_stale_epoch: bool,
+    /// A ring read (`BlockDevice::try_begin_read`) plans a block the
+    /// write-back buffer holds as at home, so it answers the older home
+    /// value instead of the newest one (the route's rule is that every
+    /// block it reads is at home when it is planned).
+    pub ring_read_past_buffer: bool,
 }
 
 /// The caller's side of a volume whose commits it steps (module comment).
