@@ -24,7 +24,6 @@
 //! the block bad on both legs is rewritten and clients read wrong bytes,
 //! which the checks must report.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -32,8 +31,8 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Error, Fault, LayoutKind, ObjectId, OpenOptions,
-    SealedBlock, SimStorage, Storage, Volume, ZeroFlags,
+    BlockDevice, CreateOptions, Error, Fault, LayoutKind, ObjectId, OpenOptions, SimStorage,
+    Storage, Volume,
 };
 
 use crate::recorder::{crash_image, Recorder, STRATEGIES};
@@ -113,35 +112,7 @@ struct ResealsFaults {
 }
 
 impl BlockDevice for ResealsFaults {
-    fn size(&self) -> u64 {
-        self.volume.size()
-    }
-    fn is_read_only(&self) -> bool {
-        false
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> vouch_engine::Result<Vec<Range<u64>>> {
-        self.volume.read(offset, buf)
-    }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
-        self.volume.write(offset, data, fua)
-    }
-    fn flush(&self) -> vouch_engine::Result<()> {
-        self.volume.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> vouch_engine::Result<()> {
-        self.volume.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> vouch_engine::Result<()> {
-        self.volume.write_zeroes(offset, length, flags)
-    }
-    fn block_status(
-        &self,
-        offset: u64,
-        length: u64,
-        max_blocks: u64,
-    ) -> vouch_engine::Result<Vec<(u64, Allocation)>> {
-        self.volume.block_status(offset, length, max_blocks)
-    }
+    forward_device!(volume);
     fn read_blocks_collecting(
         &self,
         first: u64,
@@ -159,12 +130,6 @@ impl BlockDevice for ResealsFaults {
             self.volume.write(fault.lba * BLOCK as u64, raw, false)?;
         }
         Ok(Vec::new())
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
-        self.volume.read_sealed(first, count)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        self.volume.write_sealed(blocks)
     }
 }
 
