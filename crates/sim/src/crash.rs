@@ -28,7 +28,9 @@
 //! buffer and held-log slot while the commit goes on, and a crash may be
 //! taken (`steps.rs`). A write run there stays off the blocks of the
 //! operation in flight; a flush makes durable what was written before it
-//! started (`Model::durable_from`).
+//! started (`Model::durable_from`). The reactor's ring reads run too
+//! (`reads.rs`): started through `try_begin_read` before operations and
+//! completed by the simulated storage at seeded points after them.
 //!
 //! Crash points: right before every write, punch and sync the engine issues
 //! (sampled; a third of them process crashes), at a third of the commit
