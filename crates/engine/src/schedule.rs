@@ -19,7 +19,9 @@
 //! schedule; `try_write_shared` and `reserve_room` read the same
 //! `is_background` flag as before). A commit tests an `Option` at each of
 //! its few steps, a handful of predictable branches per commit of up to
-//! 16 MiB: nothing a benchmark can see.
+//! 16 MiB, and a ring read's plan one test of a flag that is always false
+//! outside the simulator's self-tests (`OrderingBreaks`): nothing a
+//! benchmark can see.
 
 use std::fmt;
 
