@@ -114,33 +114,34 @@ pub(crate) struct HeldSlots {
 const INLINE_BLOCKS: usize = 8;
 
 /// A record's entries (`HeldLog::entries`): in place for up to
-/// `INLINE_BLOCKS` blocks, else on the heap.
-pub(crate) enum Entries {
-    Inline {
-        bytes: [u8; INLINE_BLOCKS * ENTRY_BYTES],
-        len: usize,
-    },
-    Heap(Vec<u8>),
+/// `INLINE_BLOCKS` blocks, else on the heap (`Vec::new` allocates nothing
+/// for the small ones).
+pub(crate) struct Entries {
+    inline: [u8; INLINE_BLOCKS * ENTRY_BYTES],
+    len: usize,
+    heap: Vec<u8>,
 }
 
 impl Entries {
     /// Zeroed entries for `count` blocks.
     fn new(count: usize) -> Entries {
         let len = count * ENTRY_BYTES;
-        if count <= INLINE_BLOCKS {
-            Entries::Inline {
-                bytes: [0; INLINE_BLOCKS * ENTRY_BYTES],
-                len,
-            }
-        } else {
-            Entries::Heap(vec![0; len])
+        Entries {
+            inline: [0; INLINE_BLOCKS * ENTRY_BYTES],
+            len,
+            heap: if count > INLINE_BLOCKS {
+                vec![0; len]
+            } else {
+                Vec::new()
+            },
         }
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        match self {
-            Entries::Inline { bytes, len } => &mut bytes[..*len],
-            Entries::Heap(bytes) => bytes,
+        if self.len <= self.inline.len() {
+            &mut self.inline[..self.len]
+        } else {
+            &mut self.heap
         }
     }
 }
@@ -149,9 +150,10 @@ impl std::ops::Deref for Entries {
     type Target = [u8];
 
     fn deref(&self) -> &[u8] {
-        match self {
-            Entries::Inline { bytes, len } => &bytes[..*len],
-            Entries::Heap(bytes) => bytes,
+        if self.len <= self.inline.len() {
+            &self.inline[..self.len]
+        } else {
+            &self.heap
         }
     }
 }
@@ -774,4 +776,28 @@ pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Resul
         state.buffer(lba, dirty);
     }
     Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vouch_format::CONTEXT_BYTES;
+
+    /// Records of every size keep every entry: in place up to
+    /// `INLINE_BLOCKS` blocks, on the heap past it.
+    #[test]
+    fn entries_keep_every_count_in_place_or_on_the_heap() {
+        for count in [0, 1, INLINE_BLOCKS, INLINE_BLOCKS + 1, 300] {
+            let mut entries = Entries::new(count);
+            for (index, entry) in entries.bytes_mut().chunks_mut(ENTRY_BYTES).enumerate() {
+                encode_entry(entry, index as u64 * 7, &[index as u8; CONTEXT_BYTES]);
+            }
+            assert_eq!(entries.len(), count * ENTRY_BYTES, "{count} blocks");
+            for index in 0..count {
+                let (lba, context) = decode_entry(&entries, index);
+                assert_eq!(lba, index as u64 * 7, "{count} blocks, entry {index}");
+                assert_eq!(context, &[index as u8; CONTEXT_BYTES][..]);
+            }
+        }
+    }
 }
