@@ -61,6 +61,17 @@ impl BlockData {
         }
     }
 
+    /// The block at byte `start` of `buffer`, sharing it (no copy): a
+    /// window of it when the buffer carries `blocks_in_buffer` > 1 blocks
+    /// (a replica's WRITE_SEALED payload interleaves each block with its
+    /// LBA and context, so its blocks start at no multiple of a block).
+    pub fn in_buffer(buffer: &Bytes, start: usize, blocks_in_buffer: usize) -> BlockData {
+        BlockData {
+            window: blocks_in_buffer > 1,
+            ..BlockData::from_bytes(buffer.slice(start..start + BLOCK as usize))
+        }
+    }
+
     /// Take `bytes`, one block split off a run of `run_blocks` blocks in
     /// one allocation (a window of it when the run is longer).
     pub(crate) fn part_of_run(bytes: Bytes, run_blocks: usize) -> BlockData {

@@ -344,10 +344,11 @@ impl RecordHeader {
     }
 }
 
-/// Encode one entry (an LBA and its raw context) into `out`.
-pub fn encode_entry(out: &mut Vec<u8>, lba: u64, context: &[u8; CONTEXT_BYTES]) {
-    out.extend_from_slice(&lba.to_le_bytes());
-    out.extend_from_slice(context);
+/// Encode one entry (an LBA and its raw context) into `out`, which is
+/// `ENTRY_BYTES` long.
+pub fn encode_entry(out: &mut [u8], lba: u64, context: &[u8; CONTEXT_BYTES]) {
+    out[..8].copy_from_slice(&lba.to_le_bytes());
+    out[8..ENTRY_BYTES].copy_from_slice(context);
 }
 
 /// The LBA and raw context of entry `index` of `entries`.

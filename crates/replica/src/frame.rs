@@ -233,7 +233,12 @@ mod tests {
             expected[..REQUEST_HEADER_BYTES].try_into().expect("header");
         let header = RequestHeader::decode(&header).expect("decode header");
         let end = REQUEST_HEADER_BYTES + header.payload_bytes as usize;
-        match decode_request(&header, &expected[REQUEST_HEADER_BYTES..end]).expect("decode") {
+        match decode_request(
+            &header,
+            &bytes::Bytes::copy_from_slice(&expected[REQUEST_HEADER_BYTES..end]),
+        )
+        .expect("decode")
+        {
             Request::WriteSealed { blocks: got, fua } => {
                 assert!(fua);
                 assert_eq!(got.len(), 3);

@@ -69,7 +69,9 @@ impl Join {
 
 /// A remote replica as a mirror leg.
 pub struct RemoteLeg {
-    url: ReplicaUrl,
+    /// Shared with each write's answer callback (its errors name it): a
+    /// count, not a copy of the URL's strings per write.
+    url: Arc<ReplicaUrl>,
     /// Replaced only by `reconnect`, once this one is dead.
     connection: RwLock<Arc<Connection>>,
     options: ClientOptions,
@@ -145,7 +147,7 @@ impl RemoteLeg {
         let guard = GuardKind::from_byte(info.guard)
             .map_err(|error| Error::Corrupt(format!("replica {url}: guard: {error}")))?;
         Ok(RemoteLeg {
-            url: url.clone(),
+            url: Arc::new(url.clone()),
             connection: RwLock::new(connection),
             options: options.clone(),
             protection: GuardProtection::new(guard, info.volume_tag),
@@ -570,6 +572,20 @@ impl BlockDevice for RemoteLeg {
             return;
         }
         let connection = Arc::clone(&self.connection.read());
+        if blocks.len() <= MAX_BLOCKS_PER_REQUEST as usize {
+            // One request: its answer is the write's, with no `Join`.
+            let url = Arc::clone(&self.url);
+            connection.send_then(
+                &Request::WriteSealed {
+                    blocks: blocks.to_vec(),
+                    fua,
+                },
+                Box::new(move |answer| {
+                    done(answer.map(|_| ()).map_err(|error| leg_error(&url, error)));
+                }),
+            );
+            return;
+        }
         let chunks = blocks.chunks(MAX_BLOCKS_PER_REQUEST as usize);
         let join = Arc::new(Join {
             remaining: AtomicUsize::new(chunks.len()),
@@ -577,7 +593,7 @@ impl BlockDevice for RemoteLeg {
             done: Mutex::new(Some(done)),
         });
         for chunk in chunks {
-            let (join, url) = (Arc::clone(&join), self.url.clone());
+            let (join, url) = (Arc::clone(&join), Arc::clone(&self.url));
             connection.send_then(
                 &Request::WriteSealed {
                     blocks: chunk.to_vec(),

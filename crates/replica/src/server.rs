@@ -713,6 +713,22 @@ pub async fn serve_connection<S>(
     let _ = writing.await;
 }
 
+/// Read exactly `length` bytes into `payload` (empty, with that much
+/// room): an error at the end of the stream before them.
+async fn read_payload<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    payload: &mut bytes::BytesMut,
+    length: usize,
+) -> std::io::Result<()> {
+    let mut limited = reader.take(length as u64);
+    while payload.len() < length {
+        if limited.read_buf(payload).await? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+    }
+    Ok(())
+}
+
 struct Session {
     peer: String,
     registry: Arc<Registry>,
@@ -749,12 +765,16 @@ impl Session {
                 Ok(header) => header,
                 Err(error) => return Err(self.malformed(handle, error).await),
             };
-            let mut payload = vec![0u8; header.payload_bytes as usize];
-            match tokio::time::timeout(timeout, reader.read_exact(&mut payload)).await {
-                Ok(Ok(_)) => {}
+            // Received into memory never zeroed first (a WRITE_SEALED's
+            // blocks stay in it: `decode_request`).
+            let length = header.payload_bytes as usize;
+            let mut payload = bytes::BytesMut::with_capacity(length);
+            match tokio::time::timeout(timeout, read_payload(reader, &mut payload, length)).await {
+                Ok(Ok(())) => {}
                 Ok(Err(_)) => return Err("the connection ended inside a request".into()),
                 Err(_) => return Err(stalled()),
             }
+            let payload = payload.freeze();
             let request = match decode_request(&header, &payload) {
                 Ok(request) => request,
                 Err(WireError::BadContext(lba)) => {

@@ -4,6 +4,7 @@
 //! length is bounded before anything is allocated; a frame that breaks a
 //! rule is a `WireError`, never a panic.
 
+use bytes::Bytes;
 use vouch_engine::{Allocation, BlockData, Fault, FaultKind, SealedBlock, BLOCK};
 
 pub use crate::frame::RequestFrame;
@@ -396,8 +397,10 @@ fn decode_name(bytes: &[u8]) -> Result<String, WireError> {
     Ok(name)
 }
 
-/// Decode a request from its checked header and its payload.
-pub fn decode_request(header: &RequestHeader, payload: &[u8]) -> Result<Request, WireError> {
+/// Decode a request from its checked header and its payload. A
+/// WRITE_SEALED's blocks are windows of `payload` (no copy: on a replica
+/// each block is copied once more anyway, into its held log).
+pub fn decode_request(header: &RequestHeader, payload: &Bytes) -> Result<Request, WireError> {
     if payload.len() != header.payload_bytes as usize {
         return Err(WireError::Truncated("payload shorter than its header says"));
     }
@@ -415,13 +418,15 @@ pub fn decode_request(header: &RequestHeader, payload: &[u8]) -> Result<Request,
             first: header.offset,
             count: header.length,
         },
-        Op::WriteSealed => Request::WriteSealed {
-            blocks: payload
-                .chunks_exact(WRITE_ENTRY_BYTES)
-                .map(decode_write_entry)
-                .collect::<Result<_, _>>()?,
-            fua,
-        },
+        Op::WriteSealed => {
+            let count = payload.len() / WRITE_ENTRY_BYTES;
+            Request::WriteSealed {
+                blocks: (0..count)
+                    .map(|index| decode_write_entry(payload, index * WRITE_ENTRY_BYTES, count))
+                    .collect::<Result<_, _>>()?,
+                fua,
+            }
+        }
         Op::Flush => Request::Flush,
         Op::Trim => Request::Trim {
             offset: header.offset,
@@ -457,11 +462,13 @@ pub fn decode_request(header: &RequestHeader, payload: &[u8]) -> Result<Request,
     })
 }
 
-fn decode_write_entry(entry: &[u8]) -> Result<SealedBlock, WireError> {
+/// The entry at byte `at` of a WRITE_SEALED payload of `count` entries.
+fn decode_write_entry(payload: &Bytes, at: usize, count: usize) -> Result<SealedBlock, WireError> {
+    let entry = &payload[at..at + WRITE_ENTRY_BYTES];
     let lba = u64_at(entry, 0);
     let context =
         Context::decode(&entry[8..8 + CONTEXT_BYTES]).map_err(|_| WireError::BadContext(lba))?;
-    let data = BlockData::copy_from(&entry[8 + CONTEXT_BYTES..]);
+    let data = BlockData::in_buffer(payload, at + 8 + CONTEXT_BYTES, count);
     Ok(SealedBlock { lba, data, context })
 }
 

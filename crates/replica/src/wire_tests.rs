@@ -62,7 +62,10 @@ fn decode(frame: &[u8]) -> Result<Request, WireError> {
         return Err(WireError::Truncated("header"));
     }
     let header = RequestHeader::decode(frame[..REQUEST_HEADER_BYTES].try_into().unwrap())?;
-    decode_request(&header, &frame[REQUEST_HEADER_BYTES..])
+    decode_request(
+        &header,
+        &bytes::Bytes::copy_from_slice(&frame[REQUEST_HEADER_BYTES..]),
+    )
 }
 
 #[test]

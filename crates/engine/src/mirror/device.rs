@@ -287,12 +287,14 @@ impl Mirror {
 
     /// Legs that are active and present, in order.
     pub fn active(&self) -> Vec<usize> {
-        (0..self.legs.len())
-            .filter(|&leg| {
-                self.legs[leg].device.get().is_some()
-                    && state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
-            })
-            .collect()
+        self.active_legs().collect()
+    }
+
+    fn active_legs(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.legs.len()).filter(|&leg| {
+            self.legs[leg].device.get().is_some()
+                && state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
+        })
     }
 
     pub(super) fn device(&self, leg: usize) -> &dyn BlockDevice {
@@ -314,13 +316,14 @@ impl Mirror {
     /// Legs that get writes: the active ones and those resyncing.
     pub(super) fn write_targets(&self) -> Vec<usize> {
         (0..self.legs.len())
-            .filter(|&leg| {
-                self.legs[leg].device.get().is_some()
-                    && (state_from(self.legs[leg].state.load(Ordering::Acquire))
-                        == LegState::Active
-                        || self.legs[leg].resyncing.load(Ordering::Acquire))
-            })
+            .filter(|&leg| self.is_write_target(leg))
             .collect()
+    }
+
+    fn is_write_target(&self, leg: usize) -> bool {
+        self.legs[leg].device.get().is_some()
+            && (state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
+                || self.legs[leg].resyncing.load(Ordering::Acquire))
     }
 
     /// Mark blocks `[first, end)` in every stale leg's resync map before
@@ -653,8 +656,8 @@ impl Mirror {
     /// (each leg's advances with its commits, so a later write of a block
     /// never gets a lower generation than an earlier one).
     pub fn generation_clock(&self) -> u64 {
-        self.active()
-            .into_iter()
+        // Every write asks: no list of the legs made for it.
+        self.active_legs()
             .map(|leg| self.device(leg).generation_clock())
             .max()
             .unwrap_or(0)
@@ -1063,6 +1066,16 @@ impl BlockDevice for Mirror {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let whole = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         if data.is_empty() || !whole {
+            return Ok(false);
+        }
+        // A remote leg has no room to reserve (`Reserved::on` below fails
+        // on it): such a write completes later instead (`try_begin_write`).
+        // Declined before the stripes, the activity log, the record and the
+        // local legs' room are taken only to be given back: that was a
+        // second round of all of it on the NBD reactor for every write to
+        // a remote mirror (perf: ~6 of its ~32 allocations per 4 KiB write).
+        let remote_target = |leg: usize| self.legs[leg].remote && self.is_write_target(leg);
+        if (0..self.legs.len()).any(remote_target) {
             return Ok(false);
         }
         let count = data.len() / BLOCK as usize;
