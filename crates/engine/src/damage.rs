@@ -316,8 +316,13 @@ impl Shared {
         } else {
             let mut bytes = vec![0u8; place.len];
             let read = io.read_object(place.object, place.offset, &mut bytes);
-            let stale = (read.is_ok() && place.object == ObjectId::Contexts)
-                .then(|| io.written.stale_page(unit, &bytes))
+            let stale = read
+                .is_ok()
+                .then(|| {
+                    let slots = self.layouts.of(lba).unit_metadata(&bytes);
+                    io.written
+                        .stale_unit(unit, slots.iter().map(|slot| &slot[..]))
+                })
                 .flatten();
             match read {
                 Err(error) => format!("cannot be read ({error})"),

@@ -30,6 +30,13 @@
 //!   every page a replayed entry touches (a checkpoint cut before the map
 //!   may have made a page older: a trim, a copy keeping its source's
 //!   generation).
+//! - Packed rows have one too: a generation the row's newest own record
+//!   is at least, raised by a commit after it writes records into the row
+//!   (on disk with the next checkpoint's map, after their fsync) and
+//!   forgotten before a write that may lower it (`forget_older`). A row is
+//!   judged once per open (`current`), at a read (`PackedLayout::
+//!   judge_rows`) or before its first write (`settle_row`); recovery
+//!   forgets the value of every row a replayed entry touches.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -55,17 +62,30 @@ pub(crate) struct WrittenMap {
     units: u64,
     uuid: [u8; 16],
     words: Vec<AtomicU64>,
-    /// The expected generation of each unit (split pages; 0: not known):
-    /// the highest generation among its own contexts when a checkpoint
-    /// last wrote it. A page whose contexts are all older was restored
-    /// from an older copy of the file (`judge_page`).
+    /// The expected generation of each unit (0: not known). Split: the
+    /// highest generation among a page's own contexts when a checkpoint
+    /// last wrote it; packed: a generation the row's newest own record is
+    /// at least. A unit whose contexts are all older was restored from an
+    /// older copy of the file (`judge_page`, `PackedLayout::judge_rows`).
     generations: Vec<AtomicU32>,
     /// Odd while a checkpoint writes context pages and then sets their
-    /// expected generations (`begin_page_writes` .. `end_page_writes`):
-    /// a page a reader read from disk meanwhile may be the one before the
-    /// write while the expected value is already the one after, so it is
-    /// not judged older (`judge_page`'s `seen`). A seqlock's counter.
+    /// expected generations, or a commit writes packed records and moves
+    /// their rows' (`begin_page_writes` .. `end_page_writes`): a unit a
+    /// reader read from disk meanwhile may be the one before the write
+    /// while the expected value is already the one after, so it is not
+    /// judged older (`judge_page`'s `seen`). A seqlock's counter.
     page_writes: AtomicU64,
+    /// Packed: one bit per row found no older than its expected
+    /// generation during this open (or whose expectation is not known),
+    /// so each row is judged once, not at every read of one of its
+    /// records. Memory only: an older copy is restored while the volume
+    /// is closed.
+    current: Vec<AtomicU64>,
+    /// Packed: one bit per row found older than its expected generation
+    /// this open, so its later reads fail without reading it again (and
+    /// it is named once in the log). Cleared when the row is made current
+    /// (`set_current`: a write marked its older slots lost).
+    older: Vec<AtomicU64>,
     /// `crc32c(uuid)`: the volume tag of the markers this map judges.
     volume_tag: u32,
     /// The volume's units are whole (`INCOMPAT_BOUND_UNITS`): a written
@@ -76,6 +96,12 @@ pub(crate) struct WrittenMap {
     bound: AtomicBool,
     /// The bits changed since the copy on disk was written.
     dirty: AtomicBool,
+    /// Per generations copy (0, 1), one bit per 4 KiB page of its values:
+    /// the page changed since that copy was last written, so a map update
+    /// writes only those pages of the copy it writes (not 8 MiB per TiB
+    /// at every checkpoint that moved one value). All set at open: the
+    /// copy not loaded may be torn or of another `seq`.
+    generation_pages: [Vec<AtomicU64>; 2],
     /// `seq` of the newest copy on disk (0: none yet).
     seq: AtomicU64,
     /// Held while a unit may be blank with its bit set (a packed trim that
@@ -103,17 +129,30 @@ impl WrittenMap {
             volume_tag: crc32c(&uuid),
             bound: AtomicBool::new(false),
             words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            // Split only: a packed row's generation is not checked (a
-            // read of one record does not read its row).
-            generations: (0..if enabled && geometry.layout == LayoutKind::Split {
-                units
-            } else {
-                0
-            })
+            generations: (0..if enabled { units } else { 0 })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
             page_writes: AtomicU64::new(0),
+            current: row_bits(enabled, geometry, units),
+            older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
+            generation_pages: [0, 1].map(|_| {
+                let pages = if enabled {
+                    generations_bytes(units) / WRITTEN_PAGE_BYTES
+                } else {
+                    0
+                };
+                (0..pages.div_ceil(64))
+                    .map(|word| {
+                        let left = pages - word * 64;
+                        AtomicU64::new(if left >= 64 {
+                            u64::MAX
+                        } else {
+                            (1 << left) - 1
+                        })
+                    })
+                    .collect()
+            }),
             seq: AtomicU64::new(0),
             change: Mutex::new(()),
         }
@@ -266,6 +305,13 @@ impl WrittenMap {
         self.page_writes.load(Ordering::Acquire)
     }
 
+    /// Whether no unit was written, nor its expected generation moved,
+    /// since `seen = page_writes()`: a unit read from disk in between is
+    /// judged against the expected value now.
+    pub fn settled(&self, seen: u64) -> bool {
+        seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen
+    }
+
     /// A checkpoint starts writing context pages (then sets their
     /// expected generations); `end_page_writes` when both are done.
     pub fn begin_page_writes(&self) {
@@ -274,6 +320,80 @@ impl WrittenMap {
 
     pub fn end_page_writes(&self) {
         self.page_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A writer of packed rows (a commit's records, a range's edge
+    /// records) holds this while it writes and moves expected
+    /// generations: `page_writes` is odd meanwhile (`judge_page`'s
+    /// `seen`). Taken under the commit lock, never nested.
+    pub fn page_writes_guard(&self) -> PageWritesGuard<'_> {
+        self.begin_page_writes();
+        PageWritesGuard(self)
+    }
+
+    /// Whether packed row `unit` is still to be judged against its
+    /// expected generation this open: its bit set, its expectation known,
+    /// not yet found current.
+    pub fn to_judge(&self, unit: u64) -> bool {
+        self.current.get((unit / 64) as usize).is_some_and(|word| {
+            word.load(Ordering::Acquire) & (1 << (unit % 64)) == 0
+                && self.expected_generation(unit) != 0
+                && self.is_set(unit)
+        })
+    }
+
+    /// Packed row `unit` is current for the rest of this open: a slot of
+    /// it held a generation no older than expected, or it was judged, or
+    /// its older slots were marked lost.
+    pub fn set_current(&self, unit: u64) {
+        if let Some(word) = self.current.get((unit / 64) as usize) {
+            word.fetch_or(1 << (unit % 64), Ordering::AcqRel);
+        }
+        if let Some(word) = self.older.get((unit / 64) as usize) {
+            word.fetch_and(!(1 << (unit % 64)), Ordering::AcqRel);
+        }
+    }
+
+    /// Packed row `unit` was found older than expected this open; true
+    /// the first time (to name it once).
+    pub fn set_older(&self, unit: u64) -> bool {
+        self.older.get((unit / 64) as usize).is_some_and(|word| {
+            word.fetch_or(1 << (unit % 64), Ordering::AcqRel) & (1 << (unit % 64)) == 0
+        })
+    }
+
+    /// Whether packed row `unit` was found older this open (and not made
+    /// current since).
+    pub fn is_older(&self, unit: u64) -> bool {
+        self.older
+            .get((unit / 64) as usize)
+            .is_some_and(|word| word.load(Ordering::Acquire) & (1 << (unit % 64)) != 0)
+    }
+
+    /// A unit's expected generation after records of generations up to
+    /// `newest` were written into it (and, before, `forget_older` for
+    /// each). A unit whose expectation was forgotten or never known
+    /// expects `newest` from now: those records are in it.
+    pub fn raise_expected(&self, unit: u64, newest: u32) {
+        let expected = self.expected_generation(unit);
+        if newest != 0 && (expected == 0 || newer(newest, expected)) {
+            self.set_expected_generation(unit, newest);
+        }
+    }
+
+    /// Before a write into `unit` of a slot of generation `generation`
+    /// (`None` or 0: a marker or a zero context, which carry none): one
+    /// that is not newer than expected may replace the slot that held the
+    /// unit's newest, so the expectation is forgotten before the write can
+    /// lower it on disk (a copy keeps its source's generation; a trim
+    /// leaves a marker).
+    pub fn forget_older(&self, unit: u64, generation: Option<u32>) {
+        let expected = self.expected_generation(unit);
+        let older =
+            generation.is_none_or(|generation| generation == 0 || newer(expected, generation));
+        if expected != 0 && older {
+            self.set_expected_generation(unit, 0);
+        }
     }
 
     /// The generation `unit` is expected to have on disk (0: not known).
@@ -287,6 +407,10 @@ impl WrittenMap {
     pub fn set_expected_generation(&self, unit: u64, generation: u32) {
         if let Some(value) = self.generations.get(unit as usize) {
             if value.swap(generation, Ordering::AcqRel) != generation {
+                let page = unit * 4 / WRITTEN_PAGE_BYTES;
+                for pages in &self.generation_pages {
+                    pages[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+                }
                 self.dirty.store(true, Ordering::Release);
             }
         }
@@ -308,23 +432,50 @@ impl WrittenMap {
     /// its LBA; an encrypted one, whose tags are inside its AEAD), 0 if
     /// none is. Markers carry none.
     pub fn page_generation(&self, page_no: u64, page: &[u8]) -> u32 {
-        let mut highest = 0u32;
-        for (slot, context) in page.chunks(CONTEXT_BYTES).enumerate() {
-            let lba = page_no * self.unit_blocks + slot as u64;
+        self.slots_generation(page_no * self.unit_blocks, page.chunks(CONTEXT_BYTES))
+    }
+
+    /// The generation of consecutive slots, the first of LBA `first_lba`
+    /// (a split page's, a packed row's contexts, or some of them): as
+    /// `page_generation`.
+    pub fn slots_generation<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> u32 {
+        self.own_newest(first_lba, slots).unwrap_or(0)
+    }
+
+    /// The newest generation among consecutive slots' own ones (as
+    /// `slots_generation`), or `None` if no slot is the volume's own: a
+    /// context naming this volume and its LBA (an encrypted one), or a
+    /// vacant or lost marker naming them, which count as generation 0.
+    pub fn own_newest<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<u32> {
+        let mut highest = None;
+        for (slot, context) in slots.enumerate() {
+            let lba = first_lba + slot as u64;
             let generation = match context[0] {
-                1 | 2 => {
+                1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
                     let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
                     let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
                     if (tag, ref_tag) != (self.volume_tag, lba) {
                         continue;
                     }
-                    u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                    if matches!(context[0], 1 | 2) {
+                        u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                    } else {
+                        0
+                    }
                 }
                 3 => u32::from_le_bytes(context[1..5].try_into().expect("4 bytes")),
                 _ => continue,
             };
-            if newer(generation, highest) {
-                highest = generation;
+            if highest.is_none_or(|highest| newer(generation, highest)) {
+                highest = Some(generation);
             }
         }
         highest
@@ -332,15 +483,26 @@ impl WrittenMap {
 
     /// Whether split page `page_no` (as read from disk) is older than the
     /// checkpoint that last wrote it: `(its generation, the expected)`.
-    /// A page with no own context is left to its tags (a page of another
-    /// place or volume fails them, named as such).
+    /// A page with no own slot is left to its tags (a page of another
+    /// place or volume fails them, named as such); one whose own slots are
+    /// only markers and zero contexts (generation 0) is older than any
+    /// expected value.
     pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
-        let expected = self.expected_generation(page_no);
-        if expected == 0 || !self.is_set(page_no) {
+        self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))
+    }
+
+    /// `stale_page` for any unit, from its slots in LBA order.
+    pub fn stale_unit<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<(u32, u32)> {
+        let expected = self.expected_generation(unit);
+        if expected == 0 || !self.is_set(unit) {
             return None;
         }
-        let found = self.page_generation(page_no, page);
-        (found != 0 && newer(expected, found)).then_some((found, expected))
+        let found = self.own_newest(unit * self.unit_blocks, slots)?;
+        (found == 0 || newer(expected, found)).then_some((found, expected))
     }
 
     /// Clear every unit that `[start, end)` touches.
@@ -393,7 +555,7 @@ impl WrittenMap {
         if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
-        let settled = seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen;
+        let settled = self.settled(seen);
         if let Some((found, expected)) = settled.then(|| self.stale_page(page_no, page)).flatten() {
             // An older copy of the page: which of its slots still hold
             // what the volume wrote last cannot be told, so none is
@@ -585,9 +747,16 @@ impl WrittenMap {
         if !self.enabled || !self.dirty.swap(false, Ordering::AcqRel) {
             return Ok(());
         }
+        let seq = self.seq.load(Ordering::Acquire) + 1;
+        // The generation pages this copy must be given, taken before the
+        // values are read (a value moved meanwhile marks its page again).
+        let pages = &self.generation_pages[(seq % 2) as usize];
+        let taken: Vec<u64> = pages
+            .iter()
+            .map(|word| word.swap(0, Ordering::AcqRel))
+            .collect();
         let result = (|| {
             let bits = self.bits();
-            let seq = self.seq.load(Ordering::Acquire) + 1;
             let header = WrittenHeader {
                 unit_blocks: self.unit_blocks as u32,
                 uuid: self.uuid,
@@ -614,7 +783,9 @@ impl WrittenMap {
                 };
                 let base = generations_offset(seq % 2, self.units);
                 io.write_object(ObjectId::Written, base, &generations.encode())?;
-                write_sparse(io, base + WRITTEN_PAGE_BYTES, &values)?;
+                // Only the pages changed since this copy was last written:
+                // the others hold these values already.
+                write_pages(io, base + WRITTEN_PAGE_BYTES, &values, &taken)?;
             }
             io.sync_object(ObjectId::Written)?;
             self.seq.store(seq, Ordering::Release);
@@ -622,8 +793,32 @@ impl WrittenMap {
         })();
         if result.is_err() {
             self.dirty.store(true, Ordering::Release);
+            // The pages are written again at the next update.
+            for (word, bits) in pages.iter().zip(&taken) {
+                word.fetch_or(*bits, Ordering::AcqRel);
+            }
         }
         result
+    }
+}
+
+/// A bit per packed row of the map, in memory (none for split).
+fn row_bits(enabled: bool, geometry: &Geometry, units: u64) -> Vec<AtomicU64> {
+    let words = if enabled && geometry.layout == LayoutKind::Packed {
+        units.div_ceil(64)
+    } else {
+        0
+    };
+    (0..words).map(|_| AtomicU64::new(0)).collect()
+}
+
+/// `WrittenMap::page_writes_guard`: ends the writes when dropped, on
+/// every path out of the writer.
+pub(crate) struct PageWritesGuard<'a>(&'a WrittenMap);
+
+impl Drop for PageWritesGuard<'_> {
+    fn drop(&mut self) {
+        self.0.end_page_writes();
     }
 }
 
@@ -631,6 +826,33 @@ impl WrittenMap {
 /// newer than `b`, across the wrap of the journal's sequence's low bits.
 pub(crate) fn newer(a: u32, b: u32) -> bool {
     a != b && (a.wrapping_sub(b) as i32) > 0
+}
+
+/// Write the 4 KiB pages of `bytes` whose bit is set in `pages` at
+/// `offset` of `written` (zero pages punched), each run of them in one
+/// call.
+fn write_pages(io: &Backing, offset: u64, bytes: &[u8], pages: &[u64]) -> Result<()> {
+    let page = WRITTEN_PAGE_BYTES as usize;
+    let count = bytes.len() / page;
+    let chosen = |index: usize| pages[index / 64] & (1 << (index % 64)) != 0;
+    let mut index = 0;
+    while index < count {
+        if !chosen(index) {
+            index += 1;
+            continue;
+        }
+        let mut end = index + 1;
+        while end < count && chosen(end) {
+            end += 1;
+        }
+        write_sparse(
+            io,
+            offset + (index * page) as u64,
+            &bytes[index * page..end * page],
+        )?;
+        index = end;
+    }
+    Ok(())
 }
 
 /// Write `bytes` at `offset` of `written`, its runs of zero pages punched
@@ -670,6 +892,58 @@ mod tests {
             Loaded::Map(map) => map,
             Loaded::None(why) => panic!("no valid copy: {why}"),
         }
+    }
+
+    /// An update writes only the generation pages changed since the copy
+    /// it writes was last written (both copies whole at the first update
+    /// after an open), and every value still loads right from either copy.
+    #[test]
+    fn only_changed_generation_pages_are_written() {
+        // 8 GiB split: 16,384 pages, 64 KiB of values (16 pages) per copy.
+        let geometry = Geometry::new(LayoutKind::Split, 8 << 30, 1 << 28).expect("geometry");
+        let storage = SimStorage::new();
+        let io = Backing::new(
+            Arc::new(storage.clone()),
+            geometry,
+            None,
+            WrittenMap::empty(&geometry, [9; 16]),
+        );
+        let written = || io.stats.superblock_bytes_written.load(Ordering::Relaxed);
+        let units = io.written.units;
+        let copy = WRITTEN_PAGE_BYTES + bits_bytes(units);
+        let header = WRITTEN_PAGE_BYTES;
+        io.written.set(1);
+        for unit in [1, 5000] {
+            io.written.set_expected_generation(unit, 7);
+        }
+        io.written.persist(&io).expect("persist 1");
+        io.written.set_expected_generation(1, 8);
+        io.written.persist(&io).expect("persist 2");
+        // Copy 1 (seq 3) was last written at seq 1: unit 1's page 0
+        // changed since, and unit 5000's page 4 now.
+        let before = written();
+        io.written.set_expected_generation(5000, 9);
+        io.written.persist(&io).expect("persist 3");
+        assert_eq!(written() - before, copy + header + 2 * WRITTEN_PAGE_BYTES);
+        // Copy 0 (seq 4) was last written at seq 2: page 4 only.
+        let before = written();
+        io.written.set_expected_generation(5000, 10);
+        io.written.persist(&io).expect("persist 4");
+        assert_eq!(written() - before, copy + header + WRITTEN_PAGE_BYTES);
+        let back = loaded(&storage, &geometry);
+        assert_eq!(back.seq.load(Ordering::Acquire), 4);
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (8, 10)
+        );
+        // The copy before (seq 3) holds the values of seq 3.
+        storage.corrupt(ObjectId::Written, copy_offset(0, units) + 4096 + 8, 0x01);
+        let back = loaded(&storage, &geometry);
+        assert_eq!(back.seq.load(Ordering::Acquire), 3);
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (8, 9)
+        );
     }
 
     /// Bits round-trip through the file; a torn (corrupt) newest copy
