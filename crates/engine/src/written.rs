@@ -450,6 +450,8 @@ impl WrittenMap {
     /// `slots_generation`), or `None` if no slot is the volume's own: a
     /// context naming this volume and its LBA (an encrypted one), or a
     /// vacant or lost marker naming them, which count as generation 0.
+    /// For raising an expectation to a value one of the slots holds; a
+    /// judgement asks `judge_slots`.
     pub fn own_newest<'a>(
         &self,
         first_lba: u64,
@@ -457,28 +459,85 @@ impl WrittenMap {
     ) -> Option<u32> {
         let mut highest = None;
         for (slot, context) in slots.enumerate() {
-            let lba = first_lba + slot as u64;
-            let generation = match context[0] {
-                1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
-                    let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
-                    let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
-                    if (tag, ref_tag) != (self.volume_tag, lba) {
-                        continue;
-                    }
-                    if matches!(context[0], 1 | 2) {
-                        u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
-                    } else {
-                        0
-                    }
-                }
-                3 => u32::from_le_bytes(context[1..5].try_into().expect("4 bytes")),
-                _ => continue,
+            let Some(generation) = self.own_generation(first_lba + slot as u64, context) else {
+                continue;
             };
             if highest.is_none_or(|highest| newer(generation, highest)) {
                 highest = Some(generation);
             }
         }
         highest
+    }
+
+    /// A slot's generation if it is the volume's own (as `own_newest`),
+    /// read as it lies: nothing checked but the tags.
+    fn own_generation(&self, lba: u64, context: &[u8]) -> Option<u32> {
+        match context[0] {
+            1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
+                let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
+                let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
+                if (tag, ref_tag) != (self.volume_tag, lba) {
+                    return None;
+                }
+                Some(if matches!(context[0], 1 | 2) {
+                    u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                } else {
+                    0
+                })
+            }
+            3 => Some(u32::from_le_bytes(
+                context[1..5].try_into().expect("4 bytes"),
+            )),
+            _ => None,
+        }
+    }
+
+    /// How consecutive slots (each a context, with its stored data when
+    /// the caller has it: a packed record) stand against `expected`.
+    /// Asked slot by slot: a unit reaches its expectation when one own
+    /// slot carries a generation (not 0) that is not older than it. Not
+    /// by folding a newest first: serial-number order (`newer`) is not
+    /// transitive once a unit's generations spread over half the space,
+    /// and a fold could then pick an older slot.
+    ///
+    /// A slot whose context is damaged may be the very one that held the
+    /// unit's newest generation, so a unit with one is `Unsure`, never
+    /// `Older`: a bit flipped in one context is that block's fault (found
+    /// when it is read), not its 30 or 127 neighbours'. Checked: a plain
+    /// context's or marker's CRC; an encrypted context's keyless guard
+    /// when its data is given (without data, as in a split page, its
+    /// generation is taken as it lies); a kind byte no context has.
+    pub fn judge_slots<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+        expected: u32,
+    ) -> SlotVerdict {
+        let mut newest: Option<u32> = None;
+        let mut unsure = false;
+        for (slot, (context, data)) in slots.enumerate() {
+            if context.iter().all(|byte| *byte == 0) {
+                continue;
+            }
+            if !context_intact(context, data) {
+                unsure = true;
+                continue;
+            }
+            let Some(generation) = self.own_generation(first_lba + slot as u64, context) else {
+                continue;
+            };
+            if generation != 0 && !newer(expected, generation) {
+                return SlotVerdict::Reaches;
+            }
+            if newest.is_none_or(|newest| newer(generation, newest)) {
+                newest = Some(generation);
+            }
+        }
+        match (unsure, newest) {
+            (true, _) => SlotVerdict::Unsure,
+            (false, None) => SlotVerdict::NoOwn,
+            (false, Some(found)) => SlotVerdict::Older(found),
+        }
     }
 
     /// Whether split page `page_no` (as read from disk) is older than the
@@ -497,12 +556,23 @@ impl WrittenMap {
         unit: u64,
         slots: impl Iterator<Item = &'a [u8]>,
     ) -> Option<(u32, u32)> {
+        self.stale_records(unit, slots.map(|context| (context, None)))
+    }
+
+    /// `stale_unit` for slots with their stored data (packed records).
+    pub fn stale_records<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+    ) -> Option<(u32, u32)> {
         let expected = self.expected_generation(unit);
         if expected == 0 || !self.is_set(unit) {
             return None;
         }
-        let found = self.own_newest(unit * self.unit_blocks, slots)?;
-        (found == 0 || newer(expected, found)).then_some((found, expected))
+        match self.judge_slots(unit * self.unit_blocks, slots, expected) {
+            SlotVerdict::Older(found) => Some((found, expected)),
+            SlotVerdict::Reaches | SlotVerdict::NoOwn | SlotVerdict::Unsure => None,
+        }
     }
 
     /// Clear every unit that `[start, end)` touches.
@@ -824,6 +894,39 @@ impl Drop for PageWritesGuard<'_> {
 
 /// Serial-number order of 32-bit generations (RFC 1982): whether `a` is
 /// newer than `b`, across the wrap of the journal's sequence's low bits.
+/// How a unit's slots stand against its expected generation
+/// (`WrittenMap::judge_slots`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotVerdict {
+    /// An own slot is at least as new as expected: current.
+    Reaches,
+    /// No slot is the volume's own: left to the tags.
+    NoOwn,
+    /// A slot's context is damaged: nothing can be said of the unit.
+    Unsure,
+    /// Every own slot is older; the newest of them.
+    Older(u32),
+}
+
+/// Whether a non-zero context is whole: a plain context's or a marker's
+/// CRC holds; an encrypted one's keyless guard holds over `data` when it
+/// is given (else it is taken as it lies); no other kind is.
+fn context_intact(context: &[u8], data: Option<&[u8]>) -> bool {
+    let stored = u32::from_le_bytes(context[28..32].try_into().expect("4 bytes"));
+    match context[0] {
+        1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
+            vouch_format::crc32c(&context[..28]) == stored
+        }
+        3 => data.is_none_or(|data| {
+            let generation = u32::from_le_bytes(context[1..5].try_into().expect("4 bytes"));
+            let nonce = context[5..12].try_into().expect("7 bytes");
+            let tag = context[12..28].try_into().expect("16 bytes");
+            vouch_format::context::encrypted_guard(generation, nonce, tag, data) == stored
+        }),
+        _ => false,
+    }
+}
+
 pub(crate) fn newer(a: u32, b: u32) -> bool {
     a != b && (a.wrapping_sub(b) as i32) > 0
 }
@@ -944,6 +1047,76 @@ mod tests {
             (back.expected_generation(1), back.expected_generation(5000)),
             (8, 9)
         );
+    }
+
+    /// A unit is judged slot by slot: it reaches its expectation through
+    /// any own slot that does, whatever order serial-number comparison
+    /// gives the others (not transitive across half the space); a slot
+    /// whose context is damaged (its CRC, or an encrypted one's keyless
+    /// guard over its data) makes it `Unsure`, never `Older`; only whole
+    /// slots all older make it `Older`.
+    #[test]
+    fn a_unit_is_judged_by_whole_slots_one_by_one() {
+        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
+        let map = WrittenMap::empty(&geometry, [9; 16]);
+        let tag = map.volume_tag;
+        let plain = |lba: u64, generation: u32| {
+            vouch_format::Context::Data {
+                volume_tag: tag,
+                ref_tag: lba,
+                guard: 1,
+                generation,
+            }
+            .encode()
+        };
+        let judge = |slots: &[[u8; CONTEXT_BYTES]], expected: u32| {
+            map.judge_slots(0, slots.iter().map(|slot| (&slot[..], None)), expected)
+        };
+        // Generations a third of the space apart: a fold in LBA order
+        // lands on 0x6000_0000; the newest, 0xC000_0000, is there.
+        let spread = [plain(0, 0xC000_0000), plain(1, 0x10), plain(2, 0x6000_0000)];
+        assert_eq!(judge(&spread, 0xC000_0000), SlotVerdict::Reaches);
+        let older = [plain(0, 5), plain(1, 6), plain(2, 4)];
+        assert_eq!(judge(&older, 7), SlotVerdict::Older(6));
+        assert_eq!(judge(&older, 6), SlotVerdict::Reaches);
+        // The newest slot's generation flipped lower: its CRC fails.
+        let mut flipped = [plain(0, 5), plain(1, 7), plain(2, 4)];
+        flipped[1][24] ^= 0x04;
+        assert_eq!(judge(&flipped, 7), SlotVerdict::Unsure);
+        // Another volume's slots are not its own.
+        let foreign = [vouch_format::Context::Data {
+            volume_tag: tag ^ 1,
+            ref_tag: 0,
+            guard: 1,
+            generation: 3,
+        }
+        .encode()];
+        assert_eq!(judge(&foreign, 7), SlotVerdict::NoOwn);
+        // Encrypted: checked by the keyless guard over its data.
+        let data = [0x5a_u8; 4096];
+        let encrypted = |generation: u32| {
+            let (nonce, aead) = ([1u8; 7], [2u8; 16]);
+            vouch_format::Context::Encrypted {
+                generation,
+                nonce,
+                tag: aead,
+                guard: vouch_format::context::encrypted_guard(generation, &nonce, &aead, &data),
+            }
+            .encode()
+        };
+        let judge_records = |slots: &[[u8; CONTEXT_BYTES]], expected: u32| {
+            map.judge_slots(
+                0,
+                slots.iter().map(|slot| (&slot[..], Some(&data[..]))),
+                expected,
+            )
+        };
+        let whole = [encrypted(5), encrypted(7)];
+        assert_eq!(judge_records(&whole, 7), SlotVerdict::Reaches);
+        assert_eq!(judge_records(&whole, 8), SlotVerdict::Older(7));
+        let mut flipped = whole;
+        flipped[1][1] ^= 0x01; // generation 7 -> 6
+        assert_eq!(judge_records(&flipped, 7), SlotVerdict::Unsure);
     }
 
     /// Bits round-trip through the file; a torn (corrupt) newest copy

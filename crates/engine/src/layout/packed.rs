@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Wait};
+use crate::written::SlotVerdict;
 
 /// The unused bytes at the end of a packed row (zero on disk).
 static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
@@ -151,7 +152,8 @@ impl PackedLayout {
         let place = self.unit_place(unit);
         let mut row = PageBuffer::new(place.len);
         io.read_object(place.object, place.offset, &mut row)?;
-        let Some((found, expected)) = io.written.stale_unit(unit, Self::row_contexts(&row)) else {
+        let Some((found, expected)) = io.written.stale_records(unit, Self::row_records(&row))
+        else {
             io.written.set_current(unit);
             return Ok(());
         };
@@ -175,9 +177,17 @@ impl PackedLayout {
 
     /// The 31 contexts of a row's bytes, in LBA order.
     fn row_contexts(row: &[u8]) -> impl Iterator<Item = &[u8]> {
+        Self::row_records(row).map(|(context, _)| context)
+    }
+
+    /// The 31 records of a row's bytes, in LBA order: (context, data).
+    fn row_records(row: &[u8]) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         row.chunks(PACKED_RECORD_BYTES as usize)
             .take(PACKED_RECORDS_PER_ROW as usize)
-            .map(|record| &record[BLOCK as usize..BLOCK as usize + CONTEXT_BYTES])
+            .map(|record| {
+                let (data, context) = record.split_at(BLOCK as usize);
+                (&context[..CONTEXT_BYTES], Some(data))
+            })
     }
 
     /// Judge the rows of blocks `first..first + count` against their
@@ -218,13 +228,16 @@ impl PackedLayout {
                 mark(contexts);
                 continue;
             }
-            let slot_at = |lba: u64| {
-                let at = (self.geometry.locate(lba).data_offset - span_start + BLOCK) as usize;
-                &span[at..at + CONTEXT_BYTES]
+            let record_at = |lba: u64| {
+                let at = (self.geometry.locate(lba).data_offset - span_start) as usize;
+                let (data, context) =
+                    span[at..at + PACKED_RECORD_BYTES as usize].split_at(BLOCK as usize);
+                (&context[..CONTEXT_BYTES], Some(data))
             };
-            let in_span = io.written.own_newest(low, (low..high).map(slot_at));
-            let current = |found: u32| found != 0 && !crate::written::newer(expected, found);
-            if in_span.is_some_and(current) {
+            let in_span = io
+                .written
+                .judge_slots(low, (low..high).map(record_at), expected);
+            if in_span == SlotVerdict::Reaches {
                 io.written.set_current(unit);
                 continue;
             }
@@ -232,13 +245,15 @@ impl PackedLayout {
                 mark(contexts);
                 continue;
             };
-            let found = if (low, high) == (lbas.start, lbas.end) {
+            let verdict = if (low, high) == (lbas.start, lbas.end) {
                 in_span
             } else {
                 let place = self.unit_place(unit);
                 let mut row = PageBuffer::new(place.len);
                 match io.try_read_with(place.object, place.offset, &mut row, wait) {
-                    Ok(()) => io.written.own_newest(lbas.start, Self::row_contexts(&row)),
+                    Ok(()) => io
+                        .written
+                        .judge_slots(lbas.start, Self::row_records(&row), expected),
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
                         return Err(error)
                     }
@@ -247,10 +262,16 @@ impl PackedLayout {
                     Err(_) => continue,
                 }
             };
-            // A row with no own slot is left to its tags.
-            let Some(found) = found.filter(|found| !current(*found)) else {
-                io.written.set_current(unit);
-                continue;
+            let found = match verdict {
+                SlotVerdict::Older(found) => found,
+                // A row with no own slot is left to its tags.
+                SlotVerdict::Reaches | SlotVerdict::NoOwn => {
+                    io.written.set_current(unit);
+                    continue;
+                }
+                // A damaged slot is its own block's fault; the row is
+                // judged again at a later read.
+                SlotVerdict::Unsure => continue,
             };
             if !io.written.settled(seen) {
                 continue;
