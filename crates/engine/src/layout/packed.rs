@@ -175,11 +175,6 @@ impl PackedLayout {
         Ok(())
     }
 
-    /// The 31 contexts of a row's bytes, in LBA order.
-    fn row_contexts(row: &[u8]) -> impl Iterator<Item = &[u8]> {
-        Self::row_records(row).map(|(context, _)| context)
-    }
-
     /// The 31 records of a row's bytes, in LBA order: (context, data).
     fn row_records(row: &[u8]) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
         row.chunks(PACKED_RECORD_BYTES as usize)
