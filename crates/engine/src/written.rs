@@ -104,6 +104,11 @@ pub(crate) struct WrittenMap {
     generation_pages: [Vec<AtomicU64>; 2],
     /// `seq` of the newest copy on disk (0: none yet).
     seq: AtomicU64,
+    /// `seq` of the generations copy whose values these are (0: none:
+    /// every value was not known when the map was loaded, and nothing has
+    /// been written since). The superblock names it at each checkpoint
+    /// (`Superblock::generations_seq`); only the copy it names is loaded.
+    generations_seq: AtomicU64,
     /// Held while a unit may be blank with its bit set (a packed trim that
     /// blanks a row, before it clears the bit) and by a reader judging a
     /// unit lost, so the reader never sees that moment.
@@ -154,6 +159,7 @@ impl WrittenMap {
                     .collect()
             }),
             seq: AtomicU64::new(0),
+            generations_seq: AtomicU64::new(0),
             change: Mutex::new(()),
         }
     }
@@ -177,9 +183,9 @@ impl WrittenMap {
     pub fn to_rebuild(
         storage: &dyn Storage,
         geometry: &Geometry,
-        uuid: [u8; 16],
+        (uuid, generations_seq): ([u8; 16], u64),
     ) -> Result<WrittenMap> {
-        match WrittenMap::load(storage, geometry, uuid)? {
+        match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
             Loaded::Map(old) => {
                 old.dirty.store(true, Ordering::Release);
                 Ok(old)
@@ -708,8 +714,14 @@ impl WrittenMap {
         bytes
     }
 
-    /// Read both copies of the map; the valid one with the higher `seq` wins.
-    pub fn load(storage: &dyn Storage, geometry: &Geometry, uuid: [u8; 16]) -> Result<Loaded> {
+    /// Read both copies of the map; the valid one with the higher `seq`
+    /// wins. The expected generations are those of the copy the superblock
+    /// names (`generations_seq`, 0: none is known).
+    pub fn load(
+        storage: &dyn Storage,
+        geometry: &Geometry,
+        (uuid, generations_seq): ([u8; 16], u64),
+    ) -> Result<Loaded> {
         let map = WrittenMap::with(geometry, uuid, true);
         let mut best: Option<(WrittenHeader, Vec<u8>)> = None;
         let mut why = Vec::new();
@@ -757,15 +769,22 @@ impl WrittenMap {
             word.store(u64::from_le_bytes(raw), Ordering::Release);
         }
         map.seq.store(header.seq, Ordering::Release);
-        map.load_generations(storage, header.seq)?;
+        map.load_generations(storage, generations_seq)?;
         Ok(Loaded::Map(map))
     }
 
-    /// The generations copy written with the bits' copy `seq`, if one is
-    /// valid; else every unit's is not known (0): a map written by a binary
-    /// from before them, or a torn copy, only weakens detection.
+    /// The generations copy of `seq` (the one the superblock names), if it
+    /// is valid; else every unit's is not known (0). Not another copy: a
+    /// superblock that names none (0) was written by a binary from before
+    /// the field, which may have trimmed or rewritten units without
+    /// recording it in the values, so they would be stale, and a stale
+    /// expectation would read good units as older copies. A copy written
+    /// after the superblock (a checkpoint cut before its superblock) may
+    /// hold values of units the journal is still to replay: the one named
+    /// holds values as of the journal's start, and recovery forgets every
+    /// unit the journal touches. Not known only weakens detection.
     fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<()> {
-        if self.generations.is_empty() {
+        if self.generations.is_empty() || seq == 0 {
             return Ok(());
         }
         for copy in 0..2 {
@@ -794,6 +813,7 @@ impl WrittenMap {
                     Ordering::Release,
                 );
             }
+            self.generations_seq.store(seq, Ordering::Release);
             return Ok(());
         }
         Ok(())
@@ -806,6 +826,13 @@ impl WrittenMap {
             bytes[at..at + 4].copy_from_slice(&value.load(Ordering::Acquire).to_le_bytes());
         }
         bytes
+    }
+
+    /// The `seq` of the generations copy on disk that holds these values
+    /// (as far as a checkpoint wrote them; 0: none), for the superblock
+    /// to name (`Superblock::generations_seq`).
+    pub fn generations_seq(&self) -> u64 {
+        self.generations_seq.load(Ordering::Acquire)
     }
 
     /// Write the bits (and, split, the pages' expected generations) to the
@@ -859,6 +886,9 @@ impl WrittenMap {
             }
             io.sync_object(ObjectId::Written)?;
             self.seq.store(seq, Ordering::Release);
+            if !self.generations.is_empty() {
+                self.generations_seq.store(seq, Ordering::Release);
+            }
             Ok(())
         })();
         if result.is_err() {
@@ -990,8 +1020,8 @@ mod tests {
     use super::*;
     use crate::storage::sim::SimStorage;
 
-    fn loaded(storage: &SimStorage, geometry: &Geometry) -> WrittenMap {
-        match WrittenMap::load(storage, geometry, [9; 16]).expect("load") {
+    fn loaded(storage: &SimStorage, geometry: &Geometry, generations_seq: u64) -> WrittenMap {
+        match WrittenMap::load(storage, geometry, ([9; 16], generations_seq)).expect("load") {
             Loaded::Map(map) => map,
             Loaded::None(why) => panic!("no valid copy: {why}"),
         }
@@ -1033,7 +1063,7 @@ mod tests {
         io.written.set_expected_generation(5000, 10);
         io.written.persist(&io).expect("persist 4");
         assert_eq!(written() - before, copy + header + WRITTEN_PAGE_BYTES);
-        let back = loaded(&storage, &geometry);
+        let back = loaded(&storage, &geometry, 4);
         assert_eq!(back.seq.load(Ordering::Acquire), 4);
         assert_eq!(
             (back.expected_generation(1), back.expected_generation(5000)),
@@ -1041,12 +1071,22 @@ mod tests {
         );
         // The copy before (seq 3) holds the values of seq 3.
         storage.corrupt(ObjectId::Written, copy_offset(0, units) + 4096 + 8, 0x01);
-        let back = loaded(&storage, &geometry);
+        let back = loaded(&storage, &geometry, 3);
         assert_eq!(back.seq.load(Ordering::Acquire), 3);
         assert_eq!(
             (back.expected_generation(1), back.expected_generation(5000)),
             (8, 9)
         );
+        // A superblock that names no copy (a binary from before the field
+        // wrote it), or one no copy has: no value is known.
+        for named in [0, 5] {
+            let back = loaded(&storage, &geometry, named);
+            assert_eq!(
+                (back.expected_generation(1), back.expected_generation(5000)),
+                (0, 0),
+                "{named}"
+            );
+        }
     }
 
     /// A unit is judged slot by slot: it reaches its expectation through
@@ -1135,7 +1175,7 @@ mod tests {
         io.written.set(3);
         io.written.set(70);
         io.written.persist(&io).expect("persist 1");
-        let first = loaded(&storage, &geometry);
+        let first = loaded(&storage, &geometry, 0);
         assert!(first.is_set(3) && first.is_set(70) && !first.is_set(4));
         assert_eq!(first.next_set_lba(0), Some(3 * 128));
         assert_eq!(first.next_set_lba(3 * 128 + 5), Some(3 * 128 + 5));
@@ -1143,10 +1183,13 @@ mod tests {
         assert!(!first.any_set(71 * 128, 16384));
         // Unchanged bits are not written again.
         io.written.persist(&io).expect("persist, nothing changed");
-        assert_eq!(loaded(&storage, &geometry).seq.load(Ordering::Acquire), 1);
+        assert_eq!(
+            loaded(&storage, &geometry, 0).seq.load(Ordering::Acquire),
+            1
+        );
         io.written.clear(3);
         io.written.persist(&io).expect("persist 2");
-        let second = loaded(&storage, &geometry);
+        let second = loaded(&storage, &geometry, 0);
         assert!(!second.is_set(3) && second.is_set(70));
         // Damage the newest copy (seq 2, copy 0): the previous one wins.
         storage.corrupt(
@@ -1154,9 +1197,9 @@ mod tests {
             copy_offset(0, second.units) + 4096 + 8,
             0x01,
         );
-        let back = loaded(&storage, &geometry);
+        let back = loaded(&storage, &geometry, 0);
         assert!(back.is_set(3) && back.is_set(70));
-        match WrittenMap::load(&storage, &geometry, [8; 16]).expect("load") {
+        match WrittenMap::load(&storage, &geometry, ([8; 16], 0)).expect("load") {
             Loaded::Map(_) => panic!("a map of another volume must not be used"),
             Loaded::None(why) => assert!(why.contains("another volume"), "{why}"),
         }

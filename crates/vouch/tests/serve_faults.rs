@@ -661,6 +661,87 @@ print(json.dumps(out))
     );
 }
 
+/// Reviewer's finding on issue 28: a binary from before packed
+/// generations that trims a row's newest block leaves the row older than
+/// the expectation the map holds (it does not update the values, and
+/// writes no map at all when no bit changes). Emulated on disk as that
+/// binary leaves it: the block's slot a vacant marker, and a superblock
+/// written with the bytes it does not know as zeros. The expectation is
+/// then not known, never believed: the row reads as current. The same
+/// slot change under this binary's own superblock is an older row.
+#[test]
+fn a_downgrade_that_trims_a_rows_newest_block_is_not_an_older_copy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    vouch_ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
+    let write_script = r#"
+h = connect(sys.argv[1])
+for lba in range(int(sys.argv[2]), int(sys.argv[3])):
+    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
+    h.flush()
+print(json.dumps({"ok": True}))
+"#;
+    // Row 1 is LBAs 31-61: its newest block is 39, written last.
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    py_json(write_script, &[&server.uri, "0", "40"]);
+    server.stop();
+    let uuid: [u8; 16] = std::fs::read(volume.join("superblock")).expect("superblock")[40..56]
+        .try_into()
+        .expect("uuid");
+    let trim_39 = |volume: &std::path::Path| {
+        let record = 131072 + (39 - 31) * 4128;
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(volume.join("data.00000"))
+            .expect("open");
+        let mut trimmed = vec![0u8; 4128];
+        trimmed[4096..].copy_from_slice(&vouch_format::encode_vacant(
+            vouch_format::crc32c(&uuid),
+            39,
+        ));
+        data.write_all_at(&trimmed, record).expect("trim 39");
+    };
+    // Under this binary's superblock the row is older than expected.
+    let own = dir.path().join("own");
+    run_ok(std::process::Command::new("cp").args(["-a", s(&volume), s(&own)]));
+    trim_39(&own);
+    let check = vouch(&["check", s(&own)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    assert!(
+        text(&check).contains("data.00000: row 1 is older than the volume expects"),
+        "{}",
+        text(&check)
+    );
+    // Under the older binary's: not known, so the row is current.
+    trim_39(&volume);
+    rewrite_superblock(&volume, |sb| {
+        sb.generation += 1;
+        sb.checkpoint_seq += 1;
+        sb.generations_seq = 0;
+    });
+    assert_check_clean(&volume);
+    let out = dir.path().join("out.raw");
+    vouch_ok(&["export", s(&volume), s(&out)]);
+    let exported = std::fs::read(&out).expect("read export");
+    let expected = py(
+        r#"
+out = b"".join(block_data(lba, 1000 + lba) for lba in range(39))
+sys.stdout.buffer.write(out)
+"#,
+        &[],
+    )
+    .stdout;
+    assert_eq!(
+        &exported[..39 * 4096],
+        &expected[..],
+        "blocks 0-38 as written"
+    );
+    assert!(
+        exported[39 * 4096..].iter().all(|byte| *byte == 0),
+        "the trimmed block and the rest read as zeros"
+    );
+}
+
 /// A 1 MiB volume of `layout` in `dir/vol`: blocks `0..first` written
 /// (tag 1000 + LBA), `file` copied, blocks `again` written (tag 2000 +
 /// LBA), and the copy of `file` restored. `check` must then fail with one
