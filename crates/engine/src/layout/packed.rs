@@ -137,10 +137,18 @@ impl PackedLayout {
     /// expectation and make an older copy of the row read as current. A
     /// row found older has every slot made a lost marker (its data kept),
     /// its expectation forgotten first. Called by writers holding
-    /// `page_writes_guard`. Crash ordering: the markers are written before
-    /// the records (which are journaled: a replay writes them again and
-    /// forgets the row's expectation), and reach the disk with the
-    /// records' fsync; a crash before leaves the older row, judged again.
+    /// `page_writes_guard`, in a commit's home writes: after the commit's
+    /// journal record, which holds the records, is durable (ORDER POINT A).
+    /// Crash ordering: the markers are written and fsynced before any
+    /// record of the commit is written into the row, and before the
+    /// forgotten expectation can reach the map on disk (the next
+    /// checkpoint's). A crash after the fsync leaves the markers: those
+    /// blocks stay lost (their data kept) and replay writes the records
+    /// over their own slots. A crash before it leaves the older row as it
+    /// was, and recovery forgets the expectation of every row the journal
+    /// touches, this one included: the row is not judged again and its
+    /// older blocks read as they decode (this older copy goes undetected,
+    /// never a false fault). The fsync is paid only for a row found older.
     fn settle_row(&self, io: &Backing, unit: u64) -> Result<()> {
         if !io.written.to_judge(unit) {
             // Nothing to judge it by (or judged already): the row is
@@ -163,6 +171,7 @@ impl PackedLayout {
             slot.copy_from_slice(&io.written.lost(lba));
         }
         io.write_object(place.object, place.offset, &row)?;
+        io.sync_object(place.object)?;
         io.written.set_current(unit);
         tracing::warn!(
             object = place.object.file_name(),
@@ -173,6 +182,21 @@ impl PackedLayout {
             "packed: a row is older than the volume expects (an older copy of the file?): its blocks are marked lost before a write into it"
         );
         Ok(())
+    }
+
+    /// Whether `blocks` (sorted by LBA, from the first of row `unit`'s
+    /// in a commit) hold every LBA of the row: the row is then replaced
+    /// whole and current by construction.
+    fn replaces_row(&self, io: &Backing, unit: u64, blocks: &[(u64, DirtyBlock)]) -> bool {
+        let lbas = io.written.lbas_of(unit, self.geometry.blocks);
+        let mut next = lbas.start;
+        for (lba, _) in blocks {
+            if *lba != next || next == lbas.end {
+                break;
+            }
+            next += 1;
+        }
+        next == lbas.end
     }
 
     /// The 31 records of a row's bytes, in LBA order: (context, data).
@@ -592,11 +616,18 @@ impl Layout for PackedLayout {
         // of each row raises it after (`raise_expected`).
         // (unit, newest generation written into it)
         let mut rows: Vec<(u64, u32)> = Vec::new();
-        for ((lba, _), context) in blocks.iter().zip(contexts) {
+        for (index, ((lba, _), context)) in blocks.iter().zip(contexts).enumerate() {
             let unit = io.written.unit_of(*lba);
             if rows.last().is_none_or(|(last, ..)| *last != unit) {
-                self.settle_row(io, unit)?;
-                self.bind_row(io, unit)?;
+                if self.replaces_row(io, unit, &blocks[index..]) {
+                    // Every slot gets a record of this commit: nothing of
+                    // the row as it lies is left to judge or make whole,
+                    // so it is not read (128 KiB per row).
+                    io.written.set_current(unit);
+                } else {
+                    self.settle_row(io, unit)?;
+                    self.bind_row(io, unit)?;
+                }
                 rows.push((unit, 0));
             }
             let generation = context.generation();
