@@ -241,7 +241,11 @@ pub(crate) fn load_written(
 }
 
 /// Set the bit of every unit whose metadata on disk is not blank (an
-/// upgrade, or a rebuild of a lost map).
+/// upgrade, or a rebuild of a lost map), and fill in the expected
+/// generation of each whose value is not known (a volume made before the
+/// values, or whose superblock names none) from the unit as it is now, so
+/// an older copy of it restored later is caught. A known value is kept: a
+/// unit already older than it stays so.
 pub(crate) fn build_written(shared: &Shared) -> Result<()> {
     let io = &shared.io;
     let blocks = io.geometry.blocks;
@@ -262,6 +266,8 @@ pub(crate) fn build_written(shared: &Shared) -> Result<()> {
             .any(|slot| *slot != [0u8; 32])
         {
             io.written.set(unit);
+            io.written
+                .fill_expected(unit, layout.unit_records(&bytes).into_iter());
         }
         lba = (unit + 1) * io.written.unit_blocks();
     }

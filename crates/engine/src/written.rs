@@ -43,8 +43,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use vouch_format::written::{
-    bits_bytes, copy_bytes, copy_offset, generations_bytes, generations_offset, unit_blocks,
-    GenerationsHeader, WrittenHeader, WRITTEN_PAGE_BYTES,
+    bits_bytes, copy_bytes, copy_offset, decode_values_page, encode_values_page, generations_bytes,
+    generations_offset, unit_blocks, GenerationsHeader, WrittenHeader, VALUES_PER_PAGE,
+    WRITTEN_PAGE_BYTES,
 };
 use vouch_format::{
     crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, LayoutKind, CONTEXT_BYTES,
@@ -96,11 +97,16 @@ pub(crate) struct WrittenMap {
     bound: AtomicBool,
     /// The bits changed since the copy on disk was written.
     dirty: AtomicBool,
+    /// An expected generation changed since the generations copy on disk
+    /// was written (a copy of its own `seq`: values move at most commits,
+    /// bits rarely, so neither rewrites the other).
+    values_dirty: AtomicBool,
     /// Per generations copy (0, 1), one bit per 4 KiB page of its values:
     /// the page changed since that copy was last written, so a map update
-    /// writes only those pages of the copy it writes (not 8 MiB per TiB
-    /// at every checkpoint that moved one value). All set at open: the
-    /// copy not loaded may be torn or of another `seq`.
+    /// encodes, checksums and writes only those pages of the copy it
+    /// writes (each page has its own CRC), not the whole array (packed: 33
+    /// MiB per TiB) at every checkpoint that moved one value. All set at
+    /// open: the copy not loaded may be torn or of another `seq`.
     generation_pages: [Vec<AtomicU64>; 2],
     /// `seq` of the newest copy on disk (0: none yet).
     seq: AtomicU64,
@@ -141,6 +147,7 @@ impl WrittenMap {
             current: row_bits(enabled, geometry, units),
             older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
+            values_dirty: AtomicBool::new(false),
             generation_pages: [0, 1].map(|_| {
                 let pages = if enabled {
                     generations_bytes(units) / WRITTEN_PAGE_BYTES
@@ -402,6 +409,39 @@ impl WrittenMap {
         }
     }
 
+    /// Learn the expected generation of `unit`, when it is not known,
+    /// from its slots as they are on disk (`vouch upgrade`): the newest
+    /// generation among its own slots that are whole (as `judge_slots`
+    /// checks them), so a damaged slot never sets an expectation no slot
+    /// reaches. Any own slot's value will do: the unit then reaches it.
+    pub fn fill_expected<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+    ) {
+        if self.expected_generation(unit) != 0 {
+            return;
+        }
+        let first_lba = unit * self.unit_blocks;
+        let mut newest: Option<u32> = None;
+        for (slot, (context, data)) in slots.enumerate() {
+            if context.iter().all(|byte| *byte == 0) || !context_intact(context, data) {
+                continue;
+            }
+            match self.own_generation(first_lba + slot as u64, context) {
+                Some(generation)
+                    if generation != 0 && newest.is_none_or(|newest| newer(generation, newest)) =>
+                {
+                    newest = Some(generation);
+                }
+                _ => {}
+            }
+        }
+        if let Some(newest) = newest {
+            self.set_expected_generation(unit, newest);
+        }
+    }
+
     /// The generation `unit` is expected to have on disk (0: not known).
     pub fn expected_generation(&self, unit: u64) -> u32 {
         self.generations
@@ -413,11 +453,11 @@ impl WrittenMap {
     pub fn set_expected_generation(&self, unit: u64, generation: u32) {
         if let Some(value) = self.generations.get(unit as usize) {
             if value.swap(generation, Ordering::AcqRel) != generation {
-                let page = unit * 4 / WRITTEN_PAGE_BYTES;
+                let page = unit / VALUES_PER_PAGE;
                 for pages in &self.generation_pages {
                     pages[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
                 }
-                self.dirty.store(true, Ordering::Release);
+                self.values_dirty.store(true, Ordering::Release);
             }
         }
     }
@@ -787,45 +827,41 @@ impl WrittenMap {
         if self.generations.is_empty() || seq == 0 {
             return Ok(());
         }
-        for copy in 0..2 {
-            let offset = generations_offset(copy, self.units);
-            let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
-            match storage.read_at(ObjectId::Written, offset, &mut raw) {
-                Ok(()) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => continue,
-                Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
-            }
-            let (header, values) = raw.split_at(WRITTEN_PAGE_BYTES as usize);
-            let Ok(header) = GenerationsHeader::decode(header) else {
-                continue;
-            };
-            if header.uuid != self.uuid
-                || header.units != self.units
-                || header.seq != seq
-                || !header.values_match(values)
-            {
-                continue;
-            }
-            for (unit, value) in self.generations.iter().enumerate() {
-                let at = unit * 4;
-                value.store(
-                    u32::from_le_bytes(values[at..at + 4].try_into().expect("4 bytes")),
-                    Ordering::Release,
-                );
-            }
-            self.generations_seq.store(seq, Ordering::Release);
+        let offset = generations_offset(seq % 2, self.units);
+        let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
+        match storage.read_at(ObjectId::Written, offset, &mut raw) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
+        }
+        let (header, values) = raw.split_at(WRITTEN_PAGE_BYTES as usize);
+        let Ok(header) = GenerationsHeader::decode(header) else {
+            return Ok(());
+        };
+        if header.uuid != self.uuid || header.units != self.units || header.seq != seq {
             return Ok(());
         }
-        Ok(())
-    }
-
-    fn generation_values(&self) -> Vec<u8> {
-        let mut bytes = vec![0u8; generations_bytes(self.units) as usize];
-        for (unit, value) in self.generations.iter().enumerate() {
-            let at = unit * 4;
-            bytes[at..at + 4].copy_from_slice(&value.load(Ordering::Acquire).to_le_bytes());
+        // Page by page: a page that fails its CRC (damaged since) leaves
+        // its units not known, and the rest hold.
+        let mut damaged = 0;
+        for (index, page) in values.chunks(WRITTEN_PAGE_BYTES as usize).enumerate() {
+            let Some(page) = decode_values_page(&self.uuid, index as u64, page) else {
+                damaged += 1;
+                continue;
+            };
+            let first = index * VALUES_PER_PAGE as usize;
+            for (value, stored) in self.generations.iter().skip(first).zip(page) {
+                value.store(stored, Ordering::Release);
+            }
         }
-        bytes
+        if damaged > 0 {
+            tracing::warn!(
+                pages = damaged,
+                "written: pages of expected generations fail their checksum: older copies of their units are not detected until the units are written again"
+            );
+        }
+        self.generations_seq.store(seq, Ordering::Release);
+        Ok(())
     }
 
     /// The `seq` of the generations copy on disk that holds these values
@@ -835,70 +871,106 @@ impl WrittenMap {
         self.generations_seq.load(Ordering::Acquire)
     }
 
-    /// Write the bits (and, split, the pages' expected generations) to the
-    /// older copy (`seq + 1`) and fsync, if they changed since the last
-    /// write. Called under the commit lock, at a
-    /// checkpoint after what the bits describe is durable and before the
-    /// superblock retires the journal (module comment).
+    /// Write what changed since the last update, then fsync: the bits to
+    /// the older bits copy (`seq + 1`), and the expected generations'
+    /// changed pages to the older generations copy (its own `seq + 1`),
+    /// each only if it changed. Called under the commit lock, at a
+    /// checkpoint after what they describe is durable and before the
+    /// superblock that retires the journal and names the generations copy
+    /// (module comment).
     pub fn persist(&self, io: &Backing) -> Result<()> {
-        if !self.enabled || !self.dirty.swap(false, Ordering::AcqRel) {
+        if !self.enabled {
+            return Ok(());
+        }
+        let bits_dirty = self.dirty.swap(false, Ordering::AcqRel);
+        let values_dirty =
+            !self.generations.is_empty() && self.values_dirty.swap(false, Ordering::AcqRel);
+        if !bits_dirty && !values_dirty {
             return Ok(());
         }
         let seq = self.seq.load(Ordering::Acquire) + 1;
+        let generations_seq = self.generations_seq.load(Ordering::Acquire) + 1;
         // The generation pages this copy must be given, taken before the
         // values are read (a value moved meanwhile marks its page again).
-        let pages = &self.generation_pages[(seq % 2) as usize];
-        let taken: Vec<u64> = pages
-            .iter()
-            .map(|word| word.swap(0, Ordering::AcqRel))
-            .collect();
+        let pages = &self.generation_pages[(generations_seq % 2) as usize];
+        let taken: Vec<u64> = if values_dirty {
+            pages
+                .iter()
+                .map(|word| word.swap(0, Ordering::AcqRel))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let result = (|| {
-            let bits = self.bits();
-            let header = WrittenHeader {
-                unit_blocks: self.unit_blocks as u32,
-                uuid: self.uuid,
-                seq,
-                units: self.units,
-                bits_crc: crc32c(&bits),
-            };
-            // The whole copy, its runs of zero pages punched rather than
-            // written (a sparse map stays sparse: a new 16 TiB volume's is
-            // 4 MiB of zeros). A torn update fails the copy's CRCs and the
-            // other copy (the previous state) wins.
-            let base = copy_offset(seq % 2, self.units);
-            io.write_object(ObjectId::Written, base, &header.encode())?;
-            write_sparse(io, base + WRITTEN_PAGE_BYTES, &bits)?;
-            // The generations of the same `seq`, in the same fsync: torn,
-            // they fail their CRC or name another `seq`, and are not known.
-            if !self.generations.is_empty() {
-                let values = self.generation_values();
-                let generations = GenerationsHeader {
+            if bits_dirty {
+                let bits = self.bits();
+                let header = WrittenHeader {
+                    unit_blocks: self.unit_blocks as u32,
                     uuid: self.uuid,
                     seq,
                     units: self.units,
-                    values_crc: crc32c(&values),
+                    bits_crc: crc32c(&bits),
                 };
-                let base = generations_offset(seq % 2, self.units);
+                // The whole copy, its runs of zero pages punched rather
+                // than written (a sparse map stays sparse: a new 16 TiB
+                // volume's is 4 MiB of zeros). A torn update fails the
+                // copy's CRCs and the other copy (the previous state) wins.
+                let base = copy_offset(seq % 2, self.units);
+                io.write_object(ObjectId::Written, base, &header.encode())?;
+                write_sparse(io, base + WRITTEN_PAGE_BYTES, &bits)?;
+            }
+            if values_dirty {
+                // Torn, this copy is not the one the superblock names (it
+                // is named only after this fsync), so it is never loaded.
+                let generations = GenerationsHeader {
+                    uuid: self.uuid,
+                    seq: generations_seq,
+                    units: self.units,
+                };
+                let base = generations_offset(generations_seq % 2, self.units);
                 io.write_object(ObjectId::Written, base, &generations.encode())?;
                 // Only the pages changed since this copy was last written:
                 // the others hold these values already.
-                write_pages(io, base + WRITTEN_PAGE_BYTES, &values, &taken)?;
+                write_pages(io, base + WRITTEN_PAGE_BYTES, &taken, |index| {
+                    self.values_page(index)
+                })?;
             }
             io.sync_object(ObjectId::Written)?;
-            self.seq.store(seq, Ordering::Release);
-            if !self.generations.is_empty() {
-                self.generations_seq.store(seq, Ordering::Release);
+            if bits_dirty {
+                self.seq.store(seq, Ordering::Release);
+            }
+            if values_dirty {
+                self.generations_seq
+                    .store(generations_seq, Ordering::Release);
             }
             Ok(())
         })();
         if result.is_err() {
-            self.dirty.store(true, Ordering::Release);
-            // The pages are written again at the next update.
-            for (word, bits) in pages.iter().zip(&taken) {
-                word.fetch_or(*bits, Ordering::AcqRel);
+            if bits_dirty {
+                self.dirty.store(true, Ordering::Release);
+            }
+            if values_dirty {
+                self.values_dirty.store(true, Ordering::Release);
+                // The pages are written again at the next update.
+                for (word, bits) in pages.iter().zip(&taken) {
+                    word.fetch_or(*bits, Ordering::AcqRel);
+                }
             }
         }
         result
+    }
+
+    /// Values page `index` as it goes to disk (`encode_values_page`).
+    fn values_page(&self, index: u64) -> Vec<u8> {
+        let first = (index * VALUES_PER_PAGE) as usize;
+        let values: Vec<u32> = self
+            .generations
+            .iter()
+            .skip(first)
+            .take(VALUES_PER_PAGE as usize)
+            .map(|value| value.load(Ordering::Acquire))
+            .collect();
+        encode_values_page(&self.uuid, index, &values)
     }
 }
 
@@ -961,12 +1033,17 @@ pub(crate) fn newer(a: u32, b: u32) -> bool {
     a != b && (a.wrapping_sub(b) as i32) > 0
 }
 
-/// Write the 4 KiB pages of `bytes` whose bit is set in `pages` at
-/// `offset` of `written` (zero pages punched), each run of them in one
-/// call.
-fn write_pages(io: &Backing, offset: u64, bytes: &[u8], pages: &[u64]) -> Result<()> {
+/// Write the 4 KiB pages whose bit is set in `pages` at `offset` of
+/// `written`, page `i` as `encode(i)` gives it (zero pages punched), each
+/// run of them in one call.
+fn write_pages(
+    io: &Backing,
+    offset: u64,
+    pages: &[u64],
+    encode: impl Fn(u64) -> Vec<u8>,
+) -> Result<()> {
     let page = WRITTEN_PAGE_BYTES as usize;
-    let count = bytes.len() / page;
+    let count = pages.len() * 64;
     let chosen = |index: usize| pages[index / 64] & (1 << (index % 64)) != 0;
     let mut index = 0;
     while index < count {
@@ -978,11 +1055,11 @@ fn write_pages(io: &Backing, offset: u64, bytes: &[u8], pages: &[u64]) -> Result
         while end < count && chosen(end) {
             end += 1;
         }
-        write_sparse(
-            io,
-            offset + (index * page) as u64,
-            &bytes[index * page..end * page],
-        )?;
+        let mut bytes = Vec::with_capacity((end - index) * page);
+        for at in index..end {
+            bytes.extend_from_slice(&encode(at as u64));
+        }
+        write_sparse(io, offset + (index * page) as u64, &bytes)?;
         index = end;
     }
     Ok(())
@@ -1029,10 +1106,12 @@ mod tests {
 
     /// An update writes only the generation pages changed since the copy
     /// it writes was last written (both copies whole at the first update
-    /// after an open), and every value still loads right from either copy.
+    /// after an open), each with its own CRC, and no bits copy when no bit
+    /// changed; every value still loads right from the copy named, a page
+    /// damaged since leaves only its own units not known.
     #[test]
     fn only_changed_generation_pages_are_written() {
-        // 8 GiB split: 16,384 pages, 64 KiB of values (16 pages) per copy.
+        // 8 GiB split: 16,384 pages, 17 pages of values per copy.
         let geometry = Geometry::new(LayoutKind::Split, 8 << 30, 1 << 28).expect("geometry");
         let storage = SimStorage::new();
         let io = Backing::new(
@@ -1049,33 +1128,49 @@ mod tests {
         for unit in [1, 5000] {
             io.written.set_expected_generation(unit, 7);
         }
+        let before = written();
         io.written.persist(&io).expect("persist 1");
+        // The bits copy, and generations copy 1 whole (pages 0 and 4 hold
+        // values; the others are holes).
+        assert_eq!(written() - before, copy + header + 2 * WRITTEN_PAGE_BYTES);
         io.written.set_expected_generation(1, 8);
         io.written.persist(&io).expect("persist 2");
         // Copy 1 (seq 3) was last written at seq 1: unit 1's page 0
-        // changed since, and unit 5000's page 4 now.
+        // changed since, and unit 5000's page 4 now. No bit changed.
         let before = written();
         io.written.set_expected_generation(5000, 9);
         io.written.persist(&io).expect("persist 3");
-        assert_eq!(written() - before, copy + header + 2 * WRITTEN_PAGE_BYTES);
+        assert_eq!(written() - before, header + 2 * WRITTEN_PAGE_BYTES);
         // Copy 0 (seq 4) was last written at seq 2: page 4 only.
         let before = written();
         io.written.set_expected_generation(5000, 10);
         io.written.persist(&io).expect("persist 4");
-        assert_eq!(written() - before, copy + header + WRITTEN_PAGE_BYTES);
+        assert_eq!(written() - before, header + WRITTEN_PAGE_BYTES);
+        assert_eq!(io.written.generations_seq(), 4);
         let back = loaded(&storage, &geometry, 4);
-        assert_eq!(back.seq.load(Ordering::Acquire), 4);
+        assert_eq!(back.seq.load(Ordering::Acquire), 1, "bits written once");
+        assert!(back.is_set(1));
         assert_eq!(
             (back.expected_generation(1), back.expected_generation(5000)),
             (8, 10)
         );
         // The copy before (seq 3) holds the values of seq 3.
-        storage.corrupt(ObjectId::Written, copy_offset(0, units) + 4096 + 8, 0x01);
         let back = loaded(&storage, &geometry, 3);
-        assert_eq!(back.seq.load(Ordering::Acquire), 3);
         assert_eq!(
             (back.expected_generation(1), back.expected_generation(5000)),
             (8, 9)
+        );
+        // A page of copy 0 damaged: its units are not known, the others hold.
+        let values = generations_offset(0, units) + WRITTEN_PAGE_BYTES;
+        storage.corrupt(
+            ObjectId::Written,
+            values + 4 * WRITTEN_PAGE_BYTES + 12,
+            0x01,
+        );
+        let back = loaded(&storage, &geometry, 4);
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (8, 0)
         );
         // A superblock that names no copy (a binary from before the field
         // wrote it), or one no copy has: no value is known.

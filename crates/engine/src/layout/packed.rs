@@ -734,6 +734,10 @@ impl Layout for PackedLayout {
             .collect()
     }
 
+    fn unit_records<'a>(&self, bytes: &'a [u8]) -> Vec<(&'a [u8], Option<&'a [u8]>)> {
+        Self::row_records(bytes).collect()
+    }
+
     fn allocation(
         &self,
         io: &Backing,

@@ -314,6 +314,13 @@ impl Layout for SplitLayout {
         bytes.chunks_exact_mut(CONTEXT_BYTES).collect()
     }
 
+    fn unit_records<'a>(&self, bytes: &'a [u8]) -> Vec<(&'a [u8], Option<&'a [u8]>)> {
+        bytes
+            .chunks_exact(CONTEXT_BYTES)
+            .map(|slot| (slot, None))
+            .collect()
+    }
+
     fn allocation(
         &self,
         io: &Backing,
