@@ -22,9 +22,12 @@
 //!   unit made blank since is cleared again by recovery, which replays the
 //!   trim that blanked it (split: every page a replayed trim touches;
 //!   packed: the replayed punch clears it like the original did).
-//! - Split pages also have an *expected generation*, written with the bits
-//!   (the highest generation of a page's own contexts when a checkpoint
-//!   last wrote it): a page found older is an older copy of `contexts`,
+//! - Split pages also have an *expected generation*, written at the same
+//!   checkpoint as the bits, in generations copies of their own `seq`
+//!   that the checkpoint's superblock names (`generations_seq`: values
+//!   only the named copy holds are believed, so a binary that zeroes the
+//!   field leaves them not known, never stale) (the highest generation of
+//!   a page's own contexts when a checkpoint last wrote it): a page found older is an older copy of `contexts`,
 //!   lost as a whole (`judge_page`). Set after the page is written, so the
 //!   map on disk is never newer than the page; recovery forgets it for
 //!   every page a replayed entry touches (a checkpoint cut before the map

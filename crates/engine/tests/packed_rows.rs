@@ -1,6 +1,8 @@
 //! Packed rows against their expected generations, on real volume
 //! directories: what a write after a reopen reads of the row it writes.
 
+#![allow(clippy::single_range_in_vec_init)] // ranges of LBAs to write
+
 mod common;
 
 use std::sync::atomic::Ordering;

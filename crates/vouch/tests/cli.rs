@@ -6,7 +6,6 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
-use vouch_format::Superblock;
 
 mod common;
 
