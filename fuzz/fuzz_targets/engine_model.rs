@@ -1,4 +1,4 @@
-//! The engine against a model with an I/O error after an input-chosen number of writes: fail-stop, acknowledged reads, durable data after reopen and crash.
+//! The engine against a model with an I/O error after an input-chosen number of writes, on the production scheduling (background commits and inline writes as the input picks): fail-stop, acknowledged reads, acknowledged data after a process restart, durable data after a power cut.
 //! The body lives in `vouch_sim::fuzz::engine_model` so stable `cargo test -p vouch-sim` runs it too.
 #![no_main]
 

@@ -117,11 +117,8 @@ impl Committer {
         journal_bytes: u64,
         overlay_limit: usize,
         schedule: Option<Arc<dyn CommitSchedule>>,
+        breaks: OrderingBreaks,
     ) -> Committer {
-        let breaks = schedule
-            .as_ref()
-            .map(|schedule| schedule.breaks())
-            .unwrap_or_default();
         Committer {
             journal: Mutex::new(journal),
             journal_bytes,

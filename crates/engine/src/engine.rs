@@ -179,12 +179,18 @@ impl Engine {
             state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
             uuid: superblock.uuid,
             sealing_seq: AtomicU64::new(superblock.checkpoint_seq + 1),
+            breaks: options
+                .schedule
+                .as_ref()
+                .map(|schedule| schedule.breaks())
+                .unwrap_or_default(),
         };
         let committer = Committer::new(
             Journal::after_checkpoint(superblock),
             superblock.journal_bytes,
             options.tuning.overlay_limit,
             options.schedule.clone(),
+            shared.breaks,
         );
         if rebuild {
             // Before recovery, from what is on disk; recovery then adjusts

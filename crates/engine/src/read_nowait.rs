@@ -126,13 +126,33 @@ impl Shared {
         }
         let first = offset / BLOCK;
         let count = len as u64 / BLOCK;
-        let (plan, missing) = self.plan_from_memory(first, count)?;
+        let (mut plan, missing) = self.plan_from_memory(first, count)?;
+        if self.breaks.ring_read_past_buffer {
+            self.plan_buffered_as_home(first, &mut plan);
+        }
         let all_home = plan.iter().all(|source| matches!(source, Source::Home(_)));
         if !missing.is_empty() || !all_home || self.home_run_end(first, &plan, 0) != plan.len() {
             return None;
         }
         let span = self.layouts.of(first).run_span(first, count);
         Some(RingRead { first, plan, span })
+    }
+
+    /// `OrderingBreaks::ring_read_past_buffer` (simulator self-tests
+    /// only): each block the buffer holds, planned as at home if its
+    /// context says it has a home value.
+    fn plan_buffered_as_home(&self, first: u64, plan: &mut Plan) {
+        let state = self.state.read();
+        for (source, lba) in plan.iter_mut().zip(first..) {
+            if !matches!(source, Source::Memory(..)) {
+                continue;
+            }
+            if let crate::layout::Planned::Home(context) =
+                self.layouts.of(lba).plan(lba, &state.contexts)
+            {
+                *source = Source::Home(context);
+            }
+        }
     }
 
     /// The bytes of a `RingRead` from what its I/O read, each block

@@ -19,7 +19,9 @@
 //! schedule; `try_write_shared` and `reserve_room` read the same
 //! `is_background` flag as before). A commit tests an `Option` at each of
 //! its few steps, a handful of predictable branches per commit of up to
-//! 16 MiB: nothing a benchmark can see.
+//! 16 MiB, and a ring read's plan one test of a flag that is always false
+//! outside the simulator's self-tests (`OrderingBreaks`): nothing a
+//! benchmark can see.
 
 use std::fmt;
 
@@ -57,6 +59,11 @@ pub struct OrderingBreaks {
     /// replays before the committing one (the epoch bug serve_crash.rs
     /// found).
     pub keep_stale_epoch: bool,
+    /// A ring read (`BlockDevice::try_begin_read`) plans a block the
+    /// write-back buffer holds as at home, so it answers the older home
+    /// value instead of the newest one (the route's rule is that every
+    /// block it reads is at home when it is planned).
+    pub ring_read_past_buffer: bool,
 }
 
 /// The caller's side of a volume whose commits it steps (module comment).

@@ -27,6 +27,9 @@ pub(crate) struct Shared {
     /// committer). A block sealed now gets it as its generation when the
     /// seal needs one before the commit (encryption's associated data).
     pub sealing_seq: AtomicU64,
+    /// The schedule's self-test breaks (`schedule.rs`), read once; none
+    /// without a schedule.
+    pub breaks: crate::schedule::OrderingBreaks,
 }
 
 impl Shared {

@@ -28,7 +28,9 @@
 //! buffer and held-log slot while the commit goes on, and a crash may be
 //! taken (`steps.rs`). A write run there stays off the blocks of the
 //! operation in flight; a flush makes durable what was written before it
-//! started (`Model::durable_from`).
+//! started (`Model::durable_from`). The reactor's ring reads run too
+//! (`reads.rs`): started through `try_begin_read` before operations and
+//! completed by the simulated storage at seeded points after them.
 //!
 //! Crash points: right before every write, punch and sync the engine issues
 //! (sampled; a third of them process crashes), at a third of the commit
@@ -67,6 +69,7 @@ use crate::stepper::Stepper;
 use crate::{fingerprint, BLOCK};
 
 mod model;
+mod reads;
 mod steps;
 
 use model::Model;
@@ -200,6 +203,10 @@ pub struct Counters {
     pub background_commits: AtomicU64,
     /// Steps at which a commit yielded to the simulator (`CommitStep`).
     pub commit_steps: AtomicU64,
+    /// Ring reads (`try_begin_read`) the storage completed and the volume
+    /// answered, and those it declined (reread on the worker's route).
+    pub ring_reads: AtomicU64,
+    pub ring_declined: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -214,6 +221,8 @@ pub struct CrashReport {
     pub landed_writes: u64,
     pub background_commits: u64,
     pub commit_steps: u64,
+    pub ring_reads: u64,
+    pub ring_declined: u64,
     pub seeds: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
@@ -222,7 +231,7 @@ pub struct CrashReport {
 impl CrashReport {
     pub fn summary(&self, config: &CrashConfig) -> String {
         format!(
-            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} landed-writes={} background-commits={} commit-steps={} images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} landed-writes={} background-commits={} commit-steps={} ring-reads={} (declined {}) images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
             config.layout.name(),
             if config.encrypted { " encrypted" } else { "" },
             config.guard.name(),
@@ -233,6 +242,8 @@ impl CrashReport {
             self.landed_writes,
             self.background_commits,
             self.commit_steps,
+            self.ring_reads,
+            self.ring_declined,
             self.images,
             self.process,
             self.during_recovery,
@@ -282,6 +293,8 @@ pub fn run(config: &CrashConfig) -> CrashReport {
         landed_writes: counters.landed_writes.load(Ordering::Relaxed),
         background_commits: counters.background_commits.load(Ordering::Relaxed),
         commit_steps: counters.commit_steps.load(Ordering::Relaxed),
+        ring_reads: counters.ring_reads.load(Ordering::Relaxed),
+        ring_declined: counters.ring_declined.load(Ordering::Relaxed),
         seeds: config.seeds,
         violations,
         seconds: started.elapsed().as_secs_f64(),
@@ -716,9 +729,12 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     if config.sabotage_held {
         recorder.sabotage_held.store(true, Ordering::Relaxed);
     }
+    // The reactor's ring reads, completed at points of their own seed.
+    let mut ring = reads::RingReads::new(&recorder.sim, seed);
     let ops = rng.range(30, 90);
     let mut flushed_last = false;
     for index in 0..ops {
+        ring.maybe_start(&volume, &world);
         let reflink = config.layout == LayoutKind::Split && !config.encrypted;
         // A client flushing again with nothing new (a commit with an empty
         // buffer: the held log's slots swap without one being emptied).
@@ -770,9 +786,19 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
             }
             world.lock().doing = format!("after {doing}");
         }
+        ring.complete(&recorder.sim, &volume, &world, false)
+            .map_err(|error| format!("{error} (after {doing})"))?;
         crash_between_ops(&checker, &world, &recorder, flushed || fua, counters)
             .map_err(|error| format!("{error} (after {doing})"))?;
     }
+    ring.complete(&recorder.sim, &volume, &world, true)
+        .map_err(|error| format!("{error} (at the end)"))?;
+    counters
+        .ring_reads
+        .fetch_add(ring.answered, Ordering::Relaxed);
+    counters
+        .ring_declined
+        .fetch_add(ring.declined, Ordering::Relaxed);
     recorder.set_hook(None);
     // Closing takes no more writers at its commit.
     stepper.set(None);

@@ -4,6 +4,7 @@
 //! one of these. Each panics (assert) on a broken property: a panic is a
 //! finding.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use vouch_engine::read_superblock;
@@ -16,6 +17,12 @@ use vouch_format::journal::{decode_entries, encode_record, record_data, JournalH
 use vouch_format::{crc32c, Context, JournalEntry, Superblock, CONTEXT_BYTES, SUPERBLOCK_BYTES};
 
 const SMALL_BLOCKS: u64 = 32;
+
+/// Writes `engine_model` saw the inline route take, and requested commits
+/// it ran as the background committer, over every call in this process
+/// (so a test can tell the production scheduling ran).
+pub static ENGINE_MODEL_INLINE_WRITES: AtomicU64 = AtomicU64::new(0);
+pub static ENGINE_MODEL_BACKGROUND_COMMITS: AtomicU64 = AtomicU64::new(0);
 
 fn small_tuning() -> OpenOptions {
     OpenOptions {
@@ -321,8 +328,16 @@ pub fn journal(data: &[u8]) {
 /// The engine against a model, with an I/O error after a fuzzed number of
 /// writes: until the error every read returns the newest data; after it,
 /// writes and flushes are refused, reads return acknowledged data (or a
-/// clean error), and a reopen — and a crash image — keep every block at its
-/// last durable value or a later one.
+/// clean error), a reopen (a process restart: the held log kept) keeps
+/// every block at its last acknowledged value or a later one, and a crash
+/// image (a power cut) at its last durable value or a later one.
+///
+/// The volume runs the production scheduling (`crate::stepper`): a
+/// background committer the input steps, and the NBD reactor's inline
+/// route for whole-block writes without FUA. An operation's byte picks
+/// both: bit 6 offers the write to the inline route (its range widened to
+/// whole blocks), bit 5 runs the commit it requested afterwards (a failed background commit reaches the
+/// client as fail-stopped at its next request).
 pub fn engine_model(data: &[u8]) {
     let mut bytes = data.iter().copied();
     let mut next = move || bytes.next();
@@ -335,7 +350,9 @@ pub fn engine_model(data: &[u8]) {
     let guard = GuardKind::ALL[usize::from(head >> 1) % GuardKind::ALL.len()];
     let countdown = next().unwrap_or(255);
     let sim = small_volume(layout, guard);
-    let volume = Volume::open(Arc::new(sim.clone()), &small_tuning()).expect("open");
+    let stepped = crate::stepper::Stepper::new(vouch_engine::OrderingBreaks::default())
+        .options(small_tuning().tuning);
+    let volume = Volume::open(Arc::new(sim.clone()), &stepped).expect("open");
     if countdown != 255 {
         sim.set_faults(FaultPlan {
             fail_write_after: Some(sim.counts().0 + u64::from(countdown)),
@@ -355,8 +372,14 @@ pub fn engine_model(data: &[u8]) {
             break;
         }
         let sectors = SMALL_BLOCKS * 8;
-        let start = (u64::from(at) * 2 + u64::from(fill & 1)) % sectors;
-        let count = u64::from(len % 24 + 1).min(sectors - start);
+        let mut start = (u64::from(at) * 2 + u64::from(fill & 1)) % sectors;
+        let mut count = u64::from(len % 24 + 1).min(sectors - start);
+        let inline = kind & 0x40 != 0;
+        if inline {
+            // Offered to the inline route: whole blocks, as it takes them.
+            start -= start % 8;
+            count = (count.div_ceil(8) * 8).min(sectors - start);
+        }
         let (offset, length) = (start * 512, count * 512);
         let fua = kind & 0x80 != 0;
         match kind % 5 {
@@ -369,7 +392,14 @@ pub fn engine_model(data: &[u8]) {
                 let result = if trim {
                     volume.trim(offset, length, fua)
                 } else {
-                    volume.write(offset, &payload, fua)
+                    let payload = bytes::Bytes::from(payload);
+                    crate::stepper::write_as_served(&volume, offset, &payload, fua, inline).map(
+                        |took| {
+                            if took {
+                                ENGINE_MODEL_INLINE_WRITES.fetch_add(1, Ordering::Relaxed);
+                            }
+                        },
+                    )
                 };
                 settle(&mut values, &mut acked, &touched, &result, fua, &mut failed);
             }
@@ -395,12 +425,16 @@ pub fn engine_model(data: &[u8]) {
                 }
             }
         }
+        if kind & 0x20 != 0 && volume.run_requested_commit() {
+            ENGINE_MODEL_BACKGROUND_COMMITS.fetch_add(1, Ordering::Relaxed);
+        }
     }
     drop(volume);
     sim.set_faults(FaultPlan::default());
-    // Both a process restart and a power loss keep everything durable.
+    // A process restart keeps everything acknowledged (the held log), a
+    // power loss everything durable.
     let crashed = sim.crash_image(|_, _, _| 0);
-    for storage in [sim, crashed] {
+    for (storage, restart) in [(sim, true), (crashed, false)] {
         let volume = Volume::open(Arc::new(storage) as Arc<dyn Storage>, &small_tuning())
             .expect("reopen after the error");
         let mut buf = vec![0u8; 4096];
@@ -408,9 +442,16 @@ pub fn engine_model(data: &[u8]) {
             volume
                 .read(lba as u64 * 4096, &mut buf)
                 .expect("read after reopen");
+            let from = if restart { acked[lba] } else { 0 };
             assert!(
-                allowed.contains(&buf),
-                "LBA {lba} lost its durable value after reopen"
+                allowed[from..].contains(&buf),
+                "LBA {lba} lost its {} value after {}",
+                if restart { "acknowledged" } else { "durable" },
+                if restart {
+                    "a process restart"
+                } else {
+                    "a power cut"
+                }
             );
         }
     }

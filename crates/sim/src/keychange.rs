@@ -7,6 +7,14 @@
 //! neither, never both — and read the flushed data. Images of the crash
 //! point before the first superblock write must open with A only; once
 //! `change_key` has returned, with B only.
+//!
+//! The volume that changes its key runs the production scheduling
+//! (`crate::stepper`): a background committer the seed steps and a small
+//! write-back buffer. Before the change it takes writes that are never
+//! flushed, through the inline route (`try_write_shared`) where the
+//! reactor would take it, so the change meets buffered writes and a
+//! requested commit; in every image those blocks read zeros or their new
+//! data (a power cut drops the held log).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,6 +31,8 @@ use crate::BLOCK;
 
 /// Blocks written (and flushed) before the key change.
 const WRITTEN: u64 = 24;
+/// Blocks written after them and never flushed.
+const UNFLUSHED: u64 = 8;
 
 /// What a key-change run found.
 #[derive(Debug, Default)]
@@ -33,6 +43,10 @@ pub struct KeyChangeReport {
     /// Images that opened with the old key, and with the new one.
     pub old_key: u64,
     pub new_key: u64,
+    /// Unflushed writes the inline route took, and requested commits the
+    /// simulator ran as the background committer.
+    pub inline_writes: u64,
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -40,11 +54,13 @@ pub struct KeyChangeReport {
 impl KeyChangeReport {
     pub fn summary(&self) -> String {
         format!(
-            "keychange: seeds={} images={} (old key {} / new key {}) violations={} time={:.1}s",
+            "keychange: seeds={} images={} (old key {} / new key {}) inline writes={} background commits={} violations={} time={:.1}s",
             self.seeds,
             self.images,
             self.old_key,
             self.new_key,
+            self.inline_writes,
+            self.background_commits,
             self.violations.len(),
             self.seconds
         )
@@ -57,6 +73,8 @@ fn key(byte: u8, seed: u64) -> UserSecret {
     UserSecret::key(&key).expect("32 bytes")
 }
 
+/// Open options for checking an image (commits only when the caller
+/// does: the check writes nothing).
 fn with_key(secret: &UserSecret) -> OpenOptions {
     OpenOptions {
         key: Some(secret.clone()),
@@ -73,7 +91,9 @@ fn block(seed: u64, lba: u64) -> Vec<u8> {
     rng.bytes(BLOCK)
 }
 
-/// Which keys open `image` (old, new), checking the data of whichever does.
+/// Which keys open `image` (old, new), checking the data of whichever
+/// does: the flushed blocks read their data, the unflushed ones zeros or
+/// theirs.
 fn keys_that_open(
     image: &SimStorage,
     old: &UserSecret,
@@ -93,6 +113,17 @@ fn keys_that_open(
                         .map_err(|error| format!("LBA {lba} unreadable: {error}"))?;
                     if data != block(seed, lba) {
                         return Err(format!("LBA {lba} reads wrong data"));
+                    }
+                }
+                for lba in WRITTEN..WRITTEN + UNFLUSHED {
+                    let mut data = vec![0u8; BLOCK];
+                    volume
+                        .read(lba * BLOCK as u64, &mut data)
+                        .map_err(|error| format!("LBA {lba} unreadable: {error}"))?;
+                    if data != block(seed, lba) && data.iter().any(|byte| *byte != 0) {
+                        return Err(format!(
+                            "unflushed LBA {lba} reads neither zeros nor its data"
+                        ));
                     }
                 }
             }
@@ -127,8 +158,26 @@ fn run_one(seed: u64, layout: LayoutKind, report: &Mutex<KeyChangeReport>) -> Re
         drop(volume);
     }
     let recorder = Arc::new(Recorder::new(sim));
-    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &with_key(&old))
+    let mut rng = Rng::new(seed ^ 0x7374_6570);
+    let stepped = OpenOptions {
+        key: Some(old.clone()),
+        ..crate::stepper::stepped_options(&mut rng)
+    };
+    let volume = Volume::open(recorder.clone() as Arc<dyn Storage>, &stepped)
         .map_err(|error| format!("open with the old key: {error}"))?;
+    // Unflushed writes on the production scheduling, as the NBD reactor
+    // takes them; the last commit they requested may be left to run.
+    let (mut inline_writes, mut background_commits) = (0, 0);
+    for lba in WRITTEN..WRITTEN + UNFLUSHED {
+        let data = bytes::Bytes::from(block(seed, lba));
+        let inline = rng.chance(1, 2);
+        if crate::stepper::write_as_served(&volume, lba * BLOCK as u64, &data, false, inline)
+            .map_err(|error| format!("write: {error}"))?
+        {
+            inline_writes += 1;
+        }
+        background_commits += crate::stepper::step_commits([&volume], &mut rng);
+    }
     let failure: Arc<Mutex<Option<String>>> = Arc::default();
     let first_point = Arc::new(Mutex::new(true));
     {
@@ -179,6 +228,8 @@ fn run_one(seed: u64, layout: LayoutKind, report: &Mutex<KeyChangeReport>) -> Re
         report.images += counts.images;
         report.old_key += counts.old_key;
         report.new_key += counts.new_key;
+        report.inline_writes += inline_writes;
+        report.background_commits += background_commits;
     }
     if let Some(failure) = failure.lock().take() {
         return Err(failure);

@@ -18,6 +18,64 @@
 //!
 //! See docs/RELIABILITY.md ("What each simulator drives").
 
+/// The `BlockDevice` methods every device must write, but for
+/// `read_blocks_collecting`, each passed on unchanged to the device in
+/// field `$below`: for the simulators' layers over a leg, which break or
+/// watch one or two of its calls and write only those (and
+/// `read_blocks_collecting`, forwarded or not).
+macro_rules! forward_device {
+    ($below:tt) => {
+        fn size(&self) -> u64 {
+            self.$below.size()
+        }
+        fn is_read_only(&self) -> bool {
+            self.$below.is_read_only()
+        }
+        fn read(
+            &self,
+            offset: u64,
+            buf: &mut [u8],
+        ) -> vouch_engine::Result<Vec<std::ops::Range<u64>>> {
+            self.$below.read(offset, buf)
+        }
+        fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
+            self.$below.write(offset, data, fua)
+        }
+        fn flush(&self) -> vouch_engine::Result<()> {
+            self.$below.flush()
+        }
+        fn trim(&self, offset: u64, length: u64, fua: bool) -> vouch_engine::Result<()> {
+            self.$below.trim(offset, length, fua)
+        }
+        fn write_zeroes(
+            &self,
+            offset: u64,
+            length: u64,
+            flags: vouch_engine::ZeroFlags,
+        ) -> vouch_engine::Result<()> {
+            self.$below.write_zeroes(offset, length, flags)
+        }
+        fn block_status(
+            &self,
+            offset: u64,
+            length: u64,
+            max_blocks: u64,
+        ) -> vouch_engine::Result<Vec<(u64, vouch_engine::Allocation)>> {
+            self.$below.block_status(offset, length, max_blocks)
+        }
+        fn read_sealed(
+            &self,
+            first: u64,
+            count: u64,
+        ) -> vouch_engine::Result<Vec<vouch_engine::SealedBlock>> {
+            self.$below.read_sealed(first, count)
+        }
+        fn write_sealed(&self, blocks: &[vouch_engine::SealedBlock]) -> vouch_engine::Result<()> {
+            self.$below.write_sealed(blocks)
+        }
+    };
+}
+
 pub mod crash;
 pub mod faults;
 pub mod fuzz;

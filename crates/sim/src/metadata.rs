@@ -17,6 +17,12 @@
 //! - `check()` lists exactly the blocks whose reads fail;
 //! - after a close (a checkpoint) and a reopen, every block that failed still
 //!   fails or reads right: a checkpoint never turns a loss into zeros.
+//!
+//! Volumes are written and opened on the production scheduling
+//! (`crate::stepper`): a background committer the seed steps, after each
+//! operation of a write round, and writes taking the inline route
+//! (`try_write_shared`) half the time, so the metadata damaged is what
+//! those commits and their checkpoints left.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -26,8 +32,8 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use vouch_engine::{
-    BlockDevice, CreateOptions, Error, GuardKind, LayoutKind, ObjectId, OpenOptions, SimStorage,
-    Storage, Tuning, Volume, ZeroFlags,
+    BlockDevice, CreateOptions, Error, GuardKind, LayoutKind, ObjectId, OpenOptions,
+    OrderingBreaks, SimStorage, Storage, Tuning, Volume, ZeroFlags,
 };
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 
@@ -109,6 +115,10 @@ pub struct MetaReport {
     /// Injections the open refused, naming the damaged file.
     pub refused: BTreeMap<(usize, MetaKind), u64>,
     pub injections: u64,
+    /// Writes of the write rounds the inline route took, and requested
+    /// commits the simulator ran as the background committer.
+    pub inline_writes: u64,
+    pub background_commits: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -179,6 +189,8 @@ pub fn run(config: &MetaConfig) -> MetaReport {
                 *report.refused.entry((index, kind)).or_default() += refused;
             }
             report.injections += cell.injections;
+            report.inline_writes += cell.scheduled.inline_writes;
+            report.background_commits += cell.scheduled.background_commits;
             for violation in cell.violations {
                 report.violations.push(cell_violation(
                     (layout, guard),
@@ -239,9 +251,11 @@ impl MetaReport {
         }
         let _ = writeln!(
             out,
-            "metadata: cells={} injections={} outcomes: detected={detected} silently-wrong={silent} harmless={harmless} violations={} time={:.1}s",
+            "metadata: cells={} injections={} (inline writes {}, background commits {}) outcomes: detected={detected} silently-wrong={silent} harmless={harmless} violations={} time={:.1}s",
             config.cells.len(),
             self.injections,
+            self.inline_writes,
+            self.background_commits,
             self.violations.len(),
             self.seconds
         );
@@ -249,11 +263,19 @@ impl MetaReport {
     }
 }
 
+/// What the production scheduling took in a cell's write rounds.
+#[derive(Default)]
+struct Scheduled {
+    inline_writes: u64,
+    background_commits: u64,
+}
+
 #[derive(Default)]
 struct CellResult {
     tallies: BTreeMap<MetaKind, Tally>,
     refused: BTreeMap<MetaKind, u64>,
     injections: u64,
+    scheduled: Scheduled,
     violations: Vec<String>,
 }
 
@@ -300,13 +322,15 @@ fn create_options(
 }
 
 /// Write a random mix over `fraction_percent` of the blocks: data (kept in
-/// `model`), written zeroes and trims; then close.
+/// `model`; the inline route half the time), written zeroes and trims,
+/// each followed, one time in two, by the commit it requested; then close.
 fn write_round(
     storage: &SimStorage,
     open: &OpenOptions,
     model: &mut [Vec<u8>],
     rng: &mut Rng,
     fraction_percent: u64,
+    scheduled: &mut Scheduled,
 ) -> Result<(), String> {
     let volume = Volume::open(Arc::new(storage.clone()), open).map_err(|e| format!("open: {e}"))?;
     for lba in 0..BLOCKS {
@@ -335,13 +359,17 @@ fn write_round(
                 model[lba as usize] = vec![0u8; BLOCK];
             }
             _ => {
-                let data = rng.bytes(BLOCK);
-                volume
-                    .write(offset, &data, false)
-                    .map_err(|e| format!("write: {e}"))?;
-                model[lba as usize] = data;
+                let data = bytes::Bytes::from(rng.bytes(BLOCK));
+                let inline = rng.chance(1, 2);
+                if crate::stepper::write_as_served(&volume, offset, &data, false, inline)
+                    .map_err(|e| format!("write: {e}"))?
+                {
+                    scheduled.inline_writes += 1;
+                }
+                model[lba as usize] = data.to_vec();
             }
         }
+        scheduled.background_commits += crate::stepper::step_commits([&volume], rng);
     }
     volume.close().map_err(|e| format!("close: {e}"))
 }
@@ -359,17 +387,18 @@ fn run_cell(
 ) -> CellResult {
     let key = encrypted.then(|| crate::crash::seed_key(seed));
     let mut rng = Rng::new(seed);
+    // `serve`'s scheduling, stepped: a background committer, and a
+    // write-back buffer small enough that writers request commits.
     let open = OpenOptions {
-        tuning: Tuning {
-            dirty_limit_blocks: 64,
+        key: key.clone(),
+        ..crate::stepper::Stepper::new(OrderingBreaks::default()).options(Tuning {
             context_cache_pages: 1,
             overlay_limit: 1024,
-            background_commit: false,
-        },
-        key: key.clone(),
-        ..OpenOptions::default()
+            ..crate::stepper::stepped_tuning(&mut rng)
+        })
     };
     let mut result = CellResult::default();
+    let scheduled = &mut result.scheduled;
     let prepared = (|| -> Result<Prepared, String> {
         let options = create_options(layout, guard, key.clone());
         let storage = SimStorage::new();
@@ -377,15 +406,15 @@ fn run_cell(
             .and_then(Volume::close)
             .map_err(|e| format!("create: {e}"))?;
         let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
-        write_round(&storage, &open, &mut model, &mut rng, 60)?;
+        write_round(&storage, &open, &mut model, &mut rng, 60, scheduled)?;
         let older = storage.duplicate();
-        write_round(&storage, &open, &mut model, &mut rng, 40)?;
+        write_round(&storage, &open, &mut model, &mut rng, 40, scheduled)?;
         let other = SimStorage::new();
         Volume::create(Arc::new(other.clone()), &options)
             .and_then(Volume::close)
             .map_err(|e| format!("create the other volume: {e}"))?;
         let mut other_model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
-        write_round(&other, &open, &mut other_model, &mut rng, 90)?;
+        write_round(&other, &open, &mut other_model, &mut rng, 90, scheduled)?;
         Ok((storage, older, other, model))
     })();
     let (pristine, older, other, model) = match prepared {

@@ -17,6 +17,12 @@
 //! repair writes request between the reads, so those commits' journal
 //! and home writes are crash points too. (Read repair stores with the
 //! worker's sealed write; it has no inline route.)
+//!
+//! `run_with` breaks the route's rule that the sealed block moves whole,
+//! from a leg that verifies it: leg 1 "repairs" a block that fails its
+//! verification from its own bytes, sealing a context to match them, so
+//! the block bad on both legs is rewritten and clients read wrong bytes,
+//! which the checks must report.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -25,8 +31,8 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    BlockDevice, CreateOptions, Error, LayoutKind, ObjectId, OpenOptions, SimStorage, Storage,
-    Volume,
+    BlockDevice, CreateOptions, Error, Fault, LayoutKind, ObjectId, OpenOptions, SimStorage,
+    Storage, Volume,
 };
 
 use crate::recorder::{crash_image, Recorder, STRATEGIES};
@@ -78,10 +84,16 @@ fn open_options() -> OpenOptions {
 
 /// Run seeds `first..first + seeds`.
 pub fn run(first: u64, seeds: u64) -> MirrorReport {
+    run_with(first, seeds, false)
+}
+
+/// `run`; with `sabotage`, leg 1 reseals the blocks that fail its
+/// verification from their own bytes (`ResealsFaults`).
+pub fn run_with(first: u64, seeds: u64, sabotage: bool) -> MirrorReport {
     let started = Instant::now();
     let mut report = MirrorReport::default();
     for seed in first..first + seeds {
-        if let Err(message) = run_seed(seed, &mut report) {
+        if let Err(message) = run_seed(seed, sabotage, &mut report) {
             report.violations.push(format!("seed {seed}: {message}"));
         }
         report.seeds += 1;
@@ -90,8 +102,39 @@ pub fn run(first: u64, seeds: u64) -> MirrorReport {
     report
 }
 
+/// Leg 1 with the repair rule broken (`run_with`): a block that fails
+/// verification is read from its storage as it lies, written back as new
+/// data (a context sealed to match it) and returned as good; every other
+/// call reaches the volume below.
+struct ResealsFaults {
+    volume: Arc<Volume>,
+    storage: Arc<Recorder>,
+}
+
+impl BlockDevice for ResealsFaults {
+    forward_device!(volume);
+    fn read_blocks_collecting(
+        &self,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> vouch_engine::Result<Vec<Fault>> {
+        let faults = self.volume.read_blocks_collecting(first, count, out)?;
+        for fault in faults {
+            let location = self.volume.geometry().locate(fault.lba);
+            let at = ((fault.lba - first) as usize) * BLOCK;
+            let raw = &mut out[at..at + BLOCK];
+            self.storage
+                .sim
+                .peek(ObjectId::Data(location.segment), location.data_offset, raw);
+            self.volume.write(fault.lba * BLOCK as u64, raw, false)?;
+        }
+        Ok(Vec::new())
+    }
+}
+
 /// One seed; violations are pushed to `report`, setup errors returned.
-pub fn run_seed(seed: u64, report: &mut MirrorReport) -> Result<(), String> {
+pub fn run_seed(seed: u64, sabotage: bool, report: &mut MirrorReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
@@ -162,7 +205,13 @@ pub fn run_seed(seed: u64, report: &mut MirrorReport) -> Result<(), String> {
         },
         MirrorLeg {
             name: "leg1".into(),
-            device: Some(volume1.clone() as Arc<dyn BlockDevice>),
+            device: Some(match sabotage {
+                true => Arc::new(ResealsFaults {
+                    volume: volume1.clone(),
+                    storage: recorder1.clone(),
+                }) as Arc<dyn BlockDevice>,
+                false => volume1.clone() as Arc<dyn BlockDevice>,
+            }),
             state: LegState::Active,
         },
     ];

@@ -26,7 +26,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -34,8 +33,8 @@ use bytes::Bytes;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Fault, FaultPlan, GuardKind, LayoutKind, ObjectId,
-    OpenOptions, SealedBlock, Storage, Volume, ZeroFlags,
+    BlockDevice, CreateOptions, Fault, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions,
+    SealedBlock, Storage, Volume,
 };
 use vouch_format::layout::PACKED_RECORD_BYTES;
 
@@ -179,37 +178,9 @@ fn open_options(rng: &mut Rng) -> OpenOptions {
 struct DropsReserved(Arc<dyn BlockDevice>);
 
 impl BlockDevice for DropsReserved {
+    forward_device!(0);
     fn below(&self) -> Option<&Arc<dyn BlockDevice>> {
         Some(&self.0)
-    }
-    fn size(&self) -> u64 {
-        self.0.size()
-    }
-    fn is_read_only(&self) -> bool {
-        self.0.is_read_only()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> vouch_engine::Result<Vec<Range<u64>>> {
-        self.0.read(offset, buf)
-    }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
-        self.0.write(offset, data, fua)
-    }
-    fn flush(&self) -> vouch_engine::Result<()> {
-        self.0.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> vouch_engine::Result<()> {
-        self.0.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> vouch_engine::Result<()> {
-        self.0.write_zeroes(offset, length, flags)
-    }
-    fn block_status(
-        &self,
-        offset: u64,
-        length: u64,
-        max_blocks: u64,
-    ) -> vouch_engine::Result<Vec<(u64, Allocation)>> {
-        self.0.block_status(offset, length, max_blocks)
     }
     fn read_blocks_collecting(
         &self,
@@ -218,12 +189,6 @@ impl BlockDevice for DropsReserved {
         out: &mut [u8],
     ) -> vouch_engine::Result<Vec<Fault>> {
         self.0.read_blocks_collecting(first, count, out)
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
-        self.0.read_sealed(first, count)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        self.0.write_sealed(blocks)
     }
     fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
         self.0.release_room(blocks.len());

@@ -24,6 +24,12 @@
 //! request between the writes (the replica's only while it lives). The
 //! replica is a remote leg, which reserves no room, so the mirror's
 //! writes take the worker's route, as they do in production.
+//!
+//! `run_with` breaks the route on purpose: the map is created without the
+//! blocks written since the last flush (step 1 of the order in
+//! docs/CRASH_MODEL.md skipped), so the records call the leg stale with a
+//! map that misses what the replica lost unflushed, which the checks must
+//! report.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -158,6 +164,8 @@ struct Capturing {
     dir: PathBuf,
     leg0: Arc<Volume>,
     points: Arc<Mutex<Vec<Point>>>,
+    /// Create maps without the blocks the mirror recorded (`run_with`).
+    sabotage: bool,
 }
 
 impl Capturing {
@@ -183,6 +191,7 @@ impl Membership for Capturing {
     fn create_map(&self, leg: usize, blocks: u64, marked: &[Range<u64>]) -> Result<DirtyMap> {
         self.point("before the map", None);
         self.point("map half written", Some("mirror.dirty.tmp"));
+        let marked = if self.sabotage { &[] } else { marked };
         let map = self.inner.create_map(leg, blocks, marked);
         self.point("after the map", None);
         map
@@ -201,15 +210,26 @@ fn open(sim: &SimStorage, options: &OpenOptions) -> std::result::Result<Arc<Volu
 
 /// Run seeds `first..first + seeds`.
 pub fn run(first: u64, seeds: u64) -> MidrunReport {
+    run_with(first, seeds, false)
+}
+
+/// `run`; with `sabotage`, each map is created without the blocks written
+/// since the last flush.
+pub fn run_with(first: u64, seeds: u64, sabotage: bool) -> MidrunReport {
     let started = Instant::now();
     let mut report = MidrunReport::default();
     for seed in first..first + seeds {
-        let dir =
-            std::env::temp_dir().join(format!("vouch-sim-midrun-{}-{seed}", std::process::id()));
+        // Per run kind too: a test process runs the plain and the broken
+        // run at once.
+        let dir = std::env::temp_dir().join(format!(
+            "vouch-sim-midrun-{}-{seed}{}",
+            std::process::id(),
+            if sabotage { "-broken" } else { "" }
+        ));
         let _ = std::fs::remove_dir_all(&dir);
         if let Err(message) = std::fs::create_dir_all(&dir)
             .map_err(|e| e.to_string())
-            .and_then(|()| run_seed(seed, &dir, &mut report))
+            .and_then(|()| run_seed(seed, &dir, sabotage, &mut report))
         {
             report.violations.push(format!("seed {seed}: {message}"));
         }
@@ -224,6 +244,7 @@ pub fn run(first: u64, seeds: u64) -> MidrunReport {
 pub fn run_seed(
     seed: u64,
     dir: &Path,
+    sabotage: bool,
     report: &mut MidrunReport,
 ) -> std::result::Result<(), String> {
     let mut rng = Rng::new(seed);
@@ -264,6 +285,7 @@ pub fn run_seed(
         dir: dir.to_path_buf(),
         leg0: Arc::clone(&leg0),
         points: Arc::clone(&points),
+        sabotage,
     };
     let mirror = Mirror::new(
         vec![

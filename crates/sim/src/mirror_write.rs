@@ -22,7 +22,6 @@
 //!   afterwards both legs hold, block for block, what was read before the
 //!   scrub: no block changes under a reader without a write.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,8 +30,8 @@ use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock,
-    SimStorage, Storage, Volume, WriteDone, ZeroFlags,
+    BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock, SimStorage, Storage,
+    Volume, WriteDone,
 };
 
 use crate::fingerprint;
@@ -205,35 +204,7 @@ fn land(volume: &Volume, blocks: &[SealedBlock], fua: bool) -> vouch_engine::Res
 }
 
 impl BlockDevice for Travelling {
-    fn size(&self) -> u64 {
-        self.volume.size()
-    }
-    fn is_read_only(&self) -> bool {
-        self.volume.is_read_only()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> vouch_engine::Result<Vec<Range<u64>>> {
-        self.volume.read(offset, buf)
-    }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
-        self.volume.write(offset, data, fua)
-    }
-    fn flush(&self) -> vouch_engine::Result<()> {
-        self.volume.flush()
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> vouch_engine::Result<()> {
-        self.volume.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> vouch_engine::Result<()> {
-        self.volume.write_zeroes(offset, length, flags)
-    }
-    fn block_status(
-        &self,
-        offset: u64,
-        length: u64,
-        max_blocks: u64,
-    ) -> vouch_engine::Result<Vec<(u64, Allocation)>> {
-        self.volume.block_status(offset, length, max_blocks)
-    }
+    forward_device!(volume);
     fn read_blocks_collecting(
         &self,
         first: u64,
@@ -244,12 +215,6 @@ impl BlockDevice for Travelling {
     }
     fn next_possible_data(&self, lba: u64) -> vouch_engine::Result<u64> {
         self.volume.next_possible_data(lba)
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
-        self.volume.read_sealed(first, count)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        self.volume.write_sealed(blocks)
     }
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
         self.volume.write_sealed_here(blocks)

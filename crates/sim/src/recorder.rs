@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use vouch_engine::sim::PendingOp;
+use vouch_engine::storage::ReadLater;
 use vouch_engine::{CloneRange, ObjectId, SimStorage, Storage};
 
 /// Called at a crash point with the sim and the issue order of its pending ops.
@@ -95,6 +96,29 @@ impl Storage for Recorder {
 
     fn has_held(&self) -> bool {
         self.sim.has_held()
+    }
+
+    /// Reads are no crash point: they change nothing on the media.
+    fn start_read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        len: usize,
+        done: ReadLater,
+    ) -> Result<(), ReadLater> {
+        self.sim.start_read(object, offset, len, done)
+    }
+
+    fn reap_reads(&self) -> io::Result<()> {
+        self.sim.reap_reads()
+    }
+
+    fn reads_ready(&self) -> bool {
+        self.sim.reads_ready()
+    }
+
+    fn reads_in_flight(&self) -> usize {
+        self.sim.reads_in_flight()
     }
 
     fn boot_id(&self) -> [u8; 16] {

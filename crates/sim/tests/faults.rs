@@ -1,6 +1,7 @@
 //! A small detection-matrix run: no violations, and the headline numbers.
 
-use vouch_sim::faults::{all_cells, run, FaultConfig, Kind};
+use vouch_engine::OrderingBreaks;
+use vouch_sim::faults::{all_cells, run, run_cell_with, FaultConfig, Kind};
 use vouch_sim::{GuardKind, LayoutKind};
 
 #[test]
@@ -92,4 +93,37 @@ fn detection_matrix_encrypted() {
     assert_eq!(packed(Kind::LostWrite), Some(0.0));
     assert_eq!(packed(Kind::DataBitFlip), Some(1.0));
     assert_eq!(packed(Kind::MisdirectedRead), Some(1.0));
+}
+
+/// The background committer emptying its held-log slot before its journal
+/// record and home writes (`OrderingBreaks::empty_before_home`): when one
+/// of those writes fails, the reopen after the error (a process restart)
+/// has lost acknowledged writes. Seeds from 1 until one shows it.
+#[test]
+fn a_commit_emptying_its_slot_before_home_is_caught() {
+    let breaks = OrderingBreaks {
+        empty_before_home: true,
+        ..OrderingBreaks::default()
+    };
+    let mut seen = Vec::new();
+    for seed in 1..=8 {
+        let result = run_cell_with(
+            LayoutKind::Split,
+            GuardKind::Crc32c,
+            false,
+            20,
+            seed,
+            breaks,
+        );
+        if result
+            .violations
+            .iter()
+            .any(|violation| violation.contains("acknowledged write lost"))
+        {
+            eprintln!("seed {seed}: {}", result.violations.join("\n"));
+            return;
+        }
+        seen.push(format!("seed {seed}: {:?}", result.violations));
+    }
+    panic!("not caught:\n{}", seen.join("\n"));
 }

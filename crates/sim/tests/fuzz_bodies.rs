@@ -149,5 +149,13 @@ fn engine_model_inputs() {
         }
         fuzz::engine_model(&data);
     }
+    // The production scheduling ran: inline writes, background commits.
+    let inline = fuzz::ENGINE_MODEL_INLINE_WRITES.load(std::sync::atomic::Ordering::Relaxed);
+    let commits = fuzz::ENGINE_MODEL_BACKGROUND_COMMITS.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(
+        inline > 0 && commits > 0,
+        "inline writes {inline}, background commits {commits}"
+    );
+    eprintln!("engine model: inline writes {inline}, background commits {commits}");
     let _ = LayoutKind::Split;
 }

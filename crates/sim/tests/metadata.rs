@@ -2,7 +2,7 @@
 //! block reads as zeros or wrong data where the design claims detection
 //! (`metadata::claimed`), nothing the damage did not touch is disturbed,
 //! `check()` agrees with reads, and a checkpoint never turns a loss into
-//! zeros.
+//! zeros. The volumes are written on the production scheduling.
 
 use vouch_sim::metadata::{run, MetaConfig, MetaKind};
 use vouch_sim::GuardKind;
@@ -12,6 +12,11 @@ fn run_and_check(config: &MetaConfig) {
     let table = report.render(config);
     eprintln!("{table}");
     assert!(report.violations.is_empty(), "{table}");
+    // The write rounds ran the production scheduling.
+    assert!(
+        report.inline_writes > 0 && report.background_commits > 0,
+        "{table}"
+    );
     for index in 0..config.cells.len() {
         for kind in MetaKind::ALL {
             let tally = report

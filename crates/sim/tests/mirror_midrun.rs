@@ -1,7 +1,8 @@
 //! Crashes while a leg lost mid-run is given its resync map: where the
 //! records call it stale, its map is valid and covers every block its
 //! surviving copy lacks, or it has unknown history (a full resync)
-//! (`vouch_sim::mirror_midrun`).
+//! (`vouch_sim::mirror_midrun`). A map that misses the unflushed writes is
+//! caught.
 
 #[test]
 fn a_crash_while_a_lost_leg_gets_its_map_leaves_a_covering_map_or_unknown_history() {
@@ -19,5 +20,22 @@ fn a_crash_while_a_lost_leg_gets_its_map_leaves_a_covering_map_or_unknown_histor
     );
     // The volumes' background committers (stepped) took commits.
     assert!(report.background_commits > 0, "{}", report.summary());
+    eprintln!("{}", report.summary());
+}
+
+/// Maps created without the blocks written since the last flush (the
+/// route's first step broken): where the records call the leg stale, its
+/// map misses blocks the replica lost unflushed.
+#[test]
+fn a_map_created_without_the_unflushed_writes_is_caught() {
+    let report = vouch_sim::mirror_midrun::run_with(1, 4, true);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|violation| violation.contains("misses blocks the replica lacks")),
+        "not caught: {}",
+        report.summary()
+    );
     eprintln!("{}", report.summary());
 }

@@ -9,6 +9,12 @@
 //! or torn at 512-byte sector granularity, and no held log (it is memory).
 //! `duplicate` is what a crash of the process alone leaves: every write
 //! that returned, synced or not, and the held log.
+//!
+//! Reads that complete later (`Storage::start_read`, the NBD reactor's
+//! ring reads) are taken once the simulator asks for them
+//! (`accept_reads`) and complete when it says (`complete_reads`), reading
+//! their bytes at that moment, as the device does when the read reaches
+//! it: whatever was written in between is what they see.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -16,7 +22,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use crate::storage::{CloneRange, ObjectId, Storage};
+use crate::storage::direct::AlignedBuf;
+use crate::storage::{nowait, CloneRange, ObjectId, ReadLater, Storage};
 
 const PAGE: u64 = 4096;
 pub const SECTOR: u64 = 512;
@@ -159,6 +166,18 @@ struct SimState {
     writes_done: u64,
     bytes_written: u64,
     syncs: u64,
+    /// `start_read` takes reads (`accept_reads`).
+    accepting_reads: bool,
+    /// Reads started and not completed yet, in the order started.
+    started_reads: Vec<StartedRead>,
+}
+
+/// A read `start_read` took, completed by `complete_reads`.
+struct StartedRead {
+    object: ObjectId,
+    offset: u64,
+    len: usize,
+    done: ReadLater,
 }
 
 /// The in-memory backend. Cloning shares the same state.
@@ -233,6 +252,36 @@ impl SimStorage {
 
     pub fn set_faults(&self, plan: FaultPlan) {
         self.state.lock().faults = plan;
+    }
+
+    /// Take reads that complete later from now on (`Storage::start_read`;
+    /// `reads_ready` says so). The simulator stands in for the NBD
+    /// reactor's event loop: it completes them itself (`complete_reads`),
+    /// so there is no descriptor to wait on (`read_events` stays `None`).
+    pub fn accept_reads(&self) {
+        self.state.lock().accepting_reads = true;
+    }
+
+    /// Complete the started reads `pick` chooses (asked once for each, in
+    /// the order they started; the others stay in flight): each reads its
+    /// bytes now, injected read faults included, and its callback runs on
+    /// this thread with no lock held. Returns how many completed.
+    pub fn complete_reads(&self, mut pick: impl FnMut() -> bool) -> usize {
+        let chosen: Vec<StartedRead> = {
+            let mut state = self.state.lock();
+            let (chosen, later) = std::mem::take(&mut state.started_reads)
+                .into_iter()
+                .partition(|_| pick());
+            state.started_reads = later;
+            chosen
+        };
+        let count = chosen.len();
+        for read in chosen {
+            let mut buf = AlignedBuf::zeroed(read.len);
+            let result = self.read_at(read.object, read.offset, &mut buf);
+            (read.done)(result.map(|()| buf));
+        }
+        count
     }
 
     pub fn faults(&self) -> FaultPlan {
@@ -528,6 +577,44 @@ impl Storage for SimStorage {
 
     fn has_held(&self) -> bool {
         true
+    }
+
+    /// Taken once the simulator accepts reads (`accept_reads`), and only
+    /// of whole pages, as the ring's are; completed by `complete_reads`.
+    fn start_read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        len: usize,
+        done: ReadLater,
+    ) -> Result<(), ReadLater> {
+        let mut state = self.state.lock();
+        if !state.accepting_reads || len == 0 || !(len as u64).is_multiple_of(PAGE) {
+            return Err(done);
+        }
+        state.started_reads.push(StartedRead {
+            object,
+            offset,
+            len,
+            done,
+        });
+        Ok(())
+    }
+
+    /// Completes every read in flight now; `WouldBlock` when there was none.
+    fn reap_reads(&self) -> io::Result<()> {
+        match self.complete_reads(|| true) {
+            0 => Err(nowait::would_block()),
+            _ => Ok(()),
+        }
+    }
+
+    fn reads_ready(&self) -> bool {
+        self.state.lock().accepting_reads
+    }
+
+    fn reads_in_flight(&self) -> usize {
+        self.state.lock().started_reads.len()
     }
 
     fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {

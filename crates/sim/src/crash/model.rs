@@ -97,6 +97,12 @@ impl Model {
         )
     }
 
+    /// The values `lba` has held since `mark` was taken (its value then
+    /// first): what a read started at `mark` may return.
+    pub(super) fn values_since(&self, mark: &Mark, lba: usize) -> &[u64] {
+        &self.versions[lba][mark.0[lba]..]
+    }
+
     /// A flush that started at `mark` made each block's value then durable.
     pub(super) fn durable_from(&mut self, mark: &Mark) {
         for (floor, at) in self.floor.iter_mut().zip(&mark.0) {
