@@ -1100,6 +1100,20 @@ mod tests {
     use super::*;
     use crate::storage::sim::SimStorage;
 
+    /// A split volume of `bytes` on simulated storage with an empty map
+    /// of uuid `[9; 16]`.
+    fn split_map_on_sim(bytes: u64) -> (Geometry, SimStorage, Backing) {
+        let geometry = Geometry::new(LayoutKind::Split, bytes, 1 << 28).expect("geometry");
+        let storage = SimStorage::new();
+        let io = Backing::new(
+            Arc::new(storage.clone()),
+            geometry,
+            None,
+            WrittenMap::empty(&geometry, [9; 16]),
+        );
+        (geometry, storage, io)
+    }
+
     fn loaded(storage: &SimStorage, geometry: &Geometry, generations_seq: u64) -> WrittenMap {
         match WrittenMap::load(storage, geometry, ([9; 16], generations_seq)).expect("load") {
             Loaded::Map(map) => map,
@@ -1115,14 +1129,7 @@ mod tests {
     #[test]
     fn only_changed_generation_pages_are_written() {
         // 8 GiB split: 16,384 pages, 17 pages of values per copy.
-        let geometry = Geometry::new(LayoutKind::Split, 8 << 30, 1 << 28).expect("geometry");
-        let storage = SimStorage::new();
-        let io = Backing::new(
-            Arc::new(storage.clone()),
-            geometry,
-            None,
-            WrittenMap::empty(&geometry, [9; 16]),
-        );
+        let (geometry, storage, io) = split_map_on_sim(8 << 30);
         let written = || io.stats.superblock_bytes_written.load(Ordering::Relaxed);
         let units = io.written.units;
         let copy = WRITTEN_PAGE_BYTES + bits_bytes(units);
@@ -1261,14 +1268,7 @@ mod tests {
     /// leaves the previous one; a map of another volume is not used.
     #[test]
     fn copies_alternate_and_a_damaged_one_leaves_the_other() {
-        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
-        let storage = SimStorage::new();
-        let io = Backing::new(
-            Arc::new(storage.clone()),
-            geometry,
-            None,
-            WrittenMap::empty(&geometry, [9; 16]),
-        );
+        let (geometry, storage, io) = split_map_on_sim(64 << 20);
         assert_eq!(io.written.next_set_lba(0), None);
         io.written.set(3);
         io.written.set(70);
