@@ -555,7 +555,13 @@ impl WrittenMap {
     /// when it is read), not its 30 or 127 neighbours'. Checked: a plain
     /// context's or marker's CRC; an encrypted context's keyless guard
     /// when its data is given (without data, as in a split page, its
-    /// generation is taken as it lies); a kind byte no context has.
+    /// generation is taken as it lies); a kind byte no context has. The
+    /// same holds for a slot of another place or volume: damage that may
+    /// have replaced the newest generation. A blank slot is skipped, even
+    /// in a whole unit, where it is damage too: judging it `Unsure` there
+    /// made `check` and reads disagree in `vouch-sim metadata` (older copy,
+    /// packed, encrypted), cause not found, so a row whose newest slot was
+    /// zeroed is still judged by what is left.
     pub fn judge_slots<'a>(
         &self,
         first_lba: u64,
@@ -573,6 +579,10 @@ impl WrittenMap {
                 continue;
             }
             let Some(generation) = self.own_generation(first_lba + slot as u64, context) else {
+                // Another place's or volume's slot (a misdirected write, a
+                // page copied in) fails its own block's tags; like a blank
+                // one it may have replaced the newest generation.
+                unsure = true;
                 continue;
             };
             if generation != 0 && !newer(expected, generation) {
@@ -1005,9 +1015,10 @@ impl Drop for PageWritesGuard<'_> {
 pub enum SlotVerdict {
     /// An own slot is at least as new as expected: current.
     Reaches,
-    /// No slot is the volume's own: left to the tags.
+    /// No slot holds anything (blank slots only): left to the tags.
     NoOwn,
-    /// A slot's context is damaged: nothing can be said of the unit.
+    /// A slot is damaged, or another place's or volume's: nothing can be
+    /// said of the unit.
     Unsure,
     /// Every own slot is older; the newest of them.
     Older(u32),
@@ -1236,7 +1247,16 @@ mod tests {
             generation: 3,
         }
         .encode()];
-        assert_eq!(judge(&foreign, 7), SlotVerdict::NoOwn);
+        assert_eq!(judge(&foreign, 7), SlotVerdict::Unsure);
+        // The newest slot overwritten by another place's: what is left is
+        // older, but the unit is not judged older by it (the damaged slot
+        // is its own block's fault). Zeroed, it is still judged by what is
+        // left (`judge_slots`).
+        let mut zeroed = [plain(0, 5), plain(1, 9), plain(2, 4)];
+        zeroed[1] = [0; CONTEXT_BYTES];
+        assert_eq!(judge(&zeroed, 9), SlotVerdict::Older(5));
+        let misplaced = [plain(0, 5), plain(7, 9), plain(2, 4)];
+        assert_eq!(judge(&misplaced, 9), SlotVerdict::Unsure);
         // Encrypted: checked by the keyless guard over its data.
         let data = [0x5a_u8; 4096];
         let encrypted = |generation: u32| {
