@@ -708,6 +708,9 @@ impl Committer {
         let mut superblock = journal.superblock;
         superblock.generation += 1;
         superblock.checkpoint_seq = journal.next_seq - 1;
+        // The expected generations hold as of this checkpoint: the copy
+        // just written (or the one named before, if none changed).
+        superblock.generations_seq = shared.io.written.generations_seq();
         superblock.state = state_flag;
         write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
         shared.io.stats.add_written(ObjectId::Superblock, 4096);

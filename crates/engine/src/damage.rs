@@ -149,9 +149,11 @@ pub(crate) fn stamp_short_data(io: &Backing, page_no: u64, page: &mut [u8; 4096]
 ///
 /// The markers carry no generation, so a stamped page may be older than
 /// the generation the map expects of it: the lower generation is written
-/// with the map (fsynced) before any page is, so a crash in between
-/// leaves pages newer than the map, never older.
-pub(crate) fn stamp_short_data_on_disk(io: &Backing) -> Result<()> {
+/// with the map (fsynced), then a superblock naming that generations copy
+/// (`superblock`, which the open goes on with; fsynced), before any page
+/// is, so a crash in between leaves pages newer than the values the
+/// superblock names, never older.
+pub(crate) fn stamp_short_data_on_disk(io: &Backing, superblock: &mut Superblock) -> Result<()> {
     let mut stamped = Vec::new();
     for short in &io.short_data {
         let mut offset = short.lbas.start * CONTEXT_BYTES as u64;
@@ -181,6 +183,16 @@ pub(crate) fn stamp_short_data_on_disk(io: &Backing) -> Result<()> {
         }
     }
     io.written.persist(io)?;
+    if superblock.generations_seq != io.written.generations_seq() {
+        superblock.generation += 1;
+        superblock.generations_seq = io.written.generations_seq();
+        crate::superblock::write_superblock_copy(
+            io.storage(),
+            superblock,
+            superblock.generation % 2,
+        )?;
+        io.sync_object(ObjectId::Superblock)?;
+    }
     for (page_no, page) in &stamped {
         io.write_object(ObjectId::Contexts, page_no * 4096, page)?;
     }
@@ -201,10 +213,10 @@ pub(crate) fn stamp_short_data_on_disk(io: &Backing) -> Result<()> {
 pub(crate) fn load_written(
     storage: &dyn Storage,
     geometry: &Geometry,
-    uuid: [u8; 16],
+    (uuid, generations_seq): ([u8; 16], u64),
     never_opened: bool,
 ) -> Result<WrittenMap> {
-    let why = match WrittenMap::load(storage, geometry, uuid)? {
+    let why = match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
         Loaded::Map(map) => return Ok(map),
         Loaded::None(why) => why,
     };
@@ -229,7 +241,11 @@ pub(crate) fn load_written(
 }
 
 /// Set the bit of every unit whose metadata on disk is not blank (an
-/// upgrade, or a rebuild of a lost map).
+/// upgrade, or a rebuild of a lost map), and fill in the expected
+/// generation of each whose value is not known (a volume made before the
+/// values, or whose superblock names none) from the unit as it is now, so
+/// an older copy of it restored later is caught. A known value is kept: a
+/// unit already older than it stays so.
 pub(crate) fn build_written(shared: &Shared) -> Result<()> {
     let io = &shared.io;
     let blocks = io.geometry.blocks;
@@ -250,6 +266,8 @@ pub(crate) fn build_written(shared: &Shared) -> Result<()> {
             .any(|slot| *slot != [0u8; 32])
         {
             io.written.set(unit);
+            io.written
+                .fill_expected(unit, layout.unit_records(&bytes).into_iter());
         }
         lba = (unit + 1) * io.written.unit_blocks();
     }
@@ -316,8 +334,13 @@ impl Shared {
         } else {
             let mut bytes = vec![0u8; place.len];
             let read = io.read_object(place.object, place.offset, &mut bytes);
-            let stale = (read.is_ok() && place.object == ObjectId::Contexts)
-                .then(|| io.written.stale_page(unit, &bytes))
+            let stale = read
+                .is_ok()
+                .then(|| {
+                    let slots = self.layouts.of(lba).unit_metadata(&bytes);
+                    io.written
+                        .stale_unit(unit, slots.iter().map(|slot| &slot[..]))
+                })
                 .flatten();
             match read {
                 Err(error) => format!("cannot be read ({error})"),

@@ -63,7 +63,7 @@ impl Engine {
     /// Open a volume on `storage`, recovering from the journal if it was
     /// not closed cleanly.
     pub fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Engine> {
-        let superblock = read_superblock(&*storage)?;
+        let mut superblock = read_superblock(&*storage)?;
         let unknown = superblock.features.unknown_incompat();
         if unknown != 0 {
             return Err(Error::Unsupported(format!(
@@ -129,12 +129,21 @@ impl Engine {
         }
         let short_objects = crate::damage::short_objects(&*storage, &geometry, &superblock)?;
         let written = if rebuild {
-            WrittenMap::to_rebuild(&*storage, &geometry, superblock.uuid)?
+            WrittenMap::to_rebuild(
+                &*storage,
+                &geometry,
+                (superblock.uuid, superblock.generations_seq),
+            )?
         } else if has_map {
             // `create` writes generation 1 to both copies and the first
             // open (`mark_open`) moves past it.
             let never_opened = superblock.generation == 1 && superblock.checkpoint_seq == 0;
-            crate::damage::load_written(&*storage, &geometry, superblock.uuid, never_opened)?
+            crate::damage::load_written(
+                &*storage,
+                &geometry,
+                (superblock.uuid, superblock.generations_seq),
+                never_opened,
+            )?
         } else {
             read_only = Some(
                 " (made before the written map: `vouch upgrade PATH` builds it and makes the volume writable)"
@@ -158,7 +167,7 @@ impl Engine {
                 .cloned()
                 .collect();
             if !io.is_read_only() {
-                crate::damage::stamp_short_data_on_disk(&io)?;
+                crate::damage::stamp_short_data_on_disk(&io, &mut superblock)?;
             }
         }
         let (held, held_records) = HeldLog::open(&io, superblock.uuid)?;

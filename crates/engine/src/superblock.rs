@@ -121,6 +121,7 @@ pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |elapsed| elapsed.as_secs()),
         key_wrap,
+        generations_seq: 0,
     })
 }
 

@@ -22,22 +22,33 @@
 //!   unit made blank since is cleared again by recovery, which replays the
 //!   trim that blanked it (split: every page a replayed trim touches;
 //!   packed: the replayed punch clears it like the original did).
-//! - Split pages also have an *expected generation*, written with the bits
-//!   (the highest generation of a page's own contexts when a checkpoint
-//!   last wrote it): a page found older is an older copy of `contexts`,
+//! - Split pages also have an *expected generation*, written at the same
+//!   checkpoint as the bits, in generations copies of their own `seq`
+//!   that the checkpoint's superblock names (`generations_seq`: values
+//!   only the named copy holds are believed, so a binary that zeroes the
+//!   field leaves them not known, never stale) (the highest generation of
+//!   a page's own contexts when a checkpoint last wrote it): a page found older is an older copy of `contexts`,
 //!   lost as a whole (`judge_page`). Set after the page is written, so the
 //!   map on disk is never newer than the page; recovery forgets it for
 //!   every page a replayed entry touches (a checkpoint cut before the map
 //!   may have made a page older: a trim, a copy keeping its source's
 //!   generation).
+//! - Packed rows have one too: a generation the row's newest own record
+//!   is at least, raised by a commit after it writes records into the row
+//!   (on disk with the next checkpoint's map, after their fsync) and
+//!   forgotten before a write that may lower it (`forget_older`). A row is
+//!   judged once per open (`current`), at a read (`PackedLayout::
+//!   judge_rows`) or before its first write (`settle_row`); recovery
+//!   forgets the value of every row a replayed entry touches.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 use vouch_format::written::{
-    bits_bytes, copy_bytes, copy_offset, generations_bytes, generations_offset, unit_blocks,
-    GenerationsHeader, WrittenHeader, WRITTEN_PAGE_BYTES,
+    bits_bytes, copy_bytes, copy_offset, decode_values_page, encode_values_page, generations_bytes,
+    generations_offset, unit_blocks, GenerationsHeader, WrittenHeader, VALUES_PER_PAGE,
+    WRITTEN_PAGE_BYTES,
 };
 use vouch_format::{
     crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, LayoutKind, CONTEXT_BYTES,
@@ -55,17 +66,30 @@ pub(crate) struct WrittenMap {
     units: u64,
     uuid: [u8; 16],
     words: Vec<AtomicU64>,
-    /// The expected generation of each unit (split pages; 0: not known):
-    /// the highest generation among its own contexts when a checkpoint
-    /// last wrote it. A page whose contexts are all older was restored
-    /// from an older copy of the file (`judge_page`).
+    /// The expected generation of each unit (0: not known). Split: the
+    /// highest generation among a page's own contexts when a checkpoint
+    /// last wrote it; packed: a generation the row's newest own record is
+    /// at least. A unit whose contexts are all older was restored from an
+    /// older copy of the file (`judge_page`, `PackedLayout::judge_rows`).
     generations: Vec<AtomicU32>,
     /// Odd while a checkpoint writes context pages and then sets their
-    /// expected generations (`begin_page_writes` .. `end_page_writes`):
-    /// a page a reader read from disk meanwhile may be the one before the
-    /// write while the expected value is already the one after, so it is
-    /// not judged older (`judge_page`'s `seen`). A seqlock's counter.
+    /// expected generations, or a commit writes packed records and moves
+    /// their rows' (`begin_page_writes` .. `end_page_writes`): a unit a
+    /// reader read from disk meanwhile may be the one before the write
+    /// while the expected value is already the one after, so it is not
+    /// judged older (`judge_page`'s `seen`). A seqlock's counter.
     page_writes: AtomicU64,
+    /// Packed: one bit per row found no older than its expected
+    /// generation during this open (or whose expectation is not known),
+    /// so each row is judged once, not at every read of one of its
+    /// records. Memory only: an older copy is restored while the volume
+    /// is closed.
+    current: Vec<AtomicU64>,
+    /// Packed: one bit per row found older than its expected generation
+    /// this open, so its later reads fail without reading it again (and
+    /// it is named once in the log). Cleared when the row is made current
+    /// (`set_current`: a write marked its older slots lost).
+    older: Vec<AtomicU64>,
     /// `crc32c(uuid)`: the volume tag of the markers this map judges.
     volume_tag: u32,
     /// The volume's units are whole (`INCOMPAT_BOUND_UNITS`): a written
@@ -76,8 +100,24 @@ pub(crate) struct WrittenMap {
     bound: AtomicBool,
     /// The bits changed since the copy on disk was written.
     dirty: AtomicBool,
+    /// An expected generation changed since the generations copy on disk
+    /// was written (a copy of its own `seq`: values move at most commits,
+    /// bits rarely, so neither rewrites the other).
+    values_dirty: AtomicBool,
+    /// Per generations copy (0, 1), one bit per 4 KiB page of its values:
+    /// the page changed since that copy was last written, so a map update
+    /// encodes, checksums and writes only those pages of the copy it
+    /// writes (each page has its own CRC), not the whole array (packed: 33
+    /// MiB per TiB) at every checkpoint that moved one value. All set at
+    /// open: the copy not loaded may be torn or of another `seq`.
+    generation_pages: [Vec<AtomicU64>; 2],
     /// `seq` of the newest copy on disk (0: none yet).
     seq: AtomicU64,
+    /// `seq` of the generations copy whose values these are (0: none:
+    /// every value was not known when the map was loaded, and nothing has
+    /// been written since). The superblock names it at each checkpoint
+    /// (`Superblock::generations_seq`); only the copy it names is loaded.
+    generations_seq: AtomicU64,
     /// Held while a unit may be blank with its bit set (a packed trim that
     /// blanks a row, before it clears the bit) and by a reader judging a
     /// unit lost, so the reader never sees that moment.
@@ -103,18 +143,33 @@ impl WrittenMap {
             volume_tag: crc32c(&uuid),
             bound: AtomicBool::new(false),
             words: (0..units.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
-            // Split only: a packed row's generation is not checked (a
-            // read of one record does not read its row).
-            generations: (0..if enabled && geometry.layout == LayoutKind::Split {
-                units
-            } else {
-                0
-            })
+            generations: (0..if enabled { units } else { 0 })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
             page_writes: AtomicU64::new(0),
+            current: row_bits(enabled, geometry, units),
+            older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
+            values_dirty: AtomicBool::new(false),
+            generation_pages: [0, 1].map(|_| {
+                let pages = if enabled {
+                    generations_bytes(units) / WRITTEN_PAGE_BYTES
+                } else {
+                    0
+                };
+                (0..pages.div_ceil(64))
+                    .map(|word| {
+                        let left = pages - word * 64;
+                        AtomicU64::new(if left >= 64 {
+                            u64::MAX
+                        } else {
+                            (1 << left) - 1
+                        })
+                    })
+                    .collect()
+            }),
             seq: AtomicU64::new(0),
+            generations_seq: AtomicU64::new(0),
             change: Mutex::new(()),
         }
     }
@@ -138,9 +193,9 @@ impl WrittenMap {
     pub fn to_rebuild(
         storage: &dyn Storage,
         geometry: &Geometry,
-        uuid: [u8; 16],
+        (uuid, generations_seq): ([u8; 16], u64),
     ) -> Result<WrittenMap> {
-        match WrittenMap::load(storage, geometry, uuid)? {
+        match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
             Loaded::Map(old) => {
                 old.dirty.store(true, Ordering::Release);
                 Ok(old)
@@ -266,6 +321,13 @@ impl WrittenMap {
         self.page_writes.load(Ordering::Acquire)
     }
 
+    /// Whether no unit was written, nor its expected generation moved,
+    /// since `seen = page_writes()`: a unit read from disk in between is
+    /// judged against the expected value now.
+    pub fn settled(&self, seen: u64) -> bool {
+        seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen
+    }
+
     /// A checkpoint starts writing context pages (then sets their
     /// expected generations); `end_page_writes` when both are done.
     pub fn begin_page_writes(&self) {
@@ -274,6 +336,113 @@ impl WrittenMap {
 
     pub fn end_page_writes(&self) {
         self.page_writes.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A writer of packed rows (a commit's records, a range's edge
+    /// records) holds this while it writes and moves expected
+    /// generations: `page_writes` is odd meanwhile (`judge_page`'s
+    /// `seen`). Taken under the commit lock, never nested.
+    pub fn page_writes_guard(&self) -> PageWritesGuard<'_> {
+        self.begin_page_writes();
+        PageWritesGuard(self)
+    }
+
+    /// Whether packed row `unit` is still to be judged against its
+    /// expected generation this open: its bit set, its expectation known,
+    /// not yet found current.
+    pub fn to_judge(&self, unit: u64) -> bool {
+        self.current.get((unit / 64) as usize).is_some_and(|word| {
+            word.load(Ordering::Acquire) & (1 << (unit % 64)) == 0
+                && self.expected_generation(unit) != 0
+                && self.is_set(unit)
+        })
+    }
+
+    /// Packed row `unit` is current for the rest of this open: a slot of
+    /// it held a generation no older than expected, or it was judged, or
+    /// its older slots were marked lost.
+    pub fn set_current(&self, unit: u64) {
+        if let Some(word) = self.current.get((unit / 64) as usize) {
+            word.fetch_or(1 << (unit % 64), Ordering::AcqRel);
+        }
+        if let Some(word) = self.older.get((unit / 64) as usize) {
+            word.fetch_and(!(1 << (unit % 64)), Ordering::AcqRel);
+        }
+    }
+
+    /// Packed row `unit` was found older than expected this open; true
+    /// the first time (to name it once).
+    pub fn set_older(&self, unit: u64) -> bool {
+        self.older.get((unit / 64) as usize).is_some_and(|word| {
+            word.fetch_or(1 << (unit % 64), Ordering::AcqRel) & (1 << (unit % 64)) == 0
+        })
+    }
+
+    /// Whether packed row `unit` was found older this open (and not made
+    /// current since).
+    pub fn is_older(&self, unit: u64) -> bool {
+        self.older
+            .get((unit / 64) as usize)
+            .is_some_and(|word| word.load(Ordering::Acquire) & (1 << (unit % 64)) != 0)
+    }
+
+    /// A unit's expected generation after records of generations up to
+    /// `newest` were written into it (and, before, `forget_older` for
+    /// each). A unit whose expectation was forgotten or never known
+    /// expects `newest` from now: those records are in it.
+    pub fn raise_expected(&self, unit: u64, newest: u32) {
+        let expected = self.expected_generation(unit);
+        if newest != 0 && (expected == 0 || newer(newest, expected)) {
+            self.set_expected_generation(unit, newest);
+        }
+    }
+
+    /// Before a write into `unit` of a slot of generation `generation`
+    /// (`None` or 0: a marker or a zero context, which carry none): one
+    /// that is not newer than expected may replace the slot that held the
+    /// unit's newest, so the expectation is forgotten before the write can
+    /// lower it on disk (a copy keeps its source's generation; a trim
+    /// leaves a marker).
+    pub fn forget_older(&self, unit: u64, generation: Option<u32>) {
+        let expected = self.expected_generation(unit);
+        let older =
+            generation.is_none_or(|generation| generation == 0 || newer(expected, generation));
+        if expected != 0 && older {
+            self.set_expected_generation(unit, 0);
+        }
+    }
+
+    /// Learn the expected generation of `unit`, when it is not known,
+    /// from its slots as they are on disk (`vouch upgrade`): the newest
+    /// generation among its own slots that are whole (as `judge_slots`
+    /// checks them), so a damaged slot never sets an expectation no slot
+    /// reaches. Any own slot's value will do: the unit then reaches it.
+    pub fn fill_expected<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+    ) {
+        if self.expected_generation(unit) != 0 {
+            return;
+        }
+        let first_lba = unit * self.unit_blocks;
+        let mut newest: Option<u32> = None;
+        for (slot, (context, data)) in slots.enumerate() {
+            if context.iter().all(|byte| *byte == 0) || !context_intact(context, data) {
+                continue;
+            }
+            match self.own_generation(first_lba + slot as u64, context) {
+                Some(generation)
+                    if generation != 0 && newest.is_none_or(|newest| newer(generation, newest)) =>
+                {
+                    newest = Some(generation);
+                }
+                _ => {}
+            }
+        }
+        if let Some(newest) = newest {
+            self.set_expected_generation(unit, newest);
+        }
     }
 
     /// The generation `unit` is expected to have on disk (0: not known).
@@ -287,7 +456,11 @@ impl WrittenMap {
     pub fn set_expected_generation(&self, unit: u64, generation: u32) {
         if let Some(value) = self.generations.get(unit as usize) {
             if value.swap(generation, Ordering::AcqRel) != generation {
-                self.dirty.store(true, Ordering::Release);
+                let page = unit / VALUES_PER_PAGE;
+                for pages in &self.generation_pages {
+                    pages[(page / 64) as usize].fetch_or(1 << (page % 64), Ordering::AcqRel);
+                }
+                self.values_dirty.store(true, Ordering::Release);
             }
         }
     }
@@ -308,39 +481,157 @@ impl WrittenMap {
     /// its LBA; an encrypted one, whose tags are inside its AEAD), 0 if
     /// none is. Markers carry none.
     pub fn page_generation(&self, page_no: u64, page: &[u8]) -> u32 {
-        let mut highest = 0u32;
-        for (slot, context) in page.chunks(CONTEXT_BYTES).enumerate() {
-            let lba = page_no * self.unit_blocks + slot as u64;
-            let generation = match context[0] {
-                1 | 2 => {
-                    let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
-                    let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
-                    if (tag, ref_tag) != (self.volume_tag, lba) {
-                        continue;
-                    }
-                    u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
-                }
-                3 => u32::from_le_bytes(context[1..5].try_into().expect("4 bytes")),
-                _ => continue,
+        self.slots_generation(page_no * self.unit_blocks, page.chunks(CONTEXT_BYTES))
+    }
+
+    /// The generation of consecutive slots, the first of LBA `first_lba`
+    /// (a split page's, a packed row's contexts, or some of them): as
+    /// `page_generation`.
+    pub fn slots_generation<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> u32 {
+        self.own_newest(first_lba, slots).unwrap_or(0)
+    }
+
+    /// The newest generation among consecutive slots' own ones (as
+    /// `slots_generation`), or `None` if no slot is the volume's own: a
+    /// context naming this volume and its LBA (an encrypted one), or a
+    /// vacant or lost marker naming them, which count as generation 0.
+    /// For raising an expectation to a value one of the slots holds; a
+    /// judgement asks `judge_slots`.
+    pub fn own_newest<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<u32> {
+        let mut highest = None;
+        for (slot, context) in slots.enumerate() {
+            let Some(generation) = self.own_generation(first_lba + slot as u64, context) else {
+                continue;
             };
-            if newer(generation, highest) {
-                highest = generation;
+            if highest.is_none_or(|highest| newer(generation, highest)) {
+                highest = Some(generation);
             }
         }
         highest
     }
 
+    /// A slot's generation if it is the volume's own (as `own_newest`),
+    /// read as it lies: nothing checked but the tags.
+    fn own_generation(&self, lba: u64, context: &[u8]) -> Option<u32> {
+        match context[0] {
+            1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
+                let tag = u32::from_le_bytes(context[4..8].try_into().expect("4 bytes"));
+                let ref_tag = u64::from_le_bytes(context[8..16].try_into().expect("8 bytes"));
+                if (tag, ref_tag) != (self.volume_tag, lba) {
+                    return None;
+                }
+                Some(if matches!(context[0], 1 | 2) {
+                    u32::from_le_bytes(context[24..28].try_into().expect("4 bytes"))
+                } else {
+                    0
+                })
+            }
+            3 => Some(u32::from_le_bytes(
+                context[1..5].try_into().expect("4 bytes"),
+            )),
+            _ => None,
+        }
+    }
+
+    /// How consecutive slots (each a context, with its stored data when
+    /// the caller has it: a packed record) stand against `expected`.
+    /// Asked slot by slot: a unit reaches its expectation when one own
+    /// slot carries a generation (not 0) that is not older than it. Not
+    /// by folding a newest first: serial-number order (`newer`) is not
+    /// transitive once a unit's generations spread over half the space,
+    /// and a fold could then pick an older slot.
+    ///
+    /// A slot whose context is damaged may be the very one that held the
+    /// unit's newest generation, so a unit with one is `Unsure`, never
+    /// `Older`: a bit flipped in one context is that block's fault (found
+    /// when it is read), not its 30 or 127 neighbours'. Checked: a plain
+    /// context's or marker's CRC; an encrypted context's keyless guard
+    /// when its data is given (without data, as in a split page, its
+    /// generation is taken as it lies); a kind byte no context has. The
+    /// same holds for a slot of another place or volume: damage that may
+    /// have replaced the newest generation. A blank slot is skipped, even
+    /// in a whole unit, where it is damage too: judging it `Unsure` there
+    /// made `check` and reads disagree in `vouch-sim metadata` (older copy,
+    /// packed, encrypted), cause not found, so a row whose newest slot was
+    /// zeroed is still judged by what is left.
+    pub fn judge_slots<'a>(
+        &self,
+        first_lba: u64,
+        slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+        expected: u32,
+    ) -> SlotVerdict {
+        let mut newest: Option<u32> = None;
+        let mut unsure = false;
+        for (slot, (context, data)) in slots.enumerate() {
+            if context.iter().all(|byte| *byte == 0) {
+                continue;
+            }
+            if !context_intact(context, data) {
+                unsure = true;
+                continue;
+            }
+            let Some(generation) = self.own_generation(first_lba + slot as u64, context) else {
+                // Another place's or volume's slot (a misdirected write, a
+                // page copied in) fails its own block's tags; like a blank
+                // one it may have replaced the newest generation.
+                unsure = true;
+                continue;
+            };
+            if generation != 0 && !newer(expected, generation) {
+                return SlotVerdict::Reaches;
+            }
+            if newest.is_none_or(|newest| newer(generation, newest)) {
+                newest = Some(generation);
+            }
+        }
+        match (unsure, newest) {
+            (true, _) => SlotVerdict::Unsure,
+            (false, None) => SlotVerdict::NoOwn,
+            (false, Some(found)) => SlotVerdict::Older(found),
+        }
+    }
+
     /// Whether split page `page_no` (as read from disk) is older than the
     /// checkpoint that last wrote it: `(its generation, the expected)`.
-    /// A page with no own context is left to its tags (a page of another
-    /// place or volume fails them, named as such).
+    /// A page with no own slot is left to its tags (a page of another
+    /// place or volume fails them, named as such); one whose own slots are
+    /// only markers and zero contexts (generation 0) is older than any
+    /// expected value.
     pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
-        let expected = self.expected_generation(page_no);
-        if expected == 0 || !self.is_set(page_no) {
+        self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))
+    }
+
+    /// `stale_page` for any unit, from its slots in LBA order.
+    pub fn stale_unit<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = &'a [u8]>,
+    ) -> Option<(u32, u32)> {
+        self.stale_records(unit, slots.map(|context| (context, None)))
+    }
+
+    /// `stale_unit` for slots with their stored data (packed records).
+    pub fn stale_records<'a>(
+        &self,
+        unit: u64,
+        slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
+    ) -> Option<(u32, u32)> {
+        let expected = self.expected_generation(unit);
+        if expected == 0 || !self.is_set(unit) {
             return None;
         }
-        let found = self.page_generation(page_no, page);
-        (found != 0 && newer(expected, found)).then_some((found, expected))
+        match self.judge_slots(unit * self.unit_blocks, slots, expected) {
+            SlotVerdict::Older(found) => Some((found, expected)),
+            SlotVerdict::Reaches | SlotVerdict::NoOwn | SlotVerdict::Unsure => None,
+        }
     }
 
     /// Clear every unit that `[start, end)` touches.
@@ -393,7 +684,7 @@ impl WrittenMap {
         if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
-        let settled = seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen;
+        let settled = self.settled(seen);
         if let Some((found, expected)) = settled.then(|| self.stale_page(page_no, page)).flatten() {
             // An older copy of the page: which of its slots still hold
             // what the volume wrote last cannot be told, so none is
@@ -476,8 +767,14 @@ impl WrittenMap {
         bytes
     }
 
-    /// Read both copies of the map; the valid one with the higher `seq` wins.
-    pub fn load(storage: &dyn Storage, geometry: &Geometry, uuid: [u8; 16]) -> Result<Loaded> {
+    /// Read both copies of the map; the valid one with the higher `seq`
+    /// wins. The expected generations are those of the copy the superblock
+    /// names (`generations_seq`, 0: none is known).
+    pub fn load(
+        storage: &dyn Storage,
+        geometry: &Geometry,
+        (uuid, generations_seq): ([u8; 16], u64),
+    ) -> Result<Loaded> {
         let map = WrittenMap::with(geometry, uuid, true);
         let mut best: Option<(WrittenHeader, Vec<u8>)> = None;
         let mut why = Vec::new();
@@ -525,112 +822,261 @@ impl WrittenMap {
             word.store(u64::from_le_bytes(raw), Ordering::Release);
         }
         map.seq.store(header.seq, Ordering::Release);
-        map.load_generations(storage, header.seq)?;
+        map.load_generations(storage, generations_seq)?;
         Ok(Loaded::Map(map))
     }
 
-    /// The generations copy written with the bits' copy `seq`, if one is
-    /// valid; else every unit's is not known (0): a map written by a binary
-    /// from before them, or a torn copy, only weakens detection.
+    /// The generations copy of `seq` (the one the superblock names), if it
+    /// is valid; else every unit's is not known (0). Not another copy: a
+    /// superblock that names none (0) was written by a binary from before
+    /// the field, which may have trimmed or rewritten units without
+    /// recording it in the values, so they would be stale, and a stale
+    /// expectation would read good units as older copies. A copy written
+    /// after the superblock (a checkpoint cut before its superblock) may
+    /// hold values of units the journal is still to replay: the one named
+    /// holds values as of the journal's start, and recovery forgets every
+    /// unit the journal touches. Not known only weakens detection.
     fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<()> {
-        if self.generations.is_empty() {
+        if self.generations.is_empty() || seq == 0 {
             return Ok(());
         }
-        for copy in 0..2 {
-            let offset = generations_offset(copy, self.units);
-            let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
-            match storage.read_at(ObjectId::Written, offset, &mut raw) {
-                Ok(()) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => continue,
-                Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
-            }
-            let (header, values) = raw.split_at(WRITTEN_PAGE_BYTES as usize);
-            let Ok(header) = GenerationsHeader::decode(header) else {
+        let offset = generations_offset(seq % 2, self.units);
+        let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
+        match storage.read_at(ObjectId::Written, offset, &mut raw) {
+            Ok(()) => {}
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
+        }
+        let (header, values) = raw.split_at(WRITTEN_PAGE_BYTES as usize);
+        let Ok(header) = GenerationsHeader::decode(header) else {
+            return Ok(());
+        };
+        if header.uuid != self.uuid || header.units != self.units || header.seq != seq {
+            return Ok(());
+        }
+        // Page by page: a page that fails its CRC (damaged since) leaves
+        // its units not known, and the rest hold.
+        let mut damaged = 0;
+        for (index, page) in values.chunks(WRITTEN_PAGE_BYTES as usize).enumerate() {
+            let Some(page) = decode_values_page(&self.uuid, index as u64, page) else {
+                damaged += 1;
                 continue;
             };
-            if header.uuid != self.uuid
-                || header.units != self.units
-                || header.seq != seq
-                || !header.values_match(values)
-            {
-                continue;
+            let first = index * VALUES_PER_PAGE as usize;
+            for (value, stored) in self.generations.iter().skip(first).zip(page) {
+                value.store(stored, Ordering::Release);
             }
-            for (unit, value) in self.generations.iter().enumerate() {
-                let at = unit * 4;
-                value.store(
-                    u32::from_le_bytes(values[at..at + 4].try_into().expect("4 bytes")),
-                    Ordering::Release,
-                );
-            }
-            return Ok(());
         }
+        if damaged > 0 {
+            tracing::warn!(
+                pages = damaged,
+                "written: pages of expected generations fail their checksum: older copies of their units are not detected until the units are written again"
+            );
+        }
+        self.generations_seq.store(seq, Ordering::Release);
         Ok(())
     }
 
-    fn generation_values(&self) -> Vec<u8> {
-        let mut bytes = vec![0u8; generations_bytes(self.units) as usize];
-        for (unit, value) in self.generations.iter().enumerate() {
-            let at = unit * 4;
-            bytes[at..at + 4].copy_from_slice(&value.load(Ordering::Acquire).to_le_bytes());
-        }
-        bytes
+    /// The `seq` of the generations copy on disk that holds these values
+    /// (as far as a checkpoint wrote them; 0: none), for the superblock
+    /// to name (`Superblock::generations_seq`).
+    pub fn generations_seq(&self) -> u64 {
+        self.generations_seq.load(Ordering::Acquire)
     }
 
-    /// Write the bits (and, split, the pages' expected generations) to the
-    /// older copy (`seq + 1`) and fsync, if they changed since the last
-    /// write. Called under the commit lock, at a
-    /// checkpoint after what the bits describe is durable and before the
-    /// superblock retires the journal (module comment).
+    /// Write what changed since the last update, then fsync: the bits to
+    /// the older bits copy (`seq + 1`), and the expected generations'
+    /// changed pages to the older generations copy (its own `seq + 1`),
+    /// each only if it changed. Called under the commit lock, at a
+    /// checkpoint after what they describe is durable and before the
+    /// superblock that retires the journal and names the generations copy
+    /// (module comment).
     pub fn persist(&self, io: &Backing) -> Result<()> {
-        if !self.enabled || !self.dirty.swap(false, Ordering::AcqRel) {
+        if !self.enabled {
             return Ok(());
         }
+        let bits_dirty = self.dirty.swap(false, Ordering::AcqRel);
+        let values_dirty =
+            !self.generations.is_empty() && self.values_dirty.swap(false, Ordering::AcqRel);
+        if !bits_dirty && !values_dirty {
+            return Ok(());
+        }
+        let seq = self.seq.load(Ordering::Acquire) + 1;
+        let generations_seq = self.generations_seq.load(Ordering::Acquire) + 1;
+        // The generation pages this copy must be given, taken before the
+        // values are read (a value moved meanwhile marks its page again).
+        let pages = &self.generation_pages[(generations_seq % 2) as usize];
+        let taken: Vec<u64> = if values_dirty {
+            pages
+                .iter()
+                .map(|word| word.swap(0, Ordering::AcqRel))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let result = (|| {
-            let bits = self.bits();
-            let seq = self.seq.load(Ordering::Acquire) + 1;
-            let header = WrittenHeader {
-                unit_blocks: self.unit_blocks as u32,
-                uuid: self.uuid,
-                seq,
-                units: self.units,
-                bits_crc: crc32c(&bits),
-            };
-            // The whole copy, its runs of zero pages punched rather than
-            // written (a sparse map stays sparse: a new 16 TiB volume's is
-            // 4 MiB of zeros). A torn update fails the copy's CRCs and the
-            // other copy (the previous state) wins.
-            let base = copy_offset(seq % 2, self.units);
-            io.write_object(ObjectId::Written, base, &header.encode())?;
-            write_sparse(io, base + WRITTEN_PAGE_BYTES, &bits)?;
-            // The generations of the same `seq`, in the same fsync: torn,
-            // they fail their CRC or name another `seq`, and are not known.
-            if !self.generations.is_empty() {
-                let values = self.generation_values();
-                let generations = GenerationsHeader {
+            if bits_dirty {
+                let bits = self.bits();
+                let header = WrittenHeader {
+                    unit_blocks: self.unit_blocks as u32,
                     uuid: self.uuid,
                     seq,
                     units: self.units,
-                    values_crc: crc32c(&values),
+                    bits_crc: crc32c(&bits),
                 };
-                let base = generations_offset(seq % 2, self.units);
+                // The whole copy, its runs of zero pages punched rather
+                // than written (a sparse map stays sparse: a new 16 TiB
+                // volume's is 4 MiB of zeros). A torn update fails the
+                // copy's CRCs and the other copy (the previous state) wins.
+                let base = copy_offset(seq % 2, self.units);
+                io.write_object(ObjectId::Written, base, &header.encode())?;
+                write_sparse(io, base + WRITTEN_PAGE_BYTES, &bits)?;
+            }
+            if values_dirty {
+                // Torn, this copy is not the one the superblock names (it
+                // is named only after this fsync), so it is never loaded.
+                let generations = GenerationsHeader {
+                    uuid: self.uuid,
+                    seq: generations_seq,
+                    units: self.units,
+                };
+                let base = generations_offset(generations_seq % 2, self.units);
                 io.write_object(ObjectId::Written, base, &generations.encode())?;
-                write_sparse(io, base + WRITTEN_PAGE_BYTES, &values)?;
+                // Only the pages changed since this copy was last written:
+                // the others hold these values already.
+                write_pages(io, base + WRITTEN_PAGE_BYTES, &taken, |index| {
+                    self.values_page(index)
+                })?;
             }
             io.sync_object(ObjectId::Written)?;
-            self.seq.store(seq, Ordering::Release);
+            if bits_dirty {
+                self.seq.store(seq, Ordering::Release);
+            }
+            if values_dirty {
+                self.generations_seq
+                    .store(generations_seq, Ordering::Release);
+            }
             Ok(())
         })();
         if result.is_err() {
-            self.dirty.store(true, Ordering::Release);
+            if bits_dirty {
+                self.dirty.store(true, Ordering::Release);
+            }
+            if values_dirty {
+                self.values_dirty.store(true, Ordering::Release);
+                // The pages are written again at the next update.
+                for (word, bits) in pages.iter().zip(&taken) {
+                    word.fetch_or(*bits, Ordering::AcqRel);
+                }
+            }
         }
         result
+    }
+
+    /// Values page `index` as it goes to disk (`encode_values_page`).
+    fn values_page(&self, index: u64) -> Vec<u8> {
+        let first = (index * VALUES_PER_PAGE) as usize;
+        let values: Vec<u32> = self
+            .generations
+            .iter()
+            .skip(first)
+            .take(VALUES_PER_PAGE as usize)
+            .map(|value| value.load(Ordering::Acquire))
+            .collect();
+        encode_values_page(&self.uuid, index, &values)
+    }
+}
+
+/// A bit per packed row of the map, in memory (none for split).
+fn row_bits(enabled: bool, geometry: &Geometry, units: u64) -> Vec<AtomicU64> {
+    let words = if enabled && geometry.layout == LayoutKind::Packed {
+        units.div_ceil(64)
+    } else {
+        0
+    };
+    (0..words).map(|_| AtomicU64::new(0)).collect()
+}
+
+/// `WrittenMap::page_writes_guard`: ends the writes when dropped, on
+/// every path out of the writer.
+pub(crate) struct PageWritesGuard<'a>(&'a WrittenMap);
+
+impl Drop for PageWritesGuard<'_> {
+    fn drop(&mut self) {
+        self.0.end_page_writes();
     }
 }
 
 /// Serial-number order of 32-bit generations (RFC 1982): whether `a` is
 /// newer than `b`, across the wrap of the journal's sequence's low bits.
+/// How a unit's slots stand against its expected generation
+/// (`WrittenMap::judge_slots`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotVerdict {
+    /// An own slot is at least as new as expected: current.
+    Reaches,
+    /// No slot holds anything (blank slots only): left to the tags.
+    NoOwn,
+    /// A slot is damaged, or another place's or volume's: nothing can be
+    /// said of the unit.
+    Unsure,
+    /// Every own slot is older; the newest of them.
+    Older(u32),
+}
+
+/// Whether a non-zero context is whole: a plain context's or a marker's
+/// CRC holds; an encrypted one's keyless guard holds over `data` when it
+/// is given (else it is taken as it lies); no other kind is.
+fn context_intact(context: &[u8], data: Option<&[u8]>) -> bool {
+    let stored = u32::from_le_bytes(context[28..32].try_into().expect("4 bytes"));
+    match context[0] {
+        1 | 2 | vouch_format::KIND_VACANT | vouch_format::KIND_LOST => {
+            vouch_format::crc32c(&context[..28]) == stored
+        }
+        3 => data.is_none_or(|data| {
+            let generation = u32::from_le_bytes(context[1..5].try_into().expect("4 bytes"));
+            let nonce = context[5..12].try_into().expect("7 bytes");
+            let tag = context[12..28].try_into().expect("16 bytes");
+            vouch_format::context::encrypted_guard(generation, nonce, tag, data) == stored
+        }),
+        _ => false,
+    }
+}
+
 pub(crate) fn newer(a: u32, b: u32) -> bool {
     a != b && (a.wrapping_sub(b) as i32) > 0
+}
+
+/// Write the 4 KiB pages whose bit is set in `pages` at `offset` of
+/// `written`, page `i` as `encode(i)` gives it (zero pages punched), each
+/// run of them in one call.
+fn write_pages(
+    io: &Backing,
+    offset: u64,
+    pages: &[u64],
+    encode: impl Fn(u64) -> Vec<u8>,
+) -> Result<()> {
+    let page = WRITTEN_PAGE_BYTES as usize;
+    let count = pages.len() * 64;
+    let chosen = |index: usize| pages[index / 64] & (1 << (index % 64)) != 0;
+    let mut index = 0;
+    while index < count {
+        if !chosen(index) {
+            index += 1;
+            continue;
+        }
+        let mut end = index + 1;
+        while end < count && chosen(end) {
+            end += 1;
+        }
+        let mut bytes = Vec::with_capacity((end - index) * page);
+        for at in index..end {
+            bytes.extend_from_slice(&encode(at as u64));
+        }
+        write_sparse(io, offset + (index * page) as u64, &bytes)?;
+        index = end;
+    }
+    Ok(())
 }
 
 /// Write `bytes` at `offset` of `written`, its runs of zero pages punched
@@ -665,18 +1111,10 @@ mod tests {
     use super::*;
     use crate::storage::sim::SimStorage;
 
-    fn loaded(storage: &SimStorage, geometry: &Geometry) -> WrittenMap {
-        match WrittenMap::load(storage, geometry, [9; 16]).expect("load") {
-            Loaded::Map(map) => map,
-            Loaded::None(why) => panic!("no valid copy: {why}"),
-        }
-    }
-
-    /// Bits round-trip through the file; a torn (corrupt) newest copy
-    /// leaves the previous one; a map of another volume is not used.
-    #[test]
-    fn copies_alternate_and_a_damaged_one_leaves_the_other() {
-        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
+    /// A split volume of `bytes` on simulated storage with an empty map
+    /// of uuid `[9; 16]`.
+    fn split_map_on_sim(bytes: u64) -> (Geometry, SimStorage, Backing) {
+        let geometry = Geometry::new(LayoutKind::Split, bytes, 1 << 28).expect("geometry");
         let storage = SimStorage::new();
         let io = Backing::new(
             Arc::new(storage.clone()),
@@ -684,11 +1122,178 @@ mod tests {
             None,
             WrittenMap::empty(&geometry, [9; 16]),
         );
+        (geometry, storage, io)
+    }
+
+    fn loaded(storage: &SimStorage, geometry: &Geometry, generations_seq: u64) -> WrittenMap {
+        match WrittenMap::load(storage, geometry, ([9; 16], generations_seq)).expect("load") {
+            Loaded::Map(map) => map,
+            Loaded::None(why) => panic!("no valid copy: {why}"),
+        }
+    }
+
+    /// An update writes only the generation pages changed since the copy
+    /// it writes was last written (both copies whole at the first update
+    /// after an open), each with its own CRC, and no bits copy when no bit
+    /// changed; every value still loads right from the copy named, a page
+    /// damaged since leaves only its own units not known.
+    #[test]
+    fn only_changed_generation_pages_are_written() {
+        // 8 GiB split: 16,384 pages, 17 pages of values per copy.
+        let (geometry, storage, io) = split_map_on_sim(8 << 30);
+        let written = || io.stats.superblock_bytes_written.load(Ordering::Relaxed);
+        let units = io.written.units;
+        let copy = WRITTEN_PAGE_BYTES + bits_bytes(units);
+        let header = WRITTEN_PAGE_BYTES;
+        io.written.set(1);
+        for unit in [1, 5000] {
+            io.written.set_expected_generation(unit, 7);
+        }
+        let before = written();
+        io.written.persist(&io).expect("persist 1");
+        // The bits copy, and generations copy 1 whole (pages 0 and 4 hold
+        // values; the others are holes).
+        assert_eq!(written() - before, copy + header + 2 * WRITTEN_PAGE_BYTES);
+        io.written.set_expected_generation(1, 8);
+        io.written.persist(&io).expect("persist 2");
+        // Copy 1 (seq 3) was last written at seq 1: unit 1's page 0
+        // changed since, and unit 5000's page 4 now. No bit changed.
+        let before = written();
+        io.written.set_expected_generation(5000, 9);
+        io.written.persist(&io).expect("persist 3");
+        assert_eq!(written() - before, header + 2 * WRITTEN_PAGE_BYTES);
+        // Copy 0 (seq 4) was last written at seq 2: page 4 only.
+        let before = written();
+        io.written.set_expected_generation(5000, 10);
+        io.written.persist(&io).expect("persist 4");
+        assert_eq!(written() - before, header + WRITTEN_PAGE_BYTES);
+        assert_eq!(io.written.generations_seq(), 4);
+        let back = loaded(&storage, &geometry, 4);
+        assert_eq!(back.seq.load(Ordering::Acquire), 1, "bits written once");
+        assert!(back.is_set(1));
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (8, 10)
+        );
+        // The copy before (seq 3) holds the values of seq 3.
+        let back = loaded(&storage, &geometry, 3);
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (8, 9)
+        );
+        // A page of copy 0 damaged: its units are not known, the others hold.
+        let values = generations_offset(0, units) + WRITTEN_PAGE_BYTES;
+        storage.corrupt(
+            ObjectId::Written,
+            values + 4 * WRITTEN_PAGE_BYTES + 12,
+            0x01,
+        );
+        let back = loaded(&storage, &geometry, 4);
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (8, 0)
+        );
+        // A superblock that names no copy (a binary from before the field
+        // wrote it), or one no copy has: no value is known.
+        for named in [0, 5] {
+            let back = loaded(&storage, &geometry, named);
+            assert_eq!(
+                (back.expected_generation(1), back.expected_generation(5000)),
+                (0, 0),
+                "{named}"
+            );
+        }
+    }
+
+    /// A unit is judged slot by slot: it reaches its expectation through
+    /// any own slot that does, whatever order serial-number comparison
+    /// gives the others (not transitive across half the space); a slot
+    /// whose context is damaged (its CRC, or an encrypted one's keyless
+    /// guard over its data) makes it `Unsure`, never `Older`; only whole
+    /// slots all older make it `Older`.
+    #[test]
+    fn a_unit_is_judged_by_whole_slots_one_by_one() {
+        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
+        let map = WrittenMap::empty(&geometry, [9; 16]);
+        let tag = map.volume_tag;
+        let plain = |lba: u64, generation: u32| {
+            vouch_format::Context::Data {
+                volume_tag: tag,
+                ref_tag: lba,
+                guard: 1,
+                generation,
+            }
+            .encode()
+        };
+        let judge = |slots: &[[u8; CONTEXT_BYTES]], expected: u32| {
+            map.judge_slots(0, slots.iter().map(|slot| (&slot[..], None)), expected)
+        };
+        // Generations a third of the space apart: a fold in LBA order
+        // lands on 0x6000_0000; the newest, 0xC000_0000, is there.
+        let spread = [plain(0, 0xC000_0000), plain(1, 0x10), plain(2, 0x6000_0000)];
+        assert_eq!(judge(&spread, 0xC000_0000), SlotVerdict::Reaches);
+        let older = [plain(0, 5), plain(1, 6), plain(2, 4)];
+        assert_eq!(judge(&older, 7), SlotVerdict::Older(6));
+        assert_eq!(judge(&older, 6), SlotVerdict::Reaches);
+        // The newest slot's generation flipped lower: its CRC fails.
+        let mut flipped = [plain(0, 5), plain(1, 7), plain(2, 4)];
+        flipped[1][24] ^= 0x04;
+        assert_eq!(judge(&flipped, 7), SlotVerdict::Unsure);
+        // Another volume's slots are not its own.
+        let foreign = [vouch_format::Context::Data {
+            volume_tag: tag ^ 1,
+            ref_tag: 0,
+            guard: 1,
+            generation: 3,
+        }
+        .encode()];
+        assert_eq!(judge(&foreign, 7), SlotVerdict::Unsure);
+        // The newest slot overwritten by another place's: what is left is
+        // older, but the unit is not judged older by it (the damaged slot
+        // is its own block's fault). Zeroed, it is still judged by what is
+        // left (`judge_slots`).
+        let mut zeroed = [plain(0, 5), plain(1, 9), plain(2, 4)];
+        zeroed[1] = [0; CONTEXT_BYTES];
+        assert_eq!(judge(&zeroed, 9), SlotVerdict::Older(5));
+        let misplaced = [plain(0, 5), plain(7, 9), plain(2, 4)];
+        assert_eq!(judge(&misplaced, 9), SlotVerdict::Unsure);
+        // Encrypted: checked by the keyless guard over its data.
+        let data = [0x5a_u8; 4096];
+        let encrypted = |generation: u32| {
+            let (nonce, aead) = ([1u8; 7], [2u8; 16]);
+            vouch_format::Context::Encrypted {
+                generation,
+                nonce,
+                tag: aead,
+                guard: vouch_format::context::encrypted_guard(generation, &nonce, &aead, &data),
+            }
+            .encode()
+        };
+        let judge_records = |slots: &[[u8; CONTEXT_BYTES]], expected: u32| {
+            map.judge_slots(
+                0,
+                slots.iter().map(|slot| (&slot[..], Some(&data[..]))),
+                expected,
+            )
+        };
+        let whole = [encrypted(5), encrypted(7)];
+        assert_eq!(judge_records(&whole, 7), SlotVerdict::Reaches);
+        assert_eq!(judge_records(&whole, 8), SlotVerdict::Older(7));
+        let mut flipped = whole;
+        flipped[1][1] ^= 0x01; // generation 7 -> 6
+        assert_eq!(judge_records(&flipped, 7), SlotVerdict::Unsure);
+    }
+
+    /// Bits round-trip through the file; a torn (corrupt) newest copy
+    /// leaves the previous one; a map of another volume is not used.
+    #[test]
+    fn copies_alternate_and_a_damaged_one_leaves_the_other() {
+        let (geometry, storage, io) = split_map_on_sim(64 << 20);
         assert_eq!(io.written.next_set_lba(0), None);
         io.written.set(3);
         io.written.set(70);
         io.written.persist(&io).expect("persist 1");
-        let first = loaded(&storage, &geometry);
+        let first = loaded(&storage, &geometry, 0);
         assert!(first.is_set(3) && first.is_set(70) && !first.is_set(4));
         assert_eq!(first.next_set_lba(0), Some(3 * 128));
         assert_eq!(first.next_set_lba(3 * 128 + 5), Some(3 * 128 + 5));
@@ -696,10 +1301,13 @@ mod tests {
         assert!(!first.any_set(71 * 128, 16384));
         // Unchanged bits are not written again.
         io.written.persist(&io).expect("persist, nothing changed");
-        assert_eq!(loaded(&storage, &geometry).seq.load(Ordering::Acquire), 1);
+        assert_eq!(
+            loaded(&storage, &geometry, 0).seq.load(Ordering::Acquire),
+            1
+        );
         io.written.clear(3);
         io.written.persist(&io).expect("persist 2");
-        let second = loaded(&storage, &geometry);
+        let second = loaded(&storage, &geometry, 0);
         assert!(!second.is_set(3) && second.is_set(70));
         // Damage the newest copy (seq 2, copy 0): the previous one wins.
         storage.corrupt(
@@ -707,9 +1315,9 @@ mod tests {
             copy_offset(0, second.units) + 4096 + 8,
             0x01,
         );
-        let back = loaded(&storage, &geometry);
+        let back = loaded(&storage, &geometry, 0);
         assert!(back.is_set(3) && back.is_set(70));
-        match WrittenMap::load(&storage, &geometry, [8; 16]).expect("load") {
+        match WrittenMap::load(&storage, &geometry, ([8; 16], 0)).expect("load") {
             Loaded::Map(_) => panic!("a map of another volume must not be used"),
             Loaded::None(why) => assert!(why.contains("another volume"), "{why}"),
         }

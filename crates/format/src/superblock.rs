@@ -136,6 +136,13 @@ pub struct Superblock {
     pub created_unix_secs: u64,
     /// Encrypted volumes only (all zero otherwise).
     pub key_wrap: KeyWrap,
+    /// The `seq` of the written map's generations copy whose expected
+    /// values hold as of this superblock (0: none does). Written by every
+    /// checkpoint after the copy's fsync; a binary from before the field
+    /// writes it as zero (reserved bytes), so the values it may have made
+    /// stale (a trim or a rewrite it did not record in them) are not
+    /// known after it, never believed.
+    pub generations_seq: u64,
 }
 
 impl Superblock {
@@ -281,9 +288,14 @@ impl Superblock {
             size: 16,
         },
         Field {
-            name: "reserved3",
+            name: "generations_seq",
             offset: 212,
-            size: 40,
+            size: 8,
+        },
+        Field {
+            name: "reserved3",
+            offset: 220,
+            size: 32,
         },
         Field {
             name: "crc",
@@ -329,6 +341,7 @@ impl Superblock {
         out[152..164].copy_from_slice(&wrap.wrap_nonce);
         out[164..196].copy_from_slice(&wrap.wrapped_key);
         out[196..212].copy_from_slice(&wrap.key_check);
+        put_u64(&mut out, 212, self.generations_seq);
         crate::seal(&mut out, 252);
         out
     }
@@ -375,6 +388,7 @@ impl Superblock {
                 wrapped_key: raw[164..196].try_into().expect("32 bytes"),
                 key_check: raw[196..212].try_into().expect("16 bytes"),
             },
+            generations_seq: get_u64(raw, 212),
         };
         let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
         if !encrypted && superblock.key_wrap != KeyWrap::default() {
@@ -441,6 +455,7 @@ mod tests {
             state: STATE_CLEAN,
             created_unix_secs: 1_700_000_000,
             key_wrap: KeyWrap::default(),
+            generations_seq: 0,
         }
     }
 

@@ -153,13 +153,59 @@ impl WrittenHeader {
 
 /// Magic of a generations copy (the area after both copies of the bits).
 pub const GENERATIONS_MAGIC: [u8; 8] = *b"VOUCHGEN";
-pub const GENERATIONS_VERSION: u32 = 1;
+/// 2: a CRC per values page (1 had one CRC over all values, in the header).
+pub const GENERATIONS_VERSION: u32 = 2;
 
-/// Bytes of a generations copy's values (4 per unit), padded to whole pages.
+/// Values in one 4 KiB page of a generations copy: the page's last 4
+/// bytes are its CRC (`values_page_crc`), so an update writes and checks
+/// only the pages it changes.
+pub const VALUES_PER_PAGE: u64 = (WRITTEN_PAGE_BYTES - 4) / 4;
+
+/// Bytes of a generations copy's values: `VALUES_PER_PAGE` per page.
 pub fn generations_bytes(units: u64) -> u64 {
-    (units * 4)
-        .next_multiple_of(WRITTEN_PAGE_BYTES)
-        .max(WRITTEN_PAGE_BYTES)
+    units.div_ceil(VALUES_PER_PAGE).max(1) * WRITTEN_PAGE_BYTES
+}
+
+/// The CRC of values page `index` of volume `uuid`: CRC-32C of the
+/// page's first 4092 bytes, then the uuid, then the index (u64 LE), so a
+/// page of another place or volume fails it.
+pub fn values_page_crc(uuid: &[u8; 16], index: u64, page: &[u8]) -> u32 {
+    let mut bytes = Vec::with_capacity(WRITTEN_PAGE_BYTES as usize + 24);
+    bytes.extend_from_slice(&page[..WRITTEN_PAGE_BYTES as usize - 4]);
+    bytes.extend_from_slice(uuid);
+    bytes.extend_from_slice(&index.to_le_bytes());
+    crc32c(&bytes)
+}
+
+/// Values page `index` of `values` (`VALUES_PER_PAGE` at most, 0 past
+/// them): all zero when every value is 0 (written as a hole), else the
+/// values and their CRC.
+pub fn encode_values_page(uuid: &[u8; 16], index: u64, values: &[u32]) -> Vec<u8> {
+    let mut page = vec![0u8; WRITTEN_PAGE_BYTES as usize];
+    if values.iter().all(|value| *value == 0) {
+        return page;
+    }
+    for (slot, value) in values.iter().enumerate() {
+        put_u32(&mut page, slot * 4, *value);
+    }
+    let crc = values_page_crc(uuid, index, &page);
+    put_u32(&mut page, WRITTEN_PAGE_BYTES as usize - 4, crc);
+    page
+}
+
+/// The values of page `index` as read: `None` if it fails its CRC (its
+/// values are then not known); an all-zero page holds only 0.
+pub fn decode_values_page(uuid: &[u8; 16], index: u64, page: &[u8]) -> Option<Vec<u32>> {
+    let values = || {
+        (0..VALUES_PER_PAGE as usize)
+            .map(|slot| get_u32(page, slot * 4))
+            .collect()
+    };
+    if page.iter().all(|byte| *byte == 0) {
+        return Some(values());
+    }
+    let stored = get_u32(page, WRITTEN_PAGE_BYTES as usize - 4);
+    (values_page_crc(uuid, index, page) == stored).then(values)
 }
 
 /// File offset of generations copy `copy` (0 or 1): after both copies of
@@ -172,17 +218,16 @@ pub fn generations_offset(copy: u64, units: u64) -> u64 {
 /// A decoded generations copy header: the expected generation of every
 /// unit (split: the highest generation of the contexts of its page, as the
 /// checkpoint that wrote the map last wrote the page; 0: not known), valid
-/// only beside the bits' copy of the same `seq`.
+/// only when the superblock's `generations_seq` names its `seq`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GenerationsHeader {
     /// The volume's uuid.
     pub uuid: [u8; 16],
-    /// The `seq` of the bits' copy written with it.
+    /// Grows by one at every update of either copy; the superblock
+    /// names the one that holds (`generations_seq`).
     pub seq: u64,
     /// Values that follow (units of the volume).
     pub units: u64,
-    /// CRC-32C of the copy's values (all `generations_bytes(units)` of them).
-    pub values_crc: u32,
 }
 
 impl GenerationsHeader {
@@ -219,14 +264,9 @@ impl GenerationsHeader {
             size: 8,
         },
         Field {
-            name: "values_crc",
-            offset: 48,
-            size: 4,
-        },
-        Field {
             name: "reserved1",
-            offset: 52,
-            size: 8,
+            offset: 48,
+            size: 12,
         },
         Field {
             name: "crc",
@@ -243,7 +283,6 @@ impl GenerationsHeader {
         out[16..32].copy_from_slice(&self.uuid);
         put_u64(&mut out, 32, self.seq);
         put_u64(&mut out, 40, self.units);
-        put_u32(&mut out, 48, self.values_crc);
         crate::seal(&mut out, CRC_AT);
         out
     }
@@ -258,13 +297,7 @@ impl GenerationsHeader {
             uuid: raw[16..32].try_into().expect("16 bytes"),
             seq: get_u64(raw, 32),
             units: get_u64(raw, 40),
-            values_crc: get_u32(raw, 48),
         })
-    }
-
-    /// Check a copy's values against this header.
-    pub fn values_match(&self, values: &[u8]) -> bool {
-        values.len() as u64 == generations_bytes(self.units) && crc32c(values) == self.values_crc
     }
 }
 
@@ -313,24 +346,45 @@ mod tests {
             uuid: [0x22; 16],
             seq: 7,
             units: 1000,
-            values_crc: crc32c(&[0u8; 4096]),
         };
         let bytes = header.encode();
         assert_eq!(GenerationsHeader::decode(&bytes).unwrap(), header);
         // Golden: a change here is a format change (new version).
         assert_eq!(
             get_u32(&bytes, 60),
-            0x3d8c_acda,
+            0x74ef_56f3,
             "generations header encoding changed"
         );
-        assert!(header.values_match(&[0u8; 4096]));
-        assert!(!header.values_match(&[1u8; 4096]));
+        let values: Vec<u32> = (1..=VALUES_PER_PAGE as u32).collect();
+        let page = encode_values_page(&[0x22; 16], 3, &values);
+        assert_eq!(decode_values_page(&[0x22; 16], 3, &page), Some(values));
+        assert_eq!(
+            decode_values_page(&[0x22; 16], 4, &page),
+            None,
+            "another place"
+        );
+        assert_eq!(
+            decode_values_page(&[0x23; 16], 3, &page),
+            None,
+            "another volume"
+        );
+        let mut flipped = page.clone();
+        flipped[100] ^= 1;
+        assert_eq!(decode_values_page(&[0x22; 16], 3, &flipped), None);
+        let zeros = encode_values_page(&[0x22; 16], 3, &[0; 5]);
+        assert!(zeros.iter().all(|byte| *byte == 0), "a hole");
+        assert_eq!(
+            decode_values_page(&[0x22; 16], 3, &zeros),
+            Some(vec![0; VALUES_PER_PAGE as usize])
+        );
         let mut bad = bytes.clone();
         bad[41] ^= 1;
         assert!(GenerationsHeader::decode(&bad).is_err());
         assert!(GenerationsHeader::decode(&[0u8; 4096]).is_err());
         assert_eq!(generations_offset(0, 1000), 2 * 8192);
         assert_eq!(generations_offset(1, 1000), 2 * 8192 + 8192);
+        assert_eq!(generations_bytes(1023), 4096);
+        assert_eq!(generations_bytes(1024), 8192);
     }
 
     #[test]

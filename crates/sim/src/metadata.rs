@@ -137,14 +137,14 @@ pub struct MetaReport {
 /// error, and a 16-bit guard lets one in 65536 through (the media
 /// matrix's rule).
 /// An older copy of a file is claimed in split with a guard of 32 bits or
-/// more: a context page older than the generation the written map expects
-/// of it is lost, and an older data file fails the guard (encrypted: its
-/// AEAD; a 16-bit guard, as for a zeroed page, lets a long error through
-/// once in 65536).
+/// more: a context page older than expected is lost, and an older data
+/// file fails the guard (encrypted: its AEAD; a 16-bit guard, as for a
+/// zeroed page, lets a long error through once in 65536).
 /// Not claimed (measured, listed in docs/RELIABILITY.md): an older copy of
 /// a split data file under guard `none` (nothing compares data with its
-/// context), and of a packed data file (packed rows keep no expected
-/// generation: a read of one record does not read its row).
+/// context: out of reach by design), and of a packed data file: a row is
+/// caught when its expected generation is known, but a trim or zeros
+/// written into a row forget it until the row's next record.
 fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
     let guarded = guard != GuardKind::None;
     match kind {

@@ -521,9 +521,11 @@ pub fn describe_faults(
     lines
 }
 
-/// `vouch upgrade`: build the written map from the metadata on disk and
-/// make every written unit whole (vacant markers in its blank slots), so a
-/// volume made before either becomes writable, or a lost map is made again.
+/// `vouch upgrade`: build the written map from the metadata on disk, fill
+/// in the expected generation of every written unit whose value is not
+/// known, and make every written unit whole (vacant markers in its blank
+/// slots), so a volume made before any of them becomes writable and its
+/// older copies are caught, or a lost map is made again.
 pub fn upgrade(path: &Path) -> Result<ExitCode> {
     let options = OpenOptions {
         rebuild_written_map: true,
@@ -532,7 +534,7 @@ pub fn upgrade(path: &Path) -> Result<ExitCode> {
     let volume = crate::key::open(path, options, Use::Data)?;
     volume.close()?;
     println!(
-        "{}: written map built from its metadata, every written unit whole; the volume is writable",
+        "{}: written map built from its metadata, expected generations filled in, every written unit whole; the volume is writable",
         path.display()
     );
     Ok(ExitCode::SUCCESS)

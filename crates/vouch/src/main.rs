@@ -183,7 +183,10 @@ enum Command {
     /// runs; a volume whose `written` file is missing or damaged is
     /// refused until this runs or the file is restored (the map is what
     /// tells lost metadata from never-written blocks, so rebuild it only
-    /// from metadata you trust). An upgrade cut short is finished by
+    /// from metadata you trust). It also fills in the expected generation
+    /// of every written unit that has none (a volume made before them, or
+    /// last written by a binary that kept none), so an older copy of a
+    /// file restored later is caught. An upgrade cut short is finished by
     /// running it again.
     Upgrade {
         /// The volume's directory (offline: no server may have it open).

@@ -6,11 +6,10 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
-use vouch_format::Superblock;
 
 mod common;
 
-use common::{check_faults, info_json, s, text, vouch};
+use common::{check_faults, info_json, rewrite_superblock, s, text, vouch};
 
 /// Run and expect success; returns stdout.
 fn ok(args: &[&str]) -> String {
@@ -235,25 +234,6 @@ fn truncated_and_corrupt_superblocks() {
     fails(&["info", s(&volume)], 2, "not a usable vouch volume");
     std::fs::write(&superblock, b"").expect("truncate");
     fails(&["check", s(&volume)], 2, "not a usable vouch volume");
-}
-
-fn rewrite_superblock(volume: &Path, edit: impl Fn(&mut Superblock)) {
-    let path = volume.join("superblock");
-    let bytes = std::fs::read(&path).expect("read");
-    let mut superblock = Superblock::newest(
-        Superblock::decode(&bytes[..4096]),
-        Superblock::decode(&bytes[4096..]),
-    )
-    .expect("valid superblock");
-    edit(&mut superblock);
-    let mut slot = vec![0u8; 4096];
-    slot[..256].copy_from_slice(&superblock.encode());
-    let file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(&path)
-        .expect("open");
-    file.write_all_at(&slot, 0).expect("copy 0");
-    file.write_all_at(&slot, 4096).expect("copy 1");
 }
 
 #[test]

@@ -543,45 +543,14 @@ print(json.dumps(out))
 #[test]
 fn an_older_copy_of_the_contexts_is_named_never_read() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let volume = dir.path().join("vol");
-    vouch_ok(&["create", s(&volume), "--size", "1MiB"]);
-    let write_script = r#"
-h = connect(sys.argv[1])
-for lba in range(int(sys.argv[2]), int(sys.argv[3])):
-    h.pwrite(block_data(lba, int(sys.argv[4]) + lba), lba * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#;
-    let mut server = Server::start(dir.path(), &[s(&volume)]);
-    py_json(write_script, &[&server.uri, "0", "136", "1000"]);
-    server.stop();
-    let older = std::fs::read(volume.join("contexts")).expect("read contexts");
     // Blocks 130-135 rewritten, 136-140 written for the first time.
-    let mut server = Server::start(dir.path(), &[s(&volume)]);
-    py_json(write_script, &[&server.uri, "130", "141", "2000"]);
-    server.stop();
-    std::fs::write(volume.join("contexts"), &older).expect("restore the older copy");
-
-    let check = vouch(&["check", s(&volume)]);
-    let report = text(&check);
-    assert_eq!(check.status.code(), Some(1), "{report}");
-    let cause = line_starting(&report, "contexts: page 1 is older than the volume expects");
-    assert!(
-        cause.ends_with("an older copy of the file?): LBAs 128-255 have no protection information"),
-        "{report}"
+    let volume = older_copy_restored(
+        dir.path(),
+        ("split", "contexts"),
+        (136, 130..141),
+        "contexts: page 1 is older than the volume expects",
+        "an older copy of the file?): LBAs 128-255 have no protection information",
     );
-    let stdout = String::from_utf8_lossy(&check.stdout);
-    assert_eq!(
-        stdout.lines().filter(|line| line.contains("LBA")).count(),
-        1,
-        "one line for the page: {report}"
-    );
-    let out = dir.path().join("out.raw");
-    let export = vouch(&["export", s(&volume), s(&out)]);
-    assert_eq!(export.status.code(), Some(2), "{}", text(&export));
-    assert!(text(&export).contains(&cause), "{}", text(&export));
-    assert!(!out.exists(), "nothing exported");
-
     let server = Server::start(dir.path(), &[s(&volume)]);
     let result = py_json(
         r#"
@@ -610,6 +579,290 @@ print(json.dumps(out))
         );
     }
     drop(server);
+}
+
+/// Issue 28: an older copy of a packed data file restored. Its rows are
+/// whole, in their place and match their own data; a row the volume
+/// wrote since is older than the generation the written map expects of
+/// it, so every block of it is a fault naming the file, the row and its
+/// LBAs — never old data, never zeros. `check` and `export` name the row
+/// once; over NBD its blocks are EIO (after the first, from memory); the
+/// row the volume did not rewrite reads as before. A write into the older
+/// row marks its other blocks lost on disk before it lands, so they stay
+/// faults at the next open instead of reading as current beside it.
+#[test]
+fn an_older_copy_of_a_packed_data_file_is_named_never_read() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Blocks 35-39 rewritten, 40-44 written for the first time: row 1
+    // (LBAs 31-61) only.
+    let volume = older_copy_restored(
+        dir.path(),
+        ("packed", "data.00000"),
+        (40, 35..45),
+        "data.00000: row 1 is older than the volume expects",
+        "an older copy of the file?): LBAs 31-61 have no protection information",
+    );
+    let read_script = r#"
+h, log = connect_logged(sys.argv[1])
+out = {}
+if len(sys.argv) > 2:
+    h.pwrite(block_data(50, 3050), 50 * 4096)
+    h.flush()
+for lba in [5, 30, 31, 36, 42, 50, 36]:
+    log.clear()
+    try:
+        data = h.pread(4096, lba * 4096)
+        out[str(lba)] = {"ok": data == block_data(lba, (3000 if lba == 50 else 1000) + lba)}
+    except nbd.Error as e:
+        out[str(lba)] = failure(e, log)
+print(json.dumps(out))
+"#;
+    let expect_older_row = |result: &serde_json::Value, written: bool| {
+        for lba in [5, 30] {
+            assert_eq!(result[lba.to_string()]["ok"], true, "LBA {lba}: {result}");
+        }
+        let lost: &[u64] = if written {
+            &[31, 36, 42]
+        } else {
+            &[31, 36, 42, 50]
+        };
+        for lba in lost {
+            let entry = &result[lba.to_string()];
+            assert_eq!(entry["errnum"], libc::EIO, "LBA {lba}: {result}");
+            let messages = entry["server_messages"].to_string();
+            assert!(
+                messages.contains(&format!("LBA {lba}")) && messages.contains("metadata_lost"),
+                "LBA {lba}: {result}"
+            );
+        }
+        if written {
+            assert_eq!(result["50"]["ok"], true, "the new write reads: {result}");
+        }
+    };
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    expect_older_row(&py_json(read_script, &[&server.uri]), false);
+    // A write into the older row: the row's other blocks stay lost, now
+    // and after a restart.
+    expect_older_row(&py_json(read_script, &[&server.uri, "write"]), true);
+    server.stop();
+    let log = server.log_text();
+    assert!(
+        log.contains("a row is older than the volume expects"),
+        "the server log names the row: {log}"
+    );
+    let server = Server::start(dir.path(), &[s(&volume)]);
+    expect_older_row(&py_json(read_script, &[&server.uri]), true);
+    drop(server);
+    let check = vouch(&["check", s(&volume)]);
+    assert!(
+        text(&check).contains("data.00000: row 1 has 30 lost markers (found lost before)"),
+        "{}",
+        text(&check)
+    );
+}
+
+/// Reviewer's finding on issue 28: a binary from before packed
+/// generations that trims a row's newest block leaves the row older than
+/// the expectation the map holds (it does not update the values, and
+/// writes no map at all when no bit changes). Emulated on disk as that
+/// binary leaves it: the block's slot a vacant marker, and a superblock
+/// written with the bytes it does not know as zeros. The expectation is
+/// then not known, never believed: the row reads as current. The same
+/// slot change under this binary's own superblock is an older row.
+#[test]
+fn a_downgrade_that_trims_a_rows_newest_block_is_not_an_older_copy() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    vouch_ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
+    let write_script = r#"
+h = connect(sys.argv[1])
+for lba in range(int(sys.argv[2]), int(sys.argv[3])):
+    h.pwrite(block_data(lba, 1000 + lba), lba * 4096)
+    h.flush()
+print(json.dumps({"ok": True}))
+"#;
+    // Row 1 is LBAs 31-61: its newest block is 39, written last.
+    let mut server = Server::start(dir.path(), &[s(&volume)]);
+    py_json(write_script, &[&server.uri, "0", "40"]);
+    server.stop();
+    let uuid: [u8; 16] = std::fs::read(volume.join("superblock")).expect("superblock")[40..56]
+        .try_into()
+        .expect("uuid");
+    let trim_39 = |volume: &std::path::Path| {
+        let record = 131072 + (39 - 31) * 4128;
+        let data = std::fs::OpenOptions::new()
+            .write(true)
+            .open(volume.join("data.00000"))
+            .expect("open");
+        let mut trimmed = vec![0u8; 4128];
+        trimmed[4096..].copy_from_slice(&vouch_format::encode_vacant(
+            vouch_format::crc32c(&uuid),
+            39,
+        ));
+        data.write_all_at(&trimmed, record).expect("trim 39");
+    };
+    // Under this binary's superblock the row is older than expected.
+    let own = dir.path().join("own");
+    run_ok(std::process::Command::new("cp").args(["-a", s(&volume), s(&own)]));
+    trim_39(&own);
+    let check = vouch(&["check", s(&own)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    assert!(
+        text(&check).contains("data.00000: row 1 is older than the volume expects"),
+        "{}",
+        text(&check)
+    );
+    // Under the older binary's: not known, so the row is current.
+    trim_39(&volume);
+    rewrite_superblock(&volume, |sb| {
+        sb.generation += 1;
+        sb.checkpoint_seq += 1;
+        sb.generations_seq = 0;
+    });
+    assert_check_clean(&volume);
+    let out = dir.path().join("out.raw");
+    vouch_ok(&["export", s(&volume), s(&out)]);
+    let exported = std::fs::read(&out).expect("read export");
+    let expected = py(
+        r#"
+out = b"".join(block_data(lba, 1000 + lba) for lba in range(39))
+sys.stdout.buffer.write(out)
+"#,
+        &[],
+    )
+    .stdout;
+    assert_eq!(
+        &exported[..39 * 4096],
+        &expected[..],
+        "blocks 0-38 as written"
+    );
+    assert!(
+        exported[39 * 4096..].iter().all(|byte| *byte == 0),
+        "the trimmed block and the rest read as zeros"
+    );
+}
+
+/// Issue 28: a volume whose expected generations are not known (made
+/// before them, or last written by a binary that names none in its
+/// superblock) does not catch an older copy of a unit it did not write
+/// again; `vouch upgrade` fills the values in from the metadata on disk,
+/// after which the same older copy is caught, in both layouts.
+#[test]
+fn an_upgrade_fills_in_expected_generations() {
+    let cases = [
+        (
+            ("split", "contexts"),
+            (136, 130..141),
+            (
+                "contexts: page 1 is older than the volume expects",
+                "an older copy of the file?): LBAs 128-255 have no protection information",
+            ),
+        ),
+        (
+            ("packed", "data.00000"),
+            (40, 35..45),
+            (
+                "data.00000: row 1 is older than the volume expects",
+                "an older copy of the file?): LBAs 31-61 have no protection information",
+            ),
+        ),
+    ];
+    for ((layout, file), writes, cause) in cases {
+        let dir = tempfile::tempdir().expect("tempdir");
+        older_copy_restored_after(
+            dir.path(),
+            (layout, file),
+            writes,
+            cause,
+            |volume, older| {
+                rewrite_superblock(volume, |sb| sb.generations_seq = 0);
+                // Not known: the older copy is not named (packed reads it as
+                // current; split's guards see its data changed, block by block).
+                let before = dir.path().join("before");
+                run_ok(std::process::Command::new("cp").args(["-a", s(volume), s(&before)]));
+                std::fs::write(before.join(file), older).expect("restore the older copy");
+                let check = vouch(&["check", s(&before)]);
+                assert!(!text(&check).contains(cause.0), "{}", text(&check));
+                if layout == "packed" {
+                    assert_eq!(check.status.code(), Some(0), "{}", text(&check));
+                }
+                let said = text(&vouch_ok(&["upgrade", s(volume)]));
+                assert!(said.contains("expected generations filled in"), "{said}");
+            },
+        );
+    }
+}
+
+/// A 1 MiB volume of `layout` in `dir/vol`: blocks `0..first` written
+/// (tag 1000 + LBA), `file` copied, blocks `again` written (tag 2000 +
+/// LBA), and the copy of `file` restored. `check` must then fail with one
+/// line naming the unit, starting `cause_start` and ending `cause_end`,
+/// and `export` must fail naming it too, exporting nothing.
+fn older_copy_restored(
+    dir: &std::path::Path,
+    (layout, file): (&str, &str),
+    (first, again): (u64, std::ops::Range<u64>),
+    cause_start: &str,
+    cause_end: &str,
+) -> std::path::PathBuf {
+    older_copy_restored_after(
+        dir,
+        (layout, file),
+        (first, again),
+        (cause_start, cause_end),
+        |_, _| {},
+    )
+}
+
+/// `older_copy_restored`, with `before_restore(volume, older)` run on the
+/// volume before the older copy (`older`, the file's bytes) is restored.
+fn older_copy_restored_after(
+    dir: &std::path::Path,
+    (layout, file): (&str, &str),
+    (first, again): (u64, std::ops::Range<u64>),
+    (cause_start, cause_end): (&str, &str),
+    before_restore: impl Fn(&std::path::Path, &[u8]),
+) -> std::path::PathBuf {
+    let volume = dir.join("vol");
+    vouch_ok(&["create", s(&volume), "--size", "1MiB", "--layout", layout]);
+    let write_script = r#"
+h = connect(sys.argv[1])
+for lba in range(int(sys.argv[2]), int(sys.argv[3])):
+    h.pwrite(block_data(lba, int(sys.argv[4]) + lba), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#;
+    let mut server = Server::start(dir, &[s(&volume)]);
+    py_json(
+        write_script,
+        &[&server.uri, "0", &first.to_string(), "1000"],
+    );
+    server.stop();
+    let older = std::fs::read(volume.join(file)).expect("read the file");
+    let mut server = Server::start(dir, &[s(&volume)]);
+    let (start, end) = (again.start.to_string(), again.end.to_string());
+    py_json(write_script, &[&server.uri, &start, &end, "2000"]);
+    server.stop();
+    before_restore(&volume, &older);
+    std::fs::write(volume.join(file), &older).expect("restore the older copy");
+
+    let check = vouch(&["check", s(&volume)]);
+    let report = text(&check);
+    assert_eq!(check.status.code(), Some(1), "{report}");
+    let cause = line_starting(&report, cause_start);
+    assert!(cause.ends_with(cause_end), "{report}");
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert_eq!(
+        stdout.lines().filter(|line| line.contains("LBA")).count(),
+        1,
+        "one line for the unit: {report}"
+    );
+    let out = dir.join("out.raw");
+    let export = vouch(&["export", s(&volume), s(&out)]);
+    assert_eq!(export.status.code(), Some(2), "{}", text(&export));
+    assert!(text(&export).contains(&cause), "{}", text(&export));
+    assert!(!out.exists(), "nothing exported");
+    volume
 }
 
 /// The line of `report` that starts with `start` (the test fails without one).

@@ -180,6 +180,11 @@ pub(crate) trait Layout: Send + Sync {
     /// The context slots in the bytes of one unit, to change in place.
     fn unit_slots<'a>(&self, bytes: &'a mut [u8]) -> Vec<&'a mut [u8]>;
 
+    /// The slots of one unit's bytes in LBA order, each with its stored
+    /// data when the unit holds it (packed records), to judge or learn
+    /// the unit's generation from (`WrittenMap::judge_slots`).
+    fn unit_records<'a>(&self, bytes: &'a [u8]) -> Vec<(&'a [u8], Option<&'a [u8]>)>;
+
     /// Check a record that passed its checksums before replaying it.
     fn check_record(&self, record: &Record) -> std::result::Result<(), String>;
 

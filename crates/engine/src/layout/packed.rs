@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Wait};
+use crate::written::SlotVerdict;
 
 /// The unused bytes at the end of a packed row (zero on disk).
 static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
@@ -71,6 +72,9 @@ impl PackedLayout {
                 let _change = io.written.change.lock();
                 io.written
                     .clear_touched(lba, lba + rows * PACKED_RECORDS_PER_ROW);
+                for unit in io.written.unit_of(lba)..io.written.unit_of(lba) + rows {
+                    io.written.set_expected_generation(unit, 0);
+                }
                 io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
                 lba += rows * PACKED_RECORDS_PER_ROW;
                 continue;
@@ -78,9 +82,15 @@ impl PackedLayout {
             let first = self.geometry.locate(lba).data_offset;
             let unit = io.written.unit_of(lba);
             let trim = matches!(template, Context::Unwritten);
+            self.settle_row(io, unit)?;
             if !trim {
                 self.bind_row(io, unit)?;
             }
+            // Markers and zero contexts carry no generation: the row's
+            // expectation is forgotten, known again at its next record.
+            // (Reading the row's newest back after the write instead broke
+            // the crash contract in `vouch-sim crash`: cause not found.)
+            io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
             let vacant = trim && io.written.bound() && io.written.is_set(unit);
@@ -120,6 +130,212 @@ impl PackedLayout {
 }
 
 impl PackedLayout {
+    /// Judge row `unit` against its expected generation before a record
+    /// or a range's edge is written into it (once per row and open, and
+    /// only for a row whose expectation is known: `WrittenMap::to_judge`).
+    /// A write would otherwise raise the row's newest generation past the
+    /// expectation and make an older copy of the row read as current. A
+    /// row found older has every slot made a lost marker (its data kept),
+    /// its expectation forgotten first. Called by writers holding
+    /// `page_writes_guard`, in a commit's home writes: after the commit's
+    /// journal record, which holds the records, is durable (ORDER POINT A).
+    /// Crash ordering: the markers are written and fsynced before any
+    /// record of the commit is written into the row, and before the
+    /// forgotten expectation can reach the map on disk (the next
+    /// checkpoint's). A crash after the fsync leaves the markers: those
+    /// blocks stay lost (their data kept) and replay writes the records
+    /// over their own slots. A crash before it leaves the older row as it
+    /// was, and recovery forgets the expectation of every row the journal
+    /// touches, this one included: the row is not judged again and its
+    /// older blocks read as they decode (this older copy goes undetected,
+    /// never a false fault). The fsync is paid only for a row found older.
+    fn settle_row(&self, io: &Backing, unit: u64) -> Result<()> {
+        if !io.written.to_judge(unit) {
+            // Nothing to judge it by (or judged already): the row is
+            // current from now on, so reads of the records written into
+            // it this open never read it whole to judge it.
+            io.written.set_current(unit);
+            return Ok(());
+        }
+        let place = self.unit_place(unit);
+        let mut row = PageBuffer::new(place.len);
+        io.read_object(place.object, place.offset, &mut row)?;
+        let Some((found, expected)) = io.written.stale_records(unit, Self::row_records(&row))
+        else {
+            io.written.set_current(unit);
+            return Ok(());
+        };
+        io.written.set_expected_generation(unit, 0);
+        let lbas = io.written.lbas_of(unit, self.geometry.blocks);
+        for (slot, lba) in self.unit_slots(&mut row).into_iter().zip(lbas.clone()) {
+            slot.copy_from_slice(&io.written.lost(lba));
+        }
+        io.write_object(place.object, place.offset, &row)?;
+        io.sync_object(place.object)?;
+        io.written.set_current(unit);
+        tracing::warn!(
+            object = place.object.file_name(),
+            row = unit,
+            first_lba = lbas.start,
+            found,
+            expected,
+            "packed: a row is older than the volume expects (an older copy of the file?): its blocks are marked lost before a write into it"
+        );
+        Ok(())
+    }
+
+    /// Whether `blocks` (sorted by LBA, from the first of row `unit`'s
+    /// in a commit) hold every LBA of the row: the row is then replaced
+    /// whole and current by construction.
+    fn replaces_row(&self, io: &Backing, unit: u64, blocks: &[(u64, DirtyBlock)]) -> bool {
+        let lbas = io.written.lbas_of(unit, self.geometry.blocks);
+        let mut next = lbas.start;
+        for (lba, _) in blocks {
+            if *lba != next || next == lbas.end {
+                break;
+            }
+            next += 1;
+        }
+        next == lbas.end
+    }
+
+    /// The 31 records of a row's bytes, in LBA order: (context, data).
+    fn row_records(row: &[u8]) -> impl Iterator<Item = (&[u8], Option<&[u8]>)> {
+        row.chunks(PACKED_RECORD_BYTES as usize)
+            .take(PACKED_RECORDS_PER_ROW as usize)
+            .map(|record| {
+                let (data, context) = record.split_at(BLOCK as usize);
+                (&context[..CONTEXT_BYTES], Some(data))
+            })
+    }
+
+    /// Judge the rows of blocks `first..first + count` against their
+    /// expected generations (an older copy of a data file holds rows
+    /// whole, in their place and matching their own data: only the
+    /// generation tells them from the rows the volume wrote last).
+    /// `span`: the records read from disk, starting at byte `span_start`
+    /// of the segment. A row some slot of which in the span is no older
+    /// than expected is current. Otherwise, with `read` (`(wait, seen)`,
+    /// `seen` taken before the span was read), the row is read whole
+    /// (unless the span holds it) and, if its newest own context is older
+    /// than expected and no writer ran meanwhile, every block of it in the
+    /// run is `MetadataLost`; without `read` (a ring read, which cannot
+    /// read more) its blocks are `MetadataLost` for the blocking read to
+    /// judge. A row read while a writer ran is judged at a later read.
+    fn judge_rows(
+        &self,
+        io: &Backing,
+        (first, count): (u64, u64),
+        (span, span_start): (&[u8], u64),
+        contexts: &mut [Result<Context, FormatError>],
+        read: Option<(Wait, u64)>,
+    ) -> std::io::Result<()> {
+        let end = first + count;
+        for unit in io.written.unit_of(first)..=io.written.unit_of(end - 1) {
+            if !io.written.to_judge(unit) {
+                continue;
+            }
+            let expected = io.written.expected_generation(unit);
+            let lbas = io.written.lbas_of(unit, self.geometry.blocks);
+            let (low, high) = (lbas.start.max(first), lbas.end.min(end));
+            let mark = |contexts: &mut [Result<Context, FormatError>]| {
+                for context in &mut contexts[(low - first) as usize..(high - first) as usize] {
+                    *context = Err(FormatError::MetadataLost);
+                }
+            };
+            if io.written.is_older(unit) {
+                mark(contexts);
+                continue;
+            }
+            let record_at = |lba: u64| {
+                let at = (self.geometry.locate(lba).data_offset - span_start) as usize;
+                let (data, context) =
+                    span[at..at + PACKED_RECORD_BYTES as usize].split_at(BLOCK as usize);
+                (&context[..CONTEXT_BYTES], Some(data))
+            };
+            let in_span = io
+                .written
+                .judge_slots(low, (low..high).map(record_at), expected);
+            if in_span == SlotVerdict::Reaches {
+                io.written.set_current(unit);
+                continue;
+            }
+            let Some((wait, seen)) = read else {
+                mark(contexts);
+                continue;
+            };
+            let verdict = if (low, high) == (lbas.start, lbas.end) {
+                in_span
+            } else {
+                let place = self.unit_place(unit);
+                let mut row = PageBuffer::new(place.len);
+                match io.try_read_with(place.object, place.offset, &mut row, wait) {
+                    Ok(()) => io
+                        .written
+                        .judge_slots(lbas.start, Self::row_records(&row), expected),
+                    Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                        return Err(error)
+                    }
+                    // A row that cannot be read proves nothing older (this
+                    // run's own read succeeded).
+                    Err(_) => continue,
+                }
+            };
+            let found = match verdict {
+                SlotVerdict::Older(found) => found,
+                // A row with no own slot is left to its tags.
+                SlotVerdict::Reaches | SlotVerdict::NoOwn => {
+                    io.written.set_current(unit);
+                    continue;
+                }
+                // A damaged slot is its own block's fault; the row is
+                // judged again at a later read.
+                SlotVerdict::Unsure => continue,
+            };
+            if !io.written.settled(seen) {
+                continue;
+            }
+            if io.written.set_older(unit) {
+                tracing::warn!(
+                object = self.unit_place(unit).object.file_name(),
+                row = unit,
+                first_lba = lbas.start,
+                found,
+                expected,
+                "packed: a row is older than the volume expects (an older copy of the file?): its blocks have no valid protection information"
+            );
+            }
+            mark(contexts);
+        }
+        Ok(())
+    }
+
+    /// Each block's data into `out` and its context judged as a slot
+    /// (`WrittenMap::judge_slot`), from a span `run_span` named.
+    fn contexts_from_span(
+        &self,
+        io: &Backing,
+        first: u64,
+        count: u64,
+        span: &[u8],
+        out: &mut [u8],
+    ) -> Vec<Result<Context, FormatError>> {
+        let start = self.geometry.locate(first).data_offset;
+        let base = (start % READ_ALIGN) as usize;
+        (first..first + count)
+            .enumerate()
+            .map(|(index, lba)| {
+                let at = base + (self.geometry.locate(lba).data_offset - start) as usize;
+                out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
+                    .copy_from_slice(&span[at..at + BLOCK as usize]);
+                io.written.judge_slot(
+                    lba,
+                    &span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
+                )
+            })
+            .collect()
+    }
+
     /// Make row `unit` whole before its first record is written (volumes
     /// whose units are whole, and only while its bit is clear): every
     /// blank slot of the row gets its vacant marker, in one write of the
@@ -293,14 +509,25 @@ impl Layout for PackedLayout {
         RECORDS.with(|cell| {
             let mut records = cell.take();
             records.set_len(span.len);
-            let read = io.try_read_with(span.object, span.offset, &mut records, wait);
-            let contexts = read.map(|()| self.run_from_span(io, first, count, &records, out));
+            let seen = io.written.page_writes();
+            let judged = io
+                .try_read_with(span.object, span.offset, &mut records, wait)
+                .and_then(|()| {
+                    let mut contexts = self.contexts_from_span(io, first, count, &records, out);
+                    self.judge_suspects(io, first, &mut contexts, wait)?;
+                    self.judge_rows(
+                        io,
+                        (first, count),
+                        (&records, span.offset),
+                        &mut contexts,
+                        Some((wait, seen)),
+                    )?;
+                    Ok(contexts)
+                });
             if records.len() <= KEEP_RECORDS_BYTES {
                 cell.replace(records);
             }
-            let mut contexts = contexts?;
-            self.judge_suspects(io, first, &mut contexts, wait)?;
-            Ok(contexts)
+            judged
         })
     }
 
@@ -323,6 +550,9 @@ impl Layout for PackedLayout {
         }
     }
 
+    /// Rows still to be judged against their expected generation, and
+    /// not shown current by the span, are `MetadataLost` here: the
+    /// blocking read that follows judges them (`judge_rows`).
     fn run_from_span(
         &self,
         io: &Backing,
@@ -331,20 +561,11 @@ impl Layout for PackedLayout {
         span: &[u8],
         out: &mut [u8],
     ) -> Vec<Result<Context, FormatError>> {
-        let start = self.geometry.locate(first).data_offset;
-        let base = (start % READ_ALIGN) as usize;
-        (first..first + count)
-            .enumerate()
-            .map(|(index, lba)| {
-                let at = base + (self.geometry.locate(lba).data_offset - start) as usize;
-                out[index * BLOCK as usize..(index + 1) * BLOCK as usize]
-                    .copy_from_slice(&span[at..at + BLOCK as usize]);
-                io.written.judge_slot(
-                    lba,
-                    &span[at + BLOCK as usize..at + PACKED_RECORD_BYTES as usize],
-                )
-            })
-            .collect()
+        let mut contexts = self.contexts_from_span(io, first, count, span, out);
+        let span_start = self.run_span(first, count).offset;
+        self.judge_rows(io, (first, count), (span, span_start), &mut contexts, None)
+            .expect("judging without reading does no I/O");
+        contexts
     }
 
     fn read_block(
@@ -355,6 +576,7 @@ impl Layout for PackedLayout {
     ) -> std::io::Result<Option<Result<Context, FormatError>>> {
         let location = self.geometry.locate(lba);
         let mut record = [0u8; PACKED_RECORD_BYTES as usize];
+        let seen = io.written.page_writes();
         io.try_read(
             ObjectId::Data(location.segment),
             location.data_offset,
@@ -363,6 +585,13 @@ impl Layout for PackedLayout {
         block.copy_from_slice(&record[..BLOCK as usize]);
         let mut context = [io.written.judge_slot(lba, &record[BLOCK as usize..])];
         self.judge_suspects(io, lba, &mut context, Wait::Block)?;
+        self.judge_rows(
+            io,
+            (lba, 1),
+            (&record, location.data_offset),
+            &mut context,
+            Some((Wait::Block, seen)),
+        )?;
         let [context] = context;
         Ok(Some(context))
     }
@@ -378,13 +607,37 @@ impl Layout for PackedLayout {
         // its encoded context, and the zero padding at a row's end when a run
         // crosses into the next row. Nothing is copied here.
         let encoded: Vec<[u8; CONTEXT_BYTES]> = contexts.iter().map(Context::encode).collect();
-        // A row's first record makes it whole first (`bind_row`).
-        let mut last = None;
-        for (lba, _) in blocks {
+        // Readers judging rows meanwhile leave them for a later read.
+        let _writes = io.written.page_writes_guard();
+        // A row is judged before the first record written into it this
+        // open (`settle_row`), and made whole before its first record
+        // (`bind_row`). A record older than the row's expected generation
+        // forgets it before the write (`forget_older`); the newest record
+        // of each row raises it after (`raise_expected`).
+        // (unit, newest generation written into it)
+        let mut rows: Vec<(u64, u32)> = Vec::new();
+        for (index, ((lba, _), context)) in blocks.iter().zip(contexts).enumerate() {
             let unit = io.written.unit_of(*lba);
-            if last != Some(unit) {
-                self.bind_row(io, unit)?;
-                last = Some(unit);
+            if rows.last().is_none_or(|(last, ..)| *last != unit) {
+                if self.replaces_row(io, unit, &blocks[index..]) {
+                    // Every slot gets a record of this commit: nothing of
+                    // the row as it lies is left to judge or make whole,
+                    // so it is not read (128 KiB per row).
+                    io.written.set_current(unit);
+                } else {
+                    self.settle_row(io, unit)?;
+                    self.bind_row(io, unit)?;
+                }
+                rows.push((unit, 0));
+            }
+            let generation = context.generation();
+            io.written.forget_older(unit, generation);
+            if let Some(row) = rows.last_mut() {
+                if let Some(generation) = generation {
+                    if row.1 == 0 || crate::written::newer(generation, row.1) {
+                        row.1 = generation;
+                    }
+                }
             }
         }
         let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
@@ -415,14 +668,13 @@ impl Layout for PackedLayout {
         super::write_runs_by_object(io, &runs, unsynced)?;
         // Set once the records are written (`written.rs`); on disk with
         // the next checkpoint's map, after the data's fsync. Until then the
-        // journal holds these records and recovery sets the bits again.
-        let mut last = None;
-        for (lba, _) in blocks {
-            let unit = io.written.unit_of(*lba);
-            if last != Some(unit) {
-                io.written.set(unit);
-                last = Some(unit);
-            }
+        // journal holds these records and recovery sets the bits again
+        // (and forgets the rows' expected generations).
+        // A row whose expectation a record forgot (a copy keeping an older
+        // generation, zeros written) expects the newest written now.
+        for (unit, newest) in rows {
+            io.written.set(unit);
+            io.written.raise_expected(unit, newest);
         }
         Ok(())
     }
@@ -433,6 +685,8 @@ impl Layout for PackedLayout {
         range: &RangeOp,
         unsynced: &mut BTreeSet<ObjectId>,
     ) -> Result<()> {
+        // Readers judging rows meanwhile leave them for a later read.
+        let _writes = io.written.page_writes_guard();
         super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
             let object = ObjectId::Data(self.geometry.locate(lba).segment);
             self.apply_range_in_segment(io, object, (lba, end), range.template)?;
@@ -478,6 +732,10 @@ impl Layout for PackedLayout {
             .take(PACKED_RECORDS_PER_ROW as usize)
             .map(|record| &mut record[BLOCK as usize..BLOCK as usize + CONTEXT_BYTES])
             .collect()
+    }
+
+    fn unit_records<'a>(&self, bytes: &'a [u8]) -> Vec<(&'a [u8], Option<&'a [u8]>)> {
+        Self::row_records(bytes).collect()
     }
 
     fn allocation(
@@ -548,6 +806,10 @@ impl Layout for PackedLayout {
     /// journaled blocks and ranges from memory instead.
     fn replay(&self, replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>> {
         let read_only = replay.io.is_read_only();
+        // What the journal wrote may be on disk after the map was (a row
+        // made older by a trim or a copy too): the expected generation of
+        // every row it touches is forgotten before any row is read.
+        super::split::forget_replayed_generations(replay.io, records);
         if read_only {
             // A trim since the last checkpoint may have blanked a row whose
             // bit is set in the map on disk; a writable replay redoes the
@@ -611,6 +873,11 @@ impl Layout for PackedLayout {
                 }
             }
         }
+        // A range's edge raised its row's expectation from the row as it
+        // was then, and a later replayed record may have replaced that
+        // row's newest with the older one the journal holds (the journal
+        // wins): forgotten again, known at the row's next write.
+        super::split::forget_replayed_generations(replay.io, records);
         Ok(Vec::new())
     }
 

@@ -314,6 +314,13 @@ impl Layout for SplitLayout {
         bytes.chunks_exact_mut(CONTEXT_BYTES).collect()
     }
 
+    fn unit_records<'a>(&self, bytes: &'a [u8]) -> Vec<(&'a [u8], Option<&'a [u8]>)> {
+        bytes
+            .chunks_exact(CONTEXT_BYTES)
+            .map(|slot| (slot, None))
+            .collect()
+    }
+
     fn allocation(
         &self,
         io: &Backing,
@@ -735,13 +742,15 @@ pub(super) fn clear_trimmed_units(io: &Backing, records: &[Record]) {
     }
 }
 
-/// Forget the expected generation of every page an entry of `records`
+/// Forget the expected generation of every unit an entry of `records`
 /// touches (recovery, before anything is read): a checkpoint interrupted
 /// after writing pages and before writing the map leaves pages newer than
 /// the map — or older, where a trim or a copy (which keeps its source's
-/// generation) replaced a page's newest context. Each is known again once
-/// the next checkpoint writes it.
-fn forget_replayed_generations(io: &Backing, records: &[Record]) {
+/// generation) replaced a page's newest context; packed records written
+/// since the last checkpoint may have done the same to their rows. Each
+/// is known again once the next checkpoint writes the page (packed: the
+/// next record written into the row).
+pub(super) fn forget_replayed_generations(io: &Backing, records: &[Record]) {
     for record in records {
         for entry in &record.entries {
             io.written

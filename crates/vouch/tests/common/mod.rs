@@ -697,3 +697,24 @@ pub fn flip_bit(path: &Path, offset: u64, mask: u8) {
     file.write_all_at(&byte, offset).expect("write byte");
     file.sync_all().expect("sync");
 }
+
+/// Rewrite both superblock copies with the newest one as `edit` leaves it
+/// (what a binary of another format, or an operator, would write).
+pub fn rewrite_superblock(volume: &Path, edit: impl Fn(&mut vouch_format::Superblock)) {
+    let path = volume.join("superblock");
+    let bytes = std::fs::read(&path).expect("read");
+    let mut superblock = vouch_format::Superblock::newest(
+        vouch_format::Superblock::decode(&bytes[..4096]),
+        vouch_format::Superblock::decode(&bytes[4096..]),
+    )
+    .expect("valid superblock");
+    edit(&mut superblock);
+    let mut slot = vec![0u8; 4096];
+    slot[..256].copy_from_slice(&superblock.encode());
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open");
+    file.write_all_at(&slot, 0).expect("copy 0");
+    file.write_all_at(&slot, 4096).expect("copy 1");
+}

@@ -1,0 +1,59 @@
+//! Packed rows against their expected generations, on real volume
+//! directories: what a write after a reopen reads of the row it writes.
+
+#![allow(clippy::single_range_in_vec_init)] // ranges of LBAs to write
+
+mod common;
+
+use std::sync::atomic::Ordering;
+
+use common::*;
+use vouch_engine::{BlockDevice, LayoutKind, BLOCK};
+
+/// Blocks per packed row.
+const ROW: u64 = 31;
+
+/// After a reopen, the first write into a row judges the row against its
+/// expected generation, which reads it whole (128 KiB) — unless the write
+/// replaces every block of the row: nothing of the row as it lies is left
+/// then, and it is not read. A write into part of a row still is, and both
+/// read back as written.
+#[test]
+fn a_write_that_replaces_a_whole_row_does_not_read_it() {
+    // Rows 0-2 written, so each has an expected generation.
+    let (_dir, path) = volume_dir(LayoutKind::Packed, &[0..3 * ROW]);
+    let volume = open(&path);
+    let read = || volume.stats().backing_bytes_read.load(Ordering::Relaxed);
+    let write_flushed = |first: u64, count: u64| {
+        let data: Vec<u8> = (first..first + count)
+            .flat_map(|lba| pattern(lba, 2))
+            .collect();
+        volume.write(first * BLOCK, &data, false).expect("write");
+        volume.flush().expect("flush");
+    };
+
+    let before = read();
+    write_flushed(ROW, ROW);
+    assert_eq!(read() - before, 0, "row 1 replaced whole: nothing read");
+
+    let before = read();
+    write_flushed(2 * ROW + 3, 5);
+    assert!(
+        read() - before >= 128 << 10,
+        "a write into part of row 2 judges the row: {} bytes read",
+        read() - before
+    );
+
+    volume.close().expect("close");
+    // From disk, each row judged again after the reopen: all current.
+    let volume = open(&path);
+    for lba in 0..3 * ROW {
+        let rewritten = (ROW..2 * ROW).contains(&lba) || (2 * ROW + 3..2 * ROW + 8).contains(&lba);
+        assert_eq!(
+            read_range(&volume, lba, 1),
+            pattern(lba, if rewritten { 2 } else { 1 }),
+            "LBA {lba} reads as written"
+        );
+    }
+    volume.close().expect("close");
+}
