@@ -15,7 +15,6 @@
 //!   `Pace::FloorCeiling`, their progress measured by `Throughput`.
 
 use std::collections::{HashMap, VecDeque};
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -26,6 +25,7 @@ use std::time::{Duration, Instant};
 use crate::buffer::PageBuffer;
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, Result};
+use crate::replace::replace_file;
 use crate::state::BLOCK;
 
 /// Blocks read per step of a scan (1 MiB). Scans start chunks on multiples
@@ -115,8 +115,9 @@ pub trait Cursor {
     fn clear(&self) -> Result<()>;
 }
 
-/// A cursor in a small text file, replaced atomically (write a temporary
-/// file, fsync, rename): after a crash it holds the old or the new LBA.
+/// A cursor in a small text file, replaced atomically and durably
+/// (`replace_file`: temporary file, fsync, rename, directory fsync): after
+/// a crash it holds the old or the new LBA.
 pub struct CursorFile {
     path: PathBuf,
 }
@@ -150,13 +151,8 @@ impl Cursor for CursorFile {
 
     fn save(&self, lba: u64) -> Result<()> {
         let temporary = self.path.with_extension("tmp");
-        let write = || -> std::io::Result<()> {
-            let mut file = std::fs::File::create(&temporary)?;
-            writeln!(file, "{lba}")?;
-            file.sync_all()?;
-            std::fs::rename(&temporary, &self.path)
-        };
-        write().map_err(|error| self.error("save the scan cursor", error))
+        replace_file(&temporary, &self.path, format!("{lba}\n").as_bytes())
+            .map_err(|error| self.error("save the scan cursor", error))
     }
 
     fn clear(&self) -> Result<()> {
