@@ -42,6 +42,7 @@ pub mod protection;
 mod read;
 mod read_nowait;
 pub mod recovery;
+mod replace;
 pub mod schedule;
 pub mod scrub;
 mod shared;

@@ -32,9 +32,12 @@ impl Shared {
         }
         let first = offset / BLOCK;
         let count = buf.len() as u64 / BLOCK;
-        let Some((plan, missing)) = self.plan_from_memory(first, count) else {
+        let Some((mut plan, missing)) = self.plan_from_memory(first, count) else {
             return Ok(None);
         };
+        if self.breaks.inline_read_past_buffer {
+            self.plan_buffered_as_home(first, &mut plan);
+        }
         if !missing.is_empty() {
             return Ok(None);
         }
@@ -138,9 +141,10 @@ impl Shared {
         Some(RingRead { first, plan, span })
     }
 
-    /// `OrderingBreaks::ring_read_past_buffer` (simulator self-tests
-    /// only): each block the buffer holds, planned as at home if its
-    /// context says it has a home value.
+    /// `OrderingBreaks::ring_read_past_buffer` and
+    /// `inline_read_past_buffer` (simulator self-tests only): each block
+    /// the buffer holds, planned as at home if its context says it has a
+    /// home value.
     fn plan_buffered_as_home(&self, first: u64, plan: &mut Plan) {
         let state = self.state.read();
         for (source, lba) in plan.iter_mut().zip(first..) {

@@ -64,6 +64,10 @@ pub struct OrderingBreaks {
     /// value instead of the newest one (the route's rule is that every
     /// block it reads is at home when it is planned).
     pub ring_read_past_buffer: bool,
+    /// The reactor's inline read (`BlockDevice::try_read`) plans a block
+    /// the write-back buffer holds as at home, so it answers the older
+    /// home value from the page cache instead of the buffer's newer one.
+    pub inline_read_past_buffer: bool,
 }
 
 /// The caller's side of a volume whose commits it steps (module comment).

@@ -9,7 +9,6 @@
 //! faults and counts in it are always those of the blocks before the
 //! cursor, so a resumed scrub neither loses nor repeats one.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -19,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::device::BlockDevice;
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::jobs::{scan, Cursor, Foreground, JobControl, ScanEnd, ScanOptions};
+use crate::replace::replace_file;
 use crate::state::BLOCK;
 
 /// The record's file in the volume directory.
@@ -190,17 +190,10 @@ fn path_error(action: &'static str, path: &Path, cause: impl std::fmt::Display) 
 fn save_record(dir: &Path, record: &ScrubRecord) -> Result<()> {
     let path = dir.join(SCRUB_FILE);
     let temporary = dir.join(format!("{SCRUB_FILE}.tmp"));
-    let text = serde_json::to_vec_pretty(&record.to_file())
+    let mut text = serde_json::to_vec_pretty(&record.to_file())
         .map_err(|error| path_error("encode the scrub record", &path, error))?;
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&temporary)?;
-        file.write_all(&text)?;
-        file.write_all(b"\n")?;
-        file.sync_all()?;
-        std::fs::rename(&temporary, &path)?;
-        std::fs::File::open(dir)?.sync_all()
-    };
-    write().map_err(|error| {
+    text.push(b'\n');
+    replace_file(&temporary, &path, &text).map_err(|error| {
         let _ = std::fs::remove_file(&temporary);
         let hint = match error.raw_os_error() {
             Some(libc::EROFS) | Some(libc::EACCES) | Some(libc::EPERM) => {

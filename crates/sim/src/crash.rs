@@ -207,6 +207,10 @@ pub struct Counters {
     /// answered, and those it declined (reread on the worker's route).
     pub ring_reads: AtomicU64,
     pub ring_declined: AtomicU64,
+    /// Inline reads (`try_read`) the volume answered from memory, and
+    /// those it declined (a worker would read them).
+    pub inline_reads: AtomicU64,
+    pub inline_reads_declined: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -223,6 +227,8 @@ pub struct CrashReport {
     pub commit_steps: u64,
     pub ring_reads: u64,
     pub ring_declined: u64,
+    pub inline_reads: u64,
+    pub inline_reads_declined: u64,
     pub seeds: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
@@ -231,7 +237,7 @@ pub struct CrashReport {
 impl CrashReport {
     pub fn summary(&self, config: &CrashConfig) -> String {
         format!(
-            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} landed-writes={} background-commits={} commit-steps={} ring-reads={} (declined {}) images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
+            "crash: layout={}{} guard={} tearing={} seeds={} ops={} inline-writes={} landed-writes={} background-commits={} commit-steps={} ring-reads={} (declined {}) inline-reads={} (declined {}) images={} (process={} during-recovery={} after-recovery={}) torn-faults={} violations={} time={:.1}s",
             config.layout.name(),
             if config.encrypted { " encrypted" } else { "" },
             config.guard.name(),
@@ -244,6 +250,8 @@ impl CrashReport {
             self.commit_steps,
             self.ring_reads,
             self.ring_declined,
+            self.inline_reads,
+            self.inline_reads_declined,
             self.images,
             self.process,
             self.during_recovery,
@@ -295,6 +303,8 @@ pub fn run(config: &CrashConfig) -> CrashReport {
         commit_steps: counters.commit_steps.load(Ordering::Relaxed),
         ring_reads: counters.ring_reads.load(Ordering::Relaxed),
         ring_declined: counters.ring_declined.load(Ordering::Relaxed),
+        inline_reads: counters.inline_reads.load(Ordering::Relaxed),
+        inline_reads_declined: counters.inline_reads_declined.load(Ordering::Relaxed),
         seeds: config.seeds,
         violations,
         seconds: started.elapsed().as_secs_f64(),
@@ -735,6 +745,8 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     let mut flushed_last = false;
     for index in 0..ops {
         ring.maybe_start(&volume, &world);
+        ring.maybe_read_inline(&volume, &world)
+            .map_err(|error| format!("{error} (before op {index})"))?;
         let reflink = config.layout == LayoutKind::Split && !config.encrypted;
         // A client flushing again with nothing new (a commit with an empty
         // buffer: the held log's slots swap without one being emptied).
@@ -793,12 +805,14 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     }
     ring.complete(&recorder.sim, &volume, &world, true)
         .map_err(|error| format!("{error} (at the end)"))?;
-    counters
-        .ring_reads
-        .fetch_add(ring.answered, Ordering::Relaxed);
-    counters
-        .ring_declined
-        .fetch_add(ring.declined, Ordering::Relaxed);
+    for (counter, count) in [
+        (&counters.ring_reads, ring.answered),
+        (&counters.ring_declined, ring.declined),
+        (&counters.inline_reads, ring.inline_answered),
+        (&counters.inline_reads_declined, ring.inline_declined),
+    ] {
+        counter.fetch_add(count, Ordering::Relaxed);
+    }
     recorder.set_hook(None);
     // Closing takes no more writers at its commit.
     stepper.set(None);

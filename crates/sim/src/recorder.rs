@@ -82,6 +82,10 @@ impl Storage for Recorder {
         self.sim.read_at(object, offset, buf)
     }
 
+    fn read_at_nowait(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.sim.read_at_nowait(object, offset, buf)
+    }
+
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
         self.crash_point();
         if matches!(object, ObjectId::Held(_)) && self.sabotage_held.load(Ordering::Relaxed) {

@@ -1,5 +1,6 @@
 //! Small crash-simulator runs: every image must satisfy the contract, and
-//! every ring read answers a value its blocks held since it started.
+//! every ring or inline read answers a value its blocks held since it
+//! started.
 
 use std::sync::Arc;
 
@@ -24,6 +25,7 @@ fn run_config(mut config: CrashConfig, seed: u64) {
     let mut seeds = 0;
     let mut landed = 0;
     let (mut ring, mut declined) = (0, 0);
+    let (mut inline, mut inline_declined) = (0, 0);
     while images < IMAGES {
         let report = run(&config);
         assert!(
@@ -37,6 +39,8 @@ fn run_config(mut config: CrashConfig, seed: u64) {
         landed += report.landed_writes;
         ring += report.ring_reads;
         declined += report.ring_declined;
+        inline += report.inline_reads;
+        inline_declined += report.inline_reads_declined;
         config.seed += config.seeds;
     }
     // The reactor's ring reads ran. Split ones also declined (a block's
@@ -47,6 +51,12 @@ fn run_config(mut config: CrashConfig, seed: u64) {
         ring > 0 && (layout == LayoutKind::Packed || declined > 0),
         "ring reads {ring}, declined {declined}"
     );
+    // The reactor's inline reads ran, answered from memory (the buffer,
+    // zeros, or home pages the simulated page cache holds) and declined.
+    assert!(
+        inline > 0 && inline_declined > 0,
+        "inline reads {inline}, declined {inline_declined}"
+    );
     // Plain volumes receive payloads into the landing area as the NBD
     // reader does; an encrypted one seals a copy, so nothing lands.
     assert_eq!(
@@ -56,7 +66,7 @@ fn run_config(mut config: CrashConfig, seed: u64) {
         config.encrypted
     );
     eprintln!(
-        "crash: layout={}{} guard={} tearing={} seeds={seeds} images={images} landed-writes={landed} ring-reads={ring} (declined {declined}) violations=0",
+        "crash: layout={}{} guard={} tearing={} seeds={seeds} images={images} landed-writes={landed} ring-reads={ring} (declined {declined}) inline-reads={inline} (declined {inline_declined}) violations=0",
         layout.name(),
         if config.encrypted { " encrypted" } else { "" },
         guard.name(),
@@ -241,15 +251,31 @@ fn a_slot_left_at_a_lower_epoch_is_caught() {
 /// The NBD reactor's ring read planning a block the write-back buffer
 /// holds as at home (`OrderingBreaks::ring_read_past_buffer`): it answers
 /// the older home value, which the block no longer held when the read
-/// started. Seeds from 1 until one shows it.
+/// started.
 #[test]
 fn a_ring_read_planned_past_the_write_back_buffer_is_caught() {
     let mut config = CrashConfig::new(LayoutKind::Packed, GuardKind::Crc32c, Tearing::None);
     config.breaks.ring_read_past_buffer = true;
+    assert_read_break_caught(&config, "a ring read answered");
+}
+
+/// The reactor's inline read planning a block the write-back buffer
+/// holds as at home (`OrderingBreaks::inline_read_past_buffer`): it
+/// answers the older home value from the page cache, which the block no
+/// longer held when the read started.
+#[test]
+fn an_inline_read_planned_past_the_write_back_buffer_is_caught() {
+    let mut config = CrashConfig::new(LayoutKind::Packed, GuardKind::Crc32c, Tearing::None);
+    config.breaks.inline_read_past_buffer = true;
+    assert_read_break_caught(&config, "an inline read answered");
+}
+
+/// Seeds from 1 to 8 until one fails with `needle` in its error.
+fn assert_read_break_caught(config: &CrashConfig, needle: &str) {
     let mut seen = Vec::new();
     for seed in 1..=8 {
-        match run_seed(&config, seed, &Arc::new(Counters::default())) {
-            Err(error) if error.contains("ring read answered") => {
+        match run_seed(config, seed, &Arc::new(Counters::default())) {
+            Err(error) if error.contains(needle) => {
                 eprintln!("seed {seed}: {error}");
                 return;
             }

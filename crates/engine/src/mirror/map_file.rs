@@ -16,6 +16,8 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
+use crate::replace::{replace_file, sync_parent};
+
 /// The store of resync map files (see the module's documentation).
 pub trait MapStore: Send + Sync {
     /// The whole file at `path`, `None` when there is none.
@@ -49,13 +51,6 @@ impl MapFile for RealMapFile {
     }
 }
 
-fn sync_parent(path: &Path) -> io::Result<()> {
-    match path.parent() {
-        Some(dir) => File::open(dir)?.sync_all(),
-        None => Ok(()),
-    }
-}
-
 impl MapStore for FileMaps {
     fn read(&self, path: &Path) -> io::Result<Option<Vec<u8>>> {
         match std::fs::read(path) {
@@ -68,11 +63,7 @@ impl MapStore for FileMaps {
     /// Temporary file (`mirror.dirty.tmp`), fsync, rename, directory fsync:
     /// the name holds the old file or the new one at every instant.
     fn create(&self, path: &Path, image: &[u8]) -> io::Result<Box<dyn MapFile>> {
-        let temporary = path.with_extension("tmp");
-        std::fs::write(&temporary, image)?;
-        File::open(&temporary)?.sync_all()?;
-        std::fs::rename(&temporary, path)?;
-        sync_parent(path)?;
+        replace_file(&path.with_extension("tmp"), path, image)?;
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)

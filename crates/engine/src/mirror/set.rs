@@ -18,6 +18,7 @@ use super::{Membership, Mirror, MirrorLeg};
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::options::CreateOptions;
+use crate::replace::replace_file;
 use crate::storage::FileStorage;
 use crate::volume::Volume;
 
@@ -95,14 +96,7 @@ pub fn write_record(path: &Path, record: &MirrorRecord) -> Result<()> {
         .map_err(|error| Error::InvalidArgument(format!("mirror record: {error}")))?;
     let temporary = path.join("mirror.tmp");
     let target = path.join(RECORD_FILE);
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&temporary)?;
-        file.write_all(&bytes)?;
-        file.sync_all()?;
-        std::fs::rename(&temporary, &target)?;
-        std::fs::File::open(path)?.sync_all()
-    };
-    write().map_err(|error| path_error("write", &target, error))
+    replace_file(&temporary, &target, &bytes).map_err(|error| path_error("write", &target, error))
 }
 
 /// Create a mirrored volume: leg 0 at `paths[0]` like `create_volume`, then

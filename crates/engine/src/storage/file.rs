@@ -528,6 +528,10 @@ impl HeldFiles {
         let pointer = dir.join(HELD_POINTER);
         let text = format!("{} {}\n", boot_text(), prefix.display());
         let temporary = dir.join(format!("{HELD_POINTER}.new"));
+        // Neither file nor directory is fsynced: the pointer names this
+        // boot and is ignored after a reboot (the held slots it names do
+        // not outlive one), and within a boot a rename is seen by every
+        // later process whether or not it reached the disk.
         std::fs::write(&temporary, text)
             .and_then(|()| std::fs::rename(&temporary, &pointer))
             .map_err(|error| {

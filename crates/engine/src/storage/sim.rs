@@ -15,6 +15,12 @@
 //! (`accept_reads`) and complete when it says (`complete_reads`), reading
 //! their bytes at that moment, as the device does when the read reaches
 //! it: whatever was written in between is what they see.
+//!
+//! Reads that must not wait (`Storage::read_at_nowait`, the inline read
+//! path) decline until the simulator says which pages are cached
+//! (`cache_pages`): from then on each such read finds its pages in the
+//! page cache, and answers from the live bytes, or does not and declines,
+//! as a seeded stream of its own draws.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -170,7 +176,15 @@ struct SimState {
     accepting_reads: bool,
     /// Reads started and not completed yet, in the order started.
     started_reads: Vec<StartedRead>,
+    /// Whether `read_at_nowait` finds its pages cached: `None` (never,
+    /// the default) or the state of the seeded draws (`cache_pages`).
+    cached_draws: Option<u64>,
 }
+
+/// Of `CACHED_OF` nowait reads, this many find their pages cached (the
+/// rest decline, so the simulator drives both outcomes).
+const CACHED: u64 = 3;
+const CACHED_OF: u64 = 4;
 
 /// A read `start_read` took, completed by `complete_reads`.
 struct StartedRead {
@@ -260,6 +274,22 @@ impl SimStorage {
     /// so there is no descriptor to wait on (`read_events` stays `None`).
     pub fn accept_reads(&self) {
         self.state.lock().accepting_reads = true;
+    }
+
+    /// Answer `read_at_nowait` from now on: each call finds the pages it
+    /// reads in the page cache (and reads the live bytes, injected read
+    /// faults included, as `read_at`) CACHED times in CACHED_OF, drawn
+    /// from `seed`, and declines with `WouldBlock` otherwise.
+    pub fn cache_pages(&self, seed: u64) {
+        self.state.lock().cached_draws = Some(seed);
+    }
+
+    /// Drop the reads in flight without completing them (their callbacks
+    /// never run): what a run that stops early does, so that what they
+    /// hold (a ring read holds its volume's engine) is freed.
+    pub fn drop_reads(&self) -> usize {
+        let dropped = std::mem::take(&mut self.state.lock().started_reads);
+        dropped.len()
     }
 
     /// Complete the started reads `pick` chooses (asked once for each, in
@@ -479,27 +509,55 @@ fn overlaps(a_offset: u64, a_len: u64, b_offset: u64, b_len: u64) -> bool {
     a_offset < b_offset + b_len && b_offset < a_offset + a_len
 }
 
-impl Storage for SimStorage {
-    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        let state = self.state.lock();
-        if let Some((id, at, len)) = state.faults.read_error {
+/// One draw of splitmix64 from `state` (the cached-pages stream).
+fn next_draw(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+impl SimState {
+    /// `read_at`'s bytes: the live bytes, through the read fault hooks.
+    fn read_live(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        if let Some((id, at, len)) = self.faults.read_error {
             if id == object && overlaps(offset, buf.len() as u64, at, len) {
                 return Err(injected(io::ErrorKind::Other, "read error"));
             }
         }
         let mut source = offset;
-        if let Some((id, from, to)) = state.faults.misdirect_read {
+        if let Some((id, from, to)) = self.faults.misdirect_read {
             if id == object && overlaps(offset, buf.len() as u64, from, 1) {
                 if let Some(displaced) = to.checked_sub(from - offset) {
                     source = displaced;
                 }
             }
         }
-        match state.objects.get(&object) {
+        match self.objects.get(&object) {
             Some(entry) => entry.live.read(source, buf),
             None => buf.fill(0),
         }
         Ok(())
+    }
+}
+
+impl Storage for SimStorage {
+    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.state.lock().read_live(object, offset, buf)
+    }
+
+    /// Declines (`WouldBlock`) until `cache_pages`, then as its draws say.
+    fn read_at_nowait(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        let mut state = self.state.lock();
+        let cached = match state.cached_draws.as_mut() {
+            Some(draws) => next_draw(draws) % CACHED_OF < CACHED,
+            None => false,
+        };
+        if !cached {
+            return Err(nowait::would_block());
+        }
+        state.read_live(object, offset, buf)
     }
 
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
@@ -709,6 +767,46 @@ mod tests {
         let kept = sim.crash_image(|_, _, _| u64::MAX);
         kept.read_at(ObjectId::Journal, 0, &mut buf).unwrap();
         assert!(buf.iter().all(|b| *b == 2));
+    }
+
+    #[test]
+    fn nowait_reads_decline_until_pages_are_cached_then_as_drawn() {
+        let sim = SimStorage::new();
+        sim.write_at(ObjectId::Journal, 0, &[3u8; 4096]).unwrap();
+        let mut buf = [0u8; 4096];
+        let declined = sim.read_at_nowait(ObjectId::Journal, 0, &mut buf);
+        assert_eq!(declined.unwrap_err().kind(), io::ErrorKind::WouldBlock);
+        sim.cache_pages(7);
+        let (mut answered, mut declined) = (0, 0);
+        for _ in 0..64 {
+            buf.fill(0);
+            match sim.read_at_nowait(ObjectId::Journal, 0, &mut buf) {
+                Ok(()) => {
+                    assert!(buf.iter().all(|b| *b == 3));
+                    answered += 1;
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => declined += 1,
+                Err(error) => panic!("{error}"),
+            }
+        }
+        assert!(
+            answered > 0 && declined > 0,
+            "{answered} answered, {declined} declined"
+        );
+    }
+
+    #[test]
+    fn dropped_reads_release_what_their_callbacks_hold() {
+        let sim = SimStorage::new();
+        sim.accept_reads();
+        let held = Arc::new(());
+        let inside = Arc::clone(&held);
+        let done: ReadLater = Box::new(move |_| drop(inside));
+        assert!(sim.start_read(ObjectId::Journal, 0, 4096, done).is_ok());
+        assert_eq!(Arc::strong_count(&held), 2);
+        assert_eq!(sim.drop_reads(), 1);
+        assert_eq!(Arc::strong_count(&held), 1);
+        assert_eq!(sim.reads_in_flight(), 0);
     }
 
     #[test]

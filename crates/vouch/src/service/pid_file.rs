@@ -34,6 +34,8 @@ impl PidFile {
         temporary_name.push(name);
         temporary_name.push(format!(".{pid}.tmp"));
         let temporary = path.with_file_name(temporary_name);
+        // No directory fsync after the rename: a pid file only means
+        // something while its process lives, and a power cut ends that.
         let written = (|| -> std::io::Result<()> {
             let mut file = std::fs::File::create(&temporary)?;
             file.write_all(contents.as_bytes())?;
