@@ -3,6 +3,7 @@
 //! that decodes to the same request.
 #![no_main]
 
+use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use vouch_replica::wire::{decode_request, encode_request, RequestHeader, REQUEST_HEADER_BYTES};
 
@@ -10,12 +11,14 @@ fuzz_target!(|data: &[u8]| {
     let Some(header) = data.get(..REQUEST_HEADER_BYTES) else { return };
     let header: &[u8; REQUEST_HEADER_BYTES] = header.try_into().expect("length checked");
     let Ok(parsed) = RequestHeader::decode(header) else { return };
-    let Ok(request) = decode_request(&parsed, &data[REQUEST_HEADER_BYTES..]) else { return };
+    let payload = Bytes::copy_from_slice(&data[REQUEST_HEADER_BYTES..]);
+    let Ok(request) = decode_request(&parsed, &payload) else { return };
     let frame = encode_request(parsed.handle, &request);
     let again = RequestHeader::decode(frame[..REQUEST_HEADER_BYTES].try_into().expect("header"))
         .expect("an encoded header decodes");
     assert_eq!(
-        decode_request(&again, &frame[REQUEST_HEADER_BYTES..]).expect("an encoded request decodes"),
+        decode_request(&again, &Bytes::copy_from_slice(&frame[REQUEST_HEADER_BYTES..]))
+            .expect("an encoded request decodes"),
         request
     );
 });
