@@ -157,7 +157,7 @@ fn a_copy_into_a_mirrored_export_lands_on_every_leg_and_its_scrub_keeps_a_rate()
     assert_eq!(job["result"]["blocks"], 512, "{job}");
 
     // Scrubs of the copy's 2 MiB (two chunks on each leg): as fast as it
-    // goes, then at 1 MiB/s, which waits between chunks.
+    // goes, then at 1 MiB/s, which waits after each chunk.
     let id = submit(&server, json!({"op": "scrub", "export": "a"}));
     let fast = wait_job(&server, id, TIMEOUT);
     let id = submit(
