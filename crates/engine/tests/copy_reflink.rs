@@ -346,12 +346,8 @@ fn readers_during_a_reflink_copy_see_old_or_new_blocks_on_btrfs() {
     }
 }
 
-/// The reflink copy is paced too: it waits between its windows (with the
-/// committer locks released), counted in its `JobControl` and its report.
-/// No wait follows its last window, and how many windows a copy takes
-/// depends on how long each step takes (`WINDOW` is a time), so the
-/// count is not fixed here: a copy done in one window has nothing to
-/// space out.
+/// The reflink copy keeps a rate too: it waits between its windows (with
+/// the committer locks released), counted in its `JobControl`.
 #[test]
 fn a_reflink_copy_keeps_its_rate_on_btrfs() {
     let fs = Btrfs::new();
@@ -364,6 +360,7 @@ fn a_reflink_copy_keeps_its_rate_on_btrfs() {
             .expect("write");
     }
     a.flush().expect("flush");
+    // 8 MiB at 4 MiB/s: due two seconds after it starts, so it waits.
     let options = CopyOptions {
         method: CopyMethod::Reflink,
         rate_bytes_per_second: Some(4 << 20),
@@ -372,6 +369,7 @@ fn a_reflink_copy_keeps_its_rate_on_btrfs() {
     let report = copy(&a, 0, &b, 0, count, &options, &control).expect("paced reflink copy");
     assert_eq!(report.method, CopyMethod::Reflink);
     assert_eq!(control.progress(), (count, count));
+    assert!(control.paced_waits() >= 1, "{report:?}");
     assert_eq!(report.paced_waits, control.paced_waits());
     for lba in 0..count {
         assert!(read_block(&b, lba) == pattern(lba, 6), "LBA {lba}");
