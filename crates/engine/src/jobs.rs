@@ -405,11 +405,6 @@ impl<'a> Visit<'a> {
 
     /// A pause between steps (no lock held): save the cursor if it is
     /// due, then wait as the pace says after a step that moved `bytes`.
-    /// A step that reached the end of the range was the last: nothing
-    /// follows it to space out, so no wait (a paced job would otherwise
-    /// end one pacing interval late). A job that skips holes advances
-    /// over the trailing ones before it paces, so that its last data step
-    /// counts as the last.
     pub fn pace(&mut self, bytes: u64) -> Result<()> {
         if let Some(cursor) = self.cursor {
             if self.saved.1.elapsed() >= CURSOR_SAVE_INTERVAL {
@@ -417,9 +412,7 @@ impl<'a> Visit<'a> {
                 self.saved = (self.at, Instant::now());
             }
         }
-        if self.at < self.end {
-            self.control.pace(&mut self.pacer, bytes);
-        }
+        self.control.pace(&mut self.pacer, bytes);
         Ok(())
     }
 
@@ -446,44 +439,22 @@ impl<'a> Visit<'a> {
 /// round and wrapping) and reconciliation (the activity log's extents,
 /// left one by one). Run `step` until it says it finished (`None`:
 /// `Ok(true)`) or `stop` says so (`Ok(false)`), pacing after each step by
-/// the bytes it moved, except after a step that expects to be the last
-/// (`Stepped::last`); a wait ends early on `stop`.
+/// the bytes it moved; a wait ends early on `stop`.
 pub fn paced_steps(
     pace: Pace,
     foreground: Option<&(dyn Fn() -> u64 + Send + Sync)>,
     stop: &dyn Fn() -> bool,
-    step: impl FnMut() -> Result<Option<Stepped>>,
+    mut step: impl FnMut() -> Result<Option<u64>>,
 ) -> Result<bool> {
-    paced_steps_with(&mut Pacer::new(pace, foreground), stop, step)
-}
-
-/// What one step of `paced_steps` did.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Stepped {
-    /// Bytes it moved.
-    pub bytes: u64,
-    /// The job expects the next step to find nothing to do (its work ran
-    /// out with this one), so nothing follows to space out: no wait. A
-    /// wrong guess (work arrived meanwhile) costs one step unpaced.
-    pub last: bool,
-}
-
-/// `paced_steps` with a given pacer (whose `waits` then count its waits).
-fn paced_steps_with(
-    pacer: &mut Pacer<'_>,
-    stop: &dyn Fn() -> bool,
-    mut step: impl FnMut() -> Result<Option<Stepped>>,
-) -> Result<bool> {
+    let mut pacer = Pacer::new(pace, foreground);
     loop {
         if stop() {
             return Ok(false);
         }
-        let Some(stepped) = step()? else {
+        let Some(bytes) = step()? else {
             return Ok(true);
         };
-        if !stepped.last {
-            pacer.pace(stepped.bytes, stop);
-        }
+        pacer.pace(bytes, stop);
     }
 }
 
@@ -656,11 +627,6 @@ pub fn scan_prepared<T: Send>(
                     prepared,
                 )?;
                 run.advance(read.lba + read.count, read.count);
-                if order.is_empty() {
-                    // Nothing is handed out, so the hand-out above found
-                    // no data before the end: the rest is holes, done.
-                    run.advance(end, 0);
-                }
                 spare.push(read.data);
                 run.pace(read.count * BLOCK)?;
             }
@@ -744,61 +710,6 @@ mod tests {
         let mut quiet = Pacer::new(Pace::Unlimited, None);
         assert!(!quiet.pace(1 << 20, &|| false));
         assert_eq!(quiet.waits(), 0);
-    }
-
-    #[test]
-    fn a_paced_visit_does_not_wait_after_its_last_step() {
-        // A cancelled job's waits end at once but are still counted: a
-        // rate of a byte a second makes every step's wait due.
-        let control = JobControl::default();
-        control.cancel();
-        let mut run = Visit::begin(&control, 0..3, Pace::Fixed(1), None, None).expect("begin");
-        for to in 1..=3 {
-            run.step(to, 1, BLOCK).expect("step");
-        }
-        run.finish().expect("finish");
-        assert_eq!(
-            control.paced_waits(),
-            2,
-            "a wait between steps, none after the last"
-        );
-    }
-
-    #[test]
-    fn paced_steps_do_not_wait_after_the_last_step() {
-        // Three steps of a block at a block a second, the third expected
-        // to be the last, then the job finds nothing left. `stop` ends
-        // each wait after a step that is not the last at once, and is
-        // false otherwise: a wait after the last step would run its
-        // second out, and count.
-        let steps = std::cell::Cell::new(0u64);
-        let waiting = std::cell::Cell::new(false);
-        let stop = || waiting.replace(false);
-        let mut pacer = Pacer::new(
-            Pace::FloorCeiling {
-                min: BLOCK,
-                max: BLOCK,
-            },
-            None,
-        );
-        let finished = paced_steps_with(&mut pacer, &stop, || {
-            let done = steps.get();
-            steps.set(done + 1);
-            Ok((done < 3).then(|| {
-                waiting.set(done < 2);
-                Stepped {
-                    bytes: BLOCK,
-                    last: done == 2,
-                }
-            }))
-        })
-        .expect("steps");
-        assert!(finished);
-        assert_eq!(
-            pacer.waits(),
-            2,
-            "a wait between steps, none after the last"
-        );
     }
 
     #[test]

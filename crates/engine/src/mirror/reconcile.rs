@@ -29,7 +29,7 @@ use super::resync::ResyncRate;
 use super::scrub::MirrorScrubReport;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
-use crate::jobs::{paced_steps, Stepped, Throughput, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{paced_steps, Throughput, SCAN_CHUNK_BLOCKS};
 use crate::state::BLOCK;
 
 /// Blocks per step: a scan chunk, one stripe of the mirror's lock.
@@ -226,11 +226,7 @@ impl Mirror {
         let stop = || self.stopping.load(Ordering::Acquire);
         paced_steps(rate.pace(), Some(&foreground), &stop, || {
             let checked = self.reconcile_step(cursor)?;
-            // The step that leaves the last extent is the last.
-            Ok((checked > 0).then(|| Stepped {
-                bytes: checked * BLOCK,
-                last: cursor.at >= cursor.extents.len(),
-            }))
+            Ok((checked > 0).then_some(checked * BLOCK))
         })
     }
 

@@ -41,7 +41,7 @@ use super::device::{is_request_error, Mirror};
 use super::dirty::DirtyMap;
 use crate::device::{BlockDevice, SealedBlock};
 use crate::error::{Error, Result};
-use crate::jobs::{paced_steps, Pace, Stepped, Throughput};
+use crate::jobs::{paced_steps, Pace, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = 256;
@@ -390,11 +390,7 @@ impl Mirror {
                 ResyncStep::Finished => Ok(None),
                 ResyncStep::Copied(moved) => {
                     *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-                    // Nothing left to copy: the next step only finishes.
-                    Ok(Some(Stepped {
-                        bytes: moved * crate::state::BLOCK,
-                        last: cursor.map.next_to_copy(0).is_none(),
-                    }))
+                    Ok(Some(moved * crate::state::BLOCK))
                 }
             }
         })

@@ -134,11 +134,7 @@ pub fn scrub_from(
         }
         let count = (blocks - lba).min(SCAN_CHUNK_BLOCKS - lba % SCAN_CHUNK_BLOCKS);
         mirror.scrub_chunk(lba, count, &mut report, "stale")?;
-        run.advance(lba + count, count);
-        // The holes up to the next data are done too: after the last
-        // data chunk the run is at its end, and does not wait.
-        run.advance(mirror.next_possible_data(run.at())?, 0);
-        run.pace(count * BLOCK)?;
+        run.step(lba + count, count, count * BLOCK)?;
     }
     run.finish()?;
     if report.left == 0 && whole {
