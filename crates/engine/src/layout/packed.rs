@@ -159,7 +159,21 @@ impl PackedLayout {
         }
         let place = self.unit_place(unit);
         let mut row = PageBuffer::new(place.len);
-        io.read_object(place.object, place.offset, &mut row)?;
+        if let Err(error) = io.read_object(place.object, place.offset, &mut row) {
+            // A row that cannot be read proves nothing older, and a judge
+            // must not fail the commit that asked it: a read error here
+            // stopped every write to the volume (and faulted a mirror leg
+            // whose only fault was that read). The row is left unjudged
+            // (judged again at its next write or read); its older copy, if
+            // that is what it holds, goes undetected, never a false fault.
+            tracing::warn!(
+                object = place.object.file_name(),
+                offset = place.offset,
+                %error,
+                "a packed row could not be read to judge it before a write; written unjudged"
+            );
+            return Ok(());
+        }
         let Some((found, expected)) = io.written.stale_records(unit, Self::row_records(&row))
         else {
             io.written.set_current(unit);
