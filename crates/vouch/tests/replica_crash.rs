@@ -264,7 +264,10 @@ fn an_exporter_killed_mid_stream_keeps_every_acknowledged_write_and_reconciles_t
             Duration::from_secs(120),
             || {
                 last = t.status();
+                // The leg turns active a moment before the job records
+                // itself done (seen: active, "running" with 0 left).
                 last["legs"][1]["state"] == "active"
+                    && last["legs"][1]["reconcile"]["state"] != "running"
             },
         );
         let done = &last["legs"][1]["reconcile"];

@@ -399,16 +399,21 @@ pub fn start_resync_leg_1_online(netns: &str, control: &str) {
     assert!(output.status.success(), "resync: {}", text(&output));
 }
 
-/// Leg 1's row of the exporter's status once its resync is no longer
-/// running (bounded).
+/// Leg 1's row of the exporter's status once neither its resync nor a
+/// reconciliation runs (bounded).
 pub fn wait_resync_leg_1(netns: &str, control: &str) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         let row = mirror_status_online(netns, control)["legs"][1].clone();
-        if row["resync"]["state"] != "running" {
+        // After an exporter's crash the leg also reconciles, which can end
+        // after the resync: the row is final once neither runs.
+        if row["resync"]["state"] != "running" && row["state"] != "reconciling" {
             return row;
         }
-        assert!(Instant::now() < deadline, "resync still running: {row}");
+        assert!(
+            Instant::now() < deadline,
+            "resync or reconciliation still running: {row}"
+        );
         std::thread::sleep(Duration::from_millis(200));
     }
 }
