@@ -243,8 +243,11 @@ pub fn reconcile_json(progress: &ReconcileProgress) -> Value {
 /// after an unclean stop on the legs it checks (every active leg but the
 /// one reads go to meanwhile).
 pub fn legs_json(mirror: &Mirror) -> Value {
-    let reconcile = mirror.reconcile_progress();
+    // Legs first: a leg seen out of reconciliation was left only after the
+    // reconciliation's final progress was stored (`end_reconcile`), so the
+    // progress read next is never an earlier `running`.
     let status = mirror.status();
+    let reconcile = mirror.reconcile_progress();
     let read_leg = status
         .iter()
         .position(|leg| leg.state == LegState::Active && leg.attached);

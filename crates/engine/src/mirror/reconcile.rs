@@ -171,8 +171,12 @@ impl Mirror {
         if state == "done" && error.is_none() {
             self.release_reads_from_one_leg();
         }
-        self.reconciling.store(false, Ordering::Release);
+        // The final progress is in place before the legs stop reading as
+        // reconciling, so `mirror status` never shows a leg in sync beside
+        // a reconciliation still `running`.
         let progress = self.reconcile_progress_of(&cursor, state, error.clone());
+        *self.reconcile.lock() = Some(progress.clone());
+        self.reconciling.store(false, Ordering::Release);
         tracing::info!(
             state,
             checked = cursor.report.blocks_checked,
@@ -181,7 +185,6 @@ impl Mirror {
             error = error.as_deref().unwrap_or(""),
             "mirror: reconciliation ended"
         );
-        *self.reconcile.lock() = Some(progress.clone());
         progress
     }
 
