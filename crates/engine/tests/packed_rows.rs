@@ -57,3 +57,62 @@ fn a_write_that_replaces_a_whole_row_does_not_read_it() {
     }
     volume.close().expect("close");
 }
+
+/// A row's expected generation forgotten by a trim reaches the disk with
+/// the checkpoint that retires the trim's journal record, even though
+/// raised values may wait for later checkpoints: after a crash past that
+/// checkpoint, recovery no longer forgets the row, and the value from
+/// before the trim (LBA 5's rewrite, which the trim removed) would read
+/// the row's good blocks as an older copy.
+#[test]
+fn a_trim_that_lowers_a_row_is_on_disk_before_a_crash_past_its_checkpoint() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("volume");
+    let mut options = vouch_engine::CreateOptions::new(BLOCKS * BLOCK);
+    options.layout = LayoutKind::Packed;
+    // A checkpoint every few rows of writes (packed records carry data).
+    options.journal_bytes = Some(1 << 20);
+    let volume = vouch_engine::create_volume(&path, &options).expect("create");
+    let write = |volume: &vouch_engine::Volume, first: u64, count: u64, tag: u8| {
+        let data: Vec<u8> = (first..first + count)
+            .flat_map(|lba| pattern(lba, tag))
+            .collect();
+        volume.write(first * BLOCK, &data, false).expect("write");
+        volume.flush().expect("flush");
+    };
+    // Row 0 written, then LBA 5 rewritten: the row's newest generation,
+    // on disk with the clean close.
+    write(&volume, 0, ROW, 1);
+    write(&volume, 5, 1, 2);
+    volume.close().expect("close");
+
+    let volume = open(&path);
+    volume.trim(5 * BLOCK, BLOCK, false).expect("trim");
+    volume.flush().expect("flush");
+    // Writes into other rows (raising their values) until a checkpoint
+    // has retired the trim's record.
+    let checkpoints = || volume.stats().checkpoints.load(Ordering::Relaxed);
+    let before = checkpoints();
+    let mut row = 2;
+    while checkpoints() == before {
+        assert!(row < BLOCKS / ROW, "no checkpoint after {row} rows");
+        write(&volume, row * ROW, ROW, 3);
+        row += 1;
+    }
+    // A crash: no close.
+    drop(volume);
+
+    let volume = open(&path);
+    for lba in 0..ROW {
+        let expected = if lba == 5 {
+            vec![0; BLOCK as usize]
+        } else {
+            pattern(lba, 1)
+        };
+        let mut data = vec![0u8; BLOCK as usize];
+        let faults = volume.read(lba * BLOCK, &mut data).expect("read");
+        assert!(faults.is_empty(), "LBA {lba} read as a fault: {faults:?}");
+        assert_eq!(data, expected, "LBA {lba}");
+    }
+    volume.close().expect("close");
+}
