@@ -266,7 +266,9 @@ fn a_write_sealed_cut_off_inside_its_payload_is_refused_and_loses_nothing_acknow
         .flat_map(|lba| pattern(lba, if lba < 4 { 1 } else { 2 }))
         .collect();
     let half = 4 * BLOCK as usize;
-    remote.write(0, &before[..half], true).expect("flushed write");
+    remote
+        .write(0, &before[..half], true)
+        .expect("flushed write");
     remote
         .write(4 * BLOCK, &before[half..], false)
         .expect("acknowledged write, not flushed");
@@ -278,8 +280,11 @@ fn a_write_sealed_cut_off_inside_its_payload_is_refused_and_loses_nothing_acknow
     let mut stream = None;
     for _ in 0..50 {
         let mut raw = raw_handshake(server.port);
-        raw.write_all(&wire::encode_request(1, &Request::Open { name: "r".into() }))
-            .expect("open");
+        raw.write_all(&wire::encode_request(
+            1,
+            &Request::Open { name: "r".into() },
+        ))
+        .expect("open");
         let mut header = [0u8; wire::RESPONSE_HEADER_BYTES];
         raw.read_exact(&mut header).expect("open's answer");
         let header = ResponseHeader::decode(&header).expect("decode");
@@ -301,7 +306,9 @@ fn a_write_sealed_cut_off_inside_its_payload_is_refused_and_loses_nothing_acknow
     );
     let payload_from = wire::REQUEST_HEADER_BYTES;
     let cut_at = payload_from + (frame.len() - payload_from) / 2;
-    stream.write_all(&frame[..cut_at]).expect("part of the frame");
+    stream
+        .write_all(&frame[..cut_at])
+        .expect("part of the frame");
     stream
         .shutdown(std::net::Shutdown::Write)
         .expect("the sender stops mid-frame");
