@@ -174,6 +174,18 @@ fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy(
     assert!(remote.verify(0, 1024).expect("verify").is_empty());
 }
 
+/// Open replica `name` once its last connection has released it (the
+/// release follows the connection's end), polling for about a second.
+fn open_once_released(server: &TestServer, name: &str) -> Option<RemoteLeg> {
+    for _ in 0..50 {
+        match RemoteLeg::open(&server.url(name), &options()) {
+            Ok(leg) => return Some(leg),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    None
+}
+
 #[test]
 fn refusals_are_named_unknown_replica_in_use_and_bad_names() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -202,16 +214,7 @@ fn refusals_are_named_unknown_replica_in_use_and_bad_names() {
     );
     drop(first);
     // Released when its connection ends.
-    let mut reopened = None;
-    for _ in 0..50 {
-        match RemoteLeg::open(&server.url("r"), &options()) {
-            Ok(leg) => {
-                reopened = Some(leg);
-                break;
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
+    let reopened = open_once_released(&server, "r");
     assert!(reopened.is_some(), "the replica was not released");
     // A name with a path in it never reaches the server.
     assert!(ReplicaUrl::parse(&format!("vouch://127.0.0.1:{}/../x", server.port)).is_err());
@@ -326,16 +329,7 @@ fn a_write_sealed_cut_off_inside_its_payload_is_refused_and_loses_nothing_acknow
     }
     // The server is still there, and the replica holds what was
     // answered before, nothing of the cut-off write.
-    let mut reopened = None;
-    for _ in 0..50 {
-        match RemoteLeg::open(&server.url("r"), &options()) {
-            Ok(leg) => {
-                reopened = Some(leg);
-                break;
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
+    let reopened = open_once_released(&server, "r");
     let reopened = reopened.expect("the replica was not released after the cut-off write");
     let mut after = vec![0u8; before.len()];
     reopened.read(0, &mut after).expect("read");
