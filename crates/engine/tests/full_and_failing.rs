@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use vouch_engine::BlockDevice;
 use vouch_engine::{
-    create_volume, open_volume, CreateOptions, Error, FaultPlan, OpenOptions, SimStorage, Storage,
-    Volume,
+    create_volume, open_volume, CreateOptions, Error, FaultPlan, LayoutKind, OpenOptions,
+    SimStorage, Storage, Volume,
 };
 
 /// A small tmpfs, unmounted on drop. Needs root (CI runs as root).
@@ -280,6 +280,58 @@ fn a_write_the_held_log_cannot_take_is_refused_and_changes_nothing() {
     reopened
         .write(8192, &[1u8; 4096], true)
         .expect("writable after reopen");
+}
+
+/// A record of up to 8 blocks keeps its entries and its parts on the
+/// writer's stack, a larger one on the heap (`held.rs`, `INLINE_BLOCKS`).
+/// Records either side of that limit, acknowledged and never committed,
+/// then the process gone (the held log kept, the write-back buffer lost):
+/// the reopen puts every block back from the held log, each with its own
+/// bytes at its own LBA.
+#[test]
+fn records_either_side_of_the_on_stack_limit_come_back_from_the_held_log() {
+    for layout in LayoutKind::ALL {
+        let storage = SimStorage::new();
+        let mut options = CreateOptions::new(1 << 20);
+        options.layout = layout;
+        options.journal_bytes = Some(1 << 20);
+        let volume = Volume::create(Arc::new(storage.clone()) as Arc<dyn Storage>, &options)
+            .expect("create");
+        // Far below the dirty limit: nothing is committed before the crash.
+        let mut written = Vec::new();
+        let mut lba = 0u64;
+        for (seed, count) in [(11u8, 1usize), (12, 7), (13, 8), (14, 9), (15, 17)] {
+            let data = pattern(seed, count * 4096);
+            volume
+                .write(lba * 4096, &data, false)
+                .expect("acknowledged, not flushed");
+            written.push((lba, data));
+            lba += count as u64 + 1;
+        }
+        // The process dies: the kernel's copy of every object is what the
+        // next open finds (the held slots included).
+        let crashed = storage.duplicate();
+        drop(volume);
+        let reopened = Volume::open(
+            Arc::new(crashed) as Arc<dyn Storage>,
+            &OpenOptions::default(),
+        )
+        .expect("reopen");
+        assert_eq!(
+            reopened.recovery_report().held_blocks,
+            1 + 7 + 8 + 9 + 17,
+            "{layout:?}: every acknowledged block is put back from the held log"
+        );
+        for (first, data) in &written {
+            let mut buf = vec![0u8; data.len()];
+            reopened.read(first * 4096, &mut buf).expect("read");
+            assert!(
+                buf == *data,
+                "{layout:?}: the {} blocks at LBA {first} differ after the held log's recovery",
+                data.len() / 4096
+            );
+        }
+    }
 }
 
 #[test]

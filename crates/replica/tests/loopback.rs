@@ -174,6 +174,18 @@ fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy(
     assert!(remote.verify(0, 1024).expect("verify").is_empty());
 }
 
+/// Open replica `name` once its last connection has released it (the
+/// release follows the connection's end), polling for about a second.
+fn open_once_released(server: &TestServer, name: &str) -> Option<RemoteLeg> {
+    for _ in 0..50 {
+        match RemoteLeg::open(&server.url(name), &options()) {
+            Ok(leg) => return Some(leg),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    None
+}
+
 #[test]
 fn refusals_are_named_unknown_replica_in_use_and_bad_names() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -202,16 +214,7 @@ fn refusals_are_named_unknown_replica_in_use_and_bad_names() {
     );
     drop(first);
     // Released when its connection ends.
-    let mut reopened = None;
-    for _ in 0..50 {
-        match RemoteLeg::open(&server.url("r"), &options()) {
-            Ok(leg) => {
-                reopened = Some(leg);
-                break;
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    }
+    let reopened = open_once_released(&server, "r");
     assert!(reopened.is_some(), "the replica was not released");
     // A name with a path in it never reaches the server.
     assert!(ReplicaUrl::parse(&format!("vouch://127.0.0.1:{}/../x", server.port)).is_err());
@@ -248,6 +251,92 @@ fn raw_handshake(port: u16) -> TcpStream {
         auth::ACCEPTED
     );
     stream
+}
+
+/// A WRITE_SEALED whose payload stops short (its exporter killed, or the
+/// link cut, mid-frame): the replica stores nothing of it, answers it
+/// with no success, drops the connection and releases the replica, and
+/// every write it answered before (flushed or not) is still there.
+#[test]
+fn a_write_sealed_cut_off_inside_its_payload_is_refused_and_loses_nothing_acknowledged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let template = LegTemplate::of(&local_volume(dir.path())).expect("template");
+    let remote = RemoteLeg::create(&server.url("r"), &template, &options()).expect("create");
+    let before: Vec<u8> = (0..8u64)
+        .flat_map(|lba| pattern(lba, if lba < 4 { 1 } else { 2 }))
+        .collect();
+    let half = 4 * BLOCK as usize;
+    remote
+        .write(0, &before[..half], true)
+        .expect("flushed write");
+    remote
+        .write(4 * BLOCK, &before[half..], false)
+        .expect("acknowledged write, not flushed");
+    // Eight blocks over all of them, sealed as the exporter would.
+    let cut = sealed(&remote, 0, 8, 9);
+    drop(remote);
+    // A raw connection opens the replica (once the leg's connection has
+    // released it) and sends the frame cut inside its payload.
+    let mut stream = None;
+    for _ in 0..50 {
+        let mut raw = raw_handshake(server.port);
+        raw.write_all(&wire::encode_request(
+            1,
+            &Request::Open { name: "r".into() },
+        ))
+        .expect("open");
+        let mut header = [0u8; wire::RESPONSE_HEADER_BYTES];
+        raw.read_exact(&mut header).expect("open's answer");
+        let header = ResponseHeader::decode(&header).expect("decode");
+        let mut body = vec![0u8; header.payload_bytes as usize];
+        raw.read_exact(&mut body).expect("open's payload");
+        if header.status == Status::Ok {
+            stream = Some(raw);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut stream = stream.expect("the replica was not released");
+    let frame = wire::encode_request(
+        5,
+        &Request::WriteSealed {
+            blocks: cut,
+            fua: false,
+        },
+    );
+    let payload_from = wire::REQUEST_HEADER_BYTES;
+    let cut_at = payload_from + (frame.len() - payload_from) / 2;
+    stream
+        .write_all(&frame[..cut_at])
+        .expect("part of the frame");
+    stream
+        .shutdown(std::net::Shutdown::Write)
+        .expect("the sender stops mid-frame");
+    // Whatever the server answers before it closes, it is no success.
+    let mut rest = Vec::new();
+    stream.read_to_end(&mut rest).expect("the server closes");
+    if rest.len() >= wire::RESPONSE_HEADER_BYTES {
+        let header = ResponseHeader::decode(
+            rest[..wire::RESPONSE_HEADER_BYTES]
+                .try_into()
+                .expect("a header"),
+        )
+        .expect("decode");
+        assert_ne!(header.status, Status::Ok, "a cut-off write was answered");
+    }
+    // The server is still there, and the replica holds what was
+    // answered before, nothing of the cut-off write.
+    let reopened = open_once_released(&server, "r");
+    let reopened = reopened.expect("the replica was not released after the cut-off write");
+    let mut after = vec![0u8; before.len()];
+    reopened.read(0, &mut after).expect("read");
+    assert!(
+        after == before,
+        "the replica changed: the cut-off write was stored, or an answered write lost"
+    );
 }
 
 #[test]

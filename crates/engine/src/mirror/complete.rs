@@ -33,23 +33,29 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use vouch_format::mirror::LegState;
+use smallvec::SmallVec;
+use vouch_format::mirror::{LegState, MAX_LEGS};
 
 use super::activity::Entered;
-use super::device::{is_request_error, state_from, Mirror, OwnedStripe, Reserved};
+use super::device::{is_request_error, state_from, Mirror, OwnedStripes, Reserved};
 use super::written::Recording;
 use crate::device::{SealedBlock, StartWrite, WriteDone};
 use crate::error::{Error, Result};
 use crate::state::BLOCK;
+
+/// One item per leg, in place: a mirror has at most `MAX_LEGS`, and the
+/// reactor starts every 4 KiB write this way, so a heap allocation per
+/// list per write was a measurable share of the exporter's CPU.
+type PerLeg<T> = SmallVec<[T; MAX_LEGS]>;
 
 /// A write in flight: what it holds until its last leg answered.
 struct Flight {
     mirror: Arc<Mirror>,
     /// The legs written, each with whether it was resyncing (not active)
     /// when the write was issued.
-    targets: Vec<(usize, bool)>,
+    targets: PerLeg<(usize, bool)>,
     /// Each target's outcome, by position in `targets`.
-    outcomes: Mutex<Vec<Option<Result<()>>>>,
+    outcomes: Mutex<PerLeg<Option<Result<()>>>>,
     /// Outcomes still to come, plus one for the starter while it issues
     /// the legs' writes: the last to arrive finishes the write.
     remaining: AtomicUsize,
@@ -59,7 +65,7 @@ struct Flight {
 
 /// Released when the write finishes, before its `WriteDone` is called.
 struct Held {
-    _stripes: Vec<OwnedStripe>,
+    _stripes: OwnedStripes,
     _recorded: Recording,
     _logged: Option<Entered>,
     done: WriteDone,
@@ -130,7 +136,9 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     // The targets under the stripes, after the check: a leg that finished
     // its resync before it is written too.
-    let targets = mirror.write_targets();
+    let targets: PerLeg<usize> = (0..mirror.legs.len())
+        .filter(|&leg| mirror.is_write_target(leg))
+        .collect();
     if !targets.iter().any(|&leg| remote(leg)) {
         return Ok(None);
     }
@@ -144,7 +152,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     // Room on every local leg first: their writes then never wait, and
     // the write is never half done (as `Mirror::try_write_shared`).
-    let local: Vec<usize> = targets
+    let local: PerLeg<usize> = targets
         .iter()
         .copied()
         .filter(|&leg| !remote(leg))
@@ -155,7 +163,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     let Some(sealed) = mirror.seal_write(offset, data)? else {
         return Ok(None);
     };
-    let targets: Vec<(usize, bool)> = targets
+    let targets: PerLeg<(usize, bool)> = targets
         .into_iter()
         .map(|leg| {
             let state = state_from(mirror.legs[leg].state.load(Ordering::Acquire));
@@ -236,7 +244,7 @@ impl Flight {
 
     /// Judge the legs, release the stripes and the record, answer.
     fn finish(&self) {
-        let outcomes: Vec<Result<()>> = std::mem::take(&mut *self.outcomes.lock())
+        let outcomes: PerLeg<Result<()>> = std::mem::take(&mut *self.outcomes.lock())
             .into_iter()
             .map(|outcome| {
                 // Only a panic in the starter leaves a leg without one.
@@ -267,7 +275,7 @@ impl Flight {
     /// another succeeded is taken out (faulted, or stale if unreachable);
     /// if every active leg failed, the first error is the write's. A
     /// resyncing leg that took the write has the blocks land in its map.
-    fn judge(&self, mut outcomes: Vec<Result<()>>) -> Result<()> {
+    fn judge(&self, mut outcomes: PerLeg<Result<()>>) -> Result<()> {
         let mirror = &self.mirror;
         let request_error = outcomes
             .iter()

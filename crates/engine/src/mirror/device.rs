@@ -10,6 +10,7 @@ use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
+use smallvec::SmallVec;
 use vouch_format::mirror::LegState;
 
 use super::activity::ActivityLog;
@@ -27,6 +28,9 @@ use crate::write::ZeroFlags;
 
 /// A held stripe of the mirror's lock that is not tied to a borrow.
 pub(super) type OwnedStripe = parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>;
+/// A write's owned stripes (`try_lock_owned`), in place for the usual one
+/// or two: the write holds them until its last leg answers.
+pub(super) type OwnedStripes = SmallVec<[OwnedStripe; 2]>;
 
 /// Stripes of the mirror's lock; LBAs map to them in runs of
 /// `STRIPE_BLOCKS` (1 MiB), so a write takes one or two. Many, because a
@@ -203,9 +207,11 @@ pub(super) fn is_request_error(error: &Error) -> bool {
     )
 }
 
-/// The stripes blocks `[first, end)` fall in, in lock order.
-fn stripes_of(first: u64, end: u64) -> Vec<usize> {
-    let mut stripes: Vec<usize> = (first / STRIPE_BLOCKS
+/// The stripes blocks `[first, end)` fall in, in lock order: in place for
+/// up to 4, since every mirrored write takes its stripes and nearly all
+/// take one or two (no allocation for them).
+fn stripes_of(first: u64, end: u64) -> SmallVec<[usize; 4]> {
+    let mut stripes: SmallVec<[usize; 4]> = (first / STRIPE_BLOCKS
         ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
         .take(STRIPES)
         .map(|run| (run % STRIPES as u64) as usize)
@@ -320,7 +326,7 @@ impl Mirror {
             .collect()
     }
 
-    fn is_write_target(&self, leg: usize) -> bool {
+    pub(super) fn is_write_target(&self, leg: usize) -> bool {
         self.legs[leg].device.get().is_some()
             && (state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
                 || self.legs[leg].resyncing.load(Ordering::Acquire))
@@ -521,7 +527,7 @@ impl Mirror {
 
     /// `try_lock` with guards that own their stripes (no borrow of the
     /// mirror): for a write whose legs answer on another thread.
-    pub(super) fn try_lock_owned(&self, first: u64, end: u64) -> Option<Vec<OwnedStripe>> {
+    pub(super) fn try_lock_owned(&self, first: u64, end: u64) -> Option<OwnedStripes> {
         stripes_of(first, end)
             .iter()
             .map(|&stripe| self.stripes[stripe].try_lock_arc())
