@@ -205,8 +205,10 @@ impl Engine {
         }
         if !shared.io.is_read_only() {
             // A new map (a new volume, or one rebuilt) is on disk before
-            // anything it must describe is written.
-            shared.io.written.persist(&shared.io)?;
+            // anything it must describe is written. Its expected
+            // generations (an upgrade's fill) go with the next checkpoint,
+            // whose superblock names their copy (`persist_bits`).
+            shared.io.written.persist_bits(&shared.io)?;
         }
         let mut recovery = recover(&shared, &committer)?;
         // What the held log kept goes back into the write-back buffer after

@@ -28,8 +28,10 @@ use crate::error::{Error, Fault, Result};
 use crate::replace::replace_file;
 use crate::state::BLOCK;
 
-/// Blocks read per step of a scan (1 MiB). Scans start chunks on multiples
-/// of it, so a resumed scan reads the same chunks.
+/// Blocks read per step of a scan (1 MiB). A scan's chunks end on a fixed
+/// grid (`step_end`): the multiples of it, each moved down to the start of
+/// the metadata unit holding it on a device whose units are smaller (a
+/// packed row), so a resumed scan reads the same chunks.
 pub const SCAN_CHUNK_BLOCKS: u64 = 256;
 
 /// Threads that read and verify chunks for a scan, and how many chunks
@@ -468,6 +470,9 @@ pub struct ScanOptions {
     pub rate_bytes_per_second: Option<u64>,
     /// Foreground requests to yield to (`Pacer`).
     pub foreground: Option<Foreground>,
+    /// Chunks end exactly on multiples of `SCAN_CHUNK_BLOCKS`, not moved
+    /// to metadata units (a verify's digest segments are defined on them).
+    pub fixed_chunks: bool,
 }
 
 /// How a scan ended.
@@ -530,6 +535,10 @@ pub fn scan_prepared<T: Send>(
         options.foreground.as_deref(),
         cursor,
     )?;
+    let chunk_grid = Grid {
+        step: SCAN_CHUNK_BLOCKS,
+        units: !options.fixed_chunks,
+    };
     // Reading and verifying a chunk is the work (a page-cache copy and a
     // CRC per block): SCAN_READERS threads do it for the chunks ahead of
     // the one being visited. Chunks are handed out and visited in LBA
@@ -577,11 +586,14 @@ pub fn scan_prepared<T: Send>(
                     return Ok(ScanEnd::Cancelled { at: run.at() });
                 }
                 while order.len() < SCAN_AHEAD && next < end {
-                    next = device.next_possible_data(next)?.min(end);
-                    if next >= end {
+                    let found = device.next_possible_data(next)?.min(end);
+                    if found >= end {
                         break;
                     }
-                    let count = (end - next).min(SCAN_CHUNK_BLOCKS - next % SCAN_CHUNK_BLOCKS);
+                    // From the start of the chunk that holds it, so chunks
+                    // stay on their grid after a hole.
+                    next = grid_start(device, found, chunk_grid).max(next);
+                    let count = step_end(device, next, chunk_grid).min(end) - next;
                     let mut data = spare.pop().unwrap_or_default();
                     data.set_len((count * BLOCK) as usize);
                     let read = ChunkRead {
@@ -642,18 +654,76 @@ pub fn scan_prepared<T: Send>(
     })
 }
 
-/// Read and verify a chunk in parts of `READ_PART_BLOCKS`, so that each
-/// part's CRCs run over bytes still in the core's cache from the copy.
+/// Where a scan's steps end: after the multiples of `step`, each moved
+/// down to the start of the metadata unit holding it (`units`) when the
+/// device's units are smaller than a step. A packed row (31 blocks) that a
+/// step boundary splits is read whole by each step holding part of it, to
+/// judge the row against its expected generation (`judge_rows`); on the
+/// grid of rows each row is read once. Split pages (128 blocks) divide
+/// the steps already.
+#[derive(Clone, Copy)]
+struct Grid {
+    step: u64,
+    units: bool,
+}
+
+impl Grid {
+    /// The `k`th boundary.
+    fn boundary(self, device: &dyn BlockDevice, k: u64) -> u64 {
+        let lba = k * self.step;
+        if !self.units || lba >= device.size() / BLOCK {
+            return lba;
+        }
+        let unit = device.metadata_unit(lba);
+        if unit.end - unit.start < self.step {
+            unit.start.min(lba)
+        } else {
+            lba
+        }
+    }
+}
+
+/// The first boundary of `grid` after `at`.
+fn step_end(device: &dyn BlockDevice, at: u64, grid: Grid) -> u64 {
+    let mut k = at / grid.step + 1;
+    loop {
+        let boundary = grid.boundary(device, k);
+        if boundary > at {
+            return boundary;
+        }
+        k += 1;
+    }
+}
+
+/// The last boundary of `grid` at or before `at` (0 is one).
+fn grid_start(device: &dyn BlockDevice, at: u64, grid: Grid) -> u64 {
+    let mut k = at / grid.step + 1;
+    loop {
+        let boundary = grid.boundary(device, k);
+        if boundary <= at || k == 0 {
+            return boundary;
+        }
+        k -= 1;
+    }
+}
+
+/// Read and verify a chunk in parts of `READ_PART_BLOCKS` (on their grid,
+/// so a part holds whole packed rows), so that each part's CRCs run over
+/// bytes still in the core's cache from the copy.
 fn read_in_parts(
     device: &dyn BlockDevice,
     first: u64,
     count: u64,
     out: &mut [u8],
 ) -> Result<Vec<Fault>> {
+    let grid = Grid {
+        step: READ_PART_BLOCKS,
+        units: true,
+    };
     let mut faults = Vec::new();
     let mut at = 0;
     while at < count {
-        let n = (count - at).min(READ_PART_BLOCKS);
+        let n = step_end(device, first + at, grid).min(first + count) - (first + at);
         let part = &mut out[(at * BLOCK) as usize..((at + n) * BLOCK) as usize];
         faults.extend(device.read_blocks_collecting(first + at, n, part)?);
         at += n;

@@ -328,6 +328,7 @@ pub fn scrub(
             // Foreground requests that arrived while a chunk was read go
             // first: the scan's pacer backs off.
             foreground: options.foreground.clone(),
+            fixed_chunks: false,
         },
         control,
         Some(&cursor),

@@ -247,6 +247,9 @@ pub fn verify(
             end: Some(end),
             rate_bytes_per_second: options.rate_bytes_per_second,
             foreground: None,
+            // Each chunk is a digest segment; without a digest, chunks
+            // hold whole packed rows.
+            fixed_chunks: digester.is_some(),
         },
         control,
         None,

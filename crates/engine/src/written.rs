@@ -64,6 +64,9 @@ pub(crate) struct WrittenMap {
     enabled: bool,
     unit_blocks: u64,
     units: u64,
+    /// The volume's blocks: the last unit may reach past them, and its
+    /// slots there belong to no LBA (`judge_slots` leaves them out).
+    blocks: u64,
     uuid: [u8; 16],
     words: Vec<AtomicU64>,
     /// The expected generation of each unit (0: not known). Split: the
@@ -139,6 +142,7 @@ impl WrittenMap {
             enabled,
             unit_blocks: unit,
             units,
+            blocks: geometry.blocks,
             uuid,
             volume_tag: crc32c(&uuid),
             bound: AtomicBool::new(false),
@@ -557,11 +561,14 @@ impl WrittenMap {
     /// when its data is given (without data, as in a split page, its
     /// generation is taken as it lies); a kind byte no context has. The
     /// same holds for a slot of another place or volume: damage that may
-    /// have replaced the newest generation. A blank slot is skipped, even
-    /// in a whole unit, where it is damage too: judging it `Unsure` there
-    /// made `check` and reads disagree in `vouch-sim metadata` (older copy,
-    /// packed, encrypted), cause not found, so a row whose newest slot was
-    /// zeroed is still judged by what is left.
+    /// have replaced the newest generation. A blank slot is skipped
+    /// in a unit that is not whole (`bound`), where a never-written block
+    /// has one; in a whole unit a blank slot is damage too, so the unit is
+    /// `Unsure`. Only slots of LBAs inside the volume are judged: the last
+    /// unit may reach past its end, and its slots there are blank in every
+    /// copy (a read that judged a packed row as read whole, past the end
+    /// too, and a `check` that judged the slots its chunk held found a
+    /// different verdict for the same row).
     pub fn judge_slots<'a>(
         &self,
         first_lba: u64,
@@ -570,8 +577,10 @@ impl WrittenMap {
     ) -> SlotVerdict {
         let mut newest: Option<u32> = None;
         let mut unsure = false;
+        let slots = slots.take(self.blocks.saturating_sub(first_lba) as usize);
         for (slot, (context, data)) in slots.enumerate() {
             if context.iter().all(|byte| *byte == 0) {
+                unsure |= self.bound();
                 continue;
             }
             if !context_intact(context, data) {
@@ -973,6 +982,22 @@ impl WrittenMap {
         result
     }
 
+    /// `persist` of the bits alone, the values left for the next
+    /// checkpoint: for a write of the map that no superblock follows (a
+    /// writable open's, before recovery). A generations copy written there
+    /// would be named by no superblock, and the next update, one `seq`
+    /// on, would write into the copy the superblock still names, where a
+    /// crash could leave its pages torn under that copy's header. Values
+    /// not on disk yet only weaken detection (they are not known).
+    pub fn persist_bits(&self, io: &Backing) -> Result<()> {
+        let values_dirty = self.values_dirty.swap(false, Ordering::AcqRel);
+        let result = self.persist(io);
+        if values_dirty {
+            self.values_dirty.store(true, Ordering::Release);
+        }
+        result
+    }
+
     /// Values page `index` as it goes to disk (`encode_values_page`).
     fn values_page(&self, index: u64) -> Vec<u8> {
         let first = (index * VALUES_PER_PAGE) as usize;
@@ -1137,6 +1162,23 @@ mod tests {
     /// after an open), each with its own CRC, and no bits copy when no bit
     /// changed; every value still loads right from the copy named, a page
     /// damaged since leaves only its own units not known.
+    /// A map written with no superblock after it (a writable open's,
+    /// before recovery) holds its bits but writes no generations copy:
+    /// nothing would name it, and the next update would then write into
+    /// the copy the superblock names. Its values go with the next update.
+    #[test]
+    fn a_map_written_at_open_writes_no_generations_copy() {
+        let (geometry, storage, io) = split_map_on_sim(64 << 20);
+        io.written.set(1);
+        io.written.set_expected_generation(1, 7);
+        io.written.persist_bits(&io).expect("persist the bits");
+        assert_eq!(io.written.generations_seq(), 0, "no copy written");
+        assert!(loaded(&storage, &geometry, 0).is_set(1));
+        io.written.persist(&io).expect("persist");
+        assert_eq!(io.written.generations_seq(), 1);
+        assert_eq!(loaded(&storage, &geometry, 1).expected_generation(1), 7);
+    }
+
     #[test]
     fn only_changed_generation_pages_are_written() {
         // 8 GiB split: 16,384 pages, 17 pages of values per copy.
@@ -1211,6 +1253,39 @@ mod tests {
     /// whose context is damaged (its CRC, or an encrypted one's keyless
     /// guard over its data) makes it `Unsure`, never `Older`; only whole
     /// slots all older make it `Older`.
+    /// The last packed row of a 256-block volume holds LBAs 248-255; its
+    /// 23 slots past the end are blank in every copy and belong to no LBA.
+    /// Judged from the row read whole (a read) or from the slots of its
+    /// LBAs (a `check` whose chunk holds them), it is the same row: an
+    /// older one is older both ways, never `Unsure` for the blank slots
+    /// past the end in a whole unit.
+    #[test]
+    fn a_row_past_the_volume_end_is_judged_by_its_lbas_alone() {
+        let geometry = Geometry::new(LayoutKind::Packed, 256 * 4096, 31 * 64).expect("geometry");
+        let map = WrittenMap::empty(&geometry, [9; 16]);
+        map.set_bound();
+        let tag = map.volume_tag;
+        let first = 8 * 31;
+        let mut slots = vec![[0u8; CONTEXT_BYTES]; 31];
+        for (slot, lba) in slots.iter_mut().zip(first..256) {
+            *slot = vouch_format::Context::Data {
+                volume_tag: tag,
+                ref_tag: lba,
+                guard: 1,
+                generation: 5,
+            }
+            .encode();
+        }
+        let judge = |slots: &[[u8; CONTEXT_BYTES]]| {
+            map.judge_slots(first, slots.iter().map(|slot| (&slot[..], None)), 6)
+        };
+        assert_eq!(judge(&slots), SlotVerdict::Older(5), "the row read whole");
+        assert_eq!(judge(&slots[..8]), SlotVerdict::Older(5), "its LBAs' slots");
+        // A blank slot of one of its LBAs is damage in a whole unit.
+        slots[3] = [0; CONTEXT_BYTES];
+        assert_eq!(judge(&slots), SlotVerdict::Unsure);
+    }
+
     #[test]
     fn a_unit_is_judged_by_whole_slots_one_by_one() {
         let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
@@ -1250,13 +1325,17 @@ mod tests {
         assert_eq!(judge(&foreign, 7), SlotVerdict::Unsure);
         // The newest slot overwritten by another place's: what is left is
         // older, but the unit is not judged older by it (the damaged slot
-        // is its own block's fault). Zeroed, it is still judged by what is
-        // left (`judge_slots`).
+        // is its own block's fault). Zeroed in a unit that is not whole
+        // (where a never-written block's slot is blank), it is judged by
+        // what is left; in a whole unit the unit is not judged older by it.
         let mut zeroed = [plain(0, 5), plain(1, 9), plain(2, 4)];
         zeroed[1] = [0; CONTEXT_BYTES];
         assert_eq!(judge(&zeroed, 9), SlotVerdict::Older(5));
         let misplaced = [plain(0, 5), plain(7, 9), plain(2, 4)];
         assert_eq!(judge(&misplaced, 9), SlotVerdict::Unsure);
+        map.set_bound();
+        assert_eq!(judge(&zeroed, 9), SlotVerdict::Unsure);
+        assert_eq!(judge(&older, 7), SlotVerdict::Older(6));
         // Encrypted: checked by the keyless guard over its data.
         let data = [0x5a_u8; 4096];
         let encrypted = |generation: u32| {

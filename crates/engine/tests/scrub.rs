@@ -100,24 +100,32 @@ fn a_cancelled_or_killed_scrub_resumes_from_its_cursor() {
         let everything = scrub(&volume, &path, &ScrubOptions::default(), &full).expect("scrub");
         std::fs::remove_file(path.join(SCRUB_FILE)).expect("forget it");
 
-        // Cancelled after two chunks (0 and 1).
+        // Cancelled after two chunks (0 and 1): 512 blocks, or on a
+        // packed volume 16 whole rows (its chunks end on rows).
+        let two_chunks = match layout {
+            LayoutKind::Split => 512,
+            LayoutKind::Packed => 16 * 31,
+        };
         let control = Arc::new(JobControl::default());
         let record =
             scrub(&volume, &path, &cancel_after(2, control.clone()), &control).expect("scrub");
         assert_eq!(record.state, ScrubState::Cancelled, "{layout:?}");
-        assert_eq!(record.cursor, 512);
+        assert_eq!(record.cursor, two_chunks);
         assert_eq!(record.faults, expected_faults()[..1]);
-        assert_eq!(control.read_blocks(), 512);
+        assert_eq!(control.read_blocks(), two_chunks);
         let stored = last_scrub(&path).expect("read").expect("a record");
-        assert_eq!((stored.state, stored.cursor), (ScrubState::Cancelled, 512));
+        assert_eq!(
+            (stored.state, stored.cursor),
+            (ScrubState::Cancelled, two_chunks)
+        );
 
-        // The next scrub continues from 512 and reads only what is left.
+        // The next scrub continues from there and reads only what is left.
         let resumed = JobControl::default();
         let record = scrub(&volume, &path, &ScrubOptions::default(), &resumed).expect("scrub");
         assert_eq!(record.state, ScrubState::Finished);
         assert_eq!(record.faults, expected_faults());
         assert_eq!(record.started_unix, stored.started_unix, "the same scrub");
-        assert_eq!(resumed.read_blocks(), full.read_blocks() - 512);
+        assert_eq!(resumed.read_blocks(), full.read_blocks() - two_chunks);
         assert_eq!(record.blocks_checked, everything.blocks_checked);
 
         // A scrub killed mid-way leaves a Running record with its cursor:

@@ -82,11 +82,12 @@ fn verify_finds_exactly_the_blocks_damaged_on_disk_with_their_kinds() {
             "{layout:?}"
         );
         // Chunks 0, 1, 2, 3 and 5 are read; 6 and 7 are holes, and so is 4
-        // in the split layout (packed stores 31 blocks a row, and the row
-        // holding LBA 1023 reaches into chunk 4).
+        // in the split layout. Packed chunks end on its 31-block rows (the
+        // multiples of 256 moved down to a row's start): the first six,
+        // to LBA 1519 (49 rows), all hold data.
         let expected = match layout {
             LayoutKind::Split => 5 * 256,
-            LayoutKind::Packed => 6 * 256,
+            LayoutKind::Packed => 49 * 31,
         };
         assert_eq!(report.blocks_read, expected, "{layout:?}");
         assert_eq!(control.progress(), (BLOCKS, BLOCKS));

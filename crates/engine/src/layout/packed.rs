@@ -284,9 +284,11 @@ impl PackedLayout {
                 let place = self.unit_place(unit);
                 let mut row = PageBuffer::new(place.len);
                 match io.try_read_with(place.object, place.offset, &mut row, wait) {
-                    Ok(()) => io
-                        .written
-                        .judge_slots(lbas.start, Self::row_records(&row), expected),
+                    Ok(()) => {
+                        io.stats.add_read(place.len as u64);
+                        io.written
+                            .judge_slots(lbas.start, Self::row_records(&row), expected)
+                    }
                     Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
                         return Err(error)
                     }
