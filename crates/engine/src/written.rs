@@ -563,7 +563,9 @@ impl WrittenMap {
     /// same holds for a slot of another place or volume: damage that may
     /// have replaced the newest generation. A blank slot is skipped
     /// in a unit that is not whole (`bound`), where a never-written block
-    /// has one; in a whole unit a blank slot is damage too, so the unit is
+    /// has one, and in a whole unit too when its data is blank as well or
+    /// not given (a copy from before the units were whole has such slots);
+    /// a blank context over data that is not blank makes a whole unit
     /// `Unsure`. Only slots of LBAs inside the volume are judged: the last
     /// unit may reach past its end, and its slots there are blank in every
     /// copy (a read that judged a packed row as read whole, past the end
@@ -580,7 +582,18 @@ impl WrittenMap {
         let slots = slots.take(self.blocks.saturating_sub(first_lba) as usize);
         for (slot, (context, data)) in slots.enumerate() {
             if context.iter().all(|byte| *byte == 0) {
-                unsure |= self.bound();
+                // A blank context over data that is not blank is damage (a
+                // zeroed 4 KiB page of a packed file blanks one record's
+                // context and leaves most of its data), and in a whole unit
+                // it may have been the newest slot. Blank in context and
+                // data alike, or without data (a split page), it may be a
+                // never-written block in a copy taken before the volume's
+                // units were whole (`vouch upgrade` writes vacant markers
+                // only into the files it finds): that is skipped, as in a
+                // unit that is not whole, so such an older copy is still
+                // judged older by its other slots, not left unsure.
+                unsure |=
+                    self.bound() && data.is_some_and(|data| data.iter().any(|byte| *byte != 0));
                 continue;
             }
             if !context_intact(context, data) {
@@ -1281,9 +1294,18 @@ mod tests {
         };
         assert_eq!(judge(&slots), SlotVerdict::Older(5), "the row read whole");
         assert_eq!(judge(&slots[..8]), SlotVerdict::Older(5), "its LBAs' slots");
-        // A blank slot of one of its LBAs is damage in a whole unit.
+        // A blank context over its data, in one of its LBAs' slots, is
+        // damage in a whole unit; blank in data too, it may be a
+        // never-written block of a copy from before the units were whole,
+        // and the row is judged by the rest.
         slots[3] = [0; CONTEXT_BYTES];
-        assert_eq!(judge(&slots), SlotVerdict::Unsure);
+        let (data, blank) = ([0x5a_u8; 4096], [0u8; 4096]);
+        let judge_with = |slots: &[[u8; CONTEXT_BYTES]], data: &[u8]| {
+            map.judge_slots(first, slots.iter().map(|slot| (&slot[..], Some(data))), 6)
+        };
+        assert_eq!(judge_with(&slots, &data), SlotVerdict::Unsure);
+        assert_eq!(judge_with(&slots, &blank), SlotVerdict::Older(5));
+        assert_eq!(judge(&slots), SlotVerdict::Older(5), "without data");
     }
 
     #[test]
@@ -1325,16 +1347,17 @@ mod tests {
         assert_eq!(judge(&foreign, 7), SlotVerdict::Unsure);
         // The newest slot overwritten by another place's: what is left is
         // older, but the unit is not judged older by it (the damaged slot
-        // is its own block's fault). Zeroed in a unit that is not whole
-        // (where a never-written block's slot is blank), it is judged by
-        // what is left; in a whole unit the unit is not judged older by it.
+        // is its own block's fault). Zeroed, with no data to tell it from
+        // a never-written block (a split page; a copy from before the
+        // units were whole has blank slots for those), it is judged by
+        // what is left, in a whole unit too.
         let mut zeroed = [plain(0, 5), plain(1, 9), plain(2, 4)];
         zeroed[1] = [0; CONTEXT_BYTES];
         assert_eq!(judge(&zeroed, 9), SlotVerdict::Older(5));
         let misplaced = [plain(0, 5), plain(7, 9), plain(2, 4)];
         assert_eq!(judge(&misplaced, 9), SlotVerdict::Unsure);
         map.set_bound();
-        assert_eq!(judge(&zeroed, 9), SlotVerdict::Unsure);
+        assert_eq!(judge(&zeroed, 9), SlotVerdict::Older(5));
         assert_eq!(judge(&older, 7), SlotVerdict::Older(6));
         // Encrypted: checked by the keyless guard over its data.
         let data = [0x5a_u8; 4096];
