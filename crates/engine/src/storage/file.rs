@@ -1213,13 +1213,17 @@ fn ficlonerange(
 mod tests {
     use super::*;
 
+    /// An 8 MiB split volume's objects in `dir`.
+    fn small_volume(dir: &Path) -> FileStorage {
+        let geometry =
+            Geometry::new(vouch_format::LayoutKind::Split, 8 << 20, 1 << 28).expect("geometry");
+        FileStorage::create(&dir.join("v"), &geometry, 1 << 20).expect("create")
+    }
+
     #[test]
     fn vectored_writes_of_more_than_iov_max_parts_land_in_order() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let geometry =
-            Geometry::new(vouch_format::LayoutKind::Split, 8 << 20, 1 << 28).expect("geometry");
-        let storage =
-            FileStorage::create(&dir.path().join("v"), &geometry, 1 << 20).expect("create");
+        let storage = small_volume(dir.path());
         let blocks: Vec<Vec<u8>> = (0..1500u32)
             .map(|i| vec![(i % 251) as u8; 512 + (i as usize % 3)])
             .collect();
@@ -1242,10 +1246,7 @@ mod tests {
     #[test]
     fn a_long_buffered_write_lands_whole_in_pieces() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let geometry =
-            Geometry::new(vouch_format::LayoutKind::Split, 8 << 20, 1 << 28).expect("geometry");
-        let storage =
-            FileStorage::create(&dir.path().join("v"), &geometry, 1 << 20).expect("create");
+        let storage = small_volume(dir.path());
         let piece = PAGE_CACHE_PIECE as usize;
         let sizes = [
             3 * piece + 4096,
