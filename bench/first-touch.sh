@@ -4,15 +4,22 @@
 # A producer process writes 8 MiB chunks into a 64 MiB shared tmpfs ring (as NBD payloads land); a
 # consumer on the other CPU pwrite()s each chunk into a new file (the page cache's first touch), ROUNDS
 # times per mode; prints the consumer's CPU seconds per GiB each time. Needs root for the hold.
+# WRITE is the length of each pwrite (default 8M, as one commit's runs; the page cache sizes its folios
+# by it, and with reporting on, writes of 1 MiB and more paid the host's faults where 256-512 KiB
+# writes did not: compare WRITE=256K).
 #   bench/first-touch.sh
 #   ROUNDS=8 DIR=/var/tmp bench/first-touch.sh
+#   WRITE=256K bench/first-touch.sh
 set -uo pipefail
-ROUNDS=${ROUNDS:-5}; DIR=${DIR:-/var/tmp}
+ROUNDS=${ROUNDS:-5}; DIR=${DIR:-/var/tmp}; WRITE=${WRITE:-8M}
 REPORTING=/sys/module/page_reporting/parameters/page_reporting_order
 copy() {
-    python3 - "$DIR/first-touch.$$" <<'PY'
+    python3 - "$DIR/first-touch.$$" "$WRITE" <<'PY'
 import mmap, os, sys, time
 dst = sys.argv[1]; chunk = 8 << 20; total = 1 << 30; ring = 64 << 20
+units = {"K": 1 << 10, "M": 1 << 20}
+write = int(sys.argv[2][:-1]) * units[sys.argv[2][-1].upper()] if sys.argv[2][-1].upper() in units else int(sys.argv[2])
+assert 0 < write and chunk % write == 0, "WRITE must divide 8M"
 src = "/dev/shm/first-touch.%d" % os.getpid()
 fd = os.open(src, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600); os.ftruncate(fd, ring); os.unlink(src)
 mm = mmap.mmap(fd, ring, mmap.MAP_SHARED); mv = memoryview(mm); mm[:] = b"\1" * ring
@@ -33,7 +40,8 @@ cpu = time.process_time()
 for i in range(total // chunk):
     os.read(ready_r, 1)
     off = (i * chunk) % ring
-    os.pwritev(out, [mv[off:off + chunk]], i * chunk)
+    for at in range(0, chunk, write):
+        os.pwritev(out, [mv[off + at:off + at + write]], i * chunk + at)
     os.write(done_w, b"y")
 print("%.2f" % (time.process_time() - cpu))
 os.wait(); os.close(out); os.unlink(dst)

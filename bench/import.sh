@@ -39,7 +39,9 @@ stop_server() {
 # /sys/module/page_reporting), every page a server touches for the first time since it was freed
 # and reported costs the host a fault; which server gets reported pages depends on what ran before,
 # and the same copy into fresh page cache measured 0.21-1.06 s of CPU per GiB from run to run here
-# (0.22-0.24 s with reporting held). With HOLD_REPORTING=1 (the default, where the knob exists and is
+# (0.22-0.24 s with reporting held). Most of that was in long writes (the page cache's large folios
+# come from the reported blocks): vouch writes at most 256 KiB per call since, and paid far less
+# (bench/first-touch.sh WRITE=256K); HOLD_REPORTING=0 measures the guest as it comes. With HOLD_REPORTING=1 (the default, where the knob exists and is
 # writable) the run raises page_reporting_order past the largest free block, so nothing freed during
 # the run is handed back, touches 2 x SIZE once before the first round, and restores the order at exit.
 REPORTING=/sys/module/page_reporting/parameters/page_reporting_order

@@ -240,7 +240,8 @@ impl Layout for SplitLayout {
         unsynced: &mut BTreeSet<ObjectId>,
     ) -> Result<()> {
         // Runs of consecutive LBAs, each one write straight from the
-        // buffered blocks; all of them submitted as one batch per object.
+        // buffered blocks (into the page cache at most 256 KiB per call:
+        // `PAGE_CACHE_PIECE`); all of them submitted as one batch per object.
         let mut runs: Vec<(ObjectId, u64, Vec<&[u8]>)> = Vec::new();
         let mut index = 0;
         while index < blocks.len() {

@@ -669,6 +669,89 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
     Err(error)
 }
 
+/// The most a buffered write hands the kernel in one call; longer writes
+/// are cut at multiples of it in the file.
+///
+/// The page cache sizes the folios of a write by its length (ext4 and xfs
+/// have large folios), and on a guest with free page reporting
+/// (virtio-balloon, `page_reporting_order` 9: free 2 MiB blocks are handed
+/// back to the host) the folios of long writes come back from the host
+/// one fault at a time: the large folios are cut from the largest free
+/// blocks, the ones that were reported. Measured on such a guest, 1 GiB
+/// written into a new file from memory: 1.3-2.6 s of CPU in writes of
+/// 1-32 MiB, 0.29-0.39 s in writes of 256-512 KiB, and 0.24-0.28 s either
+/// way with reporting held (order 11). A commit's home writes are runs of
+/// many MiB, so an import paid it on every block; qemu-nbd and nbdkit
+/// write each NBD request (nbdcopy's 256 KiB) on its own and did not.
+/// A write of 256 KiB is still one `pwritev` of 64 blocks.
+///
+/// Crash ordering: none changes. The pieces are written in turn before
+/// the call returns, as one `pwritev` would be, which the kernel also
+/// copies folio by folio: a crash in the middle leaves a prefix either
+/// way, and every caller orders its fsync after the whole call.
+const PAGE_CACHE_PIECE: u64 = 256 << 10;
+
+/// `pwritev` all of `parts` at `offset`, through short writes and EINTR.
+fn pwritev_all(file: &File, parts: &[&[u8]], offset: u64) -> io::Result<()> {
+    if let [data] = parts {
+        // One slice (most random writes): a plain pwrite, no iovec array.
+        return file.write_all_at(data, offset);
+    }
+    let fd = file.as_raw_fd();
+    let mut iovecs: Vec<libc::iovec> = parts
+        .iter()
+        .map(|part| libc::iovec {
+            iov_base: part.as_ptr() as *mut libc::c_void,
+            iov_len: part.len(),
+        })
+        .collect();
+    let mut first = 0usize;
+    let mut at = offset;
+    while first < iovecs.len() {
+        let count = (iovecs.len() - first).min(IOV_MAX);
+        // SAFETY: every iovec points into a live slice of `parts` (or a
+        // suffix of one, adjusted below), none is written through.
+        let written = unsafe {
+            libc::pwritev(
+                fd,
+                iovecs[first..].as_ptr(),
+                count as libc::c_int,
+                at as libc::off_t,
+            )
+        };
+        if written < 0 {
+            let error = io::Error::last_os_error();
+            if error.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(error);
+        }
+        if written == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwritev wrote nothing",
+            ));
+        }
+        let mut left = written as usize;
+        at += left as u64;
+        // Skip fully written iovecs; trim a partly written one.
+        while left > 0 {
+            let iovec = &mut iovecs[first];
+            if left >= iovec.iov_len {
+                left -= iovec.iov_len;
+                first += 1;
+            } else {
+                // SAFETY: advancing within the same slice by fewer bytes than its length.
+                iovec.iov_base =
+                    unsafe { (iovec.iov_base as *mut u8).add(left) } as *mut libc::c_void;
+                iovec.iov_len -= left;
+                left = 0;
+            }
+        }
+    }
+    Ok(())
+}
+
 fn no_object(object: ObjectId) -> io::Error {
     io::Error::new(
         io::ErrorKind::NotFound,
@@ -740,10 +823,7 @@ impl Storage for FileStorage {
     }
 
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
-        if self.is_direct(object) {
-            return self.write_vectored_at(object, offset, &[data]);
-        }
-        self.file(object)?.write_all_at(data, offset)
+        self.write_vectored_at(object, offset, &[data])
     }
 
     fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<(), RunError> {
@@ -768,64 +848,34 @@ impl Storage for FileStorage {
             return direct::write_runs(file, None, &mut writer.arena, &[Run { offset, parts }])
                 .map_err(|failed| failed.error);
         }
-        if let [data] = parts {
-            // One block (most random writes): a plain pwrite, no iovec array.
-            return self.file(object)?.write_all_at(data, offset);
-        }
-        let fd = self.file(object)?.as_raw_fd();
-        let mut iovecs: Vec<libc::iovec> = parts
-            .iter()
-            .filter(|part| !part.is_empty())
-            .map(|part| libc::iovec {
-                iov_base: part.as_ptr() as *mut libc::c_void,
-                iov_len: part.len(),
-            })
-            .collect();
-        let mut first = 0usize;
+        let file = self.file(object)?;
+        let mut piece: Vec<&[u8]> = Vec::new();
         let mut at = offset;
-        while first < iovecs.len() {
-            let count = (iovecs.len() - first).min(IOV_MAX);
-            // SAFETY: every iovec points into a live slice of `parts` (or a
-            // suffix of one, adjusted below), none is written through.
-            let written = unsafe {
-                libc::pwritev(
-                    fd,
-                    iovecs[first..].as_ptr(),
-                    count as libc::c_int,
-                    at as libc::off_t,
-                )
-            };
-            if written < 0 {
-                let error = io::Error::last_os_error();
-                if error.kind() == io::ErrorKind::Interrupted {
-                    continue;
+        let mut rest = parts.iter().copied().filter(|part| !part.is_empty());
+        let mut part: &[u8] = &[];
+        loop {
+            // Gather up to the next PAGE_CACHE_PIECE boundary of the file.
+            let room = (PAGE_CACHE_PIECE - at % PAGE_CACHE_PIECE) as usize;
+            let mut filled = 0;
+            piece.clear();
+            while filled < room {
+                if part.is_empty() {
+                    match rest.next() {
+                        Some(next) => part = next,
+                        None => break,
+                    }
                 }
-                return Err(error);
+                let take = part.len().min(room - filled);
+                piece.push(&part[..take]);
+                part = &part[take..];
+                filled += take;
             }
-            if written == 0 {
-                return Err(io::Error::new(
-                    io::ErrorKind::WriteZero,
-                    "pwritev wrote nothing",
-                ));
+            if filled == 0 {
+                return Ok(());
             }
-            let mut left = written as usize;
-            at += left as u64;
-            // Skip fully written iovecs; trim a partly written one.
-            while left > 0 {
-                let iovec = &mut iovecs[first];
-                if left >= iovec.iov_len {
-                    left -= iovec.iov_len;
-                    first += 1;
-                } else {
-                    // SAFETY: advancing within the same slice by fewer bytes than its length.
-                    iovec.iov_base =
-                        unsafe { (iovec.iov_base as *mut u8).add(left) } as *mut libc::c_void;
-                    iovec.iov_len -= left;
-                    left = 0;
-                }
-            }
+            pwritev_all(file, &piece, at)?;
+            at += filled as u64;
         }
-        Ok(())
     }
 
     fn sync(&self, object: ObjectId) -> io::Result<()> {
@@ -1163,13 +1213,17 @@ fn ficlonerange(
 mod tests {
     use super::*;
 
+    /// An 8 MiB split volume's objects in `dir`.
+    fn small_volume(dir: &Path) -> FileStorage {
+        let geometry =
+            Geometry::new(vouch_format::LayoutKind::Split, 8 << 20, 1 << 28).expect("geometry");
+        FileStorage::create(&dir.join("v"), &geometry, 1 << 20).expect("create")
+    }
+
     #[test]
     fn vectored_writes_of_more_than_iov_max_parts_land_in_order() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let geometry =
-            Geometry::new(vouch_format::LayoutKind::Split, 8 << 20, 1 << 28).expect("geometry");
-        let storage =
-            FileStorage::create(&dir.path().join("v"), &geometry, 1 << 20).expect("create");
+        let storage = small_volume(dir.path());
         let blocks: Vec<Vec<u8>> = (0..1500u32)
             .map(|i| vec![(i % 251) as u8; 512 + (i as usize % 3)])
             .collect();
@@ -1183,5 +1237,50 @@ mod tests {
             .read_at(ObjectId::Data(0), 4096, &mut back)
             .expect("read");
         assert!(back == expected);
+    }
+
+    /// A buffered write longer than `PAGE_CACHE_PIECE` is cut into pieces
+    /// at multiples of it in the file: parts larger than a piece, parts cut
+    /// across a boundary, an empty part and an unaligned start all land
+    /// where one write would have put them.
+    #[test]
+    fn a_long_buffered_write_lands_whole_in_pieces() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let storage = small_volume(dir.path());
+        let piece = PAGE_CACHE_PIECE as usize;
+        let sizes = [
+            3 * piece + 4096,
+            0,
+            100 << 10,
+            4096,
+            piece - 1,
+            1,
+            2 * piece,
+        ];
+        let blocks: Vec<Vec<u8>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| (0..len).map(|at| (at * 7 + i * 13) as u8).collect())
+            .collect();
+        let parts: Vec<&[u8]> = blocks.iter().map(Vec::as_slice).collect();
+        let offset = piece as u64 - 8192 + 512;
+        storage
+            .write_vectored_at(ObjectId::Data(0), offset, &parts)
+            .expect("pwritev");
+        let single = offset + (4 << 20);
+        storage
+            .write_at(ObjectId::Data(0), single, parts[0])
+            .expect("pwrite");
+        let expected = parts.concat();
+        let mut back = vec![0u8; expected.len()];
+        storage
+            .read_at(ObjectId::Data(0), offset, &mut back)
+            .expect("read");
+        assert!(back == expected, "the vectored write");
+        let mut back = vec![0u8; parts[0].len()];
+        storage
+            .read_at(ObjectId::Data(0), single, &mut back)
+            .expect("read");
+        assert!(back == parts[0], "the single write");
     }
 }
