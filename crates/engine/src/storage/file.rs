@@ -683,7 +683,7 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 /// way with reporting held (order 11). A commit's home writes are runs of
 /// many MiB, so an import paid it on every block; qemu-nbd and nbdkit
 /// write each NBD request (nbdcopy's 256 KiB) on its own and did not.
-/// A write of 256 KiB is still one `pwritev` of 64 blocks.
+/// A write inside one 256 KiB-aligned piece is still one `pwritev`.
 ///
 /// Crash ordering: none changes. The pieces are written in turn before
 /// the call returns, as one `pwritev` would be, which the kernel also
@@ -849,6 +849,12 @@ impl Storage for FileStorage {
                 .map_err(|failed| failed.error);
         }
         let file = self.file(object)?;
+        let total: usize = parts.iter().map(|part| part.len()).sum();
+        if (offset % PAGE_CACHE_PIECE) as usize + total <= PAGE_CACHE_PIECE as usize {
+            // Inside one piece (every 4 KiB write, most small runs): as it
+            // is, with no piece list to build.
+            return pwritev_all(file, parts, offset);
+        }
         let mut piece: Vec<&[u8]> = Vec::new();
         let mut at = offset;
         let mut rest = parts.iter().copied().filter(|part| !part.is_empty());
