@@ -1170,11 +1170,6 @@ mod tests {
         }
     }
 
-    /// An update writes only the generation pages changed since the copy
-    /// it writes was last written (both copies whole at the first update
-    /// after an open), each with its own CRC, and no bits copy when no bit
-    /// changed; every value still loads right from the copy named, a page
-    /// damaged since leaves only its own units not known.
     /// A map written with no superblock after it (a writable open's,
     /// before recovery) holds its bits but writes no generations copy:
     /// nothing would name it, and the next update would then write into
@@ -1192,6 +1187,11 @@ mod tests {
         assert_eq!(loaded(&storage, &geometry, 1).expected_generation(1), 7);
     }
 
+    /// An update writes only the generation pages changed since the copy
+    /// it writes was last written (both copies whole at the first update
+    /// after an open), each with its own CRC, and no bits copy when no bit
+    /// changed; every value still loads right from the copy named, a page
+    /// damaged since leaves only its own units not known.
     #[test]
     fn only_changed_generation_pages_are_written() {
         // 8 GiB split: 16,384 pages, 17 pages of values per copy.
@@ -1260,12 +1260,6 @@ mod tests {
         }
     }
 
-    /// A unit is judged slot by slot: it reaches its expectation through
-    /// any own slot that does, whatever order serial-number comparison
-    /// gives the others (not transitive across half the space); a slot
-    /// whose context is damaged (its CRC, or an encrypted one's keyless
-    /// guard over its data) makes it `Unsure`, never `Older`; only whole
-    /// slots all older make it `Older`.
     /// The last packed row of a 256-block volume holds LBAs 248-255; its
     /// 23 slots past the end are blank in every copy and belong to no LBA.
     /// Judged from the row read whole (a read) or from the slots of its
@@ -1308,6 +1302,12 @@ mod tests {
         assert_eq!(judge(&slots), SlotVerdict::Older(5), "without data");
     }
 
+    /// A unit is judged slot by slot: it reaches its expectation through
+    /// any own slot that does, whatever order serial-number comparison
+    /// gives the others (not transitive across half the space); a slot
+    /// whose context is damaged (its CRC, or an encrypted one's keyless
+    /// guard over its data) makes it `Unsure`, never `Older`; only whole
+    /// slots all older make it `Older`.
     #[test]
     fn a_unit_is_judged_by_whole_slots_one_by_one() {
         let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");

@@ -136,9 +136,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     }
     // The targets under the stripes, after the check: a leg that finished
     // its resync before it is written too.
-    let targets: PerLeg<usize> = (0..mirror.legs.len())
-        .filter(|&leg| mirror.is_write_target(leg))
-        .collect();
+    let targets: PerLeg<usize> = mirror.write_targets();
     if !targets.iter().any(|&leg| remote(leg)) {
         return Ok(None);
     }

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use parking_lot::{Mutex, MutexGuard, RwLock};
 use smallvec::SmallVec;
-use vouch_format::mirror::LegState;
+use vouch_format::mirror::{LegState, MAX_LEGS};
 
 use super::activity::ActivityLog;
 use super::dirty::DirtyMap;
@@ -319,14 +319,16 @@ impl Mirror {
         Ok(())
     }
 
-    /// Legs that get writes: the active ones and those resyncing.
-    pub(super) fn write_targets(&self) -> Vec<usize> {
+    /// Legs that get writes: the active ones and those resyncing (in
+    /// place: every mirrored write asks, and a mirror has at most
+    /// `MAX_LEGS`).
+    pub(super) fn write_targets(&self) -> SmallVec<[usize; MAX_LEGS]> {
         (0..self.legs.len())
             .filter(|&leg| self.is_write_target(leg))
             .collect()
     }
 
-    pub(super) fn is_write_target(&self, leg: usize) -> bool {
+    fn is_write_target(&self, leg: usize) -> bool {
         self.legs[leg].device.get().is_some()
             && (state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
                 || self.legs[leg].resyncing.load(Ordering::Acquire))
