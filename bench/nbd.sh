@@ -57,8 +57,8 @@
 #   SCHED_FIFO places each wake-up of a QD1 exchange (fio <-> the server's reactor) on the other vCPU
 #   unless a FIFO thread already runs there, so the QD1 tests (rr4k_qd1, rw4k_qd1, rw4k_fsync1,
 #   rw4k_fsync8) also measure how long a server keeps a thread busy on the other vCPU: a server that
-#   spends more CPU per I/O there keeps the exchange on one vCPU and answers sooner (a build that spent
-#   twice the CPU per write+flush-every-8 I/O measured 1.4x faster). Under a realtime policy the
+#   spends more CPU per I/O there keeps the exchange on one vCPU and answers sooner (a build whose
+#   workers spent twice the CPU per write+flush-every-8 I/O measured 1.4x faster). Under a realtime policy the
 #   script warns.
 #
 # Output: $OUT/samples.tsv (one row per run), $OUT/report.md (medians, ratios, targets),
