@@ -17,6 +17,7 @@
 #   SRVSCHED / FIOSCHED  override SCHED for the servers / for fio alone
 #   RUNTIME    seconds of the measured run (4)     DIR  scratch directory (/var/tmp/fsync8-probe-PORT)
 #   RESTART=1  restart even when both binaries are the same   DROP=1  drop caches after the prefill
+#   SERVE_ARGS more `vouch serve` arguments (e.g. --direct), given to both servers
 #   PERF=FILE  perf record into FILE instead of perf stat; PERFARGS its events
 #              (default "-e cpu-clock -g -p <server>"; e.g. "-e sched:sched_switch -e sched:sched_waking -a"
 #              for bench/wake-placement.py)
@@ -35,7 +36,7 @@ start() { # BIN [EXTRA ARGS]: serve the volume, wait for the port
         [ -f "$DIR/raw" ] || truncate -s 1G "$DIR/raw"
         $SRV qemu-nbd -f raw -t -e 8 --cache=writeback --aio=threads -b 127.0.0.1 -p "$PORT" "$DIR/raw" >>"$DIR/log" 2>&1 &
     else
-        $SRV "$bin" serve "$DIR/vol" "$@" --listen "127.0.0.1:$PORT" --metrics "127.0.0.1:$MPORT" >>"$DIR/log" 2>&1 &
+        $SRV "$bin" serve "$DIR/vol" "$@" ${SERVE_ARGS:-} --listen "127.0.0.1:$PORT" --metrics "127.0.0.1:$MPORT" >>"$DIR/log" 2>&1 &
     fi
     P=$!
     for _ in $(seq 100); do nbdinfo --size "nbd://127.0.0.1:$PORT" >/dev/null 2>&1 && return 0; sleep 0.1; done
