@@ -51,6 +51,16 @@
 # (utime+stime of the server process, /proc/PID/stat) per I/O; for vouch servers (serving metrics on
 # port + 100) the log line also gives the share of the test's requests answered inline (inline=N%).
 #
+# Scheduling: the script, its servers and fio run under the policy it is started with (facts.md records it).
+#   Quiet runs use `nice -n -10 bash bench/nbd.sh` (SCHED_OTHER: the kernel's wake-up placement that a
+#   deployment has, ahead of other nice-0 work), the anchors under the same. Not `chrt -f 10`: on 2 vCPUs
+#   SCHED_FIFO places each wake-up of a QD1 exchange (fio <-> the server's reactor) on the other vCPU
+#   unless a FIFO thread already runs there, so the QD1 tests (rr4k_qd1, rw4k_qd1, rw4k_fsync1,
+#   rw4k_fsync8) also measure how long a server keeps a thread busy on the other vCPU: a server that
+#   spends more CPU per I/O there keeps the exchange on one vCPU and answers sooner (a build whose
+#   workers spent twice the CPU per write+flush-every-8 I/O measured 1.4x faster). Under a realtime policy the
+#   script warns.
+#
 # Output: $OUT/samples.tsv (one row per run), $OUT/report.md (medians, ratios, targets),
 #         $OUT/fio/*.json (raw fio output), $OUT/logs/ (server logs).
 #
@@ -335,8 +345,15 @@ bin_facts() { # BINARY -> "path, sha256 prefix, --version, git commit of the tre
     echo "\`$b\` (sha256 $(sha256sum "$b" | cut -c1-12), $("$b" --version 2>/dev/null | head -1)${rev:+, tree at $rev})"
 }
 
+sched_policy() { # the scheduling policy and nice value this script runs under (inherited by servers and fio)
+    local policy
+    policy=$(chrt -p $$ 2>/dev/null | awk -F': ' '/policy/{p=$2} /priority/{if ($2 > 0) p=p" priority "$2} END{print p}')
+    echo "${policy:-unknown}, nice $(nice)"
+}
+
 machine_facts() {
     echo "- command: \`$CMDLINE\` (cwd $(pwd))"
+    echo "- scheduling: $(sched_policy) (servers and fio inherit it)"
     echo "- date: $(date -Is), host $(hostname)"
     echo "- nproc: $NCPU; CPU: $(grep -m1 '^model name' /proc/cpuinfo | sed 's/.*: //'); RAM: $(awk '/MemTotal/{printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
     echo "- kernel: $(uname -r)"
@@ -558,6 +575,9 @@ if [ -n "$VOUCH_BASE" ]; then
 fi
 machine_facts > "$OUT/facts.md"
 cat "$OUT/facts.md" >&2
+case $(sched_policy) in
+    SCHED_FIFO*|SCHED_RR*) log "WARNING: running under $(sched_policy): the QD1 tests measure where the kernel wakes fio and the reactor (see the header's Scheduling)" ;;
+esac
 printf 'rep\tserver\ttest\trw\tbs\tqd\truntime_s\tiops\tMBps\ttotal_ios\tclat_us\tp99_us\tfio_usr_pct\tfio_sys_pct\tmachine_busy_pct\tserver_cpu_s\tserver_cpu_us_per_io\twall_s\trc\tfio_err\tflushes\tflush_lat_us\n' > "$TSV"
 T0=$(date +%s)
 

@@ -685,6 +685,12 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 /// write each NBD request (nbdcopy's 256 KiB) on its own and did not.
 /// A write inside one 256 KiB-aligned piece is still one `pwritev`.
 ///
+/// The folios stay that size for the writes that come after: a 4 KiB
+/// home write walks every buffer head of the folio it lands in (ext4's
+/// `ext4_block_write_begin`), so random 4 KiB writes over a volume filled
+/// by long runs cost 63 µs of CPU each in its 2 MiB folios against 8.8 µs
+/// in 256 KiB ones (measured, 4 KiB writes with a flush every 8).
+///
 /// Crash ordering: none changes. The pieces are written in turn before
 /// the call returns, as one `pwritev` would be, which the kernel also
 /// copies folio by folio: a crash in the middle leaves a prefix either
