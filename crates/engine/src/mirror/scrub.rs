@@ -1,6 +1,7 @@
 //! Scrub repair: every block that may hold data is read and verified on
-//! every active leg, a chunk (1 MiB) at a time under the mirror's stripe
-//! lock, and every repairable fault repaired (`Mirror::rewrite`: sealed
+//! every active leg, a scan chunk (1 MiB, ending on the legs' metadata
+//! units: `jobs::ChunkWalk`) at a time under the mirror's stripe locks,
+//! and every repairable fault repaired (`Mirror::rewrite`: sealed
 //! block from a good leg, flush, re-read).
 //!
 //! Which copy is right, per block:
@@ -88,8 +89,9 @@ pub fn scrub(
 
 /// Scrub every active leg of `mirror`, repairing what can be repaired;
 /// `control` reports progress and cancels (`Error::Cancelled`). A job
-/// like any other (`jobs::Visit`): it visits the chunks that may hold data
-/// (a volume's scan chunks, each one stripe), paced by `options` (its
+/// like any other: `jobs::scan`'s walk (`ChunkWalk`) over the chunks that
+/// may hold data, on the grid of the legs' metadata units (a packed row
+/// read once per leg), paced by `options` (its
 /// rate, and backing off for foreground requests) with the waits counted
 /// in `control`, and resumes from `cursor`, saved as it goes and when
 /// cancelled. The report covers the blocks this run checked.
