@@ -6,8 +6,9 @@
 //! - `scan`: a chunked scan over a `BlockDevice` that skips holes, reads
 //!   and verifies on reader threads and can resume from a persisted
 //!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it;
-//! - a mirror's scrub (`mirror/scrub.rs`) visits the same chunks with its
-//!   own reader (every leg), with a cursor of its own;
+//! - a mirror's scrub (`mirror/scrub.rs`) walks the same chunks on the
+//!   same grid (`ChunkWalk`), its step reading every leg and repairing on
+//!   the caller's thread, with a cursor of its own;
 //! - copy (`copy.rs`, both methods) and `verify::compare_ranges`;
 //! - a mirror's resync and reconciliation step through their map and
 //!   extents (`ResyncCursor`, `ReconcileCursor`), which are not positions
@@ -15,6 +16,7 @@
 //!   `Pace::FloorCeiling`, their progress measured by `Throughput`.
 
 use std::collections::{HashMap, VecDeque};
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
@@ -526,19 +528,10 @@ pub fn scan_prepared<T: Send>(
     prepare: impl Fn(&Chunk<'_>) -> T + Sync,
     mut visit: impl FnMut(Chunk<'_>, T) -> Result<()>,
 ) -> Result<ScanEnd> {
-    let blocks = device.size() / BLOCK;
-    let end = options.end.unwrap_or(blocks).min(blocks);
-    let mut run = Visit::begin(
-        control,
-        options.start..end,
-        Pace::fixed(options.rate_bytes_per_second),
-        options.foreground.as_deref(),
-        cursor,
-    )?;
-    let chunk_grid = Grid {
-        step: SCAN_CHUNK_BLOCKS,
-        units: !options.fixed_chunks,
-    };
+    let ChunkWalk {
+        mut run,
+        mut chunks,
+    } = ChunkWalk::begin(device, &options, control, cursor)?;
     // Reading and verifying a chunk is the work (a page-cache copy and a
     // CRC per block): SCAN_READERS threads do it for the chunks ahead of
     // the one being visited. Chunks are handed out and visited in LBA
@@ -576,7 +569,6 @@ pub fn scan_prepared<T: Send>(
             }));
         }
         drop(done_send);
-        let mut next = run.at(); // where the next chunk handed out starts
         let mut order: VecDeque<u64> = VecDeque::new(); // handed out, not visited
         let mut arrived: HashMap<u64, ChunkDone<T>> = HashMap::new();
         let mut spare: Vec<PageBuffer> = Vec::new();
@@ -585,27 +577,22 @@ pub fn scan_prepared<T: Send>(
                 if run.cancelled()? {
                     return Ok(ScanEnd::Cancelled { at: run.at() });
                 }
-                while order.len() < SCAN_AHEAD && next < end {
-                    let found = device.next_possible_data(next)?.min(end);
-                    if found >= end {
+                while order.len() < SCAN_AHEAD {
+                    let Some(chunk) = chunks.next_chunk()? else {
                         break;
-                    }
-                    // From the start of the chunk that holds it, so chunks
-                    // stay on their grid after a hole.
-                    next = grid_start(device, found, chunk_grid).max(next);
-                    let count = step_end(device, next, chunk_grid).min(end) - next;
+                    };
+                    let count = chunk.end - chunk.start;
                     let mut data = spare.pop().unwrap_or_default();
                     data.set_len((count * BLOCK) as usize);
                     let read = ChunkRead {
-                        lba: next,
+                        lba: chunk.start,
                         count,
                         data,
                     };
                     request_send
                         .send(read)
                         .expect("the scan's readers live until it ends");
-                    order.push_back(next);
-                    next += count;
+                    order.push_back(chunk.start);
                 }
                 let Some(&first) = order.front() else {
                     return Ok(ScanEnd::Finished);
@@ -654,6 +641,109 @@ pub fn scan_prepared<T: Send>(
     })
 }
 
+/// A scan under way without its readers: its `Visit` (range, pace,
+/// cursor, progress) and the chunks it steps through. `scan` hands the
+/// chunks to reader threads; a job whose step is more than a read (a
+/// mirror's scrub reads every leg and repairs under the stripe lock) runs
+/// its step on the caller's thread with `run`, on the same grid.
+pub struct ChunkWalk<'a> {
+    run: Visit<'a>,
+    chunks: Chunks<'a>,
+}
+
+impl<'a> ChunkWalk<'a> {
+    /// Start a scan of `device` as `options` say, from where `cursor` says.
+    pub fn begin(
+        device: &'a dyn BlockDevice,
+        options: &'a ScanOptions,
+        control: &'a JobControl,
+        cursor: Option<&'a dyn Cursor>,
+    ) -> Result<ChunkWalk<'a>> {
+        let blocks = device.size() / BLOCK;
+        let end = options.end.unwrap_or(blocks).min(blocks);
+        let run = Visit::begin(
+            control,
+            options.start..end,
+            Pace::fixed(options.rate_bytes_per_second),
+            options.foreground.as_deref(),
+            cursor,
+        )?;
+        let chunks = Chunks {
+            device,
+            grid: Grid {
+                step: SCAN_CHUNK_BLOCKS,
+                units: !options.fixed_chunks,
+            },
+            next: run.at(),
+            end,
+        };
+        Ok(ChunkWalk { run, chunks })
+    }
+
+    /// The scan began where an earlier one stopped (its cursor).
+    pub fn resumed(&self) -> bool {
+        self.run.resumed()
+    }
+
+    /// Every block before this one is done.
+    pub fn at(&self) -> u64 {
+        self.run.at()
+    }
+
+    /// Call `step` with each chunk that may hold data, in LBA order, as
+    /// `scan` visits them: the cancel looked at before each, progress,
+    /// pace and cursor after each (the chunk's blocks counted as read).
+    pub fn run(self, mut step: impl FnMut(Range<u64>) -> Result<()>) -> Result<ScanEnd> {
+        let ChunkWalk {
+            mut run,
+            mut chunks,
+        } = self;
+        loop {
+            if run.cancelled()? {
+                return Ok(ScanEnd::Cancelled { at: run.at() });
+            }
+            let Some(chunk) = chunks.next_chunk()? else {
+                break;
+            };
+            let count = chunk.end - chunk.start;
+            step(chunk.clone())?;
+            run.step(chunk.end, count, count * BLOCK)?;
+        }
+        run.finish()?;
+        Ok(ScanEnd::Finished)
+    }
+}
+
+/// The chunks of a scan, in LBA order: from `next` to `end`, holes
+/// skipped, each ending on the scan's grid.
+struct Chunks<'a> {
+    device: &'a dyn BlockDevice,
+    grid: Grid,
+    /// Where the next chunk starts at the earliest.
+    next: u64,
+    end: u64,
+}
+
+impl Chunks<'_> {
+    /// The next chunk that may hold data (`None`: none is left).
+    fn next_chunk(&mut self) -> Result<Option<Range<u64>>> {
+        if self.next >= self.end {
+            return Ok(None);
+        }
+        let found = self.device.next_possible_data(self.next)?.min(self.end);
+        if found >= self.end {
+            self.next = self.end;
+            return Ok(None);
+        }
+        // From the start of the chunk that holds it, so chunks stay on
+        // their grid after a hole.
+        let first = grid_start(self.device, found, self.grid).max(self.next);
+        let end = step_end(self.device, first, self.grid).min(self.end);
+        self.next = end;
+        Ok(Some(first..end))
+    }
+}
+
 /// Where a scan's steps end: after the multiples of `step`, each moved
 /// down to the start of the metadata unit holding it (`units`) when the
 /// device's units are smaller than a step. A packed row (31 blocks) that a
@@ -681,6 +771,20 @@ impl Grid {
             lba
         }
     }
+}
+
+/// The end of the scan chunk that holds `at` (on `device`'s grid of
+/// metadata units): a job stepping through a range of its own in chunks
+/// (a mirror's reconciliation of its extents) ends them where a scan does.
+pub fn chunk_end(device: &dyn BlockDevice, at: u64) -> u64 {
+    step_end(
+        device,
+        at,
+        Grid {
+            step: SCAN_CHUNK_BLOCKS,
+            units: true,
+        },
+    )
 }
 
 /// The first boundary of `grid` after `at`.

@@ -764,3 +764,147 @@ fn a_mirror_scrub_resumes_from_its_cursor() {
     assert_eq!(whole.blocks_checked, 1024, "{whole:?}");
     close(mirror, volumes);
 }
+
+/// Issue 28 on a mirror: a packed row that a 1 MiB chunk boundary splits
+/// (row 8, LBAs 248-278, across LBA 256) with an older copy restored on
+/// leg 1. Leg 1 alone checks each of the row's 31 blocks as lost, once;
+/// the mirror scrub finds and repairs the row whole from leg 0. Every
+/// row's newest block is its last, so a chunk holding only the start of a
+/// row would read the row again whole to judge it: a clean scrub reads
+/// each leg, and a scan of the mirror (the control API's verify) reads
+/// the legs together, exactly as much as a `check` of one leg alone.
+#[test]
+fn a_packed_row_across_a_chunk_boundary_is_repaired_whole_and_read_once_per_leg() {
+    use std::sync::atomic::Ordering;
+    const ROW: u64 = 31;
+    const ROWS: u64 = 17;
+    // A packed row's records (4 KiB + its 32-byte context each) in 128 KiB.
+    const ROW_BYTES: u64 = 128 << 10;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = legs(dir.path(), 2);
+    let mut create = CreateOptions::new(4 << 20);
+    create.layout = vouch_engine::LayoutKind::Packed;
+    create_mirror(&paths, &create)
+        .expect("create")
+        .close()
+        .expect("close");
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, ROWS * ROW, 1);
+    close(mirror, volumes);
+    let older = std::fs::read(paths[1].join("data.00000")).expect("read data");
+    // Each row's last block written again: the row's newest generation.
+    let (mirror, volumes) = open(&paths[0]);
+    for row in 0..ROWS {
+        let lba = row * ROW + ROW - 1;
+        mirror
+            .write(lba * BLOCK, &pattern(lba, 2), false)
+            .expect("write");
+    }
+    mirror.flush().expect("flush");
+    close(mirror, volumes);
+    let row = 8;
+    let at = (row * ROW_BYTES) as usize;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(paths[1].join("data.00000"))
+        .expect("open data")
+        .write_all_at(&older[at..at + ROW_BYTES as usize], at as u64)
+        .expect("restore the older row");
+
+    let lost: Vec<u64> = (row * ROW..(row + 1) * ROW).collect();
+    let leg_alone = |path: &Path| {
+        let volume = open_volume(path, &options()).expect("open leg");
+        let read = || volume.stats().backing_bytes_read.load(Ordering::Relaxed);
+        let before = read();
+        let report = volume.check(|_, _| {}).expect("check");
+        let bytes = read() - before;
+        volume.close().expect("close");
+        (report, bytes)
+    };
+    let (report, _) = leg_alone(&paths[1]);
+    let found: Vec<u64> = report.faults.iter().map(|fault| fault.lba).collect();
+    assert_eq!(found, lost, "leg 1 alone: the row's blocks, each once");
+    assert!(report
+        .faults
+        .iter()
+        .all(|fault| fault.kind == FaultKind::MetadataLost));
+    let (report, one_leg) = leg_alone(&paths[0]);
+    assert!(report.faults.is_empty(), "{:?}", report.faults);
+
+    let scrub = |mirror: &Mirror| {
+        mirror::scrub::scrub(
+            mirror,
+            &vouch_engine::scrub::ScrubOptions::default(),
+            &JobControl::default(),
+        )
+        .expect("scrub")
+    };
+    let (mirror, volumes) = open(&paths[0]);
+    let report = scrub(&mirror);
+    assert_eq!(
+        (report.found, report.repaired, report.left),
+        (ROW, ROW, 0),
+        "{report:?}"
+    );
+    for (finding, &lba) in report.findings.iter().zip(&lost) {
+        assert_eq!(
+            (finding.lba, finding.leg, finding.kind, finding.repaired),
+            (lba, 1, "metadata_lost", true)
+        );
+    }
+    close(mirror, volumes);
+
+    // Freshly opened, so that no row is known current yet and each is
+    // judged by the first read of it.
+    let read_by = |job: &dyn Fn(&Mirror)| {
+        let (mirror, volumes) = open(&paths[0]);
+        let read = |volume: &Option<Arc<Volume>>| {
+            let stats = volume.as_ref().expect("leg").stats();
+            stats.backing_bytes_read.load(Ordering::Relaxed)
+        };
+        let before: Vec<u64> = volumes.iter().map(read).collect();
+        job(&mirror);
+        let bytes: Vec<u64> = volumes
+            .iter()
+            .zip(before)
+            .map(|(volume, before)| read(volume) - before)
+            .collect();
+        close(mirror, volumes);
+        bytes
+    };
+    let scrubbed = read_by(&|mirror| {
+        let again = scrub(mirror);
+        assert_eq!(again.found, 0, "{again:?}");
+    });
+    assert_eq!(
+        scrubbed,
+        vec![one_leg; 2],
+        "a scrub reads each leg as a check of one leg does"
+    );
+    let scanned = read_by(&|mirror| {
+        let checked = vouch_engine::check(mirror, |_, _| {}).expect("check the mirror");
+        assert!(checked.faults.is_empty(), "{:?}", checked.faults);
+    });
+    assert_eq!(
+        scanned.iter().sum::<u64>(),
+        one_leg,
+        "a scan of the mirror reads each row once"
+    );
+    for path in &paths {
+        let (report, _) = leg_alone(path);
+        assert!(
+            report.faults.is_empty(),
+            "{}: {:?}",
+            path.display(),
+            report.faults
+        );
+    }
+    let (mirror, volumes) = open(&paths[0]);
+    for lba in 0..ROWS * ROW {
+        let tag = if lba % ROW == ROW - 1 { 2 } else { 1 };
+        for read in read_all_legs(&mirror, lba) {
+            assert_eq!(read.expect("read"), pattern(lba, tag), "LBA {lba}");
+        }
+    }
+    close(mirror, volumes);
+}

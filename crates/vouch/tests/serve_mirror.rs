@@ -425,6 +425,77 @@ fn an_older_packed_row_on_one_leg_is_repaired_from_the_other() {
     lost_page_on_one_leg_is_repaired(PageLoss::OlderPackedRow);
 }
 
+/// The same for a packed row that the old 1 MiB scan chunks split (row
+/// 8, LBAs 248-278, across LBA 256), with an older copy restored on leg
+/// 1: `vouch check` names each of its 31 blocks once, on leg 1 only; an
+/// offline `vouch scrub`, whose chunks end on the legs' rows, finds and
+/// repairs all 31 from leg 0, after which both legs check clean and hold
+/// the same records.
+#[test]
+fn an_older_packed_row_across_a_chunk_boundary_is_found_once_and_repaired_whole() {
+    const ROW: u64 = 31;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    vouch_ok(&[
+        "create",
+        s(&a),
+        "--size",
+        "2MiB",
+        "--layout",
+        "packed",
+        "--mirror",
+        s(&b),
+    ]);
+    let write_rows = || {
+        let mut server = Server::start(dir.path(), &[s(&a)]);
+        write_tagged_blocks(&server.uri, 9 * ROW);
+        server.stop();
+    };
+    write_rows();
+    let older = std::fs::read(b.join("data.00000")).expect("read data");
+    // The same data again: newer generations on both legs.
+    write_rows();
+    let row = 8 * 131072;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(b.join("data.00000"))
+        .expect("open data")
+        .write_all_at(&older[row..row + 131072], row as u64)
+        .expect("restore the older row");
+
+    let check = vouch(&["check", s(&a)]);
+    assert_eq!(check.status.code(), Some(1), "{}", text(&check));
+    let checked = text(&check);
+    let faults: Vec<&str> = checked
+        .lines()
+        .filter(|line| line.contains("fault: LBA"))
+        .collect();
+    let expected: Vec<String> = (8 * ROW..9 * ROW)
+        .map(|lba| format!("leg 1: fault: LBA {lba} metadata_lost"))
+        .collect();
+    assert_eq!(faults, expected, "{checked}");
+
+    let scrub = vouch(&["scrub", s(&a), "--json"]);
+    assert!(scrub.status.success(), "{}", text(&scrub));
+    let scrub: serde_json::Value = serde_json::from_slice(&scrub.stdout).expect("scrub --json");
+    let report = &scrub["report"];
+    assert_eq!(
+        (&report["found"], &report["repaired"], &report["left"]),
+        (
+            &serde_json::json!(ROW),
+            &serde_json::json!(ROW),
+            &serde_json::json!(0)
+        ),
+        "{scrub}"
+    );
+    assert_check_clean(&a);
+    let records = |leg: &Path| {
+        let data = std::fs::read(leg.join("data.00000")).expect("read data");
+        data[row..row + 131072].to_vec()
+    };
+    assert!(records(&a) == records(&b), "row 8 differs between the legs");
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum PageLoss {
     Zeroed,

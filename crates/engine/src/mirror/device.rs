@@ -1201,6 +1201,22 @@ impl BlockDevice for Mirror {
         let leg = self.pick()?;
         self.read_blocks_repairing(leg, first, count, out)
     }
+    /// The unit covering every present leg's unit at `lba`. The legs of a
+    /// set share leg 0's superblock (`set.rs`: one layout and geometry), so
+    /// their local units agree; a remote leg cannot tell (one block), and
+    /// the cover keeps the local legs' unit. Scans step on this grid
+    /// (`jobs::scan`, the mirror's scrub), so each leg's packed row is read
+    /// once per scan.
+    fn metadata_unit(&self, lba: u64) -> Range<u64> {
+        let mut cover = lba..lba + 1;
+        for leg in 0..self.legs.len() {
+            if let Some(device) = self.legs[leg].device.get() {
+                let unit = device.metadata_unit(lba);
+                cover = cover.start.min(unit.start)..cover.end.max(unit.end);
+            }
+        }
+        cover
+    }
     /// The first LBA at or after `lba` that may hold data on any leg.
     fn next_possible_data(&self, lba: u64) -> Result<u64> {
         let mut next = u64::MAX;

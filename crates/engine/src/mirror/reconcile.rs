@@ -1,8 +1,8 @@
 //! Reconciliation after an unclean stop (docs/CRASH_MODEL.md, "Crash
 //! reconciliation by an activity log"): the extents the activity log
 //! named when the set was opened (`activity.rs`) are the only places the
-//! legs may differ. A thread checks them, a chunk (1 MiB, one stripe) at
-//! a time under the stripe lock, with the scrub's rule (`scrub_chunk`):
+//! legs may differ. A thread checks them, a scan chunk (1 MiB, ending on
+//! the legs' metadata units: `jobs::chunk_end`) at a time under the stripe lock, with the scrub's rule (`scrub_chunk`):
 //! reads go to the first active leg until it is done, so that leg's
 //! verifying copy wins and is written to every other leg that differs
 //! (md resyncs from the disk it reads), listed as `reconcile` repairs and
@@ -29,11 +29,8 @@ use super::resync::ResyncRate;
 use super::scrub::MirrorScrubReport;
 use crate::device::BlockDevice;
 use crate::error::{Error, Result};
-use crate::jobs::{paced_steps, Throughput, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{chunk_end, paced_steps, Throughput};
 use crate::state::BLOCK;
-
-/// Blocks per step: a scan chunk, one stripe of the mirror's lock.
-const CHUNK_BLOCKS: u64 = SCAN_CHUNK_BLOCKS;
 
 /// A reconciliation's progress, as `vouch mirror status` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -129,9 +126,9 @@ impl Mirror {
         };
         let blocks = self.size() / BLOCK;
         let extent_end = ((extent + 1) * log.extent_blocks()).min(blocks);
-        let count = CHUNK_BLOCKS
-            .min(extent_end - cursor.lba)
-            .min(CHUNK_BLOCKS - cursor.lba % CHUNK_BLOCKS);
+        // On the scan's grid, so a packed row inside the extent is read
+        // once on each leg.
+        let count = chunk_end(self, cursor.lba).min(extent_end) - cursor.lba;
         self.scrub_chunk(cursor.lba, count, &mut cursor.report, "reconcile")?;
         cursor.lba += count;
         if cursor.lba >= extent_end {

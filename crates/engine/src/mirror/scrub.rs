@@ -1,6 +1,7 @@
 //! Scrub repair: every block that may hold data is read and verified on
-//! every active leg, a chunk (1 MiB) at a time under the mirror's stripe
-//! lock, and every repairable fault repaired (`Mirror::rewrite`: sealed
+//! every active leg, a scan chunk (1 MiB, ending on the legs' metadata
+//! units: `jobs::ChunkWalk`) at a time under the mirror's stripe locks,
+//! and every repairable fault repaired (`Mirror::rewrite`: sealed
 //! block from a good leg, flush, re-read).
 //!
 //! Which copy is right, per block:
@@ -24,9 +25,8 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::device::{is_request_error, Mirror};
-use crate::device::BlockDevice;
 use crate::error::{Error, FaultKind, Result};
-use crate::jobs::{Cursor, CursorFile, JobControl, Pace, Visit, SCAN_CHUNK_BLOCKS};
+use crate::jobs::{ChunkWalk, Cursor, CursorFile, JobControl, ScanEnd, ScanOptions};
 use crate::scrub::ScrubOptions;
 use crate::state::BLOCK;
 
@@ -89,8 +89,9 @@ pub fn scrub(
 
 /// Scrub every active leg of `mirror`, repairing what can be repaired;
 /// `control` reports progress and cancels (`Error::Cancelled`). A job
-/// like any other (`jobs::Visit`): it visits the chunks that may hold data
-/// (a volume's scan chunks, each one stripe), paced by `options` (its
+/// like any other: `jobs::scan`'s walk (`ChunkWalk`) over the chunks that
+/// may hold data, on the grid of the legs' metadata units (a packed row
+/// read once per leg), paced by `options` (its
 /// rate, and backing off for foreground requests) with the waits counted
 /// in `control`, and resumes from `cursor`, saved as it goes and when
 /// cancelled. The report covers the blocks this run checked.
@@ -105,38 +106,28 @@ pub fn scrub_from(
     control: &JobControl,
     cursor: Option<&dyn Cursor>,
 ) -> Result<MirrorScrubReport> {
-    let blocks = mirror.size() / BLOCK;
     if let Some(cursor) = cursor.filter(|_| mirror.reads_one_leg()) {
         cursor.clear()?;
     }
     let mut report = MirrorScrubReport::default();
-    let mut run = Visit::begin(
-        control,
-        0..blocks,
-        Pace::fixed(options.rate_bytes_per_second),
-        options.foreground.as_deref(),
-        cursor,
-    )?;
-    if run.resumed() {
-        tracing::info!(at = run.at(), "mirror scrub: resuming from its cursor");
+    let scan = ScanOptions {
+        rate_bytes_per_second: options.rate_bytes_per_second,
+        foreground: options.foreground.clone(),
+        ..ScanOptions::default()
+    };
+    let walk = ChunkWalk::begin(mirror, &scan, control, cursor)?;
+    if walk.resumed() {
+        tracing::info!(at = walk.at(), "mirror scrub: resuming from its cursor");
     }
-    let whole = !run.resumed();
-    loop {
-        if run.cancelled()? {
-            return Err(Error::Cancelled(format!(
-                "mirror scrub cancelled at LBA {}",
-                run.at()
-            )));
-        }
-        let lba = mirror.next_possible_data(run.at())?;
-        if lba >= blocks {
-            break;
-        }
-        let count = (blocks - lba).min(SCAN_CHUNK_BLOCKS - lba % SCAN_CHUNK_BLOCKS);
-        mirror.scrub_chunk(lba, count, &mut report, "stale")?;
-        run.step(lba + count, count, count * BLOCK)?;
+    let whole = !walk.resumed();
+    let ended = walk.run(|chunk| {
+        mirror.scrub_chunk(chunk.start, chunk.end - chunk.start, &mut report, "stale")
+    })?;
+    if let ScanEnd::Cancelled { at } = ended {
+        return Err(Error::Cancelled(format!(
+            "mirror scrub cancelled at LBA {at}"
+        )));
     }
-    run.finish()?;
     if report.left == 0 && whole {
         mirror.legs_agree();
     }
