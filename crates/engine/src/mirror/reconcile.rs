@@ -1,8 +1,9 @@
 //! Reconciliation after an unclean stop (docs/CRASH_MODEL.md, "Crash
 //! reconciliation by an activity log"): the extents the activity log
 //! named when the set was opened (`activity.rs`) are the only places the
-//! legs may differ. A thread checks them, a scan chunk (1 MiB, ending on
-//! the legs' metadata units: `jobs::chunk_end`) at a time under the stripe lock, with the scrub's rule (`scrub_chunk`):
+//! legs may differ. A thread checks them a scan chunk at a time (1 MiB,
+//! ending on the legs' metadata units: `jobs::chunk_end`) under the
+//! chunk's stripe locks, with the scrub's rule (`scrub_chunk`):
 //! reads go to the first active leg until it is done, so that leg's
 //! verifying copy wins and is written to every other leg that differs
 //! (md resyncs from the disk it reads), listed as `reconcile` repairs and
