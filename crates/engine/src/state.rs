@@ -253,7 +253,7 @@ pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]
         // read-only one cannot, and nothing it does can write the blocks.
         // After the judgement: the markers carry no generation, so the
         // page stamped would look older than it is.
-        crate::damage::stamp_short_data(io, page_no, &mut bytes);
+        io.stamp_short_data(page_no, &mut bytes);
     }
     Ok(bytes)
 }
