@@ -21,7 +21,7 @@ use crate::encryption::EncryptedProtection;
 use crate::error::{Error, Result};
 use crate::held::HeldLog;
 use crate::journal::Journal;
-use crate::keys::KEY_BYTES;
+use crate::keys::{UserSecret, KEY_BYTES};
 use crate::layout::LayoutMap;
 use crate::options::{OpenOptions, Tuning};
 use crate::protection::{GuardProtection, Protection};
@@ -29,7 +29,7 @@ use crate::recovery::{recover, RecoveryReport};
 use crate::shared::Shared;
 use crate::state::VolumeState;
 use crate::storage::{ObjectId, Storage};
-use crate::superblock::read_superblock;
+use crate::superblock::{read_superblock, write_superblock_copy};
 use crate::written::WrittenMap;
 
 /// What opening an encrypted volume without a key says.
@@ -290,5 +290,33 @@ impl Engine {
 
     pub fn superblock(&self) -> Superblock {
         self.committer.lock().superblock
+    }
+
+    /// Rewrap an open encrypted volume's data key under `secret` (`vouch key
+    /// change`). Crash-safe: the new superblock is written to the older copy
+    /// and fsynced — from then on it is the newest valid copy, and only the
+    /// new key opens the volume; before, the old copy is newest and only the
+    /// old key does. Then it is written to the other copy too (generation + 2)
+    /// and fsynced, so the old wrap does not stay on disk; a torn second write
+    /// leaves the first. Never neither key (docs/CRASH_MODEL.md).
+    pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
+        let shared = &self.shared;
+        let Some(data_key) = &self.data_key else {
+            return Err(Error::Key(
+                "the volume is not encrypted, or was opened without its key: there is no key to change"
+                    .into(),
+            ));
+        };
+        shared.io.check_writable()?;
+        let mut journal = self.committer.lock();
+        let mut superblock = journal.superblock;
+        superblock.key_wrap = secret.wrap(&superblock.uuid, data_key)?;
+        for _ in 0..2 {
+            superblock.generation += 1;
+            write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
+            shared.io.sync_object(ObjectId::Superblock)?;
+            journal.superblock = superblock;
+        }
+        Ok(())
     }
 }

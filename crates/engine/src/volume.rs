@@ -75,10 +75,10 @@ impl Volume {
     }
 
     /// Rewrap an encrypted volume's data key under a new key or
-    /// passphrase (crash-safe: `superblock::change_key`). The data is not
+    /// passphrase (crash-safe: `Engine::change_key`). The data is not
     /// rewritten; afterwards only the new key opens the volume.
     pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
-        crate::superblock::change_key(&self.engine, secret)
+        self.engine.change_key(secret)
     }
 
     /// Is the volume encrypted?

@@ -222,14 +222,6 @@ pub(crate) fn for_geometry(geometry: Geometry) -> Box<dyn Layout> {
     }
 }
 
-/// Default journal capacity per layout: a packed journal carries data.
-pub fn default_journal_bytes(kind: LayoutKind) -> u64 {
-    match kind {
-        LayoutKind::Split => 128 << 20,
-        LayoutKind::Packed => 64 << 20,
-    }
-}
-
 impl LayoutMap {
     /// One layout for the whole volume.
     pub fn whole(geometry: Geometry) -> LayoutMap {
