@@ -522,7 +522,7 @@ impl Committer {
                 &shared.io,
                 &blocks[index..end],
                 &contexts[index..end],
-                journal.unsynced_for(layout, redo),
+                journal.unsynced_for(redo || layout.journals_data()),
             )?;
             index = end;
         }
@@ -533,7 +533,7 @@ impl Committer {
                     end,
                     template: range.template,
                 };
-                layout.apply_range_home(&shared.io, &piece, journal.unsynced_for(layout, false))?;
+                layout.apply_range_home(&shared.io, &piece, journal.unsynced_for(layout.journals_data()))?;
             }
         }
         // Publish the group's contexts now, not after the whole commit: a

@@ -187,15 +187,6 @@ pub(crate) fn bind_written_units(shared: &Shared) -> Result<()> {
     Ok(())
 }
 
-/// Where a metadata unit lives: its object, byte range, and its name.
-pub(crate) struct UnitPlace {
-    pub object: ObjectId,
-    pub offset: u64,
-    pub len: usize,
-    /// "page 40" or "row 12" (numbered within its object).
-    pub name: String,
-}
-
 impl Shared {
     /// Why block `lba` has no protection information, for messages:
     /// "contexts: page 40 is zeroed: LBAs 5120-5247 have no protection

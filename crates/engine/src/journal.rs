@@ -10,7 +10,6 @@ use vouch_format::{JournalEntry, Superblock};
 
 use crate::backing::Backing;
 use crate::error::Result;
-use crate::layout::Layout;
 use crate::storage::ObjectId;
 
 /// Journal position and durability, serialized by the committer's lock.
@@ -45,11 +44,11 @@ impl Journal {
         }
     }
 
-    /// Where `layout`'s home writes are recorded until synced: with the
-    /// redo-covered ones when the record carries their data (`redo`, or a
-    /// layout whose records always do).
-    pub fn unsynced_for(&mut self, layout: &dyn Layout, redo: bool) -> &mut BTreeSet<ObjectId> {
-        if redo || layout.journals_data() {
+    /// Where home writes are recorded until synced: with the redo-covered
+    /// ones when their record carries their data (`redo`: this record
+    /// does, or its layout's records always do, `Layout::journals_data`).
+    pub fn unsynced_for(&mut self, redo: bool) -> &mut BTreeSet<ObjectId> {
+        if redo {
             &mut self.redo_unsynced
         } else {
             &mut self.unsynced
