@@ -66,6 +66,7 @@ use vouch_format::superblock::STATE_OPEN;
 use vouch_format::{JournalEntry, Superblock};
 
 use crate::contexts::context_in_range;
+use crate::device::FlushDone;
 use crate::error::Result;
 use crate::journal::Journal;
 use crate::schedule::{CommitSchedule, CommitStep, OrderingBreaks};
@@ -77,8 +78,6 @@ use crate::superblock::write_superblock_copy;
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
 
-/// A flush's reply, called once (`Engine::flush_then`).
-pub type FlushDone = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// The largest flush commit journaled as a redo record (256 KiB): the
 /// small synchronous writes whose flush then costs one fsync, not two.

@@ -48,8 +48,6 @@ pub(crate) struct Engine {
     /// Fixed at creation; kept here so asking for it never waits for a
     /// commit (the superblock copy in `Journal` is behind the commit lock).
     pub guard: GuardKind,
-    /// The copy method `Auto` chose per source volume (`copy.rs`).
-    pub copy_methods: crate::copy::MethodCache,
     /// An encrypted volume's data key, when opened with its key (kept to
     /// rewrap it on a key change).
     pub data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
@@ -261,7 +259,6 @@ impl Engine {
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             recovery,
             guard: superblock.guard,
-            copy_methods: Default::default(),
             data_key,
             encrypted,
             short_objects,

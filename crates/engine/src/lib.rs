@@ -58,7 +58,7 @@ mod written;
 pub use check::{check, CheckReport};
 pub use device::{
     verify_in_turn, BlockDevice, FlushDone, PendingWrite, ReadDone, SealedBlock, StartRead,
-    StartWrite, WriteDone,
+    StartWrite, WriteDone, ZeroFlags,
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
@@ -74,7 +74,7 @@ pub use storage::{CloneRange, FileOpen, FileStorage, ObjectId, Run, Storage};
 pub use superblock::{read_superblock, MAX_VOLUME_BYTES};
 pub use volume::{Volume, VolumeInfo};
 pub use vouch_format::{GuardKind, LayoutKind};
-pub use write::{SealCheck, ZeroFlags};
+pub use write::SealCheck;
 
 use std::path::Path;
 use std::sync::Arc;
