@@ -78,7 +78,6 @@ use crate::superblock::write_superblock_copy;
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
 
-
 /// The largest flush commit journaled as a redo record (256 KiB): the
 /// small synchronous writes whose flush then costs one fsync, not two.
 /// Larger ones are written once, home, and fsynced there.
@@ -532,7 +531,11 @@ impl Committer {
                     end,
                     template: range.template,
                 };
-                layout.apply_range_home(&shared.io, &piece, journal.unsynced_for(layout.journals_data()))?;
+                layout.apply_range_home(
+                    &shared.io,
+                    &piece,
+                    journal.unsynced_for(layout.journals_data()),
+                )?;
             }
         }
         // Publish the group's contexts now, not after the whole commit: a

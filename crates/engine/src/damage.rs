@@ -17,8 +17,8 @@ use crate::shared::Shared;
 use crate::storage::{objects_of, ObjectId, Storage};
 use crate::written::{Loaded, WrittenMap};
 
-pub use short::ShortObject;
 pub(crate) use short::short_objects;
+pub use short::ShortObject;
 
 /// A writable open of a split volume with short data segments: every
 /// context of a block whose data is past a segment's end becomes a lost

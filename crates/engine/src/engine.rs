@@ -214,12 +214,8 @@ impl Engine {
         // writable open commits and flushes it before emptying the log, so
         // a crash meanwhile finds it again. A read-only open keeps it in
         // memory: reads and checks see what was acknowledged.
-        recovery.held_blocks = crate::held::rebuffer(
-            &shared.io,
-            &*shared.protection,
-            &shared.state,
-            held_records,
-        )?;
+        recovery.held_blocks =
+            crate::held::rebuffer(&shared.io, &*shared.protection, &shared.state, held_records)?;
         if recovery.held_blocks > 0 {
             tracing::info!(
                 blocks = recovery.held_blocks,

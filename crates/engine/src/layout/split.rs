@@ -18,9 +18,7 @@ use parking_lot::RwLock;
 use vouch_format::journal::record_data;
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{
-    Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages,
-};
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Result};
