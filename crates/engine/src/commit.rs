@@ -488,7 +488,7 @@ impl Committer {
         // ORDER POINT A passed: home writes may now reach the disk in any order.
         // A flush whose last record this is, with no earlier home write
         // waiting for B, is durable now (`commit_for_flush`).
-        if journal.unsynced.is_empty() {
+        if journal.unsynced(false).is_empty() {
             if let Some(answer) = answer.and_then(Option::take) {
                 answer(Ok(()));
             }
@@ -630,7 +630,7 @@ impl Committer {
     /// by a redo record (packed) are durable already, in the journal (A);
     /// `sync_all` syncs them before a checkpoint retires those records.
     pub fn sync_data(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        let objects = std::mem::take(&mut journal.unsynced);
+        let objects = journal.take_unsynced(false);
         for object in &objects {
             if let Err(error) = shared.io.sync_object(*object) {
                 return Err(shared.io.fail_stop(error));
@@ -652,7 +652,7 @@ impl Committer {
     /// redo records are made durable, since such a record may overwrite
     /// their blocks and replay then trusts home for them (module comment).
     pub(crate) fn before_plain_record(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        if journal.redo_unsynced.is_empty() || self.all_journal_data(shared) {
+        if journal.unsynced(true).is_empty() || self.all_journal_data(shared) {
             return Ok(());
         }
         self.sync_redo(shared, journal)
@@ -660,7 +660,7 @@ impl Committer {
 
     /// Make the home writes of redo records durable.
     fn sync_redo(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        let objects = std::mem::take(&mut journal.redo_unsynced);
+        let objects = journal.take_unsynced(true);
         for object in &objects {
             if let Err(error) = shared.io.sync_object(*object) {
                 return Err(shared.io.fail_stop(error));

@@ -24,12 +24,12 @@ pub(crate) struct Journal {
     pub data_durable_seq: u64,
     /// Objects written since their last sync by home writes a flush must
     /// make durable (split: the journal holds only their contexts).
-    pub unsynced: BTreeSet<ObjectId>,
+    unsynced: BTreeSet<ObjectId>,
     /// Objects written since their last sync by home writes that journal
     /// records carry a copy of (packed: a redo log, fsynced at A): a flush
     /// leaves them to the next checkpoint, which syncs them before it
     /// retires those records.
-    pub redo_unsynced: BTreeSet<ObjectId>,
+    redo_unsynced: BTreeSet<ObjectId>,
 }
 
 impl Journal {
@@ -53,6 +53,20 @@ impl Journal {
         } else {
             &mut self.unsynced
         }
+    }
+
+    /// The objects `unsynced_for(redo)` holds.
+    pub fn unsynced(&self, redo: bool) -> &BTreeSet<ObjectId> {
+        if redo {
+            &self.redo_unsynced
+        } else {
+            &self.unsynced
+        }
+    }
+
+    /// Take the objects `unsynced_for(redo)` holds, to sync them.
+    pub fn take_unsynced(&mut self, redo: bool) -> BTreeSet<ObjectId> {
+        std::mem::take(self.unsynced_for(redo))
     }
 }
 

@@ -69,7 +69,7 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
                 io: &shared.io,
                 protection: &*shared.protection,
                 state: &shared.state,
-                unsynced: &mut journal.unsynced,
+                unsynced: journal.unsynced_for(false),
                 report: &mut report,
             };
             resolutions.extend(layout.replay(replay, &records)?);
@@ -126,7 +126,7 @@ fn persist(
 ) -> Result<()> {
     if !resolutions.is_empty() {
         for segment in 0..shared.io.geometry.segments() {
-            journal.unsynced.insert(ObjectId::Data(segment));
+            journal.unsynced_for(false).insert(ObjectId::Data(segment));
         }
     }
     committer.sync_all(shared, journal)?;
