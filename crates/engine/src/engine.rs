@@ -44,17 +44,17 @@ pub(crate) struct Engine {
     pub committer: Committer,
     pub tuning: Tuning,
     stripes: Vec<Mutex<()>>,
-    pub recovery: RecoveryReport,
+    recovery: RecoveryReport,
     /// Fixed at creation; kept here so asking for it never waits for a
     /// commit (the superblock copy in `Journal` is behind the commit lock).
-    pub guard: GuardKind,
+    guard: GuardKind,
     /// An encrypted volume's data key, when opened with its key (kept to
     /// rewrap it on a key change).
-    pub data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
+    data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
     /// The volume is encrypted (fixed at creation).
     encrypted: bool,
     /// Files shorter than the volume needs, found at open (`damage.rs`).
-    pub short_objects: Vec<crate::damage::ShortObject>,
+    short_objects: Vec<crate::damage::ShortObject>,
 }
 
 impl Engine {
@@ -275,6 +275,21 @@ impl Engine {
                 tracing::debug!(%error, "cannot remove the held log's files");
             }
         }
+    }
+
+    /// What the open's recovery found and did.
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// The guard the volume was created with (never waits for a commit).
+    pub fn guard(&self) -> GuardKind {
+        self.guard
+    }
+
+    /// Files shorter than the volume needs, found at open.
+    pub fn short_objects(&self) -> &[crate::damage::ShortObject] {
+        &self.short_objects
     }
 
     /// Is the volume encrypted? (Fixed at creation; never waits for a commit.)

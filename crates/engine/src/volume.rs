@@ -175,7 +175,7 @@ impl Volume {
         self.engine.shared.io.geometry
     }
     pub fn guard(&self) -> GuardKind {
-        self.engine.guard
+        self.engine.guard()
     }
     pub fn layout(&self) -> LayoutKind {
         self.engine.shared.layouts.primary().kind()
@@ -184,7 +184,7 @@ impl Volume {
         &self.engine.shared.io.stats
     }
     pub fn recovery_report(&self) -> &RecoveryReport {
-        &self.engine.recovery
+        self.engine.recovery()
     }
     pub fn uuid_string(&self) -> String {
         uuid::Uuid::from_bytes(self.engine.shared.uuid)
@@ -200,7 +200,7 @@ impl Volume {
     /// Files shorter than the volume needs, found at open: each names the
     /// LBAs whose data or metadata lies past its end (they read as faults).
     pub fn short_objects(&self) -> &[crate::damage::ShortObject] {
-        &self.engine.short_objects
+        self.engine.short_objects()
     }
 
     /// Why block `lba` has no protection information (the cause of a
@@ -239,7 +239,7 @@ impl Volume {
         }
         let mut info = VolumeInfo::of(&self.engine.superblock(), &geometry, allocated);
         info.journal_bytes = self.engine.committer.journal_bytes();
-        info.clean = self.engine.recovery.was_clean;
+        info.clean = self.engine.recovery().was_clean;
         Ok(info)
     }
 }

@@ -459,7 +459,7 @@ fn verify_part(
     (step, at): (Option<&Mapped>, u64),
     data: &mut [u8],
 ) -> Result<Verified> {
-    let same_guard = source.guard == destination.guard;
+    let same_guard = source.guard() == destination.guard();
     let contexts = source_contexts(source, blocks.source, blocks.count)?;
     // The page cache's own pages when they can be mapped (no copy: the
     // check keeps nothing), else a read into `data`.
