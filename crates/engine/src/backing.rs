@@ -7,8 +7,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use vouch_format::Geometry;
+use vouch_format::{ContextKind, Geometry, CONTEXT_BYTES};
 
+use crate::contexts::CONTEXTS_PER_PAGE;
+use crate::damage::short::ShortObject;
 use crate::error::{Error, Result};
 use crate::stats::Stats;
 use crate::storage::{ObjectId, ReadLater, Run, Storage, Wait};
@@ -23,8 +25,8 @@ pub(crate) struct Backing {
     /// Split data segments shorter than the volume needs, found at open
     /// (`damage::short_objects`): the data of their LBAs past the end is
     /// gone, so a block there with a data context is lost, never zeros
-    /// (`damage::stamp_short_data`).
-    pub short_data: Vec<crate::damage::ShortObject>,
+    /// (`stamp_short_data`).
+    pub short_data: Vec<ShortObject>,
     /// Why the volume cannot be written (read-only open, unknown ro-compat
     /// features), as the end of an error message.
     read_only: Option<String>,
@@ -89,6 +91,30 @@ impl Backing {
         }
         self.has_failed.store(true, Ordering::Release);
         error
+    }
+
+    /// Split: turn the slots of `page_no` whose block has a data context
+    /// (plain or encrypted) and whose data lies past the end of a short data
+    /// segment (`short_data`) into lost markers. Its data is gone (the file
+    /// was cut or emptied); without this, guard `none` would read the hole
+    /// past the end as the block's zeros. Returns whether any changed.
+    pub fn stamp_short_data(&self, page_no: u64, page: &mut [u8; 4096]) -> bool {
+        let per_page = CONTEXTS_PER_PAGE;
+        let lbas = page_no * per_page..(page_no + 1) * per_page;
+        let mut changed = false;
+        for short in &self.short_data {
+            let start = short.lbas.start.max(lbas.start);
+            let end = short.lbas.end.min(lbas.end);
+            for lba in start..end {
+                let at = (lba - lbas.start) as usize * CONTEXT_BYTES;
+                let slot = &mut page[at..at + CONTEXT_BYTES];
+                if slot[0] == ContextKind::Data as u8 || slot[0] == ContextKind::Encrypted as u8 {
+                    slot.copy_from_slice(&self.written.lost(lba));
+                    changed = true;
+                }
+            }
+        }
+        changed
     }
 
     // --- counted I/O ---------------------------------------------------------

@@ -66,6 +66,7 @@ use vouch_format::superblock::STATE_OPEN;
 use vouch_format::{JournalEntry, Superblock};
 
 use crate::contexts::context_in_range;
+use crate::device::FlushDone;
 use crate::error::Result;
 use crate::journal::Journal;
 use crate::schedule::{CommitSchedule, CommitStep, OrderingBreaks};
@@ -76,9 +77,6 @@ use crate::superblock::write_superblock_copy;
 
 /// Largest block count one journal entry may carry.
 const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
-
-/// A flush's reply, called once (`Engine::flush_then`).
-pub type FlushDone = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// The largest flush commit journaled as a redo record (256 KiB): the
 /// small synchronous writes whose flush then costs one fsync, not two.
@@ -490,7 +488,7 @@ impl Committer {
         // ORDER POINT A passed: home writes may now reach the disk in any order.
         // A flush whose last record this is, with no earlier home write
         // waiting for B, is durable now (`commit_for_flush`).
-        if journal.unsynced.is_empty() {
+        if journal.unsynced(false).is_empty() {
             if let Some(answer) = answer.and_then(Option::take) {
                 answer(Ok(()));
             }
@@ -522,7 +520,7 @@ impl Committer {
                 &shared.io,
                 &blocks[index..end],
                 &contexts[index..end],
-                journal.unsynced_for(layout, redo),
+                journal.unsynced_for(redo || layout.journals_data()),
             )?;
             index = end;
         }
@@ -533,7 +531,11 @@ impl Committer {
                     end,
                     template: range.template,
                 };
-                layout.apply_range_home(&shared.io, &piece, journal.unsynced_for(layout, false))?;
+                layout.apply_range_home(
+                    &shared.io,
+                    &piece,
+                    journal.unsynced_for(layout.journals_data()),
+                )?;
             }
         }
         // Publish the group's contexts now, not after the whole commit: a
@@ -628,7 +630,7 @@ impl Committer {
     /// by a redo record (packed) are durable already, in the journal (A);
     /// `sync_all` syncs them before a checkpoint retires those records.
     pub fn sync_data(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        let objects = std::mem::take(&mut journal.unsynced);
+        let objects = journal.take_unsynced(false);
         for object in &objects {
             if let Err(error) = shared.io.sync_object(*object) {
                 return Err(shared.io.fail_stop(error));
@@ -650,7 +652,7 @@ impl Committer {
     /// redo records are made durable, since such a record may overwrite
     /// their blocks and replay then trusts home for them (module comment).
     pub(crate) fn before_plain_record(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        if journal.redo_unsynced.is_empty() || self.all_journal_data(shared) {
+        if journal.unsynced(true).is_empty() || self.all_journal_data(shared) {
             return Ok(());
         }
         self.sync_redo(shared, journal)
@@ -658,7 +660,7 @@ impl Committer {
 
     /// Make the home writes of redo records durable.
     fn sync_redo(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        let objects = std::mem::take(&mut journal.redo_unsynced);
+        let objects = journal.take_unsynced(true);
         for object in &objects {
             if let Err(error) = shared.io.sync_object(*object) {
                 return Err(shared.io.fail_stop(error));

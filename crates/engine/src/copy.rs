@@ -2,7 +2,7 @@
 //! another without passing through a client, verified on the way, with
 //! their destination contexts re-tagged for the new LBAs. Source and
 //! destination are any `BlockDevice` (a volume, a mirror, a layer); two
-//! volumes (`BlockDevice::as_volume`) may also take the reflink fast path.
+//! volumes (`AsVolume`) may also take the reflink fast path.
 //!
 //! Two methods:
 //! - **pipelined** (`copy/pipelined.rs`, any device, any layout): segments of 1 MiB,
@@ -38,7 +38,7 @@ use crate::device::BlockDevice;
 use crate::error::{Error, Result};
 use crate::jobs::{JobControl, Pace, Visit};
 use crate::verify::check_block_range;
-use crate::volume::Volume;
+use crate::volume::{AsVolume, Volume};
 
 /// How `copy` moves the blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -117,7 +117,7 @@ pub struct CopyReport {
 }
 
 /// The method `Auto` chose for each source volume (by UUID), kept in the
-/// destination's engine so the probe runs once per pair.
+/// destination volume so the probe runs once per pair.
 #[derive(Default)]
 pub struct MethodCache {
     chosen: Mutex<HashMap<[u8; 16], (CopyMethod, String)>>,
@@ -272,7 +272,7 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<(CopyMethod, String)> 
             let Some((source, destination)) = job.volumes else {
                 return Ok((CopyMethod::Pipelined, reflink::NOT_VOLUMES.to_string()));
             };
-            let cache = &destination.engine().copy_methods.chosen;
+            let cache = &destination.copy_methods().chosen;
             let key = source.engine().shared.uuid;
             if let Some(chosen) = cache.lock().get(&key) {
                 return Ok(chosen.clone());

@@ -5,138 +5,20 @@
 //! information"). Absence is never emptiness: a block whose metadata is
 //! missing is a fault naming its LBA, never zeros or a hole.
 
+pub(crate) mod short;
+
 use std::ops::Range;
 
-use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
-use vouch_format::{
-    ContextKind, Geometry, LayoutKind, Superblock, CONTEXT_BYTES, KIND_LOST, KIND_VACANT,
-};
+use vouch_format::{Geometry, Superblock, CONTEXT_BYTES, KIND_LOST, KIND_VACANT};
 
 use crate::backing::Backing;
-use crate::contexts::CONTEXTS_PER_PAGE;
 use crate::error::{Error, Result};
 use crate::shared::Shared;
 use crate::storage::{objects_of, ObjectId, Storage};
 use crate::written::{Loaded, WrittenMap};
 
-/// A file of the volume shorter than its nominal length, and the LBAs
-/// whose data or metadata lies past its end.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShortObject {
-    pub object: ObjectId,
-    pub len: u64,
-    pub expected: u64,
-    pub lbas: Range<u64>,
-}
-
-impl std::fmt::Display for ShortObject {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let what = match self.object {
-            ObjectId::Contexts => "have no protection information",
-            _ => "are missing",
-        };
-        write!(
-            f,
-            "{} is {}, the volume needs {}: LBAs {}-{} {what}",
-            self.object.file_name(),
-            size(self.len),
-            size(self.expected),
-            self.lbas.start,
-            self.lbas.end - 1
-        )
-    }
-}
-
-/// A byte count as qemu-img writes sizes (powers of 1024).
-fn size(bytes: u64) -> String {
-    for (unit, shift) in [("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-        if bytes >= 1 << shift && bytes.is_multiple_of(1 << shift) {
-            return format!("{} {unit}", bytes >> shift);
-        }
-    }
-    format!("{bytes} bytes")
-}
-
-/// The files shorter than the geometry needs. A short journal refuses the
-/// open: the commits it held cannot be told from none.
-pub(crate) fn short_objects(
-    storage: &dyn Storage,
-    geometry: &Geometry,
-    superblock: &Superblock,
-) -> Result<Vec<ShortObject>> {
-    let mut short = Vec::new();
-    for object in objects_of(geometry) {
-        let expected = match object {
-            ObjectId::Journal => superblock.journal_bytes,
-            ObjectId::Contexts => geometry.contexts_len(),
-            ObjectId::Data(segment) => geometry.segment_len(segment),
-            ObjectId::Superblock | ObjectId::Written | ObjectId::Held(_) => continue,
-        };
-        let len = storage
-            .object_len(object)
-            .map_err(|error| Error::io("stat", object, 0, error))?;
-        let Some(len) = len.filter(|len| *len < expected) else {
-            continue;
-        };
-        let lbas = match object {
-            ObjectId::Journal => {
-                return Err(Error::Corrupt(format!(
-                    "journal is {}, the volume needs {}: the commits it holds may be lost; restore it from a copy of the volume; refusing to open",
-                    size(len),
-                    size(superblock.journal_bytes)
-                )))
-            }
-            ObjectId::Contexts => len / 32..geometry.blocks,
-            ObjectId::Data(segment) => {
-                let base = u64::from(segment) * geometry.segment_blocks;
-                let whole = match geometry.layout {
-                    LayoutKind::Split => len / 4096,
-                    LayoutKind::Packed => {
-                        (len / PACKED_ROW_BYTES) * PACKED_RECORDS_PER_ROW
-                            + ((len % PACKED_ROW_BYTES) / PACKED_RECORD_BYTES)
-                                .min(PACKED_RECORDS_PER_ROW)
-                    }
-                };
-                let end = (base + geometry.segment_blocks).min(geometry.blocks);
-                (base + whole).min(end)..end
-            }
-            ObjectId::Superblock | ObjectId::Written | ObjectId::Held(_) => continue,
-        };
-        if !lbas.is_empty() {
-            short.push(ShortObject {
-                object,
-                len,
-                expected,
-                lbas,
-            });
-        }
-    }
-    Ok(short)
-}
-
-/// Split: turn the slots of `page_no` whose block has a data context
-/// (plain or encrypted) and whose data lies past the end of a short data
-/// segment (`Backing::short_data`) into lost markers. Its data is gone
-/// (the file was cut or emptied); without this, guard `none` would read
-/// the hole past the end as the block's zeros. Returns whether any changed.
-pub(crate) fn stamp_short_data(io: &Backing, page_no: u64, page: &mut [u8; 4096]) -> bool {
-    let per_page = CONTEXTS_PER_PAGE;
-    let lbas = page_no * per_page..(page_no + 1) * per_page;
-    let mut changed = false;
-    for short in &io.short_data {
-        let start = short.lbas.start.max(lbas.start);
-        let end = short.lbas.end.min(lbas.end);
-        for lba in start..end {
-            let at = (lba - lbas.start) as usize * CONTEXT_BYTES;
-            let slot = &mut page[at..at + CONTEXT_BYTES];
-            if slot[0] == ContextKind::Data as u8 || slot[0] == ContextKind::Encrypted as u8 {
-                slot.copy_from_slice(&io.written.lost(lba));
-                changed = true;
-            }
-        }
-    }
-    changed
-}
+pub(crate) use short::short_objects;
+pub use short::ShortObject;
 
 /// A writable open of a split volume with short data segments: every
 /// context of a block whose data is past a segment's end becomes a lost
@@ -166,7 +48,7 @@ pub(crate) fn stamp_short_data_on_disk(io: &Backing, superblock: &mut Superblock
             let mut page = [0u8; 4096];
             io.read_object(ObjectId::Contexts, page_no * 4096, &mut page)?;
             if io.written.stale_page(page_no, &page).is_none()
-                && stamp_short_data(io, page_no, &mut page)
+                && io.stamp_short_data(page_no, &mut page)
             {
                 stamped.push((page_no, page));
             }
@@ -303,15 +185,6 @@ pub(crate) fn bind_written_units(shared: &Shared) -> Result<()> {
         io.sync_object(object)?;
     }
     Ok(())
-}
-
-/// Where a metadata unit lives: its object, byte range, and its name.
-pub(crate) struct UnitPlace {
-    pub object: ObjectId,
-    pub offset: u64,
-    pub len: usize,
-    /// "page 40" or "row 12" (numbered within its object).
-    pub name: String,
 }
 
 impl Shared {

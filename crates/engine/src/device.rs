@@ -43,11 +43,9 @@ use bytes::Bytes;
 use vouch_format::Context;
 
 use crate::buffer::PageBuffer;
-pub use crate::commit::FlushDone;
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::state::{BlockData, BLOCK};
-use crate::write::ZeroFlags;
 
 /// Blocks moved per step by the default `verify`, `copy` and `compare` (1 MiB).
 pub const OFFLOAD_CHUNK_BLOCKS: u64 = 256;
@@ -61,6 +59,19 @@ pub struct SealedBlock {
     /// Shared: a mirrored write hands the same bytes to every leg.
     pub data: BlockData,
     pub context: Context,
+}
+
+/// A flush's reply, called once (`Engine::flush_then`).
+pub type FlushDone = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// How `write_zeroes` zeroes a range.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ZeroFlags {
+    /// Durable when the call returns (NBD FUA).
+    pub fua: bool,
+    /// Record the blocks as written zeroes rather than holes (NBD NO_HOLE).
+    /// Either way no data is written.
+    pub allocate: bool,
 }
 
 /// A write started by `BlockDevice::start_write_sealed`: call it to wait
@@ -404,11 +415,13 @@ pub trait BlockDevice: Send + Sync {
         self.below().map_or(0, |below| below.generation_clock())
     }
 
-    /// The volume behind this device when it is one: `copy::copy` takes
-    /// its fast path (reflink: extents shared, only contexts written)
-    /// between two volumes, and copies any other device (a mirror, a
-    /// layer) with reads and writes. `None` for every device but `Volume`.
-    fn as_volume(&self) -> Option<&crate::volume::Volume> {
+    /// This device as `Any`, for a caller with a fast path on one concrete
+    /// device: `copy::copy` reflinks between two volumes (extents shared,
+    /// only contexts written; `AsVolume`) and copies any other device (a
+    /// mirror, a layer) with reads and writes. `None` for every device but
+    /// `Volume`; a layer does not forward it (its own rules must see the
+    /// copy).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }
 

@@ -21,7 +21,7 @@ use crate::encryption::EncryptedProtection;
 use crate::error::{Error, Result};
 use crate::held::HeldLog;
 use crate::journal::Journal;
-use crate::keys::KEY_BYTES;
+use crate::keys::{UserSecret, KEY_BYTES};
 use crate::layout::LayoutMap;
 use crate::options::{OpenOptions, Tuning};
 use crate::protection::{GuardProtection, Protection};
@@ -29,7 +29,7 @@ use crate::recovery::{recover, RecoveryReport};
 use crate::shared::Shared;
 use crate::state::VolumeState;
 use crate::storage::{ObjectId, Storage};
-use crate::superblock::read_superblock;
+use crate::superblock::{read_superblock, write_superblock_copy};
 use crate::written::WrittenMap;
 
 /// What opening an encrypted volume without a key says.
@@ -44,19 +44,17 @@ pub(crate) struct Engine {
     pub committer: Committer,
     pub tuning: Tuning,
     stripes: Vec<Mutex<()>>,
-    pub recovery: RecoveryReport,
+    recovery: RecoveryReport,
     /// Fixed at creation; kept here so asking for it never waits for a
     /// commit (the superblock copy in `Journal` is behind the commit lock).
-    pub guard: GuardKind,
-    /// The copy method `Auto` chose per source volume (`copy.rs`).
-    pub copy_methods: crate::copy::MethodCache,
+    guard: GuardKind,
     /// An encrypted volume's data key, when opened with its key (kept to
     /// rewrap it on a key change).
-    pub data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
+    data_key: Option<zeroize::Zeroizing<[u8; KEY_BYTES]>>,
     /// The volume is encrypted (fixed at creation).
     encrypted: bool,
     /// Files shorter than the volume needs, found at open (`damage.rs`).
-    pub short_objects: Vec<crate::damage::ShortObject>,
+    short_objects: Vec<crate::damage::ShortObject>,
 }
 
 impl Engine {
@@ -216,7 +214,8 @@ impl Engine {
         // writable open commits and flushes it before emptying the log, so
         // a crash meanwhile finds it again. A read-only open keeps it in
         // memory: reads and checks see what was acknowledged.
-        recovery.held_blocks = crate::held::rebuffer(&shared, held_records)?;
+        recovery.held_blocks =
+            crate::held::rebuffer(&shared.io, &*shared.protection, &shared.state, held_records)?;
         if recovery.held_blocks > 0 {
             tracing::info!(
                 blocks = recovery.held_blocks,
@@ -256,7 +255,6 @@ impl Engine {
             stripes: (0..STRIPES).map(|_| Mutex::new(())).collect(),
             recovery,
             guard: superblock.guard,
-            copy_methods: Default::default(),
             data_key,
             encrypted,
             short_objects,
@@ -279,6 +277,21 @@ impl Engine {
         }
     }
 
+    /// What the open's recovery found and did.
+    pub fn recovery(&self) -> &RecoveryReport {
+        &self.recovery
+    }
+
+    /// The guard the volume was created with (never waits for a commit).
+    pub fn guard(&self) -> GuardKind {
+        self.guard
+    }
+
+    /// Files shorter than the volume needs, found at open.
+    pub fn short_objects(&self) -> &[crate::damage::ShortObject] {
+        &self.short_objects
+    }
+
     /// Is the volume encrypted? (Fixed at creation; never waits for a commit.)
     pub fn encrypted(&self) -> bool {
         self.encrypted
@@ -290,5 +303,33 @@ impl Engine {
 
     pub fn superblock(&self) -> Superblock {
         self.committer.lock().superblock
+    }
+
+    /// Rewrap an open encrypted volume's data key under `secret` (`vouch key
+    /// change`). Crash-safe: the new superblock is written to the older copy
+    /// and fsynced — from then on it is the newest valid copy, and only the
+    /// new key opens the volume; before, the old copy is newest and only the
+    /// old key does. Then it is written to the other copy too (generation + 2)
+    /// and fsynced, so the old wrap does not stay on disk; a torn second write
+    /// leaves the first. Never neither key (docs/CRASH_MODEL.md).
+    pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
+        let shared = &self.shared;
+        let Some(data_key) = &self.data_key else {
+            return Err(Error::Key(
+                "the volume is not encrypted, or was opened without its key: there is no key to change"
+                    .into(),
+            ));
+        };
+        shared.io.check_writable()?;
+        let mut journal = self.committer.lock();
+        let mut superblock = journal.superblock;
+        superblock.key_wrap = secret.wrap(&superblock.uuid, data_key)?;
+        for _ in 0..2 {
+            superblock.generation += 1;
+            write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
+            shared.io.sync_object(ObjectId::Superblock)?;
+            journal.superblock = superblock;
+        }
+        Ok(())
     }
 }

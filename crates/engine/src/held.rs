@@ -36,7 +36,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use bytes::Bytes;
-use parking_lot::{Condvar, Mutex, MutexGuard};
+use parking_lot::{Condvar, Mutex, MutexGuard, RwLock};
 use vouch_format::held::{
     decode_entry, done_word, encode_entry, entries_crc, HeldHeader, RecordHeader, SizedWord,
     DONE_AT, ENTRY_BYTES, FLAG_DROP, FLAG_LANDED, HELD_HEADER_BYTES, HELD_VERSION,
@@ -48,7 +48,7 @@ use crate::backing::Backing;
 use crate::error::{Error, Fault, Result};
 use crate::landing::{LandingArea, LandingBuffer};
 use crate::protection::Protection;
-use crate::state::{BlockData, DirtyBlock, BLOCK};
+use crate::state::{BlockData, DirtyBlock, VolumeState, BLOCK};
 use crate::storage::ObjectId;
 
 /// One thing the held log recorded, in the order it was written.
@@ -724,8 +724,13 @@ fn read_slot(
 /// each block verified against its context for its LBA first (a whole
 /// record marked done cannot fail this: a failure is damage, and
 /// refuses the open naming the block). Returns the blocks put back.
-pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Result<u64> {
-    let geometry = shared.io.geometry;
+pub(crate) fn rebuffer(
+    io: &Backing,
+    protection: &dyn Protection,
+    state: &RwLock<VolumeState>,
+    held: Vec<Held>,
+) -> Result<u64> {
+    let geometry = io.geometry;
     let mut blocks: BTreeMap<u64, DirtyBlock> = BTreeMap::new();
     for record in held {
         match record {
@@ -744,8 +749,7 @@ pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Resul
                             geometry.blocks
                         )));
                     }
-                    shared
-                        .protection
+                    protection
                         .open(lba, &Ok(context), &data)
                         .map_err(|kind| {
                             Error::Corrupt(format!(
@@ -753,7 +757,7 @@ pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Resul
                                 Fault { lba, kind }
                             ))
                         })?;
-                    let Some(seal) = shared.protection.seal_of(&context) else {
+                    let Some(seal) = protection.seal_of(&context) else {
                         return Err(Error::Corrupt(format!(
                             "held log: LBA {lba} logged with a {:?} context",
                             context.kind()
@@ -771,7 +775,7 @@ pub(crate) fn rebuffer(shared: &crate::shared::Shared, held: Vec<Held>) -> Resul
         }
     }
     let count = blocks.len() as u64;
-    let mut state = shared.state.write();
+    let mut state = state.write();
     for (lba, dirty) in blocks {
         state.buffer(lba, dirty);
     }

@@ -10,7 +10,6 @@ use vouch_format::{JournalEntry, Superblock};
 
 use crate::backing::Backing;
 use crate::error::Result;
-use crate::layout::Layout;
 use crate::storage::ObjectId;
 
 /// Journal position and durability, serialized by the committer's lock.
@@ -25,12 +24,12 @@ pub(crate) struct Journal {
     pub data_durable_seq: u64,
     /// Objects written since their last sync by home writes a flush must
     /// make durable (split: the journal holds only their contexts).
-    pub unsynced: BTreeSet<ObjectId>,
+    unsynced: BTreeSet<ObjectId>,
     /// Objects written since their last sync by home writes that journal
     /// records carry a copy of (packed: a redo log, fsynced at A): a flush
     /// leaves them to the next checkpoint, which syncs them before it
     /// retires those records.
-    pub redo_unsynced: BTreeSet<ObjectId>,
+    redo_unsynced: BTreeSet<ObjectId>,
 }
 
 impl Journal {
@@ -45,15 +44,29 @@ impl Journal {
         }
     }
 
-    /// Where `layout`'s home writes are recorded until synced: with the
-    /// redo-covered ones when the record carries their data (`redo`, or a
-    /// layout whose records always do).
-    pub fn unsynced_for(&mut self, layout: &dyn Layout, redo: bool) -> &mut BTreeSet<ObjectId> {
-        if redo || layout.journals_data() {
+    /// Where home writes are recorded until synced: with the redo-covered
+    /// ones when their record carries their data (`redo`: this record
+    /// does, or its layout's records always do, `Layout::journals_data`).
+    pub fn unsynced_for(&mut self, redo: bool) -> &mut BTreeSet<ObjectId> {
+        if redo {
             &mut self.redo_unsynced
         } else {
             &mut self.unsynced
         }
+    }
+
+    /// The objects `unsynced_for(redo)` holds.
+    pub fn unsynced(&self, redo: bool) -> &BTreeSet<ObjectId> {
+        if redo {
+            &self.redo_unsynced
+        } else {
+            &self.unsynced
+        }
+    }
+
+    /// Take the objects `unsynced_for(redo)` holds, to sync them.
+    pub fn take_unsynced(&mut self, redo: bool) -> BTreeSet<ObjectId> {
+        std::mem::take(self.unsynced_for(redo))
     }
 }
 

@@ -1,22 +1,29 @@
 //! The vouch engine: a volume of 4 KiB blocks, each stored with protection
 //! information and verified on every read. See docs/ARCHITECTURE.md.
 //!
-//! Modules, from the bottom up:
-//! - `storage/` — the `Storage` trait and its backends (files, O_DIRECT +
-//!   io_uring, simulated).
-//! - `backing` — storage with counted I/O, errors with context, fail-stop.
-//! - `superblock`, `journal`, `contexts`, `state` — the on-disk and
-//!   in-memory structures.
-//! - `protection` — sealing and opening blocks (guard, tags);
-//!   `encryption` and `keys` — the encrypted volume's protection and keys.
+//! Modules, from the bottom up; each imports only those before it (two
+//! pairs import each other: `backing` and `written`, `volume` and `copy`;
+//! docs/ARCHITECTURE.md, "Modules import downward"):
+//! - leaves: `error`, `storage/` (the `Storage` trait and its backends:
+//!   files, O_DIRECT + io_uring, simulated), `buffer`, `stats`,
+//!   `contexts`, `protection` (sealing and opening blocks), `keys`,
+//!   `schedule` (who runs the background committer), `options`, `landing`,
+//!   `recovery/report.rs`, `damage/short.rs`.
+//! - `backing` — storage with counted I/O, errors with context, fail-stop;
+//!   `written` — the written map it keeps.
+//! - `state`, `journal`, `superblock`, `held` — the in-memory and on-disk
+//!   structures; `encryption` — the encrypted volume's protection.
 //! - `layout/` — split and packed, behind one trait, per LBA range.
-//! - `read`, `write`, `commit`, `recovery` — the paths, over `shared`
-//!   parts and the committer (`engine`); `schedule` — who runs the
-//!   background committer (a thread, or the simulator stepping it).
-//! - `device` — the `BlockDevice` trait; `volume` — the public handle.
-//! - `jobs`, `check` — background scans; `verify` (with the proof-of-work
-//!   digest) and `compare_ranges`; `scrub` (whole-volume verify, persisted);
-//!   `copy` — copy next to the data (reflink or pipelined).
+//! - `device` — the `BlockDevice` trait and its plain types; `shared` —
+//!   the parts every path borrows.
+//! - `commit`, `damage`, `recovery`, `read` — the paths over them;
+//!   `jobs`, `check` — background scans; `verify` (with the proof-of-work
+//!   digest) and `compare_ranges`; `scrub` (whole-volume verify,
+//!   persisted).
+//! - `engine` — the parts of one open volume; `write` — its write path.
+//! - `volume` — the public handle (`volume/device.rs`: its
+//!   `BlockDevice`); `copy` — copy next to the data (reflink or
+//!   pipelined); `mirror/` — mirrors over `BlockDevice` legs.
 
 mod backing;
 pub mod buffer;
@@ -58,7 +65,7 @@ mod written;
 pub use check::{check, CheckReport};
 pub use device::{
     verify_in_turn, BlockDevice, FlushDone, PendingWrite, ReadDone, SealedBlock, StartRead,
-    StartWrite, WriteDone,
+    StartWrite, WriteDone, ZeroFlags,
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
@@ -74,7 +81,7 @@ pub use storage::{CloneRange, FileOpen, FileStorage, ObjectId, Run, Storage};
 pub use superblock::{read_superblock, MAX_VOLUME_BYTES};
 pub use volume::{Volume, VolumeInfo};
 pub use vouch_format::{GuardKind, LayoutKind};
-pub use write::{SealCheck, ZeroFlags};
+pub use write::SealCheck;
 
 use std::path::Path;
 use std::sync::Arc;

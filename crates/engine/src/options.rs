@@ -68,12 +68,20 @@ impl CreateOptions {
 
     pub fn journal_bytes(&self) -> u64 {
         self.journal_bytes
-            .unwrap_or_else(|| crate::layout::default_journal_bytes(self.layout))
+            .unwrap_or_else(|| default_journal_bytes(self.layout))
     }
 
     pub fn segment_blocks(&self) -> u64 {
         self.segment_blocks
             .unwrap_or_else(|| vouch_format::layout::default_segment_blocks(self.layout))
+    }
+}
+
+/// Default journal capacity per layout: a packed journal carries data.
+fn default_journal_bytes(kind: LayoutKind) -> u64 {
+    match kind {
+        LayoutKind::Split => 128 << 20,
+        LayoutKind::Packed => 64 << 20,
     }
 }
 

@@ -19,7 +19,9 @@
 //! authoritative), marks the superblock open, and appends after the
 //! replayed records.
 
-use std::time::{Duration, Instant};
+pub(crate) mod report;
+
+use std::time::Instant;
 
 use vouch_format::superblock::STATE_CLEAN;
 use vouch_format::JournalEntry;
@@ -31,23 +33,7 @@ use crate::layout::Replay;
 use crate::shared::Shared;
 use crate::storage::ObjectId;
 
-#[derive(Clone, Debug, Default)]
-pub struct RecoveryReport {
-    /// The superblock said the volume was closed cleanly.
-    pub was_clean: bool,
-    pub records_replayed: u64,
-    pub blocks_verified: u64,
-    /// Blocks whose newest write had not reached home: they read old data.
-    pub blocks_reverted: u64,
-    /// Blocks torn below 4 KiB (media broke the atomicity assumption).
-    pub blocks_torn: Vec<u64>,
-    /// Blocks whose data could not be read back to verify them.
-    pub blocks_unreadable: Vec<u64>,
-    /// Blocks a crashed process had acknowledged and not committed, put
-    /// back from the held log (`held.rs`).
-    pub held_blocks: u64,
-    pub duration: Duration,
-}
+pub use report::RecoveryReport;
 
 /// Replay the journal onto a freshly opened volume (module comment).
 pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<RecoveryReport> {
@@ -83,7 +69,7 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
                 io: &shared.io,
                 protection: &*shared.protection,
                 state: &shared.state,
-                unsynced: &mut journal.unsynced,
+                unsynced: journal.unsynced_for(false),
                 report: &mut report,
             };
             resolutions.extend(layout.replay(replay, &records)?);
@@ -140,7 +126,7 @@ fn persist(
 ) -> Result<()> {
     if !resolutions.is_empty() {
         for segment in 0..shared.io.geometry.segments() {
-            journal.unsynced.insert(ObjectId::Data(segment));
+            journal.unsynced_for(false).insert(ObjectId::Data(segment));
         }
     }
     committer.sync_all(shared, journal)?;

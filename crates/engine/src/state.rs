@@ -157,7 +157,7 @@ pub(crate) struct VolumeState {
     /// Blocks whose home extents a reflink copy is replacing right now
     /// (their new contexts are not yet published): a read of them waits
     /// until the range is clear (a clone of 16 MiB takes ~0.1 ms).
-    pub cloning: Option<std::ops::Range<u64>>,
+    cloning: Option<std::ops::Range<u64>>,
     pub contexts: ContextStore,
 }
 
@@ -185,6 +185,37 @@ impl VolumeState {
         self.cloning
             .as_ref()
             .is_some_and(|range| range.start < first + count && first < range.end)
+    }
+
+    /// A reflink copy starts replacing the home extents of `range`: reads
+    /// of it wait until `publish_clone` (or `end_clone`).
+    pub fn begin_clone(&mut self, range: std::ops::Range<u64>) {
+        self.cloning = Some(range);
+    }
+
+    /// The clone failed (the volume fail-stops): reads of its range go on.
+    pub fn end_clone(&mut self) {
+        self.cloning = None;
+    }
+
+    /// A reflink piece of `contexts.len()` blocks from `first` is home: the
+    /// buffered writes it replaces are dropped, its contexts published
+    /// (`contexts[i]` for `first + i`; `None` where a zero range in
+    /// `ranges` sets it) and reads of it go on. The caller holds the held
+    /// log's lock and appended its drop record (`copy/reflink.rs`).
+    pub fn publish_clone(&mut self, first: u64, contexts: &[Option<Context>], ranges: &[RangeOp]) {
+        self.drop_buffered(first, first + contexts.len() as u64);
+        self.contexts.reserve(contexts.len());
+        for (index, context) in contexts.iter().enumerate() {
+            if let Some(context) = context {
+                self.contexts.set(first + index as u64, *context);
+            }
+        }
+        for range in ranges {
+            self.contexts
+                .set_range(range.start, range.end, range.template);
+        }
+        self.cloning = None;
     }
 
     /// Drop buffered writes inside `[start, end)`: a range op supersedes them.
@@ -253,7 +284,7 @@ pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]
         // read-only one cannot, and nothing it does can write the blocks.
         // After the judgement: the markers carry no generation, so the
         // page stamped would look older than it is.
-        crate::damage::stamp_short_data(io, page_no, &mut bytes);
+        io.stamp_short_data(page_no, &mut bytes);
     }
     Ok(bytes)
 }

@@ -7,9 +7,7 @@
 use vouch_format::superblock::{FORMAT_VERSION, STATE_CLEAN, SUPERBLOCK_SLOT_BYTES};
 use vouch_format::{FeatureFlags, Geometry, GuardKind, KeyWrap, Superblock, BLOCK_SIZE};
 
-use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::keys::UserSecret;
 use crate::options::CreateOptions;
 use crate::state::BLOCK;
 use crate::storage::{ObjectId, Storage};
@@ -123,32 +121,4 @@ pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
         key_wrap,
         generations_seq: 0,
     })
-}
-
-/// Rewrap an open encrypted volume's data key under `secret` (`vouch key
-/// change`). Crash-safe: the new superblock is written to the older copy
-/// and fsynced — from then on it is the newest valid copy, and only the
-/// new key opens the volume; before, the old copy is newest and only the
-/// old key does. Then it is written to the other copy too (generation + 2)
-/// and fsynced, so the old wrap does not stay on disk; a torn second write
-/// leaves the first. Never neither key (docs/CRASH_MODEL.md).
-pub(crate) fn change_key(engine: &Engine, secret: &UserSecret) -> Result<()> {
-    let shared = &engine.shared;
-    let Some(data_key) = &engine.data_key else {
-        return Err(Error::Key(
-            "the volume is not encrypted, or was opened without its key: there is no key to change"
-                .into(),
-        ));
-    };
-    shared.io.check_writable()?;
-    let mut journal = engine.committer.lock();
-    let mut superblock = journal.superblock;
-    superblock.key_wrap = secret.wrap(&superblock.uuid, data_key)?;
-    for _ in 0..2 {
-        superblock.generation += 1;
-        write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
-        shared.io.sync_object(ObjectId::Superblock)?;
-        journal.superblock = superblock;
-    }
-    Ok(())
 }

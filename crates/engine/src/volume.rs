@@ -9,27 +9,40 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use bytes::Bytes;
 use vouch_format::{FeatureFlags, Geometry, GuardKind, LayoutKind, BLOCK_SIZE};
 
-use crate::device::{BlockDevice, ReadDone, SealedBlock, StartRead};
+mod device;
+
+use crate::copy::MethodCache;
+use crate::device::BlockDevice;
 use crate::engine::Engine;
-use crate::error::{Error, Fault, Result};
+use crate::error::{Error, Result};
 use crate::keys::UserSecret;
-use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
 use crate::recovery::RecoveryReport;
 use crate::stats::Stats;
-use crate::storage::{objects_of, ObjectId, ReadLater, Storage};
+use crate::storage::{objects_of, ObjectId, Storage};
 use crate::superblock::{new_superblock, write_superblock_copy};
-use crate::write::SealCheck;
-use crate::write::ZeroFlags;
 
 pub use crate::state::BLOCK;
 
 pub struct Volume {
     engine: Arc<Engine>,
     committer: Option<JoinHandle<()>>,
+    /// The copy method `Auto` chose per source volume (`copy.rs`).
+    copy_methods: MethodCache,
+}
+
+/// The volume behind a device when it is one (`BlockDevice::as_any`):
+/// `copy::copy`'s reflink path between two volumes.
+pub(crate) trait AsVolume {
+    fn as_volume(&self) -> Option<&Volume>;
+}
+
+impl<D: BlockDevice + ?Sized> AsVolume for D {
+    fn as_volume(&self) -> Option<&Volume> {
+        self.as_any()?.downcast_ref()
+    }
 }
 
 /// What `info` shows.
@@ -75,10 +88,10 @@ impl Volume {
     }
 
     /// Rewrap an encrypted volume's data key under a new key or
-    /// passphrase (crash-safe: `superblock::change_key`). The data is not
+    /// passphrase (crash-safe: `Engine::change_key`). The data is not
     /// rewritten; afterwards only the new key opens the volume.
     pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
-        crate::superblock::change_key(&self.engine, secret)
+        self.engine.change_key(secret)
     }
 
     /// Is the volume encrypted?
@@ -112,7 +125,11 @@ impl Volume {
         } else {
             None
         };
-        Ok(Volume { engine, committer })
+        Ok(Volume {
+            engine,
+            committer,
+            copy_methods: MethodCache::default(),
+        })
     }
 
     /// Stop the background committer (it finishes the commit it is in).
@@ -148,11 +165,17 @@ impl Volume {
         &self.engine
     }
 
+    /// The copy method `Auto` chose per source volume, for copies into
+    /// this one (`copy.rs`).
+    pub(crate) fn copy_methods(&self) -> &MethodCache {
+        &self.copy_methods
+    }
+
     pub fn geometry(&self) -> Geometry {
         self.engine.shared.io.geometry
     }
     pub fn guard(&self) -> GuardKind {
-        self.engine.guard
+        self.engine.guard()
     }
     pub fn layout(&self) -> LayoutKind {
         self.engine.shared.layouts.primary().kind()
@@ -161,7 +184,7 @@ impl Volume {
         &self.engine.shared.io.stats
     }
     pub fn recovery_report(&self) -> &RecoveryReport {
-        &self.engine.recovery
+        self.engine.recovery()
     }
     pub fn uuid_string(&self) -> String {
         uuid::Uuid::from_bytes(self.engine.shared.uuid)
@@ -177,7 +200,7 @@ impl Volume {
     /// Files shorter than the volume needs, found at open: each names the
     /// LBAs whose data or metadata lies past its end (they read as faults).
     pub fn short_objects(&self) -> &[crate::damage::ShortObject] {
-        &self.engine.short_objects
+        self.engine.short_objects()
     }
 
     /// Why block `lba` has no protection information (the cause of a
@@ -216,7 +239,7 @@ impl Volume {
         }
         let mut info = VolumeInfo::of(&self.engine.superblock(), &geometry, allocated);
         info.journal_bytes = self.engine.committer.journal_bytes();
-        info.clean = self.engine.recovery.was_clean;
+        info.clean = self.engine.recovery().was_clean;
         Ok(info)
     }
 }
@@ -264,159 +287,5 @@ impl Drop for Volume {
         // (a command that failed, a test) leaves nothing in tmpfs; when
         // some do, they stay for the next open, as after a crash.
         self.engine.release_held_if_empty();
-    }
-}
-
-/// A `verify` of this many blocks (4 MiB) or more runs on the scan's
-/// reader threads.
-const PARALLEL_VERIFY_BLOCKS: u64 = 4 * crate::jobs::SCAN_CHUNK_BLOCKS;
-
-impl BlockDevice for Volume {
-    fn size(&self) -> u64 {
-        self.engine.shared.io.geometry.size_bytes
-    }
-    fn is_read_only(&self) -> bool {
-        self.engine.shared.io.is_read_only()
-    }
-    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
-        self.engine.shared.read(offset, buf)
-    }
-    fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
-        self.engine.shared.try_read(offset, buf)
-    }
-    /// One I/O through the storage's ring; the blocks are verified on the
-    /// reaping thread against the contexts planned before it started.
-    fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
-        if !self.engine.shared.io.reads_ready() {
-            return None;
-        }
-        let read = self.engine.shared.plan_ring_read(offset, len)?;
-        let engine = Arc::clone(&self.engine);
-        Some(Box::new(move |done: ReadDone| {
-            let span = read.span;
-            let io = &engine.shared.io;
-            let answer = Arc::clone(&engine);
-            let finish: ReadLater = Box::new(move |bytes| {
-                done(
-                    bytes
-                        .ok()
-                        .and_then(|bytes| answer.shared.finish_ring_read(&read, &bytes)),
-                )
-            });
-            if let Err(finish) = io.start_read(span.object, span.offset, span.len, finish) {
-                finish(Err(std::io::ErrorKind::WouldBlock.into()));
-            }
-        }))
-    }
-    fn read_events(&self) -> Option<std::os::fd::RawFd> {
-        self.engine.shared.io.read_events()
-    }
-    fn reap_reads(&self) -> std::io::Result<()> {
-        self.engine.shared.io.reap_reads()
-    }
-    fn reads_in_flight(&self) -> usize {
-        self.engine.shared.io.reads_in_flight()
-    }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.engine.write(offset, data, fua)
-    }
-    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        self.engine
-            .try_write_shared(offset, &Bytes::copy_from_slice(data))
-    }
-    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.engine.write_shared(offset, data, fua)
-    }
-    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        self.engine.try_write_shared(offset, data)
-    }
-    fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
-        self.engine.landing_buffer(len)
-    }
-    fn flush(&self) -> Result<()> {
-        self.engine.flush()
-    }
-    fn flush_then(&self, done: crate::device::FlushDone) {
-        self.engine.flush_then(done)
-    }
-    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.engine.trim(offset, length, fua)
-    }
-    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
-        self.engine.write_zeroes(offset, length, flags)
-    }
-    fn block_status(
-        &self,
-        offset: u64,
-        length: u64,
-        max_blocks: u64,
-    ) -> Result<Vec<(u64, Allocation)>> {
-        self.engine.shared.block_status(offset, length, max_blocks)
-    }
-    fn as_volume(&self) -> Option<&Volume> {
-        Some(self)
-    }
-    /// Long ranges on the scan's reader threads (`verify::verify`), short
-    /// ones on the calling thread (starting threads would cost more).
-    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
-        if count < PARALLEL_VERIFY_BLOCKS {
-            return crate::device::verify_in_turn(self, first, count);
-        }
-        let report = crate::verify::verify(
-            self,
-            first,
-            count,
-            &crate::verify::VerifyOptions::default(),
-            &crate::jobs::JobControl::default(),
-        )?;
-        Ok(report.faults)
-    }
-    fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
-        self.engine.shared.read_blocks_collecting(first, count, out)
-    }
-    fn next_possible_data(&self, lba: u64) -> Result<u64> {
-        self.engine.shared.next_possible_data(lba)
-    }
-    fn metadata_unit(&self, lba: u64) -> Range<u64> {
-        Volume::metadata_unit(self, lba)
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
-        let generation = self.engine.committer.lock().next_seq;
-        self.engine.shared.read_sealed(first, count, generation)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine.write_sealed(blocks, SealCheck::Full)
-    }
-    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.engine.try_write_sealed(blocks, SealCheck::Full)
-    }
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine.write_sealed(blocks, SealCheck::Placement)
-    }
-    fn reserve_room(&self, count: usize) -> bool {
-        self.engine.reserve_room(count)
-    }
-    fn release_room(&self, count: usize) {
-        self.engine.release_room(count)
-    }
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine
-            .write_sealed_reserved(blocks, SealCheck::Placement)
-    }
-    fn inline_seal_max_bytes(&self) -> usize {
-        self.engine.inline_seal_max_bytes()
-    }
-    fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
-        self.engine.seal_for_transfer(first, data, generation)
-    }
-    fn generation_clock(&self) -> u64 {
-        self.engine.shared.sealing_generation()
-    }
-    /// Copy within the volume next to the data (`copy::copy`, method
-    /// `Auto`): reflink when the filesystem shares extents, else pipelined.
-    fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
-        let options = crate::copy::CopyOptions::default();
-        let control = crate::jobs::JobControl::default();
-        crate::copy::copy(self, source, self, destination, count, &options, &control).map(|_| ())
     }
 }

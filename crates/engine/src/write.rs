@@ -10,21 +10,10 @@ use vouch_format::superblock::STATE_CLEAN;
 
 use vouch_format::Context;
 
-use crate::commit::FlushDone;
-use crate::device::SealedBlock;
+use crate::device::{FlushDone, SealedBlock, ZeroFlags};
 use crate::engine::Engine;
 use crate::error::{Error, Fault, Result};
 use crate::state::{BlockData, DirtyBlock, RangeOp, BLOCK};
-
-/// How `write_zeroes` zeroes a range.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ZeroFlags {
-    /// Durable when the call returns (NBD FUA).
-    pub fua: bool,
-    /// Record the blocks as written zeroes rather than holes (NBD NO_HOLE).
-    /// Either way no data is written.
-    pub allocate: bool,
-}
 
 /// Largest write `try_write_shared` takes when the protection transforms
 /// the data (encryption): larger ones decline, to be written on a worker.

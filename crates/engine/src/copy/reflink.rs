@@ -383,7 +383,7 @@ fn land_step(
     if let Err(error) = result {
         // As a failed commit: writes are refused until the volume is
         // reopened, and recovery settles the step's blocks then.
-        shared.state.write().cloning = None;
+        shared.state.write().end_clone();
         return Err(shared.io.fail_stop(error));
     }
     let pending = shared.state.read().contexts.pending();
@@ -459,7 +459,7 @@ fn verify_part(
     (step, at): (Option<&Mapped>, u64),
     data: &mut [u8],
 ) -> Result<Verified> {
-    let same_guard = source.guard == destination.guard;
+    let same_guard = source.guard() == destination.guard();
     let contexts = source_contexts(source, blocks.source, blocks.count)?;
     // The page cache's own pages when they can be mapped (no copy: the
     // check keeps nothing), else a read into `data`.
@@ -596,7 +596,7 @@ fn home_piece(
 ) -> Result<()> {
     let shared = &destination.shared;
     let (target, count) = (piece.blocks.destination, piece.blocks.count);
-    shared.state.write().cloning = Some(target..target + count);
+    shared.state.write().begin_clone(target..target + count);
     clone_home(
         source,
         destination,
@@ -622,7 +622,7 @@ fn home_piece(
         shared.layouts.of(range.start).apply_range_home(
             &shared.io,
             range,
-            &mut journal.unsynced,
+            journal.unsynced_for(false),
         )?;
     }
     // The piece is home (in the kernel): the destination's buffered writes
@@ -633,21 +633,10 @@ fn home_piece(
     // reverted to the old home blocks.)
     let mut held = shared.held.lock();
     let dropped = held.append_drop(&shared.io, target, count);
-    let mut state = shared.state.write();
-    state.drop_buffered(target, target + count);
-    state.contexts.reserve(piece.new_contexts.len());
-    for (index, context) in piece.new_contexts.iter().enumerate() {
-        if let Some(context) = context {
-            state.contexts.set(target + index as u64, *context);
-        }
-    }
-    for range in &pieces {
-        state
-            .contexts
-            .set_range(range.start, range.end, range.template);
-    }
-    state.cloning = None;
-    drop(state);
+    shared
+        .state
+        .write()
+        .publish_clone(target, piece.new_contexts, &pieces);
     drop(held);
     // A held log that missed the drop would bring the writes back after a
     // crash of the process: stop accepting writes instead.
@@ -702,7 +691,7 @@ fn clone_home(
             source_offset: source_at.data_offset,
             len,
         });
-        journal.unsynced.insert(object);
+        journal.unsynced_for(false).insert(object);
         if let Err(error) = cloned {
             tracing::warn!(%error, ?object, offset = target_at.data_offset, "reflink failed after the journal record: writing the blocks instead");
             let first = blocks.source + index as u64;

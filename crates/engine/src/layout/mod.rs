@@ -22,7 +22,7 @@ use crate::contexts::{ContextStore, Page};
 use crate::error::Result;
 use crate::journal::Record;
 use crate::protection::Protection;
-use crate::recovery::RecoveryReport;
+use crate::recovery::report::RecoveryReport;
 use crate::state::{DirtyBlock, RangeOp, VolumeState};
 use crate::storage::{ObjectId, Run, Wait};
 
@@ -70,6 +70,15 @@ pub enum Allocation {
 /// among the last the checkpoint wrote, as many as the context cache holds
 /// (`None`: written, content not kept).
 pub(crate) type WrittenPages = Vec<(u64, Option<Page>)>;
+
+/// Where a metadata unit lives: its object, byte range, and its name.
+pub(crate) struct UnitPlace {
+    pub object: ObjectId,
+    pub offset: u64,
+    pub len: usize,
+    /// "page 40" or "row 12" (numbered within its object).
+    pub name: String,
+}
 
 /// What a layout's replay works with at open.
 pub(crate) struct Replay<'a> {
@@ -172,7 +181,7 @@ pub(crate) trait Layout: Send + Sync {
 
     /// Where the metadata of written-map unit `unit` lives (a split
     /// context page, a packed row).
-    fn unit_place(&self, unit: u64) -> crate::damage::UnitPlace;
+    fn unit_place(&self, unit: u64) -> UnitPlace;
 
     /// The context slots in the bytes of one unit (`unit_place`).
     fn unit_metadata(&self, bytes: &[u8]) -> Vec<[u8; vouch_format::CONTEXT_BYTES]>;
@@ -219,14 +228,6 @@ pub(crate) fn for_geometry(geometry: Geometry) -> Box<dyn Layout> {
     match geometry.layout {
         LayoutKind::Split => Box::new(SplitLayout::new(geometry)),
         LayoutKind::Packed => Box::new(PackedLayout::new(geometry)),
-    }
-}
-
-/// Default journal capacity per layout: a packed journal carries data.
-pub fn default_journal_bytes(kind: LayoutKind) -> u64 {
-    match kind {
-        LayoutKind::Split => 128 << 20,
-        LayoutKind::Packed => 64 << 20,
     }
 }
 

@@ -12,11 +12,10 @@ use vouch_format::journal::record_data;
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, WrittenPages};
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages};
 use crate::backing::Backing;
 use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
-use crate::damage::UnitPlace;
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};

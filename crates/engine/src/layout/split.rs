@@ -18,10 +18,9 @@ use parking_lot::RwLock;
 use vouch_format::journal::record_data;
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, WrittenPages};
+use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
-use crate::damage::UnitPlace;
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::protection::Protection;

@@ -20,11 +20,10 @@ use super::remote::is_remote_member;
 use super::resync::ResyncProgress;
 use super::written::Written;
 use super::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
-use crate::device::{BlockDevice, PendingWrite, SealedBlock};
+use crate::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::layout::Allocation;
 use crate::state::BLOCK;
-use crate::write::ZeroFlags;
 
 /// A held stripe of the mirror's lock that is not tied to a borrow.
 pub(super) type OwnedStripe = parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>;
