@@ -178,9 +178,13 @@ impl WrittenMap {
         }
     }
 
-    /// The map of a volume made before it: never set, never written.
-    pub fn disabled(geometry: &Geometry) -> WrittenMap {
-        WrittenMap::with(geometry, [0; 16], false)
+    /// The map of a volume made before it: never set, never written. Its
+    /// volume tag is the volume's (`uuid`): a page load compares a zero
+    /// context's tags with it, and keeps one that names another volume as
+    /// that volume's vacant marker (a fault), so a tag of no volume made
+    /// every written-zeroes block of such a volume fail.
+    pub fn disabled(geometry: &Geometry, uuid: [u8; 16]) -> WrittenMap {
+        WrittenMap::with(geometry, uuid, false)
     }
 
     /// An empty map (a new volume, or one being built by an upgrade).
