@@ -277,9 +277,9 @@ impl MetaReport {
 
 /// What the production scheduling took in a cell's write rounds.
 #[derive(Default)]
-struct Scheduled {
-    inline_writes: u64,
-    background_commits: u64,
+pub(crate) struct Scheduled {
+    pub(crate) inline_writes: u64,
+    pub(crate) background_commits: u64,
 }
 
 #[derive(Default)]
@@ -338,7 +338,7 @@ fn create_options(
 /// Write a random mix over `fraction_percent` of the blocks: data (kept in
 /// `model`; the inline route half the time), written zeroes and trims,
 /// each followed, one time in two, by the commit it requested; then close.
-fn write_round(
+pub(crate) fn write_round(
     storage: &SimStorage,
     open: &OpenOptions,
     model: &mut [Vec<u8>],

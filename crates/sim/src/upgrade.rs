@@ -6,8 +6,9 @@
 //! in memory, and checkpoints (the feature flags and the generations copy
 //! its superblock names), then closes (another checkpoint).
 //!
-//! Per seed: a volume written on random data, zeroes and trims and closed
-//! cleanly (every block durable), then made to look like one that needs
+//! Per seed: a volume written on random data, zeroes and trims (on the
+//! production scheduling: `metadata`'s write rounds) and closed cleanly
+//! (every block durable), then made to look like one that needs
 //! the upgrade — every even seed as made before the written map (no map,
 //! no flags, its never-written slots blank), the other as one whose
 //! expected generations are not known (its superblock names no
@@ -28,8 +29,8 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use vouch_engine::{
-    BlockDevice, CreateOptions, GuardKind, LayoutKind, ObjectId, OpenOptions, SimStorage, Storage,
-    Volume, ZeroFlags,
+    BlockDevice, CreateOptions, GuardKind, LayoutKind, ObjectId, OpenOptions, OrderingBreaks,
+    SimStorage, Storage, Volume,
 };
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 use vouch_format::{FeatureFlags, Superblock, CONTEXT_BYTES, KIND_VACANT};
@@ -110,11 +111,27 @@ fn run_seed(config: &UpgradeConfig, seed: u64, report: &mut UpgradeReport) -> Re
     Volume::create(Arc::new(storage.clone()), &options)
         .and_then(Volume::close)
         .map_err(|e| format!("create: {e}"))?;
+    // Written on the production scheduling (`metadata`'s write rounds: a
+    // background committer the seed steps, the inline route), twice, so
+    // units hold several generations.
+    let written_with = OpenOptions {
+        key: key.clone(),
+        ..crate::stepper::Stepper::new(OrderingBreaks::default())
+            .options(crate::stepper::stepped_tuning(&mut rng))
+    };
     let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
+    let mut scheduled = crate::metadata::Scheduled::default();
     for _ in 0..2 {
-        write_round(&storage, &open, &mut model, &mut rng)?;
+        crate::metadata::write_round(
+            &storage,
+            &written_with,
+            &mut model,
+            &mut rng,
+            50,
+            &mut scheduled,
+        )?;
     }
-    let before_map = seed % 2 == 0;
+    let before_map = seed.is_multiple_of(2);
     report.before_map += u64::from(before_map);
     make_old(&storage, config.layout, before_map)?;
 
@@ -169,52 +186,6 @@ fn run_seed(config: &UpgradeConfig, seed: u64, report: &mut UpgradeReport) -> Re
         Some(first) => Err(first),
         None => Ok(()),
     }
-}
-
-/// Random data, zeroes and trims over about half the blocks, each data
-/// write flushed one time in four; then a clean close.
-fn write_round(
-    storage: &SimStorage,
-    open: &OpenOptions,
-    model: &mut [Vec<u8>],
-    rng: &mut Rng,
-) -> Result<(), String> {
-    let volume = Volume::open(Arc::new(storage.clone()), open).map_err(|e| format!("open: {e}"))?;
-    for lba in 0..BLOCKS {
-        if rng.chance(1, 2) {
-            continue;
-        }
-        let offset = lba * BLOCK as u64;
-        match rng.below(10) {
-            0 => {
-                let flags = ZeroFlags {
-                    fua: false,
-                    allocate: true,
-                };
-                volume
-                    .write_zeroes(offset, BLOCK as u64, flags)
-                    .map_err(|e| format!("zeroes: {e}"))?;
-                model[lba as usize] = vec![0u8; BLOCK];
-            }
-            1 => {
-                volume
-                    .trim(offset, BLOCK as u64, false)
-                    .map_err(|e| format!("trim: {e}"))?;
-                model[lba as usize] = vec![0u8; BLOCK];
-            }
-            _ => {
-                let data = rng.bytes(BLOCK);
-                volume
-                    .write(offset, &data, false)
-                    .map_err(|e| format!("write: {e}"))?;
-                model[lba as usize] = data;
-            }
-        }
-        if rng.chance(1, 4) {
-            volume.flush().map_err(|e| format!("flush: {e}"))?;
-        }
-    }
-    volume.close().map_err(|e| format!("close: {e}"))
 }
 
 /// The closed volume as one that needs `vouch upgrade`: made before the
