@@ -513,13 +513,6 @@ fn a_flipped_generation_bit_in_a_split_pages_newest_context_faults_only_its_bloc
     let dir = tempfile::tempdir().expect("tempdir");
     let key = key_file(dir.path(), "key", 0x3a);
     let volume = dir.path().join("vol");
-    let write_script = r#"
-h = connect(sys.argv[1])
-for lba in range(int(sys.argv[2]), int(sys.argv[3])):
-    h.pwrite(block_data(lba, int(sys.argv[4]) + lba), lba * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#;
     let mut server = Server::start(
         dir.path(),
         &[
@@ -533,13 +526,21 @@ print(json.dumps({"ok": True}))
             s(&key),
         ],
     );
-    py_json(write_script, &[&server.uri, "0", "256", "1000"]);
+    write_tagged_blocks(&server.uri, 256);
     server.stop();
     let contexts = volume.join("contexts");
     let older = std::fs::read(&contexts).expect("read contexts");
     // LBA 140 written again, alone: page 1's newest generation is its.
     let mut server = Server::start(dir.path(), &[s(&volume), "--key-file", s(&key)]);
-    py_json(write_script, &[&server.uri, "140", "141", "2000"]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+h.pwrite(block_data(140, 2140), 140 * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
     server.stop();
     let page = &std::fs::read(&contexts).expect("read contexts")[4096..8192];
     let generation_of = |slot: usize| {
