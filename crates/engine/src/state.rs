@@ -272,7 +272,8 @@ pub(crate) fn stale_page(io: &Backing, page_no: u64, page: &[u8]) -> Option<(u32
 /// `out` (whole blocks from the page's first LBA). Only to judge a page
 /// that looks older than expected, never on a read's path: a run that
 /// fails is read again block by block, and a block that cannot be read (a
-/// data segment cut short) is left zeros, which no context's guard holds.
+/// data segment cut short) is left zeros (no block vouch encrypted is all
+/// zeros, so no context is one bit from a guard over them but by chance).
 fn read_page_data(io: &Backing, page_no: u64, out: &mut [u8]) {
     let first = page_no * CONTEXTS_PER_PAGE;
     let mut done = 0;
