@@ -47,7 +47,7 @@ pub(crate) fn stamp_short_data_on_disk(io: &Backing, superblock: &mut Superblock
             let page_no = at / 4096;
             let mut page = [0u8; 4096];
             io.read_object(ObjectId::Contexts, page_no * 4096, &mut page)?;
-            if io.written.stale_page(page_no, &page).is_none()
+            if crate::state::stale_page(io, page_no, &page).is_none()
                 && io.stamp_short_data(page_no, &mut page)
             {
                 stamped.push((page_no, page));
@@ -209,10 +209,13 @@ impl Shared {
             let read = io.read_object(place.object, place.offset, &mut bytes);
             let stale = read
                 .is_ok()
-                .then(|| {
-                    let slots = self.layouts.of(lba).unit_metadata(&bytes);
-                    io.written
-                        .stale_unit(unit, slots.iter().map(|slot| &slot[..]))
+                .then(|| match place.object {
+                    ObjectId::Contexts => crate::state::stale_page(io, unit, &bytes),
+                    _ => {
+                        let slots = self.layouts.of(lba).unit_metadata(&bytes);
+                        io.written
+                            .stale_unit(unit, slots.iter().map(|slot| &slot[..]))
+                    }
                 })
                 .flatten();
             match read {

@@ -17,7 +17,7 @@
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce};
 use rand::RngCore;
 use vouch_format::context::ENCRYPTED_NONCE_RANDOM;
-use vouch_format::{aead_nonce, encrypted_guard, Context, FormatError};
+use vouch_format::{aead_nonce, encrypted_guard, Context, ContextKind, FormatError};
 
 use crate::error::FaultKind;
 use crate::protection::{zero_template, Protection, Seal};
@@ -276,6 +276,58 @@ impl Protection for EncryptedProtection {
     }
 }
 
+/// The generation an encrypted context (32 encoded bytes) held when it
+/// was written, if one bit of its stored generation has flipped since: its
+/// keyless guard fails over `stored` (a block's 4 KiB as stored) as the
+/// context lies and holds with one generation bit flipped back. `None`
+/// when the guard holds as it lies, or no one-bit change of the generation
+/// makes it hold: a context damaged elsewhere, or another write's context
+/// over this data (an older copy of the `contexts` file over the current
+/// data file), which matches for one of the 32 changes once in 2^27 (a
+/// 32-bit CRC's chance, for each of them); the caller
+/// (`WrittenMap::stale_page_read`) accepts only the change that gives the
+/// expected generation, once in 2^32.
+///
+/// CRC-32C is affine: flipping bit `b` of the guarded bytes changes the
+/// guard by a constant that depends only on `b` and the length, so one
+/// guard over the data and 32 comparisons answer it (the constants are
+/// computed once), not 32 guards.
+pub(crate) fn generation_one_bit_off(context: &[u8], stored: &[u8]) -> Option<u32> {
+    if context[0] != ContextKind::Encrypted as u8 || stored.len() != BLOCK as usize {
+        return None;
+    }
+    let generation = u32::from_le_bytes(context[1..5].try_into().expect("4 bytes"));
+    let nonce = context[5..12].try_into().expect("7 bytes");
+    let tag = context[12..28].try_into().expect("16 bytes");
+    let stored_guard = u32::from_le_bytes(context[28..32].try_into().expect("4 bytes"));
+    let off = encrypted_guard(generation, nonce, tag, stored) ^ stored_guard;
+    if off == 0 {
+        return None;
+    }
+    generation_bit_syndromes()
+        .iter()
+        .position(|syndrome| *syndrome == off)
+        .map(|bit| generation ^ (1 << bit))
+}
+
+/// How flipping each bit of an encrypted context's generation changes its
+/// keyless guard over a 4 KiB block: the CRC of that one bit set in the
+/// guarded bytes, less the CRC of as many zeros (CRC-32C's init and final
+/// xor cancel in the difference).
+fn generation_bit_syndromes() -> &'static [u32; 32] {
+    static SYNDROMES: std::sync::OnceLock<[u32; 32]> = std::sync::OnceLock::new();
+    SYNDROMES.get_or_init(|| {
+        let mut bytes = vec![0u8; 28 + BLOCK as usize];
+        let zeros = vouch_format::crc32c(&bytes);
+        std::array::from_fn(|bit| {
+            bytes[1 + bit / 8] ^= 1 << (bit % 8);
+            let syndrome = vouch_format::crc32c(&bytes) ^ zeros;
+            bytes[1 + bit / 8] ^= 1 << (bit % 8);
+            syndrome
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -394,5 +446,47 @@ mod tests {
         );
         assert!(protection.matches(&context, &stored));
         assert!(!protection.matches(&context, &flipped));
+    }
+
+    /// A generation bit flipped in a stored encrypted context is told from
+    /// another write's context over the same LBA's current data: the first
+    /// is one bit from a guard that holds, the second is not.
+    #[test]
+    fn a_flipped_generation_bit_is_one_bit_from_the_guard() {
+        let protection = EncryptedProtection::new(&[5u8; 32], [6u8; 16], 5);
+        let mut stored = [0x17u8; 4096];
+        let old = protection.context(9, protection.seal(9, &mut stored.clone(), 40), 40);
+        let seal = protection.seal(9, &mut stored, 0x8000_0041);
+        let context = protection.context(9, seal, 0x8000_0041).encode();
+        assert_eq!(generation_one_bit_off(&context, &stored), None, "whole");
+        for bit in 0..32 {
+            let mut flipped = context;
+            flipped[1 + bit / 8] ^= 1 << (bit % 8);
+            // The brute-force answer: the guard of the flipped-back context.
+            let generation = u32::from_le_bytes(flipped[1..5].try_into().unwrap()) ^ (1 << bit);
+            let Context::Encrypted {
+                nonce, tag, guard, ..
+            } = Context::decode(&flipped).unwrap()
+            else {
+                unreachable!("an encrypted context")
+            };
+            assert_eq!(encrypted_guard(generation, &nonce, &tag, &stored), guard);
+            assert_eq!(
+                generation_one_bit_off(&flipped, &stored),
+                Some(0x8000_0041),
+                "bit {bit}"
+            );
+        }
+        // Another write's context (an older copy of the page) over this
+        // data, and a bit flipped elsewhere in the context (its generation
+        // is whole: nothing to repair).
+        assert_eq!(generation_one_bit_off(&old.encode(), &stored), None);
+        let mut tag_flipped = context;
+        tag_flipped[20] ^= 4;
+        assert_eq!(generation_one_bit_off(&tag_flipped, &stored), None);
+        // Two generation bits flipped are not one.
+        let mut two = context;
+        two[1] ^= 3;
+        assert_eq!(generation_one_bit_off(&two, &stored), None);
     }
 }

@@ -147,7 +147,7 @@ impl Engine {
                 " (made before the written map: `vouch upgrade PATH` builds it and makes the volume writable)"
                     .to_string(),
             );
-            WrittenMap::disabled(&geometry)
+            WrittenMap::disabled(&geometry, superblock.uuid)
         };
         if bound {
             written.set_bound();

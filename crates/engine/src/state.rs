@@ -278,7 +278,9 @@ pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]
     let mut bytes = [0u8; 4096];
     let seen = io.written.page_writes();
     io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
-    io.written.judge_page(page_no, &mut bytes, seen);
+    io.written.judge_page(page_no, &mut bytes, seen, |data| {
+        read_page_data(io, page_no, data)
+    });
     if io.is_read_only() {
         // A writable open stamped these on disk (`Engine::open`); a
         // read-only one cannot, and nothing it does can write the blocks.
@@ -287,6 +289,42 @@ pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]
         io.stamp_short_data(page_no, &mut bytes);
     }
     Ok(bytes)
+}
+
+/// Whether split page `page_no` (`page`, as read from disk) is older than
+/// the volume expects, its blocks' data read when that decides it
+/// (`WrittenMap::stale_page_read`).
+pub(crate) fn stale_page(io: &Backing, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
+    io.written
+        .stale_page_read(page_no, page, |data| read_page_data(io, page_no, data))
+}
+
+/// The data of split page `page_no`'s blocks as stored, in LBA order, into
+/// `out` (whole blocks from the page's first LBA). Only to judge a page
+/// that looks older than expected, never on a read's path: a run that
+/// fails is read again block by block, and a block that cannot be read (a
+/// data segment cut short) is left zeros (no block vouch encrypted is all
+/// zeros, so no context is one bit from a guard over them but by chance).
+fn read_page_data(io: &Backing, page_no: u64, out: &mut [u8]) {
+    let first = page_no * CONTEXTS_PER_PAGE;
+    let mut done = 0;
+    while done < out.len() {
+        let lba = first + (done / BLOCK as usize) as u64;
+        let location = io.geometry.locate(lba);
+        let object = ObjectId::Data(location.segment);
+        let in_segment = (io.geometry.segment_blocks - lba % io.geometry.segment_blocks) * BLOCK;
+        let len = (out.len() - done).min(in_segment as usize);
+        let run = &mut out[done..done + len];
+        if io.try_read(object, location.data_offset, run).is_err() {
+            for (index, block) in run.chunks_mut(BLOCK as usize).enumerate() {
+                let offset = location.data_offset + index as u64 * BLOCK;
+                if io.try_read(object, offset, block).is_err() {
+                    block.fill(0);
+                }
+            }
+        }
+        done += len;
+    }
 }
 
 /// The context of `lba` as stored in `page` (its page of the table).

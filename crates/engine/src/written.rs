@@ -178,9 +178,13 @@ impl WrittenMap {
         }
     }
 
-    /// The map of a volume made before it: never set, never written.
-    pub fn disabled(geometry: &Geometry) -> WrittenMap {
-        WrittenMap::with(geometry, [0; 16], false)
+    /// The map of a volume made before it: never set, never written. Its
+    /// volume tag is the volume's (`uuid`): a page load compares a zero
+    /// context's tags with it, and keeps one that names another volume as
+    /// that volume's vacant marker (a fault), so a tag of no volume made
+    /// every written-zeroes block of such a volume fail.
+    pub fn disabled(geometry: &Geometry, uuid: [u8; 16]) -> WrittenMap {
+        WrittenMap::with(geometry, uuid, false)
     }
 
     /// An empty map (a new volume, or one being built by an upgrade).
@@ -631,6 +635,47 @@ impl WrittenMap {
         self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))
     }
 
+    /// `stale_page` for a page whose blocks' data can be read (`read`
+    /// fills the page's blocks inside the volume, in LBA order; a block it
+    /// cannot read left zeros), read only when the page would be judged
+    /// older and holds encrypted contexts. A page load reads no data, so
+    /// an encrypted context's generation is taken as it lies there, and a
+    /// bit flipped in the generation of the page's newest context would
+    /// make it look older than expected, its 127 neighbours with it. With
+    /// the data: a context one generation bit from a keyless guard that
+    /// holds (`encryption::generation_one_bit_off`), whose repaired
+    /// generation is the expected one, is that damaged newest slot (a
+    /// split page's expected generation is exactly the newest its
+    /// checkpoint wrote, so nothing looser is needed, and an older
+    /// context passes this only if it is one bit from that very value),
+    /// and the page is not judged (`Unsure`, as `judge_slots` says of a
+    /// slot whose own check fails): the damaged block is its own fault.
+    /// An older copy of the file keeps its verdict: its contexts over the
+    /// current data hold their guards (blocks not rewritten since the copy)
+    /// or fail them by more than one generation bit (rewritten ones).
+    pub fn stale_page_read(
+        &self,
+        page_no: u64,
+        page: &[u8],
+        read: impl FnOnce(&mut [u8]),
+    ) -> Option<(u32, u32)> {
+        let (found, expected) = self.stale_page(page_no, page)?;
+        let encrypted = ContextKind::Encrypted as u8;
+        if !page.chunks(CONTEXT_BYTES).any(|slot| slot[0] == encrypted) {
+            return Some((found, expected));
+        }
+        let first = page_no * self.unit_blocks;
+        let blocks = self.unit_blocks.min(self.blocks.saturating_sub(first)) as usize;
+        let mut data = vec![0u8; blocks * crate::state::BLOCK as usize];
+        read(&mut data);
+        let damaged_newest = page
+            .chunks(CONTEXT_BYTES)
+            .zip(data.chunks(crate::state::BLOCK as usize))
+            .filter_map(|(slot, stored)| crate::encryption::generation_one_bit_off(slot, stored))
+            .any(|repaired| repaired == expected);
+        (!damaged_newest).then_some((found, expected))
+    }
+
     /// `stale_page` for any unit, from its slots in LBA order.
     pub fn stale_unit<'a>(
         &self,
@@ -700,14 +745,30 @@ impl WrittenMap {
     /// wrote pages since (or was writing them) may have raised the
     /// expected generation past the bytes read, so the page is not judged
     /// older then (it is read again at its next load).
-    pub fn judge_page(&self, page_no: u64, page: &mut [u8; 4096], seen: u64) {
+    ///
+    /// `read`: the page's data, for `stale_page_read` (read only when the
+    /// page would be judged older).
+    pub fn judge_page(
+        &self,
+        page_no: u64,
+        page: &mut [u8; 4096],
+        seen: u64,
+        read: impl FnOnce(&mut [u8]),
+    ) {
         let set = self.is_set(page_no);
         let bound = self.bound();
         if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
         let settled = self.settled(seen);
-        if let Some((found, expected)) = settled.then(|| self.stale_page(page_no, page)).flatten() {
+        // Settled again after the verdict: judging an encrypted page reads
+        // its data, and a checkpoint that wrote pages meanwhile may have
+        // raised the expected value past the bytes read.
+        if let Some((found, expected)) = settled
+            .then(|| self.stale_page_read(page_no, page, read))
+            .flatten()
+            .filter(|_| self.settled(seen))
+        {
             // An older copy of the page: which of its slots still hold
             // what the volume wrote last cannot be told, so none is
             // trusted (a mirror leg repairs them; a checkpoint that

@@ -92,6 +92,7 @@ pub mod recorder;
 pub mod resync;
 pub mod rng;
 pub mod stepper;
+pub mod upgrade;
 
 pub use vouch_engine::{GuardKind, LayoutKind};
 

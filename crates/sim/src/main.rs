@@ -45,6 +45,20 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Crash `vouch upgrade` at every write, punch and sync between its
+    /// open and its close (a power cut and a process crash each), then
+    /// reopen and upgrade again: every block reads its data.
+    Upgrade {
+        #[arg(long, default_value = "split")]
+        layout: String,
+        #[arg(long, default_value_t = 20)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Encrypted volumes.
+        #[arg(long)]
+        encrypted: bool,
+    },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
         #[arg(long, default_value = "split")]
@@ -234,6 +248,25 @@ fn run(cli: Cli) -> Result<bool, String> {
             }
             let report = vouch_sim::metadata::run(&config);
             print!("{}", report.render(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::Upgrade {
+            layout: name,
+            seeds,
+            seed,
+            encrypted,
+        } => {
+            let config = vouch_sim::upgrade::UpgradeConfig {
+                layout: layout(&name)?,
+                seeds,
+                seed,
+                encrypted,
+            };
+            let report = vouch_sim::upgrade::run(&config);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", report.summary(&config));
             Ok(report.violations.is_empty())
         }
         Command::Keychange { seeds, seed } => {

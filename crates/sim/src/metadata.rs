@@ -57,10 +57,11 @@ pub enum MetaKind {
     UnitFromOtherVolume,
     OlderCopy,
     WrittenMapLost,
+    NewestGenerationFlipped,
 }
 
 impl MetaKind {
-    pub const ALL: [MetaKind; 9] = [
+    pub const ALL: [MetaKind; 10] = [
         MetaKind::UnitZeroed,
         MetaKind::PageZeroed,
         MetaKind::CutShort,
@@ -70,6 +71,7 @@ impl MetaKind {
         MetaKind::UnitFromOtherVolume,
         MetaKind::OlderCopy,
         MetaKind::WrittenMapLost,
+        MetaKind::NewestGenerationFlipped,
     ];
 
     pub fn label(self) -> &'static str {
@@ -83,6 +85,9 @@ impl MetaKind {
             MetaKind::UnitFromOtherVolume => "unit copied from another volume",
             MetaKind::OlderCopy => "older copy of a file restored",
             MetaKind::WrittenMapLost => "written map damaged or lost",
+            MetaKind::NewestGenerationFlipped => {
+                "bit flipped in a unit's newest generation (split: context page; packed: row)"
+            }
         }
     }
 }
@@ -140,6 +145,12 @@ pub struct MetaReport {
 /// more: a context page older than expected is lost, and an older data
 /// file fails the guard (encrypted: its AEAD; a 16-bit guard, as for a
 /// zeroed page, lets a long error through once in 65536).
+/// A bit flipped in the generation of a unit's newest slot is claimed
+/// everywhere, and only its own block may fail (the rest of the unit must
+/// read right: `affected` holds that block alone): a plain context's CRC
+/// fails, and an encrypted one's keyless guard over its data (read whole
+/// with a packed row; read for a split page that looks older than
+/// expected, `WrittenMap::stale_page_read`).
 /// Not claimed (measured, listed in docs/RELIABILITY.md): an older copy of
 /// a split data file under guard `none` (nothing compares data with its
 /// context: out of reach by design), and of a packed data file: a row is
@@ -154,7 +165,8 @@ fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
         | MetaKind::UnitFromElsewhere
         | MetaKind::UnitFromOtherVolume
         | MetaKind::Emptied
-        | MetaKind::CutShort => true,
+        | MetaKind::CutShort
+        | MetaKind::NewestGenerationFlipped => true,
         MetaKind::PageZeroed => guarded && guard.bits() >= 32,
         MetaKind::OlderCopy => layout == LayoutKind::Split && guarded && guard.bits() >= 32,
     }
@@ -265,9 +277,9 @@ impl MetaReport {
 
 /// What the production scheduling took in a cell's write rounds.
 #[derive(Default)]
-struct Scheduled {
-    inline_writes: u64,
-    background_commits: u64,
+pub(crate) struct Scheduled {
+    pub(crate) inline_writes: u64,
+    pub(crate) background_commits: u64,
 }
 
 #[derive(Default)]
@@ -293,6 +305,8 @@ struct Cx {
     other: SimStorage,
     model: Vec<Vec<u8>>,
     rng: Rng,
+    /// `NewestGenerationFlipped`'s own stream (`inject`).
+    flip_rng: Rng,
     result: CellResult,
     /// The kind being classified (`claimed` is asked per kind).
     kind_now: MetaKind,
@@ -324,7 +338,7 @@ fn create_options(
 /// Write a random mix over `fraction_percent` of the blocks: data (kept in
 /// `model`; the inline route half the time), written zeroes and trims,
 /// each followed, one time in two, by the commit it requested; then close.
-fn write_round(
+pub(crate) fn write_round(
     storage: &SimStorage,
     open: &OpenOptions,
     model: &mut [Vec<u8>],
@@ -437,6 +451,7 @@ fn run_cell(
         other,
         model,
         rng: rng.fork(),
+        flip_rng: rng.fork(),
         result,
         kind_now: MetaKind::UnitZeroed,
     };
@@ -544,6 +559,84 @@ impl Cx {
         }
     }
 
+    /// A random unit's slots holding its newest generation (a plain
+    /// context's or an encrypted one's; a commit gives every block it
+    /// writes the same one, so there may be several), or the unit's first
+    /// slot holding anything if none does: its object, and for each slot
+    /// its LBA and the byte and bit of its generation to flip. A bit that
+    /// is set: cleared, it makes the slot look older than the unit's
+    /// expected generation, the damage that could condemn the unit (a bit
+    /// set makes it look newer, which condemns nothing).
+    fn newest_generation_bits(&mut self) -> (ObjectId, Vec<(u64, u64, u8)>) {
+        let (object, range) = self.random_unit();
+        let unit = Self::read_bytes(&self.pristine, object, &range);
+        // (LBA, byte offset in `object` of the slot's context)
+        let slots: Vec<(u64, u64)> = match self.layout {
+            LayoutKind::Split => (0..CONTEXTS_PER_PAGE)
+                .map(|slot| (range.start / 32 + slot, range.start + slot * 32))
+                .filter(|(lba, _)| *lba < BLOCKS)
+                .collect(),
+            LayoutKind::Packed => {
+                let ObjectId::Data(segment) = object else {
+                    unreachable!("a packed row is in a data segment")
+                };
+                let lbas = self.segment_lbas(segment);
+                let first = lbas.start + range.start / PACKED_ROW_BYTES * PACKED_RECORDS_PER_ROW;
+                (0..PACKED_RECORDS_PER_ROW)
+                    .map(|record| {
+                        let at = range.start + record * PACKED_RECORD_BYTES + BLOCK as u64;
+                        (first + record, at)
+                    })
+                    .filter(|(lba, _)| lbas.contains(lba))
+                    .collect()
+            }
+        };
+        let context = |at: u64| &unit[(at - range.start) as usize..][..32];
+        // The generation field: bytes 24..28 of a plain context (kinds 1
+        // and 2), 1..5 of an encrypted one (kind 3).
+        let generation_of = |at: u64| {
+            let bytes = context(at);
+            let offset = match bytes[0] {
+                1 | 2 => 24,
+                3 => 1,
+                _ => return None,
+            };
+            let generation = u32::from_le_bytes(bytes[offset..offset + 4].try_into().expect("4"));
+            Some((generation, at + offset as u64))
+        };
+        let newest = slots
+            .iter()
+            .filter_map(|(_, at)| generation_of(*at))
+            .map(|(generation, _)| generation)
+            .reduce(|newest, generation| {
+                if generation != newest && (generation.wrapping_sub(newest) as i32) > 0 {
+                    generation
+                } else {
+                    newest
+                }
+            });
+        let mut flips = Vec::new();
+        if let Some(newest) = newest.filter(|newest| *newest != 0) {
+            let set: Vec<u64> = (0..32).filter(|bit| newest >> bit & 1 == 1).collect();
+            for (lba, at) in &slots {
+                if let Some((generation, field)) = generation_of(*at) {
+                    if generation == newest {
+                        let bit = set[self.rng.below(set.len() as u64) as usize];
+                        flips.push((*lba, field + bit / 8, 1u8 << (bit % 8)));
+                    }
+                }
+            }
+        } else {
+            let (lba, at) = slots
+                .iter()
+                .copied()
+                .find(|(_, at)| context(*at).iter().any(|byte| *byte != 0))
+                .unwrap_or(slots[0]);
+            flips.push((lba, at + self.rng.below(32), 1 << self.rng.below(8)));
+        }
+        (object, flips)
+    }
+
     fn read_bytes(storage: &SimStorage, object: ObjectId, range: &Range<u64>) -> Vec<u8> {
         let mut bytes = vec![0u8; (range.end - range.start) as usize];
         storage.peek(object, range.start, &mut bytes);
@@ -552,6 +645,23 @@ impl Cx {
 
     fn inject(&mut self, kind: MetaKind) -> Damage {
         let storage = self.pristine.duplicate();
+        if kind == MetaKind::NewestGenerationFlipped {
+            // Its own random stream: the other kinds' injections stay the
+            // ones the table measured before this kind was added.
+            std::mem::swap(&mut self.rng, &mut self.flip_rng);
+            let (object, flips) = self.newest_generation_bits();
+            std::mem::swap(&mut self.rng, &mut self.flip_rng);
+            for (_, at, mask) in &flips {
+                storage.corrupt(object, *at, *mask);
+            }
+            let lbas: Vec<u64> = flips.iter().map(|(lba, _, _)| *lba).collect();
+            return Damage {
+                storage,
+                affected: lbas.iter().copied().collect(),
+                file: object.file_name(),
+                what: format!("a generation bit flipped at LBAs {lbas:?}"),
+            };
+        }
         let files = self.files();
         let file = files[self.rng.below(files.len() as u64) as usize];
         let (object, affected, what) = match kind {
@@ -632,6 +742,7 @@ impl Cx {
                     "an older copy".to_string(),
                 )
             }
+            MetaKind::NewestGenerationFlipped => unreachable!("injected above"),
             MetaKind::WrittenMapLost => {
                 let what = match self.rng.below(4) {
                     0 => {

@@ -975,13 +975,28 @@ print(json.dumps({"ok": True}))
 /// A volume made before the written map opens read-only, saying how to
 /// upgrade it; `vouch upgrade` builds the map from its contexts, after
 /// which it is writable and a lost page is caught. A `written` file lost
-/// later refuses the open, naming the file and the command.
+/// later refuses the open, naming the file and the command. Its written
+/// zeroes read as zeros before the upgrade too (the read-only open once
+/// compared their tags with a volume tag of no volume, and failed them as
+/// `context_corrupt`: `vouch-sim upgrade` found it).
 #[test]
 fn volumes_before_the_written_map_upgrade_explicitly() {
     let dir = tempfile::tempdir().expect("tempdir");
     let raw = raw_image(dir.path(), 1024);
     let volume = dir.path().join("vol");
     ok(&["import", s(&raw), s(&volume), "--journal", "4MiB"]);
+    let mut server = common::Server::start(dir.path(), &[s(&volume)]);
+    common::py_json(
+        r#"
+h = connect(sys.argv[1])
+h.zero(2 * 4096, 5 * 4096, nbd.CMD_FLAG_NO_HOLE)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    let zeroed = 5 * 4096..7 * 4096;
     rewrite_superblock(&volume, |sb| {
         sb.features.incompat &= !(vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP
             | vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS)
@@ -1002,6 +1017,13 @@ fn volumes_before_the_written_map_upgrade_explicitly() {
     );
     assert_ne!(incompat(&volume) & written_map, 0);
     ok(&["check", s(&volume)]);
+    let out = dir.path().join("out.raw");
+    ok(&["export", s(&volume), s(&out)]);
+    let mut expected = std::fs::read(&raw).expect("raw");
+    expected[zeroed].fill(0);
+    // `upgrade_makes_writable`'s copy of LBA 0 to LBA 2.
+    expected.copy_within(0..4096, 8192);
+    assert!(std::fs::read(&out).expect("export") == expected, "exported");
     // The map built by the upgrade catches a lost page.
     let contexts = std::fs::OpenOptions::new()
         .write(true)
