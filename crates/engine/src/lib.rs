@@ -1,14 +1,15 @@
 //! The vouch engine: a volume of 4 KiB blocks, each stored with protection
 //! information and verified on every read. See docs/ARCHITECTURE.md.
 //!
-//! Modules, from the bottom up; each imports only those before it (two
-//! pairs import each other: `backing` and `written`, `volume` and `copy`;
-//! docs/ARCHITECTURE.md, "Modules import downward"):
+//! Modules, from the bottom up; each imports only those before it or of
+//! its own group (two pairs import each other: `backing` and `written`,
+//! `volume` and `copy`; docs/ARCHITECTURE.md, "Modules import downward"):
 //! - leaves: `error`, `storage/` (the `Storage` trait and its backends:
 //!   files, O_DIRECT + io_uring, simulated), `buffer`, `stats`,
 //!   `contexts`, `protection` (sealing and opening blocks), `keys`,
 //!   `schedule` (who runs the background committer), `options`, `landing`,
-//!   `recovery/report.rs`, `damage/short.rs`.
+//!   `replace` (a file replaced whole, durably), `recovery/report.rs`,
+//!   `damage/short.rs`.
 //! - `backing` — storage with counted I/O, errors with context, fail-stop;
 //!   `written` — the written map it keeps.
 //! - `state`, `journal`, `superblock`, `held` — the in-memory and on-disk
@@ -20,7 +21,8 @@
 //!   `jobs`, `check` — background scans; `verify` (with the proof-of-work
 //!   digest) and `compare_ranges`; `scrub` (whole-volume verify,
 //!   persisted).
-//! - `engine` — the parts of one open volume; `write` — its write path.
+//! - `engine` — the parts of one open volume; `read_nowait` — reads that
+//!   never wait (inline, the read ring); `write` — its write path.
 //! - `volume` — the public handle (`volume/device.rs`: its
 //!   `BlockDevice`); `copy` — copy next to the data (reflink or
 //!   pipelined); `mirror/` — mirrors over `BlockDevice` legs.
