@@ -36,7 +36,11 @@
 //! - Packed rows have one too: a generation the row's newest own record
 //!   is at least, raised by a commit after it writes records into the row
 //!   (on disk with the next checkpoint's map, after their fsync) and
-//!   forgotten before a write that may lower it (`forget_older`). A row is
+//!   forgotten before a write that may lower it (`forget_older`); after a
+//!   trim or zeros written into part of it (markers and zero contexts
+//!   carry no generation) it is read back from the row's slots
+//!   (`fill_expected`), so a row last changed by a range is still judged.
+//!   A row is
 //!   judged once per open (`current`), at a read (`PackedLayout::
 //!   judge_rows`) or before its first write (`settle_row`); recovery
 //!   forgets the value of every row a replayed entry touches.
@@ -417,7 +421,8 @@ impl WrittenMap {
     }
 
     /// Learn the expected generation of `unit`, when it is not known,
-    /// from its slots as they are on disk (`vouch upgrade`): the newest
+    /// from its slots as they are on disk (`vouch upgrade`; a packed row
+    /// after a range forgot it, `PackedLayout::fill_row_expected`): the newest
     /// generation among its own slots that are whole (as `judge_slots`
     /// checks them), so a damaged slot never sets an expectation no slot
     /// reaches. Any own slot's value will do: the unit then reaches it.

@@ -86,10 +86,11 @@ impl PackedLayout {
             if !trim {
                 self.bind_row(io, unit)?;
             }
-            // Markers and zero contexts carry no generation: the row's
-            // expectation is forgotten, known again at its next record.
-            // (Reading the row's newest back after the write instead broke
-            // the crash contract in `vouch-sim crash`: cause not found.)
+            // Markers and zero contexts carry no generation and may
+            // replace the slot that held the row's newest: the expectation
+            // is forgotten before the write and read back from the row's
+            // slots after it (`fill_row_expected`), so a row last changed
+            // by a range is still judged.
             io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
@@ -121,6 +122,9 @@ impl PackedLayout {
                     }
                 } else {
                     io.written.set(unit);
+                }
+                if io.written.is_set(unit) {
+                    self.fill_row_expected(io, unit);
                 }
             }
             lba = row_end_lba;
@@ -196,6 +200,39 @@ impl PackedLayout {
             "packed: a row is older than the volume expects (an older copy of the file?): its blocks are marked lost before a write into it"
         );
         Ok(())
+    }
+
+    /// Learn row `unit`'s expectation again, after a range wrote markers
+    /// or zero contexts into it (which forgot it), from its slots as they
+    /// lie now: the newest generation one of its whole own slots holds
+    /// (`WrittenMap::fill_expected`), so the row reaches it by
+    /// construction. Read under the commit lock, where no other writer
+    /// runs. Crash ordering: every slot read was written by a commit whose
+    /// journal record is durable (this range's own, or an earlier one's);
+    /// the value reaches the map on disk only with the next checkpoint's,
+    /// after that checkpoint's fsync of the data (`Committer::checkpoint`),
+    /// so the slot holding it is durable first, and any later change to
+    /// the row is in the journal past that checkpoint, whose replay
+    /// forgets the row. A replay's own ranges read back mid-replay too;
+    /// `replay` forgets every row it touched at its end. No chain of
+    /// raises is involved: the value is one a slot holds, never compared
+    /// with the value before.
+    /// A row that cannot be read is left with its expectation forgotten
+    /// (its older copy goes undetected until its next record, never a
+    /// false fault), and the range's commit is not failed for it.
+    fn fill_row_expected(&self, io: &Backing, unit: u64) {
+        let place = self.unit_place(unit);
+        let mut row = PageBuffer::new(place.len);
+        if let Err(error) = io.read_object(place.object, place.offset, &mut row) {
+            tracing::warn!(
+                object = place.object.file_name(),
+                offset = place.offset,
+                %error,
+                "a packed row could not be read back after a trim or zeros; its expected generation stays forgotten"
+            );
+            return;
+        }
+        io.written.fill_expected(unit, Self::row_records(&row));
     }
 
     /// Whether `blocks` (sorted by LBA, from the first of row `unit`'s
