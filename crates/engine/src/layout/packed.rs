@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Wait};
-use crate::written::SlotVerdict;
+use crate::written::{Seen, SlotVerdict};
 
 /// The unused bytes at the end of a packed row (zero on disk).
 static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
@@ -279,7 +279,7 @@ impl PackedLayout {
         (first, count): (u64, u64),
         (span, span_start): (&[u8], u64),
         contexts: &mut [Result<Context, FormatError>],
-        read: Option<(Wait, u64)>,
+        read: Option<(Wait, &Seen)>,
     ) -> std::io::Result<()> {
         let end = first + count;
         for unit in io.written.unit_of(first)..=io.written.unit_of(end - 1) {
@@ -345,7 +345,7 @@ impl PackedLayout {
                 // judged again at a later read.
                 SlotVerdict::Unsure => continue,
             };
-            if !io.written.settled(seen) {
+            if !io.written.settled(seen, unit) {
                 continue;
             }
             if io.written.set_older(unit) {
@@ -562,7 +562,9 @@ impl Layout for PackedLayout {
         RECORDS.with(|cell| {
             let mut records = cell.take();
             records.set_len(span.len);
-            let seen = io.written.page_writes();
+            let seen = io
+                .written
+                .page_writes(io.written.unit_of(first)..=io.written.unit_of(first + count - 1));
             let judged = io
                 .try_read_with(span.object, span.offset, &mut records, wait)
                 .and_then(|()| {
@@ -573,7 +575,7 @@ impl Layout for PackedLayout {
                         (first, count),
                         (&records, span.offset),
                         &mut contexts,
-                        Some((wait, seen)),
+                        Some((wait, &seen)),
                     )?;
                     Ok(contexts)
                 });
@@ -629,7 +631,8 @@ impl Layout for PackedLayout {
     ) -> std::io::Result<Option<Result<Context, FormatError>>> {
         let location = self.geometry.locate(lba);
         let mut record = [0u8; PACKED_RECORD_BYTES as usize];
-        let seen = io.written.page_writes();
+        let unit = io.written.unit_of(lba);
+        let seen = io.written.page_writes(unit..=unit);
         io.try_read(
             ObjectId::Data(location.segment),
             location.data_offset,
@@ -643,7 +646,7 @@ impl Layout for PackedLayout {
             (lba, 1),
             (&record, location.data_offset),
             &mut context,
-            Some((Wait::Block, seen)),
+            Some((Wait::Block, &seen)),
         )?;
         let [context] = context;
         Ok(Some(context))
@@ -660,8 +663,11 @@ impl Layout for PackedLayout {
         // its encoded context, and the zero padding at a row's end when a run
         // crosses into the next row. Nothing is copied here.
         let encoded: Vec<[u8; CONTEXT_BYTES]> = contexts.iter().map(Context::encode).collect();
-        // Readers judging rows meanwhile leave them for a later read.
-        let _writes = io.written.page_writes_guard();
+        // Readers judging these rows meanwhile leave them for a later read
+        // (rows elsewhere are judged as they are read).
+        let _writes = io
+            .written
+            .page_writes_guard(blocks.iter().map(|(lba, _)| io.written.unit_of(*lba)));
         // A row is judged before the first record written into it this
         // open (`settle_row`), and made whole before its first record
         // (`bind_row`). A record older than the row's expected generation
@@ -738,8 +744,14 @@ impl Layout for PackedLayout {
         range: &RangeOp,
         unsynced: &mut BTreeSet<ObjectId>,
     ) -> Result<()> {
-        // Readers judging rows meanwhile leave them for a later read.
-        let _writes = io.written.page_writes_guard();
+        // Readers judging these rows meanwhile leave them for a later read
+        // (rows elsewhere are judged as they are read). A range's rows are
+        // consecutive, so a long one stops at the first rows that cover
+        // every stripe.
+        let last = io.written.unit_of(range.end.max(range.start + 1) - 1);
+        let _writes = io
+            .written
+            .page_writes_guard(io.written.unit_of(range.start)..=last);
         super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
             let object = ObjectId::Data(self.geometry.locate(lba).segment);
             self.apply_range_in_segment(io, object, (lba, end), range.template)?;
