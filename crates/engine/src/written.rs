@@ -90,7 +90,7 @@ pub(crate) struct WrittenMap {
     /// elsewhere in the volume a reader of a row must still find its
     /// stripe even and conclude (a global counter was odd at nearly every
     /// read, and older rows read as current until their next write).
-    page_writes: [AtomicU64; WRITE_STRIPES],
+    page_writes: Box<[AtomicU64; WRITE_STRIPES]>,
     /// Packed: one bit per row found no older than its expected
     /// generation during this open (or whose expectation is not known),
     /// so each row is judged once, not at every read of one of its
@@ -159,7 +159,7 @@ impl WrittenMap {
             generations: (0..if enabled { units } else { 0 })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
-            page_writes: [const { AtomicU64::new(0) }; WRITE_STRIPES],
+            page_writes: Box::new([const { AtomicU64::new(0) }; WRITE_STRIPES]),
             current: row_bits(enabled, geometry, units),
             older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
