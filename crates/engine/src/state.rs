@@ -276,9 +276,9 @@ pub(crate) fn load_context_page(
 /// map (a lost page becomes lost markers: `WrittenMap::judge_page`).
 pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]> {
     let mut bytes = [0u8; 4096];
-    let seen = io.written.page_writes();
+    let seen = io.written.page_writes(page_no..=page_no);
     io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
-    io.written.judge_page(page_no, &mut bytes, seen, |data| {
+    io.written.judge_page(page_no, &mut bytes, &seen, |data| {
         read_page_data(io, page_no, data)
     });
     if io.is_read_only() {

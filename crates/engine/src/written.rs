@@ -36,12 +36,16 @@
 //! - Packed rows have one too: a generation the row's newest own record
 //!   is at least, raised by a commit after it writes records into the row
 //!   (on disk with the next checkpoint's map, after their fsync) and
-//!   forgotten before a write that may lower it (`forget_older`). A row is
+//!   forgotten before a write that may lower it (`forget_older`); after a
+//!   trim or zeros written into part of it (markers and zero contexts
+//!   carry no generation) it is read back from the row's slots
+//!   (`fill_expected`), so a row last changed by a range is still judged.
+//!   A row is
 //!   judged once per open (`current`), at a read (`PackedLayout::
 //!   judge_rows`) or before its first write (`settle_row`); recovery
 //!   forgets the value of every row a replayed entry touches.
 
-use std::ops::Range;
+use std::ops::{Range, RangeInclusive};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 
 use parking_lot::Mutex;
@@ -75,13 +79,18 @@ pub(crate) struct WrittenMap {
     /// at least. A unit whose contexts are all older was restored from an
     /// older copy of the file (`judge_page`, `PackedLayout::judge_rows`).
     generations: Vec<AtomicU32>,
-    /// Odd while a checkpoint writes context pages and then sets their
-    /// expected generations, or a commit writes packed records and moves
-    /// their rows' (`begin_page_writes` .. `end_page_writes`): a unit a
-    /// reader read from disk meanwhile may be the one before the write
-    /// while the expected value is already the one after, so it is not
-    /// judged older (`judge_page`'s `seen`). A seqlock's counter.
-    page_writes: AtomicU64,
+    /// A seqlock per stripe of units (unit `u` counts on stripe
+    /// `u % WRITE_STRIPES`): odd while a checkpoint writes context pages
+    /// and then sets their expected generations (every stripe), or a
+    /// commit writes packed records or a range and moves their rows'
+    /// (the stripes of those rows only): a unit a reader read from disk
+    /// meanwhile may be the one before the write while the expected value
+    /// is already the one after, so it is not judged older (`Seen`).
+    /// Striped, not one counter: under a steady stream of commits
+    /// elsewhere in the volume a reader of a row must still find its
+    /// stripe even and conclude (a global counter was odd at nearly every
+    /// read, and older rows read as current until their next write).
+    page_writes: Box<[AtomicU64; WRITE_STRIPES]>,
     /// Packed: one bit per row found no older than its expected
     /// generation during this open (or whose expectation is not known),
     /// so each row is judged once, not at every read of one of its
@@ -150,7 +159,7 @@ impl WrittenMap {
             generations: (0..if enabled { units } else { 0 })
                 .map(|_| AtomicU32::new(0))
                 .collect(),
-            page_writes: AtomicU64::new(0),
+            page_writes: Box::new([const { AtomicU64::new(0) }; WRITE_STRIPES]),
             current: row_bits(enabled, geometry, units),
             older: row_bits(enabled, geometry, units),
             dirty: AtomicBool::new(false),
@@ -323,36 +332,62 @@ impl WrittenMap {
         }
     }
 
-    /// The count of checkpoints' page writes begun and ended (odd: one is
-    /// running), to take before reading a page to judge (`judge_page`).
-    pub fn page_writes(&self) -> u64 {
-        self.page_writes.load(Ordering::Acquire)
+    /// The writes begun and ended on the stripes of `units` (odd: one is
+    /// running), to take before reading those units to judge them
+    /// (`judge_page`, `PackedLayout::judge_rows`). Only their stripes are
+    /// read (at most `WRITE_STRIPES`, so a long read costs no more); a
+    /// unit outside `units` is never `settled` by it.
+    pub fn page_writes(&self, units: RangeInclusive<u64>) -> Seen {
+        let mut seen = Seen([1; WRITE_STRIPES]);
+        for unit in units.take(WRITE_STRIPES) {
+            let stripe = stripe_of(unit);
+            seen.0[stripe] = self.page_writes[stripe].load(Ordering::Acquire);
+        }
+        seen
     }
 
-    /// Whether no unit was written, nor its expected generation moved,
-    /// since `seen = page_writes()`: a unit read from disk in between is
-    /// judged against the expected value now.
-    pub fn settled(&self, seen: u64) -> bool {
-        seen.is_multiple_of(2) && self.page_writes.load(Ordering::Acquire) == seen
+    /// Whether no unit of `unit`'s stripe was written, nor its expected
+    /// generation moved, since `seen` was taken: `unit` read from disk
+    /// in between is judged against the expected value now.
+    pub fn settled(&self, seen: &Seen, unit: u64) -> bool {
+        let stripe = stripe_of(unit);
+        seen.0[stripe].is_multiple_of(2)
+            && self.page_writes[stripe].load(Ordering::Acquire) == seen.0[stripe]
     }
 
     /// A checkpoint starts writing context pages (then sets their
-    /// expected generations); `end_page_writes` when both are done.
+    /// expected generations), on every stripe; `end_page_writes` when
+    /// both are done.
     pub fn begin_page_writes(&self) {
-        self.page_writes.fetch_add(1, Ordering::AcqRel);
+        self.bump_stripes(u64::MAX);
     }
 
     pub fn end_page_writes(&self) {
-        self.page_writes.fetch_add(1, Ordering::AcqRel);
+        self.bump_stripes(u64::MAX);
     }
 
-    /// A writer of packed rows (a commit's records, a range's edge
-    /// records) holds this while it writes and moves expected
-    /// generations: `page_writes` is odd meanwhile (`judge_page`'s
-    /// `seen`). Taken under the commit lock, never nested.
-    pub fn page_writes_guard(&self) -> PageWritesGuard<'_> {
-        self.begin_page_writes();
-        PageWritesGuard(self)
+    fn bump_stripes(&self, stripes: u64) {
+        for (stripe, counter) in self.page_writes.iter().enumerate() {
+            if stripes & (1 << stripe) != 0 {
+                counter.fetch_add(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// A writer of packed rows `units` (a commit's records, a range's
+    /// rows) holds this while it writes them and moves their expected
+    /// generations: their stripes are odd meanwhile (`settled`). Taken
+    /// under the commit lock, never nested.
+    pub fn page_writes_guard(&self, units: impl Iterator<Item = u64>) -> PageWritesGuard<'_> {
+        let mut stripes = 0u64;
+        for unit in units {
+            stripes |= 1 << stripe_of(unit);
+            if stripes == u64::MAX {
+                break;
+            }
+        }
+        self.bump_stripes(stripes);
+        PageWritesGuard(self, stripes)
     }
 
     /// Whether packed row `unit` is still to be judged against its
@@ -421,7 +456,8 @@ impl WrittenMap {
     }
 
     /// Learn the expected generation of `unit`, when it is not known,
-    /// from its slots as they are on disk (`vouch upgrade`): the newest
+    /// from its slots as they are on disk (`vouch upgrade`; a packed row
+    /// after a range forgot it, `PackedLayout::fill_row_expected`): the newest
     /// generation among its own slots that are whole (as `judge_slots`
     /// checks them), so a damaged slot never sets an expectation no slot
     /// reaches. Any own slot's value will do: the unit then reaches it.
@@ -741,7 +777,7 @@ impl WrittenMap {
     /// it so (`vouch_format::encode_lost`). Markers of another place or
     /// volume stay, and decode as `FormatError::Vacant`.
     ///
-    /// `seen`: `page_writes()` before the page was read. A checkpoint that
+    /// `seen`: `page_writes(page_no..=page_no)` before the page was read. A checkpoint that
     /// wrote pages since (or was writing them) may have raised the
     /// expected generation past the bytes read, so the page is not judged
     /// older then (it is read again at its next load).
@@ -752,7 +788,7 @@ impl WrittenMap {
         &self,
         page_no: u64,
         page: &mut [u8; 4096],
-        seen: u64,
+        seen: &Seen,
         read: impl FnOnce(&mut [u8]),
     ) {
         let set = self.is_set(page_no);
@@ -760,14 +796,14 @@ impl WrittenMap {
         if !set && page.iter().all(|byte| *byte == 0) {
             return;
         }
-        let settled = self.settled(seen);
+        let settled = self.settled(seen, page_no);
         // Settled again after the verdict: judging an encrypted page reads
         // its data, and a checkpoint that wrote pages meanwhile may have
         // raised the expected value past the bytes read.
         if let Some((found, expected)) = settled
             .then(|| self.stale_page_read(page_no, page, read))
             .flatten()
-            .filter(|_| self.settled(seen))
+            .filter(|_| self.settled(seen, page_no))
         {
             // An older copy of the page: which of its slots still hold
             // what the volume wrote last cannot be told, so none is
@@ -1096,15 +1132,28 @@ fn row_bits(enabled: bool, geometry: &Geometry, units: u64) -> Vec<AtomicU64> {
     (0..words).map(|_| AtomicU64::new(0)).collect()
 }
 
-/// `WrittenMap::page_writes_guard`: ends the writes when dropped, on
-/// every path out of the writer.
-pub(crate) struct PageWritesGuard<'a>(&'a WrittenMap);
+/// `WrittenMap::page_writes_guard`: ends the writes on its stripes when
+/// dropped, on every path out of the writer.
+pub(crate) struct PageWritesGuard<'a>(&'a WrittenMap, u64);
 
 impl Drop for PageWritesGuard<'_> {
     fn drop(&mut self) {
-        self.0.end_page_writes();
+        self.0.bump_stripes(self.1);
     }
 }
+
+/// Stripes of the writers' seqlock (`WrittenMap::page_writes`): one bit
+/// each in a guard's mask. Consecutive units fall on different stripes,
+/// so a read of up to 64 rows sees its own.
+const WRITE_STRIPES: usize = 64;
+
+fn stripe_of(unit: u64) -> usize {
+    (unit % WRITE_STRIPES as u64) as usize
+}
+
+/// A reader's snapshot of the stripes of the units it reads
+/// (`WrittenMap::page_writes`); stripes it did not take read as odd.
+pub(crate) struct Seen([u64; WRITE_STRIPES]);
 
 /// Serial-number order of 32-bit generations (RFC 1982): whether `a` is
 /// newer than `b`, across the wrap of the journal's sequence's low bits.
@@ -1209,6 +1258,41 @@ mod tests {
 
     use super::*;
     use crate::storage::sim::SimStorage;
+
+    /// A reader of unit 1 concludes while a writer holds units on other
+    /// stripes, not while one holds a unit of its stripe (unit 1 itself,
+    /// or unit 65), nor while a checkpoint writes pages (every stripe).
+    /// With one counter for the volume, any writer left every reader
+    /// unsettled.
+    #[test]
+    fn a_writer_leaves_only_its_own_stripes_unsettled() {
+        let geometry =
+            Geometry::new(LayoutKind::Packed, 200 * 31 * 4096, 31 * 64).expect("geometry");
+        let map = WrittenMap::empty(&geometry, [7; 16]);
+        let read = |writer: &dyn Fn()| {
+            let seen = map.page_writes(1..=1);
+            writer();
+            map.settled(&seen, 1)
+        };
+        assert!(read(&|| {}));
+        assert!(read(&|| drop(
+            map.page_writes_guard([2, 3, 64, 130].into_iter())
+        )));
+        let elsewhere = map.page_writes_guard(2..=40);
+        assert!(read(&|| {}), "a writer of rows 2-40 runs");
+        drop(elsewhere);
+        assert!(!read(&|| drop(map.page_writes_guard(std::iter::once(1)))));
+        assert!(!read(&|| drop(map.page_writes_guard(std::iter::once(65)))));
+        let same = map.page_writes_guard(std::iter::once(65));
+        assert!(!read(&|| {}), "a writer of row 65 runs");
+        drop(same);
+        assert!(!read(&|| {
+            map.begin_page_writes();
+            map.end_page_writes();
+        }));
+        // A snapshot of units 0-2 does not settle unit 3.
+        assert!(!map.settled(&map.page_writes(0..=2), 3));
+    }
 
     /// A split volume of `bytes` on simulated storage with an empty map
     /// of uuid `[9; 16]`.

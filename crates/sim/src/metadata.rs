@@ -144,7 +144,11 @@ pub struct MetaReport {
 /// An older copy of a file is claimed in split with a guard of 32 bits or
 /// more: a context page older than expected is lost, and an older data
 /// file fails the guard (encrypted: its AEAD; a 16-bit guard, as for a
-/// zeroed page, lets a long error through once in 65536).
+/// zeroed page, lets a long error through once in 65536). In packed it is
+/// claimed in every cell: a row older than its expected generation is
+/// lost whatever the guard (only generations judge it), and a trim or
+/// zeros written into part of a row read its expectation back from its
+/// slots rather than forget it.
 /// A bit flipped in the generation of a unit's newest slot is claimed
 /// everywhere, and only its own block may fail (the rest of the unit must
 /// read right: `affected` holds that block alone): a plain context's CRC
@@ -153,9 +157,7 @@ pub struct MetaReport {
 /// expected, `WrittenMap::stale_page_read`).
 /// Not claimed (measured, listed in docs/RELIABILITY.md): an older copy of
 /// a split data file under guard `none` (nothing compares data with its
-/// context: out of reach by design), and of a packed data file: a row is
-/// caught when its expected generation is known, but a trim or zeros
-/// written into a row forget it until the row's next record.
+/// context: out of reach by design).
 fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
     let guarded = guard != GuardKind::None;
     match kind {
@@ -168,7 +170,7 @@ fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
         | MetaKind::CutShort
         | MetaKind::NewestGenerationFlipped => true,
         MetaKind::PageZeroed => guarded && guard.bits() >= 32,
-        MetaKind::OlderCopy => layout == LayoutKind::Split && guarded && guard.bits() >= 32,
+        MetaKind::OlderCopy => layout == LayoutKind::Packed || (guarded && guard.bits() >= 32),
     }
 }
 

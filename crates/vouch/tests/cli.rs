@@ -972,6 +972,53 @@ print(json.dumps({"ok": True}))
     );
 }
 
+/// An older copy of a packed data file is caught when the row's last
+/// change before the restore was a trim into part of it: the trim writes
+/// a vacant marker (no generation), and the row's expectation is read
+/// back from its slots after it (LBA 35's rewrite), not forgotten until
+/// the row's next record. Here the older copy holds row 1 as the import
+/// wrote it; after the copy LBA 35 is rewritten, LBA 40 trimmed and the
+/// volume closed (a checkpoint writes the map). The restored copy's row
+/// 1 is older: `check` names it, and `export` fails rather than write
+/// LBA 35's old data. (With the expectation forgotten, `check` was clean
+/// and the export held the import's LBA 35.)
+#[test]
+fn an_older_packed_row_last_changed_by_a_trim_is_caught() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let raw = raw_image(dir.path(), 64);
+    let volume = dir.path().join("vol");
+    ok(&["import", s(&raw), s(&volume), "--layout", "packed"]);
+    let data = volume.join("data.00000");
+    let older = std::fs::read(&data).expect("the older copy");
+    let mut server = common::Server::start(dir.path(), &[s(&volume)]);
+    common::py_json(
+        r#"
+h = connect(sys.argv[1])
+h.pwrite(block_data(35, 7035), 35 * 4096)
+h.flush()
+h.trim(4096, 40 * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    ok(&["check", s(&volume)]);
+    std::fs::write(&data, &older).expect("restore the older copy");
+    let output = vouch(&["check", s(&volume)]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    assert!(
+        stdout
+            .lines()
+            .any(|line| line.starts_with("data.00000: row 1 is older than the volume expects")),
+        "{stdout}"
+    );
+    let exported = dir.path().join("out.raw");
+    let output = vouch(&["export", s(&volume), s(&exported)]);
+    assert_ne!(output.status.code(), Some(0), "{}", text(&output));
+}
+
 /// A volume made before the written map opens read-only, saying how to
 /// upgrade it; `vouch upgrade` builds the map from its contexts, after
 /// which it is writable and a lost page is caught. A `written` file lost

@@ -20,7 +20,7 @@ use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
 use crate::storage::{ObjectId, Wait};
-use crate::written::SlotVerdict;
+use crate::written::{Seen, SlotVerdict};
 
 /// The unused bytes at the end of a packed row (zero on disk).
 static ROW_PADDING: [u8; (PACKED_ROW_BYTES - PACKED_RECORDS_PER_ROW * PACKED_RECORD_BYTES)
@@ -85,10 +85,11 @@ impl PackedLayout {
             if !trim {
                 self.bind_row(io, unit)?;
             }
-            // Markers and zero contexts carry no generation: the row's
-            // expectation is forgotten, known again at its next record.
-            // (Reading the row's newest back after the write instead broke
-            // the crash contract in `vouch-sim crash`: cause not found.)
+            // Markers and zero contexts carry no generation and may
+            // replace the slot that held the row's newest: the expectation
+            // is forgotten before the write and read back from the row's
+            // slots after it (`fill_row_expected`), so a row last changed
+            // by a range is still judged.
             io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
@@ -121,6 +122,14 @@ impl PackedLayout {
                 } else {
                     io.written.set(unit);
                 }
+            }
+            // Read back outside `change` (readers take it to judge rows;
+            // the commit lock keeps other writers out of the row), and
+            // only when part of the row is left: a range over the whole
+            // row leaves no slot with a generation, nothing to read.
+            let whole_row = slot == 0 && row_end_lba - lba == PACKED_RECORDS_PER_ROW;
+            if !whole_row && io.written.is_set(unit) {
+                self.fill_row_expected(io, unit);
             }
             lba = row_end_lba;
         }
@@ -197,6 +206,39 @@ impl PackedLayout {
         Ok(())
     }
 
+    /// Learn row `unit`'s expectation again, after a range wrote markers
+    /// or zero contexts into it (which forgot it), from its slots as they
+    /// lie now: the newest generation one of its whole own slots holds
+    /// (`WrittenMap::fill_expected`), so the row reaches it by
+    /// construction. Read under the commit lock, where no other writer
+    /// runs. Crash ordering: every slot read was written by a commit whose
+    /// journal record is durable (this range's own, or an earlier one's);
+    /// the value reaches the map on disk only with the next checkpoint's,
+    /// after that checkpoint's fsync of the data (`Committer::checkpoint`),
+    /// so the slot holding it is durable first, and any later change to
+    /// the row is in the journal past that checkpoint, whose replay
+    /// forgets the row. A replay's own ranges read back mid-replay too;
+    /// `replay` forgets every row it touched at its end. No chain of
+    /// raises is involved: the value is one a slot holds, never compared
+    /// with the value before.
+    /// A row that cannot be read is left with its expectation forgotten
+    /// (its older copy goes undetected until its next record, never a
+    /// false fault), and the range's commit is not failed for it.
+    fn fill_row_expected(&self, io: &Backing, unit: u64) {
+        let place = self.unit_place(unit);
+        let mut row = PageBuffer::new(place.len);
+        if let Err(error) = io.read_object(place.object, place.offset, &mut row) {
+            tracing::warn!(
+                object = place.object.file_name(),
+                offset = place.offset,
+                %error,
+                "a packed row could not be read back after a trim or zeros; its expected generation stays forgotten"
+            );
+            return;
+        }
+        io.written.fill_expected(unit, Self::row_records(&row));
+    }
+
     /// Whether `blocks` (sorted by LBA, from the first of row `unit`'s
     /// in a commit) hold every LBA of the row: the row is then replaced
     /// whole and current by construction.
@@ -241,7 +283,7 @@ impl PackedLayout {
         (first, count): (u64, u64),
         (span, span_start): (&[u8], u64),
         contexts: &mut [Result<Context, FormatError>],
-        read: Option<(Wait, u64)>,
+        read: Option<(Wait, &Seen)>,
     ) -> std::io::Result<()> {
         let end = first + count;
         for unit in io.written.unit_of(first)..=io.written.unit_of(end - 1) {
@@ -307,7 +349,7 @@ impl PackedLayout {
                 // judged again at a later read.
                 SlotVerdict::Unsure => continue,
             };
-            if !io.written.settled(seen) {
+            if !io.written.settled(seen, unit) {
                 continue;
             }
             if io.written.set_older(unit) {
@@ -524,7 +566,9 @@ impl Layout for PackedLayout {
         RECORDS.with(|cell| {
             let mut records = cell.take();
             records.set_len(span.len);
-            let seen = io.written.page_writes();
+            let seen = io
+                .written
+                .page_writes(io.written.unit_of(first)..=io.written.unit_of(first + count - 1));
             let judged = io
                 .try_read_with(span.object, span.offset, &mut records, wait)
                 .and_then(|()| {
@@ -535,7 +579,7 @@ impl Layout for PackedLayout {
                         (first, count),
                         (&records, span.offset),
                         &mut contexts,
-                        Some((wait, seen)),
+                        Some((wait, &seen)),
                     )?;
                     Ok(contexts)
                 });
@@ -591,7 +635,8 @@ impl Layout for PackedLayout {
     ) -> std::io::Result<Option<Result<Context, FormatError>>> {
         let location = self.geometry.locate(lba);
         let mut record = [0u8; PACKED_RECORD_BYTES as usize];
-        let seen = io.written.page_writes();
+        let unit = io.written.unit_of(lba);
+        let seen = io.written.page_writes(unit..=unit);
         io.try_read(
             ObjectId::Data(location.segment),
             location.data_offset,
@@ -605,7 +650,7 @@ impl Layout for PackedLayout {
             (lba, 1),
             (&record, location.data_offset),
             &mut context,
-            Some((Wait::Block, seen)),
+            Some((Wait::Block, &seen)),
         )?;
         let [context] = context;
         Ok(Some(context))
@@ -622,8 +667,11 @@ impl Layout for PackedLayout {
         // its encoded context, and the zero padding at a row's end when a run
         // crosses into the next row. Nothing is copied here.
         let encoded: Vec<[u8; CONTEXT_BYTES]> = contexts.iter().map(Context::encode).collect();
-        // Readers judging rows meanwhile leave them for a later read.
-        let _writes = io.written.page_writes_guard();
+        // Readers judging these rows meanwhile leave them for a later read
+        // (rows elsewhere are judged as they are read).
+        let _writes = io
+            .written
+            .page_writes_guard(blocks.iter().map(|(lba, _)| io.written.unit_of(*lba)));
         // A row is judged before the first record written into it this
         // open (`settle_row`), and made whole before its first record
         // (`bind_row`). A record older than the row's expected generation
@@ -700,8 +748,14 @@ impl Layout for PackedLayout {
         range: &RangeOp,
         unsynced: &mut BTreeSet<ObjectId>,
     ) -> Result<()> {
-        // Readers judging rows meanwhile leave them for a later read.
-        let _writes = io.written.page_writes_guard();
+        // Readers judging these rows meanwhile leave them for a later read
+        // (rows elsewhere are judged as they are read). A range's rows are
+        // consecutive, so a long one stops at the first rows that cover
+        // every stripe.
+        let last = io.written.unit_of(range.end.max(range.start + 1) - 1);
+        let _writes = io
+            .written
+            .page_writes_guard(io.written.unit_of(range.start)..=last);
         super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
             let object = ObjectId::Data(self.geometry.locate(lba).segment);
             self.apply_range_in_segment(io, object, (lba, end), range.template)?;
