@@ -166,22 +166,17 @@ impl PackedLayout {
             return Ok(());
         }
         let place = self.unit_place(unit);
-        let mut row = PageBuffer::new(place.len);
-        if let Err(error) = io.read_object(place.object, place.offset, &mut row) {
-            // A row that cannot be read proves nothing older, and a judge
-            // must not fail the commit that asked it: a read error here
-            // stopped every write to the volume (and faulted a mirror leg
-            // whose only fault was that read). The row is left unjudged
-            // (judged again at its next write or read); its older copy, if
-            // that is what it holds, goes undetected, never a false fault.
-            tracing::warn!(
-                object = place.object.file_name(),
-                offset = place.offset,
-                %error,
-                "a packed row could not be read to judge it before a write; written unjudged"
-            );
+        // A row that cannot be read proves nothing older, and a judge
+        // must not fail the commit that asked it: a read error here
+        // stopped every write to the volume (and faulted a mirror leg
+        // whose only fault was that read). The row is left unjudged
+        // (judged again at its next write or read); its older copy, if
+        // that is what it holds, goes undetected, never a false fault.
+        let Some(mut row) =
+            Self::read_row_or_warn(io, &place, "to judge it before a write; written unjudged")
+        else {
             return Ok(());
-        }
+        };
         let Some((found, expected)) = io.written.stale_records(unit, Self::row_records(&row))
         else {
             io.written.set_current(unit);
@@ -226,17 +221,32 @@ impl PackedLayout {
     /// false fault), and the range's commit is not failed for it.
     fn fill_row_expected(&self, io: &Backing, unit: u64) {
         let place = self.unit_place(unit);
-        let mut row = PageBuffer::new(place.len);
-        if let Err(error) = io.read_object(place.object, place.offset, &mut row) {
-            tracing::warn!(
-                object = place.object.file_name(),
-                offset = place.offset,
-                %error,
-                "a packed row could not be read back after a trim or zeros; its expected generation stays forgotten"
-            );
-            return;
+        if let Some(row) = Self::read_row_or_warn(
+            io,
+            &place,
+            "back after a trim or zeros; its expected generation stays forgotten",
+        ) {
+            io.written.fill_expected(unit, Self::row_records(&row));
         }
-        io.written.fill_expected(unit, Self::row_records(&row));
+    }
+
+    /// A row's bytes, or `None` with a warning naming the row and what
+    /// its caller does without them (`outcome`): the judges of rows read
+    /// to learn, and a read error must not fail the write that asked.
+    fn read_row_or_warn(io: &Backing, place: &UnitPlace, outcome: &str) -> Option<PageBuffer> {
+        let mut row = PageBuffer::new(place.len);
+        match io.read_object(place.object, place.offset, &mut row) {
+            Ok(()) => Some(row),
+            Err(error) => {
+                tracing::warn!(
+                    object = place.object.file_name(),
+                    offset = place.offset,
+                    %error,
+                    "a packed row could not be read {outcome}"
+                );
+                None
+            }
+        }
     }
 
     /// Whether `blocks` (sorted by LBA, from the first of row `unit`'s
