@@ -685,11 +685,15 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 /// write each NBD request (nbdcopy's 256 KiB) on its own and did not.
 /// A write inside one 256 KiB-aligned piece is still one `pwritev`.
 ///
-/// The folios stay that size for the writes that come after: a 4 KiB
-/// home write walks every buffer head of the folio it lands in (ext4's
-/// `ext4_block_write_begin`), so random 4 KiB writes over a volume filled
-/// by long runs cost 63 µs of CPU each in its 2 MiB folios against 8.8 µs
-/// in 256 KiB ones (measured, 4 KiB writes with a flush every 8).
+/// The folios stay that size for the writes that come after, and the two
+/// measurements of what that does disagree: under SCHED_FIFO, 4 KiB
+/// writes with a flush every 8 spent 8.8 µs each in ext4's
+/// `ext4_block_write_begin` in 256 KiB folios against 63 µs in 2 MiB
+/// ones, while 4 KiB random writes at QD1 without flushes, under
+/// SCHED_OTHER, ran about 2.7x slower over a volume filled through these
+/// pieces than over one filled by long runs, whichever binary served
+/// them. Which one holds for a guest's random overwrites of an imported
+/// disk is not settled.
 ///
 /// Crash ordering: none changes. The pieces are written in turn before
 /// the call returns, as one `pwritev` would be, which the kernel also
