@@ -14,7 +14,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::clients::qemu_img;
+use common::clients::qemu_img_compare_ok;
 use common::*;
 
 /// One corpus volume: its archive's name (and top directory), the sha256
@@ -238,15 +238,7 @@ fn exercise(name: &str) {
         volume.sha256,
         "{name}: nbdcopy of the export"
     );
-    run_ok(Command::new(qemu_img()).args([
-        "compare",
-        "-f",
-        "raw",
-        "-F",
-        "raw",
-        s(&image),
-        &server.uri,
-    ]));
+    qemu_img_compare_ok(s(&image), &server.uri);
     py_json(
         r#"
 h = connect(sys.argv[1])
