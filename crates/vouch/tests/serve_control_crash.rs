@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use common::clients::qemu_img;
+use common::clients::{qemu_img, qemu_img_compare_ok};
 use common::control::{job, request, submit, wait_job};
 use common::*;
 use serde_json::{json, Value};
@@ -75,15 +75,7 @@ fn sigkill_during_a_copy_leaves_each_destination_block_old_or_new() {
     );
     let finished = wait_job(&server, again, TIMEOUT);
     assert_eq!(finished["state"], "finished", "{finished}");
-    run_ok(Command::new(qemu_img()).args([
-        "compare",
-        "-f",
-        "raw",
-        "-F",
-        "raw",
-        &server.export_uri("a"),
-        &server.export_uri("b"),
-    ]));
+    qemu_img_compare_ok(&server.export_uri("a"), &server.export_uri("b"));
     server.stop();
     assert_check_clean(&b);
 }

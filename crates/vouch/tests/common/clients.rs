@@ -15,6 +15,12 @@ pub fn nbdinfo() -> PathBuf {
     tool("nbdinfo", "libnbd-bin")
 }
 
+/// `qemu-img compare` of two raw images (files or NBD URIs): they must be
+/// equal.
+pub fn qemu_img_compare_ok(a: &str, b: &str) {
+    run_ok(Command::new(qemu_img()).args(["compare", "-f", "raw", "-F", "raw", a, b]));
+}
+
 /// qemu-io on a raw NBD export; each entry of `commands` is one `-c`.
 pub fn qemu_io(uri: &str, extra: &[&str], commands: &[&str]) -> Output {
     let mut command = Command::new(tool("qemu-io", "qemu-utils"));
