@@ -9,8 +9,10 @@
 # RESTART=1) that server is stopped with SIGTERM and BIN serves the same volume, the page cache kept:
 # the state a prefill leaves is then separated from the binary that serves the test. Then fio
 # --rw=randwrite --bs=4k --iodepth=1 for RUNTIME s, no flushes. One line out:
-#   iops, ios, server CPU per write (us), the extent count of the volume's data files after the
-#   prefill (filefrag), and /proc/vmstat's nr_written and pgpgout (KiB) over the run.
+#   iops, ios, server CPU per write (us), the server's minor faults and context switches (voluntary,
+#   involuntary, all threads) per write, the extent count of the volume's data files after the prefill
+#   (filefrag), and /proc/vmstat's nr_written and pgpgout (KiB) over the run. Counts per write hold
+#   on a busy machine where IOPS and CPU time do not.
 # Knobs (environment):
 #   SCHED     command prefix for the servers and fio, e.g. "nice -n -10" (default none)
 #   RUNTIME   seconds of the measured run (4)    DIR  scratch directory (/var/tmp/qd1-probe-PORT)
@@ -68,6 +70,11 @@ elif [ "$PRE" != "$BIN" ] || [ -n "${RESTART:-}" ]; then stop; start "$BIN"; fi
 EXTENTS=$(data_files | xargs -r filefrag | awk '{ n += $2 } END { print n + 0 }')
 [ -n "${FOLIOS:-}" ] && data_files | xargs -r python3 "$HERE/folio-sizes.py" >&2
 read -r W0 O0 < <(vmstat)
+counts() { # minor faults, voluntary and involuntary context switches of every thread of the server
+    awk '{print $10}' "/proc/$P/stat" | tr '\n' ' '
+    cat /proc/"$P"/task/*/status | awk '/^voluntary_ctxt/ { v += $2 } /^nonvoluntary_ctxt/ { n += $2 } END { print v, n }'
+}
+read -r F0 V0 N0 < <(counts)
 read -r U0 S0 < <(awk '{print $14, $15}' "/proc/$P/stat")
 if [ -n "${PERF:-}" ]; then
     perf record ${PERFARGS:--e cpu-clock -g} -p "$P" -o "$PERF" >/dev/null 2>&1 & S=$!
@@ -76,14 +83,17 @@ $SCHED fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrit
     --time_based --runtime="$RUNTIME" --norandommap --randrepeat=0 --output-format=json --output="$DIR/fio.json" >/dev/null 2>&1
 [ -n "$S" ] && { kill -INT "$S"; wait "$S" 2>/dev/null; S=""; }
 read -r U1 S1 < <(awk '{print $14, $15}' "/proc/$P/stat")
+read -r F1 V1 N1 < <(counts)
 read -r W1 O1 < <(vmstat)
-python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" <<'PY'
+python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" "$((F1 - F0))" "$((V1 - V0))" "$((N1 - N0))" <<'PY'
 import json, sys
 w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
 ios = max(1, w["total_ios"])
 user, sys_, hz = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 per = lambda ticks: round(ticks / hz * 1e6 / ios, 1)
 print(f"iops {round(w['iops'])} ios {w['total_ios']} server_cpu_us/write {per(user + sys_)}"
-      f" (user {per(user)} sys {per(sys_)}) extents {sys.argv[5]}"
+      f" (user {per(user)} sys {per(sys_)})"
+      + "".join(f" {name}/write {round(int(sys.argv[i]) / ios, 2)}" for i, name in ((8, "minflt"), (9, "vcsw"), (10, "ivcsw")))
+      + f" extents {sys.argv[5]}"
       f" nr_written_pages {sys.argv[6]} pgpgout_KiB {sys.argv[7]}")
 PY
