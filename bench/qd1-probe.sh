@@ -19,6 +19,9 @@
 #   SIZE      volume size (1G)                   SERVE_ARGS  more `vouch serve` arguments
 #   SYNC=1    sync after the prefill (the data written back before the run)
 #   PERF=FILE perf record -g of the server over the run into FILE (PERFARGS: its events)
+#   HOLD_REPORTING=1  raise the guest's page_reporting_order to 11 for the run (nothing freed is handed
+#             back to the host; restored at exit) after touching 2 GiB once, as bench/import.sh does:
+#             separates what free page reporting costs from what the page cache's folios cost (root)
 #   FOLIOS=1  print bench/folio-sizes.py of the data files after the prefill (root)
 #   REFOLIO=N after the prefill, stop the server, drop the data files from the page cache and write
 #             their own bytes back in buffered writes of N bytes (e.g. 262144, 2097152): the same
@@ -29,10 +32,18 @@ PRE=${PREFILL_BIN:-$BIN} PORT=${PORT:-12950}
 SCHED=${SCHED:-} RUNTIME=${RUNTIME:-4} SIZE=${SIZE:-1G} DIR=${DIR:-/var/tmp/qd1-probe-$PORT}
 MPORT=$((PORT + 100))
 HERE=$(cd "$(dirname "$0")" && pwd)
-P="" S=""
-cleanup() { [ -n "$S" ] && kill -INT "$S" 2>/dev/null; [ -n "$P" ] && { kill -TERM "$P" 2>/dev/null; wait "$P" 2>/dev/null; }; rm -rf "$DIR"; }
+P="" S="" REPORTING=/sys/module/page_reporting/parameters/page_reporting_order REPORTING_WAS=""
+cleanup() {
+    [ -n "$S" ] && kill -INT "$S" 2>/dev/null; [ -n "$P" ] && { kill -TERM "$P" 2>/dev/null; wait "$P" 2>/dev/null; }; rm -rf "$DIR"
+    [ -n "$REPORTING_WAS" ] && echo "$REPORTING_WAS" > "$REPORTING"
+}
 trap cleanup EXIT
 rm -rf "$DIR"; mkdir -p "$DIR"
+if [ -n "${HOLD_REPORTING:-}" ] && [ -w "$REPORTING" ]; then
+    REPORTING_WAS=$(cat "$REPORTING"); echo 11 > "$REPORTING"
+    fio --name=warm --directory="$DIR" --size=2G --rw=write --bs=1M --output=/dev/null >/dev/null 2>&1
+    rm -f "$DIR"/warm*
+fi
 start() { # BIN [EXTRA ARGS]: serve the volume, wait for the port
     local bin=$1; shift
     $SCHED "$bin" serve "$DIR/vol" "$@" ${SERVE_ARGS:-} --listen "127.0.0.1:$PORT" --metrics "127.0.0.1:$MPORT" >>"$DIR/log" 2>&1 &
