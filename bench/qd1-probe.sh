@@ -18,6 +18,8 @@
 #   RUNTIME   seconds of the measured run (4)    DIR  scratch directory (/var/tmp/qd1-probe-PORT)
 #   SIZE      volume size (1G)                   SERVE_ARGS  more `vouch serve` arguments
 #   SYNC=1    sync after the prefill (the data written back before the run)
+#   PERFSTAT=EVENTS  perf stat -e EVENTS -p <server> over the run; each event's count per write is
+#             appended (e.g. "kmem:mm_page_alloc,kmem:mm_page_alloc_zone_locked,kmem:mm_page_alloc_extfrag")
 #   PERF=FILE perf record -g of the server over the run into FILE (PERFARGS: its events)
 #   HOLD_REPORTING=1  raise the guest's page_reporting_order to 11 for the run (nothing freed is handed
 #             back to the host; restored at exit) after touching 2 GiB once, as bench/import.sh does:
@@ -89,6 +91,8 @@ read -r F0 V0 N0 < <(counts)
 read -r U0 S0 < <(awk '{print $14, $15}' "/proc/$P/stat")
 if [ -n "${PERF:-}" ]; then
     perf record ${PERFARGS:--e cpu-clock -g} -p "$P" -o "$PERF" >/dev/null 2>&1 & S=$!
+elif [ -n "${PERFSTAT:-}" ]; then
+    perf stat -x, -e "$PERFSTAT" -p "$P" -o "$DIR/stat" >/dev/null 2>&1 & S=$!
 fi
 $SCHED fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrite --bs=4k --iodepth=1 \
     --time_based --runtime="$RUNTIME" --norandommap --randrepeat=0 --output-format=json --output="$DIR/fio.json" >/dev/null 2>&1
@@ -96,7 +100,7 @@ $SCHED fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrit
 read -r U1 S1 < <(awk '{print $14, $15}' "/proc/$P/stat")
 read -r F1 V1 N1 < <(counts)
 read -r W1 O1 < <(vmstat)
-python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" "$((F1 - F0))" "$((V1 - V0))" "$((N1 - N0))" <<'PY'
+python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" "$((F1 - F0))" "$((V1 - V0))" "$((N1 - N0))" "$DIR/stat" <<'PY'
 import json, sys
 w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
 ios = max(1, w["total_ios"])
@@ -106,5 +110,13 @@ print(f"iops {round(w['iops'])} ios {w['total_ios']} server_cpu_us/write {per(us
       f" (user {per(user)} sys {per(sys_)})"
       + "".join(f" {name}/write {round(int(sys.argv[i]) / ios, 2)}" for i, name in ((8, "minflt"), (9, "vcsw"), (10, "ivcsw")))
       + f" extents {sys.argv[5]}"
-      f" nr_written_pages {sys.argv[6]} pgpgout_KiB {sys.argv[7]}")
+      f" nr_written_pages {sys.argv[6]} pgpgout_KiB {sys.argv[7]}", end="")
+try:
+    for line in open(sys.argv[11]):
+        f = line.strip().split(",")
+        if len(f) > 2 and f[0].replace(".", "").isdigit():
+            print(f" {f[2]}/write {round(float(f[0]) / ios, 3)}", end="")
+except OSError:
+    pass
+print()
 PY
