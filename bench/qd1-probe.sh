@@ -55,7 +55,7 @@ start() { # BIN [EXTRA ARGS]: serve the volume, wait for the port
 }
 stop() { kill -TERM "$P"; wait "$P" 2>/dev/null; P=""; }
 vmstat() { awk '$1 == "nr_written" || $1 == "pgpgout" { printf "%s ", $2 }' /proc/vmstat; }
-data_files() { find "$DIR/vol" -type f -size +1M; }
+data_files() { find "$DIR/vol" -type f -name 'data.*'; }
 start "$PRE" --create "$SIZE"
 $SCHED fio --name=prefill --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=write --bs=1M --iodepth=8 --size="$SIZE" >/dev/null 2>&1
 if [ -n "${REFOLIO:-}" ]; then
