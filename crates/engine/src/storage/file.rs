@@ -685,15 +685,23 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 /// write each NBD request (nbdcopy's 256 KiB) on its own and did not.
 /// A write inside one 256 KiB-aligned piece is still one `pwritev`.
 ///
-/// The folios stay that size for the writes that come after, and the two
-/// measurements of what that does disagree: under SCHED_FIFO, 4 KiB
-/// writes with a flush every 8 spent 8.8 µs each in ext4's
-/// `ext4_block_write_begin` in 256 KiB folios against 63 µs in 2 MiB
-/// ones, while 4 KiB random writes at QD1 without flushes, under
-/// SCHED_OTHER, ran about 2.7x slower over a volume filled through these
-/// pieces than over one filled by long runs, whichever binary served
-/// them. Which one holds for a guest's random overwrites of an imported
-/// disk is not settled.
+/// The folios stay that size for the writes that come after, and for a
+/// later 4 KiB write they are the cheaper kind: ext4 walks every block of
+/// the folio a write lands in (`ext4_block_write_begin`,
+/// `block_commit_write`), 64 in a 256 KiB folio against 512 in a 2 MiB
+/// one. Measured for 4 KiB random overwrites: 3.0 us per write in
+/// `ext4_block_write_begin` at QD1 in 256 KiB folios against 4.7 in 2 MiB
+/// ones (8.8 against 63 us with a flush every 8, under SCHED_FIFO); a
+/// volume filled through the pieces whose data file was written again in
+/// 2 MiB writes (2 MiB folios, the same extents) took 18.5-35 us of
+/// server CPU per write against 15.8-25 for the same written again in
+/// 256 KiB writes, pair by pair. A quiet guest once answered those writes
+/// 2.7x slower after a fill through the pieces than after one without,
+/// whichever binary served; a busy guest (other builds beside it) did
+/// not: the pieces' fill there was as fast as the binary before the held
+/// log, and the slower of the two folio sizes is the large one. So what
+/// the quiet guest measured is not the folios' own cost (the guest's free
+/// memory, which a fill's folio sizes take from, is left).
 ///
 /// Crash ordering: none changes. The pieces are written in turn before
 /// the call returns, as one `pwritev` would be, which the kernel also

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# bench/qd1-probe.sh -- 4 KiB random writes at QD1 through the page cache over a prefilled vouch volume,
+# with the server's CPU per write: the quick look behind bench/nbd.sh's rw4k_qd1 (issue 29).
+#
+#   BIN=/work/bin/vouch-x [PREFILL_BIN=/work/bin/vouch-y] [PORT=12950] bench/qd1-probe.sh
+#
+# A fresh 1 GiB split volume (DIR/vol) is created and prefilled (fio 1 MiB sequential writes, QD8,
+# over all of it) by PREFILL_BIN (default BIN) serving it; when PREFILL_BIN differs from BIN (or
+# RESTART=1) that server is stopped with SIGTERM and BIN serves the same volume, the page cache kept:
+# the state a prefill leaves is then separated from the binary that serves the test. Then fio
+# --rw=randwrite --bs=4k --iodepth=1 for RUNTIME s, no flushes. One line out:
+#   iops, ios, server CPU per write (us), the server's minor faults and context switches (voluntary,
+#   involuntary, all threads) per write, the extent count of the volume's data files after the prefill
+#   (filefrag), and /proc/vmstat's nr_written and pgpgout (KiB) over the run. Counts per write hold
+#   on a busy machine where IOPS and CPU time do not.
+# Knobs (environment):
+#   SCHED     command prefix for the servers and fio, e.g. "nice -n -10" (default none)
+#   RUNTIME   seconds of the measured run (4)    DIR  scratch directory (/var/tmp/qd1-probe-PORT)
+#   SIZE      volume size (1G)                   SERVE_ARGS  more `vouch serve` arguments
+#   SYNC=1    sync after the prefill (the data written back before the run)
+#   PERFSTAT=EVENTS  perf stat -e EVENTS -p <server> over the run; each event's count per write is
+#             appended (e.g. "kmem:mm_page_alloc,kmem:mm_page_alloc_zone_locked,kmem:mm_page_alloc_extfrag")
+#   PERF=FILE perf record -g of the server over the run into FILE (PERFARGS: its events)
+#   HOLD_REPORTING=1  raise the guest's page_reporting_order to 11 for the run (nothing freed is handed
+#             back to the host; restored at exit) after touching 2 GiB once, as bench/import.sh does:
+#             separates what free page reporting costs from what the page cache's folios cost (root)
+#   FOLIOS=1  print bench/folio-sizes.py of the data files after the prefill (root)
+#   REFOLIO=N after the prefill, stop the server, drop the data files from the page cache and write
+#             their own bytes back in buffered writes of N bytes (e.g. 262144, 2097152): the same
+#             bytes and on-disk extents in folios of another size (then BIN serves the volume)
+set -u
+BIN=${BIN:?BIN=path of the vouch binary that serves the run}
+PRE=${PREFILL_BIN:-$BIN} PORT=${PORT:-12950}
+SCHED=${SCHED:-} RUNTIME=${RUNTIME:-4} SIZE=${SIZE:-1G} DIR=${DIR:-/var/tmp/qd1-probe-$PORT}
+MPORT=$((PORT + 100))
+HERE=$(cd "$(dirname "$0")" && pwd)
+P="" S="" REPORTING=/sys/module/page_reporting/parameters/page_reporting_order REPORTING_WAS=""
+cleanup() {
+    [ -n "$S" ] && kill -INT "$S" 2>/dev/null; [ -n "$P" ] && { kill -TERM "$P" 2>/dev/null; wait "$P" 2>/dev/null; }; rm -rf "$DIR"
+    [ -n "$REPORTING_WAS" ] && echo "$REPORTING_WAS" > "$REPORTING"
+}
+trap cleanup EXIT
+rm -rf "$DIR"; mkdir -p "$DIR"
+if [ -n "${HOLD_REPORTING:-}" ] && [ -w "$REPORTING" ]; then
+    REPORTING_WAS=$(cat "$REPORTING"); echo 11 > "$REPORTING"
+    fio --name=warm --directory="$DIR" --size=2G --rw=write --bs=1M --output=/dev/null >/dev/null 2>&1
+    rm -f "$DIR"/warm*
+fi
+start() { # BIN [EXTRA ARGS]: serve the volume, wait for the port
+    local bin=$1; shift
+    $SCHED "$bin" serve "$DIR/vol" "$@" ${SERVE_ARGS:-} --listen "127.0.0.1:$PORT" --metrics "127.0.0.1:$MPORT" >>"$DIR/log" 2>&1 &
+    P=$!
+    for _ in $(seq 100); do nbdinfo --size "nbd://127.0.0.1:$PORT" >/dev/null 2>&1 && return 0; sleep 0.1; done
+    echo "server did not listen: $(tail -3 "$DIR/log")" >&2; exit 1
+}
+stop() { kill -TERM "$P"; wait "$P" 2>/dev/null; P=""; }
+vmstat() { awk '$1 == "nr_written" || $1 == "pgpgout" { printf "%s ", $2 }' /proc/vmstat; }
+data_files() { find "$DIR/vol" -type f -name 'data.*'; }
+start "$PRE" --create "$SIZE"
+$SCHED fio --name=prefill --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=write --bs=1M --iodepth=8 --size="$SIZE" >/dev/null 2>&1
+if [ -n "${REFOLIO:-}" ]; then
+    stop
+    REWRITE=$(cat <<'PY'
+import mmap, os, sys
+chunk = int(sys.argv[1])
+for path in sys.argv[2:]:
+    fd = os.open(path, os.O_RDWR)
+    os.fdatasync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    direct = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    buf = mmap.mmap(-1, chunk)
+    size = os.fstat(fd).st_size
+    for at in range(0, size, chunk):
+        n = os.preadv(direct, [buf], at)
+        os.pwrite(fd, buf[:n], at)
+    os.close(direct); os.close(fd)
+PY
+)
+    data_files | xargs -r python3 -c "$REWRITE" "$REFOLIO"
+    start "$BIN"
+elif [ "$PRE" != "$BIN" ] || [ -n "${RESTART:-}" ]; then stop; start "$BIN"; fi
+[ -n "${SYNC:-}" ] && sync
+EXTENTS=$(data_files | xargs -r filefrag | awk '{ n += $2 } END { print n + 0 }')
+[ -n "${FOLIOS:-}" ] && data_files | xargs -r python3 "$HERE/folio-sizes.py" >&2
+read -r W0 O0 < <(vmstat)
+counts() { # minor faults, voluntary and involuntary context switches of every thread of the server
+    awk '{print $10}' "/proc/$P/stat" | tr '\n' ' '
+    cat /proc/"$P"/task/*/status | awk '/^voluntary_ctxt/ { v += $2 } /^nonvoluntary_ctxt/ { n += $2 } END { print v, n }'
+}
+read -r F0 V0 N0 < <(counts)
+read -r U0 S0 < <(awk '{print $14, $15}' "/proc/$P/stat")
+if [ -n "${PERF:-}" ]; then
+    perf record ${PERFARGS:--e cpu-clock -g} -p "$P" -o "$PERF" >/dev/null 2>&1 & S=$!
+elif [ -n "${PERFSTAT:-}" ]; then
+    perf stat -x, -e "$PERFSTAT" -p "$P" -o "$DIR/stat" >/dev/null 2>&1 & S=$!
+fi
+$SCHED fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrite --bs=4k --iodepth=1 \
+    --time_based --runtime="$RUNTIME" --norandommap --randrepeat=0 --output-format=json --output="$DIR/fio.json" >/dev/null 2>&1
+[ -n "$S" ] && { kill -INT "$S"; wait "$S" 2>/dev/null; S=""; }
+read -r U1 S1 < <(awk '{print $14, $15}' "/proc/$P/stat")
+read -r F1 V1 N1 < <(counts)
+read -r W1 O1 < <(vmstat)
+python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" "$((F1 - F0))" "$((V1 - V0))" "$((N1 - N0))" "$DIR/stat" <<'PY'
+import json, sys
+w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
+ios = max(1, w["total_ios"])
+user, sys_, hz = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+per = lambda ticks: round(ticks / hz * 1e6 / ios, 1)
+print(f"iops {round(w['iops'])} ios {w['total_ios']} server_cpu_us/write {per(user + sys_)}"
+      f" (user {per(user)} sys {per(sys_)})"
+      + "".join(f" {name}/write {round(int(sys.argv[i]) / ios, 2)}" for i, name in ((8, "minflt"), (9, "vcsw"), (10, "ivcsw")))
+      + f" extents {sys.argv[5]}"
+      f" nr_written_pages {sys.argv[6]} pgpgout_KiB {sys.argv[7]}", end="")
+try:
+    for line in open(sys.argv[11]):
+        f = line.strip().split(",")
+        if len(f) > 2 and f[0].replace(".", "").isdigit():
+            print(f" {f[2]}/write {round(float(f[0]) / ios, 3)}", end="")
+except OSError:
+    pass
+print()
+PY
