@@ -36,12 +36,12 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 use vouch_format::mirror::{LegState, MAX_LEGS};
 
-use super::activity::Entered;
-use super::device::{is_request_error, state_from, Mirror, OwnedStripes, Reserved};
-use super::written::Recording;
-use crate::device::{SealedBlock, StartWrite, WriteDone};
-use crate::error::{Error, Result};
-use crate::state::BLOCK;
+use crate::activity::Entered;
+use crate::device::{is_request_error, state_from, Mirror, OwnedStripes, Reserved};
+use crate::written::Recording;
+use vouch_engine::device::{SealedBlock, StartWrite, WriteDone};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::BLOCK;
 
 /// One item per leg, in place: a mirror has at most `MAX_LEGS`, and the
 /// reactor starts every 4 KiB write this way, so a heap allocation per

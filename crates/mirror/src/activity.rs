@@ -43,10 +43,10 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex};
 use vouch_format::activity::{ActivityLog as Copy, ACTIVITY_COPY_BYTES, ACTIVITY_MAX_EXTENTS};
 
-use super::device::Mirror;
-use super::map_file::{MapFile, MapStore};
-use crate::error::{Error, Result};
-use crate::state::BLOCK;
+use crate::device::Mirror;
+use crate::map_file::{MapFile, MapStore};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::BLOCK;
 
 /// The log's file name in each active local leg's directory.
 pub const ACTIVITY_FILE: &str = "mirror.active";
@@ -659,7 +659,7 @@ impl Mirror {
         let Some(log) = self.activity.get() else {
             return Ok(());
         };
-        crate::device::BlockDevice::flush(self)?;
+        vouch_engine::device::BlockDevice::flush(self)?;
         log.close()
     }
 
@@ -696,7 +696,7 @@ impl Mirror {
         loop {
             match log.enter_waiting(first, end)? {
                 Ok(entered) => return Ok(Some(entered)),
-                Err(_) => crate::device::BlockDevice::flush(self)?,
+                Err(_) => vouch_engine::device::BlockDevice::flush(self)?,
             }
         }
     }
@@ -739,7 +739,7 @@ impl Mirror {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mirror::map_file::FileMaps;
+    use crate::map_file::FileMaps;
 
     fn geometry(active_extents: usize) -> ActivityGeometry {
         ActivityGeometry {

@@ -25,13 +25,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::device::Mirror;
-use super::resync::ResyncRate;
-use super::scrub::MirrorScrubReport;
-use crate::device::BlockDevice;
-use crate::error::{Error, Result};
-use crate::jobs::{chunk_end, paced_steps, Throughput};
-use crate::state::BLOCK;
+use crate::device::Mirror;
+use crate::resync::ResyncRate;
+use crate::scrub::MirrorScrubReport;
+use vouch_engine::device::BlockDevice;
+use vouch_engine::error::{Error, Result};
+use vouch_engine::jobs::{chunk_end, paced_steps, Throughput};
+use vouch_engine::BLOCK;
 
 /// A reconciliation's progress, as `vouch mirror status` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -245,7 +245,7 @@ impl Mirror {
         let extent_blocks = self
             .activity
             .get()
-            .map_or(super::activity::EXTENT_BLOCKS, |log| log.extent_blocks());
+            .map_or(crate::activity::EXTENT_BLOCKS, |log| log.extent_blocks());
         let extents = cursor.extents.len() as u64;
         let extents_left = extents - cursor.at as u64;
         let blocks_left = match cursor.extents.get(cursor.at) {

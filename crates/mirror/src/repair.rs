@@ -14,9 +14,9 @@
 //! block it touched differing between the legs only inside an extent the
 //! next open reconciles, not a fault for a later scrub to count.
 
-use super::device::{is_request_error, Mirror};
-use crate::error::{Error, Fault, FaultKind, Result};
-use crate::state::{Block, BLOCK};
+use crate::device::{is_request_error, Mirror};
+use vouch_engine::error::{Error, Fault, FaultKind, Result};
+use vouch_engine::{Block, BLOCK};
 
 impl Mirror {
     /// `buf` at byte `offset` (any byte range) from `leg`, every faulty

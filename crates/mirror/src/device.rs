@@ -13,17 +13,17 @@ use parking_lot::{Mutex, MutexGuard, RwLock};
 use smallvec::SmallVec;
 use vouch_format::mirror::{LegState, MAX_LEGS};
 
-use super::activity::ActivityLog;
-use super::dirty::DirtyMap;
-use super::reconcile::ReconcileProgress;
-use super::remote::is_remote_member;
-use super::resync::ResyncProgress;
-use super::written::Written;
-use super::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
-use crate::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
-use crate::error::{Error, Fault, FaultKind, Result};
-use crate::layout::Allocation;
-use crate::state::BLOCK;
+use crate::activity::ActivityLog;
+use crate::dirty::DirtyMap;
+use crate::reconcile::ReconcileProgress;
+use crate::remote::is_remote_member;
+use crate::resync::ResyncProgress;
+use crate::written::Written;
+use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
+use vouch_engine::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
+use vouch_engine::error::{Error, Fault, FaultKind, Result};
+use vouch_engine::Allocation;
+use vouch_engine::BLOCK;
 
 /// A held stripe of the mirror's lock that is not tied to a borrow.
 pub(super) type OwnedStripe = parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>;
@@ -1061,7 +1061,7 @@ impl BlockDevice for Mirror {
     /// The landing area of the first local leg written: it stores the
     /// sealed blocks as they lie in the payload, so its held log names
     /// them instead of copying them (the other legs copy as before).
-    fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
+    fn landing_buffer(&self, len: usize) -> Option<vouch_engine::LandingBuffer> {
         let leg = self
             .write_targets()
             .into_iter()
@@ -1125,8 +1125,8 @@ impl BlockDevice for Mirror {
         self: Arc<Self>,
         offset: u64,
         data: &Bytes,
-    ) -> Result<Option<crate::device::StartWrite>> {
-        super::complete::begin(self, offset, data)
+    ) -> Result<Option<vouch_engine::device::StartWrite>> {
+        crate::complete::begin(self, offset, data)
     }
     /// The resync maps' block bits are made durable first (one sync).
     /// On success the blocks written before it started are forgotten by

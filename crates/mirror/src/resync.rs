@@ -37,11 +37,11 @@ use std::time::Instant;
 
 use vouch_format::mirror::LegState;
 
-use super::device::{is_request_error, Mirror};
-use super::dirty::DirtyMap;
-use crate::device::{BlockDevice, SealedBlock};
-use crate::error::{Error, Result};
-use crate::jobs::{paced_steps, Pace, Throughput};
+use crate::device::{is_request_error, Mirror};
+use crate::dirty::DirtyMap;
+use vouch_engine::device::{BlockDevice, SealedBlock};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::jobs::{paced_steps, Pace, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = 256;
@@ -168,7 +168,7 @@ impl Mirror {
         Ok(())
     }
 
-    fn leg_slot(&self, leg: usize) -> Result<&super::device::Leg> {
+    fn leg_slot(&self, leg: usize) -> Result<&crate::device::Leg> {
         self.legs.get(leg).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "the mirror has no leg {leg} (legs 0..{})",
@@ -390,7 +390,7 @@ impl Mirror {
                 ResyncStep::Finished => Ok(None),
                 ResyncStep::Copied(moved) => {
                     *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-                    Ok(Some(moved * crate::state::BLOCK))
+                    Ok(Some(moved * vouch_engine::BLOCK))
                 }
             }
         })

@@ -24,11 +24,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::device::{is_request_error, Mirror};
-use crate::error::{Error, FaultKind, Result};
-use crate::jobs::{ChunkWalk, Cursor, CursorFile, JobControl, ScanEnd, ScanOptions};
-use crate::scrub::ScrubOptions;
-use crate::state::BLOCK;
+use crate::device::{is_request_error, Mirror};
+use vouch_engine::error::{Error, FaultKind, Result};
+use vouch_engine::jobs::{ChunkWalk, Cursor, CursorFile, JobControl, ScanEnd, ScanOptions};
+use vouch_engine::scrub::ScrubOptions;
+use vouch_engine::BLOCK;
 
 /// Findings kept in a report; past this only the counts grow.
 pub const MAX_FINDINGS: usize = 65536;

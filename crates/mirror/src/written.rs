@@ -34,9 +34,9 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::device::Mirror;
-use crate::device::BlockDevice as _;
-use crate::state::BLOCK;
+use crate::device::Mirror;
+use vouch_engine::device::BlockDevice as _;
+use vouch_engine::BLOCK;
 
 /// How long a flush waits for writes that were in flight when it started.
 const DRAIN: Duration = Duration::from_millis(20);

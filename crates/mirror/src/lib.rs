@@ -65,7 +65,7 @@ pub use set::{
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 
-use crate::error::Result;
+use vouch_engine::error::Result;
 
 /// Corrected errors a leg may need before it is faulted (md's default
 /// `max_corrected_read_errors`). Only errors the leg made on its own
@@ -100,7 +100,7 @@ pub trait Membership: Send + Sync {
         marked: &[std::ops::Range<u64>],
     ) -> Result<DirtyMap> {
         let _ = (leg, blocks, marked);
-        Err(crate::error::Error::Unsupported(
+        Err(vouch_engine::error::Error::Unsupported(
             "this mirror keeps no resync maps".into(),
         ))
     }
