@@ -14,11 +14,11 @@ use smallvec::SmallVec;
 use vouch_format::mirror::{LegState, MAX_LEGS};
 
 use crate::activity::ActivityLog;
+use crate::activity::Entered;
 use crate::dirty::DirtyMap;
-use crate::reconcile::ReconcileProgress;
+use crate::progress::{ReconcileProgress, ResyncProgress};
 use crate::remote::is_remote_member;
-use crate::resync::ResyncProgress;
-use crate::written::Written;
+use crate::written::{count, minus, Recording, Written};
 use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
 use vouch_engine::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
@@ -192,6 +192,140 @@ pub struct Mirror {
     /// The reconciliation after an unclean stop (`reconcile.rs`).
     pub(super) reconcile: Mutex<Option<ReconcileProgress>>,
     pub(super) reconciling: AtomicBool,
+}
+
+/// The activity log, as the mirror uses it (the log itself: `activity.rs`).
+impl Mirror {
+    /// Keep `log` from now on: every write, trim and zeroing enters it
+    /// before any leg is written. Set once (at open, before serving).
+    pub fn keep_activity_log(&self, log: Arc<ActivityLog>) -> Result<()> {
+        self.activity
+            .set(log)
+            .map_err(|_| Error::InvalidArgument("the mirror keeps an activity log already".into()))
+    }
+
+    /// A clean close of the log, once no write is in flight or to come:
+    /// flush every leg, then write a log that names only what is still to
+    /// reconcile (ORDER: the flush returns before the log forgets an
+    /// extent). Nothing to do without a log.
+    pub fn close_activity_log(&self) -> Result<()> {
+        let Some(log) = self.activity.get() else {
+            return Ok(());
+        };
+        vouch_engine::device::BlockDevice::flush(self)?;
+        log.close()
+    }
+
+    /// Reads go to the first active leg until the extents the log carried
+    /// from the last run are reconciled (`begin_reconcile` then does it);
+    /// for a set opened before its reconciliation starts.
+    pub fn hold_reads_until_reconciled(&self) {
+        if self
+            .activity
+            .get()
+            .is_some_and(|log| !log.pinned().is_empty())
+        {
+            self.hold_reads_on_one_leg();
+        }
+    }
+
+    /// The activity log, if the set keeps one.
+    pub fn activity_log(&self) -> Option<&Arc<ActivityLog>> {
+        self.activity.get()
+    }
+
+    /// Enter blocks `[first, end)` in the activity log (the caller holds
+    /// their stripes), flushing the legs if that is what makes room, or
+    /// waiting for writes in flight to return. `None`: no log.
+    pub(super) fn enter_log(&self, first: u64, end: u64) -> Result<Option<Entered>> {
+        let Some(log) = self.activity.get() else {
+            return Ok(None);
+        };
+        // Every extent that could leave having a write in flight,
+        // `enter_waiting` waits for one to return (each returns without
+        // waiting on this writer: it holds no lock this writer wants). When
+        // a flush made no room (each flushed extent written again
+        // meanwhile), the next round flushes again.
+        loop {
+            match log.enter_waiting(first, end)? {
+                Ok(entered) => return Ok(Some(entered)),
+                Err(_) => vouch_engine::device::BlockDevice::flush(self)?,
+            }
+        }
+    }
+
+    pub(super) fn enter_log_bytes(&self, offset: u64, length: u64) -> Result<Option<Entered>> {
+        self.enter_log(offset / BLOCK, (offset + length).div_ceil(BLOCK))
+    }
+
+    /// `enter_log` without I/O or waiting, for the inline paths: `None`
+    /// (decline) when an extent is not logged yet; `Some(None)`: no log.
+    pub(super) fn try_enter_log(&self, first: u64, end: u64) -> Option<Option<Entered>> {
+        match self.activity.get() {
+            None => Some(None),
+            Some(log) => log.try_enter(first, end).map(Some),
+        }
+    }
+
+    /// `[offset, offset + length)` in the pieces a large trim or zeroing
+    /// enters the log by (`ActivityLog::pieces`; one piece without a log).
+    pub(super) fn log_pieces(&self, offset: u64, length: u64) -> Vec<Range<u64>> {
+        let end = offset + length;
+        let Some(log) = self.activity.get() else {
+            return std::iter::once(offset..end).collect();
+        };
+        log.pieces(offset, end)
+    }
+}
+
+/// Blocks written since the last flush, as the mirror uses them (the
+/// record itself: `written.rs`).
+impl Mirror {
+    /// Record the blocks of bytes `[offset, offset + length)` (a write,
+    /// trim or zeroing about to be issued to the legs).
+    pub(super) fn record_bytes(&self, offset: u64, length: u64) -> Recording {
+        self.written
+            .record(offset / BLOCK, (offset + length).div_ceil(BLOCK))
+    }
+
+    /// Give `leg`, which is being taken out as stale (the caller decides,
+    /// and records the state only after this returns), a resync map that
+    /// is durable on return: the blocks written since the last flush,
+    /// then every write (`mark`). Returns the blocks it marks, or `None`
+    /// (logged why) when it cannot be made durable: the leg then has
+    /// unknown history, and no map of it is left behind.
+    pub(super) fn map_stale_leg(&self, leg: usize) -> Option<u64> {
+        let name = &self.legs[leg].name;
+        let membership = self.membership.as_ref()?;
+        let blocks = self.size() / BLOCK;
+        // Writes recorded from here on and not in `before` are marked
+        // below, once the map is in place for the writes after them.
+        let before = self.written.runs();
+        let map = match membership.create_map(leg, blocks, &before) {
+            Ok(map) => Arc::new(map),
+            Err(error) => {
+                tracing::error!(leg, name, %error,
+                    "mirror: cannot create the stale leg's resync map: it will need a full resync");
+                return None;
+            }
+        };
+        *self.legs[leg].map.write() = Some(Arc::clone(&map));
+        let late = minus(&self.written.runs(), &before);
+        let made = late
+            .iter()
+            .try_for_each(|run| map.mark(run.start, run.end))
+            .and_then(|()| map.sync_and_retire());
+        if let Err(error) = made {
+            *self.legs[leg].map.write() = None;
+            let removed = map.remove();
+            tracing::error!(leg, name, %error, removed = ?removed,
+                "mirror: cannot make the stale leg's resync map durable: it will need a full resync");
+            return None;
+        }
+        tracing::info!(leg, name, since_flush = count(&before) + count(&late),
+            "mirror: the stale leg's resync map starts with the blocks written since the last flush");
+        Some(map.count())
+    }
 }
 
 /// Errors about the request, not the leg: every leg would give the same.

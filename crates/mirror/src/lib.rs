@@ -44,6 +44,7 @@ mod device;
 pub mod dirty;
 pub mod manage;
 mod map_file;
+pub mod progress;
 pub mod reconcile;
 pub mod remote;
 mod repair;
@@ -55,9 +56,10 @@ mod written;
 pub use activity::{ActivityGeometry, ActivityLog, Recovered, EXTENT_BLOCKS};
 pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
 pub use dirty::{DirtyMap, FileMaps, LandedTicket, MapFile, MapStore};
-pub use reconcile::{ReconcileCursor, ReconcileProgress};
+pub use progress::{ReconcileProgress, ResyncProgress, ResyncRate};
+pub use reconcile::ReconcileCursor;
 pub use remote::{is_remote_member, LegTemplate};
-pub use resync::{ResyncCursor, ResyncProgress, ResyncRate, ResyncStep};
+pub use resync::{ResyncCursor, ResyncStep};
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet,

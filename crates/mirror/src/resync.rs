@@ -39,65 +39,15 @@ use vouch_format::mirror::LegState;
 
 use crate::device::{is_request_error, Mirror};
 use crate::dirty::DirtyMap;
+pub use crate::progress::{ResyncProgress, ResyncRate};
 use vouch_engine::device::{BlockDevice, SealedBlock};
 use vouch_engine::error::{Error, Result};
-use vouch_engine::jobs::{paced_steps, Pace, Throughput};
+use vouch_engine::jobs::{paced_steps, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = 256;
 /// Windows per batch (one flush of the resyncing leg and one map sync).
 const BATCH_WINDOWS: usize = 4;
-
-/// Resync speed limits in bytes per second.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ResyncRate {
-    /// Never slower than this (while clients are busy).
-    pub min: u64,
-    /// Never faster than this (while clients are idle).
-    pub max: u64,
-}
-
-impl ResyncRate {
-    /// The jobs' pace of this floor and ceiling.
-    pub fn pace(self) -> Pace {
-        Pace::FloorCeiling {
-            min: self.min,
-            max: self.max,
-        }
-    }
-}
-
-impl Default for ResyncRate {
-    /// md's defaults: 1 MB/s floor, 200 MB/s ceiling.
-    fn default() -> ResyncRate {
-        ResyncRate {
-            min: 1_000_000,
-            max: 200_000_000,
-        }
-    }
-}
-
-/// A resync's progress, as `vouch mirror status` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ResyncProgress {
-    /// Dirty blocks when it started.
-    pub total: u64,
-    /// Blocks copied so far.
-    pub copied: u64,
-    /// Dirty blocks left (the map's count).
-    pub left: u64,
-    /// Whether the map started full (unknown history).
-    pub full: bool,
-    /// Bytes per second over the resync so far.
-    pub rate: u64,
-    /// Seconds to go at that rate (`None` before a rate is known).
-    pub eta_seconds: Option<u64>,
-    /// `running`, `done`, `stopped` or `failed`.
-    pub state: &'static str,
-    /// Why it failed or stopped, or which blocks are left.
-    pub error: Option<String>,
-    pub elapsed_ms: u64,
-}
 
 struct Run {
     started: Instant,
