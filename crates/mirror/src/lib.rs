@@ -42,6 +42,7 @@ pub mod activity;
 mod complete;
 mod device;
 pub mod dirty;
+mod legs;
 pub mod manage;
 mod map_file;
 pub mod progress;
@@ -51,11 +52,13 @@ mod repair;
 pub mod resync;
 pub mod scrub;
 pub mod set;
+mod stripes;
 mod written;
 
 pub use activity::{ActivityGeometry, ActivityLog, Recovered, EXTENT_BLOCKS};
-pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
+pub use device::Mirror;
 pub use dirty::{DirtyMap, FileMaps, LandedTicket, MapFile, MapStore};
+pub use legs::{LegStatus, MirrorLeg, RepairCount};
 pub use progress::{ReconcileProgress, ResyncProgress, ResyncRate};
 pub use reconcile::ReconcileCursor;
 pub use remote::{is_remote_member, LegTemplate};
@@ -110,7 +113,7 @@ pub trait Membership: Send + Sync {
 
 #[cfg(test)]
 mod tests {
-    use super::device::decayed;
+    use super::legs::decayed;
     use super::CORRECTED_HALF_LIFE;
 
     #[test]

@@ -37,15 +37,16 @@ use std::time::Instant;
 
 use vouch_format::mirror::LegState;
 
-use crate::device::{is_request_error, Mirror};
+use crate::device::Mirror;
 use crate::dirty::DirtyMap;
+use crate::legs::is_request_error;
 pub use crate::progress::{ResyncProgress, ResyncRate};
 use vouch_engine::device::{BlockDevice, SealedBlock};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::jobs::{paced_steps, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
-const WINDOW_BLOCKS: u64 = 256;
+const WINDOW_BLOCKS: u64 = crate::stripes::STRIPE_BLOCKS;
 /// Windows per batch (one flush of the resyncing leg and one map sync).
 const BATCH_WINDOWS: usize = 4;
 
@@ -118,7 +119,7 @@ impl Mirror {
         Ok(())
     }
 
-    fn leg_slot(&self, leg: usize) -> Result<&crate::device::Leg> {
+    fn leg_slot(&self, leg: usize) -> Result<&crate::legs::Leg> {
         self.legs.get(leg).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "the mirror has no leg {leg} (legs 0..{})",
@@ -367,7 +368,7 @@ impl Mirror {
             };
             let window = next - next % width;
             cursor.lba = window + width;
-            let _locked = self.lock(window, window + width);
+            let _locked = self.stripes.lock(window, window + width);
             let lbas: Vec<u64> = map
                 .to_copy_in(window, window + width)
                 .into_iter()
@@ -419,7 +420,7 @@ impl Mirror {
     /// write treats it as a member (a failure faults it). Otherwise (a
     /// write failed, or one marked a block after the batch looked), go on.
     fn finish_quiesced(&self, cursor: &ResyncCursor) -> Result<ResyncStep> {
-        let _all = self.lock_all();
+        let _all = self.stripes.lock_all();
         if !self.legs[cursor.leg].resyncing.load(Ordering::Acquire) {
             return Ok(ResyncStep::Copied(0));
         }
