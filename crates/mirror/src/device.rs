@@ -1,6 +1,7 @@
-//! The `Mirror` device: its legs, their state and counters, the stripe
-//! lock, and the `BlockDevice` implementation (reads that repair are in
-//! `repair.rs`).
+//! The `Mirror` device: the parts it owns (its legs, `legs.rs`; the
+//! stripe lock, `stripes.rs`; the written record, `written.rs`; the
+//! activity log, `activity.rs`), taking a leg out, and the `BlockDevice`
+//! implementation (reads that repair are in `repair.rs`).
 
 use std::cell::RefCell;
 use std::ops::{Deref, Range};

@@ -1,8 +1,22 @@
-//! Mirrors: a `Mirror` is a `BlockDevice` over 2 or 3 legs, each another
-//! `BlockDevice` (a local `Volume`, or a remote replica: vouch-replica's
-//! `RemoteLeg`, members named `vouch://HOST:PORT/NAME`, `remote.rs`; another
+//! Mirrors (the `vouch-mirror` crate, above `vouch-engine`): a `Mirror`
+//! is a `BlockDevice` over 2 or 3 legs, each another `BlockDevice` (a
+//! local `Volume`, or a remote replica: vouch-replica's `RemoteLeg`,
+//! members named `vouch://HOST:PORT/NAME`, `remote.rs`; another
 //! implementation of the same trait). It sits outside the engine's paths:
-//! it sees its legs only through the trait.
+//! it sees its legs only through the trait, and the engine only through
+//! its public API.
+//!
+//! The map, in reading order (docs/ARCHITECTURE.md, "Modules import
+//! downward", has the rows): `legs.rs` (each leg: device, state, resync
+//! map, counters; judging an error), `stripes.rs` (the stripe lock),
+//! `device.rs` (the `Mirror`: admitting a write, writing and reading the
+//! legs, taking a leg out), `complete.rs` (the reactor's completion
+//! path), `repair.rs` and `scrub.rs` (making legs agree), `written.rs`
+//! (blocks written since the last flush), `dirty.rs` + `resync.rs` (a
+//! stale leg's map and its online copy), `activity.rs` + `reconcile.rs`
+//! (the extents being written and their reconciliation after an unclean
+//! stop), `progress.rs` (what those jobs report), `set.rs`, `manage.rs`
+//! and `map_file.rs` (the set on disk).
 //!
 //! - Writes, trims and zeroes go to every active leg under the mirror's
 //!   stripe lock (so two writers or a write and a repair cannot order
