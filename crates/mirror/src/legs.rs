@@ -26,6 +26,8 @@ pub struct MirrorLeg {
     pub state: LegState,
 }
 
+/// A leg as the mirror keeps it: its counters are its own (the methods
+/// below), its state and map the mirror changes under its rules.
 pub(crate) struct Leg {
     pub(crate) name: String,
     /// A remote replica (`vouch://`): read only when no local leg is active.
