@@ -6,7 +6,7 @@
 //! - `scan`: a chunked scan over a `BlockDevice` that skips holes, reads
 //!   and verifies on reader threads and can resume from a persisted
 //!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it;
-//! - a mirror's scrub (`mirror/scrub.rs`) walks the same chunks on the
+//! - a mirror's scrub (vouch-mirror's `scrub.rs`) walks the same chunks on the
 //!   same grid (`ChunkWalk`), its step reading every leg and repairing on
 //!   the caller's thread, with a cursor of its own;
 //! - copy (`copy.rs`, both methods) and `verify::compare_ranges`;

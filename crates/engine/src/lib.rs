@@ -25,7 +25,8 @@
 //!   never wait (inline, the read ring); `write` — its write path.
 //! - `volume` — the public handle (`volume/device.rs`: its
 //!   `BlockDevice`); `copy` — copy next to the data (reflink or
-//!   pipelined); `mirror/` — mirrors over `BlockDevice` legs.
+//!   pipelined). Mirrors over `BlockDevice` legs are a crate above this
+//!   one (`vouch-mirror`), built on its public API.
 
 mod backing;
 pub mod buffer;
@@ -45,13 +46,12 @@ pub mod keys;
 mod landing;
 
 mod layout;
-pub mod mirror;
 pub mod options;
 pub mod protection;
 mod read;
 mod read_nowait;
 pub mod recovery;
-mod replace;
+pub mod replace;
 pub mod schedule;
 pub mod scrub;
 mod shared;

@@ -17,7 +17,7 @@ use std::path::Path;
 /// or truncated), fsync it, rename it over `target`, fsync the directory.
 /// On an error `temporary` may be left behind; `target` is unchanged or
 /// replaced, never partly written.
-pub(crate) fn replace_file(temporary: &Path, target: &Path, bytes: &[u8]) -> io::Result<()> {
+pub fn replace_file(temporary: &Path, target: &Path, bytes: &[u8]) -> io::Result<()> {
     let mut file = File::create(temporary)?;
     file.write_all(bytes)?;
     file.sync_all()?;
@@ -27,7 +27,7 @@ pub(crate) fn replace_file(temporary: &Path, target: &Path, bytes: &[u8]) -> io:
 
 /// Fsync the directory holding `path`, so that a rename or removal of
 /// an entry in it is durable.
-pub(crate) fn sync_parent(path: &Path) -> io::Result<()> {
+pub fn sync_parent(path: &Path) -> io::Result<()> {
     match path.parent() {
         Some(dir) if dir.as_os_str().is_empty() => File::open(".")?.sync_all(),
         Some(dir) => File::open(dir)?.sync_all(),

@@ -32,7 +32,7 @@ pub const MAX_RECORDED_FAULTS: usize = 65536;
 pub use crate::jobs::FOREGROUND_BACKOFF;
 
 /// How a scrub runs: a volume's (`scrub`) or a mirror's
-/// (`mirror::scrub::scrub`).
+/// (`vouch_mirror::scrub::scrub`).
 #[derive(Clone, Default)]
 pub struct ScrubOptions {
     /// Bytes per second read at most (`None`: as fast as it goes).

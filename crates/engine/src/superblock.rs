@@ -15,8 +15,10 @@ use crate::storage::{ObjectId, Storage};
 /// Largest nominal volume: 1 PiB.
 pub const MAX_VOLUME_BYTES: u64 = 1 << 50;
 
-/// Pick the newest valid copy of two raw superblock slots.
-pub(crate) fn select(first: &[u8], second: &[u8]) -> Result<Superblock> {
+/// Pick the newest valid copy of two raw superblock slots (the two halves
+/// of a volume's superblock file, or of a copy of it such as a mirror's
+/// leg template): an error only when neither copy is valid.
+pub fn select(first: &[u8], second: &[u8]) -> Result<Superblock> {
     let first = Superblock::decode(first);
     let second = Superblock::decode(second);
     if let (Err(a), Err(b)) = (&first, &second) {

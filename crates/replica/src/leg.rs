@@ -27,13 +27,13 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 
-use vouch_engine::mirror::LegTemplate;
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
     Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result, SealedBlock,
     WriteDone, BLOCK,
 };
+use vouch_mirror::LegTemplate;
 
 use crate::client::{ClientError, ClientOptions, Connection};
 use crate::url::ReplicaUrl;

@@ -22,8 +22,8 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
-use vouch_engine::mirror::LegTemplate;
 use vouch_engine::{BlockDevice, Error, OpenOptions, Volume, ZeroFlags, BLOCK};
+use vouch_mirror::LegTemplate;
 
 use crate::auth::{self, Challenge, Response, Secret, RESPONSE_BYTES};
 use crate::wire::{

@@ -17,7 +17,7 @@ impl ReplicaUrl {
         let bad =
             |why: &str| format!("{text:?} is not a replica URL (vouch://HOST:PORT/NAME): {why}");
         let rest = text
-            .strip_prefix(vouch_engine::mirror::remote::REMOTE_SCHEME)
+            .strip_prefix(vouch_mirror::remote::REMOTE_SCHEME)
             .ok_or_else(|| bad("it does not start with vouch://"))?;
         let (authority, name) = rest.split_once('/').ok_or_else(|| bad("no /NAME"))?;
         check_name(name).map_err(|error| bad(&error.to_string()))?;

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vouch_engine::mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
 use vouch_engine::{BlockDevice, CreateOptions, Error, BLOCK};
+use vouch_mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
 use vouch_replica::auth;
 use vouch_replica::server::{serve, CreatePolicy, Registry, ServerOptions};
 use vouch_replica::wire::{self, Hello, Request, ResponseHeader, Status};

@@ -1,4 +1,4 @@
-//! A simulated filesystem for resync maps (`vouch_engine::mirror::MapStore`),
+//! A simulated filesystem for resync maps (`vouch_mirror::MapStore`),
 //! so the crash simulator cuts and tears the map's own writes as it does a
 //! volume's (docs/RELIABILITY.md). Each file is an object of one
 //! `SimStorage`: a page write is pending until its file is synced, and a
@@ -15,8 +15,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use vouch_engine::mirror::{MapFile, MapStore};
 use vouch_engine::{ObjectId, SimStorage, Storage};
+use vouch_mirror::{MapFile, MapStore};
 
 use crate::recorder::{crash_image, Strategy};
 use crate::rng::Rng;

@@ -1,4 +1,4 @@
-//! Crash points of mirror repair (`crates/engine/src/mirror/`, repair's
+//! Crash points of mirror repair (`crates/mirror/src/`, repair's
 //! write order in docs/CRASH_MODEL.md). Two legs of one volume on
 //! simulated storage hold the same flushed data; some blocks are then
 //! corrupted on leg 1 (data or context), one on both legs. The legs are
@@ -29,11 +29,11 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
     BlockDevice, CreateOptions, Error, Fault, LayoutKind, ObjectId, OpenOptions, SimStorage,
     Storage, Volume,
 };
+use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
 use crate::recorder::{crash_image, Recorder, STRATEGIES};
 use crate::rng::Rng;
@@ -233,7 +233,7 @@ pub fn run_seed(seed: u64, sabotage: bool, report: &mut MirrorReport) -> Result<
         }
         report.background_commits += crate::stepper::step_commits([&*volume0, &*volume1], &mut rng);
     }
-    let scrubbed = vouch_engine::mirror::scrub::scrub(
+    let scrubbed = vouch_mirror::scrub::scrub(
         &mirror,
         &vouch_engine::scrub::ScrubOptions::default(),
         &JobControl::default(),

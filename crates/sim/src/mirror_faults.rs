@@ -31,12 +31,12 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
     BlockDevice, CreateOptions, Fault, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions,
     SealedBlock, Storage, Volume,
 };
 use vouch_format::layout::PACKED_RECORD_BYTES;
+use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
 use crate::faults::{segment_blocks, volume_geometry, Kind, BLOCKS};
 use crate::recorder::Recorder;
@@ -333,7 +333,7 @@ impl Cx {
             self.legs[1].sim.set_faults(FaultPlan::default());
         }
         if outcome == Some(Outcome::Silent) {
-            vouch_engine::mirror::scrub::scrub(
+            vouch_mirror::scrub::scrub(
                 &self.mirror,
                 &vouch_engine::scrub::ScrubOptions::default(),
                 &JobControl::default(),
@@ -353,7 +353,7 @@ impl Cx {
         if self.leg1_reads_model(lba) {
             return Ok(Outcome::RepairedByRead);
         }
-        vouch_engine::mirror::scrub::scrub(
+        vouch_mirror::scrub::scrub(
             &self.mirror,
             &vouch_engine::scrub::ScrubOptions::default(),
             &JobControl::default(),

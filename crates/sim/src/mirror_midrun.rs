@@ -1,4 +1,4 @@
-//! Crash points of a leg lost mid-run (`crates/engine/src/mirror/written.rs`,
+//! Crash points of a leg lost mid-run (`crates/mirror/src/written.rs`,
 //! docs/CRASH_MODEL.md "A leg lost mid-run"). A mirror of leg 0 (a local
 //! volume, its records and maps in a real directory) and leg 1 (a
 //! "replica": a volume behind a switch that makes every request fail
@@ -39,13 +39,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use vouch_engine::mirror::set::{open_mirror_with, track_stale_legs, write_record, MirrorRecord};
-use vouch_engine::mirror::{DirtyMap, FileMembership, LegState, Membership, Mirror, MirrorLeg};
 use vouch_engine::{
     Allocation, BlockDevice, CreateOptions, Error, Fault, OpenOptions, Result, SealedBlock,
     SimStorage, Volume,
 };
 use vouch_format::mirror::MirrorMember;
+use vouch_mirror::set::{open_mirror_with, track_stale_legs, write_record, MirrorRecord};
+use vouch_mirror::{DirtyMap, FileMembership, LegState, Membership, Mirror, MirrorLeg};
 
 use crate::rng::Rng;
 use crate::BLOCK;
@@ -364,7 +364,7 @@ fn check_capture(
     for (name, bytes) in files {
         std::fs::write(dir.join(name), bytes).map_err(|e| e.to_string())?;
     }
-    let recorded = vouch_engine::mirror::set::read_record(dir).map_err(|e| e.to_string())?;
+    let recorded = vouch_mirror::set::read_record(dir).map_err(|e| e.to_string())?;
     let stale_then = recorded.members[1].state == LegState::Stale;
     let set = open_mirror_with(
         dir,

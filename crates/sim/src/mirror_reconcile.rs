@@ -1,5 +1,5 @@
 //! Crashes of the exporter during mirrored writes with the activity log
-//! (`vouch_engine::mirror::activity`, docs/CRASH_MODEL.md "Crash
+//! (`vouch_mirror::activity`, docs/CRASH_MODEL.md "Crash
 //! reconciliation by an activity log"), then the reconciliation a restart
 //! runs. Two legs on recording storage and the log's two files on the
 //! simulator's map store take a random workload of writes (by the three
@@ -31,8 +31,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use vouch_engine::mirror::{ActivityGeometry, ActivityLog, MapStore, Recovered};
 use vouch_engine::{BlockDevice, SimStorage};
+use vouch_mirror::{ActivityGeometry, ActivityLog, MapStore, Recovered};
 
 use crate::fingerprint;
 use crate::map_store::SimMaps;
@@ -340,7 +340,7 @@ fn check_crash(crash: Crash, report: &mut ReconcileReport) -> Result<(), String>
     }
     for leg in mirror.status() {
         report.faults_counted += leg.corrected;
-        if leg.corrected > 0 || leg.state != vouch_engine::mirror::LegState::Active {
+        if leg.corrected > 0 || leg.state != vouch_mirror::LegState::Active {
             return Err(format!("the reconciliation blamed a leg: {leg:?}"));
         }
         if leg.repairs.iter().any(|repair| repair.kind != "reconcile") {

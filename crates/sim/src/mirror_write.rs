@@ -28,11 +28,11 @@ use std::time::Instant;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{
     BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock, SimStorage, Storage,
     Volume, WriteDone,
 };
+use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
 use crate::fingerprint;
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
@@ -573,7 +573,7 @@ fn check_crash(crash: Crash, report: &mut MirrorWriteReport) -> Result<(), Strin
         seen.push(print);
     }
     report.diverged += u64::from(diverged);
-    let scrubbed = vouch_engine::mirror::scrub::scrub(
+    let scrubbed = vouch_mirror::scrub::scrub(
         &mirror,
         &vouch_engine::scrub::ScrubOptions::default(),
         &JobControl::default(),

@@ -1,5 +1,5 @@
 //! Crash points of mirror resync under client writes
-//! (`crates/engine/src/mirror/resync.rs`, docs/CRASH_MODEL.md "Resync").
+//! (`crates/mirror/src/resync.rs`, docs/CRASH_MODEL.md "Resync").
 //!
 //! Two identical legs on simulated storage; leg 1 goes away and a
 //! `Mirror` writes, trims and flushes random blocks on leg 0 alone,
@@ -47,14 +47,12 @@ use std::time::Instant;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{
-    DirtyMap, LegState, MapStore, Mirror, MirrorLeg, ResyncCursor, ResyncStep,
-};
 use vouch_engine::{
     BlockDevice, CommitStep, CreateOptions, LayoutKind, OpenOptions, OrderingBreaks, SimStorage,
     Storage, Volume,
 };
 use vouch_format::dirty::DirtyHeader;
+use vouch_mirror::{DirtyMap, LegState, MapStore, Mirror, MirrorLeg, ResyncCursor, ResyncStep};
 
 use crate::map_store::SimMaps;
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
@@ -82,7 +80,7 @@ fn header() -> DirtyHeader {
 }
 
 fn map_path() -> PathBuf {
-    Path::new(DIR).join(vouch_engine::mirror::dirty::map_file_name(1))
+    Path::new(DIR).join(vouch_mirror::dirty::map_file_name(1))
 }
 
 /// What a resync crash run found.
@@ -628,7 +626,7 @@ impl Checker {
             resync_to_end(&mirror, unknown.is_some(), self.window)
                 .map_err(|e| format!("restarted resync: {e}"))?;
         }
-        let scrubbed = vouch_engine::mirror::scrub::scrub(
+        let scrubbed = vouch_mirror::scrub::scrub(
             &mirror,
             &vouch_engine::scrub::ScrubOptions::default(),
             &JobControl::default(),

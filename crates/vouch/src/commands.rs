@@ -114,7 +114,7 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "encrypted": info.encrypted,
             "key": info.key_kind,
             "last_scrub": scrub_json(&scrub),
-            "mirror": if vouch_engine::mirror::is_mirrored(path) {
+            "mirror": if vouch_mirror::is_mirrored(path) {
                 crate::mirror::info_json(path)?
             } else {
                 serde_json::Value::Null
@@ -175,7 +175,7 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             bytesize::ByteSize(info.allocated_bytes)
         );
         println!("last scrub:      {}", scrub_text(&scrub));
-        if vouch_engine::mirror::is_mirrored(path) {
+        if vouch_mirror::is_mirrored(path) {
             crate::mirror::print_info(path)?;
         }
     }
@@ -294,7 +294,7 @@ fn progress_bar(total: u64, what: &str) -> ProgressBar {
 }
 
 pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
-    if vouch_engine::mirror::is_mirrored(path) {
+    if vouch_mirror::is_mirrored(path) {
         return crate::mirror::check(path, json_output);
     }
     let volume = open_read_only(path, Use::Verify)?;

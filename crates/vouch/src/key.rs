@@ -262,7 +262,7 @@ pub fn run(command: KeyCommand) -> Result<ExitCode> {
         KeyCommand::Change {
             path, new_key_file, ..
         } => {
-            if vouch_engine::mirror::is_mirrored(&path) {
+            if vouch_mirror::is_mirrored(&path) {
                 anyhow::bail!(
                     "{} is a leg of a mirror: changing the key of mirrored volumes is not supported yet",
                     path.display()

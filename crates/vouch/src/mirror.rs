@@ -10,8 +10,9 @@ use anyhow::{bail, Context as _, Result};
 use clap::Subcommand;
 use serde_json::json;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::mirror::{self, FileMembership, LegState, LegStatus, Membership, Mirror};
 use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
+use vouch_mirror as mirror;
+use vouch_mirror::{FileMembership, LegState, LegStatus, Membership, Mirror};
 
 use crate::key::Use;
 

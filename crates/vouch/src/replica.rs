@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Args, Subcommand};
-use vouch_engine::mirror::set::MirrorRecord;
-use vouch_engine::mirror::LegTemplate;
 use vouch_engine::{BlockDevice, Fault, BLOCK};
+use vouch_mirror::set::MirrorRecord;
+use vouch_mirror::LegTemplate;
 use vouch_replica::tls::TlsFiles;
 use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};
 

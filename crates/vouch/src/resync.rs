@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
-use vouch_engine::mirror::dirty::{inspect, map_file_name, DirtyMap};
-use vouch_engine::mirror::{self, LegState, Mirror, ReconcileProgress, ResyncProgress, ResyncRate};
 use vouch_engine::{BlockDevice, OpenOptions, BLOCK};
+use vouch_mirror as mirror;
+use vouch_mirror::dirty::{inspect, map_file_name, DirtyMap};
+use vouch_mirror::{LegState, Mirror, ReconcileProgress, ResyncProgress, ResyncRate};
 
 use crate::key::Use;
 

@@ -173,7 +173,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             eprintln!("vouch: created {} ({size} bytes)", path.display());
         }
     }
-    let rate = vouch_engine::mirror::ResyncRate {
+    let rate = vouch_mirror::ResyncRate {
         min: args.resync_min,
         max: args.resync_max,
     };
@@ -187,7 +187,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             ..OpenOptions::default()
         };
         options.tuning.context_cache_pages = cache_pages;
-        if vouch_engine::mirror::is_mirrored(path) {
+        if vouch_mirror::is_mirrored(path) {
             let set = crate::mirror::open(path, options.clone(), crate::key::Use::Data)?;
             eprintln!(
                 "vouch: {}: mirror of {} legs, {} active",
@@ -450,7 +450,7 @@ async fn serve(
     if let Some(listener) = metrics_listener {
         let engine_volumes: Vec<(String, Arc<Volume>)> =
             names.iter().cloned().zip(volumes.iter().cloned()).collect();
-        let mirror_devices: Vec<(String, Arc<vouch_engine::mirror::Mirror>)> = names
+        let mirror_devices: Vec<(String, Arc<vouch_mirror::Mirror>)> = names
             .iter()
             .zip(mirrors)
             .filter_map(|(name, set)| set.as_ref().map(|set| (name.clone(), set.mirror.clone())))

@@ -18,8 +18,8 @@ use std::time::Duration;
 
 use common::*;
 use replica_support::*;
-use vouch_engine::mirror::LegTemplate;
 use vouch_engine::{BlockDevice, CreateOptions, BLOCK};
+use vouch_mirror::LegTemplate;
 use vouch_replica::tls::TlsFiles;
 use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};
 

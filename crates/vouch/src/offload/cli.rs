@@ -286,7 +286,7 @@ pub(super) fn client(server: &ServerArgs) -> Result<Option<Client>> {
 /// Open a volume offline, with its key if it is encrypted (`key::open`;
 /// `purpose` says whether `--keyless` may stand in for it).
 pub(super) fn open(path: &str, writable: bool, purpose: crate::key::Use) -> Result<Volume> {
-    if writable && vouch_engine::mirror::is_mirrored(Path::new(path)) {
+    if writable && vouch_mirror::is_mirrored(Path::new(path)) {
         anyhow::bail!(
             "{path} is a leg of a mirror: writing one leg alone would make the legs differ; serve the volume and use --server"
         );

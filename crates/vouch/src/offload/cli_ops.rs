@@ -161,7 +161,7 @@ pub fn scrub(args: ScrubArgs) -> Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    if client.is_none() && vouch_engine::mirror::is_mirrored(Path::new(&name)) {
+    if client.is_none() && vouch_mirror::is_mirrored(Path::new(&name)) {
         return crate::mirror::scrub(Path::new(&name), args.rate, args.json);
     }
     let ended = match &client {
@@ -282,7 +282,7 @@ enum Destination {
 
 impl Destination {
     fn open(path: &str) -> Result<Destination> {
-        if vouch_engine::mirror::is_mirrored(Path::new(path)) {
+        if vouch_mirror::is_mirrored(Path::new(path)) {
             let set = crate::mirror::open(
                 Path::new(path),
                 vouch_engine::OpenOptions::default(),

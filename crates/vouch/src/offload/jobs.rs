@@ -28,7 +28,7 @@ pub struct ExportEntry {
     pub volume: Arc<Volume>,
     /// A mirrored export: jobs go through the mirror (reads repair, scrub
     /// checks and repairs every leg); `volume` is its first open leg.
-    pub mirror: Option<Arc<vouch_engine::mirror::Mirror>>,
+    pub mirror: Option<Arc<vouch_mirror::Mirror>>,
     /// A mirrored export's resyncs (`/v1/mirrors`).
     pub resync: Option<Arc<crate::resync::Resyncer>>,
 }
@@ -453,13 +453,9 @@ impl Jobs {
                 if let Some(mirror) = &entry.mirror {
                     // Its cursor beside the volume scrub's record: a
                     // cancelled or interrupted scrub resumes there.
-                    let cursor = vouch_engine::mirror::scrub::cursor_in(&entry.dir);
-                    let report = vouch_engine::mirror::scrub::scrub_from(
-                        mirror,
-                        &options,
-                        control,
-                        Some(&cursor),
-                    )?;
+                    let cursor = vouch_mirror::scrub::cursor_in(&entry.dir);
+                    let report =
+                        vouch_mirror::scrub::scrub_from(mirror, &options, control, Some(&cursor))?;
                     return Ok((JobState::Finished, render::mirror_scrub_json(&report)));
                 }
                 let record = engine::scrub(device(*export), &entry.dir, &options, control)?;

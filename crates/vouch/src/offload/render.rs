@@ -44,7 +44,7 @@ pub fn scrub_state_name(state: ScrubState) -> &'static str {
 
 /// A mirror scrub's report, with the fields of `scrub_json` the CLI reads
 /// (`faults`: what was left unrepaired) and the mirror's counts.
-pub fn mirror_scrub_json(report: &vouch_engine::mirror::scrub::MirrorScrubReport) -> Value {
+pub fn mirror_scrub_json(report: &vouch_mirror::scrub::MirrorScrubReport) -> Value {
     let left: Vec<Value> = report
         .findings
         .iter()

@@ -7,11 +7,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vouch_engine::jobs::{Cursor, JobControl};
-use vouch_engine::mirror::{self, create_mirror, open_mirror, LegState, Mirror};
 use vouch_engine::{
     open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Volume, ZeroFlags,
     BLOCK,
 };
+use vouch_mirror as mirror;
+use vouch_mirror::{create_mirror, open_mirror, LegState, Mirror};
 
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {
     (0..BLOCK as usize)
@@ -285,7 +286,7 @@ fn scrub_repairs_and_a_stale_copy_loses_to_the_newer_generation() {
     // Lose that write on leg 1: put its old bytes and context back on
     // disk, as a lost write would leave them (still valid, older).
     let old_context = match old[0].context {
-        vouch_engine::mirror::Context::Data { .. } => old[0].context.encode(),
+        vouch_mirror::Context::Data { .. } => old[0].context.encode(),
         other => panic!("data context expected: {other:?}"),
     };
     let data = std::fs::OpenOptions::new()

@@ -9,8 +9,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vouch_engine::mirror::{self, create_mirror, open_mirror, Mirror, ResyncRate};
 use vouch_engine::{open_volume, BlockDevice, CreateOptions, OpenOptions, Volume, BLOCK};
+use vouch_mirror as mirror;
+use vouch_mirror::{create_mirror, open_mirror, Mirror, ResyncRate};
 
 /// 32 MiB legs; leg 1 misses writes to the first 12 MiB.
 const SIZE: u64 = 32 << 20;

@@ -4,8 +4,8 @@
 
 use std::sync::Arc;
 
-use vouch_engine::mirror::{LegState, Mirror, MirrorLeg};
 use vouch_engine::{BlockDevice, CreateOptions, Error, SimStorage, Volume};
+use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
 fn volume() -> Arc<dyn BlockDevice> {
     let volume = Volume::create(Arc::new(SimStorage::new()), &CreateOptions::new(64 * 4096))

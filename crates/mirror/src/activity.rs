@@ -43,10 +43,9 @@ use std::sync::Arc;
 use parking_lot::{Condvar, Mutex};
 use vouch_format::activity::{ActivityLog as Copy, ACTIVITY_COPY_BYTES, ACTIVITY_MAX_EXTENTS};
 
-use super::device::Mirror;
-use super::map_file::{MapFile, MapStore};
-use crate::error::{Error, Result};
-use crate::state::BLOCK;
+use crate::map_file::{MapFile, MapStore};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::BLOCK;
 
 /// The log's file name in each active local leg's directory.
 pub const ACTIVITY_FILE: &str = "mirror.active";
@@ -251,6 +250,23 @@ fn store_error(action: &'static str, path: &Path, error: std::io::Error) -> Erro
 }
 
 impl ActivityLog {
+    /// `[offset, end)` (bytes) cut at multiples of half the log's active
+    /// extents (at least one piece, maybe empty), so a large trim or
+    /// zeroing enters the log a piece at a time.
+    pub(crate) fn pieces(&self, offset: u64, end: u64) -> Vec<Range<u64>> {
+        let piece = (self.geometry.active_extents as u64 / 2).max(1) * self.extent_blocks() * BLOCK;
+        let mut pieces = Vec::new();
+        let mut at = offset;
+        loop {
+            let next = ((at / piece) + 1) * piece;
+            pieces.push(at..next.min(end));
+            if next >= end {
+                return pieces;
+            }
+            at = next;
+        }
+    }
+
     /// Read the logs in `dirs` (each active local leg's directory) and
     /// start a new one there naming what they named (to reconcile). The
     /// union of every valid log is taken: each update went to every file,
@@ -642,104 +658,10 @@ impl ActivityLog {
     }
 }
 
-impl Mirror {
-    /// Keep `log` from now on: every write, trim and zeroing enters it
-    /// before any leg is written. Set once (at open, before serving).
-    pub fn keep_activity_log(&self, log: Arc<ActivityLog>) -> Result<()> {
-        self.activity
-            .set(log)
-            .map_err(|_| Error::InvalidArgument("the mirror keeps an activity log already".into()))
-    }
-
-    /// A clean close of the log, once no write is in flight or to come:
-    /// flush every leg, then write a log that names only what is still to
-    /// reconcile (ORDER: the flush returns before the log forgets an
-    /// extent). Nothing to do without a log.
-    pub fn close_activity_log(&self) -> Result<()> {
-        let Some(log) = self.activity.get() else {
-            return Ok(());
-        };
-        crate::device::BlockDevice::flush(self)?;
-        log.close()
-    }
-
-    /// Reads go to the first active leg until the extents the log carried
-    /// from the last run are reconciled (`begin_reconcile` then does it);
-    /// for a set opened before its reconciliation starts.
-    pub fn hold_reads_until_reconciled(&self) {
-        if self
-            .activity
-            .get()
-            .is_some_and(|log| !log.pinned().is_empty())
-        {
-            self.hold_reads_on_one_leg();
-        }
-    }
-
-    /// The activity log, if the set keeps one.
-    pub fn activity_log(&self) -> Option<&Arc<ActivityLog>> {
-        self.activity.get()
-    }
-
-    /// Enter blocks `[first, end)` in the activity log (the caller holds
-    /// their stripes), flushing the legs if that is what makes room, or
-    /// waiting for writes in flight to return. `None`: no log.
-    pub(super) fn enter_log(&self, first: u64, end: u64) -> Result<Option<Entered>> {
-        let Some(log) = self.activity.get() else {
-            return Ok(None);
-        };
-        // Every extent that could leave having a write in flight,
-        // `enter_waiting` waits for one to return (each returns without
-        // waiting on this writer: it holds no lock this writer wants). When
-        // a flush made no room (each flushed extent written again
-        // meanwhile), the next round flushes again.
-        loop {
-            match log.enter_waiting(first, end)? {
-                Ok(entered) => return Ok(Some(entered)),
-                Err(_) => crate::device::BlockDevice::flush(self)?,
-            }
-        }
-    }
-
-    pub(super) fn enter_log_bytes(&self, offset: u64, length: u64) -> Result<Option<Entered>> {
-        self.enter_log(offset / BLOCK, (offset + length).div_ceil(BLOCK))
-    }
-
-    /// `enter_log` without I/O or waiting, for the inline paths: `None`
-    /// (decline) when an extent is not logged yet; `Some(None)`: no log.
-    pub(super) fn try_enter_log(&self, first: u64, end: u64) -> Option<Option<Entered>> {
-        match self.activity.get() {
-            None => Some(None),
-            Some(log) => log.try_enter(first, end).map(Some),
-        }
-    }
-
-    /// `[offset, offset + length)` cut at multiples of half the log's
-    /// active extents (at least one piece, maybe empty), so a large trim
-    /// or zeroing enters the log a piece at a time.
-    pub(super) fn log_pieces(&self, offset: u64, length: u64) -> Vec<Range<u64>> {
-        let end = offset + length;
-        let Some(log) = self.activity.get() else {
-            return std::iter::once(offset..end).collect();
-        };
-        let piece = (log.geometry.active_extents as u64 / 2).max(1) * log.extent_blocks() * BLOCK;
-        let mut pieces = Vec::new();
-        let mut at = offset;
-        loop {
-            let next = ((at / piece) + 1) * piece;
-            pieces.push(at..next.min(end));
-            if next >= end {
-                return pieces;
-            }
-            at = next;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mirror::map_file::FileMaps;
+    use crate::map_file::FileMaps;
 
     fn geometry(active_extents: usize) -> ActivityGeometry {
         ActivityGeometry {

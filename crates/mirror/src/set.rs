@@ -13,14 +13,14 @@ use parking_lot::Mutex;
 pub use vouch_format::mirror::MirrorRecord;
 use vouch_format::mirror::{LegState, MirrorMember, MAX_LEGS, MIN_LEGS};
 
-use super::dirty::{map_file_name, DirtyMap};
-use super::{Membership, Mirror, MirrorLeg};
-use crate::device::BlockDevice;
-use crate::error::{Error, Result};
-use crate::options::CreateOptions;
-use crate::replace::replace_file;
-use crate::storage::FileStorage;
-use crate::volume::Volume;
+use crate::dirty::{map_file_name, DirtyMap};
+use crate::{Membership, Mirror, MirrorLeg};
+use vouch_engine::device::BlockDevice;
+use vouch_engine::error::{Error, Result};
+use vouch_engine::options::CreateOptions;
+use vouch_engine::replace::replace_file;
+use vouch_engine::storage::FileStorage;
+use vouch_engine::Volume;
 
 /// The record's file name in each leg's directory.
 pub const RECORD_FILE: &str = "mirror";
@@ -121,7 +121,7 @@ pub fn create_mirror_with(
 ) -> Result<Volume> {
     if paths
         .first()
-        .is_some_and(|first| super::is_remote_member(&first.to_string_lossy()))
+        .is_some_and(|first| crate::is_remote_member(&first.to_string_lossy()))
     {
         return Err(Error::InvalidArgument(
             "leg 0 of a mirror must be a local directory (it keeps the set's record)".into(),
@@ -155,7 +155,7 @@ pub fn create_mirror_with(
 }
 
 fn is_remote(path: &Path) -> bool {
-    super::is_remote_member(&path.to_string_lossy())
+    crate::is_remote_member(&path.to_string_lossy())
 }
 
 /// Create an empty leg at `target` with the superblock of the leg at
@@ -165,7 +165,7 @@ pub fn create_leg_like(source: &Path, target: &Path) -> Result<()> {
     let superblock_file = source.join("superblock");
     let superblock = std::fs::read(&superblock_file)
         .map_err(|error| path_error("read", &superblock_file, error))?;
-    let geometry = crate::volume_superblock(source)?
+    let geometry = vouch_engine::volume_superblock(source)?
         .geometry()
         .map_err(|error| Error::Corrupt(format!("{}: superblock: {error}", source.display())))?;
     let journal = std::fs::metadata(source.join("journal"))
@@ -191,7 +191,7 @@ fn create_legs(
     options: &CreateOptions,
     create_remote: &mut dyn FnMut(&str, &Path) -> Result<()>,
 ) -> Result<Volume> {
-    crate::create_volume(&paths[0], options)?.close()?;
+    vouch_engine::create_volume(&paths[0], options)?.close()?;
     for path in &paths[1..] {
         if is_remote(path) {
             create_remote(&path.to_string_lossy(), &paths[0])?;
@@ -209,7 +209,7 @@ fn create_legs(
                 .map_err(|error| path_error("open", path, error))
         })
         .collect::<Result<_>>()?;
-    let uuid = crate::volume_superblock(&paths[0])?.uuid;
+    let uuid = vouch_engine::volume_superblock(&paths[0])?.uuid;
     let mut record = MirrorRecord {
         leg: 0,
         uuid,
@@ -228,15 +228,15 @@ fn create_legs(
             write_record(path, &record)?;
         }
     }
-    let open = crate::options::OpenOptions {
+    let open = vouch_engine::options::OpenOptions {
         key: options.encrypt.clone(),
         ..Default::default()
     };
     // Every leg must open as a volume; leg 0 is returned.
     for path in paths[1..].iter().filter(|path| !is_remote(path)) {
-        crate::open_volume(path, &open)?.close()?;
+        vouch_engine::open_volume(path, &open)?.close()?;
     }
-    crate::open_volume(&paths[0], &open)
+    vouch_engine::open_volume(&paths[0], &open)
 }
 
 /// The set's view from the leg at `path`: the record with the highest
@@ -253,7 +253,7 @@ pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
             reasons.push(None);
             continue;
         }
-        if super::is_remote_member(&member.path) {
+        if crate::is_remote_member(&member.path) {
             // No record there: whoever opens the set reaches it.
             found.push(None);
             reasons.push(None);
@@ -391,7 +391,7 @@ pub fn open_mirror_with(
             missing: reasons[index].clone(),
         };
         if member.state == LegState::Active {
-            if leg.missing.is_none() && super::is_remote_member(&member.path) {
+            if leg.missing.is_none() && crate::is_remote_member(&member.path) {
                 match open_remote(&member.path, &record) {
                     Ok(device) => leg.remote = Some(device),
                     Err(error) => leg.missing = Some(error.to_string()),
@@ -414,7 +414,7 @@ pub fn open_mirror_with(
             // resync map is copied.
             let resumable = member.state == LegState::Stale || has_map(&record, index);
             if writable && resumable && leg.missing.is_none() {
-                if super::is_remote_member(&member.path) {
+                if crate::is_remote_member(&member.path) {
                     // Reached again (its uuid checked): a new connection.
                     match open_remote(&member.path, &record) {
                         Ok(device) => leg.remote = Some(device),
@@ -506,7 +506,7 @@ pub fn has_map(record: &MirrorRecord, leg: usize) -> bool {
 fn blocks_of(legs: &[OpenedLeg]) -> Result<u64> {
     legs.iter()
         .find_map(|leg| leg.volume.as_ref())
-        .map(|volume| BlockDevice::size(volume) / crate::state::BLOCK)
+        .map(|volume| BlockDevice::size(volume) / vouch_engine::BLOCK)
         .ok_or_else(|| Error::Corrupt("no leg of the mirror is open".into()))
 }
 
@@ -519,7 +519,7 @@ pub fn track_stale_legs(
     record: &MirrorRecord,
 ) -> Result<Vec<(usize, Option<String>)>> {
     let active = mirror.active();
-    let blocks = mirror.size() / crate::state::BLOCK;
+    let blocks = mirror.size() / vouch_engine::BLOCK;
     let mut tracked = Vec::new();
     for (index, member) in record.members.iter().enumerate() {
         if active.contains(&index) {
@@ -543,7 +543,7 @@ pub fn track_stale_legs(
 fn store_on_active_legs(record: &MirrorRecord) -> Result<()> {
     let mut copy = record.clone();
     for (index, member) in record.members.iter().enumerate() {
-        if member.state == LegState::Active && !super::is_remote_member(&member.path) {
+        if member.state == LegState::Active && !crate::is_remote_member(&member.path) {
             copy.leg = index as u16;
             write_record(Path::new(&member.path), &copy)?;
         }
@@ -557,21 +557,21 @@ fn store_on_active_legs(record: &MirrorRecord) -> Result<()> {
 pub fn open_activity(
     record: &MirrorRecord,
     blocks: u64,
-) -> Result<(super::ActivityLog, super::Recovered)> {
-    super::ActivityLog::open(
-        Arc::new(super::FileMaps),
+) -> Result<(crate::ActivityLog, crate::Recovered)> {
+    crate::ActivityLog::open(
+        Arc::new(crate::FileMaps),
         &map_dirs(record),
-        super::ActivityGeometry::of(record.uuid, blocks),
+        crate::ActivityGeometry::of(record.uuid, blocks),
     )
 }
 
 /// What `open_activity` would find, read without writing anything: the
 /// extents an unclean stop may have left different on the active legs.
-pub fn peek_activity(record: &MirrorRecord, blocks: u64) -> Result<super::Recovered> {
-    super::ActivityLog::peek(
-        &super::FileMaps,
+pub fn peek_activity(record: &MirrorRecord, blocks: u64) -> Result<crate::Recovered> {
+    crate::ActivityLog::peek(
+        &crate::FileMaps,
         &map_dirs(record),
-        super::ActivityGeometry::of(record.uuid, blocks),
+        crate::ActivityGeometry::of(record.uuid, blocks),
     )
 }
 

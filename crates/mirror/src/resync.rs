@@ -37,67 +37,18 @@ use std::time::Instant;
 
 use vouch_format::mirror::LegState;
 
-use super::device::{is_request_error, Mirror};
-use super::dirty::DirtyMap;
-use crate::device::{BlockDevice, SealedBlock};
-use crate::error::{Error, Result};
-use crate::jobs::{paced_steps, Pace, Throughput};
+use crate::device::Mirror;
+use crate::dirty::DirtyMap;
+use crate::legs::is_request_error;
+pub use crate::progress::{ResyncProgress, ResyncRate};
+use vouch_engine::device::{BlockDevice, SealedBlock};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::jobs::{paced_steps, Throughput};
 
 /// Blocks per window (one stripe of the mirror's lock).
-const WINDOW_BLOCKS: u64 = 256;
+const WINDOW_BLOCKS: u64 = crate::stripes::STRIPE_BLOCKS;
 /// Windows per batch (one flush of the resyncing leg and one map sync).
 const BATCH_WINDOWS: usize = 4;
-
-/// Resync speed limits in bytes per second.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ResyncRate {
-    /// Never slower than this (while clients are busy).
-    pub min: u64,
-    /// Never faster than this (while clients are idle).
-    pub max: u64,
-}
-
-impl ResyncRate {
-    /// The jobs' pace of this floor and ceiling.
-    pub fn pace(self) -> Pace {
-        Pace::FloorCeiling {
-            min: self.min,
-            max: self.max,
-        }
-    }
-}
-
-impl Default for ResyncRate {
-    /// md's defaults: 1 MB/s floor, 200 MB/s ceiling.
-    fn default() -> ResyncRate {
-        ResyncRate {
-            min: 1_000_000,
-            max: 200_000_000,
-        }
-    }
-}
-
-/// A resync's progress, as `vouch mirror status` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ResyncProgress {
-    /// Dirty blocks when it started.
-    pub total: u64,
-    /// Blocks copied so far.
-    pub copied: u64,
-    /// Dirty blocks left (the map's count).
-    pub left: u64,
-    /// Whether the map started full (unknown history).
-    pub full: bool,
-    /// Bytes per second over the resync so far.
-    pub rate: u64,
-    /// Seconds to go at that rate (`None` before a rate is known).
-    pub eta_seconds: Option<u64>,
-    /// `running`, `done`, `stopped` or `failed`.
-    pub state: &'static str,
-    /// Why it failed or stopped, or which blocks are left.
-    pub error: Option<String>,
-    pub elapsed_ms: u64,
-}
 
 struct Run {
     started: Instant,
@@ -168,7 +119,7 @@ impl Mirror {
         Ok(())
     }
 
-    fn leg_slot(&self, leg: usize) -> Result<&super::device::Leg> {
+    fn leg_slot(&self, leg: usize) -> Result<&crate::legs::Leg> {
         self.legs.get(leg).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "the mirror has no leg {leg} (legs 0..{})",
@@ -390,7 +341,7 @@ impl Mirror {
                 ResyncStep::Finished => Ok(None),
                 ResyncStep::Copied(moved) => {
                     *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-                    Ok(Some(moved * crate::state::BLOCK))
+                    Ok(Some(moved * vouch_engine::BLOCK))
                 }
             }
         })
@@ -417,7 +368,7 @@ impl Mirror {
             };
             let window = next - next % width;
             cursor.lba = window + width;
-            let _locked = self.lock(window, window + width);
+            let _locked = self.stripes.lock(window, window + width);
             let lbas: Vec<u64> = map
                 .to_copy_in(window, window + width)
                 .into_iter()
@@ -469,7 +420,7 @@ impl Mirror {
     /// write treats it as a member (a failure faults it). Otherwise (a
     /// write failed, or one marked a block after the batch looked), go on.
     fn finish_quiesced(&self, cursor: &ResyncCursor) -> Result<ResyncStep> {
-        let _all = self.lock_all();
+        let _all = self.stripes.lock_all();
         if !self.legs[cursor.leg].resyncing.load(Ordering::Acquire) {
             return Ok(ResyncStep::Copied(0));
         }

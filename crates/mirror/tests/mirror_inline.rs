@@ -8,11 +8,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use vouch_engine::mirror::{create_mirror, open_mirror, LegState, Mirror, MirrorLeg};
 use vouch_engine::{
     open_volume, Allocation, BlockDevice, CreateOptions, Fault, OpenOptions, Result, SealedBlock,
     UserSecret, Volume, BLOCK,
 };
+use vouch_mirror::{create_mirror, open_mirror, LegState, Mirror, MirrorLeg};
 
 fn legs(dir: &Path, n: usize) -> Vec<PathBuf> {
     (0..n).map(|i| dir.join(format!("leg{i}"))).collect()

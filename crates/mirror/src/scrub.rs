@@ -24,11 +24,12 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use super::device::{is_request_error, Mirror};
-use crate::error::{Error, FaultKind, Result};
-use crate::jobs::{ChunkWalk, Cursor, CursorFile, JobControl, ScanEnd, ScanOptions};
-use crate::scrub::ScrubOptions;
-use crate::state::BLOCK;
+use crate::device::Mirror;
+use crate::legs::is_request_error;
+use vouch_engine::error::{Error, FaultKind, Result};
+use vouch_engine::jobs::{ChunkWalk, Cursor, CursorFile, JobControl, ScanEnd, ScanOptions};
+use vouch_engine::scrub::ScrubOptions;
+use vouch_engine::BLOCK;
 
 /// Findings kept in a report; past this only the counts grow.
 pub const MAX_FINDINGS: usize = 65536;
@@ -147,7 +148,7 @@ impl Mirror {
         report: &mut MirrorScrubReport,
         divergence: &'static str,
     ) -> Result<()> {
-        let _locked = self.lock(first, first + count);
+        let _locked = self.stripes.lock(first, first + count);
         let active = self.active();
         let read_leg = self
             .reads_one_leg()

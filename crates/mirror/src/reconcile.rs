@@ -25,40 +25,14 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::device::Mirror;
-use super::resync::ResyncRate;
-use super::scrub::MirrorScrubReport;
-use crate::device::BlockDevice;
-use crate::error::{Error, Result};
-use crate::jobs::{chunk_end, paced_steps, Throughput};
-use crate::state::BLOCK;
-
-/// A reconciliation's progress, as `vouch mirror status` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ReconcileProgress {
-    /// Extents (regions) the activity log named at open.
-    pub extents: u64,
-    /// Extents left to check.
-    pub extents_left: u64,
-    /// Blocks per extent.
-    pub extent_blocks: u64,
-    /// Blocks checked on every active leg so far.
-    pub blocks_checked: u64,
-    /// Blocks left to check.
-    pub blocks_left: u64,
-    /// Blocks copied to a leg that differed.
-    pub blocks_copied: u64,
-    /// Blocks that could not be settled (bad on every leg, or a conflict).
-    pub blocks_left_unsettled: u64,
-    /// Bytes checked per second so far.
-    pub rate: u64,
-    /// Seconds to go at that rate (`None` before a rate is known).
-    pub eta_seconds: Option<u64>,
-    /// `running`, `done`, `stopped` or `failed`.
-    pub state: &'static str,
-    pub error: Option<String>,
-    pub elapsed_ms: u64,
-}
+use crate::device::Mirror;
+pub use crate::progress::ReconcileProgress;
+use crate::progress::ResyncRate;
+use crate::scrub::MirrorScrubReport;
+use vouch_engine::device::BlockDevice;
+use vouch_engine::error::{Error, Result};
+use vouch_engine::jobs::{chunk_end, paced_steps, Throughput};
+use vouch_engine::BLOCK;
 
 /// A reconciliation between two steps (`Mirror::begin_reconcile`).
 pub struct ReconcileCursor {
@@ -245,7 +219,7 @@ impl Mirror {
         let extent_blocks = self
             .activity
             .get()
-            .map_or(super::activity::EXTENT_BLOCKS, |log| log.extent_blocks());
+            .map_or(crate::activity::EXTENT_BLOCKS, |log| log.extent_blocks());
         let extents = cursor.extents.len() as u64;
         let extents_left = extents - cursor.at as u64;
         let blocks_left = match cursor.extents.get(cursor.at) {

@@ -36,8 +36,8 @@ use vouch_format::dirty::{
     REGION_BLOCKS,
 };
 
-pub use super::map_file::{FileMaps, MapFile, MapStore};
-use crate::error::{Error, Result};
+pub use crate::map_file::{FileMaps, MapFile, MapStore};
+use vouch_engine::error::{Error, Result};
 
 /// The map's file name in a surviving leg's directory for stale leg `leg`.
 pub fn map_file_name(leg: usize) -> String {

@@ -11,14 +11,14 @@ use std::path::{Path, PathBuf};
 
 use vouch_format::mirror::{LegState, MirrorMember, MirrorRecord, MAX_LEGS, MIN_LEGS};
 
-use super::dirty::map_file_name;
-use super::remote::is_remote_member;
-use super::set::{
+use crate::dirty::map_file_name;
+use crate::remote::is_remote_member;
+use crate::set::{
     create_leg_like, is_mirrored, mark_unsynced, read_record, view, write_record, RECORD_FILE,
     UNSYNCED_FILE,
 };
-use crate::error::{Error, Result};
-use crate::storage::{FileOpen, FileStorage};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::storage::{FileOpen, FileStorage};
 
 fn path_error(action: &'static str, path: &Path, cause: impl std::fmt::Display) -> Error {
     Error::Path {
@@ -45,7 +45,7 @@ fn lock_legs(paths: &[PathBuf]) -> Result<Vec<FileStorage>> {
             !is_remote_member(&path.to_string_lossy()) && path.join("superblock").exists()
         })
         .map(|path| {
-            let geometry = crate::volume_superblock(path)?
+            let geometry = vouch_engine::volume_superblock(path)?
                 .geometry()
                 .map_err(|error| {
                     Error::Corrupt(format!("{}: superblock: {error}", path.display()))
@@ -83,7 +83,7 @@ pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
     let mut record = if is_mirrored(path) {
         view(path)?.0
     } else {
-        let superblock = crate::volume_superblock(path)?;
+        let superblock = vouch_engine::volume_superblock(path)?;
         MirrorRecord {
             leg: 0,
             uuid: superblock.uuid,

@@ -1,165 +1,28 @@
-//! The `Mirror` device: its legs, their state and counters, the stripe
-//! lock, and the `BlockDevice` implementation (reads that repair are in
-//! `repair.rs`).
+//! The `Mirror` device: the parts it owns (its legs, `legs.rs`; the
+//! stripe lock, `stripes.rs`; the written record, `written.rs`; the
+//! activity log, `activity.rs`), taking a leg out, and the `BlockDevice`
+//! implementation (reads that repair are in `repair.rs`).
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
 use std::ops::{Deref, Range};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
-use parking_lot::{Mutex, MutexGuard, RwLock};
+use parking_lot::Mutex;
 use smallvec::SmallVec;
 use vouch_format::mirror::{LegState, MAX_LEGS};
 
-use super::activity::ActivityLog;
-use super::dirty::DirtyMap;
-use super::reconcile::ReconcileProgress;
-use super::remote::is_remote_member;
-use super::resync::ResyncProgress;
-use super::written::Written;
-use super::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
-use crate::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
-use crate::error::{Error, Fault, FaultKind, Result};
-use crate::layout::Allocation;
-use crate::state::BLOCK;
-
-/// A held stripe of the mirror's lock that is not tied to a borrow.
-pub(super) type OwnedStripe = parking_lot::ArcMutexGuard<parking_lot::RawMutex, ()>;
-/// A write's owned stripes (`try_lock_owned`), in place for the usual one
-/// or two: the write holds them until its last leg answers.
-pub(super) type OwnedStripes = SmallVec<[OwnedStripe; 2]>;
-
-/// Stripes of the mirror's lock; LBAs map to them in runs of
-/// `STRIPE_BLOCKS` (1 MiB), so a write takes one or two. Many, because a
-/// write to remote legs holds its stripes for a network round trip
-/// (`complete.rs`) and one that finds a stripe held goes to a blocking
-/// worker: with 64, half of 32 random 4 KiB writes in flight would.
-const STRIPES: usize = 1024;
-const STRIPE_BLOCKS: u64 = 256;
-
-/// One leg handed to `Mirror::new`.
-pub struct MirrorLeg {
-    /// How logs, metrics and status name it (its path or address).
-    pub name: String,
-    /// `None` when the leg is missing.
-    pub device: Option<Arc<dyn BlockDevice>>,
-    pub state: LegState,
-}
-
-pub(super) struct Leg {
-    pub(super) name: String,
-    /// A remote replica (`vouch://`): read only when no local leg is active.
-    pub(super) remote: bool,
-    /// Set once: at `Mirror::new`, or when a missing leg is attached.
-    pub(super) device: OnceLock<Arc<dyn BlockDevice>>,
-    pub(super) state: AtomicU8,
-    /// The resync map while the leg is stale or resyncing.
-    pub(super) map: RwLock<Option<Arc<DirtyMap>>>,
-    /// Written to (not read) while its map is copied (`resync.rs`).
-    pub(super) resyncing: AtomicBool,
-    pub(super) progress: Mutex<Option<ResyncProgress>>,
-    corrected: Mutex<Corrected>,
-    /// 1 + the first LBA of the last lost metadata unit repaired (0:
-    /// none): a unit lost is one failure of the leg, counted once towards
-    /// the fault threshold however many of its blocks are repaired.
-    last_lost_unit: AtomicU64,
-    /// Repairs by (fault kind, repaired?).
-    repairs: Mutex<BTreeMap<(&'static str, bool), u64>>,
-}
-
-/// A leg's corrected errors, the count the fault threshold judges: it
-/// halves every `CORRECTED_HALF_LIFE` (md halves its corrected read
-/// errors every hour, `check_decay_read_errors`), so a leg faults on a
-/// burst of its own errors, not on a few spread over its life.
-pub(super) struct Corrected {
-    count: u64,
-    /// When the count last halved (or started).
-    since: std::time::Instant,
-}
-
-impl Corrected {
-    fn new() -> Corrected {
-        Corrected {
-            count: 0,
-            since: std::time::Instant::now(),
-        }
-    }
-
-    /// The count now, halved once per half-life passed since `since`.
-    fn now(&mut self) -> u64 {
-        let (count, halvings) = decayed(self.count, self.since.elapsed());
-        self.count = count;
-        self.since += CORRECTED_HALF_LIFE * halvings;
-        self.count
-    }
-
-    fn add_one(&mut self) -> u64 {
-        self.now();
-        self.count += 1;
-        self.count
-    }
-
-    fn reset(&mut self) {
-        *self = Corrected::new();
-    }
-}
-
-/// `count` after `elapsed`: halved once per whole `CORRECTED_HALF_LIFE`;
-/// also the number of halvings (how far the start moves).
-pub(super) fn decayed(count: u64, elapsed: std::time::Duration) -> (u64, u32) {
-    let halvings = (elapsed.as_secs() / CORRECTED_HALF_LIFE.as_secs()).min(u64::from(u32::MAX));
-    let halvings = halvings as u32;
-    (count.checked_shr(halvings).unwrap_or(0), halvings)
-}
-
-/// Repairs of one kind on one leg.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RepairCount {
-    /// A `FaultKind` name, `stale` (verified but older than another leg's
-    /// copy) or `io` (the leg failed the read).
-    pub kind: &'static str,
-    pub repaired: bool,
-    pub count: u64,
-}
-
-/// What `vouch mirror status` and the metrics show of a leg.
-#[derive(Clone, Debug)]
-pub struct LegStatus {
-    pub name: String,
-    pub state: LegState,
-    /// Open and reachable (a remote leg's connection alive).
-    pub present: bool,
-    /// Open: its device is attached (reachable or not).
-    pub attached: bool,
-    /// Errors corrected on this leg (what the fault threshold counts).
-    pub corrected: u64,
-    pub repairs: Vec<RepairCount>,
-    /// Written to but not read yet: its resync is running.
-    pub resyncing: bool,
-    /// Active, but not read while the reconciliation after an unclean
-    /// stop runs: it may differ from the leg reads go to in the extents
-    /// the activity log named.
-    pub reconciling: bool,
-    /// Blocks its resync map marks (`None`: no map).
-    pub dirty: Option<u64>,
-    /// The last (or running) resync's progress.
-    pub resync: Option<ResyncProgress>,
-}
-
-impl LegStatus {
-    /// `resyncing`, `reconciling`, or the recorded state's name.
-    pub fn state_name(&self) -> &'static str {
-        if self.resyncing {
-            "resyncing"
-        } else if self.reconciling {
-            "reconciling"
-        } else {
-            self.state.name()
-        }
-    }
-}
+use crate::activity::{ActivityLog, Entered};
+use crate::legs::{is_request_error, Leg, LegStatus, MirrorLeg};
+use crate::progress::ReconcileProgress;
+use crate::stripes::Stripes;
+use crate::written::{count, minus, Recording, Written};
+use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
+use vouch_engine::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
+use vouch_engine::error::{Error, Fault, FaultKind, Result};
+use vouch_engine::Allocation;
+use vouch_engine::BLOCK;
 
 /// A `BlockDevice` over 2 or 3 legs (see the module's documentation).
 pub struct Mirror {
@@ -173,7 +36,7 @@ pub struct Mirror {
     scrub_pending: AtomicBool,
     /// Shared so a write that completes on another thread can own its
     /// stripes (`try_lock_owned`, `complete.rs`).
-    stripes: Box<[Arc<Mutex<()>>]>,
+    pub(super) stripes: Stripes,
     pub(super) membership: Option<Box<dyn Membership>>,
     /// Serialises decisions to fault a leg (never the last active one).
     faulting: Mutex<()>,
@@ -194,37 +57,137 @@ pub struct Mirror {
     pub(super) reconciling: AtomicBool,
 }
 
-/// Errors about the request, not the leg: every leg would give the same.
-pub(super) fn is_request_error(error: &Error) -> bool {
-    matches!(
-        error,
-        Error::OutOfRange { .. }
-            | Error::Misaligned { .. }
-            | Error::ReadOnly(_)
-            | Error::InvalidArgument(_)
-            | Error::Unsupported(_)
-    )
+/// The activity log, as the mirror uses it (the log itself: `activity.rs`).
+impl Mirror {
+    /// Keep `log` from now on: every write, trim and zeroing enters it
+    /// before any leg is written. Set once (at open, before serving).
+    pub fn keep_activity_log(&self, log: Arc<ActivityLog>) -> Result<()> {
+        self.activity
+            .set(log)
+            .map_err(|_| Error::InvalidArgument("the mirror keeps an activity log already".into()))
+    }
+
+    /// A clean close of the log, once no write is in flight or to come:
+    /// flush every leg, then write a log that names only what is still to
+    /// reconcile (ORDER: the flush returns before the log forgets an
+    /// extent). Nothing to do without a log.
+    pub fn close_activity_log(&self) -> Result<()> {
+        let Some(log) = self.activity.get() else {
+            return Ok(());
+        };
+        vouch_engine::device::BlockDevice::flush(self)?;
+        log.close()
+    }
+
+    /// Reads go to the first active leg until the extents the log carried
+    /// from the last run are reconciled (`begin_reconcile` then does it);
+    /// for a set opened before its reconciliation starts.
+    pub fn hold_reads_until_reconciled(&self) {
+        if self
+            .activity
+            .get()
+            .is_some_and(|log| !log.pinned().is_empty())
+        {
+            self.hold_reads_on_one_leg();
+        }
+    }
+
+    /// The activity log, if the set keeps one.
+    pub fn activity_log(&self) -> Option<&Arc<ActivityLog>> {
+        self.activity.get()
+    }
+
+    /// Enter blocks `[first, end)` in the activity log (the caller holds
+    /// their stripes), flushing the legs if that is what makes room, or
+    /// waiting for writes in flight to return. `None`: no log.
+    pub(super) fn enter_log(&self, first: u64, end: u64) -> Result<Option<Entered>> {
+        let Some(log) = self.activity.get() else {
+            return Ok(None);
+        };
+        // Every extent that could leave having a write in flight,
+        // `enter_waiting` waits for one to return (each returns without
+        // waiting on this writer: it holds no lock this writer wants). When
+        // a flush made no room (each flushed extent written again
+        // meanwhile), the next round flushes again.
+        loop {
+            match log.enter_waiting(first, end)? {
+                Ok(entered) => return Ok(Some(entered)),
+                Err(_) => vouch_engine::device::BlockDevice::flush(self)?,
+            }
+        }
+    }
+
+    pub(super) fn enter_log_bytes(&self, offset: u64, length: u64) -> Result<Option<Entered>> {
+        self.enter_log(offset / BLOCK, (offset + length).div_ceil(BLOCK))
+    }
+
+    /// `enter_log` without I/O or waiting, for the inline paths: `None`
+    /// (decline) when an extent is not logged yet; `Some(None)`: no log.
+    pub(super) fn try_enter_log(&self, first: u64, end: u64) -> Option<Option<Entered>> {
+        match self.activity.get() {
+            None => Some(None),
+            Some(log) => log.try_enter(first, end).map(Some),
+        }
+    }
+
+    /// `[offset, offset + length)` in the pieces a large trim or zeroing
+    /// enters the log by (`ActivityLog::pieces`; one piece without a log).
+    pub(super) fn log_pieces(&self, offset: u64, length: u64) -> Vec<Range<u64>> {
+        let end = offset + length;
+        let Some(log) = self.activity.get() else {
+            return std::iter::once(offset..end).collect();
+        };
+        log.pieces(offset, end)
+    }
 }
 
-/// The stripes blocks `[first, end)` fall in, in lock order: in place for
-/// up to 4, since every mirrored write takes its stripes and nearly all
-/// take one or two (no allocation for them).
-fn stripes_of(first: u64, end: u64) -> SmallVec<[usize; 4]> {
-    let mut stripes: SmallVec<[usize; 4]> = (first / STRIPE_BLOCKS
-        ..end.max(first + 1).div_ceil(STRIPE_BLOCKS))
-        .take(STRIPES)
-        .map(|run| (run % STRIPES as u64) as usize)
-        .collect();
-    stripes.sort_unstable();
-    stripes.dedup();
-    stripes
-}
+/// Blocks written since the last flush, as the mirror uses them (the
+/// record itself: `written.rs`).
+impl Mirror {
+    /// Record the blocks of bytes `[offset, offset + length)` (a write,
+    /// trim or zeroing about to be issued to the legs).
+    pub(super) fn record_bytes(&self, offset: u64, length: u64) -> Recording {
+        self.written
+            .record(offset / BLOCK, (offset + length).div_ceil(BLOCK))
+    }
 
-pub(super) fn state_from(byte: u8) -> LegState {
-    match byte {
-        0 => LegState::Active,
-        1 => LegState::Faulted,
-        _ => LegState::Stale,
+    /// Give `leg`, which is being taken out as stale (the caller decides,
+    /// and records the state only after this returns), a resync map that
+    /// is durable on return: the blocks written since the last flush,
+    /// then every write (`mark`). Returns the blocks it marks, or `None`
+    /// (logged why) when it cannot be made durable: the leg then has
+    /// unknown history, and no map of it is left behind.
+    pub(super) fn map_stale_leg(&self, leg: usize) -> Option<u64> {
+        let name = &self.legs[leg].name;
+        let membership = self.membership.as_ref()?;
+        let blocks = self.size() / BLOCK;
+        // Writes recorded from here on and not in `before` are marked
+        // below, once the map is in place for the writes after them.
+        let before = self.written.runs();
+        let map = match membership.create_map(leg, blocks, &before) {
+            Ok(map) => Arc::new(map),
+            Err(error) => {
+                tracing::error!(leg, name, %error,
+                    "mirror: cannot create the stale leg's resync map: it will need a full resync");
+                return None;
+            }
+        };
+        *self.legs[leg].map.write() = Some(Arc::clone(&map));
+        let late = minus(&self.written.runs(), &before);
+        let made = late
+            .iter()
+            .try_for_each(|run| map.mark(run.start, run.end))
+            .and_then(|()| map.sync_and_retire());
+        if let Err(error) = made {
+            *self.legs[leg].map.write() = None;
+            let removed = map.remove();
+            tracing::error!(leg, name, %error, removed = ?removed,
+                "mirror: cannot make the stale leg's resync map durable: it will need a full resync");
+            return None;
+        }
+        tracing::info!(leg, name, since_flush = count(&before) + count(&late),
+            "mirror: the stale leg's resync map starts with the blocks written since the last flush");
+        Some(map.count())
     }
 }
 
@@ -251,25 +214,11 @@ impl Mirror {
         }
         let read_only = present.iter().any(|device| device.is_read_only());
         let mirror = Mirror {
-            legs: legs
-                .into_iter()
-                .map(|leg| Leg {
-                    remote: is_remote_member(&leg.name),
-                    name: leg.name,
-                    device: leg.device.map(OnceLock::from).unwrap_or_default(),
-                    state: AtomicU8::new(leg.state as u8),
-                    map: RwLock::new(None),
-                    resyncing: AtomicBool::new(false),
-                    progress: Mutex::new(None),
-                    corrected: Mutex::new(Corrected::new()),
-                    last_lost_unit: AtomicU64::new(0),
-                    repairs: Mutex::new(BTreeMap::new()),
-                })
-                .collect(),
+            legs: legs.into_iter().map(Leg::new).collect(),
             next: AtomicUsize::new(0),
             one_leg: AtomicBool::new(false),
             scrub_pending: AtomicBool::new(false),
-            stripes: (0..STRIPES).map(|_| Arc::new(Mutex::new(()))).collect(),
+            stripes: Stripes::new(),
             membership,
             faulting: Mutex::new(()),
             size,
@@ -297,8 +246,7 @@ impl Mirror {
 
     fn active_legs(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.legs.len()).filter(|&leg| {
-            self.legs[leg].device.get().is_some()
-                && state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
+            self.legs[leg].device.get().is_some() && self.legs[leg].state() == LegState::Active
         })
     }
 
@@ -329,7 +277,7 @@ impl Mirror {
 
     fn is_write_target(&self, leg: usize) -> bool {
         self.legs[leg].device.get().is_some()
-            && (state_from(self.legs[leg].state.load(Ordering::Acquire)) == LegState::Active
+            && (self.legs[leg].state() == LegState::Active
                 || self.legs[leg].resyncing.load(Ordering::Acquire))
     }
 
@@ -401,26 +349,17 @@ impl Mirror {
                     && active.contains(&index)
                     && active.first() != Some(&index),
                 name: leg.name.clone(),
-                state: state_from(leg.state.load(Ordering::Acquire)),
+                state: leg.state(),
                 present: leg
                     .device
                     .get()
                     .is_some_and(|device| device.unreachable().is_none()),
                 attached: leg.device.get().is_some(),
-                corrected: leg.corrected.lock().now(),
+                corrected: leg.corrected(),
                 resyncing: leg.resyncing.load(Ordering::Acquire),
                 dirty: leg.map.read().as_ref().map(|map| map.count()),
                 resync: leg.progress.lock().clone(),
-                repairs: leg
-                    .repairs
-                    .lock()
-                    .iter()
-                    .map(|(&(kind, repaired), &count)| RepairCount {
-                        kind,
-                        repaired,
-                        count,
-                    })
-                    .collect(),
+                repairs: leg.repair_counts(),
             })
             .collect()
     }
@@ -499,42 +438,6 @@ impl Mirror {
         Ok(legs[self.next.fetch_add(1, Ordering::Relaxed) % legs.len()])
     }
 
-    /// Lock the stripes of blocks `[first, end)`, in order.
-    pub(super) fn lock(&self, first: u64, end: u64) -> Vec<MutexGuard<'_, ()>> {
-        stripes_of(first, end)
-            .iter()
-            .map(|&stripe| self.stripes[stripe].lock())
-            .collect()
-    }
-
-    fn lock_bytes(&self, offset: u64, length: u64) -> Vec<MutexGuard<'_, ()>> {
-        self.lock(offset / BLOCK, (offset + length).div_ceil(BLOCK))
-    }
-
-    /// Every stripe, in order: no write, trim or copy is in flight while
-    /// they are held.
-    pub(super) fn lock_all(&self) -> Vec<MutexGuard<'_, ()>> {
-        self.stripes.iter().map(|stripe| stripe.lock()).collect()
-    }
-
-    /// `lock` without waiting: `None` if any stripe is held (a writer or a
-    /// repair is on it), with nothing held.
-    fn try_lock(&self, first: u64, end: u64) -> Option<Vec<MutexGuard<'_, ()>>> {
-        stripes_of(first, end)
-            .iter()
-            .map(|&stripe| self.stripes[stripe].try_lock())
-            .collect()
-    }
-
-    /// `try_lock` with guards that own their stripes (no borrow of the
-    /// mirror): for a write whose legs answer on another thread.
-    pub(super) fn try_lock_owned(&self, first: u64, end: u64) -> Option<OwnedStripes> {
-        stripes_of(first, end)
-            .iter()
-            .map(|&stripe| self.stripes[stripe].try_lock_arc())
-            .collect()
-    }
-
     fn mark_bytes(&self, offset: u64, length: u64) -> Result<()> {
         self.mark(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
@@ -558,12 +461,12 @@ impl Mirror {
         self.note_repair(leg, kind, repaired);
         if let Some(lba) = lba.filter(|_| repaired && kind == FaultKind::MetadataLost.name()) {
             let unit = self.device(leg).metadata_unit(lba).start + 1;
-            if self.legs[leg].last_lost_unit.swap(unit, Ordering::Relaxed) == unit {
+            if !self.legs[leg].first_repair_in_unit(unit) {
                 return;
             }
         }
         if repaired {
-            let corrected = self.legs[leg].corrected.lock().add_one();
+            let corrected = self.legs[leg].add_corrected();
             if corrected > FAULT_THRESHOLD {
                 self.fault(
                     leg,
@@ -581,18 +484,14 @@ impl Mirror {
     /// the whole set (blocks written at an unclean shutdown), not because
     /// this leg got them wrong.
     pub(super) fn note_repair(&self, leg: usize, kind: &'static str, repaired: bool) {
-        *self.legs[leg]
-            .repairs
-            .lock()
-            .entry((kind, repaired))
-            .or_insert(0) += 1;
+        self.legs[leg].note_repair(kind, repaired);
     }
 
     /// Start `leg`'s corrected-error count afresh: it was rebuilt, or
     /// resynced in full (every block it holds was just copied and
     /// verified), so what it got wrong before is gone.
     pub(super) fn reset_corrected(&self, leg: usize) {
-        self.legs[leg].corrected.lock().reset();
+        self.legs[leg].reset_corrected();
     }
 
     /// Fault `leg` (no more I/O), unless it is the last active one.
@@ -834,7 +733,7 @@ impl Mirror {
         if is_request_error(error) {
             return;
         }
-        if state_from(self.legs[leg].state.load(Ordering::Acquire)) != LegState::Active {
+        if self.legs[leg].state() != LegState::Active {
             self.stop_resync(leg, "write", error);
         } else {
             self.fail(leg, &format!("write failed: {error}"), error);
@@ -863,8 +762,7 @@ impl Mirror {
         let mut failed = Vec::new();
         let mut resynced = Vec::new();
         for &leg in targets {
-            let resyncing =
-                state_from(self.legs[leg].state.load(Ordering::Acquire)) != LegState::Active;
+            let resyncing = self.legs[leg].state() != LegState::Active;
             match op(leg, self.device(leg)) {
                 Ok(()) if resyncing => resynced.push(leg),
                 Ok(()) => succeeded += 1,
@@ -1038,7 +936,7 @@ impl BlockDevice for Mirror {
 
     fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
-        let _locked = self.lock_bytes(offset, data.len() as u64);
+        let _locked = self.stripes.lock_bytes(offset, data.len() as u64);
         let _logged = self.enter_log_bytes(offset, data.len() as u64)?;
         let _recorded = self.record_bytes(offset, data.len() as u64);
         self.mark_bytes(offset, data.len() as u64)?;
@@ -1061,7 +959,7 @@ impl BlockDevice for Mirror {
     /// The landing area of the first local leg written: it stores the
     /// sealed blocks as they lie in the payload, so its held log names
     /// them instead of copying them (the other legs copy as before).
-    fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
+    fn landing_buffer(&self, len: usize) -> Option<vouch_engine::LandingBuffer> {
         let leg = self
             .write_targets()
             .into_iter()
@@ -1087,7 +985,7 @@ impl BlockDevice for Mirror {
         }
         let count = data.len() / BLOCK as usize;
         let first = offset / BLOCK;
-        let Some(_locked) = self.try_lock(first, first + count as u64) else {
+        let Some(_locked) = self.stripes.try_lock(first, first + count as u64) else {
             return Ok(false);
         };
         // Its extents must be in the activity log already: adding one syncs.
@@ -1125,8 +1023,8 @@ impl BlockDevice for Mirror {
         self: Arc<Self>,
         offset: u64,
         data: &Bytes,
-    ) -> Result<Option<crate::device::StartWrite>> {
-        super::complete::begin(self, offset, data)
+    ) -> Result<Option<vouch_engine::device::StartWrite>> {
+        crate::complete::begin(self, offset, data)
     }
     /// The resync maps' block bits are made durable first (one sync).
     /// On success the blocks written before it started are forgotten by
@@ -1150,7 +1048,7 @@ impl BlockDevice for Mirror {
     /// not fit in it at once).
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
-        let _locked = self.lock_bytes(offset, length);
+        let _locked = self.stripes.lock_bytes(offset, length);
         let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
         self.check_bytes(offset, length)?;
@@ -1168,7 +1066,7 @@ impl BlockDevice for Mirror {
     /// In pieces, as `trim`.
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
-        let _locked = self.lock_bytes(offset, length);
+        let _locked = self.stripes.lock_bytes(offset, length);
         let _recorded = self.record_bytes(offset, length);
         self.mark_bytes(offset, length)?;
         self.check_bytes(offset, length)?;
@@ -1238,7 +1136,7 @@ impl BlockDevice for Mirror {
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         let first = blocks.iter().map(|b| b.lba).min().unwrap_or(0);
         let end = blocks.iter().map(|b| b.lba + 1).max().unwrap_or(0);
-        let _locked = self.lock(first, end);
+        let _locked = self.stripes.lock(first, end);
         let _logged = self.enter_log(first, end)?;
         let _recorded = self.written.record(first, end);
         for block in blocks {

@@ -16,7 +16,7 @@ use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use crate::replace::{replace_file, sync_parent};
+use vouch_engine::replace::{replace_file, sync_parent};
 
 /// The store of resync map files (see the module's documentation).
 pub trait MapStore: Send + Sync {

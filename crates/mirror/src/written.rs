@@ -34,10 +34,6 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 
-use super::device::Mirror;
-use crate::device::BlockDevice as _;
-use crate::state::BLOCK;
-
 /// How long a flush waits for writes that were in flight when it started.
 const DRAIN: Duration = Duration::from_millis(20);
 
@@ -217,54 +213,6 @@ impl Written {
             }
         }
         runs
-    }
-}
-
-impl Mirror {
-    /// Record the blocks of bytes `[offset, offset + length)` (a write,
-    /// trim or zeroing about to be issued to the legs).
-    pub(super) fn record_bytes(&self, offset: u64, length: u64) -> Recording {
-        self.written
-            .record(offset / BLOCK, (offset + length).div_ceil(BLOCK))
-    }
-
-    /// Give `leg`, which is being taken out as stale (the caller decides,
-    /// and records the state only after this returns), a resync map that
-    /// is durable on return: the blocks written since the last flush,
-    /// then every write (`mark`). Returns the blocks it marks, or `None`
-    /// (logged why) when it cannot be made durable: the leg then has
-    /// unknown history, and no map of it is left behind.
-    pub(super) fn map_stale_leg(&self, leg: usize) -> Option<u64> {
-        let name = &self.legs[leg].name;
-        let membership = self.membership.as_ref()?;
-        let blocks = self.size() / BLOCK;
-        // Writes recorded from here on and not in `before` are marked
-        // below, once the map is in place for the writes after them.
-        let before = self.written.runs();
-        let map = match membership.create_map(leg, blocks, &before) {
-            Ok(map) => Arc::new(map),
-            Err(error) => {
-                tracing::error!(leg, name, %error,
-                    "mirror: cannot create the stale leg's resync map: it will need a full resync");
-                return None;
-            }
-        };
-        *self.legs[leg].map.write() = Some(Arc::clone(&map));
-        let late = minus(&self.written.runs(), &before);
-        let made = late
-            .iter()
-            .try_for_each(|run| map.mark(run.start, run.end))
-            .and_then(|()| map.sync_and_retire());
-        if let Err(error) = made {
-            *self.legs[leg].map.write() = None;
-            let removed = map.remove();
-            tracing::error!(leg, name, %error, removed = ?removed,
-                "mirror: cannot make the stale leg's resync map durable: it will need a full resync");
-            return None;
-        }
-        tracing::info!(leg, name, since_flush = count(&before) + count(&late),
-            "mirror: the stale leg's resync map starts with the blocks written since the last flush");
-        Some(map.count())
     }
 }
 

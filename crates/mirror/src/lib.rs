@@ -1,8 +1,22 @@
-//! Mirrors: a `Mirror` is a `BlockDevice` over 2 or 3 legs, each another
-//! `BlockDevice` (a local `Volume`, or a remote replica: vouch-replica's
-//! `RemoteLeg`, members named `vouch://HOST:PORT/NAME`, `remote.rs`; another
+//! Mirrors (the `vouch-mirror` crate, above `vouch-engine`): a `Mirror`
+//! is a `BlockDevice` over 2 or 3 legs, each another `BlockDevice` (a
+//! local `Volume`, or a remote replica: vouch-replica's `RemoteLeg`,
+//! members named `vouch://HOST:PORT/NAME`, `remote.rs`; another
 //! implementation of the same trait). It sits outside the engine's paths:
-//! it sees its legs only through the trait.
+//! it sees its legs only through the trait, and the engine only through
+//! its public API.
+//!
+//! The map, in reading order (docs/ARCHITECTURE.md, "Modules import
+//! downward", has the rows): `legs.rs` (each leg: device, state, resync
+//! map, counters; judging an error), `stripes.rs` (the stripe lock),
+//! `device.rs` (the `Mirror`: admitting a write, writing and reading the
+//! legs, taking a leg out), `complete.rs` (the reactor's completion
+//! path), `repair.rs` and `scrub.rs` (making legs agree), `written.rs`
+//! (blocks written since the last flush), `dirty.rs` + `resync.rs` (a
+//! stale leg's map and its online copy), `activity.rs` + `reconcile.rs`
+//! (the extents being written and their reconciliation after an unclean
+//! stop), `progress.rs` (what those jobs report), `set.rs`, `manage.rs`
+//! and `map_file.rs` (the set on disk).
 //!
 //! - Writes, trims and zeroes go to every active leg under the mirror's
 //!   stripe lock (so two writers or a write and a repair cannot order
@@ -42,22 +56,27 @@ pub mod activity;
 mod complete;
 mod device;
 pub mod dirty;
+mod legs;
 pub mod manage;
 mod map_file;
+pub mod progress;
 pub mod reconcile;
 pub mod remote;
 mod repair;
 pub mod resync;
 pub mod scrub;
 pub mod set;
+mod stripes;
 mod written;
 
 pub use activity::{ActivityGeometry, ActivityLog, Recovered, EXTENT_BLOCKS};
-pub use device::{LegStatus, Mirror, MirrorLeg, RepairCount};
+pub use device::Mirror;
 pub use dirty::{DirtyMap, FileMaps, LandedTicket, MapFile, MapStore};
-pub use reconcile::{ReconcileCursor, ReconcileProgress};
+pub use legs::{LegStatus, MirrorLeg, RepairCount};
+pub use progress::{ReconcileProgress, ResyncProgress, ResyncRate};
+pub use reconcile::ReconcileCursor;
 pub use remote::{is_remote_member, LegTemplate};
-pub use resync::{ResyncCursor, ResyncProgress, ResyncRate, ResyncStep};
+pub use resync::{ResyncCursor, ResyncStep};
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet,
@@ -65,7 +84,7 @@ pub use set::{
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 
-use crate::error::Result;
+use vouch_engine::error::Result;
 
 /// Corrected errors a leg may need before it is faulted (md's default
 /// `max_corrected_read_errors`). Only errors the leg made on its own
@@ -100,7 +119,7 @@ pub trait Membership: Send + Sync {
         marked: &[std::ops::Range<u64>],
     ) -> Result<DirtyMap> {
         let _ = (leg, blocks, marked);
-        Err(crate::error::Error::Unsupported(
+        Err(vouch_engine::error::Error::Unsupported(
             "this mirror keeps no resync maps".into(),
         ))
     }
@@ -108,7 +127,7 @@ pub trait Membership: Send + Sync {
 
 #[cfg(test)]
 mod tests {
-    use super::device::decayed;
+    use super::legs::decayed;
     use super::CORRECTED_HALF_LIFE;
 
     #[test]

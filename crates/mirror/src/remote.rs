@@ -11,8 +11,8 @@ use std::path::Path;
 
 use vouch_format::Superblock;
 
-use crate::error::{Error, Result};
-use crate::storage::FileStorage;
+use vouch_engine::error::{Error, Result};
+use vouch_engine::storage::FileStorage;
 
 /// The URL scheme of a remote member.
 pub const REMOTE_SCHEME: &str = "vouch://";
@@ -67,7 +67,7 @@ impl LegTemplate {
             )));
         }
         let (first, second) = self.superblock.split_at(SUPERBLOCK_FILE_BYTES / 2);
-        crate::superblock::select(first, second)
+        vouch_engine::superblock::select(first, second)
     }
 
     /// Create an empty leg at `target` (a new directory) from the
@@ -78,7 +78,7 @@ impl LegTemplate {
         let geometry = superblock
             .geometry()
             .map_err(|error| Error::Corrupt(format!("leg template superblock: {error}")))?;
-        if self.journal_bytes == 0 || self.journal_bytes > crate::MAX_VOLUME_BYTES {
+        if self.journal_bytes == 0 || self.journal_bytes > vouch_engine::MAX_VOLUME_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "leg template journal of {} bytes",
                 self.journal_bytes

@@ -14,9 +14,10 @@
 //! block it touched differing between the legs only inside an extent the
 //! next open reconciles, not a fault for a later scrub to count.
 
-use super::device::{is_request_error, Mirror};
-use crate::error::{Error, Fault, FaultKind, Result};
-use crate::state::{Block, BLOCK};
+use crate::device::Mirror;
+use crate::legs::is_request_error;
+use vouch_engine::error::{Error, Fault, FaultKind, Result};
+use vouch_engine::{Block, BLOCK};
 
 impl Mirror {
     /// `buf` at byte `offset` (any byte range) from `leg`, every faulty
@@ -99,7 +100,7 @@ impl Mirror {
     /// The good contents of block `lba`, which failed with `kind` on leg
     /// `bad`, from another leg; the bad leg is rewritten from it.
     pub(super) fn repair_block(&self, lba: u64, bad: usize, kind: FaultKind) -> Result<Box<Block>> {
-        let _locked = self.lock(lba, lba + 1);
+        let _locked = self.stripes.lock(lba, lba + 1);
         let mut good: Box<Block> = Box::new([0u8; BLOCK as usize]);
         let source = self
             .active()

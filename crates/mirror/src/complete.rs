@@ -36,12 +36,14 @@ use parking_lot::Mutex;
 use smallvec::SmallVec;
 use vouch_format::mirror::{LegState, MAX_LEGS};
 
-use super::activity::Entered;
-use super::device::{is_request_error, state_from, Mirror, OwnedStripes, Reserved};
-use super::written::Recording;
-use crate::device::{SealedBlock, StartWrite, WriteDone};
-use crate::error::{Error, Result};
-use crate::state::BLOCK;
+use crate::activity::Entered;
+use crate::device::{Mirror, Reserved};
+use crate::legs::is_request_error;
+use crate::stripes::OwnedStripes;
+use crate::written::Recording;
+use vouch_engine::device::{SealedBlock, StartWrite, WriteDone};
+use vouch_engine::error::{Error, Result};
+use vouch_engine::BLOCK;
 
 /// One item per leg, in place: a mirror has at most `MAX_LEGS`, and the
 /// reactor starts every 4 KiB write this way, so a heap allocation per
@@ -120,7 +122,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
         return Ok(None);
     }
     mirror.foreground.fetch_add(1, Ordering::Relaxed);
-    let Some(stripes) = mirror.try_lock_owned(first, first + count as u64) else {
+    let Some(stripes) = mirror.stripes.try_lock_owned(first, first + count as u64) else {
         return Ok(None);
     };
     // Its extents must be in the activity log already: adding one syncs.
@@ -164,7 +166,7 @@ pub(super) fn begin(mirror: Arc<Mirror>, offset: u64, data: &Bytes) -> Result<Op
     let targets: PerLeg<(usize, bool)> = targets
         .into_iter()
         .map(|leg| {
-            let state = state_from(mirror.legs[leg].state.load(Ordering::Acquire));
+            let state = mirror.legs[leg].state();
             (leg, state != LegState::Active)
         })
         .collect();
