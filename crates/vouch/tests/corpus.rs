@@ -152,7 +152,7 @@ fn unpack(dir: &Path, volume: &Corpus) -> PathBuf {
     }
     let legs = [top.join("leg0"), top.join("leg1")];
     for leg in &legs {
-        let mut record = vouch_engine::mirror::set::read_record(leg).expect("read mirror record");
+        let mut record = vouch_mirror::set::read_record(leg).expect("read mirror record");
         assert_eq!(record.members.len(), legs.len(), "{record:?}");
         for (member, path) in record.members.iter_mut().zip(&legs) {
             assert!(
@@ -162,7 +162,7 @@ fn unpack(dir: &Path, volume: &Corpus) -> PathBuf {
             );
             member.path = s(path).to_string();
         }
-        vouch_engine::mirror::set::write_record(leg, &record).expect("write mirror record");
+        vouch_mirror::set::write_record(leg, &record).expect("write mirror record");
     }
     legs[0].clone()
 }
