@@ -245,6 +245,7 @@ fn create_legs(
 /// split brain, refused naming both legs.
 pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
     let given = read_record(path)?;
+    refuse_a_copy(path, &given)?;
     let mut found: Vec<Option<MirrorRecord>> = Vec::new();
     let mut reasons: Vec<Option<String>> = Vec::new();
     for (index, member) in given.members.iter().enumerate() {
@@ -299,6 +300,43 @@ pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
         )));
     }
     Ok((view.clone(), reasons))
+}
+
+/// A leg's record names every leg by its path, its own included, and the
+/// set is opened from those paths. A directory holding a leg's record
+/// that is not the directory the record names for that leg (a copy of
+/// the leg, or a set moved elsewhere) would open the original legs, and
+/// write them, in its name: it is refused before anything is opened.
+fn refuse_a_copy(path: &Path, given: &MirrorRecord) -> Result<()> {
+    let own = &given.members[usize::from(given.leg)].path;
+    if crate::is_remote_member(own) || same_directory(path, Path::new(own)) {
+        return Ok(());
+    }
+    let legs: Vec<String> = given
+        .members
+        .iter()
+        .enumerate()
+        .map(|(index, member)| format!("leg {index} {}", member.path))
+        .collect();
+    Err(Error::InvalidArgument(format!(
+        "{} holds the record of leg {} of a mirror whose legs are {}, but it is not {own}: it is a copy of that leg, or the set was moved. \
+         A mirror is opened from its legs' recorded paths, so using this directory would read and write the original legs; nothing was opened. \
+         Give the original path; a moved set must be moved back",
+        path.display(),
+        given.leg,
+        legs.join(", "),
+    )))
+}
+
+/// Whether `a` and `b` name the same directory (same device and inode,
+/// so symbolic links and relative paths agree); `false` when either is
+/// missing.
+fn same_directory(a: &Path, b: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 /// One member of an opened set.

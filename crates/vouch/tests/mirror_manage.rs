@@ -168,3 +168,47 @@ fn bad_membership_changes_are_refused_by_name_and_change_nothing() {
     );
     assert_check_clean(&a);
 }
+
+#[test]
+fn a_copy_of_a_leg_is_refused_and_the_original_legs_are_left_alone() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let (a, b, copy) = (d.join("a"), d.join("b"), d.join("copy"));
+    vouch_ok(&["create", s(&a), "--size", "1MiB", "--mirror", s(&b)]);
+    let mut server = Server::start(d, &[s(&a)]);
+    py_json(WRITE, &[&server.uri]);
+    server.stop();
+    let status = std::process::Command::new("cp")
+        .args(["-a", s(&a), s(&copy)])
+        .status()
+        .expect("cp");
+    assert!(status.success(), "cp -a");
+    let records = || {
+        (
+            std::fs::read(a.join("mirror")).expect("a's record"),
+            std::fs::read(b.join("mirror")).expect("b's record"),
+        )
+    };
+    let before = records();
+    // Every command that opens the set from the copy refuses, naming the
+    // leg it was copied from; none opens (or marks, or writes) a or b.
+    for args in [
+        vec!["check", s(&copy)],
+        vec!["info", s(&copy)],
+        vec!["mirror", "status", s(&copy)],
+        vec!["serve", s(&copy), "--listen", "127.0.0.1:1"],
+    ] {
+        let output = vouch(&args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {}", text(&output));
+        assert!(
+            text(&output).contains("is a copy of that leg") && text(&output).contains(s(&a)),
+            "{args:?}: {}",
+            text(&output)
+        );
+    }
+    assert_eq!(records(), before, "the original legs' records changed");
+    // A symbolic link to the leg is the leg itself.
+    std::os::unix::fs::symlink(&a, d.join("link")).expect("symlink");
+    assert_check_clean(&d.join("link"));
+    assert_serves_data(d, &a);
+}
