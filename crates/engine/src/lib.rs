@@ -55,6 +55,7 @@ mod replace;
 pub mod schedule;
 pub mod scrub;
 mod shared;
+pub mod snapshot;
 mod state;
 pub mod stats;
 pub mod storage;
@@ -122,8 +123,11 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     let geometry = superblock
         .geometry()
         .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")).in_volume(path))?;
+    // A snapshot's files are opened read-only: nothing writes them.
+    let snapshot =
+        superblock.features.ro_compat & vouch_format::FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
     let how = FileOpen {
-        writable: !options.read_only && !options.keyless,
+        writable: !options.read_only && !options.keyless && !snapshot,
         direct: options.direct,
     };
     let storage =

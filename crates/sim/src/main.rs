@@ -37,6 +37,22 @@ enum Command {
         #[arg(long)]
         encrypted: bool,
     },
+    /// Crash `vouch snapshot create`, `vouch clone` and `vouch snapshot
+    /// delete` before every file operation (a process crash and two power
+    /// cuts each): a snapshot or clone that has its name is complete, the
+    /// volume is untouched, and the command run again finishes.
+    Snapshot {
+        #[arg(long, default_value = "split")]
+        layout: String,
+        #[arg(long, default_value_t = 20)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Break the ordering on purpose: publish the snapshot's name
+        /// before its files are synced (the run must find violations).
+        #[arg(long)]
+        break_publish: bool,
+    },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
     Keychange {
@@ -263,6 +279,27 @@ fn run(cli: Cli) -> Result<bool, String> {
                 encrypted,
             };
             let report = vouch_sim::upgrade::run(&config);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", report.summary(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::Snapshot {
+            layout: name,
+            seeds,
+            seed,
+            break_publish,
+        } => {
+            let config = vouch_sim::snapshot::SnapshotConfig {
+                layout: layout(&name)?,
+                seeds,
+                seed,
+                breaks: vouch_engine::snapshot::SnapshotBreaks {
+                    publish_before_sync: break_publish,
+                },
+            };
+            let report = vouch_sim::snapshot::run(&config);
             for violation in &report.violations {
                 println!("{violation}");
             }
