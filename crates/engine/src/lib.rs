@@ -25,7 +25,9 @@
 //!   never wait (inline, the read ring); `write` — its write path.
 //! - `volume` — the public handle (`volume/device.rs`: its
 //!   `BlockDevice`); `copy` — copy next to the data (reflink or
-//!   pipelined); `mirror/` — mirrors over `BlockDevice` legs.
+//!   pipelined); `mirror/` — mirrors over `BlockDevice` legs;
+//!   `snapshot` — snapshots and clones, made of a closed volume's files
+//!   (it names the mirror record only to refuse a mirror's leg).
 
 mod backing;
 pub mod buffer;

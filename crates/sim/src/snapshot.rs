@@ -246,11 +246,14 @@ impl ModelFs {
     }
 }
 
+/// Called with the model's state and the operation about to change it.
+type Hook = Box<dyn FnMut(&ModelFs, &str) + Send>;
+
 /// `SnapshotFs` on a `ModelFs`, calling `hook` with the state right
 /// before every operation that changes it.
 struct Recording {
     fs: Mutex<ModelFs>,
-    hook: Mutex<Option<Box<dyn FnMut(&ModelFs, &str)>>>,
+    hook: Mutex<Option<Hook>>,
 }
 
 impl Recording {
@@ -469,7 +472,7 @@ fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> 
         layout: config.layout,
     };
 
-    let recording = Arc::new(Recording::new(fs));
+    let recording = Recording::new(fs);
     let done = Arc::new(Mutex::new(Done::Nothing));
     let deleting = Arc::new(Mutex::new(false));
     let found: Arc<Mutex<Vec<String>>> = Arc::default();
@@ -513,18 +516,18 @@ fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> 
         }));
     }
     let volume = Path::new(VOLUME);
-    snapshot::create(&*recording, volume, NAME, "reflink", config.breaks)
+    snapshot::create(&recording, volume, NAME, "reflink", config.breaks)
         .map_err(|e| format!("create failed: {e}"))?;
     *done.lock() = Done::Created;
     snapshot::clone(
-        &*recording,
+        &recording,
         &snapshot::snapshot_path(volume, NAME),
         Path::new(CLONE),
     )
     .map_err(|e| format!("clone failed: {e}"))?;
     *done.lock() = Done::Cloned;
     *deleting.lock() = true;
-    snapshot::delete(&*recording, volume, NAME).map_err(|e| format!("delete failed: {e}"))?;
+    snapshot::delete(&recording, volume, NAME).map_err(|e| format!("delete failed: {e}"))?;
     *recording.hook.lock() = None;
     let (points, images) = *counts.lock();
     report.points += points;

@@ -24,7 +24,11 @@ impl Xfs {
         std::fs::File::create(&image)
             .and_then(|file| file.set_len(1 << 30))
             .expect("image");
-        run_ok(Command::new(tool("mkfs.xfs", "xfsprogs")).arg("-q").arg(&image));
+        run_ok(
+            Command::new(tool("mkfs.xfs", "xfsprogs"))
+                .arg("-q")
+                .arg(&image),
+        );
         let mount = dir.path().join("mnt");
         std::fs::create_dir(&mount).expect("mkdir");
         run_ok(
@@ -97,8 +101,14 @@ fn snapshots_hold_the_data_at_their_flush_and_are_served_read_only() {
 
     let s1 = volume.join("snapshots/s1");
     let s2 = volume.join("snapshots/s2");
-    assert!(exported(&s1, dir, "s1") == first, "s1 is not the data at its flush");
-    assert!(exported(&s2, dir, "s2") == second, "s2 is not the data at its flush");
+    assert!(
+        exported(&s1, dir, "s1") == first,
+        "s1 is not the data at its flush"
+    );
+    assert!(
+        exported(&s2, dir, "s2") == second,
+        "s2 is not the data at its flush"
+    );
     let now = exported(&volume, dir, "now");
     assert!(now[..1 << 20] != first[..1 << 20] && now[1 << 20..] == second[1 << 20..]);
 
@@ -144,7 +154,10 @@ print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
         .iter()
         .map(|byte| format!("{byte:02x}"))
         .collect();
-    assert!(answer["data"] == want.as_str(), "the snapshot's export reads other data");
+    assert!(
+        answer["data"] == want.as_str(),
+        "the snapshot's export reads other data"
+    );
 
     // A corrupted block of a snapshot is caught, naming its LBA; the
     // volume (whose extent it shared) is untouched.
@@ -165,7 +178,10 @@ print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
     write_through_nbd(dir, &[s(&clone)], 5 << 20, &third);
     let cloned = exported(&clone, dir, "c1");
     assert!(cloned[5 << 20..6 << 20] == third[..] && cloned[..5 << 20] == second[..5 << 20]);
-    assert!(exported(&s2, dir, "s2c") == second, "a clone's write reached its snapshot");
+    assert!(
+        exported(&s2, dir, "s2c") == second,
+        "a clone's write reached its snapshot"
+    );
     assert_check_clean(&clone);
 
     // Delete: gone from the list and the disk; the clone keeps its blocks.
@@ -185,31 +201,60 @@ fn bad_snapshot_input_is_refused_saying_why() {
     let cases: &[(&[&str], &str)] = &[
         (&["snapshot", "create", s(&volume), "a"], "already exists"),
         (&["snapshot", "create", s(&volume), "x/y"], "has a '/'"),
-        (&["snapshot", "create", s(&volume), ".hidden"], "starts with '.'"),
-        (&["snapshot", "delete", s(&volume), "nope"], "no snapshot named \"nope\""),
-        (&["serve", "--snapshot", "nope", s(&volume)], "no snapshot named \"nope\""),
+        (
+            &["snapshot", "create", s(&volume), ".hidden"],
+            "starts with '.'",
+        ),
+        (
+            &["snapshot", "delete", s(&volume), "nope"],
+            "no snapshot named \"nope\"",
+        ),
+        (
+            &["serve", "--snapshot", "nope", s(&volume)],
+            "no snapshot named \"nope\"",
+        ),
     ];
     for (args, want) in cases {
         let output = vouch(args);
         assert_eq!(output.status.code(), Some(2), "{args:?}: {}", text(&output));
-        assert!(stderr_of(&output).contains(want), "{args:?}: {}", text(&output));
+        assert!(
+            stderr_of(&output).contains(want),
+            "{args:?}: {}",
+            text(&output)
+        );
     }
     let snap = volume.join("snapshots/a");
     let output = vouch(&["snapshot", "create", s(&snap), "b"]);
-    assert!(stderr_of(&output).contains("is itself a snapshot"), "{}", text(&output));
+    assert!(
+        stderr_of(&output).contains("is itself a snapshot"),
+        "{}",
+        text(&output)
+    );
     let output = vouch(&["clone", s(&volume), s(&dir.join("c"))]);
-    assert!(stderr_of(&output).contains("is not a snapshot"), "{}", text(&output));
+    assert!(
+        stderr_of(&output).contains("is not a snapshot"),
+        "{}",
+        text(&output)
+    );
     let output = vouch(&["clone", s(&snap), s(&volume)]);
-    assert!(stderr_of(&output).contains("already exists"), "{}", text(&output));
+    assert!(
+        stderr_of(&output).contains("already exists"),
+        "{}",
+        text(&output)
+    );
     // A mirror leg: refused (its legs would need snapshots taken together).
     let leg0 = dir.join("m0");
     let leg1 = dir.join("m1");
     vouch_ok(&["create", s(&leg0), "--size", "4M", "--mirror", s(&leg1)]);
     let output = vouch(&["snapshot", "create", s(&leg0), "m"]);
-    assert!(stderr_of(&output).contains("is a leg of a mirror"), "{}", text(&output));
+    assert!(
+        stderr_of(&output).contains("is a leg of a mirror"),
+        "{}",
+        text(&output)
+    );
     // Nothing half made was left, and the volume is as it was.
-    let list = String::from_utf8_lossy(&vouch_ok(&["snapshot", "list", s(&volume)]).stdout)
-        .into_owned();
+    let list =
+        String::from_utf8_lossy(&vouch_ok(&["snapshot", "list", s(&volume)]).stdout).into_owned();
     assert_eq!(list.lines().count(), 1, "{list}");
     assert_check_clean(&volume);
 }
@@ -218,9 +263,14 @@ fn bad_snapshot_input_is_refused_saying_why() {
 fn ext4_cannot_share_blocks_so_a_snapshot_is_refused_unless_copied() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let fs_type = text(&run_ok(
-        Command::new("stat").args(["-f", "-c", "%T"]).arg(dir.path()),
+        Command::new("stat")
+            .args(["-f", "-c", "%T"])
+            .arg(dir.path()),
     ));
-    assert!(fs_type.contains("ext2/ext3"), "this test needs ext4 here: {fs_type}");
+    assert!(
+        fs_type.contains("ext2/ext3"),
+        "this test needs ext4 here: {fs_type}"
+    );
     let data = random_bytes(1 << 20, 6);
     let volume = volume_from(dir.path(), "vol", &data);
     let output = vouch(&["snapshot", "create", s(&volume), "s"]);
