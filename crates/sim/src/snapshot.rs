@@ -42,8 +42,7 @@ use parking_lot::Mutex;
 use vouch_engine::snapshot::{self, SnapshotBreaks, SnapshotFs};
 use vouch_engine::storage::objects_of;
 use vouch_engine::{
-    BlockDevice, CreateOptions, GuardKind, LayoutKind, ObjectId, OpenOptions, OrderingBreaks,
-    SimStorage, Volume,
+    BlockDevice, LayoutKind, ObjectId, OpenOptions, OrderingBreaks, SimStorage, Volume,
 };
 use vouch_format::FeatureFlags;
 
@@ -428,15 +427,7 @@ pub fn run(config: &SnapshotConfig) -> SnapshotReport {
 
 fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let storage = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
-    options.layout = config.layout;
-    options.guard = GuardKind::Crc32c;
-    options.journal_bytes = Some(1 << 20);
-    options.segment_blocks = Some(segment_blocks(config.layout));
-    Volume::create(Arc::new(storage.clone()), &options)
-        .and_then(Volume::close)
-        .map_err(|e| format!("create: {e}"))?;
+    let storage = crate::upgrade::small_volume(config.layout, None)?;
     let written_with = crate::stepper::Stepper::new(OrderingBreaks::default())
         .options(crate::stepper::stepped_tuning(&mut rng));
     let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
