@@ -81,6 +81,34 @@ fn stderr_of(output: &std::process::Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
 }
 
+/// Serve `args` (a snapshot): writes are refused with EPERM (and the
+/// export says read-only), and LBA 7 reads `want`.
+fn served_read_only(dir: &Path, args: &[&str], want: &[u8]) {
+    let mut server = Server::start(dir, args);
+    let answer = py_json(
+        r#"
+h = connect(sys.argv[1])
+ro = h.is_read_only()
+try:
+    h.pwrite(b"x" * 4096, 0)
+    refused = None
+except nbd.Error as e:
+    refused = e.errno
+data = h.pread(4096, 4096 * 7)
+print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    assert_eq!(answer["ro"], true, "{args:?}");
+    assert_eq!(answer["refused"], "EPERM", "{args:?}: {}", answer["refused"]);
+    let want: String = want.iter().map(|byte| format!("{byte:02x}")).collect();
+    assert!(
+        answer["data"] == want.as_str(),
+        "{args:?}: the snapshot's export reads other data"
+    );
+}
+
 #[test]
 fn snapshots_hold_the_data_at_their_flush_and_are_served_read_only() {
     let xfs = Xfs::new();
@@ -131,33 +159,12 @@ fn snapshots_hold_the_data_at_their_flush_and_are_served_read_only() {
         vouch_ok(&["scrub", s(snap)]);
     }
 
-    // Served read-only, in its own layout: writes get EPERM, reads the data.
-    let mut server = Server::start(dir, &["--snapshot", "s1", s(&volume)]);
-    let answer = py_json(
-        r#"
-h = connect(sys.argv[1])
-ro = h.is_read_only()
-try:
-    h.pwrite(b"x" * 4096, 0)
-    refused = None
-except nbd.Error as e:
-    refused = e.errno
-data = h.pread(4096, 4096 * 7)
-print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
-"#,
-        &[&server.uri],
-    );
-    server.stop();
-    assert_eq!(answer["ro"], true);
-    assert_eq!(answer["refused"], "EPERM", "{}", answer["refused"]);
-    let want: String = first[4096 * 7..4096 * 8]
-        .iter()
-        .map(|byte| format!("{byte:02x}"))
-        .collect();
-    assert!(
-        answer["data"] == want.as_str(),
-        "the snapshot's export reads other data"
-    );
+    // Served read-only, in its own layout: writes get EPERM, reads the
+    // data; by name, or by its directory given as a volume (the flag in
+    // its superblock makes it read-only, not an option).
+    for args in [vec!["--snapshot", "s1", s(&volume)], vec![s(&s1)]] {
+        served_read_only(dir, &args, &first[4096 * 7..4096 * 8]);
+    }
 
     // A corrupted block of a snapshot is caught, naming its LBA; the
     // volume (whose extent it shared) is untouched.
