@@ -1,6 +1,7 @@
 //! `vouch snapshot` and `vouch clone` through the CLI and NBD, on a real
-//! xfs (reflink=1, mkfs's default) made on a loop device by the test
-//! (needs root and `mkfs.xfs`) and unmounted by a guard, and on this
+//! xfs (reflink=1, mkfs's default) and btrfs made on loop devices by the
+//! test (needs root, `mkfs.xfs` and `mkfs.btrfs`) and unmounted by a
+//! guard, and on this
 //! machine's ext4 (which cannot share blocks: refused, or `--copy`).
 
 mod common;
@@ -10,25 +11,29 @@ use std::process::Command;
 
 use common::*;
 
-/// A loop-mounted xfs, unmounted (and its image removed) when dropped,
-/// even when the test fails.
-struct Xfs {
+/// A loop-mounted xfs or btrfs, unmounted (and its image removed) when
+/// dropped, even when the test fails.
+struct LoopFs {
     _dir: tempfile::TempDir,
     mount: PathBuf,
 }
 
-impl Xfs {
-    fn new() -> Xfs {
+impl LoopFs {
+    fn xfs() -> LoopFs {
+        LoopFs::made_by("mkfs.xfs", "xfsprogs")
+    }
+
+    fn btrfs() -> LoopFs {
+        LoopFs::made_by("mkfs.btrfs", "btrfs-progs")
+    }
+
+    fn made_by(mkfs: &str, package: &str) -> LoopFs {
         let dir = tempfile::tempdir().expect("tempdir");
-        let image = dir.path().join("xfs.img");
+        let image = dir.path().join("fs.img");
         std::fs::File::create(&image)
             .and_then(|file| file.set_len(1 << 30))
             .expect("image");
-        run_ok(
-            Command::new(tool("mkfs.xfs", "xfsprogs"))
-                .arg("-q")
-                .arg(&image),
-        );
+        run_ok(Command::new(tool(mkfs, package)).arg("-q").arg(&image));
         let mount = dir.path().join("mnt");
         std::fs::create_dir(&mount).expect("mkdir");
         run_ok(
@@ -37,11 +42,11 @@ impl Xfs {
                 .arg(&image)
                 .arg(&mount),
         );
-        Xfs { _dir: dir, mount }
+        LoopFs { _dir: dir, mount }
     }
 }
 
-impl Drop for Xfs {
+impl Drop for LoopFs {
     fn drop(&mut self) {
         let status = Command::new("umount").arg(&self.mount).status();
         if !status.is_ok_and(|status| status.success()) {
@@ -101,7 +106,11 @@ print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
     );
     server.stop();
     assert_eq!(answer["ro"], true, "{args:?}");
-    assert_eq!(answer["refused"], "EPERM", "{args:?}: {}", answer["refused"]);
+    assert_eq!(
+        answer["refused"], "EPERM",
+        "{args:?}: {}",
+        answer["refused"]
+    );
     let want: String = want.iter().map(|byte| format!("{byte:02x}")).collect();
     assert!(
         answer["data"] == want.as_str(),
@@ -111,8 +120,17 @@ print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
 
 #[test]
 fn snapshots_hold_the_data_at_their_flush_and_are_served_read_only() {
-    let xfs = Xfs::new();
-    let dir = &xfs.mount;
+    snapshots_on(&LoopFs::xfs());
+}
+
+#[test]
+fn snapshots_on_btrfs_hold_the_data_at_their_flush() {
+    snapshots_on(&LoopFs::btrfs());
+}
+
+/// Snapshots, their service, checks, clones and deletion on `fs`.
+fn snapshots_on(fs: &LoopFs) {
+    let dir = &fs.mount;
     let first = random_bytes(SIZE, 1);
     let volume = volume_from(dir, "vol", &first);
     let out = vouch_ok(&["snapshot", "create", s(&volume), "s1"]);
@@ -201,7 +219,7 @@ fn snapshots_hold_the_data_at_their_flush_and_are_served_read_only() {
 
 #[test]
 fn bad_snapshot_input_is_refused_saying_why() {
-    let xfs = Xfs::new();
+    let xfs = LoopFs::xfs();
     let dir = &xfs.mount;
     let volume = volume_from(dir, "vol", &random_bytes(1 << 20, 5));
     vouch_ok(&["snapshot", "create", s(&volume), "a"]);
