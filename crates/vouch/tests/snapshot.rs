@@ -277,6 +277,24 @@ fn bad_snapshot_input_is_refused_saying_why() {
         "{}",
         text(&output)
     );
+    // What a crash in the middle of a create leaves is never served and
+    // is removed by the next list.
+    let partial = volume.join("snapshots/.b.partial");
+    std::fs::create_dir(&partial).expect("mkdir");
+    std::fs::copy(volume.join("superblock"), partial.join("superblock")).expect("copy");
+    let output = vouch(&["serve", "--snapshot", ".b.partial", s(&volume)]);
+    assert!(
+        stderr_of(&output).contains("starts with '.'"),
+        "{}",
+        text(&output)
+    );
+    let output = vouch_ok(&["snapshot", "list", s(&volume)]);
+    assert!(
+        stderr_of(&output).contains("removed .b.partial"),
+        "{}",
+        text(&output)
+    );
+    assert!(!partial.exists());
     // Nothing half made was left, and the volume is as it was.
     let list =
         String::from_utf8_lossy(&vouch_ok(&["snapshot", "list", s(&volume)]).stdout).into_owned();
