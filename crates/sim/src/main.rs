@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use vouch_sim::crash::{CrashConfig, Tearing};
 use vouch_sim::faults::{self, FaultConfig};
 use vouch_sim::{parse_guard, parse_layout, GuardKind, LayoutKind};
@@ -15,6 +15,17 @@ use vouch_sim::{parse_guard, parse_layout, GuardKind, LayoutKind};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// The layout and seeds of a simulator that runs one layout.
+#[derive(Args)]
+struct LayoutSeeds {
+    #[arg(long, default_value = "split")]
+    layout: String,
+    #[arg(long, default_value_t = 20)]
+    seeds: u64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Subcommand)]
@@ -42,12 +53,8 @@ enum Command {
     /// cuts each): a snapshot or clone that has its name is complete, the
     /// volume is untouched, and the command run again finishes.
     Snapshot {
-        #[arg(long, default_value = "split")]
-        layout: String,
-        #[arg(long, default_value_t = 20)]
-        seeds: u64,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
+        #[command(flatten)]
+        run: LayoutSeeds,
         /// Break the ordering on purpose: publish the snapshot's name
         /// before its files are synced (the run must find violations).
         #[arg(long)]
@@ -65,12 +72,8 @@ enum Command {
     /// open and its close (a power cut and a process crash each), then
     /// reopen and upgrade again: every block reads its data.
     Upgrade {
-        #[arg(long, default_value = "split")]
-        layout: String,
-        #[arg(long, default_value_t = 20)]
-        seeds: u64,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
+        #[command(flatten)]
+        run: LayoutSeeds,
         /// Encrypted volumes.
         #[arg(long)]
         encrypted: bool,
@@ -266,16 +269,11 @@ fn run(cli: Cli) -> Result<bool, String> {
             print!("{}", report.render(&config));
             Ok(report.violations.is_empty())
         }
-        Command::Upgrade {
-            layout: name,
-            seeds,
-            seed,
-            encrypted,
-        } => {
+        Command::Upgrade { run, encrypted } => {
             let config = vouch_sim::upgrade::UpgradeConfig {
-                layout: layout(&name)?,
-                seeds,
-                seed,
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
                 encrypted,
             };
             let report = vouch_sim::upgrade::run(&config);
@@ -285,16 +283,11 @@ fn run(cli: Cli) -> Result<bool, String> {
             println!("{}", report.summary(&config));
             Ok(report.violations.is_empty())
         }
-        Command::Snapshot {
-            layout: name,
-            seeds,
-            seed,
-            break_publish,
-        } => {
+        Command::Snapshot { run, break_publish } => {
             let config = vouch_sim::snapshot::SnapshotConfig {
-                layout: layout(&name)?,
-                seeds,
-                seed,
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
                 breaks: vouch_engine::snapshot::SnapshotBreaks {
                     publish_before_sync: break_publish,
                 },
