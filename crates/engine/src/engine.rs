@@ -71,6 +71,12 @@ impl Engine {
         let mut read_only = options
             .read_only
             .then(|| " (opened with --read-only)".to_string());
+        if superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
+            read_only = Some(
+                " (a snapshot: read-only; `vouch clone SNAPSHOT NEWPATH` makes a writable volume of it)"
+                    .to_string(),
+            );
+        }
         let unknown_ro = superblock.features.unknown_ro_compat();
         if unknown_ro != 0 {
             read_only = Some(format!(

@@ -26,7 +26,9 @@
 //! - `volume` — the public handle (`volume/device.rs`: its
 //!   `BlockDevice`); `copy` — copy next to the data (reflink or
 //!   pipelined). Mirrors over `BlockDevice` legs are a crate above this
-//!   one (`vouch-mirror`), built on its public API.
+//!   one (`vouch-mirror`), built on its public API;
+//!   `snapshot` — snapshots and clones, made of a closed volume's files
+//!   (it names the mirror record only to refuse a mirror's leg).
 
 mod backing;
 pub mod buffer;
@@ -55,6 +57,7 @@ pub mod replace;
 pub mod schedule;
 pub mod scrub;
 mod shared;
+pub mod snapshot;
 mod state;
 pub mod stats;
 pub mod storage;
@@ -122,8 +125,11 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     let geometry = superblock
         .geometry()
         .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")).in_volume(path))?;
+    // A snapshot's files are opened read-only: nothing writes them.
+    let snapshot =
+        superblock.features.ro_compat & vouch_format::FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
     let how = FileOpen {
-        writable: !options.read_only && !options.keyless,
+        writable: !options.read_only && !options.keyless && !snapshot,
         direct: options.direct,
     };
     let storage =

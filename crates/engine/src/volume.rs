@@ -268,7 +268,8 @@ impl VolumeInfo {
             journal_bytes: superblock.journal_bytes,
             checkpoint_seq: superblock.checkpoint_seq,
             clean: superblock.state == vouch_format::superblock::STATE_CLEAN,
-            read_only: superblock.features.unknown_ro_compat() != 0,
+            read_only: superblock.features.unknown_ro_compat() != 0
+                || superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0,
             allocated_bytes,
             encrypted,
             key_kind: encrypted.then_some(match superblock.key_wrap.kdf {

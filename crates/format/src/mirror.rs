@@ -12,6 +12,8 @@
 use crate::bytes::{get_u32, get_u64, put_u32, put_u64};
 use crate::{crc32c, Field, FormatError};
 
+/// The file in each local leg's directory that holds its record.
+pub const MIRROR_RECORD_FILE: &str = "mirror";
 pub const MIRROR_MAGIC: [u8; 8] = *b"VOUCHMIR";
 pub const MIRROR_VERSION: u32 = 1;
 pub const MIRROR_HEADER_BYTES: usize = 64;

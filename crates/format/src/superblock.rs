@@ -53,8 +53,15 @@ impl FeatureFlags {
     /// the markers.
     pub const INCOMPAT_BOUND_UNITS: u64 = 1 << 4;
 
+    /// The volume is a read-only snapshot (`vouch snapshot create`): a
+    /// copy of another volume's files at a flush point, never written.
+    /// Ro-compat, so a binary from before snapshots opens it read-only
+    /// too; this binary opens it read-only whatever it is asked
+    /// (`vouch clone` makes a writable volume of it).
+    pub const RO_COMPAT_SNAPSHOT: u64 = 1 << 0;
+
     pub const SUPPORTED_COMPAT: u64 = Self::COMPAT_HOLE_PUNCH;
-    pub const SUPPORTED_RO_COMPAT: u64 = 0;
+    pub const SUPPORTED_RO_COMPAT: u64 = Self::RO_COMPAT_SNAPSHOT;
     pub const SUPPORTED_INCOMPAT: u64 = Self::INCOMPAT_CONTEXT_JOURNAL
         | Self::INCOMPAT_PACKED_LAYOUT
         | Self::INCOMPAT_ENCRYPTED

@@ -116,6 +116,8 @@ fn feature_flag_table_matches_code() {
     assert_eq!(vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS, 1 << 4);
     assert!(doc.contains("### Vacant marker (kind 5"));
     assert_eq!(vouch_format::KIND_VACANT, 5);
+    assert!(doc.contains("| ro_compat | 0 | SNAPSHOT |"));
+    assert_eq!(vouch_format::FeatureFlags::RO_COMPAT_SNAPSHOT, 1 << 0);
     assert!(doc.contains("| compat | 0 | HOLE_PUNCH |"));
     assert_eq!(vouch_format::FeatureFlags::COMPAT_HOLE_PUNCH, 1 << 0);
 }

@@ -79,7 +79,7 @@ pub use remote::{is_remote_member, LegTemplate};
 pub use resync::{ResyncCursor, ResyncStep};
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
-    OpenedSet,
+    OpenedSet, RECORD_FILE,
 };
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;

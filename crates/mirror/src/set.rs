@@ -23,7 +23,7 @@ use vouch_engine::storage::FileStorage;
 use vouch_engine::Volume;
 
 /// The record's file name in each leg's directory.
-pub const RECORD_FILE: &str = "mirror";
+pub const RECORD_FILE: &str = vouch_format::mirror::MIRROR_RECORD_FILE;
 
 /// Present in a leg's directory while the legs may differ on some blocks
 /// (an unclean shutdown, until a scrub finishes with nothing left): reads

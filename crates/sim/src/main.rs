@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use vouch_sim::crash::{CrashConfig, Tearing};
 use vouch_sim::faults::{self, FaultConfig};
 use vouch_sim::{parse_guard, parse_layout, GuardKind, LayoutKind};
@@ -15,6 +15,17 @@ use vouch_sim::{parse_guard, parse_layout, GuardKind, LayoutKind};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+}
+
+/// The layout and seeds of a simulator that runs one layout.
+#[derive(Args)]
+struct LayoutSeeds {
+    #[arg(long, default_value = "split")]
+    layout: String,
+    #[arg(long, default_value_t = 20)]
+    seeds: u64,
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
 }
 
 #[derive(Subcommand)]
@@ -37,6 +48,18 @@ enum Command {
         #[arg(long)]
         encrypted: bool,
     },
+    /// Crash `vouch snapshot create`, `vouch clone` and `vouch snapshot
+    /// delete` before every file operation (a process crash and two power
+    /// cuts each): a snapshot or clone that has its name is complete, the
+    /// volume is untouched, and the command run again finishes.
+    Snapshot {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: publish the snapshot's name
+        /// before its files are synced (the run must find violations).
+        #[arg(long)]
+        break_publish: bool,
+    },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
     Keychange {
@@ -49,12 +72,8 @@ enum Command {
     /// open and its close (a power cut and a process crash each), then
     /// reopen and upgrade again: every block reads its data.
     Upgrade {
-        #[arg(long, default_value = "split")]
-        layout: String,
-        #[arg(long, default_value_t = 20)]
-        seeds: u64,
-        #[arg(long, default_value_t = 1)]
-        seed: u64,
+        #[command(flatten)]
+        run: LayoutSeeds,
         /// Encrypted volumes.
         #[arg(long)]
         encrypted: bool,
@@ -250,19 +269,30 @@ fn run(cli: Cli) -> Result<bool, String> {
             print!("{}", report.render(&config));
             Ok(report.violations.is_empty())
         }
-        Command::Upgrade {
-            layout: name,
-            seeds,
-            seed,
-            encrypted,
-        } => {
+        Command::Upgrade { run, encrypted } => {
             let config = vouch_sim::upgrade::UpgradeConfig {
-                layout: layout(&name)?,
-                seeds,
-                seed,
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
                 encrypted,
             };
             let report = vouch_sim::upgrade::run(&config);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", report.summary(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::Snapshot { run, break_publish } => {
+            let config = vouch_sim::snapshot::SnapshotConfig {
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                breaks: vouch_engine::snapshot::SnapshotBreaks {
+                    publish_before_sync: break_publish,
+                },
+            };
+            let report = vouch_sim::snapshot::run(&config);
             for violation in &report.violations {
                 println!("{violation}");
             }

@@ -101,16 +101,7 @@ fn run_seed(config: &UpgradeConfig, seed: u64, report: &mut UpgradeReport) -> Re
         key: key.clone(),
         ..OpenOptions::default()
     };
-    let storage = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
-    options.layout = config.layout;
-    options.guard = GuardKind::Crc32c;
-    options.journal_bytes = Some(1 << 20);
-    options.segment_blocks = Some(segment_blocks(config.layout));
-    options.encrypt = key.clone();
-    Volume::create(Arc::new(storage.clone()), &options)
-        .and_then(Volume::close)
-        .map_err(|e| format!("create: {e}"))?;
+    let storage = small_volume(config.layout, key.clone())?;
     // Written on the production scheduling (`metadata`'s write rounds: a
     // background committer the seed steps, the inline route), twice, so
     // units hold several generations.
@@ -186,6 +177,25 @@ fn run_seed(config: &UpgradeConfig, seed: u64, report: &mut UpgradeReport) -> Re
         Some(first) => Err(first),
         None => Ok(()),
     }
+}
+
+/// A new volume of the simulators' size (`BLOCKS`, a 1 MiB journal,
+/// small segments), closed, on simulated storage.
+pub(crate) fn small_volume(
+    layout: LayoutKind,
+    key: Option<vouch_engine::UserSecret>,
+) -> Result<SimStorage, String> {
+    let storage = SimStorage::new();
+    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
+    options.layout = layout;
+    options.guard = GuardKind::Crc32c;
+    options.journal_bytes = Some(1 << 20);
+    options.segment_blocks = Some(segment_blocks(layout));
+    options.encrypt = key;
+    Volume::create(Arc::new(storage.clone()), &options)
+        .and_then(Volume::close)
+        .map_err(|e| format!("create: {e}"))?;
+    Ok(storage)
 }
 
 /// The closed volume as one that needs `vouch upgrade`: made before the

@@ -88,6 +88,7 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
     // An unreadable scrub record is shown as such, not a failed `info`: the
     // record is advisory (docs/FORMAT.md).
     let scrub = vouch_engine::scrub::last_scrub(path);
+    let snapshots = vouch_engine::snapshot::list(&vouch_engine::snapshot::RealFs::default(), path)?;
     if json_output {
         let value = json!({
             "path": path.display().to_string(),
@@ -114,6 +115,13 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "encrypted": info.encrypted,
             "key": info.key_kind,
             "last_scrub": scrub_json(&scrub),
+            "snapshots": snapshots
+                .iter()
+                .map(|entry| match entry {
+                    Ok(snap) => json!({ "name": snap.record.name, "record": snap.record }),
+                    Err(error) => json!({ "error": error.to_string() }),
+                })
+                .collect::<Vec<_>>(),
             "mirror": if vouch_mirror::is_mirrored(path) {
                 crate::mirror::info_json(path)?
             } else {
@@ -163,7 +171,11 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
                 "not closed cleanly (recovers from its journal when opened)"
             }
         );
-        if info.read_only {
+        if info.features.ro_compat & vouch_format::FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
+            println!(
+                "writable:        no: a snapshot (`vouch clone` makes a writable volume of it)"
+            );
+        } else if info.read_only {
             println!(
                 "writable:        no: ro_compat features {:#x} are unknown to this vouch, which only reads it",
                 info.features.unknown_ro_compat()
@@ -175,11 +187,36 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             bytesize::ByteSize(info.allocated_bytes)
         );
         println!("last scrub:      {}", scrub_text(&scrub));
+        for line in snapshot_lines(&snapshots) {
+            println!("{line}");
+        }
         if vouch_mirror::is_mirrored(path) {
             crate::mirror::print_info(path)?;
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `info`'s lines for the volume's snapshots (none: no line).
+fn snapshot_lines(
+    snapshots: &[vouch_engine::Result<vouch_engine::snapshot::Snapshot>],
+) -> Vec<String> {
+    snapshots
+        .iter()
+        .enumerate()
+        .map(|(i, entry)| {
+            let label = if i == 0 { "snapshots:" } else { "" };
+            match entry {
+                Ok(snap) => format!(
+                    "{label:<17}{} (checkpoint seq {}, {})",
+                    snap.record.name,
+                    snap.record.checkpoint_seq,
+                    snap.path.display()
+                ),
+                Err(error) => format!("{label:<17}unreadable: {error}"),
+            }
+        })
+        .collect()
 }
 
 /// Faults of the last scrub listed by `vouch info` (all are in scrub.json).

@@ -11,6 +11,7 @@ mod replica;
 mod resync;
 mod serve;
 mod service;
+mod snapshot;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -238,6 +239,25 @@ enum Command {
     /// Compare): equal, or the first differing byte. Exit 0 equal,
     /// 1 differ (or a block failed verification), 2 error.
     Compare(offload::cli::CompareArgs),
+    /// Read-only snapshots of a volume: create, list, delete (offline).
+    Snapshot {
+        #[command(subcommand)]
+        command: snapshot::SnapshotCommand,
+    },
+    /// Make NEWPATH a writable volume from a snapshot
+    /// (PATH/snapshots/NAME), sharing its blocks (FICLONE: instant on xfs
+    /// and btrfs). It keeps the volume's uuid, to which every block's
+    /// protection is bound; its `origin` file names the snapshot.
+    Clone {
+        /// The snapshot's directory (PATH/snapshots/NAME).
+        snapshot: PathBuf,
+        /// The new volume's directory (must not exist).
+        new_path: PathBuf,
+        /// Where the filesystem cannot share blocks (ext4), make a full
+        /// copy of the snapshot's files instead (holes kept).
+        #[arg(long)]
+        copy: bool,
+    },
     /// Engine benchmark: raw file vs split vs packed, every guard.
     Bench(bench::BenchArgs),
     /// Mirrored volumes: the legs' state and counters, replacing a leg.
@@ -385,7 +405,14 @@ impl Command {
             Command::Key {
                 command: key::KeyCommand::Change { key, .. },
             } => ((Some(key), None), None),
-            Command::Bench(_) | Command::Replica { .. } | Command::Man { .. } => return none,
+            Command::Bench(_)
+            | Command::Replica { .. }
+            | Command::Man { .. }
+            | Command::Clone { .. } => return none,
+            Command::Snapshot { command } => match command {
+                snapshot::SnapshotCommand::Create { key, .. } => ((Some(key), None), None),
+                _ => return none,
+            },
         };
         VolumeOptions {
             key_file,
@@ -553,6 +580,12 @@ fn main() -> ExitCode {
         Command::Copy(args) => offload::cli_ops::copy(args),
         Command::Compare(args) => offload::cli_ops::compare(args),
         Command::Key { command } => key::run(command),
+        Command::Snapshot { command } => snapshot::run(command),
+        Command::Clone {
+            snapshot,
+            new_path,
+            copy,
+        } => snapshot::clone(&snapshot, &new_path, copy),
         Command::Replica { command } => replica::run(command),
         Command::Man { dir } => service::man::run(&dir),
     };

@@ -60,6 +60,12 @@ pub struct ServeArgs {
     /// Refuse writes (NBD_FLAG_READ_ONLY; writes get EPERM).
     #[arg(long)]
     read_only: bool,
+    /// Serve snapshot NAME of the one volume PATH (PATH/snapshots/NAME,
+    /// read-only, export name NAME unless --name), in the layout it was
+    /// taken in. A snapshot's directory can also be given as a PATH,
+    /// beside the volume's own: `serve VOL VOL/snapshots/NAME`.
+    #[arg(long, value_name = "NAME")]
+    snapshot: Option<String>,
     /// Bypass the host page cache for block data (O_DIRECT on the data
     /// segments, like qemu-nbd --cache=none): what to use under a VM, whose
     /// guest caches for itself. Writes still gather in vouch's write-back
@@ -140,7 +146,16 @@ fn export_name(path: &std::path::Path) -> String {
     )
 }
 
-pub fn run(args: ServeArgs) -> Result<ExitCode> {
+pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
+    if let Some(name) = &args.snapshot {
+        if args.paths.len() != 1 || args.create.is_some() {
+            bail!(
+                "--snapshot NAME serves a snapshot of one volume: give one PATH (and no --create)"
+            );
+        }
+        args.paths[0] = crate::snapshot::served_path(&args.paths[0], name)?;
+        args.read_only = true;
+    }
     // First, while this is the only thread: taking the sockets clears
     // LISTEN_* from the environment.
     let activated = activation::take()?;

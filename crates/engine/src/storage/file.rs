@@ -168,6 +168,15 @@ impl FileStorage {
         }
     }
 
+    /// The volume at `dir`'s superblock file, under the exclusive lock a
+    /// writable open takes: while it is held no other vouch process opens
+    /// the volume (a snapshot's files are cloned under it).
+    pub fn lock_for_writing(dir: &Path) -> io::Result<File> {
+        let superblock = FileStorage::open_superblock(dir)?;
+        lock_volume(&superblock, dir, true)?;
+        Ok(superblock)
+    }
+
     /// Open every object of an existing volume (see `FileOpen`).
     pub fn open_objects(dir: &Path, geometry: &Geometry, how: FileOpen) -> io::Result<FileStorage> {
         let FileOpen { writable, direct } = how;
@@ -1218,18 +1227,35 @@ fn ficlonerange(
     if rc == 0 {
         return Ok(());
     }
-    let error = io::Error::last_os_error();
+    Err(clone_error(io::Error::last_os_error()))
+}
+
+/// `ioctl(FICLONE)`: `destination` (empty) becomes the whole of `source`,
+/// sharing every extent (a snapshot's files, `snapshot.rs`).
+pub(crate) fn ficlone(destination: &File, source: &File) -> io::Result<()> {
+    // SAFETY: FICLONE takes the source descriptor as its argument; both
+    // descriptors are open files.
+    let rc = unsafe { libc::ioctl(destination.as_raw_fd(), libc::FICLONE, source.as_raw_fd()) };
+    if rc == 0 {
+        return Ok(());
+    }
+    Err(clone_error(io::Error::last_os_error()))
+}
+
+/// A clone's error, those that mean "this filesystem (or this pair of
+/// files) cannot share extents" as `Unsupported`.
+fn clone_error(error: io::Error) -> io::Error {
     match error.raw_os_error() {
-        Some(libc::EOPNOTSUPP | libc::ENOTTY | libc::ENOSYS) => Err(reflink_unsupported(format!(
-            "the filesystem cannot share extents ({error})"
-        ))),
-        Some(libc::EXDEV) => Err(reflink_unsupported(format!(
+        Some(libc::EOPNOTSUPP | libc::ENOTTY | libc::ENOSYS) => {
+            reflink_unsupported(format!("the filesystem cannot share extents ({error})"))
+        }
+        Some(libc::EXDEV) => reflink_unsupported(format!(
             "source and destination are on different filesystems ({error})"
-        ))),
-        Some(libc::EINVAL) => Err(reflink_unsupported(format!(
-            "the filesystem refused the range ({error})"
-        ))),
-        _ => Err(error),
+        )),
+        Some(libc::EINVAL) => {
+            reflink_unsupported(format!("the filesystem refused the range ({error})"))
+        }
+        _ => error,
     }
 }
 

@@ -395,4 +395,5 @@ pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
 }
 
 mod file;
+pub(crate) use file::ficlone;
 pub use file::{FileOpen, FileStorage};

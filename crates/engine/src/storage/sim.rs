@@ -477,6 +477,23 @@ impl SimStorage {
         };
     }
 
+    /// An object's live bytes, up to the last byte written (the file a
+    /// crash simulator copies: `vouch-sim snapshot`).
+    pub fn object_bytes(&self, object: ObjectId) -> Vec<u8> {
+        let state = self.state.lock();
+        let Some(entry) = state.objects.get(&object) else {
+            return Vec::new();
+        };
+        let len = state
+            .lengths
+            .get(&object)
+            .copied()
+            .unwrap_or_else(|| entry.live.end());
+        let mut bytes = vec![0u8; len as usize];
+        entry.live.read(0, &mut bytes);
+        bytes
+    }
+
     /// Read the live bytes without going through fault hooks.
     pub fn peek(&self, object: ObjectId, offset: u64, buf: &mut [u8]) {
         let state = self.state.lock();

@@ -1,0 +1,609 @@
+//! Read-only snapshots of a volume, and writable clones of a snapshot,
+//! made of the volume's files (`vouch snapshot`, `vouch clone`;
+//! docs/FORMAT.md, "Snapshots").
+//!
+//! A snapshot is a complete volume directory, `PATH/snapshots/NAME/`: a
+//! clone (FICLONE: every extent shared, nothing copied) of each file of
+//! the volume taken while the volume is at a flush point and no writer
+//! holds it, its superblock marked RO_COMPAT_SNAPSHOT (so every binary,
+//! even one from before snapshots, opens it read-only), and a `snapshot`
+//! record. Being a volume, it is opened, checked, verified, scrubbed,
+//! exported and served as any volume is, in the layout it was taken in.
+//!
+//! Crash ordering (create): the files are made in `snapshots/.NAME.partial`,
+//! each fsynced, then the directory, and only then renamed to
+//! `snapshots/NAME` (and `snapshots/` fsynced): the name is published
+//! after everything it names is durable, so a power cut or a process crash
+//! leaves no snapshot or a complete one. A `.NAME.partial` left by a
+//! crash is never served (a name starting with '.' is no snapshot) and is
+//! removed by the next create, list or delete. Delete renames `NAME` to
+//! `.NAME.deleting` (fsyncing `snapshots/`) before removing its files, so a
+//! half-removed snapshot has no name either. A clone is made the same way
+//! next to its new path (`.NEWNAME.clone-partial`, renamed to NEWPATH).
+//!
+//! The file operations go through `SnapshotFs`, so the crash simulator
+//! (`vouch-sim snapshot`) runs this very code on a model filesystem that
+//! keeps only what was synced.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd as _;
+use std::os::unix::fs::FileExt as _;
+use std::path::{Path, PathBuf};
+
+use vouch_format::superblock::{STATE_CLEAN, SUPERBLOCK_SLOT_BYTES};
+use vouch_format::{FeatureFlags, Superblock};
+
+use crate::error::{Error, Result};
+use crate::storage::{objects_of, ObjectId};
+
+/// The directory of a volume that holds its snapshots.
+pub const SNAPSHOTS_DIR: &str = "snapshots";
+/// A snapshot's record, in its directory (JSON).
+pub const RECORD_FILE: &str = "snapshot";
+/// A clone's record of the snapshot it was made from, in its directory (JSON).
+pub const ORIGIN_FILE: &str = "origin";
+const PARTIAL: &str = ".partial";
+const DELETING: &str = ".deleting";
+const CLONE_PARTIAL: &str = ".clone-partial";
+/// Longest snapshot name (bytes).
+const NAME_MAX: usize = 128;
+
+/// The file operations a snapshot is made of. Paths are absolute or
+/// relative to the process's directory; a file written is created when
+/// missing. Nothing is durable until synced: a file's bytes by
+/// `sync_file`, a directory's entries (made, renamed, removed) by
+/// `sync_dir` of that directory.
+pub trait SnapshotFs {
+    fn create_dir(&self, path: &Path) -> io::Result<()>;
+    /// Make `to` (which must not exist) a copy of `from` sharing its
+    /// extents (or, where the filesystem cannot, a full copy if this
+    /// `SnapshotFs` was asked for one).
+    fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()>;
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
+    fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()>;
+    fn sync_file(&self, path: &Path) -> io::Result<()>;
+    fn sync_dir(&self, path: &Path) -> io::Result<()>;
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()>;
+    fn remove_all(&self, path: &Path) -> io::Result<()>;
+    /// The names in directory `dir`; `None` when it does not exist.
+    fn names(&self, dir: &Path) -> io::Result<Option<Vec<String>>>;
+    fn exists(&self, path: &Path) -> bool;
+}
+
+/// Orderings `create` can be told to break, to show the crash simulator
+/// catches them. Production passes the default (none).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SnapshotBreaks {
+    /// Publish the name (the rename) before the files are synced.
+    pub publish_before_sync: bool,
+}
+
+/// The real filesystem. `full_copy`: where extents cannot be shared, copy
+/// the files' bytes (holes kept) instead of refusing.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RealFs {
+    pub full_copy: bool,
+}
+
+impl SnapshotFs for RealFs {
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        std::fs::create_dir(path)
+    }
+    fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
+        let source = File::open(from)?;
+        let destination = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(to)?;
+        match crate::storage::ficlone(&destination, &source) {
+            Err(error) if self.full_copy && error.kind() == io::ErrorKind::Unsupported => {
+                copy_sparse(&source, &destination)
+            }
+            other => other,
+        }
+    }
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        std::fs::read(path)
+    }
+    fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?
+            .write_all_at(bytes, offset)
+    }
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        File::open(path)?.sync_all()
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        File::open(path)?.sync_all()
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        std::fs::rename(from, to)
+    }
+    fn remove_all(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_dir_all(path)
+    }
+    fn names(&self, dir: &Path) -> io::Result<Option<Vec<String>>> {
+        let entries = match std::fs::read_dir(dir) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(error),
+        };
+        let mut names = Vec::new();
+        for entry in entries {
+            names.push(entry?.file_name().to_string_lossy().into_owned());
+        }
+        names.sort();
+        Ok(Some(names))
+    }
+    fn exists(&self, path: &Path) -> bool {
+        path.symlink_metadata().is_ok()
+    }
+}
+
+/// Copy every data range of `source` into `destination` (`copy_file_range`
+/// between `SEEK_DATA` and `SEEK_HOLE`), leaving its holes holes, and
+/// give it `source`'s length.
+fn copy_sparse(source: &File, destination: &File) -> io::Result<()> {
+    let len = source.metadata()?.len();
+    let mut at = 0u64;
+    while at < len {
+        // SAFETY: lseek on an open descriptor.
+        let start = unsafe { libc::lseek(source.as_raw_fd(), at as i64, libc::SEEK_DATA) };
+        if start < 0 {
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() == Some(libc::ENXIO) {
+                break;
+            }
+            return Err(error);
+        }
+        // SAFETY: as above.
+        let end = unsafe { libc::lseek(source.as_raw_fd(), start, libc::SEEK_HOLE) };
+        if end < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let (mut from, mut to) = (start, start);
+        while from < end {
+            // SAFETY: both descriptors are open; the offsets are ours.
+            let done = unsafe {
+                libc::copy_file_range(
+                    source.as_raw_fd(),
+                    &mut from,
+                    destination.as_raw_fd(),
+                    &mut to,
+                    (end - from) as usize,
+                    0,
+                )
+            };
+            if done < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if done == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    "the file shrank while it was copied",
+                ));
+            }
+        }
+        at = end as u64;
+    }
+    destination.set_len(len)
+}
+
+/// What a snapshot records (its `snapshot` file): what it is a snapshot
+/// of, and the volume's counters at its flush point, from which the blocks
+/// written since can be told (every block of the snapshot carries a
+/// generation at most `generations_seq`'s commit).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SnapshotRecord {
+    pub name: String,
+    /// The volume's uuid (the snapshot keeps it: every block's protection
+    /// is bound to it).
+    pub uuid: String,
+    pub created_unix: u64,
+    /// The volume's superblock at the flush point: its generation, its
+    /// journal checkpoint (every commit up to it is in the snapshot) and
+    /// its generations copy.
+    pub superblock_generation: u64,
+    pub checkpoint_seq: u64,
+    pub generations_seq: u64,
+    pub layout: String,
+    /// "reflink" (extents shared) or "copy" (a full copy).
+    pub method: String,
+}
+
+/// A snapshot found by `list`.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub path: PathBuf,
+    pub record: SnapshotRecord,
+}
+
+fn invalid(message: String) -> Error {
+    Error::InvalidArgument(message)
+}
+
+fn io_error(action: &'static str, path: &Path, error: io::Error) -> Error {
+    Error::Path {
+        action,
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    }
+}
+
+/// Refuse a name that is not one plain directory entry.
+pub fn check_name(name: &str) -> Result<()> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "._-+@:".contains(c);
+    let why = if name.is_empty() {
+        Some("is empty".to_string())
+    } else if name.contains('/') {
+        Some("has a '/'".to_string())
+    } else if name.starts_with('.') {
+        Some("starts with '.'".to_string())
+    } else if name.len() > NAME_MAX {
+        Some(format!("is longer than {NAME_MAX} bytes"))
+    } else {
+        name.chars()
+            .find(|&c| !allowed(c))
+            .map(|c| format!("has {c:?}"))
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(invalid(format!(
+            "snapshot name {name:?} {why}: a name is one directory entry of letters, digits and . _ - + @ : (not starting with '.')"
+        ))),
+    }
+}
+
+/// Where the volume at `volume` keeps snapshot `name`.
+pub fn snapshot_path(volume: &Path, name: &str) -> PathBuf {
+    volume.join(SNAPSHOTS_DIR).join(name)
+}
+
+/// The superblock of the volume directory `dir`, read through `fs`.
+fn superblock_of(fs: &dyn SnapshotFs, dir: &Path) -> Result<Superblock> {
+    let path = dir.join(ObjectId::Superblock.file_name());
+    let mut bytes = fs.read(&path).map_err(|e| io_error("read", &path, e))?;
+    let slot = SUPERBLOCK_SLOT_BYTES as usize;
+    bytes.resize(2 * slot, 0);
+    let (first, second) = bytes.split_at(slot);
+    crate::superblock::select(first, second).map_err(|error| error.in_volume(dir))
+}
+
+/// Write `superblock` as both copies of `dir`'s superblock file (not synced).
+fn write_superblock(fs: &dyn SnapshotFs, dir: &Path, superblock: &Superblock) -> Result<()> {
+    let path = dir.join(ObjectId::Superblock.file_name());
+    let mut slot = vec![0u8; SUPERBLOCK_SLOT_BYTES as usize];
+    slot[..vouch_format::SUPERBLOCK_BYTES].copy_from_slice(&superblock.encode());
+    for copy in 0..2 {
+        fs.write_at(&path, copy * SUPERBLOCK_SLOT_BYTES, &slot)
+            .map_err(|e| io_error("write", &path, e))?;
+    }
+    Ok(())
+}
+
+fn is_snapshot(superblock: &Superblock) -> bool {
+    superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0
+}
+
+/// The volume's files, by name.
+fn volume_files(superblock: &Superblock) -> Result<Vec<String>> {
+    let geometry = superblock
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")))?;
+    Ok(objects_of(&geometry)
+        .into_iter()
+        .map(ObjectId::file_name)
+        .collect())
+}
+
+/// Clone every file of volume directory `from` into the new directory
+/// `to`, then write `superblock` into it and `extra` (a record), then sync
+/// them all and the directory (unless `breaks` says to leave that to after
+/// the publishing rename).
+fn clone_volume(
+    fs: &dyn SnapshotFs,
+    from: &Path,
+    to: &Path,
+    superblock: &Superblock,
+    extra: (&str, &[u8]),
+) -> Result<Vec<PathBuf>> {
+    fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    let mut made = Vec::new();
+    for name in volume_files(superblock)? {
+        let (source, target) = (from.join(&name), to.join(&name));
+        fs.clone_file(&source, &target)
+            .map_err(|e| clone_failed(from, &source, e))?;
+        made.push(target);
+    }
+    write_superblock(fs, to, superblock)?;
+    let record = to.join(extra.0);
+    fs.write_at(&record, 0, extra.1)
+        .map_err(|e| io_error("write", &record, e))?;
+    made.push(record);
+    Ok(made)
+}
+
+fn sync_all(fs: &dyn SnapshotFs, dir: &Path, files: &[PathBuf]) -> Result<()> {
+    for file in files {
+        fs.sync_file(file).map_err(|e| io_error("sync", file, e))?;
+    }
+    fs.sync_dir(dir).map_err(|e| io_error("sync", dir, e))
+}
+
+/// A clone refused: where the filesystem cannot share extents, say which
+/// filesystem and what to do.
+fn clone_failed(volume: &Path, file: &Path, error: io::Error) -> Error {
+    if error.kind() != io::ErrorKind::Unsupported {
+        return io_error("clone", file, error);
+    }
+    let filesystem = filesystem_name(volume).unwrap_or("a filesystem");
+    invalid(format!(
+        "{} is on {filesystem}, which cannot share blocks: snapshots need xfs or btrfs (or --copy to make a full copy) ({error})",
+        volume.display()
+    ))
+}
+
+/// The name of the filesystem `path` is on, for the common ones.
+pub fn filesystem_name(path: &Path) -> Option<&'static str> {
+    let text = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statfs writes one `struct statfs`, zeroed first.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out pointer.
+    if unsafe { libc::statfs(text.as_ptr(), &mut stat) } != 0 {
+        return None;
+    }
+    Some(match stat.f_type as i64 {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x2FC1_2FC1 => "zfs",
+        0x6969 => "nfs",
+        0x794C_7630 => "overlayfs",
+        _ => "a filesystem",
+    })
+}
+
+/// Remove what a crash left in `snapshots/`: half-made (`.NAME.partial`)
+/// and half-removed (`.NAME.deleting`) snapshots. Needs the volume's lock.
+pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
+    let dir = volume.join(SNAPSHOTS_DIR);
+    let mut removed = Vec::new();
+    for name in fs
+        .names(&dir)
+        .map_err(|e| io_error("list", &dir, e))?
+        .unwrap_or_default()
+    {
+        if name.starts_with('.') && (name.ends_with(PARTIAL) || name.ends_with(DELETING)) {
+            let path = dir.join(&name);
+            fs.remove_all(&path)
+                .map_err(|e| io_error("remove", &path, e))?;
+            removed.push(name);
+        }
+    }
+    if !removed.is_empty() {
+        fs.sync_dir(&dir).map_err(|e| io_error("sync", &dir, e))?;
+    }
+    Ok(removed)
+}
+
+/// Take snapshot `name` of the volume directory `volume`, which must be
+/// closed cleanly and held (`FileStorage::lock_for_writing`) by the
+/// caller, so its files are the data at its last flush. `method` goes in
+/// the record ("reflink" or "copy").
+pub fn create(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    name: &str,
+    method: &str,
+    breaks: SnapshotBreaks,
+) -> Result<Snapshot> {
+    check_name(name)?;
+    let superblock = superblock_of(fs, volume)?;
+    if is_snapshot(&superblock) {
+        return Err(invalid(format!(
+            "{} is itself a snapshot: take snapshots of the volume it belongs to (or of a `vouch clone` of it)",
+            volume.display()
+        )));
+    }
+    if superblock.state != STATE_CLEAN {
+        return Err(invalid(format!(
+            "{} was not closed cleanly: open it (vouch check, or serve) so it recovers, then take the snapshot",
+            volume.display()
+        )));
+    }
+    if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
+        return Err(invalid(format!(
+            "{} is a leg of a mirror: snapshots of mirrored volumes are not supported (take one of a single volume, e.g. after `vouch mirror remove`)",
+            volume.display()
+        )));
+    }
+    let dir = volume.join(SNAPSHOTS_DIR);
+    if fs
+        .names(&dir)
+        .map_err(|e| io_error("list", &dir, e))?
+        .is_none()
+    {
+        fs.create_dir(&dir)
+            .map_err(|e| io_error("create", &dir, e))?;
+        fs.sync_dir(volume)
+            .map_err(|e| io_error("sync", volume, e))?;
+    }
+    tidy(fs, volume)?;
+    let target = dir.join(name);
+    if fs.exists(&target) {
+        return Err(invalid(format!(
+            "a snapshot named {name:?} already exists ({}): choose another name or delete it first",
+            target.display()
+        )));
+    }
+    let record = SnapshotRecord {
+        name: name.to_string(),
+        uuid: uuid::Uuid::from_bytes(superblock.uuid)
+            .hyphenated()
+            .to_string(),
+        created_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_secs()),
+        superblock_generation: superblock.generation,
+        checkpoint_seq: superblock.checkpoint_seq,
+        generations_seq: superblock.generations_seq,
+        layout: superblock.layout.name().to_string(),
+        method: method.to_string(),
+    };
+    let mut marked = superblock;
+    marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
+    let partial = dir.join(format!(".{name}{PARTIAL}"));
+    let bytes = serde_json::to_vec_pretty(&record).expect("a record serializes");
+    let files = clone_volume(fs, volume, &partial, &marked, (RECORD_FILE, &bytes))?;
+    if !breaks.publish_before_sync {
+        sync_all(fs, &partial, &files)?;
+    }
+    fs.rename(&partial, &target)
+        .map_err(|e| io_error("rename", &partial, e))?;
+    fs.sync_dir(&dir).map_err(|e| io_error("sync", &dir, e))?;
+    if breaks.publish_before_sync {
+        let files: Vec<PathBuf> = files
+            .iter()
+            .map(|file| target.join(file.file_name().expect("a file name")))
+            .collect();
+        sync_all(fs, &target, &files)?;
+    }
+    Ok(Snapshot {
+        path: target,
+        record,
+    })
+}
+
+/// The snapshots of the volume at `volume`, by name. A directory without
+/// a readable record is listed with an error rather than hidden.
+pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>> {
+    let dir = volume.join(SNAPSHOTS_DIR);
+    let names = fs
+        .names(&dir)
+        .map_err(|e| io_error("list", &dir, e))?
+        .unwrap_or_default();
+    Ok(names
+        .into_iter()
+        .filter(|name| !name.starts_with('.'))
+        .map(|name| {
+            let path = dir.join(&name);
+            let file = path.join(RECORD_FILE);
+            let bytes = fs.read(&file).map_err(|e| io_error("read", &file, e))?;
+            let record: SnapshotRecord = serde_json::from_slice(&bytes)
+                .map_err(|e| Error::Corrupt(format!("{}: {e}", file.display())))?;
+            Ok(Snapshot { path, record })
+        })
+        .collect())
+}
+
+/// Delete snapshot `name` of `volume` (held by the caller).
+pub fn delete(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<()> {
+    check_name(name)?;
+    let dir = volume.join(SNAPSHOTS_DIR);
+    let target = dir.join(name);
+    if !fs.exists(&target) {
+        return Err(invalid(format!(
+            "{} has no snapshot named {name:?} (`vouch snapshot list {}` lists them)",
+            volume.display(),
+            volume.display()
+        )));
+    }
+    let doomed = dir.join(format!(".{name}{DELETING}"));
+    fs.rename(&target, &doomed)
+        .map_err(|e| io_error("rename", &target, e))?;
+    fs.sync_dir(&dir).map_err(|e| io_error("sync", &dir, e))?;
+    fs.remove_all(&doomed)
+        .map_err(|e| io_error("remove", &doomed, e))?;
+    fs.sync_dir(&dir).map_err(|e| io_error("sync", &dir, e))
+}
+
+/// What a clone records of the snapshot it was made from (`origin`).
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CloneOrigin {
+    /// The snapshot's directory, as given.
+    pub snapshot: String,
+    pub record: SnapshotRecord,
+}
+
+/// Make `new_path` a writable volume sharing the blocks of the snapshot at
+/// `snapshot`. A half-made clone (`.NEWNAME.clone-partial` next to it) is
+/// removed by the next clone to the same path.
+pub fn clone(fs: &dyn SnapshotFs, snapshot: &Path, new_path: &Path) -> Result<PathBuf> {
+    let superblock = superblock_of(fs, snapshot)?;
+    if !is_snapshot(&superblock) {
+        return Err(invalid(format!(
+            "{} is not a snapshot (`vouch snapshot create PATH NAME` makes one; `vouch copy` copies a volume)",
+            snapshot.display()
+        )));
+    }
+    let record_path = snapshot.join(RECORD_FILE);
+    let record: SnapshotRecord = fs
+        .read(&record_path)
+        .map_err(|e| io_error("read", &record_path, e))
+        .and_then(|bytes| {
+            serde_json::from_slice(&bytes)
+                .map_err(|e| Error::Corrupt(format!("{}: {e}", record_path.display())))
+        })?;
+    if fs.exists(new_path) {
+        return Err(invalid(format!(
+            "{} already exists: a clone is made at a new path",
+            new_path.display()
+        )));
+    }
+    let file_name = new_path
+        .file_name()
+        .ok_or_else(|| invalid(format!("{} names no directory", new_path.display())))?;
+    let parent = match new_path.parent() {
+        Some(parent) if !parent.as_os_str().is_empty() => parent.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let partial = parent.join(format!(".{}{CLONE_PARTIAL}", file_name.to_string_lossy()));
+    if fs.exists(&partial) {
+        fs.remove_all(&partial)
+            .map_err(|e| io_error("remove", &partial, e))?;
+        fs.sync_dir(&parent)
+            .map_err(|e| io_error("sync", &parent, e))?;
+    }
+    let mut writable = superblock;
+    writable.features.ro_compat &= !FeatureFlags::RO_COMPAT_SNAPSHOT;
+    let origin = CloneOrigin {
+        snapshot: snapshot.display().to_string(),
+        record,
+    };
+    let bytes = serde_json::to_vec_pretty(&origin).expect("a record serializes");
+    let files = clone_volume(fs, snapshot, &partial, &writable, (ORIGIN_FILE, &bytes))?;
+    sync_all(fs, &partial, &files)?;
+    fs.rename(&partial, new_path)
+        .map_err(|e| io_error("rename", &partial, e))?;
+    fs.sync_dir(&parent)
+        .map_err(|e| io_error("sync", &parent, e))?;
+    Ok(new_path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_name;
+
+    #[test]
+    fn a_name_is_one_plain_directory_entry() {
+        for good in ["daily", "2026-11-27T13:00", "a.b_c+d@e"] {
+            assert!(check_name(good).is_ok(), "{good}");
+        }
+        for (bad, why) in [
+            ("", "is empty"),
+            ("a/b", "has a '/'"),
+            ("..", "starts with '.'"),
+            (".hidden", "starts with '.'"),
+            ("a b", "has ' '"),
+        ] {
+            let error = check_name(bad).expect_err(bad).to_string();
+            assert!(error.contains(why), "{bad}: {error}");
+        }
+        assert!(check_name(&"x".repeat(129)).is_err());
+    }
+}

@@ -1,0 +1,724 @@
+//! `vouch snapshot create`, `vouch clone` and `vouch snapshot delete`
+//! crashed at every file operation they issue (`vouch-sim snapshot`).
+//!
+//! Per seed: a volume written on random data, zeroes and trims (the
+//! production scheduling: `metadata`'s write rounds) and closed cleanly,
+//! its files put in a model filesystem (`ModelFs`) that keeps, through a
+//! power cut, only what was synced: a file's bytes after `sync_file`, a
+//! directory's entries (made, renamed, removed) after `sync_dir` of it,
+//! each inode independently. Then the engine's own `snapshot::create`,
+//! `snapshot::clone` and `snapshot::delete` run on it in turn; right before
+//! each operation they issue, three crash images are taken: a process
+//! crash (everything issued kept), a power cut that loses everything not
+//! synced, and a power cut that keeps a random subset of the unsynced
+//! inodes (any order the kernel may have written them in). On each image,
+//! after the tidy the next command does:
+//!
+//! - the volume's files are exactly as before (a snapshot never writes
+//!   them), and it opens and reads every block as the model says;
+//! - a snapshot that has its name is complete: every file byte for byte
+//!   the volume's (its superblock but for the snapshot flag), it opens
+//!   read-only and reads every block as the model says, `check` finds
+//!   nothing (absence is never emptiness: a file cut short would read as
+//!   faults, never as zeros);
+//! - a clone at its path is complete and writable, with the same data;
+//! - nothing half made or half deleted is left in `snapshots/`;
+//! - what a step finished (its last sync returned) is there: the
+//!   snapshot after create, the clone after clone, no snapshot after delete;
+//! - the command run again (as an operator would after the crash)
+//!   succeeds or says the snapshot exists, leaving it complete.
+//!
+//! `--break-publish` runs create with its name published before its files
+//! are synced (`SnapshotBreaks::publish_before_sync`): the power-cut
+//! images must then show violations.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::Mutex;
+use vouch_engine::snapshot::{self, SnapshotBreaks, SnapshotFs};
+use vouch_engine::storage::objects_of;
+use vouch_engine::{
+    BlockDevice, LayoutKind, ObjectId, OpenOptions, OrderingBreaks, SimStorage, Volume,
+};
+use vouch_format::FeatureFlags;
+
+use crate::faults::{segment_blocks, BLOCKS};
+use crate::rng::Rng;
+use crate::BLOCK;
+
+#[derive(Clone, Debug)]
+pub struct SnapshotConfig {
+    pub layout: LayoutKind,
+    pub seeds: u64,
+    pub seed: u64,
+    pub breaks: SnapshotBreaks,
+}
+
+#[derive(Debug, Default)]
+pub struct SnapshotReport {
+    pub points: u64,
+    pub images: u64,
+    pub violations: Vec<String>,
+    pub seconds: f64,
+}
+
+impl SnapshotReport {
+    pub fn summary(&self, config: &SnapshotConfig) -> String {
+        format!(
+            "snapshot: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+            config.layout.name(),
+            if config.breaks.publish_before_sync {
+                " BROKEN(publish before sync)"
+            } else {
+                ""
+            },
+            config.seeds,
+            self.points,
+            self.images,
+            self.violations.len(),
+            self.seconds
+        )
+    }
+}
+
+/// One inode of the model filesystem: what a reader sees now (`live`) and
+/// what a power cut keeps (`durable`).
+#[derive(Clone, Debug)]
+enum Node {
+    File {
+        live: Vec<u8>,
+        durable: Vec<u8>,
+    },
+    Dir {
+        live: BTreeMap<String, usize>,
+        durable: BTreeMap<String, usize>,
+    },
+}
+
+/// A filesystem of inodes (0 is the root) that loses, in a power cut,
+/// whatever was not synced.
+#[derive(Clone, Debug)]
+struct ModelFs {
+    nodes: Vec<Node>,
+}
+
+fn not_found(path: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        format!("{}: no such file", path.display()),
+    )
+}
+
+impl ModelFs {
+    fn new() -> ModelFs {
+        ModelFs {
+            nodes: vec![Node::Dir {
+                live: BTreeMap::new(),
+                durable: BTreeMap::new(),
+            }],
+        }
+    }
+
+    fn names_of(path: &Path) -> Vec<String> {
+        path.components()
+            .filter_map(|part| match part {
+                Component::Normal(name) => Some(name.to_string_lossy().into_owned()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn lookup(&self, path: &Path) -> Option<usize> {
+        let mut at = 0;
+        for name in Self::names_of(path) {
+            match &self.nodes[at] {
+                Node::Dir { live, .. } => at = *live.get(&name)?,
+                Node::File { .. } => return None,
+            }
+        }
+        Some(at)
+    }
+
+    /// The directory holding `path`, and `path`'s name in it.
+    fn parent(&self, path: &Path) -> io::Result<(usize, String)> {
+        let mut names = Self::names_of(path);
+        let name = names.pop().ok_or_else(|| not_found(path))?;
+        let dir: PathBuf = names.iter().collect();
+        let parent = self.lookup(&dir).ok_or_else(|| not_found(path))?;
+        match self.nodes[parent] {
+            Node::Dir { .. } => Ok((parent, name)),
+            Node::File { .. } => Err(not_found(path)),
+        }
+    }
+
+    fn entries(&mut self, dir: usize) -> &mut BTreeMap<String, usize> {
+        match &mut self.nodes[dir] {
+            Node::Dir { live, .. } => live,
+            Node::File { .. } => unreachable!("a parent is a directory"),
+        }
+    }
+
+    fn link(&mut self, path: &Path, node: Node) -> io::Result<usize> {
+        let (parent, name) = self.parent(path)?;
+        if self.entries(parent).contains_key(&name) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!("{} exists", path.display()),
+            ));
+        }
+        self.nodes.push(node);
+        let id = self.nodes.len() - 1;
+        self.entries(parent).insert(name, id);
+        Ok(id)
+    }
+
+    fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
+        let id = self.lookup(path).ok_or_else(|| not_found(path))?;
+        match &mut self.nodes[id] {
+            Node::File { live, .. } => Ok(live),
+            Node::Dir { .. } => Err(io::Error::other("a directory")),
+        }
+    }
+
+    /// After a power cut: each inode as synced, or (`keep` says so, for
+    /// the unsynced state the kernel may have written anyway) as it was.
+    fn power_cut(&self, mut keep: impl FnMut() -> bool) -> ModelFs {
+        let nodes = self
+            .nodes
+            .iter()
+            .map(|node| {
+                let kept = keep();
+                match node {
+                    Node::File { live, durable } => {
+                        let now = if kept { live } else { durable };
+                        Node::File {
+                            live: now.clone(),
+                            durable: now.clone(),
+                        }
+                    }
+                    Node::Dir { live, durable } => {
+                        let now = if kept { live } else { durable };
+                        Node::Dir {
+                            live: now.clone(),
+                            durable: now.clone(),
+                        }
+                    }
+                }
+            })
+            .collect();
+        ModelFs { nodes }
+    }
+
+    fn put_file(&mut self, path: &Path, bytes: Vec<u8>) {
+        self.link(
+            path,
+            Node::File {
+                live: bytes.clone(),
+                durable: bytes,
+            },
+        )
+        .expect("a new file");
+    }
+
+    fn put_dir(&mut self, path: &Path) {
+        self.link(
+            path,
+            Node::Dir {
+                live: BTreeMap::new(),
+                durable: BTreeMap::new(),
+            },
+        )
+        .expect("a new directory");
+        self.sync_all_dirs();
+    }
+
+    fn sync_all_dirs(&mut self) {
+        for node in &mut self.nodes {
+            if let Node::Dir { live, durable } = node {
+                *durable = live.clone();
+            }
+        }
+    }
+}
+
+/// Called with the model's state and the operation about to change it.
+type Hook = Box<dyn FnMut(&ModelFs, &str) + Send>;
+
+/// `SnapshotFs` on a `ModelFs`, calling `hook` with the state right
+/// before every operation that changes it.
+struct Recording {
+    fs: Mutex<ModelFs>,
+    hook: Mutex<Option<Hook>>,
+}
+
+impl Recording {
+    fn new(fs: ModelFs) -> Recording {
+        Recording {
+            fs: Mutex::new(fs),
+            hook: Mutex::new(None),
+        }
+    }
+
+    fn change<T>(
+        &self,
+        what: &str,
+        path: &Path,
+        op: impl FnOnce(&mut ModelFs) -> io::Result<T>,
+    ) -> io::Result<T> {
+        let mut fs = self.fs.lock();
+        if let Some(hook) = self.hook.lock().as_mut() {
+            hook(&fs, &format!("{what} {}", path.display()));
+        }
+        op(&mut fs)
+    }
+}
+
+impl SnapshotFs for Recording {
+    fn create_dir(&self, path: &Path) -> io::Result<()> {
+        self.change("mkdir", path, |fs| {
+            fs.link(
+                path,
+                Node::Dir {
+                    live: BTreeMap::new(),
+                    durable: BTreeMap::new(),
+                },
+            )
+            .map(drop)
+        })
+    }
+    fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.change("clone", to, |fs| {
+            let bytes = fs.file(from)?.clone();
+            fs.link(
+                to,
+                Node::File {
+                    live: bytes,
+                    durable: Vec::new(),
+                },
+            )
+            .map(drop)
+        })
+    }
+    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
+        self.fs.lock().file(path).cloned()
+    }
+    fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
+        self.change("write", path, |fs| {
+            if fs.lookup(path).is_none() {
+                fs.link(
+                    path,
+                    Node::File {
+                        live: Vec::new(),
+                        durable: Vec::new(),
+                    },
+                )?;
+            }
+            let file = fs.file(path)?;
+            let end = offset as usize + bytes.len();
+            if file.len() < end {
+                file.resize(end, 0);
+            }
+            file[offset as usize..end].copy_from_slice(bytes);
+            Ok(())
+        })
+    }
+    fn sync_file(&self, path: &Path) -> io::Result<()> {
+        self.change("fsync", path, |fs| {
+            let id = fs.lookup(path).ok_or_else(|| not_found(path))?;
+            if let Node::File { live, durable } = &mut fs.nodes[id] {
+                *durable = live.clone();
+            }
+            Ok(())
+        })
+    }
+    fn sync_dir(&self, path: &Path) -> io::Result<()> {
+        self.change("fsync dir", path, |fs| {
+            let id = fs.lookup(path).ok_or_else(|| not_found(path))?;
+            if let Node::Dir { live, durable } = &mut fs.nodes[id] {
+                *durable = live.clone();
+            }
+            Ok(())
+        })
+    }
+    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
+        self.change("rename", from, |fs| {
+            let (old_parent, old_name) = fs.parent(from)?;
+            let (new_parent, new_name) = fs.parent(to)?;
+            if fs.entries(new_parent).contains_key(&new_name) {
+                return Err(io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "target exists",
+                ));
+            }
+            let id = fs
+                .entries(old_parent)
+                .remove(&old_name)
+                .ok_or_else(|| not_found(from))?;
+            fs.entries(new_parent).insert(new_name, id);
+            Ok(())
+        })
+    }
+    fn remove_all(&self, path: &Path) -> io::Result<()> {
+        self.change("remove", path, |fs| {
+            let (parent, name) = fs.parent(path)?;
+            fs.entries(parent)
+                .remove(&name)
+                .map(drop)
+                .ok_or_else(|| not_found(path))
+        })
+    }
+    fn names(&self, dir: &Path) -> io::Result<Option<Vec<String>>> {
+        let fs = self.fs.lock();
+        Ok(fs.lookup(dir).and_then(|id| match &fs.nodes[id] {
+            Node::Dir { live, .. } => Some(live.keys().cloned().collect()),
+            Node::File { .. } => None,
+        }))
+    }
+    fn exists(&self, path: &Path) -> bool {
+        self.fs.lock().lookup(path).is_some()
+    }
+}
+
+const VOLUME: &str = "/v";
+const CLONE: &str = "/c";
+const NAME: &str = "s1";
+
+/// What the steps have finished, for what an image must show.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Done {
+    Nothing,
+    Created,
+    Cloned,
+}
+
+/// What every image is checked against.
+struct Expected {
+    /// The volume's files, by name.
+    files: BTreeMap<String, Vec<u8>>,
+    /// Every block's data.
+    model: Vec<Vec<u8>>,
+    layout: LayoutKind,
+}
+
+pub fn run(config: &SnapshotConfig) -> SnapshotReport {
+    let started = Instant::now();
+    let mut report = SnapshotReport::default();
+    for seed in config.seed..config.seed + config.seeds {
+        if let Err(violation) = run_seed(config, seed, &mut report) {
+            report.violations.push(format!(
+                "VIOLATION layout={} seed={seed}: {violation}\n  replay: cargo run --release -p vouch-sim -- snapshot --layout {} --seed {seed} --seeds 1{}",
+                config.layout.name(),
+                config.layout.name(),
+                if config.breaks.publish_before_sync {
+                    " --break-publish"
+                } else {
+                    ""
+                }
+            ));
+        }
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    report
+}
+
+fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let storage = crate::upgrade::small_volume(config.layout, None)?;
+    let written_with = crate::stepper::Stepper::new(OrderingBreaks::default())
+        .options(crate::stepper::stepped_tuning(&mut rng));
+    let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
+    let mut scheduled = crate::metadata::Scheduled::default();
+    crate::metadata::write_round(
+        &storage,
+        &written_with,
+        &mut model,
+        &mut rng,
+        60,
+        &mut scheduled,
+    )?;
+
+    let geometry = vouch_engine::read_superblock(&storage)
+        .and_then(|superblock| {
+            superblock
+                .geometry()
+                .map_err(|e| vouch_engine::Error::Corrupt(e.to_string()))
+        })
+        .map_err(|e| format!("superblock: {e}"))?;
+    let mut fs = ModelFs::new();
+    fs.put_dir(Path::new(VOLUME));
+    let mut files = BTreeMap::new();
+    for object in objects_of(&geometry) {
+        let bytes = storage.object_bytes(object);
+        fs.put_file(&Path::new(VOLUME).join(object.file_name()), bytes.clone());
+        files.insert(object.file_name(), bytes);
+    }
+    fs.sync_all_dirs();
+    let expected = Expected {
+        files,
+        model,
+        layout: config.layout,
+    };
+
+    let recording = Recording::new(fs);
+    let done = Arc::new(Mutex::new(Done::Nothing));
+    let deleting = Arc::new(Mutex::new(false));
+    let found: Arc<Mutex<Vec<String>>> = Arc::default();
+    let counts = Arc::new(Mutex::new((0u64, 0u64)));
+    let expected = Arc::new(expected);
+    {
+        let (done, deleting, found, counts, expected) = (
+            done.clone(),
+            deleting.clone(),
+            found.clone(),
+            counts.clone(),
+            expected.clone(),
+        );
+        let mut hook_rng = rng.fork();
+        let mut point = 0u64;
+        let breaks = config.breaks;
+        *recording.hook.lock() = Some(Box::new(move |fs: &ModelFs, what: &str| {
+            point += 1;
+            let images = [
+                (fs.clone(), "process crash"),
+                (fs.power_cut(|| false), "power cut (nothing unsynced kept)"),
+                (
+                    fs.power_cut(|| hook_rng.chance(1, 2)),
+                    "power cut (some unsynced kept)",
+                ),
+            ];
+            let mut counts = counts.lock();
+            counts.0 += 1;
+            for (image, kind) in images {
+                counts.1 += 1;
+                if let Err(error) = verify(image, &expected, *done.lock(), *deleting.lock(), breaks)
+                {
+                    let mut found = found.lock();
+                    if found.len() < 10 {
+                        found.push(format!(
+                            "before operation {point} ({what}), {kind}: {error}"
+                        ));
+                    }
+                }
+            }
+        }));
+    }
+    let volume = Path::new(VOLUME);
+    snapshot::create(&recording, volume, NAME, "reflink", config.breaks)
+        .map_err(|e| format!("create failed: {e}"))?;
+    *done.lock() = Done::Created;
+    snapshot::clone(
+        &recording,
+        &snapshot::snapshot_path(volume, NAME),
+        Path::new(CLONE),
+    )
+    .map_err(|e| format!("clone failed: {e}"))?;
+    *done.lock() = Done::Cloned;
+    *deleting.lock() = true;
+    snapshot::delete(&recording, volume, NAME).map_err(|e| format!("delete failed: {e}"))?;
+    *recording.hook.lock() = None;
+    let (points, images) = *counts.lock();
+    report.points += points;
+    report.images += images;
+    if points == 0 {
+        return Err("the commands issued no operation: nothing was crashed".into());
+    }
+    let after = recording.fs.lock().clone();
+    if after
+        .lookup(&snapshot::snapshot_path(volume, NAME))
+        .is_some()
+    {
+        return Err("the snapshot is still there after its delete".into());
+    }
+    verify(after, &expected, Done::Cloned, true, config.breaks)
+        .map_err(|e| format!("after every command: {e}"))?;
+    let found = std::mem::take(&mut *found.lock());
+    match found.into_iter().next() {
+        Some(first) => Err(first),
+        None => Ok(()),
+    }
+}
+
+/// A volume directory of `fs` as a `SimStorage`.
+fn storage_of(fs: &mut ModelFs, dir: &Path, expected: &Expected) -> Result<SimStorage, String> {
+    let layout = expected.layout;
+    let storage = SimStorage::new();
+    let geometry =
+        vouch_format::Geometry::new(layout, BLOCKS * BLOCK as u64, segment_blocks(layout))
+            .map_err(|e| e.to_string())?;
+    for object in objects_of(&geometry) {
+        let path = dir.join(object.file_name());
+        let bytes = fs
+            .file(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        storage.overwrite(object, 0, bytes);
+        // The volume's own objects have no length (they end where written):
+        // a file shorter than the volume's is cut, as a short file would be.
+        let whole = expected.files.get(&object.file_name()).map_or(0, Vec::len);
+        if bytes.len() < whole {
+            storage.truncate(object, bytes.len() as u64);
+        }
+    }
+    Ok(storage)
+}
+
+/// Open the volume directory `dir` of `fs`, read every block and check.
+fn read_all(
+    fs: &mut ModelFs,
+    dir: &Path,
+    expected: &Expected,
+    want_read_only: bool,
+) -> Result<(), String> {
+    let storage = storage_of(fs, dir, expected)?;
+    let volume = Volume::open(Arc::new(storage), &OpenOptions::default())
+        .map_err(|e| format!("{}: open: {e}", dir.display()))?;
+    if volume.is_read_only() != want_read_only {
+        return Err(format!(
+            "{}: opened {} (want {})",
+            dir.display(),
+            if volume.is_read_only() {
+                "read-only"
+            } else {
+                "writable"
+            },
+            if want_read_only {
+                "read-only"
+            } else {
+                "writable"
+            }
+        ));
+    }
+    let mut buf = vec![0u8; BLOCK];
+    for (lba, data) in expected.model.iter().enumerate() {
+        volume
+            .read((lba * BLOCK) as u64, &mut buf)
+            .map_err(|e| format!("{}: LBA {lba}: {e}", dir.display()))?;
+        if &buf != data {
+            return Err(format!("{}: LBA {lba} reads other data", dir.display()));
+        }
+    }
+    let check = volume
+        .check(|_, _| {})
+        .map_err(|e| format!("{}: check: {e}", dir.display()))?;
+    if !check.faults.is_empty() {
+        return Err(format!(
+            "{}: check found {} faults, the first {:?}",
+            dir.display(),
+            check.faults.len(),
+            check.faults[0]
+        ));
+    }
+    volume
+        .close()
+        .map_err(|e| format!("{}: close: {e}", dir.display()))
+}
+
+/// The snapshot at `dir` byte for byte the volume's files, its superblock
+/// but for the flag.
+fn same_files(fs: &mut ModelFs, dir: &Path, expected: &Expected, flag: bool) -> Result<(), String> {
+    for (name, bytes) in &expected.files {
+        let path = dir.join(name);
+        let got = fs
+            .file(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        if name == "superblock" {
+            let mut superblock = vouch_engine::read_superblock(&{
+                let storage = SimStorage::new();
+                storage.overwrite(ObjectId::Superblock, 0, got);
+                storage
+            })
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+            let marked = superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
+            if marked != flag {
+                return Err(format!(
+                    "{}: snapshot flag {marked}, want {flag}",
+                    path.display()
+                ));
+            }
+            superblock.features.ro_compat &= !FeatureFlags::RO_COMPAT_SNAPSHOT;
+            let original = vouch_engine::read_superblock(&{
+                let storage = SimStorage::new();
+                storage.overwrite(ObjectId::Superblock, 0, bytes);
+                storage
+            })
+            .map_err(|e| format!("the volume's superblock: {e}"))?;
+            if superblock != original {
+                return Err(format!(
+                    "{}: another superblock than the volume's",
+                    path.display()
+                ));
+            }
+        } else if got != bytes {
+            return Err(format!(
+                "{}: {} bytes, not the volume's {} bytes as they were",
+                path.display(),
+                got.len(),
+                bytes.len()
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn verify(
+    mut fs: ModelFs,
+    expected: &Expected,
+    done: Done,
+    deleting: bool,
+    breaks: SnapshotBreaks,
+) -> Result<(), String> {
+    let volume = Path::new(VOLUME);
+    // What the next command does first (create, list, delete: `tidy`).
+    let recovered = Recording::new(fs.clone());
+    snapshot::tidy(&recovered, volume).map_err(|e| format!("tidy: {e}"))?;
+    fs = recovered.fs.lock().clone();
+    same_files(&mut fs, volume, expected, false).map_err(|e| format!("the volume: {e}"))?;
+    read_all(&mut fs, volume, expected, false)?;
+    let snapshots = volume.join(snapshot::SNAPSHOTS_DIR);
+    if let Some(id) = fs.lookup(&snapshots) {
+        if let Node::Dir { live, .. } = &fs.nodes[id] {
+            if let Some(left) = live.keys().find(|name| name.starts_with('.')) {
+                return Err(format!("{left} is left in snapshots/ after the tidy"));
+            }
+        }
+    }
+    let path = snapshot::snapshot_path(volume, NAME);
+    let present = fs.lookup(&path).is_some();
+    if present {
+        same_files(&mut fs, &path, expected, true)?;
+        read_all(&mut fs, &path, expected, true)?;
+        let listed = snapshot::list(&Recording::new(fs.clone()), volume)
+            .map_err(|e| format!("list: {e}"))?;
+        if listed.len() != 1 || listed[0].is_err() {
+            return Err(format!("list shows {listed:?}"));
+        }
+    } else if done >= Done::Created && !deleting {
+        return Err("the snapshot create returned but its snapshot is gone".into());
+    }
+    let clone = Path::new(CLONE);
+    if fs.lookup(clone).is_some() {
+        same_files(&mut fs, clone, expected, false).map_err(|e| format!("the clone: {e}"))?;
+        read_all(&mut fs, clone, expected, false)?;
+    } else if done >= Done::Cloned {
+        return Err("the clone returned but its volume is gone".into());
+    }
+    // The operator runs the command again.
+    let again = Recording::new(fs);
+    match snapshot::create(&again, volume, NAME, "reflink", breaks) {
+        Ok(_) => {}
+        Err(error) if present && error.to_string().contains("already exists") => {}
+        Err(error) => return Err(format!("create again: {error}")),
+    }
+    let mut fs = again.fs.lock().clone();
+    same_files(&mut fs, &path, expected, true).map_err(|e| format!("created again: {e}"))?;
+    if fs.lookup(clone).is_none() {
+        let again = Recording::new(fs);
+        snapshot::clone(&again, &path, clone).map_err(|e| format!("clone again: {e}"))?;
+        let mut fs = again.fs.lock().clone();
+        same_files(&mut fs, clone, expected, false).map_err(|e| format!("cloned again: {e}"))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,332 @@
+//! `vouch snapshot` and `vouch clone` through the CLI and NBD, on a real
+//! xfs (reflink=1, mkfs's default) and btrfs made on loop devices by the
+//! test (needs root, `mkfs.xfs` and `mkfs.btrfs`) and unmounted by a
+//! guard, and on this
+//! machine's ext4 (which cannot share blocks: refused, or `--copy`).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use common::*;
+
+/// A loop-mounted xfs or btrfs, unmounted (and its image removed) when
+/// dropped, even when the test fails.
+struct LoopFs {
+    _dir: tempfile::TempDir,
+    mount: PathBuf,
+}
+
+impl LoopFs {
+    fn xfs() -> LoopFs {
+        LoopFs::made_by("mkfs.xfs", "xfsprogs")
+    }
+
+    fn btrfs() -> LoopFs {
+        LoopFs::made_by("mkfs.btrfs", "btrfs-progs")
+    }
+
+    fn made_by(mkfs: &str, package: &str) -> LoopFs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = dir.path().join("fs.img");
+        std::fs::File::create(&image)
+            .and_then(|file| file.set_len(1 << 30))
+            .expect("image");
+        run_ok(Command::new(tool(mkfs, package)).arg("-q").arg(&image));
+        let mount = dir.path().join("mnt");
+        std::fs::create_dir(&mount).expect("mkdir");
+        run_ok(
+            Command::new(tool("mount", "mount"))
+                .args(["-o", "loop"])
+                .arg(&image)
+                .arg(&mount),
+        );
+        LoopFs { _dir: dir, mount }
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let status = Command::new("umount").arg(&self.mount).status();
+        if !status.is_ok_and(|status| status.success()) {
+            let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+        }
+    }
+}
+
+const SIZE: usize = 8 << 20;
+
+/// `vouch export` of `volume` into `dir/name.raw`, its bytes.
+fn exported(volume: &Path, dir: &Path, name: &str) -> Vec<u8> {
+    let raw = dir.join(format!("{name}.raw"));
+    let _ = std::fs::remove_file(&raw);
+    vouch_ok(&["export", s(volume), s(&raw)]);
+    std::fs::read(&raw).expect("read export")
+}
+
+/// Serve `args`, write `data` at `offset` over NBD and flush, stop.
+fn write_through_nbd(dir: &Path, args: &[&str], offset: u64, data: &[u8]) {
+    let file = dir.join("payload.bin");
+    std::fs::write(&file, data).expect("payload");
+    let mut server = Server::start(dir, args);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+h.pwrite(open(sys.argv[2], "rb").read(), int(sys.argv[3]))
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri, s(&file), &offset.to_string()],
+    );
+    server.stop();
+}
+
+fn stderr_of(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Serve `args` (a snapshot): writes are refused with EPERM (and the
+/// export says read-only), and LBA 7 reads `want`.
+fn served_read_only(dir: &Path, args: &[&str], want: &[u8]) {
+    let mut server = Server::start(dir, args);
+    let answer = py_json(
+        r#"
+h = connect(sys.argv[1])
+ro = h.is_read_only()
+try:
+    h.pwrite(b"x" * 4096, 0)
+    refused = None
+except nbd.Error as e:
+    refused = e.errno
+data = h.pread(4096, 4096 * 7)
+print(json.dumps({"ro": ro, "refused": refused, "data": data.hex()}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    assert_eq!(answer["ro"], true, "{args:?}");
+    assert_eq!(
+        answer["refused"], "EPERM",
+        "{args:?}: {}",
+        answer["refused"]
+    );
+    let want: String = want.iter().map(|byte| format!("{byte:02x}")).collect();
+    assert!(
+        answer["data"] == want.as_str(),
+        "{args:?}: the snapshot's export reads other data"
+    );
+}
+
+#[test]
+fn snapshots_hold_the_data_at_their_flush_and_are_served_read_only() {
+    snapshots_on(&LoopFs::xfs());
+}
+
+#[test]
+fn snapshots_on_btrfs_hold_the_data_at_their_flush() {
+    snapshots_on(&LoopFs::btrfs());
+}
+
+/// Snapshots, their service, checks, clones and deletion on `fs`.
+fn snapshots_on(fs: &LoopFs) {
+    let dir = &fs.mount;
+    let first = random_bytes(SIZE, 1);
+    let volume = volume_from(dir, "vol", &first);
+    let out = vouch_ok(&["snapshot", "create", s(&volume), "s1"]);
+    assert!(text(&out).contains("snapshot s1 of"), "{}", text(&out));
+
+    // Written after s1 (through NBD, flushed), then s2.
+    let second_part = random_bytes(1 << 20, 2);
+    write_through_nbd(dir, &[s(&volume)], 3 << 20, &second_part);
+    let mut second = first.clone();
+    second[3 << 20..4 << 20].copy_from_slice(&second_part);
+    vouch_ok(&["snapshot", "create", s(&volume), "s2"]);
+    // Written after s2: in neither snapshot.
+    write_through_nbd(dir, &[s(&volume)], 0, &random_bytes(1 << 20, 3));
+
+    let s1 = volume.join("snapshots/s1");
+    let s2 = volume.join("snapshots/s2");
+    assert!(
+        exported(&s1, dir, "s1") == first,
+        "s1 is not the data at its flush"
+    );
+    assert!(
+        exported(&s2, dir, "s2") == second,
+        "s2 is not the data at its flush"
+    );
+    let now = exported(&volume, dir, "now");
+    assert!(now[..1 << 20] != first[..1 << 20] && now[1 << 20..] == second[1 << 20..]);
+
+    // Listed by `snapshot list` and `info`; each is a complete volume that
+    // check, verify and scrub find clean.
+    let list = text(&vouch_ok(&["snapshot", "list", s(&volume)]));
+    assert!(list.contains("s1\t") && list.contains("s2\t"), "{list}");
+    let info = info_json(&volume);
+    let names: Vec<_> = info["snapshots"]
+        .as_array()
+        .expect("snapshots")
+        .iter()
+        .map(|snap| snap["name"].as_str().expect("name").to_string())
+        .collect();
+    assert_eq!(names, ["s1", "s2"]);
+    assert_eq!(info_json(&s1)["read_only"], true);
+    for snap in [&s1, &s2] {
+        assert_check_clean(snap);
+        vouch_ok(&["verify", s(snap)]);
+        vouch_ok(&["scrub", s(snap)]);
+    }
+
+    // Served read-only, in its own layout: writes get EPERM, reads the
+    // data; by name, or by its directory given as a volume (the flag in
+    // its superblock makes it read-only, not an option).
+    for args in [vec!["--snapshot", "s1", s(&volume)], vec![s(&s1)]] {
+        served_read_only(dir, &args, &first[4096 * 7..4096 * 8]);
+    }
+
+    // A corrupted block of a snapshot is caught, naming its LBA; the
+    // volume (whose extent it shared) is untouched.
+    let lba = 100u64;
+    flip_bit(&s1.join("data.00000"), lba * BLOCK + 17, 0x40);
+    let (code, faults) = check_faults(&s1);
+    assert_eq!(code, 1);
+    assert_eq!(faults.iter().map(|f| f.0).collect::<Vec<_>>(), [lba]);
+    assert_check_clean(&volume);
+    assert!(exported(&s2, dir, "s2b") == second);
+
+    // A clone is writable; written, it diverges; its snapshot stays.
+    let clone = dir.join("clone");
+    vouch_ok(&["clone", s(&s2), s(&clone)]);
+    assert_eq!(info_json(&clone)["read_only"], false);
+    assert!(exported(&clone, dir, "c0") == second);
+    let third = random_bytes(1 << 20, 4);
+    write_through_nbd(dir, &[s(&clone)], 5 << 20, &third);
+    let cloned = exported(&clone, dir, "c1");
+    assert!(cloned[5 << 20..6 << 20] == third[..] && cloned[..5 << 20] == second[..5 << 20]);
+    assert!(
+        exported(&s2, dir, "s2c") == second,
+        "a clone's write reached its snapshot"
+    );
+    assert_check_clean(&clone);
+
+    // Delete: gone from the list and the disk; the clone keeps its blocks.
+    vouch_ok(&["snapshot", "delete", s(&volume), "s2"]);
+    assert!(!s2.exists());
+    let list = text(&vouch_ok(&["snapshot", "list", s(&volume)]));
+    assert!(list.contains("s1\t") && !list.contains("s2\t"), "{list}");
+    assert_check_clean(&clone);
+}
+
+#[test]
+fn bad_snapshot_input_is_refused_saying_why() {
+    let xfs = LoopFs::xfs();
+    let dir = &xfs.mount;
+    let volume = volume_from(dir, "vol", &random_bytes(1 << 20, 5));
+    vouch_ok(&["snapshot", "create", s(&volume), "a"]);
+    let cases: &[(&[&str], &str)] = &[
+        (&["snapshot", "create", s(&volume), "a"], "already exists"),
+        (&["snapshot", "create", s(&volume), "x/y"], "has a '/'"),
+        (
+            &["snapshot", "create", s(&volume), ".hidden"],
+            "starts with '.'",
+        ),
+        (
+            &["snapshot", "delete", s(&volume), "nope"],
+            "no snapshot named \"nope\"",
+        ),
+        (
+            &["serve", "--snapshot", "nope", s(&volume)],
+            "no snapshot named \"nope\"",
+        ),
+    ];
+    for (args, want) in cases {
+        let output = vouch(args);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {}", text(&output));
+        assert!(
+            stderr_of(&output).contains(want),
+            "{args:?}: {}",
+            text(&output)
+        );
+    }
+    let snap = volume.join("snapshots/a");
+    let output = vouch(&["snapshot", "create", s(&snap), "b"]);
+    assert!(
+        stderr_of(&output).contains("is itself a snapshot"),
+        "{}",
+        text(&output)
+    );
+    let output = vouch(&["clone", s(&volume), s(&dir.join("c"))]);
+    assert!(
+        stderr_of(&output).contains("is not a snapshot"),
+        "{}",
+        text(&output)
+    );
+    let output = vouch(&["clone", s(&snap), s(&volume)]);
+    assert!(
+        stderr_of(&output).contains("already exists"),
+        "{}",
+        text(&output)
+    );
+    // A mirror leg: refused (its legs would need snapshots taken together).
+    let leg0 = dir.join("m0");
+    let leg1 = dir.join("m1");
+    vouch_ok(&["create", s(&leg0), "--size", "4M", "--mirror", s(&leg1)]);
+    let output = vouch(&["snapshot", "create", s(&leg0), "m"]);
+    assert!(
+        stderr_of(&output).contains("is a leg of a mirror"),
+        "{}",
+        text(&output)
+    );
+    // What a crash in the middle of a create leaves is never served and
+    // is removed by the next list.
+    let partial = volume.join("snapshots/.b.partial");
+    std::fs::create_dir(&partial).expect("mkdir");
+    std::fs::copy(volume.join("superblock"), partial.join("superblock")).expect("copy");
+    let output = vouch(&["serve", "--snapshot", ".b.partial", s(&volume)]);
+    assert!(
+        stderr_of(&output).contains("starts with '.'"),
+        "{}",
+        text(&output)
+    );
+    let output = vouch_ok(&["snapshot", "list", s(&volume)]);
+    assert!(
+        stderr_of(&output).contains("removed .b.partial"),
+        "{}",
+        text(&output)
+    );
+    assert!(!partial.exists());
+    // Nothing half made was left, and the volume is as it was.
+    let list =
+        String::from_utf8_lossy(&vouch_ok(&["snapshot", "list", s(&volume)]).stdout).into_owned();
+    assert_eq!(list.lines().count(), 1, "{list}");
+    assert_check_clean(&volume);
+}
+
+#[test]
+fn ext4_cannot_share_blocks_so_a_snapshot_is_refused_unless_copied() {
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
+    let fs_type = text(&run_ok(
+        Command::new("stat")
+            .args(["-f", "-c", "%T"])
+            .arg(dir.path()),
+    ));
+    assert!(
+        fs_type.contains("ext2/ext3"),
+        "this test needs ext4 here: {fs_type}"
+    );
+    let data = random_bytes(1 << 20, 6);
+    let volume = volume_from(dir.path(), "vol", &data);
+    let output = vouch(&["snapshot", "create", s(&volume), "s"]);
+    assert_eq!(output.status.code(), Some(2));
+    let message = format!(
+        "{} is on ext4, which cannot share blocks: snapshots need xfs or btrfs (or --copy to make a full copy)",
+        volume.display()
+    );
+    assert!(stderr_of(&output).contains(&message), "{}", text(&output));
+    assert!(!volume.join("snapshots/s").exists());
+    assert!(text(&vouch_ok(&["snapshot", "list", s(&volume)])).contains("no snapshots"));
+    vouch_ok(&["snapshot", "create", "--copy", s(&volume), "s"]);
+    let snap = volume.join("snapshots/s");
+    assert!(exported(&snap, dir.path(), "s") == data);
+    assert_check_clean(&snap);
+}
