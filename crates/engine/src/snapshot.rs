@@ -60,6 +60,9 @@ pub trait SnapshotFs {
     /// extents (or, where the filesystem cannot, a full copy if this
     /// `SnapshotFs` was asked for one).
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Make `path` (which must not exist) a new file of `len` zero bytes,
+    /// its blocks allocated when `allocate` (sparse otherwise).
+    fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()>;
     fn read(&self, path: &Path) -> io::Result<Vec<u8>>;
     fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()>;
     fn sync_file(&self, path: &Path) -> io::Result<()>;
@@ -101,6 +104,17 @@ impl SnapshotFs for RealFs {
                 copy_sparse(&source, &destination)
             }
             other => other,
+        }
+    }
+    fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)?;
+        if allocate {
+            crate::storage::allocate(&file, 0, len)
+        } else {
+            file.set_len(len)
         }
     }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
@@ -304,19 +318,34 @@ fn volume_files(superblock: &Superblock) -> Result<Vec<String>> {
 /// `to`, then write `superblock` into it and `extra` (a record), then sync
 /// them all and the directory (unless `breaks` says to leave that to after
 /// the publishing rename).
+///
+/// All but the journal: `from` is closed cleanly, so its journal holds
+/// nothing to replay (replay wants `checkpoint_seq + 1` first, and zeros
+/// are no record), and a shared journal would make the next journal
+/// write of the volume (and of the copy) copy-on-write, a write that can
+/// fail on a full filesystem, where a journal is allocated up front so it
+/// never is. The copy gets a new journal of the same length: allocated
+/// when it is `writable` (a clone), sparse for a snapshot, never written.
 fn clone_volume(
     fs: &dyn SnapshotFs,
     from: &Path,
     to: &Path,
     superblock: &Superblock,
+    writable: bool,
     extra: (&str, &[u8]),
 ) -> Result<Vec<PathBuf>> {
     fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    let journal = ObjectId::Journal.file_name();
     let mut made = Vec::new();
     for name in volume_files(superblock)? {
         let (source, target) = (from.join(&name), to.join(&name));
-        fs.clone_file(&source, &target)
-            .map_err(|e| clone_failed(from, &source, e))?;
+        if name == journal {
+            fs.new_file(&target, superblock.journal_bytes, writable)
+                .map_err(|e| io_error("create", &target, e))?;
+        } else {
+            fs.clone_file(&source, &target)
+                .map_err(|e| clone_failed(from, &source, e))?;
+        }
         made.push(target);
     }
     write_superblock(fs, to, superblock)?;
@@ -459,7 +488,7 @@ pub fn create(
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
     let partial = dir.join(format!(".{name}{PARTIAL}"));
     let bytes = serde_json::to_vec_pretty(&record).expect("a record serializes");
-    let files = clone_volume(fs, volume, &partial, &marked, (RECORD_FILE, &bytes))?;
+    let files = clone_volume(fs, volume, &partial, &marked, false, (RECORD_FILE, &bytes))?;
     if !breaks.publish_before_sync {
         sync_all(fs, &partial, &files)?;
     }
@@ -576,7 +605,14 @@ pub fn clone(fs: &dyn SnapshotFs, snapshot: &Path, new_path: &Path) -> Result<Pa
         record,
     };
     let bytes = serde_json::to_vec_pretty(&origin).expect("a record serializes");
-    let files = clone_volume(fs, snapshot, &partial, &writable, (ORIGIN_FILE, &bytes))?;
+    let files = clone_volume(
+        fs,
+        snapshot,
+        &partial,
+        &writable,
+        true,
+        (ORIGIN_FILE, &bytes),
+    )?;
     sync_all(fs, &partial, &files)?;
     fs.rename(&partial, new_path)
         .map_err(|e| io_error("rename", &partial, e))?;

@@ -303,6 +303,18 @@ impl SnapshotFs for Recording {
             .map(drop)
         })
     }
+    fn new_file(&self, path: &Path, len: u64, _allocate: bool) -> io::Result<()> {
+        self.change("create", path, |fs| {
+            fs.link(
+                path,
+                Node::File {
+                    live: vec![0; len as usize],
+                    durable: Vec::new(),
+                },
+            )
+            .map(drop)
+        })
+    }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
         self.fs.lock().file(path).cloned()
     }
@@ -617,8 +629,15 @@ fn read_all(
 }
 
 /// The snapshot at `dir` byte for byte the volume's files, its superblock
-/// but for the flag.
-fn same_files(fs: &mut ModelFs, dir: &Path, expected: &Expected, flag: bool) -> Result<(), String> {
+/// but for the flag and (a `copy`: a snapshot or clone) its journal new,
+/// zeros.
+fn same_files(
+    fs: &mut ModelFs,
+    dir: &Path,
+    expected: &Expected,
+    flag: bool,
+    copy: bool,
+) -> Result<(), String> {
     for (name, bytes) in &expected.files {
         let path = dir.join(name);
         let got = fs
@@ -651,6 +670,16 @@ fn same_files(fs: &mut ModelFs, dir: &Path, expected: &Expected, flag: bool) -> 
                     path.display()
                 ));
             }
+        } else if copy && name == "journal" {
+            // Never shared: a new journal of zeros (the volume was closed
+            // cleanly, nothing in its journal is to be replayed).
+            if got.is_empty() || got.iter().any(|&byte| byte != 0) {
+                return Err(format!(
+                    "{}: {} bytes, not a new journal of zeros",
+                    path.display(),
+                    got.len()
+                ));
+            }
         } else if got != bytes {
             return Err(format!(
                 "{}: {} bytes, not the volume's {} bytes as they were",
@@ -675,7 +704,7 @@ fn verify(
     let recovered = Recording::new(fs.clone());
     snapshot::tidy(&recovered, volume).map_err(|e| format!("tidy: {e}"))?;
     fs = recovered.fs.lock().clone();
-    same_files(&mut fs, volume, expected, false).map_err(|e| format!("the volume: {e}"))?;
+    same_files(&mut fs, volume, expected, false, false).map_err(|e| format!("the volume: {e}"))?;
     read_all(&mut fs, volume, expected, false)?;
     let snapshots = volume.join(snapshot::SNAPSHOTS_DIR);
     if let Some(id) = fs.lookup(&snapshots) {
@@ -688,7 +717,7 @@ fn verify(
     let path = snapshot::snapshot_path(volume, NAME);
     let present = fs.lookup(&path).is_some();
     if present {
-        same_files(&mut fs, &path, expected, true)?;
+        same_files(&mut fs, &path, expected, true, true)?;
         read_all(&mut fs, &path, expected, true)?;
         let listed = snapshot::list(&Recording::new(fs.clone()), volume)
             .map_err(|e| format!("list: {e}"))?;
@@ -700,7 +729,7 @@ fn verify(
     }
     let clone = Path::new(CLONE);
     if fs.lookup(clone).is_some() {
-        same_files(&mut fs, clone, expected, false).map_err(|e| format!("the clone: {e}"))?;
+        same_files(&mut fs, clone, expected, false, true).map_err(|e| format!("the clone: {e}"))?;
         read_all(&mut fs, clone, expected, false)?;
     } else if done >= Done::Cloned {
         return Err("the clone returned but its volume is gone".into());
@@ -713,12 +742,13 @@ fn verify(
         Err(error) => return Err(format!("create again: {error}")),
     }
     let mut fs = again.fs.lock().clone();
-    same_files(&mut fs, &path, expected, true).map_err(|e| format!("created again: {e}"))?;
+    same_files(&mut fs, &path, expected, true, true).map_err(|e| format!("created again: {e}"))?;
     if fs.lookup(clone).is_none() {
         let again = Recording::new(fs);
         snapshot::clone(&again, &path, clone).map_err(|e| format!("clone again: {e}"))?;
         let mut fs = again.fs.lock().clone();
-        same_files(&mut fs, clone, expected, false).map_err(|e| format!("cloned again: {e}"))?;
+        same_files(&mut fs, clone, expected, false, true)
+            .map_err(|e| format!("cloned again: {e}"))?;
     }
     Ok(())
 }

@@ -92,7 +92,7 @@ fn served_read_only(dir: &Path, args: &[&str], want: &[u8]) {
     let mut server = Server::start(dir, args);
     let answer = py_json(
         r#"
-h = connect(sys.argv[1])
+h = connect(sys.argv[1], strict=False)   # send the write: the server must refuse it
 ro = h.is_read_only()
 try:
     h.pwrite(b"x" * 4096, 0)

@@ -447,7 +447,7 @@ fn map_slot(file: &File, writable: bool) -> io::Result<Option<memmap2::MmapRaw>>
 /// Allocate `len` bytes of `file` at `from` (`fallocate` mode 0: the
 /// blocks, or tmpfs pages, are reserved and the file extended over them),
 /// so a full filesystem fails here rather than at a later write or store.
-fn allocate(file: &File, from: u64, len: u64) -> io::Result<()> {
+pub(crate) fn allocate(file: &File, from: u64, len: u64) -> io::Result<()> {
     // SAFETY: fallocate on an open descriptor with plain integers.
     let result =
         unsafe { libc::fallocate(file.as_raw_fd(), 0, from as libc::off_t, len as libc::off_t) };

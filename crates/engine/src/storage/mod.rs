@@ -395,5 +395,5 @@ pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
 }
 
 mod file;
-pub(crate) use file::ficlone;
+pub(crate) use file::{allocate, ficlone};
 pub use file::{FileOpen, FileStorage};
