@@ -67,6 +67,15 @@ fn lock_legs(paths: &[PathBuf]) -> Result<Vec<FileStorage>> {
 /// (its records do not name the new leg) and an orphan directory, which a
 /// retry refuses by name (remove it and run `add` again).
 pub fn add_member(path: &Path, target: &Path) -> Result<usize> {
+    // A snapshot is read-only as taken: a leg added to it would write a
+    // record into it and make it a set.
+    let flags = vouch_engine::volume_superblock(path)?.features.ro_compat;
+    if flags & vouch_format::superblock::FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{} is a snapshot, read-only: `vouch clone` it and add the leg to the clone",
+            path.display()
+        )));
+    }
     if is_remote_member(&target.to_string_lossy()) {
         return Err(Error::InvalidArgument(format!(
             "{}: adding a remote leg to an existing volume is not supported yet (create the volume with --mirror vouch://...)",

@@ -268,6 +268,7 @@ pub fn run(command: KeyCommand) -> Result<ExitCode> {
                     path.display()
                 );
             }
+            refuse_with_snapshots(&path)?;
             let volume = open(&path, OpenOptions::default(), Use::Data)?;
             let file =
                 new_key_file.or_else(|| std::env::var_os(NEW_KEY_FILE_ENV).map(PathBuf::from));
@@ -281,4 +282,29 @@ pub fn run(command: KeyCommand) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
     }
+}
+
+/// A snapshot keeps the superblock it was taken with, its key wrap
+/// included, around the volume's one data key (which never changes): after
+/// a key change the old key would still unwrap it from the snapshot and
+/// decrypt the volume. So a volume with snapshots keeps its key until they
+/// are deleted (a clone is a volume of its own, with its own wrap).
+fn refuse_with_snapshots(path: &std::path::Path) -> Result<()> {
+    crate::commands::volume_dir(path)?;
+    let snapshots = vouch_engine::snapshot::list(&vouch_engine::snapshot::RealFs::default(), path)?;
+    if snapshots.is_empty() {
+        return Ok(());
+    }
+    let names: Vec<String> = snapshots
+        .iter()
+        .map(|entry| match entry {
+            Ok(snapshot) => snapshot.record.name.clone(),
+            Err(error) => error.to_string(),
+        })
+        .collect();
+    anyhow::bail!(
+        "{} has snapshots ({}): each keeps the volume's data key wrapped under the current key, so the current key would still open the data after a change. Delete them first (vouch snapshot delete), or `vouch clone` one and change the clone's key",
+        path.display(),
+        names.join(", ")
+    )
 }

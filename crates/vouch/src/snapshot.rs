@@ -76,6 +76,15 @@ fn hold_offline(path: &Path) -> Result<std::fs::File> {
             path.display()
         );
     }
+    // Refused before anything opens: recovering a mirror's leg alone (to
+    // close it cleanly) would hide its unclean stop from the set, whose
+    // next open reconciles the legs because of it.
+    if vouch_mirror::is_mirrored(path) {
+        bail!(
+            "{} is a leg of a mirror: snapshots of mirrored volumes are not supported (take one of a single volume, e.g. after `vouch mirror remove`)",
+            path.display()
+        );
+    }
     let superblock = vouch_engine::volume_superblock(path)?;
     let clean = superblock.state == vouch_format::superblock::STATE_CLEAN;
     if !clean || path.join("held").exists() {
@@ -172,6 +181,18 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     crate::commands::volume_dir(path)?;
     let _held = FileStorage::lock_for_writing(path)
         .with_context(|| format!("holding {} to delete its snapshot", path.display()))?;
+    // A snapshot served, checked or cloned holds its own lock: deleting it
+    // under that process would leave it reading a snapshot no name leads
+    // to (and a new snapshot of the same name a different one).
+    let snapshot_dir = path.join(snapshot::SNAPSHOTS_DIR).join(name);
+    let _snapshot_held = match FileStorage::lock_for_writing(&snapshot_dir) {
+        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => anyhow::bail!(
+            "snapshot {name} of {} is open in another vouch process (a serve, check or clone): stop it first",
+            path.display()
+        ),
+        // A missing snapshot is named by `delete` below.
+        other => other.ok(),
+    };
     let fs = RealFs::default();
     snapshot::tidy(&fs, path)?;
     snapshot::delete(&fs, path, name)?;

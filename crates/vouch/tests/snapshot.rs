@@ -277,6 +277,26 @@ fn bad_snapshot_input_is_refused_saying_why() {
         "{}",
         text(&output)
     );
+    // A snapshot takes no mirror leg (it would write a record into it).
+    let output = vouch(&["mirror", "add", s(&snap), s(&dir.join("leg"))]);
+    assert!(
+        stderr_of(&output).contains("is a snapshot, read-only"),
+        "{}",
+        text(&output)
+    );
+    assert!(!snap.join("mirror").exists() && !dir.join("leg").exists());
+    // Also after an unclean stop, and refused before the leg is opened
+    // alone: its unclean state is left for the set's next open.
+    let mut server = Server::start(dir, &[s(&leg0)]);
+    server.kill9();
+    let output = vouch(&["snapshot", "create", s(&leg0), "m"]);
+    assert!(
+        stderr_of(&output).contains("is a leg of a mirror"),
+        "{}",
+        text(&output)
+    );
+    let info = text(&vouch_ok(&["info", s(&leg0)]));
+    assert!(info.contains("not closed cleanly"), "{info}");
     // What a crash in the middle of a create leaves is never served and
     // is removed by the next list.
     let partial = volume.join("snapshots/.b.partial");
@@ -329,4 +349,81 @@ fn ext4_cannot_share_blocks_so_a_snapshot_is_refused_unless_copied() {
     let snap = volume.join("snapshots/s");
     assert!(exported(&snap, dir.path(), "s") == data);
     assert_check_clean(&snap);
+}
+
+#[test]
+fn a_key_change_is_refused_while_snapshots_keep_the_old_wrap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (volume, key, new_key) = (
+        dir.path().join("vol"),
+        dir.path().join("key"),
+        dir.path().join("new-key"),
+    );
+    std::fs::write(&key, random_bytes(32, 1)).expect("key");
+    std::fs::write(&new_key, random_bytes(32, 2)).expect("new key");
+    vouch_ok(&[
+        "create",
+        s(&volume),
+        "--size",
+        "1MiB",
+        "--encrypt",
+        "--key-file",
+        s(&key),
+    ]);
+    vouch_ok(&["snapshot", "create", "--copy", s(&volume), "before"]);
+    let change = || {
+        vouch(&[
+            "key",
+            "change",
+            s(&volume),
+            "--key-file",
+            s(&key),
+            "--new-key-file",
+            s(&new_key),
+        ])
+    };
+    let output = change();
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output));
+    assert!(
+        stderr_of(&output).contains("has snapshots (before)"),
+        "{}",
+        text(&output)
+    );
+    // The old key still opens the volume: nothing was changed.
+    check_with_key(&volume, &key);
+    vouch_ok(&["snapshot", "delete", s(&volume), "before"]);
+    let output = change();
+    assert!(output.status.success(), "{}", text(&output));
+    check_with_key(&volume, &new_key);
+}
+
+fn check_with_key(volume: &Path, key: &Path) {
+    let output = vouch(&["check", s(volume), "--key-file", s(key)]);
+    assert!(
+        output.status.success(),
+        "check with {}: {}",
+        key.display(),
+        text(&output)
+    );
+}
+
+#[test]
+fn a_snapshot_being_served_is_not_deleted() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = random_bytes(1 << 20, 7);
+    let volume = volume_from(dir.path(), "vol", &data);
+    vouch_ok(&["snapshot", "create", "--copy", s(&volume), "s"]);
+    let mut server = Server::start(dir.path(), &["--snapshot", "s", s(&volume)]);
+    let output = vouch(&["snapshot", "delete", s(&volume), "s"]);
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output));
+    assert!(
+        stderr_of(&output).contains("snapshot s of")
+            && stderr_of(&output).contains("is open in another vouch process"),
+        "{}",
+        text(&output)
+    );
+    assert!(volume.join("snapshots/s").exists());
+    server.stop();
+    vouch_ok(&["snapshot", "delete", s(&volume), "s"]);
+    assert!(!volume.join("snapshots/s").exists());
 }
