@@ -244,7 +244,8 @@ pub enum KeyCommand {
     /// of the two keys opens the volume). The current key comes from
     /// --key-file / VOUCH_KEY_FILE / the terminal; the new one from
     /// --new-key-file, else VOUCH_NEW_KEY_FILE, else a new passphrase typed
-    /// twice. The volume must not be served meanwhile.
+    /// twice. The volume must not be served meanwhile, and must have no
+    /// snapshots (each keeps the data key wrapped under the current key).
     Change {
         /// The encrypted volume's directory.
         path: PathBuf,
