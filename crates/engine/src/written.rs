@@ -391,13 +391,15 @@ impl WrittenMap {
     }
 
     /// Whether packed row `unit` is still to be judged against its
-    /// expected generation this open: its bit set, its expectation known,
-    /// not yet found current.
+    /// expected generation this open: its expectation known, not yet found
+    /// current. A row whose bit is clear counts too: one trimmed whole
+    /// keeps its trim's generation, and any record in it older than that
+    /// is an older copy's (judged by the slots read, never by reading the
+    /// rest of the row: a blank slot reads as zeros either way).
     pub fn to_judge(&self, unit: u64) -> bool {
         self.current.get((unit / 64) as usize).is_some_and(|word| {
             word.load(Ordering::Acquire) & (1 << (unit % 64)) == 0
                 && self.expected_generation(unit) != 0
-                && self.is_set(unit)
         })
     }
 
@@ -728,7 +730,9 @@ impl WrittenMap {
         slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
     ) -> Option<(u32, u32)> {
         let expected = self.expected_generation(unit);
-        if expected == 0 || !self.is_set(unit) {
+        // A clear unit's expectation is its trim's (a packed row trimmed
+        // whole): an own slot older than it is an older copy's.
+        if expected == 0 {
             return None;
         }
         match self.judge_slots(unit * self.unit_blocks, slots, expected) {

@@ -49,12 +49,13 @@ impl PackedLayout {
 
     /// Trim / zero `[start, end)` of one segment: punch whole rows of holes,
     /// rewrite the records at the edges with the range's contexts.
+    /// `generation`: the range's commit's (0: not known).
     fn apply_range_in_segment(
         &self,
         io: &Backing,
         object: ObjectId,
         (start, end): (u64, u64),
-        template: Context,
+        (template, generation): (Context, u32),
     ) -> Result<()> {
         let mut lba = start;
         while lba < end {
@@ -66,13 +67,17 @@ impl PackedLayout {
                 && matches!(template, Context::Unwritten)
             {
                 // Whole rows: punch them in one call, their bits cleared
-                // first (`written.rs`).
+                // first (`written.rs`). Each keeps the trim's generation
+                // as its expectation: a clear row holds nothing older than
+                // its trim, so an older copy of it restored later (its
+                // records of older generations) is judged older, not read
+                // as the data it held then (`WrittenMap::to_judge`).
                 let rows = (end - lba) / PACKED_RECORDS_PER_ROW;
                 let _change = io.written.change.lock();
                 io.written
                     .clear_touched(lba, lba + rows * PACKED_RECORDS_PER_ROW);
                 for unit in io.written.unit_of(lba)..io.written.unit_of(lba) + rows {
-                    io.written.set_expected_generation(unit, 0);
+                    io.written.set_expected_generation(unit, generation);
                 }
                 io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
                 lba += rows * PACKED_RECORDS_PER_ROW;
@@ -85,11 +90,12 @@ impl PackedLayout {
             if !trim {
                 self.bind_row(io, unit)?;
             }
-            // Markers and zero contexts carry no generation and may
-            // replace the slot that held the row's newest: the expectation
-            // is forgotten before the write and read back from the row's
-            // slots after it (`fill_row_expected`), so a row last changed
-            // by a range is still judged.
+            // Markers carry no generation and may replace the slot that
+            // held the row's newest: the expectation is forgotten before
+            // the write and read back from the row's slots after it
+            // (`fill_row_expected`), so a row last changed by a trim is
+            // still judged. Zero contexts carry their commit's generation,
+            // the row's newest once written: it is raised to that after.
             io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
@@ -119,6 +125,11 @@ impl PackedLayout {
                     if io.written.is_set(unit) && blank {
                         io.written.clear(unit);
                     }
+                    if !io.written.is_set(unit) {
+                        // Left holding nothing: as a row trimmed whole, it
+                        // expects nothing older than this trim.
+                        io.written.set_expected_generation(unit, generation);
+                    }
                 } else {
                     io.written.set(unit);
                 }
@@ -128,7 +139,11 @@ impl PackedLayout {
             // only when part of the row is left: a range over the whole
             // row leaves no slot with a generation, nothing to read.
             let whole_row = slot == 0 && row_end_lba - lba == PACKED_RECORDS_PER_ROW;
-            if !whole_row && io.written.is_set(unit) {
+            if !trim && generation != 0 {
+                // Its zero contexts hold this generation: the row reaches
+                // it by construction, nothing to read back.
+                io.written.raise_expected(unit, generation);
+            } else if !whole_row && io.written.is_set(unit) {
                 self.fill_row_expected(io, unit);
             }
             lba = row_end_lba;
@@ -323,6 +338,16 @@ impl PackedLayout {
                 .judge_slots(low, (low..high).map(record_at), expected);
             if in_span == SlotVerdict::Reaches {
                 io.written.set_current(unit);
+                continue;
+            }
+            // A clear row (trimmed whole) whose slots read hold nothing
+            // older is done with: a blank slot reads as zeros whatever the
+            // rest holds, so a read of a trimmed row reads no more than
+            // before. One whose slots read are older is judged whole like
+            // any row: its bit may be clear because a map copy from before
+            // its records was loaded (the newest copy damaged), and then
+            // another of its slots holds the expected generation.
+            if !io.written.is_set(unit) && !matches!(in_span, SlotVerdict::Older(_)) {
                 continue;
             }
             let Some((wait, seen)) = read else {
@@ -768,7 +793,12 @@ impl Layout for PackedLayout {
             .page_writes_guard(io.written.unit_of(range.start)..=last);
         super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
             let object = ObjectId::Data(self.geometry.locate(lba).segment);
-            self.apply_range_in_segment(io, object, (lba, end), range.template)?;
+            self.apply_range_in_segment(
+                io,
+                object,
+                (lba, end),
+                (range.template, range.generation),
+            )?;
             unsynced.insert(object);
             Ok(())
         })
@@ -933,11 +963,8 @@ impl Layout for PackedLayout {
                     replay.io.written.set(replay.io.written.unit_of(entry.lba));
                     replay.unsynced.insert(object);
                 } else {
-                    let range = RangeOp {
-                        start: entry.lba,
-                        end: entry.lba + u64::from(entry.count),
-                        template: entry.context,
-                    };
+                    let range =
+                        RangeOp::new(entry.lba, entry.lba + u64::from(entry.count), entry.context);
                     if read_only {
                         // Served from memory as a range (its size does not
                         // matter), superseding journaled data buffered before it.
@@ -964,6 +991,7 @@ impl Layout for PackedLayout {
         &self,
         _io: &Backing,
         _state: &RwLock<VolumeState>,
+        _next: u32,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
         Ok((Vec::new(), Vec::new()))
     }

@@ -70,13 +70,14 @@ impl SplitLayout {
     }
 
     /// A range's contexts: whole pages of holes are punched (returned as
-    /// page ranges), edge pages are modified in `pages`.
+    /// page ranges), edge pages are modified in `pages`. `next`: the
+    /// checkpoint's next generation.
     fn write_context_range(
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
         (start, end, template): (u64, u64, Context),
-        pages: &mut BTreeMap<u64, Page>,
+        (pages, next): (&mut BTreeMap<u64, Page>, u32),
     ) -> Result<Vec<Range<u64>>> {
         let mut punched = Vec::new();
         let mut lba = start;
@@ -88,10 +89,17 @@ impl SplitLayout {
                 && matches!(template, Context::Unwritten)
             {
                 let whole = (end - lba) / CONTEXTS_PER_PAGE;
-                // Cleared before the pages are blank (`written.rs`).
+                // Cleared before the pages are blank (`written.rs`). Each
+                // expects the checkpoint's next generation: a punched page
+                // holds nothing as old as that, so an older copy of it
+                // restored later (contexts of older generations under a
+                // clear bit) is judged older at its load, not read as the
+                // data it held then. On disk with this checkpoint's map,
+                // after the punch is fsynced; a crash before it replays
+                // the trim, and recovery forgets the page's value.
                 for page in page_no..page_no + whole {
                     io.written.clear(page);
-                    io.written.set_expected_generation(page, 0);
+                    io.written.set_expected_generation(page, next);
                 }
                 io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
                 pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
@@ -486,6 +494,7 @@ impl Layout for SplitLayout {
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
+        next: u32,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
         // The overlay's entries, and its runs of entries of one page: its
         // hash keeps a page's blocks in adjacent buckets, so a page's
@@ -519,7 +528,7 @@ impl Layout for SplitLayout {
                 io,
                 state,
                 (start, end, template),
-                &mut edge_pages,
+                (&mut edge_pages, next),
             )?);
         }
         // Pages are built and written in page order (entries' pages and
