@@ -36,11 +36,12 @@
 //! - Packed rows have one too: a generation the row's newest own record
 //!   is at least, raised by a commit after it writes records into the row
 //!   (on disk with the next checkpoint's map, after their fsync) and
-//!   forgotten before a write that may lower it (`forget_older`); after a
-//!   trim or zeros written into part of it (markers and zero contexts
-//!   carry no generation) it is read back from the row's slots
-//!   (`fill_expected`), so a row last changed by a range is still judged.
-//!   A row is
+//!   forgotten before a write that may lower it (`forget_older`); after
+//!   zeros it is raised to their commit's generation (zero contexts carry
+//!   it), after a trim into part of it (markers carry none) it is read
+//!   back from the row's slots (`fill_expected`), and a row a trim leaves
+//!   holding nothing keeps the trim's under its clear bit, so a row last
+//!   changed by a range is still judged. A row is
 //!   judged once per open (`current`), at a read (`PackedLayout::
 //!   judge_rows`) or before its first write (`settle_row`); recovery
 //!   forgets the value of every row a replayed entry touches.
@@ -443,7 +444,8 @@ impl WrittenMap {
     }
 
     /// Before a write into `unit` of a slot of generation `generation`
-    /// (`None` or 0: a marker or a zero context, which carry none): one
+    /// (`None` or 0: a marker, or a zero context of a binary before zero
+    /// contexts carried their commit's generation): one
     /// that is not newer than expected may replace the slot that held the
     /// unit's newest, so the expectation is forgotten before the write can
     /// lower it on disk (a copy keeps its source's generation; a trim
@@ -667,7 +669,7 @@ impl WrittenMap {
     /// checkpoint that last wrote it: `(its generation, the expected)`.
     /// A page with no own slot is left to its tags (a page of another
     /// place or volume fails them, named as such); one whose own slots are
-    /// only markers and zero contexts (generation 0) is older than any
+    /// only markers and zero contexts of generation 0 is older than any
     /// expected value.
     pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
         self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))

@@ -217,7 +217,8 @@ impl PackedLayout {
     }
 
     /// Learn row `unit`'s expectation again, after a range wrote markers
-    /// or zero contexts into it (which forgot it), from its slots as they
+    /// (or zero contexts of no known generation: a copy's zero range) into
+    /// it (which forgot it), from its slots as they
     /// lie now: the newest generation one of its whole own slots holds
     /// (`WrittenMap::fill_expected`), so the row reaches it by
     /// construction. Read under the commit lock, where no other writer
