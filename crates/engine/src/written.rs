@@ -623,6 +623,11 @@ impl WrittenMap {
     ) -> SlotVerdict {
         let mut newest: Option<u32> = None;
         let mut unsure = false;
+        // A clear unit holds nothing a trim left: its markers (vacant or
+        // lost, generation 0) say "nothing here", not "older". Only its
+        // slots that carry a generation are judged; a unit a trim left
+        // vacant (all markers) is `NoOwn` and reads as zeros.
+        let clear = self.enabled && !self.is_set(self.unit_of(first_lba));
         let slots = slots.take(self.blocks.saturating_sub(first_lba) as usize);
         for (slot, (context, data)) in slots.enumerate() {
             if context.iter().all(|byte| *byte == 0) {
@@ -651,6 +656,9 @@ impl WrittenMap {
                 unsure = true;
                 continue;
             };
+            if generation == 0 && clear {
+                continue;
+            }
             if generation != 0 && !newer(expected, generation) {
                 return SlotVerdict::Reaches;
             }
@@ -1459,6 +1467,33 @@ mod tests {
     /// whose context is damaged (its CRC, or an encrypted one's keyless
     /// guard over its data) makes it `Unsure`, never `Older`; only whole
     /// slots all older make it `Older`.
+    /// A unit a trim left vacant (its bit clear, every slot a vacant
+    /// marker) is trimmed space: its markers are "nothing here", not
+    /// generation 0 against the trim's value, so it is `NoOwn` (read as
+    /// zeros), while a record older than the value is still older. A set
+    /// unit of markers is older than any value (its newest slot lost).
+    #[test]
+    fn a_clear_unit_of_markers_holds_nothing() {
+        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
+        let map = WrittenMap::empty(&geometry, [9; 16]);
+        let markers: Vec<[u8; CONTEXT_BYTES]> = (0..3).map(|lba| map.vacant(lba)).collect();
+        let judge = |slots: &[[u8; CONTEXT_BYTES]]| {
+            map.judge_slots(0, slots.iter().map(|slot| (&slot[..], None)), 7)
+        };
+        assert_eq!(judge(&markers), SlotVerdict::NoOwn);
+        let mut older = markers.clone();
+        older[1] = vouch_format::Context::Data {
+            volume_tag: map.volume_tag,
+            ref_tag: 1,
+            guard: 1,
+            generation: 5,
+        }
+        .encode();
+        assert_eq!(judge(&older), SlotVerdict::Older(5));
+        map.set(0);
+        assert_eq!(judge(&markers), SlotVerdict::Older(0));
+    }
+
     #[test]
     fn a_unit_is_judged_by_whole_slots_one_by_one() {
         let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");

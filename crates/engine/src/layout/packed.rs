@@ -122,12 +122,13 @@ impl PackedLayout {
                         self.row_blank(io, unit, Wait::Block)
                             .map_err(|error| Error::io("read", object, first, error))?
                     };
-                    if io.written.is_set(unit) && blank {
+                    if blank {
+                        // Left holding nothing (found so on disk, never
+                        // from its bit alone: a bit clear only because an
+                        // older map copy was loaded lies over live records
+                        // older than this trim): as a row trimmed whole,
+                        // it expects nothing older than this trim.
                         io.written.clear(unit);
-                    }
-                    if !io.written.is_set(unit) {
-                        // Left holding nothing: as a row trimmed whole, it
-                        // expects nothing older than this trim.
                         io.written.set_expected_generation(unit, generation);
                     }
                 } else {
