@@ -566,6 +566,19 @@ impl WrittenMap {
         highest
     }
 
+    /// Whether a slot says "nothing here" in a clear unit: blank, or a
+    /// vacant or lost marker (no generation). In a clear unit such a slot
+    /// reads as zeros whatever the unit's verdict: only its slots holding
+    /// a record (data, encrypted, zero context) are judged, and failed
+    /// when the unit is older, so reads of it and `check` agree whatever
+    /// order they read its slots in.
+    pub fn holds_nothing(context: &[u8]) -> bool {
+        matches!(
+            context[0],
+            vouch_format::KIND_VACANT | vouch_format::KIND_LOST
+        ) || context.iter().all(|byte| *byte == 0)
+    }
+
     /// A slot's generation if it is the volume's own (as `own_newest`),
     /// read as it lies: nothing checked but the tags.
     fn own_generation(&self, lba: u64, context: &[u8]) -> Option<u32> {
@@ -624,9 +637,10 @@ impl WrittenMap {
         let mut newest: Option<u32> = None;
         let mut unsure = false;
         // A clear unit holds nothing a trim left: its markers (vacant or
-        // lost, generation 0) say "nothing here", not "older". Only its
-        // slots that carry a generation are judged; a unit a trim left
-        // vacant (all markers) is `NoOwn` and reads as zeros.
+        // lost, no generation) say "nothing here", not "older" (as
+        // `holds_nothing`). Only its slots that hold a record are judged;
+        // a unit a trim left vacant (all markers) is `NoOwn` and reads as
+        // zeros.
         let clear = self.enabled && !self.is_set(self.unit_of(first_lba));
         let slots = slots.take(self.blocks.saturating_sub(first_lba) as usize);
         for (slot, (context, data)) in slots.enumerate() {
@@ -656,7 +670,7 @@ impl WrittenMap {
                 unsure = true;
                 continue;
             };
-            if generation == 0 && clear {
+            if clear && Self::holds_nothing(context) {
                 continue;
             }
             if generation != 0 && !newer(expected, generation) {

@@ -320,21 +320,27 @@ impl PackedLayout {
             let expected = io.written.expected_generation(unit);
             let lbas = io.written.lbas_of(unit, self.geometry.blocks);
             let (low, high) = (lbas.start.max(first), lbas.end.min(end));
-            let mark = |contexts: &mut [Result<Context, FormatError>]| {
-                for context in &mut contexts[(low - first) as usize..(high - first) as usize] {
-                    *context = Err(FormatError::MetadataLost);
-                }
-            };
-            if io.written.is_older(unit) {
-                mark(contexts);
-                continue;
-            }
             let record_at = |lba: u64| {
                 let at = (self.geometry.locate(lba).data_offset - span_start) as usize;
                 let (data, context) =
                     span[at..at + PACKED_RECORD_BYTES as usize].split_at(BLOCK as usize);
                 (&context[..CONTEXT_BYTES], Some(data))
             };
+            // A clear row's slots that hold nothing (blank, markers) read
+            // as zeros whatever its verdict: only its records fail, so the
+            // LBAs that fail do not depend on which slot was read first.
+            let clear = !io.written.is_set(unit);
+            let mark = |contexts: &mut [Result<Context, FormatError>]| {
+                for lba in low..high {
+                    if !(clear && crate::written::WrittenMap::holds_nothing(record_at(lba).0)) {
+                        contexts[(lba - first) as usize] = Err(FormatError::MetadataLost);
+                    }
+                }
+            };
+            if io.written.is_older(unit) {
+                mark(contexts);
+                continue;
+            }
             let in_span = io
                 .written
                 .judge_slots(low, (low..high).map(record_at), expected);
