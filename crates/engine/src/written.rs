@@ -393,10 +393,12 @@ impl WrittenMap {
 
     /// Whether packed row `unit` is still to be judged against its
     /// expected generation this open: its expectation known, not yet found
-    /// current. A row whose bit is clear counts too: one trimmed whole
-    /// keeps its trim's generation, and any record in it older than that
-    /// is an older copy's (judged by the slots read, never by reading the
-    /// rest of the row: a blank slot reads as zeros either way).
+    /// current. A row whose bit is clear counts too: one trimmed whole or
+    /// left vacant keeps its trim's generation, and any record in it
+    /// older than that is an older copy's. Only its records are judged
+    /// (blank slots and markers are nothing there: `judge_slots`); a read
+    /// whose slots hold only nothing reads no more, one whose slots hold
+    /// an older record judges the row whole.
     pub fn to_judge(&self, unit: u64) -> bool {
         self.current.get((unit / 64) as usize).is_some_and(|word| {
             word.load(Ordering::Acquire) & (1 << (unit % 64)) == 0

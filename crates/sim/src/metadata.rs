@@ -392,7 +392,8 @@ pub(crate) fn write_round(
 
 /// After the rounds of writes, change whole units (a packed row, a split
 /// context page) as a filesystem's discard or a zeroing tool does: each,
-/// one time in four, is trimmed, zeroed by a write-zeroes that may punch
+/// one time in three, is trimmed (whole, or in two partial pieces that
+/// leave it vacant), zeroed by a write-zeroes that may punch
 /// (as a trim does) or zeroed by one that keeps it allocated (a zero
 /// context in every slot), then the volume is closed. Run after the older
 /// copy is taken, so the older copy's units changed whole since are
@@ -417,6 +418,14 @@ fn whole_unit_round(
         );
         match rng.below(12) {
             0 => volume.trim(offset, length, false),
+            // Trimmed in two pieces (`blkdiscard` in pieces not aligned to
+            // units): each partial, together leaving the unit vacant.
+            3 => {
+                let cut = rng.range(1, unit_blocks - 1) * BLOCK as u64;
+                volume
+                    .trim(offset, cut, false)
+                    .and_then(|()| volume.trim(offset + cut, length - cut, false))
+            }
             1 | 2 => volume.write_zeroes(
                 offset,
                 length,

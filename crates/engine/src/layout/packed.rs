@@ -76,10 +76,13 @@ impl PackedLayout {
                 let _change = io.written.change.lock();
                 io.written
                     .clear_touched(lba, lba + rows * PACKED_RECORDS_PER_ROW);
+                // Set once the punch returns: a punch that failed leaves
+                // the rows' records under a value that would make them
+                // read as older.
+                io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
                 for unit in io.written.unit_of(lba)..io.written.unit_of(lba) + rows {
                     io.written.set_expected_generation(unit, generation);
                 }
-                io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
                 lba += rows * PACKED_RECORDS_PER_ROW;
                 continue;
             }
@@ -138,7 +141,8 @@ impl PackedLayout {
             // Read back outside `change` (readers take it to judge rows;
             // the commit lock keeps other writers out of the row), and
             // only when part of the row is left: a range over the whole
-            // row leaves no slot with a generation, nothing to read.
+            // row here is zeros (a trim of it is punched above), whose
+            // contexts carry their generation, or none when replayed.
             let whole_row = slot == 0 && row_end_lba - lba == PACKED_RECORDS_PER_ROW;
             if !trim && generation != 0 {
                 // Its zero contexts hold this generation: the row reaches

@@ -96,12 +96,25 @@ impl SplitLayout {
                 // clear bit) is judged older at its load, not read as the
                 // data it held then. On disk with this checkpoint's map,
                 // after the punch is fsynced; a crash before it replays
-                // the trim, and recovery forgets the page's value.
+                // the trim, and recovery forgets the page's value. Every
+                // stripe is odd meanwhile: a reader that loaded a page's
+                // contexts before the trim committed must not judge them
+                // against the value set here (`WrittenMap::judge_page`).
+                // The value is set once the punch returns: a punch that
+                // failed leaves the page's records under a value that
+                // would make them read as older.
+                io.written.begin_page_writes();
                 for page in page_no..page_no + whole {
                     io.written.clear(page);
-                    io.written.set_expected_generation(page, next);
                 }
-                io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
+                let punch = io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096);
+                if punch.is_ok() {
+                    for page in page_no..page_no + whole {
+                        io.written.set_expected_generation(page, next);
+                    }
+                }
+                io.written.end_page_writes();
+                punch?;
                 pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
                 punched.push(page_no..page_no + whole);
                 lba += whole * CONTEXTS_PER_PAGE;
