@@ -411,7 +411,14 @@ fn whole_unit_round(
         LayoutKind::Packed => PACKED_RECORDS_PER_ROW,
         LayoutKind::Split => CONTEXTS_PER_PAGE,
     };
-    for unit in 0..BLOCKS / unit_blocks {
+    let units = BLOCKS / unit_blocks;
+    let mut changed = 0;
+    for unit in 0..units {
+        // One unit at least keeps its records (a split volume has two):
+        // a damage class that needs a unit holding something finds one.
+        if unit == units - 1 && changed == units - 1 {
+            break;
+        }
         let (offset, length) = (
             unit * unit_blocks * BLOCK as u64,
             unit_blocks * BLOCK as u64,
@@ -437,6 +444,7 @@ fn whole_unit_round(
             _ => continue,
         }
         .map_err(|e| format!("unit {unit} zeroed or trimmed whole: {e}"))?;
+        changed += 1;
         let first = (unit * unit_blocks) as usize;
         for block in &mut model[first..first + unit_blocks as usize] {
             *block = vec![0u8; BLOCK];
@@ -601,6 +609,24 @@ impl Cx {
 
     /// A metadata unit: its object and byte range (split: a context page;
     /// packed: a row of a segment).
+    /// Whether a unit's bytes (`random_unit`'s) hold a record: a context
+    /// slot that is neither blank nor a marker (vacant, lost).
+    fn holds_record(&self, bytes: &[u8]) -> bool {
+        let slots: Vec<&[u8]> = match self.layout {
+            LayoutKind::Split => bytes.chunks(32).collect(),
+            LayoutKind::Packed => (0..PACKED_RECORDS_PER_ROW as usize)
+                .map(|slot| {
+                    let at = slot * PACKED_RECORD_BYTES as usize + BLOCK;
+                    &bytes[at..at + 32]
+                })
+                .collect(),
+        };
+        slots.iter().any(|slot| {
+            slot.iter().any(|byte| *byte != 0)
+                && !matches!(slot[0], vouch_format::KIND_VACANT | vouch_format::KIND_LOST)
+        })
+    }
+
     fn random_unit(&mut self) -> (ObjectId, Range<u64>) {
         match self.layout {
             LayoutKind::Split => {
@@ -727,14 +753,12 @@ impl Cx {
         let file = files[self.rng.below(files.len() as u64) as usize];
         let (object, affected, what) = match kind {
             MetaKind::UnitZeroed => {
-                // A unit that holds something (a never-written unit zeroed
-                // loses nothing): the units zeroed whole are not blank.
+                // A unit that holds a record (a never-written or trimmed
+                // unit zeroed loses nothing): not blank, and not only
+                // vacant markers (a unit trimmed in pieces).
                 let (mut object, mut range) = self.random_unit();
                 for _ in 0..16 {
-                    if Self::read_bytes(&self.pristine, object, &range)
-                        .iter()
-                        .any(|byte| *byte != 0)
-                    {
+                    if self.holds_record(&Self::read_bytes(&self.pristine, object, &range)) {
                         break;
                     }
                     (object, range) = self.random_unit();
