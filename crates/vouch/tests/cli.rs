@@ -1223,6 +1223,17 @@ fn an_older_copy_of_a_split_page_trimmed_or_zeroed_whole_is_caught() {
     an_older_copy_of_a_unit_changed_whole_is_caught("split");
 }
 
+/// Run `body` (Python over the libnbd handle `h`) against the volume
+/// served at `uri`, then flush.
+fn nbd_then_flush(uri: &str, body: &str) {
+    common::py_json(
+        &format!(
+            "h = connect(sys.argv[1])\n{body}\nh.flush()\nprint(json.dumps({{\"ok\": True}}))\n"
+        ),
+        &[uri],
+    );
+}
+
 /// Read `ranges` (first LBA, count) of the volume served at `uri` and
 /// name each 4 KiB block: "zeros", "error" (the read failed) or "data".
 fn read_blocks(uri: &str, ranges: &[(u64, u64)]) -> serde_json::Value {
@@ -1261,9 +1272,9 @@ fn a_packed_row_trims_leave_vacant_reads_as_zeros() {
     let volume = dir.path().join("vol");
     ok(&["create", s(&volume), "--size", "4MiB", "--layout", "packed"]);
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
-    common::py_json(
+    nbd_then_flush(
+        &server.uri,
         r#"
-h = connect(sys.argv[1])
 h.pwrite(block_data(35, 35), 35 * 4096)
 h.flush()
 h.trim(4096, 35 * 4096)
@@ -1273,10 +1284,7 @@ for lba in range(256, 768):
 h.flush()
 for piece in range(1, 3):
     h.trim(1 << 20, piece << 20)
-h.flush()
-print(json.dumps({"ok": True}))
 "#,
-        &[&server.uri],
     );
     server.stop();
     // Every block of `ranges` but `except` reads as zeros.
@@ -1296,15 +1304,12 @@ print(json.dumps({"ok": True}))
     server.stop();
     ok(&["check", s(&volume)]);
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
-    common::py_json(
+    nbd_then_flush(
+        &server.uri,
         r#"
-h = connect(sys.argv[1])
 h.pwrite(block_data(40, 40), 40 * 4096)
 h.pwrite(block_data(300, 300), 300 * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
 "#,
-        &[&server.uri],
     );
     server.stop();
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
@@ -1340,24 +1345,18 @@ fn an_older_copy_of_a_trimmed_packed_row_fails_only_its_records() {
     let volume = dir.path().join("vol");
     ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
-    common::py_json(
+    nbd_then_flush(
+        &server.uri,
         r#"
-h = connect(sys.argv[1])
 for lba in range(31, 41):
     h.pwrite(block_data(lba, lba), lba * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
 "#,
-        &[&server.uri],
     );
     server.stop();
     let data = volume.join("data.00000");
     let older = std::fs::read(&data).expect("the older copy");
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
-    common::py_json(
-        "h = connect(sys.argv[1])\nh.trim(31 * 4096, 31 * 4096)\nh.flush()\nprint(json.dumps({\"ok\": True}))\n",
-        &[&server.uri],
-    );
+    nbd_then_flush(&server.uri, "h.trim(31 * 4096, 31 * 4096)");
     server.stop();
     std::fs::write(&data, &older).expect("restore the older copy");
     let output = vouch(&["check", s(&volume)]);
