@@ -1127,6 +1127,10 @@ fn an_older_copy_of_a_unit_changed_whole_is_caught(layout: &str) {
     let mut failed = Vec::new();
     for (name, op) in [
         ("trim", "h.trim({count} * 4096, {first} * 4096)"),
+        (
+            "trim in two pieces",
+            "h.trim(10 * 4096, {first} * 4096)\nh.trim(({count} - 10) * 4096, ({first} + 10) * 4096)",
+        ),
         ("zero", "h.zero({count} * 4096, {first} * 4096)"),
         (
             "zero no-hole",

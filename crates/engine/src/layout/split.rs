@@ -548,7 +548,7 @@ impl Layout for SplitLayout {
         // the ranges' edge pages merged), a batch at a time, so the
         // checkpoint holds at most a batch and the pages the cache can
         // keep, however many it writes.
-        let mut pages = CheckpointPages::new(keep);
+        let mut pages = CheckpointPages::new(keep, next);
         for page_runs in runs.chunk_by(|a, b| a.page_no == b.page_no) {
             let page_no = page_runs[0].page_no;
             while let Some(edge) = edge_pages.first_entry() {
@@ -600,15 +600,19 @@ struct CheckpointPages {
     /// `written[first_kept..]` have their content.
     first_kept: usize,
     keep: usize,
+    /// The checkpoint's next generation: the value of a page it leaves
+    /// blank (no context of the page as it was is as new).
+    next: u32,
 }
 
 impl CheckpointPages {
-    fn new(keep: usize) -> CheckpointPages {
+    fn new(keep: usize, next: u32) -> CheckpointPages {
         CheckpointPages {
             batch: Vec::with_capacity(IOV_MAX),
             written: Vec::new(),
             first_kept: 0,
             keep,
+            next,
         }
     }
 
@@ -692,7 +696,10 @@ impl CheckpointPages {
                     io.written.page_generation(*page_no, &page[..]),
                 );
             } else {
-                io.written.set_expected_generation(*page_no, 0);
+                // Left blank (by trims in pieces, say): as a page punched
+                // whole, it expects the checkpoint's next generation, so
+                // an older copy of it restored later is judged older.
+                io.written.set_expected_generation(*page_no, self.next);
             }
         }
         io.written.end_page_writes();
