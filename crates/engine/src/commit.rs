@@ -441,6 +441,8 @@ impl Committer {
         let mut contexts = Vec::with_capacity(blocks.len());
         let mut journaled_data: Vec<&[u8]> = Vec::new();
         let seq = self.reserve_record(shared, journal, blocks, ranges, redo)?;
+        let ranges: Vec<RangeOp> = ranges.iter().map(|range| range.stamped(seq)).collect();
+        let ranges = &ranges[..];
         for (lba, dirty) in blocks {
             // A buffer corrupted in memory after it was sealed is still
             // caught: the context carries the seal of the bytes the client
@@ -526,11 +528,7 @@ impl Committer {
         }
         for range in ranges {
             for (start, end, layout) in shared.layouts.pieces(range.start, range.end) {
-                let piece = RangeOp {
-                    start,
-                    end,
-                    template: range.template,
-                };
+                let piece = range.piece(start, end);
                 layout.apply_range_home(
                     &shared.io,
                     &piece,
@@ -699,7 +697,8 @@ impl Committer {
         let mut rewritten = Vec::new();
         let mut dropped = Vec::new();
         for layout in shared.layouts.layouts() {
-            let (pages, punched) = layout.checkpoint_contexts(&shared.io, &shared.state)?;
+            let (pages, punched) =
+                layout.checkpoint_contexts(&shared.io, &shared.state, journal.next_seq as u32)?;
             rewritten.extend(pages);
             dropped.extend(punched);
         }

@@ -202,6 +202,17 @@ impl Shared {
         let file = place.object.file_name();
         let len = io.storage().object_len(place.object).ok().flatten();
         let mut lost = lbas.clone();
+        // The unit's LBAs whose slots (in the unit's bytes) `keep` picks.
+        let lbas_where = |bytes: &[u8], keep: &dyn Fn(&[u8; CONTEXT_BYTES]) -> bool| -> Vec<u64> {
+            self.layouts
+                .of(lba)
+                .unit_metadata(bytes)
+                .iter()
+                .zip(lbas.clone())
+                .filter(|(slot, _)| keep(slot))
+                .map(|(_, lba)| lba)
+                .collect()
+        };
         let what = if len.is_some_and(|len| place.offset + place.len as u64 > len) {
             format!("is past the end of the file ({} bytes)", len.unwrap_or(0))
         } else {
@@ -222,6 +233,14 @@ impl Shared {
                 Err(error) => format!("cannot be read ({error})"),
                 Ok(()) if stale.is_some() => {
                     let (found, expected) = stale.unwrap_or_default();
+                    if place.object != ObjectId::Contexts && !io.written.is_set(unit) {
+                        // A clear row fails only its records: its slots
+                        // holding nothing read as zeros (`judge_rows`).
+                        let held = lbas_where(&bytes, &|slot| !WrittenMap::holds_nothing(slot));
+                        if let (Some(first), Some(last)) = (held.first(), held.last()) {
+                            lost = *first..*last + 1;
+                        }
+                    }
                     format!(
                         "is older than the volume expects (generation {found} < {expected}: an older copy of the file?)"
                     )
@@ -235,15 +254,7 @@ impl Shared {
                         .iter()
                         .any(|slot| slot[0] == KIND_LOST) =>
                 {
-                    let marked: Vec<u64> = self
-                        .layouts
-                        .of(lba)
-                        .unit_metadata(&bytes)
-                        .iter()
-                        .zip(lbas.clone())
-                        .filter(|(slot, _)| slot[0] == KIND_LOST)
-                        .map(|(_, lba)| lba)
-                        .collect();
+                    let marked = lbas_where(&bytes, &|slot| slot[0] == KIND_LOST);
                     if let (Some(first), Some(last)) = (marked.first(), marked.last()) {
                         lost = *first..*last + 1;
                     }
@@ -256,15 +267,7 @@ impl Shared {
                 Ok(()) => {
                     // Whole units (`INCOMPAT_BOUND_UNITS`): some slots
                     // blank, the rest intact; name the blank ones.
-                    let blank: Vec<u64> = self
-                        .layouts
-                        .of(lba)
-                        .unit_metadata(&bytes)
-                        .iter()
-                        .zip(lbas.clone())
-                        .filter(|(slot, _)| **slot == [0u8; 32])
-                        .map(|(_, lba)| lba)
-                        .collect();
+                    let blank = lbas_where(&bytes, &|slot| *slot == [0u8; CONTEXT_BYTES]);
                     if let (Some(first), Some(last)) = (blank.first(), blank.last()) {
                         lost = *first..*last + 1;
                         format!(

@@ -135,6 +135,57 @@ pub struct RangeOp {
     pub end: u64,
     /// `Unwritten` (hole) or `Zero` (allocated zeroes); ref tag filled per block.
     pub template: Context,
+    /// The generation of the commit that journals the range (0: not
+    /// known: a copy's ranges, a replayed record). A packed row trimmed
+    /// whole keeps it as its expectation (`PackedLayout`'s ranges).
+    pub generation: u32,
+}
+
+impl RangeOp {
+    /// A trim (`allocate` false) or written zeroes over `[start, end)`
+    /// whose commit is not known yet (`stamped` gives it one).
+    pub fn new(start: u64, end: u64, template: Context) -> RangeOp {
+        RangeOp {
+            start,
+            end,
+            template,
+            generation: 0,
+        }
+    }
+
+    /// This range as commit `seq` journals it: its zero contexts carry the
+    /// commit's generation, as a data block's context does, so a unit whose
+    /// newest slots are zero contexts has an expected generation its older
+    /// copies fall short of.
+    pub fn stamped(&self, seq: u64) -> RangeOp {
+        let generation = seq as u32;
+        let template = match self.template {
+            Context::Zero {
+                volume_tag,
+                ref_tag,
+                ..
+            } => Context::Zero {
+                volume_tag,
+                ref_tag,
+                generation,
+            },
+            other => other,
+        };
+        RangeOp {
+            template,
+            generation,
+            ..*self
+        }
+    }
+
+    /// The part of this range inside `[start, end)`.
+    pub fn piece(&self, start: u64, end: u64) -> RangeOp {
+        RangeOp {
+            start,
+            end,
+            ..*self
+        }
+    }
 }
 
 pub(crate) struct VolumeState {

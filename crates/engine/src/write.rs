@@ -605,11 +605,7 @@ impl Engine {
             let mut journal = self.committer.lock();
             // Buffered writes inside the range are superseded by it.
             shared.state.write().drop_buffered(first_full, end_full);
-            let range = RangeOp {
-                start: first_full,
-                end: end_full,
-                template,
-            };
+            let range = RangeOp::new(first_full, end_full, template);
             self.committer.commit(shared, &mut journal, &[range])?;
             if fua {
                 self.committer.sync_data(shared, &mut journal)?;

@@ -36,11 +36,12 @@
 //! - Packed rows have one too: a generation the row's newest own record
 //!   is at least, raised by a commit after it writes records into the row
 //!   (on disk with the next checkpoint's map, after their fsync) and
-//!   forgotten before a write that may lower it (`forget_older`); after a
-//!   trim or zeros written into part of it (markers and zero contexts
-//!   carry no generation) it is read back from the row's slots
-//!   (`fill_expected`), so a row last changed by a range is still judged.
-//!   A row is
+//!   forgotten before a write that may lower it (`forget_older`); after
+//!   zeros it is raised to their commit's generation (zero contexts carry
+//!   it), after a trim into part of it (markers carry none) it is read
+//!   back from the row's slots (`fill_expected`), and a row a trim leaves
+//!   holding nothing keeps the trim's under its clear bit, so a row last
+//!   changed by a range is still judged. A row is
 //!   judged once per open (`current`), at a read (`PackedLayout::
 //!   judge_rows`) or before its first write (`settle_row`); recovery
 //!   forgets the value of every row a replayed entry touches.
@@ -391,13 +392,17 @@ impl WrittenMap {
     }
 
     /// Whether packed row `unit` is still to be judged against its
-    /// expected generation this open: its bit set, its expectation known,
-    /// not yet found current.
+    /// expected generation this open: its expectation known, not yet found
+    /// current. A row whose bit is clear counts too: one trimmed whole or
+    /// left vacant keeps its trim's generation, and any record in it
+    /// older than that is an older copy's. Only its records are judged
+    /// (blank slots and markers are nothing there: `judge_slots`); a read
+    /// whose slots hold only nothing reads no more, one whose slots hold
+    /// an older record judges the row whole.
     pub fn to_judge(&self, unit: u64) -> bool {
         self.current.get((unit / 64) as usize).is_some_and(|word| {
             word.load(Ordering::Acquire) & (1 << (unit % 64)) == 0
                 && self.expected_generation(unit) != 0
-                && self.is_set(unit)
         })
     }
 
@@ -441,7 +446,8 @@ impl WrittenMap {
     }
 
     /// Before a write into `unit` of a slot of generation `generation`
-    /// (`None` or 0: a marker or a zero context, which carry none): one
+    /// (`None` or 0: a marker, or a zero context of a binary before zero
+    /// contexts carried their commit's generation): one
     /// that is not newer than expected may replace the slot that held the
     /// unit's newest, so the expectation is forgotten before the write can
     /// lower it on disk (a copy keeps its source's generation; a trim
@@ -562,6 +568,19 @@ impl WrittenMap {
         highest
     }
 
+    /// Whether a slot says "nothing here" in a clear unit: blank, or a
+    /// vacant or lost marker (no generation). In a clear unit such a slot
+    /// reads as zeros whatever the unit's verdict: only its slots holding
+    /// a record (data, encrypted, zero context) are judged, and failed
+    /// when the unit is older, so reads of it and `check` agree whatever
+    /// order they read its slots in.
+    pub fn holds_nothing(context: &[u8]) -> bool {
+        matches!(
+            context[0],
+            vouch_format::KIND_VACANT | vouch_format::KIND_LOST
+        ) || context.iter().all(|byte| *byte == 0)
+    }
+
     /// A slot's generation if it is the volume's own (as `own_newest`),
     /// read as it lies: nothing checked but the tags.
     fn own_generation(&self, lba: u64, context: &[u8]) -> Option<u32> {
@@ -619,6 +638,12 @@ impl WrittenMap {
     ) -> SlotVerdict {
         let mut newest: Option<u32> = None;
         let mut unsure = false;
+        // A clear unit holds nothing a trim left: its markers (vacant or
+        // lost, no generation) say "nothing here", not "older" (as
+        // `holds_nothing`). Only its slots that hold a record are judged;
+        // a unit a trim left vacant (all markers) is `NoOwn` and reads as
+        // zeros.
+        let clear = self.enabled && !self.is_set(self.unit_of(first_lba));
         let slots = slots.take(self.blocks.saturating_sub(first_lba) as usize);
         for (slot, (context, data)) in slots.enumerate() {
             if context.iter().all(|byte| *byte == 0) {
@@ -647,6 +672,9 @@ impl WrittenMap {
                 unsure = true;
                 continue;
             };
+            if clear && Self::holds_nothing(context) {
+                continue;
+            }
             if generation != 0 && !newer(expected, generation) {
                 return SlotVerdict::Reaches;
             }
@@ -665,7 +693,7 @@ impl WrittenMap {
     /// checkpoint that last wrote it: `(its generation, the expected)`.
     /// A page with no own slot is left to its tags (a page of another
     /// place or volume fails them, named as such); one whose own slots are
-    /// only markers and zero contexts (generation 0) is older than any
+    /// only markers and zero contexts of generation 0 is older than any
     /// expected value.
     pub fn stale_page(&self, page_no: u64, page: &[u8]) -> Option<(u32, u32)> {
         self.stale_unit(page_no, page.chunks(CONTEXT_BYTES))
@@ -728,7 +756,9 @@ impl WrittenMap {
         slots: impl Iterator<Item = (&'a [u8], Option<&'a [u8]>)>,
     ) -> Option<(u32, u32)> {
         let expected = self.expected_generation(unit);
-        if expected == 0 || !self.is_set(unit) {
+        // A clear unit's expectation is its trim's (a packed row trimmed
+        // whole): an own slot older than it is an older copy's.
+        if expected == 0 {
             return None;
         }
         match self.judge_slots(unit * self.unit_blocks, slots, expected) {
@@ -1453,6 +1483,33 @@ mod tests {
     /// whose context is damaged (its CRC, or an encrypted one's keyless
     /// guard over its data) makes it `Unsure`, never `Older`; only whole
     /// slots all older make it `Older`.
+    /// A unit a trim left vacant (its bit clear, every slot a vacant
+    /// marker) is trimmed space: its markers are "nothing here", not
+    /// generation 0 against the trim's value, so it is `NoOwn` (read as
+    /// zeros), while a record older than the value is still older. A set
+    /// unit of markers is older than any value (its newest slot lost).
+    #[test]
+    fn a_clear_unit_of_markers_holds_nothing() {
+        let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
+        let map = WrittenMap::empty(&geometry, [9; 16]);
+        let markers: Vec<[u8; CONTEXT_BYTES]> = (0..3).map(|lba| map.vacant(lba)).collect();
+        let judge = |slots: &[[u8; CONTEXT_BYTES]]| {
+            map.judge_slots(0, slots.iter().map(|slot| (&slot[..], None)), 7)
+        };
+        assert_eq!(judge(&markers), SlotVerdict::NoOwn);
+        let mut older = markers.clone();
+        older[1] = vouch_format::Context::Data {
+            volume_tag: map.volume_tag,
+            ref_tag: 1,
+            guard: 1,
+            generation: 5,
+        }
+        .encode();
+        assert_eq!(judge(&older), SlotVerdict::Older(5));
+        map.set(0);
+        assert_eq!(judge(&markers), SlotVerdict::Older(0));
+    }
+
     #[test]
     fn a_unit_is_judged_by_whole_slots_one_by_one() {
         let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");

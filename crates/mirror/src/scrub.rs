@@ -346,7 +346,12 @@ impl Mirror {
         let mut generations = Vec::with_capacity(good.len());
         for &at in good {
             let sealed = self.device(legs[at]).read_sealed(lba, 1).ok()?;
-            let generation = sealed.first()?.context.generation()?;
+            // A zero context's generation is its leg's own commit's, not
+            // one this mirror stamped: it orders nothing between legs.
+            let generation = match sealed.first()?.context {
+                vouch_format::Context::Zero { .. } => 0,
+                context => context.generation()?,
+            };
             if clock < u64::from(u32::MAX) && u64::from(generation) > clock {
                 tracing::error!(
                     lba,

@@ -565,9 +565,33 @@ fn random_range(rng: &mut Rng, size: u64) -> (u64, u64) {
     (start * 512, len * 512)
 }
 
+/// A trim's or zero's range over one whole unit (a packed row, a split
+/// context page; the last may be short) of `unit_blocks`, in bytes: the
+/// unit whole (punched), or its first piece with the rest queued as the
+/// next operation, so two partial ranges leave the unit vacant (as
+/// `blkdiscard` in pieces not aligned to units does).
+fn unit_range(rng: &mut Rng, blocks: u64, unit_blocks: u64) -> ((u64, u64), Option<(u64, u64)>) {
+    let unit = rng.below(blocks.div_ceil(unit_blocks));
+    let (start, end) = (unit * unit_blocks, ((unit + 1) * unit_blocks).min(blocks));
+    let bytes = |first: u64, last: u64| (first * BLOCK as u64, (last - first) * BLOCK as u64);
+    if end - start < 2 || rng.chance(1, 3) {
+        return (bytes(start, end), None);
+    }
+    let cut = rng.range(start + 1, end - 1);
+    (bytes(start, cut), Some(bytes(cut, end)))
+}
+
 /// A random operation; `reflink`: forced reflink copies are possible
-/// (split, plain volumes).
-fn random_op(rng: &mut Rng, size: u64, reflink: bool) -> Op {
+/// (split, plain volumes). A trim or zero covers a whole unit of
+/// `unit_blocks` half the time, in one range or two (the second
+/// pushed to `queued`, the next operation).
+fn random_op(
+    rng: &mut Rng,
+    size: u64,
+    reflink: bool,
+    unit_blocks: u64,
+    queued: &mut Vec<Op>,
+) -> Op {
     let roll = rng.below(100);
     if roll < 12 {
         return Op::Flush;
@@ -613,20 +637,33 @@ fn random_op(rng: &mut Rng, size: u64, reflink: bool) -> Op {
             method,
         };
     }
-    let (offset, len) = random_range(rng, size);
     let fua = rng.chance(1, 8);
     if roll < 78 {
-        Op::Write { offset, len, fua }
-    } else if roll < 88 {
-        Op::Trim { offset, len, fua }
-    } else {
-        Op::Zeroes {
-            offset,
-            len,
-            fua,
-            allocate: rng.chance(1, 2),
-        }
+        let (offset, len) = random_range(rng, size);
+        return Op::Write { offset, len, fua };
     }
+    let ((offset, len), rest) = if rng.chance(1, 2) {
+        unit_range(rng, size / BLOCK as u64, unit_blocks)
+    } else {
+        (random_range(rng, size), None)
+    };
+    let op = |(offset, len): (u64, u64), rng: &mut Rng| {
+        if roll < 88 {
+            Op::Trim { offset, len, fua }
+        } else {
+            Op::Zeroes {
+                offset,
+                len,
+                fua,
+                allocate: rng.chance(1, 2),
+            }
+        }
+    };
+    if let Some(rest) = rest {
+        let second = op(rest, rng);
+        queued.push(second);
+    }
+    op((offset, len), rng)
 }
 
 /// The key of seed `seed`'s encrypted volume.
@@ -743,6 +780,10 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
     let mut ring = reads::RingReads::new(&recorder.sim, seed);
     let ops = rng.range(30, 90);
     let mut flushed_last = false;
+    // A unit: a packed row, a split context page (trims and zeros over
+    // them whole take the punch paths).
+    let unit_blocks = u64::from(vouch_format::written::unit_blocks(config.layout));
+    let mut queued = Vec::new();
     for index in 0..ops {
         ring.maybe_start(&volume, &world);
         ring.maybe_read_inline(&volume, &world)
@@ -750,10 +791,12 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         let reflink = config.layout == LayoutKind::Split && !config.encrypted;
         // A client flushing again with nothing new (a commit with an empty
         // buffer: the held log's slots swap without one being emptied).
-        let op = if flushed_last && rng.chance(1, 3) {
+        let op = if let Some(op) = queued.pop() {
+            op
+        } else if flushed_last && rng.chance(1, 3) {
             Op::Flush
         } else {
-            random_op(&mut rng, size, reflink)
+            random_op(&mut rng, size, reflink, unit_blocks, &mut queued)
         };
         flushed_last = matches!(op, Op::Flush);
         counters.ops.fetch_add(1, Ordering::Relaxed);

@@ -390,6 +390,70 @@ pub(crate) fn write_round(
     volume.close().map_err(|e| format!("close: {e}"))
 }
 
+/// After the rounds of writes, change whole units (a packed row, a split
+/// context page) as a filesystem's discard or a zeroing tool does: each,
+/// one time in three, is trimmed (whole, or in two partial pieces that
+/// leave it vacant), zeroed by a write-zeroes that may punch
+/// (as a trim does) or zeroed by one that keeps it allocated (a zero
+/// context in every slot), then the volume is closed. Run after the older
+/// copy is taken, so the older copy's units changed whole since are
+/// restored over them: their expectation is then the trim's or the zeros'
+/// generation, and the older copy is judged older, not read as current.
+fn whole_unit_round(
+    storage: &SimStorage,
+    open: &OpenOptions,
+    (layout, model): (LayoutKind, &mut [Vec<u8>]),
+    rng: &mut Rng,
+    scheduled: &mut Scheduled,
+) -> Result<(), String> {
+    let volume = Volume::open(Arc::new(storage.clone()), open).map_err(|e| format!("open: {e}"))?;
+    let unit_blocks = match layout {
+        LayoutKind::Packed => PACKED_RECORDS_PER_ROW,
+        LayoutKind::Split => CONTEXTS_PER_PAGE,
+    };
+    let units = BLOCKS / unit_blocks;
+    let mut changed = 0;
+    for unit in 0..units {
+        // One unit at least keeps its records (a split volume has two):
+        // a damage class that needs a unit holding something finds one.
+        if unit == units - 1 && changed == units - 1 {
+            break;
+        }
+        let (offset, length) = (
+            unit * unit_blocks * BLOCK as u64,
+            unit_blocks * BLOCK as u64,
+        );
+        match rng.below(12) {
+            0 => volume.trim(offset, length, false),
+            // Trimmed in two pieces (`blkdiscard` in pieces not aligned to
+            // units): each partial, together leaving the unit vacant.
+            3 => {
+                let cut = rng.range(1, unit_blocks - 1) * BLOCK as u64;
+                volume
+                    .trim(offset, cut, false)
+                    .and_then(|()| volume.trim(offset + cut, length - cut, false))
+            }
+            1 | 2 => volume.write_zeroes(
+                offset,
+                length,
+                ZeroFlags {
+                    fua: false,
+                    allocate: rng.below(2) == 1,
+                },
+            ),
+            _ => continue,
+        }
+        .map_err(|e| format!("unit {unit} zeroed or trimmed whole: {e}"))?;
+        changed += 1;
+        let first = (unit * unit_blocks) as usize;
+        for block in &mut model[first..first + unit_blocks as usize] {
+            *block = vec![0u8; BLOCK];
+        }
+        scheduled.background_commits += crate::stepper::step_commits([&volume], rng);
+    }
+    volume.close().map_err(|e| format!("close: {e}"))
+}
+
 /// The volume after both rounds of writes, the same volume after the
 /// first, another volume, and the model of the first.
 type Prepared = (SimStorage, SimStorage, SimStorage, Vec<Vec<u8>>);
@@ -425,6 +489,9 @@ fn run_cell(
         write_round(&storage, &open, &mut model, &mut rng, 60, scheduled)?;
         let older = storage.duplicate();
         write_round(&storage, &open, &mut model, &mut rng, 40, scheduled)?;
+        // Its own stream: the rounds above draw as they did before it.
+        let mut whole = Rng::new(seed ^ 0x7768_6f6c_6500);
+        whole_unit_round(&storage, &open, (layout, &mut model), &mut whole, scheduled)?;
         let other = SimStorage::new();
         Volume::create(Arc::new(other.clone()), &options)
             .and_then(Volume::close)
@@ -542,6 +609,24 @@ impl Cx {
 
     /// A metadata unit: its object and byte range (split: a context page;
     /// packed: a row of a segment).
+    /// Whether a unit's bytes (`random_unit`'s) hold a record: a context
+    /// slot that is neither blank nor a marker (vacant, lost).
+    fn holds_record(&self, bytes: &[u8]) -> bool {
+        let slots: Vec<&[u8]> = match self.layout {
+            LayoutKind::Split => bytes.chunks(32).collect(),
+            LayoutKind::Packed => (0..PACKED_RECORDS_PER_ROW as usize)
+                .map(|slot| {
+                    let at = slot * PACKED_RECORD_BYTES as usize + BLOCK;
+                    &bytes[at..at + 32]
+                })
+                .collect(),
+        };
+        slots.iter().any(|slot| {
+            slot.iter().any(|byte| *byte != 0)
+                && !matches!(slot[0], vouch_format::KIND_VACANT | vouch_format::KIND_LOST)
+        })
+    }
+
     fn random_unit(&mut self) -> (ObjectId, Range<u64>) {
         match self.layout {
             LayoutKind::Split => {
@@ -668,7 +753,16 @@ impl Cx {
         let file = files[self.rng.below(files.len() as u64) as usize];
         let (object, affected, what) = match kind {
             MetaKind::UnitZeroed => {
-                let (object, range) = self.random_unit();
+                // A unit that holds a record (a never-written or trimmed
+                // unit zeroed loses nothing): not blank, and not only
+                // vacant markers (a unit trimmed in pieces).
+                let (mut object, mut range) = self.random_unit();
+                for _ in 0..16 {
+                    if self.holds_record(&Self::read_bytes(&self.pristine, object, &range)) {
+                        break;
+                    }
+                    (object, range) = self.random_unit();
+                }
                 storage.overwrite(
                     object,
                     range.start,

@@ -566,11 +566,7 @@ fn zero_ranges(destination: &Engine, target: u64, contexts: &[Context]) -> Vec<R
             {
                 range.end += 1
             }
-            _ => ranges.push(RangeOp {
-                start: lba,
-                end: lba + 1,
-                template,
-            }),
+            _ => ranges.push(RangeOp::new(lba, lba + 1, template)),
         }
     }
     ranges
@@ -611,11 +607,7 @@ fn home_piece(
         .filter_map(|range| {
             let start = range.start.max(target);
             let end = range.end.min(target + count);
-            (start < end).then_some(RangeOp {
-                start,
-                end,
-                template: range.template,
-            })
+            (start < end).then_some(range.piece(start, end))
         })
         .collect();
     for range in &pieces {

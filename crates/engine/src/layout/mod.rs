@@ -202,11 +202,13 @@ pub(crate) trait Layout: Send + Sync {
     fn replay(&self, replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>>;
 
     /// At a checkpoint: move contexts committed since the last one home.
-    /// Returns the pages written and the page ranges punched.
+    /// Returns the pages written and the page ranges punched. `next`: the
+    /// generation of the next commit (newer than every context so far).
     fn checkpoint_contexts(
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
+        next: u32,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)>;
 }
 

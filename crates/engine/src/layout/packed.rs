@@ -49,12 +49,13 @@ impl PackedLayout {
 
     /// Trim / zero `[start, end)` of one segment: punch whole rows of holes,
     /// rewrite the records at the edges with the range's contexts.
+    /// `generation`: the range's commit's (0: not known).
     fn apply_range_in_segment(
         &self,
         io: &Backing,
         object: ObjectId,
         (start, end): (u64, u64),
-        template: Context,
+        (template, generation): (Context, u32),
     ) -> Result<()> {
         let mut lba = start;
         while lba < end {
@@ -66,15 +67,22 @@ impl PackedLayout {
                 && matches!(template, Context::Unwritten)
             {
                 // Whole rows: punch them in one call, their bits cleared
-                // first (`written.rs`).
+                // first (`written.rs`). Each keeps the trim's generation
+                // as its expectation: a clear row holds nothing older than
+                // its trim, so an older copy of it restored later (its
+                // records of older generations) is judged older, not read
+                // as the data it held then (`WrittenMap::to_judge`).
                 let rows = (end - lba) / PACKED_RECORDS_PER_ROW;
                 let _change = io.written.change.lock();
                 io.written
                     .clear_touched(lba, lba + rows * PACKED_RECORDS_PER_ROW);
-                for unit in io.written.unit_of(lba)..io.written.unit_of(lba) + rows {
-                    io.written.set_expected_generation(unit, 0);
-                }
+                // Set once the punch returns: a punch that failed leaves
+                // the rows' records under a value that would make them
+                // read as older.
                 io.punch(object, row_start, rows * PACKED_ROW_BYTES)?;
+                for unit in io.written.unit_of(lba)..io.written.unit_of(lba) + rows {
+                    io.written.set_expected_generation(unit, generation);
+                }
                 lba += rows * PACKED_RECORDS_PER_ROW;
                 continue;
             }
@@ -85,11 +93,12 @@ impl PackedLayout {
             if !trim {
                 self.bind_row(io, unit)?;
             }
-            // Markers and zero contexts carry no generation and may
-            // replace the slot that held the row's newest: the expectation
-            // is forgotten before the write and read back from the row's
-            // slots after it (`fill_row_expected`), so a row last changed
-            // by a range is still judged.
+            // Markers carry no generation and may replace the slot that
+            // held the row's newest: the expectation is forgotten before
+            // the write and read back from the row's slots after it
+            // (`fill_row_expected`), so a row last changed by a trim is
+            // still judged. Zero contexts carry their commit's generation,
+            // the row's newest once written: it is raised to that after.
             io.written.forget_older(unit, None);
             // A trimmed slot of a whole row is its vacant marker, never
             // blank (a blank slot there is lost metadata).
@@ -116,8 +125,14 @@ impl PackedLayout {
                         self.row_blank(io, unit, Wait::Block)
                             .map_err(|error| Error::io("read", object, first, error))?
                     };
-                    if io.written.is_set(unit) && blank {
+                    if blank {
+                        // Left holding nothing (found so on disk, never
+                        // from its bit alone: a bit clear only because an
+                        // older map copy was loaded lies over live records
+                        // older than this trim): as a row trimmed whole,
+                        // it expects nothing older than this trim.
                         io.written.clear(unit);
+                        io.written.set_expected_generation(unit, generation);
                     }
                 } else {
                     io.written.set(unit);
@@ -126,9 +141,14 @@ impl PackedLayout {
             // Read back outside `change` (readers take it to judge rows;
             // the commit lock keeps other writers out of the row), and
             // only when part of the row is left: a range over the whole
-            // row leaves no slot with a generation, nothing to read.
+            // row here is zeros (a trim of it is punched above), whose
+            // contexts carry their generation, or none when replayed.
             let whole_row = slot == 0 && row_end_lba - lba == PACKED_RECORDS_PER_ROW;
-            if !whole_row && io.written.is_set(unit) {
+            if !trim && generation != 0 {
+                // Its zero contexts hold this generation: the row reaches
+                // it by construction, nothing to read back.
+                io.written.raise_expected(unit, generation);
+            } else if !whole_row && io.written.is_set(unit) {
                 self.fill_row_expected(io, unit);
             }
             lba = row_end_lba;
@@ -202,7 +222,8 @@ impl PackedLayout {
     }
 
     /// Learn row `unit`'s expectation again, after a range wrote markers
-    /// or zero contexts into it (which forgot it), from its slots as they
+    /// (or zero contexts of no known generation: a copy's zero range) into
+    /// it (which forgot it), from its slots as they
     /// lie now: the newest generation one of its whole own slots holds
     /// (`WrittenMap::fill_expected`), so the row reaches it by
     /// construction. Read under the commit lock, where no other writer
@@ -303,26 +324,42 @@ impl PackedLayout {
             let expected = io.written.expected_generation(unit);
             let lbas = io.written.lbas_of(unit, self.geometry.blocks);
             let (low, high) = (lbas.start.max(first), lbas.end.min(end));
-            let mark = |contexts: &mut [Result<Context, FormatError>]| {
-                for context in &mut contexts[(low - first) as usize..(high - first) as usize] {
-                    *context = Err(FormatError::MetadataLost);
-                }
-            };
-            if io.written.is_older(unit) {
-                mark(contexts);
-                continue;
-            }
             let record_at = |lba: u64| {
                 let at = (self.geometry.locate(lba).data_offset - span_start) as usize;
                 let (data, context) =
                     span[at..at + PACKED_RECORD_BYTES as usize].split_at(BLOCK as usize);
                 (&context[..CONTEXT_BYTES], Some(data))
             };
+            // A clear row's slots that hold nothing (blank, markers) read
+            // as zeros whatever its verdict: only its records fail, so the
+            // LBAs that fail do not depend on which slot was read first.
+            let clear = !io.written.is_set(unit);
+            let mark = |contexts: &mut [Result<Context, FormatError>]| {
+                for lba in low..high {
+                    if !(clear && crate::written::WrittenMap::holds_nothing(record_at(lba).0)) {
+                        contexts[(lba - first) as usize] = Err(FormatError::MetadataLost);
+                    }
+                }
+            };
+            if io.written.is_older(unit) {
+                mark(contexts);
+                continue;
+            }
             let in_span = io
                 .written
                 .judge_slots(low, (low..high).map(record_at), expected);
             if in_span == SlotVerdict::Reaches {
                 io.written.set_current(unit);
+                continue;
+            }
+            // A clear row (trimmed whole) whose slots read hold nothing
+            // older is done with: a blank slot reads as zeros whatever the
+            // rest holds, so a read of a trimmed row reads no more than
+            // before. One whose slots read are older is judged whole like
+            // any row: its bit may be clear because a map copy from before
+            // its records was loaded (the newest copy damaged), and then
+            // another of its slots holds the expected generation.
+            if !io.written.is_set(unit) && !matches!(in_span, SlotVerdict::Older(_)) {
                 continue;
             }
             let Some((wait, seen)) = read else {
@@ -768,7 +805,12 @@ impl Layout for PackedLayout {
             .page_writes_guard(io.written.unit_of(range.start)..=last);
         super::for_each_segment(&self.geometry, range.start, range.end, |lba, end| {
             let object = ObjectId::Data(self.geometry.locate(lba).segment);
-            self.apply_range_in_segment(io, object, (lba, end), range.template)?;
+            self.apply_range_in_segment(
+                io,
+                object,
+                (lba, end),
+                (range.template, range.generation),
+            )?;
             unsynced.insert(object);
             Ok(())
         })
@@ -933,11 +975,8 @@ impl Layout for PackedLayout {
                     replay.io.written.set(replay.io.written.unit_of(entry.lba));
                     replay.unsynced.insert(object);
                 } else {
-                    let range = RangeOp {
-                        start: entry.lba,
-                        end: entry.lba + u64::from(entry.count),
-                        template: entry.context,
-                    };
+                    let range =
+                        RangeOp::new(entry.lba, entry.lba + u64::from(entry.count), entry.context);
                     if read_only {
                         // Served from memory as a range (its size does not
                         // matter), superseding journaled data buffered before it.
@@ -964,6 +1003,7 @@ impl Layout for PackedLayout {
         &self,
         _io: &Backing,
         _state: &RwLock<VolumeState>,
+        _next: u32,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
         Ok((Vec::new(), Vec::new()))
     }

@@ -70,13 +70,14 @@ impl SplitLayout {
     }
 
     /// A range's contexts: whole pages of holes are punched (returned as
-    /// page ranges), edge pages are modified in `pages`.
+    /// page ranges), edge pages are modified in `pages`. `next`: the
+    /// checkpoint's next generation.
     fn write_context_range(
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
         (start, end, template): (u64, u64, Context),
-        pages: &mut BTreeMap<u64, Page>,
+        (pages, next): (&mut BTreeMap<u64, Page>, u32),
     ) -> Result<Vec<Range<u64>>> {
         let mut punched = Vec::new();
         let mut lba = start;
@@ -88,12 +89,32 @@ impl SplitLayout {
                 && matches!(template, Context::Unwritten)
             {
                 let whole = (end - lba) / CONTEXTS_PER_PAGE;
-                // Cleared before the pages are blank (`written.rs`).
+                // Cleared before the pages are blank (`written.rs`). Each
+                // expects the checkpoint's next generation: a punched page
+                // holds nothing as old as that, so an older copy of it
+                // restored later (contexts of older generations under a
+                // clear bit) is judged older at its load, not read as the
+                // data it held then. On disk with this checkpoint's map,
+                // after the punch is fsynced; a crash before it replays
+                // the trim, and recovery forgets the page's value. Every
+                // stripe is odd meanwhile: a reader that loaded a page's
+                // contexts before the trim committed must not judge them
+                // against the value set here (`WrittenMap::judge_page`).
+                // The value is set once the punch returns: a punch that
+                // failed leaves the page's records under a value that
+                // would make them read as older.
+                io.written.begin_page_writes();
                 for page in page_no..page_no + whole {
                     io.written.clear(page);
-                    io.written.set_expected_generation(page, 0);
                 }
-                io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096)?;
+                let punch = io.punch(ObjectId::Contexts, page_no * 4096, whole * 4096);
+                if punch.is_ok() {
+                    for page in page_no..page_no + whole {
+                        io.written.set_expected_generation(page, next);
+                    }
+                }
+                io.written.end_page_writes();
+                punch?;
                 pages.retain(|page, _| !(page_no..page_no + whole).contains(page));
                 punched.push(page_no..page_no + whole);
                 lba += whole * CONTEXTS_PER_PAGE;
@@ -486,6 +507,7 @@ impl Layout for SplitLayout {
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
+        next: u32,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
         // The overlay's entries, and its runs of entries of one page: its
         // hash keeps a page's blocks in adjacent buckets, so a page's
@@ -519,14 +541,14 @@ impl Layout for SplitLayout {
                 io,
                 state,
                 (start, end, template),
-                &mut edge_pages,
+                (&mut edge_pages, next),
             )?);
         }
         // Pages are built and written in page order (entries' pages and
         // the ranges' edge pages merged), a batch at a time, so the
         // checkpoint holds at most a batch and the pages the cache can
         // keep, however many it writes.
-        let mut pages = CheckpointPages::new(keep);
+        let mut pages = CheckpointPages::new(keep, next);
         for page_runs in runs.chunk_by(|a, b| a.page_no == b.page_no) {
             let page_no = page_runs[0].page_no;
             while let Some(edge) = edge_pages.first_entry() {
@@ -578,15 +600,19 @@ struct CheckpointPages {
     /// `written[first_kept..]` have their content.
     first_kept: usize,
     keep: usize,
+    /// The checkpoint's next generation: the value of a page it leaves
+    /// blank (no context of the page as it was is as new).
+    next: u32,
 }
 
 impl CheckpointPages {
-    fn new(keep: usize) -> CheckpointPages {
+    fn new(keep: usize, next: u32) -> CheckpointPages {
         CheckpointPages {
             batch: Vec::with_capacity(IOV_MAX),
             written: Vec::new(),
             first_kept: 0,
             keep,
+            next,
         }
     }
 
@@ -670,7 +696,10 @@ impl CheckpointPages {
                     io.written.page_generation(*page_no, &page[..]),
                 );
             } else {
-                io.written.set_expected_generation(*page_no, 0);
+                // Left blank (by trims in pieces, say): as a page punched
+                // whole, it expects the checkpoint's next generation, so
+                // an older copy of it restored later is judged older.
+                io.written.set_expected_generation(*page_no, self.next);
             }
         }
         io.written.end_page_writes();
