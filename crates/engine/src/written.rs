@@ -1477,12 +1477,6 @@ mod tests {
         assert_eq!(judge(&slots), SlotVerdict::Older(5), "without data");
     }
 
-    /// A unit is judged slot by slot: it reaches its expectation through
-    /// any own slot that does, whatever order serial-number comparison
-    /// gives the others (not transitive across half the space); a slot
-    /// whose context is damaged (its CRC, or an encrypted one's keyless
-    /// guard over its data) makes it `Unsure`, never `Older`; only whole
-    /// slots all older make it `Older`.
     /// A unit a trim left vacant (its bit clear, every slot a vacant
     /// marker) is trimmed space: its markers are "nothing here", not
     /// generation 0 against the trim's value, so it is `NoOwn` (read as
@@ -1510,6 +1504,12 @@ mod tests {
         assert_eq!(judge(&markers), SlotVerdict::Older(0));
     }
 
+    /// A unit is judged slot by slot: it reaches its expectation through
+    /// any own slot that does, whatever order serial-number comparison
+    /// gives the others (not transitive across half the space); a slot
+    /// whose context is damaged (its CRC, or an encrypted one's keyless
+    /// guard over its data) makes it `Unsure`, never `Older`; only whole
+    /// slots all older make it `Older`.
     #[test]
     fn a_unit_is_judged_by_whole_slots_one_by_one() {
         let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");

@@ -704,13 +704,13 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 /// volume filled through the pieces whose data file was written again in
 /// 2 MiB writes (2 MiB folios, the same extents) took 18.5-35 us of
 /// server CPU per write against 15.8-25 for the same written again in
-/// 256 KiB writes, pair by pair. A quiet guest once answered those writes
-/// 2.7x slower after a fill through the pieces than after one without,
-/// whichever binary served; a busy guest (other builds beside it) did
-/// not: the pieces' fill there was as fast as the binary before the held
-/// log, and the slower of the two folio sizes is the large one. So what
-/// the quiet guest measured is not the folios' own cost (the guest's free
-/// memory, which a fill's folio sizes take from, is left).
+/// 256 KiB writes, pair by pair (a busy guest). On a quiet guest the same
+/// writes run 1.4-2.7x slower after a fill through the pieces than after
+/// one without, whichever binary serves (measured twice, on two guests);
+/// the slower runs' server threads sleep between nearly every write, the
+/// faster ones' on half of them, and a busy guest shows no gap. What the
+/// pieces' fill leaves that costs a quiet guest those sleeps is not found:
+/// not the extents, and not, by the pairs above, the folio size alone.
 ///
 /// Crash ordering: none changes. The pieces are written in turn before
 /// the call returns, as one `pwritev` would be, which the kernel also
