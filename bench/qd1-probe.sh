@@ -29,9 +29,9 @@
 #             and CPU (us) per write over the run, threads grouped by name (THREADS_BY_TID=1: one by one)
 #   RAMP_TIME=S  fio's --ramp_time: the first S seconds of the QD1 run are left out of every count
 #   SCHEDTRACE=FILE  perf record -a of the scheduler's switches and wake-ups over the run into FILE,
-#             then bench/wake-placement.py of it to stderr: where the client is woken at each reply
-#             (the server's CPU or the other, idle or busy), whether the server then slept or was
-#             preempted, each kind's share of the cycles and its length
+#             then bench/wake-placement.py of it to stderr: per write, fio's and the reactor's wake-ups
+#             of each other by placement (the waker's CPU, the other CPU idle or busy) and how each
+#             left its CPU (slept, preempted by the other)
 #   KEEPER=CPU  a nice 19 busy loop pinned to CPU over the run, so that CPU is never idle (a test of
 #             the idle-vCPU wake-up cost: the QD1 pair then shares the other CPU)
 #   HALTPOLL=NS  the guest's cpuidle haltpoll guest_halt_poll_ns for the run (an idle vCPU polls NS
@@ -98,11 +98,8 @@ elif [ "$PRE" != "$BIN" ] || [ -n "${RESTART:-}" ]; then stop; start "$BIN"; fi
 EXTENTS=$(data_files | xargs -r filefrag | awk '{ n += $2 } END { print n + 0 }')
 [ -n "${FOLIOS:-}" ] && data_files | xargs -r python3 "$HERE/folio-sizes.py" >&2
 idle() { awk '$1 == "cpu" { print $5 + $6, $2 + $3 + $4 + $5 + $6 + $7 + $8 + $9 }' /proc/stat; } # idle+iowait, all
-counts() { # minor faults, voluntary and involuntary context switches of every thread of the server
-    awk '{print $10}' "/proc/$P/stat" | tr '\n' ' '
-    cat /proc/"$P"/task/*/status | awk '/^voluntary_ctxt/ { v += $2 } /^nonvoluntary_ctxt/ { n += $2 } END { print v, n }'
-}
-per_thread() { # name voluntary involuntary, one line per thread of the server
+per_thread() { # name tid voluntary involuntary CPU, one line per thread of the server (a thread that
+    # ends during the run takes its counts with it, so the totals are summed over these, by thread)
     for t in /proc/"$P"/task/*; do
         printf "%s %s " "$(tr " " _ < "$t/comm")${THREADS_BY_TID:+.${t##*/}}" "${t##*/}"
         awk '/^voluntary_ctxt/ { v = $2 } /^nonvoluntary_ctxt/ { n = $2 } END { printf "%s %s ", v, n }' "$t/status"
@@ -115,8 +112,8 @@ if [ -n "${HALTPOLL:-}" ] && [ -w "$HALTPOLL_NS" ]; then HALTPOLL_WAS=$(cat "$HA
 begin() { # the counts at the start of the measured run, and the recorders over it
     read -r W0 O0 < <(vmstat)
     read -r I0 T0 < <(idle)
-    [ -n "${THREADS:-}" ] && per_thread > "$DIR/threads0"
-    read -r F0 V0 N0 < <(counts)
+    per_thread > "$DIR/threads0"
+    F0=$(awk '{print $10}' "/proc/$P/stat") # minor faults
     read -r U0 S0 < <(awk '{print $14, $15}' "/proc/$P/stat")
     if [ -n "${PERF:-}" ]; then
         perf record ${PERFARGS:--e cpu-clock -g} -p "$P" -o "$PERF" >/dev/null 2>&1 & S=$!
@@ -135,44 +132,48 @@ $SCHED fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrit
 wait "$FIO"; FIO=""
 [ -n "$S" ] && { kill -INT "$S"; wait "$S" 2>/dev/null; S=""; }
 read -r U1 S1 < <(awk '{print $14, $15}' "/proc/$P/stat")
-read -r F1 V1 N1 < <(counts)
-[ -n "${THREADS:-}" ] && per_thread > "$DIR/threads1"
+F1=$(awk '{print $10}' "/proc/$P/stat")
+per_thread > "$DIR/threads1"
 read -r W1 O1 < <(vmstat)
 read -r I1 T1 < <(idle)
-python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" "$((F1 - F0))" "$((V1 - V0))" "$((N1 - N0))" "$DIR/stat" "$(( 100 * (I1 - I0) / (T1 - T0 > 0 ? T1 - T0 : 1) ))" ${THREADS:+"$DIR/threads0" "$DIR/threads1"} <<'PY'
+python3 - "$DIR/fio.json" "$((U1 - U0))" "$((S1 - S0))" "$(getconf CLK_TCK)" "$EXTENTS" "$((W1 - W0))" "$((O1 - O0))" "$((F1 - F0))" "${THREADS:-}" "$DIR/stat" "$(( 100 * (I1 - I0) / (T1 - T0 > 0 ? T1 - T0 : 1) ))" "$DIR/threads0" "$DIR/threads1" <<'PY'
 import json, sys
 w = json.load(open(sys.argv[1]))["jobs"][0]["write"]
 ios = max(1, w["total_ios"])
 user, sys_, hz = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 per = lambda ticks: round(ticks / hz * 1e6 / ios, 1)
+before = {}
+for line in open(sys.argv[12]):
+    name, tid, v, n, cpu = line.split()
+    before[tid] = (int(v), int(n), int(cpu))
+groups = {}
+for line in open(sys.argv[13]):
+    name, tid, v, n, cpu = line.split()
+    v0, n0, c0 = before.get(tid, (0, 0, 0))
+    g = groups.setdefault(name, [0, 0, 0, 0])
+    g[0] += 1; g[1] += int(v) - v0; g[2] += int(n) - n0; g[3] += int(cpu) - c0
+vcsw = sum(g[1] for g in groups.values())
+ivcsw = sum(g[2] for g in groups.values())
 print(f"iops {round(w['iops'])} ios {w['total_ios']} server_cpu_us/write {per(user + sys_)}"
       f" (user {per(user)} sys {per(sys_)})"
-      + "".join(f" {name}/write {round(int(sys.argv[i]) / ios, 2)}" for i, name in ((8, "minflt"), (9, "vcsw"), (10, "ivcsw")))
+      + "".join(f" {name}/write {round(count / ios, 2)}" for name, count in
+                (("minflt", int(sys.argv[8])), ("vcsw", vcsw), ("ivcsw", ivcsw)))
       + f" extents {sys.argv[5]}"
-      f" nr_written_pages {sys.argv[6]} pgpgout_KiB {sys.argv[7]} machine_idle% {sys.argv[12]}", end="")
+      f" nr_written_pages {sys.argv[6]} pgpgout_KiB {sys.argv[7]} machine_idle% {sys.argv[11]}", end="")
 try:
-    for line in open(sys.argv[11]):
+    for line in open(sys.argv[10]):
         f = line.strip().split(",")
         if len(f) > 2 and f[0].replace(".", "").isdigit():
             print(f" {f[2]}/write {round(float(f[0]) / ios, 3)}", end="")
 except OSError:
     pass
 print(flush=True)
-if len(sys.argv) > 13:
-    before = {}
-    for line in open(sys.argv[13]):
-        name, tid, v, n, cpu = line.split()
-        before[tid] = (int(v), int(n), int(cpu))
-    groups = {}
-    for line in open(sys.argv[14]):
-        name, tid, v, n, cpu = line.split()
-        v0, n0, c0 = before.get(tid, (0, 0, 0))
-        g = groups.setdefault(name, [0, 0, 0, 0])
-        g[0] += 1; g[1] += int(v) - v0; g[2] += int(n) - n0; g[3] += int(cpu) - c0
+if sys.argv[9]:
     print("threads (vcsw/ivcsw/cpu_us per write): " + " ".join(
         f"{name}x{c} {round(v / ios, 3)}/{round(n / ios, 3)}/{per(cpu)}"
         for name, (c, v, n, cpu) in sorted(groups.items(), key=lambda kv: -kv[1][1]) if v or n or cpu), file=sys.stderr)
 PY
 if [ -n "${SCHEDTRACE:-}" ]; then
-    perf script -i "$SCHEDTRACE" -F comm,tid,cpu,time,event,trace 2>/dev/null | python3 "$HERE/wake-placement.py" >&2
+    WRITES=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["jobs"][0]["write"]["total_ios"])' "$DIR/fio.json")
+    perf script -i "$SCHEDTRACE" -F comm,tid,cpu,time,event,trace 2>/dev/null | python3 "$HERE/wake-placement.py" fio tokio "$WRITES" >&2
 fi

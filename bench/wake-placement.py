@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""perf script -i FILE | bench/wake-placement.py [A B] -- where the kernel woke two threads for each other.
+"""perf script -i FILE | bench/wake-placement.py [A B [WRITES]] -- where the kernel woke two threads for each other.
 
 FILE: `perf record -a -e sched:sched_switch -e sched:sched_waking -e sched:sched_wakeup`
 (bench/qd1-probe.sh with SCHEDTRACE=FILE records it over its QD1 run and runs this script;
@@ -11,18 +11,18 @@ waker's CPU or the other, and the mean time from the wake-up to running. The pla
 sched_wakeup's CPU, chosen by the kernel; sched_waking's is the CPU the wakee last ran on, used
 only when a trace has no sched_wakeup (older traces: they did not record where wakees went).
 
-Then the request/reply cycles: one starts each time B wakes A (the reply) and ends at the next.
-Each is classed by where A was woken and whether that CPU was idle (a halted vCPU on a VM, whose
-wake-up costs an exit), and by how B left its CPU after the reply: it slept (reached its park,
-epoll_wait, before the next request came) or was preempted (by A woken on its CPU: the next request
-is then already there when B runs again, and no one is woken for it). With each class's share of
-the cycles and its mean length, and what ran on the other CPU at the replies, by name.
+Then, per exchange (per write, given WRITES: the writes the client made over the trace; else per
+1,000 wake-ups): each direction's wake-ups by placement (the waker's CPU; the other CPU, idle or busy:
+an idle vCPU on a VM halts, and its wake-up costs an exit) and how each thread left its CPU (slept,
+or was preempted by the other: the one preempted then finds the other's message already there and
+needs no wake-up). At QD1 every write takes at least one switch; what costs is the idle wake-ups.
 """
 import collections
 import re
 import sys
 
 names = tuple(sys.argv[1:3]) if len(sys.argv) > 2 else ("fio", "tokio")
+writes = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 client, server = names
 event = re.compile(r"^\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")
 switch = re.compile(r"prev_pid=(\d+) .*prev_state=(\S+) ==> next_comm=(.+?) next_pid=(\d+) next_prio=(\d+)")
@@ -35,11 +35,9 @@ pending = {}  # pid -> (time, key)
 woken = {}  # pid -> (time, waker cpu, other CPU's kind, other CPU's comm, waker pid), until placed
 count = collections.Counter()
 latency = collections.defaultdict(list)
-reply = None  # the reply's class, until the server's switch after it says how it left
-cycle = None  # (start, class) of the cycle in progress
-cycles = collections.Counter()
-lengths = collections.defaultdict(float)
-occupants = collections.Counter()
+wakes = collections.Counter()  # (waker, wakee, placement)
+leaves = collections.Counter()  # (thread, slept / preempted by the other / otherwise)
+occupants = collections.Counter()  # what the other CPU ran at each wake-up
 for line in lines:
     m = event.match(line)
     if not m:
@@ -50,14 +48,16 @@ for line in lines:
         s = switch.search(rest)
         if not s:
             continue
-        if reply is not None and int(s.group(1)) == reply["server"]:
-            left = "preempted" if s.group(2).startswith("R") else "slept" if s.group(2) == "S" else s.group(2)
-            key = (reply["where"], reply["idle"], left)
-            if cycle is not None:
-                cycles[cycle[1]] += 1
-                lengths[cycle[1]] += reply["t"] - cycle[0]
-            cycle = (reply["t"], key)
-            reply = None
+        prev = comm.strip()
+        if prev.startswith(names):
+            who = client if prev.startswith(client) else server
+            if s.group(2) == "S":
+                left = "slept"
+            elif s.group(2).startswith("R") and s.group(3).startswith(names) and not s.group(3).startswith(who):
+                left = "preempted by the other"
+            else:
+                left = "otherwise"
+            leaves[(who, left)] += 1
         running[cpu] = (s.group(3), int(s.group(5)))
         started = pending.pop(int(s.group(4)), None)
         if started:
@@ -78,21 +78,28 @@ for line in lines:
         key = (other, "same CPU" if target == waker_cpu else "other CPU")
         count[key] += 1
         pending[wakee] = (at, key)
-        if comm.strip().startswith(server) and w.group(1).startswith(client):
-            idle = target != waker_cpu and running.get(target, ("swapper", 120))[0].startswith("swapper")
-            reply = {"t": at, "server": waker, "where": key[1], "idle": "idle" if idle else "busy"}
-            occupants[re.sub(r"\d+", "N", other_comm)] += 1
+        waker_name = client if comm.strip().startswith(client) else server
+        wakee_name = client if w.group(1).startswith(client) else server
+        if target == waker_cpu:
+            where = "on the waker's CPU"
+        elif other == "idle":
+            where = "on the other CPU, idle"
+        else:
+            where = "on the other CPU, busy"
+        wakes[(waker_name, wakee_name, where)] += 1
+        occupants[re.sub(r"\d+", "N", other_comm)] += 1
 total = sum(count.values()) or 1
 print(f"placement from {placed_by}")
 for key, n in count.most_common():
     lat = latency[key]
     print(f"other CPU runs {key[0]:8} -> woken on {key[1]:9}: {n:6} ({100 * n / total:4.1f} %), "
           f"wake to run {sum(lat) / max(1, len(lat)):6.1f} us")
-done = sum(cycles.values())
-if done:
-    print(f"{done} cycles ({server} wakes {client} to the next such wake):")
-    for (where, idle, left), n in cycles.most_common():
-        print(f"  {client} woken on {where:9} ({'idle' if idle == 'idle' else 'busy'}), {server} then {left:9}:"
-              f" {n / done:.3f} of cycles, mean {lengths[(where, idle, left)] / n * 1e6:.1f} us")
+unit = writes if writes else sum(wakes.values()) / 1000
+if wakes and unit:
+    print(f"per {'write' if writes else '1,000 wake-ups'}:")
+    for (waker, wakee, where), n in sorted(wakes.items()):
+        print(f"  {f'{waker} wakes {wakee} {where}':50}: {n / unit:.3f}")
+    for (who, left), n in sorted(leaves.items()):
+        print(f"  {f'{who} {left}':50}: {n / unit:.3f}")
     seen = sum(occupants.values())
-    print("  the other CPU at the replies: " + ", ".join(f"{what} {n / seen:.3f}" for what, n in occupants.most_common(8)))
+    print("  the other CPU at the wake-ups: " + ", ".join(f"{what} {n / seen:.3f}" for what, n in occupants.most_common(8)))
