@@ -29,9 +29,9 @@
 #             and CPU (us) per write over the run, threads grouped by name (THREADS_BY_TID=1: one by one)
 #   RAMP_TIME=S  fio's --ramp_time: the first S seconds of the QD1 run are left out of every count
 #   SCHEDTRACE=FILE  perf record -a of the scheduler's switches and wake-ups over the run into FILE,
-#             then bench/wake-placement.py of it to stderr: per write, fio's and the reactor's wake-ups
-#             of each other by placement (the waker's CPU, the other CPU idle or busy) and how each
-#             left its CPU (slept, preempted by the other)
+#             then bench/wake-placement.py of it to stderr: fio's and the reactor's wake-ups of each
+#             other by placement (the waker's CPU, the other CPU idle or busy) and how each left its
+#             CPU (slept, preempted by the other), per request
 #   KEEPER=CPU  a nice 19 busy loop pinned to CPU over the run, so that CPU is never idle (a test of
 #             the idle-vCPU wake-up cost: the QD1 pair then shares the other CPU)
 #   HALTPOLL=NS  the guest's cpuidle haltpoll guest_halt_poll_ns for the run (an idle vCPU polls NS
@@ -174,6 +174,5 @@ if sys.argv[9]:
         for name, (c, v, n, cpu) in sorted(groups.items(), key=lambda kv: -kv[1][1]) if v or n or cpu), file=sys.stderr)
 PY
 if [ -n "${SCHEDTRACE:-}" ]; then
-    WRITES=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["jobs"][0]["write"]["total_ios"])' "$DIR/fio.json")
-    perf script -i "$SCHEDTRACE" -F comm,tid,cpu,time,event,trace 2>/dev/null | python3 "$HERE/wake-placement.py" fio tokio "$WRITES" >&2
+    perf script -i "$SCHEDTRACE" -F comm,tid,cpu,time,event,trace 2>/dev/null | python3 "$HERE/wake-placement.py" fio tokio >&2
 fi

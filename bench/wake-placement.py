@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""perf script -i FILE | bench/wake-placement.py [A B [WRITES]] -- where the kernel woke two threads for each other.
+"""perf script -i FILE | bench/wake-placement.py [A B] -- where the kernel woke two threads for each other.
 
 FILE: `perf record -a -e sched:sched_switch -e sched:sched_waking -e sched:sched_wakeup`
 (bench/qd1-probe.sh with SCHEDTRACE=FILE records it over its QD1 run and runs this script;
@@ -11,8 +11,9 @@ waker's CPU or the other, and the mean time from the wake-up to running. The pla
 sched_wakeup's CPU, chosen by the kernel; sched_waking's is the CPU the wakee last ran on, used
 only when a trace has no sched_wakeup (older traces: they did not record where wakees went).
 
-Then, per exchange (per write, given WRITES: the writes the client made over the trace; else per
-1,000 wake-ups): each direction's wake-ups by placement (the waker's CPU; the other CPU, idle or busy:
+Then, per request (a trace's window is not the client's: perf -a starts and stops late; a request
+is counted here where A wakes B, or where B was preempted by A and so needed no wake-up to find
+it): each direction's wake-ups by placement (the waker's CPU; the other CPU, idle or busy:
 an idle vCPU on a VM halts, and its wake-up costs an exit) and how each thread left its CPU (slept,
 or was preempted by the other: the one preempted then finds the other's message already there and
 needs no wake-up). At QD1 every write takes at least one switch; what costs is the idle wake-ups.
@@ -22,7 +23,6 @@ import re
 import sys
 
 names = tuple(sys.argv[1:3]) if len(sys.argv) > 2 else ("fio", "tokio")
-writes = int(sys.argv[3]) if len(sys.argv) > 3 else 0
 client, server = names
 event = re.compile(r"^\s*(.+?)\s+(\d+)\s+\[(\d+)\]\s+([\d.]+):\s+sched:(\w+):\s+(.*)$")
 switch = re.compile(r"prev_pid=(\d+) .*prev_state=(\S+) ==> next_comm=(.+?) next_pid=(\d+) next_prio=(\d+)")
@@ -94,9 +94,10 @@ for key, n in count.most_common():
     lat = latency[key]
     print(f"other CPU runs {key[0]:8} -> woken on {key[1]:9}: {n:6} ({100 * n / total:4.1f} %), "
           f"wake to run {sum(lat) / max(1, len(lat)):6.1f} us")
-unit = writes if writes else sum(wakes.values()) / 1000
-if wakes and unit:
-    print(f"per {'write' if writes else '1,000 wake-ups'}:")
+unit = sum(n for (waker, wakee, _), n in wakes.items() if (waker, wakee) == (client, server))
+unit += leaves[(server, "preempted by the other")]
+if unit:
+    print(f"per request ({unit} seen):")
     for (waker, wakee, where), n in sorted(wakes.items()):
         print(f"  {f'{waker} wakes {wakee} {where}':50}: {n / unit:.3f}")
     for (who, left), n in sorted(leaves.items()):
