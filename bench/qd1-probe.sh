@@ -16,6 +16,7 @@
 #   machine is another regime, not a less noisy one (docs/BENCHMARKS.md, "qd29"): say how idle it was.
 # Knobs (environment):
 #   SCHED     command prefix for the servers and fio, e.g. "nice -n -10" (default none)
+#   CLIENT_SCHED  the same for the QD1 fio alone (default SCHED), e.g. another CPU by taskset
 #   RUNTIME   seconds of the measured run (4)    DIR  scratch directory (/var/tmp/qd1-probe-PORT)
 #   SIZE      volume size (1G)                   SERVE_ARGS  more `vouch serve` arguments
 #   SYNC=1    sync after the prefill (the data written back before the run)
@@ -125,7 +126,7 @@ begin() { # the counts at the start of the measured run, and the recorders over 
 }
 [ "$RAMP" = 0 ] && begin
 # fio's --ramp_time runs first and is left out of its counts; the server's counts start after it too
-$SCHED fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrite --bs=4k --iodepth=1 \
+${CLIENT_SCHED:-$SCHED} fio --name=qd1 --ioengine=nbd --uri="nbd://127.0.0.1:$PORT" --rw=randwrite --bs=4k --iodepth=1 \
     --time_based --runtime="$RUNTIME" --ramp_time="$RAMP" --norandommap --randrepeat=0 --output-format=json \
     --output="$DIR/fio.json" >/dev/null 2>&1 & FIO=$!
 [ "$RAMP" != 0 ] && { sleep "$RAMP"; begin; }
