@@ -56,6 +56,15 @@ cleanup() {
     [ -n "$HALTPOLL_WAS" ] && echo "$HALTPOLL_WAS" > "$HALTPOLL_NS"
 }
 trap cleanup EXIT
+if [ -n "${SCHEDTRACE:-}${PERF:-}${PERFSTAT:-}" ] && ! command -v perf >/dev/null; then
+    echo "PERF, PERFSTAT and SCHEDTRACE need perf: apt-get install linux-perf" >&2; exit 1
+fi
+if [ -n "${KEEPER:-}" ] && ! command -v taskset >/dev/null; then
+    echo "KEEPER needs taskset: apt-get install util-linux" >&2; exit 1
+fi
+if [ -n "${HALTPOLL:-}" ] && [ ! -w "$HALTPOLL_NS" ]; then
+    echo "HALTPOLL: $HALTPOLL_NS is not writable (root, cpuidle-haltpoll)" >&2; exit 1
+fi
 rm -rf "$DIR"; mkdir -p "$DIR"
 if [ -n "${HOLD_REPORTING:-}" ] && [ -w "$REPORTING" ]; then
     REPORTING_WAS=$(cat "$REPORTING"); echo 11 > "$REPORTING"
@@ -108,8 +117,12 @@ per_thread() { # name tid voluntary involuntary CPU, one line per thread of the 
     done
 }
 RAMP=${RAMP_TIME:-0}
-[ -n "${KEEPER:-}" ] && { nice -n 19 taskset -c "$KEEPER" sh -c 'while :; do :; done' & K=$!; }
-if [ -n "${HALTPOLL:-}" ] && [ -w "$HALTPOLL_NS" ]; then HALTPOLL_WAS=$(cat "$HALTPOLL_NS"); echo "$HALTPOLL" > "$HALTPOLL_NS"; fi
+if [ -n "${KEEPER:-}" ]; then
+    nice -n 19 taskset -c "$KEEPER" sh -c 'while :; do :; done' & K=$!
+fi
+if [ -n "${HALTPOLL:-}" ]; then
+    HALTPOLL_WAS=$(cat "$HALTPOLL_NS"); echo "$HALTPOLL" > "$HALTPOLL_NS"
+fi
 begin() { # the counts at the start of the measured run, and the recorders over it
     read -r W0 O0 < <(vmstat)
     read -r I0 T0 < <(idle)
