@@ -19,8 +19,8 @@
 #   RESTART=1  restart even when both binaries are the same   DROP=1  drop caches after the prefill
 #   SERVE_ARGS more `vouch serve` arguments (e.g. --direct), given to both servers
 #   PERF=FILE  perf record into FILE instead of perf stat; PERFARGS its events
-#              (default "-e cpu-clock -g -p <server>"; e.g. "-e sched:sched_switch -e sched:sched_waking -a"
-#              for bench/wake-placement.py)
+#              (default "-e cpu-clock -g -p <server>"; e.g. "-e sched:sched_switch -e sched:sched_waking
+#              -e sched:sched_wakeup -a" for bench/wake-placement.py)
 set -u
 PRE=$1 RUN=$2 PORT=${3:-12900}
 SCHED=${SCHED:-} SRV=${SRVSCHED-$SCHED} FS=${FIOSCHED-$SCHED}
