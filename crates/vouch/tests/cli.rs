@@ -1449,3 +1449,51 @@ fn a_trim_into_a_row_clear_only_because_an_older_bits_copy_was_loaded_keeps_its_
     );
     ok(&["check", s(&volume)]);
 }
+
+/// `check`'s cause for a packed row is the verdict the reads reach, which
+/// judge a row with its records' data: the context of the row's newest
+/// record (LBA 45, rewritten alone) blanked over its data is damage that
+/// may have hidden the newest generation, so the row is not judged older
+/// and only LBA 45 fails. The cause names that blank slot. (Judged from
+/// the contexts alone, the blank slot was skipped and the cause read "row
+/// 1 is older than the volume expects ...: LBAs 31-61", for a row whose
+/// other 30 blocks read and check as written.)
+#[test]
+fn a_packed_rows_cause_is_judged_with_its_data() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let volume = dir.path().join("vol");
+    ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
+    for body in [
+        "for lba in range(31, 62):\n    h.pwrite(block_data(lba, lba), lba * 4096)",
+        "h.pwrite(block_data(45, 1045), 45 * 4096)",
+    ] {
+        let mut server = common::Server::start(dir.path(), &[s(&volume)]);
+        nbd_then_flush(&server.uri, body);
+        server.stop();
+    }
+    // Row 1 at 128 KiB; record 14 (LBA 45) is its 4096 bytes of data,
+    // then its 32-byte context.
+    let handle = std::fs::OpenOptions::new()
+        .write(true)
+        .open(volume.join("data.00000"))
+        .expect("open");
+    handle
+        .write_all_at(&[0u8; 32], 131072 + 14 * 4128 + 4096)
+        .expect("blank LBA 45's context");
+    let line = "data.00000: row 1 has 1 blank slot (cut or zeroed in part): LBA 45 has no protection information";
+    check_says(&volume, line);
+    let output = vouch(&["check", s(&volume)]);
+    assert!(
+        !text(&output).contains("older than the volume expects"),
+        "{}",
+        text(&output)
+    );
+    let mut server = common::Server::start(dir.path(), &[s(&volume)]);
+    let row = read_blocks(&server.uri, &[(31, 31)]);
+    server.stop();
+    let wrong: Vec<String> = (31..62)
+        .filter(|lba| row[lba.to_string()] != if *lba == 45 { "error" } else { "data" })
+        .map(|lba| format!("{lba}: {}", row[lba.to_string()]))
+        .collect();
+    assert!(wrong.is_empty(), "row 1: {wrong:?}");
+}
