@@ -226,10 +226,9 @@ impl Shared {
                     // judge it (`judge_rows`): a blank context over data
                     // that is not blank, or an encrypted record whose
                     // keyless guard fails, makes the row unsure, not older.
-                    _ => io.written.stale_records(
-                        unit,
-                        self.layouts.of(lba).unit_records(&bytes).into_iter(),
-                    ),
+                    _ => io
+                        .written
+                        .stale_records(unit, self.layouts.of(lba).unit_records(&bytes).into_iter()),
                 })
                 .flatten();
             match read {
