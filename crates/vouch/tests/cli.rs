@@ -1377,11 +1377,13 @@ for lba in range(31, 41):
     let row = read_blocks(&server.uri, &[(31, 31)]);
     server.stop();
     assert_eq!(first["45"], "zeros", "{first}");
-    let wrong: Vec<String> = (31..62)
-        .filter(|lba| row[lba.to_string()] != if *lba < 41 { "error" } else { "zeros" })
-        .map(|lba| format!("{lba}: {}", row[lba.to_string()]))
-        .collect();
-    assert!(wrong.is_empty(), "row 1 after the restore: {wrong:?}");
+    row_1_reads(&row, "after the restore", |lba| {
+        if lba < 41 {
+            "error"
+        } else {
+            "zeros"
+        }
+    });
 }
 
 /// A packed row whose written-map bit is clear only because an older bits
@@ -1394,18 +1396,15 @@ for lba in range(31, 41):
 #[test]
 fn a_trim_into_a_row_clear_only_because_an_older_bits_copy_was_loaded_keeps_its_records() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let volume = dir.path().join("vol");
-    ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
     // Two map updates: row 0 first, then row 1 (LBAs 31-40), so the
     // older bits copy holds row 1 clear and the newer holds it set.
-    for body in [
-        "h.pwrite(block_data(0, 0), 0)",
-        "for lba in range(31, 41):\n    h.pwrite(block_data(lba, lba), lba * 4096)",
-    ] {
-        let mut server = common::Server::start(dir.path(), &[s(&volume)]);
-        nbd_then_flush(&server.uri, body);
-        server.stop();
-    }
+    let volume = packed_volume_served(
+        dir.path(),
+        &[
+            "h.pwrite(block_data(0, 0), 0)",
+            "for lba in range(31, 41):\n    h.pwrite(block_data(lba, lba), lba * 4096)",
+        ],
+    );
     // 9 units: each bits copy is a 4096-byte header and 4096 bytes of
     // bits (docs/FORMAT.md, "Written map"); `seq` at byte 32 of a header.
     let map = volume.join("written");
@@ -1432,21 +1431,13 @@ fn a_trim_into_a_row_clear_only_because_an_older_bits_copy_was_loaded_keeps_its_
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
     let row = read_blocks(&server.uri, &[(31, 31)]);
     server.stop();
-    let wrong: Vec<String> = (31..62)
-        .filter(|lba| {
-            row[lba.to_string()]
-                != if (32..41).contains(lba) {
-                    "data"
-                } else {
-                    "zeros"
-                }
-        })
-        .map(|lba| format!("{lba}: {}", row[lba.to_string()]))
-        .collect();
-    assert!(
-        wrong.is_empty(),
-        "row 1 after the trim and a reopen: {wrong:?}"
-    );
+    row_1_reads(&row, "after the trim and a reopen", |lba| {
+        if (32..41).contains(&lba) {
+            "data"
+        } else {
+            "zeros"
+        }
+    });
     ok(&["check", s(&volume)]);
 }
 
@@ -1461,16 +1452,13 @@ fn a_trim_into_a_row_clear_only_because_an_older_bits_copy_was_loaded_keeps_its_
 #[test]
 fn a_packed_rows_cause_is_judged_with_its_data() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let volume = dir.path().join("vol");
-    ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
-    for body in [
-        "for lba in range(31, 62):\n    h.pwrite(block_data(lba, lba), lba * 4096)",
-        "h.pwrite(block_data(45, 1045), 45 * 4096)",
-    ] {
-        let mut server = common::Server::start(dir.path(), &[s(&volume)]);
-        nbd_then_flush(&server.uri, body);
-        server.stop();
-    }
+    let volume = packed_volume_served(
+        dir.path(),
+        &[
+            "for lba in range(31, 62):\n    h.pwrite(block_data(lba, lba), lba * 4096)",
+            "h.pwrite(block_data(45, 1045), 45 * 4096)",
+        ],
+    );
     // Row 1 at 128 KiB; record 14 (LBA 45) is its 4096 bytes of data,
     // then its 32-byte context.
     let handle = std::fs::OpenOptions::new()
@@ -1491,9 +1479,34 @@ fn a_packed_rows_cause_is_judged_with_its_data() {
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
     let row = read_blocks(&server.uri, &[(31, 31)]);
     server.stop();
+    row_1_reads(&row, "with LBA 45's context blank", |lba| {
+        if lba == 45 {
+            "error"
+        } else {
+            "data"
+        }
+    });
+}
+
+/// Assert that each LBA of packed row 1 (31-61) in `reads` (as
+/// `read_blocks` names them) reads as `expect` says.
+fn row_1_reads(reads: &serde_json::Value, when: &str, expect: impl Fn(u64) -> &'static str) {
     let wrong: Vec<String> = (31..62)
-        .filter(|lba| row[lba.to_string()] != if *lba == 45 { "error" } else { "data" })
-        .map(|lba| format!("{lba}: {}", row[lba.to_string()]))
+        .filter(|lba| reads[lba.to_string()] != expect(*lba))
+        .map(|lba| format!("{lba}: {}", reads[lba.to_string()]))
         .collect();
-    assert!(wrong.is_empty(), "row 1: {wrong:?}");
+    assert!(wrong.is_empty(), "row 1 {when}: {wrong:?}");
+}
+
+/// A new 1 MiB packed volume `vol` in `dir`, served once per NBD script
+/// of `bodies` (each run ends with a flush and a clean stop: a checkpoint).
+fn packed_volume_served(dir: &Path, bodies: &[&str]) -> PathBuf {
+    let volume = dir.join("vol");
+    ok(&["create", s(&volume), "--size", "1MiB", "--layout", "packed"]);
+    for body in bodies {
+        let mut server = common::Server::start(dir, &[s(&volume)]);
+        nbd_then_flush(&server.uri, body);
+        server.stop();
+    }
+    volume
 }
