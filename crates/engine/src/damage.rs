@@ -222,11 +222,13 @@ impl Shared {
                 .is_ok()
                 .then(|| match place.object {
                     ObjectId::Contexts => crate::state::stale_page(io, unit, &bytes),
-                    _ => {
-                        let slots = self.layouts.of(lba).unit_metadata(&bytes);
-                        io.written
-                            .stale_unit(unit, slots.iter().map(|slot| &slot[..]))
-                    }
+                    // A packed row with its records' data, as the reads
+                    // judge it (`judge_rows`): a blank context over data
+                    // that is not blank, or an encrypted record whose
+                    // keyless guard fails, makes the row unsure, not older.
+                    _ => io
+                        .written
+                        .stale_records(unit, self.layouts.of(lba).unit_records(&bytes).into_iter()),
                 })
                 .flatten();
             match read {

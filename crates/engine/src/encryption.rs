@@ -276,38 +276,42 @@ impl Protection for EncryptedProtection {
     }
 }
 
-/// The generation an encrypted context (32 encoded bytes) held when it
-/// was written, if one bit of its stored generation has flipped since: its
-/// keyless guard fails over `stored` (a block's 4 KiB as stored) as the
-/// context lies and holds with one generation bit flipped back. `None`
-/// when the guard holds as it lies, or no one-bit change of the generation
-/// makes it hold: a context damaged elsewhere, or another write's context
-/// over this data (an older copy of the `contexts` file over the current
-/// data file), which matches for one of the 32 changes once in 2^27 (a
-/// 32-bit CRC's chance, for each of them); the caller
-/// (`WrittenMap::stale_page_read`) accepts only the change that gives the
-/// expected generation, once in 2^32.
+/// Whether an encrypted context (32 encoded bytes) is `expected`'s write
+/// with only its stored generation damaged since: its keyless guard fails
+/// over `stored` (a block's 4 KiB as stored) as the context lies and holds
+/// with `expected` in place of its generation, whichever bits of the
+/// generation differ (one flipped, two, a byte). `false` when the guard
+/// holds as it lies, or fails with the expected generation too: a context
+/// damaged elsewhere, or another write's context over this data (an older
+/// copy of the `contexts` file over the current data file), whose nonce,
+/// tag and guard are another write's, so it passes once in 2^32 (a 32-bit
+/// CRC's chance for the one generation tried). The caller
+/// (`WrittenMap::stale_page_read`) passes the page's expected generation,
+/// which a split page's newest context holds exactly.
 ///
 /// CRC-32C is affine: flipping bit `b` of the guarded bytes changes the
-/// guard by a constant that depends only on `b` and the length, so one
-/// guard over the data and 32 comparisons answer it (the constants are
-/// computed once), not 32 guards.
-pub(crate) fn generation_one_bit_off(context: &[u8], stored: &[u8]) -> Option<u32> {
+/// guard by a constant that depends only on `b` and the length, and
+/// flipping several changes it by the xor of theirs, so one guard over
+/// the data and the xor of at most 32 constants (computed once) answer
+/// it, not a second guard.
+pub(crate) fn generation_damaged_from(context: &[u8], stored: &[u8], expected: u32) -> bool {
     if context[0] != ContextKind::Encrypted as u8 || stored.len() != BLOCK as usize {
-        return None;
+        return false;
     }
     let generation = u32::from_le_bytes(context[1..5].try_into().expect("4 bytes"));
     let nonce = context[5..12].try_into().expect("7 bytes");
     let tag = context[12..28].try_into().expect("16 bytes");
     let stored_guard = u32::from_le_bytes(context[28..32].try_into().expect("4 bytes"));
     let off = encrypted_guard(generation, nonce, tag, stored) ^ stored_guard;
-    if off == 0 {
-        return None;
-    }
-    generation_bit_syndromes()
-        .iter()
-        .position(|syndrome| *syndrome == off)
-        .map(|bit| generation ^ (1 << bit))
+    let flipped = generation ^ expected;
+    off != 0
+        && flipped != 0
+        && generation_bit_syndromes()
+            .iter()
+            .enumerate()
+            .filter(|(bit, _)| flipped >> bit & 1 == 1)
+            .fold(0, |sum, (_, syndrome)| sum ^ syndrome)
+            == off
 }
 
 /// How flipping each bit of an encrypted context's generation changes its
@@ -448,45 +452,57 @@ mod tests {
         assert!(!protection.matches(&context, &flipped));
     }
 
-    /// A generation bit flipped in a stored encrypted context is told from
+    /// Generation bits flipped in a stored encrypted context are told from
     /// another write's context over the same LBA's current data: the first
-    /// is one bit from a guard that holds, the second is not.
+    /// holds its guard with the expected generation back, the second not.
     #[test]
-    fn a_flipped_generation_bit_is_one_bit_from_the_guard() {
+    fn flipped_generation_bits_hold_the_guard_with_the_expected_generation() {
         let protection = EncryptedProtection::new(&[5u8; 32], [6u8; 16], 5);
         let mut stored = [0x17u8; 4096];
         let old = protection.context(9, protection.seal(9, &mut stored.clone(), 40), 40);
-        let seal = protection.seal(9, &mut stored, 0x8000_0041);
-        let context = protection.context(9, seal, 0x8000_0041).encode();
-        assert_eq!(generation_one_bit_off(&context, &stored), None, "whole");
-        for bit in 0..32 {
-            let mut flipped = context;
-            flipped[1 + bit / 8] ^= 1 << (bit % 8);
-            // The brute-force answer: the guard of the flipped-back context.
-            let generation = u32::from_le_bytes(flipped[1..5].try_into().unwrap()) ^ (1 << bit);
+        let expected: u32 = 0x8000_0041;
+        let seal = protection.seal(9, &mut stored, u64::from(expected));
+        let context = protection.context(9, seal, u64::from(expected)).encode();
+        assert!(
+            !generation_damaged_from(&context, &stored, expected),
+            "whole"
+        );
+        let damaged = |flips: u32| {
+            let mut damaged = context;
+            let generation = u32::from_le_bytes(damaged[1..5].try_into().unwrap()) ^ flips;
+            damaged[1..5].copy_from_slice(&generation.to_le_bytes());
+            damaged
+        };
+        // One bit, every pair of bits, and a whole byte of the generation.
+        let pairs = (0..32).flat_map(|a| (0..a).map(move |b| (1u32 << a) | (1 << b)));
+        for flips in (0..32).map(|bit| 1u32 << bit).chain(pairs).chain([0xff00]) {
+            let flipped = damaged(flips);
+            // The brute-force answer: the guard of the repaired context.
             let Context::Encrypted {
                 nonce, tag, guard, ..
             } = Context::decode(&flipped).unwrap()
             else {
                 unreachable!("an encrypted context")
             };
-            assert_eq!(encrypted_guard(generation, &nonce, &tag, &stored), guard);
-            assert_eq!(
-                generation_one_bit_off(&flipped, &stored),
-                Some(0x8000_0041),
-                "bit {bit}"
+            assert_eq!(encrypted_guard(expected, &nonce, &tag, &stored), guard);
+            assert!(
+                generation_damaged_from(&flipped, &stored, expected),
+                "flips {flips:#x}"
             );
+            // Repaired only to the generation it was written with.
+            assert!(!generation_damaged_from(&flipped, &stored, expected ^ 4));
         }
         // Another write's context (an older copy of the page) over this
-        // data, and a bit flipped elsewhere in the context (its generation
-        // is whole: nothing to repair).
-        assert_eq!(generation_one_bit_off(&old.encode(), &stored), None);
+        // data, at its own generation and one bit from the expected one,
+        // and a bit flipped elsewhere in the context (its generation is
+        // whole: nothing to repair).
+        assert!(!generation_damaged_from(&old.encode(), &stored, expected));
+        assert!(!generation_damaged_from(&old.encode(), &stored, 40 ^ 1));
         let mut tag_flipped = context;
         tag_flipped[20] ^= 4;
-        assert_eq!(generation_one_bit_off(&tag_flipped, &stored), None);
-        // Two generation bits flipped are not one.
-        let mut two = context;
-        two[1] ^= 3;
-        assert_eq!(generation_one_bit_off(&two, &stored), None);
+        assert!(!generation_damaged_from(&tag_flipped, &stored, expected));
+        let mut both = damaged(3);
+        both[20] ^= 4;
+        assert!(!generation_damaged_from(&both, &stored, expected));
     }
 }

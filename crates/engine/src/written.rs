@@ -706,17 +706,18 @@ impl WrittenMap {
     /// an encrypted context's generation is taken as it lies there, and a
     /// bit flipped in the generation of the page's newest context would
     /// make it look older than expected, its 127 neighbours with it. With
-    /// the data: a context one generation bit from a keyless guard that
-    /// holds (`encryption::generation_one_bit_off`), whose repaired
-    /// generation is the expected one, is that damaged newest slot (a
-    /// split page's expected generation is exactly the newest its
-    /// checkpoint wrote, so nothing looser is needed, and an older
-    /// context passes this only if it is one bit from that very value),
+    /// the data: a context whose keyless guard fails as it lies and holds
+    /// with the page's expected generation in place of its own, however
+    /// many of its generation's bits differ
+    /// (`encryption::generation_damaged_from`), is that damaged newest
+    /// slot (a split page's expected generation is exactly the newest its
+    /// checkpoint wrote, so that one generation is the only one tried),
     /// and the page is not judged (`Unsure`, as `judge_slots` says of a
     /// slot whose own check fails): the damaged block is its own fault.
     /// An older copy of the file keeps its verdict: its contexts over the
     /// current data hold their guards (blocks not rewritten since the copy)
-    /// or fail them by more than one generation bit (rewritten ones).
+    /// or fail them with the expected generation too (rewritten ones:
+    /// another write's nonce and tag, once in 2^32 each).
     pub fn stale_page_read(
         &self,
         page_no: u64,
@@ -735,8 +736,9 @@ impl WrittenMap {
         let damaged_newest = page
             .chunks(CONTEXT_BYTES)
             .zip(data.chunks(crate::state::BLOCK as usize))
-            .filter_map(|(slot, stored)| crate::encryption::generation_one_bit_off(slot, stored))
-            .any(|repaired| repaired == expected);
+            .any(|(slot, stored)| {
+                crate::encryption::generation_damaged_from(slot, stored, expected)
+            });
         (!damaged_newest).then_some((found, expected))
     }
 

@@ -56,12 +56,13 @@ pub enum MetaKind {
     UnitFromElsewhere,
     UnitFromOtherVolume,
     OlderCopy,
+    OlderVolumeCopy,
     WrittenMapLost,
     NewestGenerationFlipped,
 }
 
 impl MetaKind {
-    pub const ALL: [MetaKind; 10] = [
+    pub const ALL: [MetaKind; 11] = [
         MetaKind::UnitZeroed,
         MetaKind::PageZeroed,
         MetaKind::CutShort,
@@ -70,6 +71,7 @@ impl MetaKind {
         MetaKind::UnitFromElsewhere,
         MetaKind::UnitFromOtherVolume,
         MetaKind::OlderCopy,
+        MetaKind::OlderVolumeCopy,
         MetaKind::WrittenMapLost,
         MetaKind::NewestGenerationFlipped,
     ];
@@ -84,9 +86,12 @@ impl MetaKind {
             MetaKind::UnitFromElsewhere => "unit copied from another place",
             MetaKind::UnitFromOtherVolume => "unit copied from another volume",
             MetaKind::OlderCopy => "older copy of a file restored",
+            MetaKind::OlderVolumeCopy => {
+                "older copy of every data and contexts file restored together"
+            }
             MetaKind::WrittenMapLost => "written map damaged or lost",
             MetaKind::NewestGenerationFlipped => {
-                "bit flipped in a unit's newest generation (split: context page; packed: row)"
+                "one or two bits flipped in a unit's newest generation (split: context page; packed: row)"
             }
         }
     }
@@ -149,12 +154,18 @@ pub struct MetaReport {
 /// lost whatever the guard (only generations judge it), and a trim or
 /// zeros written into part of a row read its expectation back from its
 /// slots rather than forget it.
-/// A bit flipped in the generation of a unit's newest slot is claimed
+/// One or two bits flipped in the generation of a unit's newest slot are claimed
 /// everywhere, and only its own block may fail (the rest of the unit must
 /// read right: `affected` holds that block alone): a plain context's CRC
 /// fails, and an encrypted one's keyless guard over its data (read whole
 /// with a packed row; read for a split page that looks older than
 /// expected, `WrittenMap::stale_page_read`).
+/// An older copy of every data and contexts file restored together (the
+/// written map and superblock current) is claimed everywhere: a split
+/// page's contexts and data agree with each other, so only the page's
+/// expected generation catches it, under any guard (a page trimmed or
+/// zeroed whole since expects its checkpoint's next generation); a packed
+/// row as for one file.
 /// Not claimed (measured, listed in docs/RELIABILITY.md): an older copy of
 /// a split data file under guard `none` (nothing compares data with its
 /// context: out of reach by design).
@@ -168,6 +179,7 @@ fn claimed(kind: MetaKind, layout: LayoutKind, guard: GuardKind) -> bool {
         | MetaKind::UnitFromOtherVolume
         | MetaKind::Emptied
         | MetaKind::CutShort
+        | MetaKind::OlderVolumeCopy
         | MetaKind::NewestGenerationFlipped => true,
         MetaKind::PageZeroed => guarded && guard.bits() >= 32,
         MetaKind::OlderCopy => layout == LayoutKind::Packed || (guarded && guard.bits() >= 32),
@@ -650,7 +662,8 @@ impl Cx {
     /// context's or an encrypted one's; a commit gives every block it
     /// writes the same one, so there may be several), or the unit's first
     /// slot holding anything if none does: its object, and for each slot
-    /// its LBA and the byte and bit of its generation to flip. A bit that
+    /// its LBA and the byte and bit of its generation to flip (in every
+    /// other injection two bits of each such slot, see below). A bit that
     /// is set: cleared, it makes the slot look older than the unit's
     /// expected generation, the damage that could condemn the unit (a bit
     /// set makes it look newer, which condemns nothing).
@@ -705,11 +718,18 @@ impl Cx {
         let mut flips = Vec::new();
         if let Some(newest) = newest.filter(|newest| *newest != 0) {
             let set: Vec<u64> = (0..32).filter(|bit| newest >> bit & 1 == 1).collect();
+            // Every other injection flips two bits: the set one cleared
+            // and the one below it changed (older either way).
+            let two = self.rng.below(2) == 1;
             for (lba, at) in &slots {
                 if let Some((generation, field)) = generation_of(*at) {
                     if generation == newest {
                         let bit = set[self.rng.below(set.len() as u64) as usize];
                         flips.push((*lba, field + bit / 8, 1u8 << (bit % 8)));
+                        if two && bit > 0 {
+                            let below = bit - 1;
+                            flips.push((*lba, field + below / 8, 1u8 << (below % 8)));
+                        }
                     }
                 }
             }
@@ -746,10 +766,25 @@ impl Cx {
                 storage,
                 affected: lbas.iter().copied().collect(),
                 file: object.file_name(),
-                what: format!("a generation bit flipped at LBAs {lbas:?}"),
+                what: format!("generation bits flipped at LBAs {lbas:?}"),
             };
         }
         let files = self.files();
+        if kind == MetaKind::OlderVolumeCopy {
+            // Draws nothing (before the file drawn below): the other
+            // kinds' injections stay the ones measured before it.
+            let mut affected = BTreeSet::new();
+            for object in &files {
+                storage.replace_object(*object, &self.older);
+                affected.extend(self.blocks_at(*object, 0..self.nominal_len(*object)));
+            }
+            return Damage {
+                storage,
+                affected,
+                file: files[0].file_name(),
+                what: "older copies of every data and contexts file".to_string(),
+            };
+        }
         let file = files[self.rng.below(files.len() as u64) as usize];
         let (object, affected, what) = match kind {
             MetaKind::UnitZeroed => {
@@ -838,6 +873,7 @@ impl Cx {
                     "an older copy".to_string(),
                 )
             }
+            MetaKind::OlderVolumeCopy => unreachable!("injected above"),
             MetaKind::NewestGenerationFlipped => unreachable!("injected above"),
             MetaKind::WrittenMapLost => {
                 let what = match self.rng.below(4) {

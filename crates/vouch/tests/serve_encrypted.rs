@@ -510,6 +510,25 @@ fn a_passphrase_is_asked_for_on_a_terminal_only() {
 /// is still caught as a whole page.
 #[test]
 fn a_flipped_generation_bit_in_a_split_pages_newest_context_faults_only_its_block() {
+    flipped_generation_bits_fault_only_their_block(|newest| 1 << newest.trailing_zeros());
+}
+
+/// The same with two bits of that generation flipped (its highest set bit
+/// cleared and the one below it changed: older either way). The damaged
+/// context holds its guard with the page's expected generation in place
+/// of its own, whatever bits differ; before, only a one-bit difference was
+/// tried, and two bits lost the page's 128 blocks (`metadata_lost`).
+#[test]
+fn two_flipped_generation_bits_in_a_split_pages_newest_context_fault_only_its_block() {
+    flipped_generation_bits_fault_only_their_block(|newest| {
+        let high = 31 - newest.leading_zeros();
+        assert!(high > 0, "generation {newest} has two bits to flip");
+        (1 << high) | (1 << (high - 1))
+    });
+}
+
+/// `flips(newest)`: the bits of page 1's newest generation to flip.
+fn flipped_generation_bits_fault_only_their_block(flips: impl Fn(u32) -> u32) {
     let dir = tempfile::tempdir().expect("tempdir");
     let key = key_file(dir.path(), "key", 0x3a);
     let volume = dir.path().join("vol");
@@ -553,9 +572,14 @@ print(json.dumps({"ok": True}))
         .filter(|slot| generation_of(*slot) == newest)
         .collect();
     assert_eq!(holders, [12], "LBA 140 alone holds generation {newest}");
-    // Its lowest set bit cleared: the page looks older than expected.
-    let bit = newest.trailing_zeros() as u64;
-    flip_bit(&contexts, 4096 + 12 * 32 + 1 + bit / 8, 1 << (bit % 8));
+    // The page looks older than expected.
+    let mask = flips(newest);
+    assert!(newest ^ mask < newest, "{newest:#x} ^ {mask:#x} is older");
+    for (byte, bits) in mask.to_le_bytes().into_iter().enumerate() {
+        if bits != 0 {
+            flip_bit(&contexts, 4096 + 12 * 32 + 1 + byte as u64, bits);
+        }
+    }
 
     let fault = vec![(140u64, "guard_mismatch".to_string())];
     for extra in [vec!["--key-file", s(&key)], vec!["--keyless"]] {
