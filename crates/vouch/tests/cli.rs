@@ -1423,6 +1423,14 @@ fn a_trim_into_a_row_clear_only_because_an_older_bits_copy_was_loaded_keeps_its_
         seq(&bytes, 1 - newer) + 1,
         "two bits copies, one update apart"
     );
+    // The premise: row 1's bit (bit 1 of the first bits byte) is clear in
+    // the older copy and set in the newer, so loading the older one is
+    // what leaves the row clear.
+    let row_1_bit = |copy: usize| bytes[copy * 8192 + 4096] & 0b10 != 0;
+    assert!(
+        !row_1_bit(1 - newer) && row_1_bit(newer),
+        "row 1 clear in the older bits copy, set in the newer"
+    );
     bytes[newer * 8192] ^= 0xff; // its magic: the older copy is loaded
     std::fs::write(&map, &bytes).expect("damage the newer bits copy");
     let mut server = common::Server::start(dir.path(), &[s(&volume)]);
