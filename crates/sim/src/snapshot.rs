@@ -88,7 +88,7 @@ impl SnapshotReport {
 /// One inode of the model filesystem: what a reader sees now (`live`) and
 /// what a power cut keeps (`durable`).
 #[derive(Clone, Debug)]
-enum Node {
+pub(crate) enum Node {
     File {
         live: Vec<u8>,
         durable: Vec<u8>,
@@ -102,8 +102,8 @@ enum Node {
 /// A filesystem of inodes (0 is the root) that loses, in a power cut,
 /// whatever was not synced.
 #[derive(Clone, Debug)]
-struct ModelFs {
-    nodes: Vec<Node>,
+pub(crate) struct ModelFs {
+    pub(crate) nodes: Vec<Node>,
 }
 
 fn not_found(path: &Path) -> io::Error {
@@ -114,7 +114,7 @@ fn not_found(path: &Path) -> io::Error {
 }
 
 impl ModelFs {
-    fn new() -> ModelFs {
+    pub(crate) fn new() -> ModelFs {
         ModelFs {
             nodes: vec![Node::Dir {
                 live: BTreeMap::new(),
@@ -132,7 +132,7 @@ impl ModelFs {
             .collect()
     }
 
-    fn lookup(&self, path: &Path) -> Option<usize> {
+    pub(crate) fn lookup(&self, path: &Path) -> Option<usize> {
         let mut at = 0;
         for name in Self::names_of(path) {
             match &self.nodes[at] {
@@ -176,7 +176,7 @@ impl ModelFs {
         Ok(id)
     }
 
-    fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
+    pub(crate) fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
         let id = self.lookup(path).ok_or_else(|| not_found(path))?;
         match &mut self.nodes[id] {
             Node::File { live, .. } => Ok(live),
@@ -186,7 +186,7 @@ impl ModelFs {
 
     /// After a power cut: each inode as synced, or (`keep` says so, for
     /// the unsynced state the kernel may have written anyway) as it was.
-    fn power_cut(&self, mut keep: impl FnMut() -> bool) -> ModelFs {
+    pub(crate) fn power_cut(&self, mut keep: impl FnMut() -> bool) -> ModelFs {
         let nodes = self
             .nodes
             .iter()
@@ -213,7 +213,7 @@ impl ModelFs {
         ModelFs { nodes }
     }
 
-    fn put_file(&mut self, path: &Path, bytes: Vec<u8>) {
+    pub(crate) fn put_file(&mut self, path: &Path, bytes: Vec<u8>) {
         self.link(
             path,
             Node::File {
@@ -224,7 +224,7 @@ impl ModelFs {
         .expect("a new file");
     }
 
-    fn put_dir(&mut self, path: &Path) {
+    pub(crate) fn put_dir(&mut self, path: &Path) {
         self.link(
             path,
             Node::Dir {
@@ -236,7 +236,7 @@ impl ModelFs {
         self.sync_all_dirs();
     }
 
-    fn sync_all_dirs(&mut self) {
+    pub(crate) fn sync_all_dirs(&mut self) {
         for node in &mut self.nodes {
             if let Node::Dir { live, durable } = node {
                 *durable = live.clone();
@@ -246,17 +246,17 @@ impl ModelFs {
 }
 
 /// Called with the model's state and the operation about to change it.
-type Hook = Box<dyn FnMut(&ModelFs, &str) + Send>;
+pub(crate) type Hook = Box<dyn FnMut(&ModelFs, &str) + Send>;
 
 /// `SnapshotFs` on a `ModelFs`, calling `hook` with the state right
 /// before every operation that changes it.
-struct Recording {
-    fs: Mutex<ModelFs>,
-    hook: Mutex<Option<Hook>>,
+pub(crate) struct Recording {
+    pub(crate) fs: Mutex<ModelFs>,
+    pub(crate) hook: Mutex<Option<Hook>>,
 }
 
 impl Recording {
-    fn new(fs: ModelFs) -> Recording {
+    pub(crate) fn new(fs: ModelFs) -> Recording {
         Recording {
             fs: Mutex::new(fs),
             hook: Mutex::new(None),
@@ -360,11 +360,20 @@ impl SnapshotFs for Recording {
         self.change("rename", from, |fs| {
             let (old_parent, old_name) = fs.parent(from)?;
             let (new_parent, new_name) = fs.parent(to)?;
-            if fs.entries(new_parent).contains_key(&new_name) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    "target exists",
-                ));
+            // A file replaces a file (rename(2)); nothing replaces a
+            // directory here.
+            let existing = fs.entries(new_parent).get(&new_name).copied();
+            if let Some(existing) = existing {
+                let file_over_file = matches!(fs.nodes[existing], Node::File { .. })
+                    && fs
+                        .lookup(from)
+                        .is_some_and(|id| matches!(fs.nodes[id], Node::File { .. }));
+                if !file_over_file {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "target exists",
+                    ));
+                }
             }
             let id = fs
                 .entries(old_parent)
@@ -392,6 +401,30 @@ impl SnapshotFs for Recording {
     }
     fn exists(&self, path: &Path) -> bool {
         self.fs.lock().lookup(path).is_some()
+    }
+    fn set_len(&self, path: &Path, len: u64) -> io::Result<()> {
+        self.change("set_len", path, |fs| {
+            if fs.lookup(path).is_none() {
+                fs.link(
+                    path,
+                    Node::File {
+                        live: Vec::new(),
+                        durable: Vec::new(),
+                    },
+                )?;
+            }
+            fs.file(path)?.resize(len as usize, 0);
+            Ok(())
+        })
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.change("remove", path, |fs| {
+            let (parent, name) = fs.parent(path)?;
+            fs.entries(parent)
+                .remove(&name)
+                .map(drop)
+                .ok_or_else(|| not_found(path))
+        })
     }
 }
 
