@@ -193,7 +193,7 @@ fn resized_map(
     superblock: &Superblock,
     old: &Geometry,
     new: &Geometry,
-) -> Result<(u64, Vec<(u64, Vec<u8>)>)> {
+) -> Result<(u64, Vec<Page>)> {
     let uuid = superblock.uuid;
     let (old_units, new_units) = (units_of(old), units_of(new));
     let Some((header, bits)) = valid_copy(old_bytes, uuid, old_units) else {
@@ -276,8 +276,11 @@ fn resized_map(
     Ok((len, runs))
 }
 
+/// Bytes to write at a file offset.
+type Page = (u64, Vec<u8>);
+
 /// The non-zero 4 KiB pages of `bytes`, at `base` on.
-fn push_pages(runs: &mut Vec<(u64, Vec<u8>)>, base: u64, bytes: &[u8]) {
+fn push_pages(runs: &mut Vec<Page>, base: u64, bytes: &[u8]) {
     for (index, page) in bytes.chunks(WRITTEN_PAGE_BYTES as usize).enumerate() {
         if page.iter().any(|byte| *byte != 0) {
             runs.push((base + index as u64 * WRITTEN_PAGE_BYTES, page.to_vec()));
