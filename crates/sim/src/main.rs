@@ -309,7 +309,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             for violation in &report.violations {
                 println!("{violation}");
             }
-            println!("{}", report.summary(&config));
+            println!("{}", vouch_sim::resize::summary(&report, &config));
             Ok(report.violations.is_empty())
         }
         Command::Snapshot { run, break_publish } => {

@@ -30,19 +30,18 @@
 
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
 
 use parking_lot::Mutex;
 use vouch_engine::resize::{self, ResizeBreaks};
 use vouch_engine::storage::objects_of;
 use vouch_engine::{
-    BlockDevice, LayoutKind, ObjectId, OpenOptions, OrderingBreaks, SimStorage, Volume,
+    BlockDevice, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume,
 };
 use vouch_format::Geometry;
 
 use crate::faults::BLOCKS;
 use crate::rng::Rng;
-use crate::snapshot::{ModelFs, Recording};
+use crate::snapshot::{Findings, ModelFs, Recording};
 use crate::BLOCK;
 
 #[derive(Clone, Debug)]
@@ -53,54 +52,36 @@ pub struct ResizeConfig {
     pub breaks: ResizeBreaks,
 }
 
-#[derive(Debug, Default)]
-pub struct ResizeReport {
-    pub points: u64,
-    pub images: u64,
-    pub violations: Vec<String>,
-    pub seconds: f64,
-}
+/// What the seeds found (the snapshot simulator's report).
+pub type ResizeReport = crate::snapshot::SnapshotReport;
 
-impl ResizeReport {
-    pub fn summary(&self, config: &ResizeConfig) -> String {
-        format!(
-            "resize: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
-            config.layout.name(),
-            if config.breaks.switch_first {
-                " BROKEN(switch first)"
-            } else {
-                ""
-            },
-            config.seeds,
-            self.points,
-            self.images,
-            self.violations.len(),
-            self.seconds
-        )
-    }
+/// The summary line of `report` for `config`.
+pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
+    format!(
+        "resize: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+        config.layout.name(),
+        if config.breaks.switch_first {
+            " BROKEN(switch first)"
+        } else {
+            ""
+        },
+        config.seeds,
+        report.points,
+        report.images,
+        report.violations.len(),
+        report.seconds
+    )
 }
 
 const VOLUME: &str = "/v";
 
 pub fn run(config: &ResizeConfig) -> ResizeReport {
-    let started = Instant::now();
-    let mut report = ResizeReport::default();
-    for seed in config.seed..config.seed + config.seeds {
-        if let Err(violation) = run_seed(config, seed, &mut report) {
-            report.violations.push(format!(
-                "VIOLATION layout={} seed={seed}: {violation}\n  replay: cargo run --release -p vouch-sim -- resize --layout {} --seed {seed} --seeds 1{}",
-                config.layout.name(),
-                config.layout.name(),
-                if config.breaks.switch_first {
-                    " --break-switch"
-                } else {
-                    ""
-                }
-            ));
-        }
-    }
-    report.seconds = started.elapsed().as_secs_f64();
-    report
+    let flag = config.breaks.switch_first.then_some("--break-switch");
+    crate::snapshot::run_seeds(
+        ("resize", config.layout, flag),
+        config.seed..config.seed + config.seeds,
+        |seed, report| run_seed(config, seed, report),
+    )
 }
 
 /// The step a crash image belongs to: the sizes before and after, and
@@ -114,19 +95,7 @@ struct Step {
 
 fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let storage = crate::upgrade::small_volume(config.layout, None)?;
-    let written_with = crate::stepper::Stepper::new(OrderingBreaks::default())
-        .options(crate::stepper::stepped_tuning(&mut rng));
-    let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
-    let mut scheduled = crate::metadata::Scheduled::default();
-    crate::metadata::write_round(
-        &storage,
-        &written_with,
-        &mut model,
-        &mut rng,
-        60,
-        &mut scheduled,
-    )?;
+    let (storage, mut model) = crate::snapshot::written_volume(config.layout, &mut rng)?;
     let mut fs = ModelFs::new();
     fs.put_dir(Path::new(VOLUME));
     put_volume(&mut fs, &storage, BLOCKS)?;
@@ -134,41 +103,17 @@ fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Resu
     let first = BLOCKS + rng.range(1, 160);
     let second = first + rng.range(1, 160);
     let step: Arc<Mutex<Option<Step>>> = Arc::default();
-    let found: Arc<Mutex<Vec<String>>> = Arc::default();
-    let counts = Arc::new(Mutex::new((0u64, 0u64)));
+    let findings = Findings::default();
     let recording = Recording::new(fs);
     {
-        let (step, found, counts) = (step.clone(), found.clone(), counts.clone());
-        let mut hook_rng = rng.fork();
-        let mut point = 0u64;
+        let step = step.clone();
         let breaks = config.breaks;
-        *recording.hook.lock() = Some(Box::new(move |fs: &ModelFs, what: &str| {
+        *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
             let Some(step) = step.lock().clone() else {
-                return;
+                return Ok(());
             };
-            point += 1;
-            let images = [
-                (fs.clone(), "process crash"),
-                (fs.power_cut(|| false), "power cut (nothing unsynced kept)"),
-                (
-                    fs.power_cut(|| hook_rng.chance(1, 2)),
-                    "power cut (some unsynced kept)",
-                ),
-            ];
-            let mut counts = counts.lock();
-            counts.0 += 1;
-            for (image, kind) in images {
-                counts.1 += 1;
-                if let Err(error) = verify(image, &step, breaks) {
-                    let mut found = found.lock();
-                    if found.len() < 10 {
-                        found.push(format!(
-                            "{} -> {} blocks, before operation {point} ({what}), {kind}: {error}",
-                            step.from, step.to
-                        ));
-                    }
-                }
-            }
+            verify(image, &step, breaks)
+                .map_err(|e| format!("{} -> {} blocks: {e}", step.from, step.to))
         }));
     }
     let volume = Path::new(VOLUME);
@@ -222,17 +167,7 @@ fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Resu
     resize_to(&recording, second, first, &grown)?;
 
     *recording.hook.lock() = None;
-    let (points, images) = *counts.lock();
-    report.points += points;
-    report.images += images;
-    if points == 0 {
-        return Err("the resizes issued no operation: nothing was crashed".into());
-    }
-    let found = std::mem::take(&mut *found.lock());
-    match found.into_iter().next() {
-        Some(first) => Err(first),
-        None => Ok(()),
-    }
+    findings.end(report)
 }
 
 fn geometry(layout: LayoutKind, blocks: u64) -> Result<Geometry, String> {

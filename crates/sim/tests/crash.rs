@@ -386,9 +386,9 @@ fn a_crash_during_a_resize_leaves_the_old_size_or_the_new_one() {
             report.violations.is_empty() && report.images > 3 * 30,
             "{}\n{}",
             report.violations.join("\n"),
-            report.summary(&config)
+            vouch_sim::resize::summary(&report, &config)
         );
-        eprintln!("{}", report.summary(&config));
+        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
     }
     let broken = vouch_sim::resize::ResizeConfig {
         layout: LayoutKind::Split,
@@ -403,6 +403,6 @@ fn a_crash_during_a_resize_leaves_the_old_size_or_the_new_one() {
             .iter()
             .any(|v| v.contains("before operation")),
         "the new size written before the files and the map went unseen: {}",
-        report.summary(&broken)
+        vouch_sim::resize::summary(&report, &broken)
     );
 }
