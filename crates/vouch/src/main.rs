@@ -267,10 +267,11 @@ enum Command {
     /// (2G = 2 GiB), a multiple of 4096, at most 1 PiB. A snapshot is
     /// read-only (resize a clone of it); a mirror's legs are refused
     /// (remove the other legs first). A volume that was not closed
-    /// cleanly is recovered first. Crash-safe: an interrupted resize
-    /// leaves the old size or the new one, finished by the next open.
-    /// Clients of a server see a size at connect: restart `vouch serve`
-    /// for NBD clients to see the new one.
+    /// cleanly is recovered first (an encrypted one needs its key for
+    /// that). Crash-safe: an interrupted resize leaves the old size or the
+    /// new one, finished by the next open. Not online yet: stop `vouch
+    /// serve`, resize, start it again; NBD clients see the new size when
+    /// they connect.
     Resize {
         /// The volume's directory.
         path: PathBuf,
