@@ -54,6 +54,7 @@ mod read;
 mod read_nowait;
 pub mod recovery;
 pub mod replace;
+pub mod resize;
 pub mod schedule;
 pub mod scrub;
 mod shared;
@@ -128,6 +129,9 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     // A snapshot's files are opened read-only: nothing writes them.
     let snapshot =
         superblock.features.ro_compat & vouch_format::FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
+    if !snapshot && path.join(resize::RESIZE_MAP_FILE).exists() {
+        finish_resize(path)?;
+    }
     let how = FileOpen {
         writable: !options.read_only && !options.keyless && !snapshot,
         direct: options.direct,
@@ -135,6 +139,27 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     let storage =
         FileStorage::open_objects(path, &geometry, how).map_err(|error| cannot_open(&error))?;
     Volume::open(Arc::new(storage), options)
+}
+
+/// A resize cut short (`resize::finish`), finished or undone before the
+/// volume opens, by whichever open comes first (a read-only one too: the
+/// map of the size the superblock says is needed to read it). Under the
+/// volume's lock; a process holding the volume already did it.
+fn finish_resize(path: &Path) -> Result<()> {
+    let in_volume = |error: &dyn std::fmt::Display| Error::Path {
+        action: "open",
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    };
+    let _held = match FileStorage::lock_for_writing(path) {
+        Ok(held) => held,
+        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => return Ok(()),
+        Err(error) => return Err(in_volume(&error)),
+    };
+    if let Some(done) = resize::finish(&snapshot::RealFs::default(), path)? {
+        tracing::warn!(volume = %path.display(), "{done}");
+    }
+    Ok(())
 }
 
 /// A look at the volume directory at `path` without opening it, for a

@@ -72,6 +72,11 @@ pub trait SnapshotFs {
     /// The names in directory `dir`; `None` when it does not exist.
     fn names(&self, dir: &Path) -> io::Result<Option<Vec<String>>>;
     fn exists(&self, path: &Path) -> bool;
+    /// Make file `path` `len` bytes long (created when missing): bytes
+    /// past its old end read as zeros (sparse), bytes past `len` are gone.
+    fn set_len(&self, path: &Path, len: u64) -> io::Result<()>;
+    /// Remove file `path`.
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
 }
 
 /// Orderings `create` can be told to break, to show the crash simulator
@@ -155,6 +160,17 @@ impl SnapshotFs for RealFs {
     }
     fn exists(&self, path: &Path) -> bool {
         path.symlink_metadata().is_ok()
+    }
+    fn set_len(&self, path: &Path, len: u64) -> io::Result<()> {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)?
+            .set_len(len)
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        std::fs::remove_file(path)
     }
 }
 
@@ -240,7 +256,7 @@ fn invalid(message: String) -> Error {
     Error::InvalidArgument(message)
 }
 
-fn io_error(action: &'static str, path: &Path, error: io::Error) -> Error {
+pub(crate) fn io_error(action: &'static str, path: &Path, error: io::Error) -> Error {
     Error::Path {
         action,
         path: path.to_path_buf(),
@@ -278,7 +294,7 @@ pub fn snapshot_path(volume: &Path, name: &str) -> PathBuf {
 }
 
 /// The superblock of the volume directory `dir`, read through `fs`.
-fn superblock_of(fs: &dyn SnapshotFs, dir: &Path) -> Result<Superblock> {
+pub(crate) fn superblock_of(fs: &dyn SnapshotFs, dir: &Path) -> Result<Superblock> {
     let path = dir.join(ObjectId::Superblock.file_name());
     let mut bytes = fs.read(&path).map_err(|e| io_error("read", &path, e))?;
     let slot = SUPERBLOCK_SLOT_BYTES as usize;
@@ -299,7 +315,7 @@ fn write_superblock(fs: &dyn SnapshotFs, dir: &Path, superblock: &Superblock) ->
     Ok(())
 }
 
-fn is_snapshot(superblock: &Superblock) -> bool {
+pub(crate) fn is_snapshot(superblock: &Superblock) -> bool {
     superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0
 }
 

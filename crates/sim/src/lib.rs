@@ -91,6 +91,7 @@ pub mod offload;
 pub mod recorder;
 pub mod resync;
 pub mod rng;
+pub mod resize;
 pub mod snapshot;
 pub mod stepper;
 pub mod upgrade;

@@ -60,6 +60,19 @@ enum Command {
         #[arg(long)]
         break_publish: bool,
     },
+    /// Crash `vouch resize` (a grow, a grow over a tail written, a
+    /// shrink) at every file operation (a process crash and two kinds of
+    /// power cut each): the volume opens at the old size or the new one,
+    /// every block reads back, a new tail reads zeros, check is clean.
+    Resize {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: write the new size into the
+        /// superblock before the files and the map of the new size (the
+        /// run must find violations).
+        #[arg(long)]
+        break_switch: bool,
+    },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
     Keychange {
@@ -281,6 +294,22 @@ fn run(cli: Cli) -> Result<bool, String> {
                 println!("{violation}");
             }
             println!("{}", report.summary(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::Resize { run, break_switch } => {
+            let config = vouch_sim::resize::ResizeConfig {
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                breaks: vouch_engine::resize::ResizeBreaks {
+                    switch_first: break_switch,
+                },
+            };
+            let report = vouch_sim::resize::run(&config);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", vouch_sim::resize::summary(&report, &config));
             Ok(report.violations.is_empty())
         }
         Command::Snapshot { run, break_publish } => {

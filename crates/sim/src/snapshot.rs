@@ -88,7 +88,7 @@ impl SnapshotReport {
 /// One inode of the model filesystem: what a reader sees now (`live`) and
 /// what a power cut keeps (`durable`).
 #[derive(Clone, Debug)]
-enum Node {
+pub(crate) enum Node {
     File {
         live: Vec<u8>,
         durable: Vec<u8>,
@@ -102,8 +102,8 @@ enum Node {
 /// A filesystem of inodes (0 is the root) that loses, in a power cut,
 /// whatever was not synced.
 #[derive(Clone, Debug)]
-struct ModelFs {
-    nodes: Vec<Node>,
+pub(crate) struct ModelFs {
+    pub(crate) nodes: Vec<Node>,
 }
 
 fn not_found(path: &Path) -> io::Error {
@@ -114,7 +114,7 @@ fn not_found(path: &Path) -> io::Error {
 }
 
 impl ModelFs {
-    fn new() -> ModelFs {
+    pub(crate) fn new() -> ModelFs {
         ModelFs {
             nodes: vec![Node::Dir {
                 live: BTreeMap::new(),
@@ -132,7 +132,7 @@ impl ModelFs {
             .collect()
     }
 
-    fn lookup(&self, path: &Path) -> Option<usize> {
+    pub(crate) fn lookup(&self, path: &Path) -> Option<usize> {
         let mut at = 0;
         for name in Self::names_of(path) {
             match &self.nodes[at] {
@@ -176,7 +176,7 @@ impl ModelFs {
         Ok(id)
     }
 
-    fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
+    pub(crate) fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
         let id = self.lookup(path).ok_or_else(|| not_found(path))?;
         match &mut self.nodes[id] {
             Node::File { live, .. } => Ok(live),
@@ -184,9 +184,23 @@ impl ModelFs {
         }
     }
 
+    /// The file at `path`, made empty (not yet durable) when missing.
+    fn file_or_new(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
+        if self.lookup(path).is_none() {
+            self.link(
+                path,
+                Node::File {
+                    live: Vec::new(),
+                    durable: Vec::new(),
+                },
+            )?;
+        }
+        self.file(path)
+    }
+
     /// After a power cut: each inode as synced, or (`keep` says so, for
     /// the unsynced state the kernel may have written anyway) as it was.
-    fn power_cut(&self, mut keep: impl FnMut() -> bool) -> ModelFs {
+    pub(crate) fn power_cut(&self, mut keep: impl FnMut() -> bool) -> ModelFs {
         let nodes = self
             .nodes
             .iter()
@@ -213,7 +227,7 @@ impl ModelFs {
         ModelFs { nodes }
     }
 
-    fn put_file(&mut self, path: &Path, bytes: Vec<u8>) {
+    pub(crate) fn put_file(&mut self, path: &Path, bytes: Vec<u8>) {
         self.link(
             path,
             Node::File {
@@ -224,7 +238,7 @@ impl ModelFs {
         .expect("a new file");
     }
 
-    fn put_dir(&mut self, path: &Path) {
+    pub(crate) fn put_dir(&mut self, path: &Path) {
         self.link(
             path,
             Node::Dir {
@@ -236,7 +250,7 @@ impl ModelFs {
         self.sync_all_dirs();
     }
 
-    fn sync_all_dirs(&mut self) {
+    pub(crate) fn sync_all_dirs(&mut self) {
         for node in &mut self.nodes {
             if let Node::Dir { live, durable } = node {
                 *durable = live.clone();
@@ -246,17 +260,17 @@ impl ModelFs {
 }
 
 /// Called with the model's state and the operation about to change it.
-type Hook = Box<dyn FnMut(&ModelFs, &str) + Send>;
+pub(crate) type Hook = Box<dyn FnMut(&ModelFs, &str) + Send>;
 
 /// `SnapshotFs` on a `ModelFs`, calling `hook` with the state right
 /// before every operation that changes it.
-struct Recording {
-    fs: Mutex<ModelFs>,
-    hook: Mutex<Option<Hook>>,
+pub(crate) struct Recording {
+    pub(crate) fs: Mutex<ModelFs>,
+    pub(crate) hook: Mutex<Option<Hook>>,
 }
 
 impl Recording {
-    fn new(fs: ModelFs) -> Recording {
+    pub(crate) fn new(fs: ModelFs) -> Recording {
         Recording {
             fs: Mutex::new(fs),
             hook: Mutex::new(None),
@@ -320,16 +334,7 @@ impl SnapshotFs for Recording {
     }
     fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
         self.change("write", path, |fs| {
-            if fs.lookup(path).is_none() {
-                fs.link(
-                    path,
-                    Node::File {
-                        live: Vec::new(),
-                        durable: Vec::new(),
-                    },
-                )?;
-            }
-            let file = fs.file(path)?;
+            let file = fs.file_or_new(path)?;
             let end = offset as usize + bytes.len();
             if file.len() < end {
                 file.resize(end, 0);
@@ -360,11 +365,20 @@ impl SnapshotFs for Recording {
         self.change("rename", from, |fs| {
             let (old_parent, old_name) = fs.parent(from)?;
             let (new_parent, new_name) = fs.parent(to)?;
-            if fs.entries(new_parent).contains_key(&new_name) {
-                return Err(io::Error::new(
-                    io::ErrorKind::AlreadyExists,
-                    "target exists",
-                ));
+            // A file replaces a file (rename(2)); nothing replaces a
+            // directory here.
+            let existing = fs.entries(new_parent).get(&new_name).copied();
+            if let Some(existing) = existing {
+                let file_over_file = matches!(fs.nodes[existing], Node::File { .. })
+                    && fs
+                        .lookup(from)
+                        .is_some_and(|id| matches!(fs.nodes[id], Node::File { .. }));
+                if !file_over_file {
+                    return Err(io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "target exists",
+                    ));
+                }
             }
             let id = fs
                 .entries(old_parent)
@@ -393,6 +407,15 @@ impl SnapshotFs for Recording {
     fn exists(&self, path: &Path) -> bool {
         self.fs.lock().lookup(path).is_some()
     }
+    fn set_len(&self, path: &Path, len: u64) -> io::Result<()> {
+        self.change("set_len", path, |fs| {
+            fs.file_or_new(path)?.resize(len as usize, 0);
+            Ok(())
+        })
+    }
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        self.remove_all(path)
+    }
 }
 
 const VOLUME: &str = "/v";
@@ -417,19 +440,31 @@ struct Expected {
 }
 
 pub fn run(config: &SnapshotConfig) -> SnapshotReport {
+    let flag = config.breaks.publish_before_sync.then_some("--break-publish");
+    run_seeds(
+        ("snapshot", config.layout, flag),
+        config.seed..config.seed + config.seeds,
+        |seed, report| run_seed(config, seed, report),
+    )
+}
+
+/// `run_seed` for every seed, a violation (with the command that replays
+/// it: the simulator's `command`, its layout and break `flag`) for each
+/// that fails.
+pub(crate) fn run_seeds(
+    (command, layout, flag): (&str, LayoutKind, Option<&str>),
+    seeds: std::ops::Range<u64>,
+    mut run_seed: impl FnMut(u64, &mut SnapshotReport) -> Result<(), String>,
+) -> SnapshotReport {
     let started = Instant::now();
     let mut report = SnapshotReport::default();
-    for seed in config.seed..config.seed + config.seeds {
-        if let Err(violation) = run_seed(config, seed, &mut report) {
+    for seed in seeds {
+        if let Err(violation) = run_seed(seed, &mut report) {
             report.violations.push(format!(
-                "VIOLATION layout={} seed={seed}: {violation}\n  replay: cargo run --release -p vouch-sim -- snapshot --layout {} --seed {seed} --seeds 1{}",
-                config.layout.name(),
-                config.layout.name(),
-                if config.breaks.publish_before_sync {
-                    " --break-publish"
-                } else {
-                    ""
-                }
+                "VIOLATION layout={} seed={seed}: {violation}\n  replay: cargo run --release -p vouch-sim -- {command} --layout {} --seed {seed} --seeds 1{}",
+                layout.name(),
+                layout.name(),
+                flag.map(|flag| format!(" {flag}")).unwrap_or_default()
             ));
         }
     }
@@ -437,21 +472,86 @@ pub fn run(config: &SnapshotConfig) -> SnapshotReport {
     report
 }
 
-fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
-    let storage = crate::upgrade::small_volume(config.layout, None)?;
+/// A volume of `BLOCKS` blocks written on random data, zeroes and trims
+/// (`metadata`'s write round, the production scheduling) and closed
+/// cleanly, and every block's data.
+pub(crate) fn written_volume(
+    layout: LayoutKind,
+    rng: &mut Rng,
+) -> Result<(SimStorage, Vec<Vec<u8>>), String> {
+    let storage = crate::upgrade::small_volume(layout, None)?;
     let written_with = crate::stepper::Stepper::new(OrderingBreaks::default())
-        .options(crate::stepper::stepped_tuning(&mut rng));
+        .options(crate::stepper::stepped_tuning(rng));
     let mut model = vec![vec![0u8; BLOCK]; BLOCKS as usize];
     let mut scheduled = crate::metadata::Scheduled::default();
-    crate::metadata::write_round(
-        &storage,
-        &written_with,
-        &mut model,
-        &mut rng,
-        60,
-        &mut scheduled,
-    )?;
+    crate::metadata::write_round(&storage, &written_with, &mut model, rng, 60, &mut scheduled)?;
+    Ok((storage, model))
+}
+
+/// What the crash images of one seed found, shared with its hook.
+#[derive(Clone, Default)]
+pub(crate) struct Findings {
+    found: Arc<Mutex<Vec<String>>>,
+    /// Crash points, images.
+    counts: Arc<Mutex<(u64, u64)>>,
+}
+
+impl Findings {
+    /// A hook that, before each operation, takes three crash images (a
+    /// process crash, a power cut keeping nothing unsynced, one keeping a
+    /// random subset of the unsynced inodes) and `check`s each.
+    pub(crate) fn hook(
+        &self,
+        mut rng: Rng,
+        mut check: impl FnMut(ModelFs) -> Result<(), String> + Send + 'static,
+    ) -> Hook {
+        let (found, counts) = (self.found.clone(), self.counts.clone());
+        let mut point = 0u64;
+        Box::new(move |fs: &ModelFs, what: &str| {
+            point += 1;
+            let images = [
+                (fs.clone(), "process crash"),
+                (fs.power_cut(|| false), "power cut (nothing unsynced kept)"),
+                (
+                    fs.power_cut(|| rng.chance(1, 2)),
+                    "power cut (some unsynced kept)",
+                ),
+            ];
+            let mut counts = counts.lock();
+            counts.0 += 1;
+            for (image, kind) in images {
+                counts.1 += 1;
+                if let Err(error) = check(image) {
+                    let mut found = found.lock();
+                    if found.len() < 10 {
+                        found.push(format!(
+                            "before operation {point} ({what}), {kind}: {error}"
+                        ));
+                    }
+                }
+            }
+        })
+    }
+
+    /// The seed's end: its counts into `report`, and the first violation.
+    pub(crate) fn end(&self, report: &mut SnapshotReport) -> Result<(), String> {
+        let (points, images) = *self.counts.lock();
+        report.points += points;
+        report.images += images;
+        if points == 0 {
+            return Err("the commands issued no operation: nothing was crashed".into());
+        }
+        let found = std::mem::take(&mut *self.found.lock());
+        match found.into_iter().next() {
+            Some(first) => Err(first),
+            None => Ok(()),
+        }
+    }
+}
+
+fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (storage, model) = written_volume(config.layout, &mut rng)?;
 
     let geometry = vouch_engine::read_superblock(&storage)
         .and_then(|superblock| {
@@ -478,44 +578,13 @@ fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> 
     let recording = Recording::new(fs);
     let done = Arc::new(Mutex::new(Done::Nothing));
     let deleting = Arc::new(Mutex::new(false));
-    let found: Arc<Mutex<Vec<String>>> = Arc::default();
-    let counts = Arc::new(Mutex::new((0u64, 0u64)));
+    let findings = Findings::default();
     let expected = Arc::new(expected);
     {
-        let (done, deleting, found, counts, expected) = (
-            done.clone(),
-            deleting.clone(),
-            found.clone(),
-            counts.clone(),
-            expected.clone(),
-        );
-        let mut hook_rng = rng.fork();
-        let mut point = 0u64;
+        let (done, deleting, expected) = (done.clone(), deleting.clone(), expected.clone());
         let breaks = config.breaks;
-        *recording.hook.lock() = Some(Box::new(move |fs: &ModelFs, what: &str| {
-            point += 1;
-            let images = [
-                (fs.clone(), "process crash"),
-                (fs.power_cut(|| false), "power cut (nothing unsynced kept)"),
-                (
-                    fs.power_cut(|| hook_rng.chance(1, 2)),
-                    "power cut (some unsynced kept)",
-                ),
-            ];
-            let mut counts = counts.lock();
-            counts.0 += 1;
-            for (image, kind) in images {
-                counts.1 += 1;
-                if let Err(error) = verify(image, &expected, *done.lock(), *deleting.lock(), breaks)
-                {
-                    let mut found = found.lock();
-                    if found.len() < 10 {
-                        found.push(format!(
-                            "before operation {point} ({what}), {kind}: {error}"
-                        ));
-                    }
-                }
-            }
+        *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
+            verify(image, &expected, *done.lock(), *deleting.lock(), breaks)
         }));
     }
     let volume = Path::new(VOLUME);
@@ -532,12 +601,7 @@ fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> 
     *deleting.lock() = true;
     snapshot::delete(&recording, volume, NAME).map_err(|e| format!("delete failed: {e}"))?;
     *recording.hook.lock() = None;
-    let (points, images) = *counts.lock();
-    report.points += points;
-    report.images += images;
-    if points == 0 {
-        return Err("the commands issued no operation: nothing was crashed".into());
-    }
+    let ended = findings.end(report);
     let after = recording.fs.lock().clone();
     if after
         .lookup(&snapshot::snapshot_path(volume, NAME))
@@ -547,11 +611,7 @@ fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> 
     }
     verify(after, &expected, Done::Cloned, true, config.breaks)
         .map_err(|e| format!("after every command: {e}"))?;
-    let found = std::mem::take(&mut *found.lock());
-    match found.into_iter().next() {
-        Some(first) => Err(first),
-        None => Ok(()),
-    }
+    ended
 }
 
 /// A volume directory of `fs` as a `SimStorage`.

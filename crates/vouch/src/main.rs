@@ -8,6 +8,7 @@ mod key;
 mod mirror;
 mod offload;
 mod replica;
+mod resize;
 mod resync;
 mod serve;
 mod service;
@@ -258,6 +259,28 @@ enum Command {
         #[arg(long)]
         copy: bool,
     },
+    /// Resize the volume at PATH to SIZE (offline: no server may have it
+    /// open): grow it (the new blocks read as zeros and take no space
+    /// until written), or shrink it when every block past SIZE is
+    /// unwritten (never written, or trimmed); a shrink over written data
+    /// is refused naming its first written LBA. SIZE like `create --size`
+    /// (2G = 2 GiB), a multiple of 4096, at most 1 PiB. A snapshot is
+    /// read-only (resize a clone of it); a mirror's legs are refused
+    /// (remove the other legs first). A volume that was not closed
+    /// cleanly is recovered first (an encrypted one needs its key for
+    /// that). Crash-safe: an interrupted resize leaves the old size or the
+    /// new one, finished by the next open. Not online yet: stop `vouch
+    /// serve`, resize, start it again; NBD clients see the new size when
+    /// they connect.
+    Resize {
+        /// The volume's directory.
+        path: PathBuf,
+        /// The new size.
+        #[arg(value_parser = parse_volume_size)]
+        size: u64,
+        #[command(flatten)]
+        key: key::KeyFileArgs,
+    },
     /// Engine benchmark: raw file vs split vs packed, every guard.
     Bench(bench::BenchArgs),
     /// Mirrored volumes: the legs' state and counters, replacing a leg.
@@ -389,7 +412,8 @@ impl Command {
             }
             Command::Import { key, .. }
             | Command::Export { key, .. }
-            | Command::Upgrade { key, .. } => ((Some(key), None), None),
+            | Command::Upgrade { key, .. }
+            | Command::Resize { key, .. } => ((Some(key), None), None),
             Command::Serve(args) => ((Some(&args.key), None), Some(&args.replica)),
             Command::Verify(args) => (checks(&args.key), None),
             Command::Scrub(args) => (checks(&args.key), Some(&args.replica)),
@@ -581,6 +605,7 @@ fn main() -> ExitCode {
         Command::Compare(args) => offload::cli_ops::compare(args),
         Command::Key { command } => key::run(command),
         Command::Snapshot { command } => snapshot::run(command),
+        Command::Resize { path, size, .. } => resize::run(&path, size),
         Command::Clone {
             snapshot,
             new_path,

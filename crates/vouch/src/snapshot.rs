@@ -68,11 +68,12 @@ pub fn run(command: SnapshotCommand) -> Result<ExitCode> {
 
 /// The volume at `path` stopped, recovered if it needs it, and held by
 /// this process (the returned lock) so no server opens it meanwhile.
-fn hold_offline(path: &Path) -> Result<std::fs::File> {
+/// `purpose` ends the messages: "take the snapshot", "resize it".
+pub(crate) fn hold_offline(path: &Path, purpose: &str) -> Result<std::fs::File> {
     crate::commands::volume_dir(path)?;
     if vouch_engine::volume_in_use(path)? {
         bail!(
-            "{} is open in a running `vouch serve`: stop it, or take the snapshot of a stopped volume",
+            "{} is open in a running `vouch serve`: stop it, then {purpose}",
             path.display()
         );
     }
@@ -81,7 +82,7 @@ fn hold_offline(path: &Path) -> Result<std::fs::File> {
     // next open reconciles the legs because of it.
     if vouch_mirror::is_mirrored(path) {
         bail!(
-            "{} is a leg of a mirror: snapshots of mirrored volumes are not supported (take one of a single volume, e.g. after `vouch mirror remove`)",
+            "{} is a leg of a mirror: a mirrored volume is not supported here (remove its other legs with `vouch mirror remove`, then {purpose})",
             path.display()
         );
     }
@@ -92,15 +93,14 @@ fn hold_offline(path: &Path) -> Result<std::fs::File> {
         // (its held log) and replays the journal; the close checkpoints.
         crate::key::open(path, OpenOptions::default(), Use::Data)
             .and_then(|volume| Ok(volume.close()?))
-            .with_context(|| format!("recovering {} before its snapshot", path.display()))?;
+            .with_context(|| format!("recovering {} first", path.display()))?;
     }
-    FileStorage::lock_for_writing(path)
-        .with_context(|| format!("holding {} for its snapshot", path.display()))
+    FileStorage::lock_for_writing(path).with_context(|| format!("holding {}", path.display()))
 }
 
 fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     snapshot::check_name(name)?;
-    let _held = hold_offline(path)?;
+    let _held = hold_offline(path, "take the snapshot")?;
     let started = Instant::now();
     let fs = RealFs { full_copy: copy };
     let method = if copy {

@@ -6,54 +6,10 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use common::*;
-
-/// A loop-mounted xfs or btrfs, unmounted (and its image removed) when
-/// dropped, even when the test fails.
-struct LoopFs {
-    _dir: tempfile::TempDir,
-    mount: PathBuf,
-}
-
-impl LoopFs {
-    fn xfs() -> LoopFs {
-        LoopFs::made_by("mkfs.xfs", "xfsprogs")
-    }
-
-    fn btrfs() -> LoopFs {
-        LoopFs::made_by("mkfs.btrfs", "btrfs-progs")
-    }
-
-    fn made_by(mkfs: &str, package: &str) -> LoopFs {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let image = dir.path().join("fs.img");
-        std::fs::File::create(&image)
-            .and_then(|file| file.set_len(1 << 30))
-            .expect("image");
-        run_ok(Command::new(tool(mkfs, package)).arg("-q").arg(&image));
-        let mount = dir.path().join("mnt");
-        std::fs::create_dir(&mount).expect("mkdir");
-        run_ok(
-            Command::new(tool("mount", "mount"))
-                .args(["-o", "loop"])
-                .arg(&image)
-                .arg(&mount),
-        );
-        LoopFs { _dir: dir, mount }
-    }
-}
-
-impl Drop for LoopFs {
-    fn drop(&mut self) {
-        let status = Command::new("umount").arg(&self.mount).status();
-        if !status.is_ok_and(|status| status.success()) {
-            let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
-        }
-    }
-}
 
 const SIZE: usize = 8 << 20;
 

@@ -718,3 +718,52 @@ pub fn rewrite_superblock(volume: &Path, edit: impl Fn(&mut vouch_format::Superb
     file.write_all_at(&slot, 0).expect("copy 0");
     file.write_all_at(&slot, 4096).expect("copy 1");
 }
+
+/// A loop-mounted xfs or btrfs, unmounted (and its image removed) when
+/// dropped, even when the test fails.
+pub struct LoopFs {
+    _dir: tempfile::TempDir,
+    pub mount: PathBuf,
+}
+
+impl LoopFs {
+    pub fn xfs() -> LoopFs {
+        LoopFs::made_by("mkfs.xfs", "xfsprogs", 1 << 30)
+    }
+
+    pub fn btrfs() -> LoopFs {
+        LoopFs::made_by("mkfs.btrfs", "btrfs-progs", 1 << 30)
+    }
+
+    /// A small ext4 of `bytes` (to fill up).
+    pub fn ext4(bytes: u64) -> LoopFs {
+        LoopFs::made_by("mkfs.ext4", "e2fsprogs", bytes)
+    }
+
+    fn made_by(mkfs: &str, package: &str, bytes: u64) -> LoopFs {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = dir.path().join("fs.img");
+        std::fs::File::create(&image)
+            .and_then(|file| file.set_len(bytes))
+            .expect("image");
+        run_ok(Command::new(tool(mkfs, package)).arg("-q").arg(&image));
+        let mount = dir.path().join("mnt");
+        std::fs::create_dir(&mount).expect("mkdir");
+        run_ok(
+            Command::new(tool("mount", "mount"))
+                .args(["-o", "loop"])
+                .arg(&image)
+                .arg(&mount),
+        );
+        LoopFs { _dir: dir, mount }
+    }
+}
+
+impl Drop for LoopFs {
+    fn drop(&mut self) {
+        let status = Command::new("umount").arg(&self.mount).status();
+        if !status.is_ok_and(|status| status.success()) {
+            let _ = Command::new("umount").arg("-l").arg(&self.mount).status();
+        }
+    }
+}

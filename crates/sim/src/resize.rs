@@ -1,0 +1,303 @@
+//! `vouch resize` crashed at every file operation it issues (`vouch-sim
+//! resize`).
+//!
+//! Per seed: a volume written on random data, zeroes and trims (the
+//! production scheduling: `metadata`'s write rounds) and closed cleanly,
+//! its files at their nominal lengths in the model filesystem of
+//! `vouch-sim snapshot` (`ModelFs`: a power cut keeps only what was
+//! synced). Then the engine's own `resize::resize` runs on it three
+//! times: a grow to a random size past the end (new segments, a unit
+//! that straddled the end), a grow again after random blocks of the new
+//! tail were written (so the unit straddling the end holds something and
+//! its new slots must be whole), and a shrink back over the unwritten
+//! tail. Right before each operation a resize issues, three crash
+//! images are taken: a process crash (everything issued kept), a power
+//! cut that loses everything not synced, and one that keeps a random
+//! subset of the unsynced inodes. On each image, after what the next open
+//! does first (`resize::finish`):
+//!
+//! - the volume opens (writable) at the old size or the new one;
+//! - every block reads as the model says (acknowledged data; zeros in a
+//!   new tail) and `check` finds nothing;
+//! - the resize run again (as an operator would) reaches the new size,
+//!   with the same data and a clean check.
+//!
+//! After each step returned, the volume has the new size.
+//!
+//! `--break-switch` writes the new size into the superblock before the
+//! files and the map of the new size are made
+//! (`ResizeBreaks::switch_first`): the images must then show violations.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use vouch_engine::resize::{self, ResizeBreaks};
+use vouch_engine::storage::objects_of;
+use vouch_engine::{
+    BlockDevice, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume,
+};
+use vouch_format::Geometry;
+
+use crate::faults::BLOCKS;
+use crate::rng::Rng;
+use crate::snapshot::{Findings, ModelFs, Recording};
+use crate::BLOCK;
+
+#[derive(Clone, Debug)]
+pub struct ResizeConfig {
+    pub layout: LayoutKind,
+    pub seeds: u64,
+    pub seed: u64,
+    pub breaks: ResizeBreaks,
+}
+
+/// What the seeds found (the snapshot simulator's report).
+pub type ResizeReport = crate::snapshot::SnapshotReport;
+
+/// The summary line of `report` for `config`.
+pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
+    format!(
+        "resize: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+        config.layout.name(),
+        if config.breaks.switch_first {
+            " BROKEN(switch first)"
+        } else {
+            ""
+        },
+        config.seeds,
+        report.points,
+        report.images,
+        report.violations.len(),
+        report.seconds
+    )
+}
+
+const VOLUME: &str = "/v";
+
+pub fn run(config: &ResizeConfig) -> ResizeReport {
+    let flag = config.breaks.switch_first.then_some("--break-switch");
+    crate::snapshot::run_seeds(
+        ("resize", config.layout, flag),
+        config.seed..config.seed + config.seeds,
+        |seed, report| run_seed(config, seed, report),
+    )
+}
+
+/// The step a crash image belongs to: the sizes before and after, and
+/// every block's data (as long as the larger).
+#[derive(Clone)]
+struct Step {
+    from: u64,
+    to: u64,
+    model: Vec<Vec<u8>>,
+}
+
+fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (storage, mut model) = crate::snapshot::written_volume(config.layout, &mut rng)?;
+    let mut fs = ModelFs::new();
+    fs.put_dir(Path::new(VOLUME));
+    put_volume(&mut fs, &storage, BLOCKS)?;
+
+    let first = BLOCKS + rng.range(1, 160);
+    let second = first + rng.range(1, 160);
+    let step: Arc<Mutex<Option<Step>>> = Arc::default();
+    let findings = Findings::default();
+    let recording = Recording::new(fs);
+    {
+        let step = step.clone();
+        let breaks = config.breaks;
+        *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
+            let Some(step) = step.lock().clone() else {
+                return Ok(());
+            };
+            verify(image, &step, breaks)
+                .map_err(|e| format!("{} -> {} blocks: {e}", step.from, step.to))
+        }));
+    }
+    let volume = Path::new(VOLUME);
+    let resize_to = |recording: &Recording, from: u64, to: u64, model: &[Vec<u8>]| {
+        *step.lock() = Some(Step {
+            from,
+            to,
+            model: model.to_vec(),
+        });
+        resize::resize(recording, volume, to * BLOCK as u64, config.breaks)
+            .map_err(|e| format!("resize {from} -> {to} blocks failed: {e}"))?;
+        *step.lock() = None;
+        let fs = recording.fs.lock().clone();
+        let mut image = fs;
+        open_and_read(&mut image, to, model).map_err(|e| format!("after resize to {to}: {e}"))
+    };
+
+    model.resize(first as usize, vec![0u8; BLOCK]);
+    resize_to(&recording, BLOCKS, first, &model)?;
+
+    // Write into the new tail, so the unit that straddles its end holds
+    // something when it grows again.
+    {
+        let mut fs = recording.fs.lock();
+        let storage = storage_of(&mut fs, first)?;
+        let opened = Volume::open(Arc::new(storage.clone()), &OpenOptions::foreground())
+            .map_err(|e| format!("open at {first} blocks: {e}"))?;
+        for _ in 0..rng.range(1, 8) {
+            let lba = rng.range(BLOCKS, first - 1);
+            let data = rng.bytes(BLOCK);
+            opened
+                .write(lba * BLOCK as u64, &data, false)
+                .map_err(|e| format!("write LBA {lba}: {e}"))?;
+            model[lba as usize] = data;
+        }
+        // The last tail block always: the unit straddling the end is set.
+        let data = rng.bytes(BLOCK);
+        opened
+            .write((first - 1) * BLOCK as u64, &data, false)
+            .map_err(|e| format!("write LBA {}: {e}", first - 1))?;
+        model[first as usize - 1] = data;
+        opened
+            .close()
+            .map_err(|e| format!("close at {first} blocks: {e}"))?;
+        put_volume(&mut fs, &storage, first)?;
+    }
+
+    let mut grown = model.clone();
+    grown.resize(second as usize, vec![0u8; BLOCK]);
+    resize_to(&recording, first, second, &grown)?;
+    resize_to(&recording, second, first, &grown)?;
+
+    *recording.hook.lock() = None;
+    findings.end(report)
+}
+
+fn geometry(layout: LayoutKind, blocks: u64) -> Result<Geometry, String> {
+    Geometry::new(
+        layout,
+        blocks * BLOCK as u64,
+        crate::faults::segment_blocks(layout),
+    )
+    .map_err(|e| e.to_string())
+}
+
+fn superblock_of(fs: &mut ModelFs) -> Result<vouch_format::Superblock, String> {
+    let path = Path::new(VOLUME).join(ObjectId::Superblock.file_name());
+    let bytes = fs
+        .file(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .clone();
+    let storage = SimStorage::new();
+    storage.overwrite(ObjectId::Superblock, 0, &bytes);
+    vouch_engine::read_superblock(&storage).map_err(|e| format!("superblock: {e}"))
+}
+
+/// The closed volume in `storage` (of `blocks` blocks) as the model's
+/// files, synced: each sized file at its nominal length, as a real
+/// volume's files are.
+fn put_volume(fs: &mut ModelFs, storage: &SimStorage, blocks: u64) -> Result<(), String> {
+    let layout = vouch_engine::read_superblock(storage)
+        .map_err(|e| format!("superblock: {e}"))?
+        .layout;
+    let geometry = geometry(layout, blocks)?;
+    for object in objects_of(&geometry) {
+        let mut bytes = storage.object_bytes(object);
+        let nominal = match object {
+            ObjectId::Contexts => geometry.contexts_len(),
+            ObjectId::Data(segment) => geometry.segment_len(segment),
+            _ => 0,
+        };
+        if bytes.len() < nominal as usize {
+            bytes.resize(nominal as usize, 0);
+        }
+        let path = Path::new(VOLUME).join(object.file_name());
+        match fs.file(&path) {
+            Ok(file) => *file = bytes,
+            Err(_) => fs.put_file(&path, bytes),
+        }
+    }
+    // Everything as it is now is durable.
+    *fs = fs.power_cut(|| true);
+    Ok(())
+}
+
+/// The volume of `fs` at `blocks` blocks as a `SimStorage`: a file
+/// shorter than the volume needs is cut there (a short file), a missing
+/// one is an error.
+fn storage_of(fs: &mut ModelFs, blocks: u64) -> Result<SimStorage, String> {
+    let layout = superblock_of(fs)?.layout;
+    let geometry = geometry(layout, blocks)?;
+    let storage = SimStorage::new();
+    for object in objects_of(&geometry) {
+        let path = Path::new(VOLUME).join(object.file_name());
+        let bytes = fs
+            .file(&path)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        storage.overwrite(object, 0, bytes);
+        let nominal = match object {
+            ObjectId::Contexts => geometry.contexts_len(),
+            ObjectId::Data(segment) => geometry.segment_len(segment),
+            _ => 0,
+        };
+        if (bytes.len() as u64) < nominal {
+            storage.truncate(object, bytes.len() as u64);
+        }
+    }
+    Ok(storage)
+}
+
+/// Open the volume of `fs` (which must be `blocks` blocks), read every
+/// block against `model` (zeros past it), check, close.
+fn open_and_read(fs: &mut ModelFs, blocks: u64, model: &[Vec<u8>]) -> Result<(), String> {
+    let size = superblock_of(fs)?.size_bytes;
+    if size != blocks * BLOCK as u64 {
+        return Err(format!(
+            "the superblock says {} blocks, want {blocks}",
+            size / BLOCK as u64
+        ));
+    }
+    let storage = storage_of(fs, blocks)?;
+    let volume = Volume::open(Arc::new(storage), &OpenOptions::default())
+        .map_err(|e| format!("open at {blocks} blocks: {e}"))?;
+    if volume.is_read_only() {
+        return Err("opened read-only".into());
+    }
+    let zeros = vec![0u8; BLOCK];
+    let mut buf = vec![0u8; BLOCK];
+    for lba in 0..blocks {
+        volume
+            .read(lba * BLOCK as u64, &mut buf)
+            .map_err(|e| format!("LBA {lba}: {e}"))?;
+        if buf != *model.get(lba as usize).unwrap_or(&zeros) {
+            return Err(format!("LBA {lba} reads other data"));
+        }
+    }
+    let check = volume.check(|_, _| {}).map_err(|e| format!("check: {e}"))?;
+    if !check.faults.is_empty() {
+        return Err(format!(
+            "check found {} faults, the first {:?}",
+            check.faults.len(),
+            check.faults[0]
+        ));
+    }
+    volume.close().map_err(|e| format!("close: {e}"))
+}
+
+fn verify(fs: ModelFs, step: &Step, breaks: ResizeBreaks) -> Result<(), String> {
+    let volume = Path::new(VOLUME);
+    // What the next open does first.
+    let recovered = Recording::new(fs);
+    resize::finish(&recovered, volume).map_err(|e| format!("finish: {e}"))?;
+    let mut fs = recovered.fs.lock().clone();
+    let blocks = superblock_of(&mut fs)?.size_bytes / BLOCK as u64;
+    if blocks != step.from && blocks != step.to {
+        return Err(format!(
+            "{blocks} blocks: neither the old size nor the new one"
+        ));
+    }
+    open_and_read(&mut fs.clone(), blocks, &step.model)?;
+    // The operator runs the resize again.
+    let again = Recording::new(fs);
+    resize::resize(&again, volume, step.to * BLOCK as u64, breaks)
+        .map_err(|e| format!("resize again: {e}"))?;
+    let mut fs = again.fs.lock().clone();
+    open_and_read(&mut fs, step.to, &step.model).map_err(|e| format!("resized again: {e}"))
+}
