@@ -396,6 +396,12 @@ fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result
             features.unknown_ro_compat()
         )));
     }
+    if features.unknown_incompat() != 0 {
+        return Err(invalid(format!(
+            "{shown} has features this vouch does not know (incompat {:#x}): a newer vouch made it; resize it with that version",
+            features.unknown_incompat()
+        )));
+    }
     let needed = FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;
     if features.incompat & needed != needed {
         return Err(invalid(format!(

@@ -193,6 +193,14 @@ fn bad_sizes_snapshots_and_mirrors_are_refused_and_clones_resize() {
     let error = refused(&["resize", s(&volume), "2M"]);
     assert!(error.contains("running `vouch serve`"), "{error}");
     server.stop();
+
+    // A volume a newer vouch made (an incompat feature this one does not
+    // know) is not rewritten: its superblock stays as it was.
+    common::rewrite_superblock(&volume, |sb| sb.features.incompat |= 1 << 40);
+    let before = std::fs::read(volume.join("superblock")).expect("superblock");
+    let error = refused(&["resize", s(&volume), "2M"]);
+    assert!(error.contains("features this vouch does not know"), "{error}");
+    assert_eq!(std::fs::read(volume.join("superblock")).expect("superblock"), before);
 }
 
 #[test]
