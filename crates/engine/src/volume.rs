@@ -185,6 +185,20 @@ impl Volume {
         at(&superblock)
     }
 
+    /// Commit the write-back buffer and checkpoint now, the commit lock
+    /// released after: run before `at_flush_point`, it does most of that
+    /// one's work while writers and flushes go on, so the flush point has
+    /// only what came since to commit and move home.
+    pub fn checkpoint_now(&self) -> Result<()> {
+        let engine = &self.engine;
+        let shared = &engine.shared;
+        shared.io.check_writable()?;
+        let mut journal = engine.committer.lock();
+        engine.committer.commit(shared, &mut journal, &[])?;
+        let state = journal.superblock.state;
+        engine.committer.checkpoint(shared, &mut journal, state)
+    }
+
     /// The engine behind the handle (for offloads such as `copy`).
     pub(crate) fn engine(&self) -> &Engine {
         &self.engine

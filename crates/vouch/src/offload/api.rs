@@ -227,6 +227,7 @@ async fn create_snapshot(
             "path": taken.snapshot.path.display().to_string(),
             "record": taken.snapshot.record,
             "held_ms": taken.held.as_secs_f64() * 1e3,
+            "flush_ms": taken.flush.as_secs_f64() * 1e3,
             "total_ms": taken.total.as_secs_f64() * 1e3,
         })),
     ))
