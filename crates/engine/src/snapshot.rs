@@ -567,7 +567,12 @@ pub fn create_from(
         fs.sync_dir(volume)
             .map_err(|e| io_error("sync", volume, e))?;
     }
-    let result = create_in(fs, volume, name, method, breaks, point);
+    let asked = Asked {
+        name,
+        method,
+        breaks,
+    };
+    let result = publish(fs, volume, &asked, point);
     if result.is_err() && made_dir {
         // A refused first snapshot (ext4 without --copy) leaves no empty
         // `snapshots/` behind: what the create made, it takes back.
@@ -585,14 +590,27 @@ pub fn create_from(
     result
 }
 
-fn create_in(
+/// What `create_from` was asked for.
+struct Asked<'a> {
+    name: &'a str,
+    method: &'a str,
+    breaks: SnapshotBreaks,
+}
+
+/// Clone the volume at `point` into `.NAME.partial`, sync it and publish
+/// it as `NAME` (`create_from` has checked the request and made
+/// `snapshots/`).
+fn publish(
     fs: &dyn SnapshotFs,
     volume: &Path,
-    name: &str,
-    method: &str,
-    breaks: SnapshotBreaks,
+    asked: &Asked,
     point: &dyn FlushPoint,
 ) -> Result<Snapshot> {
+    let Asked {
+        name,
+        method,
+        breaks,
+    } = *asked;
     let dir = volume.join(SNAPSHOTS_DIR);
     tidy(fs, volume)?;
     let target = dir.join(name);

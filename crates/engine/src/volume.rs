@@ -174,13 +174,7 @@ impl Volume {
         &self,
         at: &mut dyn FnMut(&vouch_format::Superblock) -> Result<R>,
     ) -> Result<R> {
-        let engine = &self.engine;
-        let shared = &engine.shared;
-        shared.io.check_writable()?;
-        let mut journal = engine.committer.lock();
-        engine.committer.commit(shared, &mut journal, &[])?;
-        let state = journal.superblock.state;
-        engine.committer.checkpoint(shared, &mut journal, state)?;
+        let journal = self.commit_and_checkpoint()?;
         let superblock = journal.superblock;
         at(&superblock)
     }
@@ -190,13 +184,22 @@ impl Volume {
     /// one's work while writers and flushes go on, so the flush point has
     /// only what came since to commit and move home.
     pub fn checkpoint_now(&self) -> Result<()> {
+        self.commit_and_checkpoint().map(drop)
+    }
+
+    /// Commit and checkpoint (the volume's state unchanged), returning
+    /// the commit lock held.
+    fn commit_and_checkpoint(
+        &self,
+    ) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
         let engine = &self.engine;
         let shared = &engine.shared;
         shared.io.check_writable()?;
         let mut journal = engine.committer.lock();
         engine.committer.commit(shared, &mut journal, &[])?;
         let state = journal.superblock.state;
-        engine.committer.checkpoint(shared, &mut journal, state)
+        engine.committer.checkpoint(shared, &mut journal, state)?;
+        Ok(journal)
     }
 
     /// The engine behind the handle (for offloads such as `copy`).
