@@ -77,6 +77,16 @@ pub trait SnapshotFs {
     fn set_len(&self, path: &Path, len: u64) -> io::Result<()>;
     /// Remove file `path`.
     fn remove_file(&self, path: &Path) -> io::Result<()>;
+    /// Make the file at `path` read-only for everyone (0444): a snapshot's
+    /// files are never written again. Metadata, not data: a model
+    /// filesystem that keeps only what was synced may ignore it.
+    fn make_read_only(&self, _path: &Path) -> io::Result<()> {
+        Ok(())
+    }
+    /// Did some `clone_file` copy the bytes instead of sharing extents?
+    fn copied_any(&self) -> bool {
+        false
+    }
 }
 
 /// Orderings `create` can be told to break, to show the crash simulator
@@ -89,9 +99,21 @@ pub struct SnapshotBreaks {
 
 /// The real filesystem. `full_copy`: where extents cannot be shared, copy
 /// the files' bytes (holes kept) instead of refusing.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct RealFs {
-    pub full_copy: bool,
+    full_copy: bool,
+    /// Some file was copied rather than cloned (`copied_any`).
+    copied: std::sync::atomic::AtomicBool,
+}
+
+impl RealFs {
+    /// `full_copy`: copy where the filesystem cannot share extents.
+    pub fn new(full_copy: bool) -> RealFs {
+        RealFs {
+            full_copy,
+            ..RealFs::default()
+        }
+    }
 }
 
 impl SnapshotFs for RealFs {
@@ -106,6 +128,8 @@ impl SnapshotFs for RealFs {
             .open(to)?;
         match crate::storage::ficlone(&destination, &source) {
             Err(error) if self.full_copy && error.kind() == io::ErrorKind::Unsupported => {
+                self.copied
+                    .store(true, std::sync::atomic::Ordering::Relaxed);
                 copy_sparse(&source, &destination)
             }
             other => other,
@@ -172,6 +196,13 @@ impl SnapshotFs for RealFs {
     fn remove_file(&self, path: &Path) -> io::Result<()> {
         std::fs::remove_file(path)
     }
+    fn copied_any(&self) -> bool {
+        self.copied.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    fn make_read_only(&self, path: &Path) -> io::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
+    }
 }
 
 /// Copy every data range of `source` into `destination` (`copy_file_range`
@@ -230,6 +261,11 @@ fn copy_sparse(source: &File, destination: &File) -> io::Result<()> {
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SnapshotRecord {
     pub name: String,
+    /// Random at create: two snapshots of one name (one deleted, the other
+    /// made later) are told apart, so a clone's `origin` names the one it
+    /// was made from. Empty in records made before it.
+    #[serde(default)]
+    pub id: String,
     /// The volume's uuid (the snapshot keeps it: every block's protection
     /// is bound to it).
     pub uuid: String,
@@ -241,8 +277,13 @@ pub struct SnapshotRecord {
     pub checkpoint_seq: u64,
     pub generations_seq: u64,
     pub layout: String,
-    /// "reflink" (extents shared) or "copy" (a full copy).
+    /// How its files were made: "reflink" (extents shared) or "copy" (a
+    /// full copy, `--copy` on a filesystem that cannot share blocks).
     pub method: String,
+    /// Taken online (`vouch snapshot create --server`, the control API)
+    /// from a served volume at a flush point, or offline from a stopped one.
+    #[serde(default)]
+    pub online: bool,
 }
 
 /// A snapshot found by `list`.
@@ -331,7 +372,8 @@ fn volume_files(superblock: &Superblock) -> Result<Vec<String>> {
 }
 
 /// Clone every file of volume directory `from` into the new directory
-/// `to`, then write `superblock` into it and `extra` (a record), then sync
+/// `to`, then write `superblock` into it and `extra` (a record, made after
+/// the files, so it can say how they were made), then sync
 /// them all and the directory (unless `breaks` says to leave that to after
 /// the publishing rename).
 ///
@@ -348,7 +390,7 @@ fn clone_volume(
     to: &Path,
     superblock: &Superblock,
     writable: bool,
-    extra: (&str, &[u8]),
+    extra: (&str, &mut dyn FnMut() -> Vec<u8>),
 ) -> Result<Vec<PathBuf>> {
     fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
     let journal = ObjectId::Journal.file_name();
@@ -366,7 +408,7 @@ fn clone_volume(
     }
     write_superblock(fs, to, superblock)?;
     let record = to.join(extra.0);
-    fs.write_at(&record, 0, extra.1)
+    fs.write_at(&record, 0, &(extra.1)())
         .map_err(|e| io_error("write", &record, e))?;
     made.push(record);
     Ok(made)
@@ -436,6 +478,52 @@ pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
     Ok(removed)
 }
 
+/// Where a snapshot's files come from: a volume at a flush point, its
+/// files not changing while `clone` runs.
+pub trait FlushPoint {
+    /// Run `clone` with the volume's files at a flush point (every write
+    /// acknowledged before this was called durable in them) and held
+    /// there until it returns, given the superblock that describes them.
+    fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()>;
+    /// Was the volume served (an online snapshot)?
+    fn online(&self) -> bool;
+}
+
+/// A stopped volume, closed cleanly and held by the caller
+/// (`FileStorage::lock_for_writing`): its files are the data at its last
+/// flush, and no one changes them.
+pub struct Stopped<'a> {
+    pub fs: &'a dyn SnapshotFs,
+    pub volume: &'a Path,
+}
+
+impl FlushPoint for Stopped<'_> {
+    fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()> {
+        let superblock = superblock_of(self.fs, self.volume)?;
+        if superblock.state != STATE_CLEAN {
+            return Err(invalid(format!(
+                "{} was not closed cleanly: open it (vouch check, or serve) so it recovers, then take the snapshot",
+                self.volume.display()
+            )));
+        }
+        clone(&superblock)
+    }
+    fn online(&self) -> bool {
+        false
+    }
+}
+
+/// A served volume: `Volume::at_flush_point` commits what is buffered,
+/// checkpoints and holds the commit lock while the files are cloned.
+impl FlushPoint for crate::Volume {
+    fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()> {
+        crate::Volume::at_flush_point(self, clone)
+    }
+    fn online(&self) -> bool {
+        true
+    }
+}
+
 /// Take snapshot `name` of the volume directory `volume`, which must be
 /// closed cleanly and held (`FileStorage::lock_for_writing`) by the
 /// caller, so its files are the data at its last flush. `method` goes in
@@ -447,17 +535,27 @@ pub fn create(
     method: &str,
     breaks: SnapshotBreaks,
 ) -> Result<Snapshot> {
+    create_from(fs, volume, name, method, breaks, &Stopped { fs, volume })
+}
+
+/// Take snapshot `name` of the volume directory `volume` from `point`
+/// (the stopped volume, or the served one). Only the clones run at the
+/// flush point; the checks before and the syncs and the publishing
+/// rename after do not hold the volume. Callers serialize creates and
+/// deletes of one volume (the offline lock; the server's per-volume lock).
+pub fn create_from(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    name: &str,
+    method: &str,
+    breaks: SnapshotBreaks,
+    point: &dyn FlushPoint,
+) -> Result<Snapshot> {
     check_name(name)?;
     let superblock = superblock_of(fs, volume)?;
     if is_snapshot(&superblock) {
         return Err(invalid(format!(
             "{} is itself a snapshot: take snapshots of the volume it belongs to (or of a `vouch clone` of it)",
-            volume.display()
-        )));
-    }
-    if superblock.state != STATE_CLEAN {
-        return Err(invalid(format!(
-            "{} was not closed cleanly: open it (vouch check, or serve) so it recovers, then take the snapshot",
             volume.display()
         )));
     }
@@ -468,17 +566,6 @@ pub fn create(
         )));
     }
     let dir = volume.join(SNAPSHOTS_DIR);
-    if fs
-        .names(&dir)
-        .map_err(|e| io_error("list", &dir, e))?
-        .is_none()
-    {
-        fs.create_dir(&dir)
-            .map_err(|e| io_error("create", &dir, e))?;
-        fs.sync_dir(volume)
-            .map_err(|e| io_error("sync", volume, e))?;
-    }
-    tidy(fs, volume)?;
     let target = dir.join(name);
     if fs.exists(&target) {
         return Err(invalid(format!(
@@ -486,25 +573,109 @@ pub fn create(
             target.display()
         )));
     }
-    let record = SnapshotRecord {
-        name: name.to_string(),
-        uuid: uuid::Uuid::from_bytes(superblock.uuid)
-            .hyphenated()
-            .to_string(),
-        created_unix: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_secs()),
-        superblock_generation: superblock.generation,
-        checkpoint_seq: superblock.checkpoint_seq,
-        generations_seq: superblock.generations_seq,
-        layout: superblock.layout.name().to_string(),
-        method: method.to_string(),
+    let made_dir = fs
+        .names(&dir)
+        .map_err(|e| io_error("list", &dir, e))?
+        .is_none();
+    if made_dir {
+        fs.create_dir(&dir)
+            .map_err(|e| io_error("create", &dir, e))?;
+        fs.sync_dir(volume)
+            .map_err(|e| io_error("sync", volume, e))?;
+    }
+    let asked = Asked {
+        name,
+        method,
+        breaks,
     };
-    let mut marked = superblock;
-    marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
+    let result = publish(fs, volume, &asked, point);
+    if result.is_err() && made_dir {
+        // A refused first snapshot (ext4 without --copy) leaves no empty
+        // `snapshots/` behind: what the create made, it takes back.
+        let _ = tidy(fs, volume);
+        if fs
+            .names(&dir)
+            .ok()
+            .flatten()
+            .is_some_and(|names| names.is_empty())
+        {
+            let _ = fs.remove_all(&dir);
+            let _ = fs.sync_dir(volume);
+        }
+    }
+    result
+}
+
+/// What `create_from` was asked for.
+struct Asked<'a> {
+    name: &'a str,
+    method: &'a str,
+    breaks: SnapshotBreaks,
+}
+
+/// Clone the volume at `point` into `.NAME.partial`, sync it and publish
+/// it as `NAME` (`create_from` has checked the request and made
+/// `snapshots/`).
+fn publish(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    asked: &Asked,
+    point: &dyn FlushPoint,
+) -> Result<Snapshot> {
+    let Asked {
+        name,
+        method,
+        breaks,
+    } = *asked;
+    let dir = volume.join(SNAPSHOTS_DIR);
+    tidy(fs, volume)?;
+    let target = dir.join(name);
     let partial = dir.join(format!(".{name}{PARTIAL}"));
-    let bytes = serde_json::to_vec_pretty(&record).expect("a record serializes");
-    let files = clone_volume(fs, volume, &partial, &marked, false, (RECORD_FILE, &bytes))?;
+    let mut taken = None;
+    point.at_flush_point(&mut |superblock: &Superblock| {
+        let mut record = SnapshotRecord {
+            name: name.to_string(),
+            id: uuid::Uuid::new_v4().hyphenated().to_string(),
+            uuid: uuid::Uuid::from_bytes(superblock.uuid)
+                .hyphenated()
+                .to_string(),
+            created_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_secs()),
+            superblock_generation: superblock.generation,
+            checkpoint_seq: superblock.checkpoint_seq,
+            generations_seq: superblock.generations_seq,
+            layout: superblock.layout.name().to_string(),
+            method: method.to_string(),
+            online: point.online(),
+        };
+        let mut marked = *superblock;
+        marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
+        // A served volume's superblock says open; its snapshot is its files
+        // at a checkpoint with nothing to replay: closed cleanly.
+        marked.state = STATE_CLEAN;
+        let mut make_record = || {
+            if fs.copied_any() {
+                record.method = "copy".to_string();
+            }
+            serde_json::to_vec_pretty(&record).expect("a record serializes")
+        };
+        let files = clone_volume(
+            fs,
+            volume,
+            &partial,
+            &marked,
+            false,
+            (RECORD_FILE, &mut make_record),
+        )?;
+        taken = Some((record.clone(), files));
+        Ok(())
+    })?;
+    let (record, files) = taken.expect("the flush point ran the clone");
+    for file in &files {
+        fs.make_read_only(file)
+            .map_err(|e| io_error("chmod", file, e))?;
+    }
     if !breaks.publish_before_sync {
         sync_all(fs, &partial, &files)?;
     }
@@ -627,7 +798,7 @@ pub fn clone(fs: &dyn SnapshotFs, snapshot: &Path, new_path: &Path) -> Result<Pa
         &partial,
         &writable,
         true,
-        (ORIGIN_FILE, &bytes),
+        (ORIGIN_FILE, &mut || bytes.clone()),
     )?;
     sync_all(fs, &partial, &files)?;
     fs.rename(&partial, new_path)

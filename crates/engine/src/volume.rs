@@ -160,6 +160,48 @@ impl Volume {
         self.engine.shutdown()
     }
 
+    /// Run `at` with the volume's files at a flush point (an online
+    /// snapshot, `snapshot.rs`): under the commit lock, the write-back
+    /// buffer (and with it the held log's records) is committed and a
+    /// checkpoint moves every committed context home, syncs the data, the
+    /// written map and the superblock. Until `at` returns no commit runs,
+    /// so nothing reaches the volume's files: writers meanwhile are still
+    /// admitted into the buffer and the held log (acknowledged as ever,
+    /// durable there) until the buffer reaches twice its dirty limit; a
+    /// flush or FUA waits for the lock. `at` is given the superblock the
+    /// checkpoint wrote (state open: the volume is in use).
+    pub fn at_flush_point<R>(
+        &self,
+        at: &mut dyn FnMut(&vouch_format::Superblock) -> Result<R>,
+    ) -> Result<R> {
+        let journal = self.commit_and_checkpoint()?;
+        let superblock = journal.superblock;
+        at(&superblock)
+    }
+
+    /// Commit the write-back buffer and checkpoint now, the commit lock
+    /// released after: run before `at_flush_point`, it does most of that
+    /// one's work while writers and flushes go on, so the flush point has
+    /// only what came since to commit and move home.
+    pub fn checkpoint_now(&self) -> Result<()> {
+        self.commit_and_checkpoint().map(drop)
+    }
+
+    /// Commit and checkpoint (the volume's state unchanged), returning
+    /// the commit lock held.
+    fn commit_and_checkpoint(
+        &self,
+    ) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
+        let engine = &self.engine;
+        let shared = &engine.shared;
+        shared.io.check_writable()?;
+        let mut journal = engine.committer.lock();
+        engine.committer.commit(shared, &mut journal, &[])?;
+        let state = journal.superblock.state;
+        engine.committer.checkpoint(shared, &mut journal, state)?;
+        Ok(journal)
+    }
+
     /// The engine behind the handle (for offloads such as `copy`).
     pub(crate) fn engine(&self) -> &Engine {
         &self.engine

@@ -2,9 +2,10 @@
 //! snapshots of a stopped volume and writable clones of them
 //! (`vouch_engine::snapshot`; docs/FORMAT.md, "Snapshots").
 
+use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::Subcommand;
@@ -13,57 +14,225 @@ use vouch_engine::snapshot::{self, RealFs, SnapshotBreaks};
 use vouch_engine::{FileStorage, OpenOptions};
 
 use crate::key::Use;
+use crate::offload::client::{Client, ServerArgs};
 
 #[derive(Subcommand, Debug)]
 pub enum SnapshotCommand {
-    /// Take a read-only snapshot NAME of the volume at PATH (offline: no
-    /// server may have it open), at its last flush: everything written
-    /// before is in it, nothing after. It is PATH/snapshots/NAME, a
-    /// complete volume that `check`, `verify`, `scrub`, `export` and
-    /// `serve --snapshot NAME PATH` read; its files share every block
-    /// with the volume's (FICLONE: instant on xfs and btrfs). A volume
-    /// that was not closed cleanly is recovered first.
+    /// Take a read-only snapshot NAME of the volume at PATH, at its last
+    /// flush: everything written before is in it, nothing after. It is
+    /// PATH/snapshots/NAME, a complete volume that `check`, `verify`,
+    /// `scrub`, `export` and `serve --snapshot NAME PATH` read; its files
+    /// (mode 0444) share every block with the volume's (FICLONE: instant
+    /// on xfs and btrfs). Offline, no server may have the volume open, and
+    /// one that was not closed cleanly is recovered first. Online
+    /// (`--server ADDR [EXPORT] NAME`), the server commits what clients
+    /// wrote and checkpoints, then clones the files while no commit runs:
+    /// writes acknowledged before the call are in the snapshot, none
+    /// issued after it returned; clients' flushes wait for the clones,
+    /// their writes meanwhile go to the write-back buffer. Refused on a
+    /// mirror.
     Create {
-        /// The volume's directory.
-        path: PathBuf,
+        /// The volume's directory; with --server, the export (optional
+        /// when the server has one).
+        path: String,
         /// The snapshot's name: letters, digits and . _ - + @ : (one
         /// directory entry, not starting with '.').
-        name: String,
+        name: Option<String>,
         /// Where the filesystem cannot share blocks (ext4), make a full
         /// copy of the volume's files instead (holes kept): slow, and as
-        /// large as the data written.
+        /// large as the data written (online: the volume's flushes wait
+        /// for the whole copy).
         #[arg(long)]
         copy: bool,
+        #[command(flatten)]
+        server: ServerArgs,
         #[command(flatten)]
         key: crate::key::KeyFileArgs,
     },
     /// List the snapshots of the volume at PATH (and remove any a crash
     /// left half made or half deleted, when no server has it open).
     List {
-        /// The volume's directory.
-        path: PathBuf,
+        /// The volume's directory; with --server, the export (optional
+        /// when the server has one).
+        path: Option<String>,
         /// Print JSON.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        server: ServerArgs,
     },
-    /// Delete snapshot NAME of the volume at PATH (offline). Clones made
-    /// from it keep their blocks.
+    /// Delete snapshot NAME of the volume at PATH (offline, or online with
+    /// --server ADDR [EXPORT] NAME). Clones made from it keep their
+    /// blocks. A snapshot some vouch process has open (served, checked,
+    /// cloned) is not deleted.
     Delete {
-        /// The volume's directory.
-        path: PathBuf,
+        /// The volume's directory; with --server, the export (optional
+        /// when the server has one).
+        path: String,
         /// The snapshot's name.
-        name: String,
+        name: Option<String>,
+        #[command(flatten)]
+        server: ServerArgs,
     },
 }
 
 pub fn run(command: SnapshotCommand) -> Result<ExitCode> {
     match command {
         SnapshotCommand::Create {
-            path, name, copy, ..
-        } => create(&path, &name, copy),
-        SnapshotCommand::List { path, json } => list(&path, json),
-        SnapshotCommand::Delete { path, name } => delete(&path, &name),
+            path,
+            name,
+            copy,
+            server,
+            ..
+        } => {
+            if server.server.is_some() {
+                return create_through(&server, &path, name.as_deref(), copy);
+            }
+            let name = name.context("missing NAME: vouch snapshot create PATH NAME")?;
+            create(Path::new(&path), &name, copy)
+        }
+        SnapshotCommand::List { path, json, server } => {
+            if server.server.is_some() {
+                return list_through(&server, path.as_deref(), json);
+            }
+            let path = path.context("missing PATH: vouch snapshot list PATH")?;
+            list(Path::new(&path), json)
+        }
+        SnapshotCommand::Delete { path, name, server } => {
+            if server.server.is_some() {
+                return delete_through(&server, &path, name.as_deref());
+            }
+            let name = name.context("missing NAME: vouch snapshot delete PATH NAME")?;
+            delete(Path::new(&path), &name)
+        }
     }
+}
+
+/// `[EXPORT] NAME` on the command line: the export, named or the server's
+/// only one, and the snapshot's name.
+fn export_and_name(
+    client: &Client,
+    first: Option<&str>,
+    second: Option<&str>,
+) -> Result<(String, Option<String>)> {
+    if let (Some(export), Some(name)) = (first, second) {
+        return Ok((export.to_string(), Some(name.to_string())));
+    }
+    let listed = client.call(hyper::Method::GET, "/v1/exports", None)?;
+    let names: Vec<String> = listed["exports"]
+        .as_array()
+        .map(|exports| {
+            exports
+                .iter()
+                .filter_map(|export| export["name"].as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    match names.as_slice() {
+        [only] => Ok((only.clone(), first.map(str::to_string))),
+        _ => bail!(
+            "the server has {} exports ({}): name one, --server ADDR EXPORT NAME",
+            names.len(),
+            names.join(", ")
+        ),
+    }
+}
+
+/// An export's snapshots' route.
+fn snapshots_route(export: &str) -> String {
+    format!("/v1/exports/{}/snapshots", percent(export))
+}
+
+/// `text` percent-encoded for one path segment.
+fn percent(text: &str) -> String {
+    text.bytes()
+        .map(|byte| {
+            if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+                (byte as char).to_string()
+            } else {
+                format!("%{byte:02X}")
+            }
+        })
+        .collect()
+}
+
+fn create_through(
+    server: &ServerArgs,
+    first: &str,
+    second: Option<&str>,
+    copy: bool,
+) -> Result<ExitCode> {
+    let client = Client::new(server)?;
+    let (export, name) = export_and_name(&client, Some(first), second)?;
+    let name = name.context("missing NAME: vouch snapshot create --server ADDR [EXPORT] NAME")?;
+    snapshot::check_name(&name)?;
+    let answer = client.call(
+        hyper::Method::POST,
+        &snapshots_route(&export),
+        Some(&json!({"name": name, "copy": copy})),
+    )?;
+    println!(
+        "snapshot {name} of export {export}: {} (checkpoint seq {}, held at the flush point {:.1} ms, of which flush {:.1} ms, {:.1} ms in all)",
+        answer["path"].as_str().unwrap_or("?"),
+        answer["record"]["checkpoint_seq"],
+        answer["held_ms"].as_f64().unwrap_or(f64::NAN),
+        answer["flush_ms"].as_f64().unwrap_or(f64::NAN),
+        answer["total_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) -> Result<ExitCode> {
+    let client = Client::new(server)?;
+    let (export, _) = match export {
+        Some(export) => (export.to_string(), None),
+        None => export_and_name(&client, None, None)?,
+    };
+    let answer = client.call(hyper::Method::GET, &snapshots_route(&export), None)?;
+    let items = answer["snapshots"].as_array().cloned().unwrap_or_default();
+    if json_output {
+        println!("{}", serde_json::to_string_pretty(&items)?);
+    } else if items.is_empty() {
+        println!("export {export}: no snapshots");
+    }
+    let mut broken = false;
+    for item in &items {
+        if let Some(error) = item["error"].as_str() {
+            broken = true;
+            if !json_output {
+                println!("?\t{error}");
+            }
+        } else if !json_output {
+            let record = &item["record"];
+            println!(
+                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}",
+                item["name"].as_str().unwrap_or("?"),
+                record["created_unix"],
+                record["checkpoint_seq"],
+                record["layout"].as_str().unwrap_or("?"),
+                item["path"].as_str().unwrap_or("?"),
+            );
+        }
+    }
+    Ok(if broken {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+fn delete_through(server: &ServerArgs, first: &str, second: Option<&str>) -> Result<ExitCode> {
+    let client = Client::new(server)?;
+    let (export, name) = export_and_name(&client, Some(first), second)?;
+    let name = name.context("missing NAME: vouch snapshot delete --server ADDR [EXPORT] NAME")?;
+    snapshot::check_name(&name)?;
+    client.call(
+        hyper::Method::DELETE,
+        &format!("{}/{}", snapshots_route(&export), percent(&name)),
+        None,
+    )?;
+    println!("deleted snapshot {name} of export {export}");
+    Ok(ExitCode::SUCCESS)
 }
 
 /// The volume at `path` stopped, recovered if it needs it, and held by
@@ -102,13 +271,9 @@ fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     snapshot::check_name(name)?;
     let _held = hold_offline(path, "take the snapshot")?;
     let started = Instant::now();
-    let fs = RealFs { full_copy: copy };
-    let method = if copy {
-        "reflink, or a full copy where blocks cannot be shared"
-    } else {
-        "reflink"
-    };
-    let taken = snapshot::create(&fs, path, name, method, SnapshotBreaks::default())?;
+    let fs = RealFs::new(copy);
+    // The record says "copy" where the files were copied (`RealFs`).
+    let taken = snapshot::create(&fs, path, name, "reflink", SnapshotBreaks::default())?;
     let elapsed = started.elapsed();
     println!(
         "snapshot {name} of {}: {} (checkpoint seq {}, {:.1} ms)",
@@ -135,17 +300,7 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
     let found = snapshot::list(&fs, path)?;
     let mut broken = false;
     if json_output {
-        let items: Vec<_> = found
-            .iter()
-            .map(|entry| match entry {
-                Ok(snap) => json!({
-                    "name": snap.record.name,
-                    "path": snap.path.display().to_string(),
-                    "record": snap.record,
-                }),
-                Err(error) => json!({ "error": error.to_string() }),
-            })
-            .collect();
+        let items = list_json(path)?;
         broken = found.iter().any(Result::is_err);
         println!("{}", serde_json::to_string_pretty(&json!(items))?);
     } else {
@@ -181,18 +336,8 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     crate::commands::volume_dir(path)?;
     let _held = FileStorage::lock_for_writing(path)
         .with_context(|| format!("holding {} to delete its snapshot", path.display()))?;
-    // A snapshot served, checked or cloned holds its own lock: deleting it
-    // under that process would leave it reading a snapshot no name leads
-    // to (and a new snapshot of the same name a different one).
     let snapshot_dir = path.join(snapshot::SNAPSHOTS_DIR).join(name);
-    let _snapshot_held = match FileStorage::lock_for_writing(&snapshot_dir) {
-        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => anyhow::bail!(
-            "snapshot {name} of {} is open in another vouch process (a serve, check or clone): stop it first",
-            path.display()
-        ),
-        // A missing snapshot is named by `delete` below.
-        other => other.ok(),
-    };
+    let _snapshot_held = hold_snapshot(path, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, path)?;
     snapshot::delete(&fs, path, name)?;
@@ -204,7 +349,7 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
 pub fn clone(snapshot_dir: &Path, new_path: &Path, copy: bool) -> Result<ExitCode> {
     crate::commands::volume_dir(snapshot_dir)?;
     let started = Instant::now();
-    snapshot::clone(&RealFs { full_copy: copy }, snapshot_dir, new_path)?;
+    snapshot::clone(&RealFs::new(copy), snapshot_dir, new_path)?;
     println!(
         "cloned {} to {} ({:.1} ms)",
         snapshot_dir.display(),
@@ -227,4 +372,118 @@ pub fn served_path(volume: &Path, name: &str) -> Result<PathBuf> {
         );
     }
     Ok(path)
+}
+
+/// Creates and deletes of snapshots on a server run one at a time: a
+/// create's tidying must not take another's half-made snapshot.
+static ONLINE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// What an online create did, for the control API's answer.
+pub struct OnlineSnapshot {
+    pub snapshot: snapshot::Snapshot,
+    /// How long the volume was held at its flush point: the longest a
+    /// client's flush waited for it. `flush` of it the commit and the
+    /// checkpoint, the rest the clones.
+    pub held: Duration,
+    pub flush: Duration,
+    pub total: Duration,
+}
+
+/// Take snapshot `name` of the served volume `volume` (directory `dir`,
+/// held by this server) at a flush point (`Volume::at_flush_point`).
+pub fn create_online(
+    dir: &Path,
+    volume: &vouch_engine::Volume,
+    name: &str,
+    copy: bool,
+) -> Result<OnlineSnapshot> {
+    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    let started = Instant::now();
+    let fs = RealFs::new(copy);
+    let point = Timed {
+        volume,
+        times: Cell::new((Duration::ZERO, Duration::ZERO)),
+    };
+    let taken =
+        snapshot::create_from(&fs, dir, name, "reflink", SnapshotBreaks::default(), &point)?;
+    let (flush, held) = point.times.get();
+    Ok(OnlineSnapshot {
+        snapshot: taken,
+        held,
+        flush,
+        total: started.elapsed(),
+    })
+}
+
+/// A served volume's flush point, timed from before the commit lock is
+/// taken to the clones' start (`times.0`) and to their end (`times.1`).
+struct Timed<'a> {
+    volume: &'a vouch_engine::Volume,
+    times: Cell<(Duration, Duration)>,
+}
+
+impl snapshot::FlushPoint for Timed<'_> {
+    fn at_flush_point(
+        &self,
+        clone: &mut dyn FnMut(&vouch_format::Superblock) -> vouch_engine::Result<()>,
+    ) -> vouch_engine::Result<()> {
+        // Most of the flush first, without holding writers' flushes.
+        self.volume.checkpoint_now()?;
+        let started = Instant::now();
+        let mut flushed = Duration::ZERO;
+        let result = self.volume.at_flush_point(&mut |superblock| {
+            flushed = started.elapsed();
+            clone(superblock)
+        });
+        self.times.set((flushed, started.elapsed()));
+        result
+    }
+    fn online(&self) -> bool {
+        true
+    }
+}
+
+/// Delete snapshot `name` of the served volume at `dir` (held by this
+/// server); refused while another process (or another export of this
+/// one) holds the snapshot.
+pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
+    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    snapshot::check_name(name)?;
+    let snapshot_dir = dir.join(snapshot::SNAPSHOTS_DIR).join(name);
+    let _snapshot_held = hold_snapshot(dir, name, &snapshot_dir)?;
+    let fs = RealFs::default();
+    snapshot::tidy(&fs, dir)?;
+    snapshot::delete(&fs, dir, name)?;
+    Ok(())
+}
+
+/// Hold snapshot `name` (at `snapshot_dir`) of `volume` for its delete:
+/// a snapshot served, checked or cloned holds its own lock, and deleting
+/// it under that process would leave it reading a snapshot no name leads
+/// to (and a new snapshot of the same name a different one).
+fn hold_snapshot(volume: &Path, name: &str, snapshot_dir: &Path) -> Result<Option<std::fs::File>> {
+    match FileStorage::lock_for_writing(snapshot_dir) {
+        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => anyhow::bail!(
+            "snapshot {name} of {} is open in another vouch process (a serve, check or clone): stop it first",
+            volume.display()
+        ),
+        // A missing snapshot is named by `delete`.
+        other => Ok(other.ok()),
+    }
+}
+
+/// The snapshots of the volume at `dir` as JSON (entries that cannot be
+/// read carry an error).
+pub fn list_json(dir: &Path) -> Result<Vec<serde_json::Value>> {
+    Ok(snapshot::list(&RealFs::default(), dir)?
+        .iter()
+        .map(|entry| match entry {
+            Ok(snap) => json!({
+                "name": snap.record.name,
+                "path": snap.path.display().to_string(),
+                "record": snap.record,
+            }),
+            Err(error) => json!({ "error": error.to_string() }),
+        })
+        .collect())
 }

@@ -299,12 +299,42 @@ fn ext4_cannot_share_blocks_so_a_snapshot_is_refused_unless_copied() {
         volume.display()
     );
     assert!(stderr_of(&output).contains(&message), "{}", text(&output));
-    assert!(!volume.join("snapshots/s").exists());
+    // The refused first snapshot leaves no empty `snapshots/` behind.
+    assert!(!volume.join("snapshots").exists());
     assert!(text(&vouch_ok(&["snapshot", "list", s(&volume)])).contains("no snapshots"));
     vouch_ok(&["snapshot", "create", "--copy", s(&volume), "s"]);
     let snap = volume.join("snapshots/s");
     assert!(exported(&snap, dir.path(), "s") == data);
     assert_check_clean(&snap);
+    // The record says what was done (a full copy), and the files are
+    // read-only for everyone.
+    let record = snapshot_record(&snap);
+    assert_eq!(record["method"], "copy");
+    assert_eq!(record["online"], false);
+    assert_eq!(record["id"].as_str().map(str::len), Some(36), "{record}");
+    for entry in std::fs::read_dir(&snap).expect("snapshot dir") {
+        let path = entry.expect("entry").path();
+        let mode = std::fs::metadata(&path).expect("metadata").permissions();
+        use std::os::unix::fs::PermissionsExt as _;
+        assert_eq!(mode.mode() & 0o777, 0o444, "{}", path.display());
+    }
+    // A clone names its snapshot by id too: deleted and made again under
+    // the same name, the snapshot is another one.
+    let clone = dir.path().join("clone");
+    vouch_ok(&["clone", "--copy", s(&snap), s(&clone)]);
+    let origin: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(clone.join("origin")).expect("origin"))
+            .expect("origin json");
+    assert_eq!(origin["record"]["id"], record["id"]);
+    vouch_ok(&["snapshot", "delete", s(&volume), "s"]);
+    vouch_ok(&["snapshot", "create", "--copy", s(&volume), "s"]);
+    assert_ne!(snapshot_record(&snap)["id"], record["id"]);
+}
+
+/// A snapshot's `snapshot` record.
+fn snapshot_record(snapshot: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(snapshot.join("snapshot")).expect("record"))
+        .expect("record json")
 }
 
 #[test]
@@ -382,4 +412,176 @@ fn a_snapshot_being_served_is_not_deleted() {
     server.stop();
     vouch_ok(&["snapshot", "delete", s(&volume), "s"]);
     assert!(!volume.join("snapshots/s").exists());
+}
+
+/// A QD1 writer over NBD (each block once, tagged, a flush every 8) runs
+/// while two snapshots are taken through the server (`snapshot create
+/// --server`); it logs each write's issue and acknowledgement times and
+/// each create's call and return. Prints {"writes": [[lba, issued,
+/// acked]...], "snaps": [[name, called, returned, held_ms]...],
+/// "latency": [seconds per write]}.
+const ONLINE_WRITER: &str = r#"
+import subprocess, threading
+uri, vouch, control, blocks = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+h = connect(uri)
+writes, snaps, started = [], [], threading.Event()
+def writer():
+    for lba in range(blocks):
+        issued = time.monotonic()
+        h.pwrite(block_data(lba, 7), lba * 4096)
+        if lba % 8 == 7:
+            h.flush()
+        writes.append([lba, issued, time.monotonic()])
+        if lba == 64:
+            started.set()
+    h.flush()
+thread = threading.Thread(target=writer)
+thread.start()
+started.wait()
+for name in ["online1", "online2"]:
+    called = time.monotonic()
+    out = subprocess.run([vouch, "snapshot", "create", "--server", control, name],
+                         capture_output=True, text=True)
+    returned = time.monotonic()
+    if out.returncode != 0:
+        raise SystemExit("snapshot create failed: " + out.stderr)
+    held = float(out.stdout.split("held at the flush point ")[1].split(" ms")[0])
+    snaps.append([name, called, returned, held])
+    time.sleep(0.2)
+thread.join()
+latency = [acked - issued for _, issued, acked in writes]
+print(json.dumps({"writes": writes, "snaps": snaps, "latency": latency}))
+"#;
+
+/// Online snapshots (issue 33): taken through the control API while a
+/// client writes, each holds every write acknowledged before its create
+/// was called and none issued after it returned; the volume keeps every
+/// write; both snapshots and the volume check clean; delete through the
+/// server works, and is refused for a snapshot a process serves.
+#[test]
+fn online_snapshots_hold_every_write_acknowledged_before_the_call_and_none_after() {
+    let fs = LoopFs::xfs();
+    let dir = &fs.mount;
+    let first = random_bytes(SIZE, 11);
+    let volume = volume_from(dir, "vol", &first);
+    let mut server = Server::start(dir, &[s(&volume), "--control", "127.0.0.1:0"]);
+    let control = common::control::control(&server).to_string();
+    let blocks = (SIZE as u64 / BLOCK).to_string();
+    let log = py_json(
+        ONLINE_WRITER,
+        &[&server.uri, vouch_bin(), &control, &blocks],
+    );
+    // What each block of a snapshot must be: the write's data when it was
+    // acknowledged before the call, the old data when issued after the
+    // return, either in between.
+    let tagged: Vec<Vec<u8>> = {
+        let script = r#"
+print(json.dumps([block_data(lba, 7).hex() for lba in range(int(sys.argv[1]))]))
+"#;
+        py_json(script, &[&blocks])
+            .as_array()
+            .expect("blocks")
+            .iter()
+            .map(|hex| decode_hex(hex.as_str().expect("hex")))
+            .collect()
+    };
+    let writes = log["writes"].as_array().expect("writes");
+    assert_eq!(writes.len(), SIZE / BLOCK as usize);
+    for snap in log["snaps"].as_array().expect("snaps") {
+        let name = snap[0].as_str().expect("name");
+        let (called, returned) = (snap[1].as_f64().unwrap(), snap[2].as_f64().unwrap());
+        let image = exported(&volume.join("snapshots").join(name), dir, name);
+        let (mut before, mut after) = (0, 0);
+        for write in writes {
+            let lba = write[0].as_u64().unwrap() as usize;
+            let (issued, acked) = (write[1].as_f64().unwrap(), write[2].as_f64().unwrap());
+            let got = &image[lba * BLOCK as usize..(lba + 1) * BLOCK as usize];
+            let old = &first[lba * BLOCK as usize..(lba + 1) * BLOCK as usize];
+            if acked < called {
+                before += 1;
+                assert!(
+                    got == &tagged[lba][..],
+                    "{name}: LBA {lba}, acknowledged before the create was called, is not in it"
+                );
+            } else if issued > returned {
+                after += 1;
+                assert!(
+                    got == old,
+                    "{name}: LBA {lba}, issued after the create returned, is in it"
+                );
+            } else {
+                assert!(
+                    got == old || got == &tagged[lba][..],
+                    "{name}: LBA {lba} is neither its old nor its new data"
+                );
+            }
+        }
+        assert!(
+            before > 64 && after > 0,
+            "{name}: the writer did not run across it ({before} before, {after} after)"
+        );
+        let record = snapshot_record(&volume.join("snapshots").join(name));
+        assert_eq!(record["online"], true);
+        assert_eq!(record["method"], "reflink");
+    }
+    let latency: Vec<f64> = log["latency"]
+        .as_array()
+        .expect("latency")
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let mut sorted = latency.clone();
+    sorted.sort_by(f64::total_cmp);
+    eprintln!(
+        "QD1 write latency during online snapshots: median {:.3} ms, p99 {:.3} ms, max {:.3} ms; held at the flush point: {:?} ms",
+        sorted[sorted.len() / 2] * 1e3,
+        sorted[sorted.len() * 99 / 100] * 1e3,
+        sorted[sorted.len() - 1] * 1e3,
+        log["snaps"].as_array().unwrap().iter().map(|s| s[3].as_f64().unwrap()).collect::<Vec<_>>()
+    );
+
+    // Listed through the server; a name taken is refused.
+    let listed = text(&vouch_ok(&["snapshot", "list", "--server", &control]));
+    assert!(
+        listed.contains("online1\t") && listed.contains("online2\t"),
+        "{listed}"
+    );
+    let again = vouch(&["snapshot", "create", "--server", &control, "online1"]);
+    assert!(
+        !again.status.success() && stderr_of(&again).contains("already exists"),
+        "{}",
+        stderr_of(&again)
+    );
+
+    // A snapshot another process serves is not deleted; once stopped it is.
+    let mut served = Server::start(dir, &["--snapshot", "online1", s(&volume)]);
+    let refused = vouch(&["snapshot", "delete", "--server", &control, "online1"]);
+    assert!(
+        !refused.status.success()
+            && stderr_of(&refused).contains("is open in another vouch process"),
+        "{}",
+        stderr_of(&refused)
+    );
+    served.stop();
+    vouch_ok(&["snapshot", "delete", "--server", &control, "online1"]);
+    assert!(!volume.join("snapshots/online1").exists());
+    server.stop();
+
+    let mut want = Vec::with_capacity(SIZE);
+    for block in &tagged {
+        want.extend_from_slice(block);
+    }
+    assert!(
+        exported(&volume, dir, "after") == want,
+        "the volume lost a write"
+    );
+    assert_check_clean(&volume);
+    assert_check_clean(&volume.join("snapshots/online2"));
+}
+
+fn decode_hex(hex: &str) -> Vec<u8> {
+    (0..hex.len())
+        .step_by(2)
+        .map(|at| u8::from_str_radix(&hex[at..at + 2], 16).expect("hex"))
+        .collect()
 }

@@ -58,6 +58,14 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/exports", get(exports))
         .route("/v1/jobs", get(list_jobs).post(create_job))
         .route("/v1/jobs/{id}", get(get_job).delete(cancel_job))
+        .route(
+            "/v1/exports/{export}/snapshots",
+            get(list_snapshots).post(create_snapshot),
+        )
+        .route(
+            "/v1/exports/{export}/snapshots/{name}",
+            axum::routing::delete(delete_snapshot),
+        )
         .route("/v1/mirrors/{export}", get(mirror_status))
         .route(
             "/v1/mirrors/{export}/resync",
@@ -132,14 +140,115 @@ async fn exports(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
     Ok(Json(json!({ "exports": list })))
 }
 
-fn resyncer_of(state: &ApiState, export: &str) -> ApiResult<Arc<crate::resync::Resyncer>> {
-    let entry = state
+fn export_of<'a>(state: &'a ApiState, export: &str) -> ApiResult<&'a super::jobs::ExportEntry> {
+    state
         .jobs
         .exports
         .iter()
         .find(|entry| entry.name == export)
-        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export {export:?}")))?;
-    entry
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export {export:?}")))
+}
+
+/// An export whose snapshots can be taken and deleted here: a single
+/// writable volume. A mirror's legs are separate volumes, each at its own
+/// flush point; a snapshot of one leg would not be a snapshot of the
+/// mirror (and a mirror's leg refuses snapshots offline too).
+fn snapshot_target<'a>(
+    state: &'a ApiState,
+    export: &str,
+) -> ApiResult<&'a super::jobs::ExportEntry> {
+    let entry = export_of(state, export)?;
+    if entry.mirror.is_some() {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("export {export:?} is a mirror: snapshots of mirrored volumes are not supported (its legs are separate volumes; take one of a single volume, e.g. after `vouch mirror remove`)"),
+        ));
+    }
+    if vouch_engine::BlockDevice::is_read_only(&*entry.volume) {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("export {export:?} is read-only (a snapshot, or served --read-only): take snapshots of the volume it belongs to"),
+        ));
+    }
+    Ok(entry)
+}
+
+fn internal(error: impl std::fmt::Display) -> ApiError {
+    ApiError(StatusCode::INTERNAL_SERVER_ERROR, error.to_string())
+}
+
+/// `GET /v1/exports/{export}/snapshots`.
+async fn list_snapshots(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let dir = export_of(&state, &export)?.dir.clone();
+    let list = tokio::task::spawn_blocking(move || crate::snapshot::list_json(&dir))
+        .await
+        .map_err(internal)?
+        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    Ok(Json(json!({"export": export, "snapshots": list})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SnapshotRequest {
+    name: String,
+    #[serde(default)]
+    copy: bool,
+}
+
+/// `POST /v1/exports/{export}/snapshots {"name": NAME, "copy": false}`:
+/// take a snapshot at a flush point; answered when it is published.
+async fn create_snapshot(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let request: SnapshotRequest = serde_json::from_slice(&body).map_err(|error| {
+        ApiError::bad(format!(
+            "snapshot request: {error} (expected {{\"name\": NAME, \"copy\": false}})"
+        ))
+    })?;
+    vouch_engine::snapshot::check_name(&request.name).map_err(|e| ApiError::bad(e.to_string()))?;
+    let entry = snapshot_target(&state, &export)?;
+    let (dir, volume) = (entry.dir.clone(), entry.volume.clone());
+    let taken = tokio::task::spawn_blocking(move || {
+        crate::snapshot::create_online(&dir, &volume, &request.name, request.copy)
+    })
+    .await
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "export": export,
+            "name": taken.snapshot.record.name,
+            "path": taken.snapshot.path.display().to_string(),
+            "record": taken.snapshot.record,
+            "held_ms": taken.held.as_secs_f64() * 1e3,
+            "flush_ms": taken.flush.as_secs_f64() * 1e3,
+            "total_ms": taken.total.as_secs_f64() * 1e3,
+        })),
+    ))
+}
+
+/// `DELETE /v1/exports/{export}/snapshots/{name}`.
+async fn delete_snapshot(
+    State(state): State<ApiState>,
+    Path((export, name)): Path<(String, String)>,
+) -> ApiResult<Json<Value>> {
+    let dir = snapshot_target(&state, &export)?.dir.clone();
+    let deleted = name.clone();
+    tokio::task::spawn_blocking(move || crate::snapshot::delete_online(&dir, &deleted))
+        .await
+        .map_err(internal)?
+        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    Ok(Json(json!({"export": export, "deleted": name})))
+}
+
+fn resyncer_of(state: &ApiState, export: &str) -> ApiResult<Arc<crate::resync::Resyncer>> {
+    export_of(state, export)?
         .resync
         .clone()
         .ok_or_else(|| ApiError::bad(format!("export {export:?} is not a mirrored volume")))
