@@ -42,9 +42,8 @@ use std::path::{Path, PathBuf};
 
 use vouch_format::superblock::{STATE_CLEAN, SUPERBLOCK_SLOT_BYTES};
 use vouch_format::written::{
-    bits_bytes, copy_bytes, copy_offset, decode_values_page, encode_values_page,
-    generations_bytes, generations_offset, unit_blocks, GenerationsHeader, WrittenHeader,
-    WRITTEN_PAGE_BYTES,
+    bits_bytes, copy_bytes, copy_offset, decode_values_page, encode_values_page, generations_bytes,
+    generations_offset, unit_blocks, GenerationsHeader, WrittenHeader, WRITTEN_PAGE_BYTES,
 };
 use vouch_format::{crc32c, FeatureFlags, Geometry, LayoutKind, Superblock};
 
@@ -327,12 +326,13 @@ pub fn resize(
         return Ok(resized);
     }
     let written = volume.join(ObjectId::Written.file_name());
-    let map_bytes = fs.read(&written).map_err(|e| io_error("read", &written, e))?;
+    let map_bytes = fs
+        .read(&written)
+        .map_err(|e| io_error("read", &written, e))?;
     let (map_len, map_runs) = resized_map(&map_bytes, &superblock, &old, &new)?;
     let straddle_set = straddle_unit(&old, &new).is_some_and(|unit| {
-        valid_copy(&map_bytes, superblock.uuid, units_of(&old)).is_some_and(|(_, bits)| {
-            bits[(unit / 8) as usize] & (1 << (unit % 8)) != 0
-        })
+        valid_copy(&map_bytes, superblock.uuid, units_of(&old))
+            .is_some_and(|(_, bits)| bits[(unit / 8) as usize] & (1 << (unit % 8)) != 0)
     });
     let mut switched = superblock;
     switched.size_bytes = new_bytes;
@@ -485,7 +485,8 @@ fn shrink_files(fs: &dyn SnapshotFs, volume: &Path, old: &Geometry, new: &Geomet
         let path = volume.join(object.file_name());
         fs.set_len(&path, len)
             .map_err(|e| io_error("truncate", &path, e))?;
-        fs.sync_file(&path).map_err(|e| io_error("sync", &path, e))?;
+        fs.sync_file(&path)
+            .map_err(|e| io_error("sync", &path, e))?;
     }
     for segment in new.segments()..old.segments() {
         let path = volume.join(ObjectId::Data(segment).file_name());
@@ -509,7 +510,8 @@ fn switch(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result
         slot[..vouch_format::SUPERBLOCK_BYTES].copy_from_slice(&next.encode());
         fs.write_at(&path, (next.generation % 2) * SUPERBLOCK_SLOT_BYTES, &slot)
             .map_err(|e| io_error("write", &path, e))?;
-        fs.sync_file(&path).map_err(|e| io_error("sync", &path, e))?;
+        fs.sync_file(&path)
+            .map_err(|e| io_error("sync", &path, e))?;
     }
     Ok(())
 }

@@ -34,9 +34,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use vouch_engine::resize::{self, ResizeBreaks};
 use vouch_engine::storage::objects_of;
-use vouch_engine::{
-    BlockDevice, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume,
-};
+use vouch_engine::{BlockDevice, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume};
 use vouch_format::Geometry;
 
 use crate::faults::BLOCKS;

@@ -440,7 +440,10 @@ struct Expected {
 }
 
 pub fn run(config: &SnapshotConfig) -> SnapshotReport {
-    let flag = config.breaks.publish_before_sync.then_some("--break-publish");
+    let flag = config
+        .breaks
+        .publish_before_sync
+        .then_some("--break-publish");
     run_seeds(
         ("snapshot", config.layout, flag),
         config.seed..config.seed + config.seeds,

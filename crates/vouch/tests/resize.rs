@@ -33,7 +33,9 @@ fn exported(volume: &Path, dir: &Path) -> Vec<u8> {
 }
 
 fn size_of(volume: &Path) -> u64 {
-    info_json(volume)["size_bytes"].as_u64().expect("size_bytes")
+    info_json(volume)["size_bytes"]
+        .as_u64()
+        .expect("size_bytes")
 }
 
 /// Serve `volume`: qemu-img's size over NBD; then write `tail` at the
@@ -125,7 +127,9 @@ print(json.dumps({"ok": True}))
     assert!(now[..OLD] == data[..] && now[OLD..].iter().all(|b| *b == 0));
     // The segment files follow the size (split: 4 KiB a block; packed:
     // whole 128 KiB rows of 31 blocks).
-    let segment = std::fs::metadata(volume.join("data.00000")).expect("segment").len();
+    let segment = std::fs::metadata(volume.join("data.00000"))
+        .expect("segment")
+        .len();
     let blocks = 6u64 << 8;
     let want = if layout == "split" {
         blocks * BLOCK
@@ -163,7 +167,11 @@ fn bad_sizes_snapshots_and_mirrors_are_refused_and_clones_resize() {
     ] {
         let output = vouch(&["resize", s(&volume), size]);
         assert!(!output.status.success(), "{size}");
-        assert!(stderr_of(&output).contains(why), "{size}: {}", text(&output));
+        assert!(
+            stderr_of(&output).contains(why),
+            "{size}: {}",
+            text(&output)
+        );
     }
     assert_eq!(size_of(&volume), 1 << 20);
 
@@ -199,8 +207,14 @@ fn bad_sizes_snapshots_and_mirrors_are_refused_and_clones_resize() {
     common::rewrite_superblock(&volume, |sb| sb.features.incompat |= 1 << 40);
     let before = std::fs::read(volume.join("superblock")).expect("superblock");
     let error = refused(&["resize", s(&volume), "2M"]);
-    assert!(error.contains("features this vouch does not know"), "{error}");
-    assert_eq!(std::fs::read(volume.join("superblock")).expect("superblock"), before);
+    assert!(
+        error.contains("features this vouch does not know"),
+        "{error}"
+    );
+    assert_eq!(
+        std::fs::read(volume.join("superblock")).expect("superblock"),
+        before
+    );
 }
 
 #[test]
