@@ -325,6 +325,41 @@ pub trait Export: Send + Sync + 'static {
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError>;
     /// base:allocation extents covering at least [offset, offset+1) and at most `length` bytes.
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError>;
+    /// The names of the `qemu:dirty-bitmap:NAME` contexts the export
+    /// offers, asked at each LIST / SET_META_CONTEXT (so bitmaps made
+    /// while serving appear on the next negotiation). The default: none.
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// `qemu:dirty-bitmap:NAME`: runs of `(bytes, dirty)` from `offset`,
+    /// covering at least [offset, offset+1) and at most `length` bytes.
+    fn dirty_status(
+        &self,
+        bitmap: &str,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<(u64, bool)>, ExportError> {
+        let _ = (offset, length);
+        Err(ExportError::new(
+            Errno::Inval,
+            format!("this export has no dirty bitmap {bitmap:?}"),
+        ))
+    }
+    /// Whether the export offers `qemu:allocation-depth` (asked at each
+    /// LIST / SET_META_CONTEXT).
+    fn can_allocation_depth(&self) -> bool {
+        false
+    }
+    /// `qemu:allocation-depth`: runs of `(bytes, depth)` from `offset` (0
+    /// never written, 1 written in this export, 2 from the layer below),
+    /// covering at least [offset, offset+1) and at most `length` bytes.
+    fn allocation_depth(&self, offset: u64, length: u64) -> Result<Vec<(u64, u32)>, ExportError> {
+        let _ = (offset, length);
+        Err(ExportError::new(
+            Errno::NotSup,
+            "this export has no allocation-depth metadata context",
+        ))
+    }
     /// Whether the export offers the `x-vouch:integrity` metadata context.
     fn can_integrity_status(&self) -> bool {
         false

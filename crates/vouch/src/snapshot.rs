@@ -204,6 +204,11 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
 pub fn clone(snapshot_dir: &Path, new_path: &Path, copy: bool) -> Result<ExitCode> {
     crate::commands::volume_dir(snapshot_dir)?;
     let started = Instant::now();
+    // The origin names the snapshot by its absolute path, so a server of
+    // the clone finds it from any directory (`qemu:allocation-depth`).
+    let snapshot_dir = &snapshot_dir
+        .canonicalize()
+        .with_context(|| format!("finding {}", snapshot_dir.display()))?;
     snapshot::clone(&RealFs { full_copy: copy }, snapshot_dir, new_path)?;
     println!(
         "cloned {} to {} ({:.1} ms)",

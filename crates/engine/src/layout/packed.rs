@@ -12,7 +12,9 @@ use vouch_format::journal::record_data;
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages};
+use super::{
+    ContextFrom, Layout, Planned, Replay, RunSpan, StoredContext, UnitPlace, WrittenPages,
+};
 use crate::backing::Backing;
 use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
@@ -859,13 +861,13 @@ impl Layout for PackedLayout {
         Self::row_records(bytes).collect()
     }
 
-    fn allocation(
+    fn stored_contexts(
         &self,
         io: &Backing,
         _state: &RwLock<VolumeState>,
         first: u64,
         buffered: &[bool],
-    ) -> Result<Vec<Allocation>> {
+    ) -> Result<Vec<StoredContext>> {
         let count = buffered.len() as u64;
         // Sparse fast path: no data anywhere in these records.
         let start = self.geometry.locate(first);
@@ -879,11 +881,11 @@ impl Layout for PackedLayout {
         let mut kinds = Vec::with_capacity(buffered.len());
         for (index, lba) in (first..first + count).enumerate() {
             if buffered[index] {
-                kinds.push(Allocation::Data);
+                kinds.push(StoredContext::Buffered);
                 continue;
             }
             if !any_data {
-                kinds.push(Allocation::Hole);
+                kinds.push(StoredContext::Stored(Context::Unwritten));
                 continue;
             }
             let location = self.geometry.locate(lba);
@@ -898,9 +900,8 @@ impl Layout for PackedLayout {
             self.judge_suspects(io, lba, &mut context, Wait::Block)
                 .map_err(|error| Error::io("read", ObjectId::Data(location.segment), 0, error))?;
             kinds.push(match context[0] {
-                Ok(Context::Unwritten) => Allocation::Hole,
-                Ok(Context::Zero { .. }) => Allocation::Zero,
-                _ => Allocation::Data,
+                Ok(found) => StoredContext::Stored(found),
+                Err(_) => StoredContext::Unknown,
             });
         }
         Ok(kinds)
