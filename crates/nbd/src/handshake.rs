@@ -582,7 +582,7 @@ where
     let mut selected = MetaContexts::default();
     for offered in offered_contexts(export.as_ref()) {
         let matches = if set {
-            queries.iter().any(|query| *query == offered.name)
+            queries.contains(&offered.name)
         } else {
             queries.is_empty()
                 || queries.iter().any(|query| {
