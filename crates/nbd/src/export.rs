@@ -32,6 +32,12 @@ impl ExportError {
         }
     }
 
+    /// A BLOCK_STATUS query for a metadata context the export does not
+    /// offer (the server selects only offered ones: a context gone since).
+    pub fn no_context(what: &str) -> Self {
+        ExportError::new(Errno::Inval, format!("this export has no {what}"))
+    }
+
     pub fn at_offset(mut self, offset: u64) -> Self {
         self.offset = Some(offset);
         self
@@ -340,10 +346,7 @@ pub trait Export: Send + Sync + 'static {
         length: u64,
     ) -> Result<Vec<(u64, bool)>, ExportError> {
         let _ = (offset, length);
-        Err(ExportError::new(
-            Errno::Inval,
-            format!("this export has no dirty bitmap {bitmap:?}"),
-        ))
+        Err(ExportError::no_context(&format!("dirty bitmap {bitmap:?}")))
     }
     /// Whether the export offers `qemu:allocation-depth` (asked at each
     /// LIST / SET_META_CONTEXT).
@@ -355,10 +358,7 @@ pub trait Export: Send + Sync + 'static {
     /// covering at least [offset, offset+1) and at most `length` bytes.
     fn allocation_depth(&self, offset: u64, length: u64) -> Result<Vec<(u64, u32)>, ExportError> {
         let _ = (offset, length);
-        Err(ExportError::new(
-            Errno::NotSup,
-            "this export has no allocation-depth metadata context",
-        ))
+        Err(ExportError::no_context("qemu:allocation-depth"))
     }
     /// Whether the export offers the `x-vouch:integrity` metadata context.
     fn can_integrity_status(&self) -> bool {

@@ -270,10 +270,7 @@ impl Export for VolumeExport {
         length: u64,
     ) -> Result<Vec<(u64, bool)>, ExportError> {
         let Some(changes) = &self.changes else {
-            return Err(ExportError::new(
-                Errno::Inval,
-                format!("this export has no dirty bitmap {bitmap:?}"),
-            ));
+            return Err(ExportError::no_context(&format!("dirty bitmap {bitmap:?}")));
         };
         changes.dirty_status(
             self.volume.as_ref(),
@@ -287,16 +284,13 @@ impl Export for VolumeExport {
             .is_some_and(crate::changed::Changes::is_clone)
     }
     fn allocation_depth(&self, offset: u64, length: u64) -> Result<Vec<(u64, u32)>, ExportError> {
-        match &self.changes {
-            Some(changes) => changes.allocation_depth(
-                self.volume.as_ref(),
-                (offset, length, BLOCK_STATUS_MAX_BLOCKS),
-            ),
-            None => Err(ExportError::new(
-                Errno::NotSup,
-                "this export has no allocation-depth metadata context",
-            )),
-        }
+        let Some(changes) = &self.changes else {
+            return Err(ExportError::no_context("qemu:allocation-depth"));
+        };
+        changes.allocation_depth(
+            self.volume.as_ref(),
+            (offset, length, BLOCK_STATUS_MAX_BLOCKS),
+        )
     }
     fn can_integrity_status(&self) -> bool {
         true

@@ -425,6 +425,13 @@ print(json.dumps({"nope": h.can_meta_context("qemu:dirty-bitmap:nope"),
     server.stop();
 }
 
+/// `vouch ARGS` fails (exit 2) saying `want`.
+fn refused(args: &[&str], want: &str) {
+    let output = vouch(args);
+    assert_eq!(output.status.code(), Some(2), "{args:?}: {}", text(&output));
+    assert!(text(&output).contains(want), "{args:?}: {}", text(&output));
+}
+
 #[test]
 fn diff_refuses_a_missing_snapshot_and_another_volumes() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -432,43 +439,25 @@ fn diff_refuses_a_missing_snapshot_and_another_volumes() {
     let (volume, mut server) = small_changed(dir);
     // Served: `diff` of the live volume says to ask the server.
     let s1 = volume.join("snapshots/s1");
-    let output = vouch(&["diff", s(&s1)]);
-    assert_eq!(output.status.code(), Some(2));
-    assert!(
-        text(&output).contains("qemu:dirty-bitmap:s1"),
-        "{}",
-        text(&output)
-    );
+    refused(&["diff", s(&s1)], "qemu:dirty-bitmap:s1");
     server.stop();
     let json = vouch_ok(&["diff", s(&s1), "--json"]);
     let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
     assert_eq!(ranges_of(&json["ranges"]), SMALL_DIRTY);
 
-    let output = vouch(&["diff", s(&volume.join("snapshots/nope"))]);
-    assert_eq!(output.status.code(), Some(2));
-    assert!(
-        text(&output).contains("no snapshot named \"nope\""),
-        "{}",
-        text(&output)
+    refused(
+        &["diff", s(&volume.join("snapshots/nope"))],
+        "no snapshot named \"nope\"",
     );
-    let output = vouch(&["diff", s(&volume)]);
-    assert_eq!(output.status.code(), Some(2));
-    assert!(
-        text(&output).contains("is not a snapshot's directory"),
-        "{}",
-        text(&output)
-    );
+    refused(&["diff", s(&volume)], "is not a snapshot's directory");
 
     // A snapshot of another volume (another uuid) is refused.
     let other = dir.join("other");
     vouch_ok(&["create", s(&other), "--size", "4M"]);
     vouch_ok(&["snapshot", "create", s(&other), "o1", "--copy"]);
-    let output = vouch(&["diff", s(&s1), s(&other.join("snapshots/o1"))]);
-    assert_eq!(output.status.code(), Some(2));
-    assert!(
-        text(&output).contains("blocks of different volumes cannot be compared"),
-        "{}",
-        text(&output)
+    refused(
+        &["diff", s(&s1), s(&other.join("snapshots/o1"))],
+        "blocks of different volumes cannot be compared",
     );
 }
 
