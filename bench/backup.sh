@@ -65,5 +65,5 @@ PY
 kill $P; wait $P || true
 $V export $D/vol $D/now.raw
 cmp -s $D/copy.raw $D/now.raw && echo "copy equals the volume" || { echo "copy DIFFERS from the volume"; exit 1; }
-$V diff $D/vol/snapshots/s1 | head -1
+$V diff $D/vol/snapshots/s1 > $D/diff.txt; head -1 $D/diff.txt
 rm -rf "$D"
