@@ -445,6 +445,21 @@ fn diff_refuses_a_missing_snapshot_and_another_volumes() {
     let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
     assert_eq!(ranges_of(&json["ranges"]), SMALL_DIRTY);
 
+    // Lost metadata is changed, never clean: the first context page of
+    // the volume and of the snapshot zeroed (their written-map bits set:
+    // lost, 128 blocks each). Read as never written, both would match and
+    // call 0..128 clean; the whole page is reported.
+    for dir in [&volume, &s1] {
+        let contexts = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join("contexts"))
+            .expect("contexts");
+        std::os::unix::fs::FileExt::write_all_at(&contexts, &[0u8; 4096], 0).expect("zero page 0");
+    }
+    let json = vouch_ok(&["diff", s(&s1), "--json"]);
+    let json: serde_json::Value = serde_json::from_slice(&json.stdout).expect("json");
+    assert_eq!(ranges_of(&json["ranges"]), [(0, 128 * BLOCK)], "{json}");
+
     refused(
         &["diff", s(&volume.join("snapshots/nope"))],
         "no snapshot named \"nope\"",
