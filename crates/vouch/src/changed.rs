@@ -221,6 +221,20 @@ pub fn diff(
     let now_path = to_path.clone().unwrap_or_else(|| volume.clone());
     if let Some(to_path) = &to_path {
         read_record(to_path)?;
+        // A clone keeps its origin's uuid and commits from the same
+        // sequence: a block rewritten in each may carry equal contexts
+        // over different data. Only snapshots of one volume compare.
+        let same = |path: &Path| std::fs::canonicalize(path).ok();
+        let to_volume = volume_of(to_path)?;
+        if same(&to_volume).is_none() || same(&to_volume) != same(&volume) {
+            anyhow::bail!(
+                "{} is a snapshot of {}, and {} of {}: only snapshots of the same volume (PATH/snapshots/NAME, one PATH) can be compared; a clone's blocks are compared with its origin by `qemu:allocation-depth`",
+                from.display(),
+                volume.display(),
+                to_path.display(),
+                to_volume.display()
+            );
+        }
     } else if vouch_engine::volume_in_use(&volume)? {
         anyhow::bail!(
             "{} is open in a running `vouch serve`: ask it with `nbdinfo --map=qemu:dirty-bitmap:{} URI`, or stop it",
@@ -231,6 +245,16 @@ pub fn diff(
     let then = open_contexts(from).with_context(|| format!("opening {}", from.display()))?;
     let now =
         open_contexts(&now_path).with_context(|| format!("opening {}", now_path.display()))?;
+    // A volume left unclean (killed, power lost) opens read-only without
+    // recovery: what only its journal holds (a trim or zero whose home
+    // write was not yet durable) is not in the metadata compared.
+    if !now.info()?.clean {
+        anyhow::bail!(
+            "{} was not closed cleanly (its journal holds changes its metadata may not): serve it once (`vouch serve {}` recovers it at open, then stop it), then run `vouch diff` again",
+            now_path.display(),
+            now_path.display()
+        );
+    }
     if then.uuid_string() != now.uuid_string() {
         anyhow::bail!(
             "{} is a snapshot of volume {}, and {} is of volume {}: blocks of different volumes cannot be compared",

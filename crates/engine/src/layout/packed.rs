@@ -416,6 +416,60 @@ impl PackedLayout {
         Ok(())
     }
 
+    /// `stored_contexts`' judgement of rows against their expected
+    /// generations, as reads make it (`judge_rows`), from the rows'
+    /// contexts alone: a row found older this open, or whose own slots
+    /// are all older than expected (an older copy of the data file) or
+    /// damaged, is `Unknown` in every block not buffered, never the older
+    /// copy's contexts (a backup would keep stale bytes) nor a hole. A row
+    /// that reaches its expectation is current for the rest of the open,
+    /// so each row is read whole at most once.
+    fn judge_stored_rows(
+        &self,
+        io: &Backing,
+        first: u64,
+        kinds: &mut [StoredContext],
+    ) -> Result<()> {
+        let end = first + kinds.len() as u64;
+        for unit in io.written.unit_of(first)..=io.written.unit_of(end - 1) {
+            let older = io.written.is_older(unit);
+            if !older && !io.written.to_judge(unit) {
+                continue;
+            }
+            let lbas = io.written.lbas_of(unit, self.geometry.blocks);
+            let current = !older && {
+                let mut slots = Vec::with_capacity((lbas.end - lbas.start) as usize);
+                for lba in lbas.clone() {
+                    let location = self.geometry.locate(lba);
+                    let mut raw = [0u8; CONTEXT_BYTES];
+                    io.read_object(
+                        ObjectId::Data(location.segment),
+                        location.data_offset + BLOCK,
+                        &mut raw,
+                    )?;
+                    slots.push(raw);
+                }
+                let verdict = io.written.judge_slots(
+                    lbas.start,
+                    slots.iter().map(|slot| (&slot[..], None)),
+                    io.written.expected_generation(unit),
+                );
+                matches!(verdict, SlotVerdict::Reaches | SlotVerdict::NoOwn)
+            };
+            if current {
+                io.written.set_current(unit);
+                continue;
+            }
+            for lba in lbas.start.max(first)..lbas.end.min(end) {
+                let kind = &mut kinds[(lba - first) as usize];
+                if *kind != StoredContext::Buffered {
+                    *kind = StoredContext::Unknown;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Each block's data into `out` and its context judged as a slot
     /// (`WrittenMap::judge_slot`), from a span `run_span` named.
     fn contexts_from_span(
@@ -903,6 +957,9 @@ impl Layout for PackedLayout {
                 Ok(found) => StoredContext::Stored(found),
                 Err(_) => StoredContext::Unknown,
             });
+        }
+        if any_data {
+            self.judge_stored_rows(io, first, &mut kinds)?;
         }
         Ok(kinds)
     }
