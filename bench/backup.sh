@@ -14,7 +14,17 @@ D=${DIR:-/var/tmp/vouch-backup-bench}; rm -rf "$D"; mkdir -p "$D"
 SIZE=${SIZE:-1G}; LAYOUT=${LAYOUT:-split}; PORT=${PORT:-10833}
 UNIT=128; [ "$LAYOUT" = packed ] && UNIT=31
 $V create $D/vol --size "$SIZE" --layout "$LAYOUT" >/dev/null
-$V serve $D/vol --listen 127.0.0.1:$PORT 2>$D/s1.log & P=$!; sleep 1
+# serve LOG: start the server and wait for its pid file (written once it listens).
+serve() {
+  rm -f $D/pid; $V serve $D/vol --listen 127.0.0.1:$PORT --pid-file $D/pid 2>$D/$1.log & P=$!
+  for _ in $(seq 1200); do
+    [ -s $D/pid ] && return 0
+    kill -0 $P 2>/dev/null || { cat $D/$1.log; exit 1; }
+    sleep 0.05
+  done
+  echo "serve did not start in 60 s"; exit 1
+}
+serve s1
 /usr/bin/python3 - "nbd://127.0.0.1:$PORT" <<'PY'
 import os, sys, nbd
 h = nbd.NBD(); h.connect_uri(sys.argv[1]); size = h.get_size(); step = 4 << 20
@@ -24,7 +34,7 @@ PY
 kill $P; wait $P || true
 $V snapshot create $D/vol s1 --copy >/dev/null
 $V export $D/vol/snapshots/s1 $D/copy.raw
-$V serve $D/vol --listen 127.0.0.1:$PORT 2>$D/s2.log & P=$!; sleep 1
+serve s2
 /usr/bin/python3 - "nbd://127.0.0.1:$PORT" "$UNIT" <<'PY'
 import os, random, sys, nbd
 h = nbd.NBD(); h.connect_uri(sys.argv[1]); unit = int(sys.argv[2]); rng = random.Random(33)
@@ -62,6 +72,10 @@ with open(sys.argv[2], "r+b") as f:
 t2 = time.monotonic()
 print(f"dirty ranges {len(dirty)}; read {read} of {size} bytes ({read * 100 / size:.2f} %); bitmap query {t1 - t0:.3f} s; backup {t2 - t0:.3f} s")
 PY
+# qemu's nbd driver reads the bitmap extent by extent (x-dirty-bitmap).
+OPTS="driver=nbd,server.type=inet,server.host=127.0.0.1,server.port=$PORT,x-dirty-bitmap=qemu:dirty-bitmap:s1"
+t0=$(date +%s.%N); EXTENTS=$(qemu-img map --output=json --image-opts "$OPTS" | grep -c '"start"'); t1=$(date +%s.%N)
+echo "qemu-img map x-dirty-bitmap: $EXTENTS extents in $(echo "$t1 - $t0" | bc) s"
 kill $P; wait $P || true
 $V export $D/vol $D/now.raw
 cmp -s $D/copy.raw $D/now.raw && echo "copy equals the volume" || { echo "copy DIFFERS from the volume"; exit 1; }

@@ -4,11 +4,13 @@
 //! was made, 2 from its snapshot, 0 never written). Both compare contexts
 //! (`vouch_engine::changed`), never data. A layer beside the export: a
 //! volume without snapshots has none of this on its request path, and a
-//! snapshot is opened (read-only, keyless: contexts need no key) only for
-//! the BLOCK_STATUS request that asks about it, and closed after, so it
-//! is held no longer than the request.
+//! snapshot is opened (read-only, keyless: contexts need no key) at the
+//! first BLOCK_STATUS request that asks about it and kept open for the
+//! next (one at a time per served volume; reopened when its record
+//! changes).
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use vouch_engine::changed::{compare_runs, Change};
 use vouch_engine::snapshot::{self, CloneOrigin, RealFs, SnapshotRecord};
@@ -23,6 +25,12 @@ pub struct Changes {
     volume: PathBuf,
     /// The volume's uuid: a snapshot of another volume is refused.
     uuid: String,
+    /// The snapshot opened last (its directory and record), kept open
+    /// for the next request: a client reading a bitmap extent by extent
+    /// (qemu's nbd driver) would otherwise open it once per extent. It is
+    /// reopened when its record changes (a snapshot deleted and taken
+    /// again under the same name).
+    open: parking_lot::Mutex<Option<(PathBuf, SnapshotRecord, Arc<Volume>)>>,
 }
 
 fn invalid(message: String) -> ExportError {
@@ -53,7 +61,24 @@ impl Changes {
         Changes {
             volume: volume.to_path_buf(),
             uuid,
+            open: parking_lot::Mutex::new(None),
         }
+    }
+
+    /// The snapshot at `dir` (whose record is `record`) opened to read its
+    /// contexts, from the cache when it is the one opened last.
+    fn opened(&self, dir: &Path, record: &SnapshotRecord) -> Result<Arc<Volume>, ExportError> {
+        let mut open = self.open.lock();
+        if let Some((path, held, volume)) = open.as_ref() {
+            if path == dir && held == record {
+                return Ok(Arc::clone(volume));
+            }
+        }
+        // The one held before is closed first: one snapshot open at a time.
+        *open = None;
+        let volume = Arc::new(open_contexts(dir).map_err(to_export_error)?);
+        *open = Some((dir.to_path_buf(), record.clone(), Arc::clone(&volume)));
+        Ok(volume)
     }
 
     /// The names of the volume's snapshots now (their directories' names,
@@ -95,6 +120,11 @@ impl Changes {
         snapshot::check_name(name).map_err(to_export_error)?;
         let dir = snapshot::snapshot_path(&self.volume, name);
         let record = read_record(&dir).map_err(|error| {
+            // A deleted snapshot is not held open any longer (its space).
+            let mut open = self.open.lock();
+            if open.as_ref().is_some_and(|(path, _, _)| *path == dir) {
+                *open = None;
+            }
             invalid(format!(
                 "{} has no snapshot named {name:?} now ({error})",
                 self.volume.display()
@@ -106,8 +136,8 @@ impl Changes {
                 record.uuid, self.uuid
             )));
         }
-        let snap = open_contexts(&dir).map_err(to_export_error)?;
-        let runs = runs_from(&snap, live, offset, length, max_blocks)?;
+        let snap = self.opened(&dir, &record)?;
+        let runs = runs_from(snap.as_ref(), live, offset, length, max_blocks)?;
         Ok(in_bytes(offset, length, runs, |change| {
             change == Change::Changed
         }))
@@ -125,8 +155,9 @@ impl Changes {
                 self.volume.display()
             )));
         };
-        let snap = open_contexts(&origin).map_err(to_export_error)?;
-        let runs = runs_from(&snap, live, offset, length, max_blocks)?;
+        let record = read_record(&origin).map_err(|error| invalid(error.to_string()))?;
+        let snap = self.opened(&origin, &record)?;
+        let runs = runs_from(snap.as_ref(), live, offset, length, max_blocks)?;
         Ok(in_bytes(offset, length, runs, |change| match change {
             Change::NeverWritten => 0,
             Change::Changed => 1,
@@ -149,8 +180,30 @@ fn runs_from(
         .div_ceil(BLOCK)
         .min(first + max_blocks.max(1))
         .min(now.size() / BLOCK);
-    compare_runs(then, now, first, end.saturating_sub(first)).map_err(to_export_error)
+    // Compared in growing steps, stopping once one whole extent is known:
+    // a reply may cover less than asked, and qemu's client asks for one
+    // extent at a time (REQ_ONE), from that extent's end. Without this a
+    // request compared up to `max_blocks` blocks on each side to answer
+    // with the first run.
+    let mut runs: Vec<(u64, Change)> = Vec::new();
+    let mut lba = first;
+    let mut step = FIRST_STEP_BLOCKS;
+    while lba < end && runs.len() < 2 {
+        let stop = end.min(lba + step);
+        for (blocks, change) in compare_runs(then, now, lba, stop - lba).map_err(to_export_error)? {
+            match runs.last_mut() {
+                Some((count, last)) if *last == change => *count += blocks,
+                _ => runs.push((blocks, change)),
+            }
+        }
+        lba = stop;
+        step = step.saturating_mul(2);
+    }
+    Ok(runs)
 }
+
+/// Blocks compared by a BLOCK_STATUS request's first step (doubling).
+const FIRST_STEP_BLOCKS: u64 = 256;
 
 /// Runs of whole blocks, the first holding `offset`, as runs of bytes from
 /// `offset`, at most `length` of them, each run's status by `status`.
