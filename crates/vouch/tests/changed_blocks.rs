@@ -45,18 +45,7 @@ fn filled(dir: &Path, size: u64, create_args: &[&str], encrypted: bool) -> Fille
     create.extend_from_slice(create_args);
     vouch_ok(&filled.args(&create));
     let mut server = Server::start(dir, &filled.args(&[s(&filled.volume)]));
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-size = h.get_size()
-step = 4 << 20
-for offset in range(0, size, step):
-    h.pwrite(os.urandom(step), offset)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
-    );
+    through(&server.uri, "size = h.get_size()\nstep = 4 << 20\nfor offset in range(0, size, step):\n    h.pwrite(os.urandom(step), offset)\n");
     server.stop();
     filled
 }
@@ -149,6 +138,13 @@ with open(sys.argv[3], "r+b") as copy:
             done += n
 print(json.dumps({"dirty": dirty, "read": read, "size": size}))
 "#;
+
+/// Run `body` (python, `h` connected to `uri`) and flush.
+fn through(uri: &str, body: &str) {
+    let script =
+        format!("h = connect(sys.argv[1])\n{body}h.flush()\nprint(json.dumps({{\"ok\": True}}))\n");
+    py_json(&script, &[uri]);
+}
 
 /// Blocks named by ranges of bytes.
 fn blocks_of(ranges: &[(u64, u64)]) -> Vec<u64> {
@@ -288,29 +284,11 @@ fn small_changed(dir: &Path) -> (PathBuf, Server) {
     let volume = dir.join("vol");
     vouch_ok(&["create", s(&volume), "--size", "4M"]);
     let mut server = Server::start(dir, &[s(&volume)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(os.urandom(64 * 4096), 0)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
-    );
+    through(&server.uri, "h.pwrite(os.urandom(64 * 4096), 0)\n");
     server.stop();
     vouch_ok(&["snapshot", "create", s(&volume), "s1", "--copy"]);
     let server = Server::start(dir, &[s(&volume)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(os.urandom(8 * 4096), 8 * 4096)
-h.trim(4 * 4096, 20 * 4096)
-h.zero(2 * 4096, 30 * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
-    );
+    through(&server.uri, "h.pwrite(os.urandom(8 * 4096), 8 * 4096)\nh.trim(4 * 4096, 20 * 4096)\nh.zero(2 * 4096, 30 * 4096)\n");
     (volume, server)
 }
 
@@ -490,15 +468,9 @@ fn a_clone_answers_allocation_depth() {
         "--copy",
     ]);
     let mut server = Server::start(dir, &[s(&clone)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(os.urandom(4 * 4096), 100 * 4096)
-h.pwrite(os.urandom(2 * 4096), 10 * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
+    through(
+        &server.uri,
+        "h.pwrite(os.urandom(4 * 4096), 100 * 4096)\nh.pwrite(os.urandom(2 * 4096), 10 * 4096)\n",
     );
     let map = nbdinfo_json(&server.uri, &["--map=qemu:allocation-depth"]);
     server.stop();
@@ -541,30 +513,18 @@ fn a_packed_row_restored_from_an_older_copy_is_changed() {
     let volume = dir.join("vol");
     vouch_ok(&["create", s(&volume), "--size", "4M", "--layout", "packed"]);
     let mut server = Server::start(dir, &[s(&volume)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(os.urandom(64 * 4096), 0)
-h.zero(4 * 4096, 40 * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
+    through(
+        &server.uri,
+        "h.pwrite(os.urandom(64 * 4096), 0)\nh.zero(4 * 4096, 40 * 4096)\n",
     );
     server.stop();
     vouch_ok(&["snapshot", "create", s(&volume), "s1", "--copy"]);
     let s1 = volume.join("snapshots/s1");
     // Row 0 (blocks 0..31) and row 1 (31..62) written since s1.
     let mut server = Server::start(dir, &[s(&volume)]);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(os.urandom(2 * 4096), 8 * 4096)
-h.pwrite(os.urandom(4 * 4096), 40 * 4096)
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri],
+    through(
+        &server.uri,
+        "h.pwrite(os.urandom(2 * 4096), 8 * 4096)\nh.pwrite(os.urandom(4 * 4096), 40 * 4096)\n",
     );
     server.stop();
     let data = vouch_format::Geometry::segment_name(0);

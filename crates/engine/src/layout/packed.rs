@@ -416,6 +416,18 @@ impl PackedLayout {
         Ok(())
     }
 
+    /// The stored context slot of `lba` (32 bytes after its data).
+    fn read_slot(&self, io: &Backing, lba: u64) -> Result<[u8; CONTEXT_BYTES]> {
+        let location = self.geometry.locate(lba);
+        let mut raw = [0u8; CONTEXT_BYTES];
+        io.read_object(
+            ObjectId::Data(location.segment),
+            location.data_offset + BLOCK,
+            &mut raw,
+        )?;
+        Ok(raw)
+    }
+
     /// `stored_contexts`' judgement of rows against their expected
     /// generations, as reads make it (`judge_rows`), from the rows'
     /// contexts alone: a row found older this open, or whose own slots
@@ -440,14 +452,7 @@ impl PackedLayout {
             let current = !older && {
                 let mut slots = Vec::with_capacity((lbas.end - lbas.start) as usize);
                 for lba in lbas.clone() {
-                    let location = self.geometry.locate(lba);
-                    let mut raw = [0u8; CONTEXT_BYTES];
-                    io.read_object(
-                        ObjectId::Data(location.segment),
-                        location.data_offset + BLOCK,
-                        &mut raw,
-                    )?;
-                    slots.push(raw);
+                    slots.push(self.read_slot(io, lba)?);
                 }
                 let verdict = io.written.judge_slots(
                     lbas.start,
@@ -942,17 +947,18 @@ impl Layout for PackedLayout {
                 kinds.push(StoredContext::Stored(Context::Unwritten));
                 continue;
             }
-            let location = self.geometry.locate(lba);
-            let mut raw = [0u8; CONTEXT_BYTES];
-            io.read_object(
-                ObjectId::Data(location.segment),
-                location.data_offset + BLOCK,
-                &mut raw,
-            )?;
+            let raw = self.read_slot(io, lba)?;
             // A lost row is data, never a hole (its reads are faults).
             let mut context = [io.written.judge_slot(lba, &raw)];
             self.judge_suspects(io, lba, &mut context, Wait::Block)
-                .map_err(|error| Error::io("read", ObjectId::Data(location.segment), 0, error))?;
+                .map_err(|error| {
+                    Error::io(
+                        "read",
+                        ObjectId::Data(self.geometry.locate(lba).segment),
+                        0,
+                        error,
+                    )
+                })?;
             kinds.push(match context[0] {
                 Ok(found) => StoredContext::Stored(found),
                 Err(_) => StoredContext::Unknown,
