@@ -292,6 +292,20 @@ fn small_changed(dir: &Path) -> (PathBuf, Server) {
     (volume, server)
 }
 
+/// The small volume, stopped, and a clone of its s1: (volume, clone).
+fn small_cloned(dir: &Path) -> (PathBuf, PathBuf) {
+    let (volume, mut server) = small_changed(dir);
+    server.stop();
+    let clone = dir.join("clone");
+    vouch_ok(&[
+        "clone",
+        s(&volume.join("snapshots/s1")),
+        s(&clone),
+        "--copy",
+    ]);
+    (volume, clone)
+}
+
 /// The dirty ranges the small volume must report, in bytes.
 const SMALL_DIRTY: [(u64, u64); 3] = [
     (8 * 4096, 8 * 4096),
@@ -458,15 +472,7 @@ fn diff_refuses_a_missing_snapshot_and_another_volumes() {
 fn a_clone_answers_allocation_depth() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dir = dir.path();
-    let (volume, mut server) = small_changed(dir);
-    server.stop();
-    let clone = dir.join("clone");
-    vouch_ok(&[
-        "clone",
-        s(&volume.join("snapshots/s1")),
-        s(&clone),
-        "--copy",
-    ]);
+    let (_, clone) = small_cloned(dir);
     let mut server = Server::start(dir, &[s(&clone)]);
     through(
         &server.uri,
@@ -590,16 +596,8 @@ print(json.dumps({"ok": True}))
 fn diff_refuses_a_clones_snapshot() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dir = dir.path();
-    let (volume, mut server) = small_changed(dir);
-    server.stop();
+    let (volume, clone) = small_cloned(dir);
     vouch_ok(&["snapshot", "create", s(&volume), "s2", "--copy"]);
-    let clone = dir.join("clone");
-    vouch_ok(&[
-        "clone",
-        s(&volume.join("snapshots/s1")),
-        s(&clone),
-        "--copy",
-    ]);
     vouch_ok(&["snapshot", "create", s(&clone), "x", "--copy"]);
     refused(
         &[
