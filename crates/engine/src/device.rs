@@ -44,7 +44,7 @@ use vouch_format::Context;
 
 use crate::buffer::PageBuffer;
 use crate::error::{Error, Fault, Result};
-use crate::layout::Allocation;
+use crate::layout::{Allocation, StoredContext};
 use crate::state::{BlockData, BLOCK};
 
 /// Blocks moved per step by the default `verify`, `copy` and `compare` (1 MiB).
@@ -234,6 +234,21 @@ pub trait BlockDevice: Send + Sync {
         length: u64,
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>>;
+
+    /// Each block's protection information as it stands, without reading
+    /// data (`Layout::stored_contexts`): changed blocks compare a volume's
+    /// with its snapshot's. A device that cannot tell (a mirror) says so.
+    fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
+        match self.below() {
+            Some(below) => below.stored_contexts(first, count),
+            None => {
+                let _ = (first, count);
+                Err(Error::Unsupported(
+                    "this device keeps no contexts of its own to compare (a mirror: compare one of its legs)".into(),
+                ))
+            }
+        }
+    }
 
     /// Read whole blocks; faulty blocks are zero-filled and listed instead
     /// of failing the call (scans, `check`, `export --allow-faults`).

@@ -32,6 +32,7 @@
 
 mod backing;
 pub mod buffer;
+pub mod changed;
 pub mod check;
 mod commit;
 pub mod contexts;
@@ -76,7 +77,7 @@ pub use device::{
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;
 pub use landing::{LandingBuffer, LANDING_CHUNK};
-pub use layout::Allocation;
+pub use layout::{Allocation, StoredContext};
 pub use options::{CreateOptions, OpenOptions, Tuning};
 pub use schedule::{CommitSchedule, CommitStep, OrderingBreaks};
 pub use state::{Block, BlockData, RangeOp, BLOCK};

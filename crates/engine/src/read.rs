@@ -16,7 +16,7 @@ use crate::contexts::Page;
 use crate::device::SealedBlock;
 use crate::error::{Error, Fault, FaultKind, Result};
 use crate::jobs::SCAN_CHUNK_BLOCKS;
-use crate::layout::{Allocation, ContextFrom, Planned};
+use crate::layout::{Allocation, ContextFrom, Planned, StoredContext};
 use crate::protection::Seal;
 use crate::shared::Shared;
 use crate::state::{context_in_page, load_context_page, BlockData, BLOCK};
@@ -496,6 +496,24 @@ impl Shared {
             .div_ceil(BLOCK)
             .min(first + max_blocks.max(1));
         let mut runs: Vec<(u64, Allocation)> = Vec::new();
+        for found in self.stored_contexts(first, end - first)? {
+            let kind = found.allocation();
+            match runs.last_mut() {
+                Some((blocks, last)) if *last == kind => *blocks += 1,
+                _ => runs.push((1, kind)),
+            }
+        }
+        Ok(runs)
+    }
+
+    /// The protection information of blocks `[first, first + count)` as it
+    /// stands, without reading their data (`Layout::stored_contexts`):
+    /// what block status reports, and what changed blocks compare
+    /// (`vouch diff`, `qemu:dirty-bitmap`).
+    pub fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
+        self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
+        let mut found = Vec::with_capacity(count as usize);
+        let end = first + count;
         let mut lba = first;
         while lba < end {
             let chunk_end = (end - lba).min(4096) + lba;
@@ -506,16 +524,11 @@ impl Shared {
                         .map(|lba| state.buffered(lba).is_some())
                         .collect()
                 };
-                for kind in layout.allocation(&self.io, &self.state, start, &buffered)? {
-                    match runs.last_mut() {
-                        Some((blocks, last)) if *last == kind => *blocks += 1,
-                        _ => runs.push((1, kind)),
-                    }
-                }
+                found.extend(layout.stored_contexts(&self.io, &self.state, start, &buffered)?);
             }
             lba = chunk_end;
         }
-        Ok(runs)
+        Ok(found)
     }
 }
 

@@ -32,6 +32,12 @@ impl ExportError {
         }
     }
 
+    /// A BLOCK_STATUS query for a metadata context the export does not
+    /// offer (the server selects only offered ones: a context gone since).
+    pub fn no_context(what: &str) -> Self {
+        ExportError::new(Errno::Inval, format!("this export has no {what}"))
+    }
+
     pub fn at_offset(mut self, offset: u64) -> Self {
         self.offset = Some(offset);
         self
@@ -325,6 +331,35 @@ pub trait Export: Send + Sync + 'static {
     fn cache(&self, offset: u64, length: u64) -> Result<(), ExportError>;
     /// base:allocation extents covering at least [offset, offset+1) and at most `length` bytes.
     fn block_status(&self, offset: u64, length: u64) -> Result<Vec<Extent>, ExportError>;
+    /// The names of the `qemu:dirty-bitmap:NAME` contexts the export
+    /// offers, asked at each LIST / SET_META_CONTEXT (so bitmaps made
+    /// while serving appear on the next negotiation). The default: none.
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// `qemu:dirty-bitmap:NAME`: runs of `(bytes, dirty)` from `offset`,
+    /// covering at least [offset, offset+1) and at most `length` bytes.
+    fn dirty_status(
+        &self,
+        bitmap: &str,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<(u64, bool)>, ExportError> {
+        let _ = (offset, length);
+        Err(ExportError::no_context(&format!("dirty bitmap {bitmap:?}")))
+    }
+    /// Whether the export offers `qemu:allocation-depth` (asked at each
+    /// LIST / SET_META_CONTEXT).
+    fn can_allocation_depth(&self) -> bool {
+        false
+    }
+    /// `qemu:allocation-depth`: runs of `(bytes, depth)` from `offset` (0
+    /// never written, 1 written in this export, 2 from the layer below),
+    /// covering at least [offset, offset+1) and at most `length` bytes.
+    fn allocation_depth(&self, offset: u64, length: u64) -> Result<Vec<(u64, u32)>, ExportError> {
+        let _ = (offset, length);
+        Err(ExportError::no_context("qemu:allocation-depth"))
+    }
     /// Whether the export offers the `x-vouch:integrity` metadata context.
     fn can_integrity_status(&self) -> bool {
         false

@@ -19,18 +19,76 @@ pub const BASE_ALLOCATION_CONTEXT_ID: u32 = 1;
 /// Context id we assign to `x-vouch:integrity` in SET_META_CONTEXT replies.
 pub const INTEGRITY_CONTEXT_ID: u32 = 2;
 
+/// Context id we assign to `qemu:allocation-depth`.
+pub const ALLOCATION_DEPTH_CONTEXT_ID: u32 = 3;
+/// Context id of the first `qemu:dirty-bitmap:NAME` selected (the next
+/// ones follow, in the order the client named them).
+pub const FIRST_DIRTY_BITMAP_CONTEXT_ID: u32 = 16;
+
 /// The metadata contexts selected for a session (by SET_META_CONTEXT on
 /// the export it entered transmission with), as their context ids.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct MetaContexts {
     pub base_allocation: Option<u32>,
     pub integrity: Option<u32>,
+    pub allocation_depth: Option<u32>,
+    /// `(context id, bitmap name)`.
+    pub dirty_bitmaps: Vec<(u32, String)>,
 }
 
 impl MetaContexts {
-    pub fn any(self) -> bool {
-        self.base_allocation.is_some() || self.integrity.is_some()
+    pub fn any(&self) -> bool {
+        self.base_allocation.is_some()
+            || self.integrity.is_some()
+            || self.allocation_depth.is_some()
+            || !self.dirty_bitmaps.is_empty()
     }
+}
+
+/// One context an export offers: its name, the namespace wildcards that
+/// list it (a wildcard never selects), and what selecting it means.
+struct Offered {
+    name: String,
+    wildcards: &'static [&'static str],
+    kind: OfferedKind,
+}
+
+enum OfferedKind {
+    BaseAllocation,
+    Integrity,
+    AllocationDepth,
+    DirtyBitmap(String),
+}
+
+/// The contexts `export` offers now.
+fn offered_contexts(export: &dyn Export) -> Vec<Offered> {
+    let mut offered = vec![Offered {
+        name: wire::META_BASE_ALLOCATION.to_string(),
+        wildcards: &["base:"],
+        kind: OfferedKind::BaseAllocation,
+    }];
+    if export.can_integrity_status() {
+        offered.push(Offered {
+            name: wire::META_VOUCH_INTEGRITY.to_string(),
+            wildcards: &[wire::META_VOUCH_NAMESPACE],
+            kind: OfferedKind::Integrity,
+        });
+    }
+    if export.can_allocation_depth() {
+        offered.push(Offered {
+            name: wire::META_QEMU_ALLOCATION_DEPTH.to_string(),
+            wildcards: &[wire::META_QEMU_NAMESPACE],
+            kind: OfferedKind::AllocationDepth,
+        });
+    }
+    for bitmap in export.dirty_bitmaps() {
+        offered.push(Offered {
+            name: format!("{}{bitmap}", wire::META_QEMU_DIRTY_BITMAP),
+            wildcards: &[wire::META_QEMU_NAMESPACE, wire::META_QEMU_DIRTY_BITMAP],
+            kind: OfferedKind::DirtyBitmap(bitmap),
+        });
+    }
+    offered
 }
 
 /// Why a handshake ended without entering transmission.
@@ -413,7 +471,7 @@ fn make_session(
 ) -> Session {
     let contexts =
         if state.structured_replies && state.meta_export.as_deref() == Some(requested_name) {
-            state.meta_contexts
+            state.meta_contexts.clone()
         } else {
             MetaContexts::default()
         };
@@ -518,40 +576,38 @@ where
         )
         .await;
     };
-    // The contexts this export offers, with the namespace wildcard that
-    // lists each (a wildcard never selects: the spec's rule for `base:`,
-    // which vouch applies to its own namespace too).
-    let mut offered = vec![(
-        wire::META_BASE_ALLOCATION,
-        "base:",
-        BASE_ALLOCATION_CONTEXT_ID,
-    )];
-    if export.can_integrity_status() {
-        offered.push((
-            wire::META_VOUCH_INTEGRITY,
-            wire::META_VOUCH_NAMESPACE,
-            INTEGRITY_CONTEXT_ID,
-        ));
-    }
+    // The contexts this export offers now, each with the namespace
+    // wildcards that list it (a wildcard never selects: the spec's rule
+    // for `base:`, which vouch applies to the other namespaces too).
     let mut selected = MetaContexts::default();
-    for (context_name, wildcard, id) in offered {
+    for offered in offered_contexts(export.as_ref()) {
         let matches = if set {
-            queries.iter().any(|query| query == context_name)
+            queries.contains(&offered.name)
         } else {
             queries.is_empty()
-                || queries
-                    .iter()
-                    .any(|query| query == wildcard || query == context_name)
+                || queries.iter().any(|query| {
+                    *query == offered.name || offered.wildcards.contains(&query.as_str())
+                })
         };
         if !matches {
             continue;
         }
+        let id = match offered.kind {
+            OfferedKind::BaseAllocation => BASE_ALLOCATION_CONTEXT_ID,
+            OfferedKind::Integrity => INTEGRITY_CONTEXT_ID,
+            OfferedKind::AllocationDepth => ALLOCATION_DEPTH_CONTEXT_ID,
+            OfferedKind::DirtyBitmap(_) => {
+                FIRST_DIRTY_BITMAP_CONTEXT_ID + selected.dirty_bitmaps.len() as u32
+            }
+        };
         let context_id = if set { id } else { 0 };
-        let payload = wire::rep_meta_context(context_id, context_name);
+        let payload = wire::rep_meta_context(context_id, &offered.name);
         send_reply(stream, option, wire::REP_META_CONTEXT, &payload).await?;
-        match id {
-            BASE_ALLOCATION_CONTEXT_ID => selected.base_allocation = Some(id),
-            _ => selected.integrity = Some(id),
+        match offered.kind {
+            OfferedKind::BaseAllocation => selected.base_allocation = Some(id),
+            OfferedKind::Integrity => selected.integrity = Some(id),
+            OfferedKind::AllocationDepth => selected.allocation_depth = Some(id),
+            OfferedKind::DirtyBitmap(bitmap) => selected.dirty_bitmaps.push((id, bitmap)),
         }
     }
     if set && selected.any() {

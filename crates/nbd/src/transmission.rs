@@ -1007,6 +1007,17 @@ fn block_status_reply(
         });
         chunks.push((context_id, descriptors(runs, length, req_one)));
     }
+    if let Some(context_id) = session.contexts.allocation_depth {
+        let runs = export.allocation_depth(request.offset, length)?;
+        chunks.push((context_id, descriptors(runs, length, req_one)));
+    }
+    for (context_id, bitmap) in &session.contexts.dirty_bitmaps {
+        let runs = export.dirty_status(bitmap, request.offset, length)?;
+        let runs = runs
+            .into_iter()
+            .map(|(bytes, dirty)| (bytes, if dirty { wire::STATE_DIRTY } else { 0 }));
+        chunks.push((*context_id, descriptors(runs, length, req_one)));
+    }
     debug_assert!(!chunks.is_empty(), "validated: a context was negotiated");
     if chunks.iter().any(|(_, descriptors)| descriptors.is_empty()) {
         return Err(ExportError::new(

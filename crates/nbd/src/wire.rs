@@ -133,6 +133,16 @@ pub const META_BASE_ALLOCATION: &str = "base:allocation";
 pub const META_VOUCH_INTEGRITY: &str = "x-vouch:integrity";
 /// The wildcard that lists every context of vouch's namespace.
 pub const META_VOUCH_NAMESPACE: &str = "x-vouch:";
+/// qemu's namespace (docs/nbd.txt in qemu): the wildcard listing its contexts.
+pub const META_QEMU_NAMESPACE: &str = "qemu:";
+/// `qemu:allocation-depth`: how deep in a backing chain each run is
+/// allocated (0 not allocated, 1 the top layer, 2 the layer below).
+pub const META_QEMU_ALLOCATION_DEPTH: &str = "qemu:allocation-depth";
+/// `qemu:dirty-bitmap:NAME` (bit 0 = dirty); this prefix alone is the
+/// wildcard listing every bitmap.
+pub const META_QEMU_DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
+/// Bit 0 of a `qemu:dirty-bitmap:NAME` descriptor: the run is dirty.
+pub const STATE_DIRTY: u32 = 1;
 /// `x-vouch:integrity` status flags. 0 claims nothing (the spec requires a
 /// status of 0 to be always safe): the extent was not checked.
 /// Every block of the extent was read just now and passed verification.

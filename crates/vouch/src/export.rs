@@ -27,6 +27,9 @@ const INTEGRITY_MAX_BLOCKS: u64 = MAX_REQUEST_BYTES as u64 / BLOCK;
 pub struct VolumeExport {
     volume: Arc<dyn BlockDevice>,
     description: String,
+    /// Its snapshots' dirty bitmaps and, for a clone, its allocation depth
+    /// (`with_changes`); `None`: neither is offered.
+    changes: Option<crate::changed::Changes>,
 }
 
 impl VolumeExport {
@@ -34,7 +37,15 @@ impl VolumeExport {
         VolumeExport {
             volume,
             description,
+            changes: None,
         }
+    }
+
+    /// Offer `qemu:dirty-bitmap:NAME` for each snapshot of the volume at
+    /// `path` (and `qemu:allocation-depth` when it is a clone).
+    pub fn with_changes(mut self, changes: crate::changed::Changes) -> VolumeExport {
+        self.changes = Some(changes);
+        self
     }
 }
 
@@ -232,31 +243,55 @@ impl Export for VolumeExport {
             .volume
             .block_status(offset, length, BLOCK_STATUS_MAX_BLOCKS)
             .map_err(to_export_error)?;
-        let mut extents = Vec::with_capacity(runs.len());
-        // Runs start at the block holding `offset`; trim the first to it.
-        let mut skip = offset % BLOCK;
-        let mut remaining = length;
-        for (blocks, allocation) in runs {
-            if remaining == 0 {
-                break;
-            }
-            let bytes = (blocks * BLOCK - skip).min(remaining);
-            skip = 0;
-            remaining -= bytes;
+        let extents = crate::changed::in_bytes(offset, length, runs, |allocation| {
             let (hole, zero) = match allocation {
                 Allocation::Hole => (true, true),
                 Allocation::Zero => (false, true),
                 Allocation::Data => (false, false),
             };
-            extents.push(Extent {
-                length: bytes,
-                hole,
-                zero,
-            });
-        }
-        Ok(extents)
+            (hole, zero)
+        });
+        Ok(extents
+            .into_iter()
+            .map(|(length, (hole, zero))| Extent { length, hole, zero })
+            .collect())
     }
 
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        self.changes
+            .as_ref()
+            .map(crate::changed::Changes::snapshots)
+            .unwrap_or_default()
+    }
+    fn dirty_status(
+        &self,
+        bitmap: &str,
+        offset: u64,
+        length: u64,
+    ) -> Result<Vec<(u64, bool)>, ExportError> {
+        let Some(changes) = &self.changes else {
+            return Err(ExportError::no_context(&format!("dirty bitmap {bitmap:?}")));
+        };
+        changes.dirty_status(
+            self.volume.as_ref(),
+            bitmap,
+            (offset, length, BLOCK_STATUS_MAX_BLOCKS),
+        )
+    }
+    fn can_allocation_depth(&self) -> bool {
+        self.changes
+            .as_ref()
+            .is_some_and(crate::changed::Changes::is_clone)
+    }
+    fn allocation_depth(&self, offset: u64, length: u64) -> Result<Vec<(u64, u32)>, ExportError> {
+        let Some(changes) = &self.changes else {
+            return Err(ExportError::no_context("qemu:allocation-depth"));
+        };
+        changes.allocation_depth(
+            self.volume.as_ref(),
+            (offset, length, BLOCK_STATUS_MAX_BLOCKS),
+        )
+    }
     fn can_integrity_status(&self) -> bool {
         true
     }

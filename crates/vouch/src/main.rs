@@ -1,6 +1,7 @@
 //! `vouch`: create, inspect, verify, convert and serve vouch volumes.
 
 mod bench;
+mod changed;
 mod commands;
 mod export;
 mod inject;
@@ -281,6 +282,21 @@ enum Command {
         #[command(flatten)]
         key: key::KeyFileArgs,
     },
+    /// The blocks changed since a snapshot, from the protection information
+    /// vouch keeps (each block's context), never from the data: written,
+    /// trimmed or zeroed since, or not known (lost metadata). Offline; a
+    /// served volume answers `qemu:dirty-bitmap:NAME` over NBD instead.
+    Diff {
+        /// The snapshot's directory (PATH/snapshots/NAME): changes since it.
+        snapshot: PathBuf,
+        /// Another snapshot of the same volume (its directory, or its NAME)
+        /// to compare with; absent: the volume itself (PATH), stopped.
+        to: Option<PathBuf>,
+        /// Print JSON: size, block_size, changed_bytes and ranges
+        /// (offset, length).
+        #[arg(long)]
+        json: bool,
+    },
     /// Engine benchmark: raw file vs split vs packed, every guard.
     Bench(bench::BenchArgs),
     /// Mirrored volumes: the legs' state and counters, replacing a leg.
@@ -432,7 +448,8 @@ impl Command {
             Command::Bench(_)
             | Command::Replica { .. }
             | Command::Man { .. }
-            | Command::Clone { .. } => return none,
+            | Command::Clone { .. }
+            | Command::Diff { .. } => return none,
             Command::Snapshot { command } => match command {
                 snapshot::SnapshotCommand::Create { key, .. } => ((Some(key), None), None),
                 _ => return none,
@@ -611,6 +628,7 @@ fn main() -> ExitCode {
             new_path,
             copy,
         } => snapshot::clone(&snapshot, &new_path, copy),
+        Command::Diff { snapshot, to, json } => changed::diff(&snapshot, to.as_deref(), json),
         Command::Replica { command } => replica::run(command),
         Command::Man { dir } => service::man::run(&dir),
     };

@@ -387,7 +387,13 @@ async fn serve(
             eprintln!("vouch: injecting faults into {name}: {spec}");
             device = Arc::new(FaultInjector::new(device, spec.clone()));
         }
-        let export: Arc<dyn Export> = Arc::new(VolumeExport::new(device, description));
+        let mut export = VolumeExport::new(device, description);
+        if mirrors[index].is_none() {
+            // A mirror's legs are compared one at a time (`vouch diff`).
+            let changes = crate::changed::Changes::new(&args.paths[index], volume.uuid_string());
+            export = export.with_changes(changes);
+        }
+        let export: Arc<dyn Export> = Arc::new(export);
         if index == 0 {
             config.default_export = Some(name.clone());
         }

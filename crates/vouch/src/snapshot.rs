@@ -349,6 +349,11 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
 pub fn clone(snapshot_dir: &Path, new_path: &Path, copy: bool) -> Result<ExitCode> {
     crate::commands::volume_dir(snapshot_dir)?;
     let started = Instant::now();
+    // The origin names the snapshot by its absolute path, so a server of
+    // the clone finds it from any directory (`qemu:allocation-depth`).
+    let snapshot_dir = &snapshot_dir
+        .canonicalize()
+        .with_context(|| format!("finding {}", snapshot_dir.display()))?;
     snapshot::clone(&RealFs::new(copy), snapshot_dir, new_path)?;
     println!(
         "cloned {} to {} ({:.1} ms)",
@@ -450,6 +455,8 @@ pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
     let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
     snapshot::check_name(name)?;
     let snapshot_dir = dir.join(snapshot::SNAPSHOTS_DIR).join(name);
+    // This server may hold it open for a client's changed blocks.
+    crate::changed::release(&snapshot_dir);
     let _snapshot_held = hold_snapshot(dir, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, dir)?;

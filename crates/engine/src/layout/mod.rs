@@ -66,6 +66,31 @@ pub enum Allocation {
     Data,
 }
 
+/// A block's protection information as it stands (`Layout::stored_contexts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredContext {
+    /// In the write-back buffer: newer than anything stored.
+    Buffered,
+    /// The context stored for it (`Unwritten`: never written, or trimmed
+    /// with its whole unit).
+    Stored(Context),
+    /// Its context cannot be read or does not decode, or its unit's
+    /// metadata is lost: what it holds is not known.
+    Unknown,
+}
+
+impl StoredContext {
+    /// What block status reports for it: an unknown context is data (a
+    /// read names the fault), never a hole.
+    pub fn allocation(self) -> Allocation {
+        match self {
+            StoredContext::Stored(Context::Unwritten) => Allocation::Hole,
+            StoredContext::Stored(Context::Zero { .. }) => Allocation::Zero,
+            _ => Allocation::Data,
+        }
+    }
+}
+
 /// Context pages a checkpoint wrote, each with its new content when it is
 /// among the last the checkpoint wrote, as many as the context cache holds
 /// (`None`: written, content not kept).
@@ -169,15 +194,19 @@ pub(crate) trait Layout: Send + Sync {
     /// disk (holes are skipped with SEEK_DATA), or `None`.
     fn next_data_on_disk(&self, io: &Backing, lba: u64) -> Result<Option<u64>>;
 
-    /// Allocation of blocks `[first, first + count)`; `buffered[i]` says
-    /// block `first + i` is in the write-back buffer.
-    fn allocation(
+    /// The protection information of blocks `[first, first + count)` as
+    /// it stands, read without their data (split: the context table and
+    /// memory; packed: each record's 32 context bytes); `buffered[i]`
+    /// says block `first + i` is in the write-back buffer. Judged as a
+    /// read judges it: lost metadata is `Unknown`, never a hole. Block
+    /// status and changed blocks (`Shared::stored_contexts`) read it.
+    fn stored_contexts(
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
         first: u64,
         buffered: &[bool],
-    ) -> Result<Vec<Allocation>>;
+    ) -> Result<Vec<StoredContext>>;
 
     /// Where the metadata of written-map unit `unit` lives (a split
     /// context page, a packed row).

@@ -12,7 +12,9 @@ use vouch_format::journal::record_data;
 use vouch_format::layout::{PACKED_RECORDS_PER_ROW, PACKED_RECORD_BYTES, PACKED_ROW_BYTES};
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages};
+use super::{
+    ContextFrom, Layout, Planned, Replay, RunSpan, StoredContext, UnitPlace, WrittenPages,
+};
 use crate::backing::Backing;
 use crate::buffer::PageBuffer;
 use crate::contexts::{context_in_range, ContextStore, Lookup};
@@ -410,6 +412,65 @@ impl PackedLayout {
             );
             }
             mark(contexts);
+        }
+        Ok(())
+    }
+
+    /// The stored context slot of `lba` (32 bytes after its data).
+    fn read_slot(&self, io: &Backing, lba: u64) -> Result<[u8; CONTEXT_BYTES]> {
+        let location = self.geometry.locate(lba);
+        let mut raw = [0u8; CONTEXT_BYTES];
+        io.read_object(
+            ObjectId::Data(location.segment),
+            location.data_offset + BLOCK,
+            &mut raw,
+        )?;
+        Ok(raw)
+    }
+
+    /// `stored_contexts`' judgement of rows against their expected
+    /// generations, as reads make it (`judge_rows`), from the rows'
+    /// contexts alone: a row found older this open, or whose own slots
+    /// are all older than expected (an older copy of the data file) or
+    /// damaged, is `Unknown` in every block not buffered, never the older
+    /// copy's contexts (a backup would keep stale bytes) nor a hole. A row
+    /// that reaches its expectation is current for the rest of the open,
+    /// so each row is read whole at most once.
+    fn judge_stored_rows(
+        &self,
+        io: &Backing,
+        first: u64,
+        kinds: &mut [StoredContext],
+    ) -> Result<()> {
+        let end = first + kinds.len() as u64;
+        for unit in io.written.unit_of(first)..=io.written.unit_of(end - 1) {
+            let older = io.written.is_older(unit);
+            if !older && !io.written.to_judge(unit) {
+                continue;
+            }
+            let lbas = io.written.lbas_of(unit, self.geometry.blocks);
+            let current = !older && {
+                let mut slots = Vec::with_capacity((lbas.end - lbas.start) as usize);
+                for lba in lbas.clone() {
+                    slots.push(self.read_slot(io, lba)?);
+                }
+                let verdict = io.written.judge_slots(
+                    lbas.start,
+                    slots.iter().map(|slot| (&slot[..], None)),
+                    io.written.expected_generation(unit),
+                );
+                matches!(verdict, SlotVerdict::Reaches | SlotVerdict::NoOwn)
+            };
+            if current {
+                io.written.set_current(unit);
+                continue;
+            }
+            for lba in lbas.start.max(first)..lbas.end.min(end) {
+                let kind = &mut kinds[(lba - first) as usize];
+                if *kind != StoredContext::Buffered {
+                    *kind = StoredContext::Unknown;
+                }
+            }
         }
         Ok(())
     }
@@ -859,13 +920,13 @@ impl Layout for PackedLayout {
         Self::row_records(bytes).collect()
     }
 
-    fn allocation(
+    fn stored_contexts(
         &self,
         io: &Backing,
         _state: &RwLock<VolumeState>,
         first: u64,
         buffered: &[bool],
-    ) -> Result<Vec<Allocation>> {
+    ) -> Result<Vec<StoredContext>> {
         let count = buffered.len() as u64;
         // Sparse fast path: no data anywhere in these records.
         let start = self.geometry.locate(first);
@@ -879,29 +940,32 @@ impl Layout for PackedLayout {
         let mut kinds = Vec::with_capacity(buffered.len());
         for (index, lba) in (first..first + count).enumerate() {
             if buffered[index] {
-                kinds.push(Allocation::Data);
+                kinds.push(StoredContext::Buffered);
                 continue;
             }
             if !any_data {
-                kinds.push(Allocation::Hole);
+                kinds.push(StoredContext::Stored(Context::Unwritten));
                 continue;
             }
-            let location = self.geometry.locate(lba);
-            let mut raw = [0u8; CONTEXT_BYTES];
-            io.read_object(
-                ObjectId::Data(location.segment),
-                location.data_offset + BLOCK,
-                &mut raw,
-            )?;
+            let raw = self.read_slot(io, lba)?;
             // A lost row is data, never a hole (its reads are faults).
             let mut context = [io.written.judge_slot(lba, &raw)];
             self.judge_suspects(io, lba, &mut context, Wait::Block)
-                .map_err(|error| Error::io("read", ObjectId::Data(location.segment), 0, error))?;
+                .map_err(|error| {
+                    Error::io(
+                        "read",
+                        ObjectId::Data(self.geometry.locate(lba).segment),
+                        0,
+                        error,
+                    )
+                })?;
             kinds.push(match context[0] {
-                Ok(Context::Unwritten) => Allocation::Hole,
-                Ok(Context::Zero { .. }) => Allocation::Zero,
-                _ => Allocation::Data,
+                Ok(found) => StoredContext::Stored(found),
+                Err(_) => StoredContext::Unknown,
             });
+        }
+        if any_data {
+            self.judge_stored_rows(io, first, &mut kinds)?;
         }
         Ok(kinds)
     }

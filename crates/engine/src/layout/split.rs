@@ -18,7 +18,9 @@ use parking_lot::RwLock;
 use vouch_format::journal::record_data;
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{Allocation, ContextFrom, Layout, Planned, Replay, RunSpan, UnitPlace, WrittenPages};
+use super::{
+    ContextFrom, Layout, Planned, Replay, RunSpan, StoredContext, UnitPlace, WrittenPages,
+};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Result};
@@ -342,32 +344,26 @@ impl Layout for SplitLayout {
             .collect()
     }
 
-    fn allocation(
+    fn stored_contexts(
         &self,
         io: &Backing,
         state: &RwLock<VolumeState>,
         first: u64,
         buffered: &[bool],
-    ) -> Result<Vec<Allocation>> {
-        let mut kinds = Vec::with_capacity(buffered.len());
+    ) -> Result<Vec<StoredContext>> {
+        let mut found = Vec::with_capacity(buffered.len());
         for (index, is_buffered) in buffered.iter().enumerate() {
-            if *is_buffered {
-                kinds.push(Allocation::Data);
-                continue;
-            }
-            let lba = first + index as u64;
-            let Ok(found) = lookup_loading(io, state, lba) else {
-                // Unreadable context: reported as data (a read names the fault).
-                kinds.push(Allocation::Data);
-                continue;
-            };
-            kinds.push(match found {
-                Ok(Context::Unwritten) => Allocation::Hole,
-                Ok(Context::Zero { .. }) => Allocation::Zero,
-                _ => Allocation::Data,
+            found.push(if *is_buffered {
+                StoredContext::Buffered
+            } else {
+                match lookup_loading(io, state, first + index as u64) {
+                    Ok(Ok(context)) => StoredContext::Stored(context),
+                    // An unreadable page or a context that does not decode.
+                    _ => StoredContext::Unknown,
+                }
             });
         }
-        Ok(kinds)
+        Ok(found)
     }
 
     /// A redo record (a flush's small commit) needs every data block its

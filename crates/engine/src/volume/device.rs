@@ -11,7 +11,7 @@ use bytes::Bytes;
 use super::Volume;
 use crate::device::{BlockDevice, FlushDone, ReadDone, SealedBlock, StartRead, ZeroFlags};
 use crate::error::{Fault, Result};
-use crate::layout::Allocation;
+use crate::layout::{Allocation, StoredContext};
 use crate::storage::ReadLater;
 use crate::write::SealCheck;
 
@@ -100,6 +100,9 @@ impl BlockDevice for Volume {
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>> {
         self.engine.shared.block_status(offset, length, max_blocks)
+    }
+    fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
+        self.engine.shared.stored_contexts(first, count)
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)

@@ -1,0 +1,367 @@
+//! Changed blocks of a served volume over NBD: `qemu:dirty-bitmap:NAME`
+//! for each snapshot NAME of the volume (bit 0: changed since it), and,
+//! for a clone, `qemu:allocation-depth` (1 written in the clone since it
+//! was made, 2 from its snapshot, 0 never written). Both compare contexts
+//! (`vouch_engine::changed`), never data. A layer beside the export: a
+//! volume without snapshots has none of this on its request path, and a
+//! snapshot is opened (read-only, keyless: contexts need no key) at the
+//! first BLOCK_STATUS request that asks about it and kept open for the
+//! next (one at a time per served volume; reopened when its record
+//! changes).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vouch_engine::changed::{compare_runs, Change};
+use vouch_engine::snapshot::{self, CloneOrigin, RealFs, SnapshotRecord};
+use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
+use vouch_nbd::{Errno, ExportError};
+
+use crate::export::to_export_error;
+
+/// Where a served volume's snapshots, and a clone's origin, are found.
+pub struct Changes {
+    /// The volume's directory.
+    volume: PathBuf,
+    /// The volume's uuid: a snapshot of another volume is refused.
+    uuid: String,
+}
+
+/// The snapshot each served volume opened last (its directory, as given
+/// and canonical, and its record), kept open for the next request: a
+/// client reading a bitmap extent by extent (qemu's nbd driver) would
+/// otherwise open it once per extent. It is reopened when its record
+/// changes (a snapshot deleted and taken again under the same name). One
+/// table for the process, so that an online delete (`release`) can close
+/// it: an open snapshot holds its lock, which a delete must take.
+type Opened = (PathBuf, PathBuf, SnapshotRecord, Arc<Volume>);
+static OPENED: parking_lot::Mutex<Vec<(PathBuf, Opened)>> = parking_lot::Mutex::new(Vec::new());
+
+/// Close the snapshot at `snapshot_dir` if a served volume holds it open
+/// for its changed blocks (before an online delete takes its lock).
+pub fn release(snapshot_dir: &Path) {
+    let canonical = snapshot_dir.canonicalize().ok();
+    OPENED
+        .lock()
+        .retain(|(_, (path, real, _, _))| path != snapshot_dir && canonical.as_ref() != Some(real));
+}
+
+fn invalid(message: String) -> ExportError {
+    ExportError::new(Errno::Inval, message)
+}
+
+/// Open the snapshot (or any volume) at `path` to read its contexts.
+pub fn open_contexts(path: &Path) -> vouch_engine::Result<Volume> {
+    let options = OpenOptions {
+        read_only: true,
+        keyless: true,
+        ..OpenOptions::default()
+    };
+    vouch_engine::open_volume(path, &options)
+}
+
+/// A snapshot's record, read from its directory.
+pub fn read_record(dir: &Path) -> anyhow::Result<SnapshotRecord> {
+    let file = dir.join(snapshot::RECORD_FILE);
+    let bytes = std::fs::read(&file)
+        .map_err(|error| anyhow::anyhow!("{} is no snapshot: {error}", file.display()))?;
+    serde_json::from_slice(&bytes)
+        .map_err(|error| anyhow::anyhow!("{}: not a snapshot record: {error}", file.display()))
+}
+
+impl Changes {
+    pub fn new(volume: &Path, uuid: String) -> Changes {
+        Changes {
+            volume: volume.to_path_buf(),
+            uuid,
+        }
+    }
+
+    /// The snapshot at `dir` (whose record is `record`) opened to read its
+    /// contexts, from the cache when it is the one opened last.
+    fn opened(&self, dir: &Path, record: &SnapshotRecord) -> Result<Arc<Volume>, ExportError> {
+        let mut opened = OPENED.lock();
+        let mine = opened.iter().position(|(volume, _)| *volume == self.volume);
+        if let Some((_, (path, _, held, volume))) = mine.map(|at| &opened[at]) {
+            if path == dir && held == record {
+                return Ok(Arc::clone(volume));
+            }
+        }
+        // The one held before is closed first: one snapshot open at a time.
+        if let Some(at) = mine {
+            opened.swap_remove(at);
+        }
+        let volume = Arc::new(open_contexts(dir).map_err(to_export_error)?);
+        let real = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+        let held = (dir.to_path_buf(), real, record.clone(), Arc::clone(&volume));
+        opened.push((self.volume.clone(), held));
+        Ok(volume)
+    }
+
+    /// The names of the volume's snapshots now (their directories' names,
+    /// which `dirty_status` finds them by), read at every LIST and SET
+    /// option so a snapshot made while serving is offered to the next.
+    pub fn snapshots(&self) -> Vec<String> {
+        snapshot::list(&RealFs::default(), &self.volume)
+            .map(|found| {
+                found
+                    .into_iter()
+                    .filter_map(|entry| entry.ok())
+                    .filter(|snap| snap.record.uuid == self.uuid)
+                    .filter_map(|snap| Some(snap.path.file_name()?.to_str()?.to_string()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// The snapshot this volume (a clone) was made from, when it is still
+    /// there and is the one the clone's `origin` names.
+    fn origin(&self) -> Option<PathBuf> {
+        let bytes = std::fs::read(self.volume.join(snapshot::ORIGIN_FILE)).ok()?;
+        let origin: CloneOrigin = serde_json::from_slice(&bytes).ok()?;
+        let path = PathBuf::from(&origin.snapshot);
+        (read_record(&path).ok()? == origin.record).then_some(path)
+    }
+
+    pub fn is_clone(&self) -> bool {
+        self.origin().is_some()
+    }
+
+    /// `qemu:dirty-bitmap:NAME` of `live` from `offset`.
+    pub fn dirty_status(
+        &self,
+        live: &dyn BlockDevice,
+        name: &str,
+        (offset, length, max_blocks): (u64, u64, u64),
+    ) -> Result<Vec<(u64, bool)>, ExportError> {
+        snapshot::check_name(name).map_err(to_export_error)?;
+        let dir = snapshot::snapshot_path(&self.volume, name);
+        let record = read_record(&dir).map_err(|error| {
+            // A deleted snapshot is not held open any longer (its space).
+            release(&dir);
+            invalid(format!(
+                "{} has no snapshot named {name:?} now ({error})",
+                self.volume.display()
+            ))
+        })?;
+        if record.uuid != self.uuid {
+            return Err(invalid(format!(
+                "snapshot {name:?} is of volume {}, not of this one ({})",
+                record.uuid, self.uuid
+            )));
+        }
+        let snap = self.opened(&dir, &record)?;
+        let runs = runs_from(snap.as_ref(), live, offset, length, max_blocks)?;
+        Ok(in_bytes(offset, length, runs, |change| {
+            change == Change::Changed
+        }))
+    }
+
+    /// `qemu:allocation-depth` of `live` (a clone) from `offset`.
+    pub fn allocation_depth(
+        &self,
+        live: &dyn BlockDevice,
+        (offset, length, max_blocks): (u64, u64, u64),
+    ) -> Result<Vec<(u64, u32)>, ExportError> {
+        let Some(origin) = self.origin() else {
+            return Err(invalid(format!(
+                "{} is not a clone of a snapshot that is still there",
+                self.volume.display()
+            )));
+        };
+        let record = read_record(&origin).map_err(|error| invalid(error.to_string()))?;
+        let snap = self.opened(&origin, &record)?;
+        let runs = runs_from(snap.as_ref(), live, offset, length, max_blocks)?;
+        Ok(in_bytes(offset, length, runs, |change| match change {
+            Change::NeverWritten => 0,
+            Change::Changed => 1,
+            Change::Same => 2,
+        }))
+    }
+}
+
+/// `compare_runs` over the blocks a BLOCK_STATUS request covers.
+fn runs_from(
+    then: &dyn BlockDevice,
+    now: &dyn BlockDevice,
+    offset: u64,
+    length: u64,
+    max_blocks: u64,
+) -> Result<Vec<(u64, Change)>, ExportError> {
+    let first = offset / BLOCK;
+    let end = offset
+        .saturating_add(length)
+        .div_ceil(BLOCK)
+        .min(first + max_blocks.max(1))
+        .min(now.size() / BLOCK);
+    // Compared in growing steps, stopping once one whole extent is known:
+    // a reply may cover less than asked, and qemu's client asks for one
+    // extent at a time (REQ_ONE), from that extent's end. Without this a
+    // request compared up to `max_blocks` blocks on each side to answer
+    // with the first run.
+    let mut runs: Vec<(u64, Change)> = Vec::new();
+    let mut lba = first;
+    let mut step = FIRST_STEP_BLOCKS;
+    while lba < end && runs.len() < 2 {
+        let stop = end.min(lba + step);
+        for (blocks, change) in compare_runs(then, now, lba, stop - lba).map_err(to_export_error)? {
+            match runs.last_mut() {
+                Some((count, last)) if *last == change => *count += blocks,
+                _ => runs.push((blocks, change)),
+            }
+        }
+        lba = stop;
+        step = step.saturating_mul(2);
+    }
+    Ok(runs)
+}
+
+/// Blocks compared by a BLOCK_STATUS request's first step (doubling).
+const FIRST_STEP_BLOCKS: u64 = 256;
+
+/// Runs of whole blocks, the first holding `offset`, as runs of bytes from
+/// `offset`, at most `length` of them, each run's status by `status`.
+pub fn in_bytes<T, S>(
+    offset: u64,
+    length: u64,
+    runs: impl IntoIterator<Item = (u64, T)>,
+    status: impl Fn(T) -> S,
+) -> Vec<(u64, S)> {
+    let mut out = Vec::new();
+    let mut skip = offset % BLOCK;
+    let mut remaining = length;
+    for (blocks, kind) in runs {
+        if remaining == 0 {
+            break;
+        }
+        let bytes = (blocks * BLOCK - skip).min(remaining);
+        skip = 0;
+        remaining -= bytes;
+        out.push((bytes, status(kind)));
+    }
+    out
+}
+
+/// The volume a snapshot directory (`PATH/snapshots/NAME`) belongs to.
+fn volume_of(snapshot_dir: &Path) -> anyhow::Result<PathBuf> {
+    let parent = snapshot_dir.parent().filter(|parent| {
+        parent.file_name().and_then(|name| name.to_str()) == Some(snapshot::SNAPSHOTS_DIR)
+    });
+    let Some(parent) = parent else {
+        anyhow::bail!(
+            "{} is not a snapshot's directory (PATH/snapshots/NAME; `vouch snapshot list PATH` lists them)",
+            snapshot_dir.display()
+        );
+    };
+    Ok(match parent.parent() {
+        Some(volume) if !volume.as_os_str().is_empty() => volume.to_path_buf(),
+        _ => PathBuf::from("."),
+    })
+}
+
+/// `vouch diff SNAP [SNAP2]`: the ranges changed in the volume SNAP was
+/// taken of (or in snapshot SNAP2 of it) since SNAP.
+pub fn diff(
+    from: &Path,
+    to: Option<&Path>,
+    json_output: bool,
+) -> anyhow::Result<std::process::ExitCode> {
+    use anyhow::Context as _;
+    let volume = volume_of(from)?;
+    if !from.is_dir() {
+        anyhow::bail!(
+            "{} has no snapshot named {:?} (`vouch snapshot list {}` lists them)",
+            volume.display(),
+            from.file_name().unwrap_or_default().to_string_lossy(),
+            volume.display()
+        );
+    }
+    let from_record = read_record(from)?;
+    // SNAP2: a directory, or the name of another snapshot of the volume.
+    let to_path = to.map(|to| {
+        if to.components().count() == 1 && !to.is_dir() {
+            snapshot::snapshot_path(&volume, &to.to_string_lossy())
+        } else {
+            to.to_path_buf()
+        }
+    });
+    let now_path = to_path.clone().unwrap_or_else(|| volume.clone());
+    if let Some(to_path) = &to_path {
+        read_record(to_path)?;
+        // A clone keeps its origin's uuid and commits from the same
+        // sequence: a block rewritten in each may carry equal contexts
+        // over different data. Only snapshots of one volume compare.
+        let same = |path: &Path| std::fs::canonicalize(path).ok();
+        let to_volume = volume_of(to_path)?;
+        if same(&to_volume).is_none() || same(&to_volume) != same(&volume) {
+            anyhow::bail!(
+                "{} is a snapshot of {}, and {} of {}: only snapshots of the same volume (PATH/snapshots/NAME, one PATH) can be compared; a clone's blocks are compared with its origin by `qemu:allocation-depth`",
+                from.display(),
+                volume.display(),
+                to_path.display(),
+                to_volume.display()
+            );
+        }
+    } else if vouch_engine::volume_in_use(&volume)? {
+        anyhow::bail!(
+            "{} is open in a running `vouch serve`: ask it with `nbdinfo --map=qemu:dirty-bitmap:{} URI`, or stop it",
+            volume.display(),
+            from_record.name
+        );
+    }
+    let then = open_contexts(from).with_context(|| format!("opening {}", from.display()))?;
+    let now =
+        open_contexts(&now_path).with_context(|| format!("opening {}", now_path.display()))?;
+    // A volume left unclean (killed, power lost) opens read-only without
+    // recovery: what only its journal holds (a trim or zero whose home
+    // write was not yet durable) is not in the metadata compared.
+    if !now.info()?.clean {
+        anyhow::bail!(
+            "{} was not closed cleanly (its journal holds changes its metadata may not): serve it once (`vouch serve {}` recovers it at open, then stop it), then run `vouch diff` again",
+            now_path.display(),
+            now_path.display()
+        );
+    }
+    if then.uuid_string() != now.uuid_string() {
+        anyhow::bail!(
+            "{} is a snapshot of volume {}, and {} is of volume {}: blocks of different volumes cannot be compared",
+            from.display(),
+            then.uuid_string(),
+            now_path.display(),
+            now.uuid_string()
+        );
+    }
+    let ranges = vouch_engine::changed::changed_ranges(&then, &now)?;
+    let size = now.size();
+    let changed: u64 = ranges.iter().map(|(_, length)| length).sum();
+    let against = match &to_path {
+        Some(path) => path.display().to_string(),
+        None => volume.display().to_string(),
+    };
+    if json_output {
+        let items: Vec<_> = ranges
+            .iter()
+            .map(|(offset, length)| serde_json::json!({ "offset": offset, "length": length }))
+            .collect();
+        let report = serde_json::json!({
+            "from": from.display().to_string(),
+            "to": against,
+            "size": size,
+            "block_size": BLOCK,
+            "changed_bytes": changed,
+            "ranges": items,
+        });
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        println!(
+            "{against} since {}: {changed} bytes changed in {} ranges, of {size} ({:.2} %); offset and length of each:",
+            from.display(),
+            ranges.len(),
+            changed as f64 * 100.0 / size.max(1) as f64
+        );
+        for (offset, length) in &ranges {
+            println!("{offset}\t{length}");
+        }
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
