@@ -68,6 +68,13 @@ impl Engine {
                 "volume uses incompatible features this vouch does not support (incompat bits {unknown:#x}); refusing to open"
             )));
         }
+        if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0
+            && !options.region_member
+        {
+            return Err(Error::Unsupported(
+                "a volume with a layout per region (REGIONS) is opened through its region record, not as one layout; refusing to open (use `vouch` commands on the volume's directory)".to_string(),
+            ));
+        }
         let mut read_only = options
             .read_only
             .then(|| " (opened with --read-only)".to_string());
