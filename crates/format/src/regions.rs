@@ -3,7 +3,7 @@
 //! "Regions").
 //!
 //! Two copies, copy `k` at byte `k * (4096 + T)`: a 4096-byte header page
-//! (64 bytes used) then `T` bytes of table, one byte per region (its
+//! (96 bytes used) then `T` bytes of table, one byte per region (its
 //! `LayoutKind`), `T` the region count rounded up to 4096. The valid copy
 //! with the higher `seq` wins; the superblock's `regions_seq` refuses a
 //! copy older than the one it names.
@@ -17,13 +17,16 @@ pub const REGIONS_VERSION: u32 = 1;
 /// page (128 blocks) and packed row (31 blocks) lies in one region.
 pub const REGION_BLOCKS: u64 = 15_872;
 const PAGE: usize = 4096;
-const CRC_AT: usize = 60;
-const HEADER_USED: usize = 64;
+const CRC_AT: usize = 92;
+const HEADER_USED: usize = 96;
 
 /// A decoded region record: one layout per region.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RegionRecord {
     pub uuid: [u8; 16],
+    /// The uuid of the other member (`layout.NAME/`): a member of another
+    /// volume, or one made again, is refused.
+    pub member_uuid: [u8; 16],
     pub seq: u64,
     pub region_blocks: u64,
     pub layouts: Vec<LayoutKind>,
@@ -62,36 +65,47 @@ impl RegionRecord {
             size: 16,
         },
         Field {
-            name: "seq",
+            name: "member_uuid",
             offset: 32,
+            size: 16,
+        },
+        Field {
+            name: "seq",
+            offset: 48,
             size: 8,
         },
         Field {
             name: "regions",
-            offset: 40,
+            offset: 56,
             size: 8,
         },
         Field {
             name: "table_crc",
-            offset: 48,
+            offset: 64,
             size: 4,
         },
         Field {
             name: "reserved",
-            offset: 52,
-            size: 8,
+            offset: 68,
+            size: 24,
         },
         Field {
             name: "crc",
-            offset: 60,
+            offset: 92,
             size: 4,
         },
     ];
 
     /// Every region of a volume of `blocks` blocks in `layout`, seq 1.
-    pub fn uniform(uuid: [u8; 16], blocks: u64, layout: LayoutKind) -> RegionRecord {
+    pub fn uniform(
+        uuid: [u8; 16],
+        member_uuid: [u8; 16],
+        blocks: u64,
+        layout: LayoutKind,
+    ) -> RegionRecord {
         RegionRecord {
             uuid,
+            member_uuid,
             seq: 1,
             region_blocks: REGION_BLOCKS,
             layouts: vec![layout; regions_of(blocks) as usize],
@@ -145,9 +159,10 @@ impl RegionRecord {
         put_u32(&mut out, 8, REGIONS_VERSION);
         put_u32(&mut out, 12, self.region_blocks as u32);
         out[16..32].copy_from_slice(&self.uuid);
-        put_u64(&mut out, 32, self.seq);
-        put_u64(&mut out, 40, regions);
-        put_u32(&mut out, 48, table_crc);
+        out[32..48].copy_from_slice(&self.member_uuid);
+        put_u64(&mut out, 48, self.seq);
+        put_u64(&mut out, 56, regions);
+        put_u32(&mut out, 64, table_crc);
         crate::seal(&mut out, CRC_AT);
         out
     }
@@ -161,7 +176,7 @@ impl RegionRecord {
             return Err(FormatError::UnsupportedVersion(version));
         }
         let region_blocks = u64::from(get_u32(bytes, 12));
-        let regions = get_u64(bytes, 40);
+        let regions = get_u64(bytes, 56);
         if region_blocks != REGION_BLOCKS || regions != regions_of(blocks) {
             return Err(FormatError::Geometry(
                 "the region record's regions do not match the volume's size",
@@ -180,7 +195,7 @@ impl RegionRecord {
             });
         }
         let table = &bytes[PAGE..need];
-        let stored = get_u32(bytes, 48);
+        let stored = get_u32(bytes, 64);
         let computed = crc32c(table);
         if stored != computed {
             return Err(FormatError::BadChecksum { stored, computed });
@@ -194,7 +209,8 @@ impl RegionRecord {
         }
         Ok(RegionRecord {
             uuid,
-            seq: get_u64(bytes, 32),
+            member_uuid: bytes[32..48].try_into().expect("16 bytes"),
+            seq: get_u64(bytes, 48),
             region_blocks,
             layouts,
         })
@@ -259,7 +275,7 @@ mod tests {
     const BLOCKS: u64 = REGION_BLOCKS * 5 + 7;
 
     fn record() -> RegionRecord {
-        let mut record = RegionRecord::uniform([7; 16], BLOCKS, LayoutKind::Split);
+        let mut record = RegionRecord::uniform([7; 16], [9; 16], BLOCKS, LayoutKind::Split);
         record.layouts[2] = LayoutKind::Packed;
         record.seq = 4;
         record
@@ -278,7 +294,8 @@ mod tests {
         assert_eq!(bytes.len(), 2 * 4096);
         assert_eq!(&bytes[0..8], b"VOUCHRGN");
         assert_eq!(get_u32(&bytes, 12), 15_872);
-        assert_eq!(get_u64(&bytes, 40), 6);
+        assert_eq!(get_u64(&bytes, 56), 6);
+        assert_eq!(&bytes[32..48], &[9u8; 16]);
         assert_eq!(&bytes[4096..4102], &[0, 0, 1, 0, 0, 0]);
         assert_eq!(
             RegionRecord::decode(&bytes, [7; 16], BLOCKS).expect("decode"),
@@ -288,8 +305,8 @@ mod tests {
         assert_eq!(record().region_of(REGION_BLOCKS * 2), 2);
         assert_eq!(record().lbas(5, BLOCKS), REGION_BLOCKS * 5..BLOCKS);
         // Golden: a change here means the format changed.
-        assert_eq!(get_u32(&bytes, 60), 0xa0c2_9d85, "region record encoding changed");
-        assert_eq!(get_u32(&bytes, 48), crc32c(&bytes[4096..]));
+        assert_eq!(get_u32(&bytes, 92), 0xff33_def2, "region record encoding changed");
+        assert_eq!(get_u32(&bytes, 64), crc32c(&bytes[4096..]));
     }
 
     fn file(first: &RegionRecord, second: Option<&RegionRecord>) -> Vec<u8> {
