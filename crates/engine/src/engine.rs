@@ -72,7 +72,7 @@ impl Engine {
             && !options.region_member
         {
             return Err(Error::Unsupported(
-                "a volume with a layout per region (REGIONS) is opened through its region record, not as one layout; refusing to open (use `vouch` commands on the volume's directory)".to_string(),
+                "its layout is chosen per region (REGIONS: `vouch migrate` moved some of its regions): this vouch reads such a volume with `vouch info`, `check`, `export` and `migrate` only, and does not serve or write it otherwise; `vouch migrate PATH --layout L` moves the rest; refusing to open".to_string(),
             ));
         }
         let mut read_only = options
@@ -326,17 +326,25 @@ impl Engine {
     /// and fsynced, so the old wrap does not stay on disk; a torn second write
     /// leaves the first. Never neither key (docs/CRASH_MODEL.md).
     pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
-        let shared = &self.shared;
         let Some(data_key) = &self.data_key else {
             return Err(Error::Key(
                 "the volume is not encrypted, or was opened without its key: there is no key to change"
                     .into(),
             ));
         };
+        self.shared.io.check_writable()?;
+        let key_wrap = secret.wrap(&self.shared.uuid, data_key)?;
+        self.update_superblock(|superblock| superblock.key_wrap = key_wrap)
+    }
+
+    /// Change fields of the superblock and write it (both copies, each
+    /// fsynced, the newer last): a crash leaves the old or the new.
+    pub fn update_superblock(&self, change: impl FnOnce(&mut Superblock)) -> Result<()> {
+        let shared = &self.shared;
         shared.io.check_writable()?;
         let mut journal = self.committer.lock();
         let mut superblock = journal.superblock;
-        superblock.key_wrap = secret.wrap(&superblock.uuid, data_key)?;
+        change(&mut superblock);
         for _ in 0..2 {
             superblock.generation += 1;
             write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;

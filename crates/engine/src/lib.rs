@@ -53,6 +53,7 @@ pub mod protection;
 mod read;
 mod read_nowait;
 pub mod recovery;
+pub mod regions;
 pub mod replace;
 pub mod schedule;
 pub mod scrub;
