@@ -68,7 +68,7 @@ pub fn read_record(path: &Path, home: &Superblock) -> Result<RegionRecord> {
 }
 
 /// Write `record` into its copy (`seq % 2`) and fsync it: the switch.
-fn write_record(path: &Path, record: &RegionRecord) -> Result<()> {
+fn write_record(path: &Path, record: &RegionRecord, steps: &Steps) -> Result<()> {
     let name = path.join(REGIONS_FILE);
     let file = FsOpenOptions::new()
         .create(true)
@@ -78,9 +78,12 @@ fn write_record(path: &Path, record: &RegionRecord) -> Result<()> {
         .map_err(|error| io_error("create", &name, error))?;
     let regions = record.layouts.len() as u64;
     let offset = RegionRecord::copy_offset(regions, record.copy_index());
+    steps.step();
     file.write_all_at(&record.encode(), offset)
-        .and_then(|()| file.sync_all())
-        .map_err(|error| io_error("write", &name, error))
+        .map_err(|error| io_error("write", &name, error))?;
+    steps.step();
+    file.sync_all()
+        .map_err(|error| io_error("sync", &name, error))
 }
 
 fn sync_dir(path: &Path) -> Result<()> {
@@ -323,7 +326,7 @@ impl RegionVolume {
     /// The release pass: trim, in each member, every region it does not
     /// serve that still holds something there (left by a migration cut
     /// short). Returns how many were trimmed.
-    fn release_unserved(&self) -> Result<u64> {
+    fn release_unserved(&self, steps: &Steps) -> Result<u64> {
         let record = self.record();
         let mut released = 0;
         for (index, serving) in record.layouts.iter().enumerate() {
@@ -331,12 +334,16 @@ impl RegionVolume {
             let unserved = other_layout(*serving);
             if self.holds_any(unserved, lbas.start, lbas.end)? {
                 let member = self.member(unserved);
+                steps.step();
                 member.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
                 released += 1;
             }
         }
-        for member in &self.members {
-            member.flush()?;
+        if released > 0 {
+            for member in &self.members {
+                steps.step();
+                member.flush()?;
+            }
         }
         Ok(released)
     }
@@ -349,6 +356,7 @@ impl RegionVolume {
         index: usize,
         target: LayoutKind,
         breaks: &MigrateBreaks,
+        steps: &Steps,
         mut progress: impl FnMut(u64),
     ) -> Result<()> {
         let record = self.record();
@@ -357,6 +365,7 @@ impl RegionVolume {
         let (old, new) = (self.member(from), self.member(target));
         // The target does not serve the region: clear what an earlier cut
         // run left there.
+        steps.step();
         new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
         let mut buf = vec![0u8; (CHUNK_BLOCKS * BLOCK) as usize];
         let mut lba = lbas.start;
@@ -368,14 +377,17 @@ impl RegionVolume {
                 let blocks = blocks.min(chunk_end - at);
                 match allocation {
                     Allocation::Hole => {}
-                    Allocation::Zero => new.write_zeroes(
+                    Allocation::Zero => {
+                        steps.step();
+                        new.write_zeroes(
                         at * BLOCK,
                         blocks * BLOCK,
                         ZeroFlags {
                             fua: false,
                             allocate: true,
                         },
-                    )?,
+                    )?
+                    }
                     Allocation::Data => {
                         let part = &mut buf[..(blocks * BLOCK) as usize];
                         let faults = old.read_blocks_collecting(at, blocks, part)?;
@@ -393,6 +405,7 @@ impl RegionVolume {
                         if breaks.corrupt_new_copy && at == lbas.start {
                             part[0] ^= 1;
                         }
+                        steps.step();
                         new.write(at * BLOCK, part, false)?;
                     }
                 }
@@ -404,32 +417,80 @@ impl RegionVolume {
             progress((chunk_end - lba) * BLOCK);
             lba = chunk_end;
         }
+        let release = || -> Result<()> {
+            steps.step();
+            old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+            steps.step();
+            old.flush()
+        };
         if !breaks.switch_before_flush {
+            steps.step();
             new.flush()?;
+        }
+        if breaks.release_before_switch {
+            release()?;
         }
         let mut next = record;
         next.layouts[index] = target;
         next.seq += 1;
-        write_record(&self.path, &next)?;
+        write_record(&self.path, &next, steps)?;
+        steps.step();
         self.home().set_regions(next.seq)?;
         *self.record.write() = next;
         if breaks.switch_before_flush {
+            steps.step();
             new.flush()?;
         }
-        old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
-        old.flush()
+        if breaks.release_before_switch {
+            return Ok(());
+        }
+        release()
     }
 }
 
 /// Deliberate breaks of the migration's order, for the crash simulator's
-/// self-test (each must be caught).
+/// self-test (each must be caught), and its crash point.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct MigrateBreaks {
+    /// Abort the process (a crash: no close, nothing more written) right
+    /// before the migration's `n`th file operation, counted from 1
+    /// (`vouch-sim migrate`).
+    pub crash_at: Option<u64>,
+    /// Trim the region in the old member before switching the record.
+    pub release_before_switch: bool,
     /// Switch the record before the new member is flushed.
     pub switch_before_flush: bool,
     /// Change a byte of the first block of each region as it is written
     /// to the new member (a migration that copies wrong).
     pub corrupt_new_copy: bool,
+}
+
+/// The migration's file operations, counted: `step` aborts the process
+/// at `MigrateBreaks::crash_at`.
+struct Steps {
+    crash_at: Option<u64>,
+    taken: std::sync::atomic::AtomicU64,
+}
+
+impl Steps {
+    fn new(crash_at: Option<u64>) -> Steps {
+        Steps {
+            crash_at,
+            taken: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Called right before each file operation.
+    fn step(&self) {
+        let taken = self.taken.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        if self.crash_at == Some(taken) {
+            std::process::abort();
+        }
+    }
+
+    fn taken(&self) -> u64 {
+        self.taken.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 /// What a migration did.
@@ -441,13 +502,15 @@ pub struct MigrateReport {
     pub already: u64,
     /// Regions the release pass trimmed in a member not serving them.
     pub released: u64,
+    /// File operations it issued (the crash points `crash_at` counts).
+    pub steps: u64,
 }
 
 /// Make a single-layout volume a REGIONS volume (every region in its home
 /// layout): the other member made and renamed into place, the record
 /// written, then the home superblock's flag (CRASH_MODEL, "Migration
 /// between layouts"). Returns the member's path.
-fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions) -> Result<()> {
+fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &Steps) -> Result<()> {
     let member = member_path(path, home.layout);
     let name = member
         .file_name()
@@ -466,17 +529,24 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions) -> Result
         layout: other_layout(home.layout),
         guard: home.guard,
         encrypt: if encrypted { options.key.clone() } else { None },
+        journal_bytes: Some(home.journal_bytes),
         ..CreateOptions::new(home.size_bytes)
     };
+    steps.step();
     let made = crate::create_volume(&partial, &create)?;
+    steps.step();
     made.set_regions(0)?;
     made.close()?;
+    steps.step();
     sync_dir(&partial)?;
+    steps.step();
     std::fs::rename(&partial, &member).map_err(|error| io_error("rename", &partial, error))?;
+    steps.step();
     sync_dir(path)?;
     let member_uuid = crate::volume_superblock(&member)?.uuid;
     let record = RegionRecord::uniform(home.uuid, member_uuid, home.size_bytes / BLOCK, home.layout);
-    write_record(path, &record)?;
+    write_record(path, &record, steps)?;
+    steps.step();
     sync_dir(path)?;
     let opened = crate::open_volume(
         path,
@@ -485,6 +555,7 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions) -> Result
             ..options.clone()
         },
     )?;
+    steps.step();
     opened.set_regions(record.seq)?;
     opened.close()
 }
@@ -506,6 +577,7 @@ pub fn migrate(
         )));
     }
     let blocks = home.size_bytes / BLOCK;
+    let steps = Steps::new(breaks.crash_at);
     if !has_regions(&home) {
         if home.layout == target {
             return Ok(MigrateReport {
@@ -513,11 +585,11 @@ pub fn migrate(
                 ..MigrateReport::default()
             });
         }
-        make_regions(path, &home, options)?;
+        make_regions(path, &home, options, &steps)?;
     }
     let volume = RegionVolume::open(path, options)?;
     let result = (|| {
-        let released = volume.release_unserved()?;
+        let released = volume.release_unserved(&steps)?;
         let record = volume.record();
         let to_move: Vec<usize> = (0..record.layouts.len())
             .filter(|index| record.layouts[*index] != target)
@@ -532,7 +604,7 @@ pub fn migrate(
         let mut done = 0;
         progress(0, total);
         for index in &to_move {
-            volume.migrate_region(*index, target, breaks, |bytes| {
+            volume.migrate_region(*index, target, breaks, &steps, |bytes| {
                 done += bytes;
                 progress(done, total);
             })?;
@@ -541,6 +613,7 @@ pub fn migrate(
             moved: to_move.len() as u64,
             already: record.layouts.len() as u64 - to_move.len() as u64,
             released,
+            steps: steps.taken(),
         })
     })();
     let closed = volume.close();
