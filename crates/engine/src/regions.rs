@@ -518,11 +518,19 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &S
         .unwrap_or("layout")
         .to_string();
     let partial = path.join(format!(".{name}.partial"));
-    // Without the home flag nothing names these: left by a crash.
+    // Without the home flag nothing names these: left by a crash (or by
+    // `unmake_regions` cut short). An old record must go too: a copy of
+    // it with a higher seq would win over the new one.
     for leftover in [&partial, &member] {
         if leftover.exists() {
+            steps.step();
             std::fs::remove_dir_all(leftover).map_err(|error| io_error("remove", leftover, error))?;
         }
+    }
+    let record_file = path.join(REGIONS_FILE);
+    if record_file.exists() {
+        steps.step();
+        std::fs::remove_file(&record_file).map_err(|error| io_error("remove", &record_file, error))?;
     }
     let encrypted = home.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
     let create = CreateOptions {
@@ -558,6 +566,30 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &S
     steps.step();
     opened.set_regions(record.seq)?;
     opened.close()
+}
+
+/// Every region is back in the home layout: clear the home flag (its
+/// superblock, fsynced: from then on the home member is the volume), then
+/// remove the record and the other member.
+fn unmake_regions(path: &Path, home_layout: LayoutKind, options: &OpenOptions, steps: &Steps) -> Result<()> {
+    let home = crate::open_volume(
+        path,
+        &OpenOptions {
+            region_member: true,
+            ..options.clone()
+        },
+    )?;
+    steps.step();
+    home.clear_regions()?;
+    home.close()?;
+    let record_file = path.join(REGIONS_FILE);
+    steps.step();
+    std::fs::remove_file(&record_file).map_err(|error| io_error("remove", &record_file, error))?;
+    let member = member_path(path, home_layout);
+    steps.step();
+    std::fs::remove_dir_all(&member).map_err(|error| io_error("remove", &member, error))?;
+    steps.step();
+    sync_dir(path)
 }
 
 /// `vouch migrate PATH --layout TARGET`, offline: every region not in
@@ -616,8 +648,13 @@ pub fn migrate(
             steps: steps.taken(),
         })
     })();
+    let home_layout = volume.home_layout();
     let closed = volume.close();
-    let report = result?;
+    let mut report = result?;
     closed?;
+    if target == home_layout {
+        unmake_regions(path, home_layout, options, &steps)?;
+        report.steps = steps.taken();
+    }
     Ok(report)
 }

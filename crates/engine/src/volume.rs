@@ -104,6 +104,15 @@ impl Volume {
         })
     }
 
+    /// No longer a member of a REGIONS volume: the flag and `regions_seq`
+    /// cleared (every region back in this, the home member).
+    pub(crate) fn clear_regions(&self) -> Result<()> {
+        self.engine.update_superblock(|superblock| {
+            superblock.features.incompat &= !vouch_format::FeatureFlags::INCOMPAT_REGIONS;
+            superblock.regions_seq = 0;
+        })
+    }
+
     /// Is the volume encrypted?
     pub fn encrypted(&self) -> bool {
         self.engine.encrypted()

@@ -88,6 +88,9 @@ enum Command {
         /// before the record switches (the run must find violations).
         #[arg(long)]
         break_release: bool,
+        /// Migrate to the other layout first, then crash the way back.
+        #[arg(long)]
+        back: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -291,13 +294,18 @@ fn run(cli: Cli) -> Result<bool, String> {
             print!("{}", report.render(&config));
             Ok(report.violations.is_empty())
         }
-        Command::Migrate { run, break_release } => {
+        Command::Migrate {
+            run,
+            break_release,
+            back,
+        } => {
             let config = vouch_sim::migrate::MigrateConfig {
                 layout: layout(&run.layout)?,
                 seeds: run.seeds,
                 seed: run.seed,
                 child: std::env::current_exe().map_err(|error| error.to_string())?,
                 break_release,
+                back,
             };
             let report = vouch_sim::migrate::run(&config);
             for violation in &report.violations {

@@ -12,6 +12,10 @@
 //! every block read: it must be the image, with no fault (a block read as
 //! zeros, a fault, a refused open: a violation). Then the migration is run
 //! again to the end (the operator's retry) and the image read again.
+//! With `back`, the volume is first migrated to the other layout (not
+//! crashed) and the migration back to its own layout is crashed: that one
+//! ends by making it a one-layout volume again (the flag cleared, the
+//! record and the member removed), each of those steps a crash point.
 //!
 //! A process crash keeps every write issued (the page cache): power-cut
 //! images of the migration are not made here (its files are real files,
@@ -43,6 +47,10 @@ pub struct MigrateConfig {
     /// The `vouch-sim` binary (runs `migrate-child`).
     pub child: PathBuf,
     pub break_release: bool,
+    /// Migrate to the other layout first (uncrashed), then crash the
+    /// migration back to the volume's own layout (which ends by making it
+    /// a one-layout volume again).
+    pub back: bool,
 }
 
 #[derive(Debug, Default)]
@@ -56,9 +64,14 @@ pub struct MigrateReport {
 impl MigrateReport {
     pub fn summary(&self, config: &MigrateConfig) -> String {
         format!(
-            "migrate: layout={} -> {}{} seeds={} process-crash images={} violations={} time={:.1}s",
+            "migrate: layout={} -> {}{}{} seeds={} process-crash images={} violations={} time={:.1}s",
             config.layout.name(),
             regions::other_layout(config.layout).name(),
+            if config.back {
+                format!(" -> {} (crashed on the way back)", config.layout.name())
+            } else {
+                String::new()
+            },
             if config.break_release {
                 " (break: release before switch)"
             } else {
@@ -73,7 +86,12 @@ impl MigrateReport {
 }
 
 /// The child: migrate `path` to `target`, aborting at `crash_at`.
-pub fn child(path: &Path, target: LayoutKind, crash_at: u64, break_release: bool) -> Result<(), String> {
+pub fn child(
+    path: &Path,
+    target: LayoutKind,
+    crash_at: u64,
+    break_release: bool,
+) -> Result<(), String> {
     let breaks = MigrateBreaks {
         crash_at: Some(crash_at),
         release_before_switch: break_release,
@@ -217,6 +235,19 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
         let original = dir.0.join("original");
         write_volume(&original, config.layout, &mut rng);
         let expected = read_image(&original).expect("the written volume reads");
+        let target = if config.back {
+            regions::migrate(
+                &original,
+                target,
+                &OpenOptions::default(),
+                &MigrateBreaks::default(),
+                |_, _| {},
+            )
+            .expect("the first migration");
+            config.layout
+        } else {
+            target
+        };
         for crash_at in 1.. {
             let work = dir.0.join(format!("at{crash_at}"));
             copy_dir(&original, &work);

@@ -1,5 +1,5 @@
 //! `vouch migrate` crashed (a process abort) right before each of its file
-//! operations, both directions: every image reads what was written, and
+//! operations, to the other layout and back: every image reads what was written, and
 //! running the migration again finishes it. The deliberate break (the old
 //! layout released before the record switches) must be caught.
 
@@ -15,6 +15,7 @@ fn config(layout: LayoutKind, seed: u64, break_release: bool) -> MigrateConfig {
         seed,
         child: PathBuf::from(env!("CARGO_BIN_EXE_vouch-sim")),
         break_release,
+        back: false,
     }
 }
 
@@ -28,8 +29,14 @@ fn a_crash_at_any_operation_of_a_split_to_packed_migration_loses_nothing() {
 }
 
 #[test]
-fn a_crash_at_any_operation_of_a_packed_to_split_migration_loses_nothing() {
-    let config = config(LayoutKind::Packed, 3, false);
+fn a_crash_at_any_operation_of_a_migration_back_to_packed_loses_nothing() {
+    // Packed -> split uncrashed, then packed again, crashed: the way back
+    // ends by making it a one-layout volume (flag cleared, record and
+    // member removed).
+    let config = MigrateConfig {
+        back: true,
+        ..config(LayoutKind::Packed, 3, false)
+    };
     let report = run(&config);
     eprintln!("{}", report.summary(&config));
     assert!(report.violations.is_empty(), "{:#?}", report.violations);

@@ -205,8 +205,9 @@ enum Command {
     /// verification stops it, naming the block's LBA (the regions before
     /// it stay moved; the volume stays readable). While its regions are in
     /// both layouts the volume is opened only by `info`, `check`, `export`
-    /// and `migrate`; moving every region back to the layout it was
-    /// created in does not remove the region record.
+    /// and `migrate`. Once every region is back in the layout the volume
+    /// was created in, it is a one-layout volume again (the record and the
+    /// other layout's directory removed).
     Migrate {
         /// The volume's directory.
         path: PathBuf,
