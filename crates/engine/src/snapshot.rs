@@ -439,6 +439,14 @@ pub fn create(
             volume.display()
         )));
     }
+    if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
+        return Err(invalid(format!(
+            "{} has a layout per region (`vouch migrate` moved some of its regions): a snapshot of it is not made yet; `vouch migrate {} --layout {}` makes it a one-layout volume again",
+            volume.display(),
+            volume.display(),
+            superblock.layout.name()
+        )));
+    }
     if superblock.state != STATE_CLEAN {
         return Err(invalid(format!(
             "{} was not closed cleanly: open it (vouch check, or serve) so it recovers, then take the snapshot",

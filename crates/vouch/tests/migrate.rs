@@ -229,6 +229,17 @@ fn a_member_of_another_volume_is_refused() {
 }
 
 #[test]
+fn a_snapshot_of_a_volume_with_regions_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = written_volume(dir.path(), LayoutKind::Split, GuardKind::Crc32c, false);
+    migrate_ok(&path, "packed", None);
+    let output = vouch(&["snapshot", "create", s(&path), "s1", "--copy"]);
+    assert!(!output.status.success(), "{}", text(&output));
+    assert!(text(&output).contains("layout per region"), "{}", text(&output));
+    assert!(!path.join("snapshots").join("s1").exists());
+}
+
+#[test]
 fn migrating_to_the_layout_a_volume_has_changes_nothing() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = written_volume(dir.path(), LayoutKind::Packed, GuardKind::Crc32c, false);
