@@ -129,8 +129,12 @@ impl RegionVolume {
         };
         let home_layout = home_superblock.layout;
         let other_path = member_path(path, home_layout);
-        let other_superblock = crate::volume_superblock(&other_path)
-            .map_err(|error| Error::Corrupt(format!("the region record names a member that cannot be read: {error}")).in_volume(path))?;
+        let other_superblock = crate::volume_superblock(&other_path).map_err(|error| {
+            Error::Corrupt(format!(
+                "the region record names a member that cannot be read: {error}"
+            ))
+            .in_volume(path)
+        })?;
         if other_superblock.uuid != record.member_uuid
             || other_superblock.layout != other_layout(home_layout)
             || other_superblock.size_bytes != home_superblock.size_bytes
@@ -281,7 +285,12 @@ impl RegionVolume {
     }
 
     /// Whole blocks; faulty blocks zero-filled and listed (export, scans).
-    pub fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+    pub fn read_blocks_collecting(
+        &self,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> Result<Vec<Fault>> {
         let mut faults = Vec::new();
         for piece in self.pieces(first * BLOCK, count * BLOCK) {
             let from = (piece.offset - first * BLOCK) as usize;
@@ -380,13 +389,13 @@ impl RegionVolume {
                     Allocation::Zero => {
                         steps.step();
                         new.write_zeroes(
-                        at * BLOCK,
-                        blocks * BLOCK,
-                        ZeroFlags {
-                            fua: false,
-                            allocate: true,
-                        },
-                    )?
+                            at * BLOCK,
+                            blocks * BLOCK,
+                            ZeroFlags {
+                                fua: false,
+                                allocate: true,
+                            },
+                        )?
                     }
                     Allocation::Data => {
                         let part = &mut buf[..(blocks * BLOCK) as usize];
@@ -482,7 +491,10 @@ impl Steps {
 
     /// Called right before each file operation.
     fn step(&self) {
-        let taken = self.taken.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+        let taken = self
+            .taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
         if self.crash_at == Some(taken) {
             std::process::abort();
         }
@@ -510,7 +522,12 @@ pub struct MigrateReport {
 /// layout): the other member made and renamed into place, the record
 /// written, then the home superblock's flag (CRASH_MODEL, "Migration
 /// between layouts"). Returns the member's path.
-fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &Steps) -> Result<()> {
+fn make_regions(
+    path: &Path,
+    home: &Superblock,
+    options: &OpenOptions,
+    steps: &Steps,
+) -> Result<()> {
     let member = member_path(path, home.layout);
     let name = member
         .file_name()
@@ -524,13 +541,15 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &S
     for leftover in [&partial, &member] {
         if leftover.exists() {
             steps.step();
-            std::fs::remove_dir_all(leftover).map_err(|error| io_error("remove", leftover, error))?;
+            std::fs::remove_dir_all(leftover)
+                .map_err(|error| io_error("remove", leftover, error))?;
         }
     }
     let record_file = path.join(REGIONS_FILE);
     if record_file.exists() {
         steps.step();
-        std::fs::remove_file(&record_file).map_err(|error| io_error("remove", &record_file, error))?;
+        std::fs::remove_file(&record_file)
+            .map_err(|error| io_error("remove", &record_file, error))?;
     }
     let encrypted = home.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
     let create = CreateOptions {
@@ -552,7 +571,8 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &S
     steps.step();
     sync_dir(path)?;
     let member_uuid = crate::volume_superblock(&member)?.uuid;
-    let record = RegionRecord::uniform(home.uuid, member_uuid, home.size_bytes / BLOCK, home.layout);
+    let record =
+        RegionRecord::uniform(home.uuid, member_uuid, home.size_bytes / BLOCK, home.layout);
     write_record(path, &record, steps)?;
     steps.step();
     sync_dir(path)?;
@@ -571,7 +591,12 @@ fn make_regions(path: &Path, home: &Superblock, options: &OpenOptions, steps: &S
 /// Every region is back in the home layout: clear the home flag (its
 /// superblock, fsynced: from then on the home member is the volume), then
 /// remove the record and the other member.
-fn unmake_regions(path: &Path, home_layout: LayoutKind, options: &OpenOptions, steps: &Steps) -> Result<()> {
+fn unmake_regions(
+    path: &Path,
+    home_layout: LayoutKind,
+    options: &OpenOptions,
+    steps: &Steps,
+) -> Result<()> {
     let home = crate::open_volume(
         path,
         &OpenOptions {

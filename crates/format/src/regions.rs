@@ -305,7 +305,11 @@ mod tests {
         assert_eq!(record().region_of(REGION_BLOCKS * 2), 2);
         assert_eq!(record().lbas(5, BLOCKS), REGION_BLOCKS * 5..BLOCKS);
         // Golden: a change here means the format changed.
-        assert_eq!(get_u32(&bytes, 92), 0xff33_def2, "region record encoding changed");
+        assert_eq!(
+            get_u32(&bytes, 92),
+            0xff33_def2,
+            "region record encoding changed"
+        );
         assert_eq!(get_u32(&bytes, 64), crc32c(&bytes[4096..]));
     }
 

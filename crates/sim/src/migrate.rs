@@ -107,10 +107,8 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(what: &str) -> TempDir {
-        let path = std::env::temp_dir().join(format!(
-            "vouch-sim-migrate-{}-{what}",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("vouch-sim-migrate-{}-{what}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create a temporary directory");
         TempDir(path)
@@ -177,7 +175,8 @@ fn read_image(path: &Path) -> Result<Vec<u8>, String> {
         volume.close().map_err(|error| error.to_string())?;
         faults
     } else {
-        let volume = vouch_engine::open_volume(path, &options).map_err(|error| error.to_string())?;
+        let volume =
+            vouch_engine::open_volume(path, &options).map_err(|error| error.to_string())?;
         volume
             .read_blocks_collecting(0, BLOCKS, &mut image)
             .map_err(|error| error.to_string())?
@@ -202,7 +201,12 @@ fn copy_dir(from: &Path, to: &Path) {
         .arg(to)
         .status()
         .expect("cp (apt-get install -y coreutils)");
-    assert!(status.success(), "cp -a {} {}", from.display(), to.display());
+    assert!(
+        status.success(),
+        "cp -a {} {}",
+        from.display(),
+        to.display()
+    );
 }
 
 /// A violation unless `image` is `expected`.
@@ -252,10 +256,12 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             let work = dir.0.join(format!("at{crash_at}"));
             copy_dir(&original, &work);
             let mut child = Command::new(&config.child);
-            child
-                .arg("migrate-child")
-                .arg(&work)
-                .args(["--layout", target.name(), "--crash-at", &crash_at.to_string()]);
+            child.arg("migrate-child").arg(&work).args([
+                "--layout",
+                target.name(),
+                "--crash-at",
+                &crash_at.to_string(),
+            ]);
             if config.break_release {
                 child.arg("--break-release");
             }
@@ -269,7 +275,13 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             }
             report.images += u64::from(!finished);
             let at = format!("seed {seed} crash at {crash_at}");
-            judge(&mut report, &at, "after the crash", read_image(&work), &expected);
+            judge(
+                &mut report,
+                &at,
+                "after the crash",
+                read_image(&work),
+                &expected,
+            );
             // The operator runs it again.
             let again = regions::migrate(
                 &work,
@@ -279,7 +291,13 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 |_, _| {},
             );
             match again {
-                Ok(_) => judge(&mut report, &at, "after running it again", read_image(&work), &expected),
+                Ok(_) => judge(
+                    &mut report,
+                    &at,
+                    "after running it again",
+                    read_image(&work),
+                    &expected,
+                ),
                 Err(error) => report
                     .violations
                     .push(format!("{at}: running it again failed: {error}")),

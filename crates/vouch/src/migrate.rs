@@ -28,10 +28,16 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
     }
     let options = crate::key::open_options(path, OpenOptions::default(), Use::Data)?;
     let bar = progress_bar(0, &format!("migrating to {}", target.name()));
-    let report = regions::migrate(path, target, &options, &MigrateBreaks::default(), |done, total| {
-        bar.set_length(total);
-        bar.set_position(done);
-    });
+    let report = regions::migrate(
+        path,
+        target,
+        &options,
+        &MigrateBreaks::default(),
+        |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        },
+    );
     bar.finish_and_clear();
     let report = report?;
     println!(
@@ -41,10 +47,7 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
         target.name(),
         report.already,
         if report.released > 0 {
-            format!(
-                ", {} left by an interrupted run released",
-                report.released
-            )
+            format!(", {} left by an interrupted run released", report.released)
         } else {
             String::new()
         }
@@ -93,7 +96,11 @@ pub fn regions_json(volume: &RegionVolume) -> serde_json::Value {
 
 /// Every block read and verified by the member serving it; faulty blocks
 /// zero-filled and returned. `each(lba, bytes)` sees every chunk.
-pub fn scan(volume: &RegionVolume, what: &str, mut each: impl FnMut(u64, &[u8]) -> Result<()>) -> Result<Vec<Fault>> {
+pub fn scan(
+    volume: &RegionVolume,
+    what: &str,
+    mut each: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<Vec<Fault>> {
     let bar = progress_bar(volume.size(), what);
     let mut faults = Vec::new();
     let mut buf = vec![0u8; (CHUNK_BLOCKS * BLOCK) as usize];

@@ -288,7 +288,11 @@ fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expect
     }
     for layout in [other, home] {
         let output = vouch_with(&["migrate", s(path), "--layout", layout], &keys);
-        assert!(output.status.success(), "migrate {name} to {layout}: {}", text(&output));
+        assert!(
+            output.status.success(),
+            "migrate {name} to {layout}: {}",
+            text(&output)
+        );
         let image = dir.join(format!("migrated-{layout}.raw"));
         export(path, &image, volume);
         assert!(
@@ -296,7 +300,11 @@ fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expect
             "{name}: the image after migrating to {layout} differs"
         );
         let check = vouch_with(&["check", s(path)], &keys);
-        assert!(check.status.success(), "check {name} after migrating to {layout}: {}", text(&check));
+        assert!(
+            check.status.success(),
+            "check {name} after migrating to {layout}: {}",
+            text(&check)
+        );
     }
 }
 

@@ -35,9 +35,15 @@ fn written_volume(dir: &Path, layout: LayoutKind, guard: GuardKind, encrypted: b
     };
     let volume = vouch_engine::create_volume(&path, &options).expect("create");
     // Data runs, one across each region boundary.
-    for (index, lba) in [0, 40, REGION_BLOCKS - 30, 2 * REGION_BLOCKS - 5, BLOCKS - 64]
-        .into_iter()
-        .enumerate()
+    for (index, lba) in [
+        0,
+        40,
+        REGION_BLOCKS - 30,
+        2 * REGION_BLOCKS - 5,
+        BLOCKS - 64,
+    ]
+    .into_iter()
+    .enumerate()
     {
         let data = random_bytes((64 * BLOCK) as usize, index as u64 + 1);
         volume.write(lba * BLOCK, &data, false).expect("write");
@@ -82,7 +88,11 @@ fn export_bytes(path: &Path, out: &Path, key: Option<&Path>) -> Vec<u8> {
 
 fn migrate_ok(path: &Path, layout: &str, key: Option<&Path>) {
     let output = with_key(&["migrate", s(path), "--layout", layout], key);
-    assert!(output.status.success(), "migrate to {layout}: {}", text(&output));
+    assert!(
+        output.status.success(),
+        "migrate to {layout}: {}",
+        text(&output)
+    );
 }
 
 fn round_trip(home: LayoutKind, guard: GuardKind, encrypted: bool) {
@@ -103,8 +113,7 @@ fn round_trip(home: LayoutKind, guard: GuardKind, encrypted: bool) {
         let check = with_key(&["check", s(&path)], key);
         assert!(check.status.success(), "check: {}", text(&check));
         let info = with_key(&["info", s(&path), "--json"], key);
-        let json: serde_json::Value =
-            serde_json::from_slice(&info.stdout).expect("info json");
+        let json: serde_json::Value = serde_json::from_slice(&info.stdout).expect("info json");
         assert_eq!(json["layout"], home.name(), "{json}");
         let member = vouch_engine::regions::member_path(&path, home);
         if layout == home {
@@ -186,7 +195,11 @@ fn a_lost_or_older_region_record_is_refused_never_read_as_zeros() {
     let image = dir.path().join("image.raw");
     let output = vouch(&["export", s(&path), s(&image)]);
     assert!(!output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("older than the superblock"), "{}", text(&output));
+    assert!(
+        text(&output).contains("older than the superblock"),
+        "{}",
+        text(&output)
+    );
     // Lost: refused, not taken as the superblock's one layout.
     std::fs::remove_file(path.join(REGIONS_FILE)).expect("remove");
     for command in ["export", "check", "info"] {
@@ -205,7 +218,10 @@ fn a_lost_or_older_region_record_is_refused_never_read_as_zeros() {
     }
     // Served as one layout: refused too.
     let opened = vouch_engine::open_volume(&path, &OpenOptions::default());
-    assert!(opened.is_err(), "the engine opened a REGIONS volume as one layout");
+    assert!(
+        opened.is_err(),
+        "the engine opened a REGIONS volume as one layout"
+    );
 }
 
 #[test]
@@ -221,11 +237,18 @@ fn a_member_of_another_volume_is_refused() {
     migrate_ok(&b, "packed", None);
     let member = vouch_engine::regions::member_path(&a, LayoutKind::Split);
     std::fs::remove_dir_all(&member).expect("remove member");
-    std::fs::rename(vouch_engine::regions::member_path(&b, LayoutKind::Split), &member)
-        .expect("move b's member");
+    std::fs::rename(
+        vouch_engine::regions::member_path(&b, LayoutKind::Split),
+        &member,
+    )
+    .expect("move b's member");
     let output = vouch(&["check", s(&a)]);
     assert!(!output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("not the member"), "{}", text(&output));
+    assert!(
+        text(&output).contains("not the member"),
+        "{}",
+        text(&output)
+    );
 }
 
 #[test]
@@ -235,7 +258,11 @@ fn a_snapshot_of_a_volume_with_regions_is_refused() {
     migrate_ok(&path, "packed", None);
     let output = vouch(&["snapshot", "create", s(&path), "s1", "--copy"]);
     assert!(!output.status.success(), "{}", text(&output));
-    assert!(text(&output).contains("layout per region"), "{}", text(&output));
+    assert!(
+        text(&output).contains("layout per region"),
+        "{}",
+        text(&output)
+    );
     assert!(!path.join("snapshots").join("s1").exists());
 }
 
