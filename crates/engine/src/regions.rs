@@ -236,44 +236,46 @@ impl RegionVolume {
         Ok(())
     }
 
+    /// `f(member, offset, len)` for each piece of `[offset, offset + len)`,
+    /// checked in range first.
+    fn each_piece(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+    ) -> Result<()> {
+        self.check_range(offset, len)?;
+        for piece in self.pieces(offset, len) {
+            f(self.member(piece.layout), piece.offset, piece.len)?;
+        }
+        Ok(())
+    }
+
     /// Read `buf.len()` bytes at `offset`, each block verified by the
     /// member serving it.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
-        self.check_range(offset, buf.len() as u64)?;
-        for piece in self.pieces(offset, buf.len() as u64) {
-            let from = (piece.offset - offset) as usize;
-            let part = &mut buf[from..from + piece.len as usize];
-            self.member(piece.layout).read(piece.offset, part)?;
-        }
-        Ok(())
+        self.each_piece(offset, buf.len() as u64, |member, at, len| {
+            let from = (at - offset) as usize;
+            member.read(at, &mut buf[from..from + len as usize])?;
+            Ok(())
+        })
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.check_range(offset, data.len() as u64)?;
-        for piece in self.pieces(offset, data.len() as u64) {
-            let from = (piece.offset - offset) as usize;
-            let part = &data[from..from + piece.len as usize];
-            self.member(piece.layout).write(piece.offset, part, fua)?;
-        }
-        Ok(())
+        self.each_piece(offset, data.len() as u64, |member, at, len| {
+            let from = (at - offset) as usize;
+            member.write(at, &data[from..from + len as usize], fua)
+        })
     }
 
     pub fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.check_range(offset, len)?;
-        for piece in self.pieces(offset, len) {
-            self.member(piece.layout)
-                .trim(piece.offset, piece.len, fua)?;
-        }
-        Ok(())
+        self.each_piece(offset, len, |member, at, len| member.trim(at, len, fua))
     }
 
     pub fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.check_range(offset, len)?;
-        for piece in self.pieces(offset, len) {
-            self.member(piece.layout)
-                .write_zeroes(piece.offset, piece.len, flags)?;
-        }
-        Ok(())
+        self.each_piece(offset, len, |member, at, len| {
+            member.write_zeroes(at, len, flags)
+        })
     }
 
     /// Both members' writes durable.

@@ -452,53 +452,34 @@ pub fn import(raw: &Path, path: &Path, args: &CreateArgs) -> Result<ExitCode> {
 }
 
 pub fn export(path: &Path, raw: &Path, allow_faults: bool) -> Result<ExitCode> {
-    if crate::migrate::has_regions(path) {
-        return export_regions(path, raw, allow_faults);
-    }
-    let volume = open_read_only(path, Use::Data)?;
+    // A volume whose layout is chosen per region is read through its
+    // region record (`migrate.rs`); any other as one volume.
+    let volume = if crate::migrate::has_regions(path) {
+        None
+    } else {
+        Some(open_read_only(path, Use::Data)?)
+    };
     let output = FsOpenOptions::new()
         .write(true)
         .create_new(true)
         .open(raw)
         .with_context(|| format!("cannot create {} (it must not exist)", raw.display()))?;
-    let result = export_into(&volume, &output, allow_faults);
+    let result = match &volume {
+        Some(volume) => {
+            export_into(volume, &output, allow_faults).map(|faults| (volume.size(), faults))
+        }
+        None => crate::migrate::export(path, &output, allow_faults),
+    };
     match result {
-        Ok(faults) => {
-            output.sync_all()?;
-            for line in describe_faults(&volume, &faults, |fault| {
-                format!("LBA {} {}", fault.lba, fault.kind.name())
-            }) {
-                eprintln!("zero-filled: {line}");
-            }
-            println!(
-                "exported {} to {} ({} bytes, {} faulty blocks zero-filled)",
-                path.display(),
-                raw.display(),
-                volume.size(),
-                faults.len()
-            );
-            Ok(ExitCode::SUCCESS)
-        }
-        Err(error) => {
-            drop(output);
-            let _ = std::fs::remove_file(raw);
-            Err(error)
-        }
-    }
-}
-
-/// `export` of a volume whose layout is chosen per region.
-fn export_regions(path: &Path, raw: &Path, allow_faults: bool) -> Result<ExitCode> {
-    let output = FsOpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .open(raw)
-        .with_context(|| format!("cannot create {} (it must not exist)", raw.display()))?;
-    match crate::migrate::export(path, &output, allow_faults) {
         Ok((size, faults)) => {
             output.sync_all()?;
-            for fault in &faults {
-                eprintln!("zero-filled: LBA {} {}", fault.lba, fault.kind.name());
+            let name = |fault: &Fault| format!("LBA {} {}", fault.lba, fault.kind.name());
+            let lines = match &volume {
+                Some(volume) => describe_faults(volume, &faults, name),
+                None => faults.iter().map(name).collect(),
+            };
+            for line in lines {
+                eprintln!("zero-filled: {line}");
             }
             println!(
                 "exported {} to {} ({size} bytes, {} faulty blocks zero-filled)",

@@ -182,6 +182,36 @@ fn a_corrupt_block_stops_the_migration_naming_its_lba() {
     let at = (lba * BLOCK) as usize;
     want[at..at + BLOCK as usize].fill(0);
     assert!(std::fs::read(&image).expect("read") == want);
+
+    // Reads and writes of both layouts in one volume: a write, a trim and
+    // zeroes across the boundary of region 1 (packed) and region 2
+    // (split), read back through the region layer and exported.
+    let volume = vouch_engine::regions::RegionVolume::open(&path, &OpenOptions::default())
+        .expect("open the regions");
+    assert_eq!(volume.layout_of(2 * REGION_BLOCKS - 1), LayoutKind::Packed);
+    assert_eq!(volume.layout_of(2 * REGION_BLOCKS), LayoutKind::Split);
+    let at = (2 * REGION_BLOCKS - 8) * BLOCK;
+    let data = random_bytes((16 * BLOCK) as usize, 77);
+    volume.write(at, &data, false).expect("write across");
+    want[at as usize..(at + 16 * BLOCK) as usize].copy_from_slice(&data);
+    let trim_at = (2 * REGION_BLOCKS - 2) * BLOCK;
+    volume.trim(trim_at, 4 * BLOCK, false).expect("trim across");
+    want[trim_at as usize..(trim_at + 4 * BLOCK) as usize].fill(0);
+    let zero_at = (2 * REGION_BLOCKS - 50) * BLOCK;
+    volume
+        .write_zeroes(zero_at, 100 * BLOCK, ZeroFlags::default())
+        .expect("zeroes across");
+    want[zero_at as usize..(zero_at + 100 * BLOCK) as usize].fill(0);
+    volume.flush().expect("flush");
+    let mut back = vec![0u8; (200 * BLOCK) as usize];
+    let from = (2 * REGION_BLOCKS - 100) * BLOCK;
+    volume.read(from, &mut back).expect("read across");
+    assert!(back[..] == want[from as usize..(from + 200 * BLOCK) as usize]);
+    volume.close().expect("close");
+    let _ = std::fs::remove_file(&image);
+    let output = vouch(&["export", s(&path), s(&image), "--allow-faults"]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert!(std::fs::read(&image).expect("read") == want);
 }
 
 #[test]
