@@ -71,9 +71,10 @@ impl Engine {
         if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0
             && !options.region_member
         {
-            return Err(Error::Unsupported(
-                "its layout is chosen per region (REGIONS: `vouch migrate` moved some of its regions): this vouch reads such a volume with `vouch info`, `check`, `export` and `migrate` only, and does not serve or write it otherwise; `vouch migrate PATH --layout L` moves the rest; refusing to open".to_string(),
-            ));
+            return Err(Error::Unsupported(format!(
+                "it is a volume with regions (`vouch migrate` moved some of its regions out of its {home} layout): this vouch reads it with `vouch info`, `check`, `export` and `migrate` only, and does not serve, verify, scrub, mirror, snapshot, resize or rekey it yet; `vouch migrate PATH --layout {home}` moves every region back and makes it servable again (or `vouch export` it and `vouch import` the image into a new volume of the layout wanted); refusing to open",
+                home = superblock.layout.name()
+            )));
         }
         let mut read_only = options
             .read_only

@@ -86,6 +86,19 @@ fn write_record(path: &Path, record: &RegionRecord, steps: &Steps) -> Result<()>
         .map_err(|error| io_error("sync", &name, error))
 }
 
+/// A member's block status that did not cover `[lba, end)`: what it
+/// holds there is unknown, so the migration stops rather than take the
+/// rest for holes.
+fn short_status(path: &Path, layout: LayoutKind, lba: u64, end: u64) -> Error {
+    Error::Corrupt(format!(
+        "migration stopped: the {} layout's block status did not cover LBAs {}-{} (a short reply); what it holds there is unknown, so nothing is taken for holes",
+        layout.name(),
+        lba,
+        end - 1
+    ))
+    .in_volume(path)
+}
+
 fn sync_dir(path: &Path) -> Result<()> {
     std::fs::File::open(path)
         .and_then(|dir| dir.sync_all())
@@ -321,8 +334,9 @@ impl RegionVolume {
         let mut lba = start;
         while lba < end {
             let runs = member.block_status(lba * BLOCK, (end - lba) * BLOCK, end - lba)?;
-            if runs.is_empty() {
-                return Ok(false);
+            if runs.iter().all(|(blocks, _)| *blocks == 0) {
+                // A reply covering nothing is not "all holes".
+                return Err(short_status(&self.path, layout, lba, end));
             }
             for (blocks, allocation) in runs {
                 if allocation != Allocation::Hole {
@@ -382,7 +396,12 @@ impl RegionVolume {
         let mut lba = lbas.start;
         while lba < lbas.end {
             let chunk_end = (lba + CHUNK_BLOCKS).min(lbas.end);
-            let runs = old.block_status(lba * BLOCK, (chunk_end - lba) * BLOCK, chunk_end - lba)?;
+            let asked = if breaks.short_status {
+                (chunk_end - lba).div_ceil(2)
+            } else {
+                chunk_end - lba
+            };
+            let runs = old.block_status(lba * BLOCK, asked * BLOCK, asked)?;
             let mut at = lba;
             for (blocks, allocation) in runs {
                 let blocks = blocks.min(chunk_end - at);
@@ -424,6 +443,11 @@ impl RegionVolume {
                 if at >= chunk_end {
                     break;
                 }
+            }
+            if at < chunk_end {
+                // A short reply: the rest is unknown, never read as holes
+                // (it would be left behind, then trimmed from the old).
+                return Err(short_status(&self.path, from, at, chunk_end));
             }
             progress((chunk_end - lba) * BLOCK);
             lba = chunk_end;
@@ -474,6 +498,9 @@ pub struct MigrateBreaks {
     /// Change a byte of the first block of each region as it is written
     /// to the new member (a migration that copies wrong).
     pub corrupt_new_copy: bool,
+    /// Ask the old member's block status for only the first half of each
+    /// chunk: a reply that covers less than the chunk (NBD allows it).
+    pub short_status: bool,
 }
 
 /// The migration's file operations, counted: `step` aborts the process
@@ -554,6 +581,13 @@ fn make_regions(
             .map_err(|error| io_error("remove", &record_file, error))?;
     }
     let encrypted = home.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
+    if encrypted && options.key.is_none() {
+        // The member would be made unencrypted beside an encrypted home.
+        return Err(Error::InvalidArgument(format!(
+            "{} is encrypted and no key was given: `vouch migrate` needs its key to make the other layout's member",
+            path.display()
+        )));
+    }
     let create = CreateOptions {
         layout: other_layout(home.layout),
         guard: home.guard,

@@ -203,11 +203,18 @@ enum Command {
     /// the old layout: a crash at any point leaves every region whole in
     /// one layout, and running it again finishes. A block that fails
     /// verification stops it, naming the block's LBA (the regions before
-    /// it stay moved; the volume stays readable). While its regions are in
-    /// both layouts the volume is opened only by `info`, `check`, `export`
-    /// and `migrate`. Once every region is back in the layout the volume
-    /// was created in, it is a one-layout volume again (the record and the
-    /// other layout's directory removed).
+    /// it stay moved; the volume stays readable).
+    ///
+    /// A migrated volume cannot be served yet: while any region is out of
+    /// the layout the volume was created in (a volume with regions), it is
+    /// read, checked, exported and migrated (`info`, `check`, `export`,
+    /// `migrate`) but not served, verified, scrubbed, mirrored,
+    /// snapshotted, resized or rekeyed, until serving such a volume lands.
+    /// To serve it, migrate it back to the layout it was created in: once
+    /// every region is back it is a one-layout volume again (the record and
+    /// the other layout's directory removed). To serve it in the other
+    /// layout now, `vouch export` it and `vouch import` the image into a
+    /// volume created with that layout.
     Migrate {
         /// The volume's directory.
         path: PathBuf,

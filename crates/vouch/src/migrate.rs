@@ -39,6 +39,9 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
         },
     );
     bar.finish_and_clear();
+    if report.is_err() && has_regions(path) {
+        eprintln!("{}", not_served_note(path));
+    }
     let report = report?;
     println!(
         "{}: {} regions moved to {}, {} were in it already{}",
@@ -52,7 +55,21 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
             String::new()
         }
     );
+    if has_regions(path) {
+        println!("{}", not_served_note(path));
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// What `migrate` says after a run that leaves a volume with regions.
+fn not_served_note(path: &Path) -> String {
+    let home = vouch_engine::volume_superblock(path)
+        .map(|superblock| superblock.layout.name())
+        .unwrap_or("home");
+    format!(
+        "note: {path} is now a volume with regions: it can be read, checked, exported and migrated, but not served (nor verified, scrubbed, mirrored, snapshotted, resized or rekeyed) until serving such a volume lands; `vouch migrate {path} --layout {home}` makes it servable again",
+        path = path.display()
+    )
 }
 
 /// Is the volume at `path` one whose layout is chosen per region? A path

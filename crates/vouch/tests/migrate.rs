@@ -304,3 +304,32 @@ fn migrating_to_the_layout_a_volume_has_changes_nothing() {
     assert!(!path.join(REGIONS_FILE).exists());
     assert!(info_json(&path)["regions"].is_null());
 }
+
+/// The review of migrate33, H1 (the brief's fallback): serving a volume
+/// with regions is not built, so `migrate` says so when it leaves one,
+/// `serve` refuses it naming the command that makes it servable again,
+/// and that command does.
+#[test]
+fn a_migrated_volume_says_it_is_not_served_and_how_to_serve_it_again() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = written_volume(dir.path(), LayoutKind::Split, GuardKind::Crc32c, false);
+    let before = export_bytes(&path, &dir.path().join("before.img"), None);
+    let back_home = format!("vouch migrate {} --layout split", path.display());
+
+    let output = vouch_ok(&["migrate", s(&path), "--layout", "packed"]);
+    let said = text(&output);
+    assert!(said.contains("not served"), "{said}");
+    assert!(said.contains(&back_home), "{said}");
+
+    let output = vouch(&["serve", s(&path), "--listen", "127.0.0.1:0"]);
+    assert!(!output.status.success(), "{}", text(&output));
+    let refused = text(&output);
+    assert!(refused.contains("volume with regions"), "{refused}");
+    assert!(refused.contains("--layout split"), "{refused}");
+
+    // What the note says works: back home, a one-layout volume serves.
+    let output = vouch_ok(&["migrate", s(&path), "--layout", "split"]);
+    assert!(!text(&output).contains("not served"), "{}", text(&output));
+    vouch_ok(&["verify", s(&path)]);
+    assert_eq!(export_bytes(&path, &dir.path().join("after.img"), None), before);
+}
