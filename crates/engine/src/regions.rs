@@ -9,13 +9,15 @@
 
 use std::fs::OpenOptions as FsOpenOptions;
 use std::os::unix::fs::FileExt as _;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use parking_lot::RwLock;
 use vouch_format::regions::RegionRecord;
 use vouch_format::{FeatureFlags, LayoutKind, Superblock};
 
-use crate::device::{BlockDevice, ZeroFlags};
+use crate::device::{BlockDevice, SealedBlock, ZeroFlags};
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
@@ -110,7 +112,8 @@ pub struct RegionVolume {
     path: PathBuf,
     home_layout: LayoutKind,
     /// Indexed by `LayoutKind as usize`.
-    members: [Volume; 2],
+    /// Shared so that a server can keep the home for its metrics.
+    members: [Arc<Volume>; 2],
     record: RwLock<RegionRecord>,
     blocks: u64,
 }
@@ -164,6 +167,7 @@ impl RegionVolume {
             // A switch whose superblock write did not happen: catch up.
             home.set_regions(record.seq)?;
         }
+        let (home, other) = (Arc::new(home), Arc::new(other));
         let members = match home_layout {
             LayoutKind::Split => [home, other],
             LayoutKind::Packed => [other, home],
@@ -193,6 +197,11 @@ impl RegionVolume {
     /// The home member (the volume's directory).
     pub fn home(&self) -> &Volume {
         self.member(self.home_layout)
+    }
+
+    /// The home member, shared (a server's metrics and description).
+    pub fn home_shared(&self) -> Arc<Volume> {
+        Arc::clone(&self.members[self.home_layout as usize])
     }
 
     pub fn record(&self) -> RegionRecord {
@@ -265,13 +274,21 @@ impl RegionVolume {
     }
 
     /// Read `buf.len()` bytes at `offset`, each block verified by the
-    /// member serving it.
-    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+    /// member serving it. Returns the holes, as byte ranges of `buf`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        let mut holes = Vec::new();
         self.each_piece(offset, buf.len() as u64, |member, at, len| {
-            let from = (at - offset) as usize;
-            member.read(at, &mut buf[from..from + len as usize])?;
+            let from = at - offset;
+            let part = &mut buf[from as usize..(from + len) as usize];
+            holes.extend(
+                member
+                    .read(at, part)?
+                    .into_iter()
+                    .map(|hole| hole.start + from..hole.end + from),
+            );
             Ok(())
-        })
+        })?;
+        Ok(holes)
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
@@ -319,11 +336,17 @@ impl RegionVolume {
         Ok(faults)
     }
 
-    /// Close both members (flush, checkpoint, clean).
+    /// Close both members (flush, checkpoint, clean). Every `home_shared`
+    /// clone must be dropped first.
     pub fn close(self) -> Result<()> {
+        let unshared = |member: Arc<Volume>| {
+            Arc::try_unwrap(member).map_err(|_| {
+                Error::InvalidArgument("a member of a volume with regions is still in use".into())
+            })
+        };
         let [first, second] = self.members;
-        let closed = first.close();
-        second.close()?;
+        let closed = unshared(first).and_then(Volume::close);
+        unshared(second).and_then(Volume::close)?;
         closed
     }
 
@@ -718,4 +741,88 @@ pub fn migrate(
         report.steps = steps.taken();
     }
     Ok(report)
+}
+
+/// The volume a server exports: each request cut where the serving layout
+/// changes and each piece passed to the member serving it (a write across
+/// two regions goes to both; a flush flushes both). No fast paths: the
+/// trait's defaults (`try_read`, `try_write`: would block) send every
+/// request down the waiting path.
+impl BlockDevice for RegionVolume {
+    fn size(&self) -> u64 {
+        RegionVolume::size(self)
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.members.iter().any(|member| member.is_read_only())
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        RegionVolume::read(self, offset, buf)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        RegionVolume::write(self, offset, data, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        RegionVolume::flush(self)
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        RegionVolume::trim(self, offset, length, fua)
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        RegionVolume::write_zeroes(self, offset, length, flags)
+    }
+
+    /// The runs of the piece holding `offset` only (a shorter reply than
+    /// asked, as the trait allows: the caller asks again from its end).
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> Result<Vec<(u64, Allocation)>> {
+        self.check_range(offset, length)?;
+        let Some(piece) = self.pieces(offset, length.max(1)).into_iter().next() else {
+            return Ok(Vec::new());
+        };
+        let piece_blocks = (piece.offset + piece.len).div_ceil(BLOCK) - piece.offset / BLOCK;
+        self.member(piece.layout)
+            .block_status(piece.offset, piece.len, max_blocks.min(piece_blocks))
+    }
+
+    fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        RegionVolume::read_blocks_collecting(self, first, count, out)
+    }
+
+    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
+        self.check_range(first * BLOCK, count * BLOCK)?;
+        let mut blocks = Vec::with_capacity(count as usize);
+        for piece in self.pieces(first * BLOCK, count * BLOCK) {
+            blocks.extend(
+                self.member(piece.layout)
+                    .read_sealed(piece.offset / BLOCK, piece.len / BLOCK)?,
+            );
+        }
+        Ok(blocks)
+    }
+
+    /// Each member's blocks in one call: all-or-nothing within a member,
+    /// not across the two.
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        for layout in [LayoutKind::Split, LayoutKind::Packed] {
+            let mine: Vec<SealedBlock> = blocks
+                .iter()
+                .filter(|block| self.layout_of(block.lba) == layout)
+                .cloned()
+                .collect();
+            if !mine.is_empty() {
+                self.member(layout).write_sealed(&mine)?;
+            }
+        }
+        Ok(())
+    }
 }

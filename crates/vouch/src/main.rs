@@ -205,16 +205,13 @@ enum Command {
     /// verification stops it, naming the block's LBA (the regions before
     /// it stay moved; the volume stays readable).
     ///
-    /// A migrated volume cannot be served yet: while any region is out of
-    /// the layout the volume was created in (a volume with regions), it is
-    /// read, checked, exported and migrated (`info`, `check`, `export`,
-    /// `migrate`) but not served, verified, scrubbed, mirrored,
-    /// snapshotted, resized or rekeyed, until serving such a volume lands.
-    /// To serve it, migrate it back to the layout it was created in: once
-    /// every region is back it is a one-layout volume again (the record and
-    /// the other layout's directory removed). To serve it in the other
-    /// layout now, `vouch export` it and `vouch import` the image into a
-    /// volume created with that layout.
+    /// While any region is out of the layout the volume was created in (a
+    /// volume with regions), it is served (`serve`, without --control),
+    /// read, checked, exported and migrated, but not verified, scrubbed,
+    /// mirrored, snapshotted, resized or rekeyed yet. Migrated back to the
+    /// layout it was created in, every region back home, it is a one-layout
+    /// volume again (the record and the other layout's directory removed)
+    /// and every command takes it.
     Migrate {
         /// The volume's directory.
         path: PathBuf,

@@ -7,6 +7,7 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::process::Command;
 
 use common::*;
 use vouch_engine::regions::REGIONS_FILE;
@@ -305,12 +306,11 @@ fn migrating_to_the_layout_a_volume_has_changes_nothing() {
     assert!(info_json(&path)["regions"].is_null());
 }
 
-/// The review of migrate33, H1 (the brief's fallback): serving a volume
-/// with regions is not built, so `migrate` says so when it leaves one,
-/// `serve` refuses it naming the command that makes it servable again,
-/// and that command does.
+/// What a volume with regions does not do yet, `migrate` says when it
+/// leaves one, and `scrub` refuses it naming the command that makes it a
+/// one-layout volume again, and that command does.
 #[test]
-fn a_migrated_volume_says_it_is_not_served_and_how_to_serve_it_again() {
+fn a_migrated_volume_says_what_it_does_not_do_yet_and_how_to_undo_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = written_volume(dir.path(), LayoutKind::Split, GuardKind::Crc32c, false);
     let before = export_bytes(&path, &dir.path().join("before.img"), None);
@@ -318,10 +318,10 @@ fn a_migrated_volume_says_it_is_not_served_and_how_to_serve_it_again() {
 
     let output = vouch_ok(&["migrate", s(&path), "--layout", "packed"]);
     let said = text(&output);
-    assert!(said.contains("not served"), "{said}");
+    assert!(said.contains("not verified, scrubbed"), "{said}");
     assert!(said.contains(&back_home), "{said}");
 
-    let output = vouch(&["serve", s(&path), "--listen", "127.0.0.1:0"]);
+    let output = vouch(&["scrub", s(&path)]);
     assert!(!output.status.success(), "{}", text(&output));
     let refused = text(&output);
     assert!(refused.contains("volume with regions"), "{refused}");
@@ -329,7 +329,65 @@ fn a_migrated_volume_says_it_is_not_served_and_how_to_serve_it_again() {
 
     // What the note says works: back home, a one-layout volume serves.
     let output = vouch_ok(&["migrate", s(&path), "--layout", "split"]);
-    assert!(!text(&output).contains("not served"), "{}", text(&output));
+    assert!(!text(&output).contains("volume with regions"), "{}", text(&output));
     vouch_ok(&["verify", s(&path)]);
     assert_eq!(export_bytes(&path, &dir.path().join("after.img"), None), before);
+}
+
+/// The review of migrate33, H1: a volume whose regions are in both
+/// layouts is served. qemu-img compares the served image with the export;
+/// qemu-io writes across the region boundary (one flushed, one not), the
+/// server is killed with SIGKILL and restarted, and every acknowledged
+/// write reads back, nothing as zeros; `check` is clean.
+#[test]
+fn a_partly_migrated_volume_is_served_and_keeps_every_acknowledged_write() {
+    let qemu_img = tool("qemu-img", "qemu-utils");
+    let qemu_io = tool("qemu-io", "qemu-utils");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = written_volume(dir.path(), LayoutKind::Split, GuardKind::Crc32c, false);
+    // A corrupt block in region 2 stops the migration after region 1...
+    let lba = 2 * REGION_BLOCKS + 10;
+    flip_bit(&path.join("data.00000"), lba * BLOCK + 7, 0x04);
+    let output = vouch(&["migrate", s(&path), "--layout", "packed"]);
+    assert!(!output.status.success(), "{}", text(&output));
+    // ...and is then overwritten whole: regions 0-1 packed, 2-3 split.
+    let volume = vouch_engine::regions::RegionVolume::open(&path, &OpenOptions::default())
+        .expect("open the regions");
+    volume
+        .write(lba * BLOCK, &random_bytes(BLOCK as usize, 5), false)
+        .expect("rewrite the block");
+    volume.close().expect("close");
+    assert_eq!(info_json(&path)["regions"]["packed"], 2);
+    let image = dir.path().join("image.raw");
+    let mut want = export_bytes(&path, &image, None);
+
+    let mut server = Server::start(dir.path(), &[s(&path)]);
+    let compare = |server: &Server, image: &Path| {
+        run_ok(Command::new(&qemu_img).args(["compare", "-f", "raw", "-F", "raw", s(image), &server.uri]));
+    };
+    compare(&server, &image);
+    // Two writes across the boundary of region 1 (packed) and region 2
+    // (split): the first flushed, the second acknowledged only.
+    let first = (2 * REGION_BLOCKS - 8) * BLOCK;
+    let second = (2 * REGION_BLOCKS - 3) * BLOCK + 100;
+    run_ok(Command::new(&qemu_io).args([
+        "-f",
+        "raw",
+        "-c",
+        &format!("write -P 0x5a {first} {}", 16 * BLOCK),
+        "-c",
+        "flush",
+        "-c",
+        &format!("write -P 0xa5 {second} 9000"),
+        &server.uri,
+    ]));
+    want[first as usize..(first + 16 * BLOCK) as usize].fill(0x5a);
+    want[second as usize..second as usize + 9000].fill(0xa5);
+    std::fs::write(&image, &want).expect("write the image");
+    server.kill9();
+    let mut server = server.restart();
+    compare(&server, &image);
+    server.stop();
+    assert_check_clean(&path);
+    assert_eq!(export_bytes(&path, &dir.path().join("after.raw"), None), want);
 }
