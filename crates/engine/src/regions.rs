@@ -8,8 +8,8 @@
 //! the order docs/CRASH_MODEL.md ("Migration between layouts") gives.
 
 use std::fs::OpenOptions as FsOpenOptions;
-use std::os::unix::fs::FileExt as _;
 use std::ops::Range;
+use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -790,8 +790,11 @@ impl BlockDevice for RegionVolume {
             return Ok(Vec::new());
         };
         let piece_blocks = (piece.offset + piece.len).div_ceil(BLOCK) - piece.offset / BLOCK;
-        self.member(piece.layout)
-            .block_status(piece.offset, piece.len, max_blocks.min(piece_blocks))
+        self.member(piece.layout).block_status(
+            piece.offset,
+            piece.len,
+            max_blocks.min(piece_blocks),
+        )
     }
 
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {

@@ -353,6 +353,9 @@ fn migrating_an_encrypted_volume_without_its_key_makes_no_member() {
     assert!(!path.join(regions::REGIONS_FILE).exists());
     // The volume is as it was: it opens with its key, one layout.
     let volume = open_volume(&path, &with_key(key(1))).expect("reopen");
-    assert_eq!(read(&volume, 0, 64), (0..64).flat_map(|lba| pattern(lba, 1)).collect::<Vec<u8>>());
+    assert_eq!(
+        read(&volume, 0, 64),
+        (0..64).flat_map(|lba| pattern(lba, 1)).collect::<Vec<u8>>()
+    );
     volume.close().expect("close");
 }

@@ -43,6 +43,10 @@ fn a_short_block_status_reply_stops_the_migration_never_read_as_holes() {
     let mut back = vec![0u8; data.len()];
     volume.read(0, &mut back).expect("read");
     assert!(back == data, "a block changed or reads as zeros");
-    assert_eq!(volume.record().counts(), [1, 0], "the region was not switched");
+    assert_eq!(
+        volume.record().counts(),
+        [1, 0],
+        "the region was not switched"
+    );
     volume.close().expect("close");
 }

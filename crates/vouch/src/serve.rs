@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
-use vouch_engine::BlockDevice;
 use vouch_engine::regions::RegionVolume;
+use vouch_engine::BlockDevice;
 use vouch_engine::{FaultKind, OpenOptions, Volume};
 use vouch_nbd::{Export, Listen, Server, ServerConfig};
 
@@ -287,12 +287,7 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
         notifier,
     };
     let served = runtime.block_on(serve(
-        &args,
-        service,
-        &volumes,
-        &mirrors,
-        &regions,
-        &resyncers,
+        &args, service, &volumes, &mirrors, &regions, &resyncers,
     ));
     let attached: Vec<_> = resyncers
         .iter()
@@ -319,9 +314,7 @@ fn close_volumes(
     regions: Vec<Option<Arc<RegionVolume>>>,
     attached: Vec<Arc<Volume>>,
 ) -> Result<()> {
-    for (((path, volume), mirror), region) in
-        paths.iter().zip(volumes).zip(mirrors).zip(regions)
-    {
+    for (((path, volume), mirror), region) in paths.iter().zip(volumes).zip(mirrors).zip(regions) {
         if let Some(region) = region {
             drop(volume);
             match Arc::try_unwrap(region) {

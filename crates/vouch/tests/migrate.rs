@@ -329,9 +329,16 @@ fn a_migrated_volume_says_what_it_does_not_do_yet_and_how_to_undo_it() {
 
     // What the note says works: back home, a one-layout volume serves.
     let output = vouch_ok(&["migrate", s(&path), "--layout", "split"]);
-    assert!(!text(&output).contains("volume with regions"), "{}", text(&output));
+    assert!(
+        !text(&output).contains("volume with regions"),
+        "{}",
+        text(&output)
+    );
     vouch_ok(&["verify", s(&path)]);
-    assert_eq!(export_bytes(&path, &dir.path().join("after.img"), None), before);
+    assert_eq!(
+        export_bytes(&path, &dir.path().join("after.img"), None),
+        before
+    );
 }
 
 /// The review of migrate33, H1: a volume whose regions are in both
@@ -363,7 +370,15 @@ fn a_partly_migrated_volume_is_served_and_keeps_every_acknowledged_write() {
 
     let mut server = Server::start(dir.path(), &[s(&path)]);
     let compare = |server: &Server, image: &Path| {
-        run_ok(Command::new(&qemu_img).args(["compare", "-f", "raw", "-F", "raw", s(image), &server.uri]));
+        run_ok(Command::new(&qemu_img).args([
+            "compare",
+            "-f",
+            "raw",
+            "-F",
+            "raw",
+            s(image),
+            &server.uri,
+        ]));
     };
     compare(&server, &image);
     // Two writes across the boundary of region 1 (packed) and region 2
@@ -389,5 +404,8 @@ fn a_partly_migrated_volume_is_served_and_keeps_every_acknowledged_write() {
     compare(&server, &image);
     server.stop();
     assert_check_clean(&path);
-    assert_eq!(export_bytes(&path, &dir.path().join("after.raw"), None), want);
+    assert_eq!(
+        export_bytes(&path, &dir.path().join("after.raw"), None),
+        want
+    );
 }
