@@ -68,6 +68,14 @@ impl Engine {
                 "volume uses incompatible features this vouch does not support (incompat bits {unknown:#x}); refusing to open"
             )));
         }
+        if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0
+            && !options.region_member
+        {
+            return Err(Error::Unsupported(format!(
+                "it is a volume with regions (`vouch migrate` moved some of its regions out of its {home} layout): this vouch opens it with `vouch serve`, `info`, `check`, `export` and `migrate` only, and does not verify, scrub, mirror, snapshot, resize or rekey it yet; `vouch migrate PATH --layout {home}` moves every region back and makes it servable again (or `vouch export` it and `vouch import` the image into a new volume of the layout wanted); refusing to open",
+                home = superblock.layout.name()
+            )));
+        }
         let mut read_only = options
             .read_only
             .then(|| " (opened with --read-only)".to_string());
@@ -319,17 +327,25 @@ impl Engine {
     /// and fsynced, so the old wrap does not stay on disk; a torn second write
     /// leaves the first. Never neither key (docs/CRASH_MODEL.md).
     pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
-        let shared = &self.shared;
         let Some(data_key) = &self.data_key else {
             return Err(Error::Key(
                 "the volume is not encrypted, or was opened without its key: there is no key to change"
                     .into(),
             ));
         };
+        self.shared.io.check_writable()?;
+        let key_wrap = secret.wrap(&self.shared.uuid, data_key)?;
+        self.update_superblock(|superblock| superblock.key_wrap = key_wrap)
+    }
+
+    /// Change fields of the superblock and write it (both copies, each
+    /// fsynced, the newer last): a crash leaves the old or the new.
+    pub fn update_superblock(&self, change: impl FnOnce(&mut Superblock)) -> Result<()> {
+        let shared = &self.shared;
         shared.io.check_writable()?;
         let mut journal = self.committer.lock();
         let mut superblock = journal.superblock;
-        superblock.key_wrap = secret.wrap(&superblock.uuid, data_key)?;
+        change(&mut superblock);
         for _ in 0..2 {
             superblock.generation += 1;
             write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;

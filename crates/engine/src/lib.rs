@@ -54,6 +54,7 @@ pub mod protection;
 mod read;
 mod read_nowait;
 pub mod recovery;
+pub mod regions;
 pub mod replace;
 pub mod resize;
 pub mod schedule;

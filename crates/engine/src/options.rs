@@ -104,6 +104,10 @@ pub struct OpenOptions {
     /// a volume made before the map becomes writable, and a map that is
     /// missing or damaged is made again. Needs a writable open.
     pub rebuild_written_map: bool,
+    /// Open a member of a REGIONS volume (`regions.rs`): a superblock
+    /// with the REGIONS flag is refused without it, so no caller serves
+    /// one member as if it held the whole volume.
+    pub region_member: bool,
     /// Who runs the background committer (with `Tuning::background_commit`
     /// on): `None`, a thread of the volume's; `Some`, the caller, which
     /// runs each requested commit (`Volume::run_requested_commit`) and is

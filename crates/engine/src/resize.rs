@@ -402,6 +402,12 @@ fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result
             features.unknown_incompat()
         )));
     }
+    if features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
+        return Err(invalid(format!(
+            "{shown} has a layout per region (`vouch migrate` moved some of its regions): resizing it is not supported yet; `vouch migrate {shown} --layout {}` makes it a one-layout volume again, then resize it",
+            superblock.layout.name()
+        )));
+    }
     let needed = FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;
     if features.incompat & needed != needed {
         return Err(invalid(format!(

@@ -559,6 +559,14 @@ pub fn create_from(
             volume.display()
         )));
     }
+    if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
+        return Err(invalid(format!(
+            "{} has a layout per region (`vouch migrate` moved some of its regions): a snapshot of it is not made yet; `vouch migrate {} --layout {}` makes it a one-layout volume again",
+            volume.display(),
+            volume.display(),
+            superblock.layout.name()
+        )));
+    }
     if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
             "{} is a leg of a mirror: snapshots of mirrored volumes are not supported (take one of a single volume, e.g. after `vouch mirror remove`)",

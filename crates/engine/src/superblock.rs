@@ -122,5 +122,6 @@ pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
             .map_or(0, |elapsed| elapsed.as_secs()),
         key_wrap,
         generations_seq: 0,
+        regions_seq: 0,
     })
 }

@@ -94,6 +94,25 @@ impl Volume {
         self.engine.change_key(secret)
     }
 
+    /// Make this volume a member of a REGIONS volume (`regions.rs`): set
+    /// the REGIONS flag and `regions_seq` (the home member's record seq;
+    /// 0 in the other member), a superblock write.
+    pub(crate) fn set_regions(&self, seq: u64) -> Result<()> {
+        self.engine.update_superblock(|superblock| {
+            superblock.features.incompat |= vouch_format::FeatureFlags::INCOMPAT_REGIONS;
+            superblock.regions_seq = seq;
+        })
+    }
+
+    /// No longer a member of a REGIONS volume: the flag and `regions_seq`
+    /// cleared (every region back in this, the home member).
+    pub(crate) fn clear_regions(&self) -> Result<()> {
+        self.engine.update_superblock(|superblock| {
+            superblock.features.incompat &= !vouch_format::FeatureFlags::INCOMPAT_REGIONS;
+            superblock.regions_seq = 0;
+        })
+    }
+
     /// Is the volume encrypted?
     pub fn encrypted(&self) -> bool {
         self.engine.encrypted()

@@ -35,6 +35,7 @@ fn stress(layout: LayoutKind) {
                 key: None,
                 keyless: false,
                 rebuild_written_map: false,
+                region_member: false,
                 schedule: None,
             },
         )

@@ -23,6 +23,7 @@ fn options(direct: bool) -> OpenOptions {
         key: None,
         keyless: false,
         rebuild_written_map: false,
+        region_member: false,
         schedule: None,
     }
 }

@@ -331,3 +331,31 @@ fn copies_re_encrypt_and_reflink_refuses() {
     assert_eq!(read(&volume, 200, 64), expected);
     assert!(volume.check(|_, _| {}).expect("check").faults.is_empty());
 }
+
+/// The review of migrate33, L2: migrating an encrypted volume opened
+/// without its key is refused before anything is made (an unencrypted
+/// member would sit beside the encrypted home).
+#[test]
+fn migrating_an_encrypted_volume_without_its_key_makes_no_member() {
+    use vouch_engine::regions::{self, MigrateBreaks};
+    let (_dir, path) = encrypted_dir(LayoutKind::Split);
+    let error = regions::migrate(
+        &path,
+        LayoutKind::Packed,
+        &OpenOptions::default(),
+        &MigrateBreaks::default(),
+        |_, _| {},
+    )
+    .expect_err("no key: refused");
+    assert!(error.to_string().contains("no key was given"), "{error}");
+    let member = regions::member_path(&path, LayoutKind::Split);
+    assert!(!member.exists(), "{} was made", member.display());
+    assert!(!path.join(regions::REGIONS_FILE).exists());
+    // The volume is as it was: it opens with its key, one layout.
+    let volume = open_volume(&path, &with_key(key(1))).expect("reopen");
+    assert_eq!(
+        read(&volume, 0, 64),
+        (0..64).flat_map(|lba| pattern(lba, 1)).collect::<Vec<u8>>()
+    );
+    volume.close().expect("close");
+}

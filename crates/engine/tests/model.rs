@@ -74,6 +74,7 @@ fn open(storage: &SimStorage) -> Volume {
         key: None,
         keyless: false,
         rebuild_written_map: false,
+        region_member: false,
         schedule: None,
     };
     Volume::open(Arc::new(storage.clone()) as Arc<dyn Storage>, &options).expect("open")

@@ -13,6 +13,7 @@ pub mod held;
 pub mod journal;
 pub mod layout;
 pub mod mirror;
+pub mod regions;
 pub mod superblock;
 pub mod written;
 

@@ -52,6 +52,11 @@ impl FeatureFlags {
     /// volume; older volumes open read-only until `vouch upgrade` writes
     /// the markers.
     pub const INCOMPAT_BOUND_UNITS: u64 = 1 << 4;
+    /// The layout is chosen per region (`regions`, `vouch migrate`): the
+    /// volume is two members, itself and `layout.NAME/`, each serving the
+    /// regions the region record gives it. Set in both members. The engine
+    /// opens such a superblock only for the region layer (`Regions`).
+    pub const INCOMPAT_REGIONS: u64 = 1 << 5;
 
     /// The volume is a read-only snapshot (`vouch snapshot create`): a
     /// copy of another volume's files at a flush point, never written.
@@ -66,7 +71,8 @@ impl FeatureFlags {
         | Self::INCOMPAT_PACKED_LAYOUT
         | Self::INCOMPAT_ENCRYPTED
         | Self::INCOMPAT_WRITTEN_MAP
-        | Self::INCOMPAT_BOUND_UNITS;
+        | Self::INCOMPAT_BOUND_UNITS
+        | Self::INCOMPAT_REGIONS;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
         let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL
@@ -150,6 +156,10 @@ pub struct Superblock {
     /// stale (a trim or a rewrite it did not record in them) are not
     /// known after it, never believed.
     pub generations_seq: u64,
+    /// REGIONS volumes (the home member): the `seq` of the region record
+    /// copy (`regions`) that holds as of this superblock; a valid copy
+    /// older than it is refused. 0 elsewhere.
+    pub regions_seq: u64,
 }
 
 impl Superblock {
@@ -302,7 +312,17 @@ impl Superblock {
         Field {
             name: "reserved3",
             offset: 220,
-            size: 32,
+            size: 16,
+        },
+        Field {
+            name: "regions_seq",
+            offset: 236,
+            size: 8,
+        },
+        Field {
+            name: "reserved4",
+            offset: 244,
+            size: 8,
         },
         Field {
             name: "crc",
@@ -349,6 +369,7 @@ impl Superblock {
         out[164..196].copy_from_slice(&wrap.wrapped_key);
         out[196..212].copy_from_slice(&wrap.key_check);
         put_u64(&mut out, 212, self.generations_seq);
+        put_u64(&mut out, 236, self.regions_seq);
         crate::seal(&mut out, 252);
         out
     }
@@ -396,6 +417,7 @@ impl Superblock {
                 key_check: raw[196..212].try_into().expect("16 bytes"),
             },
             generations_seq: get_u64(raw, 212),
+            regions_seq: get_u64(raw, 236),
         };
         let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
         if !encrypted && superblock.key_wrap != KeyWrap::default() {
@@ -463,6 +485,7 @@ mod tests {
             created_unix_secs: 1_700_000_000,
             key_wrap: KeyWrap::default(),
             generations_seq: 0,
+            regions_seq: 0,
         }
     }
 

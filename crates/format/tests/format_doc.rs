@@ -133,3 +133,9 @@ fn activity_log_table_matches_code() {
     use vouch_format::activity::ActivityLog;
     assert_matches("## Activity log", ActivityLog::FIELDS);
 }
+
+#[test]
+fn regions_table_matches_code() {
+    use vouch_format::regions::RegionRecord;
+    assert_matches("## Regions", RegionRecord::FIELDS);
+}

@@ -37,6 +37,7 @@ fn small_tuning() -> OpenOptions {
         key: None,
         keyless: false,
         rebuild_written_map: false,
+        region_member: false,
         schedule: None,
     }
 }

@@ -82,6 +82,7 @@ pub mod fuzz;
 pub mod keychange;
 pub mod map_store;
 pub mod metadata;
+pub mod migrate;
 pub mod mirror;
 pub mod mirror_faults;
 pub mod mirror_midrun;

@@ -91,6 +91,31 @@ enum Command {
         #[arg(long)]
         encrypted: bool,
     },
+    /// Crash `vouch migrate` (a child process aborted) right before each
+    /// of its file operations, then read every block, migrate again and
+    /// read again: every block reads what was written.
+    Migrate {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: trim the old layout's region
+        /// before the record switches (the run must find violations).
+        #[arg(long)]
+        break_release: bool,
+        /// Migrate to the other layout first, then crash the way back.
+        #[arg(long)]
+        back: bool,
+    },
+    /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
+    #[command(hide = true)]
+    MigrateChild {
+        path: std::path::PathBuf,
+        #[arg(long)]
+        layout: String,
+        #[arg(long)]
+        crash_at: u64,
+        #[arg(long)]
+        break_release: bool,
+    },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
         #[arg(long, default_value = "split")]
@@ -281,6 +306,35 @@ fn run(cli: Cli) -> Result<bool, String> {
             let report = vouch_sim::metadata::run(&config);
             print!("{}", report.render(&config));
             Ok(report.violations.is_empty())
+        }
+        Command::Migrate {
+            run,
+            break_release,
+            back,
+        } => {
+            let config = vouch_sim::migrate::MigrateConfig {
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                child: std::env::current_exe().map_err(|error| error.to_string())?,
+                break_release,
+                back,
+            };
+            let report = vouch_sim::migrate::run(&config);
+            for violation in &report.violations {
+                println!("{violation}");
+            }
+            println!("{}", report.summary(&config));
+            Ok(report.violations.is_empty())
+        }
+        Command::MigrateChild {
+            path,
+            layout: target,
+            crash_at,
+            break_release,
+        } => {
+            vouch_sim::migrate::child(&path, layout(&target)?, crash_at, break_release)?;
+            Ok(true)
         }
         Command::Upgrade { run, encrypted } => {
             let config = vouch_sim::upgrade::UpgradeConfig {

@@ -78,8 +78,16 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
     // written); its superblock and files can be read, which is all `info`
     // needs but the count of journal records a recovery would replay.
     let in_use = vouch_engine::volume_in_use(path)?;
+    let region_volume = if !in_use && crate::migrate::has_regions(path) {
+        Some(crate::migrate::open_read_only(path, Use::Info)?)
+    } else {
+        None
+    };
     let (info, records_pending) = if in_use {
         (vouch_engine::peek_volume(path)?, None)
+    } else if let Some(volume) = &region_volume {
+        let pending = volume.home().recovery_report().records_replayed;
+        (volume.home().info()?, Some(pending))
     } else {
         let volume = open_read_only(path, Use::Info)?;
         let pending = volume.recovery_report().records_replayed;
@@ -97,6 +105,7 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "blocks": info.blocks,
             "block_size": info.block_size,
             "layout": info.layout.name(),
+            "regions": region_volume.as_ref().map(crate::migrate::regions_json),
             "guard": info.guard.name(),
             "features": {
                 "compat": info.features.compat,
@@ -142,6 +151,9 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             info.blocks, info.block_size
         );
         println!("layout:          {}", info.layout.name());
+        if let Some(volume) = &region_volume {
+            println!("regions:         {}", crate::migrate::regions_line(volume));
+        }
         if let Some(key) = info.key_kind {
             println!(
                 "encryption:      AES-256-GCM-SIV per block (key: {key}); keyless guard crc32c"
@@ -317,7 +329,7 @@ fn scrub_text(scrub: &vouch_engine::Result<Option<ScrubRecord>>) -> String {
     text
 }
 
-fn progress_bar(total: u64, what: &str) -> ProgressBar {
+pub fn progress_bar(total: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(total);
     bar.set_style(
         ProgressStyle::with_template(
@@ -333,6 +345,9 @@ fn progress_bar(total: u64, what: &str) -> ProgressBar {
 pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
     if vouch_mirror::is_mirrored(path) {
         return crate::mirror::check(path, json_output);
+    }
+    if crate::migrate::has_regions(path) {
+        return crate::migrate::check(path, json_output);
     }
     let volume = open_read_only(path, Use::Verify)?;
     let features = volume.info()?.features;
@@ -437,26 +452,39 @@ pub fn import(raw: &Path, path: &Path, args: &CreateArgs) -> Result<ExitCode> {
 }
 
 pub fn export(path: &Path, raw: &Path, allow_faults: bool) -> Result<ExitCode> {
-    let volume = open_read_only(path, Use::Data)?;
+    // A volume whose layout is chosen per region is read through its
+    // region record (`migrate.rs`); any other as one volume.
+    let volume = if crate::migrate::has_regions(path) {
+        None
+    } else {
+        Some(open_read_only(path, Use::Data)?)
+    };
     let output = FsOpenOptions::new()
         .write(true)
         .create_new(true)
         .open(raw)
         .with_context(|| format!("cannot create {} (it must not exist)", raw.display()))?;
-    let result = export_into(&volume, &output, allow_faults);
+    let result = match &volume {
+        Some(volume) => {
+            export_into(volume, &output, allow_faults).map(|faults| (volume.size(), faults))
+        }
+        None => crate::migrate::export(path, &output, allow_faults),
+    };
     match result {
-        Ok(faults) => {
+        Ok((size, faults)) => {
             output.sync_all()?;
-            for line in describe_faults(&volume, &faults, |fault| {
-                format!("LBA {} {}", fault.lba, fault.kind.name())
-            }) {
+            let name = |fault: &Fault| format!("LBA {} {}", fault.lba, fault.kind.name());
+            let lines = match &volume {
+                Some(volume) => describe_faults(volume, &faults, name),
+                None => faults.iter().map(name).collect(),
+            };
+            for line in lines {
                 eprintln!("zero-filled: {line}");
             }
             println!(
-                "exported {} to {} ({} bytes, {} faulty blocks zero-filled)",
+                "exported {} to {} ({size} bytes, {} faulty blocks zero-filled)",
                 path.display(),
                 raw.display(),
-                volume.size(),
                 faults.len()
             );
             Ok(ExitCode::SUCCESS)

@@ -6,6 +6,7 @@ mod commands;
 mod export;
 mod inject;
 mod key;
+mod migrate;
 mod mirror;
 mod offload;
 mod replica;
@@ -194,6 +195,31 @@ enum Command {
     Upgrade {
         /// The volume's directory (offline: no server may have it open).
         path: PathBuf,
+        #[command(flatten)]
+        key: key::KeyFileArgs,
+    },
+    /// Move a volume to another layout, region by region (offline: no
+    /// server may have it open). Each region (62 MiB) not in LAYOUT is read
+    /// and verified under its old protection, written in the new layout,
+    /// made durable, then switched in the region record and released from
+    /// the old layout: a crash at any point leaves every region whole in
+    /// one layout, and running it again finishes. A block that fails
+    /// verification stops it, naming the block's LBA (the regions before
+    /// it stay moved; the volume stays readable).
+    ///
+    /// While any region is out of the layout the volume was created in (a
+    /// volume with regions), it is served (`serve`, without --control),
+    /// read, checked, exported and migrated, but not verified, scrubbed,
+    /// mirrored, snapshotted, resized or rekeyed yet. Migrated back to the
+    /// layout it was created in, every region back home, it is a one-layout
+    /// volume again (the record and the other layout's directory removed)
+    /// and every command takes it.
+    Migrate {
+        /// The volume's directory.
+        path: PathBuf,
+        /// The layout to move every region to.
+        #[arg(long, value_parser = ["split", "packed"])]
+        layout: String,
         #[command(flatten)]
         key: key::KeyFileArgs,
     },
@@ -430,6 +456,7 @@ impl Command {
             | Command::Export { key, .. }
             | Command::Upgrade { key, .. }
             | Command::Resize { key, .. } => ((Some(key), None), None),
+            Command::Migrate { key, .. } => ((Some(key), None), None),
             Command::Serve(args) => ((Some(&args.key), None), Some(&args.replica)),
             Command::Verify(args) => (checks(&args.key), None),
             Command::Scrub(args) => (checks(&args.key), Some(&args.replica)),
@@ -614,6 +641,7 @@ fn main() -> ExitCode {
             ..
         } => commands::export(&path, &raw, allow_faults),
         Command::Upgrade { path, .. } => commands::upgrade(&path),
+        Command::Migrate { path, layout, .. } => crate::migrate::run(&path, &layout),
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
         Command::Verify(args) => offload::cli_ops::verify(args),

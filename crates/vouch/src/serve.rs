@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context as _, Result};
 use clap::Args;
+use vouch_engine::regions::RegionVolume;
 use vouch_engine::BlockDevice;
 use vouch_engine::{FaultKind, OpenOptions, Volume};
 use vouch_nbd::{Export, Listen, Server, ServerConfig};
@@ -195,6 +196,7 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
     let mut volumes = Vec::new();
     let mut mirrors = Vec::new();
     let mut resyncers = Vec::new();
+    let mut regions: Vec<Option<Arc<RegionVolume>>> = Vec::new();
     for path in &args.paths {
         let mut options = OpenOptions {
             read_only: args.read_only,
@@ -228,10 +230,32 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
             volumes.push(Arc::clone(&set.primary));
             mirrors.push(Some(set));
             resyncers.push(Some(resyncer));
+            regions.push(None);
             continue;
         }
         mirrors.push(None);
         resyncers.push(None);
+        if crate::migrate::has_regions(path) {
+            // A volume with regions (`vouch migrate`): served through the
+            // region layer; the home member stands for it in metrics.
+            if args.control.control.is_some() {
+                bail!(
+                    "{} is a volume with regions: --control (verify, scrub, copy jobs) does not serve it yet; serve it without --control",
+                    path.display()
+                );
+            }
+            let options = crate::key::open_options(path, options, crate::key::Use::Data)?;
+            let volume = Arc::new(RegionVolume::open(path, &options)?);
+            let [split, packed] = volume.record().counts();
+            eprintln!(
+                "vouch: {}: a volume with regions ({split} split, {packed} packed)",
+                path.display()
+            );
+            volumes.push(volume.home_shared());
+            regions.push(Some(volume));
+            continue;
+        }
+        regions.push(None);
         let volume = crate::key::open(path, options, crate::key::Use::Data)?;
         let report = volume.recovery_report();
         if report.records_replayed > 0 {
@@ -262,7 +286,9 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
         activated,
         notifier,
     };
-    let served = runtime.block_on(serve(&args, service, &volumes, &mirrors, &resyncers));
+    let served = runtime.block_on(serve(
+        &args, service, &volumes, &mirrors, &regions, &resyncers,
+    ));
     let attached: Vec<_> = resyncers
         .iter()
         .flatten()
@@ -272,7 +298,7 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
     drop(runtime);
     // Closed whether serving ended cleanly or failed to start (a busy
     // port): either way the volumes are left clean, with no recovery due.
-    let closed = close_volumes(&args.paths, volumes, mirrors, attached);
+    let closed = close_volumes(&args.paths, volumes, mirrors, regions, attached);
     // The pid file goes last: while it exists the volumes may be open.
     let pid_file = served?;
     closed?;
@@ -285,9 +311,20 @@ fn close_volumes(
     paths: &[PathBuf],
     volumes: Vec<Arc<Volume>>,
     mirrors: Vec<Option<crate::mirror::OpenMirror>>,
+    regions: Vec<Option<Arc<RegionVolume>>>,
     attached: Vec<Arc<Volume>>,
 ) -> Result<()> {
-    for ((path, volume), mirror) in paths.iter().zip(volumes).zip(mirrors) {
+    for (((path, volume), mirror), region) in paths.iter().zip(volumes).zip(mirrors).zip(regions) {
+        if let Some(region) = region {
+            drop(volume);
+            match Arc::try_unwrap(region) {
+                Ok(region) => region
+                    .close()
+                    .with_context(|| format!("closing {}", path.display()))?,
+                Err(region) => region.flush()?,
+            }
+            continue;
+        }
         if let Some(mirror) = mirror {
             drop(volume);
             mirror
@@ -351,6 +388,7 @@ async fn serve(
     service: Service,
     volumes: &[Arc<Volume>],
     mirrors: &[Option<crate::mirror::OpenMirror>],
+    regions: &[Option<Arc<RegionVolume>>],
     resyncers: &[Option<Arc<crate::resync::Resyncer>>],
 ) -> Result<Option<PidFile>> {
     // Handle signals before announcing the listener: a SIGTERM right after
@@ -379,9 +417,10 @@ async fn serve(
             volume.layout().name(),
             volume.guard().name()
         );
-        let mut device: Arc<dyn BlockDevice> = match &mirrors[index] {
-            Some(set) => set.mirror.clone(),
-            None => volume.clone(),
+        let mut device: Arc<dyn BlockDevice> = match (&mirrors[index], &regions[index]) {
+            (Some(set), _) => set.mirror.clone(),
+            (None, Some(region)) => region.clone(),
+            (None, None) => volume.clone(),
         };
         if let Some(spec) = &args.inject {
             eprintln!("vouch: injecting faults into {name}: {spec}");

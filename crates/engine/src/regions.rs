@@ -1,0 +1,831 @@
+//! A layout per region (docs/FORMAT.md, "Regions"): a REGIONS volume is
+//! two members, the volume's directory (its home layout) and
+//! `layout.NAME/` (the other), each a whole volume; the region record
+//! (`regions`) says which member serves each region. A layer beside the
+//! engine: a volume without the flag never comes here.
+//!
+//! `migrate` moves regions between the members offline, one at a time, in
+//! the order docs/CRASH_MODEL.md ("Migration between layouts") gives.
+
+use std::fs::OpenOptions as FsOpenOptions;
+use std::ops::Range;
+use std::os::unix::fs::FileExt as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use vouch_format::regions::RegionRecord;
+use vouch_format::{FeatureFlags, LayoutKind, Superblock};
+
+use crate::device::{BlockDevice, SealedBlock, ZeroFlags};
+use crate::error::{Error, Fault, Result};
+use crate::layout::Allocation;
+use crate::options::{CreateOptions, OpenOptions};
+use crate::volume::Volume;
+use crate::BLOCK;
+
+/// The region record's file in the volume's directory.
+pub const REGIONS_FILE: &str = "regions";
+/// Blocks moved per read and write of a migration (1 MiB).
+const CHUNK_BLOCKS: u64 = 256;
+
+/// The layout that is not `kind`.
+pub fn other_layout(kind: LayoutKind) -> LayoutKind {
+    match kind {
+        LayoutKind::Split => LayoutKind::Packed,
+        LayoutKind::Packed => LayoutKind::Split,
+    }
+}
+
+/// The other member's directory of a volume whose home layout is `home`.
+pub fn member_path(path: &Path, home: LayoutKind) -> PathBuf {
+    path.join(format!("layout.{}", other_layout(home).name()))
+}
+
+/// Does the superblock say the layout is chosen per region?
+pub fn has_regions(superblock: &Superblock) -> bool {
+    superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0
+}
+
+fn io_error(action: &'static str, path: &Path, error: std::io::Error) -> Error {
+    Error::Path {
+        action,
+        path: path.to_path_buf(),
+        cause: error.to_string(),
+    }
+}
+
+/// The record that holds for the home superblock `home` of the volume at
+/// `path`. Missing, damaged or older than the superblock says: refused.
+pub fn read_record(path: &Path, home: &Superblock) -> Result<RegionRecord> {
+    let file = path.join(REGIONS_FILE);
+    let bytes = match std::fs::read(&file) {
+        Ok(bytes) => bytes,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+        Err(error) => return Err(io_error("read", &file, error)),
+    };
+    let blocks = home.size_bytes / BLOCK;
+    RegionRecord::select(&bytes, home.uuid, blocks, home.regions_seq)
+        .map_err(|error| Error::Corrupt(format!("regions: {error}")).in_volume(path))
+}
+
+/// Write `record` into its copy (`seq % 2`) and fsync it: the switch.
+fn write_record(path: &Path, record: &RegionRecord, steps: &Steps) -> Result<()> {
+    let name = path.join(REGIONS_FILE);
+    let file = FsOpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&name)
+        .map_err(|error| io_error("create", &name, error))?;
+    let regions = record.layouts.len() as u64;
+    let offset = RegionRecord::copy_offset(regions, record.copy_index());
+    steps.step();
+    file.write_all_at(&record.encode(), offset)
+        .map_err(|error| io_error("write", &name, error))?;
+    steps.step();
+    file.sync_all()
+        .map_err(|error| io_error("sync", &name, error))
+}
+
+/// A member's block status that did not cover `[lba, end)`: what it
+/// holds there is unknown, so the migration stops rather than take the
+/// rest for holes.
+fn short_status(path: &Path, layout: LayoutKind, lba: u64, end: u64) -> Error {
+    Error::Corrupt(format!(
+        "migration stopped: the {} layout's block status did not cover LBAs {}-{} (a short reply); what it holds there is unknown, so nothing is taken for holes",
+        layout.name(),
+        lba,
+        end - 1
+    ))
+    .in_volume(path)
+}
+
+fn sync_dir(path: &Path) -> Result<()> {
+    std::fs::File::open(path)
+        .and_then(|dir| dir.sync_all())
+        .map_err(|error| io_error("sync", path, error))
+}
+
+/// An open REGIONS volume: both members and the record.
+pub struct RegionVolume {
+    path: PathBuf,
+    home_layout: LayoutKind,
+    /// Indexed by `LayoutKind as usize`.
+    /// Shared so that a server can keep the home for its metrics.
+    members: [Arc<Volume>; 2],
+    record: RwLock<RegionRecord>,
+    blocks: u64,
+}
+
+/// One piece of a request: a byte range served by one member.
+struct Piece {
+    offset: u64,
+    len: u64,
+    layout: LayoutKind,
+}
+
+impl RegionVolume {
+    /// Open the REGIONS volume at `path` (both members, each recovering
+    /// from its journal). Refused when the record or a member is missing,
+    /// damaged, older than the superblock says, or of another volume.
+    pub fn open(path: &Path, options: &OpenOptions) -> Result<RegionVolume> {
+        let home_superblock = crate::volume_superblock(path)?;
+        if !has_regions(&home_superblock) {
+            return Err(Error::InvalidArgument(format!(
+                "{} has one layout ({}), not a layout per region",
+                path.display(),
+                home_superblock.layout.name()
+            )));
+        }
+        let record = read_record(path, &home_superblock)?;
+        let member_options = OpenOptions {
+            region_member: true,
+            ..options.clone()
+        };
+        let home_layout = home_superblock.layout;
+        let other_path = member_path(path, home_layout);
+        let other_superblock = crate::volume_superblock(&other_path).map_err(|error| {
+            Error::Corrupt(format!(
+                "the region record names a member that cannot be read: {error}"
+            ))
+            .in_volume(path)
+        })?;
+        if other_superblock.uuid != record.member_uuid
+            || other_superblock.layout != other_layout(home_layout)
+            || other_superblock.size_bytes != home_superblock.size_bytes
+        {
+            return Err(Error::Corrupt(format!(
+                "{} is not the member the region record names (another volume's, or made again)",
+                other_path.display()
+            ))
+            .in_volume(path));
+        }
+        let home = crate::open_volume(path, &member_options)?;
+        let other = crate::open_volume(&other_path, &member_options)?;
+        if record.seq > home_superblock.regions_seq && !home.is_read_only() {
+            // A switch whose superblock write did not happen: catch up.
+            home.set_regions(record.seq)?;
+        }
+        let (home, other) = (Arc::new(home), Arc::new(other));
+        let members = match home_layout {
+            LayoutKind::Split => [home, other],
+            LayoutKind::Packed => [other, home],
+        };
+        Ok(RegionVolume {
+            path: path.to_path_buf(),
+            home_layout,
+            members,
+            blocks: home_superblock.size_bytes / BLOCK,
+            record: RwLock::new(record),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn home_layout(&self) -> LayoutKind {
+        self.home_layout
+    }
+
+    /// The member of layout `kind`.
+    pub fn member(&self, kind: LayoutKind) -> &Volume {
+        &self.members[kind as usize]
+    }
+
+    /// The home member (the volume's directory).
+    pub fn home(&self) -> &Volume {
+        self.member(self.home_layout)
+    }
+
+    /// The home member, shared (a server's metrics and description).
+    pub fn home_shared(&self) -> Arc<Volume> {
+        Arc::clone(&self.members[self.home_layout as usize])
+    }
+
+    pub fn record(&self) -> RegionRecord {
+        self.record.read().clone()
+    }
+
+    pub fn size(&self) -> u64 {
+        self.blocks * BLOCK
+    }
+
+    pub fn blocks(&self) -> u64 {
+        self.blocks
+    }
+
+    /// The layout serving `lba`: one lookup.
+    pub fn layout_of(&self, lba: u64) -> LayoutKind {
+        let record = self.record.read();
+        record.layouts[record.region_of(lba)]
+    }
+
+    /// `[offset, offset + len)` cut where the serving layout changes.
+    fn pieces(&self, offset: u64, len: u64) -> Vec<Piece> {
+        let record = self.record.read();
+        let region_bytes = record.region_blocks * BLOCK;
+        let end = offset + len;
+        let mut pieces: Vec<Piece> = Vec::with_capacity(1);
+        let mut at = offset;
+        while at < end {
+            let region = (at / region_bytes) as usize;
+            let piece_end = ((region as u64 + 1) * region_bytes).min(end);
+            let layout = record.layouts[region];
+            match pieces.last_mut() {
+                Some(last) if last.layout == layout => last.len += piece_end - at,
+                _ => pieces.push(Piece {
+                    offset: at,
+                    len: piece_end - at,
+                    layout,
+                }),
+            }
+            at = piece_end;
+        }
+        pieces
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        let size = self.size();
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return Err(Error::OutOfRange {
+                offset,
+                length: len,
+                size,
+            });
+        }
+        Ok(())
+    }
+
+    /// `f(member, offset, len)` for each piece of `[offset, offset + len)`,
+    /// checked in range first.
+    fn each_piece(
+        &self,
+        offset: u64,
+        len: u64,
+        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+    ) -> Result<()> {
+        self.check_range(offset, len)?;
+        for piece in self.pieces(offset, len) {
+            f(self.member(piece.layout), piece.offset, piece.len)?;
+        }
+        Ok(())
+    }
+
+    /// Read `buf.len()` bytes at `offset`, each block verified by the
+    /// member serving it. Returns the holes, as byte ranges of `buf`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        let mut holes = Vec::new();
+        self.each_piece(offset, buf.len() as u64, |member, at, len| {
+            let from = at - offset;
+            let part = &mut buf[from as usize..(from + len) as usize];
+            holes.extend(
+                member
+                    .read(at, part)?
+                    .into_iter()
+                    .map(|hole| hole.start + from..hole.end + from),
+            );
+            Ok(())
+        })?;
+        Ok(holes)
+    }
+
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.each_piece(offset, data.len() as u64, |member, at, len| {
+            let from = (at - offset) as usize;
+            member.write(at, &data[from..from + len as usize], fua)
+        })
+    }
+
+    pub fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
+        self.each_piece(offset, len, |member, at, len| member.trim(at, len, fua))
+    }
+
+    pub fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
+        self.each_piece(offset, len, |member, at, len| {
+            member.write_zeroes(at, len, flags)
+        })
+    }
+
+    /// Both members' writes durable.
+    pub fn flush(&self) -> Result<()> {
+        for member in &self.members {
+            member.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Whole blocks; faulty blocks zero-filled and listed (export, scans).
+    pub fn read_blocks_collecting(
+        &self,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+    ) -> Result<Vec<Fault>> {
+        let mut faults = Vec::new();
+        for piece in self.pieces(first * BLOCK, count * BLOCK) {
+            let from = (piece.offset - first * BLOCK) as usize;
+            let part = &mut out[from..from + piece.len as usize];
+            faults.extend(self.member(piece.layout).read_blocks_collecting(
+                piece.offset / BLOCK,
+                piece.len / BLOCK,
+                part,
+            )?);
+        }
+        Ok(faults)
+    }
+
+    /// Close both members (flush, checkpoint, clean). Every `home_shared`
+    /// clone must be dropped first.
+    pub fn close(self) -> Result<()> {
+        let unshared = |member: Arc<Volume>| {
+            Arc::try_unwrap(member).map_err(|_| {
+                Error::InvalidArgument("a member of a volume with regions is still in use".into())
+            })
+        };
+        let [first, second] = self.members;
+        let closed = unshared(first).and_then(Volume::close);
+        unshared(second).and_then(Volume::close)?;
+        closed
+    }
+
+    /// Does `layout`'s member hold anything (data, zeroes, or metadata)
+    /// in `[start, end)`?
+    fn holds_any(&self, layout: LayoutKind, start: u64, end: u64) -> Result<bool> {
+        let member = self.member(layout);
+        let mut lba = start;
+        while lba < end {
+            let runs = member.block_status(lba * BLOCK, (end - lba) * BLOCK, end - lba)?;
+            if runs.iter().all(|(blocks, _)| *blocks == 0) {
+                // A reply covering nothing is not "all holes".
+                return Err(short_status(&self.path, layout, lba, end));
+            }
+            for (blocks, allocation) in runs {
+                if allocation != Allocation::Hole {
+                    return Ok(true);
+                }
+                lba += blocks;
+            }
+        }
+        Ok(false)
+    }
+
+    /// The release pass: trim, in each member, every region it does not
+    /// serve that still holds something there (left by a migration cut
+    /// short). Returns how many were trimmed.
+    fn release_unserved(&self, steps: &Steps) -> Result<u64> {
+        let record = self.record();
+        let mut released = 0;
+        for (index, serving) in record.layouts.iter().enumerate() {
+            let lbas = record.lbas(index, self.blocks);
+            let unserved = other_layout(*serving);
+            if self.holds_any(unserved, lbas.start, lbas.end)? {
+                let member = self.member(unserved);
+                steps.step();
+                member.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+                released += 1;
+            }
+        }
+        if released > 0 {
+            for member in &self.members {
+                steps.step();
+                member.flush()?;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Move region `index` to `target` (CRASH_MODEL, "Migration between
+    /// layouts"): read and verify it in the member serving it, write it to
+    /// `target`'s, flush that, switch the record, then trim the old.
+    fn migrate_region(
+        &self,
+        index: usize,
+        target: LayoutKind,
+        breaks: &MigrateBreaks,
+        steps: &Steps,
+        mut progress: impl FnMut(u64),
+    ) -> Result<()> {
+        let record = self.record();
+        let from = record.layouts[index];
+        let lbas = record.lbas(index, self.blocks);
+        let (old, new) = (self.member(from), self.member(target));
+        // The target does not serve the region: clear what an earlier cut
+        // run left there.
+        steps.step();
+        new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+        let mut buf = vec![0u8; (CHUNK_BLOCKS * BLOCK) as usize];
+        let mut lba = lbas.start;
+        while lba < lbas.end {
+            let chunk_end = (lba + CHUNK_BLOCKS).min(lbas.end);
+            let asked = if breaks.short_status {
+                (chunk_end - lba).div_ceil(2)
+            } else {
+                chunk_end - lba
+            };
+            let runs = old.block_status(lba * BLOCK, asked * BLOCK, asked)?;
+            let mut at = lba;
+            for (blocks, allocation) in runs {
+                let blocks = blocks.min(chunk_end - at);
+                match allocation {
+                    Allocation::Hole => {}
+                    Allocation::Zero => {
+                        steps.step();
+                        new.write_zeroes(
+                            at * BLOCK,
+                            blocks * BLOCK,
+                            ZeroFlags {
+                                fua: false,
+                                allocate: true,
+                            },
+                        )?
+                    }
+                    Allocation::Data => {
+                        let part = &mut buf[..(blocks * BLOCK) as usize];
+                        let faults = old.read_blocks_collecting(at, blocks, part)?;
+                        if let Some(fault) = faults.first() {
+                            return Err(Error::Corrupt(format!(
+                                "migration stopped: LBA {} failed verification in the {} layout ({}); nothing of its region (LBAs {}-{}) was moved, the regions before it were (repair the block, or restore it, and run the migration again)",
+                                fault.lba,
+                                from.name(),
+                                fault.kind.name(),
+                                lbas.start,
+                                lbas.end - 1
+                            ))
+                            .in_volume(&self.path));
+                        }
+                        if breaks.corrupt_new_copy && at == lbas.start {
+                            part[0] ^= 1;
+                        }
+                        steps.step();
+                        new.write(at * BLOCK, part, false)?;
+                    }
+                }
+                at += blocks;
+                if at >= chunk_end {
+                    break;
+                }
+            }
+            if at < chunk_end {
+                // A short reply: the rest is unknown, never read as holes
+                // (it would be left behind, then trimmed from the old).
+                return Err(short_status(&self.path, from, at, chunk_end));
+            }
+            progress((chunk_end - lba) * BLOCK);
+            lba = chunk_end;
+        }
+        let release = || -> Result<()> {
+            steps.step();
+            old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+            steps.step();
+            old.flush()
+        };
+        if !breaks.switch_before_flush {
+            steps.step();
+            new.flush()?;
+        }
+        if breaks.release_before_switch {
+            release()?;
+        }
+        let mut next = record;
+        next.layouts[index] = target;
+        next.seq += 1;
+        write_record(&self.path, &next, steps)?;
+        steps.step();
+        self.home().set_regions(next.seq)?;
+        *self.record.write() = next;
+        if breaks.switch_before_flush {
+            steps.step();
+            new.flush()?;
+        }
+        if breaks.release_before_switch {
+            return Ok(());
+        }
+        release()
+    }
+}
+
+/// Deliberate breaks of the migration's order, for the crash simulator's
+/// self-test (each must be caught), and its crash point.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MigrateBreaks {
+    /// Abort the process (a crash: no close, nothing more written) right
+    /// before the migration's `n`th file operation, counted from 1
+    /// (`vouch-sim migrate`).
+    pub crash_at: Option<u64>,
+    /// Trim the region in the old member before switching the record.
+    pub release_before_switch: bool,
+    /// Switch the record before the new member is flushed.
+    pub switch_before_flush: bool,
+    /// Change a byte of the first block of each region as it is written
+    /// to the new member (a migration that copies wrong).
+    pub corrupt_new_copy: bool,
+    /// Ask the old member's block status for only the first half of each
+    /// chunk: a reply that covers less than the chunk (NBD allows it).
+    pub short_status: bool,
+}
+
+/// The migration's file operations, counted: `step` aborts the process
+/// at `MigrateBreaks::crash_at`.
+struct Steps {
+    crash_at: Option<u64>,
+    taken: std::sync::atomic::AtomicU64,
+}
+
+impl Steps {
+    fn new(crash_at: Option<u64>) -> Steps {
+        Steps {
+            crash_at,
+            taken: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    /// Called right before each file operation.
+    fn step(&self) {
+        let taken = self
+            .taken
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        if self.crash_at == Some(taken) {
+            std::process::abort();
+        }
+    }
+
+    fn taken(&self) -> u64 {
+        self.taken.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// What a migration did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MigrateReport {
+    /// Regions moved to the target layout.
+    pub moved: u64,
+    /// Regions that were in it already.
+    pub already: u64,
+    /// Regions the release pass trimmed in a member not serving them.
+    pub released: u64,
+    /// File operations it issued (the crash points `crash_at` counts).
+    pub steps: u64,
+}
+
+/// Make a single-layout volume a REGIONS volume (every region in its home
+/// layout): the other member made and renamed into place, the record
+/// written, then the home superblock's flag (CRASH_MODEL, "Migration
+/// between layouts"). Returns the member's path.
+fn make_regions(
+    path: &Path,
+    home: &Superblock,
+    options: &OpenOptions,
+    steps: &Steps,
+) -> Result<()> {
+    let member = member_path(path, home.layout);
+    let name = member
+        .file_name()
+        .and_then(|name| name.to_str())
+        .unwrap_or("layout")
+        .to_string();
+    let partial = path.join(format!(".{name}.partial"));
+    // Without the home flag nothing names these: left by a crash (or by
+    // `unmake_regions` cut short). An old record must go too: a copy of
+    // it with a higher seq would win over the new one.
+    for leftover in [&partial, &member] {
+        if leftover.exists() {
+            steps.step();
+            std::fs::remove_dir_all(leftover)
+                .map_err(|error| io_error("remove", leftover, error))?;
+        }
+    }
+    let record_file = path.join(REGIONS_FILE);
+    if record_file.exists() {
+        steps.step();
+        std::fs::remove_file(&record_file)
+            .map_err(|error| io_error("remove", &record_file, error))?;
+    }
+    let encrypted = home.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
+    if encrypted && options.key.is_none() {
+        // The member would be made unencrypted beside an encrypted home.
+        return Err(Error::InvalidArgument(format!(
+            "{} is encrypted and no key was given: `vouch migrate` needs its key to make the other layout's member",
+            path.display()
+        )));
+    }
+    let create = CreateOptions {
+        layout: other_layout(home.layout),
+        guard: home.guard,
+        encrypt: if encrypted { options.key.clone() } else { None },
+        journal_bytes: Some(home.journal_bytes),
+        ..CreateOptions::new(home.size_bytes)
+    };
+    steps.step();
+    let made = crate::create_volume(&partial, &create)?;
+    steps.step();
+    made.set_regions(0)?;
+    made.close()?;
+    steps.step();
+    sync_dir(&partial)?;
+    steps.step();
+    std::fs::rename(&partial, &member).map_err(|error| io_error("rename", &partial, error))?;
+    steps.step();
+    sync_dir(path)?;
+    let member_uuid = crate::volume_superblock(&member)?.uuid;
+    let record =
+        RegionRecord::uniform(home.uuid, member_uuid, home.size_bytes / BLOCK, home.layout);
+    write_record(path, &record, steps)?;
+    steps.step();
+    sync_dir(path)?;
+    let opened = crate::open_volume(
+        path,
+        &OpenOptions {
+            region_member: true,
+            ..options.clone()
+        },
+    )?;
+    steps.step();
+    opened.set_regions(record.seq)?;
+    opened.close()
+}
+
+/// Every region is back in the home layout: clear the home flag (its
+/// superblock, fsynced: from then on the home member is the volume), then
+/// remove the record and the other member.
+fn unmake_regions(
+    path: &Path,
+    home_layout: LayoutKind,
+    options: &OpenOptions,
+    steps: &Steps,
+) -> Result<()> {
+    let home = crate::open_volume(
+        path,
+        &OpenOptions {
+            region_member: true,
+            ..options.clone()
+        },
+    )?;
+    steps.step();
+    home.clear_regions()?;
+    home.close()?;
+    let record_file = path.join(REGIONS_FILE);
+    steps.step();
+    std::fs::remove_file(&record_file).map_err(|error| io_error("remove", &record_file, error))?;
+    let member = member_path(path, home_layout);
+    steps.step();
+    std::fs::remove_dir_all(&member).map_err(|error| io_error("remove", &member, error))?;
+    steps.step();
+    sync_dir(path)
+}
+
+/// `vouch migrate PATH --layout TARGET`, offline: every region not in
+/// `target` moved to it, in LBA order. `progress(done, total)` in bytes.
+pub fn migrate(
+    path: &Path,
+    target: LayoutKind,
+    options: &OpenOptions,
+    breaks: &MigrateBreaks,
+    mut progress: impl FnMut(u64, u64),
+) -> Result<MigrateReport> {
+    let home = crate::volume_superblock(path)?;
+    if home.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "{} is a snapshot: it keeps the layout it was taken in",
+            path.display()
+        )));
+    }
+    let blocks = home.size_bytes / BLOCK;
+    let steps = Steps::new(breaks.crash_at);
+    if !has_regions(&home) {
+        if home.layout == target {
+            return Ok(MigrateReport {
+                already: vouch_format::regions::regions_of(blocks),
+                ..MigrateReport::default()
+            });
+        }
+        make_regions(path, &home, options, &steps)?;
+    }
+    let volume = RegionVolume::open(path, options)?;
+    let result = (|| {
+        let released = volume.release_unserved(&steps)?;
+        let record = volume.record();
+        let to_move: Vec<usize> = (0..record.layouts.len())
+            .filter(|index| record.layouts[*index] != target)
+            .collect();
+        let total: u64 = to_move
+            .iter()
+            .map(|index| {
+                let lbas = record.lbas(*index, blocks);
+                (lbas.end - lbas.start) * BLOCK
+            })
+            .sum();
+        let mut done = 0;
+        progress(0, total);
+        for index in &to_move {
+            volume.migrate_region(*index, target, breaks, &steps, |bytes| {
+                done += bytes;
+                progress(done, total);
+            })?;
+        }
+        Ok(MigrateReport {
+            moved: to_move.len() as u64,
+            already: record.layouts.len() as u64 - to_move.len() as u64,
+            released,
+            steps: steps.taken(),
+        })
+    })();
+    let home_layout = volume.home_layout();
+    let closed = volume.close();
+    let mut report = result?;
+    closed?;
+    if target == home_layout {
+        unmake_regions(path, home_layout, options, &steps)?;
+        report.steps = steps.taken();
+    }
+    Ok(report)
+}
+
+/// The volume a server exports: each request cut where the serving layout
+/// changes and each piece passed to the member serving it (a write across
+/// two regions goes to both; a flush flushes both). No fast paths: the
+/// trait's defaults (`try_read`, `try_write`: would block) send every
+/// request down the waiting path.
+impl BlockDevice for RegionVolume {
+    fn size(&self) -> u64 {
+        RegionVolume::size(self)
+    }
+
+    fn is_read_only(&self) -> bool {
+        self.members.iter().any(|member| member.is_read_only())
+    }
+
+    fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
+        RegionVolume::read(self, offset, buf)
+    }
+
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        RegionVolume::write(self, offset, data, fua)
+    }
+
+    fn flush(&self) -> Result<()> {
+        RegionVolume::flush(self)
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
+        RegionVolume::trim(self, offset, length, fua)
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
+        RegionVolume::write_zeroes(self, offset, length, flags)
+    }
+
+    /// The runs of the piece holding `offset` only (a shorter reply than
+    /// asked, as the trait allows: the caller asks again from its end).
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> Result<Vec<(u64, Allocation)>> {
+        self.check_range(offset, length)?;
+        let Some(piece) = self.pieces(offset, length.max(1)).into_iter().next() else {
+            return Ok(Vec::new());
+        };
+        let piece_blocks = (piece.offset + piece.len).div_ceil(BLOCK) - piece.offset / BLOCK;
+        self.member(piece.layout).block_status(
+            piece.offset,
+            piece.len,
+            max_blocks.min(piece_blocks),
+        )
+    }
+
+    fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        RegionVolume::read_blocks_collecting(self, first, count, out)
+    }
+
+    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
+        self.check_range(first * BLOCK, count * BLOCK)?;
+        let mut blocks = Vec::with_capacity(count as usize);
+        for piece in self.pieces(first * BLOCK, count * BLOCK) {
+            blocks.extend(
+                self.member(piece.layout)
+                    .read_sealed(piece.offset / BLOCK, piece.len / BLOCK)?,
+            );
+        }
+        Ok(blocks)
+    }
+
+    /// Each member's blocks in one call: all-or-nothing within a member,
+    /// not across the two.
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        for layout in [LayoutKind::Split, LayoutKind::Packed] {
+            let mine: Vec<SealedBlock> = blocks
+                .iter()
+                .filter(|block| self.layout_of(block.lba) == layout)
+                .cloned()
+                .collect();
+            if !mine.is_empty() {
+                self.member(layout).write_sealed(&mine)?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,313 @@
+//! `vouch migrate` crashed at every file operation (`vouch-sim migrate`).
+//!
+//! Per seed: a volume of two regions (the second a part region) written on
+//! random data runs, allocated zeroes and trims, closed cleanly; its image
+//! read. Then for `n` = 1, 2, ... a copy of it is migrated to the other
+//! layout by a child process (`vouch-sim migrate-child`) that aborts right
+//! before the migration's `n`th file operation (`MigrateBreaks::crash_at`:
+//! the member's creation, its flag, the renames and directory syncs, each
+//! write, write-zeroes and trim, each flush, the record's write and its
+//! fsync, the superblock's `regions_seq`), until a child finishes. Each
+//! image left is opened as a command would (recovering both members) and
+//! every block read: it must be the image, with no fault (a block read as
+//! zeros, a fault, a refused open: a violation). Then the migration is run
+//! again to the end (the operator's retry) and the image read again.
+//! With `back`, the volume is first migrated to the other layout (not
+//! crashed) and the migration back to its own layout is crashed: that one
+//! ends by making it a one-layout volume again (the flag cleared, the
+//! record and the member removed), each of those steps a crash point.
+//!
+//! A process crash keeps every write issued (the page cache): power-cut
+//! images of the migration are not made here (its files are real files,
+//! not the recorder's), so the fsync order is argued in CRASH_MODEL, not
+//! simulated. A deliberate break (`--break-release`: the old member
+//! trimmed before the switch) must be caught.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
+use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, OpenOptions, ZeroFlags};
+use vouch_format::regions::REGION_BLOCKS;
+
+use crate::rng::Rng;
+use crate::BLOCK;
+
+const BLOCK_U64: u64 = BLOCK as u64;
+/// One whole region and a part one.
+const BLOCKS: u64 = REGION_BLOCKS + 700;
+
+#[derive(Clone, Debug)]
+pub struct MigrateConfig {
+    /// The layout the volume is created in; it migrates to the other.
+    pub layout: LayoutKind,
+    pub seeds: u64,
+    pub seed: u64,
+    /// The `vouch-sim` binary (runs `migrate-child`).
+    pub child: PathBuf,
+    pub break_release: bool,
+    /// Migrate to the other layout first (uncrashed), then crash the
+    /// migration back to the volume's own layout (which ends by making it
+    /// a one-layout volume again).
+    pub back: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct MigrateReport {
+    /// Crash images checked (process crashes).
+    pub images: u64,
+    pub violations: Vec<String>,
+    pub seconds: f64,
+}
+
+impl MigrateReport {
+    pub fn summary(&self, config: &MigrateConfig) -> String {
+        format!(
+            "migrate: layout={} -> {}{}{} seeds={} process-crash images={} violations={} time={:.1}s",
+            config.layout.name(),
+            regions::other_layout(config.layout).name(),
+            if config.back {
+                format!(" -> {} (crashed on the way back)", config.layout.name())
+            } else {
+                String::new()
+            },
+            if config.break_release {
+                " (break: release before switch)"
+            } else {
+                ""
+            },
+            config.seeds,
+            self.images,
+            self.violations.len(),
+            self.seconds
+        )
+    }
+}
+
+/// The child: migrate `path` to `target`, aborting at `crash_at`.
+pub fn child(
+    path: &Path,
+    target: LayoutKind,
+    crash_at: u64,
+    break_release: bool,
+) -> Result<(), String> {
+    let breaks = MigrateBreaks {
+        crash_at: Some(crash_at),
+        release_before_switch: break_release,
+        ..MigrateBreaks::default()
+    };
+    regions::migrate(path, target, &OpenOptions::default(), &breaks, |_, _| {})
+        .map(|_| ())
+        .map_err(|error| error.to_string())
+}
+
+/// A temporary directory, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(what: &str) -> TempDir {
+        let path =
+            std::env::temp_dir().join(format!("vouch-sim-migrate-{}-{what}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create a temporary directory");
+        TempDir(path)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn write_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) {
+    let options = CreateOptions {
+        layout,
+        journal_bytes: Some(4 << 20),
+        ..CreateOptions::new(BLOCKS * BLOCK_U64)
+    };
+    let volume = vouch_engine::create_volume(path, &options).expect("create");
+    for _ in 0..12 {
+        let count = rng.range(1, 80);
+        let lba = rng.below(BLOCKS - count);
+        let data = rng.bytes((count * BLOCK_U64) as usize);
+        volume.write(lba * BLOCK_U64, &data, false).expect("write");
+    }
+    // One run across the region boundary.
+    let data = rng.bytes((40 * BLOCK_U64) as usize);
+    volume
+        .write((REGION_BLOCKS - 20) * BLOCK_U64, &data, false)
+        .expect("write");
+    for _ in 0..3 {
+        let count = rng.range(1, 40);
+        let lba = rng.below(BLOCKS - count);
+        let flags = ZeroFlags {
+            fua: false,
+            allocate: true,
+        };
+        if rng.chance(1, 2) {
+            volume
+                .write_zeroes(lba * BLOCK_U64, count * BLOCK_U64, flags)
+                .expect("zeroes");
+        } else {
+            volume
+                .trim(lba * BLOCK_U64, count * BLOCK_U64, false)
+                .expect("trim");
+        }
+    }
+    volume.close().expect("close");
+}
+
+/// Every block of the volume at `path` as a command reads it, or why not.
+fn read_image(path: &Path) -> Result<Vec<u8>, String> {
+    let options = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
+    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    let mut image = vec![0u8; (BLOCKS * BLOCK_U64) as usize];
+    let faults = if regions::has_regions(&superblock) {
+        let volume = RegionVolume::open(path, &options).map_err(|error| error.to_string())?;
+        let faults = volume
+            .read_blocks_collecting(0, BLOCKS, &mut image)
+            .map_err(|error| error.to_string())?;
+        volume.close().map_err(|error| error.to_string())?;
+        faults
+    } else {
+        let volume =
+            vouch_engine::open_volume(path, &options).map_err(|error| error.to_string())?;
+        volume
+            .read_blocks_collecting(0, BLOCKS, &mut image)
+            .map_err(|error| error.to_string())?
+    };
+    if let Some(fault) = faults.first() {
+        return Err(format!("{} faults, the first {fault}", faults.len()));
+    }
+    Ok(image)
+}
+
+fn first_difference(a: &[u8], b: &[u8]) -> Option<u64> {
+    a.chunks(BLOCK)
+        .zip(b.chunks(BLOCK))
+        .position(|(x, y)| x != y)
+        .map(|block| block as u64)
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    let status = Command::new("cp")
+        .args(["-a", "--sparse=always"])
+        .arg(from)
+        .arg(to)
+        .status()
+        .expect("cp (apt-get install -y coreutils)");
+    assert!(
+        status.success(),
+        "cp -a {} {}",
+        from.display(),
+        to.display()
+    );
+}
+
+/// A violation unless `image` is `expected`.
+fn judge(
+    report: &mut MigrateReport,
+    at: &str,
+    when: &str,
+    image: Result<Vec<u8>, String>,
+    expected: &[u8],
+) {
+    match image {
+        Ok(image) => {
+            if let Some(block) = first_difference(&image, expected) {
+                report.violations.push(format!(
+                    "{at} {when}: LBA {block} differs from what was written"
+                ));
+            }
+        }
+        Err(why) => report.violations.push(format!("{at} {when}: {why}")),
+    }
+}
+
+pub fn run(config: &MigrateConfig) -> MigrateReport {
+    let started = Instant::now();
+    let mut report = MigrateReport::default();
+    let target = regions::other_layout(config.layout);
+    for seed in config.seed..config.seed + config.seeds {
+        let mut rng = Rng::new(seed);
+        let dir = TempDir::new(&format!("{seed}"));
+        let original = dir.0.join("original");
+        write_volume(&original, config.layout, &mut rng);
+        let expected = read_image(&original).expect("the written volume reads");
+        let target = if config.back {
+            regions::migrate(
+                &original,
+                target,
+                &OpenOptions::default(),
+                &MigrateBreaks::default(),
+                |_, _| {},
+            )
+            .expect("the first migration");
+            config.layout
+        } else {
+            target
+        };
+        for crash_at in 1.. {
+            let work = dir.0.join(format!("at{crash_at}"));
+            copy_dir(&original, &work);
+            let mut child = Command::new(&config.child);
+            child.arg("migrate-child").arg(&work).args([
+                "--layout",
+                target.name(),
+                "--crash-at",
+                &crash_at.to_string(),
+            ]);
+            if config.break_release {
+                child.arg("--break-release");
+            }
+            let output = child.output().expect("run vouch-sim migrate-child");
+            let finished = output.status.success();
+            if !finished && output.status.code().is_some() {
+                report.violations.push(format!(
+                    "seed {seed} crash at {crash_at}: the migration failed: {}",
+                    String::from_utf8_lossy(&output.stderr).trim()
+                ));
+            }
+            report.images += u64::from(!finished);
+            let at = format!("seed {seed} crash at {crash_at}");
+            judge(
+                &mut report,
+                &at,
+                "after the crash",
+                read_image(&work),
+                &expected,
+            );
+            // The operator runs it again.
+            let again = regions::migrate(
+                &work,
+                target,
+                &OpenOptions::default(),
+                &MigrateBreaks::default(),
+                |_, _| {},
+            );
+            match again {
+                Ok(_) => judge(
+                    &mut report,
+                    &at,
+                    "after running it again",
+                    read_image(&work),
+                    &expected,
+                ),
+                Err(error) => report
+                    .violations
+                    .push(format!("{at}: running it again failed: {error}")),
+            }
+            let _ = std::fs::remove_dir_all(&work);
+            if finished {
+                break;
+            }
+        }
+    }
+    report.seconds = started.elapsed().as_secs_f64();
+    report
+}

@@ -1,0 +1,194 @@
+//! `vouch migrate` and what `info`, `check` and `export` do with a volume
+//! whose layout is chosen per region (`vouch_engine::regions`).
+
+use std::fs::File;
+use std::os::unix::fs::FileExt as _;
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context as _, Result};
+use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
+use vouch_engine::{Fault, OpenOptions, BLOCK};
+use vouch_format::LayoutKind;
+
+use crate::commands::progress_bar;
+use crate::key::Use;
+
+/// Blocks read per step of `export` and `check`.
+const CHUNK_BLOCKS: u64 = 256;
+
+pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
+    let target = LayoutKind::from_name(layout).context("unknown layout")?;
+    crate::commands::volume_dir(path)?;
+    if vouch_mirror::is_mirrored(path) {
+        bail!(
+            "{} is a mirror leg: `vouch migrate` moves a volume of one directory",
+            path.display()
+        );
+    }
+    let options = crate::key::open_options(path, OpenOptions::default(), Use::Data)?;
+    let bar = progress_bar(0, &format!("migrating to {}", target.name()));
+    let report = regions::migrate(
+        path,
+        target,
+        &options,
+        &MigrateBreaks::default(),
+        |done, total| {
+            bar.set_length(total);
+            bar.set_position(done);
+        },
+    );
+    bar.finish_and_clear();
+    if report.is_err() && has_regions(path) {
+        eprintln!("{}", not_served_note(path));
+    }
+    let report = report?;
+    println!(
+        "{}: {} regions moved to {}, {} were in it already{}",
+        path.display(),
+        report.moved,
+        target.name(),
+        report.already,
+        if report.released > 0 {
+            format!(", {} left by an interrupted run released", report.released)
+        } else {
+            String::new()
+        }
+    );
+    if has_regions(path) {
+        println!("{}", not_served_note(path));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// What `migrate` says after a run that leaves a volume with regions.
+fn not_served_note(path: &Path) -> String {
+    let home = vouch_engine::volume_superblock(path)
+        .map(|superblock| superblock.layout.name())
+        .unwrap_or("home");
+    format!(
+        "note: {path} is now a volume with regions: it can be served, read, checked, exported and migrated, but not verified, scrubbed, mirrored, snapshotted, resized or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
+        path = path.display()
+    )
+}
+
+/// Is the volume at `path` one whose layout is chosen per region? A path
+/// whose superblock cannot be read is not: the command's own open says why.
+pub fn has_regions(path: &Path) -> bool {
+    vouch_engine::volume_superblock(path).is_ok_and(|superblock| regions::has_regions(&superblock))
+}
+
+/// Open a REGIONS volume read-only with its key.
+pub fn open_read_only(path: &Path, purpose: Use) -> Result<RegionVolume> {
+    let options = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
+    let options = crate::key::open_options(path, options, purpose)?;
+    Ok(RegionVolume::open(path, &options)?)
+}
+
+/// `info`'s line about the regions: how many each layout serves.
+pub fn regions_line(volume: &RegionVolume) -> String {
+    let [split, packed] = volume.record().counts();
+    format!(
+        "{} of 62 MiB: {split} split, {packed} packed (record seq {})",
+        split + packed,
+        volume.record().seq
+    )
+}
+
+/// `info --json`'s regions.
+pub fn regions_json(volume: &RegionVolume) -> serde_json::Value {
+    let record = volume.record();
+    let [split, packed] = record.counts();
+    serde_json::json!({
+        "region_blocks": record.region_blocks,
+        "split": split,
+        "packed": packed,
+        "seq": record.seq,
+        "layouts": record.layouts.iter().map(|layout| layout.name()).collect::<Vec<_>>(),
+    })
+}
+
+/// Every block read and verified by the member serving it; faulty blocks
+/// zero-filled and returned. `each(lba, bytes)` sees every chunk.
+pub fn scan(
+    volume: &RegionVolume,
+    what: &str,
+    mut each: impl FnMut(u64, &[u8]) -> Result<()>,
+) -> Result<Vec<Fault>> {
+    let bar = progress_bar(volume.size(), what);
+    let mut faults = Vec::new();
+    let mut buf = vec![0u8; (CHUNK_BLOCKS * BLOCK) as usize];
+    let mut lba = 0;
+    while lba < volume.blocks() {
+        let count = CHUNK_BLOCKS.min(volume.blocks() - lba);
+        let part = &mut buf[..(count * BLOCK) as usize];
+        faults.extend(volume.read_blocks_collecting(lba, count, part)?);
+        each(lba, part)?;
+        lba += count;
+        bar.set_position(lba * BLOCK);
+    }
+    bar.finish_and_clear();
+    Ok(faults)
+}
+
+pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
+    let volume = open_read_only(path, Use::Verify)?;
+    let faults = scan(&volume, "checking", |_, _| Ok(()))?;
+    let blocks = volume.blocks();
+    if json_output {
+        let value = serde_json::json!({
+            "path": path.display().to_string(),
+            "blocks_checked": blocks,
+            "faults": faults.iter().map(|f| serde_json::json!({"lba": f.lba, "kind": f.kind.name()})).collect::<Vec<_>>(),
+            "clean": faults.is_empty(),
+            "regions": regions_json(&volume),
+        });
+        println!("{}", serde_json::to_string_pretty(&value)?);
+    } else {
+        for fault in &faults {
+            println!("fault: LBA {} {}", fault.lba, fault.kind.name());
+        }
+        println!(
+            "{}: {blocks} blocks checked, {} faults (regions: {})",
+            path.display(),
+            faults.len(),
+            regions_line(&volume)
+        );
+    }
+    volume.close()?;
+    Ok(if faults.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+pub fn export(path: &Path, output: &File, allow_faults: bool) -> Result<(u64, Vec<Fault>)> {
+    let volume = open_read_only(path, Use::Data)?;
+    let size = volume.size();
+    output.set_len(size)?;
+    let faults = scan(&volume, "exporting", |lba, bytes| {
+        if bytes.iter().any(|b| *b != 0) {
+            output
+                .write_all_at(bytes, lba * BLOCK)
+                .context("writing the raw image")?;
+        }
+        Ok(())
+    })?;
+    volume.close()?;
+    if !faults.is_empty() && !allow_faults {
+        let list: Vec<String> = faults
+            .iter()
+            .map(|fault| format!("LBA {} ({})", fault.lba, fault.kind.name()))
+            .collect();
+        bail!(
+            "{} block(s) failed verification: {}; nothing exported (use --allow-faults to zero-fill them)",
+            faults.len(),
+            list.join(", ")
+        );
+    }
+    Ok((size, faults))
+}
