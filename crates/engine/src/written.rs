@@ -1474,14 +1474,21 @@ mod tests {
             (8, 0)
         );
         // A superblock that names no copy (a binary from before the field
-        // wrote it), or one no copy has: no value is known.
-        for named in [0, 5] {
+        // wrote it), or a copy whose slot holds a higher `seq` (an update
+        // after a failed superblock write): no value is known.
+        for named in [0, 2] {
             let back = loaded(&storage, &geometry, named);
             assert_eq!(
                 (back.expected_generation(1), back.expected_generation(5000)),
                 (0, 0),
                 "{named}"
             );
+        }
+        // One whose slot holds a lower `seq` (an older `written` restored,
+        // issue 28) is refused, never "not known".
+        match WrittenMap::load(&storage, &geometry, ([9; 16], 5)).expect("load") {
+            Loaded::NotNamed(why) => assert!(why.contains("an older copy"), "{why}"),
+            _ => panic!("an older generations copy must not be loaded as not known"),
         }
     }
 
