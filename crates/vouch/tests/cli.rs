@@ -45,6 +45,35 @@ fn fails(args: &[&str], code: i32, needle: &str) -> String {
 }
 
 /// A raw image with distinct, non-zero content in every block.
+/// A `blocks`-block raw image imported into `dir/vol` on `layout`, and a
+/// copy of the volume's `files` as they are now (to restore later as an
+/// older copy): (the image, the volume, the copies).
+fn imported_with_copies(
+    dir: &Path,
+    blocks: u64,
+    layout: &str,
+    files: &[&str],
+) -> (PathBuf, PathBuf, Vec<Vec<u8>>) {
+    let raw = raw_image(dir, blocks);
+    let volume = dir.join("vol");
+    ok(&["import", s(&raw), s(&volume), "--layout", layout]);
+    let older = files
+        .iter()
+        .map(|file| std::fs::read(volume.join(file)).expect("the older copy"))
+        .collect();
+    (raw, volume, older)
+}
+
+/// `check` finds no fault and `export` to `out` gives exactly `want`'s bytes.
+fn assert_checks_clean_and_exports(volume: &Path, out: &Path, want: &Path, what: &str) {
+    assert_eq!(check_faults(volume), (0, vec![]), "{what}");
+    ok(&["export", s(volume), s(out)]);
+    assert!(
+        std::fs::read(want).expect("want") == std::fs::read(out).expect("out"),
+        "{what} differs"
+    );
+}
+
 fn raw_image(dir: &Path, blocks: u64) -> PathBuf {
     let path = dir.join("raw.img");
     let mut bytes = Vec::with_capacity((blocks * 4096) as usize);
@@ -109,12 +138,7 @@ fn import_check_export_round_trip_both_layouts() {
             assert_eq!(info["layout"], layout);
             assert_eq!(info["guard"], guard);
             assert_eq!(info["size_bytes"], 300 * 4096);
-            assert_eq!(check_faults(&volume), (0, vec![]));
-            ok(&["export", s(&volume), s(&out)]);
-            assert!(
-                std::fs::read(&raw).expect("raw") == std::fs::read(&out).expect("out"),
-                "{layout}/{guard} differs"
-            );
+            assert_checks_clean_and_exports(&volume, &out, &raw, &format!("{layout}/{guard}"));
         }
     }
 }
@@ -1142,13 +1166,7 @@ fn an_older_copy_of_a_unit_changed_whole_is_caught(layout: &str) {
             .replace("{first}", &first.to_string());
         let case = std::panic::catch_unwind(|| {
             let dir = tempfile::tempdir().expect("tempdir");
-            let raw = raw_image(dir.path(), unit.end + 8);
-            let volume = dir.path().join("vol");
-            ok(&["import", s(&raw), s(&volume), "--layout", layout]);
-            let older: Vec<Vec<u8>> = files
-                .iter()
-                .map(|file| std::fs::read(volume.join(file)).expect("the older copy"))
-                .collect();
+            let (raw, volume, older) = imported_with_copies(dir.path(), unit.end + 8, layout, files);
             let mut server = common::Server::start(dir.path(), &[s(&volume)]);
             common::py_json(
             &format!("h = connect(sys.argv[1])\n{op}\nh.flush()\nprint(json.dumps({{\"ok\": True}}))\n"),
@@ -1536,13 +1554,7 @@ fn an_older_written_restored_with_the_data_and_contexts_is_refused(layout: &str)
         _ => &["data.00000", "contexts", "written"],
     };
     let dir = tempfile::tempdir().expect("tempdir");
-    let raw = raw_image(dir.path(), 512);
-    let volume = dir.path().join("vol");
-    ok(&["import", s(&raw), s(&volume), "--layout", layout]);
-    let older: Vec<Vec<u8>> = files
-        .iter()
-        .map(|file| std::fs::read(volume.join(file)).expect("the older copy"))
-        .collect();
+    let (raw, volume, older) = imported_with_copies(dir.path(), 512, layout, files);
     // Two rounds of writes, each closed by a checkpoint: the expected
     // generations move at each, so the copy the superblock names is one
     // the older `written` does not hold.
@@ -1583,12 +1595,7 @@ fn an_older_written_restored_with_the_data_and_contexts_is_refused(layout: &str)
     assert!(refused.contains("written:"), "{layout}: {refused}");
     // Accepting the files as they are: the older data is now the volume's.
     ok(&["upgrade", s(&volume)]);
-    ok(&["check", s(&volume)]);
-    ok(&["export", s(&volume), s(&exported)]);
-    assert!(
-        std::fs::read(&exported).expect("export") == std::fs::read(&raw).expect("raw"),
-        "{layout}: after the upgrade the volume holds the older copy's data"
-    );
+    assert_checks_clean_and_exports(&volume, &exported, &raw, layout);
 }
 
 #[test]
