@@ -101,6 +101,13 @@ pub(crate) fn load_written(
     let why = match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
         Loaded::Map(map) => return Ok(map),
         Loaded::None(why) => why,
+        Loaded::NotNamed(why) => {
+            // Never "not known": an older `written` restored with the data
+            // and contexts of its time would read them all as current.
+            return Err(Error::Corrupt(format!(
+                "written: {why}; the expected generations that tell an older copy of `contexts` or the data from the current one are missing, so the volume is not opened (the written map, data and contexts may all be older than the superblock and journal): restore every file of the volume from one copy, or accept the files as they are now, older blocks included, and rebuild the map from them with `vouch upgrade PATH` (offline)"
+            )));
+        }
     };
     if never_opened {
         return Ok(WrittenMap::empty(geometry, uuid));

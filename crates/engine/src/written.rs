@@ -142,6 +142,10 @@ pub(crate) enum Loaded {
     Map(WrittenMap),
     /// No valid copy: the reason, for the refusal.
     None(String),
+    /// The generations copy the superblock names is not in the file (an
+    /// older copy of `written` restored, or the copy damaged): what is
+    /// wrong, for the refusal (`damage::load_written`).
+    NotNamed(String),
 }
 
 impl WrittenMap {
@@ -219,6 +223,16 @@ impl WrittenMap {
                 Ok(old)
             }
             Loaded::None(_) => Ok(WrittenMap::empty(geometry, uuid)),
+            // The operator accepts the files as they are: the bits of the
+            // copy found, every expected generation filled in again from
+            // the units as they are now (`damage::build_written`).
+            Loaded::NotNamed(_) => match WrittenMap::load(storage, geometry, (uuid, 0))? {
+                Loaded::Map(old) => {
+                    old.dirty.store(true, Ordering::Release);
+                    Ok(old)
+                }
+                _ => Ok(WrittenMap::empty(geometry, uuid)),
+            },
         }
     }
 
@@ -973,37 +987,71 @@ impl WrittenMap {
             word.store(u64::from_le_bytes(raw), Ordering::Release);
         }
         map.seq.store(header.seq, Ordering::Release);
-        map.load_generations(storage, generations_seq)?;
+        if let Some(why) = map.load_generations(storage, generations_seq)? {
+            return Ok(Loaded::NotNamed(why));
+        }
         Ok(Loaded::Map(map))
     }
 
-    /// The generations copy of `seq` (the one the superblock names), if it
-    /// is valid; else every unit's is not known (0). Not another copy: a
-    /// superblock that names none (0) was written by a binary from before
-    /// the field, which may have trimmed or rewritten units without
-    /// recording it in the values, so they would be stale, and a stale
-    /// expectation would read good units as older copies. A copy written
-    /// after the superblock (a checkpoint cut before its superblock) may
-    /// hold values of units the journal is still to replay: the one named
-    /// holds values as of the journal's start, and recovery forgets every
-    /// unit the journal touches. Not known only weakens detection.
-    fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<()> {
+    /// The generations copy of `seq` (the one the superblock names). Not
+    /// another copy: a superblock that names none (0) was written by a
+    /// binary from before the field, which may have trimmed or rewritten
+    /// units without recording it in the values, so they would be stale,
+    /// and a stale expectation would read good units as older copies;
+    /// every unit's is then not known (0). A copy written after the
+    /// superblock (a checkpoint cut before its superblock) may hold values
+    /// of units the journal is still to replay: the one named holds values
+    /// as of the journal's start, and recovery forgets every unit the
+    /// journal touches.
+    ///
+    /// The copy named is fsynced before any superblock names it, and no
+    /// update writes it while it is named (an update writes the other
+    /// copy), so a crash never leaves it missing, torn or older. Found so,
+    /// the file is an older copy of `written` (restored with the data and
+    /// contexts of its time, nothing else would tell them older: issue
+    /// 28) or the copy is damaged: `Some(what is wrong)`, and the open
+    /// refuses (absence is never emptiness: values not known would read
+    /// every older unit as current). A copy of a *higher* `seq` is left
+    /// not known, not refused: an update whose superblock write failed
+    /// and a later update in the same process may write the slot named
+    /// on disk (never a restored older file: its copies are older).
+    fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<Option<String>> {
         if self.generations.is_empty() || seq == 0 {
-            return Ok(());
+            return Ok(None);
         }
         let offset = generations_offset(seq % 2, self.units);
         let mut raw = vec![0u8; (WRITTEN_PAGE_BYTES + generations_bytes(self.units)) as usize];
         match storage.read_at(ObjectId::Written, offset, &mut raw) {
             Ok(()) => {}
-            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Ok(Some(format!(
+                    "the file ends before the generations copy the superblock names (seq {seq}, at byte {offset})"
+                )))
+            }
             Err(error) => return Err(Error::io("read", ObjectId::Written, offset, error)),
         }
         let (header, values) = raw.split_at(WRITTEN_PAGE_BYTES as usize);
-        let Ok(header) = GenerationsHeader::decode(header) else {
-            return Ok(());
+        let header = match GenerationsHeader::decode(header) {
+            Ok(header) => header,
+            Err(error) => {
+                return Ok(Some(format!(
+                    "the generations copy the superblock names (seq {seq}, at byte {offset}) is not valid ({error})"
+                )))
+            }
         };
-        if header.uuid != self.uuid || header.units != self.units || header.seq != seq {
-            return Ok(());
+        if header.uuid != self.uuid || header.units != self.units {
+            return Ok(Some(format!(
+                "the generations copy the superblock names (seq {seq}, at byte {offset}) is of another volume or geometry"
+            )));
+        }
+        if header.seq < seq {
+            return Ok(Some(format!(
+                "the generations copy the superblock names is seq {seq}, the file holds seq {} there: an older copy of the file",
+                header.seq
+            )));
+        }
+        if header.seq != seq {
+            return Ok(None);
         }
         // Page by page: a page that fails its CRC (damaged since) leaves
         // its units not known, and the rest hold.
@@ -1025,7 +1073,7 @@ impl WrittenMap {
             );
         }
         self.generations_seq.store(seq, Ordering::Release);
-        Ok(())
+        Ok(None)
     }
 
     /// The `seq` of the generations copy on disk that holds these values
@@ -1343,7 +1391,7 @@ mod tests {
     fn loaded(storage: &SimStorage, geometry: &Geometry, generations_seq: u64) -> WrittenMap {
         match WrittenMap::load(storage, geometry, ([9; 16], generations_seq)).expect("load") {
             Loaded::Map(map) => map,
-            Loaded::None(why) => panic!("no valid copy: {why}"),
+            Loaded::None(why) | Loaded::NotNamed(why) => panic!("no valid copy: {why}"),
         }
     }
 
@@ -1426,14 +1474,21 @@ mod tests {
             (8, 0)
         );
         // A superblock that names no copy (a binary from before the field
-        // wrote it), or one no copy has: no value is known.
-        for named in [0, 5] {
+        // wrote it), or a copy whose slot holds a higher `seq` (an update
+        // after a failed superblock write): no value is known.
+        for named in [0, 2] {
             let back = loaded(&storage, &geometry, named);
             assert_eq!(
                 (back.expected_generation(1), back.expected_generation(5000)),
                 (0, 0),
                 "{named}"
             );
+        }
+        // One whose slot holds a lower `seq` (an older `written` restored,
+        // issue 28) is refused, never "not known".
+        match WrittenMap::load(&storage, &geometry, ([9; 16], 5)).expect("load") {
+            Loaded::NotNamed(why) => assert!(why.contains("an older copy"), "{why}"),
+            _ => panic!("an older generations copy must not be loaded as not known"),
         }
     }
 
@@ -1625,7 +1680,9 @@ mod tests {
         assert!(back.is_set(3) && back.is_set(70));
         match WrittenMap::load(&storage, &geometry, ([8; 16], 0)).expect("load") {
             Loaded::Map(_) => panic!("a map of another volume must not be used"),
-            Loaded::None(why) => assert!(why.contains("another volume"), "{why}"),
+            Loaded::None(why) | Loaded::NotNamed(why) => {
+                assert!(why.contains("another volume"), "{why}")
+            }
         }
     }
 }

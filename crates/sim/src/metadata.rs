@@ -160,8 +160,10 @@ pub struct MetaReport {
 /// fails, and an encrypted one's keyless guard over its data (read whole
 /// with a packed row; read for a split page that looks older than
 /// expected, `WrittenMap::stale_page_read`).
-/// An older copy of every data and contexts file restored together (the
-/// written map and superblock current) is claimed everywhere: a split
+/// An older copy of every data and contexts file and of `written` restored
+/// together (the superblock and journal current) is claimed everywhere:
+/// the open refuses when the map's generations copy is not the one the
+/// superblock names, else it is judged as follows: a split
 /// page's contexts and data agree with each other, so only the page's
 /// expected generation catches it, under any guard (a page trimmed or
 /// zeroed whole since expects its checkpoint's next generation); a packed
@@ -778,11 +780,15 @@ impl Cx {
                 storage.replace_object(*object, &self.older);
                 affected.extend(self.blocks_at(*object, 0..self.nominal_len(*object)));
             }
+            // And the written map of their time (issue 28): its expected
+            // generations are not the copy the superblock names, so the
+            // open must refuse naming `written`, never read them as current.
+            storage.replace_object(ObjectId::Written, &self.older);
             return Damage {
                 storage,
                 affected,
-                file: files[0].file_name(),
-                what: "older copies of every data and contexts file".to_string(),
+                file: ObjectId::Written.file_name(),
+                what: "older copies of every data and contexts file and of written".to_string(),
             };
         }
         let file = files[self.rng.below(files.len() as u64) as usize];

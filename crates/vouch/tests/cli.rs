@@ -45,6 +45,35 @@ fn fails(args: &[&str], code: i32, needle: &str) -> String {
 }
 
 /// A raw image with distinct, non-zero content in every block.
+/// A `blocks`-block raw image imported into `dir/vol` on `layout`, and a
+/// copy of the volume's `files` as they are now (to restore later as an
+/// older copy): (the image, the volume, the copies).
+fn imported_with_copies(
+    dir: &Path,
+    blocks: u64,
+    layout: &str,
+    files: &[&str],
+) -> (PathBuf, PathBuf, Vec<Vec<u8>>) {
+    let raw = raw_image(dir, blocks);
+    let volume = dir.join("vol");
+    ok(&["import", s(&raw), s(&volume), "--layout", layout]);
+    let older = files
+        .iter()
+        .map(|file| std::fs::read(volume.join(file)).expect("the older copy"))
+        .collect();
+    (raw, volume, older)
+}
+
+/// `check` finds no fault and `export` to `out` gives exactly `want`'s bytes.
+fn assert_checks_clean_and_exports(volume: &Path, out: &Path, want: &Path, what: &str) {
+    assert_eq!(check_faults(volume), (0, vec![]), "{what}");
+    ok(&["export", s(volume), s(out)]);
+    assert!(
+        std::fs::read(want).expect("want") == std::fs::read(out).expect("out"),
+        "{what} differs"
+    );
+}
+
 fn raw_image(dir: &Path, blocks: u64) -> PathBuf {
     let path = dir.join("raw.img");
     let mut bytes = Vec::with_capacity((blocks * 4096) as usize);
@@ -109,12 +138,7 @@ fn import_check_export_round_trip_both_layouts() {
             assert_eq!(info["layout"], layout);
             assert_eq!(info["guard"], guard);
             assert_eq!(info["size_bytes"], 300 * 4096);
-            assert_eq!(check_faults(&volume), (0, vec![]));
-            ok(&["export", s(&volume), s(&out)]);
-            assert!(
-                std::fs::read(&raw).expect("raw") == std::fs::read(&out).expect("out"),
-                "{layout}/{guard} differs"
-            );
+            assert_checks_clean_and_exports(&volume, &out, &raw, &format!("{layout}/{guard}"));
         }
     }
 }
@@ -1142,13 +1166,7 @@ fn an_older_copy_of_a_unit_changed_whole_is_caught(layout: &str) {
             .replace("{first}", &first.to_string());
         let case = std::panic::catch_unwind(|| {
             let dir = tempfile::tempdir().expect("tempdir");
-            let raw = raw_image(dir.path(), unit.end + 8);
-            let volume = dir.path().join("vol");
-            ok(&["import", s(&raw), s(&volume), "--layout", layout]);
-            let older: Vec<Vec<u8>> = files
-                .iter()
-                .map(|file| std::fs::read(volume.join(file)).expect("the older copy"))
-                .collect();
+            let (raw, volume, older) = imported_with_copies(dir.path(), unit.end + 8, layout, files);
             let mut server = common::Server::start(dir.path(), &[s(&volume)]);
             common::py_json(
             &format!("h = connect(sys.argv[1])\n{op}\nh.flush()\nprint(json.dumps({{\"ok\": True}}))\n"),
@@ -1517,4 +1535,75 @@ fn packed_volume_served(dir: &Path, bodies: &[&str]) -> PathBuf {
         server.stop();
     }
     volume
+}
+
+/// Issue 28: an older copy of the data, the contexts and `written`
+/// restored together (the superblock and journal current). The data and
+/// contexts agree with each other and with the older map's bits; only the
+/// expected generations would tell them older, and the older `written`
+/// holds another generations copy than the one the superblock names
+/// (`generations_seq`). Before the fix no unit's value was known and the
+/// older blocks read as current: `check` clean, `export` of the older
+/// data, NBD reads of it. Now the open refuses naming `written` and the
+/// cause, so `check` and `export` fail and `serve` does not start (no NBD
+/// read can return the older data); `vouch upgrade`, the refusal's
+/// second remedy, accepts the files as they are.
+fn an_older_written_restored_with_the_data_and_contexts_is_refused(layout: &str) {
+    let files: &[&str] = match layout {
+        "packed" => &["data.00000", "written"],
+        _ => &["data.00000", "contexts", "written"],
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (raw, volume, older) = imported_with_copies(dir.path(), 512, layout, files);
+    // Two rounds of writes, each closed by a checkpoint: the expected
+    // generations move at each, so the copy the superblock names is one
+    // the older `written` does not hold.
+    for round in 0..2u8 {
+        let mut server = common::Server::start(dir.path(), &[s(&volume)]);
+        common::py_json(
+            "h = connect(sys.argv[1])\nfor lba in range(0, 512, 3):\n    h.pwrite(bytes([int(sys.argv[2])]) * 4096, lba * 4096)\nh.flush()\nprint(json.dumps({\"ok\": True}))\n",
+            &[&server.uri, &(0xA0 + round).to_string()],
+        );
+        server.stop();
+    }
+    ok(&["check", s(&volume)]);
+    for (file, bytes) in files.iter().zip(&older) {
+        std::fs::write(volume.join(file), bytes).expect("restore the older copy");
+    }
+    let output = vouch(&["check", s(&volume)]);
+    let said = text(&output);
+    assert_ne!(output.status.code(), Some(0), "{layout}: {said}");
+    assert!(
+        said.contains("written:") && said.contains("an older copy of the file"),
+        "{layout}: check must name the file and the cause: {said}"
+    );
+    assert!(
+        said.contains("vouch upgrade"),
+        "{layout}: what to do: {said}"
+    );
+    let exported = dir.path().join("out.raw");
+    let output = vouch(&["export", s(&volume), s(&exported)]);
+    assert_ne!(output.status.code(), Some(0), "{layout}: {}", text(&output));
+    assert!(
+        text(&output).contains("written:"),
+        "{layout}: {}",
+        text(&output)
+    );
+    let refused = common::Server::try_start(dir.path(), &[s(&volume)])
+        .err()
+        .unwrap_or_else(|| panic!("{layout}: serve started on the older files"));
+    assert!(refused.contains("written:"), "{layout}: {refused}");
+    // Accepting the files as they are: the older data is now the volume's.
+    ok(&["upgrade", s(&volume)]);
+    assert_checks_clean_and_exports(&volume, &exported, &raw, layout);
+}
+
+#[test]
+fn an_older_written_restored_with_the_data_and_contexts_is_refused_split() {
+    an_older_written_restored_with_the_data_and_contexts_is_refused("split");
+}
+
+#[test]
+fn an_older_written_restored_with_the_data_and_contexts_is_refused_packed() {
+    an_older_written_restored_with_the_data_and_contexts_is_refused("packed");
 }
