@@ -150,6 +150,16 @@ pub struct Superblock {
     /// stale (a trim or a rewrite it did not record in them) are not
     /// known after it, never believed.
     pub generations_seq: u64,
+    /// This volume's instance: random at `create` and `import`, new in
+    /// every clone, kept by a snapshot (the same volume, read-only) and
+    /// by a mirror's legs (copies of one volume). The uuid (and so every
+    /// tag and the encryption AD) is shared by a clone and its origin;
+    /// the instance tells them apart, so a clone is never taken for a
+    /// member of its origin's mirror. All zero: *unknown* (made by, or
+    /// last rewritten by, a binary from before the field, which writes
+    /// reserved bytes as zero): such a member is recognised by its uuid
+    /// alone, as before, and only beside members that are unknown too.
+    pub instance: [u8; 16],
 }
 
 impl Superblock {
@@ -300,9 +310,14 @@ impl Superblock {
             size: 8,
         },
         Field {
-            name: "reserved3",
+            name: "instance",
             offset: 220,
-            size: 32,
+            size: 16,
+        },
+        Field {
+            name: "reserved3",
+            offset: 236,
+            size: 16,
         },
         Field {
             name: "crc",
@@ -313,6 +328,16 @@ impl Superblock {
 
     pub fn geometry(&self) -> Result<Geometry, FormatError> {
         Geometry::new(self.layout, self.size_bytes, self.segment_blocks)
+    }
+
+    /// The 32-bit tag of `instance` a replica reports (docs/PROTOCOL.md,
+    /// INFO): 0 for an unknown instance, never 0 otherwise.
+    pub fn instance_tag(&self) -> u32 {
+        if self.instance == [0; 16] {
+            0
+        } else {
+            crc32c(&self.instance).max(1)
+        }
     }
 
     /// The 32-bit tag that binds contexts to this volume.
@@ -349,6 +374,7 @@ impl Superblock {
         out[164..196].copy_from_slice(&wrap.wrapped_key);
         out[196..212].copy_from_slice(&wrap.key_check);
         put_u64(&mut out, 212, self.generations_seq);
+        out[220..236].copy_from_slice(&self.instance);
         crate::seal(&mut out, 252);
         out
     }
@@ -396,6 +422,7 @@ impl Superblock {
                 key_check: raw[196..212].try_into().expect("16 bytes"),
             },
             generations_seq: get_u64(raw, 212),
+            instance: raw[220..236].try_into().expect("16 bytes"),
         };
         let encrypted = superblock.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
         if !encrypted && superblock.key_wrap != KeyWrap::default() {
@@ -463,6 +490,7 @@ mod tests {
             created_unix_secs: 1_700_000_000,
             key_wrap: KeyWrap::default(),
             generations_seq: 0,
+            instance: [0x22; 16],
         }
     }
 
