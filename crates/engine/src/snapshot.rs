@@ -795,6 +795,9 @@ pub fn clone(fs: &dyn SnapshotFs, snapshot: &Path, new_path: &Path) -> Result<Pa
     }
     let mut writable = superblock;
     writable.features.ro_compat &= !FeatureFlags::RO_COMPAT_SNAPSHOT;
+    // Same uuid (tags, AD, key) as its origin, but another volume from
+    // now on: a mirror or replica must never take it for its origin.
+    writable.instance = crate::superblock::new_instance();
     let origin = CloneOrigin {
         snapshot: snapshot.display().to_string(),
         record,

@@ -80,6 +80,17 @@ pub(crate) fn check_volume_size(size_bytes: u64) -> Result<()> {
     Ok(())
 }
 
+/// A new volume instance id (`Superblock::instance`): random, never zero
+/// (zero means *unknown*: a superblock written before the field).
+pub fn new_instance() -> [u8; 16] {
+    loop {
+        let instance = *uuid::Uuid::new_v4().as_bytes();
+        if instance != [0; 16] {
+            return instance;
+        }
+    }
+}
+
 pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
     check_volume_size(options.size_bytes)?;
     let journal_bytes = options.journal_bytes();
@@ -123,5 +134,6 @@ pub(crate) fn new_superblock(options: &CreateOptions) -> Result<Superblock> {
         key_wrap,
         generations_seq: 0,
         regions_seq: 0,
+        instance: new_instance(),
     })
 }

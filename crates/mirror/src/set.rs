@@ -299,7 +299,75 @@ pub fn view(path: &Path) -> Result<(MirrorRecord, Vec<Option<String>>)> {
             given.members[first_index].path, given.members[*other].path
         )));
     }
+    for (index, member) in given.members.iter().enumerate() {
+        if found[index].is_some() && !crate::is_remote_member(&member.path) {
+            same_instance(path, Path::new(&member.path))?;
+        }
+    }
     Ok((view.clone(), reasons))
+}
+
+/// The leg at `member` must be the same volume instance as the leg at
+/// `leg` (`Superblock::instance`): a clone shares its origin's uuid and
+/// tags, so nothing else tells it apart. Unknown (zero, a superblock
+/// written before the field) matches only unknown. A superblock that
+/// cannot be read is left to whoever opens the leg.
+pub fn same_instance(leg: &Path, member: &Path) -> Result<()> {
+    let (Ok(ours), Ok(theirs)) = (
+        vouch_engine::volume_superblock(leg),
+        vouch_engine::volume_superblock(member),
+    ) else {
+        return Ok(());
+    };
+    if ours.instance == theirs.instance {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(instance_refusal(
+        &member.display().to_string(),
+        (theirs.instance, clone_origin(member)),
+        &leg.display().to_string(),
+        (ours.instance, clone_origin(leg)),
+    )))
+}
+
+/// The snapshot a clone was made from (its `origin` record), if `dir` is
+/// a clone.
+pub fn clone_origin(dir: &Path) -> Option<String> {
+    let bytes = std::fs::read(dir.join(vouch_engine::snapshot::ORIGIN_FILE)).ok()?;
+    let origin: vouch_engine::snapshot::CloneOrigin = serde_json::from_slice(&bytes).ok()?;
+    Some(origin.snapshot)
+}
+
+/// Why `member` (its instance, and the snapshot it was cloned from if it
+/// is a clone) is refused beside `leg`, a member of the set.
+pub fn instance_refusal(
+    member: &str,
+    (member_instance, member_origin): ([u8; 16], Option<String>),
+    leg: &str,
+    (leg_instance, leg_origin): ([u8; 16], Option<String>),
+) -> String {
+    const FRESH: &str =
+        "a mirror's legs are copies of one volume; `vouch mirror add` a fresh volume instead";
+    let hex = |instance: &[u8; 16]| -> String {
+        if *instance == [0; 16] {
+            "unknown (written by a vouch from before instance ids)".into()
+        } else {
+            instance.iter().map(|b| format!("{b:02x}")).collect()
+        }
+    };
+    match (member_origin, leg_origin) {
+        (Some(origin), _) => format!(
+            "{member} is a clone of {origin}, not the volume of {leg}: {FRESH}; nothing was opened"
+        ),
+        (None, Some(origin)) => format!(
+            "{leg} is a clone of {origin}, and {member} is not a leg of that clone: {FRESH}; nothing was opened"
+        ),
+        (None, None) => format!(
+            "{member} has the uuid of {leg} but is another instance of it (instance {}, not {}: a clone, or a copy rewritten apart from the set): {FRESH}; nothing was opened",
+            hex(&member_instance),
+            hex(&leg_instance)
+        ),
+    }
 }
 
 /// A leg's record names every leg by its path, its own included, and the

@@ -360,6 +360,7 @@ impl BlockDevice for RemoteLeg {
         let (old, new) = (&self.info, &fresh.info);
         if (old.uuid, old.size_bytes, old.guard, old.volume_tag)
             != (new.uuid, new.size_bytes, new.guard, new.volume_tag)
+            || old.instance_tag != new.instance_tag
         {
             return Err(Error::Corrupt(format!(
                 "replica {} now holds another volume (uuid {}, {} bytes), not {} ({} bytes)",

@@ -227,6 +227,7 @@ impl Registry {
             layout: volume.layout() as u8,
             encrypted: volume.encrypted(),
             read_only: volume.is_read_only(),
+            instance_tag: superblock.instance_tag(),
             segment_blocks: geometry.segment_blocks,
             journal_bytes: superblock.journal_bytes,
         })

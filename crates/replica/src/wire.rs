@@ -726,6 +726,9 @@ pub struct ReplicaInfo {
     pub layout: u8,
     pub encrypted: bool,
     pub read_only: bool,
+    /// `Superblock::instance_tag`: 0 when the instance is unknown (or the
+    /// replica's server is from before instance ids, which sends zero).
+    pub instance_tag: u32,
     pub segment_blocks: u64,
     pub journal_bytes: u64,
 }
@@ -741,6 +744,7 @@ impl ReplicaInfo {
         out[33] = self.layout;
         out[34] = u8::from(self.encrypted);
         out[35] = u8::from(self.read_only);
+        out[36..40].copy_from_slice(&self.instance_tag.to_le_bytes());
         out[40..48].copy_from_slice(&self.segment_blocks.to_le_bytes());
         out[48..56].copy_from_slice(&self.journal_bytes.to_le_bytes());
         out
@@ -771,6 +775,7 @@ impl ReplicaInfo {
             layout: bytes[33],
             encrypted: flag(34)?,
             read_only: flag(35)?,
+            instance_tag: u32_at(bytes, 36),
             segment_blocks: u64_at(bytes, 40),
             journal_bytes: u64_at(bytes, 48),
         })

@@ -258,6 +258,7 @@ fn answers_round_trip() {
         layout: 0,
         encrypted: false,
         read_only: false,
+        instance_tag: 0xfeed_0001,
         segment_blocks: 1 << 18,
         journal_bytes: 64 << 20,
     };

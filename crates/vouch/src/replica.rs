@@ -136,7 +136,38 @@ pub fn open_leg(url: &str, record: &MirrorRecord) -> vouch_engine::Result<Remote
             uuid_string(&record.uuid)
         )));
     }
+    // A clone shares its origin's uuid: the instance tells them apart.
+    if let Some((local, ours)) = local_instance(record) {
+        let theirs = leg.info().instance_tag;
+        if theirs != ours {
+            let hex = |tag: u32| match tag {
+                0 => "unknown (written by a vouch from before instance ids)".to_string(),
+                tag => format!("{tag:08x}"),
+            };
+            return Err(vouch_engine::Error::InvalidArgument(format!(
+                "replica {url} is a clone of this volume or another instance of it (instance tag {}, not {} of {}): \
+                 a mirror's legs are copies of one volume; `vouch mirror add` a fresh volume instead",
+                hex(theirs),
+                hex(ours),
+                local.display()
+            )));
+        }
+    }
     Ok(leg)
+}
+
+/// The instance tag of the set's first local leg whose superblock reads
+/// (`Superblock::instance_tag`), and that leg.
+fn local_instance(record: &MirrorRecord) -> Option<(PathBuf, u32)> {
+    record
+        .members
+        .iter()
+        .filter(|member| !vouch_mirror::is_remote_member(&member.path))
+        .find_map(|member| {
+            let path = PathBuf::from(&member.path);
+            let superblock = vouch_engine::volume_superblock(&path).ok()?;
+            Some((path, superblock.instance_tag()))
+        })
 }
 
 /// Is the remote member `url` there for `status` and `info`? A replica

@@ -191,6 +191,15 @@ impl Resyncer {
                 Ok(_) => {}
                 Err(error) => unknown = Some(format!("its mirror record is unusable: {error}")),
             }
+            // Same uuid is not enough: a clone shares its origin's.
+            if let Some(&index) = self
+                .mirror
+                .active()
+                .iter()
+                .find(|&&index| !mirror::is_remote_member(&self.record.members[index].path))
+            {
+                mirror::set::same_instance(Path::new(&self.record.members[index].path), path)?;
+            }
         }
         let volume = crate::key::open(path, self.options.clone(), Use::Data)
             .with_context(|| format!("opening mirror leg {leg} ({})", path.display()))?;
