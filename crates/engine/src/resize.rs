@@ -174,9 +174,31 @@ fn valid_copy(bytes: &[u8], uuid: [u8; 16], units: u64) -> Option<(WrittenHeader
 }
 
 /// Whether `bytes` (a `written.resize`) is the map of `geometry`.
+/// Both its bits copy and the generations copy the superblock names
+/// must be there: a map kept without the latter would be refused at
+/// open as an older copy of `written`, so one cut before its generations
+/// copy was written is removed (the switch had not happened).
 fn map_fits(bytes: &[u8], superblock: &Superblock, geometry: &Geometry) -> bool {
-    valid_copy(bytes, superblock.uuid, units_of(geometry))
+    let units = units_of(geometry);
+    valid_copy(bytes, superblock.uuid, units)
         .is_some_and(|(header, _)| u64::from(header.unit_blocks) == units_blocks(geometry))
+        && generations_fit(bytes, superblock, units)
+}
+
+/// Whether `bytes` holds the generations copy `superblock` names (its
+/// header: this volume, these units, that `seq` or a later one).
+fn generations_fit(bytes: &[u8], superblock: &Superblock, units: u64) -> bool {
+    let seq = superblock.generations_seq;
+    if seq == 0 {
+        return true;
+    }
+    let at = generations_offset(seq % 2, units) as usize;
+    bytes
+        .get(at..at + WRITTEN_PAGE_BYTES as usize)
+        .and_then(|page| GenerationsHeader::decode(page).ok())
+        .is_some_and(|header| {
+            header.uuid == superblock.uuid && header.units == units && header.seq >= seq
+        })
 }
 
 fn units_blocks(geometry: &Geometry) -> u64 {

@@ -692,8 +692,8 @@ fn read_all(
 }
 
 /// The snapshot at `dir` byte for byte the volume's files, its superblock
-/// but for the flag and (a `copy`: a snapshot or clone) its journal new,
-/// zeros.
+/// but for the flag (and a clone's instance) and (a `copy`: a snapshot or
+/// clone) its journal new, zeros.
 fn same_files(
     fs: &mut ModelFs,
     dir: &Path,
@@ -727,6 +727,17 @@ fn same_files(
                 storage
             })
             .map_err(|e| format!("the volume's superblock: {e}"))?;
+            // A clone (a copy without the flag) is another instance of the
+            // volume: a new instance id, everything else the same.
+            if copy && !flag {
+                if superblock.instance == original.instance {
+                    return Err(format!(
+                        "{}: a clone with its origin's instance",
+                        path.display()
+                    ));
+                }
+                superblock.instance = original.instance;
+            }
             if superblock != original {
                 return Err(format!(
                     "{}: another superblock than the volume's",

@@ -302,7 +302,8 @@ enum Command {
     Resize {
         /// The volume's directory.
         path: PathBuf,
-        /// The new size.
+        /// The new size: 2G = 2 GiB; K, M, G, T (and KiB, MiB, GiB, TiB)
+        /// are powers of 1024; KB, MB, GB, TB are powers of 1000.
         #[arg(value_parser = parse_volume_size)]
         size: u64,
         #[command(flatten)]
