@@ -496,13 +496,15 @@ impl Shared {
             .div_ceil(BLOCK)
             .min(first + max_blocks.max(1));
         let mut runs: Vec<(u64, Allocation)> = Vec::new();
-        for found in self.stored_contexts(first, end - first)? {
+        // Folded chunk by chunk: block status keeps runs, never a context
+        // per block of the whole request.
+        self.each_stored_context(first, end - first, &mut |found| {
             let kind = found.allocation();
             match runs.last_mut() {
                 Some((blocks, last)) if *last == kind => *blocks += 1,
                 _ => runs.push((1, kind)),
             }
-        }
+        })?;
         Ok(runs)
     }
 
@@ -511,8 +513,20 @@ impl Shared {
     /// what block status reports, and what changed blocks compare
     /// (`vouch diff`, `qemu:dirty-bitmap`).
     pub fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
-        self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
         let mut found = Vec::with_capacity(count as usize);
+        self.each_stored_context(first, count, &mut |context| found.push(context))?;
+        Ok(found)
+    }
+
+    /// `stored_contexts` handed to `visit` in LBA order, 4096 blocks
+    /// (one layout call) at a time.
+    fn each_stored_context(
+        &self,
+        first: u64,
+        count: u64,
+        visit: &mut dyn FnMut(StoredContext),
+    ) -> Result<()> {
+        self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
         let end = first + count;
         let mut lba = first;
         while lba < end {
@@ -524,11 +538,14 @@ impl Shared {
                         .map(|lba| state.buffered(lba).is_some())
                         .collect()
                 };
-                found.extend(layout.stored_contexts(&self.io, &self.state, start, &buffered)?);
+                layout
+                    .stored_contexts(&self.io, &self.state, start, &buffered)?
+                    .into_iter()
+                    .for_each(&mut *visit);
             }
             lba = chunk_end;
         }
-        Ok(found)
+        Ok(())
     }
 }
 
