@@ -745,7 +745,12 @@ pub fn migrate(
 
 /// The volume a server exports: each request cut where the serving layout
 /// changes and each piece passed to the member serving it (a write across
-/// two regions goes to both; a flush flushes both). No fast paths: the
+/// two regions goes to both; a flush flushes both). Crash ordering is each
+/// member's own: a piece returns once its member holds it by that
+/// member's rules (durable against a process crash before it returns), so
+/// a write is acknowledged only after every piece is; a power cut loses
+/// the unflushed pieces of either member, as of one volume, and a flush
+/// returns after both members' flushes. No fast paths: the
 /// trait's defaults (`try_read`, `try_write`: would block) send every
 /// request down the waiting path.
 impl BlockDevice for RegionVolume {
