@@ -60,6 +60,26 @@ enum Command {
         #[arg(long)]
         break_publish: bool,
     },
+    /// Crash the online `snapshot create` of a served volume (writes
+    /// acknowledged in its buffer, some flushed; the flush point's commit
+    /// and checkpoint, the clones, the syncs and the publishing rename)
+    /// before every write, sync and file operation (a process crash and
+    /// two power cuts each): the volume keeps every acknowledged (process
+    /// crash) or flushed (power cut) write, a snapshot that has its name
+    /// holds exactly the data at the flush point, and the create run again
+    /// finishes.
+    SnapshotOnline {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: publish the snapshot's name
+        /// before its files are synced (the run must find violations).
+        #[arg(long)]
+        break_publish: bool,
+        /// Break on purpose: clone the volume's files outside the flush
+        /// point (no commit, no checkpoint; the run must find violations).
+        #[arg(long)]
+        break_outside: bool,
+    },
     /// Crash `vouch resize` (a grow, a grow over a tail written, a
     /// shrink) at every file operation (a process crash and two kinds of
     /// power cut each): the volume opens at the old size or the new one,
@@ -365,6 +385,27 @@ fn run(cli: Cli) -> Result<bool, String> {
             }
             println!("{}", vouch_sim::resize::summary(&report, &config));
             Ok(report.violations.is_empty())
+        }
+        Command::SnapshotOnline {
+            run,
+            break_publish,
+            break_outside,
+        } => {
+            let config = vouch_sim::snapshot_online::OnlineConfig {
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                breaks: vouch_engine::snapshot::SnapshotBreaks {
+                    publish_before_sync: break_publish,
+                },
+                break_outside,
+            };
+            let online = vouch_sim::snapshot_online::run(&config);
+            for violation in &online.report.violations {
+                println!("{violation}");
+            }
+            println!("{}", vouch_sim::snapshot_online::summary(&online, &config));
+            Ok(online.report.violations.is_empty())
         }
         Command::Snapshot { run, break_publish } => {
             let config = vouch_sim::snapshot::SnapshotConfig {

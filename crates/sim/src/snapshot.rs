@@ -162,7 +162,7 @@ impl ModelFs {
         }
     }
 
-    fn link(&mut self, path: &Path, node: Node) -> io::Result<usize> {
+    pub(crate) fn link(&mut self, path: &Path, node: Node) -> io::Result<usize> {
         let (parent, name) = self.parent(path)?;
         if self.entries(parent).contains_key(&name) {
             return Err(io::Error::new(
@@ -277,7 +277,7 @@ impl Recording {
         }
     }
 
-    fn change<T>(
+    pub(crate) fn change<T>(
         &self,
         what: &str,
         path: &Path,
