@@ -11,7 +11,9 @@
 //! image left is opened as a command would (recovering both members) and
 //! every block read: it must be the image, with no fault (a block read as
 //! zeros, a fault, a refused open: a violation). Then the migration is run
-//! again to the end (the operator's retry) and the image read again.
+//! again to the end (the operator's retry) and the image read again, and
+//! neither member may then hold anything in a region it does not serve
+//! (the release pass trimmed what a cut run left there).
 //! With `back`, the volume is first migrated to the other layout (not
 //! crashed) and the migration back to its own layout is crashed: that one
 //! ends by making it a one-layout volume again (the flag cleared, the
@@ -187,6 +189,54 @@ fn read_image(path: &Path) -> Result<Vec<u8>, String> {
     Ok(image)
 }
 
+/// The release pass's promise (docs/CRASH_MODEL.md, "Release pass"): once
+/// a migration ran to its end, neither member holds anything in a region
+/// it does not serve (what a cut run left there was trimmed), so the space
+/// came back. A one-layout volume has nothing to check.
+fn nothing_unserved(path: &Path) -> Result<(), String> {
+    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    if !regions::has_regions(&superblock) {
+        return Ok(());
+    }
+    let options = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
+    let volume = RegionVolume::open(path, &options).map_err(|error| error.to_string())?;
+    let record = volume.record();
+    let mut found = Ok(());
+    for (index, serving) in record.layouts.iter().enumerate() {
+        let unserved = regions::other_layout(*serving);
+        let lbas = record.lbas(index, BLOCKS);
+        let runs = volume
+            .member(unserved)
+            .block_status(
+                lbas.start * BLOCK_U64,
+                (lbas.end - lbas.start) * BLOCK_U64,
+                lbas.end - lbas.start,
+            )
+            .map_err(|error| error.to_string())?;
+        let mut lba = lbas.start;
+        for (blocks, allocation) in runs {
+            if allocation != vouch_engine::Allocation::Hole {
+                found = Err(format!(
+                    "the {} member still holds LBAs {lba}-{} of region {index}, which the {} member serves (the release pass left them)",
+                    unserved.name(),
+                    lba + blocks - 1,
+                    serving.name()
+                ));
+                break;
+            }
+            lba += blocks;
+        }
+        if found.is_err() {
+            break;
+        }
+    }
+    volume.close().map_err(|error| error.to_string())?;
+    found
+}
+
 fn first_difference(a: &[u8], b: &[u8]) -> Option<u64> {
     a.chunks(BLOCK)
         .zip(b.chunks(BLOCK))
@@ -291,13 +341,20 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 |_, _| {},
             );
             match again {
-                Ok(_) => judge(
-                    &mut report,
-                    &at,
-                    "after running it again",
-                    read_image(&work),
-                    &expected,
-                ),
+                Ok(_) => {
+                    judge(
+                        &mut report,
+                        &at,
+                        "after running it again",
+                        read_image(&work),
+                        &expected,
+                    );
+                    if let Err(why) = nothing_unserved(&work) {
+                        report
+                            .violations
+                            .push(format!("{at} after running it again: {why}"));
+                    }
+                }
                 Err(error) => report
                     .violations
                     .push(format!("{at}: running it again failed: {error}")),
