@@ -766,20 +766,13 @@ fn same_files(
     Ok(())
 }
 
-fn verify(
-    mut fs: ModelFs,
-    expected: &Expected,
-    done: Done,
-    deleting: bool,
-    breaks: SnapshotBreaks,
-) -> Result<(), String> {
-    let volume = Path::new(VOLUME);
-    // What the next command does first (create, list, delete: `tidy`).
-    let recovered = Recording::new(fs.clone());
+/// `fs` after what the next command on `volume` does first (create, list,
+/// delete: `tidy`); a violation when the tidy fails or leaves a name
+/// starting with '.' in `snapshots/`.
+pub(crate) fn tidied(fs: ModelFs, volume: &Path) -> Result<ModelFs, String> {
+    let recovered = Recording::new(fs);
     snapshot::tidy(&recovered, volume).map_err(|e| format!("tidy: {e}"))?;
-    fs = recovered.fs.lock().clone();
-    same_files(&mut fs, volume, expected, false, false).map_err(|e| format!("the volume: {e}"))?;
-    read_all(&mut fs, volume, expected, false)?;
+    let fs = recovered.fs.lock().clone();
     let snapshots = volume.join(snapshot::SNAPSHOTS_DIR);
     if let Some(id) = fs.lookup(&snapshots) {
         if let Node::Dir { live, .. } = &fs.nodes[id] {
@@ -788,16 +781,36 @@ fn verify(
             }
         }
     }
+    Ok(fs)
+}
+
+/// `list` on `volume` shows one snapshot, with its record read.
+pub(crate) fn listed_one(fs: &ModelFs, volume: &Path) -> Result<(), String> {
+    let listed =
+        snapshot::list(&Recording::new(fs.clone()), volume).map_err(|e| format!("list: {e}"))?;
+    if listed.len() != 1 || listed[0].is_err() {
+        return Err(format!("list shows {listed:?}"));
+    }
+    Ok(())
+}
+
+fn verify(
+    mut fs: ModelFs,
+    expected: &Expected,
+    done: Done,
+    deleting: bool,
+    breaks: SnapshotBreaks,
+) -> Result<(), String> {
+    let volume = Path::new(VOLUME);
+    fs = tidied(fs, volume)?;
+    same_files(&mut fs, volume, expected, false, false).map_err(|e| format!("the volume: {e}"))?;
+    read_all(&mut fs, volume, expected, false)?;
     let path = snapshot::snapshot_path(volume, NAME);
     let present = fs.lookup(&path).is_some();
     if present {
         same_files(&mut fs, &path, expected, true, true)?;
         read_all(&mut fs, &path, expected, true)?;
-        let listed = snapshot::list(&Recording::new(fs.clone()), volume)
-            .map_err(|e| format!("list: {e}"))?;
-        if listed.len() != 1 || listed[0].is_err() {
-            return Err(format!("list shows {listed:?}"));
-        }
+        listed_one(&fs, volume)?;
     } else if done >= Done::Created && !deleting {
         return Err("the snapshot create returned but its snapshot is gone".into());
     }

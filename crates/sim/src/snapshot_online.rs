@@ -630,18 +630,7 @@ fn verify(
     breaks: SnapshotBreaks,
 ) -> Result<(), String> {
     let volume_dir = Path::new(VOLUME);
-    // What the next create, list or delete does first.
-    let tidied = Recording::new(fs);
-    snapshot::tidy(&tidied, volume_dir).map_err(|e| format!("tidy: {e}"))?;
-    let mut fs = tidied.fs.lock().clone();
-    let snapshots = volume_dir.join(snapshot::SNAPSHOTS_DIR);
-    if let Some(id) = fs.lookup(&snapshots) {
-        if let Node::Dir { live, .. } = &fs.nodes[id] {
-            if let Some(left) = live.keys().find(|name| name.starts_with('.')) {
-                return Err(format!("{left} is left in snapshots/ after the tidy"));
-            }
-        }
-    }
+    let mut fs = crate::snapshot::tidied(fs, volume_dir)?;
     let path = snapshot::snapshot_path(volume_dir, NAME);
     let present = fs.lookup(&path).is_some();
     // The volume's files as they were at the flush point: what a snapshot
@@ -653,11 +642,7 @@ fn verify(
         };
         let storage = snapshot_storage(&mut fs, &path, geometry, &lengths)?;
         read_and_check(storage, true, Some(model)).map_err(|e| format!("the snapshot: {e}"))?;
-        let listed = snapshot::list(&Recording::new(fs.clone()), volume_dir)
-            .map_err(|e| format!("list: {e}"))?;
-        if listed.len() != 1 || listed[0].is_err() {
-            return Err(format!("list shows {listed:?}"));
-        }
+        crate::snapshot::listed_one(&fs, volume_dir)?;
     } else if state.done {
         return Err("the create returned but its snapshot is gone".into());
     }

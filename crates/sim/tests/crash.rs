@@ -441,26 +441,23 @@ fn a_crash_during_an_online_snapshot_keeps_the_volume_and_the_flush_point() {
         );
         eprintln!("{}", summary(&online, &config));
     }
-    let broken = config(LayoutKind::Split, 1, true, false);
-    let online = run(&broken);
-    assert!(
-        online
-            .report
-            .violations
-            .iter()
-            .any(|v| v.contains("power cut")),
-        "publishing the name before the files are synced went unseen: {}",
-        summary(&online, &broken)
+    // A break is caught when a violation of its seed says `what`.
+    let caught = |broken: OnlineConfig, what: &str, break_name: &str| {
+        let online = run(&broken);
+        assert!(
+            online.report.violations.iter().any(|v| v.contains(what)),
+            "{break_name} went unseen: {}",
+            summary(&online, &broken)
+        );
+    };
+    caught(
+        config(LayoutKind::Split, 1, true, false),
+        "power cut",
+        "publishing the name before the files are synced",
     );
-    let broken = config(LayoutKind::Split, 1, false, true);
-    let online = run(&broken);
-    assert!(
-        online
-            .report
-            .violations
-            .iter()
-            .any(|v| v.contains("the snapshot: LBA")),
-        "clones taken outside the flush point went unseen: {}",
-        summary(&online, &broken)
+    caught(
+        config(LayoutKind::Split, 1, false, true),
+        "the snapshot: LBA",
+        "clones taken outside the flush point",
     );
 }
