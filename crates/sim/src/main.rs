@@ -121,9 +121,17 @@ enum Command {
         /// before the record switches (the run must find violations).
         #[arg(long)]
         break_release: bool,
+        /// Break the ordering on purpose: switch the record before the new
+        /// member is flushed (the reboot images must find violations).
+        #[arg(long)]
+        break_switch: bool,
         /// Migrate to the other layout first, then crash the way back.
         #[arg(long)]
         back: bool,
+        /// Judge the process-crash images only, not also after a reboot
+        /// (the members' held logs gone).
+        #[arg(long)]
+        no_reboot: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -135,6 +143,8 @@ enum Command {
         crash_at: u64,
         #[arg(long)]
         break_release: bool,
+        #[arg(long)]
+        break_switch: bool,
     },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
@@ -330,7 +340,9 @@ fn run(cli: Cli) -> Result<bool, String> {
         Command::Migrate {
             run,
             break_release,
+            break_switch,
             back,
+            no_reboot,
         } => {
             let config = vouch_sim::migrate::MigrateConfig {
                 layout: layout(&run.layout)?,
@@ -338,6 +350,8 @@ fn run(cli: Cli) -> Result<bool, String> {
                 seed: run.seed,
                 child: std::env::current_exe().map_err(|error| error.to_string())?,
                 break_release,
+                break_switch,
+                reboot: !no_reboot,
                 back,
             };
             let report = vouch_sim::migrate::run(&config);
@@ -352,8 +366,14 @@ fn run(cli: Cli) -> Result<bool, String> {
             layout: target,
             crash_at,
             break_release,
+            break_switch,
         } => {
-            vouch_sim::migrate::child(&path, layout(&target)?, crash_at, break_release)?;
+            vouch_sim::migrate::child(
+                &path,
+                layout(&target)?,
+                crash_at,
+                (break_release, break_switch),
+            )?;
             Ok(true)
         }
         Command::Upgrade { run, encrypted } => {

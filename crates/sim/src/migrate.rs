@@ -19,11 +19,19 @@
 //! ends by making it a one-layout volume again (the flag cleared, the
 //! record and the member removed), each of those steps a crash point.
 //!
-//! A process crash keeps every write issued (the page cache): power-cut
-//! images of the migration are not made here (its files are real files,
-//! not the recorder's), so the fsync order is argued in CRASH_MODEL, not
-//! simulated. A deliberate break (`--break-release`: the old member
-//! trimmed before the switch) must be caught.
+//! A process crash keeps every write issued (the page cache) and each
+//! member's held log (memory that outlives the process). With `reboot`,
+//! each image is also judged as a machine restart leaves it: a copy with
+//! the members' held logs gone (the `held` pointers removed: what was
+//! acknowledged but not flushed in a member is lost, as in a power cut),
+//! read, migrated again and read again. That is one power-cut outcome,
+//! the one where the kernel had written back every file write; cuts that
+//! also drop unsynced file writes are not made here (the migration's
+//! files are real files, not the recorder's), so the fsync order of the
+//! record and the directories is argued in CRASH_MODEL, not simulated.
+//! Deliberate breaks must be caught: `--break-release` (the old member
+//! trimmed before the switch) and `--break-switch` (the record switched
+//! before the new member's flush: caught by the reboot images).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -49,6 +57,10 @@ pub struct MigrateConfig {
     /// The `vouch-sim` binary (runs `migrate-child`).
     pub child: PathBuf,
     pub break_release: bool,
+    /// Break: switch the record before the new member is flushed.
+    pub break_switch: bool,
+    /// Also judge each image after a reboot (the held logs gone).
+    pub reboot: bool,
     /// Migrate to the other layout first (uncrashed), then crash the
     /// migration back to the volume's own layout (which ends by making it
     /// a one-layout volume again).
@@ -59,6 +71,8 @@ pub struct MigrateConfig {
 pub struct MigrateReport {
     /// Crash images checked (process crashes).
     pub images: u64,
+    /// Of those, also judged after a reboot.
+    pub reboot_images: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -66,7 +80,7 @@ pub struct MigrateReport {
 impl MigrateReport {
     pub fn summary(&self, config: &MigrateConfig) -> String {
         format!(
-            "migrate: layout={} -> {}{}{} seeds={} process-crash images={} violations={} time={:.1}s",
+            "migrate: layout={} -> {}{}{}{} seeds={} process-crash images={} reboot images={} violations={} time={:.1}s",
             config.layout.name(),
             regions::other_layout(config.layout).name(),
             if config.back {
@@ -79,8 +93,14 @@ impl MigrateReport {
             } else {
                 ""
             },
+            if config.break_switch {
+                " (break: switch before the new member's flush)"
+            } else {
+                ""
+            },
             config.seeds,
             self.images,
+            self.reboot_images,
             self.violations.len(),
             self.seconds
         )
@@ -92,11 +112,12 @@ pub fn child(
     path: &Path,
     target: LayoutKind,
     crash_at: u64,
-    break_release: bool,
+    (break_release, break_switch): (bool, bool),
 ) -> Result<(), String> {
     let breaks = MigrateBreaks {
         crash_at: Some(crash_at),
         release_before_switch: break_release,
+        switch_before_flush: break_switch,
         ..MigrateBreaks::default()
     };
     regions::migrate(path, target, &OpenOptions::default(), &breaks, |_, _| {})
@@ -187,6 +208,64 @@ fn read_image(path: &Path) -> Result<Vec<u8>, String> {
         return Err(format!("{} faults, the first {fault}", faults.len()));
     }
     Ok(image)
+}
+
+/// The operator runs the migration again on the image at `path`: it must
+/// finish, every block read as `expected`, nothing left where a member
+/// does not serve.
+fn run_again(
+    report: &mut MigrateReport,
+    at: &str,
+    path: &Path,
+    target: LayoutKind,
+    expected: &[u8],
+) {
+    let again = regions::migrate(
+        path,
+        target,
+        &OpenOptions::default(),
+        &MigrateBreaks::default(),
+        |_, _| {},
+    );
+    match again {
+        Ok(_) => {
+            judge(
+                report,
+                at,
+                "after running it again",
+                read_image(path),
+                expected,
+            );
+            if let Err(why) = nothing_unserved(path) {
+                report
+                    .violations
+                    .push(format!("{at} after running it again: {why}"));
+            }
+        }
+        Err(error) => report
+            .violations
+            .push(format!("{at}: running it again failed: {error}")),
+    }
+}
+
+/// A machine restart of the volume copy at `path`: its members' held logs
+/// (in memory that outlives the process, not the machine) are gone. The
+/// copy's `held` pointers name the crashed process's slots, so removing
+/// them is the reboot (the slots stay with the original image).
+fn forget_held(path: &Path) {
+    let mut dirs = vec![path.to_path_buf()];
+    if let Ok(entries) = std::fs::read_dir(path) {
+        dirs.extend(
+            entries
+                .flatten()
+                .map(|entry| entry.path())
+                .filter(|entry| entry.is_dir()),
+        );
+    }
+    for dir in dirs {
+        // `FileStorage`'s HELD_POINTER.
+        let _ = std::fs::remove_file(dir.join("held"));
+    }
 }
 
 /// The release pass's promise (docs/CRASH_MODEL.md, "Release pass"): once
@@ -315,6 +394,9 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             if config.break_release {
                 child.arg("--break-release");
             }
+            if config.break_switch {
+                child.arg("--break-switch");
+            }
             let output = child.output().expect("run vouch-sim migrate-child");
             let finished = output.status.success();
             if !finished && output.status.code().is_some() {
@@ -325,6 +407,23 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             }
             report.images += u64::from(!finished);
             let at = format!("seed {seed} crash at {crash_at}");
+            if config.reboot && !finished {
+                // First (the process image's open puts its held logs back).
+                let rebooted = dir.0.join(format!("at{crash_at}-reboot"));
+                copy_dir(&work, &rebooted);
+                forget_held(&rebooted);
+                report.reboot_images += 1;
+                let at = format!("{at}, rebooted");
+                judge(
+                    &mut report,
+                    &at,
+                    "(held logs gone)",
+                    read_image(&rebooted),
+                    &expected,
+                );
+                run_again(&mut report, &at, &rebooted, target, &expected);
+                let _ = std::fs::remove_dir_all(&rebooted);
+            }
             judge(
                 &mut report,
                 &at,
@@ -332,33 +431,7 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 read_image(&work),
                 &expected,
             );
-            // The operator runs it again.
-            let again = regions::migrate(
-                &work,
-                target,
-                &OpenOptions::default(),
-                &MigrateBreaks::default(),
-                |_, _| {},
-            );
-            match again {
-                Ok(_) => {
-                    judge(
-                        &mut report,
-                        &at,
-                        "after running it again",
-                        read_image(&work),
-                        &expected,
-                    );
-                    if let Err(why) = nothing_unserved(&work) {
-                        report
-                            .violations
-                            .push(format!("{at} after running it again: {why}"));
-                    }
-                }
-                Err(error) => report
-                    .violations
-                    .push(format!("{at}: running it again failed: {error}")),
-            }
+            run_again(&mut report, &at, &work, target, &expected);
             let _ = std::fs::remove_dir_all(&work);
             if finished {
                 break;
