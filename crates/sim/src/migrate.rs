@@ -130,8 +130,13 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(what: &str) -> TempDir {
-        let path =
-            std::env::temp_dir().join(format!("vouch-sim-migrate-{}-{what}", std::process::id()));
+        // Unique in the process too: tests run the simulator on threads.
+        static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "vouch-sim-migrate-{}-{made}-{what}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create a temporary directory");
         TempDir(path)
@@ -433,7 +438,10 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             );
             run_again(&mut report, &at, &work, target, &expected);
             let _ = std::fs::remove_dir_all(&work);
-            if finished {
+            // A broken run is there to be caught: its first violation is
+            // enough.
+            let broken = config.break_release || config.break_switch;
+            if finished || (broken && !report.violations.is_empty()) {
                 break;
             }
         }
