@@ -162,7 +162,7 @@ impl ModelFs {
         }
     }
 
-    pub(crate) fn link(&mut self, path: &Path, node: Node) -> io::Result<usize> {
+    fn link(&mut self, path: &Path, node: Node) -> io::Result<usize> {
         let (parent, name) = self.parent(path)?;
         if self.entries(parent).contains_key(&name) {
             return Err(io::Error::new(
@@ -174,6 +174,19 @@ impl ModelFs {
         let id = self.nodes.len() - 1;
         self.entries(parent).insert(name, id);
         Ok(id)
+    }
+
+    /// Make file `path` (which must not exist) holding `bytes`, none of
+    /// them durable yet.
+    pub(crate) fn link_unsynced(&mut self, path: &Path, bytes: Vec<u8>) -> io::Result<()> {
+        self.link(
+            path,
+            Node::File {
+                live: bytes,
+                durable: Vec::new(),
+            },
+        )
+        .map(drop)
     }
 
     pub(crate) fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
@@ -307,26 +320,12 @@ impl SnapshotFs for Recording {
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
         self.change("clone", to, |fs| {
             let bytes = fs.file(from)?.clone();
-            fs.link(
-                to,
-                Node::File {
-                    live: bytes,
-                    durable: Vec::new(),
-                },
-            )
-            .map(drop)
+            fs.link_unsynced(to, bytes)
         })
     }
     fn new_file(&self, path: &Path, len: u64, _allocate: bool) -> io::Result<()> {
         self.change("create", path, |fs| {
-            fs.link(
-                path,
-                Node::File {
-                    live: vec![0; len as usize],
-                    durable: Vec::new(),
-                },
-            )
-            .map(drop)
+            fs.link_unsynced(path, vec![0; len as usize])
         })
     }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
@@ -552,17 +551,22 @@ impl Findings {
     }
 }
 
-fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
-    let (storage, model) = written_volume(config.layout, &mut rng)?;
-
-    let geometry = vouch_engine::read_superblock(&storage)
+/// The geometry the superblock of `storage` describes.
+pub(crate) fn geometry_of(storage: &SimStorage) -> Result<vouch_format::Geometry, String> {
+    vouch_engine::read_superblock(storage)
         .and_then(|superblock| {
             superblock
                 .geometry()
                 .map_err(|e| vouch_engine::Error::Corrupt(e.to_string()))
         })
-        .map_err(|e| format!("superblock: {e}"))?;
+        .map_err(|e| format!("superblock: {e}"))
+}
+
+fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (storage, model) = written_volume(config.layout, &mut rng)?;
+
+    let geometry = geometry_of(&storage)?;
     let mut fs = ModelFs::new();
     fs.put_dir(Path::new(VOLUME));
     let mut files = BTreeMap::new();

@@ -56,7 +56,7 @@ use vouch_format::{Geometry, Superblock};
 use crate::faults::BLOCKS;
 use crate::recorder::{crash_image, Recorder, Strategy};
 use crate::rng::Rng;
-use crate::snapshot::{ModelFs, Node, Recording, SnapshotReport};
+use crate::snapshot::{ModelFs, Recording, SnapshotReport};
 use crate::BLOCK;
 
 #[derive(Clone, Debug)]
@@ -226,16 +226,8 @@ impl SnapshotFs for ServedFs {
             return self.model.clone_file(from, to);
         };
         let bytes = self.sim.object_bytes(object);
-        self.model.change("clone", to, |fs| {
-            fs.link(
-                to,
-                Node::File {
-                    live: bytes,
-                    durable: Vec::new(),
-                },
-            )
-            .map(drop)
-        })
+        self.model
+            .change("clone", to, |fs| fs.link_unsynced(to, bytes))
     }
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
         self.model.new_file(path, len, allocate)
@@ -462,13 +454,7 @@ fn run_seed(
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let (storage, model) = crate::snapshot::written_volume(config.layout, &mut rng)?;
-    let geometry = vouch_engine::read_superblock(&storage)
-        .and_then(|superblock| {
-            superblock
-                .geometry()
-                .map_err(|e| vouch_engine::Error::Corrupt(e.to_string()))
-        })
-        .map_err(|e| format!("superblock: {e}"))?;
+    let geometry = crate::snapshot::geometry_of(&storage)?;
     let recorder = Arc::new(Recorder::new(storage));
     let volume = Volume::open(
         recorder.clone() as Arc<dyn Storage>,
