@@ -60,6 +60,26 @@ enum Command {
         #[arg(long)]
         break_publish: bool,
     },
+    /// Crash the online `snapshot create` of a served volume (writes
+    /// acknowledged in its buffer, some flushed; the flush point's commit
+    /// and checkpoint, the clones, the syncs and the publishing rename)
+    /// before every write, sync and file operation (a process crash and
+    /// two power cuts each): the volume keeps every acknowledged (process
+    /// crash) or flushed (power cut) write, a snapshot that has its name
+    /// holds exactly the data at the flush point, and the create run again
+    /// finishes.
+    SnapshotOnline {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: publish the snapshot's name
+        /// before its files are synced (the run must find violations).
+        #[arg(long)]
+        break_publish: bool,
+        /// Break on purpose: clone the volume's files outside the flush
+        /// point (no commit, no checkpoint; the run must find violations).
+        #[arg(long)]
+        break_outside: bool,
+    },
     /// Crash `vouch resize` (a grow, a grow over a tail written, a
     /// shrink) at every file operation (a process crash and two kinds of
     /// power cut each): the volume opens at the old size or the new one,
@@ -101,9 +121,17 @@ enum Command {
         /// before the record switches (the run must find violations).
         #[arg(long)]
         break_release: bool,
+        /// Break the ordering on purpose: switch the record before the new
+        /// member is flushed (the reboot images must find violations).
+        #[arg(long)]
+        break_switch: bool,
         /// Migrate to the other layout first, then crash the way back.
         #[arg(long)]
         back: bool,
+        /// Judge the process-crash images only, not also after a reboot
+        /// (the members' held logs gone).
+        #[arg(long)]
+        no_reboot: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -115,6 +143,8 @@ enum Command {
         crash_at: u64,
         #[arg(long)]
         break_release: bool,
+        #[arg(long)]
+        break_switch: bool,
     },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
@@ -310,7 +340,9 @@ fn run(cli: Cli) -> Result<bool, String> {
         Command::Migrate {
             run,
             break_release,
+            break_switch,
             back,
+            no_reboot,
         } => {
             let config = vouch_sim::migrate::MigrateConfig {
                 layout: layout(&run.layout)?,
@@ -318,6 +350,8 @@ fn run(cli: Cli) -> Result<bool, String> {
                 seed: run.seed,
                 child: std::env::current_exe().map_err(|error| error.to_string())?,
                 break_release,
+                break_switch,
+                reboot: !no_reboot,
                 back,
             };
             let report = vouch_sim::migrate::run(&config);
@@ -332,8 +366,14 @@ fn run(cli: Cli) -> Result<bool, String> {
             layout: target,
             crash_at,
             break_release,
+            break_switch,
         } => {
-            vouch_sim::migrate::child(&path, layout(&target)?, crash_at, break_release)?;
+            vouch_sim::migrate::child(
+                &path,
+                layout(&target)?,
+                crash_at,
+                (break_release, break_switch),
+            )?;
             Ok(true)
         }
         Command::Upgrade { run, encrypted } => {
@@ -365,6 +405,27 @@ fn run(cli: Cli) -> Result<bool, String> {
             }
             println!("{}", vouch_sim::resize::summary(&report, &config));
             Ok(report.violations.is_empty())
+        }
+        Command::SnapshotOnline {
+            run,
+            break_publish,
+            break_outside,
+        } => {
+            let config = vouch_sim::snapshot_online::OnlineConfig {
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                breaks: vouch_engine::snapshot::SnapshotBreaks {
+                    publish_before_sync: break_publish,
+                },
+                break_outside,
+            };
+            let online = vouch_sim::snapshot_online::run(&config);
+            for violation in &online.report.violations {
+                println!("{violation}");
+            }
+            println!("{}", vouch_sim::snapshot_online::summary(&online, &config));
+            Ok(online.report.violations.is_empty())
         }
         Command::Snapshot { run, break_publish } => {
             let config = vouch_sim::snapshot::SnapshotConfig {

@@ -11,17 +11,27 @@
 //! image left is opened as a command would (recovering both members) and
 //! every block read: it must be the image, with no fault (a block read as
 //! zeros, a fault, a refused open: a violation). Then the migration is run
-//! again to the end (the operator's retry) and the image read again.
+//! again to the end (the operator's retry) and the image read again, and
+//! neither member may then hold anything in a region it does not serve
+//! (the release pass trimmed what a cut run left there).
 //! With `back`, the volume is first migrated to the other layout (not
 //! crashed) and the migration back to its own layout is crashed: that one
 //! ends by making it a one-layout volume again (the flag cleared, the
 //! record and the member removed), each of those steps a crash point.
 //!
-//! A process crash keeps every write issued (the page cache): power-cut
-//! images of the migration are not made here (its files are real files,
-//! not the recorder's), so the fsync order is argued in CRASH_MODEL, not
-//! simulated. A deliberate break (`--break-release`: the old member
-//! trimmed before the switch) must be caught.
+//! A process crash keeps every write issued (the page cache) and each
+//! member's held log (memory that outlives the process). With `reboot`,
+//! each image is also judged as a machine restart leaves it: a copy with
+//! the members' held logs gone (the `held` pointers removed: what was
+//! acknowledged but not flushed in a member is lost, as in a power cut),
+//! read, migrated again and read again. That is one power-cut outcome,
+//! the one where the kernel had written back every file write; cuts that
+//! also drop unsynced file writes are not made here (the migration's
+//! files are real files, not the recorder's), so the fsync order of the
+//! record and the directories is argued in CRASH_MODEL, not simulated.
+//! Deliberate breaks must be caught: `--break-release` (the old member
+//! trimmed before the switch) and `--break-switch` (the record switched
+//! before the new member's flush: caught by the reboot images).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -47,6 +57,10 @@ pub struct MigrateConfig {
     /// The `vouch-sim` binary (runs `migrate-child`).
     pub child: PathBuf,
     pub break_release: bool,
+    /// Break: switch the record before the new member is flushed.
+    pub break_switch: bool,
+    /// Also judge each image after a reboot (the held logs gone).
+    pub reboot: bool,
     /// Migrate to the other layout first (uncrashed), then crash the
     /// migration back to the volume's own layout (which ends by making it
     /// a one-layout volume again).
@@ -57,6 +71,8 @@ pub struct MigrateConfig {
 pub struct MigrateReport {
     /// Crash images checked (process crashes).
     pub images: u64,
+    /// Of those, also judged after a reboot.
+    pub reboot_images: u64,
     pub violations: Vec<String>,
     pub seconds: f64,
 }
@@ -64,7 +80,7 @@ pub struct MigrateReport {
 impl MigrateReport {
     pub fn summary(&self, config: &MigrateConfig) -> String {
         format!(
-            "migrate: layout={} -> {}{}{} seeds={} process-crash images={} violations={} time={:.1}s",
+            "migrate: layout={} -> {}{}{}{} seeds={} process-crash images={} reboot images={} violations={} time={:.1}s",
             config.layout.name(),
             regions::other_layout(config.layout).name(),
             if config.back {
@@ -77,8 +93,14 @@ impl MigrateReport {
             } else {
                 ""
             },
+            if config.break_switch {
+                " (break: switch before the new member's flush)"
+            } else {
+                ""
+            },
             config.seeds,
             self.images,
+            self.reboot_images,
             self.violations.len(),
             self.seconds
         )
@@ -90,11 +112,12 @@ pub fn child(
     path: &Path,
     target: LayoutKind,
     crash_at: u64,
-    break_release: bool,
+    (break_release, break_switch): (bool, bool),
 ) -> Result<(), String> {
     let breaks = MigrateBreaks {
         crash_at: Some(crash_at),
         release_before_switch: break_release,
+        switch_before_flush: break_switch,
         ..MigrateBreaks::default()
     };
     regions::migrate(path, target, &OpenOptions::default(), &breaks, |_, _| {})
@@ -107,8 +130,13 @@ struct TempDir(PathBuf);
 
 impl TempDir {
     fn new(what: &str) -> TempDir {
-        let path =
-            std::env::temp_dir().join(format!("vouch-sim-migrate-{}-{what}", std::process::id()));
+        // Unique in the process too: tests run the simulator on threads.
+        static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "vouch-sim-migrate-{}-{made}-{what}",
+            std::process::id()
+        ));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create a temporary directory");
         TempDir(path)
@@ -185,6 +213,112 @@ fn read_image(path: &Path) -> Result<Vec<u8>, String> {
         return Err(format!("{} faults, the first {fault}", faults.len()));
     }
     Ok(image)
+}
+
+/// The operator runs the migration again on the image at `path`: it must
+/// finish, every block read as `expected`, nothing left where a member
+/// does not serve.
+fn run_again(
+    report: &mut MigrateReport,
+    at: &str,
+    path: &Path,
+    target: LayoutKind,
+    expected: &[u8],
+) {
+    let again = regions::migrate(
+        path,
+        target,
+        &OpenOptions::default(),
+        &MigrateBreaks::default(),
+        |_, _| {},
+    );
+    match again {
+        Ok(_) => {
+            judge(
+                report,
+                at,
+                "after running it again",
+                read_image(path),
+                expected,
+            );
+            if let Err(why) = nothing_unserved(path) {
+                report
+                    .violations
+                    .push(format!("{at} after running it again: {why}"));
+            }
+        }
+        Err(error) => report
+            .violations
+            .push(format!("{at}: running it again failed: {error}")),
+    }
+}
+
+/// A machine restart of the volume copy at `path`: its members' held logs
+/// (in memory that outlives the process, not the machine) are gone. The
+/// copy's `held` pointers name the crashed process's slots, so removing
+/// them is the reboot (the slots stay with the original image).
+fn forget_held(path: &Path) {
+    let mut dirs = vec![path.to_path_buf()];
+    if let Ok(entries) = std::fs::read_dir(path) {
+        dirs.extend(
+            entries
+                .flatten()
+                .map(|entry| entry.path())
+                .filter(|entry| entry.is_dir()),
+        );
+    }
+    for dir in dirs {
+        // `FileStorage`'s HELD_POINTER.
+        let _ = std::fs::remove_file(dir.join("held"));
+    }
+}
+
+/// The release pass's promise (docs/CRASH_MODEL.md, "Release pass"): once
+/// a migration ran to its end, neither member holds anything in a region
+/// it does not serve (what a cut run left there was trimmed), so the space
+/// came back. A one-layout volume has nothing to check.
+fn nothing_unserved(path: &Path) -> Result<(), String> {
+    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    if !regions::has_regions(&superblock) {
+        return Ok(());
+    }
+    let options = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
+    let volume = RegionVolume::open(path, &options).map_err(|error| error.to_string())?;
+    let record = volume.record();
+    let mut found = Ok(());
+    for (index, serving) in record.layouts.iter().enumerate() {
+        let unserved = regions::other_layout(*serving);
+        let lbas = record.lbas(index, BLOCKS);
+        let runs = volume
+            .member(unserved)
+            .block_status(
+                lbas.start * BLOCK_U64,
+                (lbas.end - lbas.start) * BLOCK_U64,
+                lbas.end - lbas.start,
+            )
+            .map_err(|error| error.to_string())?;
+        let mut lba = lbas.start;
+        for (blocks, allocation) in runs {
+            if allocation != vouch_engine::Allocation::Hole {
+                found = Err(format!(
+                    "the {} member still holds LBAs {lba}-{} of region {index}, which the {} member serves (the release pass left them)",
+                    unserved.name(),
+                    lba + blocks - 1,
+                    serving.name()
+                ));
+                break;
+            }
+            lba += blocks;
+        }
+        if found.is_err() {
+            break;
+        }
+    }
+    volume.close().map_err(|error| error.to_string())?;
+    found
 }
 
 fn first_difference(a: &[u8], b: &[u8]) -> Option<u64> {
@@ -265,6 +399,9 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             if config.break_release {
                 child.arg("--break-release");
             }
+            if config.break_switch {
+                child.arg("--break-switch");
+            }
             let output = child.output().expect("run vouch-sim migrate-child");
             let finished = output.status.success();
             if !finished && output.status.code().is_some() {
@@ -275,6 +412,23 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             }
             report.images += u64::from(!finished);
             let at = format!("seed {seed} crash at {crash_at}");
+            if config.reboot && !finished {
+                // First (the process image's open puts its held logs back).
+                let rebooted = dir.0.join(format!("at{crash_at}-reboot"));
+                copy_dir(&work, &rebooted);
+                forget_held(&rebooted);
+                report.reboot_images += 1;
+                let at = format!("{at}, rebooted");
+                judge(
+                    &mut report,
+                    &at,
+                    "(held logs gone)",
+                    read_image(&rebooted),
+                    &expected,
+                );
+                run_again(&mut report, &at, &rebooted, target, &expected);
+                let _ = std::fs::remove_dir_all(&rebooted);
+            }
             judge(
                 &mut report,
                 &at,
@@ -282,28 +436,12 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 read_image(&work),
                 &expected,
             );
-            // The operator runs it again.
-            let again = regions::migrate(
-                &work,
-                target,
-                &OpenOptions::default(),
-                &MigrateBreaks::default(),
-                |_, _| {},
-            );
-            match again {
-                Ok(_) => judge(
-                    &mut report,
-                    &at,
-                    "after running it again",
-                    read_image(&work),
-                    &expected,
-                ),
-                Err(error) => report
-                    .violations
-                    .push(format!("{at}: running it again failed: {error}")),
-            }
+            run_again(&mut report, &at, &work, target, &expected);
             let _ = std::fs::remove_dir_all(&work);
-            if finished {
+            // A broken run is there to be caught: its first violation is
+            // enough.
+            let broken = config.break_release || config.break_switch;
+            if finished || (broken && !report.violations.is_empty()) {
                 break;
             }
         }

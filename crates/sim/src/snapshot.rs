@@ -176,6 +176,19 @@ impl ModelFs {
         Ok(id)
     }
 
+    /// Make file `path` (which must not exist) holding `bytes`, none of
+    /// them durable yet.
+    pub(crate) fn link_unsynced(&mut self, path: &Path, bytes: Vec<u8>) -> io::Result<()> {
+        self.link(
+            path,
+            Node::File {
+                live: bytes,
+                durable: Vec::new(),
+            },
+        )
+        .map(drop)
+    }
+
     pub(crate) fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
         let id = self.lookup(path).ok_or_else(|| not_found(path))?;
         match &mut self.nodes[id] {
@@ -277,7 +290,7 @@ impl Recording {
         }
     }
 
-    fn change<T>(
+    pub(crate) fn change<T>(
         &self,
         what: &str,
         path: &Path,
@@ -307,26 +320,12 @@ impl SnapshotFs for Recording {
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
         self.change("clone", to, |fs| {
             let bytes = fs.file(from)?.clone();
-            fs.link(
-                to,
-                Node::File {
-                    live: bytes,
-                    durable: Vec::new(),
-                },
-            )
-            .map(drop)
+            fs.link_unsynced(to, bytes)
         })
     }
     fn new_file(&self, path: &Path, len: u64, _allocate: bool) -> io::Result<()> {
         self.change("create", path, |fs| {
-            fs.link(
-                path,
-                Node::File {
-                    live: vec![0; len as usize],
-                    durable: Vec::new(),
-                },
-            )
-            .map(drop)
+            fs.link_unsynced(path, vec![0; len as usize])
         })
     }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
@@ -552,17 +551,22 @@ impl Findings {
     }
 }
 
-fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
-    let (storage, model) = written_volume(config.layout, &mut rng)?;
-
-    let geometry = vouch_engine::read_superblock(&storage)
+/// The geometry the superblock of `storage` describes.
+pub(crate) fn geometry_of(storage: &SimStorage) -> Result<vouch_format::Geometry, String> {
+    vouch_engine::read_superblock(storage)
         .and_then(|superblock| {
             superblock
                 .geometry()
                 .map_err(|e| vouch_engine::Error::Corrupt(e.to_string()))
         })
-        .map_err(|e| format!("superblock: {e}"))?;
+        .map_err(|e| format!("superblock: {e}"))
+}
+
+fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (storage, model) = written_volume(config.layout, &mut rng)?;
+
+    let geometry = geometry_of(&storage)?;
     let mut fs = ModelFs::new();
     fs.put_dir(Path::new(VOLUME));
     let mut files = BTreeMap::new();
@@ -766,20 +770,13 @@ fn same_files(
     Ok(())
 }
 
-fn verify(
-    mut fs: ModelFs,
-    expected: &Expected,
-    done: Done,
-    deleting: bool,
-    breaks: SnapshotBreaks,
-) -> Result<(), String> {
-    let volume = Path::new(VOLUME);
-    // What the next command does first (create, list, delete: `tidy`).
-    let recovered = Recording::new(fs.clone());
+/// `fs` after what the next command on `volume` does first (create, list,
+/// delete: `tidy`); a violation when the tidy fails or leaves a name
+/// starting with '.' in `snapshots/`.
+pub(crate) fn tidied(fs: ModelFs, volume: &Path) -> Result<ModelFs, String> {
+    let recovered = Recording::new(fs);
     snapshot::tidy(&recovered, volume).map_err(|e| format!("tidy: {e}"))?;
-    fs = recovered.fs.lock().clone();
-    same_files(&mut fs, volume, expected, false, false).map_err(|e| format!("the volume: {e}"))?;
-    read_all(&mut fs, volume, expected, false)?;
+    let fs = recovered.fs.lock().clone();
     let snapshots = volume.join(snapshot::SNAPSHOTS_DIR);
     if let Some(id) = fs.lookup(&snapshots) {
         if let Node::Dir { live, .. } = &fs.nodes[id] {
@@ -788,16 +785,36 @@ fn verify(
             }
         }
     }
+    Ok(fs)
+}
+
+/// `list` on `volume` shows one snapshot, with its record read.
+pub(crate) fn listed_one(fs: &ModelFs, volume: &Path) -> Result<(), String> {
+    let listed =
+        snapshot::list(&Recording::new(fs.clone()), volume).map_err(|e| format!("list: {e}"))?;
+    if listed.len() != 1 || listed[0].is_err() {
+        return Err(format!("list shows {listed:?}"));
+    }
+    Ok(())
+}
+
+fn verify(
+    mut fs: ModelFs,
+    expected: &Expected,
+    done: Done,
+    deleting: bool,
+    breaks: SnapshotBreaks,
+) -> Result<(), String> {
+    let volume = Path::new(VOLUME);
+    fs = tidied(fs, volume)?;
+    same_files(&mut fs, volume, expected, false, false).map_err(|e| format!("the volume: {e}"))?;
+    read_all(&mut fs, volume, expected, false)?;
     let path = snapshot::snapshot_path(volume, NAME);
     let present = fs.lookup(&path).is_some();
     if present {
         same_files(&mut fs, &path, expected, true, true)?;
         read_all(&mut fs, &path, expected, true)?;
-        let listed = snapshot::list(&Recording::new(fs.clone()), volume)
-            .map_err(|e| format!("list: {e}"))?;
-        if listed.len() != 1 || listed[0].is_err() {
-            return Err(format!("list shows {listed:?}"));
-        }
+        listed_one(&fs, volume)?;
     } else if done >= Done::Created && !deleting {
         return Err("the snapshot create returned but its snapshot is gone".into());
     }

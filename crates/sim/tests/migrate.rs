@@ -1,7 +1,9 @@
 //! `vouch migrate` crashed (a process abort) right before each of its file
 //! operations, to the other layout and back: every image reads what was written, and
-//! running the migration again finishes it. The deliberate break (the old
-//! layout released before the record switches) must be caught.
+//! running the migration again finishes it; split -> packed is also judged
+//! after a reboot (the members' held logs gone). The deliberate breaks (the
+//! old layout released before the record switches; the record switched
+//! before the new member's flush) must be caught.
 
 use std::path::PathBuf;
 
@@ -15,17 +17,26 @@ fn config(layout: LayoutKind, seed: u64, break_release: bool) -> MigrateConfig {
         seed,
         child: PathBuf::from(env!("CARGO_BIN_EXE_vouch-sim")),
         break_release,
+        break_switch: false,
+        reboot: false,
         back: false,
     }
 }
 
 #[test]
 fn a_crash_at_any_operation_of_a_split_to_packed_migration_loses_nothing() {
-    let config = config(LayoutKind::Split, 1, false);
+    let config = MigrateConfig {
+        reboot: true,
+        ..config(LayoutKind::Split, 1, false)
+    };
     let report = run(&config);
     eprintln!("{}", report.summary(&config));
     assert!(report.violations.is_empty(), "{:#?}", report.violations);
-    assert!(report.images >= 20, "{}", report.summary(&config));
+    assert!(
+        report.images >= 20 && report.reboot_images == report.images,
+        "{}",
+        report.summary(&config)
+    );
 }
 
 #[test]
@@ -52,4 +63,24 @@ fn releasing_the_old_layout_before_the_switch_is_caught() {
     let report = run(&config);
     eprintln!("{}", report.summary(&config));
     assert!(!report.violations.is_empty(), "{}", report.summary(&config));
+}
+
+/// The record switched before the new member's flush: the region's new
+/// copy is still only in that member's write-back buffer and held log, so
+/// an image after the switch reads it whole after a process crash, and
+/// loses it after a reboot.
+#[test]
+fn switching_before_the_new_member_is_flushed_is_caught_by_a_reboot() {
+    let config = MigrateConfig {
+        break_switch: true,
+        reboot: true,
+        ..config(LayoutKind::Split, 1, false)
+    };
+    let report = run(&config);
+    eprintln!("{}", report.summary(&config));
+    assert!(
+        report.violations.iter().any(|v| v.contains("rebooted")),
+        "{}",
+        report.summary(&config)
+    );
 }
