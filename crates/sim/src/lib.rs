@@ -94,6 +94,7 @@ pub mod resize;
 pub mod resync;
 pub mod rng;
 pub mod snapshot;
+pub mod snapshot_regions;
 pub mod stepper;
 pub mod upgrade;
 

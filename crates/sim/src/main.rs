@@ -59,6 +59,10 @@ enum Command {
         /// before its files are synced (the run must find violations).
         #[arg(long)]
         break_publish: bool,
+        /// A volume with regions (migrated to the other layout, its
+        /// member `layout.NAME/` and region record in every snapshot).
+        #[arg(long)]
+        regions: bool,
     },
     /// Crash `vouch resize` (a grow, a grow over a tail written, a
     /// shrink) at every file operation (a process crash and two kinds of
@@ -366,7 +370,11 @@ fn run(cli: Cli) -> Result<bool, String> {
             println!("{}", vouch_sim::resize::summary(&report, &config));
             Ok(report.violations.is_empty())
         }
-        Command::Snapshot { run, break_publish } => {
+        Command::Snapshot {
+            run,
+            break_publish,
+            regions,
+        } => {
             let config = vouch_sim::snapshot::SnapshotConfig {
                 layout: layout(&run.layout)?,
                 seeds: run.seeds,
@@ -375,11 +383,19 @@ fn run(cli: Cli) -> Result<bool, String> {
                     publish_before_sync: break_publish,
                 },
             };
-            let report = vouch_sim::snapshot::run(&config);
+            let report = if regions {
+                vouch_sim::snapshot_regions::run(&config)
+            } else {
+                vouch_sim::snapshot::run(&config)
+            };
             for violation in &report.violations {
                 println!("{violation}");
             }
-            println!("{}", report.summary(&config));
+            println!(
+                "{}{}",
+                report.summary(&config),
+                if regions { " (a volume with regions)" } else { "" }
+            );
             Ok(report.violations.is_empty())
         }
         Command::Keychange { seeds, seed } => {
