@@ -103,10 +103,10 @@ pub fn child(
 }
 
 /// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl TempDir {
-    fn new(what: &str) -> TempDir {
+    pub(crate) fn new(what: &str) -> TempDir {
         let path =
             std::env::temp_dir().join(format!("vouch-sim-migrate-{}-{what}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);

@@ -38,11 +38,13 @@ use parking_lot::Mutex;
 use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
 use vouch_engine::snapshot::{self, SnapshotBreaks};
 use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, OpenOptions};
-use vouch_format::FeatureFlags;
 
 use crate::faults::BLOCKS;
+use crate::migrate::TempDir;
 use crate::rng::Rng;
-use crate::snapshot::{Findings, ModelFs, Node, Recording, SnapshotConfig, SnapshotReport};
+use crate::snapshot::{
+    file_as_expected, Findings, ModelFs, Node, Recording, SnapshotConfig, SnapshotReport,
+};
 use crate::BLOCK;
 
 const VOLUME: &str = "/v";
@@ -64,27 +66,6 @@ struct Expected {
     image: Vec<u8>,
     /// The other member's directory name (`layout.NAME`).
     member: PathBuf,
-}
-
-/// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(what: &str) -> TempDir {
-        let path = std::env::temp_dir().join(format!(
-            "vouch-sim-snapshot-regions-{}-{what}",
-            std::process::id()
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create a temporary directory");
-        TempDir(path)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 pub fn run(config: &SnapshotConfig) -> SnapshotReport {
@@ -173,7 +154,7 @@ fn read_image(path: &Path, options: &OpenOptions) -> Result<(Vec<u8>, bool), Str
 
 fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let temp = TempDir::new(&format!("{seed}"));
+    let temp = TempDir::new(&format!("snapshot-regions-{seed}"));
     let real = temp.0.join("v");
     make_volume(&real, config.layout, &mut rng)?;
     let files = files_under(&real);
@@ -269,56 +250,8 @@ fn same_files(
         let path = dir.join(name);
         let got = fs
             .file(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?
-            .clone();
-        let file = name.file_name().and_then(|name| name.to_str());
-        if file == Some("superblock") {
-            let read = |bytes: &[u8]| {
-                let storage = vouch_engine::SimStorage::new();
-                storage.overwrite(vouch_engine::ObjectId::Superblock, 0, bytes);
-                vouch_engine::read_superblock(&storage)
-            };
-            let mut superblock = read(&got).map_err(|e| format!("{}: {e}", path.display()))?;
-            let original = read(bytes).map_err(|e| format!("the volume's: {e}"))?;
-            let marked = superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
-            if marked != flag {
-                return Err(format!(
-                    "{}: snapshot flag {marked}, want {flag}",
-                    path.display()
-                ));
-            }
-            superblock.features.ro_compat &= !FeatureFlags::RO_COMPAT_SNAPSHOT;
-            if copy && !flag {
-                if superblock.instance == original.instance {
-                    return Err(format!(
-                        "{}: a clone with its origin's instance",
-                        path.display()
-                    ));
-                }
-                superblock.instance = original.instance;
-            }
-            if superblock != original {
-                return Err(format!(
-                    "{}: another superblock than the volume's",
-                    path.display()
-                ));
-            }
-        } else if copy && file == Some("journal") {
-            if got.is_empty() || got.iter().any(|&byte| byte != 0) {
-                return Err(format!(
-                    "{}: {} bytes, not a new journal of zeros",
-                    path.display(),
-                    got.len()
-                ));
-            }
-        } else if got != *bytes {
-            return Err(format!(
-                "{}: {} bytes, not the volume's {} bytes as they were",
-                path.display(),
-                got.len(),
-                bytes.len()
-            ));
-        }
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        file_as_expected(&path, got, bytes, flag, copy)?;
     }
     Ok(())
 }
