@@ -101,3 +101,126 @@ pub fn changed_ranges(then: &dyn BlockDevice, now: &dyn BlockDevice) -> Result<V
     }
     Ok(ranges)
 }
+
+/// A volume as changed blocks see it, region by region: which member
+/// serves each region, and which member that is. A volume of one layout
+/// is its home member throughout; a volume with regions (`RegionVolume`)
+/// serves a region from its home member or from its other member, named
+/// by the member's uuid (a member made again by a later migration is
+/// another member: its generations start over).
+pub struct Serving<'a> {
+    home: &'a dyn BlockDevice,
+    /// The regions' record and the other member, for a volume with regions.
+    regions: Option<(vouch_format::regions::RegionRecord, &'a dyn BlockDevice)>,
+    home_layout: Option<vouch_format::LayoutKind>,
+    blocks: u64,
+}
+
+/// Which member serves a block: the home, or the other member of this uuid.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Member {
+    Home,
+    Other([u8; 16]),
+}
+
+impl<'a> Serving<'a> {
+    /// A volume of one layout (or a snapshot of one).
+    pub fn one(device: &'a dyn BlockDevice) -> Serving<'a> {
+        Serving {
+            home: device,
+            regions: None,
+            home_layout: None,
+            blocks: device.size() / BLOCK,
+        }
+    }
+
+    /// A volume with regions (or a snapshot of one), by its record now.
+    pub fn regions(volume: &'a crate::regions::RegionVolume) -> Serving<'a> {
+        let home = volume.home_layout();
+        Serving {
+            home: volume.home(),
+            regions: Some((
+                volume.record(),
+                volume.member(crate::regions::other_layout(home)),
+            )),
+            home_layout: Some(home),
+            blocks: volume.blocks(),
+        }
+    }
+
+    pub fn size(&self) -> u64 {
+        self.blocks * BLOCK
+    }
+
+    /// The member serving `lba`, its device, and the end of the run of
+    /// blocks from `lba` it serves (the end of `lba`'s region).
+    fn at(&self, lba: u64) -> (Member, &'a dyn BlockDevice, u64) {
+        match &self.regions {
+            Some((record, other)) if lba < self.blocks => {
+                let region = record.region_of(lba);
+                let end = record.lbas(region, self.blocks).end;
+                if Some(record.layouts[region]) == self.home_layout {
+                    (Member::Home, self.home, end)
+                } else {
+                    (Member::Other(record.member_uuid), *other, end)
+                }
+            }
+            _ => (Member::Home, self.home, u64::MAX),
+        }
+    }
+}
+
+/// `compare_runs` of two volumes either of which may have regions: each
+/// region compared in the members serving it on each side. A region the
+/// same member serves on both sides (the home; or the other member, the
+/// same one) compares contexts as `compare_runs` does; a region served by
+/// different members (moved between layouts since, or its member made
+/// again) has each block written on either side changed, even where the
+/// contexts are equal (two journals' generations say nothing of each
+/// other), and only blocks never written on both sides unchanged.
+pub fn compare_serving_runs(
+    then: &Serving,
+    now: &Serving,
+    first: u64,
+    count: u64,
+) -> Result<Vec<(u64, Change)>> {
+    let mut runs: Vec<(u64, Change)> = Vec::new();
+    let end = first + count;
+    let mut lba = first;
+    while lba < end {
+        let (then_member, then_device, then_end) = then.at(lba);
+        let (now_member, now_device, now_end) = now.at(lba);
+        let piece_end = end.min(then_end).min(now_end);
+        let moved = then_member != now_member;
+        for (blocks, change) in compare_runs(then_device, now_device, lba, piece_end - lba)? {
+            let change = match change {
+                Change::Same if moved => Change::Changed,
+                other => other,
+            };
+            match runs.last_mut() {
+                Some((count, last)) if *last == change => *count += blocks,
+                _ => runs.push((blocks, change)),
+            }
+        }
+        lba = piece_end;
+    }
+    Ok(runs)
+}
+
+/// `changed_ranges` of two volumes either of which may have regions.
+pub fn changed_serving_ranges(then: &Serving, now: &Serving) -> Result<Vec<(u64, u64)>> {
+    let mut ranges: Vec<(u64, u64)> = Vec::new();
+    let mut lba = 0;
+    for (blocks, change) in compare_serving_runs(then, now, 0, now.blocks)? {
+        if change == Change::Changed {
+            match ranges.last_mut() {
+                Some((offset, length)) if *offset + *length == lba * BLOCK => {
+                    *length += blocks * BLOCK
+                }
+                _ => ranges.push((lba * BLOCK, blocks * BLOCK)),
+            }
+        }
+        lba += blocks;
+    }
+    Ok(ranges)
+}

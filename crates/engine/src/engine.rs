@@ -72,7 +72,7 @@ impl Engine {
             && !options.region_member
         {
             return Err(Error::Unsupported(format!(
-                "it is a volume with regions (`vouch migrate` moved some of its regions out of its {home} layout): this vouch opens it with `vouch serve`, `info`, `check`, `export` and `migrate` only, and does not verify, scrub, mirror, snapshot, resize or rekey it yet; `vouch migrate PATH --layout {home}` moves every region back and makes it servable again (or `vouch export` it and `vouch import` the image into a new volume of the layout wanted); refusing to open",
+                "it is a volume with regions (`vouch migrate` moved some of its regions out of its {home} layout): this vouch opens it with `vouch serve`, `info`, `check`, `verify`, `scrub`, `export`, `snapshot`, `clone`, `diff` and `migrate` only, and does not mirror, resize or rekey it yet; `vouch migrate PATH --layout {home}` moves every region back and makes it servable again (or `vouch export` it and `vouch import` the image into a new volume of the layout wanted); refusing to open",
                 home = superblock.layout.name()
             )));
         }

@@ -392,6 +392,26 @@ fn clone_volume(
     writable: bool,
     extra: (&str, &mut dyn FnMut() -> Vec<u8>),
 ) -> Result<Vec<PathBuf>> {
+    let mut made = clone_files(fs, from, to, superblock, writable)?;
+    if crate::regions::has_regions(superblock) {
+        made.extend(clone_regions(fs, from, to, superblock, writable)?);
+    }
+    let record = to.join(extra.0);
+    fs.write_at(&record, 0, &(extra.1)())
+        .map_err(|e| io_error("write", &record, e))?;
+    made.push(record);
+    Ok(made)
+}
+
+/// The files of one volume directory: `from`'s cloned into the new
+/// directory `to` (its journal new), and `superblock` written there.
+fn clone_files(
+    fs: &dyn SnapshotFs,
+    from: &Path,
+    to: &Path,
+    superblock: &Superblock,
+    writable: bool,
+) -> Result<Vec<PathBuf>> {
     fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
     let journal = ObjectId::Journal.file_name();
     let mut made = Vec::new();
@@ -407,16 +427,60 @@ fn clone_volume(
         made.push(target);
     }
     write_superblock(fs, to, superblock)?;
-    let record = to.join(extra.0);
-    fs.write_at(&record, 0, &(extra.1)())
-        .map_err(|e| io_error("write", &record, e))?;
-    made.push(record);
     Ok(made)
 }
 
+/// A volume with regions (docs/FORMAT.md, "Regions"): its other member
+/// (`layout.NAME/`) cloned into `to` as `clone_files` does the home, its
+/// superblock marked as the home's is (`home`: a snapshot, or a clone's
+/// writable one with its new instance), and the region record copied
+/// byte for byte, so the copy serves each region from the member that
+/// served it at the flush point. The member's files are at that flush
+/// point too (`FlushPoint`: offline closed, online held with the home).
+fn clone_regions(
+    fs: &dyn SnapshotFs,
+    from: &Path,
+    to: &Path,
+    home: &Superblock,
+    writable: bool,
+) -> Result<Vec<PathBuf>> {
+    let member_from = crate::regions::member_path(from, home.layout);
+    let member_to = crate::regions::member_path(to, home.layout);
+    let mut member = superblock_of(fs, &member_from)?;
+    member.features.ro_compat = (member.features.ro_compat & !FeatureFlags::RO_COMPAT_SNAPSHOT)
+        | (home.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT);
+    member.state = STATE_CLEAN;
+    if writable {
+        member.instance = crate::superblock::new_instance();
+    }
+    let mut made = clone_files(fs, &member_from, &member_to, &member, writable)?;
+    let (record_from, record_to) = (
+        from.join(crate::regions::REGIONS_FILE),
+        to.join(crate::regions::REGIONS_FILE),
+    );
+    let bytes = fs
+        .read(&record_from)
+        .map_err(|e| io_error("read", &record_from, e))?;
+    fs.write_at(&record_to, 0, &bytes)
+        .map_err(|e| io_error("write", &record_to, e))?;
+    made.push(record_to);
+    Ok(made)
+}
+
+/// Sync `files`, then every directory below `dir` holding some of them
+/// (a volume with regions' member, `layout.NAME/`), then `dir`.
 fn sync_all(fs: &dyn SnapshotFs, dir: &Path, files: &[PathBuf]) -> Result<()> {
+    let mut below: Vec<&Path> = Vec::new();
     for file in files {
         fs.sync_file(file).map_err(|e| io_error("sync", file, e))?;
+        if let Some(parent) = file.parent().filter(|parent| *parent != dir) {
+            if !below.contains(&parent) {
+                below.push(parent);
+            }
+        }
+    }
+    for sub in below {
+        fs.sync_dir(sub).map_err(|e| io_error("sync", sub, e))?;
     }
     fs.sync_dir(dir).map_err(|e| io_error("sync", dir, e))
 }
@@ -506,6 +570,17 @@ impl FlushPoint for Stopped<'_> {
                 self.volume.display()
             )));
         }
+        if crate::regions::has_regions(&superblock) {
+            let member = crate::regions::member_path(self.volume, superblock.layout);
+            if superblock_of(self.fs, &member)?.state != STATE_CLEAN {
+                return Err(invalid(format!(
+                    "{} (the member of {} serving its {} regions) was not closed cleanly: open the volume (vouch check, or serve) so it recovers, then take the snapshot",
+                    member.display(),
+                    self.volume.display(),
+                    crate::regions::other_layout(superblock.layout).name()
+                )));
+            }
+        }
         clone(&superblock)
     }
     fn online(&self) -> bool {
@@ -518,6 +593,23 @@ impl FlushPoint for Stopped<'_> {
 impl FlushPoint for crate::Volume {
     fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()> {
         crate::Volume::at_flush_point(self, clone)
+    }
+    fn online(&self) -> bool {
+        true
+    }
+}
+
+/// A served volume with regions: both members at one flush point, the
+/// other member's held inside the home's, so that no write reaches either
+/// while their files and the region record are cloned. Any record the
+/// file holds then names, for each region, a member holding its blocks: a
+/// migration flushes the new member before it switches the record, and
+/// trims the old only after.
+impl FlushPoint for crate::regions::RegionVolume {
+    fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()> {
+        let other = self.member(crate::regions::other_layout(self.home_layout()));
+        self.home()
+            .at_flush_point(&mut |home| other.at_flush_point(&mut |_| clone(home)))
     }
     fn online(&self) -> bool {
         true
@@ -557,14 +649,6 @@ pub fn create_from(
         return Err(invalid(format!(
             "{} is itself a snapshot: take snapshots of the volume it belongs to (or of a `vouch clone` of it)",
             volume.display()
-        )));
-    }
-    if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
-        return Err(invalid(format!(
-            "{} has a layout per region (`vouch migrate` moved some of its regions): a snapshot of it is not made yet; `vouch migrate {} --layout {}` makes it a one-layout volume again",
-            volume.display(),
-            volume.display(),
-            superblock.layout.name()
         )));
     }
     if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
@@ -693,7 +777,7 @@ fn publish(
     if breaks.publish_before_sync {
         let files: Vec<PathBuf> = files
             .iter()
-            .map(|file| target.join(file.file_name().expect("a file name")))
+            .map(|file| target.join(file.strip_prefix(&partial).expect("a file made in it")))
             .collect();
         sync_all(fs, &target, &files)?;
     }

@@ -59,6 +59,10 @@ enum Command {
         /// before its files are synced (the run must find violations).
         #[arg(long)]
         break_publish: bool,
+        /// A volume with regions (migrated to the other layout, its
+        /// member `layout.NAME/` and region record in every snapshot).
+        #[arg(long)]
+        regions: bool,
     },
     /// Crash the online `snapshot create` of a served volume (writes
     /// acknowledged in its buffer, some flushed; the flush point's commit
@@ -427,7 +431,11 @@ fn run(cli: Cli) -> Result<bool, String> {
             println!("{}", vouch_sim::snapshot_online::summary(&online, &config));
             Ok(online.report.violations.is_empty())
         }
-        Command::Snapshot { run, break_publish } => {
+        Command::Snapshot {
+            run,
+            break_publish,
+            regions,
+        } => {
             let config = vouch_sim::snapshot::SnapshotConfig {
                 layout: layout(&run.layout)?,
                 seeds: run.seeds,
@@ -436,11 +444,23 @@ fn run(cli: Cli) -> Result<bool, String> {
                     publish_before_sync: break_publish,
                 },
             };
-            let report = vouch_sim::snapshot::run(&config);
+            let report = if regions {
+                vouch_sim::snapshot_regions::run(&config)
+            } else {
+                vouch_sim::snapshot::run(&config)
+            };
             for violation in &report.violations {
                 println!("{violation}");
             }
-            println!("{}", report.summary(&config));
+            println!(
+                "{}{}",
+                report.summary(&config),
+                if regions {
+                    " (a volume with regions)"
+                } else {
+                    ""
+                }
+            );
             Ok(report.violations.is_empty())
         }
         Command::Keychange { seeds, seed } => {

@@ -126,10 +126,10 @@ pub fn child(
 }
 
 /// A temporary directory, removed on drop.
-struct TempDir(PathBuf);
+pub(crate) struct TempDir(pub(crate) PathBuf);
 
 impl TempDir {
-    fn new(what: &str) -> TempDir {
+    pub(crate) fn new(what: &str) -> TempDir {
         // Unique in the process too: tests run the simulator on threads.
         static MADE: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let made = MADE.fetch_add(1, std::sync::atomic::Ordering::Relaxed);

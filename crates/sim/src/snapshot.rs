@@ -710,62 +710,73 @@ fn same_files(
         let got = fs
             .file(&path)
             .map_err(|e| format!("{}: {e}", path.display()))?;
-        if name == "superblock" {
-            let mut superblock = vouch_engine::read_superblock(&{
-                let storage = SimStorage::new();
-                storage.overwrite(ObjectId::Superblock, 0, got);
-                storage
-            })
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-            let marked = superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
-            if marked != flag {
-                return Err(format!(
-                    "{}: snapshot flag {marked}, want {flag}",
-                    path.display()
-                ));
-            }
-            superblock.features.ro_compat &= !FeatureFlags::RO_COMPAT_SNAPSHOT;
-            let original = vouch_engine::read_superblock(&{
-                let storage = SimStorage::new();
-                storage.overwrite(ObjectId::Superblock, 0, bytes);
-                storage
-            })
-            .map_err(|e| format!("the volume's superblock: {e}"))?;
-            // A clone (a copy without the flag) is another instance of the
-            // volume: a new instance id, everything else the same.
-            if copy && !flag {
-                if superblock.instance == original.instance {
-                    return Err(format!(
-                        "{}: a clone with its origin's instance",
-                        path.display()
-                    ));
-                }
-                superblock.instance = original.instance;
-            }
-            if superblock != original {
-                return Err(format!(
-                    "{}: another superblock than the volume's",
-                    path.display()
-                ));
-            }
-        } else if copy && name == "journal" {
-            // Never shared: a new journal of zeros (the volume was closed
-            // cleanly, nothing in its journal is to be replayed).
-            if got.is_empty() || got.iter().any(|&byte| byte != 0) {
-                return Err(format!(
-                    "{}: {} bytes, not a new journal of zeros",
-                    path.display(),
-                    got.len()
-                ));
-            }
-        } else if got != bytes {
+        file_as_expected(&path, got, bytes, flag, copy)?;
+    }
+    Ok(())
+}
+
+/// One file of a snapshot or clone at `path` (`got`) against the volume's
+/// (`bytes`): a superblock the volume's but for the flag (`flag`: the
+/// snapshot's set, a clone's clear with a new instance), a journal (of a
+/// `copy`) new zeros, any other byte for byte.
+pub(crate) fn file_as_expected(
+    path: &Path,
+    got: &[u8],
+    bytes: &[u8],
+    flag: bool,
+    copy: bool,
+) -> Result<(), String> {
+    let name = path.file_name().and_then(|name| name.to_str());
+    if name == Some("superblock") {
+        let read = |bytes: &[u8]| {
+            let storage = SimStorage::new();
+            storage.overwrite(ObjectId::Superblock, 0, bytes);
+            vouch_engine::read_superblock(&storage)
+        };
+        let mut superblock = read(got).map_err(|e| format!("{}: {e}", path.display()))?;
+        let marked = superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0;
+        if marked != flag {
             return Err(format!(
-                "{}: {} bytes, not the volume's {} bytes as they were",
-                path.display(),
-                got.len(),
-                bytes.len()
+                "{}: snapshot flag {marked}, want {flag}",
+                path.display()
             ));
         }
+        superblock.features.ro_compat &= !FeatureFlags::RO_COMPAT_SNAPSHOT;
+        let original = read(bytes).map_err(|e| format!("the volume's superblock: {e}"))?;
+        // A clone (a copy without the flag) is another instance of the
+        // volume: a new instance id, everything else the same.
+        if copy && !flag {
+            if superblock.instance == original.instance {
+                return Err(format!(
+                    "{}: a clone with its origin's instance",
+                    path.display()
+                ));
+            }
+            superblock.instance = original.instance;
+        }
+        if superblock != original {
+            return Err(format!(
+                "{}: another superblock than the volume's",
+                path.display()
+            ));
+        }
+    } else if copy && name == Some("journal") {
+        // Never shared: a new journal of zeros (the volume was closed
+        // cleanly, nothing in its journal is to be replayed).
+        if got.is_empty() || got.iter().any(|&byte| byte != 0) {
+            return Err(format!(
+                "{}: {} bytes, not a new journal of zeros",
+                path.display(),
+                got.len()
+            ));
+        }
+    } else if got != bytes {
+        return Err(format!(
+            "{}: {} bytes, not the volume's {} bytes as they were",
+            path.display(),
+            got.len(),
+            bytes.len()
+        ));
     }
     Ok(())
 }

@@ -12,7 +12,8 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vouch_engine::changed::{compare_runs, Change};
+use vouch_engine::changed::{compare_serving_runs, Change, Serving};
+use vouch_engine::regions::RegionVolume;
 use vouch_engine::snapshot::{self, CloneOrigin, RealFs, SnapshotRecord};
 use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
 use vouch_nbd::{Errno, ExportError};
@@ -25,6 +26,9 @@ pub struct Changes {
     volume: PathBuf,
     /// The volume's uuid: a snapshot of another volume is refused.
     uuid: String,
+    /// The served volume with regions, whose members' contexts are
+    /// compared region by region (`with_regions`).
+    regions: Option<Arc<RegionVolume>>,
 }
 
 /// The snapshot each served volume opened last (its directory, as given
@@ -34,7 +38,7 @@ pub struct Changes {
 /// changes (a snapshot deleted and taken again under the same name). One
 /// table for the process, so that an online delete (`release`) can close
 /// it: an open snapshot holds its lock, which a delete must take.
-type Opened = (PathBuf, PathBuf, SnapshotRecord, Arc<Volume>);
+type Opened = (PathBuf, PathBuf, SnapshotRecord, Arc<Contexts>);
 static OPENED: parking_lot::Mutex<Vec<(PathBuf, Opened)>> = parking_lot::Mutex::new(Vec::new());
 
 /// Close the snapshot at `snapshot_dir` if a served volume holds it open
@@ -50,14 +54,56 @@ fn invalid(message: String) -> ExportError {
     ExportError::new(Errno::Inval, message)
 }
 
+/// A snapshot or volume opened to read its contexts: of one layout, or
+/// with regions (both members and the record).
+pub enum Contexts {
+    One(Volume),
+    Regions(RegionVolume),
+}
+
+impl Contexts {
+    /// Its blocks as changed blocks compare them, region by region.
+    pub fn serving(&self) -> Serving<'_> {
+        match self {
+            Contexts::One(volume) => Serving::one(volume),
+            Contexts::Regions(volume) => Serving::regions(volume),
+        }
+    }
+
+    /// Its home member (the volume itself when it has one layout).
+    fn home(&self) -> &Volume {
+        match self {
+            Contexts::One(volume) => volume,
+            Contexts::Regions(volume) => volume.home(),
+        }
+    }
+
+    /// Closed cleanly: every member.
+    fn clean(&self) -> vouch_engine::Result<bool> {
+        Ok(match self {
+            Contexts::One(volume) => volume.info()?.clean,
+            Contexts::Regions(volume) => {
+                volume.home().info()?.clean
+                    && volume
+                        .member(vouch_engine::regions::other_layout(volume.home_layout()))
+                        .info()?
+                        .clean
+            }
+        })
+    }
+}
+
 /// Open the snapshot (or any volume) at `path` to read its contexts.
-pub fn open_contexts(path: &Path) -> vouch_engine::Result<Volume> {
+pub fn open_contexts(path: &Path) -> vouch_engine::Result<Contexts> {
     let options = OpenOptions {
         read_only: true,
         keyless: true,
         ..OpenOptions::default()
     };
-    vouch_engine::open_volume(path, &options)
+    if crate::migrate::has_regions(path) {
+        return Ok(Contexts::Regions(RegionVolume::open(path, &options)?));
+    }
+    Ok(Contexts::One(vouch_engine::open_volume(path, &options)?))
 }
 
 /// A snapshot's record, read from its directory.
@@ -74,12 +120,37 @@ impl Changes {
         Changes {
             volume: volume.to_path_buf(),
             uuid,
+            regions: None,
+        }
+    }
+
+    /// The served volume has regions: compare through its members.
+    pub fn with_regions(mut self, volume: Arc<RegionVolume>) -> Changes {
+        self.regions = Some(volume);
+        self
+    }
+
+    /// The live volume as changed blocks compare it: through its members
+    /// when it has regions. A volume whose superblock says it has regions
+    /// served as a device of one layout is refused: its home member's
+    /// contexts are not the served blocks'.
+    fn live<'a>(&'a self, live: &'a dyn BlockDevice) -> Result<Serving<'a>, ExportError> {
+        match &self.regions {
+            Some(volume) => Ok(Serving::regions(volume)),
+            None if crate::migrate::has_regions(&self.volume) => Err(ExportError::new(
+                Errno::Io,
+                format!(
+                    "{} has regions now and is served as a volume of one layout: its changed blocks cannot be told; serve it again",
+                    self.volume.display()
+                ),
+            )),
+            None => Ok(Serving::one(live)),
         }
     }
 
     /// The snapshot at `dir` (whose record is `record`) opened to read its
     /// contexts, from the cache when it is the one opened last.
-    fn opened(&self, dir: &Path, record: &SnapshotRecord) -> Result<Arc<Volume>, ExportError> {
+    fn opened(&self, dir: &Path, record: &SnapshotRecord) -> Result<Arc<Contexts>, ExportError> {
         let mut opened = OPENED.lock();
         let mine = opened.iter().position(|(volume, _)| *volume == self.volume);
         if let Some((_, (path, _, held, volume))) = mine.map(|at| &opened[at]) {
@@ -151,7 +222,13 @@ impl Changes {
             )));
         }
         let snap = self.opened(&dir, &record)?;
-        let runs = runs_from(snap.as_ref(), live, offset, length, max_blocks)?;
+        let runs = runs_from(
+            &snap.serving(),
+            &self.live(live)?,
+            offset,
+            length,
+            max_blocks,
+        )?;
         Ok(in_bytes(offset, length, runs, |change| {
             change == Change::Changed
         }))
@@ -171,7 +248,13 @@ impl Changes {
         };
         let record = read_record(&origin).map_err(|error| invalid(error.to_string()))?;
         let snap = self.opened(&origin, &record)?;
-        let runs = runs_from(snap.as_ref(), live, offset, length, max_blocks)?;
+        let runs = runs_from(
+            &snap.serving(),
+            &self.live(live)?,
+            offset,
+            length,
+            max_blocks,
+        )?;
         Ok(in_bytes(offset, length, runs, |change| match change {
             Change::NeverWritten => 0,
             Change::Changed => 1,
@@ -182,8 +265,8 @@ impl Changes {
 
 /// `compare_runs` over the blocks a BLOCK_STATUS request covers.
 fn runs_from(
-    then: &dyn BlockDevice,
-    now: &dyn BlockDevice,
+    then: &Serving,
+    now: &Serving,
     offset: u64,
     length: u64,
     max_blocks: u64,
@@ -204,7 +287,9 @@ fn runs_from(
     let mut step = FIRST_STEP_BLOCKS;
     while lba < end && runs.len() < 2 {
         let stop = end.min(lba + step);
-        for (blocks, change) in compare_runs(then, now, lba, stop - lba).map_err(to_export_error)? {
+        for (blocks, change) in
+            compare_serving_runs(then, now, lba, stop - lba).map_err(to_export_error)?
+        {
             match runs.last_mut() {
                 Some((count, last)) if *last == change => *count += blocks,
                 _ => runs.push((blocks, change)),
@@ -315,24 +400,26 @@ pub fn diff(
     // A volume left unclean (killed, power lost) opens read-only without
     // recovery: what only its journal holds (a trim or zero whose home
     // write was not yet durable) is not in the metadata compared.
-    if !now.info()?.clean {
+    if !now.clean()? {
         anyhow::bail!(
             "{} was not closed cleanly (its journal holds changes its metadata may not): serve it once (`vouch serve {}` recovers it at open, then stop it), then run `vouch diff` again",
             now_path.display(),
             now_path.display()
         );
     }
-    if then.uuid_string() != now.uuid_string() {
+    let (then_uuid, now_uuid) = (then.home().uuid_string(), now.home().uuid_string());
+    if then_uuid != now_uuid {
         anyhow::bail!(
             "{} is a snapshot of volume {}, and {} is of volume {}: blocks of different volumes cannot be compared",
             from.display(),
-            then.uuid_string(),
+            then_uuid,
             now_path.display(),
-            now.uuid_string()
+            now_uuid
         );
     }
-    let ranges = vouch_engine::changed::changed_ranges(&then, &now)?;
-    let size = now.size();
+    let (then_serving, now_serving) = (then.serving(), now.serving());
+    let ranges = vouch_engine::changed::changed_serving_ranges(&then_serving, &now_serving)?;
+    let size = now_serving.size();
     let changed: u64 = ranges.iter().map(|(_, length)| length).sum();
     let against = match &to_path {
         Some(path) => path.display().to_string(),

@@ -209,8 +209,10 @@ enum Command {
     ///
     /// While any region is out of the layout the volume was created in (a
     /// volume with regions), it is served (`serve`, without --control),
-    /// read, checked, exported and migrated, but not verified, scrubbed,
-    /// mirrored, snapshotted, resized or rekeyed yet. Migrated back to the
+    /// read, checked, verified, scrubbed, exported, migrated, snapshotted
+    /// offline (`vouch snapshot create`: each member's files, and the
+    /// record, as they stand), cloned and diffed, but not mirrored,
+    /// resized or rekeyed yet. Migrated back to the
     /// layout it was created in, every region back home, it is a one-layout
     /// volume again (the record and the other layout's directory removed)
     /// and every command takes it.

@@ -429,7 +429,11 @@ async fn serve(
         let mut export = VolumeExport::new(device, description);
         if mirrors[index].is_none() {
             // A mirror's legs are compared one at a time (`vouch diff`).
-            let changes = crate::changed::Changes::new(&args.paths[index], volume.uuid_string());
+            let mut changes =
+                crate::changed::Changes::new(&args.paths[index], volume.uuid_string());
+            if let Some(region) = &regions[index] {
+                changes = changes.with_regions(Arc::clone(region));
+            }
             export = export.with_changes(changes);
         }
         let export: Arc<dyn Export> = Arc::new(export);

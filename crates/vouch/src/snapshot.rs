@@ -255,6 +255,11 @@ pub(crate) fn hold_offline(path: &Path, purpose: &str) -> Result<std::fs::File> 
             path.display()
         );
     }
+    if crate::migrate::has_regions(path) {
+        recover_regions(path)?;
+        return FileStorage::lock_for_writing(path)
+            .with_context(|| format!("holding {}", path.display()));
+    }
     let superblock = vouch_engine::volume_superblock(path)?;
     let clean = superblock.state == vouch_format::superblock::STATE_CLEAN;
     if !clean || path.join("held").exists() {
@@ -265,6 +270,26 @@ pub(crate) fn hold_offline(path: &Path, purpose: &str) -> Result<std::fs::File> 
             .with_context(|| format!("recovering {} first", path.display()))?;
     }
     FileStorage::lock_for_writing(path).with_context(|| format!("holding {}", path.display()))
+}
+
+/// A volume with regions not closed cleanly (either member, or a held
+/// log in either) opened writable through its region layer, each member
+/// recovering, and closed.
+fn recover_regions(path: &Path) -> Result<()> {
+    let home = vouch_engine::volume_superblock(path)?;
+    let member = vouch_engine::regions::member_path(path, home.layout);
+    let unclean = |dir: &Path| {
+        dir.join("held").exists()
+            || vouch_engine::volume_superblock(dir)
+                .is_ok_and(|superblock| superblock.state != vouch_format::superblock::STATE_CLEAN)
+    };
+    if unclean(path) || unclean(&member) {
+        let options = crate::key::open_options(path, OpenOptions::default(), Use::Data)?;
+        vouch_engine::regions::RegionVolume::open(path, &options)
+            .and_then(vouch_engine::regions::RegionVolume::close)
+            .with_context(|| format!("recovering {} first", path.display()))?;
+    }
+    Ok(())
 }
 
 fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {

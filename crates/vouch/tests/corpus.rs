@@ -7,7 +7,12 @@
 //! flipped bit in a corpus copy must be caught, so these checks can fail.
 //!
 //! Each also migrates to the other layout and back (`vouch migrate`),
-//! exporting the same image and checking clean at each step.
+//! exporting the same image and checking clean at each step; is found
+//! clean by `vouch verify`; and takes a snapshot (checked clean, exporting
+//! the recorded image) whose clone takes a write that leaves the snapshot
+//! as it was, and another snapshot once migrated to the other layout (a
+//! volume with regions), which still exports the same image after the
+//! volume is migrated home. A mirror leg's snapshot is refused, saying so.
 
 mod common;
 
@@ -221,6 +226,13 @@ fn exercise(name: &str) {
         assert!(!out.contains("/tmp/vouch-corpus"), "{out}");
     }
 
+    // verify: clean, every block.
+    let verify = vouch_with(&["verify", s(&path), "--json"], &keys);
+    assert!(verify.status.success(), "verify {name}: {}", text(&verify));
+    let report: serde_json::Value = serde_json::from_slice(&verify.stdout).expect("verify --json");
+    assert_eq!(report["faults"], serde_json::json!([]), "{name}: {report}");
+    assert_eq!(report["blocks"], 4 * MIB / BLOCK, "{name}: {report}");
+
     // export: the recorded image.
     let image = dir.path().join("export.raw");
     export(&path, &image, volume);
@@ -267,7 +279,88 @@ print(json.dumps({"ok": True}))
         text(&check)
     );
     assert_eq!(info_json(&path)["clean"], true, "{name}: closed by serve");
+    snapshot_and_clone(name, &path, dir.path(), volume, &expected);
     migrate_and_back(name, &path, dir.path(), volume, &expected);
+}
+
+/// `vouch snapshot create PATH NAME --copy` (this machine's filesystem may
+/// not share blocks); it must succeed.
+fn snapshot_ok(path: &Path, snapshot: &str, volume: &Corpus) -> PathBuf {
+    let output = vouch_with(&["snapshot", "create", s(path), snapshot, "--copy"], &[]);
+    assert!(
+        output.status.success(),
+        "snapshot {snapshot} of {}: {}",
+        volume.name,
+        text(&output)
+    );
+    path.join("snapshots").join(snapshot)
+}
+
+/// The snapshot at `snap` checks clean and exports `expected`.
+fn snapshot_holds(snap: &Path, dir: &Path, volume: &Corpus, expected: &[u8]) {
+    let name = volume.name;
+    let keys = key_args(volume);
+    let check = vouch_with(&["check", s(snap)], &keys);
+    assert!(
+        check.status.success(),
+        "check {}: {}",
+        snap.display(),
+        text(&check)
+    );
+    let image = dir.join("snapshot.raw");
+    let _ = std::fs::remove_file(&image);
+    export(snap, &image, volume);
+    assert!(
+        std::fs::read(&image).expect("read export") == expected,
+        "{name}: snapshot {} does not export the image it was taken of",
+        snap.display()
+    );
+}
+
+/// A snapshot of the volume (`expected` its image): checked clean, its
+/// export `expected`; a clone of it takes a write through NBD, and the
+/// snapshot is unchanged. A mirror leg's is refused, saying why.
+fn snapshot_and_clone(name: &str, path: &Path, dir: &Path, volume: &Corpus, expected: &[u8]) {
+    if volume.mirror {
+        let output = vouch_with(&["snapshot", "create", s(path), "s1", "--copy"], &[]);
+        assert!(!output.status.success(), "{name}: {}", text(&output));
+        assert!(
+            text(&output).contains("is a leg of a mirror"),
+            "{name}: {}",
+            text(&output)
+        );
+        assert!(!path.join("snapshots").join("s1").exists());
+        return;
+    }
+    let keys = key_args(volume);
+    let snap = snapshot_ok(path, "s1", volume);
+    snapshot_holds(&snap, dir, volume, expected);
+    let clone = dir.join("clone");
+    let output = vouch_with(&["clone", s(&snap), s(&clone), "--copy"], &[]);
+    assert!(output.status.success(), "clone {name}: {}", text(&output));
+    let mut args = vec![s(&clone).to_string()];
+    args.extend(keys.iter().cloned());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut server = Server::start(dir, &args);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+h.pwrite(bytes([0x3c]) * 4096, 0)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    let mut written = expected.to_vec();
+    written[..BLOCK as usize].fill(0x3c);
+    let image = dir.join("clone.raw");
+    export(&clone, &image, volume);
+    assert!(
+        std::fs::read(&image).expect("read export") == written,
+        "{name}: the clone does not hold its write"
+    );
+    snapshot_holds(&snap, dir, volume, expected);
 }
 
 /// `vouch migrate` to the other layout and back: each step exports
@@ -287,6 +380,20 @@ fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expect
         return;
     }
     for layout in [other, home] {
+        if layout == home {
+            // Every region in the other layout: a volume with regions, of
+            // which a snapshot keeps that layout.
+            let snap = snapshot_ok(path, "migrated", volume);
+            snapshot_holds(&snap, dir, volume, expected);
+            let record = std::fs::read_to_string(snap.join("snapshot")).expect("record");
+            assert!(snap.join("regions").exists(), "{name}: {record}");
+            assert!(
+                snap.join(format!("layout.{other}"))
+                    .join("superblock")
+                    .exists(),
+                "{name}"
+            );
+        }
         let output = vouch_with(&["migrate", s(path), "--layout", layout], &keys);
         assert!(
             output.status.success(),
@@ -306,6 +413,8 @@ fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expect
             text(&check)
         );
     }
+    // Home again, one layout: the snapshot taken with regions is as it was.
+    snapshot_holds(&path.join("snapshots/migrated"), dir, volume, expected);
 }
 
 macro_rules! corpus_tests {

@@ -31,15 +31,16 @@ pub fn verify(args: VerifyArgs) -> Result<ExitCode> {
             online(&client, "verifying", args.json, request)?
         }
         None => {
-            let volume = open(&args.target, false, crate::key::Use::Verify)?;
-            let (first, count) = blocks(&volume, args.offset.unwrap_or(0), args.length)?;
+            let volume = open_checking(&args.target)?;
+            let volume = volume.as_ref();
+            let (first, count) = blocks(volume, args.offset.unwrap_or(0), args.length)?;
             let options = VerifyOptions {
                 seed,
                 segments: args.segments,
                 rate_bytes_per_second: args.rate,
             };
             offline("verifying", args.json, |control| {
-                engine::verify(&volume, first, count, &options, control)
+                engine::verify(volume, first, count, &options, control)
                     .map(|r| render::verify_json(&r))
             })
         }
@@ -70,6 +71,18 @@ pub fn verify(args: VerifyArgs) -> Result<ExitCode> {
         },
         has_faults,
     )
+}
+
+/// The volume at `path` opened read-only to verify or scrub it: a volume
+/// with regions through its region layer, each block judged by the
+/// member serving it.
+fn open_checking(path: &str) -> Result<Box<dyn BlockDevice>> {
+    if crate::migrate::has_regions(Path::new(path)) {
+        let volume = crate::migrate::open_read_only(Path::new(path), crate::key::Use::Verify)
+            .with_context(|| format!("opening volume {path}"))?;
+        return Ok(Box::new(volume));
+    }
+    Ok(Box::new(open(path, false, crate::key::Use::Verify)?))
 }
 
 fn print_scrub(name: &str, record: &Value) {
@@ -172,13 +185,14 @@ pub fn scrub(args: ScrubArgs) -> Result<ExitCode> {
             json!({"op": "scrub", "export": name, "rate": args.rate}),
         )?,
         None => {
-            let volume = open(&name, false, crate::key::Use::Verify)?;
+            let volume = open_checking(&name)?;
+            let volume = volume.as_ref();
             let options = ScrubOptions {
                 rate_bytes_per_second: args.rate,
                 foreground: None,
             };
             offline("scrubbing", args.json, |control| {
-                engine::scrub(&volume, Path::new(&name), &options, control)
+                engine::scrub(volume, Path::new(&name), &options, control)
                     .map(|r| render::scrub_json(&r))
             })
         }
