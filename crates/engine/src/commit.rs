@@ -57,7 +57,7 @@
 //! idempotent. Old records left in the journal carry lower sequence numbers
 //! and end the replay.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
@@ -96,6 +96,11 @@ pub(crate) struct Committer {
     background: AtomicBool,
     signal: Mutex<SignalFlags>,
     wake: Condvar,
+    /// Whether the background committer is neither committing nor asked
+    /// to (`prompt` asks only then, once).
+    idle: AtomicBool,
+    /// Blocks buffered since the last flush's commit (`prompt`).
+    since_flush: AtomicUsize,
     /// Called at each commit's steps when the caller steps the commits
     /// (`schedule.rs`); `None` in production.
     schedule: Option<Arc<dyn CommitSchedule>>,
@@ -124,6 +129,8 @@ impl Committer {
             background: AtomicBool::new(false),
             signal: Mutex::new(SignalFlags::default()),
             wake: Condvar::new(),
+            idle: AtomicBool::new(true),
+            since_flush: AtomicUsize::new(0),
             schedule,
             breaks,
         }
@@ -174,6 +181,50 @@ impl Committer {
         }
     }
 
+    /// `count` blocks entered the write-back buffer, which holds `buffered`
+    /// now: ask the background committer to commit when the buffer reached
+    /// `dirty_limit`, or promptly (`prompt`).
+    pub fn after_buffered(&self, count: usize, buffered: usize, dirty_limit: usize) {
+        if buffered >= dirty_limit {
+            self.request();
+        } else {
+            self.prompt(count);
+        }
+    }
+
+    /// Commit promptly once more blocks than a flush's redo commit takes
+    /// (`REDO_MAX_BLOCKS`) were buffered since the last flush: a write
+    /// that finds the committer idle wakes it, so commits follow the
+    /// writes instead of waiting for the dirty limit (a burst's last
+    /// blocks, buffered while a commit ran, wait for the next write, a
+    /// flush or the limit: the held log keeps them meanwhile). Below that, a flush
+    /// soon will commit the blocks as one redo record, durable at its
+    /// journal fsync (ORDER POINT A) without a data fsync: committing them
+    /// earlier would make that flush wait for B. Why commit before the
+    /// limit at all: the acknowledgement never waits for a commit (the
+    /// held log keeps a buffered write through a crash of the process),
+    /// but a committer that runs beside a stream of small writes keeps the
+    /// second CPU busy. On a virtual machine whose idle vCPUs halt (no
+    /// halt polling, the default), a client woken on a halted vCPU waits
+    /// for it to be woken by the host; a busy one takes the client at
+    /// once. At QD1 that is the difference between 17-20k and 45-50k 4 KiB
+    /// writes/s on 2 vCPUs. The cost is a journal record and its fsync per
+    /// commit, each taking what was buffered while the previous one ran:
+    /// at QD1 ~13 blocks a commit, journal bytes 8 % of the data written
+    /// instead of 1.2 %; at QD32 2.3 %. Commits run one at a time, so a
+    /// device with slow fsyncs gets fewer, larger ones.
+    pub fn prompt(&self, count: usize) {
+        let since = self.since_flush.fetch_add(count, Ordering::Relaxed) + count;
+        if since > REDO_MAX_BLOCKS && self.idle.swap(false, Ordering::AcqRel) {
+            self.request();
+        }
+    }
+
+    /// A flush commits everything buffered: count again from here.
+    fn flushed(&self) {
+        self.since_flush.store(0, Ordering::Relaxed);
+    }
+
     /// Ask the background committer to stop (it finishes the commit it is in).
     pub fn stop(&self) {
         self.set_background(false);
@@ -218,10 +269,13 @@ impl Committer {
     /// already fail-stopped the volume, so writers see the error on their
     /// next call.
     fn commit_requested(&self, shared: &Shared) {
+        self.idle.store(false, Ordering::Release);
         let mut journal = self.lock();
         if let Err(error) = self.commit(shared, &mut journal, &[]) {
             tracing::debug!(%error, "background commit failed");
         }
+        drop(journal);
+        self.idle.store(true, Ordering::Release);
     }
 
     // --- commits -------------------------------------------------------------
@@ -247,6 +301,7 @@ impl Committer {
         journal: &mut Journal,
         answer: &mut Option<FlushDone>,
     ) -> Result<()> {
+        self.flushed();
         let buffered = shared.state.read().active.len();
         let redo = buffered <= REDO_MAX_BLOCKS;
         self.commit_as(shared, journal, &[], redo.then_some(answer))

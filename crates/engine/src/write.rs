@@ -141,14 +141,14 @@ impl Engine {
     /// background committer is asked to commit. False, with nothing
     /// buffered or counted, when there is no room.
     fn buffer_without_waiting(&self, sealed: Vec<(u64, DirtyBlock)>) -> Result<bool> {
-        let bytes = sealed.len() as u64 * BLOCK;
+        let count = sealed.len();
+        let bytes = count as u64 * BLOCK;
         let Some(buffered) = self.log_and_buffer(sealed, Admission::MustNotWait)? else {
             return Ok(false);
         };
         self.shared.io.stats.add_client_write(bytes);
-        if buffered >= self.tuning.dirty_limit_blocks {
-            self.committer.request();
-        }
+        self.committer
+            .after_buffered(count, buffered, self.tuning.dirty_limit_blocks);
         Ok(true)
     }
 
@@ -272,10 +272,15 @@ impl Engine {
             return Ok(());
         }
         let shared = &self.shared;
+        let count = sealed.len();
         let buffered = self
             .log_and_buffer(sealed, Admission::MayWait)?
             .expect("a write that may wait is always buffered");
-        if buffered >= self.tuning.dirty_limit_blocks {
+        if buffered < self.tuning.dirty_limit_blocks {
+            if self.committer.is_background() {
+                self.committer.prompt(count);
+            }
+        } else {
             // Hand the buffer to the background committer, or commit inline
             // unless another commit is running. Writers block (and commit
             // themselves) only when the buffer has doubled: backpressure.
@@ -368,9 +373,8 @@ impl Engine {
             .io
             .stats
             .add_client_write(blocks.len() as u64 * BLOCK);
-        if buffered >= self.tuning.dirty_limit_blocks {
-            self.committer.request();
-        }
+        self.committer
+            .after_buffered(blocks.len(), buffered, self.tuning.dirty_limit_blocks);
         Ok(())
     }
 

@@ -113,3 +113,46 @@ fn a_read_only_open_serves_redo_blocks_it_cannot_write_home() {
     let volume = Volume::open(Arc::new(image), &options).expect("read-only open");
     assert_eq!(read_block(&volume, 7), block(0x77));
 }
+
+/// Past a redo flush's worth of blocks since the last flush, the
+/// background committer commits as writes come (`Committer::prompt`)
+/// instead of waiting for the dirty limit (4096 blocks): 100 single-block
+/// writes are committed, journaled and home, with no flush. Below that
+/// (`a_small_flush_is_one_fsync...`) they wait for the flush's redo record.
+#[test]
+fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
+    for layout in LayoutKind::ALL {
+        let (_sim, volume) = sim_volume(layout);
+        volume.flush().expect("flush");
+        let commits = volume
+            .stats()
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed);
+        for lba in 0..100u64 {
+            volume
+                .write(lba * 4096, &block(lba as u8 + 1), false)
+                .expect("write");
+        }
+        // Only a deadline for failure: the commit is asynchronous.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while volume
+            .stats()
+            .commits
+            .load(std::sync::atomic::Ordering::Relaxed)
+            == commits
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{layout:?}: 100 blocks written since the flush, no commit"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        for lba in 0..100u64 {
+            assert_eq!(
+                read_block(&volume, lba),
+                block(lba as u8 + 1),
+                "{layout:?} LBA {lba}"
+            );
+        }
+    }
+}
