@@ -112,29 +112,59 @@ struct Step {
     model: Vec<Vec<u8>>,
 }
 
-fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
-    let (storage, mut model) = crate::snapshot::written_volume(config.layout, &mut rng)?;
+/// What a seed starts from: the written volume's model, the two sizes it
+/// is resized to, and the model filesystem with its crash hook.
+struct Seed {
+    model: Vec<Vec<u8>>,
+    first: u64,
+    second: u64,
+    step: Arc<Mutex<Option<Step>>>,
+    findings: Findings,
+    recording: Recording,
+}
+
+/// A volume written by `metadata`'s write round and closed, as the model
+/// filesystem's files, whose hook checks every crash image against the
+/// step under way (`step`; none: no check).
+fn start_seed(config: &ResizeConfig, rng: &mut Rng) -> Result<Seed, String> {
+    let (storage, model) = crate::snapshot::written_volume(config.layout, rng)?;
     let mut fs = ModelFs::new();
     fs.put_dir(Path::new(VOLUME));
     put_volume(&mut fs, &storage, BLOCKS)?;
-
     let first = BLOCKS + rng.range(1, 160);
     let second = first + rng.range(1, 160);
     let step: Arc<Mutex<Option<Step>>> = Arc::default();
     let findings = Findings::default();
     let recording = Recording::new(fs);
-    {
-        let step = step.clone();
-        let breaks = config.breaks;
-        *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
-            let Some(step) = step.lock().clone() else {
-                return Ok(());
-            };
-            verify(image, &step, breaks)
-                .map_err(|e| format!("{} -> {} blocks: {e}", step.from, step.to))
-        }));
-    }
+    let (hooked, breaks) = (step.clone(), config.breaks);
+    let path = if config.online { "online " } else { "" };
+    *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
+        let Some(step) = hooked.lock().clone() else {
+            return Ok(());
+        };
+        verify(image, &step, breaks)
+            .map_err(|e| format!("{path}{} -> {} blocks: {e}", step.from, step.to))
+    }));
+    Ok(Seed {
+        model,
+        first,
+        second,
+        step,
+        findings,
+        recording,
+    })
+}
+
+fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let Seed {
+        mut model,
+        first,
+        second,
+        step,
+        findings,
+        recording,
+    } = start_seed(config, &mut rng)?;
     let volume = Path::new(VOLUME);
     let resize_to = |recording: &Recording, from: u64, to: u64, model: &[Vec<u8>]| {
         *step.lock() = Some(Step {
@@ -223,26 +253,14 @@ fn run_seed_online(
     report: &mut ResizeReport,
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let (storage, mut model) = crate::snapshot::written_volume(config.layout, &mut rng)?;
-    let mut fs = ModelFs::new();
-    fs.put_dir(Path::new(VOLUME));
-    put_volume(&mut fs, &storage, BLOCKS)?;
-    let first = BLOCKS + rng.range(1, 160);
-    let second = first + rng.range(1, 160);
-    let step: Arc<Mutex<Option<Step>>> = Arc::default();
-    let findings = Findings::default();
-    let recording = Recording::new(fs);
-    {
-        let step = step.clone();
-        let breaks = config.breaks;
-        *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
-            let Some(step) = step.lock().clone() else {
-                return Ok(());
-            };
-            verify(image, &step, breaks)
-                .map_err(|e| format!("online {} -> {} blocks: {e}", step.from, step.to))
-        }));
-    }
+    let Seed {
+        mut model,
+        first,
+        second,
+        step,
+        findings,
+        recording,
+    } = start_seed(config, &mut rng)?;
     let volume_dir = Path::new(VOLUME);
     // The storage the served engine uses now (its files, as the model
     // filesystem had them when it was opened).

@@ -374,39 +374,7 @@ fn a_crash_during_a_snapshot_or_clone_leaves_none_or_a_whole_one() {
 /// the map of that size, the crash images are caught.
 #[test]
 fn a_crash_during_a_resize_leaves_the_old_size_or_the_new_one() {
-    for layout in LayoutKind::ALL {
-        let config = vouch_sim::resize::ResizeConfig {
-            layout,
-            seeds: 2,
-            seed: 1,
-            breaks: vouch_engine::resize::ResizeBreaks::default(),
-            online: false,
-        };
-        let report = vouch_sim::resize::run(&config);
-        assert!(
-            report.violations.is_empty() && report.images > 3 * 30,
-            "{}\n{}",
-            report.violations.join("\n"),
-            vouch_sim::resize::summary(&report, &config)
-        );
-        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
-    }
-    let broken = vouch_sim::resize::ResizeConfig {
-        layout: LayoutKind::Split,
-        seeds: 1,
-        seed: 1,
-        breaks: vouch_engine::resize::ResizeBreaks { switch_first: true },
-        online: false,
-    };
-    let report = vouch_sim::resize::run(&broken);
-    assert!(
-        report
-            .violations
-            .iter()
-            .any(|v| v.contains("before operation")),
-        "the new size written before the files and the map went unseen: {}",
-        vouch_sim::resize::summary(&report, &broken)
-    );
+    resize_crashes(false);
 }
 
 /// The same resizes through a served volume (`Volume::resize_online`):
@@ -417,13 +385,17 @@ fn a_crash_during_a_resize_leaves_the_old_size_or_the_new_one() {
 /// switch written first is caught on this path too.
 #[test]
 fn a_crash_during_an_online_resize_keeps_what_the_served_volume_acknowledged() {
+    resize_crashes(true);
+}
+
+fn resize_crashes(online: bool) {
     for layout in LayoutKind::ALL {
         let config = vouch_sim::resize::ResizeConfig {
             layout,
             seeds: 2,
             seed: 1,
             breaks: vouch_engine::resize::ResizeBreaks::default(),
-            online: true,
+            online,
         };
         let report = vouch_sim::resize::run(&config);
         assert!(
@@ -439,7 +411,7 @@ fn a_crash_during_an_online_resize_keeps_what_the_served_volume_acknowledged() {
         seeds: 1,
         seed: 1,
         breaks: vouch_engine::resize::ResizeBreaks { switch_first: true },
-        online: true,
+        online,
     };
     let report = vouch_sim::resize::run(&broken);
     assert!(
@@ -447,7 +419,7 @@ fn a_crash_during_an_online_resize_keeps_what_the_served_volume_acknowledged() {
             .violations
             .iter()
             .any(|v| v.contains("before operation")),
-        "the new size written before the files and the map went unseen online: {}",
+        "the new size written before the files and the map went unseen: {}",
         vouch_sim::resize::summary(&report, &broken)
     );
 }

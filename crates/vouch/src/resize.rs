@@ -98,6 +98,12 @@ pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<Onli
 
 fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
     crate::commands::volume_dir(path)?;
+    if vouch_engine::volume_in_use(path)? {
+        bail!(
+            "{} is open in a running `vouch serve`: resize it through the server (`vouch resize --server ADDR [EXPORT] SIZE`, its --control address), or stop it first",
+            path.display()
+        );
+    }
     let superblock = vouch_engine::volume_superblock(path)?;
     if superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
         bail!(
