@@ -131,7 +131,7 @@ impl Volume {
 
     /// Is the volume encrypted?
     pub fn encrypted(&self) -> bool {
-        self.current().encrypted()
+        self.first.encrypted()
     }
 
     /// Open a volume, recovering from the journal if it was not closed cleanly.
@@ -231,11 +231,13 @@ impl Volume {
     pub fn geometry(&self) -> Geometry {
         self.current().shared.io.geometry
     }
+    // Fixed at creation: the first engine answers without waiting for a
+    // resize (the control API asks on its reactor).
     pub fn guard(&self) -> GuardKind {
-        self.current().guard()
+        self.first.guard()
     }
     pub fn layout(&self) -> LayoutKind {
-        self.current().shared.layouts.primary().kind()
+        self.first.shared.layouts.primary().kind()
     }
     pub fn stats(&self) -> &Stats {
         // Shared by every engine the volume has had (`resize_online`).
@@ -246,7 +248,7 @@ impl Volume {
         self.first.recovery()
     }
     pub fn uuid_string(&self) -> String {
-        uuid::Uuid::from_bytes(self.current().shared.uuid)
+        uuid::Uuid::from_bytes(self.first.shared.uuid)
             .hyphenated()
             .to_string()
     }
