@@ -206,7 +206,9 @@ impl Job<'_> {
     /// Source and destination are one device.
     pub fn same_volume(&self) -> bool {
         match self.volumes {
-            Some((source, destination)) => std::sync::Arc::ptr_eq(&source.engine(), &destination.engine()),
+            Some((source, destination)) => {
+                std::sync::Arc::ptr_eq(&source.engine(), &destination.engine())
+            }
             None => std::ptr::addr_eq(self.source, self.destination),
         }
     }

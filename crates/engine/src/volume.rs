@@ -166,7 +166,9 @@ impl Volume {
     pub fn run_requested_commit(&self) -> bool {
         let engine = self.engine.read();
         let committer = &engine.committer;
-        committer.is_stepped() && committer.is_background() && committer.run_requested(&engine.shared)
+        committer.is_stepped()
+            && committer.is_background()
+            && committer.run_requested(&engine.shared)
     }
 
     /// Flush, checkpoint and mark the volume clean.
@@ -357,7 +359,9 @@ impl Drop for Volume {
 
 /// Commit and checkpoint (the volume's state unchanged), returning
 /// the commit lock held.
-fn commit_and_checkpoint(engine: &Engine) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
+fn commit_and_checkpoint(
+    engine: &Engine,
+) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
     let shared = &engine.shared;
     shared.io.check_writable()?;
     let mut journal = engine.committer.lock();

@@ -113,15 +113,15 @@ struct Step {
 }
 
 /// What a seed starts from: the written volume's model, the two sizes it
-/// is resized to, and the model filesystem with its crash hook.
-struct Seed {
-    model: Vec<Vec<u8>>,
-    first: u64,
-    second: u64,
-    step: Arc<Mutex<Option<Step>>>,
-    findings: Findings,
-    recording: Recording,
-}
+/// is resized to, the step under way, and the model filesystem with its
+/// crash hook.
+type Seed = (
+    Vec<Vec<u8>>,
+    (u64, u64),
+    Arc<Mutex<Option<Step>>>,
+    Findings,
+    Recording,
+);
 
 /// A volume written by `metadata`'s write round and closed, as the model
 /// filesystem's files, whose hook checks every crash image against the
@@ -145,26 +145,12 @@ fn start_seed(config: &ResizeConfig, rng: &mut Rng) -> Result<Seed, String> {
         verify(image, &step, breaks)
             .map_err(|e| format!("{path}{} -> {} blocks: {e}", step.from, step.to))
     }));
-    Ok(Seed {
-        model,
-        first,
-        second,
-        step,
-        findings,
-        recording,
-    })
+    Ok((model, (first, second), step, findings, recording))
 }
 
 fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let Seed {
-        mut model,
-        first,
-        second,
-        step,
-        findings,
-        recording,
-    } = start_seed(config, &mut rng)?;
+    let (mut model, (first, second), step, findings, recording) = start_seed(config, &mut rng)?;
     let volume = Path::new(VOLUME);
     let resize_to = |recording: &Recording, from: u64, to: u64, model: &[Vec<u8>]| {
         *step.lock() = Some(Step {
@@ -253,23 +239,13 @@ fn run_seed_online(
     report: &mut ResizeReport,
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
-    let Seed {
-        mut model,
-        first,
-        second,
-        step,
-        findings,
-        recording,
-    } = start_seed(config, &mut rng)?;
+    let (mut model, (first, second), step, findings, recording) = start_seed(config, &mut rng)?;
     let volume_dir = Path::new(VOLUME);
     // The storage the served engine uses now (its files, as the model
     // filesystem had them when it was opened).
     let served = Mutex::new(storage_of(&mut recording.fs.lock(), BLOCKS)?);
-    let volume = Volume::open(
-        Arc::new(served.lock().clone()),
-        &OpenOptions::foreground(),
-    )
-    .map_err(|e| format!("open: {e}"))?;
+    let volume = Volume::open(Arc::new(served.lock().clone()), &OpenOptions::foreground())
+        .map_err(|e| format!("open: {e}"))?;
     let resize_online = |from: u64, to: u64, model: &[Vec<u8>]| -> Result<(), String> {
         *step.lock() = Some(Step {
             from,
@@ -290,7 +266,8 @@ fn run_seed_online(
                 // old storage is a copy here, not the same files).
                 reopen: &mut |_, _| {
                     let mut fs = recording.fs.lock();
-                    let blocks = superblock_of(&mut fs).map_err(sim_error)?.size_bytes / BLOCK as u64;
+                    let blocks =
+                        superblock_of(&mut fs).map_err(sim_error)?.size_bytes / BLOCK as u64;
                     let storage = storage_of(&mut fs, blocks).map_err(sim_error)?;
                     *served.lock() = storage.clone();
                     Ok(Arc::new(storage))
@@ -300,7 +277,9 @@ fn run_seed_online(
         *step.lock() = None;
         done.map_err(|e| format!("online resize {from} -> {to} blocks failed: {e}"))?;
         if vouch_engine::BlockDevice::size(&volume) != to * BLOCK as u64 {
-            return Err(format!("online resize to {to} blocks: the volume says another size"));
+            return Err(format!(
+                "online resize to {to} blocks: the volume says another size"
+            ));
         }
         Ok(())
     };

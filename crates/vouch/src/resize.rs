@@ -57,8 +57,11 @@ fn resize_through(server: &ServerArgs, first: &str, second: Option<&str>) -> Res
     Ok(ExitCode::SUCCESS)
 }
 
-/// Online resizes under way, by volume directory: (from, to, started).
-static RESIZING: Mutex<Option<HashMap<PathBuf, (u64, u64, u64)>>> = Mutex::new(None);
+/// An online resize under way: from, to, started (Unix seconds).
+type Resizing = (u64, u64, u64);
+
+/// Online resizes under way, by volume directory.
+static RESIZING: Mutex<Option<HashMap<PathBuf, Resizing>>> = Mutex::new(None);
 
 /// One online resize at a time per server.
 static ONLINE: Mutex<()> = Mutex::new(());
@@ -82,7 +85,7 @@ pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<Onli
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     let from = vouch_engine::BlockDevice::size(volume);
-    let mark = |entry: Option<(u64, u64, u64)>| {
+    let mark = |entry: Option<Resizing>| {
         let mut resizing = RESIZING.lock().unwrap_or_else(|poison| poison.into_inner());
         let map = resizing.get_or_insert_with(HashMap::new);
         match entry {

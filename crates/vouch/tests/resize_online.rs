@@ -229,7 +229,11 @@ fn bad_online_resizes_get_a_clear_4xx() {
         .collect();
     let (vol, mirror) = (&names[0], &names[1]);
     for (body, status, says) in [
-        (&b"{\"size\": 0}"[..], 400, "not a positive multiple of 4096"),
+        (
+            &b"{\"size\": 0}"[..],
+            400,
+            "not a positive multiple of 4096",
+        ),
         (b"{\"size\": 4097}", 400, "not a positive multiple of 4096"),
         (b"{\"size\": \"1G1\"}", 400, "is not a size"),
         (b"{\"size\": \"2P\"}", 400, "larger than the largest volume"),
@@ -248,7 +252,10 @@ fn bad_online_resizes_get_a_clear_4xx() {
     assert_eq!(got, 404, "{answer}");
     let (got, answer) = post_resize(&ctl, mirror, b"{\"size\": \"8M\"}");
     assert_eq!(got, 409, "{answer}");
-    assert!(answer["error"].as_str().unwrap_or_default().contains("mirror"));
+    assert!(answer["error"]
+        .as_str()
+        .unwrap_or_default()
+        .contains("mirror"));
     // Nothing changed size.
     let (_, exports) = request(&ctl, "GET", "/v1/exports", None, None);
     for export in exports["exports"].as_array().expect("exports") {

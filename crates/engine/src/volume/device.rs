@@ -111,7 +111,9 @@ impl BlockDevice for Volume {
         length: u64,
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>> {
-        self.current().shared.block_status(offset, length, max_blocks)
+        self.current()
+            .shared
+            .block_status(offset, length, max_blocks)
     }
     fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
         self.current().shared.stored_contexts(first, count)
@@ -135,7 +137,9 @@ impl BlockDevice for Volume {
         Ok(report.faults)
     }
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
-        self.current().shared.read_blocks_collecting(first, count, out)
+        self.current()
+            .shared
+            .read_blocks_collecting(first, count, out)
     }
     fn next_possible_data(&self, lba: u64) -> Result<u64> {
         self.current().shared.next_possible_data(lba)
@@ -167,7 +171,8 @@ impl BlockDevice for Volume {
         self.current().release_room(count)
     }
     fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.current().write_sealed_reserved(blocks, SealCheck::Placement)
+        self.current()
+            .write_sealed_reserved(blocks, SealCheck::Placement)
     }
     fn inline_seal_max_bytes(&self) -> usize {
         self.current().inline_seal_max_bytes()

@@ -41,9 +41,12 @@ pub struct OnlineResized {
 /// storage's lock: `Storage::reopen`).
 pub struct ResizeSteps<'a> {
     pub files: &'a mut dyn FnMut(u64) -> Result<()>,
-    pub reopen:
-        &'a mut dyn FnMut(&dyn Storage, &vouch_format::Geometry) -> Result<Arc<dyn Storage>>,
+    pub reopen: &'a mut Reopen<'a>,
 }
+
+/// The storage of the volume opened again for a geometry.
+pub type Reopen<'a> =
+    dyn FnMut(&dyn Storage, &vouch_format::Geometry) -> Result<Arc<dyn Storage>> + 'a;
 
 impl Volume {
     /// Resize this open, writable volume to `new_bytes` (see the module).
@@ -73,7 +76,11 @@ impl Volume {
         let restart = |engine: &Arc<Engine>| {
             *self.committer.lock() = start_committer(engine, &self.options);
         };
-        let mine = if Arc::ptr_eq(&engine, &self.first) { 3 } else { 2 };
+        let mine = if Arc::ptr_eq(&engine, &self.first) {
+            3
+        } else {
+            2
+        };
         while Arc::strong_count(&engine) > mine {
             if locked.elapsed() > LET_GO {
                 restart(&engine);
@@ -161,9 +168,7 @@ fn refuse_online(superblock: &Superblock) -> Result<()> {
 fn refuse_written_tail(engine: &Engine, new_bytes: u64, old_bytes: u64) -> Result<()> {
     {
         let mut journal = engine.committer.lock();
-        engine
-            .committer
-            .commit(&engine.shared, &mut journal, &[])?;
+        engine.committer.commit(&engine.shared, &mut journal, &[])?;
     }
     let shared = &engine.shared;
     let found = crate::resize::first_written_by(

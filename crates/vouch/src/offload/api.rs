@@ -263,10 +263,17 @@ async fn resize_export(
     let expected = "expected {\"size\": BYTES} or {\"size\": \"10G\"}";
     let request: Value = serde_json::from_slice(&body)
         .map_err(|error| ApiError::bad(format!("resize request: {error} ({expected})")))?;
-    let size = match request.as_object().map(|fields| (fields.len(), fields.get("size"))) {
+    let size = match request
+        .as_object()
+        .map(|fields| (fields.len(), fields.get("size")))
+    {
         Some((1, Some(Value::String(text)))) => text.clone(),
         Some((1, Some(Value::Number(number)))) => number.to_string(),
-        _ => return Err(ApiError::bad(format!("resize request: {request} ({expected})"))),
+        _ => {
+            return Err(ApiError::bad(format!(
+                "resize request: {request} ({expected})"
+            )))
+        }
     };
     let new_bytes = crate::parse_volume_size(&size).map_err(ApiError::bad)?;
     let entry = export_of(&state, &export)?;
@@ -283,12 +290,11 @@ async fn resize_export(
         ));
     }
     let (dir, volume) = (entry.dir.clone(), entry.volume.clone());
-    let done = tokio::task::spawn_blocking(move || {
-        crate::resize::resize_online(&dir, &volume, new_bytes)
-    })
-    .await
-    .map_err(internal)?
-    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    let done =
+        tokio::task::spawn_blocking(move || crate::resize::resize_online(&dir, &volume, new_bytes))
+            .await
+            .map_err(internal)?
+            .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({
         "export": export,
         "old_size": done.old_bytes,
