@@ -19,7 +19,8 @@ use crate::written::WrittenMap;
 pub(crate) struct Backing {
     storage: Arc<dyn Storage>,
     pub geometry: Geometry,
-    pub stats: Stats,
+    /// Shared with the engine a resize opens in this one's place.
+    pub stats: Arc<Stats>,
     /// Which metadata units hold protection information (`written.rs`).
     pub written: WrittenMap,
     /// Split data segments shorter than the volume needs, found at open
@@ -44,7 +45,7 @@ impl Backing {
         Backing {
             storage,
             geometry,
-            stats: Stats::default(),
+            stats: Arc::default(),
             written,
             short_data: Vec::new(),
             read_only,

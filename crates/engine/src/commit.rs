@@ -169,6 +169,13 @@ impl Committer {
     }
 
     pub fn set_background(&self, running: bool) {
+        if running {
+            // A committer started again (an online resize that stopped it,
+            // then refused) must not find the last one's stop, nor a
+            // prompt it never took.
+            self.signal.lock().stop = false;
+            self.idle.store(true, Ordering::Release);
+        }
         self.background.store(running, Ordering::Release);
     }
 

@@ -206,7 +206,9 @@ impl Job<'_> {
     /// Source and destination are one device.
     pub fn same_volume(&self) -> bool {
         match self.volumes {
-            Some((source, destination)) => std::ptr::eq(source.engine(), destination.engine()),
+            Some((source, destination)) => {
+                std::sync::Arc::ptr_eq(&source.engine(), &destination.engine())
+            }
             None => std::ptr::addr_eq(self.source, self.destination),
         }
     }
@@ -263,7 +265,7 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<(CopyMethod, String)> 
         CopyMethod::Auto => {
             // A small shift inside one volume would clone in tiny steps.
             if let Some((_, destination)) = job.volumes {
-                let piece = reflink::piece_blocks(destination.engine());
+                let piece = reflink::piece_blocks(&destination.engine());
                 if job.overlap_shift().is_some_and(|shift| shift < piece) {
                     let why = format!("a shift of less than {piece} blocks within one volume");
                     return Ok((CopyMethod::Pipelined, why));

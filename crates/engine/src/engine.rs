@@ -61,6 +61,16 @@ impl Engine {
     /// Open a volume on `storage`, recovering from the journal if it was
     /// not closed cleanly.
     pub fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Engine> {
+        Engine::open_counting(storage, options, None)
+    }
+
+    /// `open`, counting its I/O in `stats` when given (the counters of
+    /// the engine an online resize replaces: `Volume::resize_online`).
+    pub fn open_counting(
+        storage: Arc<dyn Storage>,
+        options: &OpenOptions,
+        stats: Option<Arc<crate::stats::Stats>>,
+    ) -> Result<Engine> {
         let mut superblock = read_superblock(&*storage)?;
         let unknown = superblock.features.unknown_incompat();
         if unknown != 0 {
@@ -172,6 +182,9 @@ impl Engine {
             );
         }
         let mut io = Backing::new(storage, geometry, read_only, written);
+        if let Some(stats) = stats {
+            io.stats = stats;
+        }
         if geometry.layout == LayoutKind::Split {
             io.short_data = short_objects
                 .iter()

@@ -82,15 +82,31 @@ fn invalid(message: String) -> Error {
 /// unwritten. Holes on disk with no unit set in the written map are
 /// skipped without reading them.
 pub fn first_written(device: &dyn BlockDevice, first: u64, end: u64) -> Result<Option<u64>> {
+    first_written_by(
+        &|lba| device.next_possible_data(lba),
+        &|lba, count| device.block_status(lba * crate::BLOCK, count * crate::BLOCK, count),
+        first,
+        end,
+    )
+}
+
+/// `first_written` over an engine's own calls (an online shrink asks the
+/// engine it holds, not the `Volume` it is resizing).
+pub(crate) fn first_written_by(
+    next_possible_data: &dyn Fn(u64) -> Result<u64>,
+    block_status: &dyn Fn(u64, u64) -> Result<Vec<(u64, Allocation)>>,
+    first: u64,
+    end: u64,
+) -> Result<Option<u64>> {
     const CHUNK: u64 = 4096;
     let mut lba = first;
     while lba < end {
-        lba = device.next_possible_data(lba)?.max(lba);
+        lba = next_possible_data(lba)?.max(lba);
         if lba >= end {
             break;
         }
         let count = (end - lba).min(CHUNK);
-        let runs = device.block_status(lba * crate::BLOCK, count * crate::BLOCK, count)?;
+        let runs = block_status(lba, count)?;
         let mut at = lba;
         for (blocks, kind) in runs {
             if kind != Allocation::Hole {
@@ -396,11 +412,6 @@ pub fn resize(
 /// without the written map.
 fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result<()> {
     let shown = volume.display();
-    if is_snapshot(superblock) {
-        return Err(invalid(format!(
-            "{shown} is a snapshot, which is read-only: resize the volume, or a `vouch clone` of the snapshot"
-        )));
-    }
     if superblock.state != STATE_CLEAN {
         return Err(invalid(format!(
             "{shown} was not closed cleanly: open it (vouch check, or serve) so it recovers, then resize it"
@@ -409,6 +420,18 @@ fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result
     if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
             "{shown} is a leg of a mirror: resizing a mirrored volume is not supported (remove its other legs with `vouch mirror remove`, resize the volume, then add them again with `vouch mirror add`)"
+        )));
+    }
+    refuse_kind(&shown.to_string(), superblock)
+}
+
+/// What no resize touches, by the superblock alone (an online resize asks
+/// before it closes the engine): a snapshot, unknown features, regions, a
+/// volume without the written map and whole units.
+pub(crate) fn refuse_kind(shown: &str, superblock: &Superblock) -> Result<()> {
+    if is_snapshot(superblock) {
+        return Err(invalid(format!(
+            "{shown} is a snapshot, which is read-only: resize the volume, or a `vouch clone` of the snapshot"
         )));
     }
     let features = superblock.features;
@@ -542,4 +565,28 @@ fn switch(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result
             .map_err(|e| io_error("sync", &path, e))?;
     }
     Ok(())
+}
+
+/// Resize the volume at `path`, open and served in this process as
+/// `volume` (`Volume::resize_online`: closed, resized by `resize` on its
+/// files, opened again on them under the same lock).
+pub fn resize_open(
+    volume: &crate::Volume,
+    path: &Path,
+    new_bytes: u64,
+) -> Result<crate::volume::OnlineResized> {
+    let fs = crate::snapshot::RealFs::default();
+    volume.resize_online(
+        new_bytes,
+        crate::volume::ResizeSteps {
+            files: &mut |bytes| resize(&fs, path, bytes, ResizeBreaks::default()).map(drop),
+            reopen: &mut |storage, geometry| {
+                storage.reopen(geometry).map_err(|error| Error::Path {
+                    action: "open",
+                    path: path.to_path_buf(),
+                    cause: error.to_string(),
+                })
+            },
+        },
+    )
 }

@@ -12,6 +12,9 @@ use std::thread::JoinHandle;
 use vouch_format::{FeatureFlags, Geometry, GuardKind, LayoutKind, BLOCK_SIZE};
 
 mod device;
+mod online_resize;
+
+pub use online_resize::{OnlineResized, ResizeSteps};
 
 use crate::copy::MethodCache;
 use crate::device::BlockDevice;
@@ -27,8 +30,21 @@ use crate::superblock::{new_superblock, write_superblock_copy};
 pub use crate::state::BLOCK;
 
 pub struct Volume {
-    engine: Arc<Engine>,
-    committer: Option<JoinHandle<()>>,
+    /// The open engine. Every call takes this lock for reading while it
+    /// uses the engine; an online resize (`resize_online`) takes it for
+    /// writing, closes the engine, resizes the files and puts the engine
+    /// of the new size here.
+    engine: parking_lot::RwLock<Arc<Engine>>,
+    /// The engine the volume was opened with: its storage's read ring is
+    /// the one the server watches (`read_events`), so it stays alive.
+    first: Arc<Engine>,
+    committer: parking_lot::Mutex<Option<JoinHandle<()>>>,
+    /// The size new callers see (`BlockDevice::size`, which the NBD
+    /// handshake asks on its reactor, so it never waits for a resize):
+    /// the engine's, lowered before a shrink and raised after a grow.
+    size: std::sync::atomic::AtomicU64,
+    /// How the volume was opened (an online resize opens it again so).
+    options: OpenOptions,
     /// The copy method `Auto` chose per source volume (`copy.rs`).
     copy_methods: MethodCache,
 }
@@ -91,14 +107,14 @@ impl Volume {
     /// passphrase (crash-safe: `Engine::change_key`). The data is not
     /// rewritten; afterwards only the new key opens the volume.
     pub fn change_key(&self, secret: &UserSecret) -> Result<()> {
-        self.engine.change_key(secret)
+        self.current().change_key(secret)
     }
 
     /// Make this volume a member of a REGIONS volume (`regions.rs`): set
     /// the REGIONS flag and `regions_seq` (the home member's record seq;
     /// 0 in the other member), a superblock write.
     pub(crate) fn set_regions(&self, seq: u64) -> Result<()> {
-        self.engine.update_superblock(|superblock| {
+        self.current().update_superblock(|superblock| {
             superblock.features.incompat |= vouch_format::FeatureFlags::INCOMPAT_REGIONS;
             superblock.regions_seq = seq;
         })
@@ -107,7 +123,7 @@ impl Volume {
     /// No longer a member of a REGIONS volume: the flag and `regions_seq`
     /// cleared (every region back in this, the home member).
     pub(crate) fn clear_regions(&self) -> Result<()> {
-        self.engine.update_superblock(|superblock| {
+        self.current().update_superblock(|superblock| {
             superblock.features.incompat &= !vouch_format::FeatureFlags::INCOMPAT_REGIONS;
             superblock.regions_seq = 0;
         })
@@ -115,46 +131,27 @@ impl Volume {
 
     /// Is the volume encrypted?
     pub fn encrypted(&self) -> bool {
-        self.engine.encrypted()
+        self.first.encrypted()
     }
 
     /// Open a volume, recovering from the journal if it was not closed cleanly.
     pub fn open(storage: Arc<dyn Storage>, options: &OpenOptions) -> Result<Volume> {
         let engine = Arc::new(Engine::open(storage, options)?);
-        let background = options.tuning.background_commit && !engine.shared.io.is_read_only();
-        let committer = if background && engine.committer.is_stepped() {
-            // The caller runs the commits writers request
-            // (`run_requested_commit`): no thread.
-            engine.committer.set_background(true);
-            None
-        } else if background {
-            engine.committer.set_background(true);
-            let shared = Arc::clone(&engine);
-            let spawned = std::thread::Builder::new()
-                .name("vouch-commit".into())
-                .spawn(move || shared.committer.run(&shared.shared));
-            match spawned {
-                Ok(handle) => Some(handle),
-                Err(error) => {
-                    engine.committer.set_background(false);
-                    tracing::warn!(%error, "cannot start the background committer; committing inline");
-                    None
-                }
-            }
-        } else {
-            None
-        };
+        let committer = start_committer(&engine, options);
         Ok(Volume {
-            engine,
-            committer,
+            size: engine.shared.io.geometry.size_bytes.into(),
+            first: Arc::clone(&engine),
+            engine: parking_lot::RwLock::new(engine),
+            committer: parking_lot::Mutex::new(committer),
+            options: options.clone(),
             copy_methods: MethodCache::default(),
         })
     }
 
     /// Stop the background committer (it finishes the commit it is in).
-    fn stop_committer(&mut self) {
-        if let Some(handle) = self.committer.take() {
-            self.engine.committer.stop();
+    fn stop_committer(&self, engine: &Engine) {
+        if let Some(handle) = self.committer.lock().take() {
+            engine.committer.stop();
             if handle.join().is_err() {
                 tracing::error!("the background committer panicked");
             }
@@ -167,16 +164,18 @@ impl Volume {
     /// whether a commit ran; always false for other volumes (their thread,
     /// if any, takes the requests).
     pub fn run_requested_commit(&self) -> bool {
-        let committer = &self.engine.committer;
+        let engine = self.engine.read();
+        let committer = &engine.committer;
         committer.is_stepped()
             && committer.is_background()
-            && committer.run_requested(&self.engine.shared)
+            && committer.run_requested(&engine.shared)
     }
 
     /// Flush, checkpoint and mark the volume clean.
-    pub fn close(mut self) -> Result<()> {
-        self.stop_committer();
-        self.engine.shutdown()
+    pub fn close(self) -> Result<()> {
+        let engine = self.engine();
+        self.stop_committer(&engine);
+        engine.shutdown()
     }
 
     /// Run `at` with the volume's files at a flush point (an online
@@ -193,7 +192,8 @@ impl Volume {
         &self,
         at: &mut dyn FnMut(&vouch_format::Superblock) -> Result<R>,
     ) -> Result<R> {
-        let journal = self.commit_and_checkpoint()?;
+        let engine = self.engine.read();
+        let journal = commit_and_checkpoint(&engine)?;
         let superblock = journal.superblock;
         at(&superblock)
     }
@@ -203,27 +203,25 @@ impl Volume {
     /// one's work while writers and flushes go on, so the flush point has
     /// only what came since to commit and move home.
     pub fn checkpoint_now(&self) -> Result<()> {
-        self.commit_and_checkpoint().map(drop)
+        commit_and_checkpoint(&self.engine.read()).map(drop)
     }
 
-    /// Commit and checkpoint (the volume's state unchanged), returning
-    /// the commit lock held.
-    fn commit_and_checkpoint(
-        &self,
-    ) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
-        let engine = &self.engine;
-        let shared = &engine.shared;
-        shared.io.check_writable()?;
-        let mut journal = engine.committer.lock();
-        engine.committer.commit(shared, &mut journal, &[])?;
-        let state = journal.superblock.state;
-        engine.committer.checkpoint(shared, &mut journal, state)?;
-        Ok(journal)
+    /// The engine behind the handle now (for offloads such as `copy`,
+    /// which run on the engine they started with: `resize_online` waits
+    /// until no one else holds it).
+    pub(crate) fn engine(&self) -> Arc<Engine> {
+        Arc::clone(&self.engine.read())
     }
 
-    /// The engine behind the handle (for offloads such as `copy`).
-    pub(crate) fn engine(&self) -> &Engine {
-        &self.engine
+    /// The engine, held for one call: an online resize waits for it.
+    fn current(&self) -> parking_lot::RwLockReadGuard<'_, Arc<Engine>> {
+        self.engine.read()
+    }
+
+    /// `current`, without waiting: `None` while a resize holds the
+    /// volume (a call that must not block then declines).
+    fn current_now(&self) -> Option<parking_lot::RwLockReadGuard<'_, Arc<Engine>>> {
+        self.engine.try_read()
     }
 
     /// The copy method `Auto` chose per source volume, for copies into
@@ -233,22 +231,26 @@ impl Volume {
     }
 
     pub fn geometry(&self) -> Geometry {
-        self.engine.shared.io.geometry
+        self.current().shared.io.geometry
     }
+    // Fixed at creation: the first engine answers without waiting for a
+    // resize (the control API asks on its reactor).
     pub fn guard(&self) -> GuardKind {
-        self.engine.guard()
+        self.first.guard()
     }
     pub fn layout(&self) -> LayoutKind {
-        self.engine.shared.layouts.primary().kind()
+        self.first.shared.layouts.primary().kind()
     }
     pub fn stats(&self) -> &Stats {
-        &self.engine.shared.io.stats
+        // Shared by every engine the volume has had (`resize_online`).
+        &self.first.shared.io.stats
     }
     pub fn recovery_report(&self) -> &RecoveryReport {
-        self.engine.recovery()
+        // What the open's recovery found (a resize's reopen recovers nothing).
+        self.first.recovery()
     }
     pub fn uuid_string(&self) -> String {
-        uuid::Uuid::from_bytes(self.engine.shared.uuid)
+        uuid::Uuid::from_bytes(self.first.shared.uuid)
             .hyphenated()
             .to_string()
     }
@@ -261,14 +263,15 @@ impl Volume {
     /// Files shorter than the volume needs, found at open: each names the
     /// LBAs whose data or metadata lies past its end (they read as faults).
     pub fn short_objects(&self) -> &[crate::damage::ShortObject] {
-        self.engine.short_objects()
+        // Found at open (a resize makes every file its nominal length).
+        self.first.short_objects()
     }
 
     /// Why block `lba` has no protection information (the cause of a
     /// `metadata_lost` fault): "contexts: page 40 is zeroed: LBAs
     /// 5120-5247 have no protection information".
     pub fn metadata_cause(&self, lba: u64) -> String {
-        self.engine.shared.metadata_cause(lba)
+        self.current().shared.metadata_cause(lba)
     }
 
     /// Why the blocks of `lba`'s unit fail their tags when the unit was
@@ -276,31 +279,35 @@ impl Volume {
     /// page 3 belongs to another place (its slots name LBAs 640-767): LBAs
     /// 384-511 have no valid protection information".
     pub fn misplaced_cause(&self, lba: u64) -> Option<String> {
-        self.engine.shared.misplaced_cause(lba)
+        self.current().shared.misplaced_cause(lba)
     }
 
     /// The LBAs whose protection information is kept with `lba`'s (its
     /// written-map unit: a split context page, a packed row).
     pub fn metadata_unit(&self, lba: u64) -> Range<u64> {
-        let written = &self.engine.shared.io.written;
-        written.lbas_of(written.unit_of(lba), self.geometry().blocks)
+        let engine = self.current();
+        let written = &engine.shared.io.written;
+        // Not `self.geometry()`: a second read of the engine lock waits
+        // behind a queued resize that waits for this one (parking_lot's
+        // lock is fair).
+        written.lbas_of(written.unit_of(lba), engine.shared.io.geometry.blocks)
     }
 
     /// Memory held by caches and buffers now.
     pub fn resident_bytes(&self) -> u64 {
-        self.engine.shared.state.read().resident_bytes()
+        self.current().shared.state.read().resident_bytes()
     }
 
     pub fn info(&self) -> Result<VolumeInfo> {
-        let geometry = self.geometry();
-        let io = &self.engine.shared.io;
+        let engine = self.current();
+        let io = &engine.shared.io;
         let mut allocated = 0;
-        for object in objects_of(&geometry) {
+        for object in objects_of(&io.geometry) {
             allocated += io.storage().allocated_bytes(object).unwrap_or(0);
         }
-        let mut info = VolumeInfo::of(&self.engine.superblock(), &geometry, allocated);
-        info.journal_bytes = self.engine.committer.journal_bytes();
-        info.clean = self.engine.recovery().was_clean;
+        let mut info = VolumeInfo::of(&engine.superblock(), &io.geometry, allocated);
+        info.journal_bytes = engine.committer.journal_bytes();
+        info.clean = self.first.recovery().was_clean;
         Ok(info)
     }
 }
@@ -343,11 +350,54 @@ impl VolumeInfo {
 
 impl Drop for Volume {
     fn drop(&mut self) {
-        self.stop_committer();
+        let engine = self.engine();
+        self.stop_committer(&engine);
         // Dropped without `close`: when no acknowledged write waits for its
         // commit, the held log's files go as well, so a handle dropped
         // (a command that failed, a test) leaves nothing in tmpfs; when
         // some do, they stay for the next open, as after a crash.
-        self.engine.release_held_if_empty();
+        engine.release_held_if_empty();
+    }
+}
+
+/// Commit and checkpoint (the volume's state unchanged), returning
+/// the commit lock held.
+fn commit_and_checkpoint(
+    engine: &Engine,
+) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
+    let shared = &engine.shared;
+    shared.io.check_writable()?;
+    let mut journal = engine.committer.lock();
+    engine.committer.commit(shared, &mut journal, &[])?;
+    let state = journal.superblock.state;
+    engine.committer.checkpoint(shared, &mut journal, state)?;
+    Ok(journal)
+}
+
+/// The background committer of a newly opened `engine`, unless it is
+/// read-only, its commits are foreground, or its caller steps them.
+fn start_committer(engine: &Arc<Engine>, options: &OpenOptions) -> Option<JoinHandle<()>> {
+    let background = options.tuning.background_commit && !engine.shared.io.is_read_only();
+    if background && engine.committer.is_stepped() {
+        // The caller runs the commits writers request
+        // (`run_requested_commit`): no thread.
+        engine.committer.set_background(true);
+        None
+    } else if background {
+        engine.committer.set_background(true);
+        let shared = Arc::clone(engine);
+        let spawned = std::thread::Builder::new()
+            .name("vouch-commit".into())
+            .spawn(move || shared.committer.run(&shared.shared));
+        match spawned {
+            Ok(handle) => Some(handle),
+            Err(error) => {
+                engine.committer.set_background(false);
+                tracing::warn!(%error, "cannot start the background committer; committing inline");
+                None
+            }
+        }
+    } else {
+        None
     }
 }

@@ -96,6 +96,11 @@ enum Command {
         /// run must find violations).
         #[arg(long)]
         break_switch: bool,
+        /// Through a served volume (`Volume::resize_online`): writes in
+        /// its buffer before each resize, the engine closed, its files
+        /// resized and opened again.
+        #[arg(long)]
+        online: bool,
     },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
@@ -394,7 +399,11 @@ fn run(cli: Cli) -> Result<bool, String> {
             println!("{}", report.summary(&config));
             Ok(report.violations.is_empty())
         }
-        Command::Resize { run, break_switch } => {
+        Command::Resize {
+            run,
+            break_switch,
+            online,
+        } => {
             let config = vouch_sim::resize::ResizeConfig {
                 layout: layout(&run.layout)?,
                 seeds: run.seeds,
@@ -402,6 +411,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                 breaks: vouch_engine::resize::ResizeBreaks {
                     switch_first: break_switch,
                 },
+                online,
             };
             let report = vouch_sim::resize::run(&config);
             for violation in &report.violations {

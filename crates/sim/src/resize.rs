@@ -24,6 +24,16 @@
 //!
 //! After each step returned, the volume has the new size.
 //!
+//! `--online` drives the same three resizes through a served volume
+//! (`Volume::resize_online`): the volume open (foreground commits),
+//! random writes left in its write-back buffer before each resize, the
+//! engine closed by the resize itself, its files then resized on the
+//! model filesystem (where the crash images are taken, with every write
+//! acknowledged before the resize in the model) and the engine opened
+//! again on them; after each, writes through the new engine (into the
+//! new tail, its last block always), and at the end the volume closed,
+//! read whole and checked.
+//!
 //! `--break-switch` writes the new size into the superblock before the
 //! files and the map of the new size are made
 //! (`ResizeBreaks::switch_first`): the images must then show violations.
@@ -48,6 +58,8 @@ pub struct ResizeConfig {
     pub seeds: u64,
     pub seed: u64,
     pub breaks: ResizeBreaks,
+    /// Through a served volume (`Volume::resize_online`).
+    pub online: bool,
 }
 
 /// What the seeds found (the snapshot simulator's report).
@@ -56,7 +68,8 @@ pub type ResizeReport = crate::snapshot::SnapshotReport;
 /// The summary line of `report` for `config`.
 pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
     format!(
-        "resize: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+        "resize{}: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+        if config.online { " online" } else { "" },
         config.layout.name(),
         if config.breaks.switch_first {
             " BROKEN(switch first)"
@@ -74,11 +87,19 @@ pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
 const VOLUME: &str = "/v";
 
 pub fn run(config: &ResizeConfig) -> ResizeReport {
-    let flag = config.breaks.switch_first.then_some("--break-switch");
+    let flag = match (config.online, config.breaks.switch_first) {
+        (false, false) => None,
+        (false, true) => Some("--break-switch"),
+        (true, false) => Some("--online"),
+        (true, true) => Some("--online --break-switch"),
+    };
     crate::snapshot::run_seeds(
         ("resize", config.layout, flag),
         config.seed..config.seed + config.seeds,
-        |seed, report| run_seed(config, seed, report),
+        |seed, report| match config.online {
+            true => run_seed_online(config, seed, report),
+            false => run_seed(config, seed, report),
+        },
     )
 }
 
@@ -91,29 +112,45 @@ struct Step {
     model: Vec<Vec<u8>>,
 }
 
-fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
-    let mut rng = Rng::new(seed);
-    let (storage, mut model) = crate::snapshot::written_volume(config.layout, &mut rng)?;
+/// What a seed starts from: the written volume's model, the two sizes it
+/// is resized to, the step under way, and the model filesystem with its
+/// crash hook.
+type Seed = (
+    Vec<Vec<u8>>,
+    (u64, u64),
+    Arc<Mutex<Option<Step>>>,
+    Findings,
+    Recording,
+);
+
+/// A volume written by `metadata`'s write round and closed, as the model
+/// filesystem's files, whose hook checks every crash image against the
+/// step under way (`step`; none: no check).
+fn start_seed(config: &ResizeConfig, rng: &mut Rng) -> Result<Seed, String> {
+    let (storage, model) = crate::snapshot::written_volume(config.layout, rng)?;
     let mut fs = ModelFs::new();
     fs.put_dir(Path::new(VOLUME));
     put_volume(&mut fs, &storage, BLOCKS)?;
-
     let first = BLOCKS + rng.range(1, 160);
     let second = first + rng.range(1, 160);
     let step: Arc<Mutex<Option<Step>>> = Arc::default();
     let findings = Findings::default();
     let recording = Recording::new(fs);
-    {
-        let step = step.clone();
-        let breaks = config.breaks;
-        *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
-            let Some(step) = step.lock().clone() else {
-                return Ok(());
-            };
-            verify(image, &step, breaks)
-                .map_err(|e| format!("{} -> {} blocks: {e}", step.from, step.to))
-        }));
-    }
+    let (hooked, breaks) = (step.clone(), config.breaks);
+    let path = if config.online { "online " } else { "" };
+    *recording.hook.lock() = Some(findings.hook(rng.fork(), move |image| {
+        let Some(step) = hooked.lock().clone() else {
+            return Ok(());
+        };
+        verify(image, &step, breaks)
+            .map_err(|e| format!("{path}{} -> {} blocks: {e}", step.from, step.to))
+    }));
+    Ok((model, (first, second), step, findings, recording))
+}
+
+fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (mut model, (first, second), step, findings, recording) = start_seed(config, &mut rng)?;
     let volume = Path::new(VOLUME);
     let resize_to = |recording: &Recording, from: u64, to: u64, model: &[Vec<u8>]| {
         *step.lock() = Some(Step {
@@ -165,6 +202,104 @@ fn run_seed(config: &ResizeConfig, seed: u64, report: &mut ResizeReport) -> Resu
     resize_to(&recording, second, first, &grown)?;
 
     *recording.hook.lock() = None;
+    findings.end(report)
+}
+
+/// Random writes of `lbas` through `volume` (left in its write-back
+/// buffer: its commits are foreground), and always its block `last`.
+fn write_some(
+    volume: &Volume,
+    model: &mut [Vec<u8>],
+    rng: &mut Rng,
+    lbas: std::ops::Range<u64>,
+    last: u64,
+) -> Result<(), String> {
+    let count = rng.range(1, 8);
+    let lbas: Vec<u64> = (0..count)
+        .map(|_| rng.range(lbas.start, lbas.end - 1))
+        .chain([last])
+        .collect();
+    for lba in lbas {
+        let data = rng.bytes(BLOCK);
+        volume
+            .write(lba * BLOCK as u64, &data, false)
+            .map_err(|e| format!("write LBA {lba}: {e}"))?;
+        model[lba as usize] = data;
+    }
+    Ok(())
+}
+
+fn sim_error(error: String) -> vouch_engine::Error {
+    vouch_engine::Error::InvalidArgument(error)
+}
+
+fn run_seed_online(
+    config: &ResizeConfig,
+    seed: u64,
+    report: &mut ResizeReport,
+) -> Result<(), String> {
+    let mut rng = Rng::new(seed);
+    let (mut model, (first, second), step, findings, recording) = start_seed(config, &mut rng)?;
+    let volume_dir = Path::new(VOLUME);
+    // The storage the served engine uses now (its files, as the model
+    // filesystem had them when it was opened).
+    let served = Mutex::new(storage_of(&mut recording.fs.lock(), BLOCKS)?);
+    let volume = Volume::open(Arc::new(served.lock().clone()), &OpenOptions::foreground())
+        .map_err(|e| format!("open: {e}"))?;
+    let resize_online = |from: u64, to: u64, model: &[Vec<u8>]| -> Result<(), String> {
+        *step.lock() = Some(Step {
+            from,
+            to,
+            model: model.to_vec(),
+        });
+        let done = volume.resize_online(
+            to * BLOCK as u64,
+            vouch_engine::volume::ResizeSteps {
+                // The engine was closed into `served`: its files are the
+                // model filesystem's, durable (its syncs), then resized.
+                files: &mut |bytes| {
+                    put_volume(&mut recording.fs.lock(), &served.lock(), from)
+                        .map_err(sim_error)?;
+                    resize::resize(&recording, volume_dir, bytes, config.breaks).map(drop)
+                },
+                // At the size the model filesystem's superblock says (the
+                // old storage is a copy here, not the same files).
+                reopen: &mut |_, _| {
+                    let mut fs = recording.fs.lock();
+                    let blocks =
+                        superblock_of(&mut fs).map_err(sim_error)?.size_bytes / BLOCK as u64;
+                    let storage = storage_of(&mut fs, blocks).map_err(sim_error)?;
+                    *served.lock() = storage.clone();
+                    Ok(Arc::new(storage))
+                },
+            },
+        );
+        *step.lock() = None;
+        done.map_err(|e| format!("online resize {from} -> {to} blocks failed: {e}"))?;
+        if vouch_engine::BlockDevice::size(&volume) != to * BLOCK as u64 {
+            return Err(format!(
+                "online resize to {to} blocks: the volume says another size"
+            ));
+        }
+        Ok(())
+    };
+
+    write_some(&volume, &mut model, &mut rng, 0..BLOCKS, BLOCKS - 1)?;
+    model.resize(first as usize, vec![0u8; BLOCK]);
+    resize_online(BLOCKS, first, &model)?;
+    // Through the new engine: into the new tail, its last block always.
+    write_some(&volume, &mut model, &mut rng, BLOCKS..first, first - 1)?;
+    let mut grown = model.clone();
+    grown.resize(second as usize, vec![0u8; BLOCK]);
+    resize_online(first, second, &grown)?;
+    write_some(&volume, &mut grown, &mut rng, 0..first, first - 1)?;
+    resize_online(second, first, &grown)?;
+    volume.close().map_err(|e| format!("close: {e}"))?;
+
+    *recording.hook.lock() = None;
+    let mut fs = recording.fs.lock().clone();
+    put_volume(&mut fs, &served.lock(), first)?;
+    open_and_read(&mut fs, first, &grown).map_err(|e| format!("at the end: {e}"))?;
     findings.end(report)
 }
 

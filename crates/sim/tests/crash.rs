@@ -374,12 +374,28 @@ fn a_crash_during_a_snapshot_or_clone_leaves_none_or_a_whole_one() {
 /// the map of that size, the crash images are caught.
 #[test]
 fn a_crash_during_a_resize_leaves_the_old_size_or_the_new_one() {
+    resize_crashes(false);
+}
+
+/// The same resizes through a served volume (`Volume::resize_online`):
+/// writes left in its buffer before each, the engine closed by the
+/// resize, the files resized (crashed before each operation: the images
+/// hold every write acknowledged before the resize), the engine opened
+/// again and written through, at the end read whole and checked. The
+/// switch written first is caught on this path too.
+#[test]
+fn a_crash_during_an_online_resize_keeps_what_the_served_volume_acknowledged() {
+    resize_crashes(true);
+}
+
+fn resize_crashes(online: bool) {
     for layout in LayoutKind::ALL {
         let config = vouch_sim::resize::ResizeConfig {
             layout,
             seeds: 2,
             seed: 1,
             breaks: vouch_engine::resize::ResizeBreaks::default(),
+            online,
         };
         let report = vouch_sim::resize::run(&config);
         assert!(
@@ -395,6 +411,7 @@ fn a_crash_during_a_resize_leaves_the_old_size_or_the_new_one() {
         seeds: 1,
         seed: 1,
         breaks: vouch_engine::resize::ResizeBreaks { switch_first: true },
+        online,
     };
     let report = vouch_sim::resize::run(&broken);
     assert!(

@@ -288,26 +288,35 @@ enum Command {
         #[arg(long)]
         copy: bool,
     },
-    /// Resize the volume at PATH to SIZE (offline: no server may have it
-    /// open): grow it (the new blocks read as zeros and take no space
-    /// until written), or shrink it when every block past SIZE is
-    /// unwritten (never written, or trimmed); a shrink over written data
-    /// is refused naming its first written LBA. SIZE like `create --size`
-    /// (2G = 2 GiB), a multiple of 4096, at most 1 PiB. A snapshot is
-    /// read-only (resize a clone of it); a mirror's legs are refused
-    /// (remove the other legs first). A volume that was not closed
-    /// cleanly is recovered first (an encrypted one needs its key for
-    /// that). Crash-safe: an interrupted resize leaves the old size or the
-    /// new one, finished by the next open. Not online yet: stop `vouch
-    /// serve`, resize, start it again; NBD clients see the new size when
-    /// they connect.
+    /// Resize the volume at PATH to SIZE: grow it (the new blocks read as
+    /// zeros and take no space until written), or shrink it when every
+    /// block past SIZE is unwritten (never written, or trimmed); a shrink
+    /// over written data is refused naming its first written LBA. SIZE
+    /// like `create --size` (2G = 2 GiB), a multiple of 4096, at most
+    /// 1 PiB. A snapshot is read-only (resize a clone of it); a mirror's
+    /// legs are refused (remove the other legs first). A volume that was
+    /// not closed cleanly is recovered first (an encrypted one needs its
+    /// key for that). Crash-safe: an interrupted resize leaves the old
+    /// size or the new one, finished by the next open.
+    ///
+    /// Online: `vouch resize --server ADDR [EXPORT] SIZE` resizes a served
+    /// volume (the control API's `POST /v1/exports/{export}/resize`):
+    /// clients' requests wait while the engine is closed, resized and
+    /// opened again (the command prints how long). NBD has no resize
+    /// notice: connections made after it see the new size, connections
+    /// already open keep the size they negotiated (after a shrink, their
+    /// requests past the new end fail with EINVAL; nothing they wrote
+    /// there can be acknowledged, as the tail must be unwritten). Mirrors
+    /// and volumes with regions are refused online too.
     Resize {
-        /// The volume's directory.
-        path: PathBuf,
+        /// The volume's directory; with --server, the export (optional
+        /// when the server has one), then SIZE.
+        path: String,
         /// The new size: 2G = 2 GiB; K, M, G, T (and KiB, MiB, GiB, TiB)
         /// are powers of 1024; KB, MB, GB, TB are powers of 1000.
-        #[arg(value_parser = parse_volume_size)]
-        size: u64,
+        size: Option<String>,
+        #[command(flatten)]
+        server: offload::client::ServerArgs,
         #[command(flatten)]
         key: key::KeyFileArgs,
     },
@@ -653,7 +662,9 @@ fn main() -> ExitCode {
         Command::Compare(args) => offload::cli_ops::compare(args),
         Command::Key { command } => key::run(command),
         Command::Snapshot { command } => snapshot::run(command),
-        Command::Resize { path, size, .. } => resize::run(&path, size),
+        Command::Resize {
+            path, size, server, ..
+        } => resize::run(&path, size.as_deref(), &server),
         Command::Clone {
             snapshot,
             new_path,

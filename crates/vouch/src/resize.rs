@@ -1,18 +1,112 @@
 //! `vouch resize PATH SIZE`: grow a stopped volume, or shrink it when its
 //! tail was never written (`vouch_engine::resize`; docs/FORMAT.md,
-//! "Resize").
+//! "Resize"); `vouch resize --server ADDR [EXPORT] SIZE` and the control
+//! API's `POST /v1/exports/{export}/resize`: a served one
+//! (`Volume::resize_online`).
 
-use std::path::Path;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context as _, Result};
+use serde_json::{json, Value};
 use vouch_engine::resize::{self, ResizeBreaks};
 use vouch_engine::snapshot::RealFs;
-use vouch_engine::{OpenOptions, BLOCK};
+use vouch_engine::volume::OnlineResized;
+use vouch_engine::{OpenOptions, Volume, BLOCK};
 use vouch_format::FeatureFlags;
 
-pub fn run(path: &Path, new_bytes: u64) -> Result<ExitCode> {
+use crate::offload::client::{Client, ServerArgs};
+
+/// `vouch resize`: `first` and `second` are PATH SIZE offline, [EXPORT]
+/// SIZE with --server.
+pub fn run(first: &str, second: Option<&str>, server: &ServerArgs) -> Result<ExitCode> {
+    if server.server.is_some() {
+        return resize_through(server, first, second);
+    }
+    let size = second.context("missing SIZE: vouch resize PATH SIZE")?;
+    let new_bytes = crate::parse_volume_size(size).map_err(anyhow::Error::msg)?;
+    offline(Path::new(first), new_bytes)
+}
+
+fn resize_through(server: &ServerArgs, first: &str, second: Option<&str>) -> Result<ExitCode> {
+    let client = Client::new(server)?;
+    let (export, size) = match second {
+        Some(size) => (first.to_string(), size.to_string()),
+        None => {
+            let (export, _) = crate::snapshot::export_and_name(&client, None, None)?;
+            (export, first.to_string())
+        }
+    };
+    // Checked here too, for the CLI's own message.
+    crate::parse_volume_size(&size).map_err(anyhow::Error::msg)?;
+    let answer = client.call(
+        hyper::Method::POST,
+        &format!("/v1/exports/{}/resize", crate::snapshot::percent(&export)),
+        Some(&json!({ "size": size })),
+    )?;
+    println!(
+        "resized export {export} from {} to {} bytes (clients waited {:.1} ms for the engine, then {:.1} ms while it was resized); connections made from now on see the new size, those open keep theirs",
+        answer["old_size"],
+        answer["size"],
+        answer["waited_ms"].as_f64().unwrap_or(f64::NAN),
+        answer["held_ms"].as_f64().unwrap_or(f64::NAN),
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// An online resize under way: from, to, started (Unix seconds).
+type Resizing = (u64, u64, u64);
+
+/// Online resizes under way, by volume directory.
+static RESIZING: Mutex<Option<HashMap<PathBuf, Resizing>>> = Mutex::new(None);
+
+/// One online resize at a time per server.
+static ONLINE: Mutex<()> = Mutex::new(());
+
+/// The resize under way of the served volume at `dir`, for the control
+/// API's export info (`null` when none).
+pub fn in_progress(dir: &Path) -> Value {
+    let resizing = RESIZING.lock().unwrap_or_else(|poison| poison.into_inner());
+    match resizing.as_ref().and_then(|map| map.get(dir)) {
+        Some((from, to, started)) => {
+            json!({"from_size": from, "to_size": to, "started_unix": started})
+        }
+        None => Value::Null,
+    }
+}
+
+/// Resize the served volume `volume` (directory `dir`) to `new_bytes`.
+pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<OnlineResized> {
+    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    let started = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let from = vouch_engine::BlockDevice::size(volume);
+    let mark = |entry: Option<Resizing>| {
+        let mut resizing = RESIZING.lock().unwrap_or_else(|poison| poison.into_inner());
+        let map = resizing.get_or_insert_with(HashMap::new);
+        match entry {
+            Some(entry) => map.insert(dir.to_path_buf(), entry),
+            None => map.remove(dir),
+        };
+    };
+    mark(Some((from, new_bytes, started)));
+    let done = resize::resize_open(volume, dir, new_bytes);
+    mark(None);
+    Ok(done?)
+}
+
+fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
     crate::commands::volume_dir(path)?;
+    if vouch_engine::volume_in_use(path)? {
+        bail!(
+            "{} is open in a running `vouch serve`: resize it through the server (`vouch resize --server ADDR [EXPORT] SIZE`, its --control address), or stop it first",
+            path.display()
+        );
+    }
     let superblock = vouch_engine::volume_superblock(path)?;
     if superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
         bail!(

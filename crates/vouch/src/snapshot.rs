@@ -110,7 +110,7 @@ pub fn run(command: SnapshotCommand) -> Result<ExitCode> {
 
 /// `[EXPORT] NAME` on the command line: the export, named or the server's
 /// only one, and the snapshot's name.
-fn export_and_name(
+pub(crate) fn export_and_name(
     client: &Client,
     first: Option<&str>,
     second: Option<&str>,
@@ -144,7 +144,7 @@ fn snapshots_route(export: &str) -> String {
 }
 
 /// `text` percent-encoded for one path segment.
-fn percent(text: &str) -> String {
+pub(crate) fn percent(text: &str) -> String {
     text.bytes()
         .map(|byte| {
             if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {

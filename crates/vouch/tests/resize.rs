@@ -196,10 +196,13 @@ fn bad_sizes_snapshots_and_mirrors_are_refused_and_clones_resize() {
         "{error}"
     );
 
-    // A served volume is refused (offline only).
+    // A served volume is resized through its server, not offline.
     let mut server = Server::start(dir, &[s(&volume)]);
     let error = refused(&["resize", s(&volume), "2M"]);
-    assert!(error.contains("running `vouch serve`"), "{error}");
+    assert!(
+        error.contains("running `vouch serve`") && error.contains("--server"),
+        "{error}"
+    );
     server.stop();
 
     // A volume a newer vouch made (an incompat feature this one does not

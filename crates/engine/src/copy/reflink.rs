@@ -117,8 +117,8 @@ pub(super) fn possible<'a>(job: &Job<'a>) -> std::result::Result<(&'a Volume, &'
 
 /// Run `job` between its two `volumes` (`possible` said it can).
 pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume), run: &mut Visit<'_>) -> Result<()> {
-    let source = volumes.0.engine();
-    let destination = volumes.1.engine();
+    let (source, destination) = (volumes.0.engine(), volumes.1.engine());
+    let (source, destination) = (&*source, &*destination);
     let piece = piece_blocks(destination);
     let mut step = record_blocks(destination, piece * PIECES_PER_STEP);
     if let Some(shift) = job.overlap_shift() {

@@ -179,6 +179,18 @@ impl FileStorage {
 
     /// Open every object of an existing volume (see `FileOpen`).
     pub fn open_objects(dir: &Path, geometry: &Geometry, how: FileOpen) -> io::Result<FileStorage> {
+        FileStorage::open_locked(dir, geometry, how, None)
+    }
+
+    /// `open_objects`; with `superblock`, that open superblock file (a
+    /// duplicate of a storage's that holds the volume's lock: the lock is
+    /// the open file's, so it is shared, not taken again).
+    fn open_locked(
+        dir: &Path,
+        geometry: &Geometry,
+        how: FileOpen,
+        superblock: Option<File>,
+    ) -> io::Result<FileStorage> {
         let FileOpen { writable, direct } = how;
         let open = |object: ObjectId| -> io::Result<File> {
             let path = dir.join(object.file_name());
@@ -230,8 +242,14 @@ impl FileStorage {
                 ))
             }
         };
-        let superblock = open(ObjectId::Superblock)?;
-        lock_volume(&superblock, dir, writable)?;
+        let superblock = match superblock {
+            Some(file) => file,
+            None => {
+                let file = open(ObjectId::Superblock)?;
+                lock_volume(&file, dir, writable)?;
+                file
+            }
+        };
         let held = OnceLock::new();
         if let Some(files) = HeldFiles::find(dir, writable)? {
             let _ = held.set(files);
@@ -1087,6 +1105,21 @@ impl Storage for FileStorage {
         landing.file.read_exact_at(buf, at).map_err(|error| {
             io::Error::new(error.kind(), format!("{}: {error}", landing.path.display()))
         })
+    }
+
+    /// The files again, sharing this storage's lock (`Volume::resize_online`).
+    fn reopen(&self, geometry: &Geometry) -> io::Result<std::sync::Arc<dyn Storage>> {
+        let how = FileOpen {
+            writable: self.writable,
+            direct: self.direct,
+        };
+        let superblock = self.superblock.try_clone()?;
+        Ok(std::sync::Arc::new(FileStorage::open_locked(
+            &self.dir,
+            geometry,
+            how,
+            Some(superblock),
+        )?))
     }
 
     fn release_held(&self) -> io::Result<()> {

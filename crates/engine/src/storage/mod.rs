@@ -278,6 +278,17 @@ pub trait Storage: Send + Sync {
         Ok(())
     }
 
+    /// The same volume opened again for `geometry` (after an online
+    /// resize changed its files), under the lock this storage holds. The
+    /// default cannot.
+    fn reopen(&self, geometry: &vouch_format::Geometry) -> io::Result<std::sync::Arc<dyn Storage>> {
+        let _ = geometry;
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "this storage cannot be opened again at another size",
+        ))
+    }
+
     /// The open file behind `object`, when this storage is backed by files
     /// (a reflink from another volume's storage needs its descriptor).
     fn file_of(&self, object: ObjectId) -> Option<&std::fs::File> {

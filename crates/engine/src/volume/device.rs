@@ -21,25 +21,32 @@ const PARALLEL_VERIFY_BLOCKS: u64 = 4 * crate::jobs::SCAN_CHUNK_BLOCKS;
 
 impl BlockDevice for Volume {
     fn size(&self) -> u64 {
-        self.engine.shared.io.geometry.size_bytes
+        self.size.load(std::sync::atomic::Ordering::Acquire)
     }
+    /// Fixed at open (a resize opens the engine again the same way).
     fn is_read_only(&self) -> bool {
-        self.engine.shared.io.is_read_only()
+        self.first.shared.io.is_read_only()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
-        self.engine.shared.read(offset, buf)
+        self.current().shared.read(offset, buf)
     }
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
-        self.engine.shared.try_read(offset, buf)
+        match self.current_now() {
+            Some(engine) => engine.shared.try_read(offset, buf),
+            None => Ok(None),
+        }
     }
     /// One I/O through the storage's ring; the blocks are verified on the
     /// reaping thread against the contexts planned before it started.
+    /// Only on the engine the volume was opened with (the server watches
+    /// its ring): after an online resize reads go to the workers.
     fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
-        if !self.engine.shared.io.reads_ready() {
+        let current = self.current_now()?;
+        if !Arc::ptr_eq(&current, &self.first) || !current.shared.io.reads_ready() {
             return None;
         }
-        let read = self.engine.shared.plan_ring_read(offset, len)?;
-        let engine = Arc::clone(&self.engine);
+        let read = current.shared.plan_ring_read(offset, len)?;
+        let engine = Arc::clone(&current);
         Some(Box::new(move |done: ReadDone| {
             let span = read.span;
             let io = &engine.shared.io;
@@ -57,41 +64,46 @@ impl BlockDevice for Volume {
         }))
     }
     fn read_events(&self) -> Option<std::os::fd::RawFd> {
-        self.engine.shared.io.read_events()
+        self.first.shared.io.read_events()
     }
     fn reap_reads(&self) -> std::io::Result<()> {
-        self.engine.shared.io.reap_reads()
+        self.first.shared.io.reap_reads()
     }
     fn reads_in_flight(&self) -> usize {
-        self.engine.shared.io.reads_in_flight()
+        self.first.shared.io.reads_in_flight()
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.engine.write(offset, data, fua)
+        self.current().write(offset, data, fua)
     }
     fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        self.engine
-            .try_write_shared(offset, &Bytes::copy_from_slice(data))
+        match self.current_now() {
+            Some(engine) => engine.try_write_shared(offset, &Bytes::copy_from_slice(data)),
+            None => Ok(false),
+        }
     }
     fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.engine.write_shared(offset, data, fua)
+        self.current().write_shared(offset, data, fua)
     }
     fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        self.engine.try_write_shared(offset, data)
+        match self.current_now() {
+            Some(engine) => engine.try_write_shared(offset, data),
+            None => Ok(false),
+        }
     }
     fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
-        self.engine.landing_buffer(len)
+        self.current_now()?.landing_buffer(len)
     }
     fn flush(&self) -> Result<()> {
-        self.engine.flush()
+        self.current().flush()
     }
     fn flush_then(&self, done: FlushDone) {
-        self.engine.flush_then(done)
+        self.current().flush_then(done)
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
-        self.engine.trim(offset, length, fua)
+        self.current().trim(offset, length, fua)
     }
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
-        self.engine.write_zeroes(offset, length, flags)
+        self.current().write_zeroes(offset, length, flags)
     }
     fn block_status(
         &self,
@@ -99,10 +111,12 @@ impl BlockDevice for Volume {
         length: u64,
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>> {
-        self.engine.shared.block_status(offset, length, max_blocks)
+        self.current()
+            .shared
+            .block_status(offset, length, max_blocks)
     }
     fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
-        self.engine.shared.stored_contexts(first, count)
+        self.current().shared.stored_contexts(first, count)
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
@@ -123,45 +137,51 @@ impl BlockDevice for Volume {
         Ok(report.faults)
     }
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
-        self.engine.shared.read_blocks_collecting(first, count, out)
+        self.current()
+            .shared
+            .read_blocks_collecting(first, count, out)
     }
     fn next_possible_data(&self, lba: u64) -> Result<u64> {
-        self.engine.shared.next_possible_data(lba)
+        self.current().shared.next_possible_data(lba)
     }
     fn metadata_unit(&self, lba: u64) -> Range<u64> {
         Volume::metadata_unit(self, lba)
     }
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
-        let generation = self.engine.committer.lock().next_seq;
-        self.engine.shared.read_sealed(first, count, generation)
+        let engine = self.current();
+        let generation = engine.committer.lock().next_seq;
+        engine.shared.read_sealed(first, count, generation)
     }
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine.write_sealed(blocks, SealCheck::Full)
+        self.current().write_sealed(blocks, SealCheck::Full)
     }
     fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.engine.try_write_sealed(blocks, SealCheck::Full)
+        match self.current_now() {
+            Some(engine) => engine.try_write_sealed(blocks, SealCheck::Full),
+            None => Ok(false),
+        }
     }
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine.write_sealed(blocks, SealCheck::Placement)
+        self.current().write_sealed(blocks, SealCheck::Placement)
     }
     fn reserve_room(&self, count: usize) -> bool {
-        self.engine.reserve_room(count)
+        self.current().reserve_room(count)
     }
     fn release_room(&self, count: usize) {
-        self.engine.release_room(count)
+        self.current().release_room(count)
     }
     fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.engine
+        self.current()
             .write_sealed_reserved(blocks, SealCheck::Placement)
     }
     fn inline_seal_max_bytes(&self) -> usize {
-        self.engine.inline_seal_max_bytes()
+        self.current().inline_seal_max_bytes()
     }
     fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
-        self.engine.seal_for_transfer(first, data, generation)
+        self.current().seal_for_transfer(first, data, generation)
     }
     fn generation_clock(&self) -> u64 {
-        self.engine.shared.sealing_generation()
+        self.current().shared.sealing_generation()
     }
     /// Copy within the volume next to the data (`copy::copy`, method
     /// `Auto`): reflink when the filesystem shares extents, else pipelined.

@@ -66,6 +66,10 @@ pub fn router(state: ApiState) -> Router {
             "/v1/exports/{export}/snapshots/{name}",
             axum::routing::delete(delete_snapshot),
         )
+        .route(
+            "/v1/exports/{export}/resize",
+            axum::routing::post(resize_export),
+        )
         .route("/v1/mirrors/{export}", get(mirror_status))
         .route(
             "/v1/mirrors/{export}/resync",
@@ -135,6 +139,7 @@ async fn exports(State(state): State<ApiState>) -> ApiResult<Json<Value>> {
             "guard": volume.guard().name(),
             "read_only": vouch_engine::BlockDevice::is_read_only(&**volume),
             "last_scrub": last.as_ref().map(render::scrub_json),
+            "resizing": crate::resize::in_progress(&entry.dir),
         }));
     }
     Ok(Json(json!({ "exports": list })))
@@ -245,6 +250,58 @@ async fn delete_snapshot(
         .map_err(internal)?
         .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({"export": export, "deleted": name})))
+}
+
+/// `POST /v1/exports/{export}/resize {"size": 10737418240 | "10G"}`:
+/// resize a served volume (`Volume::resize_online`); answered when done.
+/// New connections see the new size; open ones keep theirs.
+async fn resize_export(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+    body: Bytes,
+) -> ApiResult<Json<Value>> {
+    let expected = "expected {\"size\": BYTES} or {\"size\": \"10G\"}";
+    let request: Value = serde_json::from_slice(&body)
+        .map_err(|error| ApiError::bad(format!("resize request: {error} ({expected})")))?;
+    let size = match request
+        .as_object()
+        .map(|fields| (fields.len(), fields.get("size")))
+    {
+        Some((1, Some(Value::String(text)))) => text.clone(),
+        Some((1, Some(Value::Number(number)))) => number.to_string(),
+        _ => {
+            return Err(ApiError::bad(format!(
+                "resize request: {request} ({expected})"
+            )))
+        }
+    };
+    let new_bytes = crate::parse_volume_size(&size).map_err(ApiError::bad)?;
+    let entry = export_of(&state, &export)?;
+    if entry.mirror.is_some() {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("export {export:?} is a mirror: resizing a mirrored volume is not supported (every leg would have to be resized in turn; remove the other legs with `vouch mirror remove`, resize, add them again)"),
+        ));
+    }
+    if vouch_engine::BlockDevice::is_read_only(&*entry.volume) {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("export {export:?} is read-only (a snapshot, or served --read-only): it is not resized"),
+        ));
+    }
+    let (dir, volume) = (entry.dir.clone(), entry.volume.clone());
+    let done =
+        tokio::task::spawn_blocking(move || crate::resize::resize_online(&dir, &volume, new_bytes))
+            .await
+            .map_err(internal)?
+            .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    Ok(Json(json!({
+        "export": export,
+        "old_size": done.old_bytes,
+        "size": done.new_bytes,
+        "waited_ms": done.waited.as_secs_f64() * 1e3,
+        "held_ms": done.held.as_secs_f64() * 1e3,
+    })))
 }
 
 fn resyncer_of(state: &ApiState, export: &str) -> ApiResult<Arc<crate::resync::Resyncer>> {
