@@ -137,7 +137,7 @@ fn online_migration_split_packed_split_under_a_fio_verify_writer() {
         assert_eq!(status["done_bytes"], BLOCKS * BLOCK, "{status}");
         let metrics = server.metrics_text();
         assert_eq!(
-            metric(&metrics, &format!("vouch_regions{{layout=\"{layout}\",volume=\"vol\"}}")),
+            metric(&metrics, &format!("vouch_regions{{volume=\"vol\",layout=\"{layout}\"}}")),
             Some(4.0),
             "{metrics}"
         );
