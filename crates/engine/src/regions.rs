@@ -25,7 +25,7 @@ use crate::volume::Volume;
 use crate::BLOCK;
 
 mod online;
-pub use online::OnlineMigrate;
+pub use online::{OnlineBreaks, OnlineMigrate};
 
 /// The region record's file in the volume's directory.
 pub const REGIONS_FILE: &str = "regions";
@@ -614,23 +614,50 @@ pub struct MigrateBreaks {
     pub short_status: bool,
 }
 
+/// What the crash simulator runs at each step of an online move: a
+/// foreground request arriving there. Its argument says whether the
+/// region's lock is held exclusive (a request would wait: none is sent).
+pub type StepHook = Box<dyn Fn(bool) + Send + Sync>;
+
 /// The migration's file operations, counted: `step` aborts the process
 /// at `MigrateBreaks::crash_at`.
-struct Steps {
+pub struct Steps {
     crash_at: Option<u64>,
     taken: std::sync::atomic::AtomicU64,
+    /// The simulator's foreground request, before each step.
+    hook: Option<StepHook>,
+    /// An online move holds its region's lock exclusive.
+    locked: std::sync::atomic::AtomicBool,
 }
 
 impl Steps {
-    fn new(crash_at: Option<u64>) -> Steps {
+    pub fn new(crash_at: Option<u64>) -> Steps {
         Steps {
             crash_at,
             taken: std::sync::atomic::AtomicU64::new(0),
+            hook: None,
+            locked: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// `hook` run right before each step (before the crash, if there).
+    pub fn with_hook(crash_at: Option<u64>, hook: StepHook) -> Steps {
+        Steps {
+            hook: Some(hook),
+            ..Steps::new(crash_at)
+        }
+    }
+
+    fn set_locked(&self, locked: bool) {
+        self.locked
+            .store(locked, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Called right before each file operation.
     fn step(&self) {
+        if let Some(hook) = &self.hook {
+            hook(self.locked.load(std::sync::atomic::Ordering::SeqCst));
+        }
         let taken = self
             .taken
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)

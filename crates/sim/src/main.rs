@@ -104,6 +104,14 @@ enum Command {
         /// Migrate to the other layout first, then crash the way back.
         #[arg(long)]
         back: bool,
+        /// The online move (a server's), a foreground write arriving
+        /// before each of its file operations (logged once acknowledged).
+        #[arg(long)]
+        online: bool,
+        /// With --online, break it on purpose: never copy again the chunks
+        /// written during the copy (the run must find violations).
+        #[arg(long, requires = "online")]
+        break_recopy: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -115,6 +123,12 @@ enum Command {
         crash_at: u64,
         #[arg(long)]
         break_release: bool,
+        #[arg(long)]
+        online: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        break_recopy: bool,
     },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
@@ -311,8 +325,12 @@ fn run(cli: Cli) -> Result<bool, String> {
             run,
             break_release,
             back,
+            online,
+            break_recopy,
         } => {
             let config = vouch_sim::migrate::MigrateConfig {
+                online,
+                break_recopy,
                 layout: layout(&run.layout)?,
                 seeds: run.seeds,
                 seed: run.seed,
@@ -332,8 +350,21 @@ fn run(cli: Cli) -> Result<bool, String> {
             layout: target,
             crash_at,
             break_release,
+            online,
+            seed,
+            break_recopy,
         } => {
-            vouch_sim::migrate::child(&path, layout(&target)?, crash_at, break_release)?;
+            if online {
+                vouch_sim::migrate::child_online(
+                    &path,
+                    layout(&target)?,
+                    crash_at,
+                    seed,
+                    break_recopy,
+                )?;
+            } else {
+                vouch_sim::migrate::child(&path, layout(&target)?, crash_at, break_release)?;
+            }
             Ok(true)
         }
         Command::Upgrade { run, encrypted } => {

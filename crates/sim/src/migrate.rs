@@ -17,17 +17,29 @@
 //! ends by making it a one-layout volume again (the flag cleared, the
 //! record and the member removed), each of those steps a crash point.
 //!
+//! With `online`, the migration is the server's (`RegionVolume::
+//! migrate_online`): before each of its file operations a foreground
+//! write arrives (about one step in two, none while the region's lock is
+//! held exclusive, where it would wait), through the region layer, and
+//! is logged once acknowledged; the expected image is the volume's with
+//! every logged write applied in order. `--break-recopy` (the chunks
+//! written during the copy never copied again) must be caught.
+//!
 //! A process crash keeps every write issued (the page cache): power-cut
 //! images of the migration are not made here (its files are real files,
 //! not the recorder's), so the fsync order is argued in CRASH_MODEL, not
 //! simulated. A deliberate break (`--break-release`: the old member
 //! trimmed before the switch) must be caught.
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Instant;
 
-use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
+use parking_lot::Mutex;
+use vouch_engine::regions::{self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume};
 use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, OpenOptions, ZeroFlags};
 use vouch_format::regions::REGION_BLOCKS;
 
@@ -47,6 +59,10 @@ pub struct MigrateConfig {
     /// The `vouch-sim` binary (runs `migrate-child`).
     pub child: PathBuf,
     pub break_release: bool,
+    /// The online move, with foreground writes at its steps.
+    pub online: bool,
+    /// Online: never copy the chunks written mid-move again.
+    pub break_recopy: bool,
     /// Migrate to the other layout first (uncrashed), then crash the
     /// migration back to the volume's own layout (which ends by making it
     /// a one-layout volume again).
@@ -72,10 +88,11 @@ impl MigrateReport {
             } else {
                 String::new()
             },
-            if config.break_release {
-                " (break: release before switch)"
-            } else {
-                ""
+            match (config.online, config.break_release, config.break_recopy) {
+                (true, _, true) => " online with foreground writes (break: no recopy)",
+                (true, _, false) => " online with foreground writes",
+                (false, true, _) => " (break: release before switch)",
+                (false, false, _) => "",
             },
             config.seeds,
             self.images,
@@ -100,6 +117,102 @@ pub fn child(
     regions::migrate(path, target, &OpenOptions::default(), &breaks, |_, _| {})
         .map(|_| ())
         .map_err(|error| error.to_string())
+}
+
+/// Where the online child logs the foreground writes it had acknowledged.
+fn acked_log(path: &Path) -> PathBuf {
+    path.with_extension("acked")
+}
+
+/// The volume at `path` for an online migration: a volume with regions
+/// (made one if it is not), as `serve --migratable` opens it.
+fn open_online(path: &Path) -> Result<RegionVolume, String> {
+    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    let options = OpenOptions::default();
+    if regions::has_regions(&superblock) {
+        return RegionVolume::open(path, &options).map_err(|error| error.to_string());
+    }
+    let home = vouch_engine::open_volume(path, &options).map_err(|error| error.to_string())?;
+    regions::open_served(path, home, &options).map_err(|error| error.to_string())
+}
+
+/// Migrate `path` online to `target`; with `steps`' hook writing.
+fn migrate_online(
+    volume: &RegionVolume,
+    target: LayoutKind,
+    steps: &regions::Steps,
+    breaks: OnlineBreaks,
+) -> Result<(), String> {
+    let stop = AtomicBool::new(false);
+    let how = OnlineMigrate {
+        target,
+        rate: None,
+        stop: &stop,
+    };
+    volume
+        .migrate_online_driven(&how, steps, breaks, |_, _| {})
+        .map(|_| ())
+        .map_err(|error| error.to_string())
+}
+
+/// The online child: migrate `path` to `target` with foreground writes
+/// at its steps (logged once acknowledged), aborting at `crash_at`.
+pub fn child_online(
+    path: &Path,
+    target: LayoutKind,
+    crash_at: u64,
+    seed: u64,
+    break_recopy: bool,
+) -> Result<(), String> {
+    let volume = Arc::new(open_online(path)?);
+    let log = std::fs::File::create(acked_log(path)).map_err(|error| error.to_string())?;
+    let writer = Arc::clone(&volume);
+    let state = Mutex::new((Rng::new(seed.wrapping_mul(1_000_003) ^ crash_at), log));
+    let hook: regions::StepHook = Box::new(move |locked| {
+        if locked {
+            return;
+        }
+        let mut state = state.lock();
+        let (rng, log) = &mut *state;
+        if !rng.chance(1, 2) {
+            return;
+        }
+        let count = rng.range(1, 8);
+        let lba = rng.below(BLOCKS - count);
+        let data = rng.bytes((count * BLOCK_U64) as usize);
+        writer
+            .write(lba * BLOCK_U64, &data, false)
+            .expect("a foreground write");
+        // Acknowledged: logged (a process crash keeps the page cache).
+        let mut record = Vec::with_capacity(16 + data.len());
+        record.extend_from_slice(&lba.to_le_bytes());
+        record.extend_from_slice(&count.to_le_bytes());
+        record.extend_from_slice(&data);
+        log.write_all(&record).expect("log the write");
+    });
+    let steps = regions::Steps::with_hook(Some(crash_at), hook);
+    let breaks = OnlineBreaks {
+        skip_recopy: break_recopy,
+    };
+    let result = migrate_online(&volume, target, &steps, breaks);
+    drop(steps);
+    let volume = Arc::try_unwrap(volume).map_err(|_| "the volume is still shared".to_string())?;
+    result?;
+    volume.close().map_err(|error| error.to_string())
+}
+
+/// `expected` with every write the online child logged applied.
+fn apply_acked(path: &Path, expected: &mut [u8]) {
+    let log = std::fs::read(acked_log(path)).unwrap_or_default();
+    let mut at = 0;
+    while at + 16 <= log.len() {
+        let lba = u64::from_le_bytes(log[at..at + 8].try_into().expect("8 bytes"));
+        let count = u64::from_le_bytes(log[at + 8..at + 16].try_into().expect("8 bytes"));
+        let len = (count * BLOCK_U64) as usize;
+        let from = (lba * BLOCK_U64) as usize;
+        expected[from..from + len].copy_from_slice(&log[at + 16..at + 16 + len]);
+        at += 16 + len;
+    }
 }
 
 /// A temporary directory, removed on drop.
@@ -265,6 +378,12 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             if config.break_release {
                 child.arg("--break-release");
             }
+            if config.online {
+                child.args(["--online", "--seed", &seed.to_string()]);
+            }
+            if config.break_recopy {
+                child.arg("--break-recopy");
+            }
             let output = child.output().expect("run vouch-sim migrate-child");
             let finished = output.status.success();
             if !finished && output.status.code().is_some() {
@@ -275,34 +394,54 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             }
             report.images += u64::from(!finished);
             let at = format!("seed {seed} crash at {crash_at}");
+            let mut expected = expected.clone();
+            if config.online {
+                apply_acked(&work, &mut expected);
+            }
+            let expected = &expected[..];
             judge(
                 &mut report,
                 &at,
                 "after the crash",
                 read_image(&work),
-                &expected,
+                expected,
             );
             // The operator runs it again.
-            let again = regions::migrate(
-                &work,
-                target,
-                &OpenOptions::default(),
-                &MigrateBreaks::default(),
-                |_, _| {},
-            );
+            let again = if config.online {
+                open_online(&work).and_then(|volume| {
+                    migrate_online(
+                        &volume,
+                        target,
+                        &regions::Steps::new(None),
+                        OnlineBreaks::default(),
+                    )?;
+                    volume.close().map_err(|error| error.to_string())
+                })
+            } else {
+                regions::migrate(
+                    &work,
+                    target,
+                    &OpenOptions::default(),
+                    &MigrateBreaks::default(),
+                    |_, _| {},
+                )
+                .map(|_| ())
+                .map_err(|error| error.to_string())
+            };
             match again {
                 Ok(_) => judge(
                     &mut report,
                     &at,
                     "after running it again",
                     read_image(&work),
-                    &expected,
+                    expected,
                 ),
                 Err(error) => report
                     .violations
                     .push(format!("{at}: running it again failed: {error}")),
             }
             let _ = std::fs::remove_dir_all(&work);
+            let _ = std::fs::remove_file(acked_log(&work));
             if finished {
                 break;
             }

@@ -73,6 +73,15 @@ pub(crate) struct Held<'a> {
     _guards: Vec<RwLockReadGuard<'a, ()>>,
 }
 
+/// Deliberate breaks of the online move, for the crash simulator's
+/// self-test (each must be caught).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OnlineBreaks {
+    /// Never copy again the chunks written during the copy (the writes
+    /// that arrive mid-move are left in the old member, then trimmed).
+    pub skip_recopy: bool,
+}
+
 /// What an online migration was asked: where to, how fast, when to stop.
 pub struct OnlineMigrate<'a> {
     pub target: LayoutKind,
@@ -149,7 +158,15 @@ impl RegionVolume {
             if self.layout_of(region as u64 * REGION_BLOCKS) == target {
                 continue;
             }
-            if let Err(error) = self.move_region_online(region, target, &mut |_| {}) {
+            let steps = Steps::new(None);
+            let moved = self.move_region_online(
+                region,
+                target,
+                &steps,
+                OnlineBreaks::default(),
+                &mut |_| {},
+            );
+            if let Err(error) = moved {
                 tracing::warn!(region, %error, "--migrate-on-write: the region stays where it is");
             }
         }
@@ -162,6 +179,8 @@ impl RegionVolume {
         &self,
         index: usize,
         target: LayoutKind,
+        steps: &Steps,
+        breaks: OnlineBreaks,
         progress: &mut dyn FnMut(u64),
     ) -> Result<bool> {
         let _one = self.online.mover.lock();
@@ -172,28 +191,32 @@ impl RegionVolume {
         }
         let lbas = record.lbas(index, self.blocks);
         let (old, new) = (self.member(from), self.member(target));
-        let breaks = MigrateBreaks::default();
-        let steps = Steps::new(None);
+        let copy_breaks = MigrateBreaks::default();
         {
             let _exclusive = self.online.locks[index].write();
             self.online.dirty.store(0, Ordering::SeqCst);
             self.online.moving.store(index, Ordering::SeqCst);
         }
         let recopy = |dirty: u64| -> Result<()> {
+            if breaks.skip_recopy {
+                return Ok(());
+            }
             for chunk in 0..64u64 {
                 if dirty & (1 << chunk) == 0 {
                     continue;
                 }
                 let start = lbas.start + chunk * CHUNK_BLOCKS;
                 let end = (start + CHUNK_BLOCKS).min(lbas.end);
+                steps.step();
                 new.trim(start * BLOCK, (end - start) * BLOCK, false)?;
-                self.copy_range(from, target, start..end, &lbas, &breaks, &steps, &mut |_| {})?;
+                self.copy_range(from, target, start..end, &lbas, &copy_breaks, steps, &mut |_| {})?;
             }
             Ok(())
         };
         let moved = (|| -> Result<()> {
+            steps.step();
             new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
-            self.copy_range(from, target, lbas.clone(), &lbas, &breaks, &steps, progress)?;
+            self.copy_range(from, target, lbas.clone(), &lbas, &copy_breaks, steps, progress)?;
             for _ in 0..UNLOCKED_PASSES {
                 let dirty = self.online.dirty.swap(0, Ordering::SeqCst);
                 if dirty == 0 {
@@ -202,16 +225,23 @@ impl RegionVolume {
                 recopy(dirty)?;
             }
             let _exclusive = self.online.locks[index].write();
-            recopy(self.online.dirty.swap(0, Ordering::SeqCst))?;
-            new.flush()?;
-            let mut next = self.record();
-            next.layouts[index] = target;
-            next.seq += 1;
-            write_record(&self.path, &next, &steps)?;
-            self.home().set_regions(next.seq)?;
-            *self.record.write() = next;
+            steps.set_locked(true);
+            let switched = (|| -> Result<()> {
+                recopy(self.online.dirty.swap(0, Ordering::SeqCst))?;
+                steps.step();
+                new.flush()?;
+                let mut next = self.record();
+                next.layouts[index] = target;
+                next.seq += 1;
+                write_record(&self.path, &next, steps)?;
+                steps.step();
+                self.home().set_regions(next.seq)?;
+                *self.record.write() = next;
+                Ok(())
+            })();
             self.online.moving.store(NONE, Ordering::SeqCst);
-            Ok(())
+            steps.set_locked(false);
+            switched
         })();
         if let Err(error) = moved {
             let _exclusive = self.online.locks[index].write();
@@ -220,7 +250,9 @@ impl RegionVolume {
         }
         // The old member no longer serves the region: no request reaches
         // its copy any more.
+        steps.step();
         old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+        steps.step();
         old.flush()?;
         Ok(true)
     }
@@ -234,6 +266,18 @@ impl RegionVolume {
     pub fn migrate_online(
         &self,
         how: &OnlineMigrate<'_>,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<MigrateReport> {
+        self.migrate_online_driven(how, &Steps::new(None), OnlineBreaks::default(), progress)
+    }
+
+    /// `migrate_online` with the crash simulator's steps (a crash point
+    /// and a foreground request before each file operation) and breaks.
+    pub fn migrate_online_driven(
+        &self,
+        how: &OnlineMigrate<'_>,
+        steps: &Steps,
+        breaks: OnlineBreaks,
         mut progress: impl FnMut(u64, u64),
     ) -> Result<MigrateReport> {
         let record = self.record();
@@ -269,7 +313,7 @@ impl RegionVolume {
                     }
                 }
             };
-            if self.move_region_online(index, how.target, &mut pace)? {
+            if self.move_region_online(index, how.target, steps, breaks, &mut pace)? {
                 moved += 1;
             } else {
                 // Moved meanwhile by a write (`--migrate-on-write`).
