@@ -74,7 +74,8 @@ stop() { kill "$SERVER"; wait "$SERVER"; SERVER=; }
 reads() {
     fio --name=reads --ioengine=nbd --uri="nbd://127.0.0.1:$NBD_PORT/vol" --rw=randread --bs=4k \
         --iodepth=32 --time_based --runtime="$FIO_SECONDS" --output-format=json 2> /dev/null |
-        python3 -c 'import json, sys; print(round(json.load(sys.stdin)["jobs"][0]["read"]["iops"]))'
+        # fio's nbd engine prints "fio: connected to NBD server" before the JSON.
+        python3 -c 'import json, sys; t = sys.stdin.read(); print(round(json.loads(t[t.index("{"):])["jobs"][0]["read"]["iops"]))'
 }
 printf 'round\tdirection\tseconds\tMBps\n' > "$OUT/online.tsv"
 printf 'round\tiops_without\tiops_during\tratio\n' > "$OUT/reads.tsv"

@@ -11,6 +11,7 @@ use hyper::Method;
 use anyhow::{bail, Context as _, Result};
 use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
 use vouch_engine::{Fault, OpenOptions, BLOCK};
+use vouch_format::regions::RegionRecord;
 use vouch_format::LayoutKind;
 
 use crate::commands::progress_bar;
@@ -180,18 +181,17 @@ pub fn open_read_only(path: &Path, purpose: Use) -> Result<RegionVolume> {
 }
 
 /// `info`'s line about the regions: how many each layout serves.
-pub fn regions_line(volume: &RegionVolume) -> String {
-    let [split, packed] = volume.record().counts();
+pub fn regions_line(record: &RegionRecord) -> String {
+    let [split, packed] = record.counts();
     format!(
         "{} of 62 MiB: {split} split, {packed} packed (record seq {})",
         split + packed,
-        volume.record().seq
+        record.seq
     )
 }
 
 /// `info --json`'s regions.
-pub fn regions_json(volume: &RegionVolume) -> serde_json::Value {
-    let record = volume.record();
+pub fn regions_json(record: &RegionRecord) -> serde_json::Value {
     let [split, packed] = record.counts();
     serde_json::json!({
         "region_blocks": record.region_blocks,
@@ -235,7 +235,7 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             "blocks_checked": blocks,
             "faults": faults.iter().map(|f| serde_json::json!({"lba": f.lba, "kind": f.kind.name()})).collect::<Vec<_>>(),
             "clean": faults.is_empty(),
-            "regions": regions_json(&volume),
+            "regions": regions_json(&volume.record()),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
@@ -246,7 +246,7 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             "{}: {blocks} blocks checked, {} faults (regions: {})",
             path.display(),
             faults.len(),
-            regions_line(&volume)
+            regions_line(&volume.record())
         );
     }
     volume.close()?;

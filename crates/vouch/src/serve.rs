@@ -272,7 +272,8 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
             let volume = if with_regions {
                 RegionVolume::open(path, &options)?
             } else {
-                let home = crate::key::open(path, options.clone(), crate::key::Use::Data)?;
+                // The options carry the key already (asked once).
+                let home = vouch_engine::open_volume(path, &options)?;
                 vouch_engine::regions::open_served(path, home, &options)?
             };
             let volume = Arc::new(volume);

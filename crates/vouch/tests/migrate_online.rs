@@ -182,6 +182,10 @@ fn a_kill_9_mid_migration_loses_nothing_and_the_migration_finishes() {
     });
     let status = migrate_status(&server);
     assert_eq!(status["state"], "running", "{status}");
+    // `info` of the served volume mid-migration: the record on disk.
+    let info = info_json(&path);
+    assert_eq!(info["in_use"], true, "{info}");
+    assert!(info["regions"]["packed"].as_u64().is_some_and(|packed| packed >= 1), "{info}");
     server.kill9();
     let mut server = Server::start(dir.path(), &args);
     let status = migrate_status(&server);
