@@ -562,7 +562,15 @@ impl RegionVolume {
         // run left there.
         steps.step();
         new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
-        self.copy_range(from, target, lbas.clone(), &lbas, breaks, steps, &mut progress)?;
+        self.copy_range(
+            from,
+            target,
+            lbas.clone(),
+            &lbas,
+            breaks,
+            steps,
+            &mut progress,
+        )?;
         let release = || -> Result<()> {
             steps.step();
             old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
@@ -694,12 +702,7 @@ pub struct MigrateReport {
 /// superblock was read until the flag is set, so a second `migrate` (or a
 /// server) can neither see the volume without the flag while the member is
 /// being made nor remove it (M1 of the migrate33 review).
-fn make_regions(
-    path: &Path,
-    opened: &Volume,
-    options: &OpenOptions,
-    steps: &Steps,
-) -> Result<()> {
+fn make_regions(path: &Path, opened: &Volume, options: &OpenOptions, steps: &Steps) -> Result<()> {
     let home = &crate::volume_superblock(path)?;
     if has_regions(home) {
         return Ok(());

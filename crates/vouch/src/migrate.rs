@@ -70,7 +70,10 @@ fn run_online(
     let route = format!("/v1/exports/{export}/migrate");
     if stop {
         let status = client.call(Method::DELETE, &route, None)?;
-        println!("{export}: stopping the migration ({})", status["state"].as_str().unwrap_or("?"));
+        println!(
+            "{export}: stopping the migration ({})",
+            status["state"].as_str().unwrap_or("?")
+        );
         return Ok(ExitCode::SUCCESS);
     }
     let layout = layout.context("give --layout")?;

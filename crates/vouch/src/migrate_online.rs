@@ -96,7 +96,11 @@ impl Migration {
             Ok(report) => {
                 status.state = "done";
                 status.moved = report.moved;
-                tracing::info!(moved = report.moved, target = target.name(), "online migration done");
+                tracing::info!(
+                    moved = report.moved,
+                    target = target.name(),
+                    "online migration done"
+                );
             }
             Err(vouch_engine::Error::Cancelled(message)) => {
                 status.state = "stopped";

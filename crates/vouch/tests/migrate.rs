@@ -428,7 +428,11 @@ fn migrating_a_served_volume_is_refused_before_anything_is_made() {
     let output = vouch(&["migrate", s(&path), "--layout", "packed"]);
     assert!(!output.status.success(), "{}", text(&output));
     for made in ["layout.packed", ".layout.packed.partial", REGIONS_FILE] {
-        assert!(!path.join(made).exists(), "{made} was made: {}", text(&output));
+        assert!(
+            !path.join(made).exists(),
+            "{made} was made: {}",
+            text(&output)
+        );
     }
     server.stop();
     assert_check_clean(&path);

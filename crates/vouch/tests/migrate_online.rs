@@ -64,7 +64,13 @@ fn fio(uri: &str, dir: &Path, verify_only: bool) -> Command {
 }
 
 fn migrate_status(server: &Server) -> Value {
-    let (status, answer) = request(control(server), "GET", "/v1/exports/vol/migrate", None, None);
+    let (status, answer) = request(
+        control(server),
+        "GET",
+        "/v1/exports/vol/migrate",
+        None,
+        None,
+    );
     assert_eq!(status, 200, "{answer}");
     answer
 }
@@ -108,7 +114,14 @@ fn online_migration_split_packed_split_under_a_fio_verify_writer() {
     let path = new_volume(dir.path(), LayoutKind::Split);
     let mut server = Server::start(
         dir.path(),
-        &[s(&path), "--control", "127.0.0.1:0", "--migratable", "--metrics", "127.0.0.1:0"],
+        &[
+            s(&path),
+            "--control",
+            "127.0.0.1:0",
+            "--migratable",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
     );
     for layout in ["packed", "split"] {
         // The migration paced so that the writer runs through it.
@@ -129,7 +142,10 @@ fn online_migration_split_packed_split_under_a_fio_verify_writer() {
         });
         // snapshots: snapreg33 takes one here, mid-migration, and checks
         // it against fio's data at the end.
-        finish(spawn(fio(&server.uri, dir.path(), false)), "fio write+verify");
+        finish(
+            spawn(fio(&server.uri, dir.path(), false)),
+            "fio write+verify",
+        );
         finish(migrating, "vouch migrate --server");
         let status = migrate_status(&server);
         assert_eq!(status["state"], "done", "{status}");
@@ -137,7 +153,10 @@ fn online_migration_split_packed_split_under_a_fio_verify_writer() {
         assert_eq!(status["done_bytes"], BLOCKS * BLOCK, "{status}");
         let metrics = server.metrics_text();
         assert_eq!(
-            metric(&metrics, &format!("vouch_regions{{volume=\"vol\",layout=\"{layout}\"}}")),
+            metric(
+                &metrics,
+                &format!("vouch_regions{{volume=\"vol\",layout=\"{layout}\"}}")
+            ),
             Some(4.0),
             "{metrics}"
         );
@@ -160,7 +179,10 @@ fn online_migration_split_packed_split_under_a_fio_verify_writer() {
     vouch_ok(&["migrate", s(&path), "--layout", "split"]);
     assert!(info_json(&path)["regions"].is_null());
     let mut server = Server::start(dir.path(), &[s(&path)]);
-    finish(spawn(fio(&server.uri, dir.path(), true)), "fio verify after");
+    finish(
+        spawn(fio(&server.uri, dir.path(), true)),
+        "fio verify after",
+    );
     server.stop();
 }
 
@@ -185,19 +207,30 @@ fn a_kill_9_mid_migration_loses_nothing_and_the_migration_finishes() {
     // `info` of the served volume mid-migration: the record on disk.
     let info = info_json(&path);
     assert_eq!(info["in_use"], true, "{info}");
-    assert!(info["regions"]["packed"].as_u64().is_some_and(|packed| packed >= 1), "{info}");
+    assert!(
+        info["regions"]["packed"]
+            .as_u64()
+            .is_some_and(|packed| packed >= 1),
+        "{info}"
+    );
     server.kill9();
     let mut server = Server::start(dir.path(), &args);
     let status = migrate_status(&server);
     assert_eq!(status["state"], "idle", "{status}");
     let packed = status["regions"]["packed"].as_u64().expect("packed");
     assert!((1..4).contains(&packed), "{status}");
-    finish(spawn(fio(&server.uri, dir.path(), true)), "fio verify after kill -9");
+    finish(
+        spawn(fio(&server.uri, dir.path(), true)),
+        "fio verify after kill -9",
+    );
     start_migration(&server, "packed", "1G");
     let status = wait_migration(&server);
     assert_eq!(status["state"], "done", "{status}");
     assert_eq!(status["regions"]["packed"], 4, "{status}");
-    finish(spawn(fio(&server.uri, dir.path(), true)), "fio verify after the migration");
+    finish(
+        spawn(fio(&server.uri, dir.path(), true)),
+        "fio verify after the migration",
+    );
     server.stop();
     assert_check_clean(&path);
 }
@@ -211,7 +244,10 @@ fn a_corrupt_block_stops_the_online_migration_naming_its_lba() {
     server.stop();
     let lba = 2 * REGION_BLOCKS + 10;
     flip_bit(&path.join("data.00000"), lba * BLOCK + 7, 0x04);
-    let mut server = Server::start(dir.path(), &[s(&path), "--control", "127.0.0.1:0", "--migratable"]);
+    let mut server = Server::start(
+        dir.path(),
+        &[s(&path), "--control", "127.0.0.1:0", "--migratable"],
+    );
     start_migration(&server, "packed", "1G");
     let status = wait_migration(&server);
     assert_eq!(status["state"], "failed", "{status}");
@@ -219,9 +255,19 @@ fn a_corrupt_block_stops_the_online_migration_naming_its_lba() {
     assert!(error.contains(&format!("LBA {lba}")), "{status}");
     assert_eq!(status["regions"]["packed"], 2, "{status}");
     // The CLI says it too, and fails.
-    let output = vouch(&["migrate", "--server", control(&server), "--layout", "packed"]);
+    let output = vouch(&[
+        "migrate",
+        "--server",
+        control(&server),
+        "--layout",
+        "packed",
+    ]);
     assert!(!output.status.success());
-    assert!(text(&output).contains(&format!("LBA {lba}")), "{}", text(&output));
+    assert!(
+        text(&output).contains(&format!("LBA {lba}")),
+        "{}",
+        text(&output)
+    );
     server.stop();
 }
 
@@ -234,16 +280,31 @@ fn migrate_on_write_moves_exactly_the_regions_written() {
     // Data in regions 0 and 2 before: it moves with them.
     let early = [10 * BLOCK, (2 * REGION_BLOCKS + 5) * BLOCK];
     for at in early {
-        run_ok(Command::new(&qemu_io).args(["-f", "raw", "-c", &format!("write -P 0x11 {at} 65536"), &server.uri]));
+        run_ok(Command::new(&qemu_io).args([
+            "-f",
+            "raw",
+            "-c",
+            &format!("write -P 0x11 {at} 65536"),
+            &server.uri,
+        ]));
     }
     server.stop();
     let mut server = Server::start(
         dir.path(),
-        &[s(&path), "--control", "127.0.0.1:0", "--migrate-on-write", "packed"],
+        &[
+            s(&path),
+            "--control",
+            "127.0.0.1:0",
+            "--migrate-on-write",
+            "packed",
+        ],
     );
     assert_eq!(migrate_status(&server)["regions"]["packed"], 0);
     // A read moves nothing; a write into region 2 and one into region 3.
-    let written = [(2 * REGION_BLOCKS + 100) * BLOCK, (3 * REGION_BLOCKS + 7) * BLOCK];
+    let written = [
+        (2 * REGION_BLOCKS + 100) * BLOCK,
+        (3 * REGION_BLOCKS + 7) * BLOCK,
+    ];
     run_ok(Command::new(&qemu_io).args([
         "-f",
         "raw",

@@ -209,14 +209,30 @@ impl RegionVolume {
                 let end = (start + CHUNK_BLOCKS).min(lbas.end);
                 steps.step();
                 new.trim(start * BLOCK, (end - start) * BLOCK, false)?;
-                self.copy_range(from, target, start..end, &lbas, &copy_breaks, steps, &mut |_| {})?;
+                self.copy_range(
+                    from,
+                    target,
+                    start..end,
+                    &lbas,
+                    &copy_breaks,
+                    steps,
+                    &mut |_| {},
+                )?;
             }
             Ok(())
         };
         let moved = (|| -> Result<()> {
             steps.step();
             new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
-            self.copy_range(from, target, lbas.clone(), &lbas, &copy_breaks, steps, progress)?;
+            self.copy_range(
+                from,
+                target,
+                lbas.clone(),
+                &lbas,
+                &copy_breaks,
+                steps,
+                progress,
+            )?;
             for _ in 0..UNLOCKED_PASSES {
                 let dirty = self.online.dirty.swap(0, Ordering::SeqCst);
                 if dirty == 0 {

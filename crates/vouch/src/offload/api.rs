@@ -168,7 +168,9 @@ fn snapshot_target<'a>(
         // snapreg33 enables snapshots of volumes with regions.
         return Err(ApiError(
             StatusCode::CONFLICT,
-            format!("export {export:?} is a volume with regions: its snapshots are not supported yet"),
+            format!(
+                "export {export:?} is a volume with regions: its snapshots are not supported yet"
+            ),
         ));
     }
     if entry.mirror.is_some() {
@@ -349,18 +351,25 @@ async fn migration_start(
             "migrate request: {error} (expected {{\"layout\": \"split\"|\"packed\", \"rate\": \"200M\"}})"
         ))
     })?;
-    let target = vouch_format::LayoutKind::from_name(&body.layout)
-        .ok_or_else(|| ApiError::bad(format!("unknown layout {:?} (split or packed)", body.layout)))?;
-    let rate = match body.rate {
-        None | Some(Value::Null) => None,
-        Some(Value::Number(number)) => Some(
-            number
-                .as_u64()
-                .ok_or_else(|| ApiError::bad("\"rate\" must be a whole number of bytes a second"))?,
-        ),
-        Some(Value::String(text)) => Some(crate::parse_size(&text).map_err(ApiError::bad)?),
-        Some(_) => return Err(ApiError::bad("\"rate\" must be a number or a size such as \"200M\"")),
-    };
+    let target = vouch_format::LayoutKind::from_name(&body.layout).ok_or_else(|| {
+        ApiError::bad(format!(
+            "unknown layout {:?} (split or packed)",
+            body.layout
+        ))
+    })?;
+    let rate =
+        match body.rate {
+            None | Some(Value::Null) => None,
+            Some(Value::Number(number)) => Some(number.as_u64().ok_or_else(|| {
+                ApiError::bad("\"rate\" must be a whole number of bytes a second")
+            })?),
+            Some(Value::String(text)) => Some(crate::parse_size(&text).map_err(ApiError::bad)?),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "\"rate\" must be a number or a size such as \"200M\"",
+                ))
+            }
+        };
     let mut status = migration
         .start(target, rate)
         .map_err(|error| ApiError(StatusCode::CONFLICT, error))?;
