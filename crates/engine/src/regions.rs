@@ -310,14 +310,10 @@ impl RegionVolume {
         &self,
         offset: u64,
         len: u64,
-        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+        f: impl FnMut(&Volume, u64, u64) -> Result<()>,
     ) -> Result<()> {
         self.check_range(offset, len)?;
-        let _held = self.hold(offset, len);
-        for piece in self.pieces(offset, len) {
-            f(self.member(piece.layout), piece.offset, piece.len)?;
-        }
-        Ok(())
+        self.pieces_held(offset, len, false, f)
     }
 
     /// `each_piece` for a write, trim or zeroing: the regions it touches
@@ -327,15 +323,29 @@ impl RegionVolume {
         &self,
         offset: u64,
         len: u64,
-        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+        f: impl FnMut(&Volume, u64, u64) -> Result<()>,
     ) -> Result<()> {
         self.check_range(offset, len)?;
         self.move_for_write(offset, len);
+        self.pieces_held(offset, len, true, f)
+    }
+
+    /// The pieces run with their regions' locks held shared; `written`:
+    /// marked (still under the locks) once every piece returned.
+    fn pieces_held(
+        &self,
+        offset: u64,
+        len: u64,
+        written: bool,
+        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+    ) -> Result<()> {
         let _held = self.hold(offset, len);
         for piece in self.pieces(offset, len) {
             f(self.member(piece.layout), piece.offset, piece.len)?;
         }
-        self.written(offset, len);
+        if written {
+            self.written(offset, len);
+        }
         Ok(())
     }
 
@@ -543,6 +553,24 @@ impl RegionVolume {
         Ok(())
     }
 
+    /// The whole region `lbas` copied from `from`'s member to `target`'s,
+    /// which does not serve it: first cleared of what an earlier cut run
+    /// left there.
+    fn copy_region(
+        &self,
+        from: LayoutKind,
+        target: LayoutKind,
+        lbas: &Range<u64>,
+        breaks: &MigrateBreaks,
+        steps: &Steps,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<()> {
+        steps.step();
+        self.member(target)
+            .trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+        self.copy_range(from, target, lbas.clone(), lbas, breaks, steps, progress)
+    }
+
     /// Move region `index` to `target` (CRASH_MODEL, "Migration between
     /// layouts"): read and verify it in the member serving it, write it to
     /// `target`'s, flush that, switch the record, then trim the old.
@@ -558,19 +586,7 @@ impl RegionVolume {
         let from = record.layouts[index];
         let lbas = record.lbas(index, self.blocks);
         let (old, new) = (self.member(from), self.member(target));
-        // The target does not serve the region: clear what an earlier cut
-        // run left there.
-        steps.step();
-        new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
-        self.copy_range(
-            from,
-            target,
-            lbas.clone(),
-            &lbas,
-            breaks,
-            steps,
-            &mut progress,
-        )?;
+        self.copy_region(from, target, &lbas, breaks, steps, &mut progress)?;
         let release = || -> Result<()> {
             steps.step();
             old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;

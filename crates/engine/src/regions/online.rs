@@ -222,17 +222,7 @@ impl RegionVolume {
             Ok(())
         };
         let moved = (|| -> Result<()> {
-            steps.step();
-            new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
-            self.copy_range(
-                from,
-                target,
-                lbas.clone(),
-                &lbas,
-                &copy_breaks,
-                steps,
-                progress,
-            )?;
+            self.copy_region(from, target, &lbas, &copy_breaks, steps, progress)?;
             for _ in 0..UNLOCKED_PASSES {
                 let dirty = self.online.dirty.swap(0, Ordering::SeqCst);
                 if dirty == 0 {
