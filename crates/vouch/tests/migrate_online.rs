@@ -271,22 +271,27 @@ fn a_corrupt_block_stops_the_online_migration_naming_its_lba() {
     server.stop();
 }
 
+/// qemu-io `commands` on `uri`; a failed command or pattern fails the test.
+fn qemu_io(uri: &str, commands: &[String]) {
+    let mut command = Command::new(tool("qemu-io", "qemu-utils"));
+    command.args(["-f", "raw"]);
+    for each in commands {
+        command.args(["-c", each]);
+    }
+    let output = run_ok(command.arg(uri));
+    let said = text(&output);
+    assert!(!said.contains("failed"), "qemu-io {commands:?}: {said}");
+}
+
 #[test]
 fn migrate_on_write_moves_exactly_the_regions_written() {
-    let qemu_io = tool("qemu-io", "qemu-utils");
     let dir = tempfile::tempdir().expect("tempdir");
     let path = new_volume(dir.path(), LayoutKind::Split);
     let mut server = Server::start(dir.path(), &[s(&path)]);
     // Data in regions 0 and 2 before: it moves with them.
     let early = [10 * BLOCK, (2 * REGION_BLOCKS + 5) * BLOCK];
     for at in early {
-        run_ok(Command::new(&qemu_io).args([
-            "-f",
-            "raw",
-            "-c",
-            &format!("write -P 0x11 {at} 65536"),
-            &server.uri,
-        ]));
+        qemu_io(&server.uri, &[format!("write -P 0x11 {at} 65536")]);
     }
     server.stop();
     let mut server = Server::start(
@@ -305,17 +310,14 @@ fn migrate_on_write_moves_exactly_the_regions_written() {
         (2 * REGION_BLOCKS + 100) * BLOCK,
         (3 * REGION_BLOCKS + 7) * BLOCK,
     ];
-    run_ok(Command::new(&qemu_io).args([
-        "-f",
-        "raw",
-        "-c",
-        &format!("read -P 0x11 {} 65536", early[0]),
-        "-c",
-        &format!("write -P 0x22 {} 8192", written[0]),
-        "-c",
-        &format!("write -P 0x33 {} 4096", written[1]),
+    qemu_io(
         &server.uri,
-    ]));
+        &[
+            format!("read -P 0x11 {} 65536", early[0]),
+            format!("write -P 0x22 {} 8192", written[0]),
+            format!("write -P 0x33 {} 4096", written[1]),
+        ],
+    );
     let status = migrate_status(&server);
     assert_eq!(status["regions"]["packed"], 2, "{status}");
     assert_eq!(status["migrate_on_write"], "packed", "{status}");
@@ -327,19 +329,15 @@ fn migrate_on_write_moves_exactly_the_regions_written() {
         "{info}"
     );
     let mut server = Server::start(dir.path(), &[s(&path)]);
-    run_ok(Command::new(&qemu_io).args([
-        "-f",
-        "raw",
-        "-c",
-        &format!("read -P 0x11 {} 65536", early[0]),
-        "-c",
-        &format!("read -P 0x11 {} 65536", early[1]),
-        "-c",
-        &format!("read -P 0x22 {} 8192", written[0]),
-        "-c",
-        &format!("read -P 0x33 {} 4096", written[1]),
+    qemu_io(
         &server.uri,
-    ]));
+        &[
+            format!("read -P 0x11 {} 65536", early[0]),
+            format!("read -P 0x11 {} 65536", early[1]),
+            format!("read -P 0x22 {} 8192", written[0]),
+            format!("read -P 0x33 {} 4096", written[1]),
+        ],
+    );
     server.stop();
     assert_check_clean(&path);
 }
