@@ -114,6 +114,10 @@ pub struct Serving<'a> {
     regions: Option<(vouch_format::regions::RegionRecord, &'a dyn BlockDevice)>,
     home_layout: Option<vouch_format::LayoutKind>,
     blocks: u64,
+    /// The volume the record was read from, when it may still move
+    /// regions (an online migration): a piece compared while its record
+    /// changed is reported changed.
+    live: Option<&'a crate::regions::RegionVolume>,
 }
 
 /// Which member serves a block: the home, or the other member of this uuid.
@@ -131,6 +135,7 @@ impl<'a> Serving<'a> {
             regions: None,
             home_layout: None,
             blocks: device.size() / BLOCK,
+            live: None,
         }
     }
 
@@ -145,11 +150,20 @@ impl<'a> Serving<'a> {
             )),
             home_layout: Some(home),
             blocks: volume.blocks(),
+            live: Some(volume),
         }
     }
 
     pub fn size(&self) -> u64 {
         self.blocks * BLOCK
+    }
+
+    /// Whether the volume switched a region since its record was read.
+    fn switched(&self) -> bool {
+        match (&self.regions, self.live) {
+            (Some((record, _)), Some(volume)) => record.seq != volume.record_seq(),
+            _ => false,
+        }
     }
 
     /// The member serving `lba`, its device, and the end of the run of
@@ -192,8 +206,15 @@ pub fn compare_serving_runs(
         let (now_member, now_device, now_end) = now.at(lba);
         let piece_end = end.min(then_end).min(now_end);
         let moved = then_member != now_member;
-        for (blocks, change) in compare_runs(then_device, now_device, lba, piece_end - lba)? {
+        let compared = compare_runs(then_device, now_device, lba, piece_end - lba)?;
+        // A region switched (and its old copy trimmed) since the record
+        // was read may have been read as never written: the record no
+        // longer says who serves it, so nothing is known (reported changed,
+        // while an online migration runs, until the next query).
+        let switched = then.switched() || now.switched();
+        for (blocks, change) in compared {
             let change = match change {
+                Change::Same | Change::NeverWritten if switched => Change::Changed,
                 Change::Same if moved => Change::Changed,
                 other => other,
             };

@@ -24,6 +24,9 @@ use crate::options::{CreateOptions, OpenOptions};
 use crate::volume::Volume;
 use crate::BLOCK;
 
+mod online;
+pub use online::{OnlineBreaks, OnlineMigrate};
+
 /// The region record's file in the volume's directory.
 pub const REGIONS_FILE: &str = "regions";
 /// Blocks moved per read and write of a migration (1 MiB).
@@ -107,6 +110,18 @@ fn sync_dir(path: &Path) -> Result<()> {
         .map_err(|error| io_error("sync", path, error))
 }
 
+/// Open one member of a REGIONS volume (or the home of a volume about to
+/// become one): a writable open takes the volume's lock.
+fn open_member(path: &Path, options: &OpenOptions) -> Result<Volume> {
+    crate::open_volume(
+        path,
+        &OpenOptions {
+            region_member: true,
+            ..options.clone()
+        },
+    )
+}
+
 /// An open REGIONS volume: both members and the record.
 pub struct RegionVolume {
     path: PathBuf,
@@ -116,6 +131,9 @@ pub struct RegionVolume {
     members: [Arc<Volume>; 2],
     record: RwLock<RegionRecord>,
     blocks: u64,
+    /// Online migration's state: per-region locks, the region being moved
+    /// and its chunks written meanwhile (`online`).
+    online: online::Online,
 }
 
 /// One piece of a request: a byte range served by one member.
@@ -130,6 +148,47 @@ impl RegionVolume {
     /// from its journal). Refused when the record or a member is missing,
     /// damaged, older than the superblock says, or of another volume.
     pub fn open(path: &Path, options: &OpenOptions) -> Result<RegionVolume> {
+        // The home first: its open takes the volume's lock, and everything
+        // read after it (the flag, the record, the member) is read under it.
+        let home = open_member(path, options)?;
+        RegionVolume::with_home(path, home, options)
+    }
+
+    /// The REGIONS volume at `path` around its home member `home`, already
+    /// open (and so locked) by the caller.
+    /// Refused (the home closed again) as `open` says.
+    pub fn with_home(path: &Path, home: Volume, options: &OpenOptions) -> Result<RegionVolume> {
+        let (home_superblock, record, other) = match Self::around(path, &home, options) {
+            Ok(parts) => parts,
+            Err(error) => {
+                let _ = home.close();
+                return Err(error);
+            }
+        };
+        let home_layout = home_superblock.layout;
+        let (home, other) = (Arc::new(home), Arc::new(other));
+        let members = match home_layout {
+            LayoutKind::Split => [home, other],
+            LayoutKind::Packed => [other, home],
+        };
+        let regions = record.layouts.len();
+        Ok(RegionVolume {
+            path: path.to_path_buf(),
+            home_layout,
+            members,
+            blocks: home_superblock.size_bytes / BLOCK,
+            record: RwLock::new(record),
+            online: online::Online::new(regions),
+        })
+    }
+
+    /// The record and the other member of the REGIONS volume whose home
+    /// `home` is open.
+    fn around(
+        path: &Path,
+        home: &Volume,
+        options: &OpenOptions,
+    ) -> Result<(Superblock, RegionRecord, Volume)> {
         let home_superblock = crate::volume_superblock(path)?;
         if !has_regions(&home_superblock) {
             return Err(Error::InvalidArgument(format!(
@@ -139,10 +198,6 @@ impl RegionVolume {
             )));
         }
         let record = read_record(path, &home_superblock)?;
-        let member_options = OpenOptions {
-            region_member: true,
-            ..options.clone()
-        };
         let home_layout = home_superblock.layout;
         let other_path = member_path(path, home_layout);
         let other_superblock = crate::volume_superblock(&other_path).map_err(|error| {
@@ -161,24 +216,15 @@ impl RegionVolume {
             ))
             .in_volume(path));
         }
-        let home = crate::open_volume(path, &member_options)?;
-        let other = crate::open_volume(&other_path, &member_options)?;
+        let other = open_member(&other_path, options)?;
         if record.seq > home_superblock.regions_seq && !home.is_read_only() {
             // A switch whose superblock write did not happen: catch up.
-            home.set_regions(record.seq)?;
+            if let Err(error) = home.set_regions(record.seq) {
+                let _ = other.close();
+                return Err(error);
+            }
         }
-        let (home, other) = (Arc::new(home), Arc::new(other));
-        let members = match home_layout {
-            LayoutKind::Split => [home, other],
-            LayoutKind::Packed => [other, home],
-        };
-        Ok(RegionVolume {
-            path: path.to_path_buf(),
-            home_layout,
-            members,
-            blocks: home_superblock.size_bytes / BLOCK,
-            record: RwLock::new(record),
-        })
+        Ok((home_superblock, record, other))
     }
 
     pub fn path(&self) -> &Path {
@@ -217,6 +263,11 @@ impl RegionVolume {
     }
 
     /// The layout serving `lba`: one lookup.
+    /// The record's `seq` now: it rises with every switch of a region.
+    pub fn record_seq(&self) -> u64 {
+        self.record.read().seq
+    }
+
     pub fn layout_of(&self, lba: u64) -> LayoutKind {
         let record = self.record.read();
         record.layouts[record.region_of(lba)]
@@ -264,11 +315,41 @@ impl RegionVolume {
         &self,
         offset: u64,
         len: u64,
-        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+        f: impl FnMut(&Volume, u64, u64) -> Result<()>,
     ) -> Result<()> {
         self.check_range(offset, len)?;
+        self.pieces_held(offset, len, false, f)
+    }
+
+    /// `each_piece` for a write, trim or zeroing: the regions it touches
+    /// moved first under `--migrate-on-write`, its chunks marked after it
+    /// returned if its region is moving (`online`).
+    fn each_piece_written(
+        &self,
+        offset: u64,
+        len: u64,
+        f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+    ) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.move_for_write(offset, len);
+        self.pieces_held(offset, len, true, f)
+    }
+
+    /// The pieces run with their regions' locks held shared; `written`:
+    /// marked (still under the locks) once every piece returned.
+    fn pieces_held(
+        &self,
+        offset: u64,
+        len: u64,
+        written: bool,
+        mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
+    ) -> Result<()> {
+        let _held = self.hold(offset, len);
         for piece in self.pieces(offset, len) {
             f(self.member(piece.layout), piece.offset, piece.len)?;
+        }
+        if written {
+            self.written(offset, len);
         }
         Ok(())
     }
@@ -292,18 +373,18 @@ impl RegionVolume {
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.each_piece(offset, data.len() as u64, |member, at, len| {
+        self.each_piece_written(offset, data.len() as u64, |member, at, len| {
             let from = (at - offset) as usize;
             member.write(at, &data[from..from + len as usize], fua)
         })
     }
 
     pub fn trim(&self, offset: u64, len: u64, fua: bool) -> Result<()> {
-        self.each_piece(offset, len, |member, at, len| member.trim(at, len, fua))
+        self.each_piece_written(offset, len, |member, at, len| member.trim(at, len, fua))
     }
 
     pub fn write_zeroes(&self, offset: u64, len: u64, flags: ZeroFlags) -> Result<()> {
-        self.each_piece(offset, len, |member, at, len| {
+        self.each_piece_written(offset, len, |member, at, len| {
             member.write_zeroes(at, len, flags)
         })
     }
@@ -324,6 +405,7 @@ impl RegionVolume {
         out: &mut [u8],
     ) -> Result<Vec<Fault>> {
         let mut faults = Vec::new();
+        let _held = self.hold(first * BLOCK, count * BLOCK);
         for piece in self.pieces(first * BLOCK, count * BLOCK) {
             let from = (piece.offset - first * BLOCK) as usize;
             let part = &mut out[from..from + piece.len as usize];
@@ -396,29 +478,27 @@ impl RegionVolume {
         Ok(released)
     }
 
-    /// Move region `index` to `target` (CRASH_MODEL, "Migration between
-    /// layouts"): read and verify it in the member serving it, write it to
-    /// `target`'s, flush that, switch the record, then trim the old.
-    fn migrate_region(
+    /// Copy `range` (LBAs within region `lbas`) from `from`'s member to
+    /// `target`'s, 1 MiB at a time: each block read and verified in the
+    /// old member (a fault stops it, naming the LBA), written to the new
+    /// unflushed; holes stay holes, zeroes stay zeroes. `progress(bytes)`
+    /// after each chunk.
+    #[allow(clippy::too_many_arguments)]
+    fn copy_range(
         &self,
-        index: usize,
+        from: LayoutKind,
         target: LayoutKind,
+        range: Range<u64>,
+        lbas: &Range<u64>,
         breaks: &MigrateBreaks,
         steps: &Steps,
-        mut progress: impl FnMut(u64),
+        progress: &mut dyn FnMut(u64),
     ) -> Result<()> {
-        let record = self.record();
-        let from = record.layouts[index];
-        let lbas = record.lbas(index, self.blocks);
         let (old, new) = (self.member(from), self.member(target));
-        // The target does not serve the region: clear what an earlier cut
-        // run left there.
-        steps.step();
-        new.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
         let mut buf = vec![0u8; (CHUNK_BLOCKS * BLOCK) as usize];
-        let mut lba = lbas.start;
-        while lba < lbas.end {
-            let chunk_end = (lba + CHUNK_BLOCKS).min(lbas.end);
+        let mut lba = range.start;
+        while lba < range.end {
+            let chunk_end = (lba + CHUNK_BLOCKS).min(range.end);
             let asked = if breaks.short_status {
                 (chunk_end - lba).div_ceil(2)
             } else {
@@ -475,6 +555,43 @@ impl RegionVolume {
             progress((chunk_end - lba) * BLOCK);
             lba = chunk_end;
         }
+        Ok(())
+    }
+
+    /// The whole region `lbas` copied from `from`'s member to `target`'s,
+    /// which does not serve it: first cleared of what an earlier cut run
+    /// left there.
+    fn copy_region(
+        &self,
+        from: LayoutKind,
+        target: LayoutKind,
+        lbas: &Range<u64>,
+        breaks: &MigrateBreaks,
+        steps: &Steps,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<()> {
+        steps.step();
+        self.member(target)
+            .trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+        self.copy_range(from, target, lbas.clone(), lbas, breaks, steps, progress)
+    }
+
+    /// Move region `index` to `target` (CRASH_MODEL, "Migration between
+    /// layouts"): read and verify it in the member serving it, write it to
+    /// `target`'s, flush that, switch the record, then trim the old.
+    fn migrate_region(
+        &self,
+        index: usize,
+        target: LayoutKind,
+        breaks: &MigrateBreaks,
+        steps: &Steps,
+        mut progress: impl FnMut(u64),
+    ) -> Result<()> {
+        let record = self.record();
+        let from = record.layouts[index];
+        let lbas = record.lbas(index, self.blocks);
+        let (old, new) = (self.member(from), self.member(target));
+        self.copy_region(from, target, &lbas, breaks, steps, &mut progress)?;
         let release = || -> Result<()> {
             steps.step();
             old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
@@ -526,23 +643,50 @@ pub struct MigrateBreaks {
     pub short_status: bool,
 }
 
+/// What the crash simulator runs at each step of an online move: a
+/// foreground request arriving there. Its argument says whether the
+/// region's lock is held exclusive (a request would wait: none is sent).
+pub type StepHook = Box<dyn Fn(bool) + Send + Sync>;
+
 /// The migration's file operations, counted: `step` aborts the process
 /// at `MigrateBreaks::crash_at`.
-struct Steps {
+pub struct Steps {
     crash_at: Option<u64>,
     taken: std::sync::atomic::AtomicU64,
+    /// The simulator's foreground request, before each step.
+    hook: Option<StepHook>,
+    /// An online move holds its region's lock exclusive.
+    locked: std::sync::atomic::AtomicBool,
 }
 
 impl Steps {
-    fn new(crash_at: Option<u64>) -> Steps {
+    pub fn new(crash_at: Option<u64>) -> Steps {
         Steps {
             crash_at,
             taken: std::sync::atomic::AtomicU64::new(0),
+            hook: None,
+            locked: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// `hook` run right before each step (before the crash, if there).
+    pub fn with_hook(crash_at: Option<u64>, hook: StepHook) -> Steps {
+        Steps {
+            hook: Some(hook),
+            ..Steps::new(crash_at)
+        }
+    }
+
+    fn set_locked(&self, locked: bool) {
+        self.locked
+            .store(locked, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Called right before each file operation.
     fn step(&self) {
+        if let Some(hook) = &self.hook {
+            hook(self.locked.load(std::sync::atomic::Ordering::SeqCst));
+        }
         let taken = self
             .taken
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
@@ -574,12 +718,16 @@ pub struct MigrateReport {
 /// layout): the other member made and renamed into place, the record
 /// written, then the home superblock's flag (CRASH_MODEL, "Migration
 /// between layouts"). Returns the member's path.
-fn make_regions(
-    path: &Path,
-    home: &Superblock,
-    options: &OpenOptions,
-    steps: &Steps,
-) -> Result<()> {
+///
+/// `opened` is the home, open writable: its lock is held from before the
+/// superblock was read until the flag is set, so a second `migrate` (or a
+/// server) can neither see the volume without the flag while the member is
+/// being made nor remove it (M1 of the migrate33 review).
+fn make_regions(path: &Path, opened: &Volume, options: &OpenOptions, steps: &Steps) -> Result<()> {
+    let home = &crate::volume_superblock(path)?;
+    if has_regions(home) {
+        return Ok(());
+    }
     let member = member_path(path, home.layout);
     let name = member
         .file_name()
@@ -635,16 +783,20 @@ fn make_regions(
     write_record(path, &record, steps)?;
     steps.step();
     sync_dir(path)?;
-    let opened = crate::open_volume(
-        path,
-        &OpenOptions {
-            region_member: true,
-            ..options.clone()
-        },
-    )?;
     steps.step();
-    opened.set_regions(record.seq)?;
-    opened.close()
+    opened.set_regions(record.seq)
+}
+
+/// A server's volume that may migrate online (`serve --migratable`,
+/// `--migrate-on-write`): the volume at `path`, whose home `home` the
+/// server opened writable (so holds), as a REGIONS volume, made one
+/// first (every region in its home layout) if it is not.
+pub fn open_served(path: &Path, home: Volume, options: &OpenOptions) -> Result<RegionVolume> {
+    if let Err(error) = make_regions(path, &home, options, &Steps::new(None)) {
+        let _ = home.close();
+        return Err(error);
+    }
+    RegionVolume::with_home(path, home, options)
 }
 
 /// Every region is back in the home layout: clear the home flag (its
@@ -694,16 +846,23 @@ pub fn migrate(
     }
     let blocks = home.size_bytes / BLOCK;
     let steps = Steps::new(breaks.crash_at);
+    // The home opened (and locked) before anything is decided or made.
+    let opened = open_member(path, options)?;
+    let home = crate::volume_superblock(path)?;
     if !has_regions(&home) {
         if home.layout == target {
+            opened.close()?;
             return Ok(MigrateReport {
                 already: vouch_format::regions::regions_of(blocks),
                 ..MigrateReport::default()
             });
         }
-        make_regions(path, &home, options, &steps)?;
+        if let Err(error) = make_regions(path, &opened, options, &steps) {
+            let _ = opened.close();
+            return Err(error);
+        }
     }
-    let volume = RegionVolume::open(path, options)?;
+    let volume = RegionVolume::with_home(path, opened, options)?;
     let result = (|| {
         let released = volume.release_unserved(&steps)?;
         let record = volume.record();
@@ -791,6 +950,7 @@ impl BlockDevice for RegionVolume {
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>> {
         self.check_range(offset, length)?;
+        let _held = self.hold(offset, length);
         let Some(piece) = self.pieces(offset, length.max(1)).into_iter().next() else {
             return Ok(Vec::new());
         };
@@ -809,6 +969,7 @@ impl BlockDevice for RegionVolume {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.check_range(first * BLOCK, count * BLOCK)?;
         let mut blocks = Vec::with_capacity(count as usize);
+        let _held = self.hold(first * BLOCK, count * BLOCK);
         for piece in self.pieces(first * BLOCK, count * BLOCK) {
             blocks.extend(
                 self.member(piece.layout)
@@ -821,6 +982,16 @@ impl BlockDevice for RegionVolume {
     /// Each member's blocks in one call: all-or-nothing within a member,
     /// not across the two.
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        let (Some(first), Some(last)) = (
+            blocks.iter().map(|block| block.lba).min(),
+            blocks.iter().map(|block| block.lba).max(),
+        ) else {
+            return Ok(());
+        };
+        let span = (last + 1 - first) * BLOCK;
+        self.check_range(first * BLOCK, span)?;
+        self.move_for_write(first * BLOCK, span);
+        let _held = self.hold(first * BLOCK, span);
         for layout in [LayoutKind::Split, LayoutKind::Packed] {
             let mine: Vec<SealedBlock> = blocks
                 .iter()
@@ -830,6 +1001,9 @@ impl BlockDevice for RegionVolume {
             if !mine.is_empty() {
                 self.member(layout).write_sealed(&mine)?;
             }
+        }
+        for block in blocks {
+            self.written(block.lba * BLOCK, BLOCK);
         }
         Ok(())
     }

@@ -141,6 +141,14 @@ enum Command {
         /// (the members' held logs gone).
         #[arg(long)]
         no_reboot: bool,
+        /// The online move (a server's), a foreground write arriving
+        /// before each of its file operations (logged once acknowledged).
+        #[arg(long)]
+        online: bool,
+        /// With --online, break it on purpose: never copy again the chunks
+        /// written during the copy (the run must find violations).
+        #[arg(long, requires = "online")]
+        break_recopy: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -154,6 +162,11 @@ enum Command {
         break_release: bool,
         #[arg(long)]
         break_switch: bool,
+        online: bool,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        #[arg(long)]
+        break_recopy: bool,
     },
     /// Inject faults into one layout x guard and print the detection row.
     Faults {
@@ -352,8 +365,12 @@ fn run(cli: Cli) -> Result<bool, String> {
             break_switch,
             back,
             no_reboot,
+            online,
+            break_recopy,
         } => {
             let config = vouch_sim::migrate::MigrateConfig {
+                online,
+                break_recopy,
                 layout: layout(&run.layout)?,
                 seeds: run.seeds,
                 seed: run.seed,
@@ -376,13 +393,26 @@ fn run(cli: Cli) -> Result<bool, String> {
             crash_at,
             break_release,
             break_switch,
+            online,
+            seed,
+            break_recopy,
         } => {
-            vouch_sim::migrate::child(
-                &path,
-                layout(&target)?,
-                crash_at,
-                (break_release, break_switch),
-            )?;
+            if online {
+                vouch_sim::migrate::child_online(
+                    &path,
+                    layout(&target)?,
+                    crash_at,
+                    seed,
+                    break_recopy,
+                )?;
+            } else {
+                vouch_sim::migrate::child(
+                    &path,
+                    layout(&target)?,
+                    crash_at,
+                    (break_release, break_switch),
+                )?;
+            }
             Ok(true)
         }
         Command::Upgrade { run, encrypted } => {

@@ -19,6 +19,14 @@
 //! ends by making it a one-layout volume again (the flag cleared, the
 //! record and the member removed), each of those steps a crash point.
 //!
+//! With `online`, the migration is the server's (`RegionVolume::
+//! migrate_online`): before each of its file operations a foreground
+//! write arrives (about one step in two, none while the region's lock is
+//! held exclusive, where it would wait), through the region layer, and
+//! is logged once acknowledged; the expected image is the volume's with
+//! every logged write applied in order. `--break-recopy` (the chunks
+//! written during the copy never copied again) must be caught.
+//!
 //! A process crash keeps every write issued (the page cache) and each
 //! member's held log (memory that outlives the process). With `reboot`,
 //! each image is also judged as a machine restart leaves it: a copy with
@@ -33,11 +41,15 @@
 //! trimmed before the switch) and `--break-switch` (the record switched
 //! before the new member's flush: caught by the reboot images).
 
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 use std::time::Instant;
 
-use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
+use parking_lot::Mutex;
+use vouch_engine::regions::{self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume};
 use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, OpenOptions, ZeroFlags};
 use vouch_format::regions::REGION_BLOCKS;
 
@@ -61,6 +73,10 @@ pub struct MigrateConfig {
     pub break_switch: bool,
     /// Also judge each image after a reboot (the held logs gone).
     pub reboot: bool,
+    /// The online move, with foreground writes at its steps.
+    pub online: bool,
+    /// Online: never copy the chunks written mid-move again.
+    pub break_recopy: bool,
     /// Migrate to the other layout first (uncrashed), then crash the
     /// migration back to the volume's own layout (which ends by making it
     /// a one-layout volume again).
@@ -88,10 +104,11 @@ impl MigrateReport {
             } else {
                 String::new()
             },
-            if config.break_release {
-                " (break: release before switch)"
-            } else {
-                ""
+            match (config.online, config.break_release, config.break_recopy) {
+                (true, _, true) => " online with foreground writes (break: no recopy)",
+                (true, _, false) => " online with foreground writes",
+                (false, true, _) => " (break: release before switch)",
+                (false, false, _) => "",
             },
             if config.break_switch {
                 " (break: switch before the new member's flush)"
@@ -123,6 +140,102 @@ pub fn child(
     regions::migrate(path, target, &OpenOptions::default(), &breaks, |_, _| {})
         .map(|_| ())
         .map_err(|error| error.to_string())
+}
+
+/// Where the online child logs the foreground writes it had acknowledged.
+fn acked_log(path: &Path) -> PathBuf {
+    path.with_extension("acked")
+}
+
+/// The volume at `path` for an online migration: a volume with regions
+/// (made one if it is not), as `serve --migratable` opens it.
+fn open_online(path: &Path) -> Result<RegionVolume, String> {
+    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    let options = OpenOptions::default();
+    if regions::has_regions(&superblock) {
+        return RegionVolume::open(path, &options).map_err(|error| error.to_string());
+    }
+    let home = vouch_engine::open_volume(path, &options).map_err(|error| error.to_string())?;
+    regions::open_served(path, home, &options).map_err(|error| error.to_string())
+}
+
+/// Migrate `path` online to `target`; with `steps`' hook writing.
+fn migrate_online(
+    volume: &RegionVolume,
+    target: LayoutKind,
+    steps: &regions::Steps,
+    breaks: OnlineBreaks,
+) -> Result<(), String> {
+    let stop = AtomicBool::new(false);
+    let how = OnlineMigrate {
+        target,
+        rate: None,
+        stop: &stop,
+    };
+    volume
+        .migrate_online_driven(&how, steps, breaks, |_, _| {})
+        .map(|_| ())
+        .map_err(|error| error.to_string())
+}
+
+/// The online child: migrate `path` to `target` with foreground writes
+/// at its steps (logged once acknowledged), aborting at `crash_at`.
+pub fn child_online(
+    path: &Path,
+    target: LayoutKind,
+    crash_at: u64,
+    seed: u64,
+    break_recopy: bool,
+) -> Result<(), String> {
+    let volume = Arc::new(open_online(path)?);
+    let log = std::fs::File::create(acked_log(path)).map_err(|error| error.to_string())?;
+    let writer = Arc::clone(&volume);
+    let state = Mutex::new((Rng::new(seed.wrapping_mul(1_000_003) ^ crash_at), log));
+    let hook: regions::StepHook = Box::new(move |locked| {
+        if locked {
+            return;
+        }
+        let mut state = state.lock();
+        let (rng, log) = &mut *state;
+        if !rng.chance(1, 2) {
+            return;
+        }
+        let count = rng.range(1, 8);
+        let lba = rng.below(BLOCKS - count);
+        let data = rng.bytes((count * BLOCK_U64) as usize);
+        writer
+            .write(lba * BLOCK_U64, &data, false)
+            .expect("a foreground write");
+        // Acknowledged: logged (a process crash keeps the page cache).
+        let mut record = Vec::with_capacity(16 + data.len());
+        record.extend_from_slice(&lba.to_le_bytes());
+        record.extend_from_slice(&count.to_le_bytes());
+        record.extend_from_slice(&data);
+        log.write_all(&record).expect("log the write");
+    });
+    let steps = regions::Steps::with_hook(Some(crash_at), hook);
+    let breaks = OnlineBreaks {
+        skip_recopy: break_recopy,
+    };
+    let result = migrate_online(&volume, target, &steps, breaks);
+    drop(steps);
+    let volume = Arc::try_unwrap(volume).map_err(|_| "the volume is still shared".to_string())?;
+    result?;
+    volume.close().map_err(|error| error.to_string())
+}
+
+/// `expected` with every write the online child logged applied.
+fn apply_acked(path: &Path, expected: &mut [u8]) {
+    let log = std::fs::read(acked_log(path)).unwrap_or_default();
+    let mut at = 0;
+    while at + 16 <= log.len() {
+        let lba = u64::from_le_bytes(log[at..at + 8].try_into().expect("8 bytes"));
+        let count = u64::from_le_bytes(log[at + 8..at + 16].try_into().expect("8 bytes"));
+        let len = (count * BLOCK_U64) as usize;
+        let from = (lba * BLOCK_U64) as usize;
+        expected[from..from + len].copy_from_slice(&log[at + 16..at + 16 + len]);
+        at += 16 + len;
+    }
 }
 
 /// A temporary directory, removed on drop.
@@ -402,6 +515,12 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             if config.break_switch {
                 child.arg("--break-switch");
             }
+            if config.online {
+                child.args(["--online", "--seed", &seed.to_string()]);
+            }
+            if config.break_recopy {
+                child.arg("--break-recopy");
+            }
             let output = child.output().expect("run vouch-sim migrate-child");
             let finished = output.status.success();
             if !finished && output.status.code().is_some() {
@@ -412,7 +531,14 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
             }
             report.images += u64::from(!finished);
             let at = format!("seed {seed} crash at {crash_at}");
-            if config.reboot && !finished {
+            let mut expected = expected.clone();
+            if config.online {
+                apply_acked(&work, &mut expected);
+            }
+            let expected = &expected[..];
+            if config.reboot && !config.online && !finished {
+                // Online, a reboot loses the foreground writes acknowledged
+                // but not flushed, which the expected image holds.
                 // First (the process image's open puts its held logs back).
                 let rebooted = dir.0.join(format!("at{crash_at}-reboot"));
                 copy_dir(&work, &rebooted);
@@ -424,9 +550,9 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                     &at,
                     "(held logs gone)",
                     read_image(&rebooted),
-                    &expected,
+                    expected,
                 );
-                run_again(&mut report, &at, &rebooted, target, &expected);
+                run_again(&mut report, &at, &rebooted, target, expected);
                 let _ = std::fs::remove_dir_all(&rebooted);
             }
             judge(
@@ -434,13 +560,41 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 &at,
                 "after the crash",
                 read_image(&work),
-                &expected,
+                expected,
             );
-            run_again(&mut report, &at, &work, target, &expected);
+            // The operator runs it again.
+            if config.online {
+                let again = {
+                    open_online(&work).and_then(|volume| {
+                        migrate_online(
+                            &volume,
+                            target,
+                            &regions::Steps::new(None),
+                            OnlineBreaks::default(),
+                        )?;
+                        volume.close().map_err(|error| error.to_string())
+                    })
+                };
+                match again {
+                    Ok(_) => judge(
+                        &mut report,
+                        &at,
+                        "after running it again",
+                        read_image(&work),
+                        expected,
+                    ),
+                    Err(error) => report
+                        .violations
+                        .push(format!("{at}: running it again failed: {error}")),
+                }
+            } else {
+                run_again(&mut report, &at, &work, target, expected);
+            }
             let _ = std::fs::remove_dir_all(&work);
+            let _ = std::fs::remove_file(acked_log(&work));
             // A broken run is there to be caught: its first violation is
             // enough.
-            let broken = config.break_release || config.break_switch;
+            let broken = config.break_release || config.break_switch || config.break_recopy;
             if finished || (broken && !report.violations.is_empty()) {
                 break;
             }

@@ -20,6 +20,8 @@ fn config(layout: LayoutKind, seed: u64, break_release: bool) -> MigrateConfig {
         break_switch: false,
         reboot: false,
         back: false,
+        online: false,
+        break_recopy: false,
     }
 }
 
@@ -83,4 +85,31 @@ fn switching_before_the_new_member_is_flushed_is_caught_by_a_reboot() {
         "{}",
         report.summary(&config)
     );
+}
+
+/// The online move (issue 33) with a foreground write before each of its
+/// file operations, crashed at each: every acknowledged write is in the
+/// image, and running it again finishes.
+#[test]
+fn a_crash_at_any_step_of_an_online_move_with_writes_loses_nothing() {
+    let config = MigrateConfig {
+        online: true,
+        ..config(LayoutKind::Split, 7, false)
+    };
+    let report = run(&config);
+    eprintln!("{}", report.summary(&config));
+    assert!(report.violations.is_empty(), "{:#?}", report.violations);
+    assert!(report.images >= 20, "{}", report.summary(&config));
+}
+
+#[test]
+fn an_online_move_that_never_copies_again_what_was_written_mid_move_is_caught() {
+    let config = MigrateConfig {
+        online: true,
+        break_recopy: true,
+        ..config(LayoutKind::Packed, 9, false)
+    };
+    let report = run(&config);
+    eprintln!("{}", report.summary(&config));
+    assert!(!report.violations.is_empty(), "{}", report.summary(&config));
 }

@@ -93,6 +93,16 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
         let pending = volume.recovery_report().records_replayed;
         (volume.info()?, Some(pending))
     };
+    // The region record: the open volume's, or for a served one (mid
+    // online migration, say) the newest copy on disk.
+    let record = match &region_volume {
+        Some(volume) => Some(volume.record()),
+        None if in_use && crate::migrate::has_regions(path) => {
+            let superblock = vouch_engine::volume_superblock(path)?;
+            Some(vouch_engine::regions::read_record(path, &superblock)?)
+        }
+        None => None,
+    };
     // An unreadable scrub record is shown as such, not a failed `info`: the
     // record is advisory (docs/FORMAT.md).
     let scrub = vouch_engine::scrub::last_scrub(path);
@@ -105,7 +115,7 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             "blocks": info.blocks,
             "block_size": info.block_size,
             "layout": info.layout.name(),
-            "regions": region_volume.as_ref().map(crate::migrate::regions_json),
+            "regions": record.as_ref().map(crate::migrate::regions_json),
             "guard": info.guard.name(),
             "features": {
                 "compat": info.features.compat,
@@ -151,8 +161,8 @@ pub fn info(path: &Path, json_output: bool) -> Result<ExitCode> {
             info.blocks, info.block_size
         );
         println!("layout:          {}", info.layout.name());
-        if let Some(volume) = &region_volume {
-            println!("regions:         {}", crate::migrate::regions_line(volume));
+        if let Some(record) = &record {
+            println!("regions:         {}", crate::migrate::regions_line(record));
         }
         if let Some(key) = info.key_kind {
             println!(

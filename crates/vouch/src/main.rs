@@ -7,6 +7,7 @@ mod export;
 mod inject;
 mod key;
 mod migrate;
+mod migrate_online;
 mod mirror;
 mod offload;
 mod replica;
@@ -216,12 +217,30 @@ enum Command {
     /// layout it was created in, every region back home, it is a one-layout
     /// volume again (the record and the other layout's directory removed)
     /// and every command takes it.
+    ///
+    /// Online, with --server ADDR [EXPORT]: the server (`serve --control
+    /// --migratable`, or `--migrate-on-write`) moves the export's regions in
+    /// the background while clients read and write it, at most --rate
+    /// bytes a second; the bar follows it, Ctrl-C leaves it running (stop
+    /// it with `--stop`).
     Migrate {
-        /// The volume's directory.
-        path: PathBuf,
+        /// The volume's directory (offline: no server may have it open),
+        /// or with --server the export's name (default: the only one).
+        #[arg(required_unless_present = "server")]
+        path: Option<PathBuf>,
         /// The layout to move every region to.
-        #[arg(long, value_parser = ["split", "packed"])]
-        layout: String,
+        #[arg(long, value_parser = ["split", "packed"], required_unless_present = "stop")]
+        layout: Option<String>,
+        /// With --server: at most this many bytes a second (200M = 200 MiB/s;
+        /// K, M, G are powers of 1024, KB, MB, GB powers of 1000).
+        #[arg(long, value_name = "RATE", value_parser = crate::parse_size, requires = "server")]
+        rate: Option<u64>,
+        /// With --server: stop the export's running migration between
+        /// regions (the regions moved stay moved).
+        #[arg(long, requires = "server")]
+        stop: bool,
+        #[command(flatten)]
+        server: offload::client::ServerArgs,
         #[command(flatten)]
         key: key::KeyFileArgs,
     },
@@ -653,7 +672,14 @@ fn main() -> ExitCode {
             ..
         } => commands::export(&path, &raw, allow_faults),
         Command::Upgrade { path, .. } => commands::upgrade(&path),
-        Command::Migrate { path, layout, .. } => crate::migrate::run(&path, &layout),
+        Command::Migrate {
+            path,
+            layout,
+            rate,
+            stop,
+            server,
+            ..
+        } => crate::migrate::run_cli(&server, path, layout, rate, stop),
         Command::Serve(args) => serve::run(*args),
         Command::Bench(args) => bench::run(args),
         Command::Verify(args) => offload::cli_ops::verify(args),

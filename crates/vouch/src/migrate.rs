@@ -3,19 +3,114 @@
 
 use std::fs::File;
 use std::os::unix::fs::FileExt as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+use hyper::Method;
 
 use anyhow::{bail, Context as _, Result};
 use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
 use vouch_engine::{Fault, OpenOptions, BLOCK};
+use vouch_format::regions::RegionRecord;
 use vouch_format::LayoutKind;
 
 use crate::commands::progress_bar;
 use crate::key::Use;
+use crate::offload::client::{Client, ServerArgs};
 
 /// Blocks read per step of `export` and `check`.
 const CHUNK_BLOCKS: u64 = 256;
+
+/// `vouch migrate`: offline on PATH, or online with --server.
+pub fn run_cli(
+    server: &ServerArgs,
+    path: Option<PathBuf>,
+    layout: Option<String>,
+    rate: Option<u64>,
+    stop: bool,
+) -> Result<ExitCode> {
+    if server.server.is_some() {
+        return run_online(server, path, layout, rate, stop);
+    }
+    let path = path.context("give the volume's directory")?;
+    run(&path, &layout.context("give --layout")?)
+}
+
+/// `vouch migrate --server ADDR [EXPORT] --layout L [--rate R]`: start the
+/// export's online migration and follow it with the bar to its end
+/// (`--stop`: stop it).
+fn run_online(
+    server: &ServerArgs,
+    export: Option<PathBuf>,
+    layout: Option<String>,
+    rate: Option<u64>,
+    stop: bool,
+) -> Result<ExitCode> {
+    let client = Client::new(server)?;
+    let export = match export {
+        Some(export) => export.to_string_lossy().into_owned(),
+        None => {
+            let exports = client.call(Method::GET, "/v1/exports", None)?;
+            let names: Vec<String> = exports["exports"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|export| export["name"].as_str().map(str::to_string))
+                .collect();
+            match names.as_slice() {
+                [only] => only.clone(),
+                _ => bail!(
+                    "the server has {} exports ({}): name one",
+                    names.len(),
+                    names.join(", ")
+                ),
+            }
+        }
+    };
+    let route = format!("/v1/exports/{export}/migrate");
+    if stop {
+        let status = client.call(Method::DELETE, &route, None)?;
+        println!(
+            "{export}: stopping the migration ({})",
+            status["state"].as_str().unwrap_or("?")
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    let layout = layout.context("give --layout")?;
+    let mut request = serde_json::json!({ "layout": layout });
+    if let Some(rate) = rate {
+        request["rate"] = rate.into();
+    }
+    client.call(Method::POST, &route, Some(&request))?;
+    let bar = progress_bar(0, &format!("migrating {export} to {layout}"));
+    let status = loop {
+        let status = client.call(Method::GET, &route, None)?;
+        bar.set_length(status["total_bytes"].as_u64().unwrap_or(0));
+        bar.set_position(status["done_bytes"].as_u64().unwrap_or(0));
+        if status["state"] != "running" {
+            break status;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    bar.finish_and_clear();
+    match status["state"].as_str() {
+        Some("done") => {
+            println!(
+                "{export}: {} regions moved to {layout} online ({:.1} MB/s); regions: {} split, {} packed",
+                status["regions_moved"],
+                status["mb_per_second"].as_f64().unwrap_or(0.0),
+                status["regions"]["split"],
+                status["regions"]["packed"],
+            );
+            Ok(ExitCode::SUCCESS)
+        }
+        _ => bail!(
+            "{export}: the migration {}: {}",
+            status["state"].as_str().unwrap_or("ended"),
+            status["error"].as_str().unwrap_or("no reason given")
+        ),
+    }
+}
 
 pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
     let target = LayoutKind::from_name(layout).context("unknown layout")?;
@@ -89,18 +184,17 @@ pub fn open_read_only(path: &Path, purpose: Use) -> Result<RegionVolume> {
 }
 
 /// `info`'s line about the regions: how many each layout serves.
-pub fn regions_line(volume: &RegionVolume) -> String {
-    let [split, packed] = volume.record().counts();
+pub fn regions_line(record: &RegionRecord) -> String {
+    let [split, packed] = record.counts();
     format!(
         "{} of 62 MiB: {split} split, {packed} packed (record seq {})",
         split + packed,
-        volume.record().seq
+        record.seq
     )
 }
 
 /// `info --json`'s regions.
-pub fn regions_json(volume: &RegionVolume) -> serde_json::Value {
-    let record = volume.record();
+pub fn regions_json(record: &RegionRecord) -> serde_json::Value {
     let [split, packed] = record.counts();
     serde_json::json!({
         "region_blocks": record.region_blocks,
@@ -144,7 +238,7 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             "blocks_checked": blocks,
             "faults": faults.iter().map(|f| serde_json::json!({"lba": f.lba, "kind": f.kind.name()})).collect::<Vec<_>>(),
             "clean": faults.is_empty(),
-            "regions": regions_json(&volume),
+            "regions": regions_json(&volume.record()),
         });
         println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
@@ -155,7 +249,7 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
             "{}: {blocks} blocks checked, {} faults (regions: {})",
             path.display(),
             faults.len(),
-            regions_line(&volume)
+            regions_line(&volume.record())
         );
     }
     volume.close()?;

@@ -123,6 +123,22 @@ pub struct ServeArgs {
     /// of 1024, KB, MB, GB powers of 1000).
     #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "200M")]
     resync_max: u64,
+    /// Serve every one-layout volume through the region layer, so that
+    /// the control API can migrate it online (`vouch migrate --server`,
+    /// `POST /v1/exports/{export}/migrate`): each becomes a volume with
+    /// regions (docs/FORMAT.md, every region still in its layout) when the
+    /// server starts. Such a volume is not verified, scrubbed, snapshotted
+    /// or resized until `vouch migrate PATH --layout HOME` (offline) makes
+    /// it a one-layout volume again. Without it, a one-layout volume is
+    /// served as it is (no region layer in its path).
+    #[arg(long)]
+    migratable: bool,
+    /// Move each region to LAYOUT on its first write (read, verified, and
+    /// written in LAYOUT before the write goes there; a region that fails
+    /// verification stays where it is and the failure is logged). Implies
+    /// --migratable for volumes not in LAYOUT.
+    #[arg(long, value_name = "LAYOUT", value_parser = ["split", "packed"])]
+    migrate_on_write: Option<String>,
     #[command(flatten)]
     control: crate::offload::control::ControlArgs,
     #[command(flatten)]
@@ -197,6 +213,11 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
     let mut mirrors = Vec::new();
     let mut resyncers = Vec::new();
     let mut regions: Vec<Option<Arc<RegionVolume>>> = Vec::new();
+    let mut migrations: Vec<Option<Arc<crate::migrate_online::Migration>>> = Vec::new();
+    let on_write = args
+        .migrate_on_write
+        .as_deref()
+        .and_then(vouch_format::LayoutKind::from_name);
     for path in &args.paths {
         let mut options = OpenOptions {
             read_only: args.read_only,
@@ -231,31 +252,50 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
             mirrors.push(Some(set));
             resyncers.push(Some(resyncer));
             regions.push(None);
+            migrations.push(None);
             continue;
         }
         mirrors.push(None);
         resyncers.push(None);
-        if crate::migrate::has_regions(path) {
-            // A volume with regions (`vouch migrate`): served through the
-            // region layer; the home member stands for it in metrics.
-            if args.control.control.is_some() {
-                bail!(
-                    "{} is a volume with regions: --control (verify, scrub, copy jobs) does not serve it yet; serve it without --control",
-                    path.display()
-                );
-            }
+        let with_regions = crate::migrate::has_regions(path);
+        let migratable = !args.read_only
+            && (args.migratable
+                || on_write.is_some_and(|target| {
+                    vouch_engine::volume_superblock(path)
+                        .is_ok_and(|superblock| superblock.layout != target)
+                }));
+        if with_regions || migratable {
+            // A volume with regions (`vouch migrate`, or made one now):
+            // served through the region layer; the home member stands for
+            // it in metrics.
             let options = crate::key::open_options(path, options, crate::key::Use::Data)?;
-            let volume = Arc::new(RegionVolume::open(path, &options)?);
+            let volume = if with_regions {
+                RegionVolume::open(path, &options)?
+            } else {
+                // The options carry the key already (asked once).
+                let home = vouch_engine::open_volume(path, &options)?;
+                vouch_engine::regions::open_served(path, home, &options)?
+            };
+            let volume = Arc::new(volume);
+            volume.set_migrate_on_write(on_write);
             let [split, packed] = volume.record().counts();
             eprintln!(
-                "vouch: {}: a volume with regions ({split} split, {packed} packed)",
-                path.display()
+                "vouch: {}: a volume with regions ({split} split, {packed} packed){}",
+                path.display(),
+                on_write.map_or(String::new(), |target| format!(
+                    ", each moving to {} on its first write",
+                    target.name()
+                ))
             );
             volumes.push(volume.home_shared());
+            migrations.push(Some(Arc::new(crate::migrate_online::Migration::new(
+                Arc::clone(&volume),
+            ))));
             regions.push(Some(volume));
             continue;
         }
         regions.push(None);
+        migrations.push(None);
         let volume = crate::key::open(path, options, crate::key::Use::Data)?;
         let report = volume.recovery_report();
         if report.records_replayed > 0 {
@@ -287,8 +327,19 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
         notifier,
     };
     let served = runtime.block_on(serve(
-        &args, service, &volumes, &mirrors, &regions, &resyncers,
+        &args,
+        service,
+        &volumes,
+        &mirrors,
+        &regions,
+        &resyncers,
+        &migrations,
     ));
+    // A running migration stops between regions (resumed by the next one).
+    for migration in migrations.iter().flatten() {
+        migration.stop_and_join();
+    }
+    drop(migrations);
     let attached: Vec<_> = resyncers
         .iter()
         .flatten()
@@ -390,6 +441,7 @@ async fn serve(
     mirrors: &[Option<crate::mirror::OpenMirror>],
     regions: &[Option<Arc<RegionVolume>>],
     resyncers: &[Option<Arc<crate::resync::Resyncer>>],
+    migrations: &[Option<Arc<crate::migrate_online::Migration>>],
 ) -> Result<Option<PidFile>> {
     // Handle signals before announcing the listener: a SIGTERM right after
     // "serving on" must stop cleanly, not take the default action.
@@ -507,6 +559,7 @@ async fn serve(
                 &args.paths,
                 volumes,
                 resyncers,
+                migrations,
                 server.metrics(),
             )
         })
@@ -519,6 +572,11 @@ async fn serve(
             .zip(mirrors)
             .filter_map(|(name, set)| set.as_ref().map(|set| (name.clone(), set.mirror.clone())))
             .collect();
+        let migrating: Vec<(String, Arc<crate::migrate_online::Migration>)> = names
+            .iter()
+            .zip(migrations)
+            .filter_map(|(name, migration)| migration.as_ref().map(|m| (name.clone(), m.clone())))
+            .collect();
         let offload_jobs = control
             .as_ref()
             .map(|control| Arc::downgrade(&control.jobs));
@@ -529,6 +587,9 @@ async fn serve(
                 publish_engine_metrics(&engine_volumes);
                 crate::mirror::publish_metrics(&mirror_devices);
                 crate::resync::publish_metrics(&mirror_devices);
+                for (name, migration) in &migrating {
+                    migration.publish(name);
+                }
                 if let Some(jobs) = offload_jobs.as_ref().and_then(std::sync::Weak::upgrade) {
                     crate::offload::metrics::publish(&jobs);
                 }

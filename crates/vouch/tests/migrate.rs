@@ -394,3 +394,66 @@ fn a_partly_migrated_volume_is_served_and_keeps_every_acknowledged_write() {
         want
     );
 }
+
+/// M1 (migrate33 review): `migrate` holds the volume's lock before it
+/// decides or makes anything, so a running server's volume is refused
+/// with nothing made beside it (it used to build the whole other member
+/// and a record first, then fail on the lock).
+#[test]
+fn migrating_a_served_volume_is_refused_before_anything_is_made() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = written_volume(dir.path(), LayoutKind::Split, GuardKind::Crc32c, false);
+    let mut server = Server::start(dir.path(), &[s(&path)]);
+    let output = vouch(&["migrate", s(&path), "--layout", "packed"]);
+    assert!(!output.status.success(), "{}", text(&output));
+    for made in ["layout.packed", ".layout.packed.partial", REGIONS_FILE] {
+        assert!(
+            !path.join(made).exists(),
+            "{made} was made: {}",
+            text(&output)
+        );
+    }
+    server.stop();
+    assert_check_clean(&path);
+    assert!(info_json(&path)["regions"].is_null());
+}
+
+/// M1: two `migrate`s of one volume at once: one makes the member and
+/// moves, the other waits its turn or is refused; never a volume that
+/// no command opens. The volume ends whole and every byte the same.
+#[test]
+fn two_migrates_at_once_leave_a_volume_every_command_opens() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = written_volume(dir.path(), LayoutKind::Split, GuardKind::Crc32c, false);
+    let image = dir.path().join("image.raw");
+    let expected = export_bytes(&path, &image, None);
+    for _ in 0..3 {
+        let children: Vec<_> = (0..2)
+            .map(|_| {
+                Command::new(vouch_bin())
+                    .args(["migrate", s(&path), "--layout", "packed"])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("spawn migrate")
+            })
+            .collect();
+        let outputs: Vec<_> = children
+            .into_iter()
+            .map(|child| child.wait_with_output().expect("wait"))
+            .collect();
+        assert!(
+            outputs.iter().any(|output| output.status.success()),
+            "{}\n{}",
+            text(&outputs[0]),
+            text(&outputs[1])
+        );
+        // Whatever the loser did, a third run opens it and finishes.
+        migrate_ok(&path, "packed", None);
+        assert_check_clean(&path);
+        assert_eq!(info_json(&path)["regions"]["packed"], 4);
+        assert!(export_bytes(&path, &image, None) == expected);
+        migrate_ok(&path, "split", None);
+        assert!(info_json(&path)["regions"].is_null());
+    }
+}

@@ -70,6 +70,12 @@ pub fn router(state: ApiState) -> Router {
             "/v1/exports/{export}/resize",
             axum::routing::post(resize_export),
         )
+        .route(
+            "/v1/exports/{export}/migrate",
+            get(migration_status)
+                .post(migration_start)
+                .delete(migration_stop),
+        )
         .route("/v1/mirrors/{export}", get(mirror_status))
         .route(
             "/v1/mirrors/{export}/resync",
@@ -163,6 +169,15 @@ fn snapshot_target<'a>(
     export: &str,
 ) -> ApiResult<&'a super::jobs::ExportEntry> {
     let entry = export_of(state, export)?;
+    if entry.migration.is_some() {
+        // snapreg33 enables snapshots of volumes with regions.
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "export {export:?} is a volume with regions: its snapshots are not supported yet"
+            ),
+        ));
+    }
     if entry.mirror.is_some() {
         return Err(ApiError(
             StatusCode::CONFLICT,
@@ -348,6 +363,88 @@ async fn mirror_resync(
     ))
 }
 
+/// The online migration of `export`: a volume with regions only.
+fn migration_of(
+    state: &ApiState,
+    export: &str,
+) -> ApiResult<Arc<crate::migrate_online::Migration>> {
+    export_of(state, export)?.migration.clone().ok_or_else(|| {
+        ApiError(
+            StatusCode::CONFLICT,
+            format!("export {export:?} is served as a one-layout volume: serve it with --migratable (or --migrate-on-write LAYOUT) to migrate it online, or stop the server and run `vouch migrate PATH --layout LAYOUT`"),
+        )
+    })
+}
+
+/// `GET /v1/exports/{export}/migrate`: the migration's progress.
+async fn migration_status(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+) -> ApiResult<Json<Value>> {
+    let migration = migration_of(&state, &export)?;
+    let mut status = migration.status_json();
+    status["export"] = json!(export);
+    Ok(Json(status))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MigrateBody {
+    layout: String,
+    /// Bytes a second: a number, or a size such as "200M".
+    rate: Option<Value>,
+}
+
+/// `POST /v1/exports/{export}/migrate {"layout": "packed", "rate": "200M"}`:
+/// start moving every region to the layout, in the background.
+async fn migration_start(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+    body: Bytes,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let migration = migration_of(&state, &export)?;
+    let body: MigrateBody = serde_json::from_slice(&body).map_err(|error| {
+        ApiError::bad(format!(
+            "migrate request: {error} (expected {{\"layout\": \"split\"|\"packed\", \"rate\": \"200M\"}})"
+        ))
+    })?;
+    let target = vouch_format::LayoutKind::from_name(&body.layout).ok_or_else(|| {
+        ApiError::bad(format!(
+            "unknown layout {:?} (split or packed)",
+            body.layout
+        ))
+    })?;
+    let rate =
+        match body.rate {
+            None | Some(Value::Null) => None,
+            Some(Value::Number(number)) => Some(number.as_u64().ok_or_else(|| {
+                ApiError::bad("\"rate\" must be a whole number of bytes a second")
+            })?),
+            Some(Value::String(text)) => Some(crate::parse_size(&text).map_err(ApiError::bad)?),
+            Some(_) => {
+                return Err(ApiError::bad(
+                    "\"rate\" must be a number or a size such as \"200M\"",
+                ))
+            }
+        };
+    let mut status = migration
+        .start(target, rate)
+        .map_err(|error| ApiError(StatusCode::CONFLICT, error))?;
+    status["export"] = json!(export);
+    Ok((StatusCode::ACCEPTED, Json(status)))
+}
+
+/// `DELETE /v1/exports/{export}/migrate`: stop it between regions.
+async fn migration_stop(
+    State(state): State<ApiState>,
+    Path(export): Path<String>,
+) -> ApiResult<(StatusCode, Json<Value>)> {
+    let migration = migration_of(&state, &export)?;
+    let mut status = migration.stop();
+    status["export"] = json!(export);
+    Ok((StatusCode::ACCEPTED, Json(status)))
+}
+
 async fn list_jobs(State(state): State<ApiState>) -> Json<Value> {
     let jobs: Vec<Value> = state
         .jobs
@@ -494,8 +591,16 @@ pub fn parse_job(jobs: &Jobs, body: &[u8]) -> ApiResult<JobSpec> {
         }
     };
     let export = |name: &str| {
-        jobs.export_index(name)
-            .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export named {name:?}")))
+        let index = jobs
+            .export_index(name)
+            .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export named {name:?}")))?;
+        if jobs.exports[index].migration.is_some() {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!("export {name:?} is a volume with regions: verify, scrub, copy and compare jobs do not run on it yet (its online migration verifies every block it moves)"),
+            ));
+        }
+        Ok(index)
     };
     match op.as_str() {
         "verify" => {

@@ -312,6 +312,7 @@ pub fn start_for_server(
     paths: &[PathBuf],
     volumes: &[Arc<vouch_engine::Volume>],
     resyncers: &[Option<Arc<crate::resync::Resyncer>>],
+    migrations: &[Option<Arc<crate::migrate_online::Migration>>],
     metrics: Arc<vouch_nbd::Metrics>,
 ) -> Result<ControlServer> {
     let exports = names
@@ -319,13 +320,15 @@ pub fn start_for_server(
         .zip(paths)
         .zip(volumes)
         .zip(resyncers)
+        .zip(migrations)
         .map(
-            |(((name, dir), volume), resyncer)| super::jobs::ExportEntry {
+            |((((name, dir), volume), resyncer), migration)| super::jobs::ExportEntry {
                 name: name.clone(),
                 dir: dir.clone(),
                 volume: volume.clone(),
                 mirror: resyncer.as_ref().map(|r| r.mirror.clone()),
                 resync: resyncer.clone(),
+                migration: migration.clone(),
             },
         )
         .collect();

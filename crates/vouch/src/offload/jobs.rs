@@ -31,6 +31,9 @@ pub struct ExportEntry {
     pub mirror: Option<Arc<vouch_mirror::Mirror>>,
     /// A mirrored export's resyncs (`/v1/mirrors`).
     pub resync: Option<Arc<crate::resync::Resyncer>>,
+    /// A volume with regions: its online migration
+    /// (`/v1/exports/{export}/migrate`); `volume` is its home member.
+    pub migration: Option<Arc<crate::migrate_online::Migration>>,
 }
 
 /// What the other side of a compare is.

@@ -1,0 +1,337 @@
+//! Online migration (issue 33): a region moved while clients read and
+//! write the volume, and `--migrate-on-write` (a region moved on its first
+//! write). Kept apart from the offline move in `regions.rs`.
+//!
+//! The order (docs/CRASH_MODEL.md, "Online migration"): every foreground
+//! request holds its regions' locks shared while it computes which member
+//! serves it and runs there. A move marks its region as moving (under the
+//! region's lock, exclusive, for a moment), copies it without the lock
+//! while writes go on to the old member, each write marking the 1 MiB
+//! chunks it touched once it returned; the marks are taken (cleared)
+//! before a chunk is copied again. Then, under the region's lock held
+//! exclusive (no request in flight in it), the chunks marked since are
+//! copied again, the new member is flushed, the record switched and the
+//! home superblock's `regions_seq` written; only then is the lock
+//! released and the old member's copy trimmed. A write acknowledged
+//! before the switch is in the old member and, because it marked its
+//! chunk before it was acknowledged, in the new one when the switch
+//! happens; a write after the switch goes to the new member.
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
+use vouch_format::regions::REGION_BLOCKS;
+use vouch_format::LayoutKind;
+
+use super::{write_record, MigrateBreaks, MigrateReport, RegionVolume, Steps, CHUNK_BLOCKS};
+use crate::device::BlockDevice as _;
+use crate::error::{Error, Result};
+use crate::BLOCK;
+
+/// No region is moving.
+const NONE: usize = usize::MAX;
+/// `on_write` when `--migrate-on-write` is off.
+const OFF: u8 = u8::MAX;
+/// Copies of the marked chunks made without the lock before the last
+/// one under it: each is shorter than the one before while writes are
+/// fewer than the copy's rate.
+const UNLOCKED_PASSES: usize = 3;
+
+const _: () = assert!(REGION_BLOCKS.div_ceil(CHUNK_BLOCKS) <= 64);
+
+/// The online state of a RegionVolume.
+pub(crate) struct Online {
+    /// One per region: shared by each foreground request in it, exclusive
+    /// while a move marks it moving and while it switches.
+    locks: Vec<RwLock<()>>,
+    /// The region being moved, or NONE.
+    moving: AtomicUsize,
+    /// Its chunks written since they were last copied (bit per 1 MiB).
+    dirty: AtomicU64,
+    /// One move at a time (a background migration and `--migrate-on-write`).
+    mover: Mutex<()>,
+    /// The layout a region moves to on its first write, as `LayoutKind as u8`.
+    on_write: AtomicU8,
+}
+
+impl Online {
+    pub(crate) fn new(regions: usize) -> Online {
+        Online {
+            locks: (0..regions).map(|_| RwLock::new(())).collect(),
+            moving: AtomicUsize::new(NONE),
+            dirty: AtomicU64::new(0),
+            mover: Mutex::new(()),
+            on_write: AtomicU8::new(OFF),
+        }
+    }
+}
+
+/// The region locks a foreground request holds (shared).
+pub(crate) struct Held<'a> {
+    _guards: Vec<RwLockReadGuard<'a, ()>>,
+}
+
+/// Deliberate breaks of the online move, for the crash simulator's
+/// self-test (each must be caught).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct OnlineBreaks {
+    /// Never copy again the chunks written during the copy (the writes
+    /// that arrive mid-move are left in the old member, then trimmed).
+    pub skip_recopy: bool,
+}
+
+/// What an online migration was asked: where to, how fast, when to stop.
+pub struct OnlineMigrate<'a> {
+    pub target: LayoutKind,
+    /// Bytes per second at most (None: as fast as it goes).
+    pub rate: Option<u64>,
+    /// Set to stop between regions.
+    pub stop: &'a AtomicBool,
+}
+
+impl RegionVolume {
+    /// The regions `[offset, offset + len)` touches.
+    fn regions_of(&self, offset: u64, len: u64) -> Range<usize> {
+        let region_bytes = REGION_BLOCKS * BLOCK;
+        let first = (offset / region_bytes) as usize;
+        let last = (offset + len.max(1) - 1) / region_bytes;
+        first..(last as usize + 1).min(self.online.locks.len())
+    }
+
+    /// Hold the locks of the regions `[offset, offset + len)` touches,
+    /// shared, in ascending order (a move takes one lock only).
+    pub(crate) fn hold(&self, offset: u64, len: u64) -> Held<'_> {
+        Held {
+            _guards: self
+                .regions_of(offset, len)
+                .map(|region| self.online.locks[region].read())
+                .collect(),
+        }
+    }
+
+    /// A write, trim or zeroing of `[offset, offset + len)` returned (its
+    /// locks still held): mark its chunks if its region is moving.
+    pub(crate) fn written(&self, offset: u64, len: u64) {
+        let moving = self.online.moving.load(Ordering::SeqCst);
+        if moving == NONE || !self.regions_of(offset, len).contains(&moving) {
+            return;
+        }
+        let region_start = moving as u64 * REGION_BLOCKS;
+        let region_end = region_start + REGION_BLOCKS;
+        let first = (offset / BLOCK).max(region_start);
+        let end = (offset + len).div_ceil(BLOCK).min(region_end);
+        let mut bits = 0u64;
+        let mut chunk = (first - region_start) / CHUNK_BLOCKS;
+        while region_start + chunk * CHUNK_BLOCKS < end {
+            bits |= 1 << chunk;
+            chunk += 1;
+        }
+        self.online.dirty.fetch_or(bits, Ordering::SeqCst);
+    }
+
+    /// `--migrate-on-write`: each region moves to `target` on its first
+    /// write (None: off).
+    pub fn set_migrate_on_write(&self, target: Option<LayoutKind>) {
+        let value = target.map_or(OFF, |target| target as u8);
+        self.online.on_write.store(value, Ordering::SeqCst);
+    }
+
+    pub fn migrate_on_write(&self) -> Option<LayoutKind> {
+        match self.online.on_write.load(Ordering::SeqCst) {
+            0 => Some(LayoutKind::Split),
+            1 => Some(LayoutKind::Packed),
+            _ => None,
+        }
+    }
+
+    /// Before a write-like request: with `--migrate-on-write`, move the
+    /// regions it touches that are not in the target layout yet. A move
+    /// that fails (a corrupt block) leaves the region where it is: the
+    /// write goes there, and the failure is logged.
+    pub(crate) fn move_for_write(&self, offset: u64, len: u64) {
+        let Some(target) = self.migrate_on_write() else {
+            return;
+        };
+        for region in self.regions_of(offset, len) {
+            if self.layout_of(region as u64 * REGION_BLOCKS) == target {
+                continue;
+            }
+            let steps = Steps::new(None);
+            let moved = self.move_region_online(
+                region,
+                target,
+                &steps,
+                OnlineBreaks::default(),
+                &mut |_| {},
+            );
+            if let Err(error) = moved {
+                tracing::warn!(region, %error, "--migrate-on-write: the region stays where it is");
+            }
+        }
+    }
+
+    /// Move region `index` to `target` while requests go on (the order in
+    /// this module's comment). `progress(bytes)` after each chunk copied
+    /// (it may sleep: the pace). Returns false when it was there already.
+    pub(crate) fn move_region_online(
+        &self,
+        index: usize,
+        target: LayoutKind,
+        steps: &Steps,
+        breaks: OnlineBreaks,
+        progress: &mut dyn FnMut(u64),
+    ) -> Result<bool> {
+        let _one = self.online.mover.lock();
+        let record = self.record();
+        let from = record.layouts[index];
+        if from == target {
+            return Ok(false);
+        }
+        let lbas = record.lbas(index, self.blocks);
+        let (old, new) = (self.member(from), self.member(target));
+        let copy_breaks = MigrateBreaks::default();
+        {
+            let _exclusive = self.online.locks[index].write();
+            self.online.dirty.store(0, Ordering::SeqCst);
+            self.online.moving.store(index, Ordering::SeqCst);
+        }
+        let recopy = |dirty: u64| -> Result<()> {
+            if breaks.skip_recopy {
+                return Ok(());
+            }
+            for chunk in 0..64u64 {
+                if dirty & (1 << chunk) == 0 {
+                    continue;
+                }
+                let start = lbas.start + chunk * CHUNK_BLOCKS;
+                let end = (start + CHUNK_BLOCKS).min(lbas.end);
+                steps.step();
+                new.trim(start * BLOCK, (end - start) * BLOCK, false)?;
+                self.copy_range(
+                    from,
+                    target,
+                    start..end,
+                    &lbas,
+                    &copy_breaks,
+                    steps,
+                    &mut |_| {},
+                )?;
+            }
+            Ok(())
+        };
+        let moved = (|| -> Result<()> {
+            self.copy_region(from, target, &lbas, &copy_breaks, steps, progress)?;
+            for _ in 0..UNLOCKED_PASSES {
+                let dirty = self.online.dirty.swap(0, Ordering::SeqCst);
+                if dirty == 0 {
+                    break;
+                }
+                recopy(dirty)?;
+            }
+            let _exclusive = self.online.locks[index].write();
+            steps.set_locked(true);
+            let switched = (|| -> Result<()> {
+                recopy(self.online.dirty.swap(0, Ordering::SeqCst))?;
+                steps.step();
+                new.flush()?;
+                let mut next = self.record();
+                next.layouts[index] = target;
+                next.seq += 1;
+                write_record(&self.path, &next, steps)?;
+                steps.step();
+                self.home().set_regions(next.seq)?;
+                *self.record.write() = next;
+                Ok(())
+            })();
+            self.online.moving.store(NONE, Ordering::SeqCst);
+            steps.set_locked(false);
+            switched
+        })();
+        if let Err(error) = moved {
+            let _exclusive = self.online.locks[index].write();
+            self.online.moving.store(NONE, Ordering::SeqCst);
+            return Err(error);
+        }
+        // The old member no longer serves the region: no request reaches
+        // its copy any more.
+        steps.step();
+        old.trim(lbas.start * BLOCK, (lbas.end - lbas.start) * BLOCK, false)?;
+        steps.step();
+        old.flush()?;
+        Ok(true)
+    }
+
+    /// Move every region not in `how.target` to it while the volume is
+    /// served, in LBA order, at most `how.rate` bytes a second, stopping
+    /// between regions when `how.stop` is set. `progress(done, total)` in
+    /// bytes. The volume stays one with regions (the record and both
+    /// members) even when every region is back home: the offline
+    /// `vouch migrate` makes it a one-layout volume again.
+    pub fn migrate_online(
+        &self,
+        how: &OnlineMigrate<'_>,
+        progress: impl FnMut(u64, u64),
+    ) -> Result<MigrateReport> {
+        self.migrate_online_driven(how, &Steps::new(None), OnlineBreaks::default(), progress)
+    }
+
+    /// `migrate_online` with the crash simulator's steps (a crash point
+    /// and a foreground request before each file operation) and breaks.
+    pub fn migrate_online_driven(
+        &self,
+        how: &OnlineMigrate<'_>,
+        steps: &Steps,
+        breaks: OnlineBreaks,
+        mut progress: impl FnMut(u64, u64),
+    ) -> Result<MigrateReport> {
+        let record = self.record();
+        let to_move: Vec<usize> = (0..record.layouts.len())
+            .filter(|index| record.layouts[*index] != how.target)
+            .collect();
+        let total: u64 = to_move
+            .iter()
+            .map(|index| {
+                let lbas = record.lbas(*index, self.blocks);
+                (lbas.end - lbas.start) * BLOCK
+            })
+            .sum();
+        let started = Instant::now();
+        let mut done = 0u64;
+        let mut moved = 0;
+        progress(0, total);
+        for index in to_move {
+            if how.stop.load(Ordering::SeqCst) {
+                return Err(Error::Cancelled(format!(
+                    "migration stopped after {moved} regions moved to {}",
+                    how.target.name()
+                )));
+            }
+            let region_start = done;
+            let mut pace = |bytes: u64| {
+                done += bytes;
+                progress(done, total);
+                if let Some(rate) = how.rate.filter(|rate| *rate > 0) {
+                    let due = Duration::from_secs_f64(done as f64 / rate as f64);
+                    if let Some(wait) = due.checked_sub(started.elapsed()) {
+                        std::thread::sleep(wait);
+                    }
+                }
+            };
+            if self.move_region_online(index, how.target, steps, breaks, &mut pace)? {
+                moved += 1;
+            } else {
+                // Moved meanwhile by a write (`--migrate-on-write`).
+                let lbas = record.lbas(index, self.blocks);
+                done = region_start + (lbas.end - lbas.start) * BLOCK;
+                progress(done, total);
+            }
+        }
+        Ok(MigrateReport {
+            moved,
+            already: record.layouts.len() as u64 - moved,
+            ..MigrateReport::default()
+        })
+    }
+}

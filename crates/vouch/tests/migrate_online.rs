@@ -1,0 +1,343 @@
+//! Online migration (issue 33): a served volume's regions moved split ->
+//! packed -> split through the control API and `vouch migrate --server`
+//! while fio writes and verifies it over NBD; a kill -9 mid-migration
+//! loses nothing acknowledged and the migration finishes when asked
+//! again; a corrupt block stops it naming the LBA; `--migrate-on-write`
+//! moves exactly the regions written.
+//!
+//! Snapshots of the volume during the migration (the issue's e2e test)
+//! come with snapreg33, which enables them for volumes with regions: see
+//! the `// snapshots:` mark below.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::control::{control, request};
+use common::*;
+use serde_json::{json, Value};
+use vouch_engine::{CreateOptions, BLOCK};
+use vouch_format::regions::REGION_BLOCKS;
+use vouch_format::LayoutKind;
+
+/// 3 whole regions and a part of a fourth.
+const BLOCKS: u64 = 3 * REGION_BLOCKS + 1000;
+
+fn new_volume(dir: &Path, layout: LayoutKind) -> PathBuf {
+    let path = dir.join("vol");
+    let options = CreateOptions {
+        layout,
+        ..CreateOptions::new(BLOCKS * BLOCK)
+    };
+    vouch_engine::create_volume(&path, &options)
+        .expect("create")
+        .close()
+        .expect("close");
+    path
+}
+
+/// fio over NBD: 64 KiB random writes over the whole export, each block
+/// stamped with crc32c and verified (during the run and at its end);
+/// `verify_only` reads and verifies what the same job wrote.
+fn fio(uri: &str, dir: &Path, verify_only: bool) -> Command {
+    let fio = tool("fio", "fio");
+    let mut command = Command::new(fio);
+    command.current_dir(dir).args([
+        "--name=migrate",
+        "--ioengine=nbd",
+        &format!("--uri={uri}"),
+        "--rw=randwrite",
+        "--bs=64k",
+        "--iodepth=8",
+        "--verify=crc32c",
+        "--verify_backlog=64",
+        "--verify_fatal=1",
+        "--randseed=33",
+        "--output-format=terse",
+    ]);
+    if verify_only {
+        command.arg("--verify_only");
+    }
+    command
+}
+
+fn migrate_status(server: &Server) -> Value {
+    let (status, answer) = request(
+        control(server),
+        "GET",
+        "/v1/exports/vol/migrate",
+        None,
+        None,
+    );
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
+fn start_migration(server: &Server, layout: &str, rate: &str) {
+    let (status, answer) = request(
+        control(server),
+        "POST",
+        "/v1/exports/vol/migrate",
+        Some(&json!({"layout": layout, "rate": rate})),
+        None,
+    );
+    assert_eq!(status, 202, "{answer}");
+}
+
+fn wait_migration(server: &Server) -> Value {
+    let mut last = Value::Null;
+    wait_until("the migration to end", Duration::from_secs(300), || {
+        last = migrate_status(server);
+        last["state"] != "running"
+    });
+    last
+}
+
+fn finish(child: Child, what: &str) {
+    let output = child.wait_with_output().expect("wait");
+    assert!(output.status.success(), "{what}: {}", text(&output));
+}
+
+fn spawn(mut command: Command) -> Child {
+    command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn")
+}
+
+#[test]
+fn online_migration_split_packed_split_under_a_fio_verify_writer() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = new_volume(dir.path(), LayoutKind::Split);
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            s(&path),
+            "--control",
+            "127.0.0.1:0",
+            "--migratable",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
+    for layout in ["packed", "split"] {
+        // The migration paced so that the writer runs through it.
+        let mut migrate = Command::new(vouch_bin());
+        migrate.args([
+            "migrate",
+            "--server",
+            control(&server),
+            "vol",
+            "--layout",
+            layout,
+            "--rate",
+            "48M",
+        ]);
+        let migrating = spawn(migrate);
+        wait_until("the migration to start", Duration::from_secs(30), || {
+            migrate_status(&server)["state"] == "running"
+        });
+        // snapshots: snapreg33 takes one here, mid-migration, and checks
+        // it against fio's data at the end.
+        finish(
+            spawn(fio(&server.uri, dir.path(), false)),
+            "fio write+verify",
+        );
+        finish(migrating, "vouch migrate --server");
+        let status = migrate_status(&server);
+        assert_eq!(status["state"], "done", "{status}");
+        assert_eq!(status["regions"][layout], 4, "{status}");
+        assert_eq!(status["done_bytes"], BLOCKS * BLOCK, "{status}");
+        let metrics = server.metrics_text();
+        assert_eq!(
+            metric(
+                &metrics,
+                &format!("vouch_regions{{volume=\"vol\",layout=\"{layout}\"}}")
+            ),
+            Some(4.0),
+            "{metrics}"
+        );
+        finish(spawn(fio(&server.uri, dir.path(), true)), "fio verify");
+    }
+    // Verify and scrub jobs are refused on it (they would read one member).
+    let (status, answer) = request(
+        control(&server),
+        "POST",
+        "/v1/jobs",
+        Some(&json!({"op": "verify", "export": "vol"})),
+        None,
+    );
+    assert_eq!(status, 409, "{answer}");
+    server.stop();
+    assert_check_clean(&path);
+    let info = info_json(&path);
+    assert_eq!(info["regions"]["split"], 4, "{info}");
+    // Offline, back home: a one-layout volume again, fio's data intact.
+    vouch_ok(&["migrate", s(&path), "--layout", "split"]);
+    assert!(info_json(&path)["regions"].is_null());
+    let mut server = Server::start(dir.path(), &[s(&path)]);
+    finish(
+        spawn(fio(&server.uri, dir.path(), true)),
+        "fio verify after",
+    );
+    server.stop();
+}
+
+#[test]
+fn a_kill_9_mid_migration_loses_nothing_and_the_migration_finishes() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = new_volume(dir.path(), LayoutKind::Split);
+    let args = [s(&path), "--control", "127.0.0.1:0", "--migratable"];
+    let mut server = Server::start(dir.path(), &args);
+    finish(spawn(fio(&server.uri, dir.path(), false)), "fio write");
+    start_migration(&server, "packed", "40M");
+    // The writer again (the same data) while regions move; then the
+    // server is killed with the migration in its second region or later.
+    finish(spawn(fio(&server.uri, dir.path(), false)), "fio write");
+    wait_until("a region moved", Duration::from_secs(60), || {
+        migrate_status(&server)["regions"]["packed"]
+            .as_u64()
+            .is_some_and(|packed| packed >= 1)
+    });
+    let status = migrate_status(&server);
+    assert_eq!(status["state"], "running", "{status}");
+    // `info` of the served volume mid-migration: the record on disk.
+    let info = info_json(&path);
+    assert_eq!(info["in_use"], true, "{info}");
+    assert!(
+        info["regions"]["packed"]
+            .as_u64()
+            .is_some_and(|packed| packed >= 1),
+        "{info}"
+    );
+    server.kill9();
+    let mut server = Server::start(dir.path(), &args);
+    let status = migrate_status(&server);
+    assert_eq!(status["state"], "idle", "{status}");
+    let packed = status["regions"]["packed"].as_u64().expect("packed");
+    assert!((1..4).contains(&packed), "{status}");
+    finish(
+        spawn(fio(&server.uri, dir.path(), true)),
+        "fio verify after kill -9",
+    );
+    start_migration(&server, "packed", "1G");
+    let status = wait_migration(&server);
+    assert_eq!(status["state"], "done", "{status}");
+    assert_eq!(status["regions"]["packed"], 4, "{status}");
+    finish(
+        spawn(fio(&server.uri, dir.path(), true)),
+        "fio verify after the migration",
+    );
+    server.stop();
+    assert_check_clean(&path);
+}
+
+#[test]
+fn a_corrupt_block_stops_the_online_migration_naming_its_lba() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = new_volume(dir.path(), LayoutKind::Split);
+    let mut server = Server::start(dir.path(), &[s(&path)]);
+    finish(spawn(fio(&server.uri, dir.path(), false)), "fio write");
+    server.stop();
+    let lba = 2 * REGION_BLOCKS + 10;
+    flip_bit(&path.join("data.00000"), lba * BLOCK + 7, 0x04);
+    let mut server = Server::start(
+        dir.path(),
+        &[s(&path), "--control", "127.0.0.1:0", "--migratable"],
+    );
+    start_migration(&server, "packed", "1G");
+    let status = wait_migration(&server);
+    assert_eq!(status["state"], "failed", "{status}");
+    let error = status["error"].as_str().expect("error");
+    assert!(error.contains(&format!("LBA {lba}")), "{status}");
+    assert_eq!(status["regions"]["packed"], 2, "{status}");
+    // The CLI says it too, and fails.
+    let output = vouch(&[
+        "migrate",
+        "--server",
+        control(&server),
+        "--layout",
+        "packed",
+    ]);
+    assert!(!output.status.success());
+    assert!(
+        text(&output).contains(&format!("LBA {lba}")),
+        "{}",
+        text(&output)
+    );
+    server.stop();
+}
+
+/// qemu-io `commands` on `uri`; a failed command or pattern fails the test.
+fn qemu_io(uri: &str, commands: &[String]) {
+    let mut command = Command::new(tool("qemu-io", "qemu-utils"));
+    command.args(["-f", "raw"]);
+    for each in commands {
+        command.args(["-c", each]);
+    }
+    let output = run_ok(command.arg(uri));
+    let said = text(&output);
+    assert!(!said.contains("failed"), "qemu-io {commands:?}: {said}");
+}
+
+#[test]
+fn migrate_on_write_moves_exactly_the_regions_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = new_volume(dir.path(), LayoutKind::Split);
+    let mut server = Server::start(dir.path(), &[s(&path)]);
+    // Data in regions 0 and 2 before: it moves with them.
+    let early = [10 * BLOCK, (2 * REGION_BLOCKS + 5) * BLOCK];
+    for at in early {
+        qemu_io(&server.uri, &[format!("write -P 0x11 {at} 65536")]);
+    }
+    server.stop();
+    let mut server = Server::start(
+        dir.path(),
+        &[
+            s(&path),
+            "--control",
+            "127.0.0.1:0",
+            "--migrate-on-write",
+            "packed",
+        ],
+    );
+    assert_eq!(migrate_status(&server)["regions"]["packed"], 0);
+    // A read moves nothing; a write into region 2 and one into region 3.
+    let written = [
+        (2 * REGION_BLOCKS + 100) * BLOCK,
+        (3 * REGION_BLOCKS + 7) * BLOCK,
+    ];
+    qemu_io(
+        &server.uri,
+        &[
+            format!("read -P 0x11 {} 65536", early[0]),
+            format!("write -P 0x22 {} 8192", written[0]),
+            format!("write -P 0x33 {} 4096", written[1]),
+        ],
+    );
+    let status = migrate_status(&server);
+    assert_eq!(status["regions"]["packed"], 2, "{status}");
+    assert_eq!(status["migrate_on_write"], "packed", "{status}");
+    server.kill9();
+    let info = info_json(&path);
+    assert_eq!(
+        info["regions"]["layouts"],
+        json!(["split", "split", "packed", "packed"]),
+        "{info}"
+    );
+    let mut server = Server::start(dir.path(), &[s(&path)]);
+    qemu_io(
+        &server.uri,
+        &[
+            format!("read -P 0x11 {} 65536", early[0]),
+            format!("read -P 0x11 {} 65536", early[1]),
+            format!("read -P 0x22 {} 8192", written[0]),
+            format!("read -P 0x33 {} 4096", written[1]),
+        ],
+    );
+    server.stop();
+    assert_check_clean(&path);
+}
