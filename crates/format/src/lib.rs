@@ -146,7 +146,8 @@ mod tests {
     /// superblock sequence overflow fuzzing found would have in release.
     #[test]
     fn the_suite_runs_with_overflow_checks_and_debug_assertions() {
-        assert!(cfg!(debug_assertions), "debug assertions are off");
+        let debug = std::hint::black_box(cfg!(debug_assertions));
+        assert!(debug, "debug assertions are off");
         let max = std::hint::black_box(u64::MAX);
         let sum = std::panic::catch_unwind(|| max + 1);
         assert!(sum.is_err(), "u64::MAX + 1 wrapped to {sum:?}");
