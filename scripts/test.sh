@@ -43,10 +43,12 @@ fi
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --profile ci -- -D warnings
 # The fuzz targets live in their own workspace (cargo-fuzz runs them on
-# nightly): they must keep compiling, with their lockfile current, against
-# the crates they drive. Their bodies also run on stable in
+# nightly, instrumented): they must keep building, linked against
+# libFuzzer, with their lockfile current, against the crates they drive.
+# Built here on stable without the instrumentation (a dev build: overflow
+# checks on). Their bodies also run on stable in
 # crates/sim/tests/fuzz_bodies.rs.
-cargo check --manifest-path fuzz/Cargo.toml --bins --locked
+cargo build --manifest-path fuzz/Cargo.toml --bins --locked
 cargo test --workspace --profile ci --no-fail-fast
 # The real-VM tests (qemu TCG guests, about 5 minutes): they install what
 # they need themselves (qemu-system-x86 from qemu-utils' own suite,

@@ -240,10 +240,15 @@ impl<'a> Pacer<'a> {
     /// How long to wait after a step that moved `bytes` (and whether
     /// foreground requests arrived during it: `busy`).
     fn delay_after(&mut self, bytes: u64, busy: bool) -> Duration {
+        self.delay_after_at(bytes, busy, Instant::now())
+    }
+
+    /// `delay_after`, the step ending at `now`.
+    fn delay_after_at(&mut self, bytes: u64, busy: bool, now: Instant) -> Duration {
         self.bytes += bytes;
         let due = |bytes: u64, rate: u64, since: Instant| {
             Duration::from_secs_f64(bytes as f64 / rate.max(1) as f64)
-                .saturating_sub(since.elapsed())
+                .saturating_sub(now.saturating_duration_since(since))
         };
         let paced = match self.pace {
             Pace::Unlimited => Duration::ZERO,
@@ -852,14 +857,21 @@ mod tests {
 
     #[test]
     fn a_pacer_spaces_bytes_at_its_rate_and_yields() {
+        // Each step ends at a given instant, not the clock's now: the
+        // delays are exact however slowly the test runs.
         let mut fixed = Pacer::new(Pace::Fixed(1 << 20), None);
-        // 4 MiB at 1 MiB/s is due after 4 s; almost nothing has elapsed.
-        let delay = fixed.delay_after(4 << 20, false);
-        assert!(delay > Duration::from_millis(3900), "{delay:?}");
+        let start = fixed.started;
+        // 4 MiB at 1 MiB/s is due after 4 s; 1 s has passed.
+        let delay = fixed.delay_after_at(4 << 20, false, start + Duration::from_secs(1));
+        assert_eq!(delay, Duration::from_secs(3));
+        // Late: 5 MiB were due by 5 s, it is 6 s.
+        let late = fixed.delay_after_at(1 << 20, false, start + Duration::from_secs(6));
+        assert_eq!(late, Duration::ZERO);
         let mut unlimited = Pacer::new(Pace::fixed(None), None);
         assert_eq!(unlimited.delay_after(1 << 40, false), Duration::ZERO);
         assert_eq!(unlimited.delay_after(1 << 20, true), FOREGROUND_BACKOFF);
-        // 1 MiB: a second at a 1 MiB/s floor (busy), 1/64 s at the ceiling.
+        // 1 MiB: a second at a 1 MiB/s floor (busy), 1/64 s at the
+        // ceiling, each from its step's start.
         let mut adaptive = Pacer::new(
             Pace::FloorCeiling {
                 min: 1 << 20,
@@ -867,10 +879,11 @@ mod tests {
             },
             None,
         );
-        let busy = adaptive.delay_after(1 << 20, true);
-        assert!(busy > Duration::from_millis(900), "{busy:?}");
-        let idle = adaptive.delay_after(1 << 20, false);
-        assert!(idle <= Duration::from_millis(16), "{idle:?}");
+        let step = adaptive.step_started;
+        let busy = adaptive.delay_after_at(1 << 20, true, step);
+        assert_eq!(busy, Duration::from_secs(1));
+        let idle = adaptive.delay_after_at(1 << 20, false, step);
+        assert_eq!(idle, Duration::from_secs(1) / 64);
     }
 
     #[test]

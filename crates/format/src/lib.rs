@@ -137,3 +137,19 @@ pub fn fields_tile(fields: &[Field], total: usize) -> bool {
     }
     next == total
 }
+
+#[cfg(test)]
+mod tests {
+    /// The suite's profile (`ci` in Cargo.toml) inherits release but turns
+    /// overflow checks and debug assertions on for vouch's own crates: an
+    /// overflow panics in a test instead of wrapping silently, as the
+    /// superblock sequence overflow fuzzing found would have in release.
+    #[test]
+    fn the_suite_runs_with_overflow_checks_and_debug_assertions() {
+        let debug = std::hint::black_box(cfg!(debug_assertions));
+        assert!(debug, "debug assertions are off");
+        let max = std::hint::black_box(u64::MAX);
+        let sum = std::panic::catch_unwind(|| max + 1);
+        assert!(sum.is_err(), "u64::MAX + 1 wrapped to {sum:?}");
+    }
+}

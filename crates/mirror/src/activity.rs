@@ -162,6 +162,8 @@ fn read_logs(
 /// The in-memory side of the log (see the module's documentation).
 pub struct ActivityLog {
     geometry: ActivityGeometry,
+    /// Where the files live; it runs each update's writes and syncs.
+    store: Arc<dyn MapStore>,
     /// One bit per extent: named by the log on disk.
     logged: Box<[AtomicU64]>,
     /// One bit per extent: written since the last eviction scan.
@@ -282,7 +284,7 @@ impl ActivityLog {
             Recovered::Extents(extents) => extents.clone(),
             Recovered::Unknown(_) => Vec::new(),
         };
-        let log = ActivityLog::empty(geometry);
+        let log = ActivityLog::empty(geometry, Arc::clone(&store));
         let first = Copy {
             uuid: geometry.uuid,
             seq: seq + 1,
@@ -328,11 +330,12 @@ impl ActivityLog {
         Ok(read_logs(store, dirs, geometry)?.0)
     }
 
-    fn empty(geometry: ActivityGeometry) -> ActivityLog {
+    fn empty(geometry: ActivityGeometry, store: Arc<dyn MapStore>) -> ActivityLog {
         let extents = geometry.extents() as usize;
         let words = extents.div_ceil(64);
         ActivityLog {
             geometry,
+            store,
             logged: (0..words).map(|_| AtomicU64::new(0)).collect(),
             referenced: (0..words).map(|_| AtomicU64::new(0)).collect(),
             in_flight: (0..extents).map(|_| AtomicU32::new(0)).collect(),
@@ -572,24 +575,10 @@ impl ActivityLog {
                 "the mirror's activity log has no file left".into(),
             ));
         }
-        // Every file at once (each on its own leg's disk): the update
-        // costs one sync's time, not one per leg.
-        let outcomes: Vec<std::io::Result<()>> = std::thread::scope(|scope| {
-            let writes: Vec<_> = inner.files[1..]
-                .iter()
-                .map(|(_, file)| {
-                    scope.spawn(move || file.write_at(offset, bytes).and_then(|()| file.sync()))
-                })
-                .collect();
-            let (_, first) = &inner.files[0];
-            let mut outcomes = vec![first.write_at(offset, bytes).and_then(|()| first.sync())];
-            outcomes.extend(writes.into_iter().map(|write| {
-                write
-                    .join()
-                    .unwrap_or_else(|_| Err(std::io::Error::other("activity log writer panicked")))
-            }));
-            outcomes
-        });
+        // Every file at once (each on its own leg's disk), as the store
+        // runs them: the update costs one sync's time, not one per leg.
+        let files: Vec<&dyn MapFile> = inner.files.iter().map(|(_, file)| &**file).collect();
+        let outcomes = self.store.write_and_sync_each(&files, offset, bytes);
         let mut first_error = None;
         let mut outcomes = outcomes.into_iter();
         inner.files.retain(|(path, _)| match outcomes.next() {

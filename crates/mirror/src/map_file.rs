@@ -27,6 +27,45 @@ pub trait MapStore: Send + Sync {
     fn create(&self, path: &Path, image: &[u8]) -> io::Result<Box<dyn MapFile>>;
     /// Delete `path` durably; a missing file is not an error.
     fn remove(&self, path: &Path) -> io::Result<()>;
+    /// Write `data` at `offset` in each of `files` and sync it (the
+    /// activity log's update: one file on each leg's disk); one result per
+    /// file, in order. By default the files at once (`write_and_sync_at_once`):
+    /// an update costs one sync's time, not one per leg. The crash
+    /// simulator runs the files' writes and syncs one at a time, in an
+    /// order its seed chooses, so a seed gives the same crash points.
+    fn write_and_sync_each(
+        &self,
+        files: &[&dyn MapFile],
+        offset: u64,
+        data: &[u8],
+    ) -> Vec<io::Result<()>> {
+        write_and_sync_at_once(files, offset, data)
+    }
+}
+
+/// Write and sync every file at once: the first on the caller's thread,
+/// each other on a thread of its own (`MapStore::write_and_sync_each`).
+pub fn write_and_sync_at_once(
+    files: &[&dyn MapFile],
+    offset: u64,
+    data: &[u8],
+) -> Vec<io::Result<()>> {
+    let Some((first, others)) = files.split_first() else {
+        return Vec::new();
+    };
+    std::thread::scope(|scope| {
+        let writes: Vec<_> = others
+            .iter()
+            .map(|file| scope.spawn(move || file.write_at(offset, data).and_then(|()| file.sync())))
+            .collect();
+        let mut outcomes = vec![first.write_at(offset, data).and_then(|()| first.sync())];
+        outcomes.extend(writes.into_iter().map(|write| {
+            write
+                .join()
+                .unwrap_or_else(|_| Err(io::Error::other("activity log writer panicked")))
+        }));
+        outcomes
+    })
 }
 
 /// One open map file.

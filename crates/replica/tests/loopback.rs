@@ -798,22 +798,15 @@ fn sealed(remote: &RemoteLeg, first: u64, count: u64, tag: u8) -> Vec<vouch_engi
         .expect("seal")
 }
 
-/// A caller that must not block (the NBD reactor starting a mirrored
-/// write) sends with `send_then`: on a replica that stopped reading, the
-/// socket fills, and still every call returns at once; the requests fail
-/// when the connection's timeout runs out (`plain.rs`: the sender thread
-/// finishes what a full socket did not take).
-#[test]
-fn send_then_never_waits_on_a_replica_that_stopped_reading_and_its_requests_time_out() {
-    let (port, stop, thread) = deaf_peer();
-    // Long enough that sending all 32 cannot take as long (the check that
-    // none was answered before the last was sent relies on it).
-    let timeout = Duration::from_secs(3);
-    let connection = connect_to_peer(port, timeout);
-    assert!(connection.answers_by_callback());
-    // 1 MiB frames (the block data shared, not copied); 32 of them are
-    // far more than loopback's socket buffers hold (tcp_wmem's 4 MiB
-    // at most, and the deaf peer's receive window).
+/// Requests one `send_then` each, answered on `answers` with the time
+/// since the first was sent.
+type Answers = std::sync::mpsc::Receiver<(Result<Vec<u8>, vouch_replica::ClientError>, Duration)>;
+
+/// Send 32 requests of 1 MiB with `send_then` to a peer that reads
+/// nothing: far more than loopback's socket buffers hold (tcp_wmem's
+/// 4 MiB at most, and the deaf peer's receive window), so the socket
+/// fills. The block data is shared, not copied.
+fn fill_with_send_then(connection: &Arc<vouch_replica::Connection>) -> Answers {
     let block = vouch_engine::SealedBlock {
         lba: 0,
         data: vouch_engine::BlockData::copy_from(&pattern(0, 3)),
@@ -834,13 +827,51 @@ fn send_then_never_waits_on_a_replica_that_stopped_reading_and_its_requests_time
             }),
         );
     }
-    // A send_then that waited on the full socket would be let go only by
-    // the timeout killing the connection, which answers every request
-    // sent: none answered yet means none of the 32 calls waited.
+    answers
+}
+
+/// A caller that must not block (the NBD reactor starting a mirrored
+/// write) sends with `send_then`: on a replica that stopped reading, the
+/// socket fills, and still every call returns at once (`plain.rs`: the
+/// sender thread finishes what a full socket did not take).
+#[test]
+fn send_then_never_waits_on_a_replica_that_stopped_reading() {
+    let (port, stop, thread) = deaf_peer();
+    // Nothing ends a request but the peer going away or this timeout (a
+    // hang guard): a send_then that waited on the full socket would be let
+    // go only by it, which kills the connection and answers every request.
+    let connection = connect_to_peer(port, Duration::from_secs(120));
+    assert!(connection.answers_by_callback());
+    let answers = fill_with_send_then(&connection);
+    // All 32 calls returned, and none was answered nor the connection
+    // killed: none of them waited.
     assert!(
-        answers.try_recv().is_err(),
-        "a request was answered (timed out) before all 32 were sent: a send_then waited"
+        answers.try_recv().is_err() && connection.dead().is_none(),
+        "a request was answered before all 32 were sent: a send_then waited ({:?})",
+        connection.dead()
     );
+    // The peer goes away: every request is answered, with the error.
+    drop(stop);
+    thread.join().expect("deaf peer");
+    for _ in 0..32 {
+        let (answer, _) = answers
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every request is answered");
+        answer.expect_err("the peer answered nothing");
+    }
+    assert!(connection.dead().is_some());
+}
+
+/// The requests a deaf replica's full socket holds fail when the
+/// connection's timeout runs out, though the sender thread may be stuck
+/// writing them.
+#[test]
+fn send_then_requests_to_a_replica_that_stopped_reading_time_out() {
+    let (port, stop, thread) = deaf_peer();
+    let timeout = Duration::from_secs(3);
+    let connection = connect_to_peer(port, timeout);
+    assert!(connection.answers_by_callback());
+    let answers = fill_with_send_then(&connection);
     for _ in 0..32 {
         // timeout + 10 s: a hang guard.
         let (answer, at) = answers

@@ -37,6 +37,9 @@ struct Shared {
     sim: SimStorage,
     state: Mutex<State>,
     hook: Mutex<Option<MapHook>>,
+    /// Chooses the order of an update's writes and syncs across files
+    /// (`MapStore::write_and_sync_each`); without it, file by file.
+    interleave: Mutex<Option<Rng>>,
 }
 
 #[derive(Clone, Default)]
@@ -79,6 +82,7 @@ impl SimMaps {
                 sim,
                 state: Mutex::new(state),
                 hook: Mutex::new(None),
+                interleave: Mutex::new(None),
             }),
         }
     }
@@ -88,6 +92,13 @@ impl SimMaps {
         self.shared
             .sabotage_sync
             .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Interleave the writes and syncs of each update of several files
+    /// (production runs them on a thread per file) in an order `rng`
+    /// chooses, instead of file by file.
+    pub fn interleave_with(&self, rng: Rng) {
+        *self.shared.interleave.lock() = Some(rng);
     }
 
     pub fn set_hook(&self, hook: Option<MapHook>) {
@@ -189,6 +200,37 @@ impl MapStore for SimMaps {
             maps: self.clone(),
             object,
         }))
+    }
+
+    /// The writes and syncs of the files one at a time, on this thread:
+    /// the next step of a file chosen by the interleaving RNG (the first
+    /// file with steps left without one). A failed write ends its file.
+    fn write_and_sync_each(
+        &self,
+        files: &[&dyn MapFile],
+        offset: u64,
+        data: &[u8],
+    ) -> Vec<io::Result<()>> {
+        // Per file: the steps done (0, written, synced) and the outcome.
+        let mut done = vec![0u8; files.len()];
+        let mut outcomes: Vec<io::Result<()>> = files.iter().map(|_| Ok(())).collect();
+        loop {
+            let left: Vec<usize> = (0..files.len())
+                .filter(|&at| done[at] < 2 && outcomes[at].is_ok())
+                .collect();
+            let Some(&first) = left.first() else {
+                return outcomes;
+            };
+            let at = match self.shared.interleave.lock().as_mut() {
+                Some(rng) => left[rng.below(left.len() as u64) as usize],
+                None => first,
+            };
+            outcomes[at] = match done[at] {
+                0 => files[at].write_at(offset, data),
+                _ => files[at].sync(),
+            };
+            done[at] += 1;
+        }
     }
 
     fn remove(&self, path: &Path) -> io::Result<()> {

@@ -8,7 +8,10 @@
 //! scheduling (background committers stepped by the seed between
 //! operations, `crate::stepper`); extents are 4 blocks and
 //! the log keeps 2, so extents are evicted (after a flush the writer
-//! forces) all the time. At every write and sync of either leg and every
+//! forces) all the time. The log's update writes and syncs its two files
+//! (at once in production) in an order the seed chooses
+//! (`SimMaps::interleave_with`), so a seed replays exactly. At every
+//! write and sync of either leg and every
 //! write, sync and create of the log, images of both legs and of the log
 //! are taken (both legs cut alike, or one with everything and the other
 //! with nothing since its last sync). Each is recovered as a restart
@@ -155,6 +158,9 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
     let legs = [Arc::clone(&volume0), Arc::clone(&volume1)];
     let mirror = Arc::new(mirror_over([volume0, volume1], leg1)?);
     let maps = SimMaps::new();
+    // The log's update writes its two files at once in production: the
+    // seed orders their writes and syncs.
+    maps.interleave_with(rng.fork());
     if sabotage {
         maps.sabotage_sync();
     }

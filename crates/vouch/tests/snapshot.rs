@@ -424,9 +424,13 @@ const ONLINE_WRITER: &str = r#"
 import subprocess, threading
 uri, vouch, control, blocks = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 h = connect(uri)
-writes, snaps, started = [], [], threading.Event()
+writes, snaps, started, created = [], [], threading.Event(), threading.Event()
 def writer():
     for lba in range(blocks):
+        # The last writes wait for both creates to return: each snapshot
+        # has writes issued after it, however long the creates take.
+        if lba == blocks - 8:
+            created.wait()
         issued = time.monotonic()
         h.pwrite(block_data(lba, 7), lba * 4096)
         if lba % 8 == 7:
@@ -435,7 +439,8 @@ def writer():
         if lba == 64:
             started.set()
     h.flush()
-thread = threading.Thread(target=writer)
+# A daemon: a failed create exits without waiting for it.
+thread = threading.Thread(target=writer, daemon=True)
 thread.start()
 started.wait()
 for name in ["online1", "online2"]:
@@ -448,6 +453,7 @@ for name in ["online1", "online2"]:
     held = float(out.stdout.split("held at the flush point ")[1].split(" ms")[0])
     snaps.append([name, called, returned, held])
     time.sleep(0.2)
+created.set()
 thread.join()
 latency = [acked - issued for _, issued, acked in writes]
 print(json.dumps({"writes": writes, "snaps": snaps, "latency": latency}))
