@@ -45,6 +45,9 @@
 //!   judged once per open (`current`), at a read (`PackedLayout::
 //!   judge_rows`) or before its first write (`settle_row`); recovery
 //!   forgets the value of every row a replayed entry touches.
+//! - Packed rows recovery redid records into under a clear bit are not
+//!   read to make them whole at the open (`defer_bind`): bound before
+//!   their next write or by the next checkpoint, before its map.
 
 use std::collections::BTreeMap;
 use std::ops::{Range, RangeInclusive};
@@ -971,7 +974,9 @@ impl WrittenMap {
         for (slot, context) in page.chunks_mut(CONTEXT_BYTES).enumerate() {
             let lba = page_no * self.unit_blocks + slot as u64;
             if context.iter().all(|byte| *byte == 0) {
-                if set && bound {
+                // Slots past the end of the volume belong to no block:
+                // blank in every copy (`bind_slots` leaves them), not lost.
+                if set && bound && lba < self.blocks {
                     context.copy_from_slice(&vouch_format::encode_lost(self.volume_tag, lba));
                     lost += 1;
                 }
@@ -1625,6 +1630,42 @@ mod tests {
     /// generation 0 against the trim's value, so it is `NoOwn` (read as
     /// zeros), while a record older than the value is still older. A set
     /// unit of markers is older than any value (its newest slot lost).
+    /// A split volume whose size is not a whole number of context pages
+    /// (a 1000 KiB import: 250 blocks) has slots past its end in its last
+    /// page, blank in every copy: they are no written block's blank slots
+    /// (`check` warned "a page the written map says was written has blank
+    /// slots ... slots=6", with 0 faults), while a blank slot of an LBA
+    /// inside the volume still is lost.
+    #[test]
+    fn slots_past_the_volume_end_are_not_lost() {
+        let (geometry, _storage, io) = split_map_on_sim(1000 << 10);
+        assert_eq!(geometry.blocks, 250);
+        let map = &io.written;
+        map.set_bound();
+        map.set(1);
+        let mut page = [0u8; 4096];
+        for (slot, lba) in (128..250).enumerate() {
+            let context = vouch_format::Context::Data {
+                volume_tag: map.volume_tag,
+                ref_tag: lba,
+                guard: 1,
+                generation: 5,
+            }
+            .encode();
+            page[slot * CONTEXT_BYTES..(slot + 1) * CONTEXT_BYTES].copy_from_slice(&context);
+        }
+        page[5 * CONTEXT_BYTES..6 * CONTEXT_BYTES].fill(0);
+        map.judge_page(1, &mut page, &map.page_writes(1..=1), |_| {});
+        let slot = |index: usize| &page[index * CONTEXT_BYTES..(index + 1) * CONTEXT_BYTES];
+        assert_eq!(slot(5), &map.lost(133)[..], "LBA 133's blank slot is lost");
+        for (index, lba) in (122..128).zip(250..) {
+            assert!(
+                slot(index).iter().all(|byte| *byte == 0),
+                "slot of LBA {lba}, past the end, is left blank"
+            );
+        }
+    }
+
     #[test]
     fn a_clear_unit_of_markers_holds_nothing() {
         let geometry = Geometry::new(LayoutKind::Split, 64 << 20, 1 << 28).expect("geometry");
