@@ -99,7 +99,7 @@ pub(crate) fn load_written(
     never_opened: bool,
 ) -> Result<WrittenMap> {
     let why = match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
-        Loaded::Map(map) => return Ok(map),
+        Loaded::Map(map) => return Ok(*map),
         Loaded::None(why) => why,
         Loaded::NotNamed(why) => {
             // Never "not known": an older `written` restored with the data

@@ -152,7 +152,8 @@ pub(crate) struct WrittenMap {
 
 /// What `WrittenMap::load` found in the `written` object.
 pub(crate) enum Loaded {
-    Map(WrittenMap),
+    /// Boxed: the map is a few hundred bytes, the refusals a `String`.
+    Map(Box<WrittenMap>),
     /// No valid copy: the reason, for the refusal.
     None(String),
     /// The generations copy the superblock names is not in the file (an
@@ -235,7 +236,7 @@ impl WrittenMap {
         match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
             Loaded::Map(old) => {
                 old.dirty.store(true, Ordering::Release);
-                Ok(old)
+                Ok(*old)
             }
             Loaded::None(_) => Ok(WrittenMap::empty(geometry, uuid)),
             // The operator accepts the files as they are: the bits of the
@@ -244,7 +245,7 @@ impl WrittenMap {
             Loaded::NotNamed(_) => match WrittenMap::load(storage, geometry, (uuid, 0))? {
                 Loaded::Map(old) => {
                     old.dirty.store(true, Ordering::Release);
-                    Ok(old)
+                    Ok(*old)
                 }
                 _ => Ok(WrittenMap::empty(geometry, uuid)),
             },
@@ -1081,7 +1082,7 @@ impl WrittenMap {
         if let Some(why) = map.load_generations(storage, generations_seq)? {
             return Ok(Loaded::NotNamed(why));
         }
-        Ok(Loaded::Map(map))
+        Ok(Loaded::Map(Box::new(map)))
     }
 
     /// The generations copy of `seq` (the one the superblock names). Not
@@ -1481,7 +1482,7 @@ mod tests {
 
     fn loaded(storage: &SimStorage, geometry: &Geometry, generations_seq: u64) -> WrittenMap {
         match WrittenMap::load(storage, geometry, ([9; 16], generations_seq)).expect("load") {
-            Loaded::Map(map) => map,
+            Loaded::Map(map) => *map,
             Loaded::None(why) | Loaded::NotNamed(why) => panic!("no valid copy: {why}"),
         }
     }
