@@ -99,7 +99,7 @@ pub(crate) fn load_written(
     never_opened: bool,
 ) -> Result<WrittenMap> {
     let why = match WrittenMap::load(storage, geometry, (uuid, generations_seq))? {
-        Loaded::Map(map) => return Ok(map),
+        Loaded::Map(map) => return Ok(*map),
         Loaded::None(why) => why,
         Loaded::NotNamed(why) => {
             // Never "not known": an older `written` restored with the data
@@ -180,7 +180,7 @@ pub(crate) fn bind_written_units(shared: &Shared) -> Result<()> {
         let first = unit * io.written.unit_blocks();
         let changed = {
             let mut slots = shared.layouts.of(next).unit_slots(&mut bytes);
-            io.written.bind_slots((first, blocks), &mut slots, false)
+            io.written.bind_slots((first, blocks), &mut slots, (false, 0))
         };
         if changed {
             io.write_object(place.object, place.offset, &bytes)?;

@@ -12,6 +12,8 @@
 //!   the media: it keeps its newest context and reads as a fault.
 //! - Packed: the journal is a redo log: every record's blocks are rewritten
 //!   from the journal's copy, so each block reads its newest journaled data.
+//!   The rows they land in are not read: one whose bit was clear is made
+//!   whole later (`WrittenMap::defer_bind`).
 //!
 //! A writable open does not checkpoint: it fsyncs what it verified or redid,
 //! journals again the contexts it reverted (so a later flush, which advances

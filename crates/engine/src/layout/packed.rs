@@ -93,7 +93,7 @@ impl PackedLayout {
             let trim = matches!(template, Context::Unwritten);
             self.settle_row(io, unit)?;
             if !trim {
-                self.bind_row(io, unit)?;
+                let _ = self.bind_row(io, unit)?;
             }
             // Markers carry no generation and may replace the slot that
             // held the row's newest: the expectation is forgotten before
@@ -510,11 +510,22 @@ impl PackedLayout {
     /// memory, on disk with the next checkpoint's map after the data's
     /// fsync). A crash in between leaves markers and maybe records under
     /// a clear bit, which read as never written until the journal's replay
-    /// writes the records again (binding the row again first).
-    fn bind_row(&self, io: &Backing, unit: u64) -> Result<()> {
-        if !io.written.bound() || io.written.is_set(unit) {
-            return Ok(());
+    /// writes the records again (the row deferred, `defer_bind`).
+    /// A row recovery deferred (its bit set, `WrittenMap::defer_bind`) is
+    /// bound here too, its replayed slots kept as they are: one of them
+    /// blank has lost its record, and stays so. Returns whether it wrote.
+    fn bind_row(&self, io: &Backing, unit: u64) -> Result<bool> {
+        if !io.written.bound() {
+            return Ok(false);
         }
+        let replayed = if io.written.is_set(unit) {
+            let Some(replayed) = io.written.unbound(unit) else {
+                return Ok(false);
+            };
+            replayed
+        } else {
+            0
+        };
         let place = self.unit_place(unit);
         let mut row = PageBuffer::new(place.len);
         io.read_object(place.object, place.offset, &mut row)?;
@@ -524,10 +535,34 @@ impl PackedLayout {
             // record: pretend that record is there.
             let first = unit * PACKED_RECORDS_PER_ROW;
             io.written
-                .bind_slots((first, self.geometry.blocks), &mut slots, true)
+                .bind_slots((first, self.geometry.blocks), &mut slots, (true, replayed))
         };
         if changed {
             io.write_object(place.object, place.offset, &row)?;
+        }
+        io.written.bound_now(unit);
+        Ok(changed)
+    }
+
+    /// Bind every row recovery deferred (`WrittenMap::defer_bind`), and
+    /// fsync what that wrote: a checkpoint's, before it writes the map
+    /// that sets their bits and retires the journal that would defer them
+    /// again. Crash ordering: the markers only fill blank slots that are
+    /// not a replayed record's, so a crash anywhere here leaves each row
+    /// as recovery left it or bound; the journal is still there, and the
+    /// next recovery defers the rows again (a bound one has no blank slot
+    /// left to judge). Each row is written under its stripe's guard, as a
+    /// commit's rows are (`page_writes_guard`).
+    fn bind_deferred(&self, io: &Backing) -> Result<()> {
+        let mut touched = BTreeSet::new();
+        for (unit, _) in io.written.unbound_rows() {
+            let _writes = io.written.page_writes_guard(std::iter::once(unit));
+            if self.bind_row(io, unit)? {
+                touched.insert(self.unit_place(unit).object);
+            }
+        }
+        for object in touched {
+            io.sync_object(object)?;
         }
         Ok(())
     }
@@ -797,7 +832,7 @@ impl Layout for PackedLayout {
                     io.written.set_current(unit);
                 } else {
                     self.settle_row(io, unit)?;
-                    self.bind_row(io, unit)?;
+                    let _ = self.bind_row(io, unit)?;
                 }
                 rows.push((unit, 0));
             }
@@ -845,6 +880,8 @@ impl Layout for PackedLayout {
         // generation, zeros written) expects the newest written now.
         for (unit, newest) in rows {
             io.written.set(unit);
+            // Whole now: bound above, or every slot replaced.
+            io.written.bound_now(unit);
             io.written.raise_expected(unit, newest);
         }
         Ok(())
@@ -1032,11 +1069,18 @@ impl Layout for PackedLayout {
                     record_bytes[..BLOCK as usize].copy_from_slice(data);
                     record_bytes[BLOCK as usize..].copy_from_slice(&entry.context.encode());
                     let object = ObjectId::Data(location.segment);
-                    self.bind_row(replay.io, replay.io.written.unit_of(entry.lba))?;
+                    let unit = replay.io.written.unit_of(entry.lba);
+                    if replay.io.written.bound()
+                        && (!replay.io.written.is_set(unit)
+                            || replay.io.written.unbound(unit).is_some())
+                    {
+                        // Made whole later, not read now (`defer_bind`).
+                        replay.io.written.defer_bind(entry.lba);
+                    }
                     replay
                         .io
                         .write_object(object, location.data_offset, &record_bytes)?;
-                    replay.io.written.set(replay.io.written.unit_of(entry.lba));
+                    replay.io.written.set(unit);
                     replay.unsynced.insert(object);
                 } else {
                     let range =
@@ -1063,12 +1107,15 @@ impl Layout for PackedLayout {
         Ok(Vec::new())
     }
 
+    /// Rows recovery left to bind are bound (and fsynced) before the
+    /// checkpoint writes the map (`bind_deferred`).
     fn checkpoint_contexts(
         &self,
-        _io: &Backing,
+        io: &Backing,
         _state: &RwLock<VolumeState>,
         _next: u32,
     ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
+        self.bind_deferred(io)?;
         Ok((Vec::new(), Vec::new()))
     }
 }

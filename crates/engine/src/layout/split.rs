@@ -643,7 +643,7 @@ impl CheckpointPages {
                     .bind_slots(
                         (page_no * CONTEXTS_PER_PAGE, io.geometry.blocks),
                         &mut slots,
-                        false,
+                        (false, 0),
                     )
                     .then_some(copy)
             })
