@@ -180,7 +180,8 @@ pub(crate) fn bind_written_units(shared: &Shared) -> Result<()> {
         let first = unit * io.written.unit_blocks();
         let changed = {
             let mut slots = shared.layouts.of(next).unit_slots(&mut bytes);
-            io.written.bind_slots((first, blocks), &mut slots, (false, 0))
+            io.written
+                .bind_slots((first, blocks), &mut slots, (false, 0))
         };
         if changed {
             io.write_object(place.object, place.offset, &bytes)?;

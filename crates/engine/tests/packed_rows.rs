@@ -313,7 +313,10 @@ fn recovery_does_not_read_the_rows_it_replays() {
     data()
         .write_all_at(&[0u8; 32], lost_at)
         .expect("blank a replayed context");
-    assert!(is_lost(&volume), "a replayed record's blank context is lost");
+    assert!(
+        is_lost(&volume),
+        "a replayed record's blank context is lost"
+    );
     volume.close().expect("close");
 
     // The close's checkpoint bound every row: no blank slot but the lost
