@@ -91,6 +91,8 @@ pub(crate) struct Committer {
     journal_bytes: u64,
     /// Pending contexts that force a checkpoint (`Tuning::overlay_limit`).
     overlay_limit: usize,
+    /// `Tuning::prompt_commits`.
+    prompt_commits: bool,
     /// Set while a background committer runs (a thread, or the caller
     /// of a stepped volume: `schedule`).
     background: AtomicBool,
@@ -119,6 +121,7 @@ impl Committer {
         journal: Journal,
         journal_bytes: u64,
         overlay_limit: usize,
+        prompt_commits: bool,
         schedule: Option<Arc<dyn CommitSchedule>>,
         breaks: OrderingBreaks,
     ) -> Committer {
@@ -126,6 +129,7 @@ impl Committer {
             journal: Mutex::new(journal),
             journal_bytes,
             overlay_limit,
+            prompt_commits,
             background: AtomicBool::new(false),
             signal: Mutex::new(SignalFlags::default()),
             wake: Condvar::new(),
@@ -222,7 +226,8 @@ impl Committer {
     /// device with slow fsyncs gets fewer, larger ones.
     pub fn prompt(&self, count: usize) {
         let since = self.since_flush.fetch_add(count, Ordering::Relaxed) + count;
-        if since > REDO_MAX_BLOCKS && self.idle.swap(false, Ordering::AcqRel) {
+        if self.prompt_commits && since > REDO_MAX_BLOCKS && self.idle.swap(false, Ordering::AcqRel)
+        {
             self.request();
         }
     }

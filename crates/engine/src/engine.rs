@@ -214,6 +214,7 @@ impl Engine {
             Journal::after_checkpoint(superblock),
             superblock.journal_bytes,
             options.tuning.overlay_limit,
+            options.tuning.prompt_commits,
             options.schedule.clone(),
             shared.breaks,
         );

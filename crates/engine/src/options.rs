@@ -27,6 +27,11 @@ pub struct Tuning {
     /// images; their workloads step the background committer instead:
     /// `OpenOptions::schedule`).
     pub background_commit: bool,
+    /// Commit before the dirty limit as writes come, once more than a
+    /// flush's redo record was written since the last flush
+    /// (`Committer::prompt`). Off: only at the limit, a flush or FUA
+    /// (fewer journal fsyncs for a client that never flushes).
+    pub prompt_commits: bool,
 }
 
 impl Default for Tuning {
@@ -36,6 +41,7 @@ impl Default for Tuning {
             context_cache_pages: 16384,
             overlay_limit: 1024 * 1024,
             background_commit: true,
+            prompt_commits: true,
         }
     }
 }

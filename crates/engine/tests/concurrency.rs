@@ -24,6 +24,7 @@ fn stress(layout: LayoutKind) {
         context_cache_pages: 1,
         overlay_limit: 8,
         background_commit: true,
+        prompt_commits: true,
     };
     let volume = Arc::new(
         Volume::open(

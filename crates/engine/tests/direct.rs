@@ -19,6 +19,7 @@ fn options(direct: bool) -> OpenOptions {
             context_cache_pages: 2,
             overlay_limit: 64,
             background_commit: true,
+            prompt_commits: true,
         },
         key: None,
         keyless: false,

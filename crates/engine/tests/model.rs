@@ -63,6 +63,7 @@ fn tuning() -> Tuning {
         context_cache_pages: 1,
         overlay_limit: 16,
         background_commit: true,
+        prompt_commits: true,
     }
 }
 
@@ -338,6 +339,7 @@ fn a_checkpoint_drops_stale_cached_copies_of_pages_it_does_not_keep() {
                 context_cache_pages: 16,
                 overlay_limit: 20,
                 background_commit: false,
+                prompt_commits: true,
             },
             ..OpenOptions::default()
         },

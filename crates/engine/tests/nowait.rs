@@ -207,6 +207,7 @@ fn reads_racing_writes_and_commits_see_whole_ever_newer_blocks() {
                 context_cache_pages: 2,
                 overlay_limit: 64,
                 background_commit: true,
+                prompt_commits: true,
             },
             ..OpenOptions::default()
         };
@@ -280,6 +281,7 @@ fn a_write_declines_when_it_would_wait_and_is_kept_when_it_does_not() {
             context_cache_pages: 2,
             overlay_limit: 64,
             background_commit: true,
+            prompt_commits: true,
         };
         let open_with = |tuning: Tuning| {
             open_volume(

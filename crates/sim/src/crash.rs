@@ -703,6 +703,7 @@ pub fn run_seed(config: &CrashConfig, seed: u64, counters: &Arc<Counters>) -> Re
         context_cache_pages: rng.range(1, 2) as usize,
         overlay_limit: rng.range(4, 48) as usize,
         background_commit: false,
+        prompt_commits: true,
     };
     let key = config.encrypted.then(|| seed_key(seed));
     // The workload's volume: its background commits stepped by the seed

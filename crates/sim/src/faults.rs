@@ -564,6 +564,7 @@ pub fn run_cell_with(
             context_cache_pages: 1,
             overlay_limit: 1024,
             background_commit: true,
+            prompt_commits: true,
         })
     };
     let mut result = CellResult::default();

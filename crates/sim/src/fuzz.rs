@@ -33,6 +33,7 @@ fn small_tuning() -> OpenOptions {
             context_cache_pages: 1,
             overlay_limit: 8,
             background_commit: false,
+            prompt_commits: true,
         },
         key: None,
         keyless: false,

@@ -369,6 +369,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             break_recopy,
         } => {
             let config = vouch_sim::migrate::MigrateConfig {
+                again_every: 1,
                 online,
                 break_recopy,
                 layout: layout(&run.layout)?,

@@ -77,6 +77,10 @@ pub struct MigrateConfig {
     pub online: bool,
     /// Online: never copy the chunks written mid-move again.
     pub break_recopy: bool,
+    /// Run the migration again (and judge it) after every Nth crash
+    /// point and the last (1: after each). The judging of every crash
+    /// image itself is never skipped.
+    pub again_every: u64,
     /// Migrate to the other layout first (uncrashed), then crash the
     /// migration back to the volume's own layout (which ends by making it
     /// a one-layout volume again).
@@ -563,7 +567,8 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 expected,
             );
             // The operator runs it again.
-            if config.online {
+            let again = finished || crash_at % config.again_every.max(1) == 0;
+            if again && config.online {
                 let again = {
                     open_online(&work).and_then(|volume| {
                         migrate_online(
@@ -587,7 +592,7 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                         .violations
                         .push(format!("{at}: running it again failed: {error}")),
                 }
-            } else {
+            } else if again {
                 run_again(&mut report, &at, &work, target, expected);
             }
             let _ = std::fs::remove_dir_all(&work);

@@ -74,6 +74,15 @@ pub struct ServeArgs {
     /// The journal and contexts stay cached.
     #[arg(long)]
     direct: bool,
+    /// Commit the write-back buffer only when it is full (16 MiB), on a
+    /// flush or on FUA. By default it is also committed as writes come,
+    /// once more than 64 blocks were written since the last flush: on a
+    /// VM whose idle vCPUs halt that keeps small synchronous writers fast
+    /// (docs/BENCHMARKS.md, "prompt commits"), at a journal record and
+    /// fsync per commit. Either way a write is acknowledged from the held
+    /// log and survives a crash of the process (docs/CRASH_MODEL.md).
+    #[arg(long)]
+    commit_at_limit: bool,
     /// Memory for the split layout's cache of context pages (default 64M:
     /// every context of an 8 GiB volume). A volume whose working set's
     /// contexts do not fit reads a context page before its data on a miss
@@ -225,6 +234,7 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
             ..OpenOptions::default()
         };
         options.tuning.context_cache_pages = cache_pages;
+        options.tuning.prompt_commits = !args.commit_at_limit;
         if vouch_mirror::is_mirrored(path) {
             let set = crate::mirror::open(path, options.clone(), crate::key::Use::Data)?;
             eprintln!(
