@@ -162,6 +162,7 @@ enum Command {
         break_release: bool,
         #[arg(long)]
         break_switch: bool,
+        #[arg(long)]
         online: bool,
         #[arg(long, default_value_t = 0)]
         seed: u64,
