@@ -535,6 +535,7 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
                 // It did not crash where asked: the next points would fail
                 // the same way (and the walk would never reach its end).
                 let _ = std::fs::remove_dir_all(&work);
+                let _ = std::fs::remove_file(acked_log(&work));
                 break;
             }
             report.images += u64::from(!finished);
