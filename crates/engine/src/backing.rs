@@ -31,7 +31,9 @@ pub(crate) struct Backing {
     /// Why the volume cannot be written (read-only open, unknown ro-compat
     /// features), as the end of an error message.
     read_only: Option<String>,
-    failed: Mutex<Option<String>>,
+    /// The first durability failure: its message, and whether it was a
+    /// full disk (refusals then say so, as `StoppedFull`).
+    failed: Mutex<Option<(String, bool)>>,
     has_failed: AtomicBool,
 }
 
@@ -77,8 +79,12 @@ impl Backing {
             return Err(Error::ReadOnly(why.clone()));
         }
         if self.has_failed() {
-            let why = self.failed.lock().clone().unwrap_or_default();
-            return Err(Error::FailStopped(why));
+            let (why, full) = self.failed.lock().clone().unwrap_or_default();
+            return Err(if full {
+                Error::StoppedFull(why)
+            } else {
+                Error::FailStopped(why)
+            });
         }
         Ok(())
     }
@@ -87,7 +93,7 @@ impl Backing {
     pub fn fail_stop(&self, error: Error) -> Error {
         let mut failed = self.failed.lock();
         if failed.is_none() {
-            *failed = Some(error.to_string());
+            *failed = Some((error.to_string(), error.is_no_space()));
             tracing::error!(%error, "volume failed stop: refusing writes until reopened");
         }
         self.has_failed.store(true, Ordering::Release);

@@ -81,6 +81,14 @@ pub enum Error {
     ReadOnly(String),
     #[error("volume stopped accepting writes after an earlier I/O error ({0}); reopen it")]
     FailStopped(String),
+    /// Like `FailStopped`, after the backing filesystem (or the held log's
+    /// tmpfs) ran out of space: clients are told ENOSPC, the one answer a
+    /// hypervisor pauses a guest on (qemu's `werror=enospc`) instead of
+    /// failing its I/O.
+    #[error(
+        "volume stopped accepting writes when the disk filled ({0}); free space and reopen it"
+    )]
+    StoppedFull(String),
     #[error("no space left on the backing filesystem ({object:?} at {offset}); nothing acknowledged was lost")]
     NoSpace { object: ObjectId, offset: u64 },
     /// The held log (`held.rs`) failed an I/O: a write it could not take
@@ -144,6 +152,15 @@ impl Error {
         match self {
             Error::Fault(fault) => Some(fault),
             _ => None,
+        }
+    }
+
+    /// Whether this error says the backing storage is full.
+    pub fn is_no_space(&self) -> bool {
+        match self {
+            Error::NoSpace { .. } | Error::StoppedFull(_) => true,
+            Error::HeldLog { cause, .. } => cause.raw_os_error() == Some(libc::ENOSPC),
+            _ => false,
         }
     }
 

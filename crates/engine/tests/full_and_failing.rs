@@ -67,14 +67,24 @@ fn full_filesystem_gives_no_space_and_loses_nothing_acknowledged() {
     let outcome = volume
         .write(64 << 20, &unflushed, false)
         .and_then(|()| volume.flush());
+    // The write or flush that needed the space is told so; when the
+    // background committer (woken by the write) met the full disk first,
+    // the flush is refused as stopped by it, still as a full disk.
     match outcome {
         Err(Error::NoSpace { .. }) => {}
+        Err(Error::StoppedFull(why)) => assert!(why.contains("no space"), "{why}"),
         other => panic!("expected NoSpace, got {other:?}"),
     }
-    // Fail-stop: writes are refused until reopened, with a clear reason.
+    // Fail-stop: writes are refused until reopened, as a full disk (ENOSPC
+    // to an NBD client), with a clear reason.
     match volume.write(0, &[7u8; 4096], false) {
-        Err(Error::FailStopped(why)) => assert!(why.contains("no space"), "{why}"),
-        other => panic!("expected FailStopped, got {other:?}"),
+        Err(error @ Error::StoppedFull(_)) => {
+            assert!(error.is_no_space());
+            let message = error.to_string();
+            assert!(message.contains("no space"), "{message}");
+            assert!(message.contains("reopen"), "{message}");
+        }
+        other => panic!("expected StoppedFull, got {other:?}"),
     }
     // What was acknowledged still reads back.
     let mut buf = vec![0u8; flushed.len()];

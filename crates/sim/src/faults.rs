@@ -1036,7 +1036,11 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
     let held_full = |error: &Error| matches!(error, Error::HeldLog { cause, .. } if cause.kind() == std::io::ErrorKind::StorageFull);
     // After a failed background commit, the client's request is refused
     // as fail-stopped (the cause is in the message and the log).
-    let stopped = background && matches!(error, Error::FailStopped(_));
+    let stopped = background
+        && match kind {
+            Kind::WriteError => matches!(error, Error::FailStopped(_)),
+            _ => matches!(error, Error::StoppedFull(_)),
+        };
     let right_error = stopped
         || match kind {
             Kind::WriteError => {
@@ -1051,7 +1055,7 @@ fn write_failure(cx: &mut Cx, volume: Volume, kind: Kind) -> Result<Volume, Stri
     // Fail-stop: writes and flushes are refused until reopen.
     if !matches!(
         volume.write(0, &[1u8; 512], false),
-        Err(Error::FailStopped(_))
+        Err(Error::FailStopped(_) | Error::StoppedFull(_))
     ) {
         cx.violation(format!(
             "{}: a write after the error was not refused",

@@ -507,7 +507,7 @@ fn settle(
         Err(error) => {
             if *failed {
                 assert!(
-                    matches!(error, Error::FailStopped(_)),
+                    matches!(error, Error::FailStopped(_) | Error::StoppedFull(_)),
                     "after an I/O error, an operation failed with {error} instead of being refused"
                 );
             }

@@ -59,7 +59,9 @@ pub fn to_export_error(error: Error) -> ExportError {
             ExportError::new(Errno::Inval, error.to_string())
         }
         Error::ReadOnly(_) => ExportError::new(Errno::Perm, error.to_string()),
-        Error::NoSpace { .. } => ExportError::new(Errno::NoSpc, error.to_string()),
+        Error::NoSpace { .. } | Error::StoppedFull(_) => {
+            ExportError::new(Errno::NoSpc, error.to_string())
+        }
         // A full held log (tmpfs) is a full disk to the client: ENOSPC.
         Error::HeldLog { cause, .. } if cause.raw_os_error() == Some(libc::ENOSPC) => {
             ExportError::new(Errno::NoSpc, error.to_string())

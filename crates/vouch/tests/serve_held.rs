@@ -305,3 +305,125 @@ fn a_full_runtime_directory_is_enospc_and_loses_nothing_acknowledged() {
     drop(server);
     assert_check_clean(&volume);
 }
+
+/// Write MiB after MiB (MiB `i` filled with `base + i`), each flushed, until
+/// one fails; then one more write and flush. Prints the MiB flushed, the
+/// failing request's errno name, and the errno names of the write and the
+/// flush after it, as JSON.
+const FILL_FLUSHED: &str = r#"
+uri, count, base = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+h = connect(uri)
+def name(e):
+    return errno.errorcode.get(e.errno, str(e.errno))
+flushed, error = 0, None
+for i in range(count):
+    try:
+        h.pwrite(bytes([(base + i) % 256]) * (1 << 20), i << 20)
+        h.flush()
+    except nbd.Error as e:
+        error = name(e)
+        break
+    flushed += 1
+after = []
+for op in (lambda: h.pwrite(bytes(4096), 0), h.flush):
+    try:
+        op()
+        after.append(None)
+    except nbd.Error as e:
+        after.append(name(e))
+print(json.dumps({"flushed": flushed, "error": error, "after": after}))
+"#;
+
+/// The volume's own filesystem fills while the background committer (woken
+/// by the writes) is the first to meet it: the client is told ENOSPC, on the
+/// request that needed the space and on every write and flush after it
+/// (qemu's `werror=enospc` pauses a guest on ENOSPC where EIO would fail its
+/// I/O), and once space is freed, a restart reads back every flushed MiB.
+#[test]
+fn a_full_volume_filesystem_is_enospc_to_every_request_after_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runtime = dir.path().join("runtime");
+    let small = dir.path().join("small");
+    std::fs::create_dir(&runtime).expect("runtime dir");
+    std::fs::create_dir(&small).expect("volume dir");
+    let mount = |options: &str| {
+        run(Command::new("mount").args([
+            "-t",
+            "tmpfs",
+            "-o",
+            options,
+            "vouch-test-full",
+            s(&small),
+        ]))
+    };
+    // A 1 MiB journal: the volume's files take ~1.1 MiB, the rest is data.
+    let mounted = mount("size=12m,mode=0700");
+    assert!(
+        mounted.status.success(),
+        "mounting a small tmpfs (needs root):\n{}",
+        text(&mounted)
+    );
+    struct Unmount(PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(small.clone());
+
+    let volume = small.join("vol");
+    let mut args = vec![
+        volume.display().to_string(),
+        "--create".into(),
+        "64MiB".into(),
+        "--journal".into(),
+        "1MiB".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--log".into(),
+        "info".into(),
+    ];
+    let mut command = Command::new(vouch_bin());
+    command
+        .env("VOUCH_RUNTIME_DIR", &runtime)
+        .arg("serve")
+        .args(&args);
+    let expect = Expect {
+        tcp: true,
+        ..Expect::default()
+    };
+    let mut server = Server::launch(dir.path(), command, args.clone(), expect).expect("serve");
+    let result = py_json(
+        FILL_FLUSHED,
+        &[&server.export_uri("vol"), "64", &0x20.to_string()],
+    );
+    let flushed = result["flushed"].as_u64().expect("flushed");
+    assert!(flushed >= 1, "nothing fit in 12 MiB: {result}");
+    assert_eq!(result["error"], "ENOSPC", "the full disk: {result}");
+    assert_eq!(
+        result["after"],
+        serde_json::json!(["ENOSPC", "ENOSPC"]),
+        "a write and a flush after the disk filled: {result}"
+    );
+    let log = server.log_text();
+    assert!(
+        log.contains("no space") && log.contains("reopen"),
+        "the server's log says the disk is full and what to do:\n{log}"
+    );
+    server.kill9();
+
+    // Free space (grow the filesystem), restart: every flushed MiB is there.
+    let grown = run(Command::new("mount").args(["-o", "remount,size=256m", s(&small)]));
+    assert!(grown.status.success(), "remount:\n{}", text(&grown));
+    args.drain(1..5);
+    let mut command = Command::new(vouch_bin());
+    command
+        .env("VOUCH_RUNTIME_DIR", &runtime)
+        .arg("serve")
+        .args(&args);
+    let server = Server::launch(dir.path(), command, args, expect).expect("restart");
+    let (same, _) = read_mibs(&server.export_uri("vol"), flushed, 0x20);
+    assert_eq!(same, flushed, "flushed MiB lost after the disk filled");
+    drop(server);
+    assert_check_clean(&volume);
+}
