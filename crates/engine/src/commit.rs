@@ -205,7 +205,9 @@ impl Committer {
 
     /// Commit promptly once more blocks than a flush's redo commit takes
     /// (`REDO_MAX_BLOCKS`) were buffered since the last flush: a write
-    /// that finds the committer idle wakes it, so commits follow the
+    /// answered on the reactor (the inline and reserved routes; a worker's
+    /// write does not ask, see `buffer_sealed`) that finds the committer
+    /// idle wakes it, so commits follow the
     /// writes instead of waiting for the dirty limit (a burst's last
     /// blocks, buffered while a commit ran, wait for the next write, a
     /// flush or the limit: the held log keeps them meanwhile). Below that, a flush

@@ -117,7 +117,8 @@ fn a_read_only_open_serves_redo_blocks_it_cannot_write_home() {
 /// Past a redo flush's worth of blocks since the last flush, the
 /// background committer commits as writes come (`Committer::prompt`)
 /// instead of waiting for the dirty limit (4096 blocks): 100 single-block
-/// writes are committed, journaled and home, with no flush. Below that
+/// writes answered inline (`try_write_shared`, the NBD reactor's route)
+/// are committed, journaled and home, with no flush. Below that
 /// (`a_small_flush_is_one_fsync...`) they wait for the flush's redo record.
 #[test]
 fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
@@ -129,9 +130,11 @@ fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
             .commits
             .load(std::sync::atomic::Ordering::Relaxed);
         for lba in 0..100u64 {
-            volume
-                .write(lba * 4096, &block(lba as u8 + 1), false)
-                .expect("write");
+            let data = bytes::Bytes::from(block(lba as u8 + 1));
+            assert!(
+                BlockDevice::try_write_shared(&volume, lba * 4096, &data).expect("write"),
+                "{layout:?}: an inline write declined"
+            );
         }
         // Only a deadline for failure: the commit is asynchronous.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
