@@ -17,11 +17,10 @@
 use aws_lc_rs::aead::{Aad, LessSafeKey, Nonce};
 use rand::RngCore;
 use vouch_format::context::ENCRYPTED_NONCE_RANDOM;
-use vouch_format::{aead_nonce, encrypted_guard, Context, ContextKind, FormatError};
+use vouch_format::{aead_nonce, encrypted_guard, Context, ContextKind, FormatError, BLOCK_SIZE};
 
 use crate::error::FaultKind;
 use crate::protection::{zero_template, Protection, Seal};
-use crate::state::BLOCK;
 
 /// The AEAD nonce, the generation and the tag of a block that passed the
 /// keyless check.
@@ -181,7 +180,7 @@ impl Protection for EncryptedProtection {
         let Some(cipher) = &self.cipher else {
             return Ok(());
         };
-        let mut scratch = [0u8; BLOCK as usize];
+        let mut scratch = [0u8; BLOCK_SIZE as usize];
         let scratch = &mut scratch[..stored.len()];
         cipher
             .open_separate_gather(
@@ -295,7 +294,7 @@ impl Protection for EncryptedProtection {
 /// the data and the xor of at most 32 constants (computed once) answer
 /// it, not a second guard.
 pub(crate) fn generation_damaged_from(context: &[u8], stored: &[u8], expected: u32) -> bool {
-    if context[0] != ContextKind::Encrypted as u8 || stored.len() != BLOCK as usize {
+    if context[0] != ContextKind::Encrypted as u8 || stored.len() != BLOCK_SIZE as usize {
         return false;
     }
     let generation = u32::from_le_bytes(context[1..5].try_into().expect("4 bytes"));
@@ -321,7 +320,7 @@ pub(crate) fn generation_damaged_from(context: &[u8], stored: &[u8], expected: u
 fn generation_bit_syndromes() -> &'static [u32; 32] {
     static SYNDROMES: std::sync::OnceLock<[u32; 32]> = std::sync::OnceLock::new();
     SYNDROMES.get_or_init(|| {
-        let mut bytes = vec![0u8; 28 + BLOCK as usize];
+        let mut bytes = vec![0u8; 28 + BLOCK_SIZE as usize];
         let zeros = vouch_format::crc32c(&bytes);
         std::array::from_fn(|bit| {
             bytes[1 + bit / 8] ^= 1 << (bit % 8);

@@ -203,8 +203,9 @@ pub(crate) struct VolumeState {
     pub logged: usize,
     /// Blocks of room reserved for writes about to be buffered
     /// (`Engine::reserve_room`): counted as held, so no other writer that
-    /// must not wait takes their room meanwhile.
-    pub reserved: usize,
+    /// must not wait takes their room meanwhile. Changed only through
+    /// `reserve` and `unreserve`.
+    reserved: usize,
     /// Blocks whose home extents a reflink copy is replacing right now
     /// (their new contexts are not yet published): a read of them waits
     /// until the range is clear (a clone of 16 MiB takes ~0.1 ms).
@@ -297,6 +298,19 @@ impl VolumeState {
     /// write-back limits count this, not `active.len()`.
     pub fn held_blocks(&self) -> usize {
         (self.active.len() + self.active_orphans).max(self.logged) + self.reserved
+    }
+
+    /// Set room for `count` blocks aside (`Engine::reserve_room`).
+    pub fn reserve(&mut self, count: usize) {
+        self.reserved += count;
+    }
+
+    /// Room for `count` blocks no longer set aside: given back, or taken
+    /// by the write it was reserved for. More than was reserved is a bug
+    /// of the caller's (`what` says which).
+    pub fn unreserve(&mut self, count: usize, what: &str) {
+        assert!(self.reserved >= count, "{what}");
+        self.reserved -= count;
     }
 
     /// Memory held by buffers and caches.

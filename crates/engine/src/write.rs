@@ -194,11 +194,7 @@ impl Engine {
         };
         let buffered = {
             if admission == Admission::Reserved {
-                assert!(
-                    state.reserved >= count,
-                    "a reserved write without its reservation"
-                );
-                state.reserved -= count;
+                state.unreserve(count, "a reserved write without its reservation");
             }
             state.logged += count;
             for (lba, dirty) in &sealed {
@@ -333,15 +329,16 @@ impl Engine {
         if state.held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks {
             return false;
         }
-        state.reserved += count;
+        state.reserve(count);
         true
     }
 
     /// Give back room `reserve_room` reserved and no write used.
     pub fn release_room(&self, count: usize) {
-        let mut state = self.shared.state.write();
-        assert!(state.reserved >= count, "more room released than reserved");
-        state.reserved -= count;
+        self.shared
+            .state
+            .write()
+            .unreserve(count, "more room released than reserved");
     }
 
     /// Store data blocks into room `reserve_room(blocks.len())` reserved,

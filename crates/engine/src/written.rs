@@ -60,7 +60,8 @@ use vouch_format::written::{
     WRITTEN_PAGE_BYTES,
 };
 use vouch_format::{
-    crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, LayoutKind, CONTEXT_BYTES,
+    crc32c, vacant_of, Context, ContextKind, FormatError, Geometry, LayoutKind, BLOCK_SIZE,
+    CONTEXT_BYTES,
 };
 
 use crate::backing::Backing;
@@ -835,11 +836,11 @@ impl WrittenMap {
         }
         let first = page_no * self.unit_blocks;
         let blocks = self.unit_blocks.min(self.blocks.saturating_sub(first)) as usize;
-        let mut data = vec![0u8; blocks * crate::state::BLOCK as usize];
+        let mut data = vec![0u8; blocks * BLOCK_SIZE as usize];
         read(&mut data);
         let damaged_newest = page
             .chunks(CONTEXT_BYTES)
-            .zip(data.chunks(crate::state::BLOCK as usize))
+            .zip(data.chunks(BLOCK_SIZE as usize))
             .any(|(slot, stored)| {
                 crate::encryption::generation_damaged_from(slot, stored, expected)
             });

@@ -10,8 +10,8 @@
 //! `start` sends the remote legs' requests (`write_sealed_then`), writes
 //! the local legs inline (their write-back buffers had room) and returns.
 //! The last leg to answer — usually on a replica connection's reader
-//! thread — judges the legs as `each_leg_of` does (a leg that failed is
-//! taken out exactly as on the blocking path), releases the stripes and
+//! thread — judges the legs by the blocking path's rule (`Mirror::judge`:
+//! a leg that failed is taken out exactly as there), releases the stripes and
 //! the record, and calls the write's `WriteDone`, which queues the NBD
 //! reply. The stripes and the record belong to the write (`Flight`), not
 //! to a thread's stack; a remote leg's request is bounded by its
@@ -33,22 +33,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use smallvec::SmallVec;
-use vouch_format::mirror::{LegState, MAX_LEGS};
+use vouch_format::mirror::LegState;
 
 use crate::activity::Entered;
 use crate::device::{Mirror, Reserved};
-use crate::legs::is_request_error;
+use crate::legs::PerLeg;
 use crate::stripes::OwnedStripes;
 use crate::written::Recording;
 use vouch_engine::device::{SealedBlock, StartWrite, WriteDone};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::BLOCK;
-
-/// One item per leg, in place: a mirror has at most `MAX_LEGS`, and the
-/// reactor starts every 4 KiB write this way, so a heap allocation per
-/// list per write was a measurable share of the exporter's CPU.
-type PerLeg<T> = SmallVec<[T; MAX_LEGS]>;
 
 /// A write in flight: what it holds until its last leg answered.
 struct Flight {
@@ -269,34 +263,21 @@ impl Flight {
         done(result);
     }
 
-    /// The legs' outcomes judged as `Mirror::each_leg_of` judges them: a
-    /// request error is the caller's (no leg is blamed); a resyncing leg
-    /// that failed stops its resync; an active leg that failed while
-    /// another succeeded is taken out (faulted, or stale if unreachable);
-    /// if every active leg failed, the first error is the write's. A
-    /// resyncing leg that took the write has the blocks land in its map.
-    fn judge(&self, mut outcomes: PerLeg<Result<()>>) -> Result<()> {
+    /// The legs' outcomes judged by the rule every route uses
+    /// (`Mirror::judge`); a resyncing leg that took the write has the
+    /// blocks land in its map, as on the blocking path.
+    fn judge(&self, outcomes: PerLeg<Result<()>>) -> Result<()> {
         let mirror = &self.mirror;
-        let request_error = outcomes
+        let outcomes = self
+            .targets
             .iter()
-            .position(|outcome| matches!(outcome, Err(error) if is_request_error(error)));
-        if let Some(at) = request_error {
-            return outcomes.swap_remove(at);
-        }
-        let mut succeeded = 0;
-        let mut failed = Vec::new();
-        for (&(leg, resyncing), outcome) in self.targets.iter().zip(outcomes) {
-            match outcome {
-                Ok(()) if resyncing => {
-                    if let Some(map) = mirror.legs[leg].map.read().as_ref() {
-                        map.landed(self.blocks.clone());
-                    }
-                }
-                Ok(()) => succeeded += 1,
-                Err(error) if resyncing => mirror.stop_resync(leg, "write", &error),
-                Err(error) => failed.push((leg, error)),
+            .zip(outcomes)
+            .map(|(&(leg, resyncing), outcome)| (leg, resyncing, outcome));
+        for leg in mirror.judge("write", outcomes)? {
+            if let Some(map) = mirror.legs[leg].map.read().as_ref() {
+                map.landed(self.blocks.clone());
             }
         }
-        mirror.settle("write", succeeded, failed)
+        Ok(())
     }
 }

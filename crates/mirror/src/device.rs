@@ -14,7 +14,7 @@ use smallvec::SmallVec;
 use vouch_format::mirror::{LegState, MAX_LEGS};
 
 use crate::activity::{ActivityLog, Entered};
-use crate::legs::{is_request_error, Leg, LegStatus, MirrorLeg};
+use crate::legs::{is_request_error, Leg, LegStatus, MirrorLeg, PerLeg};
 use crate::progress::ReconcileProgress;
 use crate::stripes::Stripes;
 use crate::written::{count, minus, Recording, Written};
@@ -700,7 +700,7 @@ impl Mirror {
     /// leg is written (`seal_write`), so a started remote write never
     /// stores what a local leg then refuses as a bad request.
     /// Returns the resyncing legs that took the write.
-    fn write_sealed_to_legs(&self, sealed: &[SealedBlock], fua: bool) -> Result<Vec<usize>> {
+    fn write_sealed_to_legs(&self, sealed: &[SealedBlock], fua: bool) -> Result<PerLeg<usize>> {
         let targets = self.write_targets();
         let started = Started {
             mirror: self,
@@ -726,9 +726,10 @@ impl Mirror {
         })
     }
 
-    /// A leg that failed a write outside `each_leg_of`'s loop, judged as it
-    /// judges: a request error is the caller's, a resyncing leg stops its
-    /// resync, an active leg is faulted or taken out.
+    /// A leg that failed a write outside `each_leg_of`'s turn (its loop
+    /// stopped early), so not weighed against the others: a request error
+    /// is the caller's, a resyncing leg stops its resync, an active leg is
+    /// faulted or taken out, as `judge` does with a failed leg.
     fn write_failed_on(&self, leg: usize, error: &Error) {
         if is_request_error(error) {
             return;
@@ -750,42 +751,65 @@ impl Mirror {
         }
     }
 
-    /// `each_leg` over `targets`, telling `op` each leg's index. Returns
-    /// the resyncing legs on which `op` succeeded.
+    /// `each_leg` over `targets`, telling `op` each leg's index, in
+    /// turn, then judged (`judge`); a request error stops the turn (the
+    /// legs after it are not asked). Returns the resyncing legs on which
+    /// `op` succeeded.
     fn each_leg_of(
         &self,
         targets: &[usize],
         what: &str,
         mut op: impl FnMut(usize, &dyn BlockDevice) -> Result<()>,
-    ) -> Result<Vec<usize>> {
-        let mut succeeded = 0;
-        let mut failed = Vec::new();
-        let mut resynced = Vec::new();
+    ) -> Result<PerLeg<usize>> {
+        let mut outcomes = PerLeg::new();
         for &leg in targets {
             let resyncing = self.legs[leg].state() != LegState::Active;
-            match op(leg, self.device(leg)) {
+            let outcome = op(leg, self.device(leg));
+            let request_error = matches!(&outcome, Err(error) if is_request_error(error));
+            outcomes.push((leg, resyncing, outcome));
+            if request_error {
+                break;
+            }
+        }
+        self.judge(what, outcomes)
+    }
+
+    /// How an operation's legs are judged, the one rule of every route
+    /// (`each_leg_of` on the caller's thread; the completion path,
+    /// `complete.rs`, on the thread of the leg answering last). Each
+    /// outcome names its leg and whether the leg was resyncing (not
+    /// active) when the operation began. A request error (range,
+    /// alignment) is the caller's: it is the outcome and no leg is blamed.
+    /// A resyncing leg that failed stops its resync (it stays stale; its
+    /// map was marked first). If no active leg succeeded, the first
+    /// active leg's error is the outcome and nothing is taken out (no leg
+    /// is known good); else each active leg that failed is taken out
+    /// (faulted, or stale if unreachable). Returns the resyncing legs that
+    /// succeeded.
+    pub(super) fn judge(
+        &self,
+        what: &str,
+        outcomes: impl IntoIterator<Item = (usize, bool, Result<()>)>,
+    ) -> Result<PerLeg<usize>> {
+        let mut outcomes: PerLeg<(usize, bool, Result<()>)> = outcomes.into_iter().collect();
+        let request_error = outcomes
+            .iter()
+            .position(|(_, _, outcome)| matches!(outcome, Err(error) if is_request_error(error)));
+        if let Some(at) = request_error {
+            let (_, _, outcome) = outcomes.swap_remove(at);
+            return outcome.map(|()| PerLeg::new());
+        }
+        let mut succeeded = 0;
+        let mut failed: PerLeg<(usize, Error)> = PerLeg::new();
+        let mut resynced = PerLeg::new();
+        for (leg, resyncing, outcome) in outcomes {
+            match outcome {
                 Ok(()) if resyncing => resynced.push(leg),
                 Ok(()) => succeeded += 1,
-                Err(error) if resyncing && !is_request_error(&error) => {
-                    self.stop_resync(leg, what, &error);
-                }
-                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) if resyncing => self.stop_resync(leg, what, &error),
                 Err(error) => failed.push((leg, error)),
             }
         }
-        self.settle(what, succeeded, failed)?;
-        Ok(resynced)
-    }
-
-    /// The last step of judging an operation's active legs: if none
-    /// succeeded, the first failure is the outcome (nothing is taken out:
-    /// no leg is known good); else each failed leg is taken out.
-    pub(super) fn settle(
-        &self,
-        what: &str,
-        succeeded: usize,
-        failed: Vec<(usize, Error)>,
-    ) -> Result<()> {
         if succeeded == 0 {
             return match failed.into_iter().next() {
                 Some((_, error)) => Err(error),
@@ -795,7 +819,7 @@ impl Mirror {
         for (leg, error) in failed {
             self.fail(leg, &format!("{what} failed: {error}"), &error);
         }
-        Ok(())
+        Ok(resynced)
     }
 }
 

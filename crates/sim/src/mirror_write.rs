@@ -103,17 +103,28 @@ struct Crash {
 
 /// Run seeds `first..first + seeds`.
 pub fn run(first: u64, seeds: u64) -> MirrorWriteReport {
-    run_with(first, seeds, false)
+    run_with(first, seeds, Sabotage::None)
 }
 
-/// `run`; with `sabotage_completion`, the local leg's held log keeps
-/// nothing of the writes that take the completion path (self-test: that
-/// path acknowledging before the local leg holds the write).
-pub fn run_with(first: u64, seeds: u64, sabotage_completion: bool) -> MirrorWriteReport {
+/// A route whose ordering a self-test breaks: leg 0's held log keeps
+/// nothing of the writes that take it (the route acknowledging before the
+/// local leg holds the write).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sabotage {
+    None,
+    /// The completion path (`try_begin_write`, `complete.rs`).
+    Completion,
+    /// The inline route into reserved room (`try_write_shared`,
+    /// `write_sealed_reserved`).
+    Reserved,
+}
+
+/// `run`, breaking `sabotage`'s route.
+pub fn run_with(first: u64, seeds: u64, sabotage: Sabotage) -> MirrorWriteReport {
     let started = Instant::now();
     let mut report = MirrorWriteReport::default();
     for seed in first..first + seeds {
-        if let Err(message) = run_seed(seed, sabotage_completion, &mut report) {
+        if let Err(message) = run_seed(seed, sabotage, &mut report) {
             report.violations.push(format!("seed {seed}: {message}"));
         }
         report.seeds += 1;
@@ -306,7 +317,7 @@ pub(crate) fn prefilled_legs(
 /// One seed; violations are pushed to `report`, setup errors returned.
 pub fn run_seed(
     seed: u64,
-    sabotage_completion: bool,
+    sabotage: Sabotage,
     report: &mut MirrorWriteReport,
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
@@ -397,20 +408,26 @@ pub fn run_seed(
                 // The NBD reactor's routes first, as `serve` tries them:
                 // the completion path (a mirror with a remote leg), the
                 // inline route; else the worker's blocking write.
-                recorders[0]
-                    .sabotage_held
-                    .store(sabotage_completion, std::sync::atomic::Ordering::Relaxed);
+                // Leg 0's held log keeps nothing while the route under
+                // test runs (`None`: never).
+                let sabotaged = |route: Option<Sabotage>| {
+                    let on = sabotage != Sabotage::None && route == Some(sabotage);
+                    recorders[0]
+                        .sabotage_held
+                        .store(on, std::sync::atomic::Ordering::Relaxed);
+                };
+                sabotaged(Some(Sabotage::Completion));
                 let completed = !fua && write_completing(&mirror, offset, &data, &deferred)?;
-                recorders[0]
-                    .sabotage_held
-                    .store(false, std::sync::atomic::Ordering::Relaxed);
-                if completed {
-                    report.completed_later += 1;
-                } else if !fua
+                sabotaged(Some(Sabotage::Reserved));
+                let inline = !completed
+                    && !fua
                     && mirror
                         .try_write_shared(offset, &Bytes::from(data.clone()))
-                        .map_err(|e| format!("inline write: {e}"))?
-                {
+                        .map_err(|e| format!("inline write: {e}"))?;
+                sabotaged(None);
+                if completed {
+                    report.completed_later += 1;
+                } else if inline {
                     report.inline_writes += 1;
                 } else {
                     mirror

@@ -3,6 +3,8 @@
 //! restart makes the legs agree on what clients read
 //! (`vouch_sim::mirror_write`).
 
+use vouch_sim::mirror_write::Sabotage;
+
 #[test]
 fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
     let report = vouch_sim::mirror_write::run(1, if !cfg!(sim_full) { 6 } else { 64 });
@@ -47,8 +49,23 @@ fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
 /// must say so.
 #[test]
 fn a_completed_write_the_local_leg_does_not_hold_is_caught() {
-    let report = vouch_sim::mirror_write::run_with(1, 6, true);
+    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Completion);
     assert!(report.completed_later > 0, "{}", report.summary());
+    assert_process_crash_caught(&report);
+}
+
+/// The mirror's inline route into room reserved on every leg
+/// (`try_write_shared`, `write_sealed_reserved`) acknowledging a write
+/// before the local leg holds it loses it in a crash of the exporter
+/// process: the process-crash images must say so.
+#[test]
+fn a_reserved_inline_write_the_local_leg_does_not_hold_is_caught() {
+    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Reserved);
+    assert!(report.inline_writes > 0, "{}", report.summary());
+    assert_process_crash_caught(&report);
+}
+
+fn assert_process_crash_caught(report: &vouch_sim::mirror_write::MirrorWriteReport) {
     assert!(
         report
             .violations

@@ -30,22 +30,26 @@ fn qemu_img_size(uri: &str) -> u64 {
     info["virtual-size"].as_u64().expect("virtual-size")
 }
 
-/// Write random blocks of the first `blocks` for `seconds` on one
-/// connection, each write recorded once acknowledged; prints the last tag
-/// of every block written and the size the connection negotiated.
+/// Write random blocks of the first `blocks` on one connection, each
+/// write recorded once acknowledged; the file `started` is made after the
+/// 16th write's flush, and the writing goes on until the file `stop`
+/// exists (and at least 64 writes were made). Prints the last tag of every
+/// block written and the size the connection negotiated.
 const WRITER: &str = r#"
 import random
 h = connect(sys.argv[1])
-blocks, seconds = int(sys.argv[2]), float(sys.argv[3])
+blocks, started, stop = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 rng = random.Random(7)
-last, i, end = {}, 0, time.time() + seconds
-while time.time() < end:
+last, i = {}, 0
+while i < 64 or not os.path.exists(stop):
     lba = rng.randrange(blocks)
     i += 1
     h.pwrite(block_data(lba, i), lba * 4096)
     last[lba] = i
     if i % 16 == 0:
         h.flush()
+        if i == 16:
+            open(started, "w").close()
 h.flush()
 print(json.dumps({"last": last, "writes": i, "size": h.get_size()}))
 "#;
@@ -68,17 +72,23 @@ fn grow_while_writing(layout: &str) {
     let ctl = control(&server).to_string();
     assert_eq!(nbd_size(&uri), 8 * MIB);
 
+    // The resize runs while the client writes: it starts once the writer
+    // has written (and flushed), and the writer stops only once it returned.
+    let (started, stop) = (dir.join("writer.started"), dir.join("writer.stop"));
     let writer = {
         let uri = uri.clone();
-        std::thread::spawn(move || py_json(WRITER, &[&uri, "2048", "3"]))
+        let (started, stop) = (started.clone(), stop.clone());
+        std::thread::spawn(move || py_json(WRITER, &[&uri, "2048", s(&started), s(&stop)]))
     };
-    std::thread::sleep(Duration::from_millis(700));
-    let out = vouch_ok(&["resize", "--server", &ctl, "64M"]);
-    assert!(text(&out).contains("resized export"), "{}", text(&out));
+    wait_until("the writer's first writes", Duration::from_secs(60), || {
+        started.exists() || writer.is_finished()
+    });
     assert!(
         !writer.is_finished(),
-        "the resize did not run while the client wrote"
+        "the writer stopped before the resize"
     );
+    let out = vouch_ok(&["resize", "--server", &ctl, "64M"]);
+    assert!(text(&out).contains("resized export"), "{}", text(&out));
     // New connections see the new size; the control API says so.
     assert_eq!(nbd_size(&uri), 64 * MIB);
     assert_eq!(qemu_img_size(&uri), 64 * MIB);
@@ -97,6 +107,7 @@ print(json.dumps({"ok": True}))
 "#,
         &[&uri, &last_lba.to_string()],
     );
+    std::fs::write(&stop, b"").expect("stop the writer");
     let written = writer.join().expect("writer");
     // The writer's connection kept the size it negotiated.
     assert_eq!(written["size"], 8 * MIB, "{written}");
