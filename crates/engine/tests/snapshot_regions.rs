@@ -12,17 +12,42 @@ use vouch_engine::{create_volume, BlockDevice, CreateOptions, LayoutKind, OpenOp
 
 const BLOCKS: u64 = 512;
 
-#[test]
-fn an_online_snapshot_of_a_volume_with_regions_holds_what_was_written_before_it() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("volume");
+/// A split volume of `BLOCKS` blocks at `dir/volume`, `pattern(lba, tag)`
+/// in every block, closed; and its data.
+fn split_volume(dir: &std::path::Path, tag: u8) -> (std::path::PathBuf, Vec<u8>) {
+    let path = dir.join("volume");
     let mut options = CreateOptions::new(BLOCKS * BLOCK);
     options.layout = LayoutKind::Split;
     options.journal_bytes = Some(1 << 20);
     let volume = create_volume(&path, &options).expect("create");
-    let data: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, 7)).collect();
+    let data: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, tag)).collect();
     volume.write(0, &data, false).expect("write");
     volume.close().expect("close");
+    (path, data)
+}
+
+/// The snapshot at `path` opens read-only, its region packed, and reads
+/// `want` with no fault.
+fn reads_packed(path: &std::path::Path, want: &[u8]) {
+    let snap = RegionVolume::open(path, &OpenOptions::default()).expect("open it");
+    assert!(BlockDevice::is_read_only(&snap), "a snapshot is read-only");
+    assert_eq!(snap.record().counts(), [0, 1], "its region packed");
+    let mut image = vec![0u8; (BLOCKS * BLOCK) as usize];
+    let faults = snap
+        .read_blocks_collecting(0, BLOCKS, &mut image)
+        .expect("read it");
+    assert!(faults.is_empty(), "{faults:?}");
+    assert!(
+        image == want,
+        "the snapshot is not the volume at its flush point"
+    );
+    snap.close().expect("close it");
+}
+
+#[test]
+fn an_online_snapshot_of_a_volume_with_regions_holds_what_was_written_before_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, data) = split_volume(dir.path(), 7);
     regions::migrate(
         &path,
         LayoutKind::Packed,
@@ -53,19 +78,7 @@ fn an_online_snapshot_of_a_volume_with_regions_holds_what_was_written_before_it(
 
     let mut want = data.clone();
     want[(100 * BLOCK) as usize..(116 * BLOCK) as usize].copy_from_slice(&before);
-    let snap = RegionVolume::open(&taken.path, &OpenOptions::default()).expect("open it");
-    assert!(BlockDevice::is_read_only(&snap), "a snapshot is read-only");
-    assert_eq!(snap.record().counts(), [0, 1], "its region packed");
-    let mut image = vec![0u8; (BLOCKS * BLOCK) as usize];
-    let faults = snap
-        .read_blocks_collecting(0, BLOCKS, &mut image)
-        .expect("read it");
-    assert!(faults.is_empty(), "{faults:?}");
-    assert!(
-        image == want,
-        "the snapshot is not the volume at its flush point"
-    );
-    snap.close().expect("close it");
+    reads_packed(&taken.path, &want);
 
     let mut now = vec![0u8; (BLOCKS * BLOCK) as usize];
     volume.read(0, &mut now).expect("read the volume");
@@ -85,18 +98,10 @@ fn an_online_snapshot_asked_mid_switch_waits_for_the_switch() {
     use std::sync::{Arc, Mutex};
 
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("volume");
-    let mut options = CreateOptions::new(BLOCKS * BLOCK);
-    options.layout = LayoutKind::Split;
-    options.journal_bytes = Some(1 << 20);
-    let volume = create_volume(&path, &options).expect("create");
-    let data: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, 5)).collect();
-    volume.write(0, &data, false).expect("write");
-    volume.close().expect("close");
+    let (path, data) = split_volume(dir.path(), 5);
     let home = vouch_engine::open_volume(&path, &OpenOptions::default()).expect("open");
-    let volume = Arc::new(
-        regions::open_served(&path, home, &OpenOptions::default()).expect("with regions"),
-    );
+    let volume =
+        Arc::new(regions::open_served(&path, home, &OpenOptions::default()).expect("with regions"));
     let seq = volume.record_seq();
 
     let taker: Arc<Mutex<Option<std::thread::JoinHandle<snapshot::Snapshot>>>> = Arc::default();
@@ -164,20 +169,16 @@ fn an_online_snapshot_asked_mid_switch_waits_for_the_switch() {
     );
     let superblock = vouch_engine::volume_superblock(&taken.path).expect("its superblock");
     let record = regions::read_record(&taken.path, &superblock).expect("its record");
-    assert_eq!(record.seq, seq + 1, "the snapshot's record is the switched one");
+    assert_eq!(
+        record.seq,
+        seq + 1,
+        "the snapshot's record is the switched one"
+    );
     assert_eq!(
         superblock.regions_seq, record.seq,
         "the snapshot's home superblock names its record"
     );
-    let snap = RegionVolume::open(&taken.path, &OpenOptions::default()).expect("open it");
-    assert_eq!(snap.record().counts(), [0, 1], "its region packed");
-    let mut image = vec![0u8; (BLOCKS * BLOCK) as usize];
-    let faults = snap
-        .read_blocks_collecting(0, BLOCKS, &mut image)
-        .expect("read it");
-    assert!(faults.is_empty(), "{faults:?}");
-    assert!(image == data, "the snapshot is not the volume's data");
-    snap.close().expect("close it");
+    reads_packed(&taken.path, &data);
     Arc::try_unwrap(volume)
         .map_err(|_| "shared")
         .expect("the volume")

@@ -465,50 +465,43 @@ fn run(cli: Cli) -> Result<bool, String> {
         Command::SnapshotOnline {
             run,
             break_publish,
-            regions: true,
-            break_home_only,
-            ..
-        } => {
-            let config = vouch_sim::snapshot_online_regions::RegionsOnlineConfig {
-                layout: layout(&run.layout)?,
-                seeds: run.seeds,
-                seed: run.seed,
-                breaks: vouch_engine::snapshot::SnapshotBreaks {
-                    publish_before_sync: break_publish,
-                },
-                break_home_only,
-            };
-            let online = vouch_sim::snapshot_online_regions::run(&config);
-            for violation in &online.report.violations {
-                println!("{violation}");
-            }
-            println!(
-                "{}",
-                vouch_sim::snapshot_online_regions::summary(&online, &config)
-            );
-            Ok(online.report.violations.is_empty())
-        }
-        Command::SnapshotOnline {
-            run,
-            break_publish,
             break_outside,
-            ..
+            regions,
+            break_home_only,
         } => {
-            let config = vouch_sim::snapshot_online::OnlineConfig {
-                layout: layout(&run.layout)?,
-                seeds: run.seeds,
-                seed: run.seed,
-                breaks: vouch_engine::snapshot::SnapshotBreaks {
-                    publish_before_sync: break_publish,
-                },
-                break_outside,
+            let breaks = vouch_engine::snapshot::SnapshotBreaks {
+                publish_before_sync: break_publish,
             };
-            let online = vouch_sim::snapshot_online::run(&config);
-            for violation in &online.report.violations {
+            let (violations, summary) = if regions {
+                use vouch_sim::snapshot_online_regions as sim;
+                let config = sim::RegionsOnlineConfig {
+                    layout: layout(&run.layout)?,
+                    seeds: run.seeds,
+                    seed: run.seed,
+                    breaks,
+                    break_home_only,
+                };
+                let online = sim::run(&config);
+                let summary = sim::summary(&online, &config);
+                (online.report.violations, summary)
+            } else {
+                use vouch_sim::snapshot_online as sim;
+                let config = sim::OnlineConfig {
+                    layout: layout(&run.layout)?,
+                    seeds: run.seeds,
+                    seed: run.seed,
+                    breaks,
+                    break_outside,
+                };
+                let online = sim::run(&config);
+                let summary = sim::summary(&online, &config);
+                (online.report.violations, summary)
+            };
+            for violation in &violations {
                 println!("{violation}");
             }
-            println!("{}", vouch_sim::snapshot_online::summary(&online, &config));
-            Ok(online.report.violations.is_empty())
+            println!("{summary}");
+            Ok(violations.is_empty())
         }
         Command::Snapshot {
             run,

@@ -42,7 +42,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use vouch_engine::regions::{self, OnlineBreaks, OnlineMigrate, RegionVolume};
-use vouch_engine::snapshot::{self, FlushPoint, SnapshotBreaks, SnapshotFs};
+use vouch_engine::snapshot::{self, FlushPoint, SnapshotBreaks};
 use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, OpenOptions};
 use vouch_format::Superblock;
 
@@ -50,6 +50,7 @@ use crate::faults::BLOCKS;
 use crate::migrate::TempDir;
 use crate::rng::Rng;
 use crate::snapshot::{Findings, ModelFs, Node, Recording, SnapshotReport};
+use crate::snapshot_online::{ServedFs, VolumeFiles};
 use crate::BLOCK;
 
 const VOLUME: &str = "/v";
@@ -120,16 +121,14 @@ pub fn run(config: &RegionsOnlineConfig) -> RegionsOnlineReport {
     online
 }
 
-/// `SnapshotFs` over a served volume with regions: its files (anything
-/// under `/v` but `snapshots/`) are the real files of the volume at
-/// `real`, read live, never written; `snapshots/` is the model filesystem.
-struct ServedRegionsFs {
+/// The files of a served volume with regions (anything under `/v` but
+/// `snapshots/`): the real files of the volume at `real`.
+struct RealFiles {
     real: PathBuf,
-    model: Recording,
 }
 
-impl ServedRegionsFs {
-    fn volume_file(&self, path: &Path) -> Option<PathBuf> {
+impl RealFiles {
+    fn real_path(&self, path: &Path) -> Option<PathBuf> {
         let relative = path.strip_prefix(VOLUME).ok()?;
         if relative.as_os_str().is_empty() || relative.starts_with(snapshot::SNAPSHOTS_DIR) {
             return None;
@@ -138,81 +137,19 @@ impl ServedRegionsFs {
     }
 }
 
-fn not_written(path: &Path) -> io::Error {
-    io::Error::other(format!(
-        "{}: a snapshot never changes the volume's files",
-        path.display()
-    ))
-}
-
-impl SnapshotFs for ServedRegionsFs {
-    fn create_dir(&self, path: &Path) -> io::Result<()> {
-        self.model.create_dir(path)
+impl VolumeFiles for RealFiles {
+    fn owns(&self, path: &Path) -> bool {
+        self.real_path(path).is_some()
     }
-    fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
-        let Some(real) = self.volume_file(from) else {
-            return self.model.clone_file(from, to);
-        };
-        let bytes = std::fs::read(real)?;
-        self.model
-            .change("clone", to, |fs| fs.link_unsynced(to, bytes))
-    }
-    fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
-        self.model.new_file(path, len, allocate)
-    }
-    fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
-        match self.volume_file(path) {
+    fn live(&self, path: &Path) -> io::Result<Vec<u8>> {
+        match self.real_path(path) {
             Some(real) => std::fs::read(real),
-            None => self.model.read(path),
+            None => Err(io::Error::from(io::ErrorKind::NotFound)),
         }
-    }
-    fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.write_at(path, offset, bytes),
-        }
-    }
-    fn sync_file(&self, path: &Path) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.sync_file(path),
-        }
-    }
-    fn sync_dir(&self, path: &Path) -> io::Result<()> {
-        self.model.sync_dir(path)
-    }
-    fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        match self.volume_file(from).or(self.volume_file(to)) {
-            Some(_) => Err(not_written(from)),
-            None => self.model.rename(from, to),
-        }
-    }
-    fn remove_all(&self, path: &Path) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.remove_all(path),
-        }
-    }
-    fn names(&self, dir: &Path) -> io::Result<Option<Vec<String>>> {
-        self.model.names(dir)
     }
     fn exists(&self, path: &Path) -> bool {
-        match self.volume_file(path) {
-            Some(real) => real.symlink_metadata().is_ok(),
-            None => self.model.exists(path),
-        }
-    }
-    fn set_len(&self, path: &Path, len: u64) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.set_len(path, len),
-        }
-    }
-    fn remove_file(&self, path: &Path) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.remove_file(path),
-        }
+        self.real_path(path)
+            .is_some_and(|real| real.symlink_metadata().is_ok())
     }
 }
 
@@ -323,8 +260,10 @@ impl Served {
     }
 
     fn create(&self) -> Result<(), String> {
-        let fs = ServedRegionsFs {
-            real: self.real.clone(),
+        let fs = ServedFs {
+            volume: RealFiles {
+                real: self.real.clone(),
+            },
             model: Recording::new({
                 let mut fs = ModelFs::new();
                 fs.put_dir(Path::new(VOLUME));
@@ -372,8 +311,7 @@ impl Served {
         let after = fs.model.fs.lock().clone();
         let taken = self.taken.lock().clone();
         let member = regions::member_path(Path::new(""), self.home);
-        verify(after, &taken, &member, &self.scratch)
-            .map_err(|e| format!("after the create: {e}"))
+        verify(after, &taken, &member, &self.scratch).map_err(|e| format!("after the create: {e}"))
     }
 }
 
@@ -454,7 +392,11 @@ fn run_seed(
         // The moves took fewer steps: the snapshot after them.
         served.snapshot();
     }
-    let outcome = served.outcome.lock().take().expect("the snapshot was taken");
+    let outcome = served
+        .outcome
+        .lock()
+        .take()
+        .expect("the snapshot was taken");
     let (was_away, was_mid) = *served.placement.lock();
     *away += u64::from(was_away);
     *mid += u64::from(was_mid);
@@ -464,8 +406,8 @@ fn run_seed(
     // The volume kept every acknowledged write through it all.
     let want = served.image.lock().clone();
     let served = Arc::try_unwrap(served).map_err(|_| "the volume is still shared".to_string())?;
-    let volume = Arc::try_unwrap(served.volume)
-        .map_err(|_| "the volume is still shared".to_string())?;
+    let volume =
+        Arc::try_unwrap(served.volume).map_err(|_| "the volume is still shared".to_string())?;
     let mut now = vec![0u8; want.len()];
     volume
         .read(0, &mut now)

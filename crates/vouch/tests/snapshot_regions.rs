@@ -428,14 +428,17 @@ fn a_region_of_a_member_made_again_is_changed_even_where_its_contexts_are_equal(
     assert!(copy == now, "the incremental backup differs");
 }
 
-/// Serve with `args`, then a client writes `flushed` and flushes, writes
+/// Runs of blocks written: (LBA, blocks, byte).
+type Writes<'a> = &'a [(u64, u64, u8)];
+
+/// On `server`, a client writes `flushed` and flushes, writes
 /// `unflushed` (acknowledged, not flushed), asks for snapshot `name` with
 /// `vouch snapshot create --server`, writes `after` and flushes. Returns
 /// what the create printed.
 fn write_snapshot_write(
     server: &Server,
     name: &str,
-    (flushed, unflushed, after): (&[(u64, u64, u8)], &[(u64, u64, u8)], &[(u64, u64, u8)]),
+    (flushed, unflushed, after): (Writes, Writes, Writes),
 ) -> String {
     let spec = serde_json::json!([flushed, unflushed, after]).to_string();
     let control = common::control::control(server).to_string();
@@ -461,7 +464,10 @@ print(json.dumps({"create": out.stdout}))
 "#,
         &[&server.uri, vouch_bin(), &control, name, &spec],
     );
-    answer["create"].as_str().expect("create's output").to_string()
+    answer["create"]
+        .as_str()
+        .expect("create's output")
+        .to_string()
 }
 
 /// An online snapshot of a served volume with regions (issue 33): taken
@@ -480,7 +486,10 @@ fn an_online_snapshot_of_a_served_volume_with_regions_holds_both_members_at_its_
     let mut server = Server::start(dir, &[s(&path), "--control", "127.0.0.1:0"]);
     // Across regions 0|1 (both packed) and 1|2 (packed|split), flushed;
     // then in regions 0 (packed), 2 and 3 (split), not flushed.
-    let flushed = [(REGION_BLOCKS - 3, 6, 0x31), (2 * REGION_BLOCKS - 3, 6, 0x32)];
+    let flushed = [
+        (REGION_BLOCKS - 3, 6, 0x31),
+        (2 * REGION_BLOCKS - 3, 6, 0x32),
+    ];
     let unflushed = [
         (10, 2, 0x33),
         (2 * REGION_BLOCKS + 600, 3, 0x34),
