@@ -136,7 +136,12 @@ fn an_online_snapshot_asked_mid_switch_waits_for_the_switch() {
                 )
                 .expect("the snapshot")
             });
-            std::thread::sleep(std::time::Duration::from_millis(500));
+            // The switch stays where it is for 3 s: a snapshot not held
+            // off by it finishes meanwhile (in milliseconds).
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(3);
+            while !handle.is_finished() && std::time::Instant::now() < until {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
             finished.store(handle.is_finished(), Ordering::SeqCst);
             *taker = Some(handle);
         }) as regions::StepHook

@@ -106,8 +106,9 @@ fn fio_ranges() -> Vec<(u64, u64)> {
 
 /// A libnbd writer of random runs in `areas` (LBA, blocks): it reads what
 /// they hold, writes and flushes, writes more (acknowledged, not flushed),
-/// asks for snapshot `name` through the server (`vouch snapshot create
-/// --server`, the migration's state asked right before), then writes and
+/// waits for a region to have moved, asks for snapshot `name` through the
+/// server (`vouch snapshot create --server`, the migration's state asked
+/// right before), then writes and
 /// flushes again. It leaves the areas' bytes when it asked in
 /// `expect`, and after its last flush in `expect.final`; prints the
 /// migration's state before the create and the create's output.
@@ -140,7 +141,13 @@ def migration():
 writes(64)
 h.flush()
 writes(16)
-state = migration()
+# Once a region has moved (and not all): the snapshot's record is mixed.
+target = migration()["target"]
+while True:
+    state = migration()
+    if state["state"] != "running" or state["regions"][target] >= 1:
+        break
+    time.sleep(0.02)
 out = subprocess.run([vouch, "snapshot", "create", "--server", control, "vol", name],
                      capture_output=True, text=True)
 if out.returncode != 0:
@@ -267,6 +274,13 @@ fn online_migration_split_packed_split_under_a_fio_verify_writer() {
             ],
         );
         assert_eq!(wrote["migration"]["state"], "running", "{wrote}");
+        // Taken mid-migration: its record has regions in both layouts.
+        let regions = &info_json(&path.join("snapshots").join(&name))["regions"];
+        assert!(
+            regions["split"].as_u64().is_some_and(|n| n >= 1)
+                && regions["packed"].as_u64().is_some_and(|n| n >= 1),
+            "{name}: {regions}"
+        );
         assert!(
             wrote["create"]
                 .as_str()
