@@ -397,6 +397,16 @@ impl RegionVolume {
         Ok(())
     }
 
+    /// Each member's write-back buffer committed and its journal
+    /// checkpointed now (`Volume::checkpoint_now`): run before an online
+    /// snapshot's flush point, so the hold has only what came since.
+    pub fn checkpoint_now(&self) -> Result<()> {
+        for member in &self.members {
+            member.checkpoint_now()?;
+        }
+        Ok(())
+    }
+
     /// Whole blocks; faulty blocks zero-filled and listed (export, scans).
     pub fn read_blocks_collecting(
         &self,

@@ -551,6 +551,13 @@ pub trait FlushPoint {
     fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()>;
     /// Was the volume served (an online snapshot)?
     fn online(&self) -> bool;
+    /// Does the flush point cover both members of a volume with regions
+    /// (and its record)? One that holds only the home member's must not
+    /// make a snapshot of such a volume: the other member's files would
+    /// be cloned while it writes, without what it buffered.
+    fn covers_regions(&self) -> bool {
+        false
+    }
 }
 
 /// A stopped volume, closed cleanly and held by the caller
@@ -586,6 +593,9 @@ impl FlushPoint for Stopped<'_> {
     fn online(&self) -> bool {
         false
     }
+    fn covers_regions(&self) -> bool {
+        true
+    }
 }
 
 /// A served volume: `Volume::at_flush_point` commits what is buffered,
@@ -601,17 +611,26 @@ impl FlushPoint for crate::Volume {
 
 /// A served volume with regions: both members at one flush point, the
 /// other member's held inside the home's, so that no write reaches either
-/// while their files and the region record are cloned. Any record the
-/// file holds then names, for each region, a member holding its blocks: a
-/// migration flushes the new member before it switches the record, and
-/// trims the old only after.
+/// member's files while they and the region record are cloned, and no
+/// region switches members meanwhile (`pause_switches`, taken first: a
+/// move about to switch waits, without its region's lock, and one in its
+/// switch is let finish). The record cloned is then the one in memory,
+/// the home superblock's `regions_seq` its own, and it names, for each
+/// region, a member holding its blocks at the flush point: a migration
+/// flushes the new member before it switches, and trims the old only
+/// after (an online move's copy in the member not serving the region is
+/// cleared by the next move before it copies there).
 impl FlushPoint for crate::regions::RegionVolume {
     fn at_flush_point(&self, clone: &mut dyn FnMut(&Superblock) -> Result<()>) -> Result<()> {
+        let _switches = self.pause_switches();
         let other = self.member(crate::regions::other_layout(self.home_layout()));
         self.home()
             .at_flush_point(&mut |home| other.at_flush_point(&mut |_| clone(home)))
     }
     fn online(&self) -> bool {
+        true
+    }
+    fn covers_regions(&self) -> bool {
         true
     }
 }
@@ -725,6 +744,12 @@ fn publish(
     let partial = dir.join(format!(".{name}{PARTIAL}"));
     let mut taken = None;
     point.at_flush_point(&mut |superblock: &Superblock| {
+        if crate::regions::has_regions(superblock) && !point.covers_regions() {
+            return Err(invalid(format!(
+                "{} is a volume with regions: a snapshot of it needs both members (and the region record) at one flush point, and this flush point holds one volume only",
+                volume.display()
+            )));
+        }
         let mut record = SnapshotRecord {
             name: name.to_string(),
             id: uuid::Uuid::new_v4().hyphenated().to_string(),

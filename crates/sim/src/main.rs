@@ -83,6 +83,16 @@ enum Command {
         /// point (no commit, no checkpoint; the run must find violations).
         #[arg(long)]
         break_outside: bool,
+        /// A served volume with regions whose region moves to the other
+        /// layout and back while it is written, the snapshot taken at a
+        /// step of the moves (both members and the record at one flush
+        /// point).
+        #[arg(long)]
+        regions: bool,
+        /// With --regions, break on purpose: hold only the home member at
+        /// the flush point (the run must find violations).
+        #[arg(long, requires = "regions")]
+        break_home_only: bool,
     },
     /// Crash `vouch resize` (a grow, a grow over a tail written, a
     /// shrink) at every file operation (a process crash and two kinds of
@@ -456,22 +466,42 @@ fn run(cli: Cli) -> Result<bool, String> {
             run,
             break_publish,
             break_outside,
+            regions,
+            break_home_only,
         } => {
-            let config = vouch_sim::snapshot_online::OnlineConfig {
-                layout: layout(&run.layout)?,
-                seeds: run.seeds,
-                seed: run.seed,
-                breaks: vouch_engine::snapshot::SnapshotBreaks {
-                    publish_before_sync: break_publish,
-                },
-                break_outside,
+            let breaks = vouch_engine::snapshot::SnapshotBreaks {
+                publish_before_sync: break_publish,
             };
-            let online = vouch_sim::snapshot_online::run(&config);
-            for violation in &online.report.violations {
+            let (violations, summary) = if regions {
+                use vouch_sim::snapshot_online_regions as sim;
+                let config = sim::RegionsOnlineConfig {
+                    layout: layout(&run.layout)?,
+                    seeds: run.seeds,
+                    seed: run.seed,
+                    breaks,
+                    break_home_only,
+                };
+                let online = sim::run(&config);
+                let summary = sim::summary(&online, &config);
+                (online.report.violations, summary)
+            } else {
+                use vouch_sim::snapshot_online as sim;
+                let config = sim::OnlineConfig {
+                    layout: layout(&run.layout)?,
+                    seeds: run.seeds,
+                    seed: run.seed,
+                    breaks,
+                    break_outside,
+                };
+                let online = sim::run(&config);
+                let summary = sim::summary(&online, &config);
+                (online.report.violations, summary)
+            };
+            for violation in &violations {
                 println!("{violation}");
             }
-            println!("{}", vouch_sim::snapshot_online::summary(&online, &config));
-            Ok(online.report.violations.is_empty())
+            println!("{summary}");
+            Ok(violations.is_empty())
         }
         Command::Snapshot {
             run,

@@ -182,31 +182,56 @@ impl State {
     }
 }
 
-/// `SnapshotFs` over a served volume: its files (`/v/NAME` for each of
-/// its objects) are the `SimStorage` it runs on, read live (what the
-/// page cache holds), never written; everything else (`snapshots/`) is
-/// the model filesystem.
-struct ServedFs {
-    sim: SimStorage,
-    files: BTreeMap<PathBuf, ObjectId>,
-    model: Recording,
+/// A served volume's own files, read live (what the page cache holds) and
+/// never written by a snapshot.
+pub(crate) trait VolumeFiles: Send + Sync {
+    /// Is `path` one of the volume's files (not the model filesystem's)?
+    fn owns(&self, path: &Path) -> bool;
+    /// The bytes of the volume's file at `path` now.
+    fn live(&self, path: &Path) -> io::Result<Vec<u8>>;
+    /// Does the volume's file at `path` (one it `owns`) exist?
+    fn exists(&self, path: &Path) -> bool;
 }
 
-impl ServedFs {
-    fn new(sim: SimStorage, geometry: &Geometry, fs: ModelFs) -> ServedFs {
+/// The volume's files of this simulator: `/v/NAME` for each of its
+/// objects, in its `SimStorage`.
+struct SimFiles {
+    sim: SimStorage,
+    files: BTreeMap<PathBuf, ObjectId>,
+}
+
+impl VolumeFiles for SimFiles {
+    fn owns(&self, path: &Path) -> bool {
+        self.files.contains_key(path)
+    }
+    fn live(&self, path: &Path) -> io::Result<Vec<u8>> {
+        match self.files.get(path) {
+            Some(object) => Ok(self.sim.object_bytes(*object)),
+            None => Err(io::Error::from(io::ErrorKind::NotFound)),
+        }
+    }
+    fn exists(&self, path: &Path) -> bool {
+        self.owns(path)
+    }
+}
+
+/// `SnapshotFs` over a served volume: its files (`V`) read live, never
+/// written; everything else (`snapshots/`) is the model filesystem.
+pub(crate) struct ServedFs<V> {
+    pub(crate) volume: V,
+    pub(crate) model: Recording,
+}
+
+impl ServedFs<SimFiles> {
+    fn new(sim: SimStorage, geometry: &Geometry, fs: ModelFs) -> ServedFs<SimFiles> {
         let files = objects_of(geometry)
             .into_iter()
             .map(|object| (Path::new(VOLUME).join(object.file_name()), object))
             .collect();
         ServedFs {
-            sim,
-            files,
+            volume: SimFiles { sim, files },
             model: Recording::new(fs),
         }
-    }
-
-    fn volume_file(&self, path: &Path) -> Option<ObjectId> {
-        self.files.get(path).copied()
     }
 }
 
@@ -217,15 +242,25 @@ fn not_written(path: &Path) -> io::Error {
     ))
 }
 
-impl SnapshotFs for ServedFs {
+impl<V: VolumeFiles> ServedFs<V> {
+    /// `Err` for a file of the volume, which a snapshot never changes.
+    fn model_only(&self, path: &Path) -> io::Result<()> {
+        match self.volume.owns(path) {
+            true => Err(not_written(path)),
+            false => Ok(()),
+        }
+    }
+}
+
+impl<V: VolumeFiles> SnapshotFs for ServedFs<V> {
     fn create_dir(&self, path: &Path) -> io::Result<()> {
         self.model.create_dir(path)
     }
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
-        let Some(object) = self.volume_file(from) else {
+        if !self.volume.owns(from) {
             return self.model.clone_file(from, to);
-        };
-        let bytes = self.sim.object_bytes(object);
+        }
+        let bytes = self.volume.live(from)?;
         self.model
             .change("clone", to, |fs| fs.link_unsynced(to, bytes))
     }
@@ -233,55 +268,47 @@ impl SnapshotFs for ServedFs {
         self.model.new_file(path, len, allocate)
     }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
-        match self.volume_file(path) {
-            Some(object) => Ok(self.sim.object_bytes(object)),
-            None => self.model.read(path),
+        match self.volume.owns(path) {
+            true => self.volume.live(path),
+            false => self.model.read(path),
         }
     }
     fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.write_at(path, offset, bytes),
-        }
+        self.model_only(path)?;
+        self.model.write_at(path, offset, bytes)
     }
     fn sync_file(&self, path: &Path) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.sync_file(path),
-        }
+        self.model_only(path)?;
+        self.model.sync_file(path)
     }
     fn sync_dir(&self, path: &Path) -> io::Result<()> {
         self.model.sync_dir(path)
     }
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
-        match self.volume_file(from).or(self.volume_file(to)) {
-            Some(_) => Err(not_written(from)),
-            None => self.model.rename(from, to),
-        }
+        self.model_only(from)?;
+        self.model_only(to)?;
+        self.model.rename(from, to)
     }
     fn remove_all(&self, path: &Path) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.remove_all(path),
-        }
+        self.model_only(path)?;
+        self.model.remove_all(path)
     }
     fn names(&self, dir: &Path) -> io::Result<Option<Vec<String>>> {
         self.model.names(dir)
     }
     fn exists(&self, path: &Path) -> bool {
-        self.volume_file(path).is_some() || self.model.exists(path)
+        match self.volume.owns(path) {
+            true => self.volume.exists(path),
+            false => self.model.exists(path),
+        }
     }
     fn set_len(&self, path: &Path, len: u64) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.set_len(path, len),
-        }
+        self.model_only(path)?;
+        self.model.set_len(path, len)
     }
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        match self.volume_file(path) {
-            Some(_) => Err(not_written(path)),
-            None => self.model.remove_file(path),
-        }
+        self.model_only(path)?;
+        self.model.remove_file(path)
     }
 }
 

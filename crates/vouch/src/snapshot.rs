@@ -419,11 +419,35 @@ pub struct OnlineSnapshot {
     pub total: Duration,
 }
 
+/// What an online snapshot is taken of: a served volume, or a served
+/// volume with regions (both members and the record at one flush point).
+#[derive(Clone, Copy)]
+pub enum Served<'a> {
+    One(&'a vouch_engine::Volume),
+    Regions(&'a vouch_engine::regions::RegionVolume),
+}
+
+impl Served<'_> {
+    fn point(&self) -> &dyn snapshot::FlushPoint {
+        match *self {
+            Served::One(volume) => volume,
+            Served::Regions(volume) => volume,
+        }
+    }
+    fn checkpoint_now(&self) -> vouch_engine::Result<()> {
+        match *self {
+            Served::One(volume) => volume.checkpoint_now(),
+            Served::Regions(volume) => volume.checkpoint_now(),
+        }
+    }
+}
+
 /// Take snapshot `name` of the served volume `volume` (directory `dir`,
-/// held by this server) at a flush point (`Volume::at_flush_point`).
+/// held by this server) at a flush point (`Volume::at_flush_point`; for a
+/// volume with regions both members', its switches paused).
 pub fn create_online(
     dir: &Path,
-    volume: &vouch_engine::Volume,
+    volume: Served<'_>,
     name: &str,
     copy: bool,
 ) -> Result<OnlineSnapshot> {
@@ -446,9 +470,10 @@ pub fn create_online(
 }
 
 /// A served volume's flush point, timed from before the commit lock is
-/// taken to the clones' start (`times.0`) and to their end (`times.1`).
+/// taken (for a volume with regions, the region switches paused first)
+/// to the clones' start (`times.0`) and to their end (`times.1`).
 struct Timed<'a> {
-    volume: &'a vouch_engine::Volume,
+    volume: Served<'a>,
     times: Cell<(Duration, Duration)>,
 }
 
@@ -461,7 +486,7 @@ impl snapshot::FlushPoint for Timed<'_> {
         self.volume.checkpoint_now()?;
         let started = Instant::now();
         let mut flushed = Duration::ZERO;
-        let result = self.volume.at_flush_point(&mut |superblock| {
+        let result = self.volume.point().at_flush_point(&mut |superblock| {
             flushed = started.elapsed();
             clone(superblock)
         });
@@ -470,6 +495,9 @@ impl snapshot::FlushPoint for Timed<'_> {
     }
     fn online(&self) -> bool {
         true
+    }
+    fn covers_regions(&self) -> bool {
+        self.volume.point().covers_regions()
     }
 }
 

@@ -427,3 +427,117 @@ fn a_region_of_a_member_made_again_is_changed_even_where_its_contexts_are_equal(
     patch(&mut copy, &now, &diff_ranges(&["diff", s(&s1), "--json"]));
     assert!(copy == now, "the incremental backup differs");
 }
+
+/// Runs of blocks written: (LBA, blocks, byte).
+type Writes<'a> = &'a [(u64, u64, u8)];
+
+/// On `server`, a client writes `flushed` and flushes, writes
+/// `unflushed` (acknowledged, not flushed), asks for snapshot `name` with
+/// `vouch snapshot create --server`, writes `after` and flushes. Returns
+/// what the create printed.
+fn write_snapshot_write(
+    server: &Server,
+    name: &str,
+    (flushed, unflushed, after): (Writes, Writes, Writes),
+) -> String {
+    let spec = serde_json::json!([flushed, unflushed, after]).to_string();
+    let control = common::control::control(server).to_string();
+    let answer = py_json(
+        r#"
+import subprocess
+uri, vouch, control, name, spec = sys.argv[1:6]
+flushed, unflushed, after = json.loads(spec)
+h = connect(uri)
+def put(writes):
+    for lba, count, byte in writes:
+        h.pwrite(bytes([byte]) * (4096 * count), lba * 4096)
+put(flushed)
+h.flush()
+put(unflushed)
+out = subprocess.run([vouch, "snapshot", "create", "--server", control, name],
+                     capture_output=True, text=True)
+if out.returncode != 0:
+    raise SystemExit("snapshot create failed: " + out.stderr)
+put(after)
+h.flush()
+print(json.dumps({"create": out.stdout}))
+"#,
+        &[&server.uri, vouch_bin(), &control, name, &spec],
+    );
+    answer["create"]
+        .as_str()
+        .expect("create's output")
+        .to_string()
+}
+
+/// An online snapshot of a served volume with regions (issue 33): taken
+/// through the server while regions 0-1 are packed (the other member) and
+/// 2-3 split (the home), it holds every write acknowledged before the
+/// call, flushed or not, in both members, and none after; it keeps the
+/// layouts, checks clean, serves (`serve --snapshot`) the image of its
+/// flush point; listed and deleted through the server.
+#[test]
+fn an_online_snapshot_of_a_served_volume_with_regions_holds_both_members_at_its_flush() {
+    let fs = LoopFs::xfs();
+    let dir = fs.mount.as_path();
+    let path = written(dir);
+    mixed(&path);
+    let mut want = export_bytes(&path, &dir.join("image.raw"));
+    let mut server = Server::start(dir, &[s(&path), "--control", "127.0.0.1:0"]);
+    // Across regions 0|1 (both packed) and 1|2 (packed|split), flushed;
+    // then in regions 0 (packed), 2 and 3 (split), not flushed.
+    let flushed = [
+        (REGION_BLOCKS - 3, 6, 0x31),
+        (2 * REGION_BLOCKS - 3, 6, 0x32),
+    ];
+    let unflushed = [
+        (10, 2, 0x33),
+        (2 * REGION_BLOCKS + 600, 3, 0x34),
+        (BLOCKS - 5, 5, 0x35),
+    ];
+    let after = [
+        (REGION_BLOCKS - 3, 6, 0x41),
+        (2 * REGION_BLOCKS - 3, 6, 0x42),
+        (10, 2, 0x43),
+        (2 * REGION_BLOCKS + 600, 3, 0x44),
+    ];
+    let said = write_snapshot_write(&server, "s1", (&flushed, &unflushed, &after));
+    assert!(said.contains("held at the flush point"), "{said}");
+    apply(&mut want, &flushed);
+    apply(&mut want, &unflushed);
+    let mut now = want.clone();
+    apply(&mut now, &after);
+
+    let snap = path.join("snapshots/s1");
+    let image = dir.join("s1.raw");
+    std::fs::write(&image, &want).expect("image");
+    // Served (another process) while the volume is: its flush point's image.
+    let mut served = Server::start(dir, &["--snapshot", "s1", s(&path)]);
+    qemu_img_compare(&image, &served.uri);
+    served.stop();
+    let control = common::control::control(&server).to_string();
+    let listed: serde_json::Value = serde_json::from_slice(
+        &vouch_ok(&["snapshot", "list", "--server", &control, "--json"]).stdout,
+    )
+    .expect("json");
+    assert_eq!(listed[0]["name"], "s1", "{listed}");
+    assert_eq!(listed[0]["record"]["online"], true, "{listed}");
+    server.stop();
+
+    let check = text(&vouch_ok(&["check", s(&snap)]));
+    assert!(check.contains("2 split, 2 packed"), "{check}");
+    assert!(
+        export_bytes(&snap, &dir.join("snap.raw")) == want,
+        "the snapshot is not the volume at its flush point"
+    );
+    assert!(
+        export_bytes(&path, &dir.join("after.raw")) == now,
+        "the volume lost a write"
+    );
+    assert_check_clean(&path);
+    let mut server = Server::start(dir, &[s(&path), "--control", "127.0.0.1:0"]);
+    let control = common::control::control(&server).to_string();
+    vouch_ok(&["snapshot", "delete", "--server", &control, "s1"]);
+    assert!(!snap.exists());
+    server.stop();
+}

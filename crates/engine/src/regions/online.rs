@@ -54,6 +54,12 @@ pub(crate) struct Online {
     mover: Mutex<()>,
     /// The layout a region moves to on its first write, as `LayoutKind as u8`.
     on_write: AtomicU8,
+    /// Held by a move from before it locks its region for the switch
+    /// until the switch is done, and by an online snapshot while both
+    /// members are held at its flush point (`pause_switches`): the
+    /// snapshot's record is the one in memory, its home superblock's
+    /// `regions_seq` the record's, and no switch waits on a member held.
+    switching: Mutex<()>,
 }
 
 impl Online {
@@ -64,6 +70,7 @@ impl Online {
             dirty: AtomicU64::new(0),
             mover: Mutex::new(()),
             on_write: AtomicU8::new(OFF),
+            switching: Mutex::new(()),
         }
     }
 }
@@ -136,6 +143,13 @@ impl RegionVolume {
     pub fn set_migrate_on_write(&self, target: Option<LayoutKind>) {
         let value = target.map_or(OFF, |target| target as u8);
         self.online.on_write.store(value, Ordering::SeqCst);
+    }
+
+    /// No region switches members until the guard is dropped (a move
+    /// copying goes on; one about to switch waits, without its region's
+    /// lock). An online snapshot holds it across its flush point.
+    pub fn pause_switches(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.online.switching.lock()
     }
 
     pub fn migrate_on_write(&self) -> Option<LayoutKind> {
@@ -230,6 +244,9 @@ impl RegionVolume {
                 }
                 recopy(dirty)?;
             }
+            // Taken before the region's lock: a move waiting for an online
+            // snapshot holds no request back meanwhile.
+            let _switching = self.online.switching.lock();
             let _exclusive = self.online.locks[index].write();
             steps.set_locked(true);
             let switched = (|| -> Result<()> {

@@ -161,23 +161,16 @@ fn export_of<'a>(state: &'a ApiState, export: &str) -> ApiResult<&'a super::jobs
 }
 
 /// An export whose snapshots can be taken and deleted here: a single
-/// writable volume. A mirror's legs are separate volumes, each at its own
-/// flush point; a snapshot of one leg would not be a snapshot of the
-/// mirror (and a mirror's leg refuses snapshots offline too).
+/// writable volume, with regions or not (its snapshot is taken with both
+/// members at one flush point, a migration running or not). A mirror's
+/// legs are separate volumes, each at its own flush point; a snapshot of
+/// one leg would not be a snapshot of the mirror (and a mirror's leg
+/// refuses snapshots offline too).
 fn snapshot_target<'a>(
     state: &'a ApiState,
     export: &str,
 ) -> ApiResult<&'a super::jobs::ExportEntry> {
     let entry = export_of(state, export)?;
-    if entry.migration.is_some() {
-        // snapreg33 enables snapshots of volumes with regions.
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!(
-                "export {export:?} is a volume with regions: its snapshots are not supported yet"
-            ),
-        ));
-    }
     if entry.mirror.is_some() {
         return Err(ApiError(
             StatusCode::CONFLICT,
@@ -233,8 +226,14 @@ async fn create_snapshot(
     vouch_engine::snapshot::check_name(&request.name).map_err(|e| ApiError::bad(e.to_string()))?;
     let entry = snapshot_target(&state, &export)?;
     let (dir, volume) = (entry.dir.clone(), entry.volume.clone());
+    // A volume with regions: `volume` is its home member only.
+    let regions = entry.migration.as_ref().map(|m| Arc::clone(&m.volume));
     let taken = tokio::task::spawn_blocking(move || {
-        crate::snapshot::create_online(&dir, &volume, &request.name, request.copy)
+        let served = match &regions {
+            Some(regions) => crate::snapshot::Served::Regions(regions),
+            None => crate::snapshot::Served::One(&volume),
+        };
+        crate::snapshot::create_online(&dir, served, &request.name, request.copy)
     })
     .await
     .map_err(internal)?

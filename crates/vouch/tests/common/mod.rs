@@ -728,7 +728,12 @@ pub struct LoopFs {
 
 impl LoopFs {
     pub fn xfs() -> LoopFs {
-        LoopFs::made_by("mkfs.xfs", "xfsprogs", 1 << 30)
+        LoopFs::xfs_of(1 << 30)
+    }
+
+    /// An xfs of `bytes` (its image sparse: only what is written uses space).
+    pub fn xfs_of(bytes: u64) -> LoopFs {
+        LoopFs::made_by("mkfs.xfs", "xfsprogs", bytes)
     }
 
     pub fn btrfs() -> LoopFs {
