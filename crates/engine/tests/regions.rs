@@ -1,11 +1,18 @@
 //! The region layer (`vouch_engine::regions`) through the engine's API:
-//! what a migration does with a member's reply it cannot trust.
+//! what a migration does with a member's reply it cannot trust, a switch
+//! whose record or superblock write fails, and the way back home.
 
 mod common;
 
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+
 use common::pattern;
-use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
-use vouch_engine::{create_volume, BlockDevice, CreateOptions, LayoutKind, OpenOptions, BLOCK};
+use vouch_engine::regions::{self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume};
+use vouch_engine::{
+    create_volume, open_volume, BlockDevice, CreateOptions, LayoutKind, OpenOptions, BLOCK,
+};
+use vouch_format::regions::REGION_BLOCKS;
 
 const BLOCKS: u64 = 512;
 
@@ -48,5 +55,153 @@ fn a_short_block_status_reply_stops_the_migration_never_read_as_holes() {
         [1, 0],
         "the region was not switched"
     );
+    volume.close().expect("close");
+}
+
+/// A split volume of one region with `pattern(lba, 1)` in its first 64
+/// blocks, made a volume with regions (every region home) and open.
+fn served_region_volume(dir: &std::path::Path) -> (std::path::PathBuf, RegionVolume) {
+    let path = dir.join("volume");
+    let mut options = CreateOptions::new(REGION_BLOCKS * BLOCK);
+    options.layout = LayoutKind::Split;
+    let volume = create_volume(&path, &options).expect("create");
+    let data: Vec<u8> = (0..64).flat_map(|lba| pattern(lba, 1)).collect();
+    volume.write(0, &data, false).expect("write");
+    volume.close().expect("close");
+    let home = open_volume(&path, &OpenOptions::default()).expect("open");
+    let volume = regions::open_served(&path, home, &OpenOptions::default()).expect("served");
+    (path, volume)
+}
+
+fn migrate_online_with(volume: &RegionVolume, breaks: OnlineBreaks) -> vouch_engine::Result<()> {
+    let stop = AtomicBool::new(false);
+    let how = OnlineMigrate {
+        target: LayoutKind::Packed,
+        rate: None,
+        stop: &stop,
+    };
+    volume
+        .migrate_online_driven(&how, &regions::Steps::new(None), breaks, |_, _| {})
+        .map(drop)
+}
+
+/// MED-1 of the regions review: the region record's fsync fails during an
+/// online switch after its bytes were written (they may reach the disk:
+/// a restart may read the new record). A write to the region after that
+/// must not be acknowledged into the member memory still names: it is
+/// refused until a restart decides (without the fix it went to the old
+/// member, and the restart served the region from the new one: lost).
+#[test]
+fn a_failed_record_fsync_mid_switch_refuses_writes_until_a_restart_decides() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, volume) = served_region_volume(dir.path());
+    let breaks = OnlineBreaks {
+        fail_record_sync: true,
+        ..OnlineBreaks::default()
+    };
+    let error = migrate_online_with(&volume, breaks).expect_err("the switch failed");
+    assert!(error.to_string().contains("injected"), "{error}");
+    let wrote = volume.write(0, &pattern(0, 2), false);
+    let refused = wrote.as_ref().err().map(ToString::to_string);
+    assert!(
+        refused.as_deref().is_some_and(|why| why.contains("restarted")),
+        "a write after a failed record write was acknowledged: {wrote:?}"
+    );
+    assert!(volume.fenced().is_some());
+    // Reads go on, from either member (both hold the region).
+    let mut back = vec![0u8; BLOCK as usize];
+    volume.read(0, &mut back).expect("read");
+    assert!(back == pattern(0, 1));
+    volume.close().expect("close");
+    // The restart: whichever member the record names holds every block.
+    let volume = RegionVolume::open(&path, &OpenOptions::default()).expect("reopen");
+    let mut back = vec![0u8; 64 * BLOCK as usize];
+    volume.read(0, &mut back).expect("read");
+    let want: Vec<u8> = (0..64).flat_map(|lba| pattern(lba, 1)).collect();
+    assert!(back == want, "a block changed across the restart");
+    volume.write(0, &pattern(0, 3), false).expect("writes again after the restart");
+    volume.close().expect("close");
+}
+
+/// MED-1 too: the record was written and synced but the home superblock's
+/// `regions_seq` write failed. The record on disk names the new member,
+/// so memory must too: a write after the failure goes there and is read
+/// back after a restart (without the fix it went to the old member, which
+/// the restart no longer serves the region from).
+#[test]
+fn a_failed_regions_seq_write_after_the_record_switches_memory_with_the_record() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, volume) = served_region_volume(dir.path());
+    let breaks = OnlineBreaks {
+        fail_regions_seq: true,
+        ..OnlineBreaks::default()
+    };
+    migrate_online_with(&volume, breaks).expect_err("the superblock write failed");
+    assert_eq!(volume.layout_of(0), LayoutKind::Packed, "memory follows the record");
+    volume.write(0, &pattern(0, 2), false).expect("write");
+    volume.close().expect("close");
+    let volume = RegionVolume::open(&path, &OpenOptions::default()).expect("reopen");
+    assert_eq!(volume.layout_of(0), LayoutKind::Packed);
+    let mut back = vec![0u8; BLOCK as usize];
+    volume.read(0, &mut back).expect("read");
+    assert!(back == pattern(0, 2), "the acknowledged write was lost");
+    volume.close().expect("close");
+}
+
+/// MED-2 of the regions review: migrating back home ends by clearing the
+/// flag and removing the record and the member; the home's lock must be
+/// held until they are gone. A second opener (a server, another
+/// `migrate`) tried at every step after the flag is cleared must be
+/// refused, or it could make a member of its own that the removal then
+/// deletes under it.
+#[test]
+fn the_way_back_home_holds_the_lock_until_the_member_is_removed() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("volume");
+    let mut options = CreateOptions::new(BLOCKS * BLOCK);
+    options.layout = LayoutKind::Split;
+    let volume = create_volume(&path, &options).expect("create");
+    let data: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, 4)).collect();
+    volume.write(0, &data, false).expect("write");
+    volume.close().expect("close");
+    let none = MigrateBreaks::default();
+    let open = OpenOptions::default();
+    regions::migrate(&path, LayoutKind::Packed, &open, &none, |_, _| {}).expect("to packed");
+
+    let member = regions::member_path(&path, LayoutKind::Split);
+    let tries: Arc<Mutex<Vec<Result<(), String>>>> = Arc::default();
+    let hook = {
+        let (path, member, tries) = (path.clone(), member.clone(), Arc::clone(&tries));
+        Box::new(move |_locked: bool| {
+            let flagged = vouch_engine::volume_superblock(&path)
+                .map(|superblock| regions::has_regions(&superblock))
+                .unwrap_or(true);
+            if flagged || !member.exists() {
+                return;
+            }
+            let opened = open_volume(&path, &OpenOptions::default());
+            tries.lock().expect("tries").push(match opened {
+                Ok(volume) => {
+                    volume.close().expect("close");
+                    Ok(())
+                }
+                Err(error) => Err(error.to_string()),
+            });
+        })
+    };
+    let steps = regions::Steps::with_hook(None, hook);
+    regions::migrate_driven(&path, LayoutKind::Split, &open, &none, &steps, |_, _| {})
+        .expect("back home");
+    let tries = tries.lock().expect("tries").clone();
+    assert!(!tries.is_empty(), "no step came after the flag was cleared");
+    assert!(
+        tries.iter().all(Result::is_err),
+        "a second opener got the volume while the member was still there: {tries:?}"
+    );
+    assert!(!member.exists());
+    let volume = open_volume(&path, &open).expect("open");
+    let mut back = vec![0u8; data.len()];
+    volume.read(0, &mut back).expect("read");
+    assert!(back == data);
     volume.close().expect("close");
 }
