@@ -968,7 +968,9 @@ impl BlockDevice for RegionVolume {
             return Ok(None);
         };
         let layout = {
-            let record = self.record.read();
+            let Some(record) = self.record.try_read() else {
+                return Ok(None);
+            };
             let region_bytes = record.region_blocks * BLOCK;
             let (first, last) = (offset / region_bytes, (offset + len.max(1) - 1) / region_bytes);
             let layout = record.layouts[first as usize];
