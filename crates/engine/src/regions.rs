@@ -217,11 +217,29 @@ impl RegionVolume {
             .in_volume(path));
         }
         let other = open_member(&other_path, options)?;
+        let mut record = record;
         if record.seq > home_superblock.regions_seq && !home.is_read_only() {
-            // A switch whose superblock write did not happen: catch up.
-            if let Err(error) = home.set_regions(record.seq) {
-                let _ = other.close();
-                return Err(error);
+            // A switch whose superblock write did not happen (a crash, or
+            // a failed write). Its record may be only in the page cache: a
+            // failed fsync leaves the page there, clean, while the disk
+            // may hold the older copy (review38 MED-1). So it is written
+            // again, one newer, into the other copy and fsynced, and the
+            // superblock caught up to that, before anything is served from
+            // it (a torn write of it leaves the copy read, or refuses the
+            // open: never the older layout silently).
+            let caught_up = (|| -> Result<RegionRecord> {
+                let mut again = record.clone();
+                again.seq += 1;
+                write_record(path, &again, &Steps::new(None))?;
+                home.set_regions(again.seq)?;
+                Ok(again)
+            })();
+            match caught_up {
+                Ok(again) => record = again,
+                Err(error) => {
+                    let _ = other.close();
+                    return Err(error);
+                }
             }
         }
         Ok((home_superblock, record, other))
@@ -337,6 +355,8 @@ impl RegionVolume {
     }
 
     /// The pieces run with their regions' locks held shared; `written`:
+    /// refused if the fence went up while it waited for them (a switch
+    /// that failed under the lock it waited on: review38 HIGH-1), and
     /// marked (still under the locks) once every piece returned.
     fn pieces_held(
         &self,
@@ -346,6 +366,9 @@ impl RegionVolume {
         mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
     ) -> Result<()> {
         let _held = self.hold(offset, len);
+        if written {
+            self.check_fence()?;
+        }
         for piece in self.pieces(offset, len) {
             f(self.member(piece.layout), piece.offset, piece.len)?;
         }
@@ -1050,6 +1073,7 @@ impl BlockDevice for RegionVolume {
         self.check_fence()?;
         self.move_for_write(first * BLOCK, span);
         let _held = self.hold(first * BLOCK, span);
+        self.check_fence()?;
         for layout in [LayoutKind::Split, LayoutKind::Packed] {
             let mine: Vec<SealedBlock> = blocks
                 .iter()

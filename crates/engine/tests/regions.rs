@@ -6,6 +6,7 @@ mod common;
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use common::pattern;
 use vouch_engine::regions::{self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume};
@@ -23,13 +24,7 @@ const BLOCKS: u64 = 512;
 #[test]
 fn a_short_block_status_reply_stops_the_migration_never_read_as_holes() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("volume");
-    let mut options = CreateOptions::new(BLOCKS * BLOCK);
-    options.layout = LayoutKind::Split;
-    let volume = create_volume(&path, &options).expect("create");
-    let data: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, 7)).collect();
-    volume.write(0, &data, false).expect("write");
-    volume.close().expect("close");
+    let (path, data) = split_volume(dir.path(), BLOCKS, BLOCKS, 7);
 
     let breaks = MigrateBreaks {
         short_status: true,
@@ -58,31 +53,49 @@ fn a_short_block_status_reply_stops_the_migration_never_read_as_holes() {
     volume.close().expect("close");
 }
 
+/// A closed split volume of `blocks` at `dir/volume` with
+/// `pattern(lba, tag)` in its first `written` blocks (returned).
+fn split_volume(
+    dir: &std::path::Path,
+    blocks: u64,
+    written: u64,
+    tag: u8,
+) -> (std::path::PathBuf, Vec<u8>) {
+    let path = dir.join("volume");
+    let mut options = CreateOptions::new(blocks * BLOCK);
+    options.layout = LayoutKind::Split;
+    let volume = create_volume(&path, &options).expect("create");
+    let data: Vec<u8> = (0..written).flat_map(|lba| pattern(lba, tag)).collect();
+    volume.write(0, &data, false).expect("write");
+    volume.close().expect("close");
+    (path, data)
+}
+
 /// A split volume of one region with `pattern(lba, 1)` in its first 64
 /// blocks, made a volume with regions (every region home) and open.
 fn served_region_volume(dir: &std::path::Path) -> (std::path::PathBuf, RegionVolume) {
-    let path = dir.join("volume");
-    let mut options = CreateOptions::new(REGION_BLOCKS * BLOCK);
-    options.layout = LayoutKind::Split;
-    let volume = create_volume(&path, &options).expect("create");
-    let data: Vec<u8> = (0..64).flat_map(|lba| pattern(lba, 1)).collect();
-    volume.write(0, &data, false).expect("write");
-    volume.close().expect("close");
+    let (path, _) = split_volume(dir, REGION_BLOCKS, 64, 1);
     let home = open_volume(&path, &OpenOptions::default()).expect("open");
     let volume = regions::open_served(&path, home, &OpenOptions::default()).expect("served");
     (path, volume)
 }
 
-fn migrate_online_with(volume: &RegionVolume, breaks: OnlineBreaks) -> vouch_engine::Result<()> {
+/// `served_region_volume` migrated online to packed with `breaks` (an
+/// injected fault: the migration fails on it), the volume still open.
+fn a_failed_switch(breaks: OnlineBreaks) -> (tempfile::TempDir, std::path::PathBuf, RegionVolume) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, volume) = served_region_volume(dir.path());
     let stop = AtomicBool::new(false);
     let how = OnlineMigrate {
         target: LayoutKind::Packed,
         rate: None,
         stop: &stop,
     };
-    volume
+    let error = volume
         .migrate_online_driven(&how, &regions::Steps::new(None), breaks, |_, _| {})
-        .map(drop)
+        .expect_err("the switch failed");
+    assert!(error.to_string().contains("injected"), "{error}");
+    (dir, path, volume)
 }
 
 /// MED-1 of the regions review: the region record's fsync fails during an
@@ -93,14 +106,11 @@ fn migrate_online_with(volume: &RegionVolume, breaks: OnlineBreaks) -> vouch_eng
 /// member, and the restart served the region from the new one: lost).
 #[test]
 fn a_failed_record_fsync_mid_switch_refuses_writes_until_a_restart_decides() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, volume) = served_region_volume(dir.path());
-    let breaks = OnlineBreaks {
+    let fault = OnlineBreaks {
         fail_record_sync: true,
         ..OnlineBreaks::default()
     };
-    let error = migrate_online_with(&volume, breaks).expect_err("the switch failed");
-    assert!(error.to_string().contains("injected"), "{error}");
+    let (_dir, path, volume) = a_failed_switch(fault);
     let wrote = volume.write(0, &pattern(0, 2), false);
     let refused = wrote.as_ref().err().map(ToString::to_string);
     assert!(
@@ -130,13 +140,10 @@ fn a_failed_record_fsync_mid_switch_refuses_writes_until_a_restart_decides() {
 /// the restart no longer serves the region from).
 #[test]
 fn a_failed_regions_seq_write_after_the_record_switches_memory_with_the_record() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let (path, volume) = served_region_volume(dir.path());
-    let breaks = OnlineBreaks {
+    let (_dir, path, volume) = a_failed_switch(OnlineBreaks {
         fail_regions_seq: true,
         ..OnlineBreaks::default()
-    };
-    migrate_online_with(&volume, breaks).expect_err("the superblock write failed");
+    });
     assert_eq!(volume.layout_of(0), LayoutKind::Packed, "memory follows the record");
     volume.write(0, &pattern(0, 2), false).expect("write");
     volume.close().expect("close");
@@ -157,13 +164,7 @@ fn a_failed_regions_seq_write_after_the_record_switches_memory_with_the_record()
 #[test]
 fn the_way_back_home_holds_the_lock_until_the_member_is_removed() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let path = dir.path().join("volume");
-    let mut options = CreateOptions::new(BLOCKS * BLOCK);
-    options.layout = LayoutKind::Split;
-    let volume = create_volume(&path, &options).expect("create");
-    let data: Vec<u8> = (0..BLOCKS).flat_map(|lba| pattern(lba, 4)).collect();
-    volume.write(0, &data, false).expect("write");
-    volume.close().expect("close");
+    let (path, data) = split_volume(dir.path(), BLOCKS, BLOCKS, 4);
     let none = MigrateBreaks::default();
     let open = OpenOptions::default();
     regions::migrate(&path, LayoutKind::Packed, &open, &none, |_, _| {}).expect("to packed");
@@ -203,5 +204,74 @@ fn the_way_back_home_holds_the_lock_until_the_member_is_removed() {
     let mut back = vec![0u8; data.len()];
     volume.read(0, &mut back).expect("read");
     assert!(back == data);
+    volume.close().expect("close");
+}
+
+/// review38 HIGH-1: a write that reached the moving region while its
+/// switch held the lock waits for it; if the switch then fails writing
+/// the record, the write, once it gets the lock, must be refused too (the
+/// fence went up while it waited), not acknowledged into the old member.
+#[test]
+fn a_write_waiting_on_a_switch_that_fails_is_refused_once_it_gets_the_lock() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (path, volume) = served_region_volume(dir.path());
+    let volume = Arc::new(volume);
+    type Writer = std::thread::JoinHandle<Result<(), String>>;
+    let writer: Arc<Mutex<Option<Writer>>> = Arc::default();
+    let hook = {
+        let (volume, writer) = (Arc::clone(&volume), Arc::clone(&writer));
+        Box::new(move |locked: bool| {
+            let mut writer = writer.lock().expect("writer");
+            if !locked || writer.is_some() {
+                return;
+            }
+            // The switch holds the region's lock: a write now waits in it.
+            let before = volume.foreground_requests();
+            let waiting = Arc::clone(&volume);
+            *writer = Some(std::thread::spawn(move || {
+                waiting
+                    .write(0, &pattern(0, 2), false)
+                    .map_err(|error| error.to_string())
+            }));
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while volume.foreground_requests() == before {
+                assert!(Instant::now() < deadline, "the write never came");
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+    };
+    let steps = regions::Steps::with_hook(None, hook);
+    let stop = AtomicBool::new(false);
+    let how = OnlineMigrate {
+        target: LayoutKind::Packed,
+        rate: None,
+        stop: &stop,
+    };
+    let fault = OnlineBreaks {
+        fail_record_sync: true,
+        ..OnlineBreaks::default()
+    };
+    let error = volume
+        .migrate_online_driven(&how, &steps, fault, |_, _| {})
+        .expect_err("the switch failed");
+    assert!(error.to_string().contains("injected"), "{error}");
+    drop(steps);
+    let wrote = writer
+        .lock()
+        .expect("writer")
+        .take()
+        .expect("a write was sent while the lock was held")
+        .join()
+        .expect("the writer");
+    assert!(
+        wrote.as_ref().is_err_and(|why| why.contains("restarted")),
+        "a write that waited on the failed switch was acknowledged: {wrote:?}"
+    );
+    let volume = Arc::try_unwrap(volume).unwrap_or_else(|_| panic!("still shared"));
+    volume.close().expect("close");
+    let volume = RegionVolume::open(&path, &OpenOptions::default()).expect("reopen");
+    let mut back = vec![0u8; BLOCK as usize];
+    volume.read(0, &mut back).expect("read");
+    assert!(back == pattern(0, 1), "block 0 changed across the restart");
     volume.close().expect("close");
 }

@@ -159,6 +159,14 @@ impl RegionVolume {
         self.online.fenced.get().map(String::as_str)
     }
 
+    /// Foreground requests begun so far (counted before they wait for
+    /// their regions' locks): a test's way to know a request it sent is
+    /// past its checks and waiting.
+    #[doc(hidden)]
+    pub fn foreground_requests(&self) -> u64 {
+        self.online.requests.load(Ordering::SeqCst)
+    }
+
     /// A write, trim or zeroing of `[offset, offset + len)` returned (its
     /// locks still held): mark its chunks if its region is moving.
     pub(crate) fn written(&self, offset: u64, len: u64) {
