@@ -214,8 +214,9 @@ fn a_kill_9_mid_migration_loses_nothing_and_the_migration_finishes() {
     let mut server = Server::start(dir.path(), &args);
     finish(spawn(fio_pass(&server.uri, dir.path(), false, 1)), "fio write");
     // Paced so slowly that it surely outlasts the second writer (about
-    // 25 s for the volume at 8 MiB/s; raised after the restart).
-    start_migration(&server, "packed", "8M");
+    // 50 s for the volume at 4 MiB/s, 16 s for its first region; raised
+    // after the restart).
+    start_migration(&server, "packed", "4M");
     // The writer again, other bytes at every block (pass 2), while
     // regions move; then the server is killed with the migration in its
     // second region or later. A block that lost its second write reads
