@@ -145,10 +145,16 @@ fn a_failed_regions_seq_write_after_the_record_switches_memory_with_the_record()
         ..OnlineBreaks::default()
     });
     assert_eq!(volume.layout_of(0), LayoutKind::Packed, "memory follows the record");
+    let switched = volume.record_seq();
     volume.write(0, &pattern(0, 2), false).expect("write");
     volume.close().expect("close");
     let volume = RegionVolume::open(&path, &OpenOptions::default()).expect("reopen");
     assert_eq!(volume.layout_of(0), LayoutKind::Packed);
+    // review38 MED-1: the open found the record newer than `regions_seq`
+    // and wrote it again, one newer, fsynced, before serving from it.
+    assert_eq!(volume.record_seq(), switched + 1, "the record was not written again");
+    let home = vouch_engine::volume_superblock(&path).expect("superblock");
+    assert_eq!(home.regions_seq, switched + 1);
     let mut back = vec![0u8; BLOCK as usize];
     volume.read(0, &mut back).expect("read");
     assert!(back == pattern(0, 2), "the acknowledged write was lost");
