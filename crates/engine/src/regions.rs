@@ -25,7 +25,7 @@ use crate::volume::Volume;
 use crate::BLOCK;
 
 mod online;
-pub use online::{OnlineBreaks, OnlineMigrate};
+pub use online::{OnlineBreaks, OnlineMigrate, YIELD_RATE};
 
 /// The region record's file in the volume's directory.
 pub const REGIONS_FILE: &str = "regions";
@@ -217,11 +217,29 @@ impl RegionVolume {
             .in_volume(path));
         }
         let other = open_member(&other_path, options)?;
+        let mut record = record;
         if record.seq > home_superblock.regions_seq && !home.is_read_only() {
-            // A switch whose superblock write did not happen: catch up.
-            if let Err(error) = home.set_regions(record.seq) {
-                let _ = other.close();
-                return Err(error);
+            // A switch whose superblock write did not happen (a crash, or
+            // a failed write). Its record may be only in the page cache: a
+            // failed fsync leaves the page there, clean, while the disk
+            // may hold the older copy (review38 MED-1). So it is written
+            // again, one newer, into the other copy and fsynced, and the
+            // superblock caught up to that, before anything is served from
+            // it (a torn write of it leaves the copy read, or refuses the
+            // open: never the older layout silently).
+            let caught_up = (|| -> Result<RegionRecord> {
+                let mut again = record.clone();
+                again.seq += 1;
+                write_record(path, &again, &Steps::new(None))?;
+                home.set_regions(again.seq)?;
+                Ok(again)
+            })();
+            match caught_up {
+                Ok(again) => record = again,
+                Err(error) => {
+                    let _ = other.close();
+                    return Err(error);
+                }
             }
         }
         Ok((home_superblock, record, other))
@@ -331,11 +349,14 @@ impl RegionVolume {
         f: impl FnMut(&Volume, u64, u64) -> Result<()>,
     ) -> Result<()> {
         self.check_range(offset, len)?;
+        self.check_fence()?;
         self.move_for_write(offset, len);
         self.pieces_held(offset, len, true, f)
     }
 
     /// The pieces run with their regions' locks held shared; `written`:
+    /// refused if the fence went up while it waited for them (a switch
+    /// that failed under the lock it waited on: review38 HIGH-1), and
     /// marked (still under the locks) once every piece returned.
     fn pieces_held(
         &self,
@@ -345,6 +366,9 @@ impl RegionVolume {
         mut f: impl FnMut(&Volume, u64, u64) -> Result<()>,
     ) -> Result<()> {
         let _held = self.hold(offset, len);
+        if written {
+            self.check_fence()?;
+        }
         for piece in self.pieces(offset, len) {
             f(self.member(piece.layout), piece.offset, piece.len)?;
         }
@@ -811,7 +835,13 @@ pub fn open_served(path: &Path, home: Volume, options: &OpenOptions) -> Result<R
 
 /// Every region is back in the home layout: clear the home flag (its
 /// superblock, fsynced: from then on the home member is the volume), then
-/// remove the record and the other member.
+/// remove the record and the other member, and only then close the home
+/// (MED-2 of the regions review: its lock is held until the member is
+/// gone, so a server or a second `migrate` that opens the volume meanwhile
+/// waits, rather than making a member of its own that this removal would
+/// delete under it). The volume was closed by the migration and is opened
+/// again here: a failure of that open fails the `migrate` (rerun it: the
+/// regions are all home, nothing is lost), it never removes anything.
 fn unmake_regions(
     path: &Path,
     home_layout: LayoutKind,
@@ -825,17 +855,22 @@ fn unmake_regions(
             ..options.clone()
         },
     )?;
-    steps.step();
-    home.clear_regions()?;
-    home.close()?;
-    let record_file = path.join(REGIONS_FILE);
-    steps.step();
-    std::fs::remove_file(&record_file).map_err(|error| io_error("remove", &record_file, error))?;
-    let member = member_path(path, home_layout);
-    steps.step();
-    std::fs::remove_dir_all(&member).map_err(|error| io_error("remove", &member, error))?;
-    steps.step();
-    sync_dir(path)
+    let removed = (|| -> Result<()> {
+        steps.step();
+        home.clear_regions()?;
+        let record_file = path.join(REGIONS_FILE);
+        steps.step();
+        std::fs::remove_file(&record_file)
+            .map_err(|error| io_error("remove", &record_file, error))?;
+        let member = member_path(path, home_layout);
+        steps.step();
+        std::fs::remove_dir_all(&member).map_err(|error| io_error("remove", &member, error))?;
+        steps.step();
+        sync_dir(path)
+    })();
+    let closed = home.close();
+    removed?;
+    closed
 }
 
 /// `vouch migrate PATH --layout TARGET`, offline: every region not in
@@ -845,6 +880,26 @@ pub fn migrate(
     target: LayoutKind,
     options: &OpenOptions,
     breaks: &MigrateBreaks,
+    progress: impl FnMut(u64, u64),
+) -> Result<MigrateReport> {
+    migrate_driven(
+        path,
+        target,
+        options,
+        breaks,
+        &Steps::new(breaks.crash_at),
+        progress,
+    )
+}
+
+/// `migrate` with the caller's steps (a hook before each file operation:
+/// a test's second opener). `breaks.crash_at` is the steps'.
+pub fn migrate_driven(
+    path: &Path,
+    target: LayoutKind,
+    options: &OpenOptions,
+    breaks: &MigrateBreaks,
+    steps: &Steps,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<MigrateReport> {
     let home = crate::volume_superblock(path)?;
@@ -855,7 +910,6 @@ pub fn migrate(
         )));
     }
     let blocks = home.size_bytes / BLOCK;
-    let steps = Steps::new(breaks.crash_at);
     // The home opened (and locked) before anything is decided or made.
     let opened = open_member(path, options)?;
     let home = crate::volume_superblock(path)?;
@@ -867,14 +921,14 @@ pub fn migrate(
                 ..MigrateReport::default()
             });
         }
-        if let Err(error) = make_regions(path, &opened, options, &steps) {
+        if let Err(error) = make_regions(path, &opened, options, steps) {
             let _ = opened.close();
             return Err(error);
         }
     }
     let volume = RegionVolume::with_home(path, opened, options)?;
     let result = (|| {
-        let released = volume.release_unserved(&steps)?;
+        let released = volume.release_unserved(steps)?;
         let record = volume.record();
         let to_move: Vec<usize> = (0..record.layouts.len())
             .filter(|index| record.layouts[*index] != target)
@@ -889,7 +943,7 @@ pub fn migrate(
         let mut done = 0;
         progress(0, total);
         for index in &to_move {
-            volume.migrate_region(*index, target, breaks, &steps, |bytes| {
+            volume.migrate_region(*index, target, breaks, steps, |bytes| {
                 done += bytes;
                 progress(done, total);
             })?;
@@ -906,7 +960,7 @@ pub fn migrate(
     let mut report = result?;
     closed?;
     if target == home_layout {
-        unmake_regions(path, home_layout, options, &steps)?;
+        unmake_regions(path, home_layout, options, steps)?;
         report.steps = steps.taken();
     }
     Ok(report)
@@ -919,9 +973,10 @@ pub fn migrate(
 /// member's rules (durable against a process crash before it returns), so
 /// a write is acknowledged only after every piece is; a power cut loses
 /// the unflushed pieces of either member, as of one volume, and a flush
-/// returns after both members' flushes. No fast paths: the
-/// trait's defaults (`try_read`, `try_write`: would block) send every
-/// request down the waiting path.
+/// returns after both members' flushes. One fast path: a read within
+/// one member runs inline when that member's `try_read` can (the page
+/// cache), its regions held without waiting (declined while a move holds
+/// one exclusive); writes and the ring's reads take the waiting path.
 impl BlockDevice for RegionVolume {
     fn size(&self) -> u64 {
         RegionVolume::size(self)
@@ -933,6 +988,34 @@ impl BlockDevice for RegionVolume {
 
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         RegionVolume::read(self, offset, buf)
+    }
+
+    /// Inline when the read lies in one member and that member can (see
+    /// the impl's comment); declines with nothing counted otherwise.
+    fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
+        let len = buf.len() as u64;
+        if self.check_range(offset, len).is_err() {
+            return Ok(None);
+        }
+        let Some(_held) = self.try_hold(offset, len) else {
+            return Ok(None);
+        };
+        let layout = {
+            let Some(record) = self.record.try_read() else {
+                return Ok(None);
+            };
+            let region_bytes = record.region_blocks * BLOCK;
+            let (first, last) = (
+                offset / region_bytes,
+                (offset + len.max(1) - 1) / region_bytes,
+            );
+            let layout = record.layouts[first as usize];
+            if (first..=last).any(|region| record.layouts[region as usize] != layout) {
+                return Ok(None);
+            }
+            layout
+        };
+        self.member(layout).try_read(offset, buf)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
@@ -1000,8 +1083,10 @@ impl BlockDevice for RegionVolume {
         };
         let span = (last + 1 - first) * BLOCK;
         self.check_range(first * BLOCK, span)?;
+        self.check_fence()?;
         self.move_for_write(first * BLOCK, span);
         let _held = self.hold(first * BLOCK, span);
+        self.check_fence()?;
         for layout in [LayoutKind::Split, LayoutKind::Packed] {
             let mine: Vec<SealedBlock> = blocks
                 .iter()

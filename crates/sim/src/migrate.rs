@@ -220,6 +220,7 @@ pub fn child_online(
     let steps = regions::Steps::with_hook(Some(crash_at), hook);
     let breaks = OnlineBreaks {
         skip_recopy: break_recopy,
+        ..OnlineBreaks::default()
     };
     let result = migrate_online(&volume, target, &steps, breaks);
     drop(steps);

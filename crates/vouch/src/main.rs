@@ -221,8 +221,9 @@ enum Command {
     /// Online, with --server ADDR [EXPORT]: the server (`serve --control
     /// --migratable`, or `--migrate-on-write`) moves the export's regions in
     /// the background while clients read and write it, at most --rate
-    /// bytes a second; the bar follows it, Ctrl-C leaves it running (stop
-    /// it with `--stop`).
+    /// bytes a second, and yielding to them: while their requests arrive
+    /// it copies at most 16 MiB a second (or --rate when lower); the bar
+    /// follows it, Ctrl-C leaves it running (stop it with `--stop`).
     Migrate {
         /// The volume's directory (offline: no server may have it open),
         /// or with --server the export's name (default: the only one).
@@ -232,7 +233,9 @@ enum Command {
         #[arg(long, value_parser = ["split", "packed"], required_unless_present = "stop")]
         layout: Option<String>,
         /// With --server: at most this many bytes a second (200M = 200 MiB/s;
-        /// K, M, G are powers of 1024, KB, MB, GB powers of 1000).
+        /// K, M, G are powers of 1024, KB, MB, GB powers of 1000), the pace
+        /// while no client request arrives; while they do, at most 16M
+        /// (default: no limit when idle).
         #[arg(long, value_name = "RATE", value_parser = crate::parse_size, requires = "server")]
         rate: Option<u64>,
         /// With --server: stop the export's running migration between

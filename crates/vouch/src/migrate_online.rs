@@ -144,6 +144,9 @@ impl Migration {
             "error": status.error,
             "regions": {"split": split, "packed": packed},
             "migrate_on_write": self.volume.migrate_on_write().map(|layout| layout.name()),
+            // A switch whose record write failed: writes refused until a
+            // restart (docs/CRASH_MODEL.md, "A failed switch").
+            "fenced": self.volume.fenced(),
         })
     }
 

@@ -51,6 +51,39 @@ fn fio(uri: &str, dir: &Path, verify_only: bool) -> Command {
 /// `fio`, over byte ranges `(offset, size)` of the export (one job each;
 /// none: one job over the whole export).
 fn fio_over(uri: &str, dir: &Path, verify_only: bool, ranges: &[(u64, u64)]) -> Command {
+    fio_with(
+        uri,
+        dir,
+        verify_only,
+        ranges,
+        &["--verify=crc32c", "--randseed=33"],
+    )
+}
+
+/// `fio`, but every block filled with the byte `pass` and its offset
+/// (`--verify_pattern=0xPASS%o`, checked every 4 KiB): a pass writes other
+/// bytes than every other pass at every block, so a verify tells them
+/// apart (fio's crc32c blocks carry no such mark: a verify with another
+/// `--randseed` passes on the first pass's data, MED-3 of the regions
+/// review), and a block read from another offset fails too.
+fn fio_pass(uri: &str, dir: &Path, verify_only: bool, pass: u8) -> Command {
+    let pattern = format!("--verify_pattern=0x{pass:02x}%o");
+    let args = [
+        "--verify=pattern",
+        &pattern,
+        "--verify_interval=4096",
+        "--randseed=33",
+    ];
+    fio_with(uri, dir, verify_only, &[], &args)
+}
+
+fn fio_with(
+    uri: &str,
+    dir: &Path,
+    verify_only: bool,
+    ranges: &[(u64, u64)],
+    verify: &[&str],
+) -> Command {
     let fio = tool("fio", "fio");
     let mut command = Command::new(fio);
     if ranges.is_empty() {
@@ -62,12 +95,11 @@ fn fio_over(uri: &str, dir: &Path, verify_only: bool, ranges: &[(u64, u64)]) -> 
         "--rw=randwrite",
         "--bs=64k",
         "--iodepth=8",
-        "--verify=crc32c",
         "--verify_backlog=64",
         "--verify_fatal=1",
-        "--randseed=33",
         "--output-format=terse",
     ]);
+    command.args(verify);
     if verify_only {
         command.arg("--verify_only");
     }
@@ -357,11 +389,30 @@ fn a_kill_9_mid_migration_loses_nothing_and_the_migration_finishes() {
     let path = new_volume(dir.path(), LayoutKind::Split);
     let args = [s(&path), "--control", "127.0.0.1:0", "--migratable"];
     let mut server = Server::start(dir.path(), &args);
-    finish(spawn(fio(&server.uri, dir.path(), false)), "fio write");
-    start_migration(&server, "packed", "40M");
-    // The writer again (the same data) while regions move; then the
-    // server is killed with the migration in its second region or later.
-    finish(spawn(fio(&server.uri, dir.path(), false)), "fio write");
+    finish(
+        spawn(fio_pass(&server.uri, dir.path(), false, 1)),
+        "fio write",
+    );
+    // Paced so slowly that it surely outlasts the second writer (about
+    // 50 s for the volume at 4 MiB/s, 16 s for its first region; raised
+    // after the restart).
+    start_migration(&server, "packed", "4M");
+    // The writer again, other bytes at every block (pass 2), while
+    // regions move; then the server is killed with the migration in its
+    // second region or later. A block that lost its second write reads
+    // back with the first pass's bytes, which pass 2's verify refuses
+    // (proved here first: the first pass's data fails it).
+    let old = fio_pass(&server.uri, dir.path(), true, 2)
+        .output()
+        .expect("fio");
+    assert!(
+        !old.status.success(),
+        "pass 2's verify passed on pass 1's data: the passes cannot be told apart"
+    );
+    finish(
+        spawn(fio_pass(&server.uri, dir.path(), false, 2)),
+        "fio write (pass 2)",
+    );
     wait_until("a region moved", Duration::from_secs(60), || {
         migrate_status(&server)["regions"]["packed"]
             .as_u64()
@@ -385,16 +436,16 @@ fn a_kill_9_mid_migration_loses_nothing_and_the_migration_finishes() {
     let packed = status["regions"]["packed"].as_u64().expect("packed");
     assert!((1..4).contains(&packed), "{status}");
     finish(
-        spawn(fio(&server.uri, dir.path(), true)),
-        "fio verify after kill -9",
+        spawn(fio_pass(&server.uri, dir.path(), true, 2)),
+        "fio verify (pass 2) after kill -9",
     );
     start_migration(&server, "packed", "1G");
     let status = wait_migration(&server);
     assert_eq!(status["state"], "done", "{status}");
     assert_eq!(status["regions"]["packed"], 4, "{status}");
     finish(
-        spawn(fio(&server.uri, dir.path(), true)),
-        "fio verify after the migration",
+        spawn(fio_pass(&server.uri, dir.path(), true, 2)),
+        "fio verify (pass 2) after the migration",
     );
     server.stop();
     assert_check_clean(&path);

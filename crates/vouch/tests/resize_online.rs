@@ -31,28 +31,37 @@ fn qemu_img_size(uri: &str) -> u64 {
 }
 
 /// Write random blocks of the first `blocks` on one connection, each
-/// write recorded once acknowledged; the file `started` is made after the
-/// 16th write's flush, and the writing goes on until the file `stop`
-/// exists (and at least 64 writes were made). Prints the last tag of every
-/// block written and the size the connection negotiated.
+/// write recorded once acknowledged, until the file `stop` exists; every
+/// 16 writes (after a flush) the count acknowledged so far is put in the
+/// file `progress`. Prints the last tag of every block written, the count
+/// and the size the connection negotiated.
 const WRITER: &str = r#"
 import random
 h = connect(sys.argv[1])
-blocks, started, stop = int(sys.argv[2]), sys.argv[3], sys.argv[4]
+blocks, progress, stop = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 rng = random.Random(7)
 last, i = {}, 0
-while i < 64 or not os.path.exists(stop):
+while not os.path.exists(stop):
     lba = rng.randrange(blocks)
     i += 1
     h.pwrite(block_data(lba, i), lba * 4096)
     last[lba] = i
     if i % 16 == 0:
         h.flush()
-        if i == 16:
-            open(started, "w").close()
+        with open(progress + ".tmp", "w") as f:
+            f.write(str(i))
+        os.replace(progress + ".tmp", progress)
 h.flush()
 print(json.dumps({"last": last, "writes": i, "size": h.get_size()}))
 "#;
+
+/// The writes the WRITER reports acknowledged so far.
+fn acknowledged(progress: &std::path::Path) -> u64 {
+    std::fs::read_to_string(progress)
+        .ok()
+        .and_then(|count| count.trim().parse().ok())
+        .unwrap_or(0)
+}
 
 /// Every block in `last` (LBA -> tag) and `extra` reads back as written.
 const READER: &str = r#"
@@ -72,23 +81,26 @@ fn grow_while_writing(layout: &str) {
     let ctl = control(&server).to_string();
     assert_eq!(nbd_size(&uri), 8 * MIB);
 
-    // The resize runs while the client writes: it starts once the writer
-    // has written (and flushed), and the writer stops only once it returned.
-    let (started, stop) = (dir.join("writer.started"), dir.join("writer.stop"));
+    // The writer runs until told to stop: the resize starts once it has
+    // 64 writes acknowledged, and it is stopped only after 32 more were
+    // acknowledged on its connection after the resize returned (MED-4 of
+    // the resize review: events, not sleeps).
+    let (progress, stop) = (dir.join("progress"), dir.join("stop"));
     let writer = {
-        let uri = uri.clone();
-        let (started, stop) = (started.clone(), stop.clone());
-        std::thread::spawn(move || py_json(WRITER, &[&uri, "2048", s(&started), s(&stop)]))
+        let (uri, progress, stop) = (uri.clone(), progress.clone(), stop.clone());
+        std::thread::spawn(move || py_json(WRITER, &[&uri, "2048", s(&progress), s(&stop)]))
     };
-    wait_until("the writer's first writes", Duration::from_secs(60), || {
-        started.exists() || writer.is_finished()
+    let writing = Duration::from_secs(120);
+    wait_until("the writer's first writes", writing, || {
+        acknowledged(&progress) >= 64
     });
-    assert!(
-        !writer.is_finished(),
-        "the writer stopped before the resize"
-    );
     let out = vouch_ok(&["resize", "--server", &ctl, "64M"]);
     assert!(text(&out).contains("resized export"), "{}", text(&out));
+    let before = acknowledged(&progress);
+    wait_until("writes after the resize", writing, || {
+        acknowledged(&progress) >= before + 32
+    });
+    assert!(!writer.is_finished(), "the writer stopped by itself");
     // New connections see the new size; the control API says so.
     assert_eq!(nbd_size(&uri), 64 * MIB);
     assert_eq!(qemu_img_size(&uri), 64 * MIB);
@@ -111,7 +123,7 @@ print(json.dumps({"ok": True}))
     let written = writer.join().expect("writer");
     // The writer's connection kept the size it negotiated.
     assert_eq!(written["size"], 8 * MIB, "{written}");
-    assert!(written["writes"].as_u64().unwrap_or(0) > 50, "{written}");
+    assert!(written["writes"].as_u64().unwrap_or(0) >= 96, "{written}");
 
     // A crash right after: the new size, every acknowledged write and the
     // new tail's block survive.
@@ -304,4 +316,63 @@ fn a_read_only_export_is_not_resized_online() {
     );
     drop(server);
     assert_eq!(info_json(&volume)["size_bytes"], 4 * MIB);
+}
+
+/// After an online grow, reads that must wait for the device still go
+/// through the volume's read ring (the new engine's storage shares the
+/// ring the server watches), not to the worker threads: the answered
+/// ring reads count every block read after the resize. `--direct`, so no
+/// read is answered from the page cache first. Both layouts.
+#[test]
+fn reads_after_an_online_resize_still_use_the_read_ring() {
+    for layout in ["split", "packed"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dir = dir.path();
+        let volume = dir.join("vol");
+        vouch_ok(&["create", s(&volume), "--size", "16M", "--layout", layout]);
+        let server = Server::start(
+            dir,
+            &[
+                s(&volume),
+                "--direct",
+                "--control",
+                "127.0.0.1:0",
+                "--metrics",
+                "127.0.0.1:0",
+            ],
+        );
+        let blocks = 64;
+        py_json(
+            r#"
+h = connect(sys.argv[1])
+for lba in range(int(sys.argv[2])):
+    h.pwrite(block_data(lba, 1), lba * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+            &[&server.uri, &blocks.to_string()],
+        );
+        let out = vouch_ok(&["resize", "--server", control(&server), "32M"]);
+        assert!(text(&out).contains("resized export"), "{}", text(&out));
+        let series = r#"vouch_nbd_ring_reads_total{outcome="answered",export="vol"}"#;
+        let before = metric(&server.metrics_text(), series).unwrap_or(0.0);
+        let read = py_json(
+            r#"
+h = connect(sys.argv[1])
+n = int(sys.argv[2])
+print(json.dumps({"bad": [lba for lba in range(n) if h.pread(4096, lba * 4096) != block_data(lba, 1)], "size": h.get_size()}))
+"#,
+            &[&server.uri, &blocks.to_string()],
+        );
+        assert_eq!(read["bad"], json!([]), "{layout}: {read}");
+        assert_eq!(read["size"], 32 * MIB, "{layout}: {read}");
+        let metrics = server.metrics_text();
+        let after = metric(&metrics, series).unwrap_or(0.0);
+        assert!(
+            after - before >= blocks as f64 / 2.0,
+            "{layout}: reads after the resize were not answered from the ring ({before} -> {after}):\n{metrics}"
+        );
+        drop(server);
+        assert_check_clean(&volume);
+    }
 }

@@ -19,6 +19,7 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard};
@@ -38,6 +39,10 @@ const OFF: u8 = u8::MAX;
 /// one under it: each is shorter than the one before while writes are
 /// fewer than the copy's rate.
 const UNLOCKED_PASSES: usize = 3;
+/// The pace of a migration while clients' requests arrive (the floor):
+/// at most this many bytes a second, or the asked rate when lower. Without
+/// requests it runs at the asked rate (the ceiling; unlimited when none).
+pub const YIELD_RATE: u64 = 16 << 20;
 
 const _: () = assert!(REGION_BLOCKS.div_ceil(CHUNK_BLOCKS) <= 64);
 
@@ -60,6 +65,12 @@ pub(crate) struct Online {
     /// snapshot's record is the one in memory, its home superblock's
     /// `regions_seq` the record's, and no switch waits on a member held.
     switching: Mutex<()>,
+    /// Foreground requests begun (`hold`): a migration that sees it rise
+    /// yields to them (its floor pace, `YIELD_RATE`).
+    requests: AtomicU64,
+    /// Set when a switch failed writing the record (MED-1): why writes
+    /// are refused until a restart reads the record that holds.
+    fenced: OnceLock<String>,
 }
 
 impl Online {
@@ -71,6 +82,8 @@ impl Online {
             mover: Mutex::new(()),
             on_write: AtomicU8::new(OFF),
             switching: Mutex::new(()),
+            requests: AtomicU64::new(0),
+            fenced: OnceLock::new(),
         }
     }
 }
@@ -87,6 +100,13 @@ pub struct OnlineBreaks {
     /// Never copy again the chunks written during the copy (the writes
     /// that arrive mid-move are left in the old member, then trimmed).
     pub skip_recopy: bool,
+    /// A fault, for tests: the record's fsync reports an error after its
+    /// bytes were written (EIO from the disk: the page cache may still
+    /// write them back, so the record on disk may name either member).
+    pub fail_record_sync: bool,
+    /// A fault, for tests: the home superblock's `regions_seq` write fails
+    /// after the record was written and synced.
+    pub fail_regions_seq: bool,
 }
 
 /// What an online migration was asked: where to, how fast, when to stop.
@@ -110,12 +130,48 @@ impl RegionVolume {
     /// Hold the locks of the regions `[offset, offset + len)` touches,
     /// shared, in ascending order (a move takes one lock only).
     pub(crate) fn hold(&self, offset: u64, len: u64) -> Held<'_> {
+        self.online.requests.fetch_add(1, Ordering::Relaxed);
         Held {
             _guards: self
                 .regions_of(offset, len)
                 .map(|region| self.online.locks[region].read())
                 .collect(),
         }
+    }
+
+    /// `hold` without waiting: `None` when a move holds one of the locks
+    /// exclusive (a call that must not block then declines).
+    pub(crate) fn try_hold(&self, offset: u64, len: u64) -> Option<Held<'_>> {
+        self.online.requests.fetch_add(1, Ordering::Relaxed);
+        let guards = self
+            .regions_of(offset, len)
+            .map(|region| self.online.locks[region].try_read())
+            .collect::<Option<Vec<_>>>()?;
+        Some(Held { _guards: guards })
+    }
+
+    /// Writes refused after a switch whose record write failed (MED-1 of
+    /// the regions review): the record on disk may name either member of
+    /// the region, and both hold the same blocks only while nothing is
+    /// written; a restart reads the record that holds and serves from it.
+    pub(crate) fn check_fence(&self) -> Result<()> {
+        match self.online.fenced.get() {
+            Some(why) => Err(Error::FailStopped(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Why writes are refused (`check_fence`), if they are.
+    pub fn fenced(&self) -> Option<&str> {
+        self.online.fenced.get().map(String::as_str)
+    }
+
+    /// Foreground requests begun so far (counted before they wait for
+    /// their regions' locks): a test's way to know a request it sent is
+    /// past its checks and waiting.
+    #[doc(hidden)]
+    pub fn foreground_requests(&self) -> u64 {
+        self.online.requests.load(Ordering::SeqCst)
     }
 
     /// A write, trim or zeroing of `[offset, offset + len)` returned (its
@@ -198,6 +254,7 @@ impl RegionVolume {
         progress: &mut dyn FnMut(u64),
     ) -> Result<bool> {
         let _one = self.online.mover.lock();
+        self.check_fence()?;
         let record = self.record();
         let from = record.layouts[index];
         if from == target {
@@ -256,11 +313,38 @@ impl RegionVolume {
                 let mut next = self.record();
                 next.layouts[index] = target;
                 next.seq += 1;
-                write_record(&self.path, &next, steps)?;
+                let recorded = write_record(&self.path, &next, steps).and_then(|()| {
+                    if breaks.fail_record_sync {
+                        return Err(injected("sync", &self.path));
+                    }
+                    Ok(())
+                });
+                if let Err(error) = recorded {
+                    // The bytes may reach the disk yet (a failed fsync
+                    // leaves them in the page cache), or not: the record a
+                    // restart reads may name either member. Both hold the
+                    // region's blocks now (the recopy, the flush, no write
+                    // since: the lock is held); writes are refused from
+                    // here on so that they stay the same, until a restart
+                    // reads the record that holds. Reads go on.
+                    let _ = self.online.fenced.set(format!(
+                        "writing the region record failed while region {index} switched to the {} layout ({error}); the record on disk may name either member, so writes are refused until the server is restarted (its open serves each region from the member the record names)",
+                        target.name()
+                    ));
+                    tracing::error!(region = index, %error, "the region record's write failed mid-switch: writes refused until a restart");
+                    return Err(error);
+                }
+                // Durable: memory follows the record at once, whatever
+                // comes next (a request after the unlock goes to the new
+                // member, the one a restart serves the region from).
+                *self.record.write() = next.clone();
                 steps.step();
-                self.home().set_regions(next.seq)?;
-                *self.record.write() = next;
-                Ok(())
+                if breaks.fail_regions_seq {
+                    return Err(injected("write", &self.path));
+                }
+                // A failure here is caught up at the next open (the record
+                // is newer than `regions_seq`: `around`).
+                self.home().set_regions(next.seq)
             })();
             self.online.moving.store(NONE, Ordering::SeqCst);
             steps.set_locked(false);
@@ -314,9 +398,9 @@ impl RegionVolume {
                 (lbas.end - lbas.start) * BLOCK
             })
             .sum();
-        let started = Instant::now();
         let mut done = 0u64;
         let mut moved = 0;
+        let mut pace = Pace::new(how.rate, self.online.requests.load(Ordering::Relaxed));
         progress(0, total);
         for index in to_move {
             if how.stop.load(Ordering::SeqCst) {
@@ -326,17 +410,15 @@ impl RegionVolume {
                 )));
             }
             let region_start = done;
-            let mut pace = |bytes: u64| {
+            let mut paced = |bytes: u64| {
                 done += bytes;
                 progress(done, total);
-                if let Some(rate) = how.rate.filter(|rate| *rate > 0) {
-                    let due = Duration::from_secs_f64(done as f64 / rate as f64);
-                    if let Some(wait) = due.checked_sub(started.elapsed()) {
-                        std::thread::sleep(wait);
-                    }
+                let requests = self.online.requests.load(Ordering::Relaxed);
+                if let Some(wait) = pace.after(bytes, requests, Instant::now()) {
+                    std::thread::sleep(wait);
                 }
             };
-            if self.move_region_online(index, how.target, steps, breaks, &mut pace)? {
+            if self.move_region_online(index, how.target, steps, breaks, &mut paced)? {
                 moved += 1;
             } else {
                 // Moved meanwhile by a write (`--migrate-on-write`).
@@ -350,5 +432,89 @@ impl RegionVolume {
             already: record.layouts.len() as u64 - moved,
             ..MigrateReport::default()
         })
+    }
+}
+
+/// A fault injected by a test (`OnlineBreaks`).
+fn injected(action: &'static str, path: &std::path::Path) -> Error {
+    Error::Path {
+        action,
+        path: path.join(super::REGIONS_FILE),
+        cause: "an injected I/O error (a test)".into(),
+    }
+}
+
+/// A migration's pace: after each chunk it sleeps so that it runs at most
+/// at its ceiling (the asked rate; none: unlimited), and at its floor
+/// (`YIELD_RATE`, or the ceiling when lower) after a chunk during which
+/// foreground requests arrived: it yields the CPU and the disk to them.
+/// No catching up: time the copy spent slower than its pace is not made
+/// good later by a burst.
+struct Pace {
+    ceiling: Option<u64>,
+    floor: u64,
+    /// When the copy may go on.
+    next: Option<Instant>,
+    /// `Online::requests` at the last chunk.
+    requests: u64,
+}
+
+impl Pace {
+    fn new(rate: Option<u64>, requests: u64) -> Pace {
+        let ceiling = rate.filter(|rate| *rate > 0);
+        Pace {
+            ceiling,
+            floor: ceiling.map_or(YIELD_RATE, |rate| rate.min(YIELD_RATE)),
+            next: None,
+            requests,
+        }
+    }
+
+    /// `bytes` copied at `now`, with `requests` begun so far: how long to
+    /// wait before the next chunk.
+    fn after(&mut self, bytes: u64, requests: u64, now: Instant) -> Option<Duration> {
+        let busy = requests != self.requests;
+        self.requests = requests;
+        let rate = if busy { Some(self.floor) } else { self.ceiling };
+        let Some(rate) = rate else {
+            self.next = None;
+            return None;
+        };
+        let from = self.next.filter(|next| *next > now).unwrap_or(now);
+        let next = from + Duration::from_secs_f64(bytes as f64 / rate as f64);
+        self.next = Some(next);
+        next.checked_duration_since(now)
+            .filter(|wait| !wait.is_zero())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pace_drops_to_its_floor_while_requests_arrive_and_never_catches_up() {
+        let mib = 1u64 << 20;
+        let now = Instant::now();
+        let mut pace = Pace::new(Some(100 * mib), 0);
+        // Idle: 1 MiB at 100 MiB/s is 10 ms.
+        let wait = pace.after(mib, 0, now).expect("paced");
+        assert!((wait.as_secs_f64() - 0.01).abs() < 1e-6, "{wait:?}");
+        // Requests arrived: the floor, 16 MiB/s (62.5 ms a MiB).
+        let later = now + wait;
+        let wait = pace.after(mib, 5, later).expect("paced");
+        assert!((wait.as_secs_f64() - 1.0 / 16.0).abs() < 1e-6, "{wait:?}");
+        // A long stall is not made good by a burst.
+        let much_later = later + Duration::from_secs(10);
+        let wait = pace.after(mib, 5, much_later).expect("paced");
+        assert!((wait.as_secs_f64() - 0.01).abs() < 1e-6, "{wait:?}");
+        // No ceiling: unpaced while idle, the floor while requests arrive.
+        let mut pace = Pace::new(None, 0);
+        assert_eq!(pace.after(mib, 0, now), None);
+        assert!(pace.after(mib, 1, now).is_some());
+        // A ceiling under the floor stays the pace either way.
+        let mut pace = Pace::new(Some(4 * mib), 0);
+        let wait = pace.after(mib, 1, now).expect("paced");
+        assert!((wait.as_secs_f64() - 0.25).abs() < 1e-6, "{wait:?}");
     }
 }

@@ -44,7 +44,12 @@ pub struct FileStorage {
     /// Reads that complete later (`start_read`), set up by `read_events`;
     /// `Some(None)` when io_uring is unavailable. First, so that it is
     /// dropped (waiting for reads in flight) before the files close.
-    reads: OnceLock<Option<ReadRing>>,
+    /// Shared with the storage `reopen` makes (an online resize): the
+    /// server watches this ring's descriptor for the volume's life. A
+    /// storage is never dropped with its reads in flight in a shared ring:
+    /// each read's completion holds the engine that owns the storage
+    /// (`Volume::try_begin_read`).
+    reads: OnceLock<Option<std::sync::Arc<ReadRing>>>,
     superblock: File,
     journal: File,
     contexts: Option<File>,
@@ -840,13 +845,13 @@ impl Storage for FileStorage {
 
     fn read_events(&self) -> Option<RawFd> {
         let ring = self.reads.get_or_init(|| match ReadRing::new() {
-            Ok(ring) => Some(ring),
+            Ok(ring) => Some(std::sync::Arc::new(ring)),
             Err(error) => {
                 tracing::warn!(%error, "io_uring unavailable: reads that wait go to a worker thread");
                 None
             }
         });
-        ring.as_ref().map(ReadRing::events_fd)
+        ring.as_ref().map(|ring| ring.events_fd())
     }
 
     fn reap_reads(&self) -> io::Result<()> {
@@ -1114,12 +1119,13 @@ impl Storage for FileStorage {
             direct: self.direct,
         };
         let superblock = self.superblock.try_clone()?;
-        Ok(std::sync::Arc::new(FileStorage::open_locked(
-            &self.dir,
-            geometry,
-            how,
-            Some(superblock),
-        )?))
+        let storage = FileStorage::open_locked(&self.dir, geometry, how, Some(superblock))?;
+        // The same ring of reads: the server watches its descriptor (set
+        // up once, `read_events`), so reads of the new engine use it too.
+        if let Some(ring) = self.reads.get() {
+            let _ = storage.reads.set(ring.clone());
+        }
+        Ok(std::sync::Arc::new(storage))
     }
 
     fn release_held(&self) -> io::Result<()> {

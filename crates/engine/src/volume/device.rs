@@ -38,11 +38,12 @@ impl BlockDevice for Volume {
     }
     /// One I/O through the storage's ring; the blocks are verified on the
     /// reaping thread against the contexts planned before it started.
-    /// Only on the engine the volume was opened with (the server watches
-    /// its ring): after an online resize reads go to the workers.
+    /// The engine an online resize opens shares the first one's ring (the
+    /// one the server watches: `Storage::reopen`); a storage without it
+    /// (`reads_ready` false) sends its reads to the workers.
     fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
         let current = self.current_now()?;
-        if !Arc::ptr_eq(&current, &self.first) || !current.shared.io.reads_ready() {
+        if !current.shared.io.reads_ready() {
             return None;
         }
         let read = current.shared.plan_ring_read(offset, len)?;
