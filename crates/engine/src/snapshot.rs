@@ -21,6 +21,10 @@
 //! half-removed snapshot has no name either. A clone is made the same way
 //! next to its new path (`.NEWNAME.clone-partial`, renamed to NEWPATH).
 //!
+//! Online, the volume is held while its files are cloned; its data and
+//! contexts are cloned once before (`warm_file`, while it runs), so the
+//! clones under the hold re-share only what was written since.
+//!
 //! The file operations go through `SnapshotFs`, so the crash simulator
 //! (`vouch-sim snapshot`) runs this very code on a model filesystem that
 //! keeps only what was synced.
@@ -56,10 +60,21 @@ const NAME_MAX: usize = 128;
 /// `sync_dir` of that directory.
 pub trait SnapshotFs {
     fn create_dir(&self, path: &Path) -> io::Result<()>;
-    /// Make `to` (which must not exist) a copy of `from` sharing its
-    /// extents (or, where the filesystem cannot, a full copy if this
-    /// `SnapshotFs` was asked for one).
+    /// Make `to` a copy of `from` sharing its extents (or, where the
+    /// filesystem cannot, a full copy if this `SnapshotFs` was asked for
+    /// one). `to` must not exist, or be a copy `warm_file` made of `from`
+    /// earlier: it then equals `from` as it is now.
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Make `to` (which must not exist) a copy of `from` as it is while
+    /// it is being written, sharing its extents, ahead of a `clone_file`
+    /// of the same pair at a flush point: that one then shares only what
+    /// changed since (re-sharing an extent `to` already shares costs a
+    /// reflink filesystem a small part of sharing it anew). Never a full
+    /// copy: `Ok(false)`, and no `to`, where extents cannot be shared.
+    /// Nothing relies on it but the time `clone_file` takes.
+    fn warm_file(&self, _from: &Path, _to: &Path) -> io::Result<bool> {
+        Ok(false)
+    }
     /// Make `path` (which must not exist) a new file of `len` zero bytes,
     /// its blocks allocated when `allocate` (sparse otherwise).
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()>;
@@ -122,6 +137,17 @@ impl SnapshotFs for RealFs {
     }
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
         let source = File::open(from)?;
+        if to.symlink_metadata().is_ok() {
+            // A warm copy (`warm_file`): sharing `from` over it again
+            // leaves the extents it already shares as they are. Where that
+            // fails, it goes and `from` is cloned anew.
+            let warm = std::fs::OpenOptions::new().write(true).open(to)?;
+            if crate::storage::ficlone(&warm, &source).is_ok() {
+                return warm.set_len(source.metadata()?.len());
+            }
+            drop(warm);
+            std::fs::remove_file(to)?;
+        }
         let destination = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -134,6 +160,30 @@ impl SnapshotFs for RealFs {
             }
             other => other,
         }
+    }
+    fn warm_file(&self, from: &Path, to: &Path) -> io::Result<bool> {
+        let source = File::open(from)?;
+        let destination = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(to)?;
+        let len = source.metadata()?.len();
+        // In pieces: a clone holds both files' locks for its whole range,
+        // and the volume's writes to `from` wait for them meanwhile.
+        let mut at = 0;
+        while at < len {
+            let piece = WARM_PIECE.min(len - at);
+            if let Err(error) = crate::storage::ficlonerange(&destination, at, &source, at, piece) {
+                drop(destination);
+                std::fs::remove_file(to)?;
+                return match error.kind() {
+                    io::ErrorKind::Unsupported => Ok(false),
+                    _ => Err(error),
+                };
+            }
+            at += piece;
+        }
+        Ok(true)
     }
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
         let file = std::fs::OpenOptions::new()
@@ -204,6 +254,10 @@ impl SnapshotFs for RealFs {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
     }
 }
+
+/// The range of a volume's file one `warm_file` clone takes (the last
+/// may be shorter, ending at the file's end).
+const WARM_PIECE: u64 = 64 << 20;
 
 /// Copy every data range of `source` into `destination` (`copy_file_range`
 /// between `SEEK_DATA` and `SEEK_HOLE`), leaving its holes holes, and
@@ -412,7 +466,9 @@ fn clone_files(
     superblock: &Superblock,
     writable: bool,
 ) -> Result<Vec<PathBuf>> {
-    fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    if !fs.exists(to) {
+        fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    }
     let journal = ObjectId::Journal.file_name();
     let mut made = Vec::new();
     for name in volume_files(superblock)? {
@@ -464,6 +520,51 @@ fn clone_regions(
     fs.write_at(&record_to, 0, &bytes)
         .map_err(|e| io_error("write", &record_to, e))?;
     made.push(record_to);
+    Ok(made)
+}
+
+/// Warm copies (`SnapshotFs::warm_file`) of the large files of the volume
+/// directory `from` (its data segments and contexts, a volume with
+/// regions' other member's too) in the new directory `to`, made while the
+/// volume is written, before its flush point: the clones there then share
+/// only what changed since. The files it made, for `publish` to remove
+/// any the flush point's clones did not make again.
+fn warm_volume(fs: &dyn SnapshotFs, from: &Path, to: &Path) -> Result<Vec<PathBuf>> {
+    let superblock = superblock_of(fs, from)?;
+    let mut made = warm_files(fs, from, to, &superblock)?;
+    if crate::regions::has_regions(&superblock) {
+        let member_from = crate::regions::member_path(from, superblock.layout);
+        let member_to = crate::regions::member_path(to, superblock.layout);
+        let member = superblock_of(fs, &member_from)?;
+        made.extend(warm_files(fs, &member_from, &member_to, &member)?);
+    }
+    Ok(made)
+}
+
+fn warm_files(
+    fs: &dyn SnapshotFs,
+    from: &Path,
+    to: &Path,
+    superblock: &Superblock,
+) -> Result<Vec<PathBuf>> {
+    let geometry = superblock
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")))?;
+    fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    let mut made = Vec::new();
+    for object in objects_of(&geometry) {
+        if !matches!(object, ObjectId::Data(_) | ObjectId::Contexts) {
+            continue;
+        }
+        let (source, target) = (from.join(object.file_name()), to.join(object.file_name()));
+        if !fs
+            .warm_file(&source, &target)
+            .map_err(|e| io_error("clone", &source, e))?
+        {
+            break;
+        }
+        made.push(target);
+    }
     Ok(made)
 }
 
@@ -723,6 +824,18 @@ fn publish(
     tidy(fs, volume)?;
     let target = dir.join(name);
     let partial = dir.join(format!(".{name}{PARTIAL}"));
+    // A served volume is held while its files are cloned: clone them
+    // first while it runs, so the clones at the flush point have only the
+    // extents written since to share. A failed warm-up only costs time.
+    let warm = if point.online() {
+        warm_volume(fs, volume, &partial).unwrap_or_else(|error| {
+            tracing::debug!("snapshot {name}: no warm copy ({error})");
+            let _ = fs.remove_all(&partial);
+            Vec::new()
+        })
+    } else {
+        Vec::new()
+    };
     let mut taken = None;
     point.at_flush_point(&mut |superblock: &Superblock| {
         let mut record = SnapshotRecord {
@@ -764,6 +877,11 @@ fn publish(
         Ok(())
     })?;
     let (record, files) = taken.expect("the flush point ran the clone");
+    for file in warm.iter().filter(|file| !files.contains(file)) {
+        // Warmed, but not a file of the volume at its flush point.
+        fs.remove_file(file)
+            .map_err(|e| io_error("remove", file, e))?;
+    }
     for file in &files {
         fs.make_read_only(file)
             .map_err(|e| io_error("chmod", file, e))?;
