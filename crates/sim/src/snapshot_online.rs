@@ -237,7 +237,7 @@ impl SnapshotFs for ServedFs {
         // point: the clone at the flush point must replace every byte.
         let bytes = self.sim.object_bytes(object);
         self.model
-            .change("warm", to, |fs| fs.link_unsynced(to, bytes))
+            .change("warm", to, |fs| fs.put_unsynced(to, bytes))
             .map(|()| true)
     }
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
