@@ -21,6 +21,10 @@
 //! half-removed snapshot has no name either. A clone is made the same way
 //! next to its new path (`.NEWNAME.clone-partial`, renamed to NEWPATH).
 //!
+//! Online, the volume is held while its files are cloned; its data and
+//! contexts are cloned once before (`warm_file`, while it runs), so the
+//! clones under the hold re-share only what was written since.
+//!
 //! The file operations go through `SnapshotFs`, so the crash simulator
 //! (`vouch-sim snapshot`) runs this very code on a model filesystem that
 //! keeps only what was synced.
@@ -56,10 +60,23 @@ const NAME_MAX: usize = 128;
 /// `sync_dir` of that directory.
 pub trait SnapshotFs {
     fn create_dir(&self, path: &Path) -> io::Result<()>;
-    /// Make `to` (which must not exist) a copy of `from` sharing its
-    /// extents (or, where the filesystem cannot, a full copy if this
-    /// `SnapshotFs` was asked for one).
+    /// Make `to` a copy of `from` sharing its extents (or, where the
+    /// filesystem cannot, a full copy if this `SnapshotFs` was asked for
+    /// one). `to` must not exist, or be a copy `warm_file` made of `from`
+    /// earlier: it then equals `from` as it is now.
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()>;
+    /// Make `to` a copy of `from` as it is while it is being written,
+    /// sharing its extents, ahead of a `clone_file` of the same pair at a
+    /// flush point: that one then shares only what changed since
+    /// (re-sharing an extent `to` already shares costs a reflink
+    /// filesystem a small part of sharing it anew). `to` must not exist,
+    /// or be a warm copy of `from` from an earlier call, then brought up
+    /// to date the same way. Never a full copy: `Ok(false)`, and no `to`,
+    /// where extents cannot be shared. Nothing relies on it but the time
+    /// `clone_file` takes.
+    fn warm_file(&self, _from: &Path, _to: &Path) -> io::Result<bool> {
+        Ok(false)
+    }
     /// Make `path` (which must not exist) a new file of `len` zero bytes,
     /// its blocks allocated when `allocate` (sparse otherwise).
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()>;
@@ -122,6 +139,17 @@ impl SnapshotFs for RealFs {
     }
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
         let source = File::open(from)?;
+        if to.symlink_metadata().is_ok() {
+            // A warm copy (`warm_file`): sharing `from` over it again
+            // leaves the extents it already shares as they are. Where that
+            // fails, it goes and `from` is cloned anew.
+            let warm = std::fs::OpenOptions::new().write(true).open(to)?;
+            if crate::storage::ficlone(&warm, &source).is_ok() {
+                return warm.set_len(source.metadata()?.len());
+            }
+            drop(warm);
+            std::fs::remove_file(to)?;
+        }
         let destination = std::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -134,6 +162,32 @@ impl SnapshotFs for RealFs {
             }
             other => other,
         }
+    }
+    fn warm_file(&self, from: &Path, to: &Path) -> io::Result<bool> {
+        let source = File::open(from)?;
+        let destination = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(to)?;
+        let len = source.metadata()?.len();
+        // In pieces: a clone holds both files' locks for its whole range,
+        // and the volume's writes to `from` wait for them meanwhile.
+        let mut at = 0;
+        while at < len {
+            let piece = WARM_PIECE.min(len - at);
+            if let Err(error) = crate::storage::ficlonerange(&destination, at, &source, at, piece) {
+                drop(destination);
+                std::fs::remove_file(to)?;
+                return match error.kind() {
+                    io::ErrorKind::Unsupported => Ok(false),
+                    _ => Err(error),
+                };
+            }
+            at += piece;
+        }
+        destination.set_len(len)?;
+        Ok(true)
     }
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
         let file = std::fs::OpenOptions::new()
@@ -204,6 +258,14 @@ impl SnapshotFs for RealFs {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o444))
     }
 }
+
+/// The range of a volume's file one `warm_file` clone takes (the last
+/// may be shorter, ending at the file's end).
+const WARM_PIECE: u64 = 64 << 20;
+/// Warm copies are made, then brought up to date this many times more
+/// before the flush point: each pass shares anew what was written during
+/// the one before, so the hold has only what the last pass missed.
+const WARM_PASSES: usize = 2;
 
 /// Copy every data range of `source` into `destination` (`copy_file_range`
 /// between `SEEK_DATA` and `SEEK_HOLE`), leaving its holes holes, and
@@ -389,18 +451,28 @@ fn clone_volume(
     from: &Path,
     to: &Path,
     superblock: &Superblock,
-    writable: bool,
+    how: How,
     extra: (&str, &mut dyn FnMut() -> Vec<u8>),
 ) -> Result<Vec<PathBuf>> {
-    let mut made = clone_files(fs, from, to, superblock, writable)?;
+    let mut made = clone_files(fs, from, to, superblock, how)?;
     if crate::regions::has_regions(superblock) {
-        made.extend(clone_regions(fs, from, to, superblock, writable)?);
+        made.extend(clone_regions(fs, from, to, superblock, how)?);
     }
     let record = to.join(extra.0);
     fs.write_at(&record, 0, &(extra.1)())
         .map_err(|e| io_error("write", &record, e))?;
     made.push(record);
     Ok(made)
+}
+
+/// How `clone_volume` makes its copy.
+#[derive(Clone, Copy)]
+struct How {
+    /// A writable volume (a clone: its journal allocated), or a snapshot.
+    writable: bool,
+    /// `warm_volume` made the directory and warm copies in it: the clones
+    /// go over them. Otherwise the directory must not exist.
+    warm: bool,
 }
 
 /// The files of one volume directory: `from`'s cloned into the new
@@ -410,15 +482,17 @@ fn clone_files(
     from: &Path,
     to: &Path,
     superblock: &Superblock,
-    writable: bool,
+    how: How,
 ) -> Result<Vec<PathBuf>> {
-    fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    if !(how.warm && fs.exists(to)) {
+        fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    }
     let journal = ObjectId::Journal.file_name();
     let mut made = Vec::new();
     for name in volume_files(superblock)? {
         let (source, target) = (from.join(&name), to.join(&name));
         if name == journal {
-            fs.new_file(&target, superblock.journal_bytes, writable)
+            fs.new_file(&target, superblock.journal_bytes, how.writable)
                 .map_err(|e| io_error("create", &target, e))?;
         } else {
             fs.clone_file(&source, &target)
@@ -442,7 +516,7 @@ fn clone_regions(
     from: &Path,
     to: &Path,
     home: &Superblock,
-    writable: bool,
+    how: How,
 ) -> Result<Vec<PathBuf>> {
     let member_from = crate::regions::member_path(from, home.layout);
     let member_to = crate::regions::member_path(to, home.layout);
@@ -450,10 +524,10 @@ fn clone_regions(
     member.features.ro_compat = (member.features.ro_compat & !FeatureFlags::RO_COMPAT_SNAPSHOT)
         | (home.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT);
     member.state = STATE_CLEAN;
-    if writable {
+    if how.writable {
         member.instance = crate::superblock::new_instance();
     }
-    let mut made = clone_files(fs, &member_from, &member_to, &member, writable)?;
+    let mut made = clone_files(fs, &member_from, &member_to, &member, how)?;
     let (record_from, record_to) = (
         from.join(crate::regions::REGIONS_FILE),
         to.join(crate::regions::REGIONS_FILE),
@@ -464,6 +538,62 @@ fn clone_regions(
     fs.write_at(&record_to, 0, &bytes)
         .map_err(|e| io_error("write", &record_to, e))?;
     made.push(record_to);
+    Ok(made)
+}
+
+/// Warm copies (`SnapshotFs::warm_file`) of the large files of the volume
+/// directory `from` (its data segments and contexts, a volume with
+/// regions' other member's too) in the new directory `to`, made while the
+/// volume is written, before its flush point: the clones there then share
+/// only what changed since. The files it made, for `publish` to remove
+/// any the flush point's clones did not make again.
+fn warm_volume(fs: &dyn SnapshotFs, from: &Path, to: &Path) -> Result<Vec<PathBuf>> {
+    let mut made: Vec<PathBuf> = Vec::new();
+    for _ in 0..WARM_PASSES {
+        let superblock = superblock_of(fs, from)?;
+        let mut pass = warm_files(fs, from, to, &superblock)?;
+        if crate::regions::has_regions(&superblock) {
+            let member_from = crate::regions::member_path(from, superblock.layout);
+            let member_to = crate::regions::member_path(to, superblock.layout);
+            let member = superblock_of(fs, &member_from)?;
+            pass.extend(warm_files(fs, &member_from, &member_to, &member)?);
+        }
+        // Every file any pass made (the geometry may change between).
+        for file in pass {
+            if !made.contains(&file) {
+                made.push(file);
+            }
+        }
+    }
+    Ok(made)
+}
+
+fn warm_files(
+    fs: &dyn SnapshotFs,
+    from: &Path,
+    to: &Path,
+    superblock: &Superblock,
+) -> Result<Vec<PathBuf>> {
+    let geometry = superblock
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")))?;
+    if !fs.exists(to) {
+        fs.create_dir(to).map_err(|e| io_error("create", to, e))?;
+    }
+    let mut made = Vec::new();
+    for object in objects_of(&geometry) {
+        if !matches!(object, ObjectId::Data(_) | ObjectId::Contexts) {
+            continue;
+        }
+        let (source, target) = (from.join(object.file_name()), to.join(object.file_name()));
+        if !fs
+            .warm_file(&source, &target)
+            .map_err(|e| io_error("clone", &source, e))?
+        {
+            break;
+        }
+        made.push(target);
+    }
     Ok(made)
 }
 
@@ -742,8 +872,31 @@ fn publish(
     tidy(fs, volume)?;
     let target = dir.join(name);
     let partial = dir.join(format!(".{name}{PARTIAL}"));
+    // A served volume is held while its files are cloned: clone them
+    // first while it runs, so the clones at the flush point have only the
+    // extents written since to share. A failed warm-up only costs time.
+    let warm = if point.online() {
+        match warm_volume(fs, volume, &partial) {
+            Ok(files) if !files.is_empty() => files,
+            other => {
+                if let Err(error) = other {
+                    tracing::debug!("snapshot {name}: no warm copy ({error})");
+                }
+                // No warm copies (or the filesystem shares no extents):
+                // the flush point makes the directory, as offline.
+                let _ = fs.remove_all(&partial);
+                Vec::new()
+            }
+        }
+    } else {
+        Vec::new()
+    };
+    let how = How {
+        writable: false,
+        warm: !warm.is_empty(),
+    };
     let mut taken = None;
-    point.at_flush_point(&mut |superblock: &Superblock| {
+    let held = point.at_flush_point(&mut |superblock: &Superblock| {
         if crate::regions::has_regions(superblock) && !point.covers_regions() {
             return Err(invalid(format!(
                 "{} is a volume with regions: a snapshot of it needs both members (and the region record) at one flush point, and this flush point holds one volume only",
@@ -782,13 +935,26 @@ fn publish(
             volume,
             &partial,
             &marked,
-            false,
+            how,
             (RECORD_FILE, &mut make_record),
         )?;
         taken = Some((record.clone(), files));
         Ok(())
-    })?;
+    });
+    if let Err(error) = held {
+        if how.warm {
+            // The warm copies share the whole volume: not left pinned
+            // until the next create's tidy.
+            let _ = fs.remove_all(&partial);
+        }
+        return Err(error);
+    }
     let (record, files) = taken.expect("the flush point ran the clone");
+    for file in warm.iter().filter(|file| !files.contains(file)) {
+        // Warmed, but not a file of the volume at its flush point.
+        fs.remove_file(file)
+            .map_err(|e| io_error("remove", file, e))?;
+    }
     for file in &files {
         fs.make_read_only(file)
             .map_err(|e| io_error("chmod", file, e))?;
@@ -917,7 +1083,10 @@ pub fn clone(fs: &dyn SnapshotFs, snapshot: &Path, new_path: &Path) -> Result<Pa
         snapshot,
         &partial,
         &writable,
-        true,
+        How {
+            writable: true,
+            warm: false,
+        },
         (ORIGIN_FILE, &mut || bytes.clone()),
     )?;
     sync_all(fs, &partial, &files)?;

@@ -189,6 +189,18 @@ impl ModelFs {
         .map(drop)
     }
 
+    /// `link_unsynced`, or where `path` is a file already, its bytes
+    /// replaced (not yet durable): a clone over a warm copy.
+    pub(crate) fn put_unsynced(&mut self, path: &Path, bytes: Vec<u8>) -> io::Result<()> {
+        match self.lookup(path) {
+            Some(_) => {
+                *self.file(path)? = bytes;
+                Ok(())
+            }
+            None => self.link_unsynced(path, bytes),
+        }
+    }
+
     pub(crate) fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
         let id = self.lookup(path).ok_or_else(|| not_found(path))?;
         match &mut self.nodes[id] {
@@ -320,7 +332,7 @@ impl SnapshotFs for Recording {
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
         self.change("clone", to, |fs| {
             let bytes = fs.file(from)?.clone();
-            fs.link_unsynced(to, bytes)
+            fs.put_unsynced(to, bytes)
         })
     }
     fn new_file(&self, path: &Path, len: u64, _allocate: bool) -> io::Result<()> {

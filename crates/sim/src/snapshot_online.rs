@@ -262,7 +262,18 @@ impl<V: VolumeFiles> SnapshotFs for ServedFs<V> {
         }
         let bytes = self.volume.live(from)?;
         self.model
-            .change("clone", to, |fs| fs.link_unsynced(to, bytes))
+            .change("clone", to, |fs| fs.put_unsynced(to, bytes))
+    }
+    fn warm_file(&self, from: &Path, to: &Path) -> io::Result<bool> {
+        if !self.volume.owns(from) {
+            return self.model.warm_file(from, to);
+        }
+        // The file as the volume's writes leave it now, not at a flush
+        // point: the clone at the flush point must replace every byte.
+        let bytes = self.volume.live(from)?;
+        self.model
+            .change("warm", to, |fs| fs.put_unsynced(to, bytes))
+            .map(|()| true)
     }
     fn new_file(&self, path: &Path, len: u64, allocate: bool) -> io::Result<()> {
         self.model.new_file(path, len, allocate)

@@ -591,3 +591,103 @@ fn decode_hex(hex: &str) -> Vec<u8> {
         .map(|at| u8::from_str_radix(&hex[at..at + 2], 16).expect("hex"))
         .collect()
 }
+
+/// An online create clones the volume's files once before its flush point
+/// (`warm_file`, while they are written) and again at it, over those warm
+/// copies: the clone at the flush point must leave each file equal to the
+/// volume's then, whatever changed since the warm copy (blocks rewritten,
+/// a hole punched where the copy has data, data where it has a hole, the
+/// file grown or cut), on a real xfs.
+#[test]
+fn a_clone_over_a_warm_copy_equals_the_file_at_the_flush_point() {
+    clone_over_a_warm_copy(&LoopFs::xfs());
+}
+
+#[test]
+fn a_clone_over_a_warm_copy_on_btrfs_equals_the_file_at_the_flush_point() {
+    clone_over_a_warm_copy(&LoopFs::btrfs());
+}
+
+/// Where the clone over a warm copy fails (here the "warm copy" is a
+/// symlink to a file on another filesystem: FICLONE says EXDEV), the copy
+/// goes and the file is cloned anew, on its own filesystem.
+#[test]
+fn a_warm_copy_that_cannot_be_cloned_over_is_replaced() {
+    use vouch_engine::snapshot::{RealFs, SnapshotFs as _};
+    let fs = LoopFs::xfs();
+    let elsewhere = tempfile::tempdir().expect("tempdir");
+    let (from, to) = (fs.mount.join("data"), fs.mount.join("warm"));
+    let stale = elsewhere.path().join("stale");
+    std::fs::write(&from, random_bytes(1 << 20, 4)).expect("write");
+    std::fs::write(&stale, random_bytes(2 << 20, 5)).expect("write");
+    std::os::unix::fs::symlink(&stale, &to).expect("symlink");
+    RealFs::new(false)
+        .clone_file(&from, &to)
+        .expect("cloned anew");
+    assert!(
+        to.symlink_metadata().expect("to").is_file(),
+        "a file, not the link"
+    );
+    assert!(std::fs::read(&to).expect("to") == std::fs::read(&from).expect("from"));
+    assert_eq!(
+        std::fs::read(&stale).expect("stale").len(),
+        2 << 20,
+        "untouched"
+    );
+}
+
+fn clone_over_a_warm_copy(fs: &LoopFs) {
+    use std::os::unix::fs::FileExt as _;
+    use vouch_engine::snapshot::{RealFs, SnapshotFs as _};
+    let (from, to) = (fs.mount.join("data"), fs.mount.join("warm"));
+    // Three 64 MiB pieces of a warm copy, the last short; data scattered.
+    let len: u64 = (160 << 20) + (12 << 10);
+    let file = std::fs::File::create(&from).expect("create");
+    file.set_len(len).expect("set_len");
+    let write_blocks = |seed: u64, count: u64| {
+        for k in 0..count {
+            let block = (k * 7919 + seed * 104_729) % (len / 4096);
+            file.write_all_at(&random_bytes(4096, seed * 1000 + k), block * 4096)
+                .expect("write");
+        }
+    };
+    let punch = |offset: u64, length: u64| {
+        run_ok(Command::new(tool("fallocate", "util-linux")).args([
+            "--punch-hole",
+            "--offset",
+            &offset.to_string(),
+            "--length",
+            &length.to_string(),
+            from.to_str().expect("path"),
+        ]));
+    };
+    let real = RealFs::new(false);
+    let equal = |when: &str| {
+        let (a, b) = (
+            std::fs::read(&from).expect("from"),
+            std::fs::read(&to).expect("to"),
+        );
+        assert_eq!(a.len(), b.len(), "{when}: lengths");
+        assert!(a == b, "{when}: the copy differs from the file");
+    };
+    write_blocks(1, 300);
+    assert!(
+        real.warm_file(&from, &to).expect("warm"),
+        "xfs shares extents"
+    );
+    equal("the first warm copy");
+    write_blocks(2, 200);
+    punch(4096 * 7919, 1 << 20);
+    file.set_len(len + (8 << 20)).expect("grow");
+    file.write_all_at(&random_bytes(4096, 9), len + (4 << 20))
+        .expect("write");
+    assert!(real.warm_file(&from, &to).expect("warm again"));
+    equal("the warm copy brought up to date");
+    write_blocks(3, 100);
+    punch(64 << 20, 4 << 20);
+    file.set_len(len - (16 << 20)).expect("cut");
+    file.sync_all().expect("sync");
+    real.clone_file(&from, &to)
+        .expect("clone over the warm copy");
+    equal("the clone at the flush point");
+}

@@ -1247,7 +1247,7 @@ impl Storage for FileStorage {
 /// `ioctl(FICLONERANGE)`: `destination` at `offset` shares `len` bytes of
 /// `source` at `source_offset`. The errors that mean "this filesystem (or
 /// this pair of files) cannot share extents" become `Unsupported`.
-fn ficlonerange(
+pub(crate) fn ficlonerange(
     destination: &File,
     offset: u64,
     source: &File,

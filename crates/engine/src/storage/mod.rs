@@ -406,5 +406,5 @@ pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
 }
 
 mod file;
-pub(crate) use file::{allocate, ficlone};
+pub(crate) use file::{allocate, ficlone, ficlonerange};
 pub use file::{FileOpen, FileStorage};
