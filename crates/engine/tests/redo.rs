@@ -156,3 +156,78 @@ fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
         }
     }
 }
+
+/// Write syscalls this thread has made (`/proc/thread-self/io`: `write`,
+/// `pwrite64`, `pwritev` and the like; not `fdatasync`).
+fn write_syscalls() -> u64 {
+    let io = std::fs::read_to_string("/proc/thread-self/io").expect("/proc/thread-self/io");
+    io.lines()
+        .find_map(|line| line.strip_prefix("syscw: "))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("a syscw line")
+}
+
+/// A small flush on files (the held log's slots in memory that outlives the
+/// process, mapped) makes two write syscalls, both on the caller's thread:
+/// its redo record and its home write (with `--direct` only the record:
+/// home writes go through io_uring). Emptying the held log's slot after
+/// the commit is a 16-byte store into the slot's mapped header page, not a
+/// `pwrite` of the page (issue 29's `--direct` flush every 8 writes: one
+/// `pwrite64` per flush more than before the held log, made under the
+/// log's lock while the next writes waited for it), and a record that
+/// crosses a 256 KiB boundary of the journal is one `pwrite64`, not two
+/// (`PAGE_CACHE_PIECE`: 1 flush in 8 made a second). That the store is
+/// kept by a crash of the process and leaves a valid header is what the
+/// held-log restarts (`serve_held.rs`, `serve_crash.rs`) read back. The
+/// split layout: the packed one also zeroes its rows ahead, now and then.
+#[test]
+fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
+    for direct in [false, true] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("volume");
+        let mut options = CreateOptions::new(512 * 4096);
+        options.layout = LayoutKind::Split;
+        options.journal_bytes = Some(4 << 20);
+        vouch_engine::create_volume(&path, &options)
+            .and_then(Volume::close)
+            .expect("create");
+        let volume = vouch_engine::open_volume(
+            &path,
+            &OpenOptions {
+                direct,
+                ..OpenOptions::default()
+            },
+        )
+        .expect("open");
+        let pair = |fill: u8| [block(fill), block(fill)].concat();
+        // Both slots in use once (each grown, and each emptied by a
+        // commit) before the measured flushes.
+        for lba in (0..8u64).step_by(2) {
+            volume.write(lba * 4096, &pair(1), false).expect("write");
+            volume.flush().expect("flush");
+        }
+        // Records of 12 KiB: some cross a 256 KiB boundary of the journal
+        // (too few to checkpoint).
+        for lba in (8..200u64).step_by(2) {
+            volume.write(lba * 4096, &pair(2), false).expect("write");
+            let before = write_syscalls();
+            volume.flush().expect("flush");
+            let made = write_syscalls() - before;
+            // `--direct` writes home through io_uring: no write syscall.
+            let expected = if direct { 1 } else { 2 };
+            assert_eq!(
+                made, expected,
+                "direct {direct}, LBA {lba}: a flush of two blocks made {made} write syscalls (its redo record, and its home write unless through io_uring)"
+            );
+        }
+        for lba in 0..200u64 {
+            let fill = if lba < 8 { 1 } else { 2 };
+            assert_eq!(
+                read_block(&volume, lba),
+                block(fill),
+                "direct {direct}, LBA {lba}"
+            );
+        }
+        volume.close().expect("close");
+    }
+}
