@@ -178,8 +178,15 @@ fn write_syscalls() -> u64 {
 /// crosses a 256 KiB boundary of the journal is one `pwrite64`, not two
 /// (`PAGE_CACHE_PIECE`: 1 flush in 8 made a second). That the store is
 /// kept by a crash of the process and leaves a valid header is what the
-/// held-log restarts (`serve_held.rs`, `serve_crash.rs`) read back. The
-/// split layout: the packed one also zeroes its rows ahead, now and then.
+/// held-log restarts (`serve_held.rs`, `serve_crash.rs`) and the next test
+/// read back. The split layout: the packed one also zeroes its rows ahead,
+/// now and then. Counted on this thread (`/proc/thread-self/io`): a flush
+/// commits on the thread that calls it (it takes the commit lock and
+/// commits what is buffered, its slot's emptying included), and the
+/// background committer, which counts on no thread of this test, is not
+/// asked to commit by two blocks a flush (`Committer::prompt`: more than
+/// `REDO_MAX_BLOCKS` since the last flush). Nothing else writes on this
+/// thread in between (a logged warning would, and fail the count).
 #[test]
 fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
     for direct in [false, true] {
@@ -229,5 +236,55 @@ fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
             );
         }
         volume.close().expect("close");
+    }
+}
+
+/// A slot emptied by the 16-byte store (every emptying after the open's
+/// first) is read back by the next open: after commits that emptied both
+/// slots that way, writes acknowledged and never committed, then the
+/// process's handle gone without a close (the held log's files stay, as
+/// after a crash), the reopen accepts both slots' headers (a header that
+/// failed its CRC would refuse the open as a damaged slot) and puts every
+/// held block back.
+#[test]
+fn slots_emptied_by_the_store_are_read_back_after_a_crash() {
+    for direct in [false, true] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("volume");
+        let mut options = CreateOptions::new(512 * 4096);
+        options.journal_bytes = Some(4 << 20);
+        vouch_engine::create_volume(&path, &options)
+            .and_then(Volume::close)
+            .expect("create");
+        let how = OpenOptions {
+            direct,
+            ..OpenOptions::default()
+        };
+        let volume = vouch_engine::open_volume(&path, &how).expect("open");
+        for lba in 0..6u64 {
+            volume.write(lba * 4096, &block(1), false).expect("write");
+            volume.flush().expect("flush");
+        }
+        // Acknowledged, not committed (far below the dirty limit).
+        for lba in 3..9u64 {
+            volume.write(lba * 4096, &block(2), false).expect("write");
+        }
+        drop(volume);
+        let reopened = vouch_engine::open_volume(&path, &how)
+            .unwrap_or_else(|error| panic!("direct {direct}: the reopen refused: {error}"));
+        assert_eq!(
+            reopened.recovery_report().held_blocks,
+            6,
+            "direct {direct}: every acknowledged, uncommitted block comes back from the held log"
+        );
+        for lba in 0..9u64 {
+            let fill = if lba < 3 { 1 } else { 2 };
+            assert_eq!(
+                read_block(&reopened, lba),
+                block(fill),
+                "direct {direct}, LBA {lba}"
+            );
+        }
+        reopened.close().expect("close");
     }
 }
