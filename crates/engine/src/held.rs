@@ -192,19 +192,7 @@ impl HeldLog {
         let storage = io.storage();
         let enabled = storage.has_held();
         let boot_id = storage.boot_id();
-        let mut slots = HeldSlots {
-            enabled,
-            uuid,
-            boot_id,
-            active: 0,
-            tail: HELD_HEADER_BYTES,
-            epochs: [0; 2],
-            used: [false; 2],
-            headed: [false; 2],
-            grown: [0; 2],
-            sized: [0; 2],
-            kept: [Vec::new(), Vec::new()],
-        };
+        let mut slots = HeldSlots::new(enabled, uuid, boot_id);
         let mut found: Vec<(u64, Vec<Held>)> = Vec::new();
         if enabled {
             for slot in 0..2 {
@@ -392,6 +380,24 @@ impl HeldLog {
 }
 
 impl HeldSlots {
+    /// Slots at epoch 0, the first slot active, nothing written by this
+    /// process yet.
+    fn new(enabled: bool, uuid: [u8; 16], boot_id: [u8; 16]) -> HeldSlots {
+        HeldSlots {
+            enabled,
+            uuid,
+            boot_id,
+            active: 0,
+            tail: HELD_HEADER_BYTES,
+            epochs: [0; 2],
+            used: [false; 2],
+            headed: [false; 2],
+            grown: [0; 2],
+            sized: [0; 2],
+            kept: [Vec::new(), Vec::new()],
+        }
+    }
+
     /// No slot holds a live record.
     pub fn is_empty(&self) -> bool {
         !self.used[0] && !self.used[1]
@@ -821,19 +827,8 @@ mod tests {
     /// else, and those bytes are one 16-byte-aligned run.
     #[test]
     fn an_emptying_changes_only_the_epoch_pair() {
-        let slots = HeldSlots {
-            enabled: true,
-            uuid: [3; 16],
-            boot_id: [5; 16],
-            active: 0,
-            tail: HELD_HEADER_BYTES,
-            epochs: [0; 2],
-            used: [false; 2],
-            headed: [true; 2],
-            grown: [0; 2],
-            sized: [8 << 20, 16 << 20],
-            kept: [Vec::new(), Vec::new()],
-        };
+        let mut slots = HeldSlots::new(true, [3; 16], [5; 16]);
+        slots.sized = [8 << 20, 16 << 20];
         assert_eq!(EPOCH_PAIR_AT % 16, 0);
         for slot in 0..2 {
             let old = slots.header_page(slot, 7);

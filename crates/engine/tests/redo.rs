@@ -157,6 +157,41 @@ fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
     }
 }
 
+fn open_options(direct: bool) -> OpenOptions {
+    OpenOptions {
+        direct,
+        ..OpenOptions::default()
+    }
+}
+
+/// A split volume of 512 blocks in files (its directory, its path), open
+/// (`direct`: `--direct`).
+fn file_volume(direct: bool) -> (tempfile::TempDir, std::path::PathBuf, Volume) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("volume");
+    let mut options = CreateOptions::new(512 * 4096);
+    options.layout = LayoutKind::Split;
+    options.journal_bytes = Some(4 << 20);
+    vouch_engine::create_volume(&path, &options)
+        .and_then(Volume::close)
+        .expect("create");
+    let volume = vouch_engine::open_volume(&path, &open_options(direct)).expect("open");
+    (dir, path, volume)
+}
+
+/// Blocks `[0, end)` read as `block(1)` below `twos_from`, as `block(2)`
+/// from it.
+fn assert_ones_then_twos(volume: &Volume, twos_from: u64, end: u64, direct: bool) {
+    for lba in 0..end {
+        let fill = if lba < twos_from { 1 } else { 2 };
+        assert_eq!(
+            read_block(volume, lba),
+            block(fill),
+            "direct {direct}, LBA {lba}"
+        );
+    }
+}
+
 /// Write syscalls this thread has made (`/proc/thread-self/io`: `write`,
 /// `pwrite64`, `pwritev` and the like; not `fdatasync`).
 fn write_syscalls() -> u64 {
@@ -190,22 +225,7 @@ fn write_syscalls() -> u64 {
 #[test]
 fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
     for direct in [false, true] {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("volume");
-        let mut options = CreateOptions::new(512 * 4096);
-        options.layout = LayoutKind::Split;
-        options.journal_bytes = Some(4 << 20);
-        vouch_engine::create_volume(&path, &options)
-            .and_then(Volume::close)
-            .expect("create");
-        let volume = vouch_engine::open_volume(
-            &path,
-            &OpenOptions {
-                direct,
-                ..OpenOptions::default()
-            },
-        )
-        .expect("open");
+        let (_dir, _path, volume) = file_volume(direct);
         let pair = |fill: u8| [block(fill), block(fill)].concat();
         // Both slots in use once (each grown, and each emptied by a
         // commit) before the measured flushes.
@@ -227,14 +247,7 @@ fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
                 "direct {direct}, LBA {lba}: a flush of two blocks made {made} write syscalls (its redo record, and its home write unless through io_uring)"
             );
         }
-        for lba in 0..200u64 {
-            let fill = if lba < 8 { 1 } else { 2 };
-            assert_eq!(
-                read_block(&volume, lba),
-                block(fill),
-                "direct {direct}, LBA {lba}"
-            );
-        }
+        assert_ones_then_twos(&volume, 8, 200, direct);
         volume.close().expect("close");
     }
 }
@@ -249,18 +262,7 @@ fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
 #[test]
 fn slots_emptied_by_the_store_are_read_back_after_a_crash() {
     for direct in [false, true] {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let path = dir.path().join("volume");
-        let mut options = CreateOptions::new(512 * 4096);
-        options.journal_bytes = Some(4 << 20);
-        vouch_engine::create_volume(&path, &options)
-            .and_then(Volume::close)
-            .expect("create");
-        let how = OpenOptions {
-            direct,
-            ..OpenOptions::default()
-        };
-        let volume = vouch_engine::open_volume(&path, &how).expect("open");
+        let (_dir, path, volume) = file_volume(direct);
         for lba in 0..6u64 {
             volume.write(lba * 4096, &block(1), false).expect("write");
             volume.flush().expect("flush");
@@ -270,21 +272,14 @@ fn slots_emptied_by_the_store_are_read_back_after_a_crash() {
             volume.write(lba * 4096, &block(2), false).expect("write");
         }
         drop(volume);
-        let reopened = vouch_engine::open_volume(&path, &how)
+        let reopened = vouch_engine::open_volume(&path, &open_options(direct))
             .unwrap_or_else(|error| panic!("direct {direct}: the reopen refused: {error}"));
         assert_eq!(
             reopened.recovery_report().held_blocks,
             6,
             "direct {direct}: every acknowledged, uncommitted block comes back from the held log"
         );
-        for lba in 0..9u64 {
-            let fill = if lba < 3 { 1 } else { 2 };
-            assert_eq!(
-                read_block(&reopened, lba),
-                block(fill),
-                "direct {direct}, LBA {lba}"
-            );
-        }
+        assert_ones_then_twos(&reopened, 3, 9, direct);
         reopened.close().expect("close");
     }
 }
