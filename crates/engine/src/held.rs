@@ -96,6 +96,10 @@ pub(crate) struct HeldSlots {
     epochs: [u64; 2],
     /// Whether each slot holds live records.
     used: [bool; 2],
+    /// Whether this process wrote each slot's whole header page (its
+    /// first emptying, at open): from then on an emptying changes only
+    /// the epoch and the CRC (`empty`).
+    headed: [bool; 2],
     /// Bytes of each slot the storage made room for (`grow_held`).
     grown: [u64; 2],
     /// Each slot file's length (`object_len`) after it last grew, kept in
@@ -158,6 +162,11 @@ impl std::ops::Deref for Entries {
     }
 }
 
+/// Where the bytes of a slot's header page that an emptying changes start:
+/// the epoch (48-55), the reserved word (56-59, zero) and the CRC (60-63),
+/// 16-byte aligned (`HeldSlots::empty`).
+const EPOCH_PAIR_AT: usize = 48;
+
 /// Room is made in a slot this much at a time: a write rarely pays for it.
 const GROW_STEP: u64 = 8 << 20;
 
@@ -183,18 +192,7 @@ impl HeldLog {
         let storage = io.storage();
         let enabled = storage.has_held();
         let boot_id = storage.boot_id();
-        let mut slots = HeldSlots {
-            enabled,
-            uuid,
-            boot_id,
-            active: 0,
-            tail: HELD_HEADER_BYTES,
-            epochs: [0; 2],
-            used: [false; 2],
-            grown: [0; 2],
-            sized: [0; 2],
-            kept: [Vec::new(), Vec::new()],
-        };
+        let mut slots = HeldSlots::new(enabled, uuid, boot_id);
         let mut found: Vec<(u64, Vec<Held>)> = Vec::new();
         if enabled {
             for slot in 0..2 {
@@ -382,6 +380,24 @@ impl HeldLog {
 }
 
 impl HeldSlots {
+    /// Slots at epoch 0, the first slot active, nothing written by this
+    /// process yet.
+    fn new(enabled: bool, uuid: [u8; 16], boot_id: [u8; 16]) -> HeldSlots {
+        HeldSlots {
+            enabled,
+            uuid,
+            boot_id,
+            active: 0,
+            tail: HELD_HEADER_BYTES,
+            epochs: [0; 2],
+            used: [false; 2],
+            headed: [false; 2],
+            grown: [0; 2],
+            sized: [0; 2],
+            kept: [Vec::new(), Vec::new()],
+        }
+    }
+
     /// No slot holds a live record.
     pub fn is_empty(&self) -> bool {
         !self.used[0] && !self.used[1]
@@ -553,15 +569,34 @@ impl HeldSlots {
     /// Write `slot`'s header with a new epoch. No copy may be in flight
     /// into it (`HeldLog::empty` waits for them; the slot `swap` empties
     /// again was not written since the previous commit emptied it).
+    ///
+    /// The first emptying of a slot (at open) writes its whole header
+    /// page. Every later one changes only bytes 48-63 of it (the epoch,
+    /// the reserved word, the CRC: the rest of the header is this
+    /// process's and the same), replaced together by one 16-byte store
+    /// (`Storage::store_held_pair`): no syscall on the commit path, and
+    /// a crash of the process leaves the old header or the new, each
+    /// valid, never one that fails its CRC (which would refuse the open
+    /// as a damaged slot). The old header is a crash just before the
+    /// emptying: its records replay before the other slot's, as they
+    /// already could.
     fn empty(&mut self, io: &Backing, slot: usize) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
         let epoch = self.epochs[0].max(self.epochs[1]) + 1;
         let page = self.header_page(slot, epoch);
-        io.storage()
-            .write_at(slot_object(slot), 0, &page)
-            .map_err(|cause| Error::HeldLog { op: "write", cause })?;
+        let storage = io.storage();
+        let stored = if self.headed[slot] {
+            let pair: [u8; 16] = page[EPOCH_PAIR_AT..EPOCH_PAIR_AT + 16]
+                .try_into()
+                .expect("16 bytes");
+            storage.store_held_pair(slot as u8, EPOCH_PAIR_AT as u64, pair)
+        } else {
+            storage.write_at(slot_object(slot), 0, &page)
+        };
+        stored.map_err(|cause| Error::HeldLog { op: "write", cause })?;
+        self.headed[slot] = true;
         self.epochs[slot] = epoch;
         self.used[slot] = false;
         // Its records are dead: the landing regions they named may go.
@@ -786,6 +821,36 @@ pub(crate) fn rebuffer(
 mod tests {
     use super::*;
     use vouch_format::CONTEXT_BYTES;
+
+    /// An emptying after the first replaces only bytes 48-63 of a slot's
+    /// header page (`HeldSlots::empty`): two epochs' pages differ nowhere
+    /// else, and those bytes are one 16-byte-aligned run.
+    #[test]
+    fn an_emptying_changes_only_the_epoch_pair() {
+        let mut slots = HeldSlots::new(true, [3; 16], [5; 16]);
+        slots.sized = [8 << 20, 16 << 20];
+        assert_eq!(EPOCH_PAIR_AT % 16, 0);
+        for slot in 0..2 {
+            let old = slots.header_page(slot, 7);
+            let new = slots.header_page(slot, 8);
+            let changed: Vec<usize> = (0..old.len()).filter(|at| old[*at] != new[*at]).collect();
+            assert!(!changed.is_empty(), "the epoch changed");
+            assert!(
+                changed
+                    .iter()
+                    .all(|at| (EPOCH_PAIR_AT..EPOCH_PAIR_AT + 16).contains(at)),
+                "slot {slot}: bytes {changed:?} changed"
+            );
+            let mut stored = old.clone();
+            stored[EPOCH_PAIR_AT..EPOCH_PAIR_AT + 16]
+                .copy_from_slice(&new[EPOCH_PAIR_AT..EPOCH_PAIR_AT + 16]);
+            assert_eq!(stored, new);
+            assert_eq!(
+                HeldHeader::decode(&stored).map(|header| header.epoch),
+                Ok(8)
+            );
+        }
+    }
 
     /// Records of every size keep every entry: in place up to
     /// `INLINE_BLOCKS` blocks, on the heap past it.

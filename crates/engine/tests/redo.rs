@@ -159,3 +159,130 @@ fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
         }
     }
 }
+
+fn open_options(direct: bool) -> OpenOptions {
+    OpenOptions {
+        direct,
+        ..OpenOptions::default()
+    }
+}
+
+/// A split volume of 512 blocks in files (its directory, its path), open
+/// (`direct`: `--direct`).
+fn file_volume(direct: bool) -> (tempfile::TempDir, std::path::PathBuf, Volume) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("volume");
+    let mut options = CreateOptions::new(512 * 4096);
+    options.layout = LayoutKind::Split;
+    options.journal_bytes = Some(4 << 20);
+    vouch_engine::create_volume(&path, &options)
+        .and_then(Volume::close)
+        .expect("create");
+    let volume = vouch_engine::open_volume(&path, &open_options(direct)).expect("open");
+    (dir, path, volume)
+}
+
+/// Blocks `[0, end)` read as `block(1)` below `twos_from`, as `block(2)`
+/// from it.
+fn assert_ones_then_twos(volume: &Volume, twos_from: u64, end: u64, direct: bool) {
+    for lba in 0..end {
+        let fill = if lba < twos_from { 1 } else { 2 };
+        assert_eq!(
+            read_block(volume, lba),
+            block(fill),
+            "direct {direct}, LBA {lba}"
+        );
+    }
+}
+
+/// Write syscalls this thread has made (`/proc/thread-self/io`: `write`,
+/// `pwrite64`, `pwritev` and the like; not `fdatasync`).
+fn write_syscalls() -> u64 {
+    let io = std::fs::read_to_string("/proc/thread-self/io").expect("/proc/thread-self/io");
+    io.lines()
+        .find_map(|line| line.strip_prefix("syscw: "))
+        .and_then(|count| count.trim().parse().ok())
+        .expect("a syscw line")
+}
+
+/// A small flush on files (the held log's slots in memory that outlives the
+/// process, mapped) makes two write syscalls, both on the caller's thread:
+/// its redo record and its home write (with `--direct` only the record:
+/// home writes go through io_uring). Emptying the held log's slot after
+/// the commit is a 16-byte store into the slot's mapped header page, not a
+/// `pwrite` of the page (issue 29's `--direct` flush every 8 writes: one
+/// `pwrite64` per flush more than before the held log, made under the
+/// log's lock while the next writes waited for it), and a record that
+/// crosses a 256 KiB boundary of the journal is one `pwrite64`, not two
+/// (`PAGE_CACHE_PIECE`: 1 flush in 8 made a second). That the store is
+/// kept by a crash of the process and leaves a valid header is what the
+/// held-log restarts (`serve_held.rs`, `serve_crash.rs`) and the next test
+/// read back. The split layout: the packed one also zeroes its rows ahead,
+/// now and then. Counted on this thread (`/proc/thread-self/io`): a flush
+/// commits on the thread that calls it (it takes the commit lock and
+/// commits what is buffered, its slot's emptying included), and the
+/// background committer, which counts on no thread of this test, is not
+/// asked to commit by two blocks a flush (`Committer::prompt`: more than
+/// `REDO_MAX_BLOCKS` since the last flush). Nothing else writes on this
+/// thread in between (a logged warning would, and fail the count).
+#[test]
+fn a_small_flush_writes_its_record_and_its_home_and_nothing_for_the_held_log() {
+    for direct in [false, true] {
+        let (_dir, _path, volume) = file_volume(direct);
+        let pair = |fill: u8| [block(fill), block(fill)].concat();
+        // Both slots in use once (each grown, and each emptied by a
+        // commit) before the measured flushes.
+        for lba in (0..8u64).step_by(2) {
+            volume.write(lba * 4096, &pair(1), false).expect("write");
+            volume.flush().expect("flush");
+        }
+        // Records of 12 KiB: some cross a 256 KiB boundary of the journal
+        // (too few to checkpoint).
+        for lba in (8..200u64).step_by(2) {
+            volume.write(lba * 4096, &pair(2), false).expect("write");
+            let before = write_syscalls();
+            volume.flush().expect("flush");
+            let made = write_syscalls() - before;
+            // `--direct` writes home through io_uring: no write syscall.
+            let expected = if direct { 1 } else { 2 };
+            assert_eq!(
+                made, expected,
+                "direct {direct}, LBA {lba}: a flush of two blocks made {made} write syscalls (its redo record, and its home write unless through io_uring)"
+            );
+        }
+        assert_ones_then_twos(&volume, 8, 200, direct);
+        volume.close().expect("close");
+    }
+}
+
+/// A slot emptied by the 16-byte store (every emptying after the open's
+/// first) is read back by the next open: after commits that emptied both
+/// slots that way, writes acknowledged and never committed, then the
+/// process's handle gone without a close (the held log's files stay, as
+/// after a crash), the reopen accepts both slots' headers (a header that
+/// failed its CRC would refuse the open as a damaged slot) and puts every
+/// held block back.
+#[test]
+fn slots_emptied_by_the_store_are_read_back_after_a_crash() {
+    for direct in [false, true] {
+        let (_dir, path, volume) = file_volume(direct);
+        for lba in 0..6u64 {
+            volume.write(lba * 4096, &block(1), false).expect("write");
+            volume.flush().expect("flush");
+        }
+        // Acknowledged, not committed (far below the dirty limit).
+        for lba in 3..9u64 {
+            volume.write(lba * 4096, &block(2), false).expect("write");
+        }
+        drop(volume);
+        let reopened = vouch_engine::open_volume(&path, &open_options(direct))
+            .unwrap_or_else(|error| panic!("direct {direct}: the reopen refused: {error}"));
+        assert_eq!(
+            reopened.recovery_report().held_blocks,
+            6,
+            "direct {direct}: every acknowledged, uncommitted block comes back from the held log"
+        );
+        assert_ones_then_twos(&reopened, 3, 9, direct);
+        reopened.close().expect("close");
+    }
+}

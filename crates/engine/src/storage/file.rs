@@ -702,7 +702,8 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 }
 
 /// The most a buffered write hands the kernel in one call; longer writes
-/// are cut at multiples of it in the file.
+/// are cut at multiples of it in the file (a write no longer than it goes
+/// whole, wherever it starts).
 ///
 /// The page cache sizes the folios of a write by its length (ext4 and xfs
 /// have large folios), and on a guest with free page reporting
@@ -715,7 +716,7 @@ fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> 
 /// way with reporting held (order 11). A commit's home writes are runs of
 /// many MiB, so an import paid it on every block; qemu-nbd and nbdkit
 /// write each NBD request (nbdcopy's 256 KiB) on its own and did not.
-/// A write inside one 256 KiB-aligned piece is still one `pwritev`.
+/// A write of at most 256 KiB is still one `pwritev`.
 ///
 /// The folios stay that size for the writes that come after, and for a
 /// later 4 KiB write they are the cheaper kind: ext4 walks every block of
@@ -900,9 +901,14 @@ impl Storage for FileStorage {
         }
         let file = self.file(object)?;
         let total: usize = parts.iter().map(|part| part.len()).sum();
-        if (offset % PAGE_CACHE_PIECE) as usize + total <= PAGE_CACHE_PIECE as usize {
-            // Inside one piece (every 4 KiB write, most small runs): as it
-            // is, with no piece list to build.
+        if total <= PAGE_CACHE_PIECE as usize {
+            // No longer than a piece (every 4 KiB write, most small runs, a
+            // journal record): as it is, one syscall, with no piece list
+            // to build, even across a piece's boundary. The kernel sizes a
+            // folio by what is left of the write and aligns it to its size,
+            // so such a write makes no folio larger than a piece whether or
+            // not it is cut there (cutting a journal record at the boundary
+            // made a second `pwrite64` for 1 flush in 8: issue 29).
             return pwritev_all(file, parts, offset);
         }
         let mut piece: Vec<&[u8]> = Vec::new();
@@ -1076,6 +1082,42 @@ impl Storage for FileStorage {
         let word_at = unsafe { std::sync::atomic::AtomicU64::from_ptr(to.cast::<u64>()) };
         word_at.store(word.to_le(), std::sync::atomic::Ordering::Release);
         Ok(())
+    }
+
+    fn store_held_pair(&self, slot: u8, at: u64, bytes: [u8; 16]) -> io::Result<()> {
+        let held = self
+            .held
+            .get()
+            .ok_or_else(|| no_object(ObjectId::Held(slot)))?;
+        #[cfg(target_arch = "x86_64")]
+        if let Some(to) = held
+            .mapped(slot, at, 16)
+            .filter(|to| (*to as usize).is_multiple_of(16))
+        {
+            // One instruction stores the 16 bytes: a crash of the process
+            // falls before it or after it, and a store that retired reaches
+            // the file's page whatever becomes of the process (an inline
+            // `movdqa`, so the compiler cannot cut it in two). No syscall:
+            // the `pwrite` this replaces was one per commit.
+            // SAFETY: inside the mapping, 16-byte aligned, and in a page
+            // the file has (the engine stores here only into the header
+            // page it wrote whole before: `HeldSlots::empty`); the caller
+            // holds the log's lock and no copy into this slot is in flight.
+            unsafe {
+                let value = std::arch::x86_64::_mm_loadu_si128(
+                    bytes.as_ptr().cast::<std::arch::x86_64::__m128i>(),
+                );
+                std::arch::asm!(
+                    "movdqa xmmword ptr [{to}], {value}",
+                    to = in(reg) to,
+                    value = in(xmm_reg) value,
+                    options(nostack, preserves_flags),
+                );
+            }
+            return Ok(());
+        }
+        let _ = held;
+        self.write_at(ObjectId::Held(slot), at, &bytes)
     }
 
     fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {

@@ -243,6 +243,15 @@ pub trait Storage: Send + Sync {
         self.write_at(ObjectId::Held(slot), at, &word.to_le_bytes())
     }
 
+    /// Replace the 16 bytes at `at` (16-byte aligned) of held slot `slot`
+    /// with `bytes` so that a crash of the process leaves either the old
+    /// 16 or the new, never a mix: an emptied slot's new `epoch` and its
+    /// header's CRC (`HeldLog::empty`). The default writes them with one
+    /// `pwrite`, which a crash of the process does not cut.
+    fn store_held_pair(&self, slot: u8, at: u64, bytes: [u8; 16]) -> io::Result<()> {
+        self.write_at(ObjectId::Held(slot), at, &bytes)
+    }
+
     /// The landing area (`landing.rs`): memory of the held log's kind,
     /// mapped, that a large write's payload is received straight into, so
     /// the held log records where it is instead of copying it. Its base
