@@ -933,6 +933,33 @@ impl Storage for FileStorage {
         self.file(object)?.sync_data()
     }
 
+    fn sync_each(&self, objects: &[ObjectId]) -> Result<(), (ObjectId, io::Error)> {
+        if objects.len() < 2 {
+            return objects
+                .iter()
+                .try_for_each(|&object| self.sync(object).map_err(|error| (object, error)));
+        }
+        // One thread per object: each fdatasync waits for its own flush,
+        // and flushes issued together are merged by the block layer (and
+        // by ext4's journal commit), so N objects cost about one flush.
+        std::thread::scope(|scope| {
+            let syncs: Vec<_> = objects
+                .iter()
+                .map(|&object| (object, scope.spawn(move || self.sync(object))))
+                .collect();
+            let mut first = Ok(());
+            for (object, sync) in syncs {
+                let done = sync
+                    .join()
+                    .unwrap_or_else(|_| Err(io::Error::other("sync thread panicked")));
+                if let (Ok(()), Err(error)) = (&first, done) {
+                    first = Err((object, error));
+                }
+            }
+            first
+        })
+    }
+
     fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
         let file = self.file(object)?;
         // SAFETY: fallocate on a valid, open file descriptor with plain integers.
