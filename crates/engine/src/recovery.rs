@@ -14,9 +14,7 @@
 //!   from the journal's copy, so each block reads its newest journaled data.
 //!   The rows they land in are not read: one whose bit was clear is made
 //!   whole later (`WrittenMap::defer_bind`). A block is written from the
-//!   last record that writes it, and not at all when its slot, synced by
-//!   `sync_what_a_crash_left`, already holds that record (a process
-//!   crash: the page cache answers without waiting for the device).
+//!   last record that writes it only.
 //!
 //! The journal is read in large sequential reads (`read_records`), and
 //! the objects a crash left unsynced are fsynced together: a journal of
@@ -51,8 +49,7 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
     {
         let mut journal = committer.lock();
         report.was_clean = journal.superblock.state == STATE_CLEAN;
-        let home_synced = !report.was_clean && !shared.io.is_read_only();
-        if home_synced {
+        if !report.was_clean && !shared.io.is_read_only() {
             sync_what_a_crash_left(shared)?;
         }
         let (records, journal_end) = read_records(
@@ -80,7 +77,6 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
                 protection: &*shared.protection,
                 state: &shared.state,
                 unsynced: journal.unsynced_for(false),
-                home_synced,
                 report: &mut report,
             };
             resolutions.extend(layout.replay(replay, &records)?);

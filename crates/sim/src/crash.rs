@@ -369,15 +369,6 @@ impl Checker {
         counters: &Arc<Counters>,
     ) -> Result<(), String> {
         counters.images.fetch_add(1, Ordering::Relaxed);
-        // Half the recoveries find pages in the page cache (`read_at_nowait`
-        // answers), so a packed replay compares the records it finds at
-        // home with the journal's and skips those already there; the other
-        // half finds none and writes every record, as after a reboot.
-        // (Drawn from a copy: the image's other draws stay as they were.)
-        let cached = Rng::new(rng.clone().next_u64() ^ 0x6361_6368_6564).next_u64();
-        if cached & 1 == 0 {
-            image.cache_pages(cached);
-        }
         let recorder = Arc::new(Recorder::new(image));
         let nested: Arc<Mutex<Vec<String>>> = Arc::default();
         if depth == 0 && rng.below(1000) < self.nested_permille {

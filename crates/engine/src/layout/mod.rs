@@ -112,10 +112,6 @@ pub(crate) struct Replay<'a> {
     pub state: &'a RwLock<VolumeState>,
     /// Objects written by the replay (to be synced before anything new).
     pub unsynced: &'a mut BTreeSet<ObjectId>,
-    /// Every object was synced before the replay (a writable open after a
-    /// crash, `recovery.rs`): what home holds now is durable, so a record
-    /// found there as the journal has it need not be written again.
-    pub home_synced: bool,
     pub report: &'a mut RecoveryReport,
 }
 

@@ -1043,7 +1043,6 @@ impl Layout for PackedLayout {
         } else {
             last_block_writes(records)
         };
-        let mut home = vec![0u8; PACKED_RECORD_BYTES as usize];
         for record in records {
             let mut data_index = 0usize;
             for entry in &record.entries {
@@ -1081,29 +1080,16 @@ impl Layout for PackedLayout {
                         // Made whole later, not read now (`defer_bind`).
                         replay.io.written.defer_bind(entry.lba);
                     }
-                    // Written unless a later record of the journal writes
-                    // the block again (its slot is rewritten whole then),
-                    // or the slot already holds this record, durably: a
-                    // crash of the process alone leaves the home writes
-                    // it made, synced before the replay (`home_synced`),
-                    // and they are still in the page cache (a read that
-                    // would wait for the device is not made: after a power
-                    // cut the records are written as before).
+                    // Written from the last record of the journal that
+                    // writes the block only: it rewrites the slot whole.
+                    // (A record found at home as the journal holds it is
+                    // still written: after a writeback error the dead
+                    // process saw, the page cache may hold bytes the disk
+                    // does not, and only a write dirties them again.)
                     let superseded = last_writes
                         .get(&entry.lba)
                         .is_some_and(|seq| *seq != record.header.seq);
-                    let in_place = !superseded
-                        && replay.home_synced
-                        && replay
-                            .io
-                            .try_read_with(object, location.data_offset, &mut home, Wait::NoWait)
-                            .is_ok()
-                        && home[..BLOCK as usize] == *data
-                        && home[BLOCK as usize..] == context;
-                    if in_place {
-                        replay.io.stats.add_read(PACKED_RECORD_BYTES);
-                        replay.report.blocks_verified += 1;
-                    } else if !superseded {
+                    if !superseded {
                         replay.io.write_runs(
                             object,
                             &[Run {

@@ -393,7 +393,6 @@ impl Layout for SplitLayout {
             state,
             unsynced,
             report,
-            ..
         } = replay;
         let Some(last) = records.last() else {
             return Ok(Vec::new());
