@@ -220,6 +220,17 @@ impl Backing {
         Ok(())
     }
 
+    /// `sync_object` of each of `objects`, at once where the storage can.
+    pub fn sync_objects(&self, objects: &[ObjectId]) -> Result<()> {
+        self.storage
+            .sync_each(objects)
+            .map_err(|(object, error)| Error::io("sync", object, 0, error))?;
+        self.stats
+            .syncs
+            .fetch_add(objects.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
     pub fn seek_data(&self, object: ObjectId, offset: u64) -> Result<Option<u64>> {
         self.storage
             .next_data(object, offset)

@@ -80,6 +80,10 @@ pub(crate) struct Record {
 /// Valid records with consecutive sequence numbers after `checkpoint_seq`,
 /// and the journal offset just past the last one. `check` refuses a record
 /// that passed its checksums but cannot have been written by vouch.
+///
+/// The journal is read front to back in large sequential reads
+/// (`JournalWindow`), not two reads per record: prompt commits leave
+/// hundreds of small records, and recovery costs what they hold.
 pub(crate) fn read_records(
     io: &Backing,
     uuid: [u8; 16],
@@ -90,10 +94,10 @@ pub(crate) fn read_records(
     let mut records = Vec::new();
     let mut offset = 0u64;
     let mut expected = checkpoint_seq + 1;
-    let mut first_block = vec![0u8; JOURNAL_ALIGN as usize];
+    let mut window = JournalWindow::new(journal_bytes);
     while offset + JOURNAL_ALIGN <= journal_bytes {
-        io.read_object(ObjectId::Journal, offset, &mut first_block)?;
-        let Ok(header) = JournalHeader::decode(&first_block) else {
+        let first_block = window.bytes(io, offset, JOURNAL_ALIGN)?;
+        let Ok(header) = JournalHeader::decode(first_block) else {
             break;
         };
         if header.volume_uuid != uuid || header.seq != expected {
@@ -103,8 +107,7 @@ pub(crate) fn read_records(
         if offset + len > journal_bytes {
             break;
         }
-        let mut bytes = vec![0u8; len as usize];
-        io.read_object(ObjectId::Journal, offset, &mut bytes)?;
+        let bytes = window.bytes(io, offset, len)?.to_vec();
         // A torn record fails its payload CRC: its commit never reached
         // the data (ORDER POINT A), so the replay ends before it.
         let Ok(entries) = decode_entries(&header, &bytes) else {
@@ -121,4 +124,61 @@ pub(crate) fn read_records(
         expected += 1;
     }
     Ok((records, offset))
+}
+
+/// The first read of the journal at open: 64 KiB (a clean or lightly
+/// used journal costs little more than its first record's header).
+const WINDOW_FIRST: u64 = 64 << 10;
+/// Each read after it doubles, up to this much (a record larger than
+/// the window is read whole, in one read).
+const WINDOW_MAX: u64 = 4 << 20;
+
+/// A window onto the journal, read ahead sequentially: records are
+/// sliced out of it, and a record that runs past its end starts the next
+/// read at the record's own offset (so every read is one `pread`, and no
+/// byte is read twice).
+struct JournalWindow {
+    journal_bytes: u64,
+    /// Journal offset of `buf[0]`.
+    start: u64,
+    buf: Vec<u8>,
+    /// The size of the next read.
+    next: u64,
+}
+
+impl JournalWindow {
+    fn new(journal_bytes: u64) -> JournalWindow {
+        JournalWindow {
+            journal_bytes,
+            start: 0,
+            buf: Vec::new(),
+            next: WINDOW_FIRST,
+        }
+    }
+
+    /// The journal's bytes `[offset, offset + len)` (within the journal).
+    fn bytes(&mut self, io: &Backing, offset: u64, len: u64) -> Result<&[u8]> {
+        let end = self.start + self.buf.len() as u64;
+        if offset < self.start || offset + len > end {
+            let size = len.max(self.next).min(self.journal_bytes - offset);
+            self.buf.resize(size as usize, 0);
+            self.start = offset;
+            self.next = (self.next * 2).min(WINDOW_MAX);
+            if size > len
+                && io
+                    .try_read(ObjectId::Journal, offset, &mut self.buf)
+                    .is_ok()
+            {
+                io.stats.add_read(size);
+            } else {
+                // What lies past the record (an unreadable sector of an
+                // old record, say) must not fail the open: read only what
+                // is needed, as one read per record did.
+                self.buf.truncate(len as usize);
+                io.read_object(ObjectId::Journal, offset, &mut self.buf)?;
+            }
+        }
+        let at = (offset - self.start) as usize;
+        Ok(&self.buf[at..at + len as usize])
+    }
 }

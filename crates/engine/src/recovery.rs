@@ -13,7 +13,12 @@
 //! - Packed: the journal is a redo log: every record's blocks are rewritten
 //!   from the journal's copy, so each block reads its newest journaled data.
 //!   The rows they land in are not read: one whose bit was clear is made
-//!   whole later (`WrittenMap::defer_bind`).
+//!   whole later (`WrittenMap::defer_bind`). A block is written from the
+//!   last record that writes it only.
+//!
+//! The journal is read in large sequential reads (`read_records`), and
+//! the objects a crash left unsynced are fsynced together: a journal of
+//! hundreds of small records (prompt commits) costs what they hold.
 //!
 //! A writable open does not checkpoint: it fsyncs what it verified or redid,
 //! journals again the contexts it reverted (so a later flush, which advances
@@ -108,11 +113,13 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
 /// after recovery brought the older copy back, whose journal the records
 /// written since had overwritten: writes flushed after the restart were
 /// lost (found by `vouch-sim crash` with stepped commits; engine_bugs.rs).
+///
+/// All at once (`Storage::sync_each`): five objects synced in turn cost
+/// five device cache flushes before the replay starts.
 fn sync_what_a_crash_left(shared: &Shared) -> Result<()> {
-    for object in crate::storage::objects_of(&shared.io.geometry) {
-        shared.io.sync_object(object)?;
-    }
-    Ok(())
+    shared
+        .io
+        .sync_objects(&crate::storage::objects_of(&shared.io.geometry))
 }
 
 /// Make what recovery decided durable before anything new is written:

@@ -4,7 +4,7 @@
 //! journal carries the data too (a redo log): recovery rewrites every
 //! journaled record, and each block reads its newest journaled data.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 
 use parking_lot::RwLock;
@@ -21,7 +21,7 @@ use crate::contexts::{context_in_range, ContextStore, Lookup};
 use crate::error::{Error, Result};
 use crate::journal::Record;
 use crate::state::{BlockData, DirtyBlock, RangeOp, VolumeState, BLOCK};
-use crate::storage::{ObjectId, Wait};
+use crate::storage::{ObjectId, Run, Wait};
 use crate::written::{Seen, SlotVerdict};
 
 /// The unused bytes at the end of a packed row (zero on disk).
@@ -1038,6 +1038,11 @@ impl Layout for PackedLayout {
             // trim, which clears it as the trim did (`written.rs`).
             super::split::clear_trimmed_units(replay.io, records);
         }
+        let last_writes = if read_only {
+            HashMap::new()
+        } else {
+            last_block_writes(records)
+        };
         for record in records {
             let mut data_index = 0usize;
             for entry in &record.entries {
@@ -1065,9 +1070,7 @@ impl Layout for PackedLayout {
                         continue;
                     }
                     let location = self.geometry.locate(entry.lba);
-                    let mut record_bytes = vec![0u8; PACKED_RECORD_BYTES as usize];
-                    record_bytes[..BLOCK as usize].copy_from_slice(data);
-                    record_bytes[BLOCK as usize..].copy_from_slice(&entry.context.encode());
+                    let context = entry.context.encode();
                     let object = ObjectId::Data(location.segment);
                     let unit = replay.io.written.unit_of(entry.lba);
                     if replay.io.written.bound()
@@ -1077,11 +1080,26 @@ impl Layout for PackedLayout {
                         // Made whole later, not read now (`defer_bind`).
                         replay.io.written.defer_bind(entry.lba);
                     }
-                    replay
-                        .io
-                        .write_object(object, location.data_offset, &record_bytes)?;
+                    // Written from the last record of the journal that
+                    // writes the block only: it rewrites the slot whole.
+                    // (A record found at home as the journal holds it is
+                    // still written: after a writeback error the dead
+                    // process saw, the page cache may hold bytes the disk
+                    // does not, and only a write dirties them again.)
+                    let superseded = last_writes
+                        .get(&entry.lba)
+                        .is_some_and(|seq| *seq != record.header.seq);
+                    if !superseded {
+                        replay.io.write_runs(
+                            object,
+                            &[Run {
+                                offset: location.data_offset,
+                                parts: &[data, &context],
+                            }],
+                        )?;
+                        replay.unsynced.insert(object);
+                    }
                     replay.io.written.set(unit);
-                    replay.unsynced.insert(object);
                 } else {
                     let range =
                         RangeOp::new(entry.lba, entry.lba + u64::from(entry.count), entry.context);
@@ -1118,4 +1136,22 @@ impl Layout for PackedLayout {
         self.bind_deferred(io)?;
         Ok((Vec::new(), Vec::new()))
     }
+}
+
+/// For every block the replay writes: the sequence number of the last
+/// record that writes it, so only that record's copy is written (a slot is
+/// rewritten whole by each). Empty when a record holds a range (a trim or
+/// write-zeroes works on the rows as the records before it left them), so
+/// such a journal is replayed write by write.
+fn last_block_writes(records: &[Record]) -> HashMap<u64, u64> {
+    let mut last = HashMap::new();
+    for record in records {
+        for entry in &record.entries {
+            if !(entry.count == 1 && entry.context.carries_data()) {
+                return HashMap::new();
+            }
+            last.insert(entry.lba, record.header.seq);
+        }
+    }
+    last
 }

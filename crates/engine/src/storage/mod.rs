@@ -115,6 +115,16 @@ pub trait Storage: Send + Sync {
     }
     /// Make every completed write to `object` durable.
     fn sync(&self, object: ObjectId) -> io::Result<()>;
+    /// `sync` of each of `objects`, all done when it returns; the first
+    /// failure names its object. The default syncs them in turn (the
+    /// simulator's order stays the one its crash points count); files sync
+    /// them at once, so their device cache flushes overlap.
+    fn sync_each(&self, objects: &[ObjectId]) -> Result<(), (ObjectId, io::Error)> {
+        for &object in objects {
+            self.sync(object).map_err(|error| (object, error))?;
+        }
+        Ok(())
+    }
     /// Deallocate a range; it reads as zero afterwards. Like a write, it is
     /// durable only after `sync`.
     fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()>;
