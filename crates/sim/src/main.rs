@@ -159,6 +159,30 @@ enum Command {
         /// written during the copy (the run must find violations).
         #[arg(long, requires = "online")]
         break_recopy: bool,
+        /// Power cuts instead of process crashes: every file and directory
+        /// of the volume in the model filesystem, images that drop
+        /// unsynced writes and undo unsynced renames at every operation,
+        /// and the open's catching up of the record cut at each step.
+        #[arg(long, conflicts_with_all = ["online", "break_release", "no_reboot"])]
+        power: bool,
+        /// With --power: images per crash point keeping a random subset of
+        /// the unsynced files and directories (besides none and all).
+        #[arg(long, default_value_t = 2, requires = "power")]
+        subsets: u64,
+        /// With --power, break it on purpose: the switch's record not
+        /// fsynced before the superblock's regions_seq names it.
+        #[arg(long, requires = "power")]
+        break_record_sync: bool,
+        /// With --power, break it on purpose: the directory syncs of
+        /// making the volume one with regions skipped (the member's rename
+        /// and the record's entry not durable before the home's flag).
+        #[arg(long, requires = "power")]
+        break_dir_sync: bool,
+        /// With --power, break it on purpose: the open's catching up of a
+        /// record newer than the superblock not fsyncing the record before
+        /// the superblock's update.
+        #[arg(long, requires = "power")]
+        break_rewrite_sync: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -378,7 +402,33 @@ fn run(cli: Cli) -> Result<bool, String> {
             no_reboot,
             online,
             break_recopy,
+            power,
+            subsets,
+            break_record_sync,
+            break_dir_sync,
+            break_rewrite_sync,
         } => {
+            if power {
+                let config = vouch_sim::migrate_power::PowerConfig {
+                    layout: layout(&run.layout)?,
+                    seeds: run.seeds,
+                    seed: run.seed,
+                    back,
+                    subsets,
+                    breaks: vouch_sim::migrate_power::PowerBreaks {
+                        switch: break_switch,
+                        record_sync: break_record_sync,
+                        dir_sync: break_dir_sync,
+                        rewrite_sync: break_rewrite_sync,
+                    },
+                };
+                let report = vouch_sim::migrate_power::run(&config);
+                for violation in &report.violations {
+                    println!("{violation}");
+                }
+                println!("{}", report.summary(&config));
+                return Ok(report.violations.is_empty());
+            }
             let config = vouch_sim::migrate::MigrateConfig {
                 again_every: 1,
                 online,
