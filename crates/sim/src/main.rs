@@ -169,6 +169,10 @@ enum Command {
         /// the unsynced files and directories (besides none and all).
         #[arg(long, default_value_t = 2, requires = "power")]
         subsets: u64,
+        /// With --power: run the migration again on the images of every
+        /// Nth crash point (and the last) only; every image is read.
+        #[arg(long, default_value_t = 1, requires = "power")]
+        again_every: u64,
         /// With --power, break it on purpose: the switch's record not
         /// fsynced before the superblock's regions_seq names it.
         #[arg(long, requires = "power")]
@@ -404,6 +408,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             break_recopy,
             power,
             subsets,
+            again_every,
             break_record_sync,
             break_dir_sync,
             break_rewrite_sync,
@@ -415,6 +420,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                     seed: run.seed,
                     back,
                     subsets,
+                    again_every,
                     breaks: vouch_sim::migrate_power::PowerBreaks {
                         switch: break_switch,
                         record_sync: break_record_sync,

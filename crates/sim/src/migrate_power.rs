@@ -116,6 +116,10 @@ pub struct PowerConfig {
     /// Images per crash point keeping a random subset of the unsynced
     /// inodes (besides nothing kept and everything kept).
     pub subsets: u64,
+    /// Run the migration again (and judge it) on the images of every Nth
+    /// crash point and after it returned (1: at each). Every image is
+    /// opened and read whatever this says.
+    pub again_every: u64,
     pub breaks: PowerBreaks,
 }
 
@@ -188,8 +192,8 @@ impl ModelStorage {
 impl Storage for ModelStorage {
     fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         let path = self.path(object);
-        let mut fs = self.fs.fs.lock();
-        let file = fs.file(&path)?;
+        let fs = self.fs.fs.lock();
+        let file = fs.bytes(&path)?;
         let start = (offset as usize).min(file.len());
         let end = (offset as usize + buf.len()).min(file.len());
         buf[..end - start].copy_from_slice(&file[start..end]);
@@ -229,8 +233,8 @@ impl Storage for ModelStorage {
     /// of zeros are holes (they read the same).
     fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
         let path = self.path(object);
-        let mut fs = self.fs.fs.lock();
-        let file = fs.file(&path)?;
+        let fs = self.fs.fs.lock();
+        let file = fs.bytes(&path)?;
         let mut page = offset as usize / PAGE;
         while page * PAGE < file.len() {
             let end = ((page + 1) * PAGE).min(file.len());
@@ -244,8 +248,8 @@ impl Storage for ModelStorage {
 
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
         let path = self.path(object);
-        let mut fs = self.fs.fs.lock();
-        Ok(fs.file(&path)?.len() as u64)
+        let fs = self.fs.fs.lock();
+        Ok(fs.bytes(&path)?.len() as u64)
     }
 }
 
@@ -403,11 +407,12 @@ impl Judge {
     fn violation(&mut self, at: &str, what: String) {
         if self.report.violations.len() < 20 {
             self.report.violations.push(format!(
-                "VIOLATION seed {} {at}: {what}\n  replay: cargo run --release -p vouch-sim -- migrate --power --layout {} --seed {} --seeds 1 --subsets {}{}{}",
+                "VIOLATION seed {} {at}: {what}\n  replay: cargo run --release -p vouch-sim -- migrate --power --layout {} --seed {} --seeds 1 --subsets {} --again-every {}{}{}",
                 self.seed,
                 self.config.layout.name(),
                 self.seed,
                 self.config.subsets,
+                self.config.again_every,
                 if self.config.back { " --back" } else { "" },
                 self.config.breaks.flags()
             ));
@@ -431,29 +436,34 @@ impl Judge {
         images
     }
 
-    /// A crash point of the migration, its state `fs`.
-    fn point(&mut self, at: &str, fs: &ModelFs) {
+    /// A crash point of the migration, its state `fs`; `last`: after it
+    /// returned.
+    fn point(&mut self, at: &str, fs: &ModelFs, last: bool) {
         if self.broken() {
             return;
         }
         self.report.points += 1;
+        let again = last || self.report.points % self.config.again_every.max(1) == 0;
         for (kind, image) in self.images(fs) {
             self.report.images += 1;
             let at = format!("{at}, power cut ({kind})");
             if kind == "everything issued kept" {
                 self.rewrite_if_behind(&at, &image);
             }
-            if let Err(why) = self.judge(image) {
+            if let Err(why) = self.judge(image, again) {
                 self.violation(&at, why);
             }
         }
     }
 
-    /// One image: opened and read, migrated again, read again.
-    fn judge(&self, image: ModelFs) -> Result<(), String> {
+    /// One image: opened and read; `again`: migrated again, read again.
+    fn judge(&self, image: ModelFs, again: bool) -> Result<(), String> {
         let fs = ModelRegions::new(image).shared();
         let path = Path::new(VOLUME);
         self.same(read_image_in(&fs, path), "after the cut")?;
+        if !again {
+            return Ok(());
+        }
         let none = Steps::new(None);
         let again = Migrate {
             target: self.target,
@@ -633,7 +643,7 @@ fn run_seed(config: &PowerConfig, seed: u64) -> PowerReport {
             let state = fs.now();
             judge
                 .lock()
-                .point(&format!("before operation {step}"), &state);
+                .point(&format!("before operation {step}"), &state, false);
         })
     };
     let steps = Steps::with_hook(None, hook);
@@ -655,7 +665,7 @@ fn run_seed(config: &PowerConfig, seed: u64) -> PowerReport {
         .unwrap_or_else(|_| panic!("the hook is gone"))
         .into_inner();
     match migrated {
-        Ok(_) => judge.point("after it returned", &fs.now()),
+        Ok(_) => judge.point("after it returned", &fs.now(), true),
         Err(error) => judge.violation("", format!("the migration failed: {error}")),
     }
     judge.report
