@@ -173,8 +173,8 @@ enum Command {
         /// Nth crash point (and the last) only; every image is read.
         #[arg(long, default_value_t = 1, requires = "power")]
         again_every: u64,
-        /// With --power, break it on purpose: the switch's record not
-        /// fsynced before the superblock's regions_seq names it.
+        /// With --power, break it on purpose: the record not fsynced (when
+        /// made, at each switch) before the superblock names it.
         #[arg(long, requires = "power")]
         break_record_sync: bool,
         /// With --power, break it on purpose: the directory syncs of

@@ -34,9 +34,9 @@
 //! acknowledged but not flushed in a member is lost, as in a power cut),
 //! read, migrated again and read again. That is one power-cut outcome,
 //! the one where the kernel had written back every file write; cuts that
-//! also drop unsynced file writes are not made here (the migration's
-//! files are real files, not the recorder's), so the fsync order of the
-//! record and the directories is argued in CRASH_MODEL, not simulated.
+//! also drop unsynced file writes (the fsync order of the record and the
+//! directories) are `vouch-sim migrate --power`'s (`migrate_power`), on
+//! the model filesystem.
 //! Deliberate breaks must be caught: `--break-release` (the old member
 //! trimmed before the switch) and `--break-switch` (the record switched
 //! before the new member's flush: caught by the reboot images).

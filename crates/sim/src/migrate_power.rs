@@ -45,8 +45,8 @@
 //! it commits, so the everything-kept image is a reboot's, and process
 //! crashes stay `vouch-sim migrate`'s (real files, a child aborted).
 //! Deliberate breaks must be caught: `--break-switch` (the record switched
-//! before the new member's flush), `--break-record-sync` (the switch's
-//! record not fsynced before the superblock's `regions_seq` names it),
+//! before the new member's flush), `--break-record-sync` (the record not
+//! fsynced, when made or at a switch, before the superblock names it),
 //! `--break-dir-sync` (the directory syncs of making the volume one with
 //! regions skipped: the member's rename and the record's entry not
 //! durable before the home's flag), `--break-rewrite-sync` (the open's
@@ -76,7 +76,8 @@ const PAGE: usize = 4096;
 pub struct PowerBreaks {
     /// The record switched before the new member is flushed.
     pub switch: bool,
-    /// The switch's record not fsynced before the superblock names it.
+    /// The migration's record not fsynced (when made, at each switch)
+    /// before the superblock names it.
     pub record_sync: bool,
     /// The directory syncs of making the volume one with regions skipped.
     pub dir_sync: bool,
@@ -443,7 +444,11 @@ impl Judge {
             return;
         }
         self.report.points += 1;
-        let again = last || self.report.points % self.config.again_every.max(1) == 0;
+        let again = last
+            || self
+                .report
+                .points
+                .is_multiple_of(self.config.again_every.max(1));
         for (kind, image) in self.images(fs) {
             self.report.images += 1;
             let at = format!("{at}, power cut ({kind})");
