@@ -127,6 +127,10 @@ fn write_record(
     if breaks.skip_record_sync {
         return Ok(());
     }
+    // On real files the write's descriptor is closed and the fsync opens
+    // the file again: on Linux fsync flushes the inode whatever the
+    // descriptor, and a writeback error not yet seen is reported to the
+    // new one too (errseq, 4.16 and later).
     steps.step();
     fs.sync_file(&name)
         .map_err(|error| io_error("sync", &name, error))

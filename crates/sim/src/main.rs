@@ -173,6 +173,9 @@ enum Command {
         /// Nth crash point (and the last) only; every image is read.
         #[arg(long, default_value_t = 1, requires = "power")]
         again_every: u64,
+        /// With --power: judge the crash points from this operation on.
+        #[arg(long, default_value_t = 1, requires = "power")]
+        from_point: u64,
         /// With --power, break it on purpose: the record not fsynced (when
         /// made, at each switch) before the superblock names it.
         #[arg(long, requires = "power")]
@@ -409,6 +412,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             power,
             subsets,
             again_every,
+            from_point,
             break_record_sync,
             break_dir_sync,
             break_rewrite_sync,
@@ -421,6 +425,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                     back,
                     subsets,
                     again_every,
+                    from_point,
                     breaks: vouch_sim::migrate_power::PowerBreaks {
                         switch: break_switch,
                         record_sync: break_record_sync,

@@ -121,6 +121,9 @@ pub struct PowerConfig {
     /// crash point and after it returned (1: at each). Every image is
     /// opened and read whatever this says.
     pub again_every: u64,
+    /// Judge the crash points from the migration's `from_point`th
+    /// operation on (1: all; a break's test starts near its catch).
+    pub from_point: u64,
     pub breaks: PowerBreaks,
 }
 
@@ -167,13 +170,6 @@ impl PowerReport {
             self.seconds
         )
     }
-}
-
-fn not_found(path: &Path) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::NotFound,
-        format!("{}: no such file", path.display()),
-    )
 }
 
 /// A volume's objects as files of the model, in directory `dir`: written
@@ -383,9 +379,6 @@ impl SnapshotFs for ModelRegions {
         self.0.set_len(path, len)
     }
     fn remove_file(&self, path: &Path) -> io::Result<()> {
-        if !self.0.exists(path) {
-            return Err(not_found(path));
-        }
         self.0.remove_file(path)
     }
 }
@@ -408,12 +401,13 @@ impl Judge {
     fn violation(&mut self, at: &str, what: String) {
         if self.report.violations.len() < 20 {
             self.report.violations.push(format!(
-                "VIOLATION seed {} {at}: {what}\n  replay: cargo run --release -p vouch-sim -- migrate --power --layout {} --seed {} --seeds 1 --subsets {} --again-every {}{}{}",
+                "VIOLATION seed {} {at}: {what}\n  replay: cargo run --release -p vouch-sim -- migrate --power --layout {} --seed {} --seeds 1 --subsets {} --again-every {} --from-point {}{}{}",
                 self.seed,
                 self.config.layout.name(),
                 self.seed,
                 self.config.subsets,
                 self.config.again_every,
+                self.config.from_point,
                 if self.config.back { " --back" } else { "" },
                 self.config.breaks.flags()
             ));
@@ -643,8 +637,12 @@ fn run_seed(config: &PowerConfig, seed: u64) -> PowerReport {
     let hook = {
         let (fs, judge) = (fs.clone(), Arc::clone(&judge));
         let step = std::sync::atomic::AtomicU64::new(0);
+        let from_point = config.from_point;
         Box::new(move |_locked: bool| {
             let step = step.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if step < from_point {
+                return;
+            }
             let state = fs.now();
             judge
                 .lock()
