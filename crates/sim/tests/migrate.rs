@@ -181,6 +181,15 @@ fn a_power_cut_at_any_operation_of_a_migration_back_loses_nothing() {
     assert!(report.points >= 20, "{}", report.summary(&config));
 }
 
+/// The run on split seed 1 with `breaks` on, judged from operation
+/// `from_point` on.
+fn broken(breaks: PowerBreaks, from_point: u64) -> PowerReport {
+    power_run(&PowerConfig {
+        from_point,
+        ..power(LayoutKind::Split, 1, breaks)
+    })
+}
+
 #[test]
 fn a_switch_before_the_new_member_is_flushed_is_caught_by_a_power_cut() {
     let breaks = PowerBreaks {
@@ -188,11 +197,7 @@ fn a_switch_before_the_new_member_is_flushed_is_caught_by_a_power_cut() {
         ..PowerBreaks::default()
     };
     // Caught at operation 28 (the first switch): judged from 26 on.
-    let report = power_run(&PowerConfig {
-        from_point: 26,
-        ..power(LayoutKind::Split, 1, breaks)
-    });
-    assert!(!report.violations.is_empty(), "not caught");
+    assert!(!broken(breaks, 26).violations.is_empty(), "not caught");
 }
 
 #[test]
@@ -201,8 +206,7 @@ fn a_record_not_synced_before_the_superblock_names_it_is_caught() {
         record_sync: true,
         ..PowerBreaks::default()
     };
-    let report = power_run(&power(LayoutKind::Split, 1, breaks));
-    assert!(!report.violations.is_empty(), "not caught");
+    assert!(!broken(breaks, 1).violations.is_empty(), "not caught");
 }
 
 #[test]
@@ -211,8 +215,7 @@ fn a_member_and_record_not_durable_in_the_directory_before_the_flag_is_caught() 
         dir_sync: true,
         ..PowerBreaks::default()
     };
-    let report = power_run(&power(LayoutKind::Split, 1, breaks));
-    assert!(!report.violations.is_empty(), "not caught");
+    assert!(!broken(breaks, 1).violations.is_empty(), "not caught");
 }
 
 #[test]
@@ -223,10 +226,7 @@ fn an_open_catching_up_the_record_without_its_fsync_is_caught() {
     };
     // The first switch's catch-up is cut at operation 28-29: judged from
     // 26 on.
-    let report = power_run(&PowerConfig {
-        from_point: 26,
-        ..power(LayoutKind::Split, 1, breaks)
-    });
+    let report = broken(breaks, 26);
     assert!(
         report
             .violations
