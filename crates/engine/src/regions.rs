@@ -7,9 +7,7 @@
 //! `migrate` moves regions between the members offline, one at a time, in
 //! the order docs/CRASH_MODEL.md ("Migration between layouts") gives.
 
-use std::fs::OpenOptions as FsOpenOptions;
 use std::ops::Range;
-use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -21,6 +19,7 @@ use crate::device::{BlockDevice, SealedBlock, ZeroFlags};
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
+use crate::snapshot::{RealFs, SnapshotFs};
 use crate::volume::Volume;
 use crate::BLOCK;
 
@@ -58,11 +57,50 @@ fn io_error(action: &'static str, path: &Path, error: std::io::Error) -> Error {
     }
 }
 
+/// Where a volume with regions keeps its files: the snapshot code's file
+/// operations (the record's write and fsync, the directories' syncs,
+/// renames and removals) and its members' volumes. Production's is the
+/// real filesystem (`real_fs`); the crash simulator's (`vouch-sim migrate
+/// --power`) a model that keeps, through a power cut, only what was
+/// synced, so that every file operation of a migration and of an open is
+/// one it can cut.
+pub trait RegionsFs: SnapshotFs + Send + Sync {
+    /// Open the volume (a member) in directory `dir`.
+    fn open_volume(&self, dir: &Path, options: &OpenOptions) -> Result<Volume>;
+    /// Make a new volume in directory `dir` (which must not exist), its
+    /// files and their directory entry durable when it returns.
+    fn create_volume(&self, dir: &Path, options: &CreateOptions) -> Result<Volume>;
+    /// The superblock of the volume in `dir`, read without opening it.
+    fn superblock(&self, dir: &Path) -> Result<Superblock>;
+}
+
+impl RegionsFs for RealFs {
+    fn open_volume(&self, dir: &Path, options: &OpenOptions) -> Result<Volume> {
+        crate::open_volume(dir, options)
+    }
+    fn create_volume(&self, dir: &Path, options: &CreateOptions) -> Result<Volume> {
+        crate::create_volume(dir, options)
+    }
+    fn superblock(&self, dir: &Path) -> Result<Superblock> {
+        crate::volume_superblock(dir)
+    }
+}
+
+/// The real filesystem, for a volume with regions.
+pub fn real_fs() -> Arc<dyn RegionsFs> {
+    Arc::new(RealFs::new(false))
+}
+
 /// The record that holds for the home superblock `home` of the volume at
 /// `path`. Missing, damaged or older than the superblock says: refused.
 pub fn read_record(path: &Path, home: &Superblock) -> Result<RegionRecord> {
+    read_record_in(&RealFs::new(false), path, home)
+}
+
+/// `read_record` in `fs`.
+pub fn read_record_in(fs: &dyn RegionsFs, path: &Path, home: &Superblock) -> Result<RegionRecord> {
     let file = path.join(REGIONS_FILE);
-    let bytes = match std::fs::read(&file) {
+    let bytes = match fs.read(&file) {
         Ok(bytes) => bytes,
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => Vec::new(),
         Err(error) => return Err(io_error("read", &file, error)),
@@ -73,21 +111,28 @@ pub fn read_record(path: &Path, home: &Superblock) -> Result<RegionRecord> {
 }
 
 /// Write `record` into its copy (`seq % 2`) and fsync it: the switch.
-fn write_record(path: &Path, record: &RegionRecord, steps: &Steps) -> Result<()> {
+fn write_record(
+    fs: &dyn RegionsFs,
+    path: &Path,
+    record: &RegionRecord,
+    steps: &Steps,
+    breaks: &MigrateBreaks,
+) -> Result<()> {
     let name = path.join(REGIONS_FILE);
-    let file = FsOpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(&name)
-        .map_err(|error| io_error("create", &name, error))?;
     let regions = record.layouts.len() as u64;
     let offset = RegionRecord::copy_offset(regions, record.copy_index());
     steps.step();
-    file.write_all_at(&record.encode(), offset)
+    fs.write_at(&name, offset, &record.encode())
         .map_err(|error| io_error("write", &name, error))?;
+    if breaks.skip_record_sync {
+        return Ok(());
+    }
+    // On real files the write's descriptor is closed and the fsync opens
+    // the file again: on Linux fsync flushes the inode whatever the
+    // descriptor, and a writeback error not yet seen is reported to the
+    // new one too (errseq, 4.16 and later).
     steps.step();
-    file.sync_all()
+    fs.sync_file(&name)
         .map_err(|error| io_error("sync", &name, error))
 }
 
@@ -104,16 +149,15 @@ fn short_status(path: &Path, layout: LayoutKind, lba: u64, end: u64) -> Error {
     .in_volume(path)
 }
 
-fn sync_dir(path: &Path) -> Result<()> {
-    std::fs::File::open(path)
-        .and_then(|dir| dir.sync_all())
+fn sync_dir(fs: &dyn RegionsFs, path: &Path) -> Result<()> {
+    fs.sync_dir(path)
         .map_err(|error| io_error("sync", path, error))
 }
 
 /// Open one member of a REGIONS volume (or the home of a volume about to
 /// become one): a writable open takes the volume's lock.
-fn open_member(path: &Path, options: &OpenOptions) -> Result<Volume> {
-    crate::open_volume(
+fn open_member(fs: &dyn RegionsFs, path: &Path, options: &OpenOptions) -> Result<Volume> {
+    fs.open_volume(
         path,
         &OpenOptions {
             region_member: true,
@@ -134,6 +178,8 @@ pub struct RegionVolume {
     /// Online migration's state: per-region locks, the region being moved
     /// and its chunks written meanwhile (`online`).
     online: online::Online,
+    /// Where its files are (the record's switches go there).
+    fs: Arc<dyn RegionsFs>,
 }
 
 /// One piece of a request: a byte range served by one member.
@@ -148,17 +194,54 @@ impl RegionVolume {
     /// from its journal). Refused when the record or a member is missing,
     /// damaged, older than the superblock says, or of another volume.
     pub fn open(path: &Path, options: &OpenOptions) -> Result<RegionVolume> {
+        RegionVolume::open_in(
+            real_fs(),
+            path,
+            options,
+            &Steps::new(None),
+            &MigrateBreaks::default(),
+        )
+    }
+
+    /// `open` in `fs`, the record's catching up (`around`) counted in
+    /// `steps` and broken as `breaks` say.
+    pub fn open_in(
+        fs: Arc<dyn RegionsFs>,
+        path: &Path,
+        options: &OpenOptions,
+        steps: &Steps,
+        breaks: &MigrateBreaks,
+    ) -> Result<RegionVolume> {
         // The home first: its open takes the volume's lock, and everything
         // read after it (the flag, the record, the member) is read under it.
-        let home = open_member(path, options)?;
-        RegionVolume::with_home(path, home, options)
+        let home = open_member(&*fs, path, options)?;
+        RegionVolume::with_home_in(fs, path, home, options, steps, breaks)
     }
 
     /// The REGIONS volume at `path` around its home member `home`, already
     /// open (and so locked) by the caller.
     /// Refused (the home closed again) as `open` says.
     pub fn with_home(path: &Path, home: Volume, options: &OpenOptions) -> Result<RegionVolume> {
-        let (home_superblock, record, other) = match Self::around(path, &home, options) {
+        RegionVolume::with_home_in(
+            real_fs(),
+            path,
+            home,
+            options,
+            &Steps::new(None),
+            &MigrateBreaks::default(),
+        )
+    }
+
+    fn with_home_in(
+        fs: Arc<dyn RegionsFs>,
+        path: &Path,
+        home: Volume,
+        options: &OpenOptions,
+        steps: &Steps,
+        breaks: &MigrateBreaks,
+    ) -> Result<RegionVolume> {
+        let around = Self::around(&*fs, path, &home, options, steps, breaks);
+        let (home_superblock, record, other) = match around {
             Ok(parts) => parts,
             Err(error) => {
                 let _ = home.close();
@@ -179,17 +262,21 @@ impl RegionVolume {
             blocks: home_superblock.size_bytes / BLOCK,
             record: RwLock::new(record),
             online: online::Online::new(regions),
+            fs,
         })
     }
 
     /// The record and the other member of the REGIONS volume whose home
     /// `home` is open.
     fn around(
+        fs: &dyn RegionsFs,
         path: &Path,
         home: &Volume,
         options: &OpenOptions,
+        steps: &Steps,
+        breaks: &MigrateBreaks,
     ) -> Result<(Superblock, RegionRecord, Volume)> {
-        let home_superblock = crate::volume_superblock(path)?;
+        let home_superblock = fs.superblock(path)?;
         if !has_regions(&home_superblock) {
             return Err(Error::InvalidArgument(format!(
                 "{} has one layout ({}), not a layout per region",
@@ -197,10 +284,10 @@ impl RegionVolume {
                 home_superblock.layout.name()
             )));
         }
-        let record = read_record(path, &home_superblock)?;
+        let record = read_record_in(fs, path, &home_superblock)?;
         let home_layout = home_superblock.layout;
         let other_path = member_path(path, home_layout);
-        let other_superblock = crate::volume_superblock(&other_path).map_err(|error| {
+        let other_superblock = fs.superblock(&other_path).map_err(|error| {
             Error::Corrupt(format!(
                 "the region record names a member that cannot be read: {error}"
             ))
@@ -216,7 +303,7 @@ impl RegionVolume {
             ))
             .in_volume(path));
         }
-        let other = open_member(&other_path, options)?;
+        let other = open_member(fs, &other_path, options)?;
         let mut record = record;
         if record.seq > home_superblock.regions_seq && !home.is_read_only() {
             // A switch whose superblock write did not happen (a crash, or
@@ -230,7 +317,8 @@ impl RegionVolume {
             let caught_up = (|| -> Result<RegionRecord> {
                 let mut again = record.clone();
                 again.seq += 1;
-                write_record(path, &again, &Steps::new(None))?;
+                write_record(fs, path, &again, steps, breaks)?;
+                steps.step();
                 home.set_regions(again.seq)?;
                 Ok(again)
             })();
@@ -642,7 +730,7 @@ impl RegionVolume {
         let mut next = record;
         next.layouts[index] = target;
         next.seq += 1;
-        write_record(&self.path, &next, steps)?;
+        write_record(&*self.fs, &self.path, &next, steps, breaks)?;
         steps.step();
         self.home().set_regions(next.seq)?;
         *self.record.write() = next;
@@ -675,6 +763,13 @@ pub struct MigrateBreaks {
     /// Ask the old member's block status for only the first half of each
     /// chunk: a reply that covers less than the chunk (NBD allows it).
     pub short_status: bool,
+    /// Skip the record's fsync after its write (a switch, or an open's
+    /// catching up), before the superblock's `regions_seq` names it.
+    pub skip_record_sync: bool,
+    /// Skip the directory syncs of making a volume one with regions: the
+    /// member's rename and the record's entry not durable before the
+    /// home's flag.
+    pub skip_dir_sync: bool,
 }
 
 /// What the crash simulator runs at each step of an online move: a
@@ -757,8 +852,14 @@ pub struct MigrateReport {
 /// superblock was read until the flag is set, so a second `migrate` (or a
 /// server) can neither see the volume without the flag while the member is
 /// being made nor remove it (M1 of the migrate33 review).
-fn make_regions(path: &Path, opened: &Volume, options: &OpenOptions, steps: &Steps) -> Result<()> {
-    let home = &crate::volume_superblock(path)?;
+fn make_regions(
+    fs: &dyn RegionsFs,
+    path: &Path,
+    opened: &Volume,
+    options: &OpenOptions,
+    (steps, breaks): (&Steps, &MigrateBreaks),
+) -> Result<()> {
+    let home = &fs.superblock(path)?;
     if has_regions(home) {
         return Ok(());
     }
@@ -773,16 +874,16 @@ fn make_regions(path: &Path, opened: &Volume, options: &OpenOptions, steps: &Ste
     // `unmake_regions` cut short). An old record must go too: a copy of
     // it with a higher seq would win over the new one.
     for leftover in [&partial, &member] {
-        if leftover.exists() {
+        if fs.exists(leftover) {
             steps.step();
-            std::fs::remove_dir_all(leftover)
+            fs.remove_all(leftover)
                 .map_err(|error| io_error("remove", leftover, error))?;
         }
     }
     let record_file = path.join(REGIONS_FILE);
-    if record_file.exists() {
+    if fs.exists(&record_file) {
         steps.step();
-        std::fs::remove_file(&record_file)
+        fs.remove_file(&record_file)
             .map_err(|error| io_error("remove", &record_file, error))?;
     }
     let encrypted = home.features.incompat & FeatureFlags::INCOMPAT_ENCRYPTED != 0;
@@ -801,22 +902,27 @@ fn make_regions(path: &Path, opened: &Volume, options: &OpenOptions, steps: &Ste
         ..CreateOptions::new(home.size_bytes)
     };
     steps.step();
-    let made = crate::create_volume(&partial, &create)?;
+    let made = fs.create_volume(&partial, &create)?;
     steps.step();
     made.set_regions(0)?;
     made.close()?;
     steps.step();
-    sync_dir(&partial)?;
+    sync_dir(fs, &partial)?;
     steps.step();
-    std::fs::rename(&partial, &member).map_err(|error| io_error("rename", &partial, error))?;
-    steps.step();
-    sync_dir(path)?;
-    let member_uuid = crate::volume_superblock(&member)?.uuid;
+    fs.rename(&partial, &member)
+        .map_err(|error| io_error("rename", &partial, error))?;
+    if !breaks.skip_dir_sync {
+        steps.step();
+        sync_dir(fs, path)?;
+    }
+    let member_uuid = fs.superblock(&member)?.uuid;
     let record =
         RegionRecord::uniform(home.uuid, member_uuid, home.size_bytes / BLOCK, home.layout);
-    write_record(path, &record, steps)?;
-    steps.step();
-    sync_dir(path)?;
+    write_record(fs, path, &record, steps, breaks)?;
+    if !breaks.skip_dir_sync {
+        steps.step();
+        sync_dir(fs, path)?;
+    }
     steps.step();
     opened.set_regions(record.seq)
 }
@@ -826,7 +932,9 @@ fn make_regions(path: &Path, opened: &Volume, options: &OpenOptions, steps: &Ste
 /// server opened writable (so holds), as a REGIONS volume, made one
 /// first (every region in its home layout) if it is not.
 pub fn open_served(path: &Path, home: Volume, options: &OpenOptions) -> Result<RegionVolume> {
-    if let Err(error) = make_regions(path, &home, options, &Steps::new(None)) {
+    let fs = RealFs::new(false);
+    let none = (&Steps::new(None), &MigrateBreaks::default());
+    if let Err(error) = make_regions(&fs, path, &home, options, none) {
         let _ = home.close();
         return Err(error);
     }
@@ -843,30 +951,26 @@ pub fn open_served(path: &Path, home: Volume, options: &OpenOptions) -> Result<R
 /// again here: a failure of that open fails the `migrate` (rerun it: the
 /// regions are all home, nothing is lost), it never removes anything.
 fn unmake_regions(
+    fs: &dyn RegionsFs,
     path: &Path,
     home_layout: LayoutKind,
     options: &OpenOptions,
     steps: &Steps,
 ) -> Result<()> {
-    let home = crate::open_volume(
-        path,
-        &OpenOptions {
-            region_member: true,
-            ..options.clone()
-        },
-    )?;
+    let home = open_member(fs, path, options)?;
     let removed = (|| -> Result<()> {
         steps.step();
         home.clear_regions()?;
         let record_file = path.join(REGIONS_FILE);
         steps.step();
-        std::fs::remove_file(&record_file)
+        fs.remove_file(&record_file)
             .map_err(|error| io_error("remove", &record_file, error))?;
         let member = member_path(path, home_layout);
         steps.step();
-        std::fs::remove_dir_all(&member).map_err(|error| io_error("remove", &member, error))?;
+        fs.remove_all(&member)
+            .map_err(|error| io_error("remove", &member, error))?;
         steps.step();
-        sync_dir(path)
+        sync_dir(fs, path)
     })();
     let closed = home.close();
     removed?;
@@ -900,9 +1004,40 @@ pub fn migrate_driven(
     options: &OpenOptions,
     breaks: &MigrateBreaks,
     steps: &Steps,
+    progress: impl FnMut(u64, u64),
+) -> Result<MigrateReport> {
+    let how = Migrate {
+        target,
+        options,
+        breaks,
+        steps,
+    };
+    migrate_in(real_fs(), path, &how, progress)
+}
+
+/// What `migrate_in` does: to which layout, opened how, broken how (the
+/// simulator's), its steps.
+pub struct Migrate<'a> {
+    pub target: LayoutKind,
+    pub options: &'a OpenOptions,
+    pub breaks: &'a MigrateBreaks,
+    pub steps: &'a Steps,
+}
+
+/// `migrate_driven` of the volume at `path` in `fs`.
+pub fn migrate_in(
+    fs: Arc<dyn RegionsFs>,
+    path: &Path,
+    how: &Migrate<'_>,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<MigrateReport> {
-    let home = crate::volume_superblock(path)?;
+    let Migrate {
+        target,
+        options,
+        breaks,
+        steps,
+    } = *how;
+    let home = fs.superblock(path)?;
     if home.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
         return Err(Error::InvalidArgument(format!(
             "{} is a snapshot: it keeps the layout it was taken in",
@@ -911,8 +1046,8 @@ pub fn migrate_driven(
     }
     let blocks = home.size_bytes / BLOCK;
     // The home opened (and locked) before anything is decided or made.
-    let opened = open_member(path, options)?;
-    let home = crate::volume_superblock(path)?;
+    let opened = open_member(&*fs, path, options)?;
+    let home = fs.superblock(path)?;
     if !has_regions(&home) {
         if home.layout == target {
             opened.close()?;
@@ -921,12 +1056,12 @@ pub fn migrate_driven(
                 ..MigrateReport::default()
             });
         }
-        if let Err(error) = make_regions(path, &opened, options, steps) {
+        if let Err(error) = make_regions(&*fs, path, &opened, options, (steps, breaks)) {
             let _ = opened.close();
             return Err(error);
         }
     }
-    let volume = RegionVolume::with_home(path, opened, options)?;
+    let volume = RegionVolume::with_home_in(Arc::clone(&fs), path, opened, options, steps, breaks)?;
     let result = (|| {
         let released = volume.release_unserved(steps)?;
         let record = volume.record();
@@ -960,7 +1095,7 @@ pub fn migrate_driven(
     let mut report = result?;
     closed?;
     if target == home_layout {
-        unmake_regions(path, home_layout, options, steps)?;
+        unmake_regions(&*fs, path, home_layout, options, steps)?;
         report.steps = steps.taken();
     }
     Ok(report)

@@ -83,6 +83,7 @@ pub mod keychange;
 pub mod map_store;
 pub mod metadata;
 pub mod migrate;
+pub mod migrate_power;
 pub mod mirror;
 pub mod mirror_faults;
 pub mod mirror_midrun;

@@ -159,6 +159,37 @@ enum Command {
         /// written during the copy (the run must find violations).
         #[arg(long, requires = "online")]
         break_recopy: bool,
+        /// Power cuts instead of process crashes: every file and directory
+        /// of the volume in the model filesystem, images that drop
+        /// unsynced writes and undo unsynced renames at every operation,
+        /// and the open's catching up of the record cut at each step.
+        #[arg(long, conflicts_with_all = ["online", "break_release", "no_reboot"])]
+        power: bool,
+        /// With --power: images per crash point keeping a random subset of
+        /// the unsynced files and directories (besides none and all).
+        #[arg(long, default_value_t = 2, requires = "power")]
+        subsets: u64,
+        /// With --power: run the migration again on the images of every
+        /// Nth crash point (and the last) only; every image is read.
+        #[arg(long, default_value_t = 1, requires = "power")]
+        again_every: u64,
+        /// With --power: judge the crash points from this operation on.
+        #[arg(long, default_value_t = 1, requires = "power")]
+        from_point: u64,
+        /// With --power, break it on purpose: the record not fsynced (when
+        /// made, at each switch) before the superblock names it.
+        #[arg(long, requires = "power")]
+        break_record_sync: bool,
+        /// With --power, break it on purpose: the directory syncs of
+        /// making the volume one with regions skipped (the member's rename
+        /// and the record's entry not durable before the home's flag).
+        #[arg(long, requires = "power")]
+        break_dir_sync: bool,
+        /// With --power, break it on purpose: the open's catching up of a
+        /// record newer than the superblock not fsyncing the record before
+        /// the superblock's update.
+        #[arg(long, requires = "power")]
+        break_rewrite_sync: bool,
     },
     /// The child `migrate` runs: migrate PATH, aborting at --crash-at.
     #[command(hide = true)]
@@ -378,7 +409,37 @@ fn run(cli: Cli) -> Result<bool, String> {
             no_reboot,
             online,
             break_recopy,
+            power,
+            subsets,
+            again_every,
+            from_point,
+            break_record_sync,
+            break_dir_sync,
+            break_rewrite_sync,
         } => {
+            if power {
+                let config = vouch_sim::migrate_power::PowerConfig {
+                    layout: layout(&run.layout)?,
+                    seeds: run.seeds,
+                    seed: run.seed,
+                    back,
+                    subsets,
+                    again_every,
+                    from_point,
+                    breaks: vouch_sim::migrate_power::PowerBreaks {
+                        switch: break_switch,
+                        record_sync: break_record_sync,
+                        dir_sync: break_dir_sync,
+                        rewrite_sync: break_rewrite_sync,
+                    },
+                };
+                let report = vouch_sim::migrate_power::run(&config);
+                for violation in &report.violations {
+                    println!("{violation}");
+                }
+                println!("{}", report.summary(&config));
+                return Ok(report.violations.is_empty());
+            }
             let config = vouch_sim::migrate::MigrateConfig {
                 again_every: 1,
                 online,

@@ -34,9 +34,9 @@
 //! acknowledged but not flushed in a member is lost, as in a power cut),
 //! read, migrated again and read again. That is one power-cut outcome,
 //! the one where the kernel had written back every file write; cuts that
-//! also drop unsynced file writes are not made here (the migration's
-//! files are real files, not the recorder's), so the fsync order of the
-//! record and the directories is argued in CRASH_MODEL, not simulated.
+//! also drop unsynced file writes (the fsync order of the record and the
+//! directories) are `vouch-sim migrate --power`'s (`migrate_power`), on
+//! the model filesystem.
 //! Deliberate breaks must be caught: `--break-release` (the old member
 //! trimmed before the switch) and `--break-switch` (the record switched
 //! before the new member's flush: caught by the reboot images).
@@ -49,7 +49,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
-use vouch_engine::regions::{self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume};
+use vouch_engine::regions::{
+    self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume, RegionsFs, Steps,
+};
 use vouch_engine::{BlockDevice, CreateOptions, LayoutKind, OpenOptions, ZeroFlags};
 use vouch_format::regions::REGION_BLOCKS;
 
@@ -58,7 +60,7 @@ use crate::BLOCK;
 
 const BLOCK_U64: u64 = BLOCK as u64;
 /// One whole region and a part one.
-const BLOCKS: u64 = REGION_BLOCKS + 700;
+pub(crate) const BLOCKS: u64 = REGION_BLOCKS + 700;
 
 #[derive(Clone, Debug)]
 pub struct MigrateConfig {
@@ -267,13 +269,21 @@ impl Drop for TempDir {
     }
 }
 
-fn write_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) {
+/// A volume of `BLOCKS` blocks at `path` in `fs`, written on random data
+/// runs (one across the region boundary), allocated zeroes and trims, and
+/// closed.
+pub(crate) fn write_volume(
+    fs: &dyn RegionsFs,
+    path: &Path,
+    (layout, journal_bytes): (LayoutKind, u64),
+    rng: &mut Rng,
+) {
     let options = CreateOptions {
         layout,
-        journal_bytes: Some(4 << 20),
+        journal_bytes: Some(journal_bytes),
         ..CreateOptions::new(BLOCKS * BLOCK_U64)
     };
-    let volume = vouch_engine::create_volume(path, &options).expect("create");
+    let volume = fs.create_volume(path, &options).expect("create");
     for _ in 0..12 {
         let count = rng.range(1, 80);
         let lba = rng.below(BLOCKS - count);
@@ -307,22 +317,28 @@ fn write_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) {
 
 /// Every block of the volume at `path` as a command reads it, or why not.
 fn read_image(path: &Path) -> Result<Vec<u8>, String> {
+    read_image_in(&regions::real_fs(), path)
+}
+
+/// `read_image` of the volume at `path` in `fs`.
+pub(crate) fn read_image_in(fs: &Arc<dyn RegionsFs>, path: &Path) -> Result<Vec<u8>, String> {
     let options = OpenOptions {
         read_only: true,
         ..OpenOptions::default()
     };
-    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    let superblock = fs.superblock(path).map_err(|error| error.to_string())?;
     let mut image = vec![0u8; (BLOCKS * BLOCK_U64) as usize];
     let faults = if regions::has_regions(&superblock) {
-        let volume = RegionVolume::open(path, &options).map_err(|error| error.to_string())?;
+        let volume = open_in(fs, path, &options)?;
         let faults = volume
             .read_blocks_collecting(0, BLOCKS, &mut image)
             .map_err(|error| error.to_string())?;
         volume.close().map_err(|error| error.to_string())?;
         faults
     } else {
-        let volume =
-            vouch_engine::open_volume(path, &options).map_err(|error| error.to_string())?;
+        let volume = fs
+            .open_volume(path, &options)
+            .map_err(|error| error.to_string())?;
         volume
             .read_blocks_collecting(0, BLOCKS, &mut image)
             .map_err(|error| error.to_string())?
@@ -396,7 +412,28 @@ fn forget_held(path: &Path) {
 /// it does not serve (what a cut run left there was trimmed), so the space
 /// came back. A one-layout volume has nothing to check.
 fn nothing_unserved(path: &Path) -> Result<(), String> {
-    let superblock = vouch_engine::volume_superblock(path).map_err(|error| error.to_string())?;
+    nothing_unserved_in(&regions::real_fs(), path)
+}
+
+/// The volume with regions at `path` in `fs`, opened plainly.
+pub(crate) fn open_in(
+    fs: &Arc<dyn RegionsFs>,
+    path: &Path,
+    options: &OpenOptions,
+) -> Result<RegionVolume, String> {
+    RegionVolume::open_in(
+        Arc::clone(fs),
+        path,
+        options,
+        &Steps::new(None),
+        &MigrateBreaks::default(),
+    )
+    .map_err(|error| error.to_string())
+}
+
+/// `nothing_unserved` of the volume at `path` in `fs`.
+pub(crate) fn nothing_unserved_in(fs: &Arc<dyn RegionsFs>, path: &Path) -> Result<(), String> {
+    let superblock = fs.superblock(path).map_err(|error| error.to_string())?;
     if !regions::has_regions(&superblock) {
         return Ok(());
     }
@@ -404,7 +441,7 @@ fn nothing_unserved(path: &Path) -> Result<(), String> {
         read_only: true,
         ..OpenOptions::default()
     };
-    let volume = RegionVolume::open(path, &options).map_err(|error| error.to_string())?;
+    let volume = open_in(fs, path, &options)?;
     let record = volume.record();
     let mut found = Ok(());
     for (index, serving) in record.layouts.iter().enumerate() {
@@ -439,7 +476,7 @@ fn nothing_unserved(path: &Path) -> Result<(), String> {
     found
 }
 
-fn first_difference(a: &[u8], b: &[u8]) -> Option<u64> {
+pub(crate) fn first_difference(a: &[u8], b: &[u8]) -> Option<u64> {
     a.chunks(BLOCK)
         .zip(b.chunks(BLOCK))
         .position(|(x, y)| x != y)
@@ -489,7 +526,8 @@ pub fn run(config: &MigrateConfig) -> MigrateReport {
         let mut rng = Rng::new(seed);
         let dir = TempDir::new(&format!("{seed}"));
         let original = dir.0.join("original");
-        write_volume(&original, config.layout, &mut rng);
+        let real = vouch_engine::snapshot::RealFs::new(false);
+        write_volume(&real, &original, (config.layout, 4 << 20), &mut rng);
         let expected = read_image(&original).expect("the written volume reads");
         let target = if config.back {
             regions::migrate(

@@ -86,12 +86,14 @@ impl SnapshotReport {
 }
 
 /// One inode of the model filesystem: what a reader sees now (`live`) and
-/// what a power cut keeps (`durable`).
+/// what a power cut keeps (`durable`). A file's bytes are shared between
+/// the two and with the crash images made of it, copied on the next
+/// write (`file`): an image costs no copy of the files.
 #[derive(Clone, Debug)]
 pub(crate) enum Node {
     File {
-        live: Vec<u8>,
-        durable: Vec<u8>,
+        live: Arc<Vec<u8>>,
+        durable: Arc<Vec<u8>>,
     },
     Dir {
         live: BTreeMap<String, usize>,
@@ -182,8 +184,8 @@ impl ModelFs {
         self.link(
             path,
             Node::File {
-                live: bytes,
-                durable: Vec::new(),
+                live: Arc::new(bytes),
+                durable: Arc::default(),
             },
         )
         .map(drop)
@@ -201,9 +203,20 @@ impl ModelFs {
         }
     }
 
+    /// The bytes of file `path`, to change (a copy of them made first
+    /// where they are shared).
     pub(crate) fn file(&mut self, path: &Path) -> io::Result<&mut Vec<u8>> {
         let id = self.lookup(path).ok_or_else(|| not_found(path))?;
         match &mut self.nodes[id] {
+            Node::File { live, .. } => Ok(Arc::make_mut(live)),
+            Node::Dir { .. } => Err(io::Error::other("a directory")),
+        }
+    }
+
+    /// The bytes of file `path`, to read.
+    pub(crate) fn bytes(&self, path: &Path) -> io::Result<&[u8]> {
+        let id = self.lookup(path).ok_or_else(|| not_found(path))?;
+        match &self.nodes[id] {
             Node::File { live, .. } => Ok(live),
             Node::Dir { .. } => Err(io::Error::other("a directory")),
         }
@@ -215,8 +228,8 @@ impl ModelFs {
             self.link(
                 path,
                 Node::File {
-                    live: Vec::new(),
-                    durable: Vec::new(),
+                    live: Arc::default(),
+                    durable: Arc::default(),
                 },
             )?;
         }
@@ -235,8 +248,8 @@ impl ModelFs {
                     Node::File { live, durable } => {
                         let now = if kept { live } else { durable };
                         Node::File {
-                            live: now.clone(),
-                            durable: now.clone(),
+                            live: Arc::clone(now),
+                            durable: Arc::clone(now),
                         }
                     }
                     Node::Dir { live, durable } => {
@@ -253,10 +266,11 @@ impl ModelFs {
     }
 
     pub(crate) fn put_file(&mut self, path: &Path, bytes: Vec<u8>) {
+        let bytes = Arc::new(bytes);
         self.link(
             path,
             Node::File {
-                live: bytes.clone(),
+                live: Arc::clone(&bytes),
                 durable: bytes,
             },
         )
@@ -331,7 +345,7 @@ impl SnapshotFs for Recording {
     }
     fn clone_file(&self, from: &Path, to: &Path) -> io::Result<()> {
         self.change("clone", to, |fs| {
-            let bytes = fs.file(from)?.clone();
+            let bytes = fs.bytes(from)?.to_vec();
             fs.put_unsynced(to, bytes)
         })
     }
@@ -341,7 +355,7 @@ impl SnapshotFs for Recording {
         })
     }
     fn read(&self, path: &Path) -> io::Result<Vec<u8>> {
-        self.fs.lock().file(path).cloned()
+        self.fs.lock().bytes(path).map(<[u8]>::to_vec)
     }
     fn write_at(&self, path: &Path, offset: u64, bytes: &[u8]) -> io::Result<()> {
         self.change("write", path, |fs| {

@@ -313,7 +313,14 @@ impl RegionVolume {
                 let mut next = self.record();
                 next.layouts[index] = target;
                 next.seq += 1;
-                let recorded = write_record(&self.path, &next, steps).and_then(|()| {
+                let recorded = write_record(
+                    &*self.fs,
+                    &self.path,
+                    &next,
+                    steps,
+                    &MigrateBreaks::default(),
+                )
+                .and_then(|()| {
                     if breaks.fail_record_sync {
                         return Err(injected("sync", &self.path));
                     }
