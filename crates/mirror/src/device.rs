@@ -604,13 +604,6 @@ impl Mirror {
         Ok(None)
     }
 
-    /// A write whose caller holds the range's stripes, record and marks
-    /// (a trim's or zeroing's partial sectors), planned and run as the
-    /// worker's route runs its writes (`admit.rs`).
-    fn write_locked(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.write_admitted(offset, data, fua)
-    }
-
     /// One block of a partial write, from the first active leg that reads
     /// it good (no repair here: the caller holds the stripe lock).
     fn read_edge(&self, lba: u64, block: &mut [u8]) -> Result<()> {
@@ -642,7 +635,7 @@ impl Mirror {
     /// offset + length)`, after the bytes outside them (less than a sector
     /// at either end, from a client that negotiated no block size) are
     /// written as zeros through the mirror's own read-modify-write
-    /// (`write_locked`: sealed once, the same bytes and generation on
+    /// (`write_admitted`: sealed once, the same bytes and generation on
     /// every leg), since legs take trims and zeroes in sectors (a remote
     /// leg's wire does). The caller holds the stripes, the record and the
     /// marks of the whole range. `None` when no whole sector is left.
@@ -653,12 +646,12 @@ impl Mirror {
         let sectors = offset.next_multiple_of(SECTOR)..end / SECTOR * SECTOR;
         if sectors.start >= sectors.end {
             let zeros = Bytes::from(vec![0u8; length as usize]);
-            return self.write_locked(offset, &zeros, fua).map(|()| None);
+            return self.write_admitted(offset, &zeros, fua).map(|()| None);
         }
         for edge in [offset..sectors.start, sectors.end..end] {
             if !edge.is_empty() {
                 let zeros = Bytes::from(vec![0u8; (edge.end - edge.start) as usize]);
-                self.write_locked(edge.start, &zeros, fua)?;
+                self.write_admitted(edge.start, &zeros, fua)?;
             }
         }
         Ok(Some(sectors))
