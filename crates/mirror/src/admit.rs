@@ -46,7 +46,7 @@ use vouch_format::mirror::LegState;
 
 use crate::activity::Entered;
 use crate::device::Mirror;
-use crate::legs::PerLeg;
+use crate::legs::{is_request_error, PerLeg};
 use crate::stripes::OwnedStripes;
 use crate::written::Recording;
 
@@ -143,6 +143,15 @@ impl Mirror {
         Mirror::plan(self, offset, data, Admission::MayWait)?
             .expect("a write that may wait is never declined")
             .wait(fua)
+    }
+
+    /// Break the executor on purpose, for the crash simulator's
+    /// self-test (`vouch-sim mirror-write`; never in production): a write
+    /// started on a travelling leg (`start_write_sealed`) is counted done
+    /// without being waited for, so the worker's route acknowledges before
+    /// that leg holds the write.
+    pub fn break_started_writes(&self) {
+        self.unwaited.store(true, Ordering::Relaxed);
     }
 
     /// The one admission of a mirrored write of `data` at `offset` (see
@@ -360,8 +369,16 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
         let sealed = match &self.blocks {
             Blocks::Sealed(sealed) => sealed,
             Blocks::Unsealed { offset, data } => {
+                // In turn, each leg checking the request itself: a request
+                // error (the caller's) stops the turn, and the legs after
+                // it are not asked (`judge` blames none).
                 for (at, &(leg, _)) in targets.legs.iter().enumerate() {
-                    answers.answer(at, mirror.device(leg).write_shared(*offset, data, fua));
+                    let outcome = mirror.device(leg).write_shared(*offset, data, fua);
+                    let request_error = matches!(&outcome, Err(error) if is_request_error(error));
+                    answers.answer(at, outcome);
+                    if request_error {
+                        break;
+                    }
                 }
                 return;
             }
@@ -370,6 +387,7 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
         let mut started = Started {
             answers,
             pending: PerLeg::new(),
+            unwaited: mirror.unwaited.load(Ordering::Relaxed),
         };
         for (at, &(leg, _)) in targets.legs.iter().enumerate() {
             let device = mirror.device(leg);
@@ -412,12 +430,18 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
 struct Started<'a, A: Answers> {
     answers: &'a A,
     pending: PerLeg<(usize, Result<PendingWrite>)>,
+    /// `Mirror::break_started_writes`: count them done unwaited.
+    unwaited: bool,
 }
 
 impl<A: Answers> Drop for Started<'_, A> {
     fn drop(&mut self) {
         for (at, pending) in std::mem::take(&mut self.pending) {
-            self.answers.answer(at, pending.and_then(|wait| wait()));
+            let outcome = match self.unwaited {
+                true => pending.map(drop),
+                false => pending.and_then(|wait| wait()),
+            };
+            self.answers.answer(at, outcome);
         }
     }
 }

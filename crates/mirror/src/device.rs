@@ -54,6 +54,9 @@ pub struct Mirror {
     /// The reconciliation after an unclean stop (`reconcile.rs`).
     pub(super) reconcile: Mutex<Option<ReconcileProgress>>,
     pub(super) reconciling: AtomicBool,
+    /// A deliberate break of the write executor, for the crash
+    /// simulator's self-test only (`Mirror::break_started_writes`).
+    pub(super) unwaited: AtomicBool,
 }
 
 /// The activity log, as the mirror uses it (the log itself: `activity.rs`).
@@ -229,6 +232,7 @@ impl Mirror {
             activity: OnceLock::new(),
             reconcile: Mutex::new(None),
             reconciling: AtomicBool::new(false),
+            unwaited: AtomicBool::new(false),
         };
         if mirror.active().is_empty() {
             return Err(Error::InvalidArgument(

@@ -124,6 +124,10 @@ pub enum Sabotage {
     /// The worker's route (`write_shared`: `write_sealed_here`, or a
     /// travelling leg's `start_write_sealed`), which may wait.
     Worker,
+    /// Not the held log: the mirror's own executor (`admit.rs`
+    /// `Issue::run`) counts a travelling leg's started write done without
+    /// waiting for it (`Mirror::break_started_writes`).
+    Unwaited,
 }
 
 /// `run`, breaking `sabotage`'s route.
@@ -340,6 +344,9 @@ pub fn run_seed(
     };
     report.travelling += u64::from(!matches!(leg1, Leg1::Local));
     let mirror = Arc::new(mirror_over(volumes.clone(), leg1)?);
+    if sabotage == Sabotage::Unwaited {
+        mirror.break_started_writes();
+    }
 
     // The models the hooks read: what each block may hold if the exporter
     // lost power now (`model`), or if the process alone died (`acked`:

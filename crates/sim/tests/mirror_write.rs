@@ -76,6 +76,20 @@ fn a_worker_write_the_local_leg_does_not_hold_is_caught() {
     assert_process_crash_caught(&report);
 }
 
+/// A break inside the mirror's one executor rather than a leg's held
+/// log: the worker's route acknowledging before a travelling leg's
+/// started write was waited for (so before that leg holds it) leaves a
+/// leg with a value no write or flush allows.
+#[test]
+fn an_executor_acknowledging_before_a_started_write_landed_is_caught() {
+    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Unwaited);
+    assert!(
+        !report.violations.is_empty(),
+        "the unwaited started writes went unnoticed: {}",
+        report.summary()
+    );
+}
+
 fn assert_process_crash_caught(report: &vouch_sim::mirror_write::MirrorWriteReport) {
     assert!(
         report
