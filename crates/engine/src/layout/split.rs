@@ -8,8 +8,12 @@
 //! its data matches (new, an older write, or the context it had before;
 //! zero-reading contexts always match). A block matching none was torn
 //! below 4 KiB by the media: it keeps its newest context and reads as a
-//! fault.
+//! fault. The records are applied in one pass without I/O; the blocks to
+//! verify, the table pages of their older contexts and the blocks to redo
+//! are then read and written in runs of adjacent ones, so a journal of
+//! many small records costs what its blocks do.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
@@ -191,8 +195,10 @@ impl SplitLayout {
 struct Candidate {
     /// Its context before the replayed records.
     before: Before,
-    /// The contexts those records wrote, oldest first.
-    writes: Vec<Context>,
+    /// The contexts those records wrote, oldest first: the first, then
+    /// any later ones (most blocks have one: no allocation for it).
+    first: Context,
+    later: Vec<Context>,
 }
 
 enum Before {
@@ -209,15 +215,21 @@ enum Before {
 }
 
 impl Candidate {
-    fn before(state: &VolumeState, lba: u64) -> Candidate {
+    /// Block `lba`, first written by a replayed record with `first`.
+    fn new(state: &VolumeState, lba: u64, first: Context) -> Candidate {
         let before = match state.contexts.lookup(lba) {
             Lookup::Found(found) => Before::Known(found.ok()),
             Lookup::NeedPage(_) => Before::OnDisk,
         };
         Candidate {
             before,
-            writes: Vec::new(),
+            first,
+            later: Vec::new(),
         }
+    }
+
+    fn newest(&self) -> Context {
+        *self.later.last().unwrap_or(&self.first)
     }
 }
 
@@ -249,20 +261,20 @@ fn load_pages_of(
     Ok(pages)
 }
 
-/// Candidates at most this many blocks apart are read back in one read
-/// (the blocks between read too).
-const READ_GAP_BLOCKS: u64 = 0;
 /// The largest read back of candidates (1 MiB).
 const READ_RUN_MAX_BLOCKS: u64 = 256;
 
 /// The runs of LBAs a replay reads back to verify `lbas` (ascending):
-/// within one data segment, candidates at most `READ_GAP_BLOCKS` apart.
+/// adjacent candidates within one data segment. Not across gaps: a gap
+/// read costs more than the read it saves (a sparse data file's holes are
+/// allocated in the page cache to be read; gaps of up to 8 blocks doubled
+/// a replay's CPU time in a busy sample, docs/BENCHMARKS.md stop 39).
 fn read_runs(geometry: &Geometry, lbas: impl Iterator<Item = u64>) -> Vec<Range<u64>> {
     let mut runs: Vec<Range<u64>> = Vec::new();
     for lba in lbas {
         match runs.last_mut() {
             Some(run)
-                if lba - run.end <= READ_GAP_BLOCKS
+                if lba == run.end
                     && lba + 1 - run.start <= READ_RUN_MAX_BLOCKS
                     && lba / geometry.segment_blocks == run.start / geometry.segment_blocks =>
             {
@@ -534,11 +546,14 @@ impl Layout for SplitLayout {
                             }
                         }
                         if record.header.seq > verify_after {
-                            candidates
-                                .entry(entry.lba)
-                                .or_insert_with(|| Candidate::before(&state, entry.lba))
-                                .writes
-                                .push(entry.context);
+                            match candidates.entry(entry.lba) {
+                                Entry::Occupied(mut known) => {
+                                    known.get_mut().later.push(entry.context);
+                                }
+                                Entry::Vacant(vacant) => {
+                                    vacant.insert(Candidate::new(&state, entry.lba, entry.context));
+                                }
+                            }
                         }
                         state.contexts.set(entry.lba, entry.context);
                     } else {
@@ -604,10 +619,11 @@ impl Layout for SplitLayout {
                         crate::state::context_in_page(page, *lba).ok()
                     }
                 };
-                let newest = *candidate.writes.last().expect("at least one write");
+                let newest = candidate.newest();
                 let chosen = before
                     .iter()
-                    .chain(&candidate.writes)
+                    .chain(std::iter::once(&candidate.first))
+                    .chain(&candidate.later)
                     .rev()
                     .find(|context| protection.matches(context, block));
                 match chosen {
