@@ -295,13 +295,7 @@ fn a_split_recovery_reads_back_runs_of_blocks_and_of_table_pages() {
             context_reads <= 1,
             "power cut: {power_cut}: 8 adjacent table pages read in {context_reads} reads"
         );
-        for lba in 0..WRITTEN {
-            assert_eq!(
-                read_range(&volume, lba, 1),
-                pattern(lba, tag),
-                "power cut: {power_cut}: LBA {lba}"
-            );
-        }
+        expect_patterns(&volume, 0..WRITTEN, tag, &format!("power cut: {power_cut}"));
         volume.close().expect("close");
     }
 }
@@ -334,12 +328,22 @@ fn a_split_recovery_writes_redone_blocks_in_runs() {
     assert_eq!(volume.recovery_report().records_replayed, FLUSHES);
     let data_writes = counting.data_writes.load(Ordering::Relaxed);
     assert_eq!(
-        data_writes, 1,
+        data_writes,
+        1,
         "{} adjacent blocks redone in {data_writes} writes",
         FLUSHES * PER_FLUSH
     );
-    for lba in 0..FLUSHES * PER_FLUSH {
-        assert_eq!(read_range(&volume, lba, 1), pattern(lba, 2), "LBA {lba}");
-    }
+    expect_patterns(&volume, 0..FLUSHES * PER_FLUSH, 2, "redone");
     volume.close().expect("close");
+}
+
+/// Every LBA of `lbas` reads `pattern(lba, tag)`.
+fn expect_patterns(volume: &Volume, lbas: std::ops::Range<u64>, tag: u8, what: &str) {
+    for lba in lbas {
+        assert_eq!(
+            read_range(volume, lba, 1),
+            pattern(lba, tag),
+            "{what}: LBA {lba}"
+        );
+    }
 }
