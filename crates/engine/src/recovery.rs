@@ -9,7 +9,9 @@
 //!   context its data matches: new, an older write, or the context it had
 //!   before (zero-reading contexts always match: a block that was a hole
 //!   reads as zeros again). A block matching none was torn below 4 KiB by
-//!   the media: it keeps its newest context and reads as a fault.
+//!   the media: it keeps its newest context and reads as a fault. The
+//!   blocks, and the table pages of their older contexts, are read back in
+//!   runs of adjacent ones after one pass over the records.
 //! - Packed: the journal is a redo log: every record's blocks are rewritten
 //!   from the journal's copy, so each block reads its newest journaled data.
 //!   The rows they land in are not read: one whose bit was clear is made

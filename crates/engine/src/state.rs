@@ -5,6 +5,7 @@
 //! writers, commits and checkpoints take it exclusively.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use bytes::Bytes;
 
@@ -328,32 +329,74 @@ pub(crate) fn load_context_page(
     state: &RwLock<VolumeState>,
     page_no: u64,
 ) -> Result<Page> {
+    let page = load_context_pages(io, state, page_no..page_no + 1)?;
+    Ok(page.into_iter().next().expect("one page read"))
+}
+
+/// `load_context_page` for adjacent pages `pages`, in one read (recovery
+/// loads every page its replay needs so: `SplitLayout::replay`).
+pub(crate) fn load_context_pages(
+    io: &Backing,
+    state: &RwLock<VolumeState>,
+    pages: Range<u64>,
+) -> Result<Vec<Page>> {
     let epoch = state.read().contexts.epoch();
-    let page = std::sync::Arc::new(read_context_page(io, page_no)?);
-    state
-        .write()
-        .contexts
-        .insert_page_from(page_no, page.clone(), epoch);
-    Ok(page)
+    let read: Vec<Page> = read_context_pages(io, pages.clone())?
+        .into_iter()
+        .map(std::sync::Arc::new)
+        .collect();
+    let mut state = state.write();
+    for (page_no, page) in pages.zip(&read) {
+        state
+            .contexts
+            .insert_page_from(page_no, page.clone(), epoch);
+    }
+    Ok(read)
 }
 
 /// One page of the context table from disk, judged against the written
 /// map (a lost page becomes lost markers: `WrittenMap::judge_page`).
 pub(crate) fn read_context_page(io: &Backing, page_no: u64) -> Result<[u8; 4096]> {
-    let mut bytes = [0u8; 4096];
-    let seen = io.written.page_writes(page_no..=page_no);
-    io.read_object(ObjectId::Contexts, page_no * 4096, &mut bytes)?;
-    io.written.judge_page(page_no, &mut bytes, &seen, |data| {
-        read_page_data(io, page_no, data)
-    });
-    if io.is_read_only() {
-        // A writable open stamped these on disk (`Engine::open`); a
-        // read-only one cannot, and nothing it does can write the blocks.
-        // After the judgement: the markers carry no generation, so the
-        // page stamped would look older than it is.
-        io.stamp_short_data(page_no, &mut bytes);
+    let page = read_context_pages(io, page_no..page_no + 1)?;
+    Ok(page.into_iter().next().expect("one page read"))
+}
+
+/// `read_context_page` of adjacent pages `pages`, in one read (a run
+/// that fails is read again page by page, so the error names its page).
+fn read_context_pages(io: &Backing, pages: Range<u64>) -> Result<Vec<[u8; 4096]>> {
+    let count = (pages.end - pages.start) as usize;
+    let mut read = vec![[0u8; 4096]; count];
+    let Some(last) = pages.end.checked_sub(1).filter(|last| *last >= pages.start) else {
+        return Ok(read);
+    };
+    let seen = io.written.page_writes(pages.start..=last);
+    if io
+        .try_read(
+            ObjectId::Contexts,
+            pages.start * 4096,
+            read.as_flattened_mut(),
+        )
+        .is_ok()
+    {
+        io.stats.add_read(count as u64 * 4096);
+    } else {
+        for (page_no, bytes) in pages.clone().zip(read.iter_mut()) {
+            io.read_object(ObjectId::Contexts, page_no * 4096, bytes)?;
+        }
     }
-    Ok(bytes)
+    for (page_no, bytes) in pages.zip(read.iter_mut()) {
+        io.written.judge_page(page_no, bytes, &seen, |data| {
+            read_page_data(io, page_no, data)
+        });
+        if io.is_read_only() {
+            // A writable open stamped these on disk (`Engine::open`); a
+            // read-only one cannot, and nothing it does can write the
+            // blocks. After the judgement: the markers carry no
+            // generation, so the page stamped would look older than it is.
+            io.stamp_short_data(page_no, bytes);
+        }
+    }
+    Ok(read)
 }
 
 /// Whether split page `page_no` (`page`, as read from disk) is older than

@@ -8,8 +8,12 @@
 //! its data matches (new, an older write, or the context it had before;
 //! zero-reading contexts always match). A block matching none was torn
 //! below 4 KiB by the media: it keeps its newest context and reads as a
-//! fault.
+//! fault. The records are applied in one pass without I/O; the blocks to
+//! verify, the table pages of their older contexts and the blocks to redo
+//! are then read and written in runs of adjacent ones, so a journal of
+//! many small records costs what its blocks do.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 use std::sync::Arc;
@@ -36,20 +40,6 @@ pub(crate) struct SplitLayout {
 impl SplitLayout {
     pub fn new(geometry: Geometry) -> SplitLayout {
         SplitLayout { geometry }
-    }
-
-    /// The context a block has now, loading its table page if needed.
-    /// The block's context before the journal's records, `None` if the
-    /// stored one is corrupt: a corrupt context is no candidate for what
-    /// the block holds (taking it as a hole would always "match" and turn a
-    /// block whose rewrite was lost into zeros instead of a fault).
-    fn context_now(
-        &self,
-        io: &Backing,
-        state: &RwLock<VolumeState>,
-        lba: u64,
-    ) -> Result<Option<Context>> {
-        Ok(lookup_loading(io, state, lba)?.ok())
     }
 
     /// A context page as it is now (cached copy or disk), to be modified:
@@ -136,13 +126,13 @@ impl SplitLayout {
         Ok(punched)
     }
 
-    /// Replay one block of a redo record from the journal's copy: home, or
-    /// (read-only) into the write-back buffer, under its context.
+    /// Replay one block of a redo record from the journal's copy: its
+    /// context, and (read-only) its data into the write-back buffer; a
+    /// writable open writes the data home after the pass (`write_redone`).
     fn redo_block(
         &self,
         io: &Backing,
-        state: &RwLock<VolumeState>,
-        unsynced: &mut BTreeSet<ObjectId>,
+        state: &mut VolumeState,
         protection: &dyn Protection,
         entry: &JournalEntry,
         data: &[u8],
@@ -155,7 +145,6 @@ impl SplitLayout {
                     entry.lba
                 )));
             };
-            let mut state = state.write();
             state.active.insert(
                 entry.lba,
                 DirtyBlock {
@@ -163,16 +152,138 @@ impl SplitLayout {
                     seal,
                 },
             );
-            state.contexts.set(entry.lba, entry.context);
-            return Ok(());
         }
-        let location = self.geometry.locate(entry.lba);
-        let object = ObjectId::Data(location.segment);
-        io.write_object(object, location.data_offset, data)?;
-        unsynced.insert(object);
-        state.write().contexts.set(entry.lba, entry.context);
+        state.contexts.set(entry.lba, entry.context);
         Ok(())
     }
+
+    /// Write the blocks a replay redid home, from the journal's copies:
+    /// one write per run of adjacent blocks.
+    fn write_redone(
+        &self,
+        io: &Backing,
+        unsynced: &mut BTreeSet<ObjectId>,
+        redo: &[(u64, &[u8])],
+    ) -> Result<()> {
+        // Each block is redone from one record, its last: distinct LBAs.
+        let blocks: BTreeMap<u64, &[u8]> = redo.iter().copied().collect();
+        let mut lbas = blocks.keys().copied().peekable();
+        while let Some(first) = lbas.next() {
+            let location = self.geometry.locate(first);
+            let segment_end = (u64::from(location.segment) + 1) * self.geometry.segment_blocks;
+            let mut parts = vec![blocks[&first]];
+            let mut end = first + 1;
+            while parts.len() < IOV_MAX && end < segment_end && lbas.next_if_eq(&end).is_some() {
+                parts.push(blocks[&end]);
+                end += 1;
+            }
+            let object = ObjectId::Data(location.segment);
+            io.write_runs(
+                object,
+                &[Run {
+                    offset: location.data_offset,
+                    parts: &parts,
+                }],
+            )?;
+            unsynced.insert(object);
+        }
+        Ok(())
+    }
+}
+
+/// A block an unverified commit wrote, as the replay found it.
+struct Candidate {
+    /// Its context before the replayed records.
+    before: Before,
+    /// The contexts those records wrote, oldest first: the first, then
+    /// any later ones (most blocks have one: no allocation for it).
+    first: Context,
+    later: Vec<Context>,
+}
+
+enum Before {
+    /// Known in memory (the overlay, a range, a cached page); `None` if the
+    /// stored one is corrupt: a corrupt context is no candidate for what
+    /// the block holds (taking it as a hole would always "match" and turn
+    /// a block whose rewrite was lost into zeros instead of a fault).
+    Known(Option<Context>),
+    /// In its page of the table on disk, read after the pass with every
+    /// other such page (`load_pages_of`). Nothing writes the table during
+    /// a replay, so the page then holds what it held when the block was
+    /// first met.
+    OnDisk,
+}
+
+impl Candidate {
+    /// Block `lba`, first written by a replayed record with `first`.
+    fn new(state: &VolumeState, lba: u64, first: Context) -> Candidate {
+        let before = match state.contexts.lookup(lba) {
+            Lookup::Found(found) => Before::Known(found.ok()),
+            Lookup::NeedPage(_) => Before::OnDisk,
+        };
+        Candidate {
+            before,
+            first,
+            later: Vec::new(),
+        }
+    }
+
+    fn newest(&self) -> Context {
+        *self.later.last().unwrap_or(&self.first)
+    }
+}
+
+/// Most context pages one read of a replay loads (1 MiB).
+const PAGE_RUN_MAX: u64 = 256;
+
+/// The table pages holding the older contexts of `candidates` that are
+/// on disk, loaded (and cached) a run of adjacent pages per read.
+fn load_pages_of(
+    io: &Backing,
+    state: &RwLock<VolumeState>,
+    candidates: &BTreeMap<u64, Candidate>,
+) -> Result<BTreeMap<u64, Page>> {
+    let wanted: BTreeSet<u64> = candidates
+        .iter()
+        .filter(|(_, candidate)| matches!(candidate.before, Before::OnDisk))
+        .map(|(lba, _)| ContextStore::page_of(*lba))
+        .collect();
+    let mut pages = BTreeMap::new();
+    let mut wanted = wanted.into_iter().peekable();
+    while let Some(first) = wanted.next() {
+        let mut end = first + 1;
+        while end - first < PAGE_RUN_MAX && wanted.next_if_eq(&end).is_some() {
+            end += 1;
+        }
+        let loaded = crate::state::load_context_pages(io, state, first..end)?;
+        pages.extend((first..end).zip(loaded));
+    }
+    Ok(pages)
+}
+
+/// The largest read back of candidates (1 MiB).
+const READ_RUN_MAX_BLOCKS: u64 = 256;
+
+/// The runs of LBAs a replay reads back to verify `lbas` (ascending):
+/// adjacent candidates within one data segment. Not across gaps: a gap
+/// read costs more than the read it saves (a sparse data file's holes are
+/// allocated in the page cache to be read; gaps of up to 8 blocks doubled
+/// a replay's CPU time in a busy sample, docs/BENCHMARKS.md stop 39).
+fn read_runs(geometry: &Geometry, lbas: impl Iterator<Item = u64>) -> Vec<Range<u64>> {
+    let mut runs: Vec<Range<u64>> = Vec::new();
+    for lba in lbas {
+        match runs.last_mut() {
+            Some(run)
+                if lba == run.end
+                    && lba + 1 - run.start <= READ_RUN_MAX_BLOCKS
+                    && lba / geometry.segment_blocks == run.start / geometry.segment_blocks =>
+            {
+                run.end = lba + 1;
+            }
+            _ => runs.push(lba..lba + 1),
+        }
+    }
+    runs
 }
 
 impl Layout for SplitLayout {
@@ -402,95 +513,137 @@ impl Layout for SplitLayout {
         // bits are cleared before any page is loaded (`written.rs`).
         clear_trimmed_units(io, records);
         forget_replayed_generations(io, records);
-        let mut resolutions = Vec::new();
         let verify_after = last.header.data_durable_seq;
         let redo_last = last_records_of_redo_blocks(records);
-        // For each block an unverified commit wrote: [context before, writes...].
-        let mut candidates: BTreeMap<u64, Vec<Context>> = BTreeMap::new();
-        for record in records {
-            let mut data_index = 0usize;
-            for entry in &record.entries {
-                if entry.count == 1 && entry.context.carries_data() {
-                    if record.header.has_data() {
-                        let data = record_data(&record.header, &record.bytes, data_index);
-                        data_index += 1;
-                        // The last record to touch the block holds its copy:
-                        // redo it (a redo record that a later record
-                        // overwrote had its blocks home before that one).
-                        if redo_last.get(&entry.lba) == Some(&record.header.seq) {
-                            candidates.remove(&entry.lba);
-                            self.redo_block(io, state, unsynced, protection, entry, data)?;
-                            continue;
+        // For each block an unverified commit wrote: where its context
+        // before the replay is, and the contexts the commits wrote.
+        let mut candidates: BTreeMap<u64, Candidate> = BTreeMap::new();
+        // Blocks redone from the journal's copy, written home after the pass.
+        let mut redo: Vec<(u64, &[u8])> = Vec::new();
+        {
+            // One pass over the records under one lock, no I/O in it: the
+            // pages holding candidates' older contexts are read after it,
+            // in runs, and redone blocks written in runs (a journal of many
+            // small records costs what its blocks do, not a read or a write
+            // per record's block).
+            let mut state = state.write();
+            for record in records {
+                let mut data_index = 0usize;
+                for entry in &record.entries {
+                    if entry.count == 1 && entry.context.carries_data() {
+                        if record.header.has_data() {
+                            let data = record_data(&record.header, &record.bytes, data_index);
+                            data_index += 1;
+                            // The last record to touch the block holds its
+                            // copy: redo it (a redo record that a later
+                            // record overwrote had its blocks home before
+                            // that one).
+                            if redo_last.get(&entry.lba) == Some(&record.header.seq) {
+                                candidates.remove(&entry.lba);
+                                self.redo_block(io, &mut state, protection, entry, data)?;
+                                redo.push((entry.lba, data));
+                                continue;
+                            }
                         }
-                    }
-                    if record.header.seq > verify_after {
-                        if let std::collections::btree_map::Entry::Vacant(vacant) =
-                            candidates.entry(entry.lba)
-                        {
-                            let before = self.context_now(io, state, entry.lba)?;
-                            vacant.insert(before.into_iter().collect());
+                        if record.header.seq > verify_after {
+                            match candidates.entry(entry.lba) {
+                                Entry::Occupied(mut known) => {
+                                    known.get_mut().later.push(entry.context);
+                                }
+                                Entry::Vacant(vacant) => {
+                                    vacant.insert(Candidate::new(&state, entry.lba, entry.context));
+                                }
+                            }
                         }
-                        candidates
-                            .get_mut(&entry.lba)
-                            .expect("inserted")
-                            .push(entry.context);
-                    }
-                    state.write().contexts.set(entry.lba, entry.context);
-                } else {
-                    let end = entry.lba + u64::from(entry.count);
-                    state
-                        .write()
-                        .contexts
-                        .set_range(entry.lba, end, entry.context);
-                    let superseded: Vec<u64> = candidates
-                        .range(entry.lba..end)
-                        .map(|(lba, _)| *lba)
-                        .collect();
-                    for lba in superseded {
-                        candidates.remove(&lba);
+                        state.contexts.set(entry.lba, entry.context);
+                    } else {
+                        let end = entry.lba + u64::from(entry.count);
+                        state.contexts.set_range(entry.lba, end, entry.context);
+                        let superseded: Vec<u64> = candidates
+                            .range(entry.lba..end)
+                            .map(|(lba, _)| *lba)
+                            .collect();
+                        for lba in superseded {
+                            candidates.remove(&lba);
+                        }
                     }
                 }
             }
         }
-        let mut block: Box<Block> = Box::new([0u8; BLOCK as usize]);
-        for (lba, options) in candidates {
-            let location = self.geometry.locate(lba);
-            report.blocks_verified += 1;
-            let read = io.read_object(
-                ObjectId::Data(location.segment),
-                location.data_offset,
-                &mut block[..],
-            );
-            if let Err(error) = read {
-                // Not knowing what landed, keep the newest context: reads of
-                // this block then report the fault with its LBA instead of
-                // recovery silently deciding it was an old hole.
-                tracing::warn!(lba, %error, "block unreadable during recovery: it will read as a fault");
-                report.blocks_unreadable.push(lba);
-                continue;
+        if !io.is_read_only() {
+            self.write_redone(io, unsynced, &redo)?;
+        }
+        let pages = load_pages_of(io, state, &candidates)?;
+        let mut resolutions = Vec::new();
+        let mut run_bytes: Vec<u8> = Vec::new();
+        let mut single: Box<Block> = Box::new([0u8; BLOCK as usize]);
+        for run in read_runs(&self.geometry, candidates.keys().copied()) {
+            let location = self.geometry.locate(run.start);
+            let object = ObjectId::Data(location.segment);
+            run_bytes.resize(((run.end - run.start) * BLOCK) as usize, 0);
+            let whole = io
+                .try_read(object, location.data_offset, &mut run_bytes)
+                .is_ok();
+            if whole {
+                io.stats.add_read(run_bytes.len() as u64);
             }
-            let newest = *options.last().expect("at least one write");
-            let chosen = options
-                .iter()
-                .rev()
-                .find(|context| protection.matches(context, &block[..]));
-            match chosen {
-                Some(context) if *context == newest => {}
-                Some(context) => {
-                    report.blocks_reverted += 1;
-                    state.write().contexts.set(lba, *context);
-                    resolutions.push(JournalEntry {
-                        lba,
-                        count: 1,
-                        context: *context,
-                    });
-                }
-                None => {
-                    tracing::warn!(
-                        lba,
-                        "block torn by the crash: it will read as a fault until rewritten"
+            for (lba, candidate) in candidates.range(run.clone()) {
+                report.blocks_verified += 1;
+                let block: &[u8] = if whole {
+                    let at = ((lba - run.start) * BLOCK) as usize;
+                    &run_bytes[at..at + BLOCK as usize]
+                } else {
+                    // The run's read failed: each of its blocks alone, so
+                    // only those that cannot be read are faults.
+                    let location = self.geometry.locate(*lba);
+                    let read = io.read_object(
+                        ObjectId::Data(location.segment),
+                        location.data_offset,
+                        &mut single[..],
                     );
-                    report.blocks_torn.push(lba);
+                    if let Err(error) = read {
+                        // Not knowing what landed, keep the newest context:
+                        // reads of this block then report the fault with
+                        // its LBA instead of recovery silently deciding it
+                        // was an old hole.
+                        tracing::warn!(lba, %error, "block unreadable during recovery: it will read as a fault");
+                        report.blocks_unreadable.push(*lba);
+                        continue;
+                    }
+                    &single[..]
+                };
+                let before = match candidate.before {
+                    Before::Known(before) => before,
+                    Before::OnDisk => {
+                        let page = &pages[&ContextStore::page_of(*lba)];
+                        crate::state::context_in_page(page, *lba).ok()
+                    }
+                };
+                let newest = candidate.newest();
+                let chosen = before
+                    .iter()
+                    .chain(std::iter::once(&candidate.first))
+                    .chain(&candidate.later)
+                    .rev()
+                    .find(|context| protection.matches(context, block));
+                match chosen {
+                    Some(context) if *context == newest => {}
+                    Some(context) => {
+                        report.blocks_reverted += 1;
+                        state.write().contexts.set(*lba, *context);
+                        resolutions.push(JournalEntry {
+                            lba: *lba,
+                            count: 1,
+                            context: *context,
+                        });
+                    }
+                    None => {
+                        tracing::warn!(
+                            lba,
+                            "block torn by the crash: it will read as a fault until rewritten"
+                        );
+                        report.blocks_torn.push(*lba);
+                    }
                 }
             }
         }
