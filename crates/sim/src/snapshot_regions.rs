@@ -81,7 +81,7 @@ pub fn run(config: &SnapshotConfig) -> SnapshotReport {
     )
 }
 
-fn write_random(device: &dyn BlockDevice, rng: &mut Rng, runs: u64) -> Result<(), String> {
+pub(crate) fn write_random(device: &dyn BlockDevice, rng: &mut Rng, runs: u64) -> Result<(), String> {
     for _ in 0..runs {
         let count = rng.range(1, 24);
         let lba = rng.below(BLOCKS - count);
@@ -119,7 +119,7 @@ fn make_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) -> Result<(), Str
 }
 
 /// Every file under `dir`, by path relative to it.
-fn files_under(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+pub(crate) fn files_under(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
     let mut files = BTreeMap::new();
     let mut pending = vec![PathBuf::new()];
     while let Some(relative) = pending.pop() {
