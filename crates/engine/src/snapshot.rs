@@ -42,7 +42,7 @@ use crate::error::{Error, Result};
 use crate::storage::{objects_of, ObjectId};
 
 mod legs;
-pub use legs::{create_legs, hold_legs, LegsFlushPoint, StoppedLegs};
+pub use legs::{create_legs, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs};
 
 /// The directory of a volume that holds its snapshots.
 pub const SNAPSHOTS_DIR: &str = "snapshots";
@@ -902,7 +902,8 @@ fn publish(
         return Err(error);
     }
     let (record, files) = taken.expect("the flush point ran the clone");
-    finish(fs, volume, asked, &warm, &files)?;
+    seal(fs, volume, asked, &warm, &files)?;
+    name_it(fs, volume, asked, &files)?;
     Ok(Snapshot {
         path: snapshot_path(volume, asked.name),
         record,
@@ -1016,18 +1017,6 @@ fn clone_at(
         (RECORD_FILE, &mut make_record),
     )?;
     Ok((record, files))
-}
-
-/// After the flush point: `seal` the copy, then `name_it`.
-fn finish(
-    fs: &dyn SnapshotFs,
-    volume: &Path,
-    asked: &Asked,
-    warm: &[PathBuf],
-    files: &[PathBuf],
-) -> Result<()> {
-    seal(fs, volume, asked, warm, files)?;
-    name_it(fs, volume, asked, files)
 }
 
 /// The copy in `.NAME.partial` made final: the warm copies no clone made

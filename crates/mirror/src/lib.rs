@@ -79,11 +79,11 @@ pub use progress::{ReconcileProgress, ResyncProgress, ResyncRate};
 pub use reconcile::ReconcileCursor;
 pub use remote::{is_remote_member, LegTemplate};
 pub use resync::{ResyncCursor, ResyncStep};
-pub use still::StillLeg;
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet, RECORD_FILE,
 };
+pub use still::StillLeg;
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 

@@ -35,8 +35,8 @@ use vouch_engine::{BlockDevice, CreateOptions, OpenOptions};
 use crate::faults::BLOCKS;
 use crate::migrate::TempDir;
 use crate::rng::Rng;
-use crate::snapshot::{file_as_expected, Findings, ModelFs, Recording, SnapshotConfig, SnapshotReport};
-use crate::snapshot_regions::{files_under, write_random};
+use crate::snapshot::{Findings, ModelFs, Recording, SnapshotConfig, SnapshotReport};
+use crate::snapshot_regions::{files_under, same_files, write_random};
 use crate::BLOCK;
 
 const LEGS: [&str; 2] = ["/l0", "/l1"];
@@ -103,7 +103,8 @@ fn run_seed(
         journal_bytes: Some(1 << 20),
         ..CreateOptions::new(BLOCKS * BLOCK_U64)
     };
-    let volume = vouch_engine::create_volume(&real, &options).map_err(|e| format!("create: {e}"))?;
+    let volume =
+        vouch_engine::create_volume(&real, &options).map_err(|e| format!("create: {e}"))?;
     write_random(&volume, &mut rng, 12)?;
     volume.close().map_err(|e| format!("close: {e}"))?;
     let files = files_under(&real);
@@ -158,15 +159,21 @@ fn run_seed(
     let ended = findings.end(report);
     let after = recording.fs.lock().clone();
     for leg in &legs {
-        if after
-            .lookup(&snapshot::snapshot_path(leg, NAME))
-            .is_some()
-        {
-            return Err(format!("{}'s copy is still there after the delete", leg.display()));
+        if after.lookup(&snapshot::snapshot_path(leg, NAME)).is_some() {
+            return Err(format!(
+                "{}'s copy is still there after the delete",
+                leg.display()
+            ));
         }
     }
-    verify(after, &expected, (true, true), config.breaks, &temp.0.join("images"))
-        .map_err(|e| format!("after every command: {e}"))?;
+    verify(
+        after,
+        &expected,
+        (true, true),
+        config.breaks,
+        &temp.0.join("images"),
+    )
+    .map_err(|e| format!("after every command: {e}"))?;
     ended
 }
 
@@ -174,7 +181,12 @@ fn run_seed(
 /// copy tidied and its copy deleted, in leg order.
 fn delete_copies(fs: &Recording, legs: &[PathBuf]) -> vouch_engine::Result<()> {
     for leg in legs {
-        if fs.fs.lock().lookup(&snapshot::snapshot_path(leg, NAME)).is_some() {
+        if fs
+            .fs
+            .lock()
+            .lookup(&snapshot::snapshot_path(leg, NAME))
+            .is_some()
+        {
             snapshot::tidy(fs, leg)?;
             snapshot::delete(fs, leg, NAME)?;
         }
@@ -182,28 +194,14 @@ fn delete_copies(fs: &Recording, legs: &[PathBuf]) -> vouch_engine::Result<()> {
     Ok(())
 }
 
-/// The files of `dir` in `fs`: as the volume's, its superblock marked
-/// `flag`, its journal new (`copy`).
-fn same_files(
+/// The copy at `dir` of `fs`, written out to `scratch`, opened (read-only
+/// whatever is asked) and read whole: the volume's image, no fault.
+fn reads_whole(
     fs: &mut ModelFs,
     dir: &Path,
     expected: &Expected,
-    flag: bool,
-    copy: bool,
+    scratch: &Path,
 ) -> Result<(), String> {
-    for (name, bytes) in &expected.files {
-        let path = dir.join(name);
-        let got = fs
-            .file(&path)
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        file_as_expected(&path, got, bytes, flag, copy)?;
-    }
-    Ok(())
-}
-
-/// The copy at `dir` of `fs`, written out to `scratch`, opened (read-only
-/// whatever is asked) and read whole: the volume's image, no fault.
-fn reads_whole(fs: &mut ModelFs, dir: &Path, expected: &Expected, scratch: &Path) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(scratch);
     std::fs::create_dir_all(scratch).map_err(|e| e.to_string())?;
     for name in expected.files.keys() {
@@ -230,7 +228,9 @@ fn reads_whole(fs: &mut ModelFs, dir: &Path, expected: &Expected, scratch: &Path
 /// The id in the record of the copy at `dir`.
 fn record_id(fs: &mut ModelFs, dir: &Path) -> Result<String, String> {
     let path = dir.join(snapshot::RECORD_FILE);
-    let bytes = fs.file(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let bytes = fs
+        .file(&path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
     // The record is JSON; this crate reads its one string field here.
     let text = String::from_utf8_lossy(bytes);
     let id = text
@@ -256,11 +256,11 @@ fn verify(
     fs = recovered.fs.lock().clone();
     let mut ids = Vec::new();
     for leg in &legs {
-        same_files(&mut fs, leg, expected, false, false)
+        same_files(&mut fs, leg, &expected.files, false, false)
             .map_err(|e| format!("leg {}: {e}", leg.display()))?;
         let copy = snapshot::snapshot_path(leg, NAME);
         if fs.lookup(&copy).is_some() {
-            same_files(&mut fs, &copy, expected, true, true)?;
+            same_files(&mut fs, &copy, &expected.files, true, true)?;
             reads_whole(&mut fs, &copy, expected, scratch)?;
             ids.push(record_id(&mut fs, &copy)?);
         } else if created && !deleting {
@@ -272,7 +272,9 @@ fn verify(
     }
     let copies = ids.len();
     if ids.windows(2).any(|pair| pair[0] != pair[1]) {
-        return Err(format!("the legs' copies are of different snapshots: {ids:?}"));
+        return Err(format!(
+            "the legs' copies are of different snapshots: {ids:?}"
+        ));
     }
     // The legs disagree (some copies named, not all) or agree: the delete
     // of what is there and the create again leave both a whole copy.
@@ -292,8 +294,14 @@ fn verify(
     .map_err(|e| format!("create again: {e}"))?;
     let mut fs = again.fs.lock().clone();
     for leg in &legs {
-        same_files(&mut fs, &snapshot::snapshot_path(leg, NAME), expected, true, true)
-            .map_err(|e| format!("created again: {e}"))?;
+        same_files(
+            &mut fs,
+            &snapshot::snapshot_path(leg, NAME),
+            &expected.files,
+            true,
+            true,
+        )
+        .map_err(|e| format!("created again: {e}"))?;
     }
     Ok(copies)
 }

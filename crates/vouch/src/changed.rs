@@ -35,7 +35,10 @@ pub struct Changes {
 }
 
 /// A served mirror and each leg's volume (`None`: not open).
-type MirrorLegs = (Arc<vouch_mirror::Mirror>, Vec<Option<std::sync::Weak<Volume>>>);
+type MirrorLegs = (
+    Arc<vouch_mirror::Mirror>,
+    Vec<Option<std::sync::Weak<Volume>>>,
+);
 
 /// The snapshot each served volume opened last (its directory, as given
 /// and canonical, and its record), kept open for the next request: a

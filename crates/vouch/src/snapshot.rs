@@ -204,7 +204,11 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
             &format!("export {export} (a mirror)"),
             json_output,
         )?;
-        return Ok(if bad { ExitCode::from(1) } else { ExitCode::SUCCESS });
+        return Ok(if bad {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
     }
     if json_output {
         println!("{}", serde_json::to_string_pretty(&items)?);
@@ -555,7 +559,11 @@ pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
 /// a snapshot served, checked or cloned holds its own lock, and deleting
 /// it under that process would leave it reading a snapshot no name leads
 /// to (and a new snapshot of the same name a different one).
-pub(crate) fn hold_snapshot(volume: &Path, name: &str, snapshot_dir: &Path) -> Result<Option<std::fs::File>> {
+pub(crate) fn hold_snapshot(
+    volume: &Path,
+    name: &str,
+    snapshot_dir: &Path,
+) -> Result<Option<std::fs::File>> {
     match FileStorage::lock_for_writing(snapshot_dir) {
         Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => anyhow::bail!(
             "snapshot {name} of {} is open in another vouch process (a serve, check or clone): stop it first",

@@ -81,6 +81,24 @@ fn refuse_remote(members: &[Member]) -> Result<()> {
     Ok(())
 }
 
+/// Snapshot `name` of `legs` at `point` (the record says "copy" where
+/// the files were copied, `RealFs`).
+fn take(
+    fs: &RealFs,
+    legs: &[PathBuf],
+    name: &str,
+    point: &dyn LegsFlushPoint,
+) -> Result<Vec<Snapshot>> {
+    Ok(snapshot::create_legs(
+        fs,
+        legs,
+        name,
+        "reflink",
+        SnapshotBreaks::default(),
+        point,
+    )?)
+}
+
 /// `vouch snapshot create LEG NAME` of a stopped mirror: every leg held
 /// (no server may have any open), each active one closed cleanly with the
 /// legs agreeing (no extents left to reconcile, no scrub owed).
@@ -107,25 +125,20 @@ pub fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     refuse_unsettled(&record, &legs)?;
     let started = Instant::now();
     let fs = RealFs::new(copy);
-    let taken = snapshot::create_legs(
+    let taken = take(
         &fs,
         &legs,
         name,
-        "reflink",
-        SnapshotBreaks::default(),
-        &StoppedLegs { fs: &fs, legs: &legs },
+        &StoppedLegs {
+            fs: &fs,
+            legs: &legs,
+        },
     )?;
     print_taken(name, path, &taken, &members, started.elapsed());
     Ok(ExitCode::SUCCESS)
 }
 
-fn print_taken(
-    name: &str,
-    path: &Path,
-    taken: &[Snapshot],
-    members: &[Member],
-    elapsed: Duration,
-) {
+fn print_taken(name: &str, path: &Path, taken: &[Snapshot], members: &[Member], elapsed: Duration) {
     println!(
         "snapshot {name} of mirror {}: {} copies (checkpoint seq {}, {:.1} ms)",
         path.display(),
@@ -365,7 +378,11 @@ pub fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
     }
     let items = listing(&members);
     let bad = print_listing(&items, &format!("mirror {}", path.display()), json_output)?;
-    Ok(if bad { ExitCode::from(1) } else { ExitCode::SUCCESS })
+    Ok(if bad {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    })
 }
 
 /// The snapshots of a served mirror (the control API's list).
@@ -457,14 +474,7 @@ pub fn create_online(
         mirror,
         times: Cell::new((Duration::ZERO, Duration::ZERO)),
     };
-    let taken = snapshot::create_legs(
-        &fs,
-        &legs,
-        name,
-        "reflink",
-        SnapshotBreaks::default(),
-        &point,
-    )?;
+    let taken = take(&fs, &legs, name, &point)?;
     let (flush, held) = point.times.get();
     Ok((
         taken,
@@ -488,12 +498,11 @@ struct Still<'a> {
 impl LegsFlushPoint for Still<'_> {
     fn at_flush_point(
         &self,
-        clone: &mut dyn FnMut(&[(PathBuf, vouch_format::Superblock)]) -> vouch_engine::Result<()>,
+        clone: &mut dyn FnMut(&snapshot::HeldLegs) -> vouch_engine::Result<()>,
     ) -> vouch_engine::Result<()> {
         self.mirror.with_legs_still(|legs, release| {
             release();
-            legs.iter()
-                .try_for_each(|leg| leg.volume.checkpoint_now())
+            legs.iter().try_for_each(|leg| leg.volume.checkpoint_now())
         })?;
         let started = Instant::now();
         let mut flushed = Duration::ZERO;
@@ -591,8 +600,13 @@ pub fn open_served(
             }
         };
         legs.push(MirrorLeg {
-            name: copy.map_or_else(|| member.path.clone(), |snap| snap.path.display().to_string()),
-            device: volume.clone().map(|v| v as Arc<dyn vouch_engine::BlockDevice>),
+            name: copy.map_or_else(
+                || member.path.clone(),
+                |snap| snap.path.display().to_string(),
+            ),
+            device: volume
+                .clone()
+                .map(|v| v as Arc<dyn vouch_engine::BlockDevice>),
             state: if volume.is_some() {
                 LegState::Active
             } else {

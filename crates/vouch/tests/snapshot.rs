@@ -13,35 +13,6 @@ use common::*;
 
 const SIZE: usize = 8 << 20;
 
-/// `vouch export` of `volume` into `dir/name.raw`, its bytes.
-fn exported(volume: &Path, dir: &Path, name: &str) -> Vec<u8> {
-    let raw = dir.join(format!("{name}.raw"));
-    let _ = std::fs::remove_file(&raw);
-    vouch_ok(&["export", s(volume), s(&raw)]);
-    std::fs::read(&raw).expect("read export")
-}
-
-/// Serve `args`, write `data` at `offset` over NBD and flush, stop.
-fn write_through_nbd(dir: &Path, args: &[&str], offset: u64, data: &[u8]) {
-    let file = dir.join("payload.bin");
-    std::fs::write(&file, data).expect("payload");
-    let mut server = Server::start(dir, args);
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(open(sys.argv[2], "rb").read(), int(sys.argv[3]))
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[&server.uri, s(&file), &offset.to_string()],
-    );
-    server.stop();
-}
-
-fn stderr_of(output: &std::process::Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
 /// Serve `args` (a snapshot): writes are refused with EPERM (and the
 /// export says read-only), and LBA 7 reads `want`.
 fn served_read_only(dir: &Path, args: &[&str], want: &[u8]) {

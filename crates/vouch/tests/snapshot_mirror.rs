@@ -15,39 +15,6 @@ use std::path::{Path, PathBuf};
 use common::clients::nbdinfo_json;
 use common::*;
 
-/// Serve `args`, write `data` at `offset` over NBD and flush, stop.
-fn write_through_nbd(dir: &Path, args: &[&str], offset: u64, data: &[u8]) {
-    let file = dir.join("payload.bin");
-    std::fs::write(&file, data).expect("payload");
-    let mut server = Server::start(dir, args);
-    pwrite(&server.uri, &file, offset);
-    server.stop();
-}
-
-fn pwrite(uri: &str, file: &Path, offset: u64) {
-    py_json(
-        r#"
-h = connect(sys.argv[1])
-h.pwrite(open(sys.argv[2], "rb").read(), int(sys.argv[3]))
-h.flush()
-print(json.dumps({"ok": True}))
-"#,
-        &[uri, s(file), &offset.to_string()],
-    );
-}
-
-fn stderr_of(output: &std::process::Output) -> String {
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-/// `vouch export` of `volume` into `dir/name.raw`, its bytes.
-fn exported(volume: &Path, dir: &Path, name: &str) -> Vec<u8> {
-    let raw = dir.join(format!("{name}.raw"));
-    let _ = std::fs::remove_file(&raw);
-    vouch_ok(&["export", s(volume), s(&raw)]);
-    std::fs::read(&raw).expect("read export")
-}
-
 /// The whole export at `uri` read with nbdcopy.
 fn nbdcopied(uri: &str, dir: &Path, name: &str) -> Vec<u8> {
     let raw = dir.join(format!("{name}.nbdcopy"));
@@ -95,10 +62,9 @@ fn a_mirror_snapshot_has_a_copy_per_leg_and_a_bad_copy_is_read_from_the_other() 
         list.contains("s1\t") && list.contains("copies: leg 0, leg 1"),
         "{list}"
     );
-    let listed: serde_json::Value = serde_json::from_slice(
-        &vouch_ok(&["snapshot", "list", "--json", s(&leg1)]).stdout,
-    )
-    .expect("json");
+    let listed: serde_json::Value =
+        serde_json::from_slice(&vouch_ok(&["snapshot", "list", "--json", s(&leg1)]).stdout)
+            .expect("json");
     assert_eq!(listed[0]["legs"][1]["copy"], s(&copies[1]), "{listed}");
 
     // One copy's block corrupted: `check` of that copy names its LBA, the
@@ -242,7 +208,7 @@ fn an_online_mirror_snapshot_copies_every_leg_and_serves_its_changed_blocks() {
     let before = random_bytes(1 << 20, 35);
     let file = dir.join("before.bin");
     std::fs::write(&file, &before).expect("write");
-    pwrite(&server.uri, &file, 1 << 20);
+    pwrite_file(&server.uri, &file, 1 << 20);
     let out = vouch_ok(&["snapshot", "create", "--server", &control, "s1"]);
     assert!(
         text(&out).contains("held at the flush point") && text(&out).contains("m1/snapshots/s1"),
@@ -253,7 +219,7 @@ fn an_online_mirror_snapshot_copies_every_leg_and_serves_its_changed_blocks() {
     let after = random_bytes(8 * BLOCK as usize, 36);
     let file = dir.join("after.bin");
     std::fs::write(&file, &after).expect("write");
-    pwrite(&server.uri, &file, 2 << 20);
+    pwrite_file(&server.uri, &file, 2 << 20);
     let map = nbdinfo_json(&server.uri, &["--map=qemu:dirty-bitmap:s1"]);
     let dirty: Vec<(u64, u64)> = map
         .as_array()
@@ -302,13 +268,9 @@ fn an_online_mirror_snapshot_copies_every_leg_and_serves_its_changed_blocks() {
 #[test]
 fn a_mirror_with_a_remote_leg_refuses_a_snapshot_naming_the_leg() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let mut replica = replica_support::replica_server(
-        &dir.path().join("replicas"),
-        "127.0.0.1:0",
-        &[],
-        None,
-    )
-    .expect("replica");
+    let mut replica =
+        replica_support::replica_server(&dir.path().join("replicas"), "127.0.0.1:0", &[], None)
+            .expect("replica");
     let leg0 = dir.path().join("a");
     let url = format!("vouch://{}/disk", replica.addr);
     vouch_ok(&["create", s(&leg0), "--size", "4MiB", "--mirror", &url]);

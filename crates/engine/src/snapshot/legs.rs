@@ -23,16 +23,17 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+/// The legs held at a flush point: each leg's directory and superblock,
+/// in leg order.
+pub type HeldLegs = [(PathBuf, Superblock)];
+
 /// Where the legs' copies come from: every leg at one flush point.
 pub trait LegsFlushPoint {
     /// Run `clone` with every leg's files at one flush point (each holding
     /// every write acknowledged before this was called, and the same
     /// ones), given each leg's directory and superblock in leg order, and
     /// held there until it returns.
-    fn at_flush_point(
-        &self,
-        clone: &mut dyn FnMut(&[(PathBuf, Superblock)]) -> Result<()>,
-    ) -> Result<()>;
+    fn at_flush_point(&self, clone: &mut dyn FnMut(&HeldLegs) -> Result<()>) -> Result<()>;
     /// Were the legs served (an online snapshot)?
     fn online(&self) -> bool;
 }
@@ -42,12 +43,12 @@ pub trait LegsFlushPoint {
 /// entered first and left last.
 pub fn hold_legs(
     points: &[(&Path, &dyn FlushPoint)],
-    clone: &mut dyn FnMut(&[(PathBuf, Superblock)]) -> Result<()>,
+    clone: &mut dyn FnMut(&HeldLegs) -> Result<()>,
 ) -> Result<()> {
     fn nest(
         points: &[(&Path, &dyn FlushPoint)],
         held: &mut Vec<(PathBuf, Superblock)>,
-        clone: &mut dyn FnMut(&[(PathBuf, Superblock)]) -> Result<()>,
+        clone: &mut dyn FnMut(&HeldLegs) -> Result<()>,
     ) -> Result<()> {
         let Some(((dir, first), rest)) = points.split_first() else {
             return clone(held);
@@ -69,10 +70,7 @@ pub struct StoppedLegs<'a> {
 }
 
 impl LegsFlushPoint for StoppedLegs<'_> {
-    fn at_flush_point(
-        &self,
-        clone: &mut dyn FnMut(&[(PathBuf, Superblock)]) -> Result<()>,
-    ) -> Result<()> {
+    fn at_flush_point(&self, clone: &mut dyn FnMut(&HeldLegs) -> Result<()>) -> Result<()> {
         let stopped: Vec<Stopped> = self
             .legs
             .iter()

@@ -194,8 +194,8 @@ async fn list_snapshots(
         None => crate::snapshot::list_json(&dir),
     })
     .await
-        .map_err(internal)?
-        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({"export": export, "snapshots": list})))
 }
 
@@ -273,8 +273,8 @@ async fn delete_snapshot(
         None => crate::snapshot::delete_online(&dir, &deleted),
     })
     .await
-        .map_err(internal)?
-        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({"export": export, "deleted": name})))
 }
 
