@@ -232,7 +232,8 @@ impl Changes {
     }
 
     pub fn is_clone(&self) -> bool {
-        self.origin().is_some()
+        // A mirror answers changed blocks only (`with_mirror`).
+        self.mirror.is_none() && self.origin().is_some()
     }
 
     /// `qemu:dirty-bitmap:NAME` of `live` from `offset`.

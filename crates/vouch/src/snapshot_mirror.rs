@@ -672,3 +672,20 @@ pub fn refuse_inactive_leg(volume: &Path) -> Result<()> {
     }
     Ok(())
 }
+
+/// `LEG/snapshots/NAME` of a mirror: every leg's copy of snapshot NAME
+/// that is there, with its leg (`check` reports each).
+pub fn copies(path: &Path) -> Option<Vec<(usize, PathBuf)>> {
+    let (leg, name) = of_snapshot_dir(path)?;
+    let (record, _) = vouch_mirror::set::view(&leg).ok()?;
+    let copies: Vec<(usize, PathBuf)> = members_of(&record)
+        .into_iter()
+        .filter(|member| !member.remote)
+        .map(|member| {
+            let copy = snapshot::snapshot_path(Path::new(&member.path), &name);
+            (member.leg, copy)
+        })
+        .filter(|(_, copy)| copy.is_dir())
+        .collect();
+    (!copies.is_empty()).then_some(copies)
+}

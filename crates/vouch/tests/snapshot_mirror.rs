@@ -74,7 +74,19 @@ fn a_mirror_snapshot_has_a_copy_per_leg_and_a_bad_copy_is_read_from_the_other() 
     let (code, faults) = check_faults(&copies[0]);
     assert_eq!(code, 1);
     assert_eq!(faults.iter().map(|f| f.0).collect::<Vec<_>>(), [lba]);
-    assert_check_clean(&copies[1]);
+    assert_eq!(check_faults(&copies[1]), (0, Vec::new()));
+    // `check` of the mirror's snapshot reports each leg's copy: the bad
+    // one by its LBA.
+    let output = vouch(&["check", s(&copies[1])]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    let report = text(&output);
+    assert!(
+        report.contains("leg 0's copy")
+            && report.contains("leg 1's copy")
+            && report.contains(&format!("fault: LBA {lba}"))
+            && report.contains(&format!("{}: ", copies[1].display())),
+        "{report}"
+    );
 
     // Served (by name, and by a copy's directory as its own export): the
     // export is read-only, reads alternate between the copies, and the bad
