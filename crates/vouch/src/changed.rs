@@ -135,7 +135,7 @@ impl Changes {
     }
 
     /// The served volume is a mirror: its snapshot's copy on an active leg
-    /// is compared with that leg (`snapshot_mirror::changes_leg`).
+    /// is compared with that leg (`changes_leg`).
     pub fn with_mirror(
         mut self,
         mirror: Arc<vouch_mirror::Mirror>,
@@ -246,14 +246,14 @@ impl Changes {
         snapshot::check_name(name).map_err(to_export_error)?;
         // A mirror: an active leg's copy, compared with that leg.
         let leg = match &self.mirror {
-            Some((mirror, volumes)) => Some(
-                crate::snapshot_mirror::changes_leg(mirror, volumes, name).ok_or_else(|| {
+            Some((mirror, volumes)) => {
+                Some(changes_leg(mirror, volumes, name).ok_or_else(|| {
                     invalid(format!(
                         "no active leg of the mirror {} holds a copy of snapshot {name:?}",
                         self.volume.display()
                     ))
-                })?,
-            ),
+                })?)
+            }
             None => None,
         };
         let dir = match &leg {
@@ -413,7 +413,7 @@ pub fn diff(
         );
     }
     let from_record = read_record(from)?;
-    crate::snapshot_mirror::refuse_inactive_leg(&volume)?;
+    refuse_inactive_leg(&volume)?;
     // SNAP2: a directory, or the name of another snapshot of the volume.
     let to_path = to.map(|to| {
         if to.components().count() == 1 && !to.is_dir() {
@@ -503,4 +503,47 @@ pub fn diff(
         }
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The leg of a served mirror whose changed blocks since snapshot `name`
+/// are told: an active leg holding a copy (its own snapshot and its own
+/// live contexts are compared; the legs store the same contexts).
+fn changes_leg(
+    mirror: &vouch_mirror::Mirror,
+    volumes: &[Option<std::sync::Weak<Volume>>],
+    name: &str,
+) -> Option<(PathBuf, Arc<Volume>)> {
+    let status = mirror.status();
+    mirror.active().into_iter().find_map(|leg| {
+        let dir = PathBuf::from(&status[leg].name);
+        let volume = volumes.get(leg)?.as_ref()?.upgrade()?;
+        snapshot::snapshot_path(&dir, name)
+            .is_dir()
+            .then_some((dir, volume))
+    })
+}
+
+/// `vouch diff` of a mirror leg's copy compares it with that leg: a leg
+/// that is not active now lacks writes the mirror acknowledged, so its
+/// changed blocks would be too few. Refused, naming an active leg.
+fn refuse_inactive_leg(volume: &Path) -> anyhow::Result<()> {
+    if !vouch_mirror::is_mirrored(volume) {
+        return Ok(());
+    }
+    let (record, _) = vouch_mirror::set::view(volume)?;
+    let own = vouch_mirror::set::read_record(volume)?.leg;
+    let member = &record.members[usize::from(own)];
+    if member.state != vouch_mirror::LegState::Active {
+        let active = record
+            .members
+            .iter()
+            .find(|member| member.state == vouch_mirror::LegState::Active)
+            .map_or("none".to_string(), |member| member.path.clone());
+        anyhow::bail!(
+            "{} is a {} leg of its mirror: it lacks writes the mirror took, so its changed blocks would be too few; diff the copy of an active leg ({active})",
+            volume.display(),
+            member.state.name()
+        );
+    }
+    Ok(())
 }

@@ -16,6 +16,7 @@ mod resync;
 mod serve;
 mod service;
 mod snapshot;
+mod snapshot_held;
 mod snapshot_mirror;
 
 use std::path::PathBuf;

@@ -237,7 +237,13 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
         options.tuning.prompt_commits = !args.commit_at_limit;
         if let Some((leg, name)) = crate::snapshot_mirror::of_snapshot_dir(path) {
             // A mirror's snapshot: a read-only mirror over its copies.
-            let set = crate::snapshot_mirror::open_served(&leg, &name, options.clone())?;
+            let copies = crate::snapshot_mirror::open_served(&leg, &name, options.clone())?;
+            let set = crate::mirror::OpenMirror {
+                mirror: copies.mirror,
+                volumes: copies.volumes,
+                primary: copies.primary,
+                record: copies.record,
+            };
             eprintln!(
                 "vouch: {}: snapshot {name} of a mirror, {} copies",
                 path.display(),

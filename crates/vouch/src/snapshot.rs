@@ -391,7 +391,7 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     let _held = FileStorage::lock_for_writing(path)
         .with_context(|| format!("holding {} to delete its snapshot", path.display()))?;
     let snapshot_dir = path.join(snapshot::SNAPSHOTS_DIR).join(name);
-    let _snapshot_held = hold_snapshot(path, name, &snapshot_dir)?;
+    let _snapshot_held = crate::snapshot_held::hold_snapshot(path, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, path)?;
     snapshot::delete(&fs, path, name)?;
@@ -435,24 +435,10 @@ pub fn served_path(volume: &Path, name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Creates and deletes of snapshots on a server run one at a time: a
-/// create's tidying must not take another's half-made snapshot.
-pub(crate) static ONLINE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// What an online create did, for the control API's answer.
 pub struct OnlineSnapshot {
     pub snapshot: snapshot::Snapshot,
-    pub times: Times,
-}
-
-/// How long an online create took.
-pub struct Times {
-    /// How long the volume was held at its flush point: the longest a
-    /// client's flush waited for it. `flush` of it the commit and the
-    /// checkpoint, the rest the clones.
-    pub held: Duration,
-    pub flush: Duration,
-    pub total: Duration,
+    pub times: crate::snapshot_held::Times,
 }
 
 /// What an online snapshot is taken of: a served volume, or a served
@@ -487,7 +473,9 @@ pub fn create_online(
     name: &str,
     copy: bool,
 ) -> Result<OnlineSnapshot> {
-    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _one = crate::snapshot_held::ONLINE
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
     let started = Instant::now();
     let fs = RealFs::new(copy);
     let point = Timed {
@@ -499,7 +487,7 @@ pub fn create_online(
     let (flush, held) = point.times.get();
     Ok(OnlineSnapshot {
         snapshot: taken,
-        times: Times {
+        times: crate::snapshot_held::Times {
             held,
             flush,
             total: started.elapsed(),
@@ -543,35 +531,18 @@ impl snapshot::FlushPoint for Timed<'_> {
 /// server); refused while another process (or another export of this
 /// one) holds the snapshot.
 pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
-    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _one = crate::snapshot_held::ONLINE
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
     snapshot::check_name(name)?;
     let snapshot_dir = dir.join(snapshot::SNAPSHOTS_DIR).join(name);
     // This server may hold it open for a client's changed blocks.
     crate::changed::release(&snapshot_dir);
-    let _snapshot_held = hold_snapshot(dir, name, &snapshot_dir)?;
+    let _snapshot_held = crate::snapshot_held::hold_snapshot(dir, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, dir)?;
     snapshot::delete(&fs, dir, name)?;
     Ok(())
-}
-
-/// Hold snapshot `name` (at `snapshot_dir`) of `volume` for its delete:
-/// a snapshot served, checked or cloned holds its own lock, and deleting
-/// it under that process would leave it reading a snapshot no name leads
-/// to (and a new snapshot of the same name a different one).
-pub(crate) fn hold_snapshot(
-    volume: &Path,
-    name: &str,
-    snapshot_dir: &Path,
-) -> Result<Option<std::fs::File>> {
-    match FileStorage::lock_for_writing(snapshot_dir) {
-        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => anyhow::bail!(
-            "snapshot {name} of {} is open in another vouch process (a serve, check or clone): stop it first",
-            volume.display()
-        ),
-        // A missing snapshot is named by `delete`.
-        other => Ok(other.ok()),
-    }
 }
 
 /// The snapshots of the volume at `dir` as JSON (entries that cannot be

@@ -81,6 +81,31 @@ fn refuse_remote(members: &[Member]) -> Result<()> {
     Ok(())
 }
 
+/// The one id of the copies of snapshot `name`: copies of different
+/// snapshots under one name (one left on a leg that was away when it was
+/// deleted, and another taken since) are refused, not served.
+fn one_id(name: &str, found: &Found) -> Result<Option<String>> {
+    let mut ids: Vec<(usize, &str)> = found
+        .copies
+        .iter()
+        .filter_map(|(leg, copy)| {
+            copy.as_ref()
+                .ok()
+                .map(|snap| (*leg, snap.record.id.as_str()))
+        })
+        .collect();
+    if let Some((_, first)) = ids.first().copied() {
+        ids.retain(|(_, id)| *id != first);
+        if let Some((leg, _)) = ids.first() {
+            bail!(
+                "the legs' copies of snapshot {name} are of different snapshots (leg {leg}'s is not the first leg's): the legs disagree; `vouch snapshot list` shows them and `vouch snapshot delete` removes every copy"
+            );
+        }
+        return Ok(Some(first.to_string()));
+    }
+    Ok(None)
+}
+
 /// Snapshot `name` of `legs` at `point` (the record says "copy" where
 /// the files were copied, `RealFs`).
 fn take(
@@ -123,6 +148,7 @@ pub fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
         legs.push(PathBuf::from(&member.path));
     }
     refuse_unsettled(&record, &legs)?;
+    refuse_taken(&members, name)?;
     let started = Instant::now();
     let fs = RealFs::new(copy);
     let taken = take(
@@ -155,6 +181,24 @@ fn print_taken(name: &str, path: &Path, taken: &[Snapshot], members: &[Member], 
             member.leg, member.path, member.state
         );
     }
+}
+
+/// A name some leg holds a copy of (an active leg: it exists; a stale or
+/// faulted one: an older snapshot of that name, left there while the leg
+/// was away when it was deleted) is not taken again.
+fn refuse_taken(members: &[Member], name: &str) -> Result<()> {
+    for member in members.iter().filter(|member| !member.remote) {
+        let copy = snapshot::snapshot_path(Path::new(&member.path), name);
+        if copy.symlink_metadata().is_ok() {
+            bail!(
+                "a snapshot named {name:?} already exists on leg {} ({}, {}): choose another name or delete it first (`vouch snapshot delete` removes every leg's copy)",
+                member.leg,
+                copy.display(),
+                member.state
+            );
+        }
+    }
+    Ok(())
 }
 
 /// Every local leg that exists held by this process (its lock), none
@@ -231,7 +275,17 @@ fn gather(members: &[Member]) -> BTreeMap<String, Found> {
     let mut found: BTreeMap<String, Found> = BTreeMap::new();
     let mut unreadable = Vec::new();
     for member in members.iter().filter(|member| !member.remote) {
-        let listed = snapshot::list(&fs, Path::new(&member.path)).unwrap_or_default();
+        let listed = match snapshot::list(&fs, Path::new(&member.path)) {
+            Ok(listed) => listed,
+            Err(error) => {
+                // A leg that is away has no `snapshots/` to read; any
+                // other failure is named, not taken for "no copy".
+                if Path::new(&member.path).is_dir() {
+                    unreadable.push((member.leg, error.to_string()));
+                }
+                continue;
+            }
+        };
         for entry in listed {
             match entry {
                 Ok(snap) => found
@@ -399,12 +453,19 @@ fn delete_copies(members: &[Member], name: &str) -> Result<Vec<usize>> {
     let mut legs = Vec::new();
     for member in members.iter().filter(|member| !member.remote) {
         let dir = Path::new(&member.path);
+        if !dir.is_dir() {
+            eprintln!(
+                "vouch: WARNING: leg {} ({}) is missing: a copy of snapshot {name} it may hold is not deleted; when it is back, `vouch snapshot list` names it and `vouch snapshot delete` removes it",
+                member.leg, member.path
+            );
+            continue;
+        }
         let copy = snapshot::snapshot_path(dir, name);
         if !copy.is_dir() {
             continue;
         }
         crate::changed::release(&copy);
-        held.push(crate::snapshot::hold_snapshot(dir, name, &copy)?);
+        held.push(crate::snapshot_held::hold_snapshot(dir, name, &copy)?);
         legs.push(member.leg);
     }
     if legs.is_empty() {
@@ -441,7 +502,7 @@ fn shown(legs: &[usize]) -> String {
 
 /// Delete every leg's copy of snapshot `name` of a served mirror.
 pub fn delete_online(mirror: &Mirror, name: &str) -> Result<()> {
-    let _one = crate::snapshot::ONLINE
+    let _one = crate::snapshot_held::ONLINE
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
     let members = members_served(mirror);
@@ -456,13 +517,14 @@ pub fn create_online(
     mirror: &Mirror,
     name: &str,
     copy: bool,
-) -> Result<(Vec<Snapshot>, crate::snapshot::Times)> {
-    let _one = crate::snapshot::ONLINE
+) -> Result<(Vec<Snapshot>, crate::snapshot_held::Times)> {
+    let _one = crate::snapshot_held::ONLINE
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
     snapshot::check_name(name)?;
     let members = members_served(mirror);
     refuse_remote(&members)?;
+    refuse_taken(&members, name)?;
     let started = Instant::now();
     let legs: Vec<PathBuf> = mirror
         .active()
@@ -478,7 +540,7 @@ pub fn create_online(
     let (flush, held) = point.times.get();
     Ok((
         taken,
-        crate::snapshot::Times {
+        crate::snapshot_held::Times {
             held,
             flush,
             total: started.elapsed(),
@@ -551,15 +613,22 @@ pub fn has_snapshot(leg: &Path, name: &str) -> bool {
     })
 }
 
+/// A mirror's snapshot opened to be served (`serve` keeps it as a set).
+pub struct ServedCopies {
+    pub mirror: Arc<Mirror>,
+    /// Each leg's copy, in leg order (`None`: the leg has none).
+    pub volumes: Vec<Option<Arc<Volume>>>,
+    /// The first copy opened.
+    pub primary: Arc<Volume>,
+    /// The set's record.
+    pub record: MirrorRecord,
+}
+
 /// Snapshot `name` of the mirror `leg` belongs to, opened to be served:
 /// a read-only mirror over the legs' copies (those of the snapshot the
 /// first copy is; a leg without one is missing), so that a block bad in
 /// one copy is read from another.
-pub fn open_served(
-    leg: &Path,
-    name: &str,
-    options: OpenOptions,
-) -> Result<crate::mirror::OpenMirror> {
+pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<ServedCopies> {
     snapshot::check_name(name)?;
     let (record, _) = vouch_mirror::set::view(leg)?;
     let members = members_of(&record);
@@ -571,10 +640,7 @@ pub fn open_served(
             leg.display()
         );
     };
-    let id = copies
-        .copies
-        .iter()
-        .find_map(|(_, copy)| copy.as_ref().ok().map(|snap| snap.record.id.clone()));
+    let id = one_id(name, copies)?;
     let options = OpenOptions {
         read_only: true,
         ..options
@@ -622,7 +688,7 @@ pub fn open_served(
         .next()
         .cloned()
         .context("no copy of the snapshot opened")?;
-    Ok(crate::mirror::OpenMirror {
+    Ok(ServedCopies {
         mirror,
         volumes,
         primary,
@@ -630,54 +696,13 @@ pub fn open_served(
     })
 }
 
-/// The leg of a served mirror whose changed blocks since snapshot `name`
-/// are told: an active leg holding a copy (its own snapshot and its own
-/// live contexts are compared; the legs store the same contexts).
-pub fn changes_leg(
-    mirror: &Mirror,
-    volumes: &[Option<std::sync::Weak<Volume>>],
-    name: &str,
-) -> Option<(PathBuf, Arc<Volume>)> {
-    let status = mirror.status();
-    mirror.active().into_iter().find_map(|leg| {
-        let dir = PathBuf::from(&status[leg].name);
-        let volume = volumes.get(leg)?.as_ref()?.upgrade()?;
-        snapshot::snapshot_path(&dir, name)
-            .is_dir()
-            .then_some((dir, volume))
-    })
-}
-
-/// `vouch diff` of a mirror leg's copy compares it with that leg: a leg
-/// that is not active now lacks writes the mirror acknowledged, so its
-/// changed blocks would be too few. Refused, naming an active leg.
-pub fn refuse_inactive_leg(volume: &Path) -> Result<()> {
-    if !vouch_mirror::is_mirrored(volume) {
-        return Ok(());
-    }
-    let (record, _) = vouch_mirror::set::view(volume)?;
-    let own = vouch_mirror::set::read_record(volume)?.leg;
-    let member = &record.members[usize::from(own)];
-    if member.state != LegState::Active {
-        let active = record
-            .members
-            .iter()
-            .find(|member| member.state == LegState::Active)
-            .map_or("none".to_string(), |member| member.path.clone());
-        bail!(
-            "{} is a {} leg of its mirror: it lacks writes the mirror took, so its changed blocks would be too few; diff the copy of an active leg ({active})",
-            volume.display(),
-            member.state.name()
-        );
-    }
-    Ok(())
-}
-
 /// `LEG/snapshots/NAME` of a mirror: every leg's copy of snapshot NAME
 /// that is there, with its leg (`check` reports each).
 pub fn copies(path: &Path) -> Option<Vec<(usize, PathBuf)>> {
     let (leg, name) = of_snapshot_dir(path)?;
     let (record, _) = vouch_mirror::set::view(&leg).ok()?;
+    // Copies of different snapshots under one name: each is checked
+    // all the same, and `list` names the disagreement.
     let copies: Vec<(usize, PathBuf)> = members_of(&record)
         .into_iter()
         .filter(|member| !member.remote)

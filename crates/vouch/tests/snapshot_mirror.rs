@@ -153,6 +153,25 @@ fn legs_that_disagree_are_listed_and_cleaned_and_a_stale_leg_gets_no_copy() {
     let dir = dir.path();
     let data = random_bytes(4 << 20, 33);
     let (leg0, leg1) = mirror_with(dir, &data);
+    // Copies of different snapshots under one name (one left on a leg
+    // that was away at a delete, another taken since): never served.
+    vouch_ok(&["snapshot", "create", "--copy", s(&leg0), "s0"]);
+    let record = leg0.join("snapshots/s0/snapshot");
+    let text0 = std::fs::read_to_string(&record).expect("record");
+    let id = text0
+        .split("\"id\": \"")
+        .nth(1)
+        .and_then(|rest| rest.split('"').next())
+        .expect("id");
+    std::fs::write(&record, text0.replace(id, "another-snapshot")).expect("write record");
+    let refused = Server::try_start(dir, &["--snapshot", "s0", s(&leg1)])
+        .err()
+        .expect("a snapshot whose copies differ was served");
+    assert!(refused.contains("are of different snapshots"), "{refused}");
+    let output = vouch(&["snapshot", "list", s(&leg0)]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    assert!(text(&output).contains("different ids"), "{}", text(&output));
+    vouch_ok(&["snapshot", "delete", s(&leg0), "s0"]);
     vouch_ok(&["snapshot", "create", "--copy", s(&leg0), "s1"]);
     std::fs::rename(
         leg1.join("snapshots/s1"),
@@ -183,6 +202,15 @@ fn legs_that_disagree_are_listed_and_cleaned_and_a_stale_leg_gets_no_copy() {
     let mut server = Server::start(dir, &[s(&leg0)]);
     server.stop();
     std::fs::rename(&away, &leg1).expect("rename back");
+    // A name a stale leg holds (an older snapshot) is not taken again.
+    std::fs::create_dir_all(leg1.join("snapshots/old")).expect("mkdir");
+    let output = vouch(&["snapshot", "create", "--copy", s(&leg0), "old"]);
+    assert!(
+        stderr_of(&output).contains("already exists on leg 1"),
+        "{}",
+        text(&output)
+    );
+    std::fs::remove_dir(leg1.join("snapshots/old")).expect("rmdir");
     vouch_ok(&["snapshot", "create", "--copy", s(&leg0), "s2"]);
     assert!(leg0.join("snapshots/s2").is_dir() && !leg1.join("snapshots/s2").exists());
     let output = vouch_ok(&["snapshot", "list", s(&leg0)]);
@@ -305,4 +333,50 @@ fn a_mirror_with_a_remote_leg_refuses_a_snapshot_naming_the_leg() {
     server.stop();
     replica.stop();
     assert!(!leg0.join("snapshots/s1").exists());
+}
+
+/// Online snapshots taken while a client writes without pause: every
+/// leg's copy holds the same data (the mirror's writes are held while the
+/// legs' flush points are entered, so no write lands on one leg's side of
+/// the flush point and the other's; were they released first, a write
+/// between two legs' commits would be in one copy only).
+#[test]
+fn copies_taken_while_a_client_writes_are_equal() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = dir.path();
+    let (leg0, leg1) = mirror_with(dir, &random_bytes(4 << 20, 37));
+    let mut server = Server::start(dir, &[s(&leg0), "--control", "127.0.0.1:0"]);
+    let control = common::control::control(&server).to_string();
+    py_json(
+        r#"
+import os, random, subprocess, threading
+uri, vouch, control = sys.argv[1], sys.argv[2], sys.argv[3]
+h = connect(uri)
+stop = threading.Event()
+def writer():
+    while not stop.is_set():
+        h.pwrite(os.urandom(4096), random.randrange(1024) * 4096)
+thread = threading.Thread(target=writer, daemon=True)
+thread.start()
+time.sleep(0.2)
+for name in ["w1", "w2", "w3"]:
+    out = subprocess.run([vouch, "snapshot", "create", "--copy", "--server", control, name],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit("snapshot create failed: " + out.stderr)
+stop.set()
+thread.join()
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri, vouch_bin(), &control],
+    );
+    server.stop();
+    for name in ["w1", "w2", "w3"] {
+        let path = format!("snapshots/{name}");
+        assert!(
+            exported(&leg0.join(&path), dir, "a") == exported(&leg1.join(&path), dir, "b"),
+            "snapshot {name}: the legs' copies differ"
+        );
+    }
 }

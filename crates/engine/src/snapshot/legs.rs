@@ -179,9 +179,18 @@ fn publish_legs(
     for ((leg, warm), (_, files)) in legs.iter().zip(&warm).zip(&taken) {
         seal(fs, leg, asked, warm, files)?;
     }
-    let mut snapshots = Vec::new();
+    let mut snapshots: Vec<Snapshot> = Vec::new();
     for (leg, (record, files)) in legs.iter().zip(taken) {
-        name_it(fs, leg, asked, &files)?;
+        if let Err(error) = name_it(fs, leg, asked, &files) {
+            if snapshots.is_empty() {
+                return Err(error);
+            }
+            // The legs now disagree: say which copies have their name.
+            return Err(Error::InvalidArgument(format!(
+                "{error}; the copies of {} have their name: `vouch snapshot delete` removes them",
+                shown(snapshots.iter().map(|snap| snap.path.as_path()))
+            )));
+        }
         snapshots.push(Snapshot {
             path: snapshot_path(leg, asked.name),
             record,
