@@ -41,6 +41,9 @@ use vouch_format::{FeatureFlags, Superblock};
 use crate::error::{Error, Result};
 use crate::storage::{objects_of, ObjectId};
 
+mod legs;
+pub use legs::{create_legs, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs};
+
 /// The directory of a volume that holds its snapshots.
 pub const SNAPSHOTS_DIR: &str = "snapshots";
 /// A snapshot's record, in its directory (JSON).
@@ -793,16 +796,33 @@ pub fn create_from(
     point: &dyn FlushPoint,
 ) -> Result<Snapshot> {
     check_name(name)?;
+    if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
+        return Err(invalid(format!(
+            "{} is a leg of a mirror: its snapshot is taken of every active leg at one flush point (`vouch snapshot create` of the mirror, offline or --server), not of one leg",
+            volume.display()
+        )));
+    }
+    let made_dir = prepare(fs, volume, name)?;
+    let asked = Asked {
+        name,
+        method,
+        breaks,
+    };
+    let result = publish(fs, volume, &asked, point);
+    if result.is_err() {
+        take_back(fs, volume, made_dir);
+    }
+    result
+}
+
+/// Check that snapshot `name` of the volume at `volume` can be made (the
+/// volume is no snapshot, the name is free) and make `snapshots/` if
+/// there is none (durably): whether it was made.
+fn prepare(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<bool> {
     let superblock = superblock_of(fs, volume)?;
     if is_snapshot(&superblock) {
         return Err(invalid(format!(
             "{} is itself a snapshot: take snapshots of the volume it belongs to (or of a `vouch clone` of it)",
-            volume.display()
-        )));
-    }
-    if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
-        return Err(invalid(format!(
-            "{} is a leg of a mirror: snapshots of mirrored volumes are not supported (take one of a single volume, e.g. after `vouch mirror remove`)",
             volume.display()
         )));
     }
@@ -824,30 +844,31 @@ pub fn create_from(
         fs.sync_dir(volume)
             .map_err(|e| io_error("sync", volume, e))?;
     }
-    let asked = Asked {
-        name,
-        method,
-        breaks,
-    };
-    let result = publish(fs, volume, &asked, point);
-    if result.is_err() && made_dir {
-        // A refused first snapshot (ext4 without --copy) leaves no empty
-        // `snapshots/` behind: what the create made, it takes back.
-        let _ = tidy(fs, volume);
-        if fs
-            .names(&dir)
-            .ok()
-            .flatten()
-            .is_some_and(|names| names.is_empty())
-        {
-            let _ = fs.remove_all(&dir);
-            let _ = fs.sync_dir(volume);
-        }
+    Ok(made_dir)
+}
+
+/// A create that failed: what it left in `snapshots/` removed, and a
+/// `snapshots/` it made (`made_dir`) too when it is empty (a refused first
+/// snapshot, ext4 without --copy, leaves no empty `snapshots/` behind).
+fn take_back(fs: &dyn SnapshotFs, volume: &Path, made_dir: bool) {
+    if !made_dir {
+        return;
     }
-    result
+    let dir = volume.join(SNAPSHOTS_DIR);
+    let _ = tidy(fs, volume);
+    if fs
+        .names(&dir)
+        .ok()
+        .flatten()
+        .is_some_and(|names| names.is_empty())
+    {
+        let _ = fs.remove_all(&dir);
+        let _ = fs.sync_dir(volume);
+    }
 }
 
 /// What `create_from` was asked for.
+#[derive(Clone, Copy)]
 struct Asked<'a> {
     name: &'a str,
     method: &'a str,
@@ -863,119 +884,183 @@ fn publish(
     asked: &Asked,
     point: &dyn FlushPoint,
 ) -> Result<Snapshot> {
-    let Asked {
-        name,
-        method,
-        breaks,
-    } = *asked;
-    let dir = volume.join(SNAPSHOTS_DIR);
     tidy(fs, volume)?;
-    let target = dir.join(name);
-    let partial = dir.join(format!(".{name}{PARTIAL}"));
-    // A served volume is held while its files are cloned: clone them
-    // first while it runs, so the clones at the flush point have only the
-    // extents written since to share. A failed warm-up only costs time.
-    let warm = if point.online() {
-        match warm_volume(fs, volume, &partial) {
-            Ok(files) if !files.is_empty() => files,
-            other => {
-                if let Err(error) = other {
-                    tracing::debug!("snapshot {name}: no warm copy ({error})");
-                }
-                // No warm copies (or the filesystem shares no extents):
-                // the flush point makes the directory, as offline.
-                let _ = fs.remove_all(&partial);
-                Vec::new()
-            }
-        }
-    } else {
-        Vec::new()
-    };
-    let how = How {
-        writable: false,
-        warm: !warm.is_empty(),
-    };
+    let id = new_id();
+    let warm = warm_up(fs, volume, asked.name, point.online());
     let mut taken = None;
     let held = point.at_flush_point(&mut |superblock: &Superblock| {
-        if crate::regions::has_regions(superblock) && !point.covers_regions() {
-            return Err(invalid(format!(
-                "{} is a volume with regions: a snapshot of it needs both members (and the region record) at one flush point, and this flush point holds one volume only",
-                volume.display()
-            )));
-        }
-        let mut record = SnapshotRecord {
-            name: name.to_string(),
-            id: uuid::Uuid::new_v4().hyphenated().to_string(),
-            uuid: uuid::Uuid::from_bytes(superblock.uuid)
-                .hyphenated()
-                .to_string(),
-            created_unix: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |elapsed| elapsed.as_secs()),
-            superblock_generation: superblock.generation,
-            checkpoint_seq: superblock.checkpoint_seq,
-            generations_seq: superblock.generations_seq,
-            layout: superblock.layout.name().to_string(),
-            method: method.to_string(),
+        let at = Point {
             online: point.online(),
+            covers_regions: point.covers_regions(),
+            warm: !warm.is_empty(),
         };
-        let mut marked = *superblock;
-        marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
-        // A served volume's superblock says open; its snapshot is its files
-        // at a checkpoint with nothing to replay: closed cleanly.
-        marked.state = STATE_CLEAN;
-        let mut make_record = || {
-            if fs.copied_any() {
-                record.method = "copy".to_string();
-            }
-            serde_json::to_vec_pretty(&record).expect("a record serializes")
-        };
-        let files = clone_volume(
-            fs,
-            volume,
-            &partial,
-            &marked,
-            how,
-            (RECORD_FILE, &mut make_record),
-        )?;
-        taken = Some((record.clone(), files));
+        taken = Some(clone_at(fs, volume, superblock, asked, &id, at)?);
         Ok(())
     });
     if let Err(error) = held {
-        if how.warm {
-            // The warm copies share the whole volume: not left pinned
-            // until the next create's tidy.
-            let _ = fs.remove_all(&partial);
-        }
+        take_back_warm(fs, volume, asked.name, &warm);
         return Err(error);
     }
     let (record, files) = taken.expect("the flush point ran the clone");
+    seal(fs, volume, asked, &warm, &files)?;
+    name_it(fs, volume, asked, &files)?;
+    Ok(Snapshot {
+        path: snapshot_path(volume, asked.name),
+        record,
+    })
+}
+
+/// A new snapshot id (`SnapshotRecord::id`).
+fn new_id() -> String {
+    uuid::Uuid::new_v4().hyphenated().to_string()
+}
+
+/// `.NAME.partial` of the volume at `volume`.
+fn partial_path(volume: &Path, name: &str) -> PathBuf {
+    volume.join(SNAPSHOTS_DIR).join(format!(".{name}{PARTIAL}"))
+}
+
+/// A served volume is held while its files are cloned: clone them first
+/// while it runs (`online`), so the clones at the flush point have only
+/// the extents written since to share. A failed warm-up only costs time.
+/// The warm copies made, in `.NAME.partial` (none: the flush point makes
+/// the directory, as offline).
+fn warm_up(fs: &dyn SnapshotFs, volume: &Path, name: &str, online: bool) -> Vec<PathBuf> {
+    if !online {
+        return Vec::new();
+    }
+    let partial = partial_path(volume, name);
+    match warm_volume(fs, volume, &partial) {
+        Ok(files) if !files.is_empty() => files,
+        other => {
+            if let Err(error) = other {
+                tracing::debug!("snapshot {name}: no warm copy ({error})");
+            }
+            // No warm copies (or the filesystem shares no extents).
+            let _ = fs.remove_all(&partial);
+            Vec::new()
+        }
+    }
+}
+
+/// The warm copies share the whole volume: not left pinned until the
+/// next create's tidy when the flush point failed.
+fn take_back_warm(fs: &dyn SnapshotFs, volume: &Path, name: &str, warm: &[PathBuf]) {
+    if !warm.is_empty() {
+        let _ = fs.remove_all(&partial_path(volume, name));
+    }
+}
+
+/// What the flush point `clone_at` runs in is.
+#[derive(Clone, Copy)]
+struct Point {
+    online: bool,
+    covers_regions: bool,
+    /// `warm_up` made the directory and warm copies in it.
+    warm: bool,
+}
+
+/// At the flush point (`superblock` the volume's there): clone the volume
+/// at `volume` into `.NAME.partial` with its record (`id`). Returns the
+/// record and the files made.
+fn clone_at(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    superblock: &Superblock,
+    asked: &Asked,
+    id: &str,
+    at: Point,
+) -> Result<(SnapshotRecord, Vec<PathBuf>)> {
+    if crate::regions::has_regions(superblock) && !at.covers_regions {
+        return Err(invalid(format!(
+            "{} is a volume with regions: a snapshot of it needs both members (and the region record) at one flush point, and this flush point holds one volume only",
+            volume.display()
+        )));
+    }
+    let mut record = SnapshotRecord {
+        name: asked.name.to_string(),
+        id: id.to_string(),
+        uuid: uuid::Uuid::from_bytes(superblock.uuid)
+            .hyphenated()
+            .to_string(),
+        created_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_secs()),
+        superblock_generation: superblock.generation,
+        checkpoint_seq: superblock.checkpoint_seq,
+        generations_seq: superblock.generations_seq,
+        layout: superblock.layout.name().to_string(),
+        method: asked.method.to_string(),
+        online: at.online,
+    };
+    let mut marked = *superblock;
+    marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
+    // A served volume's superblock says open; its snapshot is its files
+    // at a checkpoint with nothing to replay: closed cleanly.
+    marked.state = STATE_CLEAN;
+    let mut make_record = || {
+        if fs.copied_any() {
+            record.method = "copy".to_string();
+        }
+        serde_json::to_vec_pretty(&record).expect("a record serializes")
+    };
+    let how = How {
+        writable: false,
+        warm: at.warm,
+    };
+    let files = clone_volume(
+        fs,
+        volume,
+        &partial_path(volume, asked.name),
+        &marked,
+        how,
+        (RECORD_FILE, &mut make_record),
+    )?;
+    Ok((record, files))
+}
+
+/// The copy in `.NAME.partial` made final: the warm copies no clone made
+/// again removed, the files made read-only and synced (with the
+/// directories holding them).
+fn seal(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    asked: &Asked,
+    warm: &[PathBuf],
+    files: &[PathBuf],
+) -> Result<()> {
     for file in warm.iter().filter(|file| !files.contains(file)) {
         // Warmed, but not a file of the volume at its flush point.
         fs.remove_file(file)
             .map_err(|e| io_error("remove", file, e))?;
     }
-    for file in &files {
+    for file in files {
         fs.make_read_only(file)
             .map_err(|e| io_error("chmod", file, e))?;
     }
-    if !breaks.publish_before_sync {
-        sync_all(fs, &partial, &files)?;
+    if !asked.breaks.publish_before_sync {
+        sync_all(fs, &partial_path(volume, asked.name), files)?;
     }
+    Ok(())
+}
+
+/// `.NAME.partial` published as `NAME` (ORDER POINT: `seal` made its files
+/// and directory durable before this rename; `snapshots/` synced after).
+fn name_it(fs: &dyn SnapshotFs, volume: &Path, asked: &Asked, files: &[PathBuf]) -> Result<()> {
+    let dir = volume.join(SNAPSHOTS_DIR);
+    let partial = partial_path(volume, asked.name);
+    let target = dir.join(asked.name);
     fs.rename(&partial, &target)
         .map_err(|e| io_error("rename", &partial, e))?;
     fs.sync_dir(&dir).map_err(|e| io_error("sync", &dir, e))?;
-    if breaks.publish_before_sync {
+    if asked.breaks.publish_before_sync {
         let files: Vec<PathBuf> = files
             .iter()
             .map(|file| target.join(file.strip_prefix(&partial).expect("a file made in it")))
             .collect();
         sync_all(fs, &target, &files)?;
     }
-    Ok(Snapshot {
-        path: target,
-        record,
-    })
+    Ok(())
 }
 
 /// The snapshots of the volume at `volume`, by name. A directory without

@@ -16,7 +16,8 @@
 //! stale leg's map and its online copy), `activity.rs` + `reconcile.rs`
 //! (the extents being written and their reconciliation after an unclean
 //! stop), `progress.rs` (what those jobs report), `set.rs`, `manage.rs`
-//! and `map_file.rs` (the set on disk).
+//! and `map_file.rs` (the set on disk), `still.rs` (the set held at one
+//! flush point for a snapshot of its legs).
 //!
 //! - Writes, trims and zeroes go to every active leg under the mirror's
 //!   stripe lock (so two writers or a write and a repair cannot order
@@ -67,6 +68,7 @@ mod repair;
 pub mod resync;
 pub mod scrub;
 pub mod set;
+mod still;
 mod stripes;
 mod written;
 
@@ -82,6 +84,7 @@ pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet, RECORD_FILE,
 };
+pub use still::StillLeg;
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 

@@ -95,6 +95,7 @@ pub mod resize;
 pub mod resync;
 pub mod rng;
 pub mod snapshot;
+pub mod snapshot_legs;
 pub mod snapshot_online;
 pub mod snapshot_online_regions;
 pub mod snapshot_regions;

@@ -63,6 +63,10 @@ enum Command {
         /// member `layout.NAME/` and region record in every snapshot).
         #[arg(long)]
         regions: bool,
+        /// A mirror of two local legs: `create_legs` (each leg's copy at
+        /// one flush point) and the delete of every leg's copy.
+        #[arg(long, conflicts_with = "regions")]
+        legs: bool,
     },
     /// Crash the online `snapshot create` of a served volume (writes
     /// acknowledged in its buffer, some flushed; the flush point's commit
@@ -568,6 +572,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             run,
             break_publish,
             regions,
+            legs,
         } => {
             let config = vouch_sim::snapshot::SnapshotConfig {
                 layout: layout(&run.layout)?,
@@ -579,6 +584,10 @@ fn run(cli: Cli) -> Result<bool, String> {
             };
             let report = if regions {
                 vouch_sim::snapshot_regions::run(&config)
+            } else if legs {
+                let (report, disagreeing) = vouch_sim::snapshot_legs::run(&config);
+                println!("crash images with the legs disagreeing (one copy named): {disagreeing}");
+                report
             } else {
                 vouch_sim::snapshot::run(&config)
             };
@@ -590,6 +599,8 @@ fn run(cli: Cli) -> Result<bool, String> {
                 report.summary(&config),
                 if regions {
                     " (a volume with regions)"
+                } else if legs {
+                    " (a mirror of two legs)"
                 } else {
                     ""
                 }

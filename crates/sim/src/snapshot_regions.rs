@@ -81,7 +81,11 @@ pub fn run(config: &SnapshotConfig) -> SnapshotReport {
     )
 }
 
-fn write_random(device: &dyn BlockDevice, rng: &mut Rng, runs: u64) -> Result<(), String> {
+pub(crate) fn write_random(
+    device: &dyn BlockDevice,
+    rng: &mut Rng,
+    runs: u64,
+) -> Result<(), String> {
     for _ in 0..runs {
         let count = rng.range(1, 24);
         let lba = rng.below(BLOCKS - count);
@@ -119,7 +123,7 @@ fn make_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) -> Result<(), Str
 }
 
 /// Every file under `dir`, by path relative to it.
-fn files_under(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+pub(crate) fn files_under(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
     let mut files = BTreeMap::new();
     let mut pending = vec![PathBuf::new()];
     while let Some(relative) = pending.pop() {
@@ -242,14 +246,14 @@ fn run_seed(config: &SnapshotConfig, seed: u64, report: &mut SnapshotReport) -> 
 
 /// The files of `dir` in `fs`: as the volume's, its superblocks marked
 /// `flag` (and a clone's instances new), its journals new (`copy`).
-fn same_files(
+pub(crate) fn same_files(
     fs: &mut ModelFs,
     dir: &Path,
-    expected: &Expected,
+    files: &BTreeMap<PathBuf, Vec<u8>>,
     flag: bool,
     copy: bool,
 ) -> Result<(), String> {
-    for (name, bytes) in &expected.files {
+    for (name, bytes) in files {
         let path = dir.join(name);
         let got = fs
             .file(&path)
@@ -312,7 +316,8 @@ fn verify(
     let recovered = Recording::new(fs.clone());
     snapshot::tidy(&recovered, volume).map_err(|e| format!("tidy: {e}"))?;
     fs = recovered.fs.lock().clone();
-    same_files(&mut fs, volume, expected, false, false).map_err(|e| format!("the volume: {e}"))?;
+    same_files(&mut fs, volume, &expected.files, false, false)
+        .map_err(|e| format!("the volume: {e}"))?;
     let snapshots = volume.join(snapshot::SNAPSHOTS_DIR);
     if let Some(id) = fs.lookup(&snapshots) {
         if let Node::Dir { live, .. } = &fs.nodes[id] {
@@ -324,14 +329,15 @@ fn verify(
     let path = snapshot::snapshot_path(volume, NAME);
     let present = fs.lookup(&path).is_some();
     if present {
-        same_files(&mut fs, &path, expected, true, true)?;
+        same_files(&mut fs, &path, &expected.files, true, true)?;
         reads_whole(&mut fs, &path, expected, true, scratch)?;
     } else if done >= Done::Created && !deleting {
         return Err("the snapshot create returned but its snapshot is gone".into());
     }
     let clone = Path::new(CLONE);
     if fs.lookup(clone).is_some() {
-        same_files(&mut fs, clone, expected, false, true).map_err(|e| format!("the clone: {e}"))?;
+        same_files(&mut fs, clone, &expected.files, false, true)
+            .map_err(|e| format!("the clone: {e}"))?;
         reads_whole(&mut fs, clone, expected, false, scratch)?;
     } else if done >= Done::Cloned {
         return Err("the clone returned but its volume is gone".into());
@@ -343,12 +349,13 @@ fn verify(
         Err(error) => return Err(format!("create again: {error}")),
     }
     let mut fs = again.fs.lock().clone();
-    same_files(&mut fs, &path, expected, true, true).map_err(|e| format!("created again: {e}"))?;
+    same_files(&mut fs, &path, &expected.files, true, true)
+        .map_err(|e| format!("created again: {e}"))?;
     if fs.lookup(clone).is_none() {
         let again = Recording::new(fs);
         snapshot::clone(&again, &path, clone).map_err(|e| format!("clone again: {e}"))?;
         let mut fs = again.fs.lock().clone();
-        same_files(&mut fs, clone, expected, false, true)
+        same_files(&mut fs, clone, &expected.files, false, true)
             .map_err(|e| format!("cloned again: {e}"))?;
     }
     Ok(())

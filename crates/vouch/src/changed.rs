@@ -29,7 +29,16 @@ pub struct Changes {
     /// The served volume with regions, whose members' contexts are
     /// compared region by region (`with_regions`).
     regions: Option<Arc<RegionVolume>>,
+    /// A served mirror and its legs' volumes (`with_mirror`): a snapshot
+    /// is compared with the live contexts of an active leg holding a copy.
+    mirror: Option<MirrorLegs>,
 }
+
+/// A served mirror and each leg's volume (`None`: not open).
+type MirrorLegs = (
+    Arc<vouch_mirror::Mirror>,
+    Vec<Option<std::sync::Weak<Volume>>>,
+);
 
 /// The snapshot each served volume opened last (its directory, as given
 /// and canonical, and its record), kept open for the next request: a
@@ -121,7 +130,24 @@ impl Changes {
             volume: volume.to_path_buf(),
             uuid,
             regions: None,
+            mirror: None,
         }
+    }
+
+    /// The served volume is a mirror: its snapshot's copy on an active leg
+    /// is compared with that leg (`changes_leg`).
+    pub fn with_mirror(
+        mut self,
+        mirror: Arc<vouch_mirror::Mirror>,
+        volumes: &[Option<Arc<Volume>>],
+    ) -> Changes {
+        // Weak: the legs are closed cleanly at the end, by their last holder.
+        let volumes = volumes
+            .iter()
+            .map(|volume| volume.as_ref().map(Arc::downgrade))
+            .collect();
+        self.mirror = Some((mirror, volumes));
+        self
     }
 
     /// The served volume has regions: compare through its members.
@@ -173,16 +199,27 @@ impl Changes {
     /// which `dirty_status` finds them by), read at every LIST and SET
     /// option so a snapshot made while serving is offered to the next.
     pub fn snapshots(&self) -> Vec<String> {
-        snapshot::list(&RealFs::default(), &self.volume)
-            .map(|found| {
-                found
+        let dirs: Vec<PathBuf> = match &self.mirror {
+            Some((mirror, _)) => {
+                let status = mirror.status();
+                mirror
+                    .active()
                     .into_iter()
-                    .filter_map(|entry| entry.ok())
-                    .filter(|snap| snap.record.uuid == self.uuid)
-                    .filter_map(|snap| Some(snap.path.file_name()?.to_str()?.to_string()))
+                    .map(|leg| PathBuf::from(&status[leg].name))
                     .collect()
-            })
-            .unwrap_or_default()
+            }
+            None => vec![self.volume.clone()],
+        };
+        let mut names: Vec<String> = dirs
+            .iter()
+            .flat_map(|dir| snapshot::list(&RealFs::default(), dir).unwrap_or_default())
+            .filter_map(|entry| entry.ok())
+            .filter(|snap| snap.record.uuid == self.uuid)
+            .filter_map(|snap| Some(snap.path.file_name()?.to_str()?.to_string()))
+            .collect();
+        names.sort();
+        names.dedup();
+        names
     }
 
     /// The snapshot this volume (a clone) was made from, when it is still
@@ -195,7 +232,8 @@ impl Changes {
     }
 
     pub fn is_clone(&self) -> bool {
-        self.origin().is_some()
+        // A mirror answers changed blocks only (`with_mirror`).
+        self.mirror.is_none() && self.origin().is_some()
     }
 
     /// `qemu:dirty-bitmap:NAME` of `live` from `offset`.
@@ -206,7 +244,22 @@ impl Changes {
         (offset, length, max_blocks): (u64, u64, u64),
     ) -> Result<Vec<(u64, bool)>, ExportError> {
         snapshot::check_name(name).map_err(to_export_error)?;
-        let dir = snapshot::snapshot_path(&self.volume, name);
+        // A mirror: an active leg's copy, compared with that leg.
+        let leg = match &self.mirror {
+            Some((mirror, volumes)) => {
+                Some(changes_leg(mirror, volumes, name).ok_or_else(|| {
+                    invalid(format!(
+                        "no active leg of the mirror {} holds a copy of snapshot {name:?}",
+                        self.volume.display()
+                    ))
+                })?)
+            }
+            None => None,
+        };
+        let dir = match &leg {
+            Some((leg_dir, _)) => snapshot::snapshot_path(leg_dir, name),
+            None => snapshot::snapshot_path(&self.volume, name),
+        };
         let record = read_record(&dir).map_err(|error| {
             // A deleted snapshot is not held open any longer (its space).
             release(&dir);
@@ -222,13 +275,11 @@ impl Changes {
             )));
         }
         let snap = self.opened(&dir, &record)?;
-        let runs = runs_from(
-            &snap.serving(),
-            &self.live(live)?,
-            offset,
-            length,
-            max_blocks,
-        )?;
+        let now = match &leg {
+            Some((_, volume)) => Serving::one(&**volume),
+            None => self.live(live)?,
+        };
+        let runs = runs_from(&snap.serving(), &now, offset, length, max_blocks)?;
         Ok(in_bytes(offset, length, runs, |change| {
             change == Change::Changed
         }))
@@ -362,6 +413,7 @@ pub fn diff(
         );
     }
     let from_record = read_record(from)?;
+    refuse_inactive_leg(&volume)?;
     // SNAP2: a directory, or the name of another snapshot of the volume.
     let to_path = to.map(|to| {
         if to.components().count() == 1 && !to.is_dir() {
@@ -451,4 +503,47 @@ pub fn diff(
         }
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The leg of a served mirror whose changed blocks since snapshot `name`
+/// are told: an active leg holding a copy (its own snapshot and its own
+/// live contexts are compared; the legs store the same contexts).
+fn changes_leg(
+    mirror: &vouch_mirror::Mirror,
+    volumes: &[Option<std::sync::Weak<Volume>>],
+    name: &str,
+) -> Option<(PathBuf, Arc<Volume>)> {
+    let status = mirror.status();
+    mirror.active().into_iter().find_map(|leg| {
+        let dir = PathBuf::from(&status[leg].name);
+        let volume = volumes.get(leg)?.as_ref()?.upgrade()?;
+        snapshot::snapshot_path(&dir, name)
+            .is_dir()
+            .then_some((dir, volume))
+    })
+}
+
+/// `vouch diff` of a mirror leg's copy compares it with that leg: a leg
+/// that is not active now lacks writes the mirror acknowledged, so its
+/// changed blocks would be too few. Refused, naming an active leg.
+fn refuse_inactive_leg(volume: &Path) -> anyhow::Result<()> {
+    if !vouch_mirror::is_mirrored(volume) {
+        return Ok(());
+    }
+    let (record, _) = vouch_mirror::set::view(volume)?;
+    let own = vouch_mirror::set::read_record(volume)?.leg;
+    let member = &record.members[usize::from(own)];
+    if member.state != vouch_mirror::LegState::Active {
+        let active = record
+            .members
+            .iter()
+            .find(|member| member.state == vouch_mirror::LegState::Active)
+            .map_or("none".to_string(), |member| member.path.clone());
+        anyhow::bail!(
+            "{} is a {} leg of its mirror: it lacks writes the mirror took, so its changed blocks would be too few; diff the copy of an active leg ({active})",
+            volume.display(),
+            member.state.name()
+        );
+    }
+    Ok(())
 }

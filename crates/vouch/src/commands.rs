@@ -353,6 +353,22 @@ pub fn progress_bar(total: u64, what: &str) -> ProgressBar {
 }
 
 pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
+    // A mirror's snapshot: each leg's copy, in leg order (with --json,
+    // the copy given: one report).
+    if let Some(copies) = crate::snapshot_mirror::copies(path).filter(|_| !json_output) {
+        let mut code = ExitCode::SUCCESS;
+        for (leg, copy) in copies {
+            println!("leg {leg}'s copy {}:", copy.display());
+            if check_one(&copy, json_output)? != ExitCode::SUCCESS {
+                code = ExitCode::from(1);
+            }
+        }
+        return Ok(code);
+    }
+    check_one(path, json_output)
+}
+
+fn check_one(path: &Path, json_output: bool) -> Result<ExitCode> {
     if vouch_mirror::is_mirrored(path) {
         return crate::mirror::check(path, json_output);
     }

@@ -16,6 +16,8 @@ mod resync;
 mod serve;
 mod service;
 mod snapshot;
+mod snapshot_held;
+mod snapshot_mirror;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -142,7 +144,8 @@ enum Command {
         replica: replica::ReplicaClientArgs,
     },
     /// Verify every written block offline (a mirrored volume: every leg,
-    /// each alone, without repair). Exit 0 when clean, 1 when faults were
+    /// each alone, without repair; a mirror's snapshot, LEG/snapshots/NAME:
+    /// every leg's copy, each reported, or with --json the copy given). Exit 0 when clean, 1 when faults were
     /// found (each LBA and fault kind listed; lost metadata once per file
     /// cut short and once per context page or packed row lost), 2 on error.
     Check {

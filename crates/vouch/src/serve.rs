@@ -235,6 +235,27 @@ pub fn run(mut args: ServeArgs) -> Result<ExitCode> {
         };
         options.tuning.context_cache_pages = cache_pages;
         options.tuning.prompt_commits = !args.commit_at_limit;
+        if let Some((leg, name)) = crate::snapshot_mirror::of_snapshot_dir(path) {
+            // A mirror's snapshot: a read-only mirror over its copies.
+            let copies = crate::snapshot_mirror::open_served(&leg, &name, options.clone())?;
+            let set = crate::mirror::OpenMirror {
+                mirror: copies.mirror,
+                volumes: copies.volumes,
+                primary: copies.primary,
+                record: copies.record,
+            };
+            eprintln!(
+                "vouch: {}: snapshot {name} of a mirror, {} copies",
+                path.display(),
+                set.mirror.active().len()
+            );
+            volumes.push(Arc::clone(&set.primary));
+            mirrors.push(Some(set));
+            resyncers.push(None);
+            regions.push(None);
+            migrations.push(None);
+            continue;
+        }
         if vouch_mirror::is_mirrored(path) {
             let set = crate::mirror::open(path, options.clone(), crate::key::Use::Data)?;
             eprintln!(
@@ -489,12 +510,17 @@ async fn serve(
             device = Arc::new(FaultInjector::new(device, spec.clone()));
         }
         let mut export = VolumeExport::new(device, description);
-        if mirrors[index].is_none() {
-            // A mirror's legs are compared one at a time (`vouch diff`).
+        let snapshot_of_mirror =
+            crate::snapshot_mirror::of_snapshot_dir(&args.paths[index]).is_some();
+        if !snapshot_of_mirror {
             let mut changes =
                 crate::changed::Changes::new(&args.paths[index], volume.uuid_string());
             if let Some(region) = &regions[index] {
                 changes = changes.with_regions(Arc::clone(region));
+            }
+            if let Some(set) = &mirrors[index] {
+                // Each snapshot's copy on an active leg, with that leg.
+                changes = changes.with_mirror(Arc::clone(&set.mirror), &set.volumes);
             }
             export = export.with_changes(changes);
         }

@@ -29,8 +29,11 @@ pub enum SnapshotCommand {
     /// wrote and checkpoints, then clones the files while no commit runs:
     /// writes acknowledged before the call are in the snapshot, none
     /// issued after it returned; clients' flushes wait for the clones,
-    /// their writes meanwhile go to the write-back buffer. Refused on a
-    /// mirror.
+    /// their writes meanwhile go to the write-back buffer. Of a mirror
+    /// (PATH any leg), each active leg gets its copy, LEG/snapshots/NAME,
+    /// all at one flush point (online: the mirror's writes held while
+    /// every leg's flush point is entered, no longer); a stale or faulted
+    /// leg gets none, and a mirror with a remote leg is refused.
     Create {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one).
@@ -50,7 +53,9 @@ pub enum SnapshotCommand {
         key: crate::key::KeyFileArgs,
     },
     /// List the snapshots of the volume at PATH (and remove any a crash
-    /// left half made or half deleted, when no server has it open).
+    /// left half made or half deleted, when no server has it open). Of a
+    /// mirror, each snapshot's copies by leg, and a warning (exit 1)
+    /// where the legs disagree (a create or delete was interrupted).
     List {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one).
@@ -64,7 +69,7 @@ pub enum SnapshotCommand {
     /// Delete snapshot NAME of the volume at PATH (offline, or online with
     /// --server ADDR [EXPORT] NAME). Clones made from it keep their
     /// blocks. A snapshot some vouch process has open (served, checked,
-    /// cloned) is not deleted.
+    /// cloned) is not deleted. Of a mirror, every leg's copy.
     Delete {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one).
@@ -179,6 +184,9 @@ fn create_through(
         answer["flush_ms"].as_f64().unwrap_or(f64::NAN),
         answer["total_ms"].as_f64().unwrap_or(f64::NAN),
     );
+    for copy in answer["copies"].as_array().into_iter().flatten() {
+        println!("  {}", copy.as_str().unwrap_or("?"));
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -190,6 +198,18 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
     };
     let answer = client.call(hyper::Method::GET, &snapshots_route(&export), None)?;
     let items = answer["snapshots"].as_array().cloned().unwrap_or_default();
+    if items.iter().any(|item| item.get("legs").is_some()) {
+        let bad = crate::snapshot_mirror::print_listing(
+            &items,
+            &format!("export {export} (a mirror)"),
+            json_output,
+        )?;
+        return Ok(if bad {
+            ExitCode::from(1)
+        } else {
+            ExitCode::SUCCESS
+        });
+    }
     if json_output {
         println!("{}", serde_json::to_string_pretty(&items)?);
     } else if items.is_empty() {
@@ -294,6 +314,9 @@ fn recover_regions(path: &Path) -> Result<()> {
 
 fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     snapshot::check_name(name)?;
+    if vouch_mirror::is_mirrored(path) {
+        return crate::snapshot_mirror::create(path, name, copy);
+    }
     let _held = hold_offline(path, "take the snapshot")?;
     let started = Instant::now();
     let fs = RealFs::new(copy);
@@ -312,6 +335,9 @@ fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
 
 fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
     crate::commands::volume_dir(path)?;
+    if vouch_mirror::is_mirrored(path) {
+        return crate::snapshot_mirror::list(path, json_output);
+    }
     let fs = RealFs::default();
     if !vouch_engine::volume_in_use(path)? {
         if let Ok(_held) = FileStorage::lock_for_writing(path) {
@@ -359,10 +385,13 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
 fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     snapshot::check_name(name)?;
     crate::commands::volume_dir(path)?;
+    if vouch_mirror::is_mirrored(path) {
+        return crate::snapshot_mirror::delete(path, name);
+    }
     let _held = FileStorage::lock_for_writing(path)
         .with_context(|| format!("holding {} to delete its snapshot", path.display()))?;
     let snapshot_dir = path.join(snapshot::SNAPSHOTS_DIR).join(name);
-    let _snapshot_held = hold_snapshot(path, name, &snapshot_dir)?;
+    let _snapshot_held = crate::snapshot_held::hold_snapshot(path, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, path)?;
     snapshot::delete(&fs, path, name)?;
@@ -394,7 +423,9 @@ pub fn clone(snapshot_dir: &Path, new_path: &Path, copy: bool) -> Result<ExitCod
 pub fn served_path(volume: &Path, name: &str) -> Result<PathBuf> {
     snapshot::check_name(name)?;
     let path = snapshot::snapshot_path(volume, name);
-    if !path.is_dir() {
+    // A mirror's snapshot is served from every leg's copy
+    // (`snapshot_mirror::open_served`), this leg's or not.
+    if !path.is_dir() && !crate::snapshot_mirror::has_snapshot(volume, name) {
         bail!(
             "{} has no snapshot named {name:?} (`vouch snapshot list {}` lists them)",
             volume.display(),
@@ -404,19 +435,10 @@ pub fn served_path(volume: &Path, name: &str) -> Result<PathBuf> {
     Ok(path)
 }
 
-/// Creates and deletes of snapshots on a server run one at a time: a
-/// create's tidying must not take another's half-made snapshot.
-static ONLINE: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// What an online create did, for the control API's answer.
 pub struct OnlineSnapshot {
     pub snapshot: snapshot::Snapshot,
-    /// How long the volume was held at its flush point: the longest a
-    /// client's flush waited for it. `flush` of it the commit and the
-    /// checkpoint, the rest the clones.
-    pub held: Duration,
-    pub flush: Duration,
-    pub total: Duration,
+    pub times: crate::snapshot_held::Times,
 }
 
 /// What an online snapshot is taken of: a served volume, or a served
@@ -451,7 +473,9 @@ pub fn create_online(
     name: &str,
     copy: bool,
 ) -> Result<OnlineSnapshot> {
-    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _one = crate::snapshot_held::ONLINE
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
     let started = Instant::now();
     let fs = RealFs::new(copy);
     let point = Timed {
@@ -463,9 +487,11 @@ pub fn create_online(
     let (flush, held) = point.times.get();
     Ok(OnlineSnapshot {
         snapshot: taken,
-        held,
-        flush,
-        total: started.elapsed(),
+        times: crate::snapshot_held::Times {
+            held,
+            flush,
+            total: started.elapsed(),
+        },
     })
 }
 
@@ -505,31 +531,18 @@ impl snapshot::FlushPoint for Timed<'_> {
 /// server); refused while another process (or another export of this
 /// one) holds the snapshot.
 pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
-    let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
+    let _one = crate::snapshot_held::ONLINE
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
     snapshot::check_name(name)?;
     let snapshot_dir = dir.join(snapshot::SNAPSHOTS_DIR).join(name);
     // This server may hold it open for a client's changed blocks.
     crate::changed::release(&snapshot_dir);
-    let _snapshot_held = hold_snapshot(dir, name, &snapshot_dir)?;
+    let _snapshot_held = crate::snapshot_held::hold_snapshot(dir, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, dir)?;
     snapshot::delete(&fs, dir, name)?;
     Ok(())
-}
-
-/// Hold snapshot `name` (at `snapshot_dir`) of `volume` for its delete:
-/// a snapshot served, checked or cloned holds its own lock, and deleting
-/// it under that process would leave it reading a snapshot no name leads
-/// to (and a new snapshot of the same name a different one).
-fn hold_snapshot(volume: &Path, name: &str, snapshot_dir: &Path) -> Result<Option<std::fs::File>> {
-    match FileStorage::lock_for_writing(snapshot_dir) {
-        Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => anyhow::bail!(
-            "snapshot {name} of {} is open in another vouch process (a serve, check or clone): stop it first",
-            volume.display()
-        ),
-        // A missing snapshot is named by `delete`.
-        other => Ok(other.ok()),
-    }
 }
 
 /// The snapshots of the volume at `dir` as JSON (entries that cannot be

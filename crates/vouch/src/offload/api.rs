@@ -160,23 +160,15 @@ fn export_of<'a>(state: &'a ApiState, export: &str) -> ApiResult<&'a super::jobs
         .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no export {export:?}")))
 }
 
-/// An export whose snapshots can be taken and deleted here: a single
-/// writable volume, with regions or not (its snapshot is taken with both
-/// members at one flush point, a migration running or not). A mirror's
-/// legs are separate volumes, each at its own flush point; a snapshot of
-/// one leg would not be a snapshot of the mirror (and a mirror's leg
-/// refuses snapshots offline too).
+/// An export whose snapshots can be taken and deleted here: a writable
+/// volume, with regions or not (its snapshot is taken with both members
+/// at one flush point, a migration running or not), or a mirror (every
+/// active leg's copy at one flush point, `snapshot_mirror.rs`).
 fn snapshot_target<'a>(
     state: &'a ApiState,
     export: &str,
 ) -> ApiResult<&'a super::jobs::ExportEntry> {
     let entry = export_of(state, export)?;
-    if entry.mirror.is_some() {
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!("export {export:?} is a mirror: snapshots of mirrored volumes are not supported (its legs are separate volumes; take one of a single volume, e.g. after `vouch mirror remove`)"),
-        ));
-    }
     if vouch_engine::BlockDevice::is_read_only(&*entry.volume) {
         return Err(ApiError(
             StatusCode::CONFLICT,
@@ -195,11 +187,15 @@ async fn list_snapshots(
     State(state): State<ApiState>,
     Path(export): Path<String>,
 ) -> ApiResult<Json<Value>> {
-    let dir = export_of(&state, &export)?.dir.clone();
-    let list = tokio::task::spawn_blocking(move || crate::snapshot::list_json(&dir))
-        .await
-        .map_err(internal)?
-        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    let entry = export_of(&state, &export)?;
+    let (dir, mirror) = (entry.dir.clone(), entry.mirror.clone());
+    let list = tokio::task::spawn_blocking(move || match mirror {
+        Some(mirror) => Ok(crate::snapshot_mirror::list_served(&mirror)),
+        None => crate::snapshot::list_json(&dir),
+    })
+    .await
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({"export": export, "snapshots": list})))
 }
 
@@ -226,30 +222,42 @@ async fn create_snapshot(
     vouch_engine::snapshot::check_name(&request.name).map_err(|e| ApiError::bad(e.to_string()))?;
     let entry = snapshot_target(&state, &export)?;
     let (dir, volume) = (entry.dir.clone(), entry.volume.clone());
+    let mirror = entry.mirror.clone();
+    let mirror_export = mirror.is_some();
     // A volume with regions: `volume` is its home member only.
     let regions = entry.migration.as_ref().map(|m| Arc::clone(&m.volume));
     let taken = tokio::task::spawn_blocking(move || {
+        if let Some(mirror) = &mirror {
+            return crate::snapshot_mirror::create_online(mirror, &request.name, request.copy);
+        }
         let served = match &regions {
             Some(regions) => crate::snapshot::Served::Regions(regions),
             None => crate::snapshot::Served::One(&volume),
         };
         crate::snapshot::create_online(&dir, served, &request.name, request.copy)
+            .map(|taken| (vec![taken.snapshot], taken.times))
     })
     .await
     .map_err(internal)?
     .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
-    Ok((
-        StatusCode::CREATED,
-        Json(json!({
-            "export": export,
-            "name": taken.snapshot.record.name,
-            "path": taken.snapshot.path.display().to_string(),
-            "record": taken.snapshot.record,
-            "held_ms": taken.held.as_secs_f64() * 1e3,
-            "flush_ms": taken.flush.as_secs_f64() * 1e3,
-            "total_ms": taken.total.as_secs_f64() * 1e3,
-        })),
-    ))
+    let (copies, times) = taken;
+    let first = &copies[0];
+    let mut answer = json!({
+        "export": export,
+        "name": first.record.name,
+        "path": first.path.display().to_string(),
+        "record": first.record,
+        "held_ms": times.held.as_secs_f64() * 1e3,
+        "flush_ms": times.flush.as_secs_f64() * 1e3,
+        "total_ms": times.total.as_secs_f64() * 1e3,
+    });
+    if mirror_export {
+        answer["copies"] = json!(copies
+            .iter()
+            .map(|copy| copy.path.display().to_string())
+            .collect::<Vec<_>>());
+    }
+    Ok((StatusCode::CREATED, Json(answer)))
 }
 
 /// `DELETE /v1/exports/{export}/snapshots/{name}`.
@@ -257,12 +265,16 @@ async fn delete_snapshot(
     State(state): State<ApiState>,
     Path((export, name)): Path<(String, String)>,
 ) -> ApiResult<Json<Value>> {
-    let dir = snapshot_target(&state, &export)?.dir.clone();
+    let entry = snapshot_target(&state, &export)?;
+    let (dir, mirror) = (entry.dir.clone(), entry.mirror.clone());
     let deleted = name.clone();
-    tokio::task::spawn_blocking(move || crate::snapshot::delete_online(&dir, &deleted))
-        .await
-        .map_err(internal)?
-        .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    tokio::task::spawn_blocking(move || match mirror {
+        Some(mirror) => crate::snapshot_mirror::delete_online(&mirror, &deleted),
+        None => crate::snapshot::delete_online(&dir, &deleted),
+    })
+    .await
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({"export": export, "deleted": name})))
 }
 

@@ -772,3 +772,39 @@ impl Drop for LoopFs {
         }
     }
 }
+
+/// `vouch export` of `volume` into `dir/name.raw`, its bytes.
+pub fn exported(volume: &Path, dir: &Path, name: &str) -> Vec<u8> {
+    let raw = dir.join(format!("{name}.raw"));
+    let _ = std::fs::remove_file(&raw);
+    vouch_ok(&["export", s(volume), s(&raw)]);
+    std::fs::read(&raw).expect("read export")
+}
+
+/// Serve `args`, write `data` at `offset` over NBD and flush, stop.
+pub fn write_through_nbd(dir: &Path, args: &[&str], offset: u64, data: &[u8]) {
+    let file = dir.join("payload.bin");
+    std::fs::write(&file, data).expect("payload");
+    let mut server = Server::start(dir, args);
+    pwrite_file(&server.uri, &file, offset);
+    server.stop();
+}
+
+/// Write the bytes of `file` at `offset` through the export at `uri`, and
+/// flush.
+pub fn pwrite_file(uri: &str, file: &Path, offset: u64) {
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+h.pwrite(open(sys.argv[2], "rb").read(), int(sys.argv[3]))
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[uri, s(file), &offset.to_string()],
+    );
+}
+
+/// A command's stderr as text.
+pub fn stderr_of(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
