@@ -290,9 +290,16 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
         (2 + scattered.len() as u64, 0),
         "writes of the data files, and their syncs, at the recovering open"
     );
-    let expect = |volume: &Volume, what: &str| {
-        for lba in (0..62).chain(scattered) {
-            let tag = if lba == 5 { 3 } else { 2 };
+    // Blocks 0-61 and the scattered ones; with `later`, LBAs 5 and 70 as
+    // the writes after the recovering open left them.
+    let expect = |volume: &Volume, later: bool, what: &str| {
+        let lbas: Vec<u64> = (0..62).chain(scattered).chain(later.then_some(70)).collect();
+        for lba in lbas {
+            let tag = match lba {
+                5 | 70 if later => 4,
+                5 => 3,
+                _ => 2,
+            };
             assert_eq!(
                 read_range(volume, lba, 1),
                 pattern(lba, tag),
@@ -300,26 +307,42 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
             );
         }
     };
-    expect(&volume, "after the recovering open");
-    // A power cut now: the redone writes, unsynced, are lost in part or
-    // in whole; the journal still holds their records.
-    for keep in [0u64, 1, 2] {
-        let image = sim.crash_image(|_, index, _| match keep {
-            0 => 0,
-            1 => u64::MAX,
-            _ => if index % 2 == 0 { u64::MAX } else { 0 },
-        });
-        let again = Volume::open(Arc::new(image), &OpenOptions::default()).expect("open after a power cut");
-        assert_eq!(again.recovery_report().records_replayed, 5, "keep {keep}");
-        expect(&again, &format!("after a power cut, keep {keep}"));
-        again.close().expect("close");
+    expect(&volume, false, "after the recovering open");
+    let images = |what: &str, records: u64, later: bool| {
+        // A power cut now: the redone writes (and any since), unsynced,
+        // are lost in part or in whole; the journal still holds their
+        // records, and the new ones after them.
+        for keep in [0u64, 1, 2] {
+            let image = sim.crash_image(|_, index, _| match keep {
+                0 => 0,
+                1 => u64::MAX,
+                _ if index % 2 == 0 => u64::MAX,
+                _ => 0,
+            });
+            let again = Volume::open(Arc::new(image), &OpenOptions::default())
+                .expect("open after a power cut");
+            assert_eq!(again.recovery_report().records_replayed, records, "{what}, keep {keep}");
+            expect(&again, later, &format!("{what}, a power cut, keep {keep}"));
+            again.close().expect("close");
+        }
+    };
+    images("after the recovering open", 5, false);
+    // New records go after the replayed ones: a block of both written
+    // again, and a new one; a cut then replays old and new in order.
+    for lba in [5u64, 70] {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 4), false)
+            .expect("write after the open");
     }
+    volume.flush().expect("flush after the open");
+    expect(&volume, true, "after writes behind the replayed records");
+    images("after writes behind the replayed records", 6, true);
     // The checkpoint at the close syncs them, and the map binds the rows.
     volume.close().expect("close");
     let syncs = counting.data_syncs_after_a_write.load(Ordering::Relaxed);
     assert!(syncs > 0, "the checkpoint syncs the redone data");
     let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::default()).expect("open");
     assert_eq!(volume.recovery_report().records_replayed, 0);
-    expect(&volume, "after the close");
+    expect(&volume, true, "after the close");
     volume.close().expect("close");
 }
