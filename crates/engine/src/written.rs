@@ -1522,7 +1522,9 @@ mod tests {
         io.written.persist_bits(&io).expect("persist the bits");
         assert_eq!(io.written.generations_seq(), 0, "no copy written");
         assert!(loaded(&storage, &geometry, 0).is_set(1));
-        io.written.persist(&io, io.written.generations_seq()).expect("persist");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist");
         assert_eq!(io.written.generations_seq(), 1);
         assert_eq!(loaded(&storage, &geometry, 1).expected_generation(1), 7);
     }
@@ -1545,22 +1547,30 @@ mod tests {
             io.written.set_expected_generation(unit, 7);
         }
         let before = written();
-        io.written.persist(&io, io.written.generations_seq()).expect("persist 1");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 1");
         // The bits copy, and generations copy 1 whole (pages 0 and 4 hold
         // values; the others are holes).
         assert_eq!(written() - before, copy + header + 2 * WRITTEN_PAGE_BYTES);
         io.written.set_expected_generation(1, 8);
-        io.written.persist(&io, io.written.generations_seq()).expect("persist 2");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 2");
         // Copy 1 (seq 3) was last written at seq 1: unit 1's page 0
         // changed since, and unit 5000's page 4 now. No bit changed.
         let before = written();
         io.written.set_expected_generation(5000, 9);
-        io.written.persist(&io, io.written.generations_seq()).expect("persist 3");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 3");
         assert_eq!(written() - before, header + 2 * WRITTEN_PAGE_BYTES);
         // Copy 0 (seq 4) was last written at seq 2: page 4 only.
         let before = written();
         io.written.set_expected_generation(5000, 10);
-        io.written.persist(&io, io.written.generations_seq()).expect("persist 4");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 4");
         assert_eq!(written() - before, header + WRITTEN_PAGE_BYTES);
         assert_eq!(io.written.generations_seq(), 4);
         let back = loaded(&storage, &geometry, 4);
@@ -1601,7 +1611,9 @@ mod tests {
         for (named, why) in [(5, "an older copy"), (2, "damaged")] {
             match WrittenMap::load(&storage, &geometry, ([9; 16], named)).expect("load") {
                 Loaded::NotNamed(found) => assert!(found.contains(why), "{named}: {found}"),
-                _ => panic!("{named}: a generations copy of another seq must not load as not known"),
+                _ => {
+                    panic!("{named}: a generations copy of another seq must not load as not known")
+                }
             }
         }
     }
@@ -1843,7 +1855,9 @@ mod tests {
         assert_eq!(io.written.next_set_lba(0), None);
         io.written.set(3);
         io.written.set(70);
-        io.written.persist(&io, io.written.generations_seq()).expect("persist 1");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 1");
         let first = loaded(&storage, &geometry, 0);
         assert!(first.is_set(3) && first.is_set(70) && !first.is_set(4));
         assert_eq!(first.next_set_lba(0), Some(3 * 128));
@@ -1851,13 +1865,17 @@ mod tests {
         assert_eq!(first.next_set_lba(4 * 128), Some(70 * 128));
         assert!(!first.any_set(71 * 128, 16384));
         // Unchanged bits are not written again.
-        io.written.persist(&io, io.written.generations_seq()).expect("persist, nothing changed");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist, nothing changed");
         assert_eq!(
             loaded(&storage, &geometry, 0).seq.load(Ordering::Acquire),
             1
         );
         io.written.clear(3);
-        io.written.persist(&io, io.written.generations_seq()).expect("persist 2");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 2");
         let second = loaded(&storage, &geometry, 0);
         assert!(!second.is_set(3) && second.is_set(70));
         // Damage the newest copy (seq 2, copy 0): the previous one wins.

@@ -16,13 +16,26 @@ use vouch_engine::{
     BLOCK,
 };
 
-/// The simulator's storage, counting the reads of the journal.
-struct CountingJournalReads {
+/// The simulator's storage, counting the reads of the journal, the
+/// writes to the data files, and their syncs after the first of those.
+#[derive(Default)]
+struct Counting {
     sim: SimStorage,
     journal_reads: AtomicU64,
+    data_writes: AtomicU64,
+    data_syncs_after_a_write: AtomicU64,
 }
 
-impl Storage for CountingJournalReads {
+impl Counting {
+    fn on(sim: &SimStorage) -> Arc<Counting> {
+        Arc::new(Counting {
+            sim: sim.clone(),
+            ..Counting::default()
+        })
+    }
+}
+
+impl Storage for Counting {
     fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         if object == ObjectId::Journal {
             self.journal_reads.fetch_add(1, Ordering::Relaxed);
@@ -30,9 +43,16 @@ impl Storage for CountingJournalReads {
         self.sim.read_at(object, offset, buf)
     }
     fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+        if matches!(object, ObjectId::Data(_)) {
+            self.data_writes.fetch_add(1, Ordering::Relaxed);
+        }
         self.sim.write_at(object, offset, data)
     }
     fn sync(&self, object: ObjectId) -> io::Result<()> {
+        if matches!(object, ObjectId::Data(_)) && self.data_writes.load(Ordering::Relaxed) > 0 {
+            self.data_syncs_after_a_write
+                .fetch_add(1, Ordering::Relaxed);
+        }
         self.sim.sync(object)
     }
     fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
@@ -74,10 +94,7 @@ fn recovery_reads_a_journal_of_many_records_in_a_few_reads() {
         // A crash: the engine's memory is gone, the storage keeps every write.
         drop(volume);
 
-        let counting = Arc::new(CountingJournalReads {
-            sim: sim.clone(),
-            journal_reads: AtomicU64::new(0),
-        });
+        let counting = Counting::on(&sim);
         let volume = Volume::open(counting.clone(), &OpenOptions::default()).expect("reopen");
         let report = volume.recovery_report();
         assert_eq!(report.records_replayed, RECORDS, "{layout:?}");
@@ -199,45 +216,6 @@ fn a_packed_replay_through_a_trim_reads_the_last_operation() {
     }
 }
 
-/// The simulator's storage, counting what a packed replay writes and
-/// syncs: writes to the data files, and their syncs after the first one.
-struct CountingDataWrites {
-    sim: SimStorage,
-    data_writes: AtomicU64,
-    data_syncs_after_a_write: AtomicU64,
-}
-
-impl Storage for CountingDataWrites {
-    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
-        self.sim.read_at(object, offset, buf)
-    }
-    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
-        if matches!(object, ObjectId::Data(_)) {
-            self.data_writes.fetch_add(1, Ordering::Relaxed);
-        }
-        self.sim.write_at(object, offset, data)
-    }
-    fn sync(&self, object: ObjectId) -> io::Result<()> {
-        if matches!(object, ObjectId::Data(_)) && self.data_writes.load(Ordering::Relaxed) > 0 {
-            self.data_syncs_after_a_write
-                .fetch_add(1, Ordering::Relaxed);
-        }
-        self.sim.sync(object)
-    }
-    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
-        self.sim.punch_hole(object, offset, len)
-    }
-    fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
-        self.sim.next_data(object, offset)
-    }
-    fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
-        self.sim.allocated_bytes(object)
-    }
-    fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
-        self.sim.object_len(object)
-    }
-}
-
 /// A packed replay writes the records of a row that lie side by side in
 /// one write (two whole rows: 2 writes, not 62), in data-file order, and
 /// leaves their fsync to the next checkpoint: the journal keeps the
@@ -276,11 +254,7 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
     // A crash of the process: the storage keeps every write.
     drop(volume);
 
-    let counting = Arc::new(CountingDataWrites {
-        sim: sim.clone(),
-        data_writes: AtomicU64::new(0),
-        data_syncs_after_a_write: AtomicU64::new(0),
-    });
+    let counting = Counting::on(&sim);
     let volume = Volume::open(counting.clone(), &OpenOptions::default()).expect("reopen");
     assert_eq!(volume.recovery_report().records_replayed, 5);
     let writes = counting.data_writes.load(Ordering::Relaxed);
@@ -293,7 +267,10 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
     // Blocks 0-61 and the scattered ones; with `later`, LBAs 5 and 70 as
     // the writes after the recovering open left them.
     let expect = |volume: &Volume, later: bool, what: &str| {
-        let lbas: Vec<u64> = (0..62).chain(scattered).chain(later.then_some(70)).collect();
+        let lbas: Vec<u64> = (0..62)
+            .chain(scattered)
+            .chain(later.then_some(70))
+            .collect();
         for lba in lbas {
             let tag = match lba {
                 5 | 70 if later => 4,
@@ -321,7 +298,11 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
             });
             let again = Volume::open(Arc::new(image), &OpenOptions::default())
                 .expect("open after a power cut");
-            assert_eq!(again.recovery_report().records_replayed, records, "{what}, keep {keep}");
+            assert_eq!(
+                again.recovery_report().records_replayed,
+                records,
+                "{what}, keep {keep}"
+            );
             expect(&again, later, &format!("{what}, a power cut, keep {keep}"));
             again.close().expect("close");
         }
