@@ -773,8 +773,12 @@ impl Committer {
         }
         // The written map after what it describes is durable (contexts
         // above, data in `sync_all`) and before the superblock retires
-        // the journal that would otherwise restore its bits (`written.rs`).
-        shared.io.written.persist(&shared.io)?;
+        // the journal that would otherwise restore its bits (`written.rs`),
+        // its values into the copy the superblock on disk does not name.
+        shared
+            .io
+            .written
+            .persist(&shared.io, journal.superblock.generations_seq)?;
         let mut superblock = journal.superblock;
         superblock.generation += 1;
         superblock.checkpoint_seq = journal.next_seq - 1;

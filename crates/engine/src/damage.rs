@@ -64,7 +64,7 @@ pub(crate) fn stamp_short_data_on_disk(io: &Backing, superblock: &mut Superblock
             io.written.set_expected_generation(*page_no, generation);
         }
     }
-    io.written.persist(io)?;
+    io.written.persist(io, superblock.generations_seq)?;
     if superblock.generations_seq != io.written.generations_seq() {
         superblock.generation += 1;
         superblock.generations_seq = io.written.generations_seq();

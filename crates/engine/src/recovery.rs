@@ -22,11 +22,15 @@
 //! the objects a crash left unsynced are fsynced together: a journal of
 //! hundreds of small records (prompt commits) costs what they hold.
 //!
-//! A writable open does not checkpoint: it fsyncs what it verified or redid,
+//! A writable open does not checkpoint: it fsyncs what it verified (split),
 //! journals again the contexts it reverted (so a later flush, which advances
 //! `data_durable_seq`, cannot make the reverted commits' newer contexts
 //! authoritative), marks the superblock open, and appends after the
-//! replayed records.
+//! replayed records. What it redid from the journal (packed) is left
+//! unsynced like any home write a redo record covers: the records stay in
+//! the journal until the next checkpoint, which syncs the data before it
+//! retires them (`Committer::sync_all`), so a crash before then replays
+//! them again.
 
 pub(crate) mod report;
 
@@ -78,7 +82,9 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
                 io: &shared.io,
                 protection: &*shared.protection,
                 state: &shared.state,
-                unsynced: journal.unsynced_for(false),
+                // A redo log's home writes (packed) wait for the
+                // checkpoint, as a commit's do (`persist`).
+                unsynced: journal.unsynced_for(layout.journals_data()),
                 report: &mut report,
             };
             resolutions.extend(layout.replay(replay, &records)?);
@@ -125,10 +131,13 @@ fn sync_what_a_crash_left(shared: &Shared) -> Result<()> {
 }
 
 /// Make what recovery decided durable before anything new is written:
-/// redone (packed) or verified (split) data is fsynced, and contexts
-/// reverted to older writes are journaled again, so a later flush that
-/// advances `data_durable_seq` past the replayed commits cannot make
-/// their newer contexts authoritative. Marks the superblock open.
+/// verified (split) data is fsynced, and contexts reverted to older
+/// writes are journaled again, so a later flush that advances
+/// `data_durable_seq` past the replayed commits cannot make their newer
+/// contexts authoritative. Marks the superblock open. Data redone from
+/// the journal (packed) is not synced here: the journal holds it until a
+/// checkpoint syncs it (module comment), and its fsync was most of a
+/// packed restart (every replayed record's two pages written back).
 fn persist(
     shared: &Shared,
     committer: &Committer,
@@ -140,7 +149,7 @@ fn persist(
             journal.unsynced_for(false).insert(ObjectId::Data(segment));
         }
     }
-    committer.sync_all(shared, journal)?;
+    committer.sync_data(shared, journal)?;
     if !resolutions.is_empty() {
         committer.append(shared, journal, &resolutions, None)?;
     }

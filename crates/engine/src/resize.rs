@@ -202,7 +202,8 @@ fn map_fits(bytes: &[u8], superblock: &Superblock, geometry: &Geometry) -> bool 
 }
 
 /// Whether `bytes` holds the generations copy `superblock` names (its
-/// header: this volume, these units, that `seq` or a later one).
+/// header: this volume, these units, that `seq`: another is refused at
+/// open, `WrittenMap::load`).
 fn generations_fit(bytes: &[u8], superblock: &Superblock, units: u64) -> bool {
     let seq = superblock.generations_seq;
     if seq == 0 {
@@ -213,7 +214,7 @@ fn generations_fit(bytes: &[u8], superblock: &Superblock, units: u64) -> bool {
         .get(at..at + WRITTEN_PAGE_BYTES as usize)
         .and_then(|page| GenerationsHeader::decode(page).ok())
         .is_some_and(|header| {
-            header.uuid == superblock.uuid && header.units == units && header.seq >= seq
+            header.uuid == superblock.uuid && header.units == units && header.seq == seq
         })
 }
 

@@ -1098,16 +1098,14 @@ impl WrittenMap {
     /// journal touches.
     ///
     /// The copy named is fsynced before any superblock names it, and no
-    /// update writes it while it is named (an update writes the other
-    /// copy), so a crash never leaves it missing, torn or older. Found so,
-    /// the file is an older copy of `written` (restored with the data and
-    /// contexts of its time, nothing else would tell them older: issue
-    /// 28) or the copy is damaged: `Some(what is wrong)`, and the open
-    /// refuses (absence is never emptiness: values not known would read
-    /// every older unit as current). A copy of a *higher* `seq` is left
-    /// not known, not refused: an update whose superblock write failed
-    /// and a later update in the same process may write the slot named
-    /// on disk (never a restored older file: its copies are older).
+    /// update writes it while it may be named (an update writes the other
+    /// copy, and none is written after a superblock write failed:
+    /// `persist`), so a crash never leaves it missing, torn, older or
+    /// newer. Found so, the file is an older copy of `written` (restored
+    /// with the data and contexts of its time, nothing else would tell
+    /// them older: issue 28) or the copy is damaged: `Some(what is
+    /// wrong)`, and the open refuses (absence is never emptiness: values
+    /// not known would read every older unit as current).
     fn load_generations(&self, storage: &dyn Storage, seq: u64) -> Result<Option<String>> {
         if self.generations.is_empty() || seq == 0 {
             return Ok(None);
@@ -1144,7 +1142,12 @@ impl WrittenMap {
             )));
         }
         if header.seq != seq {
-            return Ok(None);
+            // No update writes the copy a superblock on disk may name
+            // (`persist`), so no crash leaves a higher `seq` there either.
+            return Ok(Some(format!(
+                "the generations copy the superblock names is seq {seq}, the file holds seq {} there, which no update writes: the file is damaged",
+                header.seq
+            )));
         }
         // Page by page: a page that fails its CRC (damaged since) leaves
         // its units not known, and the rest hold.
@@ -1178,12 +1181,21 @@ impl WrittenMap {
 
     /// Write what changed since the last update, then fsync: the bits to
     /// the older bits copy (`seq + 1`), and the expected generations'
-    /// changed pages to the older generations copy (its own `seq + 1`),
-    /// each only if it changed. Called under the commit lock, at a
-    /// checkpoint after what they describe is durable and before the
-    /// superblock that retires the journal and names the generations copy
-    /// (module comment).
-    pub fn persist(&self, io: &Backing) -> Result<()> {
+    /// changed pages to the generations copy the superblock on disk does
+    /// not name (`named + 1`, `named`: the `generations_seq` of the last
+    /// superblock written and fsynced), each only if it changed. Called
+    /// under the commit lock, at a checkpoint after what they describe is
+    /// durable and before the superblock that retires the journal and
+    /// names the generations copy (module comment).
+    ///
+    /// Never into the copy a superblock on disk may name: after a copy
+    /// this process wrote that no superblock was confirmed to name (a
+    /// superblock write that failed, whose bytes may still be on disk),
+    /// either copy may be the named one, so values are not written at all
+    /// (an error: the volume has failed stop already). A copy loaded as
+    /// not known (`named` set, nothing written since) goes on from
+    /// `named`, into the other slot.
+    pub fn persist(&self, io: &Backing, named: u64) -> Result<()> {
         if !self.enabled {
             return Ok(());
         }
@@ -1193,8 +1205,18 @@ impl WrittenMap {
         if !bits_dirty && !values_dirty {
             return Ok(());
         }
+        let last = self.generations_seq.load(Ordering::Acquire);
+        if values_dirty && last != 0 && last != named {
+            if bits_dirty {
+                self.dirty.store(true, Ordering::Release);
+            }
+            self.values_dirty.store(true, Ordering::Release);
+            return Err(Error::FailStopped(format!(
+                "written: generations copy {last} was written and no superblock was confirmed to name it (the superblock on disk names {named}): no copy is safe to update until the volume is reopened"
+            )));
+        }
         let seq = self.seq.load(Ordering::Acquire) + 1;
-        let generations_seq = self.generations_seq.load(Ordering::Acquire) + 1;
+        let generations_seq = named + 1;
         // The generation pages this copy must be given, taken before the
         // values are read (a value moved meanwhile marks its page again).
         let pages = &self.generation_pages[(generations_seq % 2) as usize];
@@ -1274,7 +1296,7 @@ impl WrittenMap {
     /// not on disk yet only weaken detection (they are not known).
     pub fn persist_bits(&self, io: &Backing) -> Result<()> {
         let values_dirty = self.values_dirty.swap(false, Ordering::AcqRel);
-        let result = self.persist(io);
+        let result = self.persist(io, self.generations_seq());
         if values_dirty {
             self.values_dirty.store(true, Ordering::Release);
         }
@@ -1500,7 +1522,9 @@ mod tests {
         io.written.persist_bits(&io).expect("persist the bits");
         assert_eq!(io.written.generations_seq(), 0, "no copy written");
         assert!(loaded(&storage, &geometry, 0).is_set(1));
-        io.written.persist(&io).expect("persist");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist");
         assert_eq!(io.written.generations_seq(), 1);
         assert_eq!(loaded(&storage, &geometry, 1).expected_generation(1), 7);
     }
@@ -1523,22 +1547,30 @@ mod tests {
             io.written.set_expected_generation(unit, 7);
         }
         let before = written();
-        io.written.persist(&io).expect("persist 1");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 1");
         // The bits copy, and generations copy 1 whole (pages 0 and 4 hold
         // values; the others are holes).
         assert_eq!(written() - before, copy + header + 2 * WRITTEN_PAGE_BYTES);
         io.written.set_expected_generation(1, 8);
-        io.written.persist(&io).expect("persist 2");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 2");
         // Copy 1 (seq 3) was last written at seq 1: unit 1's page 0
         // changed since, and unit 5000's page 4 now. No bit changed.
         let before = written();
         io.written.set_expected_generation(5000, 9);
-        io.written.persist(&io).expect("persist 3");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 3");
         assert_eq!(written() - before, header + 2 * WRITTEN_PAGE_BYTES);
         // Copy 0 (seq 4) was last written at seq 2: page 4 only.
         let before = written();
         io.written.set_expected_generation(5000, 10);
-        io.written.persist(&io).expect("persist 4");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 4");
         assert_eq!(written() - before, header + WRITTEN_PAGE_BYTES);
         assert_eq!(io.written.generations_seq(), 4);
         let back = loaded(&storage, &geometry, 4);
@@ -1567,22 +1599,63 @@ mod tests {
             (8, 0)
         );
         // A superblock that names no copy (a binary from before the field
-        // wrote it), or a copy whose slot holds a higher `seq` (an update
-        // after a failed superblock write): no value is known.
-        for named in [0, 2] {
-            let back = loaded(&storage, &geometry, named);
-            assert_eq!(
-                (back.expected_generation(1), back.expected_generation(5000)),
-                (0, 0),
-                "{named}"
-            );
-        }
+        // wrote it): no value is known.
+        let back = loaded(&storage, &geometry, 0);
+        assert_eq!(
+            (back.expected_generation(1), back.expected_generation(5000)),
+            (0, 0)
+        );
         // One whose slot holds a lower `seq` (an older `written` restored,
-        // issue 28) is refused, never "not known".
-        match WrittenMap::load(&storage, &geometry, ([9; 16], 5)).expect("load") {
-            Loaded::NotNamed(why) => assert!(why.contains("an older copy"), "{why}"),
-            _ => panic!("an older generations copy must not be loaded as not known"),
+        // issue 28), or a higher one (no update writes the copy named, so
+        // only damage leaves one), is refused, never "not known".
+        for (named, why) in [(5, "an older copy"), (2, "damaged")] {
+            match WrittenMap::load(&storage, &geometry, ([9; 16], named)).expect("load") {
+                Loaded::NotNamed(found) => assert!(found.contains(why), "{named}: {found}"),
+                _ => {
+                    panic!("{named}: a generations copy of another seq must not load as not known")
+                }
+            }
         }
+    }
+
+    /// A checkpoint whose superblock write fails after its map update
+    /// leaves a generations copy no superblock names, and the bytes of
+    /// that superblock may be on disk or not: either copy may be the one
+    /// named after a crash. The next update (a reflink copy's checkpoint
+    /// can run after the failure) writes neither, so the copy the
+    /// superblock on disk names keeps its `seq` and values; before, it
+    /// wrote `seq + 2` into the named copy, which then loaded as not
+    /// known (or refused the open when a crash tore its header).
+    #[test]
+    fn no_update_writes_a_copy_a_superblock_may_name() {
+        let (geometry, storage, io) = split_map_on_sim(64 << 20);
+        io.written.set(1);
+        io.written.set_expected_generation(1, 7);
+        io.written.persist(&io, 0).expect("persist 1");
+        // The superblock names copy 1 (seq 1).
+        assert_eq!(io.written.generations_seq(), 1);
+        io.written.set_expected_generation(1, 8);
+        io.written.persist(&io, 1).expect("persist 2");
+        // Its superblock write failed: the disk still names seq 1, and
+        // may name seq 2.
+        assert_eq!(io.written.generations_seq(), 2);
+        io.written.set_expected_generation(1, 9);
+        assert!(
+            io.written.persist(&io, 1).is_err(),
+            "no copy is safe to write"
+        );
+        assert_eq!(loaded(&storage, &geometry, 1).expected_generation(1), 7);
+        assert_eq!(loaded(&storage, &geometry, 2).expected_generation(1), 8);
+        // A copy loaded as not known (an upgrade's rebuild) goes on from
+        // the copy named, into the other slot.
+        let fresh = WrittenMap::empty(&geometry, [9; 16]);
+        let io = Backing::new(Arc::new(storage.clone()), geometry, None, fresh);
+        io.written.set(1);
+        io.written.set_expected_generation(1, 10);
+        io.written.persist(&io, 1).expect("persist from not known");
+        assert_eq!(io.written.generations_seq(), 2);
+        assert_eq!(loaded(&storage, &geometry, 1).expected_generation(1), 7);
+        assert_eq!(loaded(&storage, &geometry, 2).expected_generation(1), 10);
     }
 
     /// The last packed row of a 256-block volume holds LBAs 248-255; its
@@ -1782,7 +1855,9 @@ mod tests {
         assert_eq!(io.written.next_set_lba(0), None);
         io.written.set(3);
         io.written.set(70);
-        io.written.persist(&io).expect("persist 1");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 1");
         let first = loaded(&storage, &geometry, 0);
         assert!(first.is_set(3) && first.is_set(70) && !first.is_set(4));
         assert_eq!(first.next_set_lba(0), Some(3 * 128));
@@ -1790,13 +1865,17 @@ mod tests {
         assert_eq!(first.next_set_lba(4 * 128), Some(70 * 128));
         assert!(!first.any_set(71 * 128, 16384));
         // Unchanged bits are not written again.
-        io.written.persist(&io).expect("persist, nothing changed");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist, nothing changed");
         assert_eq!(
             loaded(&storage, &geometry, 0).seq.load(Ordering::Acquire),
             1
         );
         io.written.clear(3);
-        io.written.persist(&io).expect("persist 2");
+        io.written
+            .persist(&io, io.written.generations_seq())
+            .expect("persist 2");
         let second = loaded(&storage, &geometry, 0);
         assert!(!second.is_set(3) && second.is_set(70));
         // Damage the newest copy (seq 2, copy 0): the previous one wins.

@@ -102,7 +102,10 @@ enum Blocks {
     Sealed(Vec<SealedBlock>),
     /// No leg can seal for the others (only the worker's route goes on):
     /// each leg writes the bytes at `offset` itself.
-    Unsealed { offset: u64, data: Bytes },
+    Unsealed {
+        offset: u64,
+        data: Bytes,
+    },
 }
 
 /// Where a write's legs answer: each target's outcome exactly once, by
@@ -391,11 +394,7 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
         };
         for (at, &(leg, _)) in targets.legs.iter().enumerate() {
             let device = mirror.device(leg);
-            if let Some(done) = mirror.legs[leg]
-                .remote
-                .then(|| answers.later(at))
-                .flatten()
-            {
+            if let Some(done) = mirror.legs[leg].remote.then(|| answers.later(at)).flatten() {
                 device.write_sealed_then(sealed, fua, done);
                 issued[at] = true;
             } else if self.admission == Admission::MayWait {
@@ -415,9 +414,13 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
                     reserved.take(leg);
                     device.write_sealed_reserved(sealed)
                 }
-                None => device
-                    .write_sealed_here(sealed)
-                    .and_then(|()| if fua { device.flush() } else { Ok(()) }),
+                None => device.write_sealed_here(sealed).and_then(|()| {
+                    if fua {
+                        device.flush()
+                    } else {
+                        Ok(())
+                    }
+                }),
             };
             answers.answer(at, outcome);
         }

@@ -1026,7 +1026,7 @@ impl Layout for PackedLayout {
     /// The journal is a redo log: every record's blocks are rewritten from
     /// the journal's copy. A read-only open cannot write, so it serves the
     /// journaled blocks and ranges from memory instead.
-    fn replay(&self, replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>> {
+    fn replay(&self, mut replay: Replay<'_>, records: &[Record]) -> Result<Vec<JournalEntry>> {
         let read_only = replay.io.is_read_only();
         // What the journal wrote may be on disk after the map was (a row
         // made older by a trim or a copy too): the expected generation of
@@ -1038,11 +1038,130 @@ impl Layout for PackedLayout {
             // trim, which clears it as the trim did (`written.rs`).
             super::split::clear_trimmed_units(replay.io, records);
         }
-        let last_writes = if read_only {
-            HashMap::new()
+        if !read_only && only_block_writes(records) {
+            self.redo_last_writes(&mut replay, records)?;
         } else {
-            last_block_writes(records)
-        };
+            self.replay_in_order(&mut replay, records)?;
+        }
+        // A range's edge raised its row's expectation from the row as it
+        // was then, and a later replayed record may have replaced that
+        // row's newest with the older one the journal holds (the journal
+        // wins): forgotten again, known at the row's next write.
+        super::split::forget_replayed_generations(replay.io, records);
+        Ok(Vec::new())
+    }
+
+    /// Rows recovery left to bind are bound (and fsynced) before the
+    /// checkpoint writes the map (`bind_deferred`).
+    fn checkpoint_contexts(
+        &self,
+        io: &Backing,
+        _state: &RwLock<VolumeState>,
+        _next: u32,
+    ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
+        self.bind_deferred(io)?;
+        Ok((Vec::new(), Vec::new()))
+    }
+}
+
+/// Whether every entry of `records` writes one block with its data (no
+/// trim or write-zeroes: a range works on the rows as the records before
+/// it left them, so such a journal is replayed record by record).
+fn only_block_writes(records: &[Record]) -> bool {
+    records.iter().all(|record| {
+        record
+            .entries
+            .iter()
+            .all(|entry| entry.count == 1 && entry.context.carries_data())
+    })
+}
+
+/// One block a writable replay writes: its place, its LBA, and the record
+/// (data and context) from the last journal record that writes it.
+struct Redo<'a> {
+    segment: u32,
+    offset: u64,
+    lba: u64,
+    data: &'a [u8],
+    context: [u8; CONTEXT_BYTES],
+}
+
+impl PackedLayout {
+    /// A writable replay of a journal of block writes alone: each block
+    /// is written once, from the last record that writes it (a record
+    /// rewrites its slot whole), in the order of the data files, the
+    /// records adjacent in a row in one write (`Run`), one batch per
+    /// segment. A record found at home as the journal holds it is still
+    /// written: after a writeback error the dead process saw, the page
+    /// cache may hold bytes the disk does not, and only a write dirties
+    /// them again. The rows they land in are not read: one whose bit was
+    /// clear is made whole later (`WrittenMap::defer_bind`).
+    fn redo_last_writes(&self, replay: &mut Replay<'_>, records: &[Record]) -> Result<()> {
+        let io = replay.io;
+        let mut blocks: Vec<Redo<'_>> = Vec::new();
+        let mut last: HashMap<u64, usize> = HashMap::new();
+        for record in records {
+            for (index, entry) in record.entries.iter().enumerate() {
+                let location = self.geometry.locate(entry.lba);
+                let redo = Redo {
+                    segment: location.segment,
+                    offset: location.data_offset,
+                    lba: entry.lba,
+                    data: record_data(&record.header, &record.bytes, index),
+                    context: entry.context.encode(),
+                };
+                match last.entry(entry.lba) {
+                    std::collections::hash_map::Entry::Occupied(at) => blocks[*at.get()] = redo,
+                    std::collections::hash_map::Entry::Vacant(at) => {
+                        at.insert(blocks.len());
+                        blocks.push(redo);
+                    }
+                }
+            }
+        }
+        blocks.sort_unstable_by_key(|block| (block.segment, block.offset));
+        // Rows whose bit is clear on disk (or that wait already) are made
+        // whole later, not read now; decided before any bit is set.
+        if io.written.bound() {
+            for block in &blocks {
+                let unit = io.written.unit_of(block.lba);
+                if !io.written.is_set(unit) || io.written.unbound(unit).is_some() {
+                    io.written.defer_bind(block.lba);
+                }
+            }
+        }
+        for segment in blocks.chunk_by(|a, b| a.segment == b.segment) {
+            let parts: Vec<&[u8]> = segment
+                .iter()
+                .flat_map(|block| [block.data, &block.context[..]])
+                .collect();
+            let mut runs = Vec::new();
+            let mut first = 0;
+            for end in 1..=segment.len() {
+                if end == segment.len()
+                    || segment[end].offset != segment[end - 1].offset + PACKED_RECORD_BYTES
+                {
+                    runs.push(Run {
+                        offset: segment[first].offset,
+                        parts: &parts[2 * first..2 * end],
+                    });
+                    first = end;
+                }
+            }
+            let object = ObjectId::Data(segment[0].segment);
+            io.write_runs(object, &runs)?;
+            replay.unsynced.insert(object);
+        }
+        for block in &blocks {
+            io.written.set(io.written.unit_of(block.lba));
+        }
+        Ok(())
+    }
+
+    /// The replay of a read-only open (served from memory), or of a
+    /// journal that holds a range: record by record, entry by entry.
+    fn replay_in_order(&self, replay: &mut Replay<'_>, records: &[Record]) -> Result<()> {
+        let read_only = replay.io.is_read_only();
         for record in records {
             let mut data_index = 0usize;
             for entry in &record.entries {
@@ -1080,25 +1199,14 @@ impl Layout for PackedLayout {
                         // Made whole later, not read now (`defer_bind`).
                         replay.io.written.defer_bind(entry.lba);
                     }
-                    // Written from the last record of the journal that
-                    // writes the block only: it rewrites the slot whole.
-                    // (A record found at home as the journal holds it is
-                    // still written: after a writeback error the dead
-                    // process saw, the page cache may hold bytes the disk
-                    // does not, and only a write dirties them again.)
-                    let superseded = last_writes
-                        .get(&entry.lba)
-                        .is_some_and(|seq| *seq != record.header.seq);
-                    if !superseded {
-                        replay.io.write_runs(
-                            object,
-                            &[Run {
-                                offset: location.data_offset,
-                                parts: &[data, &context],
-                            }],
-                        )?;
-                        replay.unsynced.insert(object);
-                    }
+                    replay.io.write_runs(
+                        object,
+                        &[Run {
+                            offset: location.data_offset,
+                            parts: &[data, &context],
+                        }],
+                    )?;
+                    replay.unsynced.insert(object);
                     replay.io.written.set(unit);
                 } else {
                     let range =
@@ -1117,41 +1225,6 @@ impl Layout for PackedLayout {
                 }
             }
         }
-        // A range's edge raised its row's expectation from the row as it
-        // was then, and a later replayed record may have replaced that
-        // row's newest with the older one the journal holds (the journal
-        // wins): forgotten again, known at the row's next write.
-        super::split::forget_replayed_generations(replay.io, records);
-        Ok(Vec::new())
+        Ok(())
     }
-
-    /// Rows recovery left to bind are bound (and fsynced) before the
-    /// checkpoint writes the map (`bind_deferred`).
-    fn checkpoint_contexts(
-        &self,
-        io: &Backing,
-        _state: &RwLock<VolumeState>,
-        _next: u32,
-    ) -> Result<(WrittenPages, Vec<Range<u64>>)> {
-        self.bind_deferred(io)?;
-        Ok((Vec::new(), Vec::new()))
-    }
-}
-
-/// For every block the replay writes: the sequence number of the last
-/// record that writes it, so only that record's copy is written (a slot is
-/// rewritten whole by each). Empty when a record holds a range (a trim or
-/// write-zeroes works on the rows as the records before it left them), so
-/// such a journal is replayed write by write.
-fn last_block_writes(records: &[Record]) -> HashMap<u64, u64> {
-    let mut last = HashMap::new();
-    for record in records {
-        for entry in &record.entries {
-            if !(entry.count == 1 && entry.context.carries_data()) {
-                return HashMap::new();
-            }
-            last.insert(entry.lba, record.header.seq);
-        }
-    }
-    last
 }
