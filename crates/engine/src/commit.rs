@@ -762,6 +762,14 @@ impl Committer {
         journal: &mut Journal,
         state_flag: u32,
     ) -> Result<()> {
+        // Never after a fail-stop: a later fsync that succeeds says
+        // nothing of the writes an earlier failed one lost, and retiring
+        // the journal would drop the only copy of them. The commit and
+        // close paths check this before they come here; a reflink copy's
+        // records (`reserve`, `append`) reach it too.
+        if shared.io.has_failed() {
+            shared.io.check_writable()?;
+        }
         self.sync_all(shared, journal)?;
         let mut rewritten = Vec::new();
         let mut dropped = Vec::new();

@@ -632,6 +632,20 @@ fn an_online_delete_closes_a_snapshot_held_for_its_changed_blocks() {
     assert!(map.as_array().is_some_and(|runs| runs.len() > 1), "{map}");
     vouch_ok(&["snapshot", "delete", "--server", &control, "s1"]);
     assert!(!volume.join("snapshots/s1").exists());
+    // Deleting it again: not there, so 404 (not a 409 conflict).
+    let (_, exports) = common::control::request(&control, "GET", "/v1/exports", None, None);
+    let export = exports["exports"][0]["name"]
+        .as_str()
+        .expect("export name")
+        .to_string();
+    let (status, answer) = common::control::request(
+        &control,
+        "DELETE",
+        &format!("/v1/exports/{export}/snapshots/s1"),
+        None,
+        None,
+    );
+    assert_eq!(status, 404, "{answer}");
     let info = nbdinfo_json(&server.uri, &[]);
     let contexts = info["exports"][0]["contexts"].to_string();
     assert!(!contexts.contains("qemu:dirty-bitmap:s1"), "{contexts}");

@@ -267,6 +267,19 @@ async fn delete_snapshot(
 ) -> ApiResult<Json<Value>> {
     let entry = snapshot_target(&state, &export)?;
     let (dir, mirror) = (entry.dir.clone(), entry.mirror.clone());
+    vouch_engine::snapshot::check_name(&name).map_err(|e| ApiError::bad(e.to_string()))?;
+    // A name with nothing behind it is not a conflict: 404, as for any
+    // resource that is not there (a half-made copy is still deleted).
+    let snapshots = dir.join(vouch_engine::snapshot::SNAPSHOTS_DIR);
+    if mirror.is_none()
+        && !snapshots.join(&name).exists()
+        && !snapshots.join(format!(".{name}.partial")).exists()
+    {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("export {export:?} has no snapshot {name:?} (`GET /v1/exports/{export}/snapshots` lists them)"),
+        ));
+    }
     let deleted = name.clone();
     tokio::task::spawn_blocking(move || match mirror {
         Some(mirror) => crate::snapshot_mirror::delete_online(&mirror, &deleted),
