@@ -1060,7 +1060,7 @@ impl Layout for PackedLayout {
                                 entry.lba
                             )));
                         };
-                        replay.state.write().active.insert(
+                        replay.state.write().buffer(
                             entry.lba,
                             DirtyBlock {
                                 data: BlockData::copy_from(data),
@@ -1109,7 +1109,7 @@ impl Layout for PackedLayout {
                         let mut state = replay.state.write();
                         state.drop_buffered(range.start, range.end);
                         state
-                            .contexts
+                            .contexts_mut()
                             .set_range(range.start, range.end, range.template);
                         continue;
                     }

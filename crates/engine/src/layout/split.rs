@@ -63,7 +63,7 @@ impl SplitLayout {
         let mut page = Page::new([0u8; 4096]);
         let bytes = unique(&mut page);
         // (The state lock is released before a read from disk.)
-        let cached = state.read().contexts.cached_page(page_no);
+        let cached = state.read().contexts().cached_page(page_no);
         match cached {
             Some(cached) => bytes.copy_from_slice(&cached[..]),
             None => *bytes = crate::state::read_context_page(io, page_no)?,
@@ -156,21 +156,21 @@ impl SplitLayout {
                 )));
             };
             let mut state = state.write();
-            state.active.insert(
+            state.buffer(
                 entry.lba,
                 DirtyBlock {
                     data: BlockData::copy_from(data),
                     seal,
                 },
             );
-            state.contexts.set(entry.lba, entry.context);
+            state.contexts_mut().set(entry.lba, entry.context);
             return Ok(());
         }
         let location = self.geometry.locate(entry.lba);
         let object = ObjectId::Data(location.segment);
         io.write_object(object, location.data_offset, data)?;
         unsynced.insert(object);
-        state.write().contexts.set(entry.lba, entry.context);
+        state.write().contexts_mut().set(entry.lba, entry.context);
         Ok(())
     }
 }
@@ -435,12 +435,12 @@ impl Layout for SplitLayout {
                             .expect("inserted")
                             .push(entry.context);
                     }
-                    state.write().contexts.set(entry.lba, entry.context);
+                    state.write().contexts_mut().set(entry.lba, entry.context);
                 } else {
                     let end = entry.lba + u64::from(entry.count);
                     state
                         .write()
-                        .contexts
+                        .contexts_mut()
                         .set_range(entry.lba, end, entry.context);
                     let superseded: Vec<u64> = candidates
                         .range(entry.lba..end)
@@ -478,7 +478,7 @@ impl Layout for SplitLayout {
                 Some(context) if *context == newest => {}
                 Some(context) => {
                     report.blocks_reverted += 1;
-                    state.write().contexts.set(lba, *context);
+                    state.write().contexts_mut().set(lba, *context);
                     resolutions.push(JournalEntry {
                         lba,
                         count: 1,
@@ -511,7 +511,7 @@ impl Layout for SplitLayout {
         // runs by page groups them without sorting a million entries.
         let (entries, mut runs, ranges, keep) = {
             let state = state.read();
-            let overlay = &state.contexts.overlay;
+            let overlay = &state.contexts().overlay;
             let mut entries: Vec<(u64, Context)> = Vec::with_capacity(overlay.len());
             let mut runs: Vec<PageRun> = Vec::new();
             for (lba, context) in overlay {
@@ -526,8 +526,8 @@ impl Layout for SplitLayout {
                 }
                 entries.push((*lba, *context));
             }
-            let keep = state.contexts.cache_limit_pages();
-            (entries, runs, state.contexts.ranges.clone(), keep)
+            let keep = state.contexts().cache_limit_pages();
+            (entries, runs, state.contexts().ranges.clone(), keep)
         };
         runs.sort_unstable_by_key(|run| run.page_no);
         let mut punched = Vec::new();
