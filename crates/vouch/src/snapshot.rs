@@ -239,7 +239,7 @@ fn delete_through(server: &ServerArgs, first: &str, second: Option<&str>) -> Res
 /// this process (the returned lock) so no server opens it meanwhile.
 /// `purpose` ends the messages: "take the snapshot", "resize it".
 pub(crate) fn hold_offline(path: &Path, purpose: &str) -> Result<std::fs::File> {
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if vouch_engine::volume_in_use(path)? {
         bail!(
             "{} is open in a running `vouch serve`: stop it, then {purpose}",
@@ -311,7 +311,7 @@ fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
 }
 
 fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     let fs = RealFs::default();
     if !vouch_engine::volume_in_use(path)? {
         if let Ok(_held) = FileStorage::lock_for_writing(path) {
@@ -358,7 +358,7 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
 
 fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     snapshot::check_name(name)?;
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     let _held = FileStorage::lock_for_writing(path)
         .with_context(|| format!("holding {} to delete its snapshot", path.display()))?;
     let snapshot_dir = path.join(snapshot::SNAPSHOTS_DIR).join(name);
@@ -372,7 +372,7 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
 
 /// `vouch clone SNAPSHOT NEWPATH`.
 pub fn clone(snapshot_dir: &Path, new_path: &Path, copy: bool) -> Result<ExitCode> {
-    crate::commands::volume_dir(snapshot_dir)?;
+    crate::key::volume_dir(snapshot_dir)?;
     let started = Instant::now();
     // The origin names the snapshot by its absolute path, so a server of
     // the clone finds it from any directory (`qemu:allocation-depth`).
