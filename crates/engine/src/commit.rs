@@ -821,13 +821,24 @@ impl Committer {
         let mut superblock: Superblock = journal.superblock();
         superblock.generation += 1;
         superblock.state = STATE_OPEN;
-        write_superblock_copy(
-            shared.io().storage(),
-            &superblock,
-            superblock.generation % 2,
-        )?;
-        shared.io().sync_object(ObjectId::Superblock)?;
-        journal.set_superblock(superblock);
-        Ok(())
+        write_superblock(shared, journal, superblock)
     }
+}
+
+/// Write `superblock` to the copy its generation names, sync it, and keep
+/// it as the journal's last written: a crash leaves this copy or the
+/// other, each whole (the newer valid one is read at open).
+pub(crate) fn write_superblock(
+    shared: &Shared,
+    journal: &mut Journal,
+    superblock: Superblock,
+) -> Result<()> {
+    write_superblock_copy(
+        shared.io().storage(),
+        &superblock,
+        superblock.generation % 2,
+    )?;
+    shared.io().sync_object(ObjectId::Superblock)?;
+    journal.set_superblock(superblock);
+    Ok(())
 }

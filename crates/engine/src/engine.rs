@@ -28,7 +28,7 @@ use crate::recovery::{recover, RecoveryReport};
 use crate::shared::Shared;
 use crate::state::VolumeState;
 use crate::storage::{ObjectId, Storage};
-use crate::superblock::{read_superblock, write_superblock_copy};
+use crate::superblock::read_superblock;
 use crate::written::WrittenMap;
 
 /// What opening an encrypted volume without a key says.
@@ -390,13 +390,7 @@ impl Engine {
         change(&mut superblock);
         for _ in 0..2 {
             superblock.generation += 1;
-            write_superblock_copy(
-                shared.io().storage(),
-                &superblock,
-                superblock.generation % 2,
-            )?;
-            shared.io().sync_object(ObjectId::Superblock)?;
-            journal.set_superblock(superblock);
+            crate::commit::write_superblock(shared, &mut journal, superblock)?;
         }
         Ok(())
     }

@@ -71,12 +71,18 @@ impl WriteCompletion {
 
     /// Declined: the permits back, to run the request on a worker.
     pub(crate) fn into_permits(mut self) -> Permits {
-        self.write
-            .take()
-            .expect("an unanswered completion holds its write")
-            .1
-            .permits
+        unanswered(&mut self.write)
     }
+}
+
+/// The permits of a completion not answered yet (taking them leaves it
+/// nothing to answer when dropped).
+fn unanswered(started: &mut Option<(Arc<dyn Answer>, Started)>) -> Permits {
+    started
+        .take()
+        .expect("an unanswered completion holds its request")
+        .1
+        .permits
 }
 
 impl Drop for WriteCompletion {
@@ -125,11 +131,7 @@ impl ReadCompletion {
 
     /// Declined: the permits back, to run the request on a worker.
     pub(crate) fn into_permits(mut self) -> Permits {
-        self.read
-            .take()
-            .expect("an unanswered completion holds its read")
-            .1
-            .permits
+        unanswered(&mut self.read)
     }
 }
 
