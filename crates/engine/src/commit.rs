@@ -316,7 +316,7 @@ impl Committer {
         answer: &mut Option<FlushDone>,
     ) -> Result<()> {
         self.flushed();
-        let buffered = shared.state.read().active.len();
+        let buffered = shared.state().read().buffered_blocks();
         let redo = buffered <= REDO_MAX_BLOCKS;
         self.commit_as(shared, journal, &[], redo.then_some(answer))
     }
@@ -329,27 +329,18 @@ impl Committer {
         mut redo_answer: Option<&mut Option<FlushDone>>,
     ) -> Result<()> {
         let redo = redo_answer.is_some();
-        shared.io.check_writable()?;
+        shared.io().check_writable()?;
         if !redo {
             self.before_plain_record(shared, journal)?;
         }
         // The buffer and its held-log slot are taken together: every block
         // in the one is in the other (`held.rs`).
         let (blocks, mut held_slot): (Vec<(u64, DirtyBlock)>, Option<usize>) = {
-            let mut held = shared.held.lock();
+            let mut held = shared.held().lock();
             let held_slot = held
-                .swap(&shared.io, !self.breaks.keep_stale_epoch)
-                .map_err(|error| shared.io.fail_stop(error))?;
-            let mut state = shared.state.write();
-            assert!(state.committing.is_empty(), "a commit is already in flight");
-            state.committing = std::mem::take(&mut state.active);
-            state.committing_orphans = std::mem::take(&mut state.active_orphans);
-            state.logged = 0;
-            let blocks = state
-                .committing
-                .iter()
-                .map(|(lba, dirty)| (*lba, dirty.clone()))
-                .collect();
+                .swap(shared.io(), !self.breaks.keep_stale_epoch)
+                .map_err(|error| shared.io().fail_stop(error))?;
+            let blocks = shared.state().write().take_for_commit();
             (blocks, held_slot)
         };
         if blocks.is_empty() && ranges.is_empty() {
@@ -383,14 +374,9 @@ impl Committer {
         if let Err(error) = result {
             // The buffered blocks stay in `committing`, so reads still return
             // what was acknowledged; writes are refused until reopened.
-            return Err(shared.io.fail_stop(error));
+            return Err(shared.io().fail_stop(error));
         }
-        let pending = {
-            let mut state = shared.state.write();
-            state.committing.clear();
-            state.committing_orphans = 0;
-            state.contexts.pending()
-        };
+        let pending = shared.state().write().commit_done();
         self.release_held(shared, held_slot)?;
         self.committed(shared, journal, pending)
     }
@@ -403,9 +389,9 @@ impl Committer {
     fn release_held(&self, shared: &Shared, slot: Option<usize>) -> Result<()> {
         match slot {
             Some(slot) => shared
-                .held
-                .empty(&shared.io, slot)
-                .map_err(|error| shared.io.fail_stop(error)),
+                .held()
+                .empty(shared.io(), slot)
+                .map_err(|error| shared.io().fail_stop(error)),
             None => Ok(()),
         }
     }
@@ -419,13 +405,33 @@ impl Committer {
         journal: &mut Journal,
         pending: usize,
     ) -> Result<()> {
-        shared.io.stats.commits.fetch_add(1, Ordering::Relaxed);
-        let journal_full = journal.offset * 4 > self.journal_bytes * 3;
+        shared.io().stats.commits.fetch_add(1, Ordering::Relaxed);
+        let journal_full = journal.offset() * 4 > self.journal_bytes * 3;
         if journal_full || pending > self.overlay_limit {
             self.reached(CommitStep::Checkpointing);
             self.checkpoint(shared, journal, STATE_OPEN)?;
         }
         Ok(())
+    }
+
+    /// Apply `range` (a zero range a journaled record carries) at home,
+    /// after its record is written (ORDER POINT A) and before its
+    /// contexts are published, recording the objects it writes until
+    /// synced, as a commit's home writes do: a flush syncs them before it
+    /// counts the record's data durable (ORDER POINT B). For journaled
+    /// changes outside `commit` (`copy/reflink.rs`).
+    pub(crate) fn apply_range_home(
+        &self,
+        shared: &Shared,
+        journal: &mut Journal,
+        range: &RangeOp,
+    ) -> Result<()> {
+        let layout = shared.layouts().of(range.start);
+        layout.apply_range_home(
+            shared.io(),
+            range,
+            journal.unsynced_for(layout.journals_data()),
+        )
     }
 
     /// Make room for a record of `record_len` bytes before building it (a
@@ -438,10 +444,10 @@ impl Committer {
         journal: &mut Journal,
         record_len: u64,
     ) -> Result<u64> {
-        if journal.offset + record_len > self.journal_bytes {
+        if journal.offset() + record_len > self.journal_bytes {
             self.checkpoint(shared, journal, STATE_OPEN)?;
         }
-        Ok(journal.next_seq)
+        Ok(journal.next_seq())
     }
 
     /// The end of the group of blocks from `start` to journal and write
@@ -468,7 +474,7 @@ impl Committer {
         let half = self.journal_bytes / 2;
         let reserved = range_entries as u32 * 2;
         let journals_data =
-            |index: usize| redo || shared.layouts.of(blocks[index].0).journals_data();
+            |index: usize| redo || shared.layouts().of(blocks[index].0).journals_data();
         let remaining = blocks.len() - start;
         let remaining_data = (start..blocks.len()).filter(|i| journals_data(*i)).count();
         let total = JournalHeader::record_bytes(remaining as u32 + reserved, remaining_data as u32);
@@ -476,7 +482,7 @@ impl Committer {
         // Each extra record costs at most a header block and a partly
         // filled entries block.
         let with_headers = total + 2 * records * 2 * JOURNAL_ALIGN;
-        if total <= half || journal.offset + with_headers <= self.journal_bytes {
+        if total <= half || journal.offset() + with_headers <= self.journal_bytes {
             return blocks.len();
         }
         let target = total / records;
@@ -517,9 +523,9 @@ impl Committer {
             // caught: the context carries the seal of the bytes the client
             // sent, so the read of the home copy fails with this LBA.
             // Re-sealing here on every commit is left to debug builds.
-            let context = shared.protection.context(*lba, dirty.seal, seq);
+            let context = shared.protection().context(*lba, dirty.seal, seq);
             debug_assert!(
-                shared.protection.matches(&context, &dirty.data[..]),
+                shared.protection().matches(&context, &dirty.data[..]),
                 "buffered block {lba} changed in memory"
             );
             contexts.push(context);
@@ -528,7 +534,7 @@ impl Committer {
                 count: 1,
                 context,
             });
-            if redo || shared.layouts.of(*lba).journals_data() {
+            if redo || shared.layouts().of(*lba).journals_data() {
                 journaled_data.push(&dirty.data[..]);
             }
         }
@@ -546,14 +552,15 @@ impl Committer {
         }
         let journals_data = redo
             || shared
-                .layouts
+                .layouts()
                 .layouts()
                 .any(|layout| layout.journals_data());
         let data = journals_data.then_some(&journaled_data[..]);
-        let generation = journal.superblock.generation;
+        let generation = journal.superblock().generation;
         self.append(shared, journal, &entries, data)?;
         assert_eq!(
-            journal.superblock.generation, generation,
+            journal.superblock().generation,
+            generation,
             "a checkpoint ran between the records of one group"
         );
         // ORDER POINT A passed: home writes may now reach the disk in any order.
@@ -567,7 +574,7 @@ impl Committer {
         self.reached(CommitStep::Journaled);
         let ranges_in_table = ranges.iter().any(|range| {
             shared
-                .layouts
+                .layouts()
                 .pieces(range.start, range.end)
                 .iter()
                 .any(|(_, _, layout)| layout.contexts_in_table())
@@ -575,20 +582,20 @@ impl Committer {
         if ranges_in_table {
             // Publish trims before punching their data: a reader must never
             // see punched data under the block's old context.
-            let mut state = shared.state.write();
+            let mut state = shared.state().write();
             for range in ranges {
                 state
-                    .contexts
+                    .contexts_mut()
                     .set_range(range.start, range.end, range.template);
             }
         }
         let mut index = 0;
         while index < blocks.len() {
-            let layout = shared.layouts.of(blocks[index].0);
-            let span_end = shared.layouts.span_end(blocks[index].0);
+            let layout = shared.layouts().of(blocks[index].0);
+            let span_end = shared.layouts().span_end(blocks[index].0);
             let end = index + blocks[index..].partition_point(|(lba, _)| *lba < span_end);
             layout.write_home(
-                &shared.io,
+                shared.io(),
                 &blocks[index..end],
                 &contexts[index..end],
                 journal.unsynced_for(redo || layout.journals_data()),
@@ -596,10 +603,10 @@ impl Committer {
             index = end;
         }
         for range in ranges {
-            for (start, end, layout) in shared.layouts.pieces(range.start, range.end) {
+            for (start, end, layout) in shared.layouts().pieces(range.start, range.end) {
                 let piece = range.piece(start, end);
                 layout.apply_range_home(
-                    &shared.io,
+                    shared.io(),
                     &piece,
                     journal.unsynced_for(layout.journals_data()),
                 )?;
@@ -609,14 +616,14 @@ impl Committer {
         // checkpoint forced by the next group's record writes the context
         // table and retires this group's record.
         if shared
-            .layouts
+            .layouts()
             .layouts()
             .any(|layout| layout.contexts_in_table())
         {
-            let mut state = shared.state.write();
+            let mut state = shared.state().write();
             for ((lba, _), context) in blocks.iter().zip(&contexts) {
-                if shared.layouts.of(*lba).contexts_in_table() {
-                    state.contexts.set(*lba, *context);
+                if shared.layouts().of(*lba).contexts_in_table() {
+                    state.contexts_mut().set(*lba, *context);
                 }
             }
         }
@@ -637,7 +644,7 @@ impl Committer {
     ) -> Result<u64> {
         let data = blocks
             .iter()
-            .filter(|(lba, _)| redo || shared.layouts.of(*lba).journals_data())
+            .filter(|(lba, _)| redo || shared.layouts().of(*lba).journals_data())
             .count() as u32;
         let range_entries: u64 = ranges
             .iter()
@@ -645,10 +652,10 @@ impl Committer {
             .sum();
         let record_len =
             JournalHeader::record_bytes(blocks.len() as u32 + range_entries as u32, data);
-        if journal.offset + record_len > self.journal_bytes {
+        if journal.offset() + record_len > self.journal_bytes {
             self.checkpoint(shared, journal, STATE_OPEN)?;
         }
-        Ok(journal.next_seq)
+        Ok(journal.next_seq())
     }
 
     /// Write one journal record (splitting oversized commits) and fsync it.
@@ -675,20 +682,23 @@ impl Committer {
             self.append(shared, journal, &entries[..half], data_half.map(|(a, _)| a))?;
             return self.append(shared, journal, &entries[half..], data_half.map(|(_, b)| b));
         }
-        if journal.offset + record_len > self.journal_bytes {
+        if journal.offset() + record_len > self.journal_bytes {
             self.checkpoint(shared, journal, STATE_OPEN)?;
         }
-        let seq = journal.next_seq;
-        let record = encode_record(seq, shared.uuid, journal.data_durable_seq, entries, data);
+        let seq = journal.next_seq();
+        let record = encode_record(
+            seq,
+            shared.uuid(),
+            journal.data_durable_seq(),
+            entries,
+            data,
+        );
         shared
-            .io
-            .write_object(ObjectId::Journal, journal.offset, &record)?;
-        shared.io.sync_object(ObjectId::Journal)?;
-        journal.offset += record.len() as u64;
-        journal.next_seq += 1;
-        shared
-            .sealing_seq
-            .store(journal.next_seq, Ordering::Release);
+            .io()
+            .write_object(ObjectId::Journal, journal.offset(), &record)?;
+        shared.io().sync_object(ObjectId::Journal)?;
+        let next_seq = journal.appended(record.len() as u64);
+        shared.sealing_from(next_seq);
         Ok(())
     }
 
@@ -699,11 +709,11 @@ impl Committer {
     pub fn sync_data(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
         let objects = journal.take_unsynced(false);
         for object in &objects {
-            if let Err(error) = shared.io.sync_object(*object) {
-                return Err(shared.io.fail_stop(error));
+            if let Err(error) = shared.io().sync_object(*object) {
+                return Err(shared.io().fail_stop(error));
             }
         }
-        journal.data_durable_seq = journal.next_seq - 1;
+        journal.data_durable();
         Ok(())
     }
 
@@ -729,8 +739,8 @@ impl Committer {
     fn sync_redo(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
         let objects = journal.take_unsynced(true);
         for object in &objects {
-            if let Err(error) = shared.io.sync_object(*object) {
-                return Err(shared.io.fail_stop(error));
+            if let Err(error) = shared.io().sync_object(*object) {
+                return Err(shared.io().fail_stop(error));
             }
         }
         Ok(())
@@ -740,7 +750,7 @@ impl Committer {
     /// redo-covered writes home first.
     fn all_journal_data(&self, shared: &Shared) -> bool {
         shared
-            .layouts
+            .layouts()
             .layouts()
             .all(|layout| layout.journals_data())
     }
@@ -753,7 +763,7 @@ impl Committer {
         state_flag: u32,
     ) -> Result<()> {
         let result = self.checkpoint_inner(shared, journal, state_flag);
-        result.map_err(|error| shared.io.fail_stop(error))
+        result.map_err(|error| shared.io().fail_stop(error))
     }
 
     fn checkpoint_inner(
@@ -767,15 +777,18 @@ impl Committer {
         // the journal would drop the only copy of them. The commit and
         // close paths check this before they come here; a reflink copy's
         // records (`reserve`, `append`) reach it too.
-        if shared.io.has_failed() {
-            shared.io.check_writable()?;
+        if shared.io().has_failed() {
+            shared.io().check_writable()?;
         }
         self.sync_all(shared, journal)?;
         let mut rewritten = Vec::new();
         let mut dropped = Vec::new();
-        for layout in shared.layouts.layouts() {
-            let (pages, punched) =
-                layout.checkpoint_contexts(&shared.io, &shared.state, journal.next_seq as u32)?;
+        for layout in shared.layouts().layouts() {
+            let (pages, punched) = layout.checkpoint_contexts(
+                shared.io(),
+                shared.state(),
+                journal.next_seq() as u32,
+            )?;
             rewritten.extend(pages);
             dropped.extend(punched);
         }
@@ -784,38 +797,60 @@ impl Committer {
         // the journal that would otherwise restore its bits (`written.rs`),
         // its values into the copy the superblock on disk does not name.
         shared
-            .io
+            .io()
             .written
-            .persist(&shared.io, journal.superblock.generations_seq)?;
-        let mut superblock = journal.superblock;
+            .persist(shared.io(), journal.superblock().generations_seq)?;
+        let mut superblock = journal.superblock();
         superblock.generation += 1;
-        superblock.checkpoint_seq = journal.next_seq - 1;
+        superblock.checkpoint_seq = journal.next_seq() - 1;
         // The expected generations hold as of this checkpoint: the copy
         // just written (or the one named before, if none changed).
-        superblock.generations_seq = shared.io.written.generations_seq();
+        superblock.generations_seq = shared.io().written.generations_seq();
         superblock.state = state_flag;
-        write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
-        shared.io.stats.add_written(ObjectId::Superblock, 4096);
-        shared.io.sync_object(ObjectId::Superblock)?;
-        journal.superblock = superblock;
-        journal.offset = 0;
+        write_superblock_copy(
+            shared.io().storage(),
+            &superblock,
+            superblock.generation % 2,
+        )?;
+        shared.io().stats.add_written(ObjectId::Superblock, 4096);
+        shared.io().sync_object(ObjectId::Superblock)?;
+        journal.checkpointed(superblock);
         shared
-            .state
+            .state()
             .write()
-            .contexts
+            .contexts_mut()
             .clear_pending(rewritten, &dropped);
-        shared.io.stats.checkpoints.fetch_add(1, Ordering::Relaxed);
+        shared
+            .io()
+            .stats
+            .checkpoints
+            .fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
     /// Mark the superblock open (recovery, before anything new is written).
     pub fn mark_open(&self, shared: &Shared, journal: &mut Journal) -> Result<()> {
-        let mut superblock: Superblock = journal.superblock;
+        let mut superblock: Superblock = journal.superblock();
         superblock.generation += 1;
         superblock.state = STATE_OPEN;
-        write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
-        shared.io.sync_object(ObjectId::Superblock)?;
-        journal.superblock = superblock;
-        Ok(())
+        write_superblock(shared, journal, superblock)
     }
+}
+
+/// Write `superblock` to the copy its generation names, sync it, and keep
+/// it as the journal's last written: a crash leaves this copy or the
+/// other, each whole (the newer valid one is read at open).
+pub(crate) fn write_superblock(
+    shared: &Shared,
+    journal: &mut Journal,
+    superblock: Superblock,
+) -> Result<()> {
+    write_superblock_copy(
+        shared.io().storage(),
+        &superblock,
+        superblock.generation % 2,
+    )?;
+    shared.io().sync_object(ObjectId::Superblock)?;
+    journal.set_superblock(superblock);
+    Ok(())
 }

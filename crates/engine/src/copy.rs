@@ -147,7 +147,7 @@ pub fn copy(
     check_block_range(source, source_first, count)?;
     check_block_range(destination, destination_first, count)?;
     match destination.as_volume() {
-        Some(volume) => volume.engine().shared.io.check_writable()?,
+        Some(volume) => volume.engine().check_writable()?,
         None if destination.is_read_only() => {
             return Err(Error::ReadOnly(" (the copy's destination)".into()))
         }
@@ -275,7 +275,7 @@ fn choose(job: &Job<'_>, requested: CopyMethod) -> Result<(CopyMethod, String)> 
                 return Ok((CopyMethod::Pipelined, reflink::NOT_VOLUMES.to_string()));
             };
             let cache = &destination.copy_methods().chosen;
-            let key = source.engine().shared.uuid;
+            let key = source.engine().shared().uuid();
             if let Some(chosen) = cache.lock().get(&key) {
                 return Ok(chosen.clone());
             }
@@ -298,8 +298,9 @@ fn measure(job: &Job<'_>) -> (CopyMethod, String) {
             )
         }
     };
-    let source = &volumes.0.engine().shared.io;
-    let destination = &volumes.1.engine().shared.io;
+    let engines = (volumes.0.engine(), volumes.1.engine());
+    let source = engines.0.shared().io();
+    let destination = engines.1.shared().io();
     let timing = destination.storage().measure_clone(
         source.storage(),
         crate::storage::ObjectId::Data(0),

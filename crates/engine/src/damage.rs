@@ -136,13 +136,13 @@ pub(crate) fn load_written(
 /// an older copy of it restored later is caught. A known value is kept: a
 /// unit already older than it stays so.
 pub(crate) fn build_written(shared: &Shared) -> Result<()> {
-    let io = &shared.io;
+    let io = shared.io();
     let blocks = io.geometry.blocks;
     let mut lba = 0;
     while lba < blocks {
-        let layout = shared.layouts.of(lba);
+        let layout = shared.layouts().of(lba);
         let Some(next) = layout.next_data_on_disk(io, lba)? else {
-            lba = shared.layouts.span_end(lba);
+            lba = shared.layouts().span_end(lba);
             continue;
         };
         let unit = io.written.unit_of(next);
@@ -168,18 +168,18 @@ pub(crate) fn build_written(shared: &Shared) -> Result<()> {
 /// every such file is fsynced — before the map that marks the units is
 /// written and before the flag (`Engine::open`).
 pub(crate) fn bind_written_units(shared: &Shared) -> Result<()> {
-    let io = &shared.io;
+    let io = shared.io();
     let blocks = io.geometry.blocks;
     let mut touched = std::collections::BTreeSet::new();
     let mut lba = 0;
     while let Some(next) = io.written.next_set_lba(lba) {
         let unit = io.written.unit_of(next);
-        let place = shared.layouts.of(next).unit_place(unit);
+        let place = shared.layouts().of(next).unit_place(unit);
         let mut bytes = vec![0u8; place.len];
         io.read_object(place.object, place.offset, &mut bytes)?;
         let first = unit * io.written.unit_blocks();
         let changed = {
-            let mut slots = shared.layouts.of(next).unit_slots(&mut bytes);
+            let mut slots = shared.layouts().of(next).unit_slots(&mut bytes);
             io.written
                 .bind_slots((first, blocks), &mut slots, (false, 0))
         };
@@ -200,19 +200,19 @@ impl Shared {
     /// "contexts: page 40 is zeroed: LBAs 5120-5247 have no protection
     /// information".
     pub fn metadata_cause(&self, lba: u64) -> String {
-        let io = &self.io;
+        let io = self.io();
         if let Some(short) = io.short_data.iter().find(|short| short.lbas.contains(&lba)) {
             return short.to_string();
         }
         let unit = io.written.unit_of(lba);
         let lbas = io.written.lbas_of(unit, io.geometry.blocks);
-        let place = self.layouts.of(lba).unit_place(unit);
+        let place = self.layouts().of(lba).unit_place(unit);
         let file = place.object.file_name();
         let len = io.storage().object_len(place.object).ok().flatten();
         let mut lost = lbas.clone();
         // The unit's LBAs whose slots (in the unit's bytes) `keep` picks.
         let lbas_where = |bytes: &[u8], keep: &dyn Fn(&[u8; CONTEXT_BYTES]) -> bool| -> Vec<u64> {
-            self.layouts
+            self.layouts()
                 .of(lba)
                 .unit_metadata(bytes)
                 .iter()
@@ -234,9 +234,10 @@ impl Shared {
                     // judge it (`judge_rows`): a blank context over data
                     // that is not blank, or an encrypted record whose
                     // keyless guard fails, makes the row unsure, not older.
-                    _ => io
-                        .written
-                        .stale_records(unit, self.layouts.of(lba).unit_records(&bytes).into_iter()),
+                    _ => io.written.stale_records(
+                        unit,
+                        self.layouts().of(lba).unit_records(&bytes).into_iter(),
+                    ),
                 })
                 .flatten();
             match read {
@@ -258,7 +259,7 @@ impl Shared {
                 Ok(()) if bytes.iter().all(|byte| *byte == 0) => "is zeroed".to_string(),
                 Ok(())
                     if self
-                        .layouts
+                        .layouts()
                         .of(lba)
                         .unit_metadata(&bytes)
                         .iter()
@@ -310,15 +311,15 @@ impl Shared {
     /// information". `None` for a unit that is mostly its own (a single
     /// misdirected write is reported per block).
     pub fn misplaced_cause(&self, lba: u64) -> Option<String> {
-        let io = &self.io;
+        let io = self.io();
         let unit = io.written.unit_of(lba);
         let lbas = io.written.lbas_of(unit, io.geometry.blocks);
-        let layout = self.layouts.of(lba);
+        let layout = self.layouts().of(lba);
         let place = layout.unit_place(unit);
         let mut bytes = vec![0u8; place.len];
         io.read_object(place.object, place.offset, &mut bytes)
             .ok()?;
-        let volume_tag = vouch_format::crc32c(&self.uuid);
+        let volume_tag = vouch_format::crc32c(&self.uuid());
         let (mut held, mut other_volume, mut misplaced) = (0usize, 0usize, 0usize);
         let mut named: Option<Range<u64>> = None;
         for (index, slot) in layout.unit_metadata(&bytes).iter().enumerate() {

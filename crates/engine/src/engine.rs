@@ -9,10 +9,9 @@
 //! `Volume` (`volume.rs`) is the public handle; nothing outside the engine
 //! sees these parts.
 
-use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use vouch_format::{FeatureFlags, GuardKind, LayoutKind, Superblock};
 
 use crate::backing::Backing;
@@ -29,7 +28,7 @@ use crate::recovery::{recover, RecoveryReport};
 use crate::shared::Shared;
 use crate::state::VolumeState;
 use crate::storage::{ObjectId, Storage};
-use crate::superblock::{read_superblock, write_superblock_copy};
+use crate::superblock::read_superblock;
 use crate::written::WrittenMap;
 
 /// What opening an encrypted volume without a key says.
@@ -40,9 +39,9 @@ pub const MISSING_KEY: &str = "the volume is encrypted and no key was given: giv
 const STRIPES: usize = 64;
 
 pub(crate) struct Engine {
-    pub shared: Shared,
-    pub committer: Committer,
-    pub tuning: Tuning,
+    shared: Shared,
+    committer: Committer,
+    tuning: Tuning,
     stripes: Vec<Mutex<()>>,
     recovery: RecoveryReport,
     /// Fixed at creation; kept here so asking for it never waits for a
@@ -196,27 +195,27 @@ impl Engine {
             }
         }
         let (held, held_records) = HeldLog::open(&io, superblock.uuid)?;
-        let shared = Shared {
+        let shared = Shared::new(
             io,
-            held,
             protection,
-            layouts: LayoutMap::whole(geometry),
-            state: RwLock::new(VolumeState::new(options.tuning.context_cache_pages)),
-            uuid: superblock.uuid,
-            sealing_seq: AtomicU64::new(superblock.checkpoint_seq + 1),
-            breaks: options
+            LayoutMap::whole(geometry),
+            VolumeState::new(options.tuning.context_cache_pages),
+            held,
+            superblock.uuid,
+            superblock.checkpoint_seq + 1,
+            options
                 .schedule
                 .as_ref()
                 .map(|schedule| schedule.breaks())
                 .unwrap_or_default(),
-        };
+        );
         let committer = Committer::new(
             Journal::after_checkpoint(superblock),
             superblock.journal_bytes,
             options.tuning.overlay_limit,
             options.tuning.prompt_commits,
             options.schedule.clone(),
-            shared.breaks,
+            shared.breaks(),
         );
         if rebuild {
             // Before recovery, from what is on disk; recovery then adjusts
@@ -225,16 +224,16 @@ impl Engine {
             if !bound {
                 // Every written unit made whole (durable) before anything
                 // else is written: from here on units are kept whole.
-                shared.io.written.set_bound();
+                shared.io().written.set_bound();
                 crate::damage::bind_written_units(&shared)?;
             }
         }
-        if !shared.io.is_read_only() {
+        if !shared.io().is_read_only() {
             // A new map (a new volume, or one rebuilt) is on disk before
             // anything it must describe is written. Its expected
             // generations (an upgrade's fill) go with the next checkpoint,
             // whose superblock names their copy (`persist_bits`).
-            shared.io.written.persist_bits(&shared.io)?;
+            shared.io().written.persist_bits(shared.io())?;
         }
         let mut recovery = recover(&shared, &committer)?;
         // What the held log kept goes back into the write-back buffer after
@@ -242,26 +241,30 @@ impl Engine {
         // writable open commits and flushes it before emptying the log, so
         // a crash meanwhile finds it again. A read-only open keeps it in
         // memory: reads and checks see what was acknowledged.
-        recovery.held_blocks =
-            crate::held::rebuffer(&shared.io, &*shared.protection, &shared.state, held_records)?;
+        recovery.held_blocks = crate::held::rebuffer(
+            shared.io(),
+            shared.protection(),
+            shared.state(),
+            held_records,
+        )?;
         if recovery.held_blocks > 0 {
             tracing::info!(
                 blocks = recovery.held_blocks,
                 "put back the writes a crashed process had acknowledged, from the held log"
             );
         }
-        if !shared.io.is_read_only() {
+        if !shared.io().is_read_only() {
             if recovery.held_blocks > 0 {
                 let mut journal = committer.lock();
                 committer.commit(&shared, &mut journal, &[])?;
                 committer.sync_data(&shared, &mut journal)?;
             }
-            shared.held.empty_all(&shared.io)?;
+            shared.held().empty_all(shared.io())?;
             // A protection that transforms what it seals (encryption)
             // seals a copy, never the received bytes in place: nothing
             // would land.
-            if shared.protection.stores_plain() {
-                shared.held.open_landing(&shared.io);
+            if shared.protection().stores_plain() {
+                shared.held().open_landing(shared.io());
             }
         }
         if rebuild && !(has_map && bound) {
@@ -272,8 +275,10 @@ impl Engine {
             // reads them (`WrittenMap::judge_slot`), and the upgrade is
             // finished by running it again.
             let mut journal = committer.lock();
-            journal.superblock.features.incompat |=
+            let mut superblock = journal.superblock();
+            superblock.features.incompat |=
                 FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;
+            journal.set_superblock(superblock);
             committer.checkpoint(&shared, &mut journal, vouch_format::superblock::STATE_OPEN)?;
         }
         Ok(Engine {
@@ -293,13 +298,13 @@ impl Engine {
     /// either slot and nothing buffered or committing (`Volume`'s drop).
     pub fn release_held_if_empty(&self) {
         let shared = &self.shared;
-        if shared.io.is_read_only() {
+        if shared.io().is_read_only() {
             return;
         }
-        let held = shared.held.lock();
-        let state = shared.state.read();
-        if held.is_empty() && state.active.is_empty() && state.committing.is_empty() {
-            if let Err(error) = shared.io.storage().release_held() {
+        let held = shared.held().lock();
+        let state = shared.state().read();
+        if held.is_empty() && state.nothing_buffered() {
+            if let Err(error) = shared.io().storage().release_held() {
                 tracing::debug!(%error, "cannot remove the held log's files");
             }
         }
@@ -329,8 +334,31 @@ impl Engine {
         &self.stripes[(lba % STRIPES as u64) as usize]
     }
 
+    /// What every path borrows (`shared.rs`).
+    pub fn shared(&self) -> &Shared {
+        &self.shared
+    }
+
+    /// The journal and the committer (`commit.rs`): a change is journaled
+    /// under its lock (`Committer::lock`).
+    pub fn committer(&self) -> &Committer {
+        &self.committer
+    }
+
+    /// The write-back limits and the other knobs it was opened with.
+    pub fn tuning(&self) -> &Tuning {
+        &self.tuning
+    }
+
+    /// Refuse a change to a volume opened read-only, or fail-stopped
+    /// after a failed commit (`Backing::check_writable`): checked before a
+    /// change begins, so none is half made.
+    pub fn check_writable(&self) -> Result<()> {
+        self.shared.io().check_writable()
+    }
+
     pub fn superblock(&self) -> Superblock {
-        self.committer.lock().superblock
+        self.committer.lock().superblock()
     }
 
     /// Rewrap an open encrypted volume's data key under `secret` (`vouch key
@@ -347,8 +375,8 @@ impl Engine {
                     .into(),
             ));
         };
-        self.shared.io.check_writable()?;
-        let key_wrap = secret.wrap(&self.shared.uuid, data_key)?;
+        self.shared.io().check_writable()?;
+        let key_wrap = secret.wrap(&self.shared.uuid(), data_key)?;
         self.update_superblock(|superblock| superblock.key_wrap = key_wrap)
     }
 
@@ -356,15 +384,13 @@ impl Engine {
     /// fsynced, the newer last): a crash leaves the old or the new.
     pub fn update_superblock(&self, change: impl FnOnce(&mut Superblock)) -> Result<()> {
         let shared = &self.shared;
-        shared.io.check_writable()?;
+        shared.io().check_writable()?;
         let mut journal = self.committer.lock();
-        let mut superblock = journal.superblock;
+        let mut superblock = journal.superblock();
         change(&mut superblock);
         for _ in 0..2 {
             superblock.generation += 1;
-            write_superblock_copy(shared.io.storage(), &superblock, superblock.generation % 2)?;
-            shared.io.sync_object(ObjectId::Superblock)?;
-            journal.superblock = superblock;
+            crate::commit::write_superblock(shared, &mut journal, superblock)?;
         }
         Ok(())
     }

@@ -13,15 +13,17 @@ use crate::error::Result;
 use crate::storage::ObjectId;
 
 /// Journal position and durability, serialized by the committer's lock.
+/// Its fields change only through the operations below, each named for
+/// the step of the commit protocol it records (docs/CRASH_MODEL.md).
 pub(crate) struct Journal {
     /// The superblock as last written (checkpoints write the older copy).
-    pub superblock: Superblock,
-    pub next_seq: u64,
+    superblock: Superblock,
+    next_seq: u64,
     /// Where the next record goes.
-    pub offset: u64,
+    offset: u64,
     /// Commits up to this sequence number have their data durable at home
     /// (ORDER POINT B); recovery verifies only later ones.
-    pub data_durable_seq: u64,
+    data_durable_seq: u64,
     /// Objects written since their last sync by home writes a flush must
     /// make durable (split: the journal holds only their contexts).
     unsynced: BTreeSet<ObjectId>,
@@ -44,9 +46,79 @@ impl Journal {
         }
     }
 
-    /// Where home writes are recorded until synced: with the redo-covered
-    /// ones when their record carries their data (`redo`: this record
-    /// does, or its layout's records always do, `Layout::journals_data`).
+    /// The superblock as last written.
+    pub fn superblock(&self) -> Superblock {
+        self.superblock
+    }
+
+    /// `superblock` is written and synced (a key change, marking the
+    /// volume open), or is what the next checkpoint writes (with new
+    /// feature flags): the copy the next superblock write starts from.
+    pub fn set_superblock(&mut self, superblock: Superblock) {
+        self.superblock = superblock;
+    }
+
+    /// A checkpoint wrote and synced `superblock`, which retires every
+    /// record: the journal starts again at its beginning.
+    pub fn checkpointed(&mut self, superblock: Superblock) {
+        self.superblock = superblock;
+        self.offset = 0;
+    }
+
+    /// The sequence number the next record takes.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Where the next record goes.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// Commits up to this sequence number have their data durable at home.
+    pub fn data_durable_seq(&self) -> u64 {
+        self.data_durable_seq
+    }
+
+    /// A record of `bytes` was written at `offset` and synced (ORDER
+    /// POINT A): the next one follows it, with the next sequence number,
+    /// which this returns.
+    pub fn appended(&mut self, bytes: u64) -> u64 {
+        self.offset += bytes;
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    /// Every home write a record so far needs, outside the redo records,
+    /// is synced (ORDER POINT B): their commits are durable at home.
+    pub fn data_durable(&mut self) {
+        self.data_durable_seq = self.next_seq - 1;
+    }
+
+    /// Recovery read the records up to `end`, the last of them `last`
+    /// (none: the journal is empty since the checkpoint): new records
+    /// continue after them, with the durability the last one recorded.
+    pub fn replayed(&mut self, last: Option<&JournalHeader>, end: u64) {
+        if let Some(last) = last {
+            self.next_seq = last.seq + 1;
+            self.data_durable_seq = last.data_durable_seq;
+        }
+        self.offset = end;
+    }
+
+    /// `object` was written at home under a record that does not carry
+    /// the data (a reflink clone, recovery's resolutions): the next flush
+    /// syncs it before it counts that record's data durable (ORDER POINT
+    /// B), so a crash before then falls back on the journal's verify.
+    pub fn note_unsynced(&mut self, object: ObjectId) {
+        self.unsynced.insert(object);
+    }
+
+    /// Where the layouts' home writes record the objects they write until
+    /// synced (`Layout::write_home`, `apply_range_home`, replay): with the
+    /// redo-covered ones when their record carries their data (`redo`:
+    /// this record does, or its layout's records always do,
+    /// `Layout::journals_data`).
     pub fn unsynced_for(&mut self, redo: bool) -> &mut BTreeSet<ObjectId> {
         if redo {
             &mut self.redo_unsynced

@@ -60,7 +60,7 @@ impl Shared {
     /// without data I/O.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.check_range(offset, buf.len() as u64)?;
-        self.io.stats.add_client_read(buf.len() as u64);
+        self.io().stats.add_client_read(buf.len() as u64);
         if buf.is_empty() {
             return Ok(Vec::new());
         }
@@ -137,7 +137,8 @@ impl Shared {
             match &plan[index] {
                 Source::Memory(data, seal) => {
                     out[block.clone()].copy_from_slice(&data[..]);
-                    if let Err(kind) = self.protection.reveal(lba, seal, &mut out[block.clone()]) {
+                    if let Err(kind) = self.protection().reveal(lba, seal, &mut out[block.clone()])
+                    {
                         // Only a buffer corrupted in memory gets here.
                         self.note_fault(lba, kind, &mut out[block], faults);
                         if on_fault == OnFault::Stop {
@@ -178,11 +179,11 @@ impl Shared {
     /// chunks that are holes on disk and have nothing pending are skipped.
     /// Rounded down to a scan chunk boundary so chunks stay aligned.
     pub fn next_possible_data(&self, lba: u64) -> Result<u64> {
-        let blocks = self.io.geometry.blocks;
+        let blocks = self.io().geometry.blocks;
         {
-            let state = self.state.read();
-            let pending = state.active.range(lba..).next().map(|(l, _)| *l);
-            let overlay = state.contexts.next_overlay(lba);
+            let state = self.state().read();
+            let pending = state.next_buffered(lba);
+            let overlay = state.contexts().next_overlay(lba);
             if pending == Some(lba) || overlay == Some(lba) {
                 return Ok(lba);
             }
@@ -190,18 +191,18 @@ impl Shared {
         let mut found = None;
         let mut from = lba;
         while from < blocks && found.is_none() {
-            let span_end = self.layouts.span_end(from);
+            let span_end = self.layouts().span_end(from);
             found = self
-                .layouts
+                .layouts()
                 .of(from)
-                .next_data_on_disk(&self.io, from)?
+                .next_data_on_disk(self.io(), from)?
                 .filter(|at| *at < span_end);
             from = span_end;
         }
-        let state = self.state.read();
+        let state = self.state().read();
         let pending = [
-            state.active.range(lba..).next().map(|(l, _)| *l),
-            state.contexts.next_overlay(lba),
+            state.next_buffered(lba),
+            state.contexts().next_overlay(lba),
             found,
         ];
         let next = pending.into_iter().flatten().min().unwrap_or(blocks);
@@ -221,16 +222,16 @@ impl Shared {
             let (data, context) = match source {
                 Source::Memory(buffered, seal) => (
                     buffered.clone(),
-                    self.protection.context(lba, *seal, generation),
+                    self.protection().context(lba, *seal, generation),
                 ),
                 Source::Zero => (BlockData::zeroed(), Context::Unwritten),
                 Source::Unreadable => return Err(unreadable(lba)),
                 Source::Home(from) => {
                     let mut bytes = BytesMut::zeroed(BLOCK as usize);
                     let stored = self
-                        .layouts
+                        .layouts()
                         .of(lba)
-                        .read_block(&self.io, lba, &mut bytes[..])
+                        .read_block(self.io(), lba, &mut bytes[..])
                         .map_err(|_| unreadable(lba))?;
                     let data = BlockData::from_bytes(bytes.freeze());
                     let context = match from {
@@ -267,7 +268,7 @@ impl Shared {
 
     /// Can one I/O read blocks `a` and `a + 1` = `b` from home?
     fn home_contiguous(&self, a: u64, b: u64) -> bool {
-        self.layouts.same_span(a, b) && self.layouts.of(a).geometry().contiguous(a, b)
+        self.layouts().same_span(a, b) && self.layouts().of(a).geometry().contiguous(a, b)
     }
 
     /// Decide each block's source under one short lock, from what is in
@@ -275,7 +276,7 @@ impl Shared {
     /// the plan and listed as missing. `None` while a reflink copy is
     /// replacing these blocks' extents (copy/reflink.rs).
     pub(crate) fn plan_from_memory(&self, first: u64, count: u64) -> Option<(Plan, MissingPages)> {
-        let state = self.state.read();
+        let state = self.state().read();
         if state.cloning(first, count) {
             return None;
         }
@@ -286,7 +287,7 @@ impl Shared {
                 plan.push(Source::Memory(dirty.data.clone(), dirty.seal));
                 continue;
             }
-            match self.layouts.of(lba).plan(lba, &state.contexts) {
+            match self.layouts().of(lba).plan(lba, state.contexts()) {
                 Planned::Zero => plan.push(Source::Zero),
                 Planned::Home(context) => plan.push(Source::Home(context)),
                 Planned::NeedPage(page) => {
@@ -312,7 +313,7 @@ impl Shared {
         for (index, page_no) in missing {
             let page = match &loaded {
                 Some((number, page)) if *number == page_no => page.clone(),
-                _ => match load_context_page(&self.io, &self.state, page_no) {
+                _ => match load_context_page(self.io(), self.state(), page_no) {
                     Ok(page) => {
                         loaded = Some((page_no, page.clone()));
                         page
@@ -342,10 +343,10 @@ impl Shared {
     ) -> Result<()> {
         let count = plan.len() as u64;
         let io = self
-            .layouts
+            .layouts()
             .of(first)
-            .read_run(&self.io, first, count, out, Wait::Block);
-        self.io.stats.add_read(out.len() as u64);
+            .read_run(self.io(), first, count, out, Wait::Block);
+        self.io().stats.add_read(out.len() as u64);
         let Ok(record_contexts) = io else {
             // Find which blocks are unreadable, one at a time.
             for (index, lba) in (first..first + count).enumerate() {
@@ -368,9 +369,9 @@ impl Shared {
             // A client read may take the protection's quicker opening; a
             // failure is re-read below and opened with every check.
             let opened = if on_fault == OnFault::Stop {
-                self.protection.open_for_client(lba, &context, block)
+                self.protection().open_for_client(lba, &context, block)
             } else {
-                self.protection.open_in_place(lba, &context, block)
+                self.protection().open_in_place(lba, &context, block)
             };
             if opened.is_ok() {
                 if context.is_ok_and(|c| c.reads_as_zero()) {
@@ -381,7 +382,7 @@ impl Shared {
             // Recheck once: a concurrent commit may have moved the block.
             match self.reread_block(lba, block) {
                 Ok(()) => {
-                    self.io
+                    self.io()
                         .stats
                         .rechecks_recovered
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -399,10 +400,11 @@ impl Shared {
 
     fn note_fault(&self, lba: u64, kind: FaultKind, block: &mut [u8], faults: &mut Vec<Fault>) {
         block.fill(0);
-        self.io.stats.count_fault(kind);
+        self.io().stats.count_fault(kind);
         // The cause once per unit of a read (it reads the unit again).
         let same_unit = faults.last().is_some_and(|last: &Fault| {
-            last.kind == kind && self.io.written.unit_of(last.lba) == self.io.written.unit_of(lba)
+            last.kind == kind
+                && self.io().written.unit_of(last.lba) == self.io().written.unit_of(lba)
         });
         if kind == FaultKind::MetadataLost && !same_unit {
             let cause = self.metadata_cause(lba);
@@ -454,7 +456,7 @@ impl Shared {
             Source::Memory(data, seal) => {
                 block.copy_from_slice(&data[..]);
                 return self
-                    .protection
+                    .protection()
                     .reveal(lba, seal, block)
                     .map_err(|kind| (kind, None));
             }
@@ -467,14 +469,14 @@ impl Shared {
             Source::Home(ContextFrom::Record) => None,
         };
         let stored = self
-            .layouts
+            .layouts()
             .of(lba)
-            .read_block(&self.io, lba, block)
+            .read_block(self.io(), lba, block)
             .map_err(|_| (FaultKind::Unreadable, None))?;
         let context = known
             .or(stored)
             .expect("a layout without a context table returns the record's context");
-        self.protection
+        self.protection()
             .open_in_place(lba, &context, block)
             .map_err(|kind| (kind, Some(context.clone())))?;
         if context.is_ok_and(|c| c.reads_as_zero()) {
@@ -531,15 +533,15 @@ impl Shared {
         let mut lba = first;
         while lba < end {
             let chunk_end = (end - lba).min(4096) + lba;
-            for (start, piece_end, layout) in self.layouts.pieces(lba, chunk_end) {
+            for (start, piece_end, layout) in self.layouts().pieces(lba, chunk_end) {
                 let buffered: Vec<bool> = {
-                    let state = self.state.read();
+                    let state = self.state().read();
                     (start..piece_end)
                         .map(|lba| state.buffered(lba).is_some())
                         .collect()
                 };
                 layout
-                    .stored_contexts(&self.io, &self.state, start, &buffered)?
+                    .stored_contexts(self.io(), self.state(), start, &buffered)?
                     .into_iter()
                     .for_each(&mut *visit);
             }

@@ -35,7 +35,7 @@ impl Shared {
         let Some((mut plan, missing)) = self.plan_from_memory(first, count) else {
             return Ok(None);
         };
-        if self.breaks.inline_read_past_buffer {
+        if self.breaks().inline_read_past_buffer {
             self.plan_buffered_as_home(first, &mut plan);
         }
         if !missing.is_empty() {
@@ -50,7 +50,11 @@ impl Shared {
                 Source::Memory(data, seal) => {
                     buf[block.clone()].copy_from_slice(&data[..]);
                     let lba = first + index as u64;
-                    if self.protection.reveal(lba, seal, &mut buf[block]).is_err() {
+                    if self
+                        .protection()
+                        .reveal(lba, seal, &mut buf[block])
+                        .is_err()
+                    {
                         return Ok(None);
                     }
                     index += 1;
@@ -72,8 +76,8 @@ impl Shared {
                 }
             }
         }
-        self.io.stats.add_client_read(buf.len() as u64);
-        self.io.stats.add_read(home_bytes);
+        self.io().stats.add_client_read(buf.len() as u64);
+        self.io().stats.add_read(home_bytes);
         Ok(Some(holes))
     }
 
@@ -82,8 +86,9 @@ impl Shared {
     /// (the blocking read rechecks and reports it).
     fn try_read_home_run(&self, first: u64, plan: &[Source], out: &mut [u8]) -> bool {
         let count = plan.len() as u64;
-        let layout = self.layouts.of(first);
-        let Ok(record_contexts) = layout.read_run(&self.io, first, count, out, Wait::NoWait) else {
+        let layout = self.layouts().of(first);
+        let Ok(record_contexts) = layout.read_run(self.io(), first, count, out, Wait::NoWait)
+        else {
             return false;
         };
         self.open_home_run(first, plan, &record_contexts, out)
@@ -105,7 +110,7 @@ impl Shared {
                 _ => record_contexts[index].clone(),
             };
             if self
-                .protection
+                .protection()
                 .open_for_client(lba, &context, block)
                 .is_err()
             {
@@ -130,14 +135,14 @@ impl Shared {
         let first = offset / BLOCK;
         let count = len as u64 / BLOCK;
         let (mut plan, missing) = self.plan_from_memory(first, count)?;
-        if self.breaks.ring_read_past_buffer {
+        if self.breaks().ring_read_past_buffer {
             self.plan_buffered_as_home(first, &mut plan);
         }
         let all_home = plan.iter().all(|source| matches!(source, Source::Home(_)));
         if !missing.is_empty() || !all_home || self.home_run_end(first, &plan, 0) != plan.len() {
             return None;
         }
-        let span = self.layouts.of(first).run_span(first, count);
+        let span = self.layouts().of(first).run_span(first, count);
         Some(RingRead { first, plan, span })
     }
 
@@ -146,13 +151,13 @@ impl Shared {
     /// the buffer holds, planned as at home if its context says it has a
     /// home value.
     fn plan_buffered_as_home(&self, first: u64, plan: &mut Plan) {
-        let state = self.state.read();
+        let state = self.state().read();
         for (source, lba) in plan.iter_mut().zip(first..) {
             if !matches!(source, Source::Memory(..)) {
                 continue;
             }
             if let crate::layout::Planned::Home(context) =
-                self.layouts.of(lba).plan(lba, &state.contexts)
+                self.layouts().of(lba).plan(lba, state.contexts())
             {
                 *source = Source::Home(context);
             }
@@ -166,13 +171,13 @@ impl Shared {
     pub(crate) fn finish_ring_read(&self, read: &RingRead, span: &[u8]) -> Option<Vec<u8>> {
         let count = read.plan.len() as u64;
         let mut out = vec![0u8; (count * BLOCK) as usize];
-        let layout = self.layouts.of(read.first);
-        let record_contexts = layout.run_from_span(&self.io, read.first, count, span, &mut out);
+        let layout = self.layouts().of(read.first);
+        let record_contexts = layout.run_from_span(self.io(), read.first, count, span, &mut out);
         if !self.open_home_run(read.first, &read.plan, &record_contexts, &mut out) {
             return None;
         }
-        self.io.stats.add_client_read(out.len() as u64);
-        self.io.stats.add_read(span.len() as u64);
+        self.io().stats.add_client_read(out.len() as u64);
+        self.io().stats.add_read(span.len() as u64);
         Some(out)
     }
 }

@@ -54,34 +54,30 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
     let mut report = RecoveryReport::default();
     {
         let mut journal = committer.lock();
-        report.was_clean = journal.superblock.state == STATE_CLEAN;
-        if !report.was_clean && !shared.io.is_read_only() {
+        report.was_clean = journal.superblock().state == STATE_CLEAN;
+        if !report.was_clean && !shared.io().is_read_only() {
             sync_what_a_crash_left(shared)?;
         }
         let (records, journal_end) = read_records(
-            &shared.io,
-            shared.uuid,
+            shared.io(),
+            shared.uuid(),
             committer.journal_bytes(),
-            journal.superblock.checkpoint_seq,
+            journal.superblock().checkpoint_seq,
             |record| check_record(shared, record),
         )?;
         report.records_replayed = records.len() as u64;
-        if let Some(last) = records.last() {
-            journal.next_seq = last.header.seq + 1;
-            shared
-                .sealing_seq
-                .store(journal.next_seq, std::sync::atomic::Ordering::Release);
-            journal.data_durable_seq = last.header.data_durable_seq;
-        }
         // New records continue after the replayed ones: no checkpoint at
         // open, so recovery costs what the journal holds, nothing more.
-        journal.offset = journal_end;
+        journal.replayed(records.last().map(|last| &last.header), journal_end);
+        if !records.is_empty() {
+            shared.sealing_from(journal.next_seq());
+        }
         let mut resolutions = Vec::new();
-        for layout in shared.layouts.layouts() {
+        for layout in shared.layouts().layouts() {
             let replay = Replay {
-                io: &shared.io,
-                protection: &*shared.protection,
-                state: &shared.state,
+                io: shared.io(),
+                protection: shared.protection(),
+                state: shared.state(),
                 // A redo log's home writes (packed) wait for the
                 // checkpoint, as a commit's do (`persist`).
                 unsynced: journal.unsynced_for(layout.journals_data()),
@@ -89,7 +85,7 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
             };
             resolutions.extend(layout.replay(replay, &records)?);
         }
-        if !shared.io.is_read_only() {
+        if !shared.io().is_read_only() {
             persist(shared, committer, &mut journal, resolutions)?;
         }
     }
@@ -126,8 +122,8 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
 /// five device cache flushes before the replay starts.
 fn sync_what_a_crash_left(shared: &Shared) -> Result<()> {
     shared
-        .io
-        .sync_objects(&crate::storage::objects_of(&shared.io.geometry))
+        .io()
+        .sync_objects(&crate::storage::objects_of(&shared.io().geometry))
 }
 
 /// Make what recovery decided durable before anything new is written:
@@ -145,15 +141,15 @@ fn persist(
     resolutions: Vec<JournalEntry>,
 ) -> Result<()> {
     if !resolutions.is_empty() {
-        for segment in 0..shared.io.geometry.segments() {
-            journal.unsynced_for(false).insert(ObjectId::Data(segment));
+        for segment in 0..shared.io().geometry.segments() {
+            journal.note_unsynced(ObjectId::Data(segment));
         }
     }
     committer.sync_data(shared, journal)?;
     if !resolutions.is_empty() {
         committer.append(shared, journal, &resolutions, None)?;
     }
-    if journal.superblock.state == STATE_CLEAN {
+    if journal.superblock().state == STATE_CLEAN {
         committer.mark_open(shared, journal)?;
     }
     Ok(())
@@ -169,7 +165,7 @@ fn check_record(shared: &Shared, record: &Record) -> Result<()> {
             record.header.seq
         )))
     };
-    let blocks = shared.io.geometry.blocks;
+    let blocks = shared.io().geometry.blocks;
     for entry in &record.entries {
         let end = entry.lba.checked_add(u64::from(entry.count));
         if end.is_none_or(|end| end > blocks) {
@@ -179,7 +175,7 @@ fn check_record(shared: &Shared, record: &Record) -> Result<()> {
             ));
         }
     }
-    for layout in shared.layouts.layouts() {
+    for layout in shared.layouts().layouts() {
         if let Err(why) = layout.check_record(record) {
             return corrupt(why);
         }

@@ -189,19 +189,25 @@ impl RangeOp {
     }
 }
 
+/// Its fields change only through the operations below, each named for
+/// the step of a write, commit, clone or replay it records.
 pub(crate) struct VolumeState {
-    pub active: BTreeMap<u64, DirtyBlock>,
-    pub committing: BTreeMap<u64, DirtyBlock>,
+    /// The write-back buffer: blocks acknowledged, not yet taken by a
+    /// commit.
+    active: BTreeMap<u64, DirtyBlock>,
+    /// The blocks the commit in flight took (`take_for_commit`): still
+    /// read from here until their contexts are published.
+    committing: BTreeMap<u64, DirtyBlock>,
     /// Windows of larger buffers overwritten or trimmed out of `active`
     /// since it was last swapped out: the buffers they belonged to may be
     /// kept alive by a neighbour still buffered (`held_blocks`).
-    pub active_orphans: usize,
+    active_orphans: usize,
     /// `active_orphans` of the buffer now committing.
-    pub committing_orphans: usize,
+    committing_orphans: usize,
     /// Blocks appended to the held log's active slot since the buffer was
     /// last swapped out: overwrites of one block add to it while `active`
     /// stays the same size, and the slot is memory too (`held_blocks`).
-    pub logged: usize,
+    logged: usize,
     /// Blocks of room reserved for writes about to be buffered
     /// (`Engine::reserve_room`): counted as held, so no other writer that
     /// must not wait takes their room meanwhile. Changed only through
@@ -211,7 +217,9 @@ pub(crate) struct VolumeState {
     /// (their new contexts are not yet published): a read of them waits
     /// until the range is clear (a clone of 16 MiB takes ~0.1 ms).
     cloning: Option<std::ops::Range<u64>>,
-    pub contexts: ContextStore,
+    /// Every block's context: the checkpointed table's cached pages and
+    /// the overlay of those committed since (`contexts.rs`).
+    contexts: ContextStore,
 }
 
 impl VolumeState {
@@ -231,6 +239,73 @@ impl VolumeState {
     /// The newest buffered copy of a block, if any.
     pub fn buffered(&self, lba: u64) -> Option<&DirtyBlock> {
         self.active.get(&lba).or_else(|| self.committing.get(&lba))
+    }
+
+    /// The first block at or after `lba` in the write-back buffer (not
+    /// the commit in flight's).
+    pub fn next_buffered(&self, lba: u64) -> Option<u64> {
+        self.active.range(lba..).next().map(|(lba, _)| *lba)
+    }
+
+    /// Has the write-back buffer a block in `range`?
+    pub fn buffers_any(&self, range: std::ops::Range<u64>) -> bool {
+        self.active.range(range).next().is_some()
+    }
+
+    /// Blocks in the write-back buffer.
+    pub fn buffered_blocks(&self) -> usize {
+        self.active.len()
+    }
+
+    /// Nothing buffered and no commit in flight.
+    pub fn nothing_buffered(&self) -> bool {
+        self.active.is_empty() && self.committing.is_empty()
+    }
+
+    /// A commit takes the write-back buffer (with its held-log slot,
+    /// `Committer::commit_as`): its blocks, in LBA order, stay readable
+    /// from `committing` until `commit_done`, and new writes buffer anew.
+    pub fn take_for_commit(&mut self) -> Vec<(u64, DirtyBlock)> {
+        assert!(self.committing.is_empty(), "a commit is already in flight");
+        self.committing = std::mem::take(&mut self.active);
+        self.committing_orphans = std::mem::take(&mut self.active_orphans);
+        self.logged = 0;
+        self.committing
+            .iter()
+            .map(|(lba, dirty)| (*lba, dirty.clone()))
+            .collect()
+    }
+
+    /// The commit in flight is home and its contexts published: its
+    /// blocks leave memory. Returns the contexts not yet checkpointed
+    /// (`pending_contexts`), which decide whether a checkpoint runs.
+    pub fn commit_done(&mut self) -> usize {
+        self.committing.clear();
+        self.committing_orphans = 0;
+        self.contexts.pending()
+    }
+
+    /// Contexts committed since the last checkpoint (the overlay's size):
+    /// past the limit, the committer checkpoints (`Committer::committed`).
+    pub fn pending_contexts(&self) -> usize {
+        self.contexts.pending()
+    }
+
+    /// `count` blocks were appended to the held log's active slot
+    /// (`held_blocks`).
+    pub fn logged(&mut self, count: usize) {
+        self.logged += count;
+    }
+
+    /// Every block's context (`ContextStore`).
+    pub fn contexts(&self) -> &ContextStore {
+        &self.contexts
+    }
+
+    /// Every block's context, to publish committed ones, set ranges or
+    /// cache pages (the commit, replay, checkpoints and page loads).
+    pub fn contexts_mut(&mut self) -> &mut ContextStore {
+        &mut self.contexts
     }
 
     /// Is any block of `[first, first + count)` being cloned?

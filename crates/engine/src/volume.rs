@@ -139,7 +139,7 @@ impl Volume {
         let engine = Arc::new(Engine::open(storage, options)?);
         let committer = start_committer(&engine, options);
         Ok(Volume {
-            size: engine.shared.io.geometry.size_bytes.into(),
+            size: engine.shared().io().geometry.size_bytes.into(),
             first: Arc::clone(&engine),
             engine: parking_lot::RwLock::new(engine),
             committer: parking_lot::Mutex::new(committer),
@@ -151,7 +151,7 @@ impl Volume {
     /// Stop the background committer (it finishes the commit it is in).
     fn stop_committer(&self, engine: &Engine) {
         if let Some(handle) = self.committer.lock().take() {
-            engine.committer.stop();
+            engine.committer().stop();
             if handle.join().is_err() {
                 tracing::error!("the background committer panicked");
             }
@@ -165,10 +165,10 @@ impl Volume {
     /// if any, takes the requests).
     pub fn run_requested_commit(&self) -> bool {
         let engine = self.engine.read();
-        let committer = &engine.committer;
+        let committer = engine.committer();
         committer.is_stepped()
             && committer.is_background()
-            && committer.run_requested(&engine.shared)
+            && committer.run_requested(engine.shared())
     }
 
     /// Flush, checkpoint and mark the volume clean.
@@ -194,7 +194,7 @@ impl Volume {
     ) -> Result<R> {
         let engine = self.engine.read();
         let journal = commit_and_checkpoint(&engine)?;
-        let superblock = journal.superblock;
+        let superblock = journal.superblock();
         at(&superblock)
     }
 
@@ -231,7 +231,7 @@ impl Volume {
     }
 
     pub fn geometry(&self) -> Geometry {
-        self.current().shared.io.geometry
+        self.current().shared().io().geometry
     }
     // Fixed at creation: the first engine answers without waiting for a
     // resize (the control API asks on its reactor).
@@ -239,18 +239,18 @@ impl Volume {
         self.first.guard()
     }
     pub fn layout(&self) -> LayoutKind {
-        self.first.shared.layouts.primary().kind()
+        self.first.shared().layouts().primary().kind()
     }
     pub fn stats(&self) -> &Stats {
         // Shared by every engine the volume has had (`resize_online`).
-        &self.first.shared.io.stats
+        &self.first.shared().io().stats
     }
     pub fn recovery_report(&self) -> &RecoveryReport {
         // What the open's recovery found (a resize's reopen recovers nothing).
         self.first.recovery()
     }
     pub fn uuid_string(&self) -> String {
-        uuid::Uuid::from_bytes(self.first.shared.uuid)
+        uuid::Uuid::from_bytes(self.first.shared().uuid())
             .hyphenated()
             .to_string()
     }
@@ -271,7 +271,7 @@ impl Volume {
     /// `metadata_lost` fault): "contexts: page 40 is zeroed: LBAs
     /// 5120-5247 have no protection information".
     pub fn metadata_cause(&self, lba: u64) -> String {
-        self.current().shared.metadata_cause(lba)
+        self.current().shared().metadata_cause(lba)
     }
 
     /// Why the blocks of `lba`'s unit fail their tags when the unit was
@@ -279,34 +279,34 @@ impl Volume {
     /// page 3 belongs to another place (its slots name LBAs 640-767): LBAs
     /// 384-511 have no valid protection information".
     pub fn misplaced_cause(&self, lba: u64) -> Option<String> {
-        self.current().shared.misplaced_cause(lba)
+        self.current().shared().misplaced_cause(lba)
     }
 
     /// The LBAs whose protection information is kept with `lba`'s (its
     /// written-map unit: a split context page, a packed row).
     pub fn metadata_unit(&self, lba: u64) -> Range<u64> {
         let engine = self.current();
-        let written = &engine.shared.io.written;
+        let written = &engine.shared().io().written;
         // Not `self.geometry()`: a second read of the engine lock waits
         // behind a queued resize that waits for this one (parking_lot's
         // lock is fair).
-        written.lbas_of(written.unit_of(lba), engine.shared.io.geometry.blocks)
+        written.lbas_of(written.unit_of(lba), engine.shared().io().geometry.blocks)
     }
 
     /// Memory held by caches and buffers now.
     pub fn resident_bytes(&self) -> u64 {
-        self.current().shared.state.read().resident_bytes()
+        self.current().shared().state().read().resident_bytes()
     }
 
     pub fn info(&self) -> Result<VolumeInfo> {
         let engine = self.current();
-        let io = &engine.shared.io;
+        let io = engine.shared().io();
         let mut allocated = 0;
         for object in objects_of(&io.geometry) {
             allocated += io.storage().allocated_bytes(object).unwrap_or(0);
         }
         let mut info = VolumeInfo::of(&engine.superblock(), &io.geometry, allocated);
-        info.journal_bytes = engine.committer.journal_bytes();
+        info.journal_bytes = engine.committer().journal_bytes();
         info.clean = self.first.recovery().was_clean;
         Ok(info)
     }
@@ -365,34 +365,34 @@ impl Drop for Volume {
 fn commit_and_checkpoint(
     engine: &Engine,
 ) -> Result<parking_lot::MutexGuard<'_, crate::journal::Journal>> {
-    let shared = &engine.shared;
-    shared.io.check_writable()?;
-    let mut journal = engine.committer.lock();
-    engine.committer.commit(shared, &mut journal, &[])?;
-    let state = journal.superblock.state;
-    engine.committer.checkpoint(shared, &mut journal, state)?;
+    let shared = engine.shared();
+    shared.io().check_writable()?;
+    let mut journal = engine.committer().lock();
+    engine.committer().commit(shared, &mut journal, &[])?;
+    let state = journal.superblock().state;
+    engine.committer().checkpoint(shared, &mut journal, state)?;
     Ok(journal)
 }
 
 /// The background committer of a newly opened `engine`, unless it is
 /// read-only, its commits are foreground, or its caller steps them.
 fn start_committer(engine: &Arc<Engine>, options: &OpenOptions) -> Option<JoinHandle<()>> {
-    let background = options.tuning.background_commit && !engine.shared.io.is_read_only();
-    if background && engine.committer.is_stepped() {
+    let background = options.tuning.background_commit && !engine.shared().io().is_read_only();
+    if background && engine.committer().is_stepped() {
         // The caller runs the commits writers request
         // (`run_requested_commit`): no thread.
-        engine.committer.set_background(true);
+        engine.committer().set_background(true);
         None
     } else if background {
-        engine.committer.set_background(true);
+        engine.committer().set_background(true);
         let shared = Arc::clone(engine);
         let spawned = std::thread::Builder::new()
             .name("vouch-commit".into())
-            .spawn(move || shared.committer.run(&shared.shared));
+            .spawn(move || shared.committer().run(shared.shared()));
         match spawned {
             Ok(handle) => Some(handle),
             Err(error) => {
-                engine.committer.set_background(false);
+                engine.committer().set_background(false);
                 tracing::warn!(%error, "cannot start the background committer; committing inline");
                 None
             }

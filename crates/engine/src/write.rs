@@ -57,10 +57,10 @@ impl Engine {
     /// without a copy per block (a protection that transforms data, such as
     /// encryption, seals a copy).
     pub fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        let shared = &self.shared;
-        shared.io.check_writable()?;
+        let shared = self.shared();
+        shared.io().check_writable()?;
         shared.check_range(offset, data.len() as u64)?;
-        shared.io.stats.add_client_write(data.len() as u64);
+        shared.io().stats.add_client_write(data.len() as u64);
         // A partial first or last block is merged into the stored one
         // (read-modify-write); the whole blocks between are one run.
         let head = ((BLOCK - offset % BLOCK) % BLOCK).min(data.len() as u64) as usize;
@@ -101,16 +101,16 @@ impl Engine {
         let within = (offset % BLOCK) as usize;
         let _stripe = self.stripe(lba).lock();
         let mut block = BytesMut::zeroed(BLOCK as usize);
-        self.shared.read_blocks(lba, 1, &mut block[..], None)?;
+        self.shared().read_blocks(lba, 1, &mut block[..], None)?;
         block[within..within + data.len()].copy_from_slice(data);
-        let sealed = self.seal_run(lba, block.freeze(), self.shared.sealing_generation());
+        let sealed = self.seal_run(lba, block.freeze(), self.shared().sealing_generation());
         self.buffer_sealed(sealed)
     }
 
     /// A region of the landing area for a payload of `len` bytes
     /// (`BlockDevice::landing_buffer`).
     pub fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
-        self.shared.held.landing_buffer(len)
+        self.shared().held().landing_buffer(len)
     }
 
     /// `write_shared` of whole blocks without FUA, only if it can complete
@@ -119,12 +119,12 @@ impl Engine {
     /// and a background committer takes the commit. `Ok(false)` when it
     /// would wait, with nothing written or counted; then call `write_shared`.
     pub fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        let shared = &self.shared;
-        shared.io.check_writable()?;
+        let shared = self.shared();
+        shared.io().check_writable()?;
         shared.check_range(offset, data.len() as u64)?;
         let whole_blocks =
             offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
-        if data.is_empty() || !whole_blocks || !self.committer.is_background() {
+        if data.is_empty() || !whole_blocks || !self.committer().is_background() {
             return Ok(false);
         }
         // The caller's thread is the NBD reactor: a checksum of up to 1 MiB
@@ -146,9 +146,9 @@ impl Engine {
         let Some(buffered) = self.log_and_buffer(sealed, Admission::MustNotWait)? else {
             return Ok(false);
         };
-        self.shared.io.stats.add_client_write(bytes);
-        self.committer
-            .after_buffered(count, buffered, self.tuning.dirty_limit_blocks);
+        self.shared().io().stats.add_client_write(bytes);
+        self.committer()
+            .after_buffered(count, buffered, self.tuning().dirty_limit_blocks);
         Ok(true)
     }
 
@@ -166,14 +166,14 @@ impl Engine {
         sealed: Vec<(u64, DirtyBlock)>,
         admission: Admission,
     ) -> Result<Option<usize>> {
-        let shared = &self.shared;
+        let shared = self.shared();
         let count = sealed.len();
-        let entries = shared.held.entries(&*shared.protection, &sealed);
-        let landed = shared.held.landed(&sealed);
-        let mut held = shared.held.lock();
-        let mut state = shared.state.write();
+        let entries = shared.held().entries(shared.protection(), &sealed);
+        let landed = shared.held().landed(&sealed);
+        let mut held = shared.held().lock();
+        let mut state = shared.state().write();
         if admission == Admission::MustNotWait
-            && state.held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks
+            && state.held_blocks() + count >= 2 * self.tuning().dirty_limit_blocks
         {
             return Ok(None);
         }
@@ -182,21 +182,21 @@ impl Engine {
         // what was (buffered, logged) stays readable until reopened. Room
         // (a full tmpfs) is found here, before anything is buffered.
         let placed = match shared
-            .held
-            .place(&mut held, &shared.io, &entries, &sealed, landed)
+            .held()
+            .place(&mut held, shared.io(), &entries, &sealed, landed)
         {
             Ok(placed) => placed,
             Err(error) => {
                 drop(state);
                 drop(held);
-                return Err(shared.io.fail_stop(error));
+                return Err(shared.io().fail_stop(error));
             }
         };
         let buffered = {
             if admission == Admission::Reserved {
                 state.unreserve(count, "a reserved write without its reservation");
             }
-            state.logged += count;
+            state.logged(count);
             for (lba, dirty) in &sealed {
                 state.buffer(*lba, dirty.clone());
             }
@@ -209,9 +209,9 @@ impl Engine {
             // (readable, as a failed pwrite may leave its bytes) and the
             // volume fail-stopped.
             shared
-                .held
-                .fill(&shared.io, placed, &entries, &sealed)
-                .map_err(|error| shared.io.fail_stop(error))?;
+                .held()
+                .fill(shared.io(), placed, &entries, &sealed)
+                .map_err(|error| shared.io().fail_stop(error))?;
         }
         Ok(Some(buffered))
     }
@@ -223,7 +223,7 @@ impl Engine {
     /// (encryption) seals in place in `data` if nothing else holds it, else
     /// in one copy of it.
     fn seal_run(&self, first: u64, data: Bytes, generation: u64) -> Vec<(u64, DirtyBlock)> {
-        let protection = &self.shared.protection;
+        let protection = self.shared().protection();
         if !protection.stores_plain() {
             return self.seal_transformed(first, data, generation);
         }
@@ -250,7 +250,10 @@ impl Engine {
         let mut lba = first;
         while !data.is_empty() {
             let mut block = data.split_to(BLOCK as usize);
-            let seal = self.shared.protection.seal(lba, &mut block[..], generation);
+            let seal = self
+                .shared()
+                .protection()
+                .seal(lba, &mut block[..], generation);
             sealed.push((
                 lba,
                 DirtyBlock {
@@ -267,11 +270,11 @@ impl Engine {
         if sealed.is_empty() {
             return Ok(());
         }
-        let shared = &self.shared;
+        let shared = self.shared();
         let buffered = self
             .log_and_buffer(sealed, Admission::MayWait)?
             .expect("a write that may wait is always buffered");
-        if buffered < self.tuning.dirty_limit_blocks {
+        if buffered < self.tuning().dirty_limit_blocks {
             // No prompt commit (`Committer::prompt`) from this route: its
             // writer is a worker thread the reactor handed the request to,
             // so the second CPU is already woken for every write, and a
@@ -283,16 +286,16 @@ impl Engine {
             // Hand the buffer to the background committer, or commit inline
             // unless another commit is running. Writers block (and commit
             // themselves) only when the buffer has doubled: backpressure.
-            let lock = if buffered >= 2 * self.tuning.dirty_limit_blocks {
-                Some(self.committer.lock())
-            } else if self.committer.is_background() {
-                self.committer.request();
+            let lock = if buffered >= 2 * self.tuning().dirty_limit_blocks {
+                Some(self.committer().lock())
+            } else if self.committer().is_background() {
+                self.committer().request();
                 None
             } else {
-                self.committer.try_lock()
+                self.committer().try_lock()
             };
             if let Some(mut journal) = lock {
-                self.committer.commit(shared, &mut journal, &[])?;
+                self.committer().commit(shared, &mut journal, &[])?;
             }
         }
         Ok(())
@@ -305,8 +308,8 @@ impl Engine {
     /// background committer takes the commit. `Ok(false)` when it would
     /// wait, with nothing stored.
     pub fn try_write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<bool> {
-        self.shared.io.check_writable()?;
-        if blocks.is_empty() || !self.committer.is_background() {
+        self.shared().io().check_writable()?;
+        if blocks.is_empty() || !self.committer().is_background() {
             return Ok(false);
         }
         match self.sealed_as_dirty(blocks, check)? {
@@ -322,11 +325,11 @@ impl Engine {
     /// any, so it never finds a leg full halfway). False, with nothing
     /// reserved, when there is no room or no background committer.
     pub fn reserve_room(&self, count: usize) -> bool {
-        if count == 0 || !self.committer.is_background() {
+        if count == 0 || !self.committer().is_background() {
             return false;
         }
-        let mut state = self.shared.state.write();
-        if state.held_blocks() + count >= 2 * self.tuning.dirty_limit_blocks {
+        let mut state = self.shared().state().write();
+        if state.held_blocks() + count >= 2 * self.tuning().dirty_limit_blocks {
             return false;
         }
         state.reserve(count);
@@ -335,8 +338,8 @@ impl Engine {
 
     /// Give back room `reserve_room` reserved and no write used.
     pub fn release_room(&self, count: usize) {
-        self.shared
-            .state
+        self.shared()
+            .state()
             .write()
             .unreserve(count, "more room released than reserved");
     }
@@ -361,7 +364,7 @@ impl Engine {
                 return Err(error);
             }
         };
-        let shared = &self.shared;
+        let shared = self.shared();
         let buffered = match self.log_and_buffer(dirty, Admission::Reserved) {
             Ok(buffered) => buffered.expect("reserved room is always buffered"),
             Err(error) => {
@@ -370,11 +373,11 @@ impl Engine {
             }
         };
         shared
-            .io
+            .io()
             .stats
             .add_client_write(blocks.len() as u64 * BLOCK);
-        self.committer
-            .after_buffered(blocks.len(), buffered, self.tuning.dirty_limit_blocks);
+        self.committer()
+            .after_buffered(blocks.len(), buffered, self.tuning().dirty_limit_blocks);
         Ok(())
     }
 
@@ -385,12 +388,12 @@ impl Engine {
         blocks: &[SealedBlock],
         check: SealCheck,
     ) -> Result<Option<Vec<(u64, DirtyBlock)>>> {
-        let shared = &self.shared;
-        shared.io.check_writable()?;
+        let shared = self.shared();
+        shared.io().check_writable()?;
         let mut dirty = Vec::with_capacity(blocks.len());
         for block in blocks {
             self.check_sealed(block, check)?;
-            let Some(seal) = shared.protection.seal_of(&block.context) else {
+            let Some(seal) = shared.protection().seal_of(&block.context) else {
                 return Ok(None);
             };
             dirty.push((
@@ -409,22 +412,22 @@ impl Engine {
     /// `SealCheck::Placement`, the context only, where the protection can
     /// judge it without the bytes.
     fn check_sealed(&self, block: &SealedBlock, check: SealCheck) -> Result<()> {
-        let shared = &self.shared;
-        if block.lba >= shared.io.geometry.blocks {
+        let shared = self.shared();
+        if block.lba >= shared.io().geometry.blocks {
             return Err(Error::OutOfRange {
                 offset: block.lba.saturating_mul(BLOCK),
                 length: BLOCK,
-                size: shared.io.geometry.size_bytes,
+                size: shared.io().geometry.size_bytes,
             });
         }
         let placed = match check {
             SealCheck::Full => None,
-            SealCheck::Placement => shared.protection.check_place(block.lba, &block.context),
+            SealCheck::Placement => shared.protection().check_place(block.lba, &block.context),
         };
         placed
             .unwrap_or_else(|| {
                 shared
-                    .protection
+                    .protection()
                     .open(block.lba, &Ok(block.context), &block.data[..])
             })
             .map_err(|kind| {
@@ -440,7 +443,7 @@ impl Engine {
     /// ~0.1 ms per MiB), `TRANSFORMED_INLINE_MAX_BYTES` when sealing
     /// transforms them (encrypting 1 MiB takes ~0.7 ms).
     pub fn inline_seal_max_bytes(&self) -> usize {
-        if self.shared.protection.stores_plain() {
+        if self.shared().protection().stores_plain() {
             usize::MAX
         } else {
             TRANSFORMED_INLINE_MAX_BYTES
@@ -456,7 +459,7 @@ impl Engine {
         data: &Bytes,
         generation: u64,
     ) -> Result<Vec<SealedBlock>> {
-        let shared = &self.shared;
+        let shared = self.shared();
         if !data.len().is_multiple_of(BLOCK as usize) {
             return Err(Error::Misaligned {
                 offset: first * BLOCK,
@@ -474,7 +477,7 @@ impl Engine {
                 seal.generation = generation as u32;
                 SealedBlock {
                     lba,
-                    context: shared.protection.context(lba, seal, generation),
+                    context: shared.protection().context(lba, seal, generation),
                     data,
                 }
             })
@@ -487,8 +490,8 @@ impl Engine {
     /// computed where the data was created); zero-reading contexts become
     /// a trim or written zeroes.
     pub fn write_sealed(&self, blocks: &[SealedBlock], check: SealCheck) -> Result<()> {
-        let shared = &self.shared;
-        shared.io.check_writable()?;
+        let shared = self.shared();
+        shared.io().check_writable()?;
         for block in blocks {
             self.check_sealed(block, check)?;
         }
@@ -500,7 +503,7 @@ impl Engine {
         let mut index = 0;
         while index < blocks.len() {
             let block = &blocks[index];
-            if let Some(seal) = shared.protection.seal_of(&block.context) {
+            if let Some(seal) = shared.protection().seal_of(&block.context) {
                 data_blocks.push((
                     block.lba,
                     DirtyBlock {
@@ -515,13 +518,13 @@ impl Engine {
             let mut end = index + 1;
             while end < blocks.len()
                 && blocks[end].lba == blocks[end - 1].lba + 1
-                && shared.protection.seal_of(&blocks[end].context).is_none()
+                && shared.protection().seal_of(&blocks[end].context).is_none()
                 && matches!(blocks[end].context, Context::Zero { .. }) == allocate
             {
                 end += 1;
             }
             self.buffer_sealed(std::mem::take(&mut data_blocks))?;
-            let template = shared.protection.zero_template(allocate);
+            let template = shared.protection().zero_template(allocate);
             let length = (end - index) as u64 * BLOCK;
             self.zero_range(block.lba * BLOCK, length, false, template)?;
             index = end;
@@ -548,17 +551,17 @@ impl Engine {
     }
 
     fn flush_answering(&self, answer: &mut Option<FlushDone>) -> Result<()> {
-        let shared = &self.shared;
-        if shared.io.is_read_only() {
+        let shared = self.shared();
+        if shared.io().is_read_only() {
             return Ok(()); // nothing can be dirty
         }
-        shared.io.check_writable()?;
-        let mut journal = self.committer.lock();
-        self.committer
+        shared.io().check_writable()?;
+        let mut journal = self.committer().lock();
+        self.committer()
             .commit_for_flush(shared, &mut journal, answer)?;
-        self.committer.sync_data(shared, &mut journal)?;
+        self.committer().sync_data(shared, &mut journal)?;
         shared
-            .io
+            .io()
             .stats
             .flushes
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -573,7 +576,7 @@ impl Engine {
 
     /// Write zeroes (see `ZeroFlags`).
     pub fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
-        let template = self.shared.protection.zero_template(flags.allocate);
+        let template = self.shared().protection().zero_template(flags.allocate);
         self.zero_range(offset, length, flags.fua, template)
     }
 
@@ -584,8 +587,8 @@ impl Engine {
         fua: bool,
         template: vouch_format::Context,
     ) -> Result<()> {
-        let shared = &self.shared;
-        shared.io.check_writable()?;
+        let shared = self.shared();
+        shared.io().check_writable()?;
         shared.check_range(offset, length)?;
         if length == 0 {
             return Ok(());
@@ -606,13 +609,13 @@ impl Engine {
             )?;
         }
         if end_full > first_full {
-            let mut journal = self.committer.lock();
+            let mut journal = self.committer().lock();
             // Buffered writes inside the range are superseded by it.
-            shared.state.write().drop_buffered(first_full, end_full);
+            shared.state().write().drop_buffered(first_full, end_full);
             let range = RangeOp::new(first_full, end_full, template);
-            self.committer.commit(shared, &mut journal, &[range])?;
+            self.committer().commit(shared, &mut journal, &[range])?;
             if fua {
-                self.committer.sync_data(shared, &mut journal)?;
+                self.committer().sync_data(shared, &mut journal)?;
             }
         } else if fua {
             self.flush()?;
@@ -622,17 +625,17 @@ impl Engine {
 
     /// Commit, checkpoint and mark the volume clean (`Volume::close`).
     pub fn shutdown(&self) -> Result<()> {
-        let shared = &self.shared;
-        if shared.io.is_read_only() || shared.io.has_failed() {
+        let shared = self.shared();
+        if shared.io().is_read_only() || shared.io().has_failed() {
             return Ok(());
         }
-        let mut journal = self.committer.lock();
-        self.committer.commit(shared, &mut journal, &[])?;
-        self.committer
+        let mut journal = self.committer().lock();
+        self.committer().commit(shared, &mut journal, &[])?;
+        self.committer()
             .checkpoint(shared, &mut journal, STATE_CLEAN)?;
         // Clean: nothing is held (the commit emptied the log), so the
         // slots go. A failure leaves empty slots, which cost nothing.
-        if let Err(error) = shared.io.storage().release_held() {
+        if let Err(error) = shared.io().storage().release_held() {
             tracing::warn!(%error, "cannot remove the held log's files");
         }
         Ok(())

@@ -7,7 +7,8 @@ use std::ops::Range;
 
 use bytes::Bytes;
 
-pub use crate::transmission::{ReadCompletion, WriteCompletion};
+pub(crate) mod completion;
+pub use completion::{ReadCompletion, WriteCompletion};
 
 /// Error an export returns; the server maps `errno` onto the wire and sends `message`
 /// in a structured error reply (NBD_REPLY_TYPE_ERROR / ERROR_OFFSET) when structured replies are negotiated.

@@ -21,6 +21,7 @@ pub mod export;
 pub mod handshake;
 pub mod limits;
 pub mod metrics;
+mod permits;
 pub mod server;
 pub mod socket_file;
 pub mod tls;

@@ -32,18 +32,18 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Semaphore};
 use tracing::{debug, warn};
 
 use crate::export::{Errno, Export, ExportError, Integrity, PayloadBuffer, ZeroFlags};
 use crate::handshake::Session;
 use crate::limits::Limits;
 use crate::metrics::{ExportMetrics, Metrics};
+use crate::permits::Permits;
 use crate::wire::{self, Command, Request};
 use crate::worker::WorkerPool;
 
 mod completion;
-pub use completion::{ReadCompletion, WriteCompletion};
 
 /// Bytes the request reader buffers from the socket.
 const READ_BUFFER_BYTES: usize = 64 * 1024;
@@ -96,18 +96,14 @@ struct Piece {
     data: Range<usize>,
 }
 
-struct Permits {
-    _request: OwnedSemaphorePermit,
-    _connection_bytes: Option<OwnedSemaphorePermit>,
-    _server_bytes: Option<OwnedSemaphorePermit>,
-}
-
 /// Per-connection state shared by the reader and jobs on worker threads.
 struct Connection {
     session: Session,
     /// The counters of the session's export.
     metrics: Arc<ExportMetrics>,
     replies: UnboundedSender<Reply>,
+    /// The server's workers: a READ the ring gave back runs on them.
+    pool: Arc<WorkerPool>,
 }
 
 /// Shared, server-wide resources a connection uses.
@@ -140,6 +136,7 @@ where
         metrics: resources.metrics.export(&session.export_name),
         session,
         replies,
+        pool: Arc::clone(&resources.pool),
     });
     let mut reader = BufReader::with_capacity(READ_BUFFER_BYTES, read_half);
     let result = read_requests(
@@ -257,13 +254,9 @@ where
             Command::Write => {
                 completion::try_start_inline(connection, &request, &payload, permits, received)
             }
-            Command::Read => completion::try_start_read_inline(
-                connection,
-                &request,
-                permits,
-                received,
-                &resources.pool,
-            ),
+            Command::Read => {
+                completion::try_start_read_inline(connection, &request, permits, received)
+            }
             _ => Err(permits),
         };
         let permits = match started {

@@ -6,33 +6,18 @@ use std::path::Path;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context as _, Result};
-use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use vouch_engine::jobs::{scan, JobControl, ScanOptions};
 use vouch_engine::scrub::ScrubRecord;
 use vouch_engine::BlockDevice;
-use vouch_engine::{
-    create_volume, CreateOptions, Fault, FaultKind, GuardKind, LayoutKind, OpenOptions, Volume,
-    BLOCK,
-};
+use vouch_engine::{create_volume, Fault, FaultKind, OpenOptions, Volume, BLOCK};
 
-use crate::key::Use;
-use crate::CreateArgs;
+use crate::create::{create_options, CreateArgs};
+use crate::key::{open_read_only, Use};
+use crate::progress::progress_bar;
 
 /// Blocks moved per I/O by import and export (1 MiB).
 const COPY_CHUNK_BLOCKS: u64 = 256;
-
-pub fn create_options(size: u64, args: &CreateArgs) -> Result<CreateOptions> {
-    let mut options = CreateOptions::new(size);
-    options.layout = LayoutKind::from_name(&args.layout).context("unknown layout")?;
-    options.guard = GuardKind::from_name(&args.guard).context("unknown guard")?;
-    options.journal_bytes = args.journal;
-    options.segment_blocks = args.segment_blocks;
-    if args.encrypt {
-        options.encrypt = Some(crate::key::new_secret()?);
-    }
-    Ok(options)
-}
 
 pub fn create(path: &Path, size: u64, args: &CreateArgs) -> Result<ExitCode> {
     let volume = create_volume(path, &create_options(size, args)?)?;
@@ -50,24 +35,6 @@ pub fn create(path: &Path, size: u64, args: &CreateArgs) -> Result<ExitCode> {
     volume.close()?;
     println!("{summary}");
     Ok(ExitCode::SUCCESS)
-}
-
-/// Refuse a path that is not a volume directory, saying what it is (does
-/// not exist, a file, an empty directory...), before anything in it is
-/// read: for the commands that start with a file other than the volume's
-/// superblock (a mirror record, a scrub record).
-pub fn volume_dir(path: &Path) -> Result<()> {
-    vouch_engine::FileStorage::open_superblock(path)?;
-    Ok(())
-}
-
-/// Open a volume read-only, with its key if it is encrypted (`key::open`).
-pub fn open_read_only(path: &Path, purpose: Use) -> Result<Volume> {
-    let options = OpenOptions {
-        read_only: true,
-        ..OpenOptions::default()
-    };
-    crate::key::open(path, options, purpose)
 }
 
 /// Shown for a volume another process holds for writing.
@@ -337,19 +304,6 @@ fn scrub_text(scrub: &vouch_engine::Result<Option<ScrubRecord>>) -> String {
         text.push_str(&format!("\n                 error: {error}"));
     }
     text
-}
-
-pub fn progress_bar(total: u64, what: &str) -> ProgressBar {
-    let bar = ProgressBar::new(total);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
-        )
-        .expect("static template")
-        .progress_chars("=> "),
-    );
-    bar.set_message(what.to_string());
-    bar
 }
 
 pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {

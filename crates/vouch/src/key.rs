@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Args, Subcommand};
-use vouch_engine::{open_volume, OpenOptions, UserSecret};
+use vouch_engine::{open_volume, OpenOptions, UserSecret, Volume};
 use vouch_format::superblock::KDF_ARGON2ID;
 use vouch_format::FeatureFlags;
 use zeroize::Zeroizing;
@@ -291,7 +291,7 @@ pub fn run(command: KeyCommand) -> Result<ExitCode> {
 /// decrypt the volume. So a volume with snapshots keeps its key until they
 /// are deleted (a clone is a volume of its own, with its own wrap).
 fn refuse_with_snapshots(path: &std::path::Path) -> Result<()> {
-    crate::commands::volume_dir(path)?;
+    volume_dir(path)?;
     let snapshots = vouch_engine::snapshot::list(&vouch_engine::snapshot::RealFs::default(), path)?;
     if snapshots.is_empty() {
         return Ok(());
@@ -308,4 +308,22 @@ fn refuse_with_snapshots(path: &std::path::Path) -> Result<()> {
         path.display(),
         names.join(", ")
     )
+}
+
+/// Refuse a path that is not a volume directory, saying what it is (does
+/// not exist, a file, an empty directory...), before anything in it is
+/// read: for the commands that start with a file other than the volume's
+/// superblock (a mirror record, a scrub record).
+pub fn volume_dir(path: &Path) -> Result<()> {
+    vouch_engine::FileStorage::open_superblock(path)?;
+    Ok(())
+}
+
+/// Open a volume read-only, with its key if it is encrypted (`key::open`).
+pub fn open_read_only(path: &Path, purpose: Use) -> Result<Volume> {
+    let options = OpenOptions {
+        read_only: true,
+        ..OpenOptions::default()
+    };
+    open(path, options, purpose)
 }

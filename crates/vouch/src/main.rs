@@ -3,6 +3,7 @@
 mod bench;
 mod changed;
 mod commands;
+mod create;
 mod export;
 mod inject;
 mod key;
@@ -10,11 +11,13 @@ mod migrate;
 mod migrate_online;
 mod mirror;
 mod offload;
+mod progress;
 mod replica;
 mod resize;
 mod resync;
 mod serve;
 mod service;
+mod sizes;
 mod snapshot;
 mod snapshot_held;
 mod snapshot_mirror;
@@ -23,6 +26,9 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, CommandFactory as _, FromArgMatches as _, Parser, Subcommand};
+
+use create::CreateArgs;
+use sizes::parse_volume_size;
 
 /// A block store that vouches for every block: each 4 KiB block is stored
 /// with protection information (a guard checksum and a reference tag binding
@@ -66,36 +72,6 @@ struct OptionsBeforeCommand {
     replica_timeout: Option<u64>,
     #[arg(long, hide = true, value_name = "FILE")]
     replica_secret_file: Option<PathBuf>,
-}
-
-/// How a new volume is laid out.
-#[derive(Args, Clone, Debug)]
-pub struct CreateArgs {
-    /// Context layout: `split` keeps contexts apart from data (DIX-style;
-    /// also catches lost writes; lowest write amplification); `packed` keeps
-    /// each context in its block's record (one I/O per read; its journal
-    /// carries data, so writes cost about twice).
-    #[arg(long, default_value = "split", value_parser = ["split", "packed"])]
-    pub layout: String,
-    /// Guard checksum per block. crc32c (default): hardware CRC, 0.25-0.3 µs
-    /// a 4 KiB block on the machine measured, and detects every burst error
-    /// up to 32 bits. xxh3 is a little quicker there but is a hash with no
-    /// such guarantee; `vouch bench` prints each guard's cost.
-    #[arg(long, default_value = "crc32c", value_parser = ["crc32c", "crc64nvme", "crc16t10dif", "xxh3", "none"])]
-    pub guard: String,
-    /// Journal capacity (default 128MiB split, 64MiB packed; K, M, G are
-    /// powers of 1024, KB, MB, GB powers of 1000).
-    #[arg(long, value_name = "SIZE", value_parser = parse_size)]
-    pub journal: Option<u64>,
-    /// Blocks per data segment file (default: 1 TiB of data per file).
-    #[arg(long, hide = true)]
-    pub segment_blocks: Option<u64>,
-    /// Encrypt every block (AES-256-GCM-SIV, bound to the volume and LBA).
-    /// The key: --key-file FILE (32 raw bytes) or VOUCH_KEY_FILE, else a
-    /// passphrase chosen on the terminal (Argon2id). Every later command
-    /// needs the same key; `vouch key change` replaces it.
-    #[arg(long)]
-    pub encrypt: bool,
 }
 
 #[derive(Subcommand)]
@@ -239,7 +215,7 @@ enum Command {
         /// K, M, G are powers of 1024, KB, MB, GB powers of 1000), the pace
         /// while no client request arrives; while they do, at most 16M
         /// (default: no limit when idle).
-        #[arg(long, value_name = "RATE", value_parser = crate::parse_size, requires = "server")]
+        #[arg(long, value_name = "RATE", value_parser = crate::sizes::parse_size, requires = "server")]
         rate: Option<u64>,
         /// With --server: stop the export's running migration between
         /// regions (the regions moved stay moved).
@@ -384,83 +360,6 @@ enum Command {
         /// The directory to write the pages into (made if missing).
         dir: PathBuf,
     },
-}
-
-/// Parse sizes like 10GiB, 512MiB, 4k, 1048576. A bare K, M, G, T, P or E
-/// is a power of 1024 (4K = 4096, like dd and qemu-img); KB, MB... are
-/// powers of 1000.
-pub fn parse_size(text: &str) -> Result<u64, String> {
-    let trimmed = text.trim();
-    if let Ok(bytes) = trimmed.parse::<u64>() {
-        return Ok(bytes);
-    }
-    let binary;
-    let trimmed = match trimmed.chars().last() {
-        Some(unit) if "kKmMgGtTpPeE".contains(unit) => {
-            binary = format!("{trimmed}iB");
-            binary.as_str()
-        }
-        _ => trimmed,
-    };
-    let bytes = trimmed
-        .parse::<bytesize::ByteSize>()
-        .map(|size| size.as_u64())
-        .map_err(|_| format!("'{text}' is not a size (examples: 10GiB, 512MiB, 1048576)"))?;
-    // A unit size past 2^64 - 1 bytes saturates instead of failing to parse.
-    if bytes == u64::MAX {
-        return Err(format!(
-            "'{text}' is too large (sizes are at most 16 EiB - 1 byte)"
-        ));
-    }
-    Ok(bytes)
-}
-
-/// `text` and the bytes `parse_size` read it as, for an error about those
-/// bytes: "{text} is {what}", where a decimal unit says so, since taking
-/// 2GB for 2 GiB is the usual mistake: "2GB is 2000000000 bytes (GB is
-/// decimal; G and GiB are 1024-based): not a multiple of 4096".
-fn size_is(text: &str, bytes: u64, what: &str) -> String {
-    let text = text.trim();
-    if text.parse::<u64>().is_ok() {
-        return format!("{text} is {what}");
-    }
-    let unit = text.trim_start_matches(|c: char| c.is_ascii_digit() || c == '.' || c == ' ');
-    let mut letters = unit.chars();
-    match (letters.next(), letters.next(), letters.next()) {
-        (Some(prefix), Some('b' | 'B'), None) if "kKmMgGtTpPeE".contains(prefix) => {
-            let prefix = prefix.to_ascii_uppercase();
-            format!("{text} is {bytes} bytes ({unit} is decimal; {prefix} and {prefix}iB are 1024-based): {what}")
-        }
-        _ => format!("{text} is {bytes} bytes: {what}"),
-    }
-}
-
-/// A volume's size (`create --size`, `serve --create`): `parse_size`, then
-/// at most the largest volume and a positive multiple of 4096 bytes, told
-/// in the user's own unit.
-pub fn parse_volume_size(text: &str) -> Result<u64, String> {
-    let bytes = parse_size(text)?;
-    if bytes > vouch_engine::MAX_VOLUME_BYTES {
-        return Err(size_is(
-            text,
-            bytes,
-            "larger than the largest volume vouch supports (1 PiB)",
-        ));
-    }
-    if bytes == 0 || !bytes.is_multiple_of(vouch_engine::BLOCK) {
-        return Err(size_is(text, bytes, "not a positive multiple of 4096"));
-    }
-    Ok(bytes)
-}
-
-/// An offset or length in a volume (verify, copy, compare): `parse_size`,
-/// then a multiple of 4096 bytes, told in the user's own unit.
-pub fn parse_block_bytes(text: &str) -> Result<u64, String> {
-    let bytes = parse_size(text)?;
-    if !bytes.is_multiple_of(vouch_engine::BLOCK) {
-        return Err(size_is(text, bytes, "not a multiple of 4096"));
-    }
-    Ok(bytes)
 }
 
 /// The key and replica options `command` takes; `None` for those it does
@@ -717,7 +616,8 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_block_bytes, parse_size, parse_volume_size, Cli};
+    use super::Cli;
+    use crate::sizes::{parse_block_bytes, parse_size, parse_volume_size};
     use clap::CommandFactory as _;
 
     /// Every command and subcommand, with its name as typed.

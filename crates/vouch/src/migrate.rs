@@ -14,9 +14,9 @@ use vouch_engine::{Fault, OpenOptions, BLOCK};
 use vouch_format::regions::RegionRecord;
 use vouch_format::LayoutKind;
 
-use crate::commands::progress_bar;
 use crate::key::Use;
 use crate::offload::client::{Client, ServerArgs};
+use crate::progress::progress_bar;
 
 /// Blocks read per step of `export` and `check`.
 const CHUNK_BLOCKS: u64 = 256;
@@ -114,7 +114,7 @@ fn run_online(
 
 pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
     let target = LayoutKind::from_name(layout).context("unknown layout")?;
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if vouch_mirror::is_mirrored(path) {
         bail!(
             "{} is a mirror leg: `vouch migrate` moves a volume of one directory",

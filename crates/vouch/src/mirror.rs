@@ -59,7 +59,7 @@ pub enum MirrorCommand {
         leg: usize,
         /// Offline copy rate in bytes per second (200M = 200 MiB/s; K, M,
         /// G = powers of 1024, KB, MB, GB = powers of 1000).
-        #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "200M")]
+        #[arg(long, value_name = "RATE", value_parser = crate::sizes::parse_size, default_value = "200M")]
         rate: u64,
         /// Print JSON.
         #[arg(long)]
@@ -235,11 +235,11 @@ pub fn create(
     path: &Path,
     mirrors: &[PathBuf],
     size: u64,
-    args: &crate::CreateArgs,
+    args: &crate::create::CreateArgs,
 ) -> Result<ExitCode> {
     let mut paths = vec![path.to_path_buf()];
     paths.extend(mirrors.iter().cloned());
-    let options = crate::commands::create_options(size, args)?;
+    let options = crate::create::create_options(size, args)?;
     mirror::create_mirror_with(&paths, &options, &mut |url, leg0| {
         crate::replica::create_member(url, leg0)
     })?
@@ -486,7 +486,7 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
                 }
             }
         } else {
-            let volume = crate::commands::open_read_only(Path::new(&leg), Use::Verify)?;
+            let volume = crate::key::open_read_only(Path::new(&leg), Use::Verify)?;
             volume.check(|_, _| {})?
         };
         clean &= report.faults.is_empty() && state == "active";
@@ -704,7 +704,7 @@ pub fn remove(path: &Path, leg: usize) -> Result<ExitCode> {
 
 /// The leg of a mirror at `path`: a volume directory with a mirror record.
 fn mirror_leg(path: &Path) -> Result<&Path> {
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if !mirror::is_mirrored(path) {
         bail!(
             "{} is a plain volume, not a leg of a mirror (`vouch mirror add` makes it one)",
@@ -744,7 +744,7 @@ pub fn run(command: MirrorCommand) -> Result<ExitCode> {
         },
         MirrorCommand::Replace { path, leg, .. } => replace(mirror_leg(&path)?, leg),
         MirrorCommand::Add { path, new_leg, .. } => {
-            crate::commands::volume_dir(&path)?;
+            crate::key::volume_dir(&path)?;
             add(&path, &new_leg)
         }
         MirrorCommand::Remove { path, leg } => remove(mirror_leg(&path)?, leg),

@@ -271,12 +271,12 @@ pub struct ServeArgs {
     /// The largest replica a CREATE may make (default: the size of DIR's
     /// filesystem). K, M, G, T are powers of 1024, KB, MB, GB, TB powers
     /// of 1000.
-    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size)]
+    #[arg(long, value_name = "SIZE", value_parser = crate::sizes::parse_size)]
     pub max_volume_size: Option<u64>,
     /// The largest journal a CREATE may bring (its size is the one leg 0's
     /// superblock records, shared by every leg). K, M, G are powers of
     /// 1024, KB, MB, GB powers of 1000.
-    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size, default_value = "1G")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::sizes::parse_size, default_value = "1G")]
     pub max_journal_size: u64,
 }
 

@@ -27,7 +27,7 @@ pub fn run(first: &str, second: Option<&str>, server: &ServerArgs) -> Result<Exi
         return resize_through(server, first, second);
     }
     let size = second.context("missing SIZE: vouch resize PATH SIZE")?;
-    let new_bytes = crate::parse_volume_size(size).map_err(anyhow::Error::msg)?;
+    let new_bytes = crate::sizes::parse_volume_size(size).map_err(anyhow::Error::msg)?;
     offline(Path::new(first), new_bytes)
 }
 
@@ -41,7 +41,7 @@ fn resize_through(server: &ServerArgs, first: &str, second: Option<&str>) -> Res
         }
     };
     // Checked here too, for the CLI's own message.
-    crate::parse_volume_size(&size).map_err(anyhow::Error::msg)?;
+    crate::sizes::parse_volume_size(&size).map_err(anyhow::Error::msg)?;
     let answer = client.call(
         hyper::Method::POST,
         &format!("/v1/exports/{}/resize", crate::snapshot::percent(&export)),
@@ -100,7 +100,7 @@ pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<Onli
 }
 
 fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if vouch_engine::volume_in_use(path)? {
         bail!(
             "{} is open in a running `vouch serve`: resize it through the server (`vouch resize --server ADDR [EXPORT] SIZE`, its --control address), or stop it first",

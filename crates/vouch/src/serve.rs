@@ -14,14 +14,14 @@ use vouch_engine::BlockDevice;
 use vouch_engine::{FaultKind, OpenOptions, Volume};
 use vouch_nbd::{Export, Listen, Server, ServerConfig};
 
-use crate::commands::create_options;
+use crate::create::create_options;
+use crate::create::CreateArgs;
 use crate::export::VolumeExport;
 use crate::inject::FaultInjector;
 use crate::service::activation::{self, Inherited};
 use crate::service::listen;
 use crate::service::notify::Notifier;
 use crate::service::pid_file::PidFile;
-use crate::CreateArgs;
 
 /// Where `vouch serve` listens when given neither --listen nor --socket.
 const DEFAULT_LISTEN: &str = "127.0.0.1:10809";
@@ -35,7 +35,7 @@ pub struct ServeArgs {
     /// Create the (first) volume with this size if PATH does not exist yet
     /// (a multiple of 4096: 10GiB = 10G; K, M, G, T are powers of 1024, KB,
     /// MB, GB, TB powers of 1000).
-    #[arg(long, value_name = "SIZE", value_parser = crate::parse_volume_size)]
+    #[arg(long, value_name = "SIZE", value_parser = crate::sizes::parse_volume_size)]
     create: Option<u64>,
     #[command(flatten)]
     create_args: CreateArgs,
@@ -89,7 +89,7 @@ pub struct ServeArgs {
     /// (from the page cache, or the device when evicted), which is what
     /// the packed layout avoids. At least 4K; 64M = 64 MiB (K, M, G are
     /// powers of 1024, KB, MB, GB powers of 1000).
-    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size, default_value = "64M")]
+    #[arg(long, value_name = "SIZE", value_parser = crate::sizes::parse_size, default_value = "64M")]
     context_cache: u64,
     /// Serve Prometheus metrics on http://ADDR/metrics (IP:PORT).
     #[arg(long, value_name = "ADDR")]
@@ -124,13 +124,13 @@ pub struct ServeArgs {
     /// powers of 1024, KB, MB, GB powers of 1000). The reconciliation of
     /// the extents a mirror's activity log names after an unclean stop is
     /// paced by the same floor and ceiling (bytes checked per second).
-    #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "1M")]
+    #[arg(long, value_name = "RATE", value_parser = crate::sizes::parse_size, default_value = "1M")]
     resync_min: u64,
     /// Resync ceiling: at most this many bytes per second, the rate it
     /// runs at while no client request arrives (DRBD's c-max-rate, md's
     /// speed_limit_max). 200M = 200 MiB/s, 2G = 2 GiB/s (K, M, G are powers
     /// of 1024, KB, MB, GB powers of 1000).
-    #[arg(long, value_name = "RATE", value_parser = crate::parse_size, default_value = "200M")]
+    #[arg(long, value_name = "RATE", value_parser = crate::sizes::parse_size, default_value = "200M")]
     resync_max: u64,
     /// Serve every one-layout volume through the region layer, so that
     /// the control API can migrate it online (`vouch migrate --server`,

@@ -259,7 +259,7 @@ fn delete_through(server: &ServerArgs, first: &str, second: Option<&str>) -> Res
 /// this process (the returned lock) so no server opens it meanwhile.
 /// `purpose` ends the messages: "take the snapshot", "resize it".
 pub(crate) fn hold_offline(path: &Path, purpose: &str) -> Result<std::fs::File> {
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if vouch_engine::volume_in_use(path)? {
         bail!(
             "{} is open in a running `vouch serve`: stop it, then {purpose}",
@@ -334,7 +334,7 @@ fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
 }
 
 fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if vouch_mirror::is_mirrored(path) {
         return crate::snapshot_mirror::list(path, json_output);
     }
@@ -384,7 +384,7 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
 
 fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     snapshot::check_name(name)?;
-    crate::commands::volume_dir(path)?;
+    crate::key::volume_dir(path)?;
     if vouch_mirror::is_mirrored(path) {
         return crate::snapshot_mirror::delete(path, name);
     }
@@ -401,7 +401,7 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
 
 /// `vouch clone SNAPSHOT NEWPATH`.
 pub fn clone(snapshot_dir: &Path, new_path: &Path, copy: bool) -> Result<ExitCode> {
-    crate::commands::volume_dir(snapshot_dir)?;
+    crate::key::volume_dir(snapshot_dir)?;
     let started = Instant::now();
     // The origin names the snapshot by its absolute path, so a server of
     // the clone finds it from any directory (`qemu:allocation-depth`).

@@ -77,7 +77,7 @@ const VERIFY_PART_BLOCKS: u64 = 256;
 /// buffer limit (4096 blocks, 16 MiB, by default) — how many blocks
 /// readers may wait for at once.
 pub(crate) fn piece_blocks(destination: &Engine) -> u64 {
-    (destination.tuning.dirty_limit_blocks as u64).max(1)
+    (destination.tuning().dirty_limit_blocks as u64).max(1)
 }
 
 /// Why a job that is not between two volumes cannot be a reflink copy.
@@ -106,8 +106,9 @@ pub(super) fn possible<'a>(job: &Job<'a>) -> std::result::Result<(&'a Volume, &'
             ));
         }
     }
-    let source_io = &source.engine().shared.io;
-    let destination_io = &destination.engine().shared.io;
+    let engines = (source.engine(), destination.engine());
+    let source_io = engines.0.shared().io();
+    let destination_io = engines.1.shared().io();
     destination_io
         .storage()
         .probe_clone(source_io.storage(), ObjectId::Data(0))
@@ -161,16 +162,16 @@ pub(super) fn run(job: &Job<'_>, volumes: (&Volume, &Volume), run: &mut Visit<'_
             run.advance(run.at() + blocks, blocks);
         };
         if job.same_volume() {
-            let mut journal = destination.committer.lock();
+            let mut journal = destination.committer().lock();
             window.run((None, &mut journal), &mut landed)?;
         } else if (source as *const Engine) < (destination as *const Engine) {
-            let mut source_journal = source.committer.lock();
-            let mut journal = destination.committer.lock();
+            let mut source_journal = source.committer().lock();
+            let mut journal = destination.committer().lock();
             let journals = (Some(&mut *source_journal), &mut *journal);
             window.run(journals, &mut landed)?;
         } else {
-            let mut journal = destination.committer.lock();
-            let mut source_journal = source.committer.lock();
+            let mut journal = destination.committer().lock();
+            let mut source_journal = source.committer().lock();
             let journals = (Some(&mut *source_journal), &mut *journal);
             window.run(journals, &mut landed)?;
         }
@@ -241,7 +242,7 @@ impl Window<'_> {
 /// Advise the destination's storage that a step's destination range is
 /// about to be replaced (`Storage::drop_cached`).
 fn drop_destination_cache(destination: &Engine, blocks: Blocks) {
-    let io = &destination.shared.io;
+    let io = destination.shared().io();
     let mut lba = blocks.destination;
     let end = blocks.destination + blocks.count;
     while lba < end {
@@ -270,22 +271,17 @@ fn commit_source_first(
         .map(|step| step.source + step.count)
         .max()
         .unwrap_or(0);
-    let buffered = source
-        .shared
-        .state
-        .read()
-        .active
-        .range(low..high)
-        .next()
-        .is_some();
+    let buffered = source.shared().state().read().buffers_any(low..high);
     if !buffered {
         return Ok(());
     }
     match source_journal {
-        Some(source_journal) => source.committer.commit(&source.shared, source_journal, &[]),
+        Some(source_journal) => source
+            .committer()
+            .commit(source.shared(), source_journal, &[]),
         None => destination
-            .committer
-            .commit(&destination.shared, journal, &[]),
+            .committer()
+            .commit(destination.shared(), journal, &[]),
     }
 }
 
@@ -293,7 +289,7 @@ fn commit_source_first(
 /// their record would not fit in half the destination's journal (a larger
 /// record would be cut in two, and a checkpoint could run between them).
 fn record_blocks(destination: &Engine, most: u64) -> u64 {
-    let half = destination.committer.journal_bytes() / 2;
+    let half = destination.committer().journal_bytes() / 2;
     let mut blocks = most;
     // Every block an entry, plus one range entry per block at worst.
     while blocks > 1 && JournalHeader::record_bytes(2 * blocks as u32, 0) > half {
@@ -332,18 +328,22 @@ fn land_step(
     piece_blocks: u64,
 ) -> Result<()> {
     let (target, count) = (blocks.destination, blocks.count);
-    let shared = &destination.shared;
+    let shared = destination.shared();
     // 3 (sizes first: a checkpoint, if needed, runs before the record).
     let ranges = zero_ranges(destination, target, &contexts);
     let data_blocks = seals.iter().flatten().count();
     let record_len = JournalHeader::record_bytes((data_blocks + ranges.len()) as u32, 0);
-    destination.committer.before_plain_record(shared, journal)?;
-    let seq = destination.committer.reserve(shared, journal, record_len)?;
+    destination
+        .committer()
+        .before_plain_record(shared, journal)?;
+    let seq = destination
+        .committer()
+        .reserve(shared, journal, record_len)?;
     let mut entries = Vec::with_capacity(data_blocks + ranges.len());
     let mut new_contexts = Vec::with_capacity(count as usize);
     for (index, seal) in seals.iter().enumerate() {
         let lba = target + index as u64;
-        let context = seal.map(|seal| shared.protection.context(lba, seal, seq));
+        let context = seal.map(|seal| shared.protection().context(lba, seal, seq));
         if let Some(context) = context {
             entries.push(JournalEntry {
                 lba,
@@ -361,7 +361,7 @@ fn land_step(
         });
     }
     let result = destination
-        .committer
+        .committer()
         .append(shared, journal, &entries, None)
         .and_then(|()| {
             // ORDER POINT A passed: 4, one piece at a time.
@@ -383,11 +383,11 @@ fn land_step(
     if let Err(error) = result {
         // As a failed commit: writes are refused until the volume is
         // reopened, and recovery settles the step's blocks then.
-        shared.state.write().end_clone();
-        return Err(shared.io.fail_stop(error));
+        shared.state().write().end_clone();
+        return Err(shared.io().fail_stop(error));
     }
-    let pending = shared.state.read().contexts.pending();
-    destination.committer.committed(shared, journal, pending)
+    let pending = shared.state().read().pending_contexts();
+    destination.committer().committed(shared, journal, pending)
 }
 
 /// Read the step's source blocks from home and verify each against its
@@ -481,11 +481,11 @@ fn verify_part(
             block(data, index)
         };
         source
-            .shared
-            .protection
+            .shared()
+            .protection()
             .open(lba, &Ok(*context), bytes)
             .map_err(|kind| fault(source, lba, kind))?;
-        let seal = match source.shared.protection.seal_of(context) {
+        let seal = match source.shared().protection().seal_of(context) {
             None => None,
             // A plain copy is a new write at its destination: its
             // generation is the commit's, not the source's. (An encrypted
@@ -499,11 +499,11 @@ fn verify_part(
                 let lba = blocks.destination + index as u64;
                 let mut copy = [0u8; BLOCK as usize];
                 copy.copy_from_slice(bytes);
-                let generation = destination.shared.sealing_generation();
+                let generation = destination.shared().sealing_generation();
                 Some(
                     destination
-                        .shared
-                        .protection
+                        .shared()
+                        .protection()
                         .seal(lba, &mut copy, generation),
                 )
             }
@@ -518,7 +518,7 @@ static ZERO_BLOCK: [u8; BLOCK as usize] = [0; BLOCK as usize];
 /// The source blocks of a step mapped (`Storage::map_for_check`), when they
 /// lie in one data segment; `None` sends every part to `read_data`.
 fn map_step(source: &Engine, blocks: Blocks) -> Option<Mapped> {
-    let io = &source.shared.io;
+    let io = source.shared().io();
     let last = blocks.source + blocks.count - 1;
     // (Split layout: one segment's blocks lie end to end.)
     if blocks.source / io.geometry.segment_blocks != last / io.geometry.segment_blocks {
@@ -545,7 +545,7 @@ fn mapped_part<'a>(
     }
     let bytes = step?.bytes((at * BLOCK) as usize, contexts.len() * BLOCK as usize)?;
     let data_blocks = contexts.iter().filter(|c| !c.reads_as_zero()).count() as u64;
-    source.shared.io.stats.add_read(data_blocks * BLOCK);
+    source.shared().io().stats.add_read(data_blocks * BLOCK);
     Some(bytes)
 }
 
@@ -558,7 +558,7 @@ fn zero_ranges(destination: &Engine, target: u64, contexts: &[Context]) -> Vec<R
         }
         let lba = target + index as u64;
         let allocate = matches!(context, Context::Zero { .. });
-        let template = destination.shared.protection.zero_template(allocate);
+        let template = destination.shared().protection().zero_template(allocate);
         match ranges.last_mut() {
             Some(range)
                 if range.end == lba
@@ -590,9 +590,9 @@ fn home_piece(
     journal: &mut Journal,
     piece: &Piece<'_>,
 ) -> Result<()> {
-    let shared = &destination.shared;
+    let shared = destination.shared();
     let (target, count) = (piece.blocks.destination, piece.blocks.count);
-    shared.state.write().begin_clone(target..target + count);
+    shared.state().write().begin_clone(target..target + count);
     clone_home(
         source,
         destination,
@@ -611,11 +611,9 @@ fn home_piece(
         })
         .collect();
     for range in &pieces {
-        shared.layouts.of(range.start).apply_range_home(
-            &shared.io,
-            range,
-            journal.unsynced_for(false),
-        )?;
+        destination
+            .committer()
+            .apply_range_home(shared, journal, range)?;
     }
     // The piece is home (in the kernel): the destination's buffered writes
     // it replaces are dropped now, and with a drop record in the held log
@@ -623,16 +621,16 @@ fn home_piece(
     // them over the copy nor a write buffered after it. (Dropped before
     // the clone, a crash in between would have lost them while the copy
     // reverted to the old home blocks.)
-    let mut held = shared.held.lock();
-    let dropped = held.append_drop(&shared.io, target, count);
+    let mut held = shared.held().lock();
+    let dropped = held.append_drop(shared.io(), target, count);
     shared
-        .state
+        .state()
         .write()
         .publish_clone(target, piece.new_contexts, &pieces);
     drop(held);
     // A held log that missed the drop would bring the writes back after a
     // crash of the process: stop accepting writes instead.
-    dropped.map_err(|error| shared.io.fail_stop(error))
+    dropped.map_err(|error| shared.io().fail_stop(error))
 }
 
 fn block(data: &[u8], index: usize) -> &[u8] {
@@ -651,9 +649,9 @@ fn clone_home(
     contexts: &[Context],
     seals: &[Option<Seal>],
 ) -> Result<()> {
-    let from = source.shared.io.geometry;
-    let to = destination.shared.io.geometry;
-    let io = &destination.shared.io;
+    let from = source.shared().io().geometry;
+    let to = destination.shared().io().geometry;
+    let io = destination.shared().io();
     let mut index = 0usize;
     while index < seals.len() {
         if seals[index].is_none() {
@@ -678,12 +676,12 @@ fn clone_home(
         let cloned = io.storage().clone_range(CloneRange {
             object,
             offset: target_at.data_offset,
-            source: source.shared.io.storage(),
+            source: source.shared().io().storage(),
             source_object: ObjectId::Data(source_at.segment),
             source_offset: source_at.data_offset,
             len,
         });
-        journal.unsynced_for(false).insert(object);
+        journal.note_unsynced(object);
         if let Err(error) = cloned {
             tracing::warn!(%error, ?object, offset = target_at.data_offset, "reflink failed after the journal record: writing the blocks instead");
             let first = blocks.source + index as u64;
@@ -693,8 +691,8 @@ fn clone_home(
             for (offset, context) in run.iter().enumerate() {
                 let lba = first + offset as u64;
                 source
-                    .shared
-                    .protection
+                    .shared()
+                    .protection()
                     .open(lba, &Ok(*context), block(&data, offset))
                     .map_err(|kind| fault(source, lba, kind))?;
             }

@@ -15,12 +15,12 @@ use crate::storage::ObjectId;
 /// (the caller holds its committer lock). A context that cannot be read or
 /// decoded is a fault of its block.
 pub(super) fn source_contexts(engine: &Engine, first: u64, count: u64) -> Result<Vec<Context>> {
-    let shared = &engine.shared;
+    let shared = engine.shared();
     // Under one short lock; pages not cached are loaded after it.
     let found: Vec<Lookup> = {
-        let state = shared.state.read();
+        let state = shared.state().read();
         (first..first + count)
-            .map(|lba| state.contexts.lookup(lba))
+            .map(|lba| state.contexts().lookup(lba))
             .collect()
     };
     let mut contexts = Vec::with_capacity(count as usize);
@@ -31,7 +31,7 @@ pub(super) fn source_contexts(engine: &Engine, first: u64, count: u64) -> Result
             Lookup::NeedPage(page_no) => {
                 let page = match &loaded {
                     Some((number, page)) if *number == page_no => page.clone(),
-                    _ => match load_context_page(&shared.io, &shared.state, page_no) {
+                    _ => match load_context_page(shared.io(), shared.state(), page_no) {
                         Ok(page) => {
                             loaded = Some((page_no, page.clone()));
                             page
@@ -56,8 +56,8 @@ pub(super) fn read_data(
     contexts: &[Context],
     out: &mut [u8],
 ) -> Result<()> {
-    let shared = &engine.shared;
-    let geometry = shared.io.geometry;
+    let shared = engine.shared();
+    let geometry = shared.io().geometry;
     let mut index = 0usize;
     while index < contexts.len() {
         if contexts[index].reads_as_zero() {
@@ -77,7 +77,7 @@ pub(super) fn read_data(
         let location = geometry.locate(lba);
         let object = ObjectId::Data(location.segment);
         if shared
-            .io
+            .io()
             .try_read(object, location.data_offset, run)
             .is_err()
         {
@@ -85,12 +85,12 @@ pub(super) fn read_data(
             for (offset, lba) in (lba..first + end as u64).enumerate() {
                 let block = &mut run[offset * BLOCK as usize..(offset + 1) * BLOCK as usize];
                 let at = geometry.locate(lba).data_offset;
-                if shared.io.try_read(object, at, block).is_err() {
+                if shared.io().try_read(object, at, block).is_err() {
                     return Err(fault(engine, lba, FaultKind::Unreadable));
                 }
             }
         }
-        shared.io.stats.add_read(run.len() as u64);
+        shared.io().stats.add_read(run.len() as u64);
         index = end;
     }
     Ok(())
@@ -98,7 +98,7 @@ pub(super) fn read_data(
 
 /// A fault of a source block: counted, logged, and the copy's error.
 pub(super) fn fault(engine: &Engine, lba: u64, kind: FaultKind) -> Error {
-    engine.shared.io.stats.count_fault(kind);
+    engine.shared().io().stats.count_fault(kind);
     tracing::warn!(
         lba,
         kind = kind.name(),

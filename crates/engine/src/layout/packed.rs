@@ -1179,7 +1179,7 @@ impl PackedLayout {
                                 entry.lba
                             )));
                         };
-                        replay.state.write().active.insert(
+                        replay.state.write().buffer(
                             entry.lba,
                             DirtyBlock {
                                 data: BlockData::copy_from(data),
@@ -1217,7 +1217,7 @@ impl PackedLayout {
                         let mut state = replay.state.write();
                         state.drop_buffered(range.start, range.end);
                         state
-                            .contexts
+                            .contexts_mut()
                             .set_range(range.start, range.end, range.template);
                         continue;
                     }

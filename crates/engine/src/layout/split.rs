@@ -53,7 +53,7 @@ impl SplitLayout {
         let mut page = Page::new([0u8; 4096]);
         let bytes = unique(&mut page);
         // (The state lock is released before a read from disk.)
-        let cached = state.read().contexts.cached_page(page_no);
+        let cached = state.read().contexts().cached_page(page_no);
         match cached {
             Some(cached) => bytes.copy_from_slice(&cached[..]),
             None => *bytes = crate::state::read_context_page(io, page_no)?,
@@ -145,7 +145,7 @@ impl SplitLayout {
                     entry.lba
                 )));
             };
-            state.active.insert(
+            state.buffer(
                 entry.lba,
                 DirtyBlock {
                     data: BlockData::copy_from(data),
@@ -153,7 +153,7 @@ impl SplitLayout {
                 },
             );
         }
-        state.contexts.set(entry.lba, entry.context);
+        state.contexts_mut().set(entry.lba, entry.context);
         Ok(())
     }
 
@@ -217,7 +217,7 @@ enum Before {
 impl Candidate {
     /// Block `lba`, first written by a replayed record with `first`.
     fn new(state: &VolumeState, lba: u64, first: Context) -> Candidate {
-        let before = match state.contexts.lookup(lba) {
+        let before = match state.contexts().lookup(lba) {
             Lookup::Found(found) => Before::Known(found.ok()),
             Lookup::NeedPage(_) => Before::OnDisk,
         };
@@ -555,10 +555,12 @@ impl Layout for SplitLayout {
                                 }
                             }
                         }
-                        state.contexts.set(entry.lba, entry.context);
+                        state.contexts_mut().set(entry.lba, entry.context);
                     } else {
                         let end = entry.lba + u64::from(entry.count);
-                        state.contexts.set_range(entry.lba, end, entry.context);
+                        state
+                            .contexts_mut()
+                            .set_range(entry.lba, end, entry.context);
                         let superseded: Vec<u64> = candidates
                             .range(entry.lba..end)
                             .map(|(lba, _)| *lba)
@@ -630,7 +632,7 @@ impl Layout for SplitLayout {
                     Some(context) if *context == newest => {}
                     Some(context) => {
                         report.blocks_reverted += 1;
-                        state.write().contexts.set(*lba, *context);
+                        state.write().contexts_mut().set(*lba, *context);
                         resolutions.push(JournalEntry {
                             lba: *lba,
                             count: 1,
@@ -664,7 +666,7 @@ impl Layout for SplitLayout {
         // runs by page groups them without sorting a million entries.
         let (entries, mut runs, ranges, keep) = {
             let state = state.read();
-            let overlay = &state.contexts.overlay;
+            let overlay = &state.contexts().overlay;
             let mut entries: Vec<(u64, Context)> = Vec::with_capacity(overlay.len());
             let mut runs: Vec<PageRun> = Vec::new();
             for (lba, context) in overlay {
@@ -679,8 +681,8 @@ impl Layout for SplitLayout {
                 }
                 entries.push((*lba, *context));
             }
-            let keep = state.contexts.cache_limit_pages();
-            (entries, runs, state.contexts.ranges.clone(), keep)
+            let keep = state.contexts().cache_limit_pages();
+            (entries, runs, state.contexts().ranges.clone(), keep)
         };
         runs.sort_unstable_by_key(|run| run.page_no);
         let mut punched = Vec::new();

@@ -25,14 +25,14 @@ impl BlockDevice for Volume {
     }
     /// Fixed at open (a resize opens the engine again the same way).
     fn is_read_only(&self) -> bool {
-        self.first.shared.io.is_read_only()
+        self.first.shared().io().is_read_only()
     }
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
-        self.current().shared.read(offset, buf)
+        self.current().shared().read(offset, buf)
     }
     fn try_read(&self, offset: u64, buf: &mut [u8]) -> Result<Option<Vec<Range<u64>>>> {
         match self.current_now() {
-            Some(engine) => engine.shared.try_read(offset, buf),
+            Some(engine) => engine.shared().try_read(offset, buf),
             None => Ok(None),
         }
     }
@@ -43,20 +43,20 @@ impl BlockDevice for Volume {
     /// (`reads_ready` false) sends its reads to the workers.
     fn try_begin_read(&self, offset: u64, len: usize) -> Option<StartRead> {
         let current = self.current_now()?;
-        if !current.shared.io.reads_ready() {
+        if !current.shared().io().reads_ready() {
             return None;
         }
-        let read = current.shared.plan_ring_read(offset, len)?;
+        let read = current.shared().plan_ring_read(offset, len)?;
         let engine = Arc::clone(&current);
         Some(Box::new(move |done: ReadDone| {
             let span = read.span;
-            let io = &engine.shared.io;
+            let io = engine.shared().io();
             let answer = Arc::clone(&engine);
             let finish: ReadLater = Box::new(move |bytes| {
                 done(
                     bytes
                         .ok()
-                        .and_then(|bytes| answer.shared.finish_ring_read(&read, &bytes)),
+                        .and_then(|bytes| answer.shared().finish_ring_read(&read, &bytes)),
                 )
             });
             if let Err(finish) = io.start_read(span.object, span.offset, span.len, finish) {
@@ -65,13 +65,13 @@ impl BlockDevice for Volume {
         }))
     }
     fn read_events(&self) -> Option<std::os::fd::RawFd> {
-        self.first.shared.io.read_events()
+        self.first.shared().io().read_events()
     }
     fn reap_reads(&self) -> std::io::Result<()> {
-        self.first.shared.io.reap_reads()
+        self.first.shared().io().reap_reads()
     }
     fn reads_in_flight(&self) -> usize {
-        self.first.shared.io.reads_in_flight()
+        self.first.shared().io().reads_in_flight()
     }
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.current().write(offset, data, fua)
@@ -113,11 +113,11 @@ impl BlockDevice for Volume {
         max_blocks: u64,
     ) -> Result<Vec<(u64, Allocation)>> {
         self.current()
-            .shared
+            .shared()
             .block_status(offset, length, max_blocks)
     }
     fn stored_contexts(&self, first: u64, count: u64) -> Result<Vec<StoredContext>> {
-        self.current().shared.stored_contexts(first, count)
+        self.current().shared().stored_contexts(first, count)
     }
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         Some(self)
@@ -139,19 +139,19 @@ impl BlockDevice for Volume {
     }
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.current()
-            .shared
+            .shared()
             .read_blocks_collecting(first, count, out)
     }
     fn next_possible_data(&self, lba: u64) -> Result<u64> {
-        self.current().shared.next_possible_data(lba)
+        self.current().shared().next_possible_data(lba)
     }
     fn metadata_unit(&self, lba: u64) -> Range<u64> {
         Volume::metadata_unit(self, lba)
     }
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         let engine = self.current();
-        let generation = engine.committer.lock().next_seq;
-        engine.shared.read_sealed(first, count, generation)
+        let generation = engine.committer().lock().next_seq();
+        engine.shared().read_sealed(first, count, generation)
     }
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         self.current().write_sealed(blocks, SealCheck::Full)
@@ -182,7 +182,7 @@ impl BlockDevice for Volume {
         self.current().seal_for_transfer(first, data, generation)
     }
     fn generation_clock(&self) -> u64 {
-        self.current().shared.sealing_generation()
+        self.current().shared().sealing_generation()
     }
     /// Copy within the volume next to the data (`copy::copy`, method
     /// `Auto`): reflink when the filesystem shares extents, else pipelined.

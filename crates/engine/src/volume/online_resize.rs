@@ -58,7 +58,7 @@ impl Volume {
         crate::superblock::check_volume_size(new_bytes)?;
         {
             let engine = self.current();
-            engine.shared.io.check_writable()?;
+            engine.shared().io().check_writable()?;
             refuse_online(&engine.superblock())?;
         }
         // Most of the close's work first, while clients go on (as an
@@ -70,7 +70,7 @@ impl Volume {
         let waited = asked.elapsed();
         let locked = Instant::now();
         let engine = Arc::clone(&current);
-        let old_bytes = engine.shared.io.geometry.size_bytes;
+        let old_bytes = engine.shared().io().geometry.size_bytes;
         // The committer thread holds the engine too.
         self.stop_committer(&engine);
         let restart = |engine: &Arc<Engine>| {
@@ -116,7 +116,7 @@ impl Volume {
             return Err(error);
         }
         let outcome = (steps.files)(new_bytes);
-        let storage = engine.shared.io.storage_arc();
+        let storage = engine.shared().io().storage_arc();
         let reopened = crate::superblock::read_superblock(&*storage)
             .and_then(|superblock| {
                 superblock
@@ -128,20 +128,20 @@ impl Volume {
                 Engine::open_counting(
                     storage,
                     &self.options,
-                    Some(Arc::clone(&engine.shared.io.stats)),
+                    Some(Arc::clone(&engine.shared().io().stats)),
                 )
             });
         match reopened {
             Ok(new) => {
                 let new = Arc::new(new);
                 restart(&new);
-                size(new.shared.io.geometry.size_bytes);
+                size(new.shared().io().geometry.size_bytes);
                 *current = new;
             }
             Err(error) => {
                 // Closed cleanly on disk, at the old size or the new one;
                 // the old engine no longer matches its files.
-                let error = engine.shared.io.fail_stop(Error::InvalidArgument(format!(
+                let error = engine.shared().io().fail_stop(Error::InvalidArgument(format!(
                     "the volume was closed for a resize and could not be opened again ({error}): restart the server"
                 )));
                 return Err(error);
@@ -167,10 +167,12 @@ fn refuse_online(superblock: &Superblock) -> Result<()> {
 /// naming its first LBA. Everything buffered is committed first.
 fn refuse_written_tail(engine: &Engine, new_bytes: u64, old_bytes: u64) -> Result<()> {
     {
-        let mut journal = engine.committer.lock();
-        engine.committer.commit(&engine.shared, &mut journal, &[])?;
+        let mut journal = engine.committer().lock();
+        engine
+            .committer()
+            .commit(engine.shared(), &mut journal, &[])?;
     }
-    let shared = &engine.shared;
+    let shared = engine.shared();
     let found = crate::resize::first_written_by(
         &|lba| shared.next_possible_data(lba),
         &|lba, count| shared.block_status(lba * crate::BLOCK, count * crate::BLOCK, count),

@@ -1,10 +1,5 @@
-//! Requests the export finishes later, with no worker sleeping on them:
-//! WRITEs (`Export::try_start_write`), started on the connection's reader
-//! task and answered from whichever thread finishes them (a mirror's
-//! remote legs: a replica connection's reader thread), and READs that must
-//! wait for the device (`Export::try_start_read`), started on the reader
-//! task and answered from the export's ring when the server's reaper task
-//! (`reap_reads`, on the same runtime) finds them done.
+//! Starting the requests the export finishes later (`export/completion.rs`)
+//! on the reader task, and answering them (`Answer` for the connection).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -12,10 +7,11 @@ use std::time::Instant;
 
 use bytes::Bytes;
 
-use super::{done_reply, execute, finish, read_reply_of, Connection, Permits};
-use crate::export::{Errno, ExportError};
+use super::{done_reply, execute, finish, read_reply_of, Connection};
+use crate::export::completion::{Answer, Started};
+use crate::export::{ExportError, ReadCompletion, WriteCompletion};
+use crate::permits::Permits;
 use crate::wire::{self, Command, Request};
-use crate::worker::WorkerPool;
 
 /// Largest WRITE the reader task starts itself when the export finishes
 /// it later (`try_start_inline`). Smaller than `INLINE_WRITE_MAX_BYTES`:
@@ -25,65 +21,57 @@ use crate::worker::WorkerPool;
 /// (1 MiB QD8 to a remote mirror measured 0.95x with it); 4 KiB writes
 /// gain 1.4x at QD32.
 const START_WRITE_MAX_BYTES: usize = 128 * 1024;
-/// A WRITE the export completes later (`Export::try_start_write`), or a
-/// FLUSH it may answer before its call returns (`Export::flush_then`):
-/// the reply is queued when `complete` is called, from whichever thread
-/// the export finishes it on. Dropped without `complete`, it answers EIO,
-/// so a request is never left without a reply nor its permits held.
-pub struct WriteCompletion {
-    write: Option<StartedWrite>,
-}
 
-struct StartedWrite {
-    connection: Arc<Connection>,
-    /// `Write` or `Flush`: both are answered with a bare reply.
-    command: Command,
-    request: Request,
-    permits: Permits,
-    received: Instant,
-}
-
-impl WriteCompletion {
-    /// The write is done: queue its reply (success, or the error).
-    pub fn complete(mut self, outcome: Result<(), ExportError>) {
-        if let Some(write) = self.write.take() {
-            write.answer(Ok(outcome));
-        }
-    }
-
-    /// Declined: the permits back, to run the request on a worker.
-    fn into_permits(mut self) -> Permits {
-        self.write
-            .take()
-            .expect("an unanswered completion holds its write")
-            .permits
-    }
-}
-
-impl StartedWrite {
-    fn answer(self, outcome: std::thread::Result<Result<(), ExportError>>) {
-        let connection = &self.connection;
-        let outcome = outcome
-            .map(|written| written.map(|()| done_reply(&connection.session, self.request.cookie)));
+impl Answer for Connection {
+    fn written(self: Arc<Self>, started: Started, outcome: Result<(), ExportError>) {
+        let outcome = outcome.map(|()| done_reply(&self.session, started.request.cookie));
         finish(
-            connection,
-            &self.request,
-            self.command,
-            outcome,
-            self.permits,
-            self.received,
+            &self,
+            &started.request,
+            started.command,
+            Ok(outcome),
+            started.permits,
+            started.received,
         );
     }
-}
 
-impl Drop for WriteCompletion {
-    fn drop(&mut self) {
-        if let Some(write) = self.write.take() {
-            write.answer(Ok(Err(ExportError::new(
-                Errno::Io,
-                "the request was dropped without an answer",
-            ))));
-        }
+    fn read(self: Arc<Self>, started: Started, data: Vec<u8>) {
+        self.metrics.ring_read_answered();
+        let reply = read_reply_of(&self.session, &started.request, data, Vec::new());
+        finish(
+            &self,
+            &started.request,
+            Command::Read,
+            Ok(Ok(reply)),
+            started.permits,
+            started.received,
+        );
+    }
+
+    fn read_on_worker(self: Arc<Self>, started: Started) {
+        self.metrics.ring_read_to_worker();
+        let pool = Arc::clone(&self.pool);
+        pool.submit(Box::new(move || {
+            execute(
+                &self,
+                started.request,
+                Command::Read,
+                Bytes::new(),
+                started.permits,
+                started.received,
+            );
+        }));
+    }
+
+    fn read_failed(self: Arc<Self>, started: Started, error: ExportError) {
+        finish(
+            &self,
+            &started.request,
+            Command::Read,
+            Ok(Err(error)),
+            started.permits,
+            started.received,
+        );
     }
 }
 
@@ -102,15 +90,15 @@ pub(super) fn try_start_inline(
     if fua || length == 0 || length > START_WRITE_MAX_BYTES {
         return Err(permits);
     }
-    let done = WriteCompletion {
-        write: Some(StartedWrite {
-            connection: Arc::clone(connection),
+    let done = WriteCompletion::new(
+        Arc::clone(connection) as Arc<dyn Answer>,
+        Started {
             command: Command::Write,
             request: *request,
             permits,
             received,
-        }),
-    };
+        },
+    );
     let export = connection.session.export.as_ref();
     // A panic inside drops `done` unanswered, which answers EIO.
     match catch_unwind(AssertUnwindSafe(|| {
@@ -132,87 +120,6 @@ pub(super) fn try_start_inline(
 /// of the workers.
 const START_READ_MAX_BYTES: usize = 128 * 1024;
 
-/// A READ the export completes later (`Export::try_start_read`): answered
-/// with the bytes, or run on a worker after all. Dropped without
-/// `complete`, it answers EIO.
-pub struct ReadCompletion {
-    read: Option<StartedRead>,
-}
-
-struct StartedRead {
-    connection: Arc<Connection>,
-    request: Request,
-    permits: Permits,
-    received: Instant,
-    pool: Arc<WorkerPool>,
-}
-
-impl ReadCompletion {
-    /// The read is done: `Some(bytes)` (every block verified, exactly the
-    /// request's length) is the reply; `None` runs the read on a worker,
-    /// which judges and reports whatever stopped it here.
-    pub fn complete(mut self, bytes: Option<Vec<u8>>) {
-        let Some(read) = self.read.take() else { return };
-        let StartedRead {
-            connection,
-            request,
-            permits,
-            received,
-            pool,
-        } = read;
-        match bytes {
-            Some(data) if data.len() == request.length as usize => {
-                connection.metrics.ring_read_answered();
-                let reply = read_reply_of(&connection.session, &request, data, Vec::new());
-                finish(
-                    &connection,
-                    &request,
-                    Command::Read,
-                    Ok(Ok(reply)),
-                    permits,
-                    received,
-                );
-            }
-            _ => {
-                connection.metrics.ring_read_to_worker();
-                pool.submit(Box::new(move || {
-                    execute(
-                        &connection,
-                        request,
-                        Command::Read,
-                        Bytes::new(),
-                        permits,
-                        received,
-                    );
-                }));
-            }
-        }
-    }
-
-    fn into_permits(mut self) -> Permits {
-        self.read
-            .take()
-            .expect("an unanswered completion holds its read")
-            .permits
-    }
-}
-
-impl Drop for ReadCompletion {
-    fn drop(&mut self) {
-        if let Some(read) = self.read.take() {
-            let error = ExportError::new(Errno::Io, "the read was dropped without an answer");
-            finish(
-                &read.connection,
-                &read.request,
-                Command::Read,
-                Ok(Err(error)),
-                read.permits,
-                read.received,
-            );
-        }
-    }
-}
-
 /// A READ the export could not answer from memory (`try_read` declined),
 /// started on its ring if it can: no worker sleeps on it. Gives the
 /// permits back when the export declines.
@@ -221,21 +128,20 @@ pub(super) fn try_start_read_inline(
     request: &Request,
     permits: Permits,
     received: Instant,
-    pool: &Arc<WorkerPool>,
 ) -> Result<(), Permits> {
     let length = request.length as usize;
     if length == 0 || length > START_READ_MAX_BYTES {
         return Err(permits);
     }
-    let done = ReadCompletion {
-        read: Some(StartedRead {
-            connection: Arc::clone(connection),
+    let done = ReadCompletion::new(
+        Arc::clone(connection) as Arc<dyn Answer>,
+        Started {
+            command: Command::Read,
             request: *request,
             permits,
             received,
-            pool: Arc::clone(pool),
-        }),
-    };
+        },
+    );
     let export = connection.session.export.as_ref();
     // A panic inside drops `done` unanswered, which answers EIO.
     match catch_unwind(AssertUnwindSafe(|| {
@@ -254,15 +160,15 @@ pub(super) fn flush(
     permits: Permits,
     received: Instant,
 ) {
-    let done = WriteCompletion {
-        write: Some(StartedWrite {
-            connection: Arc::clone(&connection),
+    let done = WriteCompletion::new(
+        Arc::clone(&connection) as Arc<dyn Answer>,
+        Started {
             command: Command::Flush,
             request,
             permits,
             received,
-        }),
-    };
+        },
+    );
     let export = connection.session.export.as_ref();
     // A panic inside drops `done` unanswered, which answers EIO.
     let _ = catch_unwind(AssertUnwindSafe(|| export.flush_then(done)));

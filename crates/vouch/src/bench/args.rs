@@ -22,7 +22,7 @@ pub struct BenchArgs {
     pub seconds: f64,
     /// Volume / file size (a multiple of 4096; K, M, G, T and KiB, MiB,
     /// GiB, TiB are powers of 1024, KB, MB, GB, TB powers of 1000).
-    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = crate::parse_volume_size)]
+    #[arg(long, value_name = "SIZE", default_value = "1GiB", value_parser = crate::sizes::parse_volume_size)]
     pub size: u64,
     /// Directory for the volumes (default: $TMPDIR or /var/tmp); a
     /// subdirectory is created there and removed afterwards.
@@ -76,7 +76,7 @@ pub struct BenchArgs {
     pub scale: bool,
     /// Scale mode: volume sizes (1TiB = 1T; K, M, G, T are powers of 1024,
     /// KB, MB, GB, TB powers of 1000).
-    #[arg(long, value_name = "SIZE", value_delimiter = ',', default_value = "1GiB,1TiB", value_parser = crate::parse_volume_size)]
+    #[arg(long, value_name = "SIZE", value_delimiter = ',', default_value = "1GiB,1TiB", value_parser = crate::sizes::parse_volume_size)]
     pub scale_sizes: Vec<u64>,
     /// Scale mode: random 4 KiB writes before the crash (a flush half-way).
     #[arg(long, default_value_t = 20000)]

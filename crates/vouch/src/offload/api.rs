@@ -314,7 +314,7 @@ async fn resize_export(
             )))
         }
     };
-    let new_bytes = crate::parse_volume_size(&size).map_err(ApiError::bad)?;
+    let new_bytes = crate::sizes::parse_volume_size(&size).map_err(ApiError::bad)?;
     let entry = export_of(&state, &export)?;
     if entry.mirror.is_some() {
         return Err(ApiError(
@@ -438,19 +438,20 @@ async fn migration_start(
             body.layout
         ))
     })?;
-    let rate =
-        match body.rate {
-            None | Some(Value::Null) => None,
-            Some(Value::Number(number)) => Some(number.as_u64().ok_or_else(|| {
+    let rate = match body.rate {
+        None | Some(Value::Null) => None,
+        Some(Value::Number(number)) => {
+            Some(number.as_u64().ok_or_else(|| {
                 ApiError::bad("\"rate\" must be a whole number of bytes a second")
-            })?),
-            Some(Value::String(text)) => Some(crate::parse_size(&text).map_err(ApiError::bad)?),
-            Some(_) => {
-                return Err(ApiError::bad(
-                    "\"rate\" must be a number or a size such as \"200M\"",
-                ))
-            }
-        };
+            })?)
+        }
+        Some(Value::String(text)) => Some(crate::sizes::parse_size(&text).map_err(ApiError::bad)?),
+        Some(_) => {
+            return Err(ApiError::bad(
+                "\"rate\" must be a number or a size such as \"200M\"",
+            ))
+        }
+    };
     let mut status = migration
         .start(target, rate)
         .map_err(|error| ApiError(StatusCode::CONFLICT, error))?;

@@ -17,7 +17,7 @@ use vouch_engine::jobs::JobControl;
 use vouch_engine::{BlockDevice, OpenOptions, Volume, BLOCK};
 
 use super::client::{Client, ServerArgs};
-use crate::parse_size;
+use crate::sizes::parse_size;
 
 #[derive(Args, Debug)]
 pub struct VerifyArgs {
@@ -25,11 +25,11 @@ pub struct VerifyArgs {
     pub(super) target: String,
     /// First byte (a multiple of 4096; default 0). K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
     /// GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes)]
     pub(super) offset: Option<u64>,
     /// Bytes to verify (a multiple of 4096; default: to the end). K, M, G, T are
     /// powers of 1024, KB, MB, GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes)]
     pub(super) length: Option<u64>,
     /// Proof of work: 64 hex digits; the result carries a keyed digest of
     /// the verified data (docs/PROTOCOL.md says how to recompute it).
@@ -86,15 +86,15 @@ pub struct CopyArgs {
     pub(super) destination: String,
     /// Bytes to copy (a multiple of 4096). K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
     /// GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes)]
     pub(super) length: u64,
     /// First byte read from SOURCE (a multiple of 4096). K, M, G, T are
     /// powers of 1024, KB, MB, GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes, default_value = "0")]
     pub(super) source_offset: u64,
     /// First byte written in DESTINATION (a multiple of 4096). K, M, G, T are
     /// powers of 1024, KB, MB, GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes, default_value = "0")]
     pub(super) destination_offset: u64,
     /// auto (measure once per volume), reflink or pipelined.
     #[arg(long, default_value = "auto", value_parser = ["auto", "reflink", "pipelined"])]
@@ -120,11 +120,11 @@ pub struct CompareArgs {
     pub(super) target: String,
     /// First byte compared (a multiple of 4096). K, M, G, T (or KiB, MiB, GiB, TiB) are powers of 1024; KB, MB,
     /// GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes, default_value = "0")]
     pub(super) offset: u64,
     /// Bytes to compare (default: the file's length with --with-file). K, M, G, T are
     /// powers of 1024, KB, MB, GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes)]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes)]
     pub(super) length: Option<u64>,
     /// Compare with the bytes of this file (with --server, sent 16 MiB per request).
     #[arg(long, value_name = "FILE")]
@@ -134,7 +134,7 @@ pub struct CompareArgs {
     pub(super) with: Option<String>,
     /// First byte of the --with range (a multiple of 4096). K, M, G, T are
     /// powers of 1024, KB, MB, GB, TB powers of 1000.
-    #[arg(long, value_name = "BYTES", value_parser = crate::parse_block_bytes, default_value = "0")]
+    #[arg(long, value_name = "BYTES", value_parser = crate::sizes::parse_block_bytes, default_value = "0")]
     pub(super) with_offset: u64,
     #[command(flatten)]
     pub(super) server: ServerArgs,

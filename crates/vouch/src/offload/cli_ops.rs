@@ -131,7 +131,7 @@ pub fn scrub(args: ScrubArgs) -> Result<ExitCode> {
                 (export["last_scrub"].clone(), running_scrub(client, &name)?)
             }
             None => {
-                crate::commands::volume_dir(Path::new(&name))?;
+                crate::key::volume_dir(Path::new(&name))?;
                 let record = engine::last_scrub(Path::new(&name))?;
                 (
                     record.as_ref().map_or(Value::Null, render::scrub_json),
