@@ -916,7 +916,7 @@ fn new_id() -> String {
 }
 
 /// `.NAME.partial` of the volume at `volume`.
-fn partial_path(volume: &Path, name: &str) -> PathBuf {
+pub fn partial_path(volume: &Path, name: &str) -> PathBuf {
     volume.join(SNAPSHOTS_DIR).join(format!(".{name}{PARTIAL}"))
 }
 

@@ -270,10 +270,9 @@ async fn delete_snapshot(
     vouch_engine::snapshot::check_name(&name).map_err(|e| ApiError::bad(e.to_string()))?;
     // A name with nothing behind it is not a conflict: 404, as for any
     // resource that is not there (a half-made copy is still deleted).
-    let snapshots = dir.join(vouch_engine::snapshot::SNAPSHOTS_DIR);
     if mirror.is_none()
-        && !snapshots.join(&name).exists()
-        && !snapshots.join(format!(".{name}.partial")).exists()
+        && !vouch_engine::snapshot::snapshot_path(&dir, &name).exists()
+        && !vouch_engine::snapshot::partial_path(&dir, &name).exists()
     {
         return Err(ApiError(
             StatusCode::NOT_FOUND,
