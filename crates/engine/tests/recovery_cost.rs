@@ -101,6 +101,18 @@ impl Storage for Counting {
     }
 }
 
+/// A packed volume of `BLOCKS` blocks, created and closed, on simulated
+/// storage.
+fn closed_packed_volume() -> SimStorage {
+    let sim = SimStorage::new();
+    let mut options = CreateOptions::new(BLOCKS * BLOCK);
+    options.layout = LayoutKind::Packed;
+    Volume::create(Arc::new(sim.clone()), &options)
+        .and_then(Volume::close)
+        .expect("create");
+    sim
+}
+
 /// Prompt commits leave hundreds of small records; recovery reads the
 /// journal in a few large sequential reads, not two per record (two per
 /// record: 200 reads here).
@@ -375,12 +387,7 @@ fn expect_patterns(volume: &Volume, lbas: std::ops::Range<u64>, tag: u8, what: &
 #[test]
 fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_the_checkpoint() {
     let scattered = [100u64, 500, 1000];
-    let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK);
-    options.layout = LayoutKind::Packed;
-    Volume::create(Arc::new(sim.clone()), &options)
-        .and_then(Volume::close)
-        .expect("create");
+    let sim = closed_packed_volume();
     let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::default()).expect("open");
     // Rows 0 and 1 whole (LBAs 0-61), backwards in three records, then the
     // scattered blocks, then LBA 5 again: 65 blocks in 5 records.
@@ -486,12 +493,7 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
 /// `[[Data(0)], [Written], [Superblock]]`.
 #[test]
 fn a_packed_checkpoint_syncs_moved_generations_with_the_data() {
-    let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK);
-    options.layout = LayoutKind::Packed;
-    Volume::create(Arc::new(sim.clone()), &options)
-        .and_then(Volume::close)
-        .expect("create");
+    let sim = closed_packed_volume();
     let counting = Counting::new(&sim);
     let volume = Volume::open(counting.clone(), &OpenOptions::default()).expect("open");
     let rows = 0..256u64;
