@@ -751,7 +751,8 @@ impl Committer {
     /// writes and `extra` synced at once (`Backing::sync_objects`: their
     /// flushes overlap). Nothing orders them among themselves; all are
     /// durable before it returns, before the checkpoint writes anything
-    /// that relies on them.
+    /// that relies on them. It syncs what `sync_all` syncs (both unsynced
+    /// sets, the redo one too): a change to one is a change to both.
     fn sync_all_and(&self, shared: &Shared, journal: &mut Journal, extra: ObjectId) -> Result<()> {
         let mut objects = journal.take_unsynced(true);
         objects.extend(journal.take_unsynced(false));
