@@ -63,6 +63,9 @@ pub struct MirrorWriteReport {
     pub completed_later: u64,
     /// Writes the mirror's inline route took (`try_write_shared`).
     pub inline_writes: u64,
+    /// Writes the worker's route took (`write_shared`) without FUA (a FUA
+    /// write is durable before it is acknowledged).
+    pub worker_writes: u64,
     /// Image pairs of a process crash (kernel state kept).
     pub process_images: u64,
     /// Requested commits the simulator ran as a leg's background committer.
@@ -74,11 +77,12 @@ pub struct MirrorWriteReport {
 impl MirrorWriteReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
+            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}, by the worker without FUA {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
             self.seeds,
             self.travelling,
             self.completed_later,
             self.inline_writes,
+            self.worker_writes,
             self.background_commits,
             self.crash_points,
             self.images,
@@ -117,6 +121,9 @@ pub enum Sabotage {
     /// The inline route into reserved room (`try_write_shared`,
     /// `write_sealed_reserved`).
     Reserved,
+    /// The worker's route (`write_shared`, the one that may wait: a local
+    /// leg's `write_sealed_here`, a travelling leg's `start_write_sealed`).
+    Worker,
 }
 
 /// `run`, breaking `sabotage`'s route.
@@ -201,17 +208,10 @@ struct Travelling {
     completes: Option<Deferred>,
 }
 
-/// Store blocks on `volume` as the replica server does: its inline route
-/// (`try_write_sealed`) when that needs no wait, else `write_sealed`;
-/// then a flush for FUA.
+/// Store blocks on `volume` as the replica server does: its own routes
+/// (`vouch_replica::server`, run by `replica_server::serve_write`).
 fn land(volume: &Volume, blocks: &[SealedBlock], fua: bool) -> vouch_engine::Result<()> {
-    if !volume.try_write_sealed(blocks)? {
-        volume.write_sealed(blocks)?;
-    }
-    if fua {
-        volume.flush()?;
-    }
-    Ok(())
+    crate::replica_server::serve_write(volume, blocks, fua)
 }
 
 impl BlockDevice for Travelling {
@@ -424,16 +424,18 @@ pub fn run_seed(
                     && mirror
                         .try_write_shared(offset, &Bytes::from(data.clone()))
                         .map_err(|e| format!("inline write: {e}"))?;
-                sabotaged(None);
+                sabotaged(Some(Sabotage::Worker));
                 if completed {
                     report.completed_later += 1;
                 } else if inline {
                     report.inline_writes += 1;
                 } else {
+                    report.worker_writes += u64::from(!fua);
                     mirror
-                        .write(offset, &data, fua)
+                        .write_shared(offset, &Bytes::from(data.clone()), fua)
                         .map_err(|e| format!("write: {e}"))?;
                 }
+                sabotaged(None);
                 acknowledged(&acked, lba, count);
             }
         }
