@@ -274,15 +274,35 @@ impl BlockDevice for Travelling {
     }
 }
 
-/// Two legs of one volume of `blocks` blocks (split or packed at random),
-/// its first half written with random blocks and closed, each then opened
-/// on its own recording copy: what each block may read (the model), the
-/// recorders and the open legs.
+/// Two legs of one volume of `blocks` blocks (`prefilled_volume`), each
+/// opened on its own recording copy: what each block may read (the
+/// model), the recorders and the open legs.
 #[allow(clippy::type_complexity)]
 pub(crate) fn prefilled_legs(
     rng: &mut Rng,
     blocks: u64,
 ) -> Result<(Allowed, [Arc<Recorder>; 2], [Arc<Volume>; 2]), String> {
+    let (allowed, sim) = prefilled_volume(rng, blocks)?;
+    let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
+    let open = crate::stepper::stepped_options(rng);
+    let volumes = [0, 1].map(|at| {
+        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open)
+            .map(Arc::new)
+            .map_err(|e| format!("leg {at}: {e}"))
+    });
+    let [Ok(volume0), Ok(volume1)] = volumes else {
+        return Err("a leg does not open".into());
+    };
+    Ok((allowed, recorders, [volume0, volume1]))
+}
+
+/// A volume of `blocks` blocks (split or packed at random), its first
+/// half written with random blocks and closed: what each block may read
+/// and its storage.
+pub(crate) fn prefilled_volume(
+    rng: &mut Rng,
+    blocks: u64,
+) -> Result<(Allowed, SimStorage), String> {
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(blocks * BLOCK as u64);
     options.layout = if rng.chance(1, 2) {
@@ -301,17 +321,7 @@ pub(crate) fn prefilled_legs(
         allowed[lba as usize] = vec![fingerprint(&data)];
     }
     volume.close().map_err(|e| e.to_string())?;
-    let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
-    let open = crate::stepper::stepped_options(rng);
-    let volumes = [0, 1].map(|at| {
-        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open)
-            .map(Arc::new)
-            .map_err(|e| format!("leg {at}: {e}"))
-    });
-    let [Ok(volume0), Ok(volume1)] = volumes else {
-        return Err("a leg does not open".into());
-    };
-    Ok((allowed, recorders, [volume0, volume1]))
+    Ok((allowed, sim))
 }
 
 /// One seed; violations are pushed to `report`, setup errors returned.

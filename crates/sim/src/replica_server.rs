@@ -35,8 +35,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::{
-    BlockDevice, CommitStep, CreateOptions, LayoutKind, OrderingBreaks, SealedBlock, SimStorage,
-    Storage, Volume,
+    BlockDevice, CommitStep, OrderingBreaks, SealedBlock, SimStorage, Storage, Volume,
 };
 use vouch_replica::server::{serve_request, try_serve_inline, RouteBreaks};
 use vouch_replica::wire::{
@@ -44,6 +43,7 @@ use vouch_replica::wire::{
     REQUEST_HEADER_BYTES, RESPONSE_HEADER_BYTES,
 };
 
+use crate::mirror_write::Allowed;
 use crate::recorder::{crash_image, Recorder, Strategy, STRATEGIES};
 use crate::rng::Rng;
 use crate::stepper::{step_commits, stepped_tuning, Stepper};
@@ -120,9 +120,6 @@ pub fn run_with(first: u64, seeds: u64, breaks: RouteBreaks) -> ReplicaServerRep
     report.seconds = started.elapsed().as_secs_f64();
     report
 }
-
-/// Per block, the fingerprints a read may return after a crash now.
-type Allowed = Vec<Vec<u64>>;
 
 /// A crash image and what each block may read in it.
 struct Image {
@@ -633,27 +630,10 @@ fn inline_at_step(
     Ok(())
 }
 
-/// A replica of `BLOCKS` blocks (split or packed at random), its first
-/// half written and closed, on a recording copy: what each block may read
-/// and the recorder.
+/// A replica of `BLOCKS` blocks (`mirror_write::prefilled_volume`) on a
+/// recording copy: what each block may read and the recorder.
 fn prefilled_replica(rng: &mut Rng) -> Result<(Allowed, Arc<Recorder>), String> {
-    let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK as u64);
-    options.layout = if rng.chance(1, 2) {
-        LayoutKind::Split
-    } else {
-        LayoutKind::Packed
-    };
-    let volume = Volume::create(Arc::new(sim.clone()), &options).map_err(|e| e.to_string())?;
-    let mut allowed: Allowed = vec![vec![fingerprint(&[0u8; BLOCK])]; BLOCKS as usize];
-    for lba in 0..BLOCKS / 2 {
-        let data = rng.bytes(BLOCK);
-        volume
-            .write(lba * BLOCK as u64, &data, false)
-            .map_err(|e| e.to_string())?;
-        allowed[lba as usize] = vec![fingerprint(&data)];
-    }
-    volume.close().map_err(|e| e.to_string())?;
+    let (allowed, sim) = crate::mirror_write::prefilled_volume(rng, BLOCKS)?;
     let recorder = Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX)));
     Ok((allowed, recorder))
 }
