@@ -355,7 +355,10 @@ fn close(name: &str, volume: Arc<Volume>) {
 /// Orderings the server's write routes break on purpose, for the crash
 /// simulator's self-tests only (`vouch_sim::replica_server`): each makes
 /// a route answer before the step its answer promises, and the
-/// simulator must catch it. The socket loop always passes `NONE`.
+/// simulator must catch it. The socket loop always passes `NONE`; the
+/// broken orders live in `serve_broken` and one test in
+/// `try_serve_inline`, off the production path.
+#[doc(hidden)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct RouteBreaks {
     /// A WRITE_SEALED is answered before its blocks are written (so
