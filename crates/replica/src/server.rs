@@ -352,19 +352,125 @@ fn close(name: &str, volume: Arc<Volume>) {
     }
 }
 
-/// Run a request that completes without waiting (`WriteSealed` without
-/// FUA, when the volume's write-back buffer has room:
-/// `BlockDevice::try_write_sealed`, which verifies every block first);
-/// anything else, or a write that would wait, is handed back untouched
-/// for `execute` on a blocking thread.
-fn try_inline(volume: &Volume, request: Request) -> Result<Result<Vec<u8>, Refusal>, Request> {
+/// Orderings the server's write routes break on purpose, for the crash
+/// simulator's self-tests only (`vouch_sim::replica_server`): each makes
+/// a route answer before the step its answer promises, and the
+/// simulator must catch it. The socket loop always passes `NONE`; the
+/// broken orders live in `serve_broken` and one test in
+/// `try_serve_inline`, off the production path.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RouteBreaks {
+    /// A WRITE_SEALED is answered before its blocks are written (so
+    /// before the replica's held log has them).
+    pub answer_before_write: bool,
+    /// A FLUSH, or a FUA WRITE_SEALED's flush, is answered before the
+    /// flush (its commit) ran.
+    pub answer_before_flush: bool,
+}
+
+impl RouteBreaks {
+    /// Every route in its order (production).
+    pub const NONE: RouteBreaks = RouteBreaks {
+        answer_before_write: false,
+        answer_before_flush: false,
+    };
+}
+
+/// The server's inline route: answer `request` (number `handle`) on
+/// `volume` if it completes without waiting (`WriteSealed` without FUA,
+/// when the volume's write-back buffer has room:
+/// `BlockDevice::try_write_sealed`, which verifies every block first),
+/// handing the answer frame to `reply` once the volume holds the blocks
+/// (in its held log: a crash of this process keeps them). Anything
+/// else, or a write that would wait, is handed back untouched for
+/// `serve_request` on a blocking thread. The socket loop runs this on
+/// the connection's task; the crash simulator runs it as is, without a
+/// socket.
+pub fn try_serve_inline(
+    volume: &Volume,
+    handle: u64,
+    request: Request,
+    breaks: RouteBreaks,
+    reply: impl FnOnce(Vec<u8>),
+) -> Result<(), Request> {
     match &request {
-        Request::WriteSealed { blocks, fua: false } => match volume.try_write_sealed(blocks) {
-            Ok(true) => Ok(Ok(Vec::new())),
-            Ok(false) => Err(request),
-            Err(error) => Ok(Err(engine_refusal(&error))),
-        },
+        Request::WriteSealed { blocks, fua: false } => {
+            if breaks.answer_before_write {
+                // Answered, then written if that needs no wait (this
+                // route never waits; a block it then declines is lost).
+                reply(answer(handle, Ok(Vec::new())));
+                let _ = volume.try_write_sealed(blocks);
+                return Ok(());
+            }
+            match volume.try_write_sealed(blocks) {
+                Ok(true) => reply(answer(handle, Ok(Vec::new()))),
+                Ok(false) => return Err(request),
+                Err(error) => reply(answer(handle, Err(engine_refusal(&error)))),
+            }
+            Ok(())
+        }
         _ => Err(request),
+    }
+}
+
+/// The server's blocking route: run `request` (number `handle`) on
+/// `volume` and hand its answer frame to `reply` once what the answer
+/// promises holds (a write in the volume's held log, a flush committed).
+/// The socket loop runs this on a blocking thread; the crash simulator
+/// runs it as is, without a socket.
+pub fn serve_request(
+    volume: &Volume,
+    handle: u64,
+    request: Request,
+    breaks: RouteBreaks,
+    reply: impl FnOnce(Vec<u8>),
+) {
+    if breaks != RouteBreaks::NONE {
+        return serve_broken(volume, handle, request, breaks, reply);
+    }
+    reply(answer(handle, execute(volume, request)));
+}
+
+/// `serve_request` with `breaks` (self-tests only): the answer first,
+/// then the steps it should have waited for.
+fn serve_broken(
+    volume: &Volume,
+    handle: u64,
+    request: Request,
+    breaks: RouteBreaks,
+    reply: impl FnOnce(Vec<u8>),
+) {
+    let refuse = |error: Error| engine_refusal(&error);
+    match request {
+        Request::WriteSealed { blocks, fua } => {
+            if breaks.answer_before_write {
+                reply(answer(handle, Ok(Vec::new())));
+                let _ = volume.write_sealed(&blocks).and_then(|()| match fua {
+                    true => volume.flush(),
+                    false => Ok(()),
+                });
+                return;
+            }
+            if let Err(error) = volume.write_sealed(&blocks) {
+                return reply(answer(handle, Err(refuse(error))));
+            }
+            if fua && breaks.answer_before_flush {
+                reply(answer(handle, Ok(Vec::new())));
+                let _ = volume.flush();
+                return;
+            }
+            let flushed = match fua {
+                true => volume.flush().map_err(refuse),
+                false => Ok(()),
+            };
+            reply(answer(handle, flushed.map(|()| Vec::new())));
+        }
+        Request::Flush if breaks.answer_before_flush => {
+            reply(answer(handle, Ok(Vec::new())));
+            let _ = volume.flush();
+        }
+        request => reply(answer(handle, execute(volume, request))),
     }
 }
 
@@ -826,9 +932,18 @@ impl Session {
                     // other: the exporter never has two writes of one
                     // block in flight (its stripe lock is held until every
                     // leg answered).
-                    let request = match try_inline(volume, request) {
-                        Ok(result) => {
-                            self.send(answer(handle, result)).await;
+                    // The answer is sent once the route returns (the
+                    // channel's send may wait, a route may not).
+                    let mut frame = None;
+                    let inline =
+                        try_serve_inline(volume, handle, request, RouteBreaks::NONE, |f| {
+                            frame = Some(f)
+                        });
+                    let request = match inline {
+                        Ok(()) => {
+                            if let Some(frame) = frame {
+                                self.send(frame).await;
+                            }
                             drop(permit);
                             continue;
                         }
@@ -837,12 +952,18 @@ impl Session {
                     let volume = Arc::clone(volume);
                     let answers = self.answers.clone();
                     tokio::spawn(async move {
-                        let result = tokio::task::spawn_blocking(move || execute(&volume, request))
-                            .await
-                            .unwrap_or_else(|error| {
-                                Err(refusal(Status::Io, format!("request failed: {error}")))
+                        let frame = tokio::task::spawn_blocking(move || {
+                            let mut frame = None;
+                            serve_request(&volume, handle, request, RouteBreaks::NONE, |f| {
+                                frame = Some(f)
                             });
-                        let _ = answers.send(answer(handle, result)).await;
+                            frame
+                        })
+                        .await
+                        .map_err(|error| format!("request failed: {error}"))
+                        .and_then(|frame| frame.ok_or_else(|| "request not answered".to_string()))
+                        .unwrap_or_else(|error| answer(handle, Err(refusal(Status::Io, error))));
+                        let _ = answers.send(frame).await;
                         drop(permit);
                     });
                 }

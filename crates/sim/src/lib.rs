@@ -91,6 +91,7 @@ pub mod mirror_reconcile;
 pub mod mirror_write;
 pub mod offload;
 pub mod recorder;
+pub mod replica_server;
 pub mod resize;
 pub mod resync;
 pub mod rng;

@@ -277,6 +277,21 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Crash a replica server answering an exporter's requests through
+    /// its own routes, at every write and sync, commit step and answer
+    /// (`replica_server.rs`).
+    ReplicaServer {
+        #[arg(long, default_value_t = 64)]
+        seeds: u64,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Self-test: answer each WRITE_SEALED before it is written.
+        #[arg(long)]
+        break_write: bool,
+        /// Self-test: answer each FLUSH (and FUA write) before its flush.
+        #[arg(long)]
+        break_flush: bool,
+    },
     /// Crash the exporter at every write and sync of mirrored writes with
     /// the activity log (the legs' and the log's), then reconcile the
     /// logged extents (`mirror_reconcile.rs`).
@@ -635,6 +650,19 @@ fn run(cli: Cli) -> Result<bool, String> {
         }
         Command::MirrorWrite { seeds, seed } => {
             let report = vouch_sim::mirror_write::run(seed, seeds);
+            Ok(print_report(&report.violations, &report.summary()))
+        }
+        Command::ReplicaServer {
+            seeds,
+            seed,
+            break_write,
+            break_flush,
+        } => {
+            let breaks = vouch_replica::server::RouteBreaks {
+                answer_before_write: break_write,
+                answer_before_flush: break_flush,
+            };
+            let report = vouch_sim::replica_server::run_with(seed, seeds, breaks);
             Ok(print_report(&report.violations, &report.summary()))
         }
         Command::MirrorReconcile { seeds, seed } => {

@@ -63,6 +63,9 @@ pub struct MirrorWriteReport {
     pub completed_later: u64,
     /// Writes the mirror's inline route took (`try_write_shared`).
     pub inline_writes: u64,
+    /// Writes the worker's route took (`write_shared`) without FUA (a FUA
+    /// write is durable before it is acknowledged).
+    pub worker_writes: u64,
     /// Image pairs of a process crash (kernel state kept).
     pub process_images: u64,
     /// Requested commits the simulator ran as a leg's background committer.
@@ -74,11 +77,12 @@ pub struct MirrorWriteReport {
 impl MirrorWriteReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
+            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}, by the worker without FUA {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
             self.seeds,
             self.travelling,
             self.completed_later,
             self.inline_writes,
+            self.worker_writes,
             self.background_commits,
             self.crash_points,
             self.images,
@@ -117,6 +121,9 @@ pub enum Sabotage {
     /// The inline route into reserved room (`try_write_shared`,
     /// `write_sealed_reserved`).
     Reserved,
+    /// The worker's route (`write_shared`, the one that may wait: a local
+    /// leg's `write_sealed_here`, a travelling leg's `start_write_sealed`).
+    Worker,
 }
 
 /// `run`, breaking `sabotage`'s route.
@@ -201,17 +208,10 @@ struct Travelling {
     completes: Option<Deferred>,
 }
 
-/// Store blocks on `volume` as the replica server does: its inline route
-/// (`try_write_sealed`) when that needs no wait, else `write_sealed`;
-/// then a flush for FUA.
+/// Store blocks on `volume` as the replica server does: its own routes
+/// (`vouch_replica::server`, run by `replica_server::serve_write`).
 fn land(volume: &Volume, blocks: &[SealedBlock], fua: bool) -> vouch_engine::Result<()> {
-    if !volume.try_write_sealed(blocks)? {
-        volume.write_sealed(blocks)?;
-    }
-    if fua {
-        volume.flush()?;
-    }
-    Ok(())
+    crate::replica_server::serve_write(volume, blocks, fua)
 }
 
 impl BlockDevice for Travelling {
@@ -274,15 +274,35 @@ impl BlockDevice for Travelling {
     }
 }
 
-/// Two legs of one volume of `blocks` blocks (split or packed at random),
-/// its first half written with random blocks and closed, each then opened
-/// on its own recording copy: what each block may read (the model), the
-/// recorders and the open legs.
+/// Two legs of one volume of `blocks` blocks (`prefilled_volume`), each
+/// opened on its own recording copy: what each block may read (the
+/// model), the recorders and the open legs.
 #[allow(clippy::type_complexity)]
 pub(crate) fn prefilled_legs(
     rng: &mut Rng,
     blocks: u64,
 ) -> Result<(Allowed, [Arc<Recorder>; 2], [Arc<Volume>; 2]), String> {
+    let (allowed, sim) = prefilled_volume(rng, blocks)?;
+    let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
+    let open = crate::stepper::stepped_options(rng);
+    let volumes = [0, 1].map(|at| {
+        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open)
+            .map(Arc::new)
+            .map_err(|e| format!("leg {at}: {e}"))
+    });
+    let [Ok(volume0), Ok(volume1)] = volumes else {
+        return Err("a leg does not open".into());
+    };
+    Ok((allowed, recorders, [volume0, volume1]))
+}
+
+/// A volume of `blocks` blocks (split or packed at random), its first
+/// half written with random blocks and closed: what each block may read
+/// and its storage.
+pub(crate) fn prefilled_volume(
+    rng: &mut Rng,
+    blocks: u64,
+) -> Result<(Allowed, SimStorage), String> {
     let sim = SimStorage::new();
     let mut options = CreateOptions::new(blocks * BLOCK as u64);
     options.layout = if rng.chance(1, 2) {
@@ -301,17 +321,7 @@ pub(crate) fn prefilled_legs(
         allowed[lba as usize] = vec![fingerprint(&data)];
     }
     volume.close().map_err(|e| e.to_string())?;
-    let recorders = [0, 1].map(|_| Arc::new(Recorder::new(sim.crash_image(|_, _, _| u64::MAX))));
-    let open = crate::stepper::stepped_options(rng);
-    let volumes = [0, 1].map(|at| {
-        Volume::open(recorders[at].clone() as Arc<dyn Storage>, &open)
-            .map(Arc::new)
-            .map_err(|e| format!("leg {at}: {e}"))
-    });
-    let [Ok(volume0), Ok(volume1)] = volumes else {
-        return Err("a leg does not open".into());
-    };
-    Ok((allowed, recorders, [volume0, volume1]))
+    Ok((allowed, sim))
 }
 
 /// One seed; violations are pushed to `report`, setup errors returned.
@@ -424,16 +434,18 @@ pub fn run_seed(
                     && mirror
                         .try_write_shared(offset, &Bytes::from(data.clone()))
                         .map_err(|e| format!("inline write: {e}"))?;
-                sabotaged(None);
+                sabotaged(Some(Sabotage::Worker));
                 if completed {
                     report.completed_later += 1;
                 } else if inline {
                     report.inline_writes += 1;
                 } else {
+                    report.worker_writes += u64::from(!fua);
                     mirror
-                        .write(offset, &data, fua)
+                        .write_shared(offset, &Bytes::from(data.clone()), fua)
                         .map_err(|e| format!("write: {e}"))?;
                 }
+                sabotaged(None);
                 acknowledged(&acked, lba, count);
             }
         }

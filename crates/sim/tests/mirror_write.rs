@@ -65,6 +65,17 @@ fn a_reserved_inline_write_the_local_leg_does_not_hold_is_caught() {
     assert_process_crash_caught(&report);
 }
 
+/// The worker's route (`write_shared`, the one that may wait: a local
+/// leg's `write_sealed_here`, a travelling leg's `start_write_sealed`)
+/// acknowledging a write before the local leg holds it loses it in a
+/// crash of the exporter process: the process-crash images must say so.
+#[test]
+fn a_worker_write_the_local_leg_does_not_hold_is_caught() {
+    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Worker);
+    assert!(report.worker_writes > 0, "{}", report.summary());
+    assert_process_crash_caught(&report);
+}
+
 fn assert_process_crash_caught(report: &vouch_sim::mirror_write::MirrorWriteReport) {
     assert!(
         report
