@@ -42,7 +42,9 @@ use crate::error::{Error, Result};
 use crate::storage::{objects_of, ObjectId};
 
 mod legs;
-pub use legs::{create_legs, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs};
+pub use legs::{
+    create_legs, create_legs_with_id, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs,
+};
 
 /// The directory of a volume that holds its snapshots.
 pub const SNAPSHOTS_DIR: &str = "snapshots";
@@ -795,6 +797,20 @@ pub fn create_from(
     breaks: SnapshotBreaks,
     point: &dyn FlushPoint,
 ) -> Result<Snapshot> {
+    create_with_id(fs, volume, name, method, breaks, point, &new_id())
+}
+
+/// `create_from` with the snapshot's id given: a remote replica's copy
+/// of a mirror's snapshot takes the id the exporter gave every copy.
+pub fn create_with_id(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    name: &str,
+    method: &str,
+    breaks: SnapshotBreaks,
+    point: &dyn FlushPoint,
+    id: &str,
+) -> Result<Snapshot> {
     check_name(name)?;
     if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
@@ -808,7 +824,7 @@ pub fn create_from(
         method,
         breaks,
     };
-    let result = publish(fs, volume, &asked, point);
+    let result = publish(fs, volume, &asked, point, id);
     if result.is_err() {
         take_back(fs, volume, made_dir);
     }
@@ -883,9 +899,9 @@ fn publish(
     volume: &Path,
     asked: &Asked,
     point: &dyn FlushPoint,
+    id: &str,
 ) -> Result<Snapshot> {
     tidy(fs, volume)?;
-    let id = new_id();
     let warm = warm_up(fs, volume, asked.name, point.online());
     let mut taken = None;
     let held = point.at_flush_point(&mut |superblock: &Superblock| {
@@ -894,7 +910,7 @@ fn publish(
             covers_regions: point.covers_regions(),
             warm: !warm.is_empty(),
         };
-        taken = Some(clone_at(fs, volume, superblock, asked, &id, at)?);
+        taken = Some(clone_at(fs, volume, superblock, asked, id, at)?);
         Ok(())
     });
     if let Err(error) = held {
@@ -911,7 +927,7 @@ fn publish(
 }
 
 /// A new snapshot id (`SnapshotRecord::id`).
-fn new_id() -> String {
+pub fn new_id() -> String {
     uuid::Uuid::new_v4().hyphenated().to_string()
 }
 

@@ -103,6 +103,20 @@ pub fn create_legs(
     breaks: SnapshotBreaks,
     point: &dyn LegsFlushPoint,
 ) -> Result<Vec<Snapshot>> {
+    create_legs_with_id(fs, legs, name, method, breaks, point, &new_id())
+}
+
+/// `create_legs` with the snapshot's id given (the caller gives the same
+/// id to copies it makes elsewhere: a remote replica's, inside `point`).
+pub fn create_legs_with_id(
+    fs: &dyn SnapshotFs,
+    legs: &[PathBuf],
+    name: &str,
+    method: &str,
+    breaks: SnapshotBreaks,
+    point: &dyn LegsFlushPoint,
+    id: &str,
+) -> Result<Vec<Snapshot>> {
     check_name(name)?;
     if legs.is_empty() {
         return Err(Error::InvalidArgument(
@@ -126,7 +140,7 @@ pub fn create_legs(
         method,
         breaks,
     };
-    let result = publish_legs(fs, legs, &asked, point);
+    let result = publish_legs(fs, legs, &asked, point, id);
     if result.is_err() {
         for (leg, &made_dir) in legs.iter().zip(&made) {
             let _ = fs.remove_all(&partial_path(leg, name));
@@ -143,11 +157,11 @@ fn publish_legs(
     legs: &[PathBuf],
     asked: &Asked,
     point: &dyn LegsFlushPoint,
+    id: &str,
 ) -> Result<Vec<Snapshot>> {
     for leg in legs {
         tidy(fs, leg)?;
     }
-    let id = new_id();
     let warm: Vec<Vec<PathBuf>> = legs
         .iter()
         .map(|leg| warm_up(fs, leg, asked.name, point.online()))
@@ -170,7 +184,7 @@ fn publish_legs(
                 covers_regions: false,
                 warm: !warm.is_empty(),
             };
-            taken.push(clone_at(fs, leg, superblock, asked, &id, at)?);
+            taken.push(clone_at(fs, leg, superblock, asked, id, at)?);
         }
         Ok(())
     })?;
