@@ -797,20 +797,40 @@ pub fn create_from(
     breaks: SnapshotBreaks,
     point: &dyn FlushPoint,
 ) -> Result<Snapshot> {
-    create_with_id(fs, volume, name, method, breaks, point, &new_id())
+    let asked = Asked {
+        name,
+        method,
+        breaks,
+    };
+    create_asked(fs, volume, &asked, point, &new_id())
 }
 
-/// `create_from` with the snapshot's id given: a remote replica's copy
-/// of a mirror's snapshot takes the id the exporter gave every copy.
+/// `create_from` (method "reflink", no breaks) with the snapshot's id
+/// given: a remote replica's copy of a mirror's snapshot takes the id the
+/// exporter gave every copy.
 pub fn create_with_id(
     fs: &dyn SnapshotFs,
     volume: &Path,
+    point: &dyn FlushPoint,
     name: &str,
-    method: &str,
-    breaks: SnapshotBreaks,
+    id: &str,
+) -> Result<Snapshot> {
+    let asked = Asked {
+        name,
+        method: "reflink",
+        breaks: SnapshotBreaks::default(),
+    };
+    create_asked(fs, volume, &asked, point, id)
+}
+
+fn create_asked(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    asked: &Asked,
     point: &dyn FlushPoint,
     id: &str,
 ) -> Result<Snapshot> {
+    let name = asked.name;
     check_name(name)?;
     if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
@@ -819,12 +839,7 @@ pub fn create_with_id(
         )));
     }
     let made_dir = prepare(fs, volume, name)?;
-    let asked = Asked {
-        name,
-        method,
-        breaks,
-    };
-    let result = publish(fs, volume, &asked, point, id);
+    let result = publish(fs, volume, asked, point, id);
     if result.is_err() {
         take_back(fs, volume, made_dir);
     }

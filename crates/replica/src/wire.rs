@@ -1008,18 +1008,35 @@ pub fn encode_faults(faults: &[Fault]) -> Vec<u8> {
     out
 }
 
-pub fn decode_faults(bytes: &[u8]) -> Result<(Vec<Fault>, bool), WireError> {
+/// The count (4 bytes, at most `limit`) that opens an answer of 8
+/// bytes or more (`answer`, `what` name them in errors).
+fn counted(
+    bytes: &[u8],
+    answer: &'static str,
+    what: &'static str,
+    limit: usize,
+) -> Result<usize, WireError> {
     if bytes.len() < 8 {
-        return Err(WireError::Truncated("VERIFY answer"));
+        return Err(WireError::Truncated(answer));
     }
     let count = u32_at(bytes, 0) as usize;
-    if count > MAX_VERIFY_FAULTS {
+    if count > limit {
         return Err(WireError::OverLimit {
-            what: "VERIFY fault count",
+            what,
             got: count as u64,
-            limit: MAX_VERIFY_FAULTS as u64,
+            limit: limit as u64,
         });
     }
+    Ok(count)
+}
+
+pub fn decode_faults(bytes: &[u8]) -> Result<(Vec<Fault>, bool), WireError> {
+    let count = counted(
+        bytes,
+        "VERIFY answer",
+        "VERIFY fault count",
+        MAX_VERIFY_FAULTS,
+    )?;
     if bytes.len() != 8 + count * 16 {
         return Err(WireError::Length {
             what: "VERIFY answer",
@@ -1135,17 +1152,12 @@ pub fn encode_snapshots(entries: &[SnapshotEntry]) -> Vec<u8> {
 }
 
 pub fn decode_snapshots(bytes: &[u8]) -> Result<Vec<SnapshotEntry>, WireError> {
-    if bytes.len() < 8 {
-        return Err(WireError::Truncated("SNAPSHOT_LIST answer"));
-    }
-    let count = u32_at(bytes, 0) as usize;
-    if count > MAX_SNAPSHOTS_LISTED {
-        return Err(WireError::OverLimit {
-            what: "SNAPSHOT_LIST count",
-            got: count as u64,
-            limit: MAX_SNAPSHOTS_LISTED as u64,
-        });
-    }
+    let count = counted(
+        bytes,
+        "SNAPSHOT_LIST answer",
+        "SNAPSHOT_LIST count",
+        MAX_SNAPSHOTS_LISTED,
+    )?;
     let mut at = 8;
     let mut entries = Vec::with_capacity(count);
     for _ in 0..count {

@@ -20,9 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::json;
-use vouch_engine::snapshot::{
-    self, FlushPoint, LegsFlushPoint, RealFs, Snapshot, SnapshotBreaks, StoppedLegs,
-};
+use vouch_engine::snapshot::{self, FlushPoint, LegsFlushPoint, RealFs, Snapshot, StoppedLegs};
 use vouch_engine::{FileStorage, OpenOptions, Volume};
 use vouch_mirror::set::MirrorRecord;
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
@@ -76,6 +74,10 @@ fn members_served(mirror: &Mirror) -> Vec<Member> {
         .collect()
 }
 
+/// The remote legs opened (each holding its replica), and those that
+/// could not be, with why.
+type OpenedRemotes = (Vec<(usize, vouch_replica::RemoteLeg)>, Vec<(usize, String)>);
+
 /// Every active remote leg of the stopped set opened (held until
 /// dropped): an offline create needs each reachable, or it is refused
 /// naming the leg; `list` and `delete` (`required` false) name one that is
@@ -84,7 +86,7 @@ fn open_remotes(
     record: &MirrorRecord,
     members: &[Member],
     required: bool,
-) -> Result<(Vec<(usize, vouch_replica::RemoteLeg)>, Vec<(usize, String)>)> {
+) -> Result<OpenedRemotes> {
     let mut opened = Vec::new();
     let mut away = Vec::new();
     for member in members.iter().filter(|member| member.remote) {
@@ -171,15 +173,7 @@ fn take(
     point: &dyn LegsFlushPoint,
     id: &str,
 ) -> Result<Vec<Snapshot>> {
-    Ok(snapshot::create_legs_with_id(
-        fs,
-        legs,
-        name,
-        "reflink",
-        SnapshotBreaks::default(),
-        point,
-        id,
-    )?)
+    Ok(snapshot::create_legs_with_id(fs, legs, point, name, id)?)
 }
 
 /// The stopped legs' flush point with each remote leg's copy taken

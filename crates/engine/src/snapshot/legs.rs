@@ -103,20 +103,40 @@ pub fn create_legs(
     breaks: SnapshotBreaks,
     point: &dyn LegsFlushPoint,
 ) -> Result<Vec<Snapshot>> {
-    create_legs_with_id(fs, legs, name, method, breaks, point, &new_id())
+    let asked = Asked {
+        name,
+        method,
+        breaks,
+    };
+    create_legs_asked(fs, legs, &asked, point, &new_id())
 }
 
-/// `create_legs` with the snapshot's id given (the caller gives the same
-/// id to copies it makes elsewhere: a remote replica's, inside `point`).
+/// `create_legs` (method "reflink", no breaks) with the snapshot's id
+/// given: the caller gives the same id to copies it makes elsewhere (a
+/// remote replica's, inside `point`).
 pub fn create_legs_with_id(
     fs: &dyn SnapshotFs,
     legs: &[PathBuf],
+    point: &dyn LegsFlushPoint,
     name: &str,
-    method: &str,
-    breaks: SnapshotBreaks,
+    id: &str,
+) -> Result<Vec<Snapshot>> {
+    let asked = Asked {
+        name,
+        method: "reflink",
+        breaks: SnapshotBreaks::default(),
+    };
+    create_legs_asked(fs, legs, &asked, point, id)
+}
+
+fn create_legs_asked(
+    fs: &dyn SnapshotFs,
+    legs: &[PathBuf],
+    asked: &Asked,
     point: &dyn LegsFlushPoint,
     id: &str,
 ) -> Result<Vec<Snapshot>> {
+    let name = asked.name;
     check_name(name)?;
     if legs.is_empty() {
         return Err(Error::InvalidArgument(
@@ -135,12 +155,7 @@ pub fn create_legs_with_id(
             }
         }
     }
-    let asked = Asked {
-        name,
-        method,
-        breaks,
-    };
-    let result = publish_legs(fs, legs, &asked, point, id);
+    let result = publish_legs(fs, legs, asked, point, id);
     if result.is_err() {
         for (leg, &made_dir) in legs.iter().zip(&made) {
             let _ = fs.remove_all(&partial_path(leg, name));

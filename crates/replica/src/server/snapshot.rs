@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use vouch_engine::snapshot::{self, FlushPoint, RealFs, SnapshotBreaks};
+use vouch_engine::snapshot::{self, FlushPoint, RealFs};
 use vouch_engine::{OpenOptions, Volume};
 
 use super::{engine_refusal, refusal, Refusal, Registry, Replica, Session};
@@ -78,19 +78,11 @@ pub(super) fn execute(
             id,
             copy,
         } => {
+            // `RealFs::new(copy)` copies the files where asked (and the
+            // record then says "copy").
             let fs = RealFs::new(copy);
-            let method = if copy { "copy" } else { "reflink" };
             let point: &dyn FlushPoint = volume;
-            let taken = snapshot::create_with_id(
-                &fs,
-                &dir,
-                &snap,
-                method,
-                SnapshotBreaks::default(),
-                point,
-                &id,
-            )
-            .map_err(refuse)?;
+            let taken = snapshot::create_with_id(&fs, &dir, point, &snap, &id).map_err(refuse)?;
             tracing::info!(
                 replica = name,
                 snapshot = snap,
