@@ -37,7 +37,8 @@ pub enum SnapshotCommand {
     /// (DIR/NAME/snapshots/SNAP on the replica's host), taken through the
     /// replica protocol inside the same flush point: every active remote
     /// leg must be reachable, and a replica server too old for snapshots
-    /// is refused by name.
+    /// is refused by name; online, --copy with a remote leg is refused
+    /// (the mirror's writes would be held for the replica's whole copy).
     Create {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one).

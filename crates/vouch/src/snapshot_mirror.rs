@@ -613,6 +613,9 @@ pub fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
 
 /// The snapshots of a served mirror (the control API's list).
 pub fn list_served(mirror: &Mirror) -> Vec<serde_json::Value> {
+    let _one = crate::snapshot_held::ONLINE
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
     let members = members_served(mirror);
     let remotes = listed_remotes(&members, &served_remotes(mirror, &members), &[]);
     listing(&members, &remotes)
@@ -713,6 +716,11 @@ pub fn create_online(
     snapshot::check_name(name)?;
     let members = members_served(mirror);
     let remotes = served_remotes(mirror, &members);
+    if copy && !remotes.is_empty() {
+        bail!(
+            "--copy with a remote leg: its replica copies the whole volume while the mirror's writes are held (they are released only once every leg's copy is taken), past the request timeout for a large one; take it on filesystems that share blocks (xfs, btrfs) without --copy, or offline"
+        );
+    }
     refuse_taken(&members, name, &listed_remotes(&members, &remotes, &[]))?;
     let started = Instant::now();
     let legs: Vec<PathBuf> = mirror
@@ -758,8 +766,13 @@ impl LegsFlushPoint for Still<'_> {
         &self,
         clone: &mut dyn FnMut(&snapshot::HeldLegs) -> vouch_engine::Result<()>,
     ) -> vouch_engine::Result<()> {
-        self.mirror.with_legs_still(|legs, _, release| {
+        self.mirror.with_legs_still(|legs, remotes, release| {
             release();
+            // A replica's commit ahead too (FLUSH): its flush point inside
+            // the window then has little left to commit.
+            for remote in remotes {
+                remote.device.flush()?;
+            }
             legs.iter().try_for_each(|leg| leg.volume.checkpoint_now())
         })?;
         let started = Instant::now();

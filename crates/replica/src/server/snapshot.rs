@@ -62,6 +62,9 @@ fn entry(snap: &snapshot::Snapshot) -> SnapshotEntry {
     }
 }
 
+/// Snapshot requests run one at a time on a server.
+static SNAPSHOT_REQUESTS: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
 /// Run a snapshot request on replica `name` (its volume `volume`, held by
 /// this connection): the answer's payload.
 pub(super) fn execute(
@@ -70,6 +73,15 @@ pub(super) fn execute(
     volume: &Volume,
     request: Request,
 ) -> Result<Vec<u8>, Refusal> {
+    if name.contains('/') {
+        return Err(refusal(
+            Status::InvalidArgument,
+            format!("{name} is a snapshot (OPEN_SNAPSHOT): it takes no snapshot requests"),
+        ));
+    }
+    // One snapshot request at a time on this server: a create's
+    // `.SNAP.partial` is never tidied away by another's delete meanwhile.
+    let _one = SNAPSHOT_REQUESTS.lock();
     let dir = registry.dir.join(name);
     let refuse = |error: vouch_engine::Error| engine_refusal(&error);
     match request {
@@ -92,8 +104,9 @@ pub(super) fn execute(
             Ok(encode_snapshots(&[entry(&taken)]))
         }
         Request::SnapshotList => {
+            // No tidy here: a `.partial` is a create's to remove (the
+            // next create or delete does), and `list` skips it.
             let fs = RealFs::default();
-            snapshot::tidy(&fs, &dir).map_err(refuse)?;
             let mut entries = Vec::new();
             for listed in snapshot::list(&fs, &dir).map_err(refuse)? {
                 // An unreadable snapshot is named, not left out.
