@@ -434,8 +434,9 @@ pub trait BlockDevice: Send + Sync {
     /// device: `copy::copy` reflinks between two volumes (extents shared,
     /// only contexts written; `AsVolume`) and copies any other device (a
     /// mirror, a layer) with reads and writes. `None` for every device but
-    /// `Volume`; a layer does not forward it (its own rules must see the
-    /// copy).
+    /// `Volume` (and a remote replica's client, whose snapshot requests a
+    /// mirror's snapshot sends); a layer does not forward it (its own
+    /// rules must see the copy).
     fn as_any(&self) -> Option<&dyn std::any::Any> {
         None
     }

@@ -42,7 +42,9 @@ use crate::error::{Error, Result};
 use crate::storage::{objects_of, ObjectId};
 
 mod legs;
-pub use legs::{create_legs, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs};
+pub use legs::{
+    create_legs, create_legs_with_id, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs,
+};
 
 /// The directory of a volume that holds its snapshots.
 pub const SNAPSHOTS_DIR: &str = "snapshots";
@@ -795,6 +797,40 @@ pub fn create_from(
     breaks: SnapshotBreaks,
     point: &dyn FlushPoint,
 ) -> Result<Snapshot> {
+    let asked = Asked {
+        name,
+        method,
+        breaks,
+    };
+    create_asked(fs, volume, &asked, point, &new_id())
+}
+
+/// `create_from` (method "reflink", no breaks) with the snapshot's id
+/// given: a remote replica's copy of a mirror's snapshot takes the id the
+/// exporter gave every copy.
+pub fn create_with_id(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    point: &dyn FlushPoint,
+    name: &str,
+    id: &str,
+) -> Result<Snapshot> {
+    let asked = Asked {
+        name,
+        method: "reflink",
+        breaks: SnapshotBreaks::default(),
+    };
+    create_asked(fs, volume, &asked, point, id)
+}
+
+fn create_asked(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    asked: &Asked,
+    point: &dyn FlushPoint,
+    id: &str,
+) -> Result<Snapshot> {
+    let name = asked.name;
     check_name(name)?;
     if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
@@ -803,12 +839,7 @@ pub fn create_from(
         )));
     }
     let made_dir = prepare(fs, volume, name)?;
-    let asked = Asked {
-        name,
-        method,
-        breaks,
-    };
-    let result = publish(fs, volume, &asked, point);
+    let result = publish(fs, volume, asked, point, id);
     if result.is_err() {
         take_back(fs, volume, made_dir);
     }
@@ -883,9 +914,9 @@ fn publish(
     volume: &Path,
     asked: &Asked,
     point: &dyn FlushPoint,
+    id: &str,
 ) -> Result<Snapshot> {
     tidy(fs, volume)?;
-    let id = new_id();
     let warm = warm_up(fs, volume, asked.name, point.online());
     let mut taken = None;
     let held = point.at_flush_point(&mut |superblock: &Superblock| {
@@ -894,7 +925,7 @@ fn publish(
             covers_regions: point.covers_regions(),
             warm: !warm.is_empty(),
         };
-        taken = Some(clone_at(fs, volume, superblock, asked, &id, at)?);
+        taken = Some(clone_at(fs, volume, superblock, asked, id, at)?);
         Ok(())
     });
     if let Err(error) = held {
@@ -911,7 +942,7 @@ fn publish(
 }
 
 /// A new snapshot id (`SnapshotRecord::id`).
-fn new_id() -> String {
+pub fn new_id() -> String {
     uuid::Uuid::new_v4().hyphenated().to_string()
 }
 

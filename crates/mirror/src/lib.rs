@@ -83,7 +83,7 @@ pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,
     OpenedSet, RECORD_FILE,
 };
-pub use still::StillLeg;
+pub use still::{StillLeg, StillRemote};
 pub use vouch_format::mirror::LegState;
 pub use vouch_format::Context;
 

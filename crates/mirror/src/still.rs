@@ -9,9 +9,9 @@
 
 use crate::device::Mirror;
 use vouch_engine::error::{Error, Result};
-use vouch_engine::Volume;
+use vouch_engine::{BlockDevice, Volume};
 
-/// An active leg as `with_legs_still` hands it over.
+/// An active local leg as `with_legs_still` hands it over.
 pub struct StillLeg<'a> {
     pub leg: usize,
     /// Its path (a local leg's name is its directory).
@@ -19,23 +19,26 @@ pub struct StillLeg<'a> {
     pub volume: &'a Volume,
 }
 
+/// An active remote leg as `with_legs_still` hands it over: its device
+/// (the caller knows the replica client's type, `BlockDevice::as_any`).
+pub struct StillRemote<'a> {
+    pub leg: usize,
+    /// Its URL.
+    pub name: &'a str,
+    pub device: &'a dyn BlockDevice,
+}
+
 impl Mirror {
     /// Run `enter` over every active leg with the mirror still (see the
-    /// module), until `enter` calls its second argument (the release; the
-    /// mirror is released when `enter` returns anyway). Refused while the
-    /// legs may differ (reads on one leg: a reconciliation after an unclean
-    /// stop runs, or a scrub is owed), and for a leg that is no local
-    /// volume (a remote replica takes no snapshot), naming it.
+    /// module), until `enter` calls its third argument (the release; the
+    /// mirror is released when `enter` returns anyway): the local legs,
+    /// then the remote ones. Refused while the legs may differ (reads on
+    /// one leg: a reconciliation after an unclean stop runs, or a scrub
+    /// is owed), and for a local leg that is no volume, naming it.
     pub fn with_legs_still<R>(
         &self,
-        enter: impl FnOnce(&[StillLeg<'_>], &mut dyn FnMut()) -> Result<R>,
+        enter: impl FnOnce(&[StillLeg<'_>], &[StillRemote<'_>], &mut dyn FnMut()) -> Result<R>,
     ) -> Result<R> {
-        if let Some(leg) = self.legs.iter().position(|leg| leg.remote) {
-            return Err(Error::Unsupported(format!(
-                "mirror leg {leg} ({}) is a remote replica: the replica protocol takes no snapshots, so a snapshot of this mirror would miss that leg's copy; remove the leg (`vouch mirror remove`), take the snapshot, and add it again, or take snapshots of a mirror of local legs",
-                self.legs[leg].name
-            )));
-        }
         let mut all = Some(self.stripes.lock_all());
         if self.reads_one_leg() {
             return Err(Error::InvalidArgument(
@@ -43,7 +46,16 @@ impl Mirror {
             ));
         }
         let mut legs = Vec::new();
+        let mut remote = Vec::new();
         for leg in self.active() {
+            if self.legs[leg].remote {
+                remote.push(StillRemote {
+                    leg,
+                    name: &self.legs[leg].name,
+                    device: self.device(leg),
+                });
+                continue;
+            }
             let volume = self
                 .device(leg)
                 .as_any()
@@ -60,6 +72,14 @@ impl Mirror {
                 volume,
             });
         }
-        enter(&legs, &mut || drop(all.take()))
+        enter(&legs, &remote, &mut || drop(all.take()))
+    }
+}
+
+impl Mirror {
+    /// The device of leg `leg` when it is present (a remote leg's client,
+    /// for its replica's snapshot requests).
+    pub fn present_device(&self, leg: usize) -> Option<&dyn BlockDevice> {
+        self.legs.get(leg)?.device.get().map(|device| &**device)
     }
 }

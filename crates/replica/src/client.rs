@@ -31,7 +31,7 @@ use crate::plain::Plain;
 use crate::url::ReplicaUrl;
 use crate::wire::{
     self, encode_request_frame, ErrorBody, Hello, Request, ResponseHeader, Status, HELLO_BYTES,
-    HELLO_OK, HELLO_VERSION_REFUSED, PROTOCOL_VERSION, RESPONSE_HEADER_BYTES,
+    HELLO_OK, HELLO_VERSION_REFUSED, OLDEST_VERSION, PROTOCOL_VERSION, RESPONSE_HEADER_BYTES,
 };
 
 /// How a client reaches replicas.
@@ -70,6 +70,11 @@ pub enum ClientError {
     /// The server answered with an error.
     #[error("{}", body.message)]
     Remote { status: Status, body: ErrorBody },
+    /// The server refused our version and speaks this older one, which
+    /// we speak too: `Connection::connect` connects again offering it
+    /// (never returned from there).
+    #[error("the server speaks replica protocol version {0}")]
+    Older(u32),
 }
 
 type Answer = Result<(Status, Vec<u8>), String>;
@@ -184,6 +189,9 @@ pub struct Connection {
     timeout: Duration,
     /// How errors name the peer.
     pub peer: String,
+    /// The protocol version the hello agreed on (`wire::SNAPSHOT_VERSION`
+    /// and later carry the snapshot requests).
+    pub version: u32,
 }
 
 enum Transport {
@@ -197,14 +205,23 @@ enum Transport {
     },
 }
 
-/// Check the server's hello: our version, accepted.
-pub(crate) fn check_hello(bytes: &[u8; HELLO_BYTES], peer: &str) -> Result<(), ClientError> {
+/// Check the server's hello to ours, which offered version `offer`:
+/// accepted at that version; or refused by a server of an older version
+/// we speak too (`ClientError::Older`: connect again offering it).
+pub(crate) fn check_hello(
+    bytes: &[u8; HELLO_BYTES],
+    peer: &str,
+    offer: u32,
+) -> Result<(), ClientError> {
     let theirs = Hello::decode(bytes).map_err(|_| {
         ClientError::Refused(format!(
             "replica {peer}: not a vouch replica server (bad handshake magic)"
         ))
     })?;
-    if theirs.version != PROTOCOL_VERSION {
+    if theirs.status == HELLO_VERSION_REFUSED && (OLDEST_VERSION..offer).contains(&theirs.version) {
+        return Err(ClientError::Older(theirs.version));
+    }
+    if theirs.version != offer {
         return Err(ClientError::Refused(format!(
             "replica {peer}: {}",
             wire::version_refusal(theirs.version)
@@ -214,7 +231,7 @@ pub(crate) fn check_hello(bytes: &[u8; HELLO_BYTES], peer: &str) -> Result<(), C
         HELLO_OK => Ok(()),
         HELLO_VERSION_REFUSED => Err(ClientError::Refused(format!(
             "replica {peer}: the server refused our version: {}",
-            wire::version_refusal(PROTOCOL_VERSION)
+            wire::version_refusal(offer)
         ))),
         other => Err(ClientError::Refused(format!(
             "replica {peer}: unknown handshake status {other}"
@@ -267,10 +284,31 @@ async fn read_exact<R: AsyncRead + Unpin>(reader: &mut R, buf: &mut [u8]) -> std
 }
 
 impl Connection {
-    /// Connect to the server of `url` and shake hands (version checked).
+    /// Connect to the server of `url` and shake hands: our version
+    /// offered, or the server's older one when it speaks only that (a
+    /// second connection: a server from before the snapshot requests
+    /// refuses a version it does not know and closes).
     pub fn connect(
         url: &ReplicaUrl,
         options: &ClientOptions,
+    ) -> Result<Arc<Connection>, ClientError> {
+        match Self::connect_offering(url, options, PROTOCOL_VERSION) {
+            Err(ClientError::Older(theirs)) => Self::connect_offering(url, options, theirs)
+                .map_err(|error| match error {
+                    ClientError::Older(again) => ClientError::Refused(format!(
+                        "replica {url}: {}",
+                        wire::version_refusal(again)
+                    )),
+                    other => other,
+                }),
+            other => other,
+        }
+    }
+
+    fn connect_offering(
+        url: &ReplicaUrl,
+        options: &ClientOptions,
+        offer: u32,
     ) -> Result<Arc<Connection>, ClientError> {
         let peer = url.to_string();
         let shared = Arc::new(Shared {
@@ -279,8 +317,10 @@ impl Connection {
             peer: peer.clone(),
         });
         let transport = match &options.tls {
-            None => Transport::Plain(Plain::connect(url, options, &peer, &shared)?),
-            Some(config) => Self::connect_tls(url, Arc::clone(config), options, &peer, &shared)?,
+            None => Transport::Plain(Plain::connect(url, options, &peer, &shared, offer)?),
+            Some(config) => {
+                Self::connect_tls(url, Arc::clone(config), options, &peer, &shared, offer)?
+            }
         };
         Ok(Arc::new(Connection {
             transport,
@@ -288,6 +328,7 @@ impl Connection {
             next_handle: AtomicU64::new(1),
             timeout: options.timeout,
             peer,
+            version: offer,
         }))
     }
 
@@ -298,6 +339,7 @@ impl Connection {
         options: &ClientOptions,
         peer: &str,
         shared: &Arc<Shared>,
+        offer: u32,
     ) -> Result<Transport, ClientError> {
         let secret = options.secret.clone();
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -328,7 +370,8 @@ impl Connection {
                     .await
                     .map_err(|error| unreachable(format!("TLS handshake failed: {error}")))?;
                 let (reader, writer) = tokio::io::split(stream);
-                Self::hello(Box::new(reader), Box::new(writer), peer, secret.as_deref()).await
+                let secret = secret.as_deref();
+                Self::hello(Box::new(reader), Box::new(writer), peer, secret, offer).await
             };
             tokio::time::timeout(crate::CONNECT_TIMEOUT, handshake)
                 .await
@@ -381,6 +424,7 @@ impl Connection {
         mut writer: Box<dyn AsyncWrite + Send + Unpin>,
         peer: &str,
         secret: Option<&Secret>,
+        offer: u32,
     ) -> Result<
         (
             Box<dyn AsyncRead + Send + Unpin>,
@@ -389,7 +433,7 @@ impl Connection {
         ClientError,
     > {
         let ours = Hello {
-            version: PROTOCOL_VERSION,
+            version: offer,
             status: HELLO_OK,
         };
         let lost = |error: std::io::Error| {
@@ -403,7 +447,7 @@ impl Connection {
                 "replica {peer}: the server closed the connection during the handshake ({error}): not a vouch replica server, or it wants TLS, or it refused our certificate"
             ))
         })?;
-        check_hello(&bytes, peer)?;
+        check_hello(&bytes, peer, offer)?;
         let mut challenge = [0u8; CHALLENGE_BYTES];
         read_exact(&mut reader, &mut challenge)
             .await

@@ -36,6 +36,8 @@ use vouch_engine::{
 use vouch_mirror::LegTemplate;
 
 use crate::client::{ClientError, ClientOptions, Connection};
+
+mod snapshot;
 use crate::url::ReplicaUrl;
 use crate::wire::{
     self, decode_faults, decode_read_entries, decode_runs, ReadEntry, ReplicaInfo, Request, Status,
@@ -77,6 +79,9 @@ pub struct RemoteLeg {
     options: ClientOptions,
     info: ReplicaInfo,
     protection: GuardProtection,
+    /// The snapshot of the replica this leg reads (`open_snapshot`): its
+    /// name and id.
+    snapshot: Option<(String, String)>,
 }
 
 impl RemoteLeg {
@@ -152,6 +157,7 @@ impl RemoteLeg {
             options: options.clone(),
             protection: GuardProtection::new(guard, info.volume_tag),
             info,
+            snapshot: None,
         })
     }
 
@@ -312,6 +318,9 @@ pub fn leg_error(url: &ReplicaUrl, error: ClientError) -> Error {
     let (status, body) = match error {
         ClientError::Unreachable(why) => return Error::Unreachable(why),
         ClientError::Refused(why) => return Error::Unreachable(why),
+        ClientError::Older(theirs) => {
+            return Error::Unreachable(format!("replica {url}: {}", wire::version_refusal(theirs)))
+        }
         ClientError::Remote { status, body } => (status, body),
     };
     let message = format!("replica {url}: {}", body.message);
@@ -356,11 +365,15 @@ impl BlockDevice for RemoteLeg {
         if self.connection.read().dead().is_none() {
             return Ok(());
         }
-        let fresh = RemoteLeg::open(&self.url, &self.options)?;
+        let fresh = match &self.snapshot {
+            Some((snapshot, _)) => RemoteLeg::open_snapshot(&self.url, snapshot, &self.options)?,
+            None => RemoteLeg::open(&self.url, &self.options)?,
+        };
         let (old, new) = (&self.info, &fresh.info);
         if (old.uuid, old.size_bytes, old.guard, old.volume_tag)
             != (new.uuid, new.size_bytes, new.guard, new.volume_tag)
             || old.instance_tag != new.instance_tag
+            || self.snapshot != fresh.snapshot
         {
             return Err(Error::Corrupt(format!(
                 "replica {} now holds another volume (uuid {}, {} bytes), not {} ({} bytes)",
@@ -374,6 +387,12 @@ impl BlockDevice for RemoteLeg {
         *self.connection.write() = Arc::clone(&fresh.connection.read());
         tracing::info!(url = %self.url, "replica: reconnected");
         Ok(())
+    }
+
+    /// The replica client's own type, for the snapshot requests a
+    /// mirror's snapshot sends to its remote legs (`leg/snapshot.rs`).
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
     }
 
     fn is_read_only(&self) -> bool {

@@ -9,7 +9,8 @@
 //! - `client` — one connection, several requests in flight (handles),
 //!   a timeout on every request; a failed or timed-out connection stays
 //!   failed until the leg is opened again.
-//! - `leg` — `RemoteLeg`: a `BlockDevice` over a connection. The exporter
+//! - `leg` — `RemoteLeg`: a `BlockDevice` over a connection (and, in
+//!   `leg/snapshot.rs`, its replica's snapshots: version 3's requests). The exporter
 //!   seals each block once (guard, reference tag, volume tag) and sends
 //!   data with its context (`WRITE_SEALED`); the replica verifies it before
 //!   storing; blocks read back are verified again on the exporter.

@@ -50,7 +50,7 @@ use crate::client::{check_hello, ChallengeAnswer, ClientError, ClientOptions, Sh
 use crate::frame::RequestFrame;
 use crate::url::ReplicaUrl;
 use crate::wire::RESPONSE_HEADER_BYTES;
-use crate::wire::{Hello, ResponseHeader, HELLO_BYTES, HELLO_OK, PROTOCOL_VERSION};
+use crate::wire::{Hello, ResponseHeader, HELLO_BYTES, HELLO_OK};
 
 /// Bytes the reader takes from the socket at once: several answers per
 /// `read` when they queue up.
@@ -96,6 +96,7 @@ impl Plain {
         options: &ClientOptions,
         peer: &str,
         shared: &Arc<Shared>,
+        offer: u32,
     ) -> Result<Plain, ClientError> {
         let timeout = options.timeout;
         let unreachable = |why: String| ClientError::Unreachable(format!("replica {peer}: {why}"));
@@ -130,7 +131,7 @@ impl Plain {
         stream
             .set_write_timeout(Some(crate::CONNECT_TIMEOUT))
             .map_err(setup)?;
-        hello(&stream, peer, options.secret.as_deref())?;
+        hello(&stream, peer, options.secret.as_deref(), offer)?;
         // Answers may be a long time apart: the reader wakes every `tick`
         // only to time out requests answered by callback (nobody waits
         // for those); waiting threads time themselves out.
@@ -302,9 +303,10 @@ fn hello(
     mut stream: &TcpStream,
     peer: &str,
     secret: Option<&crate::auth::Secret>,
+    offer: u32,
 ) -> Result<(), ClientError> {
     let ours = Hello {
-        version: PROTOCOL_VERSION,
+        version: offer,
         status: HELLO_OK,
     };
     let lost = |error: std::io::Error| {
@@ -322,7 +324,7 @@ fn hello(
     stream.write_all(&ours.encode()).map_err(lost)?;
     let mut bytes = [0u8; HELLO_BYTES];
     match stream.read_exact(&mut bytes) {
-        Ok(()) => check_hello(&bytes, peer)?,
+        Ok(()) => check_hello(&bytes, peer, offer)?,
         Err(error)
             if matches!(
                 error.kind(),

@@ -29,9 +29,12 @@ use crate::auth::{self, Challenge, Response, Secret, RESPONSE_BYTES};
 use crate::wire::{
     self, decode_request, encode_faults, encode_read_entries, encode_runs, ErrorBody, Hello,
     ReadEntry, ReplicaInfo, Request, RequestHeader, ResponseHeader, Status, WireError, HELLO_BYTES,
-    HELLO_OK, HELLO_VERSION_REFUSED, PROTOCOL_VERSION, REQUEST_HEADER_BYTES,
+    HELLO_OK, HELLO_VERSION_REFUSED, OLDEST_VERSION, PROTOCOL_VERSION, REQUEST_HEADER_BYTES,
+    SNAPSHOT_VERSION,
 };
 use crate::MAX_IN_FLIGHT;
+
+mod snapshot;
 
 /// Connections a server holds at once (`ServerOptions::max_connections`):
 /// one past it is closed at accept, so strangers who only connect cannot
@@ -67,6 +70,11 @@ pub struct ServerOptions {
     /// Every connection must prove it (`auth.rs`); `None`: every peer
     /// that reaches the port is trusted.
     pub secret: Option<Arc<Secret>>,
+    /// The newest protocol version this server speaks: `PROTOCOL_VERSION`,
+    /// or an older one to stand in for a server from before it (tests of
+    /// the refusals an old replica server gets: `vouch replica serve
+    /// --protocol-version 2`).
+    pub newest_version: u32,
 }
 
 impl Default for ServerOptions {
@@ -76,6 +84,7 @@ impl Default for ServerOptions {
             handshake_timeout: HANDSHAKE_TIMEOUT,
             payload_timeout: PAYLOAD_TIMEOUT,
             secret: None,
+            newest_version: PROTOCOL_VERSION,
         }
     }
 }
@@ -544,10 +553,19 @@ fn execute(volume: &Volume, request: Request) -> Result<Vec<u8>, Refusal> {
             .next_possible_data(lba)
             .map(|next| next.to_le_bytes().to_vec())
             .map_err(refuse),
-        Request::Open { .. } | Request::Create { .. } => Err(refusal(
-            Status::InvalidArgument,
-            "a replica is already open on this connection".into(),
-        )),
+        Request::Open { .. } | Request::Create { .. } | Request::OpenSnapshot { .. } => {
+            Err(refusal(
+                Status::InvalidArgument,
+                "a replica is already open on this connection".into(),
+            ))
+        }
+        Request::SnapshotCreate { .. } | Request::SnapshotList | Request::SnapshotDelete { .. } => {
+            Err(refusal(
+                Status::InvalidArgument,
+                "a snapshot request runs on the connection's task (server/snapshot.rs), not here"
+                    .into(),
+            ))
+        }
     }
 }
 
@@ -679,46 +697,45 @@ impl OverLimit {
 static AUTH_REFUSED: AtomicU64 = AtomicU64::new(0);
 
 /// The hello and the authentication (`auth.rs`), bounded by the caller:
-/// `true` when the peer may send requests.
+/// the version agreed (the peer's, when this server speaks it: from
+/// `OLDEST_VERSION` to `newest`) when the peer may send requests.
 async fn handshake<R, W>(
     reader: &mut R,
     writer: &mut W,
     peer: &str,
     secret: Option<&Secret>,
-) -> bool
+    newest: u32,
+) -> Option<u32>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut hello = [0u8; HELLO_BYTES];
     if reader.read_exact(&mut hello).await.is_err() {
-        return false;
+        return None;
     }
     let Ok(theirs) = Hello::decode(&hello) else {
         tracing::warn!(
             peer,
             "replica: refused a connection: not the vouch replica handshake"
         );
-        return false;
+        return None;
     };
-    let status = if theirs.version == PROTOCOL_VERSION {
-        HELLO_OK
+    let (version, status) = if (OLDEST_VERSION..=newest).contains(&theirs.version) {
+        (theirs.version, HELLO_OK)
     } else {
-        HELLO_VERSION_REFUSED
+        (newest, HELLO_VERSION_REFUSED)
     };
-    let ours = Hello {
-        version: PROTOCOL_VERSION,
-        status,
-    };
+    let ours = Hello { version, status };
     if status != HELLO_OK {
         let _ = writer.write_all(&ours.encode()).await;
         let _ = writer.flush().await;
         tracing::warn!(
             peer,
             "replica: refused: {}",
-            wire::version_refusal(theirs.version)
+            wire::version_refusal_by(theirs.version, newest)
         );
-        return false;
+        return None;
     }
     let challenge = Challenge {
         flags: if secret.is_some() {
@@ -731,22 +748,22 @@ where
     let mut opening = ours.encode().to_vec();
     opening.extend_from_slice(&challenge.encode());
     if writer.write_all(&opening).await.is_err() || writer.flush().await.is_err() {
-        return false;
+        return None;
     }
     let mut bytes = [0u8; RESPONSE_BYTES];
     if reader.read_exact(&mut bytes).await.is_err() {
-        return false;
+        return None;
     }
     let response = match Response::decode(&bytes) {
         Ok(response) => response,
         Err(why) => {
             tracing::warn!(peer, "replica: refused a connection: {why}");
-            return false;
+            return None;
         }
     };
     let (verdict, accepted) = auth::judge(secret, &challenge.nonce, &response);
     if writer.write_all(&verdict.encode()).await.is_err() || writer.flush().await.is_err() {
-        return false;
+        return None;
     }
     if !accepted {
         let refused = AUTH_REFUSED.fetch_add(1, Ordering::Relaxed) + 1;
@@ -756,7 +773,7 @@ where
             "replica: authentication refused: no proof of the shared secret, or a wrong one"
         );
     }
-    accepted
+    accepted.then_some(version)
 }
 
 /// One connection: handshake (bounded by `options.handshake_timeout`),
@@ -772,12 +789,18 @@ pub async fn serve_connection<S>(
     let (mut reader, mut writer) = tokio::io::split(stream);
     let shaken = tokio::time::timeout(
         options.handshake_timeout,
-        handshake(&mut reader, &mut writer, &peer, options.secret.as_deref()),
+        handshake(
+            &mut reader,
+            &mut writer,
+            &peer,
+            options.secret.as_deref(),
+            options.newest_version,
+        ),
     )
     .await;
-    match shaken {
-        Ok(true) => {}
-        Ok(false) => return,
+    let version = match shaken {
+        Ok(Some(version)) => version,
+        Ok(None) => return,
         Err(_) => {
             tracing::warn!(
                 peer,
@@ -786,7 +809,7 @@ pub async fn serve_connection<S>(
             );
             return;
         }
-    }
+    };
     let (answers, mut outgoing) = mpsc::channel::<Vec<u8>>(2 * MAX_IN_FLIGHT);
     // Answers gather in `writer`'s buffer while more are queued, and go
     // out when the queue is empty (or the buffer full): an answer waits
@@ -815,6 +838,7 @@ pub async fn serve_connection<S>(
         answers,
         in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
         payload_timeout: options.payload_timeout,
+        version,
     };
     let mut reader = BufReader::with_capacity(SOCKET_BUFFER_BYTES, reader);
     if let Err(reason) = session.run(&mut reader).await {
@@ -855,6 +879,8 @@ struct Session {
     answers: mpsc::Sender<Vec<u8>>,
     in_flight: Arc<Semaphore>,
     payload_timeout: Duration,
+    /// The version the hello agreed on.
+    version: u32,
 }
 
 impl Session {
@@ -881,6 +907,12 @@ impl Session {
             }
             let handle = u64::from_le_bytes(bytes[8..16].try_into().expect("8 bytes"));
             let header = match RequestHeader::decode(&bytes) {
+                // A snapshot request on a connection of an older version
+                // is malformed, as a server of that version finds it.
+                Ok(header) if header.op.is_snapshot() && self.version < SNAPSHOT_VERSION => {
+                    let unknown = WireError::UnknownOp(header.op as u16);
+                    return Err(self.malformed(handle, unknown).await);
+                }
                 Ok(header) => header,
                 Err(error) => return Err(self.malformed(handle, error).await),
             };
@@ -909,6 +941,10 @@ impl Session {
             };
             drop(payload);
             match request {
+                Request::OpenSnapshot { name, snapshot } if self.opened.is_none() => {
+                    let result = self.open_snapshot(name, snapshot).await;
+                    self.send(answer(handle, result)).await;
+                }
                 Request::Open { .. } | Request::Create { .. } if self.opened.is_none() => {
                     let result = self.open(request).await;
                     self.send(answer(handle, result)).await;
@@ -932,6 +968,15 @@ impl Session {
                     // other: the exporter never has two writes of one
                     // block in flight (its stripe lock is held until every
                     // leg answered).
+                    if matches!(
+                        request,
+                        Request::SnapshotCreate { .. }
+                            | Request::SnapshotList
+                            | Request::SnapshotDelete { .. }
+                    ) {
+                        self.spawn_snapshot(handle, request, permit);
+                        continue;
+                    }
                     // The answer is sent once the route returns (the
                     // channel's send may wait, a route may not).
                     let mut frame = None;
@@ -969,6 +1014,29 @@ impl Session {
                 }
             }
         }
+    }
+
+    /// A snapshot request (`snapshot.rs`), on a blocking thread.
+    fn spawn_snapshot(
+        &self,
+        handle: u64,
+        request: Request,
+        permit: tokio::sync::OwnedSemaphorePermit,
+    ) {
+        let Some((name, volume)) = self.opened.clone() else {
+            unreachable!("a snapshot request is spawned on an open replica only");
+        };
+        let registry = Arc::clone(&self.registry);
+        let answers = self.answers.clone();
+        tokio::spawn(async move {
+            let result = tokio::task::spawn_blocking(move || {
+                snapshot::execute(&registry, &name, &volume, request)
+            })
+            .await
+            .unwrap_or_else(|error| Err(refusal(Status::Io, format!("request failed: {error}"))));
+            let _ = answers.send(answer(handle, result)).await;
+            drop(permit);
+        });
     }
 
     async fn send(&self, frame: Vec<u8>) {

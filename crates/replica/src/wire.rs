@@ -14,8 +14,18 @@ use vouch_format::Context;
 pub const HELLO_MAGIC: [u8; 8] = *b"VOUCHREP";
 /// The protocol version this side speaks.
 /// Version 2 added authentication after the hello (`auth.rs`): a
-/// challenge, a response, a verdict, sent on every connection.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// challenge, a response, a verdict, sent on every connection. Version 3
+/// added the snapshot requests (SNAPSHOT_CREATE, SNAPSHOT_LIST,
+/// SNAPSHOT_DELETE, OPEN_SNAPSHOT); the hello agrees on a version, so
+/// either side speaks 2 with a peer from before them.
+pub const PROTOCOL_VERSION: u32 = 3;
+/// The oldest version this side still speaks (a peer from before the
+/// snapshot requests).
+pub const OLDEST_VERSION: u32 = 2;
+/// The first version with the snapshot requests: on a connection agreed
+/// at an older one they are never sent (the client refuses by name) and
+/// are malformed (the server answers as one from before them).
+pub const SNAPSHOT_VERSION: u32 = 3;
 /// Handshake message: magic, version (u32), status (u32).
 pub const HELLO_BYTES: usize = 16;
 /// Handshake status: accepted.
@@ -51,6 +61,14 @@ pub const WRITE_ENTRY_BYTES: usize = 8 + CONTEXT_BYTES + BLOCK as usize;
 pub const READ_ENTRY_BYTES: usize = 8 + CONTEXT_BYTES + BLOCK as usize;
 /// The INFO answer of OPEN and CREATE.
 pub const INFO_BYTES: usize = 56;
+/// A snapshot's id on the wire (`SnapshotRecord::id`: a hyphenated
+/// UUID, the one every copy of a mirror's snapshot shares).
+pub const SNAPSHOT_ID_BYTES: usize = 36;
+/// Snapshots one SNAPSHOT_LIST answer holds at most.
+pub const MAX_SNAPSHOTS_LISTED: usize = 1024;
+/// One SNAPSHOT_LIST entry without its name: checkpoint seq (8), created
+/// (8), id (36), name length (2), reserved (2).
+pub const SNAPSHOT_ENTRY_FIXED_BYTES: usize = 56;
 /// The largest payload either side accepts.
 pub const MAX_PAYLOAD_BYTES: usize = MAX_BLOCKS_PER_REQUEST as usize * WRITE_ENTRY_BYTES;
 
@@ -59,6 +77,9 @@ const _: () = assert!(WRITE_ENTRY_BYTES == 4136 && READ_ENTRY_BYTES == 4136);
 const _: () = assert!(SUPERBLOCK_FILE_BYTES + 16 + MAX_NAME_BYTES < MAX_PAYLOAD_BYTES);
 const _: () = assert!(8 + MAX_VERIFY_FAULTS * 16 < MAX_PAYLOAD_BYTES);
 const _: () = assert!(8 + MAX_STATUS_RUNS as usize * 16 < MAX_PAYLOAD_BYTES);
+const _: () = assert!(
+    8 + MAX_SNAPSHOTS_LISTED * (SNAPSHOT_ENTRY_FIXED_BYTES + MAX_NAME_BYTES) < MAX_PAYLOAD_BYTES
+);
 
 /// Request flag: durable before the answer (NBD FUA).
 pub const FLAG_FUA: u16 = 1;
@@ -117,6 +138,10 @@ pub enum Op {
     Verify = 8,
     BlockStatus = 9,
     NextData = 10,
+    SnapshotCreate = 11,
+    SnapshotList = 12,
+    SnapshotDelete = 13,
+    OpenSnapshot = 14,
 }
 
 impl Op {
@@ -132,6 +157,10 @@ impl Op {
             8 => Op::Verify,
             9 => Op::BlockStatus,
             10 => Op::NextData,
+            11 => Op::SnapshotCreate,
+            12 => Op::SnapshotList,
+            13 => Op::SnapshotDelete,
+            14 => Op::OpenSnapshot,
             other => return Err(WireError::UnknownOp(other)),
         })
     }
@@ -148,7 +177,19 @@ impl Op {
             Op::Verify => "VERIFY",
             Op::BlockStatus => "BLOCK_STATUS",
             Op::NextData => "NEXT_DATA",
+            Op::SnapshotCreate => "SNAPSHOT_CREATE",
+            Op::SnapshotList => "SNAPSHOT_LIST",
+            Op::SnapshotDelete => "SNAPSHOT_DELETE",
+            Op::OpenSnapshot => "OPEN_SNAPSHOT",
         }
+    }
+
+    /// Is it one of version 3's snapshot requests?
+    pub fn is_snapshot(self) -> bool {
+        matches!(
+            self,
+            Op::SnapshotCreate | Op::SnapshotList | Op::SnapshotDelete | Op::OpenSnapshot
+        )
     }
 }
 
@@ -192,9 +233,18 @@ impl Hello {
 
 /// How a refused version is named, on both sides.
 pub fn version_refusal(theirs: u32) -> String {
-    format!(
-        "replica protocol version {theirs} is not supported (this side speaks {PROTOCOL_VERSION})"
-    )
+    version_refusal_by(theirs, PROTOCOL_VERSION)
+}
+
+/// `version_refusal` by a side whose newest version is `ours`.
+pub fn version_refusal_by(theirs: u32, ours: u32) -> String {
+    if ours > OLDEST_VERSION {
+        format!(
+            "replica protocol version {theirs} is not supported (this side speaks {OLDEST_VERSION} to {ours})"
+        )
+    } else {
+        format!("replica protocol version {theirs} is not supported (this side speaks {ours})")
+    }
 }
 
 /// A request header as sent.
@@ -317,7 +367,38 @@ impl RequestHeader {
                 exact(0)
             }
             Op::BlockStatus => exact(8),
-            Op::Flush | Op::Trim | Op::WriteZeroes | Op::NextData => exact(0),
+            Op::Flush | Op::Trim | Op::WriteZeroes | Op::NextData | Op::SnapshotList => exact(0),
+            Op::SnapshotCreate => {
+                let fixed = SNAPSHOT_ID_BYTES as u64;
+                if got <= fixed || got > fixed + MAX_NAME_BYTES as u64 || self.length > 1 {
+                    return Err(WireError::Length {
+                        what: "SNAPSHOT_CREATE",
+                        got,
+                        expected: fixed + 1,
+                    });
+                }
+                Ok(())
+            }
+            Op::SnapshotDelete | Op::OpenSnapshot => {
+                // OPEN_SNAPSHOT: `length` is the replica name's bytes, the
+                // snapshot's follow.
+                let names = if self.op == Op::OpenSnapshot { 2 } else { 1 };
+                if got < names || got > names * MAX_NAME_BYTES as u64 {
+                    return Err(WireError::OverLimit {
+                        what: "snapshot name length",
+                        got,
+                        limit: names * MAX_NAME_BYTES as u64,
+                    });
+                }
+                if self.op == Op::OpenSnapshot && (self.length == 0 || self.length >= got) {
+                    return Err(WireError::Length {
+                        what: "OPEN_SNAPSHOT replica name",
+                        got: self.length,
+                        expected: got.saturating_sub(1),
+                    });
+                }
+                Ok(())
+            }
         }
     }
 }
@@ -364,6 +445,24 @@ pub enum Request {
     },
     NextData {
         lba: u64,
+    },
+    /// Take snapshot `name` of the open replica at its flush point, with
+    /// the id the exporter gives (the one all of a mirror's copies share).
+    SnapshotCreate {
+        name: String,
+        id: String,
+        /// A full copy where the filesystem cannot share blocks.
+        copy: bool,
+    },
+    SnapshotList,
+    SnapshotDelete {
+        name: String,
+    },
+    /// Open snapshot `snapshot` of replica `name`, read-only (instead of
+    /// OPEN: the connection then reads the snapshot).
+    OpenSnapshot {
+        name: String,
+        snapshot: String,
     },
 }
 
@@ -459,7 +558,31 @@ pub fn decode_request(header: &RequestHeader, payload: &Bytes) -> Result<Request
             }
         }
         Op::NextData => Request::NextData { lba: header.offset },
+        Op::SnapshotCreate => Request::SnapshotCreate {
+            id: decode_id(&payload[..SNAPSHOT_ID_BYTES])?,
+            name: decode_name(&payload[SNAPSHOT_ID_BYTES..])?,
+            copy: header.length == 1,
+        },
+        Op::SnapshotList => Request::SnapshotList,
+        Op::SnapshotDelete => Request::SnapshotDelete {
+            name: decode_name(payload)?,
+        },
+        Op::OpenSnapshot => {
+            let split = header.length as usize;
+            Request::OpenSnapshot {
+                name: decode_name(&payload[..split])?,
+                snapshot: decode_name(&payload[split..])?,
+            }
+        }
     })
+}
+
+/// A snapshot id: 36 bytes of hex digits and hyphens.
+fn decode_id(bytes: &[u8]) -> Result<String, WireError> {
+    if !bytes.iter().all(|b| b.is_ascii_hexdigit() || *b == b'-') {
+        return Err(WireError::NotUtf8("snapshot id (hex digits and hyphens)"));
+    }
+    Ok(String::from_utf8_lossy(bytes).into_owned())
 }
 
 /// The entry at byte `at` of a WRITE_SEALED payload of `count` entries.
@@ -529,6 +652,19 @@ pub fn encode_request_frame(handle: u64, request: &Request) -> RequestFrame {
             max_blocks.to_le_bytes().to_vec(),
         ),
         Request::NextData { lba } => (Op::NextData, 0, *lba, 0, Vec::new()),
+        Request::SnapshotCreate { name, id, copy } => {
+            let mut payload = id.as_bytes().to_vec();
+            payload.resize(SNAPSHOT_ID_BYTES, b'-');
+            payload.extend_from_slice(name.as_bytes());
+            (Op::SnapshotCreate, 0, 0, u64::from(*copy), payload)
+        }
+        Request::SnapshotList => (Op::SnapshotList, 0, 0, 0, Vec::new()),
+        Request::SnapshotDelete { name } => (Op::SnapshotDelete, 0, 0, 0, name.as_bytes().to_vec()),
+        Request::OpenSnapshot { name, snapshot } => {
+            let mut payload = name.as_bytes().to_vec();
+            payload.extend_from_slice(snapshot.as_bytes());
+            (Op::OpenSnapshot, 0, 0, name.len() as u64, payload)
+        }
     };
     let header = RequestHeader {
         op,
@@ -872,18 +1008,35 @@ pub fn encode_faults(faults: &[Fault]) -> Vec<u8> {
     out
 }
 
-pub fn decode_faults(bytes: &[u8]) -> Result<(Vec<Fault>, bool), WireError> {
+/// The count (4 bytes, at most `limit`) that opens an answer of 8
+/// bytes or more (`answer`, `what` name them in errors).
+fn counted(
+    bytes: &[u8],
+    answer: &'static str,
+    what: &'static str,
+    limit: usize,
+) -> Result<usize, WireError> {
     if bytes.len() < 8 {
-        return Err(WireError::Truncated("VERIFY answer"));
+        return Err(WireError::Truncated(answer));
     }
     let count = u32_at(bytes, 0) as usize;
-    if count > MAX_VERIFY_FAULTS {
+    if count > limit {
         return Err(WireError::OverLimit {
-            what: "VERIFY fault count",
+            what,
             got: count as u64,
-            limit: MAX_VERIFY_FAULTS as u64,
+            limit: limit as u64,
         });
     }
+    Ok(count)
+}
+
+pub fn decode_faults(bytes: &[u8]) -> Result<(Vec<Fault>, bool), WireError> {
+    let count = counted(
+        bytes,
+        "VERIFY answer",
+        "VERIFY fault count",
+        MAX_VERIFY_FAULTS,
+    )?;
     if bytes.len() != 8 + count * 16 {
         return Err(WireError::Length {
             what: "VERIFY answer",
@@ -964,6 +1117,76 @@ pub fn decode_runs(bytes: &[u8]) -> Result<Vec<(u64, Allocation)>, WireError> {
             Ok((u64_at(run, 0), allocation))
         })
         .collect()
+}
+
+/// A replica's snapshot as SNAPSHOT_CREATE and SNAPSHOT_LIST answer it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotEntry {
+    pub name: String,
+    pub id: String,
+    /// The replica's journal checkpoint at the snapshot's flush point.
+    pub checkpoint_seq: u64,
+    pub created_unix: u64,
+}
+
+/// SNAPSHOT_LIST's answer (and SNAPSHOT_CREATE's, one entry): count (4),
+/// reserved (4), then per snapshot checkpoint seq (8), created (8), id
+/// (36), name length (2), reserved (2), name.
+pub fn encode_snapshots(entries: &[SnapshotEntry]) -> Vec<u8> {
+    let listed = &entries[..entries.len().min(MAX_SNAPSHOTS_LISTED)];
+    let mut out = Vec::with_capacity(8 + listed.len() * (SNAPSHOT_ENTRY_FIXED_BYTES + 16));
+    out.extend_from_slice(&(listed.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[0; 4]);
+    for entry in listed {
+        out.extend_from_slice(&entry.checkpoint_seq.to_le_bytes());
+        out.extend_from_slice(&entry.created_unix.to_le_bytes());
+        let mut id = entry.id.as_bytes().to_vec();
+        id.resize(SNAPSHOT_ID_BYTES, b'-');
+        out.extend_from_slice(&id[..SNAPSHOT_ID_BYTES]);
+        let name = truncate_utf8(&entry.name, MAX_NAME_BYTES);
+        out.extend_from_slice(&(name.len() as u16).to_le_bytes());
+        out.extend_from_slice(&[0; 2]);
+        out.extend_from_slice(name.as_bytes());
+    }
+    out
+}
+
+pub fn decode_snapshots(bytes: &[u8]) -> Result<Vec<SnapshotEntry>, WireError> {
+    let count = counted(
+        bytes,
+        "SNAPSHOT_LIST answer",
+        "SNAPSHOT_LIST count",
+        MAX_SNAPSHOTS_LISTED,
+    )?;
+    let mut at = 8;
+    let mut entries = Vec::with_capacity(count);
+    for _ in 0..count {
+        let fixed = bytes
+            .get(at..at + SNAPSHOT_ENTRY_FIXED_BYTES)
+            .ok_or(WireError::Truncated("SNAPSHOT_LIST entry"))?;
+        let length = usize::from(u16_at(fixed, 52));
+        if u16_at(fixed, 54) != 0 {
+            return Err(WireError::Reserved(u64::from(u16_at(fixed, 54))));
+        }
+        let name = bytes
+            .get(at + SNAPSHOT_ENTRY_FIXED_BYTES..at + SNAPSHOT_ENTRY_FIXED_BYTES + length)
+            .ok_or(WireError::Truncated("SNAPSHOT_LIST name"))?;
+        entries.push(SnapshotEntry {
+            checkpoint_seq: u64_at(fixed, 0),
+            created_unix: u64_at(fixed, 8),
+            id: decode_id(&fixed[16..16 + SNAPSHOT_ID_BYTES])?,
+            name: decode_name(name)?,
+        });
+        at += SNAPSHOT_ENTRY_FIXED_BYTES + length;
+    }
+    if at != bytes.len() {
+        return Err(WireError::Length {
+            what: "SNAPSHOT_LIST answer",
+            got: bytes.len() as u64,
+            expected: at as u64,
+        });
+    }
+    Ok(entries)
 }
 
 #[cfg(test)]

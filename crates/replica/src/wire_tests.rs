@@ -54,7 +54,46 @@ fn every_request() -> Vec<Request> {
             max_blocks: 256,
         },
         Request::NextData { lba: 77 },
+        Request::SnapshotCreate {
+            name: "before-upgrade".into(),
+            id: "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0".into(),
+            copy: true,
+        },
+        Request::SnapshotList,
+        Request::SnapshotDelete {
+            name: "before-upgrade".into(),
+        },
+        Request::OpenSnapshot {
+            name: "db".into(),
+            snapshot: "nightly".into(),
+        },
     ]
+}
+
+#[test]
+fn snapshot_lists_round_trip_and_truncated_ones_are_refused() {
+    let entries = vec![
+        SnapshotEntry {
+            name: "a".into(),
+            id: "0f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0".into(),
+            checkpoint_seq: 7,
+            created_unix: 1_700_000_000,
+        },
+        SnapshotEntry {
+            name: "nightly-2026-11-28".into(),
+            id: "1f1e2d3c-4b5a-6978-8796-a5b4c3d2e1f0".into(),
+            checkpoint_seq: 9,
+            created_unix: 1_700_000_100,
+        },
+    ];
+    let bytes = encode_snapshots(&entries);
+    assert_eq!(decode_snapshots(&bytes), Ok(entries));
+    for cut in 0..bytes.len() {
+        assert!(decode_snapshots(&bytes[..cut]).is_err(), "cut at {cut}");
+    }
+    let mut bad_id = bytes.clone();
+    bad_id[8 + 16] = b'z';
+    assert!(decode_snapshots(&bad_id).is_err());
 }
 
 fn decode(frame: &[u8]) -> Result<Request, WireError> {
@@ -110,7 +149,11 @@ fn a_hello_with_another_magic_is_refused_and_versions_are_named() {
     .encode();
     assert_eq!(Hello::decode(&hello).unwrap().version, 3);
     assert_eq!(
-        version_refusal(3),
+        version_refusal(4),
+        "replica protocol version 4 is not supported (this side speaks 2 to 3)"
+    );
+    assert_eq!(
+        version_refusal_by(3, 2),
         "replica protocol version 3 is not supported (this side speaks 2)"
     );
     hello[0] = b'X';

@@ -343,12 +343,12 @@ fn a_write_sealed_cut_off_inside_its_payload_is_refused_and_loses_nothing_acknow
 fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
     let dir = tempfile::tempdir().expect("tempdir");
     let server = TestServer::start(dir.path());
-    // The server refuses version 3 and says which it speaks.
+    // The server refuses version 4 and says the newest it speaks.
     let mut stream = raw_connect(server.port);
     stream
         .write_all(
             &Hello {
-                version: 3,
+                version: 4,
                 status: 0,
             }
             .encode(),
@@ -357,9 +357,24 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
     let mut answer = [0u8; wire::HELLO_BYTES];
     stream.read_exact(&mut answer).expect("answer");
     let hello = Hello::decode(&answer).expect("decode");
-    assert_eq!(hello.version, 2);
+    assert_eq!(hello.version, 3);
     assert_eq!(hello.status, wire::HELLO_VERSION_REFUSED);
-    // The client refuses a server of version 3 by name.
+    // An exporter from before the snapshot requests (version 2) is
+    // accepted at its version.
+    let mut stream = raw_connect(server.port);
+    stream
+        .write_all(
+            &Hello {
+                version: 2,
+                status: 0,
+            }
+            .encode(),
+        )
+        .expect("hello");
+    stream.read_exact(&mut answer).expect("answer");
+    let hello = Hello::decode(&answer).expect("decode");
+    assert_eq!((hello.version, hello.status), (2, wire::HELLO_OK));
+    // The client refuses a server of version 4 by name.
     let fake = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = fake.local_addr().expect("addr").port();
     let thread = std::thread::spawn(move || {
@@ -368,7 +383,7 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
         peer.read_exact(&mut hello).expect("read hello");
         peer.write_all(
             &Hello {
-                version: 3,
+                version: 4,
                 status: 0,
             }
             .encode(),
@@ -380,7 +395,7 @@ fn a_client_of_another_version_is_refused_by_name_on_both_sides() {
     assert!(
         error
             .to_string()
-            .contains("replica protocol version 3 is not supported (this side speaks 2)"),
+            .contains("replica protocol version 4 is not supported (this side speaks 2 to 3)"),
         "{error}"
     );
     thread.join().expect("fake server");

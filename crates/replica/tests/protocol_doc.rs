@@ -31,12 +31,12 @@ fn shouting(name: &str) -> String {
 #[test]
 fn every_op_and_status_is_documented_with_its_number() {
     let doc = doc();
-    for code in 1..=10u16 {
+    for code in 1..=14u16 {
         let op = Op::from_u16(code).expect("op");
         let row = format!("| {code} | {} |", op.name());
         assert!(doc.contains(&row), "PROTOCOL.md lacks {row}");
     }
-    assert!(Op::from_u16(11).is_err(), "a new op needs a row");
+    assert!(Op::from_u16(15).is_err(), "a new op needs a row");
     for code in 0..=13u16 {
         let status = Status::from_u16(code).expect("status");
         let row = format!("| {code} | {} |", shouting(&format!("{status:?}")));
@@ -76,7 +76,18 @@ fn sizes_and_limits_in_the_text_are_the_code_s() {
         format!("message length (4, at most {})", wire::MAX_MESSAGE_BYTES),
         format!("count (4, at most {}), truncated", wire::MAX_VERIFY_FAULTS),
         format!("up to {} requests", vouch_replica::MAX_IN_FLIGHT),
-        wire::version_refusal(3),
+        wire::version_refusal(4),
+        format!(
+            "| 8 | 4 | version | client: the version it offers ({})",
+            wire::PROTOCOL_VERSION
+        ),
+        format!("## The replica protocol (version {})", wire::PROTOCOL_VERSION),
+        format!("Ops 11–14 exist from version {}", wire::SNAPSHOT_VERSION),
+        format!(
+            "**SNAPSHOTS:** count (4, at most {}), reserved (4), then per snapshot checkpoint seq (8), created (8, Unix seconds), id ({})",
+            wire::MAX_SNAPSHOTS_LISTED,
+            wire::SNAPSHOT_ID_BYTES
+        ),
         format!(
             "| challenge (server) | {} |",
             vouch_replica::auth::CHALLENGE_BYTES

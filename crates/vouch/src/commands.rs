@@ -312,8 +312,16 @@ pub fn check(path: &Path, json_output: bool) -> Result<ExitCode> {
     if let Some(copies) = crate::snapshot_mirror::copies(path).filter(|_| !json_output) {
         let mut code = ExitCode::SUCCESS;
         for (leg, copy) in copies {
-            println!("leg {leg}'s copy {}:", copy.display());
-            if check_one(&copy, json_output)? != ExitCode::SUCCESS {
+            let clean = match copy {
+                crate::snapshot_mirror::CheckedCopy::Local(copy) => {
+                    println!("leg {leg}'s copy {}:", copy.display());
+                    check_one(&copy, json_output)? == ExitCode::SUCCESS
+                }
+                crate::snapshot_mirror::CheckedCopy::Remote { url, name } => {
+                    crate::snapshot_remote::check_copy(leg, &url, &name)
+                }
+            };
+            if !clean {
                 code = ExitCode::from(1);
             }
         }

@@ -21,6 +21,7 @@ mod sizes;
 mod snapshot;
 mod snapshot_held;
 mod snapshot_mirror;
+mod snapshot_remote;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -268,6 +268,11 @@ pub struct ServeArgs {
     /// payload); a payload that never arrives drops the connection.
     #[arg(long, value_name = "SECONDS", default_value_t = vouch_replica::server::PAYLOAD_TIMEOUT.as_secs())]
     pub payload_timeout: u64,
+    /// The newest replica protocol version to speak (tests stand in for
+    /// a server from before the snapshot requests with 2).
+    #[arg(long, hide = true, value_name = "VERSION", default_value_t = vouch_replica::wire::PROTOCOL_VERSION,
+          value_parser = clap::value_parser!(u32).range(i64::from(vouch_replica::wire::OLDEST_VERSION)..=i64::from(vouch_replica::wire::PROTOCOL_VERSION)))]
+    pub protocol_version: u32,
     /// The largest replica a CREATE may make (default: the size of DIR's
     /// filesystem). K, M, G, T are powers of 1024, KB, MB, GB, TB powers
     /// of 1000.
@@ -365,6 +370,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             handshake_timeout: Duration::from_secs(args.handshake_timeout),
             payload_timeout: Duration::from_secs(args.payload_timeout),
             secret,
+            newest_version: args.protocol_version,
         };
         let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
         let mut terminate =

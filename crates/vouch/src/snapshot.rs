@@ -33,7 +33,12 @@ pub enum SnapshotCommand {
     /// (PATH any leg), each active leg gets its copy, LEG/snapshots/NAME,
     /// all at one flush point (online: the mirror's writes held while
     /// every leg's flush point is entered, no longer); a stale or faulted
-    /// leg gets none, and a mirror with a remote leg is refused.
+    /// leg gets none. A remote leg's copy is its replica's snapshot
+    /// (DIR/NAME/snapshots/SNAP on the replica's host), taken through the
+    /// replica protocol inside the same flush point: every active remote
+    /// leg must be reachable, and a replica server too old for snapshots
+    /// is refused by name; online, --copy with a remote leg is refused
+    /// (the mirror's writes would be held for the replica's whole copy).
     Create {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one).

@@ -4,7 +4,9 @@
 //! taken at one flush point (`vouch_engine::snapshot::create_legs`;
 //! online the mirror held still while every leg's flush point is entered,
 //! `Mirror::with_legs_still`), so a snapshot survives the loss of a leg as
-//! the volume does. A stale or faulted leg gets none. Served
+//! the volume does. A stale or faulted leg gets none. A remote leg's copy
+//! is its replica's snapshot, taken inside the same flush point through
+//! the replica protocol (`snapshot_remote.rs`). Served
 //! (`serve --snapshot NAME LEG`, or `serve LEG/snapshots/NAME`), the
 //! copies are the legs of a read-only mirror: a block bad in one copy is
 //! read from another.
@@ -18,14 +20,17 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::json;
-use vouch_engine::snapshot::{
-    self, FlushPoint, LegsFlushPoint, RealFs, Snapshot, SnapshotBreaks, StoppedLegs,
-};
+use vouch_engine::snapshot::{self, FlushPoint, LegsFlushPoint, RealFs, Snapshot, StoppedLegs};
 use vouch_engine::{FileStorage, OpenOptions, Volume};
 use vouch_mirror::set::MirrorRecord;
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
 use crate::key::Use;
+use crate::snapshot_remote::{self as remote, RemoteCopyLeg};
+
+/// Each remote leg's copies (`snapshot_remote::list`), or why they could
+/// not be listed.
+type RemoteListed = Vec<(usize, std::result::Result<Vec<Snapshot>, String>)>;
 
 /// A member of the set: its index, directory (or URL), and state.
 struct Member {
@@ -69,16 +74,69 @@ fn members_served(mirror: &Mirror) -> Vec<Member> {
         .collect()
 }
 
-/// Refuse a set with a remote member, naming it.
-fn refuse_remote(members: &[Member]) -> Result<()> {
-    if let Some(member) = members.iter().find(|member| member.remote) {
-        bail!(
-            "mirror leg {} ({}) is a remote replica: the replica protocol takes no snapshots, so a snapshot of this mirror would miss that leg's copy; remove the leg (`vouch mirror remove`), take the snapshot, and add it again, or keep snapshots on a mirror of local legs",
-            member.leg,
-            member.path
-        );
+/// The remote legs opened (each holding its replica), and those that
+/// could not be, with why.
+type OpenedRemotes = (Vec<(usize, vouch_replica::RemoteLeg)>, Vec<(usize, String)>);
+
+/// Every active remote leg of the stopped set opened (held until
+/// dropped): an offline create needs each reachable, or it is refused
+/// naming the leg; `list` and `delete` (`required` false) name one that is
+/// not and go on.
+fn open_remotes(
+    record: &MirrorRecord,
+    members: &[Member],
+    required: bool,
+) -> Result<OpenedRemotes> {
+    let mut opened = Vec::new();
+    let mut away = Vec::new();
+    for member in members.iter().filter(|member| member.remote) {
+        match remote::open_offline(&member.path, record) {
+            Ok(replica) => opened.push((member.leg, replica)),
+            Err(error) if required && member.state == "active" => bail!(
+                "mirror leg {} ({}) cannot be reached: {error}; a snapshot of the mirror needs every active leg's copy: start its replica server, or take the snapshot with --server while the mirror is served",
+                member.leg,
+                member.path
+            ),
+            Err(error) => away.push((member.leg, error.to_string())),
+        }
     }
-    Ok(())
+    Ok((opened, away))
+}
+
+fn copy_legs(opened: &[(usize, vouch_replica::RemoteLeg)]) -> Vec<RemoteCopyLeg<'_>> {
+    opened
+        .iter()
+        .map(|(leg, replica)| RemoteCopyLeg { leg: *leg, replica })
+        .collect()
+}
+
+/// The served mirror's present remote legs.
+fn served_remotes<'a>(mirror: &'a Mirror, members: &[Member]) -> Vec<RemoteCopyLeg<'a>> {
+    members
+        .iter()
+        .filter(|member| member.remote)
+        .filter_map(|member| {
+            let replica = remote::remote_of(mirror.present_device(member.leg)?)?;
+            Some(RemoteCopyLeg {
+                leg: member.leg,
+                replica,
+            })
+        })
+        .collect()
+}
+
+/// A remote leg listed (`remote::list`) as a leg away: its error is
+/// named only for an active leg (a stale one that cannot be reached
+/// shows as a leg without a copy, as a local leg away does).
+fn listed_remotes(
+    members: &[Member],
+    legs: &[RemoteCopyLeg],
+    away: &[(usize, String)],
+) -> RemoteListed {
+    let mut listed = remote::list(legs);
+    listed.extend(away.iter().map(|(leg, error)| (*leg, Err(error.clone()))));
+    listed.retain(|(leg, result)| result.is_ok() || members[*leg].state == "active");
+    listed
 }
 
 /// The one id of the copies of snapshot `name`: copies of different
@@ -113,15 +171,87 @@ fn take(
     legs: &[PathBuf],
     name: &str,
     point: &dyn LegsFlushPoint,
+    id: &str,
 ) -> Result<Vec<Snapshot>> {
-    Ok(snapshot::create_legs(
-        fs,
-        legs,
-        name,
-        "reflink",
-        SnapshotBreaks::default(),
-        point,
-    )?)
+    Ok(snapshot::create_legs_with_id(fs, legs, point, name, id)?)
+}
+
+/// The stopped legs' flush point with each remote leg's copy taken
+/// inside it (`Remotes::taken`), after the local legs' are entered and
+/// before they are cloned.
+struct StoppedWithRemotes<'a> {
+    local: StoppedLegs<'a>,
+    remotes: Remotes<'a>,
+}
+
+impl LegsFlushPoint for StoppedWithRemotes<'_> {
+    fn at_flush_point(
+        &self,
+        clone: &mut dyn FnMut(&snapshot::HeldLegs) -> vouch_engine::Result<()>,
+    ) -> vouch_engine::Result<()> {
+        self.local.at_flush_point(&mut |held| {
+            self.remotes.take(&self.remotes.legs)?;
+            clone(held)
+        })
+    }
+    fn online(&self) -> bool {
+        false
+    }
+}
+
+/// The remote legs' side of a create: the snapshot asked for, and the
+/// copies made (to delete them when the local copies fail).
+struct Remotes<'a> {
+    legs: Vec<RemoteCopyLeg<'a>>,
+    name: &'a str,
+    id: String,
+    copy: bool,
+    made: std::cell::RefCell<Vec<Snapshot>>,
+}
+
+impl<'a> Remotes<'a> {
+    /// Refused, naming the leg, when a replica's server takes no
+    /// snapshots: before anything is made or held.
+    fn new(legs: Vec<RemoteCopyLeg<'a>>, name: &'a str, copy: bool) -> Result<Remotes<'a>> {
+        for remote in &legs {
+            remote
+                .replica
+                .snapshots_supported()
+                .with_context(|| format!("mirror leg {} ({})", remote.leg, remote.replica.url()))?;
+        }
+        Ok(Remotes {
+            legs,
+            name,
+            id: snapshot::new_id(),
+            copy,
+            made: std::cell::RefCell::new(Vec::new()),
+        })
+    }
+
+    /// Take the copies of `legs` (at the flush point).
+    fn take(&self, legs: &[RemoteCopyLeg]) -> vouch_engine::Result<()> {
+        let made = remote::create(legs, self.name, &self.id, self.copy)
+            .map_err(|error| vouch_engine::Error::Unsupported(error.to_string()))?;
+        self.made.borrow_mut().extend(made);
+        Ok(())
+    }
+
+    /// The local copies failed: delete the remote ones made (a copy left
+    /// is named by `list`).
+    fn take_back(&self, legs: &[RemoteCopyLeg]) {
+        if !self.made.borrow().is_empty() {
+            let (_, failed) = remote::delete(legs, self.name);
+            for why in failed {
+                eprintln!("vouch: WARNING: {why}");
+            }
+        }
+    }
+
+    /// Every copy: the local ones, then the remote ones.
+    fn all(&self, mut local: Vec<Snapshot>) -> Vec<Snapshot> {
+        local.extend(self.made.borrow_mut().drain(..));
+        local
+    }
 }
 
 /// `vouch snapshot create LEG NAME` of a stopped mirror: every leg held
@@ -131,11 +261,11 @@ pub fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     snapshot::check_name(name)?;
     let (record, reasons) = vouch_mirror::set::view(path)?;
     let members = members_of(&record);
-    refuse_remote(&members)?;
     let _held = hold_legs(&members, "take the snapshot")?;
+    let (opened, _) = open_remotes(&record, &members, true)?;
     let mut legs = Vec::new();
     for (member, reason) in members.iter().zip(&reasons) {
-        if record.members[member.leg].state != LegState::Active {
+        if record.members[member.leg].state != LegState::Active || member.remote {
             continue;
         }
         if let Some(why) = reason {
@@ -148,18 +278,27 @@ pub fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
         legs.push(PathBuf::from(&member.path));
     }
     refuse_unsettled(&record, &legs)?;
-    refuse_taken(&members, name)?;
+    let active_remotes: Vec<RemoteCopyLeg> = copy_legs(&opened)
+        .into_iter()
+        .filter(|remote| members[remote.leg].state == "active")
+        .collect();
+    refuse_taken(
+        &members,
+        name,
+        &listed_remotes(&members, &copy_legs(&opened), &[]),
+    )?;
     let started = Instant::now();
     let fs = RealFs::new(copy);
-    let taken = take(
-        &fs,
-        &legs,
-        name,
-        &StoppedLegs {
+    let point = StoppedWithRemotes {
+        local: StoppedLegs {
             fs: &fs,
             legs: &legs,
         },
-    )?;
+        remotes: Remotes::new(active_remotes, name, copy)?,
+    };
+    let taken = take(&fs, &legs, name, &point, &point.remotes.id)
+        .inspect_err(|_| point.remotes.take_back(&point.remotes.legs))?;
+    let taken = point.remotes.all(taken);
     print_taken(name, path, &taken, &members, started.elapsed());
     Ok(ExitCode::SUCCESS)
 }
@@ -186,7 +325,20 @@ fn print_taken(name: &str, path: &Path, taken: &[Snapshot], members: &[Member], 
 /// A name some leg holds a copy of (an active leg: it exists; a stale or
 /// faulted one: an older snapshot of that name, left there while the leg
 /// was away when it was deleted) is not taken again.
-fn refuse_taken(members: &[Member], name: &str) -> Result<()> {
+fn refuse_taken(members: &[Member], name: &str, remotes: &RemoteListed) -> Result<()> {
+    for (leg, listed) in remotes {
+        match listed {
+            Ok(copies) if copies.iter().any(|copy| copy.record.name == name) => bail!(
+                "a snapshot named {name:?} already exists on leg {leg} ({}): choose another name or delete it first (`vouch snapshot delete` removes every leg's copy)",
+                members[*leg].path
+            ),
+            Ok(_) => {}
+            Err(error) => bail!(
+                "the snapshots of leg {leg} ({}) cannot be listed: {error}",
+                members[*leg].path
+            ),
+        }
+    }
     for member in members.iter().filter(|member| !member.remote) {
         let copy = snapshot::snapshot_path(Path::new(&member.path), name);
         if copy.symlink_metadata().is_ok() {
@@ -269,8 +421,9 @@ struct Found {
     copies: Vec<(usize, std::result::Result<Snapshot, String>)>,
 }
 
-/// The snapshots of the set's legs, by name.
-fn gather(members: &[Member]) -> BTreeMap<String, Found> {
+/// The snapshots of the set's legs, by name (the remote legs' as
+/// `remotes` lists them).
+fn gather(members: &[Member], remotes: &RemoteListed) -> BTreeMap<String, Found> {
     let fs = RealFs::default();
     let mut found: BTreeMap<String, Found> = BTreeMap::new();
     let mut unreadable = Vec::new();
@@ -297,6 +450,23 @@ fn gather(members: &[Member]) -> BTreeMap<String, Found> {
             }
         }
     }
+    for (leg, listed) in remotes {
+        match listed {
+            Ok(copies) => {
+                for snap in copies {
+                    found
+                        .entry(snap.record.name.clone())
+                        .or_insert_with(|| Found { copies: Vec::new() })
+                        .copies
+                        .push((*leg, Ok(snap.clone())));
+                }
+            }
+            Err(error) => unreadable.push((*leg, error.clone())),
+        }
+    }
+    for found in found.values_mut() {
+        found.copies.sort_by_key(|(leg, _)| *leg);
+    }
     for (leg, error) in unreadable {
         found
             .entry(format!("?{leg}"))
@@ -311,8 +481,8 @@ fn gather(members: &[Member]) -> BTreeMap<String, Found> {
 /// state of the leg now) and, where the legs disagree (an active leg
 /// without a copy, copies of different snapshots under one name: a create
 /// or delete interrupted), `disagree` saying how.
-fn listing(members: &[Member]) -> Vec<serde_json::Value> {
-    gather(members)
+fn listing(members: &[Member], remotes: &RemoteListed) -> Vec<serde_json::Value> {
+    gather(members, remotes)
         .into_iter()
         .map(|(name, found)| {
             let errors: Vec<String> = found
@@ -415,6 +585,8 @@ pub fn print_listing(items: &[serde_json::Value], what: &str, json_output: bool)
 pub fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
     let (record, _) = vouch_mirror::set::view(path)?;
     let members = members_of(&record);
+    let (opened, away) = open_remotes(&record, &members, false)?;
+    let remotes = listed_remotes(&members, &copy_legs(&opened), &away);
     if let Ok(_held) = hold_legs(&members, "list") {
         let fs = RealFs::default();
         for member in members.iter().filter(|member| !member.remote) {
@@ -430,7 +602,7 @@ pub fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
             }
         }
     }
-    let items = listing(&members);
+    let items = listing(&members, &remotes);
     let bad = print_listing(&items, &format!("mirror {}", path.display()), json_output)?;
     Ok(if bad {
         ExitCode::from(1)
@@ -441,12 +613,18 @@ pub fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
 
 /// The snapshots of a served mirror (the control API's list).
 pub fn list_served(mirror: &Mirror) -> Vec<serde_json::Value> {
-    listing(&members_served(mirror))
+    let _one = crate::snapshot_held::ONLINE
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner());
+    let members = members_served(mirror);
+    let remotes = listed_remotes(&members, &served_remotes(mirror, &members), &[]);
+    listing(&members, &remotes)
 }
 
 /// Remove every leg's copy of snapshot `name` (each held first: a copy
-/// in use by another process is not deleted); the legs that had one.
-fn delete_copies(members: &[Member], name: &str) -> Result<Vec<usize>> {
+/// in use by another process is not deleted; a remote leg's through its
+/// replica, `remotes`); the legs that had one.
+fn delete_copies(members: &[Member], name: &str, remotes: &[RemoteCopyLeg]) -> Result<Vec<usize>> {
     snapshot::check_name(name)?;
     let fs = RealFs::default();
     let mut held = Vec::new();
@@ -468,13 +646,26 @@ fn delete_copies(members: &[Member], name: &str) -> Result<Vec<usize>> {
         held.push(crate::snapshot_held::hold_snapshot(dir, name, &copy)?);
         legs.push(member.leg);
     }
-    if legs.is_empty() {
-        bail!("the mirror has no snapshot named {name:?} on any leg (`vouch snapshot list` lists them)");
+    for member in members.iter().filter(|member| member.remote) {
+        if !remotes.iter().any(|remote| remote.leg == member.leg) {
+            eprintln!(
+                "vouch: WARNING: leg {} ({}) cannot be reached: a copy of snapshot {name} it may hold is not deleted; when it is back, `vouch snapshot list` names it and `vouch snapshot delete` removes it",
+                member.leg, member.path
+            );
+        }
     }
     for member in members.iter().filter(|member| legs.contains(&member.leg)) {
         let dir = Path::new(&member.path);
         snapshot::tidy(&fs, dir)?;
         snapshot::delete(&fs, dir, name)?;
+    }
+    let (deleted, failed) = remote::delete(remotes, name);
+    legs.extend(deleted);
+    if !failed.is_empty() {
+        bail!("{} (the other copies are deleted)", failed.join("; "));
+    }
+    if legs.is_empty() {
+        bail!("the mirror has no snapshot named {name:?} on any leg (`vouch snapshot list` lists them)");
     }
     Ok(legs)
 }
@@ -484,7 +675,8 @@ pub fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     let (record, _) = vouch_mirror::set::view(path)?;
     let members = members_of(&record);
     let _held = hold_legs(&members, "delete the snapshot")?;
-    let legs = delete_copies(&members, name)?;
+    let (opened, _) = open_remotes(&record, &members, false)?;
+    let legs = delete_copies(&members, name, &copy_legs(&opened))?;
     println!(
         "deleted snapshot {name} of mirror {} (the copies of legs {})",
         path.display(),
@@ -506,7 +698,7 @@ pub fn delete_online(mirror: &Mirror, name: &str) -> Result<()> {
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
     let members = members_served(mirror);
-    delete_copies(&members, name).map(drop)
+    delete_copies(&members, name, &served_remotes(mirror, &members)).map(drop)
 }
 
 /// Take snapshot `name` of a served mirror: every active leg's copy at
@@ -523,20 +715,29 @@ pub fn create_online(
         .unwrap_or_else(|poison| poison.into_inner());
     snapshot::check_name(name)?;
     let members = members_served(mirror);
-    refuse_remote(&members)?;
-    refuse_taken(&members, name)?;
+    let remotes = served_remotes(mirror, &members);
+    if copy && !remotes.is_empty() {
+        bail!(
+            "--copy with a remote leg: its replica copies the whole volume while the mirror's writes are held (they are released only once every leg's copy is taken), past the request timeout for a large one; take it on filesystems that share blocks (xfs, btrfs) without --copy, or offline"
+        );
+    }
+    refuse_taken(&members, name, &listed_remotes(&members, &remotes, &[]))?;
     let started = Instant::now();
     let legs: Vec<PathBuf> = mirror
         .active()
         .into_iter()
+        .filter(|&leg| !members[leg].remote)
         .map(|leg| PathBuf::from(&members[leg].path))
         .collect();
     let fs = RealFs::new(copy);
     let point = Still {
         mirror,
         times: Cell::new((Duration::ZERO, Duration::ZERO)),
+        remotes: Remotes::new(remotes, name, copy)?,
     };
-    let taken = take(&fs, &legs, name, &point)?;
+    let taken = take(&fs, &legs, name, &point, &point.remotes.id)
+        .inspect_err(|_| point.remotes.take_back(&point.remotes.legs))?;
+    let taken = point.remotes.all(taken);
     let (flush, held) = point.times.get();
     Ok((
         taken,
@@ -550,11 +751,14 @@ pub fn create_online(
 
 /// A served mirror's flush point: each leg checkpointed first (most of
 /// the flush, without holding anything), then the mirror held still
-/// while every active leg's flush point is entered, and released; timed
-/// from the hold to the clones' start (`times.0`) and end (`times.1`).
+/// while every active local leg's flush point is entered and every
+/// active remote leg's replica takes its copy (its own flush point, one
+/// round trip), and released; timed from the hold to the clones' start
+/// (`times.0`) and end (`times.1`).
 struct Still<'a> {
     mirror: &'a Mirror,
     times: Cell<(Duration, Duration)>,
+    remotes: Remotes<'a>,
 }
 
 impl LegsFlushPoint for Still<'_> {
@@ -562,20 +766,40 @@ impl LegsFlushPoint for Still<'_> {
         &self,
         clone: &mut dyn FnMut(&snapshot::HeldLegs) -> vouch_engine::Result<()>,
     ) -> vouch_engine::Result<()> {
-        self.mirror.with_legs_still(|legs, release| {
+        self.mirror.with_legs_still(|legs, remotes, release| {
             release();
+            // A replica's commit ahead too (FLUSH): its flush point inside
+            // the window then has little left to commit.
+            for remote in remotes {
+                remote.device.flush()?;
+            }
             legs.iter().try_for_each(|leg| leg.volume.checkpoint_now())
         })?;
         let started = Instant::now();
         let mut flushed = Duration::ZERO;
-        let result = self.mirror.with_legs_still(|legs, release| {
+        let result = self.mirror.with_legs_still(|legs, still_remotes, release| {
+            // The remote legs active now: those the create was asked of
+            // (a leg taken out since has no copy, as a stale local one).
+            let active: Vec<RemoteCopyLeg> = self
+                .remotes
+                .legs
+                .iter()
+                .filter(|remote| still_remotes.iter().any(|still| still.leg == remote.leg))
+                .map(|remote| RemoteCopyLeg {
+                    leg: remote.leg,
+                    replica: remote.replica,
+                })
+                .collect();
             let points: Vec<(&Path, &dyn FlushPoint)> = legs
                 .iter()
                 .map(|leg| (Path::new(leg.name), leg.volume as &dyn FlushPoint))
                 .collect();
             snapshot::hold_legs(&points, &mut |held| {
                 // Every leg holds what was acknowledged, and no write is
-                // in flight: clients' writes go on into the buffers.
+                // in flight: each replica takes its copy now (synced and
+                // named on its host when it answers), then clients'
+                // writes go on into the buffers.
+                self.remotes.take(&active)?;
                 release();
                 flushed = started.elapsed();
                 clone(held)
@@ -632,7 +856,14 @@ pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<Serve
     snapshot::check_name(name)?;
     let (record, _) = vouch_mirror::set::view(leg)?;
     let members = members_of(&record);
-    let found = gather(&members);
+    // The remote copies are opened, not listed: listing needs the replica,
+    // which the mirror's own `serve` holds.
+    let opened = open_remote_copies(&record, &members, name)?;
+    let remotes: RemoteListed = opened
+        .iter()
+        .map(|(leg, replica)| (*leg, Ok(vec![remote_copy(replica, name)])))
+        .collect();
+    let found = gather(&members, &remotes);
     let Some(copies) = found.get(name) else {
         bail!(
             "the mirror of {} has no snapshot named {name:?} (`vouch snapshot list {}` lists them)",
@@ -647,11 +878,29 @@ pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<Serve
     };
     let mut legs = Vec::new();
     let mut volumes = Vec::new();
+    let mut opened: BTreeMap<usize, vouch_replica::RemoteLeg> = opened.into_iter().collect();
     for member in &members {
         let copy = copies.copies.iter().find_map(|(leg, copy)| match copy {
             Ok(snap) if *leg == member.leg && Some(&snap.record.id) == id.as_ref() => Some(snap),
             _ => None,
         });
+        if let (Some(snap), Some(replica)) = (copy, opened.remove(&member.leg)) {
+            // A remote copy: read through the replica protocol, read-only
+            // (OPEN_SNAPSHOT); named by its URL, so reads prefer the
+            // local copies and a bad block is read from one.
+            legs.push(MirrorLeg {
+                name: member.path.clone(),
+                device: Some(Arc::new(replica) as Arc<dyn vouch_engine::BlockDevice>),
+                state: LegState::Active,
+            });
+            eprintln!(
+                "vouch: snapshot {name}: leg {}'s copy is {} (read through its replica server)",
+                member.leg,
+                snap.path.display()
+            );
+            volumes.push(None);
+            continue;
+        }
         let volume = match copy {
             Some(snap) => Some(Arc::new(
                 crate::key::open(&snap.path, options.clone(), Use::Data)
@@ -696,21 +945,78 @@ pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<Serve
     })
 }
 
+/// Each remote member's copy of snapshot `name`, opened read-only
+/// (`RemoteLeg::open_snapshot`); a member without one, or whose replica
+/// cannot be reached, is left out (warned of: the snapshot is served
+/// from the other copies).
+fn open_remote_copies(
+    record: &MirrorRecord,
+    members: &[Member],
+    name: &str,
+) -> Result<Vec<(usize, vouch_replica::RemoteLeg)>> {
+    let mut opened = Vec::new();
+    for member in members.iter().filter(|member| member.remote) {
+        let url = vouch_replica::ReplicaUrl::parse(&member.path).map_err(|e| anyhow::anyhow!(e))?;
+        let options = crate::replica::client_options()?;
+        match vouch_replica::RemoteLeg::open_snapshot(&url, name, &options) {
+            Ok(replica) if replica.info().uuid != record.uuid => bail!(
+                "leg {} ({}): its snapshot {name} is of another volume (uuid {})",
+                member.leg,
+                member.path,
+                replica.uuid_string()
+            ),
+            Ok(replica) => opened.push((member.leg, replica)),
+            Err(error) => eprintln!(
+                "vouch: snapshot {name}: leg {} ({}): no copy read: {error}",
+                member.leg, member.path
+            ),
+        }
+    }
+    Ok(opened)
+}
+
+/// An opened remote copy as `gather` takes it (its id the replica's).
+fn remote_copy(replica: &vouch_replica::RemoteLeg, name: &str) -> Snapshot {
+    let (_, id) = replica.snapshot().expect("opened as a snapshot");
+    let entry = vouch_replica::wire::SnapshotEntry {
+        name: name.to_string(),
+        id: id.to_string(),
+        checkpoint_seq: 0,
+        created_unix: 0,
+    };
+    remote::as_snapshot(replica, entry)
+}
+
+/// A copy of a mirror's snapshot `check` reports: a local leg's
+/// directory, or a remote leg's replica and the snapshot's name.
+pub enum CheckedCopy {
+    Local(PathBuf),
+    Remote { url: String, name: String },
+}
+
 /// `LEG/snapshots/NAME` of a mirror: every leg's copy of snapshot NAME
-/// that is there, with its leg (`check` reports each).
-pub fn copies(path: &Path) -> Option<Vec<(usize, PathBuf)>> {
+/// that is there (a remote leg's: every remote leg, its replica says
+/// whether it has one), with its leg (`check` reports each).
+pub fn copies(path: &Path) -> Option<Vec<(usize, CheckedCopy)>> {
     let (leg, name) = of_snapshot_dir(path)?;
     let (record, _) = vouch_mirror::set::view(&leg).ok()?;
     // Copies of different snapshots under one name: each is checked
     // all the same, and `list` names the disagreement.
-    let copies: Vec<(usize, PathBuf)> = members_of(&record)
+    let copies: Vec<(usize, CheckedCopy)> = members_of(&record)
         .into_iter()
-        .filter(|member| !member.remote)
-        .map(|member| {
+        .filter_map(|member| {
+            if member.remote {
+                let url = member.path;
+                let name = name.clone();
+                return Some((member.leg, CheckedCopy::Remote { url, name }));
+            }
             let copy = snapshot::snapshot_path(Path::new(&member.path), &name);
-            (member.leg, copy)
+            copy.is_dir()
+                .then_some((member.leg, CheckedCopy::Local(copy)))
         })
-        .filter(|(_, copy)| copy.is_dir())
         .collect();
-    (!copies.is_empty()).then_some(copies)
+    copies
+        .iter()
+        .any(|(_, copy)| matches!(copy, CheckedCopy::Local(_)))
+        .then_some(copies)
 }

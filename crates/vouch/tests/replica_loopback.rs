@@ -235,15 +235,15 @@ fn bad_input_is_refused_by_name_and_loses_nothing() {
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .expect("timeout");
-    stream.write_all(&hello(3)).expect("hello");
+    stream.write_all(&hello(4)).expect("hello");
     let mut answer = [0u8; 16];
     stream.read_exact(&mut answer).expect("answer");
     assert_eq!(&answer[..8], b"VOUCHREP");
-    assert_eq!(u32::from_le_bytes(answer[8..12].try_into().unwrap()), 2);
+    assert_eq!(u32::from_le_bytes(answer[8..12].try_into().unwrap()), 3);
     assert_eq!(u32::from_le_bytes(answer[12..16].try_into().unwrap()), 1);
     wait_for_log(
         &replica,
-        "replica protocol version 3 is not supported (this side speaks 2)",
+        "replica protocol version 4 is not supported (this side speaks 2 to 3)",
     );
 
     // A malformed frame: a header with a bad magic gets a MALFORMED

@@ -103,6 +103,40 @@ pub fn create_legs(
     breaks: SnapshotBreaks,
     point: &dyn LegsFlushPoint,
 ) -> Result<Vec<Snapshot>> {
+    let asked = Asked {
+        name,
+        method,
+        breaks,
+    };
+    create_legs_asked(fs, legs, &asked, point, &new_id())
+}
+
+/// `create_legs` (method "reflink", no breaks) with the snapshot's id
+/// given: the caller gives the same id to copies it makes elsewhere (a
+/// remote replica's, inside `point`).
+pub fn create_legs_with_id(
+    fs: &dyn SnapshotFs,
+    legs: &[PathBuf],
+    point: &dyn LegsFlushPoint,
+    name: &str,
+    id: &str,
+) -> Result<Vec<Snapshot>> {
+    let asked = Asked {
+        name,
+        method: "reflink",
+        breaks: SnapshotBreaks::default(),
+    };
+    create_legs_asked(fs, legs, &asked, point, id)
+}
+
+fn create_legs_asked(
+    fs: &dyn SnapshotFs,
+    legs: &[PathBuf],
+    asked: &Asked,
+    point: &dyn LegsFlushPoint,
+    id: &str,
+) -> Result<Vec<Snapshot>> {
+    let name = asked.name;
     check_name(name)?;
     if legs.is_empty() {
         return Err(Error::InvalidArgument(
@@ -121,12 +155,7 @@ pub fn create_legs(
             }
         }
     }
-    let asked = Asked {
-        name,
-        method,
-        breaks,
-    };
-    let result = publish_legs(fs, legs, &asked, point);
+    let result = publish_legs(fs, legs, asked, point, id);
     if result.is_err() {
         for (leg, &made_dir) in legs.iter().zip(&made) {
             let _ = fs.remove_all(&partial_path(leg, name));
@@ -143,11 +172,11 @@ fn publish_legs(
     legs: &[PathBuf],
     asked: &Asked,
     point: &dyn LegsFlushPoint,
+    id: &str,
 ) -> Result<Vec<Snapshot>> {
     for leg in legs {
         tidy(fs, leg)?;
     }
-    let id = new_id();
     let warm: Vec<Vec<PathBuf>> = legs
         .iter()
         .map(|leg| warm_up(fs, leg, asked.name, point.online()))
@@ -170,7 +199,7 @@ fn publish_legs(
                 covers_regions: false,
                 warm: !warm.is_empty(),
             };
-            taken.push(clone_at(fs, leg, superblock, asked, &id, at)?);
+            taken.push(clone_at(fs, leg, superblock, asked, id, at)?);
         }
         Ok(())
     })?;
