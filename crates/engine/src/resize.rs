@@ -64,6 +64,10 @@ pub struct ResizeBreaks {
     /// Write the new size into the superblock before the files and the
     /// map of the new size are made (and synced after it).
     pub switch_first: bool,
+    /// A volume with regions: stop (an error) once the other member is
+    /// resized, before the record and the home (what a crash there
+    /// leaves, for tests of the next open's finish).
+    pub stop_after_member: bool,
 }
 
 /// What a resize did.
@@ -352,8 +356,27 @@ pub fn resize(
     if let Some(done) = finish(fs, volume)? {
         tracing::info!(volume = %volume.display(), "{done}");
     }
+    if crate::regions::has_regions(&superblock_of(fs, volume)?) {
+        return crate::regions::resize::resize(fs, volume, new_bytes, breaks);
+    }
+    resize_volume(fs, volume, new_bytes, breaks, false)
+}
+
+/// `resize` of the one volume (directory) `volume`; `member`: a member of
+/// a volume with regions, resized by `regions::resize` (its REGIONS flag
+/// is not refused).
+pub(crate) fn resize_volume(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    new_bytes: u64,
+    breaks: ResizeBreaks,
+    member: bool,
+) -> Result<Resized> {
+    if let Some(done) = finish(fs, volume)? {
+        tracing::info!(volume = %volume.display(), "{done}");
+    }
     let superblock = superblock_of(fs, volume)?;
-    refuse(fs, volume, &superblock)?;
+    refuse(fs, volume, &superblock, member)?;
     let old = geometry_of(&superblock)?;
     let new = Geometry::new(old.layout, new_bytes, old.segment_blocks)
         .map_err(|error| invalid(format!("size {new_bytes}: {error}")))?;
@@ -410,8 +433,14 @@ pub fn resize(
 
 /// What no resize touches: a snapshot (read-only), a volume not closed
 /// cleanly, a mirror's leg, a volume this binary opens read-only or
-/// without the written map.
-fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result<()> {
+/// without the written map; `member`: a member of a volume with regions
+/// (its flag is not refused).
+pub(crate) fn refuse(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    superblock: &Superblock,
+    member: bool,
+) -> Result<()> {
     let shown = volume.display();
     if superblock.state != STATE_CLEAN {
         return Err(invalid(format!(
@@ -423,13 +452,19 @@ fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result
             "{shown} is a leg of a mirror: resizing a mirrored volume is not supported (remove its other legs with `vouch mirror remove`, resize the volume, then add them again with `vouch mirror add`)"
         )));
     }
-    refuse_kind(&shown.to_string(), superblock)
+    refuse_kind_of(&shown.to_string(), superblock, member)
 }
 
 /// What no resize touches, by the superblock alone (an online resize asks
 /// before it closes the engine): a snapshot, unknown features, regions, a
 /// volume without the written map and whole units.
 pub(crate) fn refuse_kind(shown: &str, superblock: &Superblock) -> Result<()> {
+    refuse_kind_of(shown, superblock, false)
+}
+
+/// `refuse_kind`; `member`: the REGIONS flag allowed (`regions::resize`
+/// resizes each member in turn).
+fn refuse_kind_of(shown: &str, superblock: &Superblock, member: bool) -> Result<()> {
     if is_snapshot(superblock) {
         return Err(invalid(format!(
             "{shown} is a snapshot, which is read-only: resize the volume, or a `vouch clone` of the snapshot"
@@ -448,10 +483,9 @@ pub(crate) fn refuse_kind(shown: &str, superblock: &Superblock) -> Result<()> {
             features.unknown_incompat()
         )));
     }
-    if features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
+    if features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 && !member {
         return Err(invalid(format!(
-            "{shown} has a layout per region (`vouch migrate` moved some of its regions): resizing it is not supported yet; `vouch migrate {shown} --layout {}` makes it a one-layout volume again, then resize it",
-            superblock.layout.name()
+            "{shown} has a layout per region (`vouch migrate` moved some of its regions): it is resized offline (stop the server, then `vouch resize PATH SIZE`), not online yet"
         )));
     }
     let needed = FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;

@@ -92,6 +92,7 @@ pub mod mirror_write;
 pub mod offload;
 pub mod recorder;
 pub mod resize;
+pub mod resize_regions;
 pub mod resync;
 pub mod rng;
 pub mod snapshot;

@@ -191,8 +191,9 @@ enum Command {
     /// volume with regions), it is served (`serve`, without --control),
     /// read, checked, verified, scrubbed, exported, migrated, snapshotted
     /// offline (`vouch snapshot create`: each member's files, and the
-    /// record, as they stand), cloned and diffed, but not mirrored,
-    /// resized or rekeyed yet. Migrated back to the
+    /// record, as they stand), cloned, diffed and resized offline (`vouch
+    /// resize`: both members and the record), but not mirrored, resized
+    /// online or rekeyed yet. Migrated back to the
     /// layout it was created in, every region back home, it is a one-layout
     /// volume again (the record and the other layout's directory removed)
     /// and every command takes it.
@@ -295,10 +296,13 @@ enum Command {
     /// over written data is refused naming its first written LBA. SIZE
     /// like `create --size` (2G = 2 GiB), a multiple of 4096, at most
     /// 1 PiB. A snapshot is read-only (resize a clone of it); a mirror's
-    /// legs are refused (remove the other legs first). A volume that was
-    /// not closed cleanly is recovered first (an encrypted one needs its
-    /// key for that). Crash-safe: an interrupted resize leaves the old
-    /// size or the new one, finished by the next open.
+    /// legs are refused (remove the other legs first). A volume with
+    /// regions (after `vouch migrate`) has both its members resized and
+    /// its region record with them (new regions in the layout it was
+    /// created in). A volume that was not closed cleanly is recovered
+    /// first (an encrypted one needs its key for that). Crash-safe: an
+    /// interrupted resize leaves the old size or the new one, finished by
+    /// the next open.
     ///
     /// Online: `vouch resize --server ADDR [EXPORT] SIZE` resizes a served
     /// volume (the control API's `POST /v1/exports/{export}/resize`):
@@ -308,7 +312,8 @@ enum Command {
     /// already open keep the size they negotiated (after a shrink, their
     /// requests past the new end fail with EINVAL; nothing they wrote
     /// there can be acknowledged, as the tail must be unwritten). Mirrors
-    /// and volumes with regions are refused online too.
+    /// and volumes with regions are refused online (resize the latter
+    /// offline).
     Resize {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one), then SIZE.
