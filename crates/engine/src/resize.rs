@@ -359,24 +359,57 @@ pub fn resize(
     if crate::regions::has_regions(&superblock_of(fs, volume)?) {
         return crate::regions::resize::resize(fs, volume, new_bytes, breaks);
     }
-    resize_volume(fs, volume, new_bytes, breaks, false)
+    resize_volume(fs, volume, new_bytes, breaks, Allowed::default())
 }
 
-/// `resize` of the one volume (directory) `volume`; `member`: a member of
-/// a volume with regions, resized by `regions::resize` (its REGIONS flag
-/// is not refused).
+/// `resize` of one leg of a mirror (`vouch resize` of a mirror with local
+/// legs resizes each in turn): every leg held, active and closed cleanly
+/// by the caller, which checked a shrink's tail on each. Its mirror
+/// record is not refused; a volume with regions is.
+pub fn resize_mirror_leg(fs: &dyn SnapshotFs, leg: &Path, new_bytes: u64) -> Result<Resized> {
+    crate::superblock::check_volume_size(new_bytes)?;
+    resize_volume(
+        fs,
+        leg,
+        new_bytes,
+        ResizeBreaks::default(),
+        Allowed {
+            mirror_leg: true,
+            ..Allowed::default()
+        },
+    )
+}
+
+/// What a resize of one directory takes that `resize` refuses: a member
+/// of a volume with regions (`regions::resize` resizes each), a mirror's
+/// leg (`resize_mirror_leg`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Allowed {
+    pub(crate) regions: bool,
+    pub(crate) mirror_leg: bool,
+}
+
+impl Allowed {
+    pub(crate) const MEMBER: Allowed = Allowed {
+        regions: true,
+        mirror_leg: false,
+    };
+}
+
+/// `resize` of the one volume (directory) `volume`, taking what `allowed`
+/// says.
 pub(crate) fn resize_volume(
     fs: &dyn SnapshotFs,
     volume: &Path,
     new_bytes: u64,
     breaks: ResizeBreaks,
-    member: bool,
+    allowed: Allowed,
 ) -> Result<Resized> {
     if let Some(done) = finish(fs, volume)? {
         tracing::info!(volume = %volume.display(), "{done}");
     }
     let superblock = superblock_of(fs, volume)?;
-    refuse(fs, volume, &superblock, member)?;
+    refuse(fs, volume, &superblock, allowed)?;
     let old = geometry_of(&superblock)?;
     let new = Geometry::new(old.layout, new_bytes, old.segment_blocks)
         .map_err(|error| invalid(format!("size {new_bytes}: {error}")))?;
@@ -433,13 +466,12 @@ pub(crate) fn resize_volume(
 
 /// What no resize touches: a snapshot (read-only), a volume not closed
 /// cleanly, a mirror's leg, a volume this binary opens read-only or
-/// without the written map; `member`: a member of a volume with regions
-/// (its flag is not refused).
+/// without the written map; but what `allowed` says.
 pub(crate) fn refuse(
     fs: &dyn SnapshotFs,
     volume: &Path,
     superblock: &Superblock,
-    member: bool,
+    allowed: Allowed,
 ) -> Result<()> {
     let shown = volume.display();
     if superblock.state != STATE_CLEAN {
@@ -447,12 +479,12 @@ pub(crate) fn refuse(
             "{shown} was not closed cleanly: open it (vouch check, or serve) so it recovers, then resize it"
         )));
     }
-    if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
+    if !allowed.mirror_leg && fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
-            "{shown} is a leg of a mirror: resizing a mirrored volume is not supported (remove its other legs with `vouch mirror remove`, resize the volume, then add them again with `vouch mirror add`)"
+            "{shown} is a leg of a mirror: `vouch resize` of its path resizes every leg in turn"
         )));
     }
-    refuse_kind_of(&shown.to_string(), superblock, member)
+    refuse_kind_of(&shown.to_string(), superblock, allowed.regions)
 }
 
 /// What no resize touches, by the superblock alone (an online resize asks

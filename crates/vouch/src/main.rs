@@ -14,6 +14,7 @@ mod offload;
 mod progress;
 mod replica;
 mod resize;
+mod resize_mirror;
 mod resync;
 mod serve;
 mod service;
@@ -295,8 +296,11 @@ enum Command {
     /// block past SIZE is unwritten (never written, or trimmed); a shrink
     /// over written data is refused naming its first written LBA. SIZE
     /// like `create --size` (2G = 2 GiB), a multiple of 4096, at most
-    /// 1 PiB. A snapshot is read-only (resize a clone of it); a mirror's
-    /// legs are refused (remove the other legs first). A volume with
+    /// 1 PiB. A snapshot is read-only (resize a clone of it). A mirror
+    /// (PATH any leg) has every leg resized in turn: each must be local,
+    /// active and closed cleanly; legs a resize cut short left at
+    /// different sizes are refused by the mirror's open, and the resize
+    /// run again finishes them. A volume with
     /// regions (after `vouch migrate`) has both its members resized and
     /// its region record with them (new regions in the layout it was
     /// created in). A volume that was not closed cleanly is recovered

@@ -107,6 +107,9 @@ fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
             path.display()
         );
     }
+    if vouch_mirror::is_mirrored(path) {
+        return crate::resize_mirror::offline(path, new_bytes);
+    }
     let superblock = vouch_engine::volume_superblock(path)?;
     if superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
         bail!(
@@ -143,7 +146,7 @@ fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
 }
 
 /// Refuse a shrink over anything written, naming its first LBA.
-fn refuse_written_tail(path: &Path, new_bytes: u64, old_bytes: u64) -> Result<()> {
+pub(crate) fn refuse_written_tail(path: &Path, new_bytes: u64, old_bytes: u64) -> Result<()> {
     let encrypted = vouch_engine::volume_superblock(path)?.features.incompat
         & FeatureFlags::INCOMPAT_ENCRYPTED
         != 0;

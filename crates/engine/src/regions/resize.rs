@@ -29,7 +29,7 @@ use vouch_format::regions::{regions_of, RegionRecord};
 
 use super::{has_regions, member_path, REGIONS_FILE};
 use crate::error::{Error, Result};
-use crate::resize::{resize_volume, ResizeBreaks, Resized};
+use crate::resize::{resize_volume, Allowed, ResizeBreaks, Resized};
 use crate::snapshot::{io_error, superblock_of, SnapshotFs};
 use crate::BLOCK;
 
@@ -89,7 +89,13 @@ pub fn finish(fs: &dyn SnapshotFs, path: &Path) -> Result<Option<String>> {
     }
     if let Ok(other) = superblock_of(fs, &member) {
         if other.size_bytes != home.size_bytes {
-            resize_volume(fs, &member, home.size_bytes, ResizeBreaks::default(), true)?;
+            resize_volume(
+                fs,
+                &member,
+                home.size_bytes,
+                ResizeBreaks::default(),
+                Allowed::MEMBER,
+            )?;
             done.push(format!(
                 "the {} member resized from {} to the volume's {} bytes",
                 other.layout.name(),
@@ -121,7 +127,7 @@ pub(crate) fn resize(
         tracing::info!(volume = %path.display(), "{done}");
     }
     let home = superblock_of(fs, path)?;
-    crate::resize::refuse(fs, path, &home, true)?;
+    crate::resize::refuse(fs, path, &home, Allowed::MEMBER)?;
     let member = member_path(path, home.layout);
     let other = superblock_of(fs, &member)?;
     let (old_blocks, new_blocks) = (home.size_bytes / BLOCK, new_bytes / BLOCK);
@@ -144,7 +150,7 @@ pub(crate) fn resize(
             new_bytes,
         });
     }
-    resize_volume(fs, &member, new_bytes, breaks, true)?;
+    resize_volume(fs, &member, new_bytes, breaks, Allowed::MEMBER)?;
     if breaks.stop_after_member {
         return Err(Error::InvalidArgument(
             "stopped after the other member's resize (ResizeBreaks::stop_after_member)".into(),
@@ -169,7 +175,7 @@ pub(crate) fn resize(
             .map_err(|e| io_error("sync", &pending, e))?;
         fs.sync_dir(path).map_err(|e| io_error("sync", path, e))?;
     }
-    let resized = resize_volume(fs, path, new_bytes, breaks, true)?;
+    let resized = resize_volume(fs, path, new_bytes, breaks, Allowed::MEMBER)?;
     if recount {
         fs.rename(&pending, &record_file)
             .map_err(|e| io_error("rename", &pending, e))?;
