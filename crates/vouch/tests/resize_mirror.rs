@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::clients::{nbdinfo, qemu_img};
@@ -51,15 +51,21 @@ print(json.dumps({"same": same}))
     seen.parse().expect("a size")
 }
 
-#[test]
-fn a_mirror_grows_and_shrinks_with_every_leg() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let dir = dir.path();
+/// A 4 MiB mirror of legs `dir/a` and `dir/b`, blocks 0..32 tagged.
+fn tagged_mirror(dir: &Path) -> (PathBuf, PathBuf) {
     let (a, b) = (dir.join("a"), dir.join("b"));
     vouch_ok(&["create", s(&a), "--size", "4M", "--mirror", s(&b)]);
     let mut server = Server::start(dir, &[s(&a)]);
     write_tagged_blocks(&server.uri, 32);
     server.stop();
+    (a, b)
+}
+
+#[test]
+fn a_mirror_grows_and_shrinks_with_every_leg() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = dir.path();
+    let (a, b) = tagged_mirror(dir);
 
     // Grow through the second leg's path: every leg has the new size.
     let output = vouch_ok(&["resize", s(&b), "10M"]);
@@ -138,11 +144,7 @@ print(json.dumps({"ok": True}))
 fn a_mirror_resize_cut_between_legs_is_refused_then_finished() {
     let dir = tempfile::tempdir().expect("tempdir");
     let dir = dir.path();
-    let (a, b) = (dir.join("a"), dir.join("b"));
-    vouch_ok(&["create", s(&a), "--size", "4M", "--mirror", s(&b)]);
-    let mut server = Server::start(dir, &[s(&a)]);
-    write_tagged_blocks(&server.uri, 32);
-    server.stop();
+    let (a, b) = tagged_mirror(dir);
 
     // One leg resized, the other not: what a crash between them leaves.
     vouch_engine::resize::resize_mirror_leg(

@@ -12,9 +12,7 @@ use std::process::Command;
 
 use common::clients::{nbdinfo, qemu_img};
 use common::*;
-use vouch_engine::{BlockDevice, CreateOptions};
 use vouch_format::regions::REGION_BLOCKS;
-use vouch_format::LayoutKind;
 
 /// One whole region and a part of a second.
 const OLD_BLOCKS: u64 = REGION_BLOCKS + 500;
@@ -24,21 +22,7 @@ const NEW_BLOCKS: u64 = 2 * REGION_BLOCKS + 700;
 /// A split volume with data at its start, across its region boundary and
 /// at its end.
 fn written_volume(dir: &Path) -> PathBuf {
-    let path = dir.join("vol");
-    let options = CreateOptions {
-        layout: LayoutKind::Split,
-        ..CreateOptions::new(OLD_BLOCKS * BLOCK)
-    };
-    let volume = vouch_engine::create_volume(&path, &options).expect("create");
-    for (index, lba) in [0, REGION_BLOCKS - 30, OLD_BLOCKS - 64]
-        .into_iter()
-        .enumerate()
-    {
-        let data = random_bytes((64 * BLOCK) as usize, index as u64 + 1);
-        volume.write(lba * BLOCK, &data, false).expect("write");
-    }
-    volume.close().expect("close");
-    path
+    split_volume_with_runs(dir, OLD_BLOCKS, &[0, REGION_BLOCKS - 30, OLD_BLOCKS - 64])
 }
 
 fn export_bytes(path: &Path, out: &Path) -> Vec<u8> {
