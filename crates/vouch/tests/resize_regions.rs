@@ -195,6 +195,13 @@ fn a_resize_cut_between_the_members_is_undone_by_the_next_open() {
             .size_bytes,
         home.size_bytes
     );
+    // A snapshot taken now is of the volume the open finishes: both its
+    // members at the home's size, checked clean (never the members'
+    // files as the cut resize left them).
+    vouch_ok(&["snapshot", "create", "--copy", s(&path), "s1"]);
+    let snap = path.join("snapshots/s1");
+    assert_eq!(layouts_and_size(&snap).1, OLD_BLOCKS * BLOCK);
+    assert_check_clean(&snap);
     assert_check_clean(&path);
     assert_eq!(
         layouts_and_size(&path),
