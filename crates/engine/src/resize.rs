@@ -68,6 +68,12 @@ pub struct ResizeBreaks {
     /// resized, before the record and the home (what a crash there
     /// leaves, for tests of the next open's finish).
     pub stop_after_member: bool,
+    /// A volume with regions whose count changes: stop once the record of
+    /// the new count is durable in `regions.resize`, before the home.
+    pub stop_after_record: bool,
+    /// A volume with regions whose count changes: stop once the home has
+    /// its new size, before `regions.resize` is renamed over `regions`.
+    pub stop_after_home: bool,
 }
 
 /// What a resize did.

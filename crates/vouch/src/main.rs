@@ -306,7 +306,9 @@ enum Command {
     /// created in). A volume that was not closed cleanly is recovered
     /// first (an encrypted one needs its key for that). Crash-safe: an
     /// interrupted resize leaves the old size or the new one, finished by
-    /// the next open.
+    /// the next open (a read-only one too, which then writes: the map,
+    /// the record and the other member brought to the size the
+    /// superblock says).
     ///
     /// Online: `vouch resize --server ADDR [EXPORT] SIZE` resizes a served
     /// volume (the control API's `POST /v1/exports/{export}/resize`):

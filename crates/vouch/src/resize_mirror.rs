@@ -62,8 +62,10 @@ pub fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
     }
     // A shrink: each leg's tail unwritten, over its own size (a resize cut
     // short may have left the legs apart), asked of each leg opened
-    // read-only (which takes its own lock: the superblocks are compared
-    // after, under ours).
+    // read-only (which takes its own lock, so it is asked before ours are
+    // taken). The superblocks are compared after, under our locks: an open
+    // and close in between changes them; a writer still running holds its
+    // leg's lock, so taking ours fails.
     for (leg, superblock) in legs.iter().zip(&before) {
         if new_bytes < superblock.size_bytes {
             crate::resize::refuse_written_tail(leg, new_bytes, superblock.size_bytes)?;
@@ -83,15 +85,22 @@ pub fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
         );
     }
     let fs = RealFs::default();
-    let old = before.iter().map(|sb| sb.size_bytes).max().unwrap_or(0);
+    let mut done = Vec::new();
     for leg in &legs {
-        resize::resize_mirror_leg(&fs, leg, new_bytes)
+        let resized = resize::resize_mirror_leg(&fs, leg, new_bytes)
             .with_context(|| format!("resizing mirror leg {}", leg.display()))?;
+        done.push(format!(
+            "{} from {} to {} bytes",
+            leg.display(),
+            resized.old_bytes,
+            resized.new_bytes
+        ));
     }
     println!(
-        "resized the mirror of {} ({} legs) from {old} to {new_bytes} bytes",
+        "resized the mirror of {} ({} legs): {}",
         path.display(),
-        legs.len()
+        legs.len(),
+        done.join(", ")
     );
     Ok(ExitCode::SUCCESS)
 }

@@ -212,3 +212,41 @@ fn a_resize_cut_between_the_members_is_undone_by_the_next_open() {
     assert_eq!(layouts_and_size(&path).1, NEW_BLOCKS * BLOCK);
     assert_check_clean(&path);
 }
+
+/// A resize across a region's end stopped once the record of the new
+/// count is durable in `regions.resize` (the home not switched), and one
+/// stopped once the home has the new size (the record not renamed yet):
+/// what a crash at those points leaves. The next open keeps the home's
+/// size with a record of its region count (removing, or putting in place,
+/// `regions.resize`) and both members at that size; the data is the
+/// same and `check` is clean.
+#[test]
+fn a_resize_cut_around_the_record_of_the_new_count_is_finished_by_the_next_open() {
+    let stop = |after_record: bool| vouch_engine::resize::ResizeBreaks {
+        stop_after_record: after_record,
+        stop_after_home: !after_record,
+        ..Default::default()
+    };
+    for (after_record, regions, size) in [(true, 2, OLD_BLOCKS), (false, 3, NEW_BLOCKS)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let dir = dir.path();
+        let path = written_volume(dir);
+        vouch_ok(&["migrate", s(&path), "--layout", "packed"]);
+        let before = export_bytes(&path, &dir.join("before.img"));
+        let stopped = vouch_engine::resize::resize(
+            &vouch_engine::snapshot::RealFs::default(),
+            &path,
+            NEW_BLOCKS * BLOCK,
+            stop(after_record),
+        );
+        assert!(stopped.is_err(), "the break did not stop it: {stopped:?}");
+        assert!(path.join("regions.resize").exists());
+        assert_check_clean(&path);
+        assert!(!path.join("regions.resize").exists());
+        let (layouts, bytes) = layouts_and_size(&path);
+        assert_eq!((layouts.len(), bytes), (regions, size * BLOCK));
+        let now = export_bytes(&path, &dir.join("now.img"));
+        assert!(now[..before.len()] == before[..], "data changed");
+        assert!(now[before.len()..].iter().all(|byte| *byte == 0));
+    }
+}

@@ -152,9 +152,7 @@ pub(crate) fn resize(
     }
     resize_volume(fs, &member, new_bytes, breaks, Allowed::MEMBER)?;
     if breaks.stop_after_member {
-        return Err(Error::InvalidArgument(
-            "stopped after the other member's resize (ResizeBreaks::stop_after_member)".into(),
-        ));
+        return Err(stopped("stop_after_member"));
     }
     let pending = path.join(RESIZE_RECORD_FILE);
     let new_regions = regions_of(new_blocks);
@@ -174,12 +172,23 @@ pub(crate) fn resize(
         fs.sync_file(&pending)
             .map_err(|e| io_error("sync", &pending, e))?;
         fs.sync_dir(path).map_err(|e| io_error("sync", path, e))?;
+        if breaks.stop_after_record {
+            return Err(stopped("stop_after_record"));
+        }
     }
     let resized = resize_volume(fs, path, new_bytes, breaks, Allowed::MEMBER)?;
+    if recount && breaks.stop_after_home {
+        return Err(stopped("stop_after_home"));
+    }
     if recount {
         fs.rename(&pending, &record_file)
             .map_err(|e| io_error("rename", &pending, e))?;
         fs.sync_dir(path).map_err(|e| io_error("sync", path, e))?;
     }
     Ok(resized)
+}
+
+/// A deliberate stop (`ResizeBreaks`): what a crash there leaves.
+fn stopped(at: &str) -> Error {
+    Error::InvalidArgument(format!("resize stopped on purpose (ResizeBreaks::{at})"))
 }
