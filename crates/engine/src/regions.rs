@@ -24,6 +24,7 @@ use crate::volume::Volume;
 use crate::BLOCK;
 
 mod online;
+pub mod resize;
 pub use online::{OnlineBreaks, OnlineMigrate, YIELD_RATE};
 
 /// The region record's file in the volume's directory.
@@ -72,6 +73,12 @@ pub trait RegionsFs: SnapshotFs + Send + Sync {
     fn create_volume(&self, dir: &Path, options: &CreateOptions) -> Result<Volume>;
     /// The superblock of the volume in `dir`, read without opening it.
     fn superblock(&self, dir: &Path) -> Result<Superblock>;
+    /// The lock of the volume in `dir`, taken for a read-only open to
+    /// finish a resize cut short (`resize::finish`); `None` when another
+    /// process holds it. A model filesystem has no other process.
+    fn hold_for_writing(&self, _dir: &Path) -> Result<Option<Box<dyn std::any::Any>>> {
+        Ok(Some(Box::new(())))
+    }
 }
 
 impl RegionsFs for RealFs {
@@ -83,6 +90,13 @@ impl RegionsFs for RealFs {
     }
     fn superblock(&self, dir: &Path) -> Result<Superblock> {
         crate::volume_superblock(dir)
+    }
+    fn hold_for_writing(&self, dir: &Path) -> Result<Option<Box<dyn std::any::Any>>> {
+        match crate::FileStorage::lock_for_writing(dir) {
+            Ok(held) => Ok(Some(Box::new(held))),
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(error) => Err(io_error("lock", dir, error)),
+        }
     }
 }
 
@@ -108,6 +122,13 @@ pub fn read_record_in(fs: &dyn RegionsFs, path: &Path, home: &Superblock) -> Res
     let blocks = home.size_bytes / BLOCK;
     RegionRecord::select(&bytes, home.uuid, blocks, home.regions_seq)
         .map_err(|error| Error::Corrupt(format!("regions: {error}")).in_volume(path))
+}
+
+fn being_resized(path: &Path) -> Error {
+    Error::InvalidArgument(format!(
+        "{} is being resized by another process: try again when it is done",
+        path.display()
+    ))
 }
 
 /// Write `record` into its copy (`seq % 2`) and fsync it: the switch.
@@ -212,6 +233,16 @@ impl RegionVolume {
         steps: &Steps,
         breaks: &MigrateBreaks,
     ) -> Result<RegionVolume> {
+        if options.read_only && resize::pending(&*fs, path) {
+            // A resize cut short, finished or undone under the volume's
+            // lock, taken for it (a read-only open does not hold it).
+            let Some(_held) = fs.hold_for_writing(path)? else {
+                return Err(being_resized(path));
+            };
+            if let Some(done) = resize::finish(&*fs, path)? {
+                tracing::warn!(volume = %path.display(), "{done}");
+            }
+        }
         // The home first: its open takes the volume's lock, and everything
         // read after it (the flag, the record, the member) is read under it.
         let home = open_member(&*fs, path, options)?;
@@ -276,6 +307,17 @@ impl RegionVolume {
         steps: &Steps,
         breaks: &MigrateBreaks,
     ) -> Result<(Superblock, RegionRecord, Volume)> {
+        if resize::pending(fs, path) {
+            // A resize cut short: finished or undone under the volume's
+            // lock, which a writable home holds (a read-only open finished
+            // it before its home opened, `open_in`).
+            if home.is_read_only() {
+                return Err(being_resized(path));
+            }
+            if let Some(done) = resize::finish(fs, path)? {
+                tracing::warn!(volume = %path.display(), "{done}");
+            }
+        }
         let home_superblock = fs.superblock(path)?;
         if !has_regions(&home_superblock) {
             return Err(Error::InvalidArgument(format!(

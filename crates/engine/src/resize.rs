@@ -64,6 +64,16 @@ pub struct ResizeBreaks {
     /// Write the new size into the superblock before the files and the
     /// map of the new size are made (and synced after it).
     pub switch_first: bool,
+    /// A volume with regions: stop (an error) once the other member is
+    /// resized, before the record and the home (what a crash there
+    /// leaves, for tests of the next open's finish).
+    pub stop_after_member: bool,
+    /// A volume with regions whose count changes: stop once the record of
+    /// the new count is durable in `regions.resize`, before the home.
+    pub stop_after_record: bool,
+    /// A volume with regions whose count changes: stop once the home has
+    /// its new size, before `regions.resize` is renamed over `regions`.
+    pub stop_after_home: bool,
 }
 
 /// What a resize did.
@@ -352,8 +362,60 @@ pub fn resize(
     if let Some(done) = finish(fs, volume)? {
         tracing::info!(volume = %volume.display(), "{done}");
     }
+    if crate::regions::has_regions(&superblock_of(fs, volume)?) {
+        return crate::regions::resize::resize(fs, volume, new_bytes, breaks);
+    }
+    resize_volume(fs, volume, new_bytes, breaks, Allowed::default())
+}
+
+/// `resize` of one leg of a mirror (`vouch resize` of a mirror with local
+/// legs resizes each in turn): every leg held, active and closed cleanly
+/// by the caller, which checked a shrink's tail on each. Its mirror
+/// record is not refused; a volume with regions is.
+pub fn resize_mirror_leg(fs: &dyn SnapshotFs, leg: &Path, new_bytes: u64) -> Result<Resized> {
+    crate::superblock::check_volume_size(new_bytes)?;
+    resize_volume(
+        fs,
+        leg,
+        new_bytes,
+        ResizeBreaks::default(),
+        Allowed {
+            mirror_leg: true,
+            ..Allowed::default()
+        },
+    )
+}
+
+/// What a resize of one directory takes that `resize` refuses: a member
+/// of a volume with regions (`regions::resize` resizes each), a mirror's
+/// leg (`resize_mirror_leg`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Allowed {
+    pub(crate) regions: bool,
+    pub(crate) mirror_leg: bool,
+}
+
+impl Allowed {
+    pub(crate) const MEMBER: Allowed = Allowed {
+        regions: true,
+        mirror_leg: false,
+    };
+}
+
+/// `resize` of the one volume (directory) `volume`, taking what `allowed`
+/// says.
+pub(crate) fn resize_volume(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    new_bytes: u64,
+    breaks: ResizeBreaks,
+    allowed: Allowed,
+) -> Result<Resized> {
+    if let Some(done) = finish(fs, volume)? {
+        tracing::info!(volume = %volume.display(), "{done}");
+    }
     let superblock = superblock_of(fs, volume)?;
-    refuse(fs, volume, &superblock)?;
+    refuse(fs, volume, &superblock, allowed)?;
     let old = geometry_of(&superblock)?;
     let new = Geometry::new(old.layout, new_bytes, old.segment_blocks)
         .map_err(|error| invalid(format!("size {new_bytes}: {error}")))?;
@@ -410,26 +472,37 @@ pub fn resize(
 
 /// What no resize touches: a snapshot (read-only), a volume not closed
 /// cleanly, a mirror's leg, a volume this binary opens read-only or
-/// without the written map.
-fn refuse(fs: &dyn SnapshotFs, volume: &Path, superblock: &Superblock) -> Result<()> {
+/// without the written map; but what `allowed` says.
+pub(crate) fn refuse(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    superblock: &Superblock,
+    allowed: Allowed,
+) -> Result<()> {
     let shown = volume.display();
     if superblock.state != STATE_CLEAN {
         return Err(invalid(format!(
             "{shown} was not closed cleanly: open it (vouch check, or serve) so it recovers, then resize it"
         )));
     }
-    if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
+    if !allowed.mirror_leg && fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
         return Err(invalid(format!(
-            "{shown} is a leg of a mirror: resizing a mirrored volume is not supported (remove its other legs with `vouch mirror remove`, resize the volume, then add them again with `vouch mirror add`)"
+            "{shown} is a leg of a mirror: `vouch resize` of its path resizes every leg in turn"
         )));
     }
-    refuse_kind(&shown.to_string(), superblock)
+    refuse_kind_of(&shown.to_string(), superblock, allowed.regions)
 }
 
 /// What no resize touches, by the superblock alone (an online resize asks
 /// before it closes the engine): a snapshot, unknown features, regions, a
 /// volume without the written map and whole units.
 pub(crate) fn refuse_kind(shown: &str, superblock: &Superblock) -> Result<()> {
+    refuse_kind_of(shown, superblock, false)
+}
+
+/// `refuse_kind`; `member`: the REGIONS flag allowed (`regions::resize`
+/// resizes each member in turn).
+fn refuse_kind_of(shown: &str, superblock: &Superblock, member: bool) -> Result<()> {
     if is_snapshot(superblock) {
         return Err(invalid(format!(
             "{shown} is a snapshot, which is read-only: resize the volume, or a `vouch clone` of the snapshot"
@@ -448,10 +521,9 @@ pub(crate) fn refuse_kind(shown: &str, superblock: &Superblock) -> Result<()> {
             features.unknown_incompat()
         )));
     }
-    if features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
+    if features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 && !member {
         return Err(invalid(format!(
-            "{shown} has a layout per region (`vouch migrate` moved some of its regions): resizing it is not supported yet; `vouch migrate {shown} --layout {}` makes it a one-layout volume again, then resize it",
-            superblock.layout.name()
+            "{shown} has a layout per region (`vouch migrate` moved some of its regions): it is resized offline (stop the server, then `vouch resize PATH SIZE`), not online yet"
         )));
     }
     let needed = FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;

@@ -203,12 +203,12 @@ impl Mirror {
             ));
         };
         let size = first.size();
-        if let Some(leg) = legs
-            .iter()
-            .find(|leg| leg.device.as_ref().is_some_and(|d| d.size() != size))
-        {
+        if let Some((leg, other)) = legs.iter().find_map(|leg| {
+            let other = leg.device.as_ref()?.size();
+            (other != size).then_some((leg, other))
+        }) {
             return Err(Error::InvalidArgument(format!(
-                "mirror leg {} is not {size} bytes like the others",
+                "mirror leg {} is {other} bytes, not {size} like the others (a `vouch resize` cut short between legs: run it again to give every leg the size)",
                 leg.name
             )));
         }

@@ -485,6 +485,7 @@ pub fn open_mirror_with(
     open_remote: &mut OpenRemote,
 ) -> Result<OpenedSet> {
     let (mut record, reasons) = view(path)?;
+    refuse_apart(&record)?;
     let mut warnings = Vec::new();
     let mut legs = Vec::new();
     for (index, member) in record.members.iter().enumerate() {
@@ -679,6 +680,34 @@ pub fn peek_activity(record: &MirrorRecord, blocks: u64) -> Result<crate::Recove
         &map_dirs(record),
         crate::ActivityGeometry::of(record.uuid, blocks),
     )
+}
+
+/// Local legs whose superblocks say different sizes (a `vouch resize` cut
+/// short between legs) are refused before any is opened: a writable open
+/// would leave them not closed cleanly, and the set is never served at a
+/// size a leg lacks. The resize run again gives every leg the size.
+fn refuse_apart(record: &MirrorRecord) -> Result<()> {
+    let sizes: Vec<(&str, u64)> = record
+        .members
+        .iter()
+        .filter(|member| !crate::is_remote_member(&member.path))
+        .filter_map(|member| {
+            vouch_engine::volume_superblock(Path::new(&member.path))
+                .ok()
+                .map(|superblock| (member.path.as_str(), superblock.size_bytes))
+        })
+        .collect();
+    if let Some(((first, size), (leg, other))) = sizes.first().and_then(|first| {
+        sizes
+            .iter()
+            .find(|(_, other)| *other != first.1)
+            .map(|other| (*first, *other))
+    }) {
+        return Err(Error::InvalidArgument(format!(
+            "mirror leg {leg} is {other} bytes, leg {first} {size} bytes (a `vouch resize` cut short between legs: run it again to give every leg the size)"
+        )));
+    }
+    Ok(())
 }
 
 /// `Membership` kept in the legs' `mirror` files.

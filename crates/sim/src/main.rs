@@ -115,6 +115,11 @@ enum Command {
         /// resized and opened again.
         #[arg(long)]
         online: bool,
+        /// A volume with regions (migrated to the other layout): both
+        /// members resized, each image opened through its region layer
+        /// after the open's finish.
+        #[arg(long, conflicts_with = "online")]
+        regions: bool,
     },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
@@ -525,6 +530,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             run,
             break_switch,
             online,
+            regions,
         } => {
             let config = vouch_sim::resize::ResizeConfig {
                 layout: layout(&run.layout)?,
@@ -532,8 +538,10 @@ fn run(cli: Cli) -> Result<bool, String> {
                 seed: run.seed,
                 breaks: vouch_engine::resize::ResizeBreaks {
                     switch_first: break_switch,
+                    ..Default::default()
                 },
                 online,
+                regions,
             };
             let report = vouch_sim::resize::run(&config);
             for violation in &report.violations {

@@ -60,6 +60,8 @@ pub struct ResizeConfig {
     pub breaks: ResizeBreaks,
     /// Through a served volume (`Volume::resize_online`).
     pub online: bool,
+    /// A volume with regions (`resize_regions`).
+    pub regions: bool,
 }
 
 /// What the seeds found (the snapshot simulator's report).
@@ -68,8 +70,9 @@ pub type ResizeReport = crate::snapshot::SnapshotReport;
 /// The summary line of `report` for `config`.
 pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
     format!(
-        "resize{}: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+        "resize{}{}: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
         if config.online { " online" } else { "" },
+        if config.regions { " regions" } else { "" },
         config.layout.name(),
         if config.breaks.switch_first {
             " BROKEN(switch first)"
@@ -87,18 +90,21 @@ pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
 const VOLUME: &str = "/v";
 
 pub fn run(config: &ResizeConfig) -> ResizeReport {
-    let flag = match (config.online, config.breaks.switch_first) {
-        (false, false) => None,
-        (false, true) => Some("--break-switch"),
-        (true, false) => Some("--online"),
-        (true, true) => Some("--online --break-switch"),
+    let flag = match (config.online, config.regions, config.breaks.switch_first) {
+        (false, false, false) => None,
+        (false, false, true) => Some("--break-switch"),
+        (true, _, false) => Some("--online"),
+        (true, _, true) => Some("--online --break-switch"),
+        (false, true, false) => Some("--regions"),
+        (false, true, true) => Some("--regions --break-switch"),
     };
     crate::snapshot::run_seeds(
         ("resize", config.layout, flag),
         config.seed..config.seed + config.seeds,
-        |seed, report| match config.online {
-            true => run_seed_online(config, seed, report),
-            false => run_seed(config, seed, report),
+        |seed, report| match (config.online, config.regions) {
+            (true, _) => run_seed_online(config, seed, report),
+            (false, true) => crate::resize_regions::run_seed(config, seed, report),
+            (false, false) => run_seed(config, seed, report),
         },
     )
 }

@@ -99,7 +99,7 @@ pub(crate) fn write_random(
 
 /// A volume with regions at `path`: written in `layout`, migrated to the
 /// other, written again through its region layer, closed cleanly.
-fn make_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) -> Result<(), String> {
+pub(crate) fn make_volume(path: &Path, layout: LayoutKind, rng: &mut Rng) -> Result<(), String> {
     let options = CreateOptions {
         layout,
         journal_bytes: Some(1 << 20),

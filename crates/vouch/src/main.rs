@@ -14,6 +14,7 @@ mod offload;
 mod progress;
 mod replica;
 mod resize;
+mod resize_mirror;
 mod resync;
 mod serve;
 mod service;
@@ -192,8 +193,9 @@ enum Command {
     /// volume with regions), it is served (`serve`, without --control),
     /// read, checked, verified, scrubbed, exported, migrated, snapshotted
     /// offline (`vouch snapshot create`: each member's files, and the
-    /// record, as they stand), cloned and diffed, but not mirrored,
-    /// resized or rekeyed yet. Migrated back to the
+    /// record, as they stand), cloned, diffed and resized offline (`vouch
+    /// resize`: both members and the record), but not mirrored, resized
+    /// online or rekeyed yet. Migrated back to the
     /// layout it was created in, every region back home, it is a one-layout
     /// volume again (the record and the other layout's directory removed)
     /// and every command takes it.
@@ -295,11 +297,19 @@ enum Command {
     /// block past SIZE is unwritten (never written, or trimmed); a shrink
     /// over written data is refused naming its first written LBA. SIZE
     /// like `create --size` (2G = 2 GiB), a multiple of 4096, at most
-    /// 1 PiB. A snapshot is read-only (resize a clone of it); a mirror's
-    /// legs are refused (remove the other legs first). A volume that was
-    /// not closed cleanly is recovered first (an encrypted one needs its
-    /// key for that). Crash-safe: an interrupted resize leaves the old
-    /// size or the new one, finished by the next open.
+    /// 1 PiB. A snapshot is read-only (resize a clone of it). A mirror
+    /// (PATH any leg) has every leg resized in turn: each must be local,
+    /// active and closed cleanly; legs a resize cut short left at
+    /// different sizes are refused by the mirror's open, and the resize
+    /// run again finishes them. A volume with
+    /// regions (after `vouch migrate`) has both its members resized and
+    /// its region record with them (new regions in the layout it was
+    /// created in). A volume that was not closed cleanly is recovered
+    /// first (an encrypted one needs its key for that). Crash-safe: an
+    /// interrupted resize leaves the old size or the new one, finished by
+    /// the next open (a read-only one too, which then writes: the map,
+    /// the record and the other member brought to the size the
+    /// superblock says).
     ///
     /// Online: `vouch resize --server ADDR [EXPORT] SIZE` resizes a served
     /// volume (the control API's `POST /v1/exports/{export}/resize`):
@@ -309,7 +319,8 @@ enum Command {
     /// already open keep the size they negotiated (after a shrink, their
     /// requests past the new end fail with EINVAL; nothing they wrote
     /// there can be acknowledged, as the tail must be unwritten). Mirrors
-    /// and volumes with regions are refused online too.
+    /// and volumes with regions are refused online (resize the latter
+    /// offline).
     Resize {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one), then SIZE.

@@ -162,7 +162,7 @@ fn not_served_note(path: &Path) -> String {
         .map(|superblock| superblock.layout.name())
         .unwrap_or("home");
     format!(
-        "note: {path} is now a volume with regions: it can be served, read, checked, verified, scrubbed, exported, snapshotted (offline) and migrated, but not mirrored, resized or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
+        "note: {path} is now a volume with regions: it can be served, read, checked, verified, scrubbed, exported, snapshotted (offline), resized (offline) and migrated, but not mirrored or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
         path = path.display()
     )
 }

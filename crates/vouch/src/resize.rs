@@ -107,6 +107,9 @@ fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
             path.display()
         );
     }
+    if vouch_mirror::is_mirrored(path) {
+        return crate::resize_mirror::offline(path, new_bytes);
+    }
     let superblock = vouch_engine::volume_superblock(path)?;
     if superblock.features.ro_compat & FeatureFlags::RO_COMPAT_SNAPSHOT != 0 {
         bail!(
@@ -143,20 +146,29 @@ fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {
 }
 
 /// Refuse a shrink over anything written, naming its first LBA.
-fn refuse_written_tail(path: &Path, new_bytes: u64, old_bytes: u64) -> Result<()> {
+pub(crate) fn refuse_written_tail(path: &Path, new_bytes: u64, old_bytes: u64) -> Result<()> {
     let encrypted = vouch_engine::volume_superblock(path)?.features.incompat
         & FeatureFlags::INCOMPAT_ENCRYPTED
         != 0;
-    let volume = vouch_engine::open_volume(
-        path,
-        &OpenOptions {
-            read_only: true,
-            keyless: encrypted,
-            ..OpenOptions::default()
-        },
-    )?;
-    let found = resize::first_written(&volume, new_bytes / BLOCK, old_bytes / BLOCK)?;
-    volume.close()?;
+    let options = OpenOptions {
+        read_only: true,
+        keyless: encrypted,
+        ..OpenOptions::default()
+    };
+    let (first, end) = (new_bytes / BLOCK, old_bytes / BLOCK);
+    let found = if crate::migrate::has_regions(path) {
+        // Asked of the region layer: each region's blocks where they are
+        // served.
+        let volume = vouch_engine::regions::RegionVolume::open(path, &options)?;
+        let found = resize::first_written(&volume, first, end)?;
+        volume.close()?;
+        found
+    } else {
+        let volume = vouch_engine::open_volume(path, &options)?;
+        let found = resize::first_written(&volume, first, end)?;
+        volume.close()?;
+        found
+    };
     if let Some(lba) = found {
         bail!(
             "cannot shrink {} to {new_bytes} bytes: LBA {lba} (byte {}) is written; a shrink cuts only a tail that holds nothing (never written, or trimmed)",

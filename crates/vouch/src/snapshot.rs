@@ -298,8 +298,9 @@ pub(crate) fn hold_offline(path: &Path, purpose: &str) -> Result<std::fs::File> 
 }
 
 /// A volume with regions not closed cleanly (either member, or a held
-/// log in either) opened writable through its region layer, each member
-/// recovering, and closed.
+/// log in either), or whose resize was cut short, opened writable through
+/// its region layer, each member recovering (and the resize finished),
+/// and closed.
 fn recover_regions(path: &Path) -> Result<()> {
     let home = vouch_engine::volume_superblock(path)?;
     let member = vouch_engine::regions::member_path(path, home.layout);
@@ -308,7 +309,10 @@ fn recover_regions(path: &Path) -> Result<()> {
             || vouch_engine::volume_superblock(dir)
                 .is_ok_and(|superblock| superblock.state != vouch_format::superblock::STATE_CLEAN)
     };
-    if unclean(path) || unclean(&member) {
+    // A resize cut short is finished by the open too (`around`), before
+    // anything copies or resizes the members' files.
+    let resizing = vouch_engine::regions::resize::pending(&RealFs::default(), path);
+    if unclean(path) || unclean(&member) || resizing {
         let options = crate::key::open_options(path, OpenOptions::default(), Use::Data)?;
         vouch_engine::regions::RegionVolume::open(path, &options)
             .and_then(vouch_engine::regions::RegionVolume::close)

@@ -24,28 +24,18 @@ const BLOCKS: u64 = 3 * REGION_BLOCKS + 1000;
 /// A split volume with data runs in each region (one across each region
 /// boundary), not yet migrated.
 fn written(dir: &Path) -> PathBuf {
-    let path = dir.join("vol");
-    let options = CreateOptions {
-        layout: LayoutKind::Split,
-        ..CreateOptions::new(BLOCKS * BLOCK)
-    };
-    let volume = vouch_engine::create_volume(&path, &options).expect("create");
-    for (index, lba) in [
-        0,
-        40,
-        REGION_BLOCKS - 30,
-        2 * REGION_BLOCKS - 5,
-        2 * REGION_BLOCKS + 500,
-        BLOCKS - 64,
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let data = random_bytes((64 * BLOCK) as usize, index as u64 + 1);
-        volume.write(lba * BLOCK, &data, false).expect("write");
-    }
-    volume.close().expect("close");
-    path
+    split_volume_with_runs(
+        dir,
+        BLOCKS,
+        &[
+            0,
+            40,
+            REGION_BLOCKS - 30,
+            2 * REGION_BLOCKS - 5,
+            2 * REGION_BLOCKS + 500,
+            BLOCKS - 64,
+        ],
+    )
 }
 
 /// Make `path` (split, from `written`) a volume with regions 0-1 packed

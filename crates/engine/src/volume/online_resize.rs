@@ -157,7 +157,7 @@ fn refuse_online(superblock: &Superblock) -> Result<()> {
     if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
         // A member of a REGIONS volume: `RegionVolume` serves it.
         return Err(Error::InvalidArgument(
-            "a volume with regions is not resized (`vouch migrate` it to one layout first)".into(),
+            "a volume with regions is resized offline only (stop the server, then `vouch resize PATH SIZE`)".into(),
         ));
     }
     crate::resize::refuse_kind("the volume", superblock)

@@ -318,7 +318,7 @@ async fn resize_export(
     if entry.mirror.is_some() {
         return Err(ApiError(
             StatusCode::CONFLICT,
-            format!("export {export:?} is a mirror: resizing a mirrored volume is not supported (every leg would have to be resized in turn; remove the other legs with `vouch mirror remove`, resize, add them again)"),
+            format!("export {export:?} is a mirror: a mirror is resized offline only (stop the server, then `vouch resize PATH SIZE` resizes every leg)"),
         ));
     }
     if vouch_engine::BlockDevice::is_read_only(&*entry.volume) {

@@ -660,6 +660,24 @@ pub fn volume_from(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
     volume
 }
 
+/// A split volume `dir/vol` of `blocks` blocks with a run of 64 blocks of
+/// random data (seeded by its index, from 1) at each of `lbas`, closed.
+pub fn split_volume_with_runs(dir: &Path, blocks: u64, lbas: &[u64]) -> PathBuf {
+    use vouch_engine::BlockDevice as _;
+    let path = dir.join("vol");
+    let options = vouch_engine::CreateOptions {
+        layout: vouch_format::LayoutKind::Split,
+        ..vouch_engine::CreateOptions::new(blocks * BLOCK)
+    };
+    let volume = vouch_engine::create_volume(&path, &options).expect("create");
+    for (index, lba) in lbas.iter().enumerate() {
+        let data = random_bytes((64 * BLOCK) as usize, index as u64 + 1);
+        volume.write(lba * BLOCK, &data, false).expect("write");
+    }
+    volume.close().expect("close");
+    path
+}
+
 /// Deterministic pseudo-random bytes (xorshift64*), cheaper than pulling in a
 /// seeded RNG for large images.
 pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
