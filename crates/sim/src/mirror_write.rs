@@ -63,6 +63,9 @@ pub struct MirrorWriteReport {
     pub completed_later: u64,
     /// Writes the mirror's inline route took (`try_write_shared`).
     pub inline_writes: u64,
+    /// Writes the worker's route took (`write_shared`, without FUA: a
+    /// FUA write is durable before it is acknowledged).
+    pub worker_writes: u64,
     /// Image pairs of a process crash (kernel state kept).
     pub process_images: u64,
     /// Requested commits the simulator ran as a leg's background committer.
@@ -74,11 +77,12 @@ pub struct MirrorWriteReport {
 impl MirrorWriteReport {
     pub fn summary(&self) -> String {
         format!(
-            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
+            "mirror write: seeds={} (leg 1 remote-style in {}; writes completed by callback {}, inline {}, by the worker without FUA {}; leg background commits {}) crash_points={} image_pairs={} (process {}) diverged={} repaired={} violations={} time={:.1}s",
             self.seeds,
             self.travelling,
             self.completed_later,
             self.inline_writes,
+            self.worker_writes,
             self.background_commits,
             self.crash_points,
             self.images,
@@ -117,6 +121,13 @@ pub enum Sabotage {
     /// The inline route into reserved room (`try_write_shared`,
     /// `write_sealed_reserved`).
     Reserved,
+    /// The worker's route (`write_shared`: `write_sealed_here`, or a
+    /// travelling leg's `start_write_sealed`), which may wait.
+    Worker,
+    /// Not the held log: the mirror's own executor (`admit.rs`
+    /// `Issue::run`) counts a travelling leg's started write done without
+    /// waiting for it (`Mirror::break_started_writes`).
+    Unwaited,
 }
 
 /// `run`, breaking `sabotage`'s route.
@@ -333,6 +344,9 @@ pub fn run_seed(
     };
     report.travelling += u64::from(!matches!(leg1, Leg1::Local));
     let mirror = Arc::new(mirror_over(volumes.clone(), leg1)?);
+    if sabotage == Sabotage::Unwaited {
+        mirror.break_started_writes();
+    }
 
     // The models the hooks read: what each block may hold if the exporter
     // lost power now (`model`), or if the process alone died (`acked`:
@@ -424,16 +438,18 @@ pub fn run_seed(
                     && mirror
                         .try_write_shared(offset, &Bytes::from(data.clone()))
                         .map_err(|e| format!("inline write: {e}"))?;
-                sabotaged(None);
+                sabotaged(Some(Sabotage::Worker));
                 if completed {
                     report.completed_later += 1;
                 } else if inline {
                     report.inline_writes += 1;
                 } else {
+                    report.worker_writes += u64::from(!fua);
                     mirror
                         .write(offset, &data, fua)
                         .map_err(|e| format!("write: {e}"))?;
                 }
+                sabotaged(None);
                 acknowledged(&acked, lba, count);
             }
         }
