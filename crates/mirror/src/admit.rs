@@ -34,7 +34,7 @@
 //! the answers (`Plan::wait` on its own thread; `complete.rs` on the
 //! thread of the leg answering last) and what holds its guards meanwhile.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::{Deref, Range};
 use std::sync::atomic::Ordering;
 
@@ -42,11 +42,11 @@ use bytes::Bytes;
 use vouch_engine::device::{PendingWrite, SealedBlock, WriteDone};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::BLOCK;
-use vouch_format::mirror::LegState;
+use vouch_format::mirror::{LegState, MAX_LEGS};
 
 use crate::activity::Entered;
 use crate::device::Mirror;
-use crate::legs::{is_request_error, PerLeg};
+use crate::legs::{is_request_error, LegSet, PerLeg};
 use crate::stripes::OwnedStripes;
 use crate::written::Recording;
 
@@ -80,11 +80,13 @@ pub(crate) struct Plan<M: Deref<Target = Mirror> + Clone> {
 /// The legs a write goes to and how their outcomes are judged.
 pub(crate) struct Targets<M: Deref<Target = Mirror>> {
     mirror: M,
-    /// Each target with whether it was resyncing (not active) when the
-    /// write was planned, under its stripes: a leg becomes active only
-    /// with every stripe held (`finish_quiesced`), so only a leg taken out
-    /// meanwhile can have changed.
-    legs: PerLeg<(usize, bool)>,
+    /// The target legs, written and judged in the legs' order.
+    legs: LegSet,
+    /// The targets that were resyncing (not active) when the write was
+    /// planned, under its stripes: a leg becomes active only with every
+    /// stripe held (`finish_quiesced`), so only a leg taken out meanwhile
+    /// can have changed.
+    resyncing: LegSet,
     /// The blocks the sealed write stores, landed in the map of every
     /// resyncing leg that took them (none when each leg seals its own).
     landing: Range<u64>,
@@ -109,12 +111,19 @@ enum Blocks {
 }
 
 /// Where a write's legs answer: each target's outcome exactly once, by
-/// its position in the plan's targets.
+/// its leg.
 pub(crate) trait Answers {
-    fn answer(&self, at: usize, outcome: Result<()>);
-    /// For a route that completes later: the callback remote target `at`
+    fn answer(&self, leg: usize, outcome: Result<()>);
+    /// For a route that completes later: the callback remote target `leg`
     /// answers through, on its own thread (`write_sealed_then`).
-    fn later(&self, at: usize) -> Option<WriteDone>;
+    fn later(&self, leg: usize) -> Option<WriteDone>;
+}
+
+/// Each leg's outcome of a write, by leg (`None`: not answered).
+pub(crate) type Outcomes = [Option<Result<()>>; MAX_LEGS];
+
+pub(crate) fn no_outcomes() -> Outcomes {
+    std::array::from_fn(|_| None)
 }
 
 /// The routes that wait for their legs on their own thread (the
@@ -247,26 +256,31 @@ impl Mirror {
         data: &Bytes,
         admission: Admission,
     ) -> Result<Option<Plan<M>>> {
-        let targets = mirror.write_targets();
         let remote = |leg: usize| mirror.legs[leg].remote;
+        let (mut legs, mut local) = (LegSet::default(), LegSet::default());
+        for leg in (0..mirror.legs.len()).filter(|&leg| mirror.is_write_target(leg)) {
+            legs.insert(leg);
+            if !remote(leg) {
+                local.insert(leg);
+            }
+        }
         let mut reserved = None;
         if admission != Admission::MayWait {
-            let any_remote = targets.iter().any(|&leg| remote(leg));
+            let any_remote = local != legs;
             let route = match admission {
                 Admission::Callback => any_remote,
                 _ => !any_remote,
             };
-            let cheap = |&leg: &usize| {
+            let cheap = |leg: usize| {
                 let device = mirror.device(leg);
                 data.len() <= device.inline_seal_max_bytes()
                     && (!remote(leg) || device.writes_sealed_then())
             };
-            if targets.is_empty() || !route || !targets.iter().all(cheap) {
+            if legs.is_empty() || !route || !legs.iter().all(cheap) {
                 return Ok(None);
             }
-            let local: PerLeg<usize> = targets.iter().copied().filter(|&l| !remote(l)).collect();
             let count = data.len() / BLOCK as usize;
-            let Some(room) = Reserved::on(mirror.clone(), &local, count) else {
+            let Some(room) = Reserved::on(mirror.clone(), local, count) else {
                 return Ok(None);
             };
             reserved = Some(room);
@@ -286,14 +300,17 @@ impl Mirror {
             },
             Blocks::Unsealed { .. } => 0..0,
         };
-        let legs = targets
-            .iter()
-            .map(|&leg| (leg, mirror.legs[leg].state() != LegState::Active))
-            .collect();
+        let mut resyncing = LegSet::default();
+        for leg in legs.iter() {
+            if mirror.legs[leg].state() != LegState::Active {
+                resyncing.insert(leg);
+            }
+        }
         Ok(Some(Plan {
             targets: Targets {
                 mirror,
                 legs,
+                resyncing,
                 landing,
             },
             issue: Issue {
@@ -312,7 +329,8 @@ impl<M: Deref<Target = Mirror> + Clone> Plan<M> {
         let Plan { targets, issue } = self;
         let turn = Turn {
             targets: &targets,
-            outcomes: RefCell::new((0..targets.legs.len()).map(|_| None).collect()),
+            outcomes: RefCell::new(no_outcomes()),
+            settled: Cell::new(false),
         };
         issue.run(&targets, fua, &turn);
         turn.settle()
@@ -329,20 +347,16 @@ impl<M: Deref<Target = Mirror>> Targets<M> {
     /// blocks in the map of each resyncing leg that took them, still
     /// under the stripes: cleared once a flush of that leg issued after
     /// this returned has returned (`resync.rs`).
-    pub(crate) fn settle(&self, outcomes: PerLeg<Option<Result<()>>>) -> Result<()> {
+    pub(crate) fn settle(&self, outcomes: &mut Outcomes) -> Result<()> {
         let mirror = &*self.mirror;
-        let outcomes = self
-            .legs
-            .iter()
-            .zip(outcomes)
-            .map(|(&(leg, resyncing), outcome)| {
-                let outcome = outcome.unwrap_or_else(|| {
-                    Err(Error::FailStopped(
-                        "the write to this leg was abandoned".into(),
-                    ))
-                });
-                (leg, resyncing, outcome)
+        let outcomes = self.legs.iter().map(|leg| {
+            let outcome = outcomes[leg].take().unwrap_or_else(|| {
+                Err(Error::FailStopped(
+                    "the write to this leg was abandoned".into(),
+                ))
             });
+            (leg, self.resyncing.contains(leg), outcome)
+        });
         for leg in mirror.judge("write", outcomes)? {
             if let Some(map) = mirror.legs[leg].map.read().as_ref() {
                 map.landed(self.landing.clone());
@@ -375,10 +389,10 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
                 // In turn, each leg checking the request itself: a request
                 // error (the caller's) stops the turn, and the legs after
                 // it are not asked (`judge` blames none).
-                for (at, &(leg, _)) in targets.legs.iter().enumerate() {
+                for leg in targets.legs.iter() {
                     let outcome = mirror.device(leg).write_shared(*offset, data, fua);
                     let request_error = matches!(&outcome, Err(error) if is_request_error(error));
-                    answers.answer(at, outcome);
+                    answers.answer(leg, outcome);
                     if request_error {
                         break;
                     }
@@ -386,26 +400,30 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
                 return;
             }
         };
-        let mut issued: PerLeg<bool> = targets.legs.iter().map(|_| false).collect();
+        let mut issued = LegSet::default();
         let mut started = Started {
             answers,
             pending: PerLeg::new(),
             unwaited: mirror.unwaited.load(Ordering::Relaxed),
         };
-        for (at, &(leg, _)) in targets.legs.iter().enumerate() {
+        for leg in targets.legs.iter() {
             let device = mirror.device(leg);
-            if let Some(done) = mirror.legs[leg].remote.then(|| answers.later(at)).flatten() {
+            if let Some(done) = mirror.legs[leg]
+                .remote
+                .then(|| answers.later(leg))
+                .flatten()
+            {
                 device.write_sealed_then(sealed, fua, done);
-                issued[at] = true;
+                issued.insert(leg);
             } else if self.admission == Admission::MayWait {
                 if let Some(pending) = device.start_write_sealed(sealed, fua) {
-                    started.pending.push((at, pending));
-                    issued[at] = true;
+                    started.pending.push((leg, pending));
+                    issued.insert(leg);
                 }
             }
         }
-        for (at, &(leg, _)) in targets.legs.iter().enumerate() {
-            if issued[at] {
+        for leg in targets.legs.iter() {
+            if issued.contains(leg) {
                 continue;
             }
             let device = mirror.device(leg);
@@ -422,7 +440,7 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
                     }
                 }),
             };
-            answers.answer(at, outcome);
+            answers.answer(leg, outcome);
         }
         drop(started);
     }
@@ -439,12 +457,12 @@ struct Started<'a, A: Answers> {
 
 impl<A: Answers> Drop for Started<'_, A> {
     fn drop(&mut self) {
-        for (at, pending) in std::mem::take(&mut self.pending) {
+        for (leg, pending) in std::mem::take(&mut self.pending) {
             let outcome = match self.unwaited {
                 true => pending.map(drop),
                 false => pending.and_then(|wait| wait()),
             };
-            self.answers.answer(at, outcome);
+            self.answers.answer(leg, outcome);
         }
     }
 }
@@ -454,19 +472,21 @@ impl<A: Answers> Drop for Started<'_, A> {
 /// that failed is still taken out.
 struct Turn<'a, M: Deref<Target = Mirror>> {
     targets: &'a Targets<M>,
-    outcomes: RefCell<PerLeg<Option<Result<()>>>>,
+    outcomes: RefCell<Outcomes>,
+    /// Judged (`settle`): the drop has nothing left to do.
+    settled: Cell<bool>,
 }
 
 impl<M: Deref<Target = Mirror>> Turn<'_, M> {
     fn settle(mut self) -> Result<()> {
-        let outcomes = std::mem::take(self.outcomes.get_mut());
-        self.targets.settle(outcomes)
+        self.settled.set(true);
+        self.targets.settle(self.outcomes.get_mut())
     }
 }
 
 impl<M: Deref<Target = Mirror>> Answers for Turn<'_, M> {
-    fn answer(&self, at: usize, outcome: Result<()>) {
-        self.outcomes.borrow_mut()[at] = Some(outcome);
+    fn answer(&self, leg: usize, outcome: Result<()>) {
+        self.outcomes.borrow_mut()[leg] = Some(outcome);
     }
     fn later(&self, _: usize) -> Option<WriteDone> {
         None
@@ -475,10 +495,9 @@ impl<M: Deref<Target = Mirror>> Answers for Turn<'_, M> {
 
 impl<M: Deref<Target = Mirror>> Drop for Turn<'_, M> {
     fn drop(&mut self) {
-        let outcomes = std::mem::take(self.outcomes.get_mut());
-        if !outcomes.is_empty() {
+        if !self.settled.get() {
             // Unwinding: the outcome is nobody's, the legs' judging is.
-            let _ = self.targets.settle(outcomes);
+            let _ = self.targets.settle(self.outcomes.get_mut());
         }
     }
 }
@@ -488,37 +507,37 @@ impl<M: Deref<Target = Mirror>> Drop for Turn<'_, M> {
 /// dropped (the write declined or stopped early) is given back.
 pub(crate) struct Reserved<M: Deref<Target = Mirror>> {
     mirror: M,
-    legs: PerLeg<usize>,
+    legs: LegSet,
     count: usize,
 }
 
 impl<M: Deref<Target = Mirror>> Reserved<M> {
     /// Room for `count` blocks on every leg of `targets`, or `None` with
     /// none held.
-    fn on(mirror: M, targets: &[usize], count: usize) -> Option<Reserved<M>> {
+    fn on(mirror: M, targets: LegSet, count: usize) -> Option<Reserved<M>> {
         let mut reserved = Reserved {
             mirror,
-            legs: PerLeg::new(),
+            legs: LegSet::default(),
             count,
         };
-        for &leg in targets {
+        for leg in targets.iter() {
             if !reserved.mirror.device(leg).reserve_room(count) {
                 return None;
             }
-            reserved.legs.push(leg);
+            reserved.legs.insert(leg);
         }
         Some(reserved)
     }
 
     /// `leg`'s room is being used: no longer given back.
     fn take(&mut self, leg: usize) {
-        self.legs.retain(|held| *held != leg);
+        self.legs.remove(leg);
     }
 }
 
 impl<M: Deref<Target = Mirror>> Drop for Reserved<M> {
     fn drop(&mut self) {
-        for &leg in &self.legs {
+        for leg in self.legs.iter() {
             self.mirror.device(leg).release_room(self.count);
         }
     }

@@ -35,9 +35,8 @@ use std::sync::Arc;
 use bytes::Bytes;
 use parking_lot::Mutex;
 
-use crate::admit::{Admission, Answers, Held, Targets};
+use crate::admit::{no_outcomes, Admission, Answers, Held, Outcomes, Targets};
 use crate::device::Mirror;
-use crate::legs::PerLeg;
 use vouch_engine::device::{StartWrite, WriteDone};
 use vouch_engine::error::{Error, Result};
 
@@ -45,8 +44,8 @@ use vouch_engine::error::{Error, Result};
 struct Flight {
     /// Its legs, and how their outcomes are judged.
     targets: Targets<Arc<Mirror>>,
-    /// Each target's outcome, by position in `targets`.
-    outcomes: Mutex<PerLeg<Option<Result<()>>>>,
+    /// Each target's outcome, by leg.
+    outcomes: Mutex<Outcomes>,
     /// Outcomes still to come, plus one for the starter while it issues
     /// the legs' writes: the last to arrive finishes the write.
     remaining: AtomicUsize,
@@ -59,13 +58,13 @@ struct Flight {
 /// failure, so the write never holds its stripes forever.
 struct LegDone {
     flight: Option<Arc<Flight>>,
-    at: usize,
+    leg: usize,
 }
 
 impl LegDone {
     fn report(mut self, outcome: Result<()>) {
         if let Some(flight) = self.flight.take() {
-            flight.arrived(self.at, outcome);
+            flight.arrived(self.leg, outcome);
         }
     }
 }
@@ -74,7 +73,7 @@ impl Drop for LegDone {
     fn drop(&mut self) {
         if let Some(flight) = self.flight.take() {
             flight.arrived(
-                self.at,
+                self.leg,
                 Err(Error::Unreachable(
                     "a mirror leg's write was dropped without an answer".into(),
                 )),
@@ -103,7 +102,7 @@ impl Mirror {
         Ok(Some(Box::new(move |done: WriteDone| {
             let flight = Arc::new(Flight {
                 remaining: AtomicUsize::new(plan.targets.len() + 1),
-                outcomes: Mutex::new((0..plan.targets.len()).map(|_| None).collect()),
+                outcomes: Mutex::new(no_outcomes()),
                 targets: plan.targets,
                 held: Mutex::new(Some((held, done))),
             });
@@ -127,21 +126,21 @@ impl Drop for Starter {
 }
 
 impl Answers for Arc<Flight> {
-    fn answer(&self, at: usize, outcome: Result<()>) {
-        self.arrived(at, outcome);
+    fn answer(&self, leg: usize, outcome: Result<()>) {
+        self.arrived(leg, outcome);
     }
-    fn later(&self, at: usize) -> Option<WriteDone> {
+    fn later(&self, leg: usize) -> Option<WriteDone> {
         let reporter = LegDone {
             flight: Some(Arc::clone(self)),
-            at,
+            leg,
         };
         Some(Box::new(move |outcome| reporter.report(outcome)))
     }
 }
 
 impl Flight {
-    fn arrived(&self, at: usize, outcome: Result<()>) {
-        self.outcomes.lock()[at] = Some(outcome);
+    fn arrived(&self, leg: usize, outcome: Result<()>) {
+        self.outcomes.lock()[leg] = Some(outcome);
         self.starter_done();
     }
 
@@ -155,8 +154,8 @@ impl Flight {
     /// Judge the legs (`Targets::settle`, as every route), release the
     /// stripes, the log and the record, answer.
     fn finish(&self) {
-        let outcomes = std::mem::take(&mut *self.outcomes.lock());
-        let result = self.targets.settle(outcomes);
+        let mut outcomes = std::mem::replace(&mut *self.outcomes.lock(), no_outcomes());
+        let result = self.targets.settle(&mut outcomes);
         let (held, done) = self.held.lock().take().expect("a write finishes once");
         drop(held);
         done(result);

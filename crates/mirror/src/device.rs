@@ -723,23 +723,29 @@ impl Mirror {
         what: &str,
         outcomes: impl IntoIterator<Item = (usize, bool, Result<()>)>,
     ) -> Result<PerLeg<usize>> {
-        let mut outcomes: PerLeg<(usize, bool, Result<()>)> = outcomes.into_iter().collect();
-        let request_error = outcomes
-            .iter()
-            .position(|(_, _, outcome)| matches!(outcome, Err(error) if is_request_error(error)));
-        if let Some(at) = request_error {
-            let (_, _, outcome) = outcomes.swap_remove(at);
-            return outcome.map(|()| PerLeg::new());
-        }
+        // One pass; only the failures (rare) are kept, in the legs' order,
+        // to be judged once every outcome is in.
         let mut succeeded = 0;
-        let mut failed: PerLeg<(usize, Error)> = PerLeg::new();
         let mut resynced = PerLeg::new();
+        let mut failures: PerLeg<(usize, bool, Error)> = PerLeg::new();
         for (leg, resyncing, outcome) in outcomes {
             match outcome {
                 Ok(()) if resyncing => resynced.push(leg),
                 Ok(()) => succeeded += 1,
-                Err(error) if resyncing => self.stop_resync(leg, what, &error),
-                Err(error) => failed.push((leg, error)),
+                Err(error) => failures.push((leg, resyncing, error)),
+            }
+        }
+        if let Some(at) = failures
+            .iter()
+            .position(|(_, _, error)| is_request_error(error))
+        {
+            return Err(failures.swap_remove(at).2);
+        }
+        let mut failed: PerLeg<(usize, Error)> = PerLeg::new();
+        for (leg, resyncing, error) in failures {
+            match resyncing {
+                true => self.stop_resync(leg, what, &error),
+                false => failed.push((leg, error)),
             }
         }
         if succeeded == 0 {

@@ -24,6 +24,44 @@ use vouch_engine::error::Error;
 /// exporter's CPU.
 pub(crate) type PerLeg<T> = SmallVec<[T; MAX_LEGS]>;
 
+/// A set of a mirror's legs by number, in one byte: a write's targets,
+/// those resyncing and those holding reserved room. Copied, never
+/// allocated, and iterated in the legs' order (the order they are written
+/// and judged in): every mirrored write carries a few, and lists per leg
+/// built, moved and dropped per 4 KiB write cost the inline route ~5 % of
+/// its instructions (docs/ARCHITECTURE.md, "The mirror's write").
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct LegSet(u8);
+
+const _: () = assert!(MAX_LEGS <= 8, "a LegSet holds up to 8 legs");
+
+impl LegSet {
+    pub(crate) fn insert(&mut self, leg: usize) {
+        self.0 |= 1 << leg;
+    }
+    pub(crate) fn remove(&mut self, leg: usize) {
+        self.0 &= !(1 << leg);
+    }
+    pub(crate) fn contains(self, leg: usize) -> bool {
+        self.0 & (1 << leg) != 0
+    }
+    pub(crate) fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+    pub(crate) fn len(self) -> usize {
+        self.0.count_ones() as usize
+    }
+    /// Its legs, lowest number first.
+    pub(crate) fn iter(self) -> impl Iterator<Item = usize> {
+        let mut bits = self.0;
+        std::iter::from_fn(move || {
+            let leg = (bits != 0).then(|| bits.trailing_zeros() as usize)?;
+            bits &= bits - 1;
+            Some(leg)
+        })
+    }
+}
+
 /// One leg handed to `Mirror::new`.
 pub struct MirrorLeg {
     /// How logs, metrics and status name it (its path or address).
