@@ -197,6 +197,14 @@ impl Mirror {
     /// A mirror over `legs`; `membership` records state changes (faults).
     /// Every present leg must have the same size, and one must be active.
     pub fn new(legs: Vec<MirrorLeg>, membership: Option<Box<dyn Membership>>) -> Result<Mirror> {
+        // As the set on disk (`MirrorRecord`): a write's legs are a
+        // `LegSet` and its outcomes an array of `MAX_LEGS` (`admit.rs`).
+        if legs.len() > MAX_LEGS {
+            return Err(Error::InvalidArgument(format!(
+                "a mirror has at most {MAX_LEGS} legs, not {}",
+                legs.len()
+            )));
+        }
         let present: Vec<&Arc<dyn BlockDevice>> =
             legs.iter().filter_map(|leg| leg.device.as_ref()).collect();
         let Some(first) = present.first() else {

@@ -264,3 +264,29 @@ fn state_from(byte: u8) -> LegState {
         _ => LegState::Stale,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::LegSet;
+
+    /// A write's legs are written and judged lowest number first (the
+    /// order `judge` takes "the first active leg's error" in), whatever
+    /// order they were added in, and a leg taken out is not visited.
+    #[test]
+    fn a_leg_set_visits_its_legs_in_order() {
+        let mut legs = LegSet::default();
+        assert!(legs.is_empty());
+        for leg in [2, 0, 1] {
+            legs.insert(leg);
+        }
+        assert_eq!(legs.iter().collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(legs.len(), 3);
+        legs.remove(1);
+        assert!(!legs.contains(1) && legs.contains(0) && legs.contains(2));
+        assert_eq!(legs.iter().collect::<Vec<_>>(), [0, 2]);
+        legs.remove(0);
+        legs.remove(2);
+        assert!(legs.is_empty());
+        assert_eq!(legs.iter().next(), None);
+    }
+}
