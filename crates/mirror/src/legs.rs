@@ -36,13 +36,26 @@ pub(crate) struct LegSet(u8);
 const _: () = assert!(MAX_LEGS <= 8, "a LegSet holds up to 8 legs");
 
 impl LegSet {
+    /// `leg` < `MAX_LEGS`: `Mirror::new` refuses more legs.
     pub(crate) fn insert(&mut self, leg: usize) {
+        debug_assert!(
+            leg < MAX_LEGS,
+            "leg {leg} of a mirror of at most {MAX_LEGS}"
+        );
         self.0 |= 1 << leg;
     }
     pub(crate) fn remove(&mut self, leg: usize) {
+        debug_assert!(
+            leg < MAX_LEGS,
+            "leg {leg} of a mirror of at most {MAX_LEGS}"
+        );
         self.0 &= !(1 << leg);
     }
     pub(crate) fn contains(self, leg: usize) -> bool {
+        debug_assert!(
+            leg < MAX_LEGS,
+            "leg {leg} of a mirror of at most {MAX_LEGS}"
+        );
         self.0 & (1 << leg) != 0
     }
     pub(crate) fn is_empty(self) -> bool {

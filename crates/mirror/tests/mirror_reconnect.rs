@@ -67,5 +67,7 @@ fn a_mirror_of_more_legs_than_a_set_can_name_is_refused() {
     assert!(matches!(error, Error::InvalidArgument(_)), "{error}");
     assert!(error.to_string().contains("at most 3 legs"), "{error}");
     let mirror = Mirror::new(legs(max), None).expect("a mirror of MAX_LEGS legs");
-    mirror.write(0, &[7u8; 4096], false).expect("written to every leg");
+    mirror
+        .write(0, &[7u8; 4096], false)
+        .expect("written to every leg");
 }
