@@ -3,8 +3,7 @@
 //! activity log, `activity.rs`), taking a leg out, and the `BlockDevice`
 //! implementation (reads that repair are in `repair.rs`).
 
-use std::cell::RefCell;
-use std::ops::{Deref, Range};
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -19,7 +18,7 @@ use crate::progress::ReconcileProgress;
 use crate::stripes::Stripes;
 use crate::written::{count, minus, Recording, Written};
 use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
-use vouch_engine::device::{BlockDevice, PendingWrite, SealedBlock, ZeroFlags};
+use vouch_engine::device::{BlockDevice, SealedBlock, ZeroFlags};
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
 use vouch_engine::Allocation;
 use vouch_engine::BLOCK;
@@ -55,6 +54,9 @@ pub struct Mirror {
     /// The reconciliation after an unclean stop (`reconcile.rs`).
     pub(super) reconcile: Mutex<Option<ReconcileProgress>>,
     pub(super) reconciling: AtomicBool,
+    /// A deliberate break of the write executor, for the crash
+    /// simulator's self-test only (`Mirror::break_started_writes`).
+    pub(super) unwaited: AtomicBool,
 }
 
 /// The activity log, as the mirror uses it (the log itself: `activity.rs`).
@@ -195,6 +197,14 @@ impl Mirror {
     /// A mirror over `legs`; `membership` records state changes (faults).
     /// Every present leg must have the same size, and one must be active.
     pub fn new(legs: Vec<MirrorLeg>, membership: Option<Box<dyn Membership>>) -> Result<Mirror> {
+        // As the set on disk (`MirrorRecord`): a write's legs are a
+        // `LegSet` and its outcomes an array of `MAX_LEGS` (`admit.rs`).
+        if legs.len() > MAX_LEGS {
+            return Err(Error::InvalidArgument(format!(
+                "a mirror has at most {MAX_LEGS} legs, not {}",
+                legs.len()
+            )));
+        }
         let present: Vec<&Arc<dyn BlockDevice>> =
             legs.iter().filter_map(|leg| leg.device.as_ref()).collect();
         let Some(first) = present.first() else {
@@ -230,6 +240,7 @@ impl Mirror {
             activity: OnceLock::new(),
             reconcile: Mutex::new(None),
             reconciling: AtomicBool::new(false),
+            unwaited: AtomicBool::new(false),
         };
         if mirror.active().is_empty() {
             return Err(Error::InvalidArgument(
@@ -275,7 +286,7 @@ impl Mirror {
             .collect()
     }
 
-    fn is_write_target(&self, leg: usize) -> bool {
+    pub(super) fn is_write_target(&self, leg: usize) -> bool {
         self.legs[leg].device.get().is_some()
             && (self.legs[leg].state() == LegState::Active
                 || self.legs[leg].resyncing.load(Ordering::Acquire))
@@ -605,29 +616,6 @@ impl Mirror {
         Ok(None)
     }
 
-    /// `write_shared` once the caller holds the range's stripes, its
-    /// record and its marks: sealed once (`seal_write`, which
-    /// read-modify-writes a partial block at either edge from a verified
-    /// copy, still under those stripes, so two partial writes to one block
-    /// keep both) and stored by every leg.
-    fn write_locked(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        match self.seal_write(offset, data) {
-            Ok(Some(sealed)) => {
-                // Exactly the blocks every target stored (none for an
-                // empty write).
-                for leg in self.write_sealed_to_legs(&sealed, fua)? {
-                    if let Some(map) = self.legs[leg].map.read().as_ref() {
-                        map.landed(sealed.iter().map(|block| block.lba));
-                    }
-                }
-                Ok(())
-            }
-            // No leg can seal for the others: each seals for itself.
-            Ok(None) => self.each_leg("write", |leg| leg.write_shared(offset, data, fua)),
-            Err(error) => Err(error),
-        }
-    }
-
     /// One block of a partial write, from the first active leg that reads
     /// it good (no repair here: the caller holds the stripe lock).
     fn read_edge(&self, lba: u64, block: &mut [u8]) -> Result<()> {
@@ -659,7 +647,7 @@ impl Mirror {
     /// offset + length)`, after the bytes outside them (less than a sector
     /// at either end, from a client that negotiated no block size) are
     /// written as zeros through the mirror's own read-modify-write
-    /// (`write_locked`: sealed once, the same bytes and generation on
+    /// (`write_admitted`: sealed once, the same bytes and generation on
     /// every leg), since legs take trims and zeroes in sectors (a remote
     /// leg's wire does). The caller holds the stripes, the record and the
     /// marks of the whole range. `None` when no whole sector is left.
@@ -670,12 +658,12 @@ impl Mirror {
         let sectors = offset.next_multiple_of(SECTOR)..end / SECTOR * SECTOR;
         if sectors.start >= sectors.end {
             let zeros = Bytes::from(vec![0u8; length as usize]);
-            return self.write_locked(offset, &zeros, fua).map(|()| None);
+            return self.write_admitted(offset, &zeros, fua).map(|()| None);
         }
         for edge in [offset..sectors.start, sectors.end..end] {
             if !edge.is_empty() {
                 let zeros = Bytes::from(vec![0u8; (edge.end - edge.start) as usize]);
-                self.write_locked(edge.start, &zeros, fua)?;
+                self.write_admitted(edge.start, &zeros, fua)?;
             }
         }
         Ok(Some(sectors))
@@ -688,57 +676,6 @@ impl Mirror {
     fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
         self.each_leg_of(&self.write_targets(), what, |_, device| op(device))
             .map(|_| ())
-    }
-
-    /// Store `sealed` on every write target, judged leg by leg as
-    /// `each_leg` judges. Legs whose writes travel (remote replicas:
-    /// `start_write_sealed`) are started first, so their round trips
-    /// overlap each other and the local legs' writes; every started write
-    /// is waited for before this returns, whatever happens (`Started`'s
-    /// drop), so no leg's write is still in flight once the stripe lock is
-    /// released. Request errors (range, alignment) are checked before any
-    /// leg is written (`seal_write`), so a started remote write never
-    /// stores what a local leg then refuses as a bad request.
-    /// Returns the resyncing legs that took the write.
-    fn write_sealed_to_legs(&self, sealed: &[SealedBlock], fua: bool) -> Result<PerLeg<usize>> {
-        let targets = self.write_targets();
-        let started = Started {
-            mirror: self,
-            pending: RefCell::new(
-                targets
-                    .iter()
-                    .filter_map(|&leg| {
-                        let pending = self.device(leg).start_write_sealed(sealed, fua)?;
-                        Some((leg, pending))
-                    })
-                    .collect(),
-            ),
-        };
-        self.each_leg_of(&targets, "write", |leg, device| match started.take(leg) {
-            Some(pending) => pending.and_then(|wait| wait()),
-            None => {
-                device.write_sealed_here(sealed)?;
-                if fua {
-                    device.flush()?;
-                }
-                Ok(())
-            }
-        })
-    }
-
-    /// A leg that failed a write outside `each_leg_of`'s turn (its loop
-    /// stopped early), so not weighed against the others: a request error
-    /// is the caller's, a resyncing leg stops its resync, an active leg is
-    /// faulted or taken out, as `judge` does with a failed leg.
-    fn write_failed_on(&self, leg: usize, error: &Error) {
-        if is_request_error(error) {
-            return;
-        }
-        if self.legs[leg].state() != LegState::Active {
-            self.stop_resync(leg, "write", error);
-        } else {
-            self.fail(leg, &format!("write failed: {error}"), error);
-        }
     }
 
     /// A leg that is not active failed a `what`: if it was resyncing, its
@@ -775,8 +712,11 @@ impl Mirror {
     }
 
     /// How an operation's legs are judged, the one rule of every route
-    /// (`each_leg_of` on the caller's thread; the completion path,
-    /// `complete.rs`, on the thread of the leg answering last). Each
+    /// (`each_leg_of` for flushes, trims and zeroings; a write's
+    /// `Targets::settle`, `admit.rs`, on the thread that waits for it or,
+    /// on the completion path, on the thread of the leg answering last).
+    /// A write asks every target and every started write is waited for,
+    /// so each leg's outcome comes here: no leg is judged apart. Each
     /// outcome names its leg and whether the leg was resyncing (not
     /// active) when the operation began. A request error (range,
     /// alignment) is the caller's: it is the outcome and no leg is blamed.
@@ -791,23 +731,29 @@ impl Mirror {
         what: &str,
         outcomes: impl IntoIterator<Item = (usize, bool, Result<()>)>,
     ) -> Result<PerLeg<usize>> {
-        let mut outcomes: PerLeg<(usize, bool, Result<()>)> = outcomes.into_iter().collect();
-        let request_error = outcomes
-            .iter()
-            .position(|(_, _, outcome)| matches!(outcome, Err(error) if is_request_error(error)));
-        if let Some(at) = request_error {
-            let (_, _, outcome) = outcomes.swap_remove(at);
-            return outcome.map(|()| PerLeg::new());
-        }
+        // One pass; only the failures (rare) are kept, in the legs' order,
+        // to be judged once every outcome is in.
         let mut succeeded = 0;
-        let mut failed: PerLeg<(usize, Error)> = PerLeg::new();
         let mut resynced = PerLeg::new();
+        let mut failures: PerLeg<(usize, bool, Error)> = PerLeg::new();
         for (leg, resyncing, outcome) in outcomes {
             match outcome {
                 Ok(()) if resyncing => resynced.push(leg),
                 Ok(()) => succeeded += 1,
-                Err(error) if resyncing => self.stop_resync(leg, what, &error),
-                Err(error) => failed.push((leg, error)),
+                Err(error) => failures.push((leg, resyncing, error)),
+            }
+        }
+        if let Some(at) = failures
+            .iter()
+            .position(|(_, _, error)| is_request_error(error))
+        {
+            return Err(failures.swap_remove(at).2);
+        }
+        let mut failed: PerLeg<(usize, Error)> = PerLeg::new();
+        for (leg, resyncing, error) in failures {
+            match resyncing {
+                true => self.stop_resync(leg, what, &error),
+                false => failed.push((leg, error)),
             }
         }
         if succeeded == 0 {
@@ -820,73 +766,6 @@ impl Mirror {
             self.fail(leg, &format!("{what} failed: {error}"), &error);
         }
         Ok(resynced)
-    }
-}
-
-/// Writes started on legs by `write_sealed_to_legs`, each taken when its
-/// leg's turn comes; any left when it is dropped (the loop stopped early,
-/// or a leg's write panicked) are waited for then, and their legs judged.
-struct Started<'a> {
-    mirror: &'a Mirror,
-    pending: RefCell<Vec<(usize, Result<PendingWrite>)>>,
-}
-
-impl Started<'_> {
-    fn take(&self, leg: usize) -> Option<Result<PendingWrite>> {
-        let mut pending = self.pending.borrow_mut();
-        let at = pending.iter().position(|(started, _)| *started == leg)?;
-        Some(pending.swap_remove(at).1)
-    }
-}
-
-impl Drop for Started<'_> {
-    fn drop(&mut self) {
-        for (leg, pending) in std::mem::take(self.pending.get_mut()) {
-            if let Err(error) = pending.and_then(|wait| wait()) {
-                self.mirror.write_failed_on(leg, &error);
-            }
-        }
-    }
-}
-
-/// Room reserved on legs for one inline write (`try_write_shared`):
-/// each leg's is taken when its write goes in; what is left when this is
-/// dropped (the write declined or stopped early) is given back.
-pub(super) struct Reserved<M: Deref<Target = Mirror>> {
-    mirror: M,
-    legs: Vec<usize>,
-    count: usize,
-}
-
-impl<M: Deref<Target = Mirror>> Reserved<M> {
-    /// Room for `count` blocks on every leg of `targets`, or `None` with
-    /// none held.
-    pub(super) fn on(mirror: M, targets: &[usize], count: usize) -> Option<Reserved<M>> {
-        let mut reserved = Reserved {
-            mirror,
-            legs: Vec::with_capacity(targets.len()),
-            count,
-        };
-        for &leg in targets {
-            if !reserved.mirror.device(leg).reserve_room(count) {
-                return None;
-            }
-            reserved.legs.push(leg);
-        }
-        Some(reserved)
-    }
-
-    /// `leg`'s room is being used: no longer given back.
-    pub(super) fn take(&mut self, leg: usize) {
-        self.legs.retain(|&held| held != leg);
-    }
-}
-
-impl<M: Deref<Target = Mirror>> Drop for Reserved<M> {
-    fn drop(&mut self) {
-        for &leg in &self.legs {
-            self.mirror.device(leg).release_room(self.count);
-        }
     }
 }
 
@@ -954,17 +833,17 @@ impl BlockDevice for Mirror {
     /// active leg does: they *land* in its map (`DirtyMap::landed`, still
     /// under the stripe lock), to be cleared once a flush of that leg
     /// issued after this returned has returned (`resync.rs`).
+    ///
+    /// Every route of a mirrored write (this one, the worker's; the inline
+    /// `try_write_shared`; the completion path `try_begin_write`) is
+    /// admitted and run by the same code (`admit.rs`), differing only in
+    /// whether it may wait.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.write_shared(offset, &Bytes::copy_from_slice(data), fua)
     }
 
     fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.foreground.fetch_add(1, Ordering::Relaxed);
-        let _locked = self.stripes.lock_bytes(offset, data.len() as u64);
-        let _logged = self.enter_log_bytes(offset, data.len() as u64)?;
-        let _recorded = self.record_bytes(offset, data.len() as u64);
-        self.mark_bytes(offset, data.len() as u64)?;
-        self.write_locked(offset, data, fua)
+        self.write_waiting(offset, data, fua)
     }
 
     /// The inline path (the NBD reactor's, like `Volume::try_write`): whole
@@ -972,7 +851,8 @@ impl BlockDevice for Mirror {
     /// (`inline_seal_max_bytes`: encrypted legs take up to 128 KiB), when
     /// no stripe of the range is held and every target reserves room in
     /// its write-back buffer (`reserve_room`); then sealed once and
-    /// buffered on every leg into that room. It never waits: `Ok(false)`,
+    /// buffered on every leg into that room (`Admission::Reserved`,
+    /// `admit.rs`). It never waits: `Ok(false)`,
     /// with nothing written and every reservation given back, when any of
     /// that fails first; once every leg holds room, no leg can find its
     /// buffer full at its turn, so none commits on the caller's thread.
@@ -992,54 +872,7 @@ impl BlockDevice for Mirror {
     }
 
     fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        self.foreground.fetch_add(1, Ordering::Relaxed);
-        let whole = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
-        if data.is_empty() || !whole {
-            return Ok(false);
-        }
-        // A remote leg has no room to reserve (`Reserved::on` below fails
-        // on it): such a write completes later instead (`try_begin_write`).
-        // Declined before the stripes, the activity log, the record and the
-        // local legs' room are taken only to be given back: that was a
-        // second round of all of it on the NBD reactor for every write to
-        // a remote mirror (perf: ~6 of its ~32 allocations per 4 KiB write).
-        let remote_target = |leg: usize| self.legs[leg].remote && self.is_write_target(leg);
-        if (0..self.legs.len()).any(remote_target) {
-            return Ok(false);
-        }
-        let count = data.len() / BLOCK as usize;
-        let first = offset / BLOCK;
-        let Some(_locked) = self.stripes.try_lock(first, first + count as u64) else {
-            return Ok(false);
-        };
-        // Its extents must be in the activity log already: adding one syncs.
-        let Some(_logged) = self.try_enter_log(first, first + count as u64) else {
-            return Ok(false);
-        };
-        // Recorded before the check below, as `write_shared` records before
-        // it marks: a leg taken out meanwhile builds its map from the
-        // record, so the write is in the map or the check declines it.
-        let _recorded = self.record_bytes(offset, data.len() as u64);
-        // A stale leg's map must be marked first, which may sync: not here.
-        if self.tracks_any_leg() {
-            return Ok(false);
-        }
-        let targets = self.write_targets();
-        let cheap = |&leg: &usize| data.len() <= self.device(leg).inline_seal_max_bytes();
-        if targets.is_empty() || !targets.iter().all(cheap) {
-            return Ok(false);
-        }
-        let Some(mut reserved) = Reserved::on(self, &targets, count) else {
-            return Ok(false);
-        };
-        let Some(sealed) = self.seal_write(offset, data)? else {
-            return Ok(false);
-        };
-        self.each_leg_of(&targets, "write", |leg, device| {
-            reserved.take(leg);
-            device.write_sealed_reserved(&sealed)
-        })?;
-        Ok(true)
+        self.write_reserved(offset, data)
     }
     /// Completes on the thread of the leg that answers last
     /// (`complete.rs`); only for a mirror with remote legs.
@@ -1048,7 +881,7 @@ impl BlockDevice for Mirror {
         offset: u64,
         data: &Bytes,
     ) -> Result<Option<vouch_engine::device::StartWrite>> {
-        crate::complete::begin(self, offset, data)
+        self.begin_write(offset, data)
     }
     /// The resync maps' block bits are made durable first (one sync).
     /// On success the blocks written before it started are forgotten by

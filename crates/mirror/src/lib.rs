@@ -54,6 +54,7 @@
 //! `set.rs` keeps the set on disk (the `mirror` record of each leg).
 
 pub mod activity;
+mod admit;
 mod complete;
 mod device;
 pub mod dirty;

@@ -49,17 +49,18 @@ impl Stripes {
         self.0.iter().map(|stripe| stripe.lock()).collect()
     }
 
-    /// `lock` without waiting: `None` if any stripe is held (a writer or a
-    /// repair is on it), with nothing held.
-    pub(crate) fn try_lock(&self, first: u64, end: u64) -> Option<Vec<MutexGuard<'_, ()>>> {
+    /// `lock` with guards that own their stripes, not tied to a borrow:
+    /// every write holds its stripes so (`admit.rs`), whichever thread
+    /// completes it.
+    pub(crate) fn lock_owned(&self, first: u64, end: u64) -> OwnedStripes {
         stripes_of(first, end)
             .iter()
-            .map(|&stripe| self.0[stripe].try_lock())
+            .map(|&stripe| self.0[stripe].lock_arc())
             .collect()
     }
 
-    /// `try_lock` with guards that own their stripes (no borrow of the
-    /// stripes): for a write whose legs answer on another thread.
+    /// `lock_owned` without waiting: `None` if any stripe is held (a
+    /// writer or a repair is on it), with nothing held.
     pub(crate) fn try_lock_owned(&self, first: u64, end: u64) -> Option<OwnedStripes> {
         stripes_of(first, end)
             .iter()

@@ -63,8 +63,8 @@ pub struct MirrorWriteReport {
     pub completed_later: u64,
     /// Writes the mirror's inline route took (`try_write_shared`).
     pub inline_writes: u64,
-    /// Writes the worker's route took (`write_shared`) without FUA (a FUA
-    /// write is durable before it is acknowledged).
+    /// Writes the worker's route took (`write_shared`, without FUA: a
+    /// FUA write is durable before it is acknowledged).
     pub worker_writes: u64,
     /// Image pairs of a process crash (kernel state kept).
     pub process_images: u64,
@@ -121,9 +121,13 @@ pub enum Sabotage {
     /// The inline route into reserved room (`try_write_shared`,
     /// `write_sealed_reserved`).
     Reserved,
-    /// The worker's route (`write_shared`, the one that may wait: a local
-    /// leg's `write_sealed_here`, a travelling leg's `start_write_sealed`).
+    /// The worker's route (`write_shared`: `write_sealed_here`, or a
+    /// travelling leg's `start_write_sealed`), which may wait.
     Worker,
+    /// Not the held log: the mirror's own executor (`admit.rs`
+    /// `Issue::run`) counts a travelling leg's started write done without
+    /// waiting for it (`Mirror::break_started_writes`).
+    Unwaited,
 }
 
 /// `run`, breaking `sabotage`'s route.
@@ -343,6 +347,9 @@ pub fn run_seed(
     };
     report.travelling += u64::from(!matches!(leg1, Leg1::Local));
     let mirror = Arc::new(mirror_over(volumes.clone(), leg1)?);
+    if sabotage == Sabotage::Unwaited {
+        mirror.break_started_writes();
+    }
 
     // The models the hooks read: what each block may hold if the exporter
     // lost power now (`model`), or if the process alone died (`acked`:

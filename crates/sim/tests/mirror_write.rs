@@ -3,7 +3,7 @@
 //! restart makes the legs agree on what clients read
 //! (`vouch_sim::mirror_write`).
 
-use vouch_sim::mirror_write::Sabotage;
+use vouch_sim::mirror_write::{MirrorWriteReport, Sabotage};
 
 #[test]
 fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
@@ -49,9 +49,7 @@ fn an_exporter_crash_during_mirrored_writes_keeps_the_contract() {
 /// must say so.
 #[test]
 fn a_completed_write_the_local_leg_does_not_hold_is_caught() {
-    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Completion);
-    assert!(report.completed_later > 0, "{}", report.summary());
-    assert_process_crash_caught(&report);
+    assert_route_break_caught(Sabotage::Completion, |report| report.completed_later);
 }
 
 /// The mirror's inline route into room reserved on every leg
@@ -60,23 +58,41 @@ fn a_completed_write_the_local_leg_does_not_hold_is_caught() {
 /// process: the process-crash images must say so.
 #[test]
 fn a_reserved_inline_write_the_local_leg_does_not_hold_is_caught() {
-    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Reserved);
-    assert!(report.inline_writes > 0, "{}", report.summary());
-    assert_process_crash_caught(&report);
+    assert_route_break_caught(Sabotage::Reserved, |report| report.inline_writes);
 }
 
-/// The worker's route (`write_shared`, the one that may wait: a local
-/// leg's `write_sealed_here`, a travelling leg's `start_write_sealed`)
+/// The worker's route (`write_shared`, the one that may wait: a leg's
+/// `write_sealed_here`, a travelling leg's `start_write_sealed`)
 /// acknowledging a write before the local leg holds it loses it in a
 /// crash of the exporter process: the process-crash images must say so.
 #[test]
 fn a_worker_write_the_local_leg_does_not_hold_is_caught() {
-    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Worker);
-    assert!(report.worker_writes > 0, "{}", report.summary());
+    assert_route_break_caught(Sabotage::Worker, |report| report.worker_writes);
+}
+
+/// A break inside the mirror's one executor rather than a leg's held
+/// log: the worker's route acknowledging before a travelling leg's
+/// started write was waited for (so before that leg holds it) leaves a
+/// leg with a value no write or flush allows.
+#[test]
+fn an_executor_acknowledging_before_a_started_write_landed_is_caught() {
+    let report = vouch_sim::mirror_write::run_with(1, 6, Sabotage::Unwaited);
+    assert!(
+        !report.violations.is_empty(),
+        "the unwaited started writes went unnoticed: {}",
+        report.summary()
+    );
+}
+
+/// Seeds 1-6 with `sabotage`'s route broken: the route took writes
+/// (`taken`), and a process crash found them lost.
+fn assert_route_break_caught(sabotage: Sabotage, taken: fn(&MirrorWriteReport) -> u64) {
+    let report = vouch_sim::mirror_write::run_with(1, 6, sabotage);
+    assert!(taken(&report) > 0, "{}", report.summary());
     assert_process_crash_caught(&report);
 }
 
-fn assert_process_crash_caught(report: &vouch_sim::mirror_write::MirrorWriteReport) {
+fn assert_process_crash_caught(report: &MirrorWriteReport) {
     assert!(
         report
             .violations
