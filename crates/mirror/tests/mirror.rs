@@ -711,6 +711,42 @@ fn a_mirror_scrub_keeps_its_rate_and_yields_to_foreground_requests() {
     close(mirror, volumes);
 }
 
+/// A mirror scrub at its rate checks one chunk (256 blocks), then waits
+/// (one paced wait); cancelled during that wait its cursor says 256.
+/// Counted, not timed: at 4 KiB/s the second chunk is due 256 s on.
+#[test]
+fn a_mirror_scrub_at_its_rate_waits_after_each_chunk_and_a_cancel_keeps_its_cursor() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = create(dir.path(), 2);
+    let (mirror, volumes) = open(&paths[0]);
+    write_blocks(&mirror, 1024, 1);
+    let cursor = mirror::scrub::cursor_in(&paths[0]);
+    let slow = vouch_engine::scrub::ScrubOptions {
+        rate_bytes_per_second: Some(4 << 10),
+        foreground: None,
+    };
+    let control = JobControl::default();
+    let cancelled = std::thread::scope(|scope| {
+        let job =
+            scope.spawn(|| mirror::scrub::scrub_from(&mirror, &slow, &control, Some(&cursor)));
+        // A hang guard, not a bound on the scrub's speed.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while control.progress().0 == 0 && !job.is_finished() {
+            assert!(std::time::Instant::now() < deadline, "the scrub never stepped");
+            std::thread::yield_now();
+        }
+        control.cancel();
+        job.join().expect("scrub thread")
+    });
+    let error = cancelled.expect_err("cancelled");
+    assert!(matches!(error, Error::Cancelled(_)), "{error}");
+    assert_eq!(cursor.load().expect("load"), Some(256), "saved when cancelled");
+    assert_eq!(control.progress().0, 256);
+    assert_eq!(control.read_blocks(), 256);
+    assert_eq!(control.paced_waits(), 1, "one wait, after the chunk");
+    close(mirror, volumes);
+}
+
 /// A mirror scrub keeps a cursor as a volume's scan does: cancelled under
 /// way it saves where it stands, the next scrub resumes there (checking
 /// only the rest, its progress starting there) and forgets the cursor
