@@ -463,6 +463,23 @@ impl<'a> Visit<'a> {
         self.pace(bytes)
     }
 
+    /// The loop of a job: call `step` until it says nothing is left
+    /// (`false`: the run finishes, `ScanEnd::Finished`) or the job is
+    /// cancelled or stopped (looked at before each step, its cursor saved:
+    /// `ScanEnd::Cancelled`). Each step moves the run itself (`step`, or
+    /// `advance` then `pace`; `set_end` if its set grew).
+    pub fn run(mut self, mut step: impl FnMut(&mut Visit<'a>) -> Result<bool>) -> Result<ScanEnd> {
+        loop {
+            if self.cancelled()? {
+                return Ok(ScanEnd::Cancelled { at: self.at });
+            }
+            if !step(&mut self)? {
+                self.finish()?;
+                return Ok(ScanEnd::Finished);
+            }
+        }
+    }
+
     /// The run reached its end: the whole range is done and the cursor
     /// forgotten.
     pub fn finish(mut self) -> Result<()> {
@@ -706,23 +723,16 @@ impl<'a> ChunkWalk<'a> {
     /// `scan` visits them: the cancel looked at before each, progress,
     /// pace and cursor after each (the chunk's blocks counted as read).
     pub fn run(self, mut step: impl FnMut(Range<u64>) -> Result<()>) -> Result<ScanEnd> {
-        let ChunkWalk {
-            mut run,
-            mut chunks,
-        } = self;
-        loop {
-            if run.cancelled()? {
-                return Ok(ScanEnd::Cancelled { at: run.at() });
-            }
+        let ChunkWalk { run, mut chunks } = self;
+        run.run(|run| {
             let Some(chunk) = chunks.next_chunk()? else {
-                break;
+                return Ok(false);
             };
             let count = chunk.end - chunk.start;
             step(chunk.clone())?;
             run.step(chunk.end, count, count * BLOCK)?;
-        }
-        run.finish()?;
-        Ok(ScanEnd::Finished)
+            Ok(true)
+        })
     }
 }
 

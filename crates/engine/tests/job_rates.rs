@@ -45,6 +45,13 @@ fn cancelled_after_the_first_step<R>(job: impl FnOnce(&JobControl) -> R) -> (R, 
     (result, control)
 }
 
+/// A volume with data in its first four scan chunks (1024 blocks).
+fn four_chunks() -> (tempfile::TempDir, std::path::PathBuf, vouch_engine::Volume) {
+    let (dir, path) = volume_dir(LayoutKind::Split, &[0..1024]);
+    let volume = open(&path);
+    (dir, path, volume)
+}
+
 /// One step of 256 blocks, one paced wait, and read no further.
 fn assert_one_paced_step(control: &JobControl, what: &str) {
     assert_eq!(control.paced_waits(), 1, "{what}: one wait, after the step");
@@ -57,8 +64,7 @@ fn assert_one_paced_step(control: &JobControl, what: &str) {
 
 #[test]
 fn a_scan_at_a_rate_waits_after_each_step_and_a_cancel_keeps_its_position() {
-    let (_dir, path) = volume_dir(LayoutKind::Split, &[0..1024]);
-    let volume = open(&path);
+    let (_dir, _, volume) = four_chunks();
     let options = ScanOptions {
         rate_bytes_per_second: Some(SLOW),
         ..ScanOptions::default()
@@ -84,8 +90,7 @@ fn a_scan_at_a_rate_waits_after_each_step_and_a_cancel_keeps_its_position() {
 
 #[test]
 fn a_verify_at_a_rate_waits_after_each_step_and_a_cancel_says_how_far() {
-    let (_dir, path) = volume_dir(LayoutKind::Split, &[0..1024]);
-    let volume = open(&path);
+    let (_dir, _, volume) = four_chunks();
     let options = VerifyOptions {
         rate_bytes_per_second: Some(SLOW),
         ..VerifyOptions::default()
@@ -99,8 +104,7 @@ fn a_verify_at_a_rate_waits_after_each_step_and_a_cancel_says_how_far() {
 
 #[test]
 fn a_scrub_at_a_rate_waits_after_each_step_and_a_cancel_keeps_its_cursor() {
-    let (_dir, path) = volume_dir(LayoutKind::Split, &[0..1024]);
-    let volume = open(&path);
+    let (_dir, path, volume) = four_chunks();
     let options = ScrubOptions {
         rate_bytes_per_second: Some(SLOW),
         foreground: None,
@@ -123,8 +127,7 @@ fn a_scrub_at_a_rate_waits_after_each_step_and_a_cancel_keeps_its_cursor() {
 
 #[test]
 fn a_copy_at_a_rate_waits_after_each_step_and_a_cancel_says_how_far() {
-    let (_dir, path) = volume_dir(LayoutKind::Split, &[0..1024]);
-    let volume = open(&path);
+    let (_dir, _, volume) = four_chunks();
     let options = CopyOptions {
         method: CopyMethod::Pipelined,
         rate_bytes_per_second: Some(SLOW),

@@ -33,7 +33,7 @@ use crate::progress::ResyncRate;
 use crate::scrub::MirrorScrubReport;
 use vouch_engine::device::BlockDevice;
 use vouch_engine::error::{Error, Result};
-use vouch_engine::jobs::{chunk_end, JobControl, Throughput, Visit};
+use vouch_engine::jobs::{chunk_end, JobControl, ScanEnd, Throughput, Visit};
 use vouch_engine::BLOCK;
 
 /// A reconciliation between two steps (`Mirror::begin_reconcile`).
@@ -229,25 +229,22 @@ impl Mirror {
         let foreground = || self.foreground.load(Ordering::Relaxed);
         let stop = || self.stopping.load(Ordering::Acquire);
         let control = Arc::clone(&cursor.control);
-        let mut run = Visit::begin(
+        let end = Visit::begin(
             &control,
             cursor.position..cursor.blocks(),
             rate.pace(),
             Some(&foreground),
             None,
         )?
-        .stop_when(&stop);
-        loop {
-            if run.cancelled()? {
-                return Ok(false);
-            }
+        .stop_when(&stop)
+        .run(|run| {
             let checked = self.reconcile_step(cursor)?;
-            if checked == 0 {
-                run.finish()?;
-                return Ok(true);
+            if checked > 0 {
+                run.step(cursor.position, checked, checked * BLOCK)?;
             }
-            run.step(cursor.position, checked, checked * BLOCK)?;
-        }
+            Ok(checked > 0)
+        })?;
+        Ok(end == ScanEnd::Finished)
     }
 
     /// The running (or last) reconciliation's progress.

@@ -46,7 +46,7 @@ use crate::legs::is_request_error;
 pub use crate::progress::{ResyncProgress, ResyncRate};
 use vouch_engine::device::{BlockDevice, SealedBlock};
 use vouch_engine::error::{Error, Result};
-use vouch_engine::jobs::{JobControl, Throughput, Visit};
+use vouch_engine::jobs::{JobControl, ScanEnd, Throughput, Visit};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = crate::stripes::STRIPE_BLOCKS;
@@ -350,32 +350,28 @@ impl Mirror {
         let stop =
             || self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire);
         let control = Arc::clone(&cursor.control);
-        let mut run = Visit::begin(
+        let end = Visit::begin(
             &control,
             0..cursor.copied + cursor.map.count(),
             rate.pace(),
             Some(&foreground),
             None,
         )?
-        .stop_when(&stop);
-        loop {
-            if run.cancelled()? {
-                return Ok(false);
+        .stop_when(&stop)
+        .run(|run| match self.resync_step(cursor)? {
+            ResyncStep::Finished => {
+                run.set_end(cursor.copied);
+                Ok(false)
             }
-            match self.resync_step(cursor)? {
-                ResyncStep::Finished => {
-                    run.set_end(cursor.copied);
-                    run.finish()?;
-                    return Ok(true);
-                }
-                ResyncStep::Copied(moved) => {
-                    run.set_end(cursor.copied + cursor.map.count());
-                    run.advance(cursor.copied, moved);
-                    *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-                    run.pace(moved * vouch_engine::BLOCK)?;
-                }
+            ResyncStep::Copied(moved) => {
+                run.set_end(cursor.copied + cursor.map.count());
+                run.advance(cursor.copied, moved);
+                *slot.progress.lock() = Some(self.progress(cursor, "running", None));
+                run.pace(moved * vouch_engine::BLOCK)?;
+                Ok(true)
             }
-        }
+        })?;
+        Ok(end == ScanEnd::Finished)
     }
 
     /// One batch: copy the blocks left to copy in up to `BATCH_WINDOWS`

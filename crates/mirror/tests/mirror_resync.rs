@@ -103,16 +103,15 @@ fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
     }
 }
 
-#[test]
-fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+/// A 2-leg mirror in `dir` whose leg 1 was away while the first `MISSED`
+/// bytes were written (0xa5): its map names them. Returns the legs' paths.
+fn leg_1_missed_the_first_12_mib(dir: &Path) -> [std::path::PathBuf; 2] {
+    let paths = [dir.join("leg0"), dir.join("leg1")];
     create_mirror(&paths, &CreateOptions::new(SIZE))
         .expect("create")
         .close()
         .expect("close");
-    // Leg 1 away while the first 12 MiB are written: its map names them.
-    let away = dir.path().join("away");
+    let away = dir.join("away");
     std::fs::rename(&paths[1], &away).expect("leg 1 away");
     let (mirror, volumes, _) = open(&paths[0]);
     for at in (0..MISSED).step_by(1 << 20) {
@@ -123,6 +122,13 @@ fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
     mirror.flush().expect("flush");
     close(Arc::new(mirror), volumes);
     std::fs::rename(&away, &paths[1]).expect("leg 1 back");
+    paths
+}
+
+#[test]
+fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = leg_1_missed_the_first_12_mib(dir.path());
 
     let (mirror, volumes, record) = open(&paths[0]);
     let mirror = Arc::new(mirror);
@@ -323,20 +329,7 @@ const SLOW: ResyncRate = ResyncRate {
 #[test]
 fn a_resync_at_its_rate_waits_after_each_batch_and_a_stop_keeps_what_is_left() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
-    create_mirror(&paths, &CreateOptions::new(SIZE))
-        .expect("create")
-        .close()
-        .expect("close");
-    let away = dir.path().join("away");
-    std::fs::rename(&paths[1], &away).expect("leg 1 away");
-    let (mirror, volumes, _) = open(&paths[0]);
-    mirror
-        .write(0, &vec![0xa5; MISSED as usize], true)
-        .expect("write");
-    close(Arc::new(mirror), volumes);
-    std::fs::rename(&away, &paths[1]).expect("leg 1 back");
-
+    let paths = leg_1_missed_the_first_12_mib(dir.path());
     let (mirror, volumes, _) = open(&paths[0]);
     let mirror = Arc::new(mirror);
     let total = MISSED / BLOCK;
