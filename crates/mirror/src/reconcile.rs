@@ -65,20 +65,9 @@ impl ReconcileCursor {
         self.report.left
     }
 
-    /// Where it stands: blocks of its extents behind it (every extent
-    /// before the one this falls in was checked and left the log).
-    pub fn position(&self) -> u64 {
-        self.position
-    }
-
     /// Blocks of its extents, each counted whole.
-    pub fn blocks(&self) -> u64 {
+    fn blocks(&self) -> u64 {
         self.extents.len() as u64 * self.extent_blocks
-    }
-
-    /// The reconciliation's job control: progress, paced waits, cancel.
-    pub fn control(&self) -> &Arc<JobControl> {
-        &self.control
     }
 
     /// The extent being checked (index into `extents`).

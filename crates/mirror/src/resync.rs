@@ -83,12 +83,6 @@ impl ResyncCursor {
         self.copied
     }
 
-    /// The resync's job control: progress, paced waits, and a cancel
-    /// (the resync stops, its map keeping what is left).
-    pub fn control(&self) -> &Arc<JobControl> {
-        &self.control
-    }
-
     /// Copy in windows of `window` blocks (dividing the 256 of a stripe,
     /// so a window is under one stripe lock), `windows` per batch: the
     /// simulator's small volumes take several batches this way.
