@@ -217,8 +217,8 @@ impl Pace {
     }
 }
 
-/// The one pacing of every job (each `Visit`): after each step the job calls `pace` with the
-/// bytes it moved, and the pacer waits as long as `Pace` says (when
+/// The one pacing of every job (each `Visit`): after each step the job
+/// calls `pace` with the bytes it moved, and the pacer waits as long as `Pace` says (when
 /// foreground requests arrived meanwhile: the floor of a `FloorCeiling`,
 /// at least `FOREGROUND_BACKOFF` otherwise).
 pub struct Pacer<'a> {
