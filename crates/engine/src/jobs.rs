@@ -1,19 +1,24 @@
 //! Background jobs as one mechanism. A job is a `Visit`: it goes through
-//! a range step by step, paced by one `Pacer` (a fixed rate, or a floor
-//! and a ceiling that backs off under foreground load), reporting
+//! a set of positions step by step, paced by one `Pacer` (a fixed rate, or
+//! a floor and a ceiling that backs off under foreground load), reporting
 //! progress and taking a cancel through a `JobControl`, and keeping where
-//! it stands in a `Cursor` when it resumes:
+//! it stands (every position before it done) in a `Cursor` when it
+//! resumes. A position is an LBA, or a count of the blocks of a set the
+//! job walks in its own order; a set that grows behind the job (a dirty
+//! map marked again) moves its end (`Visit::set_end`):
 //! - `scan`: a chunked scan over a `BlockDevice` that skips holes, reads
 //!   and verifies on reader threads and can resume from a persisted
 //!   `Cursor`. `check`, `export`, `verify` and a volume's `scrub` run on it;
 //! - a mirror's scrub (vouch-mirror's `scrub.rs`) walks the same chunks on the
 //!   same grid (`ChunkWalk`), its step reading every leg and repairing on
 //!   the caller's thread, with a cursor of its own;
-//! - copy (`copy.rs`, both methods) and `verify::compare_ranges`;
-//! - a mirror's resync and reconciliation step through their map and
-//!   extents (`ResyncCursor`, `ReconcileCursor`), which are not positions
-//!   below which all is done: they share `paced_steps` instead, paced by
-//!   `Pace::FloorCeiling`, their progress measured by `Throughput`.
+//! - copy (`copy.rs`, both methods) and `verify::compare_ranges`: positions
+//!   are the blocks copied or compared;
+//! - a mirror's resync (positions: blocks copied out of its dirty map, the
+//!   end the blocks copied plus those the map still marks) and
+//!   reconciliation (positions: blocks of the activity log's extents in
+//!   their order), each stopping also when the mirror says so
+//!   (`Visit::stop_when`), paced by `Pace::FloorCeiling`.
 
 use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
@@ -89,9 +94,11 @@ impl JobControl {
     }
 
     /// Pace the job after a step that moved `bytes` (`Pacer::pace`), an
-    /// early end to the wait on a cancel, counting the waits.
-    pub fn pace(&self, pacer: &mut Pacer<'_>, bytes: u64) {
-        if pacer.pace(bytes, &|| self.is_cancelled()) {
+    /// early end to the wait on a cancel or once `stop` says so, counting
+    /// the waits.
+    fn pace(&self, pacer: &mut Pacer<'_>, bytes: u64, stop: Option<&dyn Fn() -> bool>) {
+        let stop = || self.is_cancelled() || stop.is_some_and(|stop| stop());
+        if pacer.pace(bytes, &stop) {
             self.paced_waits.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -100,6 +107,11 @@ impl JobControl {
     pub(crate) fn start(&self, total: u64, done: u64) {
         self.total_blocks.store(total, Ordering::Relaxed);
         self.done_blocks.store(done, Ordering::Relaxed);
+    }
+
+    /// The job's set holds `total` blocks now.
+    fn resize(&self, total: u64) {
+        self.total_blocks.store(total, Ordering::Relaxed);
     }
 
     /// `done` blocks of the job are behind it now, `read` more were read.
@@ -205,9 +217,8 @@ impl Pace {
     }
 }
 
-/// The one pacing of every job (each `Visit`, and `paced_steps`: resync
-/// and reconciliation): after each step the job calls `pace` with the
-/// bytes it moved, and the pacer waits as long as `Pace` says (when
+/// The one pacing of every job (each `Visit`): after each step the job
+/// calls `pace` with the bytes it moved, and the pacer waits as long as `Pace` says (when
 /// foreground requests arrived meanwhile: the floor of a `FloorCeiling`,
 /// at least `FOREGROUND_BACKOFF` otherwise).
 pub struct Pacer<'a> {
@@ -332,9 +343,11 @@ impl Throughput {
     }
 }
 
-/// One run of a job over the positions `[start, end)` (LBAs, or a copy's
-/// blocks done), the loop every job steps through (scan, a mirror's scrub,
-/// copy, compare): where it stands (every position before `at` is done),
+/// One run of a job over the positions `[start, end)` (LBAs, or blocks of
+/// the set it walks: a copy's blocks, a resync's blocks copied, a
+/// reconciliation's blocks of its extents), the loop every job steps
+/// through (scan, a mirror's scrub, copy, compare, resync, reconcile):
+/// where it stands (every position before `at` is done),
 /// its progress and cancel in a `JobControl`, its `Pacer`, and for a job
 /// that resumes a `Cursor`, saved at a pause between steps every
 /// `CURSOR_SAVE_INTERVAL` and when cancelled, never ahead of what is done.
@@ -349,6 +362,8 @@ pub struct Visit<'a> {
     began: u64,
     /// Where the cursor was saved last, and when.
     saved: (u64, Instant),
+    /// Stops the job as a cancel does (`stop_when`).
+    stop: Option<&'a dyn Fn() -> bool>,
 }
 
 impl<'a> Visit<'a> {
@@ -377,7 +392,24 @@ impl<'a> Visit<'a> {
             at,
             began: at,
             saved: (at, Instant::now()),
+            stop: None,
         })
+    }
+
+    /// Stop also once `stop` says so (a mirror stopping, a resyncing leg
+    /// that failed), as on a cancel: a wait for the pace ends then.
+    pub fn stop_when(self, stop: &'a dyn Fn() -> bool) -> Visit<'a> {
+        Visit {
+            stop: Some(stop),
+            ..self
+        }
+    }
+
+    /// The set walked now ends at `end` (never before what is done): a
+    /// resync's dirty map, marked again behind it, grows.
+    pub fn set_end(&mut self, end: u64) {
+        self.end = end.max(self.at);
+        self.control.resize(self.end - self.start);
     }
 
     /// Every position before this one is done.
@@ -393,7 +425,7 @@ impl<'a> Visit<'a> {
     /// Whether the job was cancelled; if so, its cursor now says where it
     /// stands.
     pub fn cancelled(&mut self) -> Result<bool> {
-        if !self.control.is_cancelled() {
+        if !self.control.is_cancelled() && !self.stop.is_some_and(|stop| stop()) {
             return Ok(false);
         }
         if let Some(cursor) = self.cursor {
@@ -421,7 +453,7 @@ impl<'a> Visit<'a> {
                 self.saved = (self.at, Instant::now());
             }
         }
-        self.control.pace(&mut self.pacer, bytes);
+        self.control.pace(&mut self.pacer, bytes, self.stop);
         Ok(())
     }
 
@@ -429,6 +461,23 @@ impl<'a> Visit<'a> {
     pub fn step(&mut self, to: u64, read: u64, bytes: u64) -> Result<()> {
         self.advance(to, read);
         self.pace(bytes)
+    }
+
+    /// The loop of a job: call `step` until it says nothing is left
+    /// (`false`: the run finishes, `ScanEnd::Finished`) or the job is
+    /// cancelled or stopped (looked at before each step, its cursor saved:
+    /// `ScanEnd::Cancelled`). Each step moves the run itself (`step`, or
+    /// `advance` then `pace`; `set_end` if its set grew).
+    pub fn run(mut self, mut step: impl FnMut(&mut Visit<'a>) -> Result<bool>) -> Result<ScanEnd> {
+        loop {
+            if self.cancelled()? {
+                return Ok(ScanEnd::Cancelled { at: self.at });
+            }
+            if !step(&mut self)? {
+                self.finish()?;
+                return Ok(ScanEnd::Finished);
+            }
+        }
     }
 
     /// The run reached its end: the whole range is done and the cursor
@@ -439,31 +488,6 @@ impl<'a> Visit<'a> {
             Some(cursor) => cursor.clear(),
             None => Ok(()),
         }
-    }
-}
-
-/// The loop of a job whose cursor is not a position below which all is
-/// done, so that it cannot be a `Visit`: a mirror's resync (its cursor is
-/// the dirty map, which a client write marks again behind it, walked
-/// round and wrapping) and reconciliation (the activity log's extents,
-/// left one by one). Run `step` until it says it finished (`None`:
-/// `Ok(true)`) or `stop` says so (`Ok(false)`), pacing after each step by
-/// the bytes it moved; a wait ends early on `stop`.
-pub fn paced_steps(
-    pace: Pace,
-    foreground: Option<&(dyn Fn() -> u64 + Send + Sync)>,
-    stop: &dyn Fn() -> bool,
-    mut step: impl FnMut() -> Result<Option<u64>>,
-) -> Result<bool> {
-    let mut pacer = Pacer::new(pace, foreground);
-    loop {
-        if stop() {
-            return Ok(false);
-        }
-        let Some(bytes) = step()? else {
-            return Ok(true);
-        };
-        pacer.pace(bytes, stop);
     }
 }
 
@@ -699,23 +723,16 @@ impl<'a> ChunkWalk<'a> {
     /// `scan` visits them: the cancel looked at before each, progress,
     /// pace and cursor after each (the chunk's blocks counted as read).
     pub fn run(self, mut step: impl FnMut(Range<u64>) -> Result<()>) -> Result<ScanEnd> {
-        let ChunkWalk {
-            mut run,
-            mut chunks,
-        } = self;
-        loop {
-            if run.cancelled()? {
-                return Ok(ScanEnd::Cancelled { at: run.at() });
-            }
+        let ChunkWalk { run, mut chunks } = self;
+        run.run(|run| {
             let Some(chunk) = chunks.next_chunk()? else {
-                break;
+                return Ok(false);
             };
             let count = chunk.end - chunk.start;
             step(chunk.clone())?;
             run.step(chunk.end, count, count * BLOCK)?;
-        }
-        run.finish()?;
-        Ok(ScanEnd::Finished)
+            Ok(true)
+        })
     }
 }
 

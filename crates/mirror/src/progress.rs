@@ -54,6 +54,8 @@ pub struct ResyncProgress {
     /// Why it failed or stopped, or which blocks are left.
     pub error: Option<String>,
     pub elapsed_ms: u64,
+    /// Times the job waited for its pace (`JobControl::paced_waits`).
+    pub paced_waits: u64,
 }
 
 /// A reconciliation's progress, as `vouch mirror status` shows it.
@@ -81,4 +83,6 @@ pub struct ReconcileProgress {
     pub state: &'static str,
     pub error: Option<String>,
     pub elapsed_ms: u64,
+    /// Times the job waited for its pace (`JobControl::paced_waits`).
+    pub paced_waits: u64,
 }

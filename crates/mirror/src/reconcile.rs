@@ -17,9 +17,11 @@
 //! mid-way reconciles it again at the next open. Client writes go on
 //! meanwhile, to every leg as always.
 //!
-//! Paced like a resync (`ResyncRate`, the jobs' `Pacer`): its ceiling
-//! while no client request arrived during the last chunk, its floor while
-//! they do.
+//! A job (`jobs::Visit`) whose positions are the blocks of the extents in
+//! the order the log named them: the cursor is a position in that set
+//! (every extent before it checked and unpinned). Paced like a resync
+//! (`ResyncRate`, the jobs' `Pacer`): its ceiling while no client request
+//! arrived during the last chunk, its floor while they do.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -31,17 +33,20 @@ use crate::progress::ResyncRate;
 use crate::scrub::MirrorScrubReport;
 use vouch_engine::device::BlockDevice;
 use vouch_engine::error::{Error, Result};
-use vouch_engine::jobs::{chunk_end, paced_steps, Throughput};
+use vouch_engine::jobs::{chunk_end, JobControl, ScanEnd, Throughput, Visit};
 use vouch_engine::BLOCK;
 
 /// A reconciliation between two steps (`Mirror::begin_reconcile`).
 pub struct ReconcileCursor {
     extents: Vec<u64>,
-    /// The extent being checked (index into `extents`) and the next LBA.
-    at: usize,
-    lba: u64,
+    extent_blocks: u64,
+    /// Blocks of `extents` (each counted whole, in their order) behind the
+    /// cursor: the extent being checked is `position / extent_blocks`.
+    position: u64,
     report: MirrorScrubReport,
     started: Instant,
+    /// Its progress as a job, paced waits and cancel.
+    control: Arc<JobControl>,
 }
 
 impl ReconcileCursor {
@@ -59,6 +64,16 @@ impl ReconcileCursor {
     pub fn unsettled(&self) -> u64 {
         self.report.left
     }
+
+    /// Blocks of its extents, each counted whole.
+    fn blocks(&self) -> u64 {
+        self.extents.len() as u64 * self.extent_blocks
+    }
+
+    /// The extent being checked (index into `extents`).
+    fn extent_index(&self) -> usize {
+        (self.position / self.extent_blocks) as usize
+    }
 }
 
 impl Mirror {
@@ -73,13 +88,13 @@ impl Mirror {
         }
         self.hold_reads_on_one_leg();
         self.reconciling.store(true, Ordering::Release);
-        let first = extents[0] * log.extent_blocks();
         let cursor = ReconcileCursor {
             extents,
-            at: 0,
-            lba: first,
+            extent_blocks: log.extent_blocks(),
+            position: 0,
             report: MirrorScrubReport::default(),
             started: Instant::now(),
+            control: Arc::new(JobControl::default()),
         };
         *self.reconcile.lock() = Some(self.reconcile_progress_of(&cursor, "running", None));
         tracing::info!(
@@ -96,22 +111,24 @@ impl Mirror {
         let Some(log) = self.activity.get() else {
             return Ok(0);
         };
-        let Some(&extent) = cursor.extents.get(cursor.at) else {
+        let index = cursor.extent_index();
+        let Some(&extent) = cursor.extents.get(index) else {
             return Ok(0);
         };
+        let extent_blocks = cursor.extent_blocks;
+        let lba = extent * extent_blocks + cursor.position % extent_blocks;
         let blocks = self.size() / BLOCK;
-        let extent_end = ((extent + 1) * log.extent_blocks()).min(blocks);
+        let extent_end = ((extent + 1) * extent_blocks).min(blocks);
         // On the scan's grid, so a packed row inside the extent is read
         // once on each leg.
-        let count = chunk_end(self, cursor.lba).min(extent_end) - cursor.lba;
-        self.scrub_chunk(cursor.lba, count, &mut cursor.report, "reconcile")?;
-        cursor.lba += count;
-        if cursor.lba >= extent_end {
+        let count = chunk_end(self, lba).min(extent_end) - lba;
+        self.scrub_chunk(lba, count, &mut cursor.report, "reconcile")?;
+        cursor.position += count;
+        if lba + count >= extent_end {
             log.unpin(extent);
-            cursor.at += 1;
-            if let Some(&next) = cursor.extents.get(cursor.at) {
-                cursor.lba = next * log.extent_blocks();
-            }
+            // The device's last extent may end early: the next one starts
+            // at its whole extent's position.
+            cursor.position = (index as u64 + 1) * extent_blocks;
         }
         *self.reconcile.lock() = Some(self.reconcile_progress_of(cursor, "running", None));
         Ok(count)
@@ -194,15 +211,29 @@ impl Mirror {
         }
     }
 
-    /// Its cursor is the activity log's extents, not a position that a
-    /// `jobs::Visit` could keep: `jobs::paced_steps`.
+    /// Run steps until every extent was checked (`Ok(true)`) or the
+    /// mirror stops or the job is cancelled (`Ok(false)`), pacing them: a
+    /// `Visit` over the blocks of the extents.
     fn reconcile_loop(&self, cursor: &mut ReconcileCursor, rate: ResyncRate) -> Result<bool> {
         let foreground = || self.foreground.load(Ordering::Relaxed);
         let stop = || self.stopping.load(Ordering::Acquire);
-        paced_steps(rate.pace(), Some(&foreground), &stop, || {
+        let control = Arc::clone(&cursor.control);
+        let end = Visit::begin(
+            &control,
+            cursor.position..cursor.blocks(),
+            rate.pace(),
+            Some(&foreground),
+            None,
+        )?
+        .stop_when(&stop)
+        .run(|run| {
             let checked = self.reconcile_step(cursor)?;
-            Ok((checked > 0).then_some(checked * BLOCK))
-        })
+            if checked > 0 {
+                run.step(cursor.position, checked, checked * BLOCK)?;
+            }
+            Ok(checked > 0)
+        })?;
+        Ok(end == ScanEnd::Finished)
     }
 
     /// The running (or last) reconciliation's progress.
@@ -216,16 +247,10 @@ impl Mirror {
         state: &'static str,
         error: Option<String>,
     ) -> ReconcileProgress {
-        let extent_blocks = self
-            .activity
-            .get()
-            .map_or(crate::activity::EXTENT_BLOCKS, |log| log.extent_blocks());
+        let extent_blocks = cursor.extent_blocks;
         let extents = cursor.extents.len() as u64;
-        let extents_left = extents - cursor.at as u64;
-        let blocks_left = match cursor.extents.get(cursor.at) {
-            Some(&extent) => extents_left * extent_blocks - (cursor.lba - extent * extent_blocks),
-            None => 0,
-        };
+        let extents_left = extents - (cursor.extent_index() as u64).min(extents);
+        let blocks_left = cursor.blocks() - cursor.position.min(cursor.blocks());
         let checked = cursor.report.blocks_checked;
         let throughput = Throughput::measure(cursor.started, checked, blocks_left);
         ReconcileProgress {
@@ -241,6 +266,7 @@ impl Mirror {
             state,
             error,
             elapsed_ms: throughput.elapsed_ms,
+            paced_waits: cursor.control.paced_waits(),
         }
     }
 }

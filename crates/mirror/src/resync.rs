@@ -21,10 +21,13 @@
 //! memory before any other write starts; then in the records, and the
 //! map is removed.
 //!
-//! The rate has a floor and a ceiling (DRBD's c-min-rate/c-max-rate, md's
-//! speed_limit_min/max): the ceiling while no client request arrived
-//! during the last batch, the floor while they do (the jobs' `Pacer`,
-//! `Pace::FloorCeiling`).
+//! The thread is a job (`jobs::Visit`): its positions are the blocks
+//! copied, its end those plus the blocks the map still marks (a set that
+//! grows when writes mark blocks again), its progress and paced waits in a
+//! `JobControl`. The rate has a floor and a ceiling (DRBD's
+//! c-min-rate/c-max-rate, md's speed_limit_min/max): the ceiling while no
+//! client request arrived during the last batch, the floor while they do
+//! (the jobs' `Pacer`, `Pace::FloorCeiling`).
 //!
 //! `begin_resync`, `resync_step` and `end_resync` are the thread's parts;
 //! the crash simulator calls them itself to put client writes between
@@ -43,7 +46,7 @@ use crate::legs::is_request_error;
 pub use crate::progress::{ResyncProgress, ResyncRate};
 use vouch_engine::device::{BlockDevice, SealedBlock};
 use vouch_engine::error::{Error, Result};
-use vouch_engine::jobs::{paced_steps, Throughput};
+use vouch_engine::jobs::{JobControl, ScanEnd, Throughput, Visit};
 
 /// Blocks per window (one stripe of the mirror's lock).
 const WINDOW_BLOCKS: u64 = crate::stripes::STRIPE_BLOCKS;
@@ -69,6 +72,9 @@ pub struct ResyncCursor {
     /// Blocks per window, windows per batch.
     window: u64,
     windows: usize,
+    /// Its progress as a job (blocks copied of copied plus left), paced
+    /// waits and cancel.
+    control: Arc<JobControl>,
 }
 
 impl ResyncCursor {
@@ -235,6 +241,7 @@ impl Mirror {
             copied: 0,
             window: WINDOW_BLOCKS,
             windows: BATCH_WINDOWS,
+            control: Arc::new(JobControl::default()),
         };
         *slot.progress.lock() = Some(self.progress(&cursor, "running", None));
         tracing::info!(leg, name = %slot.name, blocks = cursor.run.total, full,
@@ -277,6 +284,7 @@ impl Mirror {
             state,
             error,
             elapsed_ms: throughput.elapsed_ms,
+            paced_waits: cursor.control.paced_waits(),
         }
     }
 
@@ -328,23 +336,36 @@ impl Mirror {
     }
 
     /// Run steps until the resync finishes (`Ok(true)`) or is stopped
-    /// (`Ok(false)`: the server stops, or the leg failed a write), pacing
-    /// them. Its cursor is the dirty map, not a position that a
-    /// `jobs::Visit` could keep: `jobs::paced_steps`.
+    /// (`Ok(false)`: the server stops, the leg failed a write, or its job
+    /// was cancelled), pacing them: a `Visit` over the blocks copied.
     fn resync_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
         let slot = &self.legs[cursor.leg];
         let foreground = || self.foreground.load(Ordering::Relaxed);
         let stop =
             || self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire);
-        paced_steps(rate.pace(), Some(&foreground), &stop, || {
-            match self.resync_step(cursor)? {
-                ResyncStep::Finished => Ok(None),
-                ResyncStep::Copied(moved) => {
-                    *slot.progress.lock() = Some(self.progress(cursor, "running", None));
-                    Ok(Some(moved * vouch_engine::BLOCK))
-                }
+        let control = Arc::clone(&cursor.control);
+        let end = Visit::begin(
+            &control,
+            0..cursor.copied + cursor.map.count(),
+            rate.pace(),
+            Some(&foreground),
+            None,
+        )?
+        .stop_when(&stop)
+        .run(|run| match self.resync_step(cursor)? {
+            ResyncStep::Finished => {
+                run.set_end(cursor.copied);
+                Ok(false)
             }
-        })
+            ResyncStep::Copied(moved) => {
+                run.set_end(cursor.copied + cursor.map.count());
+                run.advance(cursor.copied, moved);
+                *slot.progress.lock() = Some(self.progress(cursor, "running", None));
+                run.pace(moved * vouch_engine::BLOCK)?;
+                Ok(true)
+            }
+        })?;
+        Ok(end == ScanEnd::Finished)
     }
 
     /// One batch: copy the blocks left to copy in up to `BATCH_WINDOWS`

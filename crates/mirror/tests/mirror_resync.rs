@@ -103,16 +103,15 @@ fn wait_for(what: &str, mut condition: impl FnMut() -> bool) {
     }
 }
 
-#[test]
-fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+/// A 2-leg mirror in `dir` whose leg 1 was away while the first `MISSED`
+/// bytes were written (0xa5): its map names them. Returns the legs' paths.
+fn leg_1_missed_the_first_12_mib(dir: &Path) -> [std::path::PathBuf; 2] {
+    let paths = [dir.join("leg0"), dir.join("leg1")];
     create_mirror(&paths, &CreateOptions::new(SIZE))
         .expect("create")
         .close()
         .expect("close");
-    // Leg 1 away while the first 12 MiB are written: its map names them.
-    let away = dir.path().join("away");
+    let away = dir.join("away");
     std::fs::rename(&paths[1], &away).expect("leg 1 away");
     let (mirror, volumes, _) = open(&paths[0]);
     for at in (0..MISSED).step_by(1 << 20) {
@@ -123,6 +122,13 @@ fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
     mirror.flush().expect("flush");
     close(Arc::new(mirror), volumes);
     std::fs::rename(&away, &paths[1]).expect("leg 1 back");
+    paths
+}
+
+#[test]
+fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = leg_1_missed_the_first_12_mib(dir.path());
 
     let (mirror, volumes, record) = open(&paths[0]);
     let mirror = Arc::new(mirror);
@@ -305,5 +311,108 @@ fn legs_that_differ_after_a_crash_are_not_counted_against_a_leg_and_a_full_resyn
         0,
         "a full resync keeps old errors"
     );
+    close(mirror, volumes);
+}
+
+/// 4 KiB/s: a batch of a resync, or a chunk of a reconciliation, is due
+/// minutes after the last.
+const SLOW: ResyncRate = ResyncRate {
+    min: 4 << 10,
+    max: 4 << 10,
+};
+
+/// A resync is a job like a scan: at its rate it copies one batch (four
+/// windows of 256 blocks), then waits (one paced wait); stopped during that
+/// wait it ends `stopped` with that batch copied and the map keeping the
+/// rest, and the next resync copies only the rest, never waiting unpaced.
+/// Counted, not timed.
+#[test]
+fn a_resync_at_its_rate_waits_after_each_batch_and_a_stop_keeps_what_is_left() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = leg_1_missed_the_first_12_mib(dir.path());
+    let (mirror, volumes, _) = open(&paths[0]);
+    let mirror = Arc::new(mirror);
+    let total = MISSED / BLOCK;
+    assert_eq!(mirror.map_of(1).expect("map").count(), total);
+    mirror.start_resync(1, SLOW, false).expect("start resync");
+    // A hang guard: the first batch is copied at once, the second is due
+    // 1024 s later.
+    wait_for("the first batch", || {
+        mirror.status()[1]
+            .resync
+            .as_ref()
+            .is_some_and(|progress| progress.copied > 0)
+    });
+    mirror.stop_resyncs().expect("stop");
+    let progress = mirror.status()[1].resync.clone().expect("progress");
+    assert_eq!(progress.state, "stopped", "{progress:?}");
+    assert_eq!(progress.copied, 1024, "one batch: {progress:?}");
+    assert_eq!(progress.paced_waits, 1, "one wait, after it: {progress:?}");
+    assert_eq!(progress.left, total - 1024, "{progress:?}");
+    assert_eq!(mirror.map_of(1).expect("map").count(), total - 1024);
+    close(mirror, volumes);
+
+    // The map is its cursor: the next resync copies what is left.
+    let (mirror, volumes, _) = open(&paths[0]);
+    assert_eq!(mirror.map_of(1).expect("map").count(), total - 1024);
+    let mut cursor = mirror.begin_resync(1, false).expect("begin");
+    while mirror.resync_step(&mut cursor).expect("step") != mirror::ResyncStep::Finished {}
+    let progress = mirror.end_resync(cursor, Ok(true));
+    assert_eq!(progress.state, "done", "{progress:?}");
+    assert_eq!(progress.copied, total - 1024, "{progress:?}");
+    assert_eq!(progress.paced_waits, 0, "{progress:?}");
+    close(Arc::new(mirror), volumes);
+}
+
+/// A reconciliation is a job like a scan: at its rate it checks one chunk
+/// (256 blocks) of the extents the activity log named, then waits (one
+/// paced wait); stopped during that wait it ends `stopped` one chunk into
+/// its extents, every extent still in the log for the next start.
+/// Counted, not timed.
+#[test]
+fn a_reconciliation_at_its_rate_waits_after_each_chunk_and_a_stop_keeps_its_extents() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let paths = [dir.path().join("leg0"), dir.path().join("leg1")];
+    create_mirror(&paths, &CreateOptions::new(SIZE))
+        .expect("create")
+        .close()
+        .expect("close");
+    let extent = mirror::EXTENT_BLOCKS;
+    let (mirror, volumes, record) = open(&paths[0]);
+    let blocks = mirror.size() / BLOCK;
+    let (log, _) = mirror::set::open_activity(&record, blocks).expect("log");
+    mirror
+        .keep_activity_log(Arc::new(log))
+        .expect("keep the log");
+    // Writes in three extents, the log never closed: an unclean stop.
+    for index in [0, 2, 5] {
+        mirror
+            .write(index * extent * BLOCK, &vec![0x3c; BLOCK as usize], true)
+            .expect("write");
+    }
+    close(Arc::new(mirror), volumes);
+
+    let (mirror, volumes, record) = open(&paths[0]);
+    let (log, recovered) = mirror::set::open_activity(&record, blocks).expect("log");
+    assert_eq!(recovered, mirror::Recovered::Extents(vec![0, 2, 5]));
+    let log = Arc::new(log);
+    mirror
+        .keep_activity_log(Arc::clone(&log))
+        .expect("keep the log");
+    let mirror = Arc::new(mirror);
+    assert!(mirror.start_reconcile(SLOW).expect("start"));
+    wait_for("the first chunk", || {
+        mirror
+            .reconcile_progress()
+            .is_some_and(|progress| progress.blocks_checked > 0)
+    });
+    mirror.stop_resyncs().expect("stop");
+    let progress = mirror.reconcile_progress().expect("progress");
+    assert_eq!(progress.state, "stopped", "{progress:?}");
+    assert_eq!(progress.blocks_checked, 256, "one chunk: {progress:?}");
+    assert_eq!(progress.paced_waits, 1, "one wait, after it: {progress:?}");
+    assert_eq!(progress.blocks_left, 3 * extent - 256, "{progress:?}");
+    assert_eq!((progress.extents, progress.extents_left), (3, 3));
+    assert_eq!(log.pinned(), vec![0, 2, 5], "every extent left to check");
     close(mirror, volumes);
 }

@@ -235,7 +235,8 @@ pub fn progress_json(progress: &ResyncProgress) -> Value {
     json!({"state": progress.state, "blocks_to_copy": progress.total,
         "copied": progress.copied, "left": progress.left, "full": progress.full,
         "rate_bytes_per_second": progress.rate, "eta_seconds": progress.eta_seconds,
-        "elapsed_ms": progress.elapsed_ms, "error": progress.error})
+        "elapsed_ms": progress.elapsed_ms, "paced_waits": progress.paced_waits,
+        "error": progress.error})
 }
 
 /// A reconciliation's progress as JSON.
@@ -246,7 +247,8 @@ pub fn reconcile_json(progress: &ReconcileProgress) -> Value {
         "blocks_copied": progress.blocks_copied,
         "blocks_unsettled": progress.blocks_left_unsettled,
         "rate_bytes_per_second": progress.rate, "eta_seconds": progress.eta_seconds,
-        "elapsed_ms": progress.elapsed_ms, "error": progress.error})
+        "elapsed_ms": progress.elapsed_ms, "paced_waits": progress.paced_waits,
+        "error": progress.error})
 }
 
 /// Each leg of a running mirror: state, resync, and the reconciliation
