@@ -1872,7 +1872,11 @@ mod tests {
         assert!(io.written.write_generations_ahead(&io, 3).expect("ahead"));
         let before = syncs(&io);
         io.written.persist(&io, 3).expect("persist 4");
-        assert_eq!(syncs(&io), before + 1, "the copy is synced before it is named");
+        assert_eq!(
+            syncs(&io),
+            before + 1,
+            "the copy is synced before it is named"
+        );
         assert_eq!(loaded(&storage, &geometry, 4).expected_generation(1), 10);
         // Nothing moved: nothing written ahead.
         assert!(!io.written.write_generations_ahead(&io, 4).expect("ahead"));
