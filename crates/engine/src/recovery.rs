@@ -22,8 +22,10 @@
 //! the objects a crash left unsynced are fsynced together: a journal of
 //! hundreds of small records (prompt commits) costs what they hold.
 //!
-//! A writable open does not checkpoint: it fsyncs what it verified (split),
-//! journals again the contexts it reverted (so a later flush, which advances
+//! A writable open does not checkpoint. What it verified (split) was made
+//! durable before it was read (`sync_what_a_crash_left`); when it reverted
+//! blocks it fsyncs the data again and journals the contexts it reverted
+//! (so a later flush, which advances
 //! `data_durable_seq`, cannot make the reverted commits' newer contexts
 //! authoritative), marks the superblock open, and appends after the
 //! replayed records. What it redid from the journal (packed: every
@@ -132,7 +134,7 @@ fn sync_what_a_crash_left(shared: &Shared) -> Result<()> {
 }
 
 /// Make what recovery decided durable before anything new is written:
-/// verified (split) data is fsynced, and contexts reverted to older
+/// with reverted blocks (split) the data is fsynced, and contexts reverted to older
 /// writes are journaled again, so a later flush that advances
 /// `data_durable_seq` past the replayed commits cannot make their newer
 /// contexts authoritative. Marks the superblock open. Data redone from

@@ -585,7 +585,11 @@ fn a_split_recovery_leaves_redone_blocks_to_the_checkpoints_sync() {
         counting.data_syncs_after_a_write.load(Ordering::Relaxed) > 0,
         "a plain commit syncs the redone blocks before its record"
     );
-    expect(&volume, 2, "after a plain commit behind the replayed records");
+    expect(
+        &volume,
+        2,
+        "after a plain commit behind the replayed records",
+    );
     images("after a plain commit behind the replayed records", 6, 2);
     volume.close().expect("close");
     let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::default()).expect("open");
