@@ -320,15 +320,6 @@ impl Committer {
         self.flushed();
         let buffered = shared.state().read().buffered_blocks();
         let redo = buffered <= REDO_MAX_BLOCKS;
-        if redo && !journal.unsynced(false).is_empty() {
-            // Earlier commits' home writes wait for B: sync them before
-            // the redo record, not after it, so the record carries their
-            // `data_durable_seq` and recovery need not read back every
-            // block they wrote (a burst of prompt commits ended by a small
-            // flush: ~19k blocks verified at open in bench/recovery.sh).
-            // The same two fsyncs, and the flush is then answered at A.
-            self.sync_data(shared, journal)?;
-        }
         self.commit_as(shared, journal, &[], redo.then_some(answer))
     }
 
