@@ -42,9 +42,7 @@
 //! fsync them. They are fsynced by the next checkpoint, and (split) before
 //! the next commit that is not redo writes its record, so a redo record
 //! that a later record overwrites always has its blocks home (`replay`).
-//! A flush whose commit is redo takes B for earlier commits before its
-//! record, so the record carries their `data_durable_seq` and recovery
-//! does not read their blocks back. Such a flush is answered at A (`commit_for_flush`) when no earlier home
+//! Such a flush is answered at A (`commit_for_flush`) when no earlier home
 //! write waits for B: its blocks are durable in the journal, and its home
 //! writes follow the answer (a failure there fail-stops the volume and
 //! recovery redoes them).
