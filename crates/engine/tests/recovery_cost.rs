@@ -425,6 +425,7 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
         // are lost in part or in whole; the journal still holds their
         // records, and the new ones after them.
         for keep in [0u64, 1, 2] {
+            // keep: 0 none of the unsynced writes, 1 all, 2 every other one.
             let image = sim.crash_image(|_, index, _| match keep {
                 0 => 0,
                 1 => u64::MAX,
@@ -540,6 +541,7 @@ fn a_split_recovery_leaves_redone_blocks_to_the_checkpoints_sync() {
         // since) are lost in part or in whole; the journal still holds
         // their records, and the new ones after them.
         for keep in [0u64, 1, 2] {
+            // keep: 0 none of the unsynced writes, 1 all, 2 every other one.
             let image = sim.crash_image(|_, index, _| match keep {
                 0 => 0,
                 1 => u64::MAX,
@@ -595,5 +597,92 @@ fn a_split_recovery_leaves_redone_blocks_to_the_checkpoints_sync() {
     let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::default()).expect("open");
     assert_eq!(volume.recovery_report().records_replayed, 0);
     expect(&volume, 2, "after the close");
+    volume.close().expect("close");
+}
+
+/// A crash that leaves both a redo record's blocks to redo and a plain
+/// commit's blocks whose home writes a power cut took: the open redoes
+/// the first, reverts the second to the contexts they had, fsyncs the
+/// data (the redone blocks with it) and journals the reverted contexts
+/// after the replayed records. A power cut after that open (each unsynced
+/// write kept or lost: none, all, every other one) reads the same.
+/// `drop(volume)` is the `kill -9`: the engine's memory is gone, the
+/// storage keeps what it was given.
+#[test]
+fn a_split_recovery_with_reverted_and_redone_blocks_survives_a_power_cut() {
+    const PLAIN: std::ops::Range<u64> = 100..116;
+    let sim = SimStorage::new();
+    let volume =
+        Volume::create(Arc::new(sim.clone()), &CreateOptions::new(BLOCKS * BLOCK)).expect("create");
+    for lba in PLAIN {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 1), false)
+            .expect("write");
+    }
+    // Their contexts in the table (a close checkpoints).
+    volume.close().expect("close");
+    let mut options = OpenOptions::foreground();
+    options.tuning.dirty_limit_blocks = PLAIN.count();
+    options.tuning.prompt_commits = false;
+    let volume = Volume::open(Arc::new(sim.clone()), &options).expect("open");
+    for lba in 0..4u64 {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 2), false)
+            .expect("write");
+    }
+    volume.flush().expect("flush: a redo record");
+    for lba in PLAIN {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 2), false)
+            .expect("write: one plain commit at the dirty limit");
+    }
+    drop(volume);
+    // A power cut: the plain commit's home writes lost (the redo record's
+    // were synced before the plain record was written).
+    let image = sim.crash_image(|object, _, _| {
+        if matches!(object, ObjectId::Data(_)) {
+            0
+        } else {
+            u64::MAX
+        }
+    });
+    let counting = Counting::new(&image);
+    let volume = Volume::open(counting.clone(), &OpenOptions::foreground()).expect("reopen");
+    let report = volume.recovery_report();
+    assert_eq!(report.records_replayed, 2);
+    assert_eq!(
+        (report.blocks_verified, report.blocks_reverted),
+        (PLAIN.count() as u64, PLAIN.count() as u64)
+    );
+    assert_eq!(
+        counting.data_syncs_after_a_write.load(Ordering::Relaxed),
+        1,
+        "the reverted blocks' fsync of the data, the redone ones with it"
+    );
+    let expect = |volume: &Volume, what: &str| {
+        expect_patterns(volume, 0..4, 2, what);
+        expect_patterns(volume, PLAIN, 1, what);
+    };
+    expect(&volume, "after the recovering open");
+    for (keep, name) in [(0u64, "none"), (1, "all"), (2, "every other one")] {
+        let again = image.crash_image(|_, index, _| match keep {
+            0 => 0,
+            1 => u64::MAX,
+            _ if index % 2 == 0 => u64::MAX,
+            _ => 0,
+        });
+        let again =
+            Volume::open(Arc::new(again), &OpenOptions::default()).expect("open after a power cut");
+        assert_eq!(
+            again.recovery_report().records_replayed,
+            3,
+            "the replayed records and the resolutions' record, unsynced writes kept: {name}"
+        );
+        expect(
+            &again,
+            &format!("a power cut after the open, unsynced writes kept: {name}"),
+        );
+        again.close().expect("close");
+    }
     volume.close().expect("close");
 }
