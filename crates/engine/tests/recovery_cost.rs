@@ -341,6 +341,26 @@ fn a_split_recovery_writes_redone_blocks_in_runs() {
     volume.close().expect("close");
 }
 
+/// A power cut now, three ways: none of the unsynced writes kept, all of
+/// them, every other one. Each image replays `records` records, then
+/// passes `check`.
+fn after_power_cuts(sim: &SimStorage, records: u64, what: &str, check: impl Fn(&Volume, &str)) {
+    for (keep, name) in [(0u64, "none"), (1, "all"), (2, "every other one")] {
+        let image = sim.crash_image(|_, index, _| match keep {
+            0 => 0,
+            1 => u64::MAX,
+            _ if index % 2 == 0 => u64::MAX,
+            _ => 0,
+        });
+        let again =
+            Volume::open(Arc::new(image), &OpenOptions::default()).expect("open after a power cut");
+        let what = format!("{what}, a power cut, unsynced writes kept: {name}");
+        assert_eq!(again.recovery_report().records_replayed, records, "{what}");
+        check(&again, &what);
+        again.close().expect("close");
+    }
+}
+
 /// Every LBA of `lbas` reads `pattern(lba, tag)`.
 fn expect_patterns(volume: &Volume, lbas: std::ops::Range<u64>, tag: u8, what: &str) {
     for lba in lbas {
@@ -424,24 +444,9 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
         // A power cut now: the redone writes (and any since), unsynced,
         // are lost in part or in whole; the journal still holds their
         // records, and the new ones after them.
-        for keep in [0u64, 1, 2] {
-            // keep: 0 none of the unsynced writes, 1 all, 2 every other one.
-            let image = sim.crash_image(|_, index, _| match keep {
-                0 => 0,
-                1 => u64::MAX,
-                _ if index % 2 == 0 => u64::MAX,
-                _ => 0,
-            });
-            let again = Volume::open(Arc::new(image), &OpenOptions::default())
-                .expect("open after a power cut");
-            assert_eq!(
-                again.recovery_report().records_replayed,
-                records,
-                "{what}, keep {keep}"
-            );
-            expect(&again, later, &format!("{what}, a power cut, keep {keep}"));
-            again.close().expect("close");
-        }
+        after_power_cuts(&sim, records, what, |again, what| {
+            expect(again, later, what)
+        });
     };
     images("after the recovering open", 5, false);
     // New records go after the replayed ones: a block of both written
@@ -540,24 +545,9 @@ fn a_split_recovery_leaves_redone_blocks_to_the_checkpoints_sync() {
         // A power cut now: the unsynced writes (the redone ones, and any
         // since) are lost in part or in whole; the journal still holds
         // their records, and the new ones after them.
-        for keep in [0u64, 1, 2] {
-            // keep: 0 none of the unsynced writes, 1 all, 2 every other one.
-            let image = sim.crash_image(|_, index, _| match keep {
-                0 => 0,
-                1 => u64::MAX,
-                _ if index % 2 == 0 => u64::MAX,
-                _ => 0,
-            });
-            let again = Volume::open(Arc::new(image), &OpenOptions::default())
-                .expect("open after a power cut");
-            assert_eq!(
-                again.recovery_report().records_replayed,
-                records,
-                "{what}, keep {keep}"
-            );
-            expect(&again, later, &format!("{what}, a power cut, keep {keep}"));
-            again.close().expect("close");
-        }
+        after_power_cuts(&sim, records, what, |again, what| {
+            expect(again, later, what)
+        });
     };
     images("after the recovering open", 4, 0);
     // Redo records behind the replayed ones: a block of both written
@@ -664,25 +654,11 @@ fn a_split_recovery_with_reverted_and_redone_blocks_survives_a_power_cut() {
         expect_patterns(volume, PLAIN, 1, what);
     };
     expect(&volume, "after the recovering open");
-    for (keep, name) in [(0u64, "none"), (1, "all"), (2, "every other one")] {
-        let again = image.crash_image(|_, index, _| match keep {
-            0 => 0,
-            1 => u64::MAX,
-            _ if index % 2 == 0 => u64::MAX,
-            _ => 0,
-        });
-        let again =
-            Volume::open(Arc::new(again), &OpenOptions::default()).expect("open after a power cut");
-        assert_eq!(
-            again.recovery_report().records_replayed,
-            3,
-            "the replayed records and the resolutions' record, unsynced writes kept: {name}"
-        );
-        expect(
-            &again,
-            &format!("a power cut after the open, unsynced writes kept: {name}"),
-        );
-        again.close().expect("close");
-    }
+    after_power_cuts(
+        &image,
+        3,
+        "a power cut after the open (the replayed records and the resolutions' one)",
+        expect,
+    );
     volume.close().expect("close");
 }
