@@ -22,15 +22,20 @@
 //! the objects a crash left unsynced are fsynced together: a journal of
 //! hundreds of small records (prompt commits) costs what they hold.
 //!
-//! A writable open does not checkpoint: it fsyncs what it verified (split),
-//! journals again the contexts it reverted (so a later flush, which advances
+//! A writable open does not checkpoint. What it verified (split) was made
+//! durable before it was read (`sync_what_a_crash_left`); when it reverted
+//! blocks it fsyncs the data again and journals the contexts it reverted
+//! (so a later flush, which advances
 //! `data_durable_seq`, cannot make the reverted commits' newer contexts
 //! authoritative), marks the superblock open, and appends after the
-//! replayed records. What it redid from the journal (packed) is left
-//! unsynced like any home write a redo record covers: the records stay in
-//! the journal until the next checkpoint, which syncs the data before it
-//! retires them (`Committer::sync_all`), so a crash before then replays
-//! them again.
+//! replayed records. What it redid from the journal (packed: every
+//! block; split: the blocks of redo records) is left unsynced like any
+//! home write a redo record covers: the records stay in the journal until
+//! the next checkpoint, which syncs the data before it retires them
+//! (`Committer::sync_all`), so a crash before then replays them again.
+//! Split: a commit that is not redo syncs them before it writes its record
+//! (`Committer::before_plain_record`), as it does a live redo commit's
+//! blocks, so a replayed redo block that a new record overwrites is home.
 
 pub(crate) mod report;
 
@@ -78,9 +83,11 @@ pub(crate) fn recover(shared: &Shared, committer: &Committer) -> Result<Recovery
                 io: shared.io(),
                 protection: shared.protection(),
                 state: shared.state(),
-                // A redo log's home writes (packed) wait for the
-                // checkpoint, as a commit's do (`persist`).
-                unsynced: journal.unsynced_for(layout.journals_data()),
+                // What a replay writes home it redid from the records
+                // (packed: every block; split: the redo records' blocks),
+                // which stay in the journal: those writes wait for the
+                // checkpoint, as a redo commit's do (`persist`).
+                unsynced: journal.unsynced_for(true),
                 report: &mut report,
             };
             resolutions.extend(layout.replay(replay, &records)?);
@@ -127,13 +134,14 @@ fn sync_what_a_crash_left(shared: &Shared) -> Result<()> {
 }
 
 /// Make what recovery decided durable before anything new is written:
-/// verified (split) data is fsynced, and contexts reverted to older
+/// with reverted blocks (split) the data is fsynced, and contexts reverted to older
 /// writes are journaled again, so a later flush that advances
 /// `data_durable_seq` past the replayed commits cannot make their newer
 /// contexts authoritative. Marks the superblock open. Data redone from
-/// the journal (packed) is not synced here: the journal holds it until a
-/// checkpoint syncs it (module comment), and its fsync was most of a
-/// packed restart (every replayed record's two pages written back).
+/// the journal (packed, and split's redo records) is not synced here: the
+/// journal holds it until a checkpoint syncs it (module comment), and its
+/// fsync was most of a packed restart (every replayed record's two pages
+/// written back) and the last fsync of a split one.
 fn persist(
     shared: &Shared,
     committer: &Committer,

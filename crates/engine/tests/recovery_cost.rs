@@ -368,6 +368,26 @@ fn a_split_recovery_writes_redone_blocks_in_runs() {
     volume.close().expect("close");
 }
 
+/// A power cut now, three ways: none of the unsynced writes kept, all of
+/// them, every other one. Each image replays `records` records, then
+/// passes `check`.
+fn after_power_cuts(sim: &SimStorage, records: u64, what: &str, check: impl Fn(&Volume, &str)) {
+    for (keep, name) in [(0u64, "none"), (1, "all"), (2, "every other one")] {
+        let image = sim.crash_image(|_, index, _| match keep {
+            0 => 0,
+            1 => u64::MAX,
+            _ if index % 2 == 0 => u64::MAX,
+            _ => 0,
+        });
+        let again =
+            Volume::open(Arc::new(image), &OpenOptions::default()).expect("open after a power cut");
+        let what = format!("{what}, a power cut, unsynced writes kept: {name}");
+        assert_eq!(again.recovery_report().records_replayed, records, "{what}");
+        check(&again, &what);
+        again.close().expect("close");
+    }
+}
+
 /// Every LBA of `lbas` reads `pattern(lba, tag)`.
 fn expect_patterns(volume: &Volume, lbas: std::ops::Range<u64>, tag: u8, what: &str) {
     for lba in lbas {
@@ -446,23 +466,9 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
         // A power cut now: the redone writes (and any since), unsynced,
         // are lost in part or in whole; the journal still holds their
         // records, and the new ones after them.
-        for keep in [0u64, 1, 2] {
-            let image = sim.crash_image(|_, index, _| match keep {
-                0 => 0,
-                1 => u64::MAX,
-                _ if index % 2 == 0 => u64::MAX,
-                _ => 0,
-            });
-            let again = Volume::open(Arc::new(image), &OpenOptions::default())
-                .expect("open after a power cut");
-            assert_eq!(
-                again.recovery_report().records_replayed,
-                records,
-                "{what}, keep {keep}"
-            );
-            expect(&again, later, &format!("{what}, a power cut, keep {keep}"));
-            again.close().expect("close");
-        }
+        after_power_cuts(&sim, records, what, |again, what| {
+            expect(again, later, what)
+        });
     };
     images("after the recovering open", 5, false);
     // New records go after the replayed ones: a block of both written
@@ -529,5 +535,198 @@ fn a_packed_checkpoint_syncs_moved_generations_with_the_data() {
     for lba in rows {
         assert_eq!(read_range(&volume, lba, 1), pattern(lba, 3), "LBA {lba}");
     }
+}
+
+/// A split replay writes the blocks of redo records home again (a
+/// flush's small commit: its data is in the journal) and, as packed does
+/// its records, leaves their fsync to the next checkpoint, or to the next
+/// commit that is not redo: the journal keeps the records until then
+/// (before: an fsync of the data at the open, 1 here). A power cut after
+/// such an open, with any of the unsynced writes lost, redoes them again;
+/// one after new writes behind them too: redo ones (left unsynced as
+/// well), then a plain commit, which syncs the redone blocks before its
+/// record may overwrite them.
+#[test]
+fn a_split_recovery_leaves_redone_blocks_to_the_checkpoints_sync() {
+    let sim = SimStorage::new();
+    Volume::create(Arc::new(sim.clone()), &CreateOptions::new(BLOCKS * BLOCK))
+        .and_then(Volume::close)
+        .expect("create");
+    let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::foreground()).expect("open");
+    // Four redo records: LBAs 0-11 in three, then LBA 5 again and 100.
+    for range in [8..12u64, 4..8, 0..4] {
+        let data: Vec<u8> = range.clone().flat_map(|lba| pattern(lba, 2)).collect();
+        volume
+            .write(range.start * BLOCK, &data, false)
+            .expect("write");
+        volume.flush().expect("flush: a redo record");
+    }
+    for (lba, tag) in [(5u64, 3u8), (100, 2)] {
+        volume
+            .write(lba * BLOCK, &pattern(lba, tag), false)
+            .expect("write");
+    }
+    volume.flush().expect("flush: a redo record");
+    // A crash of the process: the storage keeps every write.
+    drop(volume);
+
+    let counting = Counting::new(&sim);
+    // Commits at flushes only: each flush below is one record.
+    let mut options = OpenOptions::foreground();
+    options.tuning.prompt_commits = false;
+    let volume = Volume::open(counting.clone(), &options).expect("reopen");
+    assert_eq!(volume.recovery_report().records_replayed, 4);
+    let writes = counting.data_writes.load(Ordering::Relaxed);
+    let syncs = counting.data_syncs_after_a_write.load(Ordering::Relaxed);
+    assert_eq!(
+        (writes, syncs),
+        (2, 0),
+        "writes of the data file (LBAs 0-11 and 100), and its syncs, at the recovering open"
+    );
+    // What each LBA reads: 0-11 and 100 as redone, LBA 5 its last write;
+    // after the writes behind the replayed records, LBAs 5, 6 and 70 (redo)
+    // and 200-279 (a plain commit, LBA 6 again in it) as those left them.
+    let expect = |volume: &Volume, later: u8, what: &str| {
+        let lbas: Vec<u64> = (0..12)
+            .chain([100])
+            .chain((later > 0).then_some(70))
+            .chain((200..280).filter(|_| later > 1))
+            .collect();
+        for lba in lbas {
+            let tag = match lba {
+                70 => 4,
+                5 | 6 if later > 0 => 4,
+                200..280 => 5,
+                5 => 3,
+                _ => 2,
+            };
+            let tag = if lba == 6 && later > 1 { 5 } else { tag };
+            assert_eq!(
+                read_range(volume, lba, 1),
+                pattern(lba, tag),
+                "{what}: LBA {lba}"
+            );
+        }
+    };
+    expect(&volume, 0, "after the recovering open");
+    let images = |what: &str, records: u64, later: u8| {
+        // A power cut now: the unsynced writes (the redone ones, and any
+        // since) are lost in part or in whole; the journal still holds
+        // their records, and the new ones after them.
+        after_power_cuts(&sim, records, what, |again, what| {
+            expect(again, later, what)
+        });
+    };
+    images("after the recovering open", 4, 0);
+    // Redo records behind the replayed ones: a block of both written
+    // again, a neighbour, and a new one; left unsynced too.
+    for lba in [5u64, 6, 70] {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 4), false)
+            .expect("write after the open");
+    }
+    volume.flush().expect("flush after the open: a redo record");
+    assert_eq!(
+        counting.data_syncs_after_a_write.load(Ordering::Relaxed),
+        0,
+        "a redo commit leaves the redone blocks unsynced"
+    );
+    expect(&volume, 1, "after redo writes behind the replayed records");
+    images("after redo writes behind the replayed records", 5, 1);
+    // A plain commit (more than a redo record takes) that overwrites a
+    // redone block: the redone blocks are synced before its record.
+    let data: Vec<u8> = (200..280u64).flat_map(|lba| pattern(lba, 5)).collect();
+    volume.write(200 * BLOCK, &data, false).expect("write");
+    volume
+        .write(6 * BLOCK, &pattern(6, 5), false)
+        .expect("write");
+    volume.flush().expect("flush: a plain commit");
+    assert!(
+        counting.data_syncs_after_a_write.load(Ordering::Relaxed) > 0,
+        "a plain commit syncs the redone blocks before its record"
+    );
+    expect(
+        &volume,
+        2,
+        "after a plain commit behind the replayed records",
+    );
+    images("after a plain commit behind the replayed records", 6, 2);
+    volume.close().expect("close");
+    let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::default()).expect("open");
+    assert_eq!(volume.recovery_report().records_replayed, 0);
+    expect(&volume, 2, "after the close");
+    volume.close().expect("close");
+}
+
+/// A crash that leaves both a redo record's blocks to redo and a plain
+/// commit's blocks whose home writes a power cut took: the open redoes
+/// the first, reverts the second to the contexts they had, fsyncs the
+/// data (the redone blocks with it) and journals the reverted contexts
+/// after the replayed records. A power cut after that open (each unsynced
+/// write kept or lost: none, all, every other one) reads the same.
+/// `drop(volume)` is the `kill -9`: the engine's memory is gone, the
+/// storage keeps what it was given.
+#[test]
+fn a_split_recovery_with_reverted_and_redone_blocks_survives_a_power_cut() {
+    const PLAIN: std::ops::Range<u64> = 100..116;
+    let sim = SimStorage::new();
+    let volume =
+        Volume::create(Arc::new(sim.clone()), &CreateOptions::new(BLOCKS * BLOCK)).expect("create");
+    for lba in PLAIN {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 1), false)
+            .expect("write");
+    }
+    // Their contexts in the table (a close checkpoints).
+    volume.close().expect("close");
+    let mut options = OpenOptions::foreground();
+    options.tuning.dirty_limit_blocks = PLAIN.count();
+    options.tuning.prompt_commits = false;
+    let volume = Volume::open(Arc::new(sim.clone()), &options).expect("open");
+    for lba in 0..4u64 {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 2), false)
+            .expect("write");
+    }
+    volume.flush().expect("flush: a redo record");
+    for lba in PLAIN {
+        volume
+            .write(lba * BLOCK, &pattern(lba, 2), false)
+            .expect("write: one plain commit at the dirty limit");
+    }
+    drop(volume);
+    // A power cut: the plain commit's home writes lost (the redo record's
+    // were synced before the plain record was written).
+    let image = sim.crash_image(|object, _, _| {
+        if matches!(object, ObjectId::Data(_)) {
+            0
+        } else {
+            u64::MAX
+        }
+    });
+    let counting = Counting::new(&image);
+    let volume = Volume::open(counting.clone(), &OpenOptions::foreground()).expect("reopen");
+    let report = volume.recovery_report();
+    assert_eq!(report.records_replayed, 2);
+    assert_eq!(
+        (report.blocks_verified, report.blocks_reverted),
+        (PLAIN.count() as u64, PLAIN.count() as u64)
+    );
+    assert_eq!(
+        counting.data_syncs_after_a_write.load(Ordering::Relaxed),
+        1,
+        "the reverted blocks' fsync of the data, the redone ones with it"
+    );
+    let expect = |volume: &Volume, what: &str| {
+        expect_patterns(volume, 0..4, 2, what);
+        expect_patterns(volume, PLAIN, 1, what);
+    };
+    expect(&volume, "after the recovering open");
+    after_power_cuts(
+        &image,
+        3,
+        "a power cut after the open (the replayed records and the resolutions' one)",
+        expect,
+    );
     volume.close().expect("close");
 }

@@ -158,7 +158,9 @@ impl SplitLayout {
     }
 
     /// Write the blocks a replay redid home, from the journal's copies:
-    /// one write per run of adjacent blocks.
+    /// one write per run of adjacent blocks. Not synced here: `unsynced`
+    /// is the journal's redo set, synced by the next checkpoint or plain
+    /// commit (`recovery.rs`); the records hold the data until then.
     fn write_redone(
         &self,
         io: &Backing,
