@@ -746,27 +746,6 @@ impl Committer {
         Ok(())
     }
 
-    /// `sync_all` and `extra` (the written map's generations copy written
-    /// ahead), for a checkpoint: the redo-covered and the other home
-    /// writes and `extra` synced at once (`Backing::sync_objects`: their
-    /// flushes overlap). Nothing orders them among themselves; all are
-    /// durable before it returns, before the checkpoint writes anything
-    /// that relies on them. It syncs what `sync_all` syncs (both unsynced
-    /// sets, the redo one too): a change to one is a change to both.
-    fn sync_all_and(&self, shared: &Shared, journal: &mut Journal, extra: ObjectId) -> Result<()> {
-        let mut objects = journal.take_unsynced(true);
-        objects.extend(journal.take_unsynced(false));
-        if !self.breaks.generations_unsynced {
-            objects.insert(extra);
-        }
-        let objects: Vec<ObjectId> = objects.into_iter().collect();
-        if let Err(error) = shared.io().sync_objects(&objects) {
-            return Err(shared.io().fail_stop(error));
-        }
-        journal.data_durable();
-        Ok(())
-    }
-
     /// Every layout's records carry their data (packed): no commit needs
     /// redo-covered writes home first.
     fn all_journal_data(&self, shared: &Shared) -> bool {
@@ -801,24 +780,7 @@ impl Committer {
         if shared.io().has_failed() {
             shared.io().check_writable()?;
         }
-        // The expected generations' next copy is written first and synced
-        // with the data: a packed commit moves them at every row it
-        // writes, so most checkpoints change them, and a fsync of the map
-        // of its own after the data's was a second round of device
-        // flushes in turn (`WrittenMap::write_generations_ahead`: never
-        // into the copy a superblock on disk may name). The bits still
-        // follow the data and the contexts (`persist` below).
-        let named = journal.superblock().generations_seq;
-        if shared
-            .io()
-            .written
-            .write_generations_ahead(shared.io(), named)?
-        {
-            self.sync_all_and(shared, journal, ObjectId::Written)?;
-            shared.io().written.generations_synced();
-        } else {
-            self.sync_all(shared, journal)?;
-        }
+        self.sync_all(shared, journal)?;
         let mut rewritten = Vec::new();
         let mut dropped = Vec::new();
         for layout in shared.layouts().layouts() {
@@ -833,9 +795,11 @@ impl Committer {
         // The written map after what it describes is durable (contexts
         // above, data in `sync_all`) and before the superblock retires
         // the journal that would otherwise restore its bits (`written.rs`),
-        // its values into the copy the superblock on disk does not name
-        // (the one written ahead above, completed).
-        shared.io().written.persist(shared.io(), named)?;
+        // its values into the copy the superblock on disk does not name.
+        shared
+            .io()
+            .written
+            .persist(shared.io(), journal.superblock().generations_seq)?;
         let mut superblock = journal.superblock();
         superblock.generation += 1;
         superblock.checkpoint_seq = journal.next_seq() - 1;

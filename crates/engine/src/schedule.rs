@@ -68,11 +68,6 @@ pub struct OrderingBreaks {
     /// the write-back buffer holds as at home, so it answers the older
     /// home value from the page cache instead of the buffer's newer one.
     pub inline_read_past_buffer: bool,
-    /// A checkpoint leaves the generations copy it wrote ahead of the
-    /// data's fsync out of that fsync round (and believes it synced), so
-    /// its superblock names a copy a power cut can take back: the open
-    /// after it finds the named copy older or torn.
-    pub generations_unsynced: bool,
 }
 
 /// The caller's side of a volume whose commits it steps (module comment).

@@ -8,7 +8,7 @@ mod common;
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::*;
 use vouch_engine::{
@@ -18,8 +18,7 @@ use vouch_engine::{
 
 /// The simulator's storage, counting the reads of the journal, the data
 /// and the context table, the writes of the data, and the data's syncs
-/// after the first of those writes, and recording its rounds of syncs:
-/// one entry per `sync`, or per `sync_each` of objects synced together.
+/// after the first of those writes.
 #[derive(Default)]
 struct Counting {
     sim: SimStorage,
@@ -28,7 +27,6 @@ struct Counting {
     context_reads: AtomicU64,
     data_writes: AtomicU64,
     data_syncs_after_a_write: AtomicU64,
-    sync_rounds: Mutex<Vec<Vec<ObjectId>>>,
 }
 
 impl Counting {
@@ -37,13 +35,6 @@ impl Counting {
             sim: sim.clone(),
             ..Counting::default()
         })
-    }
-
-    fn count_sync(&self, object: ObjectId) {
-        if matches!(object, ObjectId::Data(_)) && self.data_writes.load(Ordering::Relaxed) > 0 {
-            self.data_syncs_after_a_write
-                .fetch_add(1, Ordering::Relaxed);
-        }
     }
 
     fn count_write(&self, object: ObjectId) {
@@ -75,17 +66,11 @@ impl Storage for Counting {
         self.sim.write_vectored_at(object, offset, parts)
     }
     fn sync(&self, object: ObjectId) -> io::Result<()> {
-        self.sync_rounds.lock().unwrap().push(vec![object]);
-        self.count_sync(object);
-        self.sim.sync(object)
-    }
-    fn sync_each(&self, objects: &[ObjectId]) -> Result<(), (ObjectId, io::Error)> {
-        self.sync_rounds.lock().unwrap().push(objects.to_vec());
-        for &object in objects {
-            self.count_sync(object);
-            self.sim.sync(object).map_err(|error| (object, error))?;
+        if matches!(object, ObjectId::Data(_)) && self.data_writes.load(Ordering::Relaxed) > 0 {
+            self.data_syncs_after_a_write
+                .fetch_add(1, Ordering::Relaxed);
         }
-        Ok(())
+        self.sim.sync(object)
     }
     fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
         self.sim.punch_hole(object, offset, len)
@@ -99,18 +84,6 @@ impl Storage for Counting {
     fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
         self.sim.object_len(object)
     }
-}
-
-/// A packed volume of `BLOCKS` blocks, created and closed, on simulated
-/// storage.
-fn closed_packed_volume() -> SimStorage {
-    let sim = SimStorage::new();
-    let mut options = CreateOptions::new(BLOCKS * BLOCK);
-    options.layout = LayoutKind::Packed;
-    Volume::create(Arc::new(sim.clone()), &options)
-        .and_then(Volume::close)
-        .expect("create");
-    sim
 }
 
 /// Prompt commits leave hundreds of small records; recovery reads the
@@ -407,7 +380,12 @@ fn expect_patterns(volume: &Volume, lbas: std::ops::Range<u64>, tag: u8, what: &
 #[test]
 fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_the_checkpoint() {
     let scattered = [100u64, 500, 1000];
-    let sim = closed_packed_volume();
+    let sim = SimStorage::new();
+    let mut options = CreateOptions::new(BLOCKS * BLOCK);
+    options.layout = LayoutKind::Packed;
+    Volume::create(Arc::new(sim.clone()), &options)
+        .and_then(Volume::close)
+        .expect("create");
     let volume = Volume::open(Arc::new(sim.clone()), &OpenOptions::default()).expect("open");
     // Rows 0 and 1 whole (LBAs 0-61), backwards in three records, then the
     // scattered blocks, then LBA 5 again: 65 blocks in 5 records.
@@ -489,52 +467,6 @@ fn a_packed_recovery_writes_a_rows_adjacent_records_at_once_and_syncs_them_at_th
     assert_eq!(volume.recovery_report().records_replayed, 0);
     expect(&volume, true, "after the close");
     volume.close().expect("close");
-}
-
-/// A packed checkpoint after rows were written again (their bits set,
-/// their expected generations moved by the commits) syncs the written
-/// map together with the data, in one round: no fsync of the map alone
-/// after the data's (one more round of device flushes in turn at every
-/// checkpoint of a steady overwrite: `--direct` 1 MiB writes). Before:
-/// `[[Data(0)], [Written], [Superblock]]`.
-#[test]
-fn a_packed_checkpoint_syncs_moved_generations_with_the_data() {
-    let sim = closed_packed_volume();
-    let counting = Counting::new(&sim);
-    let volume = Volume::open(counting.clone(), &OpenOptions::default()).expect("open");
-    let rows = 0..256u64;
-    for tag in [2u8, 3] {
-        for lba in rows.clone() {
-            volume
-                .write(lba * BLOCK, &pattern(lba, tag), false)
-                .expect("write");
-        }
-        volume.flush().expect("flush");
-        counting.sync_rounds.lock().unwrap().clear();
-        volume.checkpoint_now().expect("checkpoint");
-        if tag == 2 {
-            // Rows written the first time set bits: the map's bits follow
-            // the data in a round of their own.
-            continue;
-        }
-        let rounds = counting.sync_rounds.lock().unwrap().clone();
-        assert!(
-            rounds
-                .iter()
-                .flatten()
-                .any(|object| *object == ObjectId::Written),
-            "the moved generations are written at the checkpoint: {rounds:?}"
-        );
-        for round in &rounds {
-            assert!(
-                !round.contains(&ObjectId::Written) || round.len() > 1,
-                "the written map is synced alone, a round after the data's: {rounds:?}"
-            );
-        }
-    }
-    for lba in rows {
-        assert_eq!(read_range(&volume, lba, 1), pattern(lba, 3), "LBA {lba}");
-    }
 }
 
 /// A split replay writes the blocks of redo records home again (a

@@ -310,19 +310,6 @@ fn an_inline_read_planned_past_the_write_back_buffer_is_caught() {
     assert_read_break_caught(&config, "an inline read answered");
 }
 
-/// A checkpoint whose superblock names the generations copy it wrote
-/// ahead of the data's fsync without syncing it
-/// (`OrderingBreaks::generations_unsynced`): a power cut after that
-/// superblock takes the copy back in part or whole, and the recovering
-/// open finds the copy it names older or torn (and refuses). The copy
-/// must be durable, with the data it describes, before it is named.
-#[test]
-fn naming_an_unsynced_generations_copy_is_caught() {
-    let mut config = CrashConfig::new(LayoutKind::Packed, GuardKind::Crc32c, Tearing::None);
-    config.breaks.generations_unsynced = true;
-    assert_read_break_caught(&config, "generations copy");
-}
-
 /// Seeds from 1 to 8 until one fails with `needle` in its error.
 fn assert_read_break_caught(config: &CrashConfig, needle: &str) {
     let mut seen = Vec::new();
