@@ -196,7 +196,7 @@ impl Shared {
             count * BLOCK,
             "output buffer must hold the blocks"
         );
-        let plan = self.plan_read(first, count, Route::Worker).expect("a worker waits");
+        let plan = self.plan_waiting(first, count);
         let done = self.execute(
             first,
             &plan,
@@ -306,7 +306,7 @@ impl Shared {
     /// reads as zeros has a hole's context.
     pub fn read_sealed(&self, first: u64, count: u64, generation: u64) -> Result<Vec<SealedBlock>> {
         self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
-        let plan = self.plan_read(first, count, Route::Worker).expect("a worker waits");
+        let plan = self.plan_waiting(first, count);
         let mut sealed = Vec::with_capacity(count as usize);
         for (index, source) in plan.iter().enumerate() {
             let lba = first + index as u64;
@@ -362,36 +362,37 @@ impl Shared {
         self.layouts().same_span(a, b) && self.layouts().of(a).geometry().contiguous(a, b)
     }
 
-    /// The plan of a read of blocks `[first, first + count)`: each block's
-    /// source, decided under one short lock from what is in memory (the
-    /// buffer, the cached contexts, the layout's `plan`). A block whose
-    /// context page is not loaded: the worker loads it without the lock
-    /// (a page that cannot be read leaves the block `Unreadable`, a fault
-    /// naming it); the inline and ring routes get `None` (as while a
-    /// reflink copy replaces these blocks' extents, copy/reflink.rs,
-    /// which the worker waits out).
-    pub(crate) fn plan_read(&self, first: u64, count: u64, route: Route) -> Option<Plan> {
-        let (mut plan, missing) = loop {
-            match self.plan_from_memory(first, count) {
-                Some(found) => break found,
-                None if route != Route::Worker => return None,
-                // Wait for the blocks' new contexts.
-                None => std::thread::sleep(CLONE_WAIT),
+    /// The plan of a read of blocks `[first, first + count)`, into `plan`
+    /// (empty; filled in place, so the hot inline route never moves it):
+    /// each block's source, decided under one short lock from what is in
+    /// memory (the buffer, the cached contexts, the layout's `plan`). A
+    /// block whose context page is not loaded: the worker loads it without
+    /// the lock (a page that cannot be read leaves the block
+    /// `Unreadable`, a fault naming it); the inline and ring routes
+    /// decline (false), as while a reflink copy replaces these blocks'
+    /// extents (copy/reflink.rs), which the worker waits out.
+    pub(crate) fn plan_read(&self, first: u64, count: u64, route: Route, plan: &mut Plan) -> bool {
+        let mut missing = Vec::new();
+        while !self.plan_from_memory(first, count, plan, &mut missing) {
+            if route != Route::Worker {
+                return false;
             }
-        };
+            // Wait for the blocks' new contexts.
+            std::thread::sleep(CLONE_WAIT);
+        }
         let broken = match route {
             Route::Inline => self.breaks().inline_read_past_buffer,
             Route::Ring => self.breaks().ring_read_past_buffer,
             Route::Worker => false,
         };
         if broken {
-            self.plan_buffered_as_home(first, &mut plan);
+            self.plan_buffered_as_home(first, plan);
         }
         if missing.is_empty() {
-            return Some(plan);
+            return true;
         }
         if route != Route::Worker {
-            return None;
+            return false;
         }
         let mut loaded: Option<(u64, Page)> = None;
         for (index, page_no) in missing {
@@ -410,19 +411,34 @@ impl Shared {
             let lba = first + index as u64;
             plan[index] = Planned::from_context(context_in_page(&page, lba)).into();
         }
-        Some(plan)
+        true
     }
 
-    /// `plan_read`'s look at memory: `None` while a reflink copy replaces
-    /// the blocks; blocks whose context page is not loaded are listed
-    /// `(index in the plan, page number)` (and `Unreadable` in the plan).
-    fn plan_from_memory(&self, first: u64, count: u64) -> Option<(Plan, Vec<(usize, u64)>)> {
+    /// A worker's `plan_read`, returned.
+    fn plan_waiting(&self, first: u64, count: u64) -> Plan {
+        let mut plan = Plan::new();
+        self.plan_read(first, count, Route::Worker, &mut plan);
+        plan
+    }
+
+    /// `plan_read`'s look at memory, into `plan` and `missing` (cleared
+    /// first): false while a reflink copy replaces the blocks; blocks
+    /// whose context page is not loaded are listed `(index in the plan,
+    /// page number)` (and `Unreadable` in the plan).
+    fn plan_from_memory(
+        &self,
+        first: u64,
+        count: u64,
+        plan: &mut Plan,
+        missing: &mut Vec<(usize, u64)>,
+    ) -> bool {
+        plan.clear();
+        missing.clear();
         let state = self.state().read();
         if state.cloning(first, count) {
-            return None;
+            return false;
         }
-        let mut plan = Plan::with_capacity(count as usize);
-        let mut missing = Vec::new();
+        plan.reserve(count as usize);
         for lba in first..first + count {
             if let Some(dirty) = state.buffered(lba) {
                 plan.push(Source::Memory(dirty.data.clone(), dirty.seal));
@@ -434,7 +450,7 @@ impl Shared {
             }
             plan.push(planned.into());
         }
-        Some((plan, missing))
+        true
     }
 
     /// `OrderingBreaks::ring_read_past_buffer` and
@@ -589,9 +605,7 @@ impl Shared {
         lba: u64,
         block: &mut [u8],
     ) -> std::result::Result<(), (FaultKind, Option<Result<Context, FormatError>>)> {
-        let plan = self
-            .plan_read(lba, 1, Route::Worker)
-            .ok_or((FaultKind::Unreadable, None))?;
+        let plan = self.plan_waiting(lba, 1);
         let known = match &plan[0] {
             Source::Memory(data, seal) => {
                 block.copy_from_slice(&data[..]);

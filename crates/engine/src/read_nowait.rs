@@ -33,9 +33,10 @@ impl Shared {
         }
         let first = offset / BLOCK;
         let count = buf.len() as u64 / BLOCK;
-        let Some(plan) = self.plan_read(first, count, Route::Inline) else {
+        let mut plan = Plan::new();
+        if !self.plan_read(first, count, Route::Inline, &mut plan) {
             return Ok(None);
-        };
+        }
         let mut holes = Vec::new();
         let done = self.execute(first, &plan, buf, Some(&mut holes), &mut OnFailure::Decline);
         if !done.complete {
@@ -57,7 +58,10 @@ impl Shared {
         }
         let first = offset / BLOCK;
         let count = len as u64 / BLOCK;
-        let plan = self.plan_read(first, count, Route::Ring)?;
+        let mut plan = Plan::new();
+        if !self.plan_read(first, count, Route::Ring, &mut plan) {
+            return None;
+        }
         let all_home = plan.iter().all(|source| matches!(source, Source::Home(_)));
         if !all_home || self.home_run_end(first, &plan, 0) != plan.len() {
             return None;
