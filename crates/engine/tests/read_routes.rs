@@ -21,9 +21,15 @@ struct Answer {
 
 impl std::fmt::Debug for Answer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let sum = self.bytes.iter().fold(0u64, |sum, &b| sum.rotate_left(5) ^ b as u64);
+        let sum = self
+            .bytes
+            .iter()
+            .fold(0u64, |sum, &b| sum.rotate_left(5) ^ b as u64);
         f.debug_struct("Answer")
-            .field("bytes", &format_args!("{} bytes, sum {sum:#x}", self.bytes.len()))
+            .field(
+                "bytes",
+                &format_args!("{} bytes, sum {sum:#x}", self.bytes.len()),
+            )
             .field("holes", &self.holes)
             .field("client_bytes_read", &self.client_bytes_read)
             .field("backing_bytes_read", &self.backing_bytes_read)
@@ -56,7 +62,9 @@ fn worker(volume: &Volume, first: u64, count: u64) -> Answer {
 fn inline(volume: &Volume, first: u64, count: u64) -> Option<Answer> {
     let before = volume.stats().snapshot();
     let mut bytes = vec![0u8; (count * BLOCK) as usize];
-    let holes = volume.try_read(first * BLOCK, &mut bytes).expect("try_read")?;
+    let holes = volume
+        .try_read(first * BLOCK, &mut bytes)
+        .expect("try_read")?;
     Some(answer(volume, before, bytes, holes))
 }
 
@@ -73,7 +81,10 @@ fn ring(volume: &Volume, first: u64, count: u64) -> Option<Answer> {
         if let Ok(read) = got.try_recv() {
             break read;
         }
-        assert!(std::time::Instant::now() < deadline, "the ring read never completed");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the ring read never completed"
+        );
         let mut poll = libc::pollfd {
             fd: events,
             events: libc::POLLIN,
@@ -87,6 +98,26 @@ fn ring(volume: &Volume, first: u64, count: u64) -> Option<Answer> {
     Some(answer(volume, before, read?, Vec::new()))
 }
 
+/// Blocks `[first, first + count)` of a volume of `layout` with blocks
+/// 0..64 written, read by every route: the worker's answer (its second:
+/// a first read loads the context page (split) or judges the row
+/// (packed), which other routes never do, and warms the blocks), the
+/// inline route's (which must answer) and the ring's (`None`: declined).
+fn read_by_every_route(
+    layout: LayoutKind,
+    first: u64,
+    count: u64,
+) -> (Answer, Answer, Option<Answer>) {
+    let (_dir, path) = volume_dir(layout, &[0..64]);
+    let volume = open(&path);
+    worker(&volume, first, count);
+    let blocking = worker(&volume, first, count);
+    let inline = inline(&volume, first, count).expect("warm blocks answered inline");
+    let ring = ring(&volume, first, count);
+    volume.close().expect("close");
+    (blocking, inline, ring)
+}
+
 /// Blocks at home (written, committed) answer the same bytes through
 /// every route, each counting the client's bytes and the blocks' bytes
 /// read from home once. Before the pipeline was one, a ring read of a
@@ -95,22 +126,15 @@ fn ring(volume: &Volume, first: u64, count: u64) -> Option<Answer> {
 /// inline and worker routes count for the same read.
 #[test]
 fn every_route_answers_and_counts_a_home_read_alike() {
+    let count = 4;
     for layout in [LayoutKind::Split, LayoutKind::Packed] {
-        let (_dir, path) = volume_dir(layout, &[0..64]);
-        let volume = open(&path);
-        let (first, count) = (8, 4);
-        // A first read loads the context page (split) or judges the row
-        // (packed), which other routes never do, and warms the blocks.
-        worker(&volume, first, count);
-        let blocking = worker(&volume, first, count);
+        let (blocking, inline, ring) = read_by_every_route(layout, 8, count);
         assert_eq!(blocking.client_bytes_read, count * BLOCK, "{layout:?}");
         assert_eq!(blocking.backing_bytes_read, count * BLOCK, "{layout:?}");
         assert!(blocking.holes.is_empty(), "{layout:?}");
-        let inline = inline(&volume, first, count).expect("warm blocks answered inline");
         assert_eq!(inline, blocking, "{layout:?}: inline as the worker");
-        let ring = ring(&volume, first, count).expect("a home run read through the ring");
+        let ring = ring.expect("a home run read through the ring");
         assert_eq!(ring, blocking, "{layout:?}: ring as the worker");
-        volume.close().expect("close");
     }
 }
 
@@ -121,16 +145,11 @@ fn every_route_answers_and_counts_a_home_read_alike() {
 /// ring too.
 #[test]
 fn never_written_blocks_answer_alike_on_every_route() {
+    let count = 4;
     for layout in [LayoutKind::Split, LayoutKind::Packed] {
-        let (_dir, path) = volume_dir(layout, &[0..64]);
-        let volume = open(&path);
-        let (first, count) = (1000, 4);
-        worker(&volume, first, count);
-        let blocking = worker(&volume, first, count);
+        let (blocking, inline, ring) = read_by_every_route(layout, 1000, count);
         assert!(blocking.bytes.iter().all(|&b| b == 0), "{layout:?}");
-        let inline = inline(&volume, first, count).expect("answered inline");
         assert_eq!(inline, blocking, "{layout:?}: inline as the worker");
-        let ring = ring(&volume, first, count);
         match layout {
             LayoutKind::Split => {
                 assert_eq!(blocking.holes, vec![0..count * BLOCK]);
@@ -143,6 +162,5 @@ fn never_written_blocks_answer_alike_on_every_route() {
                 assert_eq!(ring, Some(blocking), "ring as the worker");
             }
         }
-        volume.close().expect("close");
     }
 }
