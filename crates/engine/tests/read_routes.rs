@@ -3,6 +3,8 @@
 //! (`read`) execute one plan, so the same read answers the same bytes and
 //! holes, and is counted the same, whichever route answers it.
 
+#![allow(clippy::single_range_in_vec_init)] // ranges of LBAs to write
+
 mod common;
 
 use std::sync::mpsc;
