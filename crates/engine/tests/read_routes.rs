@@ -166,3 +166,43 @@ fn never_written_blocks_answer_alike_on_every_route() {
         }
     }
 }
+
+/// A home block that fails verification: the inline and ring routes
+/// decline the read with nothing counted (the plan's failure rule
+/// `Decline`), and the worker re-reads it, judges it and names its LBA.
+#[test]
+fn a_corrupt_home_block_is_declined_inline_and_by_the_ring_and_judged_by_the_worker() {
+    for layout in [LayoutKind::Split, LayoutKind::Packed] {
+        let (_dir, path) = volume_dir(layout, &[0..64]);
+        common::corrupt_data(&path, 9);
+        let volume = open(&path);
+        // Loads the context page (split) or judges the row (packed).
+        worker(&volume, 0, 8);
+        let before = volume.stats().snapshot();
+        assert!(
+            inline(&volume, 8, 4).is_none(),
+            "{layout:?}: inline declines"
+        );
+        assert!(
+            ring(&volume, 8, 4).is_none(),
+            "{layout:?}: the ring declines"
+        );
+        assert_eq!(
+            volume.stats().snapshot(),
+            before,
+            "{layout:?}: declining counts nothing"
+        );
+        let mut bytes = vec![0u8; (4 * BLOCK) as usize];
+        match volume.read(8 * BLOCK, &mut bytes) {
+            Err(vouch_engine::Error::Fault(fault)) => assert_eq!(fault.lba, 9, "{layout:?}"),
+            other => panic!("{layout:?}: the worker names the corrupt block: {other:?}"),
+        }
+        let faults = |stats: StatsSnapshot| stats.faults.iter().sum::<u64>();
+        assert_eq!(
+            faults(volume.stats().snapshot()) - faults(before),
+            1,
+            "{layout:?}: judged once"
+        );
+        volume.close().expect("close");
+    }
+}
