@@ -1,9 +1,12 @@
-//! Verified reads. Every block comes from one of: the write-back buffer
-//! (memory, verified when it was buffered and again before it is written),
-//! a context that says "zero" (no data I/O), or home storage verified
-//! against its context. A block that fails verification is re-read once;
-//! if it fails again the read fails with the LBA and kind of fault, and no
-//! bytes of it are returned.
+//! Verified reads, one pipeline for every route (docs/ARCHITECTURE.md,
+//! "Routes"). A read is planned once (`Shared::plan_read`: each block's
+//! source — the write-back buffer, a context that says "zero" (no data
+//! I/O), or home storage verified against its context — and the hole
+//! ranges follow from it) and executed once (`Shared::execute`); the
+//! routes differ only in how they may wait (`Route`) and what they do with
+//! a block they cannot answer (`OnFailure`): the inline and ring routes
+//! decline it, the worker re-reads it once and, if it fails again, judges
+//! it a fault naming its LBA and kind, and no bytes of it are returned.
 
 use std::ops::Range;
 
@@ -37,13 +40,35 @@ pub(crate) enum Source {
     Unreadable,
 }
 
+impl From<Planned> for Source {
+    fn from(planned: Planned) -> Source {
+        match planned {
+            Planned::Zero => Source::Zero,
+            Planned::Home(context) => Source::Home(context),
+            // Only a worker loads the page; until then nothing is known.
+            Planned::NeedPage(_) => Source::Unreadable,
+        }
+    }
+}
+
 /// Each block's source, in LBA order; small reads (the common 4 KiB case)
 /// stay on the stack.
 pub(crate) type Plan = SmallVec<[Source; 4]>;
 
-/// Blocks of a plan whose context page must be loaded first:
-/// `(index in the plan, page number)`.
-pub(crate) type MissingPages = Vec<(usize, u64)>;
+/// The route a read takes, which decides only how its plan may wait
+/// (docs/ARCHITECTURE.md, "Routes").
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Route {
+    /// On the reader task (`try_read`): plans from memory, reads home
+    /// only from the page cache.
+    Inline,
+    /// Submitted to io_uring by the reader task (`plan_ring_read`): plans
+    /// from memory; its one I/O completes later.
+    Ring,
+    /// On a worker: waits for a reflink copy, loads context pages, reads
+    /// the device.
+    Worker,
+}
 
 /// How a read treats faults.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -52,6 +77,48 @@ pub(crate) enum OnFault {
     Stop,
     /// Zero-fill faulty blocks and list them (check, export --allow-faults).
     Collect,
+}
+
+/// What a route does with a block it cannot answer as planned (it would
+/// wait, or it fails verification).
+pub(crate) enum OnFailure<'a> {
+    /// Inline and ring: give the read up with no side effect (nothing
+    /// counted or logged); the worker reads it again.
+    Decline,
+    /// The worker: re-read the block once, then judge it a fault
+    /// (`note_fault`); `OnFault` says whether the read goes on.
+    Judge(&'a mut Vec<Fault>, OnFault),
+}
+
+impl OnFailure<'_> {
+    /// How the route's home reads may wait.
+    fn wait(&self) -> Wait {
+        match self {
+            OnFailure::Decline => Wait::NoWait,
+            OnFailure::Judge(..) => Wait::Block,
+        }
+    }
+
+    /// Block `lba` (bytes `block`) failed with `kind`, re-read already if
+    /// the route re-reads: true if the read goes on.
+    fn failed(&mut self, shared: &Shared, lba: u64, kind: FaultKind, block: &mut [u8]) -> bool {
+        match self {
+            OnFailure::Decline => false,
+            OnFailure::Judge(faults, on_fault) => {
+                shared.note_fault(lba, kind, block, faults);
+                *on_fault == OnFault::Collect
+            }
+        }
+    }
+}
+
+/// What executing a plan did.
+pub(crate) struct Executed {
+    /// Every block answered (or judged, when collecting faults); false
+    /// when the route declined or stopped at a fault.
+    pub complete: bool,
+    /// Bytes of blocks read from home (`Stats::add_read`).
+    pub home_bytes: u64,
 }
 
 impl Shared {
@@ -120,7 +187,7 @@ impl Shared {
         first: u64,
         count: u64,
         out: &mut [u8],
-        mut holes: Option<&mut Vec<Range<u64>>>,
+        holes: Option<&mut Vec<Range<u64>>>,
         faults: &mut Vec<Fault>,
         on_fault: OnFault,
     ) -> Result<()> {
@@ -129,23 +196,46 @@ impl Shared {
             count * BLOCK,
             "output buffer must hold the blocks"
         );
-        let plan = self.plan(first, count)?;
+        let plan = self.plan_waiting(first, count);
+        let done = self.execute(
+            first,
+            &plan,
+            out,
+            holes,
+            &mut OnFailure::Judge(faults, on_fault),
+        );
+        self.io().stats.add_read(done.home_bytes);
+        Ok(())
+    }
+
+    /// Execute a read's plan into `out` (whole blocks from `first`): the
+    /// one place a source becomes bytes. Zero blocks are pushed to
+    /// `holes`; a block that cannot be answered goes to `failure`.
+    pub(crate) fn execute(
+        &self,
+        first: u64,
+        plan: &[Source],
+        out: &mut [u8],
+        mut holes: Option<&mut Vec<Range<u64>>>,
+        failure: &mut OnFailure<'_>,
+    ) -> Executed {
+        let mut done = Executed {
+            complete: true,
+            home_bytes: 0,
+        };
         let mut index = 0usize;
         while index < plan.len() {
             let lba = first + index as u64;
             let block = index * BLOCK as usize..(index + 1) * BLOCK as usize;
-            match &plan[index] {
+            let went_on = match &plan[index] {
                 Source::Memory(data, seal) => {
                     out[block.clone()].copy_from_slice(&data[..]);
-                    if let Err(kind) = self.protection().reveal(lba, seal, &mut out[block.clone()])
-                    {
-                        // Only a buffer corrupted in memory gets here.
-                        self.note_fault(lba, kind, &mut out[block], faults);
-                        if on_fault == OnFault::Stop {
-                            return Ok(());
-                        }
-                    }
                     index += 1;
+                    // Only a buffer corrupted in memory fails here.
+                    match self.protection().reveal(lba, seal, &mut out[block.clone()]) {
+                        Ok(()) => true,
+                        Err(kind) => failure.failed(self, lba, kind, &mut out[block]),
+                    }
                 }
                 Source::Zero => {
                     out[block.clone()].fill(0);
@@ -153,26 +243,27 @@ impl Shared {
                         push_hole(holes, block.start as u64..block.end as u64);
                     }
                     index += 1;
+                    true
                 }
                 Source::Unreadable => {
-                    self.note_fault(lba, FaultKind::Unreadable, &mut out[block], faults);
-                    if on_fault == OnFault::Stop {
-                        return Ok(());
-                    }
                     index += 1;
+                    failure.failed(self, lba, FaultKind::Unreadable, &mut out[block])
                 }
                 Source::Home(_) => {
-                    let end = self.home_run_end(first, &plan, index);
+                    let end = self.home_run_end(first, plan, index);
                     let run = &mut out[index * BLOCK as usize..end * BLOCK as usize];
-                    self.read_home_run(lba, &plan[index..end], run, faults, on_fault)?;
-                    if on_fault == OnFault::Stop && !faults.is_empty() {
-                        return Ok(());
-                    }
+                    done.home_bytes += run.len() as u64;
+                    let went_on = self.read_home_run(lba, &plan[index..end], run, failure);
                     index = end;
+                    went_on
                 }
+            };
+            if !went_on {
+                done.complete = false;
+                return done;
             }
         }
-        Ok(())
+        done
     }
 
     /// The first LBA at or after `lba` whose data or context may be written:
@@ -215,7 +306,7 @@ impl Shared {
     /// reads as zeros has a hole's context.
     pub fn read_sealed(&self, first: u64, count: u64, generation: u64) -> Result<Vec<SealedBlock>> {
         self.check_range(first.saturating_mul(BLOCK), count.saturating_mul(BLOCK))?;
-        let plan = self.plan(first, count)?;
+        let plan = self.plan_waiting(first, count);
         let mut sealed = Vec::with_capacity(count as usize);
         for (index, source) in plan.iter().enumerate() {
             let lba = first + index as u64;
@@ -271,44 +362,38 @@ impl Shared {
         self.layouts().same_span(a, b) && self.layouts().of(a).geometry().contiguous(a, b)
     }
 
-    /// Decide each block's source under one short lock, from what is in
-    /// memory: blocks whose context page is not loaded are `Unreadable` in
-    /// the plan and listed as missing. `None` while a reflink copy is
-    /// replacing these blocks' extents (copy/reflink.rs).
-    pub(crate) fn plan_from_memory(&self, first: u64, count: u64) -> Option<(Plan, MissingPages)> {
-        let state = self.state().read();
-        if state.cloning(first, count) {
-            return None;
-        }
-        let mut plan = Plan::with_capacity(count as usize);
+    /// The plan of a read of blocks `[first, first + count)`, into `plan`
+    /// (empty; filled in place, so the hot inline route never moves it):
+    /// each block's source, decided under one short lock from what is in
+    /// memory (the buffer, the cached contexts, the layout's `plan`). A
+    /// block whose context page is not loaded: the worker loads it without
+    /// the lock (a page that cannot be read leaves the block
+    /// `Unreadable`, a fault naming it); the inline and ring routes
+    /// decline (false), as while a reflink copy replaces these blocks'
+    /// extents (copy/reflink.rs), which the worker waits out.
+    pub(crate) fn plan_read(&self, first: u64, count: u64, route: Route, plan: &mut Plan) -> bool {
         let mut missing = Vec::new();
-        for lba in first..first + count {
-            if let Some(dirty) = state.buffered(lba) {
-                plan.push(Source::Memory(dirty.data.clone(), dirty.seal));
-                continue;
+        while !self.plan_from_memory(first, count, plan, &mut missing) {
+            if route != Route::Worker {
+                return false;
             }
-            match self.layouts().of(lba).plan(lba, state.contexts()) {
-                Planned::Zero => plan.push(Source::Zero),
-                Planned::Home(context) => plan.push(Source::Home(context)),
-                Planned::NeedPage(page) => {
-                    missing.push((plan.len(), page));
-                    plan.push(Source::Unreadable);
-                }
-            }
+            // Wait for the blocks' new contexts.
+            std::thread::sleep(CLONE_WAIT);
         }
-        Some((plan, missing))
-    }
-
-    /// Decide each block's source under one short lock; load missing context
-    /// pages without holding it.
-    fn plan(&self, first: u64, count: u64) -> Result<Plan> {
-        let (mut plan, missing) = loop {
-            match self.plan_from_memory(first, count) {
-                Some(found) => break found,
-                // Wait for the blocks' new contexts.
-                None => std::thread::sleep(CLONE_WAIT),
-            }
+        let broken = match route {
+            Route::Inline => self.breaks().inline_read_past_buffer,
+            Route::Ring => self.breaks().ring_read_past_buffer,
+            Route::Worker => false,
         };
+        if broken {
+            self.plan_buffered_as_home(first, plan);
+        }
+        if missing.is_empty() {
+            return true;
+        }
+        if route != Route::Worker {
+            return false;
+        }
         let mut loaded: Option<(u64, Page)> = None;
         for (index, page_no) in missing {
             let page = match &loaded {
@@ -324,54 +409,124 @@ impl Shared {
                 },
             };
             let lba = first + index as u64;
-            plan[index] = match context_in_page(&page, lba) {
-                Ok(context) if context.reads_as_zero() => Source::Zero,
-                found => Source::Home(ContextFrom::Known(found)),
-            };
+            plan[index] = Planned::from_context(context_in_page(&page, lba)).into();
         }
-        Ok(plan)
+        true
     }
 
-    /// Read and verify a run of consecutive blocks from home with one I/O.
+    /// A worker's `plan_read`, returned.
+    fn plan_waiting(&self, first: u64, count: u64) -> Plan {
+        let mut plan = Plan::new();
+        self.plan_read(first, count, Route::Worker, &mut plan);
+        plan
+    }
+
+    /// `plan_read`'s look at memory, into `plan` and `missing` (cleared
+    /// first): false while a reflink copy replaces the blocks; blocks
+    /// whose context page is not loaded are listed `(index in the plan,
+    /// page number)` (and `Unreadable` in the plan).
+    fn plan_from_memory(
+        &self,
+        first: u64,
+        count: u64,
+        plan: &mut Plan,
+        missing: &mut Vec<(usize, u64)>,
+    ) -> bool {
+        plan.clear();
+        missing.clear();
+        let state = self.state().read();
+        if state.cloning(first, count) {
+            return false;
+        }
+        plan.reserve(count as usize);
+        for lba in first..first + count {
+            if let Some(dirty) = state.buffered(lba) {
+                plan.push(Source::Memory(dirty.data.clone(), dirty.seal));
+                continue;
+            }
+            let planned = self.layouts().of(lba).plan(lba, state.contexts());
+            if let Planned::NeedPage(page) = planned {
+                missing.push((plan.len(), page));
+            }
+            plan.push(planned.into());
+        }
+        true
+    }
+
+    /// `OrderingBreaks::ring_read_past_buffer` and
+    /// `inline_read_past_buffer` (simulator self-tests only): each block
+    /// the buffer holds, planned as at home if its context says it has a
+    /// home value.
+    fn plan_buffered_as_home(&self, first: u64, plan: &mut Plan) {
+        let state = self.state().read();
+        for (source, lba) in plan.iter_mut().zip(first..) {
+            if !matches!(source, Source::Memory(..)) {
+                continue;
+            }
+            if let Planned::Home(context) = self.layouts().of(lba).plan(lba, state.contexts()) {
+                *source = Source::Home(context);
+            }
+        }
+    }
+
+    /// Read and verify a run of consecutive blocks from home with one I/O
+    /// (waiting as `failure`'s route may): true if the read goes on.
     fn read_home_run(
         &self,
         first: u64,
         plan: &[Source],
         out: &mut [u8],
-        faults: &mut Vec<Fault>,
-        on_fault: OnFault,
-    ) -> Result<()> {
+        failure: &mut OnFailure<'_>,
+    ) -> bool {
         let count = plan.len() as u64;
         let io = self
             .layouts()
             .of(first)
-            .read_run(self.io(), first, count, out, Wait::Block);
-        self.io().stats.add_read(out.len() as u64);
+            .read_run(self.io(), first, count, out, failure.wait());
         let Ok(record_contexts) = io else {
+            if matches!(failure, OnFailure::Decline) {
+                return false;
+            }
             // Find which blocks are unreadable, one at a time.
             for (index, lba) in (first..first + count).enumerate() {
                 let block = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
                 if let Err(kind) = self.reread_block(lba, block) {
-                    self.note_fault(lba, kind, block, faults);
-                    if on_fault == OnFault::Stop {
-                        return Ok(());
+                    if !failure.failed(self, lba, kind, block) {
+                        return false;
                     }
                 }
             }
-            return Ok(());
+            return true;
         };
-        for (index, lba) in (first..first + count).enumerate() {
+        self.open_home_run(first, plan, &record_contexts, out, failure)
+    }
+
+    /// Verify (and on an encrypted volume decrypt) a run of home blocks
+    /// read into `out`, each against its planned context or the one read
+    /// with it: the one check of every route's home blocks (the ring's
+    /// too, `finish_ring_read`). A block that fails is declined, or
+    /// re-read once (a concurrent commit may have moved it) and judged.
+    pub(crate) fn open_home_run(
+        &self,
+        first: u64,
+        plan: &[Source],
+        record_contexts: &[std::result::Result<Context, FormatError>],
+        out: &mut [u8],
+        failure: &mut OnFailure<'_>,
+    ) -> bool {
+        // A client read may take the protection's quicker opening; a
+        // failure is re-read and opened with every check.
+        let thorough = matches!(failure, OnFailure::Judge(_, OnFault::Collect));
+        for (index, lba) in (first..first + plan.len() as u64).enumerate() {
             let block = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
             let context = match &plan[index] {
                 Source::Home(ContextFrom::Known(found)) => found.clone(),
                 _ => record_contexts[index].clone(),
             };
-            // A client read may take the protection's quicker opening; a
-            // failure is re-read below and opened with every check.
-            let opened = if on_fault == OnFault::Stop {
-                self.protection().open_for_client(lba, &context, block)
-            } else {
+            let opened = if thorough {
                 self.protection().open_in_place(lba, &context, block)
+            } else {
+                self.protection().open_for_client(lba, &context, block)
             };
             if opened.is_ok() {
                 if context.is_ok_and(|c| c.reads_as_zero()) {
@@ -379,7 +534,9 @@ impl Shared {
                 }
                 continue;
             }
-            // Recheck once: a concurrent commit may have moved the block.
+            if matches!(failure, OnFailure::Decline) {
+                return false;
+            }
             match self.reread_block(lba, block) {
                 Ok(()) => {
                     self.io()
@@ -388,14 +545,13 @@ impl Shared {
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 Err(kind) => {
-                    self.note_fault(lba, kind, block, faults);
-                    if on_fault == OnFault::Stop {
-                        return Ok(());
+                    if !failure.failed(self, lba, kind, block) {
+                        return false;
                     }
                 }
             }
         }
-        Ok(())
+        true
     }
 
     fn note_fault(&self, lba: u64, kind: FaultKind, block: &mut [u8], faults: &mut Vec<Fault>) {
@@ -449,9 +605,7 @@ impl Shared {
         lba: u64,
         block: &mut [u8],
     ) -> std::result::Result<(), (FaultKind, Option<Result<Context, FormatError>>)> {
-        let plan = self
-            .plan(lba, 1)
-            .map_err(|_| (FaultKind::Unreadable, None))?;
+        let plan = self.plan_waiting(lba, 1);
         let known = match &plan[0] {
             Source::Memory(data, seal) => {
                 block.copy_from_slice(&data[..]);

@@ -449,6 +449,41 @@ impl Mirror {
         Ok(legs[self.next.fetch_add(1, Ordering::Relaxed) % legs.len()])
     }
 
+    /// The legs a read whose turn is `leg` tries, in order: `leg`, then
+    /// every other active leg (the read's plan across legs; what a leg
+    /// cannot answer is judged by `judge_read`, what it answers with
+    /// faulty blocks is repaired, `repair.rs`).
+    pub(super) fn read_order(&self, leg: usize) -> Vec<usize> {
+        let mut order = vec![leg];
+        order.extend(self.active().into_iter().filter(|&other| other != leg));
+        order
+    }
+
+    /// The one judge of a leg's failed read (not of its faulty blocks,
+    /// which the leg names and `repair.rs` repairs), for every read that
+    /// goes from leg to leg: the request's own error ends the read (true:
+    /// every leg would refuse it); any other is the leg's — logged,
+    /// counted against it, a leg that cannot be reached taken out
+    /// (`fail`) — and the read goes on to the next leg (false).
+    pub(super) fn judge_read(&self, leg: usize, error: &Error, first: u64, count: u64) -> bool {
+        if is_request_error(error) {
+            return true;
+        }
+        tracing::warn!(
+            leg,
+            name = %self.legs[leg].name,
+            first,
+            count,
+            %error,
+            "mirror: leg failed a read; reading another leg"
+        );
+        self.count(leg, "io", false);
+        if matches!(error, Error::Unreachable(_)) {
+            self.fail(leg, &format!("read failed: {error}"), error);
+        }
+        false
+    }
+
     fn mark_bytes(&self, offset: u64, length: u64) -> Result<()> {
         self.mark(offset / BLOCK, (offset + length).div_ceil(BLOCK))
     }
@@ -779,6 +814,9 @@ impl BlockDevice for Mirror {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let leg = self.pick()?;
+        // The leg's own read first (the fast path: it stops at a fault);
+        // a request error ends it, anything else goes to the repair route
+        // with the same order of legs, which judges it.
         match self.device(leg).read(offset, buf) {
             Ok(holes) => return Ok(holes),
             Err(error) if is_request_error(&error) => return Err(error),
@@ -979,12 +1017,17 @@ impl BlockDevice for Mirror {
         }
         Ok(next.max(lba))
     }
+    /// From the first active leg that answers; a leg that fails is
+    /// judged as on every read (`judge_read`).
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
+        let Some(&leg) = self.active().first() else {
+            return Err(Error::FailStopped("no active mirror leg".into()));
+        };
         let mut last = None;
-        for leg in self.active() {
+        for leg in self.read_order(leg) {
             match self.device(leg).read_sealed(first, count) {
                 Ok(blocks) => return Ok(blocks),
-                Err(error) if is_request_error(&error) => return Err(error),
+                Err(error) if self.judge_read(leg, &error, first, count) => return Err(error),
                 Err(error) => last = Some(error),
             }
         }

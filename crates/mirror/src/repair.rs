@@ -15,7 +15,6 @@
 //! next open reconciles, not a fault for a later scrub to count.
 
 use crate::device::Mirror;
-use crate::legs::is_request_error;
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
 use vouch_engine::{Block, BLOCK};
 
@@ -50,10 +49,8 @@ impl Mirror {
         count: u64,
         out: &mut [u8],
     ) -> Result<Vec<Fault>> {
-        let mut candidates = vec![leg];
-        candidates.extend(self.active().into_iter().filter(|&other| other != leg));
         let mut read = None;
-        for &candidate in &candidates {
+        for candidate in self.read_order(leg) {
             match self
                 .device(candidate)
                 .read_blocks_collecting(first, count, out)
@@ -62,21 +59,10 @@ impl Mirror {
                     read = Some((candidate, faults));
                     break;
                 }
-                Err(error) if is_request_error(&error) => return Err(error),
-                Err(error) => {
-                    tracing::warn!(
-                        leg = candidate,
-                        name = %self.legs[candidate].name,
-                        first,
-                        count,
-                        %error,
-                        "mirror: leg failed a read; reading another leg"
-                    );
-                    self.count(candidate, "io", false);
-                    if matches!(error, Error::Unreachable(_)) {
-                        self.fail(candidate, &format!("read failed: {error}"), &error);
-                    }
+                Err(error) if self.judge_read(candidate, &error, first, count) => {
+                    return Err(error)
                 }
+                Err(_) => {}
             }
         }
         let Some((base, faults)) = read else {

@@ -47,6 +47,19 @@ pub(crate) enum Planned {
     NeedPage(u64),
 }
 
+impl Planned {
+    /// A block whose context was found (in memory, or in a page just
+    /// loaded): zero without data I/O when it reads as zero, else home
+    /// verified against it. The one rule: split's `plan` and a worker's
+    /// page load (`Shared::plan_read`) both use it.
+    pub(crate) fn from_context(found: Result<Context, FormatError>) -> Planned {
+        match found {
+            Ok(context) if context.reads_as_zero() => Planned::Zero,
+            found => Planned::Home(ContextFrom::Known(found)),
+        }
+    }
+}
+
 /// Where the context of a block read from home comes from.
 #[derive(Clone)]
 pub(crate) enum ContextFrom {

@@ -22,9 +22,7 @@ use parking_lot::RwLock;
 use vouch_format::journal::record_data;
 use vouch_format::{Context, FormatError, Geometry, JournalEntry, LayoutKind, CONTEXT_BYTES};
 
-use super::{
-    ContextFrom, Layout, Planned, Replay, RunSpan, StoredContext, UnitPlace, WrittenPages,
-};
+use super::{Layout, Planned, Replay, RunSpan, StoredContext, UnitPlace, WrittenPages};
 use crate::backing::Backing;
 use crate::contexts::{context_in_range, ContextStore, Lookup, Page, CONTEXTS_PER_PAGE};
 use crate::error::{Error, Result};
@@ -307,8 +305,7 @@ impl Layout for SplitLayout {
 
     fn plan(&self, lba: u64, contexts: &ContextStore) -> Planned {
         match contexts.lookup(lba) {
-            Lookup::Found(Ok(context)) if context.reads_as_zero() => Planned::Zero,
-            Lookup::Found(found) => Planned::Home(ContextFrom::Known(found)),
+            Lookup::Found(found) => Planned::from_context(found),
             Lookup::NeedPage(page) => Planned::NeedPage(page),
         }
     }
