@@ -36,8 +36,9 @@ const READ_ALIGN: u64 = 4096;
 const KEEP_RECORDS_BYTES: usize = 8 << 20;
 
 thread_local! {
-    /// Each reading thread's record buffer, reused.
-    static RECORDS: std::cell::Cell<PageBuffer> = std::cell::Cell::new(PageBuffer::default());
+    /// Each reading thread's record buffer, reused; O_DIRECT reads land
+    /// in it, so a large one is huge pages (`PageBuffer::for_device`).
+    static RECORDS: std::cell::Cell<PageBuffer> = std::cell::Cell::new(PageBuffer::for_device());
 }
 
 pub(crate) struct PackedLayout {

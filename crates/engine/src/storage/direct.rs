@@ -538,6 +538,31 @@ pub fn new_ring() -> Option<IoUring> {
     }
 }
 
+/// Whether the mapping that holds address `at` is advised huge pages
+/// (`hg` in its `VmFlags`, `/proc/self/smaps`): tests of the buffers
+/// `AlignedBuf::for_device` makes.
+#[cfg(test)]
+pub(crate) fn advised_huge(at: usize) -> bool {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line.split(' ').next().and_then(|first| first.split_once('-'));
+        if let Some((start, end)) = range {
+            if let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                inside = (start..end).contains(&at);
+                continue;
+            }
+        }
+        if let Some(flags) = line.strip_prefix("VmFlags:").filter(|_| inside) {
+            return flags.split_whitespace().any(|flag| flag == "hg");
+        }
+    }
+    panic!("no mapping holds {at:#x}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -628,36 +653,11 @@ mod tests {
         assert!(back[..] == expected[..4096]);
     }
 
-    /// The `VmFlags` of the mapping that holds `at` (`/proc/self/smaps`).
-    fn vm_flags_at(at: usize) -> String {
-        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
-        let mut inside = false;
-        for line in smaps.lines() {
-            let range = line.split(' ').next().and_then(|first| first.split_once('-'));
-            if let Some((start, end)) = range {
-                if let (Ok(start), Ok(end)) = (
-                    usize::from_str_radix(start, 16),
-                    usize::from_str_radix(end, 16),
-                ) {
-                    inside = (start..end).contains(&at);
-                    continue;
-                }
-            }
-            if inside {
-                if let Some(flags) = line.strip_prefix("VmFlags:") {
-                    return flags.trim().to_owned();
-                }
-            }
-        }
-        panic!("no mapping holds {at:#x}");
-    }
-
     fn assert_huge_advised(what: &str, at: usize) {
         assert_eq!(at % HUGE_PAGE, 0, "{what} is 2 MiB aligned");
-        let flags = vm_flags_at(at);
         assert!(
-            flags.split(' ').any(|flag| flag == "hg"),
-            "{what} is advised huge pages (MADV_HUGEPAGE): VmFlags {flags}"
+            advised_huge(at),
+            "{what} is advised huge pages (MADV_HUGEPAGE)"
         );
     }
 
