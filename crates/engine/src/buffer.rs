@@ -126,7 +126,8 @@ mod tests {
         assert_eq!(at % (2 << 20), 0, "2 MiB aligned");
         assert!(
             crate::storage::direct::advised_huge(at),
-            "advised huge pages (MADV_HUGEPAGE)"
+            "advised huge pages (MADV_HUGEPAGE; needs a kernel built with \
+             transparent huge pages, CONFIG_TRANSPARENT_HUGEPAGE)"
         );
         buffer[records - 1] = 7;
         buffer.set_len(4096);

@@ -708,7 +708,9 @@ impl Layout for PackedLayout {
     ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
         let span = self.run_span(first, count);
         RECORDS.with(|cell| {
-            let mut records = cell.take();
+            // Left empty meanwhile, and after a read too large to keep:
+            // a device buffer still (`take` would leave a heap one).
+            let mut records = cell.replace(PageBuffer::for_device());
             records.set_len(span.len);
             let seen = io
                 .written

@@ -85,7 +85,10 @@ impl AlignedBuf {
     /// `HUGE_FROM_BYTES` on, an anonymous mapping aligned to 2 MiB and
     /// advised to be huge pages, so a transfer is a few physically
     /// contiguous segments, not one per 4 KiB page. Where the kernel has
-    /// no transparent huge pages it is plain pages, as on the heap.
+    /// no transparent huge pages, or none free, it is plain pages, as on
+    /// the heap; with THP `defrag` at `madvise` (the default) the first
+    /// touch of such a buffer may compact memory, once: these buffers are
+    /// kept.
     pub fn for_device(len: usize) -> AlignedBuf {
         if len < HUGE_FROM_BYTES {
             return AlignedBuf::zeroed(len);
@@ -131,11 +134,7 @@ impl AlignedBuf {
             }
             // Advice only: refused (no THP in this kernel), the pages are
             // plain ones.
-            libc::madvise(
-                start as *mut libc::c_void,
-                map_len,
-                libc::MADV_HUGEPAGE,
-            );
+            libc::madvise(start as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE);
         }
         // An anonymous mapping reads as zeros: the buffer is zeroed.
         Some(AlignedBuf {
@@ -540,13 +539,18 @@ pub fn new_ring() -> Option<IoUring> {
 
 /// Whether the mapping that holds address `at` is advised huge pages
 /// (`hg` in its `VmFlags`, `/proc/self/smaps`): tests of the buffers
-/// `AlignedBuf::for_device` makes.
+/// `AlignedBuf::for_device` makes. A kernel without transparent huge
+/// pages refuses the advice and shows no `hg`: those tests then fail,
+/// saying so.
 #[cfg(test)]
 pub(crate) fn advised_huge(at: usize) -> bool {
     let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
     let mut inside = false;
     for line in smaps.lines() {
-        let range = line.split(' ').next().and_then(|first| first.split_once('-'));
+        let range = line
+            .split(' ')
+            .next()
+            .and_then(|first| first.split_once('-'));
         if let Some((start, end)) = range {
             if let (Ok(start), Ok(end)) = (
                 usize::from_str_radix(start, 16),
@@ -657,7 +661,8 @@ mod tests {
         assert_eq!(at % HUGE_PAGE, 0, "{what} is 2 MiB aligned");
         assert!(
             advised_huge(at),
-            "{what} is advised huge pages (MADV_HUGEPAGE)"
+            "{what} is advised huge pages (MADV_HUGEPAGE; needs a kernel built with \
+             transparent huge pages, CONFIG_TRANSPARENT_HUGEPAGE)"
         );
     }
 
