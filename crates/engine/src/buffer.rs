@@ -9,12 +9,30 @@
 
 use std::ops::{Deref, DerefMut};
 
+use crate::storage::direct::AlignedBuf;
+
 /// A zero-initialised byte buffer whose first byte is page-aligned.
 #[derive(Default)]
 pub struct PageBuffer {
-    raw: Vec<u8>,
+    raw: Raw,
     offset: usize,
     len: usize,
+    /// Grown as `AlignedBuf::for_device` (`for_device`).
+    device: bool,
+}
+
+/// Where a `PageBuffer`'s bytes live.
+enum Raw {
+    /// A `Vec` with room to start on a page (`offset`).
+    Heap(Vec<u8>),
+    /// Memory for O_DIRECT transfers, page-aligned itself.
+    Device(AlignedBuf),
+}
+
+impl Default for Raw {
+    fn default() -> Raw {
+        Raw::Heap(Vec::new())
+    }
 }
 
 impl PageBuffer {
@@ -27,35 +45,95 @@ impl PageBuffer {
         buffer
     }
 
+    /// An empty buffer that is kept and that O_DIRECT reads go into (a
+    /// reading thread's packed records): grown as `AlignedBuf::for_device`,
+    /// so from 512 KiB on it is huge pages a device takes as a few
+    /// contiguous segments (`storage/direct.rs` `HUGE_FROM_BYTES`).
+    pub fn for_device() -> PageBuffer {
+        PageBuffer {
+            device: true,
+            ..PageBuffer::default()
+        }
+    }
+
     /// Make it `len` bytes long, reallocating only when it must grow. The
     /// contents are unspecified (left from earlier use, or zero): callers
     /// overwrite them.
     pub fn set_len(&mut self, len: usize) {
-        if self.raw.len() < len + Self::ALIGN {
-            self.raw = vec![0u8; len + Self::ALIGN];
-            let address = self.raw.as_ptr() as usize;
-            self.offset = address.next_multiple_of(Self::ALIGN) - address;
+        let room = match &self.raw {
+            Raw::Heap(raw) => raw.len().saturating_sub(Self::ALIGN),
+            Raw::Device(raw) => raw.len(),
+        };
+        if room < len {
+            if self.device {
+                self.raw = Raw::Device(AlignedBuf::for_device(len.next_multiple_of(Self::ALIGN)));
+                self.offset = 0;
+            } else {
+                let raw = vec![0u8; len + Self::ALIGN];
+                let address = raw.as_ptr() as usize;
+                self.offset = address.next_multiple_of(Self::ALIGN) - address;
+                self.raw = Raw::Heap(raw);
+            }
         }
         self.len = len;
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match &self.raw {
+            Raw::Heap(raw) => raw,
+            Raw::Device(raw) => raw,
+        }
     }
 }
 
 impl Deref for PageBuffer {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        &self.raw[self.offset..self.offset + self.len]
+        &self.bytes()[self.offset..self.offset + self.len]
     }
 }
 
 impl DerefMut for PageBuffer {
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.raw[self.offset..self.offset + self.len]
+        let raw: &mut [u8] = match &mut self.raw {
+            Raw::Heap(raw) => raw,
+            Raw::Device(raw) => raw,
+        };
+        &mut raw[self.offset..self.offset + self.len]
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reading thread's record buffer grows into memory advised huge
+    /// pages once it is large (a packed 1 MiB read spans 259 pages of
+    /// records: more segments than a virtio disk takes in one request
+    /// unless they are contiguous); small, it is aligned heap memory.
+    #[test]
+    fn a_device_buffer_grows_into_huge_page_memory() {
+        let mut buffer = PageBuffer::for_device();
+        assert_eq!(buffer.len(), 0);
+        buffer.set_len(3 * 4096 + 5);
+        assert_eq!(buffer.as_ptr() as usize % 4096, 0);
+        assert!(buffer.iter().all(|byte| *byte == 0));
+        let records = (1 << 20) + 3 * 4096;
+        buffer.set_len(records);
+        assert_eq!(buffer.len(), records);
+        assert!(buffer.iter().all(|byte| *byte == 0));
+        let at = buffer.as_ptr() as usize;
+        assert_eq!(at % (2 << 20), 0, "2 MiB aligned");
+        assert!(
+            crate::storage::direct::advised_huge(at),
+            "advised huge pages (MADV_HUGEPAGE; needs a kernel built with \
+             transparent huge pages, CONFIG_TRANSPARENT_HUGEPAGE)"
+        );
+        buffer[records - 1] = 7;
+        buffer.set_len(4096);
+        buffer.set_len(records);
+        assert_eq!(buffer[records - 1], 7, "shrinking keeps the memory");
+    }
 
     #[test]
     fn a_page_buffer_starts_on_a_page_and_keeps_its_length() {

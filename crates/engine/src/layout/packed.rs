@@ -36,8 +36,9 @@ const READ_ALIGN: u64 = 4096;
 const KEEP_RECORDS_BYTES: usize = 8 << 20;
 
 thread_local! {
-    /// Each reading thread's record buffer, reused.
-    static RECORDS: std::cell::Cell<PageBuffer> = std::cell::Cell::new(PageBuffer::default());
+    /// Each reading thread's record buffer, reused; O_DIRECT reads land
+    /// in it, so a large one is huge pages (`PageBuffer::for_device`).
+    static RECORDS: std::cell::Cell<PageBuffer> = std::cell::Cell::new(PageBuffer::for_device());
 }
 
 pub(crate) struct PackedLayout {
@@ -707,7 +708,9 @@ impl Layout for PackedLayout {
     ) -> std::io::Result<Vec<Result<Context, FormatError>>> {
         let span = self.run_span(first, count);
         RECORDS.with(|cell| {
-            let mut records = cell.take();
+            // Left empty meanwhile, and after a read too large to keep:
+            // a device buffer still (`take` would leave a heap one).
+            let mut records = cell.replace(PageBuffer::for_device());
             records.set_len(span.len);
             let seen = io
                 .written

@@ -34,10 +34,26 @@ pub const DIRECT_ALIGN: u64 = 4096;
 /// Most operations in flight on the ring at once.
 const RING_DEPTH: u32 = 256;
 
-/// A zeroed heap buffer aligned to `DIRECT_ALIGN`, its length a multiple of it.
+/// Buffers of at least this many bytes that O_DIRECT transfers go through
+/// (`AlignedBuf::for_device`: the bounce buffer of a large read, a write
+/// arena) are mapped on their own in 2 MiB huge pages where the kernel can.
+/// The device sees a transfer as segments of physically contiguous memory,
+/// and a virtio disk takes 254 of them in one request: a 1 MiB read into
+/// 256 scattered 4 KiB pages was split into two device requests, and a
+/// worker whose bounce buffer happened to be scattered split every read it
+/// made (`serve --direct` split, 1 MiB reads at QD8: 406 of 455 reads of one
+/// worker, 0 on another; docs/BENCHMARKS.md "Stop 41").
+pub const HUGE_FROM_BYTES: usize = 512 << 10;
+/// The huge page size the large buffers are aligned to and sized in.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// A zeroed buffer aligned to `DIRECT_ALIGN`, its length a multiple of it:
+/// on the heap, or (`for_device`, large) a mapping of its own.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    /// `Some(bytes mapped)` when it is a mapping of its own.
+    mapped: Option<usize>,
 }
 
 // SAFETY: AlignedBuf owns its allocation exclusively, like a Box<[u8]>.
@@ -57,7 +73,75 @@ impl AlignedBuf {
         let Some(ptr) = NonNull::new(raw) else {
             alloc::handle_alloc_error(layout)
         };
-        AlignedBuf { ptr, len }
+        AlignedBuf {
+            ptr,
+            len,
+            mapped: None,
+        }
+    }
+
+    /// `zeroed`, for memory O_DIRECT transfers go through and that is
+    /// kept (a thread's bounce buffer, a write arena): from
+    /// `HUGE_FROM_BYTES` on, an anonymous mapping aligned to 2 MiB and
+    /// advised to be huge pages, so a transfer is a few physically
+    /// contiguous segments, not one per 4 KiB page. Where the kernel has
+    /// no transparent huge pages, or none free, it is plain pages, as on
+    /// the heap; with THP `defrag` at `madvise` (the default) the first
+    /// touch of such a buffer may compact memory, once: these buffers are
+    /// kept.
+    pub fn for_device(len: usize) -> AlignedBuf {
+        if len < HUGE_FROM_BYTES {
+            return AlignedBuf::zeroed(len);
+        }
+        AlignedBuf::mapped_huge(len).unwrap_or_else(|| AlignedBuf::zeroed(len))
+    }
+
+    /// `len` bytes (whole pages) at the start of a 2 MiB aligned anonymous
+    /// mapping of whole huge pages; `None` if it cannot be mapped.
+    fn mapped_huge(len: usize) -> Option<AlignedBuf> {
+        assert!(
+            len > 0 && len.is_multiple_of(DIRECT_ALIGN as usize),
+            "aligned buffers are whole pages"
+        );
+        let map_len = len.next_multiple_of(HUGE_PAGE);
+        let reserve = map_len + HUGE_PAGE;
+        // SAFETY: a new private anonymous mapping; no pointer is passed in.
+        let raw = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                reserve,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if raw == libc::MAP_FAILED {
+            return None;
+        }
+        let base = raw as usize;
+        let start = base.next_multiple_of(HUGE_PAGE);
+        let head = start - base;
+        let tail = reserve - head - map_len;
+        // SAFETY: both ranges lie in the mapping just made and outside
+        // [start, start + map_len), which is kept; nothing refers to them.
+        unsafe {
+            if head > 0 {
+                libc::munmap(raw, head);
+            }
+            if tail > 0 {
+                libc::munmap((start + map_len) as *mut libc::c_void, tail);
+            }
+            // Advice only: refused (no THP in this kernel), the pages are
+            // plain ones.
+            libc::madvise(start as *mut libc::c_void, map_len, libc::MADV_HUGEPAGE);
+        }
+        // An anonymous mapping reads as zeros: the buffer is zeroed.
+        Some(AlignedBuf {
+            ptr: NonNull::new(start as *mut u8).expect("mmap never returns null here"),
+            len,
+            mapped: Some(map_len),
+        })
     }
 
     fn layout(len: usize) -> Layout {
@@ -67,8 +151,14 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this same layout.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        match self.mapped {
+            // SAFETY: the mapping made in `mapped_huge`, owned by this buffer.
+            Some(map_len) => unsafe {
+                libc::munmap(self.ptr.as_ptr().cast(), map_len);
+            },
+            // SAFETY: allocated in `zeroed` with this same layout.
+            None => unsafe { alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) },
+        }
     }
 }
 
@@ -149,7 +239,7 @@ fn with_bounce<R>(len: usize, f: impl FnOnce(&mut [u8]) -> R) -> R {
     let mut bounce = BOUNCE
         .with(|cell| cell.borrow_mut().take())
         .filter(|bounce| bounce.len() >= len)
-        .unwrap_or_else(|| AlignedBuf::zeroed(len.max(256 << 10)));
+        .unwrap_or_else(|| AlignedBuf::for_device(len.max(256 << 10)));
     let result = f(&mut bounce[..len]);
     if bounce.len() <= KEEP_BOUNCE_BYTES {
         BOUNCE.with(|cell| *cell.borrow_mut() = Some(bounce));
@@ -224,7 +314,7 @@ pub fn write_runs(
     }
     let mut buffer = match arena.take() {
         Some(buffer) if buffer.len() >= total => buffer,
-        _ => AlignedBuf::zeroed(total),
+        _ => AlignedBuf::for_device(total),
     };
     let result = write_envelopes(file, ring, &mut buffer, runs, &order, &envelopes, &edges);
     if buffer.len() <= KEEP_ARENA_BYTES {
@@ -447,6 +537,36 @@ pub fn new_ring() -> Option<IoUring> {
     }
 }
 
+/// Whether the mapping that holds address `at` is advised huge pages
+/// (`hg` in its `VmFlags`, `/proc/self/smaps`): tests of the buffers
+/// `AlignedBuf::for_device` makes. A kernel without transparent huge
+/// pages refuses the advice and shows no `hg`: those tests then fail,
+/// saying so.
+#[cfg(test)]
+pub(crate) fn advised_huge(at: usize) -> bool {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+    let mut inside = false;
+    for line in smaps.lines() {
+        let range = line
+            .split(' ')
+            .next()
+            .and_then(|first| first.split_once('-'));
+        if let Some((start, end)) = range {
+            if let (Ok(start), Ok(end)) = (
+                usize::from_str_radix(start, 16),
+                usize::from_str_radix(end, 16),
+            ) {
+                inside = (start..end).contains(&at);
+                continue;
+            }
+        }
+        if let Some(flags) = line.strip_prefix("VmFlags:").filter(|_| inside) {
+            return flags.split_whitespace().any(|flag| flag == "hg");
+        }
+    }
+    panic!("no mapping holds {at:#x}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -535,6 +655,50 @@ mod tests {
         let mut back = vec![0u8; 4096];
         read_direct(&file, 0, &mut back).expect("read");
         assert!(back[..] == expected[..4096]);
+    }
+
+    fn assert_huge_advised(what: &str, at: usize) {
+        assert_eq!(at % HUGE_PAGE, 0, "{what} is 2 MiB aligned");
+        assert!(
+            advised_huge(at),
+            "{what} is advised huge pages (MADV_HUGEPAGE; needs a kernel built with \
+             transparent huge pages, CONFIG_TRANSPARENT_HUGEPAGE)"
+        );
+    }
+
+    /// The memory a 1 MiB O_DIRECT read or write goes through (a read's
+    /// bounce buffer, a batch's write arena) is 2 MiB aligned and advised
+    /// huge pages, so the device gets it as a few contiguous segments,
+    /// not 256 scattered pages that a virtio disk (254 segments a request)
+    /// splits in two. Smaller transfers keep heap memory.
+    #[test]
+    fn large_transfers_go_through_memory_advised_huge_pages() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = direct_file(dir.path(), 4 << 20);
+        let data: Vec<u8> = (0..1 << 20).map(|i| (i % 253) as u8).collect();
+        let mut arena = None;
+        let runs = [Run {
+            offset: 1 << 20,
+            parts: &[&data[..]],
+        }];
+        write_runs(&file, new_ring().as_mut(), &mut arena, &runs).expect("write 1 MiB");
+        let arena_at = arena.as_ref().expect("arena kept").as_ptr() as usize;
+        assert_huge_advised("the write arena of a 1 MiB run", arena_at);
+        // A destination O_DIRECT cannot take (not page aligned): the read
+        // goes through this thread's bounce buffer.
+        let mut unaligned = vec![0u8; (1 << 20) + 16];
+        read_direct(&file, 1 << 20, &mut unaligned[16..]).expect("read 1 MiB");
+        assert!(unaligned[16..] == data[..], "the bytes written come back");
+        let bounce_at = BOUNCE.with(|cell| {
+            cell.borrow()
+                .as_ref()
+                .map(|bounce| bounce.as_ptr() as usize)
+                .expect("bounce kept")
+        });
+        assert_huge_advised("the bounce buffer of a 1 MiB read", bounce_at);
+        // Below the threshold: heap memory, as before.
+        let small = AlignedBuf::for_device(HUGE_FROM_BYTES - 4096);
+        assert!(small.mapped.is_none(), "a small buffer stays on the heap");
     }
 
     #[test]
