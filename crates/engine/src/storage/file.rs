@@ -65,15 +65,30 @@ pub struct FileStorage {
     /// Direct writes: the ring and the envelope arena (writes to data are
     /// serialized by the engine's commit lock anyway).
     writer: Mutex<DirectWriter>,
-    /// Direct writes: the `PREPARE_STEP` chunks of each data segment this
-    /// process has allocated ahead (`prepare_ahead`), by (segment, chunk).
-    prepared: Mutex<std::collections::HashSet<(u32, u64)>>,
+    /// Direct writes: what `prepare_ahead` allocated and the streams it
+    /// follows.
+    ahead: Mutex<Ahead>,
 }
 
-/// A direct write's run of at least this many bytes is a stream's (a
-/// large write, or a commit's merged sequential writes): the chunks it
-/// lands in and the one after are allocated ahead (`prepare_ahead`).
-/// Smaller runs (random writes) allocate only what they write.
+/// `prepare_ahead`'s state.
+#[derive(Default)]
+struct Ahead {
+    /// The `PREPARE_STEP` chunks allocated ahead by this process, by
+    /// (segment, chunk).
+    chunks: std::collections::HashSet<(u32, u64)>,
+    /// Where the last long runs ended, (segment, offset), newest first:
+    /// at most `STREAMS`.
+    heads: std::collections::VecDeque<(u32, u64)>,
+}
+
+/// The sequential streams `prepare_ahead` follows at once (a guest
+/// filling several files).
+const STREAMS: usize = 8;
+
+/// A direct write's run of at least this many bytes may be a stream's (a
+/// large write, or a commit's merged sequential writes): if it continues
+/// one, the chunks it lands in and the one after are allocated ahead
+/// (`prepare_ahead`). Smaller runs allocate only what they write.
 const PREPARE_FROM: u64 = 512 << 10;
 
 /// The step `prepare_ahead` allocates a data segment in.
@@ -288,18 +303,26 @@ impl FileStorage {
             writable,
             direct,
             writer: Mutex::new(DirectWriter::default()),
-            prepared: Mutex::new(Default::default()),
+            ahead: Mutex::new(Ahead::default()),
             reads: OnceLock::new(),
         })
     }
 
     /// Before a direct write: allocate the `PREPARE_STEP` chunks a long
-    /// run lands in, and the chunk after, each once per process, in one
-    /// `fallocate` apiece. O_DIRECT writes into a hole allocate as they
-    /// are issued, and pipelined commits issue a stream's writes a little
-    /// out of file order, so ext4 gave a 1 GiB packed data file filled by
-    /// 1 MiB writes at QD8 75-90 extents (9-24 before pipelining); a chunk
-    /// allocated whole is allocated in one piece where free space allows.
+    /// run that continues a stream lands in, and the chunk after, each
+    /// once per process, in one `fallocate` apiece. O_DIRECT writes into a
+    /// hole allocate as they are issued, and pipelined commits issue a
+    /// stream's writes a little out of file order, so ext4 gave a 1 GiB
+    /// packed data file filled by 1 MiB writes at QD8 75-90 extents (9-24
+    /// before pipelining); a chunk allocated whole is allocated in one
+    /// piece where free space allows.
+    ///
+    /// A run continues a stream when it starts within `PREPARE_STEP` of
+    /// where one of the last `STREAMS` long runs ended (either side: the
+    /// stream's writes come a little out of order). A long run anywhere
+    /// else (a guest's scattered 1 MiB writebacks) only becomes a stream's
+    /// head and allocates nothing ahead, nor does any run under
+    /// `PREPARE_FROM`: a volume written at random stays sparse.
     ///
     /// What it allocates reads as zeros until written (unwritten extents),
     /// exactly as the hole did: a block's state is the written map's and
@@ -308,34 +331,43 @@ impl FileStorage {
     /// inside the file's length, so the length every file is checked
     /// against (FORMAT.md, "Files shorter than the volume needs") never
     /// moves. Advisory: a failure (a full filesystem, no `fallocate`)
-    /// leaves the write to allocate its own blocks as before. Random
-    /// writes (runs under `PREPARE_FROM`) allocate nothing ahead, so a
-    /// volume written at random stays sparse; a trimmed hole in a chunk a
-    /// long run prepares later is allocated again, still reading as zeros
-    /// and still trimmed by the written map.
+    /// leaves the write to allocate its own blocks as before. A trimmed
+    /// hole in a chunk a stream prepares later is allocated again, still
+    /// reading as zeros and still trimmed by the written map.
     fn prepare_ahead(&self, object: ObjectId, file: &File, runs: &[Run<'_>]) {
         let ObjectId::Data(segment) = object else {
             return;
         };
-        let mut wanted = runs
-            .iter()
-            .map(|run| (run.offset, run.len()))
-            .filter(|&(_, len)| len >= PREPARE_FROM)
-            .flat_map(|(offset, len)| offset / PREPARE_STEP..(offset + len - 1) / PREPARE_STEP + 2)
-            .peekable();
-        if wanted.peek().is_none() {
+        if !runs.iter().any(|run| run.len() >= PREPARE_FROM) {
             return;
         }
-        let mut prepared = self.prepared.lock();
+        let mut ahead = self.ahead.lock();
+        let Ahead { chunks, heads } = &mut *ahead;
         let mut file_len = None;
-        for chunk in wanted {
-            if !prepared.insert((segment, chunk)) {
+        for run in runs.iter().filter(|run| run.len() >= PREPARE_FROM) {
+            let (start, end) = (run.offset, run.offset + run.len());
+            let near = heads
+                .iter()
+                .position(|&(at, head)| at == segment && start.abs_diff(head) <= PREPARE_STEP);
+            match near {
+                Some(index) => {
+                    heads.remove(index);
+                }
+                None => heads.truncate(STREAMS - 1),
+            }
+            heads.push_front((segment, end));
+            if near.is_none() {
                 continue;
             }
-            let len = *file_len.get_or_insert_with(|| file.metadata().map_or(0, |m| m.len()));
-            let start = chunk * PREPARE_STEP;
-            if start < len {
-                let _ = allocate(file, start, PREPARE_STEP.min(len - start));
+            for chunk in start / PREPARE_STEP..=(end - 1) / PREPARE_STEP + 1 {
+                if !chunks.insert((segment, chunk)) {
+                    continue;
+                }
+                let len = *file_len.get_or_insert_with(|| file.metadata().map_or(0, |m| m.len()));
+                let from = chunk * PREPARE_STEP;
+                if from < len {
+                    let _ = allocate(file, from, PREPARE_STEP.min(len - from));
+                }
             }
         }
     }
@@ -1518,16 +1550,18 @@ mod tests {
         assert!(back == parts[0], "the single write");
     }
 
-    /// A long direct write allocates its chunk and the next ahead, in
-    /// whole `PREPARE_STEP`s (a pipelined stream's writes, issued a little
-    /// out of order, then land in one allocation instead of fragmenting
-    /// the file); a 4 KiB one allocates only itself; nothing is allocated
-    /// past the file's length, which never moves.
+    /// A long direct write that continues a stream (starts near where a
+    /// recent one ended, either side) allocates its chunk and the next
+    /// ahead, in whole `PREPARE_STEP`s: a pipelined stream's writes,
+    /// issued a little out of order, then land in one allocation instead
+    /// of fragmenting the file. A lone long write (a scattered writeback)
+    /// and a 4 KiB one allocate only themselves; nothing is allocated past
+    /// the file's length, which never moves.
     #[test]
-    fn a_long_direct_write_allocates_its_chunk_and_the_next_ahead() {
+    fn a_long_direct_write_that_continues_a_stream_allocates_ahead() {
         use std::os::unix::fs::MetadataExt;
         let dir = tempfile::tempdir().expect("tempdir");
-        let len = 4 * PREPARE_STEP;
+        let len = 8 * PREPARE_STEP;
         let geometry =
             Geometry::new(vouch_format::LayoutKind::Split, len, 1 << 30).expect("geometry");
         let volume = dir.path().join("v");
@@ -1544,18 +1578,29 @@ mod tests {
 
         let data = vec![7u8; 1 << 20];
         let parts: [&[u8]; 1] = [&data];
-        let run = |offset| Run {
-            offset,
-            parts: &parts,
+        let mib = 1u64 << 20;
+        let write = |offset: u64, parts: &[&[u8]]| {
+            storage
+                .write_runs(ObjectId::Data(0), &[Run { offset, parts }])
+                .expect("write");
         };
-        storage
-            .write_runs(ObjectId::Data(0), &[run(PREPARE_STEP / 2)])
-            .expect("a long write");
+        // Lone long writes, far apart: each only itself.
+        write(PREPARE_STEP / 2, &parts);
+        write(4 * PREPARE_STEP, &parts);
         assert!(
-            allocated() >= 2 * PREPARE_STEP,
-            "a 1 MiB write in chunk 0 allocated {} bytes, not chunks 0 and 1",
+            allocated() < 4 * mib,
+            "two lone 1 MiB writes allocated {} bytes",
             allocated()
         );
+        // The stream that began at PREPARE_STEP / 2, its next write
+        // arriving ahead of the one before it: chunks 0 and 1.
+        write(PREPARE_STEP / 2 + 2 * mib, &parts);
+        assert!(
+            allocated() >= 2 * PREPARE_STEP && allocated() < 3 * PREPARE_STEP,
+            "a stream's 1 MiB write in chunk 0 allocated {} bytes, not chunks 0 and 1",
+            allocated()
+        );
+        write(PREPARE_STEP / 2 + mib, &parts);
         let mut back = vec![1u8; 1 << 20];
         storage
             .read_at(ObjectId::Data(0), PREPARE_STEP + 4096, &mut back)
@@ -1567,28 +1612,24 @@ mod tests {
 
         let before = allocated();
         let small: [&[u8]; 1] = [&data[..4096]];
-        storage
-            .write_runs(
-                ObjectId::Data(0),
-                &[Run {
-                    offset: 3 * PREPARE_STEP,
-                    parts: &small,
-                }],
-            )
-            .expect("a 4 KiB write");
+        write(6 * PREPARE_STEP, &small);
+        write(6 * PREPARE_STEP + 4096, &small);
         assert!(
-            allocated() - before < 1 << 20,
-            "a 4 KiB write allocated nothing ahead"
+            allocated() - before < mib,
+            "4 KiB writes allocated nothing ahead"
         );
 
-        storage
-            .write_runs(ObjectId::Data(0), &[run(len - (1 << 20))])
-            .expect("a long write at the end");
+        write(len - 2 * mib, &parts);
+        write(len - mib, &parts);
         assert_eq!(
             std::fs::metadata(&path).expect("stat").len(),
             len,
             "the length never moves"
         );
-        assert!(allocated() <= len, "nothing allocated past the end");
+        assert!(
+            allocated() < 4 * PREPARE_STEP,
+            "the stream at the end allocated its last chunk only: {} bytes",
+            allocated()
+        );
     }
 }
