@@ -66,9 +66,8 @@
 //! styles (`PendingWrite`, `WriteDone`, `StartWrite`). The planned shape
 //! is one submission per trait that says how it may be admitted,
 //! `Admission::{MayWait, MustNotWait, Reserved}`, of `Bytes` only (the
-//! slice twins go), and one
-//! completion, `WriteDone`, called inline when the write finished on the
-//! caller's thread; that waits for the read side to become one pipeline
+//! slice twins go), and one completion, `WriteDone`, called inline when
+//! the write finished on the caller's thread; that waits for the read side to become one pipeline
 //! (the read methods keep their signatures until then), and must keep the
 //! reactor route free of any allocation per 4 KiB write it does not make
 //! today (no boxed completion when the write completes inline).
