@@ -16,8 +16,8 @@ use std::time::Instant;
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
-    create_volume, Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, Result, SealedBlock,
-    Volume, ZeroFlags, BLOCK,
+    create_volume, Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, Result, Volume,
+    ZeroFlags, BLOCK,
 };
 
 /// A volume without its copy override: the trait's default copy.
@@ -55,12 +55,6 @@ impl BlockDevice for Plain<'_> {
     }
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.0.read_blocks_collecting(first, count, out)
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
-        self.0.read_sealed(first, count)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.0.write_sealed(blocks)
     }
 }
 

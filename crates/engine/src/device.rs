@@ -1,39 +1,76 @@
-//! `BlockDevice`: the block-level interface every layer speaks. A `Volume`
-//! implements it; the NBD adapter consumes it; layers that stack on it
-//! (fault injection today; mirrors, remote replicas and offloads next)
-//! implement it too, wrapping another device, without the engine knowing.
+//! The device traits every layer speaks: `BlockDevice`, the core a
+//! `Volume` implements and the NBD adapter, the jobs and the offloads
+//! consume, and `SealedDevice`, the sealed-block face of a device that
+//! can be a mirror's leg or a replica's target. Layers that stack on a
+//! device (fault injection today; mirrors, remote replicas and offloads
+//! next) implement them too, wrapping another device, without the engine
+//! knowing.
 //!
-//! Besides reads and writes it carries the calls those layers need:
-//! moving a block *together with its context* (`read_sealed` /
+//! **The core (`BlockDevice`, 28 methods).** What a client of a device
+//! needs and nothing a leg alone needs: size and read-only; reads (`read`
+//! and the reactor's `try_read`, the ring's `try_begin_read`,
+//! `read_events`, `reap_reads`, `reads_in_flight`); writes (`write`, the
+//! reactor's `try_write`, `write_shared` and `try_write_shared` of bytes
+//! the device may keep, the completion-based `try_begin_write`, and the
+//! `landing_buffer` a payload is received into); `flush` and `flush_then`;
+//! `trim`, `write_zeroes`, `block_status`; `stored_contexts` (changed
+//! blocks, an export's bitmaps); the scans (`read_blocks_collecting`,
+//! `metadata_unit`, `next_possible_data`); the offloads `verify`, `copy`
+//! and `compare`, with default implementations in terms of reads and
+//! writes, which a device that can do better overrides; and `as_any` for
+//! the one fast path on a concrete device (the reflink copy).
+//!
+//! **The sealed face (`SealedDevice: BlockDevice`, 16 methods).** A
+//! mirror's legs are `Arc<dyn SealedDevice>`, and so is what a replica
+//! serves: moving a block *together with its context* (`read_sealed`,
 //! `write_sealed`, for repair, resync and replicas: PI travels with the
-//! data and is checked at every hop), scans (`read_blocks_collecting`,
-//! `next_possible_data`), and the offloads `verify`, `copy` and `compare`
-//! with default implementations in terms of reads and writes, which a
-//! device that can do better overrides.
+//! data and is checked at every hop); the routes a mirror stores a leg's
+//! share of a sealed write by (`try_write_sealed`, `write_sealed_here`,
+//! `reserve_room` / `release_room` / `write_sealed_reserved`,
+//! `start_write_sealed`, `writes_sealed_then` / `write_sealed_then`,
+//! `inline_seal_max_bytes`); sealing for another device (`seal_blocks`,
+//! `generation_clock`); and reaching a leg (`reconnect`, `unreachable`).
+//! None of these is an NBD request, so the export never sees them and a
+//! layer over an export (`--inject`) has nothing of them to forward.
 //!
 //! **Layers forward by default.** A layer (fault injection; like an
 //! nbdkit filter) is a `BlockDevice` whose `below` names the device it
 //! wraps: every provided method then passes the call on to that device
 //! unchanged, fast paths included (inline `try_read`/`try_write_shared`,
-//! ring reads, `flush_then`, the sealed and reserved writes,
-//! `try_begin_write`, the offloads), so a layer overrides only the calls
-//! it changes, and a call it does not name keeps the route the device
-//! below offers. A layer that changes what a call does must override
-//! every route that call can take (a layer that fails reads overrides
-//! `try_read`, `try_begin_read`, `verify`, `copy` and `compare` as well
-//! as `read`). Only a device at the bottom (`below` is `None`: a volume,
-//! a mirror over its legs, a remote leg) gets the declining or
-//! read-and-write defaults each method describes. The methods without a
-//! default stay required of a layer too (three lines for `size`,
-//! `is_read_only` and `block_status`), so a device at the bottom cannot
+//! ring reads, `flush_then`, `try_begin_write`, the offloads), so a layer
+//! overrides only the calls it changes, and a call it does not name keeps
+//! the route the device below offers. A layer over a leg is a
+//! `SealedDevice` too, whose `sealed_below` names the same device: the
+//! sealed and reserved writes then forward the same way. A layer that
+//! changes what a call does must override every route that call can take
+//! (a layer that fails reads overrides `try_read`, `try_begin_read`,
+//! `verify`, `copy` and `compare` as well as `read`). Only a device at
+//! the bottom (`below` is `None`: a volume, a mirror over its legs, a
+//! remote leg) gets the declining or read-and-write defaults each method
+//! describes. The methods without a default stay required of a layer too
+//! (three lines for `size`, `is_read_only` and `block_status`; two for
+//! `read_sealed` and `write_sealed`), so a device at the bottom cannot
 //! forget one.
 //!
-//! Why one trait with a `below` hook rather than a separate `Layer` trait
-//! with a blanket `impl<L: Layer> BlockDevice for L`: that would restate
-//! every method twice (the layer's forwarding default, and the blanket
-//! impl calling it), and a method added to `BlockDevice` but not to
-//! `Layer` would silently decline again under every layer. Here each
-//! provided method states both behaviours in one place.
+//! Why the layer trait is this `below` hook rather than a separate `Layer`
+//! trait with a blanket `impl<L: Layer> BlockDevice for L`: that would
+//! restate every method twice (the layer's forwarding default, and the
+//! blanket impl calling it), twice over now that there are two traits,
+//! and a method added to `BlockDevice` but not to `Layer` would silently
+//! decline again under every layer. Here each provided method states both
+//! behaviours in one place.
+//!
+//! **Next: one write submission.** The core still has four ways to
+//! write bytes (`write`, `try_write`, `write_shared`, `try_write_shared`,
+//! with `try_begin_write` beside them) and the sealed face three waiting
+//! styles (`PendingWrite`, `WriteDone`, `StartWrite`). The planned shape
+//! is one submission per trait that says how it may be admitted,
+//! `Admission::{MayWait, MustNotWait, Reserved}`, of `Bytes` only (the
+//! slice twins go), and one completion, `WriteDone`, called inline when
+//! the write finished on the caller's thread; that waits for the read side to become one pipeline
+//! (the read methods keep their signatures until then), and must keep the
+//! reactor route free of any allocation per 4 KiB write it does not make
+//! today (no boxed completion when the write completes inline).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -74,7 +111,7 @@ pub struct ZeroFlags {
     pub allocate: bool,
 }
 
-/// A write started by `BlockDevice::start_write_sealed`: call it to wait
+/// A write started by `SealedDevice::start_write_sealed`: call it to wait
 /// for the outcome.
 pub type PendingWrite = Box<dyn FnOnce() -> Result<()> + Send>;
 
@@ -197,6 +234,21 @@ pub trait BlockDevice: Send + Sync {
         }
     }
 
+    /// The completion-based write of the NBD reactor (a mirror with
+    /// remote legs): if `data` at `offset` (no FUA) can be *started*
+    /// without blocking, lock and prepare it and return the `StartWrite`
+    /// that starts it; its `WriteDone` is called once the write is done
+    /// (every leg answered), with the outcome `write_shared` would have
+    /// returned. `Ok(None)`, with nothing locked or written, when it
+    /// cannot; then call `write_shared`. An `Err` is the write's outcome
+    /// (a request error). The default always declines.
+    fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
+        match self.below() {
+            Some(below) => Arc::clone(below).try_begin_write(offset, data),
+            None => Ok(None),
+        }
+    }
+
     /// Memory to receive a write's payload of `len` bytes into before it
     /// is passed to `write_shared` / `try_write_shared` (frozen): a volume
     /// whose held log can name it instead of copying it (`landing.rs`).
@@ -271,163 +323,6 @@ pub trait BlockDevice: Send + Sync {
             Some(below) => below.next_possible_data(lba),
             None => Ok(lba),
         }
-    }
-
-    /// Blocks `[first, first + count)` as stored, each with its context.
-    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>>;
-
-    /// Store sealed blocks at their LBAs, after verifying each against its
-    /// context: a block that does not verify fails the call naming it, and
-    /// none of the blocks is stored.
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
-
-    /// `write_sealed` only if it can complete without waiting (the
-    /// mirror's inline path): `Ok(false)` with nothing stored when it would
-    /// wait. The default always would.
-    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        match self.below() {
-            Some(below) => below.try_write_sealed(blocks),
-            None => Ok(false),
-        }
-    }
-
-    /// `write_sealed` of blocks this process sealed (`seal_blocks`) from
-    /// bytes that never left it: a mirror's write to its local legs. No
-    /// hop lies between the seal and the store (as none does on a single
-    /// volume's write path), so a device may skip recomputing each guard
-    /// and check only that each context belongs at its LBA here
-    /// (`SealCheck::Placement`). The default verifies like `write_sealed`.
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        match self.below() {
-            Some(below) => below.write_sealed_here(blocks),
-            None => self.write_sealed(blocks),
-        }
-    }
-
-    /// Reserve room for `count` blocks that `write_sealed_reserved` will
-    /// store without waiting (a mirror's inline path reserves on every
-    /// leg before it writes any: the write is then never half done, nor
-    /// finished by a blocking commit on the caller's thread). False, with
-    /// nothing reserved, when there is none. The default: never.
-    fn reserve_room(&self, count: usize) -> bool {
-        self.below().is_some_and(|below| below.reserve_room(count))
-    }
-
-    /// Give back room `reserve_room` reserved and no write used.
-    fn release_room(&self, count: usize) {
-        if let Some(below) = self.below() {
-            below.release_room(count);
-        }
-    }
-
-    /// `write_sealed_here` into room `reserve_room(blocks.len())`
-    /// reserved, without waiting; the reservation is used up whatever the
-    /// outcome. Only for data blocks (a zero-reading one is refused).
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        match self.below() {
-            Some(below) => below.write_sealed_reserved(blocks),
-            None => Err(Error::Unsupported("writes into reserved room".into())),
-        }
-    }
-
-    /// The largest write this device seals cheaply enough for an inline
-    /// (NBD reactor) path: one that encrypts caps it. The default: any.
-    fn inline_seal_max_bytes(&self) -> usize {
-        self.below()
-            .map_or(usize::MAX, |below| below.inline_seal_max_bytes())
-    }
-
-    /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
-    /// without waiting for it, for a device whose writes travel (a remote
-    /// replica): the mirror starts these first and writes its local legs
-    /// while they are under way. The `PendingWrite` returns the outcome
-    /// `write_sealed` would have. The blocks must be of distinct LBAs (one
-    /// sealed write): a device may store them in any order. `None` (the
-    /// default): the device has no such path; the caller writes
-    /// synchronously.
-    fn start_write_sealed(
-        &self,
-        blocks: &[SealedBlock],
-        fua: bool,
-    ) -> Option<Result<PendingWrite>> {
-        self.below()?.start_write_sealed(blocks, fua)
-    }
-
-    /// Whether `write_sealed_then` completes later without blocking the
-    /// caller (a remote replica on a connection that answers on its own
-    /// thread). The default: no, it would block (the default
-    /// `write_sealed_then` is `write_sealed`).
-    fn writes_sealed_then(&self) -> bool {
-        self.below().is_some_and(|below| below.writes_sealed_then())
-    }
-
-    /// Start `write_sealed` of `blocks` (with `fua`, made durable too) and
-    /// call `done` exactly once with its outcome, possibly on another
-    /// thread and within the device's request timeout. The default does
-    /// the write here and then calls `done`.
-    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
-        if let Some(below) = self.below() {
-            return below.write_sealed_then(blocks, fua, done);
-        }
-        let outcome = self
-            .write_sealed(blocks)
-            .and_then(|()| if fua { self.flush() } else { Ok(()) });
-        done(outcome);
-    }
-
-    /// The completion-based write of the NBD reactor (a mirror with
-    /// remote legs): if `data` at `offset` (no FUA) can be *started*
-    /// without blocking, lock and prepare it and return the `StartWrite`
-    /// that starts it; its `WriteDone` is called once the write is done
-    /// (every leg answered), with the outcome `write_shared` would have
-    /// returned. `Ok(None)`, with nothing locked or written, when it
-    /// cannot; then call `write_shared`. An `Err` is the write's outcome
-    /// (a request error). The default always declines.
-    fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
-        match self.below() {
-            Some(below) => Arc::clone(below).try_begin_write(offset, data),
-            None => Ok(None),
-        }
-    }
-
-    /// Seal whole blocks (`data`, from LBA `first`) as this device would
-    /// store them, each with its context carrying `generation`, for
-    /// `write_sealed` here or on another leg of one mirror: the mirror
-    /// seals a write once and every leg stores the same bytes and context
-    /// (PI computed once, verified at every leg). `Unsupported` when the
-    /// device cannot seal (then the mirror has each leg seal for itself).
-    fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
-        match self.below() {
-            Some(below) => below.seal_blocks(first, data, generation),
-            None => Err(Error::Unsupported(
-                "sealing blocks for another device".into(),
-            )),
-        }
-    }
-
-    /// Reach the device again after it became unreachable (a remote
-    /// leg whose connection died), checking it is still the same volume;
-    /// nothing to do while it is reachable. `Unsupported` by default.
-    fn reconnect(&self) -> Result<()> {
-        match self.below() {
-            Some(below) => below.reconnect(),
-            None => Err(Error::Unsupported("reconnecting this device".into())),
-        }
-    }
-
-    /// Why the device cannot be reached now (a remote leg whose
-    /// connection died), without trying to reach it; `None` while it can
-    /// be (always, for a local device).
-    fn unreachable(&self) -> Option<String> {
-        self.below()?.unreachable()
-    }
-
-    /// The generation a block sealed now would carry here (0 when the
-    /// device has no such clock): a mirror stamps each write with the
-    /// highest of its legs' clocks, so every leg stores one generation and
-    /// a later write of a block always has a generation at least as high.
-    fn generation_clock(&self) -> u64 {
-        self.below().map_or(0, |below| below.generation_clock())
     }
 
     /// This device as `Any`, for a caller with a fast path on one concrete
@@ -505,6 +400,167 @@ pub trait BlockDevice: Send + Sync {
             at += n;
         }
         Ok(None)
+    }
+}
+
+/// The sealed-block face of a device that can be a mirror's leg or a
+/// replica's target: blocks moved *with their contexts* (PI travels with
+/// the data and is checked at every hop), the write routes a mirror
+/// admits a leg's share of a write by, sealing for another device, and
+/// whether the device can be reached. A `Volume` and a remote leg are
+/// sealed devices; the NBD export and the jobs need only `BlockDevice`.
+pub trait SealedDevice: BlockDevice {
+    /// The sealed device this one is a layer over (the same device as
+    /// `below`), which every provided method passes its call on to; `None`
+    /// (the default) at the bottom of a stack, where each provided method
+    /// declines or falls back as it describes.
+    fn sealed_below(&self) -> Option<&dyn SealedDevice> {
+        None
+    }
+
+    /// Blocks `[first, first + count)` as stored, each with its context.
+    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>>;
+
+    /// Store sealed blocks at their LBAs, after verifying each against its
+    /// context: a block that does not verify fails the call naming it, and
+    /// none of the blocks is stored.
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
+
+    /// `write_sealed` only if it can complete without waiting (the
+    /// mirror's inline path): `Ok(false)` with nothing stored when it would
+    /// wait. The default always would.
+    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        match self.sealed_below() {
+            Some(below) => below.try_write_sealed(blocks),
+            None => Ok(false),
+        }
+    }
+
+    /// `write_sealed` of blocks this process sealed (`seal_blocks`) from
+    /// bytes that never left it: a mirror's write to its local legs. No
+    /// hop lies between the seal and the store (as none does on a single
+    /// volume's write path), so a device may skip recomputing each guard
+    /// and check only that each context belongs at its LBA here
+    /// (`SealCheck::Placement`). The default verifies like `write_sealed`.
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
+        match self.sealed_below() {
+            Some(below) => below.write_sealed_here(blocks),
+            None => self.write_sealed(blocks),
+        }
+    }
+
+    /// Reserve room for `count` blocks that `write_sealed_reserved` will
+    /// store without waiting (a mirror's inline path reserves on every
+    /// leg before it writes any: the write is then never half done, nor
+    /// finished by a blocking commit on the caller's thread). False, with
+    /// nothing reserved, when there is none. The default: never.
+    fn reserve_room(&self, count: usize) -> bool {
+        self.sealed_below()
+            .is_some_and(|below| below.reserve_room(count))
+    }
+
+    /// Give back room `reserve_room` reserved and no write used.
+    fn release_room(&self, count: usize) {
+        if let Some(below) = self.sealed_below() {
+            below.release_room(count);
+        }
+    }
+
+    /// `write_sealed_here` into room `reserve_room(blocks.len())`
+    /// reserved, without waiting; the reservation is used up whatever the
+    /// outcome. Only for data blocks (a zero-reading one is refused).
+    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
+        match self.sealed_below() {
+            Some(below) => below.write_sealed_reserved(blocks),
+            None => Err(Error::Unsupported("writes into reserved room".into())),
+        }
+    }
+
+    /// The largest write this device seals cheaply enough for an inline
+    /// (NBD reactor) path: one that encrypts caps it. The default: any.
+    fn inline_seal_max_bytes(&self) -> usize {
+        self.sealed_below()
+            .map_or(usize::MAX, |below| below.inline_seal_max_bytes())
+    }
+
+    /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
+    /// without waiting for it, for a device whose writes travel (a remote
+    /// replica): the mirror starts these first and writes its local legs
+    /// while they are under way. The `PendingWrite` returns the outcome
+    /// `write_sealed` would have. The blocks must be of distinct LBAs (one
+    /// sealed write): a device may store them in any order. `None` (the
+    /// default): the device has no such path; the caller writes
+    /// synchronously.
+    fn start_write_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+    ) -> Option<Result<PendingWrite>> {
+        self.sealed_below()?.start_write_sealed(blocks, fua)
+    }
+
+    /// Whether `write_sealed_then` completes later without blocking the
+    /// caller (a remote replica on a connection that answers on its own
+    /// thread). The default: no, it would block (the default
+    /// `write_sealed_then` is `write_sealed`).
+    fn writes_sealed_then(&self) -> bool {
+        self.sealed_below()
+            .is_some_and(|below| below.writes_sealed_then())
+    }
+
+    /// Start `write_sealed` of `blocks` (with `fua`, made durable too) and
+    /// call `done` exactly once with its outcome, possibly on another
+    /// thread and within the device's request timeout. The default does
+    /// the write here and then calls `done`.
+    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
+        if let Some(below) = self.sealed_below() {
+            return below.write_sealed_then(blocks, fua, done);
+        }
+        let outcome = self
+            .write_sealed(blocks)
+            .and_then(|()| if fua { self.flush() } else { Ok(()) });
+        done(outcome);
+    }
+
+    /// Seal whole blocks (`data`, from LBA `first`) as this device would
+    /// store them, each with its context carrying `generation`, for
+    /// `write_sealed` here or on another leg of one mirror: the mirror
+    /// seals a write once and every leg stores the same bytes and context
+    /// (PI computed once, verified at every leg). `Unsupported` when the
+    /// device cannot seal (then the mirror has each leg seal for itself).
+    fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
+        match self.sealed_below() {
+            Some(below) => below.seal_blocks(first, data, generation),
+            None => Err(Error::Unsupported(
+                "sealing blocks for another device".into(),
+            )),
+        }
+    }
+
+    /// Reach the device again after it became unreachable (a remote
+    /// leg whose connection died), checking it is still the same volume;
+    /// nothing to do while it is reachable. `Unsupported` by default.
+    fn reconnect(&self) -> Result<()> {
+        match self.sealed_below() {
+            Some(below) => below.reconnect(),
+            None => Err(Error::Unsupported("reconnecting this device".into())),
+        }
+    }
+
+    /// Why the device cannot be reached now (a remote leg whose
+    /// connection died), without trying to reach it; `None` while it can
+    /// be (always, for a local device).
+    fn unreachable(&self) -> Option<String> {
+        self.sealed_below()?.unreachable()
+    }
+
+    /// The generation a block sealed now would carry here (0 when the
+    /// device has no such clock): a mirror stamps each write with the
+    /// highest of its legs' clocks, so every leg stores one generation and
+    /// a later write of a block always has a generation at least as high.
+    fn generation_clock(&self) -> u64 {
+        self.sealed_below()
+            .map_or(0, |below| below.generation_clock())
     }
 }
 

@@ -27,7 +27,7 @@ pub struct Seal {
     /// the associated data). Plain: 0 for a block this volume sealed (its
     /// commit's sequence becomes the generation), or the generation a
     /// block moved with its context (`seal_of`) or sealed for a mirror
-    /// (`BlockDevice::seal_blocks`) already carries, which it keeps.
+    /// (`SealedDevice::seal_blocks`) already carries, which it keeps.
     pub generation: u32,
     pub nonce: [u8; vouch_format::context::ENCRYPTED_NONCE_RANDOM],
     pub tag: [u8; 16],

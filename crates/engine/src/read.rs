@@ -300,7 +300,7 @@ impl Shared {
         Ok((next - next % SCAN_CHUNK_BLOCKS).max(lba))
     }
 
-    /// Blocks as stored, each with its context (`BlockDevice::read_sealed`).
+    /// Blocks as stored, each with its context (`SealedDevice::read_sealed`).
     /// A block still in the write-back buffer carries the seal it was
     /// buffered with and the generation its commit will carry; a block that
     /// reads as zeros has a hole's context.

@@ -15,7 +15,7 @@ use parking_lot::RwLock;
 use vouch_format::regions::RegionRecord;
 use vouch_format::{FeatureFlags, LayoutKind, Superblock};
 
-use crate::device::{BlockDevice, SealedBlock, ZeroFlags};
+use crate::device::{BlockDevice, SealedBlock, SealedDevice, ZeroFlags};
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
@@ -1235,7 +1235,10 @@ impl BlockDevice for RegionVolume {
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         RegionVolume::read_blocks_collecting(self, first, count, out)
     }
+}
 
+/// The sealed face, each block moved through the member serving it.
+impl SealedDevice for RegionVolume {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.check_range(first * BLOCK, count * BLOCK)?;
         let mut blocks = Vec::with_capacity(count as usize);

@@ -451,7 +451,7 @@ impl Engine {
     }
 
     /// Seal whole blocks for storing elsewhere or here with `write_sealed`
-    /// (`BlockDevice::seal_blocks`): each block's stored bytes (ciphertext
+    /// (`SealedDevice::seal_blocks`): each block's stored bytes (ciphertext
     /// on an encrypted volume) and its context carrying `generation`.
     pub fn seal_for_transfer(
         &self,
@@ -484,7 +484,7 @@ impl Engine {
             .collect())
     }
 
-    /// Store blocks moved with their contexts (`BlockDevice::write_sealed`):
+    /// Store blocks moved with their contexts (`SealedDevice::write_sealed`):
     /// each is verified against its context for its LBA first, and any
     /// failure refuses the whole call. Data blocks keep their seal (the PI
     /// computed where the data was created); zero-reading contexts become

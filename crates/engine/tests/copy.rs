@@ -10,7 +10,7 @@ use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind,
-    OpenOptions, SimStorage, Volume, ZeroFlags, BLOCK,
+    OpenOptions, SealedDevice, SimStorage, Volume, ZeroFlags, BLOCK,
 };
 use vouch_format::Context;
 

@@ -11,7 +11,7 @@ use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind,
-    OpenOptions, Volume, BLOCK,
+    OpenOptions, SealedDevice, Volume, BLOCK,
 };
 use vouch_format::Context;
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind, ObjectId,
-    OpenOptions, SimStorage, Volume, ZeroFlags, BLOCK,
+    OpenOptions, SealedDevice, SimStorage, Volume, ZeroFlags, BLOCK,
 };
 
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {

@@ -14,7 +14,7 @@ use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind,
-    OpenOptions, UserSecret, Volume, BLOCK,
+    OpenOptions, SealedDevice, UserSecret, Volume, BLOCK,
 };
 
 const BLOCKS: u64 = 512;

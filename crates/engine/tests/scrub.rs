@@ -16,8 +16,7 @@ use common::*;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::scrub::{last_scrub, scrub, ScrubOptions, ScrubState, SCRUB_FILE};
 use vouch_engine::{
-    Allocation, BlockDevice, Error, Fault, FaultKind, LayoutKind, Result, SealedBlock, Volume,
-    ZeroFlags, BLOCK,
+    Allocation, BlockDevice, Error, Fault, FaultKind, LayoutKind, Result, Volume, ZeroFlags, BLOCK,
 };
 
 /// Data in chunks 0, 1, 3 (partly) and 5; blocks 10 and 1300 damaged.
@@ -410,12 +409,6 @@ impl BlockDevice for FailingReads {
             });
         }
         self.inner.read_blocks_collecting(first, count, out)
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
-        self.inner.read_sealed(first, count)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.inner.write_sealed(blocks)
     }
 }
 

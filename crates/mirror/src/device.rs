@@ -18,7 +18,7 @@ use crate::progress::ReconcileProgress;
 use crate::stripes::Stripes;
 use crate::written::{count, minus, Recording, Written};
 use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
-use vouch_engine::device::{BlockDevice, SealedBlock, ZeroFlags};
+use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice, ZeroFlags};
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
 use vouch_engine::Allocation;
 use vouch_engine::BLOCK;
@@ -205,7 +205,7 @@ impl Mirror {
                 legs.len()
             )));
         }
-        let present: Vec<&Arc<dyn BlockDevice>> =
+        let present: Vec<&Arc<dyn SealedDevice>> =
             legs.iter().filter_map(|leg| leg.device.as_ref()).collect();
         let Some(first) = present.first() else {
             return Err(Error::InvalidArgument(
@@ -261,7 +261,7 @@ impl Mirror {
         })
     }
 
-    pub(super) fn device(&self, leg: usize) -> &dyn BlockDevice {
+    pub(super) fn device(&self, leg: usize) -> &dyn SealedDevice {
         &**self.legs[leg]
             .device
             .get()
@@ -708,7 +708,7 @@ impl Mirror {
     /// succeeds is faulted; if every leg fails, the first error is returned.
     /// A resyncing leg that fails stops resyncing (its map still covers
     /// the write: it was marked first) and stays stale.
-    fn each_leg(&self, what: &str, op: impl Fn(&dyn BlockDevice) -> Result<()>) -> Result<()> {
+    fn each_leg(&self, what: &str, op: impl Fn(&dyn SealedDevice) -> Result<()>) -> Result<()> {
         self.each_leg_of(&self.write_targets(), what, |_, device| op(device))
             .map(|_| ())
     }
@@ -731,7 +731,7 @@ impl Mirror {
         &self,
         targets: &[usize],
         what: &str,
-        mut op: impl FnMut(usize, &dyn BlockDevice) -> Result<()>,
+        mut op: impl FnMut(usize, &dyn SealedDevice) -> Result<()>,
     ) -> Result<PerLeg<usize>> {
         let mut outcomes = PerLeg::new();
         for &leg in targets {
@@ -1017,6 +1017,11 @@ impl BlockDevice for Mirror {
         }
         Ok(next.max(lba))
     }
+}
+
+/// A mirror's own sealed face: blocks read from the first active leg
+/// that has them, stored on every active leg under the mirror's rules.
+impl SealedDevice for Mirror {
     /// From the first active leg that answers; a leg that fails is
     /// judged as on every read (`judge_read`).
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {

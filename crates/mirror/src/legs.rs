@@ -15,7 +15,7 @@ use crate::dirty::DirtyMap;
 use crate::progress::ResyncProgress;
 use crate::remote::is_remote_member;
 use crate::CORRECTED_HALF_LIFE;
-use vouch_engine::device::BlockDevice;
+use vouch_engine::device::SealedDevice;
 use vouch_engine::error::Error;
 
 /// One item per leg, in place: a mirror has at most `MAX_LEGS`, and the
@@ -80,7 +80,7 @@ pub struct MirrorLeg {
     /// How logs, metrics and status name it (its path or address).
     pub name: String,
     /// `None` when the leg is missing.
-    pub device: Option<Arc<dyn BlockDevice>>,
+    pub device: Option<Arc<dyn SealedDevice>>,
     pub state: LegState,
 }
 
@@ -91,7 +91,7 @@ pub(crate) struct Leg {
     /// A remote replica (`vouch://`): read only when no local leg is active.
     pub(crate) remote: bool,
     /// Set once: at `Mirror::new`, or when a missing leg is attached.
-    pub(crate) device: OnceLock<Arc<dyn BlockDevice>>,
+    pub(crate) device: OnceLock<Arc<dyn SealedDevice>>,
     pub(crate) state: AtomicU8,
     /// The resync map while the leg is stale or resyncing.
     pub(crate) map: RwLock<Option<Arc<DirtyMap>>>,

@@ -44,7 +44,7 @@ use crate::device::Mirror;
 use crate::dirty::DirtyMap;
 use crate::legs::is_request_error;
 pub use crate::progress::{ResyncProgress, ResyncRate};
-use vouch_engine::device::{BlockDevice, SealedBlock};
+use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::jobs::{JobControl, ScanEnd, Throughput, Visit};
 
@@ -109,7 +109,7 @@ pub enum ResyncStep {
 impl Mirror {
     /// Give missing leg `leg` its device (it came back). Fails if the leg
     /// is present already or its size differs.
-    pub fn attach(&self, leg: usize, device: Arc<dyn BlockDevice>) -> Result<()> {
+    pub fn attach(&self, leg: usize, device: Arc<dyn SealedDevice>) -> Result<()> {
         let slot = self.leg_slot(leg)?;
         if device.size() != self.size() {
             return Err(Error::InvalidArgument(format!(

@@ -15,7 +15,7 @@ use vouch_format::mirror::{LegState, MirrorMember, MAX_LEGS, MIN_LEGS};
 
 use crate::dirty::{map_file_name, DirtyMap};
 use crate::{Membership, Mirror, MirrorLeg};
-use vouch_engine::device::BlockDevice;
+use vouch_engine::device::{BlockDevice, SealedDevice};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::options::CreateOptions;
 use vouch_engine::replace::replace_file;
@@ -416,7 +416,7 @@ pub struct OpenedLeg {
     /// opened (`missing` says why).
     pub volume: Option<Volume>,
     /// A remote member, opened (`None`: local, not active or missing).
-    pub remote: Option<Arc<dyn BlockDevice>>,
+    pub remote: Option<Arc<dyn SealedDevice>>,
     pub missing: Option<String>,
 }
 
@@ -442,7 +442,7 @@ impl OpenedSet {
                 name: leg.path.display().to_string(),
                 device: volume
                     .clone()
-                    .map(|v| v as Arc<dyn BlockDevice>)
+                    .map(|v| v as Arc<dyn SealedDevice>)
                     .or(leg.remote),
                 state: leg.state,
             });
@@ -473,7 +473,7 @@ pub fn open_mirror(
 }
 
 /// Opens a remote member of a set (its URL, the set's record).
-pub type OpenRemote<'a> = dyn FnMut(&str, &MirrorRecord) -> Result<Arc<dyn BlockDevice>> + 'a;
+pub type OpenRemote<'a> = dyn FnMut(&str, &MirrorRecord) -> Result<Arc<dyn SealedDevice>> + 'a;
 
 /// `open_mirror` where members may be remote: `open_remote(url, record)`
 /// connects to one and checks it belongs to the set (its uuid is

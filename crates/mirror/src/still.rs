@@ -9,7 +9,7 @@
 
 use crate::device::Mirror;
 use vouch_engine::error::{Error, Result};
-use vouch_engine::{BlockDevice, Volume};
+use vouch_engine::{BlockDevice, SealedDevice, Volume};
 
 /// An active local leg as `with_legs_still` hands it over.
 pub struct StillLeg<'a> {
@@ -79,7 +79,7 @@ impl Mirror {
 impl Mirror {
     /// The device of leg `leg` when it is present (a remote leg's client,
     /// for its replica's snapshot requests).
-    pub fn present_device(&self, leg: usize) -> Option<&dyn BlockDevice> {
+    pub fn present_device(&self, leg: usize) -> Option<&dyn SealedDevice> {
         self.legs.get(leg)?.device.get().map(|device| &**device)
     }
 }

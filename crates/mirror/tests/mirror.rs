@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use vouch_engine::jobs::{Cursor, JobControl};
 use vouch_engine::{
-    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, Volume, ZeroFlags,
-    BLOCK,
+    open_volume, BlockDevice, CreateOptions, Error, FaultKind, OpenOptions, SealedDevice, Volume,
+    ZeroFlags, BLOCK,
 };
 use vouch_mirror as mirror;
 use vouch_mirror::{create_mirror, open_mirror, LegState, Mirror};

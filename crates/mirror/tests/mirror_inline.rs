@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use vouch_engine::{
     open_volume, Allocation, BlockDevice, CreateOptions, Fault, OpenOptions, Result, SealedBlock,
-    UserSecret, Volume, BLOCK,
+    SealedDevice, UserSecret, Volume, BLOCK,
 };
 use vouch_mirror::{create_mirror, open_mirror, LegState, Mirror, MirrorLeg};
 
@@ -136,6 +136,9 @@ impl BlockDevice for RoomGone {
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.volume.read_blocks_collecting(first, count, out)
     }
+}
+
+impl SealedDevice for RoomGone {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.volume.read_sealed(first, count)
     }
@@ -191,7 +194,7 @@ fn a_leg_without_room_declines_the_whole_inline_write_without_blocking() {
     });
     let leg = |name: &str, device: &Arc<RoomGone>| MirrorLeg {
         name: name.into(),
-        device: Some(Arc::clone(device) as Arc<dyn BlockDevice>),
+        device: Some(Arc::clone(device) as Arc<dyn SealedDevice>),
         state: LegState::Active,
     };
     let mirror = Mirror::new(vec![leg("a", &with_room), leg("b", &without)], None).expect("mirror");

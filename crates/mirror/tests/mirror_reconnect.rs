@@ -5,10 +5,10 @@
 
 use std::sync::Arc;
 
-use vouch_engine::{BlockDevice, CreateOptions, Error, SimStorage, Volume};
+use vouch_engine::{BlockDevice, CreateOptions, Error, SealedDevice, SimStorage, Volume};
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
-fn volume() -> Arc<dyn BlockDevice> {
+fn volume() -> Arc<dyn SealedDevice> {
     let volume = Volume::create(Arc::new(SimStorage::new()), &CreateOptions::new(64 * 4096))
         .expect("create");
     Arc::new(volume)

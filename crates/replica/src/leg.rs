@@ -31,7 +31,7 @@ use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
     Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result, SealedBlock,
-    WriteDone, BLOCK,
+    SealedDevice, WriteDone, BLOCK,
 };
 use vouch_mirror::LegTemplate;
 
@@ -354,40 +354,6 @@ impl BlockDevice for RemoteLeg {
     fn size(&self) -> u64 {
         self.info.size_bytes
     }
-    fn unreachable(&self) -> Option<String> {
-        self.connection.read().dead()
-    }
-
-    /// A new connection when this one is dead; the replica must answer
-    /// OPEN with the volume this leg was opened on (uuid, size, guard,
-    /// volume tag), or the old, dead connection is kept and the call fails.
-    fn reconnect(&self) -> Result<()> {
-        if self.connection.read().dead().is_none() {
-            return Ok(());
-        }
-        let fresh = match &self.snapshot {
-            Some((snapshot, _)) => RemoteLeg::open_snapshot(&self.url, snapshot, &self.options)?,
-            None => RemoteLeg::open(&self.url, &self.options)?,
-        };
-        let (old, new) = (&self.info, &fresh.info);
-        if (old.uuid, old.size_bytes, old.guard, old.volume_tag)
-            != (new.uuid, new.size_bytes, new.guard, new.volume_tag)
-            || old.instance_tag != new.instance_tag
-            || self.snapshot != fresh.snapshot
-        {
-            return Err(Error::Corrupt(format!(
-                "replica {} now holds another volume (uuid {}, {} bytes), not {} ({} bytes)",
-                self.url,
-                fresh.uuid_string(),
-                new.size_bytes,
-                self.uuid_string(),
-                old.size_bytes
-            )));
-        }
-        *self.connection.write() = Arc::clone(&fresh.connection.read());
-        tracing::info!(url = %self.url, "replica: reconnected");
-        Ok(())
-    }
 
     /// The replica client's own type, for the snapshot requests a
     /// mirror's snapshot sends to its remote legs (`leg/snapshot.rs`).
@@ -523,6 +489,65 @@ impl BlockDevice for RemoteLeg {
         Ok(u64::from_le_bytes(bytes))
     }
 
+    /// On the replica, next to its data: only the faults travel.
+    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
+        self.check_blocks(first, count)?;
+        let mut faults = Vec::new();
+        let mut lba = first;
+        while lba < first + count {
+            let n = (first + count - lba).min(MAX_VERIFY_BLOCKS);
+            let answer = self.call(&Request::Verify {
+                first: lba,
+                count: n,
+            })?;
+            let (found, truncated) =
+                decode_faults(&answer).map_err(|error| self.malformed("VERIFY", error))?;
+            if truncated {
+                tracing::warn!(url = %self.url, lba, "replica VERIFY listed only its first faults");
+            }
+            faults.extend(found);
+            lba += n;
+        }
+        Ok(faults)
+    }
+}
+
+impl SealedDevice for RemoteLeg {
+    fn unreachable(&self) -> Option<String> {
+        self.connection.read().dead()
+    }
+
+    /// A new connection when this one is dead; the replica must answer
+    /// OPEN with the volume this leg was opened on (uuid, size, guard,
+    /// volume tag), or the old, dead connection is kept and the call fails.
+    fn reconnect(&self) -> Result<()> {
+        if self.connection.read().dead().is_none() {
+            return Ok(());
+        }
+        let fresh = match &self.snapshot {
+            Some((snapshot, _)) => RemoteLeg::open_snapshot(&self.url, snapshot, &self.options)?,
+            None => RemoteLeg::open(&self.url, &self.options)?,
+        };
+        let (old, new) = (&self.info, &fresh.info);
+        if (old.uuid, old.size_bytes, old.guard, old.volume_tag)
+            != (new.uuid, new.size_bytes, new.guard, new.volume_tag)
+            || old.instance_tag != new.instance_tag
+            || self.snapshot != fresh.snapshot
+        {
+            return Err(Error::Corrupt(format!(
+                "replica {} now holds another volume (uuid {}, {} bytes), not {} ({} bytes)",
+                self.url,
+                fresh.uuid_string(),
+                new.size_bytes,
+                self.uuid_string(),
+                old.size_bytes
+            )));
+        }
+        *self.connection.write() = Arc::clone(&fresh.connection.read());
+        tracing::info!(url = %self.url, "replica: reconnected");
+        Ok(())
+    }
+
     /// As stored there; a block the replica cannot read (or whose context
     /// does not decode) fails the call naming it, as a local volume's does.
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
@@ -636,27 +661,5 @@ impl BlockDevice for RemoteLeg {
         }
         self.check_blocks(first, data.len() as u64 / BLOCK)?;
         Ok(self.seal(first, data, generation))
-    }
-
-    /// On the replica, next to its data: only the faults travel.
-    fn verify(&self, first: u64, count: u64) -> Result<Vec<Fault>> {
-        self.check_blocks(first, count)?;
-        let mut faults = Vec::new();
-        let mut lba = first;
-        while lba < first + count {
-            let n = (first + count - lba).min(MAX_VERIFY_BLOCKS);
-            let answer = self.call(&Request::Verify {
-                first: lba,
-                count: n,
-            })?;
-            let (found, truncated) =
-                decode_faults(&answer).map_err(|error| self.malformed("VERIFY", error))?;
-            if truncated {
-                tracing::warn!(url = %self.url, lba, "replica VERIFY listed only its first faults");
-            }
-            faults.extend(found);
-            lba += n;
-        }
-        Ok(faults)
     }
 }

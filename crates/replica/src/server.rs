@@ -22,7 +22,7 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
-use vouch_engine::{BlockDevice, Error, OpenOptions, Volume, ZeroFlags, BLOCK};
+use vouch_engine::{BlockDevice, Error, OpenOptions, SealedDevice, Volume, ZeroFlags, BLOCK};
 use vouch_mirror::LegTemplate;
 
 use crate::auth::{self, Challenge, Response, Secret, RESPONSE_BYTES};
@@ -389,7 +389,7 @@ impl RouteBreaks {
 /// The server's inline route: answer `request` (number `handle`) on
 /// `volume` if it completes without waiting (`WriteSealed` without FUA,
 /// when the volume's write-back buffer has room:
-/// `BlockDevice::try_write_sealed`, which verifies every block first),
+/// `SealedDevice::try_write_sealed`, which verifies every block first),
 /// handing the answer frame to `reply` once the volume holds the blocks
 /// (in its held log: a crash of this process keeps them). Anything
 /// else, or a write that would wait, is handed back untouched for

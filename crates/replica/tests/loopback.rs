@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use vouch_engine::{BlockDevice, CreateOptions, Error, BLOCK};
+use vouch_engine::{BlockDevice, CreateOptions, Error, SealedDevice, BLOCK};
 use vouch_mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
 use vouch_replica::auth;
 use vouch_replica::server::{serve, CreatePolicy, Registry, ServerOptions};
@@ -84,7 +84,7 @@ fn local_volume(dir: &Path) -> PathBuf {
 }
 
 /// A mirror of an active local and an active remote leg, no membership.
-fn local_and_remote(local: Arc<dyn BlockDevice>, remote: Arc<dyn BlockDevice>) -> Mirror {
+fn local_and_remote(local: Arc<dyn SealedDevice>, remote: Arc<dyn SealedDevice>) -> Mirror {
     let leg = |name: &str, device| MirrorLeg {
         name: name.into(),
         device: Some(device),
@@ -111,11 +111,11 @@ fn a_mirror_of_a_local_and_a_remote_leg_writes_both_and_repairs_the_remote_copy(
     let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
     assert_eq!(remote.uuid_string(), local.uuid_string());
     assert_eq!(remote.size(), local.size());
-    let local: Arc<dyn BlockDevice> = Arc::new(local);
+    let local: Arc<dyn SealedDevice> = Arc::new(local);
     let remote = Arc::new(remote);
     let mirror = local_and_remote(
         Arc::clone(&local),
-        Arc::clone(&remote) as Arc<dyn BlockDevice>,
+        Arc::clone(&remote) as Arc<dyn SealedDevice>,
     );
     for lba in 0..16 {
         mirror
@@ -730,7 +730,7 @@ fn writes_completed_by_the_remote_legs_answer_land_on_both_legs_and_a_lost_repli
     let url = server.url("disk");
     let remote = RemoteLeg::create(&url, &template, &options()).expect("create");
     let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
-    let local: Arc<dyn BlockDevice> = Arc::new(local);
+    let local: Arc<dyn SealedDevice> = Arc::new(local);
     let remote = Arc::new(remote);
     let mirror = Arc::new(
         Mirror::new(
@@ -742,7 +742,7 @@ fn writes_completed_by_the_remote_legs_answer_land_on_both_legs_and_a_lost_repli
                 },
                 MirrorLeg {
                     name: url.to_string(),
-                    device: Some(Arc::clone(&remote) as Arc<dyn BlockDevice>),
+                    device: Some(Arc::clone(&remote) as Arc<dyn SealedDevice>),
                     state: LegState::Active,
                 },
             ],

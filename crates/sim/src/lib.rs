@@ -63,6 +63,14 @@ macro_rules! forward_device {
         ) -> vouch_engine::Result<Vec<(u64, vouch_engine::Allocation)>> {
             self.$below.block_status(offset, length, max_blocks)
         }
+    };
+}
+
+/// The `SealedDevice` methods every sealed device must write, each passed
+/// on unchanged to the device in field `$below` (`forward_device`'s
+/// twin for the sealed face of the same layers).
+macro_rules! forward_sealed {
+    ($below:tt) => {
         fn read_sealed(
             &self,
             first: u64,

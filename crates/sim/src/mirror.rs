@@ -30,8 +30,8 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
-    BlockDevice, CreateOptions, Error, Fault, LayoutKind, ObjectId, OpenOptions, SimStorage,
-    Storage, Volume,
+    BlockDevice, CreateOptions, Error, Fault, LayoutKind, ObjectId, OpenOptions, SealedDevice,
+    SimStorage, Storage, Volume,
 };
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
@@ -133,6 +133,10 @@ impl BlockDevice for ResealsFaults {
     }
 }
 
+impl SealedDevice for ResealsFaults {
+    forward_sealed!(volume);
+}
+
 /// One seed; violations are pushed to `report`, setup errors returned.
 pub fn run_seed(seed: u64, sabotage: bool, report: &mut MirrorReport) -> Result<(), String> {
     let mut rng = Rng::new(seed);
@@ -200,7 +204,7 @@ pub fn run_seed(seed: u64, sabotage: bool, report: &mut MirrorReport) -> Result<
     let legs = vec![
         MirrorLeg {
             name: "leg0".into(),
-            device: Some(volume0.clone() as Arc<dyn BlockDevice>),
+            device: Some(volume0.clone() as Arc<dyn SealedDevice>),
             state: LegState::Active,
         },
         MirrorLeg {
@@ -209,8 +213,8 @@ pub fn run_seed(seed: u64, sabotage: bool, report: &mut MirrorReport) -> Result<
                 true => Arc::new(ResealsFaults {
                     volume: volume1.clone(),
                     storage: recorder1.clone(),
-                }) as Arc<dyn BlockDevice>,
-                false => volume1.clone() as Arc<dyn BlockDevice>,
+                }) as Arc<dyn SealedDevice>,
+                false => volume1.clone() as Arc<dyn SealedDevice>,
             }),
             state: LegState::Active,
         },

@@ -33,7 +33,7 @@ use bytes::Bytes;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
     BlockDevice, CreateOptions, Fault, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions,
-    SealedBlock, Storage, Volume,
+    SealedBlock, SealedDevice, Storage, Volume,
 };
 use vouch_format::layout::PACKED_RECORD_BYTES;
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
@@ -175,12 +175,25 @@ fn open_options(rng: &mut Rng) -> OpenOptions {
 /// Leg 1 with the inline route broken (`run_with`): a layer that
 /// acknowledges writes into reserved room without storing them (the room
 /// is given back); every other call reaches the volume below.
-struct DropsReserved(Arc<dyn BlockDevice>);
+struct DropsReserved {
+    volume: Arc<dyn SealedDevice>,
+    /// The same device, as `below` names it.
+    below: Arc<dyn BlockDevice>,
+}
+
+impl DropsReserved {
+    fn over(volume: Arc<dyn SealedDevice>) -> DropsReserved {
+        DropsReserved {
+            below: Arc::clone(&volume) as Arc<dyn BlockDevice>,
+            volume,
+        }
+    }
+}
 
 impl BlockDevice for DropsReserved {
-    forward_device!(0);
+    forward_device!(volume);
     fn below(&self) -> Option<&Arc<dyn BlockDevice>> {
-        Some(&self.0)
+        Some(&self.below)
     }
     fn read_blocks_collecting(
         &self,
@@ -188,10 +201,17 @@ impl BlockDevice for DropsReserved {
         count: u64,
         out: &mut [u8],
     ) -> vouch_engine::Result<Vec<Fault>> {
-        self.0.read_blocks_collecting(first, count, out)
+        self.volume.read_blocks_collecting(first, count, out)
+    }
+}
+
+impl SealedDevice for DropsReserved {
+    forward_sealed!(volume);
+    fn sealed_below(&self) -> Option<&dyn SealedDevice> {
+        Some(&*self.volume)
     }
     fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        self.0.release_room(blocks.len());
+        self.volume.release_room(blocks.len());
         Ok(())
     }
 }
@@ -478,11 +498,11 @@ fn mirror_over(volumes: &[Arc<Volume>; 2], sabotage: bool) -> Result<Mirror, Str
         .iter()
         .enumerate()
         .map(|(at, volume)| {
-            let device = volume.clone() as Arc<dyn BlockDevice>;
+            let device = volume.clone() as Arc<dyn SealedDevice>;
             MirrorLeg {
                 name: format!("leg{at}"),
                 device: Some(match sabotage && at == 1 {
-                    true => Arc::new(DropsReserved(device)),
+                    true => Arc::new(DropsReserved::over(device)),
                     false => device,
                 }),
                 state: LegState::Active,

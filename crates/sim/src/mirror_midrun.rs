@@ -41,7 +41,7 @@ use std::time::Instant;
 use parking_lot::Mutex;
 use vouch_engine::{
     Allocation, BlockDevice, CreateOptions, Error, Fault, OpenOptions, Result, SealedBlock,
-    SimStorage, Volume,
+    SealedDevice, SimStorage, Volume,
 };
 use vouch_format::mirror::MirrorMember;
 use vouch_mirror::set::{open_mirror_with, track_stale_legs, write_record, MirrorRecord};
@@ -131,6 +131,9 @@ impl BlockDevice for Replica {
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.live()?.read_blocks_collecting(first, count, out)
     }
+}
+
+impl SealedDevice for Replica {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.live()?.read_sealed(first, count)
     }
@@ -291,12 +294,12 @@ pub fn run_seed(
         vec![
             MirrorLeg {
                 name: dir.display().to_string(),
-                device: Some(Arc::clone(&leg0) as Arc<dyn BlockDevice>),
+                device: Some(Arc::clone(&leg0) as Arc<dyn SealedDevice>),
                 state: LegState::Active,
             },
             MirrorLeg {
                 name: REMOTE.into(),
-                device: Some(Arc::clone(&replica) as Arc<dyn BlockDevice>),
+                device: Some(Arc::clone(&replica) as Arc<dyn SealedDevice>),
                 state: LegState::Active,
             },
         ],

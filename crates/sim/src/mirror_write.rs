@@ -29,8 +29,8 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
-    BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock, SimStorage, Storage,
-    Volume, WriteDone,
+    BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock, SealedDevice,
+    SimStorage, Storage, Volume, WriteDone,
 };
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
@@ -174,7 +174,7 @@ pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirro
         .into_iter()
         .enumerate()
         .map(|(index, volume)| {
-            let (device, name): (Arc<dyn BlockDevice>, String) = match &leg1 {
+            let (device, name): (Arc<dyn SealedDevice>, String) = match &leg1 {
                 Leg1::Travelling {
                     lands_when_waited,
                     completes,
@@ -231,6 +231,13 @@ impl BlockDevice for Travelling {
     fn next_possible_data(&self, lba: u64) -> vouch_engine::Result<u64> {
         self.volume.next_possible_data(lba)
     }
+    fn verify(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<Fault>> {
+        self.volume.verify(first, count)
+    }
+}
+
+impl SealedDevice for Travelling {
+    forward_sealed!(volume);
     fn write_sealed_here(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
         self.volume.write_sealed_here(blocks)
     }
@@ -272,9 +279,6 @@ impl BlockDevice for Travelling {
     }
     fn generation_clock(&self) -> u64 {
         self.volume.generation_clock()
-    }
-    fn verify(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<Fault>> {
-        self.volume.verify(first, count)
     }
 }
 

@@ -35,7 +35,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::{
-    BlockDevice, CommitStep, OrderingBreaks, SealedBlock, SimStorage, Storage, Volume,
+    BlockDevice, CommitStep, OrderingBreaks, SealedBlock, SealedDevice, SimStorage, Storage, Volume,
 };
 use vouch_replica::server::{serve_request, try_serve_inline, RouteBreaks};
 use vouch_replica::wire::{

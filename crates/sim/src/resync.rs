@@ -48,8 +48,8 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
-    BlockDevice, CommitStep, CreateOptions, LayoutKind, OpenOptions, OrderingBreaks, SimStorage,
-    Storage, Volume,
+    BlockDevice, CommitStep, CreateOptions, LayoutKind, OpenOptions, OrderingBreaks, SealedDevice,
+    SimStorage, Storage, Volume,
 };
 use vouch_format::dirty::DirtyHeader;
 use vouch_mirror::{DirtyMap, LegState, MapStore, Mirror, MirrorLeg, ResyncCursor, ResyncStep};
@@ -256,12 +256,12 @@ fn mirror_of(
         vec![
             MirrorLeg {
                 name: "leg0".into(),
-                device: Some(leg0 as Arc<dyn BlockDevice>),
+                device: Some(leg0 as Arc<dyn SealedDevice>),
                 state: LegState::Active,
             },
             MirrorLeg {
                 name: "leg1".into(),
-                device: leg1.map(|v| v as Arc<dyn BlockDevice>),
+                device: leg1.map(|v| v as Arc<dyn SealedDevice>),
                 state,
             },
         ],
@@ -754,7 +754,7 @@ fn bring_back(
     if online {
         let leg1 = reopen(recorders[1], &options.leg1)?;
         mirror
-            .attach(1, Arc::clone(&leg1) as Arc<dyn BlockDevice>)
+            .attach(1, Arc::clone(&leg1) as Arc<dyn SealedDevice>)
             .map_err(|e| e.to_string())?;
         return Ok((mirror, leg0, leg1));
     }

@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use vouch_engine::{
-    verify_in_turn, Allocation, BlockDevice, Error, Fault, FaultKind, FlushDone, ObjectId,
-    PendingWrite, Result, SealedBlock, StartRead, StartWrite, WriteDone, ZeroFlags, BLOCK,
+    verify_in_turn, Allocation, BlockDevice, Error, Fault, FaultKind, FlushDone, ObjectId, Result,
+    StartRead, StartWrite, ZeroFlags, BLOCK,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -179,27 +179,12 @@ impl FaultInjector {
         let end = offset.saturating_add(length).div_ceil(BLOCK).max(first + 1);
         self.check(op, first, end)
     }
-
-    /// The write rules for each of `blocks`' LBAs.
-    fn check_blocks(&self, blocks: &[SealedBlock]) -> Result<()> {
-        blocks
-            .iter()
-            .try_for_each(|block| self.check(Op::Write, block.lba, block.lba + 1))
-    }
-
-    /// A sealed write's rules: its blocks', and with `fua` the flush's
-    /// (it flushes too).
-    fn check_sealed_write(&self, blocks: &[SealedBlock], fua: bool) -> Result<()> {
-        self.check_blocks(blocks)?;
-        if fua {
-            self.check(Op::Flush, 0, u64::MAX)?;
-        }
-        Ok(())
-    }
 }
 
-/// A layer: every call it does not name here reaches the volume below
-/// unchanged, fast paths included (`BlockDevice::below`). Every route a
+/// A layer over the served device: every call it does not name here
+/// reaches the device below unchanged, fast paths included
+/// (`BlockDevice::below`). It is never a mirror's leg, so it has no
+/// sealed face (`SealedDevice`) to check. Every route a
 /// rule's operation can take checks the rules first, so no injected fault
 /// is skipped because the request took a fast path; a failed check stores
 /// nothing and reaches nothing below.
@@ -240,10 +225,6 @@ impl BlockDevice for FaultInjector {
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.check(Op::Read, first, first + count)?;
         self.inner.read_blocks_collecting(first, count, out)
-    }
-    fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
-        self.check(Op::Read, first, first + count)?;
-        self.inner.read_sealed(first, count)
     }
     /// Over a range a read rule touches, verified here a chunk at a time
     /// through `read_blocks_collecting`, which injects; elsewhere the
@@ -294,43 +275,6 @@ impl BlockDevice for FaultInjector {
     fn write_zeroes(&self, offset: u64, length: u64, flags: ZeroFlags) -> Result<()> {
         self.check_bytes(Op::Write, offset, length)?;
         self.inner.write_zeroes(offset, length, flags)
-    }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.check_blocks(blocks)?;
-        self.inner.write_sealed(blocks)
-    }
-    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.check_blocks(blocks)?;
-        self.inner.try_write_sealed(blocks)
-    }
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.check_blocks(blocks)?;
-        self.inner.write_sealed_here(blocks)
-    }
-    /// The reservation is used up whatever the outcome: a refused write
-    /// gives it back below.
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        if let Err(error) = self.check_blocks(blocks) {
-            self.inner.release_room(blocks.len());
-            return Err(error);
-        }
-        self.inner.write_sealed_reserved(blocks)
-    }
-    fn start_write_sealed(
-        &self,
-        blocks: &[SealedBlock],
-        fua: bool,
-    ) -> Option<Result<PendingWrite>> {
-        if let Err(error) = self.check_sealed_write(blocks, fua) {
-            return Some(Err(error));
-        }
-        self.inner.start_write_sealed(blocks, fua)
-    }
-    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
-        match self.check_sealed_write(blocks, fua) {
-            Err(error) => done(Err(error)),
-            Ok(()) => self.inner.write_sealed_then(blocks, fua, done),
-        }
     }
 
     // Flushes.

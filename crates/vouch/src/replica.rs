@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use clap::{Args, Subcommand};
-use vouch_engine::{BlockDevice, Fault, BLOCK};
+use vouch_engine::{BlockDevice, Fault, SealedDevice, BLOCK};
 use vouch_mirror::set::MirrorRecord;
 use vouch_mirror::LegTemplate;
 use vouch_replica::tls::TlsFiles;
@@ -187,7 +187,10 @@ pub fn probe_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<()
 }
 
 /// `open_leg` as a mirror leg.
-pub fn open_member(url: &str, record: &MirrorRecord) -> vouch_engine::Result<Arc<dyn BlockDevice>> {
+pub fn open_member(
+    url: &str,
+    record: &MirrorRecord,
+) -> vouch_engine::Result<Arc<dyn SealedDevice>> {
     Ok(Arc::new(open_leg(url, record)?))
 }
 

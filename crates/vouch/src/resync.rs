@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};
-use vouch_engine::{BlockDevice, OpenOptions, BLOCK};
+use vouch_engine::{BlockDevice, OpenOptions, SealedDevice, BLOCK};
 use vouch_mirror as mirror;
 use vouch_mirror::dirty::{inspect, map_file_name, DirtyMap};
 use vouch_mirror::{LegState, Mirror, ReconcileProgress, ResyncProgress, ResyncRate};
@@ -211,7 +211,7 @@ impl Resyncer {
         }
         let volume = Arc::new(volume);
         self.mirror
-            .attach(leg, Arc::clone(&volume) as Arc<dyn BlockDevice>)?;
+            .attach(leg, Arc::clone(&volume) as Arc<dyn SealedDevice>)?;
         self.attached.lock().push(volume);
         Ok(unknown)
     }

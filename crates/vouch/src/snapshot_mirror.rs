@@ -890,7 +890,7 @@ pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<Serve
             // local copies and a bad block is read from one.
             legs.push(MirrorLeg {
                 name: member.path.clone(),
-                device: Some(Arc::new(replica) as Arc<dyn vouch_engine::BlockDevice>),
+                device: Some(Arc::new(replica) as Arc<dyn vouch_engine::SealedDevice>),
                 state: LegState::Active,
             });
             eprintln!(
@@ -921,7 +921,7 @@ pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<Serve
             ),
             device: volume
                 .clone()
-                .map(|v| v as Arc<dyn vouch_engine::BlockDevice>),
+                .map(|v| v as Arc<dyn vouch_engine::SealedDevice>),
             state: if volume.is_some() {
                 LegState::Active
             } else {

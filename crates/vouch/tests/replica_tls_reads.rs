@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use common::*;
 use replica_support::*;
-use vouch_engine::{BlockDevice, CreateOptions, BLOCK};
+use vouch_engine::{BlockDevice, CreateOptions, SealedDevice, BLOCK};
 use vouch_mirror::LegTemplate;
 use vouch_replica::tls::TlsFiles;
 use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};

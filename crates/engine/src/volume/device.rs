@@ -9,7 +9,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 
 use super::Volume;
-use crate::device::{BlockDevice, FlushDone, ReadDone, SealedBlock, StartRead, ZeroFlags};
+use crate::device::{
+    BlockDevice, FlushDone, ReadDone, SealedBlock, SealedDevice, StartRead, ZeroFlags,
+};
 use crate::error::{Fault, Result};
 use crate::layout::{Allocation, StoredContext};
 use crate::storage::ReadLater;
@@ -148,6 +150,18 @@ impl BlockDevice for Volume {
     fn metadata_unit(&self, lba: u64) -> Range<u64> {
         Volume::metadata_unit(self, lba)
     }
+    /// Copy within the volume next to the data (`copy::copy`, method
+    /// `Auto`): reflink when the filesystem shares extents, else pipelined.
+    fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
+        let options = crate::copy::CopyOptions::default();
+        let control = crate::jobs::JobControl::default();
+        crate::copy::copy(self, source, self, destination, count, &options, &control).map(|_| ())
+    }
+}
+
+/// The sealed face: a volume is a mirror's local leg and what a replica
+/// serves.
+impl SealedDevice for Volume {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         let engine = self.current();
         let generation = engine.committer().lock().next_seq();
@@ -183,12 +197,5 @@ impl BlockDevice for Volume {
     }
     fn generation_clock(&self) -> u64 {
         self.current().shared().sealing_generation()
-    }
-    /// Copy within the volume next to the data (`copy::copy`, method
-    /// `Auto`): reflink when the filesystem shares extents, else pipelined.
-    fn copy(&self, source: u64, destination: u64, count: u64) -> Result<()> {
-        let options = crate::copy::CopyOptions::default();
-        let control = crate::jobs::JobControl::default();
-        crate::copy::copy(self, source, self, destination, count, &options, &control).map(|_| ())
     }
 }
