@@ -136,11 +136,26 @@ print(json.dumps({"ok": True}))
         &[&server.uri, s(&at_flush)],
     );
     create_at_fence(&server, "cut");
+    // Written after the fence, and the server killed by the client the
+    // moment its flush is acknowledged: the writes are in the journal, and
+    // the reopen's replay moves them home (imaged: it re-arms first).
     let overwritten = random_bytes(8 << 20, 6);
-    overwrite(dir, &server.uri, 0, &overwritten);
+    let file = dir.join("overwrite.bin");
+    std::fs::write(&file, &overwritten).expect("payload");
     let partial = volume.join("snapshots/.cut.partial");
+    py_json(
+        r#"
+import os, signal
+h = connect(sys.argv[1])
+h.pwrite(open(sys.argv[2], "rb").read(), 0)
+h.flush()
+os.kill(int(sys.argv[3]), signal.SIGKILL)
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri, s(&file), &server.pid.to_string()],
+    );
     let cut = partial.join("fence").exists();
-    server.kill9();
+    let _ = server.reap(Duration::from_secs(10));
     assert!(
         cut,
         "the snapshot materialised before the kill: nothing was cut"
