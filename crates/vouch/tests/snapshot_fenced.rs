@@ -37,19 +37,23 @@ fn create_at_fence(server: &Server, name: &str) -> Value {
 
 /// Wait until no snapshot of export `vol` is materialising.
 fn wait_materialised(server: &Server) {
-    wait_until("the snapshot materialised", Duration::from_secs(120), || {
-        let (status, answer) = request(
-            control(server),
-            "GET",
-            "/v1/exports/vol/snapshots",
-            None,
-            None,
-        );
-        status == 200
-            && answer["snapshots"]
-                .as_array()
-                .is_some_and(|items| items.iter().all(|item| item["materialising"] == false))
-    });
+    wait_until(
+        "the snapshot materialised",
+        Duration::from_secs(120),
+        || {
+            let (status, answer) = request(
+                control(server),
+                "GET",
+                "/v1/exports/vol/snapshots",
+                None,
+                None,
+            );
+            status == 200
+                && answer["snapshots"]
+                    .as_array()
+                    .is_some_and(|items| items.iter().all(|item| item["materialising"] == false))
+        },
+    );
 }
 
 /// Write `data` at `offset` through `uri` and flush (acknowledged).
@@ -175,7 +179,10 @@ print(json.dumps({"ok": True}))
         "the snapshot differs from the data at its flush"
     );
     let now = exported(&volume, dir, "now");
-    assert!(now[..8 << 20] == overwritten[..], "the volume lost an acknowledged write");
+    assert!(
+        now[..8 << 20] == overwritten[..],
+        "the volume lost an acknowledged write"
+    );
     assert_check_clean(&snapshot);
     assert_check_clean(&volume);
 }

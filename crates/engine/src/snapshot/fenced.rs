@@ -33,8 +33,8 @@ use vouch_format::superblock::STATE_CLEAN;
 use vouch_format::{FeatureFlags, Superblock};
 
 use super::{
-    io_error, partial_path, prepare, sync_all, volume_files, write_superblock, RealFs,
-    Snapshot, SnapshotFs, SnapshotRecord, PARTIAL, RECORD_FILE, SNAPSHOTS_DIR,
+    io_error, partial_path, prepare, sync_all, volume_files, write_superblock, RealFs, Snapshot,
+    SnapshotFs, SnapshotRecord, PARTIAL, RECORD_FILE, SNAPSHOTS_DIR,
 };
 use crate::error::{Error, Result};
 use crate::storage::before::{first_images, BeforeBreaks, IMAGE_BLOCK};
@@ -82,9 +82,9 @@ fn invalid(message: String) -> Error {
 /// The before-image layer of the storage under `volume`, or why a fenced
 /// snapshot cannot be taken of it.
 fn layer_of(storage: &dyn Storage) -> Result<&crate::storage::before::BeforeImages> {
-    storage.before_images().ok_or_else(|| {
-        invalid("this volume was opened without the before-image layer".to_string())
-    })
+    storage
+        .before_images()
+        .ok_or_else(|| invalid("this volume was opened without the before-image layer".to_string()))
 }
 
 /// Can a fenced snapshot of the served volume at `dir` be taken: a
@@ -279,7 +279,9 @@ pub fn materialise_with(
     // Read after every clone ended: each home write that reached a clone
     // was issued after its image was synced, so its image is in here.
     let log_path = partial.join(BEFORE_FILE);
-    let log = fs.read(&log_path).map_err(|e| io_error("read", &log_path, e))?;
+    let log = fs
+        .read(&log_path)
+        .map_err(|e| io_error("read", &log_path, e))?;
     let lengths: std::collections::HashMap<&str, u64> = fence
         .files
         .iter()
@@ -354,7 +356,10 @@ fn unfence(fs: &dyn SnapshotFs, target: &Path) -> Result<SnapshotRecord> {
 /// replays): published snapshots' leftover fences removed, and a fenced
 /// `.NAME.partial` found: the layer over `storage` armed with its log.
 /// Returns the name to `materialise` once the volume is open.
-pub fn resume(dir: &Path, storage: &Arc<crate::storage::before::BeforeImages>) -> Result<Option<String>> {
+pub fn resume(
+    dir: &Path,
+    storage: &Arc<crate::storage::before::BeforeImages>,
+) -> Result<Option<String>> {
     let fs = RealFs::default();
     let snapshots = dir.join(SNAPSHOTS_DIR);
     let Some(names) = fs
@@ -372,7 +377,10 @@ pub fn resume(dir: &Path, storage: &Arc<crate::storage::before::BeforeImages>) -
             }
             continue;
         }
-        let Some(name) = entry.strip_prefix('.').and_then(|e| e.strip_suffix(PARTIAL)) else {
+        let Some(name) = entry
+            .strip_prefix('.')
+            .and_then(|e| e.strip_suffix(PARTIAL))
+        else {
             continue;
         };
         if !is_fenced(&fs, &path) || pending.is_some() {

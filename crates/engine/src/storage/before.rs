@@ -34,6 +34,20 @@ pub const RECORD_HEADER_BYTES: usize = 40;
 /// The unit imaged: a record covers whole 4 KiB blocks.
 pub const IMAGE_BLOCK: u64 = 4096;
 
+/// A record header's fields: (name, offset, size), as docs/FORMAT.md's
+/// table "Before-image record header" lists them (a test compares).
+pub const RECORD_FIELDS: &[(&str, usize, usize)] = &[
+    ("magic", 0, 4),
+    ("kind", 4, 1),
+    ("reserved", 5, 3),
+    ("segment", 8, 4),
+    ("len", 12, 4),
+    ("offset", 16, 8),
+    ("fence", 24, 8),
+    ("crc", 32, 4),
+    ("reserved2", 36, 4),
+];
+
 /// The object kinds a record names (`kind` byte).
 const KIND_CONTEXTS: u8 = 1;
 const KIND_DATA: u8 = 2;
@@ -780,6 +794,51 @@ mod tests {
         let (unimaged, wrong) = run(breaks, 1);
         assert_eq!(unimaged, 0);
         assert!(wrong > 0);
+    }
+
+    #[test]
+    fn format_md_describes_the_record_header_the_code_writes() {
+        let doc =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/FORMAT.md"))
+                .expect("docs/FORMAT.md");
+        let start = doc
+            .find("### Before-image record header (40 bytes)")
+            .expect("FORMAT.md has the record header's table");
+        let rows: Vec<(String, usize, usize)> = doc[start..]
+            .lines()
+            .skip(1)
+            .take_while(|line| !line.starts_with('#'))
+            .filter(|line| line.starts_with('|'))
+            .filter_map(|line| {
+                let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+                Some((
+                    cells[2].to_string(),
+                    cells[0].parse().ok()?,
+                    cells[1].parse().ok()?,
+                ))
+            })
+            .collect();
+        let fields: Vec<(String, usize, usize)> = RECORD_FIELDS
+            .iter()
+            .map(|&(name, offset, size)| (name.to_string(), offset, size))
+            .collect();
+        assert_eq!(rows, fields);
+        let last = RECORD_FIELDS.last().unwrap();
+        assert_eq!(last.1 + last.2, RECORD_HEADER_BYTES);
+        // The encoder puts each field where the table says.
+        let record = encode_record(3, ObjectId::Data(5), 8192, &[0; 4096]);
+        let field = |name: &str| {
+            let &(_, offset, size) = RECORD_FIELDS.iter().find(|f| f.0 == name).unwrap();
+            let mut word = [0u8; 8];
+            word[..size].copy_from_slice(&record[offset..offset + size]);
+            u64::from_le_bytes(word)
+        };
+        assert_eq!(field("magic"), u64::from(RECORD_MAGIC));
+        assert_eq!(field("kind"), u64::from(KIND_DATA));
+        assert_eq!(field("segment"), 5);
+        assert_eq!(field("len"), 4096);
+        assert_eq!(field("offset"), 8192);
+        assert_eq!(field("fence"), 3);
     }
 
     #[test]
