@@ -95,7 +95,9 @@ fn object_of(kind: u8, segment: u32) -> Option<ObjectId> {
 /// One record: the old bytes (`payload`, whole blocks) of `object` at
 /// `offset`, taken under fence `fence`.
 pub fn encode_record(fence: u64, object: ObjectId, offset: u64, payload: &[u8]) -> Vec<u8> {
-    debug_assert!(offset % IMAGE_BLOCK == 0 && payload.len() as u64 % IMAGE_BLOCK == 0);
+    debug_assert!(
+        offset.is_multiple_of(IMAGE_BLOCK) && (payload.len() as u64).is_multiple_of(IMAGE_BLOCK)
+    );
     let (kind, segment) = kind_of(object);
     let mut record = Vec::with_capacity(RECORD_HEADER_BYTES + payload.len());
     record.extend_from_slice(&RECORD_MAGIC.to_le_bytes()); // 0..4
@@ -150,7 +152,7 @@ pub fn read_records(log: &[u8], fence: u64) -> (Vec<Record>, usize) {
         let Some(record) = log.get(at..at + RECORD_HEADER_BYTES + len) else {
             break;
         };
-        if len as u64 % IMAGE_BLOCK != 0 || record_crc(record) != u32_at(32) {
+        if !(len as u64).is_multiple_of(IMAGE_BLOCK) || record_crc(record) != u32_at(32) {
             break;
         }
         records.push(Record {
@@ -191,7 +193,8 @@ pub fn first_images(
 /// Where the records go: the file `.NAME.partial/before`, or the crash
 /// simulator's model of one (`SimLog`).
 pub trait BeforeLog: Send + Sync {
-    fn len(&self) -> io::Result<u64>;
+    /// Its length in bytes.
+    fn bytes(&self) -> io::Result<u64>;
     fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()>;
     fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()>;
     /// Make every write before durable.
@@ -201,7 +204,7 @@ pub trait BeforeLog: Send + Sync {
 }
 
 impl BeforeLog for File {
-    fn len(&self) -> io::Result<u64> {
+    fn bytes(&self) -> io::Result<u64> {
         Ok(self.metadata()?.len())
     }
     fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
@@ -244,7 +247,7 @@ impl SimLog {
 }
 
 impl BeforeLog for SimLog {
-    fn len(&self) -> io::Result<u64> {
+    fn bytes(&self) -> io::Result<u64> {
         Ok(self.state.lock().0.len() as u64)
     }
     fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
@@ -328,7 +331,7 @@ impl BeforeImages {
     /// count as imaged. Call it with no home write in flight (at the flush
     /// point, or before the open's replay).
     pub fn arm(&self, log: Box<dyn BeforeLog>, fence: u64) -> io::Result<()> {
-        let len = log.len()?;
+        let len = log.bytes()?;
         let mut bytes = vec![0u8; len as usize];
         if len > 0 {
             log.read_at(0, &mut bytes)?;
