@@ -1017,22 +1017,7 @@ fn clone_at(
             volume.display()
         )));
     }
-    let mut record = SnapshotRecord {
-        name: asked.name.to_string(),
-        id: id.to_string(),
-        uuid: uuid::Uuid::from_bytes(superblock.uuid)
-            .hyphenated()
-            .to_string(),
-        created_unix: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_secs()),
-        superblock_generation: superblock.generation,
-        checkpoint_seq: superblock.checkpoint_seq,
-        generations_seq: superblock.generations_seq,
-        layout: superblock.layout.name().to_string(),
-        method: asked.method.to_string(),
-        online: at.online,
-    };
+    let mut record = record_at(superblock, asked.name, id, asked.method, at.online);
     let mut marked = *superblock;
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
     // A served volume's superblock says open; its snapshot is its files
@@ -1057,6 +1042,33 @@ fn clone_at(
         (RECORD_FILE, &mut make_record),
     )?;
     Ok((record, files))
+}
+
+/// The record of snapshot `name` (`id`) taken at the flush point whose
+/// superblock is `superblock`, made by `method`, `online` or not.
+pub(crate) fn record_at(
+    superblock: &Superblock,
+    name: &str,
+    id: &str,
+    method: &str,
+    online: bool,
+) -> SnapshotRecord {
+    SnapshotRecord {
+        name: name.to_string(),
+        id: id.to_string(),
+        uuid: uuid::Uuid::from_bytes(superblock.uuid)
+            .hyphenated()
+            .to_string(),
+        created_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_secs()),
+        superblock_generation: superblock.generation,
+        checkpoint_seq: superblock.checkpoint_seq,
+        generations_seq: superblock.generations_seq,
+        layout: superblock.layout.name().to_string(),
+        method: method.to_string(),
+        online,
+    }
 }
 
 /// The copy in `.NAME.partial` made final: the warm copies no clone made

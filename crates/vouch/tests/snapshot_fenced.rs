@@ -56,6 +56,27 @@ fn wait_materialised(server: &Server) {
     );
 }
 
+/// The published snapshot at `snapshot` has its flush point's superblock
+/// (marked a snapshot, the record's generation), not the live one's, and
+/// no fence or log left.
+fn assert_fenced_superblock(snapshot: &Path) {
+    assert!(!snapshot.join("fence").exists() && !snapshot.join("before").exists());
+    let superblock = vouch_engine::volume_superblock(snapshot).expect("superblock");
+    assert_ne!(
+        superblock.features.ro_compat & vouch_format::FeatureFlags::RO_COMPAT_SNAPSHOT,
+        0,
+        "the snapshot's superblock is not marked a snapshot"
+    );
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(snapshot.join("snapshot")).expect("record"))
+            .expect("record json");
+    assert_eq!(
+        record["superblock_generation"].as_u64(),
+        Some(superblock.generation),
+        "the snapshot's superblock is not the one of its flush point"
+    );
+}
+
 /// Write `data` at `offset` through `uri` and flush (acknowledged).
 fn overwrite(dir: &Path, uri: &str, offset: u64, data: &[u8]) {
     let file = dir.join("overwrite.bin");
@@ -98,7 +119,7 @@ fn a_fenced_snapshot_taken_during_fio_writes_equals_the_data_at_its_flush() {
     wait_materialised(&server);
     server.stop();
     let snapshot = volume.join("snapshots/during");
-    assert!(!snapshot.join("fence").exists() && !snapshot.join("before").exists());
+    assert_fenced_superblock(&snapshot);
     let image = exported(&snapshot, dir, "during");
     assert!(
         image[..SIZE / 2] == first[..SIZE / 2],
@@ -172,7 +193,7 @@ print(json.dumps({"ok": True}))
     again.stop();
     assert!(!partial.exists());
     let snapshot = volume.join("snapshots/cut");
-    assert!(!snapshot.join("fence").exists() && !snapshot.join("before").exists());
+    assert_fenced_superblock(&snapshot);
     let image = exported(&snapshot, dir, "cut");
     assert!(
         image == std::fs::read(&at_flush).expect("at flush"),

@@ -79,6 +79,19 @@ fn invalid(message: String) -> Error {
     Error::InvalidArgument(message)
 }
 
+/// Refuse `what` (a resize, a migration: they change the volume's files
+/// outside the before-image layer) while a snapshot of the volume at `dir`
+/// is materialising.
+pub fn refuse_while_materialising(fs: &dyn SnapshotFs, dir: &Path, what: &str) -> Result<()> {
+    match materialising(fs, dir)?.first() {
+        None => Ok(()),
+        Some(name) => Err(invalid(format!(
+            "snapshot {name:?} of {} is still being materialised: {what} once it is done (`vouch snapshot list` shows it; a writable open such as `vouch check` or `vouch serve` finishes one a crash cut short)",
+            dir.display()
+        ))),
+    }
+}
+
 /// The before-image layer of the storage under `volume`, or why a fenced
 /// snapshot cannot be taken of it.
 fn layer_of(storage: &dyn Storage) -> Result<&crate::storage::before::BeforeImages> {
@@ -138,22 +151,7 @@ pub fn create_fenced(
                 dir.display()
             )));
         }
-        let record = SnapshotRecord {
-            name: name.to_string(),
-            id: id.to_string(),
-            uuid: uuid::Uuid::from_bytes(superblock.uuid)
-                .hyphenated()
-                .to_string(),
-            created_unix: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |elapsed| elapsed.as_secs()),
-            superblock_generation: superblock.generation,
-            checkpoint_seq: superblock.checkpoint_seq,
-            generations_seq: superblock.generations_seq,
-            layout: superblock.layout.name().to_string(),
-            method: "reflink".to_string(),
-            online: true,
-        };
+        let record = super::record_at(superblock, name, id, "reflink", true);
         let fence = fence_at(&fs, dir, &partial, superblock, &record)?;
         // ORDER POINT: the fence is durable before the layer is armed, and
         // the layer is armed before any home write after the flush point.
@@ -197,10 +195,15 @@ fn fence_at(
         .map_err(|e| io_error("create", &before, e))?;
     let superblock_path = partial.join(ObjectId::Superblock.file_name());
     sync_all(fs, partial, &[superblock_path, record_path, before])?;
-    let journal = ObjectId::Journal.file_name();
+    // The journal is new, and the superblock is the one written above at
+    // the flush point (never imaged: the live one moves on).
+    let skipped = [
+        ObjectId::Journal.file_name(),
+        ObjectId::Superblock.file_name(),
+    ];
     let mut files = Vec::new();
     for file in volume_files(superblock)? {
-        if file == journal {
+        if skipped.contains(&file) {
             continue;
         }
         let path = dir.join(&file);
@@ -213,14 +216,21 @@ fn fence_at(
         fence: rand::random::<u64>() | 1,
         files,
     };
+    // Whole or absent: written and synced beside, then renamed in.
     let fence_path = partial.join(FENCE_FILE);
+    let written = partial.join(format!("{FENCE_FILE}.new"));
     fs.write_at(
-        &fence_path,
+        &written,
         0,
         &serde_json::to_vec_pretty(&fence).expect("a fence serializes"),
     )
-    .map_err(|e| io_error("write", &fence_path, e))?;
-    sync_all(fs, partial, &[fence_path])?;
+    .map_err(|e| io_error("write", &written, e))?;
+    fs.sync_file(&written)
+        .map_err(|e| io_error("sync", &written, e))?;
+    fs.rename(&written, &fence_path)
+        .map_err(|e| io_error("rename", &written, e))?;
+    fs.sync_dir(partial)
+        .map_err(|e| io_error("sync", partial, e))?;
     let snapshots = dir.join(SNAPSHOTS_DIR);
     fs.sync_dir(&snapshots)
         .map_err(|e| io_error("sync", &snapshots, e))?;

@@ -290,6 +290,8 @@ struct Armed {
     end: u64,
     /// Blocks imaged already: a later write of one is not imaged again.
     imaged: HashSet<(ObjectId, u64)>,
+    /// An append or sync failed: every later imaged write is refused.
+    failed: bool,
 }
 
 /// What every handle of one layer shares (a resize's `reopen` keeps it).
@@ -351,6 +353,7 @@ impl BeforeImages {
             fence,
             end: valid as u64,
             imaged,
+            failed: false,
         });
         self.layer.armed.store(true, Ordering::Release);
         Ok(())
@@ -403,15 +406,32 @@ impl BeforeImages {
                 drop(log);
                 return Ok(write());
             }
+            if armed.failed {
+                return Err(io::Error::other(
+                    "the snapshot's before-image log failed: no home write until the volume is opened again",
+                ));
+            }
             let appended = armed.records(&*self.inner, object, &blocks)?;
-            armed.log.write_at(armed.end, &appended)?;
+            let append = || -> io::Result<()> {
+                armed.log.write_at(armed.end, &appended)?;
+                if !breaks.write_before_sync {
+                    // ORDER POINT: the images are durable before the home write.
+                    armed.log.sync()?;
+                }
+                Ok(())
+            };
+            if let Err(error) = append() {
+                // After a failed append or sync nothing more is logged
+                // (a gap would end the log there): fail-stop.
+                armed.failed = true;
+                return Err(error);
+            }
+            // Counted imaged only once durable.
             armed.end += appended.len() as u64;
             armed
                 .imaged
                 .extend(blocks.iter().map(|block| (object, block * IMAGE_BLOCK)));
             if !breaks.write_before_sync {
-                // ORDER POINT: the images are durable before the home write.
-                armed.log.sync()?;
                 drop(log);
                 return Ok(write());
             }
