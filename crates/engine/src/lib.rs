@@ -140,7 +140,21 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     };
     let storage =
         FileStorage::open_objects(path, &geometry, how).map_err(|error| cannot_open(&error))?;
-    Volume::open(Arc::new(storage), options)
+    if !how.writable {
+        return Volume::open(Arc::new(storage), options);
+    }
+    // Writable: under the before-image layer (disarmed until a fenced
+    // snapshot arms it). A fence a crash left is armed again before the
+    // engine opens, so recovery's own home writes are imaged, and the
+    // snapshot is materialised once the volume is open.
+    let layered = Arc::new(storage::before::BeforeImages::new(Arc::new(storage)));
+    let pending = snapshot::fenced::resume(path, &layered)?;
+    let volume = Volume::open(layered.clone(), options)?;
+    if let Some(name) = pending {
+        let done = snapshot::fenced::materialise(path, &name, &*layered)?;
+        tracing::warn!(volume = %path.display(), "snapshot {name} (fenced before a crash) materialised at {}", done.path.display());
+    }
+    Ok(volume)
 }
 
 /// A resize cut short (`resize::finish`), finished or undone before the

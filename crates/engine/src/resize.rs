@@ -359,6 +359,7 @@ pub fn resize(
     breaks: ResizeBreaks,
 ) -> Result<Resized> {
     crate::superblock::check_volume_size(new_bytes)?;
+    crate::snapshot::fenced::refuse_while_materialising(fs, volume, "resize it")?;
     if let Some(done) = finish(fs, volume)? {
         tracing::info!(volume = %volume.display(), "{done}");
     }

@@ -41,6 +41,7 @@ use vouch_format::{FeatureFlags, Superblock};
 use crate::error::{Error, Result};
 use crate::storage::{objects_of, ObjectId};
 
+pub mod fenced;
 mod legs;
 pub use legs::{
     create_legs, create_legs_with_id, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs,
@@ -358,6 +359,9 @@ pub struct SnapshotRecord {
 pub struct Snapshot {
     pub path: PathBuf,
     pub record: SnapshotRecord,
+    /// Fenced and still being materialised (`fenced.rs`): `path` is its
+    /// `.NAME.partial`, not yet to be served.
+    pub materialising: bool,
 }
 
 fn invalid(message: String) -> Error {
@@ -666,6 +670,10 @@ pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
     {
         if name.starts_with('.') && (name.ends_with(PARTIAL) || name.ends_with(DELETING)) {
             let path = dir.join(&name);
+            if name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path) {
+                // A fenced snapshot, answered: the open materialises it.
+                continue;
+            }
             fs.remove_all(&path)
                 .map_err(|e| io_error("remove", &path, e))?;
             removed.push(name);
@@ -938,6 +946,7 @@ fn publish(
     Ok(Snapshot {
         path: snapshot_path(volume, asked.name),
         record,
+        materialising: false,
     })
 }
 
@@ -1008,22 +1017,7 @@ fn clone_at(
             volume.display()
         )));
     }
-    let mut record = SnapshotRecord {
-        name: asked.name.to_string(),
-        id: id.to_string(),
-        uuid: uuid::Uuid::from_bytes(superblock.uuid)
-            .hyphenated()
-            .to_string(),
-        created_unix: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |elapsed| elapsed.as_secs()),
-        superblock_generation: superblock.generation,
-        checkpoint_seq: superblock.checkpoint_seq,
-        generations_seq: superblock.generations_seq,
-        layout: superblock.layout.name().to_string(),
-        method: asked.method.to_string(),
-        online: at.online,
-    };
+    let mut record = record_at(superblock, asked.name, id, asked.method, at.online);
     let mut marked = *superblock;
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
     // A served volume's superblock says open; its snapshot is its files
@@ -1048,6 +1042,33 @@ fn clone_at(
         (RECORD_FILE, &mut make_record),
     )?;
     Ok((record, files))
+}
+
+/// The record of snapshot `name` (`id`) taken at the flush point whose
+/// superblock is `superblock`, made by `method`, `online` or not.
+pub(crate) fn record_at(
+    superblock: &Superblock,
+    name: &str,
+    id: &str,
+    method: &str,
+    online: bool,
+) -> SnapshotRecord {
+    SnapshotRecord {
+        name: name.to_string(),
+        id: id.to_string(),
+        uuid: uuid::Uuid::from_bytes(superblock.uuid)
+            .hyphenated()
+            .to_string(),
+        created_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |elapsed| elapsed.as_secs()),
+        superblock_generation: superblock.generation,
+        checkpoint_seq: superblock.checkpoint_seq,
+        generations_seq: superblock.generations_seq,
+        layout: superblock.layout.name().to_string(),
+        method: method.to_string(),
+        online,
+    }
 }
 
 /// The copy in `.NAME.partial` made final: the warm copies no clone made
@@ -1104,14 +1125,26 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
         .unwrap_or_default();
     Ok(names
         .into_iter()
-        .filter(|name| !name.starts_with('.'))
-        .map(|name| {
+        .filter_map(|name| {
             let path = dir.join(&name);
+            let materialising = name.starts_with('.');
+            if materialising && !(name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path)) {
+                return None;
+            }
             let file = path.join(RECORD_FILE);
-            let bytes = fs.read(&file).map_err(|e| io_error("read", &file, e))?;
-            let record: SnapshotRecord = serde_json::from_slice(&bytes)
-                .map_err(|e| Error::Corrupt(format!("{}: {e}", file.display())))?;
-            Ok(Snapshot { path, record })
+            Some(
+                fs.read(&file)
+                    .map_err(|e| io_error("read", &file, e))
+                    .and_then(|bytes| {
+                        serde_json::from_slice(&bytes)
+                            .map_err(|e| Error::Corrupt(format!("{}: {e}", file.display())))
+                    })
+                    .map(|record| Snapshot {
+                        path,
+                        record,
+                        materialising,
+                    }),
+            )
         })
         .collect())
 }

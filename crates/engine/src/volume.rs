@@ -206,6 +206,12 @@ impl Volume {
         commit_and_checkpoint(&self.engine.read()).map(drop)
     }
 
+    /// The storage under the volume now (a fenced snapshot arms its
+    /// before-image layer, `snapshot/fenced.rs`).
+    pub fn storage(&self) -> Arc<dyn crate::storage::Storage> {
+        self.current().shared().io().storage_arc()
+    }
+
     /// The engine behind the handle now (for offloads such as `copy`,
     /// which run on the engine they started with: `resize_online` waits
     /// until no one else holds it).

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use clap::Subcommand;
 use serde_json::json;
-use vouch_engine::snapshot::{self, RealFs, SnapshotBreaks};
+use vouch_engine::snapshot::{self, fenced, RealFs, SnapshotBreaks};
 use vouch_engine::{FileStorage, OpenOptions};
 
 use crate::key::Use;
@@ -230,12 +230,17 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
         } else if !json_output {
             let record = &item["record"];
             println!(
-                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}",
+                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}",
                 item["name"].as_str().unwrap_or("?"),
                 record["created_unix"],
                 record["checkpoint_seq"],
                 record["layout"].as_str().unwrap_or("?"),
                 item["path"].as_str().unwrap_or("?"),
+                if item["materialising"] == true {
+                    "\tmaterialising"
+                } else {
+                    ""
+                },
             );
         }
     }
@@ -370,12 +375,17 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
         for entry in &found {
             match entry {
                 Ok(snap) => println!(
-                    "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}",
+                    "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}",
                     snap.record.name,
                     snap.record.created_unix,
                     snap.record.checkpoint_seq,
                     snap.record.layout,
-                    snap.path.display()
+                    snap.path.display(),
+                    if snap.materialising {
+                        "\tmaterialising"
+                    } else {
+                        ""
+                    }
                 ),
                 Err(error) => {
                     broken = true;
@@ -476,16 +486,30 @@ impl Served<'_> {
 /// Take snapshot `name` of the served volume `volume` (directory `dir`,
 /// held by this server) at a flush point (`Volume::at_flush_point`; for a
 /// volume with regions both members', its switches paused).
+///
+/// On xfs and btrfs a single volume's snapshot is fenced
+/// (`vouch_engine::snapshot::fenced`): the flush point writes only the
+/// fence and arms the before-image layer, and the files are cloned after,
+/// beside the served volume. `wait`: answer once it is published (else at
+/// the fence, the snapshot listed as materialising until it is).
 pub fn create_online(
     dir: &Path,
     volume: Served<'_>,
     name: &str,
     copy: bool,
+    wait: bool,
 ) -> Result<OnlineSnapshot> {
-    let _one = crate::snapshot_held::ONLINE
+    let one = crate::snapshot_held::ONLINE
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
     let started = Instant::now();
+    if let Served::One(served) = volume {
+        if !copy && fenced::can_fence(dir, served).is_ok() {
+            drop(one);
+            return create_fenced(dir, served, name, wait, started);
+        }
+    }
+    let _one = one;
     let fs = RealFs::new(copy);
     let point = Timed {
         volume,
@@ -499,6 +523,60 @@ pub fn create_online(
         times: crate::snapshot_held::Times {
             held,
             flush,
+            total: started.elapsed(),
+        },
+    })
+}
+
+/// `create_online` by a fence: answered at the fence, or (`wait`) once
+/// the materialisation (run on its own thread, under the online lock)
+/// published the snapshot.
+fn create_fenced(
+    dir: &Path,
+    volume: &vouch_engine::Volume,
+    name: &str,
+    wait: bool,
+    started: Instant,
+) -> Result<OnlineSnapshot> {
+    let (record, held) = {
+        let _one = crate::snapshot_held::ONLINE
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner());
+        volume.checkpoint_now()?;
+        let fencing = Instant::now();
+        let record = fenced::create_fenced(dir, volume, name, &snapshot::new_id())?;
+        (record, fencing.elapsed())
+    };
+    let storage = volume.storage();
+    let (volume_dir, snapshot_name) = (dir.to_path_buf(), name.to_string());
+    let materialised = std::thread::Builder::new()
+        .name("vouch-snapshot".to_string())
+        .spawn(move || {
+            let _one = crate::snapshot_held::ONLINE
+                .lock()
+                .unwrap_or_else(|poison| poison.into_inner());
+            let done = fenced::materialise(&volume_dir, &snapshot_name, &*storage);
+            if let Err(error) = &done {
+                tracing::error!(volume = %volume_dir.display(), "snapshot {snapshot_name}: materialising failed ({error}); the next open of the volume finishes it");
+            }
+            done
+        })?;
+    let snapshot = if wait {
+        materialised
+            .join()
+            .map_err(|_| anyhow::anyhow!("materialising snapshot {name} panicked"))??
+    } else {
+        snapshot::Snapshot {
+            path: fenced::materialising_path(dir, name),
+            record,
+            materialising: true,
+        }
+    };
+    Ok(OnlineSnapshot {
+        snapshot,
+        times: crate::snapshot_held::Times {
+            held,
+            flush: held,
             total: started.elapsed(),
         },
     })
@@ -564,6 +642,7 @@ pub fn list_json(dir: &Path) -> Result<Vec<serde_json::Value>> {
                 "name": snap.record.name,
                 "path": snap.path.display().to_string(),
                 "record": snap.record,
+                "materialising": snap.materialising,
             }),
             Err(error) => json!({ "error": error.to_string() }),
         })

@@ -60,6 +60,7 @@ pub fn as_snapshot(replica: &RemoteLeg, entry: SnapshotEntry) -> Snapshot {
             name: entry.name,
             id: entry.id,
         },
+        materialising: false,
     }
 }
 

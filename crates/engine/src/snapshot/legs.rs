@@ -223,6 +223,7 @@ fn publish_legs(
         snapshots.push(Snapshot {
             path: snapshot_path(leg, asked.name),
             record,
+            materialising: false,
         });
     }
     Ok(snapshots)

@@ -12,6 +12,7 @@ use std::io;
 
 use vouch_format::Geometry;
 
+pub mod before;
 pub mod direct;
 pub mod nowait;
 pub mod ring_read;
@@ -312,6 +313,12 @@ pub trait Storage: Send + Sync {
     /// (a reflink from another volume's storage needs its descriptor).
     fn file_of(&self, object: ObjectId) -> Option<&std::fs::File> {
         let _ = object;
+        None
+    }
+
+    /// The before-image layer (`before.rs`) when this storage is one: a
+    /// fenced snapshot arms it. The default is none.
+    fn before_images(&self) -> Option<&before::BeforeImages> {
         None
     }
 }

@@ -205,10 +205,20 @@ struct SnapshotRequest {
     name: String,
     #[serde(default)]
     copy: bool,
+    /// Answer once the snapshot is published (the default), or, false, at
+    /// its fence while it is materialised (`fenced` snapshots on xfs and
+    /// btrfs; others are answered when published either way).
+    #[serde(default = "answer_when_published")]
+    wait: bool,
 }
 
-/// `POST /v1/exports/{export}/snapshots {"name": NAME, "copy": false}`:
-/// take a snapshot at a flush point; answered when it is published.
+fn answer_when_published() -> bool {
+    true
+}
+
+/// `POST /v1/exports/{export}/snapshots {"name": NAME, "copy": false,
+/// "wait": true}`: take a snapshot at a flush point; answered when it is
+/// published (or with `"wait": false` at a fenced snapshot's fence).
 async fn create_snapshot(
     State(state): State<ApiState>,
     Path(export): Path<String>,
@@ -216,7 +226,7 @@ async fn create_snapshot(
 ) -> ApiResult<(StatusCode, Json<Value>)> {
     let request: SnapshotRequest = serde_json::from_slice(&body).map_err(|error| {
         ApiError::bad(format!(
-            "snapshot request: {error} (expected {{\"name\": NAME, \"copy\": false}})"
+            "snapshot request: {error} (expected {{\"name\": NAME, \"copy\": false, \"wait\": true}})"
         ))
     })?;
     vouch_engine::snapshot::check_name(&request.name).map_err(|e| ApiError::bad(e.to_string()))?;
@@ -234,7 +244,7 @@ async fn create_snapshot(
             Some(regions) => crate::snapshot::Served::Regions(regions),
             None => crate::snapshot::Served::One(&volume),
         };
-        crate::snapshot::create_online(&dir, served, &request.name, request.copy)
+        crate::snapshot::create_online(&dir, served, &request.name, request.copy, request.wait)
             .map(|taken| (vec![taken.snapshot], taken.times))
     })
     .await
@@ -250,6 +260,7 @@ async fn create_snapshot(
         "held_ms": times.held.as_secs_f64() * 1e3,
         "flush_ms": times.flush.as_secs_f64() * 1e3,
         "total_ms": times.total.as_secs_f64() * 1e3,
+        "materialising": first.materialising,
     });
     if mirror_export {
         answer["copies"] = json!(copies

@@ -1,0 +1,888 @@
+//! The before-image layer: a `Storage` wrapper that, while armed, keeps the
+//! old bytes of every home write (docs/FORMAT.md, "Before-image log").
+//!
+//! A fenced snapshot (`snapshot/fenced.rs`) fixes its point in time without
+//! cloning anything under the flush point: it writes the fence and arms this
+//! layer there. From then on every write, hole punch or clone into the
+//! volume's data segments, context table or written map first reads the old
+//! bytes of the 4 KiB blocks it covers that are not imaged yet, appends them
+//! to the log (`.NAME.partial/before`) as checksummed records bound to their
+//! object and offset, and syncs the log; only then is the home write issued
+//! (ORDER POINT). The first image of a block is its bytes at the fence: the
+//! background materialisation clones the live files and writes each block's
+//! first image back over the clone. One sync per call (a `write_runs` batch
+//! of a commit or checkpoint is imaged with one sync), not per block.
+//!
+//! Disarmed, each write costs one atomic load: the layer is beside the
+//! engine, not a branch in its write path.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::io;
+use std::os::unix::fs::FileExt as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{CloneRange, CloneTiming, Mapped, ObjectId, ReadLater, Run, RunError, Storage};
+
+/// A record's first 4 bytes: "VBI1".
+pub const RECORD_MAGIC: u32 = 0x3149_4256;
+/// A record's header, before its payload.
+pub const RECORD_HEADER_BYTES: usize = 40;
+/// The unit imaged: a record covers whole 4 KiB blocks.
+pub const IMAGE_BLOCK: u64 = 4096;
+
+/// A record header's fields: (name, offset, size), as docs/FORMAT.md's
+/// table "Before-image record header" lists them (a test compares).
+pub const RECORD_FIELDS: &[(&str, usize, usize)] = &[
+    ("magic", 0, 4),
+    ("kind", 4, 1),
+    ("reserved", 5, 3),
+    ("segment", 8, 4),
+    ("len", 12, 4),
+    ("offset", 16, 8),
+    ("fence", 24, 8),
+    ("crc", 32, 4),
+    ("reserved2", 36, 4),
+];
+
+/// The object kinds a record names (`kind` byte).
+const KIND_CONTEXTS: u8 = 1;
+const KIND_DATA: u8 = 2;
+const KIND_WRITTEN: u8 = 3;
+
+/// Orderings the layer can be told to break, to show the checks catch them.
+/// Production passes the default (none).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BeforeBreaks {
+    /// Issue the home write before the log is synced (the image is
+    /// appended, the home write goes, then the sync).
+    pub write_before_sync: bool,
+    /// Image every write again (as a layer that lost count of the blocks
+    /// it imaged would), and have `first_images` keep a block's last image
+    /// instead of its first.
+    pub last_image_wins: bool,
+}
+
+/// Whether writes to `object` are imaged: the files a snapshot clones.
+pub fn is_imaged(object: ObjectId) -> bool {
+    matches!(
+        object,
+        ObjectId::Data(_) | ObjectId::Contexts | ObjectId::Written
+    )
+}
+
+fn kind_of(object: ObjectId) -> (u8, u32) {
+    match object {
+        ObjectId::Contexts => (KIND_CONTEXTS, 0),
+        ObjectId::Data(segment) => (KIND_DATA, segment),
+        ObjectId::Written => (KIND_WRITTEN, 0),
+        other => unreachable!("{other:?} is never imaged"),
+    }
+}
+
+fn object_of(kind: u8, segment: u32) -> Option<ObjectId> {
+    match (kind, segment) {
+        (KIND_CONTEXTS, 0) => Some(ObjectId::Contexts),
+        (KIND_DATA, segment) => Some(ObjectId::Data(segment)),
+        (KIND_WRITTEN, 0) => Some(ObjectId::Written),
+        _ => None,
+    }
+}
+
+/// One record: the old bytes (`payload`, whole blocks) of `object` at
+/// `offset`, taken under fence `fence`.
+pub fn encode_record(fence: u64, object: ObjectId, offset: u64, payload: &[u8]) -> Vec<u8> {
+    debug_assert!(
+        offset.is_multiple_of(IMAGE_BLOCK) && (payload.len() as u64).is_multiple_of(IMAGE_BLOCK)
+    );
+    let (kind, segment) = kind_of(object);
+    let mut record = Vec::with_capacity(RECORD_HEADER_BYTES + payload.len());
+    record.extend_from_slice(&RECORD_MAGIC.to_le_bytes()); // 0..4
+    record.push(kind); // 4
+    record.extend_from_slice(&[0; 3]); // 5..8
+    record.extend_from_slice(&segment.to_le_bytes()); // 8..12
+    record.extend_from_slice(&(payload.len() as u32).to_le_bytes()); // 12..16
+    record.extend_from_slice(&offset.to_le_bytes()); // 16..24
+    record.extend_from_slice(&fence.to_le_bytes()); // 24..32
+    record.extend_from_slice(&[0; 8]); // 32..40: crc, reserved
+    record.extend_from_slice(payload);
+    let crc = record_crc(&record);
+    record[32..36].copy_from_slice(&crc.to_le_bytes());
+    record
+}
+
+/// CRC32C of a record with its crc field taken as zero.
+fn record_crc(record: &[u8]) -> u32 {
+    let mut bytes = record.to_vec();
+    bytes[32..36].fill(0);
+    vouch_format::crc32c(&bytes)
+}
+
+/// A record read back: its object, offset, and where its payload is in the
+/// log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub object: ObjectId,
+    pub offset: u64,
+    pub payload_at: usize,
+    pub len: usize,
+}
+
+/// The valid records of `log` (under `fence`), in order, and the length of
+/// the valid prefix: reading stops at the first record that is short, has
+/// the wrong magic, fence or checksum (the tail a crash tore: its home
+/// write was never issued, as the log is synced first).
+pub fn read_records(log: &[u8], fence: u64) -> (Vec<Record>, usize) {
+    let mut records = Vec::new();
+    let mut at = 0usize;
+    while let Some(header) = log.get(at..at + RECORD_HEADER_BYTES) {
+        let word = |range: std::ops::Range<usize>| &header[range];
+        let u32_at = |from: usize| u32::from_le_bytes(word(from..from + 4).try_into().unwrap());
+        let u64_at = |from: usize| u64::from_le_bytes(word(from..from + 8).try_into().unwrap());
+        if u32_at(0) != RECORD_MAGIC || u64_at(24) != fence {
+            break;
+        }
+        let len = u32_at(12) as usize;
+        let Some(object) = object_of(header[4], u32_at(8)) else {
+            break;
+        };
+        let Some(record) = log.get(at..at + RECORD_HEADER_BYTES + len) else {
+            break;
+        };
+        if !(len as u64).is_multiple_of(IMAGE_BLOCK) || record_crc(record) != u32_at(32) {
+            break;
+        }
+        records.push(Record {
+            object,
+            offset: u64_at(16),
+            payload_at: at + RECORD_HEADER_BYTES,
+            len,
+        });
+        at += RECORD_HEADER_BYTES + len;
+    }
+    (records, at)
+}
+
+/// Each imaged block's first image in `log` (its bytes at the fence), by
+/// object and block offset: a slice of `log`. `breaks.last_image_wins`
+/// keeps the last instead (a break the tests catch).
+pub fn first_images(
+    log: &[u8],
+    fence: u64,
+    breaks: BeforeBreaks,
+) -> BTreeMap<(ObjectId, u64), &[u8]> {
+    let mut images = BTreeMap::new();
+    for record in read_records(log, fence).0 {
+        for block in 0..(record.len as u64 / IMAGE_BLOCK) {
+            let from = record.payload_at + (block * IMAGE_BLOCK) as usize;
+            let bytes = &log[from..from + IMAGE_BLOCK as usize];
+            let key = (record.object, record.offset + block * IMAGE_BLOCK);
+            if breaks.last_image_wins {
+                images.insert(key, bytes);
+            } else {
+                images.entry(key).or_insert(bytes);
+            }
+        }
+    }
+    images
+}
+
+/// Where the records go: the file `.NAME.partial/before`, or the crash
+/// simulator's model of one (`SimLog`).
+pub trait BeforeLog: Send + Sync {
+    /// Its length in bytes.
+    fn bytes(&self) -> io::Result<u64>;
+    fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()>;
+    fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()>;
+    /// Make every write before durable.
+    fn sync(&self) -> io::Result<()>;
+    /// Cut the log at `len` (a torn tail), durably.
+    fn truncate(&self, len: u64) -> io::Result<()>;
+}
+
+impl BeforeLog for File {
+    fn bytes(&self) -> io::Result<u64> {
+        Ok(self.metadata()?.len())
+    }
+    fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.read_exact_at(buf, at)
+    }
+    fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
+        self.write_all_at(bytes, at)
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.sync_data()
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.set_len(len)?;
+        self.sync_all()
+    }
+}
+
+/// A log in memory that keeps, as a power cut would, only what was synced
+/// (`durable`): the crash simulator's and the tests' log.
+#[derive(Clone, Default)]
+pub struct SimLog {
+    state: Arc<Mutex<(Vec<u8>, Vec<u8>)>>,
+}
+
+impl SimLog {
+    /// The bytes a crash now leaves (the synced ones).
+    pub fn durable(&self) -> Vec<u8> {
+        self.state.lock().1.clone()
+    }
+    /// The bytes written, synced or not.
+    pub fn live(&self) -> Vec<u8> {
+        self.state.lock().0.clone()
+    }
+    /// A log holding `bytes`, all durable (after a crash).
+    pub fn from_bytes(bytes: Vec<u8>) -> SimLog {
+        SimLog {
+            state: Arc::new(Mutex::new((bytes.clone(), bytes))),
+        }
+    }
+}
+
+impl BeforeLog for SimLog {
+    fn bytes(&self) -> io::Result<u64> {
+        Ok(self.state.lock().0.len() as u64)
+    }
+    fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        let state = self.state.lock();
+        let at = at as usize;
+        let bytes = state
+            .0
+            .get(at..at + buf.len())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+        buf.copy_from_slice(bytes);
+        Ok(())
+    }
+    fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
+        let mut state = self.state.lock();
+        let at = at as usize;
+        if state.0.len() < at + bytes.len() {
+            state.0.resize(at + bytes.len(), 0);
+        }
+        state.0[at..at + bytes.len()].copy_from_slice(bytes);
+        Ok(())
+    }
+    fn sync(&self) -> io::Result<()> {
+        let mut state = self.state.lock();
+        state.1 = state.0.clone();
+        Ok(())
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        let mut state = self.state.lock();
+        state.0.truncate(len as usize);
+        state.1 = state.0.clone();
+        Ok(())
+    }
+}
+
+/// The log while armed.
+struct Armed {
+    log: Box<dyn BeforeLog>,
+    fence: u64,
+    /// Bytes of valid records in `log`.
+    end: u64,
+    /// Blocks imaged already: a later write of one is not imaged again.
+    imaged: HashSet<(ObjectId, u64)>,
+    /// An append or sync failed: every later imaged write is refused.
+    failed: bool,
+}
+
+/// What every handle of one layer shares (a resize's `reopen` keeps it).
+#[derive(Default)]
+struct Layer {
+    armed: AtomicBool,
+    log: Mutex<Option<Armed>>,
+    breaks: Mutex<BeforeBreaks>,
+}
+
+/// The before-image layer over `inner` (see the module's comment).
+pub struct BeforeImages {
+    inner: Arc<dyn Storage>,
+    layer: Arc<Layer>,
+}
+
+impl BeforeImages {
+    /// `inner`, with the layer disarmed.
+    pub fn new(inner: Arc<dyn Storage>) -> BeforeImages {
+        BeforeImages {
+            inner,
+            layer: Arc::default(),
+        }
+    }
+
+    /// The storage under the layer.
+    pub fn inner(&self) -> &Arc<dyn Storage> {
+        &self.inner
+    }
+
+    /// Orderings to break (tests and the crash simulator only).
+    pub fn set_breaks(&self, breaks: BeforeBreaks) {
+        *self.layer.breaks.lock() = breaks;
+    }
+
+    /// Arm the layer with the log `log` of fence `fence`. The records it
+    /// holds already (an open that found the fence: a crash cut the
+    /// materialisation) are kept, a torn tail cut off, and their blocks
+    /// count as imaged. Call it with no home write in flight (at the flush
+    /// point, or before the open's replay).
+    pub fn arm(&self, log: Box<dyn BeforeLog>, fence: u64) -> io::Result<()> {
+        let len = log.bytes()?;
+        let mut bytes = vec![0u8; len as usize];
+        if len > 0 {
+            log.read_at(0, &mut bytes)?;
+        }
+        let (records, valid) = read_records(&bytes, fence);
+        if (valid as u64) < len {
+            log.truncate(valid as u64)?;
+        }
+        let mut imaged = HashSet::new();
+        for record in records {
+            for block in 0..(record.len as u64 / IMAGE_BLOCK) {
+                imaged.insert((record.object, record.offset + block * IMAGE_BLOCK));
+            }
+        }
+        *self.layer.log.lock() = Some(Armed {
+            log,
+            fence,
+            end: valid as u64,
+            imaged,
+            failed: false,
+        });
+        self.layer.armed.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Stop imaging (the snapshot is materialised and published).
+    pub fn disarm(&self) {
+        let mut log = self.layer.log.lock();
+        self.layer.armed.store(false, Ordering::Release);
+        *log = None;
+    }
+
+    pub fn is_armed(&self) -> bool {
+        self.layer.armed.load(Ordering::Acquire)
+    }
+
+    /// Blocks imaged since the layer was armed (the log's size in blocks).
+    pub fn imaged_blocks(&self) -> usize {
+        self.layer
+            .log
+            .lock()
+            .as_ref()
+            .map_or(0, |armed| armed.imaged.len())
+    }
+
+    /// Image the blocks of `ranges` (offset, length) of `object` not imaged
+    /// yet, then run `write` (the home write): the log is synced between,
+    /// unless broken on purpose. Disarmed, or for an object that is not
+    /// imaged, `write` runs at once.
+    fn imaged<T>(
+        &self,
+        object: ObjectId,
+        ranges: &mut dyn Iterator<Item = (u64, u64)>,
+        write: impl FnOnce() -> T,
+    ) -> io::Result<T> {
+        if !self.layer.armed.load(Ordering::Acquire) || !is_imaged(object) {
+            return Ok(write());
+        }
+        let breaks = *self.layer.breaks.lock();
+        {
+            // Held across the read, the append and the sync: a block is
+            // counted imaged only once its image is durable, so no other
+            // writer skips imaging it early.
+            let mut log = self.layer.log.lock();
+            let Some(armed) = log.as_mut() else {
+                return Ok(write());
+            };
+            let blocks = armed.not_imaged(object, ranges, breaks.last_image_wins);
+            if blocks.is_empty() {
+                drop(log);
+                return Ok(write());
+            }
+            if armed.failed {
+                return Err(io::Error::other(
+                    "the snapshot's before-image log failed: no home write until the volume is opened again",
+                ));
+            }
+            let appended = armed.records(&*self.inner, object, &blocks)?;
+            let append = || -> io::Result<()> {
+                armed.log.write_at(armed.end, &appended)?;
+                if !breaks.write_before_sync {
+                    // ORDER POINT: the images are durable before the home write.
+                    armed.log.sync()?;
+                }
+                Ok(())
+            };
+            if let Err(error) = append() {
+                // After a failed append or sync nothing more is logged
+                // (a gap would end the log there): fail-stop.
+                armed.failed = true;
+                return Err(error);
+            }
+            // Counted imaged only once durable.
+            armed.end += appended.len() as u64;
+            armed
+                .imaged
+                .extend(blocks.iter().map(|block| (object, block * IMAGE_BLOCK)));
+            if !breaks.write_before_sync {
+                drop(log);
+                return Ok(write());
+            }
+        }
+        // Broken on purpose: the home write goes before the images' sync.
+        let result = write();
+        if let Some(armed) = self.layer.log.lock().as_mut() {
+            armed.log.sync()?;
+        }
+        Ok(result)
+    }
+}
+
+impl Armed {
+    /// The blocks of `ranges` of `object` not imaged yet, in order.
+    fn not_imaged(
+        &self,
+        object: ObjectId,
+        ranges: &mut dyn Iterator<Item = (u64, u64)>,
+        again: bool,
+    ) -> Vec<u64> {
+        let mut blocks: Vec<u64> = Vec::new();
+        for (offset, len) in ranges {
+            if len == 0 {
+                continue;
+            }
+            let first = offset / IMAGE_BLOCK;
+            let last = (offset + len).div_ceil(IMAGE_BLOCK);
+            blocks
+                .extend((first..last).filter(|block| {
+                    again || !self.imaged.contains(&(object, block * IMAGE_BLOCK))
+                }));
+        }
+        blocks.sort_unstable();
+        blocks.dedup();
+        blocks
+    }
+
+    /// The records of `blocks` of `object` (their bytes now, in `inner`),
+    /// one per run of consecutive blocks.
+    fn records(
+        &self,
+        inner: &dyn Storage,
+        object: ObjectId,
+        blocks: &[u64],
+    ) -> io::Result<Vec<u8>> {
+        let mut appended = Vec::new();
+        let mut at = 0;
+        while at < blocks.len() {
+            let mut end = at + 1;
+            while end < blocks.len() && blocks[end] == blocks[end - 1] + 1 {
+                end += 1;
+            }
+            let offset = blocks[at] * IMAGE_BLOCK;
+            let mut old = vec![0u8; (end - at) * IMAGE_BLOCK as usize];
+            inner.read_at(object, offset, &mut old)?;
+            appended.extend_from_slice(&encode_record(self.fence, object, offset, &old));
+            at = end;
+        }
+        Ok(appended)
+    }
+}
+
+impl Storage for BeforeImages {
+    fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read_at(object, offset, buf)
+    }
+    fn read_at_nowait(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read_at_nowait(object, offset, buf)
+    }
+    fn start_read(
+        &self,
+        object: ObjectId,
+        offset: u64,
+        len: usize,
+        done: ReadLater,
+    ) -> Result<(), ReadLater> {
+        self.inner.start_read(object, offset, len, done)
+    }
+    fn read_events(&self) -> Option<std::os::fd::RawFd> {
+        self.inner.read_events()
+    }
+    fn reap_reads(&self) -> io::Result<()> {
+        self.inner.reap_reads()
+    }
+    fn reads_ready(&self) -> bool {
+        self.inner.reads_ready()
+    }
+    fn reads_in_flight(&self) -> usize {
+        self.inner.reads_in_flight()
+    }
+    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+        let mut range = std::iter::once((offset, data.len() as u64));
+        self.imaged(object, &mut range, || {
+            self.inner.write_at(object, offset, data)
+        })?
+    }
+    fn write_vectored_at(&self, object: ObjectId, offset: u64, parts: &[&[u8]]) -> io::Result<()> {
+        let len = parts.iter().map(|part| part.len() as u64).sum();
+        let mut range = std::iter::once((offset, len));
+        self.imaged(object, &mut range, || {
+            self.inner.write_vectored_at(object, offset, parts)
+        })?
+    }
+    fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<(), RunError> {
+        let mut ranges = runs.iter().map(|run| (run.offset, run.len()));
+        self.imaged(object, &mut ranges, || self.inner.write_runs(object, runs))
+            .map_err(|error| RunError {
+                offset: runs.first().map_or(0, |run| run.offset),
+                error,
+            })?
+    }
+    fn sync(&self, object: ObjectId) -> io::Result<()> {
+        self.inner.sync(object)
+    }
+    fn sync_each(&self, objects: &[ObjectId]) -> Result<(), (ObjectId, io::Error)> {
+        self.inner.sync_each(objects)
+    }
+    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
+        let mut range = std::iter::once((offset, len));
+        self.imaged(object, &mut range, || {
+            self.inner.punch_hole(object, offset, len)
+        })?
+    }
+    fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
+        self.inner.next_data(object, offset)
+    }
+    fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
+        self.inner.allocated_bytes(object)
+    }
+    fn object_len(&self, object: ObjectId) -> io::Result<Option<u64>> {
+        self.inner.object_len(object)
+    }
+    fn clone_range(&self, clone: CloneRange<'_>) -> io::Result<()> {
+        let (object, offset, len) = (clone.object, clone.offset, clone.len);
+        let mut range = std::iter::once((offset, len));
+        self.imaged(object, &mut range, || self.inner.clone_range(clone))?
+    }
+    fn probe_clone(&self, source: &dyn Storage, source_object: ObjectId) -> io::Result<()> {
+        self.inner.probe_clone(source, source_object)
+    }
+    fn measure_clone(
+        &self,
+        source: &dyn Storage,
+        source_object: ObjectId,
+        len: u64,
+    ) -> io::Result<CloneTiming> {
+        self.inner.measure_clone(source, source_object, len)
+    }
+    fn map_for_check(&self, object: ObjectId, offset: u64, len: u64) -> Option<Mapped> {
+        self.inner.map_for_check(object, offset, len)
+    }
+    fn drop_cached(&self, object: ObjectId, offset: u64, len: u64) {
+        self.inner.drop_cached(object, offset, len);
+    }
+    fn has_held(&self) -> bool {
+        self.inner.has_held()
+    }
+    fn boot_id(&self) -> [u8; 16] {
+        self.inner.boot_id()
+    }
+    fn prepare_held(&self, headers: [&[u8]; 2]) -> io::Result<()> {
+        self.inner.prepare_held(headers)
+    }
+    fn held_named(&self) -> bool {
+        self.inner.held_named()
+    }
+    fn grow_held(&self, slot: u8, from: u64, end: u64) -> io::Result<()> {
+        self.inner.grow_held(slot, from, end)
+    }
+    fn write_held(&self, slot: u8, at: u64, parts: &[&[u8]]) -> io::Result<()> {
+        self.inner.write_held(slot, at, parts)
+    }
+    fn publish_held(&self, slot: u8, at: u64, word: u64) -> io::Result<()> {
+        self.inner.publish_held(slot, at, word)
+    }
+    fn store_held_pair(&self, slot: u8, at: u64, bytes: [u8; 16]) -> io::Result<()> {
+        self.inner.store_held_pair(slot, at, bytes)
+    }
+    fn landing_window(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        self.inner.landing_window()
+    }
+    fn grow_landing(&self, from: u64, end: u64) -> io::Result<()> {
+        self.inner.grow_landing(from, end)
+    }
+    fn read_landing(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        self.inner.read_landing(at, buf)
+    }
+    fn release_held(&self) -> io::Result<()> {
+        self.inner.release_held()
+    }
+    fn reopen(&self, geometry: &vouch_format::Geometry) -> io::Result<Arc<dyn Storage>> {
+        // The new files are imaged by the same layer (its log and blocks).
+        Ok(Arc::new(BeforeImages {
+            inner: self.inner.reopen(geometry)?,
+            layer: Arc::clone(&self.layer),
+        }))
+    }
+    fn file_of(&self, object: ObjectId) -> Option<&File> {
+        self.inner.file_of(object)
+    }
+    fn before_images(&self) -> Option<&BeforeImages> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::sim::SimStorage;
+    use std::sync::atomic::AtomicUsize;
+
+    const FENCE: u64 = 0x5eed;
+    const OBJECTS: [ObjectId; 4] = [
+        ObjectId::Data(0),
+        ObjectId::Data(1),
+        ObjectId::Contexts,
+        ObjectId::Written,
+    ];
+    const OBJECT_BYTES: u64 = 16 * IMAGE_BLOCK;
+
+    /// The storage under the layer: the simulated files, and a witness
+    /// that, at the moment each home write is issued, finds a durable
+    /// image of every block it covers in the log (the rule this layer
+    /// keeps), counting the writes that have none.
+    struct Witness {
+        sim: SimStorage,
+        log: SimLog,
+        unimaged: AtomicUsize,
+    }
+
+    impl Witness {
+        fn see(&self, object: ObjectId, offset: u64, len: u64) {
+            if !is_imaged(object) || len == 0 {
+                return;
+            }
+            let durable = self.log.durable();
+            let images = first_images(&durable, FENCE, BeforeBreaks::default());
+            let first = offset / IMAGE_BLOCK;
+            let last = (offset + len).div_ceil(IMAGE_BLOCK);
+            if (first..last).any(|block| !images.contains_key(&(object, block * IMAGE_BLOCK))) {
+                self.unimaged.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    impl Storage for Witness {
+        fn read_at(&self, object: ObjectId, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+            self.sim.read_at(object, offset, buf)
+        }
+        fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+            self.see(object, offset, data.len() as u64);
+            self.sim.write_at(object, offset, data)
+        }
+        fn sync(&self, object: ObjectId) -> io::Result<()> {
+            self.sim.sync(object)
+        }
+        fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
+            self.see(object, offset, len);
+            self.sim.punch_hole(object, offset, len)
+        }
+        fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
+            self.sim.next_data(object, offset)
+        }
+        fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {
+            self.sim.allocated_bytes(object)
+        }
+    }
+
+    /// The bytes of `object` in `storage`.
+    fn bytes_of(storage: &SimStorage, object: ObjectId) -> Vec<u8> {
+        let mut bytes = vec![0u8; OBJECT_BYTES as usize];
+        storage.read_at(object, 0, &mut bytes).unwrap();
+        bytes
+    }
+
+    /// Run random home writes through an armed layer; after each, crash
+    /// (every unsynced home write landed, the log only as synced), write
+    /// the first images back over the crashed files and compare them with
+    /// the files at the fence. Returns (home writes issued without a
+    /// durable image, crash points whose restore differed).
+    fn run(breaks: BeforeBreaks, seed: u64) -> (usize, usize) {
+        use rand::{Rng as _, SeedableRng as _};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let sim = SimStorage::new();
+        for object in OBJECTS {
+            let bytes: Vec<u8> = (0..OBJECT_BYTES).map(|_| rng.gen()).collect();
+            sim.write_at(object, 0, &bytes).unwrap();
+            sim.sync(object).unwrap();
+        }
+        let fenced: Vec<Vec<u8>> = OBJECTS.iter().map(|&o| bytes_of(&sim, o)).collect();
+        let log = SimLog::default();
+        let witness = Arc::new(Witness {
+            sim: sim.clone(),
+            log: log.clone(),
+            unimaged: AtomicUsize::new(0),
+        });
+        let layer = BeforeImages::new(witness.clone());
+        layer.set_breaks(breaks);
+        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        let mut wrong = 0;
+        for _ in 0..60 {
+            let object = OBJECTS[rng.gen_range(0..OBJECTS.len())];
+            let offset = rng.gen_range(0..OBJECT_BYTES - 3 * IMAGE_BLOCK);
+            let len = rng.gen_range(1..3 * IMAGE_BLOCK);
+            let data: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+            match rng.gen_range(0..4) {
+                0 => layer.write_at(object, offset, &data).unwrap(),
+                1 => layer.punch_hole(object, offset & !4095, 4096).unwrap(),
+                2 => {
+                    let (one, two) = data.split_at(data.len() / 2);
+                    let parts: [&[u8]; 2] = [one, two];
+                    let far = (offset + len + IMAGE_BLOCK).min(OBJECT_BYTES - IMAGE_BLOCK);
+                    let far_parts: [&[u8]; 1] = [&data[..(len as usize).min(100)]];
+                    layer
+                        .write_runs(
+                            object,
+                            &[
+                                Run {
+                                    offset,
+                                    parts: &parts,
+                                },
+                                Run {
+                                    offset: far,
+                                    parts: &far_parts,
+                                },
+                            ],
+                        )
+                        .unwrap();
+                }
+                _ => {
+                    if rng.gen_bool(0.5) {
+                        layer.sync(object).unwrap();
+                    }
+                }
+            }
+            // The worst crash: every home write issued has landed.
+            let crashed = sim.crash_image(|_, _, _| u64::MAX);
+            let durable = log.durable();
+            for (&(object, offset), image) in &first_images(&durable, FENCE, breaks) {
+                crashed.write_at(object, offset, image).unwrap();
+            }
+            if OBJECTS
+                .iter()
+                .zip(&fenced)
+                .any(|(&object, at_fence)| bytes_of(&crashed, object) != *at_fence)
+            {
+                wrong += 1;
+            }
+        }
+        let unimaged = witness.unimaged.load(Ordering::Relaxed);
+        // Disarmed, nothing more is imaged.
+        let before = log.live().len();
+        layer.disarm();
+        layer.write_at(ObjectId::Data(0), 0, &[1; 4096]).unwrap();
+        assert_eq!(log.live().len(), before);
+        (unimaged, wrong)
+    }
+
+    #[test]
+    fn every_crash_point_restores_the_fence_from_the_first_images() {
+        for seed in 0..20 {
+            assert_eq!(run(BeforeBreaks::default(), seed), (0, 0), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn a_home_write_before_its_image_is_synced_is_caught() {
+        let breaks = BeforeBreaks {
+            write_before_sync: true,
+            ..BeforeBreaks::default()
+        };
+        let (unimaged, _) = run(breaks, 1);
+        assert!(unimaged > 0);
+    }
+
+    #[test]
+    fn a_later_image_applied_over_the_first_is_caught() {
+        let breaks = BeforeBreaks {
+            last_image_wins: true,
+            ..BeforeBreaks::default()
+        };
+        let (unimaged, wrong) = run(breaks, 1);
+        assert_eq!(unimaged, 0);
+        assert!(wrong > 0);
+    }
+
+    #[test]
+    fn format_md_describes_the_record_header_the_code_writes() {
+        let doc =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/FORMAT.md"))
+                .expect("docs/FORMAT.md");
+        let start = doc
+            .find("### Before-image record header (40 bytes)")
+            .expect("FORMAT.md has the record header's table");
+        let rows: Vec<(String, usize, usize)> = doc[start..]
+            .lines()
+            .skip(1)
+            .take_while(|line| !line.starts_with('#'))
+            .filter(|line| line.starts_with('|'))
+            .filter_map(|line| {
+                let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+                Some((
+                    cells[2].to_string(),
+                    cells[0].parse().ok()?,
+                    cells[1].parse().ok()?,
+                ))
+            })
+            .collect();
+        let fields: Vec<(String, usize, usize)> = RECORD_FIELDS
+            .iter()
+            .map(|&(name, offset, size)| (name.to_string(), offset, size))
+            .collect();
+        assert_eq!(rows, fields);
+        let last = RECORD_FIELDS.last().unwrap();
+        assert_eq!(last.1 + last.2, RECORD_HEADER_BYTES);
+        // The encoder puts each field where the table says.
+        let record = encode_record(3, ObjectId::Data(5), 8192, &[0; 4096]);
+        let field = |name: &str| {
+            let &(_, offset, size) = RECORD_FIELDS.iter().find(|f| f.0 == name).unwrap();
+            let mut word = [0u8; 8];
+            word[..size].copy_from_slice(&record[offset..offset + size]);
+            u64::from_le_bytes(word)
+        };
+        assert_eq!(field("magic"), u64::from(RECORD_MAGIC));
+        assert_eq!(field("kind"), u64::from(KIND_DATA));
+        assert_eq!(field("segment"), 5);
+        assert_eq!(field("len"), 4096);
+        assert_eq!(field("offset"), 8192);
+        assert_eq!(field("fence"), 3);
+    }
+
+    #[test]
+    fn rearming_cuts_a_torn_tail_and_keeps_what_was_imaged() {
+        let sim = Arc::new(SimStorage::new());
+        let layer = BeforeImages::new(sim.clone());
+        let log = SimLog::default();
+        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        layer.write_at(ObjectId::Data(0), 0, &[2; 8192]).unwrap();
+        let whole = log.durable();
+        let mut torn = whole.clone();
+        torn.extend_from_slice(&encode_record(FENCE, ObjectId::Data(0), 8192, &[5; 4096])[..100]);
+        let again = BeforeImages::new(sim);
+        let reopened = SimLog::from_bytes(torn);
+        again.arm(Box::new(reopened.clone()), FENCE).unwrap();
+        assert_eq!(reopened.durable(), whole);
+        assert_eq!(again.imaged_blocks(), 2);
+        // Imaged before the crash: not imaged again.
+        again.write_at(ObjectId::Data(0), 4096, &[6; 4096]).unwrap();
+        assert_eq!(reopened.durable(), whole);
+        // Another fence's records are none of this one's.
+        assert!(first_images(&whole, FENCE + 1, BeforeBreaks::default()).is_empty());
+    }
+}
