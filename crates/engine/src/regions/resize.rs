@@ -242,6 +242,10 @@ impl RegionVolume {
                 self.regions_held_for()
             )));
         }
+        // Most of each member's close first, while clients go on (as the
+        // one-volume resize does): under the locks, each close has only
+        // what came since to commit and move home.
+        self.checkpoint_now()?;
         let asked = Instant::now();
         let _still = self.hold_all();
         let waited = asked.elapsed();
