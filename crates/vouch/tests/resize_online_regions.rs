@@ -206,3 +206,65 @@ fn an_online_grow_of_a_volume_with_regions_adds_a_home_region_that_survives_a_re
     assert_eq!(nbd_size(&server.uri), new);
     server.stop();
 }
+
+/// Refused while a background migration runs (naming it), and past the
+/// region locks an open volume has (256 GiB); done once the migration is
+/// stopped, its regions in both layouts.
+#[test]
+fn an_online_resize_of_a_volume_with_regions_is_refused_during_a_migration_and_past_its_locks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = dir.path();
+    let path = split_volume_with_runs(dir, OLD_BLOCKS, &[0, OLD_BLOCKS - 64]);
+    vouch_ok(&["migrate", s(&path), "--layout", "packed"]);
+    let mut server = Server::start(dir, &[s(&path), "--control", "127.0.0.1:0"]);
+    let ctl = control(&server).to_string();
+    let new = NEW_BLOCKS * BLOCK;
+    let body = serde_json::json!({"size": new});
+    // Back to split at 8 MiB/s: region 0 alone takes 8 s, and the
+    // migration stops only between regions.
+    let (status, answer) = request(
+        &ctl,
+        "POST",
+        "/v1/exports/vol/migrate",
+        Some(&serde_json::json!({"layout": "split", "rate": "8M"})),
+        None,
+    );
+    assert_eq!(status, 202, "{answer}");
+    let (status, answer) = request(&ctl, "POST", "/v1/exports/vol/resize", Some(&body), None);
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("a migration of this export is running"),
+        "{answer}"
+    );
+    let (status, answer) = request(&ctl, "DELETE", "/v1/exports/vol/migrate", None, None);
+    assert!(status < 300, "{answer}");
+    wait_until("the migration to stop", std::time::Duration::from_secs(120), || {
+        request(&ctl, "GET", "/v1/exports/vol/migrate", None, None).1["state"] != "running"
+    });
+    let (status, answer) = request(
+        &ctl,
+        "POST",
+        "/v1/exports/vol/resize",
+        Some(&serde_json::json!({"size": "300G"})),
+        None,
+    );
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("restart the server to grow it further"),
+        "{answer}"
+    );
+    let (status, answer) = request(&ctl, "POST", "/v1/exports/vol/resize", Some(&body), None);
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(nbd_size(&server.uri), new);
+    server.stop();
+    let (layouts, size) = layouts_and_size(&path);
+    assert_eq!((layouts.len(), size), (3, new), "{layouts:?}");
+    assert_eq!(layouts[2], "split");
+    assert_check_clean(&path);
+}
