@@ -9,11 +9,11 @@
 
 mod common;
 
-use std::path::Path;
 use std::process::Command;
 
-use common::clients::{nbdinfo, qemu_img};
+use common::clients::{nbd_size, qemu_img};
 use common::control::{control, request};
+use common::regions::{export_bytes, layouts_and_size};
 use common::*;
 use serde_json::Value;
 use vouch_format::regions::REGION_BLOCKS;
@@ -22,40 +22,6 @@ use vouch_format::regions::REGION_BLOCKS;
 const OLD_BLOCKS: u64 = REGION_BLOCKS + 500;
 /// Three regions, the third in part.
 const NEW_BLOCKS: u64 = 2 * REGION_BLOCKS + 700;
-
-fn export_bytes(path: &Path, out: &Path) -> Vec<u8> {
-    let _ = std::fs::remove_file(out);
-    vouch_ok(&["export", s(path), s(out)]);
-    std::fs::read(out).expect("read export")
-}
-
-/// The record's layouts, and the size both members' superblocks say
-/// (they must agree).
-fn layouts_and_size(path: &Path) -> (Vec<String>, u64) {
-    let info = info_json(path);
-    let layouts = info["regions"]["layouts"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no regions in info: {info}"))
-        .iter()
-        .map(|layout| layout.as_str().expect("a name").to_string())
-        .collect();
-    let home = vouch_engine::volume_superblock(path).expect("home superblock");
-    let member = vouch_engine::regions::member_path(path, home.layout);
-    let other = vouch_engine::volume_superblock(&member).expect("member superblock");
-    assert_eq!(
-        home.size_bytes, other.size_bytes,
-        "the members say different sizes"
-    );
-    (layouts, home.size_bytes)
-}
-
-fn nbd_size(uri: &str) -> u64 {
-    let output = run_ok(Command::new(nbdinfo()).args(["--size", uri]));
-    String::from_utf8_lossy(&output.stdout)
-        .trim()
-        .parse()
-        .expect("nbdinfo --size")
-}
 
 /// One connection open across a grow and a shrink: it writes before
 /// and after each; a second connection, made after the grow, writes the
@@ -193,10 +159,7 @@ fn an_online_grow_of_a_volume_with_regions_adds_a_home_region_that_survives_a_re
     server.stop();
     assert_eq!(
         layouts_and_size(&path),
-        (
-            vec!["packed".into(), "packed".into(), "split".into()],
-            new
-        )
+        (vec!["packed".into(), "packed".into(), "split".into()], new)
     );
     assert_check_clean(&path);
     let grown = export_bytes(&path, &dir.join("grown.img"));
@@ -241,9 +204,11 @@ fn an_online_resize_of_a_volume_with_regions_is_refused_during_a_migration_and_p
     );
     let (status, answer) = request(&ctl, "DELETE", "/v1/exports/vol/migrate", None, None);
     assert!(status < 300, "{answer}");
-    wait_until("the migration to stop", std::time::Duration::from_secs(120), || {
-        request(&ctl, "GET", "/v1/exports/vol/migrate", None, None).1["state"] != "running"
-    });
+    wait_until(
+        "the migration to stop",
+        std::time::Duration::from_secs(120),
+        || request(&ctl, "GET", "/v1/exports/vol/migrate", None, None).1["state"] != "running",
+    );
     let (status, answer) = request(
         &ctl,
         "POST",

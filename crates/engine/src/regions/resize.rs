@@ -34,10 +34,10 @@ use vouch_format::regions::{regions_of, RegionRecord, REGION_BLOCKS};
 use super::{has_regions, member_path, RegionVolume, REGIONS_FILE};
 use crate::device::BlockDevice as _;
 use crate::error::{Error, Result};
-use crate::storage::Storage;
-use crate::volume::{OnlineResized, Reopen, ResizeSteps};
 use crate::resize::{resize_volume, Allowed, ResizeBreaks, Resized};
 use crate::snapshot::{io_error, superblock_of, SnapshotFs};
+use crate::storage::Storage;
+use crate::volume::{OnlineResized, Reopen, ResizeSteps};
 use crate::BLOCK;
 
 /// The record of the new region count, until the home's switch is
@@ -283,11 +283,12 @@ impl RegionVolume {
         // inside the home's `files` step: never both at once).
         let reopen = RefCell::new(steps.reopen);
         let files = steps.files;
-        let mut other_reopen =
-            |storage: &dyn Storage, geometry: &vouch_format::Geometry| -> Result<Arc<dyn Storage>> {
-                let mut reopen = reopen.borrow_mut();
-                (*reopen)(storage, geometry)
-            };
+        let mut other_reopen = |storage: &dyn Storage,
+                                geometry: &vouch_format::Geometry|
+         -> Result<Arc<dyn Storage>> {
+            let mut reopen = reopen.borrow_mut();
+            (*reopen)(storage, geometry)
+        };
         let mut home_files = |bytes: u64| -> Result<()> {
             other
                 .resize_online_as(
@@ -300,11 +301,12 @@ impl RegionVolume {
                 )
                 .map(drop)
         };
-        let mut home_reopen =
-            |storage: &dyn Storage, geometry: &vouch_format::Geometry| -> Result<Arc<dyn Storage>> {
-                let mut reopen = reopen.borrow_mut();
-                (*reopen)(storage, geometry)
-            };
+        let mut home_reopen = |storage: &dyn Storage,
+                               geometry: &vouch_format::Geometry|
+         -> Result<Arc<dyn Storage>> {
+            let mut reopen = reopen.borrow_mut();
+            (*reopen)(storage, geometry)
+        };
         let outcome = self.home().resize_online_as(
             new_bytes,
             ResizeSteps {
@@ -323,7 +325,8 @@ impl RegionVolume {
                 if self.home().size() == home.size_bytes && other.size() == home.size_bytes =>
             {
                 *self.record.write() = record;
-                self.blocks.store(home.size_bytes / BLOCK, Ordering::Release);
+                self.blocks
+                    .store(home.size_bytes / BLOCK, Ordering::Release);
             }
             other_state => {
                 let why = match other_state {

@@ -340,8 +340,8 @@ async fn resize_export(
         None => crate::resize::resize_online(&dir, &volume, new_bytes),
     })
     .await
-            .map_err(internal)?
-            .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({
         "export": export,
         "old_size": done.old_bytes,
