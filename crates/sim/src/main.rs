@@ -117,8 +117,10 @@ enum Command {
         online: bool,
         /// A volume with regions (migrated to the other layout): both
         /// members resized, each image opened through its region layer
-        /// after the open's finish.
-        #[arg(long, conflicts_with = "online")]
+        /// after the open's finish. With --online: through a served one
+        /// (`RegionVolume::resize_online`: both members' engines closed,
+        /// the files resized, both opened again).
+        #[arg(long)]
         regions: bool,
     },
     /// Crash at every write and sync of a key change (both layouts): after

@@ -397,6 +397,16 @@ fn a_crash_during_a_resize_of_a_volume_with_regions_leaves_both_members_one_size
     resize_crashes_of(false, true);
 }
 
+/// The same resizes through a served volume with regions
+/// (`RegionVolume::resize_online`): writes in both members' buffers
+/// before each, both engines closed, the files resized (crashed before
+/// each operation: every image holds the writes acknowledged before),
+/// both opened again at the new size, reading as the model.
+#[test]
+fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknowledged() {
+    resize_crashes_of(true, true);
+}
+
 fn resize_crashes(online: bool) {
     resize_crashes_of(online, false);
 }
