@@ -74,6 +74,11 @@ pub struct ResizeBreaks {
     /// A volume with regions whose count changes: stop once the home has
     /// its new size, before `regions.resize` is renamed over `regions`.
     pub stop_after_home: bool,
+    /// An online resize of a volume with regions
+    /// (`RegionVolume::resize_online_driven`): the files resized with the
+    /// other member's engine left open, not closed first (the simulator's
+    /// self-test of the online order: it must be caught).
+    pub other_left_open: bool,
 }
 
 /// What a resize did.

@@ -122,6 +122,11 @@ enum Command {
         /// the files resized, both opened again).
         #[arg(long)]
         regions: bool,
+        /// With --online --regions, break the online order on purpose: the
+        /// files resized with the other member's engine left open (the
+        /// run must find violations).
+        #[arg(long, requires_all = ["online", "regions"])]
+        break_other_open: bool,
     },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
@@ -533,6 +538,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             break_switch,
             online,
             regions,
+            break_other_open,
         } => {
             let config = vouch_sim::resize::ResizeConfig {
                 layout: layout(&run.layout)?,
@@ -540,6 +546,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                 seed: run.seed,
                 breaks: vouch_engine::resize::ResizeBreaks {
                     switch_first: break_switch,
+                    other_left_open: break_other_open,
                     ..Default::default()
                 },
                 online,

@@ -100,6 +100,11 @@ pub fn run(config: &ResizeConfig) -> ResizeReport {
         (false, true, false) => Some("--regions"),
         (false, true, true) => Some("--regions --break-switch"),
     };
+    let flag = if config.breaks.other_left_open {
+        Some("--online --regions --break-other-open")
+    } else {
+        flag
+    };
     crate::snapshot::run_seeds(
         ("resize", config.layout, flag),
         config.seed..config.seed + config.seeds,

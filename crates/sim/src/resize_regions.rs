@@ -410,7 +410,7 @@ pub(crate) fn run_seed_online(
             to,
             image: Arc::new(image.to_vec()),
         });
-        let done = volume.resize_online(
+        let done = volume.resize_online_driven(
             to * BLOCK_U64,
             regions::resize::RegionResizeSteps {
                 files: &mut |bytes| {
@@ -427,6 +427,7 @@ pub(crate) fn run_seed_online(
                         .map_err(|e| sim_error(format!("reopen: {e}")))
                 },
             },
+            config.breaks,
         );
         *step.lock() = None;
         done.map_err(|e| format!("online resize {from} -> {to} blocks failed: {e}"))?;

@@ -227,6 +227,18 @@ impl RegionVolume {
         new_bytes: u64,
         steps: RegionResizeSteps<'_>,
     ) -> Result<OnlineResized> {
+        self.resize_online_driven(new_bytes, steps, ResizeBreaks::default())
+    }
+
+    /// `resize_online` with the crash simulator's breaks
+    /// (`ResizeBreaks::other_left_open`).
+    #[doc(hidden)]
+    pub fn resize_online_driven(
+        &self,
+        new_bytes: u64,
+        steps: RegionResizeSteps<'_>,
+        breaks: ResizeBreaks,
+    ) -> Result<OnlineResized> {
         crate::superblock::check_volume_size(new_bytes)?;
         self.check_fence()?;
         if self.is_read_only() {
@@ -290,6 +302,9 @@ impl RegionVolume {
             (*reopen)(storage, geometry)
         };
         let mut home_files = |bytes: u64| -> Result<()> {
+            if breaks.other_left_open {
+                return files(bytes);
+            }
             other
                 .resize_online_as(
                     bytes,
