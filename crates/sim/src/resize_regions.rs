@@ -242,6 +242,21 @@ fn read_whole(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
     if BlockDevice::is_read_only(&volume) {
         return Err("opened read-only".into());
     }
+    let image = read_served(&volume, blocks)?;
+    let check =
+        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
+    if let Some(fault) = check.faults.first() {
+        return Err(format!(
+            "check: {} faults, the first {fault:?}",
+            check.faults.len()
+        ));
+    }
+    volume.close().map_err(|e| format!("close: {e}"))?;
+    Ok(image)
+}
+
+/// The open `volume`, of `blocks` blocks, read whole (no fault).
+fn read_served(volume: &RegionVolume, blocks: u64) -> Result<Vec<u8>, String> {
     if volume.blocks() != blocks {
         return Err(format!(
             "opened at {} blocks, want {blocks}",
@@ -255,24 +270,11 @@ fn read_whole(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
     if let Some(fault) = faults.first() {
         return Err(format!("{} faults, the first {fault}", faults.len()));
     }
-    let check =
-        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
-    if let Some(fault) = check.faults.first() {
-        return Err(format!(
-            "check: {} faults, the first {fault:?}",
-            check.faults.len()
-        ));
-    }
-    volume.close().map_err(|e| format!("close: {e}"))?;
     Ok(image)
 }
 
-/// The volume of `fs`, written out to `scratch`, opens at `blocks` blocks
-/// and reads as `image` (zeros past it), cleanly checked.
-fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<(), String> {
-    let _ = std::fs::remove_dir_all(scratch);
-    write_out(&fs, scratch)?;
-    let read = read_whole(scratch, blocks)?;
+/// `read` is `image` (zeros past it).
+fn reads_as(read: &[u8], image: &[u8]) -> Result<(), String> {
     let zeros = vec![0u8; BLOCK];
     for (lba, got) in read.chunks(BLOCK).enumerate() {
         let want = image.get(lba * BLOCK..(lba + 1) * BLOCK).unwrap_or(&zeros);
@@ -281,6 +283,14 @@ fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<()
         }
     }
     Ok(())
+}
+
+/// The volume of `fs`, written out to `scratch`, opens at `blocks` blocks
+/// and reads as `image` (zeros past it), cleanly checked.
+fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<(), String> {
+    let _ = std::fs::remove_dir_all(scratch);
+    write_out(&fs, scratch)?;
+    reads_as(&read_whole(scratch, blocks)?, image)
 }
 
 /// The superblock of the volume in `dir` of `fs`.
@@ -431,29 +441,9 @@ pub(crate) fn run_seed_online(
         );
         *step.lock() = None;
         done.map_err(|e| format!("online resize {from} -> {to} blocks failed: {e}"))?;
-        if volume.blocks() != to {
-            return Err(format!(
-                "online resize to {to} blocks: the volume says {}",
-                volume.blocks()
-            ));
-        }
-        let mut got = vec![0u8; (to * BLOCK_U64) as usize];
-        let faults = volume
-            .read_blocks_collecting(0, to, &mut got)
-            .map_err(|e| format!("read after the online resize to {to}: {e}"))?;
-        if let Some(fault) = faults.first() {
-            return Err(format!("after the online resize to {to}: {fault}"));
-        }
-        let zeros = vec![0u8; BLOCK];
-        for (lba, got) in got.chunks(BLOCK).enumerate() {
-            let want = image.get(lba * BLOCK..(lba + 1) * BLOCK).unwrap_or(&zeros);
-            if got != want {
-                return Err(format!(
-                    "after the online resize to {to}: LBA {lba} reads other data"
-                ));
-            }
-        }
-        Ok(())
+        read_served(&volume, to)
+            .and_then(|read| reads_as(&read, image))
+            .map_err(|e| format!("served, after the online resize to {to} blocks: {e}"))
     };
 
     write_some(&volume, &mut image, &mut rng, 0..BLOCKS, BLOCKS - 1)?;
