@@ -9,6 +9,7 @@
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -195,7 +196,9 @@ pub struct RegionVolume {
     /// Shared so that a server can keep the home for its metrics.
     members: [Arc<Volume>; 2],
     record: RwLock<RegionRecord>,
-    blocks: u64,
+    /// Its size in blocks (changed by an online resize:
+    /// `RegionVolume::resize_online`).
+    blocks: AtomicU64,
     /// Online migration's state: per-region locks, the region being moved
     /// and its chunks written meanwhile (`online`).
     online: online::Online,
@@ -290,7 +293,7 @@ impl RegionVolume {
             path: path.to_path_buf(),
             home_layout,
             members,
-            blocks: home_superblock.size_bytes / BLOCK,
+            blocks: AtomicU64::new(home_superblock.size_bytes / BLOCK),
             record: RwLock::new(record),
             online: online::Online::new(regions),
             fs,
@@ -403,11 +406,11 @@ impl RegionVolume {
     }
 
     pub fn size(&self) -> u64 {
-        self.blocks * BLOCK
+        self.blocks() * BLOCK
     }
 
     pub fn blocks(&self) -> u64 {
-        self.blocks
+        self.blocks.load(Ordering::Acquire)
     }
 
     /// The layout serving `lba`: one lookup.
@@ -582,6 +585,25 @@ impl RegionVolume {
         Ok(faults)
     }
 
+    /// `block_status` with the regions held by the caller: the runs of
+    /// the piece holding `offset` only.
+    fn status_held(
+        &self,
+        offset: u64,
+        length: u64,
+        max_blocks: u64,
+    ) -> Result<Vec<(u64, Allocation)>> {
+        let Some(piece) = self.pieces(offset, length.max(1)).into_iter().next() else {
+            return Ok(Vec::new());
+        };
+        let piece_blocks = (piece.offset + piece.len).div_ceil(BLOCK) - piece.offset / BLOCK;
+        self.member(piece.layout).block_status(
+            piece.offset,
+            piece.len,
+            max_blocks.min(piece_blocks),
+        )
+    }
+
     /// Close both members (flush, checkpoint, clean). Every `home_shared`
     /// clone must be dropped first.
     pub fn close(self) -> Result<()> {
@@ -624,7 +646,7 @@ impl RegionVolume {
         let record = self.record();
         let mut released = 0;
         for (index, serving) in record.layouts.iter().enumerate() {
-            let lbas = record.lbas(index, self.blocks);
+            let lbas = record.lbas(index, self.blocks());
             let unserved = other_layout(*serving);
             if self.holds_any(unserved, lbas.start, lbas.end)? {
                 let member = self.member(unserved);
@@ -753,7 +775,7 @@ impl RegionVolume {
     ) -> Result<()> {
         let record = self.record();
         let from = record.layouts[index];
-        let lbas = record.lbas(index, self.blocks);
+        let lbas = record.lbas(index, self.blocks());
         let (old, new) = (self.member(from), self.member(target));
         self.copy_region(from, target, &lbas, breaks, steps, &mut progress)?;
         let release = || -> Result<()> {
@@ -1226,15 +1248,7 @@ impl BlockDevice for RegionVolume {
     ) -> Result<Vec<(u64, Allocation)>> {
         self.check_range(offset, length)?;
         let _held = self.hold(offset, length);
-        let Some(piece) = self.pieces(offset, length.max(1)).into_iter().next() else {
-            return Ok(Vec::new());
-        };
-        let piece_blocks = (piece.offset + piece.len).div_ceil(BLOCK) - piece.offset / BLOCK;
-        self.member(piece.layout).block_status(
-            piece.offset,
-            piece.len,
-            max_blocks.min(piece_blocks),
-        )
+        self.status_held(offset, length, max_blocks)
     }
 
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {

@@ -74,6 +74,11 @@ pub struct ResizeBreaks {
     /// A volume with regions whose count changes: stop once the home has
     /// its new size, before `regions.resize` is renamed over `regions`.
     pub stop_after_home: bool,
+    /// An online resize of a volume with regions
+    /// (`RegionVolume::resize_online_driven`): the files resized with the
+    /// other member's engine left open, not closed first (the simulator's
+    /// self-test of the online order: it must be caught).
+    pub other_left_open: bool,
 }
 
 /// What a resize did.
@@ -503,7 +508,7 @@ pub(crate) fn refuse_kind(shown: &str, superblock: &Superblock) -> Result<()> {
 
 /// `refuse_kind`; `member`: the REGIONS flag allowed (`regions::resize`
 /// resizes each member in turn).
-fn refuse_kind_of(shown: &str, superblock: &Superblock, member: bool) -> Result<()> {
+pub(crate) fn refuse_kind_of(shown: &str, superblock: &Superblock, member: bool) -> Result<()> {
     if is_snapshot(superblock) {
         return Err(invalid(format!(
             "{shown} is a snapshot, which is read-only: resize the volume, or a `vouch clone` of the snapshot"
@@ -524,7 +529,7 @@ fn refuse_kind_of(shown: &str, superblock: &Superblock, member: bool) -> Result<
     }
     if features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 && !member {
         return Err(invalid(format!(
-            "{shown} has a layout per region (`vouch migrate` moved some of its regions): it is resized offline (stop the server, then `vouch resize PATH SIZE`), not online yet"
+            "{shown} has a layout per region (`vouch migrate` moved some of its regions): it is resized as a whole (`vouch resize PATH SIZE` offline, or `vouch resize --server` of the export serving it)"
         )));
     }
     let needed = FeatureFlags::INCOMPAT_WRITTEN_MAP | FeatureFlags::INCOMPAT_BOUND_UNITS;

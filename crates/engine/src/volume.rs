@@ -14,7 +14,7 @@ use vouch_format::{FeatureFlags, Geometry, GuardKind, LayoutKind, BLOCK_SIZE};
 mod device;
 mod online_resize;
 
-pub use online_resize::{OnlineResized, ResizeSteps};
+pub use online_resize::{OnlineResized, Reopen, ResizeSteps};
 
 use crate::copy::MethodCache;
 use crate::device::BlockDevice;

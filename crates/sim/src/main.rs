@@ -117,9 +117,16 @@ enum Command {
         online: bool,
         /// A volume with regions (migrated to the other layout): both
         /// members resized, each image opened through its region layer
-        /// after the open's finish.
-        #[arg(long, conflicts_with = "online")]
+        /// after the open's finish. With --online: through a served one
+        /// (`RegionVolume::resize_online`: both members' engines closed,
+        /// the files resized, both opened again).
+        #[arg(long)]
         regions: bool,
+        /// With --online --regions, break the online order on purpose: the
+        /// files resized with the other member's engine left open (the
+        /// run must find violations).
+        #[arg(long, requires_all = ["online", "regions"])]
+        break_other_open: bool,
     },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
@@ -531,6 +538,7 @@ fn run(cli: Cli) -> Result<bool, String> {
             break_switch,
             online,
             regions,
+            break_other_open,
         } => {
             let config = vouch_sim::resize::ResizeConfig {
                 layout: layout(&run.layout)?,
@@ -538,6 +546,7 @@ fn run(cli: Cli) -> Result<bool, String> {
                 seed: run.seed,
                 breaks: vouch_engine::resize::ResizeBreaks {
                     switch_first: break_switch,
+                    other_left_open: break_other_open,
                     ..Default::default()
                 },
                 online,

@@ -93,16 +93,24 @@ pub fn run(config: &ResizeConfig) -> ResizeReport {
     let flag = match (config.online, config.regions, config.breaks.switch_first) {
         (false, false, false) => None,
         (false, false, true) => Some("--break-switch"),
-        (true, _, false) => Some("--online"),
-        (true, _, true) => Some("--online --break-switch"),
+        (true, false, false) => Some("--online"),
+        (true, false, true) => Some("--online --break-switch"),
+        (true, true, false) => Some("--online --regions"),
+        (true, true, true) => Some("--online --regions --break-switch"),
         (false, true, false) => Some("--regions"),
         (false, true, true) => Some("--regions --break-switch"),
+    };
+    let flag = if config.breaks.other_left_open {
+        Some("--online --regions --break-other-open")
+    } else {
+        flag
     };
     crate::snapshot::run_seeds(
         ("resize", config.layout, flag),
         config.seed..config.seed + config.seeds,
         |seed, report| match (config.online, config.regions) {
-            (true, _) => run_seed_online(config, seed, report),
+            (true, true) => crate::resize_regions::run_seed_online(config, seed, report),
+            (true, false) => run_seed_online(config, seed, report),
             (false, true) => crate::resize_regions::run_seed(config, seed, report),
             (false, false) => run_seed(config, seed, report),
         },

@@ -54,16 +54,33 @@ struct Step {
     image: Arc<Vec<u8>>,
 }
 
-pub(crate) fn run_seed(
-    config: &ResizeConfig,
-    seed: u64,
-    report: &mut ResizeReport,
-) -> Result<(), String> {
+/// What a seed starts from: the volume with regions made on real files
+/// (`real`, in `temp`), its image, the two sizes, and the model
+/// filesystem (holding the volume's files) whose hook judges every crash
+/// image against the step under way (`step`; none: no check).
+struct Start {
+    rng: Rng,
+    temp: TempDir,
+    real: PathBuf,
+    image: Vec<u8>,
+    first: u64,
+    second: u64,
+    recording: Recording,
+    step: Arc<Mutex<Option<Step>>>,
+    findings: Findings,
+}
+
+fn start(config: &ResizeConfig, seed: u64, online: bool) -> Result<Start, String> {
     let mut rng = Rng::new(seed);
-    let temp = TempDir::new(&format!("resize-regions-{seed}"));
+    let name = if online {
+        "resize-regions-online"
+    } else {
+        "resize-regions"
+    };
+    let temp = TempDir::new(&format!("{name}-{seed}"));
     let real = temp.0.join("v");
     crate::snapshot_regions::make_volume(&real, config.layout, &mut rng)?;
-    let mut image = read_whole(&real, BLOCKS)?;
+    let image = read_whole(&real, BLOCKS)?;
     let mut fs = ModelFs::new();
     load(&mut fs, &real)?;
     let first = BLOCKS + rng.range(1, 160);
@@ -75,14 +92,44 @@ pub(crate) fn run_seed(
     {
         let (step, breaks) = (step.clone(), config.breaks);
         let scratch = temp.0.join("image");
+        let shown = if online { "online " } else { "" };
         *recording.hook.lock() = Some(findings.hook(rng.fork(), move |fs| {
             let Some(step) = step.lock().clone() else {
                 return Ok(());
             };
             verify(fs, &step, breaks, &scratch)
-                .map_err(|e| format!("{} -> {} blocks: {e}", step.from, step.to))
+                .map_err(|e| format!("{shown}{} -> {} blocks: {e}", step.from, step.to))
         }));
     }
+    Ok(Start {
+        rng,
+        temp,
+        real,
+        image,
+        first,
+        second,
+        recording,
+        step,
+        findings,
+    })
+}
+
+pub(crate) fn run_seed(
+    config: &ResizeConfig,
+    seed: u64,
+    report: &mut ResizeReport,
+) -> Result<(), String> {
+    let Start {
+        mut rng,
+        temp,
+        mut image,
+        first,
+        second,
+        recording,
+        step,
+        findings,
+        ..
+    } = start(config, seed, false)?;
     let scratch = temp.0.join("after");
     let resize_to = |from: u64, to: u64, image: &[u8]| -> Result<(), String> {
         *step.lock() = Some(Step {
@@ -195,6 +242,21 @@ fn read_whole(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
     if BlockDevice::is_read_only(&volume) {
         return Err("opened read-only".into());
     }
+    let image = read_served(&volume, blocks)?;
+    let check =
+        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
+    if let Some(fault) = check.faults.first() {
+        return Err(format!(
+            "check: {} faults, the first {fault:?}",
+            check.faults.len()
+        ));
+    }
+    volume.close().map_err(|e| format!("close: {e}"))?;
+    Ok(image)
+}
+
+/// The open `volume`, of `blocks` blocks, read whole (no fault).
+fn read_served(volume: &RegionVolume, blocks: u64) -> Result<Vec<u8>, String> {
     if volume.blocks() != blocks {
         return Err(format!(
             "opened at {} blocks, want {blocks}",
@@ -208,24 +270,11 @@ fn read_whole(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
     if let Some(fault) = faults.first() {
         return Err(format!("{} faults, the first {fault}", faults.len()));
     }
-    let check =
-        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
-    if let Some(fault) = check.faults.first() {
-        return Err(format!(
-            "check: {} faults, the first {fault:?}",
-            check.faults.len()
-        ));
-    }
-    volume.close().map_err(|e| format!("close: {e}"))?;
     Ok(image)
 }
 
-/// The volume of `fs`, written out to `scratch`, opens at `blocks` blocks
-/// and reads as `image` (zeros past it), cleanly checked.
-fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<(), String> {
-    let _ = std::fs::remove_dir_all(scratch);
-    write_out(&fs, scratch)?;
-    let read = read_whole(scratch, blocks)?;
+/// `read` is `image` (zeros past it).
+fn reads_as(read: &[u8], image: &[u8]) -> Result<(), String> {
     let zeros = vec![0u8; BLOCK];
     for (lba, got) in read.chunks(BLOCK).enumerate() {
         let want = image.get(lba * BLOCK..(lba + 1) * BLOCK).unwrap_or(&zeros);
@@ -234,6 +283,14 @@ fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<()
         }
     }
     Ok(())
+}
+
+/// The volume of `fs`, written out to `scratch`, opens at `blocks` blocks
+/// and reads as `image` (zeros past it), cleanly checked.
+fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<(), String> {
+    let _ = std::fs::remove_dir_all(scratch);
+    write_out(&fs, scratch)?;
+    reads_as(&read_whole(scratch, blocks)?, image)
 }
 
 /// The superblock of the volume in `dir` of `fs`.
@@ -280,4 +337,130 @@ fn verify(fs: ModelFs, step: &Step, breaks: ResizeBreaks, scratch: &Path) -> Res
         .map_err(|e| format!("resize again: {e}"))?;
     let fs = again.fs.lock().clone();
     opens_as(fs, step.to, &step.image, scratch).map_err(|e| format!("resized again: {e}"))
+}
+
+fn sim_error(error: String) -> vouch_engine::Error {
+    vouch_engine::Error::InvalidArgument(error)
+}
+
+/// Random blocks of `range` (and `last` always) written through `volume`
+/// into `image` (not flushed: the resize's close must keep them).
+fn write_some(
+    volume: &RegionVolume,
+    image: &mut [u8],
+    rng: &mut Rng,
+    range: std::ops::Range<u64>,
+    last: u64,
+) -> Result<(), String> {
+    let lbas: Vec<u64> = (0..rng.range(1, 8))
+        .map(|_| rng.range(range.start, range.end - 1))
+        .chain([last])
+        .collect();
+    for lba in lbas {
+        let data = rng.bytes(BLOCK);
+        volume
+            .write(lba * BLOCK_U64, &data, false)
+            .map_err(|e| format!("write LBA {lba}: {e}"))?;
+        image[(lba * BLOCK_U64) as usize..((lba + 1) * BLOCK_U64) as usize].copy_from_slice(&data);
+    }
+    Ok(())
+}
+
+/// The files of `fs` put back over the real volume at `to` (open and
+/// held by the served volume: files rewritten in place, those the model
+/// lacks removed).
+fn write_back(fs: &ModelFs, to: &Path) -> Result<(), String> {
+    let mut pending = vec![PathBuf::new()];
+    while let Some(relative) = pending.pop() {
+        let entries = std::fs::read_dir(to.join(&relative)).map_err(|e| e.to_string())?;
+        for entry in entries {
+            let entry = entry.map_err(|e| e.to_string())?;
+            let name = relative.join(entry.file_name());
+            if entry.file_type().map_err(|e| e.to_string())?.is_dir() {
+                pending.push(name);
+            } else if fs.lookup(&Path::new(VOLUME).join(&name)).is_none() {
+                std::fs::remove_file(entry.path()).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    write_out(fs, to)
+}
+
+/// `vouch-sim resize --online --regions`: the three resizes of `run_seed`
+/// through a served volume with regions (`RegionVolume::resize_online`,
+/// open on real files): writes in its members' buffers before each, both
+/// engines closed by it, their files (durable: the clean close synced
+/// them) put in the model filesystem and resized there by the same
+/// `resize::resize` (three crash images before each of its operations,
+/// each judged as `run_seed` judges it: the writes acknowledged before
+/// the resize are in every image), written back, both members opened
+/// again; the served volume then has the new size and reads as the model,
+/// and after its close the volume opens as it.
+pub(crate) fn run_seed_online(
+    config: &ResizeConfig,
+    seed: u64,
+    report: &mut ResizeReport,
+) -> Result<(), String> {
+    let Start {
+        mut rng,
+        temp: _temp,
+        real,
+        mut image,
+        first,
+        second,
+        recording,
+        step,
+        findings,
+    } = start(config, seed, true)?;
+    let volume = RegionVolume::open(&real, &OpenOptions::default())
+        .map_err(|e| format!("open served: {e}"))?;
+    let resize_online = |from: u64, to: u64, image: &[u8]| -> Result<(), String> {
+        *step.lock() = Some(Step {
+            from,
+            to,
+            image: Arc::new(image.to_vec()),
+        });
+        let done = volume.resize_online_driven(
+            to * BLOCK_U64,
+            regions::resize::RegionResizeSteps {
+                files: &mut |bytes| {
+                    let mut fs = ModelFs::new();
+                    load(&mut fs, &real).map_err(sim_error)?;
+                    *recording.fs.lock() = fs;
+                    resize::resize(&recording, Path::new(VOLUME), bytes, config.breaks)?;
+                    let fs = recording.fs.lock().clone();
+                    write_back(&fs, &real).map_err(sim_error)
+                },
+                reopen: &mut |storage, geometry| {
+                    storage
+                        .reopen(geometry)
+                        .map_err(|e| sim_error(format!("reopen: {e}")))
+                },
+            },
+            config.breaks,
+        );
+        *step.lock() = None;
+        done.map_err(|e| format!("online resize {from} -> {to} blocks failed: {e}"))?;
+        read_served(&volume, to)
+            .and_then(|read| reads_as(&read, image))
+            .map_err(|e| format!("served, after the online resize to {to} blocks: {e}"))
+    };
+
+    write_some(&volume, &mut image, &mut rng, 0..BLOCKS, BLOCKS - 1)?;
+    image.resize((first * BLOCK_U64) as usize, 0);
+    resize_online(BLOCKS, first, &image)?;
+    // Into the new tail through the served volume, its last block always.
+    write_some(&volume, &mut image, &mut rng, BLOCKS..first, first - 1)?;
+    let mut grown = image.clone();
+    grown.resize((second * BLOCK_U64) as usize, 0);
+    resize_online(first, second, &grown)?;
+    write_some(&volume, &mut grown, &mut rng, 0..first, first - 1)?;
+    resize_online(second, first, &grown)?;
+    volume.close().map_err(|e| format!("close: {e}"))?;
+    *recording.hook.lock() = None;
+    let read = read_whole(&real, first).map_err(|e| format!("at the end: {e}"))?;
+    if read[..] != grown[..(first * BLOCK_U64) as usize] {
+        return Err("at the end: the volume reads other data".into());
+    }
+    findings.end(report)
 }

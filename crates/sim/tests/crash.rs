@@ -397,6 +397,39 @@ fn a_crash_during_a_resize_of_a_volume_with_regions_leaves_both_members_one_size
     resize_crashes_of(false, true);
 }
 
+/// The same resizes through a served volume with regions
+/// (`RegionVolume::resize_online`): writes in both members' buffers
+/// before each, both engines closed, the files resized (crashed before
+/// each operation: every image holds the writes acknowledged before),
+/// both opened again at the new size, reading as the model.
+#[test]
+fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknowledged() {
+    resize_crashes_of(true, true);
+    // The online order broken: the files resized with the other member's
+    // engine still open (its superblock not clean, its files not closed).
+    let broken = vouch_sim::resize::ResizeConfig {
+        layout: LayoutKind::Split,
+        seeds: 1,
+        seed: 1,
+        breaks: vouch_engine::resize::ResizeBreaks {
+            other_left_open: true,
+            ..Default::default()
+        },
+        online: true,
+        regions: true,
+    };
+    let report = vouch_sim::resize::run(&broken);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.contains("online resize") && v.contains("--break-other-open")),
+        "the files resized with the other member open went unseen: {}",
+        vouch_sim::resize::summary(&report, &broken)
+    );
+    eprintln!("{}", report.violations.join("\n"));
+}
+
 fn resize_crashes(online: bool) {
     resize_crashes_of(online, false);
 }

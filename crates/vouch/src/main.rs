@@ -194,8 +194,8 @@ enum Command {
     /// read, checked, verified, scrubbed, exported, migrated, snapshotted
     /// offline (`vouch snapshot create`: each member's files, and the
     /// record, as they stand), cloned, diffed and resized offline (`vouch
-    /// resize`: both members and the record), but not mirrored, resized
-    /// online or rekeyed yet. Migrated back to the
+    /// resize`: both members and the record) and resized online (`vouch
+    /// resize --server`), but not mirrored or rekeyed yet. Migrated back to the
     /// layout it was created in, every region back home, it is a one-layout
     /// volume again (the record and the other layout's directory removed)
     /// and every command takes it.
@@ -318,9 +318,11 @@ enum Command {
     /// notice: connections made after it see the new size, connections
     /// already open keep the size they negotiated (after a shrink, their
     /// requests past the new end fail with EINVAL; nothing they wrote
-    /// there can be acknowledged, as the tail must be unwritten). Mirrors
-    /// and volumes with regions are refused online (resize the latter
-    /// offline).
+    /// there can be acknowledged, as the tail must be unwritten). A volume
+    /// with regions is resized online too: requests wait while both its
+    /// members are closed, resized and opened again (refused while a
+    /// background migration runs: stop it first). Mirrors are refused
+    /// online (stop the server and resize them offline).
     Resize {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one), then SIZE.

@@ -117,7 +117,7 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
     crate::key::volume_dir(path)?;
     if vouch_mirror::is_mirrored(path) {
         bail!(
-            "{} is a mirror leg: `vouch migrate` moves a volume of one directory",
+            "{} is a mirror leg: a mirror is not migrated (each leg would become a volume with regions, which a mirror does not open yet); the mirror is left in its layout, every leg unchanged",
             path.display()
         );
     }
@@ -162,7 +162,7 @@ fn not_served_note(path: &Path) -> String {
         .map(|superblock| superblock.layout.name())
         .unwrap_or("home");
     format!(
-        "note: {path} is now a volume with regions: it can be served, read, checked, verified, scrubbed, exported, snapshotted (offline), resized (offline) and migrated, but not mirrored or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
+        "note: {path} is now a volume with regions: it can be served, read, checked, verified, scrubbed, exported, snapshotted (offline), resized (offline, and online through `vouch resize --server`) and migrated, but not mirrored or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
         path = path.display()
     )
 }

@@ -121,6 +121,16 @@ impl Migration {
         self.status_json()
     }
 
+    /// Run `f` with no migration running and none starting meanwhile (an
+    /// online resize: `crate::resize::resize_online_regions`).
+    pub fn while_idle<T>(&self, f: impl FnOnce() -> T) -> Result<T, String> {
+        let _thread = self.thread.lock();
+        if self.status.lock().state == "running" {
+            return Err("a migration of this export is running: stop it (DELETE /v1/exports/{export}/migrate, or wait for it to end), then resize".into());
+        }
+        Ok(f())
+    }
+
     /// Wait for the migration's thread (the server is stopping).
     pub fn stop_and_join(&self) {
         self.stop.store(true, Ordering::SeqCst);

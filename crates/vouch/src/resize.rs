@@ -2,7 +2,8 @@
 //! tail was never written (`vouch_engine::resize`; docs/FORMAT.md,
 //! "Resize"); `vouch resize --server ADDR [EXPORT] SIZE` and the control
 //! API's `POST /v1/exports/{export}/resize`: a served one
-//! (`Volume::resize_online`).
+//! (`Volume::resize_online`; a volume with regions:
+//! `RegionVolume::resize_online`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -80,11 +81,42 @@ pub fn in_progress(dir: &Path) -> Value {
 
 /// Resize the served volume `volume` (directory `dir`) to `new_bytes`.
 pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<OnlineResized> {
+    let from = vouch_engine::BlockDevice::size(volume);
+    marked(dir, from, new_bytes, || {
+        Ok(resize::resize_open(volume, dir, new_bytes)?)
+    })
+}
+
+/// Resize the served volume with regions of `migration` (directory
+/// `dir`) to `new_bytes`, no migration running meanwhile
+/// (`RegionVolume::resize_online`: both members in turn).
+pub fn resize_online_regions(
+    dir: &Path,
+    migration: &crate::migrate_online::Migration,
+    new_bytes: u64,
+) -> Result<OnlineResized> {
+    let volume = &migration.volume;
+    let from = vouch_engine::BlockDevice::size(&**volume);
+    marked(dir, from, new_bytes, || {
+        migration
+            .while_idle(|| vouch_engine::regions::resize::resize_open(volume, new_bytes))
+            .map_err(anyhow::Error::msg)?
+            .map_err(anyhow::Error::from)
+    })
+}
+
+/// `resize`, one at a time per server, shown in the export's info
+/// meanwhile (`in_progress`).
+fn marked(
+    dir: &Path,
+    from: u64,
+    new_bytes: u64,
+    resize: impl FnOnce() -> Result<OnlineResized>,
+) -> Result<OnlineResized> {
     let _one = ONLINE.lock().unwrap_or_else(|poison| poison.into_inner());
     let started = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let from = vouch_engine::BlockDevice::size(volume);
     let mark = |entry: Option<Resizing>| {
         let mut resizing = RESIZING.lock().unwrap_or_else(|poison| poison.into_inner());
         let map = resizing.get_or_insert_with(HashMap::new);
@@ -94,9 +126,9 @@ pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<Onli
         };
     };
     mark(Some((from, new_bytes, started)));
-    let done = resize::resize_open(volume, dir, new_bytes);
+    let done = resize();
     mark(None);
-    Ok(done?)
+    done
 }
 
 fn offline(path: &Path, new_bytes: u64) -> Result<ExitCode> {

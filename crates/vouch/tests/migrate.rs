@@ -320,6 +320,46 @@ fn a_migrated_volume_says_what_it_does_not_do_yet_and_how_to_undo_it() {
     );
 }
 
+/// A mirror's leg is not migrated: refused before anything is made,
+/// saying why, every leg unchanged and the mirror still served.
+#[test]
+fn a_mirror_leg_is_refused_saying_why_and_left_unchanged() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir = dir.path();
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    vouch_ok(&["create", s(&a), "--size", "4M", "--mirror", s(&b)]);
+    let before: Vec<Vec<String>> = [&a, &b]
+        .iter()
+        .map(|leg| {
+            let mut names: Vec<String> = std::fs::read_dir(leg)
+                .expect("leg dir")
+                .map(|entry| entry.expect("entry").file_name().to_string_lossy().into())
+                .collect();
+            names.sort();
+            names
+        })
+        .collect();
+    for leg in [&a, &b] {
+        let output = vouch(&["migrate", s(leg), "--layout", "packed"]);
+        assert!(!output.status.success());
+        let said = text(&output);
+        assert!(
+            said.contains("is a mirror leg") && said.contains("a mirror does not open yet"),
+            "{said}"
+        );
+    }
+    for (leg, names) in [&a, &b].iter().zip(&before) {
+        let mut now: Vec<String> = std::fs::read_dir(leg)
+            .expect("leg dir")
+            .map(|entry| entry.expect("entry").file_name().to_string_lossy().into())
+            .collect();
+        now.sort();
+        assert_eq!(&now, names, "{} changed", leg.display());
+    }
+    let mut server = Server::start(dir, &[s(&a)]);
+    server.stop();
+}
+
 /// The review of migrate33, H1: a volume whose regions are in both
 /// layouts is served. qemu-img compares the served image with the export;
 /// qemu-io writes across the region boundary (one flushed, one not), the

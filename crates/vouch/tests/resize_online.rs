@@ -9,20 +9,12 @@ mod common;
 use std::process::Command;
 use std::time::Duration;
 
-use common::clients::{nbdinfo, qemu_img};
+use common::clients::{nbd_size, qemu_img};
 use common::control::{control, request, request_raw};
 use common::*;
 use serde_json::{json, Value};
 
 const MIB: u64 = 1 << 20;
-
-fn nbd_size(uri: &str) -> u64 {
-    let output = run_ok(Command::new(nbdinfo()).args(["--size", uri]));
-    String::from_utf8_lossy(&output.stdout)
-        .trim()
-        .parse()
-        .expect("nbdinfo --size")
-}
 
 fn qemu_img_size(uri: &str) -> u64 {
     let output = run_ok(Command::new(qemu_img()).args(["info", "--output=json", uri]));

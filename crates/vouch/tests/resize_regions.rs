@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::clients::{nbdinfo, qemu_img};
+use common::regions::{export_bytes, layouts_and_size};
 use common::*;
 use vouch_format::regions::REGION_BLOCKS;
 
@@ -23,33 +24,6 @@ const NEW_BLOCKS: u64 = 2 * REGION_BLOCKS + 700;
 /// at its end.
 fn written_volume(dir: &Path) -> PathBuf {
     split_volume_with_runs(dir, OLD_BLOCKS, &[0, REGION_BLOCKS - 30, OLD_BLOCKS - 64])
-}
-
-fn export_bytes(path: &Path, out: &Path) -> Vec<u8> {
-    let _ = std::fs::remove_file(out);
-    vouch_ok(&["export", s(path), s(out)]);
-    std::fs::read(out).expect("read export")
-}
-
-/// The record's layouts, and the size both members' superblocks say
-/// (they must agree).
-fn layouts_and_size(path: &Path) -> (Vec<String>, u64) {
-    let info = info_json(path);
-    let layouts = info["regions"]["layouts"]
-        .as_array()
-        .unwrap_or_else(|| panic!("no regions in info: {info}"))
-        .iter()
-        .map(|layout| layout.as_str().expect("a name").to_string())
-        .collect();
-    let home = vouch_engine::volume_superblock(path).expect("home superblock");
-    let member = vouch_engine::regions::member_path(path, home.layout);
-    let other = vouch_engine::volume_superblock(&member).expect("member superblock");
-    assert_eq!(
-        home.size_bytes, other.size_bytes,
-        "the members say different sizes"
-    );
-    assert_eq!(info["size_bytes"].as_u64(), Some(home.size_bytes));
-    (layouts, home.size_bytes)
 }
 
 #[test]

@@ -46,6 +46,18 @@ pub const YIELD_RATE: u64 = 16 << 20;
 
 const _: () = assert!(REGION_BLOCKS.div_ceil(CHUNK_BLOCKS) <= 64);
 
+/// Regions an open volume has locks for at least (256 GiB of 64 MiB
+/// regions, 32 KiB of locks): an online grow goes up to the locks it has.
+pub(crate) const ONLINE_REGIONS: usize = 4096;
+
+/// Every region lock held exclusive and no move under way: no request
+/// is in the region layer (`RegionVolume::hold_all`).
+pub(crate) struct HeldAll<'a> {
+    _mover: parking_lot::MutexGuard<'a, ()>,
+    _switching: parking_lot::MutexGuard<'a, ()>,
+    _guards: Vec<parking_lot::RwLockWriteGuard<'a, ()>>,
+}
+
 /// The online state of a RegionVolume.
 pub(crate) struct Online {
     /// One per region: shared by each foreground request in it, exclusive
@@ -76,7 +88,11 @@ pub(crate) struct Online {
 impl Online {
     pub(crate) fn new(regions: usize) -> Online {
         Online {
-            locks: (0..regions).map(|_| RwLock::new(())).collect(),
+            // Room for an online grow (`RegionVolume::resize_online`) up
+            // to ONLINE_REGIONS regions without a restart.
+            locks: (0..regions.max(ONLINE_REGIONS))
+                .map(|_| RwLock::new(()))
+                .collect(),
             moving: AtomicUsize::new(NONE),
             dirty: AtomicU64::new(0),
             mover: Mutex::new(()),
@@ -137,6 +153,30 @@ impl RegionVolume {
                 .map(|region| self.online.locks[region].read())
                 .collect(),
         }
+    }
+
+    /// Hold the volume still for an online resize: no move (the mover's
+    /// lock, then the switches'), then every region's lock exclusive in
+    /// ascending order (requests take theirs in that order too).
+    pub(crate) fn hold_all(&self) -> HeldAll<'_> {
+        let mover = self.online.mover.lock();
+        let switching = self.online.switching.lock();
+        HeldAll {
+            _mover: mover,
+            _switching: switching,
+            _guards: self.online.locks.iter().map(|lock| lock.write()).collect(),
+        }
+    }
+
+    /// How many regions the volume has locks for (`ONLINE_REGIONS` at
+    /// least): the most an online grow reaches.
+    pub(crate) fn regions_held_for(&self) -> usize {
+        self.online.locks.len()
+    }
+
+    /// Refuse writes from now on, saying why (the first reason stays).
+    pub(crate) fn fence(&self, why: String) {
+        let _ = self.online.fenced.set(why);
     }
 
     /// `hold` without waiting: `None` when a move holds one of the locks
@@ -260,7 +300,7 @@ impl RegionVolume {
         if from == target {
             return Ok(false);
         }
-        let lbas = record.lbas(index, self.blocks);
+        let lbas = record.lbas(index, self.blocks());
         let (old, new) = (self.member(from), self.member(target));
         let copy_breaks = MigrateBreaks::default();
         {
@@ -401,7 +441,7 @@ impl RegionVolume {
         let total: u64 = to_move
             .iter()
             .map(|index| {
-                let lbas = record.lbas(*index, self.blocks);
+                let lbas = record.lbas(*index, self.blocks());
                 (lbas.end - lbas.start) * BLOCK
             })
             .sum();
@@ -429,7 +469,7 @@ impl RegionVolume {
                 moved += 1;
             } else {
                 // Moved meanwhile by a write (`--migrate-on-write`).
-                let lbas = record.lbas(index, self.blocks);
+                let lbas = record.lbas(index, self.blocks());
                 done = region_start + (lbas.end - lbas.start) * BLOCK;
                 progress(done, total);
             }

@@ -23,14 +23,21 @@
 //! just made): the home's size is the volume's, and no member is served
 //! at a size the other lacks.
 
+use std::cell::RefCell;
 use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use vouch_format::regions::{regions_of, RegionRecord};
+use vouch_format::regions::{regions_of, RegionRecord, REGION_BLOCKS};
 
-use super::{has_regions, member_path, REGIONS_FILE};
+use super::{has_regions, member_path, RegionVolume, REGIONS_FILE};
+use crate::device::BlockDevice as _;
 use crate::error::{Error, Result};
 use crate::resize::{resize_volume, Allowed, ResizeBreaks, Resized};
 use crate::snapshot::{io_error, superblock_of, SnapshotFs};
+use crate::storage::Storage;
+use crate::volume::{OnlineResized, Reopen, ResizeSteps};
 use crate::BLOCK;
 
 /// The record of the new region count, until the home's switch is
@@ -191,4 +198,187 @@ pub(crate) fn resize(
 /// A deliberate stop (`ResizeBreaks`): what a crash there leaves.
 fn stopped(at: &str) -> Error {
     Error::InvalidArgument(format!("resize stopped on purpose (ResizeBreaks::{at})"))
+}
+
+/// The steps of an online resize of a volume with regions its caller
+/// supplies: the files resized, both members closed cleanly (`resize`
+/// above: one crash ordering, offline or online), and a member's storage
+/// opened again for the geometry its superblock says after it (each
+/// member in turn).
+pub struct RegionResizeSteps<'a> {
+    pub files: &'a mut dyn FnMut(u64) -> Result<()>,
+    pub reopen: &'a mut Reopen<'a>,
+}
+
+impl RegionVolume {
+    /// Resize this open, writable volume with regions to `new_bytes`
+    /// (docs/CRASH_MODEL.md, "Online resize of a volume with regions"):
+    /// no move and no request in the region layer (every region's lock
+    /// held, clients' calls wait), a shrink's tail judged over what serves
+    /// each region, then each member's engine closed in turn
+    /// (`Volume::resize_online`: the home's, and inside its close the
+    /// other's), the files resized by `steps.files` while both are closed,
+    /// each member opened again at its new size, and the region record
+    /// and size read again from the files. A failure that leaves the
+    /// members apart fences writes until a restart, whose open finishes
+    /// the resize (`finish`).
+    pub fn resize_online(
+        &self,
+        new_bytes: u64,
+        steps: RegionResizeSteps<'_>,
+    ) -> Result<OnlineResized> {
+        self.resize_online_driven(new_bytes, steps, ResizeBreaks::default())
+    }
+
+    /// `resize_online` with the crash simulator's breaks
+    /// (`ResizeBreaks::other_left_open`).
+    #[doc(hidden)]
+    pub fn resize_online_driven(
+        &self,
+        new_bytes: u64,
+        steps: RegionResizeSteps<'_>,
+        breaks: ResizeBreaks,
+    ) -> Result<OnlineResized> {
+        crate::superblock::check_volume_size(new_bytes)?;
+        self.check_fence()?;
+        if self.is_read_only() {
+            return Err(Error::InvalidArgument(
+                "the volume is read-only: it is not resized".into(),
+            ));
+        }
+        let new_regions = regions_of(new_bytes / BLOCK) as usize;
+        if new_regions > self.regions_held_for() {
+            return Err(Error::InvalidArgument(format!(
+                "an online grow of a volume with regions goes up to {} bytes ({} regions) while it is served: restart the server to grow it further, or resize it offline",
+                self.regions_held_for() as u64 * REGION_BLOCKS * BLOCK,
+                self.regions_held_for()
+            )));
+        }
+        // Most of each member's close first, while clients go on (as the
+        // one-volume resize does): under the locks, each close has only
+        // what came since to commit and move home.
+        self.checkpoint_now()?;
+        let asked = Instant::now();
+        let _still = self.hold_all();
+        let waited = asked.elapsed();
+        let locked = Instant::now();
+        let old_bytes = self.size();
+        let resized = |held: Duration| OnlineResized {
+            old_bytes,
+            new_bytes,
+            waited,
+            held,
+        };
+        if new_bytes == old_bytes {
+            return Ok(resized(locked.elapsed()));
+        }
+        if new_bytes < old_bytes {
+            // What each member buffered, committed: block status sees it.
+            self.flush()?;
+            let found = crate::resize::first_written_by(
+                &|lba| Ok(lba),
+                &|lba, count| self.status_held(lba * BLOCK, count * BLOCK, count),
+                new_bytes / BLOCK,
+                old_bytes / BLOCK,
+            )?;
+            if let Some(lba) = found {
+                return Err(Error::InvalidArgument(format!(
+                    "cannot shrink to {new_bytes} bytes: LBA {lba} (byte {}) is written; a shrink cuts only a tail that holds nothing (never written, or trimmed)",
+                    lba * BLOCK
+                )));
+            }
+            // New connections from here on get the smaller size.
+            self.blocks.store(new_bytes / BLOCK, Ordering::Release);
+        }
+        let other = self.member(super::other_layout(self.home_layout));
+        // Both members reopened by the one `reopen`, in turn (the other's
+        // inside the home's `files` step: never both at once).
+        let reopen = RefCell::new(steps.reopen);
+        let files = steps.files;
+        let mut other_reopen = |storage: &dyn Storage,
+                                geometry: &vouch_format::Geometry|
+         -> Result<Arc<dyn Storage>> {
+            let mut reopen = reopen.borrow_mut();
+            (*reopen)(storage, geometry)
+        };
+        let mut home_files = |bytes: u64| -> Result<()> {
+            if breaks.other_left_open {
+                return files(bytes);
+            }
+            other
+                .resize_online_as(
+                    bytes,
+                    ResizeSteps {
+                        files: &mut *files,
+                        reopen: &mut other_reopen,
+                    },
+                    true,
+                )
+                .map(drop)
+        };
+        let mut home_reopen = |storage: &dyn Storage,
+                               geometry: &vouch_format::Geometry|
+         -> Result<Arc<dyn Storage>> {
+            let mut reopen = reopen.borrow_mut();
+            (*reopen)(storage, geometry)
+        };
+        let outcome = self.home().resize_online_as(
+            new_bytes,
+            ResizeSteps {
+                files: &mut home_files,
+                reopen: &mut home_reopen,
+            },
+            true,
+        );
+        // The region layer follows the files: their record and size.
+        let read = self
+            .fs
+            .superblock(&self.path)
+            .and_then(|home| Ok((super::read_record_in(&*self.fs, &self.path, &home)?, home)));
+        match read {
+            Ok((record, home))
+                if self.home().size() == home.size_bytes && other.size() == home.size_bytes =>
+            {
+                *self.record.write() = record;
+                self.blocks
+                    .store(home.size_bytes / BLOCK, Ordering::Release);
+            }
+            other_state => {
+                let why = match other_state {
+                    Err(error) => error.to_string(),
+                    Ok(_) => "its members were left at different sizes".into(),
+                };
+                self.fence(format!(
+                    "an online resize of {} stopped half way ({why}): restart the server (its open finishes or undoes the resize)",
+                    self.path.display()
+                ));
+            }
+        }
+        outcome.map(|done| OnlineResized {
+            waited,
+            held: locked.elapsed(),
+            ..done
+        })
+    }
+}
+
+/// Resize the volume with regions `volume`, open and served in this
+/// process, on its real files (`RegionVolume::resize_online`, with
+/// `resize` above as the files' step).
+pub fn resize_open(volume: &RegionVolume, new_bytes: u64) -> Result<OnlineResized> {
+    let fs = crate::snapshot::RealFs::default();
+    let path = volume.path().to_path_buf();
+    volume.resize_online(
+        new_bytes,
+        RegionResizeSteps {
+            files: &mut |bytes| resize(&fs, &path, bytes, ResizeBreaks::default()).map(drop),
+            reopen: &mut |storage, geometry| {
+                storage.reopen(geometry).map_err(|error| Error::Path {
+                    action: "open",
+                    path: path.clone(),
+                    cause: error.to_string(),
+                })
+            },
+        },
+    )
 }

@@ -55,11 +55,27 @@ impl Volume {
     /// there between). Connections keep the size they negotiated; the
     /// engine refuses what lies past its size (EINVAL to NBD).
     pub fn resize_online(&self, new_bytes: u64, steps: ResizeSteps<'_>) -> Result<OnlineResized> {
+        self.resize_online_as(new_bytes, steps, false)
+    }
+
+    /// `resize_online`; `member`: a member of a volume with regions
+    /// (`RegionVolume::resize_online`, which judged a shrink's tail over
+    /// its region layer, and whose `files` step resizes both members).
+    pub(crate) fn resize_online_as(
+        &self,
+        new_bytes: u64,
+        steps: ResizeSteps<'_>,
+        member: bool,
+    ) -> Result<OnlineResized> {
         crate::superblock::check_volume_size(new_bytes)?;
         {
             let engine = self.current();
             engine.shared().io().check_writable()?;
-            refuse_online(&engine.superblock())?;
+            if member {
+                crate::resize::refuse_kind_of("the member", &engine.superblock(), true)?;
+            } else {
+                refuse_online(&engine.superblock())?;
+            }
         }
         // Most of the close's work first, while clients go on (as an
         // online snapshot does): the close then has only what came since
@@ -102,7 +118,12 @@ impl Volume {
         }
         let size = |bytes: u64| self.size.store(bytes, Ordering::Release);
         if new_bytes < old_bytes {
-            if let Err(error) = refuse_written_tail(&engine, new_bytes, old_bytes) {
+            let tail = if member {
+                Ok(())
+            } else {
+                refuse_written_tail(&engine, new_bytes, old_bytes)
+            };
+            if let Err(error) = tail {
                 restart(&engine);
                 return Err(error);
             }
@@ -157,7 +178,7 @@ fn refuse_online(superblock: &Superblock) -> Result<()> {
     if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
         // A member of a REGIONS volume: `RegionVolume` serves it.
         return Err(Error::InvalidArgument(
-            "a volume with regions is resized offline only (stop the server, then `vouch resize PATH SIZE`)".into(),
+            "a member of a volume with regions is resized through its region layer (`RegionVolume::resize_online`), not alone".into(),
         ));
     }
     crate::resize::refuse_kind("the volume", superblock)

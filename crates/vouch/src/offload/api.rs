@@ -302,7 +302,8 @@ async fn delete_snapshot(
 }
 
 /// `POST /v1/exports/{export}/resize {"size": 10737418240 | "10G"}`:
-/// resize a served volume (`Volume::resize_online`); answered when done.
+/// resize a served volume (`Volume::resize_online`; a volume with
+/// regions: `RegionVolume::resize_online`); answered when done.
 /// New connections see the new size; open ones keep theirs.
 async fn resize_export(
     State(state): State<ApiState>,
@@ -338,12 +339,20 @@ async fn resize_export(
             format!("export {export:?} is read-only (a snapshot, or served --read-only): it is not resized"),
         ));
     }
-    let (dir, volume) = (entry.dir.clone(), entry.volume.clone());
-    let done =
-        tokio::task::spawn_blocking(move || crate::resize::resize_online(&dir, &volume, new_bytes))
-            .await
-            .map_err(internal)?
-            .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
+    let (dir, volume, migration) = (
+        entry.dir.clone(),
+        entry.volume.clone(),
+        entry.migration.clone(),
+    );
+    let done = tokio::task::spawn_blocking(move || match migration {
+        // A volume with regions: its region layer is resized, each member
+        // in turn (`volume` is its home member only).
+        Some(migration) => crate::resize::resize_online_regions(&dir, &migration, new_bytes),
+        None => crate::resize::resize_online(&dir, &volume, new_bytes),
+    })
+    .await
+    .map_err(internal)?
+    .map_err(|error| ApiError(StatusCode::CONFLICT, format!("{error:#}")))?;
     Ok(Json(json!({
         "export": export,
         "old_size": done.old_bytes,

@@ -15,6 +15,15 @@ pub fn nbdinfo() -> PathBuf {
     tool("nbdinfo", "libnbd-bin")
 }
 
+/// The size `nbdinfo --size` says of an NBD URI (a new connection).
+pub fn nbd_size(uri: &str) -> u64 {
+    let output = run_ok(Command::new(nbdinfo()).args(["--size", uri]));
+    String::from_utf8_lossy(&output.stdout)
+        .trim()
+        .parse()
+        .expect("nbdinfo --size")
+}
+
 /// `qemu-img compare` of two raw images (files or NBD URIs): they must be
 /// equal.
 pub fn qemu_img_compare_ok(a: &str, b: &str) {

@@ -8,6 +8,7 @@ pub mod clients;
 pub mod control;
 pub mod crash;
 pub mod pki;
+pub mod regions;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
