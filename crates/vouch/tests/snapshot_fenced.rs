@@ -91,7 +91,16 @@ fn a_fenced_snapshot_taken_during_fio_writes_equals_the_data_at_its_flush() {
     const SIZE: usize = 64 << 20;
     let first = random_bytes(SIZE, 3);
     let volume = volume_from(dir, "vol", &first);
-    let mut server = Server::start(dir, &[s(&volume), "--control", "127.0.0.1:12780"]);
+    let mut server = Server::start(
+        dir,
+        &[
+            s(&volume),
+            "--control",
+            "127.0.0.1:12780",
+            "--metrics",
+            "127.0.0.1:0",
+        ],
+    );
     // fio writes the second half, with verification, across the create.
     let mut fio = Command::new(tool("fio", "fio"))
         .args([
@@ -109,7 +118,21 @@ fn a_fenced_snapshot_taken_during_fio_writes_equals_the_data_at_its_flush() {
         .stdout(std::process::Stdio::null())
         .spawn()
         .expect("fio");
-    std::thread::sleep(Duration::from_millis(1000));
+    // The create is taken once fio's writes are being answered (an event,
+    // not a sleep), so it lands among them.
+    wait_until(
+        "fio's first writes answered",
+        Duration::from_secs(60),
+        || {
+            let text = server.metrics_text();
+            metric(
+                &text,
+                r#"vouch_nbd_requests_total{command="write",export="vol"}"#,
+            )
+            .unwrap_or(0.0)
+                >= 256.0
+        },
+    );
     create_at_fence(&server, "during");
     // The first half is written only after the answer: the snapshot keeps
     // its old data there, imaged before each home write.
