@@ -260,9 +260,13 @@ impl Committer {
         }
     }
 
-    /// A flush commits everything buffered: count again from here.
+    /// A flush commits everything buffered: count again from here, and
+    /// let the next prompt commit measure the stream again (a deep one
+    /// whose commits are all flushes' would otherwise never count its
+    /// `deep` down, and a QD1 phase after it never prompt).
     fn flushed(&self) {
         self.since_flush.store(0, Ordering::Relaxed);
+        self.deep.store(0, Ordering::Relaxed);
     }
 
     /// Ask the background committer to stop (it finishes the commit it is in).

@@ -6,6 +6,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use common::*;
@@ -51,11 +52,13 @@ impl Writer {
 struct Stream {
     volume: OnceLock<Weak<Volume>>,
     writer: Arc<Mutex<Writer>>,
+    /// Writes arrive during records only while set.
+    deep: AtomicBool,
 }
 
 impl CommitSchedule for Stream {
     fn reached(&self, step: CommitStep) {
-        if step != CommitStep::Journaled {
+        if step != CommitStep::Journaled || !self.deep.load(Ordering::Relaxed) {
             return;
         }
         let Some(volume) = self.volume.get().and_then(Weak::upgrade) else {
@@ -78,7 +81,8 @@ impl CommitSchedule for Stream {
 /// writes, 300 of them during each journal record: 55 commits with a
 /// prompt commit whenever the committer is idle (one per ~300 blocks),
 /// <= 12 here. A shallow stream (nothing arriving during a record) keeps
-/// its prompt commits. Every block reads back, after a reopen too.
+/// its prompt commits, and gets them back right after a flush when it
+/// follows a deep one. Every block reads back, after a reopen too.
 #[test]
 fn a_deep_stream_of_small_writes_commits_at_the_limit_not_per_prompt() {
     const WRITES: u64 = 16_384;
@@ -97,6 +101,7 @@ fn a_deep_stream_of_small_writes_commits_at_the_limit_not_per_prompt() {
             let stream = Arc::new(Stream {
                 volume: OnceLock::new(),
                 writer: writer.clone(),
+                deep: AtomicBool::new(true),
             });
             let mut options = OpenOptions::default();
             assert!(options.tuning.prompt_commits);
@@ -107,6 +112,7 @@ fn a_deep_stream_of_small_writes_commits_at_the_limit_not_per_prompt() {
                 options.schedule = Some(Arc::new(Stream {
                     volume: OnceLock::new(),
                     writer: writer.clone(),
+                    deep: AtomicBool::new(false),
                 }));
             }
             let volume = Arc::new(Volume::open(Arc::new(sim.clone()), &options).expect("open"));
@@ -139,6 +145,23 @@ fn a_deep_stream_of_small_writes_commits_at_the_limit_not_per_prompt() {
                 );
             }
             volume.flush().expect("flush");
+            if deep {
+                // The stream turns shallow after a flush: its prompt
+                // commits are back at once (a flush lets the next prompt
+                // commit measure again), not after 4 limit-sized commits.
+                stream.deep.store(false, Ordering::Relaxed);
+                let before = volume.stats().snapshot().commits;
+                for _ in 0..1024 {
+                    assert!(writer.lock().expect("writer").write_inline(&volume));
+                    volume.run_requested_commit();
+                }
+                let commits = volume.stats().snapshot().commits - before;
+                assert!(
+                    commits >= 1024 / 128,
+                    "{layout:?}: 1,024 shallow writes after a flush: {commits} commits"
+                );
+                volume.flush().expect("flush");
+            }
             let last = writer.lock().expect("writer").last.clone();
             let check = |volume: &Volume| {
                 for lba in 0..VOLUME_BLOCKS {
