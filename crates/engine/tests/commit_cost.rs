@@ -127,7 +127,10 @@ fn a_deep_stream_of_small_writes_commits_at_the_limit_not_per_prompt() {
                 }
                 let taken = writer.lock().expect("writer").write_inline(&volume);
                 let ran = volume.run_requested_commit();
-                assert!(taken || ran, "{layout:?}: a write that waits, and no commit");
+                assert!(
+                    taken || ran,
+                    "{layout:?}: a write that waits, and no commit"
+                );
             }
             let commits = volume.stats().snapshot().commits - before;
             let at_limit = WRITES / limit;
