@@ -1095,7 +1095,7 @@ pub fn migrate_in(
     how: &Migrate<'_>,
     mut progress: impl FnMut(u64, u64),
 ) -> Result<MigrateReport> {
-    crate::snapshot::fenced::refuse_while_materialising(
+    crate::snapshot::refuse_while_materialising(
         &crate::snapshot::RealFs::default(),
         path,
         "migrate it",

@@ -42,6 +42,7 @@ use crate::error::{Error, Result};
 use crate::storage::{objects_of, ObjectId};
 
 pub mod fenced;
+pub use fenced::refuse_while_materialising;
 mod legs;
 pub use legs::{
     create_legs, create_legs_with_id, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs,

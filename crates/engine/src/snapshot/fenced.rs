@@ -145,7 +145,9 @@ pub fn create_fenced(
     let layer = layer_of(&*storage)?;
     let partial = partial_path(dir, name);
     volume.at_flush_point(&mut |superblock: &Superblock| {
-        if crate::regions::has_regions(superblock) {
+        // The regions flag read here, not through `regions`, which imports
+        // this module (refusals while a snapshot materialises).
+        if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
             return Err(invalid(format!(
                 "{} is a volume with regions",
                 dir.display()
