@@ -83,16 +83,6 @@ const MAX_RANGE_ENTRY_BLOCKS: u64 = u32::MAX as u64;
 /// Larger ones are written once, home, and fsynced there.
 pub const REDO_MAX_BLOCKS: usize = 64;
 
-/// A prompt commit (`Committer::prompt`) that ends with this many blocks
-/// (1 MiB) buffered meanwhile marks a deep stream: writes come faster than
-/// commits can follow one at a time, so the next `DEEP_COMMITS`
-/// background commits wait for the dirty limit instead.
-pub const DEEP_STREAM_BLOCKS: usize = 256;
-
-/// Background commits at the dirty limit before prompt commits are tried
-/// again after a deep stream was seen (`DEEP_STREAM_BLOCKS`).
-pub const DEEP_COMMITS: usize = 4;
-
 /// The component that commits: it owns the journal position and
 /// durability state (`Journal`, behind its lock) and the background
 /// committer's signal. Everything else it needs it is handed (`Shared`).
@@ -113,10 +103,6 @@ pub(crate) struct Committer {
     idle: AtomicBool,
     /// Blocks buffered since the last flush's commit (`prompt`).
     since_flush: AtomicUsize,
-    /// Background commits left to wait for the dirty limit (no prompt
-    /// commits): set to `DEEP_COMMITS` when a prompt commit found a deep
-    /// stream (`after_background_commit`).
-    deep: AtomicUsize,
     /// Called at each commit's steps when the caller steps the commits
     /// (`schedule.rs`); `None` in production.
     schedule: Option<Arc<dyn CommitSchedule>>,
@@ -149,7 +135,6 @@ impl Committer {
             wake: Condvar::new(),
             idle: AtomicBool::new(true),
             since_flush: AtomicUsize::new(0),
-            deep: AtomicUsize::new(0),
             schedule,
             breaks,
         }
@@ -241,32 +226,17 @@ impl Committer {
     /// at QD1 ~13 blocks a commit, journal bytes 8 % of the data written
     /// instead of 1.2 %; at QD32 2.3 %. Commits run one at a time, so a
     /// device with slow fsyncs gets fewer, larger ones.
-    ///
-    /// A deep stream gets no prompt commits (`after_background_commit`):
-    /// where writes outrun one-at-a-time commits (a prompt commit that
-    /// ended with `DEEP_STREAM_BLOCKS` buffered), the client keeps both
-    /// vCPUs busy without them, and every commit they add is one more
-    /// journal fsync (a device cache flush) for the same blocks: QD32
-    /// 4 KiB writes made ~10x a345690's fsyncs (a commit every ~560
-    /// writes, not 4096), each slower once the page cache writes back.
     pub fn prompt(&self, count: usize) {
         let since = self.since_flush.fetch_add(count, Ordering::Relaxed) + count;
-        if self.prompt_commits
-            && since > REDO_MAX_BLOCKS
-            && self.deep.load(Ordering::Relaxed) == 0
-            && self.idle.swap(false, Ordering::AcqRel)
+        if self.prompt_commits && since > REDO_MAX_BLOCKS && self.idle.swap(false, Ordering::AcqRel)
         {
             self.request();
         }
     }
 
-    /// A flush commits everything buffered: count again from here, and
-    /// let the next prompt commit measure the stream again (a deep one
-    /// whose commits are all flushes' would otherwise never count its
-    /// `deep` down, and a QD1 phase after it never prompt).
+    /// A flush commits everything buffered: count again from here.
     fn flushed(&self) {
         self.since_flush.store(0, Ordering::Relaxed);
-        self.deep.store(0, Ordering::Relaxed);
     }
 
     /// Ask the background committer to stop (it finishes the commit it is in).
@@ -318,29 +288,8 @@ impl Committer {
         if let Err(error) = self.commit(shared, &mut journal, &[]) {
             tracing::debug!(%error, "background commit failed");
         }
-        let waiting = shared.state().read().held_blocks();
         drop(journal);
-        self.after_background_commit(waiting);
         self.idle.store(true, Ordering::Release);
-    }
-
-    /// A background commit ended with `waiting` blocks buffered while it
-    /// ran. After a prompt commit (none deep), that many says whether the
-    /// stream is deep: at or over `DEEP_STREAM_BLOCKS`, the next
-    /// `DEEP_COMMITS` background commits wait for the dirty limit (as with
-    /// `--commit-at-limit`), after which a prompt commit measures again.
-    /// A stream that became shallow (QD1) meanwhile waits at most those
-    /// few limit-sized commits for its prompt commits back.
-    fn after_background_commit(&self, waiting: usize) {
-        if !self.prompt_commits {
-            return;
-        }
-        let left = self.deep.load(Ordering::Relaxed);
-        if left > 0 {
-            self.deep.store(left - 1, Ordering::Relaxed);
-        } else if waiting >= DEEP_STREAM_BLOCKS {
-            self.deep.store(DEEP_COMMITS, Ordering::Relaxed);
-        }
     }
 
     // --- commits -------------------------------------------------------------

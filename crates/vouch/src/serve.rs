@@ -79,8 +79,7 @@ pub struct ServeArgs {
     /// once more than 64 blocks were written since the last flush: on a
     /// VM whose idle vCPUs halt that keeps small synchronous writers fast
     /// (docs/BENCHMARKS.md, "prompt commits"), at a journal record and
-    /// fsync per commit (a deep stream, whose commits each find 1 MiB or
-    /// more written meanwhile, is committed at the limit anyway). Either way a write is acknowledged from the held
+    /// fsync per commit. Either way a write is acknowledged from the held
     /// log and survives a crash of the process (docs/CRASH_MODEL.md).
     #[arg(long)]
     commit_at_limit: bool,
