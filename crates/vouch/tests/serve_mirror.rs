@@ -10,7 +10,7 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 
@@ -35,6 +35,23 @@ fn mirror_with_data_in(dir: &Path, legs: &[&str], layout: &str) {
     let mut server = Server::start(dir, &[s(&a)]);
     write_tagged_blocks(&server.uri, 16);
     server.stop();
+}
+
+/// `mirror_with_data` of legs `a` and `b` in a new directory: the
+/// directory and the two legs' paths.
+fn two_legs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    (dir, a, b)
+}
+
+/// Leg `b` checked clean as a volume alone (both legs' mirror records
+/// moved aside).
+fn assert_leg_b_alone_clean(dir: &Path, a: &Path, b: &Path) {
+    std::fs::rename(a.join("mirror"), dir.join("a.mirror")).expect("hide");
+    std::fs::rename(b.join("mirror"), dir.join("b.mirror")).expect("hide");
+    assert_check_clean(b);
 }
 
 fn block_of(path: &Path, lba: u64) -> Vec<u8> {
@@ -71,9 +88,7 @@ print(json.dumps(out))
 
 #[test]
 fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     // A data byte of LBA 7 and a context byte of LBA 9, on leg 1 only.
     flip_bit(&b.join("data.00000"), 7 * BLOCK + 100, 0x04);
     flip_bit(&b.join("contexts"), 9 * 32 + 20, 0x01);
@@ -124,16 +139,12 @@ fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
     // Leg 1 alone: clean, and its data file holds the good block again.
     assert_check_clean(&a);
     assert_eq!(block_of(&b, 7), block_of(&a, 7));
-    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
-    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
-    assert_check_clean(&b);
+    assert_leg_b_alone_clean(dir.path(), &a, &b);
 }
 
 #[test]
 fn a_block_corrupt_on_every_leg_is_eio_naming_it_and_nothing_is_rewritten() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     flip_bit(&a.join("data.00000"), 3 * BLOCK + 10, 0x01);
     flip_bit(&b.join("data.00000"), 3 * BLOCK + 20, 0x01);
     let before = (sha256(&a.join("data.00000")), sha256(&b.join("data.00000")));
@@ -170,9 +181,7 @@ fn a_block_corrupt_on_every_leg_is_eio_naming_it_and_nothing_is_rewritten() {
 
 #[test]
 fn a_leg_past_twenty_repairs_is_faulted_then_replaced() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     // Write 32 more blocks so 21 can go bad on leg 1.
     let mut server = Server::start(dir.path(), &[s(&a)]);
     py_json(
@@ -233,9 +242,7 @@ print(json.dumps({"ok": ok}))
 
 #[test]
 fn a_missing_leg_serves_degraded_then_is_resynced_when_back() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     let away = dir.path().join("away");
     std::fs::rename(&b, &away).expect("take leg 1 away");
     let mut server = Server::start(dir.path(), &[s(&a)]);
@@ -343,9 +350,7 @@ fn offline_scrub_repairs_every_leg_and_reports_what_it_left() {
 
 #[test]
 fn after_a_crash_without_an_activity_log_reads_stay_on_one_leg_across_restarts_until_a_scrub() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     let marker = |leg: &Path| leg.join("mirror.unsynced").exists();
     // Killed with writes in flight: neither leg is shut down cleanly.
     let mut server = Server::start(dir.path(), &[s(&a)]);
@@ -583,9 +588,7 @@ fn lost_page_on_one_leg_is_repaired(loss: PageLoss) {
     for lba in 0..16 {
         assert_eq!(home_of(&b, lba), home_of(&a, lba), "LBA {lba}");
     }
-    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
-    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
-    assert_check_clean(&b);
+    assert_leg_b_alone_clean(dir.path(), &a, &b);
 }
 
 /// Read `sys.argv[3]` blocks from LBA `sys.argv[2]` in one request,
@@ -609,9 +612,7 @@ print(json.dumps([h.pread(4096 * count, first * 4096) == want
 /// 8 KiB request, four times: two faults, two repairs, two log lines.
 #[test]
 fn a_bad_block_is_one_fault_and_one_repair() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     flip_bit(&a.join("data.00000"), 7 * BLOCK + 100, 0x04);
     flip_bit(&a.join("data.00000"), 8 * BLOCK + 100, 0x04);
     let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
@@ -662,9 +663,7 @@ fn context_kind(volume: &Path, lba: u64) -> u8 {
 /// over NBD repair them from leg 0.
 #[test]
 fn a_repair_keeps_written_zeroes_and_holes_what_they_are() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     let mut server = Server::start(dir.path(), &[s(&a)]);
     py_json(
         r#"
@@ -721,9 +720,7 @@ print(json.dumps({"ok": True}))
         );
     }
     assert_check_clean(&a);
-    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
-    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
-    assert_check_clean(&b);
+    assert_leg_b_alone_clean(dir.path(), &a, &b);
 }
 
 /// Read block `sys.argv[2]` `sys.argv[3]` times: true each time it is zeros.
