@@ -695,7 +695,11 @@ print(json.dumps({"ok": True}))
     let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
     for lba in [zeroed, trimmed, never] {
         let reads = py_json(READ_ZEROS, &[&server.uri, &lba.to_string(), "4"]);
-        assert_eq!(reads, serde_json::json!([true, true, true, true]), "LBA {lba}");
+        assert_eq!(
+            reads,
+            serde_json::json!([true, true, true, true]),
+            "LBA {lba}"
+        );
     }
     let metrics = server.metrics_text();
     assert_eq!(
