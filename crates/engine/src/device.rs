@@ -20,11 +20,12 @@
 //! writes, which a device that can do better overrides; and `as_any` for
 //! the one fast path on a concrete device (the reflink copy).
 //!
-//! **The sealed face (`SealedDevice: BlockDevice`, 16 methods).** A
+//! **The sealed face (`SealedDevice: BlockDevice`, 17 methods).** A
 //! mirror's legs are `Arc<dyn SealedDevice>`, and so is what a replica
 //! serves: moving a block *together with its context* (`read_sealed`,
 //! `write_sealed`, for repair, resync and replicas: PI travels with the
-//! data and is checked at every hop); the routes a mirror stores a leg's
+//! data and is checked at every hop); a repair's re-read that does not
+//! judge again (`recheck_blocks`); the routes a mirror stores a leg's
 //! share of a sealed write by (`try_write_sealed`, `write_sealed_here`,
 //! `reserve_room` / `release_room` / `write_sealed_reserved`,
 //! `start_write_sealed`, `writes_sealed_then` / `write_sealed_then`,
@@ -420,6 +421,19 @@ pub trait SealedDevice: BlockDevice {
 
     /// Blocks `[first, first + count)` as stored, each with its context.
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>>;
+
+    /// `read_blocks_collecting` for a mirror repair's own re-reads of
+    /// blocks a read already judged bad (is it still bad? did the rewrite
+    /// take?): the faults are listed but not judged again, nothing counted
+    /// or logged, so a bad block is one fault per read. At the bottom of
+    /// a stack the default is `read_blocks_collecting` (a device that
+    /// judges nothing itself, a remote leg, loses nothing by it).
+    fn recheck_blocks(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        match self.sealed_below() {
+            Some(below) => below.recheck_blocks(first, count, out),
+            None => self.read_blocks_collecting(first, count, out),
+        }
+    }
 
     /// Store sealed blocks at their LBAs, after verifying each against its
     /// context: a block that does not verify fails the call naming it, and

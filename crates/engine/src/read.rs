@@ -33,7 +33,9 @@ pub(crate) enum Source {
     /// The write-back buffer: the bytes as sealed (ciphertext on an
     /// encrypted volume) and their seal.
     Memory(BlockData, Seal),
-    Zero,
+    /// A context that reads as zero, kept (a hole and zeroes written move
+    /// sealed as what they are: `read_sealed`).
+    Zero(Context),
     /// Home storage, verified against its context.
     Home(ContextFrom),
     /// The block's context could not be read.
@@ -43,12 +45,24 @@ pub(crate) enum Source {
 impl From<Planned> for Source {
     fn from(planned: Planned) -> Source {
         match planned {
-            Planned::Zero => Source::Zero,
+            Planned::Zero(context) => Source::Zero(context),
             Planned::Home(context) => Source::Home(context),
             // Only a worker loads the page; until then nothing is known.
             Planned::NeedPage(_) => Source::Unreadable,
         }
     }
+}
+
+/// What `Shared::fetch_block` read a block as.
+enum Stored {
+    /// From the write-back buffer, sealed with this (its context is made
+    /// when it is committed).
+    Buffered(Seal),
+    /// Zeros, from a context that reads as zero without data I/O (a hole,
+    /// or zeroes written).
+    Zero(Context),
+    /// From home: the context it is checked against.
+    Sealed(std::result::Result<Context, FormatError>),
 }
 
 /// Each block's source, in LBA order; small reads (the common 4 KiB case)
@@ -77,6 +91,10 @@ pub(crate) enum OnFault {
     Stop,
     /// Zero-fill faulty blocks and list them (check, export --allow-faults).
     Collect,
+    /// `Collect` without judging: nothing counted or logged. A mirror's
+    /// repair re-reads a block the read that found it bad already judged
+    /// (`SealedDevice::recheck_blocks`): one fault per bad block per read.
+    Recheck,
 }
 
 /// What a route does with a block it cannot answer as planned (it would
@@ -104,6 +122,11 @@ impl OnFailure<'_> {
     fn failed(&mut self, shared: &Shared, lba: u64, kind: FaultKind, block: &mut [u8]) -> bool {
         match self {
             OnFailure::Decline => false,
+            OnFailure::Judge(faults, OnFault::Recheck) => {
+                block.fill(0);
+                faults.push(Fault { lba, kind });
+                true
+            }
             OnFailure::Judge(faults, on_fault) => {
                 shared.note_fault(lba, kind, block, faults);
                 *on_fault == OnFault::Collect
@@ -182,6 +205,13 @@ impl Shared {
         Ok(faults)
     }
 
+    /// `read_blocks_collecting` without judging what fails (`OnFault::Recheck`).
+    pub fn recheck_blocks(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        let mut faults = Vec::new();
+        self.read_blocks_with(first, count, out, None, &mut faults, OnFault::Recheck)?;
+        Ok(faults)
+    }
+
     pub(crate) fn read_blocks_with(
         &self,
         first: u64,
@@ -237,7 +267,7 @@ impl Shared {
                         Err(kind) => failure.failed(self, lba, kind, &mut out[block]),
                     }
                 }
-                Source::Zero => {
+                Source::Zero(_) => {
                     out[block.clone()].fill(0);
                     if let Some(holes) = holes.as_deref_mut() {
                         push_hole(holes, block.start as u64..block.end as u64);
@@ -310,37 +340,60 @@ impl Shared {
         let mut sealed = Vec::with_capacity(count as usize);
         for (index, source) in plan.iter().enumerate() {
             let lba = first + index as u64;
-            let (data, context) = match source {
-                Source::Memory(buffered, seal) => (
-                    buffered.clone(),
-                    self.protection().context(lba, *seal, generation),
-                ),
-                Source::Zero => (BlockData::zeroed(), Context::Unwritten),
-                Source::Unreadable => return Err(unreadable(lba)),
-                Source::Home(from) => {
-                    let mut bytes = BytesMut::zeroed(BLOCK as usize);
-                    let stored = self
-                        .layouts()
-                        .of(lba)
-                        .read_block(self.io(), lba, &mut bytes[..])
-                        .map_err(|_| unreadable(lba))?;
-                    let data = BlockData::from_bytes(bytes.freeze());
-                    let context = match from {
-                        ContextFrom::Known(found) => found.clone(),
-                        ContextFrom::Record => stored.expect("a record carries its context"),
-                    };
-                    let context = context.map_err(|error| {
-                        Error::Fault(Fault {
-                            lba,
-                            kind: crate::protection::context_fault(&error),
-                        })
-                    })?;
-                    (data, context)
-                }
+            let mut bytes = BytesMut::zeroed(BLOCK as usize);
+            let context = match self.fetch_block(lba, source, &mut bytes[..]) {
+                Ok(Stored::Buffered(seal)) => Ok(self.protection().context(lba, seal, generation)),
+                Ok(Stored::Zero(context)) => Ok(context),
+                Ok(Stored::Sealed(context)) => context,
+                Err(kind) => return Err(Error::Fault(Fault { lba, kind })),
             };
+            let context = context.map_err(|error| {
+                Error::Fault(Fault {
+                    lba,
+                    kind: crate::protection::context_fault(&error),
+                })
+            })?;
+            let data = BlockData::from_bytes(bytes.freeze());
             sealed.push(SealedBlock { lba, data, context });
         }
         Ok(sealed)
+    }
+
+    /// One block's bytes as stored (ciphertext on an encrypted volume;
+    /// zeros for a zero-reading context) into `block`, from its planned
+    /// `source`, and what seals them: the one place a single block's source
+    /// becomes bytes, for `read_sealed` and the worker's re-read
+    /// (`reread_once`). `execute` reads runs of home blocks with one I/O
+    /// instead, and opens them as `reread_once` does. Nothing is verified
+    /// here.
+    fn fetch_block(
+        &self,
+        lba: u64,
+        source: &Source,
+        block: &mut [u8],
+    ) -> std::result::Result<Stored, FaultKind> {
+        match source {
+            Source::Memory(data, seal) => {
+                block.copy_from_slice(&data[..]);
+                Ok(Stored::Buffered(*seal))
+            }
+            Source::Zero(context) => {
+                block.fill(0);
+                Ok(Stored::Zero(*context))
+            }
+            Source::Unreadable => Err(FaultKind::Unreadable),
+            Source::Home(from) => {
+                let stored = self
+                    .layouts()
+                    .of(lba)
+                    .read_block(self.io(), lba, block)
+                    .map_err(|_| FaultKind::Unreadable)?;
+                Ok(Stored::Sealed(match from {
+                    ContextFrom::Known(found) => found.clone(),
+                    ContextFrom::Record => stored.expect("a record carries its context"),
+                }))
+            }
+        }
     }
 
     /// Where the run of home blocks starting at `plan[index]` (LBA
@@ -516,7 +569,10 @@ impl Shared {
     ) -> bool {
         // A client read may take the protection's quicker opening; a
         // failure is re-read and opened with every check.
-        let thorough = matches!(failure, OnFailure::Judge(_, OnFault::Collect));
+        let thorough = matches!(
+            failure,
+            OnFailure::Judge(_, OnFault::Collect | OnFault::Recheck)
+        );
         for (index, lba) in (first..first + plan.len() as u64).enumerate() {
             let block = &mut out[index * BLOCK as usize..(index + 1) * BLOCK as usize];
             let context = match &plan[index] {
@@ -606,30 +662,18 @@ impl Shared {
         block: &mut [u8],
     ) -> std::result::Result<(), (FaultKind, Option<Result<Context, FormatError>>)> {
         let plan = self.plan_waiting(lba, 1);
-        let known = match &plan[0] {
-            Source::Memory(data, seal) => {
-                block.copy_from_slice(&data[..]);
+        let context = match self.fetch_block(lba, &plan[0], block) {
+            Err(kind) => return Err((kind, None)),
+            Ok(Stored::Buffered(seal)) => {
                 return self
                     .protection()
-                    .reveal(lba, seal, block)
+                    .reveal(lba, &seal, block)
                     .map_err(|kind| (kind, None));
             }
-            Source::Zero => {
-                block.fill(0);
-                return Ok(());
-            }
-            Source::Unreadable => return Err((FaultKind::Unreadable, None)),
-            Source::Home(ContextFrom::Known(found)) => Some(found.clone()),
-            Source::Home(ContextFrom::Record) => None,
+            // Zeros without data I/O, as `execute` answers them.
+            Ok(Stored::Zero(_)) => return Ok(()),
+            Ok(Stored::Sealed(context)) => context,
         };
-        let stored = self
-            .layouts()
-            .of(lba)
-            .read_block(self.io(), lba, block)
-            .map_err(|_| (FaultKind::Unreadable, None))?;
-        let context = known
-            .or(stored)
-            .expect("a layout without a context table returns the record's context");
         self.protection()
             .open_in_place(lba, &context, block)
             .map_err(|kind| (kind, Some(context.clone())))?;
@@ -710,11 +754,4 @@ pub(crate) fn push_hole(holes: &mut Vec<Range<u64>>, range: Range<u64>) {
         Some(last) if last.end == range.start => last.end = range.end,
         _ => holes.push(range),
     }
-}
-
-fn unreadable(lba: u64) -> Error {
-    Error::Fault(Fault {
-        lba,
-        kind: FaultKind::Unreadable,
-    })
 }

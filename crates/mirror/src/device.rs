@@ -814,16 +814,17 @@ impl BlockDevice for Mirror {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         let leg = self.pick()?;
-        // The leg's own read first (the fast path: it stops at a fault);
-        // a request error ends it, anything else goes to the repair route
-        // with the same order of legs, which judges it.
-        match self.device(leg).read(offset, buf) {
+        // The leg's own read first (the fast path: it stops at a fault,
+        // which it judged and counted); a request error ends it, anything
+        // else goes to the repair route with the same order of legs, which
+        // judges it. The fault it named is not read again on that leg.
+        let judged = match self.device(leg).read(offset, buf) {
             Ok(holes) => return Ok(holes),
             Err(error) if is_request_error(&error) => return Err(error),
-            Err(_) => {}
-        }
-        self.read_bytes_repairing(leg, offset, buf)?;
-        Ok(Vec::new())
+            Err(Error::Fault(fault)) => Some(fault),
+            Err(_) => None,
+        };
+        self.read_bytes_repairing(leg, offset, buf, judged)
     }
     /// The leg `read` would pick next, without taking its turn unless it
     /// answers: when it declines (cold data, or a block that fails
@@ -991,7 +992,7 @@ impl BlockDevice for Mirror {
     /// every leg are listed (zero-filled).
     fn read_blocks_collecting(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         let leg = self.pick()?;
-        self.read_blocks_repairing(leg, first, count, out)
+        self.read_blocks_repairing(leg, first, count, out, None)
     }
     /// The unit covering every present leg's unit at `lba`. The legs of a
     /// set share leg 0's superblock (`set.rs`: one layout and geometry), so

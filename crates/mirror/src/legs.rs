@@ -29,7 +29,7 @@ pub(crate) type PerLeg<T> = SmallVec<[T; MAX_LEGS]>;
 /// allocated, and iterated in the legs' order (the order they are written
 /// and judged in): every mirrored write carries a few, and lists per leg
 /// built, moved and dropped per 4 KiB write cost the inline route ~5 % of
-/// its instructions (docs/ARCHITECTURE.md, "The mirror's write").
+/// its instructions (docs/ARCHITECTURE.md, "Routes").
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct LegSet(u8);
 

@@ -7,6 +7,13 @@
 //! never overwritten from a bad one, and a context is never rewritten to
 //! match data (the sealed block moves whole, with its own context).
 //!
+//! Counting. A bad block is one fault per read and one repair: the read
+//! that finds it judges it (logged, counted in the leg's metrics); a
+//! fault the leg's own fast read named is not read on that leg again,
+//! and the repair's re-reads of the block (still bad under the stripe
+//! lock? did the rewrite take?) are rechecks that judge nothing
+//! (`SealedDevice::recheck_blocks`).
+//!
 //! Crash ordering. A repair's write enters the activity log like every
 //! mirror write (ORDER POINT: its extent is in the log on disk before the
 //! block reaches the bad leg, and stays there until a flush of every leg
@@ -21,40 +28,75 @@ use vouch_engine::{Block, BLOCK};
 impl Mirror {
     /// `buf` at byte `offset` (any byte range) from `leg`, every faulty
     /// block repaired; fails naming the first block no leg holds good.
+    /// `judged`: a fault `leg` already judged (and counted) on this read.
+    /// No hole ranges (the bytes are right; they go as data).
     pub(super) fn read_bytes_repairing(
         &self,
         leg: usize,
         offset: u64,
         buf: &mut [u8],
-    ) -> Result<()> {
+        judged: Option<Fault>,
+    ) -> Result<Vec<std::ops::Range<u64>>> {
         let first = offset / BLOCK;
         let end = (offset + buf.len() as u64).div_ceil(BLOCK);
         let mut blocks = vec![0u8; ((end - first) * BLOCK) as usize];
-        let faults = self.read_blocks_repairing(leg, first, end - first, &mut blocks)?;
+        let faults = self.read_blocks_repairing(leg, first, end - first, &mut blocks, judged)?;
         if let Some(fault) = faults.first() {
             return Err(Error::Fault(fault.clone()));
         }
         let skip = (offset - first * BLOCK) as usize;
         buf.copy_from_slice(&blocks[skip..skip + buf.len()]);
-        Ok(())
+        Ok(Vec::new())
+    }
+
+    /// `read_blocks_collecting` of `leg`, except the block of `judged` (a
+    /// fault `leg` named on this read, counted and logged then): it is not
+    /// read again, so it is not counted again; it is listed as faulty.
+    fn read_leg_collecting(
+        &self,
+        leg: usize,
+        first: u64,
+        count: u64,
+        out: &mut [u8],
+        judged: Option<&Fault>,
+    ) -> Result<Vec<Fault>> {
+        let device = self.device(leg);
+        let Some(judged) = judged.filter(|fault| (first..first + count).contains(&fault.lba))
+        else {
+            return device.read_blocks_collecting(first, count, out);
+        };
+        let at = ((judged.lba - first) * BLOCK) as usize;
+        let (before, rest) = out.split_at_mut(at);
+        let (block, after) = rest.split_at_mut(BLOCK as usize);
+        block.fill(0);
+        let mut faults = Vec::new();
+        if judged.lba > first {
+            faults.extend(device.read_blocks_collecting(first, judged.lba - first, before)?);
+        }
+        faults.push(judged.clone());
+        let rest = first + count - judged.lba - 1;
+        if rest > 0 {
+            faults.extend(device.read_blocks_collecting(judged.lba + 1, rest, after)?);
+        }
+        Ok(faults)
     }
 
     /// Whole blocks from `leg` (or, if it fails the read, from another
     /// active leg), each faulty one repaired; returns the faults no leg
-    /// could repair (zero-filled in `out`).
+    /// could repair (zero-filled in `out`). `judged`: as
+    /// `read_bytes_repairing`.
     pub(super) fn read_blocks_repairing(
         &self,
         leg: usize,
         first: u64,
         count: u64,
         out: &mut [u8],
+        judged: Option<Fault>,
     ) -> Result<Vec<Fault>> {
         let mut read = None;
         for candidate in self.read_order(leg) {
-            match self
-                .device(candidate)
-                .read_blocks_collecting(first, count, out)
-            {
+            let judged = judged.as_ref().filter(|_| candidate == leg);
+            match self.read_leg_collecting(candidate, first, count, out, judged) {
                 Ok(faults) => {
                     read = Some((candidate, faults));
                     break;
@@ -111,9 +153,10 @@ impl Mirror {
         };
         // A write may have replaced the block on the bad leg since it was
         // read (writes take the lock this holds now): then nothing to do.
+        // Rechecked, not judged: the read that found it bad counted it.
         let mut now = [0u8; BLOCK as usize];
         if matches!(
-            self.device(bad).read_blocks_collecting(lba, 1, &mut now),
+            self.device(bad).recheck_blocks(lba, 1, &mut now),
             Ok(faults) if faults.is_empty()
         ) {
             return Ok(good);
@@ -169,9 +212,9 @@ impl Mirror {
             self.device(target).flush()?;
             let (first, end) = (lbas[0], lbas[lbas.len() - 1] + 1);
             let mut check = vec![0u8; ((end - first) * BLOCK) as usize];
-            let faults =
-                self.device(target)
-                    .read_blocks_collecting(first, end - first, &mut check)?;
+            let faults = self
+                .device(target)
+                .recheck_blocks(first, end - first, &mut check)?;
             Ok(lbas
                 .iter()
                 .zip(good)
@@ -207,9 +250,7 @@ impl Mirror {
             self.device(target).write_sealed(&sealed)?;
             self.device(target).flush()?;
             let mut check = [0u8; BLOCK as usize];
-            let faults = self
-                .device(target)
-                .read_blocks_collecting(lba, 1, &mut check)?;
+            let faults = self.device(target).recheck_blocks(lba, 1, &mut check)?;
             Ok(faults.is_empty() && check[..] == good[..])
         };
         match step() {

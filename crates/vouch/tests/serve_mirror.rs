@@ -10,7 +10,7 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::*;
 
@@ -35,6 +35,23 @@ fn mirror_with_data_in(dir: &Path, legs: &[&str], layout: &str) {
     let mut server = Server::start(dir, &[s(&a)]);
     write_tagged_blocks(&server.uri, 16);
     server.stop();
+}
+
+/// `mirror_with_data` of legs `a` and `b` in a new directory: the
+/// directory and the two legs' paths.
+fn two_legs() -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    mirror_with_data(dir.path(), &["b"]);
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    (dir, a, b)
+}
+
+/// Leg `b` checked clean as a volume alone (both legs' mirror records
+/// moved aside).
+fn assert_leg_b_alone_clean(dir: &Path, a: &Path, b: &Path) {
+    std::fs::rename(a.join("mirror"), dir.join("a.mirror")).expect("hide");
+    std::fs::rename(b.join("mirror"), dir.join("b.mirror")).expect("hide");
+    assert_check_clean(b);
 }
 
 fn block_of(path: &Path, lba: u64) -> Vec<u8> {
@@ -71,9 +88,7 @@ print(json.dumps(out))
 
 #[test]
 fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     // A data byte of LBA 7 and a context byte of LBA 9, on leg 1 only.
     flip_bit(&b.join("data.00000"), 7 * BLOCK + 100, 0x04);
     flip_bit(&b.join("contexts"), 9 * 32 + 20, 0x01);
@@ -124,16 +139,12 @@ fn a_block_corrupt_on_one_leg_reads_good_over_nbd_and_is_repaired_on_disk() {
     // Leg 1 alone: clean, and its data file holds the good block again.
     assert_check_clean(&a);
     assert_eq!(block_of(&b, 7), block_of(&a, 7));
-    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
-    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
-    assert_check_clean(&b);
+    assert_leg_b_alone_clean(dir.path(), &a, &b);
 }
 
 #[test]
 fn a_block_corrupt_on_every_leg_is_eio_naming_it_and_nothing_is_rewritten() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     flip_bit(&a.join("data.00000"), 3 * BLOCK + 10, 0x01);
     flip_bit(&b.join("data.00000"), 3 * BLOCK + 20, 0x01);
     let before = (sha256(&a.join("data.00000")), sha256(&b.join("data.00000")));
@@ -170,9 +181,7 @@ fn a_block_corrupt_on_every_leg_is_eio_naming_it_and_nothing_is_rewritten() {
 
 #[test]
 fn a_leg_past_twenty_repairs_is_faulted_then_replaced() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     // Write 32 more blocks so 21 can go bad on leg 1.
     let mut server = Server::start(dir.path(), &[s(&a)]);
     py_json(
@@ -233,9 +242,7 @@ print(json.dumps({"ok": ok}))
 
 #[test]
 fn a_missing_leg_serves_degraded_then_is_resynced_when_back() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     let away = dir.path().join("away");
     std::fs::rename(&b, &away).expect("take leg 1 away");
     let mut server = Server::start(dir.path(), &[s(&a)]);
@@ -343,9 +350,7 @@ fn offline_scrub_repairs_every_leg_and_reports_what_it_left() {
 
 #[test]
 fn after_a_crash_without_an_activity_log_reads_stay_on_one_leg_across_restarts_until_a_scrub() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    mirror_with_data(dir.path(), &["b"]);
-    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let (dir, a, b) = two_legs();
     let marker = |leg: &Path| leg.join("mirror.unsynced").exists();
     // Killed with writes in flight: neither leg is shut down cleanly.
     let mut server = Server::start(dir.path(), &[s(&a)]);
@@ -583,7 +588,148 @@ fn lost_page_on_one_leg_is_repaired(loss: PageLoss) {
     for lba in 0..16 {
         assert_eq!(home_of(&b, lba), home_of(&a, lba), "LBA {lba}");
     }
-    std::fs::rename(a.join("mirror"), dir.path().join("a.mirror")).expect("hide");
-    std::fs::rename(b.join("mirror"), dir.path().join("b.mirror")).expect("hide");
-    assert_check_clean(&b);
+    assert_leg_b_alone_clean(dir.path(), &a, &b);
 }
+
+/// Read `sys.argv[3]` blocks from LBA `sys.argv[2]` in one request,
+/// `sys.argv[4]` times, one request at a time (so the round robin sends
+/// every other one to each leg); each entry true if the bytes are right
+/// (`block_data(lba, 1000 + lba)`, or zeros past block 15).
+const READ_RUN: &str = r#"
+h = connect(sys.argv[1])
+first, count = int(sys.argv[2]), int(sys.argv[3])
+want = b"".join(block_data(lba, 1000 + lba) if lba < 16 else bytes(4096)
+                for lba in range(first, first + count))
+print(json.dumps([h.pread(4096 * count, first * 4096) == want
+                  for _ in range(int(sys.argv[4]))]))
+"#;
+
+/// A bad block is one fault per read that finds it and one repair: the
+/// leg's read judges it, and neither the repair route's read of the rest
+/// of the request on that leg nor the repair's re-reads (is it still
+/// bad? did the rewrite take?) judge it again. Two bad blocks of leg 0
+/// (the primary, whose engine counters the metrics show) read in one
+/// 8 KiB request, four times: two faults, two repairs, two log lines.
+#[test]
+fn a_bad_block_is_one_fault_and_one_repair() {
+    let (dir, a, b) = two_legs();
+    flip_bit(&a.join("data.00000"), 7 * BLOCK + 100, 0x04);
+    flip_bit(&a.join("data.00000"), 8 * BLOCK + 100, 0x04);
+    let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
+    let reads = py_json(READ_RUN, &[&server.uri, "7", "2", "4"]);
+    assert_eq!(reads, serde_json::json!([true, true, true, true]));
+    let metrics = server.metrics_text();
+    let count = |series: &str| metric(&metrics, series).unwrap_or(0.0);
+    assert_eq!(
+        count(r#"vouch_engine_checksum_failures_total{volume="a",kind="guard_mismatch"}"#),
+        2.0,
+        "one fault per bad block:\n{metrics}"
+    );
+    assert_eq!(
+        count(
+            r#"vouch_mirror_repairs_total{volume="a",leg="0",kind="guard_mismatch",outcome="repaired"}"#
+        ),
+        2.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        count(r#"vouch_mirror_corrected_errors{volume="a",leg="0"}"#),
+        2.0,
+        "{metrics}"
+    );
+    server.stop();
+    let log = server.log_text();
+    let lines = |what: &str| log.lines().filter(|line| line.contains(what)).count();
+    assert_eq!(lines("block failed verification"), 2, "{log}");
+    assert_eq!(lines("repaired a block from another leg"), 2, "{log}");
+    assert_eq!(block_of(&a, 7), block_of(&b, 7));
+    assert_eq!(block_of(&a, 8), block_of(&b, 8));
+}
+
+/// The kind byte of block `lba`'s context in a split volume's table.
+fn context_kind(volume: &Path, lba: u64) -> u8 {
+    let mut byte = [0u8];
+    std::fs::File::open(volume.join("contexts"))
+        .expect("open contexts")
+        .read_exact_at(&mut byte, lba * 32)
+        .expect("read context");
+    byte[0]
+}
+
+/// A repair moves a block as what it is: zeroes written (allocated) stay
+/// written zeroes on the repaired leg, never a hole (absence is never
+/// emptiness), and a trimmed or never-written block stays a hole, never
+/// allocated zeros. Leg 1's contexts of such blocks are corrupted; reads
+/// over NBD repair them from leg 0.
+#[test]
+fn a_repair_keeps_written_zeroes_and_holes_what_they_are() {
+    let (dir, a, b) = two_legs();
+    let mut server = Server::start(dir.path(), &[s(&a)]);
+    py_json(
+        r#"
+h = connect(sys.argv[1])
+h.zero(4096, 20 * 4096, nbd.CMD_FLAG_NO_HOLE)
+h.trim(4096, 3 * 4096)
+h.flush()
+print(json.dumps({"ok": True}))
+"#,
+        &[&server.uri],
+    );
+    server.stop();
+    // Written zeroes (2), trimmed and never written (holes, not 1 or 2).
+    let (zeroed, trimmed, never) = (20, 3, 22);
+    assert_eq!(context_kind(&a, zeroed), 2);
+    assert_eq!(context_kind(&b, zeroed), 2);
+    for lba in [trimmed, never] {
+        assert!(![1, 2].contains(&context_kind(&b, lba)), "LBA {lba} a hole");
+    }
+    for lba in [zeroed, trimmed, never] {
+        flip_bit(&b.join("contexts"), lba * 32 + 20, 0x01);
+    }
+    let check = vouch(&["check", s(&a)]);
+    assert!(
+        text(&check).contains(&format!("leg 1: fault: LBA {zeroed} context_corrupt")),
+        "{}",
+        text(&check)
+    );
+    let mut server = Server::start(dir.path(), &[s(&a), "--metrics", "127.0.0.1:0"]);
+    for lba in [zeroed, trimmed, never] {
+        let reads = py_json(READ_ZEROS, &[&server.uri, &lba.to_string(), "4"]);
+        assert_eq!(
+            reads,
+            serde_json::json!([true, true, true, true]),
+            "LBA {lba}"
+        );
+    }
+    let metrics = server.metrics_text();
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"vouch_mirror_repairs_total{volume="a",leg="1",kind="context_corrupt",outcome="repaired"}"#
+        ),
+        Some(3.0),
+        "{metrics}"
+    );
+    server.stop();
+    assert_eq!(
+        context_kind(&b, zeroed),
+        2,
+        "written zeroes repaired as written zeroes, not a hole"
+    );
+    for lba in [trimmed, never] {
+        assert!(
+            ![1, 2].contains(&context_kind(&b, lba)),
+            "LBA {lba} repaired as a hole, not allocated: {}",
+            context_kind(&b, lba)
+        );
+    }
+    assert_check_clean(&a);
+    assert_leg_b_alone_clean(dir.path(), &a, &b);
+}
+
+/// Read block `sys.argv[2]` `sys.argv[3]` times: true each time it is zeros.
+const READ_ZEROS: &str = r#"
+h = connect(sys.argv[1])
+lba = int(sys.argv[2])
+print(json.dumps([h.pread(4096, lba * 4096) == bytes(4096) for _ in range(int(sys.argv[3]))]))
+"#;

@@ -39,8 +39,9 @@ pub(crate) struct RunSpan {
 }
 
 pub(crate) enum Planned {
-    /// Its context reads as zero: no data I/O.
-    Zero,
+    /// Its context reads as zero (a hole, or zeroes written: which one is
+    /// kept, so a block moved sealed stays what it was): no data I/O.
+    Zero(Context),
     /// Home storage, verified against the context found there.
     Home(ContextFrom),
     /// The context table page holding its context must be loaded first.
@@ -54,7 +55,7 @@ impl Planned {
     /// page load (`Shared::plan_read`) both use it.
     pub(crate) fn from_context(found: Result<Context, FormatError>) -> Planned {
         match found {
-            Ok(context) if context.reads_as_zero() => Planned::Zero,
+            Ok(context) if context.reads_as_zero() => Planned::Zero(context),
             found => Planned::Home(ContextFrom::Known(found)),
         }
     }

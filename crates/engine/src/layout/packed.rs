@@ -689,12 +689,12 @@ impl Layout for PackedLayout {
     fn plan(&self, lba: u64, contexts: &ContextStore) -> Planned {
         // Contexts live in the records; only a read-only open of an
         // unrecovered volume holds (zeroed) ranges in memory.
-        let pending_zero = !contexts.ranges.is_empty()
-            && matches!(contexts.lookup(lba), Lookup::Found(Ok(context)) if context.reads_as_zero());
-        if pending_zero {
-            Planned::Zero
-        } else {
-            Planned::Home(ContextFrom::Record)
+        if contexts.ranges.is_empty() {
+            return Planned::Home(ContextFrom::Record);
+        }
+        match contexts.lookup(lba) {
+            Lookup::Found(Ok(context)) if context.reads_as_zero() => Planned::Zero(context),
+            _ => Planned::Home(ContextFrom::Record),
         }
     }
 

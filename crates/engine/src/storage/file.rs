@@ -1,4 +1,17 @@
 //! The production backend: a volume's objects as files in a directory.
+//!
+//! Page cache or not. By default data segments go through the host page
+//! cache (like qemu's cache=writeback); `serve --direct` opens them
+//! O_DIRECT (cache=none: `direct.rs` handles alignment, bounce buffers in
+//! 2 MiB huge pages and a commit's home writes batched through io_uring).
+//! O_DIRECT writes into a hole allocate as they are issued, and pipelined
+//! commits issue a stream's writes a little out of file order, so a run of
+//! `PREPARE_FROM` or more that continues a stream (within `PREPARE_STEP`
+//! of where one of the last `STREAMS` long runs ended) first allocates its
+//! chunk of the segment and the next one, once per process
+//! (`prepare_ahead`: one `fallocate` each, inside the file's length,
+//! reading as zeros until written); scattered writes allocate only what
+//! they write.
 
 use std::fs::{File, OpenOptions};
 use std::io;

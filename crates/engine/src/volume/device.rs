@@ -167,6 +167,9 @@ impl SealedDevice for Volume {
         let generation = engine.committer().lock().next_seq();
         engine.shared().read_sealed(first, count, generation)
     }
+    fn recheck_blocks(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
+        self.current().shared().recheck_blocks(first, count, out)
+    }
     fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
         self.current().write_sealed(blocks, SealCheck::Full)
     }
