@@ -56,12 +56,15 @@ pub struct MirrorResizeSteps<'a> {
     pub leg_files: &'a mut dyn FnMut(&str, u64) -> Result<()>,
     /// The storage of leg `name` opened again for a geometry (sharing
     /// the old storage's lock: `Storage::reopen`).
-    pub reopen: &'a dyn Fn(&str, &dyn Storage, &Geometry) -> Result<Arc<dyn Storage>>,
+    pub reopen: &'a ReopenLeg<'a>,
     /// The activity log started for `blocks` blocks in every leg's
     /// directory, naming nothing (`set::open_activity`); asked only when
     /// the mirror keeps one.
     pub new_log: &'a mut dyn FnMut(u64) -> Result<ActivityLog>,
 }
+
+/// The storage of a leg (its directory) opened again for a geometry.
+pub type ReopenLeg<'a> = dyn Fn(&str, &dyn Storage, &Geometry) -> Result<Arc<dyn Storage>> + 'a;
 
 impl Mirror {
     /// Resize this served mirror to `new_bytes` (see the module).
@@ -73,7 +76,9 @@ impl Mirror {
         steps: MirrorResizeSteps<'_>,
     ) -> Result<OnlineResized> {
         if self.is_read_only() {
-            return Err(Error::ReadOnly("the mirror is read-only: it is not resized".into()));
+            return Err(Error::ReadOnly(
+                "the mirror is read-only: it is not resized".into(),
+            ));
         }
         let asked = Instant::now();
         let all = self.stripes.lock_all();
@@ -138,7 +143,6 @@ impl Mirror {
             reopen(name, storage, geometry)
         };
         let outcome = nest(&legs, new_bytes, &reopen, &mut files);
-        drop(files);
         if let Err(error) = outcome {
             if !stop.get() {
                 self.size.store(old_bytes, Ordering::Release);
@@ -196,7 +200,7 @@ impl Mirror {
 fn nest(
     legs: &[(&str, &Volume)],
     new_bytes: u64,
-    reopen: &dyn Fn(&str, &dyn Storage, &Geometry) -> Result<Arc<dyn Storage>>,
+    reopen: &ReopenLeg<'_>,
     files: &mut dyn FnMut() -> Result<()>,
 ) -> Result<()> {
     let Some(((name, volume), rest)) = legs.split_first() else {

@@ -101,6 +101,7 @@ pub mod offload;
 pub mod recorder;
 pub mod replica_server;
 pub mod resize;
+pub mod resize_mirror;
 pub mod resize_regions;
 pub mod resync;
 pub mod rng;

@@ -184,14 +184,20 @@ pub(crate) fn run_seed(
 /// Every file under `dir` (a real directory) into `fs` at `VOLUME`,
 /// durable.
 fn load(fs: &mut ModelFs, dir: &Path) -> Result<(), String> {
-    fs.put_dir(Path::new(VOLUME));
+    load_under(fs, dir, Path::new(VOLUME))
+}
+
+/// Every file under `dir` (a real directory) into `fs` at `root`,
+/// durable.
+pub(crate) fn load_under(fs: &mut ModelFs, dir: &Path, root: &Path) -> Result<(), String> {
+    fs.put_dir(root);
     let mut pending = vec![PathBuf::new()];
     while let Some(relative) = pending.pop() {
         let entries = std::fs::read_dir(dir.join(&relative)).map_err(|e| e.to_string())?;
         for entry in entries {
             let entry = entry.map_err(|e| e.to_string())?;
             let name = relative.join(entry.file_name());
-            let to = Path::new(VOLUME).join(&name);
+            let to = root.join(&name);
             if entry.file_type().map_err(|e| e.to_string())?.is_dir() {
                 fs.put_dir(&to);
                 pending.push(name);
@@ -208,8 +214,14 @@ fn load(fs: &mut ModelFs, dir: &Path) -> Result<(), String> {
 /// Every file of `VOLUME` in `fs` written out under `to` (sparse: zero
 /// pages are holes), which must not exist.
 fn write_out(fs: &ModelFs, to: &Path) -> Result<(), String> {
+    write_out_of(fs, Path::new(VOLUME), to)
+}
+
+/// Every file under `root` in `fs` written out under `to` (sparse),
+/// which must not exist, or whose files are rewritten in place.
+pub(crate) fn write_out_of(fs: &ModelFs, root: &Path, to: &Path) -> Result<(), String> {
     use std::os::unix::fs::FileExt as _;
-    let root = fs.lookup(Path::new(VOLUME)).ok_or("no volume directory")?;
+    let root = fs.lookup(root).ok_or("no volume directory")?;
     let mut pending = vec![(root, to.to_path_buf())];
     while let Some((id, path)) = pending.pop() {
         match &fs.nodes[id] {
@@ -274,7 +286,7 @@ fn read_served(volume: &RegionVolume, blocks: u64) -> Result<Vec<u8>, String> {
 }
 
 /// `read` is `image` (zeros past it).
-fn reads_as(read: &[u8], image: &[u8]) -> Result<(), String> {
+pub(crate) fn reads_as(read: &[u8], image: &[u8]) -> Result<(), String> {
     let zeros = vec![0u8; BLOCK];
     for (lba, got) in read.chunks(BLOCK).enumerate() {
         let want = image.get(lba * BLOCK..(lba + 1) * BLOCK).unwrap_or(&zeros);
@@ -294,7 +306,7 @@ fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<()
 }
 
 /// The superblock of the volume in `dir` of `fs`.
-fn superblock_in(fs: &ModelFs, dir: &Path) -> Result<vouch_format::Superblock, String> {
+pub(crate) fn superblock_in(fs: &ModelFs, dir: &Path) -> Result<vouch_format::Superblock, String> {
     let path = dir.join(vouch_engine::ObjectId::Superblock.file_name());
     let mut both = fs
         .bytes(&path)
@@ -370,6 +382,11 @@ fn write_some(
 /// held by the served volume: files rewritten in place, those the model
 /// lacks removed).
 fn write_back(fs: &ModelFs, to: &Path) -> Result<(), String> {
+    write_back_of(fs, Path::new(VOLUME), to)
+}
+
+/// `write_back` of the files under `root` in `fs` over `to`.
+pub(crate) fn write_back_of(fs: &ModelFs, root: &Path, to: &Path) -> Result<(), String> {
     let mut pending = vec![PathBuf::new()];
     while let Some(relative) = pending.pop() {
         let entries = std::fs::read_dir(to.join(&relative)).map_err(|e| e.to_string())?;
@@ -378,12 +395,12 @@ fn write_back(fs: &ModelFs, to: &Path) -> Result<(), String> {
             let name = relative.join(entry.file_name());
             if entry.file_type().map_err(|e| e.to_string())?.is_dir() {
                 pending.push(name);
-            } else if fs.lookup(&Path::new(VOLUME).join(&name)).is_none() {
+            } else if fs.lookup(&root.join(&name)).is_none() {
                 std::fs::remove_file(entry.path()).map_err(|e| e.to_string())?;
             }
         }
     }
-    write_out(fs, to)
+    write_out_of(fs, root, to)
 }
 
 /// `vouch-sim resize --online --regions`: the three resizes of `run_seed`

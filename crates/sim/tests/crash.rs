@@ -417,6 +417,8 @@ fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknow
         },
         online: true,
         regions: true,
+        mirror: false,
+        leg_by_leg: false,
     };
     let report = vouch_sim::resize::run(&broken);
     assert!(
@@ -428,6 +430,57 @@ fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknow
         vouch_sim::resize::summary(&report, &broken)
     );
     eprintln!("{}", report.violations.join("\n"));
+}
+
+/// The same resizes through a served mirror of two local legs
+/// (`Mirror::resize_online`): writes in the legs' buffers before each,
+/// every leg's engine closed, each leg's files resized in turn (crashed
+/// before each operation: each image's legs at one size, or both closed
+/// cleanly for the offline resize to finish; every block acknowledged
+/// before on both legs), every leg opened again at the new size. The
+/// legs resized one after the other, each opened again before the next
+/// is closed, is caught.
+#[test]
+fn a_crash_during_an_online_resize_of_a_mirror_leaves_legs_the_offline_resize_finishes() {
+    for layout in LayoutKind::ALL {
+        let config = vouch_sim::resize::ResizeConfig {
+            layout,
+            seeds: 1,
+            seed: 1,
+            breaks: vouch_engine::resize::ResizeBreaks::default(),
+            online: true,
+            regions: false,
+            mirror: true,
+            leg_by_leg: false,
+        };
+        let report = vouch_sim::resize::run(&config);
+        assert!(
+            report.violations.is_empty() && report.images > 3 * 30,
+            "{}\n{}",
+            report.violations.join("\n"),
+            vouch_sim::resize::summary(&report, &config)
+        );
+        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
+    }
+    let broken = vouch_sim::resize::ResizeConfig {
+        layout: LayoutKind::Split,
+        seeds: 1,
+        seed: 1,
+        breaks: vouch_engine::resize::ResizeBreaks::default(),
+        online: true,
+        regions: false,
+        mirror: true,
+        leg_by_leg: true,
+    };
+    let report = vouch_sim::resize::run(&broken);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.contains("was not closed cleanly") && v.contains("--break-leg-by-leg")),
+        "the legs resized one after the other went unseen: {}",
+        vouch_sim::resize::summary(&report, &broken)
+    );
 }
 
 fn resize_crashes(online: bool) {
@@ -445,6 +498,8 @@ fn resize_crashes_of(online: bool, regions: bool) {
             breaks: vouch_engine::resize::ResizeBreaks::default(),
             online,
             regions,
+            mirror: false,
+            leg_by_leg: false,
         };
         let report = vouch_sim::resize::run(&config);
         assert!(
@@ -465,6 +520,8 @@ fn resize_crashes_of(online: bool, regions: bool) {
         },
         online,
         regions,
+        mirror: false,
+        leg_by_leg: false,
     };
     let report = vouch_sim::resize::run(&broken);
     assert!(

@@ -25,7 +25,10 @@ const MIB: u64 = 1 << 20;
 fn post_resize(ctl: &str, size: &str) -> (u16, Value) {
     let (status, exports) = request(ctl, "GET", "/v1/exports", None, None);
     assert_eq!(status, 200, "{exports}");
-    let export = exports["exports"][0]["name"].as_str().expect("name").to_string();
+    let export = exports["exports"][0]["name"]
+        .as_str()
+        .expect("name")
+        .to_string();
     request(
         ctl,
         "POST",
@@ -141,10 +144,7 @@ fn a_served_mirror_grows_online_on_both_legs_then_shrinks_only_over_an_unwritten
     // no leg resized.
     let (status, refused) = post_resize(&ctl, "8M");
     assert_eq!(status, 409, "{refused}");
-    assert!(
-        refused.to_string().contains("LBA 2048 "),
-        "{refused}"
-    );
+    assert!(refused.to_string().contains("LBA 2048 "), "{refused}");
     assert_eq!(nbd_size(&uri), 24 * MIB);
     // Trimmed, the tail goes on both legs.
     py_json(
@@ -253,7 +253,10 @@ print(json.dumps({"same": same}))
     assert_eq!(back["same"], true, "{back}");
     // The legs agree.
     let lbas: Vec<u64> = (0..32).collect();
-    assert!(leg_blocks(&a, &lbas) == leg_blocks(&b, &lbas), "the legs differ");
+    assert!(
+        leg_blocks(&a, &lbas) == leg_blocks(&b, &lbas),
+        "the legs differ"
+    );
 }
 
 #[test]
