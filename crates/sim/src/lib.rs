@@ -97,6 +97,7 @@ pub mod mirror_faults;
 pub mod mirror_midrun;
 pub mod mirror_reconcile;
 pub mod mirror_write;
+mod model_files;
 pub mod offload;
 pub mod recorder;
 pub mod replica_server;

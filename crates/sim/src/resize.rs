@@ -123,7 +123,12 @@ pub fn run(config: &ResizeConfig) -> ResizeReport {
         ("resize", config.layout, flag),
         config.seed..config.seed + config.seeds,
         |seed, report| match (config.online, config.regions) {
-            _ if config.mirror => crate::resize_mirror::run_seed_online(config, seed, report),
+            _ if config.mirror => crate::resize_mirror::run_seed_online(
+                config.layout,
+                config.leg_by_leg,
+                seed,
+                report,
+            ),
             (true, true) => crate::resize_regions::run_seed_online(config, seed, report),
             (true, false) => run_seed_online(config, seed, report),
             (false, true) => crate::resize_regions::run_seed(config, seed, report),

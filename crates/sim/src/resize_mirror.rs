@@ -47,10 +47,11 @@ use vouch_mirror::Mirror;
 
 use crate::faults::BLOCKS;
 use crate::migrate::TempDir;
-use crate::resize::{ResizeConfig, ResizeReport};
-use crate::resize_regions::{load_under, reads_as, superblock_in, write_back_of, write_out_of};
+use crate::model_files::{
+    load_under, reads_as, superblock_in, write_back_of, write_out_of, write_some,
+};
 use crate::rng::Rng;
-use crate::snapshot::{ModelFs, Recording};
+use crate::snapshot::{ModelFs, Recording, SnapshotReport};
 use crate::BLOCK;
 
 const BLOCK_U64: u64 = BLOCK as u64;
@@ -70,16 +71,18 @@ fn sim_error(error: String) -> vouch_engine::Error {
     vouch_engine::Error::InvalidArgument(error)
 }
 
+/// One seed in `layout`; `leg_by_leg`: the broken order.
 pub(crate) fn run_seed_online(
-    config: &ResizeConfig,
+    layout: vouch_engine::LayoutKind,
+    leg_by_leg: bool,
     seed: u64,
-    report: &mut ResizeReport,
+    report: &mut SnapshotReport,
 ) -> Result<(), String> {
     let mut rng = Rng::new(seed);
     let temp = TempDir::new(&format!("resize-mirror-online-{seed}"));
     let real: Vec<PathBuf> = ["a", "b"].iter().map(|leg| temp.0.join(leg)).collect();
     let options = CreateOptions {
-        layout: config.layout,
+        layout,
         journal_bytes: Some(1 << 20),
         ..CreateOptions::new(BLOCKS * BLOCK_U64)
     };
@@ -133,8 +136,8 @@ pub(crate) fn run_seed_online(
             to,
             image: Arc::new(image.to_vec()),
         });
-        let done = if config.leg_by_leg {
-            leg_by_leg(&volumes, &real, to * BLOCK_U64, &leg_files)
+        let done = if leg_by_leg {
+            one_leg_after_another(&volumes, &real, to * BLOCK_U64, &leg_files)
         } else {
             mirror
                 .resize_online(
@@ -155,7 +158,7 @@ pub(crate) fn run_seed_online(
         };
         *step.lock() = None;
         done.map_err(|e| format!("online resize {from} -> {to} blocks failed: {e}"))?;
-        if config.leg_by_leg {
+        if leg_by_leg {
             return Ok(()); // the mirror keeps its old size: judged by the images only
         }
         read_mirror(&mirror, to)
@@ -167,13 +170,13 @@ pub(crate) fn run_seed_online(
     write_some(&mirror, &mut image, &mut rng, 0..BLOCKS, BLOCKS - 1)?;
     image.resize((first * BLOCK_U64) as usize, 0);
     resize_online(BLOCKS, first, &image)?;
-    if !config.leg_by_leg {
+    if !leg_by_leg {
         write_some(&mirror, &mut image, &mut rng, BLOCKS..first, first - 1)?;
     }
     let mut grown = image.clone();
     grown.resize((second * BLOCK_U64) as usize, 0);
     resize_online(first, second, &grown)?;
-    if !config.leg_by_leg {
+    if !leg_by_leg {
         write_some(&mirror, &mut grown, &mut rng, 0..first, first - 1)?;
         resize_online(second, first, &grown)?;
     }
@@ -186,7 +189,7 @@ pub(crate) fn run_seed_online(
             .close()
             .map_err(|e| format!("close a leg: {e}"))?;
     }
-    if !config.leg_by_leg {
+    if !leg_by_leg {
         for leg in &real {
             let read = read_leg(leg, first).map_err(|e| format!("at the end: {e}"))?;
             reads_as(&read, &grown[..(first * BLOCK_U64) as usize])
@@ -198,7 +201,7 @@ pub(crate) fn run_seed_online(
 
 /// The broken order (`--break-leg-by-leg`): each leg's one-volume online
 /// resize in turn, each opened again before the next is closed.
-fn leg_by_leg(
+fn one_leg_after_another(
     volumes: &[Option<Arc<Volume>>],
     real: &[PathBuf],
     new_bytes: u64,
@@ -220,29 +223,6 @@ fn leg_by_leg(
                 },
             },
         )?;
-    }
-    Ok(())
-}
-
-/// Random blocks of `range` (and `last` always) written through the
-/// mirror into `image` (not flushed: the resize's flush must keep them).
-fn write_some(
-    mirror: &Mirror,
-    image: &mut [u8],
-    rng: &mut Rng,
-    range: std::ops::Range<u64>,
-    last: u64,
-) -> Result<(), String> {
-    let lbas: Vec<u64> = (0..rng.range(1, 8))
-        .map(|_| rng.range(range.start, range.end - 1))
-        .chain([last])
-        .collect();
-    for lba in lbas {
-        let data = rng.bytes(BLOCK);
-        mirror
-            .write(lba * BLOCK_U64, &data, false)
-            .map_err(|e| format!("write LBA {lba}: {e}"))?;
-        image[(lba * BLOCK_U64) as usize..((lba + 1) * BLOCK_U64) as usize].copy_from_slice(&data);
     }
     Ok(())
 }

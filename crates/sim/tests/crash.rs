@@ -442,26 +442,7 @@ fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknow
 /// is closed, is caught.
 #[test]
 fn a_crash_during_an_online_resize_of_a_mirror_leaves_legs_the_offline_resize_finishes() {
-    for layout in LayoutKind::ALL {
-        let config = vouch_sim::resize::ResizeConfig {
-            layout,
-            seeds: 1,
-            seed: 1,
-            breaks: vouch_engine::resize::ResizeBreaks::default(),
-            online: true,
-            regions: false,
-            mirror: true,
-            leg_by_leg: false,
-        };
-        let report = vouch_sim::resize::run(&config);
-        assert!(
-            report.violations.is_empty() && report.images > 3 * 30,
-            "{}\n{}",
-            report.violations.join("\n"),
-            vouch_sim::resize::summary(&report, &config)
-        );
-        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
-    }
+    resize_runs_clean(true, false, true);
     let broken = vouch_sim::resize::ResizeConfig {
         layout: LayoutKind::Split,
         seeds: 1,
@@ -488,28 +469,7 @@ fn resize_crashes(online: bool) {
 }
 
 fn resize_crashes_of(online: bool, regions: bool) {
-    for layout in LayoutKind::ALL {
-        let config = vouch_sim::resize::ResizeConfig {
-            layout,
-            // A seed of a volume with regions writes out and opens every
-            // image on real files (~30 s).
-            seeds: if regions { 1 } else { 2 },
-            seed: 1,
-            breaks: vouch_engine::resize::ResizeBreaks::default(),
-            online,
-            regions,
-            mirror: false,
-            leg_by_leg: false,
-        };
-        let report = vouch_sim::resize::run(&config);
-        assert!(
-            report.violations.is_empty() && report.images > 3 * 30,
-            "{}\n{}",
-            report.violations.join("\n"),
-            vouch_sim::resize::summary(&report, &config)
-        );
-        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
-    }
+    resize_runs_clean(online, regions, false);
     let broken = vouch_sim::resize::ResizeConfig {
         layout: LayoutKind::Split,
         seeds: 1,
@@ -532,6 +492,32 @@ fn resize_crashes_of(online: bool, regions: bool) {
         "the new size written before the files and the map went unseen: {}",
         vouch_sim::resize::summary(&report, &broken)
     );
+}
+
+/// The resizes of `vouch-sim resize` in both layouts: no violation.
+fn resize_runs_clean(online: bool, regions: bool, mirror: bool) {
+    for layout in LayoutKind::ALL {
+        let config = vouch_sim::resize::ResizeConfig {
+            layout,
+            // A seed of a volume with regions, or of a mirror, writes out
+            // and opens every image on real files (~30 s).
+            seeds: if regions || mirror { 1 } else { 2 },
+            seed: 1,
+            breaks: vouch_engine::resize::ResizeBreaks::default(),
+            online,
+            regions,
+            mirror,
+            leg_by_leg: false,
+        };
+        let report = vouch_sim::resize::run(&config);
+        assert!(
+            report.violations.is_empty() && report.images > 3 * 30,
+            "{}\n{}",
+            report.violations.join("\n"),
+            vouch_sim::resize::summary(&report, &config)
+        );
+        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
+    }
 }
 
 /// The online `snapshot create` of a served volume (writes acknowledged in
