@@ -13,6 +13,18 @@ use crate::BLOCK;
 
 const BLOCK_U64: u64 = BLOCK as u64;
 
+/// `check` of `device` finds nothing.
+pub(crate) fn check_clean(device: &dyn BlockDevice) -> Result<(), String> {
+    let check = vouch_engine::check::check(device, |_, _| {}).map_err(|e| format!("check: {e}"))?;
+    match check.faults.first() {
+        Some(fault) => Err(format!(
+            "check: {} faults, the first {fault:?}",
+            check.faults.len()
+        )),
+        None => Ok(()),
+    }
+}
+
 /// Random blocks of `range` (and `last` always) written through `device`
 /// into `image` (not flushed: the resize's close or flush must keep
 /// them).

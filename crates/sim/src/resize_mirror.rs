@@ -48,7 +48,7 @@ use vouch_mirror::Mirror;
 use crate::faults::BLOCKS;
 use crate::migrate::TempDir;
 use crate::model_files::{
-    load_under, reads_as, superblock_in, write_back_of, write_out_of, write_some,
+    check_clean, load_under, reads_as, superblock_in, write_back_of, write_out_of, write_some,
 };
 use crate::rng::Rng;
 use crate::snapshot::{ModelFs, Recording, SnapshotReport};
@@ -243,14 +243,7 @@ fn read_leg(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
     volume
         .read(0, &mut image)
         .map_err(|e| format!("read: {e}"))?;
-    let check =
-        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
-    if let Some(fault) = check.faults.first() {
-        return Err(format!(
-            "check: {} faults, the first {fault:?}",
-            check.faults.len()
-        ));
-    }
+    check_clean(&volume)?;
     volume.close().map_err(|e| format!("close: {e}"))?;
     Ok(image)
 }

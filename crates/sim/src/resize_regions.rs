@@ -38,7 +38,7 @@ use vouch_engine::{BlockDevice, OpenOptions};
 use crate::faults::BLOCKS;
 use crate::migrate::TempDir;
 use crate::model_files::{
-    load_under, reads_as, superblock_in, write_back_of, write_out_of, write_some,
+    check_clean, load_under, reads_as, superblock_in, write_back_of, write_out_of, write_some,
 };
 use crate::resize::{ResizeConfig, ResizeReport};
 use crate::rng::Rng;
@@ -205,14 +205,7 @@ fn read_whole(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
         return Err("opened read-only".into());
     }
     let image = read_served(&volume, blocks)?;
-    let check =
-        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
-    if let Some(fault) = check.faults.first() {
-        return Err(format!(
-            "check: {} faults, the first {fault:?}",
-            check.faults.len()
-        ));
-    }
+    check_clean(&volume)?;
     volume.close().map_err(|e| format!("close: {e}"))?;
     Ok(image)
 }
