@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -16,6 +16,7 @@ use crate::activity::{ActivityLog, Entered};
 use crate::legs::{is_request_error, Leg, LegStatus, MirrorLeg, PerLeg};
 use crate::progress::ReconcileProgress;
 use crate::stripes::Stripes;
+use crate::swap::Swap;
 use crate::written::{count, minus, Recording, Written};
 use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
 use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice, ZeroFlags};
@@ -39,7 +40,8 @@ pub struct Mirror {
     pub(super) membership: Option<Box<dyn Membership>>,
     /// Serialises decisions to fault a leg (never the last active one).
     faulting: Mutex<()>,
-    size: u64,
+    /// Bytes; changed only by an online resize (`resize.rs`).
+    pub(super) size: AtomicU64,
     read_only: bool,
     /// Client requests seen (reads and writes): resync backs off while it moves.
     pub(super) foreground: AtomicU64,
@@ -49,8 +51,9 @@ pub struct Mirror {
     /// Blocks written since the last flush (`written.rs`).
     pub(super) written: Written,
     /// The extents that may be written now, durable before any leg is
-    /// written (`activity.rs`); set once, when the set keeps a log.
-    pub(super) activity: OnceLock<Arc<ActivityLog>>,
+    /// written (`activity.rs`); set once, when the set keeps a log, and
+    /// replaced only by an online resize (`resize.rs`).
+    pub(super) activity: Swap<Arc<ActivityLog>>,
     /// The reconciliation after an unclean stop (`reconcile.rs`).
     pub(super) reconcile: Mutex<Option<ReconcileProgress>>,
     pub(super) reconciling: AtomicBool,
@@ -231,13 +234,13 @@ impl Mirror {
             stripes: Stripes::new(),
             membership,
             faulting: Mutex::new(()),
-            size,
+            size: AtomicU64::new(size),
             read_only,
             foreground: AtomicU64::new(0),
             resyncs: Mutex::new(Vec::new()),
             stopping: AtomicBool::new(false),
             written: Written::new(size / BLOCK),
-            activity: OnceLock::new(),
+            activity: Swap::new(),
             reconcile: Mutex::new(None),
             reconciling: AtomicBool::new(false),
             unwaited: AtomicBool::new(false),
@@ -668,11 +671,12 @@ impl Mirror {
     /// Validate a byte range against the mirror: in bounds. Any byte
     /// offset and length is served (partial blocks: `seal_write`).
     fn check_bytes(&self, offset: u64, length: u64) -> Result<()> {
-        if offset.checked_add(length).is_none_or(|end| end > self.size) {
+        let size = self.size.load(Ordering::Acquire);
+        if offset.checked_add(length).is_none_or(|end| end > size) {
             return Err(Error::OutOfRange {
                 offset,
                 length,
-                size: self.size,
+                size,
             });
         }
         Ok(())
@@ -806,7 +810,7 @@ impl Mirror {
 
 impl BlockDevice for Mirror {
     fn size(&self) -> u64 {
-        self.size
+        self.size.load(Ordering::Acquire)
     }
     fn is_read_only(&self) -> bool {
         self.read_only
@@ -931,10 +935,13 @@ impl BlockDevice for Mirror {
         self.foreground.fetch_add(1, Ordering::Relaxed);
         self.sync_maps()?;
         let ticket = self.written.flush_started();
-        let number = self.activity.get().map(|log| log.flush_begins());
+        // Its success goes to the log it began on (an online resize may
+        // put a new one in place meanwhile, whose numbers start again).
+        let log = self.activity.get();
+        let number = log.map(|log| log.flush_begins());
         self.each_leg("flush", |leg| leg.flush())?;
         self.written.flush_succeeded(ticket);
-        if let (Some(log), Some(number)) = (self.activity.get(), number) {
+        if let (Some(log), Some(number)) = (log, number) {
             log.flush_succeeded(number);
         }
         Ok(())

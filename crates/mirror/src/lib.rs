@@ -65,11 +65,13 @@ pub mod progress;
 pub mod reconcile;
 pub mod remote;
 mod repair;
+mod resize;
 pub mod resync;
 pub mod scrub;
 pub mod set;
 mod still;
 mod stripes;
+mod swap;
 mod written;
 
 pub use activity::{ActivityGeometry, ActivityLog, Recovered, EXTENT_BLOCKS};
@@ -79,6 +81,7 @@ pub use legs::{LegStatus, MirrorLeg, RepairCount};
 pub use progress::{ReconcileProgress, ResyncProgress, ResyncRate};
 pub use reconcile::ReconcileCursor;
 pub use remote::{is_remote_member, LegTemplate};
+pub use resize::MirrorResizeSteps;
 pub use resync::{ResyncCursor, ResyncStep};
 pub use set::{
     create_mirror, create_mirror_with, is_mirrored, open_mirror, open_mirror_with, FileMembership,

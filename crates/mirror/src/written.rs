@@ -23,12 +23,17 @@
 //! again. Anything else leaves the bits set: a map too large is slower to
 //! resync, never wrong.
 //!
+//! Grown online (`Mirror::resize_online`, `resize.rs`): the bitmaps keep
+//! the size the mirror was opened at, and a slot records a write at or
+//! past their end as "something past the bitmaps" (`past`), which stands
+//! for every block from there to the mirror's size: larger, never wrong.
+//!
 //! Hot path: a write does two atomic loads, three read-modify-writes on
 //! counters and one per 64 blocks of bitmap (plus one on the summary when
 //! a bitmap word goes from empty to not), and takes no lock.
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::SeqCst};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -45,6 +50,8 @@ struct Slot {
     summary: Box<[AtomicU64]>,
     /// Writes recording here that have not returned yet.
     in_flight: AtomicU64,
+    /// A block past the bitmaps (the mirror grew online) was recorded.
+    past: AtomicBool,
 }
 
 impl Slot {
@@ -54,6 +61,7 @@ impl Slot {
             words: (0..words).map(|_| AtomicU64::new(0)).collect(),
             summary: (0..words.div_ceil(64)).map(|_| AtomicU64::new(0)).collect(),
             in_flight: AtomicU64::new(0),
+            past: AtomicBool::new(false),
         }
     }
 
@@ -76,6 +84,7 @@ impl Slot {
     }
 
     fn clear(&self) {
+        self.past.store(false, SeqCst);
         for (at, summary) in self.summary.iter().enumerate() {
             let mut flagged = summary.swap(0, SeqCst);
             while flagged != 0 {
@@ -109,7 +118,10 @@ pub(super) struct Written {
     epoch: AtomicU64,
     /// Orders a flush's swap against another's clear.
     swapping: Mutex<()>,
-    blocks: u64,
+    /// The bitmaps' blocks (the size the mirror was opened at).
+    capacity: u64,
+    /// The mirror's blocks now (an online resize changes it).
+    blocks: AtomicU64,
 }
 
 /// A write being recorded: dropped when the write returned (done or not).
@@ -137,8 +149,15 @@ impl Written {
             slots: [Arc::new(Slot::new(blocks)), Arc::new(Slot::new(blocks))],
             epoch: AtomicU64::new(0),
             swapping: Mutex::new(()),
-            blocks,
+            capacity: blocks,
+            blocks: AtomicU64::new(blocks),
         }
+    }
+
+    /// The mirror now has `blocks` blocks (an online resize, every write
+    /// held: `resize.rs`).
+    pub(super) fn set_blocks(&self, blocks: u64) {
+        self.blocks.store(blocks, SeqCst);
     }
 
     /// Record blocks `[first, end)` before a write to them is issued; keep
@@ -155,7 +174,10 @@ impl Written {
             }
             slot.in_flight.fetch_sub(1, SeqCst);
         };
-        slot.set(first, end.min(self.blocks));
+        slot.set(first, end.min(self.capacity));
+        if end > self.capacity {
+            slot.past.store(true, SeqCst);
+        }
         Recording {
             slot: Arc::clone(slot),
         }
@@ -196,9 +218,12 @@ impl Written {
 
     /// The recorded blocks, as sorted runs.
     pub(super) fn runs(&self) -> Vec<Range<u64>> {
-        let mut bits = vec![0u64; self.blocks.div_ceil(64) as usize];
+        let blocks = self.blocks.load(SeqCst);
+        let mut bits = vec![0u64; self.capacity.div_ceil(64) as usize];
+        let mut past = false;
         for slot in &self.slots {
             slot.collect(&mut bits);
+            past |= slot.past.load(SeqCst);
         }
         let mut runs: Vec<Range<u64>> = Vec::new();
         for (at, &word) in bits.iter().enumerate() {
@@ -212,6 +237,17 @@ impl Written {
                 }
             }
         }
+        if past && blocks > self.capacity {
+            match runs.last_mut() {
+                Some(run) if run.end == self.capacity => run.end = blocks,
+                _ => runs.push(self.capacity..blocks),
+            }
+        }
+        // Shrunk online: nothing past the mirror's end is a block.
+        runs.retain_mut(|run| {
+            run.end = run.end.min(blocks);
+            run.start < run.end
+        });
         runs
     }
 }
@@ -245,6 +281,21 @@ pub(super) fn minus(new: &[Range<u64>], old: &[Range<u64>]) -> Vec<Range<u64>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grown_blocks_past_the_bitmaps_are_recorded_as_the_whole_tail() {
+        let written = Written::new(100);
+        written.set_blocks(300);
+        drop(written.record(98, 102));
+        assert_eq!(written.runs(), vec![98..300]);
+        let ticket = written.flush_started();
+        assert!(written.flush_succeeded(ticket));
+        drop(written.record(10, 11));
+        drop(written.record(250, 251));
+        assert_eq!(written.runs(), vec![10..11, 100..300]);
+        written.set_blocks(50);
+        assert_eq!(written.runs(), vec![10..11]);
+    }
 
     #[test]
     fn runs_cover_exactly_the_recorded_blocks() {

@@ -127,6 +127,18 @@ enum Command {
         /// run must find violations).
         #[arg(long, requires_all = ["online", "regions"])]
         break_other_open: bool,
+        /// With --online: a served mirror of two local legs
+        /// (`Mirror::resize_online`: every leg's engine closed, each leg's
+        /// files resized in turn, the activity log started again, every
+        /// leg opened again); each image's legs at one size, or both
+        /// closed cleanly for the offline resize to finish.
+        #[arg(long, requires = "online", conflicts_with = "regions")]
+        mirror: bool,
+        /// With --online --mirror, break the order on purpose: each leg
+        /// resized by the one-volume online resize in turn, opened again
+        /// before the next is closed (the run must find violations).
+        #[arg(long, requires = "mirror")]
+        break_leg_by_leg: bool,
     },
     /// Crash at every write and sync of a key change (both layouts): after
     /// each crash exactly one of the two keys opens the volume.
@@ -539,6 +551,8 @@ fn run(cli: Cli) -> Result<bool, String> {
             online,
             regions,
             break_other_open,
+            mirror,
+            break_leg_by_leg,
         } => {
             let config = vouch_sim::resize::ResizeConfig {
                 layout: layout(&run.layout)?,
@@ -551,6 +565,8 @@ fn run(cli: Cli) -> Result<bool, String> {
                 },
                 online,
                 regions,
+                mirror,
+                leg_by_leg: break_leg_by_leg,
             };
             let report = vouch_sim::resize::run(&config);
             for violation in &report.violations {

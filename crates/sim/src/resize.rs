@@ -62,6 +62,11 @@ pub struct ResizeConfig {
     pub online: bool,
     /// A volume with regions (`resize_regions`).
     pub regions: bool,
+    /// A served mirror of two local legs (`resize_mirror`, online only).
+    pub mirror: bool,
+    /// With `mirror`: the legs resized one after the other by the
+    /// one-volume online resize (a deliberate break).
+    pub leg_by_leg: bool,
 }
 
 /// What the seeds found (the snapshot simulator's report).
@@ -70,12 +75,15 @@ pub type ResizeReport = crate::snapshot::SnapshotReport;
 /// The summary line of `report` for `config`.
 pub fn summary(report: &ResizeReport, config: &ResizeConfig) -> String {
     format!(
-        "resize{}{}: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
+        "resize{}{}{}: layout={}{} seeds={} crash points={} images={} violations={} time={:.1}s",
         if config.online { " online" } else { "" },
         if config.regions { " regions" } else { "" },
+        if config.mirror { " mirror" } else { "" },
         config.layout.name(),
         if config.breaks.switch_first {
             " BROKEN(switch first)"
+        } else if config.leg_by_leg {
+            " BROKEN(leg by leg)"
         } else {
             ""
         },
@@ -102,6 +110,12 @@ pub fn run(config: &ResizeConfig) -> ResizeReport {
     };
     let flag = if config.breaks.other_left_open {
         Some("--online --regions --break-other-open")
+    } else if config.mirror {
+        Some(if config.leg_by_leg {
+            "--online --mirror --break-leg-by-leg"
+        } else {
+            "--online --mirror"
+        })
     } else {
         flag
     };
@@ -109,6 +123,12 @@ pub fn run(config: &ResizeConfig) -> ResizeReport {
         ("resize", config.layout, flag),
         config.seed..config.seed + config.seeds,
         |seed, report| match (config.online, config.regions) {
+            _ if config.mirror => crate::resize_mirror::run_seed_online(
+                config.layout,
+                config.leg_by_leg,
+                seed,
+                report,
+            ),
             (true, true) => crate::resize_regions::run_seed_online(config, seed, report),
             (true, false) => run_seed_online(config, seed, report),
             (false, true) => crate::resize_regions::run_seed(config, seed, report),

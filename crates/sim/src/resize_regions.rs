@@ -37,9 +37,12 @@ use vouch_engine::{BlockDevice, OpenOptions};
 
 use crate::faults::BLOCKS;
 use crate::migrate::TempDir;
+use crate::model_files::{
+    check_clean, load_under, reads_as, superblock_in, write_back_of, write_out_of, write_some,
+};
 use crate::resize::{ResizeConfig, ResizeReport};
 use crate::rng::Rng;
-use crate::snapshot::{Findings, ModelFs, Node, Recording};
+use crate::snapshot::{Findings, ModelFs, Recording};
 use crate::BLOCK;
 
 const VOLUME: &str = "/v";
@@ -184,54 +187,13 @@ pub(crate) fn run_seed(
 /// Every file under `dir` (a real directory) into `fs` at `VOLUME`,
 /// durable.
 fn load(fs: &mut ModelFs, dir: &Path) -> Result<(), String> {
-    fs.put_dir(Path::new(VOLUME));
-    let mut pending = vec![PathBuf::new()];
-    while let Some(relative) = pending.pop() {
-        let entries = std::fs::read_dir(dir.join(&relative)).map_err(|e| e.to_string())?;
-        for entry in entries {
-            let entry = entry.map_err(|e| e.to_string())?;
-            let name = relative.join(entry.file_name());
-            let to = Path::new(VOLUME).join(&name);
-            if entry.file_type().map_err(|e| e.to_string())?.is_dir() {
-                fs.put_dir(&to);
-                pending.push(name);
-            } else {
-                let bytes = std::fs::read(entry.path()).map_err(|e| e.to_string())?;
-                fs.put_file(&to, bytes);
-            }
-        }
-    }
-    fs.sync_all_dirs();
-    Ok(())
+    load_under(fs, dir, Path::new(VOLUME))
 }
 
 /// Every file of `VOLUME` in `fs` written out under `to` (sparse: zero
 /// pages are holes), which must not exist.
 fn write_out(fs: &ModelFs, to: &Path) -> Result<(), String> {
-    use std::os::unix::fs::FileExt as _;
-    let root = fs.lookup(Path::new(VOLUME)).ok_or("no volume directory")?;
-    let mut pending = vec![(root, to.to_path_buf())];
-    while let Some((id, path)) = pending.pop() {
-        match &fs.nodes[id] {
-            Node::Dir { live, .. } => {
-                std::fs::create_dir_all(&path).map_err(|e| e.to_string())?;
-                for (name, child) in live {
-                    pending.push((*child, path.join(name)));
-                }
-            }
-            Node::File { live, .. } => {
-                let file = std::fs::File::create(&path).map_err(|e| e.to_string())?;
-                file.set_len(live.len() as u64).map_err(|e| e.to_string())?;
-                for (index, page) in live.chunks(4096).enumerate() {
-                    if page.iter().any(|byte| *byte != 0) {
-                        file.write_all_at(page, index as u64 * 4096)
-                            .map_err(|e| e.to_string())?;
-                    }
-                }
-            }
-        }
-    }
-    Ok(())
+    write_out_of(fs, Path::new(VOLUME), to)
 }
 
 /// The volume with regions at `path` (of `blocks` blocks) opened
@@ -243,14 +205,7 @@ fn read_whole(path: &Path, blocks: u64) -> Result<Vec<u8>, String> {
         return Err("opened read-only".into());
     }
     let image = read_served(&volume, blocks)?;
-    let check =
-        vouch_engine::check::check(&volume, |_, _| {}).map_err(|e| format!("check: {e}"))?;
-    if let Some(fault) = check.faults.first() {
-        return Err(format!(
-            "check: {} faults, the first {fault:?}",
-            check.faults.len()
-        ));
-    }
+    check_clean(&volume)?;
     volume.close().map_err(|e| format!("close: {e}"))?;
     Ok(image)
 }
@@ -273,36 +228,12 @@ fn read_served(volume: &RegionVolume, blocks: u64) -> Result<Vec<u8>, String> {
     Ok(image)
 }
 
-/// `read` is `image` (zeros past it).
-fn reads_as(read: &[u8], image: &[u8]) -> Result<(), String> {
-    let zeros = vec![0u8; BLOCK];
-    for (lba, got) in read.chunks(BLOCK).enumerate() {
-        let want = image.get(lba * BLOCK..(lba + 1) * BLOCK).unwrap_or(&zeros);
-        if got != want {
-            return Err(format!("LBA {lba} reads other data"));
-        }
-    }
-    Ok(())
-}
-
 /// The volume of `fs`, written out to `scratch`, opens at `blocks` blocks
 /// and reads as `image` (zeros past it), cleanly checked.
 fn opens_as(fs: ModelFs, blocks: u64, image: &[u8], scratch: &Path) -> Result<(), String> {
     let _ = std::fs::remove_dir_all(scratch);
     write_out(&fs, scratch)?;
     reads_as(&read_whole(scratch, blocks)?, image)
-}
-
-/// The superblock of the volume in `dir` of `fs`.
-fn superblock_in(fs: &ModelFs, dir: &Path) -> Result<vouch_format::Superblock, String> {
-    let path = dir.join(vouch_engine::ObjectId::Superblock.file_name());
-    let mut both = fs
-        .bytes(&path)
-        .map_err(|e| format!("{}: {e}", path.display()))?
-        .to_vec();
-    both.resize(8192, 0);
-    vouch_engine::superblock::select(&both[..4096], &both[4096..])
-        .map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// The sizes in blocks the home member and the other member say.
@@ -343,47 +274,11 @@ fn sim_error(error: String) -> vouch_engine::Error {
     vouch_engine::Error::InvalidArgument(error)
 }
 
-/// Random blocks of `range` (and `last` always) written through `volume`
-/// into `image` (not flushed: the resize's close must keep them).
-fn write_some(
-    volume: &RegionVolume,
-    image: &mut [u8],
-    rng: &mut Rng,
-    range: std::ops::Range<u64>,
-    last: u64,
-) -> Result<(), String> {
-    let lbas: Vec<u64> = (0..rng.range(1, 8))
-        .map(|_| rng.range(range.start, range.end - 1))
-        .chain([last])
-        .collect();
-    for lba in lbas {
-        let data = rng.bytes(BLOCK);
-        volume
-            .write(lba * BLOCK_U64, &data, false)
-            .map_err(|e| format!("write LBA {lba}: {e}"))?;
-        image[(lba * BLOCK_U64) as usize..((lba + 1) * BLOCK_U64) as usize].copy_from_slice(&data);
-    }
-    Ok(())
-}
-
 /// The files of `fs` put back over the real volume at `to` (open and
 /// held by the served volume: files rewritten in place, those the model
 /// lacks removed).
 fn write_back(fs: &ModelFs, to: &Path) -> Result<(), String> {
-    let mut pending = vec![PathBuf::new()];
-    while let Some(relative) = pending.pop() {
-        let entries = std::fs::read_dir(to.join(&relative)).map_err(|e| e.to_string())?;
-        for entry in entries {
-            let entry = entry.map_err(|e| e.to_string())?;
-            let name = relative.join(entry.file_name());
-            if entry.file_type().map_err(|e| e.to_string())?.is_dir() {
-                pending.push(name);
-            } else if fs.lookup(&Path::new(VOLUME).join(&name)).is_none() {
-                std::fs::remove_file(entry.path()).map_err(|e| e.to_string())?;
-            }
-        }
-    }
-    write_out(fs, to)
+    write_back_of(fs, Path::new(VOLUME), to)
 }
 
 /// `vouch-sim resize --online --regions`: the three resizes of `run_seed`

@@ -417,6 +417,8 @@ fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknow
         },
         online: true,
         regions: true,
+        mirror: false,
+        leg_by_leg: false,
     };
     let report = vouch_sim::resize::run(&broken);
     assert!(
@@ -430,31 +432,44 @@ fn a_crash_during_an_online_resize_of_a_volume_with_regions_keeps_what_it_acknow
     eprintln!("{}", report.violations.join("\n"));
 }
 
+/// The same resizes through a served mirror of two local legs
+/// (`Mirror::resize_online`): writes in the legs' buffers before each,
+/// every leg's engine closed, each leg's files resized in turn (crashed
+/// before each operation: each image's legs at one size, or both closed
+/// cleanly for the offline resize to finish; every block acknowledged
+/// before on both legs), every leg opened again at the new size. The
+/// legs resized one after the other, each opened again before the next
+/// is closed, is caught.
+#[test]
+fn a_crash_during_an_online_resize_of_a_mirror_leaves_legs_the_offline_resize_finishes() {
+    resize_runs_clean(true, false, true);
+    let broken = vouch_sim::resize::ResizeConfig {
+        layout: LayoutKind::Split,
+        seeds: 1,
+        seed: 1,
+        breaks: vouch_engine::resize::ResizeBreaks::default(),
+        online: true,
+        regions: false,
+        mirror: true,
+        leg_by_leg: true,
+    };
+    let report = vouch_sim::resize::run(&broken);
+    assert!(
+        report
+            .violations
+            .iter()
+            .any(|v| v.contains("was not closed cleanly") && v.contains("--break-leg-by-leg")),
+        "the legs resized one after the other went unseen: {}",
+        vouch_sim::resize::summary(&report, &broken)
+    );
+}
+
 fn resize_crashes(online: bool) {
     resize_crashes_of(online, false);
 }
 
 fn resize_crashes_of(online: bool, regions: bool) {
-    for layout in LayoutKind::ALL {
-        let config = vouch_sim::resize::ResizeConfig {
-            layout,
-            // A seed of a volume with regions writes out and opens every
-            // image on real files (~30 s).
-            seeds: if regions { 1 } else { 2 },
-            seed: 1,
-            breaks: vouch_engine::resize::ResizeBreaks::default(),
-            online,
-            regions,
-        };
-        let report = vouch_sim::resize::run(&config);
-        assert!(
-            report.violations.is_empty() && report.images > 3 * 30,
-            "{}\n{}",
-            report.violations.join("\n"),
-            vouch_sim::resize::summary(&report, &config)
-        );
-        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
-    }
+    resize_runs_clean(online, regions, false);
     let broken = vouch_sim::resize::ResizeConfig {
         layout: LayoutKind::Split,
         seeds: 1,
@@ -465,6 +480,8 @@ fn resize_crashes_of(online: bool, regions: bool) {
         },
         online,
         regions,
+        mirror: false,
+        leg_by_leg: false,
     };
     let report = vouch_sim::resize::run(&broken);
     assert!(
@@ -475,6 +492,32 @@ fn resize_crashes_of(online: bool, regions: bool) {
         "the new size written before the files and the map went unseen: {}",
         vouch_sim::resize::summary(&report, &broken)
     );
+}
+
+/// The resizes of `vouch-sim resize` in both layouts: no violation.
+fn resize_runs_clean(online: bool, regions: bool, mirror: bool) {
+    for layout in LayoutKind::ALL {
+        let config = vouch_sim::resize::ResizeConfig {
+            layout,
+            // A seed of a volume with regions, or of a mirror, writes out
+            // and opens every image on real files (~30 s).
+            seeds: if regions || mirror { 1 } else { 2 },
+            seed: 1,
+            breaks: vouch_engine::resize::ResizeBreaks::default(),
+            online,
+            regions,
+            mirror,
+            leg_by_leg: false,
+        };
+        let report = vouch_sim::resize::run(&config);
+        assert!(
+            report.violations.is_empty() && report.images > 3 * 30,
+            "{}\n{}",
+            report.violations.join("\n"),
+            vouch_sim::resize::summary(&report, &config)
+        );
+        eprintln!("{}", vouch_sim::resize::summary(&report, &config));
+    }
 }
 
 /// The online `snapshot create` of a served volume (writes acknowledged in

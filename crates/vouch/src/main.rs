@@ -321,8 +321,12 @@ enum Command {
     /// there can be acknowledged, as the tail must be unwritten). A volume
     /// with regions is resized online too: requests wait while both its
     /// members are closed, resized and opened again (refused while a
-    /// background migration runs: stop it first). Mirrors are refused
-    /// online (stop the server and resize them offline).
+    /// background migration runs: stop it first). A mirror is resized
+    /// online when every leg is local and active (no resync, no
+    /// reconciliation or scrub owed): requests wait while every leg is
+    /// flushed, closed, resized in turn and opened again, and the
+    /// activity log is started again at the new size; a remote leg is
+    /// refused (remove it, resize, add it again).
     Resize {
         /// The volume's directory; with --server, the export (optional
         /// when the server has one), then SIZE.

@@ -3,7 +3,7 @@
 //! "Resize"); `vouch resize --server ADDR [EXPORT] SIZE` and the control
 //! API's `POST /v1/exports/{export}/resize`: a served one
 //! (`Volume::resize_online`; a volume with regions:
-//! `RegionVolume::resize_online`).
+//! `RegionVolume::resize_online`; a mirror: `Mirror::resize_online`).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -103,6 +103,58 @@ pub fn resize_online_regions(
             .map_err(anyhow::Error::msg)?
             .map_err(anyhow::Error::from)
     })
+}
+
+/// Resize the served mirror `mirror` (directory `dir`, one of its legs)
+/// to `new_bytes` (`Mirror::resize_online`: every leg local and active,
+/// each resized in turn by the offline leg resize while every leg's engine
+/// is closed, then the activity log started again at the new size).
+pub fn resize_online_mirror(
+    dir: &Path,
+    mirror: &vouch_mirror::Mirror,
+    new_bytes: u64,
+) -> Result<OnlineResized> {
+    let from = vouch_engine::BlockDevice::size(mirror);
+    marked(dir, from, new_bytes, || {
+        let fs = RealFs::default();
+        let (record, _) = vouch_mirror::set::view(dir)?;
+        let pause = std::env::var_os(PAUSE_BETWEEN_LEGS);
+        Ok(mirror.resize_online(
+            new_bytes,
+            vouch_mirror::MirrorResizeSteps {
+                leg_files: &mut |leg, bytes| {
+                    resize::resize_mirror_leg(&fs, Path::new(leg), bytes)?;
+                    if let Some(pause) = &pause {
+                        pause_between_legs(Path::new(pause));
+                    }
+                    Ok(())
+                },
+                reopen: &|leg, storage, geometry| {
+                    storage
+                        .reopen(geometry)
+                        .map_err(|error| vouch_engine::Error::Path {
+                            action: "open",
+                            path: PathBuf::from(leg),
+                            cause: error.to_string(),
+                        })
+                },
+                new_log: &mut |blocks| {
+                    vouch_mirror::set::open_activity(&record, blocks).map(|(log, _)| log)
+                },
+            },
+        )?)
+    })
+}
+
+/// For tests (`tests/resize_mirror_online.rs`): a file path; an online
+/// resize of a mirror creates it after a leg's files were resized and
+/// waits a minute there, so a test can kill the server between two legs.
+const PAUSE_BETWEEN_LEGS: &str = "VOUCH_TEST_PAUSE_BETWEEN_MIRROR_LEGS";
+
+fn pause_between_legs(marker: &Path) {
+    if std::fs::write(marker, b"").is_ok() {
+        std::thread::sleep(std::time::Duration::from_secs(60));
+    }
 }
 
 /// `resize`, one at a time per server, shown in the export's info

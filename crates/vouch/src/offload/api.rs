@@ -303,7 +303,8 @@ async fn delete_snapshot(
 
 /// `POST /v1/exports/{export}/resize {"size": 10737418240 | "10G"}`:
 /// resize a served volume (`Volume::resize_online`; a volume with
-/// regions: `RegionVolume::resize_online`); answered when done.
+/// regions: `RegionVolume::resize_online`; a mirror with local legs:
+/// `Mirror::resize_online`); answered when done.
 /// New connections see the new size; open ones keep theirs.
 async fn resize_export(
     State(state): State<ApiState>,
@@ -327,28 +328,27 @@ async fn resize_export(
     };
     let new_bytes = crate::sizes::parse_volume_size(&size).map_err(ApiError::bad)?;
     let entry = export_of(&state, &export)?;
-    if entry.mirror.is_some() {
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!("export {export:?} is a mirror: a mirror is resized offline only (stop the server, then `vouch resize PATH SIZE` resizes every leg)"),
-        ));
-    }
     if vouch_engine::BlockDevice::is_read_only(&*entry.volume) {
         return Err(ApiError(
             StatusCode::CONFLICT,
             format!("export {export:?} is read-only (a snapshot, or served --read-only): it is not resized"),
         ));
     }
-    let (dir, volume, migration) = (
+    let (dir, volume, migration, mirror) = (
         entry.dir.clone(),
         entry.volume.clone(),
         entry.migration.clone(),
+        entry.mirror.clone(),
     );
-    let done = tokio::task::spawn_blocking(move || match migration {
+    let done = tokio::task::spawn_blocking(move || match (mirror, migration) {
+        // A mirror: every leg in turn, then its own files.
+        (Some(mirror), _) => crate::resize::resize_online_mirror(&dir, &mirror, new_bytes),
         // A volume with regions: its region layer is resized, each member
         // in turn (`volume` is its home member only).
-        Some(migration) => crate::resize::resize_online_regions(&dir, &migration, new_bytes),
-        None => crate::resize::resize_online(&dir, &volume, new_bytes),
+        (None, Some(migration)) => {
+            crate::resize::resize_online_regions(&dir, &migration, new_bytes)
+        }
+        (None, None) => crate::resize::resize_online(&dir, &volume, new_bytes),
     })
     .await
     .map_err(internal)?
