@@ -236,8 +236,9 @@ impl Committer {
     /// prompt commits while it has: it keeps the CPUs busy itself, and a
     /// commit per idle moment of the committer is one more journal record
     /// and fsync (a device cache flush) for the same blocks. At QD32 that
-    /// was 10-30x a345690's commits (one per 50-560 writes, not ~4,000)
-    /// and ~1.5x its server CPU per `--direct` write. Its writes are
+    /// was 10-100x a345690's commits (one per 20-330 writes, not one per
+    /// 2,200-5,000) and ~1.5x its server CPU per `--direct` write
+    /// (docs/BENCHMARKS.md, stop 42, perf28). Its writes are
     /// committed at the dirty limit, as `--commit-at-limit` does. The
     /// server says `false` again after 8 writes in a row with nothing
     /// behind them (a QD1 client right after a QD32 one gets its prompt
