@@ -103,9 +103,9 @@ pub(crate) struct Committer {
     idle: AtomicBool,
     /// Blocks buffered since the last flush's commit (`prompt`).
     since_flush: AtomicUsize,
-    /// The client had more requests waiting behind its last write
-    /// (`writes_queued`): no prompt commits meanwhile.
-    queued: AtomicBool,
+    /// Connections whose client has requests waiting behind its writes
+    /// (`writes_queued`): no prompt commits while any has.
+    queued: AtomicUsize,
     /// Called at each commit's steps when the caller steps the commits
     /// (`schedule.rs`); `None` in production.
     schedule: Option<Arc<dyn CommitSchedule>>,
@@ -138,7 +138,7 @@ impl Committer {
             wake: Condvar::new(),
             idle: AtomicBool::new(true),
             since_flush: AtomicUsize::new(0),
-            queued: AtomicBool::new(false),
+            queued: AtomicUsize::new(0),
             schedule,
             breaks,
         }
@@ -233,7 +233,8 @@ impl Committer {
     ///
     /// A client with requests waiting behind the write (`writes_queued`:
     /// the NBD server found the next request already received) gets no
-    /// prompt commits while it has: it keeps the CPUs busy itself, and a
+    /// prompt commits while it has (nor does any other client of the
+    /// volume meanwhile: the deep one keeps the committer busy enough): it keeps the CPUs busy itself, and a
     /// commit per idle moment of the committer is one more journal record
     /// and fsync (a device cache flush) for the same blocks. At QD32 that
     /// was 10-100x a345690's commits (one per 20-330 writes, not one per
@@ -247,18 +248,28 @@ impl Committer {
         let since = self.since_flush.fetch_add(count, Ordering::Relaxed) + count;
         if self.prompt_commits
             && since > REDO_MAX_BLOCKS
-            && !self.queued.load(Ordering::Relaxed)
+            && self.queued.load(Ordering::Relaxed) == 0
             && self.idle.swap(false, Ordering::AcqRel)
         {
             self.request();
         }
     }
 
-    /// The client has (`true`) or no longer has (`false`) requests waiting
-    /// behind the write it sends next (`BlockDevice::writes_queued`; the
-    /// last caller's word holds).
+    /// A connection's client has (`true`) or no longer has (`false`)
+    /// requests waiting behind the write it sends next
+    /// (`BlockDevice::writes_queued`): counted, each `true` undone by one
+    /// `false` (a `false` with none counted, e.g. one sent to an engine
+    /// that replaced the one counted by an online resize, counts nothing).
     pub fn writes_queued(&self, queued: bool) {
-        self.queued.store(queued, Ordering::Relaxed);
+        if queued {
+            self.queued.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .queued
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |count| {
+                    count.checked_sub(1)
+                });
+        }
     }
 
     /// A flush commits everything buffered: count again from here.

@@ -281,9 +281,10 @@ pub trait Export: Send + Sync + 'static {
     /// client, which keeps the CPUs busy itself (vouch then skips its
     /// prompt commits; `false` after 8 writes in a row with nothing
     /// behind them). Sent by each connection when it changes, before
-    /// that write; `false` from the export when it could not take it now,
-    /// and the connection sends it again with its next write. A hint: the
-    /// default ignores it.
+    /// that write, each `true` followed by one `false` (at the latest when
+    /// the connection ends); `false` from the export when it could not
+    /// take it now, and the connection sends it again with its next write.
+    /// A hint: the default ignores it.
     fn writes_queued(&self, queued: bool) -> bool {
         let _ = queued;
         true

@@ -184,7 +184,7 @@ where
     let mut header = [0u8; wire::REQUEST_HEADER_BYTES];
     let mut queued = QueuedHint {
         export: connection.session.export.as_ref(),
-        sent: None,
+        sent: false,
         shallow_run: 0,
     };
     loop {
@@ -289,9 +289,9 @@ where
 const SHALLOW_AFTER_WRITES: u32 = 8;
 
 /// What a connection last told its export about requests queued behind
-/// its writes (`Export::writes_queued`): sent with its first write (the
-/// export may hold another connection's word), then on a change only, and
-/// `false` again when the connection ends with `true` sent. `true` as soon
+/// its writes (`Export::writes_queued`): `false` until it says otherwise,
+/// sent on a change only, and `false` again when the connection ends with
+/// `true` sent (the export counts the connections that said `true`). `true` as soon
 /// as a write has the next request (or part of it) received behind it;
 /// `false` only after `SHALLOW_AFTER_WRITES` writes in a row had none: a
 /// deep client's requests come in batches (one receive of up to 64 KiB),
@@ -299,7 +299,7 @@ const SHALLOW_AFTER_WRITES: u32 = 8;
 /// client that waits for each reply never has anything behind.
 struct QueuedHint<'a> {
     export: &'a dyn Export,
-    sent: Option<bool>,
+    sent: bool,
     shallow_run: u32,
 }
 
@@ -310,17 +310,17 @@ impl QueuedHint<'_> {
             true
         } else {
             self.shallow_run = self.shallow_run.saturating_add(1);
-            self.sent == Some(true) && self.shallow_run < SHALLOW_AFTER_WRITES
+            self.sent && self.shallow_run < SHALLOW_AFTER_WRITES
         };
-        if self.sent != Some(queued) && self.export.writes_queued(queued) {
-            self.sent = Some(queued);
+        if self.sent != queued && self.export.writes_queued(queued) {
+            self.sent = queued;
         }
     }
 }
 
 impl Drop for QueuedHint<'_> {
     fn drop(&mut self) {
-        if self.sent == Some(true) {
+        if self.sent {
             self.export.writes_queued(false);
         }
     }
