@@ -103,6 +103,9 @@ pub(crate) struct Committer {
     idle: AtomicBool,
     /// Blocks buffered since the last flush's commit (`prompt`).
     since_flush: AtomicUsize,
+    /// Connections whose client has requests waiting behind its writes
+    /// (`writes_queued`): no prompt commits while any has.
+    queued: AtomicUsize,
     /// Called at each commit's steps when the caller steps the commits
     /// (`schedule.rs`); `None` in production.
     schedule: Option<Arc<dyn CommitSchedule>>,
@@ -135,6 +138,7 @@ impl Committer {
             wake: Condvar::new(),
             idle: AtomicBool::new(true),
             since_flush: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
             schedule,
             breaks,
         }
@@ -226,11 +230,45 @@ impl Committer {
     /// at QD1 ~13 blocks a commit, journal bytes 8 % of the data written
     /// instead of 1.2 %; at QD32 2.3 %. Commits run one at a time, so a
     /// device with slow fsyncs gets fewer, larger ones.
+    ///
+    /// A client with requests waiting behind the write (`writes_queued`:
+    /// the NBD server found the next request already received) gets no
+    /// prompt commits while it has (nor does any other client of the
+    /// volume meanwhile: the deep one keeps the committer busy enough): it keeps the CPUs busy itself, and a
+    /// commit per idle moment of the committer is one more journal record
+    /// and fsync (a device cache flush) for the same blocks. At QD32 that
+    /// was 10-100x a345690's commits (one per 20-330 writes, not one per
+    /// 2,200-5,000) and ~1.5x its server CPU per `--direct` write
+    /// (docs/BENCHMARKS.md, stop 42, perf28). Its writes are
+    /// committed at the dirty limit, as `--commit-at-limit` does. The
+    /// server says `false` again after 8 writes in a row with nothing
+    /// behind them (a QD1 client right after a QD32 one gets its prompt
+    /// commits back within 8 writes, not after limit-sized commits).
     pub fn prompt(&self, count: usize) {
         let since = self.since_flush.fetch_add(count, Ordering::Relaxed) + count;
-        if self.prompt_commits && since > REDO_MAX_BLOCKS && self.idle.swap(false, Ordering::AcqRel)
+        if self.prompt_commits
+            && since > REDO_MAX_BLOCKS
+            && self.queued.load(Ordering::Relaxed) == 0
+            && self.idle.swap(false, Ordering::AcqRel)
         {
             self.request();
+        }
+    }
+
+    /// A connection's client has (`true`) or no longer has (`false`)
+    /// requests waiting behind the write it sends next
+    /// (`BlockDevice::writes_queued`): counted, each `true` undone by one
+    /// `false` (a `false` with none counted, e.g. one sent to an engine
+    /// that replaced the one counted by an online resize, counts nothing).
+    pub fn writes_queued(&self, queued: bool) {
+        if queued {
+            self.queued.fetch_add(1, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .queued
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |count| {
+                    count.checked_sub(1)
+                });
         }
     }
 

@@ -260,6 +260,22 @@ pub trait BlockDevice: Send + Sync {
         self.below()?.landing_buffer(len)
     }
 
+    /// A hint from the NBD server: a connection's client has (`true`) or
+    /// no longer has (`false`) requests waiting behind the write it sends
+    /// next (a deep stream: no prompt commits, `Committer::prompt`). Sent
+    /// when it changes, each `true` followed by one `false` (at the latest
+    /// when the connection ends): the volume counts the deep connections.
+    /// Returns `false` when the device could not take it now (a resize
+    /// holds the volume), and the server sends it again with its next
+    /// write. A layer passes it to the device below; at the bottom the
+    /// default ignores it.
+    fn writes_queued(&self, queued: bool) -> bool {
+        match self.below() {
+            Some(below) => below.writes_queued(queued),
+            None => true,
+        }
+    }
+
     /// Make every write completed before this call durable.
     fn flush(&self) -> Result<()>;
 

@@ -276,6 +276,19 @@ pub trait Export: Send + Sync + 'static {
     fn reads_in_flight(&self) -> usize {
         0
     }
+    /// The client has (`true`) or no longer has (`false`) more requests
+    /// already received behind the WRITE the server answers next: a deep
+    /// client, which keeps the CPUs busy itself (vouch then skips its
+    /// prompt commits; `false` after 8 writes in a row with nothing
+    /// behind them). Sent by each connection when it changes, before
+    /// that write, each `true` followed by one `false` (at the latest when
+    /// the connection ends); `false` from the export when it could not
+    /// take it now, and the connection sends it again with its next write.
+    /// A hint: the default ignores it.
+    fn writes_queued(&self, queued: bool) -> bool {
+        let _ = queued;
+        true
+    }
     /// Memory the export offers to receive a WRITE payload of `length`
     /// bytes at `offset` into, before `write` / `try_write` get it (as the
     /// `Bytes` it freezes into): memory the export can keep without a copy

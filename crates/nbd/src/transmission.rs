@@ -182,6 +182,11 @@ where
         limits.max_in_flight_bytes_per_connection,
     )));
     let mut header = [0u8; wire::REQUEST_HEADER_BYTES];
+    let mut queued = QueuedHint {
+        export: connection.session.export.as_ref(),
+        sent: false,
+        shallow_run: 0,
+    };
     loop {
         if *shutdown.borrow() {
             return Ok(());
@@ -246,6 +251,11 @@ where
         if is_unaligned(&connection.session, &request, command) {
             connection.metrics.request_unaligned(command);
         }
+        if command == Command::Write {
+            // The next request (or part of it) already received: the
+            // client did not wait for this reply to send it.
+            queued.set(!reader.buffer().is_empty());
+        }
         let permits = match try_inline(connection, &request, command, &payload, permits, received) {
             Ok(()) => continue,
             Err(permits) => permits,
@@ -271,6 +281,48 @@ where
                 execute(&connection, request, command, payload, permits, received);
             }
         }));
+    }
+}
+
+/// Writes in a row with nothing received behind them before a connection
+/// that told its export `true` tells it `false` (`QueuedHint`).
+const SHALLOW_AFTER_WRITES: u32 = 8;
+
+/// What a connection last told its export about requests queued behind
+/// its writes (`Export::writes_queued`): `false` until it says otherwise,
+/// sent on a change only, and `false` again when the connection ends with
+/// `true` sent (the export counts the connections that said `true`). `true` as soon
+/// as a write has the next request (or part of it) received behind it;
+/// `false` only after `SHALLOW_AFTER_WRITES` writes in a row had none: a
+/// deep client's requests come in batches (one receive of up to 64 KiB),
+/// and the last write of each batch finds nothing behind it, while a
+/// client that waits for each reply never has anything behind.
+struct QueuedHint<'a> {
+    export: &'a dyn Export,
+    sent: bool,
+    shallow_run: u32,
+}
+
+impl QueuedHint<'_> {
+    fn set(&mut self, queued: bool) {
+        let queued = if queued {
+            self.shallow_run = 0;
+            true
+        } else {
+            self.shallow_run = self.shallow_run.saturating_add(1);
+            self.sent && self.shallow_run < SHALLOW_AFTER_WRITES
+        };
+        if self.sent != queued && self.export.writes_queued(queued) {
+            self.sent = queued;
+        }
+    }
+}
+
+impl Drop for QueuedHint<'_> {
+    fn drop(&mut self) {
+        if self.sent {
+            self.export.writes_queued(false);
+        }
     }
 }
 

@@ -274,6 +274,82 @@ fn disconnect_mid_payload_and_disc_finishes_in_flight() {
     healthy_round_trip(&server, 0x63);
 }
 
+/// A client that sends its next request before a WRITE's reply (a deep
+/// one) is told to the export (`Export::writes_queued`, vouch's "no
+/// prompt commits"): `true` with the first write that has a request
+/// behind it, `false` once 8 writes in a row had none (the last write of
+/// a deep client's batch has none), nothing while it stays so, and
+/// `false` when a connection ends with `true` sent.
+#[test]
+fn writes_with_requests_queued_behind_are_hinted_to_the_export() {
+    let server = TestServer::start(TestOptions::default());
+    let (mut stream, _) = go(&server);
+    // Three writes in one send: `true` at the first.
+    let mut burst = Vec::new();
+    for cookie in 0..3u64 {
+        burst.extend_from_slice(&wire::encode_request(&Request {
+            flags: 0,
+            command: 1,
+            cookie,
+            offset: cookie * 4096,
+            length: 4096,
+        }));
+        burst.extend_from_slice(&[cookie as u8 + 1; 4096]);
+    }
+    stream.write_all(&burst).unwrap();
+    for _ in 0..3 {
+        assert_eq!(simple_reply(&mut stream).0, 0);
+    }
+    assert_eq!(*server.export.queued_hints.lock(), vec![true]);
+    // Then writes one at a time, each after the last one's reply: the
+    // burst's last write and 7 of these make 8 with nothing behind.
+    for cookie in 3..10u64 {
+        assert_eq!(*server.export.queued_hints.lock(), vec![true]);
+        request(&mut stream, 1, 0, cookie, cookie * 4096, 4096);
+        stream.write_all(&[cookie as u8 + 1; 4096]).unwrap();
+        assert_eq!(simple_reply(&mut stream), (0, cookie));
+    }
+    assert_eq!(*server.export.queued_hints.lock(), vec![true, false]);
+    // A write with a read behind it, then the connection ends.
+    let mut burst = wire::encode_request(&Request {
+        flags: 0,
+        command: 1,
+        cookie: 4,
+        offset: 0,
+        length: 4096,
+    })
+    .to_vec();
+    burst.extend_from_slice(&[5; 4096]);
+    burst.extend_from_slice(&wire::encode_request(&Request {
+        flags: 0,
+        command: 0,
+        cookie: 5,
+        offset: 0,
+        length: 4096,
+    }));
+    stream.write_all(&burst).unwrap();
+    let mut cookies = Vec::new();
+    for _ in 0..2 {
+        let (error, cookie) = simple_reply(&mut stream);
+        assert_eq!(error, 0);
+        if cookie == 5 {
+            read_exact(&mut stream, 4096);
+        }
+        cookies.push(cookie);
+    }
+    cookies.sort();
+    assert_eq!(cookies, vec![4, 5]);
+    request(&mut stream, 2, 0, 6, 0, 0);
+    assert_closed(&mut stream);
+    wait_until("the closing hint", Duration::from_secs(10), || {
+        server.export.queued_hints.lock().len() == 4
+    });
+    assert_eq!(
+        *server.export.queued_hints.lock(),
+        vec![true, false, true, false]
+    );
+}
+
 #[test]
 fn client_that_never_reads_does_not_stall_others() {
     let limits = Limits {

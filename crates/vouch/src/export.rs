@@ -166,6 +166,9 @@ impl Export for VolumeExport {
             .write_shared(offset, data, fua)
             .map_err(to_export_error)
     }
+    fn writes_queued(&self, queued: bool) -> bool {
+        self.volume.writes_queued(queued)
+    }
     fn try_write(&self, offset: u64, data: &Bytes) -> Option<Result<(), ExportError>> {
         match self.volume.try_write_shared(offset, data) {
             Ok(true) => Some(Ok(())),

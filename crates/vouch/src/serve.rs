@@ -79,8 +79,10 @@ pub struct ServeArgs {
     /// once more than 64 blocks were written since the last flush: on a
     /// VM whose idle vCPUs halt that keeps small synchronous writers fast
     /// (docs/BENCHMARKS.md, "prompt commits"), at a journal record and
-    /// fsync per commit. Either way a write is acknowledged from the held
-    /// log and survives a crash of the process (docs/CRASH_MODEL.md).
+    /// fsync per commit (not while the client has more requests sent
+    /// behind a write: a deep one is committed at the limit). Either way
+    /// a write is acknowledged from the held log and survives a crash of
+    /// the process (docs/CRASH_MODEL.md).
     #[arg(long)]
     commit_at_limit: bool,
     /// Memory for the split layout's cache of context pages (default 64M:

@@ -96,6 +96,15 @@ impl BlockDevice for Volume {
     fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {
         self.current_now()?.landing_buffer(len)
     }
+    fn writes_queued(&self, queued: bool) -> bool {
+        match self.current_now() {
+            Some(engine) => {
+                engine.committer().writes_queued(queued);
+                true
+            }
+            None => false,
+        }
+    }
     fn flush(&self) -> Result<()> {
         self.current().flush()
     }

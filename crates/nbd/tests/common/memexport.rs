@@ -8,7 +8,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use bytes::Bytes;
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use vouch_nbd::{BlockSizes, Errno, Export, ExportError, Extent, ZeroFlags};
 
 /// Allocation-tracking granularity.
@@ -26,6 +26,8 @@ pub struct MemExport {
     pub caches: AtomicU64,
     /// Reads covering this byte fail with EIO / "guard_mismatch".
     pub fail_read_at: AtomicU64,
+    /// Every `writes_queued` hint, in order.
+    pub queued_hints: Mutex<Vec<bool>>,
 }
 
 struct Inner {
@@ -49,6 +51,7 @@ impl MemExport {
             writes: AtomicU64::new(0),
             caches: AtomicU64::new(0),
             fail_read_at: AtomicU64::new(NO_FAULT),
+            queued_hints: Mutex::new(Vec::new()),
         }
     }
 
@@ -95,6 +98,10 @@ impl Export for MemExport {
     }
     fn description(&self) -> Option<String> {
         Some("in-memory test export".into())
+    }
+    fn writes_queued(&self, queued: bool) -> bool {
+        self.queued_hints.lock().push(queued);
+        true
     }
     fn read_only(&self) -> bool {
         self.read_only
