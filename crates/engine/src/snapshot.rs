@@ -671,8 +671,11 @@ pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
     {
         if name.starts_with('.') && (name.ends_with(PARTIAL) || name.ends_with(DELETING)) {
             let path = dir.join(&name);
-            if name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path) {
-                // A fenced snapshot, answered: the open materialises it.
+            if name.ends_with(PARTIAL)
+                && (fenced::is_fenced(fs, &path) || fenced::failed_cause(fs, &path).is_some())
+            {
+                // A fenced snapshot, answered: the open materialises it;
+                // or one that failed: listed until it is deleted.
                 continue;
             }
             fs.remove_all(&path)
@@ -872,6 +875,13 @@ fn prepare(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<bool> {
         return Err(invalid(format!(
             "a snapshot named {name:?} already exists ({}): choose another name or delete it first",
             target.display()
+        )));
+    }
+    let failed = partial_path(volume, name);
+    if let Some(cause) = fenced::failed_cause(fs, &failed) {
+        return Err(invalid(format!(
+            "a snapshot named {name:?} failed and is left in {}: delete it first ({cause})",
+            failed.display()
         )));
     }
     let made_dir = fs
@@ -1129,6 +1139,11 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
         .filter_map(|name| {
             let path = dir.join(&name);
             let materialising = name.starts_with('.');
+            if materialising && name.ends_with(PARTIAL) {
+                if let Some(cause) = fenced::failed_cause(fs, &path) {
+                    return Some(Err(Error::Corrupt(cause)));
+                }
+            }
             if materialising && !(name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path)) {
                 return None;
             }
@@ -1154,7 +1169,12 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
 pub fn delete(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<()> {
     check_name(name)?;
     let dir = volume.join(SNAPSHOTS_DIR);
-    let target = dir.join(name);
+    let mut target = dir.join(name);
+    let failed = partial_path(volume, name);
+    if !fs.exists(&target) && fenced::failed_cause(fs, &failed).is_some() {
+        // A fenced snapshot that failed (`fenced.rs`): what is left of it.
+        target = failed;
+    }
     if !fs.exists(&target) {
         return Err(invalid(format!(
             "{} has no snapshot named {name:?} (`vouch snapshot list {}` lists them)",
