@@ -3,9 +3,9 @@
 //! (`vouch_engine::snapshot`; docs/FORMAT.md, "Snapshots").
 
 use std::cell::Cell;
-use std::sync::Arc;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};

@@ -141,6 +141,8 @@ fn a_fenced_snapshot_taken_during_fio_writes_equals_the_data_at_its_flush() {
     assert!(fio.wait().expect("fio").success(), "fio failed");
     wait_materialised(&server);
     server.stop();
+    // Cleared by the server once published (no open since).
+    assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
     let snapshot = volume.join("snapshots/during");
     assert_fenced_superblock(&snapshot);
     let image = exported(&snapshot, dir, "during");
@@ -205,6 +207,10 @@ print(json.dumps({"ok": True}))
     let cut = partial.join("fence").exists();
     let _ = server.reap(Duration::from_secs(10));
     assert!(
+        !cut || fenced_flag(&volume),
+        "a fence without the FENCED flag"
+    );
+    assert!(
         cut,
         "the snapshot materialised before the kill: nothing was cut"
     );
@@ -215,6 +221,7 @@ print(json.dumps({"ok": True}))
     wait_materialised(&again);
     again.stop();
     assert!(!partial.exists());
+    assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
     let snapshot = volume.join("snapshots/cut");
     assert_fenced_superblock(&snapshot);
     let image = exported(&snapshot, dir, "cut");
@@ -306,15 +313,27 @@ fn a_before_image_log_damaged_mid_log_fails_the_snapshot_and_the_volume_opens() 
     assert_check_clean(&volume);
     assert!(partial.join("failed").exists() && !partial.join("fence").exists());
     assert_eq!(std::fs::read(&log_path).expect("log kept"), log);
-    assert!(!volume.join("snapshots/cut").exists(), "a failed snapshot got its name");
+    assert!(
+        !volume.join("snapshots/cut").exists(),
+        "a failed snapshot got its name"
+    );
     assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
     let failed = std::fs::read_to_string(partial.join("failed")).expect("failed");
-    assert!(failed.contains("damaged at byte 0") && failed.contains("vouch snapshot delete"), "{failed}");
+    assert!(
+        failed.contains("damaged at byte 0") && failed.contains("vouch snapshot delete"),
+        "{failed}"
+    );
     // `snapshot list` says it failed, with the cause.
     let listed = vouch(&["snapshot", "list", s(&volume)]);
     let out = String::from_utf8_lossy(&listed.stdout);
-    assert!(!listed.status.success(), "a failed snapshot listed as fine: {out}");
-    assert!(out.contains("\"cut\" of") && out.contains("damaged at byte 0"), "{out}");
+    assert!(
+        !listed.status.success(),
+        "a failed snapshot listed as fine: {out}"
+    );
+    assert!(
+        out.contains("\"cut\" of") && out.contains("damaged at byte 0"),
+        "{out}"
+    );
     // The volume is writable; a new snapshot of the name waits for the
     // delete, which removes what is left.
     let written = random_bytes(4096, 22);
@@ -330,7 +349,10 @@ fn a_before_image_log_damaged_mid_log_fails_the_snapshot_and_the_volume_opens() 
     vouch_ok(&["snapshot", "delete", s(&volume), "cut"]);
     assert!(!partial.exists());
     vouch_ok(&["snapshot", "create", s(&volume), "cut"]);
-    assert_eq!(&exported(&volume.join("snapshots/cut"), dir, "cut")[..4096], &written[..]);
+    assert_eq!(
+        &exported(&volume.join("snapshots/cut"), dir, "cut")[..4096],
+        &written[..]
+    );
     assert_check_clean(&volume);
 }
 
@@ -353,7 +375,13 @@ fn a_torn_last_append_still_finishes_the_snapshot() {
     let mut first = encode_record(fence, next, ObjectId::Data(0), 0, &[7; 8192]);
     first[40 + 4096] ^= 1;
     log.extend_from_slice(&first);
-    log.extend_from_slice(&encode_record(fence, next, ObjectId::Data(0), 1 << 20, &[8; 4096]));
+    log.extend_from_slice(&encode_record(
+        fence,
+        next,
+        ObjectId::Data(0),
+        1 << 20,
+        &[8; 4096],
+    ));
     std::fs::write(&log_path, &log).expect("tear the log");
     assert!(fenced_flag(&volume));
     reopen(&volume);
@@ -389,7 +417,10 @@ fn a_failed_materialisation_disarms_the_layer_and_says_what_to_do() {
     assert!(layer.is_armed());
     let error = vouch_engine::snapshot::fenced::materialise(&volume, "stuck", &*storage)
         .expect_err("a clone onto a directory");
-    assert!(!layer.is_armed(), "a failed materialisation left the layer armed");
+    assert!(
+        !layer.is_armed(),
+        "a failed materialisation left the layer armed"
+    );
     let message = error.to_string();
     assert!(
         message.contains("never published") && message.contains("vouch snapshot delete"),

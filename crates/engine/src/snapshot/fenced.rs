@@ -431,7 +431,8 @@ fn build(fs: &RealFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Resul
     // read from the log a block at a time.
     let mut restored = std::collections::HashSet::new();
     let mut image = vec![0u8; IMAGE_BLOCK as usize];
-    let order: Box<dyn Iterator<Item = &crate::storage::before::Record>> = if breaks.last_image_wins {
+    let order: Box<dyn Iterator<Item = &crate::storage::before::Record>> = if breaks.last_image_wins
+    {
         Box::new(records.iter().rev())
     } else {
         Box::new(records.iter())
@@ -545,11 +546,7 @@ pub fn resume(
             .map_err(|e| io_error("read", &log_path, e))?;
         if let LogEnd::Corrupt { at, later } = end {
             // Not armed: the snapshot cannot be right; the volume opens.
-            let cause = failure(
-                name,
-                dir,
-                &damaged(&log_path, at, later),
-            );
+            let cause = failure(name, dir, &damaged(&log_path, at, later));
             mark_failed(&fs, &path, &cause)?;
             tracing::error!(volume = %dir.display(), "{cause}");
             continue;
