@@ -363,6 +363,9 @@ pub struct Snapshot {
     /// Fenced and still being materialised (`fenced.rs`): `path` is its
     /// `.NAME.partial`, not yet to be served.
     pub materialising: bool,
+    /// Fenced and failed (`fenced.rs`): why. `path` is its
+    /// `.NAME.partial`, never served; `vouch snapshot delete` removes it.
+    pub failed: Option<String>,
 }
 
 fn invalid(message: String) -> Error {
@@ -958,6 +961,7 @@ fn publish(
         path: snapshot_path(volume, asked.name),
         record,
         materialising: false,
+        failed: None,
     })
 }
 
@@ -1138,13 +1142,10 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
         .into_iter()
         .filter_map(|name| {
             let path = dir.join(&name);
-            let materialising = name.starts_with('.');
-            if materialising && name.ends_with(PARTIAL) {
-                if let Some(cause) = fenced::failed_cause(fs, &path) {
-                    return Some(Err(Error::Corrupt(cause)));
-                }
-            }
-            if materialising && !(name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path)) {
+            let partial = name.starts_with('.') && name.ends_with(PARTIAL);
+            let failed = partial.then(|| fenced::failed_cause(fs, &path)).flatten();
+            let materialising = name.starts_with('.') && failed.is_none();
+            if materialising && !(partial && fenced::is_fenced(fs, &path)) {
                 return None;
             }
             let file = path.join(RECORD_FILE);
@@ -1159,6 +1160,7 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
                         path,
                         record,
                         materialising,
+                        failed,
                     }),
             )
         })

@@ -237,10 +237,10 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
                 record["checkpoint_seq"],
                 record["layout"].as_str().unwrap_or("?"),
                 item["path"].as_str().unwrap_or("?"),
-                if item["materialising"] == true {
-                    "\tmaterialising"
-                } else {
-                    ""
+                match (item["materialising"] == true, item["failed"].as_str()) {
+                    (_, Some(cause)) => format!("\tfailed: {cause}"),
+                    (true, None) => "\tmaterialising".to_string(),
+                    (false, None) => String::new(),
                 },
             );
         }
@@ -382,10 +382,10 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
                     snap.record.checkpoint_seq,
                     snap.record.layout,
                     snap.path.display(),
-                    if snap.materialising {
-                        "\tmaterialising"
-                    } else {
-                        ""
+                    match (&snap.failed, snap.materialising) {
+                        (Some(cause), _) => format!("\tfailed: {cause}"),
+                        (None, true) => "\tmaterialising".to_string(),
+                        (None, false) => String::new(),
                     }
                 ),
                 Err(error) => {
@@ -586,6 +586,7 @@ fn create_fenced(
             path: fenced::materialising_path(dir, name),
             record,
             materialising: true,
+            failed: None,
         }
     };
     Ok(OnlineSnapshot {
@@ -659,6 +660,7 @@ pub fn list_json(dir: &Path) -> Result<Vec<serde_json::Value>> {
                 "path": snap.path.display().to_string(),
                 "record": snap.record,
                 "materialising": snap.materialising,
+                "failed": snap.failed,
             }),
             Err(error) => json!({ "error": error.to_string() }),
         })

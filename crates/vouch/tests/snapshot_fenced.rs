@@ -301,8 +301,8 @@ fn a_before_image_log_damaged_mid_log_fails_the_snapshot_and_the_volume_opens() 
     let mut log = std::fs::read(&log_path).expect("log");
     let (records, scanned) = read_records(&log, fence_id(&partial));
     assert!(
-        scanned.batch >= 3 && records.len() >= 3,
-        "too few appends to damage one mid-log: {scanned:?}"
+        records.len() >= 3,
+        "too few records to damage one mid-log: {scanned:?}"
     );
     // A media error in the first record's payload, synced long ago.
     log[40 + 1000] ^= 0x20;
@@ -323,15 +323,11 @@ fn a_before_image_log_damaged_mid_log_fails_the_snapshot_and_the_volume_opens() 
         failed.contains("damaged at byte 0") && failed.contains("vouch snapshot delete"),
         "{failed}"
     );
-    // `snapshot list` says it failed, with the cause.
-    let listed = vouch(&["snapshot", "list", s(&volume)]);
+    // `snapshot list` says it failed, with the cause (and succeeds).
+    let listed = vouch_ok(&["snapshot", "list", s(&volume)]);
     let out = String::from_utf8_lossy(&listed.stdout);
     assert!(
-        !listed.status.success(),
-        "a failed snapshot listed as fine: {out}"
-    );
-    assert!(
-        out.contains("\"cut\" of") && out.contains("damaged at byte 0"),
+        out.contains("cut\t") && out.contains("\tfailed: ") && out.contains("damaged at byte 0"),
         "{out}"
     );
     // The volume is writable; a new snapshot of the name waits for the
@@ -369,19 +365,12 @@ fn a_torn_last_append_still_finishes_the_snapshot() {
     let mut log = std::fs::read(&log_path).expect("log");
     let fence = fence_id(&partial);
     let (_, scanned) = read_records(&log, fence);
+    assert_eq!(scanned.end, vouch_engine::storage::before::LogEnd::Whole);
     // An append a crash tore before its sync (so its home write was never
-    // issued): its first record's pages lost, its second's landed.
-    let next = scanned.batch + 1;
-    let mut first = encode_record(fence, next, ObjectId::Data(0), 0, &[7; 8192]);
-    first[40 + 4096] ^= 1;
-    log.extend_from_slice(&first);
-    log.extend_from_slice(&encode_record(
-        fence,
-        next,
-        ObjectId::Data(0),
-        1 << 20,
-        &[8; 4096],
-    ));
+    // issued): a page of its record lost.
+    let mut torn = encode_record(fence, ObjectId::Data(0), 0, &[7; 8192]);
+    torn[40 + 4096] ^= 1;
+    log.extend_from_slice(&torn);
     std::fs::write(&log_path, &log).expect("tear the log");
     assert!(fenced_flag(&volume));
     reopen(&volume);

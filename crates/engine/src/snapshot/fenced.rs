@@ -82,20 +82,7 @@ pub fn failed_cause(fs: &dyn SnapshotFs, dir: &Path) -> Option<String> {
 /// disarms the layer, so no later open materialises it (home writes
 /// without images follow). The log stays until the snapshot is deleted.
 fn mark_failed(fs: &dyn SnapshotFs, partial: &Path, cause: &str) -> Result<()> {
-    let path = partial.join(FAILED_FILE);
-    let written = partial.join(format!("{FAILED_FILE}.new"));
-    if fs.exists(&written) {
-        fs.remove_file(&written)
-            .map_err(|e| io_error("remove", &written, e))?;
-    }
-    fs.write_at(&written, 0, cause.as_bytes())
-        .map_err(|e| io_error("write", &written, e))?;
-    fs.sync_file(&written)
-        .map_err(|e| io_error("sync", &written, e))?;
-    fs.rename(&written, &path)
-        .map_err(|e| io_error("rename", &written, e))?;
-    fs.sync_dir(partial)
-        .map_err(|e| io_error("sync", partial, e))?;
+    write_whole(fs, partial, FAILED_FILE, cause.as_bytes())?;
     let fence = partial.join(FENCE_FILE);
     if fs.exists(&fence) {
         fs.remove_file(&fence)
@@ -112,6 +99,25 @@ fn damaged(log: &Path, at: u64, later: u64) -> String {
         "its before-image log {} is damaged at byte {at}, after it was synced (a later append's record is at byte {later}): the bytes at the fence of the blocks written since are lost, so the snapshot would read newer data",
         log.display()
     )
+}
+
+/// `file` of `partial` written whole or not at all: as `file.new` (a
+/// stale one removed first), synced, renamed in, the directory synced.
+fn write_whole(fs: &dyn SnapshotFs, partial: &Path, file: &str, bytes: &[u8]) -> Result<()> {
+    let path = partial.join(file);
+    let written = partial.join(format!("{file}.new"));
+    if fs.exists(&written) {
+        fs.remove_file(&written)
+            .map_err(|e| io_error("remove", &written, e))?;
+    }
+    fs.write_at(&written, 0, bytes)
+        .map_err(|e| io_error("write", &written, e))?;
+    fs.sync_file(&written)
+        .map_err(|e| io_error("sync", &written, e))?;
+    fs.rename(&written, &path)
+        .map_err(|e| io_error("rename", &written, e))?;
+    fs.sync_dir(partial)
+        .map_err(|e| io_error("sync", partial, e))
 }
 
 /// What a failed snapshot's `failed` says: the cause and what to do.
@@ -299,21 +305,12 @@ fn fence_at(
         fence: rand::random::<u64>() | 1,
         files,
     };
-    // Whole or absent: written and synced beside, then renamed in.
-    let fence_path = partial.join(FENCE_FILE);
-    let written = partial.join(format!("{FENCE_FILE}.new"));
-    fs.write_at(
-        &written,
-        0,
+    write_whole(
+        fs,
+        partial,
+        FENCE_FILE,
         &serde_json::to_vec_pretty(&fence).expect("a fence serializes"),
-    )
-    .map_err(|e| io_error("write", &written, e))?;
-    fs.sync_file(&written)
-        .map_err(|e| io_error("sync", &written, e))?;
-    fs.rename(&written, &fence_path)
-        .map_err(|e| io_error("rename", &written, e))?;
-    fs.sync_dir(partial)
-        .map_err(|e| io_error("sync", partial, e))?;
+    )?;
     let snapshots = dir.join(SNAPSHOTS_DIR);
     fs.sync_dir(&snapshots)
         .map_err(|e| io_error("sync", &snapshots, e))?;
@@ -377,6 +374,7 @@ pub fn materialise_with(
         path: target,
         record,
         materialising: false,
+        failed: None,
     })
 }
 

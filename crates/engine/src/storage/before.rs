@@ -45,7 +45,7 @@ pub const RECORD_FIELDS: &[(&str, usize, usize)] = &[
     ("offset", 16, 8),
     ("fence", 24, 8),
     ("crc", 32, 4),
-    ("batch", 36, 4),
+    ("reserved2", 36, 4),
 ];
 
 /// The object kinds a record names (`kind` byte).
@@ -93,16 +93,8 @@ fn object_of(kind: u8, segment: u32) -> Option<ObjectId> {
 }
 
 /// One record: the old bytes (`payload`, whole blocks) of `object` at
-/// `offset`, taken under fence `fence` in append `batch` (the layer's
-/// count of synced appends since the fence, from 1: every record of one
-/// append carries the same).
-pub fn encode_record(
-    fence: u64,
-    batch: u32,
-    object: ObjectId,
-    offset: u64,
-    payload: &[u8],
-) -> Vec<u8> {
+/// `offset`, taken under fence `fence`.
+pub fn encode_record(fence: u64, object: ObjectId, offset: u64, payload: &[u8]) -> Vec<u8> {
     debug_assert!(
         offset.is_multiple_of(IMAGE_BLOCK) && (payload.len() as u64).is_multiple_of(IMAGE_BLOCK)
     );
@@ -115,8 +107,7 @@ pub fn encode_record(
     record.extend_from_slice(&(payload.len() as u32).to_le_bytes()); // 12..16
     record.extend_from_slice(&offset.to_le_bytes()); // 16..24
     record.extend_from_slice(&fence.to_le_bytes()); // 24..32
-    record.extend_from_slice(&[0; 4]); // 32..36: crc
-    record.extend_from_slice(&batch.to_le_bytes()); // 36..40
+    record.extend_from_slice(&[0; 8]); // 32..40: crc, reserved
     record.extend_from_slice(payload);
     let crc = crc32c::crc32c_append(header_crc(&record[..RECORD_HEADER_BYTES]), payload);
     record[32..36].copy_from_slice(&crc.to_le_bytes());
@@ -132,13 +123,12 @@ fn header_crc(header: &[u8]) -> u32 {
     crc32c::crc32c(&bytes)
 }
 
-/// A record read back: its object, offset, append batch, and where its
-/// payload is in the log.
+/// A record read back: its object, offset, and where its payload is in
+/// the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Record {
     pub object: ObjectId,
     pub offset: u64,
-    pub batch: u32,
     pub payload_at: u64,
     pub len: u64,
 }
@@ -149,15 +139,16 @@ pub struct Record {
 pub enum LogEnd {
     /// Every byte is in a valid record.
     Whole,
-    /// From byte `at` on nothing is a valid record of a later append than
-    /// the one that may have been torn there: the tail a crash tore (the
-    /// last append, never synced, so its home write was never issued).
+    /// From byte `at` on nothing is a valid record: the tail a crash tore
+    /// (appends never synced, so their home writes were never issued), or
+    /// damage to the very last record, which cannot be told from a tear.
     Torn { at: u64 },
-    /// The record at byte `at` is bad, yet a valid record of a *later*
-    /// append follows at byte `later`: that append was issued after the
-    /// bad record's was synced, so the bad record was damaged after it was
-    /// durable (a media error), and its images, the bytes at the fence of
-    /// blocks written home since, are lost.
+    /// The record at byte `at` is bad, yet a valid record of this fence
+    /// follows at byte `later`: the bad one was (most likely) damaged
+    /// after it was durable (a media error), and its images, the bytes at
+    /// the fence of blocks written home since, may be lost. Fail-safe: a
+    /// power cut that lands a later page of the unsynced appends before an
+    /// earlier one reads so too, and fails the snapshot, never its data.
     Corrupt { at: u64, later: u64 },
 }
 
@@ -166,8 +157,6 @@ pub enum LogEnd {
 pub struct Scanned {
     /// Bytes of valid records from byte 0.
     pub valid: u64,
-    /// The highest append batch among them (0: none).
-    pub batch: u32,
     pub end: LogEnd,
 }
 
@@ -220,7 +209,7 @@ impl Pieces<'_> {
         if len == 0 || !len.is_multiple_of(IMAGE_BLOCK) {
             return Ok(None);
         }
-        let (offset, batch, crc) = (u64_at(16), u32_at(36), u32_at(32));
+        let (offset, crc) = (u64_at(16), u32_at(32));
         let mut sum = header_crc(header);
         let payload_at = at + RECORD_HEADER_BYTES as u64;
         let mut done = 0u64;
@@ -235,7 +224,6 @@ impl Pieces<'_> {
         Ok((sum == crc).then_some(Record {
             object,
             offset,
-            batch,
             payload_at,
             len,
         }))
@@ -245,11 +233,9 @@ impl Pieces<'_> {
 /// Read `log` (records of `fence`) in pieces of `piece` bytes: `visit`
 /// is given each valid record from byte 0 in order, and the answer says
 /// where they end and how (`LogEnd`). Past the first bad byte the rest is
-/// searched for a valid record of an append at least two after the last
-/// valid one: only one append is ever unsynced (the layer syncs each
-/// before the next), so such a record proves the bad one was synced
-/// (`LogEnd::Corrupt`). Without one the end is a torn tail. A record
-/// damaged in the last synced append cannot be told from a torn one.
+/// searched for any valid record of this fence: one found makes the end
+/// `LogEnd::Corrupt` (the bad record may have been synced and followed by
+/// its home write), none a torn tail.
 pub fn scan_log(
     log: &dyn BeforeLog,
     fence: u64,
@@ -263,16 +249,14 @@ pub fn scan_log(
         buf: Vec::new(),
         buf_at: 0,
     };
-    let (mut at, mut batch) = (0u64, 0u32);
+    let mut at = 0u64;
     while let Some(record) = pieces.record_at(at, fence)? {
         visit(&record);
-        batch = batch.max(record.batch);
         at = record.payload_at + record.len;
     }
     if at >= pieces.len {
         return Ok(Scanned {
             valid: at,
-            batch,
             end: LogEnd::Whole,
         });
     }
@@ -280,22 +264,16 @@ pub fn scan_log(
     let mut later = at + 1;
     while later + RECORD_HEADER_BYTES as u64 <= pieces.len {
         let is_magic = pieces.get(later, 4)?.is_some_and(|bytes| bytes == magic);
-        if is_magic {
-            if let Some(record) = pieces.record_at(later, fence)? {
-                if record.batch >= batch.saturating_add(2) {
-                    return Ok(Scanned {
-                        valid: at,
-                        batch,
-                        end: LogEnd::Corrupt { at, later },
-                    });
-                }
-            }
+        if is_magic && pieces.record_at(later, fence)?.is_some() {
+            return Ok(Scanned {
+                valid: at,
+                end: LogEnd::Corrupt { at, later },
+            });
         }
         later += 1;
     }
     Ok(Scanned {
         valid: at,
-        batch,
         end: LogEnd::Torn { at },
     })
 }
@@ -423,14 +401,7 @@ impl BeforeLog for SimLog {
         Ok(self.state.lock().0.len() as u64)
     }
     fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
-        let state = self.state.lock();
-        let at = at as usize;
-        let bytes = state
-            .0
-            .get(at..at + buf.len())
-            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
-        buf.copy_from_slice(bytes);
-        Ok(())
+        SliceLog(&self.state.lock().0).read_at(at, buf)
     }
     fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
         let mut state = self.state.lock();
@@ -460,8 +431,6 @@ struct Armed {
     fence: u64,
     /// Bytes of valid records in `log`.
     end: u64,
-    /// The last append's batch (`encode_record`).
-    batch: u32,
     /// Blocks imaged already: a later write of one is not imaged again.
     imaged: HashSet<(ObjectId, u64)>,
     /// An append or sync failed: every later imaged write is refused.
@@ -527,7 +496,6 @@ impl BeforeImages {
             log,
             fence,
             end: scanned.valid,
-            batch: scanned.batch,
             imaged,
             failed: false,
         });
@@ -604,7 +572,6 @@ impl BeforeImages {
             }
             // Counted imaged only once durable.
             armed.end += appended.len() as u64;
-            armed.batch += 1;
             armed
                 .imaged
                 .extend(blocks.iter().map(|block| (object, block * IMAGE_BLOCK)));
@@ -665,13 +632,7 @@ impl Armed {
             let offset = blocks[at] * IMAGE_BLOCK;
             let mut old = vec![0u8; (end - at) * IMAGE_BLOCK as usize];
             inner.read_at(object, offset, &mut old)?;
-            appended.extend_from_slice(&encode_record(
-                self.fence,
-                self.batch + 1,
-                object,
-                offset,
-                &old,
-            ));
+            appended.extend_from_slice(&encode_record(self.fence, object, offset, &old));
             at = end;
         }
         Ok(appended)
@@ -1035,7 +996,7 @@ mod tests {
         let last = RECORD_FIELDS.last().unwrap();
         assert_eq!(last.1 + last.2, RECORD_HEADER_BYTES);
         // The encoder puts each field where the table says.
-        let record = encode_record(3, 7, ObjectId::Data(5), 8192, &[0; 4096]);
+        let record = encode_record(3, ObjectId::Data(5), 8192, &[0; 4096]);
         let field = |name: &str| {
             let &(_, offset, size) = RECORD_FIELDS.iter().find(|f| f.0 == name).unwrap();
             let mut word = [0u8; 8];
@@ -1048,7 +1009,6 @@ mod tests {
         assert_eq!(field("len"), 4096);
         assert_eq!(field("offset"), 8192);
         assert_eq!(field("fence"), 3);
-        assert_eq!(field("batch"), 7);
     }
 
     #[test]
@@ -1063,9 +1023,7 @@ mod tests {
         layer.write_at(ObjectId::Data(0), 0, &[2; 8192]).unwrap();
         let whole = log.durable();
         let mut torn = whole.clone();
-        torn.extend_from_slice(
-            &encode_record(FENCE, 2, ObjectId::Data(0), 8192, &[5; 4096])[..100],
-        );
+        torn.extend_from_slice(&encode_record(FENCE, ObjectId::Data(0), 8192, &[5; 4096])[..100]);
         let again = BeforeImages::new(sim);
         let reopened = SimLog::from_bytes(torn);
         assert_eq!(
@@ -1118,12 +1076,12 @@ mod tests {
         let bytes = log.durable();
         let (records, scanned) = read_records(&bytes, FENCE);
         assert_eq!(scanned.end, LogEnd::Whole);
-        assert_eq!(scanned.batch as u64, appends);
+        assert_eq!(records.len() as u64, appends + 1);
         (bytes, records.iter().map(|r| r.payload_at - 40).collect())
     }
 
     #[test]
-    fn a_record_damaged_after_later_appends_is_corrupt_not_a_torn_tail() {
+    fn a_record_damaged_with_any_valid_record_after_it_is_corrupt_not_a_torn_tail() {
         let (mut bytes, starts) = log_of(4);
         // A byte of the first record's payload flipped (a media error).
         bytes[starts[0] as usize + RECORD_HEADER_BYTES + 100] ^= 0x40;
@@ -1133,7 +1091,7 @@ mod tests {
                 scanned.end,
                 LogEnd::Corrupt {
                     at: 0,
-                    later: starts[2]
+                    later: starts[1]
                 },
                 "piece {piece}"
             );
@@ -1145,51 +1103,45 @@ mod tests {
             layer.arm(Box::new(log.clone()), FENCE).unwrap(),
             LogEnd::Corrupt {
                 at: 0,
-                later: starts[2]
+                later: starts[1]
             }
         );
         assert!(!layer.is_armed());
         assert_eq!(log.durable(), bytes);
-        // The same in a middle append, its header damaged.
-        let (mut bytes, starts) = log_of(5);
-        bytes[starts[3] as usize + 2] ^= 1;
+        // The second record of the last append damaged, its header: a
+        // valid one follows (review42 H1: it was synced, then damaged).
+        let (mut bytes, starts) = log_of(2);
+        bytes[starts[1] as usize + 2] ^= 1;
         let (records, scanned) = read_records(&bytes, FENCE);
-        assert_eq!(records.len(), 3);
+        assert_eq!(records.len(), 1);
         assert_eq!(
             scanned.end,
             LogEnd::Corrupt {
-                at: starts[3],
-                later: starts[4]
+                at: starts[1],
+                later: starts[2]
             }
         );
     }
 
     #[test]
-    fn a_torn_last_append_is_still_a_torn_tail() {
-        // Its first record lost, its second landed (a power cut keeps
-        // the pages of one unsynced write in any order).
-        let (whole, starts) = log_of(1);
-        let mut bytes = whole.clone();
-        bytes[starts[0] as usize + RECORD_HEADER_BYTES + 5] ^= 0xff;
-        let layer = BeforeImages::new(Arc::new(SimStorage::new()));
-        let log = SimLog::from_bytes(bytes);
-        assert_eq!(
-            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
-            LogEnd::Torn { at: 0 }
-        );
-        assert!(layer.is_armed());
-        assert!(log.durable().is_empty());
-        // The last of several appends torn: cut there, the rest kept.
+    fn only_a_bad_tail_with_nothing_valid_after_it_is_torn() {
+        // A record torn by a crash (its bytes short, or a page of it lost),
+        // nothing valid after it: cut there, the rest kept.
         let (whole, starts) = log_of(3);
-        let mut bytes = whole.clone();
-        bytes.truncate(starts[3] as usize + 50);
-        let log = SimLog::from_bytes(bytes);
-        let layer = BeforeImages::new(Arc::new(SimStorage::new()));
-        assert_eq!(
-            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
-            LogEnd::Torn { at: starts[3] }
-        );
-        assert_eq!(log.durable(), whole[..starts[3] as usize]);
-        assert_eq!(layer.imaged_blocks(), 3);
+        for torn in [whole[..starts[3] as usize + 50].to_vec(), {
+            let mut bytes = whole.clone();
+            bytes[starts[3] as usize + RECORD_HEADER_BYTES + 5] ^= 0xff;
+            bytes
+        }] {
+            let log = SimLog::from_bytes(torn);
+            let layer = BeforeImages::new(Arc::new(SimStorage::new()));
+            assert_eq!(
+                layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+                LogEnd::Torn { at: starts[3] }
+            );
+            assert!(layer.is_armed());
+            assert_eq!(log.durable(), whole[..starts[3] as usize]);
+            assert_eq!(layer.imaged_blocks(), 3);
+        }
     }
 }
