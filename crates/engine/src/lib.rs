@@ -151,8 +151,23 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     let pending = snapshot::fenced::resume(path, &layered)?;
     let volume = Volume::open(layered.clone(), options)?;
     if let Some(name) = pending {
-        let done = snapshot::fenced::materialise(path, &name, &*layered)?;
-        tracing::warn!(volume = %path.display(), "snapshot {name} (fenced before a crash) materialised at {}", done.path.display());
+        // A failure is marked on the snapshot (and the layer disarmed):
+        // the volume opens all the same.
+        match snapshot::fenced::materialise(path, &name, &*layered) {
+            Ok(done) => {
+                tracing::warn!(volume = %path.display(), "snapshot {name} (fenced before a crash) materialised at {}", done.path.display());
+            }
+            Err(error) if !layered.is_armed() => {
+                tracing::error!(volume = %path.display(), "{error}");
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    if !layered.is_armed() {
+        // No fence left (published, failed, or the flag was set by a
+        // create a crash cut before its fence): an older binary may open
+        // it again.
+        volume.set_fenced(false)?;
     }
     Ok(volume)
 }

@@ -363,6 +363,9 @@ pub struct Snapshot {
     /// Fenced and still being materialised (`fenced.rs`): `path` is its
     /// `.NAME.partial`, not yet to be served.
     pub materialising: bool,
+    /// Fenced and failed (`fenced.rs`): why. `path` is its
+    /// `.NAME.partial`, never served; `vouch snapshot delete` removes it.
+    pub failed: Option<String>,
 }
 
 fn invalid(message: String) -> Error {
@@ -671,8 +674,11 @@ pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
     {
         if name.starts_with('.') && (name.ends_with(PARTIAL) || name.ends_with(DELETING)) {
             let path = dir.join(&name);
-            if name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path) {
-                // A fenced snapshot, answered: the open materialises it.
+            if name.ends_with(PARTIAL)
+                && (fenced::is_fenced(fs, &path) || fenced::failed_cause(fs, &path).is_some())
+            {
+                // A fenced snapshot, answered: the open materialises it;
+                // or one that failed: listed until it is deleted.
                 continue;
             }
             fs.remove_all(&path)
@@ -874,6 +880,13 @@ fn prepare(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<bool> {
             target.display()
         )));
     }
+    let failed = partial_path(volume, name);
+    if let Some(cause) = fenced::failed_cause(fs, &failed) {
+        return Err(invalid(format!(
+            "a snapshot named {name:?} failed and is left in {}: delete it first ({cause})",
+            failed.display()
+        )));
+    }
     let made_dir = fs
         .names(&dir)
         .map_err(|e| io_error("list", &dir, e))?
@@ -948,6 +961,7 @@ fn publish(
         path: snapshot_path(volume, asked.name),
         record,
         materialising: false,
+        failed: None,
     })
 }
 
@@ -1128,8 +1142,10 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
         .into_iter()
         .filter_map(|name| {
             let path = dir.join(&name);
-            let materialising = name.starts_with('.');
-            if materialising && !(name.ends_with(PARTIAL) && fenced::is_fenced(fs, &path)) {
+            let partial = name.starts_with('.') && name.ends_with(PARTIAL);
+            let failed = partial.then(|| fenced::failed_cause(fs, &path)).flatten();
+            let materialising = name.starts_with('.') && failed.is_none();
+            if materialising && !(partial && fenced::is_fenced(fs, &path)) {
                 return None;
             }
             let file = path.join(RECORD_FILE);
@@ -1144,6 +1160,7 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
                         path,
                         record,
                         materialising,
+                        failed,
                     }),
             )
         })
@@ -1154,7 +1171,12 @@ pub fn list(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<Result<Snapshot>>>
 pub fn delete(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<()> {
     check_name(name)?;
     let dir = volume.join(SNAPSHOTS_DIR);
-    let target = dir.join(name);
+    let mut target = dir.join(name);
+    let failed = partial_path(volume, name);
+    if !fs.exists(&target) && fenced::failed_cause(fs, &failed).is_some() {
+        // A fenced snapshot that failed (`fenced.rs`): what is left of it.
+        target = failed;
+    }
     if !fs.exists(&target) {
         return Err(invalid(format!(
             "{} has no snapshot named {name:?} (`vouch snapshot list {}` lists them)",

@@ -129,6 +129,25 @@ impl Volume {
         })
     }
 
+    /// Set (`on`) or clear the FENCED flag (a fenced snapshot is being
+    /// materialised: `snapshot/fenced.rs`), a superblock write when it
+    /// changes.
+    pub fn set_fenced(&self, on: bool) -> Result<()> {
+        use vouch_format::FeatureFlags;
+        let engine = self.current();
+        let has = engine.superblock().features.incompat & FeatureFlags::INCOMPAT_FENCED != 0;
+        if has == on {
+            return Ok(());
+        }
+        engine.update_superblock(|superblock| {
+            if on {
+                superblock.features.incompat |= FeatureFlags::INCOMPAT_FENCED;
+            } else {
+                superblock.features.incompat &= !FeatureFlags::INCOMPAT_FENCED;
+            }
+        })
+    }
+
     /// Is the volume encrypted?
     pub fn encrypted(&self) -> bool {
         self.first.encrypted()

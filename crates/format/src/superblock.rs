@@ -57,6 +57,14 @@ impl FeatureFlags {
     /// regions the region record gives it. Set in both members. The engine
     /// opens such a superblock only for the region layer (`Regions`).
     pub const INCOMPAT_REGIONS: u64 = 1 << 5;
+    /// A fenced snapshot of the volume is being materialised
+    /// (`snapshots/.NAME.partial/fence`): every home write must first have
+    /// the old bytes it covers durable in the snapshot's before-image log.
+    /// A binary that knows no fences would write home without them, so it
+    /// must refuse the volume. Set before the fence is written, cleared
+    /// once the snapshot is published or has failed (and by the next open
+    /// that finds no fence).
+    pub const INCOMPAT_FENCED: u64 = 1 << 6;
 
     /// The volume is a read-only snapshot (`vouch snapshot create`): a
     /// copy of another volume's files at a flush point, never written.
@@ -72,7 +80,8 @@ impl FeatureFlags {
         | Self::INCOMPAT_ENCRYPTED
         | Self::INCOMPAT_WRITTEN_MAP
         | Self::INCOMPAT_BOUND_UNITS
-        | Self::INCOMPAT_REGIONS;
+        | Self::INCOMPAT_REGIONS
+        | Self::INCOMPAT_FENCED;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
         let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL
@@ -614,6 +623,24 @@ mod tests {
         assert!(
             Superblock::newest(Err(FormatError::BadMagic), Err(FormatError::BadMagic)).is_err()
         );
+    }
+
+    #[test]
+    fn a_binary_from_before_fences_refuses_a_fenced_volume() {
+        // What the binaries before the FENCED flag support (stop 41).
+        let before = FeatureFlags::INCOMPAT_CONTEXT_JOURNAL
+            | FeatureFlags::INCOMPAT_PACKED_LAYOUT
+            | FeatureFlags::INCOMPAT_ENCRYPTED
+            | FeatureFlags::INCOMPAT_WRITTEN_MAP
+            | FeatureFlags::INCOMPAT_BOUND_UNITS
+            | FeatureFlags::INCOMPAT_REGIONS;
+        for layout in [LayoutKind::Split, LayoutKind::Packed] {
+            let mut flags = FeatureFlags::for_layout(layout);
+            assert_eq!(flags.incompat & !before, 0, "a new volume is not fenced");
+            flags.incompat |= FeatureFlags::INCOMPAT_FENCED;
+            assert_ne!(flags.incompat & !before, 0, "unknown to them: refused");
+            assert_eq!(flags.unknown_incompat(), 0, "known to this binary");
+        }
     }
 
     #[test]

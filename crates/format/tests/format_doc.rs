@@ -114,6 +114,8 @@ fn feature_flag_table_matches_code() {
     assert_eq!(vouch_format::FeatureFlags::INCOMPAT_WRITTEN_MAP, 1 << 3);
     assert!(doc.contains("| incompat | 4 | BOUND_UNITS |"));
     assert_eq!(vouch_format::FeatureFlags::INCOMPAT_BOUND_UNITS, 1 << 4);
+    assert!(doc.contains("| incompat | 6 | FENCED |"));
+    assert_eq!(vouch_format::FeatureFlags::INCOMPAT_FENCED, 1 << 6);
     assert!(doc.contains("### Vacant marker (kind 5"));
     assert_eq!(vouch_format::KIND_VACANT, 5);
     assert!(doc.contains("| ro_compat | 0 | SNAPSHOT |"));

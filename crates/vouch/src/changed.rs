@@ -214,7 +214,7 @@ impl Changes {
             .iter()
             .flat_map(|dir| snapshot::list(&RealFs::default(), dir).unwrap_or_default())
             .filter_map(|entry| entry.ok())
-            .filter(|snap| snap.record.uuid == self.uuid)
+            .filter(|snap| snap.failed.is_none() && snap.record.uuid == self.uuid)
             .filter_map(|snap| Some(snap.path.file_name()?.to_str()?.to_string()))
             .collect();
         names.sort();

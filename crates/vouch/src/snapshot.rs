@@ -5,6 +5,7 @@
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
@@ -236,10 +237,10 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
                 record["checkpoint_seq"],
                 record["layout"].as_str().unwrap_or("?"),
                 item["path"].as_str().unwrap_or("?"),
-                if item["materialising"] == true {
-                    "\tmaterialising"
-                } else {
-                    ""
+                match (item["materialising"] == true, item["failed"].as_str()) {
+                    (_, Some(cause)) => format!("\tfailed: {cause}"),
+                    (true, None) => "\tmaterialising".to_string(),
+                    (false, None) => String::new(),
                 },
             );
         }
@@ -381,10 +382,10 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
                     snap.record.checkpoint_seq,
                     snap.record.layout,
                     snap.path.display(),
-                    if snap.materialising {
-                        "\tmaterialising"
-                    } else {
-                        ""
+                    match (&snap.failed, snap.materialising) {
+                        (Some(cause), _) => format!("\tfailed: {cause}"),
+                        (None, true) => "\tmaterialising".to_string(),
+                        (None, false) => String::new(),
                     }
                 ),
                 Err(error) => {
@@ -464,14 +465,14 @@ pub struct OnlineSnapshot {
 /// volume with regions (both members and the record at one flush point).
 #[derive(Clone, Copy)]
 pub enum Served<'a> {
-    One(&'a vouch_engine::Volume),
+    One(&'a Arc<vouch_engine::Volume>),
     Regions(&'a vouch_engine::regions::RegionVolume),
 }
 
 impl Served<'_> {
     fn point(&self) -> &dyn snapshot::FlushPoint {
         match *self {
-            Served::One(volume) => volume,
+            Served::One(volume) => &**volume,
             Served::Regions(volume) => volume,
         }
     }
@@ -533,7 +534,7 @@ pub fn create_online(
 /// published the snapshot.
 fn create_fenced(
     dir: &Path,
-    volume: &vouch_engine::Volume,
+    volume: &Arc<vouch_engine::Volume>,
     name: &str,
     wait: bool,
     started: Instant,
@@ -548,6 +549,7 @@ fn create_fenced(
         (record, fencing.elapsed())
     };
     let storage = volume.storage();
+    let served = Arc::clone(volume);
     let (volume_dir, snapshot_name) = (dir.to_path_buf(), name.to_string());
     let materialised = std::thread::Builder::new()
         .name("vouch-snapshot".to_string())
@@ -556,8 +558,22 @@ fn create_fenced(
                 .lock()
                 .unwrap_or_else(|poison| poison.into_inner());
             let done = fenced::materialise(&volume_dir, &snapshot_name, &*storage);
-            if let Err(error) = &done {
-                tracing::error!(volume = %volume_dir.display(), "snapshot {snapshot_name}: materialising failed ({error}); the next open of the volume finishes it");
+            match &done {
+                Err(error) if storage.before_images().is_some_and(|layer| layer.is_armed()) => {
+                    tracing::error!(volume = %volume_dir.display(), "snapshot {snapshot_name}: materialising failed ({error}); the next open of the volume finishes it");
+                }
+                Err(error) => {
+                    // Marked failed (`vouch snapshot list` says why), the
+                    // layer disarmed: the volume runs on without it.
+                    tracing::error!(volume = %volume_dir.display(), "{error}");
+                }
+                Ok(_) => {}
+            }
+            if !storage.before_images().is_some_and(|layer| layer.is_armed()) {
+                // Published or failed: no fence needs the flag.
+                if let Err(error) = served.set_fenced(false) {
+                    tracing::error!(volume = %volume_dir.display(), "snapshot {snapshot_name}: clearing the FENCED flag failed ({error}); the next open clears it");
+                }
             }
             done
         })?;
@@ -570,6 +586,7 @@ fn create_fenced(
             path: fenced::materialising_path(dir, name),
             record,
             materialising: true,
+            failed: None,
         }
     };
     Ok(OnlineSnapshot {
@@ -643,6 +660,7 @@ pub fn list_json(dir: &Path) -> Result<Vec<serde_json::Value>> {
                 "path": snap.path.display().to_string(),
                 "record": snap.record,
                 "materialising": snap.materialising,
+                "failed": snap.failed,
             }),
             Err(error) => json!({ "error": error.to_string() }),
         })

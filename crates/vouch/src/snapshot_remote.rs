@@ -61,6 +61,7 @@ pub fn as_snapshot(replica: &RemoteLeg, entry: SnapshotEntry) -> Snapshot {
             id: entry.id,
         },
         materialising: false,
+        failed: None,
     }
 }
 

@@ -141,6 +141,8 @@ fn a_fenced_snapshot_taken_during_fio_writes_equals_the_data_at_its_flush() {
     assert!(fio.wait().expect("fio").success(), "fio failed");
     wait_materialised(&server);
     server.stop();
+    // Cleared by the server once published (no open since).
+    assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
     let snapshot = volume.join("snapshots/during");
     assert_fenced_superblock(&snapshot);
     let image = exported(&snapshot, dir, "during");
@@ -205,6 +207,10 @@ print(json.dumps({"ok": True}))
     let cut = partial.join("fence").exists();
     let _ = server.reap(Duration::from_secs(10));
     assert!(
+        !cut || fenced_flag(&volume),
+        "a fence without the FENCED flag"
+    );
+    assert!(
         cut,
         "the snapshot materialised before the kill: nothing was cut"
     );
@@ -215,6 +221,7 @@ print(json.dumps({"ok": True}))
     wait_materialised(&again);
     again.stop();
     assert!(!partial.exists());
+    assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
     let snapshot = volume.join("snapshots/cut");
     assert_fenced_superblock(&snapshot);
     let image = exported(&snapshot, dir, "cut");
@@ -229,4 +236,198 @@ print(json.dumps({"ok": True}))
     );
     assert_check_clean(&snapshot);
     assert_check_clean(&volume);
+}
+
+/// Snapshot `name` of `volume` (on xfs) fenced through the engine API,
+/// then `rounds` writes of 64 KiB, each flushed and checkpointed (its
+/// home writes imaged: appends to the log), and the volume dropped
+/// unclosed before the snapshot is materialised, as a crash leaves it.
+/// Returns the data at the fence.
+fn fence_and_crash(volume: &Path, name: &str, rounds: u64) -> Vec<u8> {
+    use vouch_engine::BlockDevice as _;
+    let opened = vouch_engine::open_volume(volume, &Default::default()).expect("open");
+    let size = opened.size() as usize;
+    let mut at_fence = vec![0u8; size];
+    for (at, chunk) in at_fence.chunks_mut(1 << 20).enumerate() {
+        opened.read((at << 20) as u64, chunk).expect("read");
+    }
+    vouch_engine::snapshot::fenced::create_fenced(volume, &opened, name, "fenced-test")
+        .expect("fenced create");
+    assert!(fenced_flag(volume), "no FENCED flag while a fence exists");
+    for round in 0..rounds {
+        let data = random_bytes(64 << 10, 100 + round);
+        opened
+            .write(round * (1 << 20), &data, false)
+            .expect("write");
+        opened.flush().expect("flush");
+        opened.checkpoint_now().expect("checkpoint");
+    }
+    drop(opened);
+    at_fence
+}
+
+/// Open `volume` writable (as `serve` does: a fence left is armed, the
+/// snapshot materialised or failed) and close it.
+fn reopen(volume: &Path) {
+    vouch_engine::open_volume(volume, &Default::default())
+        .expect("the volume opens")
+        .close()
+        .expect("close");
+}
+
+/// Is the FENCED flag set in the volume's superblock?
+fn fenced_flag(volume: &Path) -> bool {
+    let superblock = vouch_engine::volume_superblock(volume).expect("superblock");
+    superblock.features.incompat & vouch_format::FeatureFlags::INCOMPAT_FENCED != 0
+}
+
+/// The fence id of the fenced `.NAME.partial` at `partial`.
+fn fence_id(partial: &Path) -> u64 {
+    let fence: Value =
+        serde_json::from_slice(&std::fs::read(partial.join("fence")).expect("fence"))
+            .expect("fence json");
+    fence["fence"].as_u64().expect("fence id")
+}
+
+#[test]
+fn a_before_image_log_damaged_mid_log_fails_the_snapshot_and_the_volume_opens() {
+    use vouch_engine::storage::before::read_records;
+    let fs = LoopFs::xfs();
+    let dir = &fs.mount;
+    let volume = volume_from(dir, "vol", &random_bytes(64 << 20, 21));
+    fence_and_crash(&volume, "cut", 6);
+    let partial = volume.join("snapshots/.cut.partial");
+    let log_path = partial.join("before");
+    let mut log = std::fs::read(&log_path).expect("log");
+    let (records, scanned) = read_records(&log, fence_id(&partial));
+    assert!(
+        records.len() >= 3,
+        "too few records to damage one mid-log: {scanned:?}"
+    );
+    // A media error in the first record's payload, synced long ago.
+    log[40 + 1000] ^= 0x20;
+    std::fs::write(&log_path, &log).expect("damage the log");
+    assert!(fenced_flag(&volume));
+    // The next (writable) open fails the snapshot and opens the volume.
+    reopen(&volume);
+    assert_check_clean(&volume);
+    assert!(partial.join("failed").exists() && !partial.join("fence").exists());
+    assert_eq!(std::fs::read(&log_path).expect("log kept"), log);
+    assert!(
+        !volume.join("snapshots/cut").exists(),
+        "a failed snapshot got its name"
+    );
+    assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
+    let failed = std::fs::read_to_string(partial.join("failed")).expect("failed");
+    assert!(
+        failed.contains("damaged at byte 0") && failed.contains("vouch snapshot delete"),
+        "{failed}"
+    );
+    // `snapshot list` says it failed, with the cause (and succeeds).
+    let listed = vouch_ok(&["snapshot", "list", s(&volume)]);
+    let out = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        out.contains("cut\t") && out.contains("\tfailed: ") && out.contains("damaged at byte 0"),
+        "{out}"
+    );
+    // The volume is writable; a new snapshot of the name waits for the
+    // delete, which removes what is left.
+    let written = random_bytes(4096, 22);
+    {
+        use vouch_engine::BlockDevice as _;
+        let opened = vouch_engine::open_volume(&volume, &Default::default()).expect("open");
+        opened.write(0, &written, false).expect("write");
+        opened.flush().expect("flush");
+        opened.close().expect("close");
+    }
+    let refused = vouch(&["snapshot", "create", s(&volume), "cut"]);
+    assert!(!refused.status.success());
+    vouch_ok(&["snapshot", "delete", s(&volume), "cut"]);
+    assert!(!partial.exists());
+    vouch_ok(&["snapshot", "create", s(&volume), "cut"]);
+    assert_eq!(
+        &exported(&volume.join("snapshots/cut"), dir, "cut")[..4096],
+        &written[..]
+    );
+    assert_check_clean(&volume);
+}
+
+#[test]
+fn a_torn_last_append_still_finishes_the_snapshot() {
+    use vouch_engine::storage::before::{encode_record, read_records};
+    use vouch_engine::ObjectId;
+    let fs = LoopFs::xfs();
+    let dir = &fs.mount;
+    let volume = volume_from(dir, "vol", &random_bytes(64 << 20, 31));
+    let at_fence = fence_and_crash(&volume, "torn", 4);
+    let partial = volume.join("snapshots/.torn.partial");
+    let log_path = partial.join("before");
+    let mut log = std::fs::read(&log_path).expect("log");
+    let fence = fence_id(&partial);
+    let (_, scanned) = read_records(&log, fence);
+    assert_eq!(scanned.end, vouch_engine::storage::before::LogEnd::Whole);
+    // An append a crash tore before its sync (so its home write was never
+    // issued): a page of its record lost.
+    let mut torn = encode_record(fence, ObjectId::Data(0), 0, &[7; 8192]);
+    torn[40 + 4096] ^= 1;
+    log.extend_from_slice(&torn);
+    std::fs::write(&log_path, &log).expect("tear the log");
+    assert!(fenced_flag(&volume));
+    reopen(&volume);
+    assert_check_clean(&volume);
+    assert!(!partial.exists());
+    assert!(!fenced_flag(&volume), "the FENCED flag outlived the fence");
+    let snapshot = volume.join("snapshots/torn");
+    assert_fenced_superblock(&snapshot);
+    assert!(
+        exported(&snapshot, dir, "torn") == at_fence,
+        "the snapshot differs from the data at its fence"
+    );
+    assert_check_clean(&snapshot);
+}
+
+#[test]
+fn a_failed_materialisation_disarms_the_layer_and_says_what_to_do() {
+    let fs = LoopFs::xfs();
+    let dir = &fs.mount;
+    let volume = volume_from(dir, "vol", &random_bytes(64 << 20, 41));
+    let opened = vouch_engine::open_volume(&volume, &Default::default()).expect("open");
+    vouch_engine::snapshot::fenced::create_fenced(&volume, &opened, "stuck", "fenced-test")
+        .expect("fenced create");
+    let partial = volume.join("snapshots/.stuck.partial");
+    // A directory where the first clone goes: the clone fails.
+    let fence: Value =
+        serde_json::from_slice(&std::fs::read(partial.join("fence")).expect("fence"))
+            .expect("fence json");
+    let first = fence["files"][0][0].as_str().expect("a file").to_string();
+    std::fs::create_dir(partial.join(&first)).expect("in the way");
+    let storage = opened.storage();
+    let layer = storage.before_images().expect("the layer");
+    assert!(layer.is_armed());
+    let error = vouch_engine::snapshot::fenced::materialise(&volume, "stuck", &*storage)
+        .expect_err("a clone onto a directory");
+    assert!(
+        !layer.is_armed(),
+        "a failed materialisation left the layer armed"
+    );
+    let message = error.to_string();
+    assert!(
+        message.contains("never published") && message.contains("vouch snapshot delete"),
+        "{message}"
+    );
+    assert!(partial.join("failed").exists() && !partial.join("fence").exists());
+    // Writes go on, unimaged.
+    use vouch_engine::BlockDevice as _;
+    opened.write(0, &[9; 4096], false).expect("write");
+    opened.flush().expect("flush");
+    opened.checkpoint_now().expect("checkpoint");
+    drop(storage);
+    drop(opened);
+    // The next open leaves it failed, clears the flag; the volume is clean.
+    reopen(&volume);
+    assert_check_clean(&volume);
+    assert!(partial.join("failed").exists() && !volume.join("snapshots/stuck").exists());
+    assert!(!fenced_flag(&volume));
+    vouch_ok(&["snapshot", "delete", s(&volume), "stuck"]);
+    assert!(!partial.exists());
 }

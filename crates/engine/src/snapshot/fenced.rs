@@ -26,6 +26,7 @@
 //! materialises again from the start (`resume`). A `NAME` that still has a
 //! `fence` was published complete: only the two files are removed.
 
+use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -37,13 +38,17 @@ use super::{
     SnapshotFs, SnapshotRecord, PARTIAL, RECORD_FILE, SNAPSHOTS_DIR,
 };
 use crate::error::{Error, Result};
-use crate::storage::before::{first_images, BeforeBreaks, IMAGE_BLOCK};
+use crate::storage::before::{scan_log, BeforeBreaks, LogEnd, IMAGE_BLOCK, SCAN_PIECE};
 use crate::storage::{ObjectId, Storage};
 
 /// The fence of a snapshot being materialised, in `.NAME.partial/`.
 pub const FENCE_FILE: &str = "fence";
 /// Its before-image log, beside the fence.
 pub const BEFORE_FILE: &str = "before";
+/// Why a fenced snapshot failed (text), in its `.NAME.partial/`, which
+/// then has no fence: never materialised again nor published; listed as
+/// failed until `vouch snapshot delete` removes it.
+pub const FAILED_FILE: &str = "failed";
 
 /// What the fence records (JSON): the id every before-image record
 /// carries, and each file the snapshot takes with its length at the fence.
@@ -56,6 +61,72 @@ pub struct Fence {
 /// Whether `dir` (a `.NAME.partial` or a published snapshot) has a fence.
 pub fn is_fenced(fs: &dyn SnapshotFs, dir: &Path) -> bool {
     fs.exists(&dir.join(FENCE_FILE))
+}
+
+/// Why the fenced snapshot at `dir` (a `.NAME.partial`) failed, if it did.
+pub fn failed_cause(fs: &dyn SnapshotFs, dir: &Path) -> Option<String> {
+    let path = dir.join(FAILED_FILE);
+    if !fs.exists(&path) {
+        return None;
+    }
+    Some(match fs.read(&path) {
+        Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+        Err(error) => format!("(its cause cannot be read: {error})"),
+    })
+}
+
+/// Mark the fenced `.NAME.partial` at `partial` failed for `cause`:
+/// `failed` written (whole or absent: written beside, synced, renamed)
+/// and synced with the directory, then the fence removed. ORDER POINT:
+/// `failed` is durable before the fence goes and before the caller
+/// disarms the layer, so no later open materialises it (home writes
+/// without images follow). The log stays until the snapshot is deleted.
+fn mark_failed(fs: &dyn SnapshotFs, partial: &Path, cause: &str) -> Result<()> {
+    write_whole(fs, partial, FAILED_FILE, cause.as_bytes())?;
+    let fence = partial.join(FENCE_FILE);
+    if fs.exists(&fence) {
+        fs.remove_file(&fence)
+            .map_err(|e| io_error("remove", &fence, e))?;
+        fs.sync_dir(partial)
+            .map_err(|e| io_error("sync", partial, e))?;
+    }
+    Ok(())
+}
+
+/// Why a log damaged after it was synced fails its snapshot.
+fn damaged(log: &Path, at: u64, later: u64) -> String {
+    format!(
+        "its before-image log {} is damaged at byte {at}, after it was synced (a later append's record is at byte {later}): the bytes at the fence of the blocks written since are lost, so the snapshot would read newer data",
+        log.display()
+    )
+}
+
+/// `file` of `partial` written whole or not at all: as `file.new` (a
+/// stale one removed first), synced, renamed in, the directory synced.
+fn write_whole(fs: &dyn SnapshotFs, partial: &Path, file: &str, bytes: &[u8]) -> Result<()> {
+    let path = partial.join(file);
+    let written = partial.join(format!("{file}.new"));
+    if fs.exists(&written) {
+        fs.remove_file(&written)
+            .map_err(|e| io_error("remove", &written, e))?;
+    }
+    fs.write_at(&written, 0, bytes)
+        .map_err(|e| io_error("write", &written, e))?;
+    fs.sync_file(&written)
+        .map_err(|e| io_error("sync", &written, e))?;
+    fs.rename(&written, &path)
+        .map_err(|e| io_error("rename", &written, e))?;
+    fs.sync_dir(partial)
+        .map_err(|e| io_error("sync", partial, e))
+}
+
+/// What a failed snapshot's `failed` says: the cause and what to do.
+fn failure(name: &str, dir: &Path, cause: &str) -> String {
+    format!(
+        "snapshot {name:?} of {} failed while it was materialised and was never published: {cause}. The volume is unaffected; `vouch snapshot delete {} {name}` removes what is left of it (its before-image log is kept until then), and a new snapshot can be taken",
+        dir.display(),
+        dir.display()
+    )
 }
 
 /// The names of the snapshots of `volume` being materialised (a fenced
@@ -86,7 +157,7 @@ pub fn refuse_while_materialising(fs: &dyn SnapshotFs, dir: &Path, what: &str) -
     match materialising(fs, dir)?.first() {
         None => Ok(()),
         Some(name) => Err(invalid(format!(
-            "snapshot {name:?} of {} is still being materialised: {what} once it is done (`vouch snapshot list` shows it; a writable open such as `vouch check` or `vouch serve` finishes one a crash cut short)",
+            "snapshot {name:?} of {} is still being materialised: {what} once it is done (`vouch snapshot list` shows it; a writable open such as `vouch serve` finishes one a crash cut short)",
             dir.display()
         ))),
     }
@@ -144,7 +215,12 @@ pub fn create_fenced(
     let storage = volume.storage();
     let layer = layer_of(&*storage)?;
     let partial = partial_path(dir, name);
-    volume.at_flush_point(&mut |superblock: &Superblock| {
+    // ORDER POINT: the FENCED flag is durable before the fence, so a
+    // binary that knows no fences (and would write home without images)
+    // refuses the volume while one exists. A flag without a fence is
+    // cleared by the next open.
+    volume.set_fenced(true)?;
+    let fenced = volume.at_flush_point(&mut |superblock: &Superblock| {
         // The regions flag read here, not through `regions`, which imports
         // this module (refusals while a snapshot materialises).
         if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
@@ -162,11 +238,20 @@ pub fn create_fenced(
             .write(true)
             .open(partial.join(BEFORE_FILE))
             .map_err(|e| io_error("open", &partial.join(BEFORE_FILE), e))?;
-        layer
+        let end = layer
             .arm(Box::new(log), fence.fence)
             .map_err(|e| io_error("write", &partial.join(BEFORE_FILE), e))?;
+        debug_assert_eq!(end, LogEnd::Whole, "a new log is empty");
         Ok(record)
-    })
+    });
+    if fenced.is_err() && !layer.is_armed() {
+        // No fence armed: the flag is not needed (a fence written but not
+        // armed is armed by the next open, which sets nothing).
+        if !is_fenced(&fs, &partial) {
+            let _ = volume.set_fenced(false);
+        }
+    }
+    fenced
 }
 
 /// Write `.NAME.partial` (`partial`) at the flush point: the snapshot's
@@ -183,6 +268,8 @@ fn fence_at(
         .map_err(|e| io_error("create", partial, e))?;
     let mut marked = *superblock;
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
+    // The live volume's flag (set before the fence), never the snapshot's.
+    marked.features.incompat &= !FeatureFlags::INCOMPAT_FENCED;
     marked.state = STATE_CLEAN;
     write_superblock(fs, partial, &marked)?;
     let record_path = partial.join(RECORD_FILE);
@@ -218,21 +305,12 @@ fn fence_at(
         fence: rand::random::<u64>() | 1,
         files,
     };
-    // Whole or absent: written and synced beside, then renamed in.
-    let fence_path = partial.join(FENCE_FILE);
-    let written = partial.join(format!("{FENCE_FILE}.new"));
-    fs.write_at(
-        &written,
-        0,
+    write_whole(
+        fs,
+        partial,
+        FENCE_FILE,
         &serde_json::to_vec_pretty(&fence).expect("a fence serializes"),
-    )
-    .map_err(|e| io_error("write", &written, e))?;
-    fs.sync_file(&written)
-        .map_err(|e| io_error("sync", &written, e))?;
-    fs.rename(&written, &fence_path)
-        .map_err(|e| io_error("rename", &written, e))?;
-    fs.sync_dir(partial)
-        .map_err(|e| io_error("sync", partial, e))?;
+    )?;
     let snapshots = dir.join(SNAPSHOTS_DIR);
     fs.sync_dir(&snapshots)
         .map_err(|e| io_error("sync", &snapshots, e))?;
@@ -254,6 +332,13 @@ pub fn materialise(dir: &Path, name: &str, storage: &dyn Storage) -> Result<Snap
 }
 
 /// `materialise`, with the image order broken on purpose (tests).
+///
+/// A materialisation that fails before its publishing rename (a clone or
+/// write refused, the log damaged after it was synced) marks the snapshot
+/// failed (`mark_failed`) and only then disarms the layer: the volume runs
+/// on without images, the snapshot is never published, and the error says
+/// what to do. Should even the mark fail, the layer stays armed and the
+/// next open tries again.
 pub fn materialise_with(
     dir: &Path,
     name: &str,
@@ -263,7 +348,42 @@ pub fn materialise_with(
     let fs = RealFs::default();
     let layer = layer_of(storage)?;
     let partial = partial_path(dir, name);
-    let fence = read_fence(&fs, &partial)?;
+    if let Err(error) = build(&fs, dir, &partial, breaks) {
+        let cause = failure(name, dir, &error.to_string());
+        mark_failed(&fs, &partial, &cause)?;
+        layer.disarm();
+        return Err(Error::Corrupt(cause));
+    }
+    // ORDER POINT: everything the name publishes is durable before it.
+    let snapshots = dir.join(SNAPSHOTS_DIR);
+    let target = snapshots.join(name);
+    if let Err(error) = fs.rename(&partial, &target) {
+        let cause = failure(name, dir, &io_error("rename", &partial, error).to_string());
+        mark_failed(&fs, &partial, &cause)?;
+        layer.disarm();
+        return Err(Error::Corrupt(cause));
+    }
+    // Not durable yet, the rename may be undone by a crash (the open then
+    // materialises the fenced `.NAME.partial` again): the layer stays
+    // armed until it is.
+    fs.sync_dir(&snapshots)
+        .map_err(|e| io_error("sync", &snapshots, e))?;
+    layer.disarm();
+    let record = unfence(&fs, &target)?;
+    Ok(Snapshot {
+        path: target,
+        record,
+        materialising: false,
+        failed: None,
+    })
+}
+
+/// The files of `.NAME.partial` (`partial`) of the volume at `dir` made
+/// and synced: each cloned and cut to its fenced length, each imaged
+/// block's first before-image written back (the log read in pieces), a
+/// new journal; all read-only.
+fn build(fs: &RealFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Result<()> {
+    let fence = read_fence(fs, partial)?;
     let mut made = Vec::new();
     for (file, len) in &fence.files {
         let (from, to) = (dir.join(file), partial.join(file));
@@ -281,7 +401,7 @@ pub fn materialise_with(
             .map_err(|e| io_error("truncate", &to, e))?;
         made.push(to);
     }
-    let superblock = super::superblock_of(&fs, &partial)?;
+    let superblock = super::superblock_of(fs, partial)?;
     let journal = partial.join(ObjectId::Journal.file_name());
     if !fs.exists(&journal) {
         fs.new_file(&journal, superblock.journal_bytes, false)
@@ -291,26 +411,47 @@ pub fn materialise_with(
     // Read after every clone ended: each home write that reached a clone
     // was issued after its image was synced, so its image is in here.
     let log_path = partial.join(BEFORE_FILE);
-    let log = fs
-        .read(&log_path)
-        .map_err(|e| io_error("read", &log_path, e))?;
+    let log = std::fs::File::open(&log_path).map_err(|e| io_error("open", &log_path, e))?;
+    let mut records = Vec::new();
+    let scanned = scan_log(&log, fence.fence, SCAN_PIECE, &mut |record| {
+        records.push(*record)
+    })
+    .map_err(|e| io_error("read", &log_path, e))?;
+    if let LogEnd::Corrupt { at, later } = scanned.end {
+        return Err(Error::Corrupt(damaged(&log_path, at, later)));
+    }
     let lengths: std::collections::HashMap<&str, u64> = fence
         .files
         .iter()
         .map(|(file, len)| (file.as_str(), *len))
         .collect();
-    for ((object, offset), image) in first_images(&log, fence.fence, breaks) {
-        let file = object.file_name();
+    // Each block's first image (the last instead, broken on purpose),
+    // read from the log a block at a time.
+    let mut restored = std::collections::HashSet::new();
+    let mut image = vec![0u8; IMAGE_BLOCK as usize];
+    let order: Box<dyn Iterator<Item = &crate::storage::before::Record>> = if breaks.last_image_wins
+    {
+        Box::new(records.iter().rev())
+    } else {
+        Box::new(records.iter())
+    };
+    for record in order {
+        let file = record.object.file_name();
         let Some(&len) = lengths.get(file.as_str()) else {
             continue;
         };
-        if offset >= len {
-            continue;
-        }
-        let keep = (len - offset).min(IMAGE_BLOCK) as usize;
         let path = partial.join(&file);
-        fs.write_at(&path, offset, &image[..keep])
-            .map_err(|e| io_error("write", &path, e))?;
+        for block in 0..record.len / IMAGE_BLOCK {
+            let offset = record.offset + block * IMAGE_BLOCK;
+            if offset >= len || !restored.insert((record.object, offset)) {
+                continue;
+            }
+            log.read_exact_at(&mut image, record.payload_at + block * IMAGE_BLOCK)
+                .map_err(|e| io_error("read", &log_path, e))?;
+            let keep = (len - offset).min(IMAGE_BLOCK) as usize;
+            fs.write_at(&path, offset, &image[..keep])
+                .map_err(|e| io_error("write", &path, e))?;
+        }
     }
     made.push(partial.join(ObjectId::Superblock.file_name()));
     made.push(partial.join(RECORD_FILE));
@@ -318,21 +459,7 @@ pub fn materialise_with(
         fs.make_read_only(file)
             .map_err(|e| io_error("chmod", file, e))?;
     }
-    sync_all(&fs, &partial, &made)?;
-    // ORDER POINT: everything the name publishes is durable before it.
-    let snapshots = dir.join(SNAPSHOTS_DIR);
-    let target = snapshots.join(name);
-    fs.rename(&partial, &target)
-        .map_err(|e| io_error("rename", &partial, e))?;
-    fs.sync_dir(&snapshots)
-        .map_err(|e| io_error("sync", &snapshots, e))?;
-    layer.disarm();
-    let record = unfence(&fs, &target)?;
-    Ok(Snapshot {
-        path: target,
-        record,
-        materialising: false,
-    })
+    sync_all(fs, partial, &made)
 }
 
 /// A file `make_read_only` sealed by a materialisation a crash cut short
@@ -395,6 +522,13 @@ pub fn resume(
         else {
             continue;
         };
+        if let Some(cause) = failed_cause(&fs, &path) {
+            if is_fenced(&fs, &path) {
+                // A crash cut the mark before the fence went.
+                mark_failed(&fs, &path, &cause)?;
+            }
+            continue;
+        }
         if !is_fenced(&fs, &path) || pending.is_some() {
             continue;
         }
@@ -405,9 +539,16 @@ pub fn resume(
             .write(true)
             .open(&log_path)
             .map_err(|e| io_error("open", &log_path, e))?;
-        storage
+        let end = storage
             .arm(Box::new(log), fence.fence)
             .map_err(|e| io_error("read", &log_path, e))?;
+        if let LogEnd::Corrupt { at, later } = end {
+            // Not armed: the snapshot cannot be right; the volume opens.
+            let cause = failure(name, dir, &damaged(&log_path, at, later));
+            mark_failed(&fs, &path, &cause)?;
+            tracing::error!(volume = %dir.display(), "{cause}");
+            continue;
+        }
         pending = Some(name.to_string());
     }
     Ok(pending)

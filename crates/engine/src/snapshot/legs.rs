@@ -224,6 +224,7 @@ fn publish_legs(
             path: snapshot_path(leg, asked.name),
             record,
             materialising: false,
+            failed: None,
         });
     }
     Ok(snapshots)

@@ -109,61 +109,211 @@ pub fn encode_record(fence: u64, object: ObjectId, offset: u64, payload: &[u8]) 
     record.extend_from_slice(&fence.to_le_bytes()); // 24..32
     record.extend_from_slice(&[0; 8]); // 32..40: crc, reserved
     record.extend_from_slice(payload);
-    let crc = record_crc(&record);
+    let crc = crc32c::crc32c_append(header_crc(&record[..RECORD_HEADER_BYTES]), payload);
     record[32..36].copy_from_slice(&crc.to_le_bytes());
     record
 }
 
-/// CRC32C of a record with its crc field taken as zero.
-fn record_crc(record: &[u8]) -> u32 {
-    let mut bytes = record.to_vec();
+/// CRC32C of a record's header with its crc field taken as zero (the
+/// payload's is appended to it).
+fn header_crc(header: &[u8]) -> u32 {
+    let mut bytes = [0u8; RECORD_HEADER_BYTES];
+    bytes.copy_from_slice(&header[..RECORD_HEADER_BYTES]);
     bytes[32..36].fill(0);
-    vouch_format::crc32c(&bytes)
+    crc32c::crc32c(&bytes)
 }
 
-/// A record read back: its object, offset, and where its payload is in the
-/// log.
+/// A record read back: its object, offset, and where its payload is in
+/// the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Record {
     pub object: ObjectId,
     pub offset: u64,
-    pub payload_at: usize,
-    pub len: usize,
+    pub payload_at: u64,
+    pub len: u64,
 }
 
-/// The valid records of `log` (under `fence`), in order, and the length of
-/// the valid prefix: reading stops at the first record that is short, has
-/// the wrong magic, fence or checksum (the tail a crash tore: its home
-/// write was never issued, as the log is synced first).
-pub fn read_records(log: &[u8], fence: u64) -> (Vec<Record>, usize) {
-    let mut records = Vec::new();
-    let mut at = 0usize;
-    while let Some(header) = log.get(at..at + RECORD_HEADER_BYTES) {
-        let word = |range: std::ops::Range<usize>| &header[range];
-        let u32_at = |from: usize| u32::from_le_bytes(word(from..from + 4).try_into().unwrap());
-        let u64_at = |from: usize| u64::from_le_bytes(word(from..from + 8).try_into().unwrap());
-        if u32_at(0) != RECORD_MAGIC || u64_at(24) != fence {
-            break;
-        }
-        let len = u32_at(12) as usize;
-        let Some(object) = object_of(header[4], u32_at(8)) else {
-            break;
+/// How a log's valid records end.
+#[must_use]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogEnd {
+    /// Every byte is in a valid record.
+    Whole,
+    /// From byte `at` on nothing is a valid record: the tail a crash tore
+    /// (appends never synced, so their home writes were never issued), or
+    /// damage to the very last record, which cannot be told from a tear.
+    Torn { at: u64 },
+    /// The record at byte `at` is bad, yet a valid record of this fence
+    /// follows at byte `later`: the bad one was (most likely) damaged
+    /// after it was durable (a media error), and its images, the bytes at
+    /// the fence of blocks written home since, may be lost. Fail-safe: a
+    /// power cut that lands a later page of the unsynced appends before an
+    /// earlier one reads so too, and fails the snapshot, never its data.
+    Corrupt { at: u64, later: u64 },
+}
+
+/// The valid prefix of a log and how it ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scanned {
+    /// Bytes of valid records from byte 0.
+    pub valid: u64,
+    pub end: LogEnd,
+}
+
+/// The bytes read at a time by `scan_log` (and `fenced::materialise`):
+/// the log is never read whole into memory.
+pub const SCAN_PIECE: usize = 1 << 20;
+
+/// A log read in pieces of at most `piece` bytes (more only for a single
+/// read that asks for more), up to the length it had when made.
+struct Pieces<'a> {
+    log: &'a dyn BeforeLog,
+    len: u64,
+    piece: usize,
+    buf: Vec<u8>,
+    buf_at: u64,
+}
+
+impl Pieces<'_> {
+    /// Bytes `at..at + n`, or `None` past the end.
+    fn get(&mut self, at: u64, n: usize) -> io::Result<Option<&[u8]>> {
+        let end = match at.checked_add(n as u64) {
+            Some(end) if end <= self.len => end,
+            _ => return Ok(None),
         };
-        let Some(record) = log.get(at..at + RECORD_HEADER_BYTES + len) else {
-            break;
-        };
-        if !(len as u64).is_multiple_of(IMAGE_BLOCK) || record_crc(record) != u32_at(32) {
-            break;
+        if at < self.buf_at || end > self.buf_at + self.buf.len() as u64 {
+            let want = (n.max(self.piece) as u64).min(self.len - at) as usize;
+            self.buf.resize(want, 0);
+            self.log.read_at(at, &mut self.buf)?;
+            self.buf_at = at;
         }
-        records.push(Record {
-            object,
-            offset: u64_at(16),
-            payload_at: at + RECORD_HEADER_BYTES,
-            len,
-        });
-        at += RECORD_HEADER_BYTES + len;
+        let from = (at - self.buf_at) as usize;
+        Ok(Some(&self.buf[from..from + n]))
     }
-    (records, at)
+
+    /// The valid record of `fence` at byte `at`, if there is one there
+    /// (its checksum computed piece by piece).
+    fn record_at(&mut self, at: u64, fence: u64) -> io::Result<Option<Record>> {
+        let Some(header) = self.get(at, RECORD_HEADER_BYTES)? else {
+            return Ok(None);
+        };
+        let u32_at = |from: usize| u32::from_le_bytes(header[from..from + 4].try_into().unwrap());
+        let u64_at = |from: usize| u64::from_le_bytes(header[from..from + 8].try_into().unwrap());
+        if u32_at(0) != RECORD_MAGIC || u64_at(24) != fence {
+            return Ok(None);
+        }
+        let len = u64::from(u32_at(12));
+        let Some(object) = object_of(header[4], u32_at(8)) else {
+            return Ok(None);
+        };
+        if len == 0 || !len.is_multiple_of(IMAGE_BLOCK) {
+            return Ok(None);
+        }
+        let (offset, crc) = (u64_at(16), u32_at(32));
+        let mut sum = header_crc(header);
+        let payload_at = at + RECORD_HEADER_BYTES as u64;
+        let mut done = 0u64;
+        while done < len {
+            let step = (len - done).min(self.piece.max(1) as u64) as usize;
+            let Some(bytes) = self.get(payload_at + done, step)? else {
+                return Ok(None);
+            };
+            sum = crc32c::crc32c_append(sum, bytes);
+            done += step as u64;
+        }
+        Ok((sum == crc).then_some(Record {
+            object,
+            offset,
+            payload_at,
+            len,
+        }))
+    }
+}
+
+/// Read `log` (records of `fence`) in pieces of `piece` bytes: `visit`
+/// is given each valid record from byte 0 in order, and the answer says
+/// where they end and how (`LogEnd`). Past the first bad byte the rest is
+/// searched for any valid record of this fence: one found makes the end
+/// `LogEnd::Corrupt` (the bad record may have been synced and followed by
+/// its home write), none a torn tail.
+pub fn scan_log(
+    log: &dyn BeforeLog,
+    fence: u64,
+    piece: usize,
+    visit: &mut dyn FnMut(&Record),
+) -> io::Result<Scanned> {
+    let mut pieces = Pieces {
+        log,
+        len: log.bytes()?,
+        piece,
+        buf: Vec::new(),
+        buf_at: 0,
+    };
+    let mut at = 0u64;
+    while let Some(record) = pieces.record_at(at, fence)? {
+        visit(&record);
+        at = record.payload_at + record.len;
+    }
+    if at >= pieces.len {
+        return Ok(Scanned {
+            valid: at,
+            end: LogEnd::Whole,
+        });
+    }
+    let magic = RECORD_MAGIC.to_le_bytes();
+    let mut later = at + 1;
+    while later + RECORD_HEADER_BYTES as u64 <= pieces.len {
+        let is_magic = pieces.get(later, 4)?.is_some_and(|bytes| bytes == magic);
+        if is_magic && pieces.record_at(later, fence)?.is_some() {
+            return Ok(Scanned {
+                valid: at,
+                end: LogEnd::Corrupt { at, later },
+            });
+        }
+        later += 1;
+    }
+    Ok(Scanned {
+        valid: at,
+        end: LogEnd::Torn { at },
+    })
+}
+
+/// A log held in memory, read as the file would be.
+struct SliceLog<'a>(&'a [u8]);
+
+impl BeforeLog for SliceLog<'_> {
+    fn bytes(&self) -> io::Result<u64> {
+        Ok(self.0.len() as u64)
+    }
+    fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        let at = at as usize;
+        let bytes = self
+            .0
+            .get(at..at + buf.len())
+            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+        buf.copy_from_slice(bytes);
+        Ok(())
+    }
+    fn write_at(&self, _: u64, _: &[u8]) -> io::Result<()> {
+        Err(io::Error::from(io::ErrorKind::PermissionDenied))
+    }
+    fn sync(&self) -> io::Result<()> {
+        Ok(())
+    }
+    fn truncate(&self, _: u64) -> io::Result<()> {
+        Err(io::Error::from(io::ErrorKind::PermissionDenied))
+    }
+}
+
+/// The valid records of `log` (under `fence`), in order, and how they end
+/// (`scan_log` on bytes in memory).
+pub fn read_records(log: &[u8], fence: u64) -> (Vec<Record>, Scanned) {
+    let mut records = Vec::new();
+    let scanned = scan_log(&SliceLog(log), fence, SCAN_PIECE, &mut |record| {
+        records.push(*record)
+    })
+    .expect("a log in memory reads");
+    (records, scanned)
 }
 
 /// Each imaged block's first image in `log` (its bytes at the fence), by
@@ -176,8 +326,8 @@ pub fn first_images(
 ) -> BTreeMap<(ObjectId, u64), &[u8]> {
     let mut images = BTreeMap::new();
     for record in read_records(log, fence).0 {
-        for block in 0..(record.len as u64 / IMAGE_BLOCK) {
-            let from = record.payload_at + (block * IMAGE_BLOCK) as usize;
+        for block in 0..(record.len / IMAGE_BLOCK) {
+            let from = (record.payload_at + block * IMAGE_BLOCK) as usize;
             let bytes = &log[from..from + IMAGE_BLOCK as usize];
             let key = (record.object, record.offset + block * IMAGE_BLOCK);
             if breaks.last_image_wins {
@@ -251,14 +401,7 @@ impl BeforeLog for SimLog {
         Ok(self.state.lock().0.len() as u64)
     }
     fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
-        let state = self.state.lock();
-        let at = at as usize;
-        let bytes = state
-            .0
-            .get(at..at + buf.len())
-            .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
-        buf.copy_from_slice(bytes);
-        Ok(())
+        SliceLog(&self.state.lock().0).read_at(at, buf)
     }
     fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
         let mut state = self.state.lock();
@@ -332,31 +475,32 @@ impl BeforeImages {
     /// materialisation) are kept, a torn tail cut off, and their blocks
     /// count as imaged. Call it with no home write in flight (at the flush
     /// point, or before the open's replay).
-    pub fn arm(&self, log: Box<dyn BeforeLog>, fence: u64) -> io::Result<()> {
-        let len = log.bytes()?;
-        let mut bytes = vec![0u8; len as usize];
-        if len > 0 {
-            log.read_at(0, &mut bytes)?;
-        }
-        let (records, valid) = read_records(&bytes, fence);
-        if (valid as u64) < len {
-            log.truncate(valid as u64)?;
-        }
+    ///
+    /// A log damaged after it was synced (`LogEnd::Corrupt`) is left as
+    /// it is and the layer stays disarmed: the caller fails the snapshot
+    /// (its images of blocks written since are lost), and the volume runs
+    /// on without one.
+    pub fn arm(&self, log: Box<dyn BeforeLog>, fence: u64) -> io::Result<LogEnd> {
         let mut imaged = HashSet::new();
-        for record in records {
-            for block in 0..(record.len as u64 / IMAGE_BLOCK) {
+        let scanned = scan_log(&*log, fence, SCAN_PIECE, &mut |record| {
+            for block in 0..(record.len / IMAGE_BLOCK) {
                 imaged.insert((record.object, record.offset + block * IMAGE_BLOCK));
             }
+        })?;
+        match scanned.end {
+            LogEnd::Corrupt { .. } => return Ok(scanned.end),
+            LogEnd::Torn { at } => log.truncate(at)?,
+            LogEnd::Whole => {}
         }
         *self.layer.log.lock() = Some(Armed {
             log,
             fence,
-            end: valid as u64,
+            end: scanned.valid,
             imaged,
             failed: false,
         });
         self.layer.armed.store(true, Ordering::Release);
-        Ok(())
+        Ok(scanned.end)
     }
 
     /// Stop imaging (the snapshot is materialised and published).
@@ -731,7 +875,10 @@ mod tests {
         });
         let layer = BeforeImages::new(witness.clone());
         layer.set_breaks(breaks);
-        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        assert_eq!(
+            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+            LogEnd::Whole
+        );
         let mut wrong = 0;
         for _ in 0..60 {
             let object = OBJECTS[rng.gen_range(0..OBJECTS.len())];
@@ -869,14 +1016,22 @@ mod tests {
         let sim = Arc::new(SimStorage::new());
         let layer = BeforeImages::new(sim.clone());
         let log = SimLog::default();
-        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        assert_eq!(
+            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+            LogEnd::Whole
+        );
         layer.write_at(ObjectId::Data(0), 0, &[2; 8192]).unwrap();
         let whole = log.durable();
         let mut torn = whole.clone();
         torn.extend_from_slice(&encode_record(FENCE, ObjectId::Data(0), 8192, &[5; 4096])[..100]);
         let again = BeforeImages::new(sim);
         let reopened = SimLog::from_bytes(torn);
-        again.arm(Box::new(reopened.clone()), FENCE).unwrap();
+        assert_eq!(
+            again.arm(Box::new(reopened.clone()), FENCE).unwrap(),
+            LogEnd::Torn {
+                at: whole.len() as u64
+            }
+        );
         assert_eq!(reopened.durable(), whole);
         assert_eq!(again.imaged_blocks(), 2);
         // Imaged before the crash: not imaged again.
@@ -884,5 +1039,109 @@ mod tests {
         assert_eq!(reopened.durable(), whole);
         // Another fence's records are none of this one's.
         assert!(first_images(&whole, FENCE + 1, BeforeBreaks::default()).is_empty());
+    }
+
+    /// A log of `appends` appends, the first of two records (a
+    /// `write_runs` of two distant runs), each append's blocks new, and
+    /// where each record starts.
+    fn log_of(appends: u64) -> (Vec<u8>, Vec<u64>) {
+        let sim = Arc::new(SimStorage::new());
+        let layer = BeforeImages::new(sim);
+        let log = SimLog::default();
+        assert_eq!(
+            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+            LogEnd::Whole
+        );
+        let one: [&[u8]; 1] = [&[1; 4096]];
+        layer
+            .write_runs(
+                ObjectId::Data(0),
+                &[
+                    Run {
+                        offset: 0,
+                        parts: &one,
+                    },
+                    Run {
+                        offset: 8 * IMAGE_BLOCK,
+                        parts: &one,
+                    },
+                ],
+            )
+            .unwrap();
+        for append in 1..appends {
+            layer
+                .write_at(ObjectId::Data(1), append * IMAGE_BLOCK, &[3; 4096])
+                .unwrap();
+        }
+        let bytes = log.durable();
+        let (records, scanned) = read_records(&bytes, FENCE);
+        assert_eq!(scanned.end, LogEnd::Whole);
+        assert_eq!(records.len() as u64, appends + 1);
+        (bytes, records.iter().map(|r| r.payload_at - 40).collect())
+    }
+
+    #[test]
+    fn a_record_damaged_with_any_valid_record_after_it_is_corrupt_not_a_torn_tail() {
+        let (mut bytes, starts) = log_of(4);
+        // A byte of the first record's payload flipped (a media error).
+        bytes[starts[0] as usize + RECORD_HEADER_BYTES + 100] ^= 0x40;
+        for piece in [SCAN_PIECE, 4096, 41, 7] {
+            let scanned = scan_log(&SliceLog(&bytes), FENCE, piece, &mut |_| {}).unwrap();
+            assert_eq!(
+                scanned.end,
+                LogEnd::Corrupt {
+                    at: 0,
+                    later: starts[1]
+                },
+                "piece {piece}"
+            );
+        }
+        // Arming refuses it: not armed, and the log is not cut.
+        let layer = BeforeImages::new(Arc::new(SimStorage::new()));
+        let log = SimLog::from_bytes(bytes.clone());
+        assert_eq!(
+            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+            LogEnd::Corrupt {
+                at: 0,
+                later: starts[1]
+            }
+        );
+        assert!(!layer.is_armed());
+        assert_eq!(log.durable(), bytes);
+        // The second record of the last append damaged, its header: a
+        // valid one follows (review42 H1: it was synced, then damaged).
+        let (mut bytes, starts) = log_of(2);
+        bytes[starts[1] as usize + 2] ^= 1;
+        let (records, scanned) = read_records(&bytes, FENCE);
+        assert_eq!(records.len(), 1);
+        assert_eq!(
+            scanned.end,
+            LogEnd::Corrupt {
+                at: starts[1],
+                later: starts[2]
+            }
+        );
+    }
+
+    #[test]
+    fn only_a_bad_tail_with_nothing_valid_after_it_is_torn() {
+        // A record torn by a crash (its bytes short, or a page of it lost),
+        // nothing valid after it: cut there, the rest kept.
+        let (whole, starts) = log_of(3);
+        for torn in [whole[..starts[3] as usize + 50].to_vec(), {
+            let mut bytes = whole.clone();
+            bytes[starts[3] as usize + RECORD_HEADER_BYTES + 5] ^= 0xff;
+            bytes
+        }] {
+            let log = SimLog::from_bytes(torn);
+            let layer = BeforeImages::new(Arc::new(SimStorage::new()));
+            assert_eq!(
+                layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+                LogEnd::Torn { at: starts[3] }
+            );
+            assert!(layer.is_armed());
+            assert_eq!(log.durable(), whole[..starts[3] as usize]);
+            assert_eq!(layer.imaged_blocks(), 3);
+        }
     }
 }
