@@ -531,10 +531,7 @@ impl BeforeImages {
         let mut held = Instant::now();
         // Appended blocks once: `last_image_wins` images every call again.
         let mut appended_once = false;
-        loop {
-            let Some(armed) = log.as_mut() else {
-                break;
-            };
+        while let Some(armed) = log.as_mut() {
             if armed.failed {
                 Counters::add_since(&counters.hold_ns, held);
                 return Err(failed_log());
@@ -1045,15 +1042,19 @@ mod tests {
         (unimaged, wrong)
     }
 
-    /// A log that is slow to sync (so concurrent writers group), and
-    /// fails every sync once told to.
+    /// A log whose first sync waits (at most 10 s) until `gate` appends
+    /// were made, so writers deterministically overlap it, and whose
+    /// syncs all fail once told to.
     #[derive(Clone, Default)]
-    struct SlowLog {
+    struct GatedLog {
         log: SimLog,
         failing: Arc<AtomicBool>,
+        gate: usize,
+        /// Appends so far, and whether the first sync went.
+        appends: Arc<(Mutex<(usize, bool)>, Condvar)>,
     }
 
-    impl BeforeLog for SlowLog {
+    impl BeforeLog for GatedLog {
         fn bytes(&self) -> io::Result<u64> {
             self.log.bytes()
         }
@@ -1061,10 +1062,21 @@ mod tests {
             self.log.read_at(at, buf)
         }
         fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
+            let (count, grew) = &*self.appends;
+            count.lock().0 += 1;
+            grew.notify_all();
             self.log.write_at(at, bytes)
         }
         fn sync(&self) -> io::Result<()> {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            let (count, grew) = &*self.appends;
+            let mut state = count.lock();
+            let deadline = Instant::now() + std::time::Duration::from_secs(10);
+            while !state.1
+                && state.0 < self.gate
+                && !grew.wait_until(&mut state, deadline).timed_out()
+            {}
+            state.1 = true;
+            drop(state);
             if self.failing.load(Ordering::Relaxed) {
                 return Err(io::Error::other("injected sync failure"));
             }
@@ -1075,19 +1087,18 @@ mod tests {
         }
     }
 
-    /// `threads` writers, each `writes` random 4 KiB home writes of
-    /// `Data(0)` through one armed layer over a witness; returns the
-    /// layer, the witness, the log and the file at the fence.
-    fn concurrent(
-        threads: u64,
-        writes: u64,
-        log: &SlowLog,
-    ) -> (
+    /// What `concurrent` returns: the layer, the witness, each writer's
+    /// results and the file at the fence.
+    type Concurrent = (
         BeforeImages,
         Arc<Witness>,
         Vec<Vec<io::Result<()>>>,
         Vec<u8>,
-    ) {
+    );
+
+    /// `threads` writers, each `writes` 4 KiB home writes of `Data(0)`
+    /// (overlapping blocks) through one armed layer over a witness.
+    fn concurrent(threads: u64, writes: u64, log: &GatedLog) -> Concurrent {
         let sim = SimStorage::new();
         let fenced: Vec<u8> = (0..OBJECT_BYTES).map(|at| (at * 7 % 251) as u8).collect();
         sim.write_at(ObjectId::Data(0), 0, &fenced).unwrap();
@@ -1121,17 +1132,21 @@ mod tests {
 
     #[test]
     fn concurrent_writers_share_syncs_and_each_finds_its_image_durable() {
-        let log = SlowLog::default();
-        let (layer, witness, results, fenced) = concurrent(8, 6, &log);
+        // 8 writers of 8 distinct blocks; the first sync waits until all
+        // 8 appended: it covers its own append, and one more sync (run by
+        // one of the 7 waiting) covers the other 7. A layer that holds its
+        // lock across the sync lets nobody append meanwhile: 8 syncs.
+        let log = GatedLog {
+            gate: 8,
+            ..GatedLog::default()
+        };
+        let (layer, witness, results, fenced) = concurrent(8, 1, &log);
         assert!(results.iter().flatten().all(Result::is_ok));
         assert_eq!(witness.unimaged.load(Ordering::Relaxed), 0);
         let stats = layer.take_stats();
-        // Group commit: fewer syncs than writers that appended images.
-        assert!(
-            stats.syncs < stats.imaging_calls,
-            "{stats}: one sync per imaging writer"
-        );
-        assert_eq!(stats.blocks, layer.imaged_blocks() as u64);
+        assert_eq!((stats.imaging_calls, stats.blocks), (8, 8), "{stats}");
+        assert_eq!(stats.syncs, 2, "{stats}");
+        assert_eq!(layer.imaged_blocks(), 8);
         // Every block's first image is its bytes at the fence.
         let durable = log.log.durable();
         let crashed = witness.sim.crash_image(|_, _, _| u64::MAX);
@@ -1143,7 +1158,12 @@ mod tests {
 
     #[test]
     fn a_group_whose_sync_failed_issues_none_of_its_home_writes() {
-        let log = SlowLog::default();
+        // The first sync waits for 8 appends: the group it fails is the
+        // first 8 writers' (some of them possibly others' blocks).
+        let log = GatedLog {
+            gate: 8,
+            ..GatedLog::default()
+        };
         log.failing.store(true, Ordering::Relaxed);
         let (layer, witness, results, fenced) = concurrent(8, 3, &log);
         // Every write needed an image, none was made durable: every write
