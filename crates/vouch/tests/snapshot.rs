@@ -608,7 +608,7 @@ fn clone_over_a_warm_copy(fs: &LoopFs) {
     use std::os::unix::fs::FileExt as _;
     use vouch_engine::snapshot::{RealFs, SnapshotFs as _};
     let (from, to) = (fs.mount.join("data"), fs.mount.join("warm"));
-    // Three 64 MiB pieces of a warm copy, the last short; data scattered.
+    // Many `WARM_PIECE` pieces of a warm copy, the last short; data scattered.
     let len: u64 = (160 << 20) + (12 << 10);
     let file = std::fs::File::create(&from).expect("create");
     file.set_len(len).expect("set_len");

@@ -369,6 +369,10 @@ pub fn materialise_with(
     fs.sync_dir(&snapshots)
         .map_err(|e| io_error("sync", &snapshots, e))?;
     layer.disarm();
+    tracing::info!(
+        "snapshot {name}: materialised; while armed the before-image layer did: {}",
+        layer.take_stats()
+    );
     let record = unfence(&fs, &target)?;
     Ok(Snapshot {
         path: target,

@@ -16,14 +16,15 @@
 //! Disarmed, each write costs one atomic load: the layer is beside the
 //! engine, not a branch in its write path.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt as _;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use super::{CloneRange, CloneTiming, Mapped, ObjectId, ReadLater, Run, RunError, Storage};
 
@@ -427,14 +428,108 @@ impl BeforeLog for SimLog {
 
 /// The log while armed.
 struct Armed {
-    log: Box<dyn BeforeLog>,
+    log: Arc<dyn BeforeLog>,
     fence: u64,
     /// Bytes of valid records in `log`.
     end: u64,
-    /// Blocks imaged already: a later write of one is not imaged again.
+    /// Blocks imaged already (durably): a later write of one is not
+    /// imaged again.
     imaged: HashSet<(ObjectId, u64)>,
+    /// Blocks a writer is imaging (reading, appending, or waiting for the
+    /// sync): no other writer images them, and none writes them home,
+    /// until they are imaged.
+    claimed: HashSet<(ObjectId, u64)>,
+    /// Appends so far; how many of them a sync made durable; whether a
+    /// writer runs a sync now; the appended blocks not yet durable, by
+    /// append.
+    appended: u64,
+    durable: u64,
+    syncing: bool,
+    unsynced: VecDeque<(u64, ObjectId, Vec<u64>)>,
     /// An append or sync failed: every later imaged write is refused.
     failed: bool,
+}
+
+/// What the layer did since it was armed (counts, and nanoseconds summed
+/// over the writers): logged when a materialisation disarms it, so the
+/// cost of each foreground write while armed can be read from a run.
+#[derive(Default)]
+struct Counters {
+    /// Armed calls for imaged objects, by kind: data, contexts, written.
+    calls: [AtomicU64; 3],
+    /// Calls that appended an image (the rest found theirs imaged).
+    imaging: AtomicU64,
+    blocks: AtomicU64,
+    bytes: AtomicU64,
+    syncs: AtomicU64,
+    /// Waiting for the layer's lock, holding it, and in the log's sync.
+    wait_ns: AtomicU64,
+    hold_ns: AtomicU64,
+    sync_ns: AtomicU64,
+    /// Waiting for another writer's image of a block to become durable.
+    others_ns: AtomicU64,
+}
+
+/// A snapshot of `Counters` (see there).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BeforeStats {
+    pub data_calls: u64,
+    pub contexts_calls: u64,
+    pub written_calls: u64,
+    pub imaging_calls: u64,
+    pub blocks: u64,
+    pub bytes: u64,
+    pub syncs: u64,
+    pub lock_wait_ms: u64,
+    pub lock_hold_ms: u64,
+    pub sync_ms: u64,
+    pub others_ms: u64,
+}
+
+impl std::fmt::Display for BeforeStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "calls data {} contexts {} written {}, {} imaging: {} blocks, {} bytes, {} syncs; ms summed over writers: lock wait {}, lock held {}, sync {}, waiting for others' images {}",
+            self.data_calls,
+            self.contexts_calls,
+            self.written_calls,
+            self.imaging_calls,
+            self.blocks,
+            self.bytes,
+            self.syncs,
+            self.lock_wait_ms,
+            self.lock_hold_ms,
+            self.sync_ms,
+            self.others_ms
+        )
+    }
+}
+
+impl Counters {
+    fn add(counter: &AtomicU64, value: u64) {
+        counter.fetch_add(value, Ordering::Relaxed);
+    }
+    fn add_since(counter: &AtomicU64, since: std::time::Instant) {
+        Counters::add(counter, since.elapsed().as_nanos() as u64);
+    }
+    fn take(&self) -> BeforeStats {
+        let get = |counter: &AtomicU64| counter.swap(0, Ordering::Relaxed);
+        let ms = |counter: &AtomicU64| get(counter) / 1_000_000;
+        BeforeStats {
+            data_calls: get(&self.calls[0]),
+            contexts_calls: get(&self.calls[1]),
+            written_calls: get(&self.calls[2]),
+            imaging_calls: get(&self.imaging),
+            blocks: get(&self.blocks),
+            bytes: get(&self.bytes),
+            syncs: get(&self.syncs),
+            lock_wait_ms: ms(&self.wait_ns),
+            lock_hold_ms: ms(&self.hold_ns),
+            sync_ms: ms(&self.sync_ns),
+            others_ms: ms(&self.others_ns),
+        }
+    }
 }
 
 /// What every handle of one layer shares (a resize's `reopen` keeps it).
@@ -443,6 +538,9 @@ struct Layer {
     armed: AtomicBool,
     log: Mutex<Option<Armed>>,
     breaks: Mutex<BeforeBreaks>,
+    counters: Counters,
+    /// Signalled when a sync ends or a claim is dropped.
+    settled: Condvar,
 }
 
 /// The before-image layer over `inner` (see the module's comment).
@@ -492,11 +590,17 @@ impl BeforeImages {
             LogEnd::Torn { at } => log.truncate(at)?,
             LogEnd::Whole => {}
         }
+        self.layer.counters.take();
         *self.layer.log.lock() = Some(Armed {
-            log,
+            log: Arc::from(log),
             fence,
             end: scanned.valid,
             imaged,
+            claimed: HashSet::new(),
+            appended: 0,
+            durable: 0,
+            syncing: false,
+            unsynced: VecDeque::new(),
             failed: false,
         });
         self.layer.armed.store(true, Ordering::Release);
@@ -508,6 +612,13 @@ impl BeforeImages {
         let mut log = self.layer.log.lock();
         self.layer.armed.store(false, Ordering::Release);
         *log = None;
+        self.layer.settled.notify_all();
+    }
+
+    /// What the layer did since it was armed or last asked (and resets
+    /// the counts).
+    pub fn take_stats(&self) -> BeforeStats {
+        self.layer.counters.take()
     }
 
     pub fn is_armed(&self) -> bool {
@@ -527,6 +638,19 @@ impl BeforeImages {
     /// yet, then run `write` (the home write): the log is synced between,
     /// unless broken on purpose. Disarmed, or for an object that is not
     /// imaged, `write` runs at once.
+    ///
+    /// Concurrent writers share the work (group commit): each claims the
+    /// blocks nobody images yet, reads their old bytes *without* the
+    /// layer's lock (a claimed block has no home write until its image is
+    /// durable, so they cannot change), appends its records under the lock
+    /// (a copy into the page cache), and then one of the writers waiting
+    /// for a sync runs it, outside the lock, for every record appended
+    /// before it started; the others wait for it and are released
+    /// together. A writer whose blocks another writer is imaging waits for
+    /// that image to be durable; one whose blocks are all imaged takes the
+    /// lock only to look. A failed append or sync fails every writer whose
+    /// records it did not make durable, and all later ones: none of their
+    /// home writes is issued.
     fn imaged<T>(
         &self,
         object: ObjectId,
@@ -537,105 +661,232 @@ impl BeforeImages {
             return Ok(write());
         }
         let breaks = *self.layer.breaks.lock();
-        {
-            // Held across the read, the append and the sync: a block is
-            // counted imaged only once its image is durable, so no other
-            // writer skips imaging it early.
-            let mut log = self.layer.log.lock();
-            let Some(armed) = log.as_mut() else {
-                return Ok(write());
-            };
-            let blocks = armed.not_imaged(object, ranges, breaks.last_image_wins);
-            if blocks.is_empty() {
-                drop(log);
-                return Ok(write());
-            }
+        let counters = &self.layer.counters;
+        let kind = match object {
+            ObjectId::Data(_) => 0,
+            ObjectId::Contexts => 1,
+            _ => 2,
+        };
+        Counters::add(&counters.calls[kind], 1);
+        let blocks = blocks_of(ranges);
+        let waited = Instant::now();
+        let mut log = self.layer.log.lock();
+        Counters::add_since(&counters.wait_ns, waited);
+        let mut held = Instant::now();
+        // Appended blocks once: `last_image_wins` images every call again.
+        let mut appended_once = false;
+        while let Some(armed) = log.as_mut() {
             if armed.failed {
-                return Err(io::Error::other(
-                    "the snapshot's before-image log failed: no home write until the volume is opened again",
-                ));
+                Counters::add_since(&counters.hold_ns, held);
+                return Err(failed_log());
             }
-            let appended = armed.records(&*self.inner, object, &blocks)?;
-            let append = || -> io::Result<()> {
-                armed.log.write_at(armed.end, &appended)?;
-                if !breaks.write_before_sync {
-                    // ORDER POINT: the images are durable before the home write.
-                    armed.log.sync()?;
-                }
-                Ok(())
+            let again = breaks.last_image_wins && !appended_once;
+            let need: Vec<u64> = blocks
+                .iter()
+                .copied()
+                .filter(|&block| again || !armed.imaged.contains(&(object, block * IMAGE_BLOCK)))
+                .collect();
+            if need.is_empty() || (breaks.last_image_wins && appended_once) {
+                break;
+            }
+            let mine: Vec<u64> = need
+                .iter()
+                .copied()
+                .filter(|&block| again || armed.claimed.insert((object, block * IMAGE_BLOCK)))
+                .collect();
+            if mine.is_empty() {
+                // Another writer images them: wait until it is durable.
+                Counters::add_since(&counters.hold_ns, held);
+                let others = Instant::now();
+                self.layer.settled.wait(&mut log);
+                Counters::add_since(&counters.others_ns, others);
+                held = Instant::now();
+                continue;
+            }
+            Counters::add(&counters.imaging, 1);
+            Counters::add(&counters.blocks, mine.len() as u64);
+            let (journal, fence) = (Arc::clone(&armed.log), armed.fence);
+            // The old bytes, read outside the lock.
+            Counters::add_since(&counters.hold_ns, held);
+            let records =
+                MutexGuard::unlocked(&mut log, || records(&*self.inner, fence, object, &mine));
+            let waited = Instant::now();
+            held = waited;
+            let Some(armed) = log
+                .as_mut()
+                .filter(|armed| Arc::ptr_eq(&armed.log, &journal))
+            else {
+                // Disarmed meanwhile (or armed again for another fence,
+                // whose images these are not): look again.
+                continue;
             };
-            if let Err(error) = append() {
-                // After a failed append or sync nothing more is logged
-                // (a gap would end the log there): fail-stop.
+            let records = match records {
+                Ok(records) => records,
+                Err(error) => {
+                    armed.unclaim(object, &mine);
+                    self.layer.settled.notify_all();
+                    Counters::add_since(&counters.hold_ns, held);
+                    return Err(error);
+                }
+            };
+            if armed.failed {
+                continue;
+            }
+            if let Err(error) = armed.log.write_at(armed.end, &records) {
+                // After a failed append nothing more is logged (a gap
+                // would end the log there): fail-stop.
                 armed.failed = true;
+                self.layer.settled.notify_all();
+                Counters::add_since(&counters.hold_ns, held);
                 return Err(error);
             }
-            // Counted imaged only once durable.
-            armed.end += appended.len() as u64;
-            armed
-                .imaged
-                .extend(blocks.iter().map(|block| (object, block * IMAGE_BLOCK)));
-            if !breaks.write_before_sync {
+            Counters::add(&counters.bytes, records.len() as u64);
+            armed.end += records.len() as u64;
+            armed.appended += 1;
+            let seq = armed.appended;
+            appended_once = true;
+            if breaks.write_before_sync {
+                // Broken on purpose: counted imaged at once, the home write
+                // issued, and only then the sync.
+                armed.unclaim(object, &mine);
+                armed
+                    .imaged
+                    .extend(mine.iter().map(|block| (object, block * IMAGE_BLOCK)));
                 drop(log);
-                return Ok(write());
+                let result = write();
+                journal.sync()?;
+                return Ok(result);
             }
+            armed.unsynced.push_back((seq, object, mine));
+            // ORDER POINT: this writer's images are durable (by its own
+            // sync or another writer's that started after the append)
+            // before its home write is issued.
+            self.synced(&mut log, &journal, seq, &mut held);
         }
-        // Broken on purpose: the home write goes before the images' sync.
-        let result = write();
-        if let Some(armed) = self.layer.log.lock().as_mut() {
-            armed.log.sync()?;
+        drop(log);
+        Counters::add_since(&counters.hold_ns, held);
+        Ok(write())
+    }
+
+    /// Wait until append `seq` of `journal` is durable: run the sync if
+    /// no writer runs one (outside the lock, for every append before it
+    /// started), or wait for the one running and then look again. Returns
+    /// with the lock held; a failed sync marks the log failed (the
+    /// caller's loop then refuses).
+    fn synced(
+        &self,
+        log: &mut MutexGuard<'_, Option<Armed>>,
+        journal: &Arc<dyn BeforeLog>,
+        seq: u64,
+        held: &mut Instant,
+    ) {
+        let counters = &self.layer.counters;
+        loop {
+            let Some(armed) = log
+                .as_mut()
+                .filter(|armed| Arc::ptr_eq(&armed.log, journal))
+            else {
+                return;
+            };
+            if armed.failed || armed.durable >= seq {
+                return;
+            }
+            if armed.syncing {
+                Counters::add_since(&counters.hold_ns, *held);
+                let others = Instant::now();
+                self.layer.settled.wait(log);
+                Counters::add_since(&counters.others_ns, others);
+                *held = Instant::now();
+                continue;
+            }
+            armed.syncing = true;
+            let target = armed.appended;
+            Counters::add_since(&counters.hold_ns, *held);
+            let syncing = Instant::now();
+            let result = MutexGuard::unlocked(log, || journal.sync());
+            Counters::add_since(&counters.sync_ns, syncing);
+            Counters::add(&counters.syncs, 1);
+            *held = Instant::now();
+            if let Some(armed) = log
+                .as_mut()
+                .filter(|armed| Arc::ptr_eq(&armed.log, journal))
+            {
+                armed.syncing = false;
+                match result {
+                    Ok(()) => armed.settle(target),
+                    Err(_) => armed.failed = true,
+                }
+            }
+            self.layer.settled.notify_all();
         }
-        Ok(result)
     }
 }
 
-impl Armed {
-    /// The blocks of `ranges` of `object` not imaged yet, in order.
-    fn not_imaged(
-        &self,
-        object: ObjectId,
-        ranges: &mut dyn Iterator<Item = (u64, u64)>,
-        again: bool,
-    ) -> Vec<u64> {
-        let mut blocks: Vec<u64> = Vec::new();
-        for (offset, len) in ranges {
-            if len == 0 {
-                continue;
-            }
-            let first = offset / IMAGE_BLOCK;
-            let last = (offset + len).div_ceil(IMAGE_BLOCK);
-            blocks
-                .extend((first..last).filter(|block| {
-                    again || !self.imaged.contains(&(object, block * IMAGE_BLOCK))
-                }));
+fn failed_log() -> io::Error {
+    io::Error::other(
+        "the snapshot's before-image log failed: no home write until the volume is opened again",
+    )
+}
+
+/// The 4 KiB blocks `ranges` (offset, length) cover, in order, once each.
+fn blocks_of(ranges: &mut dyn Iterator<Item = (u64, u64)>) -> Vec<u64> {
+    let mut blocks: Vec<u64> = Vec::new();
+    for (offset, len) in ranges {
+        if len == 0 {
+            continue;
         }
-        blocks.sort_unstable();
-        blocks.dedup();
-        blocks
+        blocks.extend(offset / IMAGE_BLOCK..(offset + len).div_ceil(IMAGE_BLOCK));
+    }
+    blocks.sort_unstable();
+    blocks.dedup();
+    blocks
+}
+
+/// The records of `blocks` of `object` (their bytes now, in `inner`),
+/// one per run of consecutive blocks, under `fence`.
+fn records(
+    inner: &dyn Storage,
+    fence: u64,
+    object: ObjectId,
+    blocks: &[u64],
+) -> io::Result<Vec<u8>> {
+    let mut appended = Vec::new();
+    let mut at = 0;
+    while at < blocks.len() {
+        let mut end = at + 1;
+        while end < blocks.len() && blocks[end] == blocks[end - 1] + 1 {
+            end += 1;
+        }
+        let offset = blocks[at] * IMAGE_BLOCK;
+        let mut old = vec![0u8; (end - at) * IMAGE_BLOCK as usize];
+        inner.read_at(object, offset, &mut old)?;
+        appended.extend_from_slice(&encode_record(fence, object, offset, &old));
+        at = end;
+    }
+    Ok(appended)
+}
+
+impl Armed {
+    /// `blocks` of `object` no longer claimed (their imaging failed).
+    fn unclaim(&mut self, object: ObjectId, blocks: &[u64]) {
+        for block in blocks {
+            self.claimed.remove(&(object, block * IMAGE_BLOCK));
+        }
     }
 
-    /// The records of `blocks` of `object` (their bytes now, in `inner`),
-    /// one per run of consecutive blocks.
-    fn records(
-        &self,
-        inner: &dyn Storage,
-        object: ObjectId,
-        blocks: &[u64],
-    ) -> io::Result<Vec<u8>> {
-        let mut appended = Vec::new();
-        let mut at = 0;
-        while at < blocks.len() {
-            let mut end = at + 1;
-            while end < blocks.len() && blocks[end] == blocks[end - 1] + 1 {
-                end += 1;
-            }
-            let offset = blocks[at] * IMAGE_BLOCK;
-            let mut old = vec![0u8; (end - at) * IMAGE_BLOCK as usize];
-            inner.read_at(object, offset, &mut old)?;
-            appended.extend_from_slice(&encode_record(self.fence, object, offset, &old));
-            at = end;
+    /// Appends up to `target` are durable: their blocks count as imaged.
+    fn settle(&mut self, target: u64) {
+        self.durable = self.durable.max(target);
+        while self
+            .unsynced
+            .front()
+            .is_some_and(|(seq, _, _)| *seq <= target)
+        {
+            let (_, object, blocks) = self.unsynced.pop_front().expect("a front");
+            self.unclaim(object, &blocks);
+            self.imaged
+                .extend(blocks.iter().map(|block| (object, block * IMAGE_BLOCK)));
         }
-        Ok(appended)
     }
 }
 
@@ -936,6 +1187,142 @@ mod tests {
         layer.write_at(ObjectId::Data(0), 0, &[1; 4096]).unwrap();
         assert_eq!(log.live().len(), before);
         (unimaged, wrong)
+    }
+
+    /// A log whose first sync waits (at most 10 s) until `gate` appends
+    /// were made, so writers deterministically overlap it, and whose
+    /// syncs all fail once told to.
+    #[derive(Clone, Default)]
+    struct GatedLog {
+        log: SimLog,
+        failing: Arc<AtomicBool>,
+        gate: usize,
+        /// Appends so far, and whether the first sync went.
+        appends: Arc<(Mutex<(usize, bool)>, Condvar)>,
+    }
+
+    impl BeforeLog for GatedLog {
+        fn bytes(&self) -> io::Result<u64> {
+            self.log.bytes()
+        }
+        fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+            self.log.read_at(at, buf)
+        }
+        fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
+            let (count, grew) = &*self.appends;
+            count.lock().0 += 1;
+            grew.notify_all();
+            self.log.write_at(at, bytes)
+        }
+        fn sync(&self) -> io::Result<()> {
+            let (count, grew) = &*self.appends;
+            let mut state = count.lock();
+            let deadline = Instant::now() + std::time::Duration::from_secs(10);
+            while !state.1
+                && state.0 < self.gate
+                && !grew.wait_until(&mut state, deadline).timed_out()
+            {}
+            state.1 = true;
+            drop(state);
+            if self.failing.load(Ordering::Relaxed) {
+                return Err(io::Error::other("injected sync failure"));
+            }
+            self.log.sync()
+        }
+        fn truncate(&self, len: u64) -> io::Result<()> {
+            self.log.truncate(len)
+        }
+    }
+
+    /// What `concurrent` returns: the layer, the witness, each writer's
+    /// results and the file at the fence.
+    type Concurrent = (
+        BeforeImages,
+        Arc<Witness>,
+        Vec<Vec<io::Result<()>>>,
+        Vec<u8>,
+    );
+
+    /// `threads` writers, each `writes` 4 KiB home writes of `Data(0)`
+    /// (overlapping blocks) through one armed layer over a witness.
+    fn concurrent(threads: u64, writes: u64, log: &GatedLog) -> Concurrent {
+        let sim = SimStorage::new();
+        let fenced: Vec<u8> = (0..OBJECT_BYTES).map(|at| (at * 7 % 251) as u8).collect();
+        sim.write_at(ObjectId::Data(0), 0, &fenced).unwrap();
+        sim.sync(ObjectId::Data(0)).unwrap();
+        let witness = Arc::new(Witness {
+            sim,
+            log: log.log.clone(),
+            unimaged: AtomicUsize::new(0),
+        });
+        let layer = BeforeImages::new(witness.clone());
+        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        let results = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..threads)
+                .map(|thread| {
+                    let layer = &layer;
+                    scope.spawn(move || {
+                        (0..writes)
+                            .map(|write| {
+                                let block = (thread * 5 + write * 3) % (OBJECT_BYTES / IMAGE_BLOCK);
+                                let data = [thread as u8 + 1; IMAGE_BLOCK as usize];
+                                layer.write_at(ObjectId::Data(0), block * IMAGE_BLOCK, &data)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        (layer, witness, results, fenced)
+    }
+
+    #[test]
+    fn concurrent_writers_share_syncs_and_each_finds_its_image_durable() {
+        // 8 writers of 8 distinct blocks; the first sync waits until all
+        // 8 appended: it covers its own append, and one more sync (run by
+        // one of the 7 waiting) covers the other 7. A layer that holds its
+        // lock across the sync lets nobody append meanwhile: 8 syncs.
+        let log = GatedLog {
+            gate: 8,
+            ..GatedLog::default()
+        };
+        let (layer, witness, results, fenced) = concurrent(8, 1, &log);
+        assert!(results.iter().flatten().all(Result::is_ok));
+        assert_eq!(witness.unimaged.load(Ordering::Relaxed), 0);
+        let stats = layer.take_stats();
+        assert_eq!((stats.imaging_calls, stats.blocks), (8, 8), "{stats}");
+        assert_eq!(stats.syncs, 2, "{stats}");
+        assert_eq!(layer.imaged_blocks(), 8);
+        // Every block's first image is its bytes at the fence.
+        let durable = log.log.durable();
+        let crashed = witness.sim.crash_image(|_, _, _| u64::MAX);
+        for (&(object, offset), image) in &first_images(&durable, FENCE, BeforeBreaks::default()) {
+            crashed.write_at(object, offset, image).unwrap();
+        }
+        assert_eq!(bytes_of(&crashed, ObjectId::Data(0)), fenced);
+    }
+
+    #[test]
+    fn a_group_whose_sync_failed_issues_none_of_its_home_writes() {
+        // The first sync waits for 8 appends: the group it fails is the
+        // first 8 writers' (some of them possibly others' blocks).
+        let log = GatedLog {
+            gate: 8,
+            ..GatedLog::default()
+        };
+        log.failing.store(true, Ordering::Relaxed);
+        let (layer, witness, results, fenced) = concurrent(8, 3, &log);
+        // Every write needed an image, none was made durable: every write
+        // failed, and none reached its home (the file is as at the fence).
+        assert!(results.iter().flatten().all(Result::is_err));
+        assert_eq!(witness.unimaged.load(Ordering::Relaxed), 0);
+        assert_eq!(bytes_of(&witness.sim, ObjectId::Data(0)), fenced);
+        assert_eq!(layer.imaged_blocks(), 0);
+        // Fail-stop: a later write is refused even once syncs work again.
+        log.failing.store(false, Ordering::Relaxed);
+        assert!(layer.write_at(ObjectId::Data(0), 0, &[9; 4096]).is_err());
+        assert_eq!(bytes_of(&witness.sim, ObjectId::Data(0)), fenced);
     }
 
     #[test]
