@@ -1256,7 +1256,10 @@ mod tests {
             unimaged: AtomicUsize::new(0),
         });
         let layer = BeforeImages::new(witness.clone());
-        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        assert_eq!(
+            layer.arm(Box::new(log.clone()), FENCE).unwrap(),
+            LogEnd::Whole
+        );
         let results = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..threads)
                 .map(|thread| {
