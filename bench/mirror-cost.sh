@@ -12,6 +12,8 @@
 #   stat       perf stat -e task-clock,context-switches,... -p SERVER around the N requests (OUT/TAG.stat)
 #   record     perf record -g -p SERVER around them (OUT/TAG.perf)
 #   strace     strace -c -f -p SERVER around them (OUT/TAG.strace)
+# MIRROR=0 serves a single volume instead (LAYOUT=split|packed, the layout of the volume or legs):
+# the same counts for the engine's own write routes.
 # Every line of OUT/summary.txt gives the requests answered inline (the nbd metrics) before and after.
 # Example (stop 40, admit30b): for b in /work/bin/vouch-s39b target/release/vouch; do
 #   bench/mirror-cost.sh $b $(basename $b) callgrind 20000; done
@@ -21,6 +23,7 @@ set -u
 BIN=$1 TAG=$2 MODE=$3 N=$4
 QD=${QD:-32} RW=${RW:-randwrite} BS=${BS:-4k} SIZE=${SIZE:-1G}
 PORT=${PORT:-12650}
+MIRROR=${MIRROR:-1} LAYOUT=${LAYOUT:-split}
 OUT=${OUT:-/var/tmp/mirror-cost}; mkdir -p "$OUT"
 for tool in fio nbdinfo curl valgrind perf strace; do
     command -v $tool >/dev/null || { echo "missing $tool: apt-get install valgrind linux-perf strace fio libnbd-bin curl"; exit 1; }
@@ -28,7 +31,8 @@ done
 d=$(mktemp -d /var/tmp/mirror-cost-XXXX)
 spid=""
 trap '[ -n "$spid" ] && kill $spid 2>/dev/null; wait 2>/dev/null; rm -rf "$d"' EXIT
-"$BIN" create "$d/vol" --size "$SIZE" --mirror "$d/vol-leg1" > "$d/create.log" 2>&1 || { cat "$d/create.log"; exit 1; }
+mirror=(); [ "$MIRROR" = 1 ] && mirror=(--mirror "$d/vol-leg1")
+"$BIN" create "$d/vol" --size "$SIZE" --layout "$LAYOUT" "${mirror[@]}" > "$d/create.log" 2>&1 || { cat "$d/create.log"; exit 1; }
 serve() {
     "$@" serve "$d/vol" --listen 127.0.0.1:$PORT --metrics 127.0.0.1:$((PORT+100)) > "$OUT/$TAG.serve.log" 2>&1 &
     spid=$!
@@ -76,5 +80,5 @@ case $MODE in
     stat|record|strace) kill -INT $mpid; wait $mpid ;;
     callgrind) callgrind_control -d $spid > /dev/null ;;
 esac
-echo "$TAG $MODE $RW $BS QD$QD N=$N wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')s requests,inline before [$c0] after [$c1]" \
+echo "$TAG $MODE $LAYOUT mirror=$MIRROR $RW $BS QD$QD N=$N wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')s requests,inline before [$c0] after [$c1]" \
     | tee -a "$OUT/summary.txt"

@@ -12,12 +12,13 @@
 
 use std::ops::Range;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
-    create_volume, Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, Result, Volume,
-    ZeroFlags, BLOCK,
+    create_volume, Admission, Allocation, BlockDevice, CreateOptions, Fault, LayoutKind, Result,
+    Submitted, Volume, ZeroFlags, BLOCK,
 };
 
 /// A volume without its copy override: the trait's default copy.
@@ -33,8 +34,14 @@ impl BlockDevice for Plain<'_> {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.0.read(offset, buf)
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.0.write(offset, data, fua)
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &bytes::Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        self.0.submit_write(offset, data, fua, admission)
     }
     fn flush(&self) -> Result<()> {
         self.0.flush()

@@ -15,6 +15,7 @@
 //! counts of N and of 0 reads, divided by N, is the cost of one read.
 
 use std::path::Path;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, LayoutKind, OpenOptions, BLOCK,

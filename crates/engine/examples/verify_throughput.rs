@@ -16,6 +16,7 @@
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::jobs::JobControl;
 use vouch_engine::scrub::{scrub, ScrubOptions};

@@ -6,19 +6,41 @@
 //! next) implement them too, wrapping another device, without the engine
 //! knowing.
 //!
-//! **The core (`BlockDevice`, 28 methods).** What a client of a device
+//! **The core (`BlockDevice`, 24 methods).** What a client of a device
 //! needs and nothing a leg alone needs: size and read-only; reads (`read`
 //! and the reactor's `try_read`, the ring's `try_begin_read`,
-//! `read_events`, `reap_reads`, `reads_in_flight`); writes (`write`, the
-//! reactor's `try_write`, `write_shared` and `try_write_shared` of bytes
-//! the device may keep, the completion-based `try_begin_write`, and the
-//! `landing_buffer` a payload is received into); `flush` and `flush_then`;
-//! `trim`, `write_zeroes`, `block_status`; `stored_contexts` (changed
-//! blocks, an export's bitmaps); the scans (`read_blocks_collecting`,
-//! `metadata_unit`, `next_possible_data`); the offloads `verify`, `copy`
-//! and `compare`, with default implementations in terms of reads and
-//! writes, which a device that can do better overrides; and `as_any` for
-//! the one fast path on a concrete device (the reflink copy).
+//! `read_events`, `reap_reads`, `reads_in_flight`); one write submission
+//! (`submit_write`, below) and the `landing_buffer` a payload is received
+//! into; `flush` and `flush_then`; `trim`, `write_zeroes`,
+//! `block_status`; `stored_contexts` (changed blocks, an export's
+//! bitmaps); the scans (`read_blocks_collecting`, `metadata_unit`,
+//! `next_possible_data`); the offloads `verify`, `copy` and `compare`,
+//! with default implementations in terms of reads and writes, which a
+//! device that can do better overrides; and `as_any` for the one fast
+//! path on a concrete device (the reflink copy).
+//!
+//! **One write submission.** Every write of bytes to a device is one call,
+//! `submit_write(offset, data: &Bytes, fua, admission)`, of bytes the
+//! device may keep without copying them (an NBD WRITE's payload), and
+//! `admission` says how the caller may be kept:
+//!
+//! ```text
+//!   caller                 admission     answers                 route in a volume / a mirror
+//!   worker, job, test      MayWait       Done | Err              write_shared / admit(MayWait)
+//!   NBD reactor, inline    MustNotWait   Done | Declined | Err   try_write_shared / admit(Reserved)
+//!   NBD reactor, callback  Callback      Started | Declined |    (declines) / admit(Callback),
+//!                                        Done | Err              done on the last leg's thread
+//! ```
+//!
+//! A declined write left nothing locked, written or counted; the caller
+//! submits it again on a thread that may wait (the NBD server: reactor
+//! inline, then callback, then a worker). A started one (`StartWrite`) is
+//! finished through the one completion, `WriteDone`, called once on
+//! whichever thread saw it finish; a write done inline allocates no
+//! completion. The waiting conveniences (`DeviceWrites::write` of a
+//! slice, `write_bytes`) are `MayWait` submissions in an extension trait
+//! with a blanket implementation, so no device or layer can implement a
+//! second route beside the submission.
 //!
 //! **The sealed face (`SealedDevice: BlockDevice`, 17 methods).** A
 //! mirror's legs are `Arc<dyn SealedDevice>`, and so is what a replica
@@ -37,10 +59,12 @@
 //! **Layers forward by default.** A layer (fault injection; like an
 //! nbdkit filter) is a `BlockDevice` whose `below` names the device it
 //! wraps: every provided method then passes the call on to that device
-//! unchanged, fast paths included (inline `try_read`/`try_write_shared`,
-//! ring reads, `flush_then`, `try_begin_write`, the offloads), so a layer
-//! overrides only the calls it changes, and a call it does not name keeps
-//! the route the device below offers. A layer over a leg is a
+//! unchanged, fast paths included (inline `try_read`, ring reads,
+//! `flush_then`, the landing buffer, the offloads), so a layer overrides
+//! only the calls it changes, and a call it does not name keeps the route
+//! the device below offers. `submit_write` is required of a layer too
+//! (its rules apply to every write) and passes the admission on
+//! unchanged, so the device below still chooses the route. A layer over a leg is a
 //! `SealedDevice` too, whose `sealed_below` names the same device: the
 //! sealed and reserved writes then forward the same way. A layer that
 //! changes what a call does must override every route that call can take
@@ -61,17 +85,14 @@
 //! decline again under every layer. Here each provided method states both
 //! behaviours in one place.
 //!
-//! **Next: one write submission.** The core still has four ways to
-//! write bytes (`write`, `try_write`, `write_shared`, `try_write_shared`,
-//! with `try_begin_write` beside them) and the sealed face three waiting
-//! styles (`PendingWrite`, `WriteDone`, `StartWrite`). The planned shape
-//! is one submission per trait that says how it may be admitted,
-//! `Admission::{MayWait, MustNotWait, Reserved}`, of `Bytes` only (the
-//! slice twins go), and one completion, `WriteDone`, called inline when
-//! the write finished on the caller's thread; that waits for the read side to become one pipeline
-//! (the read methods keep their signatures until then), and must keep the
-//! reactor route free of any allocation per 4 KiB write it does not make
-//! today (no boxed completion when the write completes inline).
+//! **Next: one sealed submission.** The sealed face still has seven
+//! write methods in three waiting styles (`write_sealed`,
+//! `try_write_sealed`, `write_sealed_here`, `write_sealed_reserved` with
+//! `reserve_room` / `release_room`, `start_write_sealed`'s
+//! `PendingWrite`, `writes_sealed_then` / `write_sealed_then`'s
+//! `WriteDone`); the planned shape is the core's: one `submit_sealed`
+//! with an admission of `MayWait`, `MustNotWait`, `Reserved` or `Here`
+//! and the one completion.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -116,15 +137,88 @@ pub struct ZeroFlags {
 /// for the outcome.
 pub type PendingWrite = Box<dyn FnOnce() -> Result<()> + Send>;
 
-/// Called exactly once with the outcome of a write that completes later
-/// (`write_sealed_then`, `try_begin_write`), on whichever thread saw it
-/// complete (a replica connection's reader thread, or the caller's).
+/// The one completion of a write: called exactly once with the outcome of
+/// a write that completes later (`Submitted::Started`, `write_sealed_then`),
+/// on whichever thread saw it complete (a replica connection's reader
+/// thread, or the caller's).
 pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
 
-/// A write that `try_begin_write` made ready (range locked, blocks sealed):
-/// call it with the `WriteDone` that takes the outcome; it starts the
-/// write and returns without waiting for it.
+/// A write `submit_write` made ready under `Admission::Callback` (range
+/// locked, blocks sealed): call it with the `WriteDone` that takes the
+/// outcome; it starts the write and returns without waiting for it.
 pub type StartWrite = Box<dyn FnOnce(WriteDone) + Send>;
+
+/// How a write submitted to `BlockDevice::submit_write` may keep its
+/// caller.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Admission {
+    /// The caller's thread may block (a worker, a job): never declined;
+    /// the answer is `Done` or an `Err`.
+    MayWait,
+    /// The caller must not wait and wants the outcome now (the NBD
+    /// reactor's inline write): `Done`, or `Declined` where the write
+    /// would wait (a full write-back buffer, a partial block, FUA,
+    /// sealing too dear for the reactor).
+    MustNotWait,
+    /// The caller must not wait but takes the outcome later through a
+    /// completion (the NBD reactor's completion path, a mirror with
+    /// remote legs): `Started`, `Done` or `Declined`.
+    Callback,
+}
+
+/// What `submit_write` did with a write.
+#[must_use = "a declined write was not written, a started one needs its completion"]
+pub enum Submitted {
+    /// Written (durable too, with FUA) on the caller's thread.
+    Done,
+    /// Not taken, with nothing locked, written or counted: the admission
+    /// forbade the wait it would need. Submit it again with a later one.
+    Declined,
+    /// Locked and prepared: call it with the `WriteDone` that takes the
+    /// outcome; it starts the write and returns without waiting.
+    Started(StartWrite),
+}
+
+impl Submitted {
+    /// Whether the write was done on the caller's thread.
+    pub fn is_done(&self) -> bool {
+        matches!(self, Submitted::Done)
+    }
+}
+
+impl std::fmt::Debug for Submitted {
+    fn fmt(&self, formatter: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        formatter.write_str(match self {
+            Submitted::Done => "Done",
+            Submitted::Declined => "Declined",
+            Submitted::Started(_) => "Started",
+        })
+    }
+}
+
+/// The waiting writes every `BlockDevice` offers its callers (jobs, tools,
+/// tests): `submit_write` with `Admission::MayWait`. A blanket
+/// implementation, so no device has a second write route to get wrong.
+pub trait DeviceWrites {
+    /// Write a copy of `data` at `offset` (see `BlockDevice::submit_write`).
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
+    /// Write `data` at `offset`, keeping the bytes without a copy.
+    fn write_bytes(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()>;
+}
+
+impl<D: BlockDevice + ?Sized> DeviceWrites for D {
+    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.write_bytes(offset, &Bytes::copy_from_slice(data), fua)
+    }
+    fn write_bytes(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
+        match self.submit_write(offset, data, fua, Admission::MayWait)? {
+            Submitted::Done => Ok(()),
+            other => Err(Error::Unsupported(format!(
+                "a write that may wait answered {other:?} (a device must do it)"
+            ))),
+        }
+    }
+}
 
 /// Called exactly once with the outcome of a read started by
 /// `try_begin_read`: the bytes, every block verified, or `None` when it
@@ -140,7 +234,7 @@ pub type StartRead = Box<dyn FnOnce(ReadDone) + Send>;
 pub trait BlockDevice: Send + Sync {
     /// The device this one is a layer over, which every provided method
     /// passes its call on to; `None` (the default) for a device at the
-    /// bottom of a stack. An `Arc` so that `try_begin_write` can forward.
+    /// bottom of a stack.
     fn below(&self) -> Option<&Arc<dyn BlockDevice>> {
         None
     }
@@ -200,58 +294,31 @@ pub trait BlockDevice: Send + Sync {
         self.below().map_or(0, |below| below.reads_in_flight())
     }
 
-    /// Write `data` at `offset` (any byte range: a block it covers only in
-    /// part is read, verified, patched and written whole, under the
-    /// block's stripe lock). With `fua` it is durable when this returns;
-    /// otherwise after the next flush.
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
-
-    /// `write` without FUA, only if it can complete without waiting (the
-    /// blocks fit in a write-back buffer that is not full): `Ok(false)`
-    /// when it would wait, with nothing written; then call `write`. The
-    /// NBD server calls it on its async reactor. The default always would
-    /// wait.
-    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        match self.below() {
-            Some(below) => below.try_write(offset, data),
-            None => Ok(false),
-        }
-    }
-
-    /// `write` of bytes the device may keep without copying them (an NBD
-    /// WRITE's payload). The default writes a borrowed copy.
-    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        match self.below() {
-            Some(below) => below.write_shared(offset, data, fua),
-            None => self.write(offset, data, fua),
-        }
-    }
-
-    /// `try_write` of bytes the device may keep. The default: `try_write`.
-    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        match self.below() {
-            Some(below) => below.try_write_shared(offset, data),
-            None => self.try_write(offset, data),
-        }
-    }
-
-    /// The completion-based write of the NBD reactor (a mirror with
-    /// remote legs): if `data` at `offset` (no FUA) can be *started*
-    /// without blocking, lock and prepare it and return the `StartWrite`
-    /// that starts it; its `WriteDone` is called once the write is done
-    /// (every leg answered), with the outcome `write_shared` would have
-    /// returned. `Ok(None)`, with nothing locked or written, when it
-    /// cannot; then call `write_shared`. An `Err` is the write's outcome
-    /// (a request error). The default always declines.
-    fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
-        match self.below() {
-            Some(below) => Arc::clone(below).try_begin_write(offset, data),
-            None => Ok(None),
-        }
-    }
+    /// The one write submission (see `Admission` and `Submitted`): write
+    /// `data` at `offset` (any byte range: a block it covers only in part
+    /// is read, verified, patched and written whole, under the block's
+    /// stripe lock), durable when it completes with `fua`, otherwise after
+    /// the next flush. `admission` says whether the caller may wait for
+    /// it; the answer says whether it was done, declined (nothing locked,
+    /// written or counted: submit it again on a thread that may wait), or
+    /// started (call the `StartWrite` with the one completion). An `Err`
+    /// is the write's outcome (a request error, a failed write).
+    ///
+    /// Required of every device, layers included: a layer passes it on to
+    /// `below` after its own rules, whatever the admission, so no route a
+    /// device below offers is lost under it (`--inject` keeps every fast
+    /// path); a device at the bottom answers `MayWait` by writing and
+    /// declines what it cannot do without waiting.
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted>;
 
     /// Memory to receive a write's payload of `len` bytes into before it
-    /// is passed to `write_shared` / `try_write_shared` (frozen): a volume
+    /// is passed to `submit_write` (frozen): a volume
     /// whose held log can name it instead of copying it (`landing.rs`).
     /// A layer lends the device below's; at the bottom, `None` (the
     /// default) receives into process memory. Only a hint: the write takes

@@ -16,7 +16,9 @@ use parking_lot::RwLock;
 use vouch_format::regions::RegionRecord;
 use vouch_format::{FeatureFlags, LayoutKind, Superblock};
 
-use crate::device::{BlockDevice, SealedBlock, SealedDevice, ZeroFlags};
+use crate::device::{
+    Admission, BlockDevice, DeviceWrites, SealedBlock, SealedDevice, Submitted, ZeroFlags,
+};
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
 use crate::options::{CreateOptions, OpenOptions};
@@ -530,9 +532,14 @@ impl RegionVolume {
     }
 
     pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.write_bytes(offset, &bytes::Bytes::copy_from_slice(data), fua)
+    }
+
+    /// `write` of bytes each member may keep (its piece, not a copy).
+    pub fn write_bytes(&self, offset: u64, data: &bytes::Bytes, fua: bool) -> Result<()> {
         self.each_piece_written(offset, data.len() as u64, |member, at, len| {
             let from = (at - offset) as usize;
-            member.write(at, &data[from..from + len as usize], fua)
+            member.write_bytes(at, &data.slice(from..from + len as usize), fua)
         })
     }
 
@@ -1222,8 +1229,19 @@ impl BlockDevice for RegionVolume {
         self.member(layout).try_read(offset, buf)
     }
 
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        RegionVolume::write(self, offset, data, fua)
+    /// Only the waiting route: a write may span regions of two layouts.
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &bytes::Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        if admission != Admission::MayWait {
+            return Ok(Submitted::Declined);
+        }
+        RegionVolume::write_bytes(self, offset, data, fua)?;
+        Ok(Submitted::Done)
     }
 
     fn flush(&self) -> Result<()> {

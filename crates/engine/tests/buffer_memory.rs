@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use bytes::Bytes;
 use vouch_engine::BlockDevice;
@@ -85,7 +86,7 @@ fn sliding_encrypted_writes_do_not_pin_more_than_the_buffer_counts() {
     // buffered blocks would say 256 + k.
     for k in 0..10u64 {
         volume
-            .write_shared(k * BLOCK, &Bytes::from(vec![k as u8 + 1; MIB]), false)
+            .write_bytes(k * BLOCK, &Bytes::from(vec![k as u8 + 1; MIB]), false)
             .expect("write");
         let counted = volume.resident_bytes() / (BLOCK + 64);
         assert!(
@@ -102,7 +103,7 @@ fn slide(volume: &Volume, writes: u64, live: impl Fn() -> usize) -> usize {
     let mut most_live = 0;
     for k in 0..writes {
         volume
-            .write_shared(k * BLOCK, &payload(k as u8), false)
+            .write_bytes(k * BLOCK, &payload(k as u8), false)
             .expect("write");
         let alive = live();
         most_live = most_live.max(alive);

@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 use std::thread;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::BlockDevice;
 use vouch_engine::{CreateOptions, LayoutKind, OpenOptions, SimStorage, Storage, Tuning, Volume};

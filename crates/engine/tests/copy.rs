@@ -5,6 +5,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};
 use vouch_engine::jobs::JobControl;

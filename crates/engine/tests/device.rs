@@ -3,6 +3,7 @@
 //! checked on arrival), and the default verify / copy / compare offloads.
 
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind, ObjectId,

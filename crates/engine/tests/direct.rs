@@ -5,6 +5,7 @@
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use vouch_engine::BlockDevice;
+use vouch_engine::DeviceWrites;
 use vouch_engine::ZeroFlags;
 use vouch_engine::{create_volume, open_volume, CreateOptions, LayoutKind, OpenOptions, Tuning};
 

@@ -8,6 +8,7 @@ mod common;
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use vouch_engine::DeviceWrites;
 
 use common::pattern;
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};

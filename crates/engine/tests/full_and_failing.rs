@@ -4,6 +4,7 @@
 use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::BlockDevice;
 use vouch_engine::{
@@ -172,7 +173,7 @@ fn a_landed_region_is_not_reused_while_its_record_is_live() {
         };
         buffer.as_mut_slice().copy_from_slice(data);
         volume
-            .write_shared(offset, &buffer.freeze(), false)
+            .write_bytes(offset, &buffer.freeze(), false)
             .expect("landed write");
         true
     };

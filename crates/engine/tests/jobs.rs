@@ -3,6 +3,7 @@
 //! persisted cursor without revisiting what it finished.
 
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::jobs::{scan, Cursor, CursorFile, JobControl, ScanEnd, ScanOptions};
 use vouch_engine::{BlockDevice, CreateOptions, SimStorage, Volume, BLOCK};

@@ -2,6 +2,7 @@
 //! and every guard, including clean reopen and crash after flush.
 
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use proptest::prelude::*;
 use vouch_engine::BlockDevice;

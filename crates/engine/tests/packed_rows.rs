@@ -6,6 +6,7 @@
 mod common;
 
 use std::sync::atomic::Ordering;
+use vouch_engine::DeviceWrites;
 
 use common::*;
 use vouch_engine::{BlockDevice, Error, FaultKind, LayoutKind, BLOCK};

@@ -9,6 +9,7 @@ mod common;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use common::*;
 use vouch_engine::{

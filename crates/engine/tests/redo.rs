@@ -3,6 +3,7 @@
 //! writes may be lost by a crash without losing the flushed data.
 
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::{
     BlockDevice, CreateOptions, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume,
@@ -132,7 +133,15 @@ fn writes_past_a_redo_flush_are_committed_before_the_dirty_limit() {
         for lba in 0..100u64 {
             let data = bytes::Bytes::from(block(lba as u8 + 1));
             assert!(
-                BlockDevice::try_write_shared(&volume, lba * 4096, &data).expect("write"),
+                volume
+                    .submit_write(
+                        lba * 4096,
+                        &data,
+                        false,
+                        vouch_engine::Admission::MustNotWait
+                    )
+                    .expect("write")
+                    .is_done(),
                 "{layout:?}: an inline write declined"
             );
         }

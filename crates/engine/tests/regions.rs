@@ -7,6 +7,7 @@ mod common;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use vouch_engine::DeviceWrites;
 
 use common::pattern;
 use vouch_engine::regions::{self, MigrateBreaks, OnlineBreaks, OnlineMigrate, RegionVolume};

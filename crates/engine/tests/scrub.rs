@@ -11,12 +11,14 @@ mod common;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use vouch_engine::DeviceWrites;
 
 use common::*;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::scrub::{last_scrub, scrub, ScrubOptions, ScrubState, SCRUB_FILE};
 use vouch_engine::{
-    Allocation, BlockDevice, Error, Fault, FaultKind, LayoutKind, Result, Volume, ZeroFlags, BLOCK,
+    Admission, Allocation, BlockDevice, Error, Fault, FaultKind, LayoutKind, Result, Submitted,
+    Volume, ZeroFlags, BLOCK,
 };
 
 /// Data in chunks 0, 1, 3 (partly) and 5; blocks 10 and 1300 damaged.
@@ -379,8 +381,17 @@ impl BlockDevice for FailingReads {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<std::ops::Range<u64>>> {
         self.inner.read(offset, buf)
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.inner.write(offset, data, fua)
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &bytes::Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        if admission != Admission::MayWait {
+            return Ok(Submitted::Declined);
+        }
+        self.inner.submit_write(offset, data, fua, admission)
     }
     fn flush(&self) -> Result<()> {
         self.inner.flush()

@@ -8,6 +8,7 @@ mod common;
 use common::pattern;
 use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};
 use vouch_engine::snapshot::{self, RealFs, SnapshotBreaks};
+use vouch_engine::DeviceWrites;
 use vouch_engine::{create_volume, BlockDevice, CreateOptions, LayoutKind, OpenOptions, BLOCK};
 
 const BLOCKS: u64 = 512;

@@ -8,6 +8,7 @@
 mod common;
 
 use std::os::unix::fs::FileExt;
+use vouch_engine::DeviceWrites;
 
 use common::*;
 use vouch_engine::jobs::JobControl;

@@ -2,14 +2,16 @@
 //! three routes a write to a mirror takes (docs/ARCHITECTURE.md, "The
 //! mirror's write"):
 //!
-//! - the worker's `write_shared` (`Admission::MayWait`): any bytes, FUA;
+//! - the worker's `submit_write` with `vouch_engine::Admission::MayWait`
+//!   (`Admission::MayWait`): any bytes, FUA;
 //!   it waits for the stripes, for the activity log to take its extents
 //!   (a sync), for the resync maps' marks (a sync) and for a leg's full
 //!   write-back buffer;
-//! - the NBD reactor's inline `try_write_shared` (`Admission::Reserved`):
+//! - the NBD reactor's inline `submit_write` with `MustNotWait`
+//!   (`Admission::Reserved`):
 //!   never waits; every target is local and holds room reserved for the
 //!   write, so no leg commits on the reactor;
-//! - the completion path `try_begin_write` (`complete.rs`,
+//! - the completion path, `submit_write` with `Callback` (`complete.rs`,
 //!   `Admission::Callback`): never waits; the local targets hold reserved
 //!   room, the remote ones answer by callback and the leg answering last
 //!   completes the write, so no thread sleeps on a replica's round trip.
@@ -39,7 +41,7 @@ use std::ops::{Deref, Range};
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use vouch_engine::device::{PendingWrite, SealedBlock, WriteDone};
+use vouch_engine::device::{DeviceWrites, PendingWrite, SealedBlock, WriteDone};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::BLOCK;
 use vouch_format::mirror::{LegState, MAX_LEGS};
@@ -131,7 +133,7 @@ pub(crate) fn no_outcomes() -> Outcomes {
 /// `BlockDevice` implementation calls them without importing this module
 /// (which imports it: docs/ARCHITECTURE.md "Modules import downward").
 impl Mirror {
-    /// The worker's route (`write_shared`): it may wait, so it is never
+    /// The worker's route (`MayWait`): it may wait, so it is never
     /// declined.
     pub(crate) fn write_waiting(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
         let (_held, plan) = Mirror::admit(self, offset, data, Admission::MayWait)?
@@ -139,7 +141,7 @@ impl Mirror {
         plan.wait(fua)
     }
 
-    /// The inline route (`try_write_shared`): `Ok(false)`, with nothing
+    /// The inline route (`MustNotWait`): `Ok(false)`, with nothing
     /// held or written, where it would have to wait.
     pub(crate) fn write_reserved(&self, offset: u64, data: &Bytes) -> Result<bool> {
         let Some((_held, plan)) = Mirror::admit(self, offset, data, Admission::Reserved)? else {
@@ -390,7 +392,7 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
                 // error (the caller's) stops the turn, and the legs after
                 // it are not asked (`judge` blames none).
                 for leg in targets.legs.iter() {
-                    let outcome = mirror.device(leg).write_shared(*offset, data, fua);
+                    let outcome = mirror.device(leg).write_bytes(*offset, data, fua);
                     let request_error = matches!(&outcome, Err(error) if is_request_error(error));
                     answers.answer(leg, outcome);
                     if request_error {

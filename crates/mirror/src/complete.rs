@@ -1,7 +1,7 @@
 //! Mirrored writes that complete later: the NBD reactor's path for a
 //! mirror with remote legs.
 //!
-//! A blocking `write_shared` to a remote leg costs its thread a sleep per
+//! A blocking write (`MayWait`) to a remote leg costs its thread a sleep per
 //! write: the NBD reactor hands the write to a worker, the worker sleeps
 //! until the replica connection's reader thread wakes it with the answer,
 //! then wakes the reactor to send the reply. Here nobody sleeps on the
@@ -84,13 +84,13 @@ impl Drop for LegDone {
 
 /// A method, so `device.rs` calls it without importing this module.
 impl Mirror {
-    /// `Mirror::try_begin_write` (see `BlockDevice::try_begin_write`): a
+    /// `submit_write` with `vouch_engine::Admission::Callback`: a
     /// write admitted as `Admission::Callback` (`admit.rs`: whole blocks,
     /// no stripe of the range held, no leg keeping a resync map, room in
     /// every local target's write-back buffer, every remote target
     /// answering by callback, no target sealing at a cost the reactor
     /// should not pay). A mirror without a remote target declines
-    /// (`try_write_shared` is its inline path).
+    /// (`MustNotWait` is its inline path).
     pub(crate) fn begin_write(
         self: Arc<Mirror>,
         offset: u64,

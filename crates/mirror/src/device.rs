@@ -19,7 +19,7 @@ use crate::stripes::Stripes;
 use crate::swap::Swap;
 use crate::written::{count, minus, Recording, Written};
 use crate::{Membership, CORRECTED_HALF_LIFE, FAULT_THRESHOLD};
-use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice, ZeroFlags};
+use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice, Submitted, ZeroFlags};
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
 use vouch_engine::Allocation;
 use vouch_engine::BLOCK;
@@ -60,6 +60,11 @@ pub struct Mirror {
     /// A deliberate break of the write executor, for the crash
     /// simulator's self-test only (`Mirror::break_started_writes`).
     pub(super) unwaited: AtomicBool,
+    /// The mirror itself, for the completion path: a write started there
+    /// owns the mirror until its last leg answers (`complete.rs`), though
+    /// `submit_write` is called on `&self`. Always upgradable while a
+    /// caller holds the mirror (`Mirror::new` returns the `Arc`).
+    me: std::sync::Weak<Mirror>,
 }
 
 /// The activity log, as the mirror uses it (the log itself: `activity.rs`).
@@ -199,7 +204,10 @@ impl Mirror {
 impl Mirror {
     /// A mirror over `legs`; `membership` records state changes (faults).
     /// Every present leg must have the same size, and one must be active.
-    pub fn new(legs: Vec<MirrorLeg>, membership: Option<Box<dyn Membership>>) -> Result<Mirror> {
+    pub fn new(
+        legs: Vec<MirrorLeg>,
+        membership: Option<Box<dyn Membership>>,
+    ) -> Result<Arc<Mirror>> {
         // As the set on disk (`MirrorRecord`): a write's legs are a
         // `LegSet` and its outcomes an array of `MAX_LEGS` (`admit.rs`).
         if legs.len() > MAX_LEGS {
@@ -226,7 +234,7 @@ impl Mirror {
             )));
         }
         let read_only = present.iter().any(|device| device.is_read_only());
-        let mirror = Mirror {
+        let mirror = Arc::new_cyclic(|me| Mirror {
             legs: legs.into_iter().map(Leg::new).collect(),
             next: AtomicUsize::new(0),
             one_leg: AtomicBool::new(false),
@@ -244,7 +252,8 @@ impl Mirror {
             reconcile: Mutex::new(None),
             reconciling: AtomicBool::new(false),
             unwaited: AtomicBool::new(false),
-        };
+            me: me.clone(),
+        });
         if mirror.active().is_empty() {
             return Err(Error::InvalidArgument(
                 "a mirror needs an active leg".into(),
@@ -877,30 +886,50 @@ impl BlockDevice for Mirror {
     /// under the stripe lock), to be cleared once a flush of that leg
     /// issued after this returned has returned (`resync.rs`).
     ///
-    /// Every route of a mirrored write (this one, the worker's; the inline
-    /// `try_write_shared`; the completion path `try_begin_write`) is
-    /// admitted and run by the same code (`admit.rs`), differing only in
-    /// whether it may wait.
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.write_shared(offset, &Bytes::copy_from_slice(data), fua)
-    }
-
-    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.write_waiting(offset, data, fua)
-    }
-
-    /// The inline path (the NBD reactor's, like `Volume::try_write`): whole
-    /// blocks only, no larger than every write target seals cheaply
-    /// (`inline_seal_max_bytes`: encrypted legs take up to 128 KiB), when
-    /// no stripe of the range is held and every target reserves room in
-    /// its write-back buffer (`reserve_room`); then sealed once and
-    /// buffered on every leg into that room (`Admission::Reserved`,
-    /// `admit.rs`). It never waits: `Ok(false)`,
-    /// with nothing written and every reservation given back, when any of
-    /// that fails first; once every leg holds room, no leg can find its
-    /// buffer full at its turn, so none commits on the caller's thread.
-    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        self.try_write_shared(offset, &Bytes::copy_from_slice(data))
+    /// Every route of a mirrored write is admitted and run by the same
+    /// code (`admit.rs`), differing only in whether it may wait:
+    ///
+    /// - `MayWait` (the worker's): any bytes, FUA; it waits for what it
+    ///   needs and is never declined.
+    /// - `MustNotWait` (the NBD reactor's inline path, like a volume's):
+    ///   whole blocks only, no FUA, no larger than every write target seals
+    ///   cheaply (`inline_seal_max_bytes`: encrypted legs take up to 128
+    ///   KiB), when no stripe of the range is held and every target
+    ///   reserves room in its write-back buffer (`reserve_room`); then
+    ///   sealed once and buffered on every leg into that room
+    ///   (`admit::Admission::Reserved`). Declined, with nothing written
+    ///   and every reservation given back, when any of that fails first;
+    ///   once every leg holds room, no leg can find its buffer full at its
+    ///   turn, so none commits on the caller's thread.
+    /// - `Callback` (the completion path, only for a mirror with remote
+    ///   legs): started, and completed on the thread of the leg that
+    ///   answers last (`complete.rs`).
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        admission: vouch_engine::Admission,
+    ) -> Result<Submitted> {
+        use vouch_engine::Admission;
+        match admission {
+            Admission::MayWait => {
+                self.write_waiting(offset, data, fua)?;
+                Ok(Submitted::Done)
+            }
+            _ if fua => Ok(Submitted::Declined),
+            Admission::MustNotWait => Ok(if self.write_reserved(offset, data)? {
+                Submitted::Done
+            } else {
+                Submitted::Declined
+            }),
+            Admission::Callback => match self.me.upgrade() {
+                Some(me) => Ok(me
+                    .begin_write(offset, data)?
+                    .map_or(Submitted::Declined, Submitted::Started)),
+                None => Ok(Submitted::Declined),
+            },
+        }
     }
 
     /// The landing area of the first local leg written: it stores the
@@ -914,18 +943,6 @@ impl BlockDevice for Mirror {
         self.device(leg).landing_buffer(len)
     }
 
-    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        self.write_reserved(offset, data)
-    }
-    /// Completes on the thread of the leg that answers last
-    /// (`complete.rs`); only for a mirror with remote legs.
-    fn try_begin_write(
-        self: Arc<Self>,
-        offset: u64,
-        data: &Bytes,
-    ) -> Result<Option<vouch_engine::device::StartWrite>> {
-        self.begin_write(offset, data)
-    }
     /// The resync maps' block bits are made durable first (one sync).
     /// On success the blocks written before it started are forgotten by
     /// the record of what a lost leg may lack (`written.rs`).

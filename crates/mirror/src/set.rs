@@ -429,11 +429,15 @@ pub struct OpenedSet {
     pub warnings: Vec<String>,
 }
 
+/// A mirror and each leg's volume in leg order (`None`: not active or
+/// missing), as `OpenedSet::into_mirror` returns them.
+pub type MirrorAndLegs = (Arc<Mirror>, Vec<Option<Arc<Volume>>>);
+
 impl OpenedSet {
     /// The `Mirror` over the opened legs and each leg's volume in leg order
     /// (`None`: not active or missing). With `record_changes`, the mirror
     /// records state changes in the legs' files (`FileMembership`).
-    pub fn into_mirror(self, record_changes: bool) -> Result<(Mirror, Vec<Option<Arc<Volume>>>)> {
+    pub fn into_mirror(self, record_changes: bool) -> Result<MirrorAndLegs> {
         let mut volumes = Vec::with_capacity(self.legs.len());
         let mut legs = Vec::with_capacity(self.legs.len());
         for leg in self.legs {

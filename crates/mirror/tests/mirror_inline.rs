@@ -1,4 +1,4 @@
-//! The mirror's inline write path (`Mirror::try_write_shared`, the NBD
+//! The mirror's inline write path (`submit_write` with `Admission::MustNotWait`, the NBD
 //! reactor's): it never encrypts more than `Volume` would inline, and it
 //! never waits — a leg without room declines the whole write, with
 //! nothing written, rather than committing on the caller's thread.
@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use vouch_engine::{
-    open_volume, Allocation, BlockDevice, CreateOptions, Fault, OpenOptions, Result, SealedBlock,
-    SealedDevice, UserSecret, Volume, BLOCK,
+    open_volume, Admission, Allocation, BlockDevice, CreateOptions, Fault, OpenOptions, Result,
+    SealedBlock, SealedDevice, Submitted, UserSecret, Volume, BLOCK,
 };
 use vouch_mirror::{create_mirror, open_mirror, LegState, Mirror, MirrorLeg};
 
@@ -29,7 +29,7 @@ fn pattern(blocks: usize, tag: u8) -> Bytes {
         .into()
 }
 
-fn close(mirror: Mirror, volumes: Vec<Option<Arc<Volume>>>) {
+fn close(mirror: Arc<Mirror>, volumes: Vec<Option<Arc<Volume>>>) {
     drop(mirror);
     for volume in volumes.into_iter().flatten() {
         Arc::try_unwrap(volume)
@@ -63,7 +63,8 @@ fn encrypted_legs_take_at_most_128_kib_inline() {
         .expect("mirror");
     assert!(
         !mirror
-            .try_write_shared(0, &pattern(64, 1))
+            .submit_write(0, &pattern(64, 1), false, Admission::MustNotWait)
+            .map(|submitted| submitted.is_done())
             .expect("try 256 KiB"),
         "256 KiB over encrypted legs goes to a worker"
     );
@@ -72,7 +73,8 @@ fn encrypted_legs_take_at_most_128_kib_inline() {
     assert!(buf.iter().all(|&b| b == 0), "nothing was written");
     assert!(
         mirror
-            .try_write_shared(0, &pattern(32, 2))
+            .submit_write(0, &pattern(32, 2), false, Admission::MustNotWait)
+            .map(|submitted| submitted.is_done())
             .expect("try 128 KiB"),
         "128 KiB is taken inline"
     );
@@ -95,7 +97,8 @@ fn encrypted_legs_take_at_most_128_kib_inline() {
     .into_mirror(true)
     .expect("mirror");
     assert!(mirror
-        .try_write_shared(0, &pattern(256, 3))
+        .submit_write(0, &pattern(256, 3), false, Admission::MustNotWait)
+        .map(|submitted| submitted.is_done())
         .expect("try 1 MiB"));
     close(mirror, volumes);
 }
@@ -117,9 +120,19 @@ impl BlockDevice for RoomGone {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<std::ops::Range<u64>>> {
         self.volume.read(offset, buf)
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    /// Only the waiting route, counted.
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        if admission != Admission::MayWait {
+            return Ok(Submitted::Declined);
+        }
         self.blocking_writes.fetch_add(1, Ordering::Relaxed);
-        self.volume.write(offset, data, fua)
+        self.volume.submit_write(offset, data, fua, admission)
     }
     fn flush(&self) -> Result<()> {
         self.volume.flush()
@@ -200,7 +213,10 @@ fn a_leg_without_room_declines_the_whole_inline_write_without_blocking() {
     let mirror = Mirror::new(vec![leg("a", &with_room), leg("b", &without)], None).expect("mirror");
     let data = pattern(4, 7);
     assert!(
-        !mirror.try_write_shared(8 * BLOCK, &data).expect("try"),
+        !mirror
+            .submit_write(8 * BLOCK, &data, false, Admission::MustNotWait)
+            .map(|submitted| submitted.is_done())
+            .expect("try"),
         "declined: leg b has no room"
     );
     for device in [&with_room, &without] {
@@ -215,7 +231,10 @@ fn a_leg_without_room_declines_the_whole_inline_write_without_blocking() {
     drop(mirror);
 
     let alone = Mirror::new(vec![leg("a", &with_room)], None).expect("mirror");
-    assert!(alone.try_write_shared(8 * BLOCK, &data).expect("try"));
+    assert!(alone
+        .submit_write(8 * BLOCK, &data, false, Admission::MustNotWait)
+        .map(|submitted| submitted.is_done())
+        .expect("try"));
     assert_eq!(with_room.blocking_writes.load(Ordering::Relaxed), 0);
     let mut buf = vec![0u8; data.len()];
     with_room.volume.read(8 * BLOCK, &mut buf).expect("read");

@@ -4,8 +4,9 @@
 //! `Mirror::new` refuses more legs than a set on disk can name.
 
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
-use vouch_engine::{BlockDevice, CreateOptions, Error, SealedDevice, SimStorage, Volume};
+use vouch_engine::{CreateOptions, Error, SealedDevice, SimStorage, Volume};
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
 fn volume() -> Arc<dyn SealedDevice> {

@@ -8,6 +8,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::{open_volume, BlockDevice, CreateOptions, OpenOptions, Volume, BLOCK};
 use vouch_mirror as mirror;
@@ -24,7 +25,13 @@ fn options() -> OpenOptions {
     OpenOptions::foreground()
 }
 
-fn open(path: &Path) -> (Mirror, Vec<Option<Arc<Volume>>>, mirror::set::MirrorRecord) {
+fn open(
+    path: &Path,
+) -> (
+    Arc<Mirror>,
+    Vec<Option<Arc<Volume>>>,
+    mirror::set::MirrorRecord,
+) {
     let set = open_mirror(path, true, &mut |leg| open_volume(leg, &options())).expect("open set");
     let record = set.record.clone();
     let (mirror, volumes) = set.into_mirror(true).expect("mirror");
@@ -120,7 +127,7 @@ fn leg_1_missed_the_first_12_mib(dir: &Path) -> [std::path::PathBuf; 2] {
             .expect("write");
     }
     mirror.flush().expect("flush");
-    close(Arc::new(mirror), volumes);
+    close(mirror, volumes);
     std::fs::rename(&away, &paths[1]).expect("leg 1 back");
     paths
 }
@@ -131,7 +138,6 @@ fn a_resync_ends_while_clients_keep_writing_and_the_legs_then_agree() {
     let paths = leg_1_missed_the_first_12_mib(dir.path());
 
     let (mirror, volumes, record) = open(&paths[0]);
-    let mirror = Arc::new(mirror);
     assert_eq!(record.members[1].state, mirror::LegState::Stale);
     assert_eq!(mirror.map_of(1).expect("map").count(), MISSED / BLOCK);
     let stop = Arc::new(AtomicBool::new(false));
@@ -217,7 +223,7 @@ fn a_finished_resync_shows_nothing_left_even_when_writes_came_before_it_was_reco
     std::fs::rename(&paths[1], &away).expect("leg 1 away");
     let (mirror, volumes, _) = open(&paths[0]);
     mirror.write(0, &vec![0x5a; 1 << 20], true).expect("write");
-    close(Arc::new(mirror), volumes);
+    close(mirror, volumes);
     std::fs::rename(&away, &paths[1]).expect("leg 1 back");
     let (mirror, volumes, _) = open(&paths[0]);
     let mut cursor = mirror.begin_resync(1, false).expect("begin");
@@ -230,7 +236,7 @@ fn a_finished_resync_shows_nothing_left_even_when_writes_came_before_it_was_reco
     assert_eq!(progress.state, "done", "{progress:?}");
     assert_eq!(progress.left, 0, "{progress:?}");
     assert_eq!(mirror.status()[1].resync.as_ref().map(|p| p.left), Some(0));
-    close(Arc::new(mirror), volumes);
+    close(mirror, volumes);
 }
 
 /// Write `count` blocks from `first` to leg 0 alone (bypassing the
@@ -252,7 +258,6 @@ fn legs_that_differ_after_a_crash_are_not_counted_against_a_leg_and_a_full_resyn
         .close()
         .expect("close");
     let (mirror, volumes, record) = open(&paths[0]);
-    let mirror = Arc::new(mirror);
     // After an unclean shutdown 30 blocks differ (more than the
     // threshold of 20): the scrub makes them agree without blaming leg 1.
     mirror.read_one_leg_until_scrubbed();
@@ -331,7 +336,6 @@ fn a_resync_at_its_rate_waits_after_each_batch_and_a_stop_keeps_what_is_left() {
     let dir = tempfile::tempdir().expect("tempdir");
     let paths = leg_1_missed_the_first_12_mib(dir.path());
     let (mirror, volumes, _) = open(&paths[0]);
-    let mirror = Arc::new(mirror);
     let total = MISSED / BLOCK;
     assert_eq!(mirror.map_of(1).expect("map").count(), total);
     mirror.start_resync(1, SLOW, false).expect("start resync");
@@ -361,7 +365,7 @@ fn a_resync_at_its_rate_waits_after_each_batch_and_a_stop_keeps_what_is_left() {
     assert_eq!(progress.state, "done", "{progress:?}");
     assert_eq!(progress.copied, total - 1024, "{progress:?}");
     assert_eq!(progress.paced_waits, 0, "{progress:?}");
-    close(Arc::new(mirror), volumes);
+    close(mirror, volumes);
 }
 
 /// A reconciliation is a job like a scan: at its rate it checks one chunk
@@ -390,7 +394,7 @@ fn a_reconciliation_at_its_rate_waits_after_each_chunk_and_a_stop_keeps_its_exte
             .write(index * extent * BLOCK, &vec![0x3c; BLOCK as usize], true)
             .expect("write");
     }
-    close(Arc::new(mirror), volumes);
+    close(mirror, volumes);
 
     let (mirror, volumes, record) = open(&paths[0]);
     let (log, recovered) = mirror::set::open_activity(&record, blocks).expect("log");
@@ -399,7 +403,6 @@ fn a_reconciliation_at_its_rate_waits_after_each_chunk_and_a_stop_keeps_its_exte
     mirror
         .keep_activity_log(Arc::clone(&log))
         .expect("keep the log");
-    let mirror = Arc::new(mirror);
     assert!(mirror.start_reconcile(SLOW).expect("start"));
     wait_for("the first chunk", || {
         mirror

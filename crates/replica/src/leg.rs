@@ -30,8 +30,8 @@ use parking_lot::{Mutex, RwLock};
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
-    Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result, SealedBlock,
-    SealedDevice, WriteDone, BLOCK,
+    Admission, Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result,
+    SealedBlock, SealedDevice, Submitted, WriteDone, BLOCK,
 };
 use vouch_mirror::LegTemplate;
 
@@ -392,17 +392,28 @@ impl BlockDevice for RemoteLeg {
 
     /// Sealed here, verified and stored there. Partial blocks at the edges
     /// are read (verified), patched and resealed: the mirror holds the
-    /// stripe lock across it.
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    /// stripe lock across it. Every write waits for the replica's answer
+    /// (a mirror starts a remote leg's share with `write_sealed_then`), so
+    /// a write that must not wait is declined.
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        if admission != Admission::MayWait {
+            return Ok(Submitted::Declined);
+        }
         self.check_range(offset, data.len() as u64)?;
         if data.is_empty() {
-            return Ok(());
+            return Ok(Submitted::Done);
         }
         let first = offset / BLOCK;
         let end = (offset + data.len() as u64).div_ceil(BLOCK);
         let aligned = offset.is_multiple_of(BLOCK) && (data.len() as u64).is_multiple_of(BLOCK);
         let blocks = if aligned {
-            self.seal(first, &Bytes::copy_from_slice(data), 0)
+            self.seal(first, data, 0)
         } else {
             let mut whole = vec![0u8; ((end - first) * BLOCK) as usize];
             self.read(first * BLOCK, &mut whole)?;
@@ -410,7 +421,8 @@ impl BlockDevice for RemoteLeg {
             whole[at..at + data.len()].copy_from_slice(data);
             self.seal(first, &Bytes::from(whole), 0)
         };
-        self.send_sealed(&blocks, fua)
+        self.send_sealed(&blocks, fua)?;
+        Ok(Submitted::Done)
     }
 
     fn flush(&self) -> Result<()> {

@@ -9,6 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::{BlockDevice, CreateOptions, Error, SealedDevice, BLOCK};
 use vouch_mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
@@ -84,7 +85,7 @@ fn local_volume(dir: &Path) -> PathBuf {
 }
 
 /// A mirror of an active local and an active remote leg, no membership.
-fn local_and_remote(local: Arc<dyn SealedDevice>, remote: Arc<dyn SealedDevice>) -> Mirror {
+fn local_and_remote(local: Arc<dyn SealedDevice>, remote: Arc<dyn SealedDevice>) -> Arc<Mirror> {
     let leg = |name: &str, device| MirrorLeg {
         name: name.into(),
         device: Some(device),
@@ -705,9 +706,17 @@ fn write_completing(
     offset: u64,
     data: &[u8],
 ) -> Option<vouch_engine::Result<()>> {
-    let start = Arc::clone(mirror)
-        .try_begin_write(offset, &bytes::Bytes::copy_from_slice(data))
-        .expect("begin")?;
+    let vouch_engine::Submitted::Started(start) = mirror
+        .submit_write(
+            offset,
+            &bytes::Bytes::copy_from_slice(data),
+            false,
+            vouch_engine::Admission::Callback,
+        )
+        .expect("begin")
+    else {
+        return None;
+    };
     let (sender, outcome) = std::sync::mpsc::channel();
     start(Box::new(move |result| {
         let _ = sender.send(result);
@@ -732,24 +741,22 @@ fn writes_completed_by_the_remote_legs_answer_land_on_both_legs_and_a_lost_repli
     let local = vouch_engine::open_volume(&local_path, &Default::default()).expect("open");
     let local: Arc<dyn SealedDevice> = Arc::new(local);
     let remote = Arc::new(remote);
-    let mirror = Arc::new(
-        Mirror::new(
-            vec![
-                MirrorLeg {
-                    name: "local".into(),
-                    device: Some(Arc::clone(&local)),
-                    state: LegState::Active,
-                },
-                MirrorLeg {
-                    name: url.to_string(),
-                    device: Some(Arc::clone(&remote) as Arc<dyn SealedDevice>),
-                    state: LegState::Active,
-                },
-            ],
-            None,
-        )
-        .expect("mirror"),
-    );
+    let mirror = Mirror::new(
+        vec![
+            MirrorLeg {
+                name: "local".into(),
+                device: Some(Arc::clone(&local)),
+                state: LegState::Active,
+            },
+            MirrorLeg {
+                name: url.to_string(),
+                device: Some(Arc::clone(&remote) as Arc<dyn SealedDevice>),
+                state: LegState::Active,
+            },
+        ],
+        None,
+    )
+    .expect("mirror");
     // A partial block is not started this way (it reads an edge first).
     assert!(write_completing(&mirror, 512, &[1u8; 512]).is_none());
     for lba in 0..8 {

@@ -51,6 +51,7 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -924,11 +925,11 @@ fn run_op(
                         counters.inline_writes.fetch_add(1, Ordering::Relaxed);
                         Ok(())
                     }
-                    Ok(false) => volume.write_shared(offset, &data, false),
+                    Ok(false) => volume.write_bytes(offset, &data, false),
                     Err(error) => Err(error),
                 }
             } else {
-                volume.write_shared(offset, &data, fua)
+                volume.write_bytes(offset, &data, fua)
             };
             (touched, written, false)
         }

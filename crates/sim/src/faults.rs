@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use parking_lot::Mutex;
 use vouch_engine::BlockDevice;

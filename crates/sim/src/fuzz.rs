@@ -6,6 +6,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::read_superblock;
 use vouch_engine::BlockDevice;

@@ -38,8 +38,14 @@ macro_rules! forward_device {
         ) -> vouch_engine::Result<Vec<std::ops::Range<u64>>> {
             self.$below.read(offset, buf)
         }
-        fn write(&self, offset: u64, data: &[u8], fua: bool) -> vouch_engine::Result<()> {
-            self.$below.write(offset, data, fua)
+        fn submit_write(
+            &self,
+            offset: u64,
+            data: &bytes::Bytes,
+            fua: bool,
+            admission: vouch_engine::Admission,
+        ) -> vouch_engine::Result<vouch_engine::Submitted> {
+            self.$below.submit_write(offset, data, fua, admission)
         }
         fn flush(&self) -> vouch_engine::Result<()> {
             self.$below.flush()

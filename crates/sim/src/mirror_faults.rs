@@ -28,6 +28,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use bytes::Bytes;
 use vouch_engine::jobs::JobControl;
@@ -152,7 +153,7 @@ struct Cx {
     layout: LayoutKind,
     legs: [Arc<Recorder>; 2],
     volumes: [Arc<Volume>; 2],
-    mirror: Mirror,
+    mirror: Arc<Mirror>,
     model: Vec<Vec<u8>>,
     rng: Rng,
     /// Leg 1 drops the reserved writes of the inline route (`run_with`).
@@ -288,7 +289,7 @@ impl Cx {
     fn write_served(&mut self, lba: u64, data: &[u8]) -> vouch_engine::Result<()> {
         let inline = self.rng.chance(1, 2);
         let data = Bytes::copy_from_slice(data);
-        if write_as_served(&self.mirror, lba * BLOCK as u64, &data, false, inline)? {
+        if write_as_served(&*self.mirror, lba * BLOCK as u64, &data, false, inline)? {
             self.inline_writes += 1;
         }
         self.background_commits +=
@@ -493,7 +494,7 @@ fn run_injections(cx: &mut Cx, count: u64, report: &mut MirrorMatrix) -> Result<
     Ok(())
 }
 
-fn mirror_over(volumes: &[Arc<Volume>; 2], sabotage: bool) -> Result<Mirror, String> {
+fn mirror_over(volumes: &[Arc<Volume>; 2], sabotage: bool) -> Result<Arc<Mirror>, String> {
     let legs = volumes
         .iter()
         .enumerate()

@@ -37,11 +37,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use parking_lot::Mutex;
 use vouch_engine::{
-    Allocation, BlockDevice, CreateOptions, Error, Fault, OpenOptions, Result, SealedBlock,
-    SealedDevice, SimStorage, Volume,
+    Admission, Allocation, BlockDevice, CreateOptions, Error, Fault, OpenOptions, Result,
+    SealedBlock, SealedDevice, SimStorage, Submitted, Volume,
 };
 use vouch_format::mirror::MirrorMember;
 use vouch_mirror::set::{open_mirror_with, track_stale_legs, write_record, MirrorRecord};
@@ -113,8 +114,17 @@ impl BlockDevice for Replica {
     fn read(&self, offset: u64, buf: &mut [u8]) -> Result<Vec<Range<u64>>> {
         self.live()?.read(offset, buf)
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.live()?.write(offset, data, fua)
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &bytes::Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        if admission != Admission::MayWait {
+            return Ok(Submitted::Declined);
+        }
+        self.live()?.submit_write(offset, data, fua, admission)
     }
     fn flush(&self) -> Result<()> {
         self.live()?.flush()

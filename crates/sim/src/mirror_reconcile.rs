@@ -32,6 +32,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use parking_lot::Mutex;
 use vouch_engine::{BlockDevice, SimStorage};
@@ -156,7 +157,7 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
         },
     };
     let legs = [Arc::clone(&volume0), Arc::clone(&volume1)];
-    let mirror = Arc::new(mirror_over([volume0, volume1], leg1)?);
+    let mirror = mirror_over([volume0, volume1], leg1)?;
     let maps = SimMaps::new();
     // The log's update writes its two files at once in production: the
     // seed orders their writes and syncs.
@@ -238,7 +239,15 @@ fn run_seed(seed: u64, sabotage: bool, report: &mut ReconcileReport) -> Result<(
                 let route = rng.below(3);
                 if !fua
                     && route == 0
-                    && mirror.try_write(offset, &data).map_err(|e| e.to_string())?
+                    && mirror
+                        .submit_write(
+                            offset,
+                            &bytes::Bytes::copy_from_slice(&data),
+                            false,
+                            vouch_engine::Admission::MustNotWait,
+                        )
+                        .map_err(|e| e.to_string())?
+                        .is_done()
                 {
                     report.inline_writes += 1;
                 } else if !fua && route == 1 && write_completing(&mirror, offset, &data, &deferred)?
@@ -320,7 +329,7 @@ fn check_crash(crash: Crash, report: &mut ReconcileReport) -> Result<(), String>
     }
     let mut seen = Vec::with_capacity(BLOCKS as usize);
     for lba in 0..BLOCKS {
-        let print = fingerprint(&read_block(&mirror, lba, "the mirror")?);
+        let print = fingerprint(&read_block(&*mirror, lba, "the mirror")?);
         if !crash.allowed[lba as usize].contains(&print) {
             return Err(format!(
                 "LBA {lba} reads a value no write or flush allows ({} allowed)",

@@ -24,6 +24,7 @@
 
 use std::sync::Arc;
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -169,7 +170,7 @@ pub(crate) enum Leg1 {
 /// reader thread answering after the local leg's write).
 pub(crate) type Deferred = Arc<Mutex<Vec<Box<dyn FnOnce() + Send>>>>;
 
-pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Mirror, String> {
+pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Arc<Mirror>, String> {
     let legs = volumes
         .into_iter()
         .enumerate()
@@ -350,7 +351,7 @@ pub fn run_seed(
         },
     };
     report.travelling += u64::from(!matches!(leg1, Leg1::Local));
-    let mirror = Arc::new(mirror_over(volumes.clone(), leg1)?);
+    let mirror = mirror_over(volumes.clone(), leg1)?;
     if sabotage == Sabotage::Unwaited {
         mirror.break_started_writes();
     }
@@ -443,8 +444,14 @@ pub fn run_seed(
                 let inline = !completed
                     && !fua
                     && mirror
-                        .try_write_shared(offset, &Bytes::from(data.clone()))
-                        .map_err(|e| format!("inline write: {e}"))?;
+                        .submit_write(
+                            offset,
+                            &Bytes::from(data.clone()),
+                            false,
+                            vouch_engine::Admission::MustNotWait,
+                        )
+                        .map_err(|e| format!("inline write: {e}"))?
+                        .is_done();
                 sabotaged(Some(Sabotage::Worker));
                 if completed {
                     report.completed_later += 1;
@@ -453,7 +460,7 @@ pub fn run_seed(
                 } else {
                     report.worker_writes += u64::from(!fua);
                     mirror
-                        .write_shared(offset, &Bytes::from(data.clone()), fua)
+                        .write_bytes(offset, &Bytes::from(data.clone()), fua)
                         .map_err(|e| format!("write: {e}"))?;
                 }
                 sabotaged(None);
@@ -540,11 +547,20 @@ pub(crate) fn write_completing(
     data: &[u8],
     deferred: &Deferred,
 ) -> Result<bool, String> {
-    let begun = Arc::clone(mirror)
-        .try_begin_write(offset, &Bytes::copy_from_slice(data))
+    let begun = mirror
+        .submit_write(
+            offset,
+            &Bytes::copy_from_slice(data),
+            false,
+            vouch_engine::Admission::Callback,
+        )
         .map_err(|e| format!("write: {e}"))?;
-    let Some(start) = begun else {
-        return Ok(false);
+    let start = match begun {
+        vouch_engine::Submitted::Started(start) => start,
+        vouch_engine::Submitted::Declined => return Ok(false),
+        vouch_engine::Submitted::Done => {
+            return Err("a write with a remote leg was done before it answered".into())
+        }
     };
     let (sender, outcome) = std::sync::mpsc::channel();
     start(Box::new(move |result| {

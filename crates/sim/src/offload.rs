@@ -137,7 +137,7 @@ impl Drop for ScrubDir {
 mod tests {
     use std::sync::Arc;
 
-    use vouch_engine::{BlockDevice, CreateOptions, ObjectId, SimStorage};
+    use vouch_engine::{BlockDevice, CreateOptions, DeviceWrites, ObjectId, SimStorage};
 
     use super::*;
 

@@ -40,6 +40,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use parking_lot::Mutex;
 use vouch_engine::resize::{self, ResizeBreaks};

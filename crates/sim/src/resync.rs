@@ -43,6 +43,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
@@ -267,7 +268,6 @@ fn mirror_of(
         ],
         None,
     )
-    .map(Arc::new)
     .map_err(|e| e.to_string())
 }
 
@@ -382,7 +382,14 @@ impl Client {
         if sabotage {
             self.leg0.sabotage_held.store(true, Ordering::Relaxed);
         }
-        let written = mirror.try_write_shared(lba * BLOCK as u64, &data);
+        let written = mirror
+            .submit_write(
+                lba * BLOCK as u64,
+                &data,
+                false,
+                vouch_engine::Admission::MustNotWait,
+            )
+            .map(|submitted| submitted.is_done());
         if sabotage {
             self.leg0.sabotage_held.store(false, Ordering::Relaxed);
         }

@@ -418,7 +418,15 @@ impl FlushPoint for Served<'_> {
                 let lba = rng.below(BLOCKS);
                 let data = bytes::Bytes::from(rng.bytes(BLOCK));
                 self.state.lock().issuing(lba, data.to_vec());
-                let taken = self.volume.try_write_shared(lba * BLOCK as u64, &data)?;
+                let taken = self
+                    .volume
+                    .submit_write(
+                        lba * BLOCK as u64,
+                        &data,
+                        false,
+                        vouch_engine::Admission::MustNotWait,
+                    )?
+                    .is_done();
                 let mut state = self.state.lock();
                 match taken {
                     true => {

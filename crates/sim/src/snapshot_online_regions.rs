@@ -39,6 +39,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use parking_lot::Mutex;
 use vouch_engine::regions::{self, OnlineBreaks, OnlineMigrate, RegionVolume};

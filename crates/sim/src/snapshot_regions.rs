@@ -33,6 +33,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use vouch_engine::DeviceWrites;
 
 use parking_lot::Mutex;
 use vouch_engine::regions::{self, MigrateBreaks, RegionVolume};

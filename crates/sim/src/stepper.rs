@@ -99,8 +99,9 @@ pub fn step_commits<'a>(
 }
 
 /// A write of whole blocks as the NBD reactor takes it: the inline route
-/// (`try_write_shared`) when `inline` and it needs no wait, else the
-/// worker's `write_shared`. Returns whether the inline route took it.
+/// (`submit_write` with `MustNotWait`) when `inline` and it needs no
+/// wait, else the worker's (`MayWait`). Returns whether the inline route
+/// took it.
 pub fn write_as_served(
     device: &dyn vouch_engine::BlockDevice,
     offset: u64,
@@ -108,8 +109,14 @@ pub fn write_as_served(
     fua: bool,
     inline: bool,
 ) -> vouch_engine::Result<bool> {
-    if inline && !fua && device.try_write_shared(offset, data)? {
+    use vouch_engine::{Admission, DeviceWrites};
+    if inline
+        && !fua
+        && device
+            .submit_write(offset, data, false, Admission::MustNotWait)?
+            .is_done()
+    {
         return Ok(true);
     }
-    device.write_shared(offset, data, fua).map(|()| false)
+    device.write_bytes(offset, data, fua).map(|()| false)
 }

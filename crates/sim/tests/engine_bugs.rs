@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use vouch_engine::read_superblock;
-use vouch_engine::BlockDevice;
+use vouch_engine::{BlockDevice, DeviceWrites};
 use vouch_engine::{CreateOptions, LayoutKind, ObjectId, OpenOptions, SimStorage, Volume};
 use vouch_format::journal::encode_record;
 use vouch_format::{Context, JournalEntry};

@@ -4,6 +4,7 @@ use std::fs::{File, OpenOptions as FsOpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::process::ExitCode;
+use vouch_engine::DeviceWrites;
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::json;

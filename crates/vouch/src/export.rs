@@ -7,8 +7,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
+use vouch_engine::{Admission, BlockDevice, Submitted, ZeroFlags};
 use vouch_engine::{Allocation, Error, BLOCK};
-use vouch_engine::{BlockDevice, ZeroFlags};
 use vouch_nbd::{
     BlockSizes, Errno, Export, ExportError, Extent, Integrity, IntegrityExtent, PayloadBuffer,
     ReadCompletion, WriteCompletion,
@@ -161,36 +161,58 @@ impl Export for VolumeExport {
         let buffer = self.volume.landing_buffer(length)?;
         Some(Box::new(Landed(buffer)))
     }
+    /// The three NBD write routes are the device's one submission
+    /// (`BlockDevice::submit_write`), each with its admission: the
+    /// worker's `MayWait`, the reactor's inline `MustNotWait`, and the
+    /// reactor's `Callback` (a mirror with remote legs finishes it on the
+    /// thread of the leg that answers last, which completes `done`).
     fn write(&self, offset: u64, data: &Bytes, fua: bool) -> Result<(), ExportError> {
-        self.volume
-            .write_shared(offset, data, fua)
-            .map_err(to_export_error)
+        match self
+            .volume
+            .submit_write(offset, data, fua, Admission::MayWait)
+        {
+            Ok(Submitted::Done) => Ok(()),
+            Ok(other) => Err(to_export_error(Error::Unsupported(format!(
+                "a write that may wait answered {other:?}"
+            )))),
+            Err(error) => Err(to_export_error(error)),
+        }
     }
     fn writes_queued(&self, queued: bool) -> bool {
         self.volume.writes_queued(queued)
     }
     fn try_write(&self, offset: u64, data: &Bytes) -> Option<Result<(), ExportError>> {
-        match self.volume.try_write_shared(offset, data) {
-            Ok(true) => Some(Ok(())),
-            Ok(false) => None,
+        match self
+            .volume
+            .submit_write(offset, data, false, Admission::MustNotWait)
+        {
+            Ok(Submitted::Done) => Some(Ok(())),
+            Ok(Submitted::Declined) => None,
+            Ok(Submitted::Started(_)) => Some(Err(to_export_error(Error::Unsupported(
+                "a write that must finish now was started to finish later".into(),
+            )))),
             Err(error) => Some(Err(to_export_error(error))),
         }
     }
-    /// A device that can start the write without blocking (a mirror with
-    /// remote legs: `BlockDevice::try_begin_write`) finishes it on the
-    /// thread of the leg that answers last, which completes `done`.
     fn try_start_write(
         &self,
         offset: u64,
         data: &Bytes,
         done: WriteCompletion,
     ) -> Result<(), WriteCompletion> {
-        match Arc::clone(&self.volume).try_begin_write(offset, data) {
-            Ok(None) => Err(done),
-            Ok(Some(start)) => {
+        match self
+            .volume
+            .submit_write(offset, data, false, Admission::Callback)
+        {
+            Ok(Submitted::Declined) => Err(done),
+            Ok(Submitted::Started(start)) => {
                 start(Box::new(move |outcome| {
                     done.complete(outcome.map_err(to_export_error));
                 }));
+                Ok(())
+            }
+            Ok(Submitted::Done) => {
+                done.complete(Ok(()));
                 Ok(())
             }
             Err(error) => {

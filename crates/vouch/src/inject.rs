@@ -19,8 +19,8 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use vouch_engine::{
-    verify_in_turn, Allocation, BlockDevice, Error, Fault, FaultKind, FlushDone, ObjectId, Result,
-    StartRead, StartWrite, ZeroFlags, BLOCK,
+    verify_in_turn, Admission, Allocation, BlockDevice, Error, Fault, FaultKind, FlushDone,
+    ObjectId, Result, StartRead, Submitted, ZeroFlags, BLOCK,
 };
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -248,25 +248,17 @@ impl BlockDevice for FaultInjector {
     }
 
     // Writes (trims and zeroes too).
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+    /// Every admission passes on unchanged: the device below keeps each
+    /// of its routes (inline, completion, waiting) under the rules.
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
         self.check_bytes(Op::Write, offset, data.len() as u64)?;
-        self.inner.write(offset, data, fua)
-    }
-    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        self.check_bytes(Op::Write, offset, data.len() as u64)?;
-        self.inner.try_write(offset, data)
-    }
-    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.check_bytes(Op::Write, offset, data.len() as u64)?;
-        self.inner.write_shared(offset, data, fua)
-    }
-    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        self.check_bytes(Op::Write, offset, data.len() as u64)?;
-        self.inner.try_write_shared(offset, data)
-    }
-    fn try_begin_write(self: Arc<Self>, offset: u64, data: &Bytes) -> Result<Option<StartWrite>> {
-        self.check_bytes(Op::Write, offset, data.len() as u64)?;
-        Arc::clone(&self.inner).try_begin_write(offset, data)
+        self.inner.submit_write(offset, data, fua, admission)
     }
     fn trim(&self, offset: u64, length: u64, fua: bool) -> Result<()> {
         self.check_bytes(Op::Write, offset, length)?;

@@ -145,7 +145,6 @@ pub fn open(path: &Path, options: OpenOptions, purpose: Use) -> Result<OpenMirro
     }
     let record = set.record.clone();
     let (mirror, volumes) = set.into_mirror(true)?;
-    let mirror = Arc::new(mirror);
     let active = mirror.active();
     let primary = active
         .first()

@@ -930,7 +930,7 @@ pub fn open_served(leg: &Path, name: &str, options: OpenOptions) -> Result<Serve
         });
         volumes.push(volume);
     }
-    let mirror = Arc::new(Mirror::new(legs, None)?);
+    let mirror = Mirror::new(legs, None)?;
     let primary = volumes
         .iter()
         .flatten()

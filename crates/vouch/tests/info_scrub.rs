@@ -4,10 +4,11 @@
 
 use std::os::unix::fs::FileExt;
 use std::process::Command;
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::jobs::JobControl;
 use vouch_engine::scrub::{scrub, ScrubOptions};
-use vouch_engine::{create_volume, BlockDevice, CreateOptions, BLOCK};
+use vouch_engine::{create_volume, CreateOptions, BLOCK};
 
 fn info(path: &std::path::Path, json: bool) -> String {
     let mut command = Command::new(env!("CARGO_BIN_EXE_vouch"));

@@ -8,6 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use vouch_engine::DeviceWrites;
 
 use common::*;
 use vouch_engine::regions::REGIONS_FILE;

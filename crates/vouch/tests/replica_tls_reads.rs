@@ -15,10 +15,11 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use vouch_engine::DeviceWrites;
 
 use common::*;
 use replica_support::*;
-use vouch_engine::{BlockDevice, CreateOptions, SealedDevice, BLOCK};
+use vouch_engine::{CreateOptions, SealedDevice, BLOCK};
 use vouch_mirror::LegTemplate;
 use vouch_replica::tls::TlsFiles;
 use vouch_replica::{ClientOptions, RemoteLeg, ReplicaUrl};

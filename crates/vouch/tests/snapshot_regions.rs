@@ -11,10 +11,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use vouch_engine::DeviceWrites;
 
 use common::clients::{nbdinfo_json, qemu_img};
 use common::*;
-use vouch_engine::{BlockDevice, CreateOptions, OpenOptions};
+use vouch_engine::{CreateOptions, OpenOptions};
 use vouch_format::regions::REGION_BLOCKS;
 use vouch_format::LayoutKind;
 

@@ -116,7 +116,8 @@ fn write_segments(
             // The reader saw the cancel before this thread did.
             Err(_) => return Err(job.cancelled(run.at())),
         };
-        job.destination.write(
+        crate::device::DeviceWrites::write(
+            job.destination,
             (job.destination_first + segment.at) * BLOCK,
             &segment.data,
             false,

@@ -10,7 +10,8 @@ use bytes::Bytes;
 
 use super::Volume;
 use crate::device::{
-    BlockDevice, FlushDone, ReadDone, SealedBlock, SealedDevice, StartRead, ZeroFlags,
+    Admission, BlockDevice, FlushDone, ReadDone, SealedBlock, SealedDevice, StartRead, Submitted,
+    ZeroFlags,
 };
 use crate::error::{Fault, Result};
 use crate::layout::{Allocation, StoredContext};
@@ -75,22 +76,27 @@ impl BlockDevice for Volume {
     fn reads_in_flight(&self) -> usize {
         self.first.shared().io().reads_in_flight()
     }
-    fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
-        self.current().write(offset, data, fua)
-    }
-    fn try_write(&self, offset: u64, data: &[u8]) -> Result<bool> {
-        match self.current_now() {
-            Some(engine) => engine.try_write_shared(offset, &Bytes::copy_from_slice(data)),
-            None => Ok(false),
-        }
-    }
-    fn write_shared(&self, offset: u64, data: &Bytes, fua: bool) -> Result<()> {
-        self.current().write_shared(offset, data, fua)
-    }
-    fn try_write_shared(&self, offset: u64, data: &Bytes) -> Result<bool> {
-        match self.current_now() {
-            Some(engine) => engine.try_write_shared(offset, data),
-            None => Ok(false),
+    /// The worker's route is the engine's `write_shared`; the reactor's
+    /// (no FUA) its `try_write_shared`, which declines unless the blocks
+    /// are whole, a background committer takes the commit and the
+    /// write-back buffer has room. A volume finishes no write later.
+    fn submit_write(
+        &self,
+        offset: u64,
+        data: &Bytes,
+        fua: bool,
+        admission: Admission,
+    ) -> Result<Submitted> {
+        match admission {
+            Admission::MayWait => {
+                self.current().write_shared(offset, data, fua)?;
+                Ok(Submitted::Done)
+            }
+            Admission::MustNotWait if !fua => match self.current_now() {
+                Some(engine) if engine.try_write_shared(offset, data)? => Ok(Submitted::Done),
+                _ => Ok(Submitted::Declined),
+            },
+            Admission::MustNotWait | Admission::Callback => Ok(Submitted::Declined),
         }
     }
     fn landing_buffer(&self, len: usize) -> Option<crate::LandingBuffer> {

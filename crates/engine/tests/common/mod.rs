@@ -5,6 +5,7 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use vouch_engine::DeviceWrites;
 
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, LayoutKind, OpenOptions, Volume, BLOCK,

@@ -246,7 +246,7 @@ pub(super) fn inline_write(
     }
 }
 
-/// `try_write_shared`, its held-log appends keeping nothing with `sabotage`.
+/// The inline route (`submit_write` with `MustNotWait`), its held-log appends keeping nothing with `sabotage`.
 pub(super) fn try_inline(
     volume: &Volume,
     offset: u64,
@@ -257,7 +257,9 @@ pub(super) fn try_inline(
     if sabotage {
         recorder.sabotage_held.store(true, Ordering::Relaxed);
     }
-    let written = volume.try_write_shared(offset, data);
+    let written = volume
+        .submit_write(offset, data, false, vouch_engine::Admission::MustNotWait)
+        .map(|submitted| submitted.is_done());
     if sabotage {
         recorder.sabotage_held.store(false, Ordering::Relaxed);
     }

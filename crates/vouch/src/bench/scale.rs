@@ -3,6 +3,7 @@
 use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::Instant;
+use vouch_engine::DeviceWrites;
 
 use anyhow::{bail, Context as _, Result};
 use serde_json::{json, Value};

@@ -4,6 +4,7 @@
 use std::fs::{File, OpenOptions as FsOpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
+use vouch_engine::DeviceWrites;
 
 use anyhow::{Context as _, Result};
 use vouch_engine::BlockDevice;

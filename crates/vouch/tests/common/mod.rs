@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
+use vouch_engine::DeviceWrites;
 
 /// Default bound on any external command.
 pub const TIMEOUT: Duration = Duration::from_secs(60);
@@ -664,7 +665,6 @@ pub fn volume_from(dir: &Path, name: &str, data: &[u8]) -> PathBuf {
 /// A split volume `dir/vol` of `blocks` blocks with a run of 64 blocks of
 /// random data (seeded by its index, from 1) at each of `lbas`, closed.
 pub fn split_volume_with_runs(dir: &Path, blocks: u64, lbas: &[u64]) -> PathBuf {
-    use vouch_engine::BlockDevice as _;
     let path = dir.join("vol");
     let options = vouch_engine::CreateOptions {
         layout: vouch_format::LayoutKind::Split,
