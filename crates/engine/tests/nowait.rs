@@ -11,28 +11,12 @@ use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use common::{corrupt_data, data_offset, open, pattern, read_range, volume_dir};
+use common::{corrupt_data, data_offset, open, pattern, read_range, try_write, volume_dir};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use vouch_engine::{
-    create_volume, open_volume, Admission, BlockDevice, CreateOptions, DeviceWrites, Error, Fault,
+    create_volume, open_volume, BlockDevice, CreateOptions, DeviceWrites, Error, Fault,
     FaultKind, LayoutKind, OpenOptions, Tuning, BLOCK,
 };
-
-/// The reactor's inline write (`Admission::MustNotWait`): whether it was done.
-fn try_write<D: BlockDevice + ?Sized>(
-    device: &D,
-    offset: u64,
-    data: &[u8],
-) -> vouch_engine::Result<bool> {
-    device
-        .submit_write(
-            offset,
-            &bytes::Bytes::copy_from_slice(data),
-            false,
-            Admission::MustNotWait,
-        )
-        .map(|submitted| submitted.is_done())
-}
 
 const LAYOUTS: [LayoutKind; 2] = [LayoutKind::Split, LayoutKind::Packed];
 /// The blocks `volume_dir` writes.

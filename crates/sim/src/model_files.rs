@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use vouch_engine::BlockDevice;
+use vouch_engine::{BlockDevice, DeviceWrites};
 
 use crate::rng::Rng;
 use crate::snapshot::{ModelFs, Node};

@@ -167,17 +167,17 @@ pub(crate) fn run_seed_online(
     };
 
     let mut image = vec![0u8; (BLOCKS * BLOCK_U64) as usize];
-    write_some(&mirror, &mut image, &mut rng, 0..BLOCKS, BLOCKS - 1)?;
+    write_some(&*mirror, &mut image, &mut rng, 0..BLOCKS, BLOCKS - 1)?;
     image.resize((first * BLOCK_U64) as usize, 0);
     resize_online(BLOCKS, first, &image)?;
     if !leg_by_leg {
-        write_some(&mirror, &mut image, &mut rng, BLOCKS..first, first - 1)?;
+        write_some(&*mirror, &mut image, &mut rng, BLOCKS..first, first - 1)?;
     }
     let mut grown = image.clone();
     grown.resize((second * BLOCK_U64) as usize, 0);
     resize_online(first, second, &grown)?;
     if !leg_by_leg {
-        write_some(&mirror, &mut grown, &mut rng, 0..first, first - 1)?;
+        write_some(&*mirror, &mut grown, &mut rng, 0..first, first - 1)?;
         resize_online(second, first, &grown)?;
     }
     *recording.hook.lock() = None;

@@ -244,7 +244,7 @@ print(json.dumps({"ok": True}))
 /// unclosed before the snapshot is materialised, as a crash leaves it.
 /// Returns the data at the fence.
 fn fence_and_crash(volume: &Path, name: &str, rounds: u64) -> Vec<u8> {
-    use vouch_engine::BlockDevice as _;
+    use vouch_engine::{BlockDevice as _, DeviceWrites as _};
     let opened = vouch_engine::open_volume(volume, &Default::default()).expect("open");
     let size = opened.size() as usize;
     let mut at_fence = vec![0u8; size];
@@ -334,7 +334,7 @@ fn a_before_image_log_damaged_mid_log_fails_the_snapshot_and_the_volume_opens() 
     // delete, which removes what is left.
     let written = random_bytes(4096, 22);
     {
-        use vouch_engine::BlockDevice as _;
+        use vouch_engine::{BlockDevice as _, DeviceWrites as _};
         let opened = vouch_engine::open_volume(&volume, &Default::default()).expect("open");
         opened.write(0, &written, false).expect("write");
         opened.flush().expect("flush");
@@ -417,7 +417,7 @@ fn a_failed_materialisation_disarms_the_layer_and_says_what_to_do() {
     );
     assert!(partial.join("failed").exists() && !partial.join("fence").exists());
     // Writes go on, unimaged.
-    use vouch_engine::BlockDevice as _;
+    use vouch_engine::{BlockDevice as _, DeviceWrites as _};
     opened.write(0, &[9; 4096], false).expect("write");
     opened.flush().expect("flush");
     opened.checkpoint_now().expect("checkpoint");

@@ -101,3 +101,19 @@ pub fn read_range(device: &dyn BlockDevice, first: u64, count: u64) -> Vec<u8> {
     device.read(first * BLOCK, &mut data).expect("read");
     data
 }
+
+/// The reactor's inline write (`vouch_engine::Admission::MustNotWait`): whether it was done.
+pub fn try_write<D: vouch_engine::BlockDevice + ?Sized>(
+    device: &D,
+    offset: u64,
+    data: &[u8],
+) -> vouch_engine::Result<bool> {
+    device
+        .submit_write(
+            offset,
+            &bytes::Bytes::copy_from_slice(data),
+            false,
+            vouch_engine::Admission::MustNotWait,
+        )
+        .map(|submitted| submitted.is_done())
+}
