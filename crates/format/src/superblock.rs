@@ -57,6 +57,12 @@ impl FeatureFlags {
     /// regions the region record gives it. Set in both members. The engine
     /// opens such a superblock only for the region layer (`Regions`).
     pub const INCOMPAT_REGIONS: u64 = 1 << 5;
+    /// The volume is an overlay snapshot (`snapshots/NAME/overlay`): its
+    /// data segments, context table and written map are the volume's own
+    /// files read through its before-image log (`before`). Set only with
+    /// RO_COMPAT_SNAPSHOT; a binary from before overlays refuses it rather
+    /// than find those files missing.
+    pub const INCOMPAT_OVERLAY: u64 = 1 << 6;
 
     /// The volume is a read-only snapshot (`vouch snapshot create`): a
     /// copy of another volume's files at a flush point, never written.
@@ -72,7 +78,8 @@ impl FeatureFlags {
         | Self::INCOMPAT_ENCRYPTED
         | Self::INCOMPAT_WRITTEN_MAP
         | Self::INCOMPAT_BOUND_UNITS
-        | Self::INCOMPAT_REGIONS;
+        | Self::INCOMPAT_REGIONS
+        | Self::INCOMPAT_OVERLAY;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
         let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL

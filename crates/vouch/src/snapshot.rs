@@ -230,7 +230,7 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
         } else if !json_output {
             let record = &item["record"];
             println!(
-                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}",
+                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}{}",
                 item["name"].as_str().unwrap_or("?"),
                 record["created_unix"],
                 record["checkpoint_seq"],
@@ -241,6 +241,7 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
                 } else {
                     ""
                 },
+                kind_column(&item["kind"]),
             );
         }
     }
@@ -334,8 +335,14 @@ fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     let _held = hold_offline(path, "take the snapshot")?;
     let started = Instant::now();
     let fs = RealFs::new(copy);
-    // The record says "copy" where the files were copied (`RealFs`).
-    let taken = snapshot::create(&fs, path, name, "reflink", SnapshotBreaks::default())?;
+    // Where the filesystem cannot clone, an overlay (its log kept for the
+    // snapshot's life) unless a full copy is asked for.
+    let taken = if !copy && snapshot::overlay::wanted(path) {
+        snapshot::overlay::create_offline(&fs, path, name, &snapshot::new_id())?
+    } else {
+        // The record says "copy" where the files were copied (`RealFs`).
+        snapshot::create(&fs, path, name, "reflink", SnapshotBreaks::default())?
+    };
     let elapsed = started.elapsed();
     println!(
         "snapshot {name} of {}: {} (checkpoint seq {}, {:.1} ms)",
@@ -375,7 +382,7 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
         for entry in &found {
             match entry {
                 Ok(snap) => println!(
-                    "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}",
+                    "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}{}",
                     snap.record.name,
                     snap.record.created_unix,
                     snap.record.checkpoint_seq,
@@ -385,7 +392,8 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
                         "\tmaterialising"
                     } else {
                         ""
-                    }
+                    },
+                    kind_column(&kind_of(snap)),
                 ),
                 Err(error) => {
                     broken = true;
@@ -508,6 +516,20 @@ pub fn create_online(
             drop(one);
             return create_fenced(dir, served, name, wait, started);
         }
+        if !copy && snapshot::overlay::wanted(dir) {
+            served.checkpoint_now()?;
+            let fencing = Instant::now();
+            let taken = snapshot::overlay::create_online(dir, served, name, &snapshot::new_id())?;
+            let held = fencing.elapsed();
+            return Ok(OnlineSnapshot {
+                snapshot: taken,
+                times: crate::snapshot_held::Times {
+                    held,
+                    flush: held,
+                    total: started.elapsed(),
+                },
+            });
+        }
     }
     let _one = one;
     let fs = RealFs::new(copy);
@@ -617,7 +639,7 @@ impl snapshot::FlushPoint for Timed<'_> {
 /// Delete snapshot `name` of the served volume at `dir` (held by this
 /// server); refused while another process (or another export of this
 /// one) holds the snapshot.
-pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
+pub fn delete_online(dir: &Path, served: Option<&vouch_engine::Volume>, name: &str) -> Result<()> {
     let _one = crate::snapshot_held::ONLINE
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
@@ -628,7 +650,8 @@ pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
     let _snapshot_held = crate::snapshot_held::hold_snapshot(dir, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, dir)?;
-    snapshot::delete(&fs, dir, name)?;
+    // An overlay's log goes with it, and the layer is disarmed.
+    snapshot::overlay::delete_served(dir, served, name)?;
     Ok(())
 }
 
@@ -643,8 +666,32 @@ pub fn list_json(dir: &Path) -> Result<Vec<serde_json::Value>> {
                 "path": snap.path.display().to_string(),
                 "record": snap.record,
                 "materialising": snap.materialising,
+                "kind": kind_of(snap),
             }),
             Err(error) => json!({ "error": error.to_string() }),
         })
         .collect())
+}
+
+/// A snapshot's kind for `list`: how its blocks are kept ("overlay": the
+/// volume's files read through its log, whose bytes are its space; else
+/// its record's method, "reflink" or "copy").
+fn kind_of(snap: &snapshot::Snapshot) -> serde_json::Value {
+    if snap.record.method == snapshot::overlay::METHOD {
+        json!({
+            "kind": snapshot::overlay::METHOD,
+            "space_bytes": snapshot::overlay::space(&snap.path),
+        })
+    } else {
+        json!({ "kind": snap.record.method })
+    }
+}
+
+/// `kind_of` as the text listing's last column.
+fn kind_column(kind: &serde_json::Value) -> String {
+    match (kind["kind"].as_str(), kind["space_bytes"].as_u64()) {
+        (Some(name), Some(bytes)) => format!("\t{name}, {bytes} bytes in its log"),
+        (Some(name), None) => format!("\t{name}"),
+        _ => String::new(),
+    }
 }

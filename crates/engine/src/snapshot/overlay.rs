@@ -1,0 +1,415 @@
+//! Overlay snapshots: a snapshot where the filesystem cannot clone
+//! (docs/FORMAT.md, "Overlay snapshots"; docs/CRASH_MODEL.md).
+//!
+//! A fence and the before-image log of `storage/before.rs`, kept for the
+//! snapshot's life: `snapshots/NAME/` holds the superblock at the flush
+//! point (SNAPSHOT and OVERLAY), a sparse journal, the record, `overlay`
+//! (the fence: its id and the imaged files' lengths) and `before` (the
+//! log). Nothing is copied, so a create costs O(metadata). Every writable
+//! open of the volume arms the layer with `before` before it replays;
+//! `storage/overlay.rs` reads the snapshot: each block's first image,
+//! else the live file's bytes.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use vouch_format::superblock::STATE_CLEAN;
+use vouch_format::{FeatureFlags, Superblock};
+
+use super::fenced::{materialising, Fence, BEFORE_FILE};
+use super::{
+    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, volume_files, write_superblock,
+    RealFs, Snapshot, SnapshotFs, SnapshotRecord, RECORD_FILE, SNAPSHOTS_DIR,
+};
+use crate::error::{Error, Result};
+use crate::storage::before::BeforeImages;
+use crate::storage::overlay::{OverlayStorage, ReadFiles};
+use crate::storage::{objects_of, ObjectId};
+
+/// An overlay snapshot's fence (JSON, `Fence`), in `snapshots/NAME/`.
+pub const OVERLAY_FILE: &str = "overlay";
+/// The `method` its record carries.
+pub const METHOD: &str = "overlay";
+
+fn invalid(message: String) -> Error {
+    Error::InvalidArgument(message)
+}
+
+/// Whether snapshots of the volume at `dir` are overlays: its filesystem
+/// cannot clone files (anything but xfs and btrfs).
+pub fn wanted(dir: &Path) -> bool {
+    !matches!(super::filesystem_name(dir), Some("xfs" | "btrfs"))
+}
+
+/// Whether `dir` (a snapshot's directory) is an overlay.
+pub fn is_overlay(fs: &dyn SnapshotFs, dir: &Path) -> bool {
+    fs.exists(&dir.join(OVERLAY_FILE))
+}
+
+/// Whether `superblock` is an overlay snapshot's.
+pub fn is_overlay_superblock(superblock: &Superblock) -> bool {
+    superblock.features.incompat & FeatureFlags::INCOMPAT_OVERLAY != 0
+}
+
+/// The published overlay snapshots of the volume at `volume`, by name.
+pub fn overlays(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
+    let dir = volume.join(SNAPSHOTS_DIR);
+    let names = fs
+        .names(&dir)
+        .map_err(|e| io_error("list", &dir, e))?
+        .unwrap_or_default();
+    Ok(names
+        .into_iter()
+        .filter(|name| !name.starts_with('.') && is_overlay(fs, &dir.join(name)))
+        .collect())
+}
+
+/// Refuse `what` (a resize, a migration, a fenced snapshot: they change
+/// the volume's files outside the layer, or arm it with another log)
+/// while the volume at `volume` has an overlay snapshot.
+pub fn refuse_beside(fs: &dyn SnapshotFs, volume: &Path, what: &str) -> Result<()> {
+    match overlays(fs, volume)?.first() {
+        None => Ok(()),
+        Some(name) => Err(invalid(format!(
+            "{} has the overlay snapshot {name:?} (its blocks are the volume's files, read through its log): {what} once it is deleted (`vouch snapshot delete {} {name}`)",
+            volume.display(),
+            volume.display()
+        ))),
+    }
+}
+
+/// What an overlay needs of the volume at `volume`: no other overlay and
+/// no snapshot materialising (one log per layer), not a mirror's leg.
+fn check_alone(fs: &dyn SnapshotFs, volume: &Path) -> Result<()> {
+    if let Some(name) = overlays(fs, volume)?.first() {
+        return Err(invalid(format!(
+            "{} has the overlay snapshot {name:?} already: one overlay snapshot per volume on a filesystem that cannot clone (delete it first, or --copy for a full copy)",
+            volume.display()
+        )));
+    }
+    if let Some(name) = materialising(fs, volume)?.first() {
+        return Err(invalid(format!("snapshot {name:?} is still materialising")));
+    }
+    if fs.exists(&volume.join(vouch_format::mirror::MIRROR_RECORD_FILE)) {
+        return Err(invalid(format!(
+            "{} is a leg of a mirror: overlay snapshots of mirrors are not supported (--copy makes full copies)",
+            volume.display()
+        )));
+    }
+    Ok(())
+}
+
+fn refuse_regions(volume: &Path, superblock: &Superblock) -> Result<()> {
+    if superblock.features.incompat & FeatureFlags::INCOMPAT_REGIONS != 0 {
+        return Err(invalid(format!(
+            "{} is a volume with regions: overlay snapshots of it are not supported (--copy makes a full copy)",
+            volume.display()
+        )));
+    }
+    Ok(())
+}
+
+/// Make `.NAME.partial/` at the flush point whose superblock is
+/// `superblock`: the marked superblock, the record, a sparse journal, an
+/// empty log and the fence (`overlay`), every file and the directory
+/// synced. Returns the fence.
+fn write_partial(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    partial: &Path,
+    superblock: &Superblock,
+    record: &SnapshotRecord,
+) -> Result<Fence> {
+    fs.create_dir(partial)
+        .map_err(|e| io_error("create", partial, e))?;
+    let mut marked = *superblock;
+    marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
+    marked.features.incompat |= FeatureFlags::INCOMPAT_OVERLAY;
+    marked.state = STATE_CLEAN;
+    write_superblock(fs, partial, &marked)?;
+    let record_path = partial.join(RECORD_FILE);
+    fs.write_at(
+        &record_path,
+        0,
+        &serde_json::to_vec_pretty(record).expect("a record serializes"),
+    )
+    .map_err(|e| io_error("write", &record_path, e))?;
+    let journal = partial.join(ObjectId::Journal.file_name());
+    fs.new_file(&journal, superblock.journal_bytes, false)
+        .map_err(|e| io_error("create", &journal, e))?;
+    let before = partial.join(BEFORE_FILE);
+    fs.new_file(&before, 0, false)
+        .map_err(|e| io_error("create", &before, e))?;
+    let skipped = [
+        ObjectId::Journal.file_name(),
+        ObjectId::Superblock.file_name(),
+    ];
+    let mut files = Vec::new();
+    for file in volume_files(superblock)? {
+        if skipped.contains(&file) {
+            continue;
+        }
+        let path = volume.join(&file);
+        let len = match std::fs::metadata(&path) {
+            Ok(metadata) => metadata.len(),
+            // A volume from before the written map has none.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && file == "written" => 0,
+            Err(e) => return Err(io_error("stat", &path, e)),
+        };
+        files.push((file, len));
+    }
+    let fence = Fence {
+        fence: rand::random::<u64>() | 1,
+        files,
+    };
+    let fence_path = partial.join(OVERLAY_FILE);
+    fs.write_at(
+        &fence_path,
+        0,
+        &serde_json::to_vec_pretty(&fence).expect("a fence serializes"),
+    )
+    .map_err(|e| io_error("write", &fence_path, e))?;
+    let superblock_path = partial.join(ObjectId::Superblock.file_name());
+    let sealed = [superblock_path, record_path, journal, fence_path.clone()];
+    for file in &sealed {
+        fs.make_read_only(file)
+            .map_err(|e| io_error("chmod", file, e))?;
+    }
+    let mut synced = sealed.to_vec();
+    synced.push(before);
+    sync_all(fs, partial, &synced)?;
+    Ok(fence)
+}
+
+/// `.NAME.partial` published as `NAME`, `snapshots/` synced.
+fn publish(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<PathBuf> {
+    let (partial, target) = (partial_path(volume, name), snapshot_path(volume, name));
+    fs.rename(&partial, &target)
+        .map_err(|e| io_error("rename", &partial, e))?;
+    let snapshots = volume.join(SNAPSHOTS_DIR);
+    fs.sync_dir(&snapshots)
+        .map_err(|e| io_error("sync", &snapshots, e))?;
+    Ok(target)
+}
+
+/// Take overlay snapshot `name` (record id `id`) of the stopped volume
+/// at `volume`, closed cleanly and held by the caller: the next writable
+/// open arms the layer with its log.
+pub fn create_offline(
+    fs: &dyn SnapshotFs,
+    volume: &Path,
+    name: &str,
+    id: &str,
+) -> Result<Snapshot> {
+    super::check_name(name)?;
+    check_alone(fs, volume)?;
+    prepare(fs, volume, name)?;
+    tidy(fs, volume)?;
+    let superblock = super::superblock_of(fs, volume)?;
+    if superblock.state != STATE_CLEAN {
+        return Err(invalid(format!(
+            "{} was not closed cleanly: open it (vouch check, or serve) so it recovers, then take the snapshot",
+            volume.display()
+        )));
+    }
+    refuse_regions(volume, &superblock)?;
+    let record = super::record_at(&superblock, name, id, METHOD, false);
+    let partial = partial_path(volume, name);
+    write_partial(fs, volume, &partial, &superblock, &record)?;
+    let path = publish(fs, volume, name)?;
+    Ok(Snapshot {
+        path,
+        record,
+        materialising: false,
+    })
+}
+
+/// Take overlay snapshot `name` (record id `id`) of the served `volume`
+/// at `dir` at its flush point: the partial written and synced, the layer
+/// armed with its log, and the name published, all before any home write
+/// after the flush point. Callers serialize creates and deletes (the
+/// server's online lock).
+pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -> Result<Snapshot> {
+    let fs = RealFs::default();
+    super::check_name(name)?;
+    check_alone(&fs, dir)?;
+    let storage = volume.storage();
+    let layer = storage.before_images().ok_or_else(|| {
+        invalid("this volume was opened without the before-image layer".to_string())
+    })?;
+    if layer.is_armed() {
+        return Err(invalid(
+            "the volume's before-image layer is in use (a snapshot is materialising)".to_string(),
+        ));
+    }
+    prepare(&fs, dir, name)?;
+    tidy(&fs, dir)?;
+    let partial = partial_path(dir, name);
+    volume.at_flush_point(&mut |superblock: &Superblock| {
+        refuse_regions(dir, superblock)?;
+        let record = super::record_at(superblock, name, id, METHOD, true);
+        let fence = write_partial(&fs, dir, &partial, superblock, &record)?;
+        let log_path = partial.join(BEFORE_FILE);
+        let log = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&log_path)
+            .map_err(|e| io_error("open", &log_path, e))?;
+        // ORDER POINT: armed before the name is published, both before
+        // any home write after the flush point.
+        layer
+            .arm(Box::new(log), fence.fence)
+            .map_err(|e| io_error("read", &log_path, e))?;
+        match publish(&fs, dir, name) {
+            Ok(path) => Ok(Snapshot {
+                path,
+                record,
+                materialising: false,
+            }),
+            Err(error) => {
+                layer.disarm();
+                let _ = fs.remove_all(&partial);
+                Err(error)
+            }
+        }
+    })
+}
+
+/// At a writable open of the volume at `dir`, before the engine opens
+/// (and replays): the layer over `storage` armed with the log of the
+/// volume's overlay snapshot, if it has one. Its name.
+pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<String>> {
+    let fs = RealFs::default();
+    let names = overlays(&fs, dir)?;
+    let Some(name) = names.first() else {
+        return Ok(None);
+    };
+    if names.len() > 1 || storage.is_armed() {
+        return Err(Error::Corrupt(format!(
+            "{} has more than one snapshot using its before-image layer ({}): delete all but one",
+            dir.display(),
+            names.join(", ")
+        )));
+    }
+    let snapshot = snapshot_path(dir, name);
+    let fence = read_fence(&fs, &snapshot)?;
+    let log_path = snapshot.join(BEFORE_FILE);
+    let log = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&log_path)
+        .map_err(|e| io_error("open", &log_path, e))?;
+    storage
+        .arm(Box::new(log), fence.fence)
+        .map_err(|e| io_error("read", &log_path, e))?;
+    Ok(Some(name.clone()))
+}
+
+fn read_fence(fs: &dyn SnapshotFs, snapshot: &Path) -> Result<Fence> {
+    let path = snapshot.join(OVERLAY_FILE);
+    let bytes = fs.read(&path).map_err(|e| io_error("read", &path, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| Error::Corrupt(format!("{}: {e}", path.display())))
+}
+
+/// The bytes of overlay snapshot `snapshot`'s log (its space).
+pub fn space(snapshot: &Path) -> Option<u64> {
+    std::fs::metadata(snapshot.join(BEFORE_FILE))
+        .ok()
+        .map(|metadata| metadata.len())
+}
+
+/// The storage of the overlay snapshot at `snapshot` (superblock
+/// `superblock`), read-only: its own superblock (under the shared lock,
+/// so it is not deleted while open) and journal, the volume's live files
+/// two directories up, its log.
+pub fn open_storage(snapshot: &Path, superblock: &Superblock) -> Result<OverlayStorage> {
+    let fs = RealFs::default();
+    let snapshot = &snapshot
+        .canonicalize()
+        .map_err(|e| io_error("open", snapshot, e))?;
+    let volume = snapshot
+        .parent()
+        .filter(|parent| parent.file_name().is_some_and(|n| n == SNAPSHOTS_DIR))
+        .and_then(Path::parent)
+        .ok_or_else(|| {
+            Error::Corrupt(format!(
+                "{} is an overlay snapshot outside its volume's snapshots/ directory: its blocks are the volume's files",
+                snapshot.display()
+            ))
+        })?;
+    let live_superblock = crate::volume_superblock(volume)?;
+    if live_superblock.uuid != superblock.uuid {
+        return Err(Error::Corrupt(format!(
+            "{} is an overlay snapshot of another volume than {} (uuids differ)",
+            snapshot.display(),
+            volume.display()
+        )));
+    }
+    let fence = read_fence(&fs, snapshot)?;
+    let open = |path: &Path| {
+        std::fs::File::open(path).map_err(|e| {
+            Error::Corrupt(format!(
+                "{}: {e} (an overlay snapshot reads it: its blocks cannot be read without it)",
+                path.display()
+            ))
+        })
+    };
+    let mut own = HashMap::new();
+    let superblock_file = crate::FileStorage::lock_for_reading(snapshot)
+        .map_err(|e| io_error("open", snapshot, e))?;
+    own.insert(ObjectId::Superblock, superblock_file);
+    own.insert(
+        ObjectId::Journal,
+        open(&snapshot.join(ObjectId::Journal.file_name()))?,
+    );
+    let geometry = superblock
+        .geometry()
+        .map_err(|error| Error::Corrupt(format!("corrupt superblock: {error}")))?;
+    let by_name: HashMap<String, ObjectId> = objects_of(&geometry)
+        .into_iter()
+        .map(|object| (object.file_name(), object))
+        .collect();
+    let mut live = HashMap::new();
+    let mut lengths = HashMap::new();
+    for (file, len) in &fence.files {
+        let object = *by_name.get(file).ok_or_else(|| {
+            Error::Corrupt(format!(
+                "{}: {file} is no file of the volume",
+                snapshot.join(OVERLAY_FILE).display()
+            ))
+        })?;
+        lengths.insert(object, *len);
+        let path = volume.join(file);
+        if *len == 0 && !path.exists() {
+            continue;
+        }
+        live.insert(object, open(&path)?);
+    }
+    let log = open(&snapshot.join(BEFORE_FILE))?;
+    Ok(OverlayStorage::new(
+        Arc::new(ReadFiles::new(own)),
+        Arc::new(ReadFiles::new(live)),
+        Box::new(log),
+        fence.fence,
+        lengths,
+    ))
+}
+
+/// Snapshot `name` of the served `volume` at `dir` deleted (the caller
+/// holds the server's snapshot lock and the snapshot's own), and the
+/// layer disarmed when it was the overlay: the name goes first (renamed
+/// away, synced), so a crash between leaves no overlay to arm.
+pub fn delete_served(dir: &Path, volume: Option<&crate::Volume>, name: &str) -> Result<()> {
+    let fs = RealFs::default();
+    let overlay = is_overlay(&fs, &snapshot_path(dir, name));
+    super::delete(&fs, dir, name)?;
+    if overlay {
+        if let Some(layer) = volume.map(crate::Volume::storage) {
+            if let Some(layer) = layer.before_images() {
+                layer.disarm();
+            }
+        }
+    }
+    Ok(())
+}
