@@ -23,7 +23,11 @@ pub enum SnapshotCommand {
     /// PATH/snapshots/NAME, a complete volume that `check`, `verify`,
     /// `scrub`, `export` and `serve --snapshot NAME PATH` read; its files
     /// (mode 0444) share every block with the volume's (FICLONE: instant
-    /// on xfs and btrfs). Offline, no server may have the volume open, and
+    /// on xfs and btrfs). Where the filesystem cannot clone (ext4), it is
+    /// an overlay instead: a fence and a log of each block's bytes before
+    /// its first write since, appended before that write (nothing copied;
+    /// its space is the log, `snapshot list` shows it), one per volume;
+    /// resize and migrate wait for its delete. Offline, no server may have the volume open, and
     /// one that was not closed cleanly is recovered first. Online
     /// (`--server ADDR [EXPORT] NAME`), the server commits what clients
     /// wrote and checkpoints, then clones the files while no commit runs:
@@ -47,9 +51,9 @@ pub enum SnapshotCommand {
         /// directory entry, not starting with '.').
         name: Option<String>,
         /// Where the filesystem cannot share blocks (ext4), make a full
-        /// copy of the volume's files instead (holes kept): slow, and as
-        /// large as the data written (online: the volume's flushes wait
-        /// for the whole copy).
+        /// copy of the volume's files instead of an overlay (holes kept):
+        /// slow, and as large as the data written (online: the volume's
+        /// flushes wait for the whole copy).
         #[arg(long)]
         copy: bool,
         #[command(flatten)]
