@@ -134,6 +134,12 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     if !snapshot && path.join(resize::RESIZE_MAP_FILE).exists() {
         finish_resize(path)?;
     }
+    if !snapshot && snapshot::overlay::is_overlay_superblock(&superblock) {
+        return Err(Error::Corrupt(
+            "its superblock says OVERLAY without SNAPSHOT: an overlay is only ever a snapshot; refusing to open".to_string(),
+        )
+        .in_volume(path));
+    }
     if snapshot && snapshot::overlay::is_overlay_superblock(&superblock) {
         // An overlay snapshot: the volume's files through its log.
         let storage = snapshot::overlay::open_storage(path, &superblock)?;
