@@ -17,10 +17,10 @@ use std::sync::Arc;
 use vouch_format::superblock::STATE_CLEAN;
 use vouch_format::{FeatureFlags, Superblock};
 
-use super::fenced::{materialising, Fence, BEFORE_FILE};
+use super::fenced::{fenced_files, materialising, partial_with, Fence, BEFORE_FILE};
 use super::{
-    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, volume_files, write_superblock,
-    RealFs, Snapshot, SnapshotFs, SnapshotRecord, RECORD_FILE, SNAPSHOTS_DIR,
+    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, RealFs, Snapshot, SnapshotFs,
+    SnapshotRecord, SNAPSHOTS_DIR,
 };
 use crate::error::{Error, Result};
 use crate::storage::before::BeforeImages;
@@ -55,14 +55,12 @@ pub fn is_overlay_superblock(superblock: &Superblock) -> bool {
 /// The published overlay snapshots of the volume at `volume`, by name.
 pub fn overlays(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
     let dir = volume.join(SNAPSHOTS_DIR);
-    let names = fs
+    let mut names = fs
         .names(&dir)
         .map_err(|e| io_error("list", &dir, e))?
         .unwrap_or_default();
-    Ok(names
-        .into_iter()
-        .filter(|name| !name.starts_with('.') && is_overlay(fs, &dir.join(name)))
-        .collect())
+    names.retain(|name| !name.starts_with('.') && is_overlay(fs, &dir.join(name)));
+    Ok(names)
 }
 
 /// Refuse `what` (a resize, a migration, a fenced snapshot: they change
@@ -121,47 +119,17 @@ fn write_partial(
     superblock: &Superblock,
     record: &SnapshotRecord,
 ) -> Result<Fence> {
-    fs.create_dir(partial)
-        .map_err(|e| io_error("create", partial, e))?;
     let mut marked = *superblock;
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
     marked.features.incompat |= FeatureFlags::INCOMPAT_OVERLAY;
     marked.state = STATE_CLEAN;
-    write_superblock(fs, partial, &marked)?;
-    let record_path = partial.join(RECORD_FILE);
-    fs.write_at(
-        &record_path,
-        0,
-        &serde_json::to_vec_pretty(record).expect("a record serializes"),
-    )
-    .map_err(|e| io_error("write", &record_path, e))?;
+    let (superblock_path, record_path, before) = partial_with(fs, partial, &marked, record)?;
     let journal = partial.join(ObjectId::Journal.file_name());
     fs.new_file(&journal, superblock.journal_bytes, false)
         .map_err(|e| io_error("create", &journal, e))?;
-    let before = partial.join(BEFORE_FILE);
-    fs.new_file(&before, 0, false)
-        .map_err(|e| io_error("create", &before, e))?;
-    let skipped = [
-        ObjectId::Journal.file_name(),
-        ObjectId::Superblock.file_name(),
-    ];
-    let mut files = Vec::new();
-    for file in volume_files(superblock)? {
-        if skipped.contains(&file) {
-            continue;
-        }
-        let path = volume.join(&file);
-        let len = match std::fs::metadata(&path) {
-            Ok(metadata) => metadata.len(),
-            // A volume from before the written map has none.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && file == "written" => 0,
-            Err(e) => return Err(io_error("stat", &path, e)),
-        };
-        files.push((file, len));
-    }
     let fence = Fence {
         fence: rand::random::<u64>() | 1,
-        files,
+        files: fenced_files(volume, superblock)?,
     };
     let fence_path = partial.join(OVERLAY_FILE);
     fs.write_at(
@@ -170,7 +138,6 @@ fn write_partial(
         &serde_json::to_vec_pretty(&fence).expect("a fence serializes"),
     )
     .map_err(|e| io_error("write", &fence_path, e))?;
-    let superblock_path = partial.join(ObjectId::Superblock.file_name());
     let sealed = [superblock_path, record_path, journal, fence_path.clone()];
     for file in &sealed {
         fs.make_read_only(file)

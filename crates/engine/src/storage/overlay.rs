@@ -139,14 +139,15 @@ impl Storage for OverlayStorage {
         }
         Ok(())
     }
-    fn write_at(&self, _object: ObjectId, _offset: u64, _data: &[u8]) -> io::Result<()> {
-        Err(read_only())
+    // Read-only: what `own` (files opened read-only) answers.
+    fn write_at(&self, object: ObjectId, offset: u64, data: &[u8]) -> io::Result<()> {
+        self.own.write_at(object, offset, data)
     }
-    fn sync(&self, _object: ObjectId) -> io::Result<()> {
-        Ok(())
+    fn sync(&self, object: ObjectId) -> io::Result<()> {
+        self.own.sync(object)
     }
-    fn punch_hole(&self, _object: ObjectId, _offset: u64, _len: u64) -> io::Result<()> {
-        Err(read_only())
+    fn punch_hole(&self, object: ObjectId, offset: u64, len: u64) -> io::Result<()> {
+        self.own.punch_hole(object, offset, len)
     }
     fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
         if !is_imaged(object) {
