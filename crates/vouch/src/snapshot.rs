@@ -425,7 +425,8 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     let _snapshot_held = crate::snapshot_held::hold_snapshot(path, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, path)?;
-    snapshot::delete(&fs, path, name)?;
+    // An overlay's OVERLAID flag goes with it.
+    snapshot::overlay::delete_offline(&fs, path, name)?;
     println!("deleted snapshot {name} of {}", path.display());
     Ok(ExitCode::SUCCESS)
 }

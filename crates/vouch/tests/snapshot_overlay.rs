@@ -40,6 +40,12 @@ print(json.dumps({"ok": True}))
     std::fs::read(&out).expect("read back")
 }
 
+/// Whether the volume's superblock carries OVERLAID.
+fn overlaid(volume: &Path) -> bool {
+    let superblock = vouch_engine::volume_superblock(volume).expect("superblock");
+    superblock.features.incompat & vouch_format::FeatureFlags::INCOMPAT_OVERLAID != 0
+}
+
 /// The snapshot directory has no data segment, context table or written
 /// map of its own: nothing was copied.
 fn assert_nothing_copied(snapshot: &Path) {
@@ -75,6 +81,7 @@ fn an_overlay_snapshot_on_ext4_keeps_its_flush_across_writes_and_a_kill() {
     eprintln!("offline overlay create: {:?}", started.elapsed());
     let snapshot = volume.join("snapshots/off");
     assert_nothing_copied(&snapshot);
+    assert!(overlaid(&volume), "OVERLAID is not set on the volume");
     let listed = text(&vouch_ok(&["snapshot", "list", s(&volume)]));
     assert!(listed.contains("overlay, 0 bytes in its log"), "{listed}");
     // One overlay per volume.
@@ -159,6 +166,7 @@ fn an_overlay_snapshot_on_ext4_keeps_its_flush_across_writes_and_a_kill() {
     );
     assert_eq!(status, 200, "{answer}");
     assert!(!snapshot.exists());
+    assert!(!overlaid(&volume), "OVERLAID outlived the overlay");
     let at_flush = read_through(dir, &server.uri, SIZE);
     let (status, answer) = request(
         control(&server),
@@ -176,6 +184,17 @@ fn an_overlay_snapshot_on_ext4_keeps_its_flush_across_writes_and_a_kill() {
     );
     let online = volume.join("snapshots/on");
     assert_nothing_copied(&online);
+    // A resize changes the files outside the layer: refused while the
+    // overlay lives.
+    let (status, answer) = request(
+        control(&server),
+        "POST",
+        "/v1/exports/vol/resize",
+        Some(&json!({"size": "128M"})),
+        None,
+    );
+    assert_eq!(status, 409, "{answer}");
+    assert!(answer.to_string().contains("overlay snapshot"), "{answer}");
     let later = random_bytes(16 << 20, 13);
     overwrite(dir, &server.uri, 0, &later);
     assert!(

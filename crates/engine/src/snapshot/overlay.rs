@@ -17,20 +17,23 @@ use std::sync::Arc;
 use vouch_format::superblock::STATE_CLEAN;
 use vouch_format::{FeatureFlags, Superblock};
 
-use super::fenced::{fenced_files, materialising, partial_with, Fence, BEFORE_FILE};
+use super::fenced::{materialising, Fence, BEFORE_FILE};
 use super::{
-    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, RealFs, Snapshot, SnapshotFs,
-    SnapshotRecord, SNAPSHOTS_DIR,
+    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, volume_files, write_superblock,
+    RealFs, Snapshot, SnapshotFs, SnapshotRecord, RECORD_FILE, SNAPSHOTS_DIR,
 };
 use crate::error::{Error, Result};
 use crate::storage::before::BeforeImages;
-use crate::storage::overlay::{OverlayStorage, ReadFiles};
+use crate::storage::overlay::{damaged_at, OverlayStorage, ReadFiles};
 use crate::storage::{objects_of, ObjectId};
 
 /// An overlay snapshot's fence (JSON, `Fence`), in `snapshots/NAME/`.
 pub const OVERLAY_FILE: &str = "overlay";
 /// The `method` its record carries.
 pub const METHOD: &str = "overlay";
+/// Written into an overlay found damaged (its cause): it is no longer
+/// armed nor opened, only listed and deleted.
+pub const FAILED_FILE: &str = "failed";
 
 fn invalid(message: String) -> Error {
     Error::InvalidArgument(message)
@@ -59,7 +62,10 @@ pub fn overlays(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
         .names(&dir)
         .map_err(|e| io_error("list", &dir, e))?
         .unwrap_or_default();
-    names.retain(|name| !name.starts_with('.') && is_overlay(fs, &dir.join(name)));
+    names.retain(|name| {
+        let path = dir.join(name);
+        !name.starts_with('.') && is_overlay(fs, &path) && !fs.exists(&path.join(FAILED_FILE))
+    });
     Ok(names)
 }
 
@@ -108,6 +114,64 @@ fn refuse_regions(volume: &Path, superblock: &Superblock) -> Result<()> {
     Ok(())
 }
 
+/// `.NAME.partial` (`partial`) made with `marked` as its superblock,
+/// `record` and an empty before-image log: their paths (nothing synced).
+/// (fenced.rs's `fence_at` does the same for a fenced snapshot.)
+fn partial_with(
+    fs: &dyn SnapshotFs,
+    partial: &Path,
+    marked: &Superblock,
+    record: &SnapshotRecord,
+) -> Result<(PathBuf, PathBuf, PathBuf)> {
+    fs.create_dir(partial)
+        .map_err(|e| io_error("create", partial, e))?;
+    write_superblock(fs, partial, marked)?;
+    let record_path = partial.join(RECORD_FILE);
+    fs.write_at(
+        &record_path,
+        0,
+        &serde_json::to_vec_pretty(record).expect("a record serializes"),
+    )
+    .map_err(|e| io_error("write", &record_path, e))?;
+    let before = partial.join(BEFORE_FILE);
+    fs.new_file(&before, 0, false)
+        .map_err(|e| io_error("create", &before, e))?;
+    let superblock_path = partial.join(ObjectId::Superblock.file_name());
+    Ok((superblock_path, record_path, before))
+}
+
+/// The imaged files of the volume at `dir` with their lengths now.
+fn imaged_files(dir: &Path, superblock: &Superblock) -> Result<Vec<(String, u64)>> {
+    let own = [
+        ObjectId::Journal.file_name(),
+        ObjectId::Superblock.file_name(),
+    ];
+    let mut files = Vec::new();
+    for file in volume_files(superblock)?
+        .into_iter()
+        .filter(|f| !own.contains(f))
+    {
+        let path = dir.join(&file);
+        let len = std::fs::metadata(&path)
+            .map_err(|e| io_error("stat", &path, e))?
+            .len();
+        files.push((file, len));
+    }
+    Ok(files)
+}
+
+/// Arm `layer` with the log at `log_path` (fence `fence`).
+fn arm_with(layer: &BeforeImages, log_path: &Path, fence: u64) -> Result<()> {
+    let log = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(log_path)
+        .map_err(|e| io_error("open", log_path, e))?;
+    layer
+        .arm(Box::new(log), fence)
+        .map_err(|e| io_error("read", log_path, e))
+}
+
 /// Make `.NAME.partial/` at the flush point whose superblock is
 /// `superblock`: the marked superblock, the record, a sparse journal, an
 /// empty log and the fence (`overlay`), every file and the directory
@@ -122,6 +186,8 @@ fn write_partial(
     let mut marked = *superblock;
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
     marked.features.incompat |= FeatureFlags::INCOMPAT_OVERLAY;
+    // The live volume's flag is not the snapshot's.
+    marked.features.incompat &= !FeatureFlags::INCOMPAT_OVERLAID;
     marked.state = STATE_CLEAN;
     let (superblock_path, record_path, before) = partial_with(fs, partial, &marked, record)?;
     let journal = partial.join(ObjectId::Journal.file_name());
@@ -129,7 +195,7 @@ fn write_partial(
         .map_err(|e| io_error("create", &journal, e))?;
     let fence = Fence {
         fence: rand::random::<u64>() | 1,
-        files: fenced_files(volume, superblock)?,
+        files: imaged_files(volume, superblock)?,
     };
     let fence_path = partial.join(OVERLAY_FILE);
     fs.write_at(
@@ -181,15 +247,58 @@ pub fn create_offline(
         )));
     }
     refuse_regions(volume, &superblock)?;
+    if fs.exists(&volume.join(crate::resize::RESIZE_MAP_FILE)) {
+        return Err(invalid(format!(
+            "{} has a resize cut short: open it (vouch check, or serve) so it finishes, then take the snapshot",
+            volume.display()
+        )));
+    }
     let record = super::record_at(&superblock, name, id, METHOD, false);
     let partial = partial_path(volume, name);
     write_partial(fs, volume, &partial, &superblock, &record)?;
+    // ORDER POINT: the live volume's OVERLAID is durable before the name.
+    set_overlaid_offline(fs, volume, true)?;
     let path = publish(fs, volume, name)?;
     Ok(Snapshot {
         path,
         record,
         materialising: false,
     })
+}
+
+/// Set or clear OVERLAID in the superblock of the stopped volume at
+/// `volume` (held by the caller): each copy rewritten in turn with a new
+/// generation, then synced.
+fn set_overlaid_offline(fs: &dyn SnapshotFs, volume: &Path, overlaid: bool) -> Result<()> {
+    let mut superblock = super::superblock_of(fs, volume)?;
+    if overlaid {
+        superblock.features.incompat |= FeatureFlags::INCOMPAT_OVERLAID;
+    } else {
+        superblock.features.incompat &= !FeatureFlags::INCOMPAT_OVERLAID;
+    }
+    let path = volume.join(ObjectId::Superblock.file_name());
+    let slot_bytes = vouch_format::superblock::SUPERBLOCK_SLOT_BYTES;
+    for copy in 0..2 {
+        superblock.generation += 1;
+        let mut slot = vec![0u8; slot_bytes as usize];
+        slot[..vouch_format::SUPERBLOCK_BYTES].copy_from_slice(&superblock.encode());
+        fs.write_at(&path, copy * slot_bytes, &slot)
+            .map_err(|e| io_error("write", &path, e))?;
+        fs.sync_file(&path)
+            .map_err(|e| io_error("sync", &path, e))?;
+    }
+    Ok(())
+}
+
+/// Delete snapshot `name` of the stopped volume at `volume` (held by the
+/// caller): an overlay's OVERLAID cleared once its delete is durable.
+pub fn delete_offline(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<()> {
+    let overlay = is_overlay(fs, &snapshot_path(volume, name));
+    super::delete(fs, volume, name)?;
+    if overlay && overlays(fs, volume)?.is_empty() {
+        set_overlaid_offline(fs, volume, false)?;
+    }
+    Ok(())
 }
 
 /// Take overlay snapshot `name` (record id `id`) of the served `volume`
@@ -213,21 +322,16 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
     prepare(&fs, dir, name)?;
     tidy(&fs, dir)?;
     let partial = partial_path(dir, name);
-    volume.at_flush_point(&mut |superblock: &Superblock| {
+    // ORDER POINT: OVERLAID durable before the name is published (set
+    // here: the flush point holds the commit lock a superblock write takes).
+    volume.set_overlaid(true)?;
+    let taken = volume.at_flush_point(&mut |superblock: &Superblock| {
         refuse_regions(dir, superblock)?;
         let record = super::record_at(superblock, name, id, METHOD, true);
         let fence = write_partial(&fs, dir, &partial, superblock, &record)?;
-        let log_path = partial.join(BEFORE_FILE);
-        let log = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&log_path)
-            .map_err(|e| io_error("open", &log_path, e))?;
         // ORDER POINT: armed before the name is published, both before
         // any home write after the flush point.
-        layer
-            .arm(Box::new(log), fence.fence)
-            .map_err(|e| io_error("read", &log_path, e))?;
+        arm_with(layer, &partial.join(BEFORE_FILE), fence.fence)?;
         match publish(&fs, dir, name) {
             Ok(path) => Ok(Snapshot {
                 path,
@@ -240,7 +344,11 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
                 Err(error)
             }
         }
-    })
+    });
+    if taken.is_err() && overlays(&fs, dir).is_ok_and(|names| names.is_empty()) {
+        let _ = volume.set_overlaid(false);
+    }
+    taken
 }
 
 /// At a writable open of the volume at `dir`, before the engine opens
@@ -262,14 +370,24 @@ pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<Str
     let snapshot = snapshot_path(dir, name);
     let fence = read_fence(&fs, &snapshot)?;
     let log_path = snapshot.join(BEFORE_FILE);
-    let log = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&log_path)
-        .map_err(|e| io_error("open", &log_path, e))?;
-    storage
-        .arm(Box::new(log), fence.fence)
+    let log = fs
+        .read(&log_path)
         .map_err(|e| io_error("read", &log_path, e))?;
+    if let Some(at) = damaged_at(&log, fence.fence) {
+        // A synced image lost: the snapshot is failed (never read as the
+        // live bytes), the volume opens without it.
+        let cause = format!(
+            "its before-image log {} is damaged at byte {at} (a record that does not read whole, with valid records after it): some blocks' bytes at the fence are lost; delete it",
+            log_path.display()
+        );
+        let failed = snapshot.join(FAILED_FILE);
+        fs.write_at(&failed, 0, cause.as_bytes())
+            .map_err(|e| io_error("write", &failed, e))?;
+        sync_all(&fs, &snapshot, &[failed])?;
+        tracing::error!(volume = %dir.display(), "overlay snapshot {name} failed: {cause}");
+        return Ok(None);
+    }
+    arm_with(storage, &log_path, fence.fence)?;
     Ok(Some(name.clone()))
 }
 
@@ -311,6 +429,12 @@ pub fn open_storage(snapshot: &Path, superblock: &Superblock) -> Result<OverlayS
             "{} is an overlay snapshot of another volume than {} (uuids differ)",
             snapshot.display(),
             volume.display()
+        )));
+    }
+    if let Ok(cause) = std::fs::read_to_string(snapshot.join(FAILED_FILE)) {
+        return Err(Error::Corrupt(format!(
+            "overlay snapshot {} failed: {cause}",
+            snapshot.display()
         )));
     }
     let fence = read_fence(&fs, snapshot)?;
@@ -376,6 +500,9 @@ pub fn delete_served(dir: &Path, volume: Option<&crate::Volume>, name: &str) -> 
             if let Some(layer) = layer.before_images() {
                 layer.disarm();
             }
+        }
+        if let Some(volume) = volume.filter(|_| overlays(&fs, dir).is_ok_and(|n| n.is_empty())) {
+            volume.set_overlaid(false)?;
         }
     }
     Ok(())

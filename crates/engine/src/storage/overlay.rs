@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::before::{is_imaged, read_records, BeforeLog, IMAGE_BLOCK};
+use super::before::{is_imaged, read_records, BeforeLog, IMAGE_BLOCK, RECORD_HEADER_BYTES};
 use super::{ObjectId, Storage};
 
 /// Where each imaged block's first image is in the log, read so far.
@@ -96,6 +96,13 @@ impl OverlayStorage {
                 Err(error) => return Err(error),
             }
             let (records, valid) = read_records(&tail, self.fence);
+            if let Some(at) = damaged_at(&tail, self.fence) {
+                // Never the live bytes for a block whose image was lost.
+                return Err(io::Error::other(format!(
+                    "the overlay's before-image log is damaged at byte {}: a record does not read whole and valid records follow",
+                    index.end + at as u64
+                )));
+            }
             let base = index.end;
             for record in records {
                 for block in 0..(record.len as u64 / IMAGE_BLOCK) {
@@ -189,6 +196,17 @@ impl Storage for OverlayStorage {
         }
         self.own.object_len(object)
     }
+}
+
+/// Where `log` (of `fence`) is damaged: a record that does not read
+/// whole with a valid record of the fence somewhere after it (a synced
+/// record was lost, not a torn tail). `None` when it reads whole or ends
+/// in a tear (damage to the very last record cannot be told from one).
+pub fn damaged_at(log: &[u8], fence: u64) -> Option<usize> {
+    let (_, valid) = read_records(log, fence);
+    let later = (valid + 1..log.len().saturating_sub(RECORD_HEADER_BYTES))
+        .any(|at| !read_records(&log[at..], fence).0.is_empty());
+    later.then_some(valid)
 }
 
 /// Files opened read-only, by object: an overlay's own files, or the
@@ -437,6 +455,40 @@ mod tests {
             );
         }
         assert!(racing.writes.lock().is_empty());
+    }
+
+    /// A record damaged in the middle of the log (valid ones after it)
+    /// fails every read of the overlay: never the live bytes.
+    #[test]
+    fn a_log_damaged_mid_way_fails_reads() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (sim, _) = fenced_volume(&mut rng);
+        let log = SimLog::default();
+        let layer = BeforeImages::new(Arc::new(sim.clone()));
+        layer.arm(Box::new(log.clone()), FENCE).unwrap();
+        for block in [1u64, 5, 9] {
+            layer
+                .write_at(ObjectId::Data(0), block * IMAGE_BLOCK, &[9; 4096])
+                .unwrap();
+        }
+        let mut bytes = log.durable();
+        assert_eq!(damaged_at(&bytes, FENCE), None);
+        // The second record's payload.
+        bytes[RECORD_HEADER_BYTES + 4096 + RECORD_HEADER_BYTES + 7] ^= 1;
+        assert_eq!(damaged_at(&bytes, FENCE), Some(RECORD_HEADER_BYTES + 4096));
+        let overlay = OverlayStorage::new(
+            Arc::new(SimStorage::new()),
+            Arc::new(sim),
+            Box::new(SimLog::from_bytes(bytes.clone())),
+            FENCE,
+            lengths(),
+        );
+        let mut block = vec![0u8; 4096];
+        assert!(overlay.read_at(ObjectId::Data(0), 0, &mut block).is_err());
+        // The last record cut short is a tear, not damage.
+        let mut torn = log.durable();
+        torn.truncate(torn.len() - 100);
+        assert_eq!(damaged_at(&torn, FENCE), None);
     }
 
     #[test]
