@@ -134,6 +134,17 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     if !snapshot && path.join(resize::RESIZE_MAP_FILE).exists() {
         finish_resize(path)?;
     }
+    if !snapshot && snapshot::overlay::is_overlay_superblock(&superblock) {
+        return Err(Error::Corrupt(
+            "its superblock says OVERLAY without SNAPSHOT: an overlay is only ever a snapshot; refusing to open".to_string(),
+        )
+        .in_volume(path));
+    }
+    if snapshot && snapshot::overlay::is_overlay_superblock(&superblock) {
+        // An overlay snapshot: the volume's files through its log.
+        let storage = snapshot::overlay::open_storage(path, &superblock)?;
+        return Volume::open(Arc::new(storage), options);
+    }
     let how = FileOpen {
         writable: !options.read_only && !options.keyless && !snapshot,
         direct: options.direct,
@@ -149,6 +160,8 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     // snapshot is materialised once the volume is open.
     let layered = Arc::new(storage::before::BeforeImages::new(Arc::new(storage)));
     let pending = snapshot::fenced::resume(path, &layered)?;
+    // An overlay snapshot's log, armed for the volume's whole life with it.
+    snapshot::overlay::arm_at_open(path, &layered)?;
     let volume = Volume::open(layered.clone(), options)?;
     if let Some(name) = pending {
         // A failure is marked on the snapshot (and the layer disarmed):

@@ -44,6 +44,7 @@ use crate::storage::{objects_of, ObjectId};
 pub mod fenced;
 pub use fenced::refuse_while_materialising;
 mod legs;
+pub mod overlay;
 pub use legs::{
     create_legs, create_legs_with_id, hold_legs, HeldLegs, LegsFlushPoint, StoppedLegs,
 };
@@ -1214,6 +1215,12 @@ pub fn clone(fs: &dyn SnapshotFs, snapshot: &Path, new_path: &Path) -> Result<Pa
     if !is_snapshot(&superblock) {
         return Err(invalid(format!(
             "{} is not a snapshot (`vouch snapshot create PATH NAME` makes one; `vouch copy` copies a volume)",
+            snapshot.display()
+        )));
+    }
+    if overlay::is_overlay_superblock(&superblock) {
+        return Err(invalid(format!(
+            "{} is an overlay snapshot (its blocks are its volume's files, read through its log): clones of it are not supported yet (`vouch export` it and `vouch import` the image, or take a `--copy` snapshot and clone that)",
             snapshot.display()
         )));
     }

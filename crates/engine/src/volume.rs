@@ -148,6 +148,19 @@ impl Volume {
         })
     }
 
+    /// Set or clear OVERLAID (the volume has an overlay snapshot,
+    /// `snapshot/overlay.rs`), a superblock write. Not at a flush point
+    /// (it takes the commit lock).
+    pub fn set_overlaid(&self, overlaid: bool) -> Result<()> {
+        self.current().update_superblock(|superblock| {
+            if overlaid {
+                superblock.features.incompat |= vouch_format::FeatureFlags::INCOMPAT_OVERLAID;
+            } else {
+                superblock.features.incompat &= !vouch_format::FeatureFlags::INCOMPAT_OVERLAID;
+            }
+        })
+    }
+
     /// Is the volume encrypted?
     pub fn encrypted(&self) -> bool {
         self.first.encrypted()

@@ -39,8 +39,7 @@ impl Writer {
     fn write_inline(&mut self, volume: &Volume) -> bool {
         let lba = self.next * 2_654_435_761 % VOLUME_BLOCKS;
         let tag = (self.next / VOLUME_BLOCKS + 1) as u8;
-        if !try_write(volume, lba * BLOCK, &pattern(lba, tag)).expect("try_write")
-        {
+        if !try_write(volume, lba * BLOCK, &pattern(lba, tag)).expect("try_write") {
             return false;
         }
         self.last[lba as usize] = tag;

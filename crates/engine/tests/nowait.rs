@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use common::{corrupt_data, data_offset, open, pattern, read_range, try_write, volume_dir};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use vouch_engine::{
-    create_volume, open_volume, BlockDevice, CreateOptions, DeviceWrites, Error, Fault,
-    FaultKind, LayoutKind, OpenOptions, Tuning, BLOCK,
+    create_volume, open_volume, BlockDevice, CreateOptions, DeviceWrites, Error, Fault, FaultKind,
+    LayoutKind, OpenOptions, Tuning, BLOCK,
 };
 
 const LAYOUTS: [LayoutKind; 2] = [LayoutKind::Split, LayoutKind::Packed];

@@ -65,6 +65,19 @@ impl FeatureFlags {
     /// once the snapshot is published or has failed (and by the next open
     /// that finds no fence).
     pub const INCOMPAT_FENCED: u64 = 1 << 6;
+    /// The volume is an overlay snapshot (`snapshots/NAME/overlay`): its
+    /// data segments, context table and written map are the volume's own
+    /// files read through its before-image log (`before`). Set only with
+    /// RO_COMPAT_SNAPSHOT; a binary from before overlays refuses it rather
+    /// than find those files missing.
+    pub const INCOMPAT_OVERLAY: u64 = 1 << 7;
+    /// The volume has an overlay snapshot (`snapshots/NAME/overlay`):
+    /// every home write to its data, contexts or written map must first
+    /// image the old bytes into that snapshot's log, which this binary's
+    /// writable open arms. A binary from before overlays refuses it rather
+    /// than write home without images. Set before the snapshot is
+    /// published, cleared after its delete is durable.
+    pub const INCOMPAT_OVERLAID: u64 = 1 << 8;
 
     /// The volume is a read-only snapshot (`vouch snapshot create`): a
     /// copy of another volume's files at a flush point, never written.
@@ -81,7 +94,9 @@ impl FeatureFlags {
         | Self::INCOMPAT_WRITTEN_MAP
         | Self::INCOMPAT_BOUND_UNITS
         | Self::INCOMPAT_REGIONS
-        | Self::INCOMPAT_FENCED;
+        | Self::INCOMPAT_FENCED
+        | Self::INCOMPAT_OVERLAY
+        | Self::INCOMPAT_OVERLAID;
 
     pub fn for_layout(layout: LayoutKind) -> FeatureFlags {
         let mut incompat = Self::INCOMPAT_CONTEXT_JOURNAL

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vouch_engine::snapshot::RealFs;
-use vouch_engine::{open_volume, BlockDevice, CreateOptions, DeviceWrites, Error, OpenOptions, BLOCK};
+use vouch_engine::{
+    open_volume, BlockDevice, CreateOptions, DeviceWrites, Error, OpenOptions, BLOCK,
+};
 use vouch_mirror as mirror;
 use vouch_mirror::{create_mirror, open_mirror, MirrorResizeSteps, EXTENT_BLOCKS};
 

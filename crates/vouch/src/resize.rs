@@ -81,6 +81,13 @@ pub fn in_progress(dir: &Path) -> Value {
 
 /// Resize the served volume `volume` (directory `dir`) to `new_bytes`.
 pub fn resize_online(dir: &Path, volume: &Volume, new_bytes: u64) -> Result<OnlineResized> {
+    // Its files change outside the before-image layer: not under an
+    // overlay snapshot, nor one materialising.
+    vouch_engine::snapshot::refuse_while_materialising(
+        &vouch_engine::snapshot::RealFs::default(),
+        dir,
+        "resize it",
+    )?;
     let from = vouch_engine::BlockDevice::size(volume);
     marked(dir, from, new_bytes, || {
         Ok(resize::resize_open(volume, dir, new_bytes)?)

@@ -24,7 +24,11 @@ pub enum SnapshotCommand {
     /// PATH/snapshots/NAME, a complete volume that `check`, `verify`,
     /// `scrub`, `export` and `serve --snapshot NAME PATH` read; its files
     /// (mode 0444) share every block with the volume's (FICLONE: instant
-    /// on xfs and btrfs). Offline, no server may have the volume open, and
+    /// on xfs and btrfs). Where the filesystem cannot clone (ext4), it is
+    /// an overlay instead: a fence and a log of each block's bytes before
+    /// its first write since, appended before that write (nothing copied;
+    /// its space is the log, `snapshot list` shows it), one per volume;
+    /// resize and migrate wait for its delete. Offline, no server may have the volume open, and
     /// one that was not closed cleanly is recovered first. Online
     /// (`--server ADDR [EXPORT] NAME`), the server commits what clients
     /// wrote and checkpoints, then clones the files while no commit runs:
@@ -48,9 +52,9 @@ pub enum SnapshotCommand {
         /// directory entry, not starting with '.').
         name: Option<String>,
         /// Where the filesystem cannot share blocks (ext4), make a full
-        /// copy of the volume's files instead (holes kept): slow, and as
-        /// large as the data written (online: the volume's flushes wait
-        /// for the whole copy).
+        /// copy of the volume's files instead of an overlay (holes kept):
+        /// slow, and as large as the data written (online: the volume's
+        /// flushes wait for the whole copy).
         #[arg(long)]
         copy: bool,
         #[command(flatten)]
@@ -231,7 +235,7 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
         } else if !json_output {
             let record = &item["record"];
             println!(
-                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}",
+                "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}{}",
                 item["name"].as_str().unwrap_or("?"),
                 record["created_unix"],
                 record["checkpoint_seq"],
@@ -242,6 +246,7 @@ fn list_through(server: &ServerArgs, export: Option<&str>, json_output: bool) ->
                     (true, None) => "\tmaterialising".to_string(),
                     (false, None) => String::new(),
                 },
+                kind_column(&item["kind"]),
             );
         }
     }
@@ -335,8 +340,14 @@ fn create(path: &Path, name: &str, copy: bool) -> Result<ExitCode> {
     let _held = hold_offline(path, "take the snapshot")?;
     let started = Instant::now();
     let fs = RealFs::new(copy);
-    // The record says "copy" where the files were copied (`RealFs`).
-    let taken = snapshot::create(&fs, path, name, "reflink", SnapshotBreaks::default())?;
+    // Where the filesystem cannot clone, an overlay (its log kept for the
+    // snapshot's life) unless a full copy is asked for.
+    let taken = if !copy && snapshot::overlay::wanted(path) {
+        snapshot::overlay::create_offline(&fs, path, name, &snapshot::new_id())?
+    } else {
+        // The record says "copy" where the files were copied (`RealFs`).
+        snapshot::create(&fs, path, name, "reflink", SnapshotBreaks::default())?
+    };
     let elapsed = started.elapsed();
     println!(
         "snapshot {name} of {}: {} (checkpoint seq {}, {:.1} ms)",
@@ -376,7 +387,7 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
         for entry in &found {
             match entry {
                 Ok(snap) => println!(
-                    "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}",
+                    "{}\tcreated {}\tcheckpoint seq {}\t{}\t{}{}{}",
                     snap.record.name,
                     snap.record.created_unix,
                     snap.record.checkpoint_seq,
@@ -386,7 +397,8 @@ fn list(path: &Path, json_output: bool) -> Result<ExitCode> {
                         (Some(cause), _) => format!("\tfailed: {cause}"),
                         (None, true) => "\tmaterialising".to_string(),
                         (None, false) => String::new(),
-                    }
+                    },
+                    kind_column(&kind_of(snap)),
                 ),
                 Err(error) => {
                     broken = true;
@@ -414,7 +426,8 @@ fn delete(path: &Path, name: &str) -> Result<ExitCode> {
     let _snapshot_held = crate::snapshot_held::hold_snapshot(path, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, path)?;
-    snapshot::delete(&fs, path, name)?;
+    // An overlay's OVERLAID flag goes with it.
+    snapshot::overlay::delete_offline(&fs, path, name)?;
     println!("deleted snapshot {name} of {}", path.display());
     Ok(ExitCode::SUCCESS)
 }
@@ -508,6 +521,20 @@ pub fn create_online(
         if !copy && fenced::can_fence(dir, served).is_ok() {
             drop(one);
             return create_fenced(dir, served, name, wait, started);
+        }
+        if !copy && snapshot::overlay::wanted(dir) {
+            served.checkpoint_now()?;
+            let fencing = Instant::now();
+            let taken = snapshot::overlay::create_online(dir, served, name, &snapshot::new_id())?;
+            let held = fencing.elapsed();
+            return Ok(OnlineSnapshot {
+                snapshot: taken,
+                times: crate::snapshot_held::Times {
+                    held,
+                    flush: held,
+                    total: started.elapsed(),
+                },
+            });
         }
     }
     let _one = one;
@@ -634,7 +661,7 @@ impl snapshot::FlushPoint for Timed<'_> {
 /// Delete snapshot `name` of the served volume at `dir` (held by this
 /// server); refused while another process (or another export of this
 /// one) holds the snapshot.
-pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
+pub fn delete_online(dir: &Path, served: Option<&vouch_engine::Volume>, name: &str) -> Result<()> {
     let _one = crate::snapshot_held::ONLINE
         .lock()
         .unwrap_or_else(|poison| poison.into_inner());
@@ -645,7 +672,8 @@ pub fn delete_online(dir: &Path, name: &str) -> Result<()> {
     let _snapshot_held = crate::snapshot_held::hold_snapshot(dir, name, &snapshot_dir)?;
     let fs = RealFs::default();
     snapshot::tidy(&fs, dir)?;
-    snapshot::delete(&fs, dir, name)?;
+    // An overlay's log goes with it, and the layer is disarmed.
+    snapshot::overlay::delete_served(dir, served, name)?;
     Ok(())
 }
 
@@ -661,8 +689,32 @@ pub fn list_json(dir: &Path) -> Result<Vec<serde_json::Value>> {
                 "record": snap.record,
                 "materialising": snap.materialising,
                 "failed": snap.failed,
+                "kind": kind_of(snap),
             }),
             Err(error) => json!({ "error": error.to_string() }),
         })
         .collect())
+}
+
+/// A snapshot's kind for `list`: how its blocks are kept ("overlay": the
+/// volume's files read through its log, whose bytes are its space; else
+/// its record's method, "reflink" or "copy").
+fn kind_of(snap: &snapshot::Snapshot) -> serde_json::Value {
+    if snap.record.method == snapshot::overlay::METHOD {
+        json!({
+            "kind": snapshot::overlay::METHOD,
+            "space_bytes": snapshot::overlay::space(&snap.path),
+        })
+    } else {
+        json!({ "kind": snap.record.method })
+    }
+}
+
+/// `kind_of` as the text listing's last column.
+fn kind_column(kind: &serde_json::Value) -> String {
+    match (kind["kind"].as_str(), kind["space_bytes"].as_u64()) {
+        (Some(name), Some(bytes)) => format!("\t{name}, {bytes} bytes in its log"),
+        (Some(name), None) => format!("\t{name}"),
+        _ => String::new(),
+    }
 }

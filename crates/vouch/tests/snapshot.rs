@@ -2,7 +2,7 @@
 //! xfs (reflink=1, mkfs's default) and btrfs made on loop devices by the
 //! test (needs root, `mkfs.xfs` and `mkfs.btrfs`) and unmounted by a
 //! guard, and on this
-//! machine's ext4 (which cannot share blocks: refused, or `--copy`).
+//! machine's ext4 (which cannot share blocks: an overlay, or `--copy`).
 
 mod common;
 
@@ -247,7 +247,7 @@ fn bad_snapshot_input_is_refused_saying_why() {
 }
 
 #[test]
-fn ext4_cannot_share_blocks_so_a_snapshot_is_refused_unless_copied() {
+fn ext4_cannot_share_blocks_so_a_snapshot_is_an_overlay_unless_copied() {
     let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).expect("tempdir");
     let fs_type = text(&run_ok(
         Command::new("stat")
@@ -260,15 +260,17 @@ fn ext4_cannot_share_blocks_so_a_snapshot_is_refused_unless_copied() {
     );
     let data = random_bytes(1 << 20, 6);
     let volume = volume_from(dir.path(), "vol", &data);
-    let output = vouch(&["snapshot", "create", s(&volume), "s"]);
-    assert_eq!(output.status.code(), Some(2));
-    let message = format!(
-        "{} is on ext4, which cannot share blocks: snapshots need xfs or btrfs (or --copy to make a full copy)",
-        volume.display()
+    // Without --copy: an overlay (a fence and a log, nothing copied;
+    // tests/snapshot_overlay.rs), listed as such.
+    vouch_ok(&["snapshot", "create", s(&volume), "s"]);
+    assert_eq!(
+        snapshot_record(&volume.join("snapshots/s"))["method"],
+        "overlay"
     );
-    assert!(stderr_of(&output).contains(&message), "{}", text(&output));
-    // The refused first snapshot leaves no empty `snapshots/` behind.
-    assert!(!volume.join("snapshots").exists());
+    let listed = text(&vouch_ok(&["snapshot", "list", s(&volume)]));
+    assert!(listed.contains("\toverlay, 0 bytes in its log"), "{listed}");
+    assert!(exported(&volume.join("snapshots/s"), dir.path(), "o") == data);
+    vouch_ok(&["snapshot", "delete", s(&volume), "s"]);
     assert!(text(&vouch_ok(&["snapshot", "list", s(&volume)])).contains("no snapshots"));
     vouch_ok(&["snapshot", "create", "--copy", s(&volume), "s"]);
     let snap = volume.join("snapshots/s");

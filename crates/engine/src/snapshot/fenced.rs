@@ -154,6 +154,7 @@ fn invalid(message: String) -> Error {
 /// outside the before-image layer) while a snapshot of the volume at `dir`
 /// is materialising.
 pub fn refuse_while_materialising(fs: &dyn SnapshotFs, dir: &Path, what: &str) -> Result<()> {
+    super::overlay::refuse_beside(fs, dir, what)?;
     match materialising(fs, dir)?.first() {
         None => Ok(()),
         Some(name) => Err(invalid(format!(
@@ -191,6 +192,7 @@ pub fn can_fence(dir: &Path, volume: &crate::Volume) -> Result<()> {
         return Err(invalid("a leg of a mirror".to_string()));
     }
     layer_of(&*volume.storage())?;
+    super::overlay::refuse_beside(&fs, dir, "take a fenced snapshot")?;
     if let Some(name) = materialising(&fs, dir)?.first() {
         return Err(invalid(format!("snapshot {name:?} is still materialising")));
     }

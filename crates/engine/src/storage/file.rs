@@ -222,6 +222,15 @@ impl FileStorage {
         Ok(superblock)
     }
 
+    /// The superblock file of the read-only volume at `dir` (an overlay
+    /// snapshot), under the shared lock a read-only open takes: a delete
+    /// of it (`lock_for_writing`) is refused while it is held.
+    pub fn lock_for_reading(dir: &Path) -> io::Result<File> {
+        let superblock = FileStorage::open_superblock(dir)?;
+        lock_volume(&superblock, dir, false)?;
+        Ok(superblock)
+    }
+
     /// Open every object of an existing volume (see `FileOpen`).
     pub fn open_objects(dir: &Path, geometry: &Geometry, how: FileOpen) -> io::Result<FileStorage> {
         FileStorage::open_locked(dir, geometry, how, None)
@@ -769,6 +778,23 @@ fn held_prefix(dir: &Path) -> io::Result<PathBuf> {
 /// advisory lock on the superblock file, held while the volume is open.
 /// Two writers would each trust their own buffers and journal positions and
 /// destroy each other's acknowledged data.
+/// The first offset at or after `offset` of `file` that may hold data
+/// (`SEEK_DATA`), or `None` when only holes follow.
+pub(crate) fn next_data_of(file: &File, offset: u64) -> io::Result<Option<u64>> {
+    // SAFETY: lseek on a valid, open file descriptor.
+    let at = unsafe { libc::lseek(file.as_raw_fd(), offset as libc::off_t, libc::SEEK_DATA) };
+    if at >= 0 {
+        return Ok(Some(at as u64));
+    }
+    let error = io::Error::last_os_error();
+    match error.raw_os_error() {
+        Some(libc::ENXIO) => Ok(None),
+        // No SEEK_DATA support: everything may hold data.
+        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(Some(offset)),
+        _ => Err(error),
+    }
+}
+
 fn lock_volume(superblock: &File, dir: &Path, writable: bool) -> io::Result<()> {
     let mode = if writable {
         libc::LOCK_EX
@@ -1122,19 +1148,7 @@ impl Storage for FileStorage {
     }
 
     fn next_data(&self, object: ObjectId, offset: u64) -> io::Result<Option<u64>> {
-        let file = self.file(object)?;
-        // SAFETY: lseek on a valid, open file descriptor.
-        let at = unsafe { libc::lseek(file.as_raw_fd(), offset as libc::off_t, libc::SEEK_DATA) };
-        if at >= 0 {
-            return Ok(Some(at as u64));
-        }
-        let error = io::Error::last_os_error();
-        match error.raw_os_error() {
-            Some(libc::ENXIO) => Ok(None),
-            // No SEEK_DATA support: everything may hold data.
-            Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(Some(offset)),
-            _ => Err(error),
-        }
+        next_data_of(self.file(object)?, offset)
     }
 
     fn allocated_bytes(&self, object: ObjectId) -> io::Result<u64> {

@@ -15,6 +15,7 @@ use vouch_format::Geometry;
 pub mod before;
 pub mod direct;
 pub mod nowait;
+pub mod overlay;
 pub mod ring_read;
 pub mod sim;
 

@@ -278,6 +278,7 @@ async fn delete_snapshot(
 ) -> ApiResult<Json<Value>> {
     let entry = snapshot_target(&state, &export)?;
     let (dir, mirror) = (entry.dir.clone(), entry.mirror.clone());
+    let volume = entry.volume.clone();
     vouch_engine::snapshot::check_name(&name).map_err(|e| ApiError::bad(e.to_string()))?;
     // A name with nothing behind it is not a conflict: 404, as for any
     // resource that is not there (a half-made copy is still deleted).
@@ -293,7 +294,7 @@ async fn delete_snapshot(
     let deleted = name.clone();
     tokio::task::spawn_blocking(move || match mirror {
         Some(mirror) => crate::snapshot_mirror::delete_online(&mirror, &deleted),
-        None => crate::snapshot::delete_online(&dir, &deleted),
+        None => crate::snapshot::delete_online(&dir, Some(&volume), &deleted),
     })
     .await
     .map_err(internal)?
