@@ -100,7 +100,7 @@ impl OverlayStorage {
                 // Never the live bytes for a block whose image was lost.
                 return Err(io::Error::other(format!(
                     "the overlay's before-image log is damaged at byte {}: a record does not read whole and valid records follow",
-                    index.end + at as u64
+                    index.end + at
                 )));
             }
             let base = index.end;
