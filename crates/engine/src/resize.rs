@@ -54,8 +54,9 @@ use crate::snapshot::{io_error, is_snapshot, superblock_of, SnapshotFs};
 use crate::storage::ObjectId;
 
 /// The map of the new size, until the superblock switch is followed by
-/// its rename over `written`.
-pub const RESIZE_MAP_FILE: &str = "written.resize";
+/// its rename over `written` (defined with the volume's file names, so
+/// the snapshot code can see a resize cut short without importing this).
+pub use crate::storage::RESIZE_MAP_FILE;
 
 /// Orderings `resize` can be told to break, to show the crash simulator
 /// catches them. Production passes the default (none).

@@ -254,7 +254,7 @@ pub fn create_offline(
         )));
     }
     refuse_regions(volume, &superblock)?;
-    if fs.exists(&volume.join(crate::resize::RESIZE_MAP_FILE)) {
+    if fs.exists(&volume.join(crate::storage::RESIZE_MAP_FILE)) {
         return Err(invalid(format!(
             "{} has a resize cut short: open it (vouch check, or serve) so it finishes, then take the snapshot",
             volume.display()

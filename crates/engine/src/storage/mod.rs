@@ -25,6 +25,10 @@ pub use ring_read::ReadLater;
 /// Most iovecs one pwritev takes (Linux UIO_MAXIOV).
 pub(crate) const IOV_MAX: usize = 1024;
 
+/// A resize's map of the new size (`resize.rs`), until the superblock
+/// switch is followed by its rename over `written`.
+pub const RESIZE_MAP_FILE: &str = "written.resize";
+
 /// One object (file) of a volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum ObjectId {
