@@ -266,43 +266,14 @@ fn fence_at(
     superblock: &Superblock,
     record: &SnapshotRecord,
 ) -> Result<Fence> {
-    fs.create_dir(partial)
-        .map_err(|e| io_error("create", partial, e))?;
     let mut marked = *superblock;
     marked.features.ro_compat |= FeatureFlags::RO_COMPAT_SNAPSHOT;
     // The live volume's flag (set before the fence), never the snapshot's.
     marked.features.incompat &= !FeatureFlags::INCOMPAT_FENCED;
     marked.state = STATE_CLEAN;
-    write_superblock(fs, partial, &marked)?;
-    let record_path = partial.join(RECORD_FILE);
-    fs.write_at(
-        &record_path,
-        0,
-        &serde_json::to_vec_pretty(record).expect("a record serializes"),
-    )
-    .map_err(|e| io_error("write", &record_path, e))?;
-    let before = partial.join(BEFORE_FILE);
-    fs.new_file(&before, 0, false)
-        .map_err(|e| io_error("create", &before, e))?;
-    let superblock_path = partial.join(ObjectId::Superblock.file_name());
+    let (superblock_path, record_path, before) = partial_with(fs, partial, &marked, record)?;
     sync_all(fs, partial, &[superblock_path, record_path, before])?;
-    // The journal is new, and the superblock is the one written above at
-    // the flush point (never imaged: the live one moves on).
-    let skipped = [
-        ObjectId::Journal.file_name(),
-        ObjectId::Superblock.file_name(),
-    ];
-    let mut files = Vec::new();
-    for file in volume_files(superblock)? {
-        if skipped.contains(&file) {
-            continue;
-        }
-        let path = dir.join(&file);
-        let len = std::fs::metadata(&path)
-            .map_err(|e| io_error("stat", &path, e))?
-            .len();
-        files.push((file, len));
-    }
+    let files = imaged_files(dir, superblock)?;
     let fence = Fence {
         fence: rand::random::<u64>() | 1,
         files,
@@ -317,6 +288,54 @@ fn fence_at(
     fs.sync_dir(&snapshots)
         .map_err(|e| io_error("sync", &snapshots, e))?;
     Ok(fence)
+}
+
+/// `.NAME.partial` (`partial`) made with `marked` as its superblock,
+/// `record` and an empty before-image log: their paths (nothing synced).
+/// A fenced snapshot's `fence_at` and an overlay's create both start so.
+pub(super) fn partial_with(
+    fs: &dyn SnapshotFs,
+    partial: &Path,
+    marked: &Superblock,
+    record: &SnapshotRecord,
+) -> Result<(PathBuf, PathBuf, PathBuf)> {
+    fs.create_dir(partial)
+        .map_err(|e| io_error("create", partial, e))?;
+    write_superblock(fs, partial, marked)?;
+    let record_path = partial.join(RECORD_FILE);
+    fs.write_at(
+        &record_path,
+        0,
+        &serde_json::to_vec_pretty(record).expect("a record serializes"),
+    )
+    .map_err(|e| io_error("write", &record_path, e))?;
+    let before = partial.join(BEFORE_FILE);
+    fs.new_file(&before, 0, false)
+        .map_err(|e| io_error("create", &before, e))?;
+    let superblock_path = partial.join(ObjectId::Superblock.file_name());
+    Ok((superblock_path, record_path, before))
+}
+
+/// The imaged files of the volume at `dir` with their lengths now (the
+/// journal is new in a snapshot, and its superblock is the one written at
+/// the flush point: neither is imaged, the live ones move on).
+pub(super) fn imaged_files(dir: &Path, superblock: &Superblock) -> Result<Vec<(String, u64)>> {
+    let own = [
+        ObjectId::Journal.file_name(),
+        ObjectId::Superblock.file_name(),
+    ];
+    let mut files = Vec::new();
+    for file in volume_files(superblock)?
+        .into_iter()
+        .filter(|f| !own.contains(f))
+    {
+        let path = dir.join(&file);
+        let len = std::fs::metadata(&path)
+            .map_err(|e| io_error("stat", &path, e))?
+            .len();
+        files.push((file, len));
+    }
+    Ok(files)
 }
 
 fn read_fence(fs: &dyn SnapshotFs, partial: &Path) -> Result<Fence> {

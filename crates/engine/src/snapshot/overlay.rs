@@ -17,10 +17,10 @@ use std::sync::Arc;
 use vouch_format::superblock::STATE_CLEAN;
 use vouch_format::{FeatureFlags, Superblock};
 
-use super::fenced::{materialising, Fence, BEFORE_FILE};
+use super::fenced::{imaged_files, materialising, partial_with, Fence, BEFORE_FILE};
 use super::{
-    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, volume_files, write_superblock,
-    RealFs, Snapshot, SnapshotFs, SnapshotRecord, RECORD_FILE, SNAPSHOTS_DIR,
+    io_error, partial_path, prepare, snapshot_path, sync_all, tidy, RealFs, Snapshot, SnapshotFs,
+    SnapshotRecord, SNAPSHOTS_DIR,
 };
 use crate::error::{Error, Result};
 use crate::storage::before::{BeforeImages, LogEnd};
@@ -112,52 +112,6 @@ fn refuse_regions(volume: &Path, superblock: &Superblock) -> Result<()> {
         )));
     }
     Ok(())
-}
-
-/// `.NAME.partial` (`partial`) made with `marked` as its superblock,
-/// `record` and an empty before-image log: their paths (nothing synced).
-/// (fenced.rs's `fence_at` does the same for a fenced snapshot.)
-fn partial_with(
-    fs: &dyn SnapshotFs,
-    partial: &Path,
-    marked: &Superblock,
-    record: &SnapshotRecord,
-) -> Result<(PathBuf, PathBuf, PathBuf)> {
-    fs.create_dir(partial)
-        .map_err(|e| io_error("create", partial, e))?;
-    write_superblock(fs, partial, marked)?;
-    let record_path = partial.join(RECORD_FILE);
-    fs.write_at(
-        &record_path,
-        0,
-        &serde_json::to_vec_pretty(record).expect("a record serializes"),
-    )
-    .map_err(|e| io_error("write", &record_path, e))?;
-    let before = partial.join(BEFORE_FILE);
-    fs.new_file(&before, 0, false)
-        .map_err(|e| io_error("create", &before, e))?;
-    let superblock_path = partial.join(ObjectId::Superblock.file_name());
-    Ok((superblock_path, record_path, before))
-}
-
-/// The imaged files of the volume at `dir` with their lengths now.
-fn imaged_files(dir: &Path, superblock: &Superblock) -> Result<Vec<(String, u64)>> {
-    let own = [
-        ObjectId::Journal.file_name(),
-        ObjectId::Superblock.file_name(),
-    ];
-    let mut files = Vec::new();
-    for file in volume_files(superblock)?
-        .into_iter()
-        .filter(|f| !own.contains(f))
-    {
-        let path = dir.join(&file);
-        let len = std::fs::metadata(&path)
-            .map_err(|e| io_error("stat", &path, e))?
-            .len();
-        files.push((file, len));
-    }
-    Ok(files)
 }
 
 /// Arm `layer` with the log at `log_path` (fence `fence`).
