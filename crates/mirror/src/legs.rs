@@ -7,6 +7,12 @@
 //! leg's: `judge`, `judge_read`), the fault threshold (`count_at`),
 //! taking a leg out (a stale one mapped from the written log first),
 //! which leg a read goes to, and the legs' common size.
+//!
+//! The methods that may take a leg out (`judge`, `judge_read`, `count_at`,
+//! `fault`, `fail`) borrow the written log: a leg taken out as stale gets
+//! its resync map from the blocks written since the last flush, made
+//! durable under the decision lock before its state says stale, so the
+//! log is read at that one moment (`map_stale_leg`) and owned elsewhere.
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
