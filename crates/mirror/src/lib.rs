@@ -7,17 +7,21 @@
 //! its public API.
 //!
 //! The map, in reading order (docs/ARCHITECTURE.md, "Modules import
-//! downward", has the rows): `legs.rs` (each leg: device, state, resync
-//! map, counters; judging an error), `stripes.rs` (the stripe lock),
-//! `device.rs` (the `Mirror`: admitting a write, writing and reading the
-//! legs, taking a leg out), `complete.rs` (the reactor's completion
-//! path), `repair.rs` and `scrub.rs` (making legs agree), `written.rs`
-//! (blocks written since the last flush), `dirty.rs` + `resync.rs` (a
-//! stale leg's map and its online copy), `activity.rs` + `reconcile.rs`
-//! (the extents being written and their reconciliation after an unclean
-//! stop), `progress.rs` (what those jobs report), `set.rs`, `manage.rs`
-//! and `map_file.rs` (the set on disk), `still.rs` (the set held at one
-//! flush point for a snapshot of its legs).
+//! downward", has the rows). The mirror is a thin composition (`device.rs`,
+//! `Mirror`) of types that own their state and methods: `Legs`
+//! (`legs.rs`: each leg's device, state, resync map and counters;
+//! membership, judging an outcome, the fault threshold, taking a leg
+//! out, the read turn), `Stripes` (`stripes.rs`, the stripe lock),
+//! `WrittenLog` (`written_log.rs`: the blocks written since the last
+//! flush, `written.rs`, and the activity log, `activity.rs`), `Threads`
+//! (`threads.rs`, the jobs' threads); `Repair` (`repair.rs`) and `Resync`
+//! (`resync.rs`, a stale leg's online copy from its map, `dirty.rs`) run
+//! on borrowed parts, not on the `Mirror`. Then `admit.rs` (every write's
+//! route), `complete.rs` (the reactor's completion path), `scrub.rs`
+//! (making legs agree), `reconcile.rs` (the activity log's extents after
+//! an unclean stop), `progress.rs` (what those jobs report), `set.rs`,
+//! `manage.rs` and `map_file.rs` (the set on disk), `still.rs` (the set
+//! held at one flush point for a snapshot of its legs).
 //!
 //! - Writes, trims and zeroes go to every active leg under the mirror's
 //!   stripe lock (so two writers or a write and a repair cannot order
@@ -72,7 +76,9 @@ pub mod set;
 mod still;
 mod stripes;
 mod swap;
+mod threads;
 mod written;
+mod written_log;
 
 pub use activity::{ActivityGeometry, ActivityLog, Recovered, EXTENT_BLOCKS};
 pub use device::Mirror;

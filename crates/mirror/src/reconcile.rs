@@ -81,12 +81,12 @@ impl Mirror {
     /// last run: reads go to the first active leg until it ends. `None`
     /// when there is nothing to reconcile (no log, or it was empty).
     pub fn begin_reconcile(&self) -> Option<ReconcileCursor> {
-        let log = self.activity.get()?;
+        let log = self.written.activity_log()?;
         let extents = log.pinned();
         if extents.is_empty() {
             return None;
         }
-        self.hold_reads_on_one_leg();
+        self.legs.hold_reads_on_one_leg();
         self.reconciling.store(true, Ordering::Release);
         let cursor = ReconcileCursor {
             extents,
@@ -108,7 +108,7 @@ impl Mirror {
     /// chunk of an extent, the extent leaves the set to reconcile.
     /// Returns the blocks checked (0: finished; `end_reconcile` next).
     pub fn reconcile_step(&self, cursor: &mut ReconcileCursor) -> Result<u64> {
-        let Some(log) = self.activity.get() else {
+        let Some(log) = self.written.activity_log() else {
             return Ok(0);
         };
         let index = cursor.extent_index();
@@ -158,7 +158,7 @@ impl Mirror {
             Err(error) => ("failed", Some(error.to_string())),
         };
         if state == "done" && error.is_none() {
-            self.release_reads_from_one_leg();
+            self.legs.release_reads_from_one_leg();
         }
         // The final progress is in place before the legs stop reading as
         // reconciling, so `mirror status` never shows a leg in sync beside
@@ -190,18 +190,13 @@ impl Mirror {
             return Ok(false);
         };
         let mirror = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name("vouch-reconcile".into())
-            .spawn(move || {
-                let mut cursor = cursor;
-                let result = mirror.reconcile_loop(&mut cursor, rate);
-                mirror.end_reconcile(cursor, result);
-            });
+        let spawned = self.threads.spawn("vouch-reconcile".into(), move || {
+            let mut cursor = cursor;
+            let result = mirror.reconcile_loop(&mut cursor, rate);
+            mirror.end_reconcile(cursor, result);
+        });
         match spawned {
-            Ok(handle) => {
-                self.resyncs.lock().push(handle);
-                Ok(true)
-            }
+            Ok(()) => Ok(true),
             Err(error) => {
                 self.reconciling.store(false, Ordering::Release);
                 Err(Error::InvalidArgument(format!(
@@ -216,7 +211,7 @@ impl Mirror {
     /// `Visit` over the blocks of the extents.
     fn reconcile_loop(&self, cursor: &mut ReconcileCursor, rate: ResyncRate) -> Result<bool> {
         let foreground = || self.foreground.load(Ordering::Relaxed);
-        let stop = || self.stopping.load(Ordering::Acquire);
+        let stop = || self.threads.stopping();
         let control = Arc::clone(&cursor.control);
         let end = Visit::begin(
             &control,

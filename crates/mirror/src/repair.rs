@@ -21,16 +21,56 @@
 //! block it touched differing between the legs only inside an extent the
 //! next open reconciles, not a fault for a later scrub to count.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::activity::Entered;
 use crate::device::Mirror;
+use crate::legs::Legs;
+use crate::stripes::Stripes;
+use crate::written_log::WrittenLog;
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
 use vouch_engine::{Block, BLOCK};
 
+/// Read repair as the mirror runs it: the parts it needs, borrowed from
+/// the mirror (its legs, which it reads, judges and rewrites; the stripe
+/// lock a repair holds; the written log its rewrites enter; the count of
+/// client requests a flush for room in the log adds to), never the
+/// `Mirror` itself.
+pub(crate) struct Repair<'m> {
+    legs: &'m Legs,
+    stripes: &'m Stripes,
+    written: &'m WrittenLog,
+    foreground: &'m AtomicU64,
+}
+
 impl Mirror {
+    /// The mirror's read repair (`Repair`), on its parts.
+    pub(super) fn repair(&self) -> Repair<'_> {
+        Repair {
+            legs: &self.legs,
+            stripes: &self.stripes,
+            written: &self.written,
+            foreground: &self.foreground,
+        }
+    }
+}
+
+impl Repair<'_> {
+    /// Enter blocks `[first, end)` in the activity log before a rewrite
+    /// reaches a leg, flushing the mirror (as a client flush would: every
+    /// leg, the written log told) if that is what makes room.
+    fn enter_log(&self, first: u64, end: u64) -> Result<Option<Entered>> {
+        self.written.enter(first, end, || {
+            self.foreground.fetch_add(1, Ordering::Relaxed);
+            self.legs.flush(self.written)
+        })
+    }
+
     /// `buf` at byte `offset` (any byte range) from `leg`, every faulty
     /// block repaired; fails naming the first block no leg holds good.
     /// `judged`: a fault `leg` already judged (and counted) on this read.
     /// No hole ranges (the bytes are right; they go as data).
-    pub(super) fn read_bytes_repairing(
+    pub(crate) fn read_bytes_repairing(
         &self,
         leg: usize,
         offset: u64,
@@ -60,7 +100,7 @@ impl Mirror {
         out: &mut [u8],
         judged: Option<&Fault>,
     ) -> Result<Vec<Fault>> {
-        let device = self.device(leg);
+        let device = self.legs.device(leg);
         let Some(judged) = judged.filter(|fault| (first..first + count).contains(&fault.lba))
         else {
             return device.read_blocks_collecting(first, count, out);
@@ -85,7 +125,7 @@ impl Mirror {
     /// active leg), each faulty one repaired; returns the faults no leg
     /// could repair (zero-filled in `out`). `judged`: as
     /// `read_bytes_repairing`.
-    pub(super) fn read_blocks_repairing(
+    pub(crate) fn read_blocks_repairing(
         &self,
         leg: usize,
         first: u64,
@@ -94,14 +134,18 @@ impl Mirror {
         judged: Option<Fault>,
     ) -> Result<Vec<Fault>> {
         let mut read = None;
-        for candidate in self.read_order(leg) {
+        for candidate in self.legs.read_order(leg) {
             let judged = judged.as_ref().filter(|_| candidate == leg);
             match self.read_leg_collecting(candidate, first, count, out, judged) {
                 Ok(faults) => {
                     read = Some((candidate, faults));
                     break;
                 }
-                Err(error) if self.judge_read(candidate, &error, first, count) => {
+                Err(error)
+                    if self
+                        .legs
+                        .judge_read(candidate, &error, first, count, self.written) =>
+                {
                     return Err(error)
                 }
                 Err(_) => {}
@@ -127,16 +171,17 @@ impl Mirror {
 
     /// The good contents of block `lba`, which failed with `kind` on leg
     /// `bad`, from another leg; the bad leg is rewritten from it.
-    pub(super) fn repair_block(&self, lba: u64, bad: usize, kind: FaultKind) -> Result<Box<Block>> {
+    pub(crate) fn repair_block(&self, lba: u64, bad: usize, kind: FaultKind) -> Result<Box<Block>> {
         let _locked = self.stripes.lock(lba, lba + 1);
         let mut good: Box<Block> = Box::new([0u8; BLOCK as usize]);
         let source = self
+            .legs
             .active()
             .into_iter()
             .filter(|&leg| leg != bad)
             .find(|&leg| {
                 matches!(
-                    self.device(leg).read_blocks_collecting(lba, 1, &mut good[..]),
+                    self.legs.device(leg).read_blocks_collecting(lba, 1, &mut good[..]),
                     Ok(faults) if faults.is_empty()
                 )
             });
@@ -148,7 +193,7 @@ impl Mirror {
                 kind = kind.name(),
                 "mirror: block bad on every leg: not repaired, nothing rewritten"
             );
-            self.count(bad, kind.name(), false);
+            self.legs.count(bad, kind.name(), false, self.written);
             return Err(Error::Fault(Fault { lba, kind }));
         };
         // A write may have replaced the block on the bad leg since it was
@@ -156,7 +201,7 @@ impl Mirror {
         // Rechecked, not judged: the read that found it bad counted it.
         let mut now = [0u8; BLOCK as usize];
         if matches!(
-            self.device(bad).recheck_blocks(lba, 1, &mut now),
+            self.legs.device(bad).recheck_blocks(lba, 1, &mut now),
             Ok(faults) if faults.is_empty()
         ) {
             return Ok(good);
@@ -181,7 +226,8 @@ impl Mirror {
                 "mirror: repair failed: the leg still does not hold the good block"
             );
         }
-        self.count_at(bad, kind.name(), repaired, Some(lba));
+        self.legs
+            .count_at(bad, kind.name(), repaired, Some(lba), self.written);
         Ok(good)
     }
 
@@ -190,7 +236,7 @@ impl Mirror {
     /// each re-read there; a batch that fails is retried block by block.
     /// Whether each now reads its `good` copy. The caller holds the
     /// stripe lock.
-    pub(super) fn rewrite_blocks(
+    pub(crate) fn rewrite_blocks(
         &self,
         source: usize,
         target: usize,
@@ -206,13 +252,14 @@ impl Mirror {
             )];
         }
         let step = || -> Result<Vec<bool>> {
-            let sealed = self.read_runs(source, lbas)?;
+            let sealed = self.legs.read_runs(source, lbas)?;
             let _logged = self.enter_log(lbas[0], lbas[lbas.len() - 1] + 1)?;
-            self.device(target).write_sealed(&sealed)?;
-            self.device(target).flush()?;
+            self.legs.device(target).write_sealed(&sealed)?;
+            self.legs.device(target).flush()?;
             let (first, end) = (lbas[0], lbas[lbas.len() - 1] + 1);
             let mut check = vec![0u8; ((end - first) * BLOCK) as usize];
             let faults = self
+                .legs
                 .device(target)
                 .recheck_blocks(first, end - first, &mut check)?;
             Ok(lbas
@@ -243,14 +290,17 @@ impl Mirror {
     /// Move block `lba` sealed from `source` to `target`, flush `target`
     /// and re-read it there: true if it now reads `good`. The caller holds
     /// the block's stripe lock.
-    pub(super) fn rewrite(&self, source: usize, target: usize, lba: u64, good: &Block) -> bool {
+    pub(crate) fn rewrite(&self, source: usize, target: usize, lba: u64, good: &Block) -> bool {
         let step = || -> Result<bool> {
-            let sealed = self.device(source).read_sealed(lba, 1)?;
+            let sealed = self.legs.device(source).read_sealed(lba, 1)?;
             let _logged = self.enter_log(lba, lba + 1)?;
-            self.device(target).write_sealed(&sealed)?;
-            self.device(target).flush()?;
+            self.legs.device(target).write_sealed(&sealed)?;
+            self.legs.device(target).flush()?;
             let mut check = [0u8; BLOCK as usize];
-            let faults = self.device(target).recheck_blocks(lba, 1, &mut check)?;
+            let faults = self
+                .legs
+                .device(target)
+                .recheck_blocks(lba, 1, &mut check)?;
             Ok(faults.is_empty() && check[..] == good[..])
         };
         match step() {

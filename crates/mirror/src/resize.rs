@@ -34,7 +34,6 @@
 //! so the mirror never serves legs of different sizes.
 
 use std::cell::Cell;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -99,11 +98,11 @@ impl Mirror {
         BlockDevice::flush(self)?;
         if new_bytes < old_bytes {
             // New requests past the new end are refused from here on.
-            self.size.store(new_bytes, Ordering::Release);
+            self.legs.set_size(new_bytes);
         }
         let stop = Cell::new(false);
         let mut log = None;
-        let keeps_log = self.activity.get().is_some();
+        let keeps_log = self.written.activity_log().is_some();
         let MirrorResizeSteps {
             leg_files,
             reopen,
@@ -145,15 +144,15 @@ impl Mirror {
         let outcome = nest(&legs, new_bytes, &reopen, &mut files);
         if let Err(error) = outcome {
             if !stop.get() {
-                self.size.store(old_bytes, Ordering::Release);
+                self.legs.set_size(old_bytes);
             }
             return Err(error);
         }
         self.written.set_blocks(new_bytes / BLOCK);
         if let Some(log) = log {
-            self.activity.replace(Arc::new(log));
+            self.written.replace_activity_log(Arc::new(log));
         }
-        self.size.store(new_bytes, Ordering::Release);
+        self.legs.set_size(new_bytes);
         drop(all);
         Ok(resized(locked.elapsed()))
     }

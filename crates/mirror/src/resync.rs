@@ -34,17 +34,17 @@
 //! batches in a replayable order.
 
 use std::collections::BTreeSet;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use vouch_format::mirror::LegState;
-
 use crate::device::Mirror;
 use crate::dirty::DirtyMap;
-use crate::legs::is_request_error;
+use crate::legs::{is_request_error, Legs};
 pub use crate::progress::{ResyncProgress, ResyncRate};
-use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice};
+use crate::stripes::Stripes;
+use crate::threads::Threads;
+use vouch_engine::device::SealedDevice;
 use vouch_engine::error::{Error, Result};
 use vouch_engine::jobs::{JobControl, ScanEnd, Throughput, Visit};
 
@@ -106,39 +106,124 @@ pub enum ResyncStep {
     Finished,
 }
 
+/// A resync as the mirror runs it: the parts it needs, borrowed from the
+/// mirror (its legs, the stripe lock, its job threads and the count of
+/// client requests it paces by), never the `Mirror` itself.
+pub(crate) struct Resync<'m> {
+    legs: &'m Legs,
+    stripes: &'m Stripes,
+    threads: &'m Threads,
+    foreground: &'m AtomicU64,
+}
+
+/// A stale leg's way back, as the mirror's public face: each call is the
+/// `Resync`'s (or the legs') below.
 impl Mirror {
+    fn resync(&self) -> Resync<'_> {
+        Resync {
+            legs: &self.legs,
+            stripes: &self.stripes,
+            threads: &self.threads,
+            foreground: &self.foreground,
+        }
+    }
+
     /// Give missing leg `leg` its device (it came back). Fails if the leg
     /// is present already or its size differs.
     pub fn attach(&self, leg: usize, device: Arc<dyn SealedDevice>) -> Result<()> {
-        let slot = self.leg_slot(leg)?;
-        if device.size() != self.size() {
-            return Err(Error::InvalidArgument(format!(
-                "mirror leg {leg} is {} bytes, not {} like the others",
-                device.size(),
-                self.size()
-            )));
-        }
-        slot.device
-            .set(device)
-            .map_err(|_| Error::InvalidArgument(format!("mirror leg {leg} is present already")))?;
-        self.reset_corrected(leg);
-        Ok(())
-    }
-
-    fn leg_slot(&self, leg: usize) -> Result<&crate::legs::Leg> {
-        self.legs.get(leg).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "the mirror has no leg {leg} (legs 0..{})",
-                self.legs.len()
-            ))
-        })
+        self.resync().attach(leg, device)
     }
 
     /// Reach stale leg `leg` again before its resync (a remote leg whose
     /// connection died when it was taken out).
     pub fn reconnect(&self, leg: usize) -> Result<()> {
-        let slot = self.leg_slot(leg)?;
-        if self.active().contains(&leg) || slot.resyncing.load(Ordering::Acquire) {
+        self.resync().reconnect(leg)
+    }
+
+    /// Track writes for stale leg `leg` in `map` from now on.
+    pub fn track(&self, leg: usize, map: Arc<DirtyMap>) -> Result<()> {
+        self.resync().track(leg, map)
+    }
+
+    /// The resync map of `leg`, if it has one.
+    pub fn map_of(&self, leg: usize) -> Option<Arc<DirtyMap>> {
+        self.legs.map_of(leg)
+    }
+
+    /// Start resyncing stale leg `leg` (present, with a map) on a thread.
+    /// `full` says the map was started full (unknown history).
+    pub fn start_resync(self: &Arc<Self>, leg: usize, rate: ResyncRate, full: bool) -> Result<()> {
+        if rate.min == 0 || rate.max < rate.min {
+            return Err(Error::InvalidArgument(format!(
+                "resync rate floor {} and ceiling {} (bytes/s): the floor must be positive and at most the ceiling",
+                rate.min, rate.max
+            )));
+        }
+        let cursor = self.begin_resync(leg, full)?;
+        // The thread holds the mirror only to keep its parts alive; the
+        // resync runs on them.
+        let mirror = Arc::clone(self);
+        let spawned = self.threads.spawn(format!("vouch-resync-{leg}"), move || {
+            mirror.resync().run(cursor, rate)
+        });
+        spawned.map_err(|error| {
+            self.legs[leg].resyncing.store(false, Ordering::Release);
+            Error::InvalidArgument(format!("cannot start a resync: {error}"))
+        })
+    }
+
+    /// Make stale leg `leg` (present, with a map) a write target and
+    /// return the cursor of its resync, to be run by `resync_step` until
+    /// it finishes or fails, then `end_resync`.
+    pub fn begin_resync(&self, leg: usize, full: bool) -> Result<ResyncCursor> {
+        self.resync().begin(leg, full)
+    }
+
+    /// Stop every resync (each keeps its map: a restart resumes) and
+    /// make every map durable with no region marked (a clean close).
+    pub fn stop_resyncs(&self) -> Result<()> {
+        self.threads.stop_all();
+        self.legs.retire_maps()
+    }
+
+    /// The end of a resync: `result` is `Ok(true)` when its last step
+    /// finished, `Ok(false)` when it was stopped. A finished resync is
+    /// recorded (the leg active in the records, then its map removed).
+    /// Returns its final progress.
+    pub fn end_resync(&self, cursor: ResyncCursor, result: Result<bool>) -> ResyncProgress {
+        self.resync().end(cursor, result)
+    }
+
+    /// One batch: copy the blocks left to copy in up to `BATCH_WINDOWS`
+    /// windows (or as `set_batch` says), from where the last batch
+    /// stopped, wrapping once; then flush the leg and clear what landed
+    /// (`flush_landed`). With nothing left to copy, try to finish
+    /// (`finish_quiesced`).
+    pub fn resync_step(&self, cursor: &mut ResyncCursor) -> Result<ResyncStep> {
+        self.resync().step(cursor)
+    }
+}
+
+impl Resync<'_> {
+    fn attach(&self, leg: usize, device: Arc<dyn SealedDevice>) -> Result<()> {
+        let slot = self.legs.slot(leg)?;
+        if device.size() != self.legs.size() {
+            return Err(Error::InvalidArgument(format!(
+                "mirror leg {leg} is {} bytes, not {} like the others",
+                device.size(),
+                self.legs.size()
+            )));
+        }
+        slot.device
+            .set(device)
+            .map_err(|_| Error::InvalidArgument(format!("mirror leg {leg} is present already")))?;
+        slot.reset_corrected();
+        Ok(())
+    }
+
+    fn reconnect(&self, leg: usize) -> Result<()> {
+        let slot = self.legs.slot(leg)?;
+        if self.legs.active().contains(&leg) || slot.resyncing.load(Ordering::Acquire) {
             return Err(Error::InvalidArgument(format!(
                 "mirror leg {leg} ({}) is in use: not reconnecting it",
                 slot.name
@@ -153,10 +238,9 @@ impl Mirror {
         }
     }
 
-    /// Track writes for stale leg `leg` in `map` from now on.
-    pub fn track(&self, leg: usize, map: Arc<DirtyMap>) -> Result<()> {
-        let slot = self.leg_slot(leg)?;
-        if self.active().contains(&leg) {
+    fn track(&self, leg: usize, map: Arc<DirtyMap>) -> Result<()> {
+        let slot = self.legs.slot(leg)?;
+        if self.legs.active().contains(&leg) {
             return Err(Error::InvalidArgument(format!(
                 "mirror leg {leg} is active: it needs no resync map"
             )));
@@ -165,45 +249,9 @@ impl Mirror {
         Ok(())
     }
 
-    /// The resync map of `leg`, if it has one.
-    pub fn map_of(&self, leg: usize) -> Option<Arc<DirtyMap>> {
-        self.legs.get(leg).and_then(|slot| slot.map.read().clone())
-    }
-
-    /// Start resyncing stale leg `leg` (present, with a map) on a thread.
-    /// `full` says the map was started full (unknown history).
-    pub fn start_resync(self: &Arc<Self>, leg: usize, rate: ResyncRate, full: bool) -> Result<()> {
-        if rate.min == 0 || rate.max < rate.min {
-            return Err(Error::InvalidArgument(format!(
-                "resync rate floor {} and ceiling {} (bytes/s): the floor must be positive and at most the ceiling",
-                rate.min, rate.max
-            )));
-        }
-        let cursor = self.begin_resync(leg, full)?;
-        let mirror = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name(format!("vouch-resync-{leg}"))
-            .spawn(move || mirror.resync_thread(cursor, rate));
-        match spawned {
-            Ok(handle) => {
-                self.resyncs.lock().push(handle);
-                Ok(())
-            }
-            Err(error) => {
-                self.legs[leg].resyncing.store(false, Ordering::Release);
-                Err(Error::InvalidArgument(format!(
-                    "cannot start a resync: {error}"
-                )))
-            }
-        }
-    }
-
-    /// Make stale leg `leg` (present, with a map) a write target and
-    /// return the cursor of its resync, to be run by `resync_step` until
-    /// it finishes or fails, then `end_resync`.
-    pub fn begin_resync(&self, leg: usize, full: bool) -> Result<ResyncCursor> {
-        let slot = self.leg_slot(leg)?;
-        if self.active().contains(&leg) {
+    fn begin(&self, leg: usize, full: bool) -> Result<ResyncCursor> {
+        let slot = self.legs.slot(leg)?;
+        if self.legs.active().contains(&leg) {
             return Err(Error::InvalidArgument(format!(
                 "mirror leg {leg} ({}) is active: nothing to resync",
                 slot.name
@@ -215,7 +263,7 @@ impl Mirror {
                 slot.name
             )));
         }
-        let Some(map) = self.map_of(leg) else {
+        let Some(map) = self.legs.map_of(leg) else {
             return Err(Error::InvalidArgument(format!(
                 "mirror leg {leg} ({}) has no resync map",
                 slot.name
@@ -243,61 +291,18 @@ impl Mirror {
             windows: BATCH_WINDOWS,
             control: Arc::new(JobControl::default()),
         };
-        *slot.progress.lock() = Some(self.progress(&cursor, "running", None));
+        *slot.progress.lock() = Some(progress(&cursor, "running", None));
         tracing::info!(leg, name = %slot.name, blocks = cursor.run.total, full,
             "mirror: resync started");
         Ok(cursor)
     }
 
-    /// Stop every resync (each keeps its map: a restart resumes) and
-    /// make every map durable with no region marked (a clean close).
-    pub fn stop_resyncs(&self) -> Result<()> {
-        self.stopping.store(true, Ordering::Release);
-        let handles: Vec<_> = self.resyncs.lock().drain(..).collect();
-        for handle in handles {
-            let _ = handle.join();
-        }
-        for leg in &self.legs {
-            let map = leg.map.read().clone();
-            if let Some(map) = map {
-                map.sync_and_retire()?;
-            }
-        }
-        Ok(())
+    fn run(&self, mut cursor: ResyncCursor, rate: ResyncRate) {
+        let result = self.run_loop(&mut cursor, rate);
+        self.end(cursor, result);
     }
 
-    fn progress(
-        &self,
-        cursor: &ResyncCursor,
-        state: &'static str,
-        error: Option<String>,
-    ) -> ResyncProgress {
-        let left = cursor.map.count();
-        let throughput = Throughput::measure(cursor.run.started, cursor.copied, left);
-        ResyncProgress {
-            total: cursor.run.total,
-            copied: cursor.copied,
-            left,
-            full: cursor.run.full,
-            rate: throughput.rate,
-            eta_seconds: throughput.eta_seconds,
-            state,
-            error,
-            elapsed_ms: throughput.elapsed_ms,
-            paced_waits: cursor.control.paced_waits(),
-        }
-    }
-
-    fn resync_thread(&self, mut cursor: ResyncCursor, rate: ResyncRate) {
-        let result = self.resync_loop(&mut cursor, rate);
-        self.end_resync(cursor, result);
-    }
-
-    /// The end of a resync: `result` is `Ok(true)` when its last step
-    /// finished, `Ok(false)` when it was stopped. A finished resync is
-    /// recorded (the leg active in the records, then its map removed).
-    /// Returns its final progress.
-    pub fn end_resync(&self, cursor: ResyncCursor, result: Result<bool>) -> ResyncProgress {
+    fn end(&self, cursor: ResyncCursor, result: Result<bool>) -> ResyncProgress {
         let slot = &self.legs[cursor.leg];
         let (state, error) = match result {
             Err(error) => ("failed", Some(error.to_string())),
@@ -305,7 +310,7 @@ impl Mirror {
                 Ok(()) => ("done", None),
                 Err(error) => ("failed", Some(error.to_string())),
             },
-            Ok(false) if self.stopping.load(Ordering::Acquire) => (
+            Ok(false) if self.threads.stopping() => (
                 "stopped",
                 Some(format!(
                     "server stopping; {} blocks left for the next start",
@@ -318,9 +323,11 @@ impl Mirror {
             ),
         };
         slot.resyncing.store(false, Ordering::Release);
-        let mut progress = self.progress(&cursor, state, error.clone());
+        let mut progress = progress(&cursor, state, error.clone());
         if state == "done" && cursor.run.full {
-            self.reset_corrected(cursor.leg);
+            // Every block it holds was just copied and verified: what it
+            // got wrong before is gone.
+            slot.reset_corrected();
         }
         if state == "done" {
             // The map was empty when the leg became active; writes since
@@ -338,11 +345,10 @@ impl Mirror {
     /// Run steps until the resync finishes (`Ok(true)`) or is stopped
     /// (`Ok(false)`: the server stops, the leg failed a write, or its job
     /// was cancelled), pacing them: a `Visit` over the blocks copied.
-    fn resync_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
+    fn run_loop(&self, cursor: &mut ResyncCursor, rate: ResyncRate) -> Result<bool> {
         let slot = &self.legs[cursor.leg];
         let foreground = || self.foreground.load(Ordering::Relaxed);
-        let stop =
-            || self.stopping.load(Ordering::Acquire) || !slot.resyncing.load(Ordering::Acquire);
+        let stop = || self.threads.stopping() || !slot.resyncing.load(Ordering::Acquire);
         let control = Arc::clone(&cursor.control);
         let end = Visit::begin(
             &control,
@@ -352,7 +358,7 @@ impl Mirror {
             None,
         )?
         .stop_when(&stop)
-        .run(|run| match self.resync_step(cursor)? {
+        .run(|run| match self.step(cursor)? {
             ResyncStep::Finished => {
                 run.set_end(cursor.copied);
                 Ok(false)
@@ -360,7 +366,7 @@ impl Mirror {
             ResyncStep::Copied(moved) => {
                 run.set_end(cursor.copied + cursor.map.count());
                 run.advance(cursor.copied, moved);
-                *slot.progress.lock() = Some(self.progress(cursor, "running", None));
+                *slot.progress.lock() = Some(progress(cursor, "running", None));
                 run.pace(moved * vouch_engine::BLOCK)?;
                 Ok(true)
             }
@@ -368,12 +374,7 @@ impl Mirror {
         Ok(end == ScanEnd::Finished)
     }
 
-    /// One batch: copy the blocks left to copy in up to `BATCH_WINDOWS`
-    /// windows (or as `set_batch` says), from where the last batch
-    /// stopped, wrapping once; then flush the leg and clear what landed
-    /// (`flush_landed`). With nothing left to copy, try to finish
-    /// (`finish_quiesced`).
-    pub fn resync_step(&self, cursor: &mut ResyncCursor) -> Result<ResyncStep> {
+    fn step(&self, cursor: &mut ResyncCursor) -> Result<ResyncStep> {
         let map = Arc::clone(&cursor.map);
         let mut moved = 0u64;
         let mut windows = 0;
@@ -429,7 +430,7 @@ impl Mirror {
     /// reach the disk only with the sync after it.
     fn flush_landed(&self, leg: usize, map: &DirtyMap) -> Result<()> {
         let ticket = map.begin_flush();
-        self.device(leg).flush()?;
+        self.legs.device(leg).flush()?;
         map.clear_landed(ticket);
         map.sync_and_retire()
     }
@@ -451,19 +452,19 @@ impl Mirror {
         if cursor.map.count() > 0 {
             return Ok(ResyncStep::Copied(0));
         }
-        self.set_leg_active(cursor.leg)?;
+        self.legs.set_active(cursor.leg);
         Ok(ResyncStep::Finished)
     }
 
     /// Copy `lbas` (one window, stripe locked) from an active leg to `leg`.
     /// Returns the blocks copied and those no active leg holds good.
     fn copy_blocks(&self, leg: usize, lbas: &[u64]) -> Result<(Vec<u64>, Vec<u64>)> {
-        let target = self.device(leg);
-        let sources = self.active();
+        let target = self.legs.device(leg);
+        let sources = self.legs.active();
         let Some(&first_source) = sources.first() else {
             return Err(Error::FailStopped("no active mirror leg".into()));
         };
-        let sealed = self.read_runs(first_source, lbas);
+        let sealed = self.legs.read_runs(first_source, lbas);
         if let Ok(blocks) = &sealed {
             match target.write_sealed(blocks) {
                 Ok(()) => return Ok((lbas.to_vec(), Vec::new())),
@@ -476,7 +477,8 @@ impl Mirror {
         let mut left = Vec::new();
         for &lba in lbas {
             let moved = sources.iter().any(|&source| {
-                self.device(source)
+                self.legs
+                    .device(source)
                     .read_sealed(lba, 1)
                     .and_then(|block| target.write_sealed(&block))
                     .is_ok()
@@ -495,35 +497,33 @@ impl Mirror {
         Ok((done, left))
     }
 
-    /// Read `lbas` sealed from `source`, in runs of consecutive LBAs.
-    pub(super) fn read_runs(&self, source: usize, lbas: &[u64]) -> Result<Vec<SealedBlock>> {
-        let mut out = Vec::with_capacity(lbas.len());
-        let mut at = 0;
-        while at < lbas.len() {
-            let mut end = at + 1;
-            while end < lbas.len() && lbas[end] == lbas[end - 1] + 1 {
-                end += 1;
-            }
-            out.extend(
-                self.device(source)
-                    .read_sealed(lbas[at], (end - at) as u64)?,
-            );
-            at = end;
-        }
-        Ok(out)
-    }
-
     /// The map is empty and the leg active in memory (`finish_quiesced`):
     /// record it active, then remove the map (a crash between leaves a
     /// map for an active leg, removed at open).
     fn finish(&self, leg: usize, map: &DirtyMap) -> Result<()> {
         let slot = &self.legs[leg];
-        if let Some(membership) = &self.membership {
-            membership.set_state(leg, LegState::Active)?;
-        }
+        self.legs.record_active(leg)?;
         *slot.map.write() = None;
         map.remove()?;
         tracing::info!(leg, name = %slot.name, "mirror: resync done: leg active");
         Ok(())
+    }
+}
+
+/// A resync's progress now, in `state` (with `error`), for its status.
+fn progress(cursor: &ResyncCursor, state: &'static str, error: Option<String>) -> ResyncProgress {
+    let left = cursor.map.count();
+    let throughput = Throughput::measure(cursor.run.started, cursor.copied, left);
+    ResyncProgress {
+        total: cursor.run.total,
+        copied: cursor.copied,
+        left,
+        full: cursor.run.full,
+        rate: throughput.rate,
+        eta_seconds: throughput.eta_seconds,
+        state,
+        error,
+        elapsed_ms: throughput.elapsed_ms,
+        paced_waits: cursor.control.paced_waits(),
     }
 }

@@ -130,7 +130,7 @@ pub fn scrub_from(
         )));
     }
     if report.left == 0 && whole {
-        mirror.legs_agree();
+        mirror.legs.legs_agree();
     }
     Ok(report)
 }
@@ -205,7 +205,7 @@ impl Mirror {
             if good.is_empty() {
                 for (at, kind) in targets {
                     tracing::error!(lba, leg = legs[at], kind, "mirror scrub: bad on every leg");
-                    self.count(legs[at], kind, false);
+                    self.legs.count(legs[at], kind, false, &self.written);
                     report.note(Finding {
                         lba,
                         leg: legs[at],
@@ -291,7 +291,9 @@ impl Mirror {
                     &copies[source][at..at + BLOCK as usize]
                 })
                 .collect();
-            let repaired = self.rewrite_blocks(legs[source], legs[target], &lbas, &good);
+            let repaired = self
+                .repair()
+                .rewrite_blocks(legs[source], legs[target], &lbas, &good);
             for ((lba, kind), repaired) in batch.into_iter().zip(repaired) {
                 let leg = legs[target];
                 if !repaired {

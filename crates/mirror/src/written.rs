@@ -6,8 +6,8 @@
 //! write-back reached disk). So the mirror keeps, in memory and always, a
 //! bitmap of the blocks written since the last successful flush, and when
 //! a leg is taken out as stale mid-run its resync map starts from it
-//! (`Mirror::map_stale_leg`): the resync then copies those blocks and the
-//! ones written while it is away, not the whole volume.
+//! (`Legs::map_stale_leg`, `legs.rs`): the resync then copies those
+//! blocks and the ones written while it is away, not the whole volume.
 //!
 //! One record serves every leg: a flush goes to every active leg, a leg
 //! whose flush fails is taken out (its map built from this record) before
