@@ -179,7 +179,7 @@ pub(crate) fn read_records(
         if offset + len > journal_bytes {
             break;
         }
-        let bytes = window.bytes(io, offset, len)?.to_vec();
+        let bytes = window.record(io, offset, len)?;
         // A torn record fails its payload CRC: its commit never reached
         // the data (ORDER POINT A), so the replay ends before it.
         let Ok(entries) = decode_entries(&header, &bytes) else {
@@ -205,10 +205,10 @@ const WINDOW_FIRST: u64 = 64 << 10;
 /// the window is read whole, in one read).
 const WINDOW_MAX: u64 = 4 << 20;
 
-/// A window onto the journal, read ahead sequentially: records are
-/// sliced out of it, and a record that runs past its end starts the next
-/// read at the record's own offset (so every read is one `pread`, and no
-/// byte is read twice).
+/// A window onto the journal, read ahead sequentially: headers and the
+/// records it holds are sliced out of it; a record that runs past its end
+/// is read alone, in one `pread` (`record`), and the next window starts
+/// after it.
 struct JournalWindow {
     journal_bytes: u64,
     /// Journal offset of `buf[0]`.
@@ -226,6 +226,30 @@ impl JournalWindow {
             buf: Vec::new(),
             next: WINDOW_FIRST,
         }
+    }
+
+    /// The record at `[offset, offset + len)`, as its own buffer. One the
+    /// window holds is copied out of it (a small record). One that runs
+    /// past the window is read alone, straight into the buffer it is
+    /// returned in: a record of a deep client's commit is as large as the
+    /// dirty limit (17 MiB at the default), and reading it into the
+    /// window first cost a zero-fill of the window's growth and a copy of
+    /// the record, each touching every page of it, on top of the read.
+    fn record(&mut self, io: &Backing, offset: u64, len: u64) -> Result<Vec<u8>> {
+        let end = self.start + self.buf.len() as u64;
+        if offset >= self.start && offset + len <= end {
+            let at = (offset - self.start) as usize;
+            return Ok(self.buf[at..at + len as usize].to_vec());
+        }
+        // `vec!` of zeros is a fresh zeroed allocation (no pass of its
+        // own over the pages), which the read then fills.
+        let mut bytes = vec![0u8; len as usize];
+        io.read_object(ObjectId::Journal, offset, &mut bytes)?;
+        // The window holds nothing past this record: the next header's
+        // read starts a new one where it ends.
+        self.buf.clear();
+        self.start = offset + len;
+        Ok(bytes)
     }
 
     /// The journal's bytes `[offset, offset + len)` (within the journal).
