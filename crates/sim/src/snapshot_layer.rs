@@ -478,7 +478,7 @@ fn run_seed(
         config: config.clone(),
         state: state.clone(),
         phase: phase.clone(),
-        geometry: geometry.clone(),
+        geometry,
         rng: Mutex::new(rng.fork()),
         found: Mutex::default(),
         counts: Mutex::default(),
