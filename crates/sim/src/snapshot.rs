@@ -470,14 +470,20 @@ impl ModelLog {
         })
     }
 
-    fn change(&self, what: &str, op: impl FnOnce(&mut Arc<Vec<u8>>, &mut Arc<Vec<u8>>)) {
+    fn change(
+        &self,
+        what: &str,
+        op: impl FnOnce(&mut Arc<Vec<u8>>, &mut Arc<Vec<u8>>),
+    ) -> io::Result<()> {
         let inode = self.inode;
-        let _ = self.recording.change(what, &self.path, |fs| {
-            if let Node::File { live, durable } = &mut fs.nodes[inode] {
-                op(live, durable);
-            }
-            Ok(())
-        });
+        self.recording
+            .change(what, &self.path, |fs| match &mut fs.nodes[inode] {
+                Node::File { live, durable } => {
+                    op(live, durable);
+                    Ok(())
+                }
+                Node::Dir { .. } => Err(io::Error::other("a directory")),
+            })
     }
 }
 
@@ -508,19 +514,16 @@ impl vouch_engine::storage::before::BeforeLog for ModelLog {
                 file.resize(end, 0);
             }
             file[at as usize..end].copy_from_slice(bytes);
-        });
-        Ok(())
+        })
     }
     fn sync(&self) -> io::Result<()> {
-        self.change("fsync the log", |live, durable| *durable = Arc::clone(live));
-        Ok(())
+        self.change("fsync the log", |live, durable| *durable = Arc::clone(live))
     }
     fn truncate(&self, len: u64) -> io::Result<()> {
         self.change("cut the log", |live, durable| {
             Arc::make_mut(live).truncate(len as usize);
             *durable = Arc::clone(live);
-        });
-        Ok(())
+        })
     }
 }
 

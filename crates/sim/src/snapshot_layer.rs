@@ -725,10 +725,14 @@ fn fenced_snapshot(
             ..Outcome::default()
         });
     }
-    if !failed && phase.created {
-        return Err(
-            "the fence was armed (the create returned) but the snapshot is neither published nor failed".into(),
-        );
+    if phase.created {
+        // No I/O fault is injected: a snapshot whose create was answered
+        // and that a crash left failed is a lost snapshot.
+        return Err(match failed {
+            true => "the fence was armed (the create returned) but the snapshot is marked failed",
+            false => "the fence was armed (the create returned) but the snapshot is neither published nor failed",
+        }
+        .into());
     }
     Ok(Outcome {
         failed,
@@ -755,6 +759,11 @@ fn overlay_snapshot(
         return Ok(Outcome::default());
     }
     if fs.exists(&path.join(overlay::FAILED_FILE)) {
+        if !phase.deleting {
+            // No I/O fault is injected: an overlay whose create was
+            // answered and that a crash left failed is a lost snapshot.
+            return Err("the overlay is marked failed".into());
+        }
         return Ok(Outcome {
             failed: true,
             ..Outcome::default()

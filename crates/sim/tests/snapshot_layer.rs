@@ -43,6 +43,7 @@ fn a_crash_during_a_fenced_snapshot_keeps_the_volume_and_the_flush_point() {
             layer.report.violations.is_empty()
                 && layer.report.images > 3 * 100
                 && layer.published > 0
+                && layer.failed == 0
                 && layer.armed_writes > 0,
             "{}\n{}",
             layer.report.violations.join("\n"),
@@ -77,6 +78,7 @@ fn a_crash_during_an_overlay_snapshot_or_its_delete_keeps_the_volume_and_the_ove
             layer.report.violations.is_empty()
                 && layer.report.images > 3 * 60
                 && layer.published > 0
+                && layer.failed == 0
                 && layer.armed_writes > 0,
             "{}\n{}",
             layer.report.violations.join("\n"),
