@@ -115,14 +115,12 @@ fn refuse_regions(volume: &Path, superblock: &Superblock) -> Result<()> {
 }
 
 /// Arm `layer` with the log at `log_path` (fence `fence`).
-fn arm_with(layer: &BeforeImages, log_path: &Path, fence: u64) -> Result<()> {
-    let log = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(log_path)
+fn arm_with(fs: &dyn SnapshotFs, layer: &BeforeImages, log_path: &Path, fence: u64) -> Result<()> {
+    let log = fs
+        .open_log(log_path)
         .map_err(|e| io_error("open", log_path, e))?;
     match layer
-        .arm(Box::new(log), fence)
+        .arm(log, fence)
         .map_err(|e| io_error("read", log_path, e))?
     {
         LogEnd::Whole | LogEnd::Torn { .. } => Ok(()),
@@ -156,7 +154,7 @@ fn write_partial(
         .map_err(|e| io_error("create", &journal, e))?;
     let fence = Fence {
         fence: rand::random::<u64>() | 1,
-        files: imaged_files(volume, superblock)?,
+        files: imaged_files(fs, volume, superblock)?,
     };
     let fence_path = partial.join(OVERLAY_FILE);
     fs.write_at(
@@ -269,9 +267,20 @@ pub fn delete_offline(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<
 /// after the flush point. Callers serialize creates and deletes (the
 /// server's online lock).
 pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -> Result<Snapshot> {
-    let fs = RealFs::default();
+    create_online_in(&RealFs::default(), dir, volume, name, id)
+}
+
+/// `create_online` on `fs` (the crash simulator's model filesystem, or
+/// the real one).
+pub fn create_online_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    volume: &crate::Volume,
+    name: &str,
+    id: &str,
+) -> Result<Snapshot> {
     super::check_name(name)?;
-    check_alone(&fs, dir)?;
+    check_alone(fs, dir)?;
     let storage = volume.storage();
     let layer = storage.before_images().ok_or_else(|| {
         invalid("this volume was opened without the before-image layer".to_string())
@@ -281,8 +290,8 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
             "the volume's before-image layer is in use (a snapshot is materialising)".to_string(),
         ));
     }
-    prepare(&fs, dir, name)?;
-    tidy(&fs, dir)?;
+    prepare(fs, dir, name)?;
+    tidy(fs, dir)?;
     let partial = partial_path(dir, name);
     // ORDER POINT: OVERLAID durable before the name is published (set
     // here: the flush point holds the commit lock a superblock write takes).
@@ -290,11 +299,11 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
     let taken = volume.at_flush_point(&mut |superblock: &Superblock| {
         refuse_regions(dir, superblock)?;
         let record = super::record_at(superblock, name, id, METHOD, true);
-        let fence = write_partial(&fs, dir, &partial, superblock, &record)?;
+        let fence = write_partial(fs, dir, &partial, superblock, &record)?;
         // ORDER POINT: armed before the name is published, both before
         // any home write after the flush point.
-        arm_with(layer, &partial.join(BEFORE_FILE), fence.fence)?;
-        match publish(&fs, dir, name) {
+        arm_with(fs, layer, &partial.join(BEFORE_FILE), fence.fence)?;
+        match publish(fs, dir, name) {
             Ok(path) => Ok(Snapshot {
                 path,
                 record,
@@ -308,7 +317,7 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
             }
         }
     });
-    if taken.is_err() && overlays(&fs, dir).is_ok_and(|names| names.is_empty()) {
+    if taken.is_err() && overlays(fs, dir).is_ok_and(|names| names.is_empty()) {
         let _ = volume.set_overlaid(false);
     }
     taken
@@ -318,8 +327,17 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
 /// (and replays): the layer over `storage` armed with the log of the
 /// volume's overlay snapshot, if it has one. Its name.
 pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<String>> {
-    let fs = RealFs::default();
-    let names = overlays(&fs, dir)?;
+    arm_at_open_in(&RealFs::default(), dir, storage)
+}
+
+/// `arm_at_open` on `fs` (the crash simulator's model filesystem, or the
+/// real one).
+pub fn arm_at_open_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    storage: &Arc<BeforeImages>,
+) -> Result<Option<String>> {
+    let names = overlays(fs, dir)?;
     let Some(name) = names.first() else {
         return Ok(None);
     };
@@ -331,7 +349,7 @@ pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<Str
         )));
     }
     let snapshot = snapshot_path(dir, name);
-    let fence = read_fence(&fs, &snapshot)?;
+    let fence = read_fence(fs, &snapshot)?;
     let log_path = snapshot.join(BEFORE_FILE);
     let log = fs
         .read(&log_path)
@@ -346,11 +364,11 @@ pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<Str
         let failed = snapshot.join(FAILED_FILE);
         fs.write_at(&failed, 0, cause.as_bytes())
             .map_err(|e| io_error("write", &failed, e))?;
-        sync_all(&fs, &snapshot, &[failed])?;
+        sync_all(fs, &snapshot, &[failed])?;
         tracing::error!(volume = %dir.display(), "overlay snapshot {name} failed: {cause}");
         return Ok(None);
     }
-    arm_with(storage, &log_path, fence.fence)?;
+    arm_with(fs, storage, &log_path, fence.fence)?;
     Ok(Some(name.clone()))
 }
 
@@ -450,21 +468,73 @@ pub fn open_storage(snapshot: &Path, superblock: &Superblock) -> Result<OverlayS
     ))
 }
 
+/// The storage of the overlay snapshot at `snapshot` on `fs` (the crash
+/// simulator's model filesystem): `own` its superblock and journal, `live`
+/// the volume's files, the log opened on `fs`; what `open_storage` makes
+/// of real files. Refused when the overlay failed.
+pub fn overlay_in(
+    fs: &dyn SnapshotFs,
+    snapshot: &Path,
+    geometry: &vouch_format::Geometry,
+    own: Arc<dyn crate::storage::Storage>,
+    live: Arc<dyn crate::storage::Storage>,
+) -> Result<OverlayStorage> {
+    let failed = snapshot.join(FAILED_FILE);
+    if fs.exists(&failed) {
+        let cause = fs.read(&failed).unwrap_or_default();
+        return Err(Error::Corrupt(format!(
+            "overlay snapshot {} failed: {}",
+            snapshot.display(),
+            String::from_utf8_lossy(&cause)
+        )));
+    }
+    let fence = read_fence(fs, snapshot)?;
+    let by_name: HashMap<String, ObjectId> = objects_of(geometry)
+        .into_iter()
+        .map(|object| (object.file_name(), object))
+        .collect();
+    let mut lengths = HashMap::new();
+    for (file, len) in &fence.files {
+        let object = *by_name.get(file).ok_or_else(|| {
+            Error::Corrupt(format!(
+                "{}: {file} is no file of the volume",
+                snapshot.join(OVERLAY_FILE).display()
+            ))
+        })?;
+        lengths.insert(object, *len);
+    }
+    let log_path = snapshot.join(BEFORE_FILE);
+    let log = fs
+        .open_log(&log_path)
+        .map_err(|e| io_error("open", &log_path, e))?;
+    Ok(OverlayStorage::new(own, live, log, fence.fence, lengths))
+}
+
 /// Snapshot `name` of the served `volume` at `dir` deleted (the caller
 /// holds the server's snapshot lock and the snapshot's own), and the
 /// layer disarmed when it was the overlay: the name goes first (renamed
 /// away, synced), so a crash between leaves no overlay to arm.
 pub fn delete_served(dir: &Path, volume: Option<&crate::Volume>, name: &str) -> Result<()> {
-    let fs = RealFs::default();
-    let overlay = is_overlay(&fs, &snapshot_path(dir, name));
-    super::delete(&fs, dir, name)?;
+    delete_served_in(&RealFs::default(), dir, volume, name)
+}
+
+/// `delete_served` on `fs` (the crash simulator's model filesystem, or
+/// the real one).
+pub fn delete_served_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    volume: Option<&crate::Volume>,
+    name: &str,
+) -> Result<()> {
+    let overlay = is_overlay(fs, &snapshot_path(dir, name));
+    super::delete(fs, dir, name)?;
     if overlay {
         if let Some(layer) = volume.map(crate::Volume::storage) {
             if let Some(layer) = layer.before_images() {
                 layer.disarm();
             }
         }
-        if let Some(volume) = volume.filter(|_| overlays(&fs, dir).is_ok_and(|n| n.is_empty())) {
+        if let Some(volume) = volume.filter(|_| overlays(fs, dir).is_ok_and(|n| n.is_empty())) {
             volume.set_overlaid(false)?;
         }
     }
