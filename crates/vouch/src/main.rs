@@ -545,8 +545,10 @@ fn colour_logs() -> bool {
 /// read at 1.1-1.3x the server CPU of a process whose heaps happened to
 /// keep them (1.5 faults per READ with these). Explicit values also turn
 /// off glibc's own adjustment of both, which depended on what the process
-/// had freed before (a 1 MiB write's payload once raised them; one that
-/// lands in the held log's area allocates nothing).
+/// had freed before: a large mapped buffer freed raised them, and the
+/// journal's records (once built whole in one buffer) and 1 MiB write
+/// payloads (now received into the held log's landing area) no longer
+/// free any.
 fn keep_large_buffers() {
     // SAFETY: mallopt with integer arguments, before any thread starts.
     unsafe {
