@@ -134,6 +134,17 @@ impl Backing {
         Ok(())
     }
 
+    /// The concatenation of `parts` at `offset`, written without joining
+    /// them (`Storage::write_vectored_at`).
+    pub fn write_object_parts(&self, object: ObjectId, offset: u64, parts: &[&[u8]]) -> Result<()> {
+        self.storage
+            .write_vectored_at(object, offset, parts)
+            .map_err(|error| Error::io("write", object, offset, error))?;
+        self.stats
+            .add_written(object, parts.iter().map(|part| part.len() as u64).sum());
+        Ok(())
+    }
+
     /// Several runs to one object in one batch (their order on the media
     /// does not matter to the caller); a failure names the run it hit.
     pub fn write_runs(&self, object: ObjectId, runs: &[Run<'_>]) -> Result<()> {

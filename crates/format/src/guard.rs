@@ -104,6 +104,16 @@ pub fn crc32c(data: &[u8]) -> u32 {
     checksum(CrcAlgorithm::Crc32Iscsi, data) as u32
 }
 
+/// `crc32c` of the concatenation of `parts`, without joining them (a
+/// journal record's entries and its data blocks, where they lie).
+pub fn crc32c_parts<'a>(parts: impl IntoIterator<Item = &'a [u8]>) -> u32 {
+    let mut digest = crc_fast::Digest::new(CrcAlgorithm::Crc32Iscsi);
+    for part in parts {
+        digest.update(part);
+    }
+    digest.finalize() as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,6 +127,10 @@ mod tests {
         assert_eq!(GuardKind::Crc64Nvme.compute(CHECK), 0xAE8B_1486_0A79_9888);
         assert_eq!(GuardKind::None.compute(CHECK), 0);
         assert_eq!(crc32c(CHECK), 0xE306_9283);
+        assert_eq!(
+            crc32c_parts([&CHECK[..4], &[][..], &CHECK[4..]]),
+            0xE306_9283
+        );
     }
 
     proptest::proptest! {

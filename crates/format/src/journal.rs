@@ -222,13 +222,33 @@ pub fn encode_record(
     entries: &[JournalEntry],
     data: Option<&[&[u8]]>,
 ) -> Vec<u8> {
+    let mut record = encode_record_head(seq, volume_uuid, data_durable_seq, entries, data);
+    record.reserve_exact(data.map_or(0, |blocks| blocks.len() * BLOCK_SIZE as usize));
+    for block in data.into_iter().flatten() {
+        record.extend_from_slice(block);
+    }
+    record
+}
+
+/// The record `encode_record` builds, up to its data: header, entries and
+/// padding (`JournalHeader::entries_area_bytes`), with the payload CRC
+/// already taken over `data` too. The record is this followed by `data`'s
+/// blocks in order, so a writer can write them from where they are (one
+/// vectored write) instead of copying a large record together first.
+pub fn encode_record_head(
+    seq: u64,
+    volume_uuid: [u8; 16],
+    data_durable_seq: u64,
+    entries: &[JournalEntry],
+    data: Option<&[&[u8]]>,
+) -> Vec<u8> {
     let count = u32::try_from(entries.len()).expect("journal record entry count fits u32");
     let data_blocks = data.map_or(0, |blocks| blocks.len() as u32);
-    let total = JournalHeader::record_bytes(count, data_blocks) as usize;
-    let mut record = vec![0u8; total];
+    let total = JournalHeader::record_bytes(count, data_blocks);
+    let mut head = vec![0u8; JournalHeader::entries_area_bytes(count) as usize];
     for (index, entry) in entries.iter().enumerate() {
         let at = JOURNAL_HEADER_BYTES + index * JOURNAL_ENTRY_BYTES;
-        entry.encode_into(&mut record[at..at + JOURNAL_ENTRY_BYTES]);
+        entry.encode_into(&mut head[at..at + JOURNAL_ENTRY_BYTES]);
     }
     if let Some(blocks) = data {
         let data_entries = entries
@@ -240,17 +260,21 @@ pub fn encode_record(
             data_entries,
             "one data block per Data journal entry"
         );
-        let mut at = JournalHeader::entries_area_bytes(count) as usize;
-        for block in blocks {
-            record[at..at + BLOCK_SIZE as usize].copy_from_slice(block);
-            at += BLOCK_SIZE as usize;
-        }
+        assert!(
+            blocks
+                .iter()
+                .all(|block| block.len() == BLOCK_SIZE as usize),
+            "journal data is whole blocks"
+        );
     }
+    let payload_crc = crate::guard::crc32c_parts(
+        std::iter::once(&head[JOURNAL_HEADER_BYTES..]).chain(data.into_iter().flatten().copied()),
+    );
     let header = JournalHeader {
         seq,
         volume_uuid,
         entry_count: count,
-        record_blocks: (total as u64 / JOURNAL_ALIGN) as u32,
+        record_blocks: (total / JOURNAL_ALIGN) as u32,
         flags: if data.is_some() {
             JournalHeader::FLAG_HAS_DATA
         } else {
@@ -258,10 +282,10 @@ pub fn encode_record(
         },
         data_blocks,
         data_durable_seq,
-        payload_crc: crc32c(&record[JOURNAL_HEADER_BYTES..]),
+        payload_crc,
     };
-    record[..JOURNAL_HEADER_BYTES].copy_from_slice(&header.encode());
-    record
+    head[..JOURNAL_HEADER_BYTES].copy_from_slice(&header.encode());
+    head
 }
 
 /// Decode a complete record's entries after checking its payload CRC.
