@@ -23,7 +23,7 @@
 
 use crate::device::Mirror;
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
-use vouch_engine::{Block, BLOCK};
+use vouch_engine::{Block, SealedWrites, BLOCK};
 
 impl Mirror {
     /// `buf` at byte `offset` (any byte range) from `leg`, every faulty

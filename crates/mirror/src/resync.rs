@@ -44,7 +44,7 @@ use crate::device::Mirror;
 use crate::dirty::DirtyMap;
 use crate::legs::is_request_error;
 pub use crate::progress::{ResyncProgress, ResyncRate};
-use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice};
+use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice, SealedWrites};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::jobs::{JobControl, ScanEnd, Throughput, Visit};
 
