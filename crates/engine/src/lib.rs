@@ -73,7 +73,8 @@ mod written;
 pub use check::{check, CheckReport};
 pub use device::{
     verify_in_turn, Admission, BlockDevice, DeviceWrites, FlushDone, ReadDone, SealedAdmission,
-    SealedBlock, SealedDevice, SealedWrites, StartRead, StartWrite, Submitted, WriteDone, ZeroFlags,
+    SealedBlock, SealedDevice, SealedWrites, StartRead, StartWrite, Submitted, WriteDone,
+    ZeroFlags,
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;

@@ -6,8 +6,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use vouch_engine::SealedWrites;
 use vouch_engine::jobs::{Cursor, JobControl};
+use vouch_engine::SealedWrites;
 use vouch_engine::{
     open_volume, Admission, BlockDevice, CreateOptions, DeviceWrites, Error, FaultKind,
     OpenOptions, SealedDevice, Volume, ZeroFlags, BLOCK,

@@ -30,8 +30,8 @@ use parking_lot::{Mutex, RwLock};
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
-    Admission, Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, Result, SealedAdmission,
-    SealedBlock, SealedDevice, Submitted, WriteDone, BLOCK,
+    Admission, Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, Result,
+    SealedAdmission, SealedBlock, SealedDevice, Submitted, WriteDone, BLOCK,
 };
 use vouch_mirror::LegTemplate;
 

@@ -23,8 +23,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, B
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
 use vouch_engine::{
-    BlockDevice, Error, OpenOptions, SealedAdmission, SealedDevice, SealedWrites, Submitted, Volume,
-    ZeroFlags, BLOCK,
+    BlockDevice, Error, OpenOptions, SealedAdmission, SealedDevice, SealedWrites, Submitted,
+    Volume, ZeroFlags, BLOCK,
 };
 use vouch_mirror::LegTemplate;
 

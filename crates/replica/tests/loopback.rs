@@ -12,7 +12,7 @@ use std::time::Duration;
 use vouch_engine::DeviceWrites;
 
 use vouch_engine::{
-    BlockDevice, CreateOptions, Error, SealedAdmission, SealedDevice, SealedWrites, Submitted, BLOCK,
+    BlockDevice, CreateOptions, Error, SealedAdmission, SealedDevice, Submitted, BLOCK,
 };
 use vouch_mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
 use vouch_replica::auth;

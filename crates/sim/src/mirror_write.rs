@@ -268,14 +268,14 @@ impl SealedDevice for Travelling {
             SealedAdmission::Callback if self.completes.is_some() => {
                 let deferred = self.completes.clone().filter(|_| self.lands_when_waited);
                 let blocks = blocks.to_vec();
-                Ok(Submitted::Started(Box::new(move |done: WriteDone| {
-                    match deferred {
+                Ok(Submitted::Started(Box::new(
+                    move |done: WriteDone| match deferred {
                         Some(deferred) => deferred
                             .lock()
                             .push(Box::new(move || done(land(&volume, &blocks, fua)))),
                         None => done(land(&volume, &blocks, fua)),
-                    }
-                })))
+                    },
+                )))
             }
             SealedAdmission::Callback | SealedAdmission::MustNotWait => Ok(Submitted::Declined),
             SealedAdmission::Reserved => Err(vouch_engine::Error::Unsupported(
