@@ -13,7 +13,10 @@
 #   record     perf record -g -p SERVER around them (OUT/TAG.perf)
 #   strace     strace -c -f -p SERVER around them (OUT/TAG.strace)
 # MIRROR=0 serves a single volume instead (LAYOUT=split|packed, the layout of the volume or legs):
-# the same counts for the engine's own write routes.
+# the same counts for the engine's own write routes. REMOTE=1 makes leg 1 a replica on 127.0.0.1:RPORT
+# (`BIN replica serve --insecure`, never under valgrind): the mirror's completion path; callgrind then
+# counts the exporter only (its `try_start_write` and the replica connection's reader thread).
+# MPORT (PORT+100) is the metrics port.
 # Every line of OUT/summary.txt gives the requests answered inline (the nbd metrics) before and after.
 # Example (stop 40, admit30b): for b in /work/bin/vouch-s39b target/release/vouch; do
 #   bench/mirror-cost.sh $b $(basename $b) callgrind 20000; done
@@ -22,25 +25,32 @@
 set -u
 BIN=$1 TAG=$2 MODE=$3 N=$4
 QD=${QD:-32} RW=${RW:-randwrite} BS=${BS:-4k} SIZE=${SIZE:-1G}
-PORT=${PORT:-12650}
-MIRROR=${MIRROR:-1} LAYOUT=${LAYOUT:-split}
+PORT=${PORT:-12650} MPORT=${MPORT:-$((PORT+100))} RPORT=${RPORT:-$((PORT+200))}
+MIRROR=${MIRROR:-1} LAYOUT=${LAYOUT:-split} REMOTE=${REMOTE:-0}
 OUT=${OUT:-/var/tmp/mirror-cost}; mkdir -p "$OUT"
 for tool in fio nbdinfo curl valgrind perf strace; do
     command -v $tool >/dev/null || { echo "missing $tool: apt-get install valgrind linux-perf strace fio libnbd-bin curl"; exit 1; }
 done
 d=$(mktemp -d /var/tmp/mirror-cost-XXXX)
-spid=""
-trap '[ -n "$spid" ] && kill $spid 2>/dev/null; wait 2>/dev/null; rm -rf "$d"' EXIT
+spid="" rpid=""
+trap '[ -n "$spid" ] && kill $spid 2>/dev/null; [ -n "$rpid" ] && kill $rpid 2>/dev/null; wait 2>/dev/null; rm -rf "$d"' EXIT
 mirror=(); [ "$MIRROR" = 1 ] && mirror=(--mirror "$d/vol-leg1")
+if [ "$REMOTE" = 1 ]; then
+    mkdir -p "$d/replicas"
+    "$BIN" replica serve "$d/replicas" --listen 127.0.0.1:$RPORT --insecure > "$OUT/$TAG.replica.log" 2>&1 &
+    rpid=$!
+    sleep 1
+    mirror=(--mirror "vouch://127.0.0.1:$RPORT/r")
+fi
 "$BIN" create "$d/vol" --size "$SIZE" --layout "$LAYOUT" "${mirror[@]}" > "$d/create.log" 2>&1 || { cat "$d/create.log"; exit 1; }
 serve() {
-    "$@" serve "$d/vol" --listen 127.0.0.1:$PORT --metrics 127.0.0.1:$((PORT+100)) > "$OUT/$TAG.serve.log" 2>&1 &
+    "$@" serve "$d/vol" --listen 127.0.0.1:$PORT --metrics 127.0.0.1:$MPORT > "$OUT/$TAG.serve.log" 2>&1 &
     spid=$!
     for _ in $(seq 600); do nbdinfo --size nbd://127.0.0.1:$PORT >/dev/null 2>&1 && return 0; sleep 0.1; done
     echo "serve did not start: $OUT/$TAG.serve.log"; exit 1
 }
 counts() { # requests inline-requests, summed over the export
-    curl -s "http://127.0.0.1:$((PORT+100))/metrics" | awk -v c="${RW#rand}" '
+    curl -s "http://127.0.0.1:$MPORT/metrics" | awk -v c="${RW#rand}" '
         index($1, "vouch_nbd_requests_total{command=\"" c "\",") == 1 { r += $2 }
         index($1, "vouch_nbd_inline_requests_total{command=\"" c "\",") == 1 { i += $2 }
         END { print r + 0, i + 0 }'
@@ -80,5 +90,5 @@ case $MODE in
     stat|record|strace) kill -INT $mpid; wait $mpid ;;
     callgrind) callgrind_control -d $spid > /dev/null ;;
 esac
-echo "$TAG $MODE $LAYOUT mirror=$MIRROR $RW $BS QD$QD N=$N wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')s requests,inline before [$c0] after [$c1]" \
+echo "$TAG $MODE $LAYOUT mirror=$MIRROR remote=$REMOTE $RW $BS QD$QD N=$N wall=$(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.2f", b-a}')s requests,inline before [$c0] after [$c1]" \
     | tee -a "$OUT/summary.txt"

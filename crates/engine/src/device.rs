@@ -42,17 +42,42 @@
 //! with a blanket implementation, so no device or layer can implement a
 //! second route beside the submission.
 //!
-//! **The sealed face (`SealedDevice: BlockDevice`, 17 methods).** A
+//! **The sealed face (`SealedDevice: BlockDevice`, 12 methods).** A
 //! mirror's legs are `Arc<dyn SealedDevice>`, and so is what a replica
-//! serves: moving a block *together with its context* (`read_sealed`,
-//! `write_sealed`, for repair, resync and replicas: PI travels with the
-//! data and is checked at every hop); a repair's re-read that does not
-//! judge again (`recheck_blocks`); the routes a mirror stores a leg's
-//! share of a sealed write by (`try_write_sealed`, `write_sealed_here`,
-//! `reserve_room` / `release_room` / `write_sealed_reserved`,
-//! `start_write_sealed`, `writes_sealed_then` / `write_sealed_then`,
-//! `inline_seal_max_bytes`); sealing for another device (`seal_blocks`,
-//! `generation_clock`); and reaching a leg (`reconnect`, `unreachable`).
+//! serves: moving a block *together with its context* (`read_sealed`, and
+//! one sealed write submission, `submit_sealed`, below: PI travels with
+//! the data and is checked at every hop); a repair's re-read that does
+//! not judge again (`recheck_blocks`); what a mirror asks of a leg before
+//! it admits a write that must not wait (`reserve_room` / `release_room`,
+//! `inline_seal_max_bytes`, `answers_by_callback`); sealing for another
+//! device (`seal_blocks`, `generation_clock`); and reaching a leg
+//! (`reconnect`, `unreachable`).
+//!
+//! **One sealed submission.** Every sealed write is one call,
+//! `submit_sealed(blocks, fua, admission)`, answered like the core's
+//! (`Submitted`, the one completion `WriteDone`). The `SealedAdmission`
+//! says both how the caller may be kept and how the blocks are checked,
+//! since the two go together on every route a sealed write takes:
+//!
+//! ```text
+//!   caller                           admission    answers                 volume          remote leg
+//!   repair, resync, replica server   MayWait      Done | Started | Err    write, Full     Started (sent)
+//!   replica server's connection task MustNotWait  Done | Declined | Err   try, Full       Declined
+//!   mirror's worker route            Here         Done | Started | Err    write, Placement Started (sent)
+//!   mirror's inline/completion path  Reserved     Done | Err              reserved room   (no room)
+//!   mirror's completion path         Callback     Started | Declined      Declined        Started (by callback)
+//! ```
+//!
+//! A travelling write answers `Started` even to a caller that may wait,
+//! its requests already sent, so the mirror writes its local legs while
+//! the round trip is under way and waits for it after (through the same
+//! completion: `Submitted::wait`). The conveniences (`SealedWrites`:
+//! `write_sealed`, `write_sealed_here`, `try_write_sealed`) are
+//! submissions in an extension trait with a blanket implementation, as
+//! the core's `DeviceWrites` are. Room (`reserve_room`) stays two methods
+//! of its own: it is taken on every local leg before any leg is written,
+//! so it cannot be part of one leg's submission.
+//!
 //! None of these is an NBD request, so the export never sees them and a
 //! layer over an export (`--inject`) has nothing of them to forward.
 //!
@@ -64,9 +89,11 @@
 //! only the calls it changes, and a call it does not name keeps the route
 //! the device below offers. `submit_write` is required of a layer too
 //! (its rules apply to every write) and passes the admission on
-//! unchanged, so the device below still chooses the route. A layer over a leg is a
-//! `SealedDevice` too, whose `sealed_below` names the same device: the
-//! sealed and reserved writes then forward the same way. A layer that
+//! unchanged, so the device below still chooses the route. A layer over a
+//! leg is a `SealedDevice` too, whose `sealed_below` names the same
+//! device: the room and the other provided sealed methods then forward
+//! the same way, and `submit_sealed`, required like `submit_write`, passes
+//! its admission on unchanged. A layer that
 //! changes what a call does must override every route that call can take
 //! (a layer that fails reads overrides `try_read`, `try_begin_read`,
 //! `verify`, `copy` and `compare` as well as `read`). Only a device at
@@ -74,7 +101,7 @@
 //! remote leg) gets the declining or read-and-write defaults each method
 //! describes. The methods without a default stay required of a layer too
 //! (three lines for `size`, `is_read_only` and `block_status`; two for
-//! `read_sealed` and `write_sealed`), so a device at the bottom cannot
+//! `read_sealed` and `submit_sealed`), so a device at the bottom cannot
 //! forget one.
 //!
 //! Why the layer trait is this `below` hook rather than a separate `Layer`
@@ -84,15 +111,6 @@
 //! and a method added to `BlockDevice` but not to `Layer` would silently
 //! decline again under every layer. Here each provided method states both
 //! behaviours in one place.
-//!
-//! **Next: one sealed submission.** The sealed face still has seven
-//! write methods in three waiting styles (`write_sealed`,
-//! `try_write_sealed`, `write_sealed_here`, `write_sealed_reserved` with
-//! `reserve_room` / `release_room`, `start_write_sealed`'s
-//! `PendingWrite`, `writes_sealed_then` / `write_sealed_then`'s
-//! `WriteDone`); the planned shape is the core's: one `submit_sealed`
-//! with an admission of `MayWait`, `MustNotWait`, `Reserved` or `Here`
-//! and the one completion.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -133,12 +151,8 @@ pub struct ZeroFlags {
     pub allocate: bool,
 }
 
-/// A write started by `SealedDevice::start_write_sealed`: call it to wait
-/// for the outcome.
-pub type PendingWrite = Box<dyn FnOnce() -> Result<()> + Send>;
-
 /// The one completion of a write: called exactly once with the outcome of
-/// a write that completes later (`Submitted::Started`, `write_sealed_then`),
+/// a write that completes later (`Submitted::Started`),
 /// on whichever thread saw it complete (a replica connection's reader
 /// thread, or the caller's).
 pub type WriteDone = Box<dyn FnOnce(Result<()>) + Send>;
@@ -183,6 +197,114 @@ impl Submitted {
     /// Whether the write was done on the caller's thread.
     pub fn is_done(&self) -> bool {
         matches!(self, Submitted::Done)
+    }
+
+    /// The outcome of a write submitted with an admission that may wait:
+    /// `Done`, or `Started` (a sealed write that travels, sent already),
+    /// waited for here through the one completion. A decline is an error:
+    /// such a write is never declined.
+    pub fn wait(self) -> Result<()> {
+        match self {
+            Submitted::Done => Ok(()),
+            Submitted::Started(start) => {
+                let (answer, outcome) = std::sync::mpsc::sync_channel(1);
+                start(Box::new(move |result| {
+                    let _ = answer.send(result);
+                }));
+                outcome.recv().unwrap_or_else(|_| {
+                    Err(Error::FailStopped(
+                        "a started write was dropped without its outcome".into(),
+                    ))
+                })
+            }
+            Submitted::Declined => Err(Error::Unsupported(
+                "a write that may wait was declined (a device must do it)".into(),
+            )),
+        }
+    }
+}
+
+/// How a sealed write submitted to `SealedDevice::submit_sealed` may keep
+/// its caller, and how the device checks its blocks.
+///
+/// ```text
+///   caller                          admission     check       answers
+///   repair, resync, replica server  MayWait       full        Done | Started | Err
+///   replica server, inline          MustNotWait   full        Done | Declined | Err
+///   mirror, worker (sealed here)    Here          placement   Done | Started | Err
+///   mirror, inline / completion     Reserved      placement   Done | Err
+///   mirror, completion (remote leg) Callback      full        Started | Declined | Err
+/// ```
+///
+/// `Started` from `MayWait` or `Here`: the write travels and is on its way
+/// (a remote replica's requests are sent): the caller may write other legs
+/// meanwhile, then call the `StartWrite` (or `Submitted::wait`), which may
+/// wait for the answers. From `Callback`: the `StartWrite` sends it and
+/// returns at once, and the completion is called later on another thread.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SealedAdmission {
+    /// Blocks that came from another device: each guard recomputed and
+    /// checked; the caller's thread may block. Never declined.
+    MayWait,
+    /// As `MayWait`, but the caller must not wait (a replica server's
+    /// connection task): `Declined` where the write would (FUA, a full
+    /// write-back buffer, a volume being replaced). Never started.
+    MustNotWait,
+    /// Blocks this process sealed (`seal_blocks`) from bytes that never
+    /// left it: a mirror's write to its legs. No hop lies between the seal
+    /// and the store (as none does on a single volume's write path), so a
+    /// device may skip recomputing each guard and check only that each
+    /// context belongs at its LBA here (`SealCheck::Placement`); one that
+    /// cannot tell verifies in full. May wait; never declined.
+    Here,
+    /// `Here`, into room `reserve_room(blocks.len())` reserved, without
+    /// waiting and without FUA: the reservation is used up whatever the
+    /// outcome. Only for data blocks (a zero-reading one is refused). A
+    /// device that reserves no room refuses it (`Unsupported`).
+    Reserved,
+    /// The caller must not wait and takes the outcome later through the
+    /// completion (a mirror's completion path): `Started` by a device
+    /// that `answers_by_callback`, within its request timeout; every other
+    /// device declines.
+    Callback,
+}
+
+/// The sealed writes every `SealedDevice` offers its callers (repair,
+/// resync, the replica server, tools, tests): `submit_sealed` with the
+/// admission each names, without FUA. A blanket implementation, so no
+/// device has a second sealed route to get wrong.
+pub trait SealedWrites {
+    /// Store blocks moved with their contexts, each verified in full
+    /// first (`SealedAdmission::MayWait`): a block that does not verify
+    /// fails the call naming it, and none of the blocks is stored.
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
+    /// `write_sealed` of blocks sealed in this process
+    /// (`SealedAdmission::Here`: each context's place checked).
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()>;
+    /// `write_sealed` only if it completes without waiting
+    /// (`SealedAdmission::MustNotWait`): `Ok(false)`, with nothing stored,
+    /// where it would wait.
+    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool>;
+}
+
+impl<D: SealedDevice + ?Sized> SealedWrites for D {
+    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.submit_sealed(blocks, false, SealedAdmission::MayWait)?
+            .wait()
+    }
+    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
+        self.submit_sealed(blocks, false, SealedAdmission::Here)?
+            .wait()
+    }
+    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
+        match self.submit_sealed(blocks, false, SealedAdmission::MustNotWait)? {
+            Submitted::Done => Ok(true),
+            Submitted::Declined => Ok(false),
+            Submitted::Started(_) => Err(Error::Unsupported(
+                "a sealed write that must not wait was started (a device must answer it now)"
+                    .into(),
+            )),
+        }
     }
 }
 
@@ -518,39 +640,33 @@ pub trait SealedDevice: BlockDevice {
         }
     }
 
-    /// Store sealed blocks at their LBAs, after verifying each against its
-    /// context: a block that does not verify fails the call naming it, and
-    /// none of the blocks is stored.
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()>;
+    /// The one sealed write submission (see `SealedAdmission`): store
+    /// `blocks` (distinct LBAs, in any order) at their LBAs, each checked
+    /// against its context as the admission says, durable when it
+    /// completes with `fua`, otherwise after the next flush. A block that
+    /// does not pass fails the call naming it, with none of the blocks
+    /// stored. The answer says whether it was done, declined (nothing
+    /// stored or counted; a reserved room is never declined) or started
+    /// (call the `StartWrite` with the one completion; under `MayWait` and
+    /// `Here` it may wait for it, under `Callback` it returns at once).
+    ///
+    /// Required of every sealed device, layers included: a layer passes
+    /// it on to `sealed_below` after its own rules, whatever the
+    /// admission, so the device below still chooses the route. The
+    /// callers' conveniences are `SealedWrites`'.
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: SealedAdmission,
+    ) -> Result<Submitted>;
 
-    /// `write_sealed` only if it can complete without waiting (the
-    /// mirror's inline path): `Ok(false)` with nothing stored when it would
-    /// wait. The default always would.
-    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        match self.sealed_below() {
-            Some(below) => below.try_write_sealed(blocks),
-            None => Ok(false),
-        }
-    }
-
-    /// `write_sealed` of blocks this process sealed (`seal_blocks`) from
-    /// bytes that never left it: a mirror's write to its local legs. No
-    /// hop lies between the seal and the store (as none does on a single
-    /// volume's write path), so a device may skip recomputing each guard
-    /// and check only that each context belongs at its LBA here
-    /// (`SealCheck::Placement`). The default verifies like `write_sealed`.
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        match self.sealed_below() {
-            Some(below) => below.write_sealed_here(blocks),
-            None => self.write_sealed(blocks),
-        }
-    }
-
-    /// Reserve room for `count` blocks that `write_sealed_reserved` will
-    /// store without waiting (a mirror's inline path reserves on every
-    /// leg before it writes any: the write is then never half done, nor
-    /// finished by a blocking commit on the caller's thread). False, with
-    /// nothing reserved, when there is none. The default: never.
+    /// Reserve room for `count` blocks that a `SealedAdmission::Reserved`
+    /// submission will store without waiting (a mirror's inline path
+    /// reserves on every leg before it writes any: the write is then
+    /// never half done, nor finished by a blocking commit on the caller's
+    /// thread). False, with nothing reserved, when there is none. The
+    /// default: never.
     fn reserve_room(&self, count: usize) -> bool {
         self.sealed_below()
             .is_some_and(|below| below.reserve_room(count))
@@ -563,16 +679,6 @@ pub trait SealedDevice: BlockDevice {
         }
     }
 
-    /// `write_sealed_here` into room `reserve_room(blocks.len())`
-    /// reserved, without waiting; the reservation is used up whatever the
-    /// outcome. Only for data blocks (a zero-reading one is refused).
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        match self.sealed_below() {
-            Some(below) => below.write_sealed_reserved(blocks),
-            None => Err(Error::Unsupported("writes into reserved room".into())),
-        }
-    }
-
     /// The largest write this device seals cheaply enough for an inline
     /// (NBD reactor) path: one that encrypts caps it. The default: any.
     fn inline_seal_max_bytes(&self) -> usize {
@@ -580,48 +686,19 @@ pub trait SealedDevice: BlockDevice {
             .map_or(usize::MAX, |below| below.inline_seal_max_bytes())
     }
 
-    /// Start `write_sealed` of `blocks` (with `fua`, made durable too)
-    /// without waiting for it, for a device whose writes travel (a remote
-    /// replica): the mirror starts these first and writes its local legs
-    /// while they are under way. The `PendingWrite` returns the outcome
-    /// `write_sealed` would have. The blocks must be of distinct LBAs (one
-    /// sealed write): a device may store them in any order. `None` (the
-    /// default): the device has no such path; the caller writes
-    /// synchronously.
-    fn start_write_sealed(
-        &self,
-        blocks: &[SealedBlock],
-        fua: bool,
-    ) -> Option<Result<PendingWrite>> {
-        self.sealed_below()?.start_write_sealed(blocks, fua)
-    }
-
-    /// Whether `write_sealed_then` completes later without blocking the
+    /// Whether a `SealedAdmission::Callback` submission is started here,
+    /// its completion called on another thread without blocking the
     /// caller (a remote replica on a connection that answers on its own
-    /// thread). The default: no, it would block (the default
-    /// `write_sealed_then` is `write_sealed`).
-    fn writes_sealed_then(&self) -> bool {
+    /// reader thread), rather than declined. A mirror asks before it
+    /// takes anything for such a write. The default: no.
+    fn answers_by_callback(&self) -> bool {
         self.sealed_below()
-            .is_some_and(|below| below.writes_sealed_then())
-    }
-
-    /// Start `write_sealed` of `blocks` (with `fua`, made durable too) and
-    /// call `done` exactly once with its outcome, possibly on another
-    /// thread and within the device's request timeout. The default does
-    /// the write here and then calls `done`.
-    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
-        if let Some(below) = self.sealed_below() {
-            return below.write_sealed_then(blocks, fua, done);
-        }
-        let outcome = self
-            .write_sealed(blocks)
-            .and_then(|()| if fua { self.flush() } else { Ok(()) });
-        done(outcome);
+            .is_some_and(|below| below.answers_by_callback())
     }
 
     /// Seal whole blocks (`data`, from LBA `first`) as this device would
     /// store them, each with its context carrying `generation`, for
-    /// `write_sealed` here or on another leg of one mirror: the mirror
+    /// a sealed write here or on another leg of one mirror: the mirror
     /// seals a write once and every leg stores the same bytes and context
     /// (PI computed once, verified at every leg). `Unsupported` when the
     /// device cannot seal (then the mirror has each leg seal for itself).

@@ -72,8 +72,9 @@ mod written;
 
 pub use check::{check, CheckReport};
 pub use device::{
-    verify_in_turn, Admission, BlockDevice, DeviceWrites, FlushDone, PendingWrite, ReadDone,
-    SealedBlock, SealedDevice, StartRead, StartWrite, Submitted, WriteDone, ZeroFlags,
+    verify_in_turn, Admission, BlockDevice, DeviceWrites, FlushDone, ReadDone, SealedAdmission,
+    SealedBlock, SealedDevice, SealedWrites, StartRead, StartWrite, Submitted, WriteDone,
+    ZeroFlags,
 };
 pub use error::{Error, Fault, FaultKind, Result};
 pub use keys::UserSecret;

@@ -17,7 +17,8 @@ use vouch_format::regions::RegionRecord;
 use vouch_format::{FeatureFlags, LayoutKind, Superblock};
 
 use crate::device::{
-    Admission, BlockDevice, DeviceWrites, SealedBlock, SealedDevice, Submitted, ZeroFlags,
+    Admission, BlockDevice, DeviceWrites, SealedAdmission, SealedBlock, SealedDevice, Submitted,
+    ZeroFlags,
 };
 use crate::error::{Error, Fault, Result};
 use crate::layout::Allocation;
@@ -1290,13 +1291,29 @@ impl SealedDevice for RegionVolume {
     }
 
     /// Each member's blocks in one call: all-or-nothing within a member,
-    /// not across the two.
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+    /// not across the two. Only the waiting admissions (passed on to the
+    /// members); the others are declined (no room is reserved here, no
+    /// write travels).
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: SealedAdmission,
+    ) -> Result<Submitted> {
+        match admission {
+            SealedAdmission::MayWait | SealedAdmission::Here => {}
+            SealedAdmission::Reserved => {
+                return Err(Error::Unsupported("writes into reserved room".into()))
+            }
+            SealedAdmission::MustNotWait | SealedAdmission::Callback => {
+                return Ok(Submitted::Declined)
+            }
+        }
         let (Some(first), Some(last)) = (
             blocks.iter().map(|block| block.lba).min(),
             blocks.iter().map(|block| block.lba).max(),
         ) else {
-            return Ok(());
+            return Ok(Submitted::Done);
         };
         let span = (last + 1 - first) * BLOCK;
         self.check_range(first * BLOCK, span)?;
@@ -1311,12 +1328,17 @@ impl SealedDevice for RegionVolume {
                 .cloned()
                 .collect();
             if !mine.is_empty() {
-                self.member(layout).write_sealed(&mine)?;
+                self.member(layout)
+                    .submit_sealed(&mine, false, admission)?
+                    .wait()?;
             }
         }
         for block in blocks {
             self.written(block.lba * BLOCK, BLOCK);
         }
-        Ok(())
+        if fua {
+            self.flush()?;
+        }
+        Ok(Submitted::Done)
     }
 }

@@ -3,11 +3,11 @@
 //! checked on arrival), and the default verify / copy / compare offloads.
 
 use std::sync::Arc;
-use vouch_engine::DeviceWrites;
+use vouch_engine::{DeviceWrites, SealedWrites};
 
 use vouch_engine::{
     create_volume, open_volume, BlockDevice, CreateOptions, Error, FaultKind, LayoutKind, ObjectId,
-    OpenOptions, SealedDevice, SimStorage, Volume, ZeroFlags, BLOCK,
+    OpenOptions, SealedAdmission, SealedDevice, SimStorage, Submitted, Volume, ZeroFlags, BLOCK,
 };
 
 fn pattern(lba: u64, tag: u8) -> Vec<u8> {
@@ -120,6 +120,79 @@ fn sealed_blocks_move_between_copies_of_a_volume_and_are_checked_on_arrival() {
         assert_eq!(read_block(&b, 2), pattern(2, 3));
         assert_eq!(read_block(&b, 6), vec![0u8; BLOCK as usize]);
     }
+}
+
+/// The one sealed submission on a volume, by admission: `Callback` is
+/// declined (a volume's writes do not travel), `MustNotWait` declines
+/// FUA (it would wait for the flush), a FUA write into reserved room is
+/// refused and gives the room back, and each admission that stores
+/// stores exactly its blocks. Nothing declined or refused is stored.
+#[test]
+fn a_sealed_submission_answers_by_its_admission() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (a_path, b_path) = (dir.path().join("a"), dir.path().join("b"));
+    let a = create_volume(&a_path, &CreateOptions::new(4 << 20)).expect("create");
+    for lba in 0..8 {
+        a.write(lba * BLOCK, &pattern(lba, 1), false)
+            .expect("write");
+    }
+    a.close().expect("close");
+    copy_dir(&a_path, &b_path);
+    let a = open_volume(&a_path, &OpenOptions::default()).expect("open a");
+    let b = open_volume(&b_path, &OpenOptions::default()).expect("open b");
+    for lba in 0..8 {
+        a.write(lba * BLOCK, &pattern(lba, 2), false)
+            .expect("write");
+    }
+    let sealed = a.read_sealed(0, 8).expect("read_sealed");
+    let one = |lba: usize| &sealed[lba..lba + 1];
+
+    assert!(matches!(
+        b.submit_sealed(one(0), false, SealedAdmission::Callback),
+        Ok(Submitted::Declined)
+    ));
+    assert!(matches!(
+        b.submit_sealed(one(1), true, SealedAdmission::MustNotWait),
+        Ok(Submitted::Declined)
+    ));
+    // All the room there is (below twice the dirty limit), before and
+    // after a FUA write into reserved room is refused.
+    let all_room = 2 * 4096 - 1;
+    assert!(b.reserve_room(all_room), "the whole buffer is free");
+    b.release_room(all_room);
+    assert!(b.reserve_room(1));
+    let refused = b.submit_sealed(one(2), true, SealedAdmission::Reserved);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    assert!(b.reserve_room(all_room), "the refused write's room is back");
+    b.release_room(all_room);
+    for lba in 0..3 {
+        assert_eq!(read_block(&b, lba), pattern(lba, 1), "LBA {lba} not stored");
+    }
+
+    assert!(b.reserve_room(1));
+    assert!(b
+        .submit_sealed(one(3), false, SealedAdmission::Reserved)
+        .expect("reserved")
+        .is_done());
+    assert!(b
+        .submit_sealed(one(4), false, SealedAdmission::MustNotWait)
+        .expect("inline")
+        .is_done());
+    assert!(b
+        .submit_sealed(one(5), true, SealedAdmission::MayWait)
+        .expect("may wait")
+        .is_done());
+    assert!(b
+        .submit_sealed(one(6), false, SealedAdmission::Here)
+        .expect("here")
+        .is_done());
+    for lba in 3..7 {
+        assert_eq!(read_block(&b, lba), pattern(lba, 2), "LBA {lba} stored");
+    }
+    assert_eq!(read_block(&b, 7), pattern(7, 1));
 }
 
 #[test]

@@ -8,7 +8,7 @@ mod common;
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use vouch_engine::DeviceWrites;
+use vouch_engine::{DeviceWrites, SealedWrites};
 
 use common::pattern;
 use vouch_engine::copy::{copy, CopyMethod, CopyOptions};

@@ -41,7 +41,9 @@ use std::ops::{Deref, Range};
 use std::sync::atomic::Ordering;
 
 use bytes::Bytes;
-use vouch_engine::device::{DeviceWrites, PendingWrite, SealedBlock, WriteDone};
+use vouch_engine::device::{
+    DeviceWrites, SealedAdmission, SealedBlock, StartWrite, Submitted, WriteDone,
+};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::BLOCK;
 use vouch_format::mirror::{LegState, MAX_LEGS};
@@ -117,7 +119,7 @@ enum Blocks {
 pub(crate) trait Answers {
     fn answer(&self, leg: usize, outcome: Result<()>);
     /// For a route that completes later: the callback remote target `leg`
-    /// answers through, on its own thread (`write_sealed_then`).
+    /// answers through, on its own thread (`SealedAdmission::Callback`).
     fn later(&self, leg: usize) -> Option<WriteDone>;
 }
 
@@ -161,7 +163,7 @@ impl Mirror {
 
     /// Break the executor on purpose, for the crash simulator's
     /// self-test (`vouch-sim mirror-write`; never in production): a write
-    /// started on a travelling leg (`start_write_sealed`) is counted done
+    /// started on a travelling leg (answered `Started`) is counted done
     /// without being waited for, so the worker's route acknowledges before
     /// that leg holds the write.
     pub fn break_started_writes(&self) {
@@ -276,7 +278,7 @@ impl Mirror {
             let cheap = |leg: usize| {
                 let device = mirror.device(leg);
                 data.len() <= device.inline_seal_max_bytes()
-                    && (!remote(leg) || device.writes_sealed_then())
+                    && (!remote(leg) || device.answers_by_callback())
             };
             if legs.is_empty() || !route || !legs.iter().all(cheap) {
                 return Ok(None);
@@ -372,13 +374,15 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
     /// The one executor: write the blocks to every target of `targets`,
     /// each outcome to `answers`. Remote targets first, so their round
     /// trips overlap the local writes: by callback when the route
-    /// completes later (`Answers::later`), else started
-    /// (`start_write_sealed`) and waited for after the local targets.
-    /// The local targets in turn: into their reserved room
-    /// (`write_sealed_reserved`), or (the worker's route) as the leg's
-    /// buffer allows (`write_sealed_here`, checking each context's place
+    /// completes later (`Answers::later`, submitted
+    /// `SealedAdmission::Callback`), else submitted `Here`, which a
+    /// travelling write answers `Started` once sent, waited for after the
+    /// local targets. The local targets in turn, each with the one
+    /// submission: into their reserved room (`SealedAdmission::Reserved`),
+    /// or (the worker's route) as the leg's buffer allows
+    /// (`SealedAdmission::Here`, checking each context's place
     /// only: the guard was computed in this process from the same
-    /// immutable bytes), flushed for FUA. Every started write is waited
+    /// immutable bytes), durable for FUA. Every started write is waited
     /// for before this returns, even while unwinding (`Started`), so no
     /// leg's write is in flight once a waiting route releases its
     /// stripes. Request errors (range) were checked by the seal, so no
@@ -408,40 +412,60 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
             pending: PerLeg::new(),
             unwaited: mirror.unwaited.load(Ordering::Relaxed),
         };
-        for leg in targets.legs.iter() {
+        // The remote targets: by callback when the route completes later;
+        // on the worker's route submitted `Here` too, a travelling write
+        // answering `Started` once sent, waited for after the local ones.
+        for leg in targets.legs.iter().filter(|&leg| mirror.legs[leg].remote) {
             let device = mirror.device(leg);
-            if let Some(done) = mirror.legs[leg]
-                .remote
-                .then(|| answers.later(leg))
-                .flatten()
-            {
-                device.write_sealed_then(sealed, fua, done);
-                issued.insert(leg);
-            } else if self.admission == Admission::MayWait {
-                if let Some(pending) = device.start_write_sealed(sealed, fua) {
-                    started.pending.push((leg, pending));
+            let outcome = match answers.later(leg) {
+                // The outcome goes to `done` whatever it is, exactly once.
+                Some(done) => {
+                    match device.submit_sealed(sealed, fua, SealedAdmission::Callback) {
+                        Ok(Submitted::Started(start)) => start(done),
+                        Ok(Submitted::Done) => done(Ok(())),
+                        // The plan saw it answer by callback: it stopped
+                        // since (its connection died).
+                        Ok(Submitted::Declined) => done(Err(Error::Unreachable(
+                            "the leg no longer answers writes by callback".into(),
+                        ))),
+                        Err(error) => done(Err(error)),
+                    }
                     issued.insert(leg);
+                    continue;
                 }
-            }
+                None if self.admission == Admission::MayWait => {
+                    match device.submit_sealed(sealed, fua, SealedAdmission::Here) {
+                        Ok(Submitted::Started(start)) => {
+                            started.pending.push((leg, start));
+                            issued.insert(leg);
+                            continue;
+                        }
+                        Ok(submitted) => submitted.wait(),
+                        Err(error) => Err(error),
+                    }
+                }
+                // Not met (`plan` gives a route that must not wait a remote
+                // target only with a callback): written below as any leg.
+                None => continue,
+            };
+            answers.answer(leg, outcome);
+            issued.insert(leg);
         }
         for leg in targets.legs.iter() {
             if issued.contains(leg) {
                 continue;
             }
             let device = mirror.device(leg);
-            let outcome = match &mut self.reserved {
+            let admission = match &mut self.reserved {
                 Some(reserved) => {
                     reserved.take(leg);
-                    device.write_sealed_reserved(sealed)
+                    SealedAdmission::Reserved
                 }
-                None => device.write_sealed_here(sealed).and_then(|()| {
-                    if fua {
-                        device.flush()
-                    } else {
-                        Ok(())
-                    }
-                }),
+                None => SealedAdmission::Here,
             };
+            let outcome = device
+                .submit_sealed(sealed, fua, admission)
+                .and_then(Submitted::wait);
             answers.answer(leg, outcome);
         }
         drop(started);
@@ -452,17 +476,20 @@ impl<M: Deref<Target = Mirror>> Issue<M> {
 /// dropped: after the local targets' writes, or while unwinding.
 struct Started<'a, A: Answers> {
     answers: &'a A,
-    pending: PerLeg<(usize, Result<PendingWrite>)>,
+    pending: PerLeg<(usize, StartWrite)>,
     /// `Mirror::break_started_writes`: count them done unwaited.
     unwaited: bool,
 }
 
 impl<A: Answers> Drop for Started<'_, A> {
     fn drop(&mut self) {
-        for (leg, pending) in std::mem::take(&mut self.pending) {
+        for (leg, start) in std::mem::take(&mut self.pending) {
             let outcome = match self.unwaited {
-                true => pending.map(drop),
-                false => pending.and_then(|wait| wait()),
+                true => {
+                    drop(start);
+                    Ok(())
+                }
+                false => Submitted::Started(start).wait(),
             };
             self.answers.answer(leg, outcome);
         }

@@ -9,7 +9,7 @@
 //! mirrored write is (`Mirror::admit`, `admit.rs`: the stripes without
 //! waiting, the log, the record, room on the local legs, sealed once);
 //! its start issues the plan (`Issue::run`: the remote legs' requests by
-//! callback, `write_sealed_then`, then the local legs inline into their
+//! callback, `SealedAdmission::Callback`, then the local legs inline into their
 //! room) and returns.
 //! The last leg to answer — usually on a replica connection's reader
 //! thread — judges the legs by the blocking path's rule (`Mirror::judge`:

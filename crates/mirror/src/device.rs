@@ -22,7 +22,9 @@ use crate::threads::Threads;
 use crate::written::Recording;
 use crate::written_log::WrittenLog;
 use crate::Membership;
-use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice, Submitted, ZeroFlags};
+use vouch_engine::device::{
+    BlockDevice, SealedAdmission, SealedBlock, SealedDevice, Submitted, ZeroFlags,
+};
 use vouch_engine::error::{Error, Fault, Result};
 use vouch_engine::Allocation;
 use vouch_engine::BLOCK;
@@ -411,7 +413,7 @@ impl BlockDevice for Mirror {
     /// legs' generations are comparable and a scrub can tell a lost write
     /// from the newer copy. A remote leg's replica verifies the blocks
     /// before storing them (they crossed the wire); a local leg checks
-    /// only each context's place (`write_sealed_here`), since the guard
+    /// only each context's place (`SealedAdmission::Here`), since the guard
     /// was computed in this process from the same immutable bytes, as a
     /// single volume's write path does.
     ///
@@ -588,7 +590,25 @@ impl SealedDevice for Mirror {
         }
         Err(last.unwrap_or_else(|| Error::FailStopped("no active mirror leg".into())))
     }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
+    /// The waiting admissions only, passed on to every write target
+    /// under the mirror's stripes, log, record and marks; the others are
+    /// declined (a mirror reserves no room of its own and answers no
+    /// sealed write by callback).
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: SealedAdmission,
+    ) -> Result<Submitted> {
+        match admission {
+            SealedAdmission::MayWait | SealedAdmission::Here => {}
+            SealedAdmission::Reserved => {
+                return Err(Error::Unsupported("writes into reserved room".into()))
+            }
+            SealedAdmission::MustNotWait | SealedAdmission::Callback => {
+                return Ok(Submitted::Declined)
+            }
+        }
         let first = blocks.iter().map(|b| b.lba).min().unwrap_or(0);
         let end = blocks.iter().map(|b| b.lba + 1).max().unwrap_or(0);
         let _locked = self.stripes.lock(first, end);
@@ -597,6 +617,10 @@ impl SealedDevice for Mirror {
         for block in blocks {
             self.mark(block.lba, block.lba + 1)?;
         }
-        self.each_leg("write", |leg| leg.write_sealed(blocks))
+        self.each_leg("write", |leg| {
+            leg.submit_sealed(blocks, fua, admission)
+                .and_then(Submitted::wait)
+        })?;
+        Ok(Submitted::Done)
     }
 }

@@ -29,7 +29,7 @@ use crate::legs::Legs;
 use crate::stripes::Stripes;
 use crate::written_log::WrittenLog;
 use vouch_engine::error::{Error, Fault, FaultKind, Result};
-use vouch_engine::{Block, BLOCK};
+use vouch_engine::{Block, SealedWrites, BLOCK};
 
 /// Read repair as the mirror runs it: the parts it needs, borrowed from
 /// the mirror (its legs, which it reads, judges and rewrites; the stripe

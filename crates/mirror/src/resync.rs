@@ -44,7 +44,7 @@ use crate::legs::{is_request_error, Legs};
 pub use crate::progress::{ResyncProgress, ResyncRate};
 use crate::stripes::Stripes;
 use crate::threads::Threads;
-use vouch_engine::device::SealedDevice;
+use vouch_engine::device::{SealedDevice, SealedWrites};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::jobs::{JobControl, ScanEnd, Throughput, Visit};
 

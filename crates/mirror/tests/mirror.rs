@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vouch_engine::jobs::{Cursor, JobControl};
+use vouch_engine::SealedWrites;
 use vouch_engine::{
     open_volume, Admission, BlockDevice, CreateOptions, DeviceWrites, Error, FaultKind,
     OpenOptions, SealedDevice, Volume, ZeroFlags, BLOCK,

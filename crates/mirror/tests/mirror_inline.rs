@@ -10,7 +10,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use vouch_engine::{
     open_volume, Admission, Allocation, BlockDevice, CreateOptions, Fault, OpenOptions, Result,
-    SealedBlock, SealedDevice, Submitted, UserSecret, Volume, BLOCK,
+    SealedAdmission, SealedBlock, SealedDevice, Submitted, UserSecret, Volume, BLOCK,
 };
 use vouch_mirror::{create_mirror, open_mirror, LegState, Mirror, MirrorLeg};
 
@@ -155,25 +155,23 @@ impl SealedDevice for RoomGone {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.volume.read_sealed(first, count)
     }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.blocking_writes.fetch_add(1, Ordering::Relaxed);
-        self.volume.write_sealed(blocks)
-    }
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.blocking_writes.fetch_add(1, Ordering::Relaxed);
-        self.volume.write_sealed_here(blocks)
-    }
-    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        self.volume.try_write_sealed(blocks)
+    /// Counts the writes that may wait (on the caller's thread).
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: SealedAdmission,
+    ) -> Result<Submitted> {
+        if matches!(admission, SealedAdmission::MayWait | SealedAdmission::Here) {
+            self.blocking_writes.fetch_add(1, Ordering::Relaxed);
+        }
+        self.volume.submit_sealed(blocks, fua, admission)
     }
     fn reserve_room(&self, count: usize) -> bool {
         self.volume.reserve_room(count)
     }
     fn release_room(&self, count: usize) {
         self.volume.release_room(count)
-    }
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.volume.write_sealed_reserved(blocks)
     }
     fn seal_blocks(&self, first: u64, data: &Bytes, generation: u64) -> Result<Vec<SealedBlock>> {
         self.volume.seal_blocks(first, data, generation)

@@ -30,8 +30,8 @@ use parking_lot::{Mutex, RwLock};
 use vouch_engine::protection::{GuardProtection, Protection};
 use vouch_engine::ZeroFlags;
 use vouch_engine::{
-    Admission, Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, PendingWrite, Result,
-    SealedBlock, SealedDevice, Submitted, WriteDone, BLOCK,
+    Admission, Allocation, BlockData, BlockDevice, Error, Fault, GuardKind, Result,
+    SealedAdmission, SealedBlock, SealedDevice, Submitted, WriteDone, BLOCK,
 };
 use vouch_mirror::LegTemplate;
 
@@ -44,7 +44,8 @@ use crate::wire::{
     MAX_BLOCKS_PER_REQUEST, MAX_STATUS_RUNS, MAX_VERIFY_BLOCKS,
 };
 
-/// The requests of one `write_sealed_then`: the last answer calls `done`.
+/// The requests of one sealed write answered by callback: the last
+/// answer calls `done`.
 struct Join {
     remaining: AtomicUsize,
     first_error: Mutex<Option<Error>>,
@@ -393,7 +394,7 @@ impl BlockDevice for RemoteLeg {
     /// Sealed here, verified and stored there. Partial blocks at the edges
     /// are read (verified), patched and resealed: the mirror holds the
     /// stripe lock across it. Every write waits for the replica's answer
-    /// (a mirror starts a remote leg's share with `write_sealed_then`), so
+    /// (a mirror starts a remote leg's share with `submit_sealed`), so
     /// a write that must not wait is declined.
     fn submit_write(
         &self,
@@ -574,93 +575,101 @@ impl SealedDevice for RemoteLeg {
 
     /// Verified here before sending (so no block of a bad call is stored,
     /// even across several requests), and again there before storing.
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.check_sealed(blocks)?;
-        self.send_sealed(blocks, false)
-    }
-    /// Every request of the write is sent now, so the replica may store
-    /// them in any order (the blocks are distinct LBAs); the waiter
-    /// collects the answers (each within the connection's timeout).
-    fn start_write_sealed(
+    /// The waiting admissions (`MayWait`, and `Here`: blocks that will
+    /// cross the wire are verified in full anyway) send every request of
+    /// the write now, so the replica may store them in any order (the
+    /// blocks are distinct LBAs), and answer `Started`: its `StartWrite`
+    /// collects the answers (each within the connection's timeout), so a
+    /// mirror writes its local legs meanwhile. `Callback`, on a connection
+    /// that answers on its own reader thread (plain TCP): `Started`, whose
+    /// `StartWrite` sends the requests and returns, the completion called
+    /// once all are answered (the first error wins) on that reader thread,
+    /// or at once when a request cannot be sent; each request is bounded by
+    /// the connection's timeout, enforced by that thread. Every answer
+    /// needs a round trip, so `MustNotWait` is declined, and no room is
+    /// reserved here.
+    fn submit_sealed(
         &self,
         blocks: &[SealedBlock],
         fua: bool,
-    ) -> Option<Result<PendingWrite>> {
-        Some(self.check_sealed(blocks).and_then(|()| {
-            let connection = Arc::clone(&self.connection.read());
-            let url = self.url.clone();
+        admission: SealedAdmission,
+    ) -> Result<Submitted> {
+        match admission {
+            SealedAdmission::MayWait | SealedAdmission::Here => {}
+            SealedAdmission::Callback if self.answers_by_callback() => {}
+            SealedAdmission::MustNotWait | SealedAdmission::Callback => {
+                return Ok(Submitted::Declined)
+            }
+            SealedAdmission::Reserved => {
+                return Err(Error::Unsupported(
+                    "writes into reserved room (a remote leg reserves none)".into(),
+                ))
+            }
+        }
+        self.check_sealed(blocks)?;
+        if blocks.is_empty() {
+            return Ok(Submitted::Done);
+        }
+        let connection = Arc::clone(&self.connection.read());
+        let url = Arc::clone(&self.url);
+        let request = |chunk: &[SealedBlock]| Request::WriteSealed {
+            blocks: chunk.to_vec(),
+            fua,
+        };
+        if admission != SealedAdmission::Callback {
             let pending = blocks
                 .chunks(MAX_BLOCKS_PER_REQUEST as usize)
-                .map(|chunk| {
-                    connection.send(&Request::WriteSealed {
-                        blocks: chunk.to_vec(),
-                        fua,
-                    })
-                })
+                .map(|chunk| connection.send(&request(chunk)))
                 .collect::<std::result::Result<Vec<_>, _>>()
                 .map_err(|error| leg_error(&url, error))?;
-            Ok(Box::new(move || {
-                for request in pending {
-                    request.wait().map_err(|error| leg_error(&url, error))?;
-                }
-                Ok(())
-            }) as PendingWrite)
-        }))
+            return Ok(Submitted::Started(Box::new(move |done: WriteDone| {
+                let waited = pending.into_iter().try_for_each(|request| {
+                    request
+                        .wait()
+                        .map(drop)
+                        .map_err(|error| leg_error(&url, error))
+                });
+                done(waited);
+            })));
+        }
+        if blocks.len() <= MAX_BLOCKS_PER_REQUEST as usize {
+            // One request: its answer is the write's, with no `Join`.
+            let request = request(blocks);
+            return Ok(Submitted::Started(Box::new(move |done: WriteDone| {
+                connection.send_then(
+                    &request,
+                    Box::new(move |answer| {
+                        done(answer.map(drop).map_err(|error| leg_error(&url, error)));
+                    }),
+                );
+            })));
+        }
+        let requests: Vec<Request> = blocks
+            .chunks(MAX_BLOCKS_PER_REQUEST as usize)
+            .map(request)
+            .collect();
+        Ok(Submitted::Started(Box::new(move |done: WriteDone| {
+            let join = Arc::new(Join {
+                remaining: AtomicUsize::new(requests.len()),
+                first_error: Mutex::new(None),
+                done: Mutex::new(Some(done)),
+            });
+            for request in &requests {
+                let (join, url) = (Arc::clone(&join), Arc::clone(&url));
+                connection.send_then(
+                    request,
+                    Box::new(move |answer| {
+                        join.arrived(answer.map(drop).map_err(|error| leg_error(&url, error)));
+                    }),
+                );
+            }
+        })))
     }
 
     /// On plain TCP the connection's reader thread answers (and times
     /// out) the requests: no caller sleeps on them.
-    fn writes_sealed_then(&self) -> bool {
+    fn answers_by_callback(&self) -> bool {
         self.connection.read().answers_by_callback()
-    }
-
-    /// Every request of the write is sent now, as `start_write_sealed`
-    /// does; `done` is called once all are answered (the first error
-    /// wins), on the connection's reader thread, or here when a request
-    /// cannot be sent. Each request is bounded by the connection's
-    /// timeout, enforced by that reader thread.
-    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
-        if let Err(error) = self.check_sealed(blocks) {
-            done(Err(error));
-            return;
-        }
-        if blocks.is_empty() {
-            done(Ok(()));
-            return;
-        }
-        let connection = Arc::clone(&self.connection.read());
-        if blocks.len() <= MAX_BLOCKS_PER_REQUEST as usize {
-            // One request: its answer is the write's, with no `Join`.
-            let url = Arc::clone(&self.url);
-            connection.send_then(
-                &Request::WriteSealed {
-                    blocks: blocks.to_vec(),
-                    fua,
-                },
-                Box::new(move |answer| {
-                    done(answer.map(|_| ()).map_err(|error| leg_error(&url, error)));
-                }),
-            );
-            return;
-        }
-        let chunks = blocks.chunks(MAX_BLOCKS_PER_REQUEST as usize);
-        let join = Arc::new(Join {
-            remaining: AtomicUsize::new(chunks.len()),
-            first_error: Mutex::new(None),
-            done: Mutex::new(Some(done)),
-        });
-        for chunk in chunks {
-            let (join, url) = (Arc::clone(&join), Arc::clone(&self.url));
-            connection.send_then(
-                &Request::WriteSealed {
-                    blocks: chunk.to_vec(),
-                    fua,
-                },
-                Box::new(move |answer| {
-                    join.arrived(answer.map(|_| ()).map_err(|error| leg_error(&url, error)));
-                }),
-            );
-        }
     }
 
     /// Sealed here, as the replica would store them (plain protection).

@@ -22,7 +22,10 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Semaphore};
-use vouch_engine::{BlockDevice, Error, OpenOptions, SealedDevice, Volume, ZeroFlags, BLOCK};
+use vouch_engine::{
+    BlockDevice, Error, OpenOptions, SealedAdmission, SealedDevice, SealedWrites, Submitted,
+    Volume, ZeroFlags, BLOCK,
+};
 use vouch_mirror::LegTemplate;
 
 use crate::auth::{self, Challenge, Response, Secret, RESPONSE_BYTES};
@@ -389,7 +392,8 @@ impl RouteBreaks {
 /// The server's inline route: answer `request` (number `handle`) on
 /// `volume` if it completes without waiting (`WriteSealed` without FUA,
 /// when the volume's write-back buffer has room:
-/// `SealedDevice::try_write_sealed`, which verifies every block first),
+/// `submit_sealed` with `SealedAdmission::MustNotWait`, which verifies
+/// every block first),
 /// handing the answer frame to `reply` once the volume holds the blocks
 /// (in its held log: a crash of this process keeps them). Anything
 /// else, or a write that would wait, is handed back untouched for
@@ -503,10 +507,10 @@ fn execute(volume: &Volume, request: Request) -> Result<Vec<u8>, Refusal> {
             Ok(encode_read_entries(&entries))
         }
         Request::WriteSealed { blocks, fua } => {
-            volume.write_sealed(&blocks).map_err(refuse)?;
-            if fua {
-                volume.flush().map_err(refuse)?;
-            }
+            volume
+                .submit_sealed(&blocks, fua, SealedAdmission::MayWait)
+                .and_then(Submitted::wait)
+                .map_err(refuse)?;
             Ok(Vec::new())
         }
         Request::Flush => volume.flush().map(|_| Vec::new()).map_err(refuse),

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use vouch_engine::DeviceWrites;
 
-use vouch_engine::{BlockDevice, CreateOptions, Error, SealedDevice, BLOCK};
+use vouch_engine::{
+    BlockDevice, CreateOptions, Error, SealedAdmission, SealedDevice, Submitted, BLOCK,
+};
 use vouch_mirror::{LegState, LegTemplate, Mirror, MirrorLeg};
 use vouch_replica::auth;
 use vouch_replica::server::{serve, CreatePolicy, Registry, ServerOptions};
@@ -963,7 +965,7 @@ fn writes_sent_while_the_replica_stalls_go_out_whole_once_it_reads_again() {
         .expect("close");
     let template = LegTemplate::of(&local).expect("template");
     let remote = RemoteLeg::create(&url, &template, &options()).expect("create");
-    assert!(remote.writes_sealed_then());
+    assert!(remote.answers_by_callback());
     // 64 writes of 1 MiB, sealed beforehand: the whole volume.
     let writes: Vec<_> = (0..64u64)
         .map(|write| sealed(&remote, write * 256, 256, 5))
@@ -972,13 +974,15 @@ fn writes_sent_while_the_replica_stalls_go_out_whole_once_it_reads_again() {
     let stalled = gate.lock().expect("gate");
     for blocks in &writes {
         let sender = sender.clone();
-        remote.write_sealed_then(
-            blocks,
-            false,
-            Box::new(move |outcome| {
-                let _ = sender.send(outcome);
-            }),
-        );
+        let Submitted::Started(start) = remote
+            .submit_sealed(blocks, false, SealedAdmission::Callback)
+            .expect("checked")
+        else {
+            panic!("a write by callback is started");
+        };
+        start(Box::new(move |outcome| {
+            let _ = sender.send(outcome);
+        }));
     }
     // This thread holds the gate: a call that waited on the full socket
     // would return only once the connection's 10 s timeout killed it,
@@ -1000,6 +1004,43 @@ fn writes_sent_while_the_replica_stalls_go_out_whole_once_it_reads_again() {
     for lba in 0..(64 << 20) / BLOCK {
         let got = &all[(lba * BLOCK) as usize..((lba + 1) * BLOCK) as usize];
         assert!(got == pattern(lba, 5).as_slice(), "LBA {lba}");
+    }
+}
+
+/// A sealed write that may wait is still started, not waited for, by a
+/// remote leg (`submit_sealed` answers `Started` once its requests are
+/// sent): the mirror's worker route writes its local legs meanwhile. While
+/// the replica reads nothing, both waiting admissions return at once; the
+/// writes complete, through the one completion, once it reads again.
+#[test]
+fn a_remote_legs_waiting_sealed_write_is_started_before_it_is_answered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let replicas = dir.path().join("replicas");
+    std::fs::create_dir(&replicas).expect("mkdir");
+    let server = TestServer::start(&replicas);
+    let gate = Arc::new(std::sync::Mutex::new(()));
+    let port = gated_relay(server.port, Arc::clone(&gate));
+    let url = ReplicaUrl::parse(&format!("vouch://127.0.0.1:{port}/r")).expect("url");
+    let template = LegTemplate::of(&local_volume(dir.path())).expect("template");
+    let remote = RemoteLeg::create(&url, &template, &options()).expect("create");
+    let (here, waiting) = (sealed(&remote, 0, 4, 7), sealed(&remote, 8, 2, 7));
+    let stalled = gate.lock().expect("gate");
+    let started = [
+        remote.submit_sealed(&here, false, SealedAdmission::Here),
+        remote.submit_sealed(&waiting, true, SealedAdmission::MayWait),
+    ]
+    .map(|submitted| match submitted.expect("sent") {
+        Submitted::Started(start) => start,
+        other => panic!("{other:?}: a travelling write is started, not waited for"),
+    });
+    drop(stalled);
+    for start in started {
+        Submitted::Started(start).wait().expect("written");
+    }
+    for lba in (0..4).chain(8..10) {
+        let mut buf = vec![0u8; BLOCK as usize];
+        remote.read(lba * BLOCK, &mut buf).expect("read");
+        assert!(buf == pattern(lba, 7), "LBA {lba}");
     }
 }
 

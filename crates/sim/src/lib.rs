@@ -84,8 +84,13 @@ macro_rules! forward_sealed {
         ) -> vouch_engine::Result<Vec<vouch_engine::SealedBlock>> {
             self.$below.read_sealed(first, count)
         }
-        fn write_sealed(&self, blocks: &[vouch_engine::SealedBlock]) -> vouch_engine::Result<()> {
-            self.$below.write_sealed(blocks)
+        fn submit_sealed(
+            &self,
+            blocks: &[vouch_engine::SealedBlock],
+            fua: bool,
+            admission: vouch_engine::SealedAdmission,
+        ) -> vouch_engine::Result<vouch_engine::Submitted> {
+            self.$below.submit_sealed(blocks, fua, admission)
         }
     };
 }

@@ -34,7 +34,7 @@ use bytes::Bytes;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
     BlockDevice, CreateOptions, Fault, FaultPlan, GuardKind, LayoutKind, ObjectId, OpenOptions,
-    SealedBlock, SealedDevice, Storage, Volume,
+    SealedAdmission, SealedBlock, SealedDevice, Storage, Submitted, Volume,
 };
 use vouch_format::layout::PACKED_RECORD_BYTES;
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
@@ -207,13 +207,24 @@ impl BlockDevice for DropsReserved {
 }
 
 impl SealedDevice for DropsReserved {
-    forward_sealed!(volume);
+    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
+        self.volume.read_sealed(first, count)
+    }
     fn sealed_below(&self) -> Option<&dyn SealedDevice> {
         Some(&*self.volume)
     }
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        self.volume.release_room(blocks.len());
-        Ok(())
+    /// A write into reserved room is answered done and dropped.
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: SealedAdmission,
+    ) -> vouch_engine::Result<Submitted> {
+        if admission == SealedAdmission::Reserved {
+            self.volume.release_room(blocks.len());
+            return Ok(Submitted::Done);
+        }
+        self.volume.submit_sealed(blocks, fua, admission)
     }
 }
 

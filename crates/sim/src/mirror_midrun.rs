@@ -147,8 +147,13 @@ impl SealedDevice for Replica {
     fn read_sealed(&self, first: u64, count: u64) -> Result<Vec<SealedBlock>> {
         self.live()?.read_sealed(first, count)
     }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.live()?.write_sealed(blocks)
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: vouch_engine::SealedAdmission,
+    ) -> Result<vouch_engine::Submitted> {
+        self.live()?.submit_sealed(blocks, fua, admission)
     }
 }
 

@@ -5,7 +5,7 @@
 //! background committer the seed steps (`crate::stepper`), so the
 //! mirror's inline route (`try_write_shared`) and its completion path
 //! (`try_begin_write`, `complete.rs`) reserve room in the legs' write-back
-//! buffers and store into it (`write_sealed_reserved`) as they do in
+//! buffers and store into it (`SealedAdmission::Reserved`) as they do in
 //! production, and the legs' requested commits run between operations.
 //! The exporter is one process, so a crash cuts both
 //! legs at the same instant: at every write and sync either leg issues, a
@@ -30,8 +30,8 @@ use bytes::Bytes;
 use parking_lot::Mutex;
 use vouch_engine::jobs::JobControl;
 use vouch_engine::{
-    BlockDevice, CreateOptions, Fault, LayoutKind, PendingWrite, SealedBlock, SealedDevice,
-    SimStorage, Storage, Volume, WriteDone,
+    BlockDevice, CreateOptions, Fault, LayoutKind, SealedAdmission, SealedBlock, SealedDevice,
+    SimStorage, Storage, Submitted, Volume, WriteDone,
 };
 use vouch_mirror::{LegState, Mirror, MirrorLeg};
 
@@ -57,10 +57,10 @@ pub struct MirrorWriteReport {
     /// Blocks the scrubs rewrote.
     pub repaired: u64,
     /// Seeds whose leg 1 took writes as a remote replica does
-    /// (`start_write_sealed`).
+    /// (`submit_sealed` answering `Started`).
     pub travelling: u64,
     /// Writes that went through the completion path (`try_begin_write`,
-    /// leg 1 answering by callback: `write_sealed_then`).
+    /// leg 1 answering by callback: `SealedAdmission::Callback`).
     pub completed_later: u64,
     /// Writes the mirror's inline route took (`try_write_shared`).
     pub inline_writes: u64,
@@ -120,10 +120,10 @@ pub enum Sabotage {
     /// The completion path (`try_begin_write`, `complete.rs`).
     Completion,
     /// The inline route into reserved room (`try_write_shared`,
-    /// `write_sealed_reserved`).
+    /// `SealedAdmission::Reserved`).
     Reserved,
-    /// The worker's route (`write_shared`: `write_sealed_here`, or a
-    /// travelling leg's `start_write_sealed`), which may wait.
+    /// The worker's route (`write_shared`: `SealedAdmission::Here`, a
+    /// travelling leg answering `Started`), which may wait.
     Worker,
     /// Not the held log: the mirror's own executor (`admit.rs`
     /// `Issue::run`) counts a travelling leg's started write done without
@@ -146,12 +146,12 @@ pub fn run_with(first: u64, seeds: u64, sabotage: Sabotage) -> MirrorWriteReport
 }
 
 /// How leg 1 takes the mirror's writes: as a local volume does
-/// (`write_sealed`), or as a remote replica does (`start_write_sealed`:
+/// (`submit_sealed` done), or as a remote replica does (`Started`:
 /// started before the local leg is written, waited for after), its write
 /// landing when it is started or only when it is waited for — the two
 /// orders a replica's round trip allows against the local leg's writes.
 /// With `completes`, leg 1 is named as a remote member and also answers
-/// by callback (`write_sealed_then`), so non-FUA writes take the mirror's
+/// by callback (`SealedAdmission::Callback`), so non-FUA writes take the mirror's
 /// completion path (`try_begin_write`), its answer arriving at once or
 /// after the local leg was written (`Deferred`).
 /// With `Local`, both legs are volumes as they are (their room in the
@@ -203,8 +203,8 @@ pub(crate) fn mirror_over(volumes: [Arc<Volume>; 2], leg1: Leg1) -> Result<Arc<M
 }
 
 /// A volume taking sealed writes the way a remote replica does
-/// (`vouch_replica::RemoteLeg`): `start_write_sealed` starts them and the
-/// returned waiter gives the outcome; a FUA write is flushed there too.
+/// (`vouch_replica::RemoteLeg`): `submit_sealed` starts them and the
+/// completion the `StartWrite` is given takes the outcome; a FUA write is flushed there too.
 /// They land as the replica server stores them (`land`). Everything else
 /// is the volume's; it reserves no room (a remote leg never does).
 struct Travelling {
@@ -238,37 +238,53 @@ impl BlockDevice for Travelling {
 }
 
 impl SealedDevice for Travelling {
-    forward_sealed!(volume);
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> vouch_engine::Result<()> {
-        self.volume.write_sealed_here(blocks)
+    fn read_sealed(&self, first: u64, count: u64) -> vouch_engine::Result<Vec<SealedBlock>> {
+        self.volume.read_sealed(first, count)
     }
-    fn start_write_sealed(
+    /// As `RemoteLeg::submit_sealed`: the waiting admissions answer
+    /// `Started` (landing now, or when waited for), `Callback` is started
+    /// when the leg `completes` (its answer delivered at once or held back
+    /// in `Deferred`), `MustNotWait` is declined, no room is reserved.
+    fn submit_sealed(
         &self,
         blocks: &[SealedBlock],
         fua: bool,
-    ) -> Option<vouch_engine::Result<PendingWrite>> {
+        admission: SealedAdmission,
+    ) -> vouch_engine::Result<Submitted> {
         let volume = Arc::clone(&self.volume);
-        if self.lands_when_waited {
-            let blocks = blocks.to_vec();
-            return Some(Ok(Box::new(move || land(&volume, &blocks, fua))));
-        }
-        let landed = land(&volume, blocks, fua);
-        Some(Ok(Box::new(move || landed)))
-    }
-    fn writes_sealed_then(&self) -> bool {
-        self.completes.is_some()
-    }
-    fn write_sealed_then(&self, blocks: &[SealedBlock], fua: bool, done: WriteDone) {
-        let volume = Arc::clone(&self.volume);
-        match &self.completes {
-            Some(deferred) if self.lands_when_waited => {
-                let blocks = blocks.to_vec();
-                deferred
-                    .lock()
-                    .push(Box::new(move || done(land(&volume, &blocks, fua))));
+        match admission {
+            SealedAdmission::MayWait | SealedAdmission::Here => {
+                if self.lands_when_waited {
+                    let blocks = blocks.to_vec();
+                    return Ok(Submitted::Started(Box::new(move |done: WriteDone| {
+                        done(land(&volume, &blocks, fua))
+                    })));
+                }
+                let landed = land(&volume, blocks, fua);
+                Ok(Submitted::Started(Box::new(move |done: WriteDone| {
+                    done(landed)
+                })))
             }
-            _ => done(land(&volume, blocks, fua)),
+            SealedAdmission::Callback if self.completes.is_some() => {
+                let deferred = self.completes.clone().filter(|_| self.lands_when_waited);
+                let blocks = blocks.to_vec();
+                Ok(Submitted::Started(Box::new(
+                    move |done: WriteDone| match deferred {
+                        Some(deferred) => deferred
+                            .lock()
+                            .push(Box::new(move || done(land(&volume, &blocks, fua)))),
+                        None => done(land(&volume, &blocks, fua)),
+                    },
+                )))
+            }
+            SealedAdmission::Callback | SealedAdmission::MustNotWait => Ok(Submitted::Declined),
+            SealedAdmission::Reserved => Err(vouch_engine::Error::Unsupported(
+                "writes into reserved room (a travelling leg reserves none)".into(),
+            )),
         }
+    }
+    fn answers_by_callback(&self) -> bool {
+        self.completes.is_some()
     }
     fn seal_blocks(
         &self,

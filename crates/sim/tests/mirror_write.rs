@@ -53,7 +53,7 @@ fn a_completed_write_the_local_leg_does_not_hold_is_caught() {
 }
 
 /// The mirror's inline route into room reserved on every leg
-/// (`try_write_shared`, `write_sealed_reserved`) acknowledging a write
+/// (`try_write_shared`, `SealedAdmission::Reserved`) acknowledging a write
 /// before the local leg holds it loses it in a crash of the exporter
 /// process: the process-crash images must say so.
 #[test]
@@ -62,7 +62,7 @@ fn a_reserved_inline_write_the_local_leg_does_not_hold_is_caught() {
 }
 
 /// The worker's route (`write_shared`, the one that may wait: a leg's
-/// `write_sealed_here`, a travelling leg's `start_write_sealed`)
+/// `SealedAdmission::Here`, a travelling leg answering `Started`)
 /// acknowledging a write before the local leg holds it loses it in a
 /// crash of the exporter process: the process-crash images must say so.
 #[test]

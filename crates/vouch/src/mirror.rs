@@ -10,7 +10,7 @@ use anyhow::{bail, Context as _, Result};
 use clap::Subcommand;
 use serde_json::json;
 use vouch_engine::jobs::JobControl;
-use vouch_engine::{BlockDevice, OpenOptions, SealedDevice, Volume, BLOCK};
+use vouch_engine::{BlockDevice, OpenOptions, SealedDevice, SealedWrites, Volume, BLOCK};
 use vouch_mirror as mirror;
 use vouch_mirror::{FileMembership, LegState, LegStatus, Membership, Mirror};
 

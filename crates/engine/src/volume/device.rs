@@ -10,10 +10,10 @@ use bytes::Bytes;
 
 use super::Volume;
 use crate::device::{
-    Admission, BlockDevice, FlushDone, ReadDone, SealedBlock, SealedDevice, StartRead, Submitted,
-    ZeroFlags,
+    Admission, BlockDevice, FlushDone, ReadDone, SealedAdmission, SealedBlock, SealedDevice,
+    StartRead, Submitted, ZeroFlags,
 };
-use crate::error::{Fault, Result};
+use crate::error::{Error, Fault, Result};
 use crate::layout::{Allocation, StoredContext};
 use crate::storage::ReadLater;
 use crate::write::SealCheck;
@@ -185,27 +185,54 @@ impl SealedDevice for Volume {
     fn recheck_blocks(&self, first: u64, count: u64, out: &mut [u8]) -> Result<Vec<Fault>> {
         self.current().shared().recheck_blocks(first, count, out)
     }
-    fn write_sealed(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.current().write_sealed(blocks, SealCheck::Full)
-    }
-    fn try_write_sealed(&self, blocks: &[SealedBlock]) -> Result<bool> {
-        match self.current_now() {
-            Some(engine) => engine.try_write_sealed(blocks, SealCheck::Full),
-            None => Ok(false),
+    /// Waiting admissions write here (`Engine::write_sealed`, then a flush
+    /// for FUA); `MustNotWait` buffers only where that needs no wait;
+    /// `Reserved` stores into the room reserved; a volume's writes do not
+    /// travel, so `Callback` is declined.
+    fn submit_sealed(
+        &self,
+        blocks: &[SealedBlock],
+        fua: bool,
+        admission: SealedAdmission,
+    ) -> Result<Submitted> {
+        let check = match admission {
+            SealedAdmission::MayWait => SealCheck::Full,
+            SealedAdmission::Here => SealCheck::Placement,
+            SealedAdmission::MustNotWait => {
+                let Some(engine) = self.current_now().filter(|_| !fua) else {
+                    return Ok(Submitted::Declined);
+                };
+                return Ok(match engine.try_write_sealed(blocks, SealCheck::Full)? {
+                    true => Submitted::Done,
+                    false => Submitted::Declined,
+                });
+            }
+            SealedAdmission::Reserved => {
+                let engine = self.current();
+                if fua {
+                    // The reservation is used up whatever the outcome.
+                    engine.release_room(blocks.len());
+                    return Err(Error::InvalidArgument(
+                        "a write into reserved room cannot be FUA (it never waits)".into(),
+                    ));
+                }
+                engine.write_sealed_reserved(blocks, SealCheck::Placement)?;
+                return Ok(Submitted::Done);
+            }
+            SealedAdmission::Callback => return Ok(Submitted::Declined),
+        };
+        let engine = self.current();
+        engine.write_sealed(blocks, check)?;
+        if fua {
+            engine.flush()?;
         }
-    }
-    fn write_sealed_here(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.current().write_sealed(blocks, SealCheck::Placement)
+        Ok(Submitted::Done)
     }
     fn reserve_room(&self, count: usize) -> bool {
         self.current().reserve_room(count)
     }
     fn release_room(&self, count: usize) {
         self.current().release_room(count)
-    }
-    fn write_sealed_reserved(&self, blocks: &[SealedBlock]) -> Result<()> {
-        self.current()
-            .write_sealed_reserved(blocks, SealCheck::Placement)
     }
     fn inline_seal_max_bytes(&self) -> usize {
         self.current().inline_seal_max_bytes()
