@@ -161,8 +161,14 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
     let layered = Arc::new(storage::before::BeforeImages::new(Arc::new(storage)));
     let pending = snapshot::fenced::resume(path, &layered)?;
     // An overlay snapshot's log, armed for the volume's whole life with it.
-    snapshot::overlay::arm_at_open(path, &layered)?;
+    let overlay = snapshot::overlay::arm_at_open(path, &layered)?;
     let volume = Volume::open(layered.clone(), options)?;
+    if overlay.is_none() {
+        // No overlay armed: an OVERLAID a create set before a crash cut it
+        // (the flag is durable before the name is published), or one a
+        // failed overlay left, keeps older binaries off for nothing.
+        snapshot::overlay::clear_stale_overlaid(path, &volume)?;
+    }
     if let Some(name) = pending {
         // A failure is marked on the snapshot (and the layer disarmed):
         // the volume opens all the same.

@@ -698,6 +698,26 @@ pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
     Ok(removed)
 }
 
+/// `error` (a snapshot create that failed after it set the volume's flag
+/// `flag`), with `cleared` (the flag's undo) told when that failed too:
+/// the flag stays set until the next writable open clears it, and until
+/// then binaries that do not know it refuse the volume.
+pub(crate) fn flag_left(volume: &Path, error: Error, flag: &str, cleared: Result<()>) -> Error {
+    match cleared {
+        Ok(()) => error,
+        Err(clear) => {
+            tracing::error!(volume = %volume.display(), "{flag} could not be cleared after a failed snapshot create: {clear}");
+            Error::Path {
+                action: "take the snapshot of",
+                path: volume.to_path_buf(),
+                cause: format!(
+                    "{error}; and the volume's {flag} flag, set for it, could not be cleared ({clear}): the next writable open of the volume clears it (until then older binaries refuse it)"
+                ),
+            }
+        }
+    }
+}
+
 /// Where a snapshot's files come from: a volume at a flush point, its
 /// files not changing while `clone` runs.
 pub trait FlushPoint {
