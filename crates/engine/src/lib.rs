@@ -155,24 +155,38 @@ pub fn open_volume(path: &Path, options: &OpenOptions) -> Result<Volume> {
         return Volume::open(Arc::new(storage), options);
     }
     // Writable: under the before-image layer (disarmed until a fenced
-    // snapshot arms it). A fence a crash left is armed again before the
-    // engine opens, so recovery's own home writes are imaged, and the
-    // snapshot is materialised once the volume is open.
+    // snapshot arms it).
     let layered = Arc::new(storage::before::BeforeImages::new(Arc::new(storage)));
-    let pending = snapshot::fenced::resume(path, &layered)?;
-    // An overlay snapshot's log, armed for the volume's whole life with it.
-    let overlay = snapshot::overlay::arm_at_open(path, &layered)?;
+    open_layered(&snapshot::RealFs::default(), path, layered, options)
+}
+
+/// Open the volume at `path` writable on `layered` (its files under the
+/// before-image layer, disarmed), its snapshots on `fs` (the real
+/// filesystem, or the crash simulator's model of one). A fence a crash
+/// left is armed again before the engine opens, so recovery's own home
+/// writes are imaged, and the snapshot is materialised once the volume is
+/// open; an overlay snapshot's log is armed for the volume's whole life
+/// with it.
+pub fn open_layered(
+    fs: &dyn snapshot::SnapshotFs,
+    path: &Path,
+    layered: Arc<storage::before::BeforeImages>,
+    options: &OpenOptions,
+) -> Result<Volume> {
+    let pending = snapshot::fenced::resume_in(fs, path, &layered)?;
+    let overlay = snapshot::overlay::arm_at_open_in(fs, path, &layered)?;
     let volume = Volume::open(layered.clone(), options)?;
     if overlay.is_none() {
         // No overlay armed: an OVERLAID a create set before a crash cut it
         // (the flag is durable before the name is published), or one a
         // failed overlay left, keeps older binaries off for nothing.
-        snapshot::overlay::clear_stale_overlaid(path, &volume)?;
+        snapshot::overlay::clear_stale_overlaid(fs, path, &volume)?;
     }
     if let Some(name) = pending {
         // A failure is marked on the snapshot (and the layer disarmed):
         // the volume opens all the same.
-        match snapshot::fenced::materialise(path, &name, &*layered) {
+        let breaks = layered.breaks();
+        match snapshot::fenced::materialise_in(fs, path, &name, &*layered, breaks) {
             Ok(done) => {
                 tracing::warn!(volume = %path.display(), "snapshot {name} (fenced before a crash) materialised at {}", done.path.display());
             }

@@ -112,6 +112,39 @@ pub trait SnapshotFs {
     fn copied_any(&self) -> bool {
         false
     }
+    /// Make the file at `path` writable again (0644) if it exists: a file
+    /// `make_read_only` sealed by a materialisation a crash cut short is
+    /// written again. Metadata only, like `make_read_only`.
+    fn make_writable(&self, _path: &Path) -> io::Result<()> {
+        Ok(())
+    }
+    /// The existing file `path` opened as a before-image log
+    /// (`storage/before.rs`): read, appended to and synced in place, and
+    /// still the same file after a rename of its directory. A filesystem
+    /// that holds no logs refuses.
+    fn open_log(&self, path: &Path) -> io::Result<Box<dyn crate::storage::before::BeforeLog>> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!(
+                "{}: this filesystem holds no before-image logs",
+                path.display()
+            ),
+        ))
+    }
+    /// The length of file `path` in bytes.
+    fn file_len(&self, path: &Path) -> io::Result<u64> {
+        self.read(path).map(|bytes| bytes.len() as u64)
+    }
+    /// Where an overlay's index of imaged blocks at `path` is kept
+    /// (`storage/imaged.rs`): read whole; saved atomically and durably
+    /// (the old index or the new, never a mix). `None` (the default): no
+    /// index, and every writable open reads the whole log.
+    fn index_store(
+        &self,
+        _path: &Path,
+    ) -> Option<std::sync::Arc<dyn crate::storage::imaged::IndexStore>> {
+        None
+    }
 }
 
 /// Orderings `create` can be told to break, to show the crash simulator
@@ -142,6 +175,31 @@ impl RealFs {
 }
 
 impl SnapshotFs for RealFs {
+    fn index_store(
+        &self,
+        path: &Path,
+    ) -> Option<std::sync::Arc<dyn crate::storage::imaged::IndexStore>> {
+        Some(std::sync::Arc::new(crate::storage::imaged::IndexFile {
+            path: path.to_path_buf(),
+        }))
+    }
+    fn make_writable(&self, path: &Path) -> io::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)) {
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            other => other,
+        }
+    }
+    fn open_log(&self, path: &Path) -> io::Result<Box<dyn crate::storage::before::BeforeLog>> {
+        let log = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)?;
+        Ok(Box::new(log))
+    }
+    fn file_len(&self, path: &Path) -> io::Result<u64> {
+        Ok(std::fs::metadata(path)?.len())
+    }
     fn create_dir(&self, path: &Path) -> io::Result<()> {
         std::fs::create_dir(path)
     }

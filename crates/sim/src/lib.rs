@@ -113,6 +113,7 @@ pub mod resize_regions;
 pub mod resync;
 pub mod rng;
 pub mod snapshot;
+pub mod snapshot_layer;
 pub mod snapshot_legs;
 pub mod snapshot_online;
 pub mod snapshot_online_regions;

@@ -98,6 +98,42 @@ enum Command {
         #[arg(long, requires = "regions")]
         break_home_only: bool,
     },
+    /// Crash the fenced online snapshot (xfs, btrfs: the fence and the
+    /// before-image layer armed at the flush point, then the snapshot
+    /// materialised beside the served volume, writes racing both) before
+    /// every write, sync and file operation (a process crash and two power
+    /// cuts each): the volume keeps every acknowledged (process crash) or
+    /// flushed (power cut) write, the open materialises a fence left, a
+    /// published snapshot holds exactly the data at the flush point, one
+    /// not published is absent or marked failed, FENCED is gone after the
+    /// open.
+    SnapshotFenced {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: issue a home write before its
+        /// before-image is synced (the run must find violations).
+        #[arg(long)]
+        break_image_order: bool,
+        /// Break on purpose: write each block's last before-image back
+        /// instead of its first (the run must find violations).
+        #[arg(long)]
+        break_last_image: bool,
+    },
+    /// Crash the overlay snapshot (filesystems that cannot clone: a fence
+    /// and the before-image log kept for the snapshot's life), its create
+    /// at the flush point, writes while it exists and its delete, before
+    /// every write, sync and file operation: the volume keeps its writes
+    /// as `snapshot-fenced` says, the open re-arms the layer, an overlay
+    /// present reads exactly the data at the flush point (before and after
+    /// the recovered volume is written), OVERLAID is set while one exists.
+    SnapshotOverlay {
+        #[command(flatten)]
+        run: LayoutSeeds,
+        /// Break the ordering on purpose: issue a home write before its
+        /// before-image is synced (the run must find violations).
+        #[arg(long)]
+        break_image_order: bool,
+    },
     /// Crash `vouch resize` (a grow, a grow over a tail written, a
     /// shrink) at every file operation (a process crash and two kinds of
     /// power cut each): the volume opens at the old size or the new one,
@@ -574,6 +610,47 @@ fn run(cli: Cli) -> Result<bool, String> {
             }
             println!("{}", vouch_sim::resize::summary(&report, &config));
             Ok(report.violations.is_empty())
+        }
+        Command::SnapshotFenced {
+            run,
+            break_image_order,
+            break_last_image,
+        } => {
+            use vouch_sim::snapshot_layer as sim;
+            let config = sim::LayerConfig {
+                route: sim::Route::Fenced,
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                break_image_order,
+                break_last_image,
+            };
+            let layer = sim::run(&config);
+            for violation in &layer.report.violations {
+                println!("{violation}");
+            }
+            println!("{}", sim::summary(&layer, &config));
+            Ok(layer.report.violations.is_empty())
+        }
+        Command::SnapshotOverlay {
+            run,
+            break_image_order,
+        } => {
+            use vouch_sim::snapshot_layer as sim;
+            let config = sim::LayerConfig {
+                route: sim::Route::Overlay,
+                layout: layout(&run.layout)?,
+                seeds: run.seeds,
+                seed: run.seed,
+                break_image_order,
+                break_last_image: false,
+            };
+            let layer = sim::run(&config);
+            for violation in &layer.report.violations {
+                println!("{violation}");
+            }
+            println!("{}", sim::summary(&layer, &config));
+            Ok(layer.report.violations.is_empty())
         }
         Command::SnapshotOnline {
             run,

@@ -443,6 +443,87 @@ impl SnapshotFs for Recording {
     }
 }
 
+/// A before-image log (`storage/before.rs`) that is a file of a
+/// `Recording`'s model filesystem: its appends, syncs and cut are the
+/// recording's operations (each a crash point), its bytes the file's (a
+/// power cut keeps the synced ones, or, for the unsynced state kept, all
+/// of them). Bound to the inode, as an open file is: a rename of its
+/// directory does not move it.
+pub(crate) struct ModelLog {
+    recording: Arc<Recording>,
+    inode: usize,
+    path: PathBuf,
+}
+
+impl ModelLog {
+    /// The file at `path` of `recording` as a log.
+    pub(crate) fn open(recording: &Arc<Recording>, path: &Path) -> io::Result<ModelLog> {
+        let fs = recording.fs.lock();
+        let inode = fs.lookup(path).ok_or_else(|| not_found(path))?;
+        if !matches!(fs.nodes[inode], Node::File { .. }) {
+            return Err(io::Error::other(format!("{}: a directory", path.display())));
+        }
+        Ok(ModelLog {
+            recording: Arc::clone(recording),
+            inode,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn change(&self, what: &str, op: impl FnOnce(&mut Arc<Vec<u8>>, &mut Arc<Vec<u8>>)) {
+        let inode = self.inode;
+        let _ = self.recording.change(what, &self.path, |fs| {
+            if let Node::File { live, durable } = &mut fs.nodes[inode] {
+                op(live, durable);
+            }
+            Ok(())
+        });
+    }
+}
+
+impl vouch_engine::storage::before::BeforeLog for ModelLog {
+    fn bytes(&self) -> io::Result<u64> {
+        match &self.recording.fs.lock().nodes[self.inode] {
+            Node::File { live, .. } => Ok(live.len() as u64),
+            Node::Dir { .. } => Err(io::Error::other("a directory")),
+        }
+    }
+    fn read_at(&self, at: u64, buf: &mut [u8]) -> io::Result<()> {
+        match &self.recording.fs.lock().nodes[self.inode] {
+            Node::File { live, .. } => {
+                let bytes = live
+                    .get(at as usize..at as usize + buf.len())
+                    .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
+                buf.copy_from_slice(bytes);
+                Ok(())
+            }
+            Node::Dir { .. } => Err(io::Error::other("a directory")),
+        }
+    }
+    fn write_at(&self, at: u64, bytes: &[u8]) -> io::Result<()> {
+        self.change("append to the log", |live, _| {
+            let file = Arc::make_mut(live);
+            let end = at as usize + bytes.len();
+            if file.len() < end {
+                file.resize(end, 0);
+            }
+            file[at as usize..end].copy_from_slice(bytes);
+        });
+        Ok(())
+    }
+    fn sync(&self) -> io::Result<()> {
+        self.change("fsync the log", |live, durable| *durable = Arc::clone(live));
+        Ok(())
+    }
+    fn truncate(&self, len: u64) -> io::Result<()> {
+        self.change("cut the log", |live, durable| {
+            Arc::make_mut(live).truncate(len as usize);
+            *durable = Arc::clone(live);
+        });
+        Ok(())
+    }
+}
+
 const VOLUME: &str = "/v";
 const CLONE: &str = "/c";
 const NAME: &str = "s1";

@@ -102,8 +102,8 @@ pub fn summary(online: &OnlineReport, config: &OnlineConfig) -> String {
     )
 }
 
-const VOLUME: &str = "/v";
-const NAME: &str = "s1";
+pub(crate) const VOLUME: &str = "/v";
+pub(crate) const NAME: &str = "s1";
 
 pub fn run(config: &OnlineConfig) -> OnlineReport {
     let flag = match (config.breaks.publish_before_sync, config.break_outside) {
@@ -125,23 +125,23 @@ pub fn run(config: &OnlineConfig) -> OnlineReport {
 
 /// What the images are judged against, kept as the volume is written.
 #[derive(Clone)]
-struct State {
+pub(crate) struct State {
     /// Every block's last acknowledged data (a process crash keeps it).
-    acked: Vec<Vec<u8>>,
+    pub(crate) acked: Vec<Vec<u8>>,
     /// Every block's last flushed data and each issued since (a power cut
     /// may leave any of them).
-    allowed: Vec<Vec<Vec<u8>>>,
+    pub(crate) allowed: Vec<Vec<Vec<u8>>>,
     /// The blocks of the write being issued: not acknowledged yet, so a
     /// crash may keep them or not.
-    pending: BTreeMap<u64, Vec<u8>>,
+    pub(crate) pending: BTreeMap<u64, Vec<u8>>,
     /// The data at the create's flush point, once it was reached.
-    snapshot: Option<Vec<Vec<u8>>>,
+    pub(crate) snapshot: Option<Vec<Vec<u8>>>,
     /// The create returned.
-    done: bool,
+    pub(crate) done: bool,
 }
 
 impl State {
-    fn new(model: Vec<Vec<u8>>) -> State {
+    pub(crate) fn new(model: Vec<Vec<u8>>) -> State {
         State {
             allowed: model.iter().map(|data| vec![data.clone()]).collect(),
             acked: model,
@@ -152,20 +152,20 @@ impl State {
     }
 
     /// Block `lba` is being written with `data`.
-    fn issuing(&mut self, lba: u64, data: Vec<u8>) {
+    pub(crate) fn issuing(&mut self, lba: u64, data: Vec<u8>) {
         self.allowed[lba as usize].push(data.clone());
         self.pending.insert(lba, data);
     }
 
     /// The writes issued are acknowledged.
-    fn acknowledged(&mut self) {
+    pub(crate) fn acknowledged(&mut self) {
         for (lba, data) in std::mem::take(&mut self.pending) {
             self.acked[lba as usize] = data;
         }
     }
 
     /// Everything acknowledged is durable now.
-    fn flushed(&mut self) {
+    pub(crate) fn flushed(&mut self) {
         for (allowed, acked) in self.allowed.iter_mut().zip(&self.acked) {
             *allowed = vec![acked.clone()];
         }
@@ -173,7 +173,7 @@ impl State {
 
     /// Does `read` keep block `lba`'s acknowledged data (`process`: a
     /// crash of the process), or its flushed data (a power cut)?
-    fn keeps(&self, lba: usize, read: &[u8], process: bool) -> bool {
+    pub(crate) fn keeps(&self, lba: usize, read: &[u8], process: bool) -> bool {
         if process {
             self.acked[lba] == read || self.pending.get(&(lba as u64)).is_some_and(|p| p == read)
         } else {
@@ -195,7 +195,7 @@ pub(crate) trait VolumeFiles: Send + Sync {
 
 /// The volume's files of this simulator: `/v/NAME` for each of its
 /// objects, in its `SimStorage`.
-struct SimFiles {
+pub(crate) struct SimFiles {
     sim: SimStorage,
     files: BTreeMap<PathBuf, ObjectId>,
 }
@@ -219,18 +219,18 @@ impl VolumeFiles for SimFiles {
 /// written; everything else (`snapshots/`) is the model filesystem.
 pub(crate) struct ServedFs<V> {
     pub(crate) volume: V,
-    pub(crate) model: Recording,
+    pub(crate) model: Arc<Recording>,
 }
 
 impl ServedFs<SimFiles> {
-    fn new(sim: SimStorage, geometry: &Geometry, fs: ModelFs) -> ServedFs<SimFiles> {
+    pub(crate) fn new(sim: SimStorage, geometry: &Geometry, fs: ModelFs) -> ServedFs<SimFiles> {
         let files = objects_of(geometry)
             .into_iter()
             .map(|object| (Path::new(VOLUME).join(object.file_name()), object))
             .collect();
         ServedFs {
             volume: SimFiles { sim, files },
-            model: Recording::new(fs),
+            model: Arc::new(Recording::new(fs)),
         }
     }
 }
@@ -321,12 +321,32 @@ impl<V: VolumeFiles> SnapshotFs for ServedFs<V> {
         self.model_only(path)?;
         self.model.remove_file(path)
     }
+    fn open_log(
+        &self,
+        path: &Path,
+    ) -> io::Result<Box<dyn vouch_engine::storage::before::BeforeLog>> {
+        self.model_only(path)?;
+        Ok(Box::new(crate::snapshot::ModelLog::open(
+            &self.model,
+            path,
+        )?))
+    }
+    fn file_len(&self, path: &Path) -> io::Result<u64> {
+        match self.volume.owns(path) {
+            true => self.volume.live(path).map(|bytes| bytes.len() as u64),
+            false => self.model.file_len(path),
+        }
+    }
 }
 
 /// Write on the served volume as a client would: one to four blocks of
 /// random data (on the inline route one time in two), or zeroes, or a
 /// trim; each acknowledged into `state`.
-fn client_op(volume: &Volume, state: &Mutex<State>, rng: &mut Rng) -> vouch_engine::Result<()> {
+pub(crate) fn client_op(
+    volume: &Volume,
+    state: &Mutex<State>,
+    rng: &mut Rng,
+) -> vouch_engine::Result<()> {
     let count = rng.range(1, 5);
     let lba = rng.below(BLOCKS - count);
     let offset = lba * BLOCK as u64;
@@ -590,7 +610,7 @@ fn run_seed(
 
 /// The snapshot directory `dir` of `fs` as a `SimStorage`; a file shorter
 /// than the volume's (`lengths`) is cut there, as a short file would be.
-fn snapshot_storage(
+pub(crate) fn snapshot_storage(
     fs: &mut ModelFs,
     dir: &Path,
     geometry: &Geometry,
@@ -612,13 +632,13 @@ fn snapshot_storage(
 
 /// Open `storage`, which must open read-only (a snapshot) or writable,
 /// read every block (each must be `model`'s when given) and check.
-fn read_and_check(
-    storage: SimStorage,
+pub(crate) fn read_and_check(
+    storage: Arc<dyn Storage>,
     want_read_only: bool,
     model: Option<&[Vec<u8>]>,
 ) -> Result<(Volume, Vec<Vec<u8>>), String> {
-    let volume = Volume::open(Arc::new(storage), &crate::foreground_options())
-        .map_err(|e| format!("open: {e}"))?;
+    let volume =
+        Volume::open(storage, &crate::foreground_options()).map_err(|e| format!("open: {e}"))?;
     if volume.is_read_only() != want_read_only {
         return Err(format!(
             "opened {}",
@@ -646,7 +666,7 @@ fn read_and_check(
 }
 
 /// The lengths of the volume's files in `sim`.
-fn lengths_of(sim: &SimStorage, geometry: &Geometry) -> BTreeMap<ObjectId, usize> {
+pub(crate) fn lengths_of(sim: &SimStorage, geometry: &Geometry) -> BTreeMap<ObjectId, usize> {
     objects_of(geometry)
         .into_iter()
         .map(|object| (object, sim.object_bytes(object).len()))
@@ -673,14 +693,15 @@ fn verify(
             return Err("a snapshot has its name before the create reached its flush point".into());
         };
         let storage = snapshot_storage(&mut fs, &path, geometry, &lengths)?;
-        read_and_check(storage, true, Some(model)).map_err(|e| format!("the snapshot: {e}"))?;
+        read_and_check(Arc::new(storage), true, Some(model))
+            .map_err(|e| format!("the snapshot: {e}"))?;
         crate::snapshot::listed_one(&fs, volume_dir)?;
     } else if state.done {
         return Err("the create returned but its snapshot is gone".into());
     }
     // The volume, recovered as the next serve opens it.
-    let (volume, reads) =
-        read_and_check(sim.clone(), false, None).map_err(|e| format!("the volume: {e}"))?;
+    let (volume, reads) = read_and_check(Arc::new(sim.clone()), false, None)
+        .map_err(|e| format!("the volume: {e}"))?;
     for (lba, read) in reads.iter().enumerate() {
         if !state.keeps(lba, read, process) {
             return Err(format!(
@@ -705,7 +726,7 @@ fn verify(
         let lengths = lengths_of(&sim, geometry);
         let mut fs = again.model.fs.lock().clone();
         let storage = snapshot_storage(&mut fs, &path, geometry, &lengths)?;
-        read_and_check(storage, true, Some(&reads))
+        read_and_check(Arc::new(storage), true, Some(&reads))
             .map_err(|e| format!("the snapshot made again: {e}"))?;
     }
     volume

@@ -265,12 +265,12 @@ impl Served {
             volume: RealFiles {
                 real: self.real.clone(),
             },
-            model: Recording::new({
+            model: std::sync::Arc::new(Recording::new({
                 let mut fs = ModelFs::new();
                 fs.put_dir(Path::new(VOLUME));
                 fs.sync_all_dirs();
                 fs
-            }),
+            })),
         };
         {
             let taken = self.taken.clone();

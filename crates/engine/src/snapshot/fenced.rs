@@ -26,7 +26,6 @@
 //! materialises again from the start (`resume`). A `NAME` that still has a
 //! `fence` was published complete: only the two files are removed.
 
-use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -209,11 +208,23 @@ pub fn create_fenced(
     name: &str,
     id: &str,
 ) -> Result<SnapshotRecord> {
-    let fs = RealFs::default();
     super::check_name(name)?;
     can_fence(dir, volume)?;
-    prepare(&fs, dir, name)?;
-    super::tidy(&fs, dir)?;
+    fence_in(&RealFs::default(), dir, volume, name, id)
+}
+
+/// `create_fenced` on `fs` (the crash simulator's model filesystem, or the
+/// real one), once `can_fence` said yes.
+pub fn fence_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    volume: &crate::Volume,
+    name: &str,
+    id: &str,
+) -> Result<SnapshotRecord> {
+    super::check_name(name)?;
+    prepare(fs, dir, name)?;
+    super::tidy(fs, dir)?;
     let storage = volume.storage();
     let layer = layer_of(&*storage)?;
     let partial = partial_path(dir, name);
@@ -232,21 +243,19 @@ pub fn create_fenced(
             )));
         }
         let record = super::record_at(superblock, name, id, "reflink", true);
-        let fence = fence_at(&fs, dir, &partial, superblock, &record)?;
+        let fence = fence_at(fs, dir, &partial, superblock, &record)?;
         // ORDER POINT: the fence is durable before the layer is armed, and
         // the layer is armed before any home write after the flush point.
-        let log = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(partial.join(BEFORE_FILE))
+        let log = fs
+            .open_log(&partial.join(BEFORE_FILE))
             .map_err(|e| io_error("open", &partial.join(BEFORE_FILE), e))?;
         let end = layer
-            .arm(Box::new(log), fence.fence)
+            .arm(log, fence.fence)
             .map_err(|e| io_error("write", &partial.join(BEFORE_FILE), e))?;
         debug_assert_eq!(end, LogEnd::Whole, "a new log is empty");
         Ok(record)
     });
-    if fenced.is_err() && !layer.is_armed() && !is_fenced(&fs, &partial) {
+    if fenced.is_err() && !layer.is_armed() && !is_fenced(fs, &partial) {
         // No fence armed: the flag is not needed (a fence written but not
         // armed is armed by the next open, which sets nothing).
         return fenced
@@ -272,7 +281,7 @@ fn fence_at(
     marked.state = STATE_CLEAN;
     let (superblock_path, record_path, before) = partial_with(fs, partial, &marked, record)?;
     sync_all(fs, partial, &[superblock_path, record_path, before])?;
-    let files = imaged_files(dir, superblock)?;
+    let files = imaged_files(fs, dir, superblock)?;
     let fence = Fence {
         fence: rand::random::<u64>() | 1,
         files,
@@ -318,7 +327,11 @@ pub(super) fn partial_with(
 /// The imaged files of the volume at `dir` with their lengths now (the
 /// journal is new in a snapshot, and its superblock is the one written at
 /// the flush point: neither is imaged, the live ones move on).
-pub(super) fn imaged_files(dir: &Path, superblock: &Superblock) -> Result<Vec<(String, u64)>> {
+pub(super) fn imaged_files(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    superblock: &Superblock,
+) -> Result<Vec<(String, u64)>> {
     let own = [
         ObjectId::Journal.file_name(),
         ObjectId::Superblock.file_name(),
@@ -329,9 +342,7 @@ pub(super) fn imaged_files(dir: &Path, superblock: &Superblock) -> Result<Vec<(S
         .filter(|f| !own.contains(f))
     {
         let path = dir.join(&file);
-        let len = std::fs::metadata(&path)
-            .map_err(|e| io_error("stat", &path, e))?
-            .len();
+        let len = fs.file_len(&path).map_err(|e| io_error("stat", &path, e))?;
         files.push((file, len));
     }
     Ok(files)
@@ -365,12 +376,23 @@ pub fn materialise_with(
     storage: &dyn Storage,
     breaks: BeforeBreaks,
 ) -> Result<Snapshot> {
-    let fs = RealFs::default();
+    materialise_in(&RealFs::default(), dir, name, storage, breaks)
+}
+
+/// `materialise_with` on `fs` (the crash simulator's model filesystem, or
+/// the real one).
+pub fn materialise_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    name: &str,
+    storage: &dyn Storage,
+    breaks: BeforeBreaks,
+) -> Result<Snapshot> {
     let layer = layer_of(storage)?;
     let partial = partial_path(dir, name);
-    if let Err(error) = build(&fs, dir, &partial, breaks) {
+    if let Err(error) = build(fs, dir, &partial, breaks) {
         let cause = failure(name, dir, &error.to_string());
-        mark_failed(&fs, &partial, &cause)?;
+        mark_failed(fs, &partial, &cause)?;
         layer.disarm();
         return Err(Error::Corrupt(cause));
     }
@@ -379,7 +401,7 @@ pub fn materialise_with(
     let target = snapshots.join(name);
     if let Err(error) = fs.rename(&partial, &target) {
         let cause = failure(name, dir, &io_error("rename", &partial, error).to_string());
-        mark_failed(&fs, &partial, &cause)?;
+        mark_failed(fs, &partial, &cause)?;
         layer.disarm();
         return Err(Error::Corrupt(cause));
     }
@@ -393,7 +415,7 @@ pub fn materialise_with(
         "snapshot {name}: materialised; while armed the before-image layer did: {}",
         layer.take_stats()
     );
-    let record = unfence(&fs, &target)?;
+    let record = unfence(fs, &target)?;
     Ok(Snapshot {
         path: target,
         record,
@@ -406,12 +428,13 @@ pub fn materialise_with(
 /// and synced: each cloned and cut to its fenced length, each imaged
 /// block's first before-image written back (the log read in pieces), a
 /// new journal; all read-only.
-fn build(fs: &RealFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Result<()> {
+fn build(fs: &dyn SnapshotFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Result<()> {
     let fence = read_fence(fs, partial)?;
     let mut made = Vec::new();
     for (file, len) in &fence.files {
         let (from, to) = (dir.join(file), partial.join(file));
-        make_writable(&to)?;
+        fs.make_writable(&to)
+            .map_err(|e| io_error("chmod", &to, e))?;
         if !fs
             .warm_file(&from, &to)
             .map_err(|e| io_error("clone", &from, e))?
@@ -427,17 +450,23 @@ fn build(fs: &RealFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Resul
     }
     let superblock = super::superblock_of(fs, partial)?;
     let journal = partial.join(ObjectId::Journal.file_name());
-    if !fs.exists(&journal) {
-        fs.new_file(&journal, superblock.journal_bytes, false)
-            .map_err(|e| io_error("create", &journal, e))?;
-    }
+    // Made its full length even where an attempt a crash cut short made
+    // it already: a power cut may keep its directory entry and lose its
+    // length (the crash simulator found a 0-byte journal published). It is
+    // never written, so all zeros: an empty journal.
+    fs.make_writable(&journal)
+        .map_err(|e| io_error("chmod", &journal, e))?;
+    fs.set_len(&journal, superblock.journal_bytes)
+        .map_err(|e| io_error("create", &journal, e))?;
     made.push(journal);
     // Read after every clone ended: each home write that reached a clone
     // was issued after its image was synced, so its image is in here.
     let log_path = partial.join(BEFORE_FILE);
-    let log = std::fs::File::open(&log_path).map_err(|e| io_error("open", &log_path, e))?;
+    let log = fs
+        .open_log(&log_path)
+        .map_err(|e| io_error("open", &log_path, e))?;
     let mut records = Vec::new();
-    let scanned = scan_log(&log, fence.fence, SCAN_PIECE, &mut |record| {
+    let scanned = scan_log(&*log, fence.fence, SCAN_PIECE, &mut |record| {
         records.push(*record)
     })
     .map_err(|e| io_error("read", &log_path, e))?;
@@ -470,7 +499,7 @@ fn build(fs: &RealFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Resul
             if offset >= len || !restored.insert((record.object, offset)) {
                 continue;
             }
-            log.read_exact_at(&mut image, record.payload_at + block * IMAGE_BLOCK)
+            log.read_at(record.payload_at + block * IMAGE_BLOCK, &mut image)
                 .map_err(|e| io_error("read", &log_path, e))?;
             let keep = (len - offset).min(IMAGE_BLOCK) as usize;
             fs.write_at(&path, offset, &image[..keep])
@@ -486,22 +515,13 @@ fn build(fs: &RealFs, dir: &Path, partial: &Path, breaks: BeforeBreaks) -> Resul
     sync_all(fs, partial, &made)
 }
 
-/// A file `make_read_only` sealed by a materialisation a crash cut short
-/// is written again.
-fn make_writable(path: &Path) -> Result<()> {
-    use std::os::unix::fs::PermissionsExt as _;
-    match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)) {
-        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
-            Err(io_error("chmod", path, error))
-        }
-        _ => Ok(()),
-    }
-}
-
 /// A published snapshot's fence and log removed (its files are complete);
 /// its record.
 fn unfence(fs: &dyn SnapshotFs, target: &Path) -> Result<SnapshotRecord> {
-    for file in [FENCE_FILE, BEFORE_FILE] {
+    // The log before the fence: a crash between leaves the fence, and the
+    // next open (`resume`) removes both; the other way round it left the
+    // log in the snapshot for good (the crash simulator found it).
+    for file in [BEFORE_FILE, FENCE_FILE] {
         let path = target.join(file);
         if fs.exists(&path) {
             fs.remove_file(&path)
@@ -523,7 +543,16 @@ pub fn resume(
     dir: &Path,
     storage: &Arc<crate::storage::before::BeforeImages>,
 ) -> Result<Option<String>> {
-    let fs = RealFs::default();
+    resume_in(&RealFs::default(), dir, storage)
+}
+
+/// `resume` on `fs` (the crash simulator's model filesystem, or the real
+/// one).
+pub fn resume_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    storage: &Arc<crate::storage::before::BeforeImages>,
+) -> Result<Option<String>> {
     let snapshots = dir.join(SNAPSHOTS_DIR);
     let Some(names) = fs
         .names(&snapshots)
@@ -535,8 +564,8 @@ pub fn resume(
     for entry in names {
         let path = snapshots.join(&entry);
         if !entry.starts_with('.') {
-            if is_fenced(&fs, &path) {
-                unfence(&fs, &path)?;
+            if is_fenced(fs, &path) {
+                unfence(fs, &path)?;
             }
             continue;
         }
@@ -546,30 +575,28 @@ pub fn resume(
         else {
             continue;
         };
-        if let Some(cause) = failed_cause(&fs, &path) {
-            if is_fenced(&fs, &path) {
+        if let Some(cause) = failed_cause(fs, &path) {
+            if is_fenced(fs, &path) {
                 // A crash cut the mark before the fence went.
-                mark_failed(&fs, &path, &cause)?;
+                mark_failed(fs, &path, &cause)?;
             }
             continue;
         }
-        if !is_fenced(&fs, &path) || pending.is_some() {
+        if !is_fenced(fs, &path) || pending.is_some() {
             continue;
         }
-        let fence = read_fence(&fs, &path)?;
+        let fence = read_fence(fs, &path)?;
         let log_path = path.join(BEFORE_FILE);
-        let log = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(&log_path)
+        let log = fs
+            .open_log(&log_path)
             .map_err(|e| io_error("open", &log_path, e))?;
         let end = storage
-            .arm(Box::new(log), fence.fence)
+            .arm(log, fence.fence)
             .map_err(|e| io_error("read", &log_path, e))?;
         if let LogEnd::Corrupt { at, later } = end {
             // Not armed: the snapshot cannot be right; the volume opens.
             let cause = failure(name, dir, &damaged(&log_path, at, later));
-            mark_failed(&fs, &path, &cause)?;
+            mark_failed(fs, &path, &cause)?;
             tracing::error!(volume = %dir.display(), "{cause}");
             continue;
         }

@@ -24,7 +24,6 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::storage::before::{BeforeImages, LogEnd};
-use crate::storage::imaged::IndexFile;
 use crate::storage::overlay::{OverlayStorage, ReadFiles};
 use crate::storage::{objects_of, ObjectId};
 
@@ -121,15 +120,19 @@ fn refuse_regions(volume: &Path, superblock: &Superblock) -> Result<()> {
 }
 
 /// Arm `layer` with the log at `log_path` (fence `fence`), its index of
-/// imaged blocks kept at `index`.
-fn arm_with(layer: &BeforeImages, log_path: &Path, fence: u64, index: PathBuf) -> Result<()> {
-    let log = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(log_path)
+/// imaged blocks kept at `index` (where `fs` keeps one).
+fn arm_with(
+    fs: &dyn SnapshotFs,
+    layer: &BeforeImages,
+    log_path: &Path,
+    fence: u64,
+    index: &Path,
+) -> Result<()> {
+    let log = fs
+        .open_log(log_path)
         .map_err(|e| io_error("open", log_path, e))?;
     match layer
-        .arm_indexed(Box::new(log), fence, Some(Arc::new(IndexFile { path: index })))
+        .arm_indexed(log, fence, fs.index_store(index))
         .map_err(|e| io_error("read", log_path, e))?
     {
         LogEnd::Whole | LogEnd::Torn { .. } => Ok(()),
@@ -163,7 +166,7 @@ fn write_partial(
         .map_err(|e| io_error("create", &journal, e))?;
     let fence = Fence {
         fence: rand::random::<u64>() | 1,
-        files: imaged_files(volume, superblock)?,
+        files: imaged_files(fs, volume, superblock)?,
     };
     let fence_path = partial.join(OVERLAY_FILE);
     fs.write_at(
@@ -276,9 +279,20 @@ pub fn delete_offline(fs: &dyn SnapshotFs, volume: &Path, name: &str) -> Result<
 /// after the flush point. Callers serialize creates and deletes (the
 /// server's online lock).
 pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -> Result<Snapshot> {
-    let fs = RealFs::default();
+    create_online_in(&RealFs::default(), dir, volume, name, id)
+}
+
+/// `create_online` on `fs` (the crash simulator's model filesystem, or
+/// the real one).
+pub fn create_online_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    volume: &crate::Volume,
+    name: &str,
+    id: &str,
+) -> Result<Snapshot> {
     super::check_name(name)?;
-    check_alone(&fs, dir)?;
+    check_alone(fs, dir)?;
     let storage = volume.storage();
     let layer = storage.before_images().ok_or_else(|| {
         invalid("this volume was opened without the before-image layer".to_string())
@@ -288,8 +302,8 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
             "the volume's before-image layer is in use (a snapshot is materialising)".to_string(),
         ));
     }
-    prepare(&fs, dir, name)?;
-    tidy(&fs, dir)?;
+    prepare(fs, dir, name)?;
+    tidy(fs, dir)?;
     let partial = partial_path(dir, name);
     // ORDER POINT: OVERLAID durable before the name is published (set
     // here: the flush point holds the commit lock a superblock write takes).
@@ -297,14 +311,14 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
     let taken = volume.at_flush_point(&mut |superblock: &Superblock| {
         refuse_regions(dir, superblock)?;
         let record = super::record_at(superblock, name, id, METHOD, true);
-        let fence = write_partial(&fs, dir, &partial, superblock, &record)?;
+        let fence = write_partial(fs, dir, &partial, superblock, &record)?;
         // ORDER POINT: armed before the name is published, both before
         // any home write after the flush point.
         // The index is saved once enough images are durable, by then
         // under the published name.
         let index = snapshot_path(dir, name).join(INDEX_FILE);
-        arm_with(layer, &partial.join(BEFORE_FILE), fence.fence, index)?;
-        match publish(&fs, dir, name) {
+        arm_with(fs, layer, &partial.join(BEFORE_FILE), fence.fence, &index)?;
+        match publish(fs, dir, name) {
             Ok(path) => Ok(Snapshot {
                 path,
                 record,
@@ -318,7 +332,7 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
             }
         }
     });
-    if taken.is_err() && overlays(&fs, dir).is_ok_and(|names| names.is_empty()) {
+    if taken.is_err() && overlays(fs, dir).is_ok_and(|names| names.is_empty()) {
         return taken
             .map_err(|error| super::flag_left(dir, error, "OVERLAID", volume.set_overlaid(false)));
     }
@@ -329,8 +343,17 @@ pub fn create_online(dir: &Path, volume: &crate::Volume, name: &str, id: &str) -
 /// (and replays): the layer over `storage` armed with the log of the
 /// volume's overlay snapshot, if it has one. Its name.
 pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<String>> {
-    let fs = RealFs::default();
-    let names = overlays(&fs, dir)?;
+    arm_at_open_in(&RealFs::default(), dir, storage)
+}
+
+/// `arm_at_open` on `fs` (the crash simulator's model filesystem, or the
+/// real one).
+pub fn arm_at_open_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    storage: &Arc<BeforeImages>,
+) -> Result<Option<String>> {
+    let names = overlays(fs, dir)?;
     let Some(name) = names.first() else {
         return Ok(None);
     };
@@ -342,20 +365,15 @@ pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<Str
         )));
     }
     let snapshot = snapshot_path(dir, name);
-    let fence = read_fence(&fs, &snapshot)?;
+    let fence = read_fence(fs, &snapshot)?;
     let log_path = snapshot.join(BEFORE_FILE);
-    let log = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(&log_path)
+    let log = fs
+        .open_log(&log_path)
         .map_err(|e| io_error("open", &log_path, e))?;
     // The index of the blocks imaged: the log is read only past what it
     // covers (or whole, when it is missing or does not match the log).
-    let index = Arc::new(IndexFile {
-        path: snapshot.join(INDEX_FILE),
-    });
     let end = storage
-        .arm_indexed(Box::new(log), fence.fence, Some(index))
+        .arm_indexed(log, fence.fence, fs.index_store(&snapshot.join(INDEX_FILE)))
         .map_err(|e| io_error("read", &log_path, e))?;
     if let LogEnd::Corrupt { at, .. } = end {
         // A synced image lost: the snapshot is failed (never read as the
@@ -367,7 +385,7 @@ pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<Str
         let failed = snapshot.join(FAILED_FILE);
         fs.write_at(&failed, 0, cause.as_bytes())
             .map_err(|e| io_error("write", &failed, e))?;
-        sync_all(&fs, &snapshot, &[failed])?;
+        sync_all(fs, &snapshot, &[failed])?;
         tracing::error!(volume = %dir.display(), "overlay snapshot {name} failed: {cause}");
         return Ok(None);
     }
@@ -378,8 +396,8 @@ pub fn arm_at_open(dir: &Path, storage: &Arc<BeforeImages>) -> Result<Option<Str
 /// OVERLAID cleared when no overlay snapshot of it is published (a create
 /// a crash cut after the flag was made durable and before the name was),
 /// so binaries that know no overlays open it again.
-pub fn clear_stale_overlaid(dir: &Path, volume: &crate::Volume) -> Result<()> {
-    if !volume.overlaid() || !overlays(&RealFs::default(), dir)?.is_empty() {
+pub fn clear_stale_overlaid(fs: &dyn SnapshotFs, dir: &Path, volume: &crate::Volume) -> Result<()> {
+    if !volume.overlaid() || !overlays(fs, dir)?.is_empty() {
         return Ok(());
     }
     volume.set_overlaid(false)?;
@@ -483,21 +501,73 @@ pub fn open_storage(snapshot: &Path, superblock: &Superblock) -> Result<OverlayS
     ))
 }
 
+/// The storage of the overlay snapshot at `snapshot` on `fs` (the crash
+/// simulator's model filesystem): `own` its superblock and journal, `live`
+/// the volume's files, the log opened on `fs`; what `open_storage` makes
+/// of real files. Refused when the overlay failed.
+pub fn overlay_in(
+    fs: &dyn SnapshotFs,
+    snapshot: &Path,
+    geometry: &vouch_format::Geometry,
+    own: Arc<dyn crate::storage::Storage>,
+    live: Arc<dyn crate::storage::Storage>,
+) -> Result<OverlayStorage> {
+    let failed = snapshot.join(FAILED_FILE);
+    if fs.exists(&failed) {
+        let cause = fs.read(&failed).unwrap_or_default();
+        return Err(Error::Corrupt(format!(
+            "overlay snapshot {} failed: {}",
+            snapshot.display(),
+            String::from_utf8_lossy(&cause)
+        )));
+    }
+    let fence = read_fence(fs, snapshot)?;
+    let by_name: HashMap<String, ObjectId> = objects_of(geometry)
+        .into_iter()
+        .map(|object| (object.file_name(), object))
+        .collect();
+    let mut lengths = HashMap::new();
+    for (file, len) in &fence.files {
+        let object = *by_name.get(file).ok_or_else(|| {
+            Error::Corrupt(format!(
+                "{}: {file} is no file of the volume",
+                snapshot.join(OVERLAY_FILE).display()
+            ))
+        })?;
+        lengths.insert(object, *len);
+    }
+    let log_path = snapshot.join(BEFORE_FILE);
+    let log = fs
+        .open_log(&log_path)
+        .map_err(|e| io_error("open", &log_path, e))?;
+    Ok(OverlayStorage::new(own, live, log, fence.fence, lengths))
+}
+
 /// Snapshot `name` of the served `volume` at `dir` deleted (the caller
 /// holds the server's snapshot lock and the snapshot's own), and the
 /// layer disarmed when it was the overlay: the name goes first (renamed
 /// away, synced), so a crash between leaves no overlay to arm.
 pub fn delete_served(dir: &Path, volume: Option<&crate::Volume>, name: &str) -> Result<()> {
-    let fs = RealFs::default();
-    let overlay = is_overlay(&fs, &snapshot_path(dir, name));
-    super::delete(&fs, dir, name)?;
+    delete_served_in(&RealFs::default(), dir, volume, name)
+}
+
+/// `delete_served` on `fs` (the crash simulator's model filesystem, or
+/// the real one).
+pub fn delete_served_in(
+    fs: &dyn SnapshotFs,
+    dir: &Path,
+    volume: Option<&crate::Volume>,
+    name: &str,
+) -> Result<()> {
+    let overlay = is_overlay(fs, &snapshot_path(dir, name));
+    super::delete(fs, dir, name)?;
     if overlay {
         if let Some(layer) = volume.map(crate::Volume::storage) {
             if let Some(layer) = layer.before_images() {
                 layer.disarm();
             }
         }
-        if let Some(volume) = volume.filter(|_| overlays(&fs, dir).is_ok_and(|n| n.is_empty())) {
+        if let Some(volume) = volume.filter(|_| overlays(fs, dir).is_ok_and(|n| n.is_empty())) {
             volume.set_overlaid(false)?;
         }
     }

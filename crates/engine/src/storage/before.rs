@@ -577,6 +577,11 @@ impl BeforeImages {
         *self.layer.breaks.lock() = breaks;
     }
 
+    /// The orderings broken (`set_breaks`; none in production).
+    pub fn breaks(&self) -> BeforeBreaks {
+        *self.layer.breaks.lock()
+    }
+
     /// Arm the layer with the log `log` of fence `fence`. The records it
     /// holds already (an open that found the fence: a crash cut the
     /// materialisation) are kept, a torn tail cut off, and their blocks
