@@ -175,8 +175,14 @@ pub fn open_layered(
     options: &OpenOptions,
 ) -> Result<Volume> {
     let pending = snapshot::fenced::resume_in(fs, path, &layered)?;
-    snapshot::overlay::arm_at_open_in(fs, path, &layered)?;
+    let overlay = snapshot::overlay::arm_at_open_in(fs, path, &layered)?;
     let volume = Volume::open(layered.clone(), options)?;
+    if overlay.is_none() {
+        // No overlay armed: an OVERLAID a create set before a crash cut it
+        // (the flag is durable before the name is published), or one a
+        // failed overlay left, keeps older binaries off for nothing.
+        snapshot::overlay::clear_stale_overlaid(fs, path, &volume)?;
+    }
     if let Some(name) = pending {
         // A failure is marked on the snapshot (and the layer disarmed):
         // the volume opens all the same.

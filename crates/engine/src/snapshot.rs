@@ -135,6 +135,16 @@ pub trait SnapshotFs {
     fn file_len(&self, path: &Path) -> io::Result<u64> {
         self.read(path).map(|bytes| bytes.len() as u64)
     }
+    /// Where an overlay's index of imaged blocks at `path` is kept
+    /// (`storage/imaged.rs`): read whole; saved atomically and durably
+    /// (the old index or the new, never a mix). `None` (the default): no
+    /// index, and every writable open reads the whole log.
+    fn index_store(
+        &self,
+        _path: &Path,
+    ) -> Option<std::sync::Arc<dyn crate::storage::imaged::IndexStore>> {
+        None
+    }
 }
 
 /// Orderings `create` can be told to break, to show the crash simulator
@@ -165,6 +175,14 @@ impl RealFs {
 }
 
 impl SnapshotFs for RealFs {
+    fn index_store(
+        &self,
+        path: &Path,
+    ) -> Option<std::sync::Arc<dyn crate::storage::imaged::IndexStore>> {
+        Some(std::sync::Arc::new(crate::storage::imaged::IndexFile {
+            path: path.to_path_buf(),
+        }))
+    }
     fn make_writable(&self, path: &Path) -> io::Result<()> {
         use std::os::unix::fs::PermissionsExt as _;
         match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)) {
@@ -736,6 +754,26 @@ pub fn tidy(fs: &dyn SnapshotFs, volume: &Path) -> Result<Vec<String>> {
         fs.sync_dir(&dir).map_err(|e| io_error("sync", &dir, e))?;
     }
     Ok(removed)
+}
+
+/// `error` (a snapshot create that failed after it set the volume's flag
+/// `flag`), with `cleared` (the flag's undo) told when that failed too:
+/// the flag stays set until the next writable open clears it, and until
+/// then binaries that do not know it refuse the volume.
+pub(crate) fn flag_left(volume: &Path, error: Error, flag: &str, cleared: Result<()>) -> Error {
+    match cleared {
+        Ok(()) => error,
+        Err(clear) => {
+            tracing::error!(volume = %volume.display(), "{flag} could not be cleared after a failed snapshot create: {clear}");
+            Error::Path {
+                action: "take the snapshot of",
+                path: volume.to_path_buf(),
+                cause: format!(
+                    "{error}; and the volume's {flag} flag, set for it, could not be cleared ({clear}): the next writable open of the volume clears it (until then older binaries refuse it)"
+                ),
+            }
+        }
+    }
 }
 
 /// Where a snapshot's files come from: a volume at a flush point, its

@@ -148,6 +148,13 @@ impl Volume {
         })
     }
 
+    /// Does the superblock carry OVERLAID?
+    pub fn overlaid(&self) -> bool {
+        self.current().superblock().features.incompat
+            & vouch_format::FeatureFlags::INCOMPAT_OVERLAID
+            != 0
+    }
+
     /// Set or clear OVERLAID (the volume has an overlay snapshot,
     /// `snapshot/overlay.rs`), a superblock write. Not at a flush point
     /// (it takes the commit lock).

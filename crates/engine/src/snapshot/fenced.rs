@@ -255,12 +255,11 @@ pub fn fence_in(
         debug_assert_eq!(end, LogEnd::Whole, "a new log is empty");
         Ok(record)
     });
-    if fenced.is_err() && !layer.is_armed() {
+    if fenced.is_err() && !layer.is_armed() && !is_fenced(fs, &partial) {
         // No fence armed: the flag is not needed (a fence written but not
         // armed is armed by the next open, which sets nothing).
-        if !is_fenced(fs, &partial) {
-            let _ = volume.set_fenced(false);
-        }
+        return fenced
+            .map_err(|error| super::flag_left(dir, error, "FENCED", volume.set_fenced(false)));
     }
     fenced
 }

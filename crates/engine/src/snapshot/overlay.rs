@@ -24,11 +24,16 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::storage::before::{BeforeImages, LogEnd};
-use crate::storage::overlay::{damaged_at, OverlayStorage, ReadFiles};
+use crate::storage::overlay::{OverlayStorage, ReadFiles};
 use crate::storage::{objects_of, ObjectId};
 
 /// An overlay snapshot's fence (JSON, `Fence`), in `snapshots/NAME/`.
 pub const OVERLAY_FILE: &str = "overlay";
+/// The index of the blocks its log imaged (`storage/imaged.rs`), beside
+/// the log: written by the volume's writable opens and every
+/// `before::INDEX_EVERY` bytes of images; never needed (the log is read
+/// whole without it).
+pub const INDEX_FILE: &str = "imaged";
 /// The `method` its record carries.
 pub const METHOD: &str = "overlay";
 /// Written into an overlay found damaged (its cause): it is no longer
@@ -114,13 +119,20 @@ fn refuse_regions(volume: &Path, superblock: &Superblock) -> Result<()> {
     Ok(())
 }
 
-/// Arm `layer` with the log at `log_path` (fence `fence`).
-fn arm_with(fs: &dyn SnapshotFs, layer: &BeforeImages, log_path: &Path, fence: u64) -> Result<()> {
+/// Arm `layer` with the log at `log_path` (fence `fence`), its index of
+/// imaged blocks kept at `index` (where `fs` keeps one).
+fn arm_with(
+    fs: &dyn SnapshotFs,
+    layer: &BeforeImages,
+    log_path: &Path,
+    fence: u64,
+    index: &Path,
+) -> Result<()> {
     let log = fs
         .open_log(log_path)
         .map_err(|e| io_error("open", log_path, e))?;
     match layer
-        .arm(log, fence)
+        .arm_indexed(log, fence, fs.index_store(index))
         .map_err(|e| io_error("read", log_path, e))?
     {
         LogEnd::Whole | LogEnd::Torn { .. } => Ok(()),
@@ -302,7 +314,10 @@ pub fn create_online_in(
         let fence = write_partial(fs, dir, &partial, superblock, &record)?;
         // ORDER POINT: armed before the name is published, both before
         // any home write after the flush point.
-        arm_with(fs, layer, &partial.join(BEFORE_FILE), fence.fence)?;
+        // The index is saved once enough images are durable, by then
+        // under the published name.
+        let index = snapshot_path(dir, name).join(INDEX_FILE);
+        arm_with(fs, layer, &partial.join(BEFORE_FILE), fence.fence, &index)?;
         match publish(fs, dir, name) {
             Ok(path) => Ok(Snapshot {
                 path,
@@ -318,7 +333,8 @@ pub fn create_online_in(
         }
     });
     if taken.is_err() && overlays(fs, dir).is_ok_and(|names| names.is_empty()) {
-        let _ = volume.set_overlaid(false);
+        return taken
+            .map_err(|error| super::flag_left(dir, error, "OVERLAID", volume.set_overlaid(false)));
     }
     taken
 }
@@ -352,9 +368,14 @@ pub fn arm_at_open_in(
     let fence = read_fence(fs, &snapshot)?;
     let log_path = snapshot.join(BEFORE_FILE);
     let log = fs
-        .read(&log_path)
+        .open_log(&log_path)
+        .map_err(|e| io_error("open", &log_path, e))?;
+    // The index of the blocks imaged: the log is read only past what it
+    // covers (or whole, when it is missing or does not match the log).
+    let end = storage
+        .arm_indexed(log, fence.fence, fs.index_store(&snapshot.join(INDEX_FILE)))
         .map_err(|e| io_error("read", &log_path, e))?;
-    if let Some(at) = damaged_at(&log, fence.fence) {
+    if let LogEnd::Corrupt { at, .. } = end {
         // A synced image lost: the snapshot is failed (never read as the
         // live bytes), the volume opens without it.
         let cause = format!(
@@ -368,8 +389,20 @@ pub fn arm_at_open_in(
         tracing::error!(volume = %dir.display(), "overlay snapshot {name} failed: {cause}");
         return Ok(None);
     }
-    arm_with(fs, storage, &log_path, fence.fence)?;
     Ok(Some(name.clone()))
+}
+
+/// At a writable open of the volume at `dir` that armed no overlay: its
+/// OVERLAID cleared when no overlay snapshot of it is published (a create
+/// a crash cut after the flag was made durable and before the name was),
+/// so binaries that know no overlays open it again.
+pub fn clear_stale_overlaid(fs: &dyn SnapshotFs, dir: &Path, volume: &crate::Volume) -> Result<()> {
+    if !volume.overlaid() || !overlays(fs, dir)?.is_empty() {
+        return Ok(());
+    }
+    volume.set_overlaid(false)?;
+    tracing::warn!(volume = %dir.display(), "cleared OVERLAID: no overlay snapshot was published (a create cut short)");
+    Ok(())
 }
 
 fn read_fence(fs: &dyn SnapshotFs, snapshot: &Path) -> Result<Fence> {

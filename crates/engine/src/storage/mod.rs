@@ -14,6 +14,7 @@ use vouch_format::Geometry;
 
 pub mod before;
 pub mod direct;
+pub mod imaged;
 pub mod nowait;
 pub mod overlay;
 pub mod ring_read;

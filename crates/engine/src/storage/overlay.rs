@@ -19,7 +19,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::before::{is_imaged, read_records, BeforeLog, LogEnd, IMAGE_BLOCK};
+use super::before::{
+    is_imaged, read_records, scan_log_from, BeforeLog, LogEnd, IMAGE_BLOCK, SCAN_PIECE,
+};
 use super::{ObjectId, Storage};
 
 /// Where each imaged block's first image is in the log, read so far.
@@ -88,30 +90,35 @@ impl OverlayStorage {
         let mut index = self.index.lock();
         let len = self.log.bytes()?;
         if len > index.end {
-            let mut tail = vec![0u8; (len - index.end) as usize];
-            match self.log.read_at(index.end, &mut tail) {
-                Ok(()) => {}
+            // In pieces from where the last look ended, never the whole
+            // tail in memory.
+            let mut found = Vec::new();
+            let scanned = match scan_log_from(
+                &*self.log,
+                self.fence,
+                index.end,
+                SCAN_PIECE,
+                &mut |record| found.push(*record),
+            ) {
+                Ok(scanned) => scanned,
                 // Cut meanwhile (a torn tail the volume's open removed).
                 Err(error) if error.kind() == io::ErrorKind::UnexpectedEof => return Ok(index),
                 Err(error) => return Err(error),
-            }
-            let (records, scanned) = read_records(&tail, self.fence);
+            };
             if let LogEnd::Corrupt { at, .. } = scanned.end {
                 // Never the live bytes for a block whose image was lost.
                 return Err(io::Error::other(format!(
-                    "the overlay's before-image log is damaged at byte {}: a record does not read whole and valid records follow",
-                    index.end + at
+                    "the overlay's before-image log is damaged at byte {at}: a record does not read whole and valid records follow"
                 )));
             }
-            let base = index.end;
-            for record in records {
+            for record in found {
                 for block in 0..(record.len / IMAGE_BLOCK) {
-                    let at = base + record.payload_at + block * IMAGE_BLOCK;
+                    let at = record.payload_at + block * IMAGE_BLOCK;
                     let key = (record.object, record.offset + block * IMAGE_BLOCK);
                     index.first.entry(key).or_insert(at);
                 }
             }
-            index.end += scanned.valid;
+            index.end = scanned.valid;
         }
         Ok(index)
     }
