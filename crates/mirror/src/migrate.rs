@@ -41,6 +41,10 @@
 //! target layout. Every leg's volume lock is held for the whole run, so
 //! no server writes the set meanwhile.
 //!
+//! Its cost: room for one more copy of one leg (the leg being rebuilt),
+//! and every written block read once and written once per leg moved,
+//! then read once more by the new leg's check.
+//!
 //! Refused, with nothing changed: a remote leg (the replica protocol has
 //! no migrate), a leg that is not active or cannot be opened (resync or
 //! replace it first), a leg with regions, snapshots or a fence, legs of

@@ -295,3 +295,53 @@ fn a_mirror_with_a_remote_leg_is_refused_with_nothing_changed() {
     assert!(!d.join(".a.migrating").exists());
     let _ = b;
 }
+
+#[test]
+fn an_encrypted_mirror_moves_to_packed_with_its_key_every_block_the_same() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let d = dir.path();
+    let key = d.join("test.key");
+    std::fs::write(&key, [0x5a; 32]).expect("write key");
+    let (a, b) = (d.join("a"), d.join("b"));
+    vouch_ok(&[
+        "create",
+        s(&a),
+        "--size",
+        "8MiB",
+        "--layout",
+        "split",
+        "--encrypt",
+        "--key-file",
+        s(&key),
+        "--mirror",
+        s(&b),
+    ]);
+    let mut server = Server::start(d, &[s(&a), "--key-file", s(&key)]);
+    py_json(WRITE, &[&server.uri, "3000"]);
+    server.stop();
+    let export = |leg: &Path, name: &str| -> Vec<u8> {
+        let raw = d.join(format!("{name}.raw"));
+        vouch_ok(&["export", s(leg), s(&raw), "--key-file", s(&key)]);
+        std::fs::read(&raw).expect("read export")
+    };
+    let image = export(&a, "before");
+    assert!(image.iter().any(|byte| *byte != 0), "the image holds data");
+
+    let output = vouch(&[
+        "migrate",
+        s(&a),
+        "--layout",
+        "packed",
+        "--key-file",
+        s(&key),
+    ]);
+    assert!(output.status.success(), "{}", text(&output));
+    assert_eq!(
+        (layout_of(&a), layout_of(&b)),
+        ("packed".into(), "packed".into())
+    );
+    assert!(export(&a, "a") == image, "leg a exports another image");
+    assert!(export(&b, "b") == image, "leg b exports another image");
+    let output = vouch(&["check", s(&a), "--key-file", s(&key)]);
+    assert!(output.status.success(), "{}", text(&output));
+}
