@@ -274,6 +274,8 @@ fn migrate_open(
     let mut report = MirrorMigrateReport::default();
     for leg in paths {
         let staging = staging_path(leg);
+        // `can_exchange`'s probe, if a run died in it.
+        let _ = std::fs::remove_dir(staging.with_extension("probe"));
         if staging.exists() {
             // Opened and closed first where it opens (a crash left it
             // open): a held log it left in memory is let go with it.
@@ -408,13 +410,15 @@ fn migrate_leg(
         }
     };
     at(index, LegStage::BeforeExchange);
-    exchange(&staging, leg).map_err(|error| path_error("exchange", leg, error))?;
-    sync_parent(leg).map_err(|error| path_error("sync", leg, error))?;
-    at(index, LegStage::AfterExchange);
-    // The old volume (now under the staging name) closed, then removed.
+    // The old volume closed before the exchange: its storage names files
+    // by the leg's path (the `held` pointer), which is the new leg's after
+    // it. The other legs' locks keep a server out meanwhile.
     if let Some(old) = volumes[index].take() {
         old.close()?;
     }
+    exchange(&staging, leg).map_err(|error| path_error("exchange", leg, error))?;
+    sync_parent(leg).map_err(|error| path_error("sync", leg, error))?;
+    at(index, LegStage::AfterExchange);
     std::fs::remove_dir_all(&staging).map_err(|error| path_error("remove", &staging, error))?;
     sync_parent(&staging).map_err(|error| path_error("sync", &staging, error))?;
     // The new leg, open again: a source of repairs for the legs after it.
