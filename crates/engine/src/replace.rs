@@ -34,3 +34,35 @@ pub fn sync_parent(path: &Path) -> io::Result<()> {
         None => Ok(()),
     }
 }
+
+/// Swap the directory entries `a` and `b` in one step (`renameat2` with
+/// `RENAME_EXCHANGE`): a crash leaves both names as they were or both
+/// swapped, never one name missing, which two renames would. Both must
+/// exist, on one filesystem; a filesystem that cannot exchange fails
+/// with `EINVAL`. Not durable until the parent directory is fsynced
+/// (`sync_parent`).
+pub fn exchange(a: &Path, b: &Path) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt as _;
+    let c = |path: &Path| {
+        CString::new(path.as_os_str().as_bytes())
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))
+    };
+    let (a, b) = (c(a)?, c(b)?);
+    // SAFETY: both are NUL-terminated strings that outlive the call; the
+    // call reads them and nothing else of this process.
+    let result = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            a.as_ptr(),
+            libc::AT_FDCWD,
+            b.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

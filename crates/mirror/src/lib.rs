@@ -65,6 +65,7 @@ pub mod dirty;
 mod legs;
 pub mod manage;
 mod map_file;
+pub mod migrate;
 pub mod progress;
 pub mod reconcile;
 pub mod remote;

@@ -17,6 +17,7 @@ use vouch_format::LayoutKind;
 use crate::key::Use;
 use crate::offload::client::{Client, ServerArgs};
 use crate::progress::progress_bar;
+use vouch_mirror::migrate::{self, LegStage};
 
 /// Blocks read per step of `export` and `check`.
 const CHUNK_BLOCKS: u64 = 256;
@@ -116,10 +117,7 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
     let target = LayoutKind::from_name(layout).context("unknown layout")?;
     crate::key::volume_dir(path)?;
     if vouch_mirror::is_mirrored(path) {
-        bail!(
-            "{} is a mirror leg: a mirror is not migrated (each leg would become a volume with regions, which a mirror does not open yet); the mirror is left in its layout, every leg unchanged",
-            path.display()
-        );
+        return run_mirror(path, target);
     }
     let options = crate::key::open_options(path, OpenOptions::default(), Use::Data)?;
     let bar = progress_bar(0, &format!("migrating to {}", target.name()));
@@ -156,13 +154,97 @@ pub fn run(path: &Path, layout: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// For tests (`tests/migrate_mirror.rs`): `LEG:STAGE` (leg index;
+/// `before`, `after` the exchange); a mirror's migration aborts the
+/// process there, as a crash would.
+const CRASH_AT: &str = "VOUCH_TEST_MIGRATE_MIRROR_CRASH_AT";
+
+/// `vouch migrate LEG --layout L` of a mirror: each leg rebuilt in `target`
+/// in turn (`vouch_mirror::migrate`), the others whole meanwhile.
+fn run_mirror(path: &Path, target: LayoutKind) -> Result<ExitCode> {
+    let options = crate::key::open_options(path, OpenOptions::default(), Use::Data)?;
+    let crash_at = std::env::var(CRASH_AT).ok();
+    let bar = progress_bar(0, &format!("migrating the mirror to {}", target.name()));
+    let report = migrate::migrate_mirror(
+        path,
+        target,
+        migrate::MigrateHooks {
+            open_leg: &mut |leg| {
+                crate::key::open(leg, options.clone(), Use::Data)
+                    .map_err(|error| vouch_engine::Error::InvalidArgument(format!("{error:#}")))
+            },
+            progress: &mut |done, total| {
+                bar.set_length(total);
+                bar.set_position(done);
+            },
+            at: &mut |leg, stage| {
+                let here = match stage {
+                    LegStage::BeforeExchange => format!("{leg}:before"),
+                    LegStage::AfterExchange => format!("{leg}:after"),
+                    LegStage::Done => return,
+                };
+                if crash_at.as_deref() == Some(here.as_str()) {
+                    std::process::abort();
+                }
+            },
+        },
+    );
+    bar.finish_and_clear();
+    let report = report?;
+    for leftover in &report.leftovers {
+        eprintln!(
+            "vouch: removed {}, left by a migration cut short",
+            leftover.display()
+        );
+    }
+    for leg in &report.legs {
+        match leg.from {
+            None => println!(
+                "leg {} ({}): in {} already",
+                leg.index,
+                leg.path.display(),
+                target.name()
+            ),
+            Some(from) => {
+                println!(
+                    "leg {} ({}): {} -> {}, {} blocks copied and verified{}",
+                    leg.index,
+                    leg.path.display(),
+                    from.name(),
+                    target.name(),
+                    leg.copied,
+                    if leg.repaired.is_empty() {
+                        String::new()
+                    } else {
+                        format!(
+                            ", {} taken from another leg (failed on this one: LBAs {})",
+                            leg.repaired.len(),
+                            leg.repaired
+                                .iter()
+                                .map(u64::to_string)
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        )
+                    }
+                );
+            }
+        }
+    }
+    println!(
+        "{}: every leg of the mirror is {} now",
+        path.display(),
+        target.name()
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 /// What `migrate` says after a run that leaves a volume with regions.
 fn not_served_note(path: &Path) -> String {
     let home = vouch_engine::volume_superblock(path)
         .map(|superblock| superblock.layout.name())
         .unwrap_or("home");
     format!(
-        "note: {path} is now a volume with regions: it can be served, read, checked, verified, scrubbed, exported, snapshotted (offline), resized (offline, and online through `vouch resize --server`) and migrated, but not mirrored or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
+        "note: {path} is now a volume with regions: it can be served, read, checked, verified, scrubbed, exported, snapshotted (offline), resized (offline, and online through `vouch resize --server`) and migrated, but not mirrored (`vouch migrate` of a mirror rebuilds each leg whole in the layout instead) or rekeyed yet; `vouch migrate {path} --layout {home}` makes it a one-layout volume again",
         path = path.display()
     )
 }

@@ -439,4 +439,4 @@ pub fn objects_of(geometry: &Geometry) -> Vec<ObjectId> {
 
 mod file;
 pub(crate) use file::{allocate, ficlone, ficlonerange};
-pub use file::{FileOpen, FileStorage};
+pub use file::{FileOpen, FileStorage, HELD_POINTER};

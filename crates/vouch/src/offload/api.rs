@@ -412,7 +412,14 @@ fn migration_of(
     state: &ApiState,
     export: &str,
 ) -> ApiResult<Arc<crate::migrate_online::Migration>> {
-    export_of(state, export)?.migration.clone().ok_or_else(|| {
+    let entry = export_of(state, export)?;
+    if entry.mirror.is_some() {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("export {export:?} is a mirror: a mirror is migrated offline only (each leg rebuilt whole in the layout in turn, the server stopped): stop the server and run `vouch migrate LEG --layout LAYOUT`"),
+        ));
+    }
+    entry.migration.clone().ok_or_else(|| {
         ApiError(
             StatusCode::CONFLICT,
             format!("export {export:?} is served as a one-layout volume: serve it with --migratable (or --migrate-on-write LAYOUT) to migrate it online, or stop the server and run `vouch migrate PATH --layout LAYOUT`"),
