@@ -52,7 +52,7 @@
 
 use std::path::{Path, PathBuf};
 
-use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice as _};
+use vouch_engine::device::{BlockDevice, SealedBlock, SealedDevice as _, SealedWrites as _};
 use vouch_engine::error::{Error, Result};
 use vouch_engine::replace::{exchange, sync_parent};
 use vouch_engine::storage::FileStorage;
