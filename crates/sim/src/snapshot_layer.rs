@@ -48,10 +48,11 @@
 //!   flushed (the re-armed layer images those writes); it exists from the
 //!   create's return until the delete's start, and never after the delete
 //!   returned;
-//! - after the open's close, FENCED is clear, and OVERLAID is set whenever
-//!   an overlay exists. OVERLAID without an overlay (a create or delete a
-//!   crash cut short: older binaries refuse the volume until the next
-//!   overlay delete) is counted, not failed: `flag-left=` in the summary.
+//! - after the open's close, FENCED is clear, and OVERLAID is set exactly
+//!   when an overlay exists: a create or delete a crash cut short leaves
+//!   the flag for the next writable open to clear (`clear_stale_overlaid`
+//!   in `open_layered`); left set, older binaries would refuse the volume
+//!   until the next overlay delete.
 //!
 //! Deliberate breaks that must be caught: `--break-image-order` (a home
 //! write issued before its image is synced, both routes) and, fenced,
@@ -133,19 +134,13 @@ pub struct LayerReport {
     pub published: u64,
     /// Images whose open found the snapshot marked failed.
     pub failed: u64,
-    /// Images whose open left OVERLAID set with no overlay: of them, a
-    /// crash in the create (before its name was published), and in the
-    /// delete (before OVERLAID was cleared).
-    pub flag_left: u64,
-    pub flag_left_create: u64,
-    pub flag_left_delete: u64,
 }
 
 /// The summary line of `layer` for `config`.
 pub fn summary(layer: &LayerReport, config: &LayerConfig) -> String {
     let report = &layer.report;
     format!(
-        "{}: layout={}{} seeds={} armed-writes={} crash points={} images={} published={} failed={} flag-left={} (create {}, delete {}) violations={} time={:.1}s",
+        "{}: layout={}{} seeds={} armed-writes={} crash points={} images={} published={} failed={} violations={} time={:.1}s",
         config.route.command(),
         config.layout.name(),
         match config.flag() {
@@ -159,9 +154,6 @@ pub fn summary(layer: &LayerReport, config: &LayerConfig) -> String {
         report.images,
         layer.published,
         layer.failed,
-        layer.flag_left,
-        layer.flag_left_create,
-        layer.flag_left_delete,
         report.violations.len(),
         report.seconds
     )
@@ -351,7 +343,6 @@ impl SnapshotFs for Racing<'_> {
 struct Outcome {
     published: bool,
     failed: bool,
-    flag_left: bool,
 }
 
 /// Counts of one seed.
@@ -361,9 +352,6 @@ struct Counts {
     images: u64,
     published: u64,
     failed: u64,
-    flag_left: u64,
-    flag_left_create: u64,
-    flag_left_delete: u64,
 }
 
 /// Takes the three images at each crash point and judges them.
@@ -418,13 +406,6 @@ impl Crasher {
                 Ok(outcome) => {
                     counts.published += u64::from(outcome.published);
                     counts.failed += u64::from(outcome.failed);
-                    counts.flag_left += u64::from(outcome.flag_left);
-                    if outcome.flag_left {
-                        match phase.created {
-                            false => counts.flag_left_create += 1,
-                            true => counts.flag_left_delete += 1,
-                        }
-                    }
                 }
                 Err(error) => {
                     let mut found = self.found.lock();
@@ -516,9 +497,6 @@ fn run_seed(
         report.images += counts.images;
         layer_report.published += counts.published;
         layer_report.failed += counts.failed;
-        layer_report.flag_left += counts.flag_left;
-        layer_report.flag_left_create += counts.flag_left_create;
-        layer_report.flag_left_delete += counts.flag_left_delete;
     }
     ran?;
     if let Some(error) = racing.error.lock().take() {
@@ -636,7 +614,7 @@ fn verify(
             check.faults.len()
         ));
     }
-    let mut outcome = match config.route {
+    let outcome = match config.route {
         Route::Fenced => fenced_snapshot(&served, &sim, state, phase, geometry)?,
         Route::Overlay => overlay_snapshot(&served, &volume, &sim, state, phase, geometry)?,
     };
@@ -662,7 +640,11 @@ fn verify(
                 "an overlay exists but OVERLAID is clear: an older binary would write home without images".into(),
             );
         }
-        outcome.flag_left = overlaid && !has_overlay;
+        if overlaid && !has_overlay {
+            return Err(
+                "OVERLAID is still set after the open and close with no overlay: older binaries refuse the volume until the next overlay delete".into(),
+            );
+        }
     }
     Ok(outcome)
 }
