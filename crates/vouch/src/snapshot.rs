@@ -584,6 +584,9 @@ fn create_fenced(
             let _one = crate::snapshot_held::ONLINE
                 .lock()
                 .unwrap_or_else(|poison| poison.into_inner());
+            if let Some(marker) = std::env::var_os(HOLD_MATERIALISE) {
+                hold_materialise(Path::new(&marker));
+            }
             let done = fenced::materialise(&volume_dir, &snapshot_name, &*storage);
             match &done {
                 Err(error) if storage.before_images().is_some_and(|layer| layer.is_armed()) => {
@@ -716,5 +719,17 @@ fn kind_column(kind: &serde_json::Value) -> String {
         (Some(name), Some(bytes)) => format!("\t{name}, {bytes} bytes in its log"),
         (Some(name), None) => format!("\t{name}"),
         _ => String::new(),
+    }
+}
+
+/// For tests (`tests/snapshot_fenced.rs`): a file path; an online fenced
+/// snapshot creates it once the fence is answered and waits a minute
+/// before materialising, so a test can kill the server while the snapshot
+/// is still fenced whatever the machine's speed.
+const HOLD_MATERIALISE: &str = "VOUCH_TEST_HOLD_MATERIALISE";
+
+fn hold_materialise(marker: &Path) {
+    if std::fs::write(marker, b"").is_ok() {
+        std::thread::sleep(std::time::Duration::from_secs(60));
     }
 }

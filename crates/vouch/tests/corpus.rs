@@ -373,8 +373,8 @@ print(json.dumps({"ok": True}))
 }
 
 /// `vouch migrate` to the other layout and back: each step exports
-/// `expected` and checks clean. A mirror leg is refused (a mirror is
-/// migrated leg by leg, not yet).
+/// `expected` and checks clean. A mirror is migrated whole (every leg
+/// rebuilt in the other layout, no regions), so it has no snapshot step.
 fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expected: &[u8]) {
     let keys = key_args(volume);
     let home = if name.starts_with("packed") {
@@ -383,13 +383,8 @@ fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expect
         "split"
     };
     let other = if home == "split" { "packed" } else { "split" };
-    if volume.mirror {
-        let output = vouch_with(&["migrate", s(path), "--layout", other], &keys);
-        assert!(!output.status.success(), "{name}: {}", text(&output));
-        return;
-    }
     for layout in [other, home] {
-        if layout == home {
+        if layout == home && !volume.mirror {
             // Every region in the other layout: a volume with regions, of
             // which a snapshot keeps that layout.
             let snap = snapshot_ok(path, "migrated", volume);
@@ -421,6 +416,9 @@ fn migrate_and_back(name: &str, path: &Path, dir: &Path, volume: &Corpus, expect
             "check {name} after migrating to {layout}: {}",
             text(&check)
         );
+    }
+    if volume.mirror {
+        return;
     }
     // Home again, one layout: the snapshot taken with regions is as it was.
     snapshot_holds(&path.join("snapshots/migrated"), dir, volume, expected);

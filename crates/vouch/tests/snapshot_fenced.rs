@@ -163,10 +163,31 @@ fn a_kill_while_a_fenced_snapshot_materialises_is_finished_by_the_next_open() {
     let dir = &fs.mount;
     let volume = dir.join("vol");
     vouch_ok(&["create", "--size", "512M", s(&volume)]);
-    let mut server = Server::start(dir, &[s(&volume), "--control", "127.0.0.1:12781"]);
-    // Random 4 KiB writes into the sparse volume make as many extents (so
-    // the clones take a while), then the whole volume is read back: the
-    // data at the flush.
+    // The server holds the materialisation (a test hook) once the fence is
+    // answered, so the kill below always finds the snapshot fenced.
+    let held = dir.join("held");
+    let mut command = Command::new(vouch_bin());
+    command
+        .arg("serve")
+        .args([s(&volume), "--control", "127.0.0.1:12781"])
+        .args(["--listen", "127.0.0.1:0", "--log", "info"])
+        .env("VOUCH_TEST_HOLD_MATERIALISE", &held);
+    let mut server = Server::launch(
+        dir,
+        command,
+        [s(&volume), "--control", "127.0.0.1:12781"]
+            .map(String::from)
+            .to_vec(),
+        Expect {
+            tcp: true,
+            unix: false,
+            metrics: false,
+            control: true,
+        },
+    )
+    .expect("serve");
+    // Random 4 KiB writes into the sparse volume make as many extents,
+    // then the whole volume is read back: the data at the flush.
     let at_flush = dir.join("at_flush.raw");
     py_json(
         r#"
@@ -186,6 +207,9 @@ print(json.dumps({"ok": True}))
         &[&server.uri, s(&at_flush)],
     );
     create_at_fence(&server, "cut");
+    wait_until("the materialisation held", Duration::from_secs(60), || {
+        held.exists()
+    });
     // Written after the fence, and the server killed by the client the
     // moment its flush is acknowledged: the writes are in the journal, and
     // the reopen's replay moves them home (imaged: it re-arms first).
