@@ -15,7 +15,7 @@
 //! - otherwise, if they differ, the copy with the highest generation wins
 //!   and the others are rewritten from it as `stale` (a lost write on one
 //!   leg): every leg stores a write with the one generation the mirror
-//!   stamped (`Mirror::write`), so generations compare across legs; a copy
+//!   stamped (`Mirror::admit`), so generations compare across legs; a copy
 //!   claiming a generation above the mirror's clock is not believed; when
 //!   that cannot decide (a hole against data, two different copies with
 //!   the same generation) every copy is left as a `conflict`.

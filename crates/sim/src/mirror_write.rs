@@ -1,4 +1,4 @@
-//! Crashes of the exporter during mirrored writes (`Mirror::write`, `trim`,
+//! Crashes of the exporter during mirrored writes (the mirror's `submit_write`, `trim`,
 //! `flush`; docs/CRASH_MODEL.md "Mirrors"). Two legs of one volume on
 //! recording storage take a random workload of writes, trims and flushes
 //! through a `Mirror`. The legs run the production scheduling: each has a
